@@ -1,0 +1,271 @@
+//! The messages that cross Baton's process boundaries (DESIGN.md sections 2 and 3).
+//!
+//! Contract: a launch record is read-only once published. It names request slots by
+//! `(slot, generation)`, positions by range, and the block table by a count of valid entries;
+//! it never copies a block table or a prompt. Tokens and block tables live in [`SlotTables`],
+//! which only the scheduler writes (append-only per request) and which the worker reads.
+//!
+//! Everything that travels through a shared-memory ring is `#[repr(C)]` plain data
+//! ([`bytemuck::Pod`]). The in-process engine uses the same types over in-process queues.
+
+use bytemuck::{Pod, Zeroable};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A launch sequence number. Launches are numbered from 1 and only grow; 0 means "none".
+pub type LaunchSeq = u64;
+
+/// A request slot with the generation it had when referred to. A stale reference (the slot was
+/// reused since) is detected by comparing generations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable, Default)]
+pub struct SlotRef {
+    /// Index into the request slot table, `0..max_num_seqs`.
+    pub slot: u32,
+    /// The slot's generation, bumped on every reuse.
+    pub generation: u32,
+}
+
+/// Per-request sampling parameters, carried on every launch row that samples.
+///
+/// Edge values follow the OpenAI meaning: `temperature == 0` is greedy, `top_p == 1` is no
+/// filter, `top_k <= 0` is disabled, `min_p == 0` is disabled.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` selects the argmax.
+    pub temperature: f32,
+    /// Nucleus mass in `(0, 1]`.
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; `<= 0` disables.
+    pub top_k: i32,
+    /// Drop tokens whose probability is below `min_p` times the top probability.
+    pub min_p: f32,
+    /// Seed of the request's own random stream. Unseeded requests get a random seed at
+    /// admission, so every request has one; the stream is indexed by output position
+    /// (counter-based), never by row or batch.
+    pub seed: u64,
+    /// Number of top log-probabilities to return per sampled token (0..=[`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: u32,
+    /// 1 if the sampled token's log-probability is wanted.
+    pub want_logprob: u32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding with no log-probabilities.
+    pub const fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 0,
+            top_logprobs: 0,
+            want_logprob: 0,
+        }
+    }
+
+    /// True when this samples the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+/// The most top log-probabilities a row may ask for (OpenAI allows 20).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Sentinel for [`LaunchRow::pending_launch`]: the row's first input token is in the token table.
+pub const NOT_PENDING: LaunchSeq = 0;
+
+/// One row of a launch: a contiguous run of positions of one request.
+///
+/// The row's input tokens are positions `first_pos .. first_pos + num_tokens` of the request's
+/// token table, except when `pending_launch != NOT_PENDING`: then the token at `first_pos` is the
+/// one sampled by row `pending_row` of launch `pending_launch`, not yet in the table, and the
+/// worker resolves it from the ids it kept.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct LaunchRow {
+    /// The request this row computes.
+    pub req: SlotRef,
+    /// First position computed by this row (equals the request's `computed_len` at preparation).
+    pub first_pos: u32,
+    /// Number of positions computed (1 for a decode, the chunk length for a prefill chunk).
+    pub num_tokens: u32,
+    /// How many entries of the request's block table are valid for this launch; they cover
+    /// positions `0 .. first_pos + num_tokens`.
+    pub num_blocks: u32,
+    /// 1 if this row samples a token after its last position (the last prefill chunk or a decode).
+    pub sample: u32,
+    /// See the type's doc; [`NOT_PENDING`] when the input is in the token table.
+    pub pending_launch: LaunchSeq,
+    /// Row index within `pending_launch` whose sampled id is this row's first input.
+    pub pending_row: u32,
+    /// Index of the token this row samples among the request's outputs (the RNG counter).
+    pub output_index: u32,
+    /// Sampling parameters (used when `sample == 1`).
+    pub params: SamplingParams,
+}
+
+/// A launch record as the in-process engine and the worker see it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Launch {
+    /// Sequence number, strictly increasing.
+    pub seq: LaunchSeq,
+    /// Rows, in the order the worker lays them out.
+    pub rows: Vec<LaunchRow>,
+}
+
+/// The sampled result of one row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// Row index within the launch.
+    pub row: u32,
+    /// The request the row belonged to.
+    pub req: SlotRef,
+    /// Sampled token id.
+    pub token: u32,
+    /// Log-probability of `token` under the unmodified (temperature 1) distribution, if asked.
+    pub logprob: f32,
+    /// Top log-probabilities, `(token, logprob)`, most likely first, if asked.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a worker reports after the fence of one launch.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Completion {
+    /// The launch this completes.
+    pub seq: LaunchSeq,
+    /// One entry per row with `sample == 1`, in row order.
+    pub sampled: Vec<Sampled>,
+}
+
+/// Token and block tables, one row per request slot.
+///
+/// Only the scheduler writes; the worker reads. Entries a published launch refers to are never
+/// rewritten while that launch is unreleased (block tables are append-only per request, and a
+/// slot is reused only after reclamation), so relaxed atomics suffice here: the ring's
+/// Release/Acquire pair on the launch record orders the writes before the worker's reads.
+pub struct SlotTables<S: AsRef<[AtomicU32]>> {
+    tokens: S,
+    blocks: S,
+    max_model_len: usize,
+    max_blocks_per_seq: usize,
+}
+
+/// Heap-backed tables for the in-process engine and tests.
+pub type HeapSlotTables = SlotTables<Box<[AtomicU32]>>;
+
+impl HeapSlotTables {
+    /// Zeroed tables for `max_seqs` slots of `max_model_len` tokens and `max_blocks_per_seq`
+    /// block-table entries each.
+    pub fn new_heap(max_seqs: usize, max_model_len: usize, max_blocks_per_seq: usize) -> Self {
+        let mk = |n: usize| (0..n).map(|_| AtomicU32::new(0)).collect::<Box<[_]>>();
+        Self {
+            tokens: mk(max_seqs * max_model_len),
+            blocks: mk(max_seqs * max_blocks_per_seq),
+            max_model_len,
+            max_blocks_per_seq,
+        }
+    }
+}
+
+impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
+    /// Wraps existing storage (for example regions of the shared segment).
+    /// `tokens.len()` must be `max_seqs * max_model_len` and `blocks.len()`
+    /// `max_seqs * max_blocks_per_seq`.
+    pub fn from_parts(
+        tokens: S,
+        blocks: S,
+        max_model_len: usize,
+        max_blocks_per_seq: usize,
+    ) -> Self {
+        Self {
+            tokens,
+            blocks,
+            max_model_len,
+            max_blocks_per_seq,
+        }
+    }
+
+    /// Tokens per slot.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// Block-table entries per slot.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_blocks_per_seq
+    }
+
+    /// Token at `pos` of `slot`. Panics on an out-of-range index (a scheduler bug).
+    pub fn token(&self, slot: u32, pos: usize) -> u32 {
+        self.tokens.as_ref()[slot as usize * self.max_model_len + pos].load(Ordering::Relaxed)
+    }
+
+    /// Writes the token at `pos` of `slot` (scheduler only).
+    pub fn set_token(&self, slot: u32, pos: usize, id: u32) {
+        self.tokens.as_ref()[slot as usize * self.max_model_len + pos].store(id, Ordering::Relaxed)
+    }
+
+    /// Copies tokens `range` of `slot` into `out`.
+    pub fn read_tokens(&self, slot: u32, range: std::ops::Range<usize>, out: &mut Vec<u32>) {
+        let base = slot as usize * self.max_model_len;
+        out.extend(
+            self.tokens.as_ref()[base + range.start..base + range.end]
+                .iter()
+                .map(|t| t.load(Ordering::Relaxed)),
+        );
+    }
+
+    /// Block-table entry `i` (a page id) of `slot`.
+    pub fn block(&self, slot: u32, i: usize) -> u32 {
+        self.blocks.as_ref()[slot as usize * self.max_blocks_per_seq + i].load(Ordering::Relaxed)
+    }
+
+    /// Appends/writes block-table entry `i` of `slot` (scheduler only, append-only per request).
+    pub fn set_block(&self, slot: u32, i: usize, page: u32) {
+        self.blocks.as_ref()[slot as usize * self.max_blocks_per_seq + i]
+            .store(page, Ordering::Relaxed)
+    }
+
+    /// Copies the first `n` block-table entries of `slot` into `out`.
+    pub fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>) {
+        let base = slot as usize * self.max_blocks_per_seq;
+        out.extend(
+            self.blocks.as_ref()[base..base + n]
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed)),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_row_is_plain_data_of_stable_size() {
+        // The ring slot layout depends on this size; a change must be deliberate.
+        assert_eq!(std::mem::size_of::<LaunchRow>(), 72);
+        assert_eq!(std::mem::size_of::<SamplingParams>(), 32);
+    }
+
+    #[test]
+    fn slot_tables_keep_slots_apart() {
+        let t = HeapSlotTables::new_heap(3, 8, 2);
+        t.set_token(1, 7, 42);
+        t.set_block(2, 1, 9);
+        assert_eq!(t.token(1, 7), 42);
+        assert_eq!(t.token(2, 0), 0);
+        assert_eq!(t.block(2, 1), 9);
+        let mut v = Vec::new();
+        t.read_blocks(2, 2, &mut v);
+        assert_eq!(v, vec![0, 9]);
+    }
+}
