@@ -1,1 +1,162 @@
-//! baton-model
+//! baton-model: Hugging Face Llama-family model loading and the f32 CPU reference forward pass.
+//!
+//! Contract: [`load_model_dir`] turns a HF model directory (config.json, optional
+//! generation_config.json, tokenizer.json + tokenizer_config.json, model.safetensors or a sharded
+//! index) into a [`LoadedModel`], or a [`ModelError`] naming the file and field/tensor at fault;
+//! [`CpuModel::forward`] runs batched prefill/decode rows over a [`PagedKvCache`] with HF
+//! `modeling_llama.py` numerics and per-row bit-exact batch invariance.
+
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
+pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
+pub use error::{ForwardError, ModelError};
+pub use tokenizer::Tokenizer;
+pub use weights::{DType, LayerWeights, LlamaWeights, RawTensor, Tensor, WeightSource};
+
+use std::path::{Path, PathBuf};
+
+/// How weights are obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadFormat {
+    /// Read safetensors weights; tokenizer.json is required.
+    #[default]
+    Auto,
+    /// Seeded random weights from config.json alone ([`LlamaWeights::dummy`]); the tokenizer is
+    /// loaded only if tokenizer.json exists.
+    Dummy {
+        /// RNG seed.
+        seed: u64,
+    },
+}
+
+/// The files of a HF model directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelDir {
+    /// The directory.
+    pub root: PathBuf,
+}
+
+impl ModelDir {
+    /// Wraps a directory path (nothing is read yet).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        ModelDir { root: root.into() }
+    }
+
+    /// `config.json`.
+    pub fn config_path(&self) -> PathBuf {
+        self.root.join("config.json")
+    }
+
+    /// `generation_config.json` (optional).
+    pub fn generation_config_path(&self) -> PathBuf {
+        self.root.join("generation_config.json")
+    }
+
+    /// `tokenizer.json`.
+    pub fn tokenizer_path(&self) -> PathBuf {
+        self.root.join("tokenizer.json")
+    }
+
+    /// `tokenizer_config.json` (optional).
+    pub fn tokenizer_config_path(&self) -> PathBuf {
+        self.root.join("tokenizer_config.json")
+    }
+
+    /// Loads everything per `format`; see [`load_model_dir_with`].
+    ///
+    /// # Errors
+    /// As [`load_model_dir_with`].
+    pub fn load(&self, format: LoadFormat) -> Result<LoadedModel, ModelError> {
+        load_model_dir_with(&self.root, format)
+    }
+}
+
+/// A loaded model directory.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// Parsed config.json.
+    pub config: ModelConfig,
+    /// Parsed generation_config.json (default when absent).
+    pub generation_config: GenerationConfig,
+    /// The tokenizer; always `Some` for [`LoadFormat::Auto`].
+    pub tokenizer: Option<Tokenizer>,
+    /// f32 weights.
+    pub weights: LlamaWeights,
+}
+
+impl LoadedModel {
+    /// Stop token ids: generation_config's `eos_token_id`s, else config.json's, else the
+    /// tokenizer's EOS.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        if !self.generation_config.eos_token_ids.is_empty() {
+            return self.generation_config.eos_token_ids.clone();
+        }
+        if !self.config.eos_token_ids.is_empty() {
+            return self.config.eos_token_ids.clone();
+        }
+        self.tokenizer
+            .as_ref()
+            .and_then(Tokenizer::eos_id)
+            .into_iter()
+            .collect()
+    }
+
+    /// Builds the CPU model, consuming the weights.
+    pub fn into_cpu_model(self) -> (CpuModel, Option<Tokenizer>) {
+        (CpuModel::new(self.config, self.weights), self.tokenizer)
+    }
+}
+
+/// Loads a model directory with [`LoadFormat::Auto`].
+///
+/// # Errors
+/// As [`load_model_dir_with`].
+pub fn load_model_dir(path: impl AsRef<Path>) -> Result<LoadedModel, ModelError> {
+    load_model_dir_with(path.as_ref(), LoadFormat::Auto)
+}
+
+/// Loads config.json, generation_config.json (if present), the tokenizer and the weights.
+///
+/// # Errors
+/// Any [`ModelError`]: missing/unreadable files, bad JSON, missing or invalid fields,
+/// unsupported architecture/model_type/features, missing tensors, wrong shapes, unsupported
+/// dtypes, inconsistent shard index, tokenizer failures. Never panics on bad input.
+pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedModel, ModelError> {
+    let dir = ModelDir::new(path);
+    let config = ModelConfig::from_file(&dir.config_path())?;
+    let gen_path = dir.generation_config_path();
+    let generation_config = if gen_path.exists() {
+        GenerationConfig::from_file(&gen_path)?
+    } else {
+        GenerationConfig::default()
+    };
+    let tok_path = dir.tokenizer_path();
+    let tokenizer = if matches!(format, LoadFormat::Auto) || tok_path.exists() {
+        let tc_path = dir.tokenizer_config_path();
+        let tc = if tc_path.exists() {
+            TokenizerConfig::from_file(&tc_path)?
+        } else {
+            TokenizerConfig::default()
+        };
+        Some(Tokenizer::from_file(&tok_path, tc)?)
+    } else {
+        None
+    };
+    let weights = match format {
+        LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open(path)?)?,
+        LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
+    };
+    Ok(LoadedModel {
+        config,
+        generation_config,
+        tokenizer,
+        weights,
+    })
+}

@@ -1,1 +1,93 @@
-//! baton-worker
+//! The worker: executes launch records on a backend, samples, and reports completions at the
+//! fence (DESIGN.md sections 2 to 4).
+//!
+//! Contract: a [`Backend`] returns from [`Backend::execute`] only after the device work of the
+//! launch has completed (the CPU backend: the end of the step; the CUDA backend: the event
+//! recorded after the launch's last kernel and the copy of the sampled ids). Only then may the
+//! caller advance the worker's `released` counter, so the scheduler never reclaims a page a
+//! running launch can still touch. A row whose input is `PendingFrom { launch, row }` takes the
+//! id that launch sampled, from the ids the backend kept ([`KeptIds`]), never from the table.
+
+pub mod cpu;
+pub mod kept;
+pub mod null;
+pub mod sampling;
+
+pub use cpu::CpuBackend;
+pub use kept::KeptIds;
+pub use null::NullBackend;
+
+use baton_proto::{Completion, Launch, SlotTables};
+use std::ops::Range;
+use std::sync::atomic::AtomicU32;
+
+/// Read access to the token and block tables (the scheduler writes them).
+pub trait TableReader {
+    /// Appends tokens `range` of `slot` to `out`.
+    fn read_tokens(&self, slot: u32, range: Range<usize>, out: &mut Vec<u32>);
+    /// Appends the first `n` block-table entries of `slot` to `out`.
+    fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>);
+}
+
+impl<S: AsRef<[AtomicU32]>> TableReader for SlotTables<S> {
+    fn read_tokens(&self, slot: u32, range: Range<usize>, out: &mut Vec<u32>) {
+        SlotTables::read_tokens(self, slot, range, out)
+    }
+    fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>) {
+        SlotTables::read_blocks(self, slot, n, out)
+    }
+}
+
+/// Why a launch could not execute.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A row refers to a launch whose sampled ids were not kept (too old, or never seen: for
+    /// example a launch published before this worker attached).
+    #[error("launch {launch} row refers to ids of launch {from} row {row}, which this worker does not hold")]
+    MissingPending {
+        /// The launch being executed.
+        launch: u64,
+        /// The launch referred to.
+        from: u64,
+        /// The row referred to.
+        row: u32,
+    },
+    /// The forward pass rejected its input.
+    #[error("forward pass failed: {0}")]
+    Forward(String),
+    /// A device error.
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// KV capacity a backend offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCapacity {
+    /// Pages.
+    pub num_blocks: usize,
+    /// Tokens per page.
+    pub block_size: usize,
+}
+
+/// A device that executes launches: the CPU reference, the null backend, CUDA.
+pub trait Backend: Send {
+    /// Executes `launch` through its fence and returns the sampled tokens, one per row with
+    /// `sample == 1`, in row order.
+    ///
+    /// # Errors
+    /// [`WorkerError`] for a row the backend cannot resolve or a device failure.
+    fn execute(
+        &mut self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<Completion, WorkerError>;
+
+    /// The KV pool this backend holds.
+    fn kv_capacity(&self) -> KvCapacity;
+
+    /// Vocabulary size of the model (the range of sampled ids).
+    fn vocab_size(&self) -> usize;
+
+    /// A short name for logs (`cpu`, `null`, `cuda`).
+    fn name(&self) -> &'static str;
+}

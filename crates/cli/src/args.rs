@@ -1,0 +1,86 @@
+//! Flags shared by the commands that build an engine (vLLM's names where they exist).
+
+use baton_model::{ModelConfig, PagedKvCache};
+use baton_scheduler::SchedulerConfig;
+use clap::Args;
+
+/// Scheduler and KV-cache flags.
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed per step (prefill chunks plus decodes).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV pages in the pool (default: enough for every sequence at full length, capped by
+    /// --kv-cache-memory).
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// Host memory for the CPU KV cache when --num-blocks is not given, in GiB.
+    #[arg(long, default_value_t = 2.0)]
+    pub kv_cache_memory: f64,
+    /// Maximum tokens per sequence (default: the model's max_position_embeddings).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Publish launch s+1 before launch s completes (at most 2 in flight).
+    #[arg(long, default_value_t = true, overrides_with = "no_async_scheduling")]
+    pub async_scheduling: bool,
+    /// Turn asynchronous scheduling off.
+    #[arg(long, overrides_with = "async_scheduling")]
+    pub no_async_scheduling: bool,
+}
+
+impl EngineArgs {
+    /// The scheduler configuration for `model`.
+    ///
+    /// # Errors
+    /// A message when a flag is out of range.
+    pub fn scheduler_config(&self, model: &ModelConfig) -> Result<SchedulerConfig, String> {
+        if self.block_size == 0 {
+            return Err("--block-size must be at least 1".into());
+        }
+        if self.max_num_seqs == 0 {
+            return Err("--max-num-seqs must be at least 1".into());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err("--max-num-batched-tokens must be at least 1".into());
+        }
+        let max_model_len = match self.max_model_len {
+            Some(0) => return Err("--max-model-len must be at least 2".into()),
+            Some(n) if n > model.max_position_embeddings => {
+                return Err(format!(
+                    "--max-model-len {n} exceeds the model's max_position_embeddings {}",
+                    model.max_position_embeddings
+                ))
+            }
+            Some(n) => n,
+            None => model.max_position_embeddings,
+        };
+        let blocks_per_seq = max_model_len.div_ceil(self.block_size);
+        let num_blocks = match self.num_blocks {
+            Some(0) => return Err("--num-blocks must be at least 1".into()),
+            Some(n) => n,
+            None => {
+                let per_block = PagedKvCache::bytes_per_block(model, self.block_size).max(1);
+                let budget = (self.kv_cache_memory * (1u64 << 30) as f64) as usize / per_block;
+                (self.max_num_seqs * blocks_per_seq).min(budget).max(1)
+            }
+        };
+        Ok(SchedulerConfig {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            block_size: self.block_size,
+            num_blocks,
+            max_model_len,
+            max_inflight: if self.async_scheduling && !self.no_async_scheduling {
+                2
+            } else {
+                1
+            },
+        })
+    }
+}

@@ -1,0 +1,247 @@
+//! `baton generate`: offline generation over the in-process engine.
+
+use crate::args::EngineArgs;
+use crate::engine::LocalEngine;
+use anyhow::{bail, Context, Result};
+use baton_model::{LoadFormat, ModelDir, Tokenizer};
+use baton_proto::SamplingParams;
+use baton_scheduler::{Event, FinishReason, NewRequest};
+use baton_worker::CpuBackend;
+use clap::{Args, ValueEnum};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// How weights are loaded (vLLM's `--load-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormatArg {
+    /// Read the safetensors files.
+    Auto,
+    /// Seeded random weights from config.json alone (benchmarks).
+    Dummy,
+}
+
+/// Flags of `baton generate`.
+#[derive(Args, Clone, Debug)]
+pub struct GenerateArgs {
+    /// A Hugging Face model directory (config.json, tokenizer.json, *.safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A prompt; repeat for several.
+    #[arg(long = "prompt")]
+    pub prompts: Vec<String>,
+    /// A file with one prompt per line.
+    #[arg(long)]
+    pub prompts_file: Option<PathBuf>,
+    /// New tokens per prompt.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass; 1 disables.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 or -1 disables.
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    pub top_k: i32,
+    /// Drop tokens below min_p times the top probability; 0 disables.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Seed of every request's random stream (default: a random seed per request).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep generating past EOS.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Weight loading.
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Print one JSON object per prompt (ids, text, finish reason) instead of plain text.
+    #[arg(long)]
+    pub json: bool,
+    /// Scheduler and KV-cache flags.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// One finished generation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Generation {
+    /// The prompt text.
+    pub prompt: String,
+    /// Prompt token ids (BOS included).
+    pub prompt_ids: Vec<u32>,
+    /// New token ids.
+    pub ids: Vec<u32>,
+    /// Text that follows the prompt.
+    pub text: String,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+fn validate_sampling(a: &GenerateArgs) -> Result<()> {
+    if a.temperature.is_nan() || a.temperature < 0.0 {
+        bail!("--temperature must be >= 0, got {}", a.temperature);
+    }
+    if a.top_p.is_nan() || a.top_p <= 0.0 || a.top_p > 1.0 {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if a.top_k < -1 {
+        bail!("--top-k must be -1, 0 or positive, got {}", a.top_k);
+    }
+    if !(0.0..=1.0).contains(&a.min_p) {
+        bail!("--min-p must be in [0, 1], got {}", a.min_p);
+    }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    Ok(())
+}
+
+/// Runs `baton generate`.
+///
+/// # Errors
+/// Bad flags, a model that fails to load, a prompt that cannot run.
+pub fn run(a: GenerateArgs) -> Result<()> {
+    validate_sampling(&a)?;
+    let mut prompts = a.prompts.clone();
+    if let Some(f) = &a.prompts_file {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("reading --prompts-file {}", f.display()))?;
+        prompts.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_owned));
+    }
+    if prompts.is_empty() {
+        bail!("give at least one --prompt or a --prompts-file");
+    }
+    let format = match a.load_format {
+        LoadFormatArg::Auto => LoadFormat::Auto,
+        LoadFormatArg::Dummy => LoadFormat::Dummy {
+            seed: a.seed.unwrap_or(0),
+        },
+    };
+    let loaded = ModelDir::new(&a.model).load(format)?;
+    let eos = loaded.eos_token_ids();
+    let cfg = a
+        .engine
+        .scheduler_config(&loaded.config)
+        .map_err(anyhow::Error::msg)?;
+    let (model, tokenizer) = loaded.into_cpu_model();
+    let tokenizer = tokenizer.context(
+        "the model directory has no tokenizer.json; generate needs one to encode prompts",
+    )?;
+    let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+    let mut engine = LocalEngine::new(cfg, backend);
+
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        min_p: a.min_p,
+        ..SamplingParams::greedy()
+    };
+    let start = Instant::now();
+    let gens = generate(
+        &mut engine,
+        &tokenizer,
+        &prompts,
+        a.max_tokens,
+        params,
+        a.seed,
+        &eos,
+        a.ignore_eos,
+    )?;
+    let secs = start.elapsed().as_secs_f64();
+
+    let mut out = std::io::stdout().lock();
+    for (i, g) in gens.iter().enumerate() {
+        if a.json {
+            writeln!(out, "{}", serde_json::to_string(g)?)?;
+        } else if gens.len() == 1 {
+            writeln!(out, "{}", g.text)?;
+        } else {
+            writeln!(out, "### [{i}] {}", g.prompt)?;
+            writeln!(out, "{}", g.text)?;
+        }
+    }
+    let tokens: usize = gens.iter().map(|g| g.ids.len()).sum();
+    eprintln!(
+        "generated {tokens} tokens for {} prompts in {secs:.3} s ({:.1} tokens/s)",
+        gens.len(),
+        tokens as f64 / secs.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Runs `prompts` to completion on `engine` and decodes the results.
+///
+/// # Errors
+/// A prompt the tokenizer or the scheduler rejects, or a backend failure.
+#[allow(clippy::too_many_arguments)]
+pub fn generate<B: baton_worker::Backend>(
+    engine: &mut LocalEngine<B>,
+    tokenizer: &Tokenizer,
+    prompts: &[String],
+    max_tokens: u32,
+    params: SamplingParams,
+    seed: Option<u64>,
+    eos: &[u32],
+    ignore_eos: bool,
+) -> Result<Vec<Generation>> {
+    let mut gens = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = tokenizer.encode(p, true)?;
+        let mut params = params;
+        params.seed = seed.unwrap_or_else(rand_seed);
+        engine
+            .add_request(NewRequest {
+                id: i as u64,
+                prompt: ids.clone(),
+                max_tokens,
+                params,
+                eos_ids: eos.to_vec(),
+                stop_token_ids: Vec::new(),
+                ignore_eos,
+            })
+            .with_context(|| format!("prompt {i}"))?;
+        gens.push(Generation {
+            prompt: p.clone(),
+            prompt_ids: ids,
+            ids: Vec::new(),
+            text: String::new(),
+            finish_reason: FinishReason::Abort,
+        });
+    }
+    let mut events = Vec::new();
+    engine.run_until_idle(&mut events)?;
+    for e in events {
+        match e {
+            Event::Token { id, token, .. } => gens[id as usize].ids.push(token),
+            Event::Finished { id, reason, .. } => gens[id as usize].finish_reason = reason,
+        }
+    }
+    for g in &mut gens {
+        let prefix = tokenizer.decode(&g.prompt_ids, true)?;
+        let mut all = g.prompt_ids.clone();
+        all.extend_from_slice(&g.ids);
+        let full = tokenizer.decode(&all, true)?;
+        g.text = full
+            .strip_prefix(prefix.as_str())
+            .map(str::to_owned)
+            .unwrap_or(full);
+    }
+    Ok(gens)
+}
+
+/// A random seed for an unseeded request.
+pub fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}

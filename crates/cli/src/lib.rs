@@ -1,0 +1,8 @@
+//! The `baton` command: the offline engine and the entry points of every process.
+//!
+//! The offline path runs the same [`baton_scheduler::Scheduler`] and the same
+//! [`baton_worker::Backend`] as the daemons, connected by in-process queues instead of rings.
+
+pub mod args;
+pub mod engine;
+pub mod generate;

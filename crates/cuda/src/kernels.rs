@@ -1,0 +1,279 @@
+//! The CUDA C kernels in `kernels/`, embedded at build time and compiled to PTX with NVRTC at
+//! worker start (DESIGN.md section 8).
+//!
+//! Every `.cu` file is compiled as its own NVRTC program, with `kernels/common.cuh` prepended
+//! textually (followed by a `#line 1 "<file>"` directive so compiler messages point at the
+//! right file and line). The only header the kernels include is `cuda_bf16.h` (and what it
+//! includes), found through `-I<include_dir>`; see [`include_dir_from_env`].
+//!
+//! NVRTC is loaded dynamically (cudarc `dynamic-loading`): building this crate needs no CUDA,
+//! and [`compile_ptx`] reports [`KernelError::NvrtcUnavailable`] instead of panicking when
+//! `libnvrtc.so*` cannot be found on the loader path.
+
+use std::path::{Path, PathBuf};
+
+pub use cudarc::nvrtc::Ptx;
+
+/// The shared prelude (`kernels/common.cuh`) prepended to every kernel source.
+pub const COMMON_HEADER: &str = include_str!("../../../kernels/common.cuh");
+
+/// `(file name, CUDA C source)` of every kernel file, in a fixed order.
+static SOURCES: &[(&str, &str)] = &[
+    (
+        "embedding.cu",
+        include_str!("../../../kernels/embedding.cu"),
+    ),
+    ("rmsnorm.cu", include_str!("../../../kernels/rmsnorm.cu")),
+    ("rope.cu", include_str!("../../../kernels/rope.cu")),
+    ("cache.cu", include_str!("../../../kernels/cache.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+    ),
+    (
+        "activation.cu",
+        include_str!("../../../kernels/activation.cu"),
+    ),
+    ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
+];
+
+/// `(file name, extern "C" entry points it must define)`, same order as [`kernel_sources`].
+static ENTRY_POINTS: &[(&str, &[&str])] = &[
+    (
+        "embedding.cu",
+        &["baton_embedding_gather_bf16", "baton_gather_pending_ids"],
+    ),
+    (
+        "rmsnorm.cu",
+        &["baton_rmsnorm_bf16", "baton_add_rmsnorm_bf16"],
+    ),
+    ("rope.cu", &["baton_rope_bf16"]),
+    ("cache.cu", &["baton_reshape_and_cache_bf16"]),
+    (
+        "attention.cu",
+        &[
+            "baton_paged_attention_decode_bf16_hd64",
+            "baton_paged_attention_decode_bf16_hd128",
+            "baton_paged_attention_decode_bf16_hd256",
+            "baton_paged_attention_decode_reduce",
+            "baton_paged_attention_prefill_bf16_hd64",
+            "baton_paged_attention_prefill_bf16_hd128",
+            "baton_paged_attention_prefill_bf16_hd256",
+        ],
+    ),
+    ("activation.cu", &["baton_silu_and_mul_bf16"]),
+    (
+        "sampling.cu",
+        &[
+            "baton_sample_f32",
+            "baton_sampling_uniform_bits",
+            "baton_philox4x32_10_probe",
+        ],
+    ),
+];
+
+/// Keys per attention partition / chunk (`BATON_ATTN_PART` in `attention.cu`).
+pub const ATTN_PARTITION: usize = 512;
+
+/// Entries per row of the sampler's top-log-prob outputs (`BATON_MAX_TOP_LOGPROBS`).
+pub const SAMPLER_TOP_SLOTS: usize = 20;
+
+/// Environment variable naming the CUDA include directory (the one holding `cuda_bf16.h`).
+pub const INCLUDE_ENV: &str = "BATON_CUDA_INCLUDE";
+
+/// Include directory used when [`INCLUDE_ENV`] is unset.
+pub const DEFAULT_INCLUDE_DIR: &str = "/usr/local/cuda/include";
+
+/// Errors from loading NVRTC or compiling a kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// No `libnvrtc.so*` could be loaded (not installed, or not on `LD_LIBRARY_PATH`).
+    #[error(
+        "NVRTC is not available: no libnvrtc.so* on the loader path \
+         (install the CUDA toolkit or the nvidia-cuda-nvrtc wheel and set LD_LIBRARY_PATH)"
+    )]
+    NvrtcUnavailable,
+    /// NVRTC rejected a kernel file; `log` is the compiler's log.
+    #[error("NVRTC failed to compile {file} for {arch} (include dir {include_dir}): {log}")]
+    Compile {
+        /// The kernel file, e.g. `attention.cu`.
+        file: String,
+        /// Target architecture, e.g. `sm_90`.
+        arch: String,
+        /// The include directory passed with `-I`.
+        include_dir: String,
+        /// The compiler log (or the NVRTC error when there is no log).
+        log: String,
+    },
+}
+
+/// `(file name, CUDA C source)` of every kernel file (without the [`COMMON_HEADER`] prelude).
+pub fn kernel_sources() -> &'static [(&'static str, &'static str)] {
+    SOURCES
+}
+
+/// `(file name, entry points)` that each kernel file must define, for loaders and tests.
+pub fn kernel_entry_points() -> &'static [(&'static str, &'static [&'static str])] {
+    ENTRY_POINTS
+}
+
+/// The text NVRTC compiles for `file`: the prelude, a `#line` reset, then the file.
+pub fn full_source(file: &str, source: &str) -> String {
+    format!("{COMMON_HEADER}\n#line 1 \"{file}\"\n{source}")
+}
+
+/// The CUDA include directory: `$BATON_CUDA_INCLUDE`, else `/usr/local/cuda/include`.
+pub fn include_dir_from_env() -> PathBuf {
+    std::env::var_os(INCLUDE_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_INCLUDE_DIR))
+}
+
+/// True when a `libnvrtc.so*` can be loaded (cudarc searches plain sonames such as
+/// `libnvrtc.so.13` through the dynamic loader's path).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: `is_culib_present` only dlopen()s candidate library names and drops the handles;
+    // loading libnvrtc runs no initialisation with preconditions on our side.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC options for `arch` (e.g. `"sm_90"`) and `include_dir`.
+pub fn nvrtc_options(arch: &str, include_dir: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        format!("--include-path={}", include_dir.display()),
+        "--std=c++17".to_owned(),
+        "-lineinfo".to_owned(),
+    ]
+}
+
+/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_90"`), with `-I<include_dir>`.
+///
+/// Returns `(file name, PTX)` in [`kernel_sources`] order. Errors: [`KernelError::NvrtcUnavailable`]
+/// when NVRTC cannot be loaded, [`KernelError::Compile`] with the compiler log for the first file
+/// that fails. Takes about a second per file with NVRTC 13 on one CPU core.
+pub fn compile_ptx(arch: &str, include_dir: &Path) -> Result<Vec<(String, Ptx)>, KernelError> {
+    if !nvrtc_available() {
+        return Err(KernelError::NvrtcUnavailable);
+    }
+    SOURCES
+        .iter()
+        .map(|&(file, src)| {
+            let opts = cudarc::nvrtc::CompileOptions {
+                options: nvrtc_options(arch, include_dir),
+                name: Some(file.to_owned()),
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(full_source(file, src), opts)
+                .map(|ptx| (file.to_owned(), ptx))
+                .map_err(|e| KernelError::Compile {
+                    file: file.to_owned(),
+                    arch: arch.to_owned(),
+                    include_dir: include_dir.display().to_string(),
+                    log: match e {
+                        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                            log.to_string_lossy().into_owned()
+                        }
+                        other => other.to_string(),
+                    },
+                })
+        })
+        .collect()
+}
+
+/// Names of the `.entry` (kernel) functions declared in PTX text.
+pub fn ptx_entry_points(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|line| {
+            let rest = line.trim_start();
+            let rest = rest
+                .strip_prefix(".visible .entry ")
+                .or_else(|| rest.strip_prefix(".entry "))?;
+            let name = rest.split(['(', ' ']).next()?;
+            (!name.is_empty()).then(|| name.to_owned())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_has_an_entry_point_list_and_defines_each_entry_extern_c() {
+        assert_eq!(SOURCES.len(), ENTRY_POINTS.len());
+        for (&(file, src), &(efile, entries)) in SOURCES.iter().zip(ENTRY_POINTS) {
+            assert_eq!(file, efile);
+            assert!(!entries.is_empty(), "{file}");
+            for entry in entries {
+                // Either a literal extern "C" definition or a macro that pastes the suffix.
+                let literal =
+                    src.contains(&format!("void {entry}(")) || src.contains(&format!("{entry}(\n"));
+                let pasted = entry.rsplit_once("_hd").is_some_and(|(stem, d)| {
+                    src.contains(&format!("{stem}_hd##D")) && src.contains(&format!("({d})"))
+                });
+                assert!(literal || pasted, "{file} does not define {entry}");
+            }
+        }
+    }
+
+    /// `BatonSamplingParams` in sampling.cu is read straight from an array of
+    /// `baton_proto::SamplingParams`; its natural C layout must match field for field.
+    #[test]
+    fn sampling_params_layout_matches_the_cuda_struct() {
+        use baton_proto::SamplingParams as P;
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!((size_of::<P>(), align_of::<P>()), (32, 8));
+        assert_eq!(offset_of!(P, temperature), 0);
+        assert_eq!(offset_of!(P, top_p), 4);
+        assert_eq!(offset_of!(P, top_k), 8);
+        assert_eq!(offset_of!(P, min_p), 12);
+        assert_eq!(offset_of!(P, seed), 16);
+        assert_eq!(offset_of!(P, top_logprobs), 24);
+        assert_eq!(offset_of!(P, want_logprob), 28);
+        let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
+        let body = src
+            .split("struct BatonSamplingParams {")
+            .nth(1)
+            .and_then(|rest| rest.split("};").next())
+            .expect("sampling.cu defines struct BatonSamplingParams");
+        let fields: Vec<&str> = body
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "float temperature;",
+                "float top_p;",
+                "int top_k;",
+                "float min_p;",
+                "u64 seed;",
+                "u32 top_logprobs;",
+                "u32 want_logprob;"
+            ]
+        );
+    }
+
+    #[test]
+    fn full_source_resets_line_numbers_after_the_prelude() {
+        let s = full_source("x.cu", "int y;");
+        assert!(s.starts_with(COMMON_HEADER));
+        assert!(s.ends_with("\n#line 1 \"x.cu\"\nint y;"));
+    }
+
+    #[test]
+    fn ptx_entry_points_parses_visible_entries() {
+        let ptx = "//\n.visible .entry baton_a(\n\t.param .u64 x\n)\n.entry baton_b(\n.func f(\n";
+        assert_eq!(ptx_entry_points(ptx), vec!["baton_a", "baton_b"]);
+    }
+
+    #[test]
+    fn nvrtc_options_carry_arch_and_include_dir() {
+        let o = nvrtc_options("sm_90", Path::new("/x/include"));
+        assert!(o.contains(&"--gpu-architecture=sm_90".to_owned()));
+        assert!(o.contains(&"--include-path=/x/include".to_owned()));
+    }
+}

@@ -1,0 +1,182 @@
+//! KV-cache sizing: how many pages fit in the device memory this worker may use.
+//!
+//! Follows vLLM's `gpu_memory_utilization` contract: the instance may use
+//! `total * gpu_memory_utilization` bytes in all (weights + activations + KV cache), and that
+//! much must be free when the worker starts.
+
+/// Bytes of one KV page across all layers: K and V, `num_layers * block_size * num_kv_heads *
+/// head_dim` elements each, of `dtype_bytes` bytes (2 for bf16), in the layout of
+/// `kernels/cache.cu`. `None` on overflow.
+pub fn kv_bytes_per_block(
+    num_layers: usize,
+    block_size: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    dtype_bytes: usize,
+) -> Option<usize> {
+    2usize
+        .checked_mul(num_layers)?
+        .checked_mul(block_size)?
+        .checked_mul(num_kv_heads)?
+        .checked_mul(head_dim)?
+        .checked_mul(dtype_bytes)
+}
+
+/// Why the KV cache cannot be sized.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KvSizingError {
+    /// `gpu_memory_utilization` is not in `(0, 1]`.
+    #[error("gpu_memory_utilization must be in (0, 1], got {0}")]
+    InvalidUtilization(f64),
+    /// `bytes_per_block` is 0.
+    #[error("bytes per KV block must be positive")]
+    ZeroBlockBytes,
+    /// Other processes already use more than this instance's share allows.
+    #[error(
+        "free device memory {free_gib:.2} GiB is less than the requested \
+         {budget_gib:.2} GiB (gpu_memory_utilization {utilization} of {total_gib:.2} GiB); \
+         other processes use the rest: lower gpu_memory_utilization or free the device"
+    )]
+    InsufficientFree {
+        /// Free memory at startup, GiB.
+        free_gib: f64,
+        /// `total * utilization`, GiB.
+        budget_gib: f64,
+        /// Device total, GiB.
+        total_gib: f64,
+        /// The utilization asked for.
+        utilization: f64,
+    },
+    /// Weights plus activation reserve leave no room for even one KV block.
+    #[error(
+        "no room for the KV cache: budget {budget_gib:.2} GiB - weights {weights_gib:.2} GiB \
+         - activations {activations_gib:.2} GiB leaves less than one block ({block_bytes} bytes)"
+    )]
+    NoRoomForKv {
+        /// `total * utilization`, GiB.
+        budget_gib: f64,
+        /// Weight bytes, GiB.
+        weights_gib: f64,
+        /// Activation reserve, GiB.
+        activations_gib: f64,
+        /// Bytes of one block.
+        block_bytes: usize,
+    },
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Number of KV blocks (pages) to allocate.
+///
+/// Inputs, all in bytes: `free_bytes` and `total_bytes` as reported by `cuMemGetInfo` at worker
+/// start, measured **before** loading weights; `weight_bytes` the weights the worker will load;
+/// `bytes_per_block` from [`kv_bytes_per_block`]; `activation_reserve` the peak of activations,
+/// workspaces and CUDA graphs (measured by a profiling run or estimated).
+///
+/// `budget = floor(total * gpu_memory_utilization)`; blocks =
+/// `(budget - weight_bytes - activation_reserve) / bytes_per_block`.
+///
+/// Errors: [`KvSizingError::InvalidUtilization`] unless `0 < utilization <= 1`;
+/// [`KvSizingError::ZeroBlockBytes`]; [`KvSizingError::InsufficientFree`] when `budget >
+/// free_bytes`; [`KvSizingError::NoRoomForKv`] when fewer than one block fits.
+pub fn kv_num_blocks(
+    free_bytes: usize,
+    total_bytes: usize,
+    gpu_memory_utilization: f64,
+    weight_bytes: usize,
+    bytes_per_block: usize,
+    activation_reserve: usize,
+) -> Result<usize, KvSizingError> {
+    if !(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0) {
+        return Err(KvSizingError::InvalidUtilization(gpu_memory_utilization));
+    }
+    if bytes_per_block == 0 {
+        return Err(KvSizingError::ZeroBlockBytes);
+    }
+    let budget = (total_bytes as f64 * gpu_memory_utilization).floor() as usize;
+    if budget > free_bytes {
+        return Err(KvSizingError::InsufficientFree {
+            free_gib: free_bytes as f64 / GIB,
+            budget_gib: budget as f64 / GIB,
+            total_gib: total_bytes as f64 / GIB,
+            utilization: gpu_memory_utilization,
+        });
+    }
+    let blocks = budget
+        .checked_sub(weight_bytes)
+        .and_then(|b| b.checked_sub(activation_reserve))
+        .map_or(0, |kv| kv / bytes_per_block);
+    if blocks == 0 {
+        return Err(KvSizingError::NoRoomForKv {
+            budget_gib: budget as f64 / GIB,
+            weights_gib: weight_bytes as f64 / GIB,
+            activations_gib: activation_reserve as f64 / GIB,
+            block_bytes: bytes_per_block,
+        });
+    }
+    Ok(blocks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GB: usize = 1 << 30;
+
+    #[test]
+    fn llama3_8b_on_h200_fits_the_expected_block_count() {
+        // Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB/block.
+        let per_block = kv_bytes_per_block(32, 16, 8, 128, 2).unwrap();
+        assert_eq!(per_block, 2 << 20);
+        let total = 141 * GB;
+        let blocks = kv_num_blocks(140 * GB, total, 0.9, 16 * GB, per_block, 4 * GB).unwrap();
+        let budget = (total as f64 * 0.9).floor() as usize;
+        assert_eq!(blocks, (budget - 20 * GB) / per_block);
+        // The result really fits: weights + activations + KV <= budget.
+        assert!(16 * GB + 4 * GB + blocks * per_block <= budget);
+        assert!(16 * GB + 4 * GB + (blocks + 1) * per_block > budget);
+    }
+
+    #[test]
+    fn rejects_bad_utilization_and_zero_block_bytes() {
+        for u in [0.0, -0.1, 1.01, f64::NAN] {
+            assert!(matches!(
+                kv_num_blocks(GB, GB, u, 0, 1, 0),
+                Err(KvSizingError::InvalidUtilization(_))
+            ));
+        }
+        assert_eq!(
+            kv_num_blocks(GB, GB, 0.5, 0, 0, 0),
+            Err(KvSizingError::ZeroBlockBytes)
+        );
+        assert_eq!(kv_num_blocks(GB, GB, 1.0, 0, GB, 0), Ok(1));
+    }
+
+    #[test]
+    fn rejects_budget_above_free_memory() {
+        let e = kv_num_blocks(50 * GB, 100 * GB, 0.9, GB, 1 << 20, GB).unwrap_err();
+        assert!(matches!(e, KvSizingError::InsufficientFree { .. }));
+        assert!(
+            e.to_string().contains("lower gpu_memory_utilization"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rejects_when_weights_and_activations_leave_no_block() {
+        let e = kv_num_blocks(100 * GB, 100 * GB, 0.5, 49 * GB, 2 * GB, GB).unwrap_err();
+        assert!(matches!(e, KvSizingError::NoRoomForKv { .. }));
+        let e = kv_num_blocks(100 * GB, 100 * GB, 0.5, 60 * GB, 1, 0).unwrap_err();
+        assert!(matches!(e, KvSizingError::NoRoomForKv { .. }));
+        // Exactly one block left.
+        assert_eq!(
+            kv_num_blocks(100 * GB, 100 * GB, 0.5, 47 * GB, 2 * GB, GB),
+            Ok(1)
+        );
+    }
+
+    #[test]
+    fn bytes_per_block_overflow_is_none() {
+        assert_eq!(kv_bytes_per_block(usize::MAX, 2, 1, 1, 1), None);
+    }
+}

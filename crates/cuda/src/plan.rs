@@ -1,0 +1,311 @@
+//! Host-side launch planning: flatten a launch's rows into the arrays the kernels take, and pick
+//! the CUDA-graph bucket a decode batch is padded to.
+
+/// Largest batch the default graph buckets cover (vLLM's default capture limit).
+pub const DEFAULT_MAX_GRAPH_BATCH: usize = 512;
+
+/// vLLM-style CUDA-graph batch sizes: 1, 2, 4, then every multiple of 8 up to the first one
+/// `>= min(max_batch, 512)`, so every batch `1..=min(max_batch, 512)` has a bucket.
+/// Ascending, no duplicates; empty when `max_batch == 0`.
+pub fn default_graph_buckets(max_batch: usize) -> Vec<usize> {
+    let cap = max_batch.min(DEFAULT_MAX_GRAPH_BATCH);
+    let mut out = Vec::new();
+    if cap == 0 {
+        return out;
+    }
+    let mut b = 1;
+    loop {
+        out.push(b);
+        if b >= cap {
+            return out;
+        }
+        b = if b < 8 { b * 2 } else { b + 8 };
+    }
+}
+
+/// The smallest bucket `>= batch` (the captured graph to replay, padding the batch up to it), or
+/// `None` when `batch` is 0 or larger than every bucket (run eagerly). `buckets` must be sorted
+/// ascending (as [`default_graph_buckets`] returns them).
+pub fn graph_bucket(batch: usize, buckets: &[usize]) -> Option<usize> {
+    debug_assert!(
+        buckets.windows(2).all(|w| w[0] < w[1]),
+        "buckets must ascend"
+    );
+    if batch == 0 {
+        return None;
+    }
+    let i = buckets.partition_point(|&b| b < batch);
+    buckets.get(i).copied()
+}
+
+/// A launch's rows flattened into the kernel inputs.
+///
+/// Token arrays are indexed by flattened token `t` (rows back to back, in row order); row arrays
+/// by row `r`. Every value fits the kernels' `int` parameters (checked by [`plan_launch`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LaunchPlan {
+    /// `[num_tokens]` position of each token (RoPE input).
+    pub positions: Vec<i32>,
+    /// `[num_tokens]` KV-cache slot `page * block_size + offset` of each token; `-1` = padding.
+    pub slot_mapping: Vec<i32>,
+    /// `[num_rows + 1]` prefix sums of row lengths; `cu_seqlens[0] == 0`.
+    pub cu_seqlens: Vec<i32>,
+    /// `[num_rows]` first position of each row (tokens already in the cache).
+    pub start_pos: Vec<i32>,
+    /// `[num_rows]` context length after this launch, `start_pos + num_tokens`.
+    pub seq_lens: Vec<i32>,
+    /// `[num_rows]` flattened index of each row's last token (whose logits are sampled).
+    pub last_token_index: Vec<i32>,
+    /// `[num_rows * max_blocks_per_row]` block tables, each row padded with 0.
+    pub block_tables: Vec<i32>,
+    /// Row stride of [`Self::block_tables`]; at least 1.
+    pub max_blocks_per_row: usize,
+    /// Largest `seq_lens` entry (sizes the decode split-K partitions).
+    pub max_seq_len: usize,
+}
+
+impl LaunchPlan {
+    /// Flattened token count.
+    pub fn num_tokens(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Row count.
+    pub fn num_rows(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    /// Pads a decode plan (every row one token) with empty rows up to `bucket` rows, for graph
+    /// replay: padding rows have position 0, slot `-1` (not cached), `seq_len` 0 (attention
+    /// writes zeros) and an all-zero block table. Panics if the plan has more than `bucket`
+    /// rows or a row with more than one token.
+    pub fn pad_decode_rows(&mut self, bucket: usize) {
+        assert!(
+            self.num_rows() <= bucket,
+            "plan has more rows than the bucket"
+        );
+        assert_eq!(self.num_tokens(), self.num_rows(), "not a decode plan");
+        for _ in self.num_rows()..bucket {
+            let t = self.positions.len() as i32;
+            self.positions.push(0);
+            self.slot_mapping.push(-1);
+            self.cu_seqlens.push(t + 1);
+            self.start_pos.push(0);
+            self.seq_lens.push(0);
+            self.last_token_index.push(t);
+            self.block_tables
+                .extend(std::iter::repeat_n(0, self.max_blocks_per_row));
+        }
+    }
+}
+
+/// Why a launch cannot be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// `block_size` was 0.
+    #[error("block size must be positive")]
+    ZeroBlockSize,
+    /// A row computes no tokens.
+    #[error("row {row} has no tokens")]
+    EmptyRow {
+        /// Row index.
+        row: usize,
+    },
+    /// A row's block table does not cover its last position.
+    #[error("row {row}: block table has {have} entries, positions up to {last_pos} need {need}")]
+    BlockTableTooShort {
+        /// Row index.
+        row: usize,
+        /// Entries given.
+        have: usize,
+        /// Entries needed.
+        need: usize,
+        /// Last position of the row.
+        last_pos: u64,
+    },
+    /// A position, slot, or token count does not fit the kernels' 32-bit `int`.
+    #[error("row {row}: {what} exceeds i32::MAX")]
+    Overflow {
+        /// Row index.
+        row: usize,
+        /// What overflowed.
+        what: &'static str,
+    },
+}
+
+/// Flattens `rows` (`(first_pos, num_tokens, block_table)` each, the block table covering at
+/// least positions `0 .. first_pos + num_tokens`) into the arrays the embedding, RoPE, cache,
+/// attention and sampling kernels take, for KV pages of `block_size` tokens.
+///
+/// Errors: [`PlanError`] for a zero block size, an empty row, a block table too short for the
+/// row, or a value beyond `i32::MAX`. Cost: O(tokens + rows * max_blocks_per_row).
+pub fn plan_launch(
+    rows: &[(u32, u32, &[u32])],
+    block_size: usize,
+) -> Result<LaunchPlan, PlanError> {
+    if block_size == 0 {
+        return Err(PlanError::ZeroBlockSize);
+    }
+    let fit = |v: u64, row: usize, what: &'static str| {
+        i32::try_from(v).map_err(|_| PlanError::Overflow { row, what })
+    };
+    let num_tokens: u64 = rows.iter().map(|r| u64::from(r.1)).sum();
+    let mut plan = LaunchPlan {
+        max_blocks_per_row: rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(1),
+        ..LaunchPlan::default()
+    };
+    let nt = usize::try_from(num_tokens).unwrap_or(usize::MAX);
+    plan.positions.reserve(nt);
+    plan.slot_mapping.reserve(nt);
+    plan.cu_seqlens.reserve(rows.len() + 1);
+    plan.cu_seqlens.push(0);
+    plan.block_tables
+        .reserve(rows.len() * plan.max_blocks_per_row);
+    let bs = block_size as u64;
+    let mut total = 0u64;
+    for (row, &(first_pos, n, table)) in rows.iter().enumerate() {
+        if n == 0 {
+            return Err(PlanError::EmptyRow { row });
+        }
+        let end = u64::from(first_pos) + u64::from(n);
+        let need = end.div_ceil(bs);
+        if (table.len() as u64) < need {
+            return Err(PlanError::BlockTableTooShort {
+                row,
+                have: table.len(),
+                need: need as usize,
+                last_pos: end - 1,
+            });
+        }
+        fit(end, row, "position")?;
+        for pos in u64::from(first_pos)..end {
+            let page = u64::from(table[(pos / bs) as usize]);
+            plan.positions.push(pos as i32);
+            plan.slot_mapping
+                .push(fit(page * bs + pos % bs, row, "slot")?);
+        }
+        for &page in table {
+            plan.block_tables
+                .push(fit(u64::from(page), row, "page id")?);
+        }
+        plan.block_tables.extend(std::iter::repeat_n(
+            0,
+            plan.max_blocks_per_row - table.len(),
+        ));
+        total += u64::from(n);
+        let cu = fit(total, row, "token count")?;
+        plan.cu_seqlens.push(cu);
+        plan.start_pos.push(first_pos as i32);
+        plan.seq_lens.push(end as i32);
+        plan.last_token_index.push(cu - 1);
+        plan.max_seq_len = plan.max_seq_len.max(end as usize);
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_buckets_are_vllm_style_and_cover_every_batch() {
+        let b = default_graph_buckets(512);
+        assert_eq!(&b[..6], &[1, 2, 4, 8, 16, 24]);
+        assert_eq!(*b.last().unwrap(), 512);
+        assert_eq!(b.len(), 3 + 64);
+        assert!(b.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(default_graph_buckets(100).last(), Some(&104));
+        assert_eq!(default_graph_buckets(3), vec![1, 2, 4]);
+        assert_eq!(default_graph_buckets(1), vec![1]);
+        assert_eq!(default_graph_buckets(0), Vec::<usize>::new());
+        assert_eq!(default_graph_buckets(4096).last(), Some(&512));
+        for max in [1, 5, 8, 9, 100, 512] {
+            let b = default_graph_buckets(max);
+            for batch in 1..=max {
+                assert!(graph_bucket(batch, &b).is_some(), "max {max} batch {batch}");
+            }
+        }
+    }
+
+    #[test]
+    fn graph_bucket_picks_smallest_bucket_not_below_batch() {
+        let b = default_graph_buckets(512);
+        assert_eq!(graph_bucket(1, &b), Some(1));
+        assert_eq!(graph_bucket(3, &b), Some(4));
+        assert_eq!(graph_bucket(5, &b), Some(8));
+        assert_eq!(graph_bucket(8, &b), Some(8));
+        assert_eq!(graph_bucket(9, &b), Some(16));
+        assert_eq!(graph_bucket(505, &b), Some(512));
+        assert_eq!(graph_bucket(513, &b), None);
+        assert_eq!(graph_bucket(0, &b), None);
+        assert_eq!(graph_bucket(1, &[]), None);
+    }
+
+    #[test]
+    fn plan_flattens_prefill_and_decode_rows() {
+        // Row 0: prefill of 5 tokens from position 0, pages [7, 3], block size 4.
+        // Row 1: decode at position 9, pages [1, 2, 6].
+        let t0 = [7u32, 3];
+        let t1 = [1u32, 2, 6];
+        let p = plan_launch(&[(0, 5, &t0), (9, 1, &t1)], 4).unwrap();
+        assert_eq!(p.positions, vec![0, 1, 2, 3, 4, 9]);
+        assert_eq!(p.slot_mapping, vec![28, 29, 30, 31, 12, 6 * 4 + 1]);
+        assert_eq!(p.cu_seqlens, vec![0, 5, 6]);
+        assert_eq!(p.start_pos, vec![0, 9]);
+        assert_eq!(p.seq_lens, vec![5, 10]);
+        assert_eq!(p.last_token_index, vec![4, 5]);
+        assert_eq!(p.max_blocks_per_row, 3);
+        assert_eq!(p.block_tables, vec![7, 3, 0, 1, 2, 6]);
+        assert_eq!(p.max_seq_len, 10);
+        assert_eq!((p.num_tokens(), p.num_rows()), (6, 2));
+    }
+
+    #[test]
+    fn plan_handles_chunked_prefill_continuing_a_cached_prefix() {
+        let t = [5u32, 8, 2];
+        let p = plan_launch(&[(6, 4, &t)], 4).unwrap();
+        assert_eq!(p.positions, vec![6, 7, 8, 9]);
+        assert_eq!(p.slot_mapping, vec![8 * 4 + 2, 8 * 4 + 3, 2 * 4, 2 * 4 + 1]);
+        assert_eq!(p.start_pos, vec![6]);
+        assert_eq!(p.seq_lens, vec![10]);
+        assert_eq!(p.last_token_index, vec![3]);
+    }
+
+    #[test]
+    fn plan_rejects_short_tables_empty_rows_zero_block_size_and_overflow() {
+        let t = [1u32];
+        assert_eq!(
+            plan_launch(&[(3, 2, &t)], 4),
+            Err(PlanError::BlockTableTooShort {
+                row: 0,
+                have: 1,
+                need: 2,
+                last_pos: 4
+            })
+        );
+        assert_eq!(
+            plan_launch(&[(0, 1, &t), (0, 0, &t)], 4),
+            Err(PlanError::EmptyRow { row: 1 })
+        );
+        assert_eq!(plan_launch(&[(0, 1, &t)], 0), Err(PlanError::ZeroBlockSize));
+        let big = [u32::MAX];
+        assert!(matches!(
+            plan_launch(&[(0, 1, &big)], 16),
+            Err(PlanError::Overflow { what: "slot", .. })
+        ));
+        assert_eq!(plan_launch(&[], 16).unwrap().cu_seqlens, vec![0]);
+    }
+
+    #[test]
+    fn pad_decode_rows_appends_inert_rows() {
+        let t = [4u32];
+        let mut p = plan_launch(&[(2, 1, &t), (0, 1, &t)], 16).unwrap();
+        p.pad_decode_rows(4);
+        assert_eq!(p.num_rows(), 4);
+        assert_eq!(p.slot_mapping, vec![66, 64, -1, -1]);
+        assert_eq!(p.cu_seqlens, vec![0, 1, 2, 3, 4]);
+        assert_eq!(p.seq_lens, vec![3, 1, 0, 0]);
+        assert_eq!(p.last_token_index, vec![0, 1, 2, 3]);
+        assert_eq!(p.block_tables.len(), 4 * p.max_blocks_per_row);
+    }
+}

@@ -1,0 +1,241 @@
+//! CPU model of the device sampler's selection algorithm (`kernels/sampling.cu`), shared by the
+//! CPU model test and the GPU smoke test. Mirrors the kernel line by line; keep them in step.
+#![allow(dead_code)]
+
+pub const FIX_ONE: f32 = 1_099_511_627_776.0; // 2^40
+
+pub fn philox4x32_10(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
+    for r in 0..10 {
+        if r > 0 {
+            k[0] = k[0].wrapping_add(0x9E37_79B9);
+            k[1] = k[1].wrapping_add(0xBB67_AE85);
+        }
+        let p0 = u64::from(0xD251_1F53u32) * u64::from(c[0]);
+        let p1 = u64::from(0xCD9E_8D57u32) * u64::from(c[2]);
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
+    }
+    c
+}
+
+pub fn uniform_bits(seed: u64, idx: u32) -> u64 {
+    u64::from(philox4x32_10([idx, 0, 0, 0], [seed as u32, (seed >> 32) as u32])[0] >> 8)
+}
+
+pub fn clean(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else if x == f32::INFINITY {
+        f32::MAX
+    } else {
+        x + 0.0
+    }
+}
+
+pub fn sort_key(x: f32, id: u32) -> u64 {
+    let b = x.to_bits();
+    let ord = if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    };
+    (u64::from(!ord) << 32) | u64::from(id)
+}
+
+/// `__float2ull_rn(e * 2^40)`.
+pub fn fixed(e: f32) -> u64 {
+    (e * FIX_ONE).round_ties_even() as u64
+}
+
+pub struct Select<'a> {
+    x: &'a [f32],
+    maxv: f32,
+    inv_t: f32,
+    min_p: f32,
+    bound: u64,
+    by_count: bool,
+}
+
+impl Select<'_> {
+    fn metric(&self, i: usize) -> (u64, u64) {
+        let c = clean(self.x[i]);
+        let key = sort_key(c, i as u32);
+        if key > self.bound {
+            return (0, key);
+        }
+        let e = ((c - self.maxv) * self.inv_t).exp();
+        if e < self.min_p {
+            return (0, key);
+        }
+        (if self.by_count { 1 } else { fixed(e) }, key)
+    }
+
+    fn total(&self) -> u64 {
+        (0..self.x.len()).map(|i| self.metric(i).0).sum()
+    }
+
+    /// Mirrors `baton_radix_select`, counting passes over the row.
+    fn radix_select(&self, t: u64, passes: &mut u32) -> u64 {
+        let (mut prefix, mut below) = (0u64, 0u64);
+        let mut shift = 56i32;
+        while shift >= 0 {
+            let s = shift as u32;
+            let mut hw = [0u64; 256];
+            let mut hc = [0u32; 256];
+            *passes += 1;
+            for i in 0..self.x.len() {
+                let (m, key) = self.metric(i);
+                if m == 0 {
+                    continue;
+                }
+                if s < 56 && (key >> (s + 8)) != (prefix >> (s + 8)) {
+                    continue;
+                }
+                let d = ((key >> s) & 255) as usize;
+                hw[d] += m;
+                hc[d] += 1;
+            }
+            let mut b = below;
+            let (mut chosen, mut last) = (None, None);
+            for d in 0..256 {
+                if hc[d] == 0 {
+                    continue;
+                }
+                last = Some(d);
+                if b + hw[d] > t {
+                    chosen = Some(d);
+                    break;
+                }
+                b += hw[d];
+            }
+            let d = match chosen {
+                Some(d) => d,
+                None => {
+                    b = below;
+                    last.unwrap_or(0)
+                }
+            };
+            prefix |= (d as u64) << s;
+            below = b;
+            if hc[d] == 1 && s > 0 {
+                *passes += 1;
+                return (0..self.x.len())
+                    .filter_map(|i| {
+                        let (m, key) = self.metric(i);
+                        (m != 0 && (key >> s) == (prefix >> s)).then_some(key)
+                    })
+                    .min()
+                    .unwrap_or(!0);
+            }
+            shift -= 8;
+        }
+        prefix
+    }
+}
+
+pub struct Params {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+/// The kernel's non-greedy path (`baton_sample_f32`), returning (token, passes over the row).
+pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
+    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
+    let mut passes = 1;
+    let mut s = Select {
+        x,
+        maxv,
+        inv_t: 1.0 / p.temperature,
+        min_p: 0.0,
+        bound: !0,
+        by_count: true,
+    };
+    if p.top_k > 0 && (p.top_k as usize) < x.len() {
+        s.bound = s.radix_select((p.top_k - 1) as u64, &mut passes);
+    }
+    s.by_count = false;
+    if p.top_p < 1.0 {
+        let z = s.total();
+        passes += 1;
+        let target = (f64::from(p.top_p) * z as f64).ceil();
+        let mut t = if target > 0.0 { target as u64 - 1 } else { 0 };
+        if t >= z {
+            t = z - 1;
+        }
+        s.bound = s.radix_select(t, &mut passes);
+    }
+    s.min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+    let m = s.total();
+    passes += 1;
+    let bits = uniform_bits(p.seed, output_index);
+    let t = (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24);
+    (s.radix_select(t, &mut passes) as u32, passes)
+}
+
+/// The same semantics by sorting: prefixes of the key order, fixed-point masses.
+pub fn sorted_reference(x: &[f32], p: &Params, output_index: u32) -> u32 {
+    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
+    let inv_t = 1.0 / p.temperature;
+    let mut order: Vec<(u64, f32)> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            (
+                sort_key(clean(v), i as u32),
+                ((clean(v) - maxv) * inv_t).exp(),
+            )
+        })
+        .collect();
+    order.sort_unstable_by_key(|o| o.0);
+    if p.top_k > 0 && (p.top_k as usize) < x.len() {
+        order.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let z: u64 = order.iter().map(|o| fixed(o.1)).sum();
+        let need = ((f64::from(p.top_p) * z as f64).ceil() as u64).clamp(1, z);
+        let mut cum = 0;
+        let keep = order
+            .iter()
+            .position(|o| {
+                cum += fixed(o.1);
+                cum >= need
+            })
+            .unwrap();
+        order.truncate(keep + 1);
+    }
+    let min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+    order.retain(|o| o.1 >= min_p);
+    let m: u64 = order.iter().map(|o| fixed(o.1)).sum();
+    let t = ((u128::from(m) * u128::from(uniform_bits(p.seed, output_index))) >> 24) as u64;
+    let mut cum = 0;
+    let pick = order
+        .iter()
+        .find(|o| {
+            cum += fixed(o.1);
+            cum > t
+        })
+        .unwrap();
+    pick.0 as u32
+}
+
+pub fn logits(n: usize, salt: u32, spread: f32, quantize: bool) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let w = philox4x32_10([i, salt, 1, 2], [3, 4])[0];
+            let v = (w >> 8) as f32 / 16_777_216.0 * spread - spread / 2.0;
+            // Quantized logits create many exact ties, exercising the id half of the key.
+            if quantize {
+                (v * 2.0).round() / 2.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,807 @@
+//! Parsing of a Hugging Face model directory's JSON configs.
+//!
+//! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
+//! Mistral-without-sliding-window, SiLU MLP, no biases, default or `llama3` RoPE) and rejects
+//! anything else with a [`ModelError`] naming the file and field. [`GenerationConfig`] and
+//! [`TokenizerConfig`] are lenient: unknown keys are ignored, known keys must be well-typed.
+
+use crate::error::ModelError;
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.1 style scaling, see [`ModelConfig::rope_inv_freq`].
+    Llama3 {
+        /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+        /// divided by this factor.
+        factor: f32,
+        /// Low-frequency cutoff divisor.
+        low_freq_factor: f32,
+        /// High-frequency cutoff divisor.
+        high_freq_factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// A Llama-family model's architecture, from `config.json`.
+///
+/// Defaults follow transformers' `LlamaConfig`: `num_key_value_heads = num_attention_heads`,
+/// `head_dim = hidden_size / num_attention_heads`, `rope_theta = 10000`,
+/// `tie_word_embeddings = false`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `architectures` as found (may be empty when the key is absent).
+    pub architectures: Vec<String>,
+    /// `model_type`: `llama` or `mistral`.
+    pub model_type: String,
+    /// Residual stream width (elements).
+    pub hidden_size: usize,
+    /// MLP inner width (elements).
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA); divides `num_attention_heads`.
+    pub num_key_value_heads: usize,
+    /// Per-head width (elements); even.
+    pub head_dim: usize,
+    /// Rows of the embedding and LM-head matrices.
+    pub vocab_size: usize,
+    /// Largest number of positions the model accepts.
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE scaling, `None` for plain RoPE.
+    pub rope_scaling: Option<RopeScaling>,
+    /// When true (or when `lm_head.weight` is absent) the LM head reuses `embed_tokens`.
+    pub tie_word_embeddings: bool,
+    /// `bos_token_id`, if given.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id` (an int or a list in HF configs), empty if absent.
+    pub eos_token_ids: Vec<u32>,
+    /// `torch_dtype` (or transformers 5's `dtype`), e.g. `"bfloat16"`, if given.
+    pub torch_dtype: Option<String>,
+}
+
+/// Reads typed fields from one JSON object, producing errors that name file and field.
+pub(crate) struct Fields<'a> {
+    pub(crate) file: &'a str,
+    pub(crate) obj: &'a Map<String, Value>,
+    pub(crate) prefix: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn new(file: &'a str, v: &'a Value) -> Result<Self, ModelError> {
+        match v.as_object() {
+            Some(obj) => Ok(Fields {
+                file,
+                obj,
+                prefix: "",
+            }),
+            None => Err(ModelError::InvalidField {
+                file: file.to_string(),
+                field: "<root>".into(),
+                reason: "expected a JSON object".into(),
+            }),
+        }
+    }
+
+    fn name(&self, key: &str) -> String {
+        format!("{}{}", self.prefix, key)
+    }
+
+    pub(crate) fn invalid(&self, key: &str, reason: impl Into<String>) -> ModelError {
+        ModelError::InvalidField {
+            file: self.file.to_string(),
+            field: self.name(key),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn missing(&self, key: &str) -> ModelError {
+        ModelError::MissingField {
+            file: self.file.to_string(),
+            field: self.name(key),
+        }
+    }
+
+    /// The value, treating JSON `null` as absent.
+    pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    pub(crate) fn opt_u64(&self, key: &str) -> Result<Option<u64>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => {
+                match v.as_u64() {
+                    Some(x) => Ok(Some(x)),
+                    // Accept integral floats such as 4096.0.
+                    None => match v.as_f64() {
+                        Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 1e15 => Ok(Some(f as u64)),
+                        _ => Err(self
+                            .invalid(key, format!("expected a non-negative integer, found {v}"))),
+                    },
+                }
+            }
+        }
+    }
+
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        self.opt_u64(key)?
+            .map(|x| usize::try_from(x).map_err(|_| self.invalid(key, "too large")))
+            .transpose()
+    }
+
+    pub(crate) fn req_usize(&self, key: &str) -> Result<usize, ModelError> {
+        self.opt_usize(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    pub(crate) fn opt_u32(&self, key: &str) -> Result<Option<u32>, ModelError> {
+        self.opt_u64(key)?
+            .map(|x| u32::try_from(x).map_err(|_| self.invalid(key, "does not fit in u32")))
+            .transpose()
+    }
+
+    pub(crate) fn opt_f64(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|f| f.is_finite())
+                .map(Some)
+                .ok_or_else(|| self.invalid(key, format!("expected a number, found {v}"))),
+        }
+    }
+
+    pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.invalid(key, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    pub(crate) fn opt_str(&self, key: &str) -> Result<Option<&'a str>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.invalid(key, format!("expected a string, found {v}"))),
+        }
+    }
+
+    /// An int or a list of ints (HF's `eos_token_id` convention).
+    pub(crate) fn u32_or_list(&self, key: &str) -> Result<Vec<u32>, ModelError> {
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| {
+                            self.invalid(key, format!("list item {v} is not a token id"))
+                        })
+                })
+                .collect(),
+            Some(_) => Ok(vec![self.opt_u32(key)?.unwrap_or(0)]),
+        }
+    }
+
+    pub(crate) fn sub(&self, key: &str, prefix: &'a str) -> Result<Option<Fields<'a>>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Object(obj)) => Ok(Some(Fields {
+                file: self.file,
+                obj,
+                prefix,
+            })),
+            Some(v) => Err(self.invalid(key, format!("expected an object, found {v}"))),
+        }
+    }
+}
+
+/// Parses a JSON document, mapping syntax errors to [`ModelError::Json`] with line/column.
+pub(crate) fn parse_json(file: &str, text: &str) -> Result<Value, ModelError> {
+    serde_json::from_str(text).map_err(|e| ModelError::json(file, &e))
+}
+
+/// Reads a whole file as UTF-8, mapping failures to [`ModelError::Io`].
+pub(crate) fn read_text(path: &Path) -> Result<String, ModelError> {
+    std::fs::read_to_string(path).map_err(|e| ModelError::io(path, &e))
+}
+
+impl ModelConfig {
+    /// Loads and validates `config.json`.
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] when unreadable, [`ModelError::Json`] for bad JSON, and the field
+    /// errors of [`ModelConfig::from_json_str`].
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        let text = read_text(path)?;
+        Self::from_json_str_named(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates a config from JSON text (errors name the file `config.json`).
+    ///
+    /// # Errors
+    /// [`ModelError::MissingField`] / [`ModelError::InvalidField`] for absent or ill-typed
+    /// fields, [`ModelError::UnsupportedArchitecture`] / [`ModelError::UnsupportedModelType`],
+    /// and `InvalidField` for unsupported features (sliding window, biases, non-SiLU
+    /// activation, unknown `rope_scaling` type, inconsistent head counts).
+    pub fn from_json_str(json: &str) -> Result<Self, ModelError> {
+        Self::from_json_str_named(json, "config.json")
+    }
+
+    fn from_json_str_named(json: &str, file: &str) -> Result<Self, ModelError> {
+        let v = parse_json(file, json)?;
+        let f = Fields::new(file, &v)?;
+
+        let architectures: Vec<String> = match f.get("architectures") {
+            None => vec![],
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| f.invalid("architectures", "expected a list of strings"))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(f.invalid("architectures", "expected a list of strings")),
+        };
+        const ARCHS: [&str; 2] = ["LlamaForCausalLM", "MistralForCausalLM"];
+        if !architectures.is_empty() && !architectures.iter().any(|a| ARCHS.contains(&a.as_str())) {
+            return Err(ModelError::UnsupportedArchitecture {
+                file: file.into(),
+                found: architectures,
+            });
+        }
+        let model_type = f
+            .opt_str("model_type")?
+            .ok_or_else(|| f.missing("model_type"))?;
+        if model_type != "llama" && model_type != "mistral" {
+            return Err(ModelError::UnsupportedModelType {
+                file: file.into(),
+                found: model_type.into(),
+            });
+        }
+
+        let hidden_size = f.req_usize("hidden_size")?;
+        let intermediate_size = f.req_usize("intermediate_size")?;
+        let num_hidden_layers = f.req_usize("num_hidden_layers")?;
+        let num_attention_heads = f.req_usize("num_attention_heads")?;
+        let vocab_size = f.req_usize("vocab_size")?;
+        let max_position_embeddings = f.req_usize("max_position_embeddings")?;
+        for (k, x) in [
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+            ("num_hidden_layers", num_hidden_layers),
+            ("num_attention_heads", num_attention_heads),
+            ("vocab_size", vocab_size),
+            ("max_position_embeddings", max_position_embeddings),
+        ] {
+            if x == 0 {
+                return Err(f.invalid(k, "must be > 0"));
+            }
+        }
+        let num_key_value_heads = f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(f.invalid(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} must be > 0 and divide num_attention_heads {num_attention_heads}"),
+            ));
+        }
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(h) => h,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(f.invalid(
+                        "hidden_size",
+                        format!("{hidden_size} is not divisible by num_attention_heads {num_attention_heads} and head_dim is absent"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(f.invalid(
+                "head_dim",
+                format!("{head_dim} must be even and > 0 for RoPE"),
+            ));
+        }
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+
+        if let Some(act) = f.opt_str("hidden_act")? {
+            if act != "silu" {
+                return Err(f.invalid("hidden_act", format!("{act:?} is unsupported; only silu")));
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if f.opt_bool(key)? == Some(true) {
+                return Err(f.invalid(key, "biases are unsupported"));
+            }
+        }
+        if f.opt_usize("pretraining_tp")?.unwrap_or(1) != 1 {
+            return Err(f.invalid("pretraining_tp", "only 1 is supported"));
+        }
+        if model_type == "mistral" {
+            if let Some(w) = f.get("sliding_window") {
+                let w = f.opt_usize("sliding_window")?.ok_or_else(|| {
+                    f.invalid("sliding_window", format!("expected an integer, found {w}"))
+                })?;
+                if w < max_position_embeddings {
+                    return Err(f.invalid(
+                        "sliding_window",
+                        format!("sliding-window attention ({w} < max_position_embeddings {max_position_embeddings}) is unsupported"),
+                    ));
+                }
+            }
+        }
+
+        // RoPE: transformers <= 4.x uses rope_theta + rope_scaling; 5.x uses rope_parameters.
+        let mut rope_theta = f.opt_f64("rope_theta")?;
+        let mut scaling_fields = f.sub("rope_scaling", "rope_scaling.")?;
+        if let Some(p) = f.sub("rope_parameters", "rope_parameters.")? {
+            if rope_theta.is_none() {
+                rope_theta = p.opt_f64("rope_theta")?;
+            }
+            if scaling_fields.is_none() {
+                scaling_fields = Some(p);
+            }
+        }
+        let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
+        if rope_theta <= 0.0 {
+            return Err(f.invalid("rope_theta", "must be > 0"));
+        }
+        let rope_scaling = match scaling_fields {
+            None => None,
+            Some(s) => {
+                let ty = match s.opt_str("rope_type")? {
+                    Some(t) => t,
+                    None => s.opt_str("type")?.ok_or_else(|| s.missing("rope_type"))?,
+                };
+                match ty {
+                    "default" => None,
+                    "llama3" => {
+                        let num = |k: &str| -> Result<f32, ModelError> {
+                            Ok(s.opt_f64(k)?.ok_or_else(|| s.missing(k))? as f32)
+                        };
+                        let factor = num("factor")?;
+                        let low_freq_factor = num("low_freq_factor")?;
+                        let high_freq_factor = num("high_freq_factor")?;
+                        let original_max_position_embeddings =
+                            s.req_usize("original_max_position_embeddings")?;
+                        if factor <= 0.0 || low_freq_factor <= 0.0 || high_freq_factor <= low_freq_factor {
+                            return Err(s.invalid(
+                                "factor",
+                                "need factor > 0 and high_freq_factor > low_freq_factor > 0",
+                            ));
+                        }
+                        Some(RopeScaling::Llama3 {
+                            factor,
+                            low_freq_factor,
+                            high_freq_factor,
+                            original_max_position_embeddings,
+                        })
+                    }
+                    other => {
+                        return Err(s.invalid(
+                            "rope_type",
+                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3"),
+                        ))
+                    }
+                }
+            }
+        };
+
+        let torch_dtype = match f.opt_str("torch_dtype")? {
+            Some(d) => Some(d.to_string()),
+            None => f.opt_str("dtype")?.map(str::to_string),
+        };
+
+        Ok(ModelConfig {
+            architectures,
+            model_type: model_type.to_string(),
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size,
+            max_position_embeddings,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            bos_token_id: f.opt_u32("bos_token_id")?,
+            eos_token_ids: f.u32_or_list("eos_token_id")?,
+            torch_dtype,
+        })
+    }
+
+    /// RoPE inverse frequencies, `head_dim / 2` values (radians per position), in f32 as HF
+    /// computes them.
+    ///
+    /// Plain RoPE: `inv_freq[i] = 1 / theta^(2i / head_dim)` (transformers
+    /// `_compute_default_rope_parameters`). With `rope_scaling.rope_type == "llama3"` this
+    /// follows transformers `modeling_rope_utils._compute_llama3_parameters`: with
+    /// `wavelen = 2π / inv_freq`, `low = orig_ctx / low_freq_factor`,
+    /// `high = orig_ctx / high_freq_factor`: wavelengths `> low` are divided by `factor`,
+    /// wavelengths `< high` are kept, and in between
+    /// `s = (orig_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`,
+    /// `inv = (1 - s) * inv / factor + s * inv`. The attention scaling factor is 1 in both cases.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let dim = self.head_dim;
+        let base = self.rope_theta;
+        let inv: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match &self.rope_scaling {
+            None => inv,
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old_ctx = *original_max_position_embeddings as f32;
+                let low_freq_wavelen = old_ctx / low_freq_factor;
+                let high_freq_wavelen = old_ctx / high_freq_factor;
+                inv.into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else if wavelen < high_freq_wavelen {
+                            f
+                        } else {
+                            let s = (old_ctx / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - s) * f / factor + s * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Number of f32 parameters the config implies (embedding, layers, norm, LM head unless
+    /// tied). Useful for sizing dummy loads.
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let layer = 2 * h + q * h + 2 * kv * h + h * q + 3 * self.intermediate_size * h;
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * h
+        };
+        self.vocab_size * h + self.num_hidden_layers * layer + h + head
+    }
+}
+
+/// Sampling defaults and stop ids from `generation_config.json` (optional file).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationConfig {
+    /// `bos_token_id`, if given.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id` (int or list), empty if absent.
+    pub eos_token_ids: Vec<u32>,
+    /// Default temperature, if given.
+    pub temperature: Option<f32>,
+    /// Default nucleus threshold, if given.
+    pub top_p: Option<f32>,
+    /// Default top-k, if given.
+    pub top_k: Option<u32>,
+    /// `do_sample`, if given.
+    pub do_sample: Option<bool>,
+}
+
+impl GenerationConfig {
+    /// Parses `generation_config.json` text; `file` is used in error messages.
+    ///
+    /// # Errors
+    /// [`ModelError::Json`] or [`ModelError::InvalidField`].
+    pub fn from_json_str(json: &str, file: &str) -> Result<Self, ModelError> {
+        let v = parse_json(file, json)?;
+        let f = Fields::new(file, &v)?;
+        Ok(GenerationConfig {
+            bos_token_id: f.opt_u32("bos_token_id")?,
+            eos_token_ids: f.u32_or_list("eos_token_id")?,
+            temperature: f.opt_f64("temperature")?.map(|x| x as f32),
+            top_p: f.opt_f64("top_p")?.map(|x| x as f32),
+            top_k: f.opt_u32("top_k")?,
+            do_sample: f.opt_bool("do_sample")?,
+        })
+    }
+
+    /// Loads the file.
+    ///
+    /// # Errors
+    /// As [`GenerationConfig::from_json_str`], plus [`ModelError::Io`].
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        Self::from_json_str(&read_text(path)?, &path.display().to_string())
+    }
+}
+
+/// The parts of `tokenizer_config.json` that affect encoding and chat formatting.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenizerConfig {
+    /// `add_bos_token`; `None` means "as tokenizer.json's post-processor does".
+    pub add_bos_token: Option<bool>,
+    /// `add_eos_token`; `None` means "as tokenizer.json's post-processor does".
+    pub add_eos_token: Option<bool>,
+    /// BOS token text (`bos_token` as a string or `{content: ...}`).
+    pub bos_token: Option<String>,
+    /// EOS token text.
+    pub eos_token: Option<String>,
+    /// Jinja chat template; for a list of `{name, template}` the one named `default`.
+    pub chat_template: Option<String>,
+    /// `model_max_length`, if given and sensible (HF writes ~1e30 for "unlimited": dropped).
+    pub model_max_length: Option<usize>,
+}
+
+impl TokenizerConfig {
+    /// Parses `tokenizer_config.json` text; `file` is used in error messages.
+    ///
+    /// # Errors
+    /// [`ModelError::Json`] or [`ModelError::InvalidField`].
+    pub fn from_json_str(json: &str, file: &str) -> Result<Self, ModelError> {
+        let v = parse_json(file, json)?;
+        let f = Fields::new(file, &v)?;
+        let token = |key: &str| -> Result<Option<String>, ModelError> {
+            match f.get(key) {
+                None => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(Value::Object(o)) => match o.get("content").and_then(Value::as_str) {
+                    Some(s) => Ok(Some(s.to_string())),
+                    None => Err(f.invalid(key, "object without a string `content`")),
+                },
+                Some(v) => Err(f.invalid(key, format!("expected a string or object, found {v}"))),
+            }
+        };
+        let chat_template = match f.get("chat_template") {
+            None => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(items)) => {
+                let mut found = None;
+                for it in items {
+                    let name = it.get("name").and_then(Value::as_str);
+                    let tpl = it.get("template").and_then(Value::as_str);
+                    match (name, tpl) {
+                        (Some("default"), Some(t)) => found = Some(t.to_string()),
+                        (Some(_), Some(_)) => {}
+                        _ => {
+                            return Err(f.invalid(
+                                "chat_template",
+                                "list items must be {name: string, template: string}",
+                            ))
+                        }
+                    }
+                }
+                found
+            }
+            Some(v) => {
+                return Err(f.invalid(
+                    "chat_template",
+                    format!("expected a string or a list, found {}", short(v)),
+                ))
+            }
+        };
+        let model_max_length = match f.get("model_max_length") {
+            None => None,
+            Some(v) => match v.as_f64() {
+                Some(x) if (1.0..1e12).contains(&x) => Some(x as usize),
+                Some(_) => None,
+                None => {
+                    return Err(
+                        f.invalid("model_max_length", format!("expected a number, found {v}"))
+                    )
+                }
+            },
+        };
+        Ok(TokenizerConfig {
+            add_bos_token: f.opt_bool("add_bos_token")?,
+            add_eos_token: f.opt_bool("add_eos_token")?,
+            bos_token: token("bos_token")?,
+            eos_token: token("eos_token")?,
+            chat_template,
+            model_max_length,
+        })
+    }
+
+    /// Loads the file.
+    ///
+    /// # Errors
+    /// As [`TokenizerConfig::from_json_str`], plus [`ModelError::Io`].
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        Self::from_json_str(&read_text(path)?, &path.display().to_string())
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 60 {
+        format!("{}...", &s[..s.floor_char_boundary_compat(60)])
+    } else {
+        s
+    }
+}
+
+trait FloorCharBoundary {
+    fn floor_char_boundary_compat(&self, i: usize) -> usize;
+}
+
+impl FloorCharBoundary for String {
+    fn floor_char_boundary_compat(&self, mut i: usize) -> usize {
+        while i > 0 && !self.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "vocab_size": 512, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5"#;
+
+    fn cfg(extra: &str) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_json_str(&format!("{BASE}{extra}}}"))
+    }
+
+    #[test]
+    fn defaults_follow_hf_llama_config() {
+        let c = cfg("").unwrap();
+        assert_eq!(c.num_key_value_heads, 8);
+        assert_eq!(c.head_dim, 8);
+        assert_eq!(c.rope_theta, 10000.0);
+        assert_eq!(c.rope_scaling, None);
+        assert!(!c.tie_word_embeddings);
+        assert!(c.eos_token_ids.is_empty());
+        let c = cfg(r#", "eos_token_id": [128001, 128009], "dtype": "bfloat16""#).unwrap();
+        assert_eq!(c.eos_token_ids, vec![128001, 128009]);
+        assert_eq!(c.torch_dtype.as_deref(), Some("bfloat16"));
+    }
+
+    /// Llama 3.1 8B's RoPE settings; expected values hand-computed from the formula in
+    /// transformers' `_compute_llama3_parameters` (in f64, Python).
+    #[test]
+    fn llama3_rope_scaling_inv_freq_matches_hand_computed_values() {
+        let c = ModelConfig::from_json_str(
+            r#"{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#,
+        )
+        .unwrap();
+        let inv = c.rope_inv_freq();
+        assert_eq!(inv.len(), 64);
+        let close = |got: f32, want: f64| ((got as f64 - want) / want).abs() < 1e-5;
+        // High frequency (wavelength 2π < 8192/4): unchanged.
+        assert!(close(inv[0], 1.0), "{}", inv[0]);
+        // Medium (wavelength 2948.3): smooth factor 0.59285 interpolates.
+        assert!(close(inv[30], 0.001_371_893_567_761_138_1), "{}", inv[30]);
+        // Low frequency (wavelength 2.56e6 > 8192): divided by 8.
+        assert!(close(inv[63], 3.068_925_988_914_511e-7), "{}", inv[63]);
+        // Legacy key `type` is accepted too, and unscaled frequencies differ where expected.
+        let plain = ModelConfig {
+            rope_scaling: None,
+            ..c.clone()
+        }
+        .rope_inv_freq();
+        assert_eq!(inv[..20], plain[..20]);
+        assert!(inv[63] < plain[63]);
+    }
+
+    #[test]
+    fn rope_type_key_variants_and_rope_parameters_are_accepted() {
+        let s = r#""factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192"#;
+        let a = cfg(&format!(r#", "rope_scaling": {{"type": "llama3", {s}}}"#)).unwrap();
+        let b = cfg(&format!(
+            r#", "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0, {s}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(a.rope_scaling, Some(RopeScaling::Llama3 { .. })));
+        assert_eq!(a.rope_scaling, b.rope_scaling);
+        assert_eq!(b.rope_theta, 500000.0);
+        let d = cfg(r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}"#).unwrap();
+        assert_eq!((d.rope_scaling, d.rope_theta), (None, 1e6));
+        let e = cfg(r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("rope_scaling.low_freq_factor"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unsupported_features_are_rejected_with_field_names() {
+        for (extra, field) in [
+            (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "attention_bias": true"#, "attention_bias"),
+            (r#", "mlp_bias": true"#, "mlp_bias"),
+            (r#", "head_dim": 7"#, "head_dim"),
+            (r#", "num_key_value_heads": 0"#, "num_key_value_heads"),
+            (r#", "vocab_size": 0"#, "vocab_size"),
+            (r#", "rms_norm_eps": "x""#, "rms_norm_eps"),
+            (r#", "eos_token_id": [1, "x"]"#, "eos_token_id"),
+            (r#", "pretraining_tp": 2"#, "pretraining_tp"),
+        ] {
+            let e = cfg(extra).unwrap_err().to_string();
+            assert!(
+                e.contains(field) && e.contains("config.json"),
+                "{extra}: {e}"
+            );
+        }
+        let e = ModelConfig::from_json_str("[1, 2]")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("config.json"), "{e}");
+    }
+
+    #[test]
+    fn generation_config_eos_may_be_int_or_list() {
+        let g = GenerationConfig::from_json_str(r#"{"eos_token_id": 2, "bos_token_id": 1}"#, "g")
+            .unwrap();
+        assert_eq!((g.eos_token_ids, g.bos_token_id), (vec![2], Some(1)));
+        let g = GenerationConfig::from_json_str(
+            r#"{"eos_token_id": [128001, 128008], "temperature": 0.6, "top_p": 0.9, "top_k": 50}"#,
+            "g",
+        )
+        .unwrap();
+        assert_eq!(g.eos_token_ids, vec![128001, 128008]);
+        assert_eq!(
+            (g.temperature, g.top_p, g.top_k),
+            (Some(0.6), Some(0.9), Some(50))
+        );
+        let e = GenerationConfig::from_json_str(r#"{"top_k": -1}"#, "generation_config.json");
+        assert!(e.unwrap_err().to_string().contains("top_k"));
+    }
+
+    #[test]
+    fn tokenizer_config_token_objects_and_template_lists_are_read() {
+        let t = TokenizerConfig::from_json_str(
+            r#"{"add_bos_token": true, "bos_token": {"content": "<s>", "lstrip": false},
+            "eos_token": "</s>", "model_max_length": 1e30,
+            "chat_template": [{"name": "tool_use", "template": "T"},
+                              {"name": "default", "template": "D"}]}"#,
+            "tokenizer_config.json",
+        )
+        .unwrap();
+        assert_eq!(t.add_bos_token, Some(true));
+        assert_eq!(t.add_eos_token, None);
+        assert_eq!(t.bos_token.as_deref(), Some("<s>"));
+        assert_eq!(t.eos_token.as_deref(), Some("</s>"));
+        assert_eq!(t.chat_template.as_deref(), Some("D"));
+        assert_eq!(t.model_max_length, None);
+        let t = TokenizerConfig::from_json_str(
+            r#"{"chat_template": "{{ messages }}", "model_max_length": 4096}"#,
+            "x",
+        )
+        .unwrap();
+        assert_eq!(t.chat_template.as_deref(), Some("{{ messages }}"));
+        assert_eq!(t.model_max_length, Some(4096));
+        let e = TokenizerConfig::from_json_str(r#"{"chat_template": 5}"#, "tokenizer_config.json");
+        assert!(e.unwrap_err().to_string().contains("chat_template"));
+    }
+}

@@ -1,0 +1,846 @@
+//! f32 CPU reference forward pass of a Llama-family model over a paged KV cache.
+//!
+//! Contract: numerics follow HF transformers `modeling_llama.py` (RMSNorm, rotate-half RoPE,
+//! GQA causal attention with f32 softmax, SwiGLU MLP), and every row's output is bit-identical
+//! whatever else is in the batch, whatever its row index, block size or page ids: all per-token
+//! arithmetic (including the gemm calls, see [`matmul`]) is done in an order that depends only
+//! on that token's data and position. Invalid inputs are rejected before anything is written.
+
+use crate::config::ModelConfig;
+use crate::error::{ForwardError, ModelError};
+use crate::weights::{layer_tensor_shapes, LlamaWeights, Tensor};
+use std::sync::Mutex;
+
+/// Paged KV cache on the host: `num_blocks` pages of `block_size` token slots per layer.
+///
+/// Layout of both `K` and `V`: `[layer][page][slot][kv_head][head_dim]` f32, contiguous.
+/// Position `p` of a sequence lives in page `block_table[p / block_size]`, slot
+/// `p % block_size`. K is stored after RoPE. `Debug` prints the dimensions only.
+#[derive(Clone)]
+pub struct PagedKvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    num_layers: usize,
+    num_blocks: usize,
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl std::fmt::Debug for PagedKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedKvCache")
+            .field("num_layers", &self.num_layers)
+            .field("num_blocks", &self.num_blocks)
+            .field("block_size", &self.block_size)
+            .field("kv_heads", &self.kv_heads)
+            .field("head_dim", &self.head_dim)
+            .finish()
+    }
+}
+
+impl PagedKvCache {
+    /// Allocates a zeroed cache of `num_blocks` pages of `block_size` tokens for every layer.
+    ///
+    /// Memory: `num_blocks * bytes_per_block(cfg, block_size)` bytes. A `block_size` of 0 is
+    /// treated as 1.
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        let block_size = block_size.max(1);
+        let n = cfg.num_hidden_layers
+            * num_blocks
+            * block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim;
+        PagedKvCache {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            num_layers: cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+
+    /// Tokens per page.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Pages per layer.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Bytes one page takes across all layers, K and V, in f32:
+    /// `2 * layers * block_size * kv_heads * head_dim * 4`.
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+    }
+
+    /// Offset of (layer, page, slot) in `k`/`v`.
+    #[inline]
+    fn offset(&self, layer: usize, page: usize, slot: usize) -> usize {
+        ((layer * self.num_blocks + page) * self.block_size + slot) * self.kv_heads * self.head_dim
+    }
+
+    /// The stored K and V of one position (`[kv_heads * head_dim]` each), for inspection.
+    /// `None` if out of range.
+    pub fn get(&self, layer: usize, page: usize, slot: usize) -> Option<(&[f32], &[f32])> {
+        if layer >= self.num_layers || page >= self.num_blocks || slot >= self.block_size {
+            return None;
+        }
+        let o = self.offset(layer, page, slot);
+        let w = self.kv_heads * self.head_dim;
+        Some((&self.k[o..o + w], &self.v[o..o + w]))
+    }
+}
+
+/// `(logits per want_logits row, residual stream [T, hidden] after each layer)`, as returned by
+/// [`CpuModel::forward_with_layer_outputs`].
+pub type LogitsAndLayers = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// One row of a batch: a prefill chunk or a single decode token of one sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardRow<'a> {
+    /// Token ids at positions `start_pos..start_pos + tokens.len()`; non-empty.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions `0..start_pos` must already be in the cache.
+    pub start_pos: usize,
+    /// Pages of the sequence, in position order; at least `ceil((start_pos + len) /
+    /// block_size)` entries.
+    pub block_table: &'a [u32],
+    /// Whether to return logits for the row's last token.
+    pub want_logits: bool,
+}
+
+/// A linear layer `y = x · Wᵀ` with `W` `[n, k]` row-major.
+#[derive(Debug, Clone)]
+struct Linear {
+    w: Vec<f32>,
+    n: usize,
+    k: usize,
+}
+
+impl Linear {
+    /// Concatenates `[n_i, k]` weights along rows into one `[sum n_i, k]` matrix, reusing the
+    /// first tensor's allocation.
+    fn concat(parts: Vec<Tensor>) -> Self {
+        let mut it = parts.into_iter();
+        let first = it.next().expect("at least one tensor");
+        let k = first.shape[1];
+        let mut n = first.shape[0];
+        let mut w = first.data;
+        for p in it {
+            n += p.shape[0];
+            w.extend_from_slice(&p.data);
+        }
+        Linear { w, n, k }
+    }
+}
+
+/// Largest number of token rows per gemm call; see [`matmul`].
+const MAX_TILE: usize = 64;
+
+/// Scratch for [`matmul`]'s padded tiles.
+#[derive(Default)]
+struct PadBuf {
+    x: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// One gemm call: `out[m, n] = x[m, k] · W[n, k]ᵀ`, single-threaded.
+fn gemm_call(m: usize, x: &[f32], lin: &Linear, out: &mut [f32]) {
+    let (n, k) = (lin.n, lin.k);
+    assert!(x.len() >= m * k && out.len() >= m * n && lin.w.len() == n * k);
+    // SAFETY: `x` holds at least m×k row-major values (row stride k), `lin.w` is exactly n×k
+    // row-major, read as the k×n rhs (row stride 1, column stride k), `out` holds at least m×n
+    // row-major values (row stride n); the assert above checks these extents. `out` is a
+    // distinct `&mut` borrow, so it does not alias the inputs, and `read_dst = false` means its
+    // prior contents are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            lin.w.as_ptr(),
+            k as isize,
+            1,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// `out[T, n] = x[T, k] · W[n, k]ᵀ` via the `gemm` crate (0.18), single-threaded, with every
+/// row's result independent of `T` and of the other rows (bit-exact batch invariance).
+///
+/// Why the tiling: gemm-0.18 dispatches on the shape. One row (`m == 1`) goes to a gemv
+/// kernel and small products (`m·n <= 256`) to a "horizontal" kernel; both sum over `k` in a
+/// different order than the blocked microkernel used otherwise, so one gemm call over all `T`
+/// rows gives a token a result that depends on how many other tokens are in the batch
+/// (measured: every `T` in the gemv/horizontal range differs from the blocked result). The
+/// blocked kernel's order depends only on its `k` block size `kc`, which gemm derives from `k`
+/// alone once `n` is fixed, provided `m <= 64` (above that the `m <= 64 && n <= 64` shortcut
+/// may switch to a different `kc`). So rows are processed in tiles of at most [`MAX_TILE`]
+/// rows, and a tile smaller than `m_min = max(2, 256 / n + 1)` is zero-padded to `m_min` rows,
+/// so every call of a given layer runs the blocked kernel with the same `kc`. For `n` so
+/// small that `m_min > MAX_TILE` (`n <= 4`), every row is computed alone (`m = 1`) instead.
+/// Tested by `matmul_rows_are_bit_identical_for_any_batch_size`.
+fn matmul(x: &[f32], t: usize, lin: &Linear, out: &mut [f32], pad: &mut PadBuf) {
+    let (n, k) = (lin.n, lin.k);
+    let m_min = (256 / n.max(1) + 1).max(2);
+    if m_min > MAX_TILE {
+        for r in 0..t {
+            gemm_call(1, &x[r * k..(r + 1) * k], lin, &mut out[r * n..(r + 1) * n]);
+        }
+        return;
+    }
+    let mut r = 0;
+    while r < t {
+        let m = MAX_TILE.min(t - r);
+        if m >= m_min {
+            gemm_call(m, &x[r * k..(r + m) * k], lin, &mut out[r * n..(r + m) * n]);
+        } else {
+            resize(&mut pad.x, m_min * k);
+            resize(&mut pad.out, m_min * n);
+            pad.x[..m * k].copy_from_slice(&x[r * k..(r + m) * k]);
+            pad.x[m * k..m_min * k].fill(0.0);
+            gemm_call(m_min, &pad.x, lin, &mut pad.out);
+            out[r * n..(r + m) * n].copy_from_slice(&pad.out[..m * n]);
+        }
+        r += m;
+    }
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    /// Fused q, k, v projections: `[(heads + 2 kv_heads) * head_dim, hidden]`.
+    qkv: Linear,
+    o: Linear,
+    post_norm: Vec<f32>,
+    /// Fused gate and up projections: `[2 * intermediate, hidden]`.
+    gate_up: Linear,
+    down: Linear,
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    tmp: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    scores: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    last: Vec<f32>,
+    logits: Vec<f32>,
+    pad: PadBuf,
+}
+
+fn resize(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// The CPU model: config, f32 weights (q/k/v and gate/up fused) and RoPE tables.
+pub struct CpuModel {
+    cfg: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    /// `[head_dim / 2]` RoPE inverse frequencies ([`ModelConfig::rope_inv_freq`]).
+    inv_freq: Vec<f32>,
+    scratch: Mutex<Scratch>,
+}
+
+impl std::fmt::Debug for CpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuModel").field("cfg", &self.cfg).finish()
+    }
+}
+
+fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
+    let bad = |field: &str, reason: String| ModelError::InvalidField {
+        file: "config.json".into(),
+        field: field.into(),
+        reason,
+    };
+    let c = cfg;
+    if c.hidden_size == 0 || c.vocab_size == 0 || c.intermediate_size == 0 {
+        return Err(bad("hidden_size", "sizes must be > 0".into()));
+    }
+    if c.num_key_value_heads == 0
+        || c.num_attention_heads == 0
+        || c.num_attention_heads % c.num_key_value_heads != 0
+    {
+        return Err(bad(
+            "num_key_value_heads",
+            "must be > 0 and divide num_attention_heads".into(),
+        ));
+    }
+    if c.head_dim == 0 || c.head_dim % 2 != 0 {
+        return Err(bad("head_dim", "must be even and > 0".into()));
+    }
+    let mismatch = |name: &str, t: &Tensor, want: &[usize]| -> Result<(), ModelError> {
+        if t.shape != want || t.data.len() != want.iter().product::<usize>() {
+            return Err(ModelError::ShapeMismatch {
+                file: "<weights>".into(),
+                tensor: name.into(),
+                expected: want.to_vec(),
+                found: t.shape.clone(),
+            });
+        }
+        Ok(())
+    };
+    let (v, h) = (c.vocab_size, c.hidden_size);
+    mismatch("model.embed_tokens.weight", &w.embed, &[v, h])?;
+    mismatch("model.norm.weight", &w.norm, &[h])?;
+    mismatch("lm_head.weight", &w.lm_head, &[v, h])?;
+    if w.layers.len() != c.num_hidden_layers {
+        return Err(bad(
+            "num_hidden_layers",
+            format!("{} layers of weights given", w.layers.len()),
+        ));
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        let tensors = [
+            &l.input_layernorm,
+            &l.q_proj,
+            &l.k_proj,
+            &l.v_proj,
+            &l.o_proj,
+            &l.post_attention_layernorm,
+            &l.gate_proj,
+            &l.up_proj,
+            &l.down_proj,
+        ];
+        for ((name, want), t) in layer_tensor_shapes(c, i).iter().zip(tensors) {
+            mismatch(name, t, want)?;
+        }
+    }
+    Ok(())
+}
+
+/// `Σ a[d]·b[d]` in a fixed order: 8 lane sums (`d mod 8`, ascending `d`), combined as a
+/// fixed tree, then any tail. Depends only on the two vectors, so it is batch invariant, and
+/// it vectorizes.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n8 = a.len().min(b.len()) / 8 * 8;
+    let mut acc = [0.0f32; 8];
+    for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in a[n8..].iter().zip(&b[n8..]) {
+        s += x * y;
+    }
+    s
+}
+
+/// Causal attention of one query token, all heads, over positions `0..n_ctx` of one sequence
+/// (HF eager attention: `softmax(q·kᵀ · head_dim^-0.5)` in f32, then `· v`).
+///
+/// `q` and `out` are `[heads * head_dim]`; `scores` has room for `group * n_ctx` values. For
+/// each KV head the keys/values of each position are read once and used by the `group` query
+/// heads sharing it. Per (head, position) the arithmetic is in a fixed order (dot as in
+/// [`dot`], softmax sum and V accumulation over positions ascending), independent of block
+/// size and page ids.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    kv: &PagedKvCache,
+    layer: usize,
+    table: &[u32],
+    n_ctx: usize,
+    q: &[f32],
+    out: &mut [f32],
+    scores: &mut [f32],
+    scale: f32,
+) {
+    let hd = kv.head_dim;
+    let kvh = kv.kv_heads;
+    let group = q.len() / (kvh * hd);
+    let stride = kvh * hd;
+    let bs = kv.block_size;
+    let pages = &table[..n_ctx.div_ceil(bs)];
+    let scores = &mut scores[..group * n_ctx];
+    for g in 0..kvh {
+        let qs = &q[g * group * hd..(g + 1) * group * hd];
+        // Scores: [group][n_ctx].
+        let mut p = 0;
+        for &page in pages {
+            let n = bs.min(n_ctx - p);
+            let base = kv.offset(layer, page as usize, 0) + g * hd;
+            let ks = &kv.k[base..base + (n - 1) * stride + hd];
+            for sl in 0..n {
+                let kk = &ks[sl * stride..sl * stride + hd];
+                for (hh, qh) in qs.chunks_exact(hd).enumerate() {
+                    scores[hh * n_ctx + p + sl] = dot(qh, kk) * scale;
+                }
+            }
+            p += n;
+        }
+        let outs = &mut out[g * group * hd..(g + 1) * group * hd];
+        for (sc, o) in scores
+            .chunks_exact_mut(n_ctx)
+            .zip(outs.chunks_exact_mut(hd))
+        {
+            let max = sc.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0f32;
+            for x in sc.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            for x in sc.iter_mut() {
+                *x *= inv;
+            }
+            o.fill(0.0);
+        }
+        let mut p = 0;
+        for &page in pages {
+            let n = bs.min(n_ctx - p);
+            let base = kv.offset(layer, page as usize, 0) + g * hd;
+            let vs = &kv.v[base..base + (n - 1) * stride + hd];
+            for sl in 0..n {
+                let vv = &vs[sl * stride..sl * stride + hd];
+                for (hh, o) in outs.chunks_exact_mut(hd).enumerate() {
+                    let w = scores[hh * n_ctx + p + sl];
+                    for (a, b) in o.iter_mut().zip(vv) {
+                        *a += w * b;
+                    }
+                }
+            }
+            p += n;
+        }
+    }
+}
+
+/// HF `LlamaRMSNorm`: `x * rsqrt(mean(x²) + eps) * w`, computed in f32 (sum in f64).
+#[inline]
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let var = (ss / x.len() as f64) as f32;
+    let r = 1.0 / (var + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = g * (v * r);
+    }
+}
+
+impl CpuModel {
+    /// Builds the model; see [`CpuModel::try_new`].
+    ///
+    /// # Panics
+    /// If [`CpuModel::try_new`] fails, i.e. the weights do not have the shapes `cfg` implies
+    /// (never the case for [`LlamaWeights::load`] / [`LlamaWeights::dummy`] with the same
+    /// config).
+    pub fn new(cfg: ModelConfig, w: LlamaWeights) -> Self {
+        match Self::try_new(cfg, w) {
+            Ok(m) => m,
+            Err(e) => panic!("CpuModel::new: {e}"),
+        }
+    }
+
+    /// Builds the model, fusing q/k/v and gate/up weights, after checking the config's head
+    /// layout and every weight's shape.
+    ///
+    /// RoPE angles are `pos * inv_freq[i]` in f32 as in HF's `LlamaRotaryEmbedding`; cos/sin
+    /// are evaluated in f64 and rounded to f32.
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidField`] for an unusable config (zero sizes, heads not divisible by
+    /// KV heads, odd head_dim), [`ModelError::ShapeMismatch`] for a weight of the wrong shape
+    /// (file `<weights>`).
+    pub fn try_new(cfg: ModelConfig, w: LlamaWeights) -> Result<Self, ModelError> {
+        check_shapes(&cfg, &w)?;
+        let LlamaWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        } = w;
+        let layers = layers
+            .into_iter()
+            .map(|l| Layer {
+                qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
+                o: Linear::concat(vec![l.o_proj]),
+                gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
+                down: Linear::concat(vec![l.down_proj]),
+                input_norm: l.input_layernorm.data,
+                post_norm: l.post_attention_layernorm.data,
+            })
+            .collect();
+        Ok(CpuModel {
+            embed: embed.data,
+            layers,
+            norm: norm.data,
+            lm_head: Linear::concat(vec![lm_head]),
+            inv_freq: cfg.rope_inv_freq(),
+            cfg,
+            scratch: Mutex::new(Scratch::default()),
+        })
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn validate(&self, kv: &PagedKvCache, rows: &[ForwardRow]) -> Result<(), ForwardError> {
+        let c = &self.cfg;
+        let model = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
+        let cache = (kv.num_layers, kv.kv_heads, kv.head_dim);
+        if model != cache {
+            return Err(ForwardError::CacheMismatch { cache, model });
+        }
+        for (r, row) in rows.iter().enumerate() {
+            if row.tokens.is_empty() {
+                return Err(ForwardError::EmptyRow { row: r });
+            }
+            if let Some((index, &token)) = row
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= c.vocab_size)
+            {
+                return Err(ForwardError::TokenOutOfRange {
+                    row: r,
+                    index,
+                    token,
+                    vocab_size: c.vocab_size,
+                });
+            }
+            let end = row.start_pos.saturating_add(row.tokens.len());
+            if end > c.max_position_embeddings {
+                return Err(ForwardError::PositionOutOfRange {
+                    row: r,
+                    end,
+                    max: c.max_position_embeddings,
+                });
+            }
+            let needed = end.div_ceil(kv.block_size);
+            if row.block_table.len() < needed {
+                return Err(ForwardError::BlockTableTooShort {
+                    row: r,
+                    len: row.block_table.len(),
+                    needed,
+                    end,
+                });
+            }
+            if let Some((index, &page)) = row.block_table[..needed]
+                .iter()
+                .enumerate()
+                .find(|(_, &p)| p as usize >= kv.num_blocks)
+            {
+                return Err(ForwardError::PageOutOfRange {
+                    row: r,
+                    index,
+                    page,
+                    num_blocks: kv.num_blocks,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one batched forward step.
+    ///
+    /// Rows may mix prefill chunks of any length and single-token decodes. Row `r`'s tokens
+    /// occupy positions `start_pos..start_pos + len`; their K/V are written into the pages its
+    /// block table gives (position `p` -> page `block_table[p / block_size]`, slot
+    /// `p % block_size`) and attention reads positions `0..start_pos + len` from those pages
+    /// (earlier positions were written by earlier calls). All rows' tokens go through the
+    /// linear layers together as one `[T, hidden]` matrix.
+    ///
+    /// Returns one logits vector (`vocab_size` f32) per row with `want_logits`, for the row's
+    /// last token, in row order. Rows must not share pages they write.
+    ///
+    /// # Errors
+    /// [`ForwardError`] for an empty row, a token `>= vocab_size`, positions beyond
+    /// `max_position_embeddings`, a block table too short or naming a page `>= num_blocks`, or
+    /// a cache of another model's shape. Nothing is written when an error is returned.
+    pub fn forward(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.forward_impl(kv, rows, None)
+    }
+
+    /// As [`CpuModel::forward`], also returning the residual stream after every decoder layer:
+    /// element `l` is `[T, hidden]` row-major for all tokens of all rows in batch order (for
+    /// comparing another backend layer by layer).
+    ///
+    /// # Errors
+    /// As [`CpuModel::forward`].
+    pub fn forward_with_layer_outputs(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+    ) -> Result<LogitsAndLayers, ForwardError> {
+        let mut outs = Vec::with_capacity(self.cfg.num_hidden_layers);
+        let logits = self.forward_impl(kv, rows, Some(&mut outs))?;
+        Ok((logits, outs))
+    }
+
+    fn forward_impl(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+        mut layer_outs: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.validate(kv, rows)?;
+        let c = &self.cfg;
+        let h = c.hidden_size;
+        let nh = c.num_attention_heads;
+        let kvh = c.num_key_value_heads;
+        let hd = c.head_dim;
+        let half = hd / 2;
+        let group = nh / kvh;
+        let q_w = nh * hd;
+        let kv_w = kvh * hd;
+        let qkv_w = q_w + 2 * kv_w;
+        let im = c.intermediate_size;
+        let eps = c.rms_norm_eps;
+        // HF: `scaling = head_dim**-0.5` (a Python float), applied to the f32 scores.
+        let scale = (hd as f64).powf(-0.5) as f32;
+        let t: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        let max_end = rows
+            .iter()
+            .map(|r| r.start_pos + r.tokens.len())
+            .max()
+            .unwrap_or(0);
+
+        let mut guard = self
+            .scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let s = &mut *guard;
+        resize(&mut s.x, t * h);
+        resize(&mut s.xn, t * h);
+        resize(&mut s.qkv, t * qkv_w);
+        resize(&mut s.attn, t * q_w);
+        resize(&mut s.tmp, t * h);
+        resize(&mut s.gate_up, t * 2 * im);
+        resize(&mut s.act, t * im);
+        resize(&mut s.scores, group * max_end);
+        resize(&mut s.cos, t * half);
+        resize(&mut s.sin, t * half);
+
+        // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32).
+        let mut i = 0;
+        for row in rows {
+            for j in 0..row.tokens.len() {
+                let pos = (row.start_pos + j) as f32;
+                for (d, &f) in self.inv_freq.iter().enumerate() {
+                    let a = (pos * f) as f64;
+                    s.cos[i * half + d] = a.cos() as f32;
+                    s.sin[i * half + d] = a.sin() as f32;
+                }
+                i += 1;
+            }
+        }
+
+        // Embedding.
+        let mut i = 0;
+        for row in rows {
+            for &tok in row.tokens {
+                let e = tok as usize * h;
+                s.x[i * h..(i + 1) * h].copy_from_slice(&self.embed[e..e + h]);
+                i += 1;
+            }
+        }
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            for i in 0..t {
+                rms_norm(
+                    &s.x[i * h..(i + 1) * h],
+                    &layer.input_norm,
+                    eps,
+                    &mut s.xn[i * h..(i + 1) * h],
+                );
+            }
+            matmul(&s.xn, t, &layer.qkv, &mut s.qkv, &mut s.pad);
+
+            // RoPE on q and k (HF rotate_half: pairs (j, j + hd/2)), then store k and v.
+            let mut i = 0;
+            for row in rows {
+                for (j, _) in row.tokens.iter().enumerate() {
+                    let pos = row.start_pos + j;
+                    let cs = &s.cos[i * half..(i + 1) * half];
+                    let sn = &s.sin[i * half..(i + 1) * half];
+                    let tok = &mut s.qkv[i * qkv_w..(i + 1) * qkv_w];
+                    for head in tok[..q_w + kv_w].chunks_exact_mut(hd) {
+                        let (a, b) = head.split_at_mut(half);
+                        for d in 0..half {
+                            let (x1, x2) = (a[d], b[d]);
+                            a[d] = x1 * cs[d] - x2 * sn[d];
+                            b[d] = x2 * cs[d] + x1 * sn[d];
+                        }
+                    }
+                    let page = row.block_table[pos / kv.block_size] as usize;
+                    let o = kv.offset(li, page, pos % kv.block_size);
+                    kv.k[o..o + kv_w].copy_from_slice(&tok[q_w..q_w + kv_w]);
+                    kv.v[o..o + kv_w].copy_from_slice(&tok[q_w + kv_w..]);
+                    i += 1;
+                }
+            }
+
+            // Causal GQA attention over the pages; f32 softmax (HF eager attention).
+            let mut i = 0;
+            for row in rows {
+                for j in 0..row.tokens.len() {
+                    attend(
+                        kv,
+                        li,
+                        row.block_table,
+                        row.start_pos + j + 1,
+                        &s.qkv[i * qkv_w..i * qkv_w + q_w],
+                        &mut s.attn[i * q_w..(i + 1) * q_w],
+                        &mut s.scores,
+                        scale,
+                    );
+                    i += 1;
+                }
+            }
+            matmul(&s.attn, t, &layer.o, &mut s.tmp, &mut s.pad);
+            for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
+                *x += a;
+            }
+
+            // MLP block: down(silu(gate(x)) * up(x)).
+            for i in 0..t {
+                rms_norm(
+                    &s.x[i * h..(i + 1) * h],
+                    &layer.post_norm,
+                    eps,
+                    &mut s.xn[i * h..(i + 1) * h],
+                );
+            }
+            matmul(&s.xn, t, &layer.gate_up, &mut s.gate_up, &mut s.pad);
+            for i in 0..t {
+                let gu = &s.gate_up[i * 2 * im..(i + 1) * 2 * im];
+                let (g, u) = gu.split_at(im);
+                for ((a, &g), &u) in s.act[i * im..(i + 1) * im].iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            matmul(&s.act, t, &layer.down, &mut s.tmp, &mut s.pad);
+            for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
+                *x += a;
+            }
+            if let Some(outs) = layer_outs.as_mut() {
+                outs.push(s.x[..t * h].to_vec());
+            }
+        }
+
+        // Final norm + LM head for the last token of each row that wants logits.
+        let mut sel = 0;
+        let mut end = 0;
+        resize(&mut s.last, rows.len() * h);
+        for row in rows {
+            end += row.tokens.len();
+            if row.want_logits {
+                let i = end - 1;
+                rms_norm(
+                    &s.x[i * h..(i + 1) * h],
+                    &self.norm,
+                    eps,
+                    &mut s.last[sel * h..(sel + 1) * h],
+                );
+                sel += 1;
+            }
+        }
+        let v = c.vocab_size;
+        resize(&mut s.logits, sel * v);
+        matmul(&s.last, sel, &self.lm_head, &mut s.logits, &mut s.pad);
+        Ok(s.logits[..sel * v]
+            .chunks_exact(v)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *s ^= *s << 13;
+                *s ^= *s >> 7;
+                *s ^= *s << 17;
+                ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// Every row of `matmul` over T rows must equal (bitwise) that row computed alone, for
+    /// shapes hitting gemm's gemv, horizontal and blocked kernels and multi-block `k`.
+    #[test]
+    fn matmul_rows_are_bit_identical_for_any_batch_size() {
+        let mut s = 0x1234_5678_9abc_def1u64;
+        let mut pad = PadBuf::default();
+        for &(n, k, max_t) in &[
+            (3usize, 64usize, 70usize),
+            (8, 64, 70),
+            (32, 64, 70),
+            (64, 64, 140),
+            (128, 64, 70),
+            (344, 64, 70),
+            (64, 172, 70),
+            (40, 1100, 140),
+            (512, 64, 140),
+            (300, 1300, 70),
+        ] {
+            let lin = Linear {
+                w: rnd(n * k, &mut s),
+                n,
+                k,
+            };
+            let x = rnd(max_t * k, &mut s);
+            let mut alone = vec![0.0f32; max_t * n];
+            for r in 0..max_t {
+                matmul(
+                    &x[r * k..(r + 1) * k],
+                    1,
+                    &lin,
+                    &mut alone[r * n..(r + 1) * n],
+                    &mut pad,
+                );
+            }
+            // Sanity: the alone results are a real matmul.
+            let dot: f64 = (0..k).map(|i| x[i] as f64 * lin.w[i] as f64).sum();
+            assert!((alone[0] as f64 - dot).abs() < 1e-4, "n={n} k={k}");
+            for t in 1..=max_t {
+                let mut out = vec![0.0f32; t * n];
+                matmul(&x[..t * k], t, &lin, &mut out, &mut pad);
+                assert!(
+                    out == alone[..t * n],
+                    "n={n} k={k}: rows of a {t}-row matmul differ from rows computed alone"
+                );
+            }
+        }
+    }
+}

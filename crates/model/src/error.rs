@@ -1,0 +1,215 @@
+//! Error types of the model crate.
+//!
+//! Contract: every loading failure is a [`ModelError`] whose `Display` names the file and the
+//! field or tensor at fault; no input, however malformed, makes this crate panic. Forward-pass
+//! input validation failures are [`ForwardError`]s (convertible into [`ModelError`]).
+
+use thiserror::Error;
+
+/// A failure while loading or validating a model directory.
+///
+/// `file` is always the path (as displayed) of the file being read when the failure happened.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    /// A file that must exist is missing or unreadable.
+    #[error("{file}: cannot read file: {reason}")]
+    Io {
+        /// File path.
+        file: String,
+        /// OS error text.
+        reason: String,
+    },
+    /// The file is not valid JSON; `line`/`column` come from serde_json (1-based).
+    #[error("{file}: invalid JSON at line {line} column {column}: {reason}")]
+    Json {
+        /// File path.
+        file: String,
+        /// 1-based line of the syntax error.
+        line: usize,
+        /// 1-based column of the syntax error.
+        column: usize,
+        /// serde_json's message.
+        reason: String,
+    },
+    /// A required field is absent (or null).
+    #[error("{file}: missing required field `{field}`")]
+    MissingField {
+        /// File path.
+        file: String,
+        /// JSON key (dotted for nested keys).
+        field: String,
+    },
+    /// A field is present but has the wrong type or an unusable value.
+    #[error("{file}: invalid field `{field}`: {reason}")]
+    InvalidField {
+        /// File path.
+        file: String,
+        /// JSON key (dotted for nested keys).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// `architectures` names no supported architecture.
+    #[error(
+        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM"
+    )]
+    UnsupportedArchitecture {
+        /// File path.
+        file: String,
+        /// The `architectures` list as found.
+        found: Vec<String>,
+    },
+    /// `model_type` is not `llama` or `mistral`.
+    #[error("{file}: unsupported `model_type` {found:?}; supported: llama, mistral")]
+    UnsupportedModelType {
+        /// File path.
+        file: String,
+        /// The `model_type` as found.
+        found: String,
+    },
+    /// A tensor required by the config is not stored.
+    #[error("{file}: missing tensor `{tensor}`")]
+    MissingTensor {
+        /// The weights file (or index) that was searched.
+        file: String,
+        /// HF tensor name.
+        tensor: String,
+    },
+    /// A tensor's shape does not match the one implied by config.json.
+    #[error(
+        "{file}: tensor `{tensor}` has shape {found:?}, expected {expected:?} (from config.json)"
+    )]
+    ShapeMismatch {
+        /// The weights file holding the tensor.
+        file: String,
+        /// HF tensor name.
+        tensor: String,
+        /// Shape implied by the config.
+        expected: Vec<usize>,
+        /// Shape stored in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor is stored in a dtype other than F32, F16 or BF16.
+    #[error("{file}: tensor `{tensor}` has unsupported dtype {dtype}; supported: F32, F16, BF16")]
+    UnsupportedDtype {
+        /// The weights file holding the tensor.
+        file: String,
+        /// HF tensor name.
+        tensor: String,
+        /// The dtype as safetensors names it.
+        dtype: String,
+    },
+    /// The safetensors container itself is malformed (header, offsets, truncation).
+    #[error("{file}: invalid safetensors file: {reason}")]
+    Safetensors {
+        /// The weights file.
+        file: String,
+        /// safetensors' message.
+        reason: String,
+    },
+    /// `model.safetensors.index.json` is inconsistent (e.g. `weight_map` points at a missing shard).
+    #[error("{file}: sharded index: {reason}")]
+    ShardIndex {
+        /// The index file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// tokenizer.json could not be loaded or used.
+    #[error("{file}: tokenizer: {reason}")]
+    Tokenizer {
+        /// tokenizer.json's path (or `tokenizer` when not file-specific).
+        file: String,
+        /// The tokenizers crate's message.
+        reason: String,
+    },
+    /// A forward pass was called with invalid inputs.
+    #[error("forward: {0}")]
+    Forward(#[from] ForwardError),
+}
+
+/// Invalid input to [`crate::CpuModel::forward`]; nothing is written to the KV cache when one is
+/// returned (all rows are validated before any computation).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ForwardError {
+    /// A row has no tokens.
+    #[error("row {row}: no tokens")]
+    EmptyRow {
+        /// Row index in the batch.
+        row: usize,
+    },
+    /// A token id is `>= vocab_size`.
+    #[error("row {row}: token {token} at index {index} is >= vocab_size {vocab_size}")]
+    TokenOutOfRange {
+        /// Row index in the batch.
+        row: usize,
+        /// Index of the token within the row.
+        index: usize,
+        /// The offending id.
+        token: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+    /// The row's last position is `>= max_position_embeddings`.
+    #[error("row {row}: positions up to {end} exceed max_position_embeddings {max}")]
+    PositionOutOfRange {
+        /// Row index in the batch.
+        row: usize,
+        /// One past the row's last position.
+        end: usize,
+        /// The model's `max_position_embeddings`.
+        max: usize,
+    },
+    /// The block table has fewer entries than the row's positions need.
+    #[error("row {row}: block table has {len} entries, positions 0..{end} need {needed}")]
+    BlockTableTooShort {
+        /// Row index in the batch.
+        row: usize,
+        /// Entries present.
+        len: usize,
+        /// Entries needed (`ceil(end / block_size)`).
+        needed: usize,
+        /// One past the row's last position.
+        end: usize,
+    },
+    /// A block-table entry is not a page of this cache.
+    #[error("row {row}: block table entry {index} is page {page}, cache has {num_blocks} pages")]
+    PageOutOfRange {
+        /// Row index in the batch.
+        row: usize,
+        /// Index within the block table.
+        index: usize,
+        /// The offending page id.
+        page: u32,
+        /// Pages in the cache.
+        num_blocks: usize,
+    },
+    /// The cache was built for a model of a different shape.
+    #[error(
+        "KV cache shape {cache:?} (layers, kv heads, head dim) does not match model {model:?}"
+    )]
+    CacheMismatch {
+        /// The cache's (layers, kv heads, head dim).
+        cache: (usize, usize, usize),
+        /// The model's (layers, kv heads, head dim).
+        model: (usize, usize, usize),
+    },
+}
+
+impl ModelError {
+    pub(crate) fn io(file: &std::path::Path, e: &std::io::Error) -> Self {
+        ModelError::Io {
+            file: file.display().to_string(),
+            reason: e.to_string(),
+        }
+    }
+
+    pub(crate) fn json(file: &str, e: &serde_json::Error) -> Self {
+        ModelError::Json {
+            file: file.to_string(),
+            line: e.line(),
+            column: e.column(),
+            reason: e.to_string(),
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! Safetensors weight loading (single file or sharded index), memory-mapped.
+//!
+//! Contract: [`WeightSource`] opens `model.safetensors` or `model.safetensors.index.json` and
+//! exposes every tensor's name, source dtype, shape and raw little-endian bytes without copying
+//! (for backends that load bf16 directly). [`LlamaWeights::load`] converts F32/F16/BF16 to f32
+//! host tensors after checking every shape against the [`ModelConfig`]; any problem is a
+//! [`ModelError`] naming the file and tensor.
+
+use crate::config::{parse_json, read_text, Fields, ModelConfig};
+use crate::error::ModelError;
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A dense row-major f32 host tensor. `Debug` prints the shape only.
+#[derive(Clone, PartialEq)]
+pub struct Tensor {
+    /// Dimensions, outermost first (HF order: linear weights are `[out, in]`).
+    pub shape: Vec<usize>,
+    /// `shape.iter().product()` values, row-major.
+    pub data: Vec<f32>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor{:?}", self.shape)
+    }
+}
+
+impl Tensor {
+    /// A tensor filled with `value`.
+    pub fn full(shape: &[usize], value: f32) -> Self {
+        Tensor {
+            shape: shape.to_vec(),
+            data: vec![value; shape.iter().product()],
+        }
+    }
+}
+
+/// Weights of one decoder layer (HF names; linear weights are `[out_features, in_features]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerWeights {
+    /// `[hidden]` RMSNorm weight before attention.
+    pub input_layernorm: Tensor,
+    /// `[heads * head_dim, hidden]`, rows in HF rotate-half RoPE order.
+    pub q_proj: Tensor,
+    /// `[kv_heads * head_dim, hidden]`, rows in HF rotate-half RoPE order.
+    pub k_proj: Tensor,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub v_proj: Tensor,
+    /// `[hidden, heads * head_dim]`.
+    pub o_proj: Tensor,
+    /// `[hidden]` RMSNorm weight before the MLP.
+    pub post_attention_layernorm: Tensor,
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Tensor,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Tensor,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Tensor,
+}
+
+/// All weights of a Llama-family model as f32 host tensors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaWeights {
+    /// `[vocab, hidden]` token embedding (`model.embed_tokens.weight`).
+    pub embed: Tensor,
+    /// `num_hidden_layers` layers.
+    pub layers: Vec<LayerWeights>,
+    /// `[hidden]` final RMSNorm weight (`model.norm.weight`).
+    pub norm: Tensor,
+    /// `[vocab, hidden]` LM head (`lm_head.weight`, or a copy of `embed` when tied).
+    pub lm_head: Tensor,
+}
+
+/// Source element type of a stored tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+}
+
+/// One stored tensor, borrowed from the memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensor<'a> {
+    /// HF tensor name.
+    pub name: &'a str,
+    /// Source dtype.
+    pub dtype: DType,
+    /// Stored shape.
+    pub shape: &'a [usize],
+    /// Little-endian element bytes (`shape.product() * dtype.size()` of them).
+    pub bytes: &'a [u8],
+    /// The file holding it.
+    pub file: &'a Path,
+}
+
+impl RawTensor<'_> {
+    /// Converts to an f32 tensor (exact for F16/BF16).
+    pub fn to_f32(&self) -> Tensor {
+        let data: Vec<f32> = match self.dtype {
+            DType::F32 => self
+                .bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => self
+                .bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => self
+                .bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        };
+        Tensor {
+            shape: self.shape.to_vec(),
+            data,
+        }
+    }
+}
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+/// Memory-mapped safetensors weights of a model directory (one file or an index of shards).
+pub struct WeightSource {
+    shards: Vec<Shard>,
+    /// tensor name -> shard index
+    names: BTreeMap<String, usize>,
+    /// The file named in "missing tensor" errors (the single file or the index).
+    origin: PathBuf,
+}
+
+impl std::fmt::Debug for WeightSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightSource")
+            .field("origin", &self.origin)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.names.len())
+            .finish()
+    }
+}
+
+fn open_shard(path: &Path) -> Result<Shard, ModelError> {
+    let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, &e))?;
+    // SAFETY: the mapping is read-only and private to this process; model files are not
+    // expected to be modified while loaded (the same assumption HF and the safetensors crate
+    // make). All accesses are bounds-checked slices of the map.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, &e))?;
+    let (header_len, meta) =
+        SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
+            file: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    // read_metadata validates offsets against the buffer, but be defensive: every tensor's
+    // byte range must lie inside the map.
+    let data_start = 8usize.saturating_add(header_len);
+    for (name, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
+        if s > e || data_start.saturating_add(e) > mmap.len() {
+            return Err(ModelError::Safetensors {
+                file: path.display().to_string(),
+                reason: format!("tensor `{name}` data offsets {s}..{e} exceed the file"),
+            });
+        }
+    }
+    Ok(Shard {
+        path: path.to_path_buf(),
+        mmap,
+        header_len,
+        meta,
+    })
+}
+
+impl WeightSource {
+    /// Opens `dir/model.safetensors`, or else `dir/model.safetensors.index.json` and the shards
+    /// its `weight_map` names.
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] if neither exists, [`ModelError::ShardIndex`] for a malformed index,
+    /// a shard that is missing or that lacks a tensor the index assigns to it,
+    /// [`ModelError::Safetensors`] for a corrupt file.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        if single.exists() || !index.exists() {
+            let shard = open_shard(&single)?;
+            let names = shard
+                .meta
+                .tensors()
+                .keys()
+                .map(|k| (k.clone(), 0))
+                .collect();
+            return Ok(WeightSource {
+                shards: vec![shard],
+                names,
+                origin: single,
+            });
+        }
+        let index_name = index.display().to_string();
+        let v = parse_json(&index_name, &read_text(&index)?)?;
+        let f = Fields::new(&index_name, &v)?;
+        let map = match f.get("weight_map") {
+            Some(serde_json::Value::Object(m)) => m,
+            Some(_) => return Err(f.invalid("weight_map", "expected an object")),
+            None => return Err(f.missing("weight_map")),
+        };
+        let mut shard_ids: BTreeMap<String, usize> = BTreeMap::new();
+        let mut shards = Vec::new();
+        let mut names = BTreeMap::new();
+        for (tensor, file) in map {
+            let Some(file) = file.as_str() else {
+                return Err(ModelError::ShardIndex {
+                    file: index_name.clone(),
+                    reason: format!("weight_map[`{tensor}`] is not a file name"),
+                });
+            };
+            if file.contains('/') || file.contains('\\') || file.contains("..") {
+                return Err(ModelError::ShardIndex {
+                    file: index_name.clone(),
+                    reason: format!("weight_map[`{tensor}`] = {file:?} is not a plain file name"),
+                });
+            }
+            let id = match shard_ids.get(file) {
+                Some(&id) => id,
+                None => {
+                    let p = dir.join(file);
+                    if !p.exists() {
+                        return Err(ModelError::ShardIndex {
+                            file: index_name.clone(),
+                            reason: format!(
+                                "shard `{file}` (holding tensor `{tensor}`) does not exist"
+                            ),
+                        });
+                    }
+                    shards.push(open_shard(&p)?);
+                    shard_ids.insert(file.to_string(), shards.len() - 1);
+                    shards.len() - 1
+                }
+            };
+            if shards[id].meta.info(tensor).is_none() {
+                return Err(ModelError::ShardIndex {
+                    file: index_name.clone(),
+                    reason: format!("tensor `{tensor}` is not in shard `{file}`"),
+                });
+            }
+            names.insert(tensor.clone(), id);
+        }
+        Ok(WeightSource {
+            shards,
+            names,
+            origin: index,
+        })
+    }
+
+    /// Names of all stored tensors, sorted.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.names.keys().map(String::as_str)
+    }
+
+    /// Whether a tensor is stored.
+    pub fn contains(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+
+    /// A stored tensor's dtype, shape and bytes.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], or [`ModelError::UnsupportedDtype`] for anything other
+    /// than F32/F16/BF16.
+    pub fn get(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
+        let (key, &id) =
+            self.names
+                .get_key_value(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    file: self.origin.display().to_string(),
+                    tensor: name.to_string(),
+                })?;
+        let shard = &self.shards[id];
+        let info = shard
+            .meta
+            .info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: shard.path.display().to_string(),
+                tensor: name.to_string(),
+            })?;
+        let dtype = match info.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::UnsupportedDtype {
+                    file: shard.path.display().to_string(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let start = 8 + shard.header_len + info.data_offsets.0;
+        let end = 8 + shard.header_len + info.data_offsets.1;
+        let n: usize = info.shape.iter().product();
+        let bytes = shard
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| ModelError::Safetensors {
+                file: shard.path.display().to_string(),
+                reason: format!("tensor `{name}` data out of range"),
+            })?;
+        if bytes.len() != n * dtype.size() {
+            return Err(ModelError::Safetensors {
+                file: shard.path.display().to_string(),
+                reason: format!(
+                    "tensor `{name}` holds {} bytes, shape {:?} needs {}",
+                    bytes.len(),
+                    info.shape,
+                    n * dtype.size()
+                ),
+            });
+        }
+        Ok(RawTensor {
+            name: key,
+            dtype,
+            shape: &info.shape,
+            bytes,
+            file: &shard.path,
+        })
+    }
+
+    /// Loads a tensor as f32 after checking its shape.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get`], plus [`ModelError::ShapeMismatch`].
+    pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
+        let raw = self.get(name)?;
+        if raw.shape != expected {
+            return Err(ModelError::ShapeMismatch {
+                file: raw.file.display().to_string(),
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                found: raw.shape.to_vec(),
+            });
+        }
+        Ok(raw.to_f32())
+    }
+}
+
+/// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights`] field order.
+pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> [(String, Vec<usize>); 9] {
+    let h = cfg.hidden_size;
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let im = cfg.intermediate_size;
+    let p = format!("model.layers.{i}.");
+    [
+        (format!("{p}input_layernorm.weight"), vec![h]),
+        (format!("{p}self_attn.q_proj.weight"), vec![q, h]),
+        (format!("{p}self_attn.k_proj.weight"), vec![kv, h]),
+        (format!("{p}self_attn.v_proj.weight"), vec![kv, h]),
+        (format!("{p}self_attn.o_proj.weight"), vec![h, q]),
+        (format!("{p}post_attention_layernorm.weight"), vec![h]),
+        (format!("{p}mlp.gate_proj.weight"), vec![im, h]),
+        (format!("{p}mlp.up_proj.weight"), vec![im, h]),
+        (format!("{p}mlp.down_proj.weight"), vec![h, im]),
+    ]
+}
+
+impl LlamaWeights {
+    /// Loads and converts all weights from `src`, checking shapes against `cfg`.
+    ///
+    /// The LM head is `lm_head.weight` when stored, else (tied embeddings) a copy of
+    /// `model.embed_tokens.weight`.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], [`ModelError::ShapeMismatch`],
+    /// [`ModelError::UnsupportedDtype`] naming the file and tensor.
+    pub fn load(cfg: &ModelConfig, src: &WeightSource) -> Result<Self, ModelError> {
+        let h = cfg.hidden_size;
+        let v = cfg.vocab_size;
+        let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let [ln1, q, k, vv, o, ln2, g, u, d] = layer_tensor_shapes(cfg, i);
+            let ld = |(n, s): (String, Vec<usize>)| src.load_f32(&n, &s);
+            layers.push(LayerWeights {
+                input_layernorm: ld(ln1)?,
+                q_proj: ld(q)?,
+                k_proj: ld(k)?,
+                v_proj: ld(vv)?,
+                o_proj: ld(o)?,
+                post_attention_layernorm: ld(ln2)?,
+                gate_proj: ld(g)?,
+                up_proj: ld(u)?,
+                down_proj: ld(d)?,
+            });
+        }
+        let norm = src.load_f32("model.norm.weight", &[h])?;
+        let lm_head = if src.contains("lm_head.weight") {
+            src.load_f32("lm_head.weight", &[v, h])?
+        } else if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            // HF would leave an untied head randomly initialised; refuse instead.
+            return Err(ModelError::MissingTensor {
+                file: src.origin.display().to_string(),
+                tensor: "lm_head.weight".into(),
+            });
+        };
+        Ok(LlamaWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// Deterministic random weights for `cfg` (for `load_format = dummy` and benchmarks).
+    ///
+    /// Linear and embedding weights are uniform in `[-0.02·√3, 0.02·√3]` (standard deviation
+    /// 0.02, HF's `initializer_range`), norm weights are 1.0. The same `seed` gives the same
+    /// weights on every run and platform (xorshift64* generator, filled sequentially). A tied
+    /// config gets `lm_head == embed`.
+    pub fn dummy(cfg: &ModelConfig, seed: u64) -> Self {
+        let mut rng = XorShift::new(seed);
+        let h = cfg.hidden_size;
+        let mut rand = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            Tensor {
+                shape: shape.to_vec(),
+                data: rng.uniform(n, 0.02 * 3f32.sqrt()),
+            }
+        };
+        let embed = rand(&[cfg.vocab_size, h]);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let [ln1, q, k, v, o, ln2, g, u, d] = layer_tensor_shapes(cfg, i);
+            layers.push(LayerWeights {
+                input_layernorm: Tensor::full(&ln1.1, 1.0),
+                q_proj: rand(&q.1),
+                k_proj: rand(&k.1),
+                v_proj: rand(&v.1),
+                o_proj: rand(&o.1),
+                post_attention_layernorm: Tensor::full(&ln2.1, 1.0),
+                gate_proj: rand(&g.1),
+                up_proj: rand(&u.1),
+                down_proj: rand(&d.1),
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            rand(&[cfg.vocab_size, h])
+        };
+        LlamaWeights {
+            embed,
+            layers,
+            norm: Tensor::full(&[h], 1.0),
+            lm_head,
+        }
+    }
+}
+
+/// xorshift64* (Vigna 2016): tiny, fast, deterministic across platforms.
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> Self {
+        // splitmix64 of the seed so that seed 0 and nearby seeds give unrelated streams.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        XorShift(if z == 0 { 1 } else { z })
+    }
+
+    #[inline]
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Returns `n` values uniform in `[-a, a)`, two per 64-bit draw (23 random mantissa bits
+    /// each, via the `1.0 + mantissa` bit trick).
+    fn uniform(&mut self, n: usize, a: f32) -> Vec<f32> {
+        let mut out = vec![0.0f32; n];
+        let scale = 2.0 * a;
+        let mut pairs = out.chunks_exact_mut(2);
+        for p in &mut pairs {
+            let r = self.next();
+            p[0] = (f32::from_bits(0x3F80_0000 | (r >> 41) as u32) - 1.5) * scale;
+            p[1] = (f32::from_bits(0x3F80_0000 | ((r >> 9) as u32 & 0x7F_FFFF)) - 1.5) * scale;
+        }
+        if let [last] = pairs.into_remainder() {
+            let r = self.next();
+            *last = (f32::from_bits(0x3F80_0000 | (r >> 41) as u32) - 1.5) * scale;
+        }
+        out
+    }
+}

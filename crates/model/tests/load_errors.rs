@@ -1,0 +1,312 @@
+//! Every way a model directory can be broken yields a `ModelError` (never a panic) whose text
+//! names the file and the field or tensor at fault.
+
+mod common;
+
+use baton_model::{load_model_dir, load_model_dir_with, LoadFormat, ModelError};
+use common::{edit_config, fake_dir, stories_tensors, write_safetensors, OwnedTensor, TempDir};
+use std::path::Path;
+
+fn err(dir: &Path) -> String {
+    match load_model_dir(dir) {
+        Ok(_) => panic!("loading {} should fail", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_mentions(msg: &str, parts: &[&str]) {
+    eprintln!("error text: {msg}");
+    for p in parts {
+        assert!(msg.contains(p), "error {msg:?} should mention {p:?}");
+    }
+}
+
+/// A fake dir with stories260K's JSON and its tensors after `edit`.
+fn dir_with_tensors(tag: &str, edit: impl FnOnce(&mut Vec<OwnedTensor>)) -> TempDir {
+    let d = fake_dir(tag);
+    let mut t = stories_tensors();
+    edit(&mut t);
+    write_safetensors(&d, "model.safetensors", &t);
+    d
+}
+
+#[test]
+fn unmodified_copy_loads_so_failures_below_are_caused_by_the_edit() {
+    let d = dir_with_tensors("ok", |_| {});
+    load_model_dir(&d).expect("an unedited copy loads");
+}
+
+#[test]
+fn missing_config_json_names_the_file() {
+    let d = dir_with_tensors("noconfig", |_| {});
+    std::fs::remove_file(d.join("config.json")).unwrap();
+    let e = load_model_dir(&d).unwrap_err();
+    assert!(matches!(e, ModelError::Io { .. }), "{e:?}");
+    assert_mentions(&e.to_string(), &["config.json"]);
+}
+
+#[test]
+fn bad_json_names_file_line_and_column() {
+    let d = dir_with_tensors("badjson", |_| {});
+    std::fs::write(
+        d.join("config.json"),
+        "{\n  \"hidden_size\": 64,\n  oops\n}",
+    )
+    .unwrap();
+    let e = load_model_dir(&d).unwrap_err();
+    match &e {
+        ModelError::Json { line, .. } => assert_eq!(*line, 3),
+        other => panic!("expected Json, got {other:?}"),
+    }
+    assert_mentions(&e.to_string(), &["config.json", "line 3"]);
+}
+
+#[test]
+fn bad_generation_config_json_names_that_file() {
+    let d = dir_with_tensors("badgen", |_| {});
+    std::fs::write(d.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
+    assert_mentions(&err(&d), &["generation_config.json", "line 1"]);
+}
+
+#[test]
+fn unsupported_architecture_is_named() {
+    let d = dir_with_tensors("arch", |_| {});
+    edit_config(&d, |c| {
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["GPT2LMHeadModel"]),
+        );
+    });
+    assert_mentions(
+        &err(&d),
+        &["config.json", "architectures", "GPT2LMHeadModel"],
+    );
+}
+
+#[test]
+fn unsupported_model_type_is_named() {
+    let d = dir_with_tensors("mtype", |_| {});
+    edit_config(&d, |c| {
+        c.insert("model_type".into(), serde_json::json!("gpt2"));
+    });
+    assert_mentions(&err(&d), &["config.json", "model_type", "gpt2"]);
+}
+
+#[test]
+fn missing_and_mistyped_config_fields_are_named() {
+    let d = dir_with_tensors("field", |_| {});
+    edit_config(&d, |c| {
+        c.remove("hidden_size");
+    });
+    let e = load_model_dir(&d).unwrap_err();
+    assert!(matches!(e, ModelError::MissingField { .. }), "{e:?}");
+    assert_mentions(&e.to_string(), &["config.json", "hidden_size"]);
+
+    edit_config(&d, |c| {
+        c.insert("hidden_size".into(), serde_json::json!("sixty-four"));
+    });
+    let e = load_model_dir(&d).unwrap_err();
+    assert!(matches!(e, ModelError::InvalidField { .. }), "{e:?}");
+    assert_mentions(&e.to_string(), &["config.json", "hidden_size"]);
+
+    edit_config(&d, |c| {
+        c.insert("hidden_size".into(), serde_json::json!(64));
+        c.insert("num_key_value_heads".into(), serde_json::json!(3));
+    });
+    assert_mentions(&err(&d), &["config.json", "num_key_value_heads"]);
+}
+
+#[test]
+fn unsupported_rope_scaling_type_is_named() {
+    let d = dir_with_tensors("rope", |_| {});
+    edit_config(&d, |c| {
+        c.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+        );
+    });
+    assert_mentions(&err(&d), &["config.json", "rope_scaling.rope_type", "yarn"]);
+}
+
+#[test]
+fn mistral_with_sliding_window_is_rejected_and_without_it_loads() {
+    let d = dir_with_tensors("mistral", |_| {});
+    edit_config(&d, |c| {
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["MistralForCausalLM"]),
+        );
+        c.insert("model_type".into(), serde_json::json!("mistral"));
+        c.insert("sliding_window".into(), serde_json::json!(256));
+    });
+    assert_mentions(&err(&d), &["config.json", "sliding_window", "256"]);
+    edit_config(&d, |c| {
+        c.insert("sliding_window".into(), serde_json::Value::Null);
+    });
+    load_model_dir(&d).expect("mistral without sliding window loads");
+    edit_config(&d, |c| {
+        c.insert("sliding_window".into(), serde_json::json!(512));
+    });
+    load_model_dir(&d).expect("window >= max_position_embeddings loads");
+}
+
+#[test]
+fn missing_tensor_is_named_with_its_file() {
+    let d = dir_with_tensors("notensor", |t| {
+        t.retain(|x| x.0 != "model.layers.3.mlp.up_proj.weight")
+    });
+    let e = load_model_dir(&d).unwrap_err();
+    assert!(matches!(e, ModelError::MissingTensor { .. }), "{e:?}");
+    assert_mentions(
+        &e.to_string(),
+        &["model.safetensors", "model.layers.3.mlp.up_proj.weight"],
+    );
+}
+
+#[test]
+fn untied_config_without_lm_head_is_a_missing_tensor() {
+    let d = dir_with_tensors("untied", |_| {});
+    edit_config(&d, |c| {
+        c.insert("tie_word_embeddings".into(), serde_json::json!(false));
+    });
+    assert_mentions(&err(&d), &["model.safetensors", "lm_head.weight"]);
+}
+
+#[test]
+fn wrong_shape_names_tensor_expected_and_found() {
+    let d = dir_with_tensors("shape", |t| {
+        let k = t
+            .iter_mut()
+            .find(|x| x.0 == "model.layers.0.self_attn.k_proj.weight")
+            .unwrap();
+        k.2 = vec![64, 32];
+    });
+    let e = load_model_dir(&d).unwrap_err();
+    assert!(matches!(e, ModelError::ShapeMismatch { .. }), "{e:?}");
+    assert_mentions(
+        &e.to_string(),
+        &[
+            "model.safetensors",
+            "model.layers.0.self_attn.k_proj.weight",
+            "[32, 64]",
+            "[64, 32]",
+        ],
+    );
+}
+
+#[test]
+fn unsupported_dtypes_i32_and_f64_are_named() {
+    for (dtype, name, size) in [
+        (safetensors::Dtype::I32, "I32", 4usize),
+        (safetensors::Dtype::F64, "F64", 8),
+    ] {
+        let d = dir_with_tensors("dtype", |t| {
+            let n = t.iter_mut().find(|x| x.0 == "model.norm.weight").unwrap();
+            n.1 = dtype;
+            n.3 = vec![0u8; 64 * size];
+        });
+        let e = load_model_dir(&d).unwrap_err();
+        assert!(matches!(e, ModelError::UnsupportedDtype { .. }), "{e:?}");
+        assert_mentions(
+            &e.to_string(),
+            &["model.safetensors", "model.norm.weight", name],
+        );
+    }
+}
+
+#[test]
+fn truncated_or_garbage_safetensors_is_an_error_not_a_panic() {
+    let d = dir_with_tensors("trunc", |_| {});
+    let p = d.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    for cut in [0usize, 4, 8, 100, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        assert_mentions(&err(&d), &["model.safetensors"]);
+    }
+    let mut garbage = vec![0xffu8; 64];
+    garbage[..8].copy_from_slice(&40u64.to_le_bytes());
+    std::fs::write(&p, &garbage).unwrap();
+    assert_mentions(&err(&d), &["model.safetensors"]);
+}
+
+#[test]
+fn missing_weights_file_names_model_safetensors() {
+    let d = fake_dir("noweights");
+    assert_mentions(&err(&d), &["model.safetensors"]);
+}
+
+fn write_index(d: &Path, map: serde_json::Value) {
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn sharded_index_problems_name_the_index_and_shard() {
+    let d = fake_dir("shardbad");
+    let t = stories_tensors();
+    let (a, b) = t.split_at(t.len() / 2);
+    write_safetensors(&d, "model-00001-of-00002.safetensors", a);
+    let mut map = serde_json::Map::new();
+    for x in a {
+        map.insert(x.0.clone(), "model-00001-of-00002.safetensors".into());
+    }
+    for x in b {
+        map.insert(x.0.clone(), "model-00002-of-00002.safetensors".into());
+    }
+    // Shard 2 missing.
+    write_index(&d, serde_json::Value::Object(map.clone()));
+    assert_mentions(
+        &err(&d),
+        &[
+            "model.safetensors.index.json",
+            "model-00002-of-00002.safetensors",
+        ],
+    );
+    // Index assigns a tensor to a shard that lacks it.
+    write_safetensors(&d, "model-00002-of-00002.safetensors", &b[1..]);
+    assert_mentions(&err(&d), &["model.safetensors.index.json", &b[0].0]);
+    // No weight_map.
+    std::fs::write(d.join("model.safetensors.index.json"), "{}").unwrap();
+    assert_mentions(&err(&d), &["model.safetensors.index.json", "weight_map"]);
+    // Path traversal in a shard name.
+    let mut m2 = map.clone();
+    m2.insert(b[0].0.clone(), "../x.safetensors".into());
+    write_index(&d, serde_json::Value::Object(m2));
+    assert_mentions(
+        &err(&d),
+        &["model.safetensors.index.json", "../x.safetensors"],
+    );
+}
+
+#[test]
+fn missing_tokenizer_fails_auto_but_dummy_loads_without_it() {
+    let d = fake_dir("notok");
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    assert_mentions(&err(&d), &["tokenizer.json"]);
+    let m =
+        load_model_dir_with(&d, LoadFormat::Dummy { seed: 1 }).expect("dummy needs only config");
+    assert!(m.tokenizer.is_none());
+    std::fs::write(d.join("tokenizer.json"), "{not json").unwrap();
+    let e = load_model_dir_with(&d, LoadFormat::Dummy { seed: 1 }).unwrap_err();
+    assert_mentions(&e.to_string(), &["tokenizer.json"]);
+}
+
+#[test]
+fn bad_tokenizer_config_fields_are_named() {
+    let d = dir_with_tensors("tokcfg", |_| {});
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"add_bos_token": "yes"}"#,
+    )
+    .unwrap();
+    assert_mentions(&err(&d), &["tokenizer_config.json", "add_bos_token"]);
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        r#"{"bos_token": "<nope>"}"#,
+    )
+    .unwrap();
+    assert_mentions(&err(&d), &["tokenizer_config.json", "bos_token", "<nope>"]);
+}

@@ -1,0 +1,116 @@
+//! A request as the scheduler sees it: its known history and how much of it is computed.
+//!
+//! Contract (DESIGN.md section 2): `known_len` is the prompt plus accepted outputs;
+//! `computed_len` counts the positions whose KV is written and fenced; `scheduled_len` counts
+//! the positions included in published launches, fenced or not. Always
+//! `computed_len <= scheduled_len <= known_len + inflight_samples.len()`.
+
+use baton_proto::{LaunchSeq, SamplingParams, SlotRef};
+use std::collections::VecDeque;
+
+/// Caller-chosen request id, unique among live requests.
+pub type RequestId = u64;
+
+/// What a caller submits.
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    /// Unique id among live requests.
+    pub id: RequestId,
+    /// Prompt token ids (BOS included if the model wants it). Must be non-empty.
+    pub prompt: Vec<u32>,
+    /// Most new tokens to generate (>= 1).
+    pub max_tokens: u32,
+    /// Sampling parameters. `seed` is the request's own stream; callers give unseeded requests a
+    /// random seed.
+    pub params: SamplingParams,
+    /// The model's EOS ids; generation stops on them unless `ignore_eos`.
+    pub eos_ids: Vec<u32>,
+    /// Extra ids that end generation (`stop_token_ids`); `ignore_eos` does not affect them.
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop on `eos_ids` (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token was sampled.
+    Stop,
+    /// `max_tokens` or the model's maximum length was reached.
+    Length,
+    /// The engine gave up on the request (for example, it can no longer fit).
+    Abort,
+    /// The caller cancelled it; this is the cancel's acknowledgement.
+    Cancelled,
+}
+
+/// The lifecycle state of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    Waiting,
+    Running,
+}
+
+/// Scheduler-private state of a live request.
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub id: RequestId,
+    pub slot: Option<SlotRef>,
+    /// Known history: prompt followed by accepted outputs. `known_len == tokens.len()`.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub computed_len: usize,
+    pub scheduled_len: usize,
+    /// Sampling rows in flight, oldest first: `(launch, row)`. Their tokens take positions
+    /// `known_len ..` in order.
+    pub inflight_samples: VecDeque<(LaunchSeq, u32)>,
+    /// Block table: page ids, append-only while the request holds its slot.
+    pub blocks: Vec<u32>,
+    /// Last launch that referred to this request's pages and slot (0: none).
+    pub last_launch: LaunchSeq,
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub stop_ids: Vec<u32>,
+    pub state: State,
+    /// Times this request was preempted.
+    pub preemptions: u32,
+}
+
+impl Request {
+    pub fn new(r: NewRequest) -> Self {
+        let mut stop_ids = r.stop_token_ids;
+        if !r.ignore_eos {
+            stop_ids.extend_from_slice(&r.eos_ids);
+        }
+        Self {
+            id: r.id,
+            slot: None,
+            prompt_len: r.prompt.len(),
+            tokens: r.prompt,
+            computed_len: 0,
+            scheduled_len: 0,
+            inflight_samples: VecDeque::new(),
+            blocks: Vec::new(),
+            last_launch: 0,
+            max_tokens: r.max_tokens as usize,
+            params: r.params,
+            stop_ids,
+            state: State::Waiting,
+            preemptions: 0,
+        }
+    }
+
+    pub fn known_len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn num_outputs(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Outputs accepted plus outputs being sampled.
+    pub fn outputs_promised(&self) -> usize {
+        self.num_outputs() + self.inflight_samples.len()
+    }
+}

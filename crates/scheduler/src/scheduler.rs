@@ -1,0 +1,697 @@
+//! The scheduler core: FCFS continuous batching with chunked prefill over a paged KV cache.
+//!
+//! Contract: the scheduler is the only writer of request state, block tables and token tables.
+//! `schedule` prepares one launch (pages are allocated here, not at admission) and publishes it
+//! read-only; `on_completion` accepts sampled tokens of live requests and suppresses the rest;
+//! `on_released` reclaims pages and slots retired after launches every consumer has released.
+//! A request that ends, is cancelled or is preempted retires its pages and slot after its last
+//! launch; they are never reclaimed before that launch's fence.
+
+use crate::request::{FinishReason, NewRequest, Request, RequestId, State};
+use crate::trace::{Boundary, TraceRecord, Tracer};
+use baton_kv::{PagePool, PoolStats, SlotAllocator};
+use baton_proto::{
+    Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, NOT_PENDING,
+};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+
+/// Limits and policy knobs. The same limits are published to frontends (segment header), so both
+/// sides validate against the same values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most requests running at once (and request slots).
+    pub max_num_seqs: usize,
+    /// Most positions computed in one launch (prefill chunks plus decodes).
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// Pages in the KV pool.
+    pub num_blocks: usize,
+    /// Most tokens (prompt plus outputs) a request may hold.
+    pub max_model_len: usize,
+    /// Most launches published and not yet completed: 1 is synchronous scheduling, 2 is
+    /// asynchronous scheduling (launch `s+1` is prepared before completion `s` arrives).
+    pub max_inflight: usize,
+}
+
+impl SchedulerConfig {
+    /// Block-table entries a request can need.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_model_len.div_ceil(self.block_size)
+    }
+}
+
+/// Why a request was refused at admission.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdmitError {
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// `max_tokens` is 0.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    /// The prompt leaves no room for one new token.
+    #[error("the prompt has {prompt} tokens; this model's maximum context length is {max_model_len} tokens, which leaves no room for a new token")]
+    PromptTooLong { prompt: usize, max_model_len: usize },
+    /// The request could never fit in the KV pool, even alone.
+    #[error("the request needs up to {needed} KV pages but the pool has only {total}")]
+    TooLargeForPool { needed: usize, total: usize },
+    /// A live request already has this id.
+    #[error("request id {0} is already live")]
+    DuplicateId(RequestId),
+    /// A token id is outside the vocabulary.
+    #[error("token id {id} is out of range for a vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+}
+
+/// What the scheduler tells the request's owner.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A new output token of `id`.
+    Token {
+        /// The request.
+        id: RequestId,
+        /// The token.
+        token: u32,
+        /// Its log-probability, if asked.
+        logprob: f32,
+        /// Top log-probabilities, if asked.
+        top: Vec<(u32, f32)>,
+    },
+    /// The request ended; no further event for `id` follows.
+    Finished {
+        /// The request.
+        id: RequestId,
+        /// Why.
+        reason: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Output tokens published.
+        output_tokens: usize,
+    },
+}
+
+/// Per-launch bookkeeping kept until the launch's completion.
+#[derive(Debug)]
+struct Inflight {
+    seq: LaunchSeq,
+    /// `(request, slot, first_pos, num_tokens)` per row, in row order.
+    rows: Vec<(RequestId, SlotRef, usize, usize)>,
+}
+
+/// Counts for `/metrics` and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Requests admitted and not finished, waiting for their first (or next, after preemption) launch.
+    pub waiting: usize,
+    /// Requests holding a slot and pages.
+    pub running: usize,
+    /// Launches published and not completed.
+    pub inflight: usize,
+    /// Page pool counts.
+    pub pool: PoolStats,
+    /// Request slots retired and not yet reclaimed.
+    pub slots_retired: usize,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Launches so far.
+    pub launches: u64,
+}
+
+/// The scheduler core. Drive it with [`Scheduler::schedule`], [`Scheduler::on_completion`] and
+/// [`Scheduler::on_released`]; it does no I/O besides the optional trace.
+pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
+    cfg: SchedulerConfig,
+    vocab_size: usize,
+    pool: PagePool,
+    slots: SlotAllocator,
+    tables: Arc<SlotTables<S>>,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    /// Running requests in admission order (the last one is preempted first).
+    running: Vec<RequestId>,
+    inflight: VecDeque<Inflight>,
+    next_seq: LaunchSeq,
+    released: LaunchSeq,
+    preemptions: u64,
+    trace: Option<Tracer>,
+    scratch_pages: Vec<u32>,
+}
+
+impl Scheduler<Box<[AtomicU32]>> {
+    /// A scheduler with heap-backed token and block tables (the in-process engine).
+    pub fn new_local(cfg: SchedulerConfig, vocab_size: usize) -> Self {
+        let tables = Arc::new(HeapSlotTables::new_heap(
+            cfg.max_num_seqs,
+            cfg.max_model_len,
+            cfg.max_blocks_per_seq(),
+        ));
+        Self::with_tables(cfg, vocab_size, tables)
+    }
+}
+
+impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
+    /// A scheduler over existing tables (for example regions of the shared segment), which must
+    /// have `cfg.max_num_seqs` slots of `cfg.max_model_len` tokens and
+    /// `cfg.max_blocks_per_seq()` entries.
+    pub fn with_tables(
+        cfg: SchedulerConfig,
+        vocab_size: usize,
+        tables: Arc<SlotTables<S>>,
+    ) -> Self {
+        assert!(cfg.block_size > 0 && cfg.max_inflight > 0 && cfg.max_num_seqs > 0);
+        Self {
+            pool: PagePool::new(cfg.num_blocks),
+            slots: SlotAllocator::new(cfg.max_num_seqs),
+            vocab_size,
+            tables,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            inflight: VecDeque::new(),
+            next_seq: 1,
+            released: 0,
+            preemptions: 0,
+            trace: None,
+            scratch_pages: Vec::new(),
+            cfg,
+        }
+    }
+
+    /// Writes the lifecycle trace to `tracer`.
+    pub fn set_tracer(&mut self, tracer: Tracer) {
+        self.trace = Some(tracer);
+    }
+
+    /// Flushes the trace, if any.
+    pub fn flush_trace(&mut self) {
+        if let Some(t) = &mut self.trace {
+            t.flush();
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The token and block tables the worker reads.
+    pub fn tables(&self) -> &Arc<SlotTables<S>> {
+        &self.tables
+    }
+
+    /// Counts now.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            inflight: self.inflight.len(),
+            pool: self.pool.stats(),
+            slots_retired: self.slots.num_retired(),
+            preemptions: self.preemptions,
+            launches: self.next_seq - 1,
+        }
+    }
+
+    /// True when no request is live and no launch is in flight.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty() && self.inflight.is_empty()
+    }
+
+    /// True when `id` is live.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    /// The last launch released by every consumer, as last reported to `on_released`.
+    pub fn released(&self) -> LaunchSeq {
+        self.released
+    }
+
+    /// The last launch published (0 before the first).
+    pub fn last_launch(&self) -> LaunchSeq {
+        self.next_seq - 1
+    }
+
+    fn emit(&mut self, f: impl FnOnce() -> TraceRecord) {
+        if let Some(t) = &mut self.trace {
+            t.emit(&f());
+        }
+    }
+
+    fn req_record(b: Boundary, r: &Request) -> TraceRecord {
+        TraceRecord {
+            req: Some(r.id),
+            known_len: Some(r.known_len()),
+            computed_len: Some(r.computed_len),
+            pending: Some(r.known_len() - r.computed_len),
+            ..TraceRecord::new(b)
+        }
+    }
+
+    /// Admits a request. It waits for a slot and pages; nothing is allocated yet.
+    pub fn add_request(&mut self, r: NewRequest) -> Result<(), AdmitError> {
+        if r.prompt.is_empty() {
+            return Err(AdmitError::EmptyPrompt);
+        }
+        if r.max_tokens == 0 {
+            return Err(AdmitError::ZeroMaxTokens);
+        }
+        if r.prompt.len() >= self.cfg.max_model_len {
+            return Err(AdmitError::PromptTooLong {
+                prompt: r.prompt.len(),
+                max_model_len: self.cfg.max_model_len,
+            });
+        }
+        if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(AdmitError::BadToken {
+                id,
+                vocab: self.vocab_size,
+            });
+        }
+        // The last sampled token's KV is never computed, so the request computes at most
+        // `min(prompt + max_tokens, max_model_len) - 1` positions.
+        let most = (r.prompt.len() + r.max_tokens as usize).min(self.cfg.max_model_len) - 1;
+        let needed = most.max(1).div_ceil(self.cfg.block_size);
+        if needed > self.cfg.num_blocks {
+            return Err(AdmitError::TooLargeForPool {
+                needed,
+                total: self.cfg.num_blocks,
+            });
+        }
+        if self.requests.contains_key(&r.id) {
+            return Err(AdmitError::DuplicateId(r.id));
+        }
+        let req = Request::new(r);
+        self.emit(|| TraceRecord {
+            owner: Some("scheduler".into()),
+            ..Self::req_record(Boundary::Admission, &req)
+        });
+        self.waiting.push_back(req.id);
+        self.requests.insert(req.id, req);
+        Ok(())
+    }
+
+    /// Prepares and publishes the next launch, or `None` when nothing can run now (no work, the
+    /// in-flight limit is reached, or the pages needed are coming back and the scheduler waits
+    /// for their fence).
+    pub fn schedule(&mut self) -> Option<Launch> {
+        if self.inflight.len() >= self.cfg.max_inflight {
+            return None;
+        }
+        let seq = self.next_seq;
+        let mut rows: Vec<LaunchRow> = Vec::new();
+        let mut meta: Vec<(RequestId, SlotRef, usize, usize)> = Vec::new();
+        let mut budget = self.cfg.max_num_batched_tokens;
+
+        // Running requests first, in admission order: decodes and prefill continuations.
+        let mut waiting_for_fence = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            match self.plan_row(id, seq, budget) {
+                Plan::Row(row) => {
+                    budget -= row.num_tokens as usize;
+                    meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
+                    rows.push(row);
+                    i += 1;
+                }
+                Plan::Nothing => i += 1,
+                Plan::NeedPages(deficit) => {
+                    if self.pool.num_retired() >= deficit {
+                        // Enough pages are coming back: wait for their fence rather than
+                        // preempt (avoids a preemption cascade).
+                        waiting_for_fence = true;
+                        break;
+                    }
+                    // Preempt from the back (the most recently admitted), never a request
+                    // that already has a row in this launch.
+                    let victim = *self.running.last().expect("running is not empty");
+                    if meta.iter().any(|m| m.0 == victim) {
+                        break;
+                    }
+                    self.preempt(victim);
+                    // `i` now indexes the next request, or the victim was `id` itself.
+                }
+            }
+        }
+
+        // Then waiting requests, first come first served.
+        while !waiting_for_fence && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let Some(slot) = self.slots.alloc() else {
+                break;
+            };
+            {
+                let r = self.requests.get_mut(&id).expect("waiting request exists");
+                debug_assert!(r.blocks.is_empty() && r.inflight_samples.is_empty());
+                for (pos, &t) in r.tokens.iter().enumerate() {
+                    self.tables.set_token(slot.slot, pos, t);
+                }
+                r.slot = Some(slot);
+                r.state = State::Running;
+            }
+            match self.plan_row(id, seq, budget) {
+                Plan::Row(row) => {
+                    budget -= row.num_tokens as usize;
+                    meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
+                    rows.push(row);
+                    self.waiting.pop_front();
+                    self.running.push(id);
+                }
+                Plan::Nothing | Plan::NeedPages(_) => {
+                    // Not enough pages to start it: give the slot back (never launched) and
+                    // wait; new requests do not preempt running ones.
+                    let r = self.requests.get_mut(&id).expect("exists");
+                    r.slot = None;
+                    r.state = State::Waiting;
+                    self.slots.retire(slot, 0);
+                    break;
+                }
+            }
+        }
+
+        if rows.is_empty() {
+            return None;
+        }
+        self.next_seq += 1;
+        for (idx, (row, m)) in rows.iter().zip(&meta).enumerate() {
+            let r = self.requests.get_mut(&m.0).expect("row request exists");
+            r.last_launch = seq;
+            r.scheduled_len = m.2 + m.3;
+            if row.sample == 1 {
+                r.inflight_samples.push_back((seq, idx as u32));
+            }
+        }
+        if self.trace.is_some() {
+            for (row, m) in rows.iter().zip(&meta) {
+                let r = &self.requests[&m.0];
+                let rec = TraceRecord {
+                    owner: Some("worker".into()),
+                    launch: Some(seq),
+                    positions: Some((m.2, m.3)),
+                    pages: Some(r.blocks[..row.num_blocks as usize].to_vec()),
+                    evidence: (row.pending_launch != NOT_PENDING).then(|| {
+                        format!("pending_from={}:{}", row.pending_launch, row.pending_row)
+                    }),
+                    ..Self::req_record(Boundary::BatchPreparation, r)
+                };
+                self.emit(|| rec);
+            }
+        }
+        self.inflight.push_back(Inflight { seq, rows: meta });
+        Some(Launch { seq, rows })
+    }
+
+    /// Plans one row for request `id` in launch `seq`, allocating its pages.
+    fn plan_row(&mut self, id: RequestId, seq: LaunchSeq, budget: usize) -> Plan {
+        let max_model_len = self.cfg.max_model_len;
+        let block_size = self.cfg.block_size;
+        let r = self.requests.get_mut(&id).expect("planned request exists");
+        let slot = r.slot.expect("running request has a slot");
+        let known = r.known_len();
+        let frontier = known + r.inflight_samples.len();
+        if r.scheduled_len >= frontier || r.outputs_promised() >= r.max_tokens {
+            return Plan::Nothing;
+        }
+        let first = r.scheduled_len;
+        let (n, pending) = if first >= known {
+            // The input is a token still being sampled: a decode from `PendingFrom`.
+            (1, Some(r.inflight_samples[first - known]))
+        } else {
+            ((known - first).min(budget), None)
+        };
+        let end = first + n;
+        // A row that reaches the frontier samples the next token, if it has room for one.
+        let sample = end == frontier && end < max_model_len;
+        if end == frontier && !sample {
+            return Plan::Nothing;
+        }
+        let blocks_needed = end.div_ceil(block_size);
+        if blocks_needed > r.blocks.len() {
+            let extra = blocks_needed - r.blocks.len();
+            self.scratch_pages.clear();
+            if !self.pool.alloc(extra, &mut self.scratch_pages) {
+                return Plan::NeedPages(extra - self.pool.num_free());
+            }
+            for &p in &self.scratch_pages {
+                self.tables.set_block(slot.slot, r.blocks.len(), p);
+                r.blocks.push(p);
+            }
+        }
+        let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
+        debug_assert!(pending_launch == NOT_PENDING || pending_launch < seq);
+        Plan::Row(LaunchRow {
+            req: slot,
+            first_pos: first as u32,
+            num_tokens: n as u32,
+            num_blocks: blocks_needed as u32,
+            sample: sample as u32,
+            pending_launch,
+            pending_row,
+            output_index: r.outputs_promised() as u32,
+            params: r.params,
+        })
+    }
+
+    /// Preempts `id` by recompute: its pages and slot retire after its last launch, its history
+    /// stays, and it goes back to the front of the waiting queue.
+    fn preempt(&mut self, id: RequestId) {
+        self.preemptions += 1;
+        self.running.retain(|&x| x != id);
+        self.release_resources(id);
+        // Pages whose last launch is already released come back at once.
+        self.on_released(self.released);
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("preempted request exists");
+        r.state = State::Waiting;
+        r.computed_len = 0;
+        r.scheduled_len = 0;
+        r.inflight_samples.clear();
+        r.preemptions += 1;
+        self.waiting.push_front(id);
+        let rec = Self::req_record(Boundary::Preempt, &self.requests[&id]);
+        self.emit(|| rec);
+    }
+
+    /// Retires the request's pages and slot after its last launch.
+    fn release_resources(&mut self, id: RequestId) {
+        let r = self.requests.get_mut(&id).expect("request exists");
+        let after = r.last_launch;
+        let pages = std::mem::take(&mut r.blocks);
+        let slot = r.slot.take();
+        self.pool.retire(&pages, after);
+        if let Some(slot) = slot {
+            self.slots.retire(slot, after);
+        }
+        if !pages.is_empty() && self.trace.is_some() {
+            let rec = TraceRecord {
+                req: Some(id),
+                launch: Some(after),
+                pages: Some(pages),
+                owner: Some("pool".into()),
+                ..TraceRecord::new(Boundary::Retire)
+            };
+            self.emit(|| rec);
+        }
+    }
+
+    /// Ends `id`: retires its resources and reports it.
+    fn finish(&mut self, id: RequestId, reason: FinishReason, events: &mut Vec<Event>) {
+        self.running.retain(|&x| x != id);
+        self.waiting.retain(|&x| x != id);
+        self.release_resources(id);
+        self.on_released(self.released);
+        let r = self.requests.remove(&id).expect("finished request exists");
+        if self.trace.is_some() {
+            let rec = TraceRecord {
+                evidence: Some(format!("{reason:?}").to_lowercase()),
+                ..Self::req_record(Boundary::Finish, &r)
+            };
+            self.emit(|| rec);
+        }
+        events.push(Event::Finished {
+            id,
+            reason,
+            prompt_tokens: r.prompt_len,
+            output_tokens: r.num_outputs(),
+        });
+    }
+
+    /// Cancels `id` (client disconnect, stop string, frontend death). No new launch includes
+    /// it, outputs of launches in flight are suppressed, and its pages come back after the fence
+    /// of its last launch. Pushes the acknowledgement (`Finished { reason: Cancelled }`) unless
+    /// the request is already gone.
+    pub fn cancel(&mut self, id: RequestId, events: &mut Vec<Event>) {
+        if let Some(r) = self.requests.get(&id) {
+            let rec = Self::req_record(Boundary::Cancel, r);
+            self.emit(|| rec);
+            self.finish(id, FinishReason::Cancelled, events);
+        }
+    }
+
+    /// Ends every live request with `reason` (shutdown).
+    pub fn abort_all(&mut self, reason: FinishReason, events: &mut Vec<Event>) {
+        let mut ids: Vec<_> = self.requests.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            self.finish(id, reason, events);
+        }
+    }
+
+    /// Accepts the completion of a launch: marks its positions computed, accepts the sampled
+    /// tokens of live requests (in row order) and suppresses the others.
+    ///
+    /// Completions arrive in launch order (one worker, one stream). An unknown `seq` is ignored
+    /// and reported as `false`.
+    pub fn on_completion(&mut self, c: &Completion, events: &mut Vec<Event>) -> bool {
+        let Some(idx) = self.inflight.iter().position(|l| l.seq == c.seq) else {
+            return false;
+        };
+        let launch = self.inflight.remove(idx).expect("index is valid");
+        self.emit(|| TraceRecord {
+            launch: Some(c.seq),
+            owner: Some("scheduler".into()),
+            evidence: Some("completion".into()),
+            ..TraceRecord::new(Boundary::ForwardExecution)
+        });
+        for &(id, slot, first, n) in &launch.rows {
+            if let Some(r) = self.requests.get_mut(&id) {
+                if r.slot == Some(slot) {
+                    r.computed_len = r.computed_len.max(first + n);
+                }
+            }
+        }
+        for s in &c.sampled {
+            let Some(&(id, slot, _, _)) = launch.rows.get(s.row as usize) else {
+                continue;
+            };
+            let live = self.requests.get(&id).is_some_and(|r| {
+                r.slot == Some(slot) && r.inflight_samples.front() == Some(&(c.seq, s.row))
+            });
+            if !live {
+                self.emit(|| TraceRecord {
+                    req: Some(id),
+                    launch: Some(c.seq),
+                    token: Some(s.token),
+                    ..TraceRecord::new(Boundary::Suppressed)
+                });
+                continue;
+            }
+            let r = self.requests.get_mut(&id).expect("live");
+            r.inflight_samples.pop_front();
+            let pos = r.tokens.len();
+            r.tokens.push(s.token);
+            self.tables.set_token(slot.slot, pos, s.token);
+            let stop = r.stop_ids.contains(&s.token);
+            let length =
+                r.num_outputs() >= r.max_tokens || r.tokens.len() >= self.cfg.max_model_len;
+            if self.trace.is_some() {
+                let r = &self.requests[&id];
+                let mut sampled = Self::req_record(Boundary::Sampling, r);
+                sampled.launch = Some(c.seq);
+                sampled.token = Some(s.token);
+                sampled.owner = Some("scheduler".into());
+                let mut published = Self::req_record(Boundary::Publication, r);
+                published.launch = Some(c.seq);
+                published.token = Some(s.token);
+                published.owner = Some("frontend".into());
+                self.emit(|| sampled);
+                self.emit(|| published);
+            }
+            events.push(Event::Token {
+                id,
+                token: s.token,
+                logprob: s.logprob,
+                top: s.top.clone(),
+            });
+            if stop {
+                self.finish(id, FinishReason::Stop, events);
+            } else if length {
+                self.finish(id, FinishReason::Length, events);
+            }
+        }
+        true
+    }
+
+    /// Reports that every live consumer has released launches up to `released`; reclaims the
+    /// pages and slots retired after them. Returns the number of pages reclaimed.
+    pub fn on_released(&mut self, released: LaunchSeq) -> usize {
+        if released > self.released {
+            self.released = released;
+            self.emit(|| TraceRecord {
+                launch: Some(released),
+                evidence: Some(format!("min_released={released}")),
+                ..TraceRecord::new(Boundary::Release)
+            });
+        }
+        let got = self.pool.reclaim(self.released);
+        self.slots.reclaim(self.released);
+        let n = got.len();
+        if self.trace.is_some() {
+            for (after, pages) in got.groups {
+                let rel = self.released;
+                self.emit(|| TraceRecord {
+                    launch: Some(after),
+                    pages: Some(pages),
+                    owner: Some("pool".into()),
+                    evidence: Some(format!("min_released={rel}")),
+                    ..TraceRecord::new(Boundary::Reclaim)
+                });
+            }
+        }
+        n
+    }
+
+    /// A worker died, taking its device memory: every launch in flight is lost, every page is
+    /// invalid, and running requests go back to the waiting queue to recompute from their known
+    /// history. With no live consumer left, everything retired is reclaimed at once.
+    pub fn on_worker_death(&mut self) {
+        let last = self.next_seq - 1;
+        self.emit(|| TraceRecord {
+            launch: Some(last),
+            evidence: Some("worker lock released by the kernel".into()),
+            ..TraceRecord::new(Boundary::WorkerDeath)
+        });
+        self.inflight.clear();
+        let running = std::mem::take(&mut self.running);
+        for &id in running.iter().rev() {
+            self.release_resources(id);
+            let r = self.requests.get_mut(&id).expect("running request exists");
+            r.state = State::Waiting;
+            r.computed_len = 0;
+            r.scheduled_len = 0;
+            r.inflight_samples.clear();
+            self.waiting.push_front(id);
+        }
+        // No launch can touch the pool any more: the device memory is gone.
+        self.released = self.next_seq - 1;
+        let got = self.pool.reclaim_all();
+        self.slots.reclaim(LaunchSeq::MAX);
+        if self.trace.is_some() {
+            let rel = self.released;
+            for (after, pages) in got.groups {
+                self.emit(|| TraceRecord {
+                    launch: Some(after),
+                    pages: Some(pages),
+                    owner: Some("pool".into()),
+                    evidence: Some(format!("worker_dead;min_released={rel}")),
+                    ..TraceRecord::new(Boundary::Reclaim)
+                });
+            }
+        }
+    }
+}
+
+enum Plan {
+    Row(LaunchRow),
+    Nothing,
+    /// Pages short by this many.
+    NeedPages(usize),
+}

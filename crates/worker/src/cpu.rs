@@ -1,0 +1,124 @@
+//! The CPU backend: the f32 reference forward pass of `baton-model` over a paged KV cache, then
+//! the reference sampler. A launch is complete, and its fence passed, when `execute` returns.
+
+use crate::sampling::Sampler;
+use crate::{Backend, KeptIds, KvCapacity, TableReader, WorkerError};
+use baton_model::{CpuModel, ForwardRow, PagedKvCache};
+use baton_proto::{Completion, Launch, Sampled, NOT_PENDING};
+
+/// The CPU reference backend.
+pub struct CpuBackend {
+    model: CpuModel,
+    kv: PagedKvCache,
+    sampler: Sampler,
+    kept: KeptIds,
+    tokens: Vec<u32>,
+    blocks: Vec<u32>,
+}
+
+impl CpuBackend {
+    /// A backend over `model` with a KV pool of `num_blocks` pages of `block_size` tokens.
+    pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Self {
+        let kv = PagedKvCache::new(model.config(), num_blocks, block_size);
+        Self {
+            model,
+            kv,
+            sampler: Sampler::new(),
+            kept: KeptIds::new(8),
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &CpuModel {
+        &self.model
+    }
+}
+
+impl Backend for CpuBackend {
+    fn execute(
+        &mut self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<Completion, WorkerError> {
+        // Gather every row's inputs into two flat buffers, then borrow slices of them.
+        self.tokens.clear();
+        self.blocks.clear();
+        let mut spans = Vec::with_capacity(launch.rows.len());
+        for r in &launch.rows {
+            let (t0, b0) = (self.tokens.len(), self.blocks.len());
+            let first = r.first_pos as usize;
+            let end = first + r.num_tokens as usize;
+            if r.pending_launch != NOT_PENDING {
+                let id = self.kept.get(r.pending_launch, r.pending_row).ok_or(
+                    WorkerError::MissingPending {
+                        launch: launch.seq,
+                        from: r.pending_launch,
+                        row: r.pending_row,
+                    },
+                )?;
+                self.tokens.push(id);
+                tables.read_tokens(r.req.slot, first + 1..end, &mut self.tokens);
+            } else {
+                tables.read_tokens(r.req.slot, first..end, &mut self.tokens);
+            }
+            tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut self.blocks);
+            spans.push((t0..self.tokens.len(), b0..self.blocks.len()));
+        }
+        let rows: Vec<ForwardRow> = launch
+            .rows
+            .iter()
+            .zip(&spans)
+            .map(|(r, (t, b))| ForwardRow {
+                tokens: &self.tokens[t.clone()],
+                start_pos: r.first_pos as usize,
+                block_table: &self.blocks[b.clone()],
+                want_logits: r.sample == 1,
+            })
+            .collect();
+        let logits = self
+            .model
+            .forward(&mut self.kv, &rows)
+            .map_err(|e| WorkerError::Forward(e.to_string()))?;
+
+        let mut ids = vec![u32::MAX; launch.rows.len()];
+        let mut sampled = Vec::with_capacity(logits.len());
+        let sampling_rows = launch
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample == 1);
+        for ((i, r), l) in sampling_rows.zip(&logits) {
+            let out = self.sampler.sample(l, &r.params, r.output_index);
+            ids[i] = out.token;
+            sampled.push(Sampled {
+                row: i as u32,
+                req: r.req,
+                token: out.token,
+                logprob: out.logprob,
+                top: out.top,
+            });
+        }
+        self.kept.push(launch.seq, ids);
+        Ok(Completion {
+            seq: launch.seq,
+            sampled,
+        })
+    }
+
+    fn kv_capacity(&self) -> KvCapacity {
+        KvCapacity {
+            num_blocks: self.kv.num_blocks(),
+            block_size: self.kv.block_size(),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+}

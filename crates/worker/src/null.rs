@@ -1,0 +1,62 @@
+//! The null backend: returns a fixed token for every sampling row without computing anything.
+//! It measures the control plane and the scheduler alone.
+
+use crate::{Backend, KvCapacity, TableReader, WorkerError};
+use baton_proto::{Completion, Launch, Sampled};
+
+/// A backend that samples `token` everywhere.
+#[derive(Debug)]
+pub struct NullBackend {
+    capacity: KvCapacity,
+    vocab_size: usize,
+    token: u32,
+}
+
+impl NullBackend {
+    /// A null backend offering `capacity`, with `vocab_size` ids, always sampling `token`.
+    pub fn new(capacity: KvCapacity, vocab_size: usize, token: u32) -> Self {
+        Self {
+            capacity,
+            vocab_size,
+            token,
+        }
+    }
+}
+
+impl Backend for NullBackend {
+    fn execute(
+        &mut self,
+        launch: &Launch,
+        _tables: &dyn TableReader,
+    ) -> Result<Completion, WorkerError> {
+        let sampled = launch
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample == 1)
+            .map(|(i, r)| Sampled {
+                row: i as u32,
+                req: r.req,
+                token: self.token,
+                logprob: 0.0,
+                top: Vec::new(),
+            })
+            .collect();
+        Ok(Completion {
+            seq: launch.seq,
+            sampled,
+        })
+    }
+
+    fn kv_capacity(&self) -> KvCapacity {
+        self.capacity
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn name(&self) -> &'static str {
+        "null"
+    }
+}

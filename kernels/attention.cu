@@ -1,0 +1,390 @@
+// Paged attention over the bf16 KV cache: decode (split-K + reduce) and causal varlen prefill.
+//
+// KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] bf16
+// (see cache.cu). A row's block table [max_blocks_per_row] int maps logical block
+// `pos / block_size` to a physical page. Every key/value a query attends to, including the
+// query's own position, must already be in the cache (reshape_and_cache runs first).
+//
+// GQA: query head h uses kv head h / (num_heads / num_kv_heads). A thread block serves one kv
+// head and up to BATON_ATTN_MAX_G of its query heads, so each K/V vector is loaded once per
+// block and reused across the group; grid.y = num_kv_heads * ceil(group / BATON_ATTN_MAX_G).
+//
+// Numerics: q is pre-scaled by `scale * log2(e)`, scores and softmax use exp2f in fp32 with an
+// online (running max / running sum) softmax, accumulation is fp32, output rounded once to bf16.
+// Block = 4 warps (128 threads); within a chunk of BATON_ATTN_PART keys, warp w handles keys
+// w, w+4, ...; lane l owns head dims [l * D/32, (l+1) * D/32).
+//
+// Entry points exist for head_dim 64, 128 and 256 (`_hd64`, `_hd128`, `_hd256`).
+// Untested on a GPU as of this writing (only compiled with NVRTC for sm_90).
+
+#define BATON_ATTN_PART 512
+#define BATON_ATTN_MAX_G 8
+#define BATON_ATTN_WARPS 4
+#define BATON_LOG2E 1.4426950408889634f
+
+template <int VPL>
+struct alignas(2 * VPL) BatonBf16Pack {
+    __nv_bfloat162 h[VPL / 2];
+};
+
+template <int VPL>
+__device__ __forceinline__ void baton_load_bf16(const bf16* p, float (&out)[VPL]) {
+    const BatonBf16Pack<VPL> v = *reinterpret_cast<const BatonBf16Pack<VPL>*>(p);
+#pragma unroll
+    for (int i = 0; i < VPL / 2; ++i) {
+        const float2 f = __bfloat1622float2(v.h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Shared state of one attention block.
+template <int D>
+struct BatonAttnShared {
+    float logits[BATON_ATTN_MAX_G][BATON_ATTN_PART];
+    float red[BATON_ATTN_WARPS - 1][BATON_ATTN_MAX_G][D];
+    float m[BATON_ATTN_MAX_G];      // running max (log2 domain)
+    float l[BATON_ATTN_MAX_G];      // running sum of exp2(score - m)
+    float alpha[BATON_ATTN_MAX_G];  // rescale factor of the last chunk
+};
+
+// Which kv head and which query heads this block serves.
+struct BatonAttnHeads {
+    int kvh, head0, ng;
+};
+__device__ __forceinline__ BatonAttnHeads baton_attn_heads(int num_heads, int num_kv_heads) {
+    const int group = num_heads / num_kv_heads;
+    const int chunks = (group + BATON_ATTN_MAX_G - 1) / BATON_ATTN_MAX_G;
+    const int kvh = blockIdx.y / chunks, c = blockIdx.y - kvh * chunks;
+    BatonAttnHeads h;
+    h.kvh = kvh;
+    h.head0 = kvh * group + c * BATON_ATTN_MAX_G;
+    h.ng = min(BATON_ATTN_MAX_G, group - c * BATON_ATTN_MAX_G);
+    return h;
+}
+
+template <int D>
+__device__ __forceinline__ void baton_attn_load_q(const bf16* q_tok, const BatonAttnHeads& h,
+                                                  float scale,
+                                                  float (&qr)[BATON_ATTN_MAX_G][D / 32]) {
+    constexpr int VPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    const float s = scale * BATON_LOG2E;
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+        if (g < h.ng) {
+            baton_load_bf16<VPL>(q_tok + (size_t)(h.head0 + g) * D + lane * VPL, qr[g]);
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) qr[g][i] *= s;
+        } else {
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) qr[g][i] = 0.0f;
+        }
+    }
+}
+
+// Attend to keys [c0, c1) (c1 - c0 <= BATON_ATTN_PART), updating the running max/sum in shared
+// memory and this warp's partial accumulator. Must be called by all threads of the block.
+template <int D>
+__device__ __forceinline__ void baton_attn_chunk(
+    BatonAttnShared<D>& sh, const float (&qr)[BATON_ATTN_MAX_G][D / 32],
+    float (&acc)[BATON_ATTN_MAX_G][D / 32], const bf16* __restrict__ k_cache,
+    const bf16* __restrict__ v_cache, const int* __restrict__ block_table, int block_size,
+    int num_kv_heads, const BatonAttnHeads& h, int c0, int c1) {
+    constexpr int VPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = c1 - c0;
+    const size_t tok_stride = (size_t)num_kv_heads * D;
+    const size_t head_off = (size_t)h.kvh * D + lane * VPL;
+
+    // 1. Scores q . k for every key of the chunk and every query head of the group.
+    for (int j = warp; j < n; j += BATON_ATTN_WARPS) {
+        const int t = c0 + j;
+        const int page = block_table[t / block_size];
+        const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
+        float kf[VPL];
+        baton_load_bf16<VPL>(k_cache + off, kf);
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+            if (g < h.ng) {
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) d = fmaf(qr[g][i], kf[i], d);
+                d = baton_warp_sum(d);
+                if (lane == 0) sh.logits[g][j] = d;
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2. Online softmax update per query head (one warp per head).
+    for (int g = warp; g < h.ng; g += BATON_ATTN_WARPS) {
+        float m = BATON_NEG_INF;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sh.logits[g][j]);
+        m = baton_warp_max(m);
+        const float m_old = sh.m[g];
+        const float m_new = fmaxf(m_old, m);
+        float l = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            const float p = exp2f(sh.logits[g][j] - m_new);
+            sh.logits[g][j] = p;
+            l += p;
+        }
+        l = baton_warp_sum(l);
+        if (lane == 0) {
+            const float alpha = exp2f(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
+            sh.alpha[g] = alpha;
+            sh.l[g] = sh.l[g] * alpha + l;
+            sh.m[g] = m_new;
+        }
+    }
+    __syncthreads();
+
+    // 3. Rescale and accumulate p * v.
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+        if (g < h.ng) {
+            const float a = sh.alpha[g];
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) acc[g][i] *= a;
+        }
+    }
+    for (int j = warp; j < n; j += BATON_ATTN_WARPS) {
+        const int t = c0 + j;
+        const int page = block_table[t / block_size];
+        const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
+        float vf[VPL];
+        baton_load_bf16<VPL>(v_cache + off, vf);
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+            if (g < h.ng) {
+                const float p = sh.logits[g][j];
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+            }
+        }
+    }
+    __syncthreads();  // the next chunk overwrites sh.logits
+}
+
+template <int D>
+__device__ __forceinline__ void baton_attn_init(BatonAttnShared<D>& sh,
+                                                float (&acc)[BATON_ATTN_MAX_G][D / 32]) {
+    if (threadIdx.x < BATON_ATTN_MAX_G) {
+        sh.m[threadIdx.x] = BATON_NEG_INF;
+        sh.l[threadIdx.x] = 0.0f;
+    }
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) acc[g][i] = 0.0f;
+    __syncthreads();
+}
+
+// Sum the per-warp accumulators into warp 0's registers.
+template <int D>
+__device__ __forceinline__ void baton_attn_reduce_warps(BatonAttnShared<D>& sh,
+                                                        float (&acc)[BATON_ATTN_MAX_G][D / 32],
+                                                        int ng) {
+    constexpr int VPL = D / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (warp > 0) {
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+            if (g < ng)
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) sh.red[warp - 1][g][lane * VPL + i] = acc[g][i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+            if (g < ng)
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+#pragma unroll
+                    for (int w = 0; w < BATON_ATTN_WARPS - 1; ++w)
+                        acc[g][i] += sh.red[w][g][lane * VPL + i];
+    }
+}
+
+// Warp 0 writes acc / l (or zeros when l == 0, i.e. an empty context) as bf16.
+template <int D>
+__device__ __forceinline__ void baton_attn_store(bf16* out_tok, const BatonAttnShared<D>& sh,
+                                                 const float (&acc)[BATON_ATTN_MAX_G][D / 32],
+                                                 const BatonAttnHeads& h) {
+    constexpr int VPL = D / 32;
+    const int lane = threadIdx.x & 31;
+    if ((threadIdx.x >> 5) != 0) return;
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+        if (g < h.ng) {
+            const float l = sh.l[g];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16* o = out_tok + (size_t)(h.head0 + g) * D + lane * VPL;
+#pragma unroll
+            for (int i = 0; i < VPL; i += 2)
+                *reinterpret_cast<__nv_bfloat162*>(o + i) =
+                    __floats2bfloat162_rn(acc[g][i] * inv, acc[g][i + 1] * inv);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: one query token per sequence, split-K over partitions of BATON_ATTN_PART keys.
+//
+// Shapes: out [num_seqs, num_heads, D] bf16; q [num_seqs, num_heads, D] bf16 with sequence
+// stride `q_stride` elements; block_tables [num_seqs, max_blocks_per_row] int; seq_lens
+// [num_seqs] int = context length including the current token (0 for a padding row: its output
+// is zeros). Partials: part_acc [num_seqs, num_heads, max_partitions, D] f32 (unnormalized),
+// part_m / part_l [num_seqs, num_heads, max_partitions] f32 (log2-domain max, sum).
+// max_partitions = ceil(max_seq_len / BATON_ATTN_PART).
+// Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128);
+// then baton_paged_attention_decode_reduce. A sequence with one partition is written directly
+// to `out` and skipped by the reduce.
+template <int D>
+__device__ __forceinline__ void baton_decode_body(
+    bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,
+    float* __restrict__ part_l, const bf16* __restrict__ q, int q_stride,
+    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
+    int num_heads, int num_kv_heads, int block_size, float scale, int max_partitions) {
+    __shared__ BatonAttnShared<D> sh;
+    const int seq = blockIdx.x, part = blockIdx.z;
+    const int ctx = seq_lens[seq];
+    const int num_parts = (ctx + BATON_ATTN_PART - 1) / BATON_ATTN_PART;
+    if (part >= max(num_parts, 1)) return;
+    const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
+    float qr[BATON_ATTN_MAX_G][D / 32];
+    float acc[BATON_ATTN_MAX_G][D / 32];
+    baton_attn_load_q<D>(q + (size_t)seq * q_stride, h, scale, qr);
+    baton_attn_init<D>(sh, acc);
+    const int c0 = part * BATON_ATTN_PART, c1 = min(ctx, c0 + BATON_ATTN_PART);
+    if (c1 > c0)
+        baton_attn_chunk<D>(sh, qr, acc, k_cache, v_cache,
+                            block_tables + (size_t)seq * max_blocks_per_row, block_size,
+                            num_kv_heads, h, c0, c1);
+    baton_attn_reduce_warps<D>(sh, acc, h.ng);
+    if (num_parts <= 1) {
+        baton_attn_store<D>(out + (size_t)seq * num_heads * D, sh, acc, h);
+        return;
+    }
+    if ((threadIdx.x >> 5) != 0) return;
+    const int lane = threadIdx.x & 31;
+    for (int g = 0; g < h.ng; ++g) {
+        const size_t ph = ((size_t)seq * num_heads + h.head0 + g) * max_partitions + part;
+        if (lane == 0) {
+            part_m[ph] = sh.m[g];
+            part_l[ph] = sh.l[g];
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+        if (g < h.ng) {
+            const size_t ph = ((size_t)seq * num_heads + h.head0 + g) * max_partitions + part;
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) part_acc[ph * D + lane * (D / 32) + i] = acc[g][i];
+        }
+    }
+}
+
+#define BATON_DECODE_ENTRY(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_decode_bf16_hd##D( \
+        bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,      \
+        float* __restrict__ part_l, const bf16* __restrict__ q, int q_stride,                   \
+        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                     \
+        const int* __restrict__ block_tables, int max_blocks_per_row,                           \
+        const int* __restrict__ seq_lens, int num_heads, int num_kv_heads, int block_size,     \
+        float scale, int max_partitions) {                                                      \
+        baton_decode_body<D>(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,      \
+                             block_tables, max_blocks_per_row, seq_lens, num_heads,             \
+                             num_kv_heads, block_size, scale, max_partitions);                  \
+    }
+BATON_DECODE_ENTRY(64)
+BATON_DECODE_ENTRY(128)
+BATON_DECODE_ENTRY(256)
+
+// Combine the partitions of sequences with more than one: out = sum_p 2^(m_p - M) acc_p /
+// sum_p 2^(m_p - M) l_p. Shapes as for the decode kernel; any head_dim.
+// Launch: grid = (num_seqs, num_heads), block = (128).
+extern "C" __global__ void baton_paged_attention_decode_reduce(
+    bf16* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
+    const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
+    int head_dim, int max_partitions) {
+    const int seq = blockIdx.x, head = blockIdx.y;
+    const int num_parts = (seq_lens[seq] + BATON_ATTN_PART - 1) / BATON_ATTN_PART;
+    if (num_parts <= 1) return;
+    const size_t base = ((size_t)seq * num_heads + head) * max_partitions;
+    float m = BATON_NEG_INF;
+    for (int p = 0; p < num_parts; ++p) m = fmaxf(m, part_m[base + p]);
+    float l = 0.0f;
+    for (int p = 0; p < num_parts; ++p) l += part_l[base + p] * exp2f(part_m[base + p] - m);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    bf16* o = out + ((size_t)seq * num_heads + head) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int p = 0; p < num_parts; ++p)
+            a += part_acc[(base + p) * head_dim + d] * exp2f(part_m[base + p] - m);
+        o[d] = __float2bfloat16(a * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (and mixed prefill/decode): causal attention for variable-length rows.
+//
+// Query token i of row r (cu_seqlens[r] <= i < cu_seqlens[r + 1]) sits at position
+// p = start_pos[r] + (i - cu_seqlens[r]) and attends to keys 0..=p of its row, read from the
+// cache through block_tables[r]. Rows may be decodes (one token) or prefill chunks continuing an
+// already-cached prefix.
+// Shapes: out [num_tokens, num_heads, D] bf16; q [num_tokens, num_heads, D] bf16 with token
+// stride `q_stride`; cu_seqlens [num_rows + 1] int (cu_seqlens[0] = 0); start_pos [num_rows]
+// int; block_tables [num_rows, max_blocks_per_row] int. Tokens >= cu_seqlens[num_rows] (graph
+// padding) are skipped.
+// Launch: grid = (num_tokens, num_kv_heads * ceil(group / 8)), block = (128). The whole
+// context of a token is walked by one block in chunks of BATON_ATTN_PART (no split-K).
+// Scalar fp32 FMA (no tensor cores): correct first version, not the fast path.
+template <int D>
+__device__ __forceinline__ void baton_prefill_body(
+    bf16* __restrict__ out, const bf16* __restrict__ q, int q_stride,
+    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
+    const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
+    int num_kv_heads, int block_size, float scale) {
+    __shared__ BatonAttnShared<D> sh;
+    const int tok = blockIdx.x;
+    if (tok >= cu_seqlens[num_rows]) return;
+    // Row of this token: the last r with cu_seqlens[r] <= tok.
+    int lo = 0, hi = num_rows - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cu_seqlens[mid] <= tok) lo = mid; else hi = mid - 1;
+    }
+    const int row = lo;
+    const int ctx = start_pos[row] + (tok - cu_seqlens[row]) + 1;
+    const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
+    float qr[BATON_ATTN_MAX_G][D / 32];
+    float acc[BATON_ATTN_MAX_G][D / 32];
+    baton_attn_load_q<D>(q + (size_t)tok * q_stride, h, scale, qr);
+    baton_attn_init<D>(sh, acc);
+    const int* bt = block_tables + (size_t)row * max_blocks_per_row;
+    for (int c0 = 0; c0 < ctx; c0 += BATON_ATTN_PART)
+        baton_attn_chunk<D>(sh, qr, acc, k_cache, v_cache, bt, block_size, num_kv_heads, h, c0,
+                            min(ctx, c0 + BATON_ATTN_PART));
+    baton_attn_reduce_warps<D>(sh, acc, h.ng);
+    baton_attn_store<D>(out + (size_t)tok * num_heads * D, sh, acc, h);
+}
+
+#define BATON_PREFILL_ENTRY(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_prefill_bf16_hd##D( \
+        bf16* __restrict__ out, const bf16* __restrict__ q, int q_stride,                        \
+        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                      \
+        const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
+        const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,            \
+        int num_kv_heads, int block_size, float scale) {                                         \
+        baton_prefill_body<D>(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,         \
+                              num_rows, block_tables, max_blocks_per_row, num_heads,             \
+                              num_kv_heads, block_size, scale);                                  \
+    }
+BATON_PREFILL_ENTRY(64)
+BATON_PREFILL_ENTRY(128)
+BATON_PREFILL_ENTRY(256)

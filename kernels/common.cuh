@@ -1,0 +1,60 @@
+// Baton kernel prelude: prepended (textually, before a `#line 1` directive) to every kernel
+// source by `baton_cuda::kernels::full_source`, so each .cu compiles as one NVRTC program with
+// no header table. Only NVRTC built-ins and cuda_bf16.h (from the CUDA include dir) are used: no
+// C/C++ standard headers, which NVRTC does not ship.
+//
+// Conventions for every kernel:
+// - Activations and weights are bf16 (`__nv_bfloat16`), row-major, innermost dimension last;
+//   all accumulation is fp32; results are rounded to bf16 once.
+// - Index types: `int` for counts and positions (< 2^31), `size_t` for element offsets into
+//   large buffers (KV cache, weights).
+// - Every entry point is `extern "C"` and named `baton_<op>_<dtype>[_<variant>]`.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef __nv_bfloat16 bf16;
+
+#define BATON_WARP 32
+#define BATON_FULL_MASK 0xffffffffu
+// NVRTC has no <math.h> INFINITY; these are exact bit patterns.
+#define BATON_NEG_INF __int_as_float(0xff800000)
+#define BATON_POS_INF __int_as_float(0x7f800000)
+#define BATON_FLT_MAX 3.402823466e+38f
+
+// Block-wide sum / max for blockDim.x a multiple of 32 and <= 1024. Every thread gets the result.
+// Uses 33 floats of shared scratch passed by the caller (so several reductions can coexist).
+__device__ __forceinline__ float baton_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(BATON_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float baton_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(BATON_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float baton_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = baton_warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0f;
+    return baton_warp_sum(v);
+}
+__device__ __forceinline__ float baton_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = baton_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : BATON_NEG_INF;
+    return baton_warp_max(v);
+}
+
+// 8 bf16 in one 16-byte vector, for vectorized loads/stores.
+struct __align__(16) baton_bf16x8 {
+    __nv_bfloat162 h[4];
+};

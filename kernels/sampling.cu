@@ -1,0 +1,342 @@
+// On-device sampling: greedy / temperature / top-k / top-p / min-p, plus log-probabilities.
+//
+// Semantics are those of the CPU reference, `baton_worker::sampling` (crates/worker/src/
+// sampling.rs); read its module docs first. In short, per row:
+//   - logits are cleaned (NaN -> -inf, +inf -> FLT_MAX, -0 -> +0);
+//   - greedy (argmax, ties to the lowest id) when !(temperature > 0), 1/temperature overflows,
+//     or top_k == 1;
+//   - otherwise candidates are ordered by the 64-bit key (logit descending, id ascending; see
+//     baton_sort_key), top-k / top-p / min-p each keep a prefix of that order, and the token is
+//     the inverse CDF at u = baton_uniform(seed, output_index) over the kept prefix;
+//   - log-probabilities are the raw (temperature 1, unfiltered) log-softmax.
+// The RNG is the same Philox4x32-10 and the same 24-bit construction as the CPU, keyed only by
+// the row's own seed and output index, so a seeded row never depends on its batchmates.
+//
+// Device algorithm (no sort): every "first key in order whose running mass exceeds T" question
+// (top-k boundary by count, top-p boundary by mass, the draw itself) is answered by an MSB-first
+// radix select over the 64-bit keys, 8 bits per pass, with a 256-bin histogram in shared memory,
+// stopping early once the chosen bin holds a single candidate. Masses are fixed point,
+// w = round(exp((x - max) / T) * 2^40) in u64, summed with integer atomics, so the result is
+// bit-deterministic whatever the thread schedule. Deviation from the CPU (which sums f32
+// weights in f64): tokens with p / p_max < 2^-41 have zero mass on the device and are never
+// drawn, and a draw within rounding distance of a boundary may pick the neighbouring token.
+//
+// Untested on a GPU as of this writing (only compiled with NVRTC for sm_90). The selection
+// algorithm is modelled line by line on the CPU in crates/cuda/tests/sampler_model.rs (checked
+// against a sort-and-scan reference); keep the two in step.
+
+#define BATON_MAX_TOP_LOGPROBS 20
+#define BATON_PHILOX_M0 0xD2511F53u
+#define BATON_PHILOX_M1 0xCD9E8D57u
+#define BATON_PHILOX_W0 0x9E3779B9u
+#define BATON_PHILOX_W1 0xBB67AE85u
+#define BATON_FIX_ONE 1099511627776.0f  // 2^40
+
+// Same layout as baton_proto::SamplingParams (#[repr(C)], 32 bytes; checked by a Rust test).
+struct BatonSamplingParams {
+    float temperature;
+    float top_p;
+    int top_k;
+    float min_p;
+    u64 seed;
+    u32 top_logprobs;
+    u32 want_logprob;
+};
+
+// Philox4x32-10 (Salmon et al., SC'11; Random123 / curand constants).
+__device__ __forceinline__ uint4 baton_philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) {
+            k.x += BATON_PHILOX_W0;
+            k.y += BATON_PHILOX_W1;
+        }
+        const u32 hi0 = __umulhi(BATON_PHILOX_M0, c.x), lo0 = BATON_PHILOX_M0 * c.x;
+        const u32 hi1 = __umulhi(BATON_PHILOX_M1, c.z), lo1 = BATON_PHILOX_M1 * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    }
+    return c;
+}
+
+// The top 24 bits of Philox word 0 for key = (seed lo, seed hi), counter = (idx, 0, 0, 0);
+// uniform = bits * 2^-24, exactly as the CPU's `uniform`.
+__device__ __forceinline__ u32 baton_uniform_bits(u64 seed, u32 idx) {
+    const uint4 w = baton_philox4x32_10(make_uint4(idx, 0u, 0u, 0u),
+                                        make_uint2((u32)seed, (u32)(seed >> 32)));
+    return w.x >> 8;
+}
+
+__device__ __forceinline__ float baton_clean(float x) {
+    if (isnan(x)) return BATON_NEG_INF;
+    if (x == BATON_POS_INF) return BATON_FLT_MAX;
+    return x + 0.0f;  // -0 -> +0 (not folded: no fast-math)
+}
+
+// Ascending key order == logit descending, then id ascending.
+__device__ __forceinline__ u64 baton_sort_key(float x, u32 id) {
+    const u32 b = __float_as_uint(x);
+    const u32 ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)(~ord) << 32) | (u64)id;
+}
+
+__device__ __forceinline__ u64 baton_fixed_weight(float e) {
+    return __float2ull_rn(e * BATON_FIX_ONE);
+}
+
+__device__ __forceinline__ u64 baton_warp_sum_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(BATON_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ u64 baton_warp_min_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 w = __shfl_xor_sync(BATON_FULL_MASK, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
+}
+__device__ __forceinline__ u64 baton_block_sum_u64(u64 v, u64* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = baton_warp_sum_u64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0ull;
+    return baton_warp_sum_u64(v);
+}
+__device__ __forceinline__ u64 baton_block_min_u64(u64 v, u64* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = baton_warp_min_u64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : ~0ull;
+    return baton_warp_min_u64(v);
+}
+
+struct BatonSampleShared {
+    u64 hist_w[256];
+    u32 hist_c[256];
+    u64 scratch_u64[32];
+    float scratch_f[33];
+    u64 below;
+    u32 digit;
+    u32 count;
+};
+
+// A candidate filter: key <= bound and weight >= min_p; `by_count` selects on counts
+// (every token counts 1, even a zero-weight one) instead of fixed-point mass.
+struct BatonSelect {
+    const float* x;
+    int vocab;
+    float maxv, inv_t, min_p;
+    u64 bound;
+    bool by_count;
+};
+
+// Metric of token i under `s` (0 = not a candidate) and its key.
+__device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, u64& key) {
+    const float c = baton_clean(s.x[i]);
+    key = baton_sort_key(c, (u32)i);
+    if (key > s.bound) return 0;
+    const float e = expf((c - s.maxv) * s.inv_t);
+    if (e < s.min_p) return 0;
+    return s.by_count ? 1ull : baton_fixed_weight(e);
+}
+
+// Total metric of the candidates.
+__device__ u64 baton_select_total(const BatonSelect& s, BatonSampleShared& sh) {
+    u64 acc = 0;
+    for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+        u64 key;
+        acc += baton_metric(s, i, key);
+    }
+    return baton_block_sum_u64(acc, sh.scratch_u64);
+}
+
+// The smallest candidate key K such that (sum of metric over candidates with key <= K) > t.
+// Requires t < baton_select_total(s). MSB-first radix select, 8 bits per pass; stops early
+// (one extra pass) once the chosen bin holds a single candidate.
+__device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared& sh) {
+    u64 prefix = 0, below = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) {
+            sh.hist_w[d] = 0;
+            sh.hist_c[d] = 0;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+            u64 key;
+            const u64 m = baton_metric(s, i, key);
+            if (m == 0) continue;
+            if (shift < 56 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+            const u32 d = (u32)(key >> shift) & 255u;
+            atomicAdd(&sh.hist_w[d], m);
+            atomicAdd(&sh.hist_c[d], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 b = below;
+            int chosen = -1, last = -1;
+            for (int d = 0; d < 256; ++d) {
+                if (sh.hist_c[d] == 0) continue;
+                last = d;
+                if (b + sh.hist_w[d] > t) {
+                    chosen = d;
+                    break;
+                }
+                b += sh.hist_w[d];
+            }
+            if (chosen < 0) {  // unreachable when t < total; stay in range regardless
+                chosen = last < 0 ? 0 : last;
+                b = below;
+            }
+            sh.digit = (u32)chosen;
+            sh.below = b;
+            sh.count = sh.hist_c[chosen];
+        }
+        __syncthreads();
+        prefix |= (u64)sh.digit << shift;
+        below = sh.below;
+        const u32 count = sh.count;
+        __syncthreads();  // sh.* are rewritten by the next pass
+        if (count == 1 && shift > 0) {
+            u64 found = ~0ull;
+            for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+                u64 key;
+                if (baton_metric(s, i, key) != 0 && (key >> shift) == (prefix >> shift))
+                    found = key < found ? key : found;
+            }
+            return baton_block_min_u64(found, sh.scratch_u64);
+        }
+    }
+    return prefix;
+}
+
+// One row per block.
+//
+// Shapes: logits [num_rows, vocab] f32 with row stride `logits_stride` elements; params
+// [num_rows] BatonSamplingParams; output_index [num_rows] u32 (the RNG counter). Outputs:
+// out_tokens [num_rows] u32 (may point into the worker's sampled-id ring, see
+// baton_gather_pending_ids); out_logprob [num_rows] f32 (0 unless asked); out_top_ids /
+// out_top_logprobs [num_rows, 20], the first min(top_logprobs, 20, vocab) entries valid, the
+// rest (0xffffffff, -inf).
+// Launch: grid = (num_rows), block = (1024) (any multiple of 32 up to 1024 works).
+// Cost: 1 pass over the row for greedy; for sampling, one pass per radix digit actually needed
+// (typically 3-5 per select) plus one per mass total, all served from L2 after the first.
+extern "C" __global__ void __launch_bounds__(1024) baton_sample_f32(
+    u32* __restrict__ out_tokens, float* __restrict__ out_logprob, u32* __restrict__ out_top_ids,
+    float* __restrict__ out_top_logprobs, const float* __restrict__ logits, int logits_stride,
+    const BatonSamplingParams* __restrict__ params, const u32* __restrict__ output_index,
+    int vocab) {
+    __shared__ BatonSampleShared sh;
+    const int row = blockIdx.x;
+    const float* x = logits + (size_t)row * logits_stride;
+    const BatonSamplingParams p = params[row];
+
+    // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never wins).
+    float best = BATON_NEG_INF;
+    u64 best_key = ~0ull;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float c = baton_clean(x[i]);
+        const u64 k = baton_sort_key(c, (u32)i);
+        if (k < best_key) {
+            best_key = k;
+            best = c;
+        }
+    }
+    best_key = baton_block_min_u64(best_key, sh.scratch_u64);
+    const float maxv = baton_block_max(best, sh.scratch_f);
+    const u32 argmax = vocab > 0 ? (u32)best_key : 0u;
+
+    const float inv_t = 1.0f / p.temperature;
+    const bool greedy = !(p.temperature > 0.0f) || p.top_k == 1 || isinf(inv_t);
+    u32 token = argmax;
+    if (!greedy && maxv != BATON_NEG_INF) {
+        BatonSelect s;
+        s.x = x;
+        s.vocab = vocab;
+        s.maxv = maxv;
+        s.inv_t = inv_t;
+        s.min_p = 0.0f;
+        s.bound = ~0ull;
+        s.by_count = true;
+        if (p.top_k > 0 && p.top_k < vocab) s.bound = baton_radix_select(s, (u64)(p.top_k - 1), sh);
+        s.by_count = false;
+        if (p.top_p < 1.0f) {
+            const u64 z = baton_select_total(s, sh);
+            const double target = ceil((double)p.top_p * (double)z);
+            u64 t = target > 0.0 ? (u64)target - 1 : 0;
+            if (t >= z) t = z - 1;
+            s.bound = baton_radix_select(s, t, sh);
+        }
+        s.min_p = p.min_p > 0.0f ? fminf(p.min_p, 1.0f) : 0.0f;
+        const u64 m = baton_select_total(s, sh);
+        // floor(u * m) exactly, u = bits / 2^24, m < 2^58.
+        const u64 bits = baton_uniform_bits(p.seed, output_index[row]);
+        const u64 t = (m >> 24) * bits + (((m & 0xFFFFFFull) * bits) >> 24);
+        token = (u32)baton_radix_select(s, t, sh);
+    } else if (!greedy) {
+        token = 0;  // every logit is -inf / NaN
+    }
+
+    const int n_top = min(min((int)p.top_logprobs, BATON_MAX_TOP_LOGPROBS), vocab);
+    const bool want = p.want_logprob != 0 || n_top > 0;
+    float ln_sum = 0.0f;
+    if (want && maxv != BATON_NEG_INF) {
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            acc += expf(baton_clean(x[i]) - maxv);
+        ln_sum = logf(baton_block_sum(acc, sh.scratch_f));
+    }
+    // Top log-probs: n_top passes, each the smallest key after the previous one.
+    u64 prev = 0;
+    for (int j = 0; j < n_top; ++j) {
+        u64 found = ~0ull;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const u64 k = baton_sort_key(baton_clean(x[i]), (u32)i);
+            if ((j == 0 || k > prev) && k < found) found = k;
+        }
+        found = baton_block_min_u64(found, sh.scratch_u64);
+        prev = found;
+        if (threadIdx.x == 0) {
+            const u32 id = (u32)found;
+            out_top_ids[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = id;
+            out_top_logprobs[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] =
+                maxv == BATON_NEG_INF ? BATON_NEG_INF : (baton_clean(x[id]) - maxv) - ln_sum;
+        }
+    }
+    if (threadIdx.x == 0) {
+        for (int j = n_top; j < BATON_MAX_TOP_LOGPROBS; ++j) {
+            out_top_ids[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = 0xffffffffu;
+            out_top_logprobs[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = BATON_NEG_INF;
+        }
+        out_tokens[row] = token;
+        float lp = 0.0f;
+        if (want)
+            lp = (maxv == BATON_NEG_INF || vocab == 0)
+                     ? BATON_NEG_INF
+                     : (baton_clean(x[token]) - maxv) - ln_sum;
+        out_logprob[row] = lp;
+    }
+}
+
+// RNG probe for CPU/GPU agreement tests: out[i] = top 24 bits of Philox word 0 for
+// (seeds[i], output_index[i]), i.e. uniform * 2^24. Launch: grid = (ceil(n / 256)), block = 256.
+extern "C" __global__ void baton_sampling_uniform_bits(u32* __restrict__ out,
+                                                       const u64* __restrict__ seeds,
+                                                       const u32* __restrict__ output_index,
+                                                       int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = baton_uniform_bits(seeds[i], output_index[i]);
+}
+
+// Philox probe for known-answer tests: out[i] = philox4x32_10(ctr[i], key[i]).
+// Launch: grid = (ceil(n / 256)), block = 256.
+extern "C" __global__ void baton_philox4x32_10_probe(uint4* __restrict__ out,
+                                                     const uint4* __restrict__ ctr,
+                                                     const uint2* __restrict__ key, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = baton_philox4x32_10(ctr[i], key[i]);
+}
