@@ -32,6 +32,9 @@ pub struct EngineArgs {
     /// Turn asynchronous scheduling off.
     #[arg(long, overrides_with = "async_scheduling")]
     pub no_async_scheduling: bool,
+    /// Write the scheduler's lifecycle trace (JSON lines) to this file.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl EngineArgs {

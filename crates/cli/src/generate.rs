@@ -132,6 +132,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     )?;
     let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
     let mut engine = LocalEngine::new(cfg, backend);
+    if let Some(path) = &a.engine.trace {
+        let t = baton_scheduler::Tracer::to_file(path)
+            .with_context(|| format!("creating --trace {}", path.display()))?;
+        engine.scheduler_mut().set_tracer(t);
+    }
 
     let params = SamplingParams {
         temperature: a.temperature,
@@ -152,6 +157,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         a.ignore_eos,
     )?;
     let secs = start.elapsed().as_secs_f64();
+    engine.scheduler_mut().flush_trace();
 
     let mut out = std::io::stdout().lock();
     for (i, g) in gens.iter().enumerate() {

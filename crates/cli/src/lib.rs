@@ -6,3 +6,4 @@
 pub mod args;
 pub mod engine;
 pub mod generate;
+pub mod trace_cmd;

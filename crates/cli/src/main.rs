@@ -1,6 +1,7 @@
 //! `baton`: the LLM inference server's command line.
 
 use baton::generate::{self, GenerateArgs};
+use baton::trace_cmd::{self, TraceCmd};
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -15,6 +16,9 @@ struct Cli {
 enum Cmd {
     /// Generate offline from prompts, in one process.
     Generate(GenerateArgs),
+    /// Lifecycle traces.
+    #[command(subcommand)]
+    Trace(TraceCmd),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +32,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
+        Cmd::Trace(c) => trace_cmd::run(c),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

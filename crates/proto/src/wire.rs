@@ -1,0 +1,353 @@
+//! Fixed-size ring slots of the control plane (DESIGN.md section 6).
+//!
+//! Contract: every slot is `#[repr(C)]` plain data with no pointers. A message longer than one
+//! slot (a prompt, a launch with many rows, a completion) is a header slot followed by body
+//! slots, pushed by one producer into one SPSC ring, so the consumer reads them contiguously.
+//! The consumer never acts on a message until its last slot has arrived.
+
+use crate::{LaunchRow, LaunchSeq, SamplingParams, SlotRef, MAX_TOP_LOGPROBS};
+use bytemuck::{Pod, Zeroable};
+
+/// Tokens carried by one [`ToScheduler`] slot.
+pub const TOKENS_PER_SLOT: usize = 16;
+
+/// Kinds of [`ToScheduler`] slots.
+pub mod to_scheduler {
+    /// A new request: `req`, `max_tokens`, `flags`, `params`, `prompt_len` and `num_stop`
+    /// follow in the fields; `prompt_len + num_stop` tokens follow in `Tokens` slots.
+    pub const ADMIT: u32 = 1;
+    /// Up to [`super::TOKENS_PER_SLOT`] tokens of the request being admitted (`n` valid).
+    pub const TOKENS: u32 = 2;
+    /// Cancel `req`.
+    pub const CANCEL: u32 = 3;
+}
+
+/// Admission flag: ignore the model's EOS ids.
+pub const FLAG_IGNORE_EOS: u32 = 1;
+
+/// A frontend-to-scheduler slot (admission and cancels).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct ToScheduler {
+    /// One of [`to_scheduler`].
+    pub kind: u32,
+    /// Valid tokens in `tokens` (`TOKENS`), or `num_stop` (`ADMIT`).
+    pub n: u32,
+    /// The frontend's request id.
+    pub req: u64,
+    /// `ADMIT`: prompt tokens.
+    pub prompt_len: u32,
+    /// `ADMIT`: most new tokens.
+    pub max_tokens: u32,
+    /// `ADMIT`: [`FLAG_IGNORE_EOS`].
+    pub flags: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// `ADMIT`: sampling parameters.
+    pub params: SamplingParams,
+    /// `TOKENS`: the tokens.
+    pub tokens: [u32; TOKENS_PER_SLOT],
+}
+
+/// Kinds of [`ToFrontend`] slots.
+pub mod to_frontend {
+    /// A new token of `req`.
+    pub const TOKEN: u32 = 1;
+    /// `req` ended with `reason` (see [`super::reason`]).
+    pub const FINISHED: u32 = 2;
+    /// `req` was refused or failed; `reason` holds an error code (see [`super::error`]).
+    pub const ERROR: u32 = 3;
+}
+
+/// Finish reasons on the wire.
+pub mod reason {
+    /// A stop token.
+    pub const STOP: u32 = 1;
+    /// `max_tokens` or the model's maximum length.
+    pub const LENGTH: u32 = 2;
+    /// The engine gave up.
+    pub const ABORT: u32 = 3;
+    /// The acknowledgement of a cancel.
+    pub const CANCELLED: u32 = 4;
+}
+
+/// Error codes on the wire.
+pub mod error {
+    /// The request can never run (empty prompt, too long, too large for the pool, bad token).
+    pub const INVALID: u32 = 1;
+    /// The scheduler is shutting down.
+    pub const SHUTDOWN: u32 = 2;
+    /// A malformed admission sequence.
+    pub const PROTOCOL: u32 = 3;
+}
+
+/// A scheduler-to-frontend slot (outputs and acknowledgements).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct ToFrontend {
+    /// One of [`to_frontend`].
+    pub kind: u32,
+    /// `FINISHED`: one of [`reason`]; `ERROR`: one of [`error`].
+    pub reason: u32,
+    /// The frontend's request id.
+    pub req: u64,
+    /// `TOKEN`: the token.
+    pub token: u32,
+    /// `TOKEN`: its log-probability (0 unless asked).
+    pub logprob: f32,
+    /// `TOKEN`: valid entries of `top_ids`/`top_logprobs`.
+    pub n_top: u32,
+    /// `FINISHED`: prompt tokens.
+    pub prompt_tokens: u32,
+    /// `FINISHED`: output tokens.
+    pub output_tokens: u32,
+    /// `ERROR`: a detail, for example the admission error's limit.
+    pub detail: u32,
+    /// Top token ids.
+    pub top_ids: [u32; MAX_TOP_LOGPROBS],
+    /// Their log-probabilities.
+    pub top_logprobs: [f32; MAX_TOP_LOGPROBS],
+}
+
+/// Kinds of [`LaunchSlot`].
+pub mod launch_kind {
+    /// A launch header: `seq` and `n` rows follow.
+    pub const HEADER: u32 = 1;
+    /// One row of launch `seq`.
+    pub const ROW: u32 = 2;
+}
+
+/// A scheduler-to-worker slot: a launch header or one row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct LaunchSlot {
+    /// One of [`launch_kind`].
+    pub kind: u32,
+    /// `HEADER`: rows that follow.
+    pub n: u32,
+    /// The launch.
+    pub seq: LaunchSeq,
+    /// `ROW`: the row.
+    pub row: LaunchRow,
+}
+
+/// Kinds of [`CompletionSlot`].
+pub mod completion_kind {
+    /// A completion header: launch `seq` finished (fenced); `n` sampled rows follow.
+    pub const HEADER: u32 = 1;
+    /// One sampled row.
+    pub const SAMPLED: u32 = 2;
+    /// The worker failed launch `seq`; `n` holds an error code.
+    pub const FAILED: u32 = 3;
+}
+
+/// A worker-to-scheduler slot: a completion header or one sampled row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct CompletionSlot {
+    /// One of [`completion_kind`].
+    pub kind: u32,
+    /// `HEADER`: sampled rows that follow.
+    pub n: u32,
+    /// The launch.
+    pub seq: LaunchSeq,
+    /// `SAMPLED`: the request of the row.
+    pub req: SlotRef,
+    /// `SAMPLED`: row index.
+    pub row: u32,
+    /// `SAMPLED`: the token.
+    pub token: u32,
+    /// `SAMPLED`: log-probability.
+    pub logprob: f32,
+    /// `SAMPLED`: valid top entries.
+    pub n_top: u32,
+    /// Top token ids.
+    pub top_ids: [u32; MAX_TOP_LOGPROBS],
+    /// Their log-probabilities.
+    pub top_logprobs: [f32; MAX_TOP_LOGPROBS],
+}
+
+/// Encodes `launch` as a header slot followed by one slot per row.
+pub fn encode_launch(launch: &crate::Launch, out: &mut Vec<LaunchSlot>) {
+    out.push(LaunchSlot {
+        kind: launch_kind::HEADER,
+        n: launch.rows.len() as u32,
+        seq: launch.seq,
+        row: LaunchRow::zeroed(),
+    });
+    out.extend(launch.rows.iter().map(|&row| LaunchSlot {
+        kind: launch_kind::ROW,
+        n: 0,
+        seq: launch.seq,
+        row,
+    }));
+}
+
+/// Encodes a completion as a header slot followed by one slot per sampled row.
+pub fn encode_completion(c: &crate::Completion, out: &mut Vec<CompletionSlot>) {
+    let mut header = CompletionSlot::zeroed();
+    header.kind = completion_kind::HEADER;
+    header.n = c.sampled.len() as u32;
+    header.seq = c.seq;
+    out.push(header);
+    for s in &c.sampled {
+        let mut slot = CompletionSlot::zeroed();
+        slot.kind = completion_kind::SAMPLED;
+        slot.seq = c.seq;
+        slot.req = s.req;
+        slot.row = s.row;
+        slot.token = s.token;
+        slot.logprob = s.logprob;
+        let n = s.top.len().min(MAX_TOP_LOGPROBS);
+        slot.n_top = n as u32;
+        for (i, &(id, lp)) in s.top[..n].iter().enumerate() {
+            slot.top_ids[i] = id;
+            slot.top_logprobs[i] = lp;
+        }
+        out.push(slot);
+    }
+}
+
+/// Decodes a sampled row slot.
+pub fn decode_sampled(slot: &CompletionSlot) -> crate::Sampled {
+    let n = (slot.n_top as usize).min(MAX_TOP_LOGPROBS);
+    crate::Sampled {
+        row: slot.row,
+        req: slot.req,
+        token: slot.token,
+        logprob: slot.logprob,
+        top: (0..n)
+            .map(|i| (slot.top_ids[i], slot.top_logprobs[i]))
+            .collect(),
+    }
+}
+
+/// Reassembles multi-slot messages from a stream of slots: feed slots in ring order, get whole
+/// messages out. A header that arrives before the previous message completed is a protocol
+/// error (the producer died mid-write); the partial message is dropped and reported.
+#[derive(Debug, Default)]
+pub struct LaunchAssembler {
+    current: Option<(crate::Launch, usize)>,
+}
+
+impl LaunchAssembler {
+    /// Feeds one slot; returns a launch when its last row arrived.
+    ///
+    /// # Errors
+    /// A description of the malformed sequence.
+    pub fn feed(&mut self, slot: &LaunchSlot) -> Result<Option<crate::Launch>, String> {
+        match slot.kind {
+            launch_kind::HEADER => {
+                let torn = self.current.take();
+                let launch = crate::Launch {
+                    seq: slot.seq,
+                    rows: Vec::with_capacity(slot.n as usize),
+                };
+                if slot.n == 0 {
+                    return Ok(Some(launch));
+                }
+                self.current = Some((launch, slot.n as usize));
+                if let Some((l, _)) = torn {
+                    return Err(format!(
+                        "launch {} was torn: a new header arrived before its rows",
+                        l.seq
+                    ));
+                }
+                Ok(None)
+            }
+            launch_kind::ROW => {
+                let Some((launch, want)) = &mut self.current else {
+                    return Err(format!(
+                        "a row of launch {} arrived without its header",
+                        slot.seq
+                    ));
+                };
+                if slot.seq != launch.seq {
+                    let seq = launch.seq;
+                    self.current = None;
+                    return Err(format!(
+                        "a row of launch {} arrived inside launch {seq}",
+                        slot.seq
+                    ));
+                }
+                launch.rows.push(slot.row);
+                if launch.rows.len() == *want {
+                    return Ok(self.current.take().map(|(l, _)| l));
+                }
+                Ok(None)
+            }
+            k => Err(format!("unknown launch slot kind {k}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Completion, Launch, Sampled};
+
+    #[test]
+    fn launches_round_trip_through_slots() {
+        let mut row = LaunchRow::zeroed();
+        row.first_pos = 7;
+        row.num_tokens = 3;
+        let l = Launch {
+            seq: 9,
+            rows: vec![row, row],
+        };
+        let mut slots = Vec::new();
+        encode_launch(&l, &mut slots);
+        let mut a = LaunchAssembler::default();
+        assert_eq!(a.feed(&slots[0]).unwrap(), None);
+        assert_eq!(a.feed(&slots[1]).unwrap(), None);
+        assert_eq!(a.feed(&slots[2]).unwrap(), Some(l));
+    }
+
+    #[test]
+    fn a_torn_launch_is_reported_not_merged() {
+        let mut slots = Vec::new();
+        encode_launch(
+            &Launch {
+                seq: 1,
+                rows: vec![LaunchRow::zeroed(); 2],
+            },
+            &mut slots,
+        );
+        encode_launch(
+            &Launch {
+                seq: 2,
+                rows: vec![LaunchRow::zeroed()],
+            },
+            &mut slots,
+        );
+        let mut a = LaunchAssembler::default();
+        a.feed(&slots[0]).unwrap();
+        a.feed(&slots[1]).unwrap();
+        assert!(
+            a.feed(&slots[3]).is_err(),
+            "a header inside a launch must be an error"
+        );
+        assert_eq!(a.feed(&slots[4]).unwrap().map(|l| l.seq), Some(2));
+    }
+
+    #[test]
+    fn completions_keep_top_logprobs() {
+        let c = Completion {
+            seq: 4,
+            sampled: vec![Sampled {
+                row: 1,
+                req: SlotRef {
+                    slot: 2,
+                    generation: 3,
+                },
+                token: 5,
+                logprob: -0.5,
+                top: vec![(5, -0.5), (6, -1.5)],
+            }],
+        };
+        let mut slots = Vec::new();
+        encode_completion(&c, &mut slots);
+        assert_eq!(slots[0].n, 1);
+        assert_eq!(decode_sampled(&slots[1]), c.sampled[0]);
+    }
+}
