@@ -4,6 +4,7 @@
 //! [`baton_worker::Backend`] as the daemons, connected by in-process queues instead of rings.
 
 pub mod args;
+pub mod daemons;
 pub mod engine;
 pub mod generate;
 pub mod trace_cmd;

@@ -1,5 +1,6 @@
 //! `baton`: the LLM inference server's command line.
 
+use baton::daemons::{self, SchedulerArgs, WorkerArgs};
 use baton::generate::{self, GenerateArgs};
 use baton::trace_cmd::{self, TraceCmd};
 use clap::{Parser, Subcommand};
@@ -16,6 +17,10 @@ struct Cli {
 enum Cmd {
     /// Generate offline from prompts, in one process.
     Generate(GenerateArgs),
+    /// The scheduler daemon: creates the control segment and runs continuous batching.
+    Scheduler(SchedulerArgs),
+    /// The worker daemon: attaches to a scheduler and runs the model.
+    Worker(WorkerArgs),
     /// Lifecycle traces.
     #[command(subcommand)]
     Trace(TraceCmd),
@@ -33,6 +38,8 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Trace(c) => trace_cmd::run(c),
+        Cmd::Scheduler(a) => daemons::run_scheduler(a),
+        Cmd::Worker(a) => daemons::run_worker(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -143,3 +143,177 @@ pub fn filler_prompts(n: usize) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// The scheduler and a CPU worker whose reports reach the scheduler late (DESIGN.md sections 3
+/// and 4): the scheduler learns completion `s` only once `completion_lag` later launches are
+/// published, and release `s` only once `release_lag` later completions were reported (or when
+/// nothing else can move). The worker either executes each launch when it is published
+/// (`execute_late == false`) or lags behind the scheduler, executing launch `s` just before
+/// reporting its completion, reading the token and block tables as they are then.
+pub mod delayed {
+    use baton_model::load_model_dir;
+    use baton_proto::{Completion, Launch, LaunchSeq};
+    use baton_scheduler::{Event, NewRequest, Scheduler, SchedulerConfig, Tracer};
+    use baton_worker::{Backend, CpuBackend};
+    use std::collections::VecDeque;
+
+    /// When the worker's reports reach the scheduler.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Delays {
+        /// Completion `s` is reported once launch `s + completion_lag` is published.
+        pub completion_lag: u64,
+        /// Release `s` is reported once completion `s + release_lag` was reported.
+        pub release_lag: u64,
+        /// Execute launch `s` only when its completion is reported, not when it is published.
+        pub execute_late: bool,
+    }
+
+    /// Counts of one run.
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct DelayedStats {
+        /// Pages that went back to the free list.
+        pub reclaimed_pages: usize,
+        /// Most launches published and not reported complete at once.
+        pub max_unreported: usize,
+    }
+
+    /// Scheduler and delayed CPU worker in one thread.
+    pub struct DelayedEngine {
+        pub sched: Scheduler,
+        backend: CpuBackend,
+        delays: Delays,
+        /// Published, not executed yet (only when `execute_late`).
+        unexecuted: VecDeque<Launch>,
+        /// Executed (or to execute), completion not reported yet, oldest first.
+        unreported: VecDeque<(LaunchSeq, Option<Completion>)>,
+        /// Reported complete, release not reported yet.
+        unreleased: VecDeque<LaunchSeq>,
+        last_completed: LaunchSeq,
+        pub stats: DelayedStats,
+    }
+
+    impl DelayedEngine {
+        /// An engine on the test model.
+        pub fn new(cfg: SchedulerConfig, delays: Delays) -> Self {
+            let loaded = load_model_dir(super::model_dir()).expect("test model loads");
+            let (model, _) = loaded.into_cpu_model();
+            let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+            let sched = Scheduler::new_local(cfg, backend.vocab_size());
+            Self {
+                sched,
+                backend,
+                delays,
+                unexecuted: VecDeque::new(),
+                unreported: VecDeque::new(),
+                unreleased: VecDeque::new(),
+                last_completed: 0,
+                stats: DelayedStats::default(),
+            }
+        }
+
+        /// Writes the lifecycle trace to `tracer`.
+        pub fn set_tracer(&mut self, tracer: Tracer) {
+            self.sched.set_tracer(tracer);
+        }
+
+        fn execute(&mut self, l: &Launch) -> Completion {
+            self.backend
+                .execute(l, self.sched.tables().as_ref())
+                .expect("launch executes")
+        }
+
+        fn report_completion(&mut self, events: &mut Vec<Event>) {
+            let (seq, done) = self.unreported.pop_front().expect("a completion to report");
+            let c = match done {
+                Some(c) => c,
+                None => {
+                    let l = self.unexecuted.pop_front().expect("unexecuted launch");
+                    assert_eq!(l.seq, seq);
+                    self.execute(&l)
+                }
+            };
+            assert!(self.sched.on_completion(&c, events), "completion {seq}");
+            self.last_completed = seq;
+            self.unreleased.push_back(seq);
+        }
+
+        fn report_release(&mut self, upto: LaunchSeq) {
+            while self.unreleased.front().is_some_and(|&s| s <= upto) {
+                self.unreleased.pop_front();
+            }
+            self.stats.reclaimed_pages += self.sched.on_released(upto);
+        }
+
+        /// Admits every request and runs until all have finished; returns the events.
+        pub fn run(&mut self, reqs: Vec<NewRequest>) -> Vec<Event> {
+            for r in reqs {
+                self.sched.add_request(r).expect("admitted");
+            }
+            let mut events = Vec::new();
+            loop {
+                let mut moved = false;
+                while let Some(l) = self.sched.schedule() {
+                    moved = true;
+                    if self.delays.execute_late {
+                        self.unreported.push_back((l.seq, None));
+                        self.unexecuted.push_back(l);
+                    } else {
+                        let c = self.execute(&l);
+                        self.unreported.push_back((l.seq, Some(c)));
+                    }
+                    self.stats.max_unreported =
+                        self.stats.max_unreported.max(self.unreported.len());
+                }
+                let last = self.sched.last_launch();
+                if let Some(&(s, _)) = self.unreported.front() {
+                    if s + self.delays.completion_lag <= last {
+                        self.report_completion(&mut events);
+                        moved = true;
+                    }
+                }
+                if let Some(&s) = self.unreleased.front() {
+                    if s + self.delays.release_lag <= self.last_completed {
+                        self.report_release(s);
+                        moved = true;
+                    }
+                }
+                if moved {
+                    continue;
+                }
+                // Nothing is due and nothing can be published: the oldest report arrives.
+                if !self.unreported.is_empty() {
+                    self.report_completion(&mut events);
+                } else if !self.unreleased.is_empty() {
+                    self.report_release(self.last_completed);
+                } else if self.sched.is_idle() {
+                    break;
+                } else {
+                    panic!("stalled: {:?}", self.sched.stats());
+                }
+            }
+            self.sched.flush_trace();
+            events
+        }
+    }
+
+    /// The goldens (ids `0..`, 64 greedy tokens) interleaved among `fillers` mixed prompts
+    /// (ids `100..`), as in golden.rs.
+    pub fn golden_requests(fillers: usize) -> Vec<NewRequest> {
+        use baton_proto::SamplingParams;
+        let mut reqs = Vec::new();
+        for (i, p) in super::filler_prompts(fillers).into_iter().enumerate() {
+            reqs.push(super::request(
+                100 + i as u64,
+                p,
+                24 + (i as u32 % 5) * 9,
+                SamplingParams::greedy(),
+            ));
+        }
+        for (i, g) in super::goldens().iter().enumerate() {
+            let at = (i * 7).min(reqs.len());
+            let r = super::request(i as u64, g.prompt_ids.clone(), 64, SamplingParams::greedy());
+            reqs.insert(at, r);
+        }
+        reqs
+    }
+}

@@ -8,6 +8,8 @@
 //! Everything that travels through a shared-memory ring is `#[repr(C)]` plain data
 //! ([`bytemuck::Pod`]). The in-process engine uses the same types over in-process queues.
 
+pub mod link;
+pub mod plane;
 pub mod wire;
 
 use bytemuck::{Pod, Zeroable};

@@ -6,6 +6,7 @@
 //! and never touches a free list directly.
 
 pub mod check;
+pub mod daemon;
 pub mod request;
 pub mod scheduler;
 pub mod trace;

@@ -101,6 +101,21 @@ struct Inflight {
     rows: Vec<(RequestId, SlotRef, usize, usize)>,
 }
 
+/// A live request's lengths as the scheduler counts them (DESIGN.md section 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLengths {
+    /// Prompt plus accepted outputs.
+    pub known_len: usize,
+    /// Positions whose KV is written and fenced.
+    pub computed_len: usize,
+    /// Positions included in published launches, fenced or not.
+    pub scheduled_len: usize,
+    /// Tokens being sampled by launches in flight (they take positions `known_len..`).
+    pub sampling: usize,
+    /// The request's slot while it holds one (running), `None` while it waits.
+    pub slot: Option<SlotRef>,
+}
+
 /// Counts for `/metrics` and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -233,6 +248,18 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// The last launch published (0 before the first).
     pub fn last_launch(&self) -> LaunchSeq {
         self.next_seq - 1
+    }
+
+    /// The lengths and slot of live request `id`, as the scheduler counts them (for invariant
+    /// checks in tests and for debugging).
+    pub fn request_lengths(&self, id: RequestId) -> Option<RequestLengths> {
+        self.requests.get(&id).map(|r| RequestLengths {
+            known_len: r.known_len(),
+            computed_len: r.computed_len,
+            scheduled_len: r.scheduled_len,
+            sampling: r.inflight_samples.len(),
+            slot: r.slot,
+        })
     }
 
     fn emit(&mut self, f: impl FnOnce() -> TraceRecord) {
@@ -620,6 +647,21 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         true
     }
 
+    /// The worker could not execute launch `seq` (for example a token outside its vocabulary):
+    /// the launch counts as completed with no output, and every request it included ends with
+    /// `Abort`. Its pages still come back only after the launch's release.
+    pub fn on_failed_launch(&mut self, seq: LaunchSeq, events: &mut Vec<Event>) {
+        let Some(idx) = self.inflight.iter().position(|l| l.seq == seq) else {
+            return;
+        };
+        let launch = self.inflight.remove(idx).expect("index is valid");
+        for &(id, slot, _, _) in &launch.rows {
+            if self.requests.get(&id).is_some_and(|r| r.slot == Some(slot)) {
+                self.finish(id, FinishReason::Abort, events);
+            }
+        }
+    }
+
     /// Reports that every live consumer has released launches up to `released`; reclaims the
     /// pages and slots retired after them. Returns the number of pages reclaimed.
     pub fn on_released(&mut self, released: LaunchSeq) -> usize {
@@ -669,6 +711,14 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             r.scheduled_len = 0;
             r.inflight_samples.clear();
             self.waiting.push_front(id);
+            // The trace must say the request recomputes: its computed KV died with the worker.
+            if self.trace.is_some() {
+                let rec = TraceRecord {
+                    evidence: Some("worker_death".into()),
+                    ..Self::req_record(Boundary::Preempt, &self.requests[&id])
+                };
+                self.emit(|| rec);
+            }
         }
         // No launch can touch the pool any more: the device memory is gone.
         self.released = self.next_seq - 1;

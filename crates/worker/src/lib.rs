@@ -9,6 +9,7 @@
 //! id that launch sampled, from the ids the backend kept ([`KeptIds`]), never from the table.
 
 pub mod cpu;
+pub mod daemon;
 pub mod kept;
 pub mod null;
 pub mod sampling;

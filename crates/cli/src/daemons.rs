@@ -1,0 +1,171 @@
+//! `baton scheduler` and `baton worker`: the two daemons.
+
+use crate::args::EngineArgs;
+use crate::generate::LoadFormatArg;
+use anyhow::{bail, Context, Result};
+use baton_model::{LoadFormat, ModelConfig, ModelDir};
+use baton_scheduler::daemon::{DaemonConfig, SchedulerDaemon};
+use baton_worker::daemon::{self, WorkerDaemon};
+use baton_worker::{CpuBackend, KvCapacity, NullBackend};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Flags of `baton scheduler`.
+#[derive(Args, Clone, Debug)]
+pub struct SchedulerArgs {
+    /// Instance name: the control segment is /dev/shm/baton-<instance>.
+    #[arg(long, default_value = "default")]
+    pub instance: String,
+    /// A model directory, for the defaults of --max-model-len and the vocabulary check.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Frontend slots (ring pairs).
+    #[arg(long, default_value_t = 8)]
+    pub frontends: usize,
+    /// Scheduler and KV-cache flags.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Which device a worker runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The f32 CPU reference backend.
+    Cpu,
+    /// NVIDIA GPU through CUDA.
+    Cuda,
+    /// No computation: fixed tokens (control-plane benchmarks).
+    Null,
+}
+
+/// Flags of `baton worker`.
+#[derive(Args, Clone, Debug)]
+pub struct WorkerArgs {
+    /// Instance name of the scheduler to attach to.
+    #[arg(long, default_value = "default")]
+    pub instance: String,
+    /// A Hugging Face model directory (not needed for --device null).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Device.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Weight loading.
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Seed of dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// How long to wait for the scheduler's segment and a free worker slot, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub attach_timeout: f64,
+    /// Token the null backend samples.
+    #[arg(long, default_value_t = 3)]
+    pub null_token: u32,
+}
+
+/// SIGTERM and SIGINT set the returned flag.
+///
+/// # Errors
+/// Installing the handlers failed.
+pub fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
+    }
+    Ok(stop)
+}
+
+/// Runs `baton scheduler` until SIGTERM/SIGINT.
+///
+/// # Errors
+/// Bad flags, a running instance of the same name.
+pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
+    let stop = stop_flag()?;
+    let (model_cfg, vocab) = match &a.model {
+        Some(dir) => {
+            let c = ModelConfig::from_file(&ModelDir::new(dir).config_path())?;
+            let v = c.vocab_size;
+            (c, v)
+        }
+        None => {
+            let Some(len) = a.engine.max_model_len else {
+                bail!("give --model DIR, or --max-model-len and --num-blocks");
+            };
+            if a.engine.num_blocks.is_none() {
+                bail!("without --model, --num-blocks is required");
+            }
+            let mut c = ModelConfig::from_json_str(
+                r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":1,"max_position_embeddings":1}"#,
+            )?;
+            c.max_position_embeddings = len;
+            (c, usize::MAX)
+        }
+    };
+    if a.frontends == 0 {
+        bail!("--frontends must be at least 1");
+    }
+    let sched = a
+        .engine
+        .scheduler_config(&model_cfg)
+        .map_err(anyhow::Error::msg)?;
+    let cfg = DaemonConfig {
+        instance: a.instance.clone(),
+        sched: sched.clone(),
+        vocab_size: vocab,
+        frontends: a.frontends,
+        trace: a.engine.trace.clone(),
+    };
+    let mut d = SchedulerDaemon::create(cfg)?;
+    eprintln!(
+        "baton scheduler: instance {} ready ({} KV pages of {} tokens, max model len {}, max {} seqs, async scheduling {})",
+        a.instance,
+        sched.num_blocks,
+        sched.block_size,
+        sched.max_model_len,
+        sched.max_num_seqs,
+        if sched.max_inflight > 1 { "on" } else { "off" }
+    );
+    d.run(&stop);
+    drop(d);
+    eprintln!("baton scheduler: stopped, segment removed");
+    Ok(())
+}
+
+/// Runs `baton worker` until SIGTERM/SIGINT.
+///
+/// # Errors
+/// No scheduler, a model that fails to load, a KV pool mismatch.
+pub fn run_worker(a: WorkerArgs) -> Result<()> {
+    let stop = stop_flag()?;
+    let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    let (segment, limits) = daemon::attach(&a.instance, wait)?;
+    match a.device {
+        Device::Null => {
+            let cap = KvCapacity { num_blocks: limits.num_blocks, block_size: limits.block_size };
+            let vocab = if limits.vocab_size == 0 { 32000 } else { limits.vocab_size };
+            let backend = NullBackend::new(cap, vocab, a.null_token);
+            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            eprintln!("baton worker: null backend attached to {}", a.instance);
+            w.run(&stop);
+        }
+        Device::Cpu => {
+            let dir = a.model.context("--model DIR is required for --device cpu")?;
+            let format = match a.load_format {
+                LoadFormatArg::Auto => LoadFormat::Auto,
+                LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
+            };
+            let loaded = ModelDir::new(&dir).load(format)?;
+            let (model, _) = loaded.into_cpu_model();
+            let backend = CpuBackend::new(model, limits.num_blocks, limits.block_size);
+            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            eprintln!("baton worker: cpu backend ({}) attached to {}", dir.display(), a.instance);
+            w.run(&stop);
+        }
+        Device::Cuda => bail!("--device cuda: the CUDA worker is not wired to the daemon yet (GPU verification pending); use --device cpu"),
+    }
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! The frontend's end of the control plane: register in a frontend slot, push admissions and
+//! cancels, pop outputs.
+//!
+//! Contract: a link owns one frontend ring pair for as long as its registration lives. A
+//! request is admitted as one `ADMIT` slot followed by its token slots, pushed contiguously;
+//! after a `CANCEL`, the frontend keeps the request's state until the scheduler's `FINISHED`
+//! (reason `CANCELLED`, or any other final reason) arrives for it.
+
+use crate::plane::{self, PlaneLimits};
+use crate::wire::{self, to_scheduler, ToFrontend, ToScheduler, TOKENS_PER_SLOT};
+use crate::SamplingParams;
+use baton_ipc::topology::{self, FrontendEnds};
+use baton_ipc::{process, ParticipantTable, Registration, Role, Segment, SlotState};
+use bytemuck::Zeroable;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// Errors of a [`FrontendLink`].
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// Attaching failed (no scheduler, a layout mismatch, ...).
+    #[error("attaching to instance {instance}: {err}")]
+    Attach {
+        /// The instance.
+        instance: String,
+        /// Why.
+        err: baton_ipc::SegmentError,
+    },
+    /// Opening a region failed.
+    #[error("{0}")]
+    Region(#[from] baton_ipc::RegionError),
+    /// Every frontend slot is taken.
+    #[error("no free frontend slot: {0}")]
+    Register(#[from] baton_ipc::RegisterError),
+    /// The admission ring stayed full (the scheduler is not draining it).
+    #[error("the scheduler is not accepting requests (admission ring full)")]
+    Full,
+}
+
+/// A request as the frontend hands it to the scheduler.
+#[derive(Clone, Debug)]
+pub struct Admission<'a> {
+    /// The frontend's id for it, unique among this link's live requests.
+    pub req: u64,
+    /// Prompt token ids.
+    pub prompt: &'a [u32],
+    /// Extra stop token ids.
+    pub stop_token_ids: &'a [u32],
+    /// Most new tokens.
+    pub max_tokens: u32,
+    /// Sampling parameters (seed set).
+    pub params: SamplingParams,
+    /// Ignore the model's EOS ids.
+    pub ignore_eos: bool,
+}
+
+/// Scheduler statistics read from the segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PlaneStats {
+    /// Requests running.
+    pub running: u64,
+    /// Requests waiting.
+    pub waiting: u64,
+    /// Pages not free (in use or retired).
+    pub pages_used: u64,
+    /// Pages retired, waiting for a fence.
+    pub pages_retired: u64,
+    /// Pages in the pool.
+    pub pages_total: u64,
+    /// Launches so far.
+    pub launches: u64,
+}
+
+/// A frontend's registration and ring pair.
+pub struct FrontendLink {
+    segment: Segment,
+    limits: PlaneLimits,
+    participants: ParticipantTable,
+    me: Registration,
+    ends: FrontendEnds<ToScheduler, ToFrontend>,
+    stats: baton_ipc::AtomicArray<baton_ipc::sync::AtomicU64>,
+    scratch: Vec<ToScheduler>,
+}
+
+impl FrontendLink {
+    /// Attaches to `instance` and registers in a free frontend slot.
+    ///
+    /// # Errors
+    /// No scheduler running, a layout mismatch, no free frontend slot.
+    pub fn connect(instance: &str) -> Result<Self, LinkError> {
+        let err = |err| LinkError::Attach {
+            instance: instance.to_owned(),
+            err,
+        };
+        let limits = PlaneLimits::from_limits(&Segment::peek_limits(instance).map_err(err)?);
+        let segment = Segment::attach(instance, &limits.layout_spec()).map_err(err)?;
+        let control = limits.control_spec();
+        let participants = segment.participants(topology::PARTICIPANTS)?;
+        let me = participants.register_in(Role::Frontend, control.frontend_slots())?;
+        let k = control
+            .frontend_index(me.slot())
+            .expect("registered in a frontend slot");
+        let ends = FrontendEnds::open(&segment, k)?;
+        let stats = segment.atomics_u64(plane::STATS)?;
+        Ok(Self {
+            segment,
+            limits,
+            participants,
+            me,
+            ends,
+            stats,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The limits the scheduler enforces.
+    pub fn limits(&self) -> PlaneLimits {
+        self.limits
+    }
+
+    /// This frontend's ring-pair index.
+    pub fn index(&self) -> usize {
+        self.limits
+            .control_spec()
+            .frontend_index(self.me.slot())
+            .unwrap_or(0)
+    }
+
+    /// Pushes an admission (one `ADMIT` slot and its token slots), waiting up to `timeout` for
+    /// ring space.
+    ///
+    /// # Errors
+    /// [`LinkError::Full`] when the ring stays full.
+    pub fn submit(&mut self, a: &Admission<'_>, timeout: Duration) -> Result<(), LinkError> {
+        self.scratch.clear();
+        let mut head = ToScheduler::zeroed();
+        head.kind = to_scheduler::ADMIT;
+        head.req = a.req;
+        head.n = a.stop_token_ids.len() as u32;
+        head.prompt_len = a.prompt.len() as u32;
+        head.max_tokens = a.max_tokens;
+        head.flags = if a.ignore_eos {
+            wire::FLAG_IGNORE_EOS
+        } else {
+            0
+        };
+        head.params = a.params;
+        self.scratch.push(head);
+        for chunk in a
+            .prompt
+            .chunks(TOKENS_PER_SLOT)
+            .chain(a.stop_token_ids.chunks(TOKENS_PER_SLOT))
+        {
+            let mut m = ToScheduler::zeroed();
+            m.kind = to_scheduler::TOKENS;
+            m.req = a.req;
+            m.n = chunk.len() as u32;
+            m.tokens[..chunk.len()].copy_from_slice(chunk);
+            self.scratch.push(m);
+        }
+        self.push_all(timeout)
+    }
+
+    /// Pushes a cancel for `req`.
+    ///
+    /// # Errors
+    /// [`LinkError::Full`] when the ring stays full.
+    pub fn cancel(&mut self, req: u64, timeout: Duration) -> Result<(), LinkError> {
+        self.scratch.clear();
+        let mut m = ToScheduler::zeroed();
+        m.kind = to_scheduler::CANCEL;
+        m.req = req;
+        self.scratch.push(m);
+        self.push_all(timeout)
+    }
+
+    fn push_all(&mut self, timeout: Duration) -> Result<(), LinkError> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut sent = 0;
+        while sent < self.scratch.len() {
+            sent += self.ends.to_scheduler.push_batch(&self.scratch[sent..]);
+            if sent < self.scratch.len() {
+                if std::time::Instant::now() >= deadline {
+                    // A partial admission would tear the ring: it is only safe because the
+                    // scheduler drops a torn admission when the next ADMIT arrives.
+                    return Err(LinkError::Full);
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pops one output, waiting up to `timeout` (spin, yield, then futex sleep).
+    pub fn poll(&mut self, timeout: Duration) -> Option<ToFrontend> {
+        self.me.heartbeat();
+        self.ends.from_scheduler.wait_pop(timeout)
+    }
+
+    /// Pops up to `max` outputs without waiting.
+    pub fn poll_batch(&mut self, out: &mut Vec<ToFrontend>, max: usize) -> usize {
+        self.ends.from_scheduler.pop_batch(out, max)
+    }
+
+    /// `Ok` when the scheduler is alive and a worker is attached; otherwise why not.
+    pub fn health(&self) -> Result<(), String> {
+        let status = self.segment.status().load(Ordering::Acquire);
+        if status & plane::STATUS_SHUTTING_DOWN != 0 {
+            return Err("the scheduler is shutting down".into());
+        }
+        let sched = self.participants.info(0);
+        let alive = sched
+            .is_some_and(|s| s.state == SlotState::Live && process::is_alive(s.pid, s.start_time));
+        if !alive {
+            return Err("the scheduler is not running".into());
+        }
+        if status & plane::STATUS_WORKER_ATTACHED == 0 {
+            return Err("no worker is attached".into());
+        }
+        Ok(())
+    }
+
+    /// Scheduler statistics.
+    pub fn stats(&self) -> PlaneStats {
+        let g = |i: usize| self.stats[i].load(Ordering::Relaxed);
+        PlaneStats {
+            running: g(plane::STAT_RUNNING),
+            waiting: g(plane::STAT_WAITING),
+            pages_used: g(plane::STAT_PAGES_USED),
+            pages_retired: g(plane::STAT_PAGES_RETIRED),
+            pages_total: g(plane::STAT_PAGES_TOTAL),
+            launches: g(plane::STAT_LAUNCHES),
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The control segment of one Baton instance: which rings and tables it holds, sized from the
+//! limits the scheduler publishes (DESIGN.md section 6).
+//!
+//! Contract: the creator (the scheduler) and every attacher build the layout from the same
+//! [`PlaneLimits`], which the creator writes into the segment header; an attacher reads them
+//! back first ([`baton_ipc::Segment::peek_limits`]) so its layout hash matches by construction.
+
+use crate::wire::{CompletionSlot, LaunchSlot, ToFrontend, ToScheduler};
+use crate::SlotTables;
+use baton_ipc::topology::{ControlPlaneSpec, RingShape};
+use baton_ipc::{Arena, AtomicArray, LayoutSpec, Limits, RegionError};
+use std::sync::atomic::AtomicU32;
+
+/// The token table region: `max_num_seqs * max_model_len` u32.
+pub const TOKENS: &str = "tables.tokens";
+/// The block table region: `max_num_seqs * max_blocks_per_seq` u32.
+pub const BLOCKS: &str = "tables.blocks";
+/// Scheduler statistics for `/metrics` and `/health`: see the `STAT_*` indices.
+pub const STATS: &str = "scheduler.stats";
+
+/// Index in [`STATS`]: requests running.
+pub const STAT_RUNNING: usize = 0;
+/// Index in [`STATS`]: requests waiting.
+pub const STAT_WAITING: usize = 1;
+/// Index in [`STATS`]: KV pages in use or retired (not free).
+pub const STAT_PAGES_USED: usize = 2;
+/// Index in [`STATS`]: KV pages in the pool.
+pub const STAT_PAGES_TOTAL: usize = 3;
+/// Index in [`STATS`]: launches published.
+pub const STAT_LAUNCHES: usize = 4;
+/// Index in [`STATS`]: the scheduler's heartbeat, monotonic ms.
+pub const STAT_HEARTBEAT_MS: usize = 5;
+/// Index in [`STATS`]: pages retired, waiting for a fence.
+pub const STAT_PAGES_RETIRED: usize = 6;
+/// Number of words in [`STATS`].
+pub const STAT_WORDS: usize = 8;
+
+/// Header status bit: a worker is attached and its KV cache is live.
+pub const STATUS_WORKER_ATTACHED: u64 = 1;
+/// Header status bit: the scheduler is shutting down.
+pub const STATUS_SHUTTING_DOWN: u64 = 2;
+
+/// Limits that shape the segment; written into the header's [`Limits`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaneLimits {
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// Longest sequence, in tokens.
+    pub max_model_len: usize,
+    /// Most sequences at once (request slots).
+    pub max_num_seqs: usize,
+    /// KV pages.
+    pub num_blocks: usize,
+    /// Most tokens per launch.
+    pub max_num_batched_tokens: usize,
+    /// Vocabulary size the scheduler validates against (0: unknown).
+    pub vocab_size: usize,
+    /// Frontend slots (ring pairs).
+    pub frontends: usize,
+    /// Launches in flight at most.
+    pub max_inflight: usize,
+}
+
+impl PlaneLimits {
+    /// Block-table entries per slot.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_model_len.div_ceil(self.block_size.max(1))
+    }
+
+    /// The ring shapes and participant slots.
+    pub fn control_spec(&self) -> ControlPlaneSpec {
+        let launch_slots =
+            (2 * (self.max_num_seqs + 1) * self.max_inflight.max(1)).next_power_of_two();
+        ControlPlaneSpec {
+            frontends: self.frontends,
+            workers: 1,
+            extra_participants: 2,
+            frontend_in: RingShape::of::<ToScheduler>(1024),
+            frontend_out: RingShape::of::<ToFrontend>(4096),
+            launch: RingShape::of::<LaunchSlot>(launch_slots),
+            completion: RingShape::of::<CompletionSlot>(launch_slots),
+        }
+    }
+
+    /// The full layout: the control plane plus the token and block tables and the stats words.
+    pub fn layout_spec(&self) -> LayoutSpec {
+        self.control_spec()
+            .layout_spec()
+            .atomics_u32(TOKENS, self.max_num_seqs * self.max_model_len)
+            .atomics_u32(BLOCKS, self.max_num_seqs * self.max_blocks_per_seq())
+            .atomics_u64(STATS, STAT_WORDS)
+    }
+
+    /// The header limits.
+    pub fn to_limits(&self) -> Limits {
+        let mut spare = [0u64; 8];
+        spare[0] = self.num_blocks as u64;
+        spare[1] = self.max_num_batched_tokens as u64;
+        spare[2] = self.vocab_size as u64;
+        spare[3] = self.frontends as u64;
+        spare[4] = self.max_inflight as u64;
+        self.control_spec().with_ring_capacities(Limits {
+            block_size: self.block_size as u64,
+            max_model_len: self.max_model_len as u64,
+            max_num_seqs: self.max_num_seqs as u64,
+            spare,
+            ..Limits::default()
+        })
+    }
+
+    /// Reads the limits back from a header.
+    pub fn from_limits(l: &Limits) -> Self {
+        Self {
+            block_size: l.block_size as usize,
+            max_model_len: l.max_model_len as usize,
+            max_num_seqs: l.max_num_seqs as usize,
+            num_blocks: l.spare[0] as usize,
+            max_num_batched_tokens: l.spare[1] as usize,
+            vocab_size: l.spare[2] as usize,
+            frontends: l.spare[3] as usize,
+            max_inflight: l.spare[4] as usize,
+        }
+    }
+}
+
+/// Shared-memory storage for [`SlotTables`].
+pub struct SharedU32(pub AtomicArray<AtomicU32>);
+
+impl AsRef<[AtomicU32]> for SharedU32 {
+    fn as_ref(&self) -> &[AtomicU32] {
+        &self.0
+    }
+}
+
+/// Token and block tables in the segment.
+pub type SharedSlotTables = SlotTables<SharedU32>;
+
+/// Opens the token and block tables of `arena`.
+///
+/// # Errors
+/// A missing or mis-sized region.
+pub fn slot_tables(arena: &Arena, l: &PlaneLimits) -> Result<SharedSlotTables, RegionError> {
+    Ok(SlotTables::from_parts(
+        SharedU32(arena.atomics_u32(TOKENS)?),
+        SharedU32(arena.atomics_u32(BLOCKS)?),
+        l.max_model_len,
+        l.max_blocks_per_seq(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_round_trip_through_the_header() {
+        let l = PlaneLimits {
+            block_size: 16,
+            max_model_len: 512,
+            max_num_seqs: 8,
+            num_blocks: 100,
+            max_num_batched_tokens: 256,
+            vocab_size: 512,
+            frontends: 4,
+            max_inflight: 2,
+        };
+        assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
+        let arena = Arena::heap(&l.layout_spec()).unwrap();
+        let t = slot_tables(&arena, &l).unwrap();
+        t.set_token(7, 511, 3);
+        assert_eq!(t.token(7, 511), 3);
+    }
+}

@@ -1,0 +1,654 @@
+//! `baton scheduler`: the scheduler core behind the shared-memory control plane.
+//!
+//! Contract: the daemon owns the control segment. Each turn of its loop receives (liveness,
+//! admissions and cancels, completions, released counters), decides (one or more launches), and
+//! publishes (launch records to the worker, outputs to each frontend). A frontend whose death
+//! the kernel reports has its requests cancelled and its ring pair reset before its slot is
+//! reclaimed; a dead worker's launches are forgotten, its pages invalidated, and its running
+//! requests requeued to recompute from their known history.
+
+use crate::request::{FinishReason, NewRequest, RequestId};
+use crate::scheduler::{Event, Scheduler, SchedulerConfig};
+use crate::trace::Tracer;
+use baton_ipc::topology::{self, SchedulerFrontendEnds, SchedulerWorkerEnds};
+use baton_ipc::{process, DoorbellRef, ParticipantTable, Registration, Role, Segment};
+use baton_proto::plane::{self, PlaneLimits, SharedU32};
+use baton_proto::wire::{
+    self, completion_kind, reason, to_frontend, to_scheduler, CompletionSlot, LaunchSlot,
+    ToFrontend, ToScheduler,
+};
+use baton_proto::{Completion, SamplingParams};
+use bytemuck::Zeroable;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often the daemon asks the kernel which participants died.
+const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
+
+/// Everything `baton scheduler` needs.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Instance name: the segment is `/dev/shm/baton-<instance>`.
+    pub instance: String,
+    /// Scheduler limits and policy.
+    pub sched: SchedulerConfig,
+    /// Vocabulary size for validating token ids (`usize::MAX`: unchecked).
+    pub vocab_size: usize,
+    /// Frontend slots.
+    pub frontends: usize,
+    /// Lifecycle trace file.
+    pub trace: Option<PathBuf>,
+}
+
+/// Errors that stop the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Creating or using the segment failed.
+    #[error("{0}")]
+    Segment(#[from] baton_ipc::SegmentError),
+    /// A region is missing (a layout bug).
+    #[error("{0}")]
+    Region(#[from] baton_ipc::RegionError),
+    /// Registration failed.
+    #[error("{0}")]
+    Register(#[from] baton_ipc::RegisterError),
+    /// The trace file could not be created.
+    #[error("creating trace file {path}: {err}")]
+    Trace {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        err: std::io::Error,
+    },
+}
+
+/// Where an engine-wide request id goes back to.
+#[derive(Clone, Copy, Debug)]
+struct Route {
+    frontend: usize,
+    generation: u64,
+    local: u64,
+}
+
+/// An admission whose token slots are still arriving.
+struct PendingAdmit {
+    head: ToScheduler,
+    tokens: Vec<u32>,
+}
+
+struct FrontendPort {
+    ends: SchedulerFrontendEnds<ToScheduler, ToFrontend>,
+    participant_slot: usize,
+    outbox: VecDeque<ToFrontend>,
+    pending: Option<PendingAdmit>,
+}
+
+/// The running daemon's state.
+pub struct SchedulerDaemon {
+    limits: PlaneLimits,
+    segment: Segment,
+    _me: Registration,
+    participants: ParticipantTable,
+    stats: baton_ipc::AtomicArray<baton_ipc::sync::AtomicU64>,
+    doorbell: DoorbellRef,
+    sched: Scheduler<SharedU32>,
+    worker: SchedulerWorkerEnds<LaunchSlot, CompletionSlot>,
+    worker_attached: Option<(usize, u64)>,
+    completion_in: Option<(Completion, usize)>,
+    frontends: Vec<FrontendPort>,
+    routes: HashMap<RequestId, Route>,
+    by_local: HashMap<(usize, u64), RequestId>,
+    next_id: RequestId,
+    events: Vec<Event>,
+    scratch_launch: Vec<LaunchSlot>,
+    scratch_in: Vec<ToScheduler>,
+    scratch_done: Vec<CompletionSlot>,
+    last_liveness: Instant,
+}
+
+impl SchedulerDaemon {
+    /// Creates the segment (removing a stale one whose creator died) and registers as the
+    /// scheduler.
+    ///
+    /// # Errors
+    /// A running instance of the same name, a bad instance name, an unwritable trace file.
+    pub fn create(cfg: DaemonConfig) -> Result<Self, DaemonError> {
+        let limits = PlaneLimits {
+            block_size: cfg.sched.block_size,
+            max_model_len: cfg.sched.max_model_len,
+            max_num_seqs: cfg.sched.max_num_seqs,
+            num_blocks: cfg.sched.num_blocks,
+            max_num_batched_tokens: cfg.sched.max_num_batched_tokens,
+            vocab_size: if cfg.vocab_size == usize::MAX {
+                0
+            } else {
+                cfg.vocab_size
+            },
+            frontends: cfg.frontends,
+            max_inflight: cfg.sched.max_inflight,
+        };
+        let control = limits.control_spec();
+        let segment = Segment::create(&cfg.instance, &limits.layout_spec(), limits.to_limits())?;
+        let participants = segment.participants(topology::PARTICIPANTS)?;
+        let me = participants.register_in(Role::Scheduler, control.scheduler_slots())?;
+        let tables = Arc::new(plane::slot_tables(&segment, &limits)?);
+        let mut sched = Scheduler::with_tables(cfg.sched.clone(), cfg.vocab_size, tables);
+        if let Some(path) = &cfg.trace {
+            let t = Tracer::to_file(path).map_err(|err| DaemonError::Trace {
+                path: path.clone(),
+                err,
+            })?;
+            sched.set_tracer(t);
+        }
+        let worker = SchedulerWorkerEnds::open(&segment, 0)?;
+        let mut frontends = Vec::with_capacity(cfg.frontends);
+        for (k, slot) in control.frontend_slots().enumerate() {
+            frontends.push(FrontendPort {
+                ends: SchedulerFrontendEnds::open(&segment, k)?,
+                participant_slot: slot,
+                outbox: VecDeque::new(),
+                pending: None,
+            });
+        }
+        let stats = segment.atomics_u64(plane::STATS)?;
+        let doorbell = segment.doorbell(topology::SCHEDULER_DOORBELL)?;
+        tracing::info!(instance = %cfg.instance, path = segment.path(), "control segment created");
+        Ok(Self {
+            limits,
+            _me: me,
+            participants,
+            stats,
+            doorbell,
+            sched,
+            worker,
+            worker_attached: None,
+            completion_in: None,
+            frontends,
+            routes: HashMap::new(),
+            by_local: HashMap::new(),
+            next_id: 1,
+            events: Vec::new(),
+            scratch_launch: Vec::new(),
+            scratch_in: Vec::new(),
+            scratch_done: Vec::new(),
+            last_liveness: Instant::now() - LIVENESS_PERIOD,
+            segment,
+        })
+    }
+
+    /// The published limits.
+    pub fn limits(&self) -> PlaneLimits {
+        self.limits
+    }
+
+    /// Runs until `stop` is set, then fails every live request with `abort` and returns; the
+    /// segment is unlinked when the daemon is dropped.
+    pub fn run(&mut self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            let mut progressed = false;
+            if self.last_liveness.elapsed() >= LIVENESS_PERIOD {
+                self.check_liveness();
+                self.last_liveness = Instant::now();
+            }
+            progressed |= self.receive_from_frontends();
+            progressed |= self.receive_completions();
+            if let Some(min) = self.participants.min_released(Role::Worker) {
+                if self.worker_attached.is_some() && min > self.sched.released() {
+                    self.sched.on_released(min);
+                    progressed = true;
+                }
+            }
+            progressed |= self.publish_launches();
+            self.route_events();
+            progressed |= self.flush_outboxes();
+            self.publish_stats();
+            if !progressed {
+                self.idle_wait();
+            }
+        }
+        self.shutdown();
+    }
+
+    fn idle_wait(&mut self) {
+        let fronts = &self.frontends;
+        let worker = &self.worker;
+        let participants = &self.participants;
+        let released = self.sched.released();
+        let attached = self.worker_attached.is_some();
+        self.doorbell.wait_until(LIVENESS_PERIOD, || {
+            worker.completions.has_pending()
+                || fronts.iter().any(|f| f.ends.from_frontend.has_pending())
+                || (attached
+                    && participants
+                        .min_released(Role::Worker)
+                        .is_some_and(|m| m > released))
+        });
+    }
+
+    fn check_liveness(&mut self) {
+        for dead in self.participants.scan_dead() {
+            match dead.role {
+                Role::Frontend => {
+                    self.frontend_died(dead.slot, dead.generation, dead.pid, dead.exited)
+                }
+                Role::Worker => {
+                    self.worker_died(dead.pid, dead.exited);
+                    let _ = self.participants.reclaim(dead.slot, dead.generation);
+                }
+                _ => {
+                    let _ = self.participants.reclaim(dead.slot, dead.generation);
+                }
+            }
+        }
+        if self.worker_attached.is_none() {
+            let control = self.limits.control_spec();
+            let live = self.participants.snapshot().into_iter().find(|p| {
+                control.worker_slots().contains(&p.slot) && p.state == baton_ipc::SlotState::Live
+            });
+            if let Some(p) = live {
+                tracing::info!(
+                    pid = p.pid,
+                    slot = p.slot,
+                    generation = p.generation,
+                    "worker attached"
+                );
+                self.worker_attached = Some((p.slot, p.generation));
+                self.segment
+                    .status()
+                    .fetch_or(plane::STATUS_WORKER_ATTACHED, Ordering::Release);
+            }
+        }
+    }
+
+    fn frontend_died(&mut self, slot: usize, generation: u64, pid: u32, exited: bool) {
+        let Some(k) = self.limits.control_spec().frontend_index(slot) else {
+            let _ = self.participants.reclaim(slot, generation);
+            return;
+        };
+        let victims: Vec<RequestId> = self
+            .routes
+            .iter()
+            .filter(|(_, r)| r.frontend == k)
+            .map(|(&id, _)| id)
+            .collect();
+        tracing::info!(
+            pid,
+            frontend = k,
+            exited,
+            requests = victims.len(),
+            "frontend gone; cancelling its requests"
+        );
+        let mut acks = Vec::new();
+        for id in victims {
+            self.sched.cancel(id, &mut acks);
+            if let Some(r) = self.routes.remove(&id) {
+                self.by_local.remove(&(r.frontend, r.local));
+            }
+        }
+        let port = &mut self.frontends[k];
+        port.outbox.clear();
+        port.pending = None;
+        // SAFETY: the frontend's process is gone (the kernel released its liveness lock, or it
+        // left cleanly and dropped its ends), and this thread is the only user of the
+        // scheduler's ends; nothing else touches these two rings during the reset.
+        unsafe { port.ends.reset() };
+        let _ = self.participants.reclaim(slot, generation);
+    }
+
+    fn worker_died(&mut self, pid: u32, exited: bool) {
+        tracing::warn!(
+            pid,
+            exited,
+            "worker gone; requeueing running requests for recompute"
+        );
+        self.segment
+            .status()
+            .fetch_and(!plane::STATUS_WORKER_ATTACHED, Ordering::Release);
+        self.worker_attached = None;
+        self.sched.on_worker_death();
+        self.completion_in = None;
+        // SAFETY: the worker's process is gone (kernel evidence) or it dropped its ends; this
+        // thread is the only user of the scheduler's ends of both rings.
+        unsafe {
+            self.worker.launches.reset();
+            self.worker.completions.reset();
+        }
+    }
+
+    fn receive_from_frontends(&mut self) -> bool {
+        let mut any = false;
+        for k in 0..self.frontends.len() {
+            self.scratch_in.clear();
+            let n = self.frontends[k]
+                .ends
+                .from_frontend
+                .pop_batch(&mut self.scratch_in, 256);
+            if n == 0 {
+                continue;
+            }
+            any = true;
+            let generation = self
+                .participants
+                .info(self.frontends[k].participant_slot)
+                .map_or(0, |i| i.generation);
+            let slots = std::mem::take(&mut self.scratch_in);
+            for msg in &slots {
+                self.on_frontend_msg(k, generation, msg);
+            }
+            self.scratch_in = slots;
+        }
+        any
+    }
+
+    fn on_frontend_msg(&mut self, k: usize, generation: u64, msg: &ToScheduler) {
+        match msg.kind {
+            to_scheduler::ADMIT => {
+                if self.frontends[k].pending.is_some() {
+                    let old = self.frontends[k]
+                        .pending
+                        .take()
+                        .map(|p| p.head.req)
+                        .unwrap_or(0);
+                    self.reply_error(k, old, wire::error::PROTOCOL, 0);
+                }
+                let want = msg.prompt_len as usize + msg.n as usize;
+                self.frontends[k].pending = Some(PendingAdmit {
+                    head: *msg,
+                    tokens: Vec::with_capacity(want),
+                });
+                if want == 0 {
+                    self.finish_admit(k, generation);
+                }
+            }
+            to_scheduler::TOKENS => {
+                let Some(p) = &mut self.frontends[k].pending else {
+                    self.reply_error(k, msg.req, wire::error::PROTOCOL, 0);
+                    return;
+                };
+                let n = (msg.n as usize).min(wire::TOKENS_PER_SLOT);
+                p.tokens.extend_from_slice(&msg.tokens[..n]);
+                if p.tokens.len() >= p.head.prompt_len as usize + p.head.n as usize {
+                    self.finish_admit(k, generation);
+                }
+            }
+            to_scheduler::CANCEL => {
+                if let Some(&id) = self.by_local.get(&(k, msg.req)) {
+                    let mut events = std::mem::take(&mut self.events);
+                    self.sched.cancel(id, &mut events);
+                    self.events = events;
+                } else if self.frontends[k]
+                    .pending
+                    .as_ref()
+                    .is_some_and(|p| p.head.req == msg.req)
+                {
+                    self.frontends[k].pending = None;
+                    self.reply_finished(k, msg.req, reason::CANCELLED, 0, 0);
+                }
+            }
+            _ => self.reply_error(k, msg.req, wire::error::PROTOCOL, msg.kind),
+        }
+    }
+
+    fn finish_admit(&mut self, k: usize, generation: u64) {
+        let Some(p) = self.frontends[k].pending.take() else {
+            return;
+        };
+        let prompt_len = p.head.prompt_len as usize;
+        let mut tokens = p.tokens;
+        let stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
+        let id = self.next_id;
+        let params: SamplingParams = p.head.params;
+        let req = NewRequest {
+            id,
+            prompt: tokens,
+            max_tokens: p.head.max_tokens,
+            params,
+            eos_ids: Vec::new(),
+            stop_token_ids,
+            ignore_eos: p.head.flags & wire::FLAG_IGNORE_EOS != 0,
+        };
+        match self.sched.add_request(req) {
+            Ok(()) => {
+                self.next_id += 1;
+                self.routes.insert(
+                    id,
+                    Route {
+                        frontend: k,
+                        generation,
+                        local: p.head.req,
+                    },
+                );
+                self.by_local.insert((k, p.head.req), id);
+            }
+            Err(e) => {
+                tracing::debug!(frontend = k, req = p.head.req, "admission refused: {e}");
+                self.reply_error(k, p.head.req, wire::error::INVALID, 0);
+            }
+        }
+    }
+
+    fn reply_error(&mut self, k: usize, req: u64, code: u32, detail: u32) {
+        let mut m = ToFrontend::zeroed();
+        m.kind = to_frontend::ERROR;
+        m.reason = code;
+        m.req = req;
+        m.detail = detail;
+        self.frontends[k].outbox.push_back(m);
+    }
+
+    fn reply_finished(&mut self, k: usize, req: u64, why: u32, prompt: usize, output: usize) {
+        let mut m = ToFrontend::zeroed();
+        m.kind = to_frontend::FINISHED;
+        m.reason = why;
+        m.req = req;
+        m.prompt_tokens = prompt as u32;
+        m.output_tokens = output as u32;
+        self.frontends[k].outbox.push_back(m);
+    }
+
+    fn receive_completions(&mut self) -> bool {
+        self.scratch_done.clear();
+        if self
+            .worker
+            .completions
+            .pop_batch(&mut self.scratch_done, 1024)
+            == 0
+        {
+            return false;
+        }
+        let slots = std::mem::take(&mut self.scratch_done);
+        for s in &slots {
+            match s.kind {
+                completion_kind::HEADER => {
+                    if let Some((c, _)) = self.completion_in.take() {
+                        tracing::error!(seq = c.seq, "torn completion; dropping it");
+                    }
+                    let c = Completion {
+                        seq: s.seq,
+                        sampled: Vec::with_capacity(s.n as usize),
+                    };
+                    if s.n == 0 {
+                        self.accept_completion(c);
+                    } else {
+                        self.completion_in = Some((c, s.n as usize));
+                    }
+                }
+                completion_kind::SAMPLED => {
+                    let done = match &mut self.completion_in {
+                        Some((c, want)) if c.seq == s.seq => {
+                            c.sampled.push(wire::decode_sampled(s));
+                            c.sampled.len() == *want
+                        }
+                        _ => {
+                            tracing::error!(
+                                seq = s.seq,
+                                "sampled row outside its completion; dropping it"
+                            );
+                            false
+                        }
+                    };
+                    if done {
+                        if let Some((c, _)) = self.completion_in.take() {
+                            self.accept_completion(c);
+                        }
+                    }
+                }
+                completion_kind::FAILED => {
+                    tracing::error!(
+                        seq = s.seq,
+                        code = s.n,
+                        "worker failed a launch; aborting its requests"
+                    );
+                    let mut events = std::mem::take(&mut self.events);
+                    self.sched.on_failed_launch(s.seq, &mut events);
+                    self.events = events;
+                }
+                k => tracing::error!(kind = k, "unknown completion slot"),
+            }
+        }
+        self.scratch_done = slots;
+        true
+    }
+
+    fn accept_completion(&mut self, c: Completion) {
+        let mut events = std::mem::take(&mut self.events);
+        self.sched.on_completion(&c, &mut events);
+        self.events = events;
+    }
+
+    fn publish_launches(&mut self) -> bool {
+        if self.worker_attached.is_none() {
+            return false;
+        }
+        let mut any = false;
+        while let Some(l) = self.sched.schedule() {
+            self.scratch_launch.clear();
+            wire::encode_launch(&l, &mut self.scratch_launch);
+            // The ring holds max_inflight launches of max_num_seqs rows, so this never waits
+            // long; a full ring means the worker stopped consuming, which liveness will see.
+            let mut sent = 0;
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while sent < self.scratch_launch.len() && Instant::now() < deadline {
+                sent += self
+                    .worker
+                    .launches
+                    .push_batch(&self.scratch_launch[sent..]);
+                if sent < self.scratch_launch.len() {
+                    std::thread::yield_now();
+                }
+            }
+            if sent < self.scratch_launch.len() {
+                tracing::error!(
+                    seq = l.seq,
+                    "launch ring stayed full for 1 s; worker is hung"
+                );
+            }
+            any = true;
+        }
+        any
+    }
+
+    fn route_events(&mut self) {
+        let events = std::mem::take(&mut self.events);
+        for e in &events {
+            match *e {
+                Event::Token {
+                    id,
+                    token,
+                    logprob,
+                    ref top,
+                } => {
+                    let Some(r) = self.routes.get(&id).copied() else {
+                        continue;
+                    };
+                    let mut m = ToFrontend::zeroed();
+                    m.kind = to_frontend::TOKEN;
+                    m.req = r.local;
+                    m.token = token;
+                    m.logprob = logprob;
+                    let n = top.len().min(baton_proto::MAX_TOP_LOGPROBS);
+                    m.n_top = n as u32;
+                    for (i, &(t, lp)) in top[..n].iter().enumerate() {
+                        m.top_ids[i] = t;
+                        m.top_logprobs[i] = lp;
+                    }
+                    self.frontends[r.frontend].outbox.push_back(m);
+                }
+                Event::Finished {
+                    id,
+                    reason: why,
+                    prompt_tokens,
+                    output_tokens,
+                } => {
+                    let Some(r) = self.routes.remove(&id) else {
+                        continue;
+                    };
+                    self.by_local.remove(&(r.frontend, r.local));
+                    let code = match why {
+                        FinishReason::Stop => reason::STOP,
+                        FinishReason::Length => reason::LENGTH,
+                        FinishReason::Abort => reason::ABORT,
+                        FinishReason::Cancelled => reason::CANCELLED,
+                    };
+                    let _ = r.generation;
+                    self.reply_finished(r.frontend, r.local, code, prompt_tokens, output_tokens);
+                }
+            }
+        }
+        let mut events = events;
+        events.clear();
+        self.events = events;
+    }
+
+    fn flush_outboxes(&mut self) -> bool {
+        let mut any = false;
+        for port in &mut self.frontends {
+            while let Some(m) = port.outbox.front() {
+                if port.ends.to_frontend.try_push(*m).is_err() {
+                    break;
+                }
+                port.outbox.pop_front();
+                any = true;
+            }
+        }
+        any
+    }
+
+    fn publish_stats(&self) {
+        let s = self.sched.stats();
+        let set = |i: usize, v: u64| self.stats[i].store(v, Ordering::Relaxed);
+        set(plane::STAT_RUNNING, s.running as u64);
+        set(plane::STAT_WAITING, s.waiting as u64);
+        set(plane::STAT_PAGES_USED, (s.pool.total - s.pool.free) as u64);
+        set(plane::STAT_PAGES_TOTAL, s.pool.total as u64);
+        set(plane::STAT_PAGES_RETIRED, s.pool.retired as u64);
+        set(plane::STAT_LAUNCHES, s.launches);
+        set(plane::STAT_HEARTBEAT_MS, process::monotonic_ms());
+        self._me.heartbeat();
+    }
+
+    fn shutdown(&mut self) {
+        tracing::info!("shutting down: failing live requests");
+        self.segment
+            .status()
+            .fetch_or(plane::STATUS_SHUTTING_DOWN, Ordering::Release);
+        let mut events = std::mem::take(&mut self.events);
+        self.sched.abort_all(FinishReason::Abort, &mut events);
+        self.events = events;
+        self.route_events();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while self.frontends.iter().any(|f| !f.outbox.is_empty()) && Instant::now() < deadline {
+            self.flush_outboxes();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.sched.flush_trace();
+    }
+
+    /// The segment (for tests).
+    pub fn segment(&self) -> &Segment {
+        &self.segment
+    }
+}

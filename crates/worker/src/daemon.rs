@@ -1,0 +1,187 @@
+//! `baton worker`: a backend behind the launch and completion rings of a control segment.
+//!
+//! Contract: the worker executes launches in ring order, and for each one publishes its
+//! completion and then advances its `released` counter, both only after the backend returned
+//! from the launch (its fence). A launch that fails is reported as failed and released too, so
+//! the scheduler aborts its requests instead of waiting forever.
+
+use crate::{Backend, WorkerError};
+use baton_ipc::topology::{self, WorkerEnds};
+use baton_ipc::{Registration, Role, Segment};
+use baton_proto::plane::{self, PlaneLimits, SharedSlotTables};
+use baton_proto::wire::{self, completion_kind, CompletionSlot, LaunchAssembler, LaunchSlot};
+use bytemuck::Zeroable;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Errors that stop the worker daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The segment could not be attached.
+    #[error("attaching to instance {instance}: {err}")]
+    Attach {
+        /// The instance.
+        instance: String,
+        /// Why.
+        err: baton_ipc::SegmentError,
+    },
+    /// A region or ring end could not be opened.
+    #[error("opening the worker's rings: {0}")]
+    Region(#[from] baton_ipc::RegionError),
+    /// No worker slot became free in time.
+    #[error("registering as worker: {0}")]
+    Register(#[from] baton_ipc::RegisterError),
+    /// The backend does not match the published limits.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// Attaches to `instance`: reads the published limits, then attaches with the matching layout.
+/// Retries for up to `wait` while the segment does not exist yet, is still being created, or is
+/// a dead scheduler's leftover that the next scheduler will replace, so a worker may start
+/// before its scheduler.
+///
+/// # Errors
+/// No such instance after `wait`, a layout mismatch, a dead creator.
+pub fn attach(instance: &str, wait: Duration) -> Result<(Segment, PlaneLimits), DaemonError> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let res = Segment::peek_limits(instance).and_then(|l| {
+            let limits = PlaneLimits::from_limits(&l);
+            Segment::attach(instance, &limits.layout_spec()).map(|s| (s, limits))
+        });
+        match res {
+            Ok(ok) => return Ok(ok),
+            Err(
+                baton_ipc::SegmentError::NotFound { .. }
+                | baton_ipc::SegmentError::Initializing { .. }
+                | baton_ipc::SegmentError::CreatorDead { .. },
+            ) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(err) => {
+                return Err(DaemonError::Attach {
+                    instance: instance.to_owned(),
+                    err,
+                })
+            }
+        }
+    }
+}
+
+/// A worker attached to a control segment.
+pub struct WorkerDaemon<B: Backend> {
+    _segment: Segment,
+    me: Registration,
+    ends: WorkerEnds<LaunchSlot, CompletionSlot>,
+    tables: SharedSlotTables,
+    backend: B,
+    assembler: LaunchAssembler,
+    out: Vec<CompletionSlot>,
+}
+
+impl<B: Backend> WorkerDaemon<B> {
+    /// Registers in a worker slot of `segment` and opens the worker's rings, retrying for up
+    /// to `wait` while the scheduler is still cleaning up after a previous worker.
+    ///
+    /// # Errors
+    /// A backend whose KV pool or block size differs from the published limits; no slot or
+    /// ring became free within `wait`.
+    pub fn new(
+        segment: Segment,
+        limits: PlaneLimits,
+        backend: B,
+        wait: Duration,
+    ) -> Result<Self, DaemonError> {
+        let cap = backend.kv_capacity();
+        if cap.block_size != limits.block_size || cap.num_blocks < limits.num_blocks {
+            return Err(DaemonError::Mismatch(format!(
+                "backend KV pool ({} pages of {}) does not cover the scheduler's {} pages of {}",
+                cap.num_blocks, cap.block_size, limits.num_blocks, limits.block_size
+            )));
+        }
+        if limits.vocab_size != 0 && limits.vocab_size != backend.vocab_size() {
+            return Err(DaemonError::Mismatch(format!(
+                "the scheduler validates against a vocabulary of {} but the model has {}",
+                limits.vocab_size,
+                backend.vocab_size()
+            )));
+        }
+        let control = limits.control_spec();
+        let participants = segment.participants(topology::PARTICIPANTS)?;
+        let deadline = Instant::now() + wait;
+        let me = loop {
+            match participants.register_in(Role::Worker, control.worker_slots()) {
+                Ok(r) => break r,
+                Err(e) if Instant::now() >= deadline => return Err(e.into()),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let ends = loop {
+            match WorkerEnds::open(&segment, 0) {
+                Ok(e) => break e,
+                Err(e) if Instant::now() >= deadline => return Err(e.into()),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let tables = plane::slot_tables(&segment, &limits)?;
+        tracing::info!(
+            slot = me.slot(),
+            generation = me.generation(),
+            backend = backend.name(),
+            "worker attached"
+        );
+        Ok(Self {
+            _segment: segment,
+            me,
+            ends,
+            tables,
+            backend,
+            assembler: LaunchAssembler::default(),
+            out: Vec::new(),
+        })
+    }
+
+    /// Executes launches until `stop` is set.
+    pub fn run(&mut self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            self.me.heartbeat();
+            let Some(slot) = self.ends.launches.wait_pop(Duration::from_millis(100)) else {
+                continue;
+            };
+            match self.assembler.feed(&slot) {
+                Ok(Some(launch)) => self.execute(&launch, stop),
+                Ok(None) => {}
+                Err(e) => tracing::error!("malformed launch ring: {e}"),
+            }
+        }
+    }
+
+    fn execute(&mut self, launch: &baton_proto::Launch, stop: &AtomicBool) {
+        self.out.clear();
+        match self.backend.execute(launch, &self.tables) {
+            Ok(c) => wire::encode_completion(&c, &mut self.out),
+            Err(e) => {
+                tracing::error!(seq = launch.seq, "launch failed: {e}");
+                let mut f = CompletionSlot::zeroed();
+                f.kind = completion_kind::FAILED;
+                f.seq = launch.seq;
+                f.n = match e {
+                    WorkerError::MissingPending { .. } => 1,
+                    WorkerError::Forward(_) => 2,
+                    WorkerError::Device(_) => 3,
+                };
+                self.out.push(f);
+            }
+        }
+        // The fence passed (execute returned): publish, then release.
+        let mut sent = 0;
+        while sent < self.out.len() && !stop.load(Ordering::Relaxed) {
+            sent += self.ends.completions.push_batch(&self.out[sent..]);
+            if sent < self.out.len() {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        self.me.set_released(launch.seq);
+    }
+}

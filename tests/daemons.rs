@@ -1,0 +1,290 @@
+//! Multi-process tests of `baton scheduler` and `baton worker` over the shared-memory control
+//! plane, driven by a test client in a frontend slot (DESIGN.md sections 1 to 6).
+
+mod support;
+
+use baton_proto::wire::reason;
+use baton_proto::SamplingParams;
+use nix::sys::signal::Signal;
+use std::path::Path;
+use std::time::Duration;
+use support::*;
+
+const T: Duration = Duration::from_secs(120);
+
+fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Req {
+            id: i as u64,
+            prompt: p.clone(),
+            max_tokens,
+            params: SamplingParams::greedy(),
+            stop_token_ids: vec![],
+        })
+        .collect()
+}
+
+fn shm_path(instance: &str) -> std::path::PathBuf {
+    Path::new("/dev/shm").join(format!("baton-{instance}"))
+}
+
+fn shm_leftovers(instance: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(instance))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn goldens_match_across_processes(async_flag: &str) {
+    let inst = instance(&format!("golden{async_flag}"));
+    let _s = scheduler(&inst, &["--num-blocks", "64", async_flag]);
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let g = goldens();
+    let prompts: Vec<_> = g.iter().map(|(p, _)| p.clone()).collect();
+    let outs = run(&mut link, &greedy_reqs(&prompts, 64), T);
+    for (i, (_, want)) in g.iter().enumerate() {
+        assert_eq!(
+            &outs[&(i as u64)].tokens,
+            want,
+            "golden {i} differs across processes ({async_flag})"
+        );
+        assert_eq!(outs[&(i as u64)].reason, reason::LENGTH);
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
+        "pool not back to full: {:?}",
+        link.stats()
+    );
+}
+
+#[test]
+fn goldens_match_across_processes_with_async_scheduling() {
+    goldens_match_across_processes("--async-scheduling");
+}
+
+#[test]
+fn goldens_match_across_processes_without_async_scheduling() {
+    goldens_match_across_processes("--no-async-scheduling");
+}
+
+#[test]
+fn trace_of_200_mixed_requests_passes_the_checker() {
+    let inst = instance("trace200");
+    let trace = std::env::temp_dir().join(format!("{inst}.trace.jsonl"));
+    let mut s = scheduler(
+        &inst,
+        &[
+            "--num-blocks",
+            "96",
+            "--max-num-seqs",
+            "32",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    );
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let prompts = mixed_prompts(200, 5);
+    let mut reqs = greedy_reqs(&prompts, 24);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.max_tokens = 8 + (i as u32 % 5) * 8;
+        if i % 3 == 0 {
+            // Frequent tokens as stop ids: these requests end on a stop token, often while
+            // their next launch is already in flight.
+            r.stop_token_ids = vec![261, 262, 263, 264, 265, 266, 267, 268, 269, 270];
+        }
+        if i % 4 == 1 {
+            r.params = SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: i as u64,
+                ..SamplingParams::greedy()
+            };
+        }
+    }
+    let outs = run(&mut link, &reqs, T);
+    assert_eq!(outs.len(), 200);
+    assert!(outs
+        .values()
+        .all(|o| o.finishes == 1 && o.reason != u32::MAX));
+    assert!(
+        outs.values().any(|o| o.reason == reason::STOP),
+        "no request stopped on a stop token"
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
+        "pool not back to full: {:?}",
+        link.stats()
+    );
+    s.signal(Signal::SIGTERM);
+    assert!(
+        s.wait_timeout(Duration::from_secs(10)).is_some(),
+        "scheduler ignored SIGTERM"
+    );
+    let f = std::fs::File::open(&trace).expect("trace written");
+    let summary = baton_scheduler::check_trace(std::io::BufReader::new(f))
+        .unwrap_or_else(|v| panic!("trace violates an invariant: {v}"));
+    assert!(summary.membership_changes > 0, "{summary:?}");
+    assert!(
+        summary.finished_with_launch_in_flight > 0,
+        "no request finished while its next launch was in flight: {summary:?}"
+    );
+    let _ = std::fs::remove_file(&trace);
+}
+
+#[test]
+fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_fence() {
+    let inst = instance("cancel");
+    let trace = std::env::temp_dir().join(format!("{inst}.trace.jsonl"));
+    let mut s = scheduler(
+        &inst,
+        &["--num-blocks", "64", "--trace", trace.to_str().unwrap()],
+    );
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let prompt = mixed_prompts(1, 3).remove(0);
+    let r = Req {
+        id: 42,
+        prompt,
+        max_tokens: 400,
+        params: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+    };
+    submit(&mut link, &r);
+    // Wait until a launch includes it, then cancel at once.
+    let launches = link.stats().launches;
+    assert!(wait_for(Duration::from_secs(10), || link.stats().launches > launches));
+    link.cancel(42, Duration::from_secs(1)).unwrap();
+    let outs = collect(&mut link, 1, T, |_, _| {});
+    assert_eq!(outs[&42].reason, reason::CANCELLED);
+    assert!(outs[&42].tokens.len() < 400);
+    assert!(
+        wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
+        "pool not back to full: {:?}",
+        link.stats()
+    );
+    s.signal(Signal::SIGTERM);
+    assert!(s.wait_timeout(Duration::from_secs(10)).is_some());
+    // The trace shows the cancel after a launch that included the request, nothing published
+    // after it, and its pages reclaimed only after that launch's release (the checker).
+    let text = std::fs::read_to_string(&trace).unwrap();
+    baton_scheduler::check_trace(text.as_bytes()).unwrap_or_else(|v| panic!("{v}"));
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let cancel_at = lines
+        .iter()
+        .position(|l| l["boundary"] == "cancel")
+        .expect("cancel in trace");
+    let last_launch = lines[..cancel_at]
+        .iter()
+        .filter(|l| l["boundary"] == "batch_preparation")
+        .map(|l| l["launch"].as_u64().unwrap())
+        .max()
+        .expect("a launch included the request before the cancel");
+    assert!(!lines[cancel_at..]
+        .iter()
+        .any(|l| l["boundary"] == "publication"));
+    let retire = lines[cancel_at..]
+        .iter()
+        .find(|l| l["boundary"] == "retire")
+        .expect("pages retired");
+    assert_eq!(
+        retire["launch"].as_u64(),
+        Some(last_launch),
+        "pages must be retired after the last launch that referred to them"
+    );
+    let _ = std::fs::remove_file(&trace);
+}
+
+#[test]
+fn killing_the_worker_mid_run_loses_nothing_and_greedy_outputs_are_unchanged() {
+    let prompts = mixed_prompts(50, 11);
+    let reqs = greedy_reqs(&prompts, 40);
+    // Reference: an uninterrupted run.
+    let reference = {
+        let inst = instance("killref");
+        let _s = scheduler(&inst, &["--num-blocks", "256"]);
+        let _w = worker(&inst);
+        let mut link = connect(&inst);
+        run(&mut link, &reqs, T)
+    };
+    let inst = instance("kill");
+    let _s = scheduler(&inst, &["--num-blocks", "256"]);
+    let mut w = Some(worker(&inst));
+    let mut link = connect(&inst);
+    for r in &reqs {
+        submit(&mut link, r);
+    }
+    let mut replacement = None;
+    let outs = collect(&mut link, reqs.len(), T, |tokens, _| {
+        if tokens == 300 {
+            if let Some(mut old) = w.take() {
+                old.signal(Signal::SIGKILL);
+                old.wait_timeout(Duration::from_secs(5));
+                replacement = Some(worker(&inst));
+            }
+        }
+    });
+    assert!(replacement.is_some(), "the worker was never killed");
+    assert_eq!(outs.len(), 50, "a request was lost");
+    for (id, o) in &outs {
+        assert_eq!(o.finishes, 1, "request {id} finished {} times", o.finishes);
+        assert_eq!(
+            o.tokens, reference[id].tokens,
+            "request {id} differs from the uninterrupted run"
+        );
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
+        "pool not back to full: {:?}",
+        link.stats()
+    );
+}
+
+#[test]
+fn sigterm_leaves_nothing_in_dev_shm_and_sigkill_leaves_a_restartable_instance() {
+    let inst = instance("restart");
+    let mut s = scheduler(&inst, &["--num-blocks", "32"]);
+    assert!(wait_for(Duration::from_secs(10), || shm_path(&inst).exists()));
+    s.signal(Signal::SIGTERM);
+    assert!(s
+        .wait_timeout(Duration::from_secs(10))
+        .is_some_and(|st| st.success()));
+    assert!(
+        shm_leftovers(&inst).is_empty(),
+        "left behind: {:?}",
+        shm_leftovers(&inst)
+    );
+
+    let mut s = scheduler(&inst, &["--num-blocks", "32"]);
+    assert!(wait_for(Duration::from_secs(10), || shm_path(&inst).exists()));
+    s.signal(Signal::SIGKILL);
+    s.wait_timeout(Duration::from_secs(5));
+    assert!(
+        shm_path(&inst).exists(),
+        "a SIGKILLed scheduler cannot clean up; the next start must"
+    );
+    let mut s2 = scheduler(&inst, &["--num-blocks", "32"]);
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let g = goldens();
+    let outs = run(&mut link, &greedy_reqs(&[g[0].0.clone()], 8), T);
+    assert_eq!(outs[&0].tokens, g[0].1[..8]);
+    drop(link);
+    s2.signal(Signal::SIGTERM);
+    assert!(s2.wait_timeout(Duration::from_secs(10)).is_some());
+    assert!(
+        shm_leftovers(&inst).is_empty(),
+        "left behind: {:?}",
+        shm_leftovers(&inst)
+    );
+}

@@ -1,0 +1,264 @@
+//! Helpers for multi-process tests: start the `baton` daemons as child processes, connect a
+//! test client to their segment, and collect outputs.
+#![allow(dead_code)]
+
+use baton_proto::link::{Admission, FrontendLink};
+use baton_proto::wire::{reason, to_frontend};
+use baton_proto::SamplingParams;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The test model.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("BATON_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K")
+        })
+}
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: &'static str,
+}
+
+impl Proc {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig);
+    }
+
+    /// Waits for exit up to `timeout`; returns the status if it exited.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A unique instance name for one test.
+pub fn instance(name: &str) -> String {
+    format!("t{}-{name}", std::process::id())
+}
+
+fn baton() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_baton"));
+    c.stdin(Stdio::null()).stdout(Stdio::null());
+    if std::env::var_os("BATON_TEST_LOGS").is_none() {
+        c.stderr(Stdio::null());
+    }
+    c
+}
+
+/// Starts `baton scheduler` with `extra` flags.
+pub fn scheduler(instance: &str, extra: &[&str]) -> Proc {
+    let child = baton()
+        .args(["scheduler", "--instance", instance, "--model"])
+        .arg(model_dir())
+        .args(extra)
+        .spawn()
+        .expect("spawn scheduler");
+    Proc {
+        child,
+        name: "scheduler",
+    }
+}
+
+/// Starts `baton worker --device cpu` on the test model.
+pub fn worker(instance: &str) -> Proc {
+    let child = baton()
+        .args(["worker", "--instance", instance, "--model"])
+        .arg(model_dir())
+        .spawn()
+        .expect("spawn worker");
+    Proc {
+        child,
+        name: "worker",
+    }
+}
+
+/// Connects a test frontend once the scheduler is up and a worker attached.
+pub fn connect(instance: &str) -> FrontendLink {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut link = loop {
+        match FrontendLink::connect(instance) {
+            Ok(l) => break l,
+            Err(e) if Instant::now() >= deadline => panic!("could not connect to {instance}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    loop {
+        match link.health() {
+            Ok(()) => return link,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "{instance} never became healthy: {e}"
+            ),
+        }
+        link.poll(Duration::from_millis(20));
+    }
+}
+
+/// One request for [`run`].
+#[derive(Clone, Debug)]
+pub struct Req {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub params: SamplingParams,
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// What came back for one request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Out {
+    pub tokens: Vec<u32>,
+    /// Final reason code (`wire::reason`), or `u32::MAX` for an error.
+    pub reason: u32,
+    pub finishes: u32,
+}
+
+/// Submits `reqs`, then collects outputs until every one finished (or `timeout`).
+pub fn run(link: &mut FrontendLink, reqs: &[Req], timeout: Duration) -> HashMap<u64, Out> {
+    for r in reqs {
+        submit(link, r);
+    }
+    collect(link, reqs.len(), timeout, |_, _| {})
+}
+
+/// Submits one request.
+pub fn submit(link: &mut FrontendLink, r: &Req) {
+    link.submit(
+        &Admission {
+            req: r.id,
+            prompt: &r.prompt,
+            stop_token_ids: &r.stop_token_ids,
+            max_tokens: r.max_tokens,
+            params: r.params,
+            ignore_eos: false,
+        },
+        Duration::from_secs(5),
+    )
+    .expect("submit");
+}
+
+/// Collects until `n` requests finished; `on_token(total_tokens, link)` runs after each token.
+pub fn collect(
+    link: &mut FrontendLink,
+    n: usize,
+    timeout: Duration,
+    mut on_token: impl FnMut(usize, &mut FrontendLink),
+) -> HashMap<u64, Out> {
+    let mut outs: HashMap<u64, Out> = HashMap::new();
+    let mut finished = 0;
+    let mut tokens = 0;
+    let deadline = Instant::now() + timeout;
+    while finished < n {
+        assert!(
+            Instant::now() < deadline,
+            "timed out with {finished}/{n} finished"
+        );
+        let Some(m) = link.poll(Duration::from_millis(50)) else {
+            continue;
+        };
+        let o = outs.entry(m.req).or_default();
+        match m.kind {
+            to_frontend::TOKEN => {
+                assert_eq!(
+                    o.finishes, 0,
+                    "request {} got a token after finishing",
+                    m.req
+                );
+                o.tokens.push(m.token);
+                tokens += 1;
+                on_token(tokens, link);
+            }
+            to_frontend::FINISHED => {
+                o.finishes += 1;
+                o.reason = m.reason;
+                finished += 1;
+            }
+            to_frontend::ERROR => {
+                o.finishes += 1;
+                o.reason = u32::MAX;
+                finished += 1;
+            }
+            k => panic!("unknown output kind {k}"),
+        }
+    }
+    outs
+}
+
+/// Golden prompts: (prompt_ids, greedy_ids).
+pub fn goldens() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(model_dir().join("golden.json")).expect("golden.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("golden.json parses");
+    let ids = |x: &serde_json::Value| {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect::<Vec<_>>()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
+        .collect()
+}
+
+/// Deterministic prompts of mixed lengths.
+pub fn mixed_prompts(n: usize, seed: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 13 + seed) % 60;
+            let mut p = vec![1u32];
+            p.extend((0..len).map(|j| 3 + ((i * 31 + j * 17 + seed * 7) % 500) as u32));
+            p
+        })
+        .collect()
+}
+
+/// Reason code to name.
+pub fn reason_name(r: u32) -> &'static str {
+    match r {
+        reason::STOP => "stop",
+        reason::LENGTH => "length",
+        reason::ABORT => "abort",
+        reason::CANCELLED => "cancelled",
+        _ => "error",
+    }
+}
+
+/// Waits until `f()` holds or `timeout` passes; returns whether it held.
+pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    f()
+}
