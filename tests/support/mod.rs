@@ -51,8 +51,12 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // SIGTERM first, so a scheduler unlinks its segment; SIGKILL if it does not exit.
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        if self.wait_timeout(Duration::from_secs(5)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

@@ -4,7 +4,10 @@
 //! [`baton_worker::Backend`] as the daemons, connected by in-process queues instead of rings.
 
 pub mod args;
+pub mod bench;
 pub mod daemons;
 pub mod engine;
+pub mod frontend_cmd;
 pub mod generate;
+pub mod serve;
 pub mod trace_cmd;

@@ -1,7 +1,10 @@
 //! `baton`: the LLM inference server's command line.
 
+use baton::bench::{self, BenchCmd};
 use baton::daemons::{self, SchedulerArgs, WorkerArgs};
+use baton::frontend_cmd::{self, FrontendArgs};
 use baton::generate::{self, GenerateArgs};
+use baton::serve::{self, ServeArgs};
 use baton::trace_cmd::{self, TraceCmd};
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -15,12 +18,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Serve a model over the OpenAI API: scheduler, worker and frontend as child processes.
+    Serve(ServeArgs),
     /// Generate offline from prompts, in one process.
     Generate(GenerateArgs),
     /// The scheduler daemon: creates the control segment and runs continuous batching.
     Scheduler(SchedulerArgs),
     /// The worker daemon: attaches to a scheduler and runs the model.
     Worker(WorkerArgs),
+    /// The HTTP frontend (OpenAI API): attaches to a scheduler.
+    Frontend(FrontendArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
     /// Lifecycle traces.
     #[command(subcommand)]
     Trace(TraceCmd),
@@ -37,7 +47,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
+        Cmd::Serve(a) => serve::run(a),
         Cmd::Trace(c) => trace_cmd::run(c),
+        Cmd::Bench(c) => bench::run(c),
+        Cmd::Frontend(a) => frontend_cmd::run(a),
         Cmd::Scheduler(a) => daemons::run_scheduler(a),
         Cmd::Worker(a) => daemons::run_worker(a),
     };

@@ -73,13 +73,29 @@ pub struct PlaneStats {
 
 /// A frontend's registration and ring pair.
 pub struct FrontendLink {
+    shared: std::sync::Arc<LinkShared>,
+    tx: LinkSender,
+    rx: LinkReceiver,
+}
+
+/// What both halves of a split link share: the mapping, the registration, the limits.
+pub struct LinkShared {
     segment: Segment,
     limits: PlaneLimits,
     participants: ParticipantTable,
     me: Registration,
-    ends: FrontendEnds<ToScheduler, ToFrontend>,
     stats: baton_ipc::AtomicArray<baton_ipc::sync::AtomicU64>,
+}
+
+/// The sending half: admissions and cancels.
+pub struct LinkSender {
+    ring: baton_ipc::RingProducer<ToScheduler>,
     scratch: Vec<ToScheduler>,
+}
+
+/// The receiving half: outputs and acknowledgements.
+pub struct LinkReceiver {
+    ring: baton_ipc::RingConsumer<ToFrontend>,
 }
 
 impl FrontendLink {
@@ -100,32 +116,84 @@ impl FrontendLink {
         let k = control
             .frontend_index(me.slot())
             .expect("registered in a frontend slot");
-        let ends = FrontendEnds::open(&segment, k)?;
+        let ends: FrontendEnds<ToScheduler, ToFrontend> = FrontendEnds::open(&segment, k)?;
         let stats = segment.atomics_u64(plane::STATS)?;
         Ok(Self {
-            segment,
-            limits,
-            participants,
-            me,
-            ends,
-            stats,
-            scratch: Vec::new(),
+            shared: std::sync::Arc::new(LinkShared {
+                segment,
+                limits,
+                participants,
+                me,
+                stats,
+            }),
+            tx: LinkSender {
+                ring: ends.to_scheduler,
+                scratch: Vec::new(),
+            },
+            rx: LinkReceiver {
+                ring: ends.from_scheduler,
+            },
         })
+    }
+
+    /// Splits into the shared part and the two halves: a sender used by many threads (behind
+    /// a lock) and a receiver owned by one reader thread.
+    pub fn split(self) -> (std::sync::Arc<LinkShared>, LinkSender, LinkReceiver) {
+        (self.shared, self.tx, self.rx)
     }
 
     /// The limits the scheduler enforces.
     pub fn limits(&self) -> PlaneLimits {
-        self.limits
+        self.shared.limits
     }
 
     /// This frontend's ring-pair index.
     pub fn index(&self) -> usize {
-        self.limits
-            .control_spec()
-            .frontend_index(self.me.slot())
-            .unwrap_or(0)
+        self.shared.index()
     }
 
+    /// Pushes an admission; see [`LinkSender::submit`].
+    ///
+    /// # Errors
+    /// [`LinkError::Full`] when the ring stays full.
+    pub fn submit(&mut self, a: &Admission<'_>, timeout: Duration) -> Result<(), LinkError> {
+        self.tx.submit(a, timeout)
+    }
+
+    /// Pushes a cancel; see [`LinkSender::cancel`].
+    ///
+    /// # Errors
+    /// [`LinkError::Full`] when the ring stays full.
+    pub fn cancel(&mut self, req: u64, timeout: Duration) -> Result<(), LinkError> {
+        self.tx.cancel(req, timeout)
+    }
+
+    /// Pops one output, waiting up to `timeout`; records a heartbeat.
+    pub fn poll(&mut self, timeout: Duration) -> Option<ToFrontend> {
+        self.shared.heartbeat();
+        self.rx.poll(timeout)
+    }
+
+    /// Pops up to `max` outputs without waiting.
+    pub fn poll_batch(&mut self, out: &mut Vec<ToFrontend>, max: usize) -> usize {
+        self.rx.poll_batch(out, max)
+    }
+
+    /// See [`LinkShared::health`].
+    ///
+    /// # Errors
+    /// Why requests cannot be served now.
+    pub fn health(&self) -> Result<(), String> {
+        self.shared.health()
+    }
+
+    /// See [`LinkShared::stats`].
+    pub fn stats(&self) -> PlaneStats {
+        self.shared.stats()
+    }
+}
+
+impl LinkSender {
     /// Pushes an admission (one `ADMIT` slot and its token slots), waiting up to `timeout` for
     /// ring space.
     ///
@@ -178,7 +246,7 @@ impl FrontendLink {
         let deadline = std::time::Instant::now() + timeout;
         let mut sent = 0;
         while sent < self.scratch.len() {
-            sent += self.ends.to_scheduler.push_batch(&self.scratch[sent..]);
+            sent += self.ring.push_batch(&self.scratch[sent..]);
             if sent < self.scratch.len() {
                 if std::time::Instant::now() >= deadline {
                     // A partial admission would tear the ring: it is only safe because the
@@ -190,16 +258,37 @@ impl FrontendLink {
         }
         Ok(())
     }
+}
 
+impl LinkReceiver {
     /// Pops one output, waiting up to `timeout` (spin, yield, then futex sleep).
     pub fn poll(&mut self, timeout: Duration) -> Option<ToFrontend> {
-        self.me.heartbeat();
-        self.ends.from_scheduler.wait_pop(timeout)
+        self.ring.wait_pop(timeout)
     }
 
     /// Pops up to `max` outputs without waiting.
     pub fn poll_batch(&mut self, out: &mut Vec<ToFrontend>, max: usize) -> usize {
-        self.ends.from_scheduler.pop_batch(out, max)
+        self.ring.pop_batch(out, max)
+    }
+}
+
+impl LinkShared {
+    /// The limits the scheduler enforces.
+    pub fn limits(&self) -> PlaneLimits {
+        self.limits
+    }
+
+    /// This frontend's ring-pair index.
+    pub fn index(&self) -> usize {
+        self.limits
+            .control_spec()
+            .frontend_index(self.me.slot())
+            .unwrap_or(0)
+    }
+
+    /// Records a heartbeat for this frontend.
+    pub fn heartbeat(&self) {
+        self.me.heartbeat();
     }
 
     /// `Ok` when the scheduler is alive and a worker is attached; otherwise why not.

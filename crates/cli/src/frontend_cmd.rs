@@ -1,0 +1,118 @@
+//! `baton frontend`: the OpenAI API over the shared-memory control plane.
+
+use anyhow::{Context, Result};
+use baton_frontend::{RingEngineClient, ServerConfig};
+use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
+use baton_proto::link::FrontendLink;
+use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Flags of `baton frontend`.
+#[derive(Args, Clone, Debug)]
+pub struct FrontendArgs {
+    /// Instance name of the scheduler to attach to.
+    #[arg(long, default_value = "default")]
+    pub instance: String,
+    /// The model directory (its tokenizer.json, tokenizer_config.json, generation_config.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// The model name clients use (default: the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// A chat template: a file, or the template text (default: tokenizer_config.json's).
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// How long to wait for the scheduler's segment, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub attach_timeout: f64,
+}
+
+/// The model name clients use for `dir` unless `--served-model-name` is given.
+pub fn default_model_name(dir: &std::path::Path) -> String {
+    dir.canonicalize()
+        .ok()
+        .as_deref()
+        .unwrap_or(dir)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}
+
+/// Runs `baton frontend` until SIGTERM/SIGINT.
+///
+/// # Errors
+/// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
+pub fn run(a: FrontendArgs) -> Result<()> {
+    let dir = ModelDir::new(&a.model);
+    let tc_path = dir.tokenizer_config_path();
+    let tc = if tc_path.exists() {
+        TokenizerConfig::from_file(&tc_path)?
+    } else {
+        TokenizerConfig::default()
+    };
+    let tokenizer = Tokenizer::from_file(&dir.tokenizer_path(), tc)?;
+    let gen_path = dir.generation_config_path();
+    let mut eos = if gen_path.exists() {
+        baton_model::GenerationConfig::from_file(&gen_path)?.eos_token_ids
+    } else {
+        Vec::new()
+    };
+    if eos.is_empty() {
+        eos = baton_model::ModelConfig::from_file(&dir.config_path())
+            .map(|c| c.eos_token_ids)
+            .unwrap_or_default();
+    }
+    if eos.is_empty() {
+        eos.extend(tokenizer.eos_id());
+    }
+    let chat_template = a
+        .chat_template
+        .as_deref()
+        .map(baton_frontend::chat::load_template_arg)
+        .transpose()?;
+    let deadline = Instant::now() + Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    let link = loop {
+        match FrontendLink::connect(&a.instance) {
+            Ok(l) => break l,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e).context("connecting to the scheduler")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    let vocab = tokenizer.vocab_size();
+    let engine = Arc::new(RingEngineClient::new(link, eos.clone(), vocab));
+    let config = ServerConfig {
+        host: a.host.clone(),
+        port: a.port,
+        api_key: a.api_key.clone(),
+        served_model_name: a
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_model_name(&a.model)),
+        chat_template,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
+        println!("listening on http://{addr}");
+        eprintln!(
+            "baton frontend: listening on http://{addr} (frontend slot {})",
+            engine.index()
+        );
+        baton_frontend::serve_on(listener, config, tokenizer, engine, eos).await
+    })
+}

@@ -1,0 +1,318 @@
+//! `baton serve`: starts the scheduler, a worker and a frontend as child processes, restarts a
+//! dead worker or frontend, and shuts everything down on SIGINT/SIGTERM.
+//!
+//! Contract: the supervisor shares nothing with its children but their pids. Every child gets
+//! a parent-death signal, so a SIGKILL of `baton serve` takes them all down; a clean stop sends
+//! SIGTERM to the frontend, the worker, then the scheduler (which unlinks the segment), so
+//! nothing is left in `/dev/shm`.
+
+use crate::args::EngineArgs;
+use crate::daemons::Device;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Flags of `baton serve`.
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// A Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Device of the worker.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Instance name (default: serve-<pid>).
+    #[arg(long)]
+    pub instance: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// The model name clients use.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// A chat template file or text.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Frontend slots in the segment.
+    #[arg(long, default_value_t = 8)]
+    pub frontends: usize,
+    /// Scheduler and KV-cache flags.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+struct Kid {
+    name: &'static str,
+    args: Vec<String>,
+    child: Option<Child>,
+    restarts: u32,
+}
+
+fn spawn(args: &[String], capture_stdout: bool) -> Result<Child> {
+    let exe = std::env::current_exe().context("locating the baton executable")?;
+    let mut c = Command::new(exe);
+    c.args(args).stdin(Stdio::null());
+    if capture_stdout {
+        c.stdout(Stdio::piped());
+    }
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl, which is
+    // async-signal-safe; it touches no memory shared with the parent.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may already have died between fork and prctl.
+            if libc::getppid() == 1 {
+                return Err(std::io::Error::other("parent died"));
+            }
+            Ok(())
+        });
+    }
+    c.spawn().with_context(|| {
+        format!(
+            "starting baton {}",
+            args.first().map(String::as_str).unwrap_or("")
+        )
+    })
+}
+
+fn engine_flags(e: &EngineArgs) -> Vec<String> {
+    let mut v = vec![
+        "--max-num-seqs".into(),
+        e.max_num_seqs.to_string(),
+        "--max-num-batched-tokens".into(),
+        e.max_num_batched_tokens.to_string(),
+        "--block-size".into(),
+        e.block_size.to_string(),
+        "--kv-cache-memory".into(),
+        e.kv_cache_memory.to_string(),
+    ];
+    if let Some(n) = e.num_blocks {
+        v.extend(["--num-blocks".into(), n.to_string()]);
+    }
+    if let Some(n) = e.max_model_len {
+        v.extend(["--max-model-len".into(), n.to_string()]);
+    }
+    if e.no_async_scheduling || !e.async_scheduling {
+        v.push("--no-async-scheduling".into());
+    }
+    if let Some(t) = &e.trace {
+        v.extend(["--trace".into(), t.display().to_string()]);
+    }
+    v
+}
+
+fn http_health(addr: &str) -> Option<u16> {
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_millis(200))
+            .ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Runs `baton serve` until SIGINT/SIGTERM.
+///
+/// # Errors
+/// A child that cannot start, or a frontend that never becomes ready.
+pub fn run(a: ServeArgs) -> Result<()> {
+    let stop = crate::daemons::stop_flag()?;
+    if !a.model.join("config.json").exists() {
+        bail!(
+            "{}: no config.json; --model must be a Hugging Face model directory",
+            a.model.display()
+        );
+    }
+    let instance = a
+        .instance
+        .clone()
+        .unwrap_or_else(|| format!("serve-{}", std::process::id()));
+    let model = a.model.display().to_string();
+    let mut sched_args = vec![
+        "scheduler".into(),
+        "--instance".into(),
+        instance.clone(),
+        "--model".into(),
+        model.clone(),
+        "--frontends".into(),
+        a.frontends.to_string(),
+    ];
+    sched_args.extend(engine_flags(&a.engine));
+    let device = match a.device {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+        Device::Null => "null",
+    };
+    let worker_args: Vec<String> = vec![
+        "worker".into(),
+        "--instance".into(),
+        instance.clone(),
+        "--model".into(),
+        model.clone(),
+        "--device".into(),
+        device.into(),
+    ];
+    let mut front_args: Vec<String> = vec![
+        "frontend".into(),
+        "--instance".into(),
+        instance.clone(),
+        "--model".into(),
+        model.clone(),
+        "--host".into(),
+        a.host.clone(),
+        "--port".into(),
+        a.port.to_string(),
+    ];
+    if let Some(k) = &a.api_key {
+        front_args.extend(["--api-key".into(), k.clone()]);
+    }
+    if let Some(n) = &a.served_model_name {
+        front_args.extend(["--served-model-name".into(), n.clone()]);
+    }
+    if let Some(t) = &a.chat_template {
+        front_args.extend(["--chat-template".into(), t.clone()]);
+    }
+
+    let mut kids = [
+        Kid {
+            name: "scheduler",
+            args: sched_args,
+            child: None,
+            restarts: 0,
+        },
+        Kid {
+            name: "worker",
+            args: worker_args,
+            child: None,
+            restarts: 0,
+        },
+        Kid {
+            name: "frontend",
+            args: front_args,
+            child: None,
+            restarts: 0,
+        },
+    ];
+    for k in kids.iter_mut() {
+        k.child = Some(spawn(&k.args, k.name == "frontend")?);
+    }
+    // The frontend prints its address on stdout once it listens.
+    let mut addr = String::new();
+    if let Some(out) = kids[2].child.as_mut().and_then(|c| c.stdout.take()) {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        addr = line
+            .trim()
+            .trim_start_matches("listening on http://")
+            .to_owned();
+    }
+    if addr.is_empty() {
+        shutdown(&mut kids);
+        bail!("the frontend did not start (see its error above)");
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while http_health(&addr) != Some(200) {
+        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+            shutdown(&mut kids);
+            bail!("the server did not become healthy within 120 s");
+        }
+        let dead = kids
+            .iter_mut()
+            .find_map(|k| match k.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(st))) => Some((k.name, st)),
+                _ => None,
+            });
+        if let Some((name, st)) = dead {
+            shutdown(&mut kids);
+            bail!("baton {name} exited during start-up ({st})");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let limits = baton_ipc::Segment::peek_limits(&instance)
+        .ok()
+        .map(|l| baton_proto::plane::PlaneLimits::from_limits(&l));
+    let kv = limits.map_or_else(String::new, |l| {
+        format!(
+            ", KV capacity {} pages x {} tokens = {} tokens, max model len {}",
+            l.num_blocks,
+            l.block_size,
+            l.num_blocks * l.block_size,
+            l.max_model_len
+        )
+    });
+    eprintln!("baton serve: ready on http://{addr}, model {model} ({device}){kv}");
+
+    while !stop.load(Ordering::Relaxed) {
+        for i in 0..kids.len() {
+            let exited = kids[i].child.as_mut().map(Child::try_wait);
+            let Some(Ok(Some(st))) = exited else { continue };
+            if kids[i].name == "scheduler" {
+                eprintln!("baton serve: the scheduler exited ({st}); stopping");
+                shutdown(&mut kids);
+                bail!("the scheduler exited ({st})");
+            }
+            kids[i].restarts += 1;
+            eprintln!(
+                "baton serve: {} exited ({st}); restarting (restart {})",
+                kids[i].name, kids[i].restarts
+            );
+            let capture = kids[i].name == "frontend";
+            kids[i].child = Some(spawn(&kids[i].args, capture)?);
+            if capture {
+                // Drain the new frontend's address line in the background.
+                if let Some(out) = kids[i].child.as_mut().and_then(|c| c.stdout.take()) {
+                    std::thread::spawn(move || {
+                        let mut sink = String::new();
+                        let _ = BufReader::new(out).read_to_string(&mut sink);
+                    });
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("baton serve: shutting down");
+    shutdown(&mut kids);
+    Ok(())
+}
+
+fn shutdown(kids: &mut [Kid]) {
+    // Frontend, then worker, then the scheduler (which unlinks the segment).
+    for k in kids.iter_mut().rev() {
+        let Some(mut c) = k.child.take() else {
+            continue;
+        };
+        let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! OpenAI API shapes: the error body and the response types (requests are parsed field by field
+//! in [`crate::validate`], so every bad field is named in the error).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// An error answered with an OpenAI-style body:
+/// `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// OpenAI error type (`invalid_request_error`, `authentication_error`, ...).
+    pub kind: &'static str,
+    /// The request field at fault, if any.
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: impl Into<Option<String>>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.into(),
+        }
+    }
+
+    /// A 400 about the named field.
+    pub fn field(param: &str, message: impl Into<String>) -> Self {
+        Self::invalid(Some(param.to_owned()), message)
+    }
+
+    /// A 404 (unknown model, unknown route).
+    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "not_found_error",
+            param: param.map(str::to_owned),
+        }
+    }
+
+    /// A 401 (missing or wrong API key).
+    pub fn unauthorized() -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Incorrect or missing API key: send 'Authorization: Bearer <key>'.".into(),
+            kind: "authentication_error",
+            param: None,
+        }
+    }
+
+    /// A 503 (engine unavailable).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable",
+            param: None,
+        }
+    }
+
+    /// A 500 (the engine failed the request).
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "internal_server_error",
+            param: None,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status.as_u16(),
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Token counts of a response.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Prompt tokens (each prompt counted once).
+    pub prompt_tokens: usize,
+    /// Generated tokens, all choices.
+    pub completion_tokens: usize,
+    /// The sum.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// Usage from the two counts.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// Legacy completions log-probabilities of a choice (or of a streamed delta).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    /// Character offset of each token in the choice's text.
+    pub text_offset: Vec<usize>,
+    /// Log-probability of each sampled token.
+    pub token_logprobs: Vec<f32>,
+    /// Each sampled token's text.
+    pub tokens: Vec<String>,
+    /// The top alternatives per position.
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+}
+
+/// One choice of a `/v1/completions` response.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompletionChoice {
+    /// Choice index (`prompt_index * n + j`).
+    pub index: usize,
+    /// Generated text (prompt first with `echo`).
+    pub text: String,
+    /// Log-probabilities, when asked.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop`, `length` or `abort`; `null` in a streamed chunk that does not end the choice.
+    pub finish_reason: Option<String>,
+}
+
+/// A `/v1/completions` response or streamed chunk.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-...`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Choices.
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (streamed chunks: only the last, with `include_usage`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One alternative token of a chat log-probability entry.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    /// Token text (`bytes:\xNN` when it is not valid UTF-8 on its own).
+    pub token: String,
+    /// Log-probability.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// One sampled token of a chat log-probability list.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatLogprob {
+    /// Token text.
+    pub token: String,
+    /// Log-probability.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely alternatives.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// Chat log-probabilities of a choice.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatLogprob>,
+}
+
+/// The assistant message of a chat choice.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatMessage {
+    /// `assistant`.
+    pub role: &'static str,
+    /// Generated text.
+    pub content: String,
+}
+
+/// One choice of a `/v1/chat/completions` response.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatChoice {
+    /// Choice index.
+    pub index: usize,
+    /// The message.
+    pub message: ChatMessage,
+    /// Log-probabilities, when asked.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop`, `length` or `abort`.
+    pub finish_reason: Option<String>,
+}
+
+/// A `/v1/chat/completions` response.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatResponse {
+    /// `chatcmpl-...`.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Choices.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: Usage,
+}
+
+/// The delta of a streamed chat chunk.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` in the first chunk of a choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatChunkChoice {
+    /// Choice index.
+    pub index: usize,
+    /// What is new.
+    pub delta: ChatDelta,
+    /// Log-probabilities of the tokens in this chunk, when asked.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set in the last chunk of the choice.
+    pub finish_reason: Option<String>,
+}
+
+/// A streamed `/v1/chat/completions` chunk.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChatChunk {
+    /// `chatcmpl-...`, the same for every chunk.
+    pub id: String,
+    /// `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Choices (empty in the usage chunk).
+    pub choices: Vec<ChatChunkChoice>,
+    /// Token counts (only the last chunk, with `include_usage`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}

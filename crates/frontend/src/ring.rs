@@ -1,0 +1,240 @@
+//! [`RingEngineClient`]: the engine behind the shared-memory control plane (`baton frontend`).
+//!
+//! Contract: one reader thread owns the receiving half of this frontend's ring pair and routes
+//! every output to its request's receiver; submits and cancels go through the sending half
+//! under a lock. A request's route lives until its final event (`FINISHED`, including the
+//! acknowledgement of a cancel, or `ERROR`), so the frontend keeps its state until the
+//! scheduler acknowledges. If the scheduler dies, every live request gets an error event at
+//! once and the stream ends; nothing waits forever.
+
+use crate::engine::{
+    EngineClient, EngineEvent, EngineLimits, EngineRequest, EngineStats, SubmitError,
+};
+use baton_proto::link::{Admission, FrontendLink, LinkReceiver, LinkSender, LinkShared};
+use baton_proto::wire::{self, reason, to_frontend, ToFrontend};
+use baton_scheduler::FinishReason;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+type Routes = Arc<Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>>;
+
+/// The engine as seen through this frontend's ring pair.
+pub struct RingEngineClient {
+    shared: Arc<LinkShared>,
+    tx: Mutex<LinkSender>,
+    routes: Routes,
+    next_id: AtomicU64,
+    eos_ids: Vec<u32>,
+    vocab_size: usize,
+    stop: Arc<AtomicBool>,
+    dead: Arc<Mutex<Option<String>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RingEngineClient {
+    /// Wraps a connected link. `eos_ids` are the model's EOS ids (sent as stop ids unless a
+    /// request sets `ignore_eos`); `vocab_size` is the tokenizer's.
+    pub fn new(link: FrontendLink, eos_ids: Vec<u32>, vocab_size: usize) -> Self {
+        let (shared, tx, rx) = link.split();
+        let routes: Routes = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let dead = Arc::new(Mutex::new(None));
+        {
+            let (shared, routes, stop, dead) =
+                (shared.clone(), routes.clone(), stop.clone(), dead.clone());
+            std::thread::Builder::new()
+                .name("baton-ring-reader".into())
+                .spawn(move || reader(rx, &shared, &routes, &stop, &dead))
+                .expect("spawning the ring reader thread");
+        }
+        Self {
+            shared,
+            tx: Mutex::new(tx),
+            routes,
+            next_id: AtomicU64::new(1),
+            eos_ids,
+            vocab_size,
+            stop,
+            dead,
+        }
+    }
+
+    /// This frontend's ring-pair index.
+    pub fn index(&self) -> usize {
+        self.shared.index()
+    }
+}
+
+impl Drop for RingEngineClient {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn reader(
+    mut rx: LinkReceiver,
+    shared: &LinkShared,
+    routes: &Routes,
+    stop: &AtomicBool,
+    dead: &Mutex<Option<String>>,
+) {
+    let mut batch: Vec<ToFrontend> = Vec::with_capacity(1024);
+    let mut last_check = std::time::Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        batch.clear();
+        if rx.poll_batch(&mut batch, 1024) == 0 {
+            if let Some(m) = rx.poll(Duration::from_millis(50)) {
+                batch.push(m);
+            }
+        }
+        if !batch.is_empty() {
+            let mut r = lock(routes);
+            for m in &batch {
+                route(&mut r, m);
+            }
+        }
+        if last_check.elapsed() >= Duration::from_millis(50) {
+            last_check = std::time::Instant::now();
+            shared.heartbeat();
+            if let Err(why) = shared.health() {
+                if why.contains("scheduler") {
+                    // The scheduler is gone: fail everything now.
+                    *lock(dead) = Some(why.clone());
+                    for (_, tx) in lock(routes).drain() {
+                        let _ = tx.send(EngineEvent::Error(format!("engine failure: {why}")));
+                    }
+                } else {
+                    *lock(dead) = None;
+                }
+            } else {
+                *lock(dead) = None;
+            }
+        }
+    }
+}
+
+fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend) {
+    match m.kind {
+        to_frontend::TOKEN => {
+            if let Some(tx) = routes.get(&m.req) {
+                let n = (m.n_top as usize).min(baton_proto::MAX_TOP_LOGPROBS);
+                let top = (0..n).map(|i| (m.top_ids[i], m.top_logprobs[i])).collect();
+                let _ = tx.send(EngineEvent::Token {
+                    token: m.token,
+                    logprob: m.logprob,
+                    top,
+                });
+            }
+        }
+        to_frontend::FINISHED => {
+            if let Some(tx) = routes.remove(&m.req) {
+                let reason = match m.reason {
+                    reason::STOP => FinishReason::Stop,
+                    reason::LENGTH => FinishReason::Length,
+                    reason::CANCELLED => FinishReason::Cancelled,
+                    _ => FinishReason::Abort,
+                };
+                let _ = tx.send(EngineEvent::Finished {
+                    reason,
+                    prompt_tokens: m.prompt_tokens as usize,
+                    output_tokens: m.output_tokens as usize,
+                });
+            }
+        }
+        to_frontend::ERROR => {
+            if let Some(tx) = routes.remove(&m.req) {
+                let msg = match m.reason {
+                    wire::error::INVALID => {
+                        "the scheduler refused the request (it can never fit its limits)"
+                    }
+                    wire::error::SHUTDOWN => "the scheduler is shutting down",
+                    _ => "protocol error between frontend and scheduler",
+                };
+                let _ = tx.send(EngineEvent::Error(msg.into()));
+            }
+        }
+        k => tracing::error!(kind = k, "unknown output slot from the scheduler"),
+    }
+}
+
+impl EngineClient for RingEngineClient {
+    fn submit(
+        &self,
+        req: EngineRequest,
+    ) -> Result<(u64, UnboundedReceiver<EngineEvent>), SubmitError> {
+        if let Some(why) = lock(&self.dead).clone() {
+            return Err(SubmitError::Unavailable(why));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let mut stop_ids = req.stop_token_ids.clone();
+        if !req.ignore_eos {
+            stop_ids.extend(
+                self.eos_ids
+                    .iter()
+                    .copied()
+                    .filter(|e| !req.stop_token_ids.contains(e)),
+            );
+        }
+        lock(&self.routes).insert(id, tx);
+        let a = Admission {
+            req: id,
+            prompt: &req.prompt,
+            stop_token_ids: &stop_ids,
+            max_tokens: req.max_tokens,
+            params: req.params,
+            // EOS ids travel as stop ids above, so the scheduler has nothing more to ignore.
+            ignore_eos: false,
+        };
+        if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
+            lock(&self.routes).remove(&id);
+            return Err(SubmitError::Unavailable(e.to_string()));
+        }
+        Ok((id, rx))
+    }
+
+    fn cancel(&self, id: u64) {
+        if !lock(&self.routes).contains_key(&id) {
+            return;
+        }
+        if let Err(e) = lock(&self.tx).cancel(id, Duration::from_secs(5)) {
+            tracing::warn!(id, "cancel not delivered: {e}");
+        }
+    }
+
+    fn limits(&self) -> EngineLimits {
+        let l = self.shared.limits();
+        EngineLimits {
+            max_model_len: l.max_model_len,
+            vocab_size: if l.vocab_size == 0 {
+                self.vocab_size
+            } else {
+                l.vocab_size.min(self.vocab_size)
+            },
+            max_num_seqs: l.max_num_seqs,
+        }
+    }
+
+    fn health(&self) -> Result<(), String> {
+        self.shared.health()
+    }
+
+    fn stats(&self) -> EngineStats {
+        let s = self.shared.stats();
+        EngineStats {
+            running: s.running as usize,
+            waiting: s.waiting as usize,
+            kv_usage: if s.pages_total == 0 {
+                0.0
+            } else {
+                s.pages_used as f64 / s.pages_total as f64
+            },
+        }
+    }
+}

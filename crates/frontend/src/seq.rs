@@ -1,0 +1,222 @@
+//! Per-sequence stream state: engine events in, text deltas out.
+//!
+//! Contract: a [`Seq`] turns one engine request's events into [`Delta`]s through the
+//! incremental detokenizer and the stop-string matcher; streamed and non-streamed responses are
+//! both built from these deltas, so their texts are equal by construction. On a stop-string
+//! match it cancels the engine request. Dropping a `Seq` whose engine request has not reported
+//! its last event (client disconnect, an error elsewhere, a stop match) cancels it and keeps its
+//! receiver in a task until the engine acknowledges (DESIGN.md section 5).
+
+use crate::detok::IncrementalDetokenizer;
+use crate::engine::{EngineClient, EngineEvent};
+use crate::metrics::Metrics;
+use crate::stop::StopMatcher;
+use baton_model::Tokenizer;
+use baton_scheduler::FinishReason;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// One sampled token with its log-probabilities.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenInfo {
+    /// Token id.
+    pub id: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Most likely alternatives.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one step of a sequence produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Delta {
+    /// Choice index.
+    pub index: usize,
+    /// New text.
+    pub text: String,
+    /// Tokens consumed by this step (with log-probabilities when asked).
+    pub tokens: Vec<TokenInfo>,
+    /// Set on the last delta of the sequence: `stop`, `length` or `abort`.
+    pub finish: Option<&'static str>,
+    /// Set when the engine failed the request (the last delta).
+    pub error: Option<String>,
+}
+
+/// The finish reason reported to the client.
+pub fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort | FinishReason::Cancelled => "abort",
+    }
+}
+
+/// One engine request as the HTTP layer streams it.
+pub struct Seq {
+    /// Choice index.
+    pub index: usize,
+    id: u64,
+    rx: Option<UnboundedReceiver<EngineEvent>>,
+    engine: Arc<dyn EngineClient>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: Arc<Metrics>,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    /// Output tokens consumed (up to and including a stop-string match).
+    pub output_tokens: usize,
+    done: bool,
+    arrived: Instant,
+    last_token: Option<Instant>,
+}
+
+impl std::fmt::Debug for Seq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seq")
+            .field("index", &self.index)
+            .field("id", &self.id)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything a [`Seq`] needs besides its engine request.
+#[derive(Clone)]
+pub struct SeqContext {
+    /// The engine.
+    pub engine: Arc<dyn EngineClient>,
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep the matched stop string in the output.
+    pub include_stop: bool,
+    /// Drop special tokens from the text.
+    pub skip_special: bool,
+    /// When the HTTP request arrived.
+    pub arrived: Instant,
+}
+
+impl Seq {
+    /// Wraps engine request `id` whose events arrive on `rx`.
+    pub fn new(
+        ctx: &SeqContext,
+        index: usize,
+        id: u64,
+        rx: UnboundedReceiver<EngineEvent>,
+        prompt: &[u32],
+    ) -> Self {
+        Self {
+            index,
+            id,
+            rx: Some(rx),
+            engine: Arc::clone(&ctx.engine),
+            tokenizer: Arc::clone(&ctx.tokenizer),
+            metrics: Arc::clone(&ctx.metrics),
+            detok: IncrementalDetokenizer::new(prompt, ctx.skip_special),
+            stop: StopMatcher::new(&ctx.stop, ctx.include_stop),
+            output_tokens: 0,
+            done: false,
+            arrived: ctx.arrived,
+            last_token: None,
+        }
+    }
+
+    /// The next delta, or `None` once the last one was returned.
+    pub async fn next(&mut self) -> Option<Delta> {
+        if self.done {
+            return None;
+        }
+        let ev = match self.rx.as_mut() {
+            Some(rx) => rx.recv().await,
+            None => None,
+        };
+        let mut d = Delta {
+            index: self.index,
+            ..Delta::default()
+        };
+        match ev {
+            Some(EngineEvent::Token {
+                token,
+                logprob,
+                top,
+            }) => {
+                let now = Instant::now();
+                let since = now.duration_since(self.last_token.unwrap_or(self.arrived));
+                self.metrics
+                    .on_token(self.last_token.is_none(), since.as_secs_f64());
+                self.last_token = Some(now);
+                self.output_tokens += 1;
+                d.tokens.push(TokenInfo {
+                    id: token,
+                    logprob,
+                    top,
+                });
+                let text = self.detok.push(&self.tokenizer, token);
+                let out = self.stop.push(&text);
+                d.text = out.text;
+                if out.stopped {
+                    self.abandon();
+                    self.finish(&mut d, "stop");
+                }
+            }
+            Some(EngineEvent::Finished { reason, .. }) => {
+                self.rx = None;
+                let tail = self.detok.finish(&self.tokenizer);
+                let out = self.stop.push(&tail);
+                d.text = out.text;
+                let reason = if out.stopped {
+                    "stop"
+                } else {
+                    d.text.push_str(&self.stop.flush());
+                    finish_str(reason)
+                };
+                self.finish(&mut d, reason);
+            }
+            Some(EngineEvent::Error(msg)) => {
+                self.rx = None;
+                d.error = Some(msg);
+                self.finish(&mut d, "abort");
+            }
+            None => {
+                self.rx = None;
+                d.error = Some("the engine dropped the request without finishing it".into());
+                self.finish(&mut d, "abort");
+            }
+        }
+        Some(d)
+    }
+
+    fn finish(&mut self, d: &mut Delta, reason: &'static str) {
+        self.done = true;
+        d.finish = Some(reason);
+        self.metrics
+            .on_finished(reason, self.arrived.elapsed().as_secs_f64());
+    }
+
+    /// Cancels the engine request if it has not ended and keeps its receiver until the engine
+    /// acknowledges.
+    fn abandon(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        self.engine.cancel(self.id);
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move {
+                while let Some(ev) = rx.recv().await {
+                    if matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Error(_)) {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+}
+
+impl Drop for Seq {
+    fn drop(&mut self) {
+        self.abandon();
+    }
+}

@@ -1,0 +1,969 @@
+//! The HTTP server: routes, handlers, streaming.
+//!
+//! Contract: every request is parsed and validated completely (model name, prompt, limits) and
+//! every engine request is admitted before a response starts, so a bad request always gets a
+//! 4xx with an OpenAI error body and never a half-opened stream. After a stream started, an
+//! engine error is one `data: {"error": ...}` event followed by `data: [DONE]`. A client that
+//! goes away (streaming or not) drops the response future or body, which drops its sequences,
+//! which cancel their engine requests ([`crate::seq`]).
+
+use crate::chat::ChatTemplate;
+use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
+use crate::metrics::Metrics;
+use crate::openai::{
+    ApiError, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs,
+    ChatMessage, ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionResponse, Usage,
+};
+use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
+use crate::validate::{self, Fields, GenParams, PromptInput};
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use baton_model::Tokenizer;
+use baton_proto::SamplingParams;
+use futures::stream::{self, BoxStream, SelectAll, StreamExt};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::net::TcpListener;
+
+/// Server flags (`baton frontend`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Address to bind.
+    pub host: String,
+    /// Port to bind (0: any free port).
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on `/v1/*`.
+    pub api_key: Option<String>,
+    /// The model name clients use (`model` field, `/v1/models`).
+    pub served_model_name: String,
+    /// A chat template (the template text; see [`crate::chat::load_template_arg`] for paths)
+    /// that overrides the tokenizer's.
+    pub chat_template: Option<String>,
+}
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// Flags.
+    pub config: ServerConfig,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The engine.
+    pub engine: Arc<dyn EngineClient>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The model's EOS ids (the engine stops on them; the chat template's `eos_token` falls
+    /// back to the first one).
+    pub eos_ids: Vec<u32>,
+    /// The chat template: `--chat-template`, else the tokenizer's, else none.
+    pub chat: Option<ChatTemplate>,
+    created: u64,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("config", &self.config)
+            .field("tokenizer", &self.tokenizer)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl AppState {
+    /// Builds the state; compiles the chat template.
+    ///
+    /// # Errors
+    /// The chat template does not compile.
+    pub fn new(
+        config: ServerConfig,
+        tokenizer: Tokenizer,
+        engine: Arc<dyn EngineClient>,
+        eos_ids: Vec<u32>,
+    ) -> anyhow::Result<Self> {
+        let source = config
+            .chat_template
+            .clone()
+            .or_else(|| tokenizer.chat_template().map(str::to_owned));
+        let chat = source
+            .map(ChatTemplate::new)
+            .transpose()
+            .map_err(anyhow::Error::msg)?;
+        Ok(Self {
+            config,
+            tokenizer: Arc::new(tokenizer),
+            engine,
+            metrics: Arc::new(Metrics::new()),
+            eos_ids,
+            chat,
+            created: now_secs(),
+        })
+    }
+
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.config.served_model_name => Err(ApiError::not_found(
+                Some("model"),
+                format!("The model `{m}` does not exist."),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn special_token(&self, text: Option<&String>, fallback: Option<u32>) -> String {
+        text.cloned()
+            .or_else(|| fallback.and_then(|id| self.tokenizer.id_to_piece(id)))
+            .unwrap_or_default()
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String, ApiError> {
+        let Some(t) = &self.chat else {
+            return Err(ApiError::invalid(
+                None,
+                "This model has no chat template: use /v1/completions, or start the server with \
+                 --chat-template.",
+            ));
+        };
+        let cfg = self.tokenizer.config();
+        let bos = self.special_token(cfg.bos_token.as_ref(), self.tokenizer.bos_id());
+        let eos = self.special_token(
+            cfg.eos_token.as_ref(),
+            self.tokenizer.eos_id().or(self.eos_ids.first().copied()),
+        );
+        t.render(messages, add_generation_prompt, &bos, &eos, kwargs)
+            .map_err(|e| ApiError::field("messages", e))
+    }
+
+    fn seq_context(&self, gen: &GenParams, arrived: Instant) -> SeqContext {
+        SeqContext {
+            engine: Arc::clone(&self.engine),
+            tokenizer: Arc::clone(&self.tokenizer),
+            metrics: Arc::clone(&self.metrics),
+            stop: gen.stop.clone(),
+            include_stop: gen.include_stop_str_in_output,
+            skip_special: gen.skip_special_tokens,
+            arrived,
+        }
+    }
+
+    /// Submits `n` engine requests per prompt; choice `p * n + j` is prompt `p`, seed
+    /// `seed + j`. Already-admitted requests are cancelled (dropped) if a later one fails.
+    fn submit_all(
+        &self,
+        prompts: &[(Vec<u32>, u32)],
+        gen: &GenParams,
+        arrived: Instant,
+    ) -> Result<Vec<Seq>, ApiError> {
+        let ctx = self.seq_context(gen, arrived);
+        let mut seqs = Vec::with_capacity(prompts.len() * gen.n);
+        for (p, (ids, max_tokens)) in prompts.iter().enumerate() {
+            for j in 0..gen.n {
+                let params = SamplingParams {
+                    temperature: gen.temperature,
+                    top_p: gen.top_p,
+                    top_k: gen.top_k,
+                    min_p: gen.min_p,
+                    seed: gen
+                        .seed
+                        .map(|s| s.wrapping_add(j as u64))
+                        .unwrap_or_else(random_seed),
+                    top_logprobs: gen.logprobs.unwrap_or(0),
+                    want_logprob: u32::from(gen.logprobs.is_some()),
+                };
+                let req = EngineRequest {
+                    prompt: ids.clone(),
+                    max_tokens: *max_tokens,
+                    params,
+                    stop_token_ids: gen.stop_token_ids.clone(),
+                    ignore_eos: gen.ignore_eos,
+                };
+                let (id, rx) = self.engine.submit(req).map_err(|e| match e {
+                    SubmitError::Rejected(m) => ApiError::invalid(None, m),
+                    SubmitError::Unavailable(m) => ApiError::unavailable(m),
+                })?;
+                self.metrics.add_prompt_tokens(ids.len());
+                seqs.push(Seq::new(&ctx, p * gen.n + j, id, rx, ids));
+            }
+        }
+        Ok(seqs)
+    }
+
+    /// The text of a token for log-probability lists, and its bytes.
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = match self.tokenizer.id_to_piece(id) {
+            Some(p) if p.len() == 6 && p.starts_with("<0x") && p.ends_with('>') => {
+                match u8::from_str_radix(&p[3..5], 16) {
+                    Ok(b) => vec![b],
+                    Err(_) => p.into_bytes(),
+                }
+            }
+            Some(p) if p.contains('\u{2581}') => p.replace('\u{2581}', " ").into_bytes(),
+            Some(_) => self
+                .tokenizer
+                .decode(&[id], false)
+                .unwrap_or_default()
+                .into_bytes(),
+            None => Vec::new(),
+        };
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(s) => s.to_owned(),
+            Err(_) => {
+                let mut s = String::from("bytes:");
+                for b in &bytes {
+                    s.push_str(&format!("\\x{b:02x}"));
+                }
+                s
+            }
+        };
+        (text, bytes)
+    }
+
+    fn completion_logprobs(&self, tokens: &[TokenInfo], offset: &mut usize) -> CompletionLogprobs {
+        let mut out = CompletionLogprobs::default();
+        for t in tokens {
+            let (text, _) = self.token_text(t.id);
+            out.text_offset.push(*offset);
+            *offset += text.chars().count();
+            out.token_logprobs.push(t.logprob);
+            let mut top: BTreeMap<String, f32> = t
+                .top
+                .iter()
+                .map(|&(id, lp)| (self.token_text(id).0, lp))
+                .collect();
+            top.entry(text.clone()).or_insert(t.logprob);
+            out.top_logprobs.push(top);
+            out.tokens.push(text);
+        }
+        out
+    }
+
+    fn chat_logprobs(&self, tokens: &[TokenInfo]) -> ChatLogprobs {
+        ChatLogprobs {
+            content: tokens
+                .iter()
+                .map(|t| {
+                    let (token, bytes) = self.token_text(t.id);
+                    ChatLogprob {
+                        token,
+                        logprob: t.logprob,
+                        bytes,
+                        top_logprobs: t
+                            .top
+                            .iter()
+                            .map(|&(id, logprob)| {
+                                let (token, bytes) = self.token_text(id);
+                                ChatTopLogprob {
+                                    token,
+                                    logprob,
+                                    bytes,
+                                }
+                            })
+                            .collect(),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(64 << 20))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .with_state(state)
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.config.api_key {
+        if req.uri().path().starts_with("/v1") {
+            let ok = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .is_some_and(|got| constant_time_eq(got.trim().as_bytes(), key.as_bytes()));
+            if !ok {
+                return ApiError::unauthorized().into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::not_found(
+        None,
+        format!("No route for {} {}.", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.health() {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(reason) => ApiError::unavailable(reason).into_response(),
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let page = st
+        .metrics
+        .render(&st.engine.stats(), &st.config.served_model_name);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        page,
+    )
+        .into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let name = &st.config.served_model_name;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "baton",
+            "root": name,
+            "parent": null,
+            "max_model_len": st.engine.limits().max_model_len,
+        }]
+    }))
+    .into_response()
+}
+
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let f = Fields::parse(&body)?;
+        st.check_model(f.get::<String>("model")?.as_deref())?;
+        let ids = if f.raw("messages").is_some() {
+            let req = validate::parse_chat(&body, &st.engine.limits())?;
+            let text = st.render_chat(
+                &req.messages,
+                req.add_generation_prompt,
+                &req.template_kwargs,
+            )?;
+            let special = f.get::<bool>("add_special_tokens")?.unwrap_or(false);
+            st.tokenizer
+                .encode(&text, special)
+                .map_err(|e| ApiError::field("messages", e.to_string()))?
+        } else {
+            let text = f
+                .get::<String>("prompt")?
+                .ok_or_else(|| ApiError::field("prompt", "'prompt' (a string) is required."))?;
+            let special = f.get::<bool>("add_special_tokens")?.unwrap_or(true);
+            st.tokenizer
+                .encode(&text, special)
+                .map_err(|e| ApiError::field("prompt", e.to_string()))?
+        };
+        let token_strs = if f.get::<bool>("return_token_strs")?.unwrap_or(false) {
+            json!(ids
+                .iter()
+                .map(|&id| st.tokenizer.id_to_piece(id).unwrap_or_default())
+                .collect::<Vec<_>>())
+        } else {
+            Value::Null
+        };
+        Ok(json!({
+            "count": ids.len(),
+            "max_model_len": st.engine.limits().max_model_len,
+            "tokens": ids,
+            "token_strs": token_strs,
+        }))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let f = Fields::parse(&body)?;
+        st.check_model(f.get::<String>("model")?.as_deref())?;
+        let raw = f
+            .raw("tokens")
+            .ok_or_else(|| ApiError::field("tokens", "'tokens' is required."))?;
+        let vocab = st.engine.limits().vocab_size.max(st.tokenizer.vocab_size());
+        let ids: Vec<u32> = raw
+            .as_array()
+            .ok_or_else(|| ApiError::field("tokens", "'tokens' must be a list of token ids."))?
+            .iter()
+            .map(|t| match t.as_u64() {
+                Some(id) if id < vocab as u64 => Ok(id as u32),
+                _ => Err(ApiError::field(
+                    "tokens",
+                    format!("Token id {t} is not in the vocabulary of {vocab}."),
+                )),
+            })
+            .collect::<Result<_, _>>()?;
+        let text = st
+            .tokenizer
+            .decode(&ids, true)
+            .map_err(|e| ApiError::field("tokens", e.to_string()))?;
+        Ok(json!({ "prompt": text }))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+fn random_id(prefix: &str) -> String {
+    format!("{prefix}-{:016x}{:016x}", random_seed(), random_seed())
+}
+
+/// Merges the deltas of all sequences, in arrival order.
+fn merge(seqs: Vec<Seq>) -> SelectAll<BoxStream<'static, Delta>> {
+    stream::select_all(
+        seqs.into_iter().map(|s| {
+            stream::unfold(s, |mut s| async move { s.next().await.map(|d| (d, s)) }).boxed()
+        }),
+    )
+}
+
+/// Turns deltas into SSE chunk payloads for one endpoint.
+trait Chunker: Send + 'static {
+    /// Payloads sent before any delta (echoed prompts, the chat role).
+    fn prelude(&mut self) -> Vec<String>;
+    /// The payload of a delta, or `None` when there is nothing to send.
+    fn delta(&mut self, d: &Delta) -> Option<String>;
+    /// The usage chunk.
+    fn usage(&mut self, usage: Usage) -> String;
+}
+
+fn sse_data(payload: &str) -> Bytes {
+    Bytes::from(format!("data: {payload}\n\n"))
+}
+
+/// The SSE response: prelude, one event per delta with content, the usage chunk if asked, then
+/// `data: [DONE]`. An engine error ends the stream after one error event.
+fn sse_response<C: Chunker>(
+    mut chunker: C,
+    seqs: Vec<Seq>,
+    prompt_tokens: usize,
+    include_usage: bool,
+) -> Response {
+    enum Phase {
+        Running,
+        Usage,
+        Done,
+        End,
+    }
+    struct S<C> {
+        chunker: C,
+        merged: SelectAll<BoxStream<'static, Delta>>,
+        phase: Phase,
+        completion_tokens: usize,
+        prompt_tokens: usize,
+        include_usage: bool,
+    }
+    let prelude: Vec<Result<Bytes, std::convert::Infallible>> =
+        chunker.prelude().iter().map(|p| Ok(sse_data(p))).collect();
+    let state = S {
+        chunker,
+        merged: merge(seqs),
+        phase: Phase::Running,
+        completion_tokens: 0,
+        prompt_tokens,
+        include_usage,
+    };
+    let body = stream::unfold(state, |mut s| async move {
+        loop {
+            match s.phase {
+                Phase::Running => match s.merged.next().await {
+                    Some(d) => {
+                        s.completion_tokens += d.tokens.len();
+                        if let Some(msg) = &d.error {
+                            // Dropping the other sequences cancels them.
+                            s.merged = SelectAll::new();
+                            s.phase = Phase::Done;
+                            let err = ApiError::internal(msg.clone()).body();
+                            return Some((Ok(sse_data(&err.to_string())), s));
+                        }
+                        if let Some(p) = s.chunker.delta(&d) {
+                            return Some((Ok(sse_data(&p)), s));
+                        }
+                    }
+                    None => {
+                        s.phase = if s.include_usage {
+                            Phase::Usage
+                        } else {
+                            Phase::Done
+                        }
+                    }
+                },
+                Phase::Usage => {
+                    s.phase = Phase::Done;
+                    let u = Usage::new(s.prompt_tokens, s.completion_tokens);
+                    let p = s.chunker.usage(u);
+                    return Some((Ok(sse_data(&p)), s));
+                }
+                Phase::Done => {
+                    s.phase = Phase::End;
+                    return Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), s));
+                }
+                Phase::End => return None,
+            }
+        }
+    });
+    let body = stream::iter(prelude).chain(body);
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Per-choice results of a non-streamed request.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    tokens: Vec<TokenInfo>,
+    finish: Option<&'static str>,
+}
+
+/// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
+/// which cancels them.
+async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
+    let n = seqs.len();
+    let mut out: Vec<Collected> = (0..n).map(|_| Collected::default()).collect();
+    let mut merged = merge(seqs);
+    let mut completion_tokens = 0;
+    while let Some(d) = merged.next().await {
+        if let Some(msg) = d.error {
+            return Err(ApiError::internal(msg));
+        }
+        completion_tokens += d.tokens.len();
+        let c = &mut out[d.index % n];
+        c.text.push_str(&d.text);
+        c.tokens.extend(d.tokens);
+        if d.finish.is_some() {
+            c.finish = d.finish;
+        }
+    }
+    Ok((out, completion_tokens))
+}
+
+struct CompletionChunker {
+    st: Arc<AppState>,
+    id: String,
+    created: u64,
+    echo: Vec<Option<String>>,
+    logprobs: bool,
+    offsets: Vec<usize>,
+}
+
+impl CompletionChunker {
+    fn chunk(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> String {
+        let r = CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.st.config.served_model_name.clone(),
+            choices,
+            usage,
+        };
+        serde_json::to_string(&r).unwrap_or_default()
+    }
+}
+
+impl Chunker for CompletionChunker {
+    fn prelude(&mut self) -> Vec<String> {
+        let echo = std::mem::take(&mut self.echo);
+        echo.into_iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e?;
+                self.offsets[i] = e.chars().count();
+                Some(self.chunk(
+                    vec![CompletionChoice {
+                        index: i,
+                        text: e,
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                ))
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, d: &Delta) -> Option<String> {
+        let with_lp = self.logprobs && !d.tokens.is_empty();
+        if d.text.is_empty() && d.finish.is_none() && !with_lp {
+            return None;
+        }
+        let logprobs = self.logprobs.then(|| {
+            self.st
+                .completion_logprobs(&d.tokens, &mut self.offsets[d.index])
+        });
+        Some(self.chunk(
+            vec![CompletionChoice {
+                index: d.index,
+                text: d.text.clone(),
+                logprobs,
+                finish_reason: d.finish.map(str::to_owned),
+            }],
+            None,
+        ))
+    }
+
+    fn usage(&mut self, usage: Usage) -> String {
+        self.chunk(Vec::new(), Some(usage))
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match completions_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let limits = st.engine.limits();
+    let req = validate::parse_completion(&body, &limits)?;
+    st.check_model(req.model.as_deref())?;
+    let gen = &req.gen;
+    let mut prompts = Vec::with_capacity(req.prompts.len());
+    let mut echo_texts = Vec::new();
+    for p in &req.prompts {
+        let (ids, text) = match p {
+            PromptInput::Text(s) => (
+                st.tokenizer
+                    .encode(s, true)
+                    .map_err(|e| ApiError::field("prompt", e.to_string()))?,
+                s.clone(),
+            ),
+            PromptInput::Tokens(t) => {
+                let text = if req.echo {
+                    st.tokenizer
+                        .decode(t, gen.skip_special_tokens)
+                        .map_err(|e| ApiError::field("prompt", e.to_string()))?
+                } else {
+                    String::new()
+                };
+                (t.clone(), text)
+            }
+        };
+        let max = validate::resolve_max_tokens(
+            &limits,
+            ids.len(),
+            gen.max_tokens,
+            "prompt",
+            gen.max_tokens_param,
+        )?;
+        echo_texts.push(text);
+        prompts.push((ids, max));
+    }
+    let prompt_tokens: usize = prompts.iter().map(|(p, _)| p.len()).sum();
+    let seqs = st.submit_all(&prompts, gen, arrived)?;
+    let id = random_id("cmpl");
+    let created = now_secs();
+    let n = gen.n;
+    let echo_for = |i: usize| req.echo.then(|| echo_texts[i / n].clone());
+    if gen.stream {
+        let chunker = CompletionChunker {
+            st: Arc::clone(&st),
+            id,
+            created,
+            echo: (0..seqs.len()).map(echo_for).collect(),
+            logprobs: gen.logprobs.is_some(),
+            offsets: vec![0; seqs.len()],
+        };
+        return Ok(sse_response(
+            chunker,
+            seqs,
+            prompt_tokens,
+            gen.include_usage,
+        ));
+    }
+    let (outs, completion_tokens) = collect(seqs).await?;
+    let choices = outs
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut text = echo_for(i).unwrap_or_default();
+            let mut offset = text.chars().count();
+            text.push_str(&c.text);
+            CompletionChoice {
+                index: i,
+                text,
+                logprobs: gen
+                    .logprobs
+                    .is_some()
+                    .then(|| st.completion_logprobs(&c.tokens, &mut offset)),
+                finish_reason: c.finish.map(str::to_owned),
+            }
+        })
+        .collect();
+    Ok(Json(CompletionResponse {
+        id,
+        object: "text_completion",
+        created,
+        model: st.config.served_model_name.clone(),
+        choices,
+        usage: Some(Usage::new(prompt_tokens, completion_tokens)),
+    })
+    .into_response())
+}
+
+struct ChatChunker {
+    st: Arc<AppState>,
+    id: String,
+    created: u64,
+    choices: usize,
+    logprobs: bool,
+}
+
+impl ChatChunker {
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> String {
+        let r = ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.st.config.served_model_name.clone(),
+            choices,
+            usage,
+        };
+        serde_json::to_string(&r).unwrap_or_default()
+    }
+}
+
+impl Chunker for ChatChunker {
+    fn prelude(&mut self) -> Vec<String> {
+        (0..self.choices)
+            .map(|i| {
+                self.chunk(
+                    vec![ChatChunkChoice {
+                        index: i,
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                )
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, d: &Delta) -> Option<String> {
+        let with_lp = self.logprobs && !d.tokens.is_empty();
+        if d.text.is_empty() && d.finish.is_none() && !with_lp {
+            return None;
+        }
+        let logprobs = self.logprobs.then(|| self.st.chat_logprobs(&d.tokens));
+        Some(self.chunk(
+            vec![ChatChunkChoice {
+                index: d.index,
+                delta: ChatDelta {
+                    role: None,
+                    content: (!d.text.is_empty() || d.finish.is_none()).then(|| d.text.clone()),
+                },
+                logprobs,
+                finish_reason: d.finish.map(str::to_owned),
+            }],
+            None,
+        ))
+    }
+
+    fn usage(&mut self, usage: Usage) -> String {
+        self.chunk(Vec::new(), Some(usage))
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match chat_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let limits = st.engine.limits();
+    let req = validate::parse_chat(&body, &limits)?;
+    st.check_model(req.model.as_deref())?;
+    let gen = &req.gen;
+    let text = st.render_chat(
+        &req.messages,
+        req.add_generation_prompt,
+        &req.template_kwargs,
+    )?;
+    let ids = st
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::field("messages", e.to_string()))?;
+    let max = validate::resolve_max_tokens(
+        &limits,
+        ids.len(),
+        gen.max_tokens,
+        "messages",
+        gen.max_tokens_param,
+    )?;
+    let prompt_tokens = ids.len();
+    let seqs = st.submit_all(&[(ids, max)], gen, arrived)?;
+    let id = random_id("chatcmpl");
+    let created = now_secs();
+    if gen.stream {
+        let chunker = ChatChunker {
+            st: Arc::clone(&st),
+            id,
+            created,
+            choices: seqs.len(),
+            logprobs: gen.logprobs.is_some(),
+        };
+        return Ok(sse_response(
+            chunker,
+            seqs,
+            prompt_tokens,
+            gen.include_usage,
+        ));
+    }
+    let (outs, completion_tokens) = collect(seqs).await?;
+    let choices = outs
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| ChatChoice {
+            index: i,
+            message: ChatMessage {
+                role: "assistant",
+                content: c.text,
+            },
+            logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
+            finish_reason: c.finish.map(str::to_owned),
+        })
+        .collect();
+    Ok(Json(ChatResponse {
+        id,
+        object: "chat.completion",
+        created,
+        model: st.config.served_model_name.clone(),
+        choices,
+        usage: Usage::new(prompt_tokens, completion_tokens),
+    })
+    .into_response())
+}
+
+/// Binds `host:port` (port 0: any free port) and returns the listener and the bound address.
+///
+/// # Errors
+/// The address cannot be bound.
+pub async fn bind(host: &str, port: u16) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind((host, port))
+        .await
+        .map_err(|e| anyhow::anyhow!("binding {host}:{port}: {e}"))?;
+    let addr = listener.local_addr()?;
+    Ok((listener, addr))
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Serves on an already-bound listener until SIGINT or SIGTERM.
+///
+/// # Errors
+/// The chat template does not compile, or the server fails.
+pub async fn serve_on(
+    listener: TcpListener,
+    cfg: ServerConfig,
+    tokenizer: Tokenizer,
+    engine: Arc<dyn EngineClient>,
+    eos_ids: Vec<u32>,
+) -> anyhow::Result<()> {
+    let state = Arc::new(AppState::new(cfg, tokenizer, engine, eos_ids)?);
+    serve_state(listener, state, shutdown_signal()).await
+}
+
+/// Serves `state` on `listener` until `shutdown` completes.
+///
+/// # Errors
+/// The server fails.
+pub async fn serve_state(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, model = %state.config.served_model_name, "serving the OpenAI API");
+    }
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}
+
+/// Binds `cfg.host:cfg.port` and serves until SIGINT or SIGTERM.
+///
+/// # Errors
+/// The address cannot be bound, the chat template does not compile, or the server fails.
+pub async fn serve(
+    cfg: ServerConfig,
+    tokenizer: Tokenizer,
+    engine: Arc<dyn EngineClient>,
+    eos_ids: Vec<u32>,
+) -> anyhow::Result<()> {
+    let (listener, _) = bind(&cfg.host, cfg.port).await?;
+    serve_on(listener, cfg, tokenizer, engine, eos_ids).await
+}

@@ -1,0 +1,689 @@
+//! Request parsing and validation: every bad request becomes an [`ApiError`] (4xx, OpenAI body,
+//! the field at fault in `param`) before anything reaches the engine or a stream starts.
+//!
+//! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
+//! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
+//! Baton does not implement (penalties, logit bias, beam search, tools) are refused rather than
+//! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
+
+use crate::engine::EngineLimits;
+use crate::openai::ApiError;
+use baton_proto::MAX_TOP_LOGPROBS;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+/// Most choices one request may ask for.
+pub const MAX_N: usize = 128;
+
+/// The JSON object of a request body, read field by field.
+#[derive(Debug)]
+pub struct Fields {
+    obj: Map<String, Value>,
+}
+
+impl Fields {
+    /// Parses `body` as a JSON object.
+    ///
+    /// # Errors
+    /// 400 when the body is not JSON or not an object.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| {
+            ApiError::invalid(None, format!("The request body is not valid JSON: {e}"))
+        })?;
+        match v {
+            Value::Object(obj) => Ok(Self { obj }),
+            _ => Err(ApiError::invalid(
+                None,
+                "The request body must be a JSON object.",
+            )),
+        }
+    }
+
+    /// The raw value of `name`; `None` when absent or null.
+    pub fn raw(&self, name: &str) -> Option<&Value> {
+        self.obj.get(name).filter(|v| !v.is_null())
+    }
+
+    /// `name` as a `T`; `None` when absent or null.
+    ///
+    /// # Errors
+    /// 400 naming `name` when the value has the wrong type.
+    pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(v) => T::deserialize(v)
+                .map(Some)
+                .map_err(|e| ApiError::field(name, format!("Invalid value for '{name}': {e}."))),
+        }
+    }
+
+    fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(v) => v.as_i64().map(Some).ok_or_else(|| {
+                ApiError::field(
+                    name,
+                    format!("Invalid value for '{name}': expected an integer, got {v}."),
+                )
+            }),
+        }
+    }
+
+    fn float(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                ApiError::field(
+                    name,
+                    format!("Invalid value for '{name}': expected a number, got {v}."),
+                )
+            }),
+        }
+    }
+}
+
+/// A prompt as the client gave it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Text to tokenize.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// Generation options shared by completions and chat.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenParams {
+    /// Most new tokens; `None`: up to the model's maximum length.
+    pub max_tokens: Option<u32>,
+    /// The field `max_tokens` came from (`max_tokens` or `max_completion_tokens`), for errors.
+    pub max_tokens_param: &'static str,
+    /// Softmax temperature (0: greedy).
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f32,
+    /// Top-k; `<= 0` disables.
+    pub top_k: i32,
+    /// Min-p in [0, 1].
+    pub min_p: f32,
+    /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Extra stop token ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+    /// Choices per prompt.
+    pub n: usize,
+    /// `Some(k)`: return each sampled token's log-probability and `k` alternatives.
+    pub logprobs: Option<u32>,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// Add a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// Keep the matched stop string in the output.
+    pub include_stop_str_in_output: bool,
+    /// Drop special tokens from the text.
+    pub skip_special_tokens: bool,
+}
+
+/// A parsed `/v1/completions` request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionRequest {
+    /// The `model` field, if given.
+    pub model: Option<String>,
+    /// One or more prompts.
+    pub prompts: Vec<PromptInput>,
+    /// Prepend the prompt to the text.
+    pub echo: bool,
+    /// Generation options.
+    pub gen: GenParams,
+}
+
+/// A parsed `/v1/chat/completions` request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    /// The `model` field, if given.
+    pub model: Option<String>,
+    /// Messages as the template sees them (`content` flattened to a string).
+    pub messages: Vec<Value>,
+    /// Render the assistant prefix (default true).
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`chat_template_kwargs`).
+    pub template_kwargs: Map<String, Value>,
+    /// Generation options.
+    pub gen: GenParams,
+}
+
+fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
+    for name in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = f.float(name)? {
+            if v != 0.0 {
+                return Err(ApiError::field(
+                    name,
+                    format!("'{name}' is not supported by this server (only 0)."),
+                ));
+            }
+        }
+    }
+    if let Some(v) = f.float("repetition_penalty")? {
+        if v != 1.0 {
+            return Err(ApiError::field(
+                "repetition_penalty",
+                "'repetition_penalty' is not supported by this server (only 1).",
+            ));
+        }
+    }
+    if let Some(v) = f.raw("logit_bias") {
+        if v.as_object().is_none_or(|o| !o.is_empty()) {
+            return Err(ApiError::field(
+                "logit_bias",
+                "'logit_bias' is not supported by this server.",
+            ));
+        }
+    }
+    if f.get::<bool>("use_beam_search")? == Some(true) {
+        return Err(ApiError::field(
+            "use_beam_search",
+            "Beam search is not supported by this server.",
+        ));
+    }
+    if let Some(v) = f.raw("tools") {
+        if v.as_array().is_none_or(|a| !a.is_empty()) {
+            return Err(ApiError::field(
+                "tools",
+                "Tool calling is not supported by this server.",
+            ));
+        }
+    }
+    if let Some(v) = f.raw("response_format") {
+        let kind = v.get("type").and_then(Value::as_str);
+        if kind != Some("text") {
+            return Err(ApiError::field(
+                "response_format",
+                "Only response_format {\"type\": \"text\"} is supported by this server.",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn parse_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
+    match f.raw("stop") {
+        None => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_owned).ok_or_else(|| {
+                    ApiError::field("stop", "'stop' must be a string or a list of strings.")
+                })
+            })
+            .collect(),
+        Some(_) => Err(ApiError::field(
+            "stop",
+            "'stop' must be a string or a list of strings.",
+        )),
+    }
+}
+
+fn parse_token_ids(v: &Value, param: &str, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let items = v
+        .as_array()
+        .ok_or_else(|| ApiError::field(param, format!("'{param}' must be a list of token ids.")))?;
+    items
+        .iter()
+        .map(|t| {
+            let id = t.as_i64().ok_or_else(|| {
+                ApiError::field(
+                    param,
+                    format!("'{param}' must contain integer token ids, got {t}."),
+                )
+            })?;
+            if id < 0 || id as u64 >= vocab as u64 {
+                return Err(ApiError::field(
+                    param,
+                    format!("Token id {id} is out of range for a vocabulary of {vocab}."),
+                ));
+            }
+            Ok(id as u32)
+        })
+        .collect()
+}
+
+/// Parses the options shared by both endpoints. `chat` selects the chat forms of
+/// `max_completion_tokens` and `logprobs`/`top_logprobs`.
+///
+/// # Errors
+/// 400 naming the field at fault.
+pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenParams, ApiError> {
+    refuse_unsupported(f)?;
+    let (max_tokens_param, max_tokens) = {
+        let (name, v) = match (chat, f.int("max_completion_tokens")?) {
+            (true, Some(v)) => ("max_completion_tokens", Some(v)),
+            _ => ("max_tokens", f.int("max_tokens")?),
+        };
+        match v {
+            None => (name, None),
+            Some(v) if v < 1 => {
+                return Err(ApiError::field(
+                    name,
+                    format!("'{name}' must be at least 1, got {v}."),
+                ))
+            }
+            Some(v) => (name, Some(u32::try_from(v).unwrap_or(u32::MAX))),
+        }
+    };
+    let temperature = f.float("temperature")?.unwrap_or(1.0);
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(ApiError::field(
+            "temperature",
+            format!("'temperature' must be at least 0, got {temperature}."),
+        ));
+    }
+    let top_p = f.float("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::field(
+            "top_p",
+            format!("'top_p' must be in (0, 1], got {top_p}."),
+        ));
+    }
+    let top_k = f.int("top_k")?.unwrap_or(0);
+    if top_k < -1 {
+        return Err(ApiError::field(
+            "top_k",
+            format!("'top_k' must be -1 (disabled), 0 (disabled) or at least 1, got {top_k}."),
+        ));
+    }
+    let min_p = f.float("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::field(
+            "min_p",
+            format!("'min_p' must be in [0, 1], got {min_p}."),
+        ));
+    }
+    let seed = match f.raw("seed") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                .or_else(|| v.as_i64().map(|s| s as u64))
+                .ok_or_else(|| {
+                    ApiError::field("seed", format!("'seed' must be an integer, got {v}."))
+                })?,
+        ),
+    };
+    let n = f.int("n")?.unwrap_or(1);
+    if n < 1 || n as usize > MAX_N {
+        return Err(ApiError::field(
+            "n",
+            format!("'n' must be between 1 and {MAX_N}, got {n}."),
+        ));
+    }
+    let n = n as usize;
+    if let Some(best_of) = f.int("best_of")? {
+        if best_of != n as i64 {
+            return Err(ApiError::field(
+                "best_of",
+                "'best_of' other than n is not supported by this server.",
+            ));
+        }
+    }
+    let logprobs = if chat {
+        let want = f.get::<bool>("logprobs")?.unwrap_or(false);
+        let top = f.int("top_logprobs")?;
+        match top {
+            Some(k) if k < 0 || k as usize > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::field(
+                    "top_logprobs",
+                    format!("'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+                ))
+            }
+            Some(k) if k > 0 && !want => {
+                return Err(ApiError::field(
+                    "top_logprobs",
+                    "When using 'top_logprobs', 'logprobs' must be set to true.",
+                ))
+            }
+            _ => {}
+        }
+        want.then_some(top.unwrap_or(0) as u32)
+    } else {
+        match f.raw("logprobs") {
+            None => None,
+            Some(Value::Bool(_)) => {
+                return Err(ApiError::field(
+                    "logprobs",
+                    "'logprobs' must be an integer (the number of top log-probabilities).",
+                ))
+            }
+            Some(_) => {
+                let k = f.int("logprobs")?.unwrap_or(0);
+                if k < 0 || k as usize > MAX_TOP_LOGPROBS {
+                    return Err(ApiError::field(
+                        "logprobs",
+                        format!("'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+                    ));
+                }
+                Some(k as u32)
+            }
+        }
+    };
+    let stream = f.get::<bool>("stream")?.unwrap_or(false);
+    let include_usage = match f.raw("stream_options") {
+        None => false,
+        Some(v) => {
+            if !stream {
+                return Err(ApiError::field(
+                    "stream_options",
+                    "'stream_options' can only be set when 'stream' is true.",
+                ));
+            }
+            let o = v.as_object().ok_or_else(|| {
+                ApiError::field("stream_options", "'stream_options' must be an object.")
+            })?;
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::field(
+                        "stream_options",
+                        "'stream_options.include_usage' must be a boolean.",
+                    ))
+                }
+            }
+        }
+    };
+    let stop_token_ids = match f.raw("stop_token_ids") {
+        None => Vec::new(),
+        Some(v) => parse_token_ids(v, "stop_token_ids", limits.vocab_size)?,
+    };
+    Ok(GenParams {
+        max_tokens,
+        max_tokens_param,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: top_k as i32,
+        min_p: min_p as f32,
+        seed,
+        stop: parse_stop(f)?,
+        stop_token_ids,
+        ignore_eos: f.get::<bool>("ignore_eos")?.unwrap_or(false),
+        n,
+        logprobs,
+        stream,
+        include_usage,
+        include_stop_str_in_output: f
+            .get::<bool>("include_stop_str_in_output")?
+            .unwrap_or(false),
+        skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
+    })
+}
+
+/// Parses the `prompt` field of a completions request.
+///
+/// # Errors
+/// 400 when it is missing, empty, of the wrong shape, or holds an out-of-range token id.
+pub fn parse_prompts(f: &Fields, limits: &EngineLimits) -> Result<Vec<PromptInput>, ApiError> {
+    let shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of \
+                 lists of token ids.";
+    let v = f
+        .raw("prompt")
+        .ok_or_else(|| ApiError::field("prompt", "'prompt' is required."))?;
+    let empty = || ApiError::field("prompt", "The prompt cannot be empty.");
+    let prompts = match v {
+        Value::String(s) => vec![PromptInput::Text(s.clone())],
+        Value::Array(items) if items.is_empty() => return Err(empty()),
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .iter()
+            .map(|s| PromptInput::Text(s.as_str().unwrap_or_default().to_owned()))
+            .collect(),
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            vec![PromptInput::Tokens(parse_token_ids(
+                v,
+                "prompt",
+                limits.vocab_size,
+            )?)]
+        }
+        Value::Array(items) if items.iter().all(Value::is_array) => items
+            .iter()
+            .map(|p| parse_token_ids(p, "prompt", limits.vocab_size).map(PromptInput::Tokens))
+            .collect::<Result<_, _>>()?,
+        _ => return Err(ApiError::field("prompt", shape)),
+    };
+    for p in &prompts {
+        let is_empty = match p {
+            PromptInput::Text(s) => s.is_empty(),
+            PromptInput::Tokens(t) => t.is_empty(),
+        };
+        if is_empty {
+            return Err(empty());
+        }
+    }
+    Ok(prompts)
+}
+
+/// Parses a `/v1/completions` body.
+///
+/// # Errors
+/// 400 naming the field at fault.
+pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<CompletionRequest, ApiError> {
+    let f = Fields::parse(body)?;
+    let model = f.get::<String>("model")?;
+    let prompts = parse_prompts(&f, limits)?;
+    let gen = parse_gen(&f, false, limits)?;
+    let echo = f.get::<bool>("echo")?.unwrap_or(false);
+    if echo && gen.logprobs.is_some() {
+        return Err(ApiError::field(
+            "echo",
+            "'echo' together with 'logprobs' (prompt log-probabilities) is not supported by this server.",
+        ));
+    }
+    if let Some(s) = f.get::<String>("suffix")? {
+        if !s.is_empty() {
+            return Err(ApiError::field(
+                "suffix",
+                "'suffix' is not supported by this server.",
+            ));
+        }
+    }
+    Ok(CompletionRequest {
+        model,
+        prompts,
+        echo,
+        gen,
+    })
+}
+
+/// Flattens a message's `content` (a string, a list of text parts, or null) to a string.
+fn flatten_content(i: usize, content: Option<&Value>) -> Result<Value, ApiError> {
+    let param = || Some(format!("messages[{i}].content"));
+    match content {
+        None | Some(Value::Null) => Ok(Value::String(String::new())),
+        Some(Value::String(s)) => Ok(Value::String(s.clone())),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for p in parts {
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => texts.push(t.to_owned()),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param(),
+                            "Only text content parts ({\"type\": \"text\", \"text\": ...}) are supported.",
+                        ))
+                    }
+                }
+            }
+            Ok(Value::String(texts.join("\n")))
+        }
+        Some(_) => Err(ApiError::invalid(
+            param(),
+            "A message's content must be a string or a list of content parts.",
+        )),
+    }
+}
+
+/// Parses a `/v1/chat/completions` body.
+///
+/// # Errors
+/// 400 naming the field at fault.
+pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, ApiError> {
+    let f = Fields::parse(body)?;
+    let model = f.get::<String>("model")?;
+    let raw = f
+        .raw("messages")
+        .ok_or_else(|| ApiError::field("messages", "'messages' is required."))?;
+    let items = raw
+        .as_array()
+        .ok_or_else(|| ApiError::field("messages", "'messages' must be a list of messages."))?;
+    if items.is_empty() {
+        return Err(ApiError::field("messages", "'messages' cannot be empty."));
+    }
+    let mut messages = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let obj = m.as_object().ok_or_else(|| {
+            ApiError::invalid(
+                Some(format!("messages[{i}]")),
+                "Each message must be an object.",
+            )
+        })?;
+        if !obj.get("role").is_some_and(Value::is_string) {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].role")),
+                "Each message needs a string 'role'.",
+            ));
+        }
+        let mut out = obj.clone();
+        out.insert("content".into(), flatten_content(i, obj.get("content"))?);
+        messages.push(Value::Object(out));
+    }
+    let gen = parse_gen(&f, true, limits)?;
+    let template_kwargs = f
+        .get::<Map<String, Value>>("chat_template_kwargs")?
+        .unwrap_or_default();
+    Ok(ChatRequest {
+        model,
+        messages,
+        add_generation_prompt: f.get::<bool>("add_generation_prompt")?.unwrap_or(true),
+        template_kwargs,
+        gen,
+    })
+}
+
+/// The number of new tokens a prompt of `prompt_len` may ask for, checked against the model's
+/// maximum length. `what` names the prompt field (`prompt` or `messages`).
+///
+/// # Errors
+/// 400 when the prompt is empty or leaves no room, or prompt plus `max_tokens` is over the limit.
+pub fn resolve_max_tokens(
+    limits: &EngineLimits,
+    prompt_len: usize,
+    requested: Option<u32>,
+    what: &str,
+    max_tokens_param: &str,
+) -> Result<u32, ApiError> {
+    let max_len = limits.max_model_len;
+    if prompt_len == 0 {
+        return Err(ApiError::field(what, "The prompt cannot be empty."));
+    }
+    if prompt_len >= max_len {
+        return Err(ApiError::field(
+            what,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, your prompt \
+                 has {prompt_len} tokens, which leaves no room for a new token. Please reduce \
+                 the length of the prompt."
+            ),
+        ));
+    }
+    match requested {
+        None => Ok(u32::try_from(max_len - prompt_len).unwrap_or(u32::MAX)),
+        Some(m) if prompt_len as u64 + m as u64 > max_len as u64 => Err(ApiError::field(
+            max_tokens_param,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you \
+                 requested {} tokens ({prompt_len} in the prompt, {m} in the completion). \
+                 Please reduce the length of the prompt or completion.",
+                prompt_len as u64 + m as u64
+            ),
+        )),
+        Some(m) => Ok(m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: EngineLimits = EngineLimits {
+        max_model_len: 512,
+        vocab_size: 512,
+        max_num_seqs: 8,
+    };
+
+    fn err(body: &str) -> ApiError {
+        parse_completion(body.as_bytes(), &LIMITS).expect_err(body)
+    }
+
+    #[test]
+    fn bad_fields_are_named_in_the_error() {
+        assert_eq!(
+            err(r#"{"prompt":"a","top_p":0}"#).param.as_deref(),
+            Some("top_p")
+        );
+        assert_eq!(err(r#"{"prompt":"a","n":0}"#).param.as_deref(), Some("n"));
+        assert_eq!(
+            err(r#"{"prompt":"a","max_tokens":-1}"#).param.as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            err(r#"{"prompt":"a","temperature":"hot"}"#)
+                .param
+                .as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            err(r#"{"prompt":[1,600]}"#).param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(err(r#"{"prompt":""}"#).param.as_deref(), Some("prompt"));
+        assert_eq!(
+            err(r#"{"prompt":"a","logprobs":21}"#).param.as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(err("{nope").param, None);
+    }
+
+    #[test]
+    fn prompt_shapes_parse() {
+        let p = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap().prompts;
+        assert_eq!(p(r#"{"prompt":"x"}"#), vec![PromptInput::Text("x".into())]);
+        assert_eq!(
+            p(r#"{"prompt":[1,2]}"#),
+            vec![PromptInput::Tokens(vec![1, 2])]
+        );
+        assert_eq!(
+            p(r#"{"prompt":[[1],[2,3]]}"#),
+            vec![
+                PromptInput::Tokens(vec![1]),
+                PromptInput::Tokens(vec![2, 3])
+            ]
+        );
+        assert_eq!(p(r#"{"prompt":["a","b"]}"#).len(), 2);
+    }
+
+    #[test]
+    fn max_tokens_over_the_limit_is_refused() {
+        assert!(resolve_max_tokens(&LIMITS, 10, Some(503), "prompt", "max_tokens").is_err());
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 10, Some(502), "prompt", "max_tokens"),
+            Ok(502)
+        );
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 10, None, "prompt", "max_tokens"),
+            Ok(502)
+        );
+        assert!(resolve_max_tokens(&LIMITS, 512, None, "prompt", "max_tokens").is_err());
+    }
+}

@@ -1,0 +1,312 @@
+//! Test harness: a server over the in-process engine on stories260K, and a tiny raw HTTP/1.1
+//! client (no client crate to build).
+
+#![allow(dead_code)]
+
+use baton_frontend::{AppState, LocalEngineClient, ServerConfig};
+use baton_scheduler::SchedulerConfig;
+use baton_worker::{Backend, CpuBackend};
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The stories260K directory: `BATON_TEST_MODEL` or the shared copy.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("BATON_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K")
+        })
+}
+
+/// The golden prompts.
+pub fn goldens() -> Vec<Value> {
+    let text = std::fs::read_to_string(model_dir().join("golden.json")).expect("golden.json");
+    let v: Value = serde_json::from_str(&text).expect("golden.json parses");
+    v["prompts"].as_array().expect("prompts").clone()
+}
+
+/// Server options.
+#[derive(Clone, Debug, Default)]
+pub struct Opts {
+    pub api_key: Option<String>,
+    pub chat_template: Option<String>,
+    pub max_model_len: Option<usize>,
+    pub num_blocks: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    /// Sleep this long in every engine step, so timing-dependent tests (disconnects) have
+    /// margin on a loaded machine.
+    pub step_delay: Option<Duration>,
+}
+
+/// A backend that sleeps before each launch.
+struct Slow<B> {
+    inner: B,
+    delay: Duration,
+}
+
+impl<B: Backend> Backend for Slow<B> {
+    fn execute(
+        &mut self,
+        launch: &baton_proto::Launch,
+        tables: &dyn baton_worker::TableReader,
+    ) -> Result<baton_proto::Completion, baton_worker::WorkerError> {
+        std::thread::sleep(self.delay);
+        self.inner.execute(launch, tables)
+    }
+    fn kv_capacity(&self) -> baton_worker::KvCapacity {
+        self.inner.kv_capacity()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+}
+
+/// A running server.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub engine: Arc<LocalEngineClient>,
+    pub state: Arc<AppState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+pub const MODEL: &str = "stories";
+
+pub async fn start(opts: Opts) -> TestServer {
+    let loaded = baton_model::load_model_dir(model_dir()).expect("stories260K loads");
+    let eos = loaded.eos_token_ids();
+    let max_model_len = opts
+        .max_model_len
+        .unwrap_or(loaded.config.max_position_embeddings);
+    let block_size = 16;
+    let max_num_seqs = opts.max_num_seqs.unwrap_or(16);
+    let cfg = SchedulerConfig {
+        max_num_seqs,
+        max_num_batched_tokens: 1024,
+        block_size,
+        num_blocks: opts
+            .num_blocks
+            .unwrap_or(max_num_seqs * max_model_len.div_ceil(block_size)),
+        max_model_len,
+        max_inflight: 2,
+    };
+    let (model, tokenizer) = loaded.into_cpu_model();
+    let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+    let backend: Box<dyn Backend> = match opts.step_delay {
+        Some(delay) => Box::new(Slow {
+            inner: backend,
+            delay,
+        }),
+        None => Box::new(backend),
+    };
+    let engine =
+        Arc::new(LocalEngineClient::start(cfg, backend, eos.clone()).expect("engine starts"));
+    let config = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: opts.api_key,
+        served_model_name: MODEL.into(),
+        chat_template: opts.chat_template,
+    };
+    let state = Arc::new(
+        AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
+            .expect("state builds"),
+    );
+    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.expect("binds");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let st = state.clone();
+    let task = tokio::spawn(async move {
+        let _ = baton_frontend::serve_state(listener, st, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    TestServer {
+        addr,
+        engine,
+        state,
+        shutdown: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// A raw HTTP response.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// SSE `data:` payloads, in order.
+    pub fn events(&self) -> Vec<String> {
+        self.body
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+pub fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Vec<u8> {
+    let mut r = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        r.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    r.push_str("\r\n");
+    r.push_str(body);
+    r.into_bytes()
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size_line = std::str::from_utf8(&b[..eol]).unwrap_or("0");
+        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16)
+            .unwrap_or(0);
+        if size == 0 {
+            return out;
+        }
+        b = &b[eol + 2..];
+        out.extend_from_slice(&b[..size.min(b.len())]);
+        b = &b[(size + 2).min(b.len())..];
+    }
+}
+
+pub fn parse_response(raw: &[u8]) -> Resp {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a complete header");
+    let head = std::str::from_utf8(&raw[..split]).expect("ascii head");
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let body = &raw[split + 4..];
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_vec()
+    };
+    Resp {
+        status,
+        headers,
+        body: String::from_utf8(body).expect("UTF-8 body"),
+    }
+}
+
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
+    let mut s = TcpStream::connect(addr).await.expect("connects");
+    s.write_all(&request_bytes(method, path, headers, body))
+        .await
+        .expect("writes");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(120), s.read_to_end(&mut raw))
+        .await
+        .expect("response within 120 s")
+        .expect("reads");
+    parse_response(&raw)
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
+    send(addr, "POST", path, &[], &body.to_string()).await
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Resp {
+    send(addr, "GET", path, &[], "").await
+}
+
+/// Concatenated text of a streamed completions or chat response; panics on a bad stream.
+pub fn stream_text(r: &Resp, chat: bool) -> (String, Option<String>) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ev = r.events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{}", r.body);
+    let mut text = String::new();
+    let mut finish = None;
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).expect("chunk is JSON");
+        assert!(v.get("error").is_none(), "error event: {e}");
+        for c in v["choices"].as_array().expect("choices") {
+            let t = if chat {
+                c["delta"]["content"].as_str()
+            } else {
+                c["text"].as_str()
+            };
+            text.push_str(t.unwrap_or(""));
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+    }
+    (text, finish)
+}
+
+/// Waits until the engine has no live request and every page is free.
+pub async fn wait_engine_idle(engine: &LocalEngineClient, within: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        let s = engine.scheduler_stats();
+        if s.running == 0 && s.waiting == 0 && s.pool.free == s.pool.total && s.inflight == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Checks a running Baton server with the official `openai` Python client.
+
+Usage:
+    python3 openai_client.py [BASE_URL]
+
+BASE_URL defaults to $BATON_URL, else http://127.0.0.1:8000 (the `/v1` suffix is optional).
+The server must serve stories260K (goldens: $BATON_TEST_MODEL/golden.json, default
+shared/models/stories260K inside or next to the repository) and have a chat template (for example
+`--chat-template` with the Llama-2-style template below). $BATON_API_KEY is sent as the API key
+when set. The model name is taken from /v1/models.
+
+Prints one line per check and a closing 'N passed, N failed' line; exits non-zero on a failure.
+"""
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import openai
+
+LLAMA2_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'].strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ' ' }}{% endif %}"
+)
+
+
+def base_url():
+    url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("BATON_URL", "http://127.0.0.1:8000")
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def goldens():
+    if os.environ.get("BATON_TEST_MODEL"):
+        d = Path(os.environ["BATON_TEST_MODEL"])
+    else:
+        root = Path(__file__).resolve().parents[3]  # the repository
+        candidates = [root / "shared" / "models" / "stories260K", root.parent / "shared" / "models" / "stories260K"]
+        d = next((c for c in candidates if c.is_dir()), candidates[-1])
+    return json.loads((d / "golden.json").read_text())["prompts"]
+
+
+client = openai.OpenAI(base_url=base_url(), api_key=os.environ.get("BATON_API_KEY", "none"), max_retries=0)
+MODEL = client.models.list().data[0].id
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def stream_completion_text(**kw):
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text or ""
+            finish = c.finish_reason or finish
+    return text, finish, usage
+
+
+@check
+def models_report_max_model_len():
+    m = client.models.list().data[0]
+    assert m.id == MODEL
+    assert (m.model_extra or {}).get("max_model_len", 0) > 0, m
+
+
+@check
+def greedy_goldens_through_completions():
+    for g in goldens():
+        r = client.completions.create(model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0)
+        assert r.choices[0].text == g["greedy_text"], (r.choices[0].text, g["greedy_text"])
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(g["prompt_ids"])
+        assert r.usage.completion_tokens == 64
+        text, finish, _ = stream_completion_text(model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0)
+        assert text == g["greedy_text"], text
+        assert finish == "length"
+
+
+@check
+def streaming_include_usage():
+    text, finish, usage = stream_completion_text(
+        model=MODEL, prompt="The cat", max_tokens=8, temperature=0, stream_options={"include_usage": True}
+    )
+    assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens == 4, usage
+    r = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=0)
+    assert text == r.choices[0].text
+
+
+@check
+def stop_strings():
+    g = goldens()[0]
+    r = client.completions.create(model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0, stop=["little girl"])
+    want = g["greedy_text"][: g["greedy_text"].index("little girl")]
+    assert r.choices[0].text == want, r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+    text, finish, _ = stream_completion_text(
+        model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0, stop="little girl"
+    )
+    assert text == want and finish == "stop", (text, finish)
+
+
+@check
+def n_choices_and_seed():
+    r = client.completions.create(model=MODEL, prompt="Lily wanted to", max_tokens=12, temperature=1.0, seed=5, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    again = client.completions.create(model=MODEL, prompt="Lily wanted to", max_tokens=12, temperature=1.0, seed=5, n=2)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices], "seeded sampling is deterministic"
+    second = client.completions.create(model=MODEL, prompt="Lily wanted to", max_tokens=12, temperature=1.0, seed=6)
+    assert second.choices[0].text == r.choices[1].text, "choice 1 uses seed + 1"
+    assert r.usage.completion_tokens == 24
+
+
+@check
+def completion_logprobs():
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+
+
+@check
+def echo():
+    g = goldens()[1]
+    r = client.completions.create(model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0, echo=True)
+    assert r.choices[0].text == g["full_text"]
+
+
+@check
+def chat_completions():
+    msgs = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content, c
+    assert c.finish_reason in ("length", "stop")
+    assert len(c.logprobs.content) == r.usage.completion_tokens
+    assert len(c.logprobs.content[0].top_logprobs) == 2
+    text, usage = "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == c.message.content, (text, c.message.content)
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+@check
+def chat_n_and_stop():
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0.8,
+                                       seed=1, n=2, stop=["zzzz"])
+    assert [c.index for c in r.choices] == [0, 1]
+
+
+@check
+def bad_requests_raise_bad_request_error():
+    for kw in [dict(top_p=0.0), dict(n=0), dict(max_tokens=-1), dict(temperature=-1.0), dict(logprobs=21),
+               dict(max_tokens=100000)]:
+        args = dict(model=MODEL, prompt="a", max_tokens=4)
+        args.update(kw)
+        try:
+            client.completions.create(**args)
+        except openai.BadRequestError as e:
+            assert e.status_code == 400
+            body = e.body if isinstance(e.body, dict) else {}
+            assert body.get("message"), e.body
+        else:
+            raise AssertionError(f"{kw} was accepted")
+    try:
+        client.completions.create(model="no-such-model", prompt="a", max_tokens=1)
+    except openai.NotFoundError:
+        pass
+    else:
+        raise AssertionError("an unknown model was accepted")
+
+
+def main():
+    passed = failed = 0
+    for fn in CHECKS:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"FAIL {fn.__name__}")
+            traceback.print_exc()
+        else:
+            passed += 1
+            print(f"ok   {fn.__name__}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1217 @@
+//! End-to-end tests of the OpenAI frontend over the in-process engine (CPU backend,
+//! stories260K).
+
+mod common;
+
+use common::{get, post, send, start, stream_text, wait_engine_idle, Opts, MODEL};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const LLAMA2_TEMPLATE: &str = "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}{% elif message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'].strip() + ' ' + eos_token }}{% else %}{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ' ' }}{% endif %}";
+
+fn text_of(v: &Value, i: usize) -> String {
+    v["choices"][i]["text"].as_str().expect("text").to_owned()
+}
+
+async fn completion(addr: std::net::SocketAddr, body: Value) -> Value {
+    let r = post(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()
+}
+
+async fn completion_stream(
+    addr: std::net::SocketAddr,
+    mut body: Value,
+) -> (String, Option<String>) {
+    body["stream"] = json!(true);
+    let r = post(addr, "/v1/completions", &body).await;
+    stream_text(&r, false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_goldens_match_through_completions_streamed_and_not() {
+    let srv = start(Opts::default()).await;
+    for g in common::goldens() {
+        let prompt = g["prompt"].as_str().unwrap();
+        let want = g["greedy_text"].as_str().unwrap();
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0});
+        let v = completion(srv.addr, body.clone()).await;
+        assert_eq!(text_of(&v, 0), want, "prompt {prompt:?}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["model"], MODEL);
+        let n_prompt = g["prompt_ids"].as_array().unwrap().len();
+        assert_eq!(v["usage"]["prompt_tokens"], n_prompt);
+        assert_eq!(v["usage"]["completion_tokens"], 64);
+        assert_eq!(v["usage"]["total_tokens"], n_prompt + 64);
+        let (streamed, finish) = completion_stream(srv.addr, body).await;
+        assert_eq!(streamed, want, "streamed, prompt {prompt:?}");
+        assert_eq!(finish.as_deref(), Some("length"));
+        // The same prompt as token ids gives the same text.
+        let ids = g["prompt_ids"].clone();
+        let v = completion(
+            srv.addr,
+            json!({"prompt": ids, "max_tokens": 64, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(text_of(&v, 0), want, "token-id prompt {prompt:?}");
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// A deterministic pseudo-random generator for test inputs.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn varied_prompts(count: usize) -> Vec<Value> {
+    let words = [
+        "Once",
+        "upon",
+        "a",
+        "time",
+        "cat",
+        "dog",
+        "café",
+        "naïve",
+        "😀",
+        "🐱",
+        "中文",
+        "日本語",
+        "—",
+        "…",
+        "“quoted”",
+        "\n",
+        "  ",
+        "Lily",
+        "ball",
+        "Ünïcödé",
+        "🤖",
+        "x",
+        "12345",
+        "!",
+    ];
+    let mut rng = Lcg(7);
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        match i % 3 {
+            0 | 1 => {
+                let n = 1 + rng.below(8) as usize;
+                let mut s = String::new();
+                for k in 0..n {
+                    if k > 0 && rng.below(3) > 0 {
+                        s.push(' ');
+                    }
+                    s.push_str(words[rng.below(words.len() as u64) as usize]);
+                }
+                out.push(json!(s));
+            }
+            _ => {
+                // Token ids: BOS, some pieces, then (often) the first bytes of a 4-byte
+                // character, so the prompt ends inside a multi-byte character.
+                let mut ids = vec![1u32];
+                for _ in 0..rng.below(6) {
+                    ids.push(3 + rng.below(509) as u32);
+                }
+                match rng.below(3) {
+                    0 => ids.extend([410, 243, 162]),
+                    1 => ids.extend([243]),
+                    _ => ids.extend([231, 187]),
+                }
+                out.push(json!(ids));
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_text_equals_non_streamed_text_on_200_varied_prompts() {
+    let srv = start(Opts::default()).await;
+    let prompts = varied_prompts(200);
+    let addr = srv.addr;
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.into_iter().enumerate() {
+        // Alternate greedy and hot seeded sampling (which picks byte-fallback pieces often).
+        let temperature = if i % 2 == 0 { 0.0 } else { 1.5 };
+        let body = json!({"prompt": p, "max_tokens": 16, "temperature": temperature, "seed": i});
+        tasks.push(tokio::spawn(async move {
+            let v = completion(addr, body.clone()).await;
+            let (streamed, finish) = completion_stream(addr, body.clone()).await;
+            assert_eq!(streamed, text_of(&v, 0), "prompt {}", body["prompt"]);
+            assert_eq!(finish.as_deref(), v["choices"][0]["finish_reason"].as_str());
+            !text_of(&v, 0).is_empty()
+        }));
+        if tasks.len() == 16 {
+            for t in tasks.drain(..) {
+                t.await.expect("task");
+            }
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_prompt_ending_inside_a_character_streams_like_non_streamed() {
+    let srv = start(Opts::default()).await;
+    // GOLDEN.md's emoji row: [1, 410, 243, 162] is "▁" and the first two bytes of "😀".
+    for ids in [
+        json!([1, 410, 243, 162]),
+        json!([1, 410, 243, 162, 155]),
+        json!([1, 243]),
+    ] {
+        for seed in 0..8 {
+            let body = json!({"prompt": ids, "max_tokens": 16, "temperature": 1.5, "seed": seed});
+            let v = completion(srv.addr, body.clone()).await;
+            let (streamed, _) = completion_stream(srv.addr, body).await;
+            assert_eq!(streamed, text_of(&v, 0));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_output_where_they_begin_even_across_tokens() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let full = g["greedy_text"].as_str().unwrap();
+    // "little girl" spans the pieces "▁little", "▁g", "ir", "l".
+    for (stop, include) in [
+        (json!("little girl"), false),
+        (json!(["zzz", "Lily. She"]), false),
+        (json!("girl named"), true),
+    ] {
+        let body = json!({"prompt": prompt, "max_tokens": 64, "temperature": 0, "stop": stop,
+                          "include_stop_str_in_output": include});
+        let v = completion(srv.addr, body.clone()).await;
+        let first = match &stop {
+            Value::String(s) => s.clone(),
+            Value::Array(a) => a[1].as_str().unwrap().to_owned(),
+            _ => unreachable!(),
+        };
+        let at = full
+            .find(&first)
+            .expect("stop string occurs in the golden text");
+        let want = if include {
+            &full[..at + first.len()]
+        } else {
+            &full[..at]
+        };
+        assert_eq!(text_of(&v, 0), want, "stop {stop}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 64);
+        let (streamed, finish) = completion_stream(srv.addr, body).await;
+        assert_eq!(streamed, want, "streamed, stop {stop}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+    }
+    // The stop cancels the engine request: everything comes back.
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_text_is_flushed_when_generation_ends_for_another_reason() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let full = g["greedy_text"].as_str().unwrap();
+    assert!(full.ends_with("mom said"));
+    // The output ends with "said", the start of the stop string: held back, then flushed.
+    let body = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0,
+                      "stop": "said nothing"});
+    let v = completion(srv.addr, body.clone()).await;
+    assert_eq!(text_of(&v, 0), full);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let (streamed, _) = completion_stream(srv.addr, body).await;
+    assert_eq!(streamed, full);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_generation_with_finish_reason_stop() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let first = g["greedy_ids"][1].as_u64().unwrap(); // "▁there"
+    let body = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0,
+                      "stop_token_ids": [first]});
+    let v = completion(srv.addr, body).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    assert_eq!(text_of(&v, 0), ", there");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn include_usage_adds_a_final_usage_chunk() {
+    let srv = start(Opts::default()).await;
+    let body = json!({"prompt": "The cat", "max_tokens": 10, "temperature": 0, "stream": true,
+                      "stream_options": {"include_usage": true}, "n": 2});
+    let r = post(srv.addr, "/v1/completions", &body).await;
+    let ev = r.events();
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["prompt_tokens"], 4);
+    assert_eq!(usage["usage"]["completion_tokens"], 20);
+    assert_eq!(usage["usage"]["total_tokens"], 24);
+    for e in &ev[..ev.len() - 2] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(
+            v.get("usage").is_none(),
+            "only the last chunk carries usage: {e}"
+        );
+    }
+    // Without include_usage there is no usage chunk.
+    let body = json!({"prompt": "The cat", "max_tokens": 4, "stream": true});
+    let r = post(srv.addr, "/v1/completions", &body).await;
+    assert!(r.events().iter().all(|e| !e.contains("\"usage\"")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_use_consecutive_seeds_and_are_indexed() {
+    let srv = start(Opts::default()).await;
+    let body = json!({"prompt": "Lily wanted to", "max_tokens": 12, "temperature": 1.0,
+                      "seed": 42, "n": 3});
+    let v = completion(srv.addr, body).await;
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let single = completion(
+            srv.addr,
+            json!({"prompt": "Lily wanted to", "max_tokens": 12, "temperature": 1.0,
+                   "seed": 42 + i}),
+        )
+        .await;
+        assert_eq!(
+            c["text"], single["choices"][0]["text"],
+            "choice {i} is seed 42+{i}"
+        );
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 36);
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    // Streamed, the choices interleave but each one's text matches.
+    let body = json!({"prompt": "Lily wanted to", "max_tokens": 12, "temperature": 1.0,
+                      "seed": 42, "n": 3, "stream": true});
+    let r = post(srv.addr, "/v1/completions", &body).await;
+    let mut texts = vec![String::new(); 3];
+    for e in r.events().iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        for ch in c["choices"].as_array().unwrap() {
+            texts[ch["index"].as_u64().unwrap() as usize].push_str(ch["text"].as_str().unwrap());
+        }
+    }
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(t, choices[i]["text"].as_str().unwrap());
+    }
+    // Several prompts: choice index = prompt * n + j.
+    let v = completion(
+        srv.addr,
+        json!({"prompt": ["The cat", "Once upon a time"], "n": 2,
+                                          "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    let texts: Vec<_> = (0..4).map(|i| text_of(&v, i)).collect();
+    assert_eq!(texts[0], texts[1]);
+    assert_eq!(texts[2], texts[3]);
+    assert_ne!(texts[0], texts[2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_is_deterministic() {
+    let srv = start(Opts::default()).await;
+    let body = |seed: u64| {
+        json!({"prompt": "Once upon a time", "max_tokens": 24,
+                                  "temperature": 1.2, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
+                                  "seed": seed})
+    };
+    let a = completion(srv.addr, body(7)).await;
+    let b = completion(srv.addr, body(7)).await;
+    assert_eq!(text_of(&a, 0), text_of(&b, 0));
+    let differs = [8u64, 9, 10, 11];
+    let mut any_diff = false;
+    for s in differs {
+        any_diff |= text_of(&completion(srv.addr, body(s)).await, 0) != text_of(&a, 0);
+    }
+    assert!(any_diff, "other seeds give other samples");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_reported_per_token_with_top_alternatives() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let body = json!({"prompt": g["prompt"], "max_tokens": 8, "temperature": 0, "logprobs": 3});
+    let v = completion(srv.addr, body.clone()).await;
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 8);
+    assert_eq!(tokens[0], ",");
+    assert_eq!(tokens[1], " there");
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, text_of(&v, 0));
+    for (i, t) in lp["token_logprobs"].as_array().unwrap().iter().enumerate() {
+        let t = t.as_f64().unwrap();
+        assert!(t <= 0.0);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!((3..=4).contains(&top.len()), "{top:?}");
+        // Greedy: the sampled token is the most likely one.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!((best - t).abs() < 1e-5);
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[..3], [0, 1, 7]);
+    // Streamed chunks carry the same log-probabilities.
+    let mut b = body;
+    b["stream"] = json!(true);
+    let r = post(srv.addr, "/v1/completions", &b).await;
+    let mut streamed = Vec::new();
+    for e in r.events().iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        if let Some(l) = c["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+            streamed.extend(l.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, *lp["token_logprobs"].as_array().unwrap());
+    // logprobs = 0: the sampled token only.
+    let v = completion(
+        srv.addr,
+        json!({"prompt": "a", "max_tokens": 2, "logprobs": 0}),
+    )
+    .await;
+    assert_eq!(
+        v["choices"][0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .len(),
+        1
+    );
+    // Without logprobs: null.
+    let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 2})).await;
+    assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_prepends_the_prompt() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[2];
+    let body = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0, "echo": true});
+    let v = completion(srv.addr, body.clone()).await;
+    assert_eq!(text_of(&v, 0), g["full_text"].as_str().unwrap());
+    let (streamed, _) = completion_stream(srv.addr, body).await;
+    assert_eq!(streamed, g["full_text"].as_str().unwrap());
+    // Token-id prompts echo their decoded text.
+    let v = completion(
+        srv.addr,
+        json!({"prompt": g["prompt_ids"], "max_tokens": 64,
+                                          "temperature": 0, "echo": true}),
+    )
+    .await;
+    assert_eq!(text_of(&v, 0), g["full_text"].as_str().unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_4xx_with_an_openai_error_body() {
+    let srv = start(Opts {
+        max_model_len: Some(128),
+        ..Opts::default()
+    })
+    .await;
+    let long = "Once upon a time ".repeat(60);
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/completions", "{not json".into(), 400, None),
+        ("/v1/completions", "[1,2]".into(), 400, None),
+        (
+            "/v1/completions",
+            json!({"max_tokens": 3}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": []}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [[]]}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 99999]}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, -3]}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": 5}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 0}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": "2"}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": -1}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 1.5}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 200}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 1}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 0}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 1.5}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": -0.5}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": "hot"}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "top_k": -2}).to_string(),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "min_p": 2}).to_string(),
+            400,
+            Some("min_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": 21}).to_string(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": true}).to_string(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop": 3}).to_string(),
+            400,
+            Some("stop"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop_token_ids": [100000]}).to_string(),
+            400,
+            Some("stop_token_ids"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stream": "yes"}).to_string(),
+            400,
+            Some("stream"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stream_options": {"include_usage": true}}).to_string(),
+            400,
+            Some("stream_options"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "presence_penalty": 0.5}).to_string(),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "seed": "x"}).to_string(),
+            400,
+            Some("seed"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "model": "gpt-4"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            400,
+            None,
+        ),
+        ("/v1/nope", "{}".into(), 404, None),
+    ];
+    for (path, body, status, param) in cases {
+        let r = send(srv.addr, "POST", path, &[], &body).await;
+        assert_eq!(r.status, status, "{path} {body}: {}", r.body);
+        let v = r.json();
+        let e = &v["error"];
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}: {v}"
+        );
+        assert!(e["type"].is_string(), "{body}: {v}");
+        assert_eq!(e["code"], status, "{body}: {v}");
+        assert_eq!(e["param"].as_str(), param, "{body}: {v}");
+    }
+    // A stream that cannot start is refused before it starts.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": "a", "stream": true, "max_tokens": 1000}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("application/json"));
+    // The server still works.
+    let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 2})).await;
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_defaults_to_the_room_left_in_the_context() {
+    let srv = start(Opts {
+        max_model_len: Some(32),
+        ..Opts::default()
+    })
+    .await;
+    let v = completion(srv.addr, json!({"prompt": "The cat", "ignore_eos": true})).await;
+    assert_eq!(v["usage"]["completion_tokens"], 28);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_with_a_template_generates_and_streams_the_same_text() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"model": MODEL, "messages": [
+        {"role": "system", "content": "Tell a story."},
+        {"role": "user", "content": [{"type": "text", "text": "Once upon a time"}]}],
+        "max_completion_tokens": 20, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let r = post(srv.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(msg["role"], "assistant");
+    let text = msg["content"].as_str().unwrap().to_owned();
+    assert!(!text.is_empty());
+    let lp = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lp.len(), 20);
+    assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert!(lp[0]["bytes"].is_array());
+    // The prompt is the rendered template.
+    let t = post(
+        srv.addr,
+        "/tokenize",
+        &json!({"messages": body["messages"]}),
+    )
+    .await
+    .json();
+    assert_eq!(v["usage"]["prompt_tokens"], t["count"]);
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let r = post(srv.addr, "/v1/chat/completions", &sb).await;
+    let (streamed, finish) = stream_text(&r, true);
+    assert_eq!(streamed, text);
+    assert_eq!(finish.as_deref(), Some("length"));
+    let ev = r.events();
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 20);
+    // raise_exception in the template is a 400 that names the messages.
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "robot", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("Unknown role: robot"));
+    // top_logprobs without logprobs is refused.
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "top_logprobs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_without_any_template_is_a_clear_400() {
+    let srv = start(Opts::default()).await;
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    let m = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(m.contains("chat template"), "{m}");
+}
+
+/// Reads from `s` until `n` SSE events arrived.
+async fn read_events(s: &mut tokio::net::TcpStream, n: usize) -> String {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while String::from_utf8_lossy(&buf).matches("data: ").count() < n {
+        let k = tokio::time::timeout(Duration::from_secs(30), s.read(&mut chunk))
+            .await
+            .expect("data within 30 s")
+            .expect("reads");
+        assert!(
+            k > 0,
+            "stream ended early: {}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..k]);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_mid_stream_cancels_and_the_pool_returns_to_full() {
+    let srv = start(Opts {
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let total = srv.engine.scheduler_stats().pool.total;
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true,
+                      "stream": true, "n": 2})
+    .to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        &body,
+    ))
+    .await
+    .unwrap();
+    let head = read_events(&mut s, 4).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let st = srv.engine.scheduler_stats();
+    assert!(
+        st.running + st.waiting == 2,
+        "both sequences are live: {st:?}"
+    );
+    assert!(st.pool.free < total, "pages are in use: {st:?}");
+    drop(s);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(
+        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
+        "cancelled: {:?}",
+        srv.engine.scheduler_stats()
+    );
+    // Stopped soon after the disconnect, far short of 400 steps.
+    let launches = srv.engine.scheduler_stats().launches;
+    assert!(
+        launches < at_drop + 100,
+        "{at_drop} launches at the drop, {launches} at the end"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_while_waiting_for_a_non_streamed_response_cancels() {
+    let srv = start(Opts {
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let body =
+        json!({"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": true}).to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        &body,
+    ))
+    .await
+    .unwrap();
+    // Wait until the request runs, then go away.
+    let start = std::time::Instant::now();
+    while srv.engine.scheduler_stats().running == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(s);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(
+        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
+        "cancelled: {:?}",
+        srv.engine.scheduler_stats()
+    );
+    let launches = srv.engine.scheduler_stats().launches;
+    assert!(
+        launches < at_drop + 100,
+        "{at_drop} launches at the drop, {launches} at the end"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_are_cancelled_on_disconnect_too() {
+    // One running slot: the second request waits in the queue when its client leaves.
+    let srv = start(Opts {
+        max_num_seqs: Some(1),
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let long = json!({"prompt": "The cat", "max_tokens": 500, "ignore_eos": true, "stream": true});
+    let mut a = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    a.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        &long.to_string(),
+    ))
+    .await
+    .unwrap();
+    read_events(&mut a, 2).await;
+    let mut b = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    b.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        &long.to_string(),
+    ))
+    .await
+    .unwrap();
+    let start = std::time::Instant::now();
+    while srv.engine.scheduler_stats().waiting == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "second request never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    drop(b);
+    drop(a);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+    // Neither ran to its 500 tokens; the queued one never started.
+    let launches = srv.engine.scheduler_stats().launches;
+    assert!(
+        launches < at_drop + 100,
+        "{at_drop} launches at the drop, {launches} at the end"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_models_metrics_tokenize_and_detokenize_answer() {
+    let srv = start(Opts {
+        max_model_len: Some(256),
+        ..Opts::default()
+    })
+    .await;
+    let r = get(srv.addr, "/health").await;
+    assert_eq!(r.status, 200);
+    let m = get(srv.addr, "/v1/models").await.json();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], MODEL);
+    assert_eq!(m["data"][0]["max_model_len"], 256);
+    // Generate something so the counters move.
+    completion(srv.addr, json!({"prompt": "The cat", "max_tokens": 5})).await;
+    let r = get(srv.addr, "/metrics").await;
+    assert_eq!(r.status, 200);
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ] {
+        assert!(r.body.contains(name), "{name} missing");
+    }
+    assert!(
+        r.body
+            .contains("vllm:prompt_tokens_total{model_name=\"stories\"} 4"),
+        "{}",
+        r.body
+    );
+    assert!(r
+        .body
+        .contains("vllm:generation_tokens_total{model_name=\"stories\"} 5"));
+    assert!(r
+        .body
+        .contains("vllm:time_to_first_token_seconds_count{model_name=\"stories\"} 1"));
+    assert!(r
+        .body
+        .contains("vllm:inter_token_latency_seconds_count{model_name=\"stories\"} 4"));
+    let t = post(
+        srv.addr,
+        "/tokenize",
+        &json!({"prompt": "Once upon a time"}),
+    )
+    .await
+    .json();
+    assert_eq!(t["tokens"], json!([1, 403, 407, 261, 378]));
+    assert_eq!(t["count"], 5);
+    assert_eq!(t["max_model_len"], 256);
+    let t = post(
+        srv.addr,
+        "/tokenize",
+        &json!({"prompt": "Once", "add_special_tokens": false}),
+    )
+    .await
+    .json();
+    assert_eq!(t["tokens"], json!([403]));
+    let d = post(
+        srv.addr,
+        "/detokenize",
+        &json!({"tokens": [1, 403, 407, 261, 378]}),
+    )
+    .await
+    .json();
+    assert_eq!(d["prompt"], "Once upon a time");
+    let r = post(srv.addr, "/detokenize", &json!({"tokens": [1, 100000]})).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "tokens");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_on_v1_routes_only() {
+    let srv = start(Opts {
+        api_key: Some("sekrit".into()),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"prompt": "a", "max_tokens": 1}).to_string();
+    let r = send(srv.addr, "POST", "/v1/completions", &[], &body).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer nope")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 401);
+    let r = send(srv.addr, "GET", "/v1/models", &[], "").await;
+    assert_eq!(r.status, 401);
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer sekrit")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(get(srv.addr, "/health").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_503_once_the_engine_is_gone() {
+    use baton_frontend::EngineClient;
+    let srv = start(Opts::default()).await;
+    assert!(srv.engine.health().is_ok());
+    // A client whose engine is gone (no worker attached, scheduler dead).
+    struct Dead;
+    impl EngineClient for Dead {
+        fn submit(
+            &self,
+            _: baton_frontend::EngineRequest,
+        ) -> Result<
+            (
+                u64,
+                tokio::sync::mpsc::UnboundedReceiver<baton_frontend::EngineEvent>,
+            ),
+            baton_frontend::SubmitError,
+        > {
+            Err(baton_frontend::SubmitError::Unavailable(
+                "no worker attached".into(),
+            ))
+        }
+        fn cancel(&self, _: u64) {}
+        fn limits(&self) -> baton_frontend::EngineLimits {
+            baton_frontend::EngineLimits {
+                max_model_len: 512,
+                vocab_size: 512,
+                max_num_seqs: 1,
+            }
+        }
+        fn health(&self) -> Result<(), String> {
+            Err("no worker attached".into())
+        }
+        fn stats(&self) -> baton_frontend::EngineStats {
+            baton_frontend::EngineStats::default()
+        }
+    }
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let cfg = srv.state.config.clone();
+    let state = std::sync::Arc::new(
+        baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Dead), vec![2]).unwrap(),
+    );
+    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
+    let task = tokio::spawn(baton_frontend::serve_state(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    let r = get(addr, "/health").await;
+    assert_eq!(r.status, 503);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no worker"));
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "a", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 503);
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
+    use baton_frontend::{EngineClient, EngineEvent};
+    struct Failing;
+    impl EngineClient for Failing {
+        fn submit(
+            &self,
+            _: baton_frontend::EngineRequest,
+        ) -> Result<
+            (u64, tokio::sync::mpsc::UnboundedReceiver<EngineEvent>),
+            baton_frontend::SubmitError,
+        > {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tx.send(EngineEvent::Token {
+                token: 403,
+                logprob: 0.0,
+                top: vec![],
+            })
+            .unwrap();
+            tx.send(EngineEvent::Error("the scheduler is gone".into()))
+                .unwrap();
+            Ok((1, rx))
+        }
+        fn cancel(&self, _: u64) {}
+        fn limits(&self) -> baton_frontend::EngineLimits {
+            baton_frontend::EngineLimits {
+                max_model_len: 512,
+                vocab_size: 512,
+                max_num_seqs: 1,
+            }
+        }
+        fn health(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn stats(&self) -> baton_frontend::EngineStats {
+            baton_frontend::EngineStats::default()
+        }
+    }
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let cfg = baton_frontend::ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: None,
+        served_model_name: MODEL.into(),
+        chat_template: None,
+    };
+    let state = std::sync::Arc::new(
+        baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Failing), vec![2]).unwrap(),
+    );
+    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
+    let task = tokio::spawn(baton_frontend::serve_state(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "a", "stream": true, "n": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let ev = r.events();
+    let errors: Vec<_> = ev.iter().filter(|e| e.contains("\"error\"")).collect();
+    assert_eq!(errors.len(), 1, "{ev:?}");
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    assert!(ev[ev.len() - 2].contains("the scheduler is gone"));
+    let r = post(addr, "/v1/completions", &json!({"prompt": "a"})).await;
+    assert_eq!(r.status, 500);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scheduler is gone"));
+    task.abort();
+}
+
+#[test]
+fn incremental_detokenizer_matches_full_decode() {
+    use baton_frontend::detok::IncrementalDetokenizer;
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let check = |prompt: &[u32], out: &[u32]| {
+        let mut d = IncrementalDetokenizer::new(prompt, true);
+        let mut got = String::new();
+        for &t in out {
+            got.push_str(&d.push(&tok, t));
+        }
+        got.push_str(&d.finish(&tok));
+        let all: Vec<u32> = prompt.iter().chain(out).copied().collect();
+        let full = tok.decode(&all, true).unwrap();
+        let head = tok.decode(prompt, true).unwrap();
+        match full.strip_prefix(head.as_str()) {
+            Some(want) => {
+                assert_eq!(got, want, "{prompt:?} + {out:?}");
+                true
+            }
+            // The prompt ends inside a character the output completes: no reference.
+            None => false,
+        }
+    };
+    for g in common::goldens() {
+        let ids = |k: &str| -> Vec<u32> {
+            g[k].as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        assert!(check(&ids("prompt_ids"), &ids("greedy_ids")));
+    }
+    // Multi-byte characters split across byte-fallback tokens, in the output.
+    let emoji = [243u32, 162, 155, 131]; // "😀"
+    assert!(check(
+        &[1, 291],
+        &[410, emoji[0], emoji[1], emoji[2], emoji[3], 294]
+    ));
+    // Ends inside a character: flushed as U+FFFD at the end.
+    assert!(check(&[1, 291], &[emoji[0], emoji[1]]));
+    // Model-like outputs: vocabulary pieces mixed with characters spelled as byte-fallback
+    // tokens (id 3 + byte). (Arbitrary byte soup is not covered: tokenizers turns every byte of
+    // an invalid run into U+FFFD, even an ASCII byte the stream already sent.)
+    let chars = ["😀", "é", "中", "—", "🐱", "ï", "\n"];
+    let mut rng = Lcg(11);
+    let mut checked = 0;
+    for _ in 0..300 {
+        let prompt: Vec<u32> = std::iter::once(1)
+            .chain((0..1 + rng.below(6)).map(|_| 259 + rng.below(253) as u32))
+            .collect();
+        let mut out = Vec::new();
+        for _ in 0..1 + rng.below(20) {
+            if rng.below(4) == 0 {
+                let c = chars[rng.below(chars.len() as u64) as usize];
+                out.extend(c.bytes().map(|b| 3 + u32::from(b)));
+            } else {
+                out.push(259 + rng.below(253) as u32);
+            }
+        }
+        checked += usize::from(check(&prompt, &out));
+    }
+    assert!(checked > 200, "only {checked} random cases had a reference");
+}
