@@ -155,7 +155,7 @@ pub mod delayed {
     use baton_proto::{Completion, Launch, LaunchSeq};
     use baton_scheduler::{Event, NewRequest, Scheduler, SchedulerConfig, Tracer};
     use baton_worker::{Backend, CpuBackend};
-    use std::collections::VecDeque;
+    use std::collections::{HashMap, VecDeque};
 
     /// When the worker's reports reach the scheduler.
     #[derive(Clone, Copy, Debug)]
@@ -171,8 +171,6 @@ pub mod delayed {
     /// Counts of one run.
     #[derive(Clone, Copy, Debug, Default)]
     pub struct DelayedStats {
-        /// Pages that went back to the free list.
-        pub reclaimed_pages: usize,
         /// Most launches published and not reported complete at once.
         pub max_unreported: usize,
     }
@@ -190,6 +188,9 @@ pub mod delayed {
         unreleased: VecDeque<LaunchSeq>,
         last_completed: LaunchSeq,
         pub stats: DelayedStats,
+        /// Cancel request `id` (its client disconnects) once it has this many tokens.
+        pub cancel_at: HashMap<u64, usize>,
+        tokens: HashMap<u64, usize>,
     }
 
     impl DelayedEngine {
@@ -208,6 +209,8 @@ pub mod delayed {
                 unreleased: VecDeque::new(),
                 last_completed: 0,
                 stats: DelayedStats::default(),
+                cancel_at: HashMap::new(),
+                tokens: HashMap::new(),
             }
         }
 
@@ -232,16 +235,26 @@ pub mod delayed {
                     self.execute(&l)
                 }
             };
+            let from = events.len();
             assert!(self.sched.on_completion(&c, events), "completion {seq}");
             self.last_completed = seq;
             self.unreleased.push_back(seq);
+            for i in from..events.len() {
+                if let Event::Token { id, .. } = events[i] {
+                    let n = self.tokens.entry(id).or_default();
+                    *n += 1;
+                    if self.cancel_at.get(&id) == Some(n) {
+                        self.sched.cancel(id, events);
+                    }
+                }
+            }
         }
 
         fn report_release(&mut self, upto: LaunchSeq) {
             while self.unreleased.front().is_some_and(|&s| s <= upto) {
                 self.unreleased.pop_front();
             }
-            self.stats.reclaimed_pages += self.sched.on_released(upto);
+            self.sched.on_released(upto);
         }
 
         /// Admits every request and runs until all have finished; returns the events.
@@ -313,6 +326,26 @@ pub mod delayed {
             let at = (i * 7).min(reqs.len());
             let r = super::request(i as u64, g.prompt_ids.clone(), 64, SamplingParams::greedy());
             reqs.insert(at, r);
+        }
+        reqs
+    }
+
+    /// [`golden_requests`] where a third of the fillers stop on the goldens' most frequent token
+    /// (so they finish with later launches in flight) and another third's clients disconnect
+    /// after 5 tokens.
+    pub fn golden_mix(engine: &mut DelayedEngine, fillers: usize) -> Vec<NewRequest> {
+        let mut freq = HashMap::new();
+        for t in super::goldens().iter().flat_map(|g| g.greedy_ids.clone()) {
+            *freq.entry(t).or_insert(0) += 1;
+        }
+        let common = freq.into_iter().max_by_key(|&(t, n)| (n, t)).unwrap().0;
+        let mut reqs = golden_requests(fillers);
+        for r in reqs.iter_mut().filter(|r| r.id >= 100) {
+            match r.id % 3 {
+                0 => drop(engine.cancel_at.insert(r.id, 5)),
+                1 => r.stop_token_ids = vec![common],
+                _ => {}
+            }
         }
         reqs
     }

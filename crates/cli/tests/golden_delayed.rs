@@ -1,12 +1,13 @@
 //! The stories260K goldens through the scheduler while the worker's completions reach it
 //! several launches late and its releases lag its completions, with four launches in flight and
-//! a pool so small that pages are recycled constantly (DESIGN.md sections 3 and 4). The greedy
+//! a pool so small that pages are recycled constantly (DESIGN.md sections 3 and 4). Around the
+//! goldens, fillers stop early with later launches in flight and clients disconnect. The greedy
 //! outputs still match golden.json exactly, everything comes back, and `check_trace` accepts
 //! the lifecycle trace.
 
 mod common;
 use baton_scheduler::{check_trace, Tracer};
-use common::delayed::{golden_requests, DelayedEngine, Delays};
+use common::delayed::{golden_mix, DelayedEngine, Delays};
 use common::*;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,8 @@ fn goldens_match_with_late_reports(block_size: usize, num_blocks: usize, delays:
     let mut engine = DelayedEngine::new(config(block_size, num_blocks, 4), delays);
     let trace = Buf::default();
     engine.set_tracer(Tracer::new(Box::new(trace.clone())));
-    let out = collect(engine.run(golden_requests(20)));
+    let reqs = golden_mix(&mut engine, 20);
+    let out = collect(engine.run(reqs));
     for (i, gp) in g.iter().enumerate() {
         assert_eq!(
             out[&(i as u64)].0,
@@ -45,17 +47,17 @@ fn goldens_match_with_late_reports(block_size: usize, num_blocks: usize, delays:
         s.preemptions > 0,
         "the small pool was meant to preempt: {s:?}"
     );
-    assert!(
-        engine.stats.reclaimed_pages > 10 * num_blocks,
-        "pages were meant to be recycled constantly: {:?}",
-        engine.stats
-    );
     assert_eq!(
         engine.stats.max_unreported, 4,
         "four launches were meant to be in flight at once"
     );
     let trace = trace.0.lock().unwrap().clone();
     let summary = check_trace(trace.as_slice()).expect("the trace passes the checker");
+    assert!(
+        summary.reclaimed_pages > 5 * num_blocks,
+        "pages were meant to be recycled constantly: {summary:?}"
+    );
+    assert!(summary.cancels > 0, "{summary:?}");
     assert!(
         summary.finished_with_launch_in_flight > 0,
         "some request was meant to finish with a later launch in flight: {summary:?}"
@@ -76,8 +78,8 @@ fn greedy_goldens_match_with_completions_three_launches_late_and_a_recycling_poo
 }
 
 /// The worker lags behind the scheduler: it executes launch `s` only when its completion is
-/// reported, three launches later, reading the token and block tables as they are then. A slot
-/// or block-table row reused before its release would feed it another request's entries.
+/// reported, three launches later, reading the token and block tables as they are then, so
+/// every table entry a launch refers to must still hold its value when the launch runs.
 #[test]
 fn greedy_goldens_match_with_a_worker_lagging_three_launches_behind_the_scheduler() {
     let delays = Delays {

@@ -7,7 +7,7 @@
 
 mod common;
 use baton_scheduler::Tracer;
-use common::delayed::{golden_requests, DelayedEngine, Delays};
+use common::delayed::{golden_mix, DelayedEngine, Delays};
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -34,7 +34,8 @@ fn trace_check_accepts_the_trace_of_a_run_with_late_fences_and_a_recycling_pool(
     };
     let mut engine = DelayedEngine::new(config(4, 48, 4), delays);
     engine.set_tracer(Tracer::to_file(&path).expect("trace file"));
-    let out = collect(engine.run(golden_requests(8)));
+    let reqs = golden_mix(&mut engine, 8);
+    let out = collect(engine.run(reqs));
     for (i, g) in goldens().iter().enumerate() {
         assert_eq!(out[&(i as u64)].0, g.greedy_ids);
     }

@@ -1133,6 +1133,33 @@ mod tests {
     }
 
     #[test]
+    fn peek_limits_reads_the_published_limits_and_checks_the_header() {
+        let id = TestInstance::new();
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::NotFound { .. })
+        ));
+        let seg = Segment::create(&id.0, &spec(), limits()).unwrap();
+        assert_eq!(Segment::peek_limits(&id.0).unwrap(), limits());
+        poke(&id.0, 8, &(LAYOUT_VERSION + 1).to_le_bytes());
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::VersionMismatch { .. })
+        ));
+        poke(&id.0, 0, b"garbage!");
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::BadMagic { .. })
+        ));
+        drop(seg);
+        std::fs::write(segment_path(&id.0), b"short").unwrap();
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::Truncated { found: 5, .. })
+        ));
+    }
+
+    #[test]
     fn bad_instance_ids_are_refused_before_touching_the_filesystem() {
         for bad in ["", "a/b", "..", ".hidden", "sp ace", &"x".repeat(65)] {
             assert!(

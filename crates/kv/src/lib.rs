@@ -8,12 +8,16 @@
 //! never handed to a new request while a launch that may still read or write it is unreleased.
 //!
 //! The scheduler is the only allocator, so the free lists here are scheduler-private. The
-//! `released` counters are shared and live with the participants (`baton-ipc`) or, in one
-//! process, in plain atomics; this crate takes their minimum as an argument.
+//! `released` counters are shared: [`fence`] reads them (in one process from [`Consumers`],
+//! across processes from the participant table of `baton-ipc`), and [`fence::passed`] is the one
+//! check that lets a retired page or slot back. The loom models in `tests/loom.rs` run this code
+//! with the worker and the scheduler as threads.
 
+pub mod fence;
 pub mod pool;
 pub mod slots;
 
+pub use fence::{Consumers, Fence, Workers};
 pub use pool::{PagePool, PoolStats, Reclaimed};
 pub use slots::SlotAllocator;
 

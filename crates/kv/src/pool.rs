@@ -115,7 +115,7 @@ impl PagePool {
     pub fn reclaim(&mut self, min_released: LaunchSeq) -> Reclaimed {
         let mut out = Reclaimed::default();
         while let Some(entry) = self.retired.first_entry() {
-            if *entry.key() > min_released {
+            if !crate::fence::passed(*entry.key(), min_released) {
                 break;
             }
             let (after, pages) = entry.remove_entry();

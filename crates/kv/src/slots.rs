@@ -79,7 +79,7 @@ impl SlotAllocator {
     pub fn reclaim(&mut self, min_released: LaunchSeq) -> usize {
         let mut n = 0;
         while let Some(entry) = self.retired.first_entry() {
-            if *entry.key() > min_released {
+            if !crate::fence::passed(*entry.key(), min_released) {
                 break;
             }
             let slots = entry.remove();

@@ -8,7 +8,9 @@
 //! Everything that travels through a shared-memory ring is `#[repr(C)]` plain data
 //! ([`bytemuck::Pod`]). The in-process engine uses the same types over in-process queues.
 
+#[cfg(not(loom))]
 pub mod link;
+#[cfg(not(loom))]
 pub mod plane;
 pub mod wire;
 

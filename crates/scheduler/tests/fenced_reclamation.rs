@@ -1,0 +1,725 @@
+//! The scheduler core against a simulated worker whose completions and releases arrive late, out
+//! of step and interleaved at random (DESIGN.md sections 2 to 5 and 7).
+//!
+//! The simulated worker executes published launches in order, but the scheduler learns of each
+//! completion, and of each of the two consumers' `released` counters (two tensor-parallel
+//! ranks), only at random later steps; a release may even be seen before its completion. Between
+//! those steps requests arrive, finish (sampled stop tokens, `max_tokens`), are cancelled, are
+//! preempted by a small pool, a launch occasionally fails on the worker (its requests abort),
+//! and the worker occasionally dies. A shadow model checks, after
+//! every step:
+//!
+//! - no page is reused (named by a launch for a new owner) while a launch that referred to it is
+//!   unreleased, and no block-table or token-table entry a launch refers to changes before that
+//!   launch is released;
+//! - no output is published for a cancelled (or finished) request, and every request's outputs
+//!   are exactly its sampled stream, in order, without gaps or repeats across preemptions;
+//! - `known_len` is `computed_len` plus the pending tokens: `known_len` agrees with the prompt and
+//!   the published tokens, `computed_len` with the completions delivered for the request's
+//!   current slot, and the pending positions (known, not covered by those completions) make up
+//!   the difference;
+//! - `PendingFrom` rows name the sampling row of the same request that precedes them.
+//!
+//! At the end of each case everything drains, the pool and the slots are all back, and
+//! `check_trace` accepts the scheduler's lifecycle trace.
+//!
+//! The page check fails when the fence check is removed from the reclaim path:
+//!
+//! ```text
+//! RUSTFLAGS="--cfg baton_no_fence" CARGO_TARGET_DIR=/tmp/tgt-kv-nofence \
+//!     cargo test -p baton-scheduler --test fenced_reclamation
+//! ```
+//!
+//! reports, at the first step where a retired page comes back early, for example
+//! "64 pages free, but 1 of 64 are referred to by launches after 0 (unreleased)" (and the
+//! deterministic test below fails too).
+
+use baton_proto::{Completion, Launch, LaunchSeq, SamplingParams, SlotRef, NOT_PENDING};
+use baton_scheduler::{
+    check_trace, Event, FinishReason, NewRequest, RequestId, Scheduler, SchedulerConfig, Tracer,
+};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+const EOS: u32 = 2;
+const VOCAB: usize = 64;
+
+/// The token a request's stream samples at output `index`: the simulated worker samples from
+/// the seed and the output index alone (as seeded sampling does), so a recompute after
+/// preemption samples the same stream.
+fn token_for(seed: u64, index: u32, eos_every: u64) -> u32 {
+    let mut x = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(u64::from(index).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 29;
+    if eos_every > 0 && x % eos_every == 0 {
+        EOS
+    } else {
+        3 + (x % (VOCAB as u64 - 3)) as u32
+    }
+}
+
+/// One step of the simulation.
+#[derive(Clone, Debug)]
+enum Op {
+    /// A request arrives.
+    Admit {
+        prompt_len: usize,
+        max_tokens: u32,
+        ignore_eos: bool,
+    },
+    /// The client of the `n`-th live request (modulo) disconnects.
+    Cancel(usize),
+    /// The scheduler prepares and publishes a launch (if it can).
+    Schedule,
+    /// The worker executes the oldest published launch through its fence.
+    Execute,
+    /// The oldest completion not yet delivered reaches the scheduler.
+    Complete,
+    /// Consumer `c` advances its `released` counter to an executed launch (chosen by `pick`).
+    Release { c: usize, pick: u8 },
+    /// The scheduler reads the counters: `on_released(min)`.
+    Poll,
+    /// The worker dies (kernel evidence); its device memory is gone.
+    WorkerDeath,
+    /// The worker reports the oldest executed launch failed instead of its completion.
+    FailLaunch,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (1usize..40, 1u32..24, any::<bool>()).prop_map(|(prompt_len, max_tokens, ignore_eos)| Op::Admit { prompt_len, max_tokens, ignore_eos }),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        6 => Just(Op::Schedule),
+        5 => Just(Op::Execute),
+        5 => Just(Op::Complete),
+        5 => (0usize..2, any::<u8>()).prop_map(|(c, pick)| Op::Release { c, pick }),
+        4 => Just(Op::Poll),
+        // Rare: each about one step in 1800.
+        1 => (0u32..60).prop_map(|x| match x {
+            0 => Op::WorkerDeath,
+            1 => Op::FailLaunch,
+            _ => Op::Poll,
+        }),
+    ]
+}
+
+/// A `Write` into a shared buffer, for the trace.
+#[derive(Clone, Default)]
+struct Buf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Buf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a published launch referred to, recorded at publication.
+struct Published {
+    launch: Launch,
+    /// Per row: the block-table entries and the input tokens read from the tables.
+    blocks: Vec<Vec<u32>>,
+    tokens: Vec<Vec<(usize, u32)>>,
+}
+
+/// What the test knows of one request, from the outside.
+struct Shadow {
+    seed: u64,
+    prompt_len: usize,
+    max_tokens: usize,
+    ignore_eos: bool,
+    outputs: Vec<u32>,
+    cancelled: bool,
+    /// A launch that included the request failed: it must end with `Abort`.
+    failed: bool,
+    finished: Option<FinishReason>,
+}
+
+struct Sim {
+    sched: Scheduler,
+    cfg: SchedulerConfig,
+    eos_every: u64,
+    trace: Buf,
+    next_id: RequestId,
+    reqs: BTreeMap<RequestId, Shadow>,
+    /// Launches published and not yet executed, oldest first.
+    to_execute: VecDeque<LaunchSeq>,
+    /// Completions of executed launches not yet delivered, oldest first.
+    to_complete: VecDeque<Completion>,
+    /// Every launch published since the worker (re)started, by sequence number.
+    published: BTreeMap<LaunchSeq, Published>,
+    /// Completed launches' rows, for `computed_len`: `(slot, first, end)`.
+    completed_rows: Vec<(SlotRef, usize, usize)>,
+    /// The last launch the worker executed.
+    executed: LaunchSeq,
+    /// Each consumer's `released` counter (the truth, which the scheduler reads only at `Poll`).
+    released: [LaunchSeq; 2],
+    /// The largest value passed to `on_released`, or the last launch at a worker death: every
+    /// launch up to it is released as far as the scheduler may know.
+    told: LaunchSeq,
+    /// Per page: its owner (slot reference) and the last launch that referred to it.
+    pages: HashMap<u32, (SlotRef, LaunchSeq)>,
+    events: Vec<Event>,
+}
+
+impl Sim {
+    fn new(cfg: SchedulerConfig, eos_every: u64) -> Self {
+        let mut sched = Scheduler::new_local(cfg.clone(), VOCAB);
+        let trace = Buf::default();
+        sched.set_tracer(Tracer::new(Box::new(trace.clone())));
+        Self {
+            sched,
+            cfg,
+            eos_every,
+            trace,
+            next_id: 1,
+            reqs: BTreeMap::new(),
+            to_execute: VecDeque::new(),
+            to_complete: VecDeque::new(),
+            published: BTreeMap::new(),
+            completed_rows: Vec::new(),
+            executed: 0,
+            released: [0; 2],
+            told: 0,
+            pages: HashMap::new(),
+            events: Vec::new(),
+        }
+    }
+
+    fn live_ids(&self) -> Vec<RequestId> {
+        self.reqs
+            .iter()
+            .filter(|(_, r)| r.finished.is_none())
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        match *op {
+            Op::Admit {
+                prompt_len,
+                max_tokens,
+                ignore_eos,
+            } => {
+                let id = self.next_id;
+                self.next_id += 1;
+                let prompt: Vec<u32> = (0..prompt_len)
+                    .map(|j| 3 + ((id as usize * 31 + j * 17) % (VOCAB - 3)) as u32)
+                    .collect();
+                let params = SamplingParams {
+                    seed: id,
+                    ..SamplingParams::greedy()
+                };
+                let r = NewRequest {
+                    id,
+                    prompt,
+                    max_tokens,
+                    params,
+                    eos_ids: vec![EOS],
+                    stop_token_ids: Vec::new(),
+                    ignore_eos,
+                };
+                if self.sched.add_request(r).is_ok() {
+                    self.reqs.insert(
+                        id,
+                        Shadow {
+                            seed: id,
+                            prompt_len,
+                            max_tokens: max_tokens as usize,
+                            ignore_eos,
+                            outputs: Vec::new(),
+                            cancelled: false,
+                            failed: false,
+                            finished: None,
+                        },
+                    );
+                }
+            }
+            Op::Cancel(n) => {
+                let live = self.live_ids();
+                if !live.is_empty() {
+                    let id = live[n % live.len()];
+                    self.reqs.get_mut(&id).unwrap().cancelled = true;
+                    self.sched.cancel(id, &mut self.events);
+                }
+            }
+            Op::Schedule => {
+                if let Some(l) = self.sched.schedule() {
+                    self.publish(l)?;
+                }
+            }
+            Op::Execute => {
+                if let Some(seq) = self.to_execute.pop_front() {
+                    self.execute(seq)?;
+                }
+            }
+            Op::Complete => {
+                if let Some(c) = self.to_complete.pop_front() {
+                    for r in &self.published[&c.seq].launch.rows {
+                        let first = r.first_pos as usize;
+                        self.completed_rows
+                            .push((r.req, first, first + r.num_tokens as usize));
+                    }
+                    prop_assert!(
+                        self.sched.on_completion(&c, &mut self.events),
+                        "completion {} refused",
+                        c.seq
+                    );
+                }
+            }
+            Op::FailLaunch => {
+                if let Some(c) = self.to_complete.pop_front() {
+                    let rows: HashSet<SlotRef> = self.published[&c.seq]
+                        .launch
+                        .rows
+                        .iter()
+                        .map(|r| r.req)
+                        .collect();
+                    for id in self.live_ids() {
+                        let slot = self.sched.request_lengths(id).and_then(|l| l.slot);
+                        if slot.is_some_and(|s| rows.contains(&s)) {
+                            self.reqs.get_mut(&id).unwrap().failed = true;
+                        }
+                    }
+                    self.sched.on_failed_launch(c.seq, &mut self.events);
+                }
+            }
+            Op::Release { c, pick } => {
+                let from = self.released[c];
+                if self.executed > from {
+                    // Jump to any executed launch: a consumer may release several at once.
+                    let to = from + 1 + u64::from(pick) % (self.executed - from);
+                    self.released[c] = to;
+                }
+            }
+            Op::Poll => self.poll(),
+            Op::WorkerDeath => {
+                self.sched.on_worker_death();
+                let last = self.sched.last_launch();
+                // The new worker has seen no launch so far: nothing older is pending for it.
+                self.to_execute.clear();
+                self.to_complete.clear();
+                self.published.clear();
+                self.executed = last;
+                self.released = [last; 2];
+                self.told = last;
+            }
+        }
+        self.take_events()?;
+        self.check()
+    }
+
+    fn poll(&mut self) {
+        let min = self.released[0].min(self.released[1]);
+        self.told = self.told.max(min);
+        self.sched.on_released(min);
+    }
+
+    /// Records what launch `l` refers to and checks that no page it names is still referred to
+    /// by an unreleased launch of another owner.
+    fn publish(&mut self, l: Launch) -> Result<(), TestCaseError> {
+        let tables = self.sched.tables().clone();
+        prop_assert!(self.sched.stats().inflight <= self.cfg.max_inflight);
+        let mut blocks = Vec::new();
+        let mut tokens = Vec::new();
+        for (i, r) in l.rows.iter().enumerate() {
+            let mut b = Vec::new();
+            tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut b);
+            for &p in &b {
+                if let Some(&(owner, last)) = self.pages.get(&p) {
+                    if owner != r.req {
+                        prop_assert!(
+                            self.told >= last,
+                            "page {p} reused by launch {} while launch {last} that referred to it is unreleased (released {})",
+                            l.seq,
+                            self.told
+                        );
+                    }
+                }
+                self.pages.insert(p, (r.req, l.seq));
+            }
+            let first = r.first_pos as usize;
+            let end = first + r.num_tokens as usize;
+            prop_assert!(
+                end <= (r.num_blocks as usize) * self.cfg.block_size,
+                "row {i} of launch {} has too few blocks",
+                l.seq
+            );
+            let from_table = if r.pending_launch != NOT_PENDING {
+                // The first input is the id sampled by the named row, which must be the
+                // sampling row of this request that ends at `first`.
+                let src = self.published.get(&r.pending_launch);
+                let src_row = src.and_then(|p| p.launch.rows.get(r.pending_row as usize));
+                prop_assert!(
+                    src_row.is_some_and(|s| s.req == r.req
+                        && s.sample == 1
+                        && (s.first_pos + s.num_tokens) as usize == first),
+                    "launch {} row {i} pending from launch {} row {}, which is not this request's previous sampling row",
+                    l.seq,
+                    r.pending_launch,
+                    r.pending_row
+                );
+                first + 1
+            } else {
+                first
+            };
+            tokens.push(
+                (from_table..end)
+                    .map(|pos| (pos, tables.token(r.req.slot, pos)))
+                    .collect(),
+            );
+            blocks.push(b);
+        }
+        self.to_execute.push_back(l.seq);
+        self.published.insert(
+            l.seq,
+            Published {
+                launch: l,
+                blocks,
+                tokens,
+            },
+        );
+        Ok(())
+    }
+
+    /// The worker reads the tables as they are now: they must still hold what the launch
+    /// referred to at publication.
+    fn execute(&mut self, seq: LaunchSeq) -> Result<(), TestCaseError> {
+        prop_assert_eq!(seq, self.executed + 1, "launches execute in order");
+        self.executed = seq;
+        let p = &self.published[&seq];
+        let sampled = p
+            .launch
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample == 1)
+            .map(|(i, r)| baton_proto::Sampled {
+                row: i as u32,
+                req: r.req,
+                token: token_for(r.params.seed, r.output_index, self.eos_every),
+                logprob: 0.0,
+                top: Vec::new(),
+            })
+            .collect();
+        self.to_complete.push_back(Completion { seq, sampled });
+        Ok(())
+    }
+
+    /// Checks every event the scheduler pushed since the last step.
+    fn take_events(&mut self) -> Result<(), TestCaseError> {
+        for e in std::mem::take(&mut self.events) {
+            match e {
+                Event::Token { id, token, .. } => {
+                    let r = self
+                        .reqs
+                        .get_mut(&id)
+                        .expect("token for an unknown request");
+                    prop_assert!(!r.cancelled, "output published for cancelled request {id}");
+                    prop_assert!(r.finished.is_none(), "output for finished request {id}");
+                    let want = token_for(r.seed, r.outputs.len() as u32, self.eos_every);
+                    prop_assert_eq!(
+                        token,
+                        want,
+                        "request {} output {} is not its stream's",
+                        id,
+                        r.outputs.len()
+                    );
+                    r.outputs.push(token);
+                }
+                Event::Finished {
+                    id,
+                    reason,
+                    output_tokens,
+                    ..
+                } => {
+                    let max_model_len = self.cfg.max_model_len;
+                    let r = self.reqs.get_mut(&id).expect("unknown request finished");
+                    prop_assert!(r.finished.is_none(), "request {id} finished twice");
+                    prop_assert_eq!(output_tokens, r.outputs.len());
+                    prop_assert!(
+                        !r.failed
+                            || matches!(reason, FinishReason::Abort | FinishReason::Cancelled),
+                        "request {} in a failed launch ended {:?}",
+                        id,
+                        reason
+                    );
+                    match reason {
+                        FinishReason::Cancelled => prop_assert!(r.cancelled),
+                        FinishReason::Stop => {
+                            prop_assert!(!r.ignore_eos && r.outputs.last() == Some(&EOS))
+                        }
+                        FinishReason::Length => prop_assert!(
+                            r.outputs.len() == r.max_tokens
+                                || r.prompt_len + r.outputs.len() == max_model_len
+                        ),
+                        FinishReason::Abort => prop_assert!(r.failed, "request {} aborted", id),
+                    }
+                    r.finished = Some(reason);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The invariants that hold after every step.
+    fn check(&mut self) -> Result<(), TestCaseError> {
+        let stats = self.sched.stats();
+        let pool = stats.pool;
+        prop_assert_eq!(pool.free + pool.in_use + pool.retired, pool.total);
+        prop_assert!(stats.inflight <= self.cfg.max_inflight);
+        prop_assert!(self.sched.released() <= self.told, "released ran ahead");
+        // A page an unreleased launch referred to is held or retired, never free.
+        let told = self.told;
+        let unreleased = self
+            .pages
+            .values()
+            .filter(|&&(_, last)| last > told)
+            .count();
+        prop_assert!(
+            pool.free + unreleased <= pool.total,
+            "{} pages free, but {} of {} are referred to by launches after {} (unreleased)",
+            pool.free,
+            unreleased,
+            pool.total,
+            told
+        );
+
+        // Entries of unreleased launches never change.
+        let tables = self.sched.tables().clone();
+        for (seq, p) in self.published.range(told + 1..) {
+            for (i, r) in p.launch.rows.iter().enumerate() {
+                let mut b = Vec::new();
+                tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut b);
+                prop_assert_eq!(
+                    &b,
+                    &p.blocks[i],
+                    "block-table entries of launch {} row {} changed before its release",
+                    seq,
+                    i
+                );
+                for &(pos, t) in &p.tokens[i] {
+                    prop_assert_eq!(
+                        tables.token(r.req.slot, pos),
+                        t,
+                        "token {} of launch {} row {} changed before its release",
+                        pos,
+                        seq,
+                        i
+                    );
+                }
+            }
+        }
+
+        // known_len == computed_len + pending, each counted from the outside.
+        for (&id, r) in &self.reqs {
+            let Some(l) = self.sched.request_lengths(id) else {
+                prop_assert!(r.finished.is_some(), "live request {id} unknown");
+                continue;
+            };
+            prop_assert!(r.finished.is_none(), "finished request {id} still live");
+            let known = r.prompt_len + r.outputs.len();
+            prop_assert_eq!(l.known_len, known, "request {} known_len", id);
+            let mut covered = vec![false; known];
+            let mut computed = 0;
+            if let Some(slot) = l.slot {
+                for &(s, first, end) in &self.completed_rows {
+                    if s == slot {
+                        computed = computed.max(end);
+                        for c in covered.iter_mut().take(end).skip(first) {
+                            *c = true;
+                        }
+                    }
+                }
+            }
+            let pending = covered.iter().filter(|&&c| !c).count();
+            prop_assert_eq!(l.computed_len, computed, "request {} computed_len", id);
+            prop_assert_eq!(
+                known,
+                computed + pending,
+                "request {}: known_len is not computed_len plus pending",
+                id
+            );
+            prop_assert!(l.computed_len <= l.scheduled_len);
+            prop_assert!(l.scheduled_len <= l.known_len + l.sampling);
+        }
+        Ok(())
+    }
+
+    /// Runs the worker and the fences to the end: every request finishes, and everything comes
+    /// back.
+    fn drain(&mut self) -> Result<(), TestCaseError> {
+        while !(self.sched.is_idle() && self.to_execute.is_empty() && self.to_complete.is_empty()) {
+            if !self.to_complete.is_empty() {
+                self.apply(&Op::Complete)?;
+            } else if !self.to_execute.is_empty() {
+                self.apply(&Op::Execute)?;
+            } else if self.told < self.executed {
+                self.released = [self.executed; 2];
+                self.apply(&Op::Poll)?;
+            } else {
+                let before = self.sched.last_launch();
+                self.apply(&Op::Schedule)?;
+                if self.sched.last_launch() == before {
+                    return Err(TestCaseError::fail(format!(
+                        "stalled with live requests, nothing in flight and everything released: {:?}",
+                        self.sched.stats()
+                    )));
+                }
+            }
+        }
+        for _ in 0..2 {
+            self.released = [self.executed; 2];
+            self.apply(&Op::Poll)?;
+        }
+        let s = self.sched.stats();
+        prop_assert_eq!(s.pool.free, s.pool.total, "pool not back: {:?}", s);
+        prop_assert_eq!(s.slots_retired, 0);
+        for (id, r) in &self.reqs {
+            prop_assert!(r.finished.is_some(), "request {} never finished", id);
+        }
+        self.sched.flush_trace();
+        let trace = self.trace.0.lock().unwrap().clone();
+        if let Err(v) = check_trace(trace.as_slice()) {
+            let line = String::from_utf8_lossy(&trace)
+                .lines()
+                .nth(v.line - 1)
+                .unwrap_or_default()
+                .to_owned();
+            return Err(TestCaseError::fail(format!("trace rejected: {v}\n{line}")));
+        }
+        Ok(())
+    }
+}
+
+fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
+    (1usize..=4, 1usize..=4, 0usize..12, 1usize..=6, 0u64..12).prop_map(
+        |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every)| {
+            let block_size = 1 << (bs_log - 1);
+            let max_model_len = 64;
+            // At least what one request can need, so every request fits alone; little more, so
+            // pages are recycled constantly and preemption happens.
+            let num_blocks = max_model_len / block_size + extra_pages;
+            (
+                SchedulerConfig {
+                    max_num_seqs,
+                    max_num_batched_tokens: 48,
+                    block_size,
+                    num_blocks,
+                    max_model_len,
+                    max_inflight,
+                },
+                eos_every,
+            )
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        max_shrink_iters: 2_000,
+        ..ProptestConfig::default()
+    })]
+
+    /// Random admissions, cancels, launches, late completions, out-of-step releases and worker
+    /// deaths: every step keeps pages fenced, cancelled outputs unpublished and the lengths
+    /// consistent, and every case drains to a full pool and a clean trace.
+    #[test]
+    fn pages_stay_fenced_cancels_stay_silent_and_lengths_add_up_under_late_out_of_step_fences(
+        (cfg, eos_every) in config(),
+        ops in proptest::collection::vec(op(), 1..600),
+    ) {
+        let mut sim = Sim::new(cfg, eos_every);
+        for op in &ops {
+            sim.apply(op)?;
+        }
+        sim.drain()?;
+    }
+}
+
+/// The fence rule of DESIGN.md section 3, deterministically: a request that finishes in launch
+/// `s` while launch `s+1` including it is in flight retires its pages after `s+1`; the release of
+/// `s` alone does not bring them back.
+#[test]
+fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launch() {
+    let cfg = SchedulerConfig {
+        max_num_seqs: 2,
+        max_num_batched_tokens: 16,
+        block_size: 4,
+        num_blocks: 4,
+        max_model_len: 16,
+        max_inflight: 2,
+    };
+    let mut s = Scheduler::new_local(cfg, VOCAB);
+    s.add_request(NewRequest {
+        id: 1,
+        prompt: vec![3, 4, 5],
+        max_tokens: 1,
+        params: SamplingParams::greedy(),
+        eos_ids: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: false,
+    })
+    .unwrap();
+    s.add_request(NewRequest {
+        id: 2,
+        prompt: vec![3, 4, 5, 6, 7],
+        max_tokens: 8,
+        params: SamplingParams::greedy(),
+        eos_ids: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+    })
+    .unwrap();
+    let l1 = s.schedule().unwrap();
+    let l2 = s.schedule().unwrap();
+    assert!(
+        l2.rows.iter().all(|r| r.pending_launch == l1.seq),
+        "launch 2 decodes request 2 from launch 1: {l2:?}"
+    );
+    let mut ev = Vec::new();
+    let sampled = l1
+        .rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| baton_proto::Sampled {
+            row: i as u32,
+            req: r.req,
+            token: 9,
+            logprob: 0.0,
+            top: vec![],
+        })
+        .collect();
+    s.on_completion(
+        &Completion {
+            seq: l1.seq,
+            sampled,
+        },
+        &mut ev,
+    );
+    // Request 1 finished (max_tokens 1) and was not in launch 2: its page retired after 1.
+    assert!(ev
+        .iter()
+        .any(|e| matches!(e, Event::Finished { id: 1, .. })));
+    // Request 2 is cancelled with launch 2 in flight: its pages retire after launch 2.
+    s.cancel(2, &mut ev);
+    let retired = s.stats().pool.retired;
+    assert_eq!(retired, 3, "1 page of request 1, 2 of request 2");
+    assert_eq!(
+        s.on_released(l1.seq),
+        1,
+        "only request 1's page is released"
+    );
+    assert_eq!(s.stats().pool.retired, 2);
+    assert_eq!(s.on_released(l2.seq), 2);
+    assert_eq!(s.stats().pool.free, 4);
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs the official `openai` Python client against `baton serve` on the test model (issue 6):
+# completions and chat, streaming and not, include_usage, stop, n=2, logprobs, seed, the greedy
+# goldens and a BadRequestError. Installs `openai` into a venv on first use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export BATON_TEST_MODEL="${BATON_TEST_MODEL:-$(pwd)/../shared/models/stories260K}"
+VENV="${BATON_OPENAI_VENV:-$HOME/.cache/baton/openai-venv}"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import openai" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "openai>=1.40"
+fi
+cargo build --quiet -p baton
+BIN="${CARGO_TARGET_DIR:-target}/debug/baton"
+PORT="${BATON_OPENAI_PORT:-18000}"
+LOG="$(mktemp)"
+"$BIN" serve --model "$BATON_TEST_MODEL" --port "$PORT" --max-num-seqs 32 \
+  --chat-template scripts/chat-templates/llama2.jinja 2>"$LOG" &
+SERVE=$!
+cleanup() { kill -TERM "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -f "$LOG"; }
+trap cleanup EXIT
+for _ in $(seq 1 600); do
+  if grep -q "ready on" "$LOG"; then break; fi
+  if ! kill -0 "$SERVE" 2>/dev/null; then cat "$LOG" >&2; echo "baton serve died" >&2; exit 1; fi
+  sleep 0.1
+done
+grep -q "ready on" "$LOG" || { cat "$LOG" >&2; echo "baton serve never became ready" >&2; exit 1; }
+"$VENV/bin/python" crates/frontend/tests/openai_client.py "http://127.0.0.1:$PORT"
