@@ -26,6 +26,9 @@ if [ -x scripts/loom.sh ]; then
   scripts/loom.sh
 fi
 
+step "openai client against baton serve"
+scripts/openai-check.sh
+
 if [ -x scripts/nvrtc-check.sh ]; then
   step "kernel compile check (NVRTC, sm_90)"
   scripts/nvrtc-check.sh
