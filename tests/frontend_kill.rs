@@ -24,10 +24,21 @@ fn frontend(instance: &str) -> (Proc, String) {
         .spawn()
         .expect("spawn frontend");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.trim().trim_start_matches("listening on http://").to_owned();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .trim_start_matches("listening on http://")
+        .to_owned();
     assert!(!addr.is_empty(), "frontend did not start");
-    (Proc { child, name: "frontend" }, addr)
+    (
+        Proc {
+            child,
+            name: "frontend",
+        },
+        addr,
+    )
 }
 
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
@@ -35,7 +46,11 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
-    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let body = out.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
     (code, body)
 }
@@ -43,12 +58,16 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
 /// Streams a completion; returns the concatenated text and whether `[DONE]` arrived.
 fn stream(addr: &str, prompt: &str, max_tokens: u32, chunks: Arc<AtomicUsize>) -> (String, bool) {
     let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
-    let Ok(mut s) = TcpStream::connect(addr) else { return (String::new(), false) };
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return (String::new(), false);
+    };
     let _ = write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
     let mut text = String::new();
     for line in BufReader::new(s).lines() {
         let Ok(line) = line else { return (text, false) };
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if data == "[DONE]" {
             return (text, true);
         }
@@ -76,8 +95,13 @@ fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
     let _s = scheduler(&inst, &["--num-blocks", "512", "--frontends", "2"]);
     let _w = worker(&inst);
     let (_b, addr_b) = frontend(&inst);
-    assert!(wait_for(Duration::from_secs(20), || http(&addr_b, "GET", "/health", "").0 == 200));
-    let prompts: Vec<String> = (0..8).map(|i| format!("Once upon a time, story number {i} began with a")).collect();
+    assert!(wait_for(Duration::from_secs(20), || http(
+        &addr_b, "GET", "/health", ""
+    )
+    .0 == 200));
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Once upon a time, story number {i} began with a"))
+        .collect();
     let max_tokens = 300;
     // Reference: each survivor alone.
     let reference: Vec<String> = prompts[4..]
@@ -96,9 +120,15 @@ fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
         let a_chunks = Arc::new(AtomicUsize::new(0));
         let mut threads = Vec::new();
         for (i, p) in prompts.iter().enumerate() {
-            let (addr, chunks) = if i < 4 { (addr_a.clone(), a_chunks.clone()) } else { (addr_b.clone(), Arc::new(AtomicUsize::new(0))) };
+            let (addr, chunks) = if i < 4 {
+                (addr_a.clone(), a_chunks.clone())
+            } else {
+                (addr_b.clone(), Arc::new(AtomicUsize::new(0)))
+            };
             let p = p.clone();
-            threads.push(std::thread::spawn(move || stream(&addr, &p, max_tokens, chunks)));
+            threads.push(std::thread::spawn(move || {
+                stream(&addr, &p, max_tokens, chunks)
+            }));
         }
         let t0 = Instant::now();
         while a_chunks.load(Ordering::Relaxed) < 8 && t0.elapsed() < Duration::from_secs(30) {
@@ -107,10 +137,16 @@ fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
         a.signal(Signal::SIGKILL);
         a.wait_timeout(Duration::from_secs(5));
         let results: Vec<(String, bool)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        assert!(results[..4].iter().any(|(_, done)| !done), "round {round}: the kill came after the victims finished");
+        assert!(
+            results[..4].iter().any(|(_, done)| !done),
+            "round {round}: the kill came after the victims finished"
+        );
         for (i, (text, done)) in results[4..].iter().enumerate() {
             assert!(done, "round {round}: survivor {i} did not finish");
-            assert_eq!(text, &reference[i], "round {round}: survivor {i} was disturbed");
+            assert_eq!(
+                text, &reference[i],
+                "round {round}: survivor {i} was disturbed"
+            );
         }
         assert!(
             wait_for(Duration::from_secs(10), || kv_usage(&addr_b) == 0.0),
@@ -120,7 +156,15 @@ fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
     }
     // The last freed slot serves a new frontend too.
     let (_c, addr_c) = frontend(&inst);
-    assert!(wait_for(Duration::from_secs(10), || http(&addr_c, "GET", "/health", "").0 == 200));
-    let (code, _) = http(&addr_c, "POST", "/v1/completions", r#"{"prompt":"The cat","max_tokens":4}"#);
+    assert!(wait_for(Duration::from_secs(10), || http(
+        &addr_c, "GET", "/health", ""
+    )
+    .0 == 200));
+    let (code, _) = http(
+        &addr_c,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"The cat","max_tokens":4}"#,
+    );
     assert_eq!(code, 200);
 }

@@ -1,0 +1,214 @@
+//! `baton serve` as a supervisor (DESIGN.md section 6): `/health` reports a dead worker within a
+//! second, the worker is restarted and in-flight requests complete; SIGTERM leaves no child and
+//! nothing in /dev/shm; after a SIGKILL of `baton serve` every child exits within 2 s.
+
+mod support;
+
+use nix::sys::signal::Signal;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use support::*;
+
+fn serve(instance: &str, port: u16) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args([
+            "serve",
+            "--instance",
+            instance,
+            "--port",
+            &port.to_string(),
+            "--max-num-seqs",
+            "32",
+            "--model",
+        ])
+        .arg(model_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn serve");
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut line = String::new();
+    while !line.contains("ready on") {
+        line.clear();
+        assert!(Instant::now() < deadline, "baton serve never became ready");
+        if err.read_line(&mut line).unwrap_or(0) == 0 {
+            panic!("baton serve exited before it was ready");
+        }
+    }
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (
+        Proc {
+            child,
+            name: "serve",
+        },
+        format!("127.0.0.1:{port}"),
+    )
+}
+
+fn health(addr: &str) -> u16 {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return 0;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Children of `pid` (by /proc/*/stat ppid).
+fn children(pid: i32) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|f| f.parse::<i32>().ok()) == Some(pid) && fields[0] != "Z" {
+            let cmd = std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                .unwrap_or_default()
+                .replace('\0', " ");
+            out.push((p, cmd));
+        }
+    }
+    out
+}
+
+fn stream_completion(addr: &str, max_tokens: u32) -> (String, bool) {
+    let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut text = String::new();
+    for line in BufReader::new(s).lines() {
+        let Ok(line) = line else { break };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return (text, true);
+        }
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            text.push_str(t);
+        }
+    }
+    (text, false)
+}
+
+#[test]
+fn a_killed_worker_shows_as_503_is_restarted_and_in_flight_requests_complete() {
+    let inst = instance("serve-worker");
+    let (serve, addr) = serve(&inst, 18301);
+    assert_eq!(health(&addr), 200);
+    // A reference run, then the same request with the worker killed in the middle.
+    let (reference, done) = stream_completion(&addr, 400);
+    assert!(done);
+    let a2 = addr.clone();
+    let t = std::thread::spawn(move || stream_completion(&a2, 400));
+    std::thread::sleep(Duration::from_millis(30));
+    let worker = children(serve.pid())
+        .into_iter()
+        .find(|(_, c)| c.contains(" worker "))
+        .expect("worker child");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker.0), Signal::SIGKILL).unwrap();
+    let killed = Instant::now();
+    let mut saw_503 = false;
+    while killed.elapsed() < Duration::from_secs(1) {
+        if health(&addr) == 503 {
+            saw_503 = true;
+            break;
+        }
+    }
+    assert!(
+        saw_503,
+        "/health never said 503 within 1 s of the worker's death"
+    );
+    assert!(
+        wait_for(Duration::from_secs(30), || health(&addr) == 200),
+        "the worker was not restarted"
+    );
+    let (text, done) = t.join().unwrap();
+    assert!(done, "the in-flight request did not complete");
+    assert_eq!(
+        text, reference,
+        "the in-flight request's greedy output changed across the restart"
+    );
+}
+
+#[test]
+fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_down() {
+    let inst = instance("serve-stop");
+    let (mut serve1, addr) = serve(&inst, 18302);
+    assert_eq!(health(&addr), 200);
+    let kids = children(serve1.pid());
+    assert_eq!(kids.len(), 3, "{kids:?}");
+    serve1.signal(Signal::SIGTERM);
+    assert!(
+        serve1.wait_timeout(Duration::from_secs(20)).is_some(),
+        "baton serve ignored SIGTERM"
+    );
+    for (pid, cmd) in &kids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.contains(") Z ")),
+            "child {cmd} survived"
+        );
+    }
+    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&inst))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    let (mut serve2, addr) = serve(&inst, 18303);
+    assert_eq!(health(&addr), 200);
+    let kids = children(serve2.pid());
+    assert_eq!(kids.len(), 3, "{kids:?}");
+    serve2.signal(Signal::SIGKILL);
+    serve2.wait_timeout(Duration::from_secs(5));
+    let t = Instant::now();
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    };
+    assert!(
+        wait_for(Duration::from_secs(2), || kids
+            .iter()
+            .all(|(p, _)| !alive(*p))),
+        "children outlived baton serve by more than 2 s"
+    );
+    assert!(t.elapsed() <= Duration::from_secs(2));
+    // The next start removes the dead instance's segment and stops cleanly.
+    let (mut serve3, addr) = serve(&inst, 18304);
+    assert_eq!(health(&addr), 200);
+    serve3.signal(Signal::SIGTERM);
+    assert!(serve3.wait_timeout(Duration::from_secs(20)).is_some());
+    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&inst))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
