@@ -19,7 +19,8 @@ use baton_proto::wire::{
 };
 use baton_proto::{Completion, SamplingParams};
 use bytemuck::Zeroable;
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -167,8 +168,8 @@ impl SchedulerDaemon {
             worker_attached: None,
             completion_in: None,
             frontends,
-            routes: HashMap::new(),
-            by_local: HashMap::new(),
+            routes: HashMap::default(),
+            by_local: HashMap::default(),
             next_id: 1,
             events: Vec::new(),
             scratch_launch: Vec::new(),

@@ -13,7 +13,8 @@ use baton_kv::{PagePool, PoolStats, SlotAllocator};
 use baton_proto::{
     Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, NOT_PENDING,
 };
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
@@ -182,7 +183,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             slots: SlotAllocator::new(cfg.max_num_seqs),
             vocab_size,
             tables,
-            requests: HashMap::new(),
+            requests: HashMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             inflight: VecDeque::new(),
