@@ -600,10 +600,26 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             let Some(&(id, slot, _, _)) = launch.rows.get(s.row as usize) else {
                 continue;
             };
-            let live = self.requests.get(&id).is_some_and(|r| {
-                r.slot == Some(slot) && r.inflight_samples.front() == Some(&(c.seq, s.row))
-            });
-            if !live {
+            // One lookup: accept the token if the request is live and this is its oldest
+            // sampling row in flight; otherwise suppress it.
+            let max_model_len = self.cfg.max_model_len;
+            let accepted = match self.requests.get_mut(&id) {
+                Some(r)
+                    if r.slot == Some(slot)
+                        && r.inflight_samples.front() == Some(&(c.seq, s.row)) =>
+                {
+                    r.inflight_samples.pop_front();
+                    let pos = r.tokens.len();
+                    r.tokens.push(s.token);
+                    self.tables.set_token(slot.slot, pos, s.token);
+                    let stop = r.stop_ids.contains(&s.token);
+                    let length =
+                        r.num_outputs() >= r.max_tokens || r.tokens.len() >= max_model_len;
+                    Some((stop, length))
+                }
+                _ => None,
+            };
+            let Some((stop, length)) = accepted else {
                 self.emit(|| TraceRecord {
                     req: Some(id),
                     launch: Some(c.seq),
@@ -611,15 +627,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     ..TraceRecord::new(Boundary::Suppressed)
                 });
                 continue;
-            }
-            let r = self.requests.get_mut(&id).expect("live");
-            r.inflight_samples.pop_front();
-            let pos = r.tokens.len();
-            r.tokens.push(s.token);
-            self.tables.set_token(slot.slot, pos, s.token);
-            let stop = r.stop_ids.contains(&s.token);
-            let length =
-                r.num_outputs() >= r.max_tokens || r.tokens.len() >= self.cfg.max_model_len;
+            };
             if self.trace.is_some() {
                 let r = &self.requests[&id];
                 let mut sampled = Self::req_record(Boundary::Sampling, r);
