@@ -613,8 +613,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     r.tokens.push(s.token);
                     self.tables.set_token(slot.slot, pos, s.token);
                     let stop = r.stop_ids.contains(&s.token);
-                    let length =
-                        r.num_outputs() >= r.max_tokens || r.tokens.len() >= max_model_len;
+                    let length = r.num_outputs() >= r.max_tokens || r.tokens.len() >= max_model_len;
                     Some((stop, length))
                 }
                 _ => None,
