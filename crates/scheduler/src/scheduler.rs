@@ -330,8 +330,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             return None;
         }
         let seq = self.next_seq;
-        let mut rows: Vec<LaunchRow> = Vec::new();
-        let mut meta: Vec<(RequestId, SlotRef, usize, usize)> = Vec::new();
+        let cap = self.running.len() + self.waiting.len().min(self.cfg.max_num_seqs);
+        let mut rows: Vec<LaunchRow> = Vec::with_capacity(cap);
+        let mut meta: Vec<(RequestId, SlotRef, usize, usize)> = Vec::with_capacity(cap);
         let mut budget = self.cfg.max_num_batched_tokens;
 
         // Running requests first, in admission order: decodes and prefill continuations.

@@ -29,19 +29,21 @@ impl Backend for NullBackend {
         launch: &Launch,
         _tables: &dyn TableReader,
     ) -> Result<Completion, WorkerError> {
-        let sampled = launch
+        let mut sampled = Vec::with_capacity(launch.rows.len());
+        for (i, r) in launch
             .rows
             .iter()
             .enumerate()
             .filter(|(_, r)| r.sample == 1)
-            .map(|(i, r)| Sampled {
+        {
+            sampled.push(Sampled {
                 row: i as u32,
                 req: r.req,
                 token: self.token,
                 logprob: 0.0,
                 top: Vec::new(),
-            })
-            .collect();
+            });
+        }
         Ok(Completion {
             seq: launch.seq,
             sampled,
