@@ -340,7 +340,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            match self.plan_row(id, seq, budget) {
+            match self.plan_row(id, seq, budget, rows.len() as u32) {
                 Plan::Row(row) => {
                     budget -= row.num_tokens as usize;
                     meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
@@ -384,7 +384,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
-            match self.plan_row(id, seq, budget) {
+            match self.plan_row(id, seq, budget, rows.len() as u32) {
                 Plan::Row(row) => {
                     budget -= row.num_tokens as usize;
                     meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
@@ -408,14 +408,6 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             return None;
         }
         self.next_seq += 1;
-        for (idx, (row, m)) in rows.iter().zip(&meta).enumerate() {
-            let r = self.requests.get_mut(&m.0).expect("row request exists");
-            r.last_launch = seq;
-            r.scheduled_len = m.2 + m.3;
-            if row.sample == 1 {
-                r.inflight_samples.push_back((seq, idx as u32));
-            }
-        }
         if self.trace.is_some() {
             for (row, m) in rows.iter().zip(&meta) {
                 let r = &self.requests[&m.0];
@@ -437,7 +429,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     }
 
     /// Plans one row for request `id` in launch `seq`, allocating its pages.
-    fn plan_row(&mut self, id: RequestId, seq: LaunchSeq, budget: usize) -> Plan {
+    /// On success the request's `last_launch`, `scheduled_len` and in-flight samples already
+    /// account for the row (index `row_idx` of launch `seq`).
+    fn plan_row(&mut self, id: RequestId, seq: LaunchSeq, budget: usize, row_idx: u32) -> Plan {
         let max_model_len = self.cfg.max_model_len;
         let block_size = self.cfg.block_size;
         let r = self.requests.get_mut(&id).expect("planned request exists");
@@ -474,7 +468,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
         let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
         debug_assert!(pending_launch == NOT_PENDING || pending_launch < seq);
-        Plan::Row(LaunchRow {
+        let row = LaunchRow {
             req: slot,
             first_pos: first as u32,
             num_tokens: n as u32,
@@ -484,7 +478,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             pending_row,
             output_index: r.outputs_promised() as u32,
             params: r.params,
-        })
+        };
+        r.last_launch = seq;
+        r.scheduled_len = end;
+        if sample {
+            r.inflight_samples.push_back((seq, row_idx));
+        }
+        Plan::Row(row)
     }
 
     /// Preempts `id` by recompute: its pages and slot retire after its last launch, its history
