@@ -66,16 +66,19 @@ fn goldens_match_across_processes(async_flag: &str) {
 
 #[test]
 fn goldens_match_across_processes_with_async_scheduling() {
+    let _serial = serial();
     goldens_match_across_processes("--async-scheduling");
 }
 
 #[test]
 fn goldens_match_across_processes_without_async_scheduling() {
+    let _serial = serial();
     goldens_match_across_processes("--no-async-scheduling");
 }
 
 #[test]
 fn trace_of_200_mixed_requests_passes_the_checker() {
+    let _serial = serial();
     let inst = instance("trace200");
     let trace = std::env::temp_dir().join(format!("{inst}.trace.jsonl"));
     let mut s = scheduler(
@@ -141,6 +144,7 @@ fn trace_of_200_mixed_requests_passes_the_checker() {
 
 #[test]
 fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_fence() {
+    let _serial = serial();
     let inst = instance("cancel");
     let trace = std::env::temp_dir().join(format!("{inst}.trace.jsonl"));
     let mut s = scheduler(
@@ -207,6 +211,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
 
 #[test]
 fn killing_the_worker_mid_run_loses_nothing_and_greedy_outputs_are_unchanged() {
+    let _serial = serial();
     let prompts = mixed_prompts(50, 11);
     let reqs = greedy_reqs(&prompts, 40);
     // Reference: an uninterrupted run.
@@ -252,6 +257,7 @@ fn killing_the_worker_mid_run_loses_nothing_and_greedy_outputs_are_unchanged() {
 
 #[test]
 fn sigterm_leaves_nothing_in_dev_shm_and_sigkill_leaves_a_restartable_instance() {
+    let _serial = serial();
     let inst = instance("restart");
     let mut s = scheduler(&inst, &["--num-blocks", "32"]);
     assert!(wait_for(Duration::from_secs(10), || shm_path(&inst).exists()));

@@ -91,6 +91,7 @@ fn kv_usage(addr: &str) -> f64 {
 
 #[test]
 fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
+    let _serial = serial();
     let inst = instance("fkill");
     let _s = scheduler(&inst, &["--num-blocks", "512", "--frontends", "2"]);
     let _w = worker(&inst);

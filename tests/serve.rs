@@ -116,6 +116,7 @@ fn stream_completion(addr: &str, max_tokens: u32) -> (String, bool) {
 
 #[test]
 fn a_killed_worker_shows_as_503_is_restarted_and_in_flight_requests_complete() {
+    let _serial = serial();
     let inst = instance("serve-worker");
     let (serve, addr) = serve(&inst, 18301);
     assert_eq!(health(&addr), 200);
@@ -156,6 +157,7 @@ fn a_killed_worker_shows_as_503_is_restarted_and_in_flight_requests_complete() {
 
 #[test]
 fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_down() {
+    let _serial = serial();
     let inst = instance("serve-stop");
     let (mut serve1, addr) = serve(&inst, 18302);
     assert_eq!(health(&addr), 200);

@@ -60,6 +60,13 @@ impl Drop for Proc {
     }
 }
 
+/// Multi-process tests in one binary run one at a time: each starts several processes, and on a
+/// 2-core machine running them all at once only measures the machine's load.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A unique instance name for one test.
 pub fn instance(name: &str) -> String {
     format!("t{}-{name}", std::process::id())
@@ -91,7 +98,14 @@ pub fn scheduler(instance: &str, extra: &[&str]) -> Proc {
 /// Starts `baton worker --device cpu` on the test model.
 pub fn worker(instance: &str) -> Proc {
     let child = baton()
-        .args(["worker", "--instance", instance, "--model"])
+        .args([
+            "worker",
+            "--instance",
+            instance,
+            "--attach-timeout",
+            "60",
+            "--model",
+        ])
         .arg(model_dir())
         .spawn()
         .expect("spawn worker");
@@ -103,7 +117,7 @@ pub fn worker(instance: &str) -> Proc {
 
 /// Connects a test frontend once the scheduler is up and a worker attached.
 pub fn connect(instance: &str) -> FrontendLink {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut link = loop {
         match FrontendLink::connect(instance) {
             Ok(l) => break l,

@@ -28,9 +28,9 @@ pub struct ServeArgs {
     /// Device of the worker.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
-    /// Instance name (default: serve-<pid>).
-    #[arg(long)]
-    pub instance: Option<String>,
+    /// Instance name: the segment is /dev/shm/baton-<instance>. Two servers need two names.
+    #[arg(long, default_value = "default")]
+    pub instance: String,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -62,11 +62,18 @@ struct Kid {
 }
 
 fn spawn(args: &[String], capture_stdout: bool) -> Result<Child> {
+    spawn_with(args, capture_stdout, false)
+}
+
+fn spawn_with(args: &[String], capture_stdout: bool, capture_stderr: bool) -> Result<Child> {
     let exe = std::env::current_exe().context("locating the baton executable")?;
     let mut c = Command::new(exe);
     c.args(args).stdin(Stdio::null());
     if capture_stdout {
         c.stdout(Stdio::piped());
+    }
+    if capture_stderr {
+        c.stderr(Stdio::piped());
     }
     // SAFETY: the closure runs in the forked child before exec and only calls prctl, which is
     // async-signal-safe; it touches no memory shared with the parent.
@@ -143,10 +150,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
             a.model.display()
         );
     }
-    let instance = a
-        .instance
-        .clone()
-        .unwrap_or_else(|| format!("serve-{}", std::process::id()));
+    if let Some(t) = &a.chat_template {
+        baton_frontend::chat::load_template_arg(t)?;
+    }
+    let instance = a.instance.clone();
     let model = a.model.display().to_string();
     let mut sched_args = vec![
         "scheduler".into(),
@@ -213,7 +220,36 @@ pub fn run(a: ServeArgs) -> Result<()> {
             restarts: 0,
         },
     ];
-    for k in kids.iter_mut() {
+    // The scheduler first: the others start only once it owns the segment, so a bad flag or a
+    // name already in use fails at once, and nothing attaches to another server's segment.
+    let mut sched = spawn_with(&kids[0].args, false, true)?;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    if let Some(err) = sched.stderr.take() {
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if line.contains(" ready (") {
+                    let _ = ready_tx.send(());
+                }
+                eprintln!("{line}");
+            }
+        });
+    }
+    kids[0].child = Some(sched);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if ready_rx.recv_timeout(Duration::from_millis(20)).is_ok() {
+            break;
+        }
+        if let Some(Ok(Some(st))) = kids[0].child.as_mut().map(Child::try_wait) {
+            shutdown(&mut kids);
+            bail!("the scheduler could not start ({st}); see its error above");
+        }
+        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+            shutdown(&mut kids);
+            bail!("the scheduler did not become ready");
+        }
+    }
+    for k in kids[1..].iter_mut() {
         k.child = Some(spawn(&k.args, k.name == "frontend")?);
     }
     // The frontend prints its address on stdout once it listens.
@@ -269,6 +305,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             if kids[i].name == "scheduler" {
                 eprintln!("baton serve: the scheduler exited ({st}); stopping");
                 shutdown(&mut kids);
+                // A scheduler that died could not unlink its segment; nothing uses it now.
+                let _ = baton_ipc::Segment::remove_stale(&instance);
                 bail!("the scheduler exited ({st})");
             }
             kids[i].restarts += 1;

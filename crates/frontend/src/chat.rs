@@ -22,18 +22,23 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
-/// `--chat-template` takes a file path or the template itself (as vLLM does): a value naming an
-/// existing file is read, anything else is the template text.
+/// `--chat-template` takes a file path or the template itself (as vLLM does): a value with
+/// Jinja markup (`{%` or `{{`) is the template text; anything else must name a readable file,
+/// so a mistyped path is an error rather than a template that prints the path.
 ///
 /// # Errors
-/// The file exists but cannot be read.
+/// The value has no Jinja markup and is not a readable file.
 pub fn load_template_arg(arg: &str) -> anyhow::Result<String> {
-    let path = std::path::Path::new(arg);
-    if !arg.contains("{%") && !arg.contains("{{") && path.is_file() {
-        return std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("reading chat template {}: {e}", path.display()));
+    if arg.contains("{%") || arg.contains("{{") {
+        return Ok(arg.to_owned());
     }
-    Ok(arg.to_owned())
+    let path = std::path::Path::new(arg);
+    std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!(
+            "--chat-template {}: {e} (give a template file, or the template text itself)",
+            path.display()
+        )
+    })
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {

@@ -27,10 +27,10 @@ pub enum LinkError {
         err: baton_ipc::SegmentError,
     },
     /// Opening a region failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Region(#[from] baton_ipc::RegionError),
     /// Every frontend slot is taken.
-    #[error("no free frontend slot: {0}")]
+    #[error("no free frontend slot")]
     Register(#[from] baton_ipc::RegisterError),
     /// The admission ring stayed full (the scheduler is not draining it).
     #[error("the scheduler is not accepting requests (admission ring full)")]

@@ -48,13 +48,13 @@ pub struct DaemonConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     /// Creating or using the segment failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Segment(#[from] baton_ipc::SegmentError),
     /// A region is missing (a layout bug).
-    #[error("{0}")]
+    #[error(transparent)]
     Region(#[from] baton_ipc::RegionError),
     /// Registration failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Register(#[from] baton_ipc::RegisterError),
     /// The trace file could not be created.
     #[error("creating trace file {path}: {err}")]

@@ -26,10 +26,10 @@ pub enum DaemonError {
         err: baton_ipc::SegmentError,
     },
     /// A region or ring end could not be opened.
-    #[error("opening the worker's rings: {0}")]
+    #[error("opening the worker's rings")]
     Region(#[from] baton_ipc::RegionError),
     /// No worker slot became free in time.
-    #[error("registering as worker: {0}")]
+    #[error("registering as worker")]
     Register(#[from] baton_ipc::RegisterError),
     /// The backend does not match the published limits.
     #[error("{0}")]
