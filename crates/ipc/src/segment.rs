@@ -295,6 +295,93 @@ fn identity(fd: &OwnedFd, path: &str) -> Result<(u64, u64), SegmentError> {
     Ok((st.st_dev, st.st_ino))
 }
 
+/// A segment file opened and its header checked by [`open_checked`].
+struct Opened {
+    fd: OwnedFd,
+    path: String,
+    file_size: u64,
+    identity: (u64, u64),
+    /// A copy of the header as read (only the plain fields are meaningful).
+    header: SegmentHeader,
+}
+
+/// Opens `instance`'s segment with `flags` and checks the parts of its header that do not
+/// depend on a layout: the file is at least a header long, starts with [`MAGIC`], and has this
+/// [`LAYOUT_VERSION`] and header size. A file that is too short or has no magic yet while its
+/// creator holds the creation lock is [`SegmentError::Initializing`] (the creator is between
+/// `shm_open` and publishing the magic), so attachers that retry on it never race a creator.
+fn open_checked(instance: &str, flags: OFlag) -> Result<Opened, SegmentError> {
+    check_instance(instance)?;
+    let path = segment_path(instance).display().to_string();
+    let fd = match nix::sys::mman::shm_open(shm_name(instance).as_str(), flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => {
+            return Err(SegmentError::NotFound {
+                instance: instance.to_owned(),
+                path,
+            })
+        }
+        Err(e) => return Err(sys("shm_open", &path)(e)),
+    };
+    let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(sys("fstat", &path))?;
+    let file_size = st.st_size.max(0) as u64;
+    let initializing = |fd: &OwnedFd| liveness::held_by_other(fd.as_fd(), 0).unwrap_or(false);
+    if file_size < HEADER_SIZE as u64 {
+        if initializing(&fd) {
+            return Err(SegmentError::Initializing {
+                instance: instance.to_owned(),
+                path,
+            });
+        }
+        return Err(SegmentError::Truncated {
+            path,
+            expected: HEADER_SIZE as u64,
+            found: file_size,
+        });
+    }
+    let mut buf = vec![0u8; std::mem::size_of::<SegmentHeader>()];
+    nix::sys::uio::pread(&fd, &mut buf, 0).map_err(sys("pread", &path))?;
+    // SAFETY: `SegmentHeader` is `#[repr(C)]` plain data and atomics, valid for any bit
+    // pattern; `buf` holds exactly one header and `read_unaligned` copes with alignment.
+    let header: SegmentHeader = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+    let magic = header.magic.load(Ordering::Relaxed);
+    if magic != MAGIC {
+        if magic == 0 && initializing(&fd) {
+            return Err(SegmentError::Initializing {
+                instance: instance.to_owned(),
+                path,
+            });
+        }
+        return Err(SegmentError::BadMagic {
+            path,
+            expected: MAGIC,
+            found: magic,
+        });
+    }
+    if header.layout_version != LAYOUT_VERSION {
+        return Err(SegmentError::VersionMismatch {
+            path,
+            expected: LAYOUT_VERSION,
+            found: header.layout_version,
+        });
+    }
+    let header_size = std::mem::size_of::<SegmentHeader>() as u32;
+    if header.header_size != header_size {
+        return Err(SegmentError::HeaderSizeMismatch {
+            path,
+            expected: header_size,
+            found: header.header_size,
+        });
+    }
+    Ok(Opened {
+        fd,
+        path,
+        file_size,
+        identity: (st.st_dev, st.st_ino),
+        header,
+    })
+}
+
 /// An owned `MAP_SHARED` mapping, unmapped on drop unless handed to an [`Arena`].
 struct Mapping {
     base: NonNull<u8>,
@@ -538,64 +625,17 @@ impl Segment {
     /// with [`MAGIC`], has this [`LAYOUT_VERSION`] and header size, is as long as its header
     /// says, has `spec`'s layout hash and size, names `instance`, and its creator is alive.
     pub fn attach(instance: &str, spec: &LayoutSpec) -> Result<Segment, SegmentError> {
-        check_instance(instance)?;
         let layout = spec.layout()?;
-        let path = segment_path(instance).display().to_string();
-        let fd = match nix::sys::mman::shm_open(
-            shm_name(instance).as_str(),
-            OFlag::O_RDWR,
-            Mode::empty(),
-        ) {
-            Ok(fd) => fd,
-            Err(Errno::ENOENT) => {
-                return Err(SegmentError::NotFound {
-                    instance: instance.to_owned(),
-                    path,
-                })
-            }
-            Err(e) => return Err(sys("shm_open", &path)(e)),
-        };
-        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(sys("fstat", &path))?;
-        let file_size = st.st_size.max(0) as u64;
-        if file_size < HEADER_SIZE as u64 {
-            return Err(SegmentError::Truncated {
-                path,
-                expected: HEADER_SIZE as u64,
-                found: file_size,
-            });
-        }
+        let opened = open_checked(instance, OFlag::O_RDWR)?;
+        let Opened {
+            fd,
+            path,
+            file_size,
+            identity,
+            ..
+        } = opened;
         let map = Mapping::new(&fd, file_size as usize, &path)?;
         let h = map.header();
-        let magic = h.magic.load(Ordering::Acquire);
-        if magic != MAGIC {
-            let held = liveness::held_by_other(fd.as_fd(), 0).unwrap_or(false);
-            if magic == 0 && held {
-                return Err(SegmentError::Initializing {
-                    instance: instance.to_owned(),
-                    path,
-                });
-            }
-            return Err(SegmentError::BadMagic {
-                path,
-                expected: MAGIC,
-                found: magic,
-            });
-        }
-        if h.layout_version != LAYOUT_VERSION {
-            return Err(SegmentError::VersionMismatch {
-                path,
-                expected: LAYOUT_VERSION,
-                found: h.layout_version,
-            });
-        }
-        let header_size = std::mem::size_of::<SegmentHeader>() as u32;
-        if h.header_size != header_size {
-            return Err(SegmentError::HeaderSizeMismatch {
-                path,
-                expected: header_size,
-                found: h.header_size,
-            });
-        }
         if h.size > file_size {
             return Err(SegmentError::Truncated {
                 path,
@@ -632,7 +672,6 @@ impl Segment {
                 path,
             });
         }
-        let identity = (st.st_dev, st.st_ino);
         Ok(Segment {
             arena: map.into_arena(layout, fd),
             instance: instance.to_owned(),
@@ -648,66 +687,7 @@ impl Segment {
     /// before [`Segment::attach`] checks it field by field. Checks the magic, the layout
     /// version and the header size first.
     pub fn peek_limits(instance: &str) -> Result<Limits, SegmentError> {
-        check_instance(instance)?;
-        let path = segment_path(instance).display().to_string();
-        let fd = match nix::sys::mman::shm_open(
-            shm_name(instance).as_str(),
-            OFlag::O_RDONLY,
-            Mode::empty(),
-        ) {
-            Ok(fd) => fd,
-            Err(Errno::ENOENT) => {
-                return Err(SegmentError::NotFound {
-                    instance: instance.to_owned(),
-                    path,
-                })
-            }
-            Err(e) => return Err(sys("shm_open", &path)(e)),
-        };
-        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(sys("fstat", &path))?;
-        let file_size = st.st_size.max(0) as u64;
-        if file_size < HEADER_SIZE as u64 {
-            return Err(SegmentError::Truncated {
-                path,
-                expected: HEADER_SIZE as u64,
-                found: file_size,
-            });
-        }
-        let mut buf = vec![0u8; std::mem::size_of::<SegmentHeader>()];
-        nix::sys::uio::pread(&fd, &mut buf, 0).map_err(sys("pread", &path))?;
-        // SAFETY: `SegmentHeader` is `#[repr(C)]` plain data and atomics, valid for any bit
-        // pattern; `buf` holds exactly one header and `read_unaligned` copes with alignment.
-        let h: SegmentHeader = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
-        let magic = h.magic.load(Ordering::Relaxed);
-        if magic != MAGIC {
-            if magic == 0 {
-                return Err(SegmentError::Initializing {
-                    instance: instance.to_owned(),
-                    path,
-                });
-            }
-            return Err(SegmentError::BadMagic {
-                path,
-                expected: MAGIC,
-                found: magic,
-            });
-        }
-        if h.layout_version != LAYOUT_VERSION {
-            return Err(SegmentError::VersionMismatch {
-                path,
-                expected: LAYOUT_VERSION,
-                found: h.layout_version,
-            });
-        }
-        let header_size = std::mem::size_of::<SegmentHeader>() as u32;
-        if h.header_size != header_size {
-            return Err(SegmentError::HeaderSizeMismatch {
-                path,
-                expected: header_size,
-                found: h.header_size,
-            });
-        }
-        Ok(h.limits)
+        Ok(open_checked(instance, OFlag::O_RDONLY)?.header.limits)
     }
 
     /// Remove the segment of `instance` if its creator is dead. Returns whether a file was
@@ -1081,6 +1061,41 @@ mod tests {
         assert!(matches!(
             Segment::attach(&id.0, &spec()),
             Err(SegmentError::Truncated { found: 0, .. })
+        ));
+    }
+
+    /// A creator between `shm_open` and `ftruncate` (empty file) or before publishing the magic
+    /// holds the creation lock: attachers must see `Initializing` (and retry), not a hard error.
+    /// CI once lost a worker to this race (it exited on `Truncated { found: 0 }`).
+    #[test]
+    fn a_file_whose_creator_holds_the_lock_is_initializing_not_truncated() {
+        let id = TestInstance::new();
+        std::fs::write(segment_path(&id.0), b"").unwrap();
+        let creator = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(segment_path(&id.0))
+            .unwrap();
+        assert!(liveness::try_lock(creator.as_fd(), 0).unwrap());
+        for e in [
+            Segment::attach(&id.0, &spec()).unwrap_err(),
+            Segment::peek_limits(&id.0).unwrap_err(),
+        ] {
+            assert!(matches!(e, SegmentError::Initializing { .. }), "{e}");
+        }
+        // Sized but no magic yet: still initialising.
+        creator.set_len(2 * HEADER_SIZE as u64).unwrap();
+        for e in [
+            Segment::attach(&id.0, &spec()).unwrap_err(),
+            Segment::peek_limits(&id.0).unwrap_err(),
+        ] {
+            assert!(matches!(e, SegmentError::Initializing { .. }), "{e}");
+        }
+        // The creator died before publishing: a hard error, not an endless wait.
+        drop(creator);
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::BadMagic { found: 0, .. })
         ));
     }
 
