@@ -46,6 +46,16 @@ impl ApiError {
         }
     }
 
+    /// A 405: the route exists but not for this HTTP method.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+        }
+    }
+
     /// A 401 (missing or wrong API key).
     pub fn unauthorized() -> Self {
         Self {

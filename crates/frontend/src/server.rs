@@ -297,6 +297,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(64 << 20))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state)
@@ -321,6 +322,15 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::method_not_allowed(format!(
+        "Method {} is not allowed for {}.",
+        req.method(),
+        req.uri().path()
+    ))
+    .into_response()
 }
 
 async fn not_found(req: Request) -> Response {
@@ -690,6 +700,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             &limits,
             ids.len(),
             gen.max_tokens,
+            Some(validate::COMPLETIONS_DEFAULT_MAX_TOKENS),
             "prompt",
             gen.max_tokens_param,
         )?;
@@ -841,6 +852,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         &limits,
         ids.len(),
         gen.max_tokens,
+        None,
         "messages",
         gen.max_tokens_param,
     )?;

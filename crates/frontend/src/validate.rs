@@ -495,11 +495,18 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
     })
 }
 
-/// Flattens a message's `content` (a string, a list of text parts, or null) to a string.
-fn flatten_content(i: usize, content: Option<&Value>) -> Result<Value, ApiError> {
+/// Flattens a message's `content` (a string, a list of text parts, or, for an `assistant`
+/// message, null or absent) to a string.
+fn flatten_content(i: usize, assistant: bool, content: Option<&Value>) -> Result<Value, ApiError> {
     let param = || Some(format!("messages[{i}].content"));
     match content {
-        None | Some(Value::Null) => Ok(Value::String(String::new())),
+        // Only an assistant turn (one that made tool calls) may come without content, as in
+        // OpenAI's API.
+        None | Some(Value::Null) if assistant => Ok(Value::String(String::new())),
+        None | Some(Value::Null) => Err(ApiError::invalid(
+            param(),
+            "A message needs 'content' (only an assistant message may omit it).",
+        )),
         Some(Value::String(s)) => Ok(Value::String(s.clone())),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
@@ -555,7 +562,11 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
             ));
         }
         let mut out = obj.clone();
-        out.insert("content".into(), flatten_content(i, obj.get("content"))?);
+        let assistant = obj.get("role").and_then(Value::as_str) == Some("assistant");
+        out.insert(
+            "content".into(),
+            flatten_content(i, assistant, obj.get("content"))?,
+        );
         messages.push(Value::Object(out));
     }
     let gen = parse_gen(&f, true, limits)?;
@@ -571,8 +582,13 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
     })
 }
 
+/// `/v1/completions` without `max_tokens` generates this many tokens, as OpenAI's API and vLLM
+/// do (the chat endpoint instead defaults to the room left in the context).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
 /// The number of new tokens a prompt of `prompt_len` may ask for, checked against the model's
-/// maximum length. `what` names the prompt field (`prompt` or `messages`).
+/// maximum length. `what` names the prompt field (`prompt` or `messages`). Without a request,
+/// `default` (clipped to the room left) or else all the room left.
 ///
 /// # Errors
 /// 400 when the prompt is empty or leaves no room, or prompt plus `max_tokens` is over the limit.
@@ -580,6 +596,7 @@ pub fn resolve_max_tokens(
     limits: &EngineLimits,
     prompt_len: usize,
     requested: Option<u32>,
+    default: Option<u32>,
     what: &str,
     max_tokens_param: &str,
 ) -> Result<u32, ApiError> {
@@ -598,7 +615,10 @@ pub fn resolve_max_tokens(
         ));
     }
     match requested {
-        None => Ok(u32::try_from(max_len - prompt_len).unwrap_or(u32::MAX)),
+        None => {
+            let room = u32::try_from(max_len - prompt_len).unwrap_or(u32::MAX);
+            Ok(default.map_or(room, |d| d.min(room)))
+        }
         Some(m) if prompt_len as u64 + m as u64 > max_len as u64 => Err(ApiError::field(
             max_tokens_param,
             format!(
@@ -675,15 +695,24 @@ mod tests {
 
     #[test]
     fn max_tokens_over_the_limit_is_refused() {
-        assert!(resolve_max_tokens(&LIMITS, 10, Some(503), "prompt", "max_tokens").is_err());
+        assert!(resolve_max_tokens(&LIMITS, 10, Some(503), None, "prompt", "max_tokens").is_err());
         assert_eq!(
-            resolve_max_tokens(&LIMITS, 10, Some(502), "prompt", "max_tokens"),
+            resolve_max_tokens(&LIMITS, 10, Some(502), None, "prompt", "max_tokens"),
             Ok(502)
         );
         assert_eq!(
-            resolve_max_tokens(&LIMITS, 10, None, "prompt", "max_tokens"),
+            resolve_max_tokens(&LIMITS, 10, None, None, "prompt", "max_tokens"),
             Ok(502)
         );
-        assert!(resolve_max_tokens(&LIMITS, 512, None, "prompt", "max_tokens").is_err());
+        assert!(resolve_max_tokens(&LIMITS, 512, None, None, "prompt", "max_tokens").is_err());
+        // A default is clipped to the room left, never an error.
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 10, None, Some(16), "prompt", "max_tokens"),
+            Ok(16)
+        );
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 500, None, Some(16), "prompt", "max_tokens"),
+            Ok(12)
+        );
     }
 }

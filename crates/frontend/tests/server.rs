@@ -618,6 +618,12 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
             400,
             None,
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user"}]}).to_string(),
+            400,
+            Some("messages[0].content"),
+        ),
         ("/v1/nope", "{}".into(), 404, None),
     ];
     for (path, body, status, param) in cases {
@@ -633,6 +639,10 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         assert_eq!(e["code"], status, "{body}: {v}");
         assert_eq!(e["param"].as_str(), param, "{body}: {v}");
     }
+    // A wrong method gets a 405 with an OpenAI error body, not an empty one.
+    let r = get(srv.addr, "/v1/completions").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 405, "{}", r.body);
     // A stream that cannot start is refused before it starts.
     let r = post(
         srv.addr,
@@ -651,15 +661,35 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_tokens_defaults_to_the_room_left_in_the_context() {
+async fn completions_max_tokens_defaults_to_16_clipped_to_the_room_left() {
     let srv = start(Opts {
         max_model_len: Some(32),
         ..Opts::default()
     })
     .await;
     let v = completion(srv.addr, json!({"prompt": "The cat", "ignore_eos": true})).await;
-    assert_eq!(v["usage"]["completion_tokens"], 28);
+    assert_eq!(v["usage"]["completion_tokens"], 16);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let ids: Vec<u32> = (100..125).collect();
+    let v = completion(srv.addr, json!({"prompt": ids, "ignore_eos": true})).await;
+    assert_eq!(v["usage"]["completion_tokens"], 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_max_tokens_defaults_to_the_room_left_in_the_context() {
+    let srv = start(Opts {
+        max_model_len: Some(48),
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": true});
+    let r = post(srv.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let used = v["usage"]["prompt_tokens"].as_u64().unwrap()
+        + v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(used, 48, "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
