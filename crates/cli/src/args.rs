@@ -53,7 +53,11 @@ impl EngineArgs {
             return Err("--max-num-batched-tokens must be at least 1".into());
         }
         let max_model_len = match self.max_model_len {
-            Some(0) => return Err("--max-model-len must be at least 2".into()),
+            Some(n @ (0 | 1)) => {
+                return Err(format!(
+                    "--max-model-len must be at least 2 (a prompt token and a new one), got {n}"
+                ))
+            }
             Some(n) if n > model.max_position_embeddings => {
                 return Err(format!(
                     "--max-model-len {n} exceeds the model's max_position_embeddings {}",

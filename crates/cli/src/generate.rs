@@ -37,16 +37,16 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u32,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling mass; 1 disables.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep the k most likely tokens; 0 or -1 disables.
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     pub top_k: i32,
     /// Drop tokens below min_p times the top probability; 0 disables.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Seed of every request's random stream (default: a random seed per request).
     #[arg(long)]
@@ -81,8 +81,11 @@ pub struct Generation {
 }
 
 fn validate_sampling(a: &GenerateArgs) -> Result<()> {
-    if a.temperature.is_nan() || a.temperature < 0.0 {
-        bail!("--temperature must be >= 0, got {}", a.temperature);
+    if !a.temperature.is_finite() || a.temperature < 0.0 {
+        bail!(
+            "--temperature must be a finite number >= 0, got {}",
+            a.temperature
+        );
     }
     if a.top_p.is_nan() || a.top_p <= 0.0 || a.top_p > 1.0 {
         bail!("--top-p must be in (0, 1], got {}", a.top_p);
@@ -109,7 +112,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if let Some(f) = &a.prompts_file {
         let text = std::fs::read_to_string(f)
             .with_context(|| format!("reading --prompts-file {}", f.display()))?;
+        let before = prompts.len();
         prompts.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_owned));
+        if prompts.len() == before {
+            bail!(
+                "--prompts-file {} has no prompts (one per non-empty line)",
+                f.display()
+            );
+        }
     }
     if prompts.is_empty() {
         bail!("give at least one --prompt or a --prompts-file");
@@ -130,6 +140,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let tokenizer = tokenizer.context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
     )?;
+    let max_model_len = cfg.max_model_len;
     let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
     let mut engine = LocalEngine::new(cfg, backend);
     if let Some(path) = &a.engine.trace {
@@ -168,6 +179,16 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         } else {
             writeln!(out, "### [{i}] {}", g.prompt)?;
             writeln!(out, "{}", g.text)?;
+        }
+    }
+    for (i, g) in gens.iter().enumerate() {
+        let n = g.ids.len();
+        if g.finish_reason == FinishReason::Length && n < a.max_tokens as usize {
+            eprintln!(
+                "note: prompt {i} stopped at the maximum model length ({max_model_len} tokens) \
+                 after {n} of --max-tokens {}",
+                a.max_tokens
+            );
         }
     }
     let tokens: usize = gens.iter().map(|g| g.ids.len()).sum();

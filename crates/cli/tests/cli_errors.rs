@@ -1,0 +1,90 @@
+//! Bad command-line input gets a clear message and a non-zero exit, never a panic.
+
+mod common;
+
+use std::process::Command;
+
+/// Runs `baton generate --model <test model> <extra…>`; returns (exit code, stderr).
+fn generate(extra: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("generate")
+        .arg("--model")
+        .arg(common::model_dir())
+        .args(["--prompt", "Once upon a time"])
+        .args(if extra.contains(&"--max-tokens") {
+            &[][..]
+        } else {
+            &["--max-tokens", "2"][..]
+        })
+        .args(extra)
+        .output()
+        .expect("run baton");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn out_of_range_sampling_and_length_flags_are_refused_with_their_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--temperature", "-1"], "--temperature"),
+        (&["--temperature", "inf"], "--temperature"),
+        (&["--temperature", "NaN"], "--temperature"),
+        (&["--top-p", "-0.5"], "--top-p"),
+        (&["--min-p", "-1"], "--min-p"),
+        (&["--top-k", "-2"], "--top-k"),
+        (&["--max-model-len", "1"], "--max-model-len"),
+        (&["--max-model-len", "0"], "--max-model-len"),
+    ];
+    for (flags, name) in cases {
+        let (code, err) = generate(flags);
+        assert!(
+            matches!(code, Some(c) if c != 0 && c != 101),
+            "{flags:?}: exit {code:?}: {err}"
+        );
+        assert!(
+            err.contains(name),
+            "{flags:?}: message does not name {name}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{flags:?}: {err}");
+    }
+}
+
+#[test]
+fn valid_edge_values_are_accepted() {
+    let (code, err) = generate(&["--temperature", "0", "--max-model-len", "8"]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+fn an_empty_prompts_file_is_named() {
+    let f = std::env::temp_dir().join(format!("baton-empty-{}.txt", std::process::id()));
+    std::fs::write(&f, "\n\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("generate")
+        .arg("--model")
+        .arg(common::model_dir())
+        .arg("--prompts-file")
+        .arg(&f)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&f);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("has no prompts"), "{err}");
+}
+
+#[test]
+fn generation_clipped_at_the_model_length_says_so() {
+    let (code, err) = generate(&[
+        "--temperature",
+        "0",
+        "--max-model-len",
+        "8",
+        "--max-tokens",
+        "50",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("maximum model length (8 tokens)"), "{err}");
+}
