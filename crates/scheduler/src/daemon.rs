@@ -300,11 +300,16 @@ impl SchedulerDaemon {
     }
 
     fn worker_died(&mut self, pid: u32, exited: bool) {
-        tracing::warn!(
-            pid,
-            exited,
-            "worker gone; requeueing running requests for recompute"
-        );
+        if exited && self.sched.is_idle() {
+            // A clean exit with nothing to requeue (for example `baton serve` shutting down).
+            tracing::info!(pid, "worker left");
+        } else {
+            tracing::warn!(
+                pid,
+                exited,
+                "worker gone; requeueing running requests for recompute"
+            );
+        }
         self.segment
             .status()
             .fetch_and(!plane::STATUS_WORKER_ATTACHED, Ordering::Release);
