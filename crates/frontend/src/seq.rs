@@ -217,6 +217,13 @@ impl Seq {
 
 impl Drop for Seq {
     fn drop(&mut self) {
+        if !self.done {
+            // Dropped before its last delta: the client went away (or the handler gave up).
+            // Count it as aborted, as vLLM's `request_success_total{finished_reason="abort"}`.
+            self.done = true;
+            self.metrics
+                .on_finished("abort", self.arrived.elapsed().as_secs_f64());
+        }
         self.abandon();
     }
 }

@@ -834,6 +834,13 @@ async fn client_disconnect_mid_stream_cancels_and_the_pool_returns_to_full() {
         launches < at_drop + 100,
         "{at_drop} launches at the drop, {launches} at the end"
     );
+    // Both sequences count as aborted in the metrics.
+    let m = get(srv.addr, "/metrics").await.body;
+    let aborted = m
+        .lines()
+        .find(|l| l.starts_with("vllm:request_success_total") && l.contains("\"abort\""))
+        .unwrap_or_else(|| panic!("no abort counter in {m}"));
+    assert!(aborted.ends_with(" 2"), "{aborted}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
