@@ -13,7 +13,7 @@ use crate::engine::{
 };
 use baton_proto::Launch;
 use baton_scheduler::{
-    AdmitError, Event, FinishReason, NewRequest, Scheduler, SchedulerConfig, SchedulerStats,
+    check_admission, Event, FinishReason, NewRequest, Scheduler, SchedulerConfig, SchedulerStats,
 };
 use baton_worker::Backend;
 use std::collections::{HashMap, VecDeque};
@@ -132,42 +132,6 @@ impl Drop for LocalEngineClient {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The admission checks of [`Scheduler::add_request`] that do not depend on live state, so
-/// `submit` can refuse a request without waiting for the engine thread.
-pub fn check_admission(
-    cfg: &SchedulerConfig,
-    vocab_size: usize,
-    r: &NewRequest,
-) -> Result<(), AdmitError> {
-    if r.prompt.is_empty() {
-        return Err(AdmitError::EmptyPrompt);
-    }
-    if r.max_tokens == 0 {
-        return Err(AdmitError::ZeroMaxTokens);
-    }
-    if r.prompt.len() >= cfg.max_model_len {
-        return Err(AdmitError::PromptTooLong {
-            prompt: r.prompt.len(),
-            max_model_len: cfg.max_model_len,
-        });
-    }
-    if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(AdmitError::BadToken {
-            id,
-            vocab: vocab_size,
-        });
-    }
-    let most = (r.prompt.len() + r.max_tokens as usize).min(cfg.max_model_len) - 1;
-    let needed = most.max(1).div_ceil(cfg.block_size);
-    if needed > cfg.num_blocks {
-        return Err(AdmitError::TooLargeForPool {
-            needed,
-            total: cfg.num_blocks,
-        });
-    }
-    Ok(())
 }
 
 impl EngineClient for LocalEngineClient {

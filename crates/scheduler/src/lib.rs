@@ -13,5 +13,7 @@ pub mod trace;
 
 pub use check::{check_trace, TraceSummary, Violation};
 pub use request::{FinishReason, NewRequest, RequestId};
-pub use scheduler::{AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{
+    check_admission, AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats,
+};
 pub use trace::{Boundary, TraceRecord, Tracer};

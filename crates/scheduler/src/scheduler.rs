@@ -281,34 +281,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
 
     /// Admits a request. It waits for a slot and pages; nothing is allocated yet.
     pub fn add_request(&mut self, r: NewRequest) -> Result<(), AdmitError> {
-        if r.prompt.is_empty() {
-            return Err(AdmitError::EmptyPrompt);
-        }
-        if r.max_tokens == 0 {
-            return Err(AdmitError::ZeroMaxTokens);
-        }
-        if r.prompt.len() >= self.cfg.max_model_len {
-            return Err(AdmitError::PromptTooLong {
-                prompt: r.prompt.len(),
-                max_model_len: self.cfg.max_model_len,
-            });
-        }
-        if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(AdmitError::BadToken {
-                id,
-                vocab: self.vocab_size,
-            });
-        }
-        // The last sampled token's KV is never computed, so the request computes at most
-        // `min(prompt + max_tokens, max_model_len) - 1` positions.
-        let most = (r.prompt.len() + r.max_tokens as usize).min(self.cfg.max_model_len) - 1;
-        let needed = most.max(1).div_ceil(self.cfg.block_size);
-        if needed > self.cfg.num_blocks {
-            return Err(AdmitError::TooLargeForPool {
-                needed,
-                total: self.cfg.num_blocks,
-            });
-        }
+        check_admission(&self.cfg, self.vocab_size, &r)?;
         if self.requests.contains_key(&r.id) {
             return Err(AdmitError::DuplicateId(r.id));
         }
@@ -753,4 +726,47 @@ enum Plan {
     Nothing,
     /// Pages short by this many.
     NeedPages(usize),
+}
+
+/// The stateless admission checks of [`Scheduler::add_request`], for a frontend that wants to
+/// refuse a request before it reaches the scheduler: a non-empty prompt, `max_tokens >= 1`, a
+/// prompt shorter than `max_model_len`, token ids below `vocab_size`, and a request whose pages
+/// fit in the pool at all.
+///
+/// # Errors
+/// The first check that fails.
+pub fn check_admission(
+    cfg: &SchedulerConfig,
+    vocab_size: usize,
+    r: &NewRequest,
+) -> Result<(), AdmitError> {
+    if r.prompt.is_empty() {
+        return Err(AdmitError::EmptyPrompt);
+    }
+    if r.max_tokens == 0 {
+        return Err(AdmitError::ZeroMaxTokens);
+    }
+    if r.prompt.len() >= cfg.max_model_len {
+        return Err(AdmitError::PromptTooLong {
+            prompt: r.prompt.len(),
+            max_model_len: cfg.max_model_len,
+        });
+    }
+    if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(AdmitError::BadToken {
+            id,
+            vocab: vocab_size,
+        });
+    }
+    // The last sampled token's KV is never computed, so the request computes at most
+    // `min(prompt + max_tokens, max_model_len) - 1` positions.
+    let most = (r.prompt.len() + r.max_tokens as usize).min(cfg.max_model_len) - 1;
+    let needed = most.max(1).div_ceil(cfg.block_size);
+    if needed > cfg.num_blocks {
+        return Err(AdmitError::TooLargeForPool {
+            needed,
+            total: cfg.num_blocks,
+        });
+    }
+    Ok(())
 }
