@@ -9,15 +9,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Flags of `baton frontend`.
+/// HTTP flags shared by `baton frontend` and `baton serve` (which passes them on).
 #[derive(Args, Clone, Debug)]
-pub struct FrontendArgs {
-    /// Instance name of the scheduler to attach to.
-    #[arg(long, default_value = "default")]
-    pub instance: String,
-    /// The model directory (its tokenizer.json, tokenizer_config.json, generation_config.json).
-    #[arg(long)]
-    pub model: PathBuf,
+pub struct HttpArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -33,6 +27,43 @@ pub struct FrontendArgs {
     /// A chat template: a file, or the template text (default: tokenizer_config.json's).
     #[arg(long)]
     pub chat_template: Option<String>,
+}
+
+impl HttpArgs {
+    /// The same flags as command-line arguments, for a child `baton frontend`.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut v = vec![
+            "--host".into(),
+            self.host.clone(),
+            "--port".into(),
+            self.port.to_string(),
+        ];
+        let optional = [
+            ("--api-key", &self.api_key),
+            ("--served-model-name", &self.served_model_name),
+            ("--chat-template", &self.chat_template),
+        ];
+        for (flag, value) in optional {
+            if let Some(x) = value {
+                v.extend([flag.to_owned(), x.clone()]);
+            }
+        }
+        v
+    }
+}
+
+/// Flags of `baton frontend`.
+#[derive(Args, Clone, Debug)]
+pub struct FrontendArgs {
+    /// Instance name of the scheduler to attach to.
+    #[arg(long, default_value = "default")]
+    pub instance: String,
+    /// The model directory (its tokenizer.json, tokenizer_config.json, generation_config.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// HTTP flags.
+    #[command(flatten)]
+    pub http: HttpArgs,
     /// How long to wait for the scheduler's segment, in seconds.
     #[arg(long, default_value_t = 30.0)]
     pub attach_timeout: f64,
@@ -77,6 +108,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         eos.extend(tokenizer.eos_id());
     }
     let chat_template = a
+        .http
         .chat_template
         .as_deref()
         .map(baton_frontend::chat::load_template_arg)
@@ -94,10 +126,11 @@ pub fn run(a: FrontendArgs) -> Result<()> {
     let vocab = tokenizer.vocab_size();
     let engine = Arc::new(RingEngineClient::new(link, eos.clone(), vocab));
     let config = ServerConfig {
-        host: a.host.clone(),
-        port: a.port,
-        api_key: a.api_key.clone(),
+        host: a.http.host.clone(),
+        port: a.http.port,
+        api_key: a.http.api_key.clone(),
         served_model_name: a
+            .http
             .served_model_name
             .clone()
             .unwrap_or_else(|| default_model_name(&a.model)),

@@ -8,6 +8,7 @@
 
 use crate::args::EngineArgs;
 use crate::daemons::Device;
+use crate::frontend_cmd::HttpArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nix::sys::signal::{kill, Signal};
@@ -31,21 +32,9 @@ pub struct ServeArgs {
     /// Instance name: the segment is /dev/shm/baton-<instance>. Two servers need two names.
     #[arg(long, default_value = "default")]
     pub instance: String,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on.
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
-    #[arg(long)]
-    pub api_key: Option<String>,
-    /// The model name clients use.
-    #[arg(long)]
-    pub served_model_name: Option<String>,
-    /// A chat template file or text.
-    #[arg(long)]
-    pub chat_template: Option<String>,
+    /// HTTP flags, passed to the frontend.
+    #[command(flatten)]
+    pub http: HttpArgs,
     /// Frontend slots in the segment.
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
@@ -150,7 +139,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             a.model.display()
         );
     }
-    if let Some(t) = &a.chat_template {
+    if let Some(t) = &a.http.chat_template {
         baton_frontend::chat::load_template_arg(t)?;
     }
     let instance = a.instance.clone();
@@ -185,20 +174,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         instance.clone(),
         "--model".into(),
         model.clone(),
-        "--host".into(),
-        a.host.clone(),
-        "--port".into(),
-        a.port.to_string(),
     ];
-    if let Some(k) = &a.api_key {
-        front_args.extend(["--api-key".into(), k.clone()]);
-    }
-    if let Some(n) = &a.served_model_name {
-        front_args.extend(["--served-model-name".into(), n.clone()]);
-    }
-    if let Some(t) = &a.chat_template {
-        front_args.extend(["--chat-template".into(), t.clone()]);
-    }
+    front_args.extend(a.http.to_flags());
 
     let mut kids = [
         Kid {
