@@ -68,6 +68,7 @@ pub struct Seq {
     done: bool,
     arrived: Instant,
     last_token: Option<Instant>,
+    draining: tokio::sync::watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for Seq {
@@ -97,6 +98,8 @@ pub struct SeqContext {
     pub skip_special: bool,
     /// When the HTTP request arrived.
     pub arrived: Instant,
+    /// Becomes true when the server stops waiting for live requests at shutdown.
+    pub draining: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Seq {
@@ -121,6 +124,7 @@ impl Seq {
             done: false,
             arrived: ctx.arrived,
             last_token: None,
+            draining: ctx.draining.clone(),
         }
     }
 
@@ -129,13 +133,27 @@ impl Seq {
         if self.done {
             return None;
         }
-        let ev = match self.rx.as_mut() {
-            Some(rx) => rx.recv().await,
-            None => None,
-        };
         let mut d = Delta {
             index: self.index,
             ..Delta::default()
+        };
+        let ev = match self.rx.as_mut() {
+            Some(rx) => {
+                let draining = &mut self.draining;
+                tokio::select! {
+                    biased;
+                    ev = rx.recv() => Some(ev),
+                    // A closed channel (the server state is gone) disables this branch.
+                    Ok(_) = draining.wait_for(|&d| d) => None,
+                }
+            }
+            None => Some(None),
+        };
+        let Some(ev) = ev else {
+            self.abandon();
+            d.error = Some("the server is shutting down".into());
+            self.finish(&mut d, "abort");
+            return Some(d);
         };
         match ev {
             Some(EngineEvent::Token {

@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 
 /// Server flags (`baton frontend`).
@@ -66,6 +66,9 @@ pub struct AppState {
     /// The chat template: `--chat-template`, else the tokenizer's, else none.
     pub chat: Option<ChatTemplate>,
     created: u64,
+    /// Set to true when a shutdown's grace period is over: live sequences then end their
+    /// streams with an error event instead of being cut.
+    draining: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -111,6 +114,7 @@ impl AppState {
             eos_ids,
             chat,
             created: now_secs(),
+            draining: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -162,6 +166,7 @@ impl AppState {
             include_stop: gen.include_stop_str_in_output,
             skip_special: gen.skip_special_tokens,
             arrived,
+            draining: self.draining.subscribe(),
         }
     }
 
@@ -948,7 +953,13 @@ pub async fn serve_on(
     serve_state(listener, state, shutdown_signal()).await
 }
 
-/// Serves `state` on `listener` until `shutdown` completes.
+/// How long live requests may run on after a shutdown signal before their streams end with an
+/// error event (`baton serve` kills a frontend that has not exited 5 s after SIGTERM).
+pub const DRAIN_GRACE: Duration = Duration::from_secs(3);
+
+/// Serves `state` on `listener` until `shutdown` completes and the live requests are done:
+/// those still running [`DRAIN_GRACE`] after it end with an error ("the server is shutting
+/// down").
 ///
 /// # Errors
 /// The server fails.
@@ -960,8 +971,20 @@ pub async fn serve_state(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, model = %state.config.served_model_name, "serving the OpenAI API");
     }
+    let draining = state.draining.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!(
+            grace_s = DRAIN_GRACE.as_secs_f64(),
+            "shutting down: no new connections; live streams get a grace period"
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(DRAIN_GRACE).await;
+            let _ = draining.send(true);
+        });
+    };
     axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(signal)
         .await?;
     Ok(())
 }

@@ -1252,3 +1252,57 @@ fn incremental_detokenizer_matches_full_decode() {
     }
     assert!(checked > 200, "only {checked} random cases had a reference");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_streams_run_for_the_grace_period_then_ends_them_with_an_error_event() {
+    let mut srv = start(Opts {
+        step_delay: Some(Duration::from_millis(40)),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true,
+                      "stream": true})
+    .to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes(
+        "POST",
+        "/v1/completions",
+        &[],
+        &body,
+    ))
+    .await
+    .unwrap();
+    let head = read_events(&mut s, 2).await;
+    let before = head.matches("data: ").count();
+    let t0 = std::time::Instant::now();
+    let _ = srv.shutdown.take().unwrap().send(());
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest))
+        .await
+        .expect("the stream ends after the grace period")
+        .unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    let waited = t0.elapsed();
+    // It kept streaming during the grace period, then ended with one error event.
+    assert!(
+        waited >= baton_frontend::server::DRAIN_GRACE,
+        "ended after {waited:?}"
+    );
+    assert!(
+        rest.matches("data: ").count() > before + 10,
+        "no tokens during the grace period: {rest}"
+    );
+    assert_eq!(
+        rest.matches("the server is shutting down").count(),
+        1,
+        "{rest}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), srv.task.take().unwrap())
+        .await
+        .expect("the server exits once its streams ended")
+        .unwrap();
+    assert!(
+        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
+        "the request was cancelled in the engine"
+    );
+}

@@ -74,8 +74,8 @@ pub struct TestServer {
     pub addr: SocketAddr,
     pub engine: Arc<LocalEngineClient>,
     pub state: Arc<AppState>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for TestServer {
