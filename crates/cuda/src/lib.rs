@@ -16,8 +16,8 @@ pub mod memory;
 pub mod plan;
 
 pub use kernels::{
-    compile_ptx, include_dir_from_env, kernel_entry_points, kernel_sources, nvrtc_available,
-    KernelError, Ptx,
+    compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
+    nvrtc_available, Dtype, KernelError, Ptx,
 };
 pub use memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError};
 pub use plan::{
