@@ -11,15 +11,20 @@
 //! The numerical reference for the device sampler is `baton_worker::sampling`.
 
 pub mod backend;
+pub mod executor;
 pub mod kernels;
 pub mod memory;
 pub mod plan;
+pub mod staging;
 
+pub use executor::{CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
 pub use kernels::{
     compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
     nvrtc_available, Dtype, KernelError, Ptx,
 };
-pub use memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError};
+pub use memory::{
+    decode_floor_seconds, kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape,
+};
 pub use plan::{
     default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError,
     DEFAULT_MAX_GRAPH_BATCH,
