@@ -501,6 +501,10 @@ impl CudaWorker {
                 let (ptr, _guard) = slice.device_ptr(&stream);
                 ptr
             };
+            // alloc_zeros may be stream-ordered (cuMemAllocAsync + memset on our stream); the
+            // synchronous uploads below run on the legacy stream, which does not wait for a
+            // non-blocking stream, so finish the zeroing first.
+            drv("synchronize after alloc", stream.synchronize())?;
             Ok(Buf { _slice: slice, ptr })
         };
 
