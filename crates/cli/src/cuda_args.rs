@@ -76,7 +76,10 @@ pub fn build_cuda(
         block_size: s.block_size,
         kv_blocks: match s.num_blocks {
             Some(n) => KvBlocks::Fixed(n),
-            None => KvBlocks::Utilization(a.gpu_memory_utilization),
+            None => KvBlocks::Utilization {
+                fraction: a.gpu_memory_utilization,
+                max_blocks: s.max_rows * s.max_model_len.div_ceil(s.block_size.max(1)),
+            },
         },
         max_tokens: s.max_tokens,
         max_rows: s.max_rows,

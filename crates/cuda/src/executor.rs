@@ -111,9 +111,15 @@ fn dev_err(e: CudaWorkerError) -> WorkerError {
 pub enum KvBlocks {
     /// Exactly this many (`--num-blocks`, or the scheduler's count for a daemon worker).
     Fixed(usize),
-    /// As many as fit in `total * utilization` after weights and buffers
-    /// (`--gpu-memory-utilization`, vLLM's contract; see [`kv_num_blocks`]).
-    Utilization(f64),
+    /// As many as fit in `total * fraction` after weights and buffers
+    /// (`--gpu-memory-utilization`, vLLM's contract; see [`kv_num_blocks`]), but no more than
+    /// `max_blocks` (what the scheduler can ever use: every sequence at full length).
+    Utilization {
+        /// `--gpu-memory-utilization`, in (0, 1].
+        fraction: f64,
+        /// Upper bound on the page count.
+        max_blocks: usize,
+    },
 }
 
 /// Options of [`CudaWorker::new`].
@@ -639,14 +645,18 @@ impl CudaWorker {
         .ok_or_else(|| CudaWorkerError::Unsupported("KV block size overflows".into()))?;
         let num_blocks = match opts.kv_blocks {
             KvBlocks::Fixed(n) => n.max(1),
-            KvBlocks::Utilization(u) => kv_num_blocks(
+            KvBlocks::Utilization {
+                fraction,
+                max_blocks,
+            } => kv_num_blocks(
                 free_before,
                 total_mem,
-                u,
+                fraction,
                 weight_bytes,
                 per_block,
                 a.total + layout.total + oo.total + CUBLAS_WORKSPACE + RESERVE_SLACK,
-            )?,
+            )?
+            .min(max_blocks.max(1)),
         };
         let kv = alloc(num_blocks * per_block)?;
 
@@ -1735,7 +1745,10 @@ mod tests {
                 dtype: Dtype::Bf16,
                 include_dir: "/nonexistent".into(),
                 block_size: 16,
-                kv_blocks: KvBlocks::Utilization(0.9),
+                kv_blocks: KvBlocks::Utilization {
+                    fraction: 0.9,
+                    max_blocks: 16,
+                },
                 max_tokens: 64,
                 max_rows: 4,
                 max_model_len: 64,
