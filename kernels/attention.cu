@@ -1,6 +1,7 @@
-// Paged attention over the bf16 KV cache: decode (split-K + reduce) and causal varlen prefill.
+// Paged attention over the KV cache (elem_t): decode (split-K + reduce), causal varlen prefill,
+// and a generic kernel for any head_dim (both cases; the fast paths cover 64, 128 and 256).
 //
-// KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] bf16
+// KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] elem_t
 // (see cache.cu). A row's block table [max_blocks_per_row] int maps logical block
 // `pos / block_size` to a physical page. Every key/value a query attends to, including the
 // query's own position, must already be in the cache (reshape_and_cache runs first).
@@ -22,20 +23,19 @@
 #define BATON_ATTN_WARPS 4
 #define BATON_LOG2E 1.4426950408889634f
 
+// VPL consecutive elements, loaded as one (up to 16-byte) vector. Callers guarantee the address
+// is a multiple of the pack size: every offset is a multiple of VPL elements (head_dim = 32 VPL,
+// strides multiples of head_dim) from a cudaMalloc'ed base.
 template <int VPL>
-struct alignas(2 * VPL) BatonBf16Pack {
-    __nv_bfloat162 h[VPL / 2];
+struct alignas(sizeof(elem_t) * VPL > 16 ? 16 : sizeof(elem_t) * VPL) BatonPack {
+    elem_t e[VPL];
 };
 
 template <int VPL>
-__device__ __forceinline__ void baton_load_bf16(const bf16* p, float (&out)[VPL]) {
-    const BatonBf16Pack<VPL> v = *reinterpret_cast<const BatonBf16Pack<VPL>*>(p);
+__device__ __forceinline__ void baton_load_pack(const elem_t* p, float (&out)[VPL]) {
+    const BatonPack<VPL> v = *reinterpret_cast<const BatonPack<VPL>*>(p);
 #pragma unroll
-    for (int i = 0; i < VPL / 2; ++i) {
-        const float2 f = __bfloat1622float2(v.h[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
+    for (int i = 0; i < VPL; ++i) out[i] = baton_to_f(v.e[i]);
 }
 
 // Shared state of one attention block.
@@ -64,7 +64,7 @@ __device__ __forceinline__ BatonAttnHeads baton_attn_heads(int num_heads, int nu
 }
 
 template <int D>
-__device__ __forceinline__ void baton_attn_load_q(const bf16* q_tok, const BatonAttnHeads& h,
+__device__ __forceinline__ void baton_attn_load_q(const elem_t* q_tok, const BatonAttnHeads& h,
                                                   float scale,
                                                   float (&qr)[BATON_ATTN_MAX_G][D / 32]) {
     constexpr int VPL = D / 32;
@@ -73,7 +73,7 @@ __device__ __forceinline__ void baton_attn_load_q(const bf16* q_tok, const Baton
 #pragma unroll
     for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
         if (g < h.ng) {
-            baton_load_bf16<VPL>(q_tok + (size_t)(h.head0 + g) * D + lane * VPL, qr[g]);
+            baton_load_pack<VPL>(q_tok + (size_t)(h.head0 + g) * D + lane * VPL, qr[g]);
 #pragma unroll
             for (int i = 0; i < VPL; ++i) qr[g][i] *= s;
         } else {
@@ -88,8 +88,8 @@ __device__ __forceinline__ void baton_attn_load_q(const bf16* q_tok, const Baton
 template <int D>
 __device__ __forceinline__ void baton_attn_chunk(
     BatonAttnShared<D>& sh, const float (&qr)[BATON_ATTN_MAX_G][D / 32],
-    float (&acc)[BATON_ATTN_MAX_G][D / 32], const bf16* __restrict__ k_cache,
-    const bf16* __restrict__ v_cache, const int* __restrict__ block_table, int block_size,
+    float (&acc)[BATON_ATTN_MAX_G][D / 32], const elem_t* __restrict__ k_cache,
+    const elem_t* __restrict__ v_cache, const int* __restrict__ block_table, int block_size,
     int num_kv_heads, const BatonAttnHeads& h, int c0, int c1) {
     constexpr int VPL = D / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void baton_attn_chunk(
         const int page = block_table[t / block_size];
         const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
         float kf[VPL];
-        baton_load_bf16<VPL>(k_cache + off, kf);
+        baton_load_pack<VPL>(k_cache + off, kf);
 #pragma unroll
         for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
             if (g < h.ng) {
@@ -154,7 +154,7 @@ __device__ __forceinline__ void baton_attn_chunk(
         const int page = block_table[t / block_size];
         const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
         float vf[VPL];
-        baton_load_bf16<VPL>(v_cache + off, vf);
+        baton_load_pack<VPL>(v_cache + off, vf);
 #pragma unroll
         for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
             if (g < h.ng) {
@@ -208,9 +208,9 @@ __device__ __forceinline__ void baton_attn_reduce_warps(BatonAttnShared<D>& sh,
     }
 }
 
-// Warp 0 writes acc / l (or zeros when l == 0, i.e. an empty context) as bf16.
+// Warp 0 writes acc / l (or zeros when l == 0, i.e. an empty context) as elem_t.
 template <int D>
-__device__ __forceinline__ void baton_attn_store(bf16* out_tok, const BatonAttnShared<D>& sh,
+__device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAttnShared<D>& sh,
                                                  const float (&acc)[BATON_ATTN_MAX_G][D / 32],
                                                  const BatonAttnHeads& h) {
     constexpr int VPL = D / 32;
@@ -221,11 +221,9 @@ __device__ __forceinline__ void baton_attn_store(bf16* out_tok, const BatonAttnS
         if (g < h.ng) {
             const float l = sh.l[g];
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            bf16* o = out_tok + (size_t)(h.head0 + g) * D + lane * VPL;
+            elem_t* o = out_tok + (size_t)(h.head0 + g) * D + lane * VPL;
 #pragma unroll
-            for (int i = 0; i < VPL; i += 2)
-                *reinterpret_cast<__nv_bfloat162*>(o + i) =
-                    __floats2bfloat162_rn(acc[g][i] * inv, acc[g][i + 1] * inv);
+            for (int i = 0; i < VPL; ++i) o[i] = baton_from_f(acc[g][i] * inv);
         }
     }
 }
@@ -233,7 +231,7 @@ __device__ __forceinline__ void baton_attn_store(bf16* out_tok, const BatonAttnS
 // ---------------------------------------------------------------------------------------------
 // Decode: one query token per sequence, split-K over partitions of BATON_ATTN_PART keys.
 //
-// Shapes: out [num_seqs, num_heads, D] bf16; q [num_seqs, num_heads, D] bf16 with sequence
+// Shapes: out [num_seqs, num_heads, D] elem_t; q [num_seqs, num_heads, D] elem_t with sequence
 // stride `q_stride` elements; block_tables [num_seqs, max_blocks_per_row] int; seq_lens
 // [num_seqs] int = context length including the current token (0 for a padding row: its output
 // is zeros). Partials: part_acc [num_seqs, num_heads, max_partitions, D] f32 (unnormalized),
@@ -244,9 +242,9 @@ __device__ __forceinline__ void baton_attn_store(bf16* out_tok, const BatonAttnS
 // to `out` and skipped by the reduce.
 template <int D>
 __device__ __forceinline__ void baton_decode_body(
-    bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,
-    float* __restrict__ part_l, const bf16* __restrict__ q, int q_stride,
-    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,
+    float* __restrict__ part_l, const elem_t* __restrict__ q, int q_stride,
+    const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
     int num_heads, int num_kv_heads, int block_size, float scale, int max_partitions) {
     __shared__ BatonAttnShared<D> sh;
@@ -289,10 +287,10 @@ __device__ __forceinline__ void baton_decode_body(
 }
 
 #define BATON_DECODE_ENTRY(D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_decode_bf16_hd##D( \
-        bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,      \
-        float* __restrict__ part_l, const bf16* __restrict__ q, int q_stride,                   \
-        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                     \
+    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_decode_hd##D( \
+        elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,      \
+        float* __restrict__ part_l, const elem_t* __restrict__ q, int q_stride,                   \
+        const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                     \
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
         const int* __restrict__ seq_lens, int num_heads, int num_kv_heads, int block_size,     \
         float scale, int max_partitions) {                                                      \
@@ -308,7 +306,7 @@ BATON_DECODE_ENTRY(256)
 // sum_p 2^(m_p - M) l_p. Shapes as for the decode kernel; any head_dim.
 // Launch: grid = (num_seqs, num_heads), block = (128).
 extern "C" __global__ void baton_paged_attention_decode_reduce(
-    bf16* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
+    elem_t* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
     const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
     int head_dim, int max_partitions) {
     const int seq = blockIdx.x, head = blockIdx.y;
@@ -320,12 +318,12 @@ extern "C" __global__ void baton_paged_attention_decode_reduce(
     float l = 0.0f;
     for (int p = 0; p < num_parts; ++p) l += part_l[base + p] * exp2f(part_m[base + p] - m);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    bf16* o = out + ((size_t)seq * num_heads + head) * head_dim;
+    elem_t* o = out + ((size_t)seq * num_heads + head) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
         for (int p = 0; p < num_parts; ++p)
             a += part_acc[(base + p) * head_dim + d] * exp2f(part_m[base + p] - m);
-        o[d] = __float2bfloat16(a * inv);
+        o[d] = baton_from_f(a * inv);
     }
 }
 
@@ -336,7 +334,7 @@ extern "C" __global__ void baton_paged_attention_decode_reduce(
 // p = start_pos[r] + (i - cu_seqlens[r]) and attends to keys 0..=p of its row, read from the
 // cache through block_tables[r]. Rows may be decodes (one token) or prefill chunks continuing an
 // already-cached prefix.
-// Shapes: out [num_tokens, num_heads, D] bf16; q [num_tokens, num_heads, D] bf16 with token
+// Shapes: out [num_tokens, num_heads, D] elem_t; q [num_tokens, num_heads, D] elem_t with token
 // stride `q_stride`; cu_seqlens [num_rows + 1] int (cu_seqlens[0] = 0); start_pos [num_rows]
 // int; block_tables [num_rows, max_blocks_per_row] int. Tokens >= cu_seqlens[num_rows] (graph
 // padding) are skipped.
@@ -345,8 +343,8 @@ extern "C" __global__ void baton_paged_attention_decode_reduce(
 // Scalar fp32 FMA (no tensor cores): correct first version, not the fast path.
 template <int D>
 __device__ __forceinline__ void baton_prefill_body(
-    bf16* __restrict__ out, const bf16* __restrict__ q, int q_stride,
-    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    elem_t* __restrict__ out, const elem_t* __restrict__ q, int q_stride,
+    const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
     const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
     int num_kv_heads, int block_size, float scale) {
@@ -375,9 +373,9 @@ __device__ __forceinline__ void baton_prefill_body(
 }
 
 #define BATON_PREFILL_ENTRY(D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_prefill_bf16_hd##D( \
-        bf16* __restrict__ out, const bf16* __restrict__ q, int q_stride,                        \
-        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                      \
+    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_prefill_hd##D( \
+        elem_t* __restrict__ out, const elem_t* __restrict__ q, int q_stride,                        \
+        const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                      \
         const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
         const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,            \
         int num_kv_heads, int block_size, float scale) {                                         \
@@ -388,3 +386,99 @@ __device__ __forceinline__ void baton_prefill_body(
 BATON_PREFILL_ENTRY(64)
 BATON_PREFILL_ENTRY(128)
 BATON_PREFILL_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// Generic paged attention for any head_dim <= 1024 (e.g. 8 for stories260K), decode and
+// varlen prefill alike: the inputs of the prefill kernel above (a decode row is a row of one
+// token). One block per (token, query head), 128 threads. Per chunk of BATON_ATTN_PART keys:
+// thread j scores key j (fp32 dot over head_dim in ascending order, times `scale`), the block
+// takes the chunk max and the sum of expf(score - max) (online softmax across chunks, natural
+// exp as the CPU reference), then thread d accumulates sum_j p_j v_j[d] in key order.
+// Slower than the fast paths; it is the path the f32 golden check runs (head_dim 8).
+// Shapes: out [num_tokens, num_heads, head_dim] elem_t; q [num_tokens, num_heads, head_dim]
+// elem_t with token stride q_stride; the rest as for the prefill kernel.
+// Launch: grid = (num_tokens, num_heads), block = (128).
+#define BATON_GEN_THREADS 128
+#define BATON_GEN_MAX_D 1024
+extern "C" __global__ void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_generic(
+    elem_t* __restrict__ out, const elem_t* __restrict__ q, int q_stride,
+    const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
+    const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale) {
+    __shared__ float p[BATON_ATTN_PART];
+    __shared__ float qs[BATON_GEN_MAX_D];
+    __shared__ float scratch[33];
+    const int tok = blockIdx.x, head = blockIdx.y;
+    if (tok >= cu_seqlens[num_rows] || head_dim > BATON_GEN_MAX_D) return;
+    int lo = 0, hi = num_rows - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cu_seqlens[mid] <= tok) lo = mid; else hi = mid - 1;
+    }
+    const int row = lo;
+    const int ctx = start_pos[row] + (tok - cu_seqlens[row]) + 1;
+    const int kvh = head / (num_heads / num_kv_heads);
+    const int* bt = block_tables + (size_t)row * max_blocks_per_row;
+    const size_t tok_stride = (size_t)num_kv_heads * head_dim;
+    const elem_t* qh = q + (size_t)tok * q_stride + (size_t)head * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = baton_to_f(qh[d]);
+    __syncthreads();
+    constexpr int PER = BATON_GEN_MAX_D / BATON_GEN_THREADS;
+    float acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    float m = BATON_NEG_INF, l = 0.0f;
+    for (int c0 = 0; c0 < ctx; c0 += BATON_ATTN_PART) {
+        const int n = min(BATON_ATTN_PART, ctx - c0);
+        float cmax = BATON_NEG_INF;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const int t = c0 + j;
+            const elem_t* kr = k_cache +
+                               ((size_t)bt[t / block_size] * block_size + t % block_size) *
+                                   tok_stride +
+                               (size_t)kvh * head_dim;
+            float s = 0.0f;
+            for (int d = 0; d < head_dim; ++d) s = fmaf(qs[d], baton_to_f(kr[d]), s);
+            s *= scale;
+            p[j] = s;
+            cmax = fmaxf(cmax, s);
+        }
+        cmax = baton_block_max(cmax, scratch);
+        const float m_new = fmaxf(m, cmax);
+        float csum = 0.0f;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const float e = expf(p[j] - m_new);
+            p[j] = e;
+            csum += e;
+        }
+        csum = baton_block_sum(csum, scratch);  // its __syncthreads publishes p[]
+        const float alpha = expf(m - m_new);      // 0 on the first chunk (m = -inf)
+        l = l * alpha + csum;
+        m = m_new;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int d = threadIdx.x + i * BATON_GEN_THREADS;
+            if (d < head_dim) {
+                float a = acc[i] * alpha;
+                for (int j = 0; j < n; ++j) {
+                    const int t = c0 + j;
+                    const elem_t* vr =
+                        v_cache +
+                        ((size_t)bt[t / block_size] * block_size + t % block_size) * tok_stride +
+                        (size_t)kvh * head_dim;
+                    a = fmaf(p[j], baton_to_f(vr[d]), a);
+                }
+                acc[i] = a;
+            }
+        }
+        __syncthreads();  // the next chunk overwrites p[]
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    elem_t* o = out + ((size_t)tok * num_heads + head) * head_dim;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int d = threadIdx.x + i * BATON_GEN_THREADS;
+        if (d < head_dim) o[d] = baton_from_f(acc[i] * inv);
+    }
+}

@@ -4,17 +4,46 @@
 // C/C++ standard headers, which NVRTC does not ship.
 //
 // Conventions for every kernel:
-// - Activations and weights are bf16 (`__nv_bfloat16`), row-major, innermost dimension last;
-//   all accumulation is fp32; results are rounded to bf16 once.
+// - Activations, weights and the KV cache are `elem_t`, row-major, innermost dimension last;
+//   all accumulation is fp32; results are rounded to `elem_t` once. `elem_t` is chosen per NVRTC
+//   program by `-DBATON_DTYPE=<n>` (see `baton_cuda::kernels::Dtype`): 0 = bf16 (default),
+//   1 = f16, 2 = f32. The same source compiles to three modules with the same entry names.
 // - Index types: `int` for counts and positions (< 2^31), `size_t` for element offsets into
 //   large buffers (KV cache, weights).
-// - Every entry point is `extern "C"` and named `baton_<op>_<dtype>[_<variant>]`.
+// - Every entry point is `extern "C"` and named `baton_<op>[_<variant>]`.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
-typedef __nv_bfloat16 bf16;
+
+#ifndef BATON_DTYPE
+#define BATON_DTYPE 0
+#endif
+#if BATON_DTYPE == 0
+typedef __nv_bfloat16 elem_t;
+__device__ __forceinline__ float baton_to_f(elem_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ elem_t baton_from_f(float x) { return __float2bfloat16_rn(x); }
+#elif BATON_DTYPE == 1
+typedef __half elem_t;
+__device__ __forceinline__ float baton_to_f(elem_t x) { return __half2float(x); }
+__device__ __forceinline__ elem_t baton_from_f(float x) { return __float2half_rn(x); }
+#elif BATON_DTYPE == 2
+typedef float elem_t;
+__device__ __forceinline__ float baton_to_f(elem_t x) { return x; }
+__device__ __forceinline__ elem_t baton_from_f(float x) { return x; }
+#else
+#error "BATON_DTYPE must be 0 (bf16), 1 (f16) or 2 (f32)"
+#endif
+// Round an fp32 value to elem_t precision and back (identity for f32).
+__device__ __forceinline__ float baton_round(float x) { return baton_to_f(baton_from_f(x)); }
+// Elements per 16-byte vector (8 for bf16/f16, 4 for f32).
+#define BATON_VEC ((int)(16 / sizeof(elem_t)))
+// True when p is 16-byte aligned.
+__device__ __forceinline__ bool baton_aligned16(const void* p) {
+    return (reinterpret_cast<size_t>(p) & 15) == 0;
+}
 
 #define BATON_WARP 32
 #define BATON_FULL_MASK 0xffffffffu
@@ -54,7 +83,7 @@ __device__ __forceinline__ float baton_block_max(float v, float* scratch) {
     return baton_warp_max(v);
 }
 
-// 8 bf16 in one 16-byte vector, for vectorized loads/stores.
-struct __align__(16) baton_bf16x8 {
-    __nv_bfloat162 h[4];
+// BATON_VEC elements in one 16-byte vector, for vectorized loads/stores.
+struct __align__(16) baton_vec {
+    elem_t e[BATON_VEC];
 };

@@ -1,33 +1,49 @@
-// Token embedding gather and on-device resolution of `PendingFrom` input tokens.
+// Token embedding gather, row gather, and on-device resolution of `PendingFrom` input tokens.
 
 // Embedding gather: out[t, :] = table[ids[t], :].
 //
-// Shapes: ids [num_tokens] u32; table [vocab, hidden] bf16 row-major; out [num_tokens, hidden]
-// bf16 row-major. An id >= vocab (which a correct launch never produces) writes a zero row
+// Shapes: ids [num_tokens] u32; table [vocab, hidden] elem_t row-major; out [num_tokens, hidden]
+// elem_t row-major. An id >= vocab (which a correct launch never produces) writes a zero row
 // instead of reading out of bounds.
 // Launch: grid = (num_tokens), block = (256); any hidden size; 16-byte vector copies when
-// hidden % 8 == 0 (and the pointers are 16-byte aligned, as cudaMalloc's are).
-extern "C" __global__ void baton_embedding_gather_bf16(bf16* __restrict__ out,
-                                                       const bf16* __restrict__ table,
-                                                       const u32* __restrict__ ids,
-                                                       int num_tokens, int hidden, int vocab) {
+// hidden is a multiple of BATON_VEC and both rows are 16-byte aligned.
+extern "C" __global__ void baton_embedding_gather(elem_t* __restrict__ out,
+                                                  const elem_t* __restrict__ table,
+                                                  const u32* __restrict__ ids, int num_tokens,
+                                                  int hidden, int vocab) {
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const u32 id = ids[t];
-    bf16* dst = out + (size_t)t * hidden;
+    elem_t* dst = out + (size_t)t * hidden;
     if (id >= (u32)vocab) {
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = __float2bfloat16(0.0f);
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = baton_from_f(0.0f);
         return;
     }
-    const bf16* src = table + (size_t)id * hidden;
-    if ((hidden & 7) == 0) {
-        const int n8 = hidden >> 3;
-        const baton_bf16x8* s8 = reinterpret_cast<const baton_bf16x8*>(src);
-        baton_bf16x8* d8 = reinterpret_cast<baton_bf16x8*>(dst);
-        for (int i = threadIdx.x; i < n8; i += blockDim.x) d8[i] = s8[i];
+    const elem_t* src = table + (size_t)id * hidden;
+    if (hidden % BATON_VEC == 0 && baton_aligned16(src) && baton_aligned16(dst)) {
+        const int n = hidden / BATON_VEC;
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
     }
+}
+
+// Row gather: out[r, :] = in[index[r], :] (the last token of each row, before the LM head).
+// Shapes: in [*, width] elem_t; index [num_rows] int (a negative index writes zeros);
+// out [num_rows, width] elem_t.
+// Launch: grid = (num_rows), block = (256).
+extern "C" __global__ void baton_gather_rows(elem_t* __restrict__ out,
+                                             const elem_t* __restrict__ in,
+                                             const int* __restrict__ index, int num_rows,
+                                             int width) {
+    const int r = blockIdx.x;
+    if (r >= num_rows) return;
+    const int src_row = index[r];
+    elem_t* dst = out + (size_t)r * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        dst[i] = src_row < 0 ? baton_from_f(0.0f) : in[(size_t)src_row * width + i];
 }
 
 // Resolve `PendingFrom { launch, row }` inputs: copy ids sampled by earlier launches (still on the

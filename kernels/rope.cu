@@ -11,7 +11,7 @@
 // k [num_tokens, num_kv_heads, head_dim] with token stride `k_stride` (strides let q and k be
 // views into a fused QKV projection output); positions [num_tokens] int.
 // Launch: grid = (num_tokens), block = (128); threads loop over (head, i) pairs.
-extern "C" __global__ void baton_rope_bf16(bf16* __restrict__ q, bf16* __restrict__ k,
+extern "C" __global__ void baton_rope(elem_t* __restrict__ q, elem_t* __restrict__ k,
                                            const int* __restrict__ positions,
                                            const float* __restrict__ inv_freq, int num_tokens,
                                            int num_q_heads, int num_kv_heads, int head_dim,
@@ -23,13 +23,13 @@ extern "C" __global__ void baton_rope_bf16(bf16* __restrict__ q, bf16* __restric
     const int total = (num_q_heads + num_kv_heads) * half;
     for (int j = threadIdx.x; j < total; j += blockDim.x) {
         const int head = j / half, i = j - head * half;
-        bf16* v = head < num_q_heads
+        elem_t* v = head < num_q_heads
                       ? q + (size_t)t * q_stride + (size_t)head * head_dim
                       : k + (size_t)t * k_stride + (size_t)(head - num_q_heads) * head_dim;
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
-        const float x1 = __bfloat162float(v[i]), x2 = __bfloat162float(v[i + half]);
-        v[i] = __float2bfloat16(x1 * c - x2 * s);
-        v[i + half] = __float2bfloat16(x2 * c + x1 * s);
+        const float x1 = baton_to_f(v[i]), x2 = baton_to_f(v[i + half]);
+        v[i] = baton_from_f(x1 * c - x2 * s);
+        v[i + half] = baton_from_f(x2 * c + x1 * s);
     }
 }

@@ -20,6 +20,9 @@ pub enum BenchCmd {
     /// Scheduler CPU time per decode step, and end-to-end steps/s through the rings, with the
     /// null backend.
     Sched(SchedArgs),
+    /// Decode step time against the HBM floor (weights + KV bytes over measured copy
+    /// bandwidth), per batch size, on the CPU reference or CUDA.
+    Decode(crate::bench_decode::DecodeArgs),
 }
 
 /// Flags of `baton bench sched`.
@@ -193,6 +196,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
 /// A failed run.
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
+        BenchCmd::Decode(a) => crate::bench_decode::run(&a),
         BenchCmd::Sched(a) => {
             let mut rows = Vec::new();
             println!(

@@ -1,6 +1,7 @@
 //! `baton scheduler` and `baton worker`: the two daemons.
 
 use crate::args::EngineArgs;
+use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelConfig, ModelDir};
@@ -65,6 +66,9 @@ pub struct WorkerArgs {
     /// Token the null backend samples.
     #[arg(long, default_value_t = 3)]
     pub null_token: u32,
+    /// CUDA flags (with --device cuda). The KV pool has exactly the scheduler's page count.
+    #[command(flatten)]
+    pub cuda: CudaArgs,
 }
 
 /// SIGTERM and SIGINT set the returned flag.
@@ -145,15 +149,24 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
     let (segment, limits) = daemon::attach(&a.instance, wait)?;
     match a.device {
         Device::Null => {
-            let cap = KvCapacity { num_blocks: limits.num_blocks, block_size: limits.block_size };
-            let vocab = if limits.vocab_size == 0 { 32000 } else { limits.vocab_size };
+            let cap = KvCapacity {
+                num_blocks: limits.num_blocks,
+                block_size: limits.block_size,
+            };
+            let vocab = if limits.vocab_size == 0 {
+                32000
+            } else {
+                limits.vocab_size
+            };
             let backend = NullBackend::new(cap, vocab, a.null_token);
             let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
             eprintln!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop);
         }
         Device::Cpu => {
-            let dir = a.model.context("--model DIR is required for --device cpu")?;
+            let dir = a
+                .model
+                .context("--model DIR is required for --device cpu")?;
             let format = match a.load_format {
                 LoadFormatArg::Auto => LoadFormat::Auto,
                 LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
@@ -162,10 +175,38 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             let (model, _) = loaded.into_cpu_model();
             let backend = CpuBackend::new(model, limits.num_blocks, limits.block_size);
             let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
-            eprintln!("baton worker: cpu backend ({}) attached to {}", dir.display(), a.instance);
+            eprintln!(
+                "baton worker: cpu backend ({}) attached to {}",
+                dir.display(),
+                a.instance
+            );
             w.run(&stop);
         }
-        Device::Cuda => bail!("--device cuda: the CUDA worker is not wired to the daemon yet (GPU verification pending); use --device cpu"),
+        Device::Cuda => {
+            let dir = a
+                .model
+                .context("--model DIR is required for --device cuda")?;
+            let format = match a.load_format {
+                LoadFormatArg::Auto => LoadFormat::Auto,
+                LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
+            };
+            let loaded = ModelDir::new(&dir).load(format)?;
+            let sizes = CudaSizes {
+                block_size: limits.block_size,
+                num_blocks: Some(limits.num_blocks),
+                max_tokens: limits.max_num_batched_tokens,
+                max_rows: limits.max_num_seqs,
+                max_model_len: limits.max_model_len,
+            };
+            let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            eprintln!(
+                "baton worker: cuda backend ({}) attached to {}",
+                dir.display(),
+                a.instance
+            );
+            w.run(&stop);
+        }
     }
     Ok(())
 }

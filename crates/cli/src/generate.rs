@@ -1,12 +1,13 @@
 //! `baton generate`: offline generation over the in-process engine.
 
 use crate::args::EngineArgs;
+use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
 use crate::engine::LocalEngine;
 use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelDir, Tokenizer};
 use baton_proto::SamplingParams;
 use baton_scheduler::{Event, FinishReason, NewRequest};
-use baton_worker::CpuBackend;
+use baton_worker::{Backend, CpuBackend};
 use clap::{Args, ValueEnum};
 use std::io::Write;
 use std::path::PathBuf;
@@ -60,9 +61,24 @@ pub struct GenerateArgs {
     /// Print one JSON object per prompt (ids, text, finish reason) instead of plain text.
     #[arg(long)]
     pub json: bool,
+    /// Device: the CPU reference or CUDA.
+    #[arg(long, value_enum, default_value_t = GenDevice::Cpu)]
+    pub device: GenDevice,
     /// Scheduler and KV-cache flags.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// CUDA flags (with --device cuda).
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+}
+
+/// Devices `baton generate` runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GenDevice {
+    /// The f32 CPU reference backend.
+    Cpu,
+    /// NVIDIA GPU through CUDA.
+    Cuda,
 }
 
 /// One finished generation.
@@ -130,19 +146,55 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             seed: a.seed.unwrap_or(0),
         },
     };
-    let loaded = ModelDir::new(&a.model).load(format)?;
+    let mut loaded = ModelDir::new(&a.model).load(format)?;
     let eos = loaded.eos_token_ids();
-    let cfg = a
+    let mut cfg = a
         .engine
         .scheduler_config(&loaded.config)
         .map_err(anyhow::Error::msg)?;
-    let (model, tokenizer) = loaded.into_cpu_model();
-    let tokenizer = tokenizer.context(
+    let tokenizer = loaded.tokenizer.take().context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
     )?;
-    let max_model_len = cfg.max_model_len;
-    let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
-    let mut engine = LocalEngine::new(cfg, backend);
+    match a.device {
+        GenDevice::Cpu => {
+            let (model, _) = loaded.into_cpu_model();
+            let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+            run_on(
+                LocalEngine::new(cfg, backend),
+                &a,
+                &tokenizer,
+                &prompts,
+                &eos,
+            )
+        }
+        GenDevice::Cuda => {
+            let sizes = CudaSizes {
+                block_size: cfg.block_size,
+                num_blocks: a.engine.num_blocks,
+                max_tokens: cfg.max_num_batched_tokens,
+                max_rows: cfg.max_num_seqs,
+                max_model_len: cfg.max_model_len,
+            };
+            let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            cfg.num_blocks = backend.kv_capacity().num_blocks;
+            run_on(
+                LocalEngine::new(cfg, backend),
+                &a,
+                &tokenizer,
+                &prompts,
+                &eos,
+            )
+        }
+    }
+}
+
+fn run_on<B: Backend>(
+    mut engine: LocalEngine<B>,
+    a: &GenerateArgs,
+    tokenizer: &Tokenizer,
+    prompts: &[String],
+    eos: &[u32],
+) -> Result<()> {
     if let Some(path) = &a.engine.trace {
         let t = baton_scheduler::Tracer::to_file(path)
             .with_context(|| format!("creating --trace {}", path.display()))?;
@@ -159,16 +211,17 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let start = Instant::now();
     let gens = generate(
         &mut engine,
-        &tokenizer,
-        &prompts,
+        tokenizer,
+        prompts,
         a.max_tokens,
         params,
         a.seed,
-        &eos,
+        eos,
         a.ignore_eos,
     )?;
     let secs = start.elapsed().as_secs_f64();
     engine.scheduler_mut().flush_trace();
+    let max_model_len = engine.scheduler_mut().config().max_model_len;
 
     let mut out = std::io::stdout().lock();
     for (i, g) in gens.iter().enumerate() {

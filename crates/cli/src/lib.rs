@@ -5,7 +5,10 @@
 
 pub mod args;
 pub mod bench;
+pub mod bench_decode;
+pub mod cuda_args;
 pub mod daemons;
+pub mod debug_cmd;
 pub mod engine;
 pub mod frontend_cmd;
 pub mod generate;

@@ -2,6 +2,7 @@
 
 use baton::bench::{self, BenchCmd};
 use baton::daemons::{self, SchedulerArgs, WorkerArgs};
+use baton::debug_cmd::{self, DebugCmd};
 use baton::frontend_cmd::{self, FrontendArgs};
 use baton::generate::{self, GenerateArgs};
 use baton::serve::{self, ServeArgs};
@@ -34,6 +35,9 @@ enum Cmd {
     /// Lifecycle traces.
     #[command(subcommand)]
     Trace(TraceCmd),
+    /// Device bring-up checks against the CPU reference (used by scripts/gpu-check.sh).
+    #[command(subcommand, hide = true)]
+    Debug(DebugCmd),
 }
 
 fn main() -> ExitCode {
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Trace(c) => trace_cmd::run(c),
+        Cmd::Debug(c) => debug_cmd::run(c),
         Cmd::Bench(c) => bench::run(c),
         Cmd::Frontend(a) => frontend_cmd::run(a),
         Cmd::Scheduler(a) => daemons::run_scheduler(a),

@@ -41,27 +41,29 @@ static SOURCES: &[(&str, &str)] = &[
 static ENTRY_POINTS: &[(&str, &[&str])] = &[
     (
         "embedding.cu",
-        &["baton_embedding_gather_bf16", "baton_gather_pending_ids"],
+        &[
+            "baton_embedding_gather",
+            "baton_gather_rows",
+            "baton_gather_pending_ids",
+        ],
     ),
-    (
-        "rmsnorm.cu",
-        &["baton_rmsnorm_bf16", "baton_add_rmsnorm_bf16"],
-    ),
-    ("rope.cu", &["baton_rope_bf16"]),
-    ("cache.cu", &["baton_reshape_and_cache_bf16"]),
+    ("rmsnorm.cu", &["baton_rmsnorm", "baton_add_rmsnorm"]),
+    ("rope.cu", &["baton_rope"]),
+    ("cache.cu", &["baton_reshape_and_cache"]),
     (
         "attention.cu",
         &[
-            "baton_paged_attention_decode_bf16_hd64",
-            "baton_paged_attention_decode_bf16_hd128",
-            "baton_paged_attention_decode_bf16_hd256",
+            "baton_paged_attention_decode_hd64",
+            "baton_paged_attention_decode_hd128",
+            "baton_paged_attention_decode_hd256",
             "baton_paged_attention_decode_reduce",
-            "baton_paged_attention_prefill_bf16_hd64",
-            "baton_paged_attention_prefill_bf16_hd128",
-            "baton_paged_attention_prefill_bf16_hd256",
+            "baton_paged_attention_prefill_hd64",
+            "baton_paged_attention_prefill_hd128",
+            "baton_paged_attention_prefill_hd256",
+            "baton_paged_attention_generic",
         ],
     ),
-    ("activation.cu", &["baton_silu_and_mul_bf16"]),
+    ("activation.cu", &["baton_silu_and_mul"]),
     (
         "sampling.cu",
         &[
@@ -71,6 +73,60 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
 ];
+
+/// Element type of weights, activations and the KV cache; selects `elem_t` in
+/// `kernels/common.cuh` through `-DBATON_DTYPE=<n>`. Logits and sampling are always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Dtype {
+    /// bfloat16 (the default, as vLLM's `--dtype auto` for bf16 checkpoints).
+    #[default]
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// IEEE single: for exact comparison with the CPU reference.
+    F32,
+}
+
+impl Dtype {
+    /// Bytes per element (2, 2, 4).
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+
+    /// The `BATON_DTYPE` value `common.cuh` expects (0 bf16, 1 f16, 2 f32).
+    pub fn macro_value(self) -> u32 {
+        match self {
+            Dtype::Bf16 => 0,
+            Dtype::F16 => 1,
+            Dtype::F32 => 2,
+        }
+    }
+
+    /// `bf16`, `f16` or `f32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+            Dtype::F32 => "f32",
+        }
+    }
+
+    /// Parses `bf16`/`bfloat16`, `f16`/`float16`/`half`, `f32`/`float32`/`float`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Some(Dtype::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Some(Dtype::F16),
+            "f32" | "fp32" | "float32" | "float" => Some(Dtype::F32),
+            _ => None,
+        }
+    }
+
+    /// Every dtype, for tests.
+    pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
+}
 
 /// Keys per attention partition / chunk (`BATON_ATTN_PART` in `attention.cu`).
 pub const ATTN_PARTITION: usize = 512;
@@ -138,22 +194,34 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// NVRTC options for `arch` (e.g. `"sm_90"`) and `include_dir`.
-pub fn nvrtc_options(arch: &str, include_dir: &Path) -> Vec<String> {
+/// NVRTC options for `arch` (e.g. `"sm_90"`), `include_dir` and the element type.
+pub fn nvrtc_options(arch: &str, include_dir: &Path, dtype: Dtype) -> Vec<String> {
     vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", include_dir.display()),
+        format!("-DBATON_DTYPE={}", dtype.macro_value()),
         "--std=c++17".to_owned(),
         "-lineinfo".to_owned(),
     ]
 }
 
-/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_90"`), with `-I<include_dir>`.
+/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_90"`), with `-I<include_dir>`, for
+/// bf16 (see [`compile_ptx_for`]).
+pub fn compile_ptx(arch: &str, include_dir: &Path) -> Result<Vec<(String, Ptx)>, KernelError> {
+    compile_ptx_for(arch, include_dir, Dtype::Bf16)
+}
+
+/// Compiles every kernel file to PTX for `arch` (e.g. `"sm_90"`), with `-I<include_dir>` and
+/// `elem_t` = `dtype`.
 ///
 /// Returns `(file name, PTX)` in [`kernel_sources`] order. Errors: [`KernelError::NvrtcUnavailable`]
 /// when NVRTC cannot be loaded, [`KernelError::Compile`] with the compiler log for the first file
 /// that fails. Takes about a second per file with NVRTC 13 on one CPU core.
-pub fn compile_ptx(arch: &str, include_dir: &Path) -> Result<Vec<(String, Ptx)>, KernelError> {
+pub fn compile_ptx_for(
+    arch: &str,
+    include_dir: &Path,
+    dtype: Dtype,
+) -> Result<Vec<(String, Ptx)>, KernelError> {
     if !nvrtc_available() {
         return Err(KernelError::NvrtcUnavailable);
     }
@@ -161,7 +229,7 @@ pub fn compile_ptx(arch: &str, include_dir: &Path) -> Result<Vec<(String, Ptx)>,
         .iter()
         .map(|&(file, src)| {
             let opts = cudarc::nvrtc::CompileOptions {
-                options: nvrtc_options(arch, include_dir),
+                options: nvrtc_options(arch, include_dir, dtype),
                 name: Some(file.to_owned()),
                 ..Default::default()
             };
@@ -169,7 +237,7 @@ pub fn compile_ptx(arch: &str, include_dir: &Path) -> Result<Vec<(String, Ptx)>,
                 .map(|ptx| (file.to_owned(), ptx))
                 .map_err(|e| KernelError::Compile {
                     file: file.to_owned(),
-                    arch: arch.to_owned(),
+                    arch: format!("{arch} ({})", dtype.name()),
                     include_dir: include_dir.display().to_string(),
                     log: match e {
                         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
@@ -258,6 +326,22 @@ mod tests {
     }
 
     #[test]
+    fn dtype_names_sizes_and_macro_values() {
+        for d in Dtype::ALL {
+            assert_eq!(Dtype::parse(d.name()), Some(d));
+        }
+        assert_eq!(Dtype::parse("bfloat16"), Some(Dtype::Bf16));
+        assert_eq!(Dtype::parse("float32"), Some(Dtype::F32));
+        assert_eq!(Dtype::parse("int8"), None);
+        assert_eq!(
+            Dtype::ALL.map(|d| (d.size(), d.macro_value())),
+            [(2, 0), (2, 1), (4, 2)]
+        );
+        assert!(COMMON_HEADER.contains("#if BATON_DTYPE == 0"));
+        assert!(COMMON_HEADER.contains("#elif BATON_DTYPE == 2"));
+    }
+
+    #[test]
     fn full_source_resets_line_numbers_after_the_prelude() {
         let s = full_source("x.cu", "int y;");
         assert!(s.starts_with(COMMON_HEADER));
@@ -272,8 +356,9 @@ mod tests {
 
     #[test]
     fn nvrtc_options_carry_arch_and_include_dir() {
-        let o = nvrtc_options("sm_90", Path::new("/x/include"));
+        let o = nvrtc_options("sm_90", Path::new("/x/include"), Dtype::F32);
         assert!(o.contains(&"--gpu-architecture=sm_90".to_owned()));
+        assert!(o.contains(&"-DBATON_DTYPE=2".to_owned()));
         assert!(o.contains(&"--include-path=/x/include".to_owned()));
     }
 }

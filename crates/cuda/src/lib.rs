@@ -1,25 +1,54 @@
 //! baton-cuda: the CUDA side of the worker.
 //!
 //! - [`kernels`]: the CUDA C kernels of `kernels/` (embedded), compiled to PTX with NVRTC at
-//!   worker start. NVRTC and the driver are loaded dynamically, so this crate builds and its
-//!   CPU tests run on machines with no CUDA at all.
+//!   worker start, once per element type ([`Dtype`]: bf16 default, f16, f32). NVRTC, the driver
+//!   and cuBLAS are loaded dynamically, so this crate builds and its CPU tests run on machines
+//!   with no CUDA at all; without a driver [`CudaWorker::new`] returns
+//!   [`CudaWorkerError::DriverUnavailable`] (never a panic).
 //! - [`plan`]: flattening a launch's rows into the kernels' input arrays; CUDA-graph buckets.
-//! - [`memory`]: KV-cache sizing under `gpu_memory_utilization`.
-//! - [`backend`]: `CudaBackend` skeleton (device, stream, loaded kernels, sampler launcher);
-//!   needs a GPU, untested so far.
+//! - [`staging`]: the per-step input block at fixed offsets (one host-to-device copy per step;
+//!   fixed device addresses for graph replay).
+//! - [`memory`]: KV-cache sizing under `gpu_memory_utilization`; weight/KV byte accounting for
+//!   the decode HBM floor.
+//! - [`executor`]: [`CudaWorker`], the `baton_worker::Backend` for `--device cuda`: cuBLAS
+//!   `GemmEx` linears (fp32 accumulate) on a created stream, the kernels, the device ring of
+//!   sampled ids that `PendingFrom` rows gather from, an event fence per launch, decode CUDA
+//!   graphs per batch bucket, debug dumps of logits and per-layer outputs.
+//! - [`backend`]: the older `CudaBackend` probe (sampler and Philox launchers for
+//!   `tests/gpu_smoke.rs`).
 //!
-//! The numerical reference for the device sampler is `baton_worker::sampling`.
+//! The numerical reference for the device sampler is `baton_worker::sampling`; for the forward
+//! pass, `baton_model::CpuModel`.
+//!
+//! # Tested here vs. pending a GPU
+//!
+//! Tested on CPU: NVRTC compilation of every kernel for sm_90 in all three dtypes
+//! (`scripts/nvrtc-check.sh`), launch planning, graph buckets, staging layout, KV sizing,
+//! weight-byte accounting, the sampler's selection model, host dtype conversion, kernel
+//! argument packing, the ring of kept launches, and the clean error without a driver.
+//!
+//! NOT RUN ON A GPU YET (written against cudarc 0.19.10's sources, compiled only): everything
+//! in [`executor`] that touches the device — weight upload, every kernel launch and its
+//! argument list, the cuBLAS calls, graph capture and replay, the fence, the pending-id
+//! gather, the bandwidth probe — and the numerics of every kernel (f32 goldens, bf16 logits,
+//! per-layer agreement, seeded sampling). `scripts/gpu-check.sh` runs all of these checks in
+//! one go on an H200.
 
 pub mod backend;
+pub mod executor;
 pub mod kernels;
 pub mod memory;
 pub mod plan;
+pub mod staging;
 
+pub use executor::{CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
 pub use kernels::{
-    compile_ptx, include_dir_from_env, kernel_entry_points, kernel_sources, nvrtc_available,
-    KernelError, Ptx,
+    compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
+    nvrtc_available, Dtype, KernelError, Ptx,
 };
-pub use memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError};
+pub use memory::{
+    decode_floor_seconds, kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape,
+};
 pub use plan::{
     default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError,
     DEFAULT_MAX_GRAPH_BATCH,

@@ -117,9 +117,106 @@ pub fn kv_num_blocks(
     Ok(blocks)
 }
 
+/// Shape numbers the HBM floor needs (a subset of the model config, so this stays host-only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Residual width.
+    pub hidden: usize,
+    /// MLP inner width.
+    pub intermediate: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+}
+
+impl ModelShape {
+    /// Elements of every weight a decode step reads in full: per layer the fused QKV, O,
+    /// gate/up and down projections and two norms; the final norm and the LM head. The
+    /// embedding table is not counted (a step reads one row per token). Tied embeddings still
+    /// read `vocab x hidden` for the head, so the count does not depend on tying.
+    pub fn weight_elems_read_per_step(&self) -> usize {
+        let (h, i) = (self.hidden, self.intermediate);
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        let layer = (q + 2 * kv) * h + h * q + 2 * i * h + h * i + 2 * h;
+        self.layers * layer + h + self.vocab * h
+    }
+
+    /// Elements of every weight held on the device: the above plus the embedding table (a tied
+    /// LM head is uploaded as its own copy, so always `2 x vocab x hidden`).
+    pub fn weight_elems_resident(&self) -> usize {
+        self.weight_elems_read_per_step() + self.vocab * self.hidden
+    }
+
+    /// KV bytes one decode step reads for `batch` sequences of context `ctx` each (K and V,
+    /// every layer), at `dtype_bytes` per element.
+    pub fn kv_bytes_read(&self, batch: usize, ctx: usize, dtype_bytes: usize) -> usize {
+        2 * self.layers * batch * ctx * self.kv_heads * self.head_dim * dtype_bytes
+    }
+}
+
+/// The memory floor of one decode step: the bytes it must read from HBM (weights read in full
+/// plus the KV of every sequence), in seconds at `bandwidth` bytes/s. Compute, activations and
+/// launch gaps are ignored, so a measured step time divided by this is >= 1 on a real device.
+pub fn decode_floor_seconds(
+    shape: &ModelShape,
+    dtype_bytes: usize,
+    batch: usize,
+    ctx: usize,
+    bandwidth: f64,
+) -> f64 {
+    let bytes = shape.weight_elems_read_per_step() * dtype_bytes
+        + shape.kv_bytes_read(batch, ctx, dtype_bytes);
+    bytes as f64 / bandwidth.max(1.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn llama3_8b() -> ModelShape {
+        ModelShape {
+            hidden: 4096,
+            intermediate: 14336,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab: 128256,
+        }
+    }
+
+    #[test]
+    fn weight_accounting_matches_llama3_8b_parameter_count() {
+        let s = llama3_8b();
+        // Llama-3-8B has 8,030,261,248 parameters (untied head included).
+        assert_eq!(s.weight_elems_resident(), 8_030_261_248);
+        assert_eq!(
+            s.weight_elems_read_per_step(),
+            8_030_261_248 - 128256 * 4096
+        );
+        // 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes = 128 KiB per token.
+        assert_eq!(s.kv_bytes_read(1, 1, 2), 131072);
+    }
+
+    #[test]
+    fn decode_floor_is_bytes_over_bandwidth() {
+        let s = llama3_8b();
+        let bw = 4.1e12;
+        let t = decode_floor_seconds(&s, 2, 1, 256, bw);
+        let bytes = s.weight_elems_read_per_step() * 2 + 256 * 131072;
+        assert!((t - bytes as f64 / bw).abs() < 1e-12);
+        // About 3.7 ms for 8B in bf16 at 4.1 TB/s.
+        assert!((0.0036..0.0038).contains(&t), "{t}");
+        assert!(decode_floor_seconds(&s, 2, 32, 256, bw) > t);
+    }
 
     const GB: usize = 1 << 30;
 

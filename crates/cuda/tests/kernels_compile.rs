@@ -6,7 +6,8 @@
 //! test is skipped with a loud message, unless `BATON_REQUIRE_NVRTC=1`, which makes it fail.
 
 use baton_cuda::kernels::{
-    compile_ptx, include_dir_from_env, kernel_entry_points, nvrtc_available, ptx_entry_points,
+    compile_ptx_for, include_dir_from_env, kernel_entry_points, nvrtc_available, ptx_entry_points,
+    Dtype,
 };
 
 fn nvrtc_required() -> bool {
@@ -33,11 +34,18 @@ fn kernels_compile_to_ptx_for_sm90() {
         "cuda_bf16.h not found in {} (set BATON_CUDA_INCLUDE)",
         include.display()
     );
+    for dtype in Dtype::ALL {
+        check_dtype(dtype, &include);
+    }
+}
+
+fn check_dtype(dtype: Dtype, include: &std::path::Path) {
     let started = std::time::Instant::now();
-    let compiled = compile_ptx("sm_90", &include).unwrap_or_else(|e| panic!("{e}"));
+    let compiled = compile_ptx_for("sm_90", include, dtype).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
-        "compiled {} kernel files for sm_90 in {:.1?}",
+        "compiled {} kernel files for sm_90 ({}) in {:.1?}",
         compiled.len(),
+        dtype.name(),
         started.elapsed()
     );
     assert_eq!(compiled.len(), kernel_entry_points().len());

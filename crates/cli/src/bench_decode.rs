@@ -1,0 +1,356 @@
+//! `baton bench decode`: milliseconds per decode step at several batch sizes, output tokens/s,
+//! and the HBM floor of each step (weight bytes + KV bytes read, over a measured copy
+//! bandwidth), with the ratio measured / floor.
+//!
+//! The launches are built here, without the scheduler: per batch size, prefill launches of
+//! whole prompts (rows packed up to the backend's token capacity), then `gen_len` decode
+//! launches whose rows take their input from the previous launch's sampled ids
+//! (`PendingFrom`), exactly as the asynchronous scheduler publishes them. Each step is timed
+//! from `execute` to its return, i.e. through the fence.
+
+use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::generate::LoadFormatArg;
+use anyhow::{bail, Context, Result};
+use baton_cuda::memory::{decode_floor_seconds, ModelShape};
+use baton_model::{CpuModel, LlamaWeights, LoadFormat, ModelConfig, ModelDir};
+use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
+use baton_worker::{Backend, CpuBackend, TableReader};
+use clap::{Args, ValueEnum};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Devices of the decode benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDevice {
+    /// The f32 CPU reference.
+    Cpu,
+    /// CUDA.
+    Cuda,
+}
+
+/// Flags of `baton bench decode`.
+#[derive(Args, Clone, Debug)]
+pub struct DecodeArgs {
+    /// Device.
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
+    /// A Hugging Face model directory (its config.json, and its weights unless
+    /// --load-format dummy).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Weight loading; dummy needs only a config (--model or --config).
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// A config.json file, or its JSON text, for --load-format dummy without --model.
+    #[arg(long)]
+    pub config: Option<String>,
+    /// Batch sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
+    pub batch: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Decode steps measured per batch size.
+    #[arg(long, default_value_t = 128)]
+    pub gen_len: usize,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Seed of dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// CUDA flags (--dtype, --enforce-eager, ...).
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+}
+
+/// One measured batch size.
+#[derive(Clone, Debug, serde::Serialize, PartialEq)]
+pub struct DecodePoint {
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Mean wall time per decode step through the fence, ms.
+    pub ms_per_step: f64,
+    /// `batch / step time`.
+    pub output_tokens_per_s: f64,
+    /// Mean HBM floor per step, ms.
+    pub floor_ms: f64,
+    /// `ms_per_step / floor_ms`.
+    pub ratio: f64,
+}
+
+/// Token and block tables of the benchmark's synthetic sequences: sequence `i` has prompt
+/// token `p` = `(7 + 31 i + 17 p) % vocab` and pages `i * pages_per_seq ..`.
+pub struct BenchTables {
+    vocab: u32,
+    pages_per_seq: u32,
+}
+
+impl BenchTables {
+    /// Tables for `pages_per_seq` pages per sequence over `vocab` ids.
+    pub fn new(vocab: usize, pages_per_seq: usize) -> Self {
+        Self {
+            vocab: vocab.max(1) as u32,
+            pages_per_seq: pages_per_seq as u32,
+        }
+    }
+}
+
+impl TableReader for BenchTables {
+    fn read_tokens(&self, slot: u32, range: Range<usize>, out: &mut Vec<u32>) {
+        out.extend(range.map(|p| (7 + 31 * slot + 17 * p as u32) % self.vocab));
+    }
+    fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>) {
+        out.extend((0..n as u32).map(|j| slot * self.pages_per_seq + j));
+    }
+}
+
+fn row(slot: usize, first_pos: usize, n: usize, block_size: usize, sample: bool) -> LaunchRow {
+    LaunchRow {
+        req: SlotRef {
+            slot: slot as u32,
+            generation: 0,
+        },
+        first_pos: first_pos as u32,
+        num_tokens: n as u32,
+        num_blocks: (first_pos + n).div_ceil(block_size) as u32,
+        sample: u32::from(sample),
+        pending_launch: NOT_PENDING,
+        pending_row: 0,
+        output_index: 0,
+        params: SamplingParams::greedy(),
+    }
+}
+
+/// Runs one batch size on `backend` and returns `(mean step seconds, per-step contexts)`.
+///
+/// # Errors
+/// A backend failure.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_batch(
+    backend: &mut dyn Backend,
+    tables: &BenchTables,
+    seq: &mut u64,
+    batch: usize,
+    prompt_len: usize,
+    gen_len: usize,
+    block_size: usize,
+    max_tokens: usize,
+) -> Result<(f64, Vec<usize>)> {
+    // Prefill whole prompts, rows packed up to the token capacity.
+    let per_launch = (max_tokens / prompt_len.max(1)).max(1);
+    let mut i = 0;
+    while i < batch {
+        let n = per_launch.min(batch - i);
+        *seq += 1;
+        let l = Launch {
+            seq: *seq,
+            rows: (i..i + n)
+                .map(|s| row(s, 0, prompt_len, block_size, false))
+                .collect(),
+        };
+        backend.execute(&l, tables).context("prefill")?;
+        i += n;
+    }
+    // Decode: the first step reads position prompt_len from the table, the others take the
+    // previous launch's sampled ids on the device.
+    let mut total = 0.0;
+    let mut timed = 0;
+    let mut ctxs = Vec::with_capacity(gen_len);
+    for step in 0..gen_len {
+        *seq += 1;
+        let pos = prompt_len + step;
+        let rows = (0..batch)
+            .map(|s| {
+                let mut r = row(s, pos, 1, block_size, true);
+                r.output_index = step as u32;
+                if step > 0 {
+                    r.pending_launch = *seq - 1;
+                    r.pending_row = s as u32;
+                }
+                r
+            })
+            .collect();
+        let l = Launch { seq: *seq, rows };
+        let t = Instant::now();
+        let c = backend.execute(&l, tables).context("decode step")?;
+        let dt = t.elapsed().as_secs_f64();
+        anyhow::ensure!(c.sampled.len() == batch, "a decode step lost rows");
+        // Step 0 (table input, first use of the shape) is a warm-up.
+        if step > 0 || gen_len == 1 {
+            total += dt;
+            timed += 1;
+            ctxs.push(pos + 1);
+        }
+    }
+    Ok((total / timed.max(1) as f64, ctxs))
+}
+
+/// Host memcpy bandwidth in bytes/s (read + write counted), best of 5 copies of 256 MiB.
+pub fn host_copy_bandwidth() -> f64 {
+    let n = 256 << 20;
+    let a = vec![1u8; n];
+    let mut b = vec![0u8; n];
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        b.copy_from_slice(&a);
+        std::hint::black_box(&b);
+        let s = t.elapsed().as_secs_f64();
+        if s > 0.0 {
+            best = best.max(2.0 * n as f64 / s);
+        }
+    }
+    best
+}
+
+fn load_config(a: &DecodeArgs) -> Result<ModelConfig> {
+    if let Some(c) = &a.config {
+        let t = c.trim_start();
+        return if t.starts_with('{') {
+            Ok(ModelConfig::from_json_str(t)?)
+        } else {
+            Ok(ModelConfig::from_file(std::path::Path::new(c))?)
+        };
+    }
+    match &a.model {
+        Some(dir) => Ok(ModelConfig::from_file(&ModelDir::new(dir).config_path())?),
+        None => bail!("give --model DIR, or --load-format dummy --config JSON"),
+    }
+}
+
+fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<LlamaWeights> {
+    match (a.load_format, &a.model) {
+        (LoadFormatArg::Dummy, _) => Ok(LlamaWeights::dummy(cfg, a.seed)),
+        (LoadFormatArg::Auto, Some(dir)) => Ok(ModelDir::new(dir).load(LoadFormat::Auto)?.weights),
+        (LoadFormatArg::Auto, None) => bail!("--config needs --load-format dummy"),
+    }
+}
+
+/// Runs `baton bench decode`.
+///
+/// # Errors
+/// Bad flags, a model that fails to load, a backend failure.
+pub fn run(a: &DecodeArgs) -> Result<()> {
+    if a.batch.is_empty() || a.batch.contains(&0) {
+        bail!("--batch needs positive sizes");
+    }
+    if a.prompt_len == 0 || a.gen_len == 0 || a.block_size == 0 {
+        bail!("--prompt-len, --gen-len and --block-size must be at least 1");
+    }
+    let cfg = load_config(a)?;
+    let max_len = a.prompt_len + a.gen_len + 1;
+    if cfg.max_position_embeddings < max_len {
+        bail!(
+            "prompt + gen ({max_len}) exceeds max_position_embeddings {}",
+            cfg.max_position_embeddings
+        );
+    }
+    let weights = load_weights(a, &cfg)?;
+    let max_batch = *a.batch.iter().max().unwrap_or(&1);
+    let pages_per_seq = max_len.div_ceil(a.block_size);
+    let num_blocks = max_batch * pages_per_seq;
+    let max_tokens = a.prompt_len.max((max_batch * a.prompt_len).min(8192));
+    let shape = ModelShape {
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        layers: cfg.num_hidden_layers,
+        heads: cfg.num_attention_heads,
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        vocab: cfg.vocab_size,
+    };
+    let vocab = cfg.vocab_size;
+    let (mut backend, elem_bytes, bandwidth, label): (Box<dyn Backend>, usize, f64, String) =
+        match a.device {
+            BenchDevice::Cpu => {
+                let m = CpuModel::try_new(cfg, weights)?;
+                let b = CpuBackend::new(m, num_blocks, a.block_size);
+                (Box::new(b), 4, host_copy_bandwidth(), "cpu f32".into())
+            }
+            BenchDevice::Cuda => {
+                let sizes = CudaSizes {
+                    block_size: a.block_size,
+                    num_blocks: Some(num_blocks),
+                    max_tokens,
+                    max_rows: max_batch,
+                    max_model_len: max_len,
+                };
+                let w = build_cuda(cfg, weights, &a.cuda, sizes)?;
+                let bw = w
+                    .measure_copy_bandwidth(1 << 30, 10)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let label = format!(
+                    "cuda {} {}",
+                    a.cuda.dtype.name(),
+                    if a.cuda.enforce_eager {
+                        "eager"
+                    } else {
+                        "graphs"
+                    }
+                );
+                (Box::new(w), a.cuda.dtype.size(), bw, label)
+            }
+        };
+    let tables = BenchTables::new(vocab, pages_per_seq);
+    let mut seq = 0u64;
+    let mut points = Vec::new();
+    for &b in &a.batch {
+        let (step_s, ctxs) = measure_batch(
+            backend.as_mut(),
+            &tables,
+            &mut seq,
+            b,
+            a.prompt_len,
+            a.gen_len,
+            a.block_size,
+            max_tokens,
+        )?;
+        let floor_s = ctxs
+            .iter()
+            .map(|&c| decode_floor_seconds(&shape, elem_bytes, b, c, bandwidth))
+            .sum::<f64>()
+            / ctxs.len().max(1) as f64;
+        points.push(DecodePoint {
+            batch: b,
+            ms_per_step: step_s * 1e3,
+            output_tokens_per_s: b as f64 / step_s.max(1e-12),
+            floor_ms: floor_s * 1e3,
+            ratio: step_s / floor_s.max(1e-15),
+        });
+    }
+    println!(
+        "decode on {label}: prompt {} gen {}, copy bandwidth {:.1} GB/s, weights {:.2} GB",
+        a.prompt_len,
+        a.gen_len,
+        bandwidth / 1e9,
+        (shape.weight_elems_read_per_step() * elem_bytes) as f64 / 1e9
+    );
+    println!(
+        "{:>6} {:>12} {:>14} {:>12} {:>14}",
+        "batch", "ms/step", "tokens/s", "floor ms", "measured/floor"
+    );
+    for p in &points {
+        println!(
+            "{:>6} {:>12.3} {:>14.1} {:>12.3} {:>14.2}",
+            p.batch, p.ms_per_step, p.output_tokens_per_s, p.floor_ms, p.ratio
+        );
+    }
+    if let Some(path) = &a.out {
+        let j = serde_json::json!({
+            "device": label,
+            "prompt_len": a.prompt_len,
+            "gen_len": a.gen_len,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes_per_step": shape.weight_elems_read_per_step() * elem_bytes,
+            "points": points,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&j)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! Flags of the CUDA backend and the one place that builds it for the CLI.
+
+use anyhow::{Context, Result};
+use baton_cuda::{CudaWorker, CudaWorkerOptions, Dtype, KvBlocks};
+use baton_model::{LlamaWeights, ModelConfig};
+use clap::Args;
+
+/// Flags of `--device cuda` (vLLM's names).
+#[derive(Args, Clone, Debug)]
+pub struct CudaArgs {
+    /// Element type of weights, activations and KV on the GPU: bf16, f16 or f32 (f32 matches
+    /// the CPU reference).
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    pub dtype: Dtype,
+    /// Share of the GPU's memory this instance may use (weights + activations + KV cache);
+    /// the KV pool gets what is left, unless --num-blocks is given.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// Run every launch eagerly: no CUDA graphs for decode batches.
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: usize,
+}
+
+impl Default for CudaArgs {
+    fn default() -> Self {
+        Self {
+            dtype: Dtype::Bf16,
+            gpu_memory_utilization: 0.9,
+            enforce_eager: false,
+            cuda_device: 0,
+        }
+    }
+}
+
+/// Parses `--dtype`.
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::parse(s).ok_or_else(|| format!("unknown dtype {s:?}: use bf16, f16 or f32"))
+}
+
+/// Sizes of the worker's buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSizes {
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// Fixed page count, or `None` to size from --gpu-memory-utilization.
+    pub num_blocks: Option<usize>,
+    /// Most tokens per launch.
+    pub max_tokens: usize,
+    /// Most rows per launch.
+    pub max_rows: usize,
+    /// Longest sequence.
+    pub max_model_len: usize,
+}
+
+/// Builds the CUDA worker. Without a driver (or cuBLAS, or NVRTC) this is an error that says
+/// so, never a panic.
+///
+/// # Errors
+/// Every [`baton_cuda::CudaWorkerError`], with context.
+pub fn build_cuda(
+    cfg: ModelConfig,
+    weights: LlamaWeights,
+    a: &CudaArgs,
+    s: CudaSizes,
+) -> Result<CudaWorker> {
+    let opts = CudaWorkerOptions {
+        device: a.cuda_device,
+        dtype: a.dtype,
+        include_dir: baton_cuda::include_dir_from_env(),
+        block_size: s.block_size,
+        kv_blocks: match s.num_blocks {
+            Some(n) => KvBlocks::Fixed(n),
+            None => KvBlocks::Utilization {
+                fraction: a.gpu_memory_utilization,
+                max_blocks: s.max_rows * s.max_model_len.div_ceil(s.block_size.max(1)),
+            },
+        },
+        max_tokens: s.max_tokens,
+        max_rows: s.max_rows,
+        max_model_len: s.max_model_len,
+        enforce_eager: a.enforce_eager,
+    };
+    CudaWorker::new(cfg, weights, opts).context("starting the CUDA backend (--device cuda)")
+}

@@ -1,0 +1,395 @@
+//! `baton debug …`: hidden comparison hooks for bringing up a device backend against the CPU
+//! reference (used by `scripts/gpu-check.sh`). Each prints PASS or FAIL lines and fails (non-zero
+//! exit) on a mismatch.
+
+use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::engine::LocalEngine;
+use crate::generate::LoadFormatArg;
+use anyhow::{bail, Context, Result};
+use baton_cuda::executor::RowInput;
+use baton_model::{
+    CpuModel, ForwardRow, LlamaWeights, LoadFormat, ModelConfig, ModelDir, PagedKvCache,
+};
+use baton_proto::SamplingParams;
+use baton_scheduler::{Event, NewRequest, SchedulerConfig};
+use baton_worker::Backend;
+use clap::{Args, Subcommand};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+/// `baton debug …`
+#[derive(Subcommand, Clone, Debug)]
+pub enum DebugCmd {
+    /// Greedy goldens of `<model>/golden.json` on CUDA, alone and batched (exact ids).
+    Golden(GoldenArgs),
+    /// First-step logits of a prompt on CUDA against the CPU reference.
+    Logits(CompareArgs),
+    /// Every layer's output on CUDA against the CPU reference, for a batch mixing prefill
+    /// chunks and decodes.
+    Layers(CompareArgs),
+}
+
+/// Flags of `baton debug golden`.
+#[derive(Args, Clone, Debug)]
+pub struct GoldenArgs {
+    /// Model directory holding golden.json.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// CUDA flags (use --dtype f32 for exact goldens).
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+}
+
+/// Flags of `baton debug logits` and `baton debug layers`.
+#[derive(Args, Clone, Debug)]
+pub struct CompareArgs {
+    /// Model directory (config.json; weights unless --load-format dummy).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A config.json file or its JSON text (with --load-format dummy, instead of --model).
+    #[arg(long)]
+    pub config: Option<String>,
+    /// Weight loading.
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Seed of dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Prompt token ids (comma-separated; default: a fixed synthetic prompt).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Vec<u32>,
+    /// Largest accepted relative error, max |cuda - cpu| / max |cpu| (per layer for layers).
+    #[arg(long, default_value_t = 2e-2)]
+    pub tol: f64,
+    /// Write both sides' values as JSON here.
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
+    /// CUDA flags.
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+}
+
+/// Runs a `baton debug` subcommand.
+///
+/// # Errors
+/// A mismatch, bad flags, a backend failure.
+pub fn run(cmd: DebugCmd) -> Result<()> {
+    match cmd {
+        DebugCmd::Golden(a) => golden(&a),
+        DebugCmd::Logits(a) => compare(&a, false),
+        DebugCmd::Layers(a) => compare(&a, true),
+    }
+}
+
+/// `max |a - b| / max |b|` (0 when both are empty).
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+    let diff = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+        m.max((f64::from(x) - f64::from(y)).abs())
+    });
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}
+
+fn golden(a: &GoldenArgs) -> Result<()> {
+    let text = std::fs::read_to_string(a.model.join("golden.json"))
+        .with_context(|| format!("reading {}/golden.json", a.model.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_u64())
+                    .map(|t| t as u32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let goldens: Vec<(Vec<u32>, Vec<u32>)> = v["prompts"]
+        .as_array()
+        .context("golden.json has no prompts array")?
+        .iter()
+        .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
+        .collect();
+    let loaded = ModelDir::new(&a.model).load(LoadFormat::Auto)?;
+    let cfg = loaded.config.clone();
+    let eos = loaded.eos_token_ids();
+    let sched = SchedulerConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: 2048,
+        block_size: 16,
+        num_blocks: 512,
+        max_model_len: cfg.max_position_embeddings,
+        max_inflight: 2,
+    };
+    let sizes = CudaSizes {
+        block_size: 16,
+        num_blocks: Some(512),
+        max_tokens: 2048,
+        max_rows: 64,
+        max_model_len: cfg.max_position_embeddings,
+    };
+    let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+    let mut engine = LocalEngine::new(sched, backend);
+    let mut failed = 0;
+    // Alone, one at a time; then all together.
+    for (i, (prompt, want)) in goldens.iter().enumerate() {
+        let out = run_greedy(&mut engine, std::slice::from_ref(prompt), want.len(), &eos)?;
+        failed += report(&format!("golden {i} alone"), &out[0], want);
+    }
+    let prompts: Vec<Vec<u32>> = goldens.iter().map(|g| g.0.clone()).collect();
+    let n = goldens.iter().map(|g| g.1.len()).max().unwrap_or(0);
+    let out = run_greedy(&mut engine, &prompts, n, &eos)?;
+    for (i, (_, want)) in goldens.iter().enumerate() {
+        let got: Vec<u32> = out[i].iter().take(want.len()).copied().collect();
+        failed += report(&format!("golden {i} batched"), &got, want);
+    }
+    if failed > 0 {
+        bail!("{failed} golden runs differ");
+    }
+    Ok(())
+}
+
+fn report(what: &str, got: &[u32], want: &[u32]) -> usize {
+    if got == want {
+        println!("PASS {what}");
+        0
+    } else {
+        let at = got
+            .iter()
+            .zip(want)
+            .position(|(a, b)| a != b)
+            .unwrap_or(got.len().min(want.len()));
+        println!("FAIL {what}: first difference at output {at} (got {got:?}, want {want:?})");
+        1
+    }
+}
+
+fn run_greedy<B: Backend>(
+    engine: &mut LocalEngine<B>,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    eos: &[u32],
+) -> Result<Vec<Vec<u32>>> {
+    for (i, p) in prompts.iter().enumerate() {
+        engine
+            .add_request(NewRequest {
+                id: i as u64,
+                prompt: p.clone(),
+                max_tokens: max_tokens as u32,
+                params: SamplingParams::greedy(),
+                eos_ids: eos.to_vec(),
+                stop_token_ids: Vec::new(),
+                ignore_eos: false,
+            })
+            .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
+    }
+    let mut events = Vec::new();
+    engine.run_until_idle(&mut events)?;
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    for e in events {
+        if let Event::Token { id, token, .. } = e {
+            out.entry(id).or_default().push(token);
+        }
+    }
+    Ok((0..prompts.len())
+        .map(|i| out.remove(&(i as u64)).unwrap_or_default())
+        .collect())
+}
+
+fn load(a: &CompareArgs) -> Result<(ModelConfig, LlamaWeights)> {
+    let cfg = match (&a.config, &a.model) {
+        (Some(c), _) if c.trim_start().starts_with('{') => ModelConfig::from_json_str(c)?,
+        (Some(c), _) => ModelConfig::from_file(std::path::Path::new(c))?,
+        (None, Some(dir)) => ModelConfig::from_file(&ModelDir::new(dir).config_path())?,
+        (None, None) => bail!("give --model DIR or --config JSON"),
+    };
+    let w = match (a.load_format, &a.model) {
+        (LoadFormatArg::Dummy, _) => LlamaWeights::dummy(&cfg, a.seed),
+        (LoadFormatArg::Auto, Some(dir)) => ModelDir::new(dir).load(LoadFormat::Auto)?.weights,
+        (LoadFormatArg::Auto, None) => bail!("--config needs --load-format dummy"),
+    };
+    Ok((cfg, w))
+}
+
+/// The rows of the comparison: `(tokens, start_pos, block_table)` per step.
+type Step = Vec<(Vec<u32>, usize, Vec<u32>)>;
+
+/// Two steps over four sequences (block size 16, pages disjoint): step 1 prefills A (40
+/// tokens), B (17) and D (5); step 2 mixes a prefill continuation of A (20 tokens), decodes of
+/// B and D, and a fresh prefill of C (9 tokens).
+fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
+    let tok = |s: u32, p: usize| {
+        if s == 0 && p < prompt.len() {
+            prompt[p]
+        } else {
+            (5 + 13 * s + 29 * p as u32) % vocab as u32
+        }
+    };
+    let pages = |s: u32| (0..8).map(|j| s * 8 + j).collect::<Vec<u32>>();
+    let span = |s: u32, from: usize, n: usize| {
+        (
+            (from..from + n).map(|p| tok(s, p)).collect::<Vec<u32>>(),
+            from,
+            pages(s),
+        )
+    };
+    let a_len = if prompt.is_empty() { 40 } else { prompt.len() };
+    let step1 = vec![span(0, 0, a_len), span(1, 0, 17), span(3, 0, 5)];
+    let step2 = vec![
+        span(0, a_len, 20),
+        span(1, 17, 1),
+        span(2, 0, 9),
+        span(3, 5, 1),
+    ];
+    (step1, step2)
+}
+
+fn compare(a: &CompareArgs, layers: bool) -> Result<()> {
+    let (cfg, weights) = load(a)?;
+    let vocab = cfg.vocab_size;
+    let cpu = CpuModel::try_new(cfg.clone(), weights.clone())?;
+    let mut kv = PagedKvCache::new(&cfg, 64, 16);
+    let sizes = CudaSizes {
+        block_size: 16,
+        num_blocks: Some(64),
+        max_tokens: 512,
+        max_rows: 8,
+        max_model_len: 128.min(cfg.max_position_embeddings),
+    };
+    let mut args = a.cuda.clone();
+    args.enforce_eager = true;
+    let mut gpu = build_cuda(cfg, weights, &args, sizes)?;
+    let steps: Vec<Step> = if layers {
+        let (s1, s2) = mixed_steps(vocab, &a.prompt_ids);
+        vec![s1, s2]
+    } else {
+        let prompt = if a.prompt_ids.is_empty() {
+            (0..24).map(|p| (1 + 37 * p) % vocab as u32).collect()
+        } else {
+            a.prompt_ids.clone()
+        };
+        let n = prompt.len();
+        vec![vec![(prompt, 0, (0..n.div_ceil(16) as u32).collect())]]
+    };
+    let mut failed = 0;
+    let mut dump = Vec::new();
+    for (si, step) in steps.iter().enumerate() {
+        let fw: Vec<ForwardRow> = step
+            .iter()
+            .map(|(t, s, b)| ForwardRow {
+                tokens: t,
+                start_pos: *s,
+                block_table: b,
+                want_logits: true,
+            })
+            .collect();
+        let (cpu_logits, cpu_layers) = cpu.forward_with_layer_outputs(&mut kv, &fw)?;
+        let rows: Vec<RowInput> = step
+            .iter()
+            .map(|(t, s, b)| RowInput {
+                tokens: t.clone(),
+                start_pos: *s,
+                block_table: b.clone(),
+                pending: None,
+                sample: true,
+                params: SamplingParams::greedy(),
+                output_index: 0,
+            })
+            .collect();
+        let (gpu_logits, gpu_layers) = gpu
+            .forward_debug(&rows, layers)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        if layers {
+            for (li, (g, c)) in gpu_layers.iter().zip(&cpu_layers).enumerate() {
+                let e = rel_err(g, c);
+                let ok = e <= a.tol;
+                failed += usize::from(!ok);
+                println!(
+                    "{} step {} layer {li}: rel err {e:.3e} (tol {:.1e})",
+                    if ok { "PASS" } else { "FAIL" },
+                    si + 1,
+                    a.tol
+                );
+            }
+            if gpu_layers.len() != cpu_layers.len() {
+                failed += 1;
+                println!(
+                    "FAIL layer count {} != {}",
+                    gpu_layers.len(),
+                    cpu_layers.len()
+                );
+            }
+        }
+        for (ri, (g, c)) in gpu_logits.iter().zip(&cpu_logits).enumerate() {
+            let e = rel_err(g, c);
+            let argmax = |v: &[f32]| {
+                v.iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |m, (i, &x)| if x > m.1 { (i, x) } else { m },
+                    )
+                    .0
+            };
+            let ok = e <= a.tol;
+            failed += usize::from(!ok);
+            println!(
+                "{} step {} row {ri} logits: rel err {e:.3e} (tol {:.1e}), argmax cuda {} cpu {}",
+                if ok { "PASS" } else { "FAIL" },
+                si + 1,
+                a.tol,
+                argmax(g),
+                argmax(c)
+            );
+        }
+        dump.push(serde_json::json!({
+            "step": si + 1,
+            "cpu_logits": cpu_logits,
+            "cuda_logits": gpu_logits,
+        }));
+    }
+    if let Some(p) = &a.dump {
+        std::fs::write(p, serde_json::to_string(&dump)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if failed > 0 {
+        bail!("{failed} comparisons exceed the tolerance");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_err_is_max_abs_diff_over_max_abs_reference() {
+        assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((rel_err(&[1.0, 2.1], &[1.0, 2.0]) - 0.05).abs() < 1e-6);
+        assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+    }
+
+    #[test]
+    fn mixed_steps_mix_prefill_chunks_and_decodes() {
+        let (s1, s2) = mixed_steps(100, &[]);
+        assert_eq!(
+            s1.iter().map(|r| r.0.len()).collect::<Vec<_>>(),
+            [40, 17, 5]
+        );
+        assert_eq!(
+            s2.iter().map(|r| (r.0.len(), r.1)).collect::<Vec<_>>(),
+            [(20, 40), (1, 17), (9, 0), (1, 5)]
+        );
+        // Every row's block table covers its last position at block size 16.
+        for r in s1.iter().chain(&s2) {
+            assert!(r.2.len() * 16 >= r.1 + r.0.len());
+        }
+    }
+}

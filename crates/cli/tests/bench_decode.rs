@@ -1,0 +1,130 @@
+//! `baton bench decode --device cpu` end to end (small sizes), and `--device cuda` failing
+//! cleanly on a machine without a driver.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("BATON_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K")
+        })
+}
+
+fn baton() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_baton"))
+}
+
+#[test]
+fn bench_decode_on_cpu_reports_every_batch_and_writes_json() {
+    let out = std::env::temp_dir().join(format!("baton-bench-decode-{}.json", std::process::id()));
+    let o = baton()
+        .args(["bench", "decode", "--device", "cpu", "--model"])
+        .arg(model_dir())
+        .args([
+            "--batch",
+            "1,3",
+            "--prompt-len",
+            "9",
+            "--gen-len",
+            "4",
+            "--block-size",
+            "4",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(stdout.contains("measured/floor"), "{stdout}");
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let points = j["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for (p, b) in points.iter().zip([1, 3]) {
+        assert_eq!(p["batch"], b);
+        let ms = p["ms_per_step"].as_f64().unwrap();
+        let floor = p["floor_ms"].as_f64().unwrap();
+        assert!(ms > 0.0 && floor > 0.0, "{p}");
+        assert!((p["ratio"].as_f64().unwrap() - ms / floor).abs() < 1e-6 * (ms / floor));
+        let tps = p["output_tokens_per_s"].as_f64().unwrap();
+        assert!((tps - b as f64 / (ms / 1e3)).abs() < 1e-6 * tps);
+    }
+    assert!(j["copy_bandwidth_bytes_per_s"].as_f64().unwrap() > 1e8);
+    // stories260K in f32: weights read per step = params minus the embedding table, 4 bytes.
+    assert!(j["weight_bytes_per_step"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn bench_decode_with_a_dummy_config_on_cpu() {
+    let cfg = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":32,
+        "intermediate_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"vocab_size":50,"max_position_embeddings":64,
+        "rope_scaling":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+        "original_max_position_embeddings":16,"rope_type":"llama3"}}"#;
+    let o = baton()
+        .args([
+            "bench",
+            "decode",
+            "--device",
+            "cpu",
+            "--load-format",
+            "dummy",
+            "--config",
+            cfg,
+        ])
+        .args(["--batch", "2", "--prompt-len", "5", "--gen-len", "3"])
+        .output()
+        .expect("runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn cuda_without_a_driver_fails_cleanly() {
+    // SAFETY-free check: on a machine with a driver this test has nothing to show.
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return;
+    }
+    for args in [
+        vec![
+            "generate",
+            "--prompt",
+            "hi",
+            "--device",
+            "cuda",
+            "--max-tokens",
+            "2",
+        ],
+        vec![
+            "bench",
+            "decode",
+            "--device",
+            "cuda",
+            "--batch",
+            "1",
+            "--gen-len",
+            "2",
+        ],
+    ] {
+        let o = baton()
+            .args(&args)
+            .arg("--model")
+            .arg(model_dir())
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded without a GPU");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            err.contains("CUDA") || err.contains("libcuda"),
+            "{args:?}: {err}"
+        );
+    }
+}

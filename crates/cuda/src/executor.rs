@@ -1,0 +1,1763 @@
+//! `CudaWorker`: the CUDA backend behind `baton_worker::Backend`.
+//!
+//! One device context and one created stream (never the legacy default stream). Per launch:
+//!
+//! 1. the host flattens the rows ([`crate::plan_launch`]) and packs every input into the pinned
+//!    staging buffer ([`StagingLayout`]), copied to the device with one async copy;
+//! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
+//!    from the ring of ids earlier launches sampled (never a host round trip);
+//! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, RoPE, KV
+//!    write by slot, paged attention (decode split-K, varlen prefill, or the generic kernel for
+//!    head dims other than 64/128/256), O GEMM, add + RMSNorm, gate/up GEMM, SiLU-and-mul, down
+//!    GEMM; final add + RMSNorm, gather of each row's last token, LM-head GEMM to f32 logits,
+//!    device sampler. GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on the stream;
+//! 4. the sampled ids are copied into the device ring (for the next launches' pending rows) and
+//!    to pinned host memory, then a CUDA event is recorded: the launch's fence. `execute`
+//!    returns the completion only after that event completed (`cuEventSynchronize`), so the
+//!    caller advances `released` only past fenced launches.
+//!
+//! Decode-only launches of up to the largest bucket replay a CUDA graph captured at start-up
+//! for the smallest bucket that holds them (`--enforce-eager` turns this off). The graphs read
+//! the staging buffer's fixed device addresses, so step 1 is all a replay needs.
+//!
+//! Status: compiles everywhere; NOT RUN ON A GPU YET (see the crate docs for the list).
+
+use crate::kernels::{compile_ptx_for, kernel_entry_points, Dtype, KernelError, SAMPLER_TOP_SLOTS};
+use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
+use crate::plan::{default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError};
+use crate::staging::{CapacityError, StagingLayout, StepInputs};
+use baton_model::{LlamaWeights, ModelConfig, Tensor};
+use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
+use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::driver::sys as cu;
+use cudarc::driver::{
+    result as cu_result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
+    DriverError,
+};
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::path::Path;
+use std::sync::Arc;
+
+/// How many launches' sampled ids the device ring keeps (the scheduler keeps at most 2 in
+/// flight; 8 leaves room).
+pub const KEPT_LAUNCHES: usize = 8;
+
+/// Bytes of cuBLAS workspace (set explicitly so graph capture never allocates).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// Extra device memory kept free beyond the buffers this worker allocates (CUDA graphs,
+/// cuBLAS internals, fragmentation), in bytes.
+const RESERVE_SLACK: usize = 1 << 30;
+
+/// Errors from bringing the CUDA worker up.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaWorkerError {
+    /// No `libcuda.so*` (no NVIDIA driver).
+    #[error(
+        "the CUDA driver library (libcuda.so) cannot be loaded: no NVIDIA driver on this \
+         machine (use --device cpu)"
+    )]
+    DriverUnavailable,
+    /// No `libcublas.so*` on the loader path.
+    #[error("cuBLAS (libcublas.so) cannot be loaded: add the CUDA lib dir to LD_LIBRARY_PATH")]
+    CublasUnavailable,
+    /// A driver call failed.
+    #[error("CUDA driver error during {what}: {err:?}")]
+    Driver {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's error.
+        err: DriverError,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS error during {what}: {status:?}")]
+    Cublas {
+        /// What was being done.
+        what: &'static str,
+        /// The status.
+        status: cublas_sys::cublasStatus_t,
+    },
+    /// NVRTC missing or a kernel failed to compile.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// KV sizing failed.
+    #[error(transparent)]
+    KvSizing(#[from] KvSizingError),
+    /// The model cannot run on this backend.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+}
+
+fn drv<T>(what: &'static str, r: Result<T, DriverError>) -> Result<T, CudaWorkerError> {
+    r.map_err(|err| CudaWorkerError::Driver { what, err })
+}
+
+fn blas(what: &'static str, s: cublas_sys::cublasStatus_t) -> Result<(), CudaWorkerError> {
+    if s == cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaWorkerError::Cublas { what, status: s })
+    }
+}
+
+fn dev_err(e: CudaWorkerError) -> WorkerError {
+    WorkerError::Device(e.to_string())
+}
+
+/// How many KV pages to allocate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvBlocks {
+    /// Exactly this many (`--num-blocks`, or the scheduler's count for a daemon worker).
+    Fixed(usize),
+    /// As many as fit in `total * fraction` after weights and buffers
+    /// (`--gpu-memory-utilization`, vLLM's contract; see [`kv_num_blocks`]), but no more than
+    /// `max_blocks` (what the scheduler can ever use: every sequence at full length).
+    Utilization {
+        /// `--gpu-memory-utilization`, in (0, 1].
+        fraction: f64,
+        /// Upper bound on the page count.
+        max_blocks: usize,
+    },
+}
+
+/// Options of [`CudaWorker::new`].
+#[derive(Clone, Debug)]
+pub struct CudaWorkerOptions {
+    /// Device ordinal.
+    pub device: usize,
+    /// Element type of weights, activations and KV.
+    pub dtype: Dtype,
+    /// Directory holding `cuda_bf16.h` for NVRTC.
+    pub include_dir: std::path::PathBuf,
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// KV pages.
+    pub kv_blocks: KvBlocks,
+    /// Most tokens per launch (sizes the activation buffers).
+    pub max_tokens: usize,
+    /// Most rows per launch.
+    pub max_rows: usize,
+    /// Longest sequence (block-table width, decode partitions).
+    pub max_model_len: usize,
+    /// Run every launch eagerly (no CUDA graphs).
+    pub enforce_eager: bool,
+}
+
+/// A device allocation with its raw address (the owning slice frees it on drop).
+struct Buf {
+    _slice: CudaSlice<u8>,
+    ptr: u64,
+}
+
+impl Buf {
+    fn at(&self, byte_offset: usize) -> u64 {
+        self.ptr + byte_offset as u64
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`.
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is owned exclusively by this value (no aliases are handed out beyond
+// borrows of `self`), and page-locked memory may be touched from any thread.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn new(len: usize) -> Result<Self, CudaWorkerError> {
+        let len = len.max(16);
+        // SAFETY: a plain allocation call; the context is current (callers bind it first).
+        let ptr = drv("cuMemHostAlloc", unsafe { cu_result::malloc_host(len, 0) })? as *mut u8;
+        // SAFETY: `ptr` points to `len` writable bytes just allocated; zero them so every later
+        // read of the buffer sees initialized memory.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Pinned { ptr, len })
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialized bytes for the life of `self`; device
+        // writes into it only happen between an async copy and the fence, during which no
+        // borrow is held (execute synchronizes before reading).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, with `&mut self` guaranteeing exclusivity on the host side.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc and freed once; the owning worker synchronized its
+        // stream before dropping (see `CudaWorker::drop`).
+        let _ = unsafe { cu_result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+/// Device weights of one layer (raw addresses into [`CudaWorker::weights`]).
+#[derive(Clone, Copy, Debug)]
+struct LayerPtrs {
+    input_norm: u64,
+    qkv: u64,
+    o: u64,
+    post_norm: u64,
+    gate_up: u64,
+    down: u64,
+}
+
+/// Kernel arguments with stable addresses, in declaration order.
+struct KArgs {
+    vals: [u64; 24],
+    n: usize,
+}
+
+impl KArgs {
+    fn new() -> Self {
+        KArgs {
+            vals: [0; 24],
+            n: 0,
+        }
+    }
+    /// A device pointer (or any 8-byte value).
+    fn p(&mut self, v: u64) -> &mut Self {
+        self.vals[self.n] = v;
+        self.n += 1;
+        self
+    }
+    /// An `int`: stored in the low 4 bytes (little-endian), which is what the kernel reads.
+    fn i(&mut self, v: usize) -> &mut Self {
+        self.p(u64::from(v as i32 as u32))
+    }
+    /// A `float`.
+    fn f(&mut self, v: f32) -> &mut Self {
+        self.p(u64::from(v.to_bits()))
+    }
+}
+
+/// Which attention kernel a launch uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AttnMode {
+    /// Every row one token: split-K decode (fast head dims) or generic.
+    Decode,
+    /// Mixed rows: varlen prefill (fast head dims) or generic.
+    Prefill,
+}
+
+/// Outputs wanted beyond the sampled ids (debug hooks).
+#[derive(Default)]
+struct Dumps {
+    logits: bool,
+    layers: bool,
+    logits_out: Vec<Vec<f32>>,
+    layers_out: Vec<Vec<f32>>,
+}
+
+/// Host record of the device ring of sampled ids: which launch occupies which ring slot and
+/// which of its rows sampled.
+#[derive(Debug, Default)]
+struct Ring {
+    launches: VecDeque<(LaunchSeq, usize, Vec<bool>)>,
+    pushes: usize,
+}
+
+impl Ring {
+    /// Ring slot of a new launch (the oldest kept one is forgotten).
+    fn push(&mut self, seq: LaunchSeq, sampled: Vec<bool>) -> usize {
+        if self.launches.len() == KEPT_LAUNCHES {
+            self.launches.pop_front();
+        }
+        let slot = self.pushes % KEPT_LAUNCHES;
+        self.pushes += 1;
+        self.launches.push_back((seq, slot, sampled));
+        slot
+    }
+    /// Ring slot holding the id row `row` of launch `seq` sampled, if kept.
+    fn slot_of(&self, seq: LaunchSeq, row: u32) -> Option<usize> {
+        let (_, slot, s) = self.launches.iter().find(|l| l.0 == seq)?;
+        s.get(row as usize)
+            .copied()
+            .unwrap_or(false)
+            .then_some(*slot)
+    }
+}
+
+/// One row of work, resolved from a launch record or built by a debug command.
+#[derive(Clone, Debug)]
+pub struct RowInput {
+    /// Input ids; when `pending` is set, `tokens[0]` is a placeholder replaced on the device.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`.
+    pub start_pos: usize,
+    /// Pages of the sequence, covering positions `0 .. start_pos + tokens.len()`.
+    pub block_table: Vec<u32>,
+    /// Ring index (`slot * max_rows + row`) of the pending first id, if any.
+    pub pending: Option<u32>,
+    /// Whether the row samples.
+    pub sample: bool,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Output index (RNG counter).
+    pub output_index: u32,
+}
+
+/// `(sampled id or u32::MAX, log-probability, top entries)` of one row.
+pub type RowOutput = (u32, f32, Vec<(u32, f32)>);
+
+/// `(logits per row, residual stream per layer)`, as [`CudaWorker::forward_debug`] returns.
+pub type LogitsAndLayers = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// The CUDA worker. See the module docs.
+pub struct CudaWorker {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cublas: cublas_sys::cublasHandle_t,
+    functions: HashMap<&'static str, CudaFunction>,
+    cfg: ModelConfig,
+    opts: CudaWorkerOptions,
+    dtype: Dtype,
+    /// Keeps the weight allocation alive.
+    _weights: Buf,
+    embed: u64,
+    layers: Vec<LayerPtrs>,
+    final_norm: u64,
+    lm_head: u64,
+    inv_freq: Buf,
+    weight_bytes: usize,
+    kv: Buf,
+    num_blocks: usize,
+    acts: Buf,
+    act_off: ActOffsets,
+    staging_dev: Buf,
+    staging_host: Pinned,
+    layout: StagingLayout,
+    out_dev: Buf,
+    out_host: Pinned,
+    ring: Buf,
+    ring_host: Ring,
+    _workspace: Buf,
+    fence: CudaEvent,
+    graphs: HashMap<usize, cu::CUgraphExec>,
+    buckets: Vec<usize>,
+    max_partitions: usize,
+}
+
+// SAFETY: the raw cuBLAS handle and graph execs are only used through `&mut self` (one thread
+// at a time), with the context bound to the calling thread at the start of every entry point.
+unsafe impl Send for CudaWorker {}
+
+/// Byte offsets of the activation buffers inside [`CudaWorker::acts`].
+#[derive(Clone, Copy, Debug, Default)]
+struct ActOffsets {
+    resid: usize,
+    xn: usize,
+    qkv: usize,
+    attn: usize,
+    tmp: usize,
+    gate_up: usize,
+    act: usize,
+    last: usize,
+    logits: usize,
+    part_acc: usize,
+    part_m: usize,
+    part_l: usize,
+    total: usize,
+}
+
+/// Byte offsets of the sampler outputs inside `out_dev` / `out_host`.
+#[derive(Clone, Copy, Debug)]
+struct OutOffsets {
+    tokens: usize,
+    logprob: usize,
+    top_ids: usize,
+    top_lp: usize,
+    total: usize,
+}
+
+fn out_offsets(max_rows: usize) -> OutOffsets {
+    let r = max_rows.max(1);
+    let a = |x: usize| x.div_ceil(16) * 16;
+    let tokens = 0;
+    let logprob = a(4 * r);
+    let top_ids = logprob + a(4 * r);
+    let top_lp = top_ids + a(4 * r * SAMPLER_TOP_SLOTS);
+    let total = top_lp + a(4 * r * SAMPLER_TOP_SLOTS);
+    OutOffsets {
+        tokens,
+        logprob,
+        top_ids,
+        top_lp,
+        total,
+    }
+}
+
+/// The model's shape numbers for the memory accounting.
+pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
+    ModelShape {
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        layers: cfg.num_hidden_layers,
+        heads: cfg.num_attention_heads,
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        vocab: cfg.vocab_size,
+    }
+}
+
+/// Converts f32 values to the device element type's little-endian bytes (round to nearest
+/// even for bf16 and f16).
+pub fn to_device_bytes(v: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::F32 => bytemuck::cast_slice(v).to_vec(),
+        Dtype::Bf16 => v
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+            .collect(),
+        Dtype::F16 => v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Converts device element bytes back to f32 (for debug dumps).
+pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::Bf16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+    }
+}
+
+/// Head dims with a fast (warp-per-key) attention kernel.
+fn fast_head_dim(hd: usize) -> bool {
+    matches!(hd, 64 | 128 | 256)
+}
+
+impl CudaWorker {
+    /// Brings the worker up on `opts.device`: compiles the kernels for the device's
+    /// architecture and `opts.dtype`, uploads `weights` (converted to `opts.dtype`, q/k/v and
+    /// gate/up fused), allocates activations, staging and the KV pool (sized per
+    /// `opts.kv_blocks`), and captures the decode graphs unless `opts.enforce_eager`.
+    ///
+    /// # Errors
+    /// [`CudaWorkerError`]: no driver or cuBLAS, no such device, NVRTC failures, a model
+    /// shape the kernels do not support, not enough device memory.
+    pub fn new(
+        cfg: ModelConfig,
+        weights: LlamaWeights,
+        opts: CudaWorkerOptions,
+    ) -> Result<Self, CudaWorkerError> {
+        if !crate::backend::driver_available() {
+            return Err(CudaWorkerError::DriverUnavailable);
+        }
+        // SAFETY: only dlopen()s candidate names of libcublas and drops the handles.
+        if !unsafe { cublas_sys::is_culib_present() } {
+            return Err(CudaWorkerError::CublasUnavailable);
+        }
+        if !cfg
+            .num_attention_heads
+            .is_multiple_of(cfg.num_key_value_heads)
+            || cfg.head_dim > 1024
+        {
+            return Err(CudaWorkerError::Unsupported(format!(
+                "heads {} / kv heads {} / head_dim {}",
+                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            )));
+        }
+        let dtype = opts.dtype;
+        let ctx = drv("cuInit / context", CudaContext::new(opts.device))?;
+        // SAFETY: this worker uses one stream for everything and synchronizes at every fence;
+        // no CudaSlice is shared across streams, so cudarc's per-slice events are not needed
+        // (and would add event records inside graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = drv("cuStreamCreate", ctx.new_stream())?;
+        let (major, minor) = drv("compute capability", ctx.compute_capability())?;
+        let arch = format!("sm_{major}{minor}");
+        let mut functions = HashMap::new();
+        for ((file, ptx), &(_, entries)) in compile_ptx_for(&arch, &opts.include_dir, dtype)?
+            .into_iter()
+            .zip(kernel_entry_points())
+        {
+            let module = drv("cuModuleLoadData", ctx.load_module(ptx))
+                .map_err(|e| CudaWorkerError::Unsupported(format!("{file}: {e}")))?;
+            for &entry in entries {
+                functions.insert(
+                    entry,
+                    drv("cuModuleGetFunction", module.load_function(entry))?,
+                );
+            }
+        }
+        let (free_before, total_mem) = drv("cuMemGetInfo", ctx.mem_get_info())?;
+
+        let alloc = |bytes: usize| -> Result<Buf, CudaWorkerError> {
+            let slice = drv("cuMemAlloc", stream.alloc_zeros::<u8>(bytes.max(16)))?;
+            let ptr = {
+                let (ptr, _guard) = slice.device_ptr(&stream);
+                ptr
+            };
+            // alloc_zeros may be stream-ordered (cuMemAllocAsync + memset on our stream); the
+            // synchronous uploads below run on the legacy stream, which does not wait for a
+            // non-blocking stream, so finish the zeroing first.
+            drv("synchronize after alloc", stream.synchronize())?;
+            Ok(Buf { _slice: slice, ptr })
+        };
+
+        // Weights: one allocation, tensors at 256-byte aligned offsets.
+        let es = dtype.size();
+        let h = cfg.hidden_size;
+        let LlamaWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        } = weights;
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (offset, elems)
+        let mut off = 0usize;
+        let mut place = |elems: usize| {
+            let o = off;
+            off = (off + elems * es).div_ceil(256) * 256;
+            plan.push((o, elems));
+            o
+        };
+        let q_w = cfg.num_attention_heads * cfg.head_dim;
+        let kv_w = cfg.num_key_value_heads * cfg.head_dim;
+        let qkv_w = q_w + 2 * kv_w;
+        let im = cfg.intermediate_size;
+        let embed_off = place(cfg.vocab_size * h);
+        let mut layer_offs = Vec::with_capacity(layers.len());
+        for _ in &layers {
+            layer_offs.push([
+                place(h),
+                place(qkv_w * h),
+                place(h * q_w),
+                place(h),
+                place(2 * im * h),
+                place(h * im),
+            ]);
+        }
+        let norm_off = place(h);
+        let head_off = place(cfg.vocab_size * h);
+        let weight_bytes = off;
+        let wbuf = alloc(weight_bytes)?;
+        let upload = |o: usize, parts: &[&Tensor]| -> Result<(), CudaWorkerError> {
+            let mut v: Vec<f32> = Vec::new();
+            for p in parts {
+                v.extend_from_slice(&p.data);
+            }
+            let bytes = to_device_bytes(&v, dtype);
+            // SAFETY: `o + bytes.len()` lies inside the weight allocation (offsets were laid
+            // out above from the same element counts); the copy is synchronous, so `bytes`
+            // outlives it.
+            drv("cuMemcpyHtoD (weights)", unsafe {
+                cu_result::memcpy_htod_sync(wbuf.at(o), &bytes)
+            })
+        };
+        upload(embed_off, &[&embed])?;
+        drop(embed);
+        let mut layer_ptrs = Vec::with_capacity(layers.len());
+        for (l, offs) in layers.into_iter().zip(&layer_offs) {
+            upload(offs[0], &[&l.input_layernorm])?;
+            upload(offs[1], &[&l.q_proj, &l.k_proj, &l.v_proj])?;
+            upload(offs[2], &[&l.o_proj])?;
+            upload(offs[3], &[&l.post_attention_layernorm])?;
+            upload(offs[4], &[&l.gate_proj, &l.up_proj])?;
+            upload(offs[5], &[&l.down_proj])?;
+            layer_ptrs.push(LayerPtrs {
+                input_norm: wbuf.at(offs[0]),
+                qkv: wbuf.at(offs[1]),
+                o: wbuf.at(offs[2]),
+                post_norm: wbuf.at(offs[3]),
+                gate_up: wbuf.at(offs[4]),
+                down: wbuf.at(offs[5]),
+            });
+        }
+        upload(norm_off, &[&norm])?;
+        upload(head_off, &[&lm_head])?;
+        drop(lm_head);
+        let inv = cfg.rope_inv_freq();
+        let inv_freq = alloc(4 * inv.len())?;
+        // SAFETY: the allocation holds `4 * inv.len()` bytes; synchronous copy.
+        drv("cuMemcpyHtoD (inv_freq)", unsafe {
+            cu_result::memcpy_htod_sync(inv_freq.ptr, &inv)
+        })?;
+
+        // Activations.
+        let t = opts.max_tokens.max(1);
+        let r = opts.max_rows.max(1).min(t);
+        let max_blocks = opts.max_model_len.div_ceil(opts.block_size.max(1)).max(1);
+        let max_partitions = opts
+            .max_model_len
+            .div_ceil(crate::kernels::ATTN_PARTITION)
+            .max(1);
+        let nh = cfg.num_attention_heads;
+        let mut a = ActOffsets::default();
+        {
+            let mut off = 0usize;
+            let mut take = |bytes: usize| {
+                let o = off;
+                off = (off + bytes).div_ceil(256) * 256;
+                o
+            };
+            a.resid = take(t * h * es);
+            a.xn = take(t * h * es);
+            a.qkv = take(t * qkv_w * es);
+            a.attn = take(t * q_w * es);
+            a.tmp = take(t * h * es);
+            a.gate_up = take(t * 2 * im * es);
+            a.act = take(t * im * es);
+            a.last = take(r * h * es);
+            a.logits = take(r * cfg.vocab_size * 4);
+            a.part_acc = take(r * nh * max_partitions * cfg.head_dim * 4);
+            a.part_m = take(r * nh * max_partitions * 4);
+            a.part_l = take(r * nh * max_partitions * 4);
+            a.total = off;
+        }
+        let acts = alloc(a.total)?;
+        let layout = StagingLayout::new(t, r, max_blocks);
+        let staging_dev = alloc(layout.total)?;
+        let staging_host = Pinned::new(layout.total)?;
+        let oo = out_offsets(r);
+        let out_dev = alloc(oo.total)?;
+        let out_host = Pinned::new(oo.total)?;
+        let ring = alloc(4 * KEPT_LAUNCHES * r)?;
+        let workspace = alloc(CUBLAS_WORKSPACE)?;
+
+        // KV pool.
+        let per_block = kv_bytes_per_block(
+            cfg.num_hidden_layers,
+            opts.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            es,
+        )
+        .ok_or_else(|| CudaWorkerError::Unsupported("KV block size overflows".into()))?;
+        let num_blocks = match opts.kv_blocks {
+            KvBlocks::Fixed(n) => n.max(1),
+            KvBlocks::Utilization {
+                fraction,
+                max_blocks,
+            } => kv_num_blocks(
+                free_before,
+                total_mem,
+                fraction,
+                weight_bytes,
+                per_block,
+                a.total + layout.total + oo.total + CUBLAS_WORKSPACE + RESERVE_SLACK,
+            )?
+            .min(max_blocks.max(1)),
+        };
+        let kv = alloc(num_blocks * per_block)?;
+
+        // cuBLAS on our stream, with our workspace, plain fp32 math (no TF32).
+        let cublas =
+            cudarc::cublas::result::create_handle().map_err(|e| CudaWorkerError::Cublas {
+                what: "cublasCreate",
+                status: e.0,
+            })?;
+        // SAFETY: `cublas` was just created; the stream and workspace outlive the handle (the
+        // handle is destroyed first in Drop).
+        unsafe {
+            blas(
+                "cublasSetStream",
+                cublas_sys::cublasSetStream_v2(
+                    cublas,
+                    stream.cu_stream() as cublas_sys::cudaStream_t,
+                ),
+            )?;
+            blas(
+                "cublasSetWorkspace",
+                cublas_sys::cublasSetWorkspace_v2(
+                    cublas,
+                    workspace.ptr as *mut c_void,
+                    CUBLAS_WORKSPACE,
+                ),
+            )?;
+            blas(
+                "cublasSetMathMode",
+                cublas_sys::cublasSetMathMode(
+                    cublas,
+                    cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+                ),
+            )?;
+        }
+        let fence = drv("cuEventCreate", ctx.new_event(None))?;
+        drv("synchronize", stream.synchronize())?;
+
+        let mut w = CudaWorker {
+            ctx,
+            stream,
+            cublas,
+            functions,
+            cfg,
+            dtype,
+            _weights: wbuf,
+            embed: 0,
+            layers: layer_ptrs,
+            final_norm: 0,
+            lm_head: 0,
+            inv_freq,
+            weight_bytes,
+            kv,
+            num_blocks,
+            acts,
+            act_off: a,
+            staging_dev,
+            staging_host,
+            layout,
+            out_dev,
+            out_host,
+            ring,
+            ring_host: Ring::default(),
+            _workspace: workspace,
+            fence,
+            graphs: HashMap::new(),
+            buckets: Vec::new(),
+            max_partitions,
+            opts,
+        };
+        w.embed = w._weights.at(embed_off);
+        w.final_norm = w._weights.at(norm_off);
+        w.lm_head = w._weights.at(head_off);
+        if !w.opts.enforce_eager {
+            w.capture_graphs()?;
+        }
+        Ok(w)
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Batch sizes with a captured decode graph (empty under `enforce_eager`).
+    pub fn graph_buckets(&self) -> &[usize] {
+        &self.buckets
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn bind(&self) -> Result<(), CudaWorkerError> {
+        drv("cuCtxSetCurrent", self.ctx.bind_to_thread())
+    }
+
+    fn kv_layer(&self, layer: usize) -> (u64, u64) {
+        let per = self.num_blocks
+            * self.opts.block_size
+            * self.cfg.num_key_value_heads
+            * self.cfg.head_dim
+            * self.dtype.size();
+        let k = self.kv.at(2 * layer * per);
+        (k, k + per as u64)
+    }
+
+    fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut KArgs,
+    ) -> Result<(), CudaWorkerError> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or(CudaWorkerError::Unsupported(format!(
+                "kernel {name} not loaded"
+            )))?;
+        let n = args.n;
+        let mut ptrs: Vec<*mut c_void> = args.vals[..n]
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // SAFETY: every call site passes the argument list of `name`'s C signature in order
+        // (documented next to each call, checked against kernels/*.cu): device pointers as
+        // u64, ints in the low 4 bytes of their slot, floats as their bits. Each slot stays
+        // alive (in `args`) until cuLaunchKernel has copied the parameters, which it does
+        // before returning. All pointers address live allocations of this worker sized for
+        // the launch's token and row counts.
+        drv("cuLaunchKernel", unsafe {
+            cu_result::launch_kernel(
+                f.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut ptrs,
+            )
+        })
+    }
+
+    /// `out[t, n] = x[t, k] · W[n, k]ᵀ`, row-major, through `cublasGemmEx` (fp32 accumulate);
+    /// `out` is f32 when `out_f32`, else the element type.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        out: u64,
+        x: u64,
+        w: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        out_f32: bool,
+    ) -> Result<(), CudaWorkerError> {
+        if t == 0 {
+            return Ok(());
+        }
+        use cublas_sys::cudaDataType_t as D;
+        let dt = match self.dtype {
+            Dtype::Bf16 => D::CUDA_R_16BF,
+            Dtype::F16 => D::CUDA_R_16F,
+            Dtype::F32 => D::CUDA_R_32F,
+        };
+        let ct = if out_f32 { D::CUDA_R_32F } else { dt };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: column-major view of the row-major product: C[n x t] = W[k x n]ᵀ · X[k x t]
+        // with lda = ldb = k and ldc = n. `w` holds n*k elements, `x` t*k, `out` t*n of the
+        // stated types (allocations sized for max_tokens / max_rows). alpha/beta are host f32
+        // scalars, matching CUBLAS_COMPUTE_32F in the default host pointer mode, read before
+        // the call returns.
+        let s = unsafe {
+            cublas_sys::cublasGemmEx(
+                self.cublas,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                dt,
+                k as i32,
+                x as *const c_void,
+                dt,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                out as *mut c_void,
+                ct,
+                n as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        };
+        blas("cublasGemmEx", s)
+    }
+
+    /// Enqueues the forward pass and the sampler for `t` tokens in `r` rows whose inputs are
+    /// already in the device staging buffer. With `dumps`, synchronizes after each layer and
+    /// copies the residual stream back (never under graph capture).
+    fn enqueue_forward(
+        &self,
+        t: usize,
+        r: usize,
+        mode: AttnMode,
+        mut dumps: Option<&mut Dumps>,
+    ) -> Result<(), CudaWorkerError> {
+        let c = &self.cfg;
+        let (h, hd, nh, kvh) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        );
+        let es = self.dtype.size() as u64;
+        let q_w = nh * hd;
+        let kv_w = kvh * hd;
+        let qkv_w = q_w + 2 * kv_w;
+        let im = c.intermediate_size;
+        let eps = c.rms_norm_eps;
+        let scale = (hd as f64).powf(-0.5) as f32;
+        let a = &self.act_off;
+        let act = |o: usize| self.acts.at(o);
+        let st = |o: usize| self.staging_dev.at(o);
+        let l = &self.layout;
+        let norm_block = if h >= 4096 { 1024 } else { 256 };
+
+        // embedding(out, table, ids, num_tokens, hidden, vocab)
+        self.launch(
+            "baton_embedding_gather",
+            (t as u32, 1, 1),
+            256,
+            KArgs::new()
+                .p(act(a.resid))
+                .p(self.embed)
+                .p(st(l.ids))
+                .i(t)
+                .i(h)
+                .i(c.vocab_size),
+        )?;
+        for (li, lw) in self.layers.iter().enumerate() {
+            if li == 0 {
+                // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+                self.launch(
+                    "baton_rmsnorm",
+                    (t as u32, 1, 1),
+                    norm_block,
+                    KArgs::new()
+                        .p(act(a.xn))
+                        .p(act(a.resid))
+                        .p(lw.input_norm)
+                        .i(t)
+                        .i(h)
+                        .f(eps),
+                )?;
+            } else {
+                // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps)
+                self.launch(
+                    "baton_add_rmsnorm",
+                    (t as u32, 1, 1),
+                    norm_block,
+                    KArgs::new()
+                        .p(act(a.xn))
+                        .p(act(a.resid))
+                        .p(act(a.tmp))
+                        .p(lw.input_norm)
+                        .i(t)
+                        .i(h)
+                        .f(eps),
+                )?;
+                if let Some(d) = dumps.as_deref_mut() {
+                    self.dump_resid(d, t)?;
+                }
+            }
+            self.gemm(act(a.qkv), act(a.xn), lw.qkv, t, qkv_w, h, false)?;
+            let q = act(a.qkv);
+            let k = q + q_w as u64 * es;
+            let v = k + kv_w as u64 * es;
+            // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
+            self.launch(
+                "baton_rope",
+                (t as u32, 1, 1),
+                128,
+                KArgs::new()
+                    .p(q)
+                    .p(k)
+                    .p(st(l.positions))
+                    .p(self.inv_freq.ptr)
+                    .i(t)
+                    .i(nh)
+                    .i(kvh)
+                    .i(hd)
+                    .i(qkv_w)
+                    .i(qkv_w),
+            )?;
+            let (kc, vc) = self.kv_layer(li);
+            // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
+            //                   k_stride, v_stride)
+            self.launch(
+                "baton_reshape_and_cache",
+                (t as u32, 1, 1),
+                128,
+                KArgs::new()
+                    .p(k)
+                    .p(v)
+                    .p(kc)
+                    .p(vc)
+                    .p(st(l.slots))
+                    .i(t)
+                    .i(kvh)
+                    .i(hd)
+                    .i(qkv_w)
+                    .i(qkv_w),
+            )?;
+            self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
+            self.gemm(act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
+            self.launch(
+                "baton_add_rmsnorm",
+                (t as u32, 1, 1),
+                norm_block,
+                KArgs::new()
+                    .p(act(a.xn))
+                    .p(act(a.resid))
+                    .p(act(a.tmp))
+                    .p(lw.post_norm)
+                    .i(t)
+                    .i(h)
+                    .f(eps),
+            )?;
+            self.gemm(act(a.gate_up), act(a.xn), lw.gate_up, t, 2 * im, h, false)?;
+            // silu_and_mul(out, in, num_tokens, inter)
+            self.launch(
+                "baton_silu_and_mul",
+                (t as u32, 1, 1),
+                256,
+                KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
+            )?;
+            self.gemm(act(a.tmp), act(a.act), lw.down, t, h, im, false)?;
+        }
+        self.launch(
+            "baton_add_rmsnorm",
+            (t as u32, 1, 1),
+            norm_block,
+            KArgs::new()
+                .p(act(a.xn))
+                .p(act(a.resid))
+                .p(act(a.tmp))
+                .p(self.final_norm)
+                .i(t)
+                .i(h)
+                .f(eps),
+        )?;
+        if let Some(d) = dumps.as_deref_mut() {
+            self.dump_resid(d, t)?;
+        }
+        // gather_rows(out, in, index, num_rows, width)
+        self.launch(
+            "baton_gather_rows",
+            (r as u32, 1, 1),
+            256,
+            KArgs::new()
+                .p(act(a.last))
+                .p(act(a.xn))
+                .p(st(l.last_index))
+                .i(r)
+                .i(h),
+        )?;
+        self.gemm(
+            act(a.logits),
+            act(a.last),
+            self.lm_head,
+            r,
+            c.vocab_size,
+            h,
+            true,
+        )?;
+        if let Some(d) = dumps {
+            if d.logits {
+                drv("synchronize", self.stream.synchronize())?;
+                let mut host = vec![0f32; r * c.vocab_size];
+                // SAFETY: the logits region holds r * vocab f32 (sized for max_rows); the
+                // stream is idle, so the synchronous copy reads finished results.
+                drv("cuMemcpyDtoH (logits)", unsafe {
+                    cu_result::memcpy_dtoh_sync(&mut host, act(a.logits))
+                })?;
+                d.logits_out = host
+                    .chunks_exact(c.vocab_size)
+                    .map(<[f32]>::to_vec)
+                    .collect();
+            }
+        }
+        let o = out_offsets(self.layout.max_rows);
+        let od = |x: usize| self.out_dev.at(x);
+        // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params,
+        //            output_index, vocab)
+        self.launch(
+            "baton_sample_f32",
+            (r as u32, 1, 1),
+            1024,
+            KArgs::new()
+                .p(od(o.tokens))
+                .p(od(o.logprob))
+                .p(od(o.top_ids))
+                .p(od(o.top_lp))
+                .p(act(a.logits))
+                .i(c.vocab_size)
+                .p(st(l.params))
+                .p(st(l.output_index))
+                .i(c.vocab_size),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        t: usize,
+        r: usize,
+        mode: AttnMode,
+        q: u64,
+        q_stride: usize,
+        kc: u64,
+        vc: u64,
+        scale: f32,
+    ) -> Result<(), CudaWorkerError> {
+        let c = &self.cfg;
+        let (hd, nh, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let a = &self.act_off;
+        let out = self.acts.at(a.attn);
+        let l = &self.layout;
+        let st = |o: usize| self.staging_dev.at(o);
+        let bs = self.opts.block_size;
+        if !fast_head_dim(hd) {
+            // generic(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
+            //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale)
+            return self.launch(
+                "baton_paged_attention_generic",
+                (t as u32, nh as u32, 1),
+                128,
+                KArgs::new()
+                    .p(out)
+                    .p(q)
+                    .i(q_stride)
+                    .p(kc)
+                    .p(vc)
+                    .p(st(l.cu_seqlens))
+                    .p(st(l.start_pos))
+                    .i(r)
+                    .p(st(l.block_tables))
+                    .i(l.max_blocks)
+                    .i(nh)
+                    .i(kvh)
+                    .i(hd)
+                    .i(bs)
+                    .f(scale),
+            );
+        }
+        let chunks = (nh / kvh).div_ceil(8);
+        let gy = (kvh * chunks) as u32;
+        match mode {
+            AttnMode::Decode => {
+                // decode_hdD(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,
+                //            block_tables, max_blocks_per_row, seq_lens, nh, nkv, block_size,
+                //            scale, max_partitions)
+                self.launch(
+                    &format!("baton_paged_attention_decode_hd{hd}"),
+                    (r as u32, gy, self.max_partitions as u32),
+                    128,
+                    KArgs::new()
+                        .p(out)
+                        .p(self.acts.at(a.part_acc))
+                        .p(self.acts.at(a.part_m))
+                        .p(self.acts.at(a.part_l))
+                        .p(q)
+                        .i(q_stride)
+                        .p(kc)
+                        .p(vc)
+                        .p(st(l.block_tables))
+                        .i(l.max_blocks)
+                        .p(st(l.seq_lens))
+                        .i(nh)
+                        .i(kvh)
+                        .i(bs)
+                        .f(scale)
+                        .i(self.max_partitions),
+                )?;
+                // decode_reduce(out, part_acc, part_m, part_l, seq_lens, nh, head_dim,
+                //               max_partitions)
+                self.launch(
+                    "baton_paged_attention_decode_reduce",
+                    (r as u32, nh as u32, 1),
+                    128,
+                    KArgs::new()
+                        .p(out)
+                        .p(self.acts.at(a.part_acc))
+                        .p(self.acts.at(a.part_m))
+                        .p(self.acts.at(a.part_l))
+                        .p(st(l.seq_lens))
+                        .i(nh)
+                        .i(hd)
+                        .i(self.max_partitions),
+                )
+            }
+            AttnMode::Prefill => {
+                // prefill_hdD(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,
+                //             num_rows, block_tables, max_blocks_per_row, nh, nkv, block_size,
+                //             scale)
+                self.launch(
+                    &format!("baton_paged_attention_prefill_hd{hd}"),
+                    (t as u32, gy, 1),
+                    128,
+                    KArgs::new()
+                        .p(out)
+                        .p(q)
+                        .i(q_stride)
+                        .p(kc)
+                        .p(vc)
+                        .p(st(l.cu_seqlens))
+                        .p(st(l.start_pos))
+                        .i(r)
+                        .p(st(l.block_tables))
+                        .i(l.max_blocks)
+                        .i(nh)
+                        .i(kvh)
+                        .i(bs)
+                        .f(scale),
+                )
+            }
+        }
+    }
+
+    fn dump_resid(&self, d: &mut Dumps, t: usize) -> Result<(), CudaWorkerError> {
+        if !d.layers {
+            return Ok(());
+        }
+        drv("synchronize", self.stream.synchronize())?;
+        let n = t * self.cfg.hidden_size * self.dtype.size();
+        let mut host = vec![0u8; n];
+        // SAFETY: the residual region holds max_tokens * hidden elements >= t * hidden; the
+        // stream is idle.
+        drv("cuMemcpyDtoH (residual)", unsafe {
+            cu_result::memcpy_dtoh_sync(&mut host, self.acts.at(self.act_off.resid))
+        })?;
+        d.layers_out.push(from_device_bytes(&host, self.dtype));
+        Ok(())
+    }
+
+    /// Copies the staging host buffer to the device (async, on the stream).
+    fn upload_staging(&self) -> Result<(), CudaWorkerError> {
+        // SAFETY: both buffers are `layout.total` bytes; the host side is pinned and is not
+        // written again before the fence of this launch (execute synchronizes before
+        // returning).
+        drv("cuMemcpyHtoDAsync (staging)", unsafe {
+            cu_result::memcpy_htod_async(
+                self.staging_dev.ptr,
+                self.staging_host.bytes(),
+                self.stream.cu_stream(),
+            )
+        })
+    }
+
+    /// Captures one decode graph per bucket, largest first, after an eager warm-up.
+    fn capture_graphs(&mut self) -> Result<(), CudaWorkerError> {
+        self.bind()?;
+        let buckets: Vec<usize> = default_graph_buckets(self.layout.max_rows)
+            .into_iter()
+            .filter(|&b| b <= self.layout.max_rows && b <= self.layout.max_tokens)
+            .collect();
+        for &b in buckets.iter().rev() {
+            // Inert inputs: b padding rows (slot -1, seq_len 0, page 0).
+            let pages = [0u32];
+            let rows: Vec<(u32, u32, &[u32])> = (0..b).map(|_| (0, 1, &pages[..])).collect();
+            let mut plan = plan_launch(&rows, self.opts.block_size.max(1))
+                .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
+            plan.slot_mapping.iter_mut().for_each(|s| *s = -1);
+            plan.seq_lens.iter_mut().for_each(|s| *s = 0);
+            let inputs = StepInputs {
+                ids: vec![0; b],
+                pending: vec![],
+                output_index: vec![0; b],
+                params: vec![SamplingParams::greedy(); b],
+                plan,
+            };
+            let layout = self.layout;
+            layout
+                .fill(self.staging_host.bytes_mut(), &inputs)
+                .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
+            self.upload_staging()?;
+            // Warm-up (cuBLAS picks and loads its kernels outside the capture).
+            self.enqueue_forward(b, b, AttnMode::Decode, None)?;
+            drv("synchronize", self.stream.synchronize())?;
+            let s = self.stream.cu_stream();
+            // SAFETY: the stream is ours and idle; THREAD_LOCAL mode forbids unsafe calls
+            // (e.g. cuMemAlloc) from this thread only while capturing, and enqueue_forward
+            // makes none (all buffers exist, cuBLAS has its workspace).
+            drv("cuStreamBeginCapture", unsafe {
+                cu_result::stream::begin_capture(
+                    s,
+                    cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            })?;
+            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None);
+            // SAFETY: ends the capture begun above on the same stream (even after an enqueue
+            // error, so the stream leaves capture mode).
+            let graph = unsafe { cu_result::stream::end_capture(s) };
+            enq?;
+            let graph = drv("cuStreamEndCapture", graph)?;
+            // SAFETY: `graph` is the valid graph just captured; it is destroyed right after
+            // instantiation (the exec keeps its own copy).
+            let exec = unsafe {
+                let e = cu_result::graph::instantiate(graph, cu::CUgraphInstantiate_flags(0));
+                let _ = cu_result::graph::destroy(graph);
+                e
+            };
+            self.graphs.insert(b, drv("cuGraphInstantiate", exec)?);
+        }
+        self.buckets = buckets;
+        Ok(())
+    }
+
+    /// Runs `rows` as launch `seq`: stages the inputs, resolves pending ids on the device,
+    /// runs the forward pass (a graph replay for decode batches with a bucket), samples,
+    /// fences. Returns the sampled id per row (`u32::MAX` for rows that do not sample) and
+    /// each row's log-probability and top entries.
+    fn run_rows(
+        &mut self,
+        seq: LaunchSeq,
+        rows: &[RowInput],
+        dumps: Option<&mut Dumps>,
+    ) -> Result<Vec<RowOutput>, WorkerError> {
+        self.bind().map_err(dev_err)?;
+        let n_rows = rows.len();
+        let vocab = self.cfg.vocab_size;
+        for (i, r) in rows.iter().enumerate() {
+            if let Some(&bad) = r.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(WorkerError::Forward(format!(
+                    "row {i}: token {bad} >= vocab size {vocab}"
+                )));
+            }
+            if let Some(&p) = r
+                .block_table
+                .iter()
+                .find(|&&p| p as usize >= self.num_blocks)
+            {
+                return Err(WorkerError::Forward(format!(
+                    "row {i}: page {p} >= num_blocks {}",
+                    self.num_blocks
+                )));
+            }
+        }
+        let spans: Vec<(u32, u32, &[u32])> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.start_pos as u32,
+                    r.tokens.len() as u32,
+                    &r.block_table[..],
+                )
+            })
+            .collect();
+        let mut plan = plan_launch(&spans, self.opts.block_size)
+            .map_err(|e: PlanError| WorkerError::Forward(e.to_string()))?;
+        let decode = rows.iter().all(|r| r.tokens.len() == 1);
+        let bucket = if decode && dumps.is_none() {
+            graph_bucket(n_rows, &self.buckets).filter(|b| self.graphs.contains_key(b))
+        } else {
+            None
+        };
+        let mut ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let mut pending = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            if let Some(src) = r.pending {
+                let at = plan.cu_seqlens[i] as u32;
+                ids[at as usize] = 0;
+                pending.push((at, src));
+            }
+        }
+        let mut output_index: Vec<u32> = rows.iter().map(|r| r.output_index).collect();
+        let mut params: Vec<SamplingParams> = rows.iter().map(|r| r.params).collect();
+        let run_rows = match bucket {
+            Some(b) => {
+                plan.pad_decode_rows(b);
+                ids.resize(b, 0);
+                output_index.resize(b, 0);
+                params.resize(b, SamplingParams::greedy());
+                b
+            }
+            None => n_rows,
+        };
+        let t = plan.num_tokens();
+        let inputs = StepInputs {
+            plan,
+            ids,
+            pending,
+            output_index,
+            params,
+        };
+        let layout = self.layout;
+        layout
+            .fill(self.staging_host.bytes_mut(), &inputs)
+            .map_err(|e: CapacityError| WorkerError::Forward(e.to_string()))?;
+        self.upload_staging().map_err(dev_err)?;
+        if !inputs.pending.is_empty() {
+            let l = &self.layout;
+            // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
+            self.launch(
+                "baton_gather_pending_ids",
+                (inputs.pending.len().div_ceil(256) as u32, 1, 1),
+                256,
+                KArgs::new()
+                    .p(self.staging_dev.at(l.ids))
+                    .p(self.ring.ptr)
+                    .p(self.staging_dev.at(l.pending_dst))
+                    .p(self.staging_dev.at(l.pending_src))
+                    .i(inputs.pending.len()),
+            )
+            .map_err(dev_err)?;
+        }
+        match bucket {
+            Some(b) => {
+                let exec = self.graphs[&b];
+                // SAFETY: `exec` was instantiated from a capture on this stream over buffers
+                // that live as long as `self`; its inputs were just staged at the captured
+                // addresses.
+                drv("cuGraphLaunch", unsafe {
+                    cu_result::graph::launch(exec, self.stream.cu_stream())
+                })
+                .map_err(dev_err)?;
+            }
+            None => {
+                let mode = if decode {
+                    AttnMode::Decode
+                } else {
+                    AttnMode::Prefill
+                };
+                self.enqueue_forward(t, run_rows, mode, dumps)
+                    .map_err(dev_err)?;
+            }
+        }
+        // Keep the sampled ids on the device for later PendingFrom rows.
+        let sampled: Vec<bool> = rows.iter().map(|r| r.sample).collect();
+        let slot = self.ring_host.push(seq, sampled);
+        let max_rows = self.layout.max_rows;
+        let o = out_offsets(max_rows);
+        // SAFETY: the ring holds KEPT_LAUNCHES * max_rows u32 and slot < KEPT_LAUNCHES; the
+        // source holds max_rows u32 >= n_rows. Stream-ordered after the sampler.
+        drv("cuMemcpyDtoDAsync (ring)", unsafe {
+            cu_result::memcpy_dtod_async(
+                self.ring.at(4 * slot * max_rows),
+                self.out_dev.at(o.tokens),
+                4 * n_rows,
+                self.stream.cu_stream(),
+            )
+        })
+        .map_err(dev_err)?;
+        // SAFETY: the pinned host buffer has the same layout and size as out_dev; it is not
+        // read before the fence below completes.
+        drv("cuMemcpyDtoHAsync (samples)", unsafe {
+            let host = std::slice::from_raw_parts_mut(self.out_host.ptr, o.total);
+            cu_result::memcpy_dtoh_async(host, self.out_dev.ptr, self.stream.cu_stream())
+        })
+        .map_err(dev_err)?;
+        // The fence: the launch is complete (KV written, ids in host memory) when it passes.
+        drv("cuEventRecord", self.fence.record(&self.stream)).map_err(dev_err)?;
+        drv("cuEventSynchronize", self.fence.synchronize()).map_err(dev_err)?;
+
+        let host = self.out_host.bytes();
+        let rd_u32 =
+            |at: usize| u32::from_le_bytes([host[at], host[at + 1], host[at + 2], host[at + 3]]);
+        let rd_f32 = |at: usize| f32::from_bits(rd_u32(at));
+        Ok(rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                if !r.sample {
+                    return (u32::MAX, 0.0, Vec::new());
+                }
+                let n_top = (r.params.top_logprobs as usize).min(SAMPLER_TOP_SLOTS);
+                let top = (0..n_top)
+                    .map(|j| {
+                        let k = i * SAMPLER_TOP_SLOTS + j;
+                        (rd_u32(o.top_ids + 4 * k), rd_f32(o.top_lp + 4 * k))
+                    })
+                    .filter(|&(id, _)| id != u32::MAX)
+                    .collect();
+                (rd_u32(o.tokens + 4 * i), rd_f32(o.logprob + 4 * i), top)
+            })
+            .collect())
+    }
+
+    /// Debug hook: runs `rows` (fresh ids, no pending) once and returns the logits of every
+    /// row (`[rows][vocab]` f32, the last token of each) and, with `layers`, the residual
+    /// stream after every decoder layer (`[layers][tokens * hidden]`, as
+    /// `CpuModel::forward_with_layer_outputs`). Eager; writes the KV of the rows' positions.
+    ///
+    /// # Errors
+    /// As [`Backend::execute`].
+    pub fn forward_debug(
+        &mut self,
+        rows: &[RowInput],
+        layers: bool,
+    ) -> Result<LogitsAndLayers, WorkerError> {
+        let mut d = Dumps {
+            logits: true,
+            layers,
+            ..Dumps::default()
+        };
+        self.run_rows(0, rows, Some(&mut d))?;
+        Ok((d.logits_out, d.layers_out))
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s: copies of `bytes` timed with events, each
+    /// counted as `2 * bytes` (read + write), the best of `iters`.
+    ///
+    /// # Errors
+    /// Driver errors (including out of memory).
+    pub fn measure_copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64, WorkerError> {
+        self.bind().map_err(dev_err)?;
+        fn e<T>(r: Result<T, DriverError>) -> Result<T, WorkerError> {
+            drv("bandwidth measurement", r).map_err(dev_err)
+        }
+        let a = e(self.stream.alloc_zeros::<u8>(bytes))?;
+        let b = e(self.stream.alloc_zeros::<u8>(bytes))?;
+        let (pa, _g1) = a.device_ptr(&self.stream);
+        let (pb, _g2) = b.device_ptr(&self.stream);
+        let start = e(self
+            .ctx
+            .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)))?;
+        let stop = e(self
+            .ctx
+            .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)))?;
+        let mut best = 0f64;
+        for _ in 0..iters.max(1) {
+            e(start.record(&self.stream))?;
+            // SAFETY: both allocations hold `bytes` bytes and stay alive until after the
+            // synchronize below.
+            e(unsafe { cu_result::memcpy_dtod_async(pb, pa, bytes, self.stream.cu_stream()) })?;
+            e(stop.record(&self.stream))?;
+            e(stop.synchronize())?;
+            let ms = e(start.elapsed_ms(&stop))? as f64;
+            if ms > 0.0 {
+                best = best.max(2.0 * bytes as f64 / (ms * 1e-3));
+            }
+        }
+        Ok(best)
+    }
+
+    /// Resolves a launch record into [`RowInput`]s, reading tables and checking pending ids.
+    fn resolve(
+        &self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<Vec<RowInput>, WorkerError> {
+        let max_rows = self.layout.max_rows;
+        launch
+            .rows
+            .iter()
+            .map(|r| {
+                let first = r.first_pos as usize;
+                let end = first + r.num_tokens as usize;
+                let mut tokens = Vec::with_capacity(r.num_tokens as usize);
+                let pending = if r.pending_launch != NOT_PENDING {
+                    let slot = self
+                        .ring_host
+                        .slot_of(r.pending_launch, r.pending_row)
+                        .ok_or(WorkerError::MissingPending {
+                            launch: launch.seq,
+                            from: r.pending_launch,
+                            row: r.pending_row,
+                        })?;
+                    tokens.push(0);
+                    tables.read_tokens(r.req.slot, first + 1..end, &mut tokens);
+                    Some((slot * max_rows + r.pending_row as usize) as u32)
+                } else {
+                    tables.read_tokens(r.req.slot, first..end, &mut tokens);
+                    None
+                };
+                let mut block_table = Vec::with_capacity(r.num_blocks as usize);
+                tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut block_table);
+                Ok(RowInput {
+                    tokens,
+                    start_pos: first,
+                    block_table,
+                    pending,
+                    sample: r.sample == 1,
+                    params: r.params,
+                    output_index: r.output_index,
+                })
+            })
+            .collect()
+    }
+
+    /// The flattened plan of `rows` (for tests of the host side).
+    pub fn plan_rows(rows: &[RowInput], block_size: usize) -> Result<LaunchPlan, PlanError> {
+        let spans: Vec<(u32, u32, &[u32])> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.start_pos as u32,
+                    r.tokens.len() as u32,
+                    &r.block_table[..],
+                )
+            })
+            .collect();
+        plan_launch(&spans, block_size)
+    }
+
+    /// Bytes of one KV page across all layers.
+    pub fn kv_bytes_per_block(&self) -> usize {
+        kv_bytes_per_block(
+            self.cfg.num_hidden_layers,
+            self.opts.block_size,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            self.dtype.size(),
+        )
+        .unwrap_or(0)
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), WorkerError> {
+        drv("cuMemGetInfo", self.ctx.mem_get_info()).map_err(dev_err)
+    }
+
+    /// Where the kernels' include directory is expected (for error messages).
+    pub fn include_dir(&self) -> &Path {
+        &self.opts.include_dir
+    }
+}
+
+impl Backend for CudaWorker {
+    fn execute(
+        &mut self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<Completion, WorkerError> {
+        let rows = self.resolve(launch, tables)?;
+        let out = self.run_rows(launch.seq, &rows, None)?;
+        let sampled = launch
+            .rows
+            .iter()
+            .zip(out)
+            .enumerate()
+            .filter(|(_, (r, _))| r.sample == 1)
+            .map(|(i, (r, (token, logprob, top)))| Sampled {
+                row: i as u32,
+                req: r.req,
+                token,
+                logprob,
+                top,
+            })
+            .collect();
+        Ok(Completion {
+            seq: launch.seq,
+            sampled,
+        })
+    }
+
+    fn kv_capacity(&self) -> KvCapacity {
+        KvCapacity {
+            num_blocks: self.num_blocks,
+            block_size: self.opts.block_size,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+}
+
+impl Drop for CudaWorker {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            let _ = self.stream.synchronize();
+        }
+        for (_, exec) in self.graphs.drain() {
+            // SAFETY: each exec was instantiated once and is destroyed once, after the stream
+            // went idle.
+            let _ = unsafe { cu_result::graph::exec_destroy(exec) };
+        }
+        // SAFETY: the handle was created in `new` and is destroyed once; the stream is idle.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.cublas) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_slots_follow_push_order_and_forget_old_launches() {
+        let mut r = Ring::default();
+        assert_eq!(r.push(5, vec![true, false]), 0);
+        assert_eq!(r.push(9, vec![true]), 1);
+        assert_eq!(r.slot_of(5, 0), Some(0));
+        assert_eq!(r.slot_of(5, 1), None, "row 1 did not sample");
+        assert_eq!(r.slot_of(9, 0), Some(1));
+        assert_eq!(r.slot_of(7, 0), None);
+        for s in 10..10 + KEPT_LAUNCHES as u64 - 1 {
+            r.push(s, vec![true]);
+        }
+        assert_eq!(r.slot_of(5, 0), None, "launch 5 fell out of the window");
+        assert_eq!(r.slot_of(9, 0), Some(1));
+        // The next push reuses launch 9's slot only after forgetting it.
+        assert_eq!(r.push(100, vec![true]), 1);
+        assert_eq!(r.slot_of(9, 0), None);
+        assert_eq!(r.slot_of(100, 0), Some(1));
+    }
+
+    #[test]
+    fn device_bytes_round_trip() {
+        let v = [1.0f32, -2.5, 0.1, 65504.0];
+        for d in Dtype::ALL {
+            let b = to_device_bytes(&v, d);
+            assert_eq!(b.len(), v.len() * d.size());
+            let back = from_device_bytes(&b, d);
+            for (x, y) in v.iter().zip(&back) {
+                let tol = match d {
+                    Dtype::F32 => 0.0,
+                    Dtype::F16 => 1e-3,
+                    Dtype::Bf16 => 8e-3,
+                };
+                assert!((x - y).abs() <= tol * x.abs(), "{d:?}: {x} -> {y}");
+            }
+        }
+        // bf16 rounds to nearest even: 1 + 2^-8 is a tie between 1 and 1 + 2^-7.
+        assert_eq!(
+            to_device_bytes(&[1.0 + 1.0 / 256.0], Dtype::Bf16),
+            vec![0x80, 0x3f]
+        );
+    }
+
+    #[test]
+    fn out_offsets_are_aligned_and_disjoint() {
+        let o = out_offsets(5);
+        assert_eq!(o.tokens, 0);
+        assert!(o.logprob >= 20 && o.logprob.is_multiple_of(16));
+        assert!(o.top_ids >= o.logprob + 20 && o.top_ids.is_multiple_of(16));
+        assert!(o.top_lp >= o.top_ids + 4 * 5 * SAMPLER_TOP_SLOTS);
+        assert!(o.total >= o.top_lp + 4 * 5 * SAMPLER_TOP_SLOTS);
+    }
+
+    #[test]
+    fn kargs_store_ints_and_floats_in_the_low_bytes() {
+        let mut a = KArgs::new();
+        a.p(0xdead_beef_0000_0010).i(7).f(1.5);
+        assert_eq!(a.n, 3);
+        assert_eq!(a.vals[0], 0xdead_beef_0000_0010);
+        assert_eq!(a.vals[1] as u32 as i32, 7);
+        assert_eq!(f32::from_bits(a.vals[2] as u32), 1.5);
+        let mut b = KArgs::new();
+        b.i(usize::MAX); // -1 as int
+        assert_eq!(b.vals[0] as u32 as i32, -1);
+    }
+
+    #[test]
+    fn new_without_a_driver_is_a_clean_error() {
+        if crate::backend::driver_available() {
+            return;
+        }
+        let cfg = baton_model::ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":16,
+            "intermediate_size":32,"num_hidden_layers":1,"num_attention_heads":2,
+            "num_key_value_heads":1,"vocab_size":32,"max_position_embeddings":64}"#,
+        )
+        .unwrap();
+        let w = LlamaWeights::dummy(&cfg, 0);
+        let e = CudaWorker::new(
+            cfg,
+            w,
+            CudaWorkerOptions {
+                device: 0,
+                dtype: Dtype::Bf16,
+                include_dir: "/nonexistent".into(),
+                block_size: 16,
+                kv_blocks: KvBlocks::Utilization {
+                    fraction: 0.9,
+                    max_blocks: 16,
+                },
+                max_tokens: 64,
+                max_rows: 4,
+                max_model_len: 64,
+                enforce_eager: true,
+            },
+        )
+        .err()
+        .expect("no driver here");
+        assert!(matches!(e, CudaWorkerError::DriverUnavailable), "{e}");
+        assert!(e.to_string().contains("--device cpu"));
+    }
+}

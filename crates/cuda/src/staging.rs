@@ -1,0 +1,269 @@
+//! The per-step input block: every host-side input of one launch (ids, positions, slots, row
+//! metadata, block tables, pending-id references, sampling parameters) packed into one byte
+//! buffer at fixed offsets, copied to the device with one `cuMemcpyHtoDAsync`.
+//!
+//! Why fixed offsets: a captured CUDA graph bakes in device pointers, so each region lives at
+//! the same device address on every step; only the contents change. Regions are 16-byte
+//! aligned. Row-indexed regions have room for `max_rows` rows, token-indexed ones for
+//! `max_tokens`, block tables are `max_rows x max_blocks` with a fixed row stride.
+
+use crate::plan::LaunchPlan;
+use baton_proto::SamplingParams;
+
+/// Byte offsets of the regions of the staging buffer; see the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingLayout {
+    /// Token capacity.
+    pub max_tokens: usize,
+    /// Row capacity.
+    pub max_rows: usize,
+    /// Block-table stride (entries per row).
+    pub max_blocks: usize,
+    /// `[max_tokens]` u32 input ids (pending entries filled on the device).
+    pub ids: usize,
+    /// `[max_tokens]` i32 positions.
+    pub positions: usize,
+    /// `[max_tokens]` i32 KV slots (`-1` = padding).
+    pub slots: usize,
+    /// `[max_rows + 1]` i32 prefix sums of row lengths.
+    pub cu_seqlens: usize,
+    /// `[max_rows]` i32 first position per row.
+    pub start_pos: usize,
+    /// `[max_rows]` i32 context length per row after this launch (0 = padding row).
+    pub seq_lens: usize,
+    /// `[max_rows]` i32 flattened index of each row's last token.
+    pub last_index: usize,
+    /// `[max_rows * max_blocks]` i32 block tables.
+    pub block_tables: usize,
+    /// `[max_rows]` u32 token index each pending id is written to.
+    pub pending_dst: usize,
+    /// `[max_rows]` u32 index into the device ring of sampled ids.
+    pub pending_src: usize,
+    /// `[max_rows]` u32 output index (RNG counter) per row.
+    pub output_index: usize,
+    /// `[max_rows]` 32-byte [`SamplingParams`] per row.
+    pub params: usize,
+    /// Total bytes.
+    pub total: usize,
+}
+
+fn align16(x: usize) -> usize {
+    x.div_ceil(16) * 16
+}
+
+/// One launch's host inputs, ready to be packed by [`StagingLayout::fill`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepInputs {
+    /// Flattened plan (possibly padded to a graph bucket).
+    pub plan: LaunchPlan,
+    /// `[num_tokens]` input ids; entries that [`Self::pending`] overwrites hold 0.
+    pub ids: Vec<u32>,
+    /// `(token index, ring index)` of each id resolved on the device.
+    pub pending: Vec<(u32, u32)>,
+    /// `[num_rows]` output index per row.
+    pub output_index: Vec<u32>,
+    /// `[num_rows]` sampling parameters per row.
+    pub params: Vec<SamplingParams>,
+}
+
+/// Why a step does not fit the staging buffer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("launch does not fit the device buffers: {what} {have} > capacity {cap}")]
+pub struct CapacityError {
+    /// What overflowed (`tokens`, `rows`, `block-table entries per row`).
+    pub what: &'static str,
+    /// Needed.
+    pub have: usize,
+    /// Available.
+    pub cap: usize,
+}
+
+impl StagingLayout {
+    /// The layout for `max_tokens` tokens, `max_rows` rows and `max_blocks` block-table entries
+    /// per row (each at least 1).
+    pub fn new(max_tokens: usize, max_rows: usize, max_blocks: usize) -> Self {
+        let (t, r, b) = (max_tokens.max(1), max_rows.max(1), max_blocks.max(1));
+        let mut off = 0;
+        let mut take = |bytes: usize| {
+            let o = off;
+            off = align16(off + bytes);
+            o
+        };
+        let ids = take(4 * t);
+        let positions = take(4 * t);
+        let slots = take(4 * t);
+        let cu_seqlens = take(4 * (r + 1));
+        let start_pos = take(4 * r);
+        let seq_lens = take(4 * r);
+        let last_index = take(4 * r);
+        let block_tables = take(4 * r * b);
+        let pending_dst = take(4 * r);
+        let pending_src = take(4 * r);
+        let output_index = take(4 * r);
+        let params = take(std::mem::size_of::<SamplingParams>() * r);
+        StagingLayout {
+            max_tokens: t,
+            max_rows: r,
+            max_blocks: b,
+            ids,
+            positions,
+            slots,
+            cu_seqlens,
+            start_pos,
+            seq_lens,
+            last_index,
+            block_tables,
+            pending_dst,
+            pending_src,
+            output_index,
+            params,
+            total: off,
+        }
+    }
+
+    /// Checks `s` fits, then writes it into `buf` (`total` bytes). Unused entries keep whatever
+    /// they held; the kernels only read the first `num_tokens` / `num_rows` entries.
+    ///
+    /// # Errors
+    /// [`CapacityError`] when tokens, rows or block-table width exceed the layout.
+    pub fn fill(&self, buf: &mut [u8], s: &StepInputs) -> Result<(), CapacityError> {
+        let p = &s.plan;
+        let check = |what, have, cap| {
+            if have > cap {
+                Err(CapacityError { what, have, cap })
+            } else {
+                Ok(())
+            }
+        };
+        check("tokens", p.num_tokens(), self.max_tokens)?;
+        check("rows", p.num_rows(), self.max_rows)?;
+        check(
+            "block-table entries per row",
+            p.max_blocks_per_row,
+            self.max_blocks,
+        )?;
+        assert_eq!(buf.len(), self.total, "staging buffer size");
+        assert_eq!(s.ids.len(), p.num_tokens());
+        assert_eq!(s.output_index.len(), p.num_rows());
+        assert_eq!(s.params.len(), p.num_rows());
+        put(buf, self.ids, &s.ids);
+        put(buf, self.positions, &p.positions);
+        put(buf, self.slots, &p.slot_mapping);
+        put(buf, self.cu_seqlens, &p.cu_seqlens);
+        put(buf, self.start_pos, &p.start_pos);
+        put(buf, self.seq_lens, &p.seq_lens);
+        put(buf, self.last_index, &p.last_token_index);
+        let mb = p.max_blocks_per_row.max(1);
+        for r in 0..p.num_rows() {
+            let row = &p.block_tables[r * mb..(r + 1) * mb];
+            put(buf, self.block_tables + 4 * r * self.max_blocks, row);
+        }
+        let dst: Vec<u32> = s.pending.iter().map(|x| x.0).collect();
+        let src: Vec<u32> = s.pending.iter().map(|x| x.1).collect();
+        put(buf, self.pending_dst, &dst);
+        put(buf, self.pending_src, &src);
+        put(buf, self.output_index, &s.output_index);
+        put(buf, self.params, bytemuck::cast_slice::<_, u8>(&s.params));
+        Ok(())
+    }
+}
+
+fn put<T: bytemuck::Pod>(buf: &mut [u8], at: usize, v: &[T]) {
+    let b: &[u8] = bytemuck::cast_slice(v);
+    buf[at..at + b.len()].copy_from_slice(b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::plan_launch;
+
+    #[test]
+    fn regions_are_aligned_disjoint_and_sized() {
+        let l = StagingLayout::new(100, 7, 3);
+        let regions = [
+            (l.ids, 400),
+            (l.positions, 400),
+            (l.slots, 400),
+            (l.cu_seqlens, 32),
+            (l.start_pos, 28),
+            (l.seq_lens, 28),
+            (l.last_index, 28),
+            (l.block_tables, 84),
+            (l.pending_dst, 28),
+            (l.pending_src, 28),
+            (l.output_index, 28),
+            (l.params, 7 * 32),
+        ];
+        for w in regions.windows(2) {
+            assert_eq!(w[0].0 % 16, 0);
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{regions:?}");
+        }
+        let last = regions[regions.len() - 1];
+        assert!(last.0 + last.1 <= l.total);
+        assert_eq!(l.total % 16, 0);
+        assert_eq!(StagingLayout::new(0, 0, 0).max_rows, 1);
+    }
+
+    #[test]
+    fn fill_writes_every_region_and_restrides_block_tables() {
+        let t0 = [7u32, 3];
+        let t1 = [1u32, 2];
+        let plan = plan_launch(&[(0, 5, &t0), (9, 1, &t1)], 8).unwrap();
+        let l = StagingLayout::new(16, 4, 4);
+        let mut buf = vec![0xffu8; l.total];
+        let params = vec![SamplingParams::greedy(); 2];
+        let s = StepInputs {
+            ids: vec![1, 2, 3, 4, 5, 0],
+            pending: vec![(5, 42)],
+            output_index: vec![0, 9],
+            params,
+            plan,
+        };
+        l.fill(&mut buf, &s).unwrap();
+        let rd = |at: usize, n: usize| -> Vec<i32> {
+            buf[at..at + 4 * n]
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        assert_eq!(rd(l.ids, 6), vec![1, 2, 3, 4, 5, 0]);
+        assert_eq!(rd(l.positions, 6), vec![0, 1, 2, 3, 4, 9]);
+        assert_eq!(rd(l.cu_seqlens, 3), vec![0, 5, 6]);
+        assert_eq!(rd(l.seq_lens, 2), vec![5, 10]);
+        assert_eq!(rd(l.last_index, 2), vec![4, 5]);
+        // Row stride 4 in the staging buffer, 2 in the plan.
+        assert_eq!(rd(l.block_tables, 2), vec![7, 3]);
+        assert_eq!(rd(l.block_tables + 16, 2), vec![1, 2]);
+        assert_eq!(rd(l.pending_dst, 1), vec![5]);
+        assert_eq!(rd(l.pending_src, 1), vec![42]);
+        assert_eq!(rd(l.output_index, 2), vec![0, 9]);
+        assert_eq!(
+            &buf[l.params..l.params + 32],
+            bytemuck::bytes_of(&SamplingParams::greedy())
+        );
+    }
+
+    #[test]
+    fn fill_rejects_what_does_not_fit() {
+        let t = [0u32; 3];
+        let plan = plan_launch(&[(0, 20, &t)], 8).unwrap();
+        let l = StagingLayout::new(16, 4, 4);
+        let mut buf = vec![0u8; l.total];
+        let s = StepInputs {
+            ids: vec![0; 20],
+            pending: vec![],
+            output_index: vec![0],
+            params: vec![SamplingParams::greedy()],
+            plan,
+        };
+        let e = l.fill(&mut buf, &s).unwrap_err();
+        assert_eq!((e.what, e.have, e.cap), ("tokens", 20, 16));
+        let l = StagingLayout::new(64, 4, 2);
+        let mut buf = vec![0u8; l.total];
+        assert_eq!(
+            l.fill(&mut buf, &s).unwrap_err().what,
+            "block-table entries per row"
+        );
+    }
+}

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 7, in one run, on an H200 with a prebuilt release binary:
+#
+#   cargo build --release -p baton            # on any machine; the binary needs no CUDA to build
+#   scripts/gpu-check.sh                      # on the GPU machine, from the repository root
+#
+# Needs only target/release/baton (override with BATON), the CUDA libraries under
+# /usr/local/cuda/lib64 (libcuda comes with the driver) and cuda_bf16.h under
+# /usr/local/cuda/include (BATON_CUDA_INCLUDE). The model is ../shared/models/stories260K
+# (BATON_TEST_MODEL). Each check prints PASS or FAIL and the script goes on after a failure;
+# the whole run is bounded by `timeout` (GPU_CHECK_BUDGET seconds, default 470). Output files
+# go to $OUT (default ./gpu-check-out). Exit status: 0 when every check passed.
+#
+# Checks:
+#   1. stories260K in f32 reproduces every golden of golden.json exactly (greedy, alone and
+#      batched, through the scheduler with asynchronous launches and CUDA graphs);
+#   2. stories260K in bf16: first-step logits within 2e-2 relative error of the CPU reference;
+#   3. a dummy Llama-1B-shaped model in bf16: every layer's output within 1e-2 of the CPU backend
+#      (same weights) for a batch mixing prefill chunks and decodes;
+#   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs);
+#   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
+#      prompt 128, gen 128, bf16, CUDA graphs, JSON in $OUT.
+set -uo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+BATON="${BATON:-$repo_root/target/release/baton}"
+MODEL="${BATON_TEST_MODEL:-$repo_root/../shared/models/stories260K}"
+OUT="${OUT:-$repo_root/gpu-check-out}"
+BUDGET="${GPU_CHECK_BUDGET:-470}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export BATON_CUDA_INCLUDE="${BATON_CUDA_INCLUDE:-/usr/local/cuda/include}"
+mkdir -p "$OUT"
+
+if [[ "${GPU_CHECK_INNER:-}" != 1 ]]; then
+    GPU_CHECK_INNER=1 timeout --kill-after=10 "$BUDGET" "${BASH_SOURCE[0]}" "$@"
+    rc=$?
+    [[ $rc == 124 || $rc == 137 ]] && echo "FAIL gpu-check: ran past ${BUDGET}s (timeout)"
+    exit $rc
+fi
+
+[[ -x "$BATON" ]] || { echo "FAIL: no binary at $BATON (cargo build --release -p baton)"; exit 2; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+
+declare -a results=()
+run_check() { # name, per-check timeout (s), command...
+    local name="$1" limit="$2"; shift 2
+    local log="$OUT/$name.log" t0=$SECONDS
+    echo "== $name: $*"
+    timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
+    local rc=$?
+    tail -n 25 "$log"
+    local verdict=PASS
+    [[ $rc != 0 ]] && verdict=FAIL
+    echo "$verdict $name (exit $rc, $((SECONDS - t0)) s, log $log)"
+    results+=("$verdict $name ($((SECONDS - t0)) s)")
+}
+
+LLAMA_1B='{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":2048,
+"intermediate_size":8192,"num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
+"head_dim":64,"vocab_size":128256,"max_position_embeddings":131072,"rms_norm_eps":1e-05,
+"rope_theta":500000.0,"rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+"original_max_position_embeddings":8192,"rope_type":"llama3"},"tie_word_embeddings":true,
+"bos_token_id":128000,"eos_token_id":128001}'
+LLAMA_8B='{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
+"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+"head_dim":128,"vocab_size":128256,"max_position_embeddings":131072,"rms_norm_eps":1e-05,
+"rope_theta":500000.0,"rope_scaling":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+"original_max_position_embeddings":8192,"rope_type":"llama3"},"tie_word_embeddings":false,
+"bos_token_id":128000,"eos_token_id":128001}'
+
+# 0. Without CUDA in the environment the binary must fail cleanly (no panic).
+run_check 0-clean-error-without-libs 30 bash -c \
+    "out=\$(LD_LIBRARY_PATH=/nonexistent BATON_CUDA_INCLUDE=/nonexistent '$BATON' generate --model '$MODEL' --prompt hi --device cuda --max-tokens 2 2>&1); rc=\$?; echo \"\$out\"; [[ \$rc != 0 ]] && ! grep -q panicked <<<\"\$out\""
+
+# 1. f32 goldens, exact.
+run_check 1-golden-f32 90 "$BATON" debug golden --model "$MODEL" --dtype f32
+
+# 2. bf16 first-step logits vs CPU.
+run_check 2-logits-bf16 60 "$BATON" debug logits --model "$MODEL" --dtype bf16 --tol 2e-2 \
+    --dump "$OUT/logits-bf16.json"
+
+# 3. dummy 1B: every layer vs CPU, mixed prefill chunks and decodes.
+run_check 3-layers-1b-bf16 150 "$BATON" debug layers --load-format dummy --config "$LLAMA_1B" \
+    --dtype bf16 --tol 1e-2
+
+# 4. seeded sampling: alone == in a batch.
+run_check 4-seeded-alone-vs-batch 60 bash -c "
+    set -e
+    common=(generate --model '$MODEL' --device cuda --temperature 0.8 --top-p 0.95 --seed 1234 --max-tokens 48 --json --ignore-eos)
+    '$BATON' \"\${common[@]}\" --prompt 'Once upon a time' > '$OUT/seeded-alone.jsonl'
+    '$BATON' \"\${common[@]}\" --prompt 'Once upon a time' --prompt 'The cat sat' --prompt 'Lily wanted' --prompt 'Tom and' > '$OUT/seeded-batch.jsonl'
+    head -n 1 '$OUT/seeded-alone.jsonl'
+    head -n 1 '$OUT/seeded-batch.jsonl'
+    diff <(head -n 1 '$OUT/seeded-alone.jsonl') <(head -n 1 '$OUT/seeded-batch.jsonl')"
+
+# 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
+run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 \
+    --out "$OUT/bench-decode-1b.json"
+run_check 5b-bench-decode-8b 150 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 \
+    --out "$OUT/bench-decode-8b.json"
+
+echo
+echo "== summary"
+failed=0
+for r in "${results[@]}"; do
+    echo "$r"
+    [[ $r == FAIL* ]] && failed=$((failed + 1))
+done
+echo "== decode benchmark (ms per step vs HBM floor)"
+grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5b-bench-decode-8b.log" 2>/dev/null
+exit $((failed > 0))
