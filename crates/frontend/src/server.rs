@@ -983,6 +983,14 @@ pub async fn serve_state(
             let _ = draining.send(true);
         });
     };
+    // TCP_NODELAY: each SSE event is a small write; with Nagle on, a write waits for the ACK
+    // of the previous one and the client's delayed ACK turns that into 40 ms stalls
+    // (measured with `baton bench serve`, bench/RESULTS.md).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("setting TCP_NODELAY on a connection: {e}");
+        }
+    });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(signal)
         .await?;
