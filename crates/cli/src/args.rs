@@ -91,3 +91,13 @@ impl EngineArgs {
         })
     }
 }
+
+/// The thread count for a `--cpu-threads` flag: the flag, or with 0 one thread per CPU this
+/// process may run on.
+pub fn cpu_threads(flag: usize) -> usize {
+    if flag > 0 {
+        flag
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}

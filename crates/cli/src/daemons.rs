@@ -66,6 +66,9 @@ pub struct WorkerArgs {
     /// Token the null backend samples.
     #[arg(long, default_value_t = 3)]
     pub null_token: u32,
+    /// Threads of the CPU backend's forward pass (0: one per available CPU).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_threads: usize,
     /// CUDA flags (with --device cuda). The KV pool has exactly the scheduler's page count.
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -172,7 +175,10 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
             };
             let loaded = ModelDir::new(&dir).load(format)?;
-            let (model, _) = loaded.into_cpu_model();
+            let (mut model, _) = loaded.into_cpu_model();
+            model
+                .set_threads(crate::args::cpu_threads(a.cpu_threads))
+                .map_err(anyhow::Error::msg)?;
             let backend = CpuBackend::new(model, limits.num_blocks, limits.block_size);
             let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
             eprintln!(

@@ -58,6 +58,9 @@ pub struct GenerateArgs {
     /// Weight loading.
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
+    /// Threads of the CPU backend's forward pass (0: one per available CPU).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_threads: usize,
     /// Print one JSON object per prompt (ids, text, finish reason) instead of plain text.
     #[arg(long)]
     pub json: bool,
@@ -157,7 +160,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     )?;
     match a.device {
         GenDevice::Cpu => {
-            let (model, _) = loaded.into_cpu_model();
+            let (mut model, _) = loaded.into_cpu_model();
+            model
+                .set_threads(crate::args::cpu_threads(a.cpu_threads))
+                .map_err(anyhow::Error::msg)?;
             let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
             run_on(
                 LocalEngine::new(cfg, backend),

@@ -35,6 +35,9 @@ pub struct ServeArgs {
     /// HTTP flags, passed to the frontend.
     #[command(flatten)]
     pub http: HttpArgs,
+    /// Threads of the CPU worker's forward pass (0: one per available CPU).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_threads: usize,
     /// Frontend slots in the segment.
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
@@ -167,6 +170,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model.clone(),
         "--device".into(),
         device.into(),
+        "--cpu-threads".into(),
+        a.cpu_threads.to_string(),
     ];
     let mut front_args: Vec<String> = vec![
         "frontend".into(),

@@ -244,18 +244,48 @@ struct Scratch {
     tmp: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
-    scores: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     last: Vec<f32>,
     logits: Vec<f32>,
     pad: PadBuf,
+    /// Per token of the batch: (row index, positions attended).
+    tok_ctx: Vec<(usize, usize)>,
 }
 
 fn resize(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
         v.resize(n, 0.0);
     }
+}
+
+fn thread_pool(n: usize) -> Result<rayon::ThreadPool, String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("baton-cpu-{i}"))
+        .build()
+        .map_err(|e| format!("starting {n} CPU threads: {e}"))
+}
+
+/// [`matmul`] with its rows split into chunks run on the current rayon pool's threads. A chunk
+/// has at least `m_min` rows (or is computed row by row, as `matmul` does for tiny `n`), so
+/// each row's result is what `matmul` over all rows gives.
+fn par_matmul(x: &[f32], t: usize, lin: &Linear, out: &mut [f32], pad: &mut PadBuf) {
+    use rayon::prelude::*;
+    let (n, k) = (lin.n, lin.k);
+    let threads = rayon::current_num_threads();
+    let m_min = (256 / n.max(1) + 1).max(2);
+    let chunk = t.div_ceil(threads).max(m_min.min(MAX_TILE));
+    if threads == 1 || t <= chunk {
+        matmul(x, t, lin, out, pad);
+        return;
+    }
+    out[..t * n]
+        .par_chunks_mut(chunk * n)
+        .zip(x[..t * k].par_chunks(chunk * k))
+        .for_each_init(PadBuf::default, |pad, (o, xi)| {
+            matmul(xi, xi.len() / k, lin, o, pad)
+        });
 }
 
 /// The CPU model: config, f32 weights (q/k/v and gate/up fused) and RoPE tables.
@@ -268,6 +298,8 @@ pub struct CpuModel {
     /// `[head_dim / 2]` RoPE inverse frequencies ([`ModelConfig::rope_inv_freq`]).
     inv_freq: Vec<f32>,
     scratch: Mutex<Scratch>,
+    /// The threads a forward pass runs on (one by default; [`CpuModel::set_threads`]).
+    pool: rayon::ThreadPool,
 }
 
 impl std::fmt::Debug for CpuModel {
@@ -497,7 +529,30 @@ impl CpuModel {
             inv_freq: cfg.rope_inv_freq(),
             cfg,
             scratch: Mutex::new(Scratch::default()),
+            pool: thread_pool(1).map_err(|reason| ModelError::InvalidField {
+                file: "<cpu threads>".into(),
+                field: "threads".into(),
+                reason,
+            })?,
         })
+    }
+
+    /// Runs forward passes on `n` threads (at least 1): attention is split over tokens, the
+    /// linear layers over row chunks, the MLP activation over tokens. Every value is computed
+    /// by the same code in the same order whatever `n` is (a row's attention by one thread, a
+    /// linear's rows in tiles of at least `m_min` rows as [`matmul`] documents), so the
+    /// outputs are bit-identical for every thread count and batch.
+    ///
+    /// # Errors
+    /// The operating system refused to start the threads.
+    pub fn set_threads(&mut self, n: usize) -> Result<(), String> {
+        self.pool = thread_pool(n.max(1))?;
+        Ok(())
+    }
+
+    /// The number of threads a forward pass runs on.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
     }
 
     /// The model's config.
@@ -606,9 +661,21 @@ impl CpuModel {
         &self,
         kv: &mut PagedKvCache,
         rows: &[ForwardRow],
-        mut layer_outs: Option<&mut Vec<Vec<f32>>>,
+        layer_outs: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         self.validate(kv, rows)?;
+        self.pool
+            .install(|| self.forward_in_pool(kv, rows, layer_outs))
+    }
+
+    /// The forward pass proper, run inside `self.pool`.
+    fn forward_in_pool(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+        mut layer_outs: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        use rayon::prelude::*;
         let c = &self.cfg;
         let h = c.hidden_size;
         let nh = c.num_attention_heads;
@@ -642,9 +709,14 @@ impl CpuModel {
         resize(&mut s.tmp, t * h);
         resize(&mut s.gate_up, t * 2 * im);
         resize(&mut s.act, t * im);
-        resize(&mut s.scores, group * max_end);
         resize(&mut s.cos, t * half);
         resize(&mut s.sin, t * half);
+        // Per token: its row and the number of positions it attends to.
+        s.tok_ctx.clear();
+        for (r, row) in rows.iter().enumerate() {
+            s.tok_ctx
+                .extend((0..row.tokens.len()).map(|j| (r, row.start_pos + j + 1)));
+        }
 
         // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32).
         let mut i = 0;
@@ -680,7 +752,7 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
-            matmul(&s.xn, t, &layer.qkv, &mut s.qkv, &mut s.pad);
+            par_matmul(&s.xn, t, &layer.qkv, &mut s.qkv, &mut s.pad);
 
             // RoPE on q and k (HF rotate_half: pairs (j, j + hd/2)), then store k and v.
             let mut i = 0;
@@ -706,24 +778,31 @@ impl CpuModel {
                 }
             }
 
-            // Causal GQA attention over the pages; f32 softmax (HF eager attention).
-            let mut i = 0;
-            for row in rows {
-                for j in 0..row.tokens.len() {
-                    attend(
-                        kv,
-                        li,
-                        row.block_table,
-                        row.start_pos + j + 1,
-                        &s.qkv[i * qkv_w..i * qkv_w + q_w],
-                        &mut s.attn[i * q_w..(i + 1) * q_w],
-                        &mut s.scores,
-                        scale,
+            // Causal GQA attention over the pages; f32 softmax (HF eager attention). One
+            // token per task, each with its own score buffer.
+            {
+                let (kv, qkv, ctx) = (&*kv, &s.qkv, &s.tok_ctx);
+                s.attn[..t * q_w]
+                    .par_chunks_mut(q_w)
+                    .enumerate()
+                    .for_each_init(
+                        || vec![0.0f32; group * max_end],
+                        |scores, (i, out)| {
+                            let (r, n_ctx) = ctx[i];
+                            attend(
+                                kv,
+                                li,
+                                rows[r].block_table,
+                                n_ctx,
+                                &qkv[i * qkv_w..i * qkv_w + q_w],
+                                out,
+                                scores,
+                                scale,
+                            );
+                        },
                     );
-                    i += 1;
-                }
             }
-            matmul(&s.attn, t, &layer.o, &mut s.tmp, &mut s.pad);
+            par_matmul(&s.attn, t, &layer.o, &mut s.tmp, &mut s.pad);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
                 *x += a;
             }
@@ -737,15 +816,17 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
-            matmul(&s.xn, t, &layer.gate_up, &mut s.gate_up, &mut s.pad);
-            for i in 0..t {
-                let gu = &s.gate_up[i * 2 * im..(i + 1) * 2 * im];
-                let (g, u) = gu.split_at(im);
-                for ((a, &g), &u) in s.act[i * im..(i + 1) * im].iter_mut().zip(g).zip(u) {
-                    *a = g / (1.0 + (-g).exp()) * u;
-                }
-            }
-            matmul(&s.act, t, &layer.down, &mut s.tmp, &mut s.pad);
+            par_matmul(&s.xn, t, &layer.gate_up, &mut s.gate_up, &mut s.pad);
+            s.act[..t * im]
+                .par_chunks_mut(im)
+                .zip(s.gate_up[..t * 2 * im].par_chunks(2 * im))
+                .for_each(|(act, gu)| {
+                    let (g, u) = gu.split_at(im);
+                    for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
+                });
+            par_matmul(&s.act, t, &layer.down, &mut s.tmp, &mut s.pad);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
                 *x += a;
             }
@@ -773,7 +854,7 @@ impl CpuModel {
         }
         let v = c.vocab_size;
         resize(&mut s.logits, sel * v);
-        matmul(&s.last, sel, &self.lm_head, &mut s.logits, &mut s.pad);
+        par_matmul(&s.last, sel, &self.lm_head, &mut s.logits, &mut s.pad);
         Ok(s.logits[..sel * v]
             .chunks_exact(v)
             .map(<[f32]>::to_vec)

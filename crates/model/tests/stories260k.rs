@@ -222,6 +222,63 @@ fn mixed_prefill_decode_batches_give_bitwise_identical_logits_to_alone() {
     }
 }
 
+/// A forward pass on 1, 2 or 3 threads gives bit-identical logits: big prefill rows (so the
+/// linear layers split into row chunks across threads) mixed with decodes.
+#[test]
+fn thread_count_does_not_change_logits_bitwise() {
+    let g = golden();
+    let bs = 16;
+    let run = |threads: usize| {
+        let (mut model, _) = load();
+        model.set_threads(threads).unwrap();
+        assert_eq!(model.threads(), threads);
+        let mut kv = PagedKvCache::new(model.config(), 64, bs);
+        // Row r: the golden prompts and greedy ids concatenated, cut to a different length.
+        let seqs: Vec<Vec<u32>> = (0..6)
+            .map(|r| {
+                let p = &g.prompts[r % g.prompts.len()];
+                let mut v = p.prompt_ids.clone();
+                v.extend_from_slice(&p.greedy_ids);
+                v.truncate(40 + 7 * r);
+                v
+            })
+            .collect();
+        let tables: Vec<Vec<u32>> = (0..6)
+            .map(|r| (0..8).map(|j| (j * 6 + r) as u32).rev().collect())
+            .collect();
+        let mut logits = vec![];
+        // Step 1: prefill everything but the last token (one big batch); step 2: decodes.
+        let rows: Vec<ForwardRow> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| ForwardRow {
+                tokens: &s[..s.len() - 1],
+                start_pos: 0,
+                block_table: t,
+                want_logits: true,
+            })
+            .collect();
+        logits.extend(model.forward(&mut kv, &rows).unwrap());
+        let rows: Vec<ForwardRow> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| ForwardRow {
+                tokens: &s[s.len() - 1..],
+                start_pos: s.len() - 1,
+                block_table: t,
+                want_logits: true,
+            })
+            .collect();
+        logits.extend(model.forward(&mut kv, &rows).unwrap());
+        logits.iter().map(|l| bits(l)).collect::<Vec<_>>()
+    };
+    let one = run(1);
+    assert_eq!(one.len(), 12);
+    for threads in [2, 3] {
+        assert!(run(threads) == one, "{threads} threads changed the logits");
+    }
+}
+
 #[test]
 fn forward_layer_outputs_match_forward_logits() {
     let (model, _) = load();
