@@ -60,6 +60,17 @@ pub enum DatasetKind {
     Jsonl,
 }
 
+/// How output tokens are counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CountOutput {
+    /// One token per SSE chunk with text: exact for servers that stream one chunk per token
+    /// (Baton, vLLM).
+    Chunks,
+    /// Re-encode the generated text with `--tokenizer` (vLLM's benchmark does this); not exact
+    /// where detokenize→encode does not round-trip (SentencePiece merges across chunks).
+    Tokenizer,
+}
+
 /// A request rate: requests/s, or `inf` for all at once.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rate(pub f64);
@@ -105,6 +116,10 @@ pub struct ServeArgs {
     /// prompt and output tokens (without it: words, and one token per SSE chunk).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// How to count output tokens (the other count, where available, is also checked against
+    /// the server's usage and written to the JSON).
+    #[arg(long, value_enum, default_value = "chunks")]
+    pub count_output: CountOutput,
     /// Where prompts come from.
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: DatasetKind,
@@ -209,6 +224,9 @@ impl ServeArgs {
         }
         if !(self.request_timeout > 0.0 && self.request_timeout.is_finite()) {
             bail!("--request-timeout must be a positive number of seconds");
+        }
+        if self.count_output == CountOutput::Tokenizer && self.tokenizer.is_none() {
+            bail!("--count-output tokenizer needs --tokenizer DIR");
         }
         if self.client_threads == 0 {
             bail!("--client-threads must be at least 1");
@@ -386,18 +404,20 @@ pub async fn bench(
     .await;
     pb.finish_and_clear();
 
-    let (source, output_tokens) = match &tok {
+    let chunks: Vec<u64> = outcomes.iter().map(|o| o.chunks as u64).collect();
+    let recount = match &tok {
         Some(t) => {
             let mut v = Vec::with_capacity(outcomes.len());
             for o in &outcomes {
                 v.push(t.encode(&o.text, false)?.len() as u64);
             }
-            (report::TokenSource::Tokenizer, v)
+            Some(v)
         }
-        None => (
-            report::TokenSource::SseChunks,
-            outcomes.iter().map(|o| o.chunks as u64).collect(),
-        ),
+        None => None,
+    };
+    let (source, output_tokens, other) = match (args.count_output, recount) {
+        (CountOutput::Tokenizer, Some(r)) => (report::TokenSource::Tokenizer, r, Some(chunks)),
+        (_, r) => (report::TokenSource::SseChunks, chunks, r),
     };
     let prompt_tokens: Vec<u64> = prompts[args.warmup..]
         .iter()
@@ -421,6 +441,7 @@ pub async fn bench(
         "temperature": args.temperature,
         "warmup": args.warmup,
         "client_threads": args.client_threads,
+        "count_output": format!("{:?}", args.count_output).to_lowercase(),
     });
     Ok(report::build(
         command_line,
@@ -428,6 +449,7 @@ pub async fn bench(
         source,
         &outcomes,
         &output_tokens,
+        other.as_deref(),
         &prompt_tokens,
         duration_s,
     ))

@@ -119,6 +119,7 @@ pub fn draw(path: &Path, r: &Report, title: &str) -> Result<()> {
         .configure_mesh()
         .x_desc("time since start (s)")
         .y_desc("output tokens/s")
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .label_style(("sans-serif", 14))
         .axis_desc_style(("sans-serif", 16))
         .draw()
@@ -170,7 +171,9 @@ fn cdf_panel(
     let pts = cdf_points(v);
     let p50 = crate::stats::percentile(v, 50.0);
     let p99 = crate::stats::percentile(v, 99.0);
+    // Clip the x axis at 1.25 × p99.9 so that a few outliers do not squash the curve.
     let max = v.last().copied().unwrap_or(1.0).max(1e-3);
+    let max = (crate::stats::percentile(v, 99.9) * 1.25).clamp(1e-3, max);
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 20))
         .margin(15)
@@ -180,7 +183,7 @@ fn cdf_panel(
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc(xdesc)
+        .x_desc(format!("{xdesc}, axis cut at 1.25 × p99.9"))
         .y_desc("fraction of samples ≤ x")
         .label_style(("sans-serif", 14))
         .axis_desc_style(("sans-serif", 16))

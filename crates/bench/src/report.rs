@@ -16,6 +16,16 @@ pub enum TokenSource {
     SseChunks,
 }
 
+impl TokenSource {
+    /// A short name for the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenSource::Tokenizer => "tokenizer",
+            TokenSource::SseChunks => "SSE chunks",
+        }
+    }
+}
+
 /// Every figure of a run. Times in ms unless the name says otherwise.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -59,6 +69,12 @@ pub struct Report {
     pub usage_mismatches: usize,
     /// The first mismatch, described.
     pub first_usage_mismatch: Option<String>,
+    /// The other way of counting output tokens (`sse-chunks` when `token_source` is
+    /// `tokenizer` and vice versa), if it was available.
+    pub other_token_source: Option<TokenSource>,
+    /// Completed requests with usage whose output count by `other_token_source` differs from
+    /// `usage.completion_tokens`.
+    pub other_usage_mismatches: Option<usize>,
     /// Per-request records, in dataset order.
     pub requests: Vec<RequestRecord>,
 }
@@ -74,8 +90,10 @@ pub struct RequestRecord {
     pub ttft_ms: f64,
     /// End-to-end latency, ms.
     pub e2e_ms: f64,
-    /// Output tokens as the client counted them.
+    /// Output tokens as the client counted them (`token_source`).
     pub output_tokens: u64,
+    /// Output tokens by `other_token_source`, if available.
+    pub other_output_tokens: Option<u64>,
     /// `usage.completion_tokens`, if sent.
     pub usage_completion_tokens: Option<u64>,
     /// Prompt tokens (`usage.prompt_tokens` if sent, else the client's count).
@@ -89,16 +107,20 @@ pub struct RequestRecord {
 }
 
 /// Builds the report. `output_tokens[i]` and `prompt_tokens[i]` are the client's counts for
-/// request `i`; `duration_s` is the wall time of the run.
+/// request `i` (`other_output[i]`: by the other method, if available); `duration_s` is the
+/// wall time of the run.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     command_line: String,
     config: serde_json::Value,
     token_source: TokenSource,
     outcomes: &[Outcome],
     output_tokens: &[u64],
+    other_output: Option<&[u64]>,
     prompt_tokens: &[u64],
     duration_s: f64,
 ) -> Report {
+    let mut other_mismatches = 0usize;
     let mut ttft = Vec::new();
     let mut tpot = Vec::new();
     let mut itl = Vec::new();
@@ -123,6 +145,9 @@ pub fn build(
             itl.extend(o.itl_s.iter().map(|g| g * 1e3));
             if let Some(u) = o.usage {
                 with_usage += 1;
+                if other_output.is_some_and(|v| v[i] != u.completion_tokens) {
+                    other_mismatches += 1;
+                }
                 if u.completion_tokens != out_n {
                     mismatches += 1;
                     first_mismatch.get_or_insert_with(|| {
@@ -142,6 +167,7 @@ pub fn build(
             ttft_ms: o.ttft_s * 1e3,
             e2e_ms: o.e2e_s * 1e3,
             output_tokens: out_n,
+            other_output_tokens: other_output.map(|v| v[i]),
             usage_completion_tokens: o.usage.map(|u| u.completion_tokens),
             prompt_tokens: in_n,
             chunks: o.chunks,
@@ -170,6 +196,11 @@ pub fn build(
         requests_with_usage: with_usage,
         usage_mismatches: mismatches,
         first_usage_mismatch: first_mismatch,
+        other_token_source: other_output.map(|_| match token_source {
+            TokenSource::Tokenizer => TokenSource::SseChunks,
+            TokenSource::SseChunks => TokenSource::Tokenizer,
+        }),
+        other_usage_mismatches: other_output.map(|_| other_mismatches),
         requests,
     }
 }
@@ -221,16 +252,20 @@ impl Report {
         line(
             &mut s,
             "Output tokens counted by:",
-            match self.token_source {
-                TokenSource::Tokenizer => "tokenizer".into(),
-                TokenSource::SseChunks => "SSE chunks".into(),
-            },
+            self.token_source.name().into(),
         );
         line(
             &mut s,
             "Usage mismatches (of requests with usage):",
             format!("{}/{}", self.usage_mismatches, self.requests_with_usage),
         );
+        if let (Some(src), Some(n)) = (self.other_token_source, self.other_usage_mismatches) {
+            line(
+                &mut s,
+                &format!("  by {}, usage mismatches:", src.name()),
+                format!("{}/{}", n, self.requests_with_usage),
+            );
+        }
         for (title, short, sm) in [
             (" Time to First Token ", "TTFT", &self.ttft_ms),
             (
@@ -311,6 +346,7 @@ mod tests {
             TokenSource::SseChunks,
             &outs,
             &[3, 3, 0],
+            Some(&[3, 4, 0]),
             &[5, 5, 5],
             2.0,
         );
@@ -332,6 +368,8 @@ mod tests {
             .as_deref()
             .unwrap()
             .starts_with("request 1"));
+        assert_eq!(r.other_usage_mismatches, Some(0));
+        assert_eq!(r.other_token_source, Some(TokenSource::Tokenizer));
         let t = r.table();
         assert!(
             t.contains("Failed requests:") && t.contains("P99 ITL (ms):"),

@@ -260,6 +260,11 @@ async fn connection_refused_and_bad_flags() {
         run(&args(&url, &["--dataset", "jsonl"])).await.unwrap_err()
     );
     assert!(e.contains("--dataset-path"), "{e}");
+    let e = format!(
+        "{:#}",
+        run(&args(&url, &["--count-output", "tokenizer"])).await.unwrap_err()
+    );
+    assert!(e.contains("--tokenizer"), "{e}");
     let e = format!("{:#}", run(&args("https://x", &[])).await.unwrap_err());
     assert!(e.contains("http://"), "{e}");
     assert!(Cli::try_parse_from(["b", "--base-url", "http://x", "--request-rate", "-1"]).is_err());
