@@ -31,8 +31,8 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
     } else {
         TokenizerConfig::default()
     };
-    Ok(Tokenizer::from_file(&dir.join("tokenizer.json"), cfg)
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?)
+    Tokenizer::from_file(&dir.join("tokenizer.json"), cfg)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))
 }
 
 /// Words used for random prompts when no tokenizer is given (about one token each).

@@ -262,7 +262,9 @@ async fn connection_refused_and_bad_flags() {
     assert!(e.contains("--dataset-path"), "{e}");
     let e = format!(
         "{:#}",
-        run(&args(&url, &["--count-output", "tokenizer"])).await.unwrap_err()
+        run(&args(&url, &["--count-output", "tokenizer"]))
+            .await
+            .unwrap_err()
     );
     assert!(e.contains("--tokenizer"), "{e}");
     let e = format!("{:#}", run(&args("https://x", &[])).await.unwrap_err());

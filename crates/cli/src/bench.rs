@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 /// `baton bench …`
 #[derive(Subcommand, Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 pub enum BenchCmd {
     /// Scheduler CPU time per decode step, and end-to-end steps/s through the rings, with the
     /// null backend.
