@@ -113,7 +113,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// A Hugging Face model directory whose tokenizer.json draws random prompts and counts
-    /// prompt and output tokens (without it: words, and one token per SSE chunk).
+    /// prompt tokens, and output tokens with `--count-output tokenizer` (without it: random
+    /// prompts are words of a fixed list, counted as one token each).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// How to count output tokens (the other count, where available, is also checked against
