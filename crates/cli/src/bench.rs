@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 /// `baton bench …`
 #[derive(Subcommand, Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 pub enum BenchCmd {
     /// Scheduler CPU time per decode step, and end-to-end steps/s through the rings, with the
     /// null backend.
@@ -23,6 +24,11 @@ pub enum BenchCmd {
     /// Decode step time against the HBM floor (weights + KV bytes over measured copy
     /// bandwidth), per batch size, on the CPU reference or CUDA.
     Decode(crate::bench_decode::DecodeArgs),
+    /// Online serving benchmark of an OpenAI-compatible server: TTFT, ITL, TPOT, throughput.
+    Serve(baton_bench::ServeArgs),
+    /// A canned-token OpenAI-compatible server: the ceiling of `bench serve` itself.
+    #[command(hide = true)]
+    MockServer(baton_bench::MockArgs),
 }
 
 /// Flags of `baton bench sched`.
@@ -190,6 +196,23 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
     ))
 }
 
+/// This process's command line, shell-quoted where needed.
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if !a.is_empty()
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@%+".contains(&b))
+            {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Runs a `baton bench` subcommand.
 ///
 /// # Errors
@@ -197,6 +220,8 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Decode(a) => crate::bench_decode::run(&a),
+        BenchCmd::Serve(a) => baton_bench::run_serve(a, command_line()),
+        BenchCmd::MockServer(a) => baton_bench::run_mock(a),
         BenchCmd::Sched(a) => {
             let mut rows = Vec::new();
             println!(
