@@ -893,6 +893,23 @@ impl CudaWorker {
         let st = |o: usize| self.staging_dev.at(o);
         let l = &self.layout;
         let norm_block = if h >= 4096 { 1024 } else { 256 };
+        // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps): resid += tmp, then
+        // xn = rmsnorm(resid) * weight.
+        let add_rmsnorm = |weight: u64| {
+            self.launch(
+                "baton_add_rmsnorm",
+                (t as u32, 1, 1),
+                norm_block,
+                KArgs::new()
+                    .p(act(a.xn))
+                    .p(act(a.resid))
+                    .p(act(a.tmp))
+                    .p(weight)
+                    .i(t)
+                    .i(h)
+                    .f(eps),
+            )
+        };
 
         // embedding(out, table, ids, num_tokens, hidden, vocab)
         self.launch(
@@ -923,20 +940,7 @@ impl CudaWorker {
                         .f(eps),
                 )?;
             } else {
-                // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps)
-                self.launch(
-                    "baton_add_rmsnorm",
-                    (t as u32, 1, 1),
-                    norm_block,
-                    KArgs::new()
-                        .p(act(a.xn))
-                        .p(act(a.resid))
-                        .p(act(a.tmp))
-                        .p(lw.input_norm)
-                        .i(t)
-                        .i(h)
-                        .f(eps),
-                )?;
+                add_rmsnorm(lw.input_norm)?;
                 if let Some(d) = dumps.as_deref_mut() {
                     self.dump_resid(d, t)?;
                 }
@@ -983,19 +987,7 @@ impl CudaWorker {
             )?;
             self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
             self.gemm(act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
-            self.launch(
-                "baton_add_rmsnorm",
-                (t as u32, 1, 1),
-                norm_block,
-                KArgs::new()
-                    .p(act(a.xn))
-                    .p(act(a.resid))
-                    .p(act(a.tmp))
-                    .p(lw.post_norm)
-                    .i(t)
-                    .i(h)
-                    .f(eps),
-            )?;
+            add_rmsnorm(lw.post_norm)?;
             self.gemm(act(a.gate_up), act(a.xn), lw.gate_up, t, 2 * im, h, false)?;
             // silu_and_mul(out, in, num_tokens, inter)
             self.launch(
@@ -1006,19 +998,7 @@ impl CudaWorker {
             )?;
             self.gemm(act(a.tmp), act(a.act), lw.down, t, h, im, false)?;
         }
-        self.launch(
-            "baton_add_rmsnorm",
-            (t as u32, 1, 1),
-            norm_block,
-            KArgs::new()
-                .p(act(a.xn))
-                .p(act(a.resid))
-                .p(act(a.tmp))
-                .p(self.final_norm)
-                .i(t)
-                .i(h)
-                .f(eps),
-        )?;
+        add_rmsnorm(self.final_norm)?;
         if let Some(d) = dumps.as_deref_mut() {
             self.dump_resid(d, t)?;
         }
