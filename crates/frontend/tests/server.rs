@@ -775,6 +775,15 @@ async fn chat_without_any_template_is_a_clear_400() {
 }
 
 /// Reads from `s` until `n` SSE events arrived.
+/// Opens a connection and sends a `/v1/completions` request with `body`, without reading.
+async fn post_raw(addr: std::net::SocketAddr, body: &str) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(&common::request_bytes("POST", "/v1/completions", &[], body))
+        .await
+        .unwrap();
+    s
+}
+
 async fn read_events(s: &mut tokio::net::TcpStream, n: usize) -> String {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
@@ -804,15 +813,7 @@ async fn client_disconnect_mid_stream_cancels_and_the_pool_returns_to_full() {
     let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true,
                       "stream": true, "n": 2})
     .to_string();
-    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    s.write_all(&common::request_bytes(
-        "POST",
-        "/v1/completions",
-        &[],
-        &body,
-    ))
-    .await
-    .unwrap();
+    let mut s = post_raw(srv.addr, &body).await;
     let head = read_events(&mut s, 4).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let st = srv.engine.scheduler_stats();
@@ -852,15 +853,7 @@ async fn client_disconnect_while_waiting_for_a_non_streamed_response_cancels() {
     .await;
     let body =
         json!({"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": true}).to_string();
-    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    s.write_all(&common::request_bytes(
-        "POST",
-        "/v1/completions",
-        &[],
-        &body,
-    ))
-    .await
-    .unwrap();
+    let s = post_raw(srv.addr, &body).await;
     // Wait until the request runs, then go away.
     let start = std::time::Instant::now();
     while srv.engine.scheduler_stats().running == 0 {
@@ -891,25 +884,9 @@ async fn queued_requests_are_cancelled_on_disconnect_too() {
     })
     .await;
     let long = json!({"prompt": "The cat", "max_tokens": 500, "ignore_eos": true, "stream": true});
-    let mut a = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    a.write_all(&common::request_bytes(
-        "POST",
-        "/v1/completions",
-        &[],
-        &long.to_string(),
-    ))
-    .await
-    .unwrap();
+    let mut a = post_raw(srv.addr, &long.to_string()).await;
     read_events(&mut a, 2).await;
-    let mut b = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    b.write_all(&common::request_bytes(
-        "POST",
-        "/v1/completions",
-        &[],
-        &long.to_string(),
-    ))
-    .await
-    .unwrap();
+    let b = post_raw(srv.addr, &long.to_string()).await;
     let start = std::time::Instant::now();
     while srv.engine.scheduler_stats().waiting == 0 {
         assert!(
@@ -1263,15 +1240,7 @@ async fn shutdown_lets_streams_run_for_the_grace_period_then_ends_them_with_an_e
     let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true,
                       "stream": true})
     .to_string();
-    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    s.write_all(&common::request_bytes(
-        "POST",
-        "/v1/completions",
-        &[],
-        &body,
-    ))
-    .await
-    .unwrap();
+    let mut s = post_raw(srv.addr, &body).await;
     let head = read_events(&mut s, 2).await;
     let before = head.matches("data: ").count();
     let t0 = std::time::Instant::now();
