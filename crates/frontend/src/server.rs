@@ -69,6 +69,9 @@ pub struct AppState {
     /// Set to true when a shutdown's grace period is over: live sequences then end their
     /// streams with an error event instead of being cut.
     draining: tokio::sync::watch::Sender<bool>,
+    /// The longest vocabulary piece in UTF-8 bytes: a prompt longer than `max_model_len`
+    /// times this (times a margin for normalization) cannot fit and is refused untokenized.
+    max_piece_bytes: usize,
 }
 
 impl std::fmt::Debug for AppState {
@@ -108,14 +111,54 @@ impl AppState {
             .map_err(anyhow::Error::msg)?;
         Ok(Self {
             config,
-            tokenizer: Arc::new(tokenizer),
             engine,
             metrics: Arc::new(Metrics::new()),
             eos_ids,
             chat,
             created: now_secs(),
             draining: tokio::sync::watch::Sender::new(false),
+            max_piece_bytes: tokenizer_max_piece_bytes(&tokenizer),
+            tokenizer: Arc::new(tokenizer),
         })
+    }
+
+    /// Tokenizes a prompt for a generation request without stalling the async threads: a
+    /// text longer than any prompt that fits in `max_model_len` tokens is refused at once
+    /// (each token covers at most `max_piece_bytes` bytes of input, with a margin of 4 for
+    /// normalizers), and a long one is tokenized on tokio's blocking pool.
+    ///
+    /// # Errors
+    /// 400 naming `field` for a prompt that is too long or fails to tokenize.
+    async fn encode_prompt(
+        &self,
+        text: &str,
+        add_special: bool,
+        field: &str,
+        max_model_len: usize,
+    ) -> Result<Vec<u32>, ApiError> {
+        let bound = max_model_len
+            .saturating_mul(self.max_piece_bytes.max(1))
+            .saturating_mul(4);
+        if text.len() > bound {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "This model's maximum context length is {max_model_len} tokens. However, \
+                     your prompt is {} bytes long, more than {max_model_len} tokens can hold. \
+                     Please reduce the length of the prompt.",
+                    text.len()
+                ),
+            ));
+        }
+        let err = |e: baton_model::ModelError| ApiError::field(field, e.to_string());
+        if text.len() <= INLINE_TOKENIZE_BYTES {
+            return self.tokenizer.encode(text, add_special).map_err(err);
+        }
+        let (tok, owned) = (Arc::clone(&self.tokenizer), text.to_owned());
+        tokio::task::spawn_blocking(move || tok.encode(&owned, add_special))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?
+            .map_err(err)
     }
 
     fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
@@ -303,9 +346,51 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(64 << 20))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state)
+}
+
+/// The largest request body accepted, in bytes (64 MiB).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Rewrites error responses that axum's extractors produce as plain text (a body over
+/// [`MAX_BODY_BYTES`] is a 413, an unreadable body a 400) into OpenAI error bodies, so every
+/// error a client sees has the same shape.
+async fn openai_error_bodies(req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json") || v.starts_with("text/event-stream"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return res;
+    }
+    let text = axum::body::to_bytes(res.into_body(), 64 << 10)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!("The request body is larger than {MAX_BODY_BYTES} bytes ({text}).")
+    } else if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        text
+    };
+    ApiError {
+        status,
+        message,
+        kind: if status.is_server_error() {
+            "internal_server_error"
+        } else {
+            "invalid_request_error"
+        },
+        param: None,
+    }
+    .into_response()
 }
 
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
@@ -385,11 +470,19 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
 }
 
 async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    // Tokenizing may take long (no length limit applies here): keep it off the async threads.
+    match tokio::task::spawn_blocking(move || tokenize_blocking(&st, &body)).await {
+        Ok(r) => r,
+        Err(e) => ApiError::internal(format!("tokenizing: {e}")).into_response(),
+    }
+}
+
+fn tokenize_blocking(st: &AppState, body: &Bytes) -> Response {
     let run = || -> Result<Value, ApiError> {
-        let f = Fields::parse(&body)?;
+        let f = Fields::parse(body)?;
         st.check_model(f.get::<String>("model")?.as_deref())?;
         let ids = if f.raw("messages").is_some() {
-            let req = validate::parse_chat(&body, &st.engine.limits())?;
+            let req = validate::parse_chat(body, &st.engine.limits())?;
             let text = st.render_chat(
                 &req.messages,
                 req.add_generation_prompt,
@@ -685,9 +778,8 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     for p in &req.prompts {
         let (ids, text) = match p {
             PromptInput::Text(s) => (
-                st.tokenizer
-                    .encode(s, true)
-                    .map_err(|e| ApiError::field("prompt", e.to_string()))?,
+                st.encode_prompt(s, true, "prompt", limits.max_model_len)
+                    .await?,
                 s.clone(),
             ),
             PromptInput::Tokens(t) => {
@@ -850,9 +942,8 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         &req.template_kwargs,
     )?;
     let ids = st
-        .tokenizer
-        .encode(&text, false)
-        .map_err(|e| ApiError::field("messages", e.to_string()))?;
+        .encode_prompt(&text, false, "messages", limits.max_model_len)
+        .await?;
     let max = validate::resolve_max_tokens(
         &limits,
         ids.len(),
@@ -951,6 +1042,20 @@ pub async fn serve_on(
 ) -> anyhow::Result<()> {
     let state = Arc::new(AppState::new(cfg, tokenizer, engine, eos_ids)?);
     serve_state(listener, state, shutdown_signal()).await
+}
+
+/// Prompts up to this many bytes are tokenized on the async thread; longer ones on tokio's
+/// blocking pool, so one huge prompt cannot stall every stream.
+const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
+
+/// The longest piece of `t`'s vocabulary in UTF-8 bytes.
+fn tokenizer_max_piece_bytes(t: &Tokenizer) -> usize {
+    t.inner()
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1)
 }
 
 /// How long live requests may run on after a shutdown signal before their streams end with an

@@ -1275,3 +1275,40 @@ async fn shutdown_lets_streams_run_for_the_grace_period_then_ends_them_with_an_e
         "the request was cancelled in the engine"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_far_over_the_context_is_refused_untokenized_and_huge_bodies_get_an_openai_413() {
+    let srv = start(Opts::default()).await;
+    // Far more bytes than 512 tokens can cover: refused before tokenizing, naming the field.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": "a ".repeat(2 << 20), "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "prompt");
+    assert!(e["message"].as_str().unwrap().contains("bytes long"), "{e}");
+    // 17,000 bytes: over the 16 KiB inline limit (tokenized on the blocking pool) and under
+    // stories260K's bound (512 tokens x 9-byte pieces x 4): the usual token count error.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": "a ".repeat(8_500), "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("your prompt has"), "{}", r.body);
+    // Over the body limit: a 413 with an OpenAI error body, not axum's plain text.
+    let big = format!(
+        "{{\"prompt\": \"{}\"}}",
+        "a".repeat(baton_frontend::server::MAX_BODY_BYTES)
+    );
+    let r = send(srv.addr, "POST", "/v1/completions", &[], &big).await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 413, "{}", r.body);
+    // The server still answers.
+    let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 2})).await;
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+}
