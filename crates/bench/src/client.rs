@@ -57,19 +57,19 @@ pub fn join_url(base: &str, path: &str) -> Result<Uri> {
 /// Everything measured about one request. Times are seconds.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
-    /// The stream completed (`[DONE]` after at least one token) without an error event.
+    /// The stream completed (`[DONE]` after at least one token chunk) without an error event.
     pub ok: bool,
     /// Why it failed.
     pub error: Option<String>,
     /// When the request was sent, seconds since the benchmark started.
     pub start_s: f64,
-    /// Time to the first chunk with text, seconds.
+    /// Time to the first token chunk ([`sse::is_token`]), seconds.
     pub ttft_s: f64,
-    /// Gaps between consecutive chunks with text, seconds.
+    /// Gaps between consecutive token chunks, seconds.
     pub itl_s: Vec<f64>,
     /// Send to the end of the stream, seconds.
     pub e2e_s: f64,
-    /// Chunks that carried text.
+    /// Chunks that carried a token ([`sse::is_token`]).
     pub chunks: usize,
     /// The generated text (only kept when asked to, to count tokens with a tokenizer).
     pub text: String,
@@ -185,17 +185,17 @@ async fn stream(
                 Line::Data(p) => match sse::parse_event(p).map_err(anyhow::Error::msg)? {
                     Event::Done => {
                         if out.chunks == 0 {
-                            bail!("the stream finished without any generated text");
+                            bail!("the stream finished without any generated token");
                         }
                         out.ok = true;
                         return Ok(());
                     }
                     Event::Error(m) => bail!("error event in the stream: {m}"),
-                    Event::Chunk { text, usage } => {
+                    Event::Chunk { text, token, usage } => {
                         if let Some(u) = usage {
                             out.usage = Some(u);
                         }
-                        if let Some(t) = text.filter(|t| !t.is_empty()) {
+                        if token {
                             if out.chunks == 0 {
                                 out.ttft_s = now.duration_since(start).as_secs_f64();
                             } else {
@@ -203,7 +203,9 @@ async fn stream(
                             }
                             last = now;
                             out.chunks += 1;
-                            if target.keep_text {
+                        }
+                        if target.keep_text {
+                            if let Some(t) = text {
                                 out.text.push_str(&t);
                             }
                         }

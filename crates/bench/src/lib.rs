@@ -6,7 +6,7 @@
 //! and errors. Arrivals are Poisson at `--request-rate` (or all at once), optionally capped at
 //! `--max-concurrency` requests in flight. Output tokens are counted by re-encoding the
 //! generated text with `--tokenizer` when given, else as the number of SSE chunks that carried
-//! text; each request asks for `stream_options.include_usage`, and the report counts the
+//! a token ([`sse::is_token`]); each request asks for `stream_options.include_usage`, and the report counts the
 //! requests whose client-side count differs from the server's `usage.completion_tokens`.
 //!
 //! `baton bench mock-server` ([`mock`]) streams canned tokens as fast as the socket takes
@@ -63,8 +63,12 @@ pub enum DatasetKind {
 /// How output tokens are counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CountOutput {
-    /// One token per SSE chunk with text: exact for servers that stream one chunk per token
-    /// (Baton, vLLM).
+    /// One token per SSE chunk whose first choice has non-empty text, or empty text and a null
+    /// finish_reason (a token with no text of its own, such as a special token). Not counted:
+    /// the terminal chunk (finish_reason set, empty text), a usage-only chunk, and a chat
+    /// chunk that only announces the role. Exact for servers that stream one chunk per token
+    /// (vLLM; Baton, except that it sends no chunk for a token whose text is empty, so
+    /// such tokens show as usage mismatches).
     Chunks,
     /// Re-encode the generated text with `--tokenizer` (vLLM's benchmark does this); not exact
     /// where detokenize→encode does not round-trip (SentencePiece merges across chunks).
@@ -238,15 +242,79 @@ impl ServeArgs {
         client::join_url(&self.base_url, self.endpoint.path())?;
         Ok(())
     }
+
+    /// Checks that `--result-json` and `--plot` can be written (see [`check_output_file`]),
+    /// so that a bad path fails before the benchmark runs rather than after.
+    ///
+    /// # Errors
+    /// The first output that cannot be written, with its flag and path.
+    pub fn check_outputs(&self) -> Result<()> {
+        if let Some(p) = &self.result_json {
+            check_output_file("--result-json", p)?;
+        }
+        if let Some(p) = &self.plot {
+            check_output_file("--plot", p)?;
+        }
+        if let (Some(a), Some(b)) = (&self.result_json, &self.plot) {
+            if a == b {
+                bail!("--result-json and --plot are the same file {}", a.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks that the output file of `flag` can be written, before the benchmark runs: its
+/// directory exists and the file opens for writing (a file this creates is removed again; an
+/// existing one is left as it was).
+///
+/// # Errors
+/// A missing directory, a path that is a directory, or a file that cannot be opened for
+/// writing; the message names the flag and the path.
+pub fn check_output_file(flag: &str, path: &std::path::Path) -> Result<()> {
+    let shown = path.display();
+    if path.as_os_str().is_empty() {
+        bail!("{flag}: an empty path");
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.exists() {
+        bail!(
+            "{flag} {shown}: the directory {} does not exist",
+            dir.display()
+        );
+    }
+    if !dir.is_dir() {
+        bail!("{flag} {shown}: {} is not a directory", dir.display());
+    }
+    if path.is_dir() {
+        bail!("{flag} {shown}: is a directory, expected a file path");
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("{flag} {shown}: cannot be opened for writing"))?;
+    if !existed {
+        std::fs::remove_file(path)
+            .with_context(|| format!("{flag} {shown}: removing the test file"))?;
+    }
+    Ok(())
 }
 
 /// Runs `baton bench serve`: prints the table, writes the JSON and the plot if asked.
 ///
 /// # Errors
-/// Bad flags, an unreachable or non-OpenAI server, a failed warmup, or any failed request
-/// (after the report is printed and written).
+/// Bad flags, an output file that cannot be written (checked before the run), an unreachable
+/// or non-OpenAI server, a failed warmup, or any failed request (after the report is printed
+/// and written).
 pub fn run_serve(args: ServeArgs, command_line: String) -> Result<()> {
     args.validate()?;
+    args.check_outputs()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.client_threads)
         .enable_all()
@@ -536,4 +604,88 @@ pub fn run_mock(args: MockArgs) -> Result<()> {
         .await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    fn args(extra: &[&str]) -> ServeArgs {
+        let mut v = vec!["bench", "--base-url", "http://127.0.0.1:1"];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).expect("flags parse").a
+    }
+
+    #[test]
+    fn output_paths_are_checked_up_front() {
+        let dir = std::env::temp_dir().join(format!("baton-bench-out-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+
+        // Writable paths pass and leave nothing behind.
+        let json = dir.join("r.json");
+        let png = dir.join("p.png");
+        let a = args(&["--result-json", &s(&json), "--plot", &s(&png)]);
+        a.check_outputs().unwrap();
+        assert!(!json.exists() && !png.exists());
+
+        // An existing file is kept as it was.
+        std::fs::write(&json, "keep").unwrap();
+        a.check_outputs().unwrap();
+        assert_eq!(std::fs::read_to_string(&json).unwrap(), "keep");
+
+        // A missing directory fails at once, naming the flag and the path.
+        let missing = dir.join("no-such-dir").join("r.json");
+        let e = format!(
+            "{:#}",
+            args(&["--result-json", &s(&missing)])
+                .check_outputs()
+                .unwrap_err()
+        );
+        assert!(
+            e.contains("--result-json") && e.contains(&s(&missing)) && e.contains("does not exist"),
+            "{e}"
+        );
+        let missing_png = dir.join("nope").join("p.png");
+        let e = format!(
+            "{:#}",
+            args(&["--plot", &s(&missing_png)])
+                .check_outputs()
+                .unwrap_err()
+        );
+        assert!(e.contains("--plot") && e.contains(&s(&missing_png)), "{e}");
+
+        // A parent that is a file, and a path that is a directory.
+        let under_file = json.join("x.png");
+        let e = format!(
+            "{:#}",
+            args(&["--plot", &s(&under_file)])
+                .check_outputs()
+                .unwrap_err()
+        );
+        assert!(e.contains("--plot") && e.contains("not a directory"), "{e}");
+        let e = format!(
+            "{:#}",
+            args(&["--result-json", &s(&dir)])
+                .check_outputs()
+                .unwrap_err()
+        );
+        assert!(
+            e.contains("--result-json") && e.contains("is a directory"),
+            "{e}"
+        );
+
+        // A bare file name is relative to the current directory.
+        check_output_file("--plot", std::path::Path::new("baton-bench-probe.png")).unwrap();
+        assert!(!std::path::Path::new("baton-bench-probe.png").exists());
+
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

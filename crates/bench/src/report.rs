@@ -12,7 +12,7 @@ use serde::Serialize;
 pub enum TokenSource {
     /// The generated text re-encoded with `--tokenizer` (no special tokens).
     Tokenizer,
-    /// One token per SSE chunk that carried text.
+    /// One token per SSE chunk that carried a token ([`crate::sse::is_token`]).
     SseChunks,
 }
 
@@ -58,7 +58,7 @@ pub struct Report {
     pub ttft_ms: Summary,
     /// Time per output token after the first, per request: (e2e − ttft) / (tokens − 1).
     pub tpot_ms: Summary,
-    /// Every gap between consecutive chunks with text, all requests pooled.
+    /// Every gap between consecutive token chunks, all requests pooled.
     pub itl_ms: Summary,
     /// End-to-end latency per request.
     pub e2e_ms: Summary,
@@ -98,7 +98,7 @@ pub struct RequestRecord {
     pub usage_completion_tokens: Option<u64>,
     /// Prompt tokens (`usage.prompt_tokens` if sent, else the client's count).
     pub prompt_tokens: u64,
-    /// Chunks with text.
+    /// Token chunks ([`crate::sse::is_token`]).
     pub chunks: usize,
     /// Gaps between chunks, ms.
     pub itl_ms: Vec<f64>,
@@ -277,26 +277,18 @@ impl Report {
             (" End-to-end Latency ", "E2EL", &self.e2e_ms),
         ] {
             head(&mut s, title);
-            line(
-                &mut s,
-                &format!("Mean {short} (ms):"),
-                format!("{:.2}", sm.mean),
-            );
-            line(
-                &mut s,
-                &format!("Median {short} (ms):"),
-                format!("{:.2}", sm.median),
-            );
-            line(
-                &mut s,
-                &format!("P90 {short} (ms):"),
-                format!("{:.2}", sm.p90),
-            );
-            line(
-                &mut s,
-                &format!("P99 {short} (ms):"),
-                format!("{:.2}", sm.p99),
-            );
+            // No samples (every request failed, or none made two tokens): "n/a", not NaN.
+            let ms = |v: f64| {
+                if sm.count == 0 || !v.is_finite() {
+                    "n/a".to_owned()
+                } else {
+                    format!("{v:.2}")
+                }
+            };
+            line(&mut s, &format!("Mean {short} (ms):"), ms(sm.mean));
+            line(&mut s, &format!("Median {short} (ms):"), ms(sm.median));
+            line(&mut s, &format!("P90 {short} (ms):"), ms(sm.p90));
+            line(&mut s, &format!("P99 {short} (ms):"), ms(sm.p99));
         }
         let _ = writeln!(s, "{}", "=".repeat(54));
         if let Some(e) = &self.first_error {
@@ -377,5 +369,41 @@ mod tests {
         );
         let j = serde_json::to_value(&r.requests[2]).unwrap();
         assert_eq!(j["error"], "boom");
+    }
+
+    #[test]
+    fn all_failed_prints_na_and_writes_nulls() {
+        let outs = vec![
+            Outcome {
+                error: Some("refused".into()),
+                ..Outcome::default()
+            };
+            3
+        ];
+        let r = build(
+            "x".into(),
+            serde_json::Value::Null,
+            TokenSource::SseChunks,
+            &outs,
+            &[0, 0, 0],
+            None,
+            &[5, 5, 5],
+            0.5,
+        );
+        assert_eq!((r.completed, r.failed), (0, 3));
+        let t = r.table();
+        assert!(!t.contains("NaN") && !t.contains("nan"), "{t}");
+        assert!(t.contains("Mean TTFT (ms):") && t.contains("n/a"), "{t}");
+        assert_eq!(t.matches("n/a").count(), 16, "{t}");
+        // Valid JSON (no NaN literal), empty stats as null.
+        let text = serde_json::to_string_pretty(&r).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        for k in ["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"] {
+            assert_eq!(v[k]["count"], 0, "{k}");
+            for f in ["mean", "median", "p90", "p99"] {
+                assert!(v[k][f].is_null(), "{k}.{f}: {}", v[k][f]);
+            }
+        }
+        assert!(v["request_throughput"].is_number());
     }
 }

@@ -111,10 +111,13 @@ pub enum Event<'a> {
     /// `[DONE]`: the stream is complete.
     Done,
     /// A chunk: the first choice's text (`text` of a completion, `delta.content` of a chat
-    /// chunk; `None` when the chunk has no choice or no text), and usage if present.
+    /// chunk; `None` when the chunk has no choice or no text), whether it stands for one
+    /// generated token (see [`is_token`]), and usage if present.
     Chunk {
         /// The generated text in this chunk.
         text: Option<Cow<'a, str>>,
+        /// The chunk carries one generated token.
+        token: bool,
         /// The `usage` object, if this chunk carries one.
         usage: Option<Usage>,
     },
@@ -140,12 +143,30 @@ struct Choice<'a> {
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     delta: Option<Delta<'a>>,
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
 }
 
 #[derive(Deserialize)]
 struct Delta<'a> {
     #[serde(default, borrow)]
     content: Option<Cow<'a, str>>,
+    #[serde(default)]
+    role: Option<IgnoredAny>,
+}
+
+/// Whether a streamed chunk's first choice stands for one generated token: it has non-empty
+/// text, or empty text and a null `finish_reason` (a token whose text is empty, such as a
+/// special token, or a token that ends inside a UTF-8 character). Not tokens: a chunk without
+/// choices (usage only), the terminal chunk (`finish_reason` set and no text), and a chat
+/// chunk that only announces the `role` (Baton and vLLM send `{"role":"assistant",
+/// "content":""}` before the first token).
+///
+/// `has_choice`: the chunk has a first choice; `text`: its text or delta content;
+/// `finished`: its `finish_reason` is set; `role`: its delta carries a role.
+pub fn is_token(has_choice: bool, text: Option<&str>, finished: bool, role: bool) -> bool {
+    let empty = text.is_none_or(str::is_empty);
+    has_choice && (!empty || (!finished && !role))
 }
 
 /// The first element of `choices`; the others are skipped without allocating.
@@ -199,12 +220,22 @@ pub fn parse_event(payload: &[u8]) -> Result<Event<'_>, String> {
             excerpt(payload)
         ));
     }
-    let text = raw
-        .choices
-        .0
-        .and_then(|c| c.text.or(c.delta.and_then(|d| d.content)));
+    let (text, token) = match raw.choices.0 {
+        None => (None, false),
+        Some(c) => {
+            let finished = c.finish_reason.is_some();
+            let (content, role) = match c.delta {
+                Some(d) => (d.content, d.role.is_some()),
+                None => (None, false),
+            };
+            let text = c.text.or(content);
+            let token = is_token(true, text.as_deref(), finished, role);
+            (text, token)
+        }
+    };
     Ok(Event::Chunk {
         text,
+        token,
         usage: raw.usage,
     })
 }
@@ -292,6 +323,7 @@ mod tests {
             c,
             Event::Chunk {
                 text: Some(Cow::Borrowed(" cat")),
+                token: true,
                 usage: None
             }
         );
@@ -300,6 +332,7 @@ mod tests {
             c,
             Event::Chunk {
                 text: Some(Cow::Owned("a\nb".into())),
+                token: true,
                 usage: None
             }
         );
@@ -308,6 +341,7 @@ mod tests {
             c,
             Event::Chunk {
                 text: None,
+                token: false,
                 usage: None
             }
         );
@@ -316,6 +350,7 @@ mod tests {
             c,
             Event::Chunk {
                 text: None,
+                token: false,
                 usage: Some(Usage {
                     prompt_tokens: 5,
                     completion_tokens: 64
@@ -331,6 +366,61 @@ mod tests {
             parse_event(br#"{"error":"plain"}"#).unwrap(),
             Event::Error("plain".into())
         );
+    }
+
+    fn token(payload: &[u8]) -> bool {
+        match parse_event(payload).unwrap() {
+            Event::Chunk { token, .. } => token,
+            e => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_text_token_counts_and_the_terminal_chunk_does_not() {
+        // A special token (`<s>` with ignore_eos) streams as empty text, finish_reason null.
+        assert!(token(
+            br#"{"object":"text_completion","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":null}]}"#
+        ));
+        assert!(token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}"#
+        ));
+        // The last token may come with the finish reason: it still counts.
+        assert!(token(
+            br#"{"object":"text_completion","choices":[{"index":0,"text":" end","finish_reason":"length"}]}"#
+        ));
+        // The terminal chunk: finish_reason set, no text.
+        assert!(!token(
+            br#"{"object":"text_completion","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}]}"#
+        ));
+        assert!(!token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#
+        ));
+        assert!(!token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":"stop"}]}"#
+        ));
+        // Usage only.
+        assert!(!token(
+            br#"{"object":"text_completion","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}"#
+        ));
+    }
+
+    #[test]
+    fn a_role_only_chat_chunk_is_not_a_token() {
+        // Baton's and vLLM's first chat chunk.
+        assert!(!token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#
+        ));
+        assert!(!token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":null}]}"#
+        ));
+        // A role chunk that also carries text is a token.
+        assert!(token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}"#
+        ));
+        // `"role": null` is no role.
+        assert!(token(
+            br#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":null,"content":""},"finish_reason":null}]}"#
+        ));
     }
 
     #[test]

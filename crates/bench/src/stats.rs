@@ -18,16 +18,30 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
 }
 
+/// Writes a finite number as itself and `NaN`/infinities as `null` (JSON has no `NaN`).
+fn finite_or_null<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if v.is_finite() {
+        s.serialize_f64(*v)
+    } else {
+        s.serialize_none()
+    }
+}
+
 /// Mean, median, p90 and p99 of a set of samples, in the samples' unit (the report uses ms).
+/// Serialized with `null` figures when there are no samples.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Summary {
     /// Arithmetic mean.
+    #[serde(serialize_with = "finite_or_null")]
     pub mean: f64,
     /// 50th percentile.
+    #[serde(serialize_with = "finite_or_null")]
     pub median: f64,
     /// 90th percentile.
+    #[serde(serialize_with = "finite_or_null")]
     pub p90: f64,
     /// 99th percentile.
+    #[serde(serialize_with = "finite_or_null")]
     pub p99: f64,
     /// Number of samples.
     pub count: usize,
