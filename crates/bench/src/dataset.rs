@@ -57,13 +57,82 @@ fn draw_len(rng: &mut StdRng, len: usize, range_ratio: f64) -> usize {
     rng.random_range(lo..=hi)
 }
 
-/// `n` random prompts: `input_len` token ids (±`range_ratio`) drawn uniformly from the
-/// tokenizer's vocabulary (special tokens excluded) and decoded to text, each asking for
-/// `output_len` (±`range_ratio`) tokens. Without a tokenizer, words of a small fixed list are
-/// drawn instead. The same seed gives the same prompts.
+/// Whether a vocabulary piece is a byte-fallback token (`<0x41>`).
+fn is_byte_piece(piece: &str) -> bool {
+    piece.len() == 6
+        && piece.starts_with("<0x")
+        && piece.ends_with('>')
+        && piece[3..5].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// The ids random prompts are drawn from: ordinary vocabulary pieces, without added and
+/// special tokens (BOS, EOS, `<unk>`), byte-fallback pieces (`<0x41>`: alone they decode to
+/// broken UTF-8 that re-encodes into several tokens) and pieces that decode to nothing.
+fn drawable_ids(t: &Tokenizer) -> Result<Vec<u32>> {
+    let special: std::collections::HashSet<u32> = t
+        .inner()
+        .get_added_tokens_decoder()
+        .keys()
+        .copied()
+        .chain(t.bos_id())
+        .chain(t.eos_id())
+        .collect();
+    let mut ids = Vec::new();
+    for id in 0..t.vocab_size() as u32 {
+        if special.contains(&id) {
+            continue;
+        }
+        let Some(piece) = t.id_to_piece(id) else {
+            continue;
+        };
+        if is_byte_piece(&piece) || t.decode(&[id], true)?.is_empty() {
+            continue;
+        }
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
+/// Rounds of re-encoding that bring a random prompt to its target length.
+const FIT_ROUNDS: usize = 8;
+
+/// A text of about `target` tokens (encoded without special tokens): `target` random ids
+/// from `allowed`, decoded; then, while re-encoding the text gives another length (pieces
+/// merge or split across boundaries), the re-encoded ids are cut to `target` or topped up
+/// with more random ids and decoded again.
+fn text_of_len(t: &Tokenizer, rng: &mut StdRng, allowed: &[u32], target: usize) -> Result<String> {
+    let mut draw = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| allowed[rng.random_range(0..allowed.len())])
+            .collect()
+    };
+    let mut ids = draw(target);
+    let mut text = t.decode(&ids, true)?;
+    for _ in 0..FIT_ROUNDS {
+        let re = t.encode(&text, false)?;
+        match re.len().cmp(&target) {
+            std::cmp::Ordering::Equal => break,
+            std::cmp::Ordering::Greater => ids = re[..target].to_vec(),
+            std::cmp::Ordering::Less => {
+                let more = draw(target - re.len());
+                ids = re;
+                ids.extend(more);
+            }
+        }
+        text = t.decode(&ids, true)?;
+    }
+    Ok(text)
+}
+
+/// `n` random prompts of `input_len` tokens (±`range_ratio`), each asking for `output_len`
+/// (±`range_ratio`) tokens. With a tokenizer, ids are drawn uniformly from its ordinary
+/// vocabulary pieces (no special or byte-fallback tokens), decoded to text, and re-fitted
+/// until the text re-encodes to the drawn length (counted as [`count_prompt`] does, special
+/// tokens such as BOS included), give or take a few tokens. Without a tokenizer, words of a
+/// small fixed list are drawn instead. The same seed gives the same prompts.
 ///
 /// # Errors
-/// A tokenizer that fails to decode.
+/// A tokenizer that fails to encode or decode, or one with no ordinary piece.
 pub fn random(
     tok: Option<&Tokenizer>,
     n: usize,
@@ -73,33 +142,29 @@ pub fn random(
     seed: u64,
 ) -> Result<Vec<Prompt>> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let allowed: Vec<u32> = match tok {
+    let (allowed, specials) = match tok {
         Some(t) => {
-            let special: std::collections::HashSet<u32> = t
-                .inner()
-                .get_added_tokens_decoder()
-                .keys()
-                .copied()
-                .collect();
-            (0..t.vocab_size() as u32)
-                .filter(|id| !special.contains(id))
-                .collect()
+            let allowed = drawable_ids(t)?;
+            if allowed.is_empty() {
+                bail!("the tokenizer has no ordinary tokens to draw prompts from");
+            }
+            // Tokens the encoder adds around any text (BOS, EOS), counted in the prompt.
+            let specials = t
+                .encode("a", true)?
+                .len()
+                .saturating_sub(t.encode("a", false)?.len());
+            (allowed, specials)
         }
-        None => Vec::new(),
+        None => (Vec::new(), 0),
     };
-    if tok.is_some() && allowed.is_empty() {
-        bail!("the tokenizer has no non-special tokens to draw prompts from");
-    }
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let in_len = draw_len(&mut rng, input_len, range_ratio);
         let out_len = draw_len(&mut rng, output_len, range_ratio);
         let text = match tok {
             Some(t) => {
-                let ids: Vec<u32> = (0..in_len)
-                    .map(|_| allowed[rng.random_range(0..allowed.len())])
-                    .collect();
-                t.decode(&ids, true)?
+                let body = in_len.saturating_sub(specials).max(1);
+                text_of_len(t, &mut rng, &allowed, body)?
             }
             None => (0..in_len)
                 .map(|_| WORDS[rng.random_range(0..WORDS.len())])
@@ -220,24 +285,75 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
-    #[test]
-    fn random_with_the_test_model_tokenizer() {
-        let rel = std::env::var("BATON_TEST_MODEL")
-            .unwrap_or_else(|_| "../shared/models/stories260K".into());
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../..")
-            .join(rel);
-        let dir = dir.as_path();
+    fn test_tokenizer() -> Option<Tokenizer> {
+        let dir = match std::env::var("BATON_TEST_MODEL") {
+            Ok(d) => std::path::PathBuf::from(d),
+            Err(_) => {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K")
+            }
+        };
         if !dir.join("tokenizer.json").exists() {
             eprintln!("skipping: no tokenizer at {}", dir.display());
-            return;
+            return None;
         }
-        let t = load_tokenizer(dir).unwrap();
+        Some(load_tokenizer(&dir).unwrap())
+    }
+
+    #[test]
+    fn byte_pieces_are_recognized() {
+        assert!(is_byte_piece("<0x41>") && is_byte_piece("<0x0A>"));
+        assert!(!is_byte_piece("<s>") && !is_byte_piece("▁the") && !is_byte_piece("<0xZZ>"));
+    }
+
+    #[test]
+    fn random_with_the_test_model_tokenizer() {
+        let Some(t) = test_tokenizer() else { return };
+        let allowed = drawable_ids(&t).unwrap();
+        for id in &allowed {
+            let piece = t.id_to_piece(*id).unwrap();
+            assert!(!is_byte_piece(&piece) && !["<s>", "</s>", "<unk>"].contains(&piece.as_str()));
+        }
         let v = random(Some(&t), 4, 32, 64, 0.0, 0).unwrap();
         assert_eq!(v, random(Some(&t), 4, 32, 64, 0.0, 0).unwrap());
         for p in &v {
-            assert!(p.prompt_tokens > 8, "{p:?}");
+            assert_eq!(p.prompt_tokens, count_prompt(Some(&t), &p.text).unwrap());
+            assert!(p.prompt_tokens.abs_diff(32) <= 3, "{p:?}");
             assert_eq!(p.max_tokens, 64);
+        }
+    }
+
+    #[test]
+    fn random_prompts_have_the_asked_token_count() {
+        let Some(t) = test_tokenizer() else { return };
+        // Fixed length: the mean re-encoded length is within 5% of --input-len.
+        let v = random(Some(&t), 64, 128, 16, 0.0, 3).unwrap();
+        let lens: Vec<usize> = v
+            .iter()
+            .map(|p| t.encode(&p.text, true).unwrap().len())
+            .collect();
+        let mean = lens.iter().sum::<usize>() as f64 / lens.len() as f64;
+        assert!(
+            (mean - 128.0).abs() <= 0.05 * 128.0,
+            "mean {mean}: {lens:?}"
+        );
+        assert!(lens.iter().all(|&l| l.abs_diff(128) <= 6), "{lens:?}");
+        // With --range-ratio 0.25: lengths in [96, 160], give or take a few tokens, and spread.
+        let v = random(Some(&t), 64, 128, 16, 0.25, 4).unwrap();
+        let lens: Vec<usize> = v
+            .iter()
+            .map(|p| t.encode(&p.text, true).unwrap().len())
+            .collect();
+        assert!(lens.iter().all(|&l| (92..=164).contains(&l)), "{lens:?}");
+        let mean = lens.iter().sum::<usize>() as f64 / lens.len() as f64;
+        assert!(
+            (mean - 128.0).abs() <= 0.05 * 128.0,
+            "mean {mean}: {lens:?}"
+        );
+        let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
+        assert!(*lo < 112 && *hi > 144, "{lo}..{hi}");
+        for (p, l) in v.iter().zip(&lens) {
+            assert_eq!(p.prompt_tokens, *l);
+            assert!((12..=20).contains(&p.max_tokens));
         }
     }
 }
