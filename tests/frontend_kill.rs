@@ -169,3 +169,29 @@ fn killing_a_frontend_mid_stream_leaks_nothing_and_disturbs_no_other_request() {
     );
     assert_eq!(code, 200);
 }
+
+/// A scheduler that dies takes its segment's attachers with it: the worker and a standalone
+/// frontend exit non-zero (a restarted scheduler makes a new segment they could never reach),
+/// so a supervisor restarts them instead of leaving them serving 503s forever.
+#[test]
+fn worker_and_frontend_exit_when_their_scheduler_dies() {
+    let _serial = serial();
+    let inst = instance("schedgone");
+    let s = scheduler(&inst, &["--num-blocks", "64"]);
+    let mut w = worker(&inst);
+    let _link = connect(&inst);
+    let (mut f, addr) = frontend(&inst);
+    assert_eq!(http(&addr, "GET", "/health", "").0, 200);
+    s.signal(Signal::SIGKILL);
+    let ws = w.wait_timeout(Duration::from_secs(20));
+    assert!(
+        ws.is_some_and(|st| !st.success()),
+        "worker after its scheduler died: {ws:?}"
+    );
+    let fs = f.wait_timeout(Duration::from_secs(20));
+    assert!(
+        fs.is_some_and(|st| !st.success()),
+        "frontend after its scheduler died: {fs:?}"
+    );
+    let _ = baton_ipc::Segment::remove_stale(&inst);
+}

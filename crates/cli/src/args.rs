@@ -77,6 +77,15 @@ impl EngineArgs {
                 (self.max_num_seqs * blocks_per_seq).min(budget).max(1)
             }
         };
+        if num_blocks.saturating_mul(self.block_size) < max_model_len {
+            return Err(format!(
+                "the KV cache ({num_blocks} blocks of {} tokens = {} tokens) cannot hold one \
+                 sequence of the maximum model length {max_model_len}; give more --num-blocks \
+                 (or --kv-cache-memory) or a smaller --max-model-len",
+                self.block_size,
+                num_blocks.saturating_mul(self.block_size)
+            ));
+        }
         Ok(SchedulerConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,

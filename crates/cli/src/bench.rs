@@ -189,7 +189,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
     let launches = link.stats().launches - start_launches;
     stop.store(true, Ordering::Relaxed);
     let sched_cpu = sched_thread.join().expect("scheduler thread");
-    worker_thread.join().expect("worker thread");
+    worker_thread.join().expect("worker thread")?;
     Ok((
         launches as f64 / secs,
         sched_cpu as f64 / launches.max(1) as f64 / 1e3,

@@ -164,7 +164,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             let backend = NullBackend::new(cap, vocab, a.null_token);
             let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
             eprintln!("baton worker: null backend attached to {}", a.instance);
-            w.run(&stop);
+            w.run(&stop)?;
         }
         Device::Cpu => {
             let dir = a
@@ -186,7 +186,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 dir.display(),
                 a.instance
             );
-            w.run(&stop);
+            w.run(&stop)?;
         }
         Device::Cuda => {
             let dir = a
@@ -211,7 +211,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 dir.display(),
                 a.instance
             );
-            w.run(&stop);
+            w.run(&stop)?;
         }
     }
     Ok(())

@@ -6,6 +6,7 @@ use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
 use baton_proto::link::FrontendLink;
 use clap::Args;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -146,6 +147,34 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             "baton frontend: listening on http://{addr} (frontend slot {})",
             engine.index()
         );
-        baton_frontend::serve_on(listener, config, tokenizer, engine, eos).await
+        let client: Arc<dyn baton_frontend::EngineClient> = engine.clone();
+        let state = Arc::new(baton_frontend::AppState::new(
+            config, tokenizer, client, eos,
+        )?);
+        // Stop on SIGTERM/SIGINT, or when the scheduler exits: a restarted scheduler makes a
+        // new segment this process cannot reach, so exit and let a supervisor restart us.
+        let gone = Arc::new(AtomicBool::new(false));
+        let shutdown = {
+            let gone = gone.clone();
+            async move {
+                let watch = async {
+                    while !engine.scheduler_exited() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                };
+                tokio::select! {
+                    () = baton_frontend::shutdown_signal() => {}
+                    () = watch => gone.store(true, Ordering::Relaxed),
+                }
+            }
+        };
+        baton_frontend::serve_state(listener, state, shutdown).await?;
+        if gone.load(Ordering::Relaxed) {
+            anyhow::bail!(
+                "the scheduler of instance {} exited; restart the frontend with it",
+                a.instance
+            );
+        }
+        Ok(())
     })
 }

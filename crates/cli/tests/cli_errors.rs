@@ -36,6 +36,7 @@ fn out_of_range_sampling_and_length_flags_are_refused_with_their_name() {
         (&["--top-k", "-2"], "--top-k"),
         (&["--max-model-len", "1"], "--max-model-len"),
         (&["--max-model-len", "0"], "--max-model-len"),
+        (&["--num-blocks", "1"], "--num-blocks"),
     ];
     for (flags, name) in cases {
         let (code, err) = generate(flags);

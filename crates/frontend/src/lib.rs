@@ -24,4 +24,6 @@ pub use engine::{
 };
 pub use local::LocalEngineClient;
 pub use ring::RingEngineClient;
-pub use server::{bind, router, serve, serve_on, serve_state, AppState, ServerConfig};
+pub use server::{
+    bind, router, serve, serve_on, serve_state, shutdown_signal, AppState, ServerConfig,
+};

@@ -65,6 +65,12 @@ impl RingEngineClient {
         }
     }
 
+    /// Whether the scheduler this client is attached to has exited. It never comes back to
+    /// this segment (a restarted scheduler makes a new one), so `baton frontend` exits on it.
+    pub fn scheduler_exited(&self) -> bool {
+        !self.shared.scheduler_alive()
+    }
+
     /// This frontend's ring-pair index.
     pub fn index(&self) -> usize {
         self.shared.index()
@@ -171,6 +177,28 @@ impl EngineClient for RingEngineClient {
         if let Some(why) = lock(&self.dead).clone() {
             return Err(SubmitError::Unavailable(why));
         }
+        // The scheduler's stateless checks, here, so a request that can never run is a 400
+        // naming the limit rather than an error after admission.
+        let l = self.shared.limits();
+        let cfg = baton_scheduler::SchedulerConfig {
+            max_num_seqs: l.max_num_seqs,
+            max_num_batched_tokens: l.max_num_batched_tokens,
+            block_size: l.block_size,
+            num_blocks: l.num_blocks,
+            max_model_len: l.max_model_len,
+            max_inflight: l.max_inflight,
+        };
+        let probe = baton_scheduler::NewRequest {
+            id: 0,
+            prompt: req.prompt.clone(),
+            max_tokens: req.max_tokens,
+            params: req.params,
+            eos_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: req.ignore_eos,
+        };
+        baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
+            .map_err(|e| SubmitError::Rejected(e.to_string()))?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let mut stop_ids = req.stop_token_ids.clone();

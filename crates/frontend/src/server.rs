@@ -1008,7 +1008,8 @@ pub async fn bind(host: &str, port: u16) -> anyhow::Result<(TcpListener, SocketA
     Ok((listener, addr))
 }
 
-async fn shutdown_signal() {
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -720,6 +720,15 @@ impl Segment {
         unsafe { &*(self.arena.inner().base() as *const SegmentHeader) }
     }
 
+    /// For an attacher: whether the process that created this segment still holds its
+    /// creation lock, i.e. is alive (kernel evidence: the OFD lock dies with the process). A
+    /// segment whose creator died stays mapped here, but a restarted scheduler makes a new
+    /// one, so an attacher that sees `false` must attach again or exit. The creator itself
+    /// always gets `true`. One `fcntl` call; an error counts as alive.
+    pub fn creator_alive(&self) -> bool {
+        self.creator || self.arena.inner().lock_held(0)
+    }
+
     /// The instance id.
     pub fn instance(&self) -> &str {
         &self.instance
@@ -1062,6 +1071,17 @@ mod tests {
             Segment::attach(&id.0, &spec()),
             Err(SegmentError::Truncated { found: 0, .. })
         ));
+    }
+
+    #[test]
+    fn an_attacher_sees_its_creator_die() {
+        let id = TestInstance::new();
+        let seg = Segment::create(&id.0, &spec(), limits()).unwrap();
+        let other = Segment::attach(&id.0, &spec()).unwrap();
+        assert!(seg.creator_alive());
+        assert!(other.creator_alive());
+        drop(seg);
+        assert!(!other.creator_alive());
     }
 
     /// A creator between `shm_open` and `ftruncate` (empty file) or before publishing the magic

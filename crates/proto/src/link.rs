@@ -291,6 +291,13 @@ impl LinkShared {
         self.me.heartbeat();
     }
 
+    /// Whether the scheduler that created this segment is alive (kernel evidence, see
+    /// `Segment::creator_alive`). Once false it stays false: a restarted scheduler makes a
+    /// new segment, and this link must be rebuilt (or its process restarted).
+    pub fn scheduler_alive(&self) -> bool {
+        self.segment.creator_alive()
+    }
+
     /// `Ok` when the scheduler is alive and a worker is attached; otherwise why not.
     pub fn health(&self) -> Result<(), String> {
         let status = self.segment.status().load(Ordering::Acquire);

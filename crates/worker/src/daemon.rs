@@ -34,6 +34,10 @@ pub enum DaemonError {
     /// The backend does not match the published limits.
     #[error("{0}")]
     Mismatch(String),
+    /// The scheduler that created the segment exited; a restarted one makes a new segment,
+    /// so this worker must be restarted too.
+    #[error("the scheduler of instance {0} exited; restart the worker with it")]
+    SchedulerGone(String),
 }
 
 /// Attaches to `instance`: reads the published limits, then attaches with the matching layout.
@@ -71,7 +75,7 @@ pub fn attach(instance: &str, wait: Duration) -> Result<(Segment, PlaneLimits), 
 
 /// A worker attached to a control segment.
 pub struct WorkerDaemon<B: Backend> {
-    _segment: Segment,
+    segment: Segment,
     me: Registration,
     ends: WorkerEnds<LaunchSlot, CompletionSlot>,
     tables: SharedSlotTables,
@@ -132,7 +136,7 @@ impl<B: Backend> WorkerDaemon<B> {
             "worker attached"
         );
         Ok(Self {
-            _segment: segment,
+            segment,
             me,
             ends,
             tables,
@@ -143,10 +147,18 @@ impl<B: Backend> WorkerDaemon<B> {
     }
 
     /// Executes launches until `stop` is set.
-    pub fn run(&mut self, stop: &AtomicBool) {
+    ///
+    /// # Errors
+    /// [`DaemonError::SchedulerGone`] when the scheduler died (checked while idle).
+    pub fn run(&mut self, stop: &AtomicBool) -> Result<(), DaemonError> {
         while !stop.load(Ordering::Relaxed) {
             self.me.heartbeat();
             let Some(slot) = self.ends.launches.wait_pop(Duration::from_millis(100)) else {
+                if !self.segment.creator_alive() {
+                    return Err(DaemonError::SchedulerGone(
+                        self.segment.instance().to_owned(),
+                    ));
+                }
                 continue;
             };
             match self.assembler.feed(&slot) {
@@ -155,6 +167,7 @@ impl<B: Backend> WorkerDaemon<B> {
                 Err(e) => tracing::error!("malformed launch ring: {e}"),
             }
         }
+        Ok(())
     }
 
     fn execute(&mut self, launch: &baton_proto::Launch, stop: &AtomicBool) {
