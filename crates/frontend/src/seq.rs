@@ -71,6 +71,9 @@ pub struct Seq {
     draining: tokio::sync::watch::Receiver<bool>,
 }
 
+/// The error of a request still running when a shutdown's grace period ended (a 503).
+pub const SHUTTING_DOWN: &str = "the server is shutting down";
+
 impl std::fmt::Debug for Seq {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Seq")
@@ -151,7 +154,7 @@ impl Seq {
         };
         let Some(ev) = ev else {
             self.abandon();
-            d.error = Some("the server is shutting down".into());
+            d.error = Some(SHUTTING_DOWN.into());
             self.finish(&mut d, "abort");
             return Some(d);
         };

@@ -623,7 +623,7 @@ fn sse_response<C: Chunker>(
                             // Dropping the other sequences cancels them.
                             s.merged = SelectAll::new();
                             s.phase = Phase::Done;
-                            let err = ApiError::internal(msg.clone()).body();
+                            let err = engine_error(msg.clone()).body();
                             return Some((Ok(sse_data(&err.to_string())), s));
                         }
                         if let Some(p) = s.chunker.delta(&d) {
@@ -678,7 +678,7 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
     let mut completion_tokens = 0;
     while let Some(d) = merged.next().await {
         if let Some(msg) = d.error {
-            return Err(ApiError::internal(msg));
+            return Err(engine_error(msg));
         }
         completion_tokens += d.tokens.len();
         let c = &mut out[d.index % n];
@@ -1006,6 +1006,16 @@ pub async fn bind(host: &str, port: u16) -> anyhow::Result<(TcpListener, SocketA
         .map_err(|e| anyhow::anyhow!("binding {host}:{port}: {e}"))?;
     let addr = listener.local_addr()?;
     Ok((listener, addr))
+}
+
+/// The error for a request the engine ended with `msg`: 503 when the server is shutting down
+/// (a load balancer retries elsewhere), else 500.
+fn engine_error(msg: String) -> ApiError {
+    if msg == crate::seq::SHUTTING_DOWN {
+        ApiError::unavailable(msg)
+    } else {
+        ApiError::internal(msg)
+    }
 }
 
 /// Completes on SIGINT or SIGTERM.

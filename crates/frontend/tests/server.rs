@@ -1266,6 +1266,7 @@ async fn shutdown_lets_streams_run_for_the_grace_period_then_ends_them_with_an_e
         1,
         "{rest}"
     );
+    assert!(rest.contains("\"code\":503"), "{rest}");
     tokio::time::timeout(Duration::from_secs(10), srv.task.take().unwrap())
         .await
         .expect("the server exits once its streams ended")
