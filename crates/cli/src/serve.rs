@@ -51,6 +51,25 @@ struct Kid {
     args: Vec<String>,
     child: Option<Child>,
     restarts: u32,
+    /// When the running child started.
+    started: Instant,
+    /// Exits in a row of a child that lived less than [`STABLE_AFTER`].
+    crashes: u32,
+    /// When a dead child is due to be started again.
+    restart_at: Option<Instant>,
+}
+
+/// A child that ran this long is healthy again: its next restart is immediate.
+const STABLE_AFTER: Duration = Duration::from_secs(10);
+
+/// The wait before restarting a child after `crashes` quick exits in a row: none for the first,
+/// then 0.25 s doubling up to 8 s, so a child that cannot start (a port in use, a bad model)
+/// does not spin.
+fn restart_delay(crashes: u32) -> Duration {
+    if crashes <= 1 {
+        return Duration::ZERO;
+    }
+    Duration::from_millis(250u64 << (crashes - 2).min(5))
 }
 
 fn spawn(args: &[String], capture_stdout: bool) -> Result<Child> {
@@ -188,18 +207,27 @@ pub fn run(a: ServeArgs) -> Result<()> {
             args: sched_args,
             child: None,
             restarts: 0,
+            started: Instant::now(),
+            crashes: 0,
+            restart_at: None,
         },
         Kid {
             name: "worker",
             args: worker_args,
             child: None,
             restarts: 0,
+            started: Instant::now(),
+            crashes: 0,
+            restart_at: None,
         },
         Kid {
             name: "frontend",
             args: front_args,
             child: None,
             restarts: 0,
+            started: Instant::now(),
+            crashes: 0,
+            restart_at: None,
         },
     ];
     // The scheduler first: the others start only once it owns the segment, so a bad flag or a
@@ -233,6 +261,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     for k in kids[1..].iter_mut() {
         k.child = Some(spawn(&k.args, k.name == "frontend")?);
+        k.started = Instant::now();
     }
     // The frontend prints its address on stdout once it listens.
     let mut addr = String::new();
@@ -247,6 +276,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if addr.is_empty() {
         shutdown(&mut kids);
         bail!("the frontend did not start (see its error above)");
+    }
+    // A restarted frontend must listen where this one does (with --port 0, the port it got).
+    if let Some(port) = addr.rsplit(':').next() {
+        if let Some(i) = kids[2].args.iter().position(|x| x == "--port") {
+            kids[2].args[i + 1] = port.to_owned();
+        }
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     while http_health(&addr) != Some(200) {
@@ -291,16 +326,33 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 let _ = baton_ipc::Segment::remove_stale(&instance);
                 bail!("the scheduler exited ({st})");
             }
-            kids[i].restarts += 1;
+            let k = &mut kids[i];
+            k.child = None;
+            k.crashes = if k.started.elapsed() >= STABLE_AFTER {
+                1
+            } else {
+                k.crashes + 1
+            };
+            let delay = restart_delay(k.crashes);
             eprintln!(
-                "baton serve: {} exited ({st}); restarting (restart {})",
-                kids[i].name, kids[i].restarts
+                "baton serve: {} exited ({st}); restarting in {:.2} s",
+                k.name,
+                delay.as_secs_f64()
             );
-            let capture = kids[i].name == "frontend";
-            kids[i].child = Some(spawn(&kids[i].args, capture)?);
+            k.restart_at = Some(Instant::now() + delay);
+        }
+        for k in kids.iter_mut() {
+            if k.child.is_some() || k.restart_at.is_none_or(|t| Instant::now() < t) {
+                continue;
+            }
+            k.restart_at = None;
+            k.restarts += 1;
+            let capture = k.name == "frontend";
+            k.child = Some(spawn(&k.args, capture)?);
+            k.started = Instant::now();
             if capture {
                 // Drain the new frontend's address line in the background.
-                if let Some(out) = kids[i].child.as_mut().and_then(|c| c.stdout.take()) {
+                if let Some(out) = k.child.as_mut().and_then(|c| c.stdout.take()) {
                     std::thread::spawn(move || {
                         let mut sink = String::new();
                         let _ = BufReader::new(out).read_to_string(&mut sink);
@@ -334,5 +386,18 @@ fn shutdown(kids: &mut [Kid]) {
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_back_off_after_quick_exits_and_cap() {
+        let d: Vec<u64> = (1..=9)
+            .map(|c| restart_delay(c).as_millis() as u64)
+            .collect();
+        assert_eq!(d, [0, 250, 500, 1000, 2000, 4000, 8000, 8000, 8000]);
     }
 }
