@@ -268,8 +268,23 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let (mut backend, elem_bytes, bandwidth, label): (Box<dyn Backend>, usize, f64, String) =
         match a.device {
             BenchDevice::Cpu => {
+                // The cache is zero-filled at once: refuse what this machine cannot hold
+                // rather than be killed by the OOM killer part way.
+                let kv_bytes = num_blocks as f64
+                    * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size) as f64;
+                if let Some(avail) = mem_available_bytes() {
+                    anyhow::ensure!(
+                        kv_bytes <= 0.8 * avail as f64,
+                        "--batch {max_batch} at {max_len} tokens needs a {:.1} GiB CPU KV cache \
+                         but only {:.1} GiB of memory is available; use smaller batches or \
+                         lengths",
+                        kv_bytes / (1u64 << 30) as f64,
+                        avail as f64 / (1u64 << 30) as f64
+                    );
+                }
                 let m = CpuModel::try_new(cfg, weights)?;
-                let b = CpuBackend::new(m, num_blocks, a.block_size);
+                let b =
+                    CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
                 (Box::new(b), 4, host_copy_bandwidth(), "cpu f32".into())
             }
             BenchDevice::Cuda => {
@@ -353,4 +368,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes (None where it cannot be read).
+fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -179,7 +179,8 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            let backend = CpuBackend::new(model, limits.num_blocks, limits.block_size);
+            let backend = CpuBackend::try_new(model, limits.num_blocks, limits.block_size)
+                .map_err(anyhow::Error::msg)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
             eprintln!(
                 "baton worker: cpu backend ({}) attached to {}",

@@ -164,7 +164,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+            let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size)
+                .map_err(anyhow::Error::msg)?;
             run_on(
                 LocalEngine::new(cfg, backend),
                 &a,

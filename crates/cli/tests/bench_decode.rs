@@ -128,3 +128,17 @@ fn cuda_without_a_driver_fails_cleanly() {
         );
     }
 }
+
+#[test]
+fn a_batch_too_large_for_memory_is_refused_before_allocating() {
+    // 10^8 sequences of one 16-token page each need about 1 TB of f32 KV for stories260K.
+    let o = baton()
+        .args(["bench", "decode", "--device", "cpu", "--batch", "100000000"])
+        .args(["--prompt-len", "4", "--gen-len", "2", "--model"])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("GiB CPU KV cache"), "{err}");
+}

@@ -44,22 +44,57 @@ impl PagedKvCache {
     ///
     /// Memory: `num_blocks * bytes_per_block(cfg, block_size)` bytes. A `block_size` of 0 is
     /// treated as 1.
+    ///
+    /// # Panics
+    /// When the memory cannot be allocated; [`PagedKvCache::try_new`] returns an error instead.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        Self::try_new(cfg, num_blocks, block_size).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`PagedKvCache::new`], failing with a message (the bytes asked for) when the size
+    /// overflows or the allocation fails, for caches sized by a user's flags.
+    ///
+    /// # Errors
+    /// The size overflows `usize`, or the allocator refused it.
+    pub fn try_new(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, String> {
         let block_size = block_size.max(1);
-        let n = cfg.num_hidden_layers
-            * num_blocks
-            * block_size
-            * cfg.num_key_value_heads
-            * cfg.head_dim;
-        PagedKvCache {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+        let n = [
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        ]
+        .iter()
+        .try_fold(cfg.num_hidden_layers, |a, &b| a.checked_mul(b));
+        let alloc = |n: usize| -> Option<Vec<f32>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n).ok()?;
+            v.resize(n, 0.0);
+            Some(v)
+        };
+        let too_big = || {
+            format!(
+                "the CPU KV cache of {num_blocks} blocks of {block_size} tokens needs {:.1} GiB, \
+                 which cannot be allocated; give fewer --num-blocks",
+                num_blocks as f64 * Self::bytes_per_block(cfg, block_size) as f64
+                    / (1u64 << 30) as f64
+            )
+        };
+        let n = n.ok_or_else(too_big)?;
+        let (k, v) = (alloc(n).ok_or_else(too_big)?, alloc(n).ok_or_else(too_big)?);
+        Ok(PagedKvCache {
+            k,
+            v,
             num_layers: cfg.num_hidden_layers,
             num_blocks,
             block_size,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
-        }
+        })
     }
 
     /// Tokens per page.

@@ -18,16 +18,28 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     /// A backend over `model` with a KV pool of `num_blocks` pages of `block_size` tokens.
+    ///
+    /// # Panics
+    /// When the KV cache cannot be allocated ([`CpuBackend::try_new`] returns an error).
     pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Self {
-        let kv = PagedKvCache::new(model.config(), num_blocks, block_size);
-        Self {
+        Self::try_new(model, num_blocks, block_size).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`CpuBackend::new`], with an error naming the size when the KV cache cannot be
+    /// allocated.
+    ///
+    /// # Errors
+    /// The KV cache's allocation failed.
+    pub fn try_new(model: CpuModel, num_blocks: usize, block_size: usize) -> Result<Self, String> {
+        let kv = PagedKvCache::try_new(model.config(), num_blocks, block_size)?;
+        Ok(Self {
             model,
             kv,
             sampler: Sampler::new(),
             kept: KeptIds::new(8),
             tokens: Vec::new(),
             blocks: Vec::new(),
-        }
+        })
     }
 
     /// The model.
