@@ -22,7 +22,8 @@
 //!
 //! Status: compiles everywhere; NOT RUN ON A GPU YET (see the crate docs for the list).
 
-use crate::kernels::{compile_ptx_for, kernel_entry_points, Dtype, KernelError, SAMPLER_TOP_SLOTS};
+use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
+use crate::kernels::{Dtype, KernelError, SAMPLER_TOP_SLOTS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
 use crate::plan::{default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError};
 use crate::staging::{CapacityError, StagingLayout, StepInputs};
@@ -30,11 +31,7 @@ use baton_model::{LlamaWeights, ModelConfig, Tensor};
 use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
 use cudarc::cublas::sys as cublas_sys;
-use cudarc::driver::sys as cu;
-use cudarc::driver::{
-    result as cu_result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
-    DriverError,
-};
+use cudarc::driver::DriverError;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::path::Path;
@@ -43,9 +40,6 @@ use std::sync::Arc;
 /// How many launches' sampled ids the device ring keeps (the scheduler keeps at most 2 in
 /// flight; 8 leaves room).
 pub const KEPT_LAUNCHES: usize = 8;
-
-/// Bytes of cuBLAS workspace (set explicitly so graph capture never allocates).
-const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// Extra device memory kept free beyond the buffers this worker allocates (CUDA graphs,
 /// cuBLAS internals, fragmentation), in bytes.
@@ -88,18 +82,14 @@ pub enum CudaWorkerError {
     /// The model cannot run on this backend.
     #[error("unsupported model: {0}")]
     Unsupported(String),
-}
-
-fn drv<T>(what: &'static str, r: Result<T, DriverError>) -> Result<T, CudaWorkerError> {
-    r.map_err(|err| CudaWorkerError::Driver { what, err })
-}
-
-fn blas(what: &'static str, s: cublas_sys::cublasStatus_t) -> Result<(), CudaWorkerError> {
-    if s == cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(CudaWorkerError::Cublas { what, status: s })
-    }
+    /// A failure reported by a non-CUDA [`Device`] (the host emulator).
+    #[error("device error during {what}: {msg}")]
+    Device {
+        /// What was being done.
+        what: &'static str,
+        /// The device's message.
+        msg: String,
+    },
 }
 
 fn dev_err(e: CudaWorkerError) -> WorkerError {
@@ -143,58 +133,6 @@ pub struct CudaWorkerOptions {
     pub max_model_len: usize,
     /// Run every launch eagerly (no CUDA graphs).
     pub enforce_eager: bool,
-}
-
-/// A device allocation with its raw address (the owning slice frees it on drop).
-struct Buf {
-    _slice: CudaSlice<u8>,
-    ptr: u64,
-}
-
-impl Buf {
-    fn at(&self, byte_offset: usize) -> u64 {
-        self.ptr + byte_offset as u64
-    }
-}
-
-/// Page-locked host memory from `cuMemHostAlloc`.
-struct Pinned {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the pointer is owned exclusively by this value (no aliases are handed out beyond
-// borrows of `self`), and page-locked memory may be touched from any thread.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    fn new(len: usize) -> Result<Self, CudaWorkerError> {
-        let len = len.max(16);
-        // SAFETY: a plain allocation call; the context is current (callers bind it first).
-        let ptr = drv("cuMemHostAlloc", unsafe { cu_result::malloc_host(len, 0) })? as *mut u8;
-        // SAFETY: `ptr` points to `len` writable bytes just allocated; zero them so every later
-        // read of the buffer sees initialized memory.
-        unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(Pinned { ptr, len })
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid for `len` initialized bytes for the life of `self`; device
-        // writes into it only happen between an async copy and the fence, during which no
-        // borrow is held (execute synchronizes before reading).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, with `&mut self` guaranteeing exclusivity on the host side.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc and freed once; the owning worker synchronized its
-        // stream before dropping (see `CudaWorker::drop`).
-        let _ = unsafe { cu_result::free_host(self.ptr as *mut c_void) };
-    }
 }
 
 /// Device weights of one layer (raw addresses into [`CudaWorker::weights`]).
@@ -311,10 +249,9 @@ pub type LogitsAndLayers = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// The CUDA worker. See the module docs.
 pub struct CudaWorker {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    cublas: cublas_sys::cublasHandle_t,
-    functions: HashMap<&'static str, CudaFunction>,
+    /// The device. Every buffer below holds its own handle and frees itself through it; the
+    /// device (context, cuBLAS, graphs) goes when the last handle is gone.
+    dev: Arc<dyn Device>,
     cfg: ModelConfig,
     opts: CudaWorkerOptions,
     dtype: Dtype,
@@ -337,16 +274,10 @@ pub struct CudaWorker {
     out_host: Pinned,
     ring: Buf,
     ring_host: Ring,
-    _workspace: Buf,
-    fence: CudaEvent,
-    graphs: HashMap<usize, cu::CUgraphExec>,
+    graphs: HashMap<usize, GraphId>,
     buckets: Vec<usize>,
     max_partitions: usize,
 }
-
-// SAFETY: the raw cuBLAS handle and graph execs are only used through `&mut self` (one thread
-// at a time), with the context bound to the calling thread at the start of every entry point.
-unsafe impl Send for CudaWorker {}
 
 /// Byte offsets of the activation buffers inside [`CudaWorker::acts`].
 #[derive(Clone, Copy, Debug, Default)]
@@ -440,6 +371,23 @@ pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
     }
 }
 
+/// Rejects shapes the kernels do not support (heads not a multiple of the KV heads, head dims
+/// over 1024).
+fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
+    if cfg.num_key_value_heads == 0
+        || !cfg
+            .num_attention_heads
+            .is_multiple_of(cfg.num_key_value_heads)
+        || cfg.head_dim > 1024
+    {
+        return Err(CudaWorkerError::Unsupported(format!(
+            "heads {} / kv heads {} / head_dim {}",
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )));
+    }
+    Ok(())
+}
+
 /// Head dims with a fast (warp-per-key) attention kernel.
 fn fast_head_dim(hd: usize) -> bool {
     matches!(hd, 64 | 128 | 256)
@@ -459,60 +407,27 @@ impl CudaWorker {
         weights: LlamaWeights,
         opts: CudaWorkerOptions,
     ) -> Result<Self, CudaWorkerError> {
-        if !crate::backend::driver_available() {
-            return Err(CudaWorkerError::DriverUnavailable);
-        }
-        // SAFETY: only dlopen()s candidate names of libcublas and drops the handles.
-        if !unsafe { cublas_sys::is_culib_present() } {
-            return Err(CudaWorkerError::CublasUnavailable);
-        }
-        if !cfg
-            .num_attention_heads
-            .is_multiple_of(cfg.num_key_value_heads)
-            || cfg.head_dim > 1024
-        {
-            return Err(CudaWorkerError::Unsupported(format!(
-                "heads {} / kv heads {} / head_dim {}",
-                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            )));
-        }
-        let dtype = opts.dtype;
-        let ctx = drv("cuInit / context", CudaContext::new(opts.device))?;
-        // SAFETY: this worker uses one stream for everything and synchronizes at every fence;
-        // no CudaSlice is shared across streams, so cudarc's per-slice events are not needed
-        // (and would add event records inside graph capture).
-        unsafe { ctx.disable_event_tracking() };
-        let stream = drv("cuStreamCreate", ctx.new_stream())?;
-        let (major, minor) = drv("compute capability", ctx.compute_capability())?;
-        let arch = format!("sm_{major}{minor}");
-        let mut functions = HashMap::new();
-        for ((file, ptx), &(_, entries)) in compile_ptx_for(&arch, &opts.include_dir, dtype)?
-            .into_iter()
-            .zip(kernel_entry_points())
-        {
-            let module = drv("cuModuleLoadData", ctx.load_module(ptx))
-                .map_err(|e| CudaWorkerError::Unsupported(format!("{file}: {e}")))?;
-            for &entry in entries {
-                functions.insert(
-                    entry,
-                    drv("cuModuleGetFunction", module.load_function(entry))?,
-                );
-            }
-        }
-        let (free_before, total_mem) = drv("cuMemGetInfo", ctx.mem_get_info())?;
+        check_shape(&cfg)?;
+        let dev = CudaDevice::new(opts.device, &opts.include_dir, opts.dtype)?;
+        Self::with_device(Arc::new(dev), cfg, weights, opts)
+    }
 
-        let alloc = |bytes: usize| -> Result<Buf, CudaWorkerError> {
-            let slice = drv("cuMemAlloc", stream.alloc_zeros::<u8>(bytes.max(16)))?;
-            let ptr = {
-                let (ptr, _guard) = slice.device_ptr(&stream);
-                ptr
-            };
-            // alloc_zeros may be stream-ordered (cuMemAllocAsync + memset on our stream); the
-            // synchronous uploads below run on the legacy stream, which does not wait for a
-            // non-blocking stream, so finish the zeroing first.
-            drv("synchronize after alloc", stream.synchronize())?;
-            Ok(Buf { _slice: slice, ptr })
-        };
+    /// As [`CudaWorker::new`] on a given device whose kernels are those of `opts.dtype`
+    /// (`opts.device` and `opts.include_dir` are not used): the host emulator in tests.
+    ///
+    /// # Errors
+    /// As [`CudaWorker::new`], from the device's calls.
+    pub fn with_device(
+        dev: Arc<dyn Device>,
+        cfg: ModelConfig,
+        weights: LlamaWeights,
+        opts: CudaWorkerOptions,
+    ) -> Result<Self, CudaWorkerError> {
+        check_shape(&cfg)?;
+        let dtype = opts.dtype;
+        dev.bind()?;
+        let (free_before, total_mem) = dev.mem_info()?;
+        let alloc = |bytes: usize| Buf::new(&dev, bytes);
 
         // Weights: one allocation, tensors at 256-byte aligned offsets.
         let es = dtype.size();
@@ -558,11 +473,8 @@ impl CudaWorker {
             }
             let bytes = to_device_bytes(&v, dtype);
             // SAFETY: `o + bytes.len()` lies inside the weight allocation (offsets were laid
-            // out above from the same element counts); the copy is synchronous, so `bytes`
-            // outlives it.
-            drv("cuMemcpyHtoD (weights)", unsafe {
-                cu_result::memcpy_htod_sync(wbuf.at(o), &bytes)
-            })
+            // out above from the same element counts).
+            unsafe { dev.copy_htod(wbuf.at(o), &bytes) }
         };
         upload(embed_off, &[&embed])?;
         drop(embed);
@@ -588,10 +500,9 @@ impl CudaWorker {
         drop(lm_head);
         let inv = cfg.rope_inv_freq();
         let inv_freq = alloc(4 * inv.len())?;
-        // SAFETY: the allocation holds `4 * inv.len()` bytes; synchronous copy.
-        drv("cuMemcpyHtoD (inv_freq)", unsafe {
-            cu_result::memcpy_htod_sync(inv_freq.ptr, &inv)
-        })?;
+        let inv_bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
+        // SAFETY: the allocation holds `4 * inv.len()` bytes.
+        unsafe { dev.copy_htod(inv_freq.ptr, &inv_bytes) }?;
 
         // Activations.
         let t = opts.max_tokens.max(1);
@@ -627,12 +538,11 @@ impl CudaWorker {
         let acts = alloc(a.total)?;
         let layout = StagingLayout::new(t, r, max_blocks);
         let staging_dev = alloc(layout.total)?;
-        let staging_host = Pinned::new(layout.total)?;
+        let staging_host = Pinned::new(&dev, layout.total)?;
         let oo = out_offsets(r);
         let out_dev = alloc(oo.total)?;
-        let out_host = Pinned::new(oo.total)?;
+        let out_host = Pinned::new(&dev, oo.total)?;
         let ring = alloc(4 * KEPT_LAUNCHES * r)?;
-        let workspace = alloc(CUBLAS_WORKSPACE)?;
 
         // KV pool.
         let per_block = kv_bytes_per_block(
@@ -654,52 +564,16 @@ impl CudaWorker {
                 fraction,
                 weight_bytes,
                 per_block,
-                a.total + layout.total + oo.total + CUBLAS_WORKSPACE + RESERVE_SLACK,
+                a.total + layout.total + oo.total + RESERVE_SLACK,
             )?
             .min(max_blocks.max(1)),
         };
         let kv = alloc(num_blocks * per_block)?;
 
-        // cuBLAS on our stream, with our workspace, plain fp32 math (no TF32).
-        let cublas =
-            cudarc::cublas::result::create_handle().map_err(|e| CudaWorkerError::Cublas {
-                what: "cublasCreate",
-                status: e.0,
-            })?;
-        // SAFETY: `cublas` was just created; the stream and workspace outlive the handle (the
-        // handle is destroyed first in Drop).
-        unsafe {
-            blas(
-                "cublasSetStream",
-                cublas_sys::cublasSetStream_v2(
-                    cublas,
-                    stream.cu_stream() as cublas_sys::cudaStream_t,
-                ),
-            )?;
-            blas(
-                "cublasSetWorkspace",
-                cublas_sys::cublasSetWorkspace_v2(
-                    cublas,
-                    workspace.ptr as *mut c_void,
-                    CUBLAS_WORKSPACE,
-                ),
-            )?;
-            blas(
-                "cublasSetMathMode",
-                cublas_sys::cublasSetMathMode(
-                    cublas,
-                    cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
-                ),
-            )?;
-        }
-        let fence = drv("cuEventCreate", ctx.new_event(None))?;
-        drv("synchronize", stream.synchronize())?;
+        dev.synchronize()?;
 
         let mut w = CudaWorker {
-            ctx,
-            stream,
-            cublas,
-            functions,
+            dev,
             cfg,
             dtype,
             _weights: wbuf,
@@ -720,8 +594,6 @@ impl CudaWorker {
             out_host,
             ring,
             ring_host: Ring::default(),
-            _workspace: workspace,
-            fence,
             graphs: HashMap::new(),
             buckets: Vec::new(),
             max_partitions,
@@ -757,7 +629,7 @@ impl CudaWorker {
     }
 
     fn bind(&self) -> Result<(), CudaWorkerError> {
-        drv("cuCtxSetCurrent", self.ctx.bind_to_thread())
+        self.dev.bind()
     }
 
     fn kv_layer(&self, layer: usize) -> (u64, u64) {
@@ -777,36 +649,21 @@ impl CudaWorker {
         block: u32,
         args: &mut KArgs,
     ) -> Result<(), CudaWorkerError> {
-        let f = self
-            .functions
-            .get(name)
-            .ok_or(CudaWorkerError::Unsupported(format!(
-                "kernel {name} not loaded"
-            )))?;
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
         let n = args.n;
         let mut ptrs: Vec<*mut c_void> = args.vals[..n]
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
         // SAFETY: every call site passes the argument list of `name`'s C signature in order
-        // (documented next to each call, checked against kernels/*.cu): device pointers as
-        // u64, ints in the low 4 bytes of their slot, floats as their bits. Each slot stays
-        // alive (in `args`) until cuLaunchKernel has copied the parameters, which it does
-        // before returning. All pointers address live allocations of this worker sized for
-        // the launch's token and row counts.
-        drv("cuLaunchKernel", unsafe {
-            cu_result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                &mut ptrs,
-            )
-        })
+        // (documented next to each call, checked against kernels/*.cu and exercised under the
+        // host emulator, which checks the count): device pointers as u64, ints in the low 4
+        // bytes of their slot, floats as their bits. Each slot stays alive (in `args`) until
+        // the launch has read the parameters, which it does before returning. All pointers
+        // address live allocations of this worker sized for the launch's token and row counts.
+        unsafe { self.dev.launch(name, grid, block, &mut ptrs) }
     }
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ`, row-major, through `cublasGemmEx` (fp32 accumulate);
@@ -825,43 +682,27 @@ impl CudaWorker {
         if t == 0 {
             return Ok(());
         }
-        use cublas_sys::cudaDataType_t as D;
-        let dt = match self.dtype {
-            Dtype::Bf16 => D::CUDA_R_16BF,
-            Dtype::F16 => D::CUDA_R_16F,
-            Dtype::F32 => D::CUDA_R_32F,
+        let ct = if out_f32 { Dtype::F32 } else { self.dtype };
+        // Column-major view of the row-major product: C[n x t] = W[k x n]ᵀ · X[k x t] with
+        // lda = ldb = k and ldc = n.
+        let g = Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: n,
+            n: t,
+            k,
+            a: w,
+            lda: k,
+            b: x,
+            ldb: k,
+            ab_type: self.dtype,
+            c: out,
+            ldc: n,
+            c_type: ct,
         };
-        let ct = if out_f32 { D::CUDA_R_32F } else { dt };
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: column-major view of the row-major product: C[n x t] = W[k x n]ᵀ · X[k x t]
-        // with lda = ldb = k and ldc = n. `w` holds n*k elements, `x` t*k, `out` t*n of the
-        // stated types (allocations sized for max_tokens / max_rows). alpha/beta are host f32
-        // scalars, matching CUBLAS_COMPUTE_32F in the default host pointer mode, read before
-        // the call returns.
-        let s = unsafe {
-            cublas_sys::cublasGemmEx(
-                self.cublas,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                t as i32,
-                k as i32,
-                &alpha as *const f32 as *const c_void,
-                w as *const c_void,
-                dt,
-                k as i32,
-                x as *const c_void,
-                dt,
-                k as i32,
-                &beta as *const f32 as *const c_void,
-                out as *mut c_void,
-                ct,
-                n as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        };
-        blas("cublasGemmEx", s)
+        // SAFETY: `w` holds n*k elements, `x` t*k, `out` t*n of the stated types (allocations
+        // sized for max_tokens / max_rows).
+        unsafe { self.dev.gemm(&g) }
     }
 
     /// Enqueues the forward pass and the sampler for `t` tokens in `r` rows whose inputs are
@@ -1025,14 +866,10 @@ impl CudaWorker {
         )?;
         if let Some(d) = dumps {
             if d.logits {
-                drv("synchronize", self.stream.synchronize())?;
-                let mut host = vec![0f32; r * c.vocab_size];
-                // SAFETY: the logits region holds r * vocab f32 (sized for max_rows); the
-                // stream is idle, so the synchronous copy reads finished results.
-                drv("cuMemcpyDtoH (logits)", unsafe {
-                    cu_result::memcpy_dtoh_sync(&mut host, act(a.logits))
-                })?;
-                d.logits_out = host
+                let mut host = vec![0u8; 4 * r * c.vocab_size];
+                // SAFETY: the logits region holds r * vocab f32 (sized for max_rows).
+                unsafe { self.dev.copy_dtoh(&mut host, act(a.logits)) }?;
+                d.logits_out = from_device_bytes(&host, Dtype::F32)
                     .chunks_exact(c.vocab_size)
                     .map(<[f32]>::to_vec)
                     .collect();
@@ -1181,14 +1018,13 @@ impl CudaWorker {
         if !d.layers {
             return Ok(());
         }
-        drv("synchronize", self.stream.synchronize())?;
         let n = t * self.cfg.hidden_size * self.dtype.size();
         let mut host = vec![0u8; n];
-        // SAFETY: the residual region holds max_tokens * hidden elements >= t * hidden; the
-        // stream is idle.
-        drv("cuMemcpyDtoH (residual)", unsafe {
-            cu_result::memcpy_dtoh_sync(&mut host, self.acts.at(self.act_off.resid))
-        })?;
+        // SAFETY: the residual region holds max_tokens * hidden elements >= t * hidden.
+        unsafe {
+            self.dev
+                .copy_dtoh(&mut host, self.acts.at(self.act_off.resid))
+        }?;
         d.layers_out.push(from_device_bytes(&host, self.dtype));
         Ok(())
     }
@@ -1198,13 +1034,13 @@ impl CudaWorker {
         // SAFETY: both buffers are `layout.total` bytes; the host side is pinned and is not
         // written again before the fence of this launch (execute synchronizes before
         // returning).
-        drv("cuMemcpyHtoDAsync (staging)", unsafe {
-            cu_result::memcpy_htod_async(
+        unsafe {
+            self.dev.copy_htod_async(
                 self.staging_dev.ptr,
-                self.staging_host.bytes(),
-                self.stream.cu_stream(),
+                self.staging_host.ptr,
+                self.layout.total,
             )
-        })
+        }
     }
 
     /// Captures one decode graph per bucket, largest first, after an eager warm-up.
@@ -1236,31 +1072,14 @@ impl CudaWorker {
             self.upload_staging()?;
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
             self.enqueue_forward(b, b, AttnMode::Decode, None)?;
-            drv("synchronize", self.stream.synchronize())?;
-            let s = self.stream.cu_stream();
-            // SAFETY: the stream is ours and idle; THREAD_LOCAL mode forbids unsafe calls
-            // (e.g. cuMemAlloc) from this thread only while capturing, and enqueue_forward
-            // makes none (all buffers exist, cuBLAS has its workspace).
-            drv("cuStreamBeginCapture", unsafe {
-                cu_result::stream::begin_capture(
-                    s,
-                    cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-            })?;
+            self.dev.synchronize()?;
+            self.dev.begin_capture()?;
             let enq = self.enqueue_forward(b, b, AttnMode::Decode, None);
-            // SAFETY: ends the capture begun above on the same stream (even after an enqueue
-            // error, so the stream leaves capture mode).
-            let graph = unsafe { cu_result::stream::end_capture(s) };
+            // Always end the capture (even after an enqueue error) so the stream leaves
+            // capture mode.
+            let graph = self.dev.end_capture();
             enq?;
-            let graph = drv("cuStreamEndCapture", graph)?;
-            // SAFETY: `graph` is the valid graph just captured; it is destroyed right after
-            // instantiation (the exec keeps its own copy).
-            let exec = unsafe {
-                let e = cu_result::graph::instantiate(graph, cu::CUgraphInstantiate_flags(0));
-                let _ = cu_result::graph::destroy(graph);
-                e
-            };
-            self.graphs.insert(b, drv("cuGraphInstantiate", exec)?);
+            self.graphs.insert(b, graph?);
         }
         self.buckets = buckets;
         Ok(())
@@ -1367,13 +1186,9 @@ impl CudaWorker {
         match bucket {
             Some(b) => {
                 let exec = self.graphs[&b];
-                // SAFETY: `exec` was instantiated from a capture on this stream over buffers
-                // that live as long as `self`; its inputs were just staged at the captured
-                // addresses.
-                drv("cuGraphLaunch", unsafe {
-                    cu_result::graph::launch(exec, self.stream.cu_stream())
-                })
-                .map_err(dev_err)?;
+                // SAFETY: the graph was captured over buffers that live as long as `self`; its
+                // inputs were just staged at the captured addresses.
+                unsafe { self.dev.launch_graph(exec) }.map_err(dev_err)?;
             }
             None => {
                 let mode = if decode {
@@ -1392,25 +1207,24 @@ impl CudaWorker {
         let o = out_offsets(max_rows);
         // SAFETY: the ring holds KEPT_LAUNCHES * max_rows u32 and slot < KEPT_LAUNCHES; the
         // source holds max_rows u32 >= n_rows. Stream-ordered after the sampler.
-        drv("cuMemcpyDtoDAsync (ring)", unsafe {
-            cu_result::memcpy_dtod_async(
+        unsafe {
+            self.dev.copy_dtod_async(
                 self.ring.at(4 * slot * max_rows),
                 self.out_dev.at(o.tokens),
                 4 * n_rows,
-                self.stream.cu_stream(),
             )
-        })
+        }
         .map_err(dev_err)?;
         // SAFETY: the pinned host buffer has the same layout and size as out_dev; it is not
-        // read before the fence below completes.
-        drv("cuMemcpyDtoHAsync (samples)", unsafe {
-            let host = std::slice::from_raw_parts_mut(self.out_host.ptr, o.total);
-            cu_result::memcpy_dtoh_async(host, self.out_dev.ptr, self.stream.cu_stream())
-        })
+        // read before the fence below has passed.
+        unsafe {
+            self.dev
+                .copy_dtoh_async(self.out_host.ptr, self.out_dev.ptr, o.total)
+        }
         .map_err(dev_err)?;
         // The fence: the launch is complete (KV written, ids in host memory) when it passes.
-        drv("cuEventRecord", self.fence.record(&self.stream)).map_err(dev_err)?;
-        drv("cuEventSynchronize", self.fence.synchronize()).map_err(dev_err)?;
+        self.dev.record_fence().map_err(dev_err)?;
+        self.dev.wait_fence().map_err(dev_err)?;
 
         let host = self.out_host.bytes();
         let rd_u32 =
@@ -1464,33 +1278,7 @@ impl CudaWorker {
     /// Driver errors (including out of memory).
     pub fn measure_copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64, WorkerError> {
         self.bind().map_err(dev_err)?;
-        fn e<T>(r: Result<T, DriverError>) -> Result<T, WorkerError> {
-            drv("bandwidth measurement", r).map_err(dev_err)
-        }
-        let a = e(self.stream.alloc_zeros::<u8>(bytes))?;
-        let b = e(self.stream.alloc_zeros::<u8>(bytes))?;
-        let (pa, _g1) = a.device_ptr(&self.stream);
-        let (pb, _g2) = b.device_ptr(&self.stream);
-        let start = e(self
-            .ctx
-            .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)))?;
-        let stop = e(self
-            .ctx
-            .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)))?;
-        let mut best = 0f64;
-        for _ in 0..iters.max(1) {
-            e(start.record(&self.stream))?;
-            // SAFETY: both allocations hold `bytes` bytes and stay alive until after the
-            // synchronize below.
-            e(unsafe { cu_result::memcpy_dtod_async(pb, pa, bytes, self.stream.cu_stream()) })?;
-            e(stop.record(&self.stream))?;
-            e(stop.synchronize())?;
-            let ms = e(start.elapsed_ms(&stop))? as f64;
-            if ms > 0.0 {
-                best = best.max(2.0 * bytes as f64 / (ms * 1e-3));
-            }
-        }
-        Ok(best)
+        self.dev.copy_bandwidth(bytes, iters).map_err(dev_err)
     }
 
     /// Resolves a launch record into [`RowInput`]s, reading tables and checking pending ids.
@@ -1567,7 +1355,7 @@ impl CudaWorker {
 
     /// `(free, total)` device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), WorkerError> {
-        drv("cuMemGetInfo", self.ctx.mem_get_info()).map_err(dev_err)
+        self.dev.mem_info().map_err(dev_err)
     }
 
     /// Where the kernels' include directory is expected (for error messages).
@@ -1622,16 +1410,10 @@ impl Backend for CudaWorker {
 
 impl Drop for CudaWorker {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            let _ = self.stream.synchronize();
+        // Finish every launch before the buffers free themselves.
+        if self.dev.bind().is_ok() {
+            let _ = self.dev.synchronize();
         }
-        for (_, exec) in self.graphs.drain() {
-            // SAFETY: each exec was instantiated once and is destroyed once, after the stream
-            // went idle.
-            let _ = unsafe { cu_result::graph::exec_destroy(exec) };
-        }
-        // SAFETY: the handle was created in `new` and is destroyed once; the stream is idle.
-        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.cublas) };
     }
 }
 

@@ -35,12 +35,14 @@
 //! one go on an H200.
 
 pub mod backend;
+pub mod device;
 pub mod executor;
 pub mod kernels;
 pub mod memory;
 pub mod plan;
 pub mod staging;
 
+pub use device::{CudaDevice, DevPtr, Device, Gemm, GraphId};
 pub use executor::{CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
 pub use kernels::{
     compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
