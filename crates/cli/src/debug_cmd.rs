@@ -7,6 +7,7 @@ use crate::engine::LocalEngine;
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::executor::RowInput;
+use baton_cuda::CudaWorker;
 use baton_model::{
     CpuModel, ForwardRow, LlamaWeights, LoadFormat, ModelConfig, ModelDir, PagedKvCache,
 };
@@ -75,9 +76,23 @@ pub struct CompareArgs {
 /// A mismatch, bad flags, a backend failure.
 pub fn run(cmd: DebugCmd) -> Result<()> {
     match cmd {
-        DebugCmd::Golden(a) => golden(&a),
-        DebugCmd::Logits(a) => compare(&a, false),
-        DebugCmd::Layers(a) => compare(&a, true),
+        DebugCmd::Golden(a) => golden(&a.model, &|c, w, s| build_cuda(c, w, &a.cuda, s)),
+        DebugCmd::Logits(a) => compare(&a, false, &eager(&a.cuda)),
+        DebugCmd::Layers(a) => compare(&a, true, &eager(&a.cuda)),
+    }
+}
+
+/// Builds the worker a check runs on, from the model and the sizes the check needs: the CUDA
+/// device from the flags, or (in tests) the host emulator.
+pub type BuildWorker<'a> = dyn Fn(ModelConfig, LlamaWeights, CudaSizes) -> Result<CudaWorker> + 'a;
+
+/// A builder on the CUDA device with graphs off (the comparisons dump per-layer outputs, which
+/// graphs cannot).
+fn eager(a: &CudaArgs) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> Result<CudaWorker> + '_ {
+    move |c, w, s| {
+        let mut args = a.clone();
+        args.enforce_eager = true;
+        build_cuda(c, w, &args, s)
     }
 }
 
@@ -97,9 +112,15 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-fn golden(a: &GoldenArgs) -> Result<()> {
-    let text = std::fs::read_to_string(a.model.join("golden.json"))
-        .with_context(|| format!("reading {}/golden.json", a.model.display()))?;
+/// `baton debug golden`: the greedy goldens of `<model>/golden.json`, each alone and then all
+/// together (asynchronous scheduling, so `PendingFrom` rows and decode graphs are used), on
+/// the worker `build` makes. Prints a PASS/FAIL line per run.
+///
+/// # Errors
+/// Any differing id, a missing or malformed golden.json, a backend failure.
+pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
+    let text = std::fs::read_to_string(model.join("golden.json"))
+        .with_context(|| format!("reading {}/golden.json", model.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
     let ids = |x: &serde_json::Value| -> Vec<u32> {
         x.as_array()
@@ -117,7 +138,7 @@ fn golden(a: &GoldenArgs) -> Result<()> {
         .iter()
         .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
         .collect();
-    let loaded = ModelDir::new(&a.model).load(LoadFormat::Auto)?;
+    let loaded = ModelDir::new(model).load(LoadFormat::Auto)?;
     let cfg = loaded.config.clone();
     let eos = loaded.eos_token_ids();
     let sched = SchedulerConfig {
@@ -135,7 +156,7 @@ fn golden(a: &GoldenArgs) -> Result<()> {
         max_rows: 64,
         max_model_len: cfg.max_position_embeddings,
     };
-    let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+    let backend = build(loaded.config, loaded.weights, sizes)?;
     let mut engine = LocalEngine::new(sched, backend);
     let mut failed = 0;
     // Alone, one at a time; then all together.
@@ -218,6 +239,20 @@ fn load(a: &CompareArgs) -> Result<(ModelConfig, LlamaWeights)> {
     Ok((cfg, w))
 }
 
+/// One decode row per sequence of `prev`, right after it (the split-K decode kernel's path).
+fn decode_step(prev: &Step, vocab: usize) -> Step {
+    prev.iter()
+        .enumerate()
+        .map(|(i, (t, s, b))| {
+            (
+                vec![(7 + 31 * i as u32) % vocab as u32],
+                s + t.len(),
+                b.clone(),
+            )
+        })
+        .collect()
+}
+
 /// The rows of the comparison: `(tokens, start_pos, block_table)` per step.
 type Step = Vec<(Vec<u32>, usize, Vec<u32>)>;
 
@@ -251,7 +286,14 @@ fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
     (step1, step2)
 }
 
-fn compare(a: &CompareArgs, layers: bool) -> Result<()> {
+/// `baton debug logits` (`layers` false: first-step logits of one prompt) and `baton debug
+/// layers` (every layer's output and the logits over [`mixed_steps`] plus a decode-only step)
+/// on the worker `build` makes, against `CpuModel` on the same weights; relative error
+/// [`rel_err`] at most `a.tol`. Prints a PASS/FAIL line per comparison.
+///
+/// # Errors
+/// A comparison over the tolerance, bad flags, a backend failure.
+pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result<()> {
     let (cfg, weights) = load(a)?;
     let vocab = cfg.vocab_size;
     let cpu = CpuModel::try_new(cfg.clone(), weights.clone())?;
@@ -263,12 +305,11 @@ fn compare(a: &CompareArgs, layers: bool) -> Result<()> {
         max_rows: 8,
         max_model_len: 128.min(cfg.max_position_embeddings),
     };
-    let mut args = a.cuda.clone();
-    args.enforce_eager = true;
-    let mut gpu = build_cuda(cfg, weights, &args, sizes)?;
+    let mut gpu = build(cfg, weights, sizes)?;
     let steps: Vec<Step> = if layers {
         let (s1, s2) = mixed_steps(vocab, &a.prompt_ids);
-        vec![s1, s2]
+        let s3 = decode_step(&s2, vocab);
+        vec![s1, s2, s3]
     } else {
         let prompt = if a.prompt_ids.is_empty() {
             (0..24).map(|p| (1 + 37 * p) % vocab as u32).collect()
