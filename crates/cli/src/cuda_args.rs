@@ -58,18 +58,11 @@ pub struct CudaSizes {
     pub max_model_len: usize,
 }
 
-/// Builds the CUDA worker. Without a driver (or cuBLAS, or NVRTC) this is an error that says
-/// so, never a panic.
-///
-/// # Errors
-/// Every [`baton_cuda::CudaWorkerError`], with context.
-pub fn build_cuda(
-    cfg: ModelConfig,
-    weights: LlamaWeights,
-    a: &CudaArgs,
-    s: CudaSizes,
-) -> Result<CudaWorker> {
-    let opts = CudaWorkerOptions {
+/// The worker options for the flags `a` and the sizes `s` (KV pages fixed by `s.num_blocks`,
+/// else sized from `--gpu-memory-utilization`, capped at what `max_rows` sequences of
+/// `max_model_len` can use). The include dir comes from `BATON_CUDA_INCLUDE`.
+pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> CudaWorkerOptions {
+    CudaWorkerOptions {
         device: a.cuda_device,
         dtype: a.dtype,
         include_dir: baton_cuda::include_dir_from_env(),
@@ -85,6 +78,20 @@ pub fn build_cuda(
         max_rows: s.max_rows,
         max_model_len: s.max_model_len,
         enforce_eager: a.enforce_eager,
-    };
+    }
+}
+
+/// Builds the CUDA worker. Without a driver (or cuBLAS, or NVRTC) this is an error that says
+/// so, never a panic.
+///
+/// # Errors
+/// Every [`baton_cuda::CudaWorkerError`], with context.
+pub fn build_cuda(
+    cfg: ModelConfig,
+    weights: LlamaWeights,
+    a: &CudaArgs,
+    s: CudaSizes,
+) -> Result<CudaWorker> {
+    let opts = cuda_options(a, s);
     CudaWorker::new(cfg, weights, opts).context("starting the CUDA backend (--device cuda)")
 }

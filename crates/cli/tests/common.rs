@@ -5,7 +5,7 @@ use baton::engine::LocalEngine;
 use baton_model::{load_model_dir, Tokenizer};
 use baton_proto::SamplingParams;
 use baton_scheduler::{Event, FinishReason, NewRequest, SchedulerConfig};
-use baton_worker::CpuBackend;
+use baton_worker::{Backend, CpuBackend};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -92,8 +92,8 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParam
 }
 
 /// Runs every request to the end; returns each request's tokens and finish reason.
-pub fn run(
-    engine: &mut LocalEngine<CpuBackend>,
+pub fn run<B: Backend>(
+    engine: &mut LocalEngine<B>,
     reqs: Vec<NewRequest>,
 ) -> HashMap<u64, (Vec<u32>, FinishReason)> {
     for r in reqs {
@@ -125,7 +125,7 @@ pub fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, FinishReason)> {
 }
 
 /// Asserts the pool and the slots are all back.
-pub fn assert_pool_full(engine: &LocalEngine<CpuBackend>) {
+pub fn assert_pool_full<B: Backend>(engine: &LocalEngine<B>) {
     let s = engine.stats();
     assert_eq!(s.pool.free, s.pool.total, "pool not back to full: {s:?}");
     assert_eq!(s.slots_retired, 0, "slots still retired: {s:?}");
