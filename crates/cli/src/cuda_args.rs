@@ -35,6 +35,24 @@ impl Default for CudaArgs {
     }
 }
 
+impl CudaArgs {
+    /// The flags that reproduce these values (for a child process).
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut v = vec![
+            "--dtype".into(),
+            self.dtype.name().into(),
+            "--gpu-memory-utilization".into(),
+            self.gpu_memory_utilization.to_string(),
+            "--cuda-device".into(),
+            self.cuda_device.to_string(),
+        ];
+        if self.enforce_eager {
+            v.push("--enforce-eager".into());
+        }
+        v
+    }
+}
+
 /// Parses `--dtype`.
 ///
 /// # Errors

@@ -7,6 +7,7 @@
 //! nothing is left in `/dev/shm`.
 
 use crate::args::EngineArgs;
+use crate::cuda_args::{cuda_options, CudaArgs, CudaSizes};
 use crate::daemons::Device;
 use crate::frontend_cmd::HttpArgs;
 use anyhow::{bail, Context, Result};
@@ -44,6 +45,10 @@ pub struct ServeArgs {
     /// Scheduler and KV-cache flags.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// CUDA flags (with --device cuda), passed to the worker. Without --num-blocks the KV
+    /// pool is sized for --gpu-memory-utilization of the GPU's memory.
+    #[command(flatten)]
+    pub cuda: CudaArgs,
 }
 
 struct Kid {
@@ -108,6 +113,42 @@ fn spawn_with(args: &[String], capture_stdout: bool, capture_stderr: bool) -> Re
     })
 }
 
+/// The KV page count of a CUDA worker under `a`'s flags on its GPU, computed here (before the
+/// scheduler publishes its limits) from the device's free and total memory and the worker's
+/// own allocation plan ([`baton_cuda::CudaWorker::plan_kv_blocks`], the function the worker
+/// would use), so the scheduler's pool is what the GPU holds rather than the CPU formula.
+///
+/// # Errors
+/// No driver or device, a model config that cannot be read, a model that does not fit.
+fn cuda_kv_blocks(a: &ServeArgs) -> Result<usize> {
+    let cfg = baton_model::ModelConfig::from_file(&a.model.join("config.json"))?;
+    let sched = a
+        .engine
+        .scheduler_config(&cfg)
+        .map_err(anyhow::Error::msg)?;
+    let sizes = CudaSizes {
+        block_size: sched.block_size,
+        num_blocks: None,
+        max_tokens: sched.max_num_batched_tokens,
+        max_rows: sched.max_num_seqs,
+        max_model_len: sched.max_model_len,
+    };
+    let opts = cuda_options(&a.cuda, sizes);
+    let (free, total) = baton_cuda::CudaDevice::probe_memory(a.cuda.cuda_device)
+        .context("sizing the KV cache for --device cuda")?;
+    let n = baton_cuda::CudaWorker::plan_kv_blocks(&cfg, &opts, free, total)
+        .context("sizing the KV cache for --device cuda")?;
+    eprintln!(
+        "baton serve: KV cache sized for --gpu-memory-utilization {} of cuda:{} ({:.1} of {:.1} GiB free): {n} pages of {} tokens",
+        a.cuda.gpu_memory_utilization,
+        a.cuda.cuda_device,
+        free as f64 / f64::from(1u32 << 30),
+        total as f64 / f64::from(1u32 << 30),
+        sched.block_size
+    );
+    Ok(n)
+}
+
 fn engine_flags(e: &EngineArgs) -> Vec<String> {
     let mut v = vec![
         "--max-num-seqs".into(),
@@ -166,6 +207,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let instance = a.instance.clone();
     let model = a.model.display().to_string();
+    let mut engine = a.engine.clone();
+    if a.device == Device::Cuda && engine.num_blocks.is_none() {
+        engine.num_blocks = Some(cuda_kv_blocks(&a)?);
+    }
     let mut sched_args = vec![
         "scheduler".into(),
         "--instance".into(),
@@ -175,13 +220,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         "--frontends".into(),
         a.frontends.to_string(),
     ];
-    sched_args.extend(engine_flags(&a.engine));
+    sched_args.extend(engine_flags(&engine));
     let device = match a.device {
         Device::Cpu => "cpu",
         Device::Cuda => "cuda",
         Device::Null => "null",
     };
-    let worker_args: Vec<String> = vec![
+    let mut worker_args: Vec<String> = vec![
         "worker".into(),
         "--instance".into(),
         instance.clone(),
@@ -192,6 +237,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         "--cpu-threads".into(),
         a.cpu_threads.to_string(),
     ];
+    if a.device == Device::Cuda {
+        worker_args.extend(a.cuda.to_flags());
+    }
     let mut front_args: Vec<String> = vec![
         "frontend".into(),
         "--instance".into(),

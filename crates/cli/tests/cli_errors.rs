@@ -89,3 +89,40 @@ fn generation_clipped_at_the_model_length_says_so() {
     assert_eq!(code, Some(0), "{err}");
     assert!(err.contains("maximum model length (8 tokens)"), "{err}");
 }
+
+#[test]
+fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
+    if baton_cuda::backend::driver_available() {
+        return; // a GPU machine: this check is about machines without one
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["serve", "--device", "cuda", "--port", "0", "--instance"])
+        .arg(format!("cuda-nodrv-{}", std::process::id()))
+        .arg("--model")
+        .arg(common::model_dir())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run baton");
+    // Bounded wait: a serve that starts anyway would run until killed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve --device cuda without a driver did not exit");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        matches!(status.code(), Some(c) if c != 0 && c != 101),
+        "exit {status}: {err}"
+    );
+    assert!(err.contains("--device cpu"), "no hint: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

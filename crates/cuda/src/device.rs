@@ -298,6 +298,21 @@ impl CudaDevice {
         Ok(dev)
     }
 
+    /// `(free, total)` memory of device `ordinal` in bytes, as a worker starting there would see
+    /// it: measured under a context of its own (dropped on return), minus the cuBLAS workspace
+    /// a [`CudaDevice`] allocates before the worker measures.
+    ///
+    /// # Errors
+    /// [`CudaWorkerError::DriverUnavailable`]; driver errors (no such device).
+    pub fn probe_memory(ordinal: usize) -> Result<(usize, usize), CudaWorkerError> {
+        if !crate::backend::driver_available() {
+            return Err(CudaWorkerError::DriverUnavailable);
+        }
+        let ctx = drv("cuInit / context", CudaContext::new(ordinal))?;
+        let (free, total) = drv("cuMemGetInfo", ctx.mem_get_info())?;
+        Ok((free.saturating_sub(CUBLAS_WORKSPACE), total))
+    }
+
     /// The device's architecture, e.g. `"sm_90"`.
     pub fn arch(&self) -> &str {
         &self.arch

@@ -371,6 +371,129 @@ pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
     }
 }
 
+/// Byte offsets of the weight tensors inside the one weight allocation (256-byte aligned, in
+/// upload order: embedding; per layer input norm, fused q/k/v, o, post norm, fused gate/up,
+/// down; final norm; LM head).
+struct WeightLayout {
+    embed: usize,
+    /// Per layer: `[input_norm, qkv, o, post_norm, gate_up, down]`.
+    layers: Vec<[usize; 6]>,
+    norm: usize,
+    head: usize,
+    total: usize,
+}
+
+impl WeightLayout {
+    fn new(cfg: &ModelConfig, es: usize) -> Self {
+        let h = cfg.hidden_size;
+        let mut off = 0usize;
+        let mut place = |elems: usize| {
+            let o = off;
+            off = (off + elems * es).div_ceil(256) * 256;
+            o
+        };
+        let q_w = cfg.num_attention_heads * cfg.head_dim;
+        let qkv_w = q_w + 2 * cfg.num_key_value_heads * cfg.head_dim;
+        let im = cfg.intermediate_size;
+        let embed = place(cfg.vocab_size * h);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| {
+                [
+                    place(h),
+                    place(qkv_w * h),
+                    place(h * q_w),
+                    place(h),
+                    place(2 * im * h),
+                    place(h * im),
+                ]
+            })
+            .collect();
+        let norm = place(h);
+        let head = place(cfg.vocab_size * h);
+        WeightLayout {
+            embed,
+            layers,
+            norm,
+            head,
+            total: off,
+        }
+    }
+}
+
+/// The activation, staging, sampler-output and ring buffers for a model and options.
+struct BufferPlan {
+    acts: ActOffsets,
+    staging: StagingLayout,
+    out: OutOffsets,
+    /// Most rows per launch (`max_rows`, at most `max_tokens`).
+    rows: usize,
+    max_partitions: usize,
+}
+
+impl BufferPlan {
+    fn new(cfg: &ModelConfig, opts: &CudaWorkerOptions, es: usize) -> Self {
+        let h = cfg.hidden_size;
+        let q_w = cfg.num_attention_heads * cfg.head_dim;
+        let qkv_w = q_w + 2 * cfg.num_key_value_heads * cfg.head_dim;
+        let im = cfg.intermediate_size;
+        let t = opts.max_tokens.max(1);
+        let r = opts.max_rows.max(1).min(t);
+        let max_blocks = opts.max_model_len.div_ceil(opts.block_size.max(1)).max(1);
+        let max_partitions = opts
+            .max_model_len
+            .div_ceil(crate::kernels::ATTN_PARTITION)
+            .max(1);
+        let nh = cfg.num_attention_heads;
+        let mut a = ActOffsets::default();
+        let mut off = 0usize;
+        let mut take = |bytes: usize| {
+            let o = off;
+            off = (off + bytes).div_ceil(256) * 256;
+            o
+        };
+        a.resid = take(t * h * es);
+        a.xn = take(t * h * es);
+        a.qkv = take(t * qkv_w * es);
+        a.attn = take(t * q_w * es);
+        a.tmp = take(t * h * es);
+        a.gate_up = take(t * 2 * im * es);
+        a.act = take(t * im * es);
+        a.last = take(r * h * es);
+        a.logits = take(r * cfg.vocab_size * 4);
+        a.part_acc = take(r * nh * max_partitions * cfg.head_dim * 4);
+        a.part_m = take(r * nh * max_partitions * 4);
+        a.part_l = take(r * nh * max_partitions * 4);
+        a.total = off;
+        BufferPlan {
+            acts: a,
+            staging: StagingLayout::new(t, r, max_blocks),
+            out: out_offsets(r),
+            rows: r,
+            max_partitions,
+        }
+    }
+
+    /// Device bytes of these buffers (each allocation rounded up to 256 bytes).
+    fn device_bytes(&self) -> usize {
+        let round = |b: usize| b.max(16).div_ceil(256) * 256;
+        round(self.acts.total)
+            + round(self.staging.total)
+            + round(self.out.total)
+            + round(4 * KEPT_LAUNCHES * self.rows)
+    }
+}
+
+/// What a worker allocates on the device, in bytes, before its KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePlan {
+    /// The weights in the worker's dtype (q/k/v and gate/up fused, 256-byte aligned tensors).
+    pub weight_bytes: usize,
+    /// Activations, staging, sampler outputs, the sampled-id ring and the RoPE table.
+    pub buffer_bytes: usize,
+    /// One KV page across all layers (K and V).
+    pub kv_bytes_per_block: usize,
+}
+
 /// Rejects shapes the kernels do not support (heads not a multiple of the KV heads, head dims
 /// over 1024).
 fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
@@ -431,40 +554,16 @@ impl CudaWorker {
 
         // Weights: one allocation, tensors at 256-byte aligned offsets.
         let es = dtype.size();
-        let h = cfg.hidden_size;
         let LlamaWeights {
             embed,
             layers,
             norm,
             lm_head,
         } = weights;
-        let mut plan: Vec<(usize, usize)> = Vec::new(); // (offset, elems)
-        let mut off = 0usize;
-        let mut place = |elems: usize| {
-            let o = off;
-            off = (off + elems * es).div_ceil(256) * 256;
-            plan.push((o, elems));
-            o
-        };
-        let q_w = cfg.num_attention_heads * cfg.head_dim;
-        let kv_w = cfg.num_key_value_heads * cfg.head_dim;
-        let qkv_w = q_w + 2 * kv_w;
-        let im = cfg.intermediate_size;
-        let embed_off = place(cfg.vocab_size * h);
-        let mut layer_offs = Vec::with_capacity(layers.len());
-        for _ in &layers {
-            layer_offs.push([
-                place(h),
-                place(qkv_w * h),
-                place(h * q_w),
-                place(h),
-                place(2 * im * h),
-                place(h * im),
-            ]);
-        }
-        let norm_off = place(h);
-        let head_off = place(cfg.vocab_size * h);
-        let weight_bytes = off;
+        let wl = WeightLayout::new(&cfg, es);
+        let (embed_off, norm_off, head_off) = (wl.embed, wl.norm, wl.head);
+        let layer_offs = wl.layers;
+        let weight_bytes = wl.total;
         let wbuf = alloc(weight_bytes)?;
         let upload = |o: usize, parts: &[&Tensor]| -> Result<(), CudaWorkerError> {
             let mut v: Vec<f32> = Vec::new();
@@ -504,70 +603,20 @@ impl CudaWorker {
         // SAFETY: the allocation holds `4 * inv.len()` bytes.
         unsafe { dev.copy_htod(inv_freq.ptr, &inv_bytes) }?;
 
-        // Activations.
-        let t = opts.max_tokens.max(1);
-        let r = opts.max_rows.max(1).min(t);
-        let max_blocks = opts.max_model_len.div_ceil(opts.block_size.max(1)).max(1);
-        let max_partitions = opts
-            .max_model_len
-            .div_ceil(crate::kernels::ATTN_PARTITION)
-            .max(1);
-        let nh = cfg.num_attention_heads;
-        let mut a = ActOffsets::default();
-        {
-            let mut off = 0usize;
-            let mut take = |bytes: usize| {
-                let o = off;
-                off = (off + bytes).div_ceil(256) * 256;
-                o
-            };
-            a.resid = take(t * h * es);
-            a.xn = take(t * h * es);
-            a.qkv = take(t * qkv_w * es);
-            a.attn = take(t * q_w * es);
-            a.tmp = take(t * h * es);
-            a.gate_up = take(t * 2 * im * es);
-            a.act = take(t * im * es);
-            a.last = take(r * h * es);
-            a.logits = take(r * cfg.vocab_size * 4);
-            a.part_acc = take(r * nh * max_partitions * cfg.head_dim * 4);
-            a.part_m = take(r * nh * max_partitions * 4);
-            a.part_l = take(r * nh * max_partitions * 4);
-            a.total = off;
-        }
+        // Activations, staging, sampler outputs.
+        let bp = BufferPlan::new(&cfg, &opts, es);
+        let (a, layout, oo, r, max_partitions) =
+            (bp.acts, bp.staging, bp.out, bp.rows, bp.max_partitions);
         let acts = alloc(a.total)?;
-        let layout = StagingLayout::new(t, r, max_blocks);
         let staging_dev = alloc(layout.total)?;
         let staging_host = Pinned::new(&dev, layout.total)?;
-        let oo = out_offsets(r);
         let out_dev = alloc(oo.total)?;
         let out_host = Pinned::new(&dev, oo.total)?;
         let ring = alloc(4 * KEPT_LAUNCHES * r)?;
 
         // KV pool.
-        let per_block = kv_bytes_per_block(
-            cfg.num_hidden_layers,
-            opts.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            es,
-        )
-        .ok_or_else(|| CudaWorkerError::Unsupported("KV block size overflows".into()))?;
-        let num_blocks = match opts.kv_blocks {
-            KvBlocks::Fixed(n) => n.max(1),
-            KvBlocks::Utilization {
-                fraction,
-                max_blocks,
-            } => kv_num_blocks(
-                free_before,
-                total_mem,
-                fraction,
-                weight_bytes,
-                per_block,
-                a.total + layout.total + oo.total + RESERVE_SLACK,
-            )?
-            .min(max_blocks.max(1)),
-        };
+        let num_blocks = Self::plan_kv_blocks(&cfg, &opts, free_before, total_mem)?;
+        let per_block = Self::device_plan(&cfg, &opts)?.kv_bytes_per_block;
         let kv = alloc(num_blocks * per_block)?;
 
         dev.synchronize()?;
@@ -606,6 +655,66 @@ impl CudaWorker {
             w.capture_graphs()?;
         }
         Ok(w)
+    }
+
+    /// What a worker for `cfg` and `opts` allocates besides its KV cache (no device needed).
+    ///
+    /// # Errors
+    /// [`CudaWorkerError::Unsupported`] for a shape the kernels do not support or a KV page
+    /// size that overflows.
+    pub fn device_plan(
+        cfg: &ModelConfig,
+        opts: &CudaWorkerOptions,
+    ) -> Result<DevicePlan, CudaWorkerError> {
+        check_shape(cfg)?;
+        let es = opts.dtype.size();
+        let kv_bytes_per_block = kv_bytes_per_block(
+            cfg.num_hidden_layers,
+            opts.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            es,
+        )
+        .ok_or_else(|| CudaWorkerError::Unsupported("KV block size overflows".into()))?;
+        let rope = (4 * cfg.rope_inv_freq().len()).max(16).div_ceil(256) * 256;
+        Ok(DevicePlan {
+            weight_bytes: WeightLayout::new(cfg, es).total,
+            buffer_bytes: BufferPlan::new(cfg, opts, es).device_bytes() + rope,
+            kv_bytes_per_block,
+        })
+    }
+
+    /// The KV page count a worker for `cfg` and `opts` allocates on a device that reports
+    /// `free` and `total` bytes (`cuMemGetInfo`) before the worker's weights: `opts.kv_blocks`
+    /// when fixed, else [`kv_num_blocks`] under the utilization with [`DevicePlan`]'s weights
+    /// and buffers plus a fixed slack (graphs, cuBLAS, fragmentation) as the reserve, capped
+    /// at `max_blocks`. The worker calls this itself, so a caller that probes the same device
+    /// (e.g. `baton serve` sizing the scheduler's pool) gets the count the worker will use.
+    ///
+    /// # Errors
+    /// As [`CudaWorker::device_plan`], and [`CudaWorkerError::KvSizing`].
+    pub fn plan_kv_blocks(
+        cfg: &ModelConfig,
+        opts: &CudaWorkerOptions,
+        free: usize,
+        total: usize,
+    ) -> Result<usize, CudaWorkerError> {
+        let p = Self::device_plan(cfg, opts)?;
+        Ok(match opts.kv_blocks {
+            KvBlocks::Fixed(n) => n.max(1),
+            KvBlocks::Utilization {
+                fraction,
+                max_blocks,
+            } => kv_num_blocks(
+                free,
+                total,
+                fraction,
+                p.weight_bytes,
+                p.kv_bytes_per_block,
+                p.buffer_bytes + RESERVE_SLACK,
+            )?
+            .min(max_blocks.max(1)),
+        })
     }
 
     /// Bytes of weights on the device.
@@ -1485,6 +1594,83 @@ mod tests {
         let mut b = KArgs::new();
         b.i(usize::MAX); // -1 as int
         assert_eq!(b.vals[0] as u32 as i32, -1);
+    }
+
+    fn llama_1b() -> ModelConfig {
+        ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":2048,
+            "intermediate_size":8192,"num_hidden_layers":16,"num_attention_heads":32,
+            "num_key_value_heads":8,"vocab_size":128256,"max_position_embeddings":131072}"#,
+        )
+        .unwrap()
+    }
+
+    fn opts(kv_blocks: KvBlocks) -> CudaWorkerOptions {
+        CudaWorkerOptions {
+            device: 0,
+            dtype: Dtype::Bf16,
+            include_dir: "/nonexistent".into(),
+            block_size: 16,
+            kv_blocks,
+            max_tokens: 2048,
+            max_rows: 256,
+            max_model_len: 4096,
+            enforce_eager: false,
+        }
+    }
+
+    #[test]
+    fn device_plan_counts_every_weight_once_in_the_dtype() {
+        let cfg = llama_1b();
+        let p = CudaWorker::device_plan(&cfg, &opts(KvBlocks::Fixed(1))).unwrap();
+        let (h, v, l, im) = (2048usize, 128256usize, 16usize, 8192usize);
+        let (q, kv) = (32 * 64, 8 * 64);
+        // Embedding and LM head stored separately; per layer two norms, qkv, o, gate/up, down.
+        let params = 2 * v * h + h + l * (2 * h + (q + 2 * kv) * h + h * q + 3 * im * h);
+        assert!(p.weight_bytes >= 2 * params, "{p:?}");
+        assert!(p.weight_bytes < 2 * params + 256 * (3 + 6 * l), "{p:?}");
+        // K and V, 16 layers, 16 tokens, 8 heads of 64, 2 bytes.
+        assert_eq!(p.kv_bytes_per_block, 2 * 16 * 16 * 8 * 64 * 2);
+        assert!(
+            p.buffer_bytes > 2048 * 2 * 8192 * 2,
+            "gate/up activations at least"
+        );
+    }
+
+    #[test]
+    fn planned_kv_blocks_fill_the_budget_and_no_more() {
+        let cfg = llama_1b();
+        let gib = 1usize << 30;
+        let (free, total) = (139 * gib, 140 * gib);
+        let o = opts(KvBlocks::Utilization {
+            fraction: 0.9,
+            max_blocks: usize::MAX,
+        });
+        let p = CudaWorker::device_plan(&cfg, &o).unwrap();
+        let n = CudaWorker::plan_kv_blocks(&cfg, &o, free, total).unwrap();
+        let budget = (total as f64 * 0.9) as usize;
+        let used = |blocks: usize| {
+            p.weight_bytes + p.buffer_bytes + RESERVE_SLACK + blocks * p.kv_bytes_per_block
+        };
+        assert!(used(n) <= budget, "over budget");
+        assert!(used(n + 1) > budget, "a page more would still fit");
+        // The cap, a fixed count, and a GPU too small for the weights.
+        let capped = opts(KvBlocks::Utilization {
+            fraction: 0.9,
+            max_blocks: 100,
+        });
+        assert_eq!(
+            CudaWorker::plan_kv_blocks(&cfg, &capped, free, total).unwrap(),
+            100
+        );
+        assert_eq!(
+            CudaWorker::plan_kv_blocks(&cfg, &opts(KvBlocks::Fixed(7)), 0, 0).unwrap(),
+            7
+        );
+        assert!(matches!(
+            CudaWorker::plan_kv_blocks(&cfg, &o, 2 * gib, 2 * gib),
+            Err(CudaWorkerError::KvSizing(_))
+        ));
     }
 
     #[test]
