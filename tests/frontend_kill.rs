@@ -15,9 +15,14 @@ use std::time::{Duration, Instant};
 use support::*;
 
 fn frontend(instance: &str) -> (Proc, String) {
+    frontend_with(instance, &[])
+}
+
+fn frontend_with(instance: &str, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["frontend", "--instance", instance, "--port", "0", "--model"])
         .arg(model_dir())
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -194,4 +199,40 @@ fn worker_and_frontend_exit_when_their_scheduler_dies() {
         "frontend after its scheduler died: {fs:?}"
     );
     let _ = baton_ipc::Segment::remove_stale(&inst);
+}
+
+#[test]
+fn without_a_worker_requests_fail_with_503_after_the_worker_timeout_then_run_once_one_attaches() {
+    let _serial = serial();
+    let inst = instance("noworker");
+    let _s = scheduler(&inst, &["--num-blocks", "64"]);
+    let (_f, addr) = frontend_with(&inst, &["--worker-timeout", "2"]);
+    let body = r#"{"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}"#;
+    assert_eq!(http(&addr, "GET", "/health", "").0, 503);
+    // Waits for a worker, then fails with an OpenAI error body instead of hanging.
+    let t = Instant::now();
+    let (code, err) = http(&addr, "POST", "/v1/completions", body);
+    assert_eq!(code, 503, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&err).expect("JSON error body");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no worker"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // Past the timeout, new requests are refused at once.
+    let t = Instant::now();
+    assert_eq!(http(&addr, "POST", "/v1/completions", body).0, 503);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // A worker attaches: requests run again, and the refused ones left nothing behind.
+    let _w = worker(&inst);
+    assert!(wait_for(Duration::from_secs(30), || http(
+        &addr, "GET", "/health", ""
+    )
+    .0 == 200));
+    let (code, out) = http(&addr, "POST", "/v1/completions", body);
+    assert_eq!(code, 200, "{out}");
+    assert!(wait_for(Duration::from_secs(10), || kv_usage(&addr) == 0.0));
 }

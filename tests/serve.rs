@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 use support::*;
 
 fn serve(instance: &str, port: u16) -> (Proc, String) {
+    serve_with(instance, port, &[])
+}
+
+fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args([
             "serve",
@@ -24,6 +28,7 @@ fn serve(instance: &str, port: u16) -> (Proc, String) {
             "--model",
         ])
         .arg(model_dir())
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -159,10 +164,31 @@ fn a_killed_worker_shows_as_503_is_restarted_and_in_flight_requests_complete() {
 fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_down() {
     let _serial = serial();
     let inst = instance("serve-stop");
-    let (mut serve1, addr) = serve(&inst, 18302);
+    let key = "s3cret-key-for-this-test";
+    let (mut serve1, addr) = serve_with(&inst, 18302, &["--api-key", key]);
     assert_eq!(health(&addr), 200);
     let kids = children(serve1.pid());
     assert_eq!(kids.len(), 3, "{kids:?}");
+    // The key reaches the frontend through its environment, never a command line `ps` shows.
+    assert!(kids.iter().all(|(_, cmd)| !cmd.contains(key)), "{kids:?}");
+    let models = |auth: &str| {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        write!(
+            s,
+            "GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse::<u16>().ok())
+    };
+    assert_eq!(models(""), Some(401));
+    assert_eq!(
+        models(&format!("Authorization: Bearer {key}\r\n")),
+        Some(200)
+    );
     serve1.signal(Signal::SIGTERM);
     assert!(
         serve1.wait_timeout(Duration::from_secs(20)).is_some(),

@@ -19,8 +19,9 @@ pub struct HttpArgs {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on /v1/* (or set BATON_API_KEY, which, unlike the
+    /// flag, `ps` does not show).
+    #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
     /// The model name clients use (default: the model directory's name).
     #[arg(long)]
@@ -28,19 +29,37 @@ pub struct HttpArgs {
     /// A chat template: a file, or the template text (default: tokenizer_config.json's).
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// Seconds requests may wait while no worker is attached (a worker restarting, or none
+    /// started) before they fail with 503; new requests then get 503 until one attaches.
+    /// 0 waits forever.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
+    pub worker_timeout: f64,
+}
+
+/// The environment variable that holds the API key (the frontend child of `baton serve` gets
+/// the key this way, never on its command line).
+pub const API_KEY_ENV: &str = "BATON_API_KEY";
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a number of seconds >= 0")),
+    }
 }
 
 impl HttpArgs {
     /// The same flags as command-line arguments, for a child `baton frontend`.
     pub fn to_flags(&self) -> Vec<String> {
+        // The API key is not among them: it goes through API_KEY_ENV.
         let mut v = vec![
             "--host".into(),
             self.host.clone(),
             "--port".into(),
             self.port.to_string(),
+            "--worker-timeout".into(),
+            self.worker_timeout.to_string(),
         ];
         let optional = [
-            ("--api-key", &self.api_key),
             ("--served-model-name", &self.served_model_name),
             ("--chat-template", &self.chat_template),
         ];
@@ -125,7 +144,14 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         }
     };
     let vocab = tokenizer.vocab_size();
-    let engine = Arc::new(RingEngineClient::new(link, eos.clone(), vocab));
+    let worker_timeout =
+        (a.http.worker_timeout > 0.0).then(|| Duration::from_secs_f64(a.http.worker_timeout));
+    let engine = Arc::new(RingEngineClient::new(
+        link,
+        eos.clone(),
+        vocab,
+        worker_timeout,
+    ));
     let config = ServerConfig {
         host: a.http.host.clone(),
         port: a.http.port,

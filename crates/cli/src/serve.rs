@@ -54,6 +54,8 @@ pub struct ServeArgs {
 struct Kid {
     name: &'static str,
     args: Vec<String>,
+    /// Extra environment (secrets stay out of the argument list, which `ps` shows).
+    env: Vec<(&'static str, String)>,
     child: Option<Child>,
     restarts: u32,
     /// When the running child started.
@@ -77,14 +79,22 @@ fn restart_delay(crashes: u32) -> Duration {
     Duration::from_millis(250u64 << (crashes - 2).min(5))
 }
 
-fn spawn(args: &[String], capture_stdout: bool) -> Result<Child> {
-    spawn_with(args, capture_stdout, false)
+fn spawn(k: &Kid, capture_stdout: bool) -> Result<Child> {
+    spawn_with(&k.args, &k.env, capture_stdout, false)
 }
 
-fn spawn_with(args: &[String], capture_stdout: bool, capture_stderr: bool) -> Result<Child> {
+fn spawn_with(
+    args: &[String],
+    env: &[(&'static str, String)],
+    capture_stdout: bool,
+    capture_stderr: bool,
+) -> Result<Child> {
     let exe = std::env::current_exe().context("locating the baton executable")?;
     let mut c = Command::new(exe);
     c.args(args).stdin(Stdio::null());
+    for (k, v) in env {
+        c.env(k, v);
+    }
     if capture_stdout {
         c.stdout(Stdio::piped());
     }
@@ -253,6 +263,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         Kid {
             name: "scheduler",
             args: sched_args,
+            env: Vec::new(),
             child: None,
             restarts: 0,
             started: Instant::now(),
@@ -262,6 +273,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         Kid {
             name: "worker",
             args: worker_args,
+            env: Vec::new(),
             child: None,
             restarts: 0,
             started: Instant::now(),
@@ -271,6 +283,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         Kid {
             name: "frontend",
             args: front_args,
+            env: a
+                .http
+                .api_key
+                .iter()
+                .map(|k| (crate::frontend_cmd::API_KEY_ENV, k.clone()))
+                .collect(),
             child: None,
             restarts: 0,
             started: Instant::now(),
@@ -280,7 +298,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     ];
     // The scheduler first: the others start only once it owns the segment, so a bad flag or a
     // name already in use fails at once, and nothing attaches to another server's segment.
-    let mut sched = spawn_with(&kids[0].args, false, true)?;
+    let mut sched = spawn_with(&kids[0].args, &kids[0].env, false, true)?;
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     if let Some(err) = sched.stderr.take() {
         std::thread::spawn(move || {
@@ -308,7 +326,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
     }
     for k in kids[1..].iter_mut() {
-        k.child = Some(spawn(&k.args, k.name == "frontend")?);
+        k.child = Some(spawn(k, k.name == "frontend")?);
         k.started = Instant::now();
     }
     // The frontend prints its address on stdout once it listens.
@@ -396,7 +414,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             k.restart_at = None;
             k.restarts += 1;
             let capture = k.name == "frontend";
-            k.child = Some(spawn(&k.args, capture)?);
+            k.child = Some(spawn(k, capture)?);
             k.started = Instant::now();
             if capture {
                 // Drain the new frontend's address line in the background.

@@ -12,6 +12,11 @@ use baton_proto::SamplingParams;
 use baton_scheduler::FinishReason;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+/// Prefix of an [`EngineEvent::Error`] message for an engine that cannot serve for now (no
+/// worker attached for too long): the HTTP status is 503, so a client or load balancer retries,
+/// rather than 500.
+pub const UNAVAILABLE_PREFIX: &str = "engine unavailable: ";
+
 /// One request as the frontend submits it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineRequest {

@@ -5,10 +5,14 @@
 //! under a lock. A request's route lives until its final event (`FINISHED`, including the
 //! acknowledgement of a cancel, or `ERROR`), so the frontend keeps its state until the
 //! scheduler acknowledges. If the scheduler dies, every live request gets an error event at
-//! once and the stream ends; nothing waits forever.
+//! once and the stream ends. If no worker is attached for longer than the worker timeout,
+//! every live request is cancelled at the scheduler and ends with an "engine unavailable"
+//! error (HTTP 503), and new requests get a 503 until a worker attaches again; nothing waits
+//! forever.
 
 use crate::engine::{
     EngineClient, EngineEvent, EngineLimits, EngineRequest, EngineStats, SubmitError,
+    UNAVAILABLE_PREFIX,
 };
 use baton_proto::link::{Admission, FrontendLink, LinkReceiver, LinkSender, LinkShared};
 use baton_proto::wire::{self, reason, to_frontend, ToFrontend};
@@ -16,7 +20,7 @@ use baton_scheduler::FinishReason;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 type Routes = Arc<Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>>;
@@ -24,7 +28,7 @@ type Routes = Arc<Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>>;
 /// The engine as seen through this frontend's ring pair.
 pub struct RingEngineClient {
     shared: Arc<LinkShared>,
-    tx: Mutex<LinkSender>,
+    tx: Arc<Mutex<LinkSender>>,
     routes: Routes,
     next_id: AtomicU64,
     eos_ids: Vec<u32>,
@@ -39,23 +43,37 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl RingEngineClient {
     /// Wraps a connected link. `eos_ids` are the model's EOS ids (sent as stop ids unless a
-    /// request sets `ignore_eos`); `vocab_size` is the tokenizer's.
-    pub fn new(link: FrontendLink, eos_ids: Vec<u32>, vocab_size: usize) -> Self {
+    /// request sets `ignore_eos`); `vocab_size` is the tokenizer's. `worker_timeout`: how long
+    /// requests may wait while no worker is attached before they fail with 503 (`None`:
+    /// forever).
+    pub fn new(
+        link: FrontendLink,
+        eos_ids: Vec<u32>,
+        vocab_size: usize,
+        worker_timeout: Option<Duration>,
+    ) -> Self {
         let (shared, tx, rx) = link.split();
+        let tx = Arc::new(Mutex::new(tx));
         let routes: Routes = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let dead = Arc::new(Mutex::new(None));
         {
-            let (shared, routes, stop, dead) =
-                (shared.clone(), routes.clone(), stop.clone(), dead.clone());
+            let ctx = ReaderCtx {
+                shared: shared.clone(),
+                tx: tx.clone(),
+                routes: routes.clone(),
+                stop: stop.clone(),
+                dead: dead.clone(),
+                worker_timeout,
+            };
             std::thread::Builder::new()
                 .name("baton-ring-reader".into())
-                .spawn(move || reader(rx, &shared, &routes, &stop, &dead))
+                .spawn(move || reader(rx, &ctx))
                 .expect("spawning the ring reader thread");
         }
         Self {
             shared,
-            tx: Mutex::new(tx),
+            tx,
             routes,
             next_id: AtomicU64::new(1),
             eos_ids,
@@ -83,16 +101,22 @@ impl Drop for RingEngineClient {
     }
 }
 
-fn reader(
-    mut rx: LinkReceiver,
-    shared: &LinkShared,
-    routes: &Routes,
-    stop: &AtomicBool,
-    dead: &Mutex<Option<String>>,
-) {
+/// What the reader thread shares with the client.
+struct ReaderCtx {
+    shared: Arc<LinkShared>,
+    tx: Arc<Mutex<LinkSender>>,
+    routes: Routes,
+    stop: Arc<AtomicBool>,
+    /// Why new requests are refused (503), if they are.
+    dead: Arc<Mutex<Option<String>>>,
+    worker_timeout: Option<Duration>,
+}
+
+fn reader(mut rx: LinkReceiver, c: &ReaderCtx) {
     let mut batch: Vec<ToFrontend> = Vec::with_capacity(1024);
-    let mut last_check = std::time::Instant::now();
-    while !stop.load(Ordering::Relaxed) {
+    let mut last_check = Instant::now();
+    let mut no_worker_since: Option<Instant> = None;
+    while !c.stop.load(Ordering::Relaxed) {
         batch.clear();
         if rx.poll_batch(&mut batch, 1024) == 0 {
             if let Some(m) = rx.poll(Duration::from_millis(50)) {
@@ -100,28 +124,66 @@ fn reader(
             }
         }
         if !batch.is_empty() {
-            let mut r = lock(routes);
+            let mut r = lock(&c.routes);
             for m in &batch {
                 route(&mut r, m);
             }
         }
         if last_check.elapsed() >= Duration::from_millis(50) {
-            last_check = std::time::Instant::now();
-            shared.heartbeat();
-            if let Err(why) = shared.health() {
-                if why.contains("scheduler") {
-                    // The scheduler is gone: fail everything now.
-                    *lock(dead) = Some(why.clone());
-                    for (_, tx) in lock(routes).drain() {
-                        let _ = tx.send(EngineEvent::Error(format!("engine failure: {why}")));
-                    }
-                } else {
-                    *lock(dead) = None;
-                }
-            } else {
-                *lock(dead) = None;
-            }
+            last_check = Instant::now();
+            c.shared.heartbeat();
+            check_health(c, &mut no_worker_since);
         }
+    }
+}
+
+/// Fails every live request when the scheduler is gone, or when no worker has been attached
+/// for longer than the worker timeout (cancelling them at the scheduler, which is alive); sets
+/// or clears the reason new requests are refused.
+fn check_health(c: &ReaderCtx, no_worker_since: &mut Option<Instant>) {
+    let why = match c.shared.health() {
+        Ok(()) => {
+            *no_worker_since = None;
+            *lock(&c.dead) = None;
+            return;
+        }
+        Err(why) => why,
+    };
+    if why.contains("scheduler") {
+        // The scheduler is gone: fail everything now.
+        *lock(&c.dead) = Some(why.clone());
+        for (_, tx) in lock(&c.routes).drain() {
+            let _ = tx.send(EngineEvent::Error(format!("engine failure: {why}")));
+        }
+        return;
+    }
+    // No worker attached.
+    let since = *no_worker_since.get_or_insert_with(Instant::now);
+    let Some(limit) = c.worker_timeout else {
+        return;
+    };
+    if since.elapsed() < limit {
+        *lock(&c.dead) = None;
+        return;
+    }
+    let msg = format!(
+        "{why} (for {:.0} s, the worker timeout)",
+        since.elapsed().as_secs_f64()
+    );
+    *lock(&c.dead) = Some(msg.clone());
+    let failed: Vec<(u64, UnboundedSender<EngineEvent>)> = lock(&c.routes).drain().collect();
+    if failed.is_empty() {
+        return;
+    }
+    tracing::warn!(requests = failed.len(), "{msg}: failing the live requests");
+    let mut tx = lock(&c.tx);
+    for (id, events) in failed {
+        // The scheduler drops the request (its acknowledgement finds no route and is ignored),
+        // so nothing of it runs when a worker attaches later.
+        if let Err(e) = tx.cancel(id, Duration::from_millis(200)) {
+            tracing::warn!(id, "cancel not delivered: {e}");
+        }
+        let _ = events.send(EngineEvent::Error(format!("{UNAVAILABLE_PREFIX}{msg}")));
     }
 }
 
@@ -175,7 +237,11 @@ impl EngineClient for RingEngineClient {
         req: EngineRequest,
     ) -> Result<(u64, UnboundedReceiver<EngineEvent>), SubmitError> {
         if let Some(why) = lock(&self.dead).clone() {
-            return Err(SubmitError::Unavailable(why));
+            // The reader clears the reason at its next health check; a worker that attached
+            // since then must not see this request refused.
+            if self.shared.health().is_err() {
+                return Err(SubmitError::Unavailable(why));
+            }
         }
         // The scheduler's stateless checks, here, so a request that can never run is a 400
         // naming the limit rather than an error after admission.

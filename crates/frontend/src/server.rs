@@ -1009,9 +1009,9 @@ pub async fn bind(host: &str, port: u16) -> anyhow::Result<(TcpListener, SocketA
 }
 
 /// The error for a request the engine ended with `msg`: 503 when the server is shutting down
-/// (a load balancer retries elsewhere), else 500.
+/// or the engine is unavailable (a load balancer retries elsewhere), else 500.
 fn engine_error(msg: String) -> ApiError {
-    if msg == crate::seq::SHUTTING_DOWN {
+    if msg == crate::seq::SHUTTING_DOWN || msg.starts_with(crate::engine::UNAVAILABLE_PREFIX) {
         ApiError::unavailable(msg)
     } else {
         ApiError::internal(msg)
