@@ -162,6 +162,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             .clone()
             .unwrap_or_else(|| default_model_name(&a.model)),
         chat_template,
+        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

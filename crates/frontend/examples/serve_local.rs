@@ -53,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
         api_key: std::env::var("BATON_API_KEY").ok(),
         served_model_name: name,
         chat_template,
+        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

@@ -26,4 +26,5 @@ pub use local::LocalEngineClient;
 pub use ring::RingEngineClient;
 pub use server::{
     bind, router, serve, serve_on, serve_state, shutdown_signal, AppState, ServerConfig,
+    DEFAULT_HEADER_READ_TIMEOUT,
 };

@@ -48,7 +48,15 @@ pub struct ServerConfig {
     /// A chat template (the template text; see [`crate::chat::load_template_arg`] for paths)
     /// that overrides the tokenizer's.
     pub chat_template: Option<String>,
+    /// How long a client may take to send a request's headers (on a new connection, or
+    /// between keep-alive requests) before the connection is closed, so idle or slow clients
+    /// cannot hold connections forever (slowloris). [`DEFAULT_HEADER_READ_TIMEOUT`] unless
+    /// set.
+    pub header_read_timeout: Duration,
 }
+
+/// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -1099,17 +1107,45 @@ pub async fn serve_state(
             let _ = draining.send(true);
         });
     };
-    // TCP_NODELAY: each SSE event is a small write; with Nagle on, a write waits for the ACK
-    // of the previous one and the client's delayed ACK turns that into 40 ms stalls
-    // (measured with `baton bench serve`, bench/RESULTS.md).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+    let header_timeout = state.config.header_read_timeout;
+    let app = router(state);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut signal = std::pin::pin!(signal);
+    loop {
+        let (tcp, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut signal => break,
+        };
+        // TCP_NODELAY: each SSE event is a small write; with Nagle on, a write waits for the
+        // ACK of the previous one and the client's delayed ACK turns that into 40 ms stalls
+        // (measured with `baton bench serve`, bench/RESULTS.md).
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::warn!("setting TCP_NODELAY on a connection: {e}");
         }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(signal)
-        .await?;
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+        });
+    }
+    // No new connections; finish the live requests (each connection closes after its current
+    // response), the drain grace ending the longest ones.
+    drop(listener);
+    graceful.shutdown().await;
     Ok(())
 }
 

@@ -1131,6 +1131,7 @@ async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
         api_key: None,
         served_model_name: MODEL.into(),
         chat_template: None,
+        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
     };
     let state = std::sync::Arc::new(
         baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Failing), vec![2]).unwrap(),
@@ -1312,4 +1313,32 @@ async fn a_prompt_far_over_the_context_is_refused_untokenized_and_huge_bodies_ge
     // The server still answers.
     let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 2})).await;
     assert_eq!(v["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    let srv = start(Opts {
+        header_read_timeout: Some(Duration::from_millis(500)),
+        ..Opts::default()
+    })
+    .await;
+    // Slowloris: half a request line, then nothing.
+    let mut slow = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), slow.read_to_end(&mut buf)).await;
+    assert!(
+        read.is_ok(),
+        "the server kept a connection without headers open for 20 s"
+    );
+    // A client that sends its headers in time is served as usual.
+    let mut ok = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    ok.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    ok.read_to_string(&mut resp).await.unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 }

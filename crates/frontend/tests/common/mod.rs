@@ -41,6 +41,8 @@ pub struct Opts {
     /// Sleep this long in every engine step, so timing-dependent tests (disconnects) have
     /// margin on a loaded machine.
     pub step_delay: Option<Duration>,
+    /// The server's header read timeout (default: the server's default).
+    pub header_read_timeout: Option<Duration>,
 }
 
 /// A backend that sleeps before each launch.
@@ -126,6 +128,9 @@ pub async fn start(opts: Opts) -> TestServer {
         api_key: opts.api_key,
         served_model_name: MODEL.into(),
         chat_template: opts.chat_template,
+        header_read_timeout: opts
+            .header_read_timeout
+            .unwrap_or(baton_frontend::DEFAULT_HEADER_READ_TIMEOUT),
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
