@@ -287,7 +287,7 @@ __device__ __forceinline__ void baton_decode_body(
 }
 
 #define BATON_DECODE_ENTRY(D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_decode_hd##D( \
+    BATON_ENTRY void __launch_bounds__(128) baton_paged_attention_decode_hd##D(           \
         elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,      \
         float* __restrict__ part_l, const elem_t* __restrict__ q, int q_stride,                   \
         const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                     \
@@ -305,7 +305,7 @@ BATON_DECODE_ENTRY(256)
 // Combine the partitions of sequences with more than one: out = sum_p 2^(m_p - M) acc_p /
 // sum_p 2^(m_p - M) l_p. Shapes as for the decode kernel; any head_dim.
 // Launch: grid = (num_seqs, num_heads), block = (128).
-extern "C" __global__ void baton_paged_attention_decode_reduce(
+BATON_ENTRY void baton_paged_attention_decode_reduce(
     elem_t* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
     const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
     int head_dim, int max_partitions) {
@@ -373,7 +373,7 @@ __device__ __forceinline__ void baton_prefill_body(
 }
 
 #define BATON_PREFILL_ENTRY(D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) baton_paged_attention_prefill_hd##D( \
+    BATON_ENTRY void __launch_bounds__(128) baton_paged_attention_prefill_hd##D(           \
         elem_t* __restrict__ out, const elem_t* __restrict__ q, int q_stride,                        \
         const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                      \
         const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
@@ -400,7 +400,7 @@ BATON_PREFILL_ENTRY(256)
 // Launch: grid = (num_tokens, num_heads), block = (128).
 #define BATON_GEN_THREADS 128
 #define BATON_GEN_MAX_D 1024
-extern "C" __global__ void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_generic(
+BATON_ENTRY void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_generic(
     elem_t* __restrict__ out, const elem_t* __restrict__ q, int q_stride,
     const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,

@@ -9,14 +9,14 @@
 // Shapes: k [num_tokens, num_kv_heads, head_dim] with token stride `k_stride` elements, v likewise
 // with `v_stride` (views into a fused QKV output); slot_mapping [num_tokens] int.
 // Launch: grid = (num_tokens), block = (128); 16-byte vector copies when the rows are 16-byte aligned.
-extern "C" __global__ void baton_reshape_and_cache(const elem_t* __restrict__ k,
-                                                        const elem_t* __restrict__ v,
-                                                        elem_t* __restrict__ k_cache,
-                                                        elem_t* __restrict__ v_cache,
-                                                        const int* __restrict__ slot_mapping,
-                                                        int num_tokens, int num_kv_heads,
-                                                        int head_dim, int k_stride,
-                                                        int v_stride) {
+BATON_ENTRY void baton_reshape_and_cache(const elem_t* __restrict__ k,
+                                         const elem_t* __restrict__ v,
+                                         elem_t* __restrict__ k_cache,
+                                         elem_t* __restrict__ v_cache,
+                                         const int* __restrict__ slot_mapping,
+                                         int num_tokens, int num_kv_heads,
+                                         int head_dim, int k_stride,
+                                         int v_stride) {
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int slot = slot_mapping[t];

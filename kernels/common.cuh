@@ -10,10 +10,21 @@
 //   1 = f16, 2 = f32. The same source compiles to three modules with the same entry names.
 // - Index types: `int` for counts and positions (< 2^31), `size_t` for element offsets into
 //   large buffers (KV cache, weights).
-// - Every entry point is `extern "C"` and named `baton_<op>[_<variant>]`.
+// - Every entry point is declared `BATON_ENTRY` (`extern "C" __global__`) and named
+//   `baton_<op>[_<variant>]`.
+//
+// Host emulation (crates/cuda-emu): with `-DBATON_EMU` the same sources compile as C++ for the
+// CPU. The emulator's prelude then supplies the CUDA types and intrinsics (so no CUDA header is
+// included here), and entry points get C++ linkage, because each dtype's copy of a kernel lives
+// in its own C++ namespace in one binary.
 #pragma once
+#ifdef BATON_EMU
+#define BATON_ENTRY __global__
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#define BATON_ENTRY extern "C" __global__
+#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;

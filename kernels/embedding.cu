@@ -7,10 +7,10 @@
 // instead of reading out of bounds.
 // Launch: grid = (num_tokens), block = (256); any hidden size; 16-byte vector copies when
 // hidden is a multiple of BATON_VEC and both rows are 16-byte aligned.
-extern "C" __global__ void baton_embedding_gather(elem_t* __restrict__ out,
-                                                  const elem_t* __restrict__ table,
-                                                  const u32* __restrict__ ids, int num_tokens,
-                                                  int hidden, int vocab) {
+BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
+                                        const elem_t* __restrict__ table,
+                                        const u32* __restrict__ ids, int num_tokens,
+                                        int hidden, int vocab) {
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const u32 id = ids[t];
@@ -34,10 +34,10 @@ extern "C" __global__ void baton_embedding_gather(elem_t* __restrict__ out,
 // Shapes: in [*, width] elem_t; index [num_rows] int (a negative index writes zeros);
 // out [num_rows, width] elem_t.
 // Launch: grid = (num_rows), block = (256).
-extern "C" __global__ void baton_gather_rows(elem_t* __restrict__ out,
-                                             const elem_t* __restrict__ in,
-                                             const int* __restrict__ index, int num_rows,
-                                             int width) {
+BATON_ENTRY void baton_gather_rows(elem_t* __restrict__ out,
+                                   const elem_t* __restrict__ in,
+                                   const int* __restrict__ index, int num_rows,
+                                   int width) {
     const int r = blockIdx.x;
     if (r >= num_rows) return;
     const int src_row = index[r];
@@ -56,11 +56,11 @@ extern "C" __global__ void baton_gather_rows(elem_t* __restrict__ out,
 // Shapes: input_ids [num_tokens] u32 (written in place); dst_token, src_index [num_pending] u32.
 // Launch: grid = (ceil(num_pending / 256)), block = (256). Run on the same stream after the
 // sampling kernel of the source launch (stream order is the only synchronization needed).
-extern "C" __global__ void baton_gather_pending_ids(u32* __restrict__ input_ids,
-                                                    const u32* __restrict__ sampled_ring,
-                                                    const u32* __restrict__ dst_token,
-                                                    const u32* __restrict__ src_index,
-                                                    int num_pending) {
+BATON_ENTRY void baton_gather_pending_ids(u32* __restrict__ input_ids,
+                                          const u32* __restrict__ sampled_ring,
+                                          const u32* __restrict__ dst_token,
+                                          const u32* __restrict__ src_index,
+                                          int num_pending) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < num_pending) input_ids[dst_token[i]] = sampled_ring[src_index[i]];
 }

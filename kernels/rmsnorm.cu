@@ -8,9 +8,9 @@
 // out[t, :] = rmsnorm(in[t, :]) * weight.
 // Shapes: in, out [num_tokens, hidden] elem_t (row stride `hidden`); weight [hidden] elem_t.
 // Launch: grid = (num_tokens), block = (1024) or any multiple of 32 up to 1024.
-extern "C" __global__ void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restrict__ in,
-                                         const elem_t* __restrict__ weight, int num_tokens,
-                                         int hidden, float eps) {
+BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restrict__ in,
+                               const elem_t* __restrict__ weight, int num_tokens,
+                               int hidden, float eps) {
     __shared__ float scratch[33];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
@@ -35,9 +35,9 @@ extern "C" __global__ void baton_rmsnorm(elem_t* __restrict__ out, const elem_t*
 // Shapes: x, residual, out [num_tokens, hidden] elem_t; weight [hidden] elem_t. `out` may alias
 // `x` (each thread reads x[i] before writing out[i], same index).
 // Launch: grid = (num_tokens), block = (1024) or any multiple of 32 up to 1024.
-extern "C" __global__ void baton_add_rmsnorm(elem_t* out, elem_t* __restrict__ residual,
-                                             const elem_t* x, const elem_t* __restrict__ weight,
-                                             int num_tokens, int hidden, float eps) {
+BATON_ENTRY void baton_add_rmsnorm(elem_t* out, elem_t* __restrict__ residual,
+                                   const elem_t* x, const elem_t* __restrict__ weight,
+                                   int num_tokens, int hidden, float eps) {
     __shared__ float scratch[33];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;

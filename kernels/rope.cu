@@ -11,11 +11,11 @@
 // k [num_tokens, num_kv_heads, head_dim] with token stride `k_stride` (strides let q and k be
 // views into a fused QKV projection output); positions [num_tokens] int.
 // Launch: grid = (num_tokens), block = (128); threads loop over (head, i) pairs.
-extern "C" __global__ void baton_rope(elem_t* __restrict__ q, elem_t* __restrict__ k,
-                                           const int* __restrict__ positions,
-                                           const float* __restrict__ inv_freq, int num_tokens,
-                                           int num_q_heads, int num_kv_heads, int head_dim,
-                                           int q_stride, int k_stride) {
+BATON_ENTRY void baton_rope(elem_t* __restrict__ q, elem_t* __restrict__ k,
+                            const int* __restrict__ positions,
+                            const float* __restrict__ inv_freq, int num_tokens,
+                            int num_q_heads, int num_kv_heads, int head_dim,
+                            int q_stride, int k_stride) {
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int half = head_dim >> 1;

@@ -225,7 +225,7 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
 // Launch: grid = (num_rows), block = (1024) (any multiple of 32 up to 1024 works).
 // Cost: 1 pass over the row for greedy; for sampling, one pass per radix digit actually needed
 // (typically 3-5 per select) plus one per mass total, all served from L2 after the first.
-extern "C" __global__ void __launch_bounds__(1024) baton_sample_f32(
+BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     u32* __restrict__ out_tokens, float* __restrict__ out_logprob, u32* __restrict__ out_top_ids,
     float* __restrict__ out_top_logprobs, const float* __restrict__ logits, int logits_stride,
     const BatonSamplingParams* __restrict__ params, const u32* __restrict__ output_index,
@@ -324,19 +324,19 @@ extern "C" __global__ void __launch_bounds__(1024) baton_sample_f32(
 
 // RNG probe for CPU/GPU agreement tests: out[i] = top 24 bits of Philox word 0 for
 // (seeds[i], output_index[i]), i.e. uniform * 2^24. Launch: grid = (ceil(n / 256)), block = 256.
-extern "C" __global__ void baton_sampling_uniform_bits(u32* __restrict__ out,
-                                                       const u64* __restrict__ seeds,
-                                                       const u32* __restrict__ output_index,
-                                                       int n) {
+BATON_ENTRY void baton_sampling_uniform_bits(u32* __restrict__ out,
+                                             const u64* __restrict__ seeds,
+                                             const u32* __restrict__ output_index,
+                                             int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = baton_uniform_bits(seeds[i], output_index[i]);
 }
 
 // Philox probe for known-answer tests: out[i] = philox4x32_10(ctr[i], key[i]).
 // Launch: grid = (ceil(n / 256)), block = 256.
-extern "C" __global__ void baton_philox4x32_10_probe(uint4* __restrict__ out,
-                                                     const uint4* __restrict__ ctr,
-                                                     const uint2* __restrict__ key, int n) {
+BATON_ENTRY void baton_philox4x32_10_probe(uint4* __restrict__ out,
+                                           const uint4* __restrict__ ctr,
+                                           const uint2* __restrict__ key, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = baton_philox4x32_10(ctr[i], key[i]);
 }

@@ -1,0 +1,451 @@
+// The emulator's scheduler: runs one CUDA thread block as cooperative fibers on the calling OS
+// thread, blocks one after another. See src/lib.rs for the model and its limits.
+//
+// A fiber runs until it finishes or reaches a barrier (__syncthreads or a warp shuffle); it
+// then records where it waits and switches back to the scheduler, which resumes the next ready
+// fiber. The last fiber to arrive at a barrier releases the waiters in thread order. When no
+// fiber is ready but some are unfinished, the block is deadlocked and the launch fails.
+#include "prelude.h"
+#include "runtime.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && !defined(BATON_EMU_UCONTEXT)
+#define BATON_EMU_ASM_SWITCH 1
+#else
+#include <ucontext.h>
+#endif
+
+namespace baton_emu {
+
+Coords g_coords;
+
+namespace {
+
+constexpr size_t kStackBytes = 128 * 1024;
+constexpr size_t kGuardBytes = 4096;
+constexpr unsigned kWarp = 32;
+
+// ---- Execution contexts ------------------------------------------------------------------------
+#if BATON_EMU_ASM_SWITCH
+// Saved stack pointer; the callee-saved registers, MXCSR and the x87 control word live on the
+// fiber's own stack (System V x86-64 ABI).
+struct Ctx {
+    void* sp = nullptr;
+};
+#else
+struct Ctx {
+    ucontext_t uc;
+};
+#endif
+
+}  // namespace
+}  // namespace baton_emu
+
+#if BATON_EMU_ASM_SWITCH
+extern "C" void baton_emu_ctx_switch(void** save_sp, void* load_sp);
+extern "C" void baton_emu_fiber_entry();
+asm(R"(
+    .text
+    .p2align 4
+    .globl baton_emu_ctx_switch
+    .hidden baton_emu_ctx_switch
+    .type baton_emu_ctx_switch, @function
+baton_emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $16, %rsp
+    stmxcsr 8(%rsp)
+    fnstcw 12(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr 8(%rsp)
+    fldcw 12(%rsp)
+    addq $16, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size baton_emu_ctx_switch, .-baton_emu_ctx_switch
+
+    .p2align 4
+    .globl baton_emu_fiber_entry
+    .hidden baton_emu_fiber_entry
+    .type baton_emu_fiber_entry, @function
+baton_emu_fiber_entry:
+    call baton_emu_fiber_main@PLT
+    ud2
+    .size baton_emu_fiber_entry, .-baton_emu_fiber_entry
+)");
+#endif
+
+extern "C" __attribute__((visibility("hidden"), used, noreturn)) void baton_emu_fiber_main();
+
+namespace baton_emu {
+namespace {
+
+void ctx_switch(Ctx* from, Ctx* to) {
+#if BATON_EMU_ASM_SWITCH
+    baton_emu_ctx_switch(&from->sp, to->sp);
+#else
+    swapcontext(&from->uc, &to->uc);
+#endif
+}
+
+// A fresh context that starts baton_emu_fiber_main on [lo, lo + len).
+void ctx_init(Ctx* c, unsigned char* lo, size_t len) {
+#if BATON_EMU_ASM_SWITCH
+    uintptr_t top = ((uintptr_t)lo + len) & ~(uintptr_t)15;
+    // Frame popped by baton_emu_ctx_switch: [16 bytes: MXCSR at +8, x87 CW at +12], r15, r14,
+    // r13, r12, rbx, rbp, return address. After `ret` the stack pointer is top - 16 (16-byte
+    // aligned), so the `call` in baton_emu_fiber_entry enters the C++ code with the ABI's
+    // alignment.
+    unsigned char* sp = (unsigned char*)(top - 88);
+    memset(sp, 0, 88);
+    const uint32_t mxcsr = 0x1F80;  // all exceptions masked, round to nearest
+    const uint16_t fpucw = 0x037F;
+    memcpy(sp + 8, &mxcsr, 4);
+    memcpy(sp + 12, &fpucw, 2);
+    void (*entry)() = &baton_emu_fiber_entry;
+    memcpy(sp + 64, &entry, 8);
+    c->sp = sp;
+#else
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = lo;
+    c->uc.uc_stack.ss_size = len;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, (void (*)())baton_emu_fiber_main, 0);
+#endif
+}
+
+// ---- Block state -------------------------------------------------------------------------------
+enum class St : unsigned char { Ready, AtBlock, AtWarp, Done };
+
+struct Site {
+    const char* file = nullptr;
+    int line = 0;
+};
+
+bool same_site(const Site& a, const Site& b) {
+    return a.line == b.line && (a.file == b.file || strcmp(a.file, b.file) == 0);
+}
+
+const char* base_name(const char* path) {
+    const char* s = strrchr(path, '/');
+    return s ? s + 1 : path;
+}
+
+struct Fiber {
+    Ctx ctx;
+    uint3 tid;
+    St st = St::Ready;
+    Site site;                // where it waits (St::AtBlock / St::AtWarp)
+    unsigned shfl_count = 0;  // shuffles completed; parity picks the exchange buffer
+    int lane_mask = 0;        // arguments of the pending shuffle
+    unsigned size = 0;
+};
+
+struct Warp {
+    unsigned size = 0, live = 0, arrived = 0;
+    // Double-buffered exchange slots: a lane cannot reach shuffle k + 2 (which reuses shuffle
+    // k's buffer) before every lane has arrived at shuffle k + 1, i.e. has read shuffle k.
+    unsigned long long buf[2][kWarp];
+};
+
+struct Run {
+    const Entry* entry = nullptr;
+    void** args = nullptr;
+    unsigned n = 0;
+    std::vector<Fiber> fibers;
+    std::vector<Warp> warps;
+    std::vector<unsigned> ready;  // ring of n slots: a fiber is queued at most once
+    unsigned head = 0, queued = 0;
+    unsigned live = 0, arrived = 0;
+    unsigned cur = 0;
+    Ctx sched;
+    int code = 0;  // BATON_EMU_* of the first failure in this block
+    std::string msg;
+};
+
+Run g_run;
+std::vector<unsigned char*> g_stacks;  // each: guard page, then kStackBytes of stack
+std::atomic<bool> g_busy{false};
+
+bool ensure_stacks(unsigned n) {
+    while (g_stacks.size() < n) {
+        void* p = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+        if (p == MAP_FAILED) return false;
+        // A stack overflow faults on the guard page instead of corrupting the next stack.
+        mprotect(p, kGuardBytes, PROT_NONE);
+        g_stacks.push_back((unsigned char*)p + kGuardBytes);
+    }
+    return true;
+}
+
+void push_ready(Run& r, unsigned i) {
+    r.ready[(r.head + r.queued) % r.n] = i;
+    ++r.queued;
+    r.fibers[i].st = St::Ready;
+}
+
+void set_failure(Run& r, int code, const std::string& msg) {
+    if (r.code == 0) {
+        r.code = code;
+        r.msg = msg;
+    }
+}
+
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(buf, sizeof buf, f, ap);
+    va_end(ap);
+    return buf;
+}
+
+// "N at file:line, M at file:line" over the fibers in state `st` (optionally one warp).
+std::string describe_sites(const Run& r, St st, unsigned lo, unsigned hi) {
+    std::vector<std::pair<Site, unsigned>> sites;
+    for (unsigned i = lo; i < hi; ++i) {
+        const Fiber& f = r.fibers[i];
+        if (f.st != st) continue;
+        bool found = false;
+        for (auto& s : sites)
+            if (same_site(s.first, f.site)) {
+                ++s.second;
+                found = true;
+                break;
+            }
+        if (!found) sites.push_back({f.site, 1});
+    }
+    std::string out;
+    for (auto& s : sites) {
+        if (!out.empty()) out += ", ";
+        out += fmt("%u at %s:%d", s.second, base_name(s.first.file), s.first.line);
+    }
+    return out;
+}
+
+void release_block(Run& r) {
+    const Fiber* first = nullptr;
+    for (unsigned i = 0; i < r.n; ++i) {
+        const Fiber& f = r.fibers[i];
+        if (f.st != St::AtBlock) continue;
+        if (!first) {
+            first = &f;
+        } else if (!same_site(first->site, f.site)) {
+            set_failure(r, 2,
+                        "divergent __syncthreads: the threads of the block wait at different "
+                        "barriers (" + describe_sites(r, St::AtBlock, 0, r.n) + ")");
+            return;
+        }
+    }
+    r.arrived = 0;
+    for (unsigned i = 0; i < r.n; ++i)
+        if (r.fibers[i].st == St::AtBlock) push_ready(r, i);
+}
+
+void release_warp(Run& r, unsigned wi) {
+    Warp& w = r.warps[wi];
+    const unsigned lo = wi * kWarp, hi = lo + w.size;
+    if (w.size != kWarp || w.live != kWarp) {
+        set_failure(r, 2,
+                    fmt("__shfl_xor_sync with the full mask in warp %u, which has %u live threads "
+                        "of %u (a partner lane does not exist or has exited): %s",
+                        wi, w.live, w.size, describe_sites(r, St::AtWarp, lo, hi).c_str()));
+        return;
+    }
+    const Fiber& f0 = r.fibers[lo];
+    for (unsigned i = lo + 1; i < hi; ++i) {
+        const Fiber& f = r.fibers[i];
+        if (!same_site(f.site, f0.site) || f.lane_mask != f0.lane_mask || f.size != f0.size ||
+            (f.shfl_count & 1) != (f0.shfl_count & 1)) {
+            set_failure(r, 2,
+                        fmt("divergent __shfl_xor_sync in warp %u: lane 0 exchanges %u bytes "
+                            "with laneMask %d at %s:%d (shuffle #%u), lane %u %u bytes with "
+                            "laneMask %d at %s:%d (shuffle #%u)",
+                            wi, f0.size, f0.lane_mask, base_name(f0.site.file), f0.site.line,
+                            f0.shfl_count, i - lo, f.size, f.lane_mask, base_name(f.site.file),
+                            f.site.line, f.shfl_count));
+            return;
+        }
+    }
+    w.arrived = 0;
+    for (unsigned i = lo; i < hi; ++i) push_ready(r, i);
+}
+
+// Back to the scheduler; returns when this fiber is resumed.
+void yield_to_scheduler(Run& r, Fiber& f) { ctx_switch(&f.ctx, &r.sched); }
+
+[[noreturn]] void fail_here(Run& r, Fiber& f, const std::string& msg) {
+    set_failure(r, 2, msg);
+    yield_to_scheduler(r, f);  // the scheduler never resumes a block that failed
+    __builtin_trap();
+}
+
+void run_block(Run& r) {
+    r.code = 0;
+    r.msg.clear();
+    r.live = r.n;
+    r.arrived = 0;
+    r.head = 0;
+    r.queued = 0;
+    const dim3 bd = g_coords.block_dim;
+    for (unsigned i = 0; i < r.n; ++i) {
+        Fiber& f = r.fibers[i];
+        f.tid = uint3{i % bd.x, (i / bd.x) % bd.y, i / (bd.x * bd.y)};
+        f.shfl_count = 0;
+        f.site = Site{};
+        ctx_init(&f.ctx, g_stacks[i], kStackBytes);
+        push_ready(r, i);
+    }
+    for (unsigned w = 0; w < r.warps.size(); ++w) {
+        Warp& wp = r.warps[w];
+        wp.size = std::min(kWarp, r.n - w * kWarp);
+        wp.live = wp.size;
+        wp.arrived = 0;
+    }
+    while (r.queued > 0) {
+        const unsigned i = r.ready[r.head];
+        r.head = (r.head + 1) % r.n;
+        --r.queued;
+        r.cur = i;
+        g_coords.thread_idx = r.fibers[i].tid;
+        ctx_switch(&r.sched, &r.fibers[i].ctx);
+        if (r.code != 0) return;
+    }
+    if (r.live > 0) {
+        std::string warps;
+        for (unsigned w = 0; w < r.warps.size(); ++w)
+            if (r.warps[w].arrived > 0) {
+                if (!warps.empty()) warps += ", ";
+                warps += fmt("%u", w);
+            }
+        std::string msg = fmt("deadlock: %u of %u threads unfinished and none can run", r.live, r.n);
+        if (r.arrived > 0)
+            msg += "; at __syncthreads: " + describe_sites(r, St::AtBlock, 0, r.n);
+        if (!warps.empty())
+            msg += "; at __shfl_xor_sync (warps " + warps +
+                   "): " + describe_sites(r, St::AtWarp, 0, r.n);
+        set_failure(r, 1, msg);
+    }
+}
+
+}  // namespace
+
+void syncthreads_at(const char* file, int line) {
+    Run& r = g_run;
+    Fiber& f = r.fibers[r.cur];
+    f.st = St::AtBlock;
+    f.site = Site{file, line};
+    if (++r.arrived == r.live) release_block(r);
+    yield_to_scheduler(r, f);
+}
+
+void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
+                 unsigned mask, int lane_mask, int width) {
+    Run& r = g_run;
+    const unsigned i = r.cur;
+    Fiber& f = r.fibers[i];
+    const unsigned lane = i % kWarp;
+    Warp& w = r.warps[i / kWarp];
+    if (mask != 0xffffffffu)
+        fail_here(r, f,
+                  fmt("__shfl_xor_sync at %s:%d with mask 0x%08x: the emulator models only the "
+                      "full mask",
+                      base_name(file), line, mask));
+    if (width != (int)kWarp || lane_mask < 0 || lane_mask >= (int)kWarp)
+        fail_here(r, f,
+                  fmt("__shfl_xor_sync at %s:%d with laneMask %d, width %d: the emulator "
+                      "models laneMask in [0, 32) and width 32 only",
+                      base_name(file), line, lane_mask, width));
+    const unsigned phase = f.shfl_count & 1;
+    memcpy(&w.buf[phase][lane], in, size);
+    f.site = Site{file, line};
+    f.lane_mask = lane_mask;
+    f.size = size;
+    f.st = St::AtWarp;
+    if (++w.arrived == w.live) release_warp(r, i / kWarp);
+    yield_to_scheduler(r, f);
+    memcpy(out, &w.buf[phase][lane ^ (unsigned)lane_mask], size);
+    ++f.shfl_count;
+}
+
+}  // namespace baton_emu
+
+extern "C" void baton_emu_fiber_main() {
+    using namespace baton_emu;
+    Run& r = g_run;
+    const unsigned i = r.cur;
+    r.entry->invoke(r.args);
+    Fiber& f = r.fibers[i];
+    f.st = St::Done;
+    --r.live;
+    Warp& w = r.warps[i / kWarp];
+    --w.live;
+    if (r.arrived > 0 && r.arrived == r.live) release_block(r);
+    if (w.arrived > 0 && w.arrived == w.live) release_warp(r, i / kWarp);
+    ctx_switch(&f.ctx, &r.sched);
+    __builtin_trap();  // a finished fiber is never resumed
+}
+
+// Runs `entry` over the grid. Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
+// barrier use) / 3 (resource failure) with a NUL-terminated message in err[0..cap) and the
+// failing block's index in bad_block[3]. Callers validate grid, block and argument count;
+// launches must not overlap (the Rust side holds a mutex).
+extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[3],
+                             const unsigned block[3], void** args, char* err, size_t cap,
+                             unsigned bad_block[3]) {
+    using namespace baton_emu;
+    auto report = [&](int code, const std::string& msg) {
+        if (cap > 0) snprintf(err, cap, "%s", msg.c_str());
+        return code;
+    };
+    if (g_busy.exchange(true)) return report(3, "overlapping launches (missing lock)");
+    Run& r = g_run;
+    const unsigned n = block[0] * block[1] * block[2];
+    if (n == 0 || n > 1024 || !ensure_stacks(n)) {
+        g_busy = false;
+        return report(3, fmt("cannot run a block of %u threads", n));
+    }
+    r.entry = entry;
+    r.args = args;
+    r.n = n;
+    r.fibers.resize(n);
+    r.warps.resize((n + kWarp - 1) / kWarp);
+    r.ready.assign(n, 0);
+    g_coords.block_dim = dim3(block[0], block[1], block[2]);
+    g_coords.grid_dim = dim3(grid[0], grid[1], grid[2]);
+    int code = 0;
+    for (unsigned z = 0; z < grid[2] && code == 0; ++z)
+        for (unsigned y = 0; y < grid[1] && code == 0; ++y)
+            for (unsigned x = 0; x < grid[0] && code == 0; ++x) {
+                g_coords.block_idx = uint3{x, y, z};
+                run_block(r);
+                if (r.code != 0) {
+                    code = report(r.code, r.msg);
+                    bad_block[0] = x;
+                    bad_block[1] = y;
+                    bad_block[2] = z;
+                }
+            }
+    g_busy = false;
+    return code;
+}

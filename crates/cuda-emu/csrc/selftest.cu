@@ -1,0 +1,71 @@
+// Kernels that test the emulator itself (crates/cuda-emu/tests/emulator.rs); not part of Baton.
+// Compiled per dtype like kernels/*.cu, after kernels/common.cuh.
+
+// Coordinates and block order: out[b * threads + t] = b << 16 | t for linear block b and linear
+// thread t; thread 0 of block b writes order[b] = how many blocks ran before it.
+BATON_ENTRY void emu_test_coords(u32* out, u32* order, u32* counter) {
+    const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const u32 t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const u32 nt = blockDim.x * blockDim.y * blockDim.z;
+    out[b * nt + t] = (b << 16) | t;
+    if (t == 0) order[b] = atomicAdd(counter, 1u);
+}
+
+// Shared memory across a barrier and the block reduction of common.cuh. For block b with
+// x = in[b * blockDim.x ..]: mirrored[b * blockDim.x + t] = x[blockDim.x - 1 - t] and
+// sums[b * blockDim.x + t] = sum(x), max of x in maxes likewise (every thread's copy).
+BATON_ENTRY void emu_test_block_reduce(float* mirrored, float* sums, float* maxes,
+                                       const float* in) {
+    __shared__ float stage[1024];
+    __shared__ float scratch[33];
+    const int t = threadIdx.x, n = blockDim.x;
+    const size_t base = (size_t)blockIdx.x * n;
+    const float v = in[base + t];
+    stage[t] = v;
+    __syncthreads();
+    mirrored[base + t] = stage[n - 1 - t];
+    sums[base + t] = baton_block_sum(v, scratch);
+    maxes[base + t] = baton_block_max(v, scratch);
+}
+
+// Deadlock: odd threads wait at __syncthreads while the even lanes of each warp wait for a
+// shuffle partner that never comes.
+BATON_ENTRY void emu_test_deadlock(float* out) {
+    float v = (float)threadIdx.x;
+    if (threadIdx.x & 1) {
+        __syncthreads();
+    } else {
+        v = __shfl_xor_sync(BATON_FULL_MASK, v, 2);
+    }
+    out[threadIdx.x] = v;
+}
+
+// Divergent __syncthreads: the two halves of the block sync at different barriers.
+BATON_ENTRY void emu_test_divergent_sync(float* out) {
+    __shared__ float s[1024];
+    const int t = threadIdx.x;
+    if (t < (int)blockDim.x / 2) {
+        s[t] = 1.0f;
+        __syncthreads();
+    } else {
+        s[t] = 2.0f;
+        __syncthreads();
+    }
+    out[t] = s[blockDim.x - 1 - t];
+}
+
+// out[t] = t ^ lane_mask via one shuffle (fails in a partial warp or with a bad lane mask).
+BATON_ENTRY void emu_test_shuffle(float* out, int lane_mask) {
+    out[threadIdx.x] = __shfl_xor_sync(BATON_FULL_MASK, (float)threadIdx.x, lane_mask);
+}
+
+// Threads >= 32 exit early; the rest still pass a barrier (exited threads do not count).
+// out[t] = t + 1 for t < 32, after reading a neighbour's value through shared memory.
+BATON_ENTRY void emu_test_exit_then_sync(float* out) {
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    if (t >= 32) return;
+    s[t] = (float)t;
+    __syncthreads();
+    out[t] = s[t] + 1.0f;
+}
