@@ -65,6 +65,9 @@ use std::sync::{Mutex, OnceLock};
 
 pub use baton_cuda::kernels::Dtype;
 
+pub mod device;
+pub use device::EmuDevice;
+
 /// Opaque `baton_emu::Entry` (runtime.h): one entry point of one dtype module.
 #[repr(C)]
 struct RawEntry {

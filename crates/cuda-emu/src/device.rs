@@ -1,0 +1,586 @@
+//! [`EmuDevice`]: a [`baton_cuda::Device`] on the host, so the whole CUDA executor
+//! ([`baton_cuda::CudaWorker`]) runs without a GPU.
+//!
+//! - **Memory**: device allocations are host allocations (256-byte aligned, zeroed); a device
+//!   address is the host address. Every allocation is followed by [`CANARY_BYTES`] of a fixed
+//!   pattern, checked at every synchronization point and at free: a kernel or copy that writes
+//!   past the end of a buffer is reported as an error naming the allocation.
+//! - **Stream**: one in-order stream, executed eagerly: an `*_async` call or a launch has run
+//!   when it returns (a valid schedule of a single stream). Fences are therefore no-ops.
+//! - **Kernels**: [`crate::launch`] runs the CUDA C kernels of `kernels/` for the device's
+//!   dtype under the fiber emulator; it checks the parameter count against the kernel's
+//!   signature.
+//! - **GEMM**: the `cublasGemmEx` contract of [`Gemm`] (column-major, `op(A) · op(B)`, fp32
+//!   accumulation, result rounded once to C's type), computed by a plain loop.
+//! - **Graphs**: between `begin_capture` and `end_capture` nothing runs; launches (with their
+//!   parameter values copied, 8 bytes per slot), GEMMs and copies are recorded and
+//!   `launch_graph` replays them, reading the host sources of async copies again, as CUDA does.
+//!
+//! Contract beyond [`Device`]'s: each kernel parameter pointer addresses an 8-byte slot (the
+//! executor's argument packing), so a capture can copy the values.
+
+use baton_cuda::{CudaWorkerError, DevPtr, Device, Dtype, Gemm, GraphId};
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// Bytes of guard pattern after every allocation.
+pub const CANARY_BYTES: usize = 256;
+const CANARY: u8 = 0xA5;
+const ALIGN: usize = 256;
+
+/// One recorded stream operation (graph capture).
+#[derive(Clone, Debug)]
+enum Op {
+    Launch {
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        vals: Vec<u64>,
+    },
+    Gemm(Gemm),
+    /// Any copy (host addresses on both sides under emulation).
+    Copy {
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    },
+}
+
+#[derive(Default)]
+struct State {
+    /// Device allocations: address -> requested bytes.
+    allocs: HashMap<u64, usize>,
+    /// Host (pinned) allocations: address -> bytes.
+    host: HashMap<usize, usize>,
+    used: usize,
+    capture: Option<Vec<Op>>,
+    graphs: Vec<Vec<Op>>,
+    launches: u64,
+}
+
+/// The host-emulated device. See the module docs.
+pub struct EmuDevice {
+    dtype: Dtype,
+    total: usize,
+    state: Mutex<State>,
+}
+
+fn err(what: &'static str, msg: impl Into<String>) -> CudaWorkerError {
+    CudaWorkerError::Device {
+        what,
+        msg: msg.into(),
+    }
+}
+
+fn layout(bytes: usize) -> Result<Layout, CudaWorkerError> {
+    Layout::from_size_align(bytes + CANARY_BYTES, ALIGN)
+        .map_err(|e| err("alloc", format!("{bytes} bytes: {e}")))
+}
+
+impl EmuDevice {
+    /// A device whose kernels are those of `dtype`, reporting `total_bytes` of memory to
+    /// KV sizing (allocations count against it; exceeding it is an out-of-memory error).
+    pub fn new(dtype: Dtype, total_bytes: usize) -> Self {
+        EmuDevice {
+            dtype,
+            total: total_bytes,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// Kernel launches run so far (eager and replayed).
+    pub fn launches(&self) -> u64 {
+        self.lock().launches
+    }
+
+    /// Graphs captured so far.
+    pub fn graphs(&self) -> usize {
+        self.lock().graphs.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks every allocation's guard bytes.
+    fn check_canaries(&self, st: &State, when: &'static str) -> Result<(), CudaWorkerError> {
+        for (&ptr, &bytes) in &st.allocs {
+            // SAFETY: each live allocation has `bytes + CANARY_BYTES` bytes at `ptr`.
+            let guard = unsafe {
+                std::slice::from_raw_parts((ptr as usize + bytes) as *const u8, CANARY_BYTES)
+            };
+            if let Some(i) = guard.iter().position(|&b| b != CANARY) {
+                return Err(err(
+                    when,
+                    format!(
+                        "a write past the end of the {bytes}-byte allocation at {ptr:#x} \
+                         (guard byte {i} changed)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs or records `op`.
+    fn submit(&self, op: Op) -> Result<(), CudaWorkerError> {
+        {
+            let mut st = self.lock();
+            if let Some(c) = st.capture.as_mut() {
+                c.push(op);
+                return Ok(());
+            }
+        }
+        self.run(&op)
+    }
+
+    fn run(&self, op: &Op) -> Result<(), CudaWorkerError> {
+        match op {
+            Op::Launch {
+                name,
+                grid,
+                block,
+                vals,
+            } => {
+                let mut vals = vals.clone();
+                let ptrs: Vec<*mut c_void> = vals
+                    .iter_mut()
+                    .map(|v| v as *mut u64 as *mut c_void)
+                    .collect();
+                self.lock().launches += 1;
+                // SAFETY: the values were copied from the caller's parameter slots (8 bytes
+                // each) and the caller guaranteed they match the kernel and address live
+                // memory (Device::launch's contract).
+                unsafe { crate::launch(self.dtype, name, *grid, (*block, 1, 1), &ptrs) }
+                    .map_err(|e| err("kernel launch", format!("{name}: {e}")))
+            }
+            Op::Gemm(g) => gemm(g),
+            Op::Copy { dst, src, bytes } => {
+                // SAFETY: the caller guaranteed both ranges hold `bytes` (the copy contracts).
+                unsafe { std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes) };
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Reads element `i` of a matrix of type `t` at `base` as f32.
+///
+/// # Safety
+/// `base` holds more than `i` elements of `t`.
+unsafe fn load(base: DevPtr, t: Dtype, i: usize) -> f32 {
+    // SAFETY: per the contract.
+    unsafe {
+        match t {
+            Dtype::F32 => *(base as *const f32).add(i),
+            Dtype::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+            Dtype::F16 => half::f16::from_bits(*(base as *const u16).add(i)).to_f32(),
+        }
+    }
+}
+
+/// The [`Gemm`] contract by plain loops (fp32 accumulation in `l` order).
+fn gemm(g: &Gemm) -> Result<(), CudaWorkerError> {
+    let min_ld = |rows: usize| rows.max(1);
+    let (a_rows, b_rows) = (
+        if g.trans_a { g.k } else { g.m },
+        if g.trans_b { g.n } else { g.k },
+    );
+    if g.lda < min_ld(a_rows) || g.ldb < min_ld(b_rows) || g.ldc < min_ld(g.m) {
+        return Err(err(
+            "gemm",
+            format!("leading dimension too small for {g:?} (cuBLAS would return INVALID_VALUE)"),
+        ));
+    }
+    for j in 0..g.n {
+        for i in 0..g.m {
+            let mut acc = 0f32;
+            for l in 0..g.k {
+                let ai = if g.trans_a {
+                    l + i * g.lda
+                } else {
+                    i + l * g.lda
+                };
+                let bi = if g.trans_b {
+                    j + l * g.ldb
+                } else {
+                    l + j * g.ldb
+                };
+                // SAFETY: Device::gemm's contract: the matrices lie in live allocations for
+                // these shapes and leading dimensions.
+                acc = unsafe { load(g.a, g.ab_type, ai) }
+                    .mul_add(unsafe { load(g.b, g.ab_type, bi) }, acc);
+            }
+            let ci = i + j * g.ldc;
+            // SAFETY: as above, for C.
+            unsafe {
+                match g.c_type {
+                    Dtype::F32 => *(g.c as *mut f32).add(ci) = acc,
+                    Dtype::Bf16 => *(g.c as *mut u16).add(ci) = half::bf16::from_f32(acc).to_bits(),
+                    Dtype::F16 => *(g.c as *mut u16).add(ci) = half::f16::from_f32(acc).to_bits(),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Device for EmuDevice {
+    fn describe(&self) -> String {
+        format!("host emulator ({:?})", self.dtype)
+    }
+
+    fn bind(&self) -> Result<(), CudaWorkerError> {
+        Ok(())
+    }
+
+    fn mem_info(&self) -> Result<(usize, usize), CudaWorkerError> {
+        let st = self.lock();
+        Ok((self.total.saturating_sub(st.used), self.total))
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevPtr, CudaWorkerError> {
+        let bytes = bytes.max(16);
+        let mut st = self.lock();
+        if st.capture.is_some() {
+            return Err(err("alloc", "allocation during graph capture"));
+        }
+        if st.used + bytes > self.total {
+            return Err(err(
+                "alloc",
+                format!(
+                    "out of memory: {bytes} bytes requested, {} of {} free",
+                    self.total - st.used,
+                    self.total
+                ),
+            ));
+        }
+        let l = layout(bytes)?;
+        // SAFETY: `l` has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(l) };
+        if p.is_null() {
+            return Err(err(
+                "alloc",
+                format!("host allocation of {bytes} bytes failed"),
+            ));
+        }
+        // SAFETY: the allocation is `bytes + CANARY_BYTES` long.
+        unsafe { std::ptr::write_bytes(p.add(bytes), CANARY, CANARY_BYTES) };
+        st.used += bytes;
+        st.allocs.insert(p as u64, bytes);
+        Ok(p as u64)
+    }
+
+    unsafe fn free(&self, ptr: DevPtr) {
+        let mut st = self.lock();
+        if let Err(e) = self.check_canaries(&st, "free") {
+            // A free has no error path: fail loudly in tests rather than hide corruption.
+            panic!("{e}");
+        }
+        if let Some(bytes) = st.allocs.remove(&ptr) {
+            st.used -= bytes;
+            if let Ok(l) = layout(bytes) {
+                // SAFETY: allocated by `alloc_zeroed` with this layout, freed once.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, l) };
+            }
+        }
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<*mut u8, CudaWorkerError> {
+        let bytes = bytes.max(16);
+        let l =
+            Layout::from_size_align(bytes, ALIGN).map_err(|e| err("alloc_host", e.to_string()))?;
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(l) };
+        if p.is_null() {
+            return Err(err("alloc_host", format!("{bytes} bytes")));
+        }
+        self.lock().host.insert(p as usize, bytes);
+        Ok(p)
+    }
+
+    unsafe fn free_host(&self, ptr: *mut u8) {
+        if let Some(bytes) = self.lock().host.remove(&(ptr as usize)) {
+            if let Ok(l) = Layout::from_size_align(bytes, ALIGN) {
+                // SAFETY: allocated by `alloc_host` with this layout, freed once.
+                unsafe { std::alloc::dealloc(ptr, l) };
+            }
+        }
+    }
+
+    unsafe fn copy_htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaWorkerError> {
+        // SAFETY: Device::copy_htod's contract.
+        unsafe { std::ptr::copy(src.as_ptr(), dst as *mut u8, src.len()) };
+        self.check_canaries(&self.lock(), "copy_htod")
+    }
+
+    unsafe fn copy_dtoh(&self, dst: &mut [u8], src: DevPtr) -> Result<(), CudaWorkerError> {
+        // SAFETY: Device::copy_dtoh's contract.
+        unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn copy_htod_async(
+        &self,
+        dst: DevPtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), CudaWorkerError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        })
+    }
+
+    unsafe fn copy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), CudaWorkerError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        })
+    }
+
+    unsafe fn copy_dtod_async(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), CudaWorkerError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        })
+    }
+
+    unsafe fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaWorkerError> {
+        if !crate::has_entry(self.dtype, name) {
+            return Err(err("kernel launch", format!("kernel {name} not loaded")));
+        }
+        // SAFETY: per this device's contract every parameter pointer addresses an 8-byte slot.
+        let vals = params
+            .iter()
+            .map(|&p| unsafe { *(p as *const u64) })
+            .collect();
+        self.submit(Op::Launch {
+            name: name.to_owned(),
+            grid,
+            block,
+            vals,
+        })
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<(), CudaWorkerError> {
+        self.submit(Op::Gemm(*g))
+    }
+
+    fn synchronize(&self) -> Result<(), CudaWorkerError> {
+        self.check_canaries(&self.lock(), "synchronize")
+    }
+
+    fn record_fence(&self) -> Result<(), CudaWorkerError> {
+        Ok(())
+    }
+
+    fn wait_fence(&self) -> Result<(), CudaWorkerError> {
+        self.check_canaries(&self.lock(), "fence")
+    }
+
+    fn begin_capture(&self) -> Result<(), CudaWorkerError> {
+        let mut st = self.lock();
+        if st.capture.is_some() {
+            return Err(err("begin_capture", "already capturing"));
+        }
+        st.capture = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<GraphId, CudaWorkerError> {
+        let mut st = self.lock();
+        let ops = st
+            .capture
+            .take()
+            .ok_or_else(|| err("end_capture", "not capturing"))?;
+        st.graphs.push(ops);
+        Ok(st.graphs.len() - 1)
+    }
+
+    unsafe fn launch_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError> {
+        let ops = {
+            let st = self.lock();
+            if st.capture.is_some() {
+                return Err(err("launch_graph", "graph launch during capture"));
+            }
+            st.graphs
+                .get(graph)
+                .cloned()
+                .ok_or_else(|| err("launch_graph", format!("no graph {graph}")))?
+        };
+        for op in &ops {
+            self.run(op)?;
+        }
+        Ok(())
+    }
+
+    fn copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64, CudaWorkerError> {
+        let a = vec![1u8; bytes];
+        let mut b = vec![0u8; bytes];
+        let mut best = 0f64;
+        for _ in 0..iters.max(1) {
+            let t = std::time::Instant::now();
+            b.copy_from_slice(&a);
+            let s = t.elapsed().as_secs_f64();
+            if s > 0.0 {
+                best = best.max(2.0 * bytes as f64 / s);
+            }
+        }
+        std::hint::black_box(&b);
+        Ok(best)
+    }
+}
+
+impl Drop for EmuDevice {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (&ptr, &bytes) in &st.allocs {
+            if let Ok(l) = layout(bytes) {
+                // SAFETY: still-live allocations made by `alloc_zeroed`, freed once here.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, l) };
+            }
+        }
+        for (&ptr, &bytes) in &st.host {
+            if let Ok(l) = Layout::from_size_align(bytes, ALIGN) {
+                // SAFETY: as above, for `alloc_host`.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, l) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn to_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn gemm_follows_the_cublas_column_major_contract() {
+        // Row-major out[t, n] = x[t, k] · W[n, k]ᵀ as the executor issues it.
+        let (t, n, k) = (3usize, 4usize, 5usize);
+        let x: Vec<f32> = (0..t * k).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.25).sin()).collect();
+        let d = EmuDevice::new(Dtype::F32, 1 << 20);
+        let (px, pw, po) = (
+            d.alloc_zeroed(4 * t * k).unwrap(),
+            d.alloc_zeroed(4 * n * k).unwrap(),
+            d.alloc_zeroed(4 * t * n).unwrap(),
+        );
+        // SAFETY: sizes as allocated.
+        unsafe {
+            d.copy_htod(px, &to_bytes(&x)).unwrap();
+            d.copy_htod(pw, &to_bytes(&w)).unwrap();
+            d.gemm(&Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: n,
+                n: t,
+                k,
+                a: pw,
+                lda: k,
+                b: px,
+                ldb: k,
+                ab_type: Dtype::F32,
+                c: po,
+                ldc: n,
+                c_type: Dtype::F32,
+            })
+            .unwrap();
+        }
+        let mut out = vec![0u8; 4 * t * n];
+        // SAFETY: as allocated.
+        unsafe { d.copy_dtoh(&mut out, po).unwrap() };
+        let out: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        for r in 0..t {
+            for c in 0..n {
+                let want: f32 = (0..k).map(|l| x[r * k + l] * w[c * k + l]).sum();
+                assert!((out[r * n + c] - want).abs() < 1e-4, "({r},{c})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_write_past_the_end_is_reported() {
+        let d = EmuDevice::new(Dtype::F32, 1 << 20);
+        let p = d.alloc_zeroed(64).unwrap();
+        d.synchronize().unwrap();
+        // SAFETY: the allocation has 64 + CANARY_BYTES bytes; this writes a guard byte on
+        // purpose.
+        unsafe { *((p + 64) as *mut u8) = 0 };
+        let e = d.synchronize().unwrap_err().to_string();
+        assert!(e.contains("past the end"), "{e}");
+        // Restore the guard so the drop-time free does not panic.
+        // SAFETY: as above.
+        unsafe { *((p + 64) as *mut u8) = CANARY };
+    }
+
+    #[test]
+    fn capture_records_and_replay_rereads_host_sources() {
+        let d = EmuDevice::new(Dtype::F32, 1 << 20);
+        let host = d.alloc_host(16).unwrap();
+        let dst = d.alloc_zeroed(16).unwrap();
+        d.begin_capture().unwrap();
+        // SAFETY: both hold 16 bytes.
+        unsafe { d.copy_htod_async(dst, host, 16).unwrap() };
+        let g = d.end_capture().unwrap();
+        let mut out = [0u8; 16];
+        // SAFETY: as allocated.
+        unsafe { d.copy_dtoh(&mut out, dst).unwrap() };
+        assert_eq!(out, [0; 16], "nothing runs during capture");
+        // SAFETY: `host` holds 16 bytes.
+        unsafe { std::ptr::write_bytes(host, 7, 16) };
+        // SAFETY: the captured buffers are live.
+        unsafe { d.launch_graph(g).unwrap() };
+        // SAFETY: as allocated.
+        unsafe { d.copy_dtoh(&mut out, dst).unwrap() };
+        assert_eq!(
+            out, [7; 16],
+            "the replay read the host buffer's current bytes"
+        );
+        assert!(d.alloc_zeroed(16).is_ok());
+        d.begin_capture().unwrap();
+        assert!(d.alloc_zeroed(16).is_err(), "no allocation while capturing");
+        d.end_capture().unwrap();
+    }
+
+    #[test]
+    fn allocations_count_against_the_reported_memory() {
+        let d = EmuDevice::new(Dtype::F32, 4096);
+        let (free0, total) = d.mem_info().unwrap();
+        assert_eq!((free0, total), (4096, 4096));
+        let p = d.alloc_zeroed(1000).unwrap();
+        assert_eq!(d.mem_info().unwrap().0, 3096);
+        assert!(d.alloc_zeroed(4000).is_err());
+        // SAFETY: allocated above, unused.
+        unsafe { d.free(p) };
+        assert_eq!(d.mem_info().unwrap().0, 4096);
+    }
+}
