@@ -20,7 +20,9 @@
 //! for the smallest bucket that holds them (`--enforce-eager` turns this off). The graphs read
 //! the staging buffer's fixed device addresses, so step 1 is all a replay needs.
 //!
-//! Status: compiles everywhere; NOT RUN ON A GPU YET (see the crate docs for the list).
+//! All device work goes through [`Device`]: [`CudaDevice`] on a GPU, the host emulator of
+//! `baton-cuda-emu` in tests. Status: runs and matches the CPU reference on the emulator; NOT
+//! RUN ON A GPU YET (see the crate docs).
 
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
 use crate::kernels::{Dtype, KernelError, SAMPLER_TOP_SLOTS};

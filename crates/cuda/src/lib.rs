@@ -10,6 +10,8 @@
 //!   fixed device addresses for graph replay).
 //! - [`memory`]: KV-cache sizing under `gpu_memory_utilization`; weight/KV byte accounting for
 //!   the decode HBM floor.
+//! - [`device`]: the [`Device`] trait the executor runs on and [`CudaDevice`], its cudarc
+//!   implementation (context, created stream, NVRTC modules, cuBLAS, fence event, graphs).
 //! - [`executor`]: [`CudaWorker`], the `baton_worker::Backend` for `--device cuda`: cuBLAS
 //!   `GemmEx` linears (fp32 accumulate) on a created stream, the kernels, the device ring of
 //!   sampled ids that `PendingFrom` rows gather from, an event fence per launch, decode CUDA
@@ -23,16 +25,22 @@
 //! # Tested here vs. pending a GPU
 //!
 //! Tested on CPU: NVRTC compilation of every kernel for sm_90 in all three dtypes
-//! (`scripts/nvrtc-check.sh`), launch planning, graph buckets, staging layout, KV sizing,
-//! weight-byte accounting, the sampler's selection model, host dtype conversion, kernel
-//! argument packing, the ring of kept launches, and the clean error without a driver.
+//! (`scripts/nvrtc-check.sh`), launch planning, graph buckets, staging layout, KV sizing and the
+//! device plan, weight-byte accounting, the sampler's selection model, host dtype conversion,
+//! kernel argument packing, the ring of kept launches, and the clean error without a driver.
 //!
-//! NOT RUN ON A GPU YET (written against cudarc 0.19.10's sources, compiled only): everything
-//! in [`executor`] that touches the device — weight upload, every kernel launch and its
-//! argument list, the cuBLAS calls, graph capture and replay, the fence, the pending-id
-//! gather, the bandwidth probe — and the numerics of every kernel (f32 goldens, bf16 logits,
-//! per-layer agreement, seeded sampling). `scripts/gpu-check.sh` runs all of these checks in
-//! one go on an H200.
+//! Tested on CPU through the host emulator (`baton-cuda-emu`: the kernels of `kernels/`
+//! compiled as C++ and run with one fiber per GPU thread, behind the same [`Device`] trait):
+//! the whole executor — weight upload layout, every kernel launch and its argument list (count
+//! checked), the GEMM layouts (the `cublasGemmEx` contract), graph capture and replay, the
+//! pending-id gather, the fence order — and the kernels' numerics: f32 goldens exact, bf16
+//! logits and per-layer outputs against the CPU reference, seeded sampling alone vs batched
+//! (`crates/cli/tests/cuda_emu.rs`, `crates/cuda-emu/tests`).
+//!
+//! NOT RUN ON A GPU YET: [`CudaDevice`] itself (the cudarc, cuBLAS and NVRTC calls, written
+//! against cudarc 0.19.10's sources), real timing, races between GPU threads, and the GPU's own
+//! rounding. `scripts/gpu-check.sh` runs the same checks plus `baton bench decode` in one go on
+//! an H200.
 
 pub mod backend;
 pub mod device;
