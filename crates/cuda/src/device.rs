@@ -344,12 +344,16 @@ impl Device for CudaDevice {
     fn alloc_zeroed(&self, bytes: usize) -> Result<DevPtr, CudaWorkerError> {
         self.bind()?;
         let bytes = bytes.max(16);
-        // SAFETY: a plain allocation on the current context; zeroed synchronously before use.
+        // SAFETY: a plain allocation on the current context; zeroed before use.
         let ptr = drv("cuMemAlloc", unsafe { cu_result::malloc_sync(bytes) })?;
+        // Zero on our stream and wait: cuMemsetD8 would run on the legacy stream, which our
+        // non-blocking stream does not wait for, and may return before it is done.
         // SAFETY: `ptr` holds `bytes` bytes just allocated.
-        if let Err(e) = drv("cuMemsetD8", unsafe {
-            cu_result::memset_d8_sync(ptr, 0, bytes)
-        }) {
+        let zeroed = drv("cuMemsetD8Async", unsafe {
+            cu_result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream())
+        })
+        .and_then(|()| self.synchronize());
+        if let Err(e) = zeroed {
             // SAFETY: allocated above, never used.
             let _ = unsafe { cu_result::free_sync(ptr) };
             return Err(e);
@@ -379,21 +383,25 @@ impl Device for CudaDevice {
         let _ = unsafe { cu_result::free_host(ptr as *mut c_void) };
     }
 
+    // The synchronous copies are async copies on our stream followed by a stream
+    // synchronize: cuMemcpyHtoD runs on the legacy stream (which our non-blocking stream does
+    // not wait for) and, from pageable memory, may return before the DMA has landed.
     unsafe fn copy_htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaWorkerError> {
-        // SAFETY: per the contract; the legacy-stream copy is synchronous, so `src` outlives it.
-        // Finish our stream's work first: the legacy stream does not wait for it.
-        drv("synchronize", self.stream.synchronize())?;
-        drv("cuMemcpyHtoD", unsafe {
-            cu_result::memcpy_htod_sync(dst, src)
-        })
+        // SAFETY: per the contract `dst` holds `src.len()` bytes; the synchronize below keeps
+        // `src` borrowed until the copy is done.
+        drv("cuMemcpyHtoDAsync", unsafe {
+            cu_result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+        })?;
+        self.synchronize()
     }
 
     unsafe fn copy_dtoh(&self, dst: &mut [u8], src: DevPtr) -> Result<(), CudaWorkerError> {
-        drv("synchronize", self.stream.synchronize())?;
-        // SAFETY: per the contract; the stream is idle, so the copy reads finished results.
-        drv("cuMemcpyDtoH", unsafe {
-            cu_result::memcpy_dtoh_sync(dst, src)
-        })
+        // SAFETY: per the contract `src` holds `dst.len()` bytes; stream-ordered after every
+        // earlier launch, and the synchronize below keeps `dst` borrowed until it is written.
+        drv("cuMemcpyDtoHAsync", unsafe {
+            cu_result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+        })?;
+        self.synchronize()
     }
 
     unsafe fn copy_htod_async(
