@@ -19,7 +19,8 @@
 #      (same weights) for a batch mixing prefill chunks and decodes;
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs);
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
-#      prompt 128, gen 128, bf16, CUDA graphs, JSON in $OUT.
+#      prompt 128, gen 128, bf16, CUDA graphs, JSON in $OUT; after each batch size a
+#      kernel-by-kernel breakdown of one eager step (--breakdown), to see what to optimize.
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -96,10 +97,10 @@ run_check 4-seeded-alone-vs-batch 60 bash -c "
 
 # 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
-    --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 \
+    --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-1b.json"
 run_check 5b-bench-decode-8b 150 "$BATON" bench decode --device cuda --load-format dummy \
-    --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 \
+    --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-8b.json"
 
 echo

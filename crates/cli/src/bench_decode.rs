@@ -12,6 +12,7 @@ use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::{decode_floor_seconds, ModelShape};
+use baton_cuda::CudaWorker;
 use baton_model::{CpuModel, LlamaWeights, LoadFormat, ModelConfig, ModelDir};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
 use baton_worker::{Backend, CpuBackend, TableReader};
@@ -63,6 +64,11 @@ pub struct DecodeArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// After each batch size, time one eager decode step kernel by kernel and print where the
+    /// time goes (CUDA only; an event pair around each call, so the total exceeds a graph
+    /// replay's).
+    #[arg(long)]
+    pub breakdown: bool,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -81,6 +87,68 @@ pub struct DecodePoint {
     pub floor_ms: f64,
     /// `ms_per_step / floor_ms`.
     pub ratio: f64,
+    /// With `--breakdown`: one eager decode step, per kernel or GEMM, most time first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub breakdown: Vec<KernelTime>,
+}
+
+/// Time of one kind of call in a profiled step.
+#[derive(Clone, Debug, serde::Serialize, PartialEq)]
+pub struct KernelTime {
+    /// Kernel name or GEMM label.
+    pub name: String,
+    /// Calls in the step.
+    pub calls: usize,
+    /// Their total time, microseconds.
+    pub total_us: f64,
+}
+
+/// Groups a profile (`(name, ms)` per call) by name, most total time first.
+pub fn group_profile(profile: &[(String, f64)]) -> Vec<KernelTime> {
+    let mut by: Vec<KernelTime> = Vec::new();
+    for (name, ms) in profile {
+        match by.iter_mut().find(|k| &k.name == name) {
+            Some(k) => {
+                k.calls += 1;
+                k.total_us += ms * 1e3;
+            }
+            None => by.push(KernelTime {
+                name: name.clone(),
+                calls: 1,
+                total_us: ms * 1e3,
+            }),
+        }
+    }
+    by.sort_by(|a, b| b.total_us.total_cmp(&a.total_us));
+    by
+}
+
+/// Runs one decode launch of `batch` rows at position `pos` (ids from the tables) on `w` with
+/// profiling on, and returns its calls grouped by name.
+///
+/// # Errors
+/// A backend failure.
+pub fn profile_decode_step(
+    w: &mut CudaWorker,
+    tables: &BenchTables,
+    seq: &mut u64,
+    batch: usize,
+    pos: usize,
+    block_size: usize,
+) -> Result<Vec<KernelTime>> {
+    *seq += 1;
+    let l = Launch {
+        seq: *seq,
+        rows: (0..batch)
+            .map(|s| row(s, pos, 1, block_size, true))
+            .collect(),
+    };
+    w.set_profiling(true);
+    let r = w.execute(&l, tables).context("profiled decode step");
+    let profile = w.take_profile().map_err(|e| anyhow::anyhow!("{e}"));
+    w.set_profiling(false);
+    r?;
+    Ok(group_profile(&profile?))
 }
 
 /// Token and block tables of the benchmark's synthetic sequences: sequence `i` has prompt
@@ -190,6 +258,21 @@ pub fn measure_batch(
     Ok((total / timed.max(1) as f64, ctxs))
 }
 
+/// The benchmarked backend, typed so the CUDA worker's profiling is reachable.
+enum Bench {
+    Cpu(Box<CpuBackend>),
+    Cuda(Box<CudaWorker>),
+}
+
+impl Bench {
+    fn as_backend(&mut self) -> &mut dyn Backend {
+        match self {
+            Bench::Cpu(b) => b.as_mut(),
+            Bench::Cuda(w) => w.as_mut(),
+        }
+    }
+}
+
 /// Host memcpy bandwidth in bytes/s (read + write counted), best of 5 copies of 256 MiB.
 pub fn host_copy_bandwidth() -> f64 {
     let n = 256 << 20;
@@ -265,58 +348,64 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         vocab: cfg.vocab_size,
     };
     let vocab = cfg.vocab_size;
-    let (mut backend, elem_bytes, bandwidth, label): (Box<dyn Backend>, usize, f64, String) =
-        match a.device {
-            BenchDevice::Cpu => {
-                // The cache is zero-filled at once: refuse what this machine cannot hold
-                // rather than be killed by the OOM killer part way.
-                let kv_bytes = num_blocks as f64
-                    * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size) as f64;
-                if let Some(avail) = mem_available_bytes() {
-                    anyhow::ensure!(
-                        kv_bytes <= 0.8 * avail as f64,
-                        "--batch {max_batch} at {max_len} tokens needs a {:.1} GiB CPU KV cache \
+    if a.breakdown && a.device != BenchDevice::Cuda {
+        bail!("--breakdown needs --device cuda");
+    }
+    let (mut backend, elem_bytes, bandwidth, label): (Bench, usize, f64, String) = match a.device {
+        BenchDevice::Cpu => {
+            // The cache is zero-filled at once: refuse what this machine cannot hold
+            // rather than be killed by the OOM killer part way.
+            let kv_bytes = num_blocks as f64
+                * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size) as f64;
+            if let Some(avail) = mem_available_bytes() {
+                anyhow::ensure!(
+                    kv_bytes <= 0.8 * avail as f64,
+                    "--batch {max_batch} at {max_len} tokens needs a {:.1} GiB CPU KV cache \
                          but only {:.1} GiB of memory is available; use smaller batches or \
                          lengths",
-                        kv_bytes / (1u64 << 30) as f64,
-                        avail as f64 / (1u64 << 30) as f64
-                    );
-                }
-                let m = CpuModel::try_new(cfg, weights)?;
-                let b =
-                    CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
-                (Box::new(b), 4, host_copy_bandwidth(), "cpu f32".into())
-            }
-            BenchDevice::Cuda => {
-                let sizes = CudaSizes {
-                    block_size: a.block_size,
-                    num_blocks: Some(num_blocks),
-                    max_tokens,
-                    max_rows: max_batch,
-                    max_model_len: max_len,
-                };
-                let w = build_cuda(cfg, weights, &a.cuda, sizes)?;
-                let bw = w
-                    .measure_copy_bandwidth(1 << 30, 10)
-                    .map_err(|e| anyhow::anyhow!("{e}"))?;
-                let label = format!(
-                    "cuda {} {}",
-                    a.cuda.dtype.name(),
-                    if a.cuda.enforce_eager {
-                        "eager"
-                    } else {
-                        "graphs"
-                    }
+                    kv_bytes / (1u64 << 30) as f64,
+                    avail as f64 / (1u64 << 30) as f64
                 );
-                (Box::new(w), a.cuda.dtype.size(), bw, label)
             }
-        };
+            let m = CpuModel::try_new(cfg, weights)?;
+            let b = CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
+            (
+                Bench::Cpu(Box::new(b)),
+                4,
+                host_copy_bandwidth(),
+                "cpu f32".into(),
+            )
+        }
+        BenchDevice::Cuda => {
+            let sizes = CudaSizes {
+                block_size: a.block_size,
+                num_blocks: Some(num_blocks),
+                max_tokens,
+                max_rows: max_batch,
+                max_model_len: max_len,
+            };
+            let w = build_cuda(cfg, weights, &a.cuda, sizes)?;
+            let bw = w
+                .measure_copy_bandwidth(1 << 30, 10)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let label = format!(
+                "cuda {} {}",
+                a.cuda.dtype.name(),
+                if a.cuda.enforce_eager {
+                    "eager"
+                } else {
+                    "graphs"
+                }
+            );
+            (Bench::Cuda(Box::new(w)), a.cuda.dtype.size(), bw, label)
+        }
+    };
     let tables = BenchTables::new(vocab, pages_per_seq);
     let mut seq = 0u64;
     let mut points = Vec::new();
     for &b in &a.batch {
         let (step_s, ctxs) = measure_batch(
-            backend.as_mut(),
+            backend.as_backend(),
             &tables,
             &mut seq,
             b,
@@ -330,12 +419,24 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             .map(|&c| decode_floor_seconds(&shape, elem_bytes, b, c, bandwidth))
             .sum::<f64>()
             / ctxs.len().max(1) as f64;
+        let breakdown = match &mut backend {
+            Bench::Cuda(w) if a.breakdown => profile_decode_step(
+                w,
+                &tables,
+                &mut seq,
+                b,
+                a.prompt_len + a.gen_len - 1,
+                a.block_size,
+            )?,
+            _ => Vec::new(),
+        };
         points.push(DecodePoint {
             batch: b,
             ms_per_step: step_s * 1e3,
             output_tokens_per_s: b as f64 / step_s.max(1e-12),
             floor_ms: floor_s * 1e3,
             ratio: step_s / floor_s.max(1e-15),
+            breakdown,
         });
     }
     println!(
@@ -354,6 +455,26 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             "{:>6} {:>12.3} {:>14.1} {:>12.3} {:>14.2}",
             p.batch, p.ms_per_step, p.output_tokens_per_s, p.floor_ms, p.ratio
         );
+    }
+    for p in points.iter().filter(|p| !p.breakdown.is_empty()) {
+        let total: f64 = p.breakdown.iter().map(|k| k.total_us).sum();
+        println!(
+            "\nbatch {}: one eager decode step, kernel by kernel ({:.1} us in all)",
+            p.batch, total
+        );
+        println!(
+            "{:>40} {:>6} {:>10} {:>6}",
+            "kernel", "calls", "us", "share"
+        );
+        for k in &p.breakdown {
+            println!(
+                "{:>40} {:>6} {:>10.1} {:>5.1}%",
+                k.name,
+                k.calls,
+                k.total_us,
+                100.0 * k.total_us / total.max(1e-9)
+            );
+        }
     }
     if let Some(path) = &a.out {
         let j = serde_json::json!({

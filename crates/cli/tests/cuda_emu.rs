@@ -164,3 +164,53 @@ fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
     let c = run(&mut other, vec![request(7, prompt, 32, seeded(4321))]);
     assert_ne!(a[&7].0, c[&7].0, "different seeds gave identical samples");
 }
+
+#[test]
+fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_step() {
+    use baton::bench_decode::{measure_batch, profile_decode_step, BenchTables};
+    let cfg = ModelConfig::from_json_str(HD64).unwrap();
+    let layers = cfg.num_hidden_layers;
+    let weights = LlamaWeights::dummy(&cfg, 0);
+    let (batch, prompt, gen, bs) = (3usize, 8usize, 4usize, 16usize);
+    let pages = (prompt + gen + 1).div_ceil(bs);
+    let sizes = CudaSizes {
+        block_size: bs,
+        num_blocks: Some(batch * pages),
+        max_tokens: batch * prompt,
+        max_rows: batch,
+        max_model_len: prompt + gen + 1,
+    };
+    let last = Mutex::new(None);
+    let mut w = emu(Dtype::Bf16, false, &last)(cfg.clone(), weights, sizes).unwrap();
+    let dev = last.lock().unwrap().take().unwrap();
+    let tables = BenchTables::new(cfg.vocab_size, pages);
+    let mut seq = 0;
+    let (step_s, ctxs) = measure_batch(
+        &mut w,
+        &tables,
+        &mut seq,
+        batch,
+        prompt,
+        gen,
+        bs,
+        batch * prompt,
+    )
+    .expect("decode steps through graphs and pending ids");
+    assert!(step_s > 0.0);
+    assert_eq!(ctxs.len(), gen - 1, "step 0 is the warm-up");
+    assert!(dev.graphs() > 0);
+    let k = profile_decode_step(&mut w, &tables, &mut seq, batch, prompt + gen - 1, bs).unwrap();
+    let calls = |name: &str| k.iter().find(|x| x.name == name).map_or(0, |x| x.calls);
+    for gemm in ["gemm qkv", "gemm o", "gemm gate_up", "gemm down"] {
+        assert_eq!(calls(gemm), layers, "{gemm}: {k:?}");
+    }
+    assert_eq!(calls("baton_paged_attention_decode_hd64"), layers, "{k:?}");
+    assert_eq!(
+        calls("baton_paged_attention_decode_reduce"),
+        layers,
+        "{k:?}"
+    );
+    assert_eq!(calls("gemm lm_head"), 1);
+    assert_eq!(calls("baton_sample_f32"), 1);
+    assert!(k.iter().all(|x| x.total_us >= 0.0));
+}

@@ -58,6 +58,8 @@ struct State {
     capture: Option<Vec<Op>>,
     graphs: Vec<Vec<Op>>,
     launches: u64,
+    /// Wall time of each launch and GEMM while profiling.
+    profile: Option<Vec<(String, f64)>>,
 }
 
 /// The host-emulated device. See the module docs.
@@ -137,6 +139,22 @@ impl EmuDevice {
     }
 
     fn run(&self, op: &Op) -> Result<(), CudaWorkerError> {
+        let label = match op {
+            Op::Launch { name, .. } => Some(name.clone()),
+            Op::Gemm(g) => Some(g.what.to_owned()),
+            Op::Copy { .. } => None,
+        };
+        let t = std::time::Instant::now();
+        let r = self.run_untimed(op);
+        if let Some(label) = label {
+            if let Some(p) = self.lock().profile.as_mut() {
+                p.push((label, t.elapsed().as_secs_f64() * 1e3));
+            }
+        }
+        r
+    }
+
+    fn run_untimed(&self, op: &Op) -> Result<(), CudaWorkerError> {
         match op {
             Op::Launch {
                 name,
@@ -451,6 +469,19 @@ impl Device for EmuDevice {
         std::hint::black_box(&b);
         Ok(best)
     }
+
+    fn set_profiling(&self, on: bool) {
+        self.lock().profile = on.then(Vec::new);
+    }
+
+    fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {
+        Ok(self
+            .lock()
+            .profile
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default())
+    }
 }
 
 impl Drop for EmuDevice {
@@ -496,6 +527,7 @@ mod tests {
             d.copy_htod(px, &to_bytes(&x)).unwrap();
             d.copy_htod(pw, &to_bytes(&w)).unwrap();
             d.gemm(&Gemm {
+                what: "test",
                 trans_a: true,
                 trans_b: false,
                 m: n,

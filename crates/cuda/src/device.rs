@@ -37,6 +37,8 @@ pub type GraphId = usize;
 /// Element `(i, j)` of a stored matrix `X` with leading dimension `ld` is `x[i + j * ld]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
+    /// What the product is, for profiles (e.g. `"gemm qkv"`).
+    pub what: &'static str,
     /// Use `Aᵀ` (A stored `k x m`).
     pub trans_a: bool,
     /// Use `Bᵀ` (B stored `n x k`).
@@ -172,6 +174,13 @@ pub trait Device: Send + Sync {
     /// Device-to-device copy bandwidth in bytes/s (read + write counted, best of `iters`
     /// copies of `bytes`).
     fn copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64, CudaWorkerError>;
+    /// Starts (`true`, discarding earlier timings) or stops timing every launch and GEMM on
+    /// its own (an event pair around each on CUDA: a diagnostic that slows the stream; never
+    /// while capturing a graph).
+    fn set_profiling(&self, on: bool);
+    /// The calls timed since profiling started, in order: `(kernel name or GEMM label,
+    /// milliseconds)`. Waits for the stream.
+    fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError>;
 }
 
 pub(crate) fn drv<T>(what: &'static str, r: Result<T, DriverError>) -> Result<T, CudaWorkerError> {
@@ -200,6 +209,8 @@ pub struct CudaDevice {
     functions: HashMap<&'static str, CudaFunction>,
     fence: CudaEvent,
     graphs: Mutex<Vec<cu::CUgraphExec>>,
+    /// Event pairs around each call while profiling.
+    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
     arch: String,
     ordinal: usize,
 }
@@ -263,6 +274,7 @@ impl CudaDevice {
             functions,
             fence,
             graphs: Mutex::new(Vec::new()),
+            profile: Mutex::new(None),
             arch,
             ordinal,
         };
@@ -311,6 +323,42 @@ impl CudaDevice {
         let ctx = drv("cuInit / context", CudaContext::new(ordinal))?;
         let (free, total) = drv("cuMemGetInfo", ctx.mem_get_info())?;
         Ok((free.saturating_sub(CUBLAS_WORKSPACE), total))
+    }
+
+    /// Runs `call` between two recorded events when profiling.
+    fn timed(
+        &self,
+        label: impl FnOnce() -> String,
+        call: impl FnOnce() -> Result<(), CudaWorkerError>,
+    ) -> Result<(), CudaWorkerError> {
+        let on = self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !on {
+            return call();
+        }
+        let event = || {
+            drv(
+                "cuEventCreate",
+                self.ctx
+                    .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)),
+            )
+        };
+        let (start, end) = (event()?, event()?);
+        drv("cuEventRecord", start.record(&self.stream))?;
+        call()?;
+        drv("cuEventRecord", end.record(&self.stream))?;
+        if let Some(p) = self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            p.push((label(), start, end));
+        }
+        Ok(())
     }
 
     /// The device's architecture, e.g. `"sm_90"`.
@@ -455,18 +503,24 @@ impl Device for CudaDevice {
             .functions
             .get(name)
             .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
-        // SAFETY: per the contract, `params` matches the kernel's signature and its pointers
-        // address live memory; cuLaunchKernel copies the parameters before returning.
-        drv("cuLaunchKernel", unsafe {
-            cu_result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                params,
-            )
-        })
+        self.timed(
+            || name.to_owned(),
+            || {
+                // SAFETY: per the contract, `params` matches the kernel's signature and its
+                // pointers address live memory; cuLaunchKernel copies the parameters before
+                // returning.
+                drv("cuLaunchKernel", unsafe {
+                    cu_result::launch_kernel(
+                        f.cu_function(),
+                        grid,
+                        (block, 1, 1),
+                        0,
+                        self.stream.cu_stream(),
+                        params,
+                    )
+                })
+            },
+        )
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), CudaWorkerError> {
@@ -474,33 +528,38 @@ impl Device for CudaDevice {
         let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let ab = cuda_type(g.ab_type);
-        // SAFETY: per the contract the matrices are live for these shapes; alpha/beta are host
-        // f32 scalars (CUBLAS_COMPUTE_32F, default host pointer mode) read before the call
-        // returns.
-        let s = unsafe {
-            cublas_sys::cublasGemmEx(
-                self.cublas,
-                op(g.trans_a),
-                op(g.trans_b),
-                g.m as i32,
-                g.n as i32,
-                g.k as i32,
-                &alpha as *const f32 as *const c_void,
-                g.a as *const c_void,
-                ab,
-                g.lda as i32,
-                g.b as *const c_void,
-                ab,
-                g.ldb as i32,
-                &beta as *const f32 as *const c_void,
-                g.c as *mut c_void,
-                cuda_type(g.c_type),
-                g.ldc as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        };
-        blas("cublasGemmEx", s)
+        self.timed(
+            || g.what.to_owned(),
+            || {
+                // SAFETY: per the contract the matrices are live for these shapes; alpha/beta are host
+                // f32 scalars (CUBLAS_COMPUTE_32F, default host pointer mode) read before the call
+                // returns.
+                let s = unsafe {
+                    cublas_sys::cublasGemmEx(
+                        self.cublas,
+                        op(g.trans_a),
+                        op(g.trans_b),
+                        g.m as i32,
+                        g.n as i32,
+                        g.k as i32,
+                        &alpha as *const f32 as *const c_void,
+                        g.a as *const c_void,
+                        ab,
+                        g.lda as i32,
+                        g.b as *const c_void,
+                        ab,
+                        g.ldb as i32,
+                        &beta as *const f32 as *const c_void,
+                        g.c as *mut c_void,
+                        cuda_type(g.c_type),
+                        g.ldc as i32,
+                        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                    )
+                };
+                blas("cublasGemmEx", s)
+            },
+        )
     }
 
     fn synchronize(&self) -> Result<(), CudaWorkerError> {
@@ -604,6 +663,28 @@ impl Device for CudaDevice {
             self.free(b);
         }
         r
+    }
+
+    fn set_profiling(&self, on: bool) {
+        *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = on.then(Vec::new);
+    }
+
+    fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {
+        self.synchronize()?;
+        let taken = self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        taken
+            .into_iter()
+            .map(|(label, start, end)| {
+                let ms = drv("cuEventElapsedTime", start.elapsed_ms(&end))?;
+                Ok((label, f64::from(ms)))
+            })
+            .collect()
     }
 }
 

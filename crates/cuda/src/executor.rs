@@ -279,6 +279,8 @@ pub struct CudaWorker {
     graphs: HashMap<usize, GraphId>,
     buckets: Vec<usize>,
     max_partitions: usize,
+    /// Time each kernel and GEMM on its own (eager launches only).
+    profiling: bool,
 }
 
 /// Byte offsets of the activation buffers inside [`CudaWorker::acts`].
@@ -648,6 +650,7 @@ impl CudaWorker {
             graphs: HashMap::new(),
             buckets: Vec::new(),
             max_partitions,
+            profiling: false,
             opts,
         };
         w.embed = w._weights.at(embed_off);
@@ -719,6 +722,23 @@ impl CudaWorker {
         })
     }
 
+    /// Starts (`true`, discarding earlier timings) or stops timing every kernel and GEMM of
+    /// each launch on its own; launches run eagerly (no graph replay) meanwhile. A diagnostic:
+    /// the timing adds an event pair per call.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+        self.dev.set_profiling(on);
+    }
+
+    /// The calls timed since [`CudaWorker::set_profiling`]: `(kernel name or GEMM label,
+    /// milliseconds)` in launch order.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn take_profile(&self) -> Result<Vec<(String, f64)>, WorkerError> {
+        self.dev.take_profile().map_err(dev_err)
+    }
+
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
@@ -782,6 +802,7 @@ impl CudaWorker {
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
+        what: &'static str,
         out: u64,
         x: u64,
         w: u64,
@@ -797,6 +818,7 @@ impl CudaWorker {
         // Column-major view of the row-major product: C[n x t] = W[k x n]ᵀ · X[k x t] with
         // lda = ldb = k and ldc = n.
         let g = Gemm {
+            what,
             trans_a: true,
             trans_b: false,
             m: n,
@@ -897,7 +919,16 @@ impl CudaWorker {
                     self.dump_resid(d, t)?;
                 }
             }
-            self.gemm(act(a.qkv), act(a.xn), lw.qkv, t, qkv_w, h, false)?;
+            self.gemm(
+                "gemm qkv",
+                act(a.qkv),
+                act(a.xn),
+                lw.qkv,
+                t,
+                qkv_w,
+                h,
+                false,
+            )?;
             let q = act(a.qkv);
             let k = q + q_w as u64 * es;
             let v = k + kv_w as u64 * es;
@@ -938,9 +969,18 @@ impl CudaWorker {
                     .i(qkv_w),
             )?;
             self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
-            self.gemm(act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
+            self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
             add_rmsnorm(lw.post_norm)?;
-            self.gemm(act(a.gate_up), act(a.xn), lw.gate_up, t, 2 * im, h, false)?;
+            self.gemm(
+                "gemm gate_up",
+                act(a.gate_up),
+                act(a.xn),
+                lw.gate_up,
+                t,
+                2 * im,
+                h,
+                false,
+            )?;
             // silu_and_mul(out, in, num_tokens, inter)
             self.launch(
                 "baton_silu_and_mul",
@@ -948,7 +988,16 @@ impl CudaWorker {
                 256,
                 KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
             )?;
-            self.gemm(act(a.tmp), act(a.act), lw.down, t, h, im, false)?;
+            self.gemm(
+                "gemm down",
+                act(a.tmp),
+                act(a.act),
+                lw.down,
+                t,
+                h,
+                im,
+                false,
+            )?;
         }
         add_rmsnorm(self.final_norm)?;
         if let Some(d) = dumps.as_deref_mut() {
@@ -967,6 +1016,7 @@ impl CudaWorker {
                 .i(h),
         )?;
         self.gemm(
+            "gemm lm_head",
             act(a.logits),
             act(a.last),
             self.lm_head,
@@ -1239,7 +1289,7 @@ impl CudaWorker {
         let mut plan = plan_launch(&spans, self.opts.block_size)
             .map_err(|e: PlanError| WorkerError::Forward(e.to_string()))?;
         let decode = rows.iter().all(|r| r.tokens.len() == 1);
-        let bucket = if decode && dumps.is_none() {
+        let bucket = if decode && dumps.is_none() && !self.profiling {
             graph_bucket(n_rows, &self.buckets).filter(|b| self.graphs.contains_key(b))
         } else {
             None
