@@ -16,7 +16,7 @@
 #      batched, through the scheduler with asynchronous launches and CUDA graphs);
 #   2. stories260K in bf16: first-step logits within 2e-2 relative error of the CPU reference;
 #   3. a dummy Llama-1B-shaped model in bf16: every layer's output within 1e-2 of the CPU backend
-#      (same weights) for a batch mixing prefill chunks and decodes;
+#      (same weights) for a batch mixing prefill chunks and decodes, then a decode-only batch;
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs);
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
 #      prompt 128, gen 128, bf16, CUDA graphs, JSON in $OUT; after each batch size a
