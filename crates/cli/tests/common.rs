@@ -78,6 +78,18 @@ pub fn engine(cfg: SchedulerConfig) -> (LocalEngine<CpuBackend>, Tokenizer) {
     (LocalEngine::new(cfg, backend), tok.expect("tokenizer"))
 }
 
+/// Seeded sampling with every filter on (temperature 0.9, top-p 0.95, top-k 40, min-p 0.01).
+pub fn seeded(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        min_p: 0.01,
+        seed,
+        ..SamplingParams::greedy()
+    }
+}
+
 /// A request.
 pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParams) -> NewRequest {
     NewRequest {

@@ -21,7 +21,6 @@ use baton::generate::LoadFormatArg;
 use baton_cuda::{CudaWorker, Dtype};
 use baton_cuda_emu::EmuDevice;
 use baton_model::{LlamaWeights, ModelConfig, ModelDir};
-use baton_proto::SamplingParams;
 use baton_scheduler::SchedulerConfig;
 use common::*;
 use std::sync::{Arc, Mutex};
@@ -114,14 +113,6 @@ fn every_layer_of_a_head_dim_64_gqa_model_matches_the_cpu_reference() {
 
 #[test]
 fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
-    let seeded = |seed: u64| SamplingParams {
-        temperature: 0.9,
-        top_p: 0.95,
-        top_k: 40,
-        min_p: 0.01,
-        seed,
-        ..SamplingParams::greedy()
-    };
     let sched = config(16, 256, 2);
     let engine = |sched: &SchedulerConfig| {
         let loaded = ModelDir::new(model_dir())

@@ -5,17 +5,6 @@ mod common;
 use baton_proto::SamplingParams;
 use common::*;
 
-fn seeded(seed: u64) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.9,
-        top_p: 0.95,
-        top_k: 40,
-        min_p: 0.01,
-        seed,
-        ..SamplingParams::greedy()
-    }
-}
-
 #[test]
 fn seeded_request_gives_the_same_tokens_alone_and_in_a_mixed_batch() {
     let g = goldens();

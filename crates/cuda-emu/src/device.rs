@@ -126,6 +126,11 @@ impl EmuDevice {
         Ok(())
     }
 
+    /// Runs or records a copy of `bytes` from `src` to `dst` (host addresses).
+    fn copy(&self, dst: usize, src: usize, bytes: usize) -> Result<(), CudaWorkerError> {
+        self.submit(Op::Copy { dst, src, bytes })
+    }
+
     /// Runs or records `op`.
     fn submit(&self, op: Op) -> Result<(), CudaWorkerError> {
         {
@@ -346,11 +351,7 @@ impl Device for EmuDevice {
         src: *const u8,
         bytes: usize,
     ) -> Result<(), CudaWorkerError> {
-        self.submit(Op::Copy {
-            dst: dst as usize,
-            src: src as usize,
-            bytes,
-        })
+        self.copy(dst as usize, src as usize, bytes)
     }
 
     unsafe fn copy_dtoh_async(
@@ -359,11 +360,7 @@ impl Device for EmuDevice {
         src: DevPtr,
         bytes: usize,
     ) -> Result<(), CudaWorkerError> {
-        self.submit(Op::Copy {
-            dst: dst as usize,
-            src: src as usize,
-            bytes,
-        })
+        self.copy(dst as usize, src as usize, bytes)
     }
 
     unsafe fn copy_dtod_async(
@@ -372,11 +369,7 @@ impl Device for EmuDevice {
         src: DevPtr,
         bytes: usize,
     ) -> Result<(), CudaWorkerError> {
-        self.submit(Op::Copy {
-            dst: dst as usize,
-            src: src as usize,
-            bytes,
-        })
+        self.copy(dst as usize, src as usize, bytes)
     }
 
     unsafe fn launch(
