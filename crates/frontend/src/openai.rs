@@ -153,23 +153,26 @@ pub struct CompletionChoice {
     pub finish_reason: Option<String>,
 }
 
-/// A `/v1/completions` response or streamed chunk.
+/// A response or streamed chunk of either API, over its choice type `C`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct CompletionResponse {
-    /// `cmpl-...`.
+pub struct Chunk<C> {
+    /// `cmpl-...` or `chatcmpl-...`, the same for every chunk of a response.
     pub id: String,
-    /// `text_completion`.
+    /// `text_completion` or `chat.completion.chunk`.
     pub object: &'static str,
     /// Unix seconds.
     pub created: u64,
     /// Served model name.
     pub model: String,
-    /// Choices.
-    pub choices: Vec<CompletionChoice>,
+    /// Choices (empty in the usage chunk).
+    pub choices: Vec<C>,
     /// Token counts (streamed chunks: only the last, with `include_usage`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
 }
+
+/// A `/v1/completions` response or streamed chunk.
+pub type CompletionResponse = Chunk<CompletionChoice>;
 
 /// One alternative token of a chat log-probability entry.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -266,19 +269,4 @@ pub struct ChatChunkChoice {
 }
 
 /// A streamed `/v1/chat/completions` chunk.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ChatChunk {
-    /// `chatcmpl-...`, the same for every chunk.
-    pub id: String,
-    /// `chat.completion.chunk`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: u64,
-    /// Served model name.
-    pub model: String,
-    /// Choices (empty in the usage chunk).
-    pub choices: Vec<ChatChunkChoice>,
-    /// Token counts (only the last chunk, with `include_usage`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
+pub type ChatChunk = Chunk<ChatChunkChoice>;

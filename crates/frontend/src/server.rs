@@ -11,9 +11,8 @@ use crate::chat::ChatTemplate;
 use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
-    ApiError, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs,
-    ChatMessage, ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionResponse, Usage,
+    ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
+    ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -699,20 +698,21 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
     Ok((out, completion_tokens))
 }
 
-struct CompletionChunker {
+/// What every streamed chunk of one response shares.
+struct ChunkHead {
     st: Arc<AppState>,
     id: String,
+    object: &'static str,
     created: u64,
-    echo: Vec<Option<String>>,
     logprobs: bool,
-    offsets: Vec<usize>,
 }
 
-impl CompletionChunker {
-    fn chunk(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> String {
-        let r = CompletionResponse {
+impl ChunkHead {
+    /// One SSE data payload.
+    fn chunk<C: serde::Serialize>(&self, choices: Vec<C>, usage: Option<Usage>) -> String {
+        let r = crate::openai::Chunk {
             id: self.id.clone(),
-            object: "text_completion",
+            object: self.object,
             created: self.created,
             model: self.st.config.served_model_name.clone(),
             choices,
@@ -720,6 +720,23 @@ impl CompletionChunker {
         };
         serde_json::to_string(&r).unwrap_or_default()
     }
+
+    /// Whether `d` has nothing to send: no text, no finish, and no token whose logprobs were
+    /// asked for.
+    fn carries_nothing(&self, d: &Delta) -> bool {
+        d.text.is_empty() && d.finish.is_none() && (!self.logprobs || d.tokens.is_empty())
+    }
+
+    /// The usage chunk.
+    fn usage(&self, usage: Usage) -> String {
+        self.chunk::<()>(Vec::new(), Some(usage))
+    }
+}
+
+struct CompletionChunker {
+    head: ChunkHead,
+    echo: Vec<Option<String>>,
+    offsets: Vec<usize>,
 }
 
 impl Chunker for CompletionChunker {
@@ -730,7 +747,7 @@ impl Chunker for CompletionChunker {
             .filter_map(|(i, e)| {
                 let e = e?;
                 self.offsets[i] = e.chars().count();
-                Some(self.chunk(
+                Some(self.head.chunk(
                     vec![CompletionChoice {
                         index: i,
                         text: e,
@@ -744,15 +761,15 @@ impl Chunker for CompletionChunker {
     }
 
     fn delta(&mut self, d: &Delta) -> Option<String> {
-        let with_lp = self.logprobs && !d.tokens.is_empty();
-        if d.text.is_empty() && d.finish.is_none() && !with_lp {
+        if self.head.carries_nothing(d) {
             return None;
         }
-        let logprobs = self.logprobs.then(|| {
-            self.st
+        let logprobs = self.head.logprobs.then(|| {
+            self.head
+                .st
                 .completion_logprobs(&d.tokens, &mut self.offsets[d.index])
         });
-        Some(self.chunk(
+        Some(self.head.chunk(
             vec![CompletionChoice {
                 index: d.index,
                 text: d.text.clone(),
@@ -764,7 +781,7 @@ impl Chunker for CompletionChunker {
     }
 
     fn usage(&mut self, usage: Usage) -> String {
-        self.chunk(Vec::new(), Some(usage))
+        self.head.usage(usage)
     }
 }
 
@@ -820,11 +837,14 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     let echo_for = |i: usize| req.echo.then(|| echo_texts[i / n].clone());
     if gen.stream {
         let chunker = CompletionChunker {
-            st: Arc::clone(&st),
-            id,
-            created,
+            head: ChunkHead {
+                st: Arc::clone(&st),
+                id,
+                object: "text_completion",
+                created,
+                logprobs: gen.logprobs.is_some(),
+            },
             echo: (0..seqs.len()).map(echo_for).collect(),
-            logprobs: gen.logprobs.is_some(),
             offsets: vec![0; seqs.len()],
         };
         return Ok(sse_response(
@@ -865,32 +885,15 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
 }
 
 struct ChatChunker {
-    st: Arc<AppState>,
-    id: String,
-    created: u64,
+    head: ChunkHead,
     choices: usize,
-    logprobs: bool,
-}
-
-impl ChatChunker {
-    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> String {
-        let r = ChatChunk {
-            id: self.id.clone(),
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: self.st.config.served_model_name.clone(),
-            choices,
-            usage,
-        };
-        serde_json::to_string(&r).unwrap_or_default()
-    }
 }
 
 impl Chunker for ChatChunker {
     fn prelude(&mut self) -> Vec<String> {
         (0..self.choices)
             .map(|i| {
-                self.chunk(
+                self.head.chunk(
                     vec![ChatChunkChoice {
                         index: i,
                         delta: ChatDelta {
@@ -907,12 +910,14 @@ impl Chunker for ChatChunker {
     }
 
     fn delta(&mut self, d: &Delta) -> Option<String> {
-        let with_lp = self.logprobs && !d.tokens.is_empty();
-        if d.text.is_empty() && d.finish.is_none() && !with_lp {
+        if self.head.carries_nothing(d) {
             return None;
         }
-        let logprobs = self.logprobs.then(|| self.st.chat_logprobs(&d.tokens));
-        Some(self.chunk(
+        let logprobs = self
+            .head
+            .logprobs
+            .then(|| self.head.st.chat_logprobs(&d.tokens));
+        Some(self.head.chunk(
             vec![ChatChunkChoice {
                 index: d.index,
                 delta: ChatDelta {
@@ -927,7 +932,7 @@ impl Chunker for ChatChunker {
     }
 
     fn usage(&mut self, usage: Usage) -> String {
-        self.chunk(Vec::new(), Some(usage))
+        self.head.usage(usage)
     }
 }
 
@@ -966,11 +971,14 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let created = now_secs();
     if gen.stream {
         let chunker = ChatChunker {
-            st: Arc::clone(&st),
-            id,
-            created,
+            head: ChunkHead {
+                st: Arc::clone(&st),
+                id,
+                object: "chat.completion.chunk",
+                created,
+                logprobs: gen.logprobs.is_some(),
+            },
             choices: seqs.len(),
-            logprobs: gen.logprobs.is_some(),
         };
         return Ok(sse_response(
             chunker,
