@@ -286,7 +286,8 @@ fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
     (step1, step2)
 }
 
-/// `baton debug logits` (`layers` false: first-step logits of one prompt) and `baton debug
+/// `baton debug logits` (`layers` false: the logits after one prompt, then after one decode
+/// step) and `baton debug
 /// layers` (every layer's output and the logits over [`mixed_steps`] plus a decode-only step)
 /// on the worker `build` makes, against `CpuModel` on the same weights; relative error
 /// [`rel_err`] at most `a.tol`. Prints a PASS/FAIL line per comparison.
@@ -297,13 +298,13 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
     let (cfg, weights) = load(a)?;
     let vocab = cfg.vocab_size;
     let cpu = CpuModel::try_new(cfg.clone(), weights.clone())?;
-    let mut kv = PagedKvCache::new(&cfg, 64, 16);
+    let mut kv = PagedKvCache::new(&cfg, 128, 16);
     let sizes = CudaSizes {
         block_size: 16,
-        num_blocks: Some(64),
-        max_tokens: 512,
+        num_blocks: Some(128),
+        max_tokens: 1024,
         max_rows: 8,
-        max_model_len: 128.min(cfg.max_position_embeddings),
+        max_model_len: 2048.min(cfg.max_position_embeddings),
     };
     let mut gpu = build(cfg, weights, sizes)?;
     let steps: Vec<Step> = if layers {
@@ -317,7 +318,17 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
             a.prompt_ids.clone()
         };
         let n = prompt.len();
-        vec![vec![(prompt, 0, (0..n.div_ceil(16) as u32).collect())]]
+        if n + 1 > sizes.max_tokens.min(sizes.max_model_len) {
+            bail!(
+                "a prompt of {n} tokens does not fit the comparison's limits ({} tokens)",
+                sizes.max_tokens.min(sizes.max_model_len) - 1
+            );
+        }
+        // The prompt, then one decode step after it (past 512 tokens of context, the split-K
+        // decode path with several partitions).
+        let first = vec![(prompt, 0, (0..(n + 1).div_ceil(16) as u32).collect())];
+        let second = decode_step(&first, vocab);
+        vec![first, second]
     };
     let mut failed = 0;
     let mut dump = Vec::new();

@@ -111,6 +111,44 @@ fn every_layer_of_a_head_dim_64_gqa_model_matches_the_cpu_reference() {
     }
 }
 
+/// [`HD64`] with room for long contexts.
+const HD64_LONG: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":1024}"#;
+
+/// Head dim 128 (Llama-8B's), 2 query heads sharing 1 KV head.
+const HD128: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":2,
+    "num_key_value_heads":1,"vocab_size":1000,"max_position_embeddings":256}"#;
+
+#[test]
+fn head_dim_128_and_f16_layers_match_the_cpu_reference() {
+    for (config, dtype, tol) in [
+        (HD128, Dtype::Bf16, 1e-2),
+        (HD128, Dtype::F32, 1e-4),
+        (HD64, Dtype::F16, 1e-2),
+    ] {
+        let mut a = compare_args(dtype, tol);
+        a.config = Some(config.to_owned());
+        a.load_format = LoadFormatArg::Dummy;
+        let last = Mutex::new(None);
+        compare(&a, true, &emu(dtype, true, &last))
+            .unwrap_or_else(|e| panic!("{dtype:?} layers: {e:#}"));
+    }
+}
+
+#[test]
+fn a_530_token_prefill_and_a_decode_over_two_partitions_match_the_cpu_reference() {
+    // Past 512 keys: the prefill kernel walks two chunks, the decode kernel splits into two
+    // partitions and the reduce kernel merges them. f32, so the tolerance is tight.
+    let mut a = compare_args(Dtype::F32, 1e-4);
+    a.config = Some(HD64_LONG.to_owned());
+    a.load_format = LoadFormatArg::Dummy;
+    a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+    let last = Mutex::new(None);
+    compare(&a, false, &emu(Dtype::F32, true, &last)).expect("long context, f32");
+}
+
 #[test]
 fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
     let sched = config(16, 256, 2);
