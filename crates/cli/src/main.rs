@@ -40,6 +40,29 @@ enum Cmd {
     Debug(DebugCmd),
 }
 
+/// Every option value may be a negative number (`--seed -1` is then refused by the option's
+/// own parser or range check, naming it, instead of clap's "unexpected argument '-1'").
+fn allow_negative_values(cmd: clap::Command) -> clap::Command {
+    let cmd = cmd.mut_args(|a| {
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    });
+    let subs: Vec<String> = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().to_owned())
+        .collect();
+    subs.into_iter()
+        .fold(cmd, |c, name| c.mut_subcommand(name, allow_negative_values))
+}
+
+fn parse_cli() -> Cli {
+    let matches = allow_negative_values(<Cli as clap::CommandFactory>::command()).get_matches();
+    <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -50,7 +73,7 @@ fn main() -> ExitCode {
         // Colours only on a terminal, so redirected logs stay plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let res = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
         Cmd::Serve(a) => serve::run(a),

@@ -37,6 +37,10 @@ fn out_of_range_sampling_and_length_flags_are_refused_with_their_name() {
         (&["--max-model-len", "1"], "--max-model-len"),
         (&["--max-model-len", "0"], "--max-model-len"),
         (&["--num-blocks", "1"], "--num-blocks"),
+        // A negative number is a value, refused by the option's parser (not "unexpected
+        // argument '-1'").
+        (&["--seed", "-1"], "--seed"),
+        (&["--max-tokens", "-5"], "--max-tokens"),
     ];
     for (flags, name) in cases {
         let (code, err) = generate(flags);
