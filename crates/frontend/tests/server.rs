@@ -8,7 +8,8 @@ use serde_json::{json, Value};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const LLAMA2_TEMPLATE: &str = "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}{% elif message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'].strip() + ' ' + eos_token }}{% else %}{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ' ' }}{% endif %}";
+/// The Llama-2 template shipped in `scripts/chat-templates` (unknown roles raise).
+const LLAMA2_TEMPLATE: &str = include_str!("../../../scripts/chat-templates/llama2.jinja");
 
 fn text_of(v: &Value, i: usize) -> String {
     v["choices"][i]["text"].as_str().expect("text").to_owned()
