@@ -234,11 +234,8 @@ fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_s
         assert_eq!(calls(gemm), layers, "{gemm}: {k:?}");
     }
     assert_eq!(calls("baton_paged_attention_decode_hd64"), layers, "{k:?}");
-    assert_eq!(
-        calls("baton_paged_attention_decode_reduce"),
-        layers,
-        "{k:?}"
-    );
+    // Contexts fit one 512-key partition: the decode kernel writes the output, no reduce.
+    assert_eq!(calls("baton_paged_attention_decode_reduce"), 0, "{k:?}");
     assert_eq!(calls("gemm lm_head"), 1);
     assert_eq!(calls("baton_sample_f32"), 1);
     assert!(k.iter().all(|x| x.total_us >= 0.0));

@@ -1130,6 +1130,11 @@ impl CudaWorker {
                         .f(scale)
                         .i(self.max_partitions),
                 )?;
+                if self.max_partitions == 1 {
+                    // Every sequence fits one partition: the decode kernel wrote `out` and the
+                    // reduce would return at once (one launch per layer saved).
+                    return Ok(());
+                }
                 // decode_reduce(out, part_acc, part_m, part_l, seq_lens, nh, head_dim,
                 //               max_partitions)
                 self.launch(
