@@ -33,3 +33,52 @@ BATON_ENTRY void baton_rope(elem_t* __restrict__ q, elem_t* __restrict__ k,
         v[i + half] = baton_from_f(x2 * c + x1 * s);
     }
 }
+
+// RoPE on q and k, then the step's K and V written into their KV-cache pages: baton_rope
+// followed by baton_reshape_and_cache in one launch (bit-identical results; one launch per
+// layer fewer). q and k are rotated in place as baton_rope does; the cache gets the rotated k
+// (the same rounded values) and v. slot_mapping[t] < 0 (graph padding) skips the cache write.
+// Cache layout as baton_reshape_and_cache: cache[num_blocks][block_size][num_kv_heads][head_dim].
+// Shapes: q [num_tokens, num_q_heads, head_dim] with token stride `q_stride`; k and v
+// [num_tokens, num_kv_heads, head_dim] with token stride `kv_stride` (views into the fused QKV
+// output); positions, slot_mapping [num_tokens] int; inv_freq [head_dim / 2] f32.
+// Launch: grid = (num_tokens), block = (128); threads loop over (head, i) pairs, then over v.
+BATON_ENTRY void baton_rope_and_cache(elem_t* __restrict__ q, elem_t* __restrict__ k,
+                                      const elem_t* __restrict__ v, elem_t* __restrict__ k_cache,
+                                      elem_t* __restrict__ v_cache,
+                                      const int* __restrict__ positions,
+                                      const int* __restrict__ slot_mapping,
+                                      const float* __restrict__ inv_freq, int num_tokens,
+                                      int num_q_heads, int num_kv_heads, int head_dim,
+                                      int q_stride, int kv_stride) {
+    const int t = blockIdx.x;
+    if (t >= num_tokens) return;
+    const int half = head_dim >> 1;
+    const float pos = (float)positions[t];
+    const int slot = slot_mapping[t];
+    const int n = num_kv_heads * head_dim;
+    elem_t* kd = slot >= 0 ? k_cache + (size_t)slot * n : nullptr;
+    const int total = (num_q_heads + num_kv_heads) * half;
+    for (int j = threadIdx.x; j < total; j += blockDim.x) {
+        const int head = j / half, i = j - head * half;
+        const bool is_q = head < num_q_heads;
+        const int kh = head - num_q_heads;
+        elem_t* x = is_q ? q + (size_t)t * q_stride + (size_t)head * head_dim
+                         : k + (size_t)t * kv_stride + (size_t)kh * head_dim;
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        const float x1 = baton_to_f(x[i]), x2 = baton_to_f(x[i + half]);
+        const elem_t r1 = baton_from_f(x1 * c - x2 * s);
+        const elem_t r2 = baton_from_f(x2 * c + x1 * s);
+        x[i] = r1;
+        x[i + half] = r2;
+        if (!is_q && kd != nullptr) {
+            kd[(size_t)kh * head_dim + i] = r1;
+            kd[(size_t)kh * head_dim + i + half] = r2;
+        }
+    }
+    if (slot < 0) return;
+    const elem_t* vs = v + (size_t)t * kv_stride;
+    elem_t* vd = v_cache + (size_t)slot * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) vd[i] = vs[i];
+}

@@ -932,37 +932,24 @@ impl CudaWorker {
             let q = act(a.qkv);
             let k = q + q_w as u64 * es;
             let v = k + kv_w as u64 * es;
-            // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
+            let (kc, vc) = self.kv_layer(li);
+            // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
+            //                num_tokens, nq, nkv, head_dim, q_stride, kv_stride)
             self.launch(
-                "baton_rope",
+                "baton_rope_and_cache",
                 (t as u32, 1, 1),
                 128,
                 KArgs::new()
                     .p(q)
                     .p(k)
-                    .p(st(l.positions))
-                    .p(self.inv_freq.ptr)
-                    .i(t)
-                    .i(nh)
-                    .i(kvh)
-                    .i(hd)
-                    .i(qkv_w)
-                    .i(qkv_w),
-            )?;
-            let (kc, vc) = self.kv_layer(li);
-            // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
-            //                   k_stride, v_stride)
-            self.launch(
-                "baton_reshape_and_cache",
-                (t as u32, 1, 1),
-                128,
-                KArgs::new()
-                    .p(k)
                     .p(v)
                     .p(kc)
                     .p(vc)
+                    .p(st(l.positions))
                     .p(st(l.slots))
+                    .p(self.inv_freq.ptr)
                     .i(t)
+                    .i(nh)
                     .i(kvh)
                     .i(hd)
                     .i(qkv_w)

@@ -48,7 +48,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("rmsnorm.cu", &["baton_rmsnorm", "baton_add_rmsnorm"]),
-    ("rope.cu", &["baton_rope"]),
+    ("rope.cu", &["baton_rope", "baton_rope_and_cache"]),
     ("cache.cu", &["baton_reshape_and_cache"]),
     (
         "attention.cu",
