@@ -36,6 +36,7 @@ fn main() {
     let csrc = manifest.join("csrc");
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-changed={}", csrc.display());
+    println!("cargo:rerun-if-env-changed=BATON_EMU_UCONTEXT");
     let common = kernels.join("common.cuh");
 
     let mut modules: Vec<PathBuf> = std::fs::read_dir(&kernels)
@@ -85,6 +86,11 @@ fn base_build(csrc: &Path) -> cc::Build {
         .flag("-ffp-contract=off")
         .flag("-fno-fast-math")
         .flag("-Wno-unknown-pragmas"); // #pragma unroll
+                                       // Fibers switch with a few lines of x86-64 assembly; elsewhere, or with
+                                       // BATON_EMU_UCONTEXT=1 (to test that path), with swapcontext (slower: a syscall per switch).
+    if std::env::var("BATON_EMU_UCONTEXT").is_ok_and(|v| v == "1") {
+        b.define("BATON_EMU_UCONTEXT", None);
+    }
     b
 }
 
