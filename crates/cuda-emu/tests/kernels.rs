@@ -6,19 +6,35 @@
 //! exercise the scalar fallbacks. f32 is compared tightly; bf16 (and f16 where cheap) within a
 //! couple of units in the last place of the element type.
 
-use baton_cuda_emu::{launch, Dtype, Params};
+use baton_cuda_emu::{launch_with, Dtype, Params, Schedule};
 use baton_proto::SamplingParams;
 use half::{bf16, f16};
+use std::cell::Cell;
 
 // ---- Harness -----------------------------------------------------------------------------------
+
+thread_local! {
+    /// The schedule this test thread's launches use (see [`every_schedule`]).
+    static SCHEDULE: Cell<Schedule> = const { Cell::new(Schedule::InOrder) };
+}
+
+/// Runs a test body once per [`Schedule`]: a kernel with a race between its threads would
+/// compute a different (poisoned or stale) result under one of them and fail the comparison.
+fn every_schedule(body: impl Fn()) {
+    for s in Schedule::ALL {
+        SCHEDULE.with(|c| c.set(s));
+        body();
+    }
+}
 
 /// Launches `name` of the `dtype` module, panicking with the emulator's message on failure.
 fn run(dtype: Dtype, name: &str, grid: (u32, u32, u32), block: u32, p: &mut Params) {
     let args = p.as_args();
+    let schedule = SCHEDULE.with(Cell::get);
     // SAFETY: each call site passes the argument list of `name`'s C signature (comment above
     // it), with buffers sized for the grid and shapes it passes.
-    unsafe { launch(dtype, name, grid, (block, 1, 1), &args) }
-        .unwrap_or_else(|e| panic!("{} {name}: {e}", dtype.name()));
+    unsafe { launch_with(dtype, name, grid, (block, 1, 1), &args, schedule) }
+        .unwrap_or_else(|e| panic!("{} {name} ({schedule:?}): {e}", dtype.name()));
 }
 
 /// Rounds `x` to the element type and back.
@@ -161,196 +177,206 @@ fn rmsnorm_ref(dtype: Dtype, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 
 #[test]
 fn rmsnorm_matches_the_reference_per_token_for_both_executor_block_sizes() {
-    let (t, h, eps) = (3usize, 300usize, 1e-5f32);
-    for dtype in Dtype::ALL {
-        for block in [256u32, 1024] {
-            let x = rounded_values(dtype, 1, t * h, 3.0);
-            let w = rounded_values(dtype, 2, h, 1.0);
-            let (mut xin, mut win) = (Elems::new(dtype, &x), Elems::new(dtype, &w));
-            let mut out = Elems::filled(dtype, t * h, f32::NAN);
-            // rmsnorm(out, in, weight, num_tokens, hidden, eps)
-            run(
-                dtype,
-                "baton_rmsnorm",
-                (t as u32, 1, 1),
-                block,
-                Params::new()
-                    .ptr_mut(out.ptr())
-                    .ptr(xin.ptr())
-                    .ptr(win.ptr())
-                    .int(t as i32)
-                    .int(h as i32)
-                    .float(eps),
-            );
-            let got = out.read();
-            for r in 0..t {
-                let want = rmsnorm_ref(dtype, &x[r * h..(r + 1) * h], &w, eps);
-                // One rounding of x * inv may flip with inv's last bit: two ulps of the output.
-                assert_close(
-                    &format!("{} block {block} token {r}", dtype.name()),
-                    &got[r * h..(r + 1) * h],
-                    &want,
-                    2.0 * ulp(dtype),
-                    1e-6,
+    every_schedule(|| {
+        let (t, h, eps) = (3usize, 300usize, 1e-5f32);
+        for dtype in Dtype::ALL {
+            for block in [256u32, 1024] {
+                let x = rounded_values(dtype, 1, t * h, 3.0);
+                let w = rounded_values(dtype, 2, h, 1.0);
+                let (mut xin, mut win) = (Elems::new(dtype, &x), Elems::new(dtype, &w));
+                let mut out = Elems::filled(dtype, t * h, f32::NAN);
+                // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+                run(
+                    dtype,
+                    "baton_rmsnorm",
+                    (t as u32, 1, 1),
+                    block,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(xin.ptr())
+                        .ptr(win.ptr())
+                        .int(t as i32)
+                        .int(h as i32)
+                        .float(eps),
                 );
+                let got = out.read();
+                for r in 0..t {
+                    let want = rmsnorm_ref(dtype, &x[r * h..(r + 1) * h], &w, eps);
+                    // One rounding of x * inv may flip with inv's last bit: two ulps of the output.
+                    assert_close(
+                        &format!("{} block {block} token {r}", dtype.name()),
+                        &got[r * h..(r + 1) * h],
+                        &want,
+                        2.0 * ulp(dtype),
+                        1e-6,
+                    );
+                }
             }
         }
-    }
+    });
 }
 
 #[test]
 fn add_rmsnorm_updates_the_residual_and_normalizes_it_even_when_out_aliases_x() {
-    let (t, h, eps) = (2usize, 200usize, 1e-6f32);
-    for dtype in [Dtype::F32, Dtype::Bf16] {
-        for alias in [false, true] {
-            let r0 = rounded_values(dtype, 3, t * h, 2.0);
-            let x = rounded_values(dtype, 4, t * h, 2.0);
-            let w = rounded_values(dtype, 5, h, 1.0);
-            let (mut resid, mut xin, mut win) = (
-                Elems::new(dtype, &r0),
-                Elems::new(dtype, &x),
-                Elems::new(dtype, &w),
-            );
-            let mut out = Elems::filled(dtype, t * h, f32::NAN);
-            let out_ptr = if alias { xin.ptr() } else { out.ptr() };
-            // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps)
-            run(
-                dtype,
-                "baton_add_rmsnorm",
-                (t as u32, 1, 1),
-                256,
-                Params::new()
-                    .ptr_mut(out_ptr)
-                    .ptr_mut(resid.ptr())
-                    .ptr(xin.ptr())
-                    .ptr(win.ptr())
-                    .int(t as i32)
-                    .int(h as i32)
-                    .float(eps),
-            );
-            let want_resid: Vec<f32> = r0
-                .iter()
-                .zip(&x)
-                .map(|(a, b)| round(dtype, a + b))
-                .collect();
-            assert_eq!(resid.read(), want_resid, "{} residual", dtype.name());
-            let got = if alias { xin.read() } else { out.read() };
-            for r in 0..t {
-                let want = rmsnorm_ref(dtype, &want_resid[r * h..(r + 1) * h], &w, eps);
-                assert_close(
-                    &format!("{} alias {alias} token {r}", dtype.name()),
-                    &got[r * h..(r + 1) * h],
-                    &want,
-                    2.0 * ulp(dtype),
-                    1e-6,
+    every_schedule(|| {
+        let (t, h, eps) = (2usize, 200usize, 1e-6f32);
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for alias in [false, true] {
+                let r0 = rounded_values(dtype, 3, t * h, 2.0);
+                let x = rounded_values(dtype, 4, t * h, 2.0);
+                let w = rounded_values(dtype, 5, h, 1.0);
+                let (mut resid, mut xin, mut win) = (
+                    Elems::new(dtype, &r0),
+                    Elems::new(dtype, &x),
+                    Elems::new(dtype, &w),
                 );
+                let mut out = Elems::filled(dtype, t * h, f32::NAN);
+                let out_ptr = if alias { xin.ptr() } else { out.ptr() };
+                // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps)
+                run(
+                    dtype,
+                    "baton_add_rmsnorm",
+                    (t as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out_ptr)
+                        .ptr_mut(resid.ptr())
+                        .ptr(xin.ptr())
+                        .ptr(win.ptr())
+                        .int(t as i32)
+                        .int(h as i32)
+                        .float(eps),
+                );
+                let want_resid: Vec<f32> = r0
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| round(dtype, a + b))
+                    .collect();
+                assert_eq!(resid.read(), want_resid, "{} residual", dtype.name());
+                let got = if alias { xin.read() } else { out.read() };
+                for r in 0..t {
+                    let want = rmsnorm_ref(dtype, &want_resid[r * h..(r + 1) * h], &w, eps);
+                    assert_close(
+                        &format!("{} alias {alias} token {r}", dtype.name()),
+                        &got[r * h..(r + 1) * h],
+                        &want,
+                        2.0 * ulp(dtype),
+                        1e-6,
+                    );
+                }
             }
         }
-    }
+    });
 }
 
 // ---- Embedding, row gather, pending ids -----------------------------------------------------------
 
 #[test]
 fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
-    let vocab = 10usize;
-    let ids: Vec<u32> = vec![3, 0, 12, 9, 3];
-    // 64: the 16-byte vector path; 7: rows not 16-byte aligned, the scalar path.
-    for hidden in [64usize, 7] {
-        for dtype in Dtype::ALL {
-            let table = rounded_values(dtype, 6, vocab * hidden, 1.0);
-            let mut tab = Elems::new(dtype, &table);
-            let mut out = Elems::filled(dtype, ids.len() * hidden, f32::NAN);
-            // embedding(out, table, ids, num_tokens, hidden, vocab)
-            run(
-                dtype,
-                "baton_embedding_gather",
-                (ids.len() as u32, 1, 1),
-                256,
-                Params::new()
-                    .ptr_mut(out.ptr())
-                    .ptr(tab.ptr())
-                    .ptr(ids.as_ptr())
-                    .int(ids.len() as i32)
-                    .int(hidden as i32)
-                    .int(vocab as i32),
-            );
-            let want: Vec<f32> = ids
-                .iter()
-                .flat_map(|&id| {
-                    let id = id as usize;
-                    if id < vocab {
-                        table[id * hidden..(id + 1) * hidden].to_vec()
-                    } else {
-                        vec![0.0; hidden]
-                    }
-                })
-                .collect();
-            assert_eq!(out.read(), want, "{} hidden {hidden}", dtype.name());
+    every_schedule(|| {
+        let vocab = 10usize;
+        let ids: Vec<u32> = vec![3, 0, 12, 9, 3];
+        // 64: the 16-byte vector path; 7: rows not 16-byte aligned, the scalar path.
+        for hidden in [64usize, 7] {
+            for dtype in Dtype::ALL {
+                let table = rounded_values(dtype, 6, vocab * hidden, 1.0);
+                let mut tab = Elems::new(dtype, &table);
+                let mut out = Elems::filled(dtype, ids.len() * hidden, f32::NAN);
+                // embedding(out, table, ids, num_tokens, hidden, vocab)
+                run(
+                    dtype,
+                    "baton_embedding_gather",
+                    (ids.len() as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(tab.ptr())
+                        .ptr(ids.as_ptr())
+                        .int(ids.len() as i32)
+                        .int(hidden as i32)
+                        .int(vocab as i32),
+                );
+                let want: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&id| {
+                        let id = id as usize;
+                        if id < vocab {
+                            table[id * hidden..(id + 1) * hidden].to_vec()
+                        } else {
+                            vec![0.0; hidden]
+                        }
+                    })
+                    .collect();
+                assert_eq!(out.read(), want, "{} hidden {hidden}", dtype.name());
+            }
         }
-    }
+    });
 }
 
 #[test]
 fn gather_rows_picks_the_indexed_rows_and_zeroes_negative_indices() {
-    let (rows_in, width) = (5usize, 33usize);
-    let index: Vec<i32> = vec![4, -1, 0, 2];
-    for dtype in [Dtype::F32, Dtype::Bf16] {
-        let src = rounded_values(dtype, 7, rows_in * width, 1.0);
-        let mut inp = Elems::new(dtype, &src);
-        let mut out = Elems::filled(dtype, index.len() * width, f32::NAN);
-        // gather_rows(out, in, index, num_rows, width)
-        run(
-            dtype,
-            "baton_gather_rows",
-            (index.len() as u32, 1, 1),
-            256,
-            Params::new()
-                .ptr_mut(out.ptr())
-                .ptr(inp.ptr())
-                .ptr(index.as_ptr())
-                .int(index.len() as i32)
-                .int(width as i32),
-        );
-        let want: Vec<f32> = index
-            .iter()
-            .flat_map(|&r| {
-                if r < 0 {
-                    vec![0.0; width]
-                } else {
-                    src[r as usize * width..(r as usize + 1) * width].to_vec()
-                }
-            })
-            .collect();
-        assert_eq!(out.read(), want);
-    }
+    every_schedule(|| {
+        let (rows_in, width) = (5usize, 33usize);
+        let index: Vec<i32> = vec![4, -1, 0, 2];
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let src = rounded_values(dtype, 7, rows_in * width, 1.0);
+            let mut inp = Elems::new(dtype, &src);
+            let mut out = Elems::filled(dtype, index.len() * width, f32::NAN);
+            // gather_rows(out, in, index, num_rows, width)
+            run(
+                dtype,
+                "baton_gather_rows",
+                (index.len() as u32, 1, 1),
+                256,
+                Params::new()
+                    .ptr_mut(out.ptr())
+                    .ptr(inp.ptr())
+                    .ptr(index.as_ptr())
+                    .int(index.len() as i32)
+                    .int(width as i32),
+            );
+            let want: Vec<f32> = index
+                .iter()
+                .flat_map(|&r| {
+                    if r < 0 {
+                        vec![0.0; width]
+                    } else {
+                        src[r as usize * width..(r as usize + 1) * width].to_vec()
+                    }
+                })
+                .collect();
+            assert_eq!(out.read(), want);
+        }
+    });
 }
 
 #[test]
 fn gather_pending_ids_copies_ring_entries_into_input_ids_across_blocks() {
-    let n = 300usize; // two blocks of 256
-    let ring: Vec<u32> = (0..1024u32).map(|i| i * 7 + 1).collect();
-    let dst: Vec<u32> = (0..n as u32).map(|i| (i * 3) % 600).collect();
-    let src: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 1024).collect();
-    let mut ids = vec![u32::MAX; 600];
-    // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
-    run(
-        Dtype::Bf16,
-        "baton_gather_pending_ids",
-        (n.div_ceil(256) as u32, 1, 1),
-        256,
-        Params::new()
-            .ptr_mut(ids.as_mut_ptr())
-            .ptr(ring.as_ptr())
-            .ptr(dst.as_ptr())
-            .ptr(src.as_ptr())
-            .int(n as i32),
-    );
-    let mut want = vec![u32::MAX; 600];
-    for i in 0..n {
-        want[dst[i] as usize] = ring[src[i] as usize];
-    }
-    assert_eq!(ids, want);
+    every_schedule(|| {
+        let n = 300usize; // two blocks of 256
+        let ring: Vec<u32> = (0..1024u32).map(|i| i * 7 + 1).collect();
+        let dst: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 600).collect(); // distinct
+        let src: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 1024).collect();
+        let mut ids = vec![u32::MAX; 600];
+        // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
+        run(
+            Dtype::Bf16,
+            "baton_gather_pending_ids",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(ids.as_mut_ptr())
+                .ptr(ring.as_ptr())
+                .ptr(dst.as_ptr())
+                .ptr(src.as_ptr())
+                .int(n as i32),
+        );
+        let mut want = vec![u32::MAX; 600];
+        for i in 0..n {
+            want[dst[i] as usize] = ring[src[i] as usize];
+        }
+        assert_eq!(ids, want);
+    });
 }
 
 // ---- RoPE and the KV cache write -----------------------------------------------------------------
@@ -370,141 +396,147 @@ fn rope_ref(v: &mut [f32], pos: i32, inv_freq: &[f32]) {
 
 #[test]
 fn rope_rotates_q_and_k_heads_in_a_fused_qkv_row_and_leaves_v_alone() {
-    let (nh, kvh, hd) = (4usize, 2usize, 16usize);
-    let qkv_w = (nh + 2 * kvh) * hd;
-    let positions: Vec<i32> = vec![0, 1, 7, 4099, 131_000];
-    let t = positions.len();
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
-        .collect();
-    for dtype in Dtype::ALL {
-        let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
-        let mut buf = Elems::new(dtype, &qkv);
-        let (q, k) = (buf.at(0), buf.at(nh * hd));
-        // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
-        run(
-            dtype,
-            "baton_rope",
-            (t as u32, 1, 1),
-            128,
-            Params::new()
-                .ptr_mut(q)
-                .ptr_mut(k)
-                .ptr(positions.as_ptr())
-                .ptr(inv_freq.as_ptr())
-                .int(t as i32)
-                .int(nh as i32)
-                .int(kvh as i32)
-                .int(hd as i32)
-                .int(qkv_w as i32)
-                .int(qkv_w as i32),
-        );
-        let mut want = qkv.clone();
-        for (ti, &pos) in positions.iter().enumerate() {
-            for head in 0..nh + kvh {
-                let o = ti * qkv_w + head * hd;
-                rope_ref(&mut want[o..o + hd], pos, &inv_freq);
-            }
-        }
-        // f32: sincosf and the f32 products against f64; angles up to ~1.3e5 rad.
-        let (rel, abs) = match dtype {
-            Dtype::F32 => (1e-5, 2e-6),
-            d => (ulp(d), 1e-3),
-        };
-        assert_close(dtype.name(), &buf.read(), &want, rel, abs);
-    }
-}
-
-#[test]
-fn reshape_and_cache_writes_each_token_to_its_slot_and_skips_padding() {
-    let (nh, bs, pages) = (4usize, 8usize, 3usize);
-    let slots: Vec<i32> = vec![5, -1, 0, 17, 23];
-    let t = slots.len();
-    // (kvh, hd): 2 x 16 takes the 16-byte vector path, 1 x 6 the scalar one.
-    for (kvh, hd) in [(2usize, 16usize), (1, 6)] {
-        let n = kvh * hd;
+    every_schedule(|| {
+        let (nh, kvh, hd) = (4usize, 2usize, 16usize);
         let qkv_w = (nh + 2 * kvh) * hd;
+        let positions: Vec<i32> = vec![0, 1, 7, 4099, 131_000];
+        let t = positions.len();
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
+            .collect();
         for dtype in Dtype::ALL {
-            let qkv = rounded_values(dtype, 9, t * qkv_w, 1.0);
+            let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
             let mut buf = Elems::new(dtype, &qkv);
-            let (k, v) = (buf.at(nh * hd), buf.at(nh * hd + n));
-            let sentinel = -7.0;
-            let mut kc = Elems::filled(dtype, pages * bs * n, sentinel);
-            let mut vc = Elems::filled(dtype, pages * bs * n, sentinel);
-            // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
-            //                   k_stride, v_stride)
+            let (q, k) = (buf.at(0), buf.at(nh * hd));
+            // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
             run(
                 dtype,
-                "baton_reshape_and_cache",
+                "baton_rope",
                 (t as u32, 1, 1),
                 128,
                 Params::new()
-                    .ptr(k)
-                    .ptr(v)
-                    .ptr_mut(kc.ptr())
-                    .ptr_mut(vc.ptr())
-                    .ptr(slots.as_ptr())
+                    .ptr_mut(q)
+                    .ptr_mut(k)
+                    .ptr(positions.as_ptr())
+                    .ptr(inv_freq.as_ptr())
                     .int(t as i32)
+                    .int(nh as i32)
                     .int(kvh as i32)
                     .int(hd as i32)
                     .int(qkv_w as i32)
                     .int(qkv_w as i32),
             );
-            let mut want_k = vec![sentinel; pages * bs * n];
-            let mut want_v = want_k.clone();
-            for (ti, &s) in slots.iter().enumerate() {
-                if s < 0 {
-                    continue;
+            let mut want = qkv.clone();
+            for (ti, &pos) in positions.iter().enumerate() {
+                for head in 0..nh + kvh {
+                    let o = ti * qkv_w + head * hd;
+                    rope_ref(&mut want[o..o + hd], pos, &inv_freq);
                 }
-                let (s, row) = (s as usize, ti * qkv_w + nh * hd);
-                want_k[s * n..(s + 1) * n].copy_from_slice(&qkv[row..row + n]);
-                want_v[s * n..(s + 1) * n].copy_from_slice(&qkv[row + n..row + 2 * n]);
             }
-            assert_eq!(kc.read(), want_k, "{} k cache, {kvh}x{hd}", dtype.name());
-            assert_eq!(vc.read(), want_v, "{} v cache, {kvh}x{hd}", dtype.name());
+            // f32: sincosf and the f32 products against f64; angles up to ~1.3e5 rad.
+            let (rel, abs) = match dtype {
+                Dtype::F32 => (1e-5, 2e-6),
+                d => (ulp(d), 1e-3),
+            };
+            assert_close(dtype.name(), &buf.read(), &want, rel, abs);
         }
-    }
+    });
+}
+
+#[test]
+fn reshape_and_cache_writes_each_token_to_its_slot_and_skips_padding() {
+    every_schedule(|| {
+        let (nh, bs, pages) = (4usize, 8usize, 3usize);
+        let slots: Vec<i32> = vec![5, -1, 0, 17, 23];
+        let t = slots.len();
+        // (kvh, hd): 2 x 16 takes the 16-byte vector path, 1 x 6 the scalar one.
+        for (kvh, hd) in [(2usize, 16usize), (1, 6)] {
+            let n = kvh * hd;
+            let qkv_w = (nh + 2 * kvh) * hd;
+            for dtype in Dtype::ALL {
+                let qkv = rounded_values(dtype, 9, t * qkv_w, 1.0);
+                let mut buf = Elems::new(dtype, &qkv);
+                let (k, v) = (buf.at(nh * hd), buf.at(nh * hd + n));
+                let sentinel = -7.0;
+                let mut kc = Elems::filled(dtype, pages * bs * n, sentinel);
+                let mut vc = Elems::filled(dtype, pages * bs * n, sentinel);
+                // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
+                //                   k_stride, v_stride)
+                run(
+                    dtype,
+                    "baton_reshape_and_cache",
+                    (t as u32, 1, 1),
+                    128,
+                    Params::new()
+                        .ptr(k)
+                        .ptr(v)
+                        .ptr_mut(kc.ptr())
+                        .ptr_mut(vc.ptr())
+                        .ptr(slots.as_ptr())
+                        .int(t as i32)
+                        .int(kvh as i32)
+                        .int(hd as i32)
+                        .int(qkv_w as i32)
+                        .int(qkv_w as i32),
+                );
+                let mut want_k = vec![sentinel; pages * bs * n];
+                let mut want_v = want_k.clone();
+                for (ti, &s) in slots.iter().enumerate() {
+                    if s < 0 {
+                        continue;
+                    }
+                    let (s, row) = (s as usize, ti * qkv_w + nh * hd);
+                    want_k[s * n..(s + 1) * n].copy_from_slice(&qkv[row..row + n]);
+                    want_v[s * n..(s + 1) * n].copy_from_slice(&qkv[row + n..row + 2 * n]);
+                }
+                assert_eq!(kc.read(), want_k, "{} k cache, {kvh}x{hd}", dtype.name());
+                assert_eq!(vc.read(), want_v, "{} v cache, {kvh}x{hd}", dtype.name());
+            }
+        }
+    });
 }
 
 // ---- SiLU-and-mul ------------------------------------------------------------------------------------
 
 #[test]
 fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
-    let t = 3usize;
-    for inter in [40usize, 13] {
-        for dtype in Dtype::ALL {
-            let x = rounded_values(dtype, 10, t * 2 * inter, 6.0);
-            let mut inp = Elems::new(dtype, &x);
-            let mut out = Elems::filled(dtype, t * inter, f32::NAN);
-            // silu_and_mul(out, in, num_tokens, inter)
-            run(
-                dtype,
-                "baton_silu_and_mul",
-                (t as u32, 1, 1),
-                256,
-                Params::new()
-                    .ptr_mut(out.ptr())
-                    .ptr(inp.ptr())
-                    .int(t as i32)
-                    .int(inter as i32),
-            );
-            let want: Vec<f32> = (0..t * inter)
-                .map(|i| {
-                    let (r, j) = (i / inter, i % inter);
-                    let g = x[r * 2 * inter + j];
-                    let u = x[r * 2 * inter + inter + j];
-                    round(dtype, g / (1.0 + (-g).exp()) * u)
-                })
-                .collect();
-            assert_close(
-                &format!("{} inter {inter}", dtype.name()),
-                &out.read(),
-                &want,
-                ulp(dtype),
-                1e-7,
-            );
+    every_schedule(|| {
+        let t = 3usize;
+        for inter in [40usize, 13] {
+            for dtype in Dtype::ALL {
+                let x = rounded_values(dtype, 10, t * 2 * inter, 6.0);
+                let mut inp = Elems::new(dtype, &x);
+                let mut out = Elems::filled(dtype, t * inter, f32::NAN);
+                // silu_and_mul(out, in, num_tokens, inter)
+                run(
+                    dtype,
+                    "baton_silu_and_mul",
+                    (t as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(inp.ptr())
+                        .int(t as i32)
+                        .int(inter as i32),
+                );
+                let want: Vec<f32> = (0..t * inter)
+                    .map(|i| {
+                        let (r, j) = (i / inter, i % inter);
+                        let g = x[r * 2 * inter + j];
+                        let u = x[r * 2 * inter + inter + j];
+                        round(dtype, g / (1.0 + (-g).exp()) * u)
+                    })
+                    .collect();
+                assert_close(
+                    &format!("{} inter {inter}", dtype.name()),
+                    &out.read(),
+                    &want,
+                    ulp(dtype),
+                    1e-7,
+                );
+            }
         }
-    }
+    });
 }
 
 // ---- Paged attention -----------------------------------------------------------------------------
@@ -694,33 +726,41 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32])
 
 #[test]
 fn decode_attention_split_k_and_reduce_match_the_reference_f32() {
-    decode_case(Dtype::F32, 64, 16, 2, &[1100, 37, 0, 512, 513]);
+    every_schedule(|| {
+        decode_case(Dtype::F32, 64, 16, 2, &[1100, 37, 0, 512, 513]);
+    });
 }
 
 #[test]
 fn decode_attention_with_more_than_eight_query_heads_per_kv_head_f32() {
-    decode_case(Dtype::F32, 64, 12, 1, &[700, 5]);
+    every_schedule(|| {
+        decode_case(Dtype::F32, 64, 12, 1, &[700, 5]);
+    });
 }
 
 #[test]
 fn decode_attention_bf16() {
-    decode_case(Dtype::Bf16, 64, 8, 2, &[600, 20]);
+    every_schedule(|| {
+        decode_case(Dtype::Bf16, 64, 8, 2, &[600, 20]);
+    });
 }
 
 #[test]
 fn decode_and_prefill_attention_hd128_and_hd256_in_every_dtype() {
-    for dtype in Dtype::ALL {
-        for hd in [128, 256] {
-            decode_case(dtype, hd, 4, 2, &[530, 9, 0]);
-            prefill_case(
-                dtype,
-                &format!("baton_paged_attention_prefill_hd{hd}"),
-                2,
-                1,
-                hd,
-            );
+    every_schedule(|| {
+        for dtype in Dtype::ALL {
+            for hd in [128, 256] {
+                decode_case(dtype, hd, 4, 2, &[530, 9, 0]);
+                prefill_case(
+                    dtype,
+                    &format!("baton_paged_attention_prefill_hd{hd}"),
+                    2,
+                    1,
+                    hd,
+                );
+            }
         }
-    }
+    });
 }
 
 /// Varlen causal prefill: rows continuing a cached prefix (start_pos > 0), the second one
@@ -808,20 +848,26 @@ fn prefill_case(dtype: Dtype, name: &str, nh: usize, kvh: usize, hd: usize) {
 
 #[test]
 fn prefill_attention_hd64_is_causal_over_varlen_rows_with_cached_prefixes_f32() {
-    prefill_case(Dtype::F32, "baton_paged_attention_prefill_hd64", 8, 2, 64);
+    every_schedule(|| {
+        prefill_case(Dtype::F32, "baton_paged_attention_prefill_hd64", 8, 2, 64);
+    });
 }
 
 #[test]
 fn prefill_attention_hd64_bf16() {
-    prefill_case(Dtype::Bf16, "baton_paged_attention_prefill_hd64", 4, 4, 64);
+    every_schedule(|| {
+        prefill_case(Dtype::Bf16, "baton_paged_attention_prefill_hd64", 4, 4, 64);
+    });
 }
 
 #[test]
 fn generic_attention_head_dim_8_matches_the_reference_like_stories260k() {
-    // stories260K: 8 query heads, 4 kv heads, head_dim 8.
-    for dtype in [Dtype::F32, Dtype::Bf16] {
-        prefill_case(dtype, "baton_paged_attention_generic", 8, 4, 8);
-    }
+    every_schedule(|| {
+        // stories260K: 8 query heads, 4 kv heads, head_dim 8.
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            prefill_case(dtype, "baton_paged_attention_generic", 8, 4, 8);
+        }
+    });
 }
 
 // ---- Sampling ------------------------------------------------------------------------------------
@@ -903,186 +949,196 @@ fn assert_matches_cpu(o: &SampleOut, r: usize, logits: &[f32], p: &SamplingParam
 
 #[test]
 fn greedy_sampling_is_the_argmax_with_ties_to_the_lowest_id() {
-    let vocab = 1000usize;
-    let mut logits = values(20, 3 * vocab);
-    // Row 0: a tie for the maximum at ids 503 and 17 -> 17.
-    logits[503] = 5.0;
-    logits[17] = 5.0;
-    // Row 1: NaN never wins; +inf (cleaned to f32::MAX) does.
-    logits[vocab + 3] = f32::NAN;
-    logits[vocab + 900] = f32::INFINITY;
-    // Row 2: every logit -inf or NaN -> token 0.
-    for (i, x) in logits[2 * vocab..].iter_mut().enumerate() {
-        *x = if i % 3 == 0 {
-            f32::NAN
-        } else {
-            f32::NEG_INFINITY
+    every_schedule(|| {
+        let vocab = 1000usize;
+        let mut logits = values(20, 3 * vocab);
+        // Row 0: a tie for the maximum at ids 503 and 17 -> 17.
+        logits[503] = 5.0;
+        logits[17] = 5.0;
+        // Row 1: NaN never wins; +inf (cleaned to f32::MAX) does.
+        logits[vocab + 3] = f32::NAN;
+        logits[vocab + 900] = f32::INFINITY;
+        // Row 2: every logit -inf or NaN -> token 0.
+        for (i, x) in logits[2 * vocab..].iter_mut().enumerate() {
+            *x = if i % 3 == 0 {
+                f32::NAN
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        let with_lp = SamplingParams {
+            top_logprobs: 5,
+            want_logprob: 1,
+            ..SamplingParams::greedy()
         };
-    }
-    let with_lp = SamplingParams {
-        top_logprobs: 5,
-        want_logprob: 1,
-        ..SamplingParams::greedy()
-    };
-    let params = [with_lp, SamplingParams::greedy(), with_lp];
-    let idx = [0u32, 1, 2];
-    let o = sample(&logits, vocab, &params, &idx);
-    assert_eq!(o.tokens, vec![17, 900, 0]);
-    for r in 0..3 {
-        assert_matches_cpu(
-            &o,
-            r,
-            &logits[r * vocab..(r + 1) * vocab],
-            &params[r],
-            idx[r],
-        );
-    }
+        let params = [with_lp, SamplingParams::greedy(), with_lp];
+        let idx = [0u32, 1, 2];
+        let o = sample(&logits, vocab, &params, &idx);
+        assert_eq!(o.tokens, vec![17, 900, 0]);
+        for r in 0..3 {
+            assert_matches_cpu(
+                &o,
+                r,
+                &logits[r * vocab..(r + 1) * vocab],
+                &params[r],
+                idx[r],
+            );
+        }
+    });
 }
 
 #[test]
 fn a_seeded_sample_is_the_same_alone_or_second_in_a_batch_and_matches_the_cpu() {
-    let vocab = 2000usize;
-    let logits: Vec<f32> = values(21, vocab).iter().map(|x| x * 4.0).collect();
-    let other: Vec<f32> = values(22, vocab).iter().map(|x| x * 4.0).collect();
-    let seeded = SamplingParams {
-        temperature: 0.8,
-        top_p: 0.9,
-        top_k: 50,
-        min_p: 0.05,
-        seed: 0xDEAD_BEEF_1234,
-        top_logprobs: 3,
-        want_logprob: 1,
-    };
-    let first = SamplingParams {
-        temperature: 1.3,
-        top_p: 1.0,
-        top_k: 0,
-        min_p: 0.0,
-        seed: 99,
-        top_logprobs: 0,
-        want_logprob: 0,
-    };
-    for idx in [0u32, 7, 12_345] {
-        let alone = sample(&logits, vocab, &[seeded], &[idx]);
-        let batch: Vec<f32> = other.iter().chain(&logits).copied().collect();
-        let pair = sample(&batch, vocab, &[first, seeded], &[3, idx]);
-        assert_eq!(alone.tokens[0], pair.tokens[1], "output index {idx}");
-        assert_eq!(alone.logprob[0].to_bits(), pair.logprob[1].to_bits());
-        assert_eq!(alone.top_ids[..TOP], pair.top_ids[TOP..]);
-        assert_matches_cpu(&alone, 0, &logits, &seeded, idx);
-        assert_matches_cpu(&pair, 0, &other, &first, 3);
-    }
+    every_schedule(|| {
+        let vocab = 2000usize;
+        let logits: Vec<f32> = values(21, vocab).iter().map(|x| x * 4.0).collect();
+        let other: Vec<f32> = values(22, vocab).iter().map(|x| x * 4.0).collect();
+        let seeded = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            top_k: 50,
+            min_p: 0.05,
+            seed: 0xDEAD_BEEF_1234,
+            top_logprobs: 3,
+            want_logprob: 1,
+        };
+        let first = SamplingParams {
+            temperature: 1.3,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 99,
+            top_logprobs: 0,
+            want_logprob: 0,
+        };
+        for idx in [0u32, 7, 12_345] {
+            let alone = sample(&logits, vocab, &[seeded], &[idx]);
+            let batch: Vec<f32> = other.iter().chain(&logits).copied().collect();
+            let pair = sample(&batch, vocab, &[first, seeded], &[3, idx]);
+            assert_eq!(alone.tokens[0], pair.tokens[1], "output index {idx}");
+            assert_eq!(alone.logprob[0].to_bits(), pair.logprob[1].to_bits());
+            assert_eq!(alone.top_ids[..TOP], pair.top_ids[TOP..]);
+            assert_matches_cpu(&alone, 0, &logits, &seeded, idx);
+            assert_matches_cpu(&pair, 0, &other, &first, 3);
+        }
+    });
 }
 
 #[test]
 fn sampling_filters_agree_with_the_cpu_sampler_over_many_draws() {
-    let vocab = 300usize;
-    let logits: Vec<f32> = values(23, vocab).iter().map(|x| x * 3.0).collect();
-    let cases = [
-        (1.0f32, 1.0f32, 0i32, 0.0f32), // plain temperature sampling
-        (0.7, 1.0, 10, 0.0),            // top-k
-        (1.0, 0.5, 0, 0.0),             // top-p
-        (1.2, 1.0, 0, 0.2),             // min-p
-        (0.9, 0.8, 40, 0.01),           // everything
-        (1.0, f32::NAN, 400, 0.0),      // top-k >= vocab and a NaN top-p: both disabled
-        (1e-39, 1.0, 0, 0.0),           // 1 / temperature overflows: greedy
-        (-1.0, 0.5, 5, 0.0),            // negative temperature: greedy
-        (1.0, 1e-6, 0, 0.0),            // top-p keeps only the top token
-    ];
-    let idx: Vec<u32> = (0..16).collect();
-    for (temperature, top_p, top_k, min_p) in cases {
-        let params: Vec<SamplingParams> = idx
-            .iter()
-            .map(|&i| SamplingParams {
-                temperature,
-                top_p,
-                top_k,
-                min_p,
-                seed: 1000 + u64::from(i),
-                top_logprobs: 0,
-                want_logprob: 1,
-            })
-            .collect();
-        let batch: Vec<f32> = idx.iter().flat_map(|_| logits.iter().copied()).collect();
-        let o = sample(&batch, vocab, &params, &idx);
-        for (r, &i) in idx.iter().enumerate() {
-            assert_matches_cpu(&o, r, &logits, &params[r], i);
+    every_schedule(|| {
+        let vocab = 300usize;
+        let logits: Vec<f32> = values(23, vocab).iter().map(|x| x * 3.0).collect();
+        let cases = [
+            (1.0f32, 1.0f32, 0i32, 0.0f32), // plain temperature sampling
+            (0.7, 1.0, 10, 0.0),            // top-k
+            (1.0, 0.5, 0, 0.0),             // top-p
+            (1.2, 1.0, 0, 0.2),             // min-p
+            (0.9, 0.8, 40, 0.01),           // everything
+            (1.0, f32::NAN, 400, 0.0),      // top-k >= vocab and a NaN top-p: both disabled
+            (1e-39, 1.0, 0, 0.0),           // 1 / temperature overflows: greedy
+            (-1.0, 0.5, 5, 0.0),            // negative temperature: greedy
+            (1.0, 1e-6, 0, 0.0),            // top-p keeps only the top token
+        ];
+        let idx: Vec<u32> = (0..8).collect();
+        for (temperature, top_p, top_k, min_p) in cases {
+            let params: Vec<SamplingParams> = idx
+                .iter()
+                .map(|&i| SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed: 1000 + u64::from(i),
+                    top_logprobs: 0,
+                    want_logprob: 1,
+                })
+                .collect();
+            let batch: Vec<f32> = idx.iter().flat_map(|_| logits.iter().copied()).collect();
+            let o = sample(&batch, vocab, &params, &idx);
+            for (r, &i) in idx.iter().enumerate() {
+                assert_matches_cpu(&o, r, &logits, &params[r], i);
+            }
         }
-    }
+    });
 }
 
 #[test]
 fn philox_and_uniform_bits_probes_match_the_cpu_rng() {
-    let n = 300usize;
-    let ctr: Vec<[u32; 4]> = (0..n as u32)
-        .map(|i| [i, i * 3, !i, 0xFFFF_FFFF - i])
-        .collect();
-    let key: Vec<[u32; 2]> = (0..n as u32)
-        .map(|i| [i.wrapping_mul(0x9E37_79B9), i ^ 0x5555])
-        .collect();
-    let mut out = vec![[0u32; 4]; n];
-    // philox4x32_10_probe(out, ctr, key, n): uint4 / uint2 arrays.
-    run(
-        Dtype::F32,
-        "baton_philox4x32_10_probe",
-        (n.div_ceil(256) as u32, 1, 1),
-        256,
-        Params::new()
-            .ptr_mut(out.as_mut_ptr())
-            .ptr(ctr.as_ptr())
-            .ptr(key.as_ptr())
-            .int(n as i32),
-    );
-    for i in 0..n {
-        assert_eq!(
-            out[i],
-            baton_worker::sampling::philox4x32_10(ctr[i], key[i]),
-            "probe {i}"
+    every_schedule(|| {
+        let n = 300usize;
+        let ctr: Vec<[u32; 4]> = (0..n as u32)
+            .map(|i| [i, i * 3, !i, 0xFFFF_FFFF - i])
+            .collect();
+        let key: Vec<[u32; 2]> = (0..n as u32)
+            .map(|i| [i.wrapping_mul(0x9E37_79B9), i ^ 0x5555])
+            .collect();
+        let mut out = vec![[0u32; 4]; n];
+        // philox4x32_10_probe(out, ctr, key, n): uint4 / uint2 arrays.
+        run(
+            Dtype::F32,
+            "baton_philox4x32_10_probe",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(out.as_mut_ptr())
+                .ptr(ctr.as_ptr())
+                .ptr(key.as_ptr())
+                .int(n as i32),
         );
-    }
-    let seeds: Vec<u64> = (0..n as u64).map(|i| i * 0x1_0000_0001 + 17).collect();
-    let oidx: Vec<u32> = (0..n as u32).map(|i| i * 31).collect();
-    let mut bits = vec![0u32; n];
-    // sampling_uniform_bits(out, seeds, output_index, n)
-    run(
-        Dtype::F32,
-        "baton_sampling_uniform_bits",
-        (n.div_ceil(256) as u32, 1, 1),
-        256,
-        Params::new()
-            .ptr_mut(bits.as_mut_ptr())
-            .ptr(seeds.as_ptr())
-            .ptr(oidx.as_ptr())
-            .int(n as i32),
-    );
-    for i in 0..n {
-        let u = baton_worker::sampling::uniform(seeds[i], oidx[i]);
-        assert_eq!(bits[i] as f32 / 16_777_216.0, u, "uniform {i}");
-    }
+        for i in 0..n {
+            assert_eq!(
+                out[i],
+                baton_worker::sampling::philox4x32_10(ctr[i], key[i]),
+                "probe {i}"
+            );
+        }
+        let seeds: Vec<u64> = (0..n as u64).map(|i| i * 0x1_0000_0001 + 17).collect();
+        let oidx: Vec<u32> = (0..n as u32).map(|i| i * 31).collect();
+        let mut bits = vec![0u32; n];
+        // sampling_uniform_bits(out, seeds, output_index, n)
+        run(
+            Dtype::F32,
+            "baton_sampling_uniform_bits",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(bits.as_mut_ptr())
+                .ptr(seeds.as_ptr())
+                .ptr(oidx.as_ptr())
+                .int(n as i32),
+        );
+        for i in 0..n {
+            let u = baton_worker::sampling::uniform(seeds[i], oidx[i]);
+            assert_eq!(bits[i] as f32 / 16_777_216.0, u, "uniform {i}");
+        }
+    });
 }
 
 #[test]
 fn sampling_a_llama_sized_vocabulary_matches_the_cpu() {
-    let vocab = 32_000usize;
-    let logits: Vec<f32> = values(24, vocab).iter().map(|x| x * 8.0).collect();
-    let params = [
-        SamplingParams {
-            temperature: 0.7,
-            top_p: 0.95,
-            top_k: 0,
-            min_p: 0.0,
-            seed: 7,
-            top_logprobs: 20,
-            want_logprob: 1,
-        },
-        SamplingParams {
-            top_logprobs: 2,
-            ..SamplingParams::greedy()
-        },
-    ];
-    let batch: Vec<f32> = logits.iter().chain(&logits).copied().collect();
-    let o = sample(&batch, vocab, &params, &[5, 6]);
-    for (r, p) in params.iter().enumerate() {
-        assert_matches_cpu(&o, r, &logits, p, 5 + r as u32);
-    }
+    every_schedule(|| {
+        let vocab = 32_000usize;
+        let logits: Vec<f32> = values(24, vocab).iter().map(|x| x * 8.0).collect();
+        let params = [
+            SamplingParams {
+                temperature: 0.7,
+                top_p: 0.95,
+                top_k: 0,
+                min_p: 0.0,
+                seed: 7,
+                top_logprobs: 20,
+                want_logprob: 1,
+            },
+            SamplingParams {
+                top_logprobs: 2,
+                ..SamplingParams::greedy()
+            },
+        ];
+        let batch: Vec<f32> = logits.iter().chain(&logits).copied().collect();
+        let o = sample(&batch, vocab, &params, &[5, 6]);
+        for (r, p) in params.iter().enumerate() {
+            assert_matches_cpu(&o, r, &logits, p, 5 + r as u32);
+        }
+    });
 }
