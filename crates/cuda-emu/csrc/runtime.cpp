@@ -2,12 +2,13 @@
 // thread, blocks one after another. See src/lib.rs for the model and its limits.
 //
 // A fiber runs until it finishes or reaches a barrier (__syncthreads or a warp shuffle); it
-// then records where it waits and switches back to the scheduler, which resumes the next ready
-// fiber. The last fiber to arrive at a barrier releases the waiters, queued in thread order,
-// reverse thread order or a seeded shuffle (the launch's schedule; a kernel whose result depends
-// on it has a race). When no fiber is ready but some are unfinished, the block is deadlocked and
-// the launch fails. Before each block, shared memory (the section `baton_emu_shared`, see
-// build.rs) is filled with 0xff bytes.
+// then records where it waits and switches straight to the next ready fiber. The last fiber to
+// arrive at a barrier releases the waiters, queued in thread order, reverse thread order, a
+// seeded shuffle, or ahead of every other ready fiber (the launch's schedule; a kernel whose
+// result depends on it has a race). Control returns to the scheduler loop only when no fiber is
+// ready: then either every thread finished, or the block is deadlocked and the launch fails.
+// Before each block, shared memory (the section `baton_emu_shared`, see build.rs) is filled
+// with 0xff bytes.
 #include "prelude.h"
 #include "runtime.h"
 
@@ -175,7 +176,7 @@ struct Warp {
 };
 
 // Order in which released (or starting) fibers are queued.
-enum Schedule : int { kInOrder = 0, kReverse = 1, kShuffled = 2 };
+enum Schedule : int { kInOrder = 0, kReverse = 1, kShuffled = 2, kRunAhead = 3 };
 
 struct Run {
     int schedule = kInOrder;
@@ -232,7 +233,18 @@ void release_all(Run& r) {
     } else if (r.schedule == kShuffled) {
         for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[splitmix64(r.rng) % i]);
     }
-    for (unsigned i : v) push_ready(r, i);
+    if (r.schedule == kRunAhead) {
+        // Released fibers go to the front of the queue, in thread order: the warp (or block)
+        // just released keeps running while the others wait.
+        for (size_t k = v.size(); k-- > 0;) {
+            r.head = (r.head + r.n - 1) % r.n;
+            r.ready[r.head] = v[k];
+            ++r.queued;
+            r.fibers[v[k]].st = St::Ready;
+        }
+    } else {
+        for (unsigned i : v) push_ready(r, i);
+    }
     v.clear();
 }
 
@@ -326,12 +338,31 @@ void release_warp(Run& r, unsigned wi) {
     release_all(r);
 }
 
-// Back to the scheduler; returns when this fiber is resumed.
-void yield_to_scheduler(Run& r, Fiber& f) { ctx_switch(&f.ctx, &r.sched); }
+// Takes the next fiber off the ready queue and makes it current.
+unsigned pop_ready(Run& r) {
+    const unsigned i = r.ready[r.head];
+    r.head = (r.head + 1) % r.n;
+    --r.queued;
+    r.cur = i;
+    g_coords.thread_idx = r.fibers[i].tid;
+    return i;
+}
+
+// Leaves fiber `f` (waiting or finished) for the next ready fiber, directly (no detour through
+// the scheduler), or for the scheduler when none is ready or the block failed. Returns when `f`
+// is resumed.
+void switch_away(Run& r, Fiber& f) {
+    if (r.code != 0 || r.queued == 0) {
+        ctx_switch(&f.ctx, &r.sched);
+        return;
+    }
+    Fiber& next = r.fibers[pop_ready(r)];
+    if (&next != &f) ctx_switch(&f.ctx, &next.ctx);  // else: f released itself and runs on
+}
 
 [[noreturn]] void fail_here(Run& r, Fiber& f, const std::string& msg) {
     set_failure(r, 2, msg);
-    yield_to_scheduler(r, f);  // the scheduler never resumes a block that failed
+    switch_away(r, f);  // the scheduler never resumes a block that failed
     __builtin_trap();
 }
 
@@ -361,15 +392,11 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
         wp.live = wp.size;
         wp.arrived = 0;
     }
-    while (r.queued > 0) {
-        const unsigned i = r.ready[r.head];
-        r.head = (r.head + 1) % r.n;
-        --r.queued;
-        r.cur = i;
-        g_coords.thread_idx = r.fibers[i].tid;
-        ctx_switch(&r.sched, &r.fibers[i].ctx);
-        if (r.code != 0) return;
-    }
+    // Fibers hand over to each other; control comes back here when the block failed, finished,
+    // or has no ready fiber left.
+    const unsigned first = pop_ready(r);
+    ctx_switch(&r.sched, &r.fibers[first].ctx);
+    if (r.code != 0) return;
     if (r.live > 0) {
         std::string warps;
         for (unsigned w = 0; w < r.warps.size(); ++w)
@@ -395,7 +422,7 @@ void syncthreads_at(const char* file, int line) {
     f.st = St::AtBlock;
     f.site = Site{file, line};
     if (++r.arrived == r.live) release_block(r);
-    yield_to_scheduler(r, f);
+    switch_away(r, f);
 }
 
 void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
@@ -422,7 +449,7 @@ void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned
     f.size = size;
     f.st = St::AtWarp;
     if (++w.arrived == w.live) release_warp(r, i / kWarp);
-    yield_to_scheduler(r, f);
+    switch_away(r, f);
     memcpy(out, &w.buf[phase][lane ^ (unsigned)lane_mask], size);
     ++f.shfl_count;
 }
@@ -441,12 +468,12 @@ extern "C" void baton_emu_fiber_main() {
     --w.live;
     if (r.arrived > 0 && r.arrived == r.live) release_block(r);
     if (w.arrived > 0 && w.arrived == w.live) release_warp(r, i / kWarp);
-    ctx_switch(&f.ctx, &r.sched);
+    switch_away(r, f);
     __builtin_trap();  // a finished fiber is never resumed
 }
 
 // Runs `entry` over the grid, queueing fibers per `schedule` (0 thread order, 1 reverse, 2
-// shuffled with `seed`). Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
+// shuffled with `seed`, 3 released fibers first). Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
 // barrier use) / 3 (resource failure) with a NUL-terminated message in err[0..cap) and the
 // failing block's index in bad_block[3]. Callers validate grid, block and argument count;
 // launches must not overlap (the Rust side holds a mutex).

@@ -97,3 +97,20 @@ BATON_ENTRY void emu_test_race(float* out) {
     out[t] = s[(t + 1) % n];
     __syncthreads();
 }
+
+// Two block sums through the same scratch without the barrier between them that baton_block_sum
+// has: warp 0 may overwrite scratch[0] before the other warps have read the first sum's partial.
+// out[t] = n + 2n for a block of n threads when the warps happen to stay in step.
+BATON_ENTRY void emu_test_scratch_reuse(float* out) {
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    float a = baton_warp_sum(1.0f);
+    if (lane == 0) scratch[warp] = a;
+    __syncthreads();
+    a = baton_warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+    float b = baton_warp_sum(2.0f);
+    if (lane == 0) scratch[warp] = b;
+    __syncthreads();
+    b = baton_warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+    out[threadIdx.x] = a + b;
+}

@@ -21,7 +21,7 @@
 //!   reused across blocks). A fiber runs until it finishes or reaches a barrier; nothing is
 //!   preempted. Blocks run one after another in `blockIdx` order (x fastest, then y, then z).
 //!   The [`Schedule`] says in which order the threads a barrier releases are resumed (thread
-//!   order, reverse, or a seeded shuffle); a race-free kernel gives bit-identical results under
+//!   order, reverse, a seeded shuffle, or ahead of all other threads); a race-free kernel gives bit-identical results under
 //!   all of them, so running a kernel under several is a cheap race check.
 //! - **`__syncthreads()`** waits until every thread of the block that has not finished has
 //!   arrived (exited threads do not count, as on the hardware). All threads must wait at the
@@ -47,8 +47,7 @@
 //! - **Memory races between threads** are not detected as such. Fibers switch only at
 //!   barriers, so a missing `__syncthreads` between one thread's shared-memory write and another
 //!   thread's read shows only when the reader happens to run first (then it reads poison or a
-//!   stale value): run under [`Schedule::Reverse`] and [`Schedule::Shuffled`] too to make that
-//!   likely. Atomics are plain read-modify-writes (never contended).
+//!   stale value): run under every [`Schedule::ALL`] to make that likely. Atomics are plain read-modify-writes (never contended).
 //! - **Warp-synchronous code without shuffles** (lanes relying on lockstep execution, or
 //!   `__syncwarp`): not emulated.
 //! - **Timing, occupancy, `__launch_bounds__`, register or shared-memory limits.**
@@ -243,14 +242,20 @@ pub enum Schedule {
     /// A pseudo-random permutation per barrier, from this seed and the block index
     /// (reproducible).
     Shuffled(u64),
+    /// Threads a barrier releases run before every other ready thread (in thread order): a
+    /// warp leaving a shuffle runs ahead until it waits at `__syncthreads`, while the other
+    /// warps lag at their previous step. Catches a warp overwriting shared memory that another
+    /// warp has not read yet.
+    RunAhead,
 }
 
 impl Schedule {
     /// One of each kind (the shuffle with a fixed seed), for tests.
-    pub const ALL: [Schedule; 3] = [
+    pub const ALL: [Schedule; 4] = [
         Schedule::InOrder,
         Schedule::Reverse,
         Schedule::Shuffled(0x5EED),
+        Schedule::RunAhead,
     ];
 }
 
@@ -342,6 +347,7 @@ pub unsafe fn launch_with(
         Schedule::InOrder => (0, 0),
         Schedule::Reverse => (1, 0),
         Schedule::Shuffled(seed) => (2, seed),
+        Schedule::RunAhead => (3, 0),
     };
     let mut err = [0 as c_char; 1024];
     let mut bad = [0 as c_uint; 3];

@@ -301,3 +301,34 @@ fn a_missing_barrier_shows_under_one_schedule_or_another() {
         "the shuffle orders threads differently"
     );
 }
+
+#[test]
+fn run_ahead_lets_one_warp_overwrite_shared_memory_the_others_have_not_read() {
+    let n = 128usize;
+    let want = vec![3.0 * n as f32; n];
+    let mut outs = Vec::new();
+    for schedule in [Schedule::InOrder, Schedule::RunAhead] {
+        let mut out = vec![0f32; n];
+        let mut p = Params::new();
+        p.ptr_mut(out.as_mut_ptr());
+        let args = p.as_args();
+        // SAFETY: emu_test_scratch_reuse(float* out) writes out[0..128) for 128 threads.
+        unsafe {
+            launch_with(
+                Dtype::F32,
+                "emu_test_scratch_reuse",
+                (1, 1, 1),
+                (n as u32, 1, 1),
+                &args,
+                schedule,
+            )
+        }
+        .unwrap();
+        outs.push(out);
+    }
+    assert_eq!(outs[0], want, "in thread order the warps stay in step");
+    assert_ne!(
+        outs[1], want,
+        "running warp 0 ahead exposes the missing barrier"
+    );
+}
