@@ -1,38 +1,58 @@
 //! A CPU emulator for Baton's CUDA C kernels (`kernels/*.cu`): runs the exact kernel source on
 //! the host, so kernel logic, launch geometry and host-side argument lists can be tested on a
-//! machine without a GPU.
+//! machine without a GPU (`cargo test -p baton-cuda-emu`).
 //!
 //! # How it works
 //!
-//! `build.rs` compiles every kernel file as C++17 (g++/clang, -O2) once per [`Dtype`], each copy
-//! in its own namespace (`baton_emu_d0` bf16, `_d1` f16, `_d2` f32), with a prelude
-//! (`csrc/prelude.h`) that supplies the CUDA surface the kernels use: `__global__` and friends,
-//! `threadIdx`/`blockIdx`/`blockDim`/`gridDim`, `uint2`/`uint4`, `__syncthreads`,
-//! `__shfl_xor_sync`, `atomicAdd`, bit casts, `__nv_bfloat16`/`__half` with round-to-nearest-even
-//! conversions, and the libm float functions. `kernels/common.cuh` skips the CUDA headers and
-//! gives entry points C++ linkage under `BATON_EMU`. A generated registry maps (dtype, entry
-//! name) to an invoker that reads parameter `i` from `args[i]` exactly as `cuLaunchKernel` reads
-//! `kernelParams`, so a launch here takes the same argument array as one on the GPU.
+//! `build.rs` compiles every kernel file as C++17 (g++, -O2 in every profile) once per
+//! [`Dtype`], each copy in its own namespace (`baton_emu_d0` bf16, `_d1` f16, `_d2` f32), after
+//! a prelude (`csrc/prelude.h`) that supplies the CUDA surface the kernels use: `__global__` and
+//! friends, `threadIdx`/`blockIdx`/`blockDim`/`gridDim`, `uint2`/`uint4`, `__syncthreads`,
+//! `__shfl_xor_sync`, `atomicAdd`, `__umulhi` and bit casts, `__nv_bfloat16`/`__half` with
+//! round-to-nearest-even conversions, and the libm float functions. Under `BATON_EMU`,
+//! `kernels/common.cuh` includes no CUDA header and `BATON_ENTRY` gives entry points C++
+//! linkage. Entry points are found by scanning the preprocessed sources, so a new kernel is
+//! registered without touching this crate. A generated registry maps (dtype, entry name) to an
+//! invoker that reads parameter `i` from `args[i]` exactly as `cuLaunchKernel` reads
+//! `kernelParams`, so a launch here takes the argument array a GPU launch takes ([`Params`]
+//! builds one the way the executor's `KArgs` does). Linux only (ELF sections, `objcopy`); the
+//! fiber switch is x86-64 assembly, with a `swapcontext` fallback elsewhere (or with
+//! `BATON_EMU_UCONTEXT=1` at build time).
+//!
+//! ```
+//! use baton_cuda_emu::{launch, Dtype, Params};
+//! let (t, h) = (2usize, 64usize);
+//! let (x, w) = (vec![1.0f32; t * h], vec![1.0f32; h]);
+//! let mut out = vec![0.0f32; t * h];
+//! let mut p = Params::new();
+//! // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+//! p.ptr_mut(out.as_mut_ptr()).ptr(x.as_ptr()).ptr(w.as_ptr()).int(t as i32).int(h as i32).float(1e-5);
+//! let args = p.as_args();
+//! // SAFETY: the argument list matches baton_rmsnorm's C signature; the buffers hold t * h floats.
+//! unsafe { launch(Dtype::F32, "baton_rmsnorm", (t as u32, 1, 1), (256, 1, 1), &args) }.unwrap();
+//! assert!(out.iter().all(|&y| (y - 1.0).abs() < 1e-5));
+//! ```
 //!
 //! # Execution model
 //!
 //! - **Threads are fibers.** A block runs all `block.x * block.y * block.z` threads
 //!   cooperatively on the calling OS thread, each on its own stack (128 KiB, guard page below,
-//!   reused across blocks). A fiber runs until it finishes or reaches a barrier; nothing is
-//!   preempted. Blocks run one after another in `blockIdx` order (x fastest, then y, then z).
-//!   The [`Schedule`] says in which order the threads a barrier releases are resumed (thread
-//!   order, reverse, a seeded shuffle, or ahead of all other threads); a race-free kernel gives bit-identical results under
-//!   all of them, so running a kernel under several is a cheap race check.
+//!   reused across blocks). A fiber runs until it finishes or reaches a barrier, then hands over
+//!   to the next ready fiber; nothing is preempted. Blocks run one after another in `blockIdx`
+//!   order (x fastest, then y, then z). The [`Schedule`] says in which order the threads a
+//!   barrier releases are resumed (thread order, reverse, a seeded shuffle, or ahead of all
+//!   other threads); a race-free kernel gives bit-identical results under all of them, so
+//!   running a kernel under each is a cheap race check.
 //! - **`__syncthreads()`** waits until every thread of the block that has not finished has
 //!   arrived (exited threads do not count, as on the hardware). All threads must wait at the
 //!   same textual barrier (file and line): two halves of a block syncing at different
 //!   `__syncthreads()` calls is reported as [`EmuError::Divergence`].
 //! - **`__shfl_xor_sync(mask, v, laneMask)`**: each lane writes its value into a per-warp buffer,
 //!   waits at a warp barrier (a warp is 32 consecutive linear thread ids), then reads lane
-//!   `lane ^ laneMask`'s value (the buffer is double-buffered so a second barrier is not needed).
-//!   Only the full mask, width 32 and laneMask in `[0, 32)` are modelled; every lane of the warp
-//!   must exist, be alive and call the same shuffle (same line, laneMask and value size), else
-//!   [`EmuError::Divergence`].
+//!   `lane ^ laneMask`'s value (the buffer is double-buffered, which makes the second warp
+//!   barrier unnecessary). Only the full mask, width 32 and laneMask in `[0, 32)` are modelled;
+//!   every lane of the warp must exist, be alive and call the same shuffle (same line, laneMask
+//!   and value size), else [`EmuError::Divergence`].
 //! - **Deadlock**: when no fiber can run but some are unfinished (for example some lanes of a
 //!   warp wait at a shuffle and the others at `__syncthreads`), the launch fails with
 //!   [`EmuError::Deadlock`] naming where each group of threads waits, instead of hanging.
@@ -47,7 +67,8 @@
 //! - **Memory races between threads** are not detected as such. Fibers switch only at
 //!   barriers, so a missing `__syncthreads` between one thread's shared-memory write and another
 //!   thread's read shows only when the reader happens to run first (then it reads poison or a
-//!   stale value): run under every [`Schedule::ALL`] to make that likely. Atomics are plain read-modify-writes (never contended).
+//!   stale value): run under every schedule of [`Schedule::ALL`] to make that likely. Atomics
+//!   are plain read-modify-writes (never contended).
 //! - **Warp-synchronous code without shuffles** (lanes relying on lockstep execution, or
 //!   `__syncwarp`): not emulated.
 //! - **Timing, occupancy, `__launch_bounds__`, register or shared-memory limits.**
