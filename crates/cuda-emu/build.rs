@@ -8,12 +8,17 @@
 //! #define BATON_EMU 1
 //! #define BATON_DTYPE <d>
 //! #include "prelude.h"                       // CUDA surface for the host
-//! namespace baton_emu_d<d> {
+//! namespace baton_emu_d<d> { namespace {
 //! #include ".../kernels/common.cuh"
 //! #include ".../kernels/<file>.cu"
-//! }
+//! } }
 //! static const Entry kEntries[] = { BATON_EMU_ENTRY(baton_emu_d<d>::<entry>, "<entry>"), ... };
 //! ```
+//!
+//! The anonymous namespace gives everything internal linkage, so the statics of kernel function
+//! templates are plain `.bss` data rather than COMDAT sections; `objcopy` then renames each
+//! kernel object's `.bss` (its `__shared__` variables and nothing else) to `baton_emu_shared`,
+//! the section the runtime poisons before every block.
 //!
 //! Entry names are found by preprocessing the same text (with `BATON_EMU` and no prelude, so
 //! `__global__` survives) and reading the name after each `__global__ void
@@ -36,6 +41,7 @@ fn main() {
     let csrc = manifest.join("csrc");
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-changed={}", csrc.display());
+    println!("cargo:rerun-if-env-changed=BATON_EMU_UCONTEXT");
     let common = kernels.join("common.cuh");
 
     let mut modules: Vec<PathBuf> = std::fs::read_dir(&kernels)
@@ -46,7 +52,7 @@ fn main() {
     modules.sort();
     modules.push(csrc.join("selftest.cu"));
 
-    let mut sources = vec![csrc.join("runtime.cpp")];
+    let mut sources = Vec::new();
     let mut tables = Vec::new();
     for module in &modules {
         let stem = module
@@ -69,9 +75,8 @@ fn main() {
     }
     let registry = out.join("emu_registry.cpp");
     write_if_changed(&registry, &registry_source(&tables));
-    sources.push(registry);
 
-    compile(&csrc, &sources);
+    compile(&csrc, &[csrc.join("runtime.cpp"), registry], &sources);
 }
 
 fn base_build(csrc: &Path) -> cc::Build {
@@ -85,29 +90,70 @@ fn base_build(csrc: &Path) -> cc::Build {
         .flag("-ffp-contract=off")
         .flag("-fno-fast-math")
         .flag("-Wno-unknown-pragmas"); // #pragma unroll
+                                       // Fibers switch with a few lines of x86-64 assembly; elsewhere, or with
+                                       // BATON_EMU_UCONTEXT=1 (to test that path), with swapcontext (slower: a syscall per switch).
+    if std::env::var("BATON_EMU_UCONTEXT").is_ok_and(|v| v == "1") {
+        b.define("BATON_EMU_UCONTEXT", None);
+    }
     b
 }
 
 /// Compiles the sources on all cores (the cc crate's own parallelism needs a jobserver
-/// dependency), then archives the objects into one static library.
-fn compile(csrc: &Path, sources: &[PathBuf]) {
+/// dependency), moves the kernels' shared memory into its own section, then archives the objects
+/// into one static library.
+fn compile(csrc: &Path, runtime: &[PathBuf], kernels: &[PathBuf]) {
     let jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let chunks: Vec<Vec<PathBuf>> = (0..jobs)
-        .map(|j| sources.iter().skip(j).step_by(jobs).cloned().collect())
+    let work: Vec<(bool, &PathBuf)> = runtime
+        .iter()
+        .map(|p| (false, p))
+        .chain(kernels.iter().map(|p| (true, p)))
         .collect();
-    let objects: Vec<PathBuf> = std::thread::scope(|s| {
-        let handles: Vec<_> = chunks
-            .iter()
-            .filter(|c| !c.is_empty())
-            .map(|chunk| s.spawn(move || base_build(csrc).files(chunk).compile_intermediates()))
+    let objects: Vec<(bool, PathBuf)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..jobs)
+            .map(|j| {
+                let mine: Vec<(bool, &PathBuf)> =
+                    work.iter().skip(j).step_by(jobs).copied().collect();
+                s.spawn(move || {
+                    mine.into_iter()
+                        .flat_map(|(kernel, src)| {
+                            let mut b = base_build(csrc);
+                            if kernel {
+                                // Every static of the unit in plain .bss, so one rename moves
+                                // them all (-fdata-sections would give each its own section).
+                                b.flag("-fno-data-sections");
+                            }
+                            b.file(src)
+                                .compile_intermediates()
+                                .into_iter()
+                                .map(move |o| (kernel, o))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
         handles
             .into_iter()
             .flat_map(|h| h.join().expect("compiler thread"))
             .collect()
     });
+    let objcopy = std::env::var("OBJCOPY").unwrap_or_else(|_| "objcopy".to_owned());
+    println!("cargo:rerun-if-env-changed=OBJCOPY");
+    for (kernel, obj) in &objects {
+        if !*kernel {
+            continue;
+        }
+        // The kernel units define no variables of their own besides __shared__ ones (entry
+        // tables are const and land in .data.rel.ro), so .bss is exactly their shared memory.
+        let status = std::process::Command::new(&objcopy)
+            .arg("--rename-section")
+            .arg(".bss=baton_emu_shared")
+            .arg(obj)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {objcopy} (GNU binutils; set OBJCOPY): {e}"));
+        assert!(status.success(), "{objcopy} failed on {}", obj.display());
+    }
     base_build(csrc)
-        .objects(objects)
+        .objects(objects.into_iter().map(|(_, o)| o))
         .compile("baton_cuda_emu_native");
 }
 
@@ -187,7 +233,7 @@ fn wrapper(common: &Path, module: &Path, d: u32, entries: &[String], table: &str
         "// Generated by crates/cuda-emu/build.rs: {} for BATON_DTYPE {d}.\n\
          #define BATON_EMU 1\n#define BATON_DTYPE {d}\n\
          #include \"prelude.h\"\n#include \"runtime.h\"\n\
-         namespace baton_emu_d{d} {{\n#include \"{}\"\n#include \"{}\"\n}}  // namespace baton_emu_d{d}\n\
+         namespace baton_emu_d{d} {{\nnamespace {{\n#include \"{}\"\n#include \"{}\"\n}}\n}}  // namespace baton_emu_d{d}\n\
          static const ::baton_emu::Entry kEntries[] = {{\n",
         module.display(),
         common.display(),

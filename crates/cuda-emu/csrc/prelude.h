@@ -21,8 +21,12 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // Blocks of one launch run one after another and launches are serialized, so a function-local
-// static is exactly one block's shared memory. (It is not cleared between blocks: a kernel that
-// reads shared memory before writing it sees the previous block's data, not garbage.)
+// static is exactly one block's shared memory. build.rs moves every zero-initialized static of a
+// kernel translation unit (which are exactly its __shared__ variables) into the section
+// `baton_emu_shared`, and the runtime fills that section with 0xff bytes (NaN floats, all-ones
+// integers) before every block: a kernel that reads shared memory it has not written in this
+// block sees poison, not a previous block's data. (A section attribute here would not do: GCC
+// ignores it on statics of function templates.)
 #define __shared__ static
 // __restrict__ is a GNU C++ keyword already.
 

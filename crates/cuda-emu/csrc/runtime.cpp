@@ -2,9 +2,13 @@
 // thread, blocks one after another. See src/lib.rs for the model and its limits.
 //
 // A fiber runs until it finishes or reaches a barrier (__syncthreads or a warp shuffle); it
-// then records where it waits and switches back to the scheduler, which resumes the next ready
-// fiber. The last fiber to arrive at a barrier releases the waiters in thread order. When no
-// fiber is ready but some are unfinished, the block is deadlocked and the launch fails.
+// then records where it waits and switches straight to the next ready fiber. The last fiber to
+// arrive at a barrier releases the waiters, queued in thread order, reverse thread order, a
+// seeded shuffle, or ahead of every other ready fiber (the launch's schedule; a kernel whose
+// result depends on it has a race). Control returns to the scheduler loop only when no fiber is
+// ready: then either every thread finished, or the block is deadlocked and the launch fails.
+// Before each block, shared memory (the section `baton_emu_shared`, see build.rs) is filled
+// with 0xff bytes.
 #include "prelude.h"
 #include "runtime.h"
 
@@ -95,6 +99,11 @@ baton_emu_fiber_entry:
 
 extern "C" __attribute__((visibility("hidden"), used, noreturn)) void baton_emu_fiber_main();
 
+// Bounds of every kernel's __shared__ variables (the linker defines them for a section whose name
+// is a C identifier).
+extern "C" unsigned char __start_baton_emu_shared[];
+extern "C" unsigned char __stop_baton_emu_shared[];
+
 namespace baton_emu {
 namespace {
 
@@ -166,7 +175,13 @@ struct Warp {
     unsigned long long buf[2][kWarp];
 };
 
+// Order in which released (or starting) fibers are queued.
+enum Schedule : int { kInOrder = 0, kReverse = 1, kShuffled = 2, kRunAhead = 3 };
+
 struct Run {
+    int schedule = kInOrder;
+    unsigned long long rng = 0;  // kShuffled: splitmix64 state
+    std::vector<unsigned> released;
     const Entry* entry = nullptr;
     void** args = nullptr;
     unsigned n = 0;
@@ -201,6 +216,36 @@ void push_ready(Run& r, unsigned i) {
     r.ready[(r.head + r.queued) % r.n] = i;
     ++r.queued;
     r.fibers[i].st = St::Ready;
+}
+
+unsigned long long splitmix64(unsigned long long& s) {
+    unsigned long long z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Queues r.released (ascending thread ids) in the launch's schedule order.
+void release_all(Run& r) {
+    std::vector<unsigned>& v = r.released;
+    if (r.schedule == kReverse) {
+        std::reverse(v.begin(), v.end());
+    } else if (r.schedule == kShuffled) {
+        for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[splitmix64(r.rng) % i]);
+    }
+    if (r.schedule == kRunAhead) {
+        // Released fibers go to the front of the queue, in thread order: the warp (or block)
+        // just released keeps running while the others wait.
+        for (size_t k = v.size(); k-- > 0;) {
+            r.head = (r.head + r.n - 1) % r.n;
+            r.ready[r.head] = v[k];
+            ++r.queued;
+            r.fibers[v[k]].st = St::Ready;
+        }
+    } else {
+        for (unsigned i : v) push_ready(r, i);
+    }
+    v.clear();
 }
 
 void set_failure(Run& r, int code, const std::string& msg) {
@@ -259,7 +304,8 @@ void release_block(Run& r) {
     }
     r.arrived = 0;
     for (unsigned i = 0; i < r.n; ++i)
-        if (r.fibers[i].st == St::AtBlock) push_ready(r, i);
+        if (r.fibers[i].st == St::AtBlock) r.released.push_back(i);
+    release_all(r);
 }
 
 void release_warp(Run& r, unsigned wi) {
@@ -288,19 +334,42 @@ void release_warp(Run& r, unsigned wi) {
         }
     }
     w.arrived = 0;
-    for (unsigned i = lo; i < hi; ++i) push_ready(r, i);
+    for (unsigned i = lo; i < hi; ++i) r.released.push_back(i);
+    release_all(r);
 }
 
-// Back to the scheduler; returns when this fiber is resumed.
-void yield_to_scheduler(Run& r, Fiber& f) { ctx_switch(&f.ctx, &r.sched); }
+// Takes the next fiber off the ready queue and makes it current.
+unsigned pop_ready(Run& r) {
+    const unsigned i = r.ready[r.head];
+    r.head = (r.head + 1) % r.n;
+    --r.queued;
+    r.cur = i;
+    g_coords.thread_idx = r.fibers[i].tid;
+    return i;
+}
+
+// Leaves fiber `f` (waiting or finished) for the next ready fiber, directly (no detour through
+// the scheduler), or for the scheduler when none is ready or the block failed. Returns when `f`
+// is resumed.
+void switch_away(Run& r, Fiber& f) {
+    if (r.code != 0 || r.queued == 0) {
+        ctx_switch(&f.ctx, &r.sched);
+        return;
+    }
+    Fiber& next = r.fibers[pop_ready(r)];
+    if (&next != &f) ctx_switch(&f.ctx, &next.ctx);  // else: f released itself and runs on
+}
 
 [[noreturn]] void fail_here(Run& r, Fiber& f, const std::string& msg) {
     set_failure(r, 2, msg);
-    yield_to_scheduler(r, f);  // the scheduler never resumes a block that failed
+    switch_away(r, f);  // the scheduler never resumes a block that failed
     __builtin_trap();
 }
 
-void run_block(Run& r) {
+void run_block(Run& r, unsigned long long seed, unsigned long long block_linear) {
+    memset(__start_baton_emu_shared, 0xff,
+           (size_t)(__stop_baton_emu_shared - __start_baton_emu_shared));
+    r.rng = seed ^ (block_linear * 0xD1B54A32D192ED03ull);
     r.code = 0;
     r.msg.clear();
     r.live = r.n;
@@ -314,23 +383,20 @@ void run_block(Run& r) {
         f.shfl_count = 0;
         f.site = Site{};
         ctx_init(&f.ctx, g_stacks[i], kStackBytes);
-        push_ready(r, i);
+        r.released.push_back(i);
     }
+    release_all(r);
     for (unsigned w = 0; w < r.warps.size(); ++w) {
         Warp& wp = r.warps[w];
         wp.size = std::min(kWarp, r.n - w * kWarp);
         wp.live = wp.size;
         wp.arrived = 0;
     }
-    while (r.queued > 0) {
-        const unsigned i = r.ready[r.head];
-        r.head = (r.head + 1) % r.n;
-        --r.queued;
-        r.cur = i;
-        g_coords.thread_idx = r.fibers[i].tid;
-        ctx_switch(&r.sched, &r.fibers[i].ctx);
-        if (r.code != 0) return;
-    }
+    // Fibers hand over to each other; control comes back here when the block failed, finished,
+    // or has no ready fiber left.
+    const unsigned first = pop_ready(r);
+    ctx_switch(&r.sched, &r.fibers[first].ctx);
+    if (r.code != 0) return;
     if (r.live > 0) {
         std::string warps;
         for (unsigned w = 0; w < r.warps.size(); ++w)
@@ -356,7 +422,7 @@ void syncthreads_at(const char* file, int line) {
     f.st = St::AtBlock;
     f.site = Site{file, line};
     if (++r.arrived == r.live) release_block(r);
-    yield_to_scheduler(r, f);
+    switch_away(r, f);
 }
 
 void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
@@ -383,7 +449,7 @@ void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned
     f.size = size;
     f.st = St::AtWarp;
     if (++w.arrived == w.live) release_warp(r, i / kWarp);
-    yield_to_scheduler(r, f);
+    switch_away(r, f);
     memcpy(out, &w.buf[phase][lane ^ (unsigned)lane_mask], size);
     ++f.shfl_count;
 }
@@ -402,16 +468,18 @@ extern "C" void baton_emu_fiber_main() {
     --w.live;
     if (r.arrived > 0 && r.arrived == r.live) release_block(r);
     if (w.arrived > 0 && w.arrived == w.live) release_warp(r, i / kWarp);
-    ctx_switch(&f.ctx, &r.sched);
+    switch_away(r, f);
     __builtin_trap();  // a finished fiber is never resumed
 }
 
-// Runs `entry` over the grid. Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
+// Runs `entry` over the grid, queueing fibers per `schedule` (0 thread order, 1 reverse, 2
+// shuffled with `seed`, 3 released fibers first). Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
 // barrier use) / 3 (resource failure) with a NUL-terminated message in err[0..cap) and the
 // failing block's index in bad_block[3]. Callers validate grid, block and argument count;
 // launches must not overlap (the Rust side holds a mutex).
 extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[3],
-                             const unsigned block[3], void** args, char* err, size_t cap,
+                             const unsigned block[3], void** args, int schedule,
+                             unsigned long long seed, char* err, size_t cap,
                              unsigned bad_block[3]) {
     using namespace baton_emu;
     auto report = [&](int code, const std::string& msg) {
@@ -425,6 +493,7 @@ extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[
         g_busy = false;
         return report(3, fmt("cannot run a block of %u threads", n));
     }
+    r.schedule = schedule;
     r.entry = entry;
     r.args = args;
     r.n = n;
@@ -438,7 +507,7 @@ extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[
         for (unsigned y = 0; y < grid[1] && code == 0; ++y)
             for (unsigned x = 0; x < grid[0] && code == 0; ++x) {
                 g_coords.block_idx = uint3{x, y, z};
-                run_block(r);
+                run_block(r, seed, x + (unsigned long long)grid[0] * (y + (unsigned long long)grid[1] * z));
                 if (r.code != 0) {
                     code = report(r.code, r.msg);
                     bad_block[0] = x;

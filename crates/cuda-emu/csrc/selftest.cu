@@ -69,3 +69,48 @@ BATON_ENTRY void emu_test_exit_then_sync(float* out) {
     __syncthreads();
     out[t] = s[t] + 1.0f;
 }
+
+// Shared memory is poisoned (0xff bytes) before every block, in plain and template functions:
+// out[b * blockDim.x + t] = the float thread t reads from shared memory before any write, then
+// writes its own value (which the next block must not see).
+template <int N>
+__device__ float emu_test_read_first(float v) {
+    __shared__ float s[N];
+    const float before = s[threadIdx.x];
+    s[threadIdx.x] = v;
+    return before;
+}
+BATON_ENTRY void emu_test_uninit_shared(float* out, u32* raw) {
+    __shared__ u32 plain[64];
+    const int t = threadIdx.x;
+    out[blockIdx.x * blockDim.x + t] = emu_test_read_first<64>(1.0f);
+    raw[blockIdx.x * blockDim.x + t] = plain[t];
+    plain[t] = 7u;
+}
+
+// A race: each thread writes s[t] and then, without a barrier, reads its neighbour's slot.
+// out[t] = s[(t + 1) % n] is right only when the neighbour happened to run first.
+BATON_ENTRY void emu_test_race(float* out) {
+    __shared__ float s[1024];
+    const int t = threadIdx.x, n = blockDim.x;
+    s[t] = (float)t;
+    out[t] = s[(t + 1) % n];
+    __syncthreads();
+}
+
+// Two block sums through the same scratch without the barrier between them that baton_block_sum
+// has: warp 0 may overwrite scratch[0] before the other warps have read the first sum's partial.
+// out[t] = n + 2n for a block of n threads when the warps happen to stay in step.
+BATON_ENTRY void emu_test_scratch_reuse(float* out) {
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    float a = baton_warp_sum(1.0f);
+    if (lane == 0) scratch[warp] = a;
+    __syncthreads();
+    a = baton_warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+    float b = baton_warp_sum(2.0f);
+    if (lane == 0) scratch[warp] = b;
+    __syncthreads();
+    b = baton_warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+    out[threadIdx.x] = a + b;
+}

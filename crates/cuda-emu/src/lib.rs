@@ -1,52 +1,76 @@
 //! A CPU emulator for Baton's CUDA C kernels (`kernels/*.cu`): runs the exact kernel source on
 //! the host, so kernel logic, launch geometry and host-side argument lists can be tested on a
-//! machine without a GPU.
+//! machine without a GPU (`cargo test -p baton-cuda-emu`).
 //!
 //! # How it works
 //!
-//! `build.rs` compiles every kernel file as C++17 (g++/clang, -O2) once per [`Dtype`], each copy
-//! in its own namespace (`baton_emu_d0` bf16, `_d1` f16, `_d2` f32), with a prelude
-//! (`csrc/prelude.h`) that supplies the CUDA surface the kernels use: `__global__` and friends,
-//! `threadIdx`/`blockIdx`/`blockDim`/`gridDim`, `uint2`/`uint4`, `__syncthreads`,
-//! `__shfl_xor_sync`, `atomicAdd`, bit casts, `__nv_bfloat16`/`__half` with round-to-nearest-even
-//! conversions, and the libm float functions. `kernels/common.cuh` skips the CUDA headers and
-//! gives entry points C++ linkage under `BATON_EMU`. A generated registry maps (dtype, entry
-//! name) to an invoker that reads parameter `i` from `args[i]` exactly as `cuLaunchKernel` reads
-//! `kernelParams`, so a launch here takes the same argument array as one on the GPU.
+//! `build.rs` compiles every kernel file as C++17 (g++, -O2 in every profile) once per
+//! [`Dtype`], each copy in its own namespace (`baton_emu_d0` bf16, `_d1` f16, `_d2` f32), after
+//! a prelude (`csrc/prelude.h`) that supplies the CUDA surface the kernels use: `__global__` and
+//! friends, `threadIdx`/`blockIdx`/`blockDim`/`gridDim`, `uint2`/`uint4`, `__syncthreads`,
+//! `__shfl_xor_sync`, `atomicAdd`, `__umulhi` and bit casts, `__nv_bfloat16`/`__half` with
+//! round-to-nearest-even conversions, and the libm float functions. Under `BATON_EMU`,
+//! `kernels/common.cuh` includes no CUDA header and `BATON_ENTRY` gives entry points C++
+//! linkage. Entry points are found by scanning the preprocessed sources, so a new kernel is
+//! registered without touching this crate. A generated registry maps (dtype, entry name) to an
+//! invoker that reads parameter `i` from `args[i]` exactly as `cuLaunchKernel` reads
+//! `kernelParams`, so a launch here takes the argument array a GPU launch takes ([`Params`]
+//! builds one the way the executor's `KArgs` does). Linux only (ELF sections, `objcopy`); the
+//! fiber switch is x86-64 assembly, with a `swapcontext` fallback elsewhere (or with
+//! `BATON_EMU_UCONTEXT=1` at build time).
+//!
+//! ```
+//! use baton_cuda_emu::{launch, Dtype, Params};
+//! let (t, h) = (2usize, 64usize);
+//! let (x, w) = (vec![1.0f32; t * h], vec![1.0f32; h]);
+//! let mut out = vec![0.0f32; t * h];
+//! let mut p = Params::new();
+//! // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+//! p.ptr_mut(out.as_mut_ptr()).ptr(x.as_ptr()).ptr(w.as_ptr()).int(t as i32).int(h as i32).float(1e-5);
+//! let args = p.as_args();
+//! // SAFETY: the argument list matches baton_rmsnorm's C signature; the buffers hold t * h floats.
+//! unsafe { launch(Dtype::F32, "baton_rmsnorm", (t as u32, 1, 1), (256, 1, 1), &args) }.unwrap();
+//! assert!(out.iter().all(|&y| (y - 1.0).abs() < 1e-5));
+//! ```
 //!
 //! # Execution model
 //!
 //! - **Threads are fibers.** A block runs all `block.x * block.y * block.z` threads
 //!   cooperatively on the calling OS thread, each on its own stack (128 KiB, guard page below,
-//!   reused across blocks). A fiber runs until it finishes or reaches a barrier; nothing is
-//!   preempted. Blocks run one after another in `blockIdx` order (x fastest, then y, then z).
+//!   reused across blocks). A fiber runs until it finishes or reaches a barrier, then hands over
+//!   to the next ready fiber; nothing is preempted. Blocks run one after another in `blockIdx`
+//!   order (x fastest, then y, then z). The [`Schedule`] says in which order the threads a
+//!   barrier releases are resumed (thread order, reverse, a seeded shuffle, or ahead of all
+//!   other threads); a race-free kernel gives bit-identical results under all of them, so
+//!   running a kernel under each is a cheap race check.
 //! - **`__syncthreads()`** waits until every thread of the block that has not finished has
 //!   arrived (exited threads do not count, as on the hardware). All threads must wait at the
 //!   same textual barrier (file and line): two halves of a block syncing at different
 //!   `__syncthreads()` calls is reported as [`EmuError::Divergence`].
 //! - **`__shfl_xor_sync(mask, v, laneMask)`**: each lane writes its value into a per-warp buffer,
 //!   waits at a warp barrier (a warp is 32 consecutive linear thread ids), then reads lane
-//!   `lane ^ laneMask`'s value (the buffer is double-buffered so a second barrier is not needed).
-//!   Only the full mask, width 32 and laneMask in `[0, 32)` are modelled; every lane of the warp
-//!   must exist, be alive and call the same shuffle (same line, laneMask and value size), else
-//!   [`EmuError::Divergence`].
+//!   `lane ^ laneMask`'s value (the buffer is double-buffered, which makes the second warp
+//!   barrier unnecessary). Only the full mask, width 32 and laneMask in `[0, 32)` are modelled;
+//!   every lane of the warp must exist, be alive and call the same shuffle (same line, laneMask
+//!   and value size), else [`EmuError::Divergence`].
 //! - **Deadlock**: when no fiber can run but some are unfinished (for example some lanes of a
 //!   warp wait at a shuffle and the others at `__syncthreads`), the launch fails with
 //!   [`EmuError::Deadlock`] naming where each group of threads waits, instead of hanging.
 //! - **Shared memory**: `__shared__` is `static`. Blocks run one at a time and launches are
 //!   serialized by a global mutex, so a function-local static is exactly one block's shared
-//!   memory.
+//!   memory. It is filled with `0xff` bytes (NaN floats, all-ones integers) before every block,
+//!   so reading shared memory before writing it shows up as NaNs or wild values.
 //! - **Device memory** is host memory: a device pointer argument is a plain host address.
 //!
 //! # What it does not model
 //!
-//! - **Memory races between threads.** Fibers switch only at barriers, so a missing
-//!   `__syncthreads` between a shared-memory write and another thread's read is not caught
-//!   (the write usually happens to land first), and atomics are plain read-modify-writes.
+//! - **Memory races between threads** are not detected as such. Fibers switch only at
+//!   barriers, so a missing `__syncthreads` between one thread's shared-memory write and another
+//!   thread's read shows only when the reader happens to run first (then it reads poison or a
+//!   stale value): run under every schedule of [`Schedule::ALL`] to make that likely. Atomics
+//!   are plain read-modify-writes (never contended).
 //! - **Warp-synchronous code without shuffles** (lanes relying on lockstep execution, or
 //!   `__syncwarp`): not emulated.
-//! - **Uninitialized shared memory**: a block sees the previous block's shared values, not
-//!   garbage; a kernel reading shared memory before writing it is not caught.
 //! - **Timing, occupancy, `__launch_bounds__`, register or shared-memory limits.**
 //! - **GPU floating point**: host `expf`/`exp2f`/`logf`/`sincosf` are glibc's (nearly correctly
 //!   rounded), not the GPU's (up to 2 ulp); the GPU compiler contracts `a * b + c` into FMAs
@@ -83,6 +107,8 @@ extern "C" {
         grid: *const c_uint,
         block: *const c_uint,
         args: *mut *mut c_void,
+        schedule: c_int,
+        seed: u64,
         err: *mut c_char,
         cap: usize,
         bad_block: *mut c_uint,
@@ -228,9 +254,55 @@ pub fn entry_points(dtype: Dtype) -> Vec<&'static str> {
     registry().1.get(&dtype).cloned().unwrap_or_default()
 }
 
+/// Order in which the emulator resumes the threads of a block that a barrier releases, and
+/// starts them. A kernel without races computes bit-identical results under every schedule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// Ascending linear thread id (the default).
+    #[default]
+    InOrder,
+    /// Descending linear thread id.
+    Reverse,
+    /// A pseudo-random permutation per barrier, from this seed and the block index
+    /// (reproducible).
+    Shuffled(u64),
+    /// Threads a barrier releases run before every other ready thread (in thread order): a
+    /// warp leaving a shuffle runs ahead until it waits at `__syncthreads`, while the other
+    /// warps lag at their previous step. Catches a warp overwriting shared memory that another
+    /// warp has not read yet.
+    RunAhead,
+}
+
+impl Schedule {
+    /// One of each kind (the shuffle with a fixed seed), for tests.
+    pub const ALL: [Schedule; 4] = [
+        Schedule::InOrder,
+        Schedule::Reverse,
+        Schedule::Shuffled(0x5EED),
+        Schedule::RunAhead,
+    ];
+}
+
+/// [`launch_with`] under [`Schedule::InOrder`].
+///
+/// # Safety
+///
+/// As for [`launch_with`].
+pub unsafe fn launch(
+    dtype: Dtype,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &[*mut c_void],
+) -> Result<(), EmuError> {
+    // SAFETY: the caller upholds launch_with's contract (same arguments).
+    unsafe { launch_with(dtype, name, grid, block, args, Schedule::InOrder) }
+}
+
 /// Runs kernel `name` of the `dtype` module on the host, as
 /// `cuLaunchKernel(f, grid, block, 0 shared bytes, stream, args, NULL)` followed by a stream
-/// synchronize would: when it returns, every block has run.
+/// synchronize would: when it returns, every block has run. `schedule` orders the threads
+/// within each block (see [`Schedule`]).
 ///
 /// `grid` and `block` are (x, y, z) in blocks and threads. `args` is the `kernelParams` array:
 /// one pointer per kernel parameter, pointing at the parameter's value (an `int` is read as the
@@ -250,12 +322,13 @@ pub fn entry_points(dtype: Dtype) -> Vec<&'static str> {
 /// right size and alignment that the kernel may read or write, not aliased by Rust references
 /// during the call (except where the kernel's contract allows aliasing). A kernel that reads
 /// or writes out of bounds corrupts the process's memory.
-pub unsafe fn launch(
+pub unsafe fn launch_with(
     dtype: Dtype,
     name: &str,
     grid: (u32, u32, u32),
     block: (u32, u32, u32),
     args: &[*mut c_void],
+    schedule: Schedule,
 ) -> Result<(), EmuError> {
     let kernel = *registry()
         .0
@@ -294,6 +367,12 @@ pub unsafe fn launch(
     let grid_a = [grid.0, grid.1, grid.2];
     let block_a = [bx, by, bz];
     let mut ptrs = args.to_vec();
+    let (sched, seed) = match schedule {
+        Schedule::InOrder => (0, 0),
+        Schedule::Reverse => (1, 0),
+        Schedule::Shuffled(seed) => (2, seed),
+        Schedule::RunAhead => (3, 0),
+    };
     let mut err = [0 as c_char; 1024];
     let mut bad = [0 as c_uint; 3];
     let code = {
@@ -309,6 +388,8 @@ pub unsafe fn launch(
                 grid_a.as_ptr(),
                 block_a.as_ptr(),
                 ptrs.as_mut_ptr(),
+                sched,
+                seed,
                 err.as_mut_ptr(),
                 err.len(),
                 bad.as_mut_ptr(),
@@ -391,12 +472,32 @@ impl Params {
         self.slots.is_empty()
     }
 
-    /// The `kernelParams` array: one pointer per slot, valid while `self` is neither moved
-    /// nor modified.
-    pub fn as_args(&mut self) -> Vec<*mut c_void> {
-        self.slots
-            .iter_mut()
-            .map(|s| (s as *mut u64).cast::<c_void>())
-            .collect()
+    /// The `kernelParams` array: one pointer per slot. It borrows `self`, so the slots cannot
+    /// move, change or be dropped while the array is alive.
+    pub fn as_args(&mut self) -> KernelParams<'_> {
+        KernelParams {
+            ptrs: self
+                .slots
+                .iter_mut()
+                .map(|s| (s as *mut u64).cast::<c_void>())
+                .collect(),
+            _slots: std::marker::PhantomData,
+        }
+    }
+}
+
+/// A `kernelParams` array pointing into a [`Params`]; dereferences to the `&[*mut c_void]`
+/// [`launch`] takes.
+#[derive(Debug)]
+pub struct KernelParams<'a> {
+    ptrs: Vec<*mut c_void>,
+    _slots: std::marker::PhantomData<&'a mut Params>,
+}
+
+impl std::ops::Deref for KernelParams<'_> {
+    type Target = [*mut c_void];
+
+    fn deref(&self) -> &[*mut c_void] {
+        &self.ptrs
     }
 }

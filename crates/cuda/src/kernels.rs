@@ -274,6 +274,12 @@ mod tests {
         for (&(file, src), &(efile, entries)) in SOURCES.iter().zip(ENTRY_POINTS) {
             assert_eq!(file, efile);
             assert!(!entries.is_empty(), "{file}");
+            // BATON_ENTRY (common.cuh) is extern "C" for NVRTC but C++ linkage for the host
+            // emulator (crates/cuda-emu), which links every dtype's copy into one binary.
+            assert!(
+                !src.contains("extern \"C\""),
+                "{file}: declare entry points with BATON_ENTRY, not extern \"C\" __global__"
+            );
             for entry in entries {
                 // Either a literal extern "C" definition or a macro that pastes the suffix.
                 let literal =

@@ -1,0 +1,1144 @@
+//! The CUDA kernels of `kernels/*.cu`, run by the emulator against naive Rust references.
+//!
+//! Every launch passes the argument list, grid and block that `crates/cuda/src/executor.rs`
+//! passes (the C signature is repeated above each launch). Device buffers are host vectors;
+//! element buffers are 16-byte aligned so the kernels' vectorized paths run, and odd sizes
+//! exercise the scalar fallbacks. f32 is compared tightly; bf16 (and f16 where cheap) within a
+//! couple of units in the last place of the element type.
+
+use baton_cuda_emu::{launch_with, Dtype, Params, Schedule};
+use baton_proto::SamplingParams;
+use half::{bf16, f16};
+use std::cell::Cell;
+
+// ---- Harness -----------------------------------------------------------------------------------
+
+thread_local! {
+    /// The schedule this test thread's launches use (see [`every_schedule`]).
+    static SCHEDULE: Cell<Schedule> = const { Cell::new(Schedule::InOrder) };
+}
+
+/// Runs a test body once per [`Schedule`]: a kernel with a race between its threads would
+/// compute a different (poisoned or stale) result under one of them and fail the comparison.
+fn every_schedule(body: impl Fn()) {
+    for s in Schedule::ALL {
+        SCHEDULE.with(|c| c.set(s));
+        body();
+    }
+}
+
+/// Launches `name` of the `dtype` module, panicking with the emulator's message on failure.
+fn run(dtype: Dtype, name: &str, grid: (u32, u32, u32), block: u32, p: &mut Params) {
+    let args = p.as_args();
+    let schedule = SCHEDULE.with(Cell::get);
+    // SAFETY: each call site passes the argument list of `name`'s C signature (comment above
+    // it), with buffers sized for the grid and shapes it passes.
+    unsafe { launch_with(dtype, name, grid, (block, 1, 1), &args, schedule) }
+        .unwrap_or_else(|e| panic!("{} {name} ({schedule:?}): {e}", dtype.name()));
+}
+
+/// Rounds `x` to the element type and back.
+fn round(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::Bf16 => bf16::from_f32(x).to_f32(),
+        Dtype::F16 => f16::from_f32(x).to_f32(),
+        Dtype::F32 => x,
+    }
+}
+
+/// Relative tolerance of one rounding to the element type (half an ulp is 2^-9 / 2^-12).
+fn ulp(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Bf16 => 1.0 / 128.0,
+        Dtype::F16 => 1.0 / 1024.0,
+        Dtype::F32 => 1.0e-6,
+    }
+}
+
+/// A device buffer of `elem_t`, 16-byte aligned.
+struct Elems {
+    dtype: Dtype,
+    words: Vec<u128>,
+    len: usize,
+}
+
+impl Elems {
+    fn new(dtype: Dtype, values: &[f32]) -> Self {
+        let mut e = Elems {
+            dtype,
+            words: vec![0; (values.len() * dtype.size()).div_ceil(16)],
+            len: values.len(),
+        };
+        e.write(values);
+        e
+    }
+
+    fn filled(dtype: Dtype, len: usize, v: f32) -> Self {
+        Self::new(dtype, &vec![v; len])
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.len * self.dtype.size();
+        // SAFETY: `words` holds at least n bytes; u8 has no alignment or validity requirements.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), n) }
+    }
+
+    fn write(&mut self, values: &[f32]) {
+        let dtype = self.dtype;
+        let b = self.bytes_mut();
+        for (i, &v) in values.iter().enumerate() {
+            match dtype {
+                Dtype::Bf16 => {
+                    b[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes())
+                }
+                Dtype::F16 => b[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+                Dtype::F32 => b[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+            }
+        }
+    }
+
+    fn read(&mut self) -> Vec<f32> {
+        let dtype = self.dtype;
+        let b = self.bytes_mut();
+        match dtype {
+            Dtype::Bf16 => b
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        }
+    }
+
+    /// Device pointer to element `i`.
+    fn at(&mut self, i: usize) -> *mut u8 {
+        assert!(i <= self.len);
+        let size = self.dtype.size();
+        // SAFETY: i <= len, so the offset stays inside (or one past) the allocation.
+        unsafe { self.bytes_mut().as_mut_ptr().add(i * size) }
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        self.at(0)
+    }
+}
+
+/// Deterministic values in [-1, 1) (an LCG; no rand dependency in the hot loop).
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Values already representable in `dtype`.
+fn rounded_values(dtype: Dtype, seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    values(seed, n)
+        .into_iter()
+        .map(|v| round(dtype, v * scale))
+        .collect()
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let tol = abs + rel * w.abs();
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: got {g}, want {w} (diff {}, tolerance {tol})",
+            (g - w).abs()
+        );
+    }
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+/// HF LlamaRMSNorm on stored values: round(w * round(x * inv)), statistics in f64.
+fn rmsnorm_ref(dtype: Dtype, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let inv = (1.0 / (ss / x.len() as f64 + f64::from(eps)).sqrt()) as f32;
+    x.iter()
+        .zip(w)
+        .map(|(&v, &w)| round(dtype, w * round(dtype, v * inv)))
+        .collect()
+}
+
+#[test]
+fn rmsnorm_matches_the_reference_per_token_for_both_executor_block_sizes() {
+    every_schedule(|| {
+        let (t, h, eps) = (3usize, 300usize, 1e-5f32);
+        for dtype in Dtype::ALL {
+            for block in [256u32, 1024] {
+                let x = rounded_values(dtype, 1, t * h, 3.0);
+                let w = rounded_values(dtype, 2, h, 1.0);
+                let (mut xin, mut win) = (Elems::new(dtype, &x), Elems::new(dtype, &w));
+                let mut out = Elems::filled(dtype, t * h, f32::NAN);
+                // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+                run(
+                    dtype,
+                    "baton_rmsnorm",
+                    (t as u32, 1, 1),
+                    block,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(xin.ptr())
+                        .ptr(win.ptr())
+                        .int(t as i32)
+                        .int(h as i32)
+                        .float(eps),
+                );
+                let got = out.read();
+                for r in 0..t {
+                    let want = rmsnorm_ref(dtype, &x[r * h..(r + 1) * h], &w, eps);
+                    // One rounding of x * inv may flip with inv's last bit: two ulps of the output.
+                    assert_close(
+                        &format!("{} block {block} token {r}", dtype.name()),
+                        &got[r * h..(r + 1) * h],
+                        &want,
+                        2.0 * ulp(dtype),
+                        1e-6,
+                    );
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn add_rmsnorm_updates_the_residual_and_normalizes_it_even_when_out_aliases_x() {
+    every_schedule(|| {
+        let (t, h, eps) = (2usize, 200usize, 1e-6f32);
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for alias in [false, true] {
+                let r0 = rounded_values(dtype, 3, t * h, 2.0);
+                let x = rounded_values(dtype, 4, t * h, 2.0);
+                let w = rounded_values(dtype, 5, h, 1.0);
+                let (mut resid, mut xin, mut win) = (
+                    Elems::new(dtype, &r0),
+                    Elems::new(dtype, &x),
+                    Elems::new(dtype, &w),
+                );
+                let mut out = Elems::filled(dtype, t * h, f32::NAN);
+                let out_ptr = if alias { xin.ptr() } else { out.ptr() };
+                // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps)
+                run(
+                    dtype,
+                    "baton_add_rmsnorm",
+                    (t as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out_ptr)
+                        .ptr_mut(resid.ptr())
+                        .ptr(xin.ptr())
+                        .ptr(win.ptr())
+                        .int(t as i32)
+                        .int(h as i32)
+                        .float(eps),
+                );
+                let want_resid: Vec<f32> = r0
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| round(dtype, a + b))
+                    .collect();
+                assert_eq!(resid.read(), want_resid, "{} residual", dtype.name());
+                let got = if alias { xin.read() } else { out.read() };
+                for r in 0..t {
+                    let want = rmsnorm_ref(dtype, &want_resid[r * h..(r + 1) * h], &w, eps);
+                    assert_close(
+                        &format!("{} alias {alias} token {r}", dtype.name()),
+                        &got[r * h..(r + 1) * h],
+                        &want,
+                        2.0 * ulp(dtype),
+                        1e-6,
+                    );
+                }
+            }
+        }
+    });
+}
+
+// ---- Embedding, row gather, pending ids -----------------------------------------------------------
+
+#[test]
+fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
+    every_schedule(|| {
+        let vocab = 10usize;
+        let ids: Vec<u32> = vec![3, 0, 12, 9, 3];
+        // 64: the 16-byte vector path; 7: rows not 16-byte aligned, the scalar path.
+        for hidden in [64usize, 7] {
+            for dtype in Dtype::ALL {
+                let table = rounded_values(dtype, 6, vocab * hidden, 1.0);
+                let mut tab = Elems::new(dtype, &table);
+                let mut out = Elems::filled(dtype, ids.len() * hidden, f32::NAN);
+                // embedding(out, table, ids, num_tokens, hidden, vocab)
+                run(
+                    dtype,
+                    "baton_embedding_gather",
+                    (ids.len() as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(tab.ptr())
+                        .ptr(ids.as_ptr())
+                        .int(ids.len() as i32)
+                        .int(hidden as i32)
+                        .int(vocab as i32),
+                );
+                let want: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&id| {
+                        let id = id as usize;
+                        if id < vocab {
+                            table[id * hidden..(id + 1) * hidden].to_vec()
+                        } else {
+                            vec![0.0; hidden]
+                        }
+                    })
+                    .collect();
+                assert_eq!(out.read(), want, "{} hidden {hidden}", dtype.name());
+            }
+        }
+    });
+}
+
+#[test]
+fn gather_rows_picks_the_indexed_rows_and_zeroes_negative_indices() {
+    every_schedule(|| {
+        let (rows_in, width) = (5usize, 33usize);
+        let index: Vec<i32> = vec![4, -1, 0, 2];
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let src = rounded_values(dtype, 7, rows_in * width, 1.0);
+            let mut inp = Elems::new(dtype, &src);
+            let mut out = Elems::filled(dtype, index.len() * width, f32::NAN);
+            // gather_rows(out, in, index, num_rows, width)
+            run(
+                dtype,
+                "baton_gather_rows",
+                (index.len() as u32, 1, 1),
+                256,
+                Params::new()
+                    .ptr_mut(out.ptr())
+                    .ptr(inp.ptr())
+                    .ptr(index.as_ptr())
+                    .int(index.len() as i32)
+                    .int(width as i32),
+            );
+            let want: Vec<f32> = index
+                .iter()
+                .flat_map(|&r| {
+                    if r < 0 {
+                        vec![0.0; width]
+                    } else {
+                        src[r as usize * width..(r as usize + 1) * width].to_vec()
+                    }
+                })
+                .collect();
+            assert_eq!(out.read(), want);
+        }
+    });
+}
+
+#[test]
+fn gather_pending_ids_copies_ring_entries_into_input_ids_across_blocks() {
+    every_schedule(|| {
+        let n = 300usize; // two blocks of 256
+        let ring: Vec<u32> = (0..1024u32).map(|i| i * 7 + 1).collect();
+        let dst: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 600).collect(); // distinct
+        let src: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 1024).collect();
+        let mut ids = vec![u32::MAX; 600];
+        // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
+        run(
+            Dtype::Bf16,
+            "baton_gather_pending_ids",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(ids.as_mut_ptr())
+                .ptr(ring.as_ptr())
+                .ptr(dst.as_ptr())
+                .ptr(src.as_ptr())
+                .int(n as i32),
+        );
+        let mut want = vec![u32::MAX; 600];
+        for i in 0..n {
+            want[dst[i] as usize] = ring[src[i] as usize];
+        }
+        assert_eq!(ids, want);
+    });
+}
+
+// ---- RoPE and the KV cache write -----------------------------------------------------------------
+
+/// Rotate-half RoPE of one head vector: angle formed in f32 (as HF and the kernel), sin/cos and
+/// the rotation in f64.
+fn rope_ref(v: &mut [f32], pos: i32, inv_freq: &[f32]) {
+    let half = v.len() / 2;
+    for i in 0..half {
+        let a = f64::from(pos as f32 * inv_freq[i]);
+        let (s, c) = a.sin_cos();
+        let (x1, x2) = (f64::from(v[i]), f64::from(v[i + half]));
+        v[i] = (x1 * c - x2 * s) as f32;
+        v[i + half] = (x2 * c + x1 * s) as f32;
+    }
+}
+
+#[test]
+fn rope_rotates_q_and_k_heads_in_a_fused_qkv_row_and_leaves_v_alone() {
+    every_schedule(|| {
+        let (nh, kvh, hd) = (4usize, 2usize, 16usize);
+        let qkv_w = (nh + 2 * kvh) * hd;
+        let positions: Vec<i32> = vec![0, 1, 7, 4099, 131_000];
+        let t = positions.len();
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
+            .collect();
+        for dtype in Dtype::ALL {
+            let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
+            let mut buf = Elems::new(dtype, &qkv);
+            let (q, k) = (buf.at(0), buf.at(nh * hd));
+            // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
+            run(
+                dtype,
+                "baton_rope",
+                (t as u32, 1, 1),
+                128,
+                Params::new()
+                    .ptr_mut(q)
+                    .ptr_mut(k)
+                    .ptr(positions.as_ptr())
+                    .ptr(inv_freq.as_ptr())
+                    .int(t as i32)
+                    .int(nh as i32)
+                    .int(kvh as i32)
+                    .int(hd as i32)
+                    .int(qkv_w as i32)
+                    .int(qkv_w as i32),
+            );
+            let mut want = qkv.clone();
+            for (ti, &pos) in positions.iter().enumerate() {
+                for head in 0..nh + kvh {
+                    let o = ti * qkv_w + head * hd;
+                    rope_ref(&mut want[o..o + hd], pos, &inv_freq);
+                }
+            }
+            // f32: sincosf and the f32 products against f64; angles up to ~1.3e5 rad.
+            let (rel, abs) = match dtype {
+                Dtype::F32 => (1e-5, 2e-6),
+                d => (ulp(d), 1e-3),
+            };
+            assert_close(dtype.name(), &buf.read(), &want, rel, abs);
+        }
+    });
+}
+
+#[test]
+fn reshape_and_cache_writes_each_token_to_its_slot_and_skips_padding() {
+    every_schedule(|| {
+        let (nh, bs, pages) = (4usize, 8usize, 3usize);
+        let slots: Vec<i32> = vec![5, -1, 0, 17, 23];
+        let t = slots.len();
+        // (kvh, hd): 2 x 16 takes the 16-byte vector path, 1 x 6 the scalar one.
+        for (kvh, hd) in [(2usize, 16usize), (1, 6)] {
+            let n = kvh * hd;
+            let qkv_w = (nh + 2 * kvh) * hd;
+            for dtype in Dtype::ALL {
+                let qkv = rounded_values(dtype, 9, t * qkv_w, 1.0);
+                let mut buf = Elems::new(dtype, &qkv);
+                let (k, v) = (buf.at(nh * hd), buf.at(nh * hd + n));
+                let sentinel = -7.0;
+                let mut kc = Elems::filled(dtype, pages * bs * n, sentinel);
+                let mut vc = Elems::filled(dtype, pages * bs * n, sentinel);
+                // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
+                //                   k_stride, v_stride)
+                run(
+                    dtype,
+                    "baton_reshape_and_cache",
+                    (t as u32, 1, 1),
+                    128,
+                    Params::new()
+                        .ptr(k)
+                        .ptr(v)
+                        .ptr_mut(kc.ptr())
+                        .ptr_mut(vc.ptr())
+                        .ptr(slots.as_ptr())
+                        .int(t as i32)
+                        .int(kvh as i32)
+                        .int(hd as i32)
+                        .int(qkv_w as i32)
+                        .int(qkv_w as i32),
+                );
+                let mut want_k = vec![sentinel; pages * bs * n];
+                let mut want_v = want_k.clone();
+                for (ti, &s) in slots.iter().enumerate() {
+                    if s < 0 {
+                        continue;
+                    }
+                    let (s, row) = (s as usize, ti * qkv_w + nh * hd);
+                    want_k[s * n..(s + 1) * n].copy_from_slice(&qkv[row..row + n]);
+                    want_v[s * n..(s + 1) * n].copy_from_slice(&qkv[row + n..row + 2 * n]);
+                }
+                assert_eq!(kc.read(), want_k, "{} k cache, {kvh}x{hd}", dtype.name());
+                assert_eq!(vc.read(), want_v, "{} v cache, {kvh}x{hd}", dtype.name());
+            }
+        }
+    });
+}
+
+// ---- SiLU-and-mul ------------------------------------------------------------------------------------
+
+#[test]
+fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
+    every_schedule(|| {
+        let t = 3usize;
+        for inter in [40usize, 13] {
+            for dtype in Dtype::ALL {
+                let x = rounded_values(dtype, 10, t * 2 * inter, 6.0);
+                let mut inp = Elems::new(dtype, &x);
+                let mut out = Elems::filled(dtype, t * inter, f32::NAN);
+                // silu_and_mul(out, in, num_tokens, inter)
+                run(
+                    dtype,
+                    "baton_silu_and_mul",
+                    (t as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(inp.ptr())
+                        .int(t as i32)
+                        .int(inter as i32),
+                );
+                let want: Vec<f32> = (0..t * inter)
+                    .map(|i| {
+                        let (r, j) = (i / inter, i % inter);
+                        let g = x[r * 2 * inter + j];
+                        let u = x[r * 2 * inter + inter + j];
+                        round(dtype, g / (1.0 + (-g).exp()) * u)
+                    })
+                    .collect();
+                assert_close(
+                    &format!("{} inter {inter}", dtype.name()),
+                    &out.read(),
+                    &want,
+                    ulp(dtype),
+                    1e-7,
+                );
+            }
+        }
+    });
+}
+
+// ---- Paged attention -----------------------------------------------------------------------------
+
+/// A paged KV cache for one layer, [pages][block_size][kvh][hd] for K and V, with each row's
+/// pages scattered (not in order) over the pool.
+struct Paged {
+    bs: usize,
+    kvh: usize,
+    hd: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// [rows, max_blocks] page ids (unused entries -1).
+    tables: Vec<i32>,
+    max_blocks: usize,
+}
+
+impl Paged {
+    /// Contexts of `ctx[r]` positions per row, random K/V rounded to `dtype`.
+    fn new(dtype: Dtype, ctx: &[usize], max_len: usize, bs: usize, kvh: usize, hd: usize) -> Self {
+        let max_blocks = max_len.div_ceil(bs);
+        let used: usize = ctx.iter().map(|c| c.div_ceil(bs)).sum();
+        let pages = used + 3;
+        // Pages handed out from both ends of the pool alternately (0, last, 1, last - 1, ...),
+        // so consecutive logical blocks are never neighbours.
+        let perm: Vec<usize> = (0..pages)
+            .map(|p| if p % 2 == 0 { p / 2 } else { pages - 1 - p / 2 })
+            .collect();
+        let mut tables = vec![-1i32; ctx.len() * max_blocks];
+        let mut next = 0;
+        for (r, &c) in ctx.iter().enumerate() {
+            for b in 0..c.div_ceil(bs) {
+                tables[r * max_blocks + b] = perm[next] as i32;
+                next += 1;
+            }
+        }
+        let n = pages * bs * kvh * hd;
+        Paged {
+            bs,
+            kvh,
+            hd,
+            k: rounded_values(dtype, 11, n, 1.0),
+            v: rounded_values(dtype, 12, n, 1.0),
+            tables,
+            max_blocks,
+        }
+    }
+
+    /// Offset of (row, position, kv head) in the cache.
+    fn off(&self, row: usize, pos: usize, kvh: usize) -> usize {
+        let page = self.tables[row * self.max_blocks + pos / self.bs];
+        assert!(page >= 0, "row {row} position {pos} has no page");
+        ((page as usize * self.bs + pos % self.bs) * self.kvh + kvh) * self.hd
+    }
+
+    /// softmax(q . K[0..ctx] * scale) V for query head `head` of `row`, in f64.
+    fn attend(
+        &self,
+        row: usize,
+        ctx: usize,
+        q: &[f32],
+        head: usize,
+        nh: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let hd = self.hd;
+        let kvh = head / (nh / self.kvh);
+        let scores: Vec<f64> = (0..ctx)
+            .map(|p| {
+                let o = self.off(row, p, kvh);
+                let dot: f64 = (0..hd)
+                    .map(|d| f64::from(q[d]) * f64::from(self.k[o + d]))
+                    .sum();
+                dot * f64::from(scale)
+            })
+            .collect();
+        if ctx == 0 {
+            return vec![0.0; hd];
+        }
+        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        (0..hd)
+            .map(|d| {
+                let a: f64 = (0..ctx)
+                    .map(|p| e[p] * f64::from(self.v[self.off(row, p, kvh) + d]))
+                    .sum();
+                (a / z) as f32
+            })
+            .collect()
+    }
+}
+
+/// Tolerance of an attention output: f32 accumulation order, or one rounding of the output
+/// (plus the q scaling the fast kernels do in f32) for 16-bit types.
+fn attn_tol(dtype: Dtype) -> (f32, f32) {
+    match dtype {
+        Dtype::F32 => (2e-5, 2e-6),
+        d => (2.0 * ulp(d), 2.0 * ulp(d) * 0.05),
+    }
+}
+
+/// Split-K decode (hd64) then decode_reduce, as the executor launches them: sequences of one
+/// partition, several (1100 keys: 512 + 512 + 76), exactly 512 and 513 keys, and a padding row
+/// of length 0; GQA groups of 8 (one head chunk) and 12 (two chunks, the second partial).
+fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32]) {
+    let (bs, max_len) = (16usize, 1536usize);
+    let max_parts = max_len.div_ceil(baton_cuda::kernels::ATTN_PARTITION);
+    let r = seq_lens.len();
+    let ctx: Vec<usize> = seq_lens.iter().map(|&c| c as usize).collect();
+    let cache = Paged::new(dtype, &ctx, max_len, bs, kvh, hd);
+    let qkv_w = (nh + 2 * kvh) * hd;
+    let qkv = rounded_values(dtype, 13, r * qkv_w, 1.0);
+    let scale = (hd as f64).powf(-0.5) as f32;
+    let (mut q, mut kc, mut vc) = (
+        Elems::new(dtype, &qkv),
+        Elems::new(dtype, &cache.k),
+        Elems::new(dtype, &cache.v),
+    );
+    let mut out = Elems::filled(dtype, r * nh * hd, f32::NAN);
+    let mut part_acc = vec![f32::NAN; r * nh * max_parts * hd];
+    let mut part_m = vec![f32::NAN; r * nh * max_parts];
+    let mut part_l = vec![f32::NAN; r * nh * max_parts];
+    let gy = (kvh * (nh / kvh).div_ceil(8)) as u32;
+    // decode_hdD(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache, block_tables,
+    //            max_blocks_per_row, seq_lens, nh, nkv, block_size, scale, max_partitions)
+    run(
+        dtype,
+        &format!("baton_paged_attention_decode_hd{hd}"),
+        (r as u32, gy, max_parts as u32),
+        128,
+        Params::new()
+            .ptr_mut(out.ptr())
+            .ptr_mut(part_acc.as_mut_ptr())
+            .ptr_mut(part_m.as_mut_ptr())
+            .ptr_mut(part_l.as_mut_ptr())
+            .ptr(q.ptr())
+            .int(qkv_w as i32)
+            .ptr(kc.ptr())
+            .ptr(vc.ptr())
+            .ptr(cache.tables.as_ptr())
+            .int(cache.max_blocks as i32)
+            .ptr(seq_lens.as_ptr())
+            .int(nh as i32)
+            .int(kvh as i32)
+            .int(bs as i32)
+            .float(scale)
+            .int(max_parts as i32),
+    );
+    // decode_reduce(out, part_acc, part_m, part_l, seq_lens, nh, head_dim, max_partitions)
+    run(
+        dtype,
+        "baton_paged_attention_decode_reduce",
+        (r as u32, nh as u32, 1),
+        128,
+        Params::new()
+            .ptr_mut(out.ptr())
+            .ptr(part_acc.as_ptr())
+            .ptr(part_m.as_ptr())
+            .ptr(part_l.as_ptr())
+            .ptr(seq_lens.as_ptr())
+            .int(nh as i32)
+            .int(hd as i32)
+            .int(max_parts as i32),
+    );
+    let got = out.read();
+    let (rel, abs) = attn_tol(dtype);
+    for s in 0..r {
+        for h in 0..nh {
+            let qh = &qkv[s * qkv_w + h * hd..s * qkv_w + (h + 1) * hd];
+            let want = cache.attend(s, ctx[s], qh, h, nh, scale);
+            let o = (s * nh + h) * hd;
+            assert_close(
+                &format!(
+                    "{} decode hd {hd} nh {nh} kvh {kvh} seq {s} (len {}) head {h}",
+                    dtype.name(),
+                    ctx[s]
+                ),
+                &got[o..o + hd],
+                &want,
+                rel,
+                abs,
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_attention_split_k_and_reduce_match_the_reference_f32() {
+    every_schedule(|| {
+        decode_case(Dtype::F32, 64, 16, 2, &[1100, 37, 0, 512, 513]);
+    });
+}
+
+#[test]
+fn decode_attention_with_more_than_eight_query_heads_per_kv_head_f32() {
+    every_schedule(|| {
+        decode_case(Dtype::F32, 64, 12, 1, &[700, 5]);
+    });
+}
+
+#[test]
+fn decode_attention_bf16() {
+    every_schedule(|| {
+        decode_case(Dtype::Bf16, 64, 8, 2, &[600, 20]);
+    });
+}
+
+#[test]
+fn decode_and_prefill_attention_hd128_and_hd256_in_every_dtype() {
+    every_schedule(|| {
+        for dtype in Dtype::ALL {
+            for hd in [128, 256] {
+                decode_case(dtype, hd, 4, 2, &[530, 9, 0]);
+                prefill_case(
+                    dtype,
+                    &format!("baton_paged_attention_prefill_hd{hd}"),
+                    2,
+                    1,
+                    hd,
+                );
+            }
+        }
+    });
+}
+
+/// Varlen causal prefill: rows continuing a cached prefix (start_pos > 0), the second one
+/// crossing a 512-key chunk, plus graph-padding tokens past cu_seqlens[num_rows] that must be
+/// left alone. Launched like the executor's prefill (fast kernel) or generic path.
+fn prefill_case(dtype: Dtype, name: &str, nh: usize, kvh: usize, hd: usize) {
+    let (bs, max_len) = (16usize, 1024usize);
+    let start_pos = [5i32, 600, 40];
+    let lens = [7usize, 3, 1]; // the last row is a decode inside a prefill launch
+    let cu: Vec<i32> = std::iter::once(0)
+        .chain(lens.iter().scan(0, |acc, &l| {
+            *acc += l as i32;
+            Some(*acc)
+        }))
+        .collect();
+    let rows = lens.len();
+    let real = cu[rows] as usize;
+    let t = real + 2; // padding tokens
+    let ctx: Vec<usize> = (0..rows).map(|r| start_pos[r] as usize + lens[r]).collect();
+    let cache = Paged::new(dtype, &ctx, max_len, bs, kvh, hd);
+    let qkv_w = (nh + 2 * kvh) * hd;
+    let qkv = rounded_values(dtype, 14, t * qkv_w, 1.0);
+    let scale = (hd as f64).powf(-0.5) as f32;
+    let (mut q, mut kc, mut vc) = (
+        Elems::new(dtype, &qkv),
+        Elems::new(dtype, &cache.k),
+        Elems::new(dtype, &cache.v),
+    );
+    let sentinel = 3.0;
+    let mut out = Elems::filled(dtype, t * nh * hd, sentinel);
+    let mut p = Params::new();
+    p.ptr_mut(out.ptr())
+        .ptr(q.ptr())
+        .int(qkv_w as i32)
+        .ptr(kc.ptr())
+        .ptr(vc.ptr())
+        .ptr(cu.as_ptr())
+        .ptr(start_pos.as_ptr())
+        .int(rows as i32)
+        .ptr(cache.tables.as_ptr())
+        .int(cache.max_blocks as i32)
+        .int(nh as i32)
+        .int(kvh as i32);
+    let grid = if name == "baton_paged_attention_generic" {
+        // generic(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
+        //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale)
+        p.int(hd as i32).int(bs as i32).float(scale);
+        (t as u32, nh as u32, 1)
+    } else {
+        // prefill_hdD(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
+        //             block_tables, max_blocks_per_row, nh, nkv, block_size, scale)
+        p.int(bs as i32).float(scale);
+        (t as u32, (kvh * (nh / kvh).div_ceil(8)) as u32, 1)
+    };
+    run(dtype, name, grid, 128, &mut p);
+    let got = out.read();
+    let (rel, abs) = attn_tol(dtype);
+    for tok in 0..t {
+        for h in 0..nh {
+            let o = (tok * nh + h) * hd;
+            if tok >= real {
+                assert!(
+                    got[o..o + hd].iter().all(|&x| x == sentinel),
+                    "padding token {tok} written"
+                );
+                continue;
+            }
+            let row = (0..rows).rev().find(|&r| cu[r] as usize <= tok).unwrap();
+            let pos = start_pos[row] as usize + (tok - cu[row] as usize);
+            let qh = &qkv[tok * qkv_w + h * hd..tok * qkv_w + (h + 1) * hd];
+            let want = cache.attend(row, pos + 1, qh, h, nh, scale);
+            assert_close(
+                &format!(
+                    "{} {name} token {tok} (row {row}, position {pos}) head {h}",
+                    dtype.name()
+                ),
+                &got[o..o + hd],
+                &want,
+                rel,
+                abs,
+            );
+        }
+    }
+}
+
+#[test]
+fn prefill_attention_hd64_is_causal_over_varlen_rows_with_cached_prefixes_f32() {
+    every_schedule(|| {
+        prefill_case(Dtype::F32, "baton_paged_attention_prefill_hd64", 8, 2, 64);
+    });
+}
+
+#[test]
+fn prefill_attention_hd64_bf16() {
+    every_schedule(|| {
+        prefill_case(Dtype::Bf16, "baton_paged_attention_prefill_hd64", 4, 4, 64);
+    });
+}
+
+#[test]
+fn generic_attention_head_dim_8_matches_the_reference_like_stories260k() {
+    every_schedule(|| {
+        // stories260K: 8 query heads, 4 kv heads, head_dim 8.
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            prefill_case(dtype, "baton_paged_attention_generic", 8, 4, 8);
+        }
+    });
+}
+
+// ---- Sampling ------------------------------------------------------------------------------------
+
+const TOP: usize = baton_cuda::kernels::SAMPLER_TOP_SLOTS;
+
+struct SampleOut {
+    tokens: Vec<u32>,
+    logprob: Vec<f32>,
+    top_ids: Vec<u32>,
+    top_lp: Vec<f32>,
+}
+
+/// Runs baton_sample_f32 over `logits` [rows, vocab] with `logits_stride` = vocab.
+fn sample(
+    logits: &[f32],
+    vocab: usize,
+    params: &[SamplingParams],
+    output_index: &[u32],
+) -> SampleOut {
+    let rows = params.len();
+    assert_eq!(logits.len(), rows * vocab);
+    let mut o = SampleOut {
+        tokens: vec![u32::MAX; rows],
+        logprob: vec![f32::NAN; rows],
+        top_ids: vec![0; rows * TOP],
+        top_lp: vec![f32::NAN; rows * TOP],
+    };
+    // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params, output_index,
+    //            vocab)
+    run(
+        Dtype::Bf16, // sampling reads f32 logits whatever the module's elem_t
+        "baton_sample_f32",
+        (rows as u32, 1, 1),
+        1024,
+        Params::new()
+            .ptr_mut(o.tokens.as_mut_ptr())
+            .ptr_mut(o.logprob.as_mut_ptr())
+            .ptr_mut(o.top_ids.as_mut_ptr())
+            .ptr_mut(o.top_lp.as_mut_ptr())
+            .ptr(logits.as_ptr())
+            .int(vocab as i32)
+            .ptr(params.as_ptr())
+            .ptr(output_index.as_ptr())
+            .int(vocab as i32),
+    );
+    o
+}
+
+/// Compares row `r` of a device result with the CPU reference sampler.
+#[track_caller]
+fn assert_matches_cpu(o: &SampleOut, r: usize, logits: &[f32], p: &SamplingParams, idx: u32) {
+    let cpu = baton_worker::sampling::Sampler::new().sample(logits, p, idx);
+    assert_eq!(o.tokens[r], cpu.token, "row {r} token");
+    let lp_close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+    assert!(
+        lp_close(o.logprob[r], cpu.logprob),
+        "row {r} logprob {} vs cpu {}",
+        o.logprob[r],
+        cpu.logprob
+    );
+    for (j, &(id, lp)) in cpu.top.iter().enumerate() {
+        assert_eq!(o.top_ids[r * TOP + j], id, "row {r} top {j}");
+        assert!(
+            lp_close(o.top_lp[r * TOP + j], lp),
+            "row {r} top {j}: {} vs {lp}",
+            o.top_lp[r * TOP + j]
+        );
+    }
+    for j in cpu.top.len()..TOP {
+        assert_eq!(
+            o.top_ids[r * TOP + j],
+            u32::MAX,
+            "row {r} unused top slot {j}"
+        );
+        assert_eq!(o.top_lp[r * TOP + j], f32::NEG_INFINITY);
+    }
+}
+
+#[test]
+fn greedy_sampling_is_the_argmax_with_ties_to_the_lowest_id() {
+    every_schedule(|| {
+        let vocab = 1000usize;
+        let mut logits = values(20, 3 * vocab);
+        // Row 0: a tie for the maximum at ids 503 and 17 -> 17.
+        logits[503] = 5.0;
+        logits[17] = 5.0;
+        // Row 1: NaN never wins; +inf (cleaned to f32::MAX) does.
+        logits[vocab + 3] = f32::NAN;
+        logits[vocab + 900] = f32::INFINITY;
+        // Row 2: every logit -inf or NaN -> token 0.
+        for (i, x) in logits[2 * vocab..].iter_mut().enumerate() {
+            *x = if i % 3 == 0 {
+                f32::NAN
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        let with_lp = SamplingParams {
+            top_logprobs: 5,
+            want_logprob: 1,
+            ..SamplingParams::greedy()
+        };
+        let params = [with_lp, SamplingParams::greedy(), with_lp];
+        let idx = [0u32, 1, 2];
+        let o = sample(&logits, vocab, &params, &idx);
+        assert_eq!(o.tokens, vec![17, 900, 0]);
+        for r in 0..3 {
+            assert_matches_cpu(
+                &o,
+                r,
+                &logits[r * vocab..(r + 1) * vocab],
+                &params[r],
+                idx[r],
+            );
+        }
+    });
+}
+
+#[test]
+fn a_seeded_sample_is_the_same_alone_or_second_in_a_batch_and_matches_the_cpu() {
+    every_schedule(|| {
+        let vocab = 2000usize;
+        let logits: Vec<f32> = values(21, vocab).iter().map(|x| x * 4.0).collect();
+        let other: Vec<f32> = values(22, vocab).iter().map(|x| x * 4.0).collect();
+        let seeded = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            top_k: 50,
+            min_p: 0.05,
+            seed: 0xDEAD_BEEF_1234,
+            top_logprobs: 3,
+            want_logprob: 1,
+        };
+        let first = SamplingParams {
+            temperature: 1.3,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 99,
+            top_logprobs: 0,
+            want_logprob: 0,
+        };
+        for idx in [0u32, 7, 12_345] {
+            let alone = sample(&logits, vocab, &[seeded], &[idx]);
+            let batch: Vec<f32> = other.iter().chain(&logits).copied().collect();
+            let pair = sample(&batch, vocab, &[first, seeded], &[3, idx]);
+            assert_eq!(alone.tokens[0], pair.tokens[1], "output index {idx}");
+            assert_eq!(alone.logprob[0].to_bits(), pair.logprob[1].to_bits());
+            assert_eq!(alone.top_ids[..TOP], pair.top_ids[TOP..]);
+            assert_matches_cpu(&alone, 0, &logits, &seeded, idx);
+            assert_matches_cpu(&pair, 0, &other, &first, 3);
+        }
+    });
+}
+
+#[test]
+fn sampling_filters_agree_with_the_cpu_sampler_over_many_draws() {
+    every_schedule(|| {
+        let vocab = 300usize;
+        let logits: Vec<f32> = values(23, vocab).iter().map(|x| x * 3.0).collect();
+        let cases = [
+            (1.0f32, 1.0f32, 0i32, 0.0f32), // plain temperature sampling
+            (0.7, 1.0, 10, 0.0),            // top-k
+            (1.0, 0.5, 0, 0.0),             // top-p
+            (1.2, 1.0, 0, 0.2),             // min-p
+            (0.9, 0.8, 40, 0.01),           // everything
+            (1.0, f32::NAN, 400, 0.0),      // top-k >= vocab and a NaN top-p: both disabled
+            (1e-39, 1.0, 0, 0.0),           // 1 / temperature overflows: greedy
+            (-1.0, 0.5, 5, 0.0),            // negative temperature: greedy
+            (1.0, 1e-6, 0, 0.0),            // top-p keeps only the top token
+        ];
+        let idx: Vec<u32> = (0..8).collect();
+        for (temperature, top_p, top_k, min_p) in cases {
+            let params: Vec<SamplingParams> = idx
+                .iter()
+                .map(|&i| SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed: 1000 + u64::from(i),
+                    top_logprobs: 0,
+                    want_logprob: 1,
+                })
+                .collect();
+            let batch: Vec<f32> = idx.iter().flat_map(|_| logits.iter().copied()).collect();
+            let o = sample(&batch, vocab, &params, &idx);
+            for (r, &i) in idx.iter().enumerate() {
+                assert_matches_cpu(&o, r, &logits, &params[r], i);
+            }
+        }
+    });
+}
+
+#[test]
+fn philox_and_uniform_bits_probes_match_the_cpu_rng() {
+    every_schedule(|| {
+        let n = 300usize;
+        let ctr: Vec<[u32; 4]> = (0..n as u32)
+            .map(|i| [i, i * 3, !i, 0xFFFF_FFFF - i])
+            .collect();
+        let key: Vec<[u32; 2]> = (0..n as u32)
+            .map(|i| [i.wrapping_mul(0x9E37_79B9), i ^ 0x5555])
+            .collect();
+        let mut out = vec![[0u32; 4]; n];
+        // philox4x32_10_probe(out, ctr, key, n): uint4 / uint2 arrays.
+        run(
+            Dtype::F32,
+            "baton_philox4x32_10_probe",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(out.as_mut_ptr())
+                .ptr(ctr.as_ptr())
+                .ptr(key.as_ptr())
+                .int(n as i32),
+        );
+        for i in 0..n {
+            assert_eq!(
+                out[i],
+                baton_worker::sampling::philox4x32_10(ctr[i], key[i]),
+                "probe {i}"
+            );
+        }
+        let seeds: Vec<u64> = (0..n as u64).map(|i| i * 0x1_0000_0001 + 17).collect();
+        let oidx: Vec<u32> = (0..n as u32).map(|i| i * 31).collect();
+        let mut bits = vec![0u32; n];
+        // sampling_uniform_bits(out, seeds, output_index, n)
+        run(
+            Dtype::F32,
+            "baton_sampling_uniform_bits",
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(bits.as_mut_ptr())
+                .ptr(seeds.as_ptr())
+                .ptr(oidx.as_ptr())
+                .int(n as i32),
+        );
+        for i in 0..n {
+            let u = baton_worker::sampling::uniform(seeds[i], oidx[i]);
+            assert_eq!(bits[i] as f32 / 16_777_216.0, u, "uniform {i}");
+        }
+    });
+}
+
+#[test]
+fn sampling_a_llama_sized_vocabulary_matches_the_cpu() {
+    every_schedule(|| {
+        let vocab = 32_000usize;
+        let logits: Vec<f32> = values(24, vocab).iter().map(|x| x * 8.0).collect();
+        let params = [
+            SamplingParams {
+                temperature: 0.7,
+                top_p: 0.95,
+                top_k: 0,
+                min_p: 0.0,
+                seed: 7,
+                top_logprobs: 20,
+                want_logprob: 1,
+            },
+            SamplingParams {
+                top_logprobs: 2,
+                ..SamplingParams::greedy()
+            },
+        ];
+        let batch: Vec<f32> = logits.iter().chain(&logits).copied().collect();
+        let o = sample(&batch, vocab, &params, &[5, 6]);
+        for (r, p) in params.iter().enumerate() {
+            assert_matches_cpu(&o, r, &logits, p, 5 + r as u32);
+        }
+    });
+}
