@@ -2,9 +2,10 @@
 // and a generic kernel for any head_dim (both cases; the fast paths cover 64, 128 and 256).
 //
 // KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] elem_t
-// (see cache.cu). A row's block table [max_blocks_per_row] int maps logical block
-// `pos / block_size` to a physical page. Every key/value a query attends to, including the
-// query's own position, must already be in the cache (reshape_and_cache runs first).
+// (see baton_rope_and_cache in rope.cu). A row's block table [max_blocks_per_row] int maps
+// logical block `pos / block_size` to a physical page. Every key/value a query attends to,
+// including the query's own position, must already be in the cache (baton_rope_and_cache runs
+// first).
 //
 // GQA: query head h uses kv head h / (num_heads / num_kv_heads). A thread block serves one kv
 // head and up to BATON_ATTN_MAX_G of its query heads, so each K/V vector is loaded once per

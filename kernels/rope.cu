@@ -1,4 +1,5 @@
-// Rotary position embedding, rotate-half (GPT-NeoX / HF Llama) convention, applied in place.
+// Rotary position embedding, rotate-half (GPT-NeoX / HF Llama) convention, applied in place,
+// fused with the KV-cache write.
 //
 // For each head vector v of size head_dim = 2h and i < h, with a = position * inv_freq[i]:
 //   v'[i]     = v[i]     * cos(a) - v[i + h] * sin(a)
@@ -7,38 +8,14 @@
 // there), so this kernel is scaling-agnostic. The angle is formed in fp32 as HF does
 // (float(position) * inv_freq) and cos/sin use the accurate sincosf (angles reach ~1e5 rad).
 //
-// Shapes: q [num_tokens, num_q_heads, head_dim] with token stride `q_stride` elements;
-// k [num_tokens, num_kv_heads, head_dim] with token stride `k_stride` (strides let q and k be
-// views into a fused QKV projection output); positions [num_tokens] int.
-// Launch: grid = (num_tokens), block = (128); threads loop over (head, i) pairs.
-BATON_ENTRY void baton_rope(elem_t* __restrict__ q, elem_t* __restrict__ k,
-                            const int* __restrict__ positions,
-                            const float* __restrict__ inv_freq, int num_tokens,
-                            int num_q_heads, int num_kv_heads, int head_dim,
-                            int q_stride, int k_stride) {
-    const int t = blockIdx.x;
-    if (t >= num_tokens) return;
-    const int half = head_dim >> 1;
-    const float pos = (float)positions[t];
-    const int total = (num_q_heads + num_kv_heads) * half;
-    for (int j = threadIdx.x; j < total; j += blockDim.x) {
-        const int head = j / half, i = j - head * half;
-        elem_t* v = head < num_q_heads
-                      ? q + (size_t)t * q_stride + (size_t)head * head_dim
-                      : k + (size_t)t * k_stride + (size_t)(head - num_q_heads) * head_dim;
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
-        const float x1 = baton_to_f(v[i]), x2 = baton_to_f(v[i + half]);
-        v[i] = baton_from_f(x1 * c - x2 * s);
-        v[i + half] = baton_from_f(x2 * c + x1 * s);
-    }
-}
-
-// RoPE on q and k, then the step's K and V written into their KV-cache pages: baton_rope
-// followed by baton_reshape_and_cache in one launch (bit-identical results; one launch per
-// layer fewer). q and k are rotated in place as baton_rope does; the cache gets the rotated k
-// (the same rounded values) and v. slot_mapping[t] < 0 (graph padding) skips the cache write.
-// Cache layout as baton_reshape_and_cache: cache[num_blocks][block_size][num_kv_heads][head_dim].
+// baton_rope_and_cache: RoPE on q and k, then the step's K and V written into their KV-cache
+// pages (reshape-and-cache), in one launch. q and k are rotated in place; the cache gets the
+// rotated k (the same rounded values) and v. slot_mapping[t] < 0 (graph padding) skips the
+// cache write.
+// Cache layout, per layer, for K and for V separately:
+//   cache[num_blocks][block_size][num_kv_heads][head_dim] elem_t
+// so a token's slot `slot = page * block_size + offset` addresses the contiguous run
+// cache[slot * num_kv_heads * head_dim ..][num_kv_heads * head_dim].
 // Shapes: q [num_tokens, num_q_heads, head_dim] with token stride `q_stride`; k and v
 // [num_tokens, num_kv_heads, head_dim] with token stride `kv_stride` (views into the fused QKV
 // output); positions, slot_mapping [num_tokens] int; inv_freq [head_dim / 2] f32.

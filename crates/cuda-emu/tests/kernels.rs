@@ -395,90 +395,66 @@ fn rope_ref(v: &mut [f32], pos: i32, inv_freq: &[f32]) {
 }
 
 #[test]
-fn rope_rotates_q_and_k_heads_in_a_fused_qkv_row_and_leaves_v_alone() {
-    every_schedule(|| {
-        let (nh, kvh, hd) = (4usize, 2usize, 16usize);
-        let qkv_w = (nh + 2 * kvh) * hd;
-        let positions: Vec<i32> = vec![0, 1, 7, 4099, 131_000];
-        let t = positions.len();
-        let inv_freq: Vec<f32> = (0..hd / 2)
-            .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
-            .collect();
-        for dtype in Dtype::ALL {
-            let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
-            let mut buf = Elems::new(dtype, &qkv);
-            let (q, k) = (buf.at(0), buf.at(nh * hd));
-            // rope(q, k, positions, inv_freq, num_tokens, nq, nkv, head_dim, q_stride, k_stride)
-            run(
-                dtype,
-                "baton_rope",
-                (t as u32, 1, 1),
-                128,
-                Params::new()
-                    .ptr_mut(q)
-                    .ptr_mut(k)
-                    .ptr(positions.as_ptr())
-                    .ptr(inv_freq.as_ptr())
-                    .int(t as i32)
-                    .int(nh as i32)
-                    .int(kvh as i32)
-                    .int(hd as i32)
-                    .int(qkv_w as i32)
-                    .int(qkv_w as i32),
-            );
-            let mut want = qkv.clone();
-            for (ti, &pos) in positions.iter().enumerate() {
-                for head in 0..nh + kvh {
-                    let o = ti * qkv_w + head * hd;
-                    rope_ref(&mut want[o..o + hd], pos, &inv_freq);
-                }
-            }
-            // f32: sincosf and the f32 products against f64; angles up to ~1.3e5 rad.
-            let (rel, abs) = match dtype {
-                Dtype::F32 => (1e-5, 2e-6),
-                d => (ulp(d), 1e-3),
-            };
-            assert_close(dtype.name(), &buf.read(), &want, rel, abs);
-        }
-    });
-}
-
-#[test]
-fn reshape_and_cache_writes_each_token_to_its_slot_and_skips_padding() {
+fn rope_and_cache_rotates_q_and_k_and_writes_the_rotated_k_and_v_to_their_slots() {
     every_schedule(|| {
         let (nh, bs, pages) = (4usize, 8usize, 3usize);
+        // Positions up to 131000 (llama3 contexts); slot -1 is graph padding.
+        let positions: Vec<i32> = vec![0, 1, 7, 4099, 131_000];
         let slots: Vec<i32> = vec![5, -1, 0, 17, 23];
-        let t = slots.len();
-        // (kvh, hd): 2 x 16 takes the 16-byte vector path, 1 x 6 the scalar one.
+        let t = positions.len();
         for (kvh, hd) in [(2usize, 16usize), (1, 6)] {
             let n = kvh * hd;
             let qkv_w = (nh + 2 * kvh) * hd;
+            let inv_freq: Vec<f32> = (0..hd / 2)
+                .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
+                .collect();
             for dtype in Dtype::ALL {
-                let qkv = rounded_values(dtype, 9, t * qkv_w, 1.0);
+                let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
                 let mut buf = Elems::new(dtype, &qkv);
-                let (k, v) = (buf.at(nh * hd), buf.at(nh * hd + n));
+                let (q, k, v) = (buf.at(0), buf.at(nh * hd), buf.at(nh * hd + n));
                 let sentinel = -7.0;
                 let mut kc = Elems::filled(dtype, pages * bs * n, sentinel);
                 let mut vc = Elems::filled(dtype, pages * bs * n, sentinel);
-                // reshape_and_cache(k, v, k_cache, v_cache, slots, num_tokens, nkv, head_dim,
-                //                   k_stride, v_stride)
+                // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
+                //                num_tokens, nq, nkv, head_dim, q_stride, kv_stride)
                 run(
                     dtype,
-                    "baton_reshape_and_cache",
+                    "baton_rope_and_cache",
                     (t as u32, 1, 1),
                     128,
                     Params::new()
-                        .ptr(k)
+                        .ptr_mut(q)
+                        .ptr_mut(k)
                         .ptr(v)
                         .ptr_mut(kc.ptr())
                         .ptr_mut(vc.ptr())
+                        .ptr(positions.as_ptr())
                         .ptr(slots.as_ptr())
+                        .ptr(inv_freq.as_ptr())
                         .int(t as i32)
+                        .int(nh as i32)
                         .int(kvh as i32)
                         .int(hd as i32)
                         .int(qkv_w as i32)
                         .int(qkv_w as i32),
                 );
+                // q and k heads rotated in place, v untouched.
+                let mut want = qkv.clone();
+                for (ti, &pos) in positions.iter().enumerate() {
+                    for head in 0..nh + kvh {
+                        let o = ti * qkv_w + head * hd;
+                        rope_ref(&mut want[o..o + hd], pos, &inv_freq);
+                    }
+                }
+                // f32: sincosf and the f32 products against f64; angles up to ~1.3e5 rad.
+                let (rel, abs) = match dtype {
+                    Dtype::F32 => (1e-5, 2e-6),
+                    d => (ulp(d), 1e-3),
+                };
+                let got = buf.read();
+                assert_close(dtype.name(), &got, &want, rel, abs);
+                // The cache holds exactly the rotated k (the same rounded values) and v, at
+                // each token's slot; padding and untouched slots keep the sentinel.
                 let mut want_k = vec![sentinel; pages * bs * n];
                 let mut want_v = want_k.clone();
                 for (ti, &s) in slots.iter().enumerate() {
@@ -486,7 +462,7 @@ fn reshape_and_cache_writes_each_token_to_its_slot_and_skips_padding() {
                         continue;
                     }
                     let (s, row) = (s as usize, ti * qkv_w + nh * hd);
-                    want_k[s * n..(s + 1) * n].copy_from_slice(&qkv[row..row + n]);
+                    want_k[s * n..(s + 1) * n].copy_from_slice(&got[row..row + n]);
                     want_v[s * n..(s + 1) * n].copy_from_slice(&qkv[row + n..row + 2 * n]);
                 }
                 assert_eq!(kc.read(), want_k, "{} k cache, {kvh}x{hd}", dtype.name());

@@ -25,7 +25,6 @@ static SOURCES: &[(&str, &str)] = &[
     ),
     ("rmsnorm.cu", include_str!("../../../kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
-    ("cache.cu", include_str!("../../../kernels/cache.cu")),
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
@@ -48,8 +47,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("rmsnorm.cu", &["baton_rmsnorm", "baton_add_rmsnorm"]),
-    ("rope.cu", &["baton_rope", "baton_rope_and_cache"]),
-    ("cache.cu", &["baton_reshape_and_cache"]),
+    ("rope.cu", &["baton_rope_and_cache"]),
     (
         "attention.cu",
         &[

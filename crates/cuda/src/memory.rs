@@ -6,7 +6,7 @@
 
 /// Bytes of one KV page across all layers: K and V, `num_layers * block_size * num_kv_heads *
 /// head_dim` elements each, of `dtype_bytes` bytes (2 for bf16), in the layout of
-/// `kernels/cache.cu`. `None` on overflow.
+/// `baton_rope_and_cache` in `kernels/rope.cu`. `None` on overflow.
 pub fn kv_bytes_per_block(
     num_layers: usize,
     block_size: usize,
