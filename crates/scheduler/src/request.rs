@@ -57,8 +57,15 @@ pub(crate) enum State {
 pub(crate) struct Request {
     pub id: RequestId,
     pub slot: Option<SlotRef>,
-    /// Known history: prompt followed by accepted outputs. `known_len == tokens.len()`.
+    /// Known history: prompt followed by accepted outputs, as of the last time the request
+    /// took a slot. While it holds one, outputs accepted since then (positions
+    /// `tokens.len()..known_len`) are only in the slot's row of the token table, which the
+    /// scheduler alone writes; the scheduler copies them back here before it retires the slot
+    /// (appending here too would touch one more heap page per running request per step).
+    /// `tokens.len() == known_len` whenever the request has no slot.
     pub tokens: Vec<u32>,
+    /// Prompt plus accepted outputs.
+    pub known_len: usize,
     pub prompt_len: usize,
     pub computed_len: usize,
     pub scheduled_len: usize,
@@ -86,6 +93,7 @@ impl Request {
         Self {
             id: r.id,
             slot: None,
+            known_len: r.prompt.len(),
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
             computed_len: 0,
@@ -102,11 +110,11 @@ impl Request {
     }
 
     pub fn known_len(&self) -> usize {
-        self.tokens.len()
+        self.known_len
     }
 
     pub fn num_outputs(&self) -> usize {
-        self.tokens.len() - self.prompt_len
+        self.known_len - self.prompt_len
     }
 
     /// Outputs accepted plus outputs being sampled.
