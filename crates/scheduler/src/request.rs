@@ -79,6 +79,9 @@ pub(crate) struct Request {
     pub max_tokens: usize,
     pub params: SamplingParams,
     pub stop_ids: Vec<u32>,
+    /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
+    /// without reading `stop_ids`.
+    pub stop_mask: u64,
     pub state: State,
     /// Times this request was preempted.
     pub preemptions: u32,
@@ -90,6 +93,7 @@ impl Request {
         if !r.ignore_eos {
             stop_ids.extend_from_slice(&r.eos_ids);
         }
+        let stop_mask = stop_ids.iter().fold(0, |m, &t| m | 1 << (t % 64));
         Self {
             id: r.id,
             slot: None,
@@ -104,21 +108,52 @@ impl Request {
             max_tokens: r.max_tokens as usize,
             params: r.params,
             stop_ids,
+            stop_mask,
             state: State::Waiting,
             preemptions: 0,
         }
     }
 
+    #[inline]
     pub fn known_len(&self) -> usize {
         self.known_len
     }
 
+    #[inline]
     pub fn num_outputs(&self) -> usize {
         self.known_len - self.prompt_len
     }
 
     /// Outputs accepted plus outputs being sampled.
+    #[inline]
     pub fn outputs_promised(&self) -> usize {
         self.num_outputs() + self.inflight_samples.len()
+    }
+
+    /// True if `token` ends generation.
+    #[inline]
+    pub fn is_stop(&self, token: u32) -> bool {
+        self.stop_mask >> (token % 64) & 1 != 0 && self.stop_ids.contains(&token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_ids_are_found_through_the_mask() {
+        let r = Request::new(NewRequest {
+            id: 1,
+            prompt: vec![5],
+            max_tokens: 1,
+            params: SamplingParams::greedy(),
+            eos_ids: vec![2, 66],
+            stop_token_ids: vec![1000],
+            ignore_eos: false,
+        });
+        for t in 0..2000 {
+            assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");
+        }
     }
 }
