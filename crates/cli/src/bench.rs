@@ -136,7 +136,9 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
     let sched_thread = std::thread::spawn(move || {
         let t0 = thread_cpu_ns();
         d.run(&s2);
-        thread_cpu_ns() - t0
+        // The daemon (and its segment) is dropped only after the worker stopped: a worker
+        // that sees its scheduler's segment gone reports an error.
+        (thread_cpu_ns() - t0, d)
     });
     let (segment, limits) = baton_worker::daemon::attach(&instance, Duration::from_secs(5))?;
     let backend = NullBackend::new(
@@ -188,8 +190,9 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
     let secs = t.elapsed().as_secs_f64();
     let launches = link.stats().launches - start_launches;
     stop.store(true, Ordering::Relaxed);
-    let sched_cpu = sched_thread.join().expect("scheduler thread");
+    let (sched_cpu, daemon) = sched_thread.join().expect("scheduler thread");
     worker_thread.join().expect("worker thread")?;
+    drop(daemon);
     Ok((
         launches as f64 / secs,
         sched_cpu as f64 / launches.max(1) as f64 / 1e3,

@@ -57,8 +57,15 @@ pub(crate) enum State {
 pub(crate) struct Request {
     pub id: RequestId,
     pub slot: Option<SlotRef>,
-    /// Known history: prompt followed by accepted outputs. `known_len == tokens.len()`.
+    /// Known history: prompt followed by accepted outputs, as of the last time the request
+    /// took a slot. While it holds one, outputs accepted since then (positions
+    /// `tokens.len()..known_len`) are only in the slot's row of the token table, which the
+    /// scheduler alone writes; the scheduler copies them back here before it retires the slot
+    /// (appending here too would touch one more heap page per running request per step).
+    /// `tokens.len() == known_len` whenever the request has no slot.
     pub tokens: Vec<u32>,
+    /// Prompt plus accepted outputs.
+    pub known_len: usize,
     pub prompt_len: usize,
     pub computed_len: usize,
     pub scheduled_len: usize,
@@ -72,6 +79,9 @@ pub(crate) struct Request {
     pub max_tokens: usize,
     pub params: SamplingParams,
     pub stop_ids: Vec<u32>,
+    /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
+    /// without reading `stop_ids`.
+    pub stop_mask: u64,
     pub state: State,
     /// Times this request was preempted.
     pub preemptions: u32,
@@ -83,9 +93,11 @@ impl Request {
         if !r.ignore_eos {
             stop_ids.extend_from_slice(&r.eos_ids);
         }
+        let stop_mask = stop_ids.iter().fold(0, |m, &t| m | 1 << (t % 64));
         Self {
             id: r.id,
             slot: None,
+            known_len: r.prompt.len(),
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
             computed_len: 0,
@@ -96,21 +108,52 @@ impl Request {
             max_tokens: r.max_tokens as usize,
             params: r.params,
             stop_ids,
+            stop_mask,
             state: State::Waiting,
             preemptions: 0,
         }
     }
 
+    #[inline]
     pub fn known_len(&self) -> usize {
-        self.tokens.len()
+        self.known_len
     }
 
+    #[inline]
     pub fn num_outputs(&self) -> usize {
-        self.tokens.len() - self.prompt_len
+        self.known_len - self.prompt_len
     }
 
     /// Outputs accepted plus outputs being sampled.
+    #[inline]
     pub fn outputs_promised(&self) -> usize {
         self.num_outputs() + self.inflight_samples.len()
+    }
+
+    /// True if `token` ends generation.
+    #[inline]
+    pub fn is_stop(&self, token: u32) -> bool {
+        self.stop_mask >> (token % 64) & 1 != 0 && self.stop_ids.contains(&token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_ids_are_found_through_the_mask() {
+        let r = Request::new(NewRequest {
+            id: 1,
+            prompt: vec![5],
+            max_tokens: 1,
+            params: SamplingParams::greedy(),
+            eos_ids: vec![2, 66],
+            stop_token_ids: vec![1000],
+            ignore_eos: false,
+        });
+        for t in 0..2000 {
+            assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");
+        }
     }
 }

@@ -94,12 +94,94 @@ pub enum Event {
     },
 }
 
+/// Index of a live request in the scheduler's slab. Reused after the request ends, so a
+/// reference to it from an earlier launch is checked against the request's slot (whose
+/// generation changes on every reuse), as a request id would be.
+type Idx = u32;
+
+/// One row of a launch as the scheduler remembers it until the completion.
+#[derive(Clone, Copy, Debug)]
+struct RowMeta {
+    id: RequestId,
+    req: Idx,
+    slot: SlotRef,
+    first_pos: u32,
+    num_tokens: u32,
+}
+
 /// Per-launch bookkeeping kept until the launch's completion.
 #[derive(Debug)]
 struct Inflight {
     seq: LaunchSeq,
-    /// `(request, slot, first_pos, num_tokens)` per row, in row order.
-    rows: Vec<(RequestId, SlotRef, usize, usize)>,
+    /// One entry per row, in row order.
+    rows: Vec<RowMeta>,
+}
+
+/// Live requests in a slab (indexed per row without hashing), with an id map for the calls
+/// that name a request by id.
+#[derive(Debug, Default)]
+struct Requests {
+    slab: Vec<Option<Request>>,
+    /// Free slab indices; the most recently freed is reused first.
+    free: Vec<Idx>,
+    ids: HashMap<RequestId, Idx>,
+}
+
+impl Requests {
+    fn insert(&mut self, r: Request) -> Idx {
+        let id = r.id;
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(r);
+                i
+            }
+            None => {
+                self.slab.push(Some(r));
+                (self.slab.len() - 1) as Idx
+            }
+        };
+        self.ids.insert(id, i);
+        i
+    }
+
+    fn remove(&mut self, i: Idx) -> Request {
+        let r = self.slab[i as usize].take().expect("live request");
+        self.ids.remove(&r.id);
+        self.free.push(i);
+        r
+    }
+
+    fn find(&self, id: RequestId) -> Option<Idx> {
+        self.ids.get(&id).copied()
+    }
+
+    fn get_id(&self, id: RequestId) -> Option<&Request> {
+        self.find(id).map(|i| &self[i])
+    }
+
+    #[inline]
+    fn try_get_mut(&mut self, i: Idx) -> Option<&mut Request> {
+        self.slab.get_mut(i as usize).and_then(Option::as_mut)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+impl std::ops::Index<Idx> for Requests {
+    type Output = Request;
+    #[inline]
+    fn index(&self, i: Idx) -> &Request {
+        self.slab[i as usize].as_ref().expect("live request")
+    }
+}
+
+impl std::ops::IndexMut<Idx> for Requests {
+    #[inline]
+    fn index_mut(&mut self, i: Idx) -> &mut Request {
+        self.slab[i as usize].as_mut().expect("live request")
+    }
 }
 
 /// A live request's lengths as the scheduler counts them (DESIGN.md section 2).
@@ -144,11 +226,13 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     pool: PagePool,
     slots: SlotAllocator,
     tables: Arc<SlotTables<S>>,
-    requests: HashMap<RequestId, Request>,
-    waiting: VecDeque<RequestId>,
+    requests: Requests,
+    waiting: VecDeque<Idx>,
     /// Running requests in admission order (the last one is preempted first).
-    running: Vec<RequestId>,
+    running: Vec<Idx>,
     inflight: VecDeque<Inflight>,
+    /// Row lists of completed launches, kept for reuse.
+    spare_rows: Vec<Vec<RowMeta>>,
     next_seq: LaunchSeq,
     released: LaunchSeq,
     preemptions: u64,
@@ -183,10 +267,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             slots: SlotAllocator::new(cfg.max_num_seqs),
             vocab_size,
             tables,
-            requests: HashMap::default(),
+            requests: Requests::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             inflight: VecDeque::new(),
+            spare_rows: Vec::new(),
             next_seq: 1,
             released: 0,
             preemptions: 0,
@@ -238,7 +323,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
 
     /// True when `id` is live.
     pub fn contains(&self, id: RequestId) -> bool {
-        self.requests.contains_key(&id)
+        self.requests.find(id).is_some()
     }
 
     /// The last launch released by every consumer, as last reported to `on_released`.
@@ -254,7 +339,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// The lengths and slot of live request `id`, as the scheduler counts them (for invariant
     /// checks in tests and for debugging).
     pub fn request_lengths(&self, id: RequestId) -> Option<RequestLengths> {
-        self.requests.get(&id).map(|r| RequestLengths {
+        self.requests.get_id(id).map(|r| RequestLengths {
             known_len: r.known_len(),
             computed_len: r.computed_len,
             scheduled_len: r.scheduled_len,
@@ -282,7 +367,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// Admits a request. It waits for a slot and pages; nothing is allocated yet.
     pub fn add_request(&mut self, r: NewRequest) -> Result<(), AdmitError> {
         check_admission(&self.cfg, self.vocab_size, &r)?;
-        if self.requests.contains_key(&r.id) {
+        if self.requests.find(r.id).is_some() {
             return Err(AdmitError::DuplicateId(r.id));
         }
         let req = Request::new(r);
@@ -290,8 +375,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             owner: Some("scheduler".into()),
             ..Self::req_record(Boundary::Admission, &req)
         });
-        self.waiting.push_back(req.id);
-        self.requests.insert(req.id, req);
+        let i = self.requests.insert(req);
+        self.waiting.push_back(i);
         Ok(())
     }
 
@@ -305,19 +390,19 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let seq = self.next_seq;
         let cap = self.running.len() + self.waiting.len().min(self.cfg.max_num_seqs);
         let mut rows: Vec<LaunchRow> = Vec::with_capacity(cap);
-        let mut meta: Vec<(RequestId, SlotRef, usize, usize)> = Vec::with_capacity(cap);
+        let mut meta = self.spare_rows.pop().unwrap_or_default();
+        meta.clear();
+        meta.reserve(cap);
         let mut budget = self.cfg.max_num_batched_tokens;
 
         // Running requests first, in admission order: decodes and prefill continuations.
         let mut waiting_for_fence = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            match self.plan_row(id, seq, budget, rows.len() as u32) {
-                Plan::Row(row) => {
-                    budget -= row.num_tokens as usize;
-                    meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
-                    rows.push(row);
+            let idx = self.running[i];
+            match self.plan_row(idx, seq, budget, &mut rows, &mut meta) {
+                Plan::Row(n) => {
+                    budget -= n;
                     i += 1;
                 }
                 Plan::Nothing => i += 1,
@@ -331,44 +416,43 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     // Preempt from the back (the most recently admitted), never a request
                     // that already has a row in this launch.
                     let victim = *self.running.last().expect("running is not empty");
-                    if meta.iter().any(|m| m.0 == victim) {
+                    if meta.iter().any(|m| m.req == victim) {
                         break;
                     }
                     self.preempt(victim);
-                    // `i` now indexes the next request, or the victim was `id` itself.
+                    // `i` now indexes the next request, or the victim was `idx` itself.
                 }
             }
         }
 
         // Then waiting requests, first come first served.
         while !waiting_for_fence && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(&id) = self.waiting.front() else {
+            let Some(&idx) = self.waiting.front() else {
                 break;
             };
             let Some(slot) = self.slots.alloc() else {
                 break;
             };
             {
-                let r = self.requests.get_mut(&id).expect("waiting request exists");
+                let r = &mut self.requests[idx];
                 debug_assert!(r.blocks.is_empty() && r.inflight_samples.is_empty());
+                debug_assert_eq!(r.tokens.len(), r.known_len);
                 for (pos, &t) in r.tokens.iter().enumerate() {
                     self.tables.set_token(slot.slot, pos, t);
                 }
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
-            match self.plan_row(id, seq, budget, rows.len() as u32) {
-                Plan::Row(row) => {
-                    budget -= row.num_tokens as usize;
-                    meta.push((id, row.req, row.first_pos as usize, row.num_tokens as usize));
-                    rows.push(row);
+            match self.plan_row(idx, seq, budget, &mut rows, &mut meta) {
+                Plan::Row(n) => {
+                    budget -= n;
                     self.waiting.pop_front();
-                    self.running.push(id);
+                    self.running.push(idx);
                 }
                 Plan::Nothing | Plan::NeedPages(_) => {
                     // Not enough pages to start it: give the slot back (never launched) and
                     // wait; new requests do not preempt running ones.
-                    let r = self.requests.get_mut(&id).expect("exists");
+                    let r = &mut self.requests[idx];
                     r.slot = None;
                     r.state = State::Waiting;
                     self.slots.retire(slot, 0);
@@ -378,16 +462,17 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
 
         if rows.is_empty() {
+            self.spare_rows.push(meta);
             return None;
         }
         self.next_seq += 1;
         if self.trace.is_some() {
             for (row, m) in rows.iter().zip(&meta) {
-                let r = &self.requests[&m.0];
+                let r = &self.requests[m.req];
                 let rec = TraceRecord {
                     owner: Some("worker".into()),
                     launch: Some(seq),
-                    positions: Some((m.2, m.3)),
+                    positions: Some((m.first_pos as usize, m.num_tokens as usize)),
                     pages: Some(r.blocks[..row.num_blocks as usize].to_vec()),
                     evidence: (row.pending_launch != NOT_PENDING).then(|| {
                         format!("pending_from={}:{}", row.pending_launch, row.pending_row)
@@ -401,13 +486,25 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         Some(Launch { seq, rows })
     }
 
-    /// Plans one row for request `id` in launch `seq`, allocating its pages.
-    /// On success the request's `last_launch`, `scheduled_len` and in-flight samples already
-    /// account for the row (index `row_idx` of launch `seq`).
-    fn plan_row(&mut self, id: RequestId, seq: LaunchSeq, budget: usize, row_idx: u32) -> Plan {
+    /// Plans one row for request `idx` in launch `seq`, allocating its pages, and appends it
+    /// to `rows` and `meta`. On success the request's `last_launch`, `scheduled_len` and
+    /// in-flight samples already account for the row.
+    ///
+    /// Inlined into the per-row loop (with `on_sampled`, a quarter of the instructions per
+    /// decode step at 1024 sequences were calls, spills and reloads around these two).
+    #[inline(always)]
+    fn plan_row(
+        &mut self,
+        idx: Idx,
+        seq: LaunchSeq,
+        budget: usize,
+        rows: &mut Vec<LaunchRow>,
+        meta: &mut Vec<RowMeta>,
+    ) -> Plan {
+        let row_idx = rows.len() as u32;
         let max_model_len = self.cfg.max_model_len;
         let block_size = self.cfg.block_size;
-        let r = self.requests.get_mut(&id).expect("planned request exists");
+        let r = &mut self.requests[idx];
         let slot = r.slot.expect("running request has a slot");
         let known = r.known_len();
         let frontier = known + r.inflight_samples.len();
@@ -417,7 +514,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let first = r.scheduled_len;
         let (n, pending) = if first >= known {
             // The input is a token still being sampled: a decode from `PendingFrom`.
-            (1, Some(r.inflight_samples[first - known]))
+            (1, r.inflight_samples.get(first - known).copied())
         } else {
             ((known - first).min(budget), None)
         };
@@ -427,7 +524,14 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         if end == frontier && !sample {
             return Plan::Nothing;
         }
-        let blocks_needed = end.div_ceil(block_size);
+        // The block table covers `scheduled_len` exactly (`div_ceil(scheduled_len,
+        // block_size)` entries), so a row that stays within it needs no division.
+        let blocks_needed = if end <= r.blocks.len() * block_size {
+            r.blocks.len()
+        } else {
+            end.div_ceil(block_size)
+        };
+        debug_assert_eq!(blocks_needed, end.div_ceil(block_size));
         if blocks_needed > r.blocks.len() {
             let extra = blocks_needed - r.blocks.len();
             self.scratch_pages.clear();
@@ -441,7 +545,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
         let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
         debug_assert!(pending_launch == NOT_PENDING || pending_launch < seq);
-        let row = LaunchRow {
+        rows.push(LaunchRow {
             req: slot,
             first_pos: first as u32,
             num_tokens: n as u32,
@@ -451,50 +555,59 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             pending_row,
             output_index: r.outputs_promised() as u32,
             params: r.params,
-        };
+        });
+        meta.push(RowMeta {
+            id: r.id,
+            req: idx,
+            slot,
+            first_pos: first as u32,
+            num_tokens: n as u32,
+        });
         r.last_launch = seq;
         r.scheduled_len = end;
         if sample {
             r.inflight_samples.push_back((seq, row_idx));
         }
-        Plan::Row(row)
+        Plan::Row(n)
     }
 
-    /// Preempts `id` by recompute: its pages and slot retire after its last launch, its history
+    /// Preempts `idx` by recompute: its pages and slot retire after its last launch, its history
     /// stays, and it goes back to the front of the waiting queue.
-    fn preempt(&mut self, id: RequestId) {
+    fn preempt(&mut self, idx: Idx) {
         self.preemptions += 1;
-        self.running.retain(|&x| x != id);
-        self.release_resources(id);
+        self.running.retain(|&x| x != idx);
+        self.release_resources(idx);
         // Pages whose last launch is already released come back at once.
         self.on_released(self.released);
-        let r = self
-            .requests
-            .get_mut(&id)
-            .expect("preempted request exists");
+        let r = &mut self.requests[idx];
         r.state = State::Waiting;
         r.computed_len = 0;
         r.scheduled_len = 0;
         r.inflight_samples.clear();
         r.preemptions += 1;
-        self.waiting.push_front(id);
-        let rec = Self::req_record(Boundary::Preempt, &self.requests[&id]);
+        self.waiting.push_front(idx);
+        let rec = Self::req_record(Boundary::Preempt, &self.requests[idx]);
         self.emit(|| rec);
     }
 
-    /// Retires the request's pages and slot after its last launch.
-    fn release_resources(&mut self, id: RequestId) {
-        let r = self.requests.get_mut(&id).expect("request exists");
+    /// Retires the request's pages and slot after its last launch. The outputs accepted while
+    /// it held the slot are copied from the slot's token-table row into its history first
+    /// (see `Request::tokens`).
+    fn release_resources(&mut self, idx: Idx) {
+        let r = &mut self.requests[idx];
         let after = r.last_launch;
         let pages = std::mem::take(&mut r.blocks);
         let slot = r.slot.take();
         self.pool.retire(&pages, after);
         if let Some(slot) = slot {
+            self.tables
+                .read_tokens(slot.slot, r.tokens.len()..r.known_len, &mut r.tokens);
             self.slots.retire(slot, after);
         }
+        debug_assert_eq!(r.tokens.len(), r.known_len);
         if !pages.is_empty() && self.trace.is_some() {
             let rec = TraceRecord {
-                req: Some(id),
+                req: Some(r.id),
                 launch: Some(after),
                 pages: Some(pages),
                 owner: Some("pool".into()),
@@ -504,13 +617,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
     }
 
-    /// Ends `id`: retires its resources and reports it.
-    fn finish(&mut self, id: RequestId, reason: FinishReason, events: &mut Vec<Event>) {
-        self.running.retain(|&x| x != id);
-        self.waiting.retain(|&x| x != id);
-        self.release_resources(id);
+    /// Ends `idx`: retires its resources and reports it.
+    fn finish(&mut self, idx: Idx, reason: FinishReason, events: &mut Vec<Event>) {
+        self.running.retain(|&x| x != idx);
+        self.waiting.retain(|&x| x != idx);
+        self.release_resources(idx);
         self.on_released(self.released);
-        let r = self.requests.remove(&id).expect("finished request exists");
+        let r = self.requests.remove(idx);
         if self.trace.is_some() {
             let rec = TraceRecord {
                 evidence: Some(format!("{reason:?}").to_lowercase()),
@@ -519,7 +632,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             self.emit(|| rec);
         }
         events.push(Event::Finished {
-            id,
+            id: r.id,
             reason,
             prompt_tokens: r.prompt_len,
             output_tokens: r.num_outputs(),
@@ -531,19 +644,19 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// of its last launch. Pushes the acknowledgement (`Finished { reason: Cancelled }`) unless
     /// the request is already gone.
     pub fn cancel(&mut self, id: RequestId, events: &mut Vec<Event>) {
-        if let Some(r) = self.requests.get(&id) {
-            let rec = Self::req_record(Boundary::Cancel, r);
+        if let Some(idx) = self.requests.find(id) {
+            let rec = Self::req_record(Boundary::Cancel, &self.requests[idx]);
             self.emit(|| rec);
-            self.finish(id, FinishReason::Cancelled, events);
+            self.finish(idx, FinishReason::Cancelled, events);
         }
     }
 
     /// Ends every live request with `reason` (shutdown).
     pub fn abort_all(&mut self, reason: FinishReason, events: &mut Vec<Event>) {
-        let mut ids: Vec<_> = self.requests.keys().copied().collect();
+        let mut ids: Vec<_> = self.requests.ids.iter().map(|(&id, &i)| (id, i)).collect();
         ids.sort_unstable();
-        for id in ids {
-            self.finish(id, reason, events);
+        for (_, idx) in ids {
+            self.finish(idx, reason, events);
         }
     }
 
@@ -563,70 +676,94 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             evidence: Some("completion".into()),
             ..TraceRecord::new(Boundary::ForwardExecution)
         });
-        for &(id, slot, first, n) in &launch.rows {
-            if let Some(r) = self.requests.get_mut(&id) {
-                if r.slot == Some(slot) {
-                    r.computed_len = r.computed_len.max(first + n);
+        // One pass over the rows: a row's positions are marked computed, then its sampled
+        // entries (in row order, as workers send them) are handled while the request is hot.
+        // A launch has at most one row per request, and handling a sample touches no other
+        // request's lengths, so this matches marking every row first. Entries out of row order
+        // are handled after the pass, in the order they came.
+        let mut next = 0;
+        for (row, m) in launch.rows.iter().enumerate() {
+            if let Some(r) = self.requests.try_get_mut(m.req) {
+                if r.slot == Some(m.slot) {
+                    r.computed_len = r.computed_len.max((m.first_pos + m.num_tokens) as usize);
                 }
             }
-        }
-        for s in &c.sampled {
-            let Some(&(id, slot, _, _)) = launch.rows.get(s.row as usize) else {
-                continue;
-            };
-            // One lookup: accept the token if the request is live and this is its oldest
-            // sampling row in flight; otherwise suppress it.
-            let max_model_len = self.cfg.max_model_len;
-            let accepted = match self.requests.get_mut(&id) {
-                Some(r)
-                    if r.slot == Some(slot)
-                        && r.inflight_samples.front() == Some(&(c.seq, s.row)) =>
-                {
-                    r.inflight_samples.pop_front();
-                    let pos = r.tokens.len();
-                    r.tokens.push(s.token);
-                    self.tables.set_token(slot.slot, pos, s.token);
-                    let stop = r.stop_ids.contains(&s.token);
-                    let length = r.num_outputs() >= r.max_tokens || r.tokens.len() >= max_model_len;
-                    Some((stop, length))
-                }
-                _ => None,
-            };
-            let Some((stop, length)) = accepted else {
-                self.emit(|| TraceRecord {
-                    req: Some(id),
-                    launch: Some(c.seq),
-                    token: Some(s.token),
-                    ..TraceRecord::new(Boundary::Suppressed)
-                });
-                continue;
-            };
-            if self.trace.is_some() {
-                let r = &self.requests[&id];
-                let mut sampled = Self::req_record(Boundary::Sampling, r);
-                sampled.launch = Some(c.seq);
-                sampled.token = Some(s.token);
-                sampled.owner = Some("scheduler".into());
-                let mut published = Self::req_record(Boundary::Publication, r);
-                published.launch = Some(c.seq);
-                published.token = Some(s.token);
-                published.owner = Some("frontend".into());
-                self.emit(|| sampled);
-                self.emit(|| published);
-            }
-            events.push(Event::Token {
-                id,
-                token: s.token,
-                logprob: s.logprob,
-                top: s.top.clone(),
-            });
-            if stop {
-                self.finish(id, FinishReason::Stop, events);
-            } else if length {
-                self.finish(id, FinishReason::Length, events);
+            while let Some(s) = c.sampled.get(next).filter(|s| s.row as usize == row) {
+                self.on_sampled(c.seq, s, m, events);
+                next += 1;
             }
         }
+        for s in &c.sampled[next..] {
+            if let Some(m) = launch.rows.get(s.row as usize) {
+                self.on_sampled(c.seq, s, m, events);
+            }
+        }
+        self.spare_rows.push(launch.rows);
         true
+    }
+
+    /// Accepts sampled entry `s` of row `m` of launch `seq` if the request is live and this is
+    /// its oldest sampling row in flight; otherwise suppresses it. (Inlined: see `plan_row`.)
+    #[inline(always)]
+    fn on_sampled(
+        &mut self,
+        seq: LaunchSeq,
+        s: &baton_proto::Sampled,
+        m: &RowMeta,
+        events: &mut Vec<Event>,
+    ) {
+        let max_model_len = self.cfg.max_model_len;
+        let accepted = match self.requests.try_get_mut(m.req) {
+            Some(r)
+                if r.slot == Some(m.slot) && r.inflight_samples.front() == Some(&(seq, s.row)) =>
+            {
+                r.inflight_samples.pop_front();
+                self.tables.set_token(m.slot.slot, r.known_len, s.token);
+                r.known_len += 1;
+                let stop = r.is_stop(s.token);
+                let length = r.num_outputs() >= r.max_tokens || r.known_len >= max_model_len;
+                Some((stop, length))
+            }
+            _ => None,
+        };
+        let Some((stop, length)) = accepted else {
+            self.emit(|| TraceRecord {
+                req: Some(m.id),
+                launch: Some(seq),
+                token: Some(s.token),
+                ..TraceRecord::new(Boundary::Suppressed)
+            });
+            return;
+        };
+        if self.trace.is_some() {
+            let r = &self.requests[m.req];
+            let mut sampled = Self::req_record(Boundary::Sampling, r);
+            sampled.launch = Some(seq);
+            sampled.token = Some(s.token);
+            sampled.owner = Some("scheduler".into());
+            let mut published = Self::req_record(Boundary::Publication, r);
+            published.launch = Some(seq);
+            published.token = Some(s.token);
+            published.owner = Some("frontend".into());
+            self.emit(|| sampled);
+            self.emit(|| published);
+        }
+        events.push(Event::Token {
+            id: m.id,
+            token: s.token,
+            logprob: s.logprob,
+            // (Cloning an empty vector still costs a call.)
+            top: if s.top.is_empty() {
+                Vec::new()
+            } else {
+                s.top.clone()
+            },
+        });
+        if stop {
+            self.finish(m.req, FinishReason::Stop, events);
+        } else if length {
+            self.finish(m.req, FinishReason::Length, events);
+        }
     }
 
     /// The worker could not execute launch `seq` (for example a token outside its vocabulary):
@@ -637,11 +774,16 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             return;
         };
         let launch = self.inflight.remove(idx).expect("index is valid");
-        for &(id, slot, _, _) in &launch.rows {
-            if self.requests.get(&id).is_some_and(|r| r.slot == Some(slot)) {
-                self.finish(id, FinishReason::Abort, events);
+        for m in &launch.rows {
+            if self
+                .requests
+                .try_get_mut(m.req)
+                .is_some_and(|r| r.slot == Some(m.slot))
+            {
+                self.finish(m.req, FinishReason::Abort, events);
             }
         }
+        self.spare_rows.push(launch.rows);
     }
 
     /// Reports that every live consumer has released launches up to `released`; reclaims the
@@ -683,11 +825,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             evidence: Some("worker lock released by the kernel".into()),
             ..TraceRecord::new(Boundary::WorkerDeath)
         });
-        self.inflight.clear();
+        for l in self.inflight.drain(..) {
+            self.spare_rows.push(l.rows);
+        }
         let running = std::mem::take(&mut self.running);
         for &id in running.iter().rev() {
             self.release_resources(id);
-            let r = self.requests.get_mut(&id).expect("running request exists");
+            let r = &mut self.requests[id];
             r.state = State::Waiting;
             r.computed_len = 0;
             r.scheduled_len = 0;
@@ -697,7 +841,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             if self.trace.is_some() {
                 let rec = TraceRecord {
                     evidence: Some("worker_death".into()),
-                    ..Self::req_record(Boundary::Preempt, &self.requests[&id])
+                    ..Self::req_record(Boundary::Preempt, &self.requests[id])
                 };
                 self.emit(|| rec);
             }
@@ -722,7 +866,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
 }
 
 enum Plan {
-    Row(LaunchRow),
+    /// A row of this many positions was appended.
+    Row(usize),
     Nothing,
     /// Pages short by this many.
     NeedPages(usize),

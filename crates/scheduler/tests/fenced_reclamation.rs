@@ -133,6 +133,7 @@ struct Published {
 /// What the test knows of one request, from the outside.
 struct Shadow {
     seed: u64,
+    prompt: Vec<u32>,
     prompt_len: usize,
     max_tokens: usize,
     ignore_eos: bool,
@@ -227,11 +228,13 @@ impl Sim {
                     stop_token_ids: Vec::new(),
                     ignore_eos,
                 };
+                let prompt = r.prompt.clone();
                 if self.sched.add_request(r).is_ok() {
                     self.reqs.insert(
                         id,
                         Shadow {
                             seed: id,
+                            prompt,
                             prompt_len,
                             max_tokens: max_tokens as usize,
                             ignore_eos,
@@ -328,6 +331,11 @@ impl Sim {
     fn publish(&mut self, l: Launch) -> Result<(), TestCaseError> {
         let tables = self.sched.tables().clone();
         prop_assert!(self.sched.stats().inflight <= self.cfg.max_inflight);
+        let by_slot: HashMap<SlotRef, RequestId> = self
+            .live_ids()
+            .into_iter()
+            .filter_map(|id| Some((self.sched.request_lengths(id)?.slot?, id)))
+            .collect();
         let mut blocks = Vec::new();
         let mut tokens = Vec::new();
         for (i, r) in l.rows.iter().enumerate() {
@@ -371,11 +379,34 @@ impl Sim {
             } else {
                 first
             };
-            tokens.push(
-                (from_table..end)
-                    .map(|pos| (pos, tables.token(r.req.slot, pos)))
-                    .collect(),
+            let inputs: Vec<(usize, u32)> = (from_table..end)
+                .map(|pos| (pos, tables.token(r.req.slot, pos)))
+                .collect();
+            // The inputs in the table are the request's history: its prompt, then its
+            // outputs (also after a preemption or a worker death moved it to another slot).
+            let id = by_slot.get(&r.req).copied();
+            prop_assert!(
+                id.is_some(),
+                "launch {} row {i}: no live request holds its slot",
+                l.seq
             );
+            let shadow = &self.reqs[&id.unwrap()];
+            for &(pos, t) in &inputs {
+                let want = if pos < shadow.prompt_len {
+                    shadow.prompt.get(pos).copied()
+                } else {
+                    shadow.outputs.get(pos - shadow.prompt_len).copied()
+                };
+                prop_assert_eq!(
+                    Some(t),
+                    want,
+                    "launch {} row {} position {}: the token table disagrees with the history",
+                    l.seq,
+                    i,
+                    pos
+                );
+            }
+            tokens.push(inputs);
             blocks.push(b);
         }
         self.to_execute.push_back(l.seq);
