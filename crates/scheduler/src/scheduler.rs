@@ -359,7 +359,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             req: Some(r.id),
             known_len: Some(r.known_len()),
             computed_len: Some(r.computed_len),
-            pending: Some(r.known_len() - r.computed_len),
+            pending: Some(r.known_len().saturating_sub(r.computed_len)),
             ..TraceRecord::new(b)
         }
     }
@@ -682,20 +682,39 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // request's lengths, so this matches marking every row first. Entries out of row order
         // are handled after the pass, in the order they came.
         let mut next = 0;
+        // Samples live requests expect from this launch, and how many arrived.
+        let (mut expected, mut accepted) = (0usize, 0usize);
         for (row, m) in launch.rows.iter().enumerate() {
             if let Some(r) = self.requests.try_get_mut(m.req) {
                 if r.slot == Some(m.slot) {
                     r.computed_len = r.computed_len.max((m.first_pos + m.num_tokens) as usize);
+                    expected +=
+                        usize::from(r.inflight_samples.front() == Some(&(c.seq, row as u32)));
                 }
             }
             while let Some(s) = c.sampled.get(next).filter(|s| s.row as usize == row) {
-                self.on_sampled(c.seq, s, m, events);
+                accepted += usize::from(self.on_sampled(c.seq, s, m, events));
                 next += 1;
             }
         }
         for s in &c.sampled[next..] {
             if let Some(m) = launch.rows.get(s.row as usize) {
-                self.on_sampled(c.seq, s, m, events);
+                accepted += usize::from(self.on_sampled(c.seq, s, m, events));
+            }
+        }
+        if accepted < expected {
+            // The worker left out a sampling row (a protocol violation). Samples are accepted
+            // in launch order, so that request could never take another: it ends with Abort
+            // instead of waiting forever.
+            for (row, m) in launch.rows.iter().enumerate() {
+                let missing = self.requests.try_get_mut(m.req).is_some_and(|r| {
+                    r.slot == Some(m.slot)
+                        && r.inflight_samples.front() == Some(&(c.seq, row as u32))
+                });
+                if missing {
+                    tracing::warn!(launch = c.seq, row, "completion without the row's sample");
+                    self.finish(m.req, FinishReason::Abort, events);
+                }
             }
         }
         self.spare_rows.push(launch.rows);
@@ -703,7 +722,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     }
 
     /// Accepts sampled entry `s` of row `m` of launch `seq` if the request is live and this is
-    /// its oldest sampling row in flight; otherwise suppresses it. (Inlined: see `plan_row`.)
+    /// its oldest sampling row in flight (returns true); otherwise suppresses it. (Inlined: see
+    /// `plan_row`.)
     #[inline(always)]
     fn on_sampled(
         &mut self,
@@ -711,7 +731,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         s: &baton_proto::Sampled,
         m: &RowMeta,
         events: &mut Vec<Event>,
-    ) {
+    ) -> bool {
         let max_model_len = self.cfg.max_model_len;
         let accepted = match self.requests.try_get_mut(m.req) {
             Some(r)
@@ -733,7 +753,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 token: Some(s.token),
                 ..TraceRecord::new(Boundary::Suppressed)
             });
-            return;
+            return false;
         };
         if self.trace.is_some() {
             let r = &self.requests[m.req];
@@ -764,6 +784,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         } else if length {
             self.finish(m.req, FinishReason::Length, events);
         }
+        true
     }
 
     /// The worker could not execute launch `seq` (for example a token outside its vocabulary):

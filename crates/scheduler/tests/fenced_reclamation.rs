@@ -754,3 +754,99 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
     assert_eq!(s.on_released(l2.seq), 2);
     assert_eq!(s.stats().pool.free, 4);
 }
+
+#[test]
+fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other() {
+    let cfg = SchedulerConfig {
+        max_num_seqs: 2,
+        max_num_batched_tokens: 16,
+        block_size: 4,
+        num_blocks: 4,
+        max_model_len: 16,
+        max_inflight: 1,
+    };
+    let mut s = Scheduler::new_local(cfg, VOCAB);
+    for id in [1, 2] {
+        s.add_request(NewRequest {
+            id,
+            prompt: vec![3, 4, 5],
+            max_tokens: 4,
+            params: SamplingParams::greedy(),
+            eos_ids: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: true,
+        })
+        .unwrap();
+    }
+    let l1 = s.schedule().unwrap();
+    assert_eq!(l1.rows.len(), 2);
+    // The worker answers for row 1 only (a worker bug).
+    let mut ev = Vec::new();
+    s.on_completion(
+        &Completion {
+            seq: l1.seq,
+            sampled: vec![baton_proto::Sampled {
+                row: 1,
+                req: l1.rows[1].req,
+                token: 9,
+                logprob: 0.0,
+                top: vec![],
+            }],
+        },
+        &mut ev,
+    );
+    // Requests 1 and 2: the one whose token came out is row 1's, the other is left hanging.
+    let row1_id = ev
+        .iter()
+        .find_map(|e| match e {
+            Event::Token { id, .. } => Some(*id),
+            _ => None,
+        })
+        .expect("row 1's token was published");
+    let id0 = 3 - row1_id;
+    assert!(
+        ev.iter().any(
+            |e| matches!(e, Event::Finished { id, reason: FinishReason::Abort, .. } if *id == id0)
+        ),
+        "the request whose sample was left out must end, not wait forever: {ev:?}"
+    );
+    // The other request carries on to its length limit, and everything comes back.
+    s.on_released(l1.seq);
+    let mut finished_other = false;
+    for _ in 0..10 {
+        let Some(l) = s.schedule() else { break };
+        let sampled = l
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample == 1)
+            .map(|(i, r)| baton_proto::Sampled {
+                row: i as u32,
+                req: r.req,
+                token: 9,
+                logprob: 0.0,
+                top: vec![],
+            })
+            .collect();
+        let mut ev = Vec::new();
+        s.on_completion(
+            &Completion {
+                seq: l.seq,
+                sampled,
+            },
+            &mut ev,
+        );
+        s.on_released(l.seq);
+        finished_other |= ev.iter().any(|e| {
+            matches!(
+                e,
+                Event::Finished {
+                    reason: FinishReason::Length,
+                    ..
+                }
+            )
+        });
+    }
+    assert!(finished_other, "the other request did not finish");
+    assert_eq!(s.stats().pool.free, 4, "{:?}", s.stats());
+}
