@@ -17,7 +17,7 @@ use std::time::Duration;
 /// Flags of `baton scheduler`.
 #[derive(Args, Clone, Debug)]
 pub struct SchedulerArgs {
-    /// Instance name: the control segment is /dev/shm/baton-<instance>.
+    /// Instance name: the control segment is /dev/shm/baton-INSTANCE.
     #[arg(long, default_value = "default")]
     pub instance: String,
     /// A model directory, for the defaults of --max-model-len and the vocabulary check.

@@ -288,7 +288,7 @@ fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
 
 /// `baton debug logits` (`layers` false: the logits after one prompt, then after one decode
 /// step) and `baton debug
-/// layers` (every layer's output and the logits over [`mixed_steps`] plus a decode-only step)
+/// layers` (every layer's output and the logits over `mixed_steps` plus a decode-only step)
 /// on the worker `build` makes, against `CpuModel` on the same weights; relative error
 /// [`rel_err`] at most `a.tol`. Prints a PASS/FAIL line per comparison.
 ///

@@ -30,7 +30,7 @@ pub struct ServeArgs {
     /// Device of the worker.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
-    /// Instance name: the segment is /dev/shm/baton-<instance>. Two servers need two names.
+    /// Instance name: the segment is /dev/shm/baton-INSTANCE. Two servers need two names.
     #[arg(long, default_value = "default")]
     pub instance: String,
     /// HTTP flags, passed to the frontend.

@@ -3,7 +3,7 @@
 //! Contract: numerics follow HF transformers `modeling_llama.py` (RMSNorm, rotate-half RoPE,
 //! GQA causal attention with f32 softmax, SwiGLU MLP), and every row's output is bit-identical
 //! whatever else is in the batch, whatever its row index, block size or page ids: all per-token
-//! arithmetic (including the gemm calls, see [`matmul`]) is done in an order that depends only
+//! arithmetic (including the gemm calls, see `matmul`) is done in an order that depends only
 //! on that token's data and position. Invalid inputs are rejected before anything is written.
 
 use crate::config::ModelConfig;
@@ -575,7 +575,7 @@ impl CpuModel {
     /// Runs forward passes on `n` threads (at least 1): attention is split over tokens, the
     /// linear layers over row chunks, the MLP activation over tokens. Every value is computed
     /// by the same code in the same order whatever `n` is (a row's attention by one thread, a
-    /// linear's rows in tiles of at least `m_min` rows as [`matmul`] documents), so the
+    /// linear's rows in tiles of at least `m_min` rows as `matmul` documents), so the
     /// outputs are bit-identical for every thread count and batch.
     ///
     /// # Errors
