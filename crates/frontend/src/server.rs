@@ -48,9 +48,9 @@ pub struct ServerConfig {
     /// that overrides the tokenizer's.
     pub chat_template: Option<String>,
     /// How long a client may take to send a request's headers (on a new connection, or
-    /// between keep-alive requests) before the connection is closed, so idle or slow clients
-    /// cannot hold connections forever (slowloris). [`DEFAULT_HEADER_READ_TIMEOUT`] unless
-    /// set.
+    /// between keep-alive requests) before the connection is closed, and then its body before
+    /// it gets a 408, so idle or slow clients cannot hold connections forever (slowloris).
+    /// [`DEFAULT_HEADER_READ_TIMEOUT`] unless set.
     pub header_read_timeout: Duration,
 }
 
@@ -354,6 +354,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            body_deadline,
+        ))
         .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state)
@@ -361,6 +365,50 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// The largest request body accepted, in bytes (64 MiB).
 pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Reads the whole request body within [`ServerConfig::header_read_timeout`] (a client that
+/// sends its headers and then stalls mid-body would otherwise hold the connection forever):
+/// 408 when it does not arrive in time, 413 past [`MAX_BODY_BYTES`], both with OpenAI error
+/// bodies and `Connection: close`.
+async fn body_deadline(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let limit = st.config.header_read_timeout;
+    let read = tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_BODY_BYTES)).await;
+    let err = match read {
+        Ok(Ok(bytes)) => {
+            return next
+                .run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Ok(Err(e)) if e.to_string().contains("length limit") => ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("The request body is larger than {MAX_BODY_BYTES} bytes."),
+            kind: "invalid_request_error",
+            param: None,
+        },
+        Ok(Err(e)) => ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("The request body could not be read: {e}."),
+            kind: "invalid_request_error",
+            param: None,
+        },
+        Err(_) => ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "The request body did not arrive within {:.0} s.",
+                limit.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+        },
+    };
+    let mut res = err.into_response();
+    res.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    res
+}
 
 /// Rewrites error responses that axum's extractors produce as plain text (a body over
 /// [`MAX_BODY_BYTES`] is a 413, an unreadable body a 400) into OpenAI error bodies, so every

@@ -1334,6 +1334,24 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
         read.is_ok(),
         "the server kept a connection without headers open for 20 s"
     );
+    // Headers complete, then the body stalls: a 408 and the connection closes.
+    let mut stall = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    stall
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"prompt\"",
+        )
+        .await
+        .unwrap();
+    let mut resp = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), stall.read_to_end(&mut resp)).await;
+    assert!(
+        read.is_ok(),
+        "a stalled body kept the connection open for 20 s"
+    );
+    let resp = String::from_utf8_lossy(&resp);
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+    assert!(resp.contains("\"error\""), "{resp}");
     // A client that sends its headers in time is served as usual.
     let mut ok = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
     ok.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
