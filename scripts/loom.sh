@@ -5,12 +5,13 @@
 #
 # Environment:
 #   LOOM_MAX_PREEMPTIONS  preemption bound (each suite defaults to 3)
-#   LOOM_TARGET_DIR       target directory for the loom build (default: target/loom)
+#   LOOM_TARGET_DIR       target directory for the loom build (default: $CARGO_TARGET_DIR/loom,
+#                         or target/loom)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export RUSTFLAGS="${RUSTFLAGS:-} --cfg loom"
-export CARGO_TARGET_DIR="${LOOM_TARGET_DIR:-target/loom}"
+export CARGO_TARGET_DIR="${LOOM_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/loom}"
 
 for krate in ipc kv; do
   found=0

@@ -101,11 +101,17 @@ fn spawn_with(
     if capture_stderr {
         c.stderr(Stdio::piped());
     }
-    // SAFETY: the closure runs in the forked child before exec and only calls prctl, which is
-    // async-signal-safe; it touches no memory shared with the parent.
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl, getppid
+    // and setpgid, which are async-signal-safe; it touches no memory shared with the parent.
     unsafe {
         c.pre_exec(|| {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground
+            // group) reaches only `baton serve`, which then stops the children in order with
+            // the drain grace period, instead of every child stopping at once.
+            if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             // The parent may already have died between fork and prctl.

@@ -167,8 +167,9 @@ fn check_health(c: &ReaderCtx, no_worker_since: &mut Option<Instant>) {
         return;
     }
     let msg = format!(
-        "{why} (for {:.0} s, the worker timeout)",
-        since.elapsed().as_secs_f64()
+        "{why} (for {:.0} s; the worker timeout is {:.0} s)",
+        since.elapsed().as_secs_f64(),
+        limit.as_secs_f64()
     );
     *lock(&c.dead) = Some(msg.clone());
     let failed: Vec<(u64, UnboundedSender<EngineEvent>)> = lock(&c.routes).drain().collect();
