@@ -15,6 +15,11 @@ use serde_json::{Map, Value};
 /// Most choices one request may ask for.
 pub const MAX_N: usize = 128;
 
+/// Most sequences one request may create (prompts times `n`; OpenAI takes up to 2048 prompts
+/// in one request), so a small body cannot hold the
+/// server with hundreds of thousands of sequences.
+pub const MAX_SEQUENCES_PER_REQUEST: usize = 2048;
+
 /// The JSON object of a request body, read field by field.
 #[derive(Debug)]
 pub struct Fields {
@@ -472,6 +477,18 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
     let model = f.get::<String>("model")?;
     let prompts = parse_prompts(&f, limits)?;
     let gen = parse_gen(&f, false, limits)?;
+    let seqs = prompts.len().saturating_mul(gen.n);
+    if seqs > MAX_SEQUENCES_PER_REQUEST {
+        return Err(ApiError::field(
+            "prompt",
+            format!(
+                "{} prompts times n = {} make {seqs} sequences; one request may make at most \
+                 {MAX_SEQUENCES_PER_REQUEST}.",
+                prompts.len(),
+                gen.n
+            ),
+        ));
+    }
     let echo = f.get::<bool>("echo")?.unwrap_or(false);
     if echo && gen.logprobs.is_some() {
         return Err(ApiError::field(
@@ -653,6 +670,13 @@ mod tests {
             Some("top_p")
         );
         assert_eq!(err(r#"{"prompt":"a","n":0}"#).param.as_deref(), Some("n"));
+        let many = format!(
+            r#"{{"prompt":[{}],"n":2}}"#,
+            vec![r#""hi""#; 1025].join(",")
+        );
+        let e = err(&many);
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert!(e.message.contains("2050 sequences"), "{}", e.message);
         assert_eq!(
             err(r#"{"prompt":"a","max_tokens":-1}"#).param.as_deref(),
             Some("max_tokens")
