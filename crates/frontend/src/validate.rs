@@ -16,8 +16,8 @@ use serde_json::{Map, Value};
 pub const MAX_N: usize = 128;
 
 /// Most sequences one request may create (prompts times `n`; OpenAI takes up to 2048 prompts
-/// in one request), so a small body cannot hold the
-/// server with hundreds of thousands of sequences.
+/// in one request), so a small body cannot hold the server with hundreds of thousands of
+/// sequences.
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 2048;
 
 /// The JSON object of a request body, read field by field.
