@@ -294,3 +294,105 @@ fn sigterm_leaves_nothing_in_dev_shm_and_sigkill_leaves_a_restartable_instance()
         shm_leftovers(&inst)
     );
 }
+
+/// The segment carries the model's config fingerprint: a worker or frontend started on a model
+/// of another shape (here one layer fewer, same vocabulary) must refuse to attach instead of
+/// serving garbage, while one on the same shape (dummy weights) attaches.
+#[test]
+fn a_worker_or_frontend_on_another_model_shape_refuses_to_attach() {
+    let _serial = serial();
+    let inst = instance("fingerprint");
+    let _s = scheduler(&inst, &["--num-blocks", "64"]);
+    let other = edited_model_dir("fp-layers", |c| {
+        let n = c["num_hidden_layers"].as_u64().unwrap();
+        c["num_hidden_layers"] = (n - 1).into();
+    });
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let (st, err) = baton_to_exit(
+        &[
+            os("worker"),
+            os("--instance"),
+            inst.as_ref(),
+            os("--model"),
+            other.as_os_str(),
+            os("--load-format"),
+            os("dummy"),
+            os("--attach-timeout"),
+            os("30"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        st.is_some_and(|s| !s.success()),
+        "a worker with another layer count was not refused ({st:?}): {err}"
+    );
+    assert!(err.contains("not the scheduler's"), "{err}");
+
+    let (st, err) = baton_to_exit(
+        &[
+            os("frontend"),
+            os("--instance"),
+            inst.as_ref(),
+            os("--model"),
+            other.as_os_str(),
+            os("--port"),
+            os("0"),
+            os("--attach-timeout"),
+            os("30"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        st.is_some_and(|s| !s.success()),
+        "a frontend with another layer count was not refused ({st:?}): {err}"
+    );
+    assert!(err.contains("serves another model"), "{err}");
+
+    // The same shape with other (dummy) weights is the same fingerprint: it attaches.
+    let same = edited_model_dir("fp-same", |_| {});
+    let _w = Proc {
+        child: std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(["worker", "--instance", &inst, "--load-format", "dummy"])
+            .arg("--model")
+            .arg(&same)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        name: "worker",
+    };
+    let _link = connect(&inst);
+    let _ = std::fs::remove_dir_all(other);
+    let _ = std::fs::remove_dir_all(same);
+}
+
+/// A frontend that finds every slot taken says so at once and fails after its attach timeout,
+/// naming the flag that sets the slot count.
+#[test]
+fn a_frontend_with_every_slot_taken_says_why_and_fails_after_its_timeout() {
+    let _serial = serial();
+    let inst = instance("slotsfull");
+    let _s = scheduler(&inst, &["--num-blocks", "64", "--frontends", "1"]);
+    let _w = worker(&inst);
+    let _link = connect(&inst);
+    let model = model_dir();
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let (st, err) = baton_to_exit(
+        &[
+            os("frontend"),
+            os("--instance"),
+            inst.as_ref(),
+            os("--model"),
+            model.as_os_str(),
+            os("--port"),
+            os("0"),
+            os("--attach-timeout"),
+            os("1"),
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(st.is_some_and(|s| !s.success()), "{st:?}: {err}");
+    assert!(err.contains("every frontend slot"), "{err}");
+    assert!(err.contains("--frontends"), "{err}");
+}

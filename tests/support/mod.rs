@@ -280,3 +280,56 @@ pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// Runs `baton ARGS` until it exits or `timeout` passes (then SIGKILL); returns the exit status
+/// (`None` when it had to be killed) and what it wrote to stderr.
+pub fn baton_to_exit(
+    args: &[&std::ffi::OsStr],
+    timeout: Duration,
+) -> (Option<std::process::ExitStatus>, String) {
+    use std::io::Read;
+    let child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn baton");
+    let mut p = Proc {
+        child,
+        name: "baton",
+    };
+    let status = p.wait_timeout(timeout);
+    if status.is_none() {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+    let mut err = String::new();
+    if let Some(mut e) = p.child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    (status, err)
+}
+
+/// A copy of the test model's config and tokenizer files in a fresh temporary directory, with
+/// `edit` applied to `config.json` (weights are not copied: load it with `--load-format dummy`).
+pub fn edited_model_dir(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp model dir");
+    let src = model_dir();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), dir.join(f)).expect("copy tokenizer file");
+        }
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    dir
+}

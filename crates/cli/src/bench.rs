@@ -129,6 +129,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         sched: cfg.clone(),
         vocab_size: 32000,
         frontends: 1,
+        model_fingerprint: 0,
         trace: None,
     })?;
     let stop = Arc::new(AtomicBool::new(false));

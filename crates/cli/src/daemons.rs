@@ -92,11 +92,11 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
 /// Bad flags, a running instance of the same name.
 pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
-    let (model_cfg, vocab) = match &a.model {
+    let (model_cfg, vocab, fingerprint) = match &a.model {
         Some(dir) => {
             let c = ModelConfig::from_file(&ModelDir::new(dir).config_path())?;
-            let v = c.vocab_size;
-            (c, v)
+            let (v, f) = (c.vocab_size, c.fingerprint());
+            (c, v, f)
         }
         None => {
             let Some(len) = a.engine.max_model_len else {
@@ -109,7 +109,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
                 r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":1,"max_position_embeddings":1}"#,
             )?;
             c.max_position_embeddings = len;
-            (c, usize::MAX)
+            (c, usize::MAX, 0)
         }
     };
     if a.frontends == 0 {
@@ -124,6 +124,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
         sched: sched.clone(),
         vocab_size: vocab,
         frontends: a.frontends,
+        model_fingerprint: fingerprint,
         trace: a.engine.trace.clone(),
     };
     let mut d = SchedulerDaemon::create(cfg)?;
@@ -144,37 +145,40 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
 
 /// Runs `baton worker` until SIGTERM/SIGINT.
 ///
+/// What can fail without a scheduler (a missing `--model`, no CUDA driver or device, a model
+/// that does not load) fails before the worker waits for the segment.
+///
 /// # Errors
-/// No scheduler, a model that fails to load, a KV pool mismatch.
+/// No scheduler, a model that fails to load, a KV pool or model mismatch.
 pub fn run_worker(a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
     let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
-    let (segment, limits) = daemon::attach(&a.instance, wait)?;
-    match a.device {
-        Device::Null => {
-            let cap = KvCapacity {
-                num_blocks: limits.num_blocks,
-                block_size: limits.block_size,
-            };
-            let vocab = if limits.vocab_size == 0 {
-                32000
+    let loaded = match a.device {
+        Device::Null => None,
+        Device::Cpu | Device::Cuda => {
+            let name = if a.device == Device::Cuda {
+                "cuda"
             } else {
-                limits.vocab_size
+                "cpu"
             };
-            let backend = NullBackend::new(cap, vocab, a.null_token);
-            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
-            eprintln!("baton worker: null backend attached to {}", a.instance);
-            w.run(&stop)?;
-        }
-        Device::Cpu => {
             let dir = a
                 .model
-                .context("--model DIR is required for --device cpu")?;
+                .clone()
+                .with_context(|| format!("--model DIR is required for --device {name}"))?;
+            if a.device == Device::Cuda {
+                baton_cuda::CudaDevice::probe_memory(a.cuda.cuda_device)
+                    .context("opening the GPU for --device cuda")?;
+            }
             let format = match a.load_format {
                 LoadFormatArg::Auto => LoadFormat::Auto,
                 LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
             };
-            let loaded = ModelDir::new(&dir).load(format)?;
+            Some((dir.clone(), ModelDir::new(&dir).load(format)?))
+        }
+    };
+    let (segment, limits) = daemon::attach(&a.instance, wait)?;
+    match (a.device, loaded) {
+        (Device::Cpu, Some((dir, loaded))) => {
             let (mut model, _) = loaded.into_cpu_model();
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
@@ -189,15 +193,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             );
             w.run(&stop)?;
         }
-        Device::Cuda => {
-            let dir = a
-                .model
-                .context("--model DIR is required for --device cuda")?;
-            let format = match a.load_format {
-                LoadFormatArg::Auto => LoadFormat::Auto,
-                LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
-            };
-            let loaded = ModelDir::new(&dir).load(format)?;
+        (Device::Cuda, Some((dir, loaded))) => {
             let sizes = CudaSizes {
                 block_size: limits.block_size,
                 num_blocks: Some(limits.num_blocks),
@@ -212,6 +208,21 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 dir.display(),
                 a.instance
             );
+            w.run(&stop)?;
+        }
+        _ => {
+            let cap = KvCapacity {
+                num_blocks: limits.num_blocks,
+                block_size: limits.block_size,
+            };
+            let vocab = if limits.vocab_size == 0 {
+                32000
+            } else {
+                limits.vocab_size
+            };
+            let backend = NullBackend::new(cap, vocab, a.null_token);
+            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            eprintln!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop)?;
         }
     }

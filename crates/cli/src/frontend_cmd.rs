@@ -1,9 +1,9 @@
 //! `baton frontend`: the OpenAI API over the shared-memory control plane.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use baton_frontend::{RingEngineClient, ServerConfig};
 use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
-use baton_proto::link::FrontendLink;
+use baton_proto::link::{FrontendLink, LinkError};
 use clap::Args;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -119,9 +119,13 @@ pub fn run(a: FrontendArgs) -> Result<()> {
     } else {
         Vec::new()
     };
+    // config.json is optional for a frontend (a tokenizer directory is enough); when present it
+    // gives the EOS ids if generation_config.json does not, and the fingerprint to check.
+    let model_cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
     if eos.is_empty() {
-        eos = baton_model::ModelConfig::from_file(&dir.config_path())
-            .map(|c| c.eos_token_ids)
+        eos = model_cfg
+            .as_ref()
+            .map(|c| c.eos_token_ids.clone())
             .unwrap_or_default();
     }
     if eos.is_empty() {
@@ -134,15 +138,48 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         .map(baton_frontend::chat::load_template_arg)
         .transpose()?;
     let deadline = Instant::now() + Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    let mut told_full = false;
     let link = loop {
         match FrontendLink::connect(&a.instance) {
             Ok(l) => break l,
+            Err(e @ LinkError::Register(_)) if Instant::now() >= deadline => {
+                return Err(e).context(format!(
+                    "connecting to the scheduler of instance {}: all its frontend slots stayed \
+                     taken for {} s (the scheduler's --frontends sets how many)",
+                    a.instance, a.attach_timeout
+                ))
+            }
             Err(e) if Instant::now() >= deadline => {
                 return Err(e).context("connecting to the scheduler")
+            }
+            Err(LinkError::Register(_)) => {
+                // A slot frees when a dead frontend's is reclaimed, so keep trying, but say why
+                // this start is slow.
+                if !told_full {
+                    told_full = true;
+                    eprintln!(
+                        "baton frontend: every frontend slot of instance {} is taken; waiting up \
+                         to {} s for one to free",
+                        a.instance, a.attach_timeout
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
             }
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     };
+    let theirs = link.limits().model_fingerprint;
+    if let Some(c) = &model_cfg {
+        if theirs != 0 && theirs != c.fingerprint() {
+            bail!(
+                "the scheduler of instance {} serves another model than {} (config fingerprint \
+                 {theirs:016x}, this one {:016x}); start the frontend with the scheduler's --model",
+                a.instance,
+                a.model.display(),
+                c.fingerprint()
+            );
+        }
+    }
     let vocab = tokenizer.vocab_size();
     let worker_timeout =
         (a.http.worker_timeout > 0.0).then(|| Duration::from_secs_f64(a.http.worker_timeout));
@@ -169,9 +206,12 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         .build()?;
     rt.block_on(async move {
         let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
+        // One line on stdout, which `baton serve` reads for the bound port; the slot goes to
+        // the log.
         println!("listening on http://{addr}");
         eprintln!(
-            "baton frontend: listening on http://{addr} (frontend slot {})",
+            "baton frontend: attached to instance {} as frontend slot {}",
+            a.instance,
             engine.index()
         );
         let client: Arc<dyn baton_frontend::EngineClient> = engine.clone();

@@ -94,21 +94,15 @@ fn generation_clipped_at_the_model_length_says_so() {
     assert!(err.contains("maximum model length (8 tokens)"), "{err}");
 }
 
-#[test]
-fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
-    if baton_cuda::backend::driver_available() {
-        return; // a GPU machine: this check is about machines without one
-    }
+/// Runs `baton ARGS` with a bounded wait (a command that starts anyway would run until killed,
+/// which fails the test); returns the exit code and stderr.
+fn run_bounded(args: &[&std::ffi::OsStr], what: &str) -> (Option<i32>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["serve", "--device", "cuda", "--port", "0", "--instance"])
-        .arg(format!("cuda-nodrv-{}", std::process::id()))
-        .arg("--model")
-        .arg(common::model_dir())
+        .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run baton");
-    // Bounded wait: a serve that starts anyway would run until killed.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let status = loop {
         if let Some(st) = child.try_wait().expect("wait") {
@@ -117,16 +111,83 @@ fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
         if std::time::Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("serve --device cuda without a driver did not exit");
+            panic!("{what} did not exit");
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    (status.code(), err)
+}
+
+fn os(s: &str) -> &std::ffi::OsStr {
+    std::ffi::OsStr::new(s)
+}
+
+#[test]
+fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
+    if baton_cuda::backend::driver_available() {
+        return; // a GPU machine: this check is about machines without one
+    }
+    let model = common::model_dir();
+    let inst = format!("cuda-nodrv-{}", std::process::id());
+    let (code, err) = run_bounded(
+        &[
+            os("serve"),
+            os("--device"),
+            os("cuda"),
+            os("--port"),
+            os("0"),
+            os("--instance"),
+            os(&inst),
+            os("--model"),
+            model.as_os_str(),
+        ],
+        "serve --device cuda without a driver",
+    );
     assert!(
-        matches!(status.code(), Some(c) if c != 0 && c != 101),
-        "exit {status}: {err}"
+        matches!(code, Some(c) if c != 0 && c != 101),
+        "exit {code:?}: {err}"
     );
     assert!(err.contains("--device cpu"), "no hint: {err}");
-    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// A worker checks what it can before it waits (here up to 10 minutes) for its scheduler: the
+/// GPU for `--device cuda`, and the model.
+#[test]
+fn a_worker_reports_a_missing_driver_or_a_bad_model_before_waiting_for_its_scheduler() {
+    let inst = format!("no-sched-{}", std::process::id());
+    let model = common::model_dir();
+    let worker = |extra: &[&std::ffi::OsStr]| {
+        let mut args = vec![
+            os("worker"),
+            os("--instance"),
+            os(&inst),
+            os("--attach-timeout"),
+            os("600"),
+        ];
+        args.extend_from_slice(extra);
+        run_bounded(&args, "a worker without a scheduler")
+    };
+    if !baton_cuda::backend::driver_available() {
+        let (code, err) = worker(&[os("--device"), os("cuda"), os("--model"), model.as_os_str()]);
+        assert!(
+            matches!(code, Some(c) if c != 0 && c != 101),
+            "exit {code:?}: {err}"
+        );
+        assert!(err.contains("--device cpu"), "no hint: {err}");
+    }
+    let (code, err) = worker(&[os("--model"), os("/nonexistent/model")]);
+    assert!(
+        matches!(code, Some(c) if c != 0 && c != 101),
+        "exit {code:?}: {err}"
+    );
+    assert!(err.contains("/nonexistent/model"), "model not named: {err}");
+    let (code, err) = worker(&[]);
+    assert!(
+        matches!(code, Some(c) if c != 0 && c != 101),
+        "exit {code:?}: {err}"
+    );
+    assert!(err.contains("--model"), "{err}");
 }

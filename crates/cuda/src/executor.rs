@@ -1556,6 +1556,10 @@ impl Backend for CudaWorker {
         self.cfg.vocab_size
     }
 
+    fn model_fingerprint(&self) -> u64 {
+        self.cfg.fingerprint()
+    }
+
     fn name(&self) -> &'static str {
         "cuda"
     }

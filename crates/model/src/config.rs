@@ -232,6 +232,58 @@ impl ModelConfig {
         Self::from_json_str_named(&text, &path.display().to_string())
     }
 
+    /// A 64-bit fingerprint of what the forward pass computes: `model_type`, the widths
+    /// (`hidden_size`, `intermediate_size`, `head_dim`), `num_hidden_layers`, the query and KV
+    /// head counts, `vocab_size`, `rms_norm_eps`, `rope_theta`, `rope_scaling` and
+    /// `tie_word_embeddings`. Two processes that disagree on it would run different models on
+    /// the same KV pages and token ids, so the scheduler publishes it and a worker or frontend
+    /// with another one refuses to attach. Leaves out what may differ between processes of one
+    /// deployment (`max_position_embeddings`, EOS/BOS ids, `torch_dtype`).
+    ///
+    /// FNV-1a over the fields' little-endian bytes (floats by their bit patterns); never 0,
+    /// which the segment uses for "unknown".
+    pub fn fingerprint(&self) -> u64 {
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+            }
+        };
+        eat(self.model_type.as_bytes());
+        eat(&[0xff]);
+        for n in [
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.vocab_size,
+        ] {
+            eat(&(n as u64).to_le_bytes());
+        }
+        eat(&self.rms_norm_eps.to_bits().to_le_bytes());
+        eat(&self.rope_theta.to_bits().to_le_bytes());
+        match self.rope_scaling {
+            None => eat(&[0]),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                eat(&[1]);
+                for x in [factor, low_freq_factor, high_freq_factor] {
+                    eat(&x.to_bits().to_le_bytes());
+                }
+                eat(&(original_max_position_embeddings as u64).to_le_bytes());
+            }
+        }
+        eat(&[u8::from(self.tie_word_embeddings)]);
+        h.max(1)
+    }
+
     /// Parses and validates a config from JSON text (errors name the file `config.json`).
     ///
     /// # Errors
@@ -666,6 +718,43 @@ mod tests {
 
     fn cfg(extra: &str) -> Result<ModelConfig, ModelError> {
         ModelConfig::from_json_str(&format!("{BASE}{extra}}}"))
+    }
+
+    #[test]
+    fn fingerprint_changes_with_every_computed_field_and_ignores_the_rest() {
+        let base = cfg("").unwrap();
+        let fp = base.fingerprint();
+        assert_ne!(fp, 0);
+        assert_eq!(cfg("").unwrap().fingerprint(), fp, "not deterministic");
+        // Fields that change what the forward pass computes.
+        for extra in [
+            r#", "num_hidden_layers": 3"#,
+            r#", "num_key_value_heads": 4"#,
+            r#", "head_dim": 16"#,
+            r#", "intermediate_size": 173"#,
+            r#", "rms_norm_eps": 1e-6"#,
+            r#", "rope_theta": 500000.0"#,
+            r#", "tie_word_embeddings": true"#,
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}"#,
+        ] {
+            assert_ne!(cfg(extra).unwrap().fingerprint(), fp, "{extra}");
+        }
+        let mut c = base.clone();
+        c.vocab_size += 1;
+        assert_ne!(c.fingerprint(), fp, "vocab_size");
+        let mut c = base.clone();
+        c.hidden_size = 128;
+        assert_ne!(c.fingerprint(), fp, "hidden_size");
+        let mut c = base.clone();
+        c.model_type = "mistral".into();
+        assert_ne!(c.fingerprint(), fp, "model_type");
+        // Fields that may differ between the processes of one deployment.
+        for extra in [r#", "eos_token_id": 2"#, r#", "torch_dtype": "float32""#] {
+            assert_eq!(cfg(extra).unwrap().fingerprint(), fp, "{extra}");
+        }
+        let mut c = base.clone();
+        c.max_position_embeddings = 4096;
+        assert_eq!(c.fingerprint(), fp, "max_position_embeddings");
     }
 
     #[test]

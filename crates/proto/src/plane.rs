@@ -59,6 +59,10 @@ pub struct PlaneLimits {
     pub frontends: usize,
     /// Launches in flight at most.
     pub max_inflight: usize,
+    /// Fingerprint of the model the scheduler was started for (`baton_model`'s
+    /// `ModelConfig::fingerprint`); 0: unknown, nothing to check. A worker or frontend whose
+    /// model has another fingerprint refuses to attach.
+    pub model_fingerprint: u64,
 }
 
 impl PlaneLimits {
@@ -99,6 +103,7 @@ impl PlaneLimits {
         spare[2] = self.vocab_size as u64;
         spare[3] = self.frontends as u64;
         spare[4] = self.max_inflight as u64;
+        spare[5] = self.model_fingerprint;
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -119,6 +124,7 @@ impl PlaneLimits {
             vocab_size: l.spare[2] as usize,
             frontends: l.spare[3] as usize,
             max_inflight: l.spare[4] as usize,
+            model_fingerprint: l.spare[5],
         }
     }
 }
@@ -163,6 +169,7 @@ mod tests {
             vocab_size: 512,
             frontends: 4,
             max_inflight: 2,
+            model_fingerprint: 0x1234_5678_9abc_def0,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

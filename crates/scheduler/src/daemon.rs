@@ -40,6 +40,9 @@ pub struct DaemonConfig {
     pub vocab_size: usize,
     /// Frontend slots.
     pub frontends: usize,
+    /// The model's `ModelConfig::fingerprint`, published for workers and frontends to check
+    /// at attach (0: unknown, unchecked).
+    pub model_fingerprint: u64,
     /// Lifecycle trace file.
     pub trace: Option<PathBuf>,
 }
@@ -130,6 +133,7 @@ impl SchedulerDaemon {
             },
             frontends: cfg.frontends,
             max_inflight: cfg.sched.max_inflight,
+            model_fingerprint: cfg.model_fingerprint,
         };
         let control = limits.control_spec();
         let segment = Segment::create(&cfg.instance, &limits.layout_spec(), limits.to_limits())?;

@@ -130,6 +130,10 @@ impl Backend for CpuBackend {
         self.model.config().vocab_size
     }
 
+    fn model_fingerprint(&self) -> u64 {
+        self.model.config().fingerprint()
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

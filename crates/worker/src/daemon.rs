@@ -89,8 +89,8 @@ impl<B: Backend> WorkerDaemon<B> {
     /// to `wait` while the scheduler is still cleaning up after a previous worker.
     ///
     /// # Errors
-    /// A backend whose KV pool or block size differs from the published limits; no slot or
-    /// ring became free within `wait`.
+    /// A backend whose KV pool, block size, vocabulary or model fingerprint differs from the
+    /// published limits; no slot or ring became free within `wait`.
     pub fn new(
         segment: Segment,
         limits: PlaneLimits,
@@ -109,6 +109,15 @@ impl<B: Backend> WorkerDaemon<B> {
                 "the scheduler validates against a vocabulary of {} but the model has {}",
                 limits.vocab_size,
                 backend.vocab_size()
+            )));
+        }
+        let mine = backend.model_fingerprint();
+        if limits.model_fingerprint != 0 && mine != 0 && limits.model_fingerprint != mine {
+            return Err(DaemonError::Mismatch(format!(
+                "this worker's model (config fingerprint {mine:016x}) is not the scheduler's \
+                 ({:016x}): layers, widths, heads, vocabulary or RoPE differ; start both with \
+                 the same --model",
+                limits.model_fingerprint
             )));
         }
         let control = limits.control_spec();

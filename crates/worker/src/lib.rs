@@ -89,6 +89,10 @@ pub trait Backend: Send {
     /// Vocabulary size of the model (the range of sampled ids).
     fn vocab_size(&self) -> usize;
 
+    /// The model's `ModelConfig::fingerprint`, checked against the scheduler's at attach;
+    /// 0 for a backend without a model (the null backend), which is not checked.
+    fn model_fingerprint(&self) -> u64;
+
     /// A short name for logs (`cpu`, `null`, `cuda`).
     fn name(&self) -> &'static str;
 }

@@ -58,6 +58,10 @@ impl Backend for NullBackend {
         self.vocab_size
     }
 
+    fn model_fingerprint(&self) -> u64 {
+        0
+    }
+
     fn name(&self) -> &'static str {
         "null"
     }

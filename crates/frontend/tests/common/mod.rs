@@ -66,6 +66,9 @@ impl<B: Backend> Backend for Slow<B> {
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
+    fn model_fingerprint(&self) -> u64 {
+        self.inner.model_fingerprint()
+    }
     fn name(&self) -> &'static str {
         "slow"
     }
