@@ -5,6 +5,11 @@
 //! provides `raise_exception(msg)` and `strftime_now(fmt)`. The context holds `messages`,
 //! `add_generation_prompt`, `bos_token`, `eos_token` and any `chat_template_kwargs`. A template
 //! that raises or fails to render is the client's problem (a 400), never a panic.
+//!
+//! OpenAI's `developer` role (its name for system instructions in newer clients) reaches a
+//! template that never mentions `developer` as `system`, so a Llama template puts the
+//! instruction where the model was trained to see it instead of refusing or dropping it; a
+//! template that handles `developer` itself gets it unchanged.
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::Map;
@@ -14,6 +19,8 @@ const NAME: &str = "chat";
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The source mentions `developer`: pass that role through unchanged.
+    knows_developer: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -140,9 +147,13 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        let knows_developer = source.contains("developer");
         env.add_template_owned(NAME, source)
             .map_err(|e| format!("invalid chat template: {e:#}"))?;
-        Ok(Self { env })
+        Ok(Self {
+            env,
+            knows_developer,
+        })
     }
 
     /// Renders the prompt for `messages`.
@@ -158,10 +169,15 @@ impl ChatTemplate {
         kwargs: &Map<String, serde_json::Value>,
     ) -> Result<String, String> {
         let mut ctx = kwargs.clone();
-        ctx.insert(
-            "messages".into(),
-            serde_json::Value::from(messages.to_vec()),
-        );
+        let mut messages = messages.to_vec();
+        if !self.knows_developer {
+            for m in &mut messages {
+                if let Some(role) = m.get_mut("role").filter(|r| *r == "developer") {
+                    *role = "system".into();
+                }
+            }
+        }
+        ctx.insert("messages".into(), serde_json::Value::from(messages));
         ctx.insert(
             "add_generation_prompt".into(),
             serde_json::Value::Bool(add_generation_prompt),
@@ -198,6 +214,35 @@ mod tests {
         ];
         let out = t.render(&msgs, true, "<s>", "</s>", &Map::new()).unwrap();
         assert_eq!(out, "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]");
+    }
+
+    #[test]
+    fn developer_role_is_system_unless_the_template_handles_it() {
+        let t = ChatTemplate::new(LLAMA2.into()).unwrap();
+        let as_system = t
+            .render(
+                &[
+                    json!({"role": "system", "content": "Be brief."}),
+                    json!({"role": "user", "content": "Hi"}),
+                ],
+                true,
+                "<s>",
+                "</s>",
+                &Map::new(),
+            )
+            .unwrap();
+        let msgs = [
+            json!({"role": "developer", "content": "Be brief."}),
+            json!({"role": "user", "content": "Hi"}),
+        ];
+        let out = t.render(&msgs, true, "<s>", "</s>", &Map::new()).unwrap();
+        assert_eq!(out, as_system);
+        let own = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }};{% endfor %}{# developer #}".into(),
+        )
+        .unwrap();
+        let out = own.render(&msgs, true, "", "", &Map::new()).unwrap();
+        assert_eq!(out, "developer;user;");
     }
 
     #[test]
