@@ -307,61 +307,25 @@ fn a_worker_or_frontend_on_another_model_shape_refuses_to_attach() {
         let n = c["num_hidden_layers"].as_u64().unwrap();
         c["num_hidden_layers"] = (n - 1).into();
     });
-    let os = |s: &'static str| std::ffi::OsStr::new(s);
-    let (st, err) = baton_to_exit(
-        &[
-            os("worker"),
-            os("--instance"),
-            inst.as_ref(),
-            os("--model"),
-            other.as_os_str(),
-            os("--load-format"),
-            os("dummy"),
-            os("--attach-timeout"),
-            os("30"),
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(
-        st.is_some_and(|s| !s.success()),
-        "a worker with another layer count was not refused ({st:?}): {err}"
-    );
-    assert!(err.contains("not the scheduler's"), "{err}");
-
-    let (st, err) = baton_to_exit(
-        &[
-            os("frontend"),
-            os("--instance"),
-            inst.as_ref(),
-            os("--model"),
-            other.as_os_str(),
-            os("--port"),
-            os("0"),
-            os("--attach-timeout"),
-            os("30"),
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(
-        st.is_some_and(|s| !s.success()),
-        "a frontend with another layer count was not refused ({st:?}): {err}"
-    );
-    assert!(err.contains("serves another model"), "{err}");
+    // `baton worker|frontend --model <other>`: must exit non-zero, with `why` in its message.
+    let refused = |cmd: &str, extra: &[&str], why: &str| {
+        let mut args = vec![cmd, "--instance", &inst, "--attach-timeout", "30"];
+        args.extend_from_slice(extra);
+        let mut args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+        args.extend([std::ffi::OsStr::new("--model"), other.as_os_str()]);
+        let (st, err) = baton_to_exit(&args, Duration::from_secs(60));
+        assert!(
+            st.is_some_and(|s| !s.success()),
+            "a {cmd} with another layer count was not refused ({st:?}): {err}"
+        );
+        assert!(err.contains(why), "{cmd}: {err}");
+    };
+    refused("worker", &["--load-format", "dummy"], "not the scheduler's");
+    refused("frontend", &["--port", "0"], "serves another model");
 
     // The same shape with other (dummy) weights is the same fingerprint: it attaches.
     let same = edited_model_dir("fp-same", |_| {});
-    let _w = Proc {
-        child: std::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-            .args(["worker", "--instance", &inst, "--load-format", "dummy"])
-            .arg("--model")
-            .arg(&same)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-        name: "worker",
-    };
+    let _w = worker_on(&inst, &same, &["--load-format", "dummy"]);
     let _link = connect(&inst);
     let _ = std::fs::remove_dir_all(other);
     let _ = std::fs::remove_dir_all(same);

@@ -97,6 +97,11 @@ pub fn scheduler(instance: &str, extra: &[&str]) -> Proc {
 
 /// Starts `baton worker --device cpu` on the test model.
 pub fn worker(instance: &str) -> Proc {
+    worker_on(instance, &model_dir(), &[])
+}
+
+/// Starts `baton worker --model DIR` with `extra` flags.
+pub fn worker_on(instance: &str, dir: &std::path::Path, extra: &[&str]) -> Proc {
     let child = baton()
         .args([
             "worker",
@@ -106,7 +111,8 @@ pub fn worker(instance: &str) -> Proc {
             "60",
             "--model",
         ])
-        .arg(model_dir())
+        .arg(dir)
+        .args(extra)
         .spawn()
         .expect("spawn worker");
     Proc {
