@@ -410,6 +410,9 @@ impl Device for CudaDevice {
     }
 
     unsafe fn free(&self, ptr: DevPtr) {
+        // The context must be current on this thread (a buffer may be dropped on another
+        // thread than the one that allocated it); a failure here only leaks.
+        let _ = self.bind();
         // SAFETY: per the contract, `ptr` is ours, freed once and unused.
         let _ = unsafe { cu_result::free_sync(ptr) };
     }
@@ -427,6 +430,7 @@ impl Device for CudaDevice {
     }
 
     unsafe fn free_host(&self, ptr: *mut u8) {
+        let _ = self.bind();
         // SAFETY: per the contract, allocated by cuMemHostAlloc and freed once.
         let _ = unsafe { cu_result::free_host(ptr as *mut c_void) };
     }

@@ -204,14 +204,23 @@ struct Ring {
 }
 
 impl Ring {
-    /// Ring slot of a new launch (the oldest kept one is forgotten).
-    fn push(&mut self, seq: LaunchSeq, sampled: Vec<bool>) -> usize {
-        if self.launches.len() == KEPT_LAUNCHES {
-            self.launches.pop_front();
-        }
+    /// The ring slot the next launch writes its ids into. Whatever launch held it is
+    /// forgotten now, before the slot is overwritten; the new launch is recorded only by
+    /// [`Ring::commit`], once its fence has passed, so a failed launch is never a source.
+    fn reserve(&mut self) -> usize {
         let slot = self.pushes % KEPT_LAUNCHES;
         self.pushes += 1;
+        self.launches.retain(|l| l.1 != slot);
+        slot
+    }
+    /// Records that launch `seq` completed with its ids in `slot` (from [`Ring::reserve`]).
+    fn commit(&mut self, seq: LaunchSeq, slot: usize, sampled: Vec<bool>) {
         self.launches.push_back((seq, slot, sampled));
+    }
+    #[cfg(test)]
+    fn push(&mut self, seq: LaunchSeq, sampled: Vec<bool>) -> usize {
+        let slot = self.reserve();
+        self.commit(seq, slot, sampled);
         slot
     }
     /// Ring slot holding the id row `row` of launch `seq` sampled, if kept.
@@ -344,17 +353,27 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
 /// Converts f32 values to the device element type's little-endian bytes (round to nearest
 /// even for bf16 and f16).
 pub fn to_device_bytes(v: &[f32], dtype: Dtype) -> Vec<u8> {
-    match dtype {
-        Dtype::F32 => bytemuck::cast_slice(v).to_vec(),
-        Dtype::Bf16 => v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
-            .collect(),
-        Dtype::F16 => v
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
-            .collect(),
-    }
+    use rayon::prelude::*;
+    // Chunks of 64 Ki elements over the rayon pool: an 8B model is 8e9 conversions at load.
+    const CHUNK: usize = 1 << 16;
+    let es = dtype.size();
+    let mut out = vec![0u8; v.len() * es];
+    out.par_chunks_mut(CHUNK * es)
+        .zip(v.par_chunks(CHUNK))
+        .for_each(|(o, x)| match dtype {
+            Dtype::F32 => o.copy_from_slice(bytemuck::cast_slice(x)),
+            Dtype::Bf16 => {
+                for (o, &x) in o.chunks_exact_mut(2).zip(x) {
+                    o.copy_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+            Dtype::F16 => {
+                for (o, &x) in o.chunks_exact_mut(2).zip(x) {
+                    o.copy_from_slice(&half::f16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+        });
+    out
 }
 
 /// Converts device element bytes back to f32 (for debug dumps).
@@ -1183,15 +1202,17 @@ impl CudaWorker {
     }
 
     /// Copies the staging host buffer to the device (async, on the stream).
-    fn upload_staging(&self) -> Result<(), CudaWorkerError> {
-        // SAFETY: both buffers are `layout.total` bytes; the host side is pinned and is not
-        // written again before the fence of this launch (execute synchronizes before
-        // returning).
+    /// Uploads the staged inputs of a launch of `num_rows` rows (after padding): the prefix
+    /// of the staging buffer those rows use.
+    fn upload_staging(&self, num_rows: usize) -> Result<(), CudaWorkerError> {
+        // SAFETY: both buffers are `layout.total` >= `used_bytes` bytes; the host side is
+        // pinned and is not written again before the fence of this launch (execute
+        // synchronizes before returning, also on an error).
         unsafe {
             self.dev.copy_htod_async(
                 self.staging_dev.ptr,
                 self.staging_host.ptr,
-                self.layout.total,
+                self.layout.used_bytes(num_rows),
             )
         }
     }
@@ -1222,7 +1243,7 @@ impl CudaWorker {
             layout
                 .fill(self.staging_host.bytes_mut(), &inputs)
                 .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
-            self.upload_staging()?;
+            self.upload_staging(b)?;
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
             self.enqueue_forward(b, b, AttnMode::Decode, None)?;
             self.dev.synchronize()?;
@@ -1307,7 +1328,6 @@ impl CudaWorker {
             }
             None => n_rows,
         };
-        let t = plan.num_tokens();
         let inputs = StepInputs {
             plan,
             ids,
@@ -1319,66 +1339,18 @@ impl CudaWorker {
         layout
             .fill(self.staging_host.bytes_mut(), &inputs)
             .map_err(|e: CapacityError| WorkerError::Forward(e.to_string()))?;
-        self.upload_staging().map_err(dev_err)?;
-        if !inputs.pending.is_empty() {
-            let l = &self.layout;
-            // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
-            self.launch(
-                "baton_gather_pending_ids",
-                (inputs.pending.len().div_ceil(256) as u32, 1, 1),
-                256,
-                KArgs::new()
-                    .p(self.staging_dev.at(l.ids))
-                    .p(self.ring.ptr)
-                    .p(self.staging_dev.at(l.pending_dst))
-                    .p(self.staging_dev.at(l.pending_src))
-                    .i(inputs.pending.len()),
-            )
-            .map_err(dev_err)?;
+        let slot = self.ring_host.reserve();
+        let done = self.run_staged(&inputs, rows, bucket, run_rows, decode, slot, dumps);
+        if done.is_err() {
+            // Drain what was queued before the failure, so the next launch does not refill
+            // the pinned staging buffer under a copy still in flight.
+            let _ = self.dev.synchronize();
         }
-        match bucket {
-            Some(b) => {
-                let exec = self.graphs[&b];
-                // SAFETY: the graph was captured over buffers that live as long as `self`; its
-                // inputs were just staged at the captured addresses.
-                unsafe { self.dev.launch_graph(exec) }.map_err(dev_err)?;
-            }
-            None => {
-                let mode = if decode {
-                    AttnMode::Decode
-                } else {
-                    AttnMode::Prefill
-                };
-                self.enqueue_forward(t, run_rows, mode, dumps)
-                    .map_err(dev_err)?;
-            }
-        }
-        // Keep the sampled ids on the device for later PendingFrom rows.
-        let sampled: Vec<bool> = rows.iter().map(|r| r.sample).collect();
-        let slot = self.ring_host.push(seq, sampled);
-        let max_rows = self.layout.max_rows;
-        let o = out_offsets(max_rows);
-        // SAFETY: the ring holds KEPT_LAUNCHES * max_rows u32 and slot < KEPT_LAUNCHES; the
-        // source holds max_rows u32 >= n_rows. Stream-ordered after the sampler.
-        unsafe {
-            self.dev.copy_dtod_async(
-                self.ring.at(4 * slot * max_rows),
-                self.out_dev.at(o.tokens),
-                4 * n_rows,
-            )
-        }
-        .map_err(dev_err)?;
-        // SAFETY: the pinned host buffer has the same layout and size as out_dev; it is not
-        // read before the fence below has passed.
-        unsafe {
-            self.dev
-                .copy_dtoh_async(self.out_host.ptr, self.out_dev.ptr, o.total)
-        }
-        .map_err(dev_err)?;
-        // The fence: the launch is complete (KV written, ids in host memory) when it passes.
-        self.dev.record_fence().map_err(dev_err)?;
-        self.dev.wait_fence().map_err(dev_err)?;
+        done.map_err(dev_err)?;
+        self.ring_host
+            .commit(seq, slot, rows.iter().map(|r| r.sample).collect());
 
+        let o = out_offsets(self.layout.max_rows);
         let host = self.out_host.bytes();
         let rd_u32 =
             |at: usize| u32::from_le_bytes([host[at], host[at + 1], host[at + 2], host[at + 3]]);
@@ -1401,6 +1373,78 @@ impl CudaWorker {
                 (rd_u32(o.tokens + 4 * i), rd_f32(o.logprob + 4 * i), top)
             })
             .collect())
+    }
+
+    /// The device part of [`CudaWorker::run_rows`] once the inputs are staged on the host:
+    /// upload, pending ids, the forward pass (graph replay or eager), sampled ids into ring
+    /// `slot` and to the pinned host buffer, then the fence, waited on.
+    #[allow(clippy::too_many_arguments)]
+    fn run_staged(
+        &mut self,
+        inputs: &StepInputs,
+        rows: &[RowInput],
+        bucket: Option<usize>,
+        run_rows: usize,
+        decode: bool,
+        slot: usize,
+        dumps: Option<&mut Dumps>,
+    ) -> Result<(), CudaWorkerError> {
+        let t = inputs.plan.num_tokens();
+        self.upload_staging(inputs.plan.num_rows())?;
+        if !inputs.pending.is_empty() {
+            let l = &self.layout;
+            // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
+            self.launch(
+                "baton_gather_pending_ids",
+                (inputs.pending.len().div_ceil(256) as u32, 1, 1),
+                256,
+                KArgs::new()
+                    .p(self.staging_dev.at(l.ids))
+                    .p(self.ring.ptr)
+                    .p(self.staging_dev.at(l.pending_dst))
+                    .p(self.staging_dev.at(l.pending_src))
+                    .i(inputs.pending.len()),
+            )?;
+        }
+        match bucket {
+            Some(b) => {
+                let exec = self.graphs[&b];
+                // SAFETY: the graph was captured over buffers that live as long as `self`; its
+                // inputs were just staged at the captured addresses.
+                unsafe { self.dev.launch_graph(exec) }?;
+            }
+            None => {
+                let mode = if decode {
+                    AttnMode::Decode
+                } else {
+                    AttnMode::Prefill
+                };
+                self.enqueue_forward(t, run_rows, mode, dumps)?;
+            }
+        }
+        // Keep the sampled ids on the device for later PendingFrom rows.
+        let n_rows = rows.len();
+        let max_rows = self.layout.max_rows;
+        let o = out_offsets(max_rows);
+        // SAFETY: the ring holds KEPT_LAUNCHES * max_rows u32 and slot < KEPT_LAUNCHES; the
+        // source holds max_rows u32 >= n_rows. Stream-ordered after the sampler.
+        unsafe {
+            self.dev.copy_dtod_async(
+                self.ring.at(4 * slot * max_rows),
+                self.out_dev.at(o.tokens),
+                4 * n_rows,
+            )
+        }?;
+        // SAFETY: the pinned host buffer has the same layout and size as out_dev; it is not
+        // read before the fence below has passed.
+        unsafe {
+            self.dev
+                .copy_dtoh_async(self.out_host.ptr, self.out_dev.ptr, o.total)
+        }?;
+        // The fence: the launch is complete (KV written, ids in host memory) when it passes.
+        self.dev.record_fence()?;
+        self.dev.wait_fence()?;
+        Ok(())
     }
 
     /// Debug hook: runs `rows` (fresh ids, no pending) once and returns the logits of every
@@ -1596,6 +1640,44 @@ mod tests {
         assert_eq!(r.push(100, vec![true]), 1);
         assert_eq!(r.slot_of(9, 0), None);
         assert_eq!(r.slot_of(100, 0), Some(1));
+    }
+
+    #[test]
+    fn a_launch_that_fails_is_never_a_pending_source_and_its_slot_holds_no_stale_launch() {
+        let mut r = Ring::default();
+        for s in 0..KEPT_LAUNCHES as u64 {
+            r.push(s, vec![true]);
+        }
+        // Launch 50 reserves launch 0's slot (its ids get overwritten), then fails.
+        let slot = r.reserve();
+        assert_eq!(r.slot_of(0, 0), None, "launch 0's ids are being overwritten");
+        assert_eq!(r.slot_of(50, 0), None, "not committed: failed launches are no source");
+        // The next launch takes the following slot, and launch 1 is forgotten before it.
+        let next = r.reserve();
+        assert_ne!(next, slot);
+        assert_eq!(r.slot_of(1, 0), None);
+        r.commit(51, next, vec![true]);
+        assert_eq!(r.slot_of(51, 0), Some(next));
+        assert_eq!(r.slot_of(2, 0), Some(2 % KEPT_LAUNCHES));
+    }
+
+    #[test]
+    fn device_bytes_are_the_same_across_parallel_chunks() {
+        // Three chunks and a partial one, every element converted on its own for reference.
+        let v: Vec<f32> = (0..(3 << 16) + 77)
+            .map(|i| (i as f32 * 0.37).sin() * 3.0)
+            .collect();
+        for d in Dtype::ALL {
+            let want: Vec<u8> = v
+                .iter()
+                .flat_map(|&x| match d {
+                    Dtype::F32 => x.to_le_bytes().to_vec(),
+                    Dtype::Bf16 => half::bf16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+                    Dtype::F16 => half::f16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+                })
+                .collect();
+            assert!(to_device_bytes(&v, d) == want, "{d:?}");
+        }
     }
 
     #[test]

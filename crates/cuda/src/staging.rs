@@ -33,7 +33,7 @@ pub struct StagingLayout {
     pub seq_lens: usize,
     /// `[max_rows]` i32 flattened index of each row's last token.
     pub last_index: usize,
-    /// `[max_rows * max_blocks]` i32 block tables.
+    /// `[max_rows * max_blocks]` i32 block tables; the last region.
     pub block_tables: usize,
     /// `[max_rows]` u32 token index each pending id is written to.
     pub pending_dst: usize,
@@ -96,11 +96,12 @@ impl StagingLayout {
         let start_pos = take(4 * r);
         let seq_lens = take(4 * r);
         let last_index = take(4 * r);
-        let block_tables = take(4 * r * b);
         let pending_dst = take(4 * r);
         let pending_src = take(4 * r);
         let output_index = take(4 * r);
         let params = take(std::mem::size_of::<SamplingParams>() * r);
+        // Last, so a launch uploads only the rows it uses (see `used_bytes`).
+        let block_tables = take(4 * r * b);
         StagingLayout {
             max_tokens: t,
             max_rows: r,
@@ -119,6 +120,15 @@ impl StagingLayout {
             params,
             total: off,
         }
+    }
+
+    /// Bytes from the start of the buffer that a launch of `num_rows` rows (after padding)
+    /// reads: everything up to the end of row `num_rows - 1`'s block table. At serve sizes the
+    /// full block tables dominate the buffer (256 rows of 8192 entries are 8 MiB), so the
+    /// per-launch upload copies only this prefix.
+    pub fn used_bytes(&self, num_rows: usize) -> usize {
+        let rows = num_rows.clamp(1, self.max_rows);
+        align16(self.block_tables + 4 * rows * self.max_blocks).min(self.total)
     }
 
     /// Checks `s` fits, then writes it into `buf` (`total` bytes). Unused entries keep whatever
@@ -189,11 +199,11 @@ mod tests {
             (l.start_pos, 28),
             (l.seq_lens, 28),
             (l.last_index, 28),
-            (l.block_tables, 84),
             (l.pending_dst, 28),
             (l.pending_src, 28),
             (l.output_index, 28),
             (l.params, 7 * 32),
+            (l.block_tables, 84),
         ];
         for w in regions.windows(2) {
             assert_eq!(w[0].0 % 16, 0);
@@ -203,6 +213,12 @@ mod tests {
         assert!(last.0 + last.1 <= l.total);
         assert_eq!(l.total % 16, 0);
         assert_eq!(StagingLayout::new(0, 0, 0).max_rows, 1);
+        // A launch's upload covers every region and its rows' block tables, nothing more.
+        assert_eq!(l.used_bytes(7), l.total);
+        assert_eq!(l.used_bytes(2), l.block_tables + 2 * 3 * 4 + 8);
+        assert!(l.used_bytes(2) >= l.params + 7 * 32);
+        assert_eq!(l.used_bytes(0), l.used_bytes(1));
+        assert_eq!(l.used_bytes(100), l.total);
     }
 
     #[test]
