@@ -8,7 +8,7 @@
 //! (`PendingFrom`), exactly as the asynchronous scheduler publishes them. Each step is timed
 //! from `execute` to its return, i.e. through the fence.
 
-use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::{decode_floor_seconds, ModelShape};
@@ -333,6 +333,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    if a.breakdown && a.device != BenchDevice::Cuda {
+        bail!("--breakdown needs --device cuda");
+    }
+    if a.device == BenchDevice::Cuda {
+        check_cuda_device(&a.cuda)?;
+    }
     let weights = load_weights(a, &cfg)?;
     let max_batch = *a.batch.iter().max().unwrap_or(&1);
     let pages_per_seq = max_len.div_ceil(a.block_size);
@@ -348,9 +354,6 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         vocab: cfg.vocab_size,
     };
     let vocab = cfg.vocab_size;
-    if a.breakdown && a.device != BenchDevice::Cuda {
-        bail!("--breakdown needs --device cuda");
-    }
     let (mut backend, elem_bytes, bandwidth, label): (Bench, usize, f64, String) = match a.device {
         BenchDevice::Cpu => {
             // The cache is zero-filled at once: refuse what this machine cannot hold

@@ -99,6 +99,17 @@ pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> CudaWorkerOptions {
     }
 }
 
+/// Opens the GPU `a` names and returns, so a command fails at once on a machine without a
+/// driver or device, before it spends time (and host memory) loading or generating weights.
+///
+/// # Errors
+/// No driver, no such device, a context that cannot be created; with a hint.
+pub fn check_cuda_device(a: &CudaArgs) -> Result<()> {
+    baton_cuda::CudaDevice::probe_memory(a.cuda_device)
+        .map(|_| ())
+        .context("opening the GPU for --device cuda")
+}
+
 /// Builds the CUDA worker. Without a driver (or cuBLAS, or NVRTC) this is an error that says
 /// so, never a panic.
 ///

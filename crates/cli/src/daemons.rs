@@ -1,7 +1,7 @@
 //! `baton scheduler` and `baton worker`: the two daemons.
 
 use crate::args::EngineArgs;
-use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelConfig, ModelDir};
@@ -166,8 +166,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .clone()
                 .with_context(|| format!("--model DIR is required for --device {name}"))?;
             if a.device == Device::Cuda {
-                baton_cuda::CudaDevice::probe_memory(a.cuda.cuda_device)
-                    .context("opening the GPU for --device cuda")?;
+                check_cuda_device(&a.cuda)?;
             }
             let format = match a.load_format {
                 LoadFormatArg::Auto => LoadFormat::Auto,

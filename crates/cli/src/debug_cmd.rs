@@ -2,7 +2,7 @@
 //! reference (used by `scripts/gpu-check.sh`). Each prints PASS or FAIL lines and fails (non-zero
 //! exit) on a mismatch.
 
-use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::engine::LocalEngine;
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
@@ -75,6 +75,11 @@ pub struct CompareArgs {
 /// # Errors
 /// A mismatch, bad flags, a backend failure.
 pub fn run(cmd: DebugCmd) -> Result<()> {
+    let cuda = match &cmd {
+        DebugCmd::Golden(a) => &a.cuda,
+        DebugCmd::Logits(a) | DebugCmd::Layers(a) => &a.cuda,
+    };
+    check_cuda_device(cuda)?;
     match cmd {
         DebugCmd::Golden(a) => golden(&a.model, &|c, w, s| build_cuda(c, w, &a.cuda, s)),
         DebugCmd::Logits(a) => compare(&a, false, &eager(&a.cuda)),

@@ -1,7 +1,7 @@
 //! `baton generate`: offline generation over the in-process engine.
 
 use crate::args::EngineArgs;
-use crate::cuda_args::{build_cuda, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::engine::LocalEngine;
 use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelDir, Tokenizer};
@@ -149,6 +149,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             seed: a.seed.unwrap_or(0),
         },
     };
+    if a.device == GenDevice::Cuda {
+        check_cuda_device(&a.cuda)?;
+    }
     let mut loaded = ModelDir::new(&a.model).load(format)?;
     let eos = loaded.eos_token_ids();
     let mut cfg = a

@@ -191,3 +191,55 @@ fn a_worker_reports_a_missing_driver_or_a_bad_model_before_waiting_for_its_sched
     );
     assert!(err.contains("--model"), "{err}");
 }
+
+/// Every command that runs on CUDA opens the GPU before it loads or generates weights, so on a
+/// machine without a driver it fails at once with the hint (an 8B dummy model would otherwise
+/// be generated first: 32 GB of host memory).
+#[test]
+fn cuda_commands_fail_before_loading_weights_without_a_driver() {
+    if baton_cuda::backend::driver_available() {
+        return;
+    }
+    let model = common::model_dir();
+    let big = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"max_position_embeddings":8192}"#;
+    let cases: [Vec<&std::ffi::OsStr>; 4] = [
+        vec![
+            os("bench"),
+            os("decode"),
+            os("--device"),
+            os("cuda"),
+            os("--load-format"),
+            os("dummy"),
+            os("--config"),
+            os(big),
+            os("--batch"),
+            os("1"),
+        ],
+        vec![
+            os("generate"),
+            os("--device"),
+            os("cuda"),
+            os("--prompt"),
+            os("hi"),
+            os("--model"),
+            model.as_os_str(),
+        ],
+        vec![os("debug"), os("golden"), os("--model"), model.as_os_str()],
+        vec![
+            os("debug"),
+            os("layers"),
+            os("--load-format"),
+            os("dummy"),
+            os("--config"),
+            os(big),
+        ],
+    ];
+    for args in cases {
+        let (code, err) = run_bounded(&args, "a CUDA command without a driver");
+        assert!(
+            matches!(code, Some(c) if c != 0 && c != 101),
+            "{args:?}: exit {code:?}: {err}"
+        );
+        assert!(err.contains("--device cpu"), "{args:?}: no hint: {err}");
+    }
+}

@@ -1650,8 +1650,16 @@ mod tests {
         }
         // Launch 50 reserves launch 0's slot (its ids get overwritten), then fails.
         let slot = r.reserve();
-        assert_eq!(r.slot_of(0, 0), None, "launch 0's ids are being overwritten");
-        assert_eq!(r.slot_of(50, 0), None, "not committed: failed launches are no source");
+        assert_eq!(
+            r.slot_of(0, 0),
+            None,
+            "launch 0's ids are being overwritten"
+        );
+        assert_eq!(
+            r.slot_of(50, 0),
+            None,
+            "not committed: failed launches are no source"
+        );
         // The next launch takes the following slot, and launch 1 is forgotten before it.
         let next = r.reserve();
         assert_ne!(next, slot);
