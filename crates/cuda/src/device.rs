@@ -15,7 +15,7 @@
 //! same device addresses; host sources of async copies are read again at replay).
 
 use crate::executor::CudaWorkerError;
-use crate::kernels::{compile_ptx_for, kernel_entry_points, Dtype};
+use crate::kernels::{compile_for, kernel_entry_points, Dtype};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::sys as cu;
 use cudarc::driver::DriverError;
@@ -247,11 +247,13 @@ impl CudaDevice {
         let (major, minor) = drv("compute capability", ctx.compute_capability())?;
         let arch = format!("sm_{major}{minor}");
         let mut functions = HashMap::new();
-        for ((file, ptx), &(_, entries)) in compile_ptx_for(&arch, include_dir, dtype)?
+        for ((file, compiled), &(_, entries)) in compile_for(&arch, include_dir, dtype)?
             .into_iter()
             .zip(kernel_entry_points())
         {
-            let module = drv("cuModuleLoadData", ctx.load_module(ptx))
+            // The CUBIN for this exact architecture: no driver JIT at start-up.
+            let image = cudarc::nvrtc::Ptx::from_binary(compiled.cubin);
+            let module = drv("cuModuleLoadData", ctx.load_module(image))
                 .map_err(|e| CudaWorkerError::Unsupported(format!("{file}: {e}")))?;
             for &entry in entries {
                 functions.insert(

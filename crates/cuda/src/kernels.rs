@@ -220,32 +220,92 @@ pub fn compile_ptx_for(
     include_dir: &Path,
     dtype: Dtype,
 ) -> Result<Vec<(String, Ptx)>, KernelError> {
+    Ok(compile_for(arch, include_dir, dtype)?
+        .into_iter()
+        .map(|(file, c)| (file, Ptx::from_src(c.ptx)))
+        .collect())
+}
+
+/// One kernel file compiled by NVRTC for a real architecture.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The PTX text.
+    pub ptx: String,
+    /// The CUBIN (an ELF image for exactly `arch`): what the worker loads, so the driver does
+    /// no JIT at start-up and assembler errors surface here, in the NVRTC log, rather than as
+    /// a bare `CUDA_ERROR_INVALID_PTX` at module load.
+    pub cubin: Vec<u8>,
+}
+
+/// Compiles every kernel file for `arch` (a real architecture such as `"sm_90"`), with
+/// `-I<include_dir>` and `elem_t` = `dtype`, to both PTX and CUBIN.
+///
+/// # Errors
+/// As [`compile_ptx_for`].
+pub fn compile_for(
+    arch: &str,
+    include_dir: &Path,
+    dtype: Dtype,
+) -> Result<Vec<(String, Compiled)>, KernelError> {
     if !nvrtc_available() {
         return Err(KernelError::NvrtcUnavailable);
     }
+    let opts = nvrtc_options(arch, include_dir, dtype);
     SOURCES
         .iter()
         .map(|&(file, src)| {
-            let opts = cudarc::nvrtc::CompileOptions {
-                options: nvrtc_options(arch, include_dir, dtype),
-                name: Some(file.to_owned()),
-                ..Default::default()
-            };
-            cudarc::nvrtc::compile_ptx_with_opts(full_source(file, src), opts)
-                .map(|ptx| (file.to_owned(), ptx))
-                .map_err(|e| KernelError::Compile {
+            compile_one(file, src, &opts)
+                .map(|c| (file.to_owned(), c))
+                .map_err(|log| KernelError::Compile {
                     file: file.to_owned(),
                     arch: format!("{arch} ({})", dtype.name()),
                     include_dir: include_dir.display().to_string(),
-                    log: match e {
-                        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                            log.to_string_lossy().into_owned()
-                        }
-                        other => other.to_string(),
-                    },
+                    log,
                 })
         })
         .collect()
+}
+
+/// Compiles one file; the error is NVRTC's log (or its error code when the log is empty).
+fn compile_one(file: &str, src: &str, opts: &[String]) -> Result<Compiled, String> {
+    use cudarc::nvrtc::{result, sys};
+    use std::ffi::CString;
+    let text = |v: Vec<std::ffi::c_char>| -> String {
+        let bytes: Vec<u8> = v
+            .into_iter()
+            .map(|c| c as u8)
+            .take_while(|&b| b != 0)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    let source = CString::new(full_source(file, src)).map_err(|e| e.to_string())?;
+    let name = CString::new(file).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&source, Some(&name)).map_err(|e| e.to_string())?;
+    // SAFETY: `prog` comes from `create_program` above and is destroyed exactly once, at the
+    // end of this block; `source` and `name`, which it may reference, outlive it. The CUBIN
+    // buffer is sized by nvrtcGetCUBINSize before nvrtcGetCUBIN writes into it.
+    unsafe {
+        let out = match result::compile_program(prog, opts) {
+            Err(e) => Err(match result::get_program_log(prog).map(text) {
+                Ok(log) if !log.trim().is_empty() => log,
+                _ => format!("{e} (options {opts:?})"),
+            }),
+            Ok(()) => (|| {
+                let ptx = text(result::get_ptx(prog).map_err(|e| e.to_string())?);
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| format!("nvrtcGetCUBINSize: {e}"))?;
+                let mut cubin = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(|e| format!("nvrtcGetCUBIN: {e}"))?;
+                Ok(Compiled { ptx, cubin })
+            })(),
+        };
+        let _ = result::destroy_program(prog);
+        out
+    }
 }
 
 /// Names of the `.entry` (kernel) functions declared in PTX text.

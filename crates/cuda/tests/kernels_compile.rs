@@ -1,12 +1,12 @@
-//! Compiles every kernel in `kernels/` to PTX for sm_90 with NVRTC and checks each expected
-//! `extern "C"` entry point is in the PTX.
+//! Compiles every kernel in `kernels/` for sm_90 with NVRTC and checks each expected
+//! `extern "C"` entry point is in the PTX and that a CUBIN (what the worker loads) came out.
 //!
 //! Needs NVRTC (no GPU): run `scripts/nvrtc-check.sh`, which installs the CUDA 13 NVRTC and
 //! runtime-header wheels and sets `LD_LIBRARY_PATH` / `BATON_CUDA_INCLUDE`. Without NVRTC the
 //! test is skipped with a loud message, unless `BATON_REQUIRE_NVRTC=1`, which makes it fail.
 
 use baton_cuda::kernels::{
-    compile_ptx_for, include_dir_from_env, kernel_entry_points, nvrtc_available, ptx_entry_points,
+    compile_for, include_dir_from_env, kernel_entry_points, nvrtc_available, ptx_entry_points,
     Dtype,
 };
 
@@ -41,7 +41,7 @@ fn kernels_compile_to_ptx_for_sm90() {
 
 fn check_dtype(dtype: Dtype, include: &std::path::Path) {
     let started = std::time::Instant::now();
-    let compiled = compile_ptx_for("sm_90", include, dtype).unwrap_or_else(|e| panic!("{e}"));
+    let compiled = compile_for("sm_90", include, dtype).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "compiled {} kernel files for sm_90 ({}) in {:.1?}",
         compiled.len(),
@@ -49,11 +49,17 @@ fn check_dtype(dtype: Dtype, include: &std::path::Path) {
         started.elapsed()
     );
     assert_eq!(compiled.len(), kernel_entry_points().len());
-    for ((file, ptx), &(efile, entries)) in compiled.iter().zip(kernel_entry_points()) {
+    for ((file, c), &(efile, entries)) in compiled.iter().zip(kernel_entry_points()) {
         assert_eq!(file, efile);
-        let src = ptx.to_src();
+        // The worker loads the CUBIN: an ELF image (ptxas ran, so no JIT on the device).
+        assert!(
+            c.cubin.len() > 64 && c.cubin.starts_with(b"\x7fELF"),
+            "{file}: no CUBIN ({} bytes)",
+            c.cubin.len()
+        );
+        let src = &c.ptx;
         assert!(src.contains(".target sm_90"), "{file}: PTX not for sm_90");
-        let found = ptx_entry_points(&src);
+        let found = ptx_entry_points(src);
         for entry in entries {
             assert!(
                 found.iter().any(|f| f == entry),
@@ -67,6 +73,10 @@ fn check_dtype(dtype: Dtype, include: &std::path::Path) {
                 "{file}: unexpected entry {f}"
             );
         }
-        eprintln!("  {file}: {} bytes of PTX, entries {found:?}", src.len());
+        eprintln!(
+            "  {file}: {} bytes of PTX, {} of CUBIN, entries {found:?}",
+            src.len(),
+            c.cubin.len()
+        );
     }
 }
