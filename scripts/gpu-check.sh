@@ -28,7 +28,8 @@
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
 #      prompt 128, gen 128, bf16, CUDA graphs; after each batch size a kernel-by-kernel
-#      breakdown of one eager step (--breakdown), to see what to optimize.
+#      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
+#      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare.
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -115,6 +116,9 @@ run_check 4-seeded-alone-vs-batch 60 bash -c "
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-1b.json"
+run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
+    --out "$OUT/bench-decode-1b-unfused.json"
 run_check 5b-bench-decode-8b 200 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-8b.json"
@@ -127,7 +131,8 @@ for r in "${results[@]}"; do
     [[ $r == FAIL* ]] && failed=$((failed + 1))
 done
 echo "== decode benchmark (ms per step vs HBM floor)"
-grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5b-bench-decode-8b.log" 2>/dev/null
+grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5c-bench-decode-1b-unfused.log" \
+    "$OUT/5b-bench-decode-8b.log" 2>/dev/null
 printf '%s\n' "${results[@]}" >"$RESULTS/summary.txt"
 tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" . && echo "logs and JSON: $RESULTS/gpu-check.tgz"
 exit $((failed > 0))

@@ -22,6 +22,10 @@ pub struct CudaArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub cuda_device: usize,
+    /// Run small decode batches (at most 8 sequences) through cuBLAS and separate norm and
+    /// activation kernels instead of Baton's fused GEMV kernels (for comparison).
+    #[arg(long)]
+    pub no_fused_decode: bool,
 }
 
 impl Default for CudaArgs {
@@ -31,6 +35,7 @@ impl Default for CudaArgs {
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
             cuda_device: 0,
+            no_fused_decode: false,
         }
     }
 }
@@ -48,6 +53,9 @@ impl CudaArgs {
         ];
         if self.enforce_eager {
             v.push("--enforce-eager".into());
+        }
+        if self.no_fused_decode {
+            v.push("--no-fused-decode".into());
         }
         v
     }
@@ -96,6 +104,7 @@ pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> CudaWorkerOptions {
         max_rows: s.max_rows,
         max_model_len: s.max_model_len,
         enforce_eager: a.enforce_eager,
+        fused_decode: !a.no_fused_decode,
     }
 }
 

@@ -35,14 +35,24 @@ fn emu(
     enforce_eager: bool,
     last: &Mutex<Option<Arc<EmuDevice>>>,
 ) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
-    move |cfg, weights, sizes| {
-        let dev = Arc::new(EmuDevice::new(dtype, EMU_MEMORY));
-        *last.lock().unwrap() = Some(dev.clone());
-        let args = CudaArgs {
+    emu_with(
+        CudaArgs {
             dtype,
             enforce_eager,
             ..CudaArgs::default()
-        };
+        },
+        last,
+    )
+}
+
+/// [`emu`] with every CUDA flag given.
+fn emu_with(
+    args: CudaArgs,
+    last: &Mutex<Option<Arc<EmuDevice>>>,
+) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
+    move |cfg, weights, sizes| {
+        let dev = Arc::new(EmuDevice::new(args.dtype, EMU_MEMORY));
+        *last.lock().unwrap() = Some(dev.clone());
         Ok(CudaWorker::with_device(
             dev,
             cfg,
@@ -84,11 +94,20 @@ fn f32_goldens_are_exact_with_decode_graphs() {
 }
 
 #[test]
-fn f32_goldens_are_exact_eagerly() {
-    let last = Mutex::new(None);
-    golden(&model_dir(), &emu(Dtype::F32, true, &last)).expect("f32 goldens on the emulator");
-    let dev = last.lock().unwrap().take().expect("a device was built");
-    assert_eq!(dev.graphs(), 0, "--enforce-eager captured a graph");
+fn f32_goldens_are_exact_eagerly_and_without_the_fused_decode_kernels() {
+    for fused in [true, false] {
+        let last = Mutex::new(None);
+        let args = CudaArgs {
+            dtype: Dtype::F32,
+            enforce_eager: true,
+            no_fused_decode: !fused,
+            ..CudaArgs::default()
+        };
+        golden(&model_dir(), &emu_with(args, &last))
+            .unwrap_or_else(|e| panic!("f32 goldens on the emulator (fused decode {fused}): {e}"));
+        let dev = last.lock().unwrap().take().expect("a device was built");
+        assert_eq!(dev.graphs(), 0, "--enforce-eager captured a graph");
+    }
 }
 
 #[test]
@@ -196,9 +215,7 @@ fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
 
 #[test]
 fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_step() {
-    use baton::bench_decode::{measure_batch, profile_decode_step, BenchTables};
     let cfg = ModelConfig::from_json_str(HD64).unwrap();
-    let layers = cfg.num_hidden_layers;
     let weights = LlamaWeights::dummy(&cfg, 0);
     let (batch, prompt, gen, bs) = (3usize, 8usize, 4usize, 16usize);
     let pages = (prompt + gen + 1).div_ceil(bs);
@@ -209,8 +226,35 @@ fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_s
         max_rows: batch,
         max_model_len: prompt + gen + 1,
     };
+    for fused in [true, false] {
+        bench_decode_case(
+            &cfg,
+            weights.clone(),
+            sizes,
+            fused,
+            pages,
+            (batch, prompt, gen, bs),
+        );
+    }
+}
+
+fn bench_decode_case(
+    cfg: &ModelConfig,
+    weights: LlamaWeights,
+    sizes: CudaSizes,
+    fused: bool,
+    pages: usize,
+    (batch, prompt, gen, bs): (usize, usize, usize, usize),
+) {
+    use baton::bench_decode::{measure_batch, profile_decode_step, BenchTables};
+    let layers = cfg.num_hidden_layers;
     let last = Mutex::new(None);
-    let mut w = emu(Dtype::Bf16, false, &last)(cfg.clone(), weights, sizes).unwrap();
+    let args = CudaArgs {
+        dtype: Dtype::Bf16,
+        no_fused_decode: !fused,
+        ..CudaArgs::default()
+    };
+    let mut w = emu_with(args, &last)(cfg.clone(), weights, sizes).unwrap();
     let dev = last.lock().unwrap().take().unwrap();
     let tables = BenchTables::new(cfg.vocab_size, pages);
     let mut seq = 0;
@@ -230,13 +274,25 @@ fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_s
     assert!(dev.graphs() > 0);
     let k = profile_decode_step(&mut w, &tables, &mut seq, batch, prompt + gen - 1, bs).unwrap();
     let calls = |name: &str| k.iter().find(|x| x.name == name).map_or(0, |x| x.calls);
-    for gemm in ["gemm qkv", "gemm o", "gemm gate_up", "gemm down"] {
-        assert_eq!(calls(gemm), layers, "{gemm}: {k:?}");
+    if fused {
+        // Per layer: QKV (norm prologue), O (+residual), gate_up (norm, SiLU), down
+        // (+residual); then the LM head (final norm). No separate norm or activation kernel.
+        assert_eq!(calls("baton_gemv"), 4 * layers + 1, "{k:?}");
+        for gone in ["baton_rmsnorm", "baton_add_rmsnorm", "baton_silu_and_mul"] {
+            assert_eq!(calls(gone), 0, "{gone}: {k:?}");
+        }
+        assert!(k.iter().all(|x| !x.name.starts_with("gemm")), "{k:?}");
+    } else {
+        for gemm in ["gemm qkv", "gemm o", "gemm gate_up", "gemm down"] {
+            assert_eq!(calls(gemm), layers, "{gemm}: {k:?}");
+        }
+        assert_eq!(calls("gemm lm_head"), 1);
+        assert_eq!(calls("baton_gemv"), 0, "{k:?}");
     }
+    assert_eq!(calls("baton_rope_and_cache"), layers, "{k:?}");
     assert_eq!(calls("baton_paged_attention_decode_hd64"), layers, "{k:?}");
     // Contexts fit one 512-key partition: the decode kernel writes the output, no reduce.
     assert_eq!(calls("baton_paged_attention_decode_reduce"), 0, "{k:?}");
-    assert_eq!(calls("gemm lm_head"), 1);
     assert_eq!(calls("baton_sample_f32"), 1);
     assert!(k.iter().all(|x| x.total_us >= 0.0));
 }

@@ -515,6 +515,120 @@ fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
     });
 }
 
+// ---- Small-batch GEMV -----------------------------------------------------------------------------
+
+/// `baton_gemv` against an f64 reference in every mode, dtype and path (vectorized K 64, scalar
+/// K 37), for 1, 3 and 8 tokens and a row count that leaves the last block partial.
+#[test]
+fn gemv_matches_the_reference_in_every_mode_with_and_without_the_norm_prologue() {
+    every_schedule(|| {
+        let n = 20usize;
+        let eps = 1e-5f32;
+        for dtype in Dtype::ALL {
+            for k in [64usize, 37] {
+                for t in [1usize, 3, 8] {
+                    for mode in 0..4 {
+                        for norm in [false, true] {
+                            gemv_case(dtype, t, n, k, mode, norm, eps);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn gemv_case(dtype: Dtype, t: usize, n: usize, k: usize, mode: i32, norm: bool, eps: f32) {
+    let rows = if mode == 3 { 2 * n } else { n };
+    let x = rounded_values(dtype, 20 + t as u64, t * k, 2.0);
+    let w = rounded_values(dtype, 30 + k as u64, rows * k, 0.5);
+    let g = rounded_values(dtype, 40, k, 1.5);
+    let resid = rounded_values(dtype, 50, t * n, 3.0);
+    // The activations each row multiplies: x, or rmsnorm(x) * g with rmsnorm.cu's roundings.
+    let xin: Vec<f32> = (0..t)
+        .flat_map(|r| {
+            let row = &x[r * k..(r + 1) * k];
+            if norm {
+                rmsnorm_ref(dtype, row, &g, eps)
+            } else {
+                row.to_vec()
+            }
+        })
+        .collect();
+    let dot = |r: usize, row: usize| -> f32 {
+        (0..k)
+            .map(|i| f64::from(xin[r * k + i]) * f64::from(w[row * k + i]))
+            .sum::<f64>() as f32
+    };
+    let want: Vec<f32> = (0..t * n)
+        .map(|i| {
+            let (r, j) = (i / n, i % n);
+            match mode {
+                0 => round(dtype, dot(r, j)),
+                1 => dot(r, j),
+                2 => round(dtype, resid[i] + round(dtype, dot(r, j))),
+                _ => {
+                    let (a, b) = (round(dtype, dot(r, j)), round(dtype, dot(r, n + j)));
+                    round(dtype, a / (1.0 + (-a).exp()) * b)
+                }
+            }
+        })
+        .collect();
+    let mut xb = Elems::new(dtype, &x);
+    let mut wb = Elems::new(dtype, &w);
+    let mut gb = Elems::new(dtype, &g);
+    let mut out_e = Elems::new(dtype, &resid);
+    let mut out_f = vec![f32::NAN; t * n];
+    for rows_per_block in [8usize, 16] {
+        out_e.write(&resid);
+        let out: *mut u8 = if mode == 1 {
+            out_f.as_mut_ptr().cast()
+        } else {
+            out_e.ptr()
+        };
+        let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
+        // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block)
+        run(
+            dtype,
+            "baton_gemv",
+            (n.div_ceil(rows_per_block) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(out)
+                .ptr(xb.ptr())
+                .ptr(wb.ptr())
+                .ptr(norm_w)
+                .int(t as i32)
+                .int(n as i32)
+                .int(k as i32)
+                .float(eps)
+                .int(mode)
+                .int(rows_per_block as i32),
+        );
+        let got = if mode == 1 {
+            out_f.clone()
+        } else {
+            out_e.read()
+        };
+        // One rounding of the result, plus the fp32 sum and, with the norm, a last-bit
+        // difference of the fp32 statistics flipping a rounded activation.
+        let (rel, abs) = match (mode, dtype) {
+            (1, Dtype::F32) | (_, Dtype::F32) => (1e-5, 1e-5),
+            _ => (3.0 * ulp(dtype), 2e-2),
+        };
+        assert_close(
+            &format!(
+                "{} mode {mode} norm {norm} T {t} K {k} rows/block {rows_per_block}",
+                dtype.name()
+            ),
+            &got,
+            &want,
+            rel,
+            abs,
+        );
+    }
+}
+
 // ---- Paged attention -----------------------------------------------------------------------------
 
 /// A paged KV cache for one layer, [pages][block_size][kvh][hd] for K and V, with each row's

@@ -25,7 +25,7 @@
 //! RUN ON A GPU YET (see the crate docs).
 
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
-use crate::kernels::{Dtype, KernelError, SAMPLER_TOP_SLOTS};
+use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
 use crate::plan::{default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError};
 use crate::staging::{CapacityError, StagingLayout, StepInputs};
@@ -135,6 +135,10 @@ pub struct CudaWorkerOptions {
     pub max_model_len: usize,
     /// Run every launch eagerly (no CUDA graphs).
     pub enforce_eager: bool,
+    /// Decode batches of at most [`GEMV_MAX_TOKENS`] rows run through `baton_gemv` (fused
+    /// RMSNorm prologue, residual-add and SiLU epilogues: 6 kernels per layer instead of 9)
+    /// rather than cuBLAS and the separate norm and activation kernels.
+    pub fused_decode: bool,
 }
 
 /// Device weights of one layer (raw addresses into [`CudaWorker::weights`]).
@@ -917,120 +921,151 @@ impl CudaWorker {
                 .i(h)
                 .i(c.vocab_size),
         )?;
-        for (li, lw) in self.layers.iter().enumerate() {
-            if li == 0 {
-                // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+        // Decode batches of at most GEMV_MAX_TOKENS rows: the fused GEMV path. Every row is
+        // one token (t == r), so the LM head reads the residual rows directly.
+        let fused =
+            self.opts.fused_decode && mode == AttnMode::Decode && t == r && t <= GEMV_MAX_TOKENS;
+        if fused {
+            // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
+            // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
+            let gemv = |out: u64, x: u64, w: u64, norm: u64, n: usize, k: usize, m: usize| {
+                let rows = if n >= 32768 { 64 } else { 8 };
                 self.launch(
-                    "baton_rmsnorm",
-                    (t as u32, 1, 1),
-                    norm_block,
+                    "baton_gemv",
+                    (n.div_ceil(rows) as u32, 1, 1),
+                    256,
                     KArgs::new()
-                        .p(act(a.xn))
-                        .p(act(a.resid))
-                        .p(lw.input_norm)
+                        .p(out)
+                        .p(x)
+                        .p(w)
+                        .p(norm)
                         .i(t)
-                        .i(h)
-                        .f(eps),
-                )?;
-            } else {
-                add_rmsnorm(lw.input_norm)?;
+                        .i(n)
+                        .i(k)
+                        .f(eps)
+                        .i(m)
+                        .i(rows),
+                )
+            };
+            for (li, lw) in self.layers.iter().enumerate() {
+                gemv(act(a.qkv), act(a.resid), lw.qkv, lw.input_norm, qkv_w, h, 0)?;
+                let q = act(a.qkv);
+                let k = q + q_w as u64 * es;
+                let v = k + kv_w as u64 * es;
+                let (kc, vc) = self.kv_layer(li);
+                self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
+                gemv(act(a.resid), act(a.attn), lw.o, 0, h, q_w, 2)?;
+                gemv(act(a.act), act(a.resid), lw.gate_up, lw.post_norm, im, h, 3)?;
+                gemv(act(a.resid), act(a.act), lw.down, 0, h, im, 2)?;
                 if let Some(d) = dumps.as_deref_mut() {
                     self.dump_resid(d, t)?;
                 }
             }
-            self.gemm(
-                "gemm qkv",
-                act(a.qkv),
-                act(a.xn),
-                lw.qkv,
-                t,
-                qkv_w,
+            gemv(
+                act(a.logits),
+                act(a.resid),
+                self.lm_head,
+                self.final_norm,
+                c.vocab_size,
                 h,
-                false,
+                1,
             )?;
-            let q = act(a.qkv);
-            let k = q + q_w as u64 * es;
-            let v = k + kv_w as u64 * es;
-            let (kc, vc) = self.kv_layer(li);
-            // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
-            //                num_tokens, nq, nkv, head_dim, q_stride, kv_stride)
+        } else {
+            for (li, lw) in self.layers.iter().enumerate() {
+                if li == 0 {
+                    // rmsnorm(out, in, weight, num_tokens, hidden, eps)
+                    self.launch(
+                        "baton_rmsnorm",
+                        (t as u32, 1, 1),
+                        norm_block,
+                        KArgs::new()
+                            .p(act(a.xn))
+                            .p(act(a.resid))
+                            .p(lw.input_norm)
+                            .i(t)
+                            .i(h)
+                            .f(eps),
+                    )?;
+                } else {
+                    add_rmsnorm(lw.input_norm)?;
+                    if let Some(d) = dumps.as_deref_mut() {
+                        self.dump_resid(d, t)?;
+                    }
+                }
+                self.gemm(
+                    "gemm qkv",
+                    act(a.qkv),
+                    act(a.xn),
+                    lw.qkv,
+                    t,
+                    qkv_w,
+                    h,
+                    false,
+                )?;
+                let q = act(a.qkv);
+                let k = q + q_w as u64 * es;
+                let v = k + kv_w as u64 * es;
+                let (kc, vc) = self.kv_layer(li);
+                self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
+                self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
+                add_rmsnorm(lw.post_norm)?;
+                self.gemm(
+                    "gemm gate_up",
+                    act(a.gate_up),
+                    act(a.xn),
+                    lw.gate_up,
+                    t,
+                    2 * im,
+                    h,
+                    false,
+                )?;
+                // silu_and_mul(out, in, num_tokens, inter)
+                self.launch(
+                    "baton_silu_and_mul",
+                    (t as u32, 1, 1),
+                    256,
+                    KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
+                )?;
+                self.gemm(
+                    "gemm down",
+                    act(a.tmp),
+                    act(a.act),
+                    lw.down,
+                    t,
+                    h,
+                    im,
+                    false,
+                )?;
+            }
+            add_rmsnorm(self.final_norm)?;
+            if let Some(d) = dumps.as_deref_mut() {
+                self.dump_resid(d, t)?;
+            }
+            // gather_rows(out, in, index, num_rows, width)
             self.launch(
-                "baton_rope_and_cache",
-                (t as u32, 1, 1),
-                128,
-                KArgs::new()
-                    .p(q)
-                    .p(k)
-                    .p(v)
-                    .p(kc)
-                    .p(vc)
-                    .p(st(l.positions))
-                    .p(st(l.slots))
-                    .p(self.inv_freq.ptr)
-                    .i(t)
-                    .i(nh)
-                    .i(kvh)
-                    .i(hd)
-                    .i(qkv_w)
-                    .i(qkv_w),
-            )?;
-            self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
-            self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
-            add_rmsnorm(lw.post_norm)?;
-            self.gemm(
-                "gemm gate_up",
-                act(a.gate_up),
-                act(a.xn),
-                lw.gate_up,
-                t,
-                2 * im,
-                h,
-                false,
-            )?;
-            // silu_and_mul(out, in, num_tokens, inter)
-            self.launch(
-                "baton_silu_and_mul",
-                (t as u32, 1, 1),
+                "baton_gather_rows",
+                (r as u32, 1, 1),
                 256,
-                KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
+                KArgs::new()
+                    .p(act(a.last))
+                    .p(act(a.xn))
+                    .p(st(l.last_index))
+                    .i(r)
+                    .i(h),
             )?;
             self.gemm(
-                "gemm down",
-                act(a.tmp),
-                act(a.act),
-                lw.down,
-                t,
+                "gemm lm_head",
+                act(a.logits),
+                act(a.last),
+                self.lm_head,
+                r,
+                c.vocab_size,
                 h,
-                im,
-                false,
+                true,
             )?;
         }
-        add_rmsnorm(self.final_norm)?;
-        if let Some(d) = dumps.as_deref_mut() {
-            self.dump_resid(d, t)?;
-        }
-        // gather_rows(out, in, index, num_rows, width)
-        self.launch(
-            "baton_gather_rows",
-            (r as u32, 1, 1),
-            256,
-            KArgs::new()
-                .p(act(a.last))
-                .p(act(a.xn))
-                .p(st(l.last_index))
-                .i(r)
-                .i(h),
-        )?;
-        self.gemm(
-            "gemm lm_head",
-            act(a.logits),
-            act(a.last),
-            self.lm_head,
-            r,
-            c.vocab_size,
-            h,
-            true,
-        )?;
         if let Some(d) = dumps {
             if d.logits {
                 let mut host = vec![0u8; 4 * r * c.vocab_size];
@@ -1060,6 +1095,46 @@ impl CudaWorker {
                 .p(st(l.params))
                 .p(st(l.output_index))
                 .i(c.vocab_size),
+        )
+    }
+
+    /// RoPE on the step's q and k (in place, strided rows of `qkv_w`) and the k and v rows
+    /// written to their KV slots.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_and_cache(
+        &self,
+        t: usize,
+        q: u64,
+        k: u64,
+        v: u64,
+        kc: u64,
+        vc: u64,
+        qkv_w: usize,
+    ) -> Result<(), CudaWorkerError> {
+        let c = &self.cfg;
+        let st = |o: usize| self.staging_dev.at(o);
+        let l = &self.layout;
+        // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
+        //                num_tokens, nq, nkv, head_dim, q_stride, kv_stride)
+        self.launch(
+            "baton_rope_and_cache",
+            (t as u32, 1, 1),
+            128,
+            KArgs::new()
+                .p(q)
+                .p(k)
+                .p(v)
+                .p(kc)
+                .p(vc)
+                .p(st(l.positions))
+                .p(st(l.slots))
+                .p(self.inv_freq.ptr)
+                .i(t)
+                .i(c.num_attention_heads)
+                .i(c.num_key_value_heads)
+                .i(c.head_dim)
+                .i(qkv_w)
+                .i(qkv_w),
         )
     }
 
@@ -1754,6 +1829,7 @@ mod tests {
             max_rows: 256,
             max_model_len: 4096,
             enforce_eager: false,
+            fused_decode: true,
         }
     }
 
@@ -1839,6 +1915,7 @@ mod tests {
                 max_rows: 4,
                 max_model_len: 64,
                 enforce_eager: true,
+                fused_decode: true,
             },
         )
         .err()

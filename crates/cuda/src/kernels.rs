@@ -33,6 +33,7 @@ static SOURCES: &[(&str, &str)] = &[
         "activation.cu",
         include_str!("../../../kernels/activation.cu"),
     ),
+    ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
 ];
 
@@ -62,6 +63,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("activation.cu", &["baton_silu_and_mul"]),
+    ("gemv.cu", &["baton_gemv"]),
     (
         "sampling.cu",
         &[
@@ -128,6 +130,10 @@ impl Dtype {
 
 /// Keys per attention partition / chunk (`BATON_ATTN_PART` in `attention.cu`).
 pub const ATTN_PARTITION: usize = 512;
+
+/// Most tokens a `baton_gemv` launch takes (`BATON_GEMV_MAX_T` in `gemv.cu`): decode batches
+/// up to this size run the fused small-batch path.
+pub const GEMV_MAX_TOKENS: usize = 8;
 
 /// Entries per row of the sampler's top-log-prob outputs (`BATON_MAX_TOP_LOGPROBS`).
 pub const SAMPLER_TOP_SLOTS: usize = 20;

@@ -1,0 +1,135 @@
+// Small-batch GEMV with fused prologue and epilogue, for decode steps of at most
+// BATON_GEMV_MAX_T tokens, where every linear layer is bound by streaming its weights once and
+// the separate norm and activation kernels of the cuBLAS path cost a launch each.
+//
+// One warp per output row (two weight rows in SiLU mode), the row read once in 16-byte vectors;
+// the T activation rows are read (and normalized) by every warp of a block from L1/L2, as in
+// the split-free GEMV of llama.cpp's `mul_mat_vec` and vLLM's fused-norm decode paths.
+//
+//   xin[t, k] = norm_w ? round(norm_w[k] * round(x[t, k] * inv[t])) : x[t, k]
+//               inv[t] = 1 / sqrt(mean_k(x[t, k]^2) + eps)   (rmsnorm.cu's numerics: statistics
+//               in fp32 over the stored values, normalize, round, multiply by the weight, round)
+//   acc[t, n] = sum_k xin[t, k] * W[n, k]                   (fp32)
+//   mode 0  store:     out[t, n] = round(acc)                        elem_t, row stride N
+//   mode 1  f32:       out[t, n] = acc                               float, row stride N (logits)
+//   mode 2  residual:  out[t, n] = round(out[t, n] + round(acc))     out is the residual stream
+//                      (the add of rmsnorm.cu's baton_add_rmsnorm, on the rounded GEMM output)
+//   mode 3  silu:      g = round(acc over W[n]), u = round(acc over W[N + n]),
+//                      out[t, n] = round(silu(g) * u)                (activation.cu's numerics)
+//
+// Shapes: x [T, K] elem_t, row stride K; W [N, K] elem_t row-major ([2N, K] in mode 3: the gate
+// rows, then the up rows, as the fused gate_up projection); norm_w [K] elem_t or null; out as
+// above. T <= BATON_GEMV_MAX_T. `out` must not alias `x` or `W` (mode 2 reads and writes `out`
+// at the same index only, from one thread).
+// Launch: grid = (ceil(N / rows_per_block)), block = (256); rows_per_block a multiple of 8
+// (each of the 8 warps takes every 8th row of its block's range). Vectorized when K is a
+// multiple of BATON_VEC and x, W, norm_w are 16-byte aligned; scalar otherwise.
+#define BATON_GEMV_MAX_T 8
+
+__device__ __forceinline__ float baton_gemv_silu(float x) { return x / (1.0f + expf(-x)); }
+
+BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __restrict__ x,
+                                                   const elem_t* __restrict__ w,
+                                                   const elem_t* __restrict__ norm_w, int T,
+                                                   int N, int K, float eps, int mode,
+                                                   int rows_per_block) {
+    __shared__ float scratch[33];
+    __shared__ float inv_s[BATON_GEMV_MAX_T];
+    if (T < 1 || T > BATON_GEMV_MAX_T) return;
+    const bool norm = norm_w != nullptr;
+    if (norm) {
+        for (int t = 0; t < T; ++t) {
+            const elem_t* xr = x + (size_t)t * K;
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < K; i += blockDim.x) {
+                const float v = baton_to_f(xr[i]);
+                ss = fmaf(v, v, ss);
+            }
+            ss = baton_block_sum(ss, scratch);
+            if (threadIdx.x == 0) inv_s[t] = 1.0f / sqrtf(ss / (float)K + eps);
+        }
+        __syncthreads();
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const bool silu = mode == 3;
+    const bool vec = K % BATON_VEC == 0 && baton_aligned16(x) && baton_aligned16(w) &&
+                     (!norm || baton_aligned16(norm_w));
+    const int first = blockIdx.x * rows_per_block;
+    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    for (int n = first + warp; n < end; n += nwarps) {
+        float acc[BATON_GEMV_MAX_T];
+        float acc2[BATON_GEMV_MAX_T];
+#pragma unroll
+        for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
+            acc[t] = 0.0f;
+            acc2[t] = 0.0f;
+        }
+        const elem_t* w0 = w + (size_t)n * K;
+        const elem_t* w1 = silu ? w + (size_t)(N + n) * K : w0;
+        if (vec) {
+            const int nv = K / BATON_VEC;
+            const baton_vec* w0v = reinterpret_cast<const baton_vec*>(w0);
+            const baton_vec* w1v = reinterpret_cast<const baton_vec*>(w1);
+            for (int i = lane; i < nv; i += BATON_WARP) {
+                const baton_vec a = w0v[i];
+                baton_vec b = a;
+                if (silu) b = w1v[i];
+                baton_vec g = a;
+                if (norm) g = reinterpret_cast<const baton_vec*>(norm_w)[i];
+#pragma unroll
+                for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
+                    if (t < T) {
+                        const baton_vec xv =
+                            reinterpret_cast<const baton_vec*>(x + (size_t)t * K)[i];
+#pragma unroll
+                        for (int j = 0; j < BATON_VEC; ++j) {
+                            float xi = baton_to_f(xv.e[j]);
+                            if (norm)
+                                xi = baton_round(baton_to_f(g.e[j]) * baton_round(xi * inv_s[t]));
+                            acc[t] = fmaf(xi, baton_to_f(a.e[j]), acc[t]);
+                            if (silu) acc2[t] = fmaf(xi, baton_to_f(b.e[j]), acc2[t]);
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int k = lane; k < K; k += BATON_WARP) {
+                const float a = baton_to_f(w0[k]);
+                const float b = silu ? baton_to_f(w1[k]) : 0.0f;
+                const float g = norm ? baton_to_f(norm_w[k]) : 0.0f;
+#pragma unroll
+                for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
+                    if (t < T) {
+                        float xi = baton_to_f(x[(size_t)t * K + k]);
+                        if (norm) xi = baton_round(g * baton_round(xi * inv_s[t]));
+                        acc[t] = fmaf(xi, a, acc[t]);
+                        if (silu) acc2[t] = fmaf(xi, b, acc2[t]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
+            if (t < T) {
+                acc[t] = baton_warp_sum(acc[t]);
+                if (silu) acc2[t] = baton_warp_sum(acc2[t]);
+            }
+        }
+        if (lane == 0) {
+            for (int t = 0; t < T; ++t) {
+                const size_t o = (size_t)t * N + n;
+                if (mode == 1) {
+                    static_cast<float*>(out)[o] = acc[t];
+                } else if (mode == 2) {
+                    elem_t* r = static_cast<elem_t*>(out);
+                    r[o] = baton_from_f(baton_to_f(r[o]) + baton_round(acc[t]));
+                } else if (silu) {
+                    const float gate = baton_round(acc[t]), up = baton_round(acc2[t]);
+                    static_cast<elem_t*>(out)[o] = baton_from_f(baton_gemv_silu(gate) * up);
+                } else {
+                    static_cast<elem_t*>(out)[o] = baton_from_f(acc[t]);
+                }
+            }
+        }
+    }
+}
