@@ -184,7 +184,39 @@ impl AppState {
             .unwrap_or_default()
     }
 
-    fn render_chat(
+    /// Renders `req`'s messages with the chat template; with `continue_final_message`, cut
+    /// right after the final message's content (as transformers' `apply_chat_template`).
+    fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
+        let text = self.render_messages(
+            &req.messages,
+            req.add_generation_prompt,
+            &req.template_kwargs,
+        )?;
+        if !req.continue_final_message {
+            return Ok(text);
+        }
+        let last = req
+            .messages
+            .last()
+            .and_then(|m| m.get("content"))
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let end = text
+            .rfind(last)
+            .map(|i| i + last.len())
+            .or_else(|| text.rfind(last.trim()).map(|i| i + last.trim().len()))
+            .filter(|_| !last.trim().is_empty())
+            .ok_or_else(|| {
+                ApiError::field(
+                    "continue_final_message",
+                    "The final message's content was not found in the rendered prompt, so it \
+                     cannot be continued.",
+                )
+            })?;
+        Ok(text[..end].to_owned())
+    }
+
+    fn render_messages(
         &self,
         messages: &[Value],
         add_generation_prompt: bool,
@@ -538,14 +570,9 @@ fn tokenize_blocking(st: &AppState, body: &Bytes) -> Response {
         st.check_model(f.get::<String>("model")?.as_deref())?;
         let ids = if f.raw("messages").is_some() {
             let req = validate::parse_chat(body, &st.engine.limits())?;
-            let text = st.render_chat(
-                &req.messages,
-                req.add_generation_prompt,
-                &req.template_kwargs,
-            )?;
-            let special = f.get::<bool>("add_special_tokens")?.unwrap_or(false);
+            let text = st.render_chat(&req)?;
             st.tokenizer
-                .encode(&text, special)
+                .encode(&text, req.add_special_tokens)
                 .map_err(|e| ApiError::field("messages", e.to_string()))?
         } else {
             let text = f
@@ -851,7 +878,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     for p in &req.prompts {
         let (ids, text) = match p {
             PromptInput::Text(s) => (
-                st.encode_prompt(s, true, "prompt", limits.max_model_len)
+                st.encode_prompt(s, req.add_special_tokens, "prompt", limits.max_model_len)
                     .await?,
                 s.clone(),
             ),
@@ -997,13 +1024,14 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let req = validate::parse_chat(&body, &limits)?;
     st.check_model(req.model.as_deref())?;
     let gen = &req.gen;
-    let text = st.render_chat(
-        &req.messages,
-        req.add_generation_prompt,
-        &req.template_kwargs,
-    )?;
+    let text = st.render_chat(&req)?;
     let ids = st
-        .encode_prompt(&text, false, "messages", limits.max_model_len)
+        .encode_prompt(
+            &text,
+            req.add_special_tokens,
+            "messages",
+            limits.max_model_len,
+        )
         .await?;
     let max = validate::resolve_max_tokens(
         &limits,

@@ -142,6 +142,8 @@ pub struct CompletionRequest {
     pub prompts: Vec<PromptInput>,
     /// Prepend the prompt to the text.
     pub echo: bool,
+    /// Let the tokenizer add its special tokens (BOS) to text prompts (default true).
+    pub add_special_tokens: bool,
     /// Generation options.
     pub gen: GenParams,
 }
@@ -155,6 +157,12 @@ pub struct ChatRequest {
     pub messages: Vec<Value>,
     /// Render the assistant prefix (default true).
     pub add_generation_prompt: bool,
+    /// Leave the final message open, so the model continues it (vLLM's and transformers'
+    /// `continue_final_message`): the rendered prompt ends right after its content.
+    pub continue_final_message: bool,
+    /// Let the tokenizer add its special tokens (BOS) to the rendered prompt (default false:
+    /// the template writes them).
+    pub add_special_tokens: bool,
     /// Extra template variables (`chat_template_kwargs`).
     pub template_kwargs: Map<String, Value>,
     /// Generation options.
@@ -201,6 +209,56 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
                 "Tool calling is not supported by this server.",
             ));
         }
+    }
+    // vLLM's extra parameters that would change the output: refused rather than ignored
+    // (a client must not get plausible text that silently broke its constraint).
+    for name in [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "allowed_token_ids",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
+        "logits_processors",
+    ] {
+        if f.raw(name).is_some() {
+            return Err(ApiError::field(
+                name,
+                format!("'{name}' is not supported by this server."),
+            ));
+        }
+    }
+    if let Some(v) = f.raw("bad_words") {
+        if v.as_array().is_none_or(|a| !a.is_empty()) {
+            return Err(ApiError::field(
+                "bad_words",
+                "'bad_words' is not supported by this server.",
+            ));
+        }
+    }
+    match f.int("min_tokens")? {
+        None | Some(0) => {}
+        Some(n) if n < 0 => {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!("'min_tokens' must be at least 0, got {n}."),
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                "min_tokens",
+                "'min_tokens' is not supported by this server (only 0).",
+            ))
+        }
+    }
+    if f.raw("chat_template").is_some() {
+        return Err(ApiError::field(
+            "chat_template",
+            "A per-request 'chat_template' is not accepted by this server; it uses the one it \
+             was started with (--chat-template).",
+        ));
     }
     if let Some(v) = f.raw("response_format") {
         let kind = v.get("type").and_then(Value::as_str);
@@ -387,6 +445,14 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             let o = v.as_object().ok_or_else(|| {
                 ApiError::field("stream_options", "'stream_options' must be an object.")
             })?;
+            if o.get("continuous_usage_stats")
+                .is_some_and(|v| v.as_bool() == Some(true))
+            {
+                return Err(ApiError::field(
+                    "stream_options",
+                    "'stream_options.continuous_usage_stats' is not supported by this server.",
+                ));
+            }
             match o.get("include_usage") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
@@ -508,6 +574,7 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
         model,
         prompts,
         echo,
+        add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(true),
         gen,
     })
 }
@@ -590,10 +657,23 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
     let template_kwargs = f
         .get::<Map<String, Value>>("chat_template_kwargs")?
         .unwrap_or_default();
+    let continue_final_message = f.get::<bool>("continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt = match f.get::<bool>("add_generation_prompt")? {
+        Some(true) if continue_final_message => {
+            return Err(ApiError::field(
+                "continue_final_message",
+                "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+            ))
+        }
+        Some(b) => b,
+        None => !continue_final_message,
+    };
     Ok(ChatRequest {
         model,
         messages,
-        add_generation_prompt: f.get::<bool>("add_generation_prompt")?.unwrap_or(true),
+        add_generation_prompt,
+        continue_final_message,
+        add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(false),
         template_kwargs,
         gen,
     })

@@ -1361,3 +1361,128 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     ok.read_to_string(&mut resp).await.unwrap();
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 }
+
+/// vLLM's extra parameters that would change the output and that this server does not
+/// implement get a 400 naming them, never a 200 that silently ignored them; their no-op values
+/// pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_changing_vllm_extras_are_refused_not_ignored() {
+    let srv = start(Opts::default()).await;
+    let base = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3});
+    let with = |k: &str, v: Value| {
+        let mut b = base.clone();
+        b[k] = v;
+        b
+    };
+    let refused = [
+        ("min_tokens", json!(5)),
+        ("min_tokens", json!(-1)),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_regex", json!("a+")),
+        ("guided_grammar", json!("root ::= \"a\"")),
+        ("structured_outputs", json!({"choice": ["a"]})),
+        ("bad_words", json!(["Lily"])),
+        ("allowed_token_ids", json!([410])),
+        ("truncate_prompt_tokens", json!(2)),
+        ("prompt_logprobs", json!(1)),
+        ("chat_template", json!("{{ messages }}")),
+    ];
+    for (k, v) in refused {
+        let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
+        assert_eq!(r.status, 400, "{k}={v}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], k, "{}", r.body);
+    }
+    let mut b = with("stream", json!(true));
+    b["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let r = post(srv.addr, "/v1/completions", &b).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    for (k, v) in [
+        ("min_tokens", json!(0)),
+        ("bad_words", json!([])),
+        ("guided_json", Value::Null),
+    ] {
+        let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
+        assert_eq!(r.status, 200, "{k}={v}: {}", r.body);
+    }
+}
+
+/// `add_special_tokens: false` leaves BOS out of a completions prompt, as `/tokenize` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_special_tokens_false_leaves_bos_out_of_a_completion_prompt() {
+    let srv = start(Opts::default()).await;
+    let prompt_tokens = |special: bool| {
+        let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1,
+            "add_special_tokens": special});
+        async move {
+            let r = post(srv.addr, "/v1/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+        }
+    };
+    let with = prompt_tokens(true).await;
+    let without = prompt_tokens(false).await;
+    assert_eq!(with, without + 1, "BOS");
+    let t = post(
+        srv.addr,
+        "/tokenize",
+        &json!({"prompt": "Once upon a time", "add_special_tokens": false}),
+    )
+    .await
+    .json();
+    assert_eq!(t["count"].as_u64(), Some(without));
+}
+
+/// `continue_final_message` leaves the last (assistant) message open: the rendered prompt ends
+/// right after its content instead of closing it with EOS; combined with an explicit
+/// `add_generation_prompt: true` it is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continue_final_message_leaves_the_last_message_open() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let messages = json!([{"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon"}]);
+    let tokens = |extra: Value| {
+        let mut body = json!({"messages": messages.clone()});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        async move {
+            let r = post(srv.addr, "/tokenize", &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    let closed = tokens(json!({"add_generation_prompt": false})).await;
+    let open = tokens(json!({"continue_final_message": true})).await;
+    assert_eq!(closed.last(), Some(&2), "the template closes the message with EOS");
+    assert!(
+        closed.starts_with(&open) && open.len() < closed.len(),
+        "open {open:?} is not a prefix of closed {closed:?}"
+    );
+    assert_ne!(open.last(), Some(&2));
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": messages, "continue_final_message": true,
+            "add_generation_prompt": true, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": messages, "continue_final_message": true,
+            "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
