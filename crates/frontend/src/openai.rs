@@ -4,7 +4,6 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use std::collections::BTreeMap;
 
 /// An error answered with an OpenAI-style body:
 /// `{"error": {"message", "type", "param", "code"}}`.
@@ -137,7 +136,40 @@ pub struct CompletionLogprobs {
     /// Each sampled token's text.
     pub tokens: Vec<String>,
     /// The top alternatives per position.
-    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub top_logprobs: Vec<TopLogprobs>,
+}
+
+/// The top alternatives at one position, a JSON object from token text to log-probability in
+/// descending probability order (as OpenAI and vLLM return it); a text that two tokens share
+/// keeps its more probable entry.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopLogprobs(Vec<(String, f32)>);
+
+impl TopLogprobs {
+    /// From `(text, logprob)` pairs in any order.
+    pub fn new(pairs: impl IntoIterator<Item = (String, f32)>) -> Self {
+        let mut v: Vec<(String, f32)> = pairs.into_iter().collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|(t, _)| seen.insert(t.clone()));
+        Self(v)
+    }
+
+    /// The entries, most probable first.
+    pub fn entries(&self) -> &[(String, f32)] {
+        &self.0
+    }
+}
+
+impl Serialize for TopLogprobs {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
 }
 
 /// One choice of a `/v1/completions` response.
@@ -270,3 +302,22 @@ pub struct ChatChunkChoice {
 
 /// A streamed `/v1/chat/completions` chunk.
 pub type ChatChunk = Chunk<ChatChunkChoice>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_logprobs_serialize_most_probable_first_and_keep_a_shared_text_once() {
+        let t = TopLogprobs::new([
+            ("b".to_owned(), -1.0),
+            ("a".to_owned(), -3.5),
+            (",".to_owned(), -0.25),
+            ("b".to_owned(), -2.0),
+        ]);
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            r#"{",":-0.25,"b":-1.0,"a":-3.5}"#
+        );
+    }
+}

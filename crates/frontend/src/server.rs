@@ -12,7 +12,8 @@ use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
-    ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
+    ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
+    TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -27,7 +28,6 @@ use baton_model::Tokenizer;
 use baton_proto::SamplingParams;
 use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -331,12 +331,12 @@ impl AppState {
             out.text_offset.push(*offset);
             *offset += text.chars().count();
             out.token_logprobs.push(t.logprob);
-            let mut top: BTreeMap<String, f32> = t
-                .top
-                .iter()
-                .map(|&(id, lp)| (self.token_text(id).0, lp))
-                .collect();
-            top.entry(text.clone()).or_insert(t.logprob);
+            let top = TopLogprobs::new(
+                t.top
+                    .iter()
+                    .map(|&(id, lp)| (self.token_text(id).0, lp))
+                    .chain(std::iter::once((text.clone(), t.logprob))),
+            );
             out.top_logprobs.push(top);
             out.tokens.push(text);
         }
@@ -379,6 +379,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model_by_id))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
@@ -405,33 +406,53 @@ pub const MAX_BODY_BYTES: usize = 64 << 20;
 async fn body_deadline(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     let limit = st.config.header_read_timeout;
-    let read = tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_BODY_BYTES)).await;
+    // A declared length over the limit is refused at once, without waiting for the body.
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let read = match declared {
+        Some(n) if n > MAX_BODY_BYTES as u64 => None,
+        _ => Some(tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_BODY_BYTES)).await),
+    };
     let err = match read {
-        Ok(Ok(bytes)) => {
-            return next
-                .run(Request::from_parts(parts, Body::from(bytes)))
-                .await
-        }
-        Ok(Err(e)) if e.to_string().contains("length limit") => ApiError {
+        None => ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
-            message: format!("The request body is larger than {MAX_BODY_BYTES} bytes."),
-            kind: "invalid_request_error",
-            param: None,
-        },
-        Ok(Err(e)) => ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: format!("The request body could not be read: {e}."),
-            kind: "invalid_request_error",
-            param: None,
-        },
-        Err(_) => ApiError {
-            status: StatusCode::REQUEST_TIMEOUT,
             message: format!(
-                "The request body did not arrive within {:.0} s.",
-                limit.as_secs_f64()
+                "The request body ({} bytes declared) is larger than {MAX_BODY_BYTES} bytes.",
+                declared.unwrap_or_default()
             ),
             kind: "invalid_request_error",
             param: None,
+        },
+        Some(read) => match read {
+            Ok(Ok(bytes)) => {
+                return next
+                    .run(Request::from_parts(parts, Body::from(bytes)))
+                    .await
+            }
+            Ok(Err(e)) if e.to_string().contains("length limit") => ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!("The request body is larger than {MAX_BODY_BYTES} bytes."),
+                kind: "invalid_request_error",
+                param: None,
+            },
+            Ok(Err(e)) => ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: format!("The request body could not be read: {e}."),
+                kind: "invalid_request_error",
+                param: None,
+            },
+            Err(_) => ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: format!(
+                    "The request body did not arrive within {:.0} s.",
+                    limit.as_secs_f64()
+                ),
+                kind: "invalid_request_error",
+                param: None,
+            },
         },
     };
     let mut res = err.into_response();
@@ -539,21 +560,33 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Response {
+/// The served model's `/v1/models` entry.
+fn model_card(st: &AppState) -> Value {
     let name = &st.config.served_model_name;
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": name,
-            "object": "model",
-            "created": st.created,
-            "owned_by": "baton",
-            "root": name,
-            "parent": null,
-            "max_model_len": st.engine.limits().max_model_len,
-        }]
-    }))
-    .into_response()
+    json!({
+        "id": name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "baton",
+        "root": name,
+        "parent": null,
+        "max_model_len": st.engine.limits().max_model_len,
+    })
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+}
+
+/// `GET /v1/models/{model}` (the `openai` client's `models.retrieve`): the card, or a 404.
+async fn model_by_id(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(model): axum::extract::Path<String>,
+) -> Response {
+    match st.check_model(Some(&model)) {
+        Ok(()) => Json(model_card(&st)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {

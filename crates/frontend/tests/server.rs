@@ -921,6 +921,13 @@ async fn health_models_metrics_tokenize_and_detokenize_answer() {
     assert_eq!(m["object"], "list");
     assert_eq!(m["data"][0]["id"], MODEL);
     assert_eq!(m["data"][0]["max_model_len"], 256);
+    // The openai client's models.retrieve.
+    let one = get(srv.addr, &format!("/v1/models/{MODEL}")).await;
+    assert_eq!(one.status, 200, "{}", one.body);
+    assert_eq!(one.json(), m["data"][0]);
+    let none = get(srv.addr, "/v1/models/org/other-model").await;
+    assert_eq!(none.status, 404, "{}", none.body);
+    assert_eq!(none.json()["error"]["param"], "model", "{}", none.body);
     // Generate something so the counters move.
     completion(srv.addr, json!({"prompt": "The cat", "max_tokens": 5})).await;
     let r = get(srv.addr, "/metrics").await;
@@ -1303,14 +1310,48 @@ async fn a_prompt_far_over_the_context_is_refused_untokenized_and_huge_bodies_ge
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("your prompt has"), "{}", r.body);
-    // Over the body limit: a 413 with an OpenAI error body, not axum's plain text.
+    // Over the body limit, streamed without a declared length (chunked): a 413 with an OpenAI
+    // error body once the limit is passed, not axum's plain text.
     let big = format!(
         "{{\"prompt\": \"{}\"}}",
         "a".repeat(baton_frontend::server::MAX_BODY_BYTES)
     );
-    let r = send(srv.addr, "POST", "/v1/completions", &[], &big).await;
+    let mut req = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\
+        Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        .to_vec();
+    req.extend_from_slice(format!("{:x}\r\n", big.len()).as_bytes());
+    req.extend_from_slice(big.as_bytes());
+    req.extend_from_slice(b"\r\n0\r\n\r\n");
+    let (mut rd, mut wr) = tokio::net::TcpStream::connect(srv.addr)
+        .await
+        .unwrap()
+        .into_split();
+    // The server answers once past the limit and may close before the last bytes are sent.
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&req).await;
+    });
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(60), rd.read_to_end(&mut raw)).await;
+    let _ = writer.await;
+    let r = common::parse_response(&raw);
     assert_eq!(r.status, 413, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], 413, "{}", r.body);
+    // A declared Content-Length over the limit: the 413 comes at once, without the body (the
+    // server would otherwise wait the 30 s body deadline and answer 408).
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+          Content-Length: 999999999\r\n\r\n{}",
+    )
+    .await
+    .unwrap();
+    let mut head = [0u8; 64];
+    let k = tokio::time::timeout(Duration::from_secs(10), s.read(&mut head))
+        .await
+        .expect("an answer before the body deadline")
+        .unwrap();
+    let head = String::from_utf8_lossy(&head[..k]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
     // The server still answers.
     let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 2})).await;
     assert_eq!(v["usage"]["completion_tokens"], 2);
@@ -1463,7 +1504,11 @@ async fn continue_final_message_leaves_the_last_message_open() {
     };
     let closed = tokens(json!({"add_generation_prompt": false})).await;
     let open = tokens(json!({"continue_final_message": true})).await;
-    assert_eq!(closed.last(), Some(&2), "the template closes the message with EOS");
+    assert_eq!(
+        closed.last(),
+        Some(&2),
+        "the template closes the message with EOS"
+    );
     assert!(
         closed.starts_with(&open) && open.len() < closed.len(),
         "open {open:?} is not a prefix of closed {closed:?}"
