@@ -236,3 +236,43 @@ fn without_a_worker_requests_fail_with_503_after_the_worker_timeout_then_run_onc
     assert_eq!(code, 200, "{out}");
     assert!(wait_for(Duration::from_secs(10), || kv_usage(&addr) == 0.0));
 }
+
+/// A SIGKILLed scheduler takes the instance down: a live stream ends with an error event that
+/// says 503 (unavailable: retry elsewhere or later), not 500, and the frontend exits non-zero.
+#[test]
+fn a_dead_scheduler_ends_live_streams_with_a_503_error_event_and_the_frontend_exits() {
+    let _serial = serial();
+    let inst = instance("schedkill");
+    let mut s = scheduler(&inst, &["--num-blocks", "64"]);
+    let _w = worker(&inst);
+    let (mut fe, addr) = frontend(&inst);
+    assert!(wait_for(Duration::from_secs(20), || http(
+        &addr, "GET", "/health", ""
+    )
+    .0 == 200));
+    let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 480,
+        "temperature": 0, "stream": true, "ignore_eos": true})
+    .to_string();
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    write!(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut lines = BufReader::new(conn).lines();
+    // Wait for the first token, then kill the scheduler mid-stream.
+    let first = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("data: "));
+    assert!(first.is_some(), "no first chunk");
+    s.signal(Signal::SIGKILL);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let errors: Vec<&String> = rest.iter().filter(|l| l.contains("\"error\"")).collect();
+    assert!(
+        errors.iter().any(|l| l.contains("503")),
+        "no 503 error event after the scheduler died: {:?}",
+        &rest[rest.len().saturating_sub(3)..]
+    );
+    let st = fe.wait_timeout(Duration::from_secs(20));
+    assert!(
+        st.is_some_and(|s| !s.success()),
+        "the frontend did not exit non-zero: {st:?}"
+    );
+}

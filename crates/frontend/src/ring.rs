@@ -150,10 +150,12 @@ fn check_health(c: &ReaderCtx, no_worker_since: &mut Option<Instant>) {
         Err(why) => why,
     };
     if why.contains("scheduler") {
-        // The scheduler is gone: fail everything now.
+        // The scheduler is gone: fail everything now, as unavailable (503): this instance
+        // will not serve again (a restarted scheduler makes a new segment), so a client or
+        // load balancer should retry elsewhere or after a supervisor restarted it.
         *lock(&c.dead) = Some(why.clone());
         for (_, tx) in lock(&c.routes).drain() {
-            let _ = tx.send(EngineEvent::Error(format!("engine failure: {why}")));
+            let _ = tx.send(EngineEvent::Error(format!("{UNAVAILABLE_PREFIX}{why}")));
         }
         return;
     }
