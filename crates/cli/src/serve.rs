@@ -218,8 +218,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
             a.model.display()
         );
     }
+    // What would make a child fail at once is checked before any child starts.
+    baton_ipc::check_instance(&a.instance).context("--instance")?;
     if let Some(t) = &a.http.chat_template {
-        baton_frontend::chat::load_template_arg(t)?;
+        let source = baton_frontend::chat::load_template_arg(t)?;
+        baton_frontend::chat::ChatTemplate::new(source)
+            .map_err(anyhow::Error::msg)
+            .context("--chat-template")?;
+    }
+    if a.http.port != 0 {
+        // Bound and released at once (the frontend binds it again, with SO_REUSEADDR).
+        std::net::TcpListener::bind((a.http.host.as_str(), a.http.port)).with_context(|| {
+            format!(
+                "--host {} --port {}: cannot listen",
+                a.http.host, a.http.port
+            )
+        })?;
     }
     let instance = a.instance.clone();
     let model = a.model.display().to_string();

@@ -243,3 +243,44 @@ fn cuda_commands_fail_before_loading_weights_without_a_driver() {
         assert!(err.contains("--device cpu"), "{args:?}: no hint: {err}");
     }
 }
+
+/// `baton serve` refuses a bad instance name, a broken chat template and a busy port before it
+/// starts any child (no segment appears for the instance).
+#[test]
+fn serve_checks_instance_template_and_port_before_starting_children() {
+    let model = common::model_dir();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let inst = format!("precheck-{}", std::process::id());
+    let cases: [(&[&str], &str); 3] = [
+        (&["--instance", "a/b", "--port", "0"], "--instance"),
+        (
+            &[
+                "--instance",
+                &inst,
+                "--port",
+                "0",
+                "--chat-template",
+                "{% for %}",
+            ],
+            "--chat-template",
+        ),
+        (&["--instance", &inst, "--port", &port], "cannot listen"),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec![os("serve"), os("--model"), model.as_os_str()];
+        args.extend(flags.iter().map(|f| os(f)));
+        let (code, err) = run_bounded(&args, "serve with a bad flag");
+        assert!(
+            matches!(code, Some(c) if c != 0 && c != 101),
+            "{flags:?}: exit {code:?}: {err}"
+        );
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(
+            !err.contains("baton scheduler"),
+            "{flags:?}: a scheduler was started: {err}"
+        );
+        assert!(!std::path::Path::new(&format!("/dev/shm/baton-{inst}")).exists());
+    }
+    drop(busy);
+}

@@ -64,6 +64,7 @@ pub use participants::{
 pub use ring::{Full, RingConsumer, RingProducer, Side};
 #[cfg(not(loom))]
 pub use segment::{
-    segment_path, Segment, SegmentError, SegmentInfo, MAGIC, MAX_INSTANCE_LEN, SHM_DIR,
+    check_instance, segment_path, Segment, SegmentError, SegmentInfo, MAGIC, MAX_INSTANCE_LEN,
+    SHM_DIR,
 };
 pub use topology::{ControlPlaneSpec, RingShape};

@@ -268,7 +268,12 @@ fn shm_name(instance: &str) -> String {
     format!("/baton-{instance}")
 }
 
-fn check_instance(instance: &str) -> Result<(), SegmentError> {
+/// Checks an instance name as [`Segment::create`] does: 1 to 64 bytes of ASCII letters,
+/// digits, `-`, `_` and `.`, not starting with `.`.
+///
+/// # Errors
+/// [`SegmentError::BadInstance`] saying which rule the name breaks.
+pub fn check_instance(instance: &str) -> Result<(), SegmentError> {
     let bad = |reason| {
         Err(SegmentError::BadInstance {
             instance: instance.to_owned(),
