@@ -243,7 +243,7 @@ fn without_a_worker_requests_fail_with_503_after_the_worker_timeout_then_run_onc
 fn a_dead_scheduler_ends_live_streams_with_a_503_error_event_and_the_frontend_exits() {
     let _serial = serial();
     let inst = instance("schedkill");
-    let mut s = scheduler(&inst, &["--num-blocks", "64"]);
+    let s = scheduler(&inst, &["--num-blocks", "64"]);
     let _w = worker(&inst);
     let (mut fe, addr) = frontend(&inst);
     assert!(wait_for(Duration::from_secs(20), || http(
