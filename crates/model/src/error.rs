@@ -89,6 +89,20 @@ pub enum ModelError {
         /// Shape stored in the file.
         found: Vec<usize>,
     },
+    /// The checkpoint stores decoder layers the config does not have (config.json and the
+    /// weights belong to different models, e.g. an edited `num_hidden_layers`).
+    #[error(
+        "{file}: the checkpoint has tensors of layers the config does not have, e.g. `{tensor}` \
+         (config.json says num_hidden_layers = {layers}); the config and the weights do not match"
+    )]
+    ExtraLayers {
+        /// The weights file (or index).
+        file: String,
+        /// One such tensor.
+        tensor: String,
+        /// `num_hidden_layers` from config.json.
+        layers: usize,
+    },
     /// A tensor is stored in a dtype other than F32, F16 or BF16.
     #[error("{file}: tensor `{tensor}` has unsupported dtype {dtype}; supported: F32, F16, BF16")]
     UnsupportedDtype {

@@ -396,6 +396,21 @@ impl LlamaWeights {
     /// [`ModelError::MissingTensor`], [`ModelError::ShapeMismatch`],
     /// [`ModelError::UnsupportedDtype`] naming the file and tensor.
     pub fn load(cfg: &ModelConfig, src: &WeightSource) -> Result<Self, ModelError> {
+        // A layer index past the config's means the two describe different models: the
+        // forward pass would run fewer layers than trained and produce fluent garbage.
+        let extra = src.tensor_names().find(|n| {
+            n.strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+                .is_some_and(|i| i >= cfg.num_hidden_layers)
+        });
+        if let Some(tensor) = extra {
+            return Err(ModelError::ExtraLayers {
+                file: src.origin.display().to_string(),
+                tensor: tensor.to_owned(),
+                layers: cfg.num_hidden_layers,
+            });
+        }
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;

@@ -310,3 +310,23 @@ fn bad_tokenizer_config_fields_are_named() {
     .unwrap();
     assert_mentions(&err(&d), &["tokenizer_config.json", "bos_token", "<nope>"]);
 }
+
+/// A config with fewer layers than the checkpoint (an edited `num_hidden_layers`) is refused,
+/// naming a tensor of the extra layer, instead of running a truncated model.
+#[test]
+fn a_checkpoint_with_more_layers_than_the_config_is_refused() {
+    let d = dir_with_tensors("extra-layers", |_| {});
+    edit_config(&d, |c| {
+        let n = c["num_hidden_layers"].as_u64().unwrap();
+        c.insert("num_hidden_layers".into(), serde_json::json!(n - 1));
+    });
+    let e = err(&d);
+    assert_mentions(
+        &e,
+        &[
+            "model.safetensors",
+            "model.layers.4.",
+            "num_hidden_layers = 4",
+        ],
+    );
+}
