@@ -360,3 +360,46 @@ fn a_frontend_with_every_slot_taken_says_why_and_fails_after_its_timeout() {
     assert!(err.contains("every frontend slot"), "{err}");
     assert!(err.contains("--frontends"), "{err}");
 }
+
+/// The step watchdog: a worker that stops making progress (SIGSTOP here; a hung GPU alike)
+/// with launches in flight is killed after --launch-timeout, its requests are requeued, and a
+/// replacement worker finishes them with the same greedy tokens.
+#[test]
+fn a_hung_worker_is_killed_by_the_watchdog_and_its_requests_finish_on_the_next() {
+    let _serial = serial();
+    let g = goldens();
+    let reqs = greedy_reqs(&[g[0].0.clone(), g[1].0.clone()], 64);
+    let inst = instance("hung");
+    let _s = scheduler(&inst, &["--num-blocks", "64", "--launch-timeout", "1"]);
+    let mut w = Some(worker(&inst));
+    let mut link = connect(&inst);
+    for r in &reqs {
+        submit(&mut link, r);
+    }
+    let mut replacement = None;
+    let mut killed_by = None;
+    let outs = collect(&mut link, reqs.len(), T, |tokens, _| {
+        if tokens == 10 {
+            if let Some(mut old) = w.take() {
+                old.signal(Signal::SIGSTOP);
+                // Only the watchdog can end a stopped process here.
+                killed_by = old
+                    .wait_timeout(Duration::from_secs(30))
+                    .and_then(|st| std::os::unix::process::ExitStatusExt::signal(&st));
+                replacement = Some(worker(&inst));
+            }
+        }
+    });
+    assert_eq!(killed_by, Some(9), "the stopped worker was not SIGKILLed");
+    assert!(replacement.is_some());
+    for (i, (_, want)) in g.iter().take(2).enumerate() {
+        let o = &outs[&(i as u64)];
+        assert_eq!(o.finishes, 1);
+        assert_eq!(&o.tokens, want, "request {i} differs after the requeue");
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
+        "pool not back to full: {:?}",
+        link.stats()
+    );
+}

@@ -35,6 +35,18 @@ pub struct EngineArgs {
     /// Write the scheduler's lifecycle trace (JSON lines) to this file.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
+    /// Step watchdog of the scheduler daemon: with launches in flight and no completion for
+    /// this many seconds, the worker is taken as hung, killed, and its requests requeued (0:
+    /// off; vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S).
+    #[arg(long, default_value_t = 120.0, value_parser = crate::frontend_cmd::parse_seconds)]
+    pub launch_timeout: f64,
+}
+
+impl EngineArgs {
+    /// The step watchdog's limit (`None` when `--launch-timeout 0`).
+    pub fn launch_timeout(&self) -> Option<std::time::Duration> {
+        (self.launch_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.launch_timeout))
+    }
 }
 
 impl EngineArgs {

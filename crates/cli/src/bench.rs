@@ -130,6 +130,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         vocab_size: 32000,
         frontends: 1,
         model_fingerprint: 0,
+        launch_timeout: None,
         trace: None,
     })?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -125,6 +125,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
         vocab_size: vocab,
         frontends: a.frontends,
         model_fingerprint: fingerprint,
+        launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
     };
     let mut d = SchedulerDaemon::create(cfg)?;

@@ -40,7 +40,11 @@ pub struct HttpArgs {
 /// the key this way, never on its command line).
 pub const API_KEY_ENV: &str = "BATON_API_KEY";
 
-fn parse_seconds(s: &str) -> Result<f64, String> {
+/// Parses a number of seconds (finite, >= 0) for a flag.
+///
+/// # Errors
+/// A message for anything else.
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
         _ => Err(format!("{s:?} is not a number of seconds >= 0")),

@@ -188,6 +188,7 @@ fn engine_flags(e: &EngineArgs) -> Vec<String> {
     if let Some(t) = &e.trace {
         v.extend(["--trace".into(), t.display().to_string()]);
     }
+    v.extend(["--launch-timeout".into(), e.launch_timeout.to_string()]);
     v
 }
 

@@ -43,6 +43,11 @@ pub struct DaemonConfig {
     /// The model's `ModelConfig::fingerprint`, published for workers and frontends to check
     /// at attach (0: unknown, unchecked).
     pub model_fingerprint: u64,
+    /// The step watchdog: when launches are in flight and no completion has arrived for this
+    /// long, the worker is taken as hung and killed (SIGKILL), so the usual worker-death path
+    /// requeues its requests once the kernel has released its liveness lock; its KV pages are
+    /// reused only then. `None` disables it (vLLM's `VLLM_ENGINE_ITERATION_TIMEOUT_S`).
+    pub launch_timeout: Option<Duration>,
     /// Lifecycle trace file.
     pub trace: Option<PathBuf>,
 }
@@ -111,6 +116,11 @@ pub struct SchedulerDaemon {
     scratch_in: Vec<ToScheduler>,
     scratch_done: Vec<CompletionSlot>,
     last_liveness: Instant,
+    /// When the worker last showed progress: a completion, or nothing in flight.
+    last_progress: Instant,
+    launch_timeout: Option<Duration>,
+    /// The hung worker was sent SIGKILL (once per attach).
+    watchdog_fired: bool,
 }
 
 impl SchedulerDaemon {
@@ -180,6 +190,9 @@ impl SchedulerDaemon {
             scratch_in: Vec::new(),
             scratch_done: Vec::new(),
             last_liveness: Instant::now() - LIVENESS_PERIOD,
+            last_progress: Instant::now(),
+            launch_timeout: cfg.launch_timeout,
+            watchdog_fired: false,
             segment,
         })
     }
@@ -233,7 +246,47 @@ impl SchedulerDaemon {
         });
     }
 
+    /// The step watchdog (see [`DaemonConfig::launch_timeout`]).
+    fn check_progress(&mut self) {
+        if self.sched.stats().inflight == 0 || self.worker_attached.is_none() {
+            self.last_progress = Instant::now();
+            return;
+        }
+        let Some(limit) = self.launch_timeout else {
+            return;
+        };
+        if self.watchdog_fired || self.last_progress.elapsed() < limit {
+            return;
+        }
+        let Some((slot, generation)) = self.worker_attached else {
+            return;
+        };
+        let Some(p) = self
+            .participants
+            .snapshot()
+            .into_iter()
+            .find(|p| p.slot == slot && p.generation == generation)
+        else {
+            return;
+        };
+        tracing::error!(
+            pid = p.pid,
+            seconds = limit.as_secs_f64(),
+            released = self.sched.released(),
+            published = self.sched.last_launch(),
+            "worker made no progress on its launches; killing it (its requests are requeued)"
+        );
+        self.watchdog_fired = true;
+        // The pid is the live registration's (the kernel-held lock is still held, so this
+        // process has not exited and its pid is not reused).
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p.pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+
     fn check_liveness(&mut self) {
+        self.check_progress();
         for dead in self.participants.scan_dead() {
             match dead.role {
                 Role::Frontend => {
@@ -261,6 +314,8 @@ impl SchedulerDaemon {
                     "worker attached"
                 );
                 self.worker_attached = Some((p.slot, p.generation));
+                self.watchdog_fired = false;
+                self.last_progress = Instant::now();
                 self.segment
                     .status()
                     .fetch_or(plane::STATUS_WORKER_ATTACHED, Ordering::Release);
@@ -469,6 +524,7 @@ impl SchedulerDaemon {
         {
             return false;
         }
+        self.last_progress = Instant::now();
         let slots = std::mem::take(&mut self.scratch_done);
         for s in &slots {
             match s.kind {
