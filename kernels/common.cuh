@@ -94,6 +94,17 @@ __device__ __forceinline__ float baton_block_max(float v, float* scratch) {
     return baton_warp_max(v);
 }
 
+// Sum of squares of the n stored values of one row x, over the block (strided by thread, then
+// baton_block_sum): the RMSNorm statistic. Every thread gets the result.
+__device__ __forceinline__ float baton_row_sumsq(const elem_t* x, int n, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = baton_to_f(x[i]);
+        ss = fmaf(v, v, ss);
+    }
+    return baton_block_sum(ss, scratch);
+}
+
 // BATON_VEC elements in one 16-byte vector, for vectorized loads/stores.
 struct __align__(16) baton_vec {
     elem_t e[BATON_VEC];

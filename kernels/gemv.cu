@@ -39,13 +39,7 @@ BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __re
     const bool norm = norm_w != nullptr;
     if (norm) {
         for (int t = 0; t < T; ++t) {
-            const elem_t* xr = x + (size_t)t * K;
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < K; i += blockDim.x) {
-                const float v = baton_to_f(xr[i]);
-                ss = fmaf(v, v, ss);
-            }
-            ss = baton_block_sum(ss, scratch);
+            const float ss = baton_row_sumsq(x + (size_t)t * K, K, scratch);
             if (threadIdx.x == 0) inv_s[t] = 1.0f / sqrtf(ss / (float)K + eps);
         }
         __syncthreads();

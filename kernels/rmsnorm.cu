@@ -15,12 +15,7 @@ BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restric
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const elem_t* x = in + (size_t)t * hidden;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = baton_to_f(x[i]);
-        ss = fmaf(v, v, ss);
-    }
-    ss = baton_block_sum(ss, scratch);
+    const float ss = baton_row_sumsq(x, hidden, scratch);
     const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
     elem_t* y = out + (size_t)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {

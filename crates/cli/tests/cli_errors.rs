@@ -125,6 +125,15 @@ fn os(s: &str) -> &std::ffi::OsStr {
     std::ffi::OsStr::new(s)
 }
 
+/// A clean failure: a non-zero exit that is not a panic (101), with `want` in the message.
+fn assert_fails_with(code: Option<i32>, err: &str, want: &str, what: &dyn std::fmt::Debug) {
+    assert!(
+        matches!(code, Some(c) if c != 0 && c != 101),
+        "{what:?}: exit {code:?}: {err}"
+    );
+    assert!(err.contains(want), "{what:?}: no {want:?} in: {err}");
+}
+
 #[test]
 fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
     if baton_cuda::backend::driver_available() {
@@ -146,11 +155,7 @@ fn serve_with_cuda_on_a_machine_without_a_driver_fails_at_once_with_a_hint() {
         ],
         "serve --device cuda without a driver",
     );
-    assert!(
-        matches!(code, Some(c) if c != 0 && c != 101),
-        "exit {code:?}: {err}"
-    );
-    assert!(err.contains("--device cpu"), "no hint: {err}");
+    assert_fails_with(code, &err, "--device cpu", &"");
 }
 
 /// A worker checks what it can before it waits (here up to 10 minutes) for its scheduler: the
@@ -172,24 +177,12 @@ fn a_worker_reports_a_missing_driver_or_a_bad_model_before_waiting_for_its_sched
     };
     if !baton_cuda::backend::driver_available() {
         let (code, err) = worker(&[os("--device"), os("cuda"), os("--model"), model.as_os_str()]);
-        assert!(
-            matches!(code, Some(c) if c != 0 && c != 101),
-            "exit {code:?}: {err}"
-        );
-        assert!(err.contains("--device cpu"), "no hint: {err}");
+        assert_fails_with(code, &err, "--device cpu", &"worker");
     }
     let (code, err) = worker(&[os("--model"), os("/nonexistent/model")]);
-    assert!(
-        matches!(code, Some(c) if c != 0 && c != 101),
-        "exit {code:?}: {err}"
-    );
-    assert!(err.contains("/nonexistent/model"), "model not named: {err}");
+    assert_fails_with(code, &err, "/nonexistent/model", &"worker");
     let (code, err) = worker(&[]);
-    assert!(
-        matches!(code, Some(c) if c != 0 && c != 101),
-        "exit {code:?}: {err}"
-    );
-    assert!(err.contains("--model"), "{err}");
+    assert_fails_with(code, &err, "--model", &"worker");
 }
 
 /// Every command that runs on CUDA opens the GPU before it loads or generates weights, so on a
@@ -236,11 +229,7 @@ fn cuda_commands_fail_before_loading_weights_without_a_driver() {
     ];
     for args in cases {
         let (code, err) = run_bounded(&args, "a CUDA command without a driver");
-        assert!(
-            matches!(code, Some(c) if c != 0 && c != 101),
-            "{args:?}: exit {code:?}: {err}"
-        );
-        assert!(err.contains("--device cpu"), "{args:?}: no hint: {err}");
+        assert_fails_with(code, &err, "--device cpu", &args);
     }
 }
 
@@ -271,11 +260,7 @@ fn serve_checks_instance_template_and_port_before_starting_children() {
         let mut args = vec![os("serve"), os("--model"), model.as_os_str()];
         args.extend(flags.iter().map(|f| os(f)));
         let (code, err) = run_bounded(&args, "serve with a bad flag");
-        assert!(
-            matches!(code, Some(c) if c != 0 && c != 101),
-            "{flags:?}: exit {code:?}: {err}"
-        );
-        assert!(err.contains(want), "{flags:?}: {err}");
+        assert_fails_with(code, &err, want, &flags);
         assert!(
             !err.contains("baton scheduler"),
             "{flags:?}: a scheduler was started: {err}"
