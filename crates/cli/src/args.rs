@@ -36,16 +36,23 @@ pub struct EngineArgs {
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
     /// Step watchdog of the scheduler daemon: with launches in flight and no completion for
-    /// this many seconds, the worker is taken as hung, killed, and its requests requeued (0:
-    /// off; vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S).
-    #[arg(long, default_value_t = 120.0, value_parser = crate::frontend_cmd::parse_seconds)]
-    pub launch_timeout: f64,
+    /// this many seconds, the worker is taken as hung, killed, and its requests requeued
+    /// (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S). 0 turns it off. Default: 120 under `serve
+    /// --device cuda`, else off (a CPU worker's prefill of a large model can legitimately take
+    /// minutes, and killing it would only repeat the launch).
+    #[arg(long, value_parser = crate::frontend_cmd::parse_seconds)]
+    pub launch_timeout: Option<f64>,
 }
 
+/// The step watchdog's limit under `serve --device cuda` when `--launch-timeout` is not given.
+pub const CUDA_LAUNCH_TIMEOUT_S: f64 = 120.0;
+
 impl EngineArgs {
-    /// The step watchdog's limit (`None` when `--launch-timeout 0`).
+    /// The step watchdog's limit (`None` when off).
     pub fn launch_timeout(&self) -> Option<std::time::Duration> {
-        (self.launch_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(self.launch_timeout))
+        self.launch_timeout
+            .filter(|&s| s > 0.0)
+            .map(std::time::Duration::from_secs_f64)
     }
 }
 

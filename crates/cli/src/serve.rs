@@ -188,7 +188,9 @@ fn engine_flags(e: &EngineArgs) -> Vec<String> {
     if let Some(t) = &e.trace {
         v.extend(["--trace".into(), t.display().to_string()]);
     }
-    v.extend(["--launch-timeout".into(), e.launch_timeout.to_string()]);
+    if let Some(t) = e.launch_timeout {
+        v.extend(["--launch-timeout".into(), t.to_string()]);
+    }
     v
 }
 
@@ -241,6 +243,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut engine = a.engine.clone();
     if a.device == Device::Cuda && engine.num_blocks.is_none() {
         engine.num_blocks = Some(cuda_kv_blocks(&a)?);
+    }
+    if a.device == Device::Cuda && engine.launch_timeout.is_none() {
+        engine.launch_timeout = Some(crate::args::CUDA_LAUNCH_TIMEOUT_S);
     }
     let mut sched_args = vec![
         "scheduler".into(),
@@ -486,5 +491,22 @@ mod tests {
             .map(|c| restart_delay(c).as_millis() as u64)
             .collect();
         assert_eq!(d, [0, 250, 500, 1000, 2000, 4000, 8000, 8000, 8000]);
+    }
+
+    #[test]
+    fn the_scheduler_child_gets_the_watchdog_only_when_one_is_set() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            e: EngineArgs,
+        }
+        let flags = |args: &[&str]| {
+            engine_flags(&P::parse_from(std::iter::once("x").chain(args.iter().copied())).e)
+        };
+        assert!(!flags(&[]).iter().any(|f| f == "--launch-timeout"));
+        let f = flags(&["--launch-timeout", "7.5"]);
+        let i = f.iter().position(|x| x == "--launch-timeout").unwrap();
+        assert_eq!(f[i + 1], "7.5");
     }
 }
