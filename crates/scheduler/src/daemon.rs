@@ -261,12 +261,9 @@ impl SchedulerDaemon {
         let Some((slot, generation)) = self.worker_attached else {
             return;
         };
-        let Some(p) = self
-            .participants
-            .snapshot()
-            .into_iter()
-            .find(|p| p.slot == slot && p.generation == generation)
-        else {
+        let Some(p) = self.participants.snapshot().into_iter().find(|p| {
+            p.slot == slot && p.generation == generation && p.state == baton_ipc::SlotState::Live
+        }) else {
             return;
         };
         tracing::error!(
@@ -277,8 +274,9 @@ impl SchedulerDaemon {
             "worker made no progress on its launches; killing it (its requests are requeued)"
         );
         self.watchdog_fired = true;
-        // The pid is the live registration's (the kernel-held lock is still held, so this
-        // process has not exited and its pid is not reused).
+        // The pid of the slot's live registration. Only a death in the instant between the
+        // snapshot and this call could let the pid be reused (as with any kill by pid); a
+        // process that died already is found by the liveness scan below anyway.
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(p.pid as i32),
             nix::sys::signal::Signal::SIGKILL,
