@@ -345,9 +345,11 @@ mod tests {
                 "{file}: declare entry points with BATON_ENTRY, not extern \"C\" __global__"
             );
             for entry in entries {
-                // Either a literal extern "C" definition or a macro that pastes the suffix.
-                let literal =
-                    src.contains(&format!("void {entry}(")) || src.contains(&format!("{entry}(\n"));
+                // Either a literal definition (possibly after `__launch_bounds__(N)`) or a
+                // macro that pastes the suffix.
+                let literal = src.contains(&format!("void {entry}("))
+                    || src.contains(&format!(") {entry}("))
+                    || src.contains(&format!("{entry}(\n"));
                 let pasted = entry.rsplit_once("_hd").is_some_and(|(stem, d)| {
                     src.contains(&format!("{stem}_hd##D")) && src.contains(&format!("({d})"))
                 });
