@@ -57,6 +57,28 @@ fn goldens_match_across_processes(async_flag: &str) {
         );
         assert_eq!(outs[&(i as u64)].reason, reason::LENGTH);
     }
+    // Each prompt followed by its first 32 greedy tokens, on the same instance: the full blocks
+    // of that history, registered by the first round's decodes, now come from the prefix
+    // cache, and the continuation is the rest of the golden.
+    let hits = link.stats().prefix_cache_hits;
+    let longer: Vec<_> = g
+        .iter()
+        .map(|(p, want)| [&p[..], &want[..32]].concat())
+        .collect();
+    let mut again = greedy_reqs(&longer, 32);
+    for r in &mut again {
+        r.id += 100;
+    }
+    let outs = run(&mut link, &again, T);
+    for (i, (_, want)) in g.iter().enumerate() {
+        assert_eq!(
+            &outs[&(100 + i as u64)].tokens[..],
+            &want[32..],
+            "golden {i} differs with its history from the prefix cache ({async_flag})"
+        );
+    }
+    let s = link.stats();
+    assert!(s.prefix_cache_hits > hits, "no prefix-cache hit: {s:?}");
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",

@@ -32,6 +32,17 @@ pub struct EngineArgs {
     /// Turn asynchronous scheduling off.
     #[arg(long, overrides_with = "async_scheduling")]
     pub no_async_scheduling: bool,
+    /// Reuse the KV cache of full blocks whose whole prefix matches an earlier request's
+    /// (automatic prefix caching; on by default, as in vLLM).
+    #[arg(
+        long,
+        default_value_t = true,
+        overrides_with = "no_enable_prefix_caching"
+    )]
+    pub enable_prefix_caching: bool,
+    /// Turn prefix caching off: every request computes its whole prompt.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
     /// Write the scheduler's lifecycle trace (JSON lines) to this file.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -116,6 +127,7 @@ impl EngineArgs {
             } else {
                 1
             },
+            enable_prefix_caching: self.enable_prefix_caching && !self.no_enable_prefix_caching,
         })
     }
 }

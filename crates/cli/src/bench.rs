@@ -60,6 +60,8 @@ fn config(n: usize, steps: usize, inflight: usize) -> SchedulerConfig {
         num_blocks: n * max_model_len.div_ceil(16),
         max_model_len,
         max_inflight: inflight,
+        // Every request has the same prompt: measure the scheduler, not cache hits.
+        enable_prefix_caching: false,
     }
 }
 

@@ -153,6 +153,7 @@ pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
         num_blocks: 512,
         max_model_len: cfg.max_position_embeddings,
         max_inflight: 2,
+        enable_prefix_caching: true,
     };
     let sizes = CudaSizes {
         block_size: 16,

@@ -185,6 +185,9 @@ fn engine_flags(e: &EngineArgs) -> Vec<String> {
     if e.no_async_scheduling || !e.async_scheduling {
         v.push("--no-async-scheduling".into());
     }
+    if e.no_enable_prefix_caching || !e.enable_prefix_caching {
+        v.push("--no-enable-prefix-caching".into());
+    }
     if let Some(t) = &e.trace {
         v.extend(["--trace".into(), t.display().to_string()]);
     }

@@ -67,6 +67,7 @@ pub fn config(block_size: usize, num_blocks: usize, max_inflight: usize) -> Sche
         num_blocks,
         max_model_len: 512,
         max_inflight,
+        enable_prefix_caching: true,
     }
 }
 

@@ -34,6 +34,7 @@ async fn main() -> anyhow::Result<()> {
         num_blocks: 32 * max_model_len.div_ceil(16),
         max_model_len,
         max_inflight: 2,
+        enable_prefix_caching: true,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let tokenizer = tokenizer.ok_or_else(|| anyhow::anyhow!("{dir} has no tokenizer.json"))?;

@@ -52,6 +52,8 @@ pub enum EngineEvent {
         prompt_tokens: usize,
         /// Output tokens the engine published.
         output_tokens: usize,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
     },
     /// The engine failed the request (for example the worker or scheduler died); nothing
     /// follows.
@@ -76,8 +78,15 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests admitted and waiting to run.
     pub waiting: usize,
-    /// Fraction of KV pages not free, in `[0, 1]`.
+    /// Fraction of KV pages not free, in `[0, 1]` (pages that only hold cached prefix blocks
+    /// count as free: they are evicted on demand).
     pub kv_usage: f64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache so far.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found.
+    pub prefix_cache_hits: u64,
 }
 
 /// Why a request was not admitted.

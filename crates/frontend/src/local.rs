@@ -188,6 +188,9 @@ impl EngineClient for LocalEngineClient {
             } else {
                 1.0 - s.pool.free as f64 / s.pool.total as f64
             },
+            preemptions: s.preemptions,
+            prefix_cache_queries: s.prefix_cache_queries,
+            prefix_cache_hits: s.prefix_cache_hits,
         }
     }
 }
@@ -226,12 +229,14 @@ impl Router {
                     reason,
                     prompt_tokens,
                     output_tokens,
+                    cached_tokens,
                 } => {
                     if let Some(tx) = self.senders.remove(&id) {
                         let _ = tx.send(EngineEvent::Finished {
                             reason,
                             prompt_tokens,
                             output_tokens,
+                            cached_tokens,
                         });
                     }
                 }

@@ -180,6 +180,25 @@ impl Metrics {
             "Number of generation tokens processed.",
             self.generation_tokens.load(Ordering::Relaxed),
         );
+        // The next three are the scheduler's: they survive a frontend restart.
+        counter(
+            &mut out,
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemptions from the engine.",
+            stats.preemptions,
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits,
+        );
         let _ = writeln!(
             out,
             "# HELP vllm:request_success_total Count of successfully processed requests."

@@ -215,6 +215,7 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                     reason,
                     prompt_tokens: m.prompt_tokens as usize,
                     output_tokens: m.output_tokens as usize,
+                    cached_tokens: m.detail as usize,
                 });
             }
         }
@@ -256,6 +257,8 @@ impl EngineClient for RingEngineClient {
             num_blocks: l.num_blocks,
             max_model_len: l.max_model_len,
             max_inflight: l.max_inflight,
+            // Admission checks do not depend on it.
+            enable_prefix_caching: false,
         };
         let probe = baton_scheduler::NewRequest {
             id: 0,
@@ -332,6 +335,9 @@ impl EngineClient for RingEngineClient {
             } else {
                 s.pages_used as f64 / s.pages_total as f64
             },
+            preemptions: s.preemptions,
+            prefix_cache_queries: s.prefix_cache_queries,
+            prefix_cache_hits: s.prefix_cache_hits,
         }
     }
 }

@@ -15,10 +15,12 @@
 
 pub mod fence;
 pub mod pool;
+pub mod prefix;
 pub mod slots;
 
 pub use fence::{Consumers, Fence, Workers};
-pub use pool::{PagePool, PoolStats, Reclaimed};
+pub use pool::{BlockKey, PagePool, PoolStats, Reclaimed};
+pub use prefix::PrefixHasher;
 pub use slots::SlotAllocator;
 
 /// A launch sequence number (see `baton_proto::LaunchSeq`).

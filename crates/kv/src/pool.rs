@@ -1,28 +1,53 @@
-//! The page pool: free pages, pages in use, and pages retired but not yet reclaimed.
+//! The page pool: free pages, pages in use, pages retired but not yet reclaimed, and (with
+//! prefix caching) reclaimed pages that still hold a reusable prefix block.
 //!
-//! Contract: `alloc` only hands out pages from the free list; `retire(pages, after)` moves pages
-//! that some launch `<= after` referred to into the retired set; `reclaim(min_released)` returns
-//! to the free list exactly the retired pages whose `after <= min_released`. Nothing else moves a
-//! page back, so a page cannot be reused while a launch that referred to it is unreleased.
+//! Every page is in exactly one state:
+//! - **free**: on the free list, content meaningless;
+//! - **in use**: held by `refs >= 1` requests (more than one only through a prefix-cache hit);
+//! - **retired**: its last holder let go; a launch `<= after` may still read or write it;
+//! - **cached**: retired and reclaimed, but it holds a full, computed block under a
+//!   [`BlockKey`], so a later request with the same prefix may take it (a hit); it sits on an
+//!   LRU list and is evicted (its key dropped) when a fresh page is needed and the free list is
+//!   empty.
+//!
+//! Contract: new content only ever goes into a page through `alloc`, which hands out free pages
+//! and evicts cached ones, both past their fence; `retire(pages, after)` lets go of one holder's
+//! reference, and a page whose last holder let go retires after the latest launch any holder
+//! referred to it in; `reclaim(min_released)` moves exactly the retired pages whose `after <=
+//! min_released` to the free list (or, keyed, to the cache). So a page cannot receive new content
+//! while a launch that referred to it is unreleased. A hit ([`PagePool::lookup`] then
+//! [`PagePool::share`]) only adds a reader of content that is already computed and fenced; a
+//! retired page is never a hit (its key stays, and it becomes one once reclaimed).
+//!
+//! The prefix-cache design follows vLLM's automatic prefix caching (hash-chained full blocks, an
+//! LRU of unreferenced cached blocks, the tail of a sequence evicted first) and SGLang's
+//! RadixAttention in spirit.
 
 use crate::LaunchSeq;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+
+/// The identity of a full KV block's content: a hash of every token from position 0 to the end
+/// of the block (so it covers the whole prefix, not just the block). See
+/// [`crate::prefix::PrefixHasher`].
+pub type BlockKey = u128;
 
 /// Page counts at one moment. `free + in_use + retired == total` always holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Pages in the pool.
     pub total: usize,
-    /// Pages on the free list.
+    /// Pages `alloc` can hand out now: the free list plus cached pages no request holds.
     pub free: usize,
+    /// Of `free`, the pages that hold a cached prefix block (evictable).
+    pub cached: usize,
     /// Pages held by live requests.
     pub in_use: usize,
     /// Pages retired after a launch that is not yet released by every consumer ("coming back").
     pub retired: usize,
 }
 
-/// Pages that went back to the free list in one `reclaim` call, grouped by the launch they were
-/// retired after (for the lifecycle trace).
+/// Pages that went back to the free list (or the cache) in one `reclaim` call, grouped by the
+/// launch they were retired after (for the lifecycle trace).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reclaimed {
     /// `(after, pages)` pairs, in increasing `after`.
@@ -49,6 +74,20 @@ pub struct PagePool {
     /// Retired pages keyed by the last launch that referred to them.
     retired: BTreeMap<LaunchSeq, Vec<u32>>,
     retired_count: usize,
+    /// Per page: requests holding it (0 when free, retired or cached).
+    refs: Vec<u32>,
+    /// Per page: the latest launch any holder referred to it in since it was last handed out
+    /// (0 once reclaimed: every such launch is released).
+    last_use: Vec<LaunchSeq>,
+    /// Per page: its key while it is registered in `index`.
+    key: Vec<Option<BlockKey>>,
+    /// Per page: its position in `lru` while cached (0: not cached).
+    lru_tick: Vec<u64>,
+    /// Registered full blocks: key to page. `index[k] == p` iff `key[p] == Some(k)`.
+    index: HashMap<BlockKey, u32>,
+    /// Cached pages no request holds, oldest first (evicted in this order).
+    lru: BTreeMap<u64, u32>,
+    tick: u64,
 }
 
 impl PagePool {
@@ -61,22 +100,31 @@ impl PagePool {
             free,
             retired: BTreeMap::new(),
             retired_count: 0,
+            refs: vec![0; total],
+            last_use: vec![0; total],
+            key: vec![None; total],
+            lru_tick: vec![0; total],
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
         }
     }
 
     /// Current counts.
     pub fn stats(&self) -> PoolStats {
+        let free = self.num_free();
         PoolStats {
             total: self.total,
-            free: self.free.len(),
-            in_use: self.total - self.free.len() - self.retired_count,
+            free,
+            cached: self.lru.len(),
+            in_use: self.total - free - self.retired_count,
             retired: self.retired_count,
         }
     }
 
-    /// Free pages now.
+    /// Pages `alloc` can hand out now (free list plus evictable cached pages).
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.lru.len()
     }
 
     /// Pages retired but not yet reclaimed.
@@ -84,34 +132,75 @@ impl PagePool {
         self.retired_count
     }
 
-    /// Takes `n` pages from the free list, or `None` (taking nothing) if fewer are free.
+    /// Full blocks registered in the prefix cache (held, retired or cached).
+    pub fn num_registered(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Takes `n` pages for new content, each with one holder: from the free list first, then by
+    /// evicting the least recently used cached pages (their keys are dropped). Returns `false`
+    /// and takes nothing if fewer than `n` can be had.
     pub fn alloc(&mut self, n: usize, out: &mut Vec<u32>) -> bool {
-        if self.free.len() < n {
+        if self.num_free() < n {
             return false;
         }
-        let at = self.free.len() - n;
+        let from_free = n.min(self.free.len());
+        let at = self.free.len() - from_free;
+        let start = out.len();
         out.extend(self.free.drain(at..).rev());
+        for _ in from_free..n {
+            let (_, p) = self.lru.pop_first().expect("counted above");
+            self.lru_tick[p as usize] = 0;
+            if let Some(k) = self.key[p as usize].take() {
+                self.index.remove(&k);
+            }
+            out.push(p);
+        }
+        for &p in &out[start..] {
+            debug_assert_eq!(self.refs[p as usize], 0);
+            self.refs[p as usize] = 1;
+        }
         true
     }
 
-    /// Retires `pages`, which launches up to and including `after` may still touch.
-    /// `after == 0` means no launch ever referred to them: they are free at once.
+    /// Lets go of one holder's reference to each of `pages`, which that holder's launches up to
+    /// and including `after` may still touch (`after == 0`: it never launched with them). A page
+    /// whose last holder lets go retires after the latest launch any holder referred to it in;
+    /// if no launch ever did, it is free (or cached) at once.
     pub fn retire(&mut self, pages: &[u32], after: LaunchSeq) {
-        if pages.is_empty() {
-            return;
+        for &p in pages {
+            let i = p as usize;
+            debug_assert!(self.refs[i] > 0, "page {p} retired with no holder");
+            self.refs[i] = self.refs[i].saturating_sub(1);
+            self.last_use[i] = self.last_use[i].max(after);
+            if self.refs[i] > 0 {
+                continue;
+            }
+            let at = self.last_use[i];
+            if at == 0 {
+                self.put_back(p);
+            } else {
+                self.retired.entry(at).or_default().push(p);
+                self.retired_count += 1;
+            }
         }
-        if after == 0 {
-            self.free.extend_from_slice(pages);
-            return;
-        }
-        self.retired
-            .entry(after)
-            .or_default()
-            .extend_from_slice(pages);
-        self.retired_count += pages.len();
     }
 
-    /// Moves every retired page whose last launch is `<= min_released` back to the free list.
+    /// A reclaimed (or never-launched) page goes to the cache if it is keyed, else to the free
+    /// list.
+    fn put_back(&mut self, p: u32) {
+        self.last_use[p as usize] = 0;
+        if self.key[p as usize].is_some() {
+            self.tick += 1;
+            self.lru_tick[p as usize] = self.tick;
+            self.lru.insert(self.tick, p);
+        } else {
+            self.free.push(p);
+        }
+    }
+
+    /// Moves every retired page whose last launch is `<= min_released` back to the free list
+    /// (or the cache, when it holds a registered block).
     pub fn reclaim(&mut self, min_released: LaunchSeq) -> Reclaimed {
         let mut out = Reclaimed::default();
         while let Some(entry) = self.retired.first_entry() {
@@ -120,7 +209,9 @@ impl PagePool {
             }
             let (after, pages) = entry.remove_entry();
             self.retired_count -= pages.len();
-            self.free.extend_from_slice(&pages);
+            for &p in &pages {
+                self.put_back(p);
+            }
             out.groups.push((after, pages));
         }
         out
@@ -135,6 +226,56 @@ impl PagePool {
     /// Pages retired after launches `<= upto`: what a fence at `upto` would bring back.
     pub fn retired_upto(&self, upto: LaunchSeq) -> usize {
         self.retired.range(..=upto).map(|(_, p)| p.len()).sum()
+    }
+
+    /// Registers held page `p` as holding the full, computed block `key`. The caller promises
+    /// the block's KV is written and fenced and will not change while the page is keyed (a full
+    /// block is never written again). Returns `false` (and registers nothing) if another page
+    /// already holds `key`, or `p` is already registered.
+    pub fn register(&mut self, p: u32, key: BlockKey) -> bool {
+        let i = p as usize;
+        debug_assert!(self.refs[i] > 0, "page {p} registered while not held");
+        if self.key[i].is_some() || self.index.contains_key(&key) {
+            return false;
+        }
+        self.key[i] = Some(key);
+        self.index.insert(key, p);
+        true
+    }
+
+    /// The page holding block `key`, if it can be shared now: held by a request or cached (a
+    /// retired page is not a hit until it is reclaimed).
+    pub fn lookup(&self, key: BlockKey) -> Option<u32> {
+        let p = *self.index.get(&key)?;
+        (self.refs[p as usize] > 0 || self.lru_tick[p as usize] != 0).then_some(p)
+    }
+
+    /// Adds a holder to page `p`, which [`PagePool::lookup`] returned (a prefix-cache hit); a
+    /// cached page leaves the LRU list.
+    pub fn share(&mut self, p: u32) {
+        let i = p as usize;
+        let t = std::mem::take(&mut self.lru_tick[i]);
+        if t != 0 {
+            self.lru.remove(&t);
+        } else {
+            debug_assert!(
+                self.refs[i] > 0,
+                "page {p} shared while neither held nor cached"
+            );
+        }
+        self.refs[i] += 1;
+    }
+
+    /// Forgets every registered block (the device memory holding them is gone, or caching was
+    /// turned off): cached pages go to the free list, held and retired pages lose their keys.
+    pub fn clear_cache(&mut self) {
+        for (_, p) in std::mem::take(&mut self.lru) {
+            self.lru_tick[p as usize] = 0;
+            self.free.push(p);
+        }
+        for (_, p) in self.index.drain() {
+            self.key[p as usize] = None;
+        }
     }
 }
 
@@ -159,6 +300,7 @@ mod tests {
             PoolStats {
                 total: 4,
                 free: 4,
+                cached: 0,
                 in_use: 0,
                 retired: 0
             }
@@ -181,5 +323,92 @@ mod tests {
         assert!(pool.alloc(2, &mut out));
         pool.retire(&out, 0);
         assert_eq!(pool.num_free(), 2);
+    }
+
+    #[test]
+    fn a_shared_page_retires_after_the_latest_launch_of_any_holder() {
+        let mut pool = PagePool::new(2);
+        let mut a = Vec::new();
+        assert!(pool.alloc(1, &mut a));
+        let p = a[0];
+        assert!(pool.register(p, 42));
+        assert_eq!(pool.lookup(42), Some(p));
+        pool.share(p);
+        // The second holder referred to it in launch 9, then the first lets go after 5.
+        pool.retire(&[p], 9);
+        assert_eq!(pool.stats().in_use, 1, "still held by the first");
+        pool.retire(&[p], 5);
+        assert_eq!(pool.num_retired(), 1);
+        assert_eq!(pool.lookup(42), None, "a retired page is not a hit");
+        assert!(pool.reclaim(8).is_empty(), "launch 9 still refers to it");
+        assert_eq!(pool.reclaim(9).len(), 1);
+        assert_eq!(pool.lookup(42), Some(p), "reclaimed with its key: cached");
+        assert_eq!(pool.stats().cached, 1);
+        assert_eq!(pool.stats().free, 2);
+    }
+
+    #[test]
+    fn cached_pages_are_evicted_oldest_first_and_lose_their_keys() {
+        let mut pool = PagePool::new(3);
+        let mut a = Vec::new();
+        assert!(pool.alloc(3, &mut a));
+        for (i, &p) in a.iter().enumerate() {
+            assert!(pool.register(p, i as BlockKey + 1));
+        }
+        // Retire in the order 2, 0, 1: the LRU order.
+        pool.retire(&[a[2], a[0], a[1]], 1);
+        pool.reclaim(1);
+        assert_eq!(pool.stats().cached, 3);
+        let mut b = Vec::new();
+        assert!(pool.alloc(2, &mut b));
+        assert_eq!(b, vec![a[2], a[0]]);
+        assert_eq!(pool.lookup(3), None);
+        assert_eq!(pool.lookup(1), None);
+        assert_eq!(pool.lookup(2), Some(a[1]));
+        assert!(
+            !pool.register(b[0], 2),
+            "key 2 is already held by another page"
+        );
+        assert!(pool.register(b[0], 7));
+    }
+
+    #[test]
+    fn a_hit_on_a_cached_page_takes_it_off_the_lru_list() {
+        let mut pool = PagePool::new(2);
+        let mut a = Vec::new();
+        assert!(pool.alloc(1, &mut a));
+        assert!(pool.register(a[0], 5));
+        pool.retire(&a, 3);
+        pool.reclaim(3);
+        let p = pool.lookup(5).unwrap();
+        pool.share(p);
+        assert_eq!(pool.stats().in_use, 1);
+        assert_eq!(pool.stats().cached, 0);
+        let mut b = Vec::new();
+        assert!(!pool.alloc(2, &mut b), "the held page cannot be evicted");
+        assert!(pool.alloc(1, &mut b));
+        assert_ne!(b[0], p);
+        // Given back without a launch: cached again at once.
+        pool.retire(&[p], 0);
+        assert_eq!(pool.stats().cached, 1);
+    }
+
+    #[test]
+    fn clearing_the_cache_frees_cached_pages_and_unkeys_the_rest() {
+        let mut pool = PagePool::new(2);
+        let mut a = Vec::new();
+        assert!(pool.alloc(2, &mut a));
+        assert!(pool.register(a[0], 1));
+        assert!(pool.register(a[1], 2));
+        pool.retire(&a[..1], 4);
+        pool.reclaim(4);
+        pool.clear_cache();
+        assert_eq!(pool.lookup(1), None);
+        assert_eq!(pool.lookup(2), None);
+        assert_eq!(pool.stats().cached, 0);
+        pool.retire(&a[1..], 5);
+        pool.reclaim(5);
+        assert_eq!(pool.stats().cached, 0, "unkeyed: back to the free list");
+        assert_eq!(pool.stats().free, 2);
     }
 }

@@ -69,6 +69,12 @@ pub struct PlaneStats {
     pub pages_total: u64,
     /// Launches so far.
     pub launches: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Prompt positions looked up in the prefix cache so far.
+    pub prefix_cache_queries: u64,
+    /// Of those, positions found.
+    pub prefix_cache_hits: u64,
 }
 
 /// A frontend's registration and ring pair.
@@ -326,6 +332,9 @@ impl LinkShared {
             pages_retired: g(plane::STAT_PAGES_RETIRED),
             pages_total: g(plane::STAT_PAGES_TOTAL),
             launches: g(plane::STAT_LAUNCHES),
+            preemptions: g(plane::STAT_PREEMPTIONS),
+            prefix_cache_queries: g(plane::STAT_PREFIX_QUERIES),
+            prefix_cache_hits: g(plane::STAT_PREFIX_HITS),
         }
     }
 }

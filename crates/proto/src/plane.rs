@@ -32,8 +32,14 @@ pub const STAT_LAUNCHES: usize = 4;
 pub const STAT_HEARTBEAT_MS: usize = 5;
 /// Index in [`STATS`]: pages retired, waiting for a fence.
 pub const STAT_PAGES_RETIRED: usize = 6;
+/// Index in [`STATS`]: preemptions so far.
+pub const STAT_PREEMPTIONS: usize = 7;
+/// Index in [`STATS`]: prompt positions looked up in the prefix cache so far.
+pub const STAT_PREFIX_QUERIES: usize = 8;
+/// Index in [`STATS`]: of those, positions found in the cache.
+pub const STAT_PREFIX_HITS: usize = 9;
 /// Number of words in [`STATS`].
-pub const STAT_WORDS: usize = 8;
+pub const STAT_WORDS: usize = 16;
 
 /// Header status bit: a worker is attached and its KV cache is live.
 pub const STATUS_WORKER_ATTACHED: u64 = 1;

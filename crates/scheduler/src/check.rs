@@ -4,7 +4,9 @@
 //! The checker keeps its own books from the trace alone (page owners, the last launch that
 //! referred to each page, the released value, each request's known and computed lengths) and
 //! checks every line against them:
-//! - no page is reused while a launch that referred to it is unreleased;
+//! - no page is reused while a launch that referred to it is unreleased (a prefix-cache hit
+//!   shares a page with its other holders, or takes a reclaimed one; it never takes a retired
+//!   page);
 //! - no output is published for a cancelled request, and no launch includes it;
 //! - `known_len` is `computed_len` plus pending tokens, and both agree with the checker's count.
 
@@ -45,10 +47,19 @@ pub struct TraceSummary {
     pub finished_with_launch_in_flight: usize,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum PageState {
-    Owned { req: u64, last_ref: LaunchSeq },
-    Retired { after: LaunchSeq },
+    /// Held by `holders`; `shared` once a prefix-cache hit took it (then holders may retire it
+    /// after launches older than another holder's, and the page retires after the latest).
+    Owned {
+        holders: Vec<u64>,
+        last_ref: LaunchSeq,
+        shared: bool,
+    },
+    Retired {
+        after: LaunchSeq,
+    },
+    /// On the free list or in the prefix cache (reclaimed either way).
     Free,
 }
 
@@ -165,19 +176,19 @@ impl Books {
                 }
                 let (first, n) = rec.positions.ok_or("batch preparation without positions")?;
                 for &p in rec.pages.as_deref().unwrap_or_default() {
-                    match self.pages.get(&p).copied().unwrap_or(PageState::Free) {
-                        PageState::Free => {
-                            self.pages.insert(p, PageState::Owned { req, last_ref: s });
+                    match self.pages.get_mut(&p) {
+                        None | Some(PageState::Free) => {
+                            self.pages.insert(p, PageState::Owned { holders: vec![req], last_ref: s, shared: false });
                         }
-                        PageState::Owned { req: o, last_ref } if o == req => {
-                            self.pages.insert(p, PageState::Owned { req, last_ref: last_ref.max(s) });
+                        Some(PageState::Owned { holders, last_ref, .. }) if holders.contains(&req) => {
+                            *last_ref = (*last_ref).max(s);
                         }
-                        PageState::Owned { req: o, last_ref } => {
+                        Some(PageState::Owned { holders, last_ref, .. }) => {
                             return Err(format!(
-                                "page {p} referred to by launch {s} for request {req} while request {o} still holds it (its last launch {last_ref})"
+                                "page {p} referred to by launch {s} for request {req} while requests {holders:?} hold it (last launch {last_ref}) and no cache hit shared it"
                             ))
                         }
-                        PageState::Retired { after } => {
+                        Some(PageState::Retired { after }) => {
                             return Err(format!(
                                 "page {p} reused by launch {s} for request {req} before it was reclaimed (retired after launch {after}, released {})",
                                 self.released
@@ -264,18 +275,31 @@ impl Books {
             Boundary::Retire => {
                 let after = Self::launch(rec)?;
                 for &p in rec.pages.as_deref().unwrap_or_default() {
-                    match self.pages.get(&p).copied().unwrap_or(PageState::Free) {
-                        PageState::Owned { req, last_ref } => {
-                            if rec.req.is_some_and(|r| r != req) {
-                                return Err(format!(
-                                    "request {:?} retired page {p}, which request {req} holds",
-                                    rec.req
-                                ));
+                    match self.pages.get_mut(&p) {
+                        Some(PageState::Owned {
+                            holders,
+                            last_ref,
+                            shared,
+                        }) => {
+                            if let Some(r) = rec.req {
+                                let Some(at) = holders.iter().position(|&h| h == r) else {
+                                    return Err(format!(
+                                        "request {r} retired page {p}, which requests {holders:?} hold"
+                                    ));
+                                };
+                                holders.swap_remove(at);
+                            } else {
+                                holders.clear();
                             }
-                            if after < last_ref {
+                            if !*shared && after < *last_ref {
                                 return Err(format!("page {p} retired after launch {after}, but launch {last_ref} refers to it"));
                             }
-                            self.pages.insert(p, PageState::Retired { after });
+                            if holders.is_empty() {
+                                // The pool retires a shared page after the latest launch of
+                                // any holder; a reclaim before that is caught below.
+                                let after = after.max(*last_ref);
+                                self.pages.insert(p, PageState::Retired { after });
+                            }
                         }
                         other => return Err(format!("page {p} retired while {other:?}")),
                     }
@@ -295,7 +319,7 @@ impl Books {
                     ));
                 }
                 for &p in rec.pages.as_deref().unwrap_or_default() {
-                    match self.pages.get(&p).copied().unwrap_or(PageState::Free) {
+                    match self.pages.get(&p).cloned().unwrap_or(PageState::Free) {
                         PageState::Retired { after: a } if a <= after => {
                             self.pages.insert(p, PageState::Free);
                             self.summary.reclaimed_pages += 1;
@@ -307,6 +331,40 @@ impl Books {
                         }
                     }
                 }
+            }
+            Boundary::CacheHit => {
+                let req = Self::req(rec)?;
+                if self.cancelled.contains(&req) {
+                    return Err(format!("request {req} took cached pages after its cancel"));
+                }
+                for &p in rec.pages.as_deref().unwrap_or_default() {
+                    match self.pages.get_mut(&p) {
+                        None | Some(PageState::Free) => {
+                            self.pages.insert(
+                                p,
+                                PageState::Owned {
+                                    holders: vec![req],
+                                    last_ref: 0,
+                                    shared: true,
+                                },
+                            );
+                        }
+                        Some(PageState::Owned {
+                            holders, shared, ..
+                        }) if !holders.contains(&req) => {
+                            holders.push(req);
+                            *shared = true;
+                        }
+                        Some(other) => {
+                            return Err(format!(
+                                "request {req} took page {p} from the prefix cache while {other:?}"
+                            ))
+                        }
+                    }
+                }
+                let computed = rec.computed_len.ok_or("cache hit without computed_len")?;
+                self.computed.insert(req, computed);
+                self.check_lengths(rec, req)?;
             }
             Boundary::WorkerDeath => {
                 // Launches in flight are lost; their rows never count as computed.
@@ -388,5 +446,64 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.line, 4, "{e}");
         assert!(e.message.contains("pending"), "{e}");
+    }
+
+    const ADMIT_B: &str =
+        r#"{"boundary":"admission","req":2,"known_len":4,"computed_len":0,"pending":4}"#;
+
+    #[test]
+    fn accepts_a_cache_hit_that_shares_a_held_page_and_waits_for_both_holders() {
+        let s = check(&[
+            ADMIT_A,
+            PREP_A,
+            DONE_1,
+            ADMIT_B,
+            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+            r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
+            r#"{"boundary":"release","launch":2}"#,
+            r#"{"boundary":"reclaim","launch":2,"pages":[1,0],"evidence":"min_released=2"}"#,
+        ])
+        .unwrap();
+        assert_eq!(s.reclaimed_pages, 2);
+    }
+
+    #[test]
+    fn rejects_a_shared_page_reclaimed_before_the_last_holders_launch() {
+        let e = check(&[
+            ADMIT_A,
+            PREP_A,
+            DONE_1,
+            ADMIT_B,
+            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
+            r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
+            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+            r#"{"boundary":"release","launch":1}"#,
+            r#"{"boundary":"reclaim","launch":1,"pages":[0],"evidence":"min_released=1"}"#,
+        ])
+        .unwrap_err();
+        assert_eq!(e.line, 12, "{e}");
+    }
+
+    #[test]
+    fn rejects_a_cache_hit_on_a_retired_page() {
+        let e = check(&[
+            ADMIT_A,
+            PREP_A,
+            DONE_1,
+            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+            ADMIT_B,
+            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
+        ])
+        .unwrap_err();
+        assert_eq!(e.line, 7, "{e}");
+        assert!(e.message.contains("prefix cache"), "{e}");
     }
 }

@@ -448,7 +448,7 @@ impl SchedulerDaemon {
                     .is_some_and(|p| p.head.req == msg.req)
                 {
                     self.frontends[k].pending = None;
-                    self.reply_finished(k, msg.req, reason::CANCELLED, 0, 0);
+                    self.reply_finished(k, msg.req, reason::CANCELLED, FinishedCounts::default());
                 }
             }
             _ => self.reply_error(k, msg.req, wire::error::PROTOCOL, msg.kind),
@@ -502,13 +502,14 @@ impl SchedulerDaemon {
         self.frontends[k].outbox.push_back(m);
     }
 
-    fn reply_finished(&mut self, k: usize, req: u64, why: u32, prompt: usize, output: usize) {
+    fn reply_finished(&mut self, k: usize, req: u64, why: u32, tokens: FinishedCounts) {
         let mut m = ToFrontend::zeroed();
         m.kind = to_frontend::FINISHED;
         m.reason = why;
         m.req = req;
-        m.prompt_tokens = prompt as u32;
-        m.output_tokens = output as u32;
+        m.prompt_tokens = tokens.prompt as u32;
+        m.output_tokens = tokens.output as u32;
+        m.detail = tokens.cached as u32;
         self.frontends[k].outbox.push_back(m);
     }
 
@@ -646,6 +647,7 @@ impl SchedulerDaemon {
                     reason: why,
                     prompt_tokens,
                     output_tokens,
+                    cached_tokens,
                 } => {
                     let Some(r) = self.routes.remove(&id) else {
                         continue;
@@ -658,7 +660,12 @@ impl SchedulerDaemon {
                         FinishReason::Cancelled => reason::CANCELLED,
                     };
                     let _ = r.generation;
-                    self.reply_finished(r.frontend, r.local, code, prompt_tokens, output_tokens);
+                    let counts = FinishedCounts {
+                        prompt: prompt_tokens,
+                        output: output_tokens,
+                        cached: cached_tokens,
+                    };
+                    self.reply_finished(r.frontend, r.local, code, counts);
                 }
             }
         }
@@ -690,6 +697,9 @@ impl SchedulerDaemon {
         set(plane::STAT_PAGES_TOTAL, s.pool.total as u64);
         set(plane::STAT_PAGES_RETIRED, s.pool.retired as u64);
         set(plane::STAT_LAUNCHES, s.launches);
+        set(plane::STAT_PREEMPTIONS, s.preemptions);
+        set(plane::STAT_PREFIX_QUERIES, s.prefix_cache_queries);
+        set(plane::STAT_PREFIX_HITS, s.prefix_cache_hits);
         set(plane::STAT_HEARTBEAT_MS, process::monotonic_ms());
         self._me.heartbeat();
     }
@@ -715,4 +725,13 @@ impl SchedulerDaemon {
     pub fn segment(&self) -> &Segment {
         &self.segment
     }
+}
+
+/// Token counts of a finished request, as the frontend's `usage` reports them.
+#[derive(Clone, Copy, Debug, Default)]
+struct FinishedCounts {
+    prompt: usize,
+    output: usize,
+    /// Prompt positions taken from the prefix cache.
+    cached: usize,
 }

@@ -1,10 +1,12 @@
 //! A request as the scheduler sees it: its known history and how much of it is computed.
 //!
 //! Contract (DESIGN.md section 2): `known_len` is the prompt plus accepted outputs;
-//! `computed_len` counts the positions whose KV is written and fenced; `scheduled_len` counts
-//! the positions included in published launches, fenced or not. Always
+//! `computed_len` counts the positions whose KV is written and fenced (those taken from the
+//! prefix cache included); `scheduled_len` counts the positions included in published launches
+//! or taken from the prefix cache, fenced or not. Always
 //! `computed_len <= scheduled_len <= known_len + inflight_samples.len()`.
 
+use baton_kv::BlockKey;
 use baton_proto::{LaunchSeq, SamplingParams, SlotRef};
 use std::collections::VecDeque;
 
@@ -74,6 +76,13 @@ pub(crate) struct Request {
     pub inflight_samples: VecDeque<(LaunchSeq, u32)>,
     /// Block table: page ids, append-only while the request holds its slot.
     pub blocks: Vec<u32>,
+    /// Prefix-cache keys of the full blocks of the known history computed so far (block `i`'s
+    /// key at `i`); they depend on the tokens only, so they survive preemption.
+    pub keys: Vec<BlockKey>,
+    /// Leading entries of `blocks` that are registered in the prefix cache or were hits.
+    pub registered: usize,
+    /// Positions taken from the prefix cache when the request last took a slot.
+    pub cached_len: usize,
     /// Last launch that referred to this request's pages and slot (0: none).
     pub last_launch: LaunchSeq,
     pub max_tokens: usize,
@@ -104,6 +113,9 @@ impl Request {
             scheduled_len: 0,
             inflight_samples: VecDeque::new(),
             blocks: Vec::new(),
+            keys: Vec::new(),
+            registered: 0,
+            cached_len: 0,
             last_launch: 0,
             max_tokens: r.max_tokens as usize,
             params: r.params,

@@ -6,10 +6,17 @@
 //! `on_released` reclaims pages and slots retired after launches every consumer has released.
 //! A request that ends, is cancelled or is preempted retires its pages and slot after its last
 //! launch; they are never reclaimed before that launch's fence.
+//!
+//! Prefix caching (`enable_prefix_caching`): when a request takes a slot, the leading full
+//! blocks of its known history whose whole prefix matches a block computed before are taken
+//! from the cache (shared pages, counted as computed) and only the rest is prefilled; at least
+//! its last known position is always computed, so its first launch samples. A block is
+//! registered once the request's `computed_len` covers it (its KV is written and fenced), and it
+//! is never written again. A dead worker takes the cache with it.
 
 use crate::request::{FinishReason, NewRequest, Request, RequestId, State};
 use crate::trace::{Boundary, TraceRecord, Tracer};
-use baton_kv::{PagePool, PoolStats, SlotAllocator};
+use baton_kv::{PagePool, PoolStats, PrefixHasher, SlotAllocator};
 use baton_proto::{
     Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, NOT_PENDING,
 };
@@ -35,6 +42,9 @@ pub struct SchedulerConfig {
     /// Most launches published and not yet completed: 1 is synchronous scheduling, 2 is
     /// asynchronous scheduling (launch `s+1` is prepared before completion `s` arrives).
     pub max_inflight: usize,
+    /// Reuse the KV of full blocks whose whole prefix matches a block computed before
+    /// (automatic prefix caching, vLLM's `--enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
 }
 
 impl SchedulerConfig {
@@ -91,6 +101,8 @@ pub enum Event {
         prompt_tokens: usize,
         /// Output tokens published.
         output_tokens: usize,
+        /// Prompt positions taken from the prefix cache (at the request's last slot take).
+        cached_tokens: usize,
     },
 }
 
@@ -197,6 +209,8 @@ pub struct RequestLengths {
     pub sampling: usize,
     /// The request's slot while it holds one (running), `None` while it waits.
     pub slot: Option<SlotRef>,
+    /// Positions taken from the prefix cache when it last took a slot (part of `computed_len`).
+    pub cached_len: usize,
 }
 
 /// Counts for `/metrics` and tests.
@@ -216,6 +230,10 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Launches so far.
     pub launches: u64,
+    /// Prompt positions looked up in the prefix cache so far (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries: u64,
+    /// Of those, positions found (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits: u64,
 }
 
 /// The scheduler core. Drive it with [`Scheduler::schedule`], [`Scheduler::on_completion`] and
@@ -238,6 +256,10 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     preemptions: u64,
     trace: Option<Tracer>,
     scratch_pages: Vec<u32>,
+    scratch_tokens: Vec<u32>,
+    hasher: PrefixHasher,
+    prefix_queries: u64,
+    prefix_hits: u64,
 }
 
 impl Scheduler<Box<[AtomicU32]>> {
@@ -277,6 +299,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             preemptions: 0,
             trace: None,
             scratch_pages: Vec::new(),
+            scratch_tokens: Vec::new(),
+            hasher: PrefixHasher::new(),
+            prefix_queries: 0,
+            prefix_hits: 0,
             cfg,
         }
     }
@@ -313,6 +339,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             slots_retired: self.slots.num_retired(),
             preemptions: self.preemptions,
             launches: self.next_seq - 1,
+            prefix_cache_queries: self.prefix_queries,
+            prefix_cache_hits: self.prefix_hits,
         }
     }
 
@@ -345,6 +373,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             scheduled_len: r.scheduled_len,
             sampling: r.inflight_samples.len(),
             slot: r.slot,
+            cached_len: r.cached_len,
         })
     }
 
@@ -443,18 +472,41 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
+            if self.cfg.enable_prefix_caching {
+                self.take_cached_prefix(idx, slot.slot);
+            }
             match self.plan_row(idx, seq, budget, &mut rows, &mut meta) {
                 Plan::Row(n) => {
                     budget -= n;
                     self.waiting.pop_front();
                     self.running.push(idx);
+                    let r = &self.requests[idx];
+                    self.prefix_queries += r.known_len as u64;
+                    self.prefix_hits += r.cached_len as u64;
+                    if r.cached_len > 0 && self.trace.is_some() {
+                        let rec = TraceRecord {
+                            owner: Some("scheduler".into()),
+                            pages: Some(r.blocks[..r.cached_len / self.cfg.block_size].to_vec()),
+                            evidence: Some(format!("prefix_cache_hit={}", r.cached_len)),
+                            ..Self::req_record(Boundary::CacheHit, r)
+                        };
+                        self.emit(|| rec);
+                    }
                 }
                 Plan::Nothing | Plan::NeedPages(_) => {
-                    // Not enough pages to start it: give the slot back (never launched) and
-                    // wait; new requests do not preempt running ones.
+                    // Not enough pages to start it: give the slot and any cache hits back
+                    // (never launched) and wait; new requests do not preempt running ones.
                     let r = &mut self.requests[idx];
                     r.slot = None;
                     r.state = State::Waiting;
+                    let hits = std::mem::take(&mut r.blocks);
+                    r.computed_len = 0;
+                    r.scheduled_len = 0;
+                    r.registered = 0;
+                    r.cached_len = 0;
+                    // A hit page's own last use is kept by the pool, so `after = 0` here
+                    // cannot let it back before another holder's launch is released.
+                    self.pool.retire(&hits, 0);
                     self.slots.retire(slot, 0);
                     break;
                 }
@@ -571,6 +623,38 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         Plan::Row(n)
     }
 
+    /// Takes the longest run of leading full blocks of waiting request `idx`'s known history
+    /// that the prefix cache holds, into its block table in slot `slot`, and counts them as
+    /// computed. At most `known_len - 1` positions are taken, so the request's first row computes
+    /// at least its last known position and samples.
+    fn take_cached_prefix(&mut self, idx: Idx, slot: u32) {
+        let bs = self.cfg.block_size;
+        let r = &mut self.requests[idx];
+        debug_assert!(r.blocks.is_empty() && r.computed_len == 0);
+        let most = (r.known_len - 1) / bs;
+        let mut hits = 0;
+        while hits < most {
+            if r.keys.len() == hits {
+                let parent = hits.checked_sub(1).map(|j| r.keys[j]);
+                let key = self
+                    .hasher
+                    .block_key(parent, &r.tokens[hits * bs..(hits + 1) * bs]);
+                r.keys.push(key);
+            }
+            let Some(p) = self.pool.lookup(r.keys[hits]) else {
+                break;
+            };
+            self.pool.share(p);
+            self.tables.set_block(slot, hits, p);
+            r.blocks.push(p);
+            hits += 1;
+        }
+        r.registered = hits;
+        r.cached_len = hits * bs;
+        r.computed_len = r.cached_len;
+        r.scheduled_len = r.cached_len;
+    }
+
     /// Preempts `idx` by recompute: its pages and slot retire after its last launch, its history
     /// stays, and it goes back to the front of the waiting queue.
     fn preempt(&mut self, idx: Idx) {
@@ -583,6 +667,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         r.state = State::Waiting;
         r.computed_len = 0;
         r.scheduled_len = 0;
+        r.registered = 0;
+        r.cached_len = 0;
         r.inflight_samples.clear();
         r.preemptions += 1;
         self.waiting.push_front(idx);
@@ -596,8 +682,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     fn release_resources(&mut self, idx: Idx) {
         let r = &mut self.requests[idx];
         let after = r.last_launch;
-        let pages = std::mem::take(&mut r.blocks);
+        let mut pages = std::mem::take(&mut r.blocks);
         let slot = r.slot.take();
+        // The tail first: cached blocks are evicted in the order they come back, and a later
+        // block is useless without the ones before it.
+        pages.reverse();
         self.pool.retire(&pages, after);
         if let Some(slot) = slot {
             self.tables
@@ -636,6 +725,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             reason,
             prompt_tokens: r.prompt_len,
             output_tokens: r.num_outputs(),
+            cached_tokens: r.cached_len,
         });
     }
 
@@ -684,12 +774,24 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let mut next = 0;
         // Samples live requests expect from this launch, and how many arrived.
         let (mut expected, mut accepted) = (0usize, 0usize);
+        let bs = self.cfg.block_size;
         for (row, m) in launch.rows.iter().enumerate() {
             if let Some(r) = self.requests.try_get_mut(m.req) {
                 if r.slot == Some(m.slot) {
                     r.computed_len = r.computed_len.max((m.first_pos + m.num_tokens) as usize);
                     expected +=
                         usize::from(r.inflight_samples.front() == Some(&(c.seq, row as u32)));
+                    if self.cfg.enable_prefix_caching && r.computed_len >= (r.registered + 1) * bs {
+                        register_full_blocks(
+                            r,
+                            m.slot.slot,
+                            &mut self.pool,
+                            &self.tables,
+                            &self.hasher,
+                            bs,
+                            &mut self.scratch_tokens,
+                        );
+                    }
                 }
             }
             while let Some(s) = c.sampled.get(next).filter(|s| s.row as usize == row) {
@@ -856,6 +958,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             r.state = State::Waiting;
             r.computed_len = 0;
             r.scheduled_len = 0;
+            r.registered = 0;
+            r.cached_len = 0;
             r.inflight_samples.clear();
             self.waiting.push_front(id);
             // The trace must say the request recomputes: its computed KV died with the worker.
@@ -870,6 +974,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // No launch can touch the pool any more: the device memory is gone.
         self.released = self.next_seq - 1;
         let got = self.pool.reclaim_all();
+        // The cached blocks were in that memory too.
+        self.pool.clear_cache();
         self.slots.reclaim(LaunchSeq::MAX);
         if self.trace.is_some() {
             let rel = self.released;
@@ -883,6 +989,34 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 });
             }
         }
+    }
+}
+
+/// Registers in `pool` every full block of running request `r` (in slot `slot`) that its
+/// `computed_len` now covers and that is not registered yet, computing the missing keys from
+/// the slot's token-table row.
+fn register_full_blocks<S: AsRef<[AtomicU32]>>(
+    r: &mut Request,
+    slot: u32,
+    pool: &mut PagePool,
+    tables: &SlotTables<S>,
+    hasher: &PrefixHasher,
+    bs: usize,
+    scratch: &mut Vec<u32>,
+) {
+    let full = (r.computed_len / bs).min(r.blocks.len());
+    while r.registered < full {
+        let i = r.registered;
+        debug_assert!(r.keys.len() >= i);
+        if r.keys.len() == i {
+            scratch.clear();
+            tables.read_tokens(slot, i * bs..(i + 1) * bs, scratch);
+            let parent = i.checked_sub(1).map(|j| r.keys[j]);
+            r.keys.push(hasher.block_key(parent, scratch));
+        }
+        // `false`: another page already holds this block; this one stays unshared.
+        pool.register(r.blocks[i], r.keys[i]);
+        r.registered += 1;
     }
 }
 

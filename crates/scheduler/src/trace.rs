@@ -43,6 +43,10 @@ pub enum Boundary {
     Reclaim,
     /// A worker died; every page it held is invalid.
     WorkerDeath,
+    /// The request took `pages` from the prefix cache as its first block-table entries (shared
+    /// with other holders, or reclaimed pages that kept their content); they count as computed
+    /// (`computed_len`).
+    CacheHit,
 }
 
 /// One line of the trace.

@@ -18,7 +18,11 @@
 //!   the published tokens, `computed_len` with the completions delivered for the request's
 //!   current slot, and the pending positions (known, not covered by those completions) make up
 //!   the difference;
-//! - `PendingFrom` rows name the sampling row of the same request that precedes them.
+//! - `PendingFrom` rows name the sampling row of the same request that precedes them;
+//! - every KV position a launch reads was written, into the page the launch names, from the
+//!   same token history as the reading request's (so a prefix-cache hit shares only pages whose
+//!   whole prefix matches, and a dead worker's cache is not used again); prompts of a few
+//!   families share prefixes, so hits are common.
 //!
 //! At the end of each case everything drains, the pool and the slots are all back, and
 //! `check_trace` accepts the scheduler's lifecycle trace.
@@ -71,6 +75,8 @@ enum Op {
         prompt_len: usize,
         max_tokens: u32,
         ignore_eos: bool,
+        /// 0: a prompt of its own; else prompts of the same family share a prefix.
+        family: u8,
     },
     /// The client of the `n`-th live request (modulo) disconnects.
     Cancel(usize),
@@ -92,7 +98,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (1usize..40, 1u32..24, any::<bool>()).prop_map(|(prompt_len, max_tokens, ignore_eos)| Op::Admit { prompt_len, max_tokens, ignore_eos }),
+        3 => (1usize..40, 1u32..24, any::<bool>(), 0u8..4).prop_map(|(prompt_len, max_tokens, ignore_eos, family)| Op::Admit { prompt_len, max_tokens, ignore_eos, family }),
         1 => any::<usize>().prop_map(Op::Cancel),
         6 => Just(Op::Schedule),
         5 => Just(Op::Execute),
@@ -128,6 +134,8 @@ struct Published {
     /// Per row: the block-table entries and the input tokens read from the tables.
     blocks: Vec<Vec<u32>>,
     tokens: Vec<Vec<(usize, u32)>>,
+    /// Per row: the request's token history up to the row's end (prompt, then its stream).
+    history: Vec<Vec<u32>>,
 }
 
 /// What the test knows of one request, from the outside.
@@ -166,8 +174,12 @@ struct Sim {
     /// The largest value passed to `on_released`, or the last launch at a worker death: every
     /// launch up to it is released as far as the scheduler may know.
     told: LaunchSeq,
-    /// Per page: its owner (slot reference) and the last launch that referred to it.
+    /// Per page: its last writer (slot reference) and the last launch that referred to it.
     pages: HashMap<u32, (SlotRef, LaunchSeq)>,
+    /// Per page: the launch that last wrote it and the token history its KV was written from,
+    /// up to the last position written into it (KV at a position depends on every token up to
+    /// it). Device memory: cleared when the worker dies.
+    content: HashMap<u32, (LaunchSeq, Vec<u32>)>,
     events: Vec<Event>,
 }
 
@@ -191,6 +203,7 @@ impl Sim {
             released: [0; 2],
             told: 0,
             pages: HashMap::new(),
+            content: HashMap::new(),
             events: Vec::new(),
         }
     }
@@ -209,11 +222,19 @@ impl Sim {
                 prompt_len,
                 max_tokens,
                 ignore_eos,
+                family,
             } => {
                 let id = self.next_id;
                 self.next_id += 1;
                 let prompt: Vec<u32> = (0..prompt_len)
-                    .map(|j| 3 + ((id as usize * 31 + j * 17) % (VOCAB - 3)) as u32)
+                    .map(|j| {
+                        let x = if family == 0 {
+                            id as usize * 31
+                        } else {
+                            usize::from(family) * 7
+                        };
+                        3 + ((x + j * 17) % (VOCAB - 3)) as u32
+                    })
                     .collect();
                 let params = SamplingParams {
                     seed: id,
@@ -280,6 +301,9 @@ impl Sim {
             }
             Op::FailLaunch => {
                 if let Some(c) = self.to_complete.pop_front() {
+                    // What the failed launch wrote is garbage (unless a later launch wrote
+                    // the page again since).
+                    self.content.retain(|_, (writer, _)| *writer != c.seq);
                     let rows: HashSet<SlotRef> = self.published[&c.seq]
                         .launch
                         .rows
@@ -314,6 +338,7 @@ impl Sim {
                 self.executed = last;
                 self.released = [last; 2];
                 self.told = last;
+                self.content.clear();
             }
         }
         self.take_events()?;
@@ -338,12 +363,19 @@ impl Sim {
             .collect();
         let mut blocks = Vec::new();
         let mut tokens = Vec::new();
+        let mut history = Vec::new();
+        let bs = self.cfg.block_size;
         for (i, r) in l.rows.iter().enumerate() {
             let mut b = Vec::new();
             tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut b);
-            for &p in &b {
-                if let Some(&(owner, last)) = self.pages.get(&p) {
-                    if owner != r.req {
+            let first = r.first_pos as usize;
+            let end = first + r.num_tokens as usize;
+            for (bi, &p) in b.iter().enumerate() {
+                // A row writes the positions it computes; it only reads the pages before them
+                // (a prefix-cache hit shares such pages with their other holders).
+                let writes = first.max(bi * bs) < end.min((bi + 1) * bs);
+                match self.pages.get(&p) {
+                    Some(&(writer, last)) if writes && writer != r.req => {
                         prop_assert!(
                             self.told >= last,
                             "page {p} reused by launch {} while launch {last} that referred to it is unreleased (released {})",
@@ -351,11 +383,15 @@ impl Sim {
                             self.told
                         );
                     }
+                    _ => {}
                 }
-                self.pages.insert(p, (r.req, l.seq));
+                let writer = if writes {
+                    r.req
+                } else {
+                    self.pages.get(&p).map_or(r.req, |w| w.0)
+                };
+                self.pages.insert(p, (writer, l.seq));
             }
-            let first = r.first_pos as usize;
-            let end = first + r.num_tokens as usize;
             prop_assert!(
                 end <= (r.num_blocks as usize) * self.cfg.block_size,
                 "row {i} of launch {} has too few blocks",
@@ -391,6 +427,18 @@ impl Sim {
                 l.seq
             );
             let shadow = &self.reqs[&id.unwrap()];
+            history.push(
+                (0..end)
+                    .map(|pos| match shadow.prompt.get(pos) {
+                        Some(&t) => t,
+                        None => token_for(
+                            shadow.seed,
+                            (pos - shadow.prompt_len) as u32,
+                            self.eos_every,
+                        ),
+                    })
+                    .collect::<Vec<u32>>(),
+            );
             for &(pos, t) in &inputs {
                 let want = if pos < shadow.prompt_len {
                     shadow.prompt.get(pos).copied()
@@ -416,6 +464,7 @@ impl Sim {
                 launch: l,
                 blocks,
                 tokens,
+                history,
             },
         );
         Ok(())
@@ -427,6 +476,36 @@ impl Sim {
         prop_assert_eq!(seq, self.executed + 1, "launches execute in order");
         self.executed = seq;
         let p = &self.published[&seq];
+        // The KV each row of a live request reads (positions before its first, in its blocks)
+        // was written from the same history; then the row writes its own positions. (A row of
+        // a request that ended or lost its slot since publication may read anything: its
+        // output is suppressed.)
+        let bs = self.cfg.block_size;
+        let live: HashSet<SlotRef> = self
+            .live_ids()
+            .into_iter()
+            .filter_map(|id| self.sched.request_lengths(id)?.slot)
+            .collect();
+        for (i, r) in p.launch.rows.iter().enumerate() {
+            let (first, end) = (r.first_pos as usize, (r.first_pos + r.num_tokens) as usize);
+            let hist = &p.history[i];
+            for (bi, page) in p.blocks[i].iter().enumerate() {
+                let read_end = first.min((bi + 1) * bs);
+                if read_end > bi * bs && live.contains(&r.req) {
+                    let have = self.content.get(page);
+                    prop_assert!(
+                        have.is_some_and(|(_, c)| c.len() >= read_end && c[..read_end] == hist[..read_end]),
+                        "launch {} row {} reads positions {}..{} from page {}, which holds KV of {:?}, not of {:?}",
+                        seq, i, bi * bs, read_end, page, have, &hist[..read_end]
+                    );
+                }
+                let write_end = end.min((bi + 1) * bs);
+                if first.max(bi * bs) < write_end {
+                    self.content
+                        .insert(*page, (seq, hist[..write_end].to_vec()));
+                }
+            }
+        }
         let sampled = p
             .launch
             .rows
@@ -559,8 +638,12 @@ impl Sim {
             prop_assert!(r.finished.is_none(), "finished request {id} still live");
             let known = r.prompt_len + r.outputs.len();
             prop_assert_eq!(l.known_len, known, "request {} known_len", id);
+            // Positions taken from the prefix cache count as computed.
             let mut covered = vec![false; known];
-            let mut computed = 0;
+            let mut computed = l.cached_len;
+            for c in covered.iter_mut().take(l.cached_len) {
+                *c = true;
+            }
             if let Some(slot) = l.slot {
                 for &(s, first, end) in &self.completed_rows {
                     if s == slot {
@@ -632,26 +715,35 @@ impl Sim {
 }
 
 fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
-    (1usize..=4, 1usize..=4, 0usize..12, 1usize..=6, 0u64..12).prop_map(
-        |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every)| {
-            let block_size = 1 << (bs_log - 1);
-            let max_model_len = 64;
-            // At least what one request can need, so every request fits alone; little more, so
-            // pages are recycled constantly and preemption happens.
-            let num_blocks = max_model_len / block_size + extra_pages;
-            (
-                SchedulerConfig {
-                    max_num_seqs,
-                    max_num_batched_tokens: 48,
-                    block_size,
-                    num_blocks,
-                    max_model_len,
-                    max_inflight,
-                },
-                eos_every,
-            )
-        },
+    (
+        1usize..=4,
+        1usize..=4,
+        0usize..12,
+        1usize..=6,
+        0u64..12,
+        0u8..4,
     )
+        .prop_map(
+            |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every, caching)| {
+                let block_size = 1 << (bs_log - 1);
+                let max_model_len = 64;
+                // At least what one request can need, so every request fits alone; little more, so
+                // pages are recycled constantly and preemption happens.
+                let num_blocks = max_model_len / block_size + extra_pages;
+                (
+                    SchedulerConfig {
+                        max_num_seqs,
+                        max_num_batched_tokens: 48,
+                        block_size,
+                        num_blocks,
+                        max_model_len,
+                        max_inflight,
+                        enable_prefix_caching: caching != 0,
+                    },
+                    eos_every,
+                )
+            },
+        )
 }
 
 proptest! {
@@ -689,6 +781,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         num_blocks: 4,
         max_model_len: 16,
         max_inflight: 2,
+        enable_prefix_caching: false,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     s.add_request(NewRequest {
@@ -764,6 +857,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
         num_blocks: 4,
         max_model_len: 16,
         max_inflight: 1,
+        enable_prefix_caching: true,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     for id in [1, 2] {

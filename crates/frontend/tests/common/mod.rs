@@ -113,6 +113,7 @@ pub async fn start(opts: Opts) -> TestServer {
             .unwrap_or(max_num_seqs * max_model_len.div_ceil(block_size)),
         max_model_len,
         max_inflight: 2,
+        enable_prefix_caching: true,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
