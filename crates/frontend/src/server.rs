@@ -8,6 +8,7 @@
 //! which cancel their engine requests ([`crate::seq`]).
 
 use crate::chat::ChatTemplate;
+use crate::cors::CorsConfig;
 use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
@@ -52,6 +53,8 @@ pub struct ServerConfig {
     /// it gets a 408, so idle or slow clients cannot hold connections forever (slowloris).
     /// [`DEFAULT_HEADER_READ_TIMEOUT`] unless set.
     pub header_read_timeout: Duration,
+    /// CORS: which browser origins may call the API ([`CorsConfig::default`]: any, as vLLM).
+    pub cors: CorsConfig,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -79,6 +82,8 @@ pub struct AppState {
     /// The longest vocabulary piece in UTF-8 bytes: a prompt longer than `max_model_len`
     /// times this (times a margin for normalization) cannot fit and is refused untokenized.
     max_piece_bytes: usize,
+    /// The CORS layer built from `config.cors`.
+    cors: tower_http::cors::CorsLayer,
 }
 
 impl std::fmt::Debug for AppState {
@@ -98,10 +103,11 @@ fn now_secs() -> u64 {
 }
 
 impl AppState {
-    /// Builds the state; compiles the chat template.
+    /// Builds the state; compiles the chat template and checks the CORS settings.
     ///
     /// # Errors
-    /// The chat template does not compile.
+    /// The chat template does not compile, or a CORS origin, method or header cannot appear in
+    /// an HTTP header.
     pub fn new(
         config: ServerConfig,
         tokenizer: Tokenizer,
@@ -116,7 +122,12 @@ impl AppState {
             .map(ChatTemplate::new)
             .transpose()
             .map_err(anyhow::Error::msg)?;
+        let cors = config
+            .cors
+            .layer()
+            .map_err(|e| anyhow::anyhow!("CORS settings: {e}"))?;
         Ok(Self {
+            cors,
             config,
             engine,
             metrics: Arc::new(Metrics::new()),
@@ -373,9 +384,11 @@ impl AppState {
 }
 
 /// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`.
+/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`; CORS around them all
+/// ([`crate::cors`]).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let cors = state.cors.clone();
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
@@ -393,7 +406,29 @@ pub fn router(state: Arc<AppState>) -> Router {
         ))
         .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
-        .with_state(state)
+        .with_state(state);
+    // CORS outermost, so a preflight is answered before the API-key check (browsers send no
+    // Authorization header on a preflight) and error responses carry the headers too.
+    // tower-http answers every OPTIONS request as a preflight, so one without the preflight
+    // headers bypasses it and gets the routes' own answer (a 405), as in vLLM.
+    let plain = routes.clone();
+    routes
+        .layer(cors)
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let plain = plain.clone();
+            async move {
+                if req.method() == axum::http::Method::OPTIONS
+                    && !crate::cors::is_preflight(req.method(), req.headers())
+                {
+                    use tower::ServiceExt;
+                    return match plain.oneshot(req).await {
+                        Ok(res) => res,
+                        Err(never) => match never {},
+                    };
+                }
+                next.run(req).await
+            }
+        }))
 }
 
 /// The largest request body accepted, in bytes (64 MiB).

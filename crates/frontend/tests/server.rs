@@ -1024,6 +1024,202 @@ async fn api_key_is_required_on_v1_routes_only() {
     assert_eq!(get(srv.addr, "/health").await.status, 200);
 }
 
+/// The headers of a browser's preflight for a JSON POST with an API key from `origin`.
+fn preflight_headers(origin: &str) -> [(&str, &str); 3] {
+    [
+        ("Origin", origin),
+        ("Access-Control-Request-Method", "POST"),
+        (
+            "Access-Control-Request-Headers",
+            "authorization,content-type",
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_allows_every_origin_by_default_and_preflights_pass_the_api_key_check() {
+    let srv = start(Opts {
+        api_key: Some("sekrit".into()),
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let origin = "http://app.example:3000";
+    // A preflight carries no Authorization header: it is answered, not refused with a 401.
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &preflight_headers(origin),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let methods = r.header("access-control-allow-methods").unwrap_or("");
+    assert!(methods.split(',').any(|m| m.trim() == "POST"), "{r:?}");
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("authorization,content-type"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("access-control-max-age"), Some("600"), "{r:?}");
+    assert_eq!(r.header("access-control-allow-credentials"), None, "{r:?}");
+    // The request itself, and the errors too, carry the allow-origin header.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let auth = ("Authorization", "Bearer sekrit");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin), auth],
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin), auth],
+        &sb.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin)],
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    // A wrong method is still a 405 with an OpenAI body, and so is an OPTIONS request that is
+    // not a preflight (tower-http alone would answer it with an empty 200).
+    let r = send(
+        srv.addr,
+        "GET",
+        "/v1/completions",
+        &[("Origin", origin), auth],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 405, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let r = send(srv.addr, "OPTIONS", "/v1/completions", &[auth], "").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 405, "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_lists_allow_only_their_origins_methods_and_headers() {
+    let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let srv = start(Opts {
+        cors: Some(baton_frontend::CorsConfig {
+            allowed_origins: list(&["http://ok.example"]),
+            allowed_methods: list(&["POST"]),
+            allowed_headers: list(&["authorization"]),
+            allow_credentials: true,
+        }),
+        ..Opts::default()
+    })
+    .await;
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/completions",
+        &preflight_headers("http://ok.example"),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ok.example"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("access-control-allow-credentials"), Some("true"));
+    assert_eq!(r.header("access-control-allow-methods"), Some("POST"));
+    // Content-Type is always allowed, as vLLM does, or no browser could send JSON.
+    let headers = r.header("access-control-allow-headers").unwrap_or("");
+    for h in ["authorization", "content-type"] {
+        assert!(headers.split(',').any(|x| x.trim() == h), "{h}: {r:?}");
+    }
+    // Another origin gets no allow-origin header, so its browser refuses the response.
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/completions",
+        &preflight_headers("http://evil.example"),
+        "",
+    )
+    .await;
+    assert_eq!(r.header("access-control-allow-origin"), None, "{r:?}");
+    let body = json!({"prompt": "a", "max_tokens": 1}).to_string();
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Origin", "http://evil.example")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.header("access-control-allow-origin"), None, "{r:?}");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Origin", "http://ok.example")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ok.example")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_with_credentials_and_every_origin_echoes_the_origin() {
+    // Browsers refuse `*` with credentials; the server must neither send it nor panic.
+    let srv = start(Opts {
+        cors: Some(baton_frontend::CorsConfig {
+            allow_credentials: true,
+            ..baton_frontend::CorsConfig::default()
+        }),
+        ..Opts::default()
+    })
+    .await;
+    let origin = "http://any.example";
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/models",
+        &preflight_headers(origin),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(r.header("access-control-allow-origin"), Some(origin));
+    assert_eq!(r.header("access-control-allow-credentials"), Some("true"));
+    assert_ne!(r.header("access-control-allow-methods"), Some("*"));
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("authorization,content-type")
+    );
+    let r = send(srv.addr, "GET", "/v1/models", &[("Origin", origin)], "").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some(origin));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_503_once_the_engine_is_gone() {
     use baton_frontend::EngineClient;
@@ -1140,6 +1336,7 @@ async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
         served_model_name: MODEL.into(),
         chat_template: None,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
+        cors: baton_frontend::CorsConfig::default(),
     };
     let state = std::sync::Arc::new(
         baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Failing), vec![2]).unwrap(),

@@ -43,6 +43,8 @@ pub struct Opts {
     pub step_delay: Option<Duration>,
     /// The server's header read timeout (default: the server's default).
     pub header_read_timeout: Option<Duration>,
+    /// CORS settings (default: vLLM's, every origin).
+    pub cors: Option<baton_frontend::CorsConfig>,
 }
 
 /// A backend that sleeps before each launch.
@@ -134,6 +136,7 @@ pub async fn start(opts: Opts) -> TestServer {
         header_read_timeout: opts
             .header_read_timeout
             .unwrap_or(baton_frontend::DEFAULT_HEADER_READ_TIMEOUT),
+        cors: opts.cors.unwrap_or_default(),
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
