@@ -1289,64 +1289,18 @@ async fn health_is_503_once_the_engine_is_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
-    use baton_frontend::{EngineClient, EngineEvent};
-    struct Failing;
-    impl EngineClient for Failing {
-        fn submit(
-            &self,
-            _: baton_frontend::EngineRequest,
-        ) -> Result<
-            (u64, tokio::sync::mpsc::UnboundedReceiver<EngineEvent>),
-            baton_frontend::SubmitError,
-        > {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            tx.send(EngineEvent::Token {
+    use baton_frontend::EngineEvent;
+    let (addr, task) = common::start_scripted(|_| {
+        vec![
+            EngineEvent::Token {
                 token: 403,
                 logprob: 0.0,
                 top: vec![],
-            })
-            .unwrap();
-            tx.send(EngineEvent::Error("the scheduler is gone".into()))
-                .unwrap();
-            Ok((1, rx))
-        }
-        fn cancel(&self, _: u64) {}
-        fn limits(&self) -> baton_frontend::EngineLimits {
-            baton_frontend::EngineLimits {
-                max_model_len: 512,
-                vocab_size: 512,
-                max_num_seqs: 1,
-            }
-        }
-        fn health(&self) -> Result<(), String> {
-            Ok(())
-        }
-        fn stats(&self) -> baton_frontend::EngineStats {
-            baton_frontend::EngineStats::default()
-        }
-    }
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
-    let cfg = baton_frontend::ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        api_key: None,
-        served_model_name: MODEL.into(),
-        chat_template: None,
-        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
-        cors: baton_frontend::CorsConfig::default(),
-    };
-    let state = std::sync::Arc::new(
-        baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Failing), vec![2]).unwrap(),
-    );
-    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
-    let task = tokio::spawn(baton_frontend::serve_state(
-        listener,
-        state,
-        std::future::pending(),
-    ));
+            },
+            EngineEvent::Error("the scheduler is gone".into()),
+        ]
+    })
+    .await;
     let r = post(
         addr,
         "/v1/completions",
