@@ -14,7 +14,7 @@ use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
     ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    TopLogprobs, Usage,
+    StopReason, TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -257,6 +257,12 @@ impl AppState {
             metrics: Arc::clone(&self.metrics),
             stop: gen.stop.clone(),
             include_stop: gen.include_stop_str_in_output,
+            stop_reason_ids: gen
+                .stop_token_ids
+                .iter()
+                .copied()
+                .filter(|id| gen.ignore_eos || !self.eos_ids.contains(id))
+                .collect(),
             skip_special: gen.skip_special_tokens,
             arrived,
             draining: self.draining.subscribe(),
@@ -817,6 +823,7 @@ struct Collected {
     text: String,
     tokens: Vec<TokenInfo>,
     finish: Option<&'static str>,
+    stop_reason: Option<StopReason>,
 }
 
 /// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
@@ -836,6 +843,7 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
         c.tokens.extend(d.tokens);
         if d.finish.is_some() {
             c.finish = d.finish;
+            c.stop_reason = d.stop_reason;
         }
     }
     Ok((out, completion_tokens))
@@ -896,6 +904,7 @@ impl Chunker for CompletionChunker {
                         text: e,
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     }],
                     None,
                 ))
@@ -918,6 +927,7 @@ impl Chunker for CompletionChunker {
                 text: d.text.clone(),
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
+                stop_reason: d.stop_reason.clone(),
             }],
             None,
         ))
@@ -1013,6 +1023,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                     .is_some()
                     .then(|| st.completion_logprobs(&c.tokens, &mut offset)),
                 finish_reason: c.finish.map(str::to_owned),
+                stop_reason: c.stop_reason,
             }
         })
         .collect();
@@ -1045,6 +1056,7 @@ impl Chunker for ChatChunker {
                         },
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     }],
                     None,
                 )
@@ -1069,6 +1081,7 @@ impl Chunker for ChatChunker {
                 },
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
+                stop_reason: d.finish.map(|_| d.stop_reason.clone()),
             }],
             None,
         ))
@@ -1143,6 +1156,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             },
             logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
             finish_reason: c.finish.map(str::to_owned),
+            stop_reason: c.stop_reason,
         })
         .collect();
     Ok(Json(ChatResponse {

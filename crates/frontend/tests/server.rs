@@ -252,6 +252,167 @@ async fn stop_token_ids_end_generation_with_finish_reason_stop() {
     assert_eq!(text_of(&v, 0), ", there");
 }
 
+/// `base` with the fields of `extra` set.
+fn with_fields(base: &Value, extra: Value) -> Value {
+    let mut b = base.clone();
+    for (k, v) in extra.as_object().expect("an object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// The `stop_reason` of a streamed choice, checked against vLLM's shape: completions chunks
+/// all carry the field (`null` until the last), chat chunks only the one with `finish_reason`.
+fn streamed_stop_reason(r: &common::Resp, chat: bool) -> Value {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut last = None;
+    for e in r.events().iter().filter(|e| e.as_str() != "[DONE]") {
+        let v: Value = serde_json::from_str(e).expect("chunk is JSON");
+        for c in v["choices"].as_array().expect("choices") {
+            let finished = !c["finish_reason"].is_null();
+            match (chat, finished) {
+                (_, true) => {
+                    let sr = c.get("stop_reason").expect("stop_reason in the last chunk");
+                    assert!(last.replace(sr.clone()).is_none(), "two last chunks: {e}");
+                }
+                (true, false) => assert!(c.get("stop_reason").is_none(), "{e}"),
+                (false, false) => assert_eq!(c.get("stop_reason"), Some(&Value::Null), "{e}"),
+            }
+        }
+    }
+    last.expect("a chunk with finish_reason")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reason_names_the_stop_string_or_token_id_and_is_null_otherwise() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let g = &common::goldens()[0];
+    let tok = g["greedy_ids"][1].as_u64().unwrap(); // "▁there"
+    let eos = srv.state.eos_ids[0];
+    let base = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0});
+    let with = |extra| with_fields(&base, extra);
+    let cases = [
+        // The stop string that matched, as given, not the first of the list.
+        (
+            with(json!({"stop": ["zzz", "Lily. She"]})),
+            "stop",
+            json!("Lily. She"),
+        ),
+        (
+            with(json!({"stop": "girl named", "include_stop_str_in_output": true})),
+            "stop",
+            json!("girl named"),
+        ),
+        (
+            with(json!({"stop_token_ids": [tok], "stop": "zzz"})),
+            "stop",
+            json!(tok),
+        ),
+        (with(json!({"max_tokens": 3})), "length", Value::Null),
+        (
+            with(json!({"max_tokens": 3, "stop_token_ids": [eos]})),
+            "length",
+            Value::Null,
+        ),
+    ];
+    for (body, finish, want) in cases {
+        let v = completion(srv.addr, body.clone()).await;
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], finish, "{body}: {v}");
+        assert_eq!(c.get("stop_reason"), Some(&want), "{body}: {v}");
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/completions", &sb).await;
+        assert_eq!(streamed_stop_reason(&r, false), want, "streamed {body}");
+    }
+    // Chat: the same in the message's choice, and only in the last streamed chunk.
+    let chat = json!({"messages": [{"role": "user", "content": "Once upon a time"}],
+                      "max_tokens": 24, "temperature": 0});
+    let v = post(srv.addr, "/v1/chat/completions", &chat).await.json();
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(
+        v["choices"][0].get("stop_reason"),
+        Some(&Value::Null),
+        "{v}"
+    );
+    let word = text
+        .split_whitespace()
+        .nth(2)
+        .expect("three words of output")
+        .to_owned();
+    for (extra, want) in [
+        (json!({}), Value::Null),
+        (json!({"stop": [word.clone()]}), json!(word)),
+    ] {
+        let mut body = with_fields(&chat, extra);
+        let v = post(srv.addr, "/v1/chat/completions", &body).await.json();
+        assert_eq!(
+            v["choices"][0].get("stop_reason"),
+            Some(&want),
+            "{body}: {v}"
+        );
+        body["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/chat/completions", &body).await;
+        assert_eq!(streamed_stop_reason(&r, true), want, "streamed {body}");
+    }
+}
+
+/// The engine ends a request with `Stop` for an EOS and for a stop token id alike; the frontend
+/// tells them apart by the last token, as vLLM reports them: an EOS has no stop reason, even
+/// when `stop_token_ids` lists it (vLLM checks EOS first), unless `ignore_eos`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    use common::EOS;
+    // The model generates one token, then the first stop token id asked for, else its EOS.
+    let (addr, task) = common::start_scripted(|req| {
+        let last = req.stop_token_ids.first().copied().unwrap_or(EOS);
+        let token = |token| EngineEvent::Token {
+            token,
+            logprob: 0.0,
+            top: vec![],
+        };
+        vec![
+            token(403),
+            token(last),
+            EngineEvent::Finished {
+                reason: FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 2,
+            },
+        ]
+    })
+    .await;
+    for (extra, want) in [
+        (json!({}), Value::Null),
+        (json!({"stop_token_ids": [EOS]}), Value::Null),
+        (
+            json!({"stop_token_ids": [EOS], "ignore_eos": true}),
+            json!(EOS),
+        ),
+        (json!({"stop_token_ids": [13, EOS]}), json!(13)),
+    ] {
+        let mut body = with_fields(&json!({"prompt": "a", "max_tokens": 8}), extra);
+        let v = completion(addr, body.clone()).await;
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "stop", "{body}: {v}");
+        assert_eq!(c.get("stop_reason"), Some(&want), "{body}: {v}");
+        body["stream"] = json!(true);
+        let r = post(addr, "/v1/completions", &body).await;
+        assert_eq!(streamed_stop_reason(&r, false), want, "streamed {body}");
+    }
+    task.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn include_usage_adds_a_final_usage_chunk() {
     let srv = start(Opts::default()).await;
