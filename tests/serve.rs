@@ -165,7 +165,18 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
     let _serial = serial();
     let inst = instance("serve-stop");
     let key = "s3cret-key-for-this-test";
-    let (mut serve1, addr) = serve_with(&inst, 18302, &["--api-key", key]);
+    let origin = "http://ok.example";
+    let (mut serve1, addr) = serve_with(
+        &inst,
+        18302,
+        &[
+            "--api-key",
+            key,
+            "--allowed-origins",
+            &format!("[\"{origin}\"]"),
+            "--allow-credentials",
+        ],
+    );
     assert_eq!(health(&addr), 200);
     let kids = children(serve1.pid());
     assert_eq!(kids.len(), 3, "{kids:?}");
@@ -188,6 +199,26 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
     assert_eq!(
         models(&format!("Authorization: Bearer {key}\r\n")),
         Some(200)
+    );
+    // The CORS flags reach the frontend child, and a preflight (no key) is answered.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(
+        s,
+        "OPTIONS /v1/models HTTP/1.1\r\nHost: x\r\nOrigin: {origin}\r\n\
+         Access-Control-Request-Method: GET\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut pre = String::new();
+    s.read_to_string(&mut pre).unwrap();
+    let pre = pre.to_ascii_lowercase();
+    assert!(pre.starts_with("http/1.1 200"), "{pre}");
+    assert!(
+        pre.contains(&format!("access-control-allow-origin: {origin}\r\n")),
+        "{pre}"
+    );
+    assert!(
+        pre.contains("access-control-allow-credentials: true\r\n"),
+        "{pre}"
     );
     serve1.signal(Signal::SIGTERM);
     assert!(

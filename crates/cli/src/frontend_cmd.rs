@@ -34,6 +34,46 @@ pub struct HttpArgs {
     /// 0 waits forever.
     #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
     pub worker_timeout: f64,
+    /// Browser origins allowed to call the API (CORS), as a JSON list as in vLLM
+    /// ('["http://localhost:3000"]') or comma-separated; "*" allows any.
+    #[arg(long, default_value = ALL, value_parser = origins)]
+    pub allowed_origins: ListArg,
+    /// HTTP methods a CORS preflight allows (a JSON list or comma-separated; "*": all).
+    #[arg(long, default_value = ALL, value_parser = methods)]
+    pub allowed_methods: ListArg,
+    /// Request headers a CORS preflight allows (a JSON list or comma-separated; "*": any).
+    #[arg(long, default_value = ALL, value_parser = headers)]
+    pub allowed_headers: ListArg,
+    /// Allow credentials (cookies, HTTP authentication) on cross-origin requests.
+    #[arg(long)]
+    pub allow_credentials: bool,
+}
+
+/// The value of a list flag (`--allowed-origins` and the like), parsed by
+/// [`baton_frontend::cors::parse_list`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListArg(pub Vec<String>);
+
+impl ListArg {
+    /// The flag value that parses back to this list: a JSON list.
+    pub fn to_flag(&self) -> String {
+        serde_json::Value::from(self.0.clone()).to_string()
+    }
+}
+
+/// The default of the CORS list flags (vLLM's): everything.
+const ALL: &str = r#"["*"]"#;
+
+fn origins(s: &str) -> Result<ListArg, String> {
+    baton_frontend::cors::parse_origins(s).map(ListArg)
+}
+
+fn methods(s: &str) -> Result<ListArg, String> {
+    baton_frontend::cors::parse_methods(s).map(ListArg)
+}
+
+fn headers(s: &str) -> Result<ListArg, String> {
+    baton_frontend::cors::parse_headers(s).map(ListArg)
 }
 
 /// The environment variable that holds the API key (the frontend child of `baton serve` gets
@@ -62,7 +102,16 @@ impl HttpArgs {
             self.port.to_string(),
             "--worker-timeout".into(),
             self.worker_timeout.to_string(),
+            "--allowed-origins".into(),
+            self.allowed_origins.to_flag(),
+            "--allowed-methods".into(),
+            self.allowed_methods.to_flag(),
+            "--allowed-headers".into(),
+            self.allowed_headers.to_flag(),
         ];
+        if self.allow_credentials {
+            v.push("--allow-credentials".into());
+        }
         let optional = [
             ("--served-model-name", &self.served_model_name),
             ("--chat-template", &self.chat_template),
@@ -73,6 +122,16 @@ impl HttpArgs {
             }
         }
         v
+    }
+
+    /// The CORS settings of these flags.
+    pub fn cors(&self) -> baton_frontend::CorsConfig {
+        baton_frontend::CorsConfig {
+            allowed_origins: self.allowed_origins.0.clone(),
+            allowed_methods: self.allowed_methods.0.clone(),
+            allowed_headers: self.allowed_headers.0.clone(),
+            allow_credentials: self.allow_credentials,
+        }
     }
 }
 
@@ -204,6 +263,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             .unwrap_or_else(|| default_model_name(&a.model)),
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
+        cors: a.http.cors(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -248,4 +308,59 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct P {
+        #[command(flatten)]
+        http: HttpArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<HttpArgs, clap::Error> {
+        P::try_parse_from(std::iter::once("x").chain(args.iter().copied())).map(|p| p.http)
+    }
+
+    #[test]
+    fn cors_flags_default_to_vllms_and_reach_serves_frontend_child() {
+        let d = parse(&[]).unwrap();
+        assert_eq!(d.cors(), baton_frontend::CorsConfig::default());
+        let given = parse(&[
+            "--allowed-origins",
+            r#"["http://a.example", "http://b.example:8080"]"#,
+            "--allowed-methods",
+            "GET,POST",
+            "--allowed-headers",
+            r#"["authorization"]"#,
+            "--allow-credentials",
+        ])
+        .unwrap();
+        assert_eq!(
+            given.allowed_origins.0,
+            ["http://a.example", "http://b.example:8080"]
+        );
+        assert_eq!(given.allowed_methods.0, ["GET", "POST"]);
+        // What `baton serve` passes its frontend parses back to the same settings.
+        for a in [d, given] {
+            let flags = a.to_flags();
+            let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            assert_eq!(back.cors(), a.cors(), "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn bad_cors_flags_are_refused_with_the_flag_named() {
+        for (flag, value) in [
+            ("--allowed-origins", r#"["http://a.example", 3]"#),
+            ("--allowed-methods", "GET,P OST"),
+            ("--allowed-headers", "bad:header"),
+        ] {
+            let e = parse(&[flag, value]).expect_err("refused").to_string();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
 }

@@ -55,6 +55,7 @@ async fn main() -> anyhow::Result<()> {
         served_model_name: name,
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
+        cors: baton_frontend::CorsConfig::default(),
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

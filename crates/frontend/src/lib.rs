@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod chat;
+pub mod cors;
 pub mod detok;
 pub mod engine;
 pub mod local;
@@ -19,6 +20,7 @@ pub mod server;
 pub mod stop;
 pub mod validate;
 
+pub use cors::CorsConfig;
 pub use engine::{
     EngineClient, EngineEvent, EngineLimits, EngineRequest, EngineStats, SubmitError,
 };

@@ -172,6 +172,19 @@ impl Serialize for TopLogprobs {
     }
 }
 
+/// What ended a choice whose `finish_reason` is `stop`, as vLLM reports it in `stop_reason`:
+/// the stop string that matched (a JSON string) or the `stop_token_ids` entry that was
+/// generated (a JSON integer). A choice that ended on the model's EOS, on its length or by an
+/// abort has none (`null`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason {
+    /// A stop string, as the request gave it.
+    Text(String),
+    /// A stop token id.
+    Token(u32),
+}
+
 /// One choice of a `/v1/completions` response.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CompletionChoice {
@@ -183,6 +196,9 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     /// `stop`, `length` or `abort`; `null` in a streamed chunk that does not end the choice.
     pub finish_reason: Option<String>,
+    /// The stop string or stop token id that ended the choice; `null` otherwise, and in every
+    /// streamed chunk but the last of the choice (vLLM sends the field in every chunk).
+    pub stop_reason: Option<StopReason>,
 }
 
 /// A response or streamed chunk of either API, over its choice type `C`.
@@ -257,6 +273,8 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     /// `stop`, `length` or `abort`.
     pub finish_reason: Option<String>,
+    /// The stop string or stop token id that ended the choice, else `null`.
+    pub stop_reason: Option<StopReason>,
 }
 
 /// A `/v1/chat/completions` response.
@@ -298,6 +316,10 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<ChatLogprobs>,
     /// Set in the last chunk of the choice.
     pub finish_reason: Option<String>,
+    /// Only in the last chunk of the choice (the one with `finish_reason`), as vLLM sends it:
+    /// `Some(None)` is `null` there; `None` leaves the field out of the other chunks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<Option<StopReason>>,
 }
 
 /// A streamed `/v1/chat/completions` chunk.
@@ -306,6 +328,31 @@ pub type ChatChunk = Chunk<ChatChunkChoice>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_reason_is_a_string_an_integer_or_null_and_left_out_of_unfinished_chat_chunks() {
+        let choice = |stop_reason| ChatChunkChoice {
+            index: 0,
+            delta: ChatDelta::default(),
+            logprobs: None,
+            finish_reason: None,
+            stop_reason,
+        };
+        let json = |c: &ChatChunkChoice| serde_json::to_value(c).unwrap();
+        assert!(json(&choice(None)).get("stop_reason").is_none());
+        assert_eq!(
+            json(&choice(Some(None)))["stop_reason"],
+            serde_json::Value::Null
+        );
+        assert_eq!(
+            json(&choice(Some(Some(StopReason::Token(13)))))["stop_reason"],
+            13
+        );
+        assert_eq!(
+            json(&choice(Some(Some(StopReason::Text("\n\n".into())))))["stop_reason"],
+            "\n\n"
+        );
+    }
 
     #[test]
     fn top_logprobs_serialize_most_probable_first_and_keep_a_shared_text_once() {

@@ -3,13 +3,17 @@
 //! Contract: a [`Seq`] turns one engine request's events into [`Delta`]s through the
 //! incremental detokenizer and the stop-string matcher; streamed and non-streamed responses are
 //! both built from these deltas, so their texts are equal by construction. On a stop-string
-//! match it cancels the engine request. Dropping a `Seq` whose engine request has not reported
-//! its last event (client disconnect, an error elsewhere, a stop match) cancels it and keeps its
-//! receiver in a task until the engine acknowledges (DESIGN.md section 5).
+//! match it cancels the engine request. The last delta says what stopped the sequence
+//! (`stop_reason`): the engine ends a request with `Stop` for an EOS and for a stop token id
+//! alike, so the sequence tells them apart by its last token. Dropping a `Seq` whose engine
+//! request has not reported its last event (client disconnect, an error elsewhere, a stop
+//! match) cancels it and keeps its receiver in a task until the engine acknowledges
+//! (DESIGN.md section 5).
 
 use crate::detok::IncrementalDetokenizer;
 use crate::engine::{EngineClient, EngineEvent};
 use crate::metrics::Metrics;
+use crate::openai::StopReason;
 use crate::stop::StopMatcher;
 use baton_model::Tokenizer;
 use baton_scheduler::FinishReason;
@@ -39,6 +43,9 @@ pub struct Delta {
     pub tokens: Vec<TokenInfo>,
     /// Set on the last delta of the sequence: `stop`, `length` or `abort`.
     pub finish: Option<&'static str>,
+    /// With `finish == Some("stop")`: the stop string or stop token id that ended the
+    /// sequence (`None` for an EOS).
+    pub stop_reason: Option<StopReason>,
     /// Set when the engine failed the request (the last delta).
     pub error: Option<String>,
 }
@@ -63,6 +70,10 @@ pub struct Seq {
     metrics: Arc<Metrics>,
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
+    /// See [`SeqContext::stop_reason_ids`].
+    stop_reason_ids: Vec<u32>,
+    /// The last output token.
+    last_id: Option<u32>,
     /// Output tokens consumed (up to and including a stop-string match).
     pub output_tokens: usize,
     done: bool,
@@ -97,6 +108,10 @@ pub struct SeqContext {
     pub stop: Vec<String>,
     /// Keep the matched stop string in the output.
     pub include_stop: bool,
+    /// The token ids reported as `stop_reason` when the engine stops on them: the request's
+    /// `stop_token_ids`, less the model's EOS ids unless `ignore_eos` (vLLM checks EOS first
+    /// and reports no stop reason for it).
+    pub stop_reason_ids: Vec<u32>,
     /// Drop special tokens from the text.
     pub skip_special: bool,
     /// When the HTTP request arrived.
@@ -123,6 +138,8 @@ impl Seq {
             metrics: Arc::clone(&ctx.metrics),
             detok: IncrementalDetokenizer::new(prompt, ctx.skip_special),
             stop: StopMatcher::new(&ctx.stop, ctx.include_stop),
+            stop_reason_ids: ctx.stop_reason_ids.clone(),
+            last_id: None,
             output_tokens: 0,
             done: false,
             arrived: ctx.arrived,
@@ -170,6 +187,7 @@ impl Seq {
                     .on_token(self.last_token.is_none(), since.as_secs_f64());
                 self.last_token = Some(now);
                 self.output_tokens += 1;
+                self.last_id = Some(token);
                 d.tokens.push(TokenInfo {
                     id: token,
                     logprob,
@@ -178,8 +196,9 @@ impl Seq {
                 let text = self.detok.push(&self.tokenizer, token);
                 let out = self.stop.push(&text);
                 d.text = out.text;
-                if out.stopped {
+                if let Some(s) = out.matched {
                     self.abandon();
+                    d.stop_reason = Some(StopReason::Text(s));
                     self.finish(&mut d, "stop");
                 }
             }
@@ -188,10 +207,17 @@ impl Seq {
                 let tail = self.detok.finish(&self.tokenizer);
                 let out = self.stop.push(&tail);
                 d.text = out.text;
-                let reason = if out.stopped {
+                let reason = if let Some(s) = out.matched {
+                    d.stop_reason = Some(StopReason::Text(s));
                     "stop"
                 } else {
                     d.text.push_str(&self.stop.flush());
+                    if reason == FinishReason::Stop {
+                        d.stop_reason = self
+                            .last_id
+                            .filter(|id| self.stop_reason_ids.contains(id))
+                            .map(StopReason::Token);
+                    }
                     finish_str(reason)
                 };
                 self.finish(&mut d, reason);

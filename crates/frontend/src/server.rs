@@ -8,12 +8,13 @@
 //! which cancel their engine requests ([`crate::seq`]).
 
 use crate::chat::ChatTemplate;
+use crate::cors::CorsConfig;
 use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
     ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    TopLogprobs, Usage,
+    StopReason, TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -52,6 +53,8 @@ pub struct ServerConfig {
     /// it gets a 408, so idle or slow clients cannot hold connections forever (slowloris).
     /// [`DEFAULT_HEADER_READ_TIMEOUT`] unless set.
     pub header_read_timeout: Duration,
+    /// CORS: which browser origins may call the API ([`CorsConfig::default`]: any, as vLLM).
+    pub cors: CorsConfig,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -79,6 +82,8 @@ pub struct AppState {
     /// The longest vocabulary piece in UTF-8 bytes: a prompt longer than `max_model_len`
     /// times this (times a margin for normalization) cannot fit and is refused untokenized.
     max_piece_bytes: usize,
+    /// The CORS layer built from `config.cors`.
+    cors: tower_http::cors::CorsLayer,
 }
 
 impl std::fmt::Debug for AppState {
@@ -98,10 +103,11 @@ fn now_secs() -> u64 {
 }
 
 impl AppState {
-    /// Builds the state; compiles the chat template.
+    /// Builds the state; compiles the chat template and checks the CORS settings.
     ///
     /// # Errors
-    /// The chat template does not compile.
+    /// The chat template does not compile, or a CORS origin, method or header cannot appear in
+    /// an HTTP header.
     pub fn new(
         config: ServerConfig,
         tokenizer: Tokenizer,
@@ -116,7 +122,12 @@ impl AppState {
             .map(ChatTemplate::new)
             .transpose()
             .map_err(anyhow::Error::msg)?;
+        let cors = config
+            .cors
+            .layer()
+            .map_err(|e| anyhow::anyhow!("CORS settings: {e}"))?;
         Ok(Self {
+            cors,
             config,
             engine,
             metrics: Arc::new(Metrics::new()),
@@ -246,6 +257,12 @@ impl AppState {
             metrics: Arc::clone(&self.metrics),
             stop: gen.stop.clone(),
             include_stop: gen.include_stop_str_in_output,
+            stop_reason_ids: gen
+                .stop_token_ids
+                .iter()
+                .copied()
+                .filter(|id| gen.ignore_eos || !self.eos_ids.contains(id))
+                .collect(),
             skip_special: gen.skip_special_tokens,
             arrived,
             draining: self.draining.subscribe(),
@@ -373,9 +390,11 @@ impl AppState {
 }
 
 /// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`.
+/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`; CORS around them all
+/// ([`crate::cors`]).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let cors = state.cors.clone();
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
@@ -393,7 +412,29 @@ pub fn router(state: Arc<AppState>) -> Router {
         ))
         .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
-        .with_state(state)
+        .with_state(state);
+    // CORS outermost, so a preflight is answered before the API-key check (browsers send no
+    // Authorization header on a preflight) and error responses carry the headers too.
+    // tower-http answers every OPTIONS request as a preflight, so one without the preflight
+    // headers bypasses it and gets the routes' own answer (a 405), as in vLLM.
+    let plain = routes.clone();
+    routes
+        .layer(cors)
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let plain = plain.clone();
+            async move {
+                if req.method() == axum::http::Method::OPTIONS
+                    && !crate::cors::is_preflight(req.method(), req.headers())
+                {
+                    use tower::ServiceExt;
+                    return match plain.oneshot(req).await {
+                        Ok(res) => res,
+                        Err(never) => match never {},
+                    };
+                }
+                next.run(req).await
+            }
+        }))
 }
 
 /// The largest request body accepted, in bytes (64 MiB).
@@ -782,6 +823,7 @@ struct Collected {
     text: String,
     tokens: Vec<TokenInfo>,
     finish: Option<&'static str>,
+    stop_reason: Option<StopReason>,
 }
 
 /// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
@@ -801,6 +843,7 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
         c.tokens.extend(d.tokens);
         if d.finish.is_some() {
             c.finish = d.finish;
+            c.stop_reason = d.stop_reason;
         }
     }
     Ok((out, completion_tokens))
@@ -861,6 +904,7 @@ impl Chunker for CompletionChunker {
                         text: e,
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     }],
                     None,
                 ))
@@ -883,6 +927,7 @@ impl Chunker for CompletionChunker {
                 text: d.text.clone(),
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
+                stop_reason: d.stop_reason.clone(),
             }],
             None,
         ))
@@ -978,6 +1023,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                     .is_some()
                     .then(|| st.completion_logprobs(&c.tokens, &mut offset)),
                 finish_reason: c.finish.map(str::to_owned),
+                stop_reason: c.stop_reason,
             }
         })
         .collect();
@@ -1010,6 +1056,7 @@ impl Chunker for ChatChunker {
                         },
                         logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     }],
                     None,
                 )
@@ -1034,6 +1081,7 @@ impl Chunker for ChatChunker {
                 },
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
+                stop_reason: d.finish.map(|_| d.stop_reason.clone()),
             }],
             None,
         ))
@@ -1108,6 +1156,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             },
             logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
             finish_reason: c.finish.map(str::to_owned),
+            stop_reason: c.stop_reason,
         })
         .collect();
     Ok(Json(ChatResponse {

@@ -3,16 +3,24 @@
 //! Contract: text passes through [`StopMatcher::push`] in the order it was generated. Text that
 //! could still be the start of a stop string is held back until it is ruled out; a stop string
 //! is found wherever it lies, including across pushes (tokens), and the output is cut where the
-//! earliest match begins (or after it, with `include_stop`). [`StopMatcher::flush`] releases the
-//! held-back text when generation ends for another reason.
+//! earliest match begins (or after it, with `include_stop`); the stop string that matched is
+//! reported (vLLM's `stop_reason`). [`StopMatcher::flush`] releases the held-back text when
+//! generation ends for another reason.
 
 /// The result of one push.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StopOutput {
     /// Text released now.
     pub text: String,
-    /// True when a stop string matched: nothing follows.
-    pub stopped: bool,
+    /// The stop string that matched, as the request gave it: nothing follows.
+    pub matched: Option<String>,
+}
+
+impl StopOutput {
+    /// True when a stop string matched.
+    pub fn stopped(&self) -> bool {
+        self.matched.is_some()
+    }
 }
 
 /// Stop-string matcher of one sequence.
@@ -21,7 +29,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     include_stop: bool,
     pending: String,
-    done: bool,
+    /// The stop string that matched; nothing is released after it.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -32,7 +41,7 @@ impl StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             include_stop,
             pending: String::new(),
-            done: false,
+            matched: None,
         }
     }
 
@@ -43,40 +52,44 @@ impl StopMatcher {
 
     /// Feeds `text`; returns what can be released and whether a stop string matched.
     pub fn push(&mut self, text: &str) -> StopOutput {
-        if self.done {
+        if self.matched.is_some() {
             return StopOutput {
                 text: String::new(),
-                stopped: true,
+                matched: self.matched.clone(),
             };
         }
         if self.stops.is_empty() {
             return StopOutput {
                 text: text.to_owned(),
-                stopped: false,
+                matched: None,
             };
         }
         self.pending.push_str(text);
         // Earliest full match (ties: the longest stop string).
-        let mut best: Option<(usize, usize)> = None;
+        let mut best: Option<(usize, &String)> = None;
         for s in &self.stops {
             if let Some(at) = self.pending.find(s.as_str()) {
                 let better = match best {
                     None => true,
-                    Some((b, len)) => at < b || (at == b && s.len() > len),
+                    Some((b, bs)) => at < b || (at == b && s.len() > bs.len()),
                 };
                 if better {
-                    best = Some((at, s.len()));
+                    best = Some((at, s));
                 }
             }
         }
-        if let Some((at, len)) = best {
-            let end = if self.include_stop { at + len } else { at };
+        if let Some((at, stop)) = best {
+            let end = if self.include_stop {
+                at + stop.len()
+            } else {
+                at
+            };
             let out = self.pending[..end].to_owned();
+            self.matched = Some(stop.clone());
             self.pending.clear();
-            self.done = true;
             return StopOutput {
                 text: out,
-                stopped: true,
+                matched: self.matched.clone(),
             };
         }
         // Hold back the longest suffix that is a proper prefix of some stop string.
@@ -92,13 +105,13 @@ impl StopMatcher {
         let out: String = self.pending.drain(..cut).collect();
         StopOutput {
             text: out,
-            stopped: false,
+            matched: None,
         }
     }
 
     /// Releases the held-back text (generation ended for another reason).
     pub fn flush(&mut self) -> String {
-        if self.done {
+        if self.matched.is_some() {
             return String::new();
         }
         std::mem::take(&mut self.pending)
@@ -122,9 +135,11 @@ mod tests {
         assert_eq!(s.push("once th").text, "once ");
         assert_eq!(s.push("e e").text, "");
         let o = s.push("nd. more");
-        assert!(o.stopped);
+        assert_eq!(o.matched.as_deref(), Some("the end"));
         assert_eq!(o.text, "");
-        assert_eq!(s.push("x").text, "");
+        let after = s.push("x");
+        assert_eq!(after.text, "");
+        assert!(after.stopped());
     }
 
     #[test]
@@ -145,8 +160,11 @@ mod tests {
     fn earliest_match_wins_and_include_stop_keeps_it() {
         let mut s = StopMatcher::new(&["cd".into(), "b".into()], true);
         let o = s.push("abcd");
-        assert!(o.stopped);
+        assert_eq!(o.matched.as_deref(), Some("b"));
         assert_eq!(o.text, "ab");
+        // At one position the longest stop string is the one reported.
+        let mut s = m(&["ab", "abc", "b"]);
+        assert_eq!(s.push("xabcd").matched.as_deref(), Some("abc"));
     }
 
     #[test]
@@ -154,7 +172,7 @@ mod tests {
         let mut s = m(&["é!"]);
         assert_eq!(s.push("café").text, "caf");
         let o = s.push("!");
-        assert!(o.stopped);
+        assert_eq!(o.matched.as_deref(), Some("é!"));
         assert_eq!(o.text, "");
     }
 

@@ -252,6 +252,167 @@ async fn stop_token_ids_end_generation_with_finish_reason_stop() {
     assert_eq!(text_of(&v, 0), ", there");
 }
 
+/// `base` with the fields of `extra` set.
+fn with_fields(base: &Value, extra: Value) -> Value {
+    let mut b = base.clone();
+    for (k, v) in extra.as_object().expect("an object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// The `stop_reason` of a streamed choice, checked against vLLM's shape: completions chunks
+/// all carry the field (`null` until the last), chat chunks only the one with `finish_reason`.
+fn streamed_stop_reason(r: &common::Resp, chat: bool) -> Value {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut last = None;
+    for e in r.events().iter().filter(|e| e.as_str() != "[DONE]") {
+        let v: Value = serde_json::from_str(e).expect("chunk is JSON");
+        for c in v["choices"].as_array().expect("choices") {
+            let finished = !c["finish_reason"].is_null();
+            match (chat, finished) {
+                (_, true) => {
+                    let sr = c.get("stop_reason").expect("stop_reason in the last chunk");
+                    assert!(last.replace(sr.clone()).is_none(), "two last chunks: {e}");
+                }
+                (true, false) => assert!(c.get("stop_reason").is_none(), "{e}"),
+                (false, false) => assert_eq!(c.get("stop_reason"), Some(&Value::Null), "{e}"),
+            }
+        }
+    }
+    last.expect("a chunk with finish_reason")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reason_names_the_stop_string_or_token_id_and_is_null_otherwise() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let g = &common::goldens()[0];
+    let tok = g["greedy_ids"][1].as_u64().unwrap(); // "▁there"
+    let eos = srv.state.eos_ids[0];
+    let base = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0});
+    let with = |extra| with_fields(&base, extra);
+    let cases = [
+        // The stop string that matched, as given, not the first of the list.
+        (
+            with(json!({"stop": ["zzz", "Lily. She"]})),
+            "stop",
+            json!("Lily. She"),
+        ),
+        (
+            with(json!({"stop": "girl named", "include_stop_str_in_output": true})),
+            "stop",
+            json!("girl named"),
+        ),
+        (
+            with(json!({"stop_token_ids": [tok], "stop": "zzz"})),
+            "stop",
+            json!(tok),
+        ),
+        (with(json!({"max_tokens": 3})), "length", Value::Null),
+        (
+            with(json!({"max_tokens": 3, "stop_token_ids": [eos]})),
+            "length",
+            Value::Null,
+        ),
+    ];
+    for (body, finish, want) in cases {
+        let v = completion(srv.addr, body.clone()).await;
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], finish, "{body}: {v}");
+        assert_eq!(c.get("stop_reason"), Some(&want), "{body}: {v}");
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/completions", &sb).await;
+        assert_eq!(streamed_stop_reason(&r, false), want, "streamed {body}");
+    }
+    // Chat: the same in the message's choice, and only in the last streamed chunk.
+    let chat = json!({"messages": [{"role": "user", "content": "Once upon a time"}],
+                      "max_tokens": 24, "temperature": 0});
+    let v = post(srv.addr, "/v1/chat/completions", &chat).await.json();
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(
+        v["choices"][0].get("stop_reason"),
+        Some(&Value::Null),
+        "{v}"
+    );
+    let word = text
+        .split_whitespace()
+        .nth(2)
+        .expect("three words of output")
+        .to_owned();
+    for (extra, want) in [
+        (json!({}), Value::Null),
+        (json!({"stop": [word.clone()]}), json!(word)),
+    ] {
+        let mut body = with_fields(&chat, extra);
+        let v = post(srv.addr, "/v1/chat/completions", &body).await.json();
+        assert_eq!(
+            v["choices"][0].get("stop_reason"),
+            Some(&want),
+            "{body}: {v}"
+        );
+        body["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/chat/completions", &body).await;
+        assert_eq!(streamed_stop_reason(&r, true), want, "streamed {body}");
+    }
+}
+
+/// The engine ends a request with `Stop` for an EOS and for a stop token id alike; the frontend
+/// tells them apart by the last token, as vLLM reports them: an EOS has no stop reason, even
+/// when `stop_token_ids` lists it (vLLM checks EOS first), unless `ignore_eos`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    use common::EOS;
+    // The model generates one token, then the first stop token id asked for, else its EOS.
+    let (addr, task) = common::start_scripted(|req| {
+        let last = req.stop_token_ids.first().copied().unwrap_or(EOS);
+        let token = |token| EngineEvent::Token {
+            token,
+            logprob: 0.0,
+            top: vec![],
+        };
+        vec![
+            token(403),
+            token(last),
+            EngineEvent::Finished {
+                reason: FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 2,
+            },
+        ]
+    })
+    .await;
+    for (extra, want) in [
+        (json!({}), Value::Null),
+        (json!({"stop_token_ids": [EOS]}), Value::Null),
+        (
+            json!({"stop_token_ids": [EOS], "ignore_eos": true}),
+            json!(EOS),
+        ),
+        (json!({"stop_token_ids": [13, EOS]}), json!(13)),
+    ] {
+        let mut body = with_fields(&json!({"prompt": "a", "max_tokens": 8}), extra);
+        let v = completion(addr, body.clone()).await;
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "stop", "{body}: {v}");
+        assert_eq!(c.get("stop_reason"), Some(&want), "{body}: {v}");
+        body["stream"] = json!(true);
+        let r = post(addr, "/v1/completions", &body).await;
+        assert_eq!(streamed_stop_reason(&r, false), want, "streamed {body}");
+    }
+    task.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn include_usage_adds_a_final_usage_chunk() {
     let srv = start(Opts::default()).await;
@@ -1024,6 +1185,202 @@ async fn api_key_is_required_on_v1_routes_only() {
     assert_eq!(get(srv.addr, "/health").await.status, 200);
 }
 
+/// The headers of a browser's preflight for a JSON POST with an API key from `origin`.
+fn preflight_headers(origin: &str) -> [(&str, &str); 3] {
+    [
+        ("Origin", origin),
+        ("Access-Control-Request-Method", "POST"),
+        (
+            "Access-Control-Request-Headers",
+            "authorization,content-type",
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_allows_every_origin_by_default_and_preflights_pass_the_api_key_check() {
+    let srv = start(Opts {
+        api_key: Some("sekrit".into()),
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let origin = "http://app.example:3000";
+    // A preflight carries no Authorization header: it is answered, not refused with a 401.
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &preflight_headers(origin),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let methods = r.header("access-control-allow-methods").unwrap_or("");
+    assert!(methods.split(',').any(|m| m.trim() == "POST"), "{r:?}");
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("authorization,content-type"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("access-control-max-age"), Some("600"), "{r:?}");
+    assert_eq!(r.header("access-control-allow-credentials"), None, "{r:?}");
+    // The request itself, and the errors too, carry the allow-origin header.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let auth = ("Authorization", "Bearer sekrit");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin), auth],
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin), auth],
+        &sb.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Origin", origin)],
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    // A wrong method is still a 405 with an OpenAI body, and so is an OPTIONS request that is
+    // not a preflight (tower-http alone would answer it with an empty 200).
+    let r = send(
+        srv.addr,
+        "GET",
+        "/v1/completions",
+        &[("Origin", origin), auth],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 405, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"), "{r:?}");
+    let r = send(srv.addr, "OPTIONS", "/v1/completions", &[auth], "").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], 405, "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_lists_allow_only_their_origins_methods_and_headers() {
+    let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let srv = start(Opts {
+        cors: Some(baton_frontend::CorsConfig {
+            allowed_origins: list(&["http://ok.example"]),
+            allowed_methods: list(&["POST"]),
+            allowed_headers: list(&["authorization"]),
+            allow_credentials: true,
+        }),
+        ..Opts::default()
+    })
+    .await;
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/completions",
+        &preflight_headers("http://ok.example"),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ok.example"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("access-control-allow-credentials"), Some("true"));
+    assert_eq!(r.header("access-control-allow-methods"), Some("POST"));
+    // Content-Type is always allowed, as vLLM does, or no browser could send JSON.
+    let headers = r.header("access-control-allow-headers").unwrap_or("");
+    for h in ["authorization", "content-type"] {
+        assert!(headers.split(',').any(|x| x.trim() == h), "{h}: {r:?}");
+    }
+    // Another origin gets no allow-origin header, so its browser refuses the response.
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/completions",
+        &preflight_headers("http://evil.example"),
+        "",
+    )
+    .await;
+    assert_eq!(r.header("access-control-allow-origin"), None, "{r:?}");
+    let body = json!({"prompt": "a", "max_tokens": 1}).to_string();
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Origin", "http://evil.example")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.header("access-control-allow-origin"), None, "{r:?}");
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Origin", "http://ok.example")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ok.example")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_with_credentials_and_every_origin_echoes_the_origin() {
+    // Browsers refuse `*` with credentials; the server must neither send it nor panic.
+    let srv = start(Opts {
+        cors: Some(baton_frontend::CorsConfig {
+            allow_credentials: true,
+            ..baton_frontend::CorsConfig::default()
+        }),
+        ..Opts::default()
+    })
+    .await;
+    let origin = "http://any.example";
+    let r = send(
+        srv.addr,
+        "OPTIONS",
+        "/v1/models",
+        &preflight_headers(origin),
+        "",
+    )
+    .await;
+    assert!(r.status == 200 || r.status == 204, "{r:?}");
+    assert_eq!(r.header("access-control-allow-origin"), Some(origin));
+    assert_eq!(r.header("access-control-allow-credentials"), Some("true"));
+    assert_ne!(r.header("access-control-allow-methods"), Some("*"));
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("authorization,content-type")
+    );
+    let r = send(srv.addr, "GET", "/v1/models", &[("Origin", origin)], "").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some(origin));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_503_once_the_engine_is_gone() {
     use baton_frontend::EngineClient;
@@ -1093,63 +1450,18 @@ async fn health_is_503_once_the_engine_is_gone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
-    use baton_frontend::{EngineClient, EngineEvent};
-    struct Failing;
-    impl EngineClient for Failing {
-        fn submit(
-            &self,
-            _: baton_frontend::EngineRequest,
-        ) -> Result<
-            (u64, tokio::sync::mpsc::UnboundedReceiver<EngineEvent>),
-            baton_frontend::SubmitError,
-        > {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            tx.send(EngineEvent::Token {
+    use baton_frontend::EngineEvent;
+    let (addr, task) = common::start_scripted(|_| {
+        vec![
+            EngineEvent::Token {
                 token: 403,
                 logprob: 0.0,
                 top: vec![],
-            })
-            .unwrap();
-            tx.send(EngineEvent::Error("the scheduler is gone".into()))
-                .unwrap();
-            Ok((1, rx))
-        }
-        fn cancel(&self, _: u64) {}
-        fn limits(&self) -> baton_frontend::EngineLimits {
-            baton_frontend::EngineLimits {
-                max_model_len: 512,
-                vocab_size: 512,
-                max_num_seqs: 1,
-            }
-        }
-        fn health(&self) -> Result<(), String> {
-            Ok(())
-        }
-        fn stats(&self) -> baton_frontend::EngineStats {
-            baton_frontend::EngineStats::default()
-        }
-    }
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
-    let cfg = baton_frontend::ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        api_key: None,
-        served_model_name: MODEL.into(),
-        chat_template: None,
-        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
-    };
-    let state = std::sync::Arc::new(
-        baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Failing), vec![2]).unwrap(),
-    );
-    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
-    let task = tokio::spawn(baton_frontend::serve_state(
-        listener,
-        state,
-        std::future::pending(),
-    ));
+            },
+            EngineEvent::Error("the scheduler is gone".into()),
+        ]
+    })
+    .await;
     let r = post(
         addr,
         "/v1/completions",

@@ -3,7 +3,10 @@
 
 #![allow(dead_code)]
 
-use baton_frontend::{AppState, LocalEngineClient, ServerConfig};
+use baton_frontend::{
+    AppState, EngineClient, EngineEvent, EngineLimits, EngineRequest, EngineStats,
+    LocalEngineClient, ServerConfig, SubmitError,
+};
 use baton_scheduler::SchedulerConfig;
 use baton_worker::{Backend, CpuBackend};
 use serde_json::Value;
@@ -43,6 +46,8 @@ pub struct Opts {
     pub step_delay: Option<Duration>,
     /// The server's header read timeout (default: the server's default).
     pub header_read_timeout: Option<Duration>,
+    /// CORS settings (default: vLLM's, every origin).
+    pub cors: Option<baton_frontend::CorsConfig>,
 }
 
 /// A backend that sleeps before each launch.
@@ -135,6 +140,7 @@ pub async fn start(opts: Opts) -> TestServer {
         header_read_timeout: opts
             .header_read_timeout
             .unwrap_or(baton_frontend::DEFAULT_HEADER_READ_TIMEOUT),
+        cors: opts.cors.unwrap_or_default(),
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
@@ -156,6 +162,72 @@ pub async fn start(opts: Opts) -> TestServer {
         shutdown: Some(tx),
         task: Some(task),
     }
+}
+
+/// An engine that answers each request with the events its script makes for it, so a test can
+/// give the HTTP layer events the real engine produces only rarely (errors, EOS).
+pub struct Scripted<F>(pub F);
+
+impl<F> EngineClient for Scripted<F>
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
+    fn submit(
+        &self,
+        req: EngineRequest,
+    ) -> Result<(u64, tokio::sync::mpsc::UnboundedReceiver<EngineEvent>), SubmitError> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for ev in (self.0)(&req) {
+            tx.send(ev).expect("the receiver is here");
+        }
+        Ok((1, rx))
+    }
+    fn cancel(&self, _: u64) {}
+    fn limits(&self) -> EngineLimits {
+        EngineLimits {
+            max_model_len: 512,
+            vocab_size: 512,
+            max_num_seqs: 1,
+        }
+    }
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn stats(&self) -> EngineStats {
+        EngineStats::default()
+    }
+}
+
+/// The EOS id of stories260K.
+pub const EOS: u32 = 2;
+
+/// A server over [`Scripted`]`(script)` with stories260K's tokenizer and EOS; aborting the task
+/// stops it.
+pub async fn start_scripted<F>(script: F) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
+    let tok = baton_model::load_model_dir(model_dir())
+        .expect("stories260K loads")
+        .tokenizer
+        .expect("tokenizer");
+    let cfg = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: None,
+        served_model_name: MODEL.into(),
+        chat_template: None,
+        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
+        cors: baton_frontend::CorsConfig::default(),
+    };
+    let state = Arc::new(
+        AppState::new(cfg, tok, Arc::new(Scripted(script)), vec![EOS]).expect("state builds"),
+    );
+    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.expect("binds");
+    let task = tokio::spawn(async move {
+        let _ = baton_frontend::serve_state(listener, state, std::future::pending()).await;
+    });
+    (addr, task)
 }
 
 /// A raw HTTP response.
