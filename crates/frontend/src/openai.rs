@@ -113,17 +113,37 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// The sum.
     pub total_tokens: usize,
+    /// Details of `prompt_tokens` (OpenAI's field).
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache (each prompt counted once, as in
+    /// `prompt_tokens`).
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Usage from the two counts.
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+    /// Usage from the counts.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
+}
+
+/// Cached prompt tokens of a response whose choices come `n` per prompt, in prompt order: each
+/// prompt counts once, with the most any of its choices found in the cache.
+pub fn cached_per_prompt(cached_by_choice: &[usize], n: usize) -> usize {
+    cached_by_choice
+        .chunks(n.max(1))
+        .map(|c| c.iter().copied().max().unwrap_or(0))
+        .sum()
 }
 
 /// Legacy completions log-probabilities of a choice (or of a streamed delta).

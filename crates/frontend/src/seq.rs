@@ -48,6 +48,9 @@ pub struct Delta {
     pub stop_reason: Option<StopReason>,
     /// Set when the engine failed the request (the last delta).
     pub error: Option<String>,
+    /// On the last delta: prompt tokens whose KV came from the prefix cache (0 when the
+    /// sequence ended on a stop string, before the engine's own end).
+    pub cached_tokens: usize,
 }
 
 /// The finish reason reported to the client.
@@ -202,8 +205,13 @@ impl Seq {
                     self.finish(&mut d, "stop");
                 }
             }
-            Some(EngineEvent::Finished { reason, .. }) => {
+            Some(EngineEvent::Finished {
+                reason,
+                cached_tokens,
+                ..
+            }) => {
                 self.rx = None;
+                d.cached_tokens = cached_tokens;
                 let tail = self.detok.finish(&self.tokenizer);
                 let out = self.stop.push(&tail);
                 d.text = out.text;

@@ -739,10 +739,13 @@ fn sse_data(payload: &str) -> Bytes {
 
 /// The SSE response: prelude, one event per delta with content, the usage chunk if asked, then
 /// `data: [DONE]`. An engine error ends the stream after one error event.
+///
+/// `n` is the number of choices per prompt (`usage` counts each prompt's cached tokens once).
 fn sse_response<C: Chunker>(
     mut chunker: C,
     seqs: Vec<Seq>,
     prompt_tokens: usize,
+    n: usize,
     include_usage: bool,
 ) -> Response {
     enum Phase {
@@ -757,16 +760,22 @@ fn sse_response<C: Chunker>(
         phase: Phase,
         completion_tokens: usize,
         prompt_tokens: usize,
+        /// Per choice, from its last delta.
+        cached: Vec<usize>,
+        n: usize,
         include_usage: bool,
     }
     let prelude: Vec<Result<Bytes, std::convert::Infallible>> =
         chunker.prelude().iter().map(|p| Ok(sse_data(p))).collect();
+    let choices = seqs.len();
     let state = S {
         chunker,
         merged: merge(seqs),
         phase: Phase::Running,
         completion_tokens: 0,
         prompt_tokens,
+        cached: vec![0; choices],
+        n,
         include_usage,
     };
     let body = stream::unfold(state, |mut s| async move {
@@ -775,6 +784,9 @@ fn sse_response<C: Chunker>(
                 Phase::Running => match s.merged.next().await {
                     Some(d) => {
                         s.completion_tokens += d.tokens.len();
+                        if let Some(c) = s.cached.get_mut(d.index) {
+                            *c = (*c).max(d.cached_tokens);
+                        }
                         if let Some(msg) = &d.error {
                             // Dropping the other sequences cancels them.
                             s.merged = SelectAll::new();
@@ -796,7 +808,8 @@ fn sse_response<C: Chunker>(
                 },
                 Phase::Usage => {
                     s.phase = Phase::Done;
-                    let u = Usage::new(s.prompt_tokens, s.completion_tokens);
+                    let cached = crate::openai::cached_per_prompt(&s.cached, s.n);
+                    let u = Usage::new(s.prompt_tokens, s.completion_tokens, cached);
                     let p = s.chunker.usage(u);
                     return Some((Ok(sse_data(&p)), s));
                 }
@@ -824,6 +837,7 @@ struct Collected {
     tokens: Vec<TokenInfo>,
     finish: Option<&'static str>,
     stop_reason: Option<StopReason>,
+    cached_tokens: usize,
 }
 
 /// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
@@ -844,6 +858,7 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
         if d.finish.is_some() {
             c.finish = d.finish;
             c.stop_reason = d.stop_reason;
+            c.cached_tokens = d.cached_tokens;
         }
     }
     Ok((out, completion_tokens))
@@ -1004,10 +1019,13 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             chunker,
             seqs,
             prompt_tokens,
+            n,
             gen.include_usage,
         ));
     }
     let (outs, completion_tokens) = collect(seqs).await?;
+    let cached: Vec<usize> = outs.iter().map(|c| c.cached_tokens).collect();
+    let cached_tokens = crate::openai::cached_per_prompt(&cached, n);
     let choices = outs
         .into_iter()
         .enumerate()
@@ -1033,7 +1051,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
         created,
         model: st.config.served_model_name.clone(),
         choices,
-        usage: Some(Usage::new(prompt_tokens, completion_tokens)),
+        usage: Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens)),
     })
     .into_response())
 }
@@ -1137,14 +1155,18 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             },
             choices: seqs.len(),
         };
+        let n = seqs.len();
         return Ok(sse_response(
             chunker,
             seqs,
             prompt_tokens,
+            n,
             gen.include_usage,
         ));
     }
     let (outs, completion_tokens) = collect(seqs).await?;
+    // One prompt, `n` choices.
+    let cached_tokens = outs.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
     let choices = outs
         .into_iter()
         .enumerate()
@@ -1165,7 +1187,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         created,
         model: st.config.served_model_name.clone(),
         choices,
-        usage: Usage::new(prompt_tokens, completion_tokens),
+        usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
     })
     .into_response())
 }

@@ -388,6 +388,7 @@ async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
                 reason: FinishReason::Stop,
                 prompt_tokens: req.prompt.len(),
                 output_tokens: 2,
+                cached_tokens: 0,
             },
         ]
     })
@@ -1842,4 +1843,54 @@ async fn continue_final_message_leaves_the_last_message_open() {
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// A prompt whose first full KV blocks an earlier request computed reports them in
+/// `usage.prompt_tokens_details.cached_tokens` (streamed or not), and `/metrics` counts the
+/// hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let ids: Vec<u64> = g["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(g["greedy_ids"].as_array().unwrap())
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let first = completion(
+        srv.addr,
+        json!({"prompt": &ids[..5], "max_tokens": 64, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // 45 tokens of that history: its first two 16-token blocks are cached.
+    let body = json!({"prompt": &ids[..45], "max_tokens": 16, "temperature": 0});
+    let second = completion(srv.addr, body.clone()).await;
+    assert_eq!(second["usage"]["prompt_tokens"], 45);
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        32
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let r = post(srv.addr, "/v1/completions", &streamed).await;
+    let usage: Value = r
+        .events()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find(|v| v["usage"].is_object())
+        .expect("a usage chunk")["usage"]
+        .clone();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 32);
+    assert_eq!(stream_text(&r, false).0, text_of(&second, 0));
+    let m = get(srv.addr, "/metrics").await.body;
+    let hits: u64 = m
+        .lines()
+        .find(|l| l.starts_with("vllm:prefix_cache_hits_total{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .expect("prefix_cache_hits_total");
+    assert_eq!(hits, 64, "{m}");
 }
