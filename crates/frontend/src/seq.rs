@@ -75,6 +75,8 @@ pub struct Seq {
     stop: StopMatcher,
     /// See [`SeqContext::stop_reason_ids`].
     stop_reason_ids: Vec<u32>,
+    /// See [`SeqContext::stop_text_ids`].
+    stop_text_ids: Vec<u32>,
     /// The last output token.
     last_id: Option<u32>,
     /// Output tokens consumed (up to and including a stop-string match).
@@ -115,6 +117,10 @@ pub struct SeqContext {
     /// `stop_token_ids`, less the model's EOS ids unless `ignore_eos` (vLLM checks EOS first
     /// and reports no stop reason for it).
     pub stop_reason_ids: Vec<u32>,
+    /// Token ids that end the sequence and whose text is left out of the output (vLLM's
+    /// detokenizer does the same unless `include_stop_str_in_output`): `stop_token_ids`, and the
+    /// model's EOS ids unless `ignore_eos`. Empty with `include_stop_str_in_output`.
+    pub stop_text_ids: Vec<u32>,
     /// Drop special tokens from the text.
     pub skip_special: bool,
     /// When the HTTP request arrived.
@@ -142,6 +148,7 @@ impl Seq {
             detok: IncrementalDetokenizer::new(prompt, ctx.skip_special),
             stop: StopMatcher::new(&ctx.stop, ctx.include_stop),
             stop_reason_ids: ctx.stop_reason_ids.clone(),
+            stop_text_ids: ctx.stop_text_ids.clone(),
             last_id: None,
             output_tokens: 0,
             done: false,
@@ -196,7 +203,13 @@ impl Seq {
                     logprob,
                     top,
                 });
-                let text = self.detok.push(&self.tokenizer, token);
+                // A stop token is the last one (the scheduler ends the request on it), and its
+                // text is not part of the output.
+                let text = if self.stop_text_ids.contains(&token) {
+                    String::new()
+                } else {
+                    self.detok.push(&self.tokenizer, token)
+                };
                 let out = self.stop.push(&text);
                 d.text = out.text;
                 if let Some(s) = out.matched {

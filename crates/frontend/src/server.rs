@@ -263,6 +263,12 @@ impl AppState {
                 .copied()
                 .filter(|id| gen.ignore_eos || !self.eos_ids.contains(id))
                 .collect(),
+            stop_text_ids: if gen.include_stop_str_in_output {
+                Vec::new()
+            } else {
+                let eos: &[u32] = if gen.ignore_eos { &[] } else { &self.eos_ids };
+                gen.stop_token_ids.iter().chain(eos).copied().collect()
+            },
             skip_special: gen.skip_special_tokens,
             arrived,
             draining: self.draining.subscribe(),

@@ -246,9 +246,18 @@ async fn stop_token_ids_end_generation_with_finish_reason_stop() {
     let first = g["greedy_ids"][1].as_u64().unwrap(); // "▁there"
     let body = json!({"prompt": g["prompt"], "max_tokens": 64, "temperature": 0,
                       "stop_token_ids": [first]});
-    let v = completion(srv.addr, body).await;
+    let v = completion(srv.addr, body.clone()).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["usage"]["completion_tokens"], 2);
+    // As in vLLM, the stop token's text is left out unless include_stop_str_in_output.
+    assert_eq!(text_of(&v, 0), ",");
+    let (streamed, _) = completion_stream(srv.addr, body.clone()).await;
+    assert_eq!(streamed, ",");
+    let v = completion(
+        srv.addr,
+        with_fields(&body, json!({"include_stop_str_in_output": true})),
+    )
+    .await;
     assert_eq!(text_of(&v, 0), ", there");
 }
 
