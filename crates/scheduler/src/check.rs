@@ -450,43 +450,52 @@ mod tests {
 
     const ADMIT_B: &str =
         r#"{"boundary":"admission","req":2,"known_len":4,"computed_len":0,"pending":4}"#;
+    /// Request 1 computes page 0; request 2 takes it from the cache and launches with it.
+    const SHARED: [&str; 6] = [
+        ADMIT_A,
+        PREP_A,
+        DONE_1,
+        ADMIT_B,
+        r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
+        r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
+    ];
 
     #[test]
     fn accepts_a_cache_hit_that_shares_a_held_page_and_waits_for_both_holders() {
-        let s = check(&[
-            ADMIT_A,
-            PREP_A,
-            DONE_1,
-            ADMIT_B,
-            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
-            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
-            r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
-            r#"{"boundary":"release","launch":2}"#,
-            r#"{"boundary":"reclaim","launch":2,"pages":[1,0],"evidence":"min_released=2"}"#,
-        ])
+        let s = check(
+            &[
+                &SHARED[..],
+                &[
+                r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+                r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+                r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
+                r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
+                r#"{"boundary":"release","launch":2}"#,
+                r#"{"boundary":"reclaim","launch":2,"pages":[1,0],"evidence":"min_released=2"}"#,
+                ],
+            ]
+            .concat(),
+        )
         .unwrap();
         assert_eq!(s.reclaimed_pages, 2);
     }
 
     #[test]
     fn rejects_a_shared_page_reclaimed_before_the_last_holders_launch() {
-        let e = check(&[
-            ADMIT_A,
-            PREP_A,
-            DONE_1,
-            ADMIT_B,
-            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
-            r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
-            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
-            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
-            r#"{"boundary":"release","launch":1}"#,
-            r#"{"boundary":"reclaim","launch":1,"pages":[0],"evidence":"min_released=1"}"#,
-        ])
+        let e = check(
+            &[
+                &SHARED[..],
+                &[
+                    r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
+                    r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
+                    r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+                    r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+                    r#"{"boundary":"release","launch":1}"#,
+                    r#"{"boundary":"reclaim","launch":1,"pages":[0],"evidence":"min_released=1"}"#,
+                ],
+            ]
+            .concat(),
+        )
         .unwrap_err();
         assert_eq!(e.line, 12, "{e}");
     }
