@@ -275,4 +275,7 @@ fn a_dead_scheduler_ends_live_streams_with_a_503_error_event_and_the_frontend_ex
         st.is_some_and(|s| !s.success()),
         "the frontend did not exit non-zero: {st:?}"
     );
+    // A SIGKILLed scheduler leaves its segment for the next start to reuse; this instance name
+    // is never started again.
+    let _ = std::fs::remove_file(format!("/dev/shm/baton-{inst}"));
 }

@@ -83,6 +83,10 @@ pub(crate) struct Request {
     pub registered: usize,
     /// Positions taken from the prefix cache when the request last took a slot.
     pub cached_len: usize,
+    /// Prompt positions taken from the prefix cache when the request first took a slot (what
+    /// `usage` reports, as vLLM does; a recompute after preemption or a worker death also
+    /// takes generated positions from the cache, which are not prompt tokens).
+    pub prompt_cached: Option<usize>,
     /// Last launch that referred to this request's pages and slot (0: none).
     pub last_launch: LaunchSeq,
     pub max_tokens: usize,
@@ -116,6 +120,7 @@ impl Request {
             keys: Vec::new(),
             registered: 0,
             cached_len: 0,
+            prompt_cached: None,
             last_launch: 0,
             max_tokens: r.max_tokens as usize,
             params: r.params,

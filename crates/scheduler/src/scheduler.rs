@@ -101,7 +101,8 @@ pub enum Event {
         prompt_tokens: usize,
         /// Output tokens published.
         output_tokens: usize,
-        /// Prompt positions taken from the prefix cache (at the request's last slot take).
+        /// Prompt positions taken from the prefix cache when the request first took a slot
+        /// (at most `prompt_tokens - 1`).
         cached_tokens: usize,
     },
 }
@@ -480,6 +481,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     budget -= n;
                     self.waiting.pop_front();
                     self.running.push(idx);
+                    let r = &mut self.requests[idx];
+                    r.prompt_cached
+                        .get_or_insert(r.cached_len.min(r.prompt_len - 1));
                     let r = &self.requests[idx];
                     self.prefix_queries += r.known_len as u64;
                     self.prefix_hits += r.cached_len as u64;
@@ -725,7 +729,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             reason,
             prompt_tokens: r.prompt_len,
             output_tokens: r.num_outputs(),
-            cached_tokens: r.cached_len,
+            cached_tokens: r.prompt_cached.unwrap_or(0),
         });
     }
 

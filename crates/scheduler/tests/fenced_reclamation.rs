@@ -549,12 +549,22 @@ impl Sim {
                     id,
                     reason,
                     output_tokens,
+                    cached_tokens,
                     ..
                 } => {
                     let max_model_len = self.cfg.max_model_len;
                     let r = self.reqs.get_mut(&id).expect("unknown request finished");
                     prop_assert!(r.finished.is_none(), "request {id} finished twice");
                     prop_assert_eq!(output_tokens, r.outputs.len());
+                    // Cached prompt tokens, not recomputed outputs: the last prompt token is
+                    // always computed.
+                    prop_assert!(
+                        cached_tokens < r.prompt_len,
+                        "request {} reports {} cached of {} prompt tokens",
+                        id,
+                        cached_tokens,
+                        r.prompt_len
+                    );
                     prop_assert!(
                         !r.failed
                             || matches!(reason, FinishReason::Abort | FinishReason::Cancelled),
