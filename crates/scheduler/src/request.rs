@@ -131,6 +131,19 @@ impl Request {
         }
     }
 
+    /// Back to waiting with nothing computed or scheduled (preemption, worker death, or a
+    /// first launch that could not get its pages); the known history and the block keys stay.
+    /// The caller has already given back the slot and pages.
+    pub fn back_to_waiting(&mut self) {
+        debug_assert!(self.slot.is_none() && self.blocks.is_empty());
+        self.state = State::Waiting;
+        self.computed_len = 0;
+        self.scheduled_len = 0;
+        self.registered = 0;
+        self.cached_len = 0;
+        self.inflight_samples.clear();
+    }
+
     #[inline]
     pub fn known_len(&self) -> usize {
         self.known_len

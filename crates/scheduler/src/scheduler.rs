@@ -502,12 +502,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     // (never launched) and wait; new requests do not preempt running ones.
                     let r = &mut self.requests[idx];
                     r.slot = None;
-                    r.state = State::Waiting;
                     let hits = std::mem::take(&mut r.blocks);
-                    r.computed_len = 0;
-                    r.scheduled_len = 0;
-                    r.registered = 0;
-                    r.cached_len = 0;
+                    r.back_to_waiting();
                     // A hit page's own last use is kept by the pool, so `after = 0` here
                     // cannot let it back before another holder's launch is released.
                     self.pool.retire(&hits, 0);
@@ -668,12 +664,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // Pages whose last launch is already released come back at once.
         self.on_released(self.released);
         let r = &mut self.requests[idx];
-        r.state = State::Waiting;
-        r.computed_len = 0;
-        r.scheduled_len = 0;
-        r.registered = 0;
-        r.cached_len = 0;
-        r.inflight_samples.clear();
+        r.back_to_waiting();
         r.preemptions += 1;
         self.waiting.push_front(idx);
         let rec = Self::req_record(Boundary::Preempt, &self.requests[idx]);
@@ -958,13 +949,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let running = std::mem::take(&mut self.running);
         for &id in running.iter().rev() {
             self.release_resources(id);
-            let r = &mut self.requests[id];
-            r.state = State::Waiting;
-            r.computed_len = 0;
-            r.scheduled_len = 0;
-            r.registered = 0;
-            r.cached_len = 0;
-            r.inflight_samples.clear();
+            self.requests[id].back_to_waiting();
             self.waiting.push_front(id);
             // The trace must say the request recomputes: its computed KV died with the worker.
             if self.trace.is_some() {
