@@ -32,7 +32,7 @@
 #define BATON_PHILOX_W1 0xBB67AE85u
 #define BATON_FIX_ONE 1099511627776.0f  // 2^40
 
-// Same layout as baton_proto::SamplingParams (#[repr(C)], 32 bytes; checked by a Rust test).
+// Same layout as baton_proto::SamplingParams (#[repr(C)], 48 bytes; checked by a Rust test).
 struct BatonSamplingParams {
     float temperature;
     float top_p;
@@ -41,6 +41,10 @@ struct BatonSamplingParams {
     u64 seed;
     u32 top_logprobs;
     u32 want_logprob;
+    float presence_penalty;
+    float frequency_penalty;
+    float repetition_penalty;
+    u32 reserved;
 };
 
 // Philox4x32-10 (Salmon et al., SC'11; Random123 / curand constants).

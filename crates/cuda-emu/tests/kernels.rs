@@ -1091,6 +1091,7 @@ fn a_seeded_sample_is_the_same_alone_or_second_in_a_batch_and_matches_the_cpu() 
             seed: 0xDEAD_BEEF_1234,
             top_logprobs: 3,
             want_logprob: 1,
+            ..SamplingParams::greedy()
         };
         let first = SamplingParams {
             temperature: 1.3,
@@ -1100,6 +1101,7 @@ fn a_seeded_sample_is_the_same_alone_or_second_in_a_batch_and_matches_the_cpu() 
             seed: 99,
             top_logprobs: 0,
             want_logprob: 0,
+            ..SamplingParams::greedy()
         };
         for idx in [0u32, 7, 12_345] {
             let alone = sample(&logits, vocab, &[seeded], &[idx]);
@@ -1142,6 +1144,7 @@ fn sampling_filters_agree_with_the_cpu_sampler_over_many_draws() {
                     seed: 1000 + u64::from(i),
                     top_logprobs: 0,
                     want_logprob: 1,
+                    ..SamplingParams::greedy()
                 })
                 .collect();
             let batch: Vec<f32> = idx.iter().flat_map(|_| logits.iter().copied()).collect();
@@ -1219,6 +1222,7 @@ fn sampling_a_llama_sized_vocabulary_matches_the_cpu() {
                 seed: 7,
                 top_logprobs: 20,
                 want_logprob: 1,
+                ..SamplingParams::greedy()
             },
             SamplingParams {
                 top_logprobs: 2,

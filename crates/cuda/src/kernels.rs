@@ -364,7 +364,7 @@ mod tests {
     fn sampling_params_layout_matches_the_cuda_struct() {
         use baton_proto::SamplingParams as P;
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!((size_of::<P>(), align_of::<P>()), (32, 8));
+        assert_eq!((size_of::<P>(), align_of::<P>()), (48, 8));
         assert_eq!(offset_of!(P, temperature), 0);
         assert_eq!(offset_of!(P, top_p), 4);
         assert_eq!(offset_of!(P, top_k), 8);
@@ -372,6 +372,10 @@ mod tests {
         assert_eq!(offset_of!(P, seed), 16);
         assert_eq!(offset_of!(P, top_logprobs), 24);
         assert_eq!(offset_of!(P, want_logprob), 28);
+        assert_eq!(offset_of!(P, presence_penalty), 32);
+        assert_eq!(offset_of!(P, frequency_penalty), 36);
+        assert_eq!(offset_of!(P, repetition_penalty), 40);
+        assert_eq!(offset_of!(P, reserved), 44);
         let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
         let body = src
             .split("struct BatonSamplingParams {")
@@ -392,7 +396,11 @@ mod tests {
                 "float min_p;",
                 "u64 seed;",
                 "u32 top_logprobs;",
-                "u32 want_logprob;"
+                "u32 want_logprob;",
+                "float presence_penalty;",
+                "float frequency_penalty;",
+                "float repetition_penalty;",
+                "u32 reserved;"
             ]
         );
     }

@@ -255,7 +255,7 @@ mod tests {
         assert_eq!(rd(l.pending_src, 1), vec![42]);
         assert_eq!(rd(l.output_index, 2), vec![0, 9]);
         assert_eq!(
-            &buf[l.params..l.params + 32],
+            &buf[l.params..l.params + std::mem::size_of::<SamplingParams>()],
             bytemuck::bytes_of(&SamplingParams::greedy())
         );
     }

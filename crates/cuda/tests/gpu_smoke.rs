@@ -37,6 +37,7 @@ fn params(temperature: f32, top_k: i32, top_p: f32, min_p: f32, seed: u64) -> Sa
         seed,
         top_logprobs: 0,
         want_logprob: 0,
+        ..SamplingParams::greedy()
     }
 }
 

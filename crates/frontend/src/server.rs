@@ -298,6 +298,10 @@ impl AppState {
                         .unwrap_or_else(random_seed),
                     top_logprobs: gen.logprobs.unwrap_or(0),
                     want_logprob: u32::from(gen.logprobs.is_some()),
+                    presence_penalty: gen.presence_penalty,
+                    frequency_penalty: gen.frequency_penalty,
+                    repetition_penalty: gen.repetition_penalty,
+                    reserved: 0,
                 };
                 let req = EngineRequest {
                     prompt: ids.clone(),

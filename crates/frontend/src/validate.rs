@@ -3,7 +3,7 @@
 //!
 //! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
 //! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
-//! Baton does not implement (penalties, logit bias, beam search, tools) are refused rather than
+//! Baton does not implement (logit bias, beam search, tools, min_tokens) are refused rather than
 //! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
 
 use crate::engine::EngineLimits;
@@ -111,6 +111,12 @@ pub struct GenParams {
     pub top_k: i32,
     /// Min-p in [0, 1].
     pub min_p: f32,
+    /// OpenAI presence penalty in [-2, 2] (0: none).
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty in [-2, 2] (0: none).
+    pub frequency_penalty: f32,
+    /// vLLM repetition penalty, `> 0` (1: none).
+    pub repetition_penalty: f32,
     /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -170,24 +176,6 @@ pub struct ChatRequest {
 }
 
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
-    for name in ["presence_penalty", "frequency_penalty"] {
-        if let Some(v) = f.float(name)? {
-            if v != 0.0 {
-                return Err(ApiError::field(
-                    name,
-                    format!("'{name}' is not supported by this server (only 0)."),
-                ));
-            }
-        }
-    }
-    if let Some(v) = f.float("repetition_penalty")? {
-        if v != 1.0 {
-            return Err(ApiError::field(
-                "repetition_penalty",
-                "'repetition_penalty' is not supported by this server (only 1).",
-            ));
-        }
-    }
     if let Some(v) = f.raw("logit_bias") {
         if v.as_object().is_none_or(|o| !o.is_empty()) {
             return Err(ApiError::field(
@@ -366,6 +354,25 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             format!("'min_p' must be in [0, 1], got {min_p}."),
         ));
     }
+    let penalty = |name: &'static str| -> Result<f32, ApiError> {
+        let v = f.float(name)?.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::field(
+                name,
+                format!("'{name}' must be in [-2, 2], got {v}."),
+            ));
+        }
+        Ok(v as f32)
+    };
+    let presence_penalty = penalty("presence_penalty")?;
+    let frequency_penalty = penalty("frequency_penalty")?;
+    let repetition_penalty = f.float("repetition_penalty")?.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ApiError::field(
+            "repetition_penalty",
+            format!("'repetition_penalty' must be greater than 0, got {repetition_penalty}."),
+        ));
+    }
     let seed = match f.raw("seed") {
         None => None,
         Some(v) => Some(
@@ -476,6 +483,9 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         top_p: top_p as f32,
         top_k: top_k as i32,
         min_p: min_p as f32,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty: repetition_penalty as f32,
         seed,
         stop: parse_stop(f)?,
         stop_token_ids,

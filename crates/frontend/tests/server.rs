@@ -768,9 +768,27 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "a", "presence_penalty": 0.5}).to_string(),
+            json!({"prompt": "a", "presence_penalty": 2.5}).to_string(),
             400,
             Some("presence_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "frequency_penalty": -3}).to_string(),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "repetition_penalty": 0}).to_string(),
+            400,
+            Some("repetition_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "repetition_penalty": "high"}).to_string(),
+            400,
+            Some("repetition_penalty"),
         ),
         (
             "/v1/completions",

@@ -34,7 +34,13 @@ pub struct SlotRef {
 /// Per-request sampling parameters, carried on every launch row that samples.
 ///
 /// Edge values follow the OpenAI meaning: `temperature == 0` is greedy, `top_p == 1` is no
-/// filter, `top_k <= 0` is disabled, `min_p == 0` is disabled.
+/// filter, `top_k <= 0` is disabled, `min_p == 0` is disabled, penalties of 0 (presence,
+/// frequency) and 1 (repetition) are disabled. A repetition penalty `<= 0` is also disabled, so
+/// zeroed params are inert; the frontend refuses it.
+///
+/// Penalties are applied to the logits before temperature and the filters, as vLLM's
+/// `apply_penalties` does (see `baton_worker::penalty`); log-probabilities stay those of the raw
+/// logits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SamplingParams {
@@ -54,6 +60,18 @@ pub struct SamplingParams {
     pub top_logprobs: u32,
     /// 1 if the sampled token's log-probability is wanted.
     pub want_logprob: u32,
+    /// OpenAI `presence_penalty`, in `[-2, 2]`: subtracted once from the logit of every token
+    /// that occurs among the request's outputs so far.
+    pub presence_penalty: f32,
+    /// OpenAI `frequency_penalty`, in `[-2, 2]`: subtracted from a token's logit once per
+    /// occurrence among the outputs so far.
+    pub frequency_penalty: f32,
+    /// vLLM `repetition_penalty` (the CTRL penalty, Keskar et al. 2019), `> 0`: a token that
+    /// occurs in the prompt or the outputs has a positive logit divided by it and a negative one
+    /// multiplied by it. 1 (or `<= 0`) disables.
+    pub repetition_penalty: f32,
+    /// Reserved, zero.
+    pub reserved: u32,
 }
 
 impl Default for SamplingParams {
@@ -73,12 +91,30 @@ impl SamplingParams {
             seed: 0,
             top_logprobs: 0,
             want_logprob: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            reserved: 0,
         }
     }
 
-    /// True when this samples the argmax.
+    /// True when this samples the argmax (of the penalized logits, see
+    /// [`SamplingParams::has_penalties`]).
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == 1
+    }
+
+    /// True when the repetition penalty is in effect (`> 0` and not 1).
+    pub fn has_repetition_penalty(&self) -> bool {
+        self.repetition_penalty > 0.0 && self.repetition_penalty != 1.0
+    }
+
+    /// True when any penalty is in effect: sampling this row then depends on the request's
+    /// token history, not only on its logits.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.has_repetition_penalty()
     }
 }
 
@@ -258,8 +294,8 @@ mod tests {
     #[test]
     fn launch_row_is_plain_data_of_stable_size() {
         // The ring slot layout depends on this size; a change must be deliberate.
-        assert_eq!(std::mem::size_of::<LaunchRow>(), 72);
-        assert_eq!(std::mem::size_of::<SamplingParams>(), 32);
+        assert_eq!(std::mem::size_of::<LaunchRow>(), 88);
+        assert_eq!(std::mem::size_of::<SamplingParams>(), 48);
     }
 
     #[test]

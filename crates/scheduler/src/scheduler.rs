@@ -565,7 +565,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
         let first = r.scheduled_len;
         let (n, pending) = if first >= known {
-            // The input is a token still being sampled: a decode from `PendingFrom`.
+            // The input is a token still being sampled: a decode from `PendingFrom`. A row
+            // with penalties reads its history from the token table up to its first position,
+            // so it waits until every earlier sample is in the table (with two launches in
+            // flight, the most this policy allows, that never holds it back).
+            if first > known && r.params.has_penalties() {
+                return Plan::Nothing;
+            }
             (1, r.inflight_samples.get(first - known).copied())
         } else {
             ((known - first).min(budget), None)

@@ -1,6 +1,7 @@
 //! The CPU backend: the f32 reference forward pass of `baton-model` over a paged KV cache, then
 //! the reference sampler. A launch is complete, and its fence passed, when `execute` returns.
 
+use crate::penalty::{build_penalty_list, PenaltyEntry};
 use crate::sampling::Sampler;
 use crate::{Backend, KeptIds, KvCapacity, TableReader, WorkerError};
 use baton_model::{CpuModel, ForwardRow, PagedKvCache};
@@ -14,6 +15,10 @@ pub struct CpuBackend {
     kept: KeptIds,
     tokens: Vec<u32>,
     blocks: Vec<u32>,
+    /// History of a penalized row, its sort scratch and its penalty list.
+    history: Vec<u32>,
+    scratch: Vec<u64>,
+    penalties: Vec<PenaltyEntry>,
 }
 
 impl CpuBackend {
@@ -39,6 +44,9 @@ impl CpuBackend {
             kept: KeptIds::new(8),
             tokens: Vec::new(),
             blocks: Vec::new(),
+            history: Vec::new(),
+            scratch: Vec::new(),
+            penalties: Vec::new(),
         })
     }
 
@@ -101,8 +109,40 @@ impl Backend for CpuBackend {
             .iter()
             .enumerate()
             .filter(|(_, r)| r.sample == 1);
+
         for ((i, r), l) in sampling_rows.zip(&logits) {
-            let out = self.sampler.sample(l, &r.params, r.output_index);
+            self.penalties.clear();
+            if r.params.has_penalties() {
+                // The history is positions 0 .. first_pos (in the table: the scheduler never
+                // plans a penalized row past a pending input other than its first) and then
+                // the row's own inputs, pending id resolved.
+                let end = (r.first_pos + r.num_tokens) as usize;
+                let prompt_len = end.checked_sub(r.output_index as usize).ok_or_else(|| {
+                    WorkerError::Forward(format!(
+                        "row {i}: output index {} exceeds its {end} positions",
+                        r.output_index
+                    ))
+                })?;
+                let with_prompt = r.params.has_repetition_penalty();
+                let from = if with_prompt { 0 } else { prompt_len };
+                self.history.clear();
+                if from < r.first_pos as usize {
+                    tables.read_tokens(r.req.slot, from..r.first_pos as usize, &mut self.history);
+                }
+                let own = &self.tokens[spans[i].0.clone()];
+                let skip = from.saturating_sub(r.first_pos as usize).min(own.len());
+                self.history.extend_from_slice(&own[skip..]);
+                build_penalty_list(
+                    &self.history,
+                    prompt_len - from,
+                    with_prompt,
+                    &mut self.scratch,
+                    &mut self.penalties,
+                );
+            }
+            let out = self
+                .sampler
+                .sample_penalized(l, &r.params, r.output_index, &self.penalties);
             ids[i] = out.token;
             sampled.push(Sampled {
                 row: i as u32,

@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod daemon;
 pub mod kept;
 pub mod null;
+pub mod penalty;
 pub mod sampling;
 
 pub use cpu::CpuBackend;

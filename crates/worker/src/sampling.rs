@@ -1,4 +1,5 @@
-//! CPU reference sampler: greedy, temperature, top-k, top-p, min-p, and log-probabilities.
+//! CPU reference sampler: penalties, greedy, temperature, top-k, top-p, min-p, and
+//! log-probabilities.
 //!
 //! This is the numerical reference the CUDA sampler (`kernels/sampling.cu`) must agree with. Both
 //! use the same counter-based RNG ([`philox4x32_10`]) and the same [`uniform`] construction, keyed
@@ -7,7 +8,8 @@
 //!
 //! # Semantics (vLLM / OpenAI)
 //!
-//! Let `x` be the row's logits after cleaning (NaN becomes `-inf`, `+inf` becomes `f32::MAX`, so
+//! Let `x` be the row's logits after the penalties of [`crate::penalty`] (when the row has any)
+//! and cleaning (NaN becomes `-inf`, `+inf` becomes `f32::MAX`, so
 //! that tokens with `+inf` share the mass equally and nothing panics).
 //!
 //! 1. Greedy when `temperature` is not `> 0` (zero, negative or NaN), when `1 / temperature` is
@@ -24,7 +26,8 @@
 //! 3. The draw is an inverse CDF over the kept prefix, in that order: with `u = uniform(seed,
 //!    output_index)` and `Z` the kept mass, the first token whose running sum exceeds `u * Z`.
 //!
-//! Log-probabilities are those of the raw distribution (temperature 1, no filters): the
+//! Log-probabilities are those of the raw distribution (temperature 1, no penalties, no
+//! filters): the
 //! log-softmax of the cleaned logits, computed only when `want_logprob != 0` or
 //! `top_logprobs > 0`; otherwise `logprob == 0.0` and `top` is empty. `top` holds the
 //! `min(top_logprobs, MAX_TOP_LOGPROBS, vocab)` most likely tokens, descending, ties by id.
@@ -37,6 +40,7 @@
 //! `-inf` (and `top` lists the lowest ids, all at `-inf`). Empty logits give token 0, `-inf`,
 //! and an empty `top`.
 
+use crate::penalty::{apply_penalties, PenaltyEntry};
 use baton_proto::{SamplingParams, MAX_TOP_LOGPROBS};
 
 /// Philox multiplier for words 0/1 (Random123 `PHILOX_M4x32_0`).
@@ -103,6 +107,8 @@ pub struct SampleOut {
 pub struct Sampler {
     /// Candidates as packed sort keys (see [`sort_key`]).
     keys: Vec<u64>,
+    /// The penalized copy of a row's logits (rows with penalties only).
+    penalized: Vec<f32>,
 }
 
 /// NaN → `-inf`, `+inf` → `f32::MAX`, `-0.0` → `+0.0`, anything else unchanged.
@@ -180,6 +186,19 @@ impl Sampler {
         params: &SamplingParams,
         output_index: u32,
     ) -> SampleOut {
+        self.sample_penalized(logits, params, output_index, &[])
+    }
+
+    /// As [`Sampler::sample`], with the row's penalty list (see [`crate::penalty`]): the token is
+    /// drawn from the penalized logits, the log-probabilities stay those of the raw `logits`.
+    /// An empty `penalties`, or params without penalties, is exactly [`Sampler::sample`].
+    pub fn sample_penalized(
+        &mut self,
+        logits: &[f32],
+        params: &SamplingParams,
+        output_index: u32,
+        penalties: &[PenaltyEntry],
+    ) -> SampleOut {
         if logits.is_empty() {
             return SampleOut {
                 token: 0,
@@ -189,11 +208,21 @@ impl Sampler {
         }
         let inv_t = 1.0 / params.temperature;
         let greedy = params.is_greedy() || params.temperature.is_nan() || !inv_t.is_finite();
-        let token = if greedy {
-            argmax(logits)
+        let mut penalized = std::mem::take(&mut self.penalized);
+        let sel = if penalties.is_empty() || !params.has_penalties() {
+            logits
         } else {
-            self.sample_filtered(logits, params, inv_t, uniform(params.seed, output_index))
+            penalized.clear();
+            penalized.extend_from_slice(logits);
+            apply_penalties(&mut penalized, penalties, params);
+            &penalized[..]
         };
+        let token = if greedy {
+            argmax(sel)
+        } else {
+            self.sample_filtered(sel, params, inv_t, uniform(params.seed, output_index))
+        };
+        self.penalized = penalized;
 
         let n_top = (params.top_logprobs as usize)
             .min(MAX_TOP_LOGPROBS)
@@ -398,6 +427,7 @@ mod tests {
             seed,
             top_logprobs: 0,
             want_logprob: 0,
+            ..SamplingParams::greedy()
         }
     }
 

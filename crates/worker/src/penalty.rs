@@ -1,0 +1,258 @@
+//! Presence, frequency and repetition penalties: the reference both samplers follow.
+//!
+//! # Semantics (vLLM `apply_penalties`, `vllm/model_executor/layers/utils.py`)
+//!
+//! For a row sampling output number `output_index` of a request with `prompt_len` prompt tokens,
+//! the history is the request's tokens at positions `0 .. prompt_len + output_index`: the prompt,
+//! then the outputs so far. For every distinct token `t` of that history, with `c` its number of
+//! occurrences among the outputs, its logit `x` becomes, in this order:
+//!
+//! 1. if the repetition penalty `r` is in effect (`r > 0`, `r != 1`): `x / r` when `x > 0`, else
+//!    `x * r` (the CTRL penalty, Keskar et al. 2019, applied to prompt and output tokens alike);
+//! 2. if `c > 0`: `x - frequency_penalty * c`, then `- presence_penalty`.
+//!
+//! Tokens that do not occur are untouched. Penalties come before temperature and the top-k /
+//! top-p / min-p filters, so a greedy row takes the argmax of the penalized logits. The returned
+//! log-probabilities stay those of the raw logits (vLLM's default `raw_logprobs`).
+//!
+//! The penalty list of a row ([`PenaltyEntry`], one per distinct token, ascending by id) is built
+//! on the host from the token table ([`build_penalty_list`]). The CPU sampler applies it with
+//! [`penalize`]; the CUDA sampler applies the same arithmetic in `kernels/sampling.cu`, so the two
+//! agree bit for bit on the penalized logits.
+
+use baton_proto::SamplingParams;
+
+/// One distinct token of a row's history, as the penalty step sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PenaltyEntry {
+    /// Token id.
+    pub token: u32,
+    /// Occurrences among the request's outputs so far.
+    pub output_count: u32,
+    /// True if the token occurs in the prompt.
+    pub in_prompt: bool,
+}
+
+/// Builds the penalty list of a history: one entry per distinct token, ascending by token id.
+///
+/// `history` holds the request's tokens at positions `0 .. history.len()`; positions
+/// `prompt_len ..` are outputs. With `with_prompt == false` (no repetition penalty) prompt
+/// tokens are left out, since only outputs are penalized; callers may then pass just the outputs
+/// with `prompt_len == 0`. `scratch` is reused storage. Cost: one sort of `history.len()` keys.
+pub fn build_penalty_list(
+    history: &[u32],
+    prompt_len: usize,
+    with_prompt: bool,
+    scratch: &mut Vec<u64>,
+    out: &mut Vec<PenaltyEntry>,
+) {
+    out.clear();
+    scratch.clear();
+    let prompt_len = prompt_len.min(history.len());
+    if with_prompt {
+        scratch.extend(history[..prompt_len].iter().map(|&t| u64::from(t) << 1));
+    }
+    scratch.extend(
+        history[prompt_len..]
+            .iter()
+            .map(|&t| (u64::from(t) << 1) | 1),
+    );
+    scratch.sort_unstable();
+    for &k in scratch.iter() {
+        let token = (k >> 1) as u32;
+        let is_output = k & 1 == 1;
+        match out.last_mut() {
+            Some(e) if e.token == token => e.output_count += u32::from(is_output),
+            _ => out.push(PenaltyEntry {
+                token,
+                output_count: u32::from(is_output),
+                in_prompt: !is_output,
+            }),
+        }
+    }
+}
+
+/// The penalized logit of one history token (see the module docs for the order of operations).
+/// `kernels/sampling.cu` (`baton_penalize`) computes the same in the same order.
+#[inline]
+pub fn penalize(x: f32, e: &PenaltyEntry, p: &SamplingParams) -> f32 {
+    let mut x = x;
+    if p.has_repetition_penalty() && (e.in_prompt || e.output_count > 0) {
+        x = if x > 0.0 {
+            x / p.repetition_penalty
+        } else {
+            x * p.repetition_penalty
+        };
+    }
+    if e.output_count > 0 {
+        x -= p.frequency_penalty * e.output_count as f32;
+        x -= p.presence_penalty;
+    }
+    x
+}
+
+/// Applies `list` to a row's `logits` in place (entries with an id outside the vocabulary are
+/// skipped).
+pub fn apply_penalties(logits: &mut [f32], list: &[PenaltyEntry], p: &SamplingParams) {
+    for e in list {
+        if let Some(x) = logits.get_mut(e.token as usize) {
+            *x = penalize(*x, e, p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(presence: f32, frequency: f32, repetition: f32) -> SamplingParams {
+        SamplingParams {
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            repetition_penalty: repetition,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    /// A direct transcription of vLLM's tensor formulation over dense counts, as the oracle.
+    fn dense_reference(
+        logits: &[f32],
+        history: &[u32],
+        prompt_len: usize,
+        p: &SamplingParams,
+    ) -> Vec<f32> {
+        let v = logits.len();
+        let mut prompt_mask = vec![false; v];
+        let mut counts = vec![0u32; v];
+        for (i, &t) in history.iter().enumerate() {
+            if i < prompt_len {
+                prompt_mask[t as usize] = true;
+            } else {
+                counts[t as usize] += 1;
+            }
+        }
+        (0..v)
+            .map(|i| {
+                let mut x = logits[i];
+                if p.has_repetition_penalty() && (prompt_mask[i] || counts[i] > 0) {
+                    x = if x > 0.0 {
+                        x / p.repetition_penalty
+                    } else {
+                        x * p.repetition_penalty
+                    };
+                }
+                x -= p.frequency_penalty * counts[i] as f32;
+                if counts[i] > 0 {
+                    x -= p.presence_penalty;
+                }
+                x
+            })
+            .collect()
+    }
+
+    #[test]
+    fn list_counts_outputs_and_marks_prompt_tokens() {
+        let history = [5, 3, 5, 9, 3, 3, 7, 5];
+        let (mut scratch, mut list) = (Vec::new(), Vec::new());
+        build_penalty_list(&history, 4, true, &mut scratch, &mut list);
+        let e = |token, output_count, in_prompt| PenaltyEntry {
+            token,
+            output_count,
+            in_prompt,
+        };
+        assert_eq!(
+            list,
+            vec![e(3, 2, true), e(5, 1, true), e(7, 1, false), e(9, 0, true)]
+        );
+        build_penalty_list(&history, 4, false, &mut scratch, &mut list);
+        assert_eq!(list, vec![e(3, 2, false), e(5, 1, false), e(7, 1, false)]);
+        build_penalty_list(&history, 100, true, &mut scratch, &mut list);
+        assert!(list.iter().all(|e| e.output_count == 0 && e.in_prompt));
+    }
+
+    #[test]
+    fn applying_the_list_matches_the_dense_formulation() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for case in 0..200 {
+            let vocab = 1 + (next() % 64) as usize;
+            let len = (next() % 40) as usize;
+            let history: Vec<u32> = (0..len).map(|_| (next() % vocab as u64) as u32).collect();
+            let prompt_len = (next() % (len as u64 + 1)) as usize;
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| ((next() % 2001) as f32 - 1000.0) / 100.0)
+                .collect();
+            let pick = |n: u64| [0.0f32, 0.5, -1.25, 2.0][(n % 4) as usize];
+            let p = params(
+                pick(next()),
+                pick(next()),
+                [1.0f32, 1.3, 0.7, 2.0][(next() % 4) as usize],
+            );
+            let (mut scratch, mut list) = (Vec::new(), Vec::new());
+            build_penalty_list(
+                &history,
+                prompt_len,
+                p.has_repetition_penalty(),
+                &mut scratch,
+                &mut list,
+            );
+            let mut got = logits.clone();
+            apply_penalties(&mut got, &list, &p);
+            let want = dense_reference(&logits, &history, prompt_len, &p);
+            assert_eq!(
+                got, want,
+                "case {case}: {p:?} history {history:?}/{prompt_len}"
+            );
+        }
+    }
+
+    #[test]
+    fn disabled_penalties_change_nothing() {
+        let p = params(0.0, 0.0, 1.0);
+        assert!(!p.has_penalties());
+        assert!(
+            !params(0.0, 0.0, 0.0).has_penalties(),
+            "zeroed params are inert"
+        );
+        assert!(params(0.1, 0.0, 1.0).has_penalties());
+        assert!(params(0.0, -0.1, 1.0).has_penalties());
+        assert!(params(0.0, 0.0, 1.1).has_penalties());
+        let e = PenaltyEntry {
+            token: 0,
+            output_count: 3,
+            in_prompt: true,
+        };
+        for x in [-3.5f32, 0.0, 2.25] {
+            assert_eq!(penalize(x, &e, &p).to_bits(), x.to_bits());
+        }
+    }
+
+    #[test]
+    fn repetition_divides_positive_and_multiplies_negative_logits() {
+        let p = params(0.0, 0.0, 2.0);
+        let prompt_only = PenaltyEntry {
+            token: 0,
+            output_count: 0,
+            in_prompt: true,
+        };
+        assert_eq!(penalize(3.0, &prompt_only, &p), 1.5);
+        assert_eq!(penalize(-3.0, &prompt_only, &p), -6.0);
+        let p = params(0.5, 0.25, 1.0);
+        let twice = PenaltyEntry {
+            token: 0,
+            output_count: 2,
+            in_prompt: false,
+        };
+        assert_eq!(penalize(1.0, &twice, &p), 0.0);
+        assert_eq!(
+            penalize(1.0, &prompt_only, &p),
+            1.0,
+            "prompt tokens: no presence"
+        );
+    }
+}
