@@ -79,11 +79,80 @@ fn goldens_match_across_processes(async_flag: &str) {
     }
     let s = link.stats();
     assert!(s.prefix_cache_hits > hits, "no prefix-cache hit: {s:?}");
+
+    // Penalized greedy requests: the worker penalizes from the token table it shares with the
+    // scheduler (and, with asynchronous scheduling, the pending id it kept); the result equals
+    // the in-process engine's, which `crates/cli/tests/penalties.rs` checks against a dense
+    // oracle.
+    let mut penalized = greedy_reqs(&prompts, 48);
+    for (i, r) in penalized.iter_mut().enumerate() {
+        r.id += 200;
+        r.params.presence_penalty = [0.8, -2.0, 0.0][i % 3];
+        r.params.frequency_penalty = [0.3, -1.0, 0.0][i % 3];
+        r.params.repetition_penalty = [1.0, 1.0, 1.4][i % 3];
+    }
+    let outs = run(&mut link, &penalized, T);
+    let want = in_process(&penalized);
+    for r in &penalized {
+        assert_eq!(
+            outs[&r.id].tokens, want[&r.id],
+            "penalized request {} differs across processes ({async_flag})",
+            r.id
+        );
+    }
+    assert!(
+        penalized
+            .iter()
+            .zip(&g)
+            .any(|(r, (_, gold))| outs[&r.id].tokens[..] != gold[..48]),
+        "the penalties changed no output"
+    );
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",
         link.stats()
     );
+}
+
+/// The tokens of `reqs` from the in-process engine on the CPU backend (no EOS ids: over the
+/// ring only `stop_token_ids` stop a request).
+fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
+    let cfg = baton_scheduler::SchedulerConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: 256,
+        block_size: 16,
+        num_blocks: 256,
+        max_model_len: 512,
+        max_inflight: 2,
+        enable_prefix_caching: true,
+    };
+    let (model, _) = baton_model::load_model_dir(model_dir())
+        .expect("test model loads")
+        .into_cpu_model();
+    let backend = baton_worker::CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+    let mut engine = baton::engine::LocalEngine::new(cfg, backend);
+    for r in reqs {
+        engine
+            .add_request(baton_scheduler::NewRequest {
+                id: r.id,
+                prompt: r.prompt.clone(),
+                max_tokens: r.max_tokens,
+                params: r.params,
+                eos_ids: Vec::new(),
+                stop_token_ids: r.stop_token_ids.clone(),
+                ignore_eos: false,
+            })
+            .expect("admitted");
+    }
+    let mut events = Vec::new();
+    engine.run_until_idle(&mut events).expect("runs");
+    let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    for e in events {
+        if let baton_scheduler::Event::Token { id, token, .. } = e {
+            out.entry(id).or_default().push(token);
+        }
+    }
+    out
 }
 
 #[test]

@@ -49,6 +49,18 @@ pub struct GenerateArgs {
     /// Drop tokens below min_p times the top probability; 0 disables.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated (OpenAI
+    /// `presence_penalty`), in [-2, 2]; 0 disables.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI
+    /// `frequency_penalty`), in [-2, 2]; 0 disables.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Divides positive and multiplies negative logits of tokens in the prompt or the output
+    /// (vLLM `repetition_penalty`), > 0; 1 disables.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repetition_penalty: f32,
     /// Seed of every request's random stream (default: a random seed per request).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -114,6 +126,20 @@ fn validate_sampling(a: &GenerateArgs) -> Result<()> {
     }
     if !(0.0..=1.0).contains(&a.min_p) {
         bail!("--min-p must be in [0, 1], got {}", a.min_p);
+    }
+    for (name, v) in [
+        ("--presence-penalty", a.presence_penalty),
+        ("--frequency-penalty", a.frequency_penalty),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            bail!("{name} must be in [-2, 2], got {v}");
+        }
+    }
+    if !(a.repetition_penalty > 0.0 && a.repetition_penalty.is_finite()) {
+        bail!(
+            "--repetition-penalty must be a finite number > 0, got {}",
+            a.repetition_penalty
+        );
     }
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -216,6 +242,9 @@ fn run_on<B: Backend>(
         top_p: a.top_p,
         top_k: a.top_k,
         min_p: a.min_p,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        repetition_penalty: a.repetition_penalty,
         ..SamplingParams::greedy()
     };
     let start = Instant::now();

@@ -61,6 +61,31 @@ async fn greedy_goldens_match_through_completions_streamed_and_not() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_change_greedy_text_the_same_way_streamed_and_not() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let golden = g["greedy_text"].as_str().unwrap();
+    for extra in [
+        json!({"presence_penalty": 1.5, "frequency_penalty": 0.5}),
+        json!({"repetition_penalty": 1.5}),
+        json!({"frequency_penalty": -2}),
+    ] {
+        let body = with_fields(
+            &json!({"prompt": prompt, "max_tokens": 64, "temperature": 0}),
+            extra.clone(),
+        );
+        let a = text_of(&completion(srv.addr, body.clone()).await, 0);
+        assert_ne!(a, golden, "{extra} changed nothing");
+        let b = text_of(&completion(srv.addr, body.clone()).await, 0);
+        assert_eq!(a, b, "{extra}: greedy with penalties is not deterministic");
+        let (streamed, _) = completion_stream(srv.addr, body).await;
+        assert_eq!(streamed, a, "{extra}: streamed text differs");
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 /// A deterministic pseudo-random generator for test inputs.
 struct Lcg(u64);
 impl Lcg {

@@ -1,0 +1,176 @@
+//! Presence, frequency and repetition penalties through the whole engine.
+//!
+//! The oracle decodes one request alone with the model's forward pass over its own KV cache,
+//! applying the penalties densely from its own token counts (the formulation of vLLM's
+//! `apply_penalties`) and taking the argmax. The engine must give the same greedy tokens
+//! whatever the batch, block size, preemption or asynchronous scheduling (where a row's last
+//! input is still pending on the worker), so the history the worker penalizes is right.
+
+mod common;
+use baton_model::{load_model_dir, CpuModel, ForwardRow, PagedKvCache};
+use baton_proto::SamplingParams;
+use common::*;
+use std::collections::HashMap;
+
+fn penalized(presence: f32, frequency: f32, repetition: f32) -> SamplingParams {
+    SamplingParams {
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        repetition_penalty: repetition,
+        ..SamplingParams::greedy()
+    }
+}
+
+/// Greedy decoding of `prompt` with dense penalties; stops after `max_tokens` or at EOS (2).
+fn oracle(model: &CpuModel, prompt: &[u32], max_tokens: usize, p: &SamplingParams) -> Vec<u32> {
+    let block_size = 16;
+    let len = prompt.len() + max_tokens;
+    let pages: Vec<u32> = (0..len.div_ceil(block_size) as u32).collect();
+    let mut kv = PagedKvCache::try_new(model.config(), pages.len(), block_size).unwrap();
+    let mut out = Vec::new();
+    let mut input = prompt.to_vec();
+    let mut pos = 0;
+    while out.len() < max_tokens {
+        let row = ForwardRow {
+            tokens: &input,
+            start_pos: pos,
+            block_table: &pages,
+            want_logits: true,
+        };
+        let mut logits = model.forward(&mut kv, &[row]).unwrap().remove(0);
+        pos += input.len();
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &t in &out {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (i, x) in logits.iter_mut().enumerate() {
+            let t = i as u32;
+            let c = counts.get(&t).copied().unwrap_or(0);
+            if p.repetition_penalty != 1.0 && (c > 0 || prompt.contains(&t)) {
+                *x = if *x > 0.0 {
+                    *x / p.repetition_penalty
+                } else {
+                    *x * p.repetition_penalty
+                };
+            }
+            if c > 0 {
+                *x -= p.frequency_penalty * c as f32;
+                *x -= p.presence_penalty;
+            }
+        }
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        out.push(best as u32);
+        if best == 2 {
+            break;
+        }
+        input = vec![best as u32];
+    }
+    out
+}
+
+/// The penalty settings under test, each strong enough to change the golden continuation.
+fn settings() -> Vec<SamplingParams> {
+    vec![
+        penalized(0.0, 0.0, 1.3),
+        penalized(0.0, 0.0, 0.8),
+        penalized(0.0, 0.7, 1.0),
+        penalized(1.5, 0.0, 1.0),
+        penalized(0.4, 0.3, 1.2),
+        penalized(-0.5, -0.5, 1.0),
+        // Rewarding repetition makes the latest output (a pending input under asynchronous
+        // scheduling) decide the next token.
+        penalized(-2.0, -1.0, 1.0),
+        penalized(0.0, 0.0, 0.5),
+    ]
+}
+
+fn check(block_size: usize, num_blocks: usize, max_inflight: usize, fillers: usize) {
+    let g = goldens();
+    let (model, _) = load_model_dir(model_dir()).unwrap().into_cpu_model();
+    let (mut engine, _) = engine(config(block_size, num_blocks, max_inflight));
+    let mut reqs = Vec::new();
+    let mut want = HashMap::new();
+    for (k, p) in settings().into_iter().enumerate() {
+        for (j, gold) in g.iter().enumerate().take(3) {
+            let id = (k * 10 + j) as u64;
+            let expect = oracle(&model, &gold.prompt_ids, 60, &p);
+            if j == 0 {
+                assert_ne!(
+                    expect[..],
+                    gold.greedy_ids[..expect.len().min(gold.greedy_ids.len())],
+                    "{p:?} does not change the golden continuation: a weak test"
+                );
+            }
+            want.insert(id, expect);
+            reqs.push(request(id, gold.prompt_ids.clone(), 60, p));
+        }
+    }
+    for (i, f) in filler_prompts(fillers).into_iter().enumerate() {
+        let p = if i % 2 == 0 {
+            SamplingParams::greedy()
+        } else {
+            penalized(0.2, 0.1, 1.1)
+        };
+        reqs.insert(i * 2 % (reqs.len() + 1), request(1000 + i as u64, f, 30, p));
+    }
+    let got = run(&mut engine, reqs);
+    for (id, expect) in &want {
+        assert_eq!(
+            &got[id].0, expect,
+            "request {id} (block {block_size}, {num_blocks} pages, inflight {max_inflight})"
+        );
+    }
+    assert_pool_full(&engine);
+}
+
+#[test]
+fn penalized_greedy_matches_the_dense_oracle_alone_and_batched() {
+    check(16, 512, 1, 0);
+    check(4, 512, 1, 10);
+}
+
+#[test]
+fn penalized_greedy_matches_with_asynchronous_scheduling() {
+    check(16, 512, 2, 10);
+}
+
+#[test]
+fn penalized_greedy_matches_when_a_small_pool_forces_preemption() {
+    check(16, 20, 2, 10);
+}
+
+#[test]
+fn seeded_penalized_request_gives_the_same_tokens_alone_and_batched() {
+    let g = goldens();
+    let p = SamplingParams {
+        presence_penalty: 0.6,
+        frequency_penalty: 0.4,
+        repetition_penalty: 1.2,
+        ..seeded(77)
+    };
+    let (mut alone, _) = engine(config(16, 512, 2));
+    let a = run(&mut alone, vec![request(1, g[1].prompt_ids.clone(), 48, p)]);
+    let (mut batch, _) = engine(config(16, 512, 2));
+    let mut reqs: Vec<_> = filler_prompts(8)
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| request(100 + i as u64, f, 40, seeded(i as u64)))
+        .collect();
+    reqs.insert(3, request(1, g[1].prompt_ids.clone(), 48, p));
+    let b = run(&mut batch, reqs);
+    assert_eq!(
+        a[&1].0, b[&1].0,
+        "a seeded penalized row depends on its batch"
+    );
+    let (mut plain, _) = engine(config(16, 512, 2));
+    let c = run(
+        &mut plain,
+        vec![request(1, g[1].prompt_ids.clone(), 48, seeded(77))],
+    );
+    assert_ne!(a[&1].0, c[&1].0, "the penalties changed nothing");
+}
