@@ -44,7 +44,7 @@ struct BatonSamplingParams {
     float presence_penalty;
     float frequency_penalty;
     float repetition_penalty;
-    u32 reserved;
+    u32 logit_bias_len;
 };
 
 // Philox4x32-10 (Salmon et al., SC'11; Random123 / curand constants).

@@ -22,6 +22,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             max_tokens,
             params: SamplingParams::greedy(),
             stop_token_ids: vec![],
+            logit_bias: vec![],
         })
         .collect()
 }
@@ -90,6 +91,12 @@ fn goldens_match_across_processes(async_flag: &str) {
         r.params.presence_penalty = [0.8, -2.0, 0.0][i % 3];
         r.params.frequency_penalty = [0.3, -1.0, 0.0][i % 3];
         r.params.repetition_penalty = [1.0, 1.0, 1.4][i % 3];
+        // A logit bias travels in the admission, the scheduler writes it into the slot's
+        // row of the shared logit-bias table, and the worker reads it there.
+        if i % 2 == 0 {
+            r.logit_bias = vec![(g[i].1[0], -100.0), (300, 3.0)];
+            r.params.logit_bias_len = 2;
+        }
     }
     let outs = run(&mut link, &penalized, T);
     let want = in_process(&penalized);
@@ -141,6 +148,7 @@ fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
                 eos_ids: Vec::new(),
                 stop_token_ids: r.stop_token_ids.clone(),
                 ignore_eos: false,
+                logit_bias: r.logit_bias.clone(),
             })
             .expect("admitted");
     }
@@ -251,6 +259,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         max_tokens: 400,
         params: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        logit_bias: vec![],
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.

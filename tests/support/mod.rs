@@ -151,6 +151,8 @@ pub struct Req {
     pub max_tokens: u32,
     pub params: SamplingParams,
     pub stop_token_ids: Vec<u32>,
+    /// `(token, bias)`; `params.logit_bias_len` is set from it on submit.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// What came back for one request.
@@ -180,6 +182,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             max_tokens: r.max_tokens,
             params: r.params,
             ignore_eos: false,
+            logit_bias: &r.logit_bias,
         },
         Duration::from_secs(5),
     )

@@ -74,6 +74,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         eos_ids: vec![2],
         stop_token_ids: vec![],
         ignore_eos: false,
+        logit_bias: Vec::new(),
     }
 }
 
@@ -171,6 +172,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             max_tokens: steps as u32,
             params: SamplingParams::greedy(),
             ignore_eos: false,
+            logit_bias: &[],
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

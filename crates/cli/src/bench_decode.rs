@@ -175,6 +175,8 @@ impl TableReader for BenchTables {
     fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>) {
         out.extend((0..n as u32).map(|j| slot * self.pages_per_seq + j));
     }
+    /// The bench's rows carry no logit bias (`logit_bias_len == 0`), so nothing is read.
+    fn read_logit_bias(&self, _slot: u32, _n: usize, _out: &mut Vec<(u32, f32)>) {}
 }
 
 fn row(slot: usize, first_pos: usize, n: usize, block_size: usize, sample: bool) -> LaunchRow {

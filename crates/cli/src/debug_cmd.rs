@@ -214,6 +214,7 @@ fn run_greedy<B: Backend>(
                 eos_ids: eos.to_vec(),
                 stop_token_ids: Vec::new(),
                 ignore_eos: false,
+                logit_bias: Vec::new(),
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

@@ -321,6 +321,7 @@ pub fn generate<B: baton_worker::Backend>(
                 eos_ids: eos.to_vec(),
                 stop_token_ids: Vec::new(),
                 ignore_eos,
+                logit_bias: Vec::new(),
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

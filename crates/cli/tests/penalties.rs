@@ -1,4 +1,4 @@
-//! Presence, frequency and repetition penalties through the whole engine.
+//! Logit bias and presence, frequency and repetition penalties through the whole engine.
 //!
 //! The oracle decodes one request alone with the model's forward pass over its own KV cache,
 //! applying the penalties densely from its own token counts (the formulation of vLLM's
@@ -21,8 +21,15 @@ fn penalized(presence: f32, frequency: f32, repetition: f32) -> SamplingParams {
     }
 }
 
-/// Greedy decoding of `prompt` with dense penalties; stops after `max_tokens` or at EOS (2).
-fn oracle(model: &CpuModel, prompt: &[u32], max_tokens: usize, p: &SamplingParams) -> Vec<u32> {
+/// Greedy decoding of `prompt` with a dense logit bias and dense penalties; stops after
+/// `max_tokens` or at EOS (2).
+fn oracle(
+    model: &CpuModel,
+    prompt: &[u32],
+    max_tokens: usize,
+    p: &SamplingParams,
+    bias: &[(u32, f32)],
+) -> Vec<u32> {
     let block_size = 16;
     let len = prompt.len() + max_tokens;
     let pages: Vec<u32> = (0..len.div_ceil(block_size) as u32).collect();
@@ -42,6 +49,9 @@ fn oracle(model: &CpuModel, prompt: &[u32], max_tokens: usize, p: &SamplingParam
         let mut counts: HashMap<u32, u32> = HashMap::new();
         for &t in &out {
             *counts.entry(t).or_default() += 1;
+        }
+        for &(t, b) in bias {
+            logits[t as usize] += b;
         }
         for (i, x) in logits.iter_mut().enumerate() {
             let t = i as u32;
@@ -73,9 +83,12 @@ fn oracle(model: &CpuModel, prompt: &[u32], max_tokens: usize, p: &SamplingParam
     out
 }
 
-/// The penalty settings under test, each strong enough to change the golden continuation.
-fn settings() -> Vec<SamplingParams> {
-    vec![
+/// The settings under test, each strong enough to change the golden continuation: penalties
+/// and a logit bias (empty: none; a bias on `GOLDEN_FIRST` marks the golden's first greedy
+/// tokens, filled in per prompt).
+fn settings() -> Vec<(SamplingParams, Vec<(u32, f32)>)> {
+    let plain = |p| (p, Vec::new());
+    let mut v: Vec<_> = [
         penalized(0.0, 0.0, 1.3),
         penalized(0.0, 0.0, 0.8),
         penalized(0.0, 0.7, 1.0),
@@ -87,6 +100,33 @@ fn settings() -> Vec<SamplingParams> {
         penalized(-2.0, -1.0, 1.0),
         penalized(0.0, 0.0, 0.5),
     ]
+    .into_iter()
+    .map(plain)
+    .collect();
+    // Ban the golden's first three tokens, and reward two others; with and without penalties.
+    v.push((SamplingParams::greedy(), vec![(GOLDEN_FIRST, -100.0)]));
+    v.push((
+        penalized(0.3, 0.2, 1.1),
+        vec![(GOLDEN_FIRST, -100.0), (300, 4.0), (17, 2.5)],
+    ));
+    v.push((SamplingParams::greedy(), vec![(300, 100.0)]));
+    v
+}
+
+/// Placeholder token in [`settings`]: stands for each of the golden's first three greedy tokens.
+const GOLDEN_FIRST: u32 = u32::MAX;
+
+/// `bias` with [`GOLDEN_FIRST`] expanded to the first three tokens of `greedy`.
+fn expand(bias: &[(u32, f32)], greedy: &[u32]) -> Vec<(u32, f32)> {
+    bias.iter()
+        .flat_map(|&(t, b)| {
+            if t == GOLDEN_FIRST {
+                greedy[..3].iter().map(|&g| (g, b)).collect()
+            } else {
+                vec![(t, b)]
+            }
+        })
+        .collect()
 }
 
 fn check(block_size: usize, num_blocks: usize, max_inflight: usize, fillers: usize) {
@@ -95,10 +135,12 @@ fn check(block_size: usize, num_blocks: usize, max_inflight: usize, fillers: usi
     let (mut engine, _) = engine(config(block_size, num_blocks, max_inflight));
     let mut reqs = Vec::new();
     let mut want = HashMap::new();
-    for (k, p) in settings().into_iter().enumerate() {
+    for (k, (mut p, bias)) in settings().into_iter().enumerate() {
         for (j, gold) in g.iter().enumerate().take(3) {
             let id = (k * 10 + j) as u64;
-            let expect = oracle(&model, &gold.prompt_ids, 60, &p);
+            let bias = expand(&bias, &gold.greedy_ids);
+            p.logit_bias_len = bias.len() as u32;
+            let expect = oracle(&model, &gold.prompt_ids, 60, &p, &bias);
             if j == 0 {
                 assert_ne!(
                     expect[..],
@@ -107,7 +149,9 @@ fn check(block_size: usize, num_blocks: usize, max_inflight: usize, fillers: usi
                 );
             }
             want.insert(id, expect);
-            reqs.push(request(id, gold.prompt_ids.clone(), 60, p));
+            let mut r = request(id, gold.prompt_ids.clone(), 60, p);
+            r.logit_bias = bias;
+            reqs.push(r);
         }
     }
     for (i, f) in filler_prompts(fillers).into_iter().enumerate() {

@@ -375,7 +375,7 @@ mod tests {
         assert_eq!(offset_of!(P, presence_penalty), 32);
         assert_eq!(offset_of!(P, frequency_penalty), 36);
         assert_eq!(offset_of!(P, repetition_penalty), 40);
-        assert_eq!(offset_of!(P, reserved), 44);
+        assert_eq!(offset_of!(P, logit_bias_len), 44);
         let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
         let body = src
             .split("struct BatonSamplingParams {")
@@ -400,7 +400,7 @@ mod tests {
                 "float presence_penalty;",
                 "float frequency_penalty;",
                 "float repetition_penalty;",
-                "u32 reserved;"
+                "u32 logit_bias_len;"
             ]
         );
     }

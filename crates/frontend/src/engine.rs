@@ -30,6 +30,8 @@ pub struct EngineRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the model's EOS ids.
     pub ignore_eos: bool,
+    /// OpenAI `logit_bias` as `(token, bias)`; `params.logit_bias_len` equals its length.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// What the engine reports about one request.

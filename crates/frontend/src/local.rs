@@ -151,6 +151,7 @@ impl EngineClient for LocalEngineClient {
             eos_ids: self.eos_ids.clone(),
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
+            logit_bias: req.logit_bias,
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

@@ -268,6 +268,7 @@ impl EngineClient for RingEngineClient {
             eos_ids: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: req.ignore_eos,
+            logit_bias: req.logit_bias.clone(),
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
@@ -291,6 +292,7 @@ impl EngineClient for RingEngineClient {
             params: req.params,
             // EOS ids travel as stop ids above, so the scheduler has nothing more to ignore.
             ignore_eos: false,
+            logit_bias: &req.logit_bias,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

@@ -301,7 +301,7 @@ impl AppState {
                     presence_penalty: gen.presence_penalty,
                     frequency_penalty: gen.frequency_penalty,
                     repetition_penalty: gen.repetition_penalty,
-                    reserved: 0,
+                    logit_bias_len: gen.logit_bias.len() as u32,
                 };
                 let req = EngineRequest {
                     prompt: ids.clone(),
@@ -309,6 +309,7 @@ impl AppState {
                     params,
                     stop_token_ids: gen.stop_token_ids.clone(),
                     ignore_eos: gen.ignore_eos,
+                    logit_bias: gen.logit_bias.clone(),
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),

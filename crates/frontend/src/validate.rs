@@ -3,12 +3,12 @@
 //!
 //! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
 //! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
-//! Baton does not implement (logit bias, beam search, tools, min_tokens) are refused rather than
+//! Baton does not implement (beam search, tools, min_tokens) are refused rather than
 //! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
 
 use crate::engine::EngineLimits;
 use crate::openai::ApiError;
-use baton_proto::MAX_TOP_LOGPROBS;
+use baton_proto::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
@@ -117,6 +117,9 @@ pub struct GenParams {
     pub frequency_penalty: f32,
     /// vLLM repetition penalty, `> 0` (1: none).
     pub repetition_penalty: f32,
+    /// OpenAI `logit_bias`, `(token, bias)` ascending by token, biases clamped to
+    /// [-100, 100] (vLLM's clamp).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -176,14 +179,6 @@ pub struct ChatRequest {
 }
 
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
-    if let Some(v) = f.raw("logit_bias") {
-        if v.as_object().is_none_or(|o| !o.is_empty()) {
-            return Err(ApiError::field(
-                "logit_bias",
-                "'logit_bias' is not supported by this server.",
-            ));
-        }
-    }
     if f.get::<bool>("use_beam_search")? == Some(true) {
         return Err(ApiError::field(
             "use_beam_search",
@@ -486,6 +481,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         presence_penalty,
         frequency_penalty,
         repetition_penalty: repetition_penalty as f32,
+        logit_bias: parse_logit_bias(f, limits.vocab_size)?,
         seed,
         stop: parse_stop(f)?,
         stop_token_ids,
@@ -499,6 +495,45 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             .unwrap_or(false),
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
     })
+}
+
+/// Parses `logit_bias`: an object (or null) from token ids, written as decimal strings, to
+/// numbers. Biases are clamped to [-100, 100] as vLLM does; ids must be in the vocabulary.
+fn parse_logit_bias(f: &Fields, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::field("logit_bias", m);
+    let obj = match f.raw("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(bad(format!("'logit_bias' must be an object, got {v}."))),
+    };
+    if obj.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "'logit_bias' has {} entries; this server accepts at most {MAX_LOGIT_BIAS}.",
+            obj.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(obj.len());
+    for (k, v) in obj {
+        let id: u32 = k.trim().parse().map_err(|_| {
+            bad(format!(
+                "'logit_bias' keys must be token ids (integers as strings), got {k:?}."
+            ))
+        })?;
+        if id as usize >= vocab_size {
+            return Err(bad(format!(
+                "'logit_bias' names token {id}, outside the vocabulary of {vocab_size}."
+            )));
+        }
+        let b = v.as_f64().ok_or_else(|| {
+            bad(format!(
+                "'logit_bias' values must be numbers, got {v} for token {id}."
+            ))
+        })?;
+        out.push((id, b.clamp(-100.0, 100.0) as f32));
+    }
+    out.sort_by_key(|e| e.0);
+    out.dedup_by_key(|e| e.0);
+    Ok(out)
 }
 
 /// Parses the `prompt` field of a completions request.

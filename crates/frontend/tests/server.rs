@@ -86,6 +86,32 @@ async fn penalties_change_greedy_text_the_same_way_streamed_and_not() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_forces_or_bans_tokens() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let golden = g["greedy_text"].as_str().unwrap();
+    // +100 on one token makes it the argmax at every step.
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                      "logit_bias": {"403": 100}});
+    let text = text_of(&completion(srv.addr, body.clone()).await, 0);
+    let want = post(srv.addr, "/detokenize", &json!({"tokens": vec![403; 6]}))
+        .await
+        .json();
+    // (A decode of the ids alone drops the SentencePiece leading space a continuation keeps.)
+    assert_eq!(text.trim_start(), want["prompt"].as_str().unwrap());
+    let (streamed, _) = completion_stream(srv.addr, body).await;
+    assert_eq!(streamed, text);
+    // -100 on the golden's first token changes the continuation.
+    let first = g["greedy_ids"][0].as_u64().unwrap().to_string();
+    let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                      "logit_bias": {first: -100}});
+    let text = text_of(&completion(srv.addr, body).await, 0);
+    assert!(!golden.starts_with(&text), "{text:?} ignored the ban");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 /// A deterministic pseudo-random generator for test inputs.
 struct Lcg(u64);
 impl Lcg {
@@ -814,6 +840,39 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
             json!({"prompt": "a", "repetition_penalty": "high"}).to_string(),
             400,
             Some("repetition_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": {"abc": 1}}).to_string(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": {"100000": 1}}).to_string(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": {"5": "x"}}).to_string(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": [1, 2]}).to_string(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": (0..301)
+                .map(|i| (i.to_string(), json!(1)))
+                .collect::<serde_json::Map<_, _>>()})
+            .to_string(),
+            400,
+            Some("logit_bias"),
         ),
         (
             "/v1/completions",

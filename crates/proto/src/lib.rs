@@ -70,8 +70,10 @@ pub struct SamplingParams {
     /// occurs in the prompt or the outputs has a positive logit divided by it and a negative one
     /// multiplied by it. 1 (or `<= 0`) disables.
     pub repetition_penalty: f32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// Entries of the request's logit bias (OpenAI `logit_bias`), at most [`MAX_LOGIT_BIAS`]:
+    /// the scheduler writes them into the slot's row of [`SlotTables`] when the request takes
+    /// its slot, and the worker reads this many. 0: none.
+    pub logit_bias_len: u32,
 }
 
 impl Default for SamplingParams {
@@ -94,7 +96,7 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
-            reserved: 0,
+            logit_bias_len: 0,
         }
     }
 
@@ -116,10 +118,19 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || self.has_repetition_penalty()
     }
+
+    /// True when the sampler changes logits before drawing: penalties or a logit bias.
+    pub fn adjusts_logits(&self) -> bool {
+        self.logit_bias_len > 0 || self.has_penalties()
+    }
 }
 
 /// The most top log-probabilities a row may ask for (OpenAI allows 20).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The most logit-bias entries a request may carry (the size of a slot's row in the logit-bias
+/// table of [`SlotTables`]).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 /// Sentinel for [`LaunchRow::pending_launch`]: the row's first input token is in the token table.
 pub const NOT_PENDING: LaunchSeq = 0;
@@ -196,9 +207,14 @@ pub struct Completion {
 pub struct SlotTables<S: AsRef<[AtomicU32]>> {
     tokens: S,
     blocks: S,
+    /// [`MAX_LOGIT_BIAS`] `(token, bias as f32 bits)` pairs per slot.
+    bias: S,
     max_model_len: usize,
     max_blocks_per_seq: usize,
 }
+
+/// `u32` words of one slot's row in the logit-bias table.
+pub const LOGIT_BIAS_WORDS: usize = 2 * MAX_LOGIT_BIAS;
 
 /// Heap-backed tables for the in-process engine and tests.
 pub type HeapSlotTables = SlotTables<Box<[AtomicU32]>>;
@@ -211,6 +227,7 @@ impl HeapSlotTables {
         Self {
             tokens: mk(max_seqs * max_model_len),
             blocks: mk(max_seqs * max_blocks_per_seq),
+            bias: mk(max_seqs * LOGIT_BIAS_WORDS),
             max_model_len,
             max_blocks_per_seq,
         }
@@ -219,17 +236,19 @@ impl HeapSlotTables {
 
 impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
     /// Wraps existing storage (for example regions of the shared segment).
-    /// `tokens.len()` must be `max_seqs * max_model_len` and `blocks.len()`
-    /// `max_seqs * max_blocks_per_seq`.
+    /// `tokens.len()` must be `max_seqs * max_model_len`, `blocks.len()`
+    /// `max_seqs * max_blocks_per_seq` and `bias.len()` `max_seqs * LOGIT_BIAS_WORDS`.
     pub fn from_parts(
         tokens: S,
         blocks: S,
+        bias: S,
         max_model_len: usize,
         max_blocks_per_seq: usize,
     ) -> Self {
         Self {
             tokens,
             blocks,
+            bias,
             max_model_len,
             max_blocks_per_seq,
         }
@@ -263,6 +282,27 @@ impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
                 .iter()
                 .map(|t| t.load(Ordering::Relaxed)),
         );
+    }
+
+    /// Writes the logit bias of the request taking `slot` (scheduler only, when the slot is
+    /// taken). At most [`MAX_LOGIT_BIAS`] entries are written (admission refuses more).
+    pub fn set_logit_bias(&self, slot: u32, bias: &[(u32, f32)]) {
+        let row = &self.bias.as_ref()[slot as usize * LOGIT_BIAS_WORDS..][..LOGIT_BIAS_WORDS];
+        for (w, &(t, b)) in row.chunks_exact(2).zip(bias) {
+            w[0].store(t, Ordering::Relaxed);
+            w[1].store(b.to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    /// Appends the first `n` (at most [`MAX_LOGIT_BIAS`]) logit-bias entries of `slot` to `out`.
+    pub fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>) {
+        let row = &self.bias.as_ref()[slot as usize * LOGIT_BIAS_WORDS..][..LOGIT_BIAS_WORDS];
+        out.extend(row.chunks_exact(2).take(n).map(|w| {
+            (
+                w[0].load(Ordering::Relaxed),
+                f32::from_bits(w[1].load(Ordering::Relaxed)),
+            )
+        }));
     }
 
     /// Block-table entry `i` (a page id) of `slot`.
@@ -309,5 +349,10 @@ mod tests {
         let mut v = Vec::new();
         t.read_blocks(2, 2, &mut v);
         assert_eq!(v, vec![0, 9]);
+        t.set_logit_bias(1, &[(5, -100.0), (7, 2.5)]);
+        let mut b = Vec::new();
+        t.read_logit_bias(1, 2, &mut b);
+        t.read_logit_bias(2, 1, &mut b);
+        assert_eq!(b, vec![(5, -100.0), (7, 2.5), (0, 0.0)]);
     }
 }

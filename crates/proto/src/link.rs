@@ -48,8 +48,10 @@ pub struct Admission<'a> {
     pub stop_token_ids: &'a [u32],
     /// Most new tokens.
     pub max_tokens: u32,
-    /// Sampling parameters (seed set).
+    /// Sampling parameters (seed set); `logit_bias_len` is set from `logit_bias` on submit.
     pub params: SamplingParams,
+    /// OpenAI `logit_bias` as `(token, bias)`, at most [`crate::MAX_LOGIT_BIAS`] entries.
+    pub logit_bias: &'a [(u32, f32)],
     /// Ignore the model's EOS ids.
     pub ignore_eos: bool,
 }
@@ -219,11 +221,18 @@ impl LinkSender {
             0
         };
         head.params = a.params;
+        head.params.logit_bias_len = a.logit_bias.len() as u32;
         self.scratch.push(head);
+        let bias: Vec<u32> = a
+            .logit_bias
+            .iter()
+            .flat_map(|&(t, b)| [t, b.to_bits()])
+            .collect();
         for chunk in a
             .prompt
             .chunks(TOKENS_PER_SLOT)
             .chain(a.stop_token_ids.chunks(TOKENS_PER_SLOT))
+            .chain(bias.chunks(TOKENS_PER_SLOT))
         {
             let mut m = ToScheduler::zeroed();
             m.kind = to_scheduler::TOKENS;

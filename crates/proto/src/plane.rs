@@ -15,6 +15,8 @@ use std::sync::atomic::AtomicU32;
 pub const TOKENS: &str = "tables.tokens";
 /// The block table region: `max_num_seqs * max_blocks_per_seq` u32.
 pub const BLOCKS: &str = "tables.blocks";
+/// The logit-bias table region: `max_num_seqs * LOGIT_BIAS_WORDS` u32.
+pub const LOGIT_BIAS: &str = "tables.logit_bias";
 /// Scheduler statistics for `/metrics` and `/health`: see the `STAT_*` indices.
 pub const STATS: &str = "scheduler.stats";
 
@@ -98,6 +100,7 @@ impl PlaneLimits {
             .layout_spec()
             .atomics_u32(TOKENS, self.max_num_seqs * self.max_model_len)
             .atomics_u32(BLOCKS, self.max_num_seqs * self.max_blocks_per_seq())
+            .atomics_u32(LOGIT_BIAS, self.max_num_seqs * crate::LOGIT_BIAS_WORDS)
             .atomics_u64(STATS, STAT_WORDS)
     }
 
@@ -155,6 +158,7 @@ pub fn slot_tables(arena: &Arena, l: &PlaneLimits) -> Result<SharedSlotTables, R
     Ok(SlotTables::from_parts(
         SharedU32(arena.atomics_u32(TOKENS)?),
         SharedU32(arena.atomics_u32(BLOCKS)?),
+        SharedU32(arena.atomics_u32(LOGIT_BIAS)?),
         l.max_model_len,
         l.max_blocks_per_seq(),
     ))

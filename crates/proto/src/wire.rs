@@ -14,12 +14,18 @@ pub const TOKENS_PER_SLOT: usize = 16;
 /// Kinds of [`ToScheduler`] slots.
 pub mod to_scheduler {
     /// A new request: `req`, `max_tokens`, `flags`, `params`, `prompt_len` and `num_stop`
-    /// follow in the fields; `prompt_len + num_stop` tokens follow in `Tokens` slots.
+    /// follow in the fields; [`super::admit_words`] words follow in `Tokens` slots: the prompt,
+    /// the stop ids, then `params.logit_bias_len` pairs `(token, bias as f32 bits)`.
     pub const ADMIT: u32 = 1;
     /// Up to [`super::TOKENS_PER_SLOT`] tokens of the request being admitted (`n` valid).
     pub const TOKENS: u32 = 2;
     /// Cancel `req`.
     pub const CANCEL: u32 = 3;
+}
+
+/// The words that follow an `ADMIT` slot in `TOKENS` slots: prompt, stop ids, logit-bias pairs.
+pub fn admit_words(head: &ToScheduler) -> usize {
+    head.prompt_len as usize + head.n as usize + 2 * head.params.logit_bias_len as usize
 }
 
 /// Admission flag: ignore the model's EOS ids.

@@ -417,10 +417,11 @@ impl SchedulerDaemon {
                         .unwrap_or(0);
                     self.reply_error(k, old, wire::error::PROTOCOL, 0);
                 }
-                let want = msg.prompt_len as usize + msg.n as usize;
+                let want = wire::admit_words(msg);
                 self.frontends[k].pending = Some(PendingAdmit {
                     head: *msg,
-                    tokens: Vec::with_capacity(want),
+                    // The claimed size is not trusted for the allocation.
+                    tokens: Vec::with_capacity(want.min(1 << 16)),
                 });
                 if want == 0 {
                     self.finish_admit(k, generation);
@@ -433,7 +434,7 @@ impl SchedulerDaemon {
                 };
                 let n = (msg.n as usize).min(wire::TOKENS_PER_SLOT);
                 p.tokens.extend_from_slice(&msg.tokens[..n]);
-                if p.tokens.len() >= p.head.prompt_len as usize + p.head.n as usize {
+                if p.tokens.len() >= wire::admit_words(&p.head) {
                     self.finish_admit(k, generation);
                 }
             }
@@ -461,7 +462,12 @@ impl SchedulerDaemon {
         };
         let prompt_len = p.head.prompt_len as usize;
         let mut tokens = p.tokens;
+        let bias_words = tokens.split_off((prompt_len + p.head.n as usize).min(tokens.len()));
         let stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
+        let logit_bias = bias_words
+            .chunks_exact(2)
+            .map(|w| (w[0], f32::from_bits(w[1])))
+            .collect();
         let id = self.next_id;
         let params: SamplingParams = p.head.params;
         let req = NewRequest {
@@ -472,6 +478,7 @@ impl SchedulerDaemon {
             eos_ids: Vec::new(),
             stop_token_ids,
             ignore_eos: p.head.flags & wire::FLAG_IGNORE_EOS != 0,
+            logit_bias,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

@@ -31,6 +31,10 @@ pub struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     /// Do not stop on `eos_ids` (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// OpenAI `logit_bias`, `(token, bias)` added to the logits before penalties (vLLM's
+    /// order); at most [`baton_proto::MAX_LOGIT_BIAS`] entries, and `params.logit_bias_len`
+    /// must equal its length (checked at admission).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// Why a request ended.
@@ -91,6 +95,8 @@ pub(crate) struct Request {
     pub last_launch: LaunchSeq,
     pub max_tokens: usize,
     pub params: SamplingParams,
+    /// Written into the slot's logit-bias row at every slot take.
+    pub logit_bias: Vec<(u32, f32)>,
     pub stop_ids: Vec<u32>,
     /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
     /// without reading `stop_ids`.
@@ -124,6 +130,7 @@ impl Request {
             last_launch: 0,
             max_tokens: r.max_tokens as usize,
             params: r.params,
+            logit_bias: r.logit_bias,
             stop_ids,
             stop_mask,
             state: State::Waiting,
@@ -181,6 +188,7 @@ mod tests {
             eos_ids: vec![2, 66],
             stop_token_ids: vec![1000],
             ignore_eos: false,
+            logit_bias: Vec::new(),
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");

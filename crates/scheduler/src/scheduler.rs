@@ -18,7 +18,8 @@ use crate::request::{FinishReason, NewRequest, Request, RequestId, State};
 use crate::trace::{Boundary, TraceRecord, Tracer};
 use baton_kv::{PagePool, PoolStats, PrefixHasher, SlotAllocator};
 use baton_proto::{
-    Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, NOT_PENDING,
+    Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, MAX_LOGIT_BIAS,
+    NOT_PENDING,
 };
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
@@ -75,6 +76,10 @@ pub enum AdmitError {
     /// A token id is outside the vocabulary.
     #[error("token id {id} is out of range for a vocabulary of {vocab}")]
     BadToken { id: u32, vocab: usize },
+    /// The logit bias is too long, disagrees with `params.logit_bias_len`, names a token
+    /// outside the vocabulary or has a non-finite bias.
+    #[error("bad logit_bias: {0}")]
+    BadLogitBias(String),
 }
 
 /// What the scheduler tells the request's owner.
@@ -470,6 +475,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 for (pos, &t) in r.tokens.iter().enumerate() {
                     self.tables.set_token(slot.slot, pos, t);
                 }
+                self.tables.set_logit_bias(slot.slot, &r.logit_bias);
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
@@ -1052,6 +1058,22 @@ pub fn check_admission(
             id,
             vocab: vocab_size,
         });
+    }
+    let bias = &r.logit_bias;
+    if bias.len() > MAX_LOGIT_BIAS || bias.len() != r.params.logit_bias_len as usize {
+        return Err(AdmitError::BadLogitBias(format!(
+            "{} entries (params say {}, at most {MAX_LOGIT_BIAS})",
+            bias.len(),
+            r.params.logit_bias_len
+        )));
+    }
+    if let Some(&(t, b)) = bias
+        .iter()
+        .find(|&&(t, b)| t as usize >= vocab_size || !b.is_finite())
+    {
+        return Err(AdmitError::BadLogitBias(format!(
+            "token {t} with bias {b} (vocabulary of {vocab_size})"
+        )));
     }
     // The last sampled token's KV is never computed, so the request computes at most
     // `min(prompt + max_tokens, max_model_len) - 1` positions.

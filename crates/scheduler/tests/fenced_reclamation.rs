@@ -248,6 +248,7 @@ impl Sim {
                     eos_ids: vec![EOS],
                     stop_token_ids: Vec::new(),
                     ignore_eos,
+                    logit_bias: Vec::new(),
                 };
                 let prompt = r.prompt.clone();
                 if self.sched.add_request(r).is_ok() {
@@ -802,6 +803,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         eos_ids: vec![],
         stop_token_ids: vec![],
         ignore_eos: false,
+        logit_bias: Vec::new(),
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -812,6 +814,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         eos_ids: vec![],
         stop_token_ids: vec![],
         ignore_eos: true,
+        logit_bias: Vec::new(),
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -879,6 +882,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             eos_ids: vec![],
             stop_token_ids: vec![],
             ignore_eos: true,
+            logit_bias: Vec::new(),
         })
         .unwrap();
     }

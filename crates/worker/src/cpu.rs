@@ -17,6 +17,7 @@ pub struct CpuBackend {
     blocks: Vec<u32>,
     /// History of a penalized row, its sort scratch and its penalty list.
     history: Vec<u32>,
+    bias: Vec<(u32, f32)>,
     scratch: Vec<u64>,
     penalties: Vec<PenaltyEntry>,
 }
@@ -45,6 +46,7 @@ impl CpuBackend {
             tokens: Vec::new(),
             blocks: Vec::new(),
             history: Vec::new(),
+            bias: Vec::new(),
             scratch: Vec::new(),
             penalties: Vec::new(),
         })
@@ -112,30 +114,45 @@ impl Backend for CpuBackend {
 
         for ((i, r), l) in sampling_rows.zip(&logits) {
             self.penalties.clear();
-            if r.params.has_penalties() {
-                // The history is positions 0 .. first_pos (in the table: the scheduler never
-                // plans a penalized row past a pending input other than its first) and then
-                // the row's own inputs, pending id resolved.
-                let end = (r.first_pos + r.num_tokens) as usize;
-                let prompt_len = end.checked_sub(r.output_index as usize).ok_or_else(|| {
-                    WorkerError::Forward(format!(
-                        "row {i}: output index {} exceeds its {end} positions",
-                        r.output_index
-                    ))
-                })?;
-                let with_prompt = r.params.has_repetition_penalty();
-                let from = if with_prompt { 0 } else { prompt_len };
+            if r.params.adjusts_logits() {
                 self.history.clear();
-                if from < r.first_pos as usize {
-                    tables.read_tokens(r.req.slot, from..r.first_pos as usize, &mut self.history);
+                let mut prompt_len = 0;
+                if r.params.has_penalties() {
+                    // The history is positions 0 .. first_pos (in the table: the scheduler
+                    // never plans a penalized row past a pending input other than its first)
+                    // and then the row's own inputs, pending id resolved.
+                    let first = r.first_pos as usize;
+                    let end = first + r.num_tokens as usize;
+                    let p = end.checked_sub(r.output_index as usize).ok_or_else(|| {
+                        WorkerError::Forward(format!(
+                            "row {i}: output index {} exceeds its {end} positions",
+                            r.output_index
+                        ))
+                    })?;
+                    let from = if r.params.has_repetition_penalty() {
+                        0
+                    } else {
+                        p
+                    };
+                    if from < first {
+                        tables.read_tokens(r.req.slot, from..first, &mut self.history);
+                    }
+                    let own = &self.tokens[spans[i].0.clone()];
+                    let skip = from.saturating_sub(first).min(own.len());
+                    self.history.extend_from_slice(&own[skip..]);
+                    prompt_len = p - from;
                 }
-                let own = &self.tokens[spans[i].0.clone()];
-                let skip = from.saturating_sub(r.first_pos as usize).min(own.len());
-                self.history.extend_from_slice(&own[skip..]);
+                self.bias.clear();
+                tables.read_logit_bias(
+                    r.req.slot,
+                    r.params.logit_bias_len as usize,
+                    &mut self.bias,
+                );
                 build_penalty_list(
                     &self.history,
-                    prompt_len - from,
-                    with_prompt,
+                    prompt_len,
+                    r.params.has_repetition_penalty(),
+                    &self.bias,
                     &mut self.scratch,
                     &mut self.penalties,
                 );

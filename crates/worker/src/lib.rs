@@ -29,6 +29,8 @@ pub trait TableReader {
     fn read_tokens(&self, slot: u32, range: Range<usize>, out: &mut Vec<u32>);
     /// Appends the first `n` block-table entries of `slot` to `out`.
     fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>);
+    /// Appends the first `n` (at most `MAX_LOGIT_BIAS`) logit-bias entries of `slot` to `out`.
+    fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>);
 }
 
 impl<S: AsRef<[AtomicU32]>> TableReader for SlotTables<S> {
@@ -37,6 +39,9 @@ impl<S: AsRef<[AtomicU32]>> TableReader for SlotTables<S> {
     }
     fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>) {
         SlotTables::read_blocks(self, slot, n, out)
+    }
+    fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>) {
+        SlotTables::read_logit_bias(self, slot, n.min(baton_proto::MAX_LOGIT_BIAS), out)
     }
 }
 

@@ -1,17 +1,21 @@
-//! Presence, frequency and repetition penalties: the reference both samplers follow.
+//! Logit bias and presence, frequency and repetition penalties: the reference both samplers
+//! follow.
 //!
 //! # Semantics (vLLM `apply_penalties`, `vllm/model_executor/layers/utils.py`)
 //!
 //! For a row sampling output number `output_index` of a request with `prompt_len` prompt tokens,
 //! the history is the request's tokens at positions `0 .. prompt_len + output_index`: the prompt,
 //! then the outputs so far. For every distinct token `t` of that history, with `c` its number of
-//! occurrences among the outputs, its logit `x` becomes, in this order:
+//! occurrences among the outputs, and for every token `t` with a logit bias `b` (OpenAI
+//! `logit_bias`, applied first as vLLM's logits processor is), its logit `x` becomes, in this
+//! order:
 //!
+//! 0. `x + b` (`b = 0` for a token without a bias);
 //! 1. if the repetition penalty `r` is in effect (`r > 0`, `r != 1`): `x / r` when `x > 0`, else
 //!    `x * r` (the CTRL penalty, Keskar et al. 2019, applied to prompt and output tokens alike);
 //! 2. if `c > 0`: `x - frequency_penalty * c`, then `- presence_penalty`.
 //!
-//! Tokens that do not occur are untouched. Penalties come before temperature and the top-k /
+//! Tokens that neither occur nor have a bias are untouched. Penalties come before temperature and the top-k /
 //! top-p / min-p filters, so a greedy row takes the argmax of the penalized logits. The returned
 //! log-probabilities stay those of the raw logits (vLLM's default `raw_logprobs`).
 //!
@@ -22,8 +26,8 @@
 
 use baton_proto::SamplingParams;
 
-/// One distinct token of a row's history, as the penalty step sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// One distinct token of a row's history or logit bias, as the penalty step sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct PenaltyEntry {
     /// Token id.
     pub token: u32,
@@ -31,18 +35,24 @@ pub struct PenaltyEntry {
     pub output_count: u32,
     /// True if the token occurs in the prompt.
     pub in_prompt: bool,
+    /// The request's logit bias for the token (0 when it has none).
+    pub bias: f32,
 }
 
-/// Builds the penalty list of a history: one entry per distinct token, ascending by token id.
+/// Builds the penalty list of a history and a logit bias: one entry per distinct token,
+/// ascending by token id.
 ///
 /// `history` holds the request's tokens at positions `0 .. history.len()`; positions
 /// `prompt_len ..` are outputs. With `with_prompt == false` (no repetition penalty) prompt
 /// tokens are left out, since only outputs are penalized; callers may then pass just the outputs
-/// with `prompt_len == 0`. `scratch` is reused storage. Cost: one sort of `history.len()` keys.
+/// with `prompt_len == 0`. `bias` is the request's logit bias, `(token, bias)` in any order (for
+/// a repeated token the last entry counts). `scratch` is reused storage. Cost: one sort of
+/// `history.len()` keys and one of the list.
 pub fn build_penalty_list(
     history: &[u32],
     prompt_len: usize,
     with_prompt: bool,
+    bias: &[(u32, f32)],
     scratch: &mut Vec<u64>,
     out: &mut Vec<PenaltyEntry>,
 ) {
@@ -67,16 +77,43 @@ pub fn build_penalty_list(
                 token,
                 output_count: u32::from(is_output),
                 in_prompt: !is_output,
+                bias: 0.0,
             }),
         }
     }
+    if bias.is_empty() {
+        return;
+    }
+    let from_history = out.len();
+    for &(token, b) in bias {
+        match out[..from_history].binary_search_by_key(&token, |e| e.token) {
+            Ok(i) => out[i].bias = b,
+            Err(_) => out.push(PenaltyEntry {
+                token,
+                bias: b,
+                ..PenaltyEntry::default()
+            }),
+        }
+    }
+    // Stable, so that among repeated bias entries the last one stays last; then keep it.
+    out.sort_by_key(|e| e.token);
+    let mut w = 0;
+    for r in 0..out.len() {
+        if w > 0 && out[w - 1].token == out[r].token {
+            out[w - 1] = out[r];
+        } else {
+            out[w] = out[r];
+            w += 1;
+        }
+    }
+    out.truncate(w);
 }
 
 /// The penalized logit of one history token (see the module docs for the order of operations).
 /// `kernels/sampling.cu` (`baton_penalize`) computes the same in the same order.
 #[inline]
 pub fn penalize(x: f32, e: &PenaltyEntry, p: &SamplingParams) -> f32 {
-    let mut x = x;
+    let mut x = x + e.bias;
     if p.has_repetition_penalty() && (e.in_prompt || e.output_count > 0) {
         x = if x > 0.0 {
             x / p.repetition_penalty
@@ -119,6 +156,7 @@ mod tests {
         logits: &[f32],
         history: &[u32],
         prompt_len: usize,
+        bias: &[(u32, f32)],
         p: &SamplingParams,
     ) -> Vec<f32> {
         let v = logits.len();
@@ -131,9 +169,13 @@ mod tests {
                 counts[t as usize] += 1;
             }
         }
+        let mut dense_bias = vec![0.0f32; v];
+        for &(t, b) in bias {
+            dense_bias[t as usize] = b;
+        }
         (0..v)
             .map(|i| {
-                let mut x = logits[i];
+                let mut x = logits[i] + dense_bias[i];
                 if p.has_repetition_penalty() && (prompt_mask[i] || counts[i] > 0) {
                     x = if x > 0.0 {
                         x / p.repetition_penalty
@@ -154,20 +196,39 @@ mod tests {
     fn list_counts_outputs_and_marks_prompt_tokens() {
         let history = [5, 3, 5, 9, 3, 3, 7, 5];
         let (mut scratch, mut list) = (Vec::new(), Vec::new());
-        build_penalty_list(&history, 4, true, &mut scratch, &mut list);
+        build_penalty_list(&history, 4, true, &[], &mut scratch, &mut list);
         let e = |token, output_count, in_prompt| PenaltyEntry {
             token,
             output_count,
             in_prompt,
+            bias: 0.0,
         };
         assert_eq!(
             list,
             vec![e(3, 2, true), e(5, 1, true), e(7, 1, false), e(9, 0, true)]
         );
-        build_penalty_list(&history, 4, false, &mut scratch, &mut list);
+        build_penalty_list(&history, 4, false, &[], &mut scratch, &mut list);
         assert_eq!(list, vec![e(3, 2, false), e(5, 1, false), e(7, 1, false)]);
-        build_penalty_list(&history, 100, true, &mut scratch, &mut list);
+        build_penalty_list(&history, 100, true, &[], &mut scratch, &mut list);
         assert!(list.iter().all(|e| e.output_count == 0 && e.in_prompt));
+        // A bias on a history token joins its entry; others get their own, in id order; the
+        // last of repeated entries counts.
+        let bias = [(8, 1.5), (5, -2.0), (1, 3.0), (8, -4.0)];
+        build_penalty_list(&history, 4, false, &bias, &mut scratch, &mut list);
+        let b = |mut x: PenaltyEntry, bias| {
+            x.bias = bias;
+            x
+        };
+        assert_eq!(
+            list,
+            vec![
+                b(e(1, 0, false), 3.0),
+                e(3, 2, false),
+                b(e(5, 1, false), -2.0),
+                e(7, 1, false),
+                b(e(8, 0, false), -4.0),
+            ]
+        );
     }
 
     #[test]
@@ -193,17 +254,22 @@ mod tests {
                 pick(next()),
                 [1.0f32, 1.3, 0.7, 2.0][(next() % 4) as usize],
             );
+            let bias: Vec<(u32, f32)> = (0..next() % 4)
+                .map(|_| ((next() % vocab as u64) as u32, pick(next()) * 10.0))
+                .collect();
             let (mut scratch, mut list) = (Vec::new(), Vec::new());
             build_penalty_list(
                 &history,
                 prompt_len,
                 p.has_repetition_penalty(),
+                &bias,
                 &mut scratch,
                 &mut list,
             );
+            assert!(list.windows(2).all(|w| w[0].token < w[1].token));
             let mut got = logits.clone();
             apply_penalties(&mut got, &list, &p);
-            let want = dense_reference(&logits, &history, prompt_len, &p);
+            let want = dense_reference(&logits, &history, prompt_len, &bias, &p);
             assert_eq!(
                 got, want,
                 "case {case}: {p:?} history {history:?}/{prompt_len}"
@@ -226,6 +292,7 @@ mod tests {
             token: 0,
             output_count: 3,
             in_prompt: true,
+            bias: 0.0,
         };
         for x in [-3.5f32, 0.0, 2.25] {
             assert_eq!(penalize(x, &e, &p).to_bits(), x.to_bits());
@@ -239,6 +306,7 @@ mod tests {
             token: 0,
             output_count: 0,
             in_prompt: true,
+            bias: 0.0,
         };
         assert_eq!(penalize(3.0, &prompt_only, &p), 1.5);
         assert_eq!(penalize(-3.0, &prompt_only, &p), -6.0);
@@ -247,6 +315,7 @@ mod tests {
             token: 0,
             output_count: 2,
             in_prompt: false,
+            bias: 0.0,
         };
         assert_eq!(penalize(1.0, &twice, &p), 0.0);
         assert_eq!(

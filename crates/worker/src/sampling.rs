@@ -189,9 +189,10 @@ impl Sampler {
         self.sample_penalized(logits, params, output_index, &[])
     }
 
-    /// As [`Sampler::sample`], with the row's penalty list (see [`crate::penalty`]): the token is
-    /// drawn from the penalized logits, the log-probabilities stay those of the raw `logits`.
-    /// An empty `penalties`, or params without penalties, is exactly [`Sampler::sample`].
+    /// As [`Sampler::sample`], with the row's penalty list (logit bias and penalties, see
+    /// [`crate::penalty`]): the token is drawn from the adjusted logits, the log-probabilities
+    /// stay those of the raw `logits`. An empty `penalties`, or params that adjust nothing, is
+    /// exactly [`Sampler::sample`].
     pub fn sample_penalized(
         &mut self,
         logits: &[f32],
@@ -209,7 +210,7 @@ impl Sampler {
         let inv_t = 1.0 / params.temperature;
         let greedy = params.is_greedy() || params.temperature.is_nan() || !inv_t.is_finite();
         let mut penalized = std::mem::take(&mut self.penalized);
-        let sel = if penalties.is_empty() || !params.has_penalties() {
+        let sel = if penalties.is_empty() || !params.adjusts_logits() {
             logits
         } else {
             penalized.clear();
