@@ -149,6 +149,7 @@ fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
                 stop_token_ids: r.stop_token_ids.clone(),
                 ignore_eos: false,
                 logit_bias: r.logit_bias.clone(),
+                min_tokens: 0,
             })
             .expect("admitted");
     }

@@ -183,6 +183,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             params: r.params,
             ignore_eos: false,
             logit_bias: &r.logit_bias,
+            min_tokens: 0,
         },
         Duration::from_secs(5),
     )

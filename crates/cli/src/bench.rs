@@ -75,6 +75,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         stop_token_ids: vec![],
         ignore_eos: false,
         logit_bias: Vec::new(),
+        min_tokens: 0,
     }
 }
 
@@ -173,6 +174,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             params: SamplingParams::greedy(),
             ignore_eos: false,
             logit_bias: &[],
+            min_tokens: 0,
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

@@ -215,6 +215,7 @@ fn run_greedy<B: Backend>(
                 stop_token_ids: Vec::new(),
                 ignore_eos: false,
                 logit_bias: Vec::new(),
+                min_tokens: 0,
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

@@ -61,6 +61,10 @@ pub struct GenerateArgs {
     /// (vLLM `repetition_penalty`), > 0; 1 disables.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
+    /// No stop token (EOS included) is sampled before this many new tokens (vLLM
+    /// `min_tokens`); at most --max-tokens.
+    #[arg(long, default_value_t = 0)]
+    pub min_tokens: u32,
     /// Seed of every request's random stream (default: a random seed per request).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -139,6 +143,13 @@ fn validate_sampling(a: &GenerateArgs) -> Result<()> {
         bail!(
             "--repetition-penalty must be a finite number > 0, got {}",
             a.repetition_penalty
+        );
+    }
+    if a.min_tokens > a.max_tokens {
+        bail!(
+            "--min-tokens ({}) must be at most --max-tokens ({})",
+            a.min_tokens,
+            a.max_tokens
         );
     }
     if a.max_tokens == 0 {
@@ -257,6 +268,7 @@ fn run_on<B: Backend>(
         a.seed,
         eos,
         a.ignore_eos,
+        a.min_tokens,
     )?;
     let secs = start.elapsed().as_secs_f64();
     engine.scheduler_mut().flush_trace();
@@ -306,6 +318,7 @@ pub fn generate<B: baton_worker::Backend>(
     seed: Option<u64>,
     eos: &[u32],
     ignore_eos: bool,
+    min_tokens: u32,
 ) -> Result<Vec<Generation>> {
     let mut gens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
@@ -322,6 +335,7 @@ pub fn generate<B: baton_worker::Backend>(
                 stop_token_ids: Vec::new(),
                 ignore_eos,
                 logit_bias: Vec::new(),
+                min_tokens,
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

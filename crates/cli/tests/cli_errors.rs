@@ -38,6 +38,7 @@ fn out_of_range_sampling_and_length_flags_are_refused_with_their_name() {
         (&["--frequency-penalty", "-3"], "--frequency-penalty"),
         (&["--repetition-penalty", "0"], "--repetition-penalty"),
         (&["--repetition-penalty", "NaN"], "--repetition-penalty"),
+        (&["--min-tokens", "17"], "--min-tokens"),
         (&["--max-model-len", "1"], "--max-model-len"),
         (&["--max-model-len", "0"], "--max-model-len"),
         (&["--num-blocks", "1"], "--num-blocks"),

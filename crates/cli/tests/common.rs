@@ -102,6 +102,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParam
         stop_token_ids: Vec::new(),
         ignore_eos: false,
         logit_bias: Vec::new(),
+        min_tokens: 0,
     }
 }
 

@@ -188,6 +188,73 @@ fn penalized_greedy_matches_when_a_small_pool_forces_preemption() {
     check(16, 20, 2, 10);
 }
 
+/// Greedy decoding with stop ids masked before `min_tokens` outputs (vLLM's min-tokens
+/// processor) and ending the request after; `None` when it ran `max_tokens` without stopping.
+fn oracle_min_tokens(
+    model: &CpuModel,
+    prompt: &[u32],
+    max_tokens: usize,
+    stops: &[u32],
+    min_tokens: usize,
+) -> Vec<u32> {
+    let bias: Vec<(u32, f32)> = stops.iter().map(|&t| (t, f32::NEG_INFINITY)).collect();
+    let mut out = Vec::new();
+    // Decode one token at a time so the mask can depend on the output count.
+    while out.len() < max_tokens {
+        let masked = if out.len() < min_tokens {
+            &bias[..]
+        } else {
+            &[]
+        };
+        let history = [prompt, &out[..]].concat();
+        let next = oracle(model, &history, 1, &SamplingParams::greedy(), masked)[0];
+        out.push(next);
+        if out.len() > min_tokens && stops.contains(&next) {
+            break;
+        }
+    }
+    out
+}
+
+#[test]
+fn min_tokens_masks_stop_ids_until_reached_then_they_stop_again() {
+    let g = goldens();
+    let (model, _) = load_model_dir(model_dir()).unwrap().into_cpu_model();
+    for max_inflight in [1, 2] {
+        let (mut engine, _) = engine(config(16, 512, max_inflight));
+        let mut reqs = Vec::new();
+        let mut want = HashMap::new();
+        for (j, gold) in g.iter().enumerate().take(3) {
+            // Stop on the golden's 5th token (and EOS 2, the model's).
+            let stop = gold.greedy_ids[4];
+            for (k, min_tokens) in [0usize, 3, 5, 12].into_iter().enumerate() {
+                let id = (j * 10 + k) as u64;
+                let expect =
+                    oracle_min_tokens(&model, &gold.prompt_ids, 40, &[stop, 2], min_tokens);
+                if min_tokens == 0 {
+                    assert_eq!(
+                        expect.len(),
+                        5,
+                        "the stop id ends the golden at its 5th token"
+                    );
+                } else if min_tokens >= 5 {
+                    assert!(expect.len() > 5, "a masked stop id still ended the request");
+                }
+                want.insert(id, expect);
+                let mut r = request(id, gold.prompt_ids.clone(), 40, SamplingParams::greedy());
+                r.stop_token_ids = vec![stop];
+                r.min_tokens = min_tokens as u32;
+                reqs.push(r);
+            }
+        }
+        let got = run(&mut engine, reqs);
+        for (id, expect) in &want {
+            assert_eq!(&got[id].0, expect, "request {id} (inflight {max_inflight})");
+        }
+        assert_pool_full(&engine);
+    }
+}
+
 #[test]
 fn seeded_penalized_request_gives_the_same_tokens_alone_and_batched() {
     let g = goldens();

@@ -32,6 +32,8 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
     /// OpenAI `logit_bias` as `(token, bias)`; `params.logit_bias_len` equals its length.
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `min_tokens` (see `baton_scheduler::NewRequest::min_tokens`).
+    pub min_tokens: u32,
 }
 
 /// What the engine reports about one request.

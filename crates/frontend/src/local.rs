@@ -152,6 +152,7 @@ impl EngineClient for LocalEngineClient {
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
             logit_bias: req.logit_bias,
+            min_tokens: req.min_tokens,
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

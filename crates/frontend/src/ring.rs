@@ -260,20 +260,6 @@ impl EngineClient for RingEngineClient {
             // Admission checks do not depend on it.
             enable_prefix_caching: false,
         };
-        let probe = baton_scheduler::NewRequest {
-            id: 0,
-            prompt: req.prompt.clone(),
-            max_tokens: req.max_tokens,
-            params: req.params,
-            eos_ids: Vec::new(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: req.ignore_eos,
-            logit_bias: req.logit_bias.clone(),
-        };
-        baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
-            .map_err(|e| SubmitError::Rejected(e.to_string()))?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = unbounded_channel();
         let mut stop_ids = req.stop_token_ids.clone();
         if !req.ignore_eos {
             stop_ids.extend(
@@ -283,6 +269,22 @@ impl EngineClient for RingEngineClient {
                     .filter(|e| !req.stop_token_ids.contains(e)),
             );
         }
+        let probe = baton_scheduler::NewRequest {
+            id: 0,
+            prompt: req.prompt.clone(),
+            max_tokens: req.max_tokens,
+            params: req.params,
+            eos_ids: Vec::new(),
+            // What the scheduler will see: EOS ids travel as stop ids.
+            stop_token_ids: stop_ids.clone(),
+            ignore_eos: false,
+            logit_bias: req.logit_bias.clone(),
+            min_tokens: req.min_tokens,
+        };
+        baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
+            .map_err(|e| SubmitError::Rejected(e.to_string()))?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
         lock(&self.routes).insert(id, tx);
         let a = Admission {
             req: id,
@@ -293,6 +295,7 @@ impl EngineClient for RingEngineClient {
             // EOS ids travel as stop ids above, so the scheduler has nothing more to ignore.
             ignore_eos: false,
             logit_bias: &req.logit_bias,
+            min_tokens: req.min_tokens,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

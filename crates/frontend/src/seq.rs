@@ -77,6 +77,8 @@ pub struct Seq {
     stop_reason_ids: Vec<u32>,
     /// See [`SeqContext::stop_text_ids`].
     stop_text_ids: Vec<u32>,
+    /// See [`SeqContext::min_tokens`].
+    min_tokens: usize,
     /// The last output token.
     last_id: Option<u32>,
     /// Output tokens consumed (up to and including a stop-string match).
@@ -123,6 +125,9 @@ pub struct SeqContext {
     pub stop_text_ids: Vec<u32>,
     /// Drop special tokens from the text.
     pub skip_special: bool,
+    /// vLLM's `min_tokens`: stop strings are not matched in the text of the first this many
+    /// output tokens (the engine masks stop ids itself).
+    pub min_tokens: u32,
     /// When the HTTP request arrived.
     pub arrived: Instant,
     /// Becomes true when the server stops waiting for live requests at shutdown.
@@ -149,6 +154,7 @@ impl Seq {
             stop: StopMatcher::new(&ctx.stop, ctx.include_stop),
             stop_reason_ids: ctx.stop_reason_ids.clone(),
             stop_text_ids: ctx.stop_text_ids.clone(),
+            min_tokens: ctx.min_tokens as usize,
             last_id: None,
             output_tokens: 0,
             done: false,
@@ -210,7 +216,11 @@ impl Seq {
                 } else {
                     self.detok.push(&self.tokenizer, token)
                 };
-                let out = self.stop.push(&text);
+                let out = if self.output_tokens > self.min_tokens {
+                    self.stop.push(&text)
+                } else {
+                    self.stop.pass(&text)
+                };
                 d.text = out.text;
                 if let Some(s) = out.matched {
                     self.abandon();

@@ -270,6 +270,7 @@ impl AppState {
                 gen.stop_token_ids.iter().chain(eos).copied().collect()
             },
             skip_special: gen.skip_special_tokens,
+            min_tokens: gen.min_tokens,
             arrived,
             draining: self.draining.subscribe(),
         }
@@ -310,6 +311,7 @@ impl AppState {
                     stop_token_ids: gen.stop_token_ids.clone(),
                     ignore_eos: gen.ignore_eos,
                     logit_bias: gen.logit_bias.clone(),
+                    min_tokens: gen.min_tokens,
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),

@@ -109,6 +109,24 @@ impl StopMatcher {
         }
     }
 
+    /// Releases the held-back text and `text` without looking for stop strings in them (the
+    /// text of the first `min_tokens` outputs, which vLLM does not check either). Nothing is
+    /// released after a match.
+    pub fn pass(&mut self, text: &str) -> StopOutput {
+        if self.matched.is_some() {
+            return StopOutput {
+                text: String::new(),
+                matched: self.matched.clone(),
+            };
+        }
+        let mut out = std::mem::take(&mut self.pending);
+        out.push_str(text);
+        StopOutput {
+            text: out,
+            matched: None,
+        }
+    }
+
     /// Releases the held-back text (generation ended for another reason).
     pub fn flush(&mut self) -> String {
         if self.matched.is_some() {

@@ -3,7 +3,7 @@
 //!
 //! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
 //! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
-//! Baton does not implement (beam search, tools, min_tokens) are refused rather than
+//! Baton does not implement (beam search, tools, guided decoding) are refused rather than
 //! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
 
 use crate::engine::EngineLimits;
@@ -120,6 +120,9 @@ pub struct GenParams {
     /// OpenAI `logit_bias`, `(token, bias)` ascending by token, biases clamped to
     /// [-100, 100] (vLLM's clamp).
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `min_tokens`: neither stop ids nor stop strings end the sequence before this
+    /// many output tokens.
+    pub min_tokens: u32,
     /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -219,21 +222,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
                 "bad_words",
                 "'bad_words' is not supported by this server.",
             ));
-        }
-    }
-    match f.int("min_tokens")? {
-        None | Some(0) => {}
-        Some(n) if n < 0 => {
-            return Err(ApiError::field(
-                "min_tokens",
-                format!("'min_tokens' must be at least 0, got {n}."),
-            ))
-        }
-        Some(_) => {
-            return Err(ApiError::field(
-                "min_tokens",
-                "'min_tokens' is not supported by this server (only 0).",
-            ))
         }
     }
     if f.raw("chat_template").is_some() {
@@ -368,6 +356,25 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             format!("'repetition_penalty' must be greater than 0, got {repetition_penalty}."),
         ));
     }
+    let min_tokens = match f.int("min_tokens")? {
+        None => 0,
+        Some(n) if n < 0 => {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!("'min_tokens' must be at least 0, got {n}."),
+            ))
+        }
+        Some(n) => {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            if let Some(m) = max_tokens.filter(|&m| n > m) {
+                return Err(ApiError::field(
+                    "min_tokens",
+                    format!("'min_tokens' must be at most {max_tokens_param}={m}, got {n}."),
+                ));
+            }
+            n
+        }
+    };
     let seed = match f.raw("seed") {
         None => None,
         Some(v) => Some(
@@ -482,6 +489,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         frequency_penalty,
         repetition_penalty: repetition_penalty as f32,
         logit_bias: parse_logit_bias(f, limits.vocab_size)?,
+        min_tokens,
         seed,
         stop: parse_stop(f)?,
         stop_token_ids,

@@ -112,6 +112,37 @@ async fn logit_bias_forces_or_bans_tokens() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_tokens_defers_stop_strings_and_stop_ids() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let golden = g["greedy_text"].as_str().unwrap();
+    let word = "Lily";
+    let at = golden.find(word).expect("the golden names Lily");
+    let base = json!({"prompt": prompt, "max_tokens": 64, "temperature": 0, "stop": [word]});
+    let v = completion(srv.addr, base.clone()).await;
+    assert_eq!(text_of(&v, 0), &golden[..at]);
+    // With min_tokens past the first match, the stop string is not looked for there.
+    let v = completion(srv.addr, with_fields(&base, json!({"min_tokens": 30}))).await;
+    let text = text_of(&v, 0);
+    assert!(
+        text.len() > at + word.len() && golden.starts_with(&text),
+        "{text:?}"
+    );
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 30);
+    let (streamed, _) =
+        completion_stream(srv.addr, with_fields(&base, json!({"min_tokens": 30}))).await;
+    assert_eq!(streamed, text);
+    // A stop token id is masked until min_tokens: the golden's 3rd token id.
+    let third = g["greedy_ids"][2].clone();
+    let body = json!({"prompt": prompt, "max_tokens": 20, "temperature": 0,
+                      "stop_token_ids": [third], "min_tokens": 8});
+    let v = completion(srv.addr, body).await;
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 8, "{v}");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 /// A deterministic pseudo-random generator for test inputs.
 struct Lcg(u64);
 impl Lcg {
@@ -1840,7 +1871,6 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         b
     };
     let refused = [
-        ("min_tokens", json!(5)),
         ("min_tokens", json!(-1)),
         ("guided_json", json!({"type": "object"})),
         ("guided_choice", json!(["a", "b"])),

@@ -1026,7 +1026,8 @@ mod tests {
                 if expected == LAYOUT_VERSION && found == LAYOUT_VERSION + 1),
             "{e}"
         );
-        assert!(e.to_string().contains("expected 1, found 2"), "{e}");
+        let both = format!("expected {}, found {}", LAYOUT_VERSION, LAYOUT_VERSION + 1);
+        assert!(e.to_string().contains(&both), "{e}");
     }
 
     #[test]

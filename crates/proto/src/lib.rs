@@ -72,7 +72,8 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Entries of the request's logit bias (OpenAI `logit_bias`), at most [`MAX_LOGIT_BIAS`]:
     /// the scheduler writes them into the slot's row of [`SlotTables`] when the request takes
-    /// its slot, and the worker reads this many. 0: none.
+    /// its slot, and the worker reads this many. 0: none. On a launch row the scheduler adds
+    /// the `min_tokens` stop-id mask entries while they apply.
     pub logit_bias_len: u32,
 }
 
@@ -128,9 +129,13 @@ impl SamplingParams {
 /// The most top log-probabilities a row may ask for (OpenAI allows 20).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
-/// The most logit-bias entries a request may carry (the size of a slot's row in the logit-bias
-/// table of [`SlotTables`]).
+/// The most logit-bias entries a request may carry.
 pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// The most stop ids (EOS included) a request with `min_tokens > 0` may have: while it has
+/// fewer outputs than `min_tokens`, the scheduler masks them through `-inf` entries after the
+/// request's logit bias in the slot's row of the logit-bias table (vLLM's `min_tokens`).
+pub const MAX_MIN_TOKENS_STOP_IDS: usize = 64;
 
 /// Sentinel for [`LaunchRow::pending_launch`]: the row's first input token is in the token table.
 pub const NOT_PENDING: LaunchSeq = 0;
@@ -213,8 +218,9 @@ pub struct SlotTables<S: AsRef<[AtomicU32]>> {
     max_blocks_per_seq: usize,
 }
 
-/// `u32` words of one slot's row in the logit-bias table.
-pub const LOGIT_BIAS_WORDS: usize = 2 * MAX_LOGIT_BIAS;
+/// `u32` words of one slot's row in the logit-bias table: the request's bias, then its
+/// `min_tokens` stop-id mask.
+pub const LOGIT_BIAS_WORDS: usize = 2 * (MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS);
 
 /// Heap-backed tables for the in-process engine and tests.
 pub type HeapSlotTables = SlotTables<Box<[AtomicU32]>>;
@@ -284,8 +290,9 @@ impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
         );
     }
 
-    /// Writes the logit bias of the request taking `slot` (scheduler only, when the slot is
-    /// taken). At most [`MAX_LOGIT_BIAS`] entries are written (admission refuses more).
+    /// Writes the logit-bias row of the request taking `slot` (scheduler only, when the slot is
+    /// taken): its bias then its `min_tokens` mask, at most `LOGIT_BIAS_WORDS / 2` entries in
+    /// all (admission refuses more).
     pub fn set_logit_bias(&self, slot: u32, bias: &[(u32, f32)]) {
         let row = &self.bias.as_ref()[slot as usize * LOGIT_BIAS_WORDS..][..LOGIT_BIAS_WORDS];
         for (w, &(t, b)) in row.chunks_exact(2).zip(bias) {
@@ -294,7 +301,8 @@ impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
         }
     }
 
-    /// Appends the first `n` (at most [`MAX_LOGIT_BIAS`]) logit-bias entries of `slot` to `out`.
+    /// Appends the first `n` (at most `LOGIT_BIAS_WORDS / 2`) logit-bias entries of `slot` to
+    /// `out`.
     pub fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>) {
         let row = &self.bias.as_ref()[slot as usize * LOGIT_BIAS_WORDS..][..LOGIT_BIAS_WORDS];
         out.extend(row.chunks_exact(2).take(n).map(|w| {

@@ -52,6 +52,9 @@ pub struct Admission<'a> {
     pub params: SamplingParams,
     /// OpenAI `logit_bias` as `(token, bias)`, at most [`crate::MAX_LOGIT_BIAS`] entries.
     pub logit_bias: &'a [(u32, f32)],
+    /// vLLM's `min_tokens`: no stop id is sampled, and none ends the request, before this many
+    /// outputs.
+    pub min_tokens: u32,
     /// Ignore the model's EOS ids.
     pub ignore_eos: bool,
 }
@@ -222,6 +225,7 @@ impl LinkSender {
         };
         head.params = a.params;
         head.params.logit_bias_len = a.logit_bias.len() as u32;
+        head.min_tokens = a.min_tokens;
         self.scratch.push(head);
         let bias: Vec<u32> = a
             .logit_bias

@@ -47,8 +47,8 @@ pub struct ToScheduler {
     pub max_tokens: u32,
     /// `ADMIT`: [`FLAG_IGNORE_EOS`].
     pub flags: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// `ADMIT`: vLLM's `min_tokens` (stop ids cannot end the request before this many outputs).
+    pub min_tokens: u32,
     /// `ADMIT`: sampling parameters.
     pub params: SamplingParams,
     /// `TOKENS`: the tokens.

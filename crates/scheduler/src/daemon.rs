@@ -479,6 +479,7 @@ impl SchedulerDaemon {
             stop_token_ids,
             ignore_eos: p.head.flags & wire::FLAG_IGNORE_EOS != 0,
             logit_bias,
+            min_tokens: p.head.min_tokens,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

@@ -35,6 +35,10 @@ pub struct NewRequest {
     /// order); at most [`baton_proto::MAX_LOGIT_BIAS`] entries, and `params.logit_bias_len`
     /// must equal its length (checked at admission).
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `min_tokens`: while the request has fewer outputs, its stop ids (EOS included
+    /// unless `ignore_eos`) are masked from sampling and end nothing; at most
+    /// [`baton_proto::MAX_MIN_TOKENS_STOP_IDS`] stop ids when non-zero.
+    pub min_tokens: u32,
 }
 
 /// Why a request ended.
@@ -95,8 +99,11 @@ pub(crate) struct Request {
     pub last_launch: LaunchSeq,
     pub max_tokens: usize,
     pub params: SamplingParams,
-    /// Written into the slot's logit-bias row at every slot take.
+    /// Written into the slot's logit-bias row at every slot take: the request's bias, then
+    /// (with `min_tokens > 0`) its stop ids at `-inf`.
     pub logit_bias: Vec<(u32, f32)>,
+    /// See [`NewRequest::min_tokens`].
+    pub min_tokens: usize,
     pub stop_ids: Vec<u32>,
     /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
     /// without reading `stop_ids`.
@@ -130,7 +137,14 @@ impl Request {
             last_launch: 0,
             max_tokens: r.max_tokens as usize,
             params: r.params,
-            logit_bias: r.logit_bias,
+            logit_bias: {
+                let mut b = r.logit_bias;
+                if r.min_tokens > 0 {
+                    b.extend(stop_ids.iter().map(|&t| (t, f32::NEG_INFINITY)));
+                }
+                b
+            },
+            min_tokens: r.min_tokens as usize,
             stop_ids,
             stop_mask,
             state: State::Waiting,
@@ -189,6 +203,7 @@ mod tests {
             stop_token_ids: vec![1000],
             ignore_eos: false,
             logit_bias: Vec::new(),
+            min_tokens: 0,
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");

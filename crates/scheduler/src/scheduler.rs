@@ -19,7 +19,7 @@ use crate::trace::{Boundary, TraceRecord, Tracer};
 use baton_kv::{PagePool, PoolStats, PrefixHasher, SlotAllocator};
 use baton_proto::{
     Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, MAX_LOGIT_BIAS,
-    NOT_PENDING,
+    MAX_MIN_TOKENS_STOP_IDS, NOT_PENDING,
 };
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
@@ -80,6 +80,9 @@ pub enum AdmitError {
     /// outside the vocabulary or has a non-finite bias.
     #[error("bad logit_bias: {0}")]
     BadLogitBias(String),
+    /// `min_tokens > 0` with more stop ids (EOS included) than the mask holds.
+    #[error("min_tokens is supported with at most {} stop token ids (EOS included), this request has {stops}", MAX_MIN_TOKENS_STOP_IDS)]
+    MinTokensStopIds { stops: usize },
 }
 
 /// What the scheduler tells the request's owner.
@@ -609,6 +612,12 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         }
         let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
         debug_assert!(pending_launch == NOT_PENDING || pending_launch < seq);
+        let output_index = r.outputs_promised();
+        let mut params = r.params;
+        if output_index < r.min_tokens {
+            // The stop-id mask follows the bias in the slot's logit-bias row.
+            params.logit_bias_len = r.logit_bias.len() as u32;
+        }
         rows.push(LaunchRow {
             req: slot,
             first_pos: first as u32,
@@ -617,8 +626,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             sample: sample as u32,
             pending_launch,
             pending_row,
-            output_index: r.outputs_promised() as u32,
-            params: r.params,
+            output_index: output_index as u32,
+            params,
         });
         meta.push(RowMeta {
             id: r.id,
@@ -849,7 +858,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.inflight_samples.pop_front();
                 self.tables.set_token(m.slot.slot, r.known_len, s.token);
                 r.known_len += 1;
-                let stop = r.is_stop(s.token);
+                let stop = r.num_outputs() > r.min_tokens && r.is_stop(s.token);
                 let length = r.num_outputs() >= r.max_tokens || r.known_len >= max_model_len;
                 Some((stop, length))
             }
@@ -1066,6 +1075,12 @@ pub fn check_admission(
             bias.len(),
             r.params.logit_bias_len
         )));
+    }
+    if r.min_tokens > 0 {
+        let stops = r.stop_token_ids.len() + if r.ignore_eos { 0 } else { r.eos_ids.len() };
+        if stops > MAX_MIN_TOKENS_STOP_IDS {
+            return Err(AdmitError::MinTokensStopIds { stops });
+        }
     }
     if let Some(&(t, b)) = bias
         .iter()

@@ -249,6 +249,7 @@ impl Sim {
                     stop_token_ids: Vec::new(),
                     ignore_eos,
                     logit_bias: Vec::new(),
+                    min_tokens: 0,
                 };
                 let prompt = r.prompt.clone();
                 if self.sched.add_request(r).is_ok() {
@@ -804,6 +805,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         stop_token_ids: vec![],
         ignore_eos: false,
         logit_bias: Vec::new(),
+        min_tokens: 0,
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -815,6 +817,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         stop_token_ids: vec![],
         ignore_eos: true,
         logit_bias: Vec::new(),
+        min_tokens: 0,
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -883,6 +886,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             stop_token_ids: vec![],
             ignore_eos: true,
             logit_bias: Vec::new(),
+            min_tokens: 0,
         })
         .unwrap();
     }
