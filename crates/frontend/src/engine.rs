@@ -43,6 +43,8 @@ pub enum EngineEvent {
     Token {
         /// Token id.
         token: u32,
+        /// Prompt tokens taken from the prefix cache (as in `Finished`).
+        cached_tokens: usize,
         /// Its log-probability (0 unless asked for).
         logprob: f32,
         /// Top log-probabilities, most likely first (empty unless asked for).

@@ -210,6 +210,7 @@ impl Router {
                 Event::Token {
                     id,
                     token,
+                    cached_tokens,
                     logprob,
                     top,
                 } => {
@@ -217,6 +218,7 @@ impl Router {
                         if tx
                             .send(EngineEvent::Token {
                                 token,
+                                cached_tokens,
                                 logprob,
                                 top,
                             })

@@ -198,6 +198,7 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                 let top = (0..n).map(|i| (m.top_ids[i], m.top_logprobs[i])).collect();
                 let _ = tx.send(EngineEvent::Token {
                     token: m.token,
+                    cached_tokens: m.detail as usize,
                     logprob: m.logprob,
                     top,
                 });

@@ -194,6 +194,7 @@ impl Seq {
         match ev {
             Some(EngineEvent::Token {
                 token,
+                cached_tokens,
                 logprob,
                 top,
             }) => {
@@ -224,6 +225,8 @@ impl Seq {
                 d.text = out.text;
                 if let Some(s) = out.matched {
                     self.abandon();
+                    // The engine's `Finished` will not be read: its count travels on tokens too.
+                    d.cached_tokens = cached_tokens;
                     d.stop_reason = Some(StopReason::Text(s));
                     self.finish(&mut d, "stop");
                 }

@@ -469,6 +469,7 @@ async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
         let last = req.stop_token_ids.first().copied().unwrap_or(EOS);
         let token = |token| EngineEvent::Token {
             token,
+            cached_tokens: 0,
             logprob: 0.0,
             top: vec![],
         };
@@ -1598,6 +1599,7 @@ async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
         vec![
             EngineEvent::Token {
                 token: 403,
+                cached_tokens: 0,
                 logprob: 0.0,
                 top: vec![],
             },
@@ -2034,4 +2036,14 @@ async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .expect("prefix_cache_hits_total");
     assert_eq!(hits, 64, "{m}");
+    // A stop string ends the sequence before the engine does: the count still arrives.
+    let text = text_of(&second, 0);
+    let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[cut..].chars().take(4).collect();
+    let v = completion(srv.addr, with_fields(&body, json!({"stop": [stop]}))).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 32,
+        "{v}"
+    );
 }

@@ -107,8 +107,8 @@ pub struct ToFrontend {
     pub prompt_tokens: u32,
     /// `FINISHED`: output tokens.
     pub output_tokens: u32,
-    /// `ERROR`: a detail, for example the admission error's limit. `FINISHED`: prompt tokens
-    /// taken from the prefix cache.
+    /// `ERROR`: a detail, for example the admission error's limit. `FINISHED` and `TOKEN`:
+    /// prompt tokens taken from the prefix cache.
     pub detail: u32,
     /// Top token ids.
     pub top_ids: [u32; MAX_TOP_LOGPROBS],

@@ -631,6 +631,7 @@ impl SchedulerDaemon {
                 Event::Token {
                     id,
                     token,
+                    cached_tokens,
                     logprob,
                     ref top,
                 } => {
@@ -642,6 +643,7 @@ impl SchedulerDaemon {
                     m.req = r.local;
                     m.token = token;
                     m.logprob = logprob;
+                    m.detail = cached_tokens as u32;
                     let n = top.len().min(baton_proto::MAX_TOP_LOGPROBS);
                     m.n_top = n as u32;
                     for (i, &(t, lp)) in top[..n].iter().enumerate() {

@@ -94,6 +94,9 @@ pub enum Event {
         id: RequestId,
         /// The token.
         token: u32,
+        /// Prompt tokens the request took from the prefix cache (fixed when it first took a
+        /// slot), so that a sequence ended by a stop string still reports them.
+        cached_tokens: usize,
         /// Its log-probability, if asked.
         logprob: f32,
         /// Top log-probabilities, if asked.
@@ -860,11 +863,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.known_len += 1;
                 let stop = r.num_outputs() > r.min_tokens && r.is_stop(s.token);
                 let length = r.num_outputs() >= r.max_tokens || r.known_len >= max_model_len;
-                Some((stop, length))
+                Some((stop, length, r.prompt_cached.unwrap_or(0)))
             }
             _ => None,
         };
-        let Some((stop, length)) = accepted else {
+        let Some((stop, length, cached_tokens)) = accepted else {
             self.emit(|| TraceRecord {
                 req: Some(m.id),
                 launch: Some(seq),
@@ -889,6 +892,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         events.push(Event::Token {
             id: m.id,
             token: s.token,
+            cached_tokens,
             logprob: s.logprob,
             // (Cloning an empty vector still costs a call.)
             top: if s.top.is_empty() {
