@@ -293,6 +293,8 @@ fn parse_token_ids(v: &Value, param: &str, vocab: usize) -> Result<Vec<u32>, Api
 /// 400 naming the field at fault.
 pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenParams, ApiError> {
     refuse_unsupported(f)?;
+    // Accepted and unused (OpenAI's end-user id), but it must be a string.
+    let _user: Option<String> = f.get("user")?;
     let (max_tokens_param, max_tokens) = {
         let (name, v) = match (chat, f.int("max_completion_tokens")?) {
             (true, Some(v)) => ("max_completion_tokens", Some(v)),

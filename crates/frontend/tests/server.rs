@@ -875,6 +875,12 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         ),
         (
             "/v1/completions",
+            json!({"prompt": "a", "user": 5}).to_string(),
+            400,
+            Some("user"),
+        ),
+        (
+            "/v1/completions",
             json!({"prompt": "a", "logit_bias": {"abc": 1}}).to_string(),
             400,
             Some("logit_bias"),
