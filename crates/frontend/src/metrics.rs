@@ -18,6 +18,12 @@ const E2E_BUCKETS: &[f64] = &[
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// Token-count buckets: vLLM's `build_1_2_5_buckets`, up to a million tokens.
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
+    5e5, 1e6,
+];
+
 /// A cumulative histogram.
 #[derive(Debug)]
 struct Histogram {
@@ -69,6 +75,24 @@ struct Histograms {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
+    tpot: Histogram,
+    prompt: Histogram,
+    generation: Histogram,
+}
+
+/// What a sequence reports when it ends.
+#[derive(Clone, Copy, Debug)]
+pub struct Finished<'a> {
+    /// `stop`, `length` or `abort`.
+    pub reason: &'a str,
+    /// Seconds from arrival to the end.
+    pub e2e: f64,
+    /// Seconds from arrival to the first token, if one came.
+    pub ttft: Option<f64>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens received.
+    pub output_tokens: usize,
 }
 
 /// Counters and histograms of one frontend.
@@ -100,6 +124,9 @@ impl Metrics {
                 ttft: Histogram::new(TTFT_BUCKETS),
                 itl: Histogram::new(ITL_BUCKETS),
                 e2e: Histogram::new(E2E_BUCKETS),
+                tpot: Histogram::new(ITL_BUCKETS),
+                prompt: Histogram::new(TOKEN_BUCKETS),
+                generation: Histogram::new(TOKEN_BUCKETS),
             }),
         }
     }
@@ -127,12 +154,20 @@ impl Metrics {
         }
     }
 
-    /// A sequence finished after `e2e` seconds with `reason` (`stop`, `length`, `abort`).
-    pub fn on_finished(&self, reason: &str, e2e: f64) {
-        if let Some(i) = FINISHED.iter().position(|r| *r == reason) {
+    /// A sequence finished: its reason, latency and token counts. The time per output token
+    /// is vLLM's `(e2e - ttft) / (output_tokens - 1)`, for sequences of two or more tokens.
+    pub fn on_finished(&self, f: Finished<'_>) {
+        if let Some(i) = FINISHED.iter().position(|r| *r == f.reason) {
             self.finished[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.hist().e2e.observe(e2e);
+        let mut h = self.hist();
+        h.e2e.observe(f.e2e);
+        h.prompt.observe(f.prompt_tokens as f64);
+        h.generation.observe(f.output_tokens as f64);
+        if let (Some(ttft), true) = (f.ttft, f.output_tokens > 1) {
+            h.tpot
+                .observe((f.e2e - ttft).max(0.0) / (f.output_tokens - 1) as f64);
+        }
     }
 
     /// The `/metrics` page.
@@ -230,6 +265,24 @@ impl Metrics {
             "Histogram of end to end request latency in seconds.",
             &labels,
         );
+        h.tpot.write(
+            &mut out,
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            &labels,
+        );
+        h.prompt.write(
+            &mut out,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            &labels,
+        );
+        h.generation.write(
+            &mut out,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            &labels,
+        );
         out
     }
 }
@@ -252,5 +305,31 @@ mod tests {
             .contains("vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 2"));
         assert!(page.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\"} 2"));
         assert!(page.contains("vllm:generation_tokens_total{model_name=\"m\"} 2"));
+    }
+
+    #[test]
+    fn finished_requests_feed_token_and_tpot_histograms() {
+        let m = Metrics::new();
+        let f = |output_tokens, ttft| Finished {
+            reason: "length",
+            e2e: 1.0,
+            ttft,
+            prompt_tokens: 7,
+            output_tokens,
+        };
+        m.on_finished(f(11, Some(0.5)));
+        m.on_finished(f(1, Some(0.9)));
+        m.on_finished(f(0, None));
+        let page = m.render(&EngineStats::default(), "m");
+        let has = |line: &str| assert!(page.contains(line), "{line} not in\n{page}");
+        has("vllm:request_prompt_tokens_bucket{model_name=\"m\",le=\"5\"} 0");
+        has("vllm:request_prompt_tokens_bucket{model_name=\"m\",le=\"10\"} 3");
+        has("vllm:request_generation_tokens_bucket{model_name=\"m\",le=\"1\"} 2");
+        has("vllm:request_generation_tokens_bucket{model_name=\"m\",le=\"20\"} 3");
+        // (1.0 - 0.5) / 10 tokens after the first; one-token sequences have no TPOT.
+        has("vllm:request_time_per_output_token_seconds_count{model_name=\"m\"} 1");
+        has("vllm:request_time_per_output_token_seconds_bucket{model_name=\"m\",le=\"0.05\"} 1");
+        has("vllm:request_time_per_output_token_seconds_bucket{model_name=\"m\",le=\"0.025\"} 0");
+        has("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"} 3");
     }
 }

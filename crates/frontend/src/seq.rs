@@ -12,7 +12,7 @@
 
 use crate::detok::IncrementalDetokenizer;
 use crate::engine::{EngineClient, EngineEvent};
-use crate::metrics::Metrics;
+use crate::metrics::{Finished, Metrics};
 use crate::openai::StopReason;
 use crate::stop::StopMatcher;
 use baton_model::Tokenizer;
@@ -86,6 +86,8 @@ pub struct Seq {
     done: bool,
     arrived: Instant,
     last_token: Option<Instant>,
+    first_token: Option<Instant>,
+    prompt_tokens: usize,
     draining: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -160,6 +162,8 @@ impl Seq {
             done: false,
             arrived: ctx.arrived,
             last_token: None,
+            first_token: None,
+            prompt_tokens: prompt.len(),
             draining: ctx.draining.clone(),
         }
     }
@@ -203,6 +207,7 @@ impl Seq {
                 self.metrics
                     .on_token(self.last_token.is_none(), since.as_secs_f64());
                 self.last_token = Some(now);
+                self.first_token.get_or_insert(now);
                 self.output_tokens += 1;
                 self.last_id = Some(token);
                 d.tokens.push(TokenInfo {
@@ -273,8 +278,19 @@ impl Seq {
     fn finish(&mut self, d: &mut Delta, reason: &'static str) {
         self.done = true;
         d.finish = Some(reason);
-        self.metrics
-            .on_finished(reason, self.arrived.elapsed().as_secs_f64());
+        self.report_finished(reason);
+    }
+
+    fn report_finished(&self, reason: &str) {
+        self.metrics.on_finished(Finished {
+            reason,
+            e2e: self.arrived.elapsed().as_secs_f64(),
+            ttft: self
+                .first_token
+                .map(|t| t.duration_since(self.arrived).as_secs_f64()),
+            prompt_tokens: self.prompt_tokens,
+            output_tokens: self.output_tokens,
+        });
     }
 
     /// Cancels the engine request if it has not ended and keeps its receiver until the engine
@@ -302,8 +318,7 @@ impl Drop for Seq {
             // Dropped before its last delta: the client went away (or the handler gave up).
             // Count it as aborted, as vLLM's `request_success_total{finished_reason="abort"}`.
             self.done = true;
-            self.metrics
-                .on_finished("abort", self.arrived.elapsed().as_secs_f64());
+            self.report_finished("abort");
         }
         self.abandon();
     }
