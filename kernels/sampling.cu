@@ -1,14 +1,22 @@
-// On-device sampling: greedy / temperature / top-k / top-p / min-p, plus log-probabilities.
+// On-device sampling: presence / frequency / repetition penalties, greedy / temperature /
+// top-k / top-p / min-p, plus log-probabilities.
 //
 // Semantics are those of the CPU reference, `baton_worker::sampling` (crates/worker/src/
 // sampling.rs); read its module docs first. In short, per row:
+//   - penalties first (baton_worker::penalty, crates/worker/src/penalty.rs), applied in place to
+//     the logits of the row's history tokens: the host builds the row's list (one entry per
+//     distinct token, with its output count and whether it is in the prompt) from the token
+//     table; a pending first input (an id an earlier launch sampled, known only on the device)
+//     is merged here as one more output occurrence. baton_penalize is the CPU's arithmetic, so
+//     the penalized logits are bit for bit the CPU's;
 //   - logits are cleaned (NaN -> -inf, +inf -> FLT_MAX, -0 -> +0);
 //   - greedy (argmax, ties to the lowest id) when !(temperature > 0), 1/temperature overflows,
 //     or top_k == 1;
 //   - otherwise candidates are ordered by the 64-bit key (logit descending, id ascending; see
 //     baton_sort_key), top-k / top-p / min-p each keep a prefix of that order, and the token is
 //     the inverse CDF at u = baton_uniform(seed, output_index) over the kept prefix;
-//   - log-probabilities are the raw (temperature 1, unfiltered) log-softmax.
+//   - log-probabilities are the raw (temperature 1, unfiltered, unpenalized) log-softmax: the
+//     penalized entries are restored before they are computed.
 // The RNG is the same Philox4x32-10 and the same 24-bit construction as the CPU, keyed only by
 // the row's own seed and output index, so a seeded row never depends on its batchmates.
 //
@@ -46,6 +54,43 @@ struct BatonSamplingParams {
     float repetition_penalty;
     u32 logit_bias_len;
 };
+
+// One distinct token of a row's history (baton_cuda::staging::DevicePenaltyEntry, 16 bytes):
+// the host's baton_worker::penalty::PenaltyEntry plus room for the logit it replaces.
+struct BatonPenaltyEntry {
+    u32 token;
+    u32 output_count;
+    u32 in_prompt;
+    float saved;
+};
+
+// Where a row's penalty entries are (baton_cuda::staging::PenaltyRow, 16 bytes): entries
+// [offset, offset + count) of the launch's table; pending_index >= 0 is the index in the input-id
+// buffer of the row's first input, an output sampled by an earlier launch that the host did not
+// know (resolved on the device by baton_gather_pending_ids), which counts as one more output
+// occurrence. count == 0 and pending_index < 0: the row is not penalized.
+struct BatonPenaltyRow {
+    u32 offset;
+    u32 count;
+    int pending_index;
+    u32 reserved;
+};
+
+// The penalized logit of one history token: baton_worker::penalty::penalize
+// (crates/worker/src/penalty.rs), same operations in the same order. The explicit _rn
+// intrinsics keep the compiler from contracting the multiply and subtract into an FMA, which
+// would round differently from the CPU.
+__device__ __forceinline__ float baton_penalize(float x, u32 output_count, bool in_prompt,
+                                                const BatonSamplingParams& p) {
+    const float r = p.repetition_penalty;
+    if (r > 0.0f && r != 1.0f && (in_prompt || output_count > 0))
+        x = x > 0.0f ? __fdiv_rn(x, r) : __fmul_rn(x, r);
+    if (output_count > 0) {
+        x = __fsub_rn(x, __fmul_rn(p.frequency_penalty, __uint2float_rn(output_count)));
+        x = __fsub_rn(x, p.presence_penalty);
+    }
+    return x;
+}
 
 // Philox4x32-10 (Salmon et al., SC'11; Random123 / curand constants).
 __device__ __forceinline__ uint4 baton_philox4x32_10(uint4 c, uint2 k) {
@@ -127,6 +172,8 @@ struct BatonSampleShared {
     u64 below;
     u32 digit;
     u32 count;
+    u32 pending_listed;  // the pending token has an entry in the row's list
+    float pending_saved;  // its raw logit when it has none
 };
 
 // A candidate filter: key <= bound and weight >= min_p; `by_count` selects on counts
@@ -221,23 +268,61 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
 // One row per block.
 //
 // Shapes: logits [num_rows, vocab] f32 with row stride `logits_stride` elements; params
-// [num_rows] BatonSamplingParams; output_index [num_rows] u32 (the RNG counter). Outputs:
+// [num_rows] BatonSamplingParams; output_index [num_rows] u32 (the RNG counter); penalty_table:
+// the address of this launch's BatonPenaltyEntry array (read through a pointer so that the array
+// can be reallocated without recapturing CUDA graphs; only read for penalized rows), whose
+// `saved` fields the kernel overwrites; penalty_rows [num_rows] BatonPenaltyRow; input_ids: the
+// launch's input-id buffer, read at penalty_rows[row].pending_index. The logits of penalized
+// rows are modified during the launch and restored (bit for bit) before it ends. Outputs:
 // out_tokens [num_rows] u32 (may point into the worker's sampled-id ring, see
 // baton_gather_pending_ids); out_logprob [num_rows] f32 (0 unless asked); out_top_ids /
 // out_top_logprobs [num_rows, 20], the first min(top_logprobs, 20, vocab) entries valid, the
 // rest (0xffffffff, -inf).
 // Launch: grid = (num_rows), block = (1024) (any multiple of 32 up to 1024 works).
 // Cost: 1 pass over the row for greedy; for sampling, one pass per radix digit actually needed
-// (typically 3-5 per select) plus one per mass total, all served from L2 after the first.
+// (typically 3-5 per select) plus one per mass total, all served from L2 after the first. A
+// penalized row adds a pass over its entries before and after selection (plus one over the row
+// for the raw max when log-probabilities are wanted).
 BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     u32* __restrict__ out_tokens, float* __restrict__ out_logprob, u32* __restrict__ out_top_ids,
-    float* __restrict__ out_top_logprobs, const float* __restrict__ logits, int logits_stride,
+    float* __restrict__ out_top_logprobs, float* __restrict__ logits, int logits_stride,
     const BatonSamplingParams* __restrict__ params, const u32* __restrict__ output_index,
+    BatonPenaltyEntry* const* __restrict__ penalty_table,
+    const BatonPenaltyRow* __restrict__ penalty_rows, const u32* __restrict__ input_ids,
     int vocab) {
     __shared__ BatonSampleShared sh;
     const int row = blockIdx.x;
-    const float* x = logits + (size_t)row * logits_stride;
+    float* x = logits + (size_t)row * logits_stride;
     const BatonSamplingParams p = params[row];
+
+    // Penalties, in place (entries are distinct tokens: no two threads write one logit).
+    const BatonPenaltyRow pr = penalty_rows[row];
+    const bool penalized = pr.count > 0 || pr.pending_index >= 0;
+    BatonPenaltyEntry* pe = nullptr;
+    u32 pend = 0xffffffffu;
+    if (penalized) {
+        pe = *penalty_table + pr.offset;
+        if (pr.pending_index >= 0) pend = input_ids[pr.pending_index];
+        if (threadIdx.x == 0) sh.pending_listed = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x)
+            if (pe[i].token == pend) sh.pending_listed = 1;  // one entry at most: one writer
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x) {
+            const BatonPenaltyEntry e = pe[i];
+            if (e.token >= (u32)vocab) continue;
+            const float v = x[e.token];
+            pe[i].saved = v;
+            x[e.token] = baton_penalize(v, e.output_count + (e.token == pend ? 1u : 0u),
+                                        e.in_prompt != 0, p);
+        }
+        if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) {
+            // A fresh entry: one output occurrence, not in the prompt.
+            sh.pending_saved = x[pend];
+            x[pend] = baton_penalize(sh.pending_saved, 1u, false, p);
+        }
+        __syncthreads();
+    }
 
     // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never wins).
     float best = BATON_NEG_INF;
@@ -251,7 +336,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         }
     }
     best_key = baton_block_min_u64(best_key, sh.scratch_u64);
-    const float maxv = baton_block_max(best, sh.scratch_f);
+    float maxv = baton_block_max(best, sh.scratch_f);  // of the penalized row, then the raw
     const u32 argmax = vocab > 0 ? (u32)best_key : 0u;
 
     const float inv_t = 1.0f / p.temperature;
@@ -287,6 +372,22 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
 
     const int n_top = min(min((int)p.top_logprobs, BATON_MAX_TOP_LOGPROBS), vocab);
     const bool want = p.want_logprob != 0 || n_top > 0;
+    if (penalized) {
+        // Restore the raw logits (every read of the penalized row is done), then the raw max.
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x) {
+            const u32 t = pe[i].token;
+            if (t < (u32)vocab) x[t] = pe[i].saved;
+        }
+        if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) x[pend] = sh.pending_saved;
+        __syncthreads();
+        if (want) {
+            float m = BATON_NEG_INF;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, baton_clean(x[i]));
+            maxv = baton_block_max(m, sh.scratch_f);
+        }
+    }
+
     float ln_sum = 0.0f;
     if (want && maxv != BATON_NEG_INF) {
         float acc = 0.0f;

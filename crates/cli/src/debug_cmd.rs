@@ -361,6 +361,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 sample: true,
                 params: SamplingParams::greedy(),
                 output_index: 0,
+                penalties: Vec::new(),
             })
             .collect();
         let (gpu_logits, gpu_layers) = gpu

@@ -296,3 +296,125 @@ fn bench_decode_case(
     assert_eq!(calls("baton_sample_f32"), 1);
     assert!(k.iter().all(|x| x.total_us >= 0.0));
 }
+
+/// A LocalEngine on the CUDA worker over an emulated device (left in `last`), sized as `sched`.
+fn emu_engine(
+    sched: &SchedulerConfig,
+    dtype: Dtype,
+    enforce_eager: bool,
+    last: &Mutex<Option<Arc<EmuDevice>>>,
+) -> LocalEngine<CudaWorker> {
+    let loaded = ModelDir::new(model_dir())
+        .load(baton_model::LoadFormat::Auto)
+        .expect("model");
+    let sizes = CudaSizes {
+        block_size: sched.block_size,
+        num_blocks: Some(sched.num_blocks),
+        max_tokens: sched.max_num_batched_tokens,
+        max_rows: sched.max_num_seqs,
+        max_model_len: sched.max_model_len,
+    };
+    let w = emu(dtype, enforce_eager, last)(loaded.config, loaded.weights, sizes).unwrap();
+    LocalEngine::new(sched.clone(), w)
+}
+
+#[test]
+fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eagerly() {
+    use baton_proto::SamplingParams;
+    // Two launches in flight: decode rows take their input id from the previous launch on the
+    // device (pending), so the sampler merges it into the host's penalty list. 32 batched
+    // tokens: the penalty-entry buffer starts with room for 32 entries and has to grow (after
+    // the decode graphs were captured, which then read the new address).
+    let sched = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 32,
+        ..config(16, 256, 2)
+    };
+    let greedy = SamplingParams::greedy;
+    let variants = [
+        // Every penalty at once.
+        SamplingParams {
+            presence_penalty: 0.6,
+            frequency_penalty: 0.5,
+            repetition_penalty: 1.3,
+            ..greedy()
+        },
+        // Outputs only (the host list holds no prompt token).
+        SamplingParams {
+            frequency_penalty: 1.0,
+            ..greedy()
+        },
+        // Repetition alone: prompt tokens too.
+        SamplingParams {
+            repetition_penalty: 1.8,
+            ..greedy()
+        },
+        // Negative presence, repetition below 1 (rewarding repeats), sampled.
+        SamplingParams {
+            presence_penalty: -0.5,
+            repetition_penalty: 0.8,
+            ..seeded(5)
+        },
+        // Rewarding repeats strongly, by count: the latest output (often a pending input,
+        // merged on the device) then decides the next greedy token.
+        SamplingParams {
+            frequency_penalty: -3.0,
+            ..greedy()
+        },
+    ];
+    let g = goldens();
+    let n_tokens = 40usize;
+    let reqs = || {
+        let mut v: Vec<_> = variants
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| request(i as u64, g[i % g.len()].prompt_ids.clone(), 40, p))
+            .collect();
+        // An unpenalized greedy request in the same batches.
+        v.push(request(9, g[0].prompt_ids.clone(), 40, greedy()));
+        v
+    };
+    let (mut cpu, _) = engine(sched.clone());
+    let want = run(&mut cpu, reqs());
+    assert_pool_full(&cpu);
+    assert_eq!(
+        want[&9].0,
+        g[0].greedy_ids[..n_tokens],
+        "unpenalized golden"
+    );
+    for i in 0..3 {
+        let golden = &g[i % g.len()].greedy_ids;
+        let got = &want[&(i as u64)].0;
+        assert_ne!(
+            got[..],
+            golden[..got.len()],
+            "variant {i}: penalties left the greedy output unchanged"
+        );
+    }
+    for eager in [false, true] {
+        let last = Mutex::new(None);
+        let mut e = emu_engine(&sched, Dtype::F32, eager, &last);
+        let got = run(&mut e, reqs());
+        assert_pool_full(&e);
+        assert!(
+            e.backend().penalty_capacity() > 32,
+            "the penalty-entry buffer never grew"
+        );
+        for id in want.keys() {
+            assert_eq!(
+                got[id], want[id],
+                "request {id} (eager {eager}): the CUDA worker differs from the CPU worker"
+            );
+        }
+        let dev = last.lock().unwrap().take().unwrap();
+        assert!(
+            dev.launches_of("baton_gather_pending_ids") > 0,
+            "no pending row was exercised"
+        );
+        if eager {
+            assert_eq!(dev.graph_launches(), 0);
+        } else {
+            assert!(dev.graph_launches() > 0, "no decode graph was replayed");
+        }
+    }
+}

@@ -117,6 +117,14 @@ inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned int i) { float f; memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
 inline unsigned int __float_as_uint(float f) { unsigned int i; memcpy(&i, &f, 4); return i; }
+// IEEE round-to-nearest arithmetic that the GPU compiler never contracts into an FMA (the host
+// build does not contract at all: -ffp-contract=off).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+// cvt.rn.f32.u32: round to nearest even.
+inline float __uint2float_rn(unsigned int u) { return (float)u; }
 // cvt.rni.u64.f32: round to nearest even, NaN -> 0, saturate to [0, 2^64 - 1].
 inline unsigned long long __float2ull_rn(float f) {
     if (!(f > 0.0f)) return 0;

@@ -58,6 +58,10 @@ struct State {
     capture: Option<Vec<Op>>,
     graphs: Vec<Vec<Op>>,
     launches: u64,
+    /// Kernel launches run so far, by entry name.
+    launches_by_name: HashMap<String, u64>,
+    /// Graph replays so far.
+    graph_launches: u64,
     /// Wall time of each launch and GEMM while profiling.
     profile: Option<Vec<(String, f64)>>,
 }
@@ -100,6 +104,16 @@ impl EmuDevice {
     /// Graphs captured so far.
     pub fn graphs(&self) -> usize {
         self.lock().graphs.len()
+    }
+
+    /// Launches of kernel `name` run so far (eager and replayed).
+    pub fn launches_of(&self, name: &str) -> u64 {
+        self.lock().launches_by_name.get(name).copied().unwrap_or(0)
+    }
+
+    /// Graph replays so far.
+    pub fn graph_launches(&self) -> u64 {
+        self.lock().graph_launches
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -172,7 +186,11 @@ impl EmuDevice {
                     .iter_mut()
                     .map(|v| v as *mut u64 as *mut c_void)
                     .collect();
-                self.lock().launches += 1;
+                {
+                    let mut st = self.lock();
+                    st.launches += 1;
+                    *st.launches_by_name.entry(name.clone()).or_insert(0) += 1;
+                }
                 // SAFETY: the values were copied from the caller's parameter slots (8 bytes
                 // each) and the caller guaranteed they match the kernel and address live
                 // memory (Device::launch's contract).
@@ -432,10 +450,11 @@ impl Device for EmuDevice {
 
     unsafe fn launch_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError> {
         let ops = {
-            let st = self.lock();
+            let mut st = self.lock();
             if st.capture.is_some() {
                 return Err(err("launch_graph", "graph launch during capture"));
             }
+            st.graph_launches += 1;
             st.graphs
                 .get(graph)
                 .cloned()

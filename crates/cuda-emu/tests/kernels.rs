@@ -6,8 +6,11 @@
 //! exercise the scalar fallbacks. f32 is compared tightly; bf16 (and f16 where cheap) within a
 //! couple of units in the last place of the element type.
 
+use baton_cuda::staging::{pack_penalties, DevicePenaltyEntry, PenaltyRow};
 use baton_cuda_emu::{launch_with, Dtype, Params, Schedule};
 use baton_proto::SamplingParams;
+use baton_worker::penalty::{build_penalty_list, PenaltyEntry};
+use baton_worker::sampling::Sampler;
 use half::{bf16, f16};
 use std::cell::Cell;
 
@@ -971,14 +974,33 @@ struct SampleOut {
     top_lp: Vec<f32>,
 }
 
-/// Runs baton_sample_f32 over `logits` [rows, vocab] with `logits_stride` = vocab.
+/// Runs baton_sample_f32 over `logits` [rows, vocab] with `logits_stride` = vocab, no row
+/// penalized.
 fn sample(
     logits: &[f32],
     vocab: usize,
     params: &[SamplingParams],
     output_index: &[u32],
 ) -> SampleOut {
+    let none = vec![PenaltyRow::NONE; params.len()];
+    sample_penalized(logits, vocab, params, output_index, &none, &mut [], &[])
+}
+
+/// Runs baton_sample_f32 with penalties: `rows` [num_rows] index into `entries`, pending inputs
+/// are read from `input_ids`. Checks that the kernel leaves the logits as it found them.
+fn sample_penalized(
+    logits: &[f32],
+    vocab: usize,
+    params: &[SamplingParams],
+    output_index: &[u32],
+    penalty_rows: &[PenaltyRow],
+    entries: &mut [DevicePenaltyEntry],
+    input_ids: &[u32],
+) -> SampleOut {
     let rows = params.len();
+    assert_eq!(penalty_rows.len(), rows);
+    let mut dev_logits = logits.to_vec();
+    let table: u64 = entries.as_mut_ptr() as u64;
     assert_eq!(logits.len(), rows * vocab);
     let mut o = SampleOut {
         tokens: vec![u32::MAX; rows],
@@ -987,7 +1009,7 @@ fn sample(
         top_lp: vec![f32::NAN; rows * TOP],
     };
     // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params, output_index,
-    //            vocab)
+    //            penalty_table, penalty_rows, input_ids, vocab)
     run(
         Dtype::Bf16, // sampling reads f32 logits whatever the module's elem_t
         "baton_sample_f32",
@@ -998,11 +1020,19 @@ fn sample(
             .ptr_mut(o.logprob.as_mut_ptr())
             .ptr_mut(o.top_ids.as_mut_ptr())
             .ptr_mut(o.top_lp.as_mut_ptr())
-            .ptr(logits.as_ptr())
+            .ptr_mut(dev_logits.as_mut_ptr())
             .int(vocab as i32)
             .ptr(params.as_ptr())
             .ptr(output_index.as_ptr())
+            .ptr(&table)
+            .ptr(penalty_rows.as_ptr())
+            .ptr(input_ids.as_ptr())
             .int(vocab as i32),
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&dev_logits) == bits(logits),
+        "the sampler did not restore the logits"
     );
     o
 }
@@ -1010,7 +1040,21 @@ fn sample(
 /// Compares row `r` of a device result with the CPU reference sampler.
 #[track_caller]
 fn assert_matches_cpu(o: &SampleOut, r: usize, logits: &[f32], p: &SamplingParams, idx: u32) {
-    let cpu = baton_worker::sampling::Sampler::new().sample(logits, p, idx);
+    assert_matches_cpu_penalized(o, r, logits, p, idx, &[]);
+}
+
+/// [`assert_matches_cpu`] for a row penalized by `penalties` (the full list, pending token
+/// included): the token is that of the penalized logits, the log-probabilities the raw ones.
+#[track_caller]
+fn assert_matches_cpu_penalized(
+    o: &SampleOut,
+    r: usize,
+    logits: &[f32],
+    p: &SamplingParams,
+    idx: u32,
+    penalties: &[PenaltyEntry],
+) {
+    let cpu = Sampler::new().sample_penalized(logits, p, idx, penalties);
     assert_eq!(o.tokens[r], cpu.token, "row {r} token");
     let lp_close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-5 * (1.0 + b.abs());
     assert!(
@@ -1154,6 +1198,197 @@ fn sampling_filters_agree_with_the_cpu_sampler_over_many_draws() {
             }
         }
     });
+}
+
+/// One row of the penalty test: its full history (prompt then outputs) and whether its last
+/// output is still pending (resolved on the device, so the host list leaves it out).
+struct PenaltyCase {
+    history: Vec<u32>,
+    prompt_len: usize,
+    pending: bool,
+}
+
+#[test]
+fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
+    let vocab = 400usize;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let rows = 12usize;
+    let mut changed = 0;
+    let mut pending_kinds = [0usize; 2]; // pending token already listed / fresh
+    for batch in 0..3u64 {
+        // Logits in [-6, 6): repetition divides the positive ones and multiplies the negative.
+        let mut logits: Vec<f32> = values(40 + batch, rows * vocab)
+            .iter()
+            .map(|x| x * 6.0)
+            .collect();
+        let (mut params, mut cases, mut idx) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..rows {
+            // Histories over a small token range, so tokens repeat, plus the row's top tokens.
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let mut top: Vec<u32> = (0..vocab as u32).collect();
+            top.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            let len = 2 + next(40) as usize;
+            let mut history: Vec<u32> = (0..len)
+                .map(|_| {
+                    if next(3) == 0 {
+                        top[next(4) as usize]
+                    } else {
+                        next(60) as u32 * 5
+                    }
+                })
+                .collect();
+            let prompt_len = next(len as u64) as usize; // at least one output
+            let pending = r % 4 != 3;
+            if pending {
+                // The pending output: half the time a token the host list already has.
+                let last = if r % 2 == 0 {
+                    history[next((len - 1) as u64) as usize]
+                } else {
+                    // A fresh token, the row's best one that the history lacks (so penalizing
+                    // it or not decides a greedy row's token).
+                    *top.iter()
+                        .find(|t| !history[..len - 1].contains(t))
+                        .unwrap()
+                };
+                history[len - 1] = last;
+                pending_kinds[usize::from(!history[..len - 1].contains(&last))] += 1;
+            }
+            let pick = |n: u64, v: &[f32]| v[n as usize % v.len()];
+            let mut p = SamplingParams {
+                presence_penalty: pick(next(4), &[0.0, 0.5, -0.75, 2.0]),
+                frequency_penalty: pick(next(4), &[0.0, 0.3, -0.4, 1.25]),
+                repetition_penalty: pick(next(5), &[1.0, 1.3, 0.8, 2.0, 0.0]),
+                want_logprob: 1,
+                top_logprobs: 3,
+                ..SamplingParams::greedy()
+            };
+            if r % 3 == 1 {
+                p.temperature = 0.9;
+                p.top_k = 50;
+                p.top_p = 0.95;
+                p.seed = 77 + r as u64 + 100 * batch;
+            }
+            if r == 5 {
+                // Row 5: no penalties, next to penalized rows.
+                p.presence_penalty = 0.0;
+                p.frequency_penalty = 0.0;
+                p.repetition_penalty = 1.0;
+            }
+            if r == 0 {
+                p.presence_penalty = 3.0; // strong enough to move the argmax
+            }
+            params.push(p);
+            idx.push((len - prompt_len) as u32);
+            cases.push(PenaltyCase {
+                history,
+                prompt_len,
+                pending,
+            });
+        }
+        // Odd logits on history tokens of row 2: +inf and -0.
+        let h2 = &cases[2].history;
+        logits[2 * vocab + h2[0] as usize] = f32::INFINITY;
+        logits[2 * vocab + h2[1] as usize] = -0.0;
+
+        // The host side, as the executor: lists without the pending token, which lives in the
+        // input-id buffer (here at index 3 * r + 1, between unrelated ids).
+        let mut input_ids = vec![u32::MAX; 3 * rows];
+        let (mut scratch, mut lists) = (Vec::new(), Vec::new());
+        for (r, c) in cases.iter().enumerate() {
+            let p = &params[r];
+            let mut list = Vec::new();
+            if p.has_penalties() {
+                let known = &c.history[..c.history.len() - usize::from(c.pending)];
+                build_penalty_list(
+                    known,
+                    c.prompt_len,
+                    p.has_repetition_penalty(),
+                    &mut scratch,
+                    &mut list,
+                );
+            }
+            if c.pending {
+                input_ids[3 * r + 1] = *c.history.last().unwrap();
+            }
+            lists.push(list);
+        }
+        let (mut prow, mut entries) = (Vec::new(), Vec::new());
+        pack_penalties(
+            lists.iter().zip(&cases).zip(&params).map(|((l, c), p)| {
+                let pend = (c.pending && p.has_penalties()).then_some(0);
+                (&l[..], pend)
+            }),
+            &mut prow,
+            &mut entries,
+        )
+        .unwrap();
+        for (r, pr) in prow.iter_mut().enumerate() {
+            if pr.pending_index >= 0 {
+                pr.pending_index = 3 * r as i32 + 1;
+            }
+        }
+        assert_eq!((prow[5].count, prow[5].pending_index), (0, -1));
+
+        every_schedule(|| {
+            let o = sample_penalized(
+                &logits,
+                vocab,
+                &params,
+                &idx,
+                &prow,
+                &mut entries.clone(),
+                &input_ids,
+            );
+            for (r, c) in cases.iter().enumerate() {
+                let raw = &logits[r * vocab..(r + 1) * vocab];
+                let p = &params[r];
+                let mut full: Vec<PenaltyEntry> = Vec::new();
+                if p.has_penalties() {
+                    build_penalty_list(
+                        &c.history,
+                        c.prompt_len,
+                        p.has_repetition_penalty(),
+                        &mut Vec::new(),
+                        &mut full,
+                    );
+                }
+                let cpu = Sampler::new().sample_penalized(raw, p, idx[r], &full);
+                assert_eq!(
+                    o.tokens[r], cpu.token,
+                    "batch {batch} row {r} token ({p:?})"
+                );
+                // Log-probabilities are the raw ones, whatever the penalties.
+                assert_matches_cpu_penalized(&o, r, raw, p, idx[r], &full);
+            }
+        });
+        let o = sample(&logits, vocab, &params, &idx);
+        let pen = sample_penalized(
+            &logits,
+            vocab,
+            &params,
+            &idx,
+            &prow,
+            &mut entries.clone(),
+            &input_ids,
+        );
+        changed += (0..rows).filter(|&r| o.tokens[r] != pen.tokens[r]).count();
+        assert_eq!(o.tokens[5], pen.tokens[5], "an unpenalized row moved");
+        // Top log-probabilities are the raw ones, whatever the penalties.
+        assert_eq!(o.top_ids, pen.top_ids);
+        assert_eq!(o.top_lp, pen.top_lp);
+        assert_eq!(o.logprob[5], pen.logprob[5]);
+    }
+    assert!(changed >= 6, "penalties changed only {changed} tokens");
+    assert!(
+        pending_kinds.iter().all(|&k| k >= 3),
+        "pending cases {pending_kinds:?}"
+    );
 }
 
 #[test]

@@ -151,8 +151,8 @@ impl CudaBackend {
     }
 
     /// Samples one token per row of `logits` (`[rows, vocab]` f32, row-major) with the device
-    /// sampler (`baton_sample_f32`) and copies the results back. For tests and the eager path;
-    /// the production path keeps ids on the device.
+    /// sampler (`baton_sample_f32`, no penalties) and copies the results back. For tests and the
+    /// eager path; the production path keeps ids on the device.
     pub fn sample(
         &self,
         logits: &[f32],
@@ -170,7 +170,14 @@ impl CudaBackend {
         }
         let vocab_i32 =
             i32::try_from(vocab).map_err(|_| BackendError::BadArgs("vocab > i32::MAX".into()))?;
-        let d_logits = self.stream.clone_htod(logits)?;
+        let mut d_logits = self.stream.clone_htod(logits)?;
+        // No row is penalized: the table address is never dereferenced, no input id read.
+        let d_pen_table = self.stream.alloc_zeros::<u64>(1)?;
+        let no_rows = vec![crate::staging::PenaltyRow::NONE; rows.max(1)];
+        let d_pen_rows = self
+            .stream
+            .clone_htod(bytemuck::cast_slice::<_, u8>(&no_rows))?;
+        let d_input_ids = self.stream.alloc_zeros::<u32>(1)?;
         let d_params = self
             .stream
             .clone_htod(bytemuck::cast_slice::<_, u8>(params))?;
@@ -190,10 +197,13 @@ impl CudaBackend {
                 .arg(&mut d_lp)
                 .arg(&mut d_top_ids)
                 .arg(&mut d_top_lp)
-                .arg(&d_logits)
+                .arg(&mut d_logits)
                 .arg(&vocab_i32)
                 .arg(&d_params)
                 .arg(&d_index)
+                .arg(&d_pen_table)
+                .arg(&d_pen_rows)
+                .arg(&d_input_ids)
                 .arg(&vocab_i32);
             let cfg = LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
@@ -201,11 +211,13 @@ impl CudaBackend {
                 shared_mem_bytes: 0,
             };
             // SAFETY: arguments match `baton_sample_f32(u32* tokens, float* logprob, u32*
-            // top_ids, float* top_lp, const float* logits, int logits_stride, const
-            // BatonSamplingParams* params, const u32* output_index, int vocab)`; every buffer
-            // holds `rows` (or `rows * 20`) entries, logits `rows * vocab`, params `rows`
-            // 32-byte records with the layout checked by
-            // `kernels::tests::sampling_params_layout_matches_the_cuda_struct`.
+            // top_ids, float* top_lp, float* logits, int logits_stride, const
+            // BatonSamplingParams* params, const u32* output_index, BatonPenaltyEntry* const*
+            // penalty_table, const BatonPenaltyRow* penalty_rows, const u32* input_ids, int
+            // vocab)`; every buffer holds `rows` (or `rows * 20`) entries, logits `rows *
+            // vocab`, params `rows` 48-byte records with the layout checked by
+            // `kernels::tests::sampling_params_layout_matches_the_cuda_struct`, penalty rows
+            // `rows` 16-byte records that penalize nothing (so the table is not read).
             unsafe { b.launch(cfg) }?;
         }
         Ok(DeviceSamples {

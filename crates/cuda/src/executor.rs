@@ -3,14 +3,20 @@
 //! One device context and one created stream (never the legacy default stream). Per launch:
 //!
 //! 1. the host flattens the rows ([`crate::plan_launch`]) and packs every input into the pinned
-//!    staging buffer ([`StagingLayout`]), copied to the device with one async copy;
+//!    staging buffer ([`StagingLayout`]), copied to the device with one async copy. Sampling
+//!    rows with penalties carry their penalty list, built on the host from the token table
+//!    ([`baton_worker::penalty::build_penalty_list`]); the lists go, flattened, into a
+//!    separate growable entry buffer (one more async copy) whose address the staging buffer
+//!    carries;
 //! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
 //!    from the ring of ids earlier launches sampled (never a host round trip);
 //! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, RoPE, KV
 //!    write by slot, paged attention (decode split-K, varlen prefill, or the generic kernel for
 //!    head dims other than 64/128/256), O GEMM, add + RMSNorm, gate/up GEMM, SiLU-and-mul, down
 //!    GEMM; final add + RMSNorm, gather of each row's last token, LM-head GEMM to f32 logits,
-//!    device sampler. GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on the stream;
+//!    device sampler (penalties applied to the logits first, a pending input merged into its
+//!    row's list on the device). GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on
+//!    the stream;
 //! 4. the sampled ids are copied into the device ring (for the next launches' pending rows) and
 //!    to pinned host memory, then a CUDA event is recorded: the launch's fence. `execute`
 //!    returns the completion only after that event completed (`cuEventSynchronize`), so the
@@ -28,9 +34,12 @@ use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
 use crate::plan::{default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError};
-use crate::staging::{CapacityError, StagingLayout, StepInputs};
+use crate::staging::{
+    pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
+};
 use baton_model::{LlamaWeights, ModelConfig, Tensor};
 use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
+use baton_worker::penalty::{build_penalty_list, PenaltyEntry};
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::DriverError;
@@ -254,6 +263,16 @@ pub struct RowInput {
     pub params: SamplingParams,
     /// Output index (RNG counter).
     pub output_index: u32,
+    /// Penalty list of a sampling row with penalties: the request's history as the host knows
+    /// it (positions before `start_pos` from the token table, then `tokens` except a pending
+    /// first id, which the device merges in as one more output). Empty otherwise.
+    pub penalties: Vec<PenaltyEntry>,
+}
+
+/// Writes `entries` at the start of `buf` (which holds at least as many).
+fn put_entries(buf: &mut [u8], entries: &[DevicePenaltyEntry]) {
+    let b: &[u8] = bytemuck::cast_slice(entries);
+    buf[..b.len()].copy_from_slice(b);
 }
 
 /// `(sampled id or u32::MAX, log-probability, top entries)` of one row.
@@ -285,6 +304,13 @@ pub struct CudaWorker {
     staging_dev: Buf,
     staging_host: Pinned,
     layout: StagingLayout,
+    /// Penalty entries of the current launch (device and pinned host, `pen_cap` entries each;
+    /// reallocated larger when a launch needs more, see [`CudaWorker::reserve_penalties`]).
+    pen_dev: Buf,
+    pen_host: Pinned,
+    pen_cap: usize,
+    /// Entries the current launch uses.
+    pen_used: usize,
     out_dev: Buf,
     out_host: Pinned,
     ring: Buf,
@@ -455,6 +481,8 @@ struct BufferPlan {
     /// Most rows per launch (`max_rows`, at most `max_tokens`).
     rows: usize,
     max_partitions: usize,
+    /// Initial capacity of the penalty-entry buffer, in entries.
+    penalty_entries: usize,
 }
 
 impl BufferPlan {
@@ -497,6 +525,7 @@ impl BufferPlan {
             out: out_offsets(r),
             rows: r,
             max_partitions,
+            penalty_entries: initial_penalty_entries(t),
         }
     }
 
@@ -507,7 +536,18 @@ impl BufferPlan {
             + round(self.staging.total)
             + round(self.out.total)
             + round(4 * KEPT_LAUNCHES * self.rows)
+            + round(PENALTY_ENTRY_BYTES * self.penalty_entries)
     }
+}
+
+/// Bytes of one [`DevicePenaltyEntry`].
+const PENALTY_ENTRY_BYTES: usize = std::mem::size_of::<DevicePenaltyEntry>();
+
+/// Initial capacity of the penalty-entry buffer: one entry per batched token (`max_tokens`,
+/// as vLLM's `max_num_batched_tokens`). A launch whose rows have more distinct history tokens
+/// grows it (see [`CudaWorker::reserve_penalties`]).
+fn initial_penalty_entries(max_tokens: usize) -> usize {
+    max_tokens.max(1)
 }
 
 /// What a worker allocates on the device, in bytes, before its KV cache.
@@ -640,6 +680,9 @@ impl CudaWorker {
         let out_dev = alloc(oo.total)?;
         let out_host = Pinned::new(&dev, oo.total)?;
         let ring = alloc(4 * KEPT_LAUNCHES * r)?;
+        let pen_cap = bp.penalty_entries;
+        let pen_dev = alloc(PENALTY_ENTRY_BYTES * pen_cap)?;
+        let pen_host = Pinned::new(&dev, PENALTY_ENTRY_BYTES * pen_cap)?;
 
         // KV pool.
         let num_blocks = Self::plan_kv_blocks(&cfg, &opts, free_before, total_mem)?;
@@ -666,6 +709,10 @@ impl CudaWorker {
             staging_dev,
             staging_host,
             layout,
+            pen_dev,
+            pen_host,
+            pen_cap,
+            pen_used: 0,
             out_dev,
             out_host,
             ring,
@@ -770,6 +817,11 @@ impl CudaWorker {
     /// The element type.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// Capacity of the penalty-entry buffer, in entries (it grows when a launch needs more).
+    pub fn penalty_capacity(&self) -> usize {
+        self.pen_cap
     }
 
     /// Batch sizes with a captured decode graph (empty under `enforce_eager`).
@@ -1080,7 +1132,7 @@ impl CudaWorker {
         let o = out_offsets(self.layout.max_rows);
         let od = |x: usize| self.out_dev.at(x);
         // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params,
-        //            output_index, vocab)
+        //            output_index, penalty_table, penalty_rows, input_ids, vocab)
         self.launch(
             "baton_sample_f32",
             (r as u32, 1, 1),
@@ -1094,6 +1146,9 @@ impl CudaWorker {
                 .i(c.vocab_size)
                 .p(st(l.params))
                 .p(st(l.output_index))
+                .p(st(l.penalty_table))
+                .p(st(l.penalty_rows))
+                .p(st(l.ids))
                 .i(c.vocab_size),
         )
     }
@@ -1276,6 +1331,26 @@ impl CudaWorker {
         Ok(())
     }
 
+    /// Makes room for `n` penalty entries: when the buffers hold fewer, replaces them with
+    /// buffers of `max(n, 2 * capacity)` entries. Only called between launches (every earlier
+    /// launch has passed its fence), so no copy or kernel still uses the old buffers; captured
+    /// graphs read the new address from the staging buffer.
+    ///
+    /// # Errors
+    /// Allocation failures (out of device or pinned memory).
+    fn reserve_penalties(&mut self, n: usize) -> Result<(), CudaWorkerError> {
+        if n <= self.pen_cap {
+            return Ok(());
+        }
+        let cap = n.max(2 * self.pen_cap);
+        let dev = Buf::new(&self.dev, PENALTY_ENTRY_BYTES * cap)?;
+        let host = Pinned::new(&self.dev, PENALTY_ENTRY_BYTES * cap)?;
+        self.pen_dev = dev;
+        self.pen_host = host;
+        self.pen_cap = cap;
+        Ok(())
+    }
+
     /// Copies the staging host buffer to the device (async, on the stream).
     /// Uploads the staged inputs of a launch of `num_rows` rows (after padding): the prefix
     /// of the staging buffer those rows use.
@@ -1313,6 +1388,8 @@ impl CudaWorker {
                 output_index: vec![0; b],
                 params: vec![SamplingParams::greedy(); b],
                 plan,
+                penalty_rows: Vec::new(),
+                penalty_table: self.pen_dev.ptr,
             };
             let layout = self.layout;
             layout
@@ -1393,12 +1470,36 @@ impl CudaWorker {
         }
         let mut output_index: Vec<u32> = rows.iter().map(|r| r.output_index).collect();
         let mut params: Vec<SamplingParams> = rows.iter().map(|r| r.params).collect();
+        let mut penalty_rows = Vec::new();
+        let mut entries = Vec::new();
+        let penalized = |r: &RowInput| r.sample && r.params.has_penalties();
+        if rows.iter().any(penalized) {
+            pack_penalties(
+                rows.iter().enumerate().map(|(i, r)| {
+                    if penalized(r) {
+                        let pending_at = r.pending.map(|_| plan.cu_seqlens[i] as u32);
+                        (&r.penalties[..], pending_at)
+                    } else {
+                        (&[][..], None)
+                    }
+                }),
+                &mut penalty_rows,
+                &mut entries,
+            )
+            .map_err(|e| WorkerError::Forward(e.to_string()))?;
+        }
+        self.reserve_penalties(entries.len()).map_err(dev_err)?;
+        put_entries(self.pen_host.bytes_mut(), &entries);
+        self.pen_used = entries.len();
         let run_rows = match bucket {
             Some(b) => {
                 plan.pad_decode_rows(b);
                 ids.resize(b, 0);
                 output_index.resize(b, 0);
                 params.resize(b, SamplingParams::greedy());
+                if !penalty_rows.is_empty() {
+                    penalty_rows.resize(b, PenaltyRow::NONE);
+                }
                 b
             }
             None => n_rows,
@@ -1409,6 +1510,8 @@ impl CudaWorker {
             pending,
             output_index,
             params,
+            penalty_rows,
+            penalty_table: self.pen_dev.ptr,
         };
         let layout = self.layout;
         layout
@@ -1466,6 +1569,17 @@ impl CudaWorker {
     ) -> Result<(), CudaWorkerError> {
         let t = inputs.plan.num_tokens();
         self.upload_staging(inputs.plan.num_rows())?;
+        if self.pen_used > 0 {
+            // SAFETY: both buffers hold `pen_cap >= pen_used` entries; the pinned side is not
+            // written again before this launch's fence (as for the staging buffer).
+            unsafe {
+                self.dev.copy_htod_async(
+                    self.pen_dev.ptr,
+                    self.pen_host.ptr,
+                    PENALTY_ENTRY_BYTES * self.pen_used,
+                )
+            }?;
+        }
         if !inputs.pending.is_empty() {
             let l = &self.layout;
             // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
@@ -1560,10 +1674,12 @@ impl CudaWorker {
         tables: &dyn TableReader,
     ) -> Result<Vec<RowInput>, WorkerError> {
         let max_rows = self.layout.max_rows;
+        let (mut history, mut scratch) = (Vec::new(), Vec::new());
         launch
             .rows
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let first = r.first_pos as usize;
                 let end = first + r.num_tokens as usize;
                 let mut tokens = Vec::with_capacity(r.num_tokens as usize);
@@ -1585,6 +1701,41 @@ impl CudaWorker {
                 };
                 let mut block_table = Vec::with_capacity(r.num_blocks as usize);
                 tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut block_table);
+                let mut penalties = Vec::new();
+                if r.sample == 1 && r.params.has_penalties() {
+                    // As the CPU worker: positions 0 .. first (in the table: the scheduler never
+                    // plans a penalized row past a pending input other than its first), then
+                    // the row's own inputs, except a pending first id (merged on the device).
+                    let prompt_len = end.checked_sub(r.output_index as usize).ok_or_else(|| {
+                        WorkerError::Forward(format!(
+                            "row {i}: output index {} exceeds its {end} positions",
+                            r.output_index
+                        ))
+                    })?;
+                    if pending.is_some() && first < prompt_len {
+                        return Err(WorkerError::Forward(format!(
+                            "row {i}: pending input at position {first} lies in the prompt \
+                             ({prompt_len} tokens)"
+                        )));
+                    }
+                    let with_prompt = r.params.has_repetition_penalty();
+                    let from = if with_prompt { 0 } else { prompt_len };
+                    history.clear();
+                    if from < first {
+                        tables.read_tokens(r.req.slot, from..first, &mut history);
+                    }
+                    let known = usize::from(pending.is_some());
+                    let own = &tokens[known.min(tokens.len())..];
+                    let skip = from.saturating_sub(first + known).min(own.len());
+                    history.extend_from_slice(&own[skip..]);
+                    build_penalty_list(
+                        &history,
+                        prompt_len - from,
+                        with_prompt,
+                        &mut scratch,
+                        &mut penalties,
+                    );
+                }
                 Ok(RowInput {
                     tokens,
                     start_pos: first,
@@ -1593,6 +1744,7 @@ impl CudaWorker {
                     sample: r.sample == 1,
                     params: r.params,
                     output_index: r.output_index,
+                    penalties,
                 })
             })
             .collect()

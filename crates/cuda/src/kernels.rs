@@ -405,6 +405,64 @@ mod tests {
         );
     }
 
+    /// `BatonPenaltyEntry` and `BatonPenaltyRow` in sampling.cu are read straight from arrays of
+    /// `staging::DevicePenaltyEntry` and `staging::PenaltyRow`.
+    #[test]
+    fn penalty_layouts_match_the_cuda_structs() {
+        use crate::staging::{DevicePenaltyEntry as E, PenaltyRow as R};
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!((size_of::<E>(), align_of::<E>()), (16, 4));
+        assert_eq!((size_of::<R>(), align_of::<R>()), (16, 4));
+        assert_eq!(
+            [
+                offset_of!(E, token),
+                offset_of!(E, output_count),
+                offset_of!(E, in_prompt),
+                offset_of!(E, saved)
+            ],
+            [0, 4, 8, 12]
+        );
+        assert_eq!(
+            [
+                offset_of!(R, offset),
+                offset_of!(R, count),
+                offset_of!(R, pending_index),
+                offset_of!(R, reserved)
+            ],
+            [0, 4, 8, 12]
+        );
+        let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
+        let fields = |name: &str| -> Vec<String> {
+            src.split(&format!("struct {name} {{"))
+                .nth(1)
+                .and_then(|rest| rest.split("};").next())
+                .unwrap_or_else(|| panic!("sampling.cu defines struct {name}"))
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(
+            fields("BatonPenaltyEntry"),
+            [
+                "u32 token;",
+                "u32 output_count;",
+                "u32 in_prompt;",
+                "float saved;"
+            ]
+        );
+        assert_eq!(
+            fields("BatonPenaltyRow"),
+            [
+                "u32 offset;",
+                "u32 count;",
+                "int pending_index;",
+                "u32 reserved;"
+            ]
+        );
+    }
+
     #[test]
     fn dtype_names_sizes_and_macro_values() {
         for d in Dtype::ALL {

@@ -1,6 +1,11 @@
 //! The per-step input block: every host-side input of one launch (ids, positions, slots, row
-//! metadata, block tables, pending-id references, sampling parameters) packed into one byte
-//! buffer at fixed offsets, copied to the device with one `cuMemcpyHtoDAsync`.
+//! metadata, block tables, pending-id references, sampling parameters, penalty rows) packed into
+//! one byte buffer at fixed offsets, copied to the device with one `cuMemcpyHtoDAsync`.
+//!
+//! The penalty entries themselves ([`DevicePenaltyEntry`], built by [`pack_penalties`]) vary in
+//! number, so they live in a separate buffer that grows when a launch needs more; the staging
+//! buffer carries its device address (the `penalty_table` region), which the sampler reads
+//! through, so a captured graph keeps working after the entry buffer was reallocated.
 //!
 //! Why fixed offsets: a captured CUDA graph bakes in device pointers, so each region lives at
 //! the same device address on every step; only the contents change. Regions are 16-byte
@@ -9,6 +14,97 @@
 
 use crate::plan::LaunchPlan;
 use baton_proto::SamplingParams;
+use baton_worker::penalty::PenaltyEntry;
+
+/// Where a row's penalty entries are (`BatonPenaltyRow` in `kernels/sampling.cu`, 16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct PenaltyRow {
+    /// Index of the row's first entry in the launch's entry array.
+    pub offset: u32,
+    /// Number of entries (distinct history tokens the host knows), ascending by token.
+    pub count: u32,
+    /// Index in the launch's input-id buffer of the row's pending first input (an output the
+    /// device resolves, counted as one more output occurrence), or `-1`.
+    pub pending_index: i32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl PenaltyRow {
+    /// A row without penalties.
+    pub const NONE: PenaltyRow = PenaltyRow {
+        offset: 0,
+        count: 0,
+        pending_index: -1,
+        reserved: 0,
+    };
+}
+
+/// One penalty entry as the sampler reads it (`BatonPenaltyEntry` in `kernels/sampling.cu`, 16
+/// bytes): a [`PenaltyEntry`] plus a slot where the kernel saves the raw logit it penalizes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct DevicePenaltyEntry {
+    /// Token id.
+    pub token: u32,
+    /// Occurrences among the outputs the host knows.
+    pub output_count: u32,
+    /// 1 if the token occurs in the prompt, else 0.
+    pub in_prompt: u32,
+    /// Written by the kernel (the raw logit); 0 on upload.
+    pub saved: f32,
+}
+
+impl From<&PenaltyEntry> for DevicePenaltyEntry {
+    fn from(e: &PenaltyEntry) -> Self {
+        DevicePenaltyEntry {
+            token: e.token,
+            output_count: e.output_count,
+            in_prompt: u32::from(e.in_prompt),
+            saved: 0.0,
+        }
+    }
+}
+
+/// Packs the penalty lists of a launch's rows: for each row `(list, pending_index)` (an empty
+/// list and `None` for a row without penalties), one [`PenaltyRow`] into `rows` and its entries,
+/// concatenated, into `entries` (both cleared first).
+///
+/// # Errors
+/// [`CapacityError`] (`penalty entries`) when the entries exceed `u32` offsets.
+pub fn pack_penalties<'a>(
+    lists: impl IntoIterator<Item = (&'a [PenaltyEntry], Option<u32>)>,
+    rows: &mut Vec<PenaltyRow>,
+    entries: &mut Vec<DevicePenaltyEntry>,
+) -> Result<(), CapacityError> {
+    rows.clear();
+    entries.clear();
+    for (list, pending) in lists {
+        let too_many = |have| CapacityError {
+            what: "penalty entries",
+            have,
+            cap: i32::MAX as usize,
+        };
+        let offset = u32::try_from(entries.len()).map_err(|_| too_many(entries.len()))?;
+        let count = u32::try_from(list.len()).map_err(|_| too_many(list.len()))?;
+        let pending_index = match pending {
+            Some(p) => i32::try_from(p).map_err(|_| too_many(p as usize))?,
+            None => -1,
+        };
+        entries.extend(list.iter().map(DevicePenaltyEntry::from));
+        if entries.len() > i32::MAX as usize {
+            return Err(too_many(entries.len()));
+        }
+        rows.push(PenaltyRow {
+            offset,
+            count,
+            pending_index,
+            reserved: 0,
+        });
+    }
+    Ok(())
+}
 
 /// Byte offsets of the regions of the staging buffer; see the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,8 +137,12 @@ pub struct StagingLayout {
     pub pending_src: usize,
     /// `[max_rows]` u32 output index (RNG counter) per row.
     pub output_index: usize,
-    /// `[max_rows]` 32-byte [`SamplingParams`] per row.
+    /// `[max_rows]` 48-byte [`SamplingParams`] per row.
     pub params: usize,
+    /// `[max_rows]` [`PenaltyRow`] per row.
+    pub penalty_rows: usize,
+    /// One u64: the device address of the launch's [`DevicePenaltyEntry`] array.
+    pub penalty_table: usize,
     /// Total bytes.
     pub total: usize,
 }
@@ -64,13 +164,17 @@ pub struct StepInputs {
     pub output_index: Vec<u32>,
     /// `[num_rows]` sampling parameters per row.
     pub params: Vec<SamplingParams>,
+    /// `[num_rows]` penalty rows (see [`pack_penalties`]), or empty when no row is penalized.
+    pub penalty_rows: Vec<PenaltyRow>,
+    /// Device address of the entry array `penalty_rows` index into (0 when there is none).
+    pub penalty_table: u64,
 }
 
 /// Why a step does not fit the staging buffer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("launch does not fit the device buffers: {what} {have} > capacity {cap}")]
 pub struct CapacityError {
-    /// What overflowed (`tokens`, `rows`, `block-table entries per row`).
+    /// What overflowed (`tokens`, `rows`, `block-table entries per row`, `penalty entries`).
     pub what: &'static str,
     /// Needed.
     pub have: usize,
@@ -100,6 +204,8 @@ impl StagingLayout {
         let pending_src = take(4 * r);
         let output_index = take(4 * r);
         let params = take(std::mem::size_of::<SamplingParams>() * r);
+        let penalty_rows = take(std::mem::size_of::<PenaltyRow>() * r);
+        let penalty_table = take(8);
         // Last, so a launch uploads only the rows it uses (see `used_bytes`).
         let block_tables = take(4 * r * b);
         StagingLayout {
@@ -118,6 +224,8 @@ impl StagingLayout {
             pending_src,
             output_index,
             params,
+            penalty_rows,
+            penalty_table,
             total: off,
         }
     }
@@ -156,6 +264,7 @@ impl StagingLayout {
         assert_eq!(s.ids.len(), p.num_tokens());
         assert_eq!(s.output_index.len(), p.num_rows());
         assert_eq!(s.params.len(), p.num_rows());
+        assert!(s.penalty_rows.is_empty() || s.penalty_rows.len() == p.num_rows());
         put(buf, self.ids, &s.ids);
         put(buf, self.positions, &p.positions);
         put(buf, self.slots, &p.slot_mapping);
@@ -174,6 +283,13 @@ impl StagingLayout {
         put(buf, self.pending_src, &src);
         put(buf, self.output_index, &s.output_index);
         put(buf, self.params, bytemuck::cast_slice::<_, u8>(&s.params));
+        if s.penalty_rows.is_empty() {
+            let none = vec![PenaltyRow::NONE; p.num_rows()];
+            put(buf, self.penalty_rows, &none);
+        } else {
+            put(buf, self.penalty_rows, &s.penalty_rows);
+        }
+        put(buf, self.penalty_table, &[s.penalty_table]);
         Ok(())
     }
 }
@@ -202,7 +318,9 @@ mod tests {
             (l.pending_dst, 28),
             (l.pending_src, 28),
             (l.output_index, 28),
-            (l.params, 7 * 32),
+            (l.params, 7 * 48),
+            (l.penalty_rows, 7 * 16),
+            (l.penalty_table, 8),
             (l.block_tables, 84),
         ];
         for w in regions.windows(2) {
@@ -216,7 +334,7 @@ mod tests {
         // A launch's upload covers every region and its rows' block tables, nothing more.
         assert_eq!(l.used_bytes(7), l.total);
         assert_eq!(l.used_bytes(2), l.block_tables + 2 * 3 * 4 + 8);
-        assert!(l.used_bytes(2) >= l.params + 7 * 32);
+        assert!(l.used_bytes(2) >= l.penalty_table + 8);
         assert_eq!(l.used_bytes(0), l.used_bytes(1));
         assert_eq!(l.used_bytes(100), l.total);
     }
@@ -235,6 +353,16 @@ mod tests {
             output_index: vec![0, 9],
             params,
             plan,
+            penalty_rows: vec![
+                PenaltyRow::NONE,
+                PenaltyRow {
+                    offset: 3,
+                    count: 2,
+                    pending_index: 5,
+                    reserved: 0,
+                },
+            ],
+            penalty_table: 0x1234_5678_9abc,
         };
         l.fill(&mut buf, &s).unwrap();
         let rd = |at: usize, n: usize| -> Vec<i32> {
@@ -258,6 +386,77 @@ mod tests {
             &buf[l.params..l.params + std::mem::size_of::<SamplingParams>()],
             bytemuck::bytes_of(&SamplingParams::greedy())
         );
+        assert_eq!(rd(l.penalty_rows, 8), vec![0, 0, -1, 0, 3, 2, 5, 0]);
+        assert_eq!(
+            buf[l.penalty_table..l.penalty_table + 8],
+            0x1234_5678_9abcu64.to_le_bytes()
+        );
+        // Without penalty rows every row reads as not penalized.
+        let s = StepInputs {
+            penalty_rows: Vec::new(),
+            ..s
+        };
+        let mut again = buf.clone();
+        l.fill(&mut again, &s).unwrap();
+        let rows: Vec<i32> = again[l.penalty_rows..l.penalty_rows + 32]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(rows, vec![0, 0, -1, 0, 0, 0, -1, 0]);
+    }
+
+    #[test]
+    fn penalty_lists_pack_into_rows_and_one_entry_array() {
+        let e = |token, output_count, in_prompt| PenaltyEntry {
+            token,
+            output_count,
+            in_prompt,
+        };
+        let a = [e(3, 2, true), e(9, 0, true)];
+        let b = [e(1, 1, false)];
+        let (mut rows, mut entries) = (vec![PenaltyRow::NONE; 9], Vec::new());
+        pack_penalties(
+            [
+                (&a[..], None),
+                (&[][..], None),
+                (&b[..], Some(17)),
+                (&[][..], Some(4)),
+            ],
+            &mut rows,
+            &mut entries,
+        )
+        .unwrap();
+        let row = |offset, count, pending_index| PenaltyRow {
+            offset,
+            count,
+            pending_index,
+            reserved: 0,
+        };
+        assert_eq!(
+            rows,
+            vec![row(0, 2, -1), row(2, 0, -1), row(2, 1, 17), row(3, 0, 4)]
+        );
+        let d = |token, output_count, in_prompt| DevicePenaltyEntry {
+            token,
+            output_count,
+            in_prompt,
+            saved: 0.0,
+        };
+        assert_eq!(entries, vec![d(3, 2, 1), d(9, 0, 1), d(1, 1, 0)]);
+        assert_eq!(
+            rows[1],
+            PenaltyRow {
+                offset: 2,
+                ..PenaltyRow::NONE
+            }
+        );
+        // Reused buffers are cleared; a pending index past i32 is refused.
+        let err = pack_penalties([(&b[..], Some(u32::MAX))], &mut rows, &mut entries).unwrap_err();
+        assert_eq!(err.what, "penalty entries");
+        pack_penalties([(&b[..], None)], &mut rows, &mut entries).unwrap();
+        assert_eq!((rows.len(), entries.len()), (1, 1));
+        assert_eq!(std::mem::size_of::<PenaltyRow>(), 16);
+        assert_eq!(std::mem::size_of::<DevicePenaltyEntry>(), 16);
     }
 
     #[test]
@@ -272,6 +471,7 @@ mod tests {
             output_index: vec![0],
             params: vec![SamplingParams::greedy()],
             plan,
+            ..StepInputs::default()
         };
         let e = l.fill(&mut buf, &s).unwrap_err();
         assert_eq!((e.what, e.have, e.cap), ("tokens", 20, 16));
