@@ -1,12 +1,12 @@
-// On-device sampling: presence / frequency / repetition penalties, greedy / temperature /
-// top-k / top-p / min-p, plus log-probabilities.
+// On-device sampling: logit bias, presence / frequency / repetition penalties, greedy /
+// temperature / top-k / top-p / min-p, plus log-probabilities.
 //
 // Semantics are those of the CPU reference, `baton_worker::sampling` (crates/worker/src/
 // sampling.rs); read its module docs first. In short, per row:
-//   - penalties first (baton_worker::penalty, crates/worker/src/penalty.rs), applied in place to
-//     the logits of the row's history tokens: the host builds the row's list (one entry per
-//     distinct token, with its output count and whether it is in the prompt) from the token
-//     table; a pending first input (an id an earlier launch sampled, known only on the device)
+//   - logit bias and penalties first (baton_worker::penalty, crates/worker/src/penalty.rs),
+//     applied in place to the logits of the row's history and bias tokens: the host builds the
+//     row's list (one entry per distinct token, with its output count, whether it is in the
+//     prompt, and its bias) from the token and logit-bias tables; a pending first input (an id an earlier launch sampled, known only on the device)
 //     is merged here as one more output occurrence. baton_penalize is the CPU's arithmetic, so
 //     the penalized logits are bit for bit the CPU's;
 //   - logits are cleaned (NaN -> -inf, +inf -> FLT_MAX, -0 -> +0);
@@ -55,12 +55,13 @@ struct BatonSamplingParams {
     u32 logit_bias_len;
 };
 
-// One distinct token of a row's history (baton_cuda::staging::DevicePenaltyEntry, 16 bytes):
-// the host's baton_worker::penalty::PenaltyEntry plus room for the logit it replaces.
+// One distinct token of a row's history or logit bias (baton_cuda::staging::DevicePenaltyEntry,
+// 20 bytes): the host's baton_worker::penalty::PenaltyEntry plus room for the logit it replaces.
 struct BatonPenaltyEntry {
     u32 token;
     u32 output_count;
     u32 in_prompt;
+    float bias;
     float saved;
 };
 
@@ -80,8 +81,9 @@ struct BatonPenaltyRow {
 // (crates/worker/src/penalty.rs), same operations in the same order. The explicit _rn
 // intrinsics keep the compiler from contracting the multiply and subtract into an FMA, which
 // would round differently from the CPU.
-__device__ __forceinline__ float baton_penalize(float x, u32 output_count, bool in_prompt,
-                                                const BatonSamplingParams& p) {
+__device__ __forceinline__ float baton_penalize(float x, float bias, u32 output_count,
+                                                bool in_prompt, const BatonSamplingParams& p) {
+    x = __fadd_rn(x, bias);
     const float r = p.repetition_penalty;
     if (r > 0.0f && r != 1.0f && (in_prompt || output_count > 0))
         x = x > 0.0f ? __fdiv_rn(x, r) : __fmul_rn(x, r);
@@ -313,13 +315,13 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
             if (e.token >= (u32)vocab) continue;
             const float v = x[e.token];
             pe[i].saved = v;
-            x[e.token] = baton_penalize(v, e.output_count + (e.token == pend ? 1u : 0u),
+            x[e.token] = baton_penalize(v, e.bias, e.output_count + (e.token == pend ? 1u : 0u),
                                         e.in_prompt != 0, p);
         }
         if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) {
             // A fresh entry: one output occurrence, not in the prompt.
             sh.pending_saved = x[pend];
-            x[pend] = baton_penalize(sh.pending_saved, 1u, false, p);
+            x[pend] = baton_penalize(sh.pending_saved, 0.0f, 1u, false, p);
         }
         __syncthreads();
     }

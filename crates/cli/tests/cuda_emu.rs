@@ -372,6 +372,37 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
             .collect();
         // An unpenalized greedy request in the same batches.
         v.push(request(9, g[0].prompt_ids.clone(), 40, greedy()));
+        // A logit bias alone (banning the golden's first tokens, rewarding another), and one
+        // with penalties and min_tokens (its stop id masked through the bias table).
+        let mut b = request(
+            7,
+            g[1].prompt_ids.clone(),
+            40,
+            SamplingParams {
+                logit_bias_len: 3,
+                ..greedy()
+            },
+        );
+        b.logit_bias = vec![
+            (g[1].greedy_ids[0], -100.0),
+            (g[1].greedy_ids[1], -100.0),
+            (300, 3.5),
+        ];
+        v.push(b);
+        let mut m = request(
+            8,
+            g[2].prompt_ids.clone(),
+            40,
+            SamplingParams {
+                logit_bias_len: 1,
+                presence_penalty: 0.4,
+                ..greedy()
+            },
+        );
+        m.logit_bias = vec![(17, 1.5)];
+        m.stop_token_ids = vec![g[2].greedy_ids[3]];
+        m.min_tokens = 10;
+        v.push(m);
         v
     };
     let (mut cpu, _) = engine(sched.clone());
@@ -381,6 +412,14 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
         want[&9].0,
         g[0].greedy_ids[..n_tokens],
         "unpenalized golden"
+    );
+    assert_ne!(
+        want[&7].0[0], g[1].greedy_ids[0],
+        "the bias changed nothing"
+    );
+    assert!(
+        want[&8].0.len() > 10,
+        "min_tokens did not hold the stop id back"
     );
     for i in 0..3 {
         let golden = &g[i % g.len()].greedy_ids;

@@ -1206,6 +1206,8 @@ struct PenaltyCase {
     history: Vec<u32>,
     prompt_len: usize,
     pending: bool,
+    /// The row's logit bias.
+    bias: Vec<(u32, f32)>,
 }
 
 #[test]
@@ -1283,12 +1285,29 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
             if r == 0 {
                 p.presence_penalty = 3.0; // strong enough to move the argmax
             }
+            // A logit bias on every third row (row 4: a bias and no penalties): a boost for a
+            // runner-up, a cut for a history token, a ban for a third token.
+            let mut bias = Vec::new();
+            if r % 3 == 1 || r == 4 {
+                bias = vec![
+                    (top[1], 2.5),
+                    (history[0], -1.5),
+                    (next(vocab as u64) as u32, -100.0),
+                ];
+            }
+            if r == 4 {
+                p.presence_penalty = 0.0;
+                p.frequency_penalty = 0.0;
+                p.repetition_penalty = 1.0;
+            }
+            p.logit_bias_len = bias.len() as u32;
             params.push(p);
             idx.push((len - prompt_len) as u32);
             cases.push(PenaltyCase {
                 history,
                 prompt_len,
                 pending,
+                bias,
             });
         }
         // Odd logits on history tokens of row 2: +inf and -0.
@@ -1303,12 +1322,17 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
         for (r, c) in cases.iter().enumerate() {
             let p = &params[r];
             let mut list = Vec::new();
-            if p.has_penalties() {
-                let known = &c.history[..c.history.len() - usize::from(c.pending)];
+            if p.adjusts_logits() {
+                let known = if p.has_penalties() {
+                    &c.history[..c.history.len() - usize::from(c.pending)]
+                } else {
+                    &[]
+                };
                 build_penalty_list(
                     known,
-                    c.prompt_len,
+                    c.prompt_len.min(known.len()),
                     p.has_repetition_penalty(),
+                    &c.bias,
                     &mut scratch,
                     &mut list,
                 );
@@ -1349,11 +1373,17 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
                 let raw = &logits[r * vocab..(r + 1) * vocab];
                 let p = &params[r];
                 let mut full: Vec<PenaltyEntry> = Vec::new();
-                if p.has_penalties() {
+                if p.adjusts_logits() {
+                    let history = if p.has_penalties() {
+                        &c.history[..]
+                    } else {
+                        &[]
+                    };
                     build_penalty_list(
-                        &c.history,
-                        c.prompt_len,
+                        history,
+                        c.prompt_len.min(history.len()),
                         p.has_repetition_penalty(),
+                        &c.bias,
                         &mut Vec::new(),
                         &mut full,
                     );

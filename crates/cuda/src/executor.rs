@@ -1472,12 +1472,17 @@ impl CudaWorker {
         let mut params: Vec<SamplingParams> = rows.iter().map(|r| r.params).collect();
         let mut penalty_rows = Vec::new();
         let mut entries = Vec::new();
-        let penalized = |r: &RowInput| r.sample && r.params.has_penalties();
+        let penalized = |r: &RowInput| r.sample && r.params.adjusts_logits();
         if rows.iter().any(penalized) {
             pack_penalties(
                 rows.iter().enumerate().map(|(i, r)| {
                     if penalized(r) {
-                        let pending_at = r.pending.map(|_| plan.cu_seqlens[i] as u32);
+                        // A pending input is an output occurrence only for the penalties; a
+                        // row with just a logit bias needs no history.
+                        let pending_at = r
+                            .pending
+                            .filter(|_| r.params.has_penalties())
+                            .map(|_| plan.cu_seqlens[i] as u32);
                         (&r.penalties[..], pending_at)
                     } else {
                         (&[][..], None)
@@ -1674,7 +1679,7 @@ impl CudaWorker {
         tables: &dyn TableReader,
     ) -> Result<Vec<RowInput>, WorkerError> {
         let max_rows = self.layout.max_rows;
-        let (mut history, mut scratch) = (Vec::new(), Vec::new());
+        let (mut history, mut scratch, mut bias) = (Vec::new(), Vec::new(), Vec::new());
         launch
             .rows
             .iter()
@@ -1702,6 +1707,10 @@ impl CudaWorker {
                 let mut block_table = Vec::with_capacity(r.num_blocks as usize);
                 tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut block_table);
                 let mut penalties = Vec::new();
+                if r.sample == 1 && r.params.adjusts_logits() {
+                    bias.clear();
+                    tables.read_logit_bias(r.req.slot, r.params.logit_bias_len as usize, &mut bias);
+                }
                 if r.sample == 1 && r.params.has_penalties() {
                     // As the CPU worker: positions 0 .. first (in the table: the scheduler never
                     // plans a penalized row past a pending input other than its first), then
@@ -1732,9 +1741,13 @@ impl CudaWorker {
                         &history,
                         prompt_len - from,
                         with_prompt,
+                        &bias,
                         &mut scratch,
                         &mut penalties,
                     );
+                } else if r.sample == 1 && r.params.adjusts_logits() {
+                    // A logit bias alone (or a min_tokens mask): no history.
+                    build_penalty_list(&[], 0, false, &bias, &mut scratch, &mut penalties);
                 }
                 Ok(RowInput {
                     tokens,

@@ -411,16 +411,17 @@ mod tests {
     fn penalty_layouts_match_the_cuda_structs() {
         use crate::staging::{DevicePenaltyEntry as E, PenaltyRow as R};
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!((size_of::<E>(), align_of::<E>()), (16, 4));
+        assert_eq!((size_of::<E>(), align_of::<E>()), (20, 4));
         assert_eq!((size_of::<R>(), align_of::<R>()), (16, 4));
         assert_eq!(
             [
                 offset_of!(E, token),
                 offset_of!(E, output_count),
                 offset_of!(E, in_prompt),
+                offset_of!(E, bias),
                 offset_of!(E, saved)
             ],
-            [0, 4, 8, 12]
+            [0, 4, 8, 12, 16]
         );
         assert_eq!(
             [
@@ -449,6 +450,7 @@ mod tests {
                 "u32 token;",
                 "u32 output_count;",
                 "u32 in_prompt;",
+                "float bias;",
                 "float saved;"
             ]
         );

@@ -52,6 +52,8 @@ pub struct DevicePenaltyEntry {
     pub output_count: u32,
     /// 1 if the token occurs in the prompt, else 0.
     pub in_prompt: u32,
+    /// The request's logit bias for the token (0 for none), added before the penalties.
+    pub bias: f32,
     /// Written by the kernel (the raw logit); 0 on upload.
     pub saved: f32,
 }
@@ -62,6 +64,7 @@ impl From<&PenaltyEntry> for DevicePenaltyEntry {
             token: e.token,
             output_count: e.output_count,
             in_prompt: u32::from(e.in_prompt),
+            bias: e.bias,
             saved: 0.0,
         }
     }
@@ -411,8 +414,11 @@ mod tests {
             token,
             output_count,
             in_prompt,
+            bias: 0.0,
         };
-        let a = [e(3, 2, true), e(9, 0, true)];
+        let mut biased = e(9, 0, true);
+        biased.bias = -2.5;
+        let a = [e(3, 2, true), biased];
         let b = [e(1, 1, false)];
         let (mut rows, mut entries) = (vec![PenaltyRow::NONE; 9], Vec::new());
         pack_penalties(
@@ -436,13 +442,17 @@ mod tests {
             rows,
             vec![row(0, 2, -1), row(2, 0, -1), row(2, 1, 17), row(3, 0, 4)]
         );
-        let d = |token, output_count, in_prompt| DevicePenaltyEntry {
+        let d = |token, output_count, in_prompt, bias| DevicePenaltyEntry {
             token,
             output_count,
             in_prompt,
+            bias,
             saved: 0.0,
         };
-        assert_eq!(entries, vec![d(3, 2, 1), d(9, 0, 1), d(1, 1, 0)]);
+        assert_eq!(
+            entries,
+            vec![d(3, 2, 1, 0.0), d(9, 0, 1, -2.5), d(1, 1, 0, 0.0)]
+        );
         assert_eq!(
             rows[1],
             PenaltyRow {
@@ -456,7 +466,7 @@ mod tests {
         pack_penalties([(&b[..], None)], &mut rows, &mut entries).unwrap();
         assert_eq!((rows.len(), entries.len()), (1, 1));
         assert_eq!(std::mem::size_of::<PenaltyRow>(), 16);
-        assert_eq!(std::mem::size_of::<DevicePenaltyEntry>(), 16);
+        assert_eq!(std::mem::size_of::<DevicePenaltyEntry>(), 20);
     }
 
     #[test]
