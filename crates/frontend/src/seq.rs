@@ -168,6 +168,11 @@ impl Seq {
         }
     }
 
+    /// Prompt tokens of the sequence's request.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
     /// The next delta, or `None` once the last one was returned.
     pub async fn next(&mut self) -> Option<Delta> {
         if self.done {

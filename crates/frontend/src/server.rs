@@ -740,8 +740,9 @@ fn merge(seqs: Vec<Seq>) -> SelectAll<BoxStream<'static, Delta>> {
 trait Chunker: Send + 'static {
     /// Payloads sent before any delta (echoed prompts, the chat role).
     fn prelude(&mut self) -> Vec<String>;
-    /// The payload of a delta, or `None` when there is nothing to send.
-    fn delta(&mut self, d: &Delta) -> Option<String>;
+    /// The payload of a delta, or `None` when there is nothing to send; `usage` is the
+    /// choice's usage so far when `continuous_usage_stats` asked for it.
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String>;
     /// The usage chunk.
     fn usage(&mut self, usage: Usage) -> String;
 }
@@ -754,12 +755,15 @@ fn sse_data(payload: &str) -> Bytes {
 /// `data: [DONE]`. An engine error ends the stream after one error event.
 ///
 /// `n` is the number of choices per prompt (`usage` counts each prompt's cached tokens once).
+/// With `continuous_usage`, every delta chunk also carries its choice's usage so far (its
+/// prompt's tokens and the choice's output tokens), as vLLM's `continuous_usage_stats`.
 fn sse_response<C: Chunker>(
     mut chunker: C,
     seqs: Vec<Seq>,
     prompt_tokens: usize,
     n: usize,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> Response {
     enum Phase {
         Running,
@@ -777,10 +781,14 @@ fn sse_response<C: Chunker>(
         cached: Vec<usize>,
         n: usize,
         include_usage: bool,
+        /// Per choice: prompt tokens and output tokens so far (continuous usage only).
+        per_choice: Option<Vec<(usize, usize)>>,
     }
     let prelude: Vec<Result<Bytes, std::convert::Infallible>> =
         chunker.prelude().iter().map(|p| Ok(sse_data(p))).collect();
     let choices = seqs.len();
+    let per_choice =
+        continuous_usage.then(|| seqs.iter().map(|s| (s.prompt_tokens(), 0)).collect());
     let state = S {
         chunker,
         merged: merge(seqs),
@@ -790,6 +798,7 @@ fn sse_response<C: Chunker>(
         cached: vec![0; choices],
         n,
         include_usage,
+        per_choice,
     };
     let body = stream::unfold(state, |mut s| async move {
         loop {
@@ -807,7 +816,12 @@ fn sse_response<C: Chunker>(
                             let err = engine_error(msg.clone()).body();
                             return Some((Ok(sse_data(&err.to_string())), s));
                         }
-                        if let Some(p) = s.chunker.delta(&d) {
+                        let usage = s.per_choice.as_mut().and_then(|v| {
+                            let (prompt, out) = v.get_mut(d.index)?;
+                            *out += d.tokens.len();
+                            Some(Usage::new(*prompt, *out, 0))
+                        });
+                        if let Some(p) = s.chunker.delta(&d, usage) {
                             return Some((Ok(sse_data(&p)), s));
                         }
                     }
@@ -940,7 +954,7 @@ impl Chunker for CompletionChunker {
             .collect()
     }
 
-    fn delta(&mut self, d: &Delta) -> Option<String> {
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String> {
         if self.head.carries_nothing(d) {
             return None;
         }
@@ -957,7 +971,7 @@ impl Chunker for CompletionChunker {
                 finish_reason: d.finish.map(str::to_owned),
                 stop_reason: d.stop_reason.clone(),
             }],
-            None,
+            usage,
         ))
     }
 
@@ -1034,6 +1048,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             prompt_tokens,
             n,
             gen.include_usage,
+            gen.continuous_usage,
         ));
     }
     let (outs, completion_tokens) = collect(seqs).await?;
@@ -1095,7 +1110,7 @@ impl Chunker for ChatChunker {
             .collect()
     }
 
-    fn delta(&mut self, d: &Delta) -> Option<String> {
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String> {
         if self.head.carries_nothing(d) {
             return None;
         }
@@ -1114,7 +1129,7 @@ impl Chunker for ChatChunker {
                 finish_reason: d.finish.map(str::to_owned),
                 stop_reason: d.finish.map(|_| d.stop_reason.clone()),
             }],
-            None,
+            usage,
         ))
     }
 
@@ -1175,6 +1190,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             prompt_tokens,
             n,
             gen.include_usage,
+            gen.continuous_usage,
         ));
     }
     let (outs, completion_tokens) = collect(seqs).await?;

@@ -139,6 +139,9 @@ pub struct GenParams {
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// Also put the choice's usage so far on every chunk (vLLM's
+    /// `stream_options.continuous_usage_stats`, honoured with `include_usage`).
+    pub continuous_usage: bool,
     /// Keep the matched stop string in the output.
     pub include_stop_str_in_output: bool,
     /// Drop special tokens from the text.
@@ -444,6 +447,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         }
     };
     let stream = f.get::<bool>("stream")?.unwrap_or(false);
+    let mut continuous_usage = false;
     let include_usage = match f.raw("stream_options") {
         None => false,
         Some(v) => {
@@ -456,14 +460,16 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             let o = v.as_object().ok_or_else(|| {
                 ApiError::field("stream_options", "'stream_options' must be an object.")
             })?;
-            if o.get("continuous_usage_stats")
-                .is_some_and(|v| v.as_bool() == Some(true))
-            {
-                return Err(ApiError::field(
-                    "stream_options",
-                    "'stream_options.continuous_usage_stats' is not supported by this server.",
-                ));
-            }
+            continuous_usage = match o.get("continuous_usage_stats") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::field(
+                        "stream_options",
+                        "'stream_options.continuous_usage_stats' must be a boolean.",
+                    ))
+                }
+            };
             match o.get("include_usage") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
@@ -476,6 +482,8 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             }
         }
     };
+    // vLLM: per-chunk usage only together with the final usage chunk.
+    let continuous_usage = continuous_usage && include_usage;
     let stop_token_ids = match f.raw("stop_token_ids") {
         None => Vec::new(),
         Some(v) => parse_token_ids(v, "stop_token_ids", limits.vocab_size)?,
@@ -500,6 +508,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         logprobs,
         stream,
         include_usage,
+        continuous_usage,
         include_stop_str_in_output: f
             .get::<bool>("include_stop_str_in_output")?
             .unwrap_or(false),

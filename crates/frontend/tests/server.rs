@@ -508,7 +508,11 @@ async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn include_usage_adds_a_final_usage_chunk() {
-    let srv = start(Opts::default()).await;
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
     let body = json!({"prompt": "The cat", "max_tokens": 10, "temperature": 0, "stream": true,
                       "stream_options": {"include_usage": true}, "n": 2});
     let r = post(srv.addr, "/v1/completions", &body).await;
@@ -530,6 +534,53 @@ async fn include_usage_adds_a_final_usage_chunk() {
     let body = json!({"prompt": "The cat", "max_tokens": 4, "stream": true});
     let r = post(srv.addr, "/v1/completions", &body).await;
     assert!(r.events().iter().all(|e| !e.contains("\"usage\"")));
+    // continuous_usage_stats: each chunk carries its choice's usage so far, on completions
+    // and chat; the final chunk still sums every choice.
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "The cat", "max_tokens": 10, "temperature": 0, "n": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "The cat"}], "max_tokens": 10,
+                   "temperature": 0}),
+        ),
+    ] {
+        let mut body = body;
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+        let r = post(srv.addr, path, &body).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let ev = r.events();
+        let mut last = [0u64; 2];
+        let mut seen = 0;
+        for e in &ev[..ev.len() - 2] {
+            let v: Value = serde_json::from_str(e).unwrap();
+            let Some(c) = v["choices"].get(0) else {
+                continue;
+            };
+            if c["delta"]["role"].is_string() {
+                continue;
+            }
+            let i = c["index"].as_u64().unwrap() as usize;
+            let u = &v["usage"];
+            assert!(u["prompt_tokens"].as_u64().unwrap() > 0, "{e}");
+            let done = u["completion_tokens"].as_u64().unwrap();
+            assert!(done >= last[i] && done <= 10, "{e}");
+            last[i] = done;
+            seen += 1;
+        }
+        assert!(
+            seen > 0 && last.iter().any(|&x| x == 10),
+            "{path}: {last:?}"
+        );
+        let total: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+        assert_eq!(
+            total["usage"]["completion_tokens"].as_u64(),
+            Some(last.iter().sum::<u64>())
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1897,7 +1948,7 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         assert_eq!(r.json()["error"]["param"], k, "{}", r.body);
     }
     let mut b = with("stream", json!(true));
-    b["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    b["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": "yes"});
     let r = post(srv.addr, "/v1/completions", &b).await;
     assert_eq!(r.status, 400, "{}", r.body);
     for (k, v) in [
