@@ -571,10 +571,7 @@ async fn include_usage_adds_a_final_usage_chunk() {
             last[i] = done;
             seen += 1;
         }
-        assert!(
-            seen > 0 && last.iter().any(|&x| x == 10),
-            "{path}: {last:?}"
-        );
+        assert!(seen > 0 && last.contains(&10), "{path}: {last:?}");
         let total: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
         assert_eq!(
             total["usage"]["completion_tokens"].as_u64(),
