@@ -23,6 +23,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             params: SamplingParams::greedy(),
             stop_token_ids: vec![],
             logit_bias: vec![],
+            cache_salt: 0,
         })
         .collect()
 }
@@ -80,6 +81,21 @@ fn goldens_match_across_processes(async_flag: &str) {
     }
     let s = link.stats();
     assert!(s.prefix_cache_hits > hits, "no prefix-cache hit: {s:?}");
+    // The same histories under a cache salt: the salt travels in the admission and keeps
+    // them off the unsalted blocks; the outputs are unchanged.
+    for r in &mut again {
+        r.id += 1000;
+        r.cache_salt = 7;
+    }
+    let outs = run(&mut link, &again, T);
+    for (i, (_, want)) in g.iter().enumerate() {
+        assert_eq!(&outs[&(1100 + i as u64)].tokens[..], &want[32..]);
+    }
+    assert_eq!(
+        link.stats().prefix_cache_hits,
+        s.prefix_cache_hits,
+        "a salted request hit unsalted blocks"
+    );
 
     // Penalized greedy requests: the worker penalizes from the token table it shares with the
     // scheduler (and, with asynchronous scheduling, the pending id it kept); the result equals
@@ -150,6 +166,7 @@ fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
                 ignore_eos: false,
                 logit_bias: r.logit_bias.clone(),
                 min_tokens: 0,
+                cache_salt: 0,
             })
             .expect("admitted");
     }
@@ -261,6 +278,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         params: SamplingParams::greedy(),
         stop_token_ids: vec![],
         logit_bias: vec![],
+        cache_salt: 0,
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.

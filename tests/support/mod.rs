@@ -153,6 +153,8 @@ pub struct Req {
     pub stop_token_ids: Vec<u32>,
     /// `(token, bias)`; `params.logit_bias_len` is set from it on submit.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Hashed `cache_salt` (0: none).
+    pub cache_salt: u64,
 }
 
 /// What came back for one request.
@@ -184,6 +186,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             ignore_eos: false,
             logit_bias: &r.logit_bias,
             min_tokens: 0,
+            cache_salt: r.cache_salt,
         },
         Duration::from_secs(5),
     )

@@ -76,6 +76,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         ignore_eos: false,
         logit_bias: Vec::new(),
         min_tokens: 0,
+        cache_salt: 0,
     }
 }
 
@@ -175,6 +176,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             ignore_eos: false,
             logit_bias: &[],
             min_tokens: 0,
+            cache_salt: 0,
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

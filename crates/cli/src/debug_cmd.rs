@@ -216,6 +216,7 @@ fn run_greedy<B: Backend>(
                 ignore_eos: false,
                 logit_bias: Vec::new(),
                 min_tokens: 0,
+                cache_salt: 0,
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

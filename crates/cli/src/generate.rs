@@ -336,6 +336,7 @@ pub fn generate<B: baton_worker::Backend>(
                 ignore_eos,
                 logit_bias: Vec::new(),
                 min_tokens,
+                cache_salt: 0,
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

@@ -103,6 +103,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParam
         ignore_eos: false,
         logit_bias: Vec::new(),
         min_tokens: 0,
+        cache_salt: 0,
     }
 }
 

@@ -34,6 +34,8 @@ pub struct EngineRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's `min_tokens` (see `baton_scheduler::NewRequest::min_tokens`).
     pub min_tokens: u32,
+    /// vLLM's `cache_salt`, hashed (see `baton_scheduler::NewRequest::cache_salt`).
+    pub cache_salt: u64,
 }
 
 /// What the engine reports about one request.

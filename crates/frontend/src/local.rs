@@ -153,6 +153,7 @@ impl EngineClient for LocalEngineClient {
             ignore_eos: req.ignore_eos,
             logit_bias: req.logit_bias,
             min_tokens: req.min_tokens,
+            cache_salt: req.cache_salt,
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

@@ -281,6 +281,7 @@ impl EngineClient for RingEngineClient {
             ignore_eos: false,
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
+            cache_salt: req.cache_salt,
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
@@ -297,6 +298,7 @@ impl EngineClient for RingEngineClient {
             ignore_eos: false,
             logit_bias: &req.logit_bias,
             min_tokens: req.min_tokens,
+            cache_salt: req.cache_salt,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

@@ -312,6 +312,7 @@ impl AppState {
                     ignore_eos: gen.ignore_eos,
                     logit_bias: gen.logit_bias.clone(),
                     min_tokens: gen.min_tokens,
+                    cache_salt: gen.cache_salt,
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),

@@ -123,6 +123,8 @@ pub struct GenParams {
     /// vLLM's `min_tokens`: neither stop ids nor stop strings end the sequence before this
     /// many output tokens.
     pub min_tokens: u32,
+    /// vLLM's `cache_salt`, hashed to a non-zero u64 (0: none); see [`salt_hash`].
+    pub cache_salt: u64,
     /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -500,6 +502,16 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         repetition_penalty: repetition_penalty as f32,
         logit_bias: parse_logit_bias(f, limits.vocab_size)?,
         min_tokens,
+        cache_salt: match f.get::<String>("cache_salt")? {
+            None => 0,
+            Some(s) if s.is_empty() => {
+                return Err(ApiError::field(
+                    "cache_salt",
+                    "'cache_salt' must be a non-empty string if provided.",
+                ))
+            }
+            Some(s) => salt_hash(&s),
+        },
         seed,
         stop: parse_stop(f)?,
         stop_token_ids,
@@ -514,6 +526,15 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             .unwrap_or(false),
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
     })
+}
+
+/// The 64-bit hash of a `cache_salt` the scheduler mixes into prefix-cache keys: the same in
+/// every process of one build (SipHash-1-3 with fixed keys), never 0 (which means no salt).
+pub fn salt_hash(salt: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    salt.hash(&mut h);
+    h.finish().max(1)
 }
 
 /// Parses `logit_bias`: an object (or null) from token ids, written as decimal strings, to

@@ -2046,6 +2046,48 @@ async fn continue_final_message_leaves_the_last_message_open() {
 /// `usage.prompt_tokens_details.cached_tokens` (streamed or not), and `/metrics` counts the
 /// hits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_keeps_prefix_cache_hits_within_the_same_salt() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[1];
+    let ids: Vec<u64> = g["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(g["greedy_ids"].as_array().unwrap())
+        .map(|v| v.as_u64().unwrap())
+        .take(45)
+        .collect();
+    let cached = |salt: Option<&str>| {
+        let mut body = json!({"prompt": ids.clone(), "max_tokens": 2, "temperature": 0});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let addr = srv.addr;
+        async move {
+            completion(addr, body).await["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(cached(Some("tenant-a")).await, 0);
+    assert_eq!(cached(Some("tenant-a")).await, 32, "same salt: a hit");
+    assert_eq!(cached(Some("tenant-b")).await, 0, "another salt: no hit");
+    assert_eq!(cached(None).await, 0, "no salt: no hit on salted blocks");
+    assert_eq!(cached(None).await, 32);
+    assert_eq!(cached(Some("tenant-b")).await, 32);
+    for bad in [json!(""), json!(5)] {
+        let r = post(
+            srv.addr,
+            "/v1/completions",
+            &json!({"prompt": "a", "cache_salt": bad}),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "cache_salt");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
     let srv = start(Opts::default()).await;
     let g = &common::goldens()[0];

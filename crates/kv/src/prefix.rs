@@ -26,8 +26,10 @@ impl PrefixHasher {
     }
 
     /// The key of a full block holding `tokens`, following the block whose key is `parent`
-    /// (`None` for the first block of a sequence).
-    pub fn block_key(&self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
+    /// (`None` for the first block of a sequence). `salt` (vLLM's `cache_salt`, hashed; 0 for
+    /// none) enters the first block's key, and so every later one: requests with different
+    /// salts never share a block.
+    pub fn block_key(&self, parent: Option<BlockKey>, salt: u64, tokens: &[u32]) -> BlockKey {
         let half = |s: &RandomState| {
             let mut h = s.build_hasher();
             match parent {
@@ -35,7 +37,10 @@ impl PrefixHasher {
                     h.write_u8(1);
                     h.write_u128(p);
                 }
-                None => h.write_u8(0),
+                None => {
+                    h.write_u8(0);
+                    h.write_u64(salt);
+                }
             }
             h.write_usize(tokens.len());
             for &t in tokens {
@@ -54,15 +59,20 @@ mod tests {
     #[test]
     fn keys_depend_on_the_whole_prefix() {
         let h = PrefixHasher::new();
-        let a0 = h.block_key(None, &[1, 2, 3, 4]);
-        let b0 = h.block_key(None, &[1, 2, 3, 5]);
+        let a0 = h.block_key(None, 0, &[1, 2, 3, 4]);
+        let b0 = h.block_key(None, 0, &[1, 2, 3, 5]);
         assert_ne!(a0, b0);
-        assert_eq!(a0, h.block_key(None, &[1, 2, 3, 4]));
+        assert_eq!(a0, h.block_key(None, 0, &[1, 2, 3, 4]));
         // The same second block after different first blocks has different keys.
-        let a1 = h.block_key(Some(a0), &[7, 7, 7, 7]);
-        let b1 = h.block_key(Some(b0), &[7, 7, 7, 7]);
+        let a1 = h.block_key(Some(a0), 0, &[7, 7, 7, 7]);
+        let b1 = h.block_key(Some(b0), 0, &[7, 7, 7, 7]);
         assert_ne!(a1, b1);
-        assert_ne!(a1, h.block_key(None, &[7, 7, 7, 7]));
-        assert_eq!(a1, h.block_key(Some(a0), &[7, 7, 7, 7]));
+        assert_ne!(a1, h.block_key(None, 0, &[7, 7, 7, 7]));
+        assert_eq!(a1, h.block_key(Some(a0), 0, &[7, 7, 7, 7]));
+        // A salt changes the first block's key, hence the chain.
+        let s0 = h.block_key(None, 99, &[1, 2, 3, 4]);
+        assert_ne!(s0, a0);
+        assert_ne!(s0, h.block_key(None, 98, &[1, 2, 3, 4]));
+        assert_ne!(h.block_key(Some(s0), 0, &[7, 7, 7, 7]), a1);
     }
 }

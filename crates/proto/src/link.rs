@@ -55,6 +55,8 @@ pub struct Admission<'a> {
     /// vLLM's `min_tokens`: no stop id is sampled, and none ends the request, before this many
     /// outputs.
     pub min_tokens: u32,
+    /// vLLM's `cache_salt`, hashed (0: none).
+    pub cache_salt: u64,
     /// Ignore the model's EOS ids.
     pub ignore_eos: bool,
 }
@@ -226,6 +228,7 @@ impl LinkSender {
         head.params = a.params;
         head.params.logit_bias_len = a.logit_bias.len() as u32;
         head.min_tokens = a.min_tokens;
+        head.cache_salt = a.cache_salt;
         self.scratch.push(head);
         let bias: Vec<u32> = a
             .logit_bias

@@ -49,6 +49,8 @@ pub struct ToScheduler {
     pub flags: u32,
     /// `ADMIT`: vLLM's `min_tokens` (stop ids cannot end the request before this many outputs).
     pub min_tokens: u32,
+    /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
+    pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.
     pub params: SamplingParams,
     /// `TOKENS`: the tokens.

@@ -480,6 +480,7 @@ impl SchedulerDaemon {
             ignore_eos: p.head.flags & wire::FLAG_IGNORE_EOS != 0,
             logit_bias,
             min_tokens: p.head.min_tokens,
+            cache_salt: p.head.cache_salt,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

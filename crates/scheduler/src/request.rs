@@ -39,6 +39,9 @@ pub struct NewRequest {
     /// unless `ignore_eos`) are masked from sampling and end nothing; at most
     /// [`baton_proto::MAX_MIN_TOKENS_STOP_IDS`] stop ids when non-zero.
     pub min_tokens: u32,
+    /// vLLM's `cache_salt`, hashed (0: none): mixed into the prefix-cache key of the first
+    /// block, so only requests with the same salt share cached blocks.
+    pub cache_salt: u64,
 }
 
 /// Why a request ended.
@@ -104,6 +107,8 @@ pub(crate) struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// See [`NewRequest::min_tokens`].
     pub min_tokens: usize,
+    /// See [`NewRequest::cache_salt`].
+    pub cache_salt: u64,
     pub stop_ids: Vec<u32>,
     /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
     /// without reading `stop_ids`.
@@ -145,6 +150,7 @@ impl Request {
                 b
             },
             min_tokens: r.min_tokens as usize,
+            cache_salt: r.cache_salt,
             stop_ids,
             stop_mask,
             state: State::Waiting,
@@ -204,6 +210,7 @@ mod tests {
             ignore_eos: false,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            cache_salt: 0,
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");

@@ -660,9 +660,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         while hits < most {
             if r.keys.len() == hits {
                 let parent = hits.checked_sub(1).map(|j| r.keys[j]);
-                let key = self
-                    .hasher
-                    .block_key(parent, &r.tokens[hits * bs..(hits + 1) * bs]);
+                let key = self.hasher.block_key(
+                    parent,
+                    r.cache_salt,
+                    &r.tokens[hits * bs..(hits + 1) * bs],
+                );
                 r.keys.push(key);
             }
             let Some(p) = self.pool.lookup(r.keys[hits]) else {
@@ -1026,7 +1028,7 @@ fn register_full_blocks<S: AsRef<[AtomicU32]>>(
             scratch.clear();
             tables.read_tokens(slot, i * bs..(i + 1) * bs, scratch);
             let parent = i.checked_sub(1).map(|j| r.keys[j]);
-            r.keys.push(hasher.block_key(parent, scratch));
+            r.keys.push(hasher.block_key(parent, r.cache_salt, scratch));
         }
         // `false`: another page already holds this block; this one stays unshared.
         pool.register(r.blocks[i], r.keys[i]);

@@ -250,6 +250,7 @@ impl Sim {
                     ignore_eos,
                     logit_bias: Vec::new(),
                     min_tokens: 0,
+                    cache_salt: 0,
                 };
                 let prompt = r.prompt.clone();
                 if self.sched.add_request(r).is_ok() {
@@ -806,6 +807,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         ignore_eos: false,
         logit_bias: Vec::new(),
         min_tokens: 0,
+        cache_salt: 0,
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -818,6 +820,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         ignore_eos: true,
         logit_bias: Vec::new(),
         min_tokens: 0,
+        cache_salt: 0,
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -887,6 +890,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             ignore_eos: true,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            cache_salt: 0,
         })
         .unwrap();
     }
