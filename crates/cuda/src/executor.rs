@@ -4,10 +4,10 @@
 //!
 //! 1. the host flattens the rows ([`crate::plan_launch`]) and packs every input into the pinned
 //!    staging buffer ([`StagingLayout`]), copied to the device with one async copy. Sampling
-//!    rows with penalties carry their penalty list, built on the host from the token table
-//!    ([`baton_worker::penalty::build_penalty_list`]); the lists go, flattened, into a
-//!    separate growable entry buffer (one more async copy) whose address the staging buffer
-//!    carries;
+//!    rows with penalties or a logit bias carry their list, built on the host from the token
+//!    and logit-bias tables ([`baton_worker::penalty::PenaltyHistories`], per-slot counts kept
+//!    across steps); the lists go, flattened, into a separate growable entry buffer (one more
+//!    async copy) whose address the staging buffer carries;
 //! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
 //!    from the ring of ids earlier launches sampled (never a host round trip);
 //! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, RoPE, KV
@@ -39,7 +39,7 @@ use crate::staging::{
 };
 use baton_model::{LlamaWeights, ModelConfig, Tensor};
 use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
-use baton_worker::penalty::{build_penalty_list, PenaltyEntry};
+use baton_worker::penalty::{PenaltyEntry, PenaltyHistories};
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::DriverError;
@@ -311,6 +311,8 @@ pub struct CudaWorker {
     pen_cap: usize,
     /// Entries the current launch uses.
     pen_used: usize,
+    /// Per-slot token counts of penalized requests (host side; see `baton_worker::penalty`).
+    histories: PenaltyHistories,
     out_dev: Buf,
     out_host: Pinned,
     ring: Buf,
@@ -713,6 +715,7 @@ impl CudaWorker {
             pen_host,
             pen_cap,
             pen_used: 0,
+            histories: PenaltyHistories::new(),
             out_dev,
             out_host,
             ring,
@@ -1674,12 +1677,25 @@ impl CudaWorker {
 
     /// Resolves a launch record into [`RowInput`]s, reading tables and checking pending ids.
     fn resolve(
+        &mut self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<Vec<RowInput>, WorkerError> {
+        let mut histories = std::mem::take(&mut self.histories);
+        let rows = self.resolve_with(&mut histories, launch, tables);
+        self.histories = histories;
+        rows
+    }
+
+    /// [`CudaWorker::resolve`] with the per-slot penalty counts borrowed apart from `self`.
+    fn resolve_with(
         &self,
+        histories: &mut PenaltyHistories,
         launch: &Launch,
         tables: &dyn TableReader,
     ) -> Result<Vec<RowInput>, WorkerError> {
         let max_rows = self.layout.max_rows;
-        let (mut history, mut scratch, mut bias) = (Vec::new(), Vec::new(), Vec::new());
+        let mut bias = Vec::new();
         launch
             .rows
             .iter()
@@ -1707,48 +1723,28 @@ impl CudaWorker {
                 let mut block_table = Vec::with_capacity(r.num_blocks as usize);
                 tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut block_table);
                 let mut penalties = Vec::new();
-                if r.sample == 1 && r.params.adjusts_logits() {
-                    bias.clear();
-                    tables.read_logit_bias(r.req.slot, r.params.logit_bias_len as usize, &mut bias);
-                }
-                if r.sample == 1 && r.params.has_penalties() {
-                    // As the CPU worker: positions 0 .. first (in the table: the scheduler never
-                    // plans a penalized row past a pending input other than its first), then
-                    // the row's own inputs, except a pending first id (merged on the device).
-                    let prompt_len = end.checked_sub(r.output_index as usize).ok_or_else(|| {
-                        WorkerError::Forward(format!(
-                            "row {i}: output index {} exceeds its {end} positions",
-                            r.output_index
-                        ))
-                    })?;
-                    if pending.is_some() && first < prompt_len {
+                if r.sample == 1 && r.params.has_penalties() && pending.is_some() {
+                    let prompt_len = end.saturating_sub(r.output_index as usize);
+                    if first < prompt_len {
                         return Err(WorkerError::Forward(format!(
                             "row {i}: pending input at position {first} lies in the prompt \
                              ({prompt_len} tokens)"
                         )));
                     }
-                    let with_prompt = r.params.has_repetition_penalty();
-                    let from = if with_prompt { 0 } else { prompt_len };
-                    history.clear();
-                    if from < first {
-                        tables.read_tokens(r.req.slot, from..first, &mut history);
-                    }
-                    let known = usize::from(pending.is_some());
-                    let own = &tokens[known.min(tokens.len())..];
-                    let skip = from.saturating_sub(first + known).min(own.len());
-                    history.extend_from_slice(&own[skip..]);
-                    build_penalty_list(
-                        &history,
-                        prompt_len - from,
-                        with_prompt,
-                        &bias,
-                        &mut scratch,
-                        &mut penalties,
-                    );
-                } else if r.sample == 1 && r.params.adjusts_logits() {
-                    // A logit bias alone (or a min_tokens mask): no history.
-                    build_penalty_list(&[], 0, false, &bias, &mut scratch, &mut penalties);
                 }
+                // As the CPU worker, except that a pending first id is left to the device,
+                // which merges it into the list.
+                let known = usize::from(pending.is_some());
+                histories
+                    .launch_row(
+                        r,
+                        &tokens[known.min(tokens.len())..],
+                        first + known,
+                        tables,
+                        &mut bias,
+                        &mut penalties,
+                    )
+                    .map_err(|e| WorkerError::Forward(format!("row {i}: {e}")))?;
                 Ok(RowInput {
                     tokens,
                     start_pos: first,

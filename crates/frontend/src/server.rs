@@ -276,6 +276,46 @@ impl AppState {
         }
     }
 
+    /// `min_tokens` against each prompt's effective `max_tokens` (given or defaulted, as vLLM
+    /// checks it) and against the stop ids the engine can mask (EOS included unless
+    /// `ignore_eos`, duplicates counted once).
+    fn check_min_tokens(
+        &self,
+        prompts: &[(Vec<u32>, u32)],
+        gen: &GenParams,
+    ) -> Result<(), ApiError> {
+        if gen.min_tokens == 0 {
+            return Ok(());
+        }
+        if let Some(&(_, max)) = prompts.iter().find(|(_, max)| gen.min_tokens > *max) {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!(
+                    "'min_tokens' must be at most max_tokens={max}, got {}.",
+                    gen.min_tokens
+                ),
+            ));
+        }
+        let mut stops = gen.stop_token_ids.clone();
+        if !gen.ignore_eos {
+            stops.extend_from_slice(&self.eos_ids);
+        }
+        stops.sort_unstable();
+        stops.dedup();
+        if stops.len() > baton_proto::MAX_MIN_TOKENS_STOP_IDS {
+            return Err(ApiError::field(
+                "min_tokens",
+                format!(
+                    "'min_tokens' works with at most {} stop token ids (EOS included), this \
+                     request has {}.",
+                    baton_proto::MAX_MIN_TOKENS_STOP_IDS,
+                    stops.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Submits `n` engine requests per prompt; choice `p * n + j` is prompt `p`, seed
     /// `seed + j`. Already-admitted requests are cancelled (dropped) if a later one fails.
     fn submit_all(
@@ -284,6 +324,7 @@ impl AppState {
         gen: &GenParams,
         arrived: Instant,
     ) -> Result<Vec<Seq>, ApiError> {
+        self.check_min_tokens(prompts, gen)?;
         let ctx = self.seq_context(gen, arrived);
         let mut seqs = Vec::with_capacity(prompts.len() * gen.n);
         for (p, (ids, max_tokens)) in prompts.iter().enumerate() {

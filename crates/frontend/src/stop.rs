@@ -110,8 +110,10 @@ impl StopMatcher {
     }
 
     /// Releases the held-back text and `text` without looking for stop strings in them (the
-    /// text of the first `min_tokens` outputs, which vLLM does not check either). Nothing is
-    /// released after a match.
+    /// text of the first `min_tokens` outputs). Differs from vLLM in one corner: vLLM also
+    /// finds a match that begins inside that text and ends after it; here such text is already
+    /// released, so only matches that begin after it count. Nothing is released after a
+    /// match.
     pub fn pass(&mut self, text: &str) -> StopOutput {
         if self.matched.is_some() {
             return StopOutput {

@@ -213,6 +213,7 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         "prompt_logprobs",
         "truncate_prompt_tokens",
         "logits_processors",
+        "return_tokens_as_token_ids",
     ] {
         if f.raw(name).is_some() {
             return Err(ApiError::field(
@@ -357,7 +358,8 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
     let presence_penalty = penalty("presence_penalty")?;
     let frequency_penalty = penalty("frequency_penalty")?;
     let repetition_penalty = f.float("repetition_penalty")?.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+    // Checked as the f32 the sampler uses (1e-300 would become 0, which means "off").
+    if !(repetition_penalty as f32 > 0.0 && (repetition_penalty as f32).is_finite()) {
         return Err(ApiError::field(
             "repetition_penalty",
             format!("'repetition_penalty' must be greater than 0, got {repetition_penalty}."),

@@ -140,6 +140,20 @@ async fn min_tokens_defers_stop_strings_and_stop_ids() {
                       "stop_token_ids": [third], "min_tokens": 8});
     let v = completion(srv.addr, body).await;
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 8, "{v}");
+    // min_tokens is checked against the effective max_tokens (16 by default on completions),
+    // and against the stop ids the engine can mask.
+    for body in [
+        json!({"prompt": prompt, "min_tokens": 17}),
+        json!({"prompt": prompt, "max_tokens": 20, "min_tokens": 1,
+               "stop_token_ids": (3..70).collect::<Vec<u32>>()}),
+    ] {
+        let r = post(srv.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "min_tokens", "{}", r.body);
+    }
+    let ok = json!({"prompt": prompt, "max_tokens": 20, "min_tokens": 1,
+                    "stop_token_ids": [5, 5, 5, 6]});
+    assert_eq!(post(srv.addr, "/v1/completions", &ok).await.status, 200);
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
@@ -912,6 +926,12 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         (
             "/v1/completions",
             json!({"prompt": "a", "repetition_penalty": 0}).to_string(),
+            400,
+            Some("repetition_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "repetition_penalty": 1e-300}).to_string(),
             400,
             Some("repetition_penalty"),
         ),

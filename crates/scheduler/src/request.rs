@@ -124,6 +124,9 @@ impl Request {
         if !r.ignore_eos {
             stop_ids.extend_from_slice(&r.eos_ids);
         }
+        // Each once: the min_tokens mask holds at most MAX_MIN_TOKENS_STOP_IDS distinct ids.
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
         let stop_mask = stop_ids.iter().fold(0, |m, &t| m | 1 << (t % 64));
         Self {
             id: r.id,

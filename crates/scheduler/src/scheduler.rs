@@ -1083,7 +1083,13 @@ pub fn check_admission(
         )));
     }
     if r.min_tokens > 0 {
-        let stops = r.stop_token_ids.len() + if r.ignore_eos { 0 } else { r.eos_ids.len() };
+        let mut ids = r.stop_token_ids.clone();
+        if !r.ignore_eos {
+            ids.extend_from_slice(&r.eos_ids);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let stops = ids.len();
         if stops > MAX_MIN_TOKENS_STOP_IDS {
             return Err(AdmitError::MinTokensStopIds { stops });
         }

@@ -1,7 +1,7 @@
 //! The CPU backend: the f32 reference forward pass of `baton-model` over a paged KV cache, then
 //! the reference sampler. A launch is complete, and its fence passed, when `execute` returns.
 
-use crate::penalty::{build_penalty_list, PenaltyEntry};
+use crate::penalty::{PenaltyEntry, PenaltyHistories};
 use crate::sampling::Sampler;
 use crate::{Backend, KeptIds, KvCapacity, TableReader, WorkerError};
 use baton_model::{CpuModel, ForwardRow, PagedKvCache};
@@ -15,10 +15,9 @@ pub struct CpuBackend {
     kept: KeptIds,
     tokens: Vec<u32>,
     blocks: Vec<u32>,
-    /// History of a penalized row, its sort scratch and its penalty list.
-    history: Vec<u32>,
+    /// Per-slot token counts, the logit-bias scratch and a row's penalty list.
+    histories: PenaltyHistories,
     bias: Vec<(u32, f32)>,
-    scratch: Vec<u64>,
     penalties: Vec<PenaltyEntry>,
 }
 
@@ -45,9 +44,8 @@ impl CpuBackend {
             kept: KeptIds::new(8),
             tokens: Vec::new(),
             blocks: Vec::new(),
-            history: Vec::new(),
+            histories: PenaltyHistories::new(),
             bias: Vec::new(),
-            scratch: Vec::new(),
             penalties: Vec::new(),
         })
     }
@@ -113,50 +111,17 @@ impl Backend for CpuBackend {
             .filter(|(_, r)| r.sample == 1);
 
         for ((i, r), l) in sampling_rows.zip(&logits) {
-            self.penalties.clear();
-            if r.params.adjusts_logits() {
-                self.history.clear();
-                let mut prompt_len = 0;
-                if r.params.has_penalties() {
-                    // The history is positions 0 .. first_pos (in the table: the scheduler
-                    // never plans a penalized row past a pending input other than its first)
-                    // and then the row's own inputs, pending id resolved.
-                    let first = r.first_pos as usize;
-                    let end = first + r.num_tokens as usize;
-                    let p = end.checked_sub(r.output_index as usize).ok_or_else(|| {
-                        WorkerError::Forward(format!(
-                            "row {i}: output index {} exceeds its {end} positions",
-                            r.output_index
-                        ))
-                    })?;
-                    let from = if r.params.has_repetition_penalty() {
-                        0
-                    } else {
-                        p
-                    };
-                    if from < first {
-                        tables.read_tokens(r.req.slot, from..first, &mut self.history);
-                    }
-                    let own = &self.tokens[spans[i].0.clone()];
-                    let skip = from.saturating_sub(first).min(own.len());
-                    self.history.extend_from_slice(&own[skip..]);
-                    prompt_len = p - from;
-                }
-                self.bias.clear();
-                tables.read_logit_bias(
-                    r.req.slot,
-                    r.params.logit_bias_len as usize,
+            // The row's inputs are all known here (a pending first id is resolved).
+            self.histories
+                .launch_row(
+                    r,
+                    &self.tokens[spans[i].0.clone()],
+                    r.first_pos as usize,
+                    tables,
                     &mut self.bias,
-                );
-                build_penalty_list(
-                    &self.history,
-                    prompt_len,
-                    r.params.has_repetition_penalty(),
-                    &self.bias,
-                    &mut self.scratch,
                     &mut self.penalties,
-                );
-            }
+                )
+                .map_err(|e| WorkerError::Forward(format!("row {i}: {e}")))?;
             let out = self
                 .sampler
                 .sample_penalized(l, &r.params, r.output_index, &self.penalties);

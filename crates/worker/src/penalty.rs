@@ -81,6 +81,13 @@ pub fn build_penalty_list(
             }),
         }
     }
+    merge_bias(out, bias);
+}
+
+/// Merges the logit bias into `out` (distinct tokens, ascending): a bias on a listed token
+/// joins its entry, others get their own; `out` stays ascending and distinct, and for a token
+/// repeated in `bias` the last entry counts.
+fn merge_bias(out: &mut Vec<PenaltyEntry>, bias: &[(u32, f32)]) {
     if bias.is_empty() {
         return;
     }
@@ -107,6 +114,198 @@ pub fn build_penalty_list(
         }
     }
     out.truncate(w);
+}
+
+/// The token counts of each slot's history, kept across steps: a penalized row then costs
+/// `O(new tokens + distinct tokens)` per step rather than a sort of its whole history
+/// (`bench/RESULTS.md`, "Penalties"). Both workers build every row's list through
+/// [`PenaltyHistories::row_list`]; [`build_penalty_list`] is its reference.
+///
+/// Contract: the positions of a slot's row that the cache covers are never rewritten while the
+/// slot keeps its generation (the token table is append-only per request, a recompute after
+/// preemption or a worker death runs in a new slot generation), and a row's positions
+/// `0 .. first_pos` are in the token table when it executes (the scheduler plans a penalized
+/// row only once every input but its first is known).
+#[derive(Debug, Default)]
+pub struct PenaltyHistories {
+    slots: std::collections::HashMap<u32, SlotCounts>,
+    scratch: Vec<u32>,
+}
+
+/// The counted prefix of one slot's history.
+#[derive(Debug, Default)]
+struct SlotCounts {
+    generation: u32,
+    prompt_len: usize,
+    with_prompt: bool,
+    /// Positions `from .. covered` are counted (`from`: 0, or `prompt_len` without prompt).
+    covered: usize,
+    /// Token -> (occurrences among outputs, occurs in the prompt), ascending by token.
+    counts: std::collections::BTreeMap<u32, (u32, bool)>,
+}
+
+/// Where a row's history is, for [`PenaltyHistories::row_list`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowHistory<'a> {
+    /// The request's slot and its generation.
+    pub slot: baton_proto::SlotRef,
+    /// The row's first position: positions `0 .. first_pos` are read from the token table.
+    pub first_pos: usize,
+    /// Prompt tokens of the request (`first_pos + num_tokens - output_index`).
+    pub prompt_len: usize,
+    /// Count prompt tokens too (the repetition penalty is in effect).
+    pub with_prompt: bool,
+    /// The row's inputs the caller knows, at positions `own_start ..`: all of them, or all
+    /// but a pending first id that the device merges itself.
+    pub own: &'a [u32],
+    /// Position of `own[0]` (`first_pos`, or `first_pos + 1` without the pending id).
+    pub own_start: usize,
+}
+
+impl PenaltyHistories {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The penalty list of a row: equal to [`build_penalty_list`] over the history positions
+    /// `0 .. first_pos` and then `own`, with `bias` merged.
+    pub fn row_list(
+        &mut self,
+        h: &RowHistory<'_>,
+        tables: &dyn crate::TableReader,
+        bias: &[(u32, f32)],
+        out: &mut Vec<PenaltyEntry>,
+    ) {
+        let from = if h.with_prompt { 0 } else { h.prompt_len };
+        let c = self.slots.entry(h.slot.slot).or_default();
+        if c.generation != h.slot.generation
+            || c.prompt_len != h.prompt_len
+            || c.with_prompt != h.with_prompt
+            || c.covered > h.first_pos.max(from)
+        {
+            c.generation = h.slot.generation;
+            c.prompt_len = h.prompt_len;
+            c.with_prompt = h.with_prompt;
+            c.covered = from;
+            c.counts.clear();
+        }
+        let count = |counts: &mut std::collections::BTreeMap<u32, (u32, bool)>, pos, t| {
+            let e = counts.entry(t).or_insert((0, false));
+            if pos < h.prompt_len {
+                e.1 = true;
+            } else {
+                e.0 += 1;
+            }
+        };
+        if c.covered < h.first_pos {
+            self.scratch.clear();
+            tables.read_tokens(h.slot.slot, c.covered..h.first_pos, &mut self.scratch);
+            for (i, &t) in self.scratch.iter().enumerate() {
+                count(&mut c.counts, c.covered + i, t);
+            }
+            c.covered = h.first_pos;
+        }
+        out.clear();
+        out.extend(c.counts.iter().map(|(&token, &(n, p))| PenaltyEntry {
+            token,
+            output_count: n,
+            in_prompt: p,
+            bias: 0.0,
+        }));
+        // The row's own inputs: one for a decode, a chunk for a prefill.
+        let known = out.len();
+        for (i, &token) in h.own.iter().enumerate() {
+            let pos = h.own_start + i;
+            if pos < from {
+                continue;
+            }
+            let (n, p) = if pos < h.prompt_len {
+                (0, true)
+            } else {
+                (1, false)
+            };
+            match out[..known].binary_search_by_key(&token, |e| e.token) {
+                Ok(j) => {
+                    out[j].output_count += n;
+                    out[j].in_prompt |= p;
+                }
+                Err(_) => out.push(PenaltyEntry {
+                    token,
+                    output_count: n,
+                    in_prompt: p,
+                    bias: 0.0,
+                }),
+            }
+        }
+        if out.len() > known {
+            // Sorted runs: the merge is linear in practice.
+            out.sort_by_key(|e| e.token);
+            let mut w = 0;
+            for r in 0..out.len() {
+                if w > 0 && out[w - 1].token == out[r].token {
+                    out[w - 1].output_count += out[r].output_count;
+                    out[w - 1].in_prompt |= out[r].in_prompt;
+                } else {
+                    out[w] = out[r];
+                    w += 1;
+                }
+            }
+            out.truncate(w);
+        }
+        merge_bias(out, bias);
+    }
+
+    /// The list of sampling launch row `r` (empty when its params adjust no logit): its logit
+    /// bias from the slot's logit-bias row and, with penalties, its history. `own` are the
+    /// row's inputs the caller knows, from position `own_start` on (see [`RowHistory::own`]);
+    /// `bias` is scratch.
+    ///
+    /// # Errors
+    /// The row's `output_index` exceeds its positions (a malformed launch record).
+    pub fn launch_row(
+        &mut self,
+        r: &baton_proto::LaunchRow,
+        own: &[u32],
+        own_start: usize,
+        tables: &dyn crate::TableReader,
+        bias: &mut Vec<(u32, f32)>,
+        out: &mut Vec<PenaltyEntry>,
+    ) -> Result<(), String> {
+        out.clear();
+        if r.sample != 1 || !r.params.adjusts_logits() {
+            return Ok(());
+        }
+        bias.clear();
+        tables.read_logit_bias(r.req.slot, r.params.logit_bias_len as usize, bias);
+        if !r.params.has_penalties() {
+            merge_bias(out, bias);
+            return Ok(());
+        }
+        let first_pos = r.first_pos as usize;
+        let end = first_pos + r.num_tokens as usize;
+        let prompt_len = end.checked_sub(r.output_index as usize).ok_or_else(|| {
+            format!(
+                "output index {} exceeds the row's {end} positions",
+                r.output_index
+            )
+        })?;
+        let h = RowHistory {
+            slot: r.req,
+            first_pos,
+            prompt_len,
+            with_prompt: r.params.has_repetition_penalty(),
+            own,
+            own_start,
+        };
+        self.row_list(&h, tables, bias, out);
+        Ok(())
+    }
+
+    /// Forgets every slot (a new scheduler, or a cleared segment).
+    pub fn clear(&mut self) {
+        self.slots.clear();
+    }
 }
 
 /// The penalized logit of one history token (see the module docs for the order of operations).
@@ -275,6 +474,84 @@ mod tests {
                 "case {case}: {p:?} history {history:?}/{prompt_len}"
             );
         }
+    }
+
+    #[test]
+    fn the_cache_gives_the_reference_list_across_chunks_decodes_and_slot_reuse() {
+        use baton_proto::{HeapSlotTables, SlotRef};
+        let mut state = 0x1234_5678_9abc_def1u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let tables = HeapSlotTables::new_heap(3, 256, 1);
+        let mut cache = PenaltyHistories::new();
+        let (mut scratch, mut want, mut got) = (Vec::new(), Vec::new(), Vec::new());
+        let mut generation = [0u32; 3];
+        let mut checked = 0;
+        for _request in 0..60 {
+            let slot = next(3) as u32;
+            generation[slot as usize] += 1;
+            let sref = SlotRef {
+                slot,
+                generation: generation[slot as usize],
+            };
+            let vocab = 1 + next(40);
+            let prompt_len = 1 + next(30) as usize;
+            let total = prompt_len + 1 + next(40) as usize;
+            let tokens: Vec<u32> = (0..total).map(|_| next(vocab) as u32).collect();
+            let with_prompt = next(2) == 0;
+            let bias: Vec<(u32, f32)> = (0..next(3)).map(|_| (next(vocab) as u32, 1.5)).collect();
+            // Rows: prefill chunks up to the prompt, then decodes; each writes its inputs to
+            // the table only once "computed", as the scheduler does.
+            let mut pos = 0;
+            while pos < total {
+                let n = if pos < prompt_len {
+                    (1 + next(12) as usize).min(prompt_len - pos)
+                } else {
+                    1
+                };
+                let end = pos + n;
+                let pending = pos >= prompt_len && next(2) == 0;
+                let own_start = pos + usize::from(pending);
+                let h = RowHistory {
+                    slot: sref,
+                    first_pos: pos,
+                    prompt_len,
+                    with_prompt,
+                    own: &tokens[own_start..end],
+                    own_start,
+                };
+                if end >= prompt_len {
+                    // A sampling row (the last prefill chunk or a decode).
+                    cache.row_list(&h, &tables, &bias, &mut got);
+                    let from = if with_prompt {
+                        0
+                    } else {
+                        prompt_len.min(own_start)
+                    };
+                    let known: Vec<u32> = (from..end)
+                        .filter(|&p| p != pos || !pending)
+                        .map(|p| tokens[p])
+                        .collect();
+                    // `known` skips the pending position: recount its prompt length.
+                    let p_len = (from..prompt_len).filter(|&p| p != pos || !pending).count();
+                    build_penalty_list(&known, p_len, with_prompt, &bias, &mut scratch, &mut want);
+                    assert_eq!(
+                        got, want,
+                        "slot {slot} rows up to {end}, prompt {prompt_len}"
+                    );
+                    checked += 1;
+                }
+                for (p, &t) in tokens.iter().enumerate().take(end).skip(pos) {
+                    tables.set_token(slot, p, t);
+                }
+                pos = end;
+            }
+        }
+        assert!(checked > 500, "{checked}");
     }
 
     #[test]
