@@ -2162,4 +2162,17 @@ async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
         v["usage"]["prompt_tokens_details"]["cached_tokens"], 32,
         "{v}"
     );
+    // Back to back after requests a stop string cut short (their last launch still in flight,
+    // their pages retired): the shared blocks are still hits.
+    for i in 0..20u64 {
+        let mut prompt = ids[..44].to_vec();
+        prompt.push(300 + i);
+        let body = json!({"prompt": prompt, "max_tokens": 32, "temperature": 0, "stop": [" "]});
+        let v = completion(srv.addr, body).await;
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], 32,
+            "request {i}: {v}"
+        );
+    }
 }

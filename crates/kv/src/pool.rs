@@ -16,8 +16,11 @@
 //! referred to it in; `reclaim(min_released)` moves exactly the retired pages whose `after <=
 //! min_released` to the free list (or, keyed, to the cache). So a page cannot receive new content
 //! while a launch that referred to it is unreleased. A hit ([`PagePool::lookup`] then
-//! [`PagePool::share`]) only adds a reader of content that is already computed and fenced; a
-//! retired page is never a hit (its key stays, and it becomes one once reclaimed).
+//! [`PagePool::share`]) only adds a reader of content that is already computed and fenced. A
+//! retired keyed page can be a hit too: a registered block is full and no launch writes it
+//! again (later launches only write positions past `computed_len`), so the hit only adds a
+//! reader next to the unreleased launch; the page leaves the retired set, keeps its
+//! `last_use`, and retires again after the latest launch of any holder, old or new.
 //!
 //! The prefix-cache design follows vLLM's automatic prefix caching (hash-chained full blocks, an
 //! LRU of unreferenced cached blocks, the tail of a sequence evicted first) and SGLang's
@@ -243,25 +246,36 @@ impl PagePool {
         true
     }
 
-    /// The page holding block `key`, if it can be shared now: held by a request or cached (a
-    /// retired page is not a hit until it is reclaimed).
+    /// The page holding block `key`, if any: held by a request, retired (its content is final,
+    /// see the module docs) or cached. A free page is never keyed.
     pub fn lookup(&self, key: BlockKey) -> Option<u32> {
-        let p = *self.index.get(&key)?;
-        (self.refs[p as usize] > 0 || self.lru_tick[p as usize] != 0).then_some(p)
+        self.index.get(&key).copied()
     }
 
-    /// Adds a holder to page `p`, which [`PagePool::lookup`] returned (a prefix-cache hit); a
-    /// cached page leaves the LRU list.
+    /// Adds a holder to page `p`, which [`PagePool::lookup`] returned (a prefix-cache hit): a
+    /// cached page leaves the LRU list; a retired page leaves the retired set (its `last_use`
+    /// stays, so it retires again no earlier than the launch it was waiting for).
     pub fn share(&mut self, p: u32) {
         let i = p as usize;
         let t = std::mem::take(&mut self.lru_tick[i]);
         if t != 0 {
             self.lru.remove(&t);
-        } else {
-            debug_assert!(
-                self.refs[i] > 0,
-                "page {p} shared while neither held nor cached"
-            );
+        } else if self.refs[i] == 0 {
+            let at = self.last_use[i];
+            let revived = self.retired.get_mut(&at).and_then(|v| {
+                let k = v.iter().position(|&q| q == p)?;
+                v.swap_remove(k);
+                Some(v.is_empty())
+            });
+            match revived {
+                Some(emptied) => {
+                    if emptied {
+                        self.retired.remove(&at);
+                    }
+                    self.retired_count -= 1;
+                }
+                None => debug_assert!(false, "page {p} shared while free"),
+            }
         }
         self.refs[i] += 1;
     }
@@ -339,7 +353,6 @@ mod tests {
         assert_eq!(pool.stats().in_use, 1, "still held by the first");
         pool.retire(&[p], 5);
         assert_eq!(pool.num_retired(), 1);
-        assert_eq!(pool.lookup(42), None, "a retired page is not a hit");
         assert!(pool.reclaim(8).is_empty(), "launch 9 still refers to it");
         assert_eq!(pool.reclaim(9).len(), 1);
         assert_eq!(pool.lookup(42), Some(p), "reclaimed with its key: cached");
@@ -391,6 +404,39 @@ mod tests {
         // Given back without a launch: cached again at once.
         pool.retire(&[p], 0);
         assert_eq!(pool.stats().cached, 1);
+    }
+
+    #[test]
+    fn a_hit_on_a_retired_page_revives_it_until_every_launch_of_every_holder_is_released() {
+        let mut pool = PagePool::new(3);
+        let mut a = Vec::new();
+        assert!(pool.alloc(2, &mut a));
+        assert!(pool.register(a[0], 7));
+        // Launch 4 (unreleased) still refers to both; the holder lets go.
+        pool.retire(&a, 4);
+        assert_eq!(pool.num_retired(), 2);
+        let p = pool.lookup(7).expect("a retired keyed page is a hit");
+        assert_eq!(p, a[0]);
+        pool.share(p);
+        assert_eq!(pool.num_retired(), 1);
+        assert_eq!(pool.stats().in_use, 1);
+        // Launch 4's release brings back only the unkeyed page; the revived one is held.
+        assert_eq!(pool.reclaim(4).groups, vec![(4, vec![a[1]])]);
+        assert_eq!(pool.stats().in_use, 1);
+        // The new holder gives it back without launching: it still waits for nothing newer
+        // than 4, which is released, so it is retired after 4 and reclaimed at once.
+        pool.retire(&[p], 0);
+        assert_eq!(pool.num_retired(), 1);
+        assert_eq!(pool.reclaim(4).len(), 1);
+        assert_eq!(pool.stats().cached, 1);
+        // Revived again from retirement after 6; the new holder launches with it in 9.
+        pool.share(p);
+        pool.retire(&[p], 6);
+        pool.share(pool.lookup(7).unwrap());
+        pool.retire(&[p], 9);
+        assert!(pool.reclaim(8).is_empty(), "launch 9 refers to it");
+        assert_eq!(pool.reclaim(9).len(), 1);
+        assert_eq!(pool.stats().free, 3);
     }
 
     #[test]

@@ -355,6 +355,18 @@ impl Books {
                             holders.push(req);
                             *shared = true;
                         }
+                        // A retired page's block is final: the hit adds a reader next to the
+                        // unreleased launch, and the page retires after both.
+                        Some(&mut PageState::Retired { after }) => {
+                            self.pages.insert(
+                                p,
+                                PageState::Owned {
+                                    holders: vec![req],
+                                    last_ref: after,
+                                    shared: true,
+                                },
+                            );
+                        }
                         Some(other) => {
                             return Err(format!(
                                 "request {req} took page {p} from the prefix cache while {other:?}"
@@ -500,19 +512,51 @@ mod tests {
         assert_eq!(e.line, 12, "{e}");
     }
 
+    /// Request 1 is cancelled with launch 1 unreleased (page 0 retired after 1); request 2
+    /// takes page 0 from the cache and launches with it in launch 2.
+    const REVIVED: [&str; 7] = [
+        ADMIT_A,
+        PREP_A,
+        DONE_1,
+        r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
+        r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
+        ADMIT_B,
+        r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
+    ];
+
     #[test]
-    fn rejects_a_cache_hit_on_a_retired_page() {
-        let e = check(&[
-            ADMIT_A,
-            PREP_A,
-            DONE_1,
-            r#"{"boundary":"cancel","req":1,"known_len":4,"computed_len":4,"pending":0}"#,
-            r#"{"boundary":"retire","req":1,"launch":1,"pages":[0]}"#,
-            ADMIT_B,
-            r#"{"boundary":"cache_hit","req":2,"pages":[0],"known_len":4,"computed_len":2,"pending":2}"#,
-        ])
+    fn accepts_a_cache_hit_on_a_retired_page_that_then_waits_for_both_launches() {
+        let s = check(
+            &[
+                &REVIVED[..],
+                &[
+                    r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
+                    r#"{"boundary":"cancel","req":2,"known_len":4,"computed_len":2,"pending":2}"#,
+                    r#"{"boundary":"retire","req":2,"launch":2,"pages":[1,0]}"#,
+                    r#"{"boundary":"release","launch":2}"#,
+                    r#"{"boundary":"reclaim","launch":2,"pages":[1,0],"evidence":"min_released=2"}"#,
+                ],
+            ]
+            .concat(),
+        )
+        .unwrap();
+        assert_eq!(s.reclaimed_pages, 2);
+    }
+
+    #[test]
+    fn rejects_a_revived_page_reclaimed_at_its_old_retirement() {
+        let e = check(
+            &[
+                &REVIVED[..],
+                &[
+                    r#"{"boundary":"batch_preparation","req":2,"launch":2,"positions":[2,2],"pages":[0,1],"known_len":4,"computed_len":2,"pending":2}"#,
+                    r#"{"boundary":"release","launch":1}"#,
+                    r#"{"boundary":"reclaim","launch":1,"pages":[0],"evidence":"min_released=1"}"#,
+                ],
+            ]
+            .concat(),
+        )
         .unwrap_err();
-        assert_eq!(e.line, 7, "{e}");
-        assert!(e.message.contains("prefix cache"), "{e}");
+        assert_eq!(e.line, 10, "{e}");
     }
 }
