@@ -78,6 +78,9 @@ struct LaunchRec {
     req: SlotRef,
     num_blocks: usize,
     sample: bool,
+    /// The first `reads` pages of the row are only read (a cached prefix the launch attends
+    /// to); the rest are written.
+    reads: usize,
 }
 
 impl Shared {
@@ -132,7 +135,14 @@ impl Shared {
             // while that launch is unreleased.
             unsafe { *row }
         });
-        for &p in &row[..l.num_blocks] {
+        for (i, &p) in row[..l.num_blocks].iter().enumerate() {
+            if i < l.reads {
+                self.pages[p as usize][c].with(|v| {
+                    // SAFETY: checked by loom: nobody writes a page an unreleased launch reads.
+                    unsafe { std::ptr::read(v) }
+                });
+                continue;
+            }
             self.pages[p as usize][c].with_mut(|v| {
                 // SAFETY: checked by loom: this launch still owns the page's shard `c`.
                 unsafe { *v = l.seq };
@@ -218,6 +228,7 @@ fn pages_retired_with_a_launch_in_flight_are_reclaimed_only_after_its_release() 
             req: a,
             num_blocks: 2,
             sample: false,
+            reads: 0,
         };
         let w = shared.clone();
         let worker = thread::spawn(move || {
@@ -268,6 +279,7 @@ fn a_cancel_right_after_launch_publishes_nothing_and_waits_for_the_fence() {
             req: a,
             num_blocks: 1,
             sample: true,
+            reads: 0,
         };
         let w = shared.clone();
         let worker = thread::spawn(move || {
@@ -334,6 +346,7 @@ fn pages_wait_for_the_slowest_of_two_consumers_releasing_out_of_step() {
             req: a,
             num_blocks: 1,
             sample: false,
+            reads: 0,
         };
         let l2 = LaunchRec {
             seq: 2,
@@ -405,6 +418,7 @@ fn a_consumer_that_dies_with_a_launch_in_flight_stops_counting_only_on_kernel_ev
             req: a,
             num_blocks: 1,
             sample: false,
+            reads: 0,
         };
         let w = shared.clone();
         let dier = thread::spawn(move || {
@@ -463,6 +477,7 @@ fn a_reused_slot_waits_for_the_fence_and_stale_references_are_caught_by_generati
             req: a,
             num_blocks: 1,
             sample: true,
+            reads: 0,
         };
         let w = shared.clone();
         let worker = thread::spawn(move || {
@@ -501,6 +516,93 @@ fn a_reused_slot_waits_for_the_fence_and_stale_references_are_caught_by_generati
             let (slot, _) =
                 admit(&shared, &mut pool, &mut slots, 1).expect("slot back after release");
             assert!(!slots.is_current(a) && slots.is_current(slot));
+        }
+    });
+}
+
+/// (6) A prefix-cache hit on a retired page. Request A's launch 1 reads its registered full
+/// block (page 0) and writes page 1; A is cancelled with launch 1 in flight, so both pages
+/// retire after launch 1. Request B takes page 0 from the cache (the hit revives it: a full
+/// block is never written again) and its launch 2 reads it too, then B is cancelled. Page 1
+/// may come back after launch 1's release, page 0 only after launch 2's: a request that needs
+/// fresh pages never writes page 0 while launch 2 may still read it.
+///
+/// Without the fence check (NAME
+/// `a_cache_hit_revives_a_retired_page_that_then_waits_for_every_launch_reading_it`) it fails:
+/// "pages [2, 1] handed out before launch 2 was released". If `PagePool::share` left the
+/// revived page under its old retirement, it fails with "pages [1, 0] handed out before launch
+/// 2 was released" (page 0 reclaimed at launch 1's release while B's launch reads it).
+#[test]
+fn a_cache_hit_revives_a_retired_page_that_then_waits_for_every_launch_reading_it() {
+    model(|| {
+        let shared = Shared::new(1, 3, 3);
+        let mut pool = PagePool::new(3);
+        let mut slots = SlotAllocator::new(3);
+        let (a, pa) = admit(&shared, &mut pool, &mut slots, 2).unwrap();
+        // Page 0 holds A's first block, computed and fenced by an earlier launch.
+        assert!(pool.register(pa[0], 7));
+        let l1 = LaunchRec {
+            seq: 1,
+            req: a,
+            num_blocks: 2,
+            sample: false,
+            reads: 1,
+        };
+        // A is cancelled with launch 1 published.
+        pool.retire(&pa, 1);
+        slots.retire(a, 1);
+        // B shares the retired block and takes one fresh page (page 2, never used).
+        let p0 = pool.lookup(7).expect("a retired keyed page is a hit");
+        assert_eq!(p0, pa[0]);
+        pool.share(p0);
+        let b = slots.alloc().unwrap();
+        let mut pb = vec![p0];
+        assert!(pool.alloc(1, &mut pb));
+        assert_eq!(pb[1], 2, "the free page, not A's page 1");
+        shared.write_block_row(b, &pb);
+        let l2 = LaunchRec {
+            seq: 2,
+            req: b,
+            num_blocks: 2,
+            sample: false,
+            reads: 1,
+        };
+        let w = shared.clone();
+        let worker = thread::spawn(move || {
+            for l in [l1, l2] {
+                w.execute(0, l);
+                w.consumers.release(0, l.seq);
+            }
+        });
+        // B is cancelled with launch 2 published: page 0 retires after the later of 1 and 2.
+        pool.retire(&pb, 2);
+        slots.retire(b, 2);
+        // C wants two fresh pages, and writes them.
+        let mut c = None;
+        for _ in 0..2 {
+            reclaim(&shared, &mut pool, &mut slots);
+            if c.is_none() {
+                c = admit(&shared, &mut pool, &mut slots, 2);
+                if let Some((_, got)) = &c {
+                    assert!(
+                        shared.consumers.released(0) >= 2,
+                        "pages {got:?} handed out before launch 2 was released"
+                    );
+                    for &p in got {
+                        shared.reuse_pages(&[p], [0, 1, 2][p as usize], 1, 3);
+                    }
+                }
+            }
+        }
+        worker.join().unwrap();
+        if c.is_none() {
+            // Both launches released: every page comes back, and C gets two.
+            reclaim(&shared, &mut pool, &mut slots);
+            assert_eq!(pool.stats().retired, 0);
+            let (_, got) = admit(&shared, &mut pool, &mut slots, 2).expect("pages came back");
+            for &p in &got {
+                shared.reuse_pages(&[p], [0, 1, 2][p as usize], 1, 3);
+            }
         }
     });
 }
