@@ -2062,21 +2062,22 @@ async fn continue_final_message_leaves_the_last_message_open() {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
-/// A prompt whose first full KV blocks an earlier request computed reports them in
-/// `usage.prompt_tokens_details.cached_tokens` (streamed or not), and `/metrics` counts the
-/// hits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cache_salt_keeps_prefix_cache_hits_within_the_same_salt() {
-    let srv = start(Opts::default()).await;
-    let g = &common::goldens()[1];
-    let ids: Vec<u64> = g["prompt_ids"]
+/// Golden `i`'s prompt ids followed by its greedy continuation.
+fn golden_history(i: usize) -> Vec<u64> {
+    let g = &common::goldens()[i];
+    g["prompt_ids"]
         .as_array()
         .unwrap()
         .iter()
         .chain(g["greedy_ids"].as_array().unwrap())
         .map(|v| v.as_u64().unwrap())
-        .take(45)
-        .collect();
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_keeps_prefix_cache_hits_within_the_same_salt() {
+    let srv = start(Opts::default()).await;
+    let ids = golden_history(1)[..45].to_vec();
     let cached = |salt: Option<&str>| {
         let mut body = json!({"prompt": ids.clone(), "max_tokens": 2, "temperature": 0});
         if let Some(s) = salt {
@@ -2107,17 +2108,13 @@ async fn cache_salt_keeps_prefix_cache_hits_within_the_same_salt() {
     }
 }
 
+/// A prompt whose first full KV blocks an earlier request computed reports them in
+/// `usage.prompt_tokens_details.cached_tokens` (streamed or not), and `/metrics` counts the
+/// hits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
     let srv = start(Opts::default()).await;
-    let g = &common::goldens()[0];
-    let ids: Vec<u64> = g["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(g["greedy_ids"].as_array().unwrap())
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let ids = golden_history(0);
     let first = completion(
         srv.addr,
         json!({"prompt": &ids[..5], "max_tokens": 64, "temperature": 0}),
