@@ -497,8 +497,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     r.prompt_cached
                         .get_or_insert(r.cached_len.min(r.prompt_len - 1));
                     let r = &self.requests[idx];
-                    self.prefix_queries += r.known_len as u64;
-                    self.prefix_hits += r.cached_len as u64;
+                    if self.cfg.enable_prefix_caching {
+                        self.prefix_queries += r.known_len as u64;
+                        self.prefix_hits += r.cached_len as u64;
+                    }
                     if r.cached_len > 0 && self.trace.is_some() {
                         let rec = TraceRecord {
                             owner: Some("scheduler".into()),
