@@ -1210,6 +1210,38 @@ struct PenaltyCase {
     bias: Vec<(u32, f32)>,
 }
 
+impl PenaltyCase {
+    /// The row's list as the CPU reference builds it: from the whole history when
+    /// `with_pending`, else (as the host side of the CUDA worker) without the pending last
+    /// token, which the device merges; from the bias alone when the row has no penalties.
+    fn list(
+        &self,
+        p: &SamplingParams,
+        with_pending: bool,
+        scratch: &mut Vec<u64>,
+    ) -> Vec<PenaltyEntry> {
+        let mut list = Vec::new();
+        if p.adjusts_logits() {
+            let known = if !p.has_penalties() {
+                &[][..]
+            } else if with_pending {
+                &self.history[..]
+            } else {
+                &self.history[..self.history.len() - usize::from(self.pending)]
+            };
+            build_penalty_list(
+                known,
+                self.prompt_len.min(known.len()),
+                p.has_repetition_penalty(),
+                &self.bias,
+                scratch,
+                &mut list,
+            );
+        }
+        list
+    }
+}
+
 #[test]
 fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
     let vocab = 400usize;
@@ -1320,23 +1352,7 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
         let mut input_ids = vec![u32::MAX; 3 * rows];
         let (mut scratch, mut lists) = (Vec::new(), Vec::new());
         for (r, c) in cases.iter().enumerate() {
-            let p = &params[r];
-            let mut list = Vec::new();
-            if p.adjusts_logits() {
-                let known = if p.has_penalties() {
-                    &c.history[..c.history.len() - usize::from(c.pending)]
-                } else {
-                    &[]
-                };
-                build_penalty_list(
-                    known,
-                    c.prompt_len.min(known.len()),
-                    p.has_repetition_penalty(),
-                    &c.bias,
-                    &mut scratch,
-                    &mut list,
-                );
-            }
+            let list = c.list(&params[r], false, &mut scratch);
             if c.pending {
                 input_ids[3 * r + 1] = *c.history.last().unwrap();
             }
@@ -1372,22 +1388,7 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
             for (r, c) in cases.iter().enumerate() {
                 let raw = &logits[r * vocab..(r + 1) * vocab];
                 let p = &params[r];
-                let mut full: Vec<PenaltyEntry> = Vec::new();
-                if p.adjusts_logits() {
-                    let history = if p.has_penalties() {
-                        &c.history[..]
-                    } else {
-                        &[]
-                    };
-                    build_penalty_list(
-                        history,
-                        c.prompt_len.min(history.len()),
-                        p.has_repetition_penalty(),
-                        &c.bias,
-                        &mut Vec::new(),
-                        &mut full,
-                    );
-                }
+                let full = c.list(p, true, &mut Vec::new());
                 let cpu = Sampler::new().sample_penalized(raw, p, idx[r], &full);
                 assert_eq!(
                     o.tokens[r], cpu.token,
