@@ -124,6 +124,15 @@ impl Dtype {
         }
     }
 
+    /// `x` rounded to this type (round to nearest even, as weights are uploaded) and back.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+            Dtype::F16 => half::f16::from_f32(x).to_f32(),
+            Dtype::F32 => x,
+        }
+    }
+
     /// Every dtype, for tests.
     pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
 }

@@ -692,6 +692,39 @@ impl CpuModel {
         Ok((logits, outs))
     }
 
+    /// As [`CpuModel::forward_with_layer_outputs`], but layer `l > 0` (and the final norm and
+    /// LM head, after the last layer) starts from `inputs[l - 1]` instead of this model's own
+    /// residual stream: `inputs` are another backend's layer outputs, `[T, hidden]` each, as
+    /// `forward_with_layer_outputs` returns them. Layer 0 starts from the embedding. So each
+    /// returned layer output is what this model computes from the other backend's input to
+    /// that layer: the difference measures one layer's error, not the drift accumulated over
+    /// the layers before it. The KV cache gets the keys and values of those forced inputs.
+    ///
+    /// # Errors
+    /// As [`CpuModel::forward`], and [`ForwardError::ForcedInputs`] when `inputs` is not one
+    /// `[T, hidden]` buffer per layer.
+    pub fn forward_layers_forced(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+        inputs: &[Vec<f32>],
+    ) -> Result<LogitsAndLayers, ForwardError> {
+        let t: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        let h = self.cfg.hidden_size;
+        if inputs.len() != self.cfg.num_hidden_layers || inputs.iter().any(|x| x.len() != t * h) {
+            return Err(ForwardError::ForcedInputs {
+                layers: self.cfg.num_hidden_layers,
+                values: t * h,
+            });
+        }
+        let mut outs = Vec::with_capacity(self.cfg.num_hidden_layers);
+        self.validate(kv, rows)?;
+        let logits = self
+            .pool
+            .install(|| self.forward_in_pool(kv, rows, Some(&mut outs), Some(inputs)))?;
+        Ok((logits, outs))
+    }
+
     fn forward_impl(
         &self,
         kv: &mut PagedKvCache,
@@ -700,7 +733,7 @@ impl CpuModel {
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         self.validate(kv, rows)?;
         self.pool
-            .install(|| self.forward_in_pool(kv, rows, layer_outs))
+            .install(|| self.forward_in_pool(kv, rows, layer_outs, None))
     }
 
     /// The forward pass proper, run inside `self.pool`.
@@ -709,6 +742,7 @@ impl CpuModel {
         kv: &mut PagedKvCache,
         rows: &[ForwardRow],
         mut layer_outs: Option<&mut Vec<Vec<f32>>>,
+        forced: Option<&[Vec<f32>]>,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         use rayon::prelude::*;
         let c = &self.cfg;
@@ -778,6 +812,9 @@ impl CpuModel {
         }
 
         for (li, layer) in self.layers.iter().enumerate() {
+            if let (Some(f), Some(prev)) = (forced, li.checked_sub(1)) {
+                s.x[..t * h].copy_from_slice(&f[prev]);
+            }
             // Attention block.
             for i in 0..t {
                 rms_norm(
@@ -868,6 +905,9 @@ impl CpuModel {
             if let Some(outs) = layer_outs.as_mut() {
                 outs.push(s.x[..t * h].to_vec());
             }
+        }
+        if let Some(last) = forced.and_then(|f| f.last()) {
+            s.x[..t * h].copy_from_slice(last);
         }
 
         // Final norm + LM head for the last token of each row that wants logits.

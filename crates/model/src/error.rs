@@ -208,6 +208,15 @@ pub enum ForwardError {
         /// The model's (layers, kv heads, head dim).
         model: (usize, usize, usize),
     },
+    /// Forced layer inputs of the wrong count or size
+    /// ([`crate::CpuModel::forward_layers_forced`]).
+    #[error("forced layer inputs: want {layers} buffers of {values} values")]
+    ForcedInputs {
+        /// Buffers wanted (the model's layers).
+        layers: usize,
+        /// Values per buffer (`T * hidden`).
+        values: usize,
+    },
 }
 
 impl ModelError {

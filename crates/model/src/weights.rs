@@ -450,6 +450,28 @@ impl LlamaWeights {
         })
     }
 
+    /// Every value of every tensor replaced by `f(value)` (for example rounded to the 16-bit
+    /// type another backend holds, so that a CPU reference runs on the same weights).
+    pub fn map_values(&mut self, f: impl Fn(f32) -> f32) {
+        let mut tensors = vec![&mut self.embed, &mut self.norm, &mut self.lm_head];
+        for l in &mut self.layers {
+            tensors.extend([
+                &mut l.input_layernorm,
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.post_attention_layernorm,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ]);
+        }
+        for t in tensors {
+            t.data.iter_mut().for_each(|x| *x = f(*x));
+        }
+    }
+
     /// Deterministic random weights for `cfg` (for `load_format = dummy` and benchmarks).
     ///
     /// Linear and embedding weights are uniform in `[-0.02·√3, 0.02·√3]` (standard deviation

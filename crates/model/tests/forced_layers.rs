@@ -1,0 +1,80 @@
+//! `CpuModel::forward_layers_forced`: each layer starts from the given input, so a layer's
+//! output depends on the forced input to it and not on the layers before.
+
+use baton_model::{CpuModel, ForwardError, ForwardRow, LlamaWeights, ModelConfig, PagedKvCache};
+
+const CONFIG: &str = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": false}"#;
+
+#[test]
+fn forced_inputs_replace_each_layers_input_and_the_final_norms() {
+    let cfg = ModelConfig::from_json_str(CONFIG).unwrap();
+    let model = CpuModel::new(cfg.clone(), LlamaWeights::dummy(&cfg, 3));
+    let toks: Vec<u32> = (0..9).map(|i| (3 + 7 * i) % 50).collect();
+    let table = [0u32, 1];
+    let rows = [ForwardRow {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &table,
+        want_logits: true,
+    }];
+    let run = |forced: Option<&[Vec<f32>]>| {
+        let mut kv = PagedKvCache::new(&cfg, 4, 16);
+        match forced {
+            None => model.forward_with_layer_outputs(&mut kv, &rows).unwrap(),
+            Some(f) => model.forward_layers_forced(&mut kv, &rows, f).unwrap(),
+        }
+    };
+    let (logits, outs) = run(None);
+    // Forced with its own outputs: the same pass, bit for bit.
+    let (l2, o2) = run(Some(&outs));
+    assert_eq!(l2, logits);
+    assert_eq!(o2, outs);
+
+    // Layer 1's input replaced: layer 0 is unchanged, layer 1 differs, and layer 2 (forced
+    // with the unchanged outs[1]) and the logits (forced with outs[2]) are unchanged.
+    let mut forced = outs.clone();
+    forced[0].iter_mut().for_each(|x| *x *= 1.5);
+    let (l3, o3) = run(Some(&forced));
+    assert_eq!(o3[0], outs[0]);
+    assert_ne!(o3[1], outs[1]);
+    assert_eq!(o3[2], outs[2]);
+    assert_eq!(l3, logits);
+
+    // The last input feeds the final norm and LM head.
+    let mut forced = outs.clone();
+    forced[2].iter_mut().for_each(|x| *x = -*x);
+    let (l4, _) = run(Some(&forced));
+    assert_ne!(l4, logits);
+}
+
+#[test]
+fn forced_inputs_of_the_wrong_shape_are_an_error() {
+    let cfg = ModelConfig::from_json_str(CONFIG).unwrap();
+    let model = CpuModel::new(cfg.clone(), LlamaWeights::dummy(&cfg, 3));
+    let toks = [1u32, 2, 3];
+    let table = [0u32];
+    let rows = [ForwardRow {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &table,
+        want_logits: true,
+    }];
+    let mut kv = PagedKvCache::new(&cfg, 4, 16);
+    let short = vec![vec![0.0; 3 * 64]; 2];
+    let err = model
+        .forward_layers_forced(&mut kv, &rows, &short)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ForwardError::ForcedInputs {
+            layers: 3,
+            values: 192
+        }
+    );
+    let wrong = vec![vec![0.0; 2 * 64]; 3];
+    assert!(model.forward_layers_forced(&mut kv, &rows, &wrong).is_err());
+}
