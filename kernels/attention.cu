@@ -11,13 +11,16 @@
 // head and up to BATON_ATTN_MAX_G of its query heads, so each K/V vector is loaded once per
 // block and reused across the group; grid.y = num_kv_heads * ceil(group / BATON_ATTN_MAX_G).
 //
-// Numerics: q is pre-scaled by `scale * log2(e)`, scores and softmax use exp2f in fp32 with an
-// online (running max / running sum) softmax, accumulation is fp32, output rounded once to bf16.
-// Block = 4 warps (128 threads); within a chunk of BATON_ATTN_PART keys, warp w handles keys
-// w, w+4, ...; lane l owns head dims [l * D/32, (l+1) * D/32).
+// Numerics: scores are the fp32 dot q . k (in dimension order) times `scale * log2(e)`;
+// softmax uses exp2f in fp32 with an online (running max / running sum) softmax, accumulation
+// is fp32, output rounded once to elem_t.
+// Block = 4 warps (128 threads). Within a chunk of BATON_ATTN_PART keys: scores take one key per
+// lane (warp w: keys [32 w, 32 w + 32), then [32 (w + 4), ...)); for p . v, warp w takes U
+// consecutive keys per iteration (U = 16 / (D / 32): 8, 4, 2) and lane l owns head dims
+// [l * D/32, (l+1) * D/32).
 //
 // Entry points exist for head_dim 64, 128 and 256 (`_hd64`, `_hd128`, `_hd256`).
-// Untested on a GPU as of this writing (only compiled with NVRTC for sm_90).
+// Checked on an H200 by scripts/gpu-check.sh (session 7).
 
 #define BATON_ATTN_PART 512
 #define BATON_ATTN_MAX_G 8
@@ -39,11 +42,29 @@ __device__ __forceinline__ void baton_load_pack(const elem_t* p, float (&out)[VP
     for (int i = 0; i < VPL; ++i) out[i] = baton_to_f(v.e[i]);
 }
 
+// Keys of one decode partition of a sequence of `ctx` keys when the launch has `z` partitions
+// per sequence (grid.z): ceil(ctx / z) rounded up to a multiple of BATON_ATTN_MIN_PART, so a
+// sequence uses at most z partitions and a short one fewer. A partition longer than
+// BATON_ATTN_PART is walked in chunks of BATON_ATTN_PART.
+#define BATON_ATTN_MIN_PART 64
+__device__ __forceinline__ int baton_decode_part_size(int ctx, int z) {
+    const int p = (ctx + z - 1) / z;
+    return max(BATON_ATTN_MIN_PART, (p + BATON_ATTN_MIN_PART - 1) / BATON_ATTN_MIN_PART *
+                                        BATON_ATTN_MIN_PART);
+}
+__device__ __forceinline__ int baton_decode_num_parts(int ctx, int z) {
+    const int p = baton_decode_part_size(ctx, z);
+    return (ctx + p - 1) / p;
+}
+
 // Shared state of one attention block.
 template <int D>
 struct BatonAttnShared {
-    float logits[BATON_ATTN_MAX_G][BATON_ATTN_PART];
-    float red[BATON_ATTN_WARPS - 1][BATON_ATTN_MAX_G][D];
+    alignas(16) elem_t q[BATON_ATTN_MAX_G][D];  // the group's query vectors (unscaled)
+    union {
+        float logits[BATON_ATTN_MAX_G][BATON_ATTN_PART];       // scores, then p, of a chunk
+        float red[BATON_ATTN_WARPS - 1][BATON_ATTN_MAX_G][D];  // after the last chunk
+    };
     float m[BATON_ATTN_MAX_G];      // running max (log2 domain)
     float l[BATON_ATTN_MAX_G];      // running sum of exp2(score - m)
     float alpha[BATON_ATTN_MAX_G];  // rescale factor of the last chunk
@@ -64,23 +85,14 @@ __device__ __forceinline__ BatonAttnHeads baton_attn_heads(int num_heads, int nu
     return h;
 }
 
+// The group's query vectors into shared memory (zeros past h.ng). The block's threads share
+// the work; baton_attn_init's barrier publishes them.
 template <int D>
-__device__ __forceinline__ void baton_attn_load_q(const elem_t* q_tok, const BatonAttnHeads& h,
-                                                  float scale,
-                                                  float (&qr)[BATON_ATTN_MAX_G][D / 32]) {
-    constexpr int VPL = D / 32;
-    const int lane = threadIdx.x & 31;
-    const float s = scale * BATON_LOG2E;
-#pragma unroll
-    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
-        if (g < h.ng) {
-            baton_load_pack<VPL>(q_tok + (size_t)(h.head0 + g) * D + lane * VPL, qr[g]);
-#pragma unroll
-            for (int i = 0; i < VPL; ++i) qr[g][i] *= s;
-        } else {
-#pragma unroll
-            for (int i = 0; i < VPL; ++i) qr[g][i] = 0.0f;
-        }
+__device__ __forceinline__ void baton_attn_load_q(BatonAttnShared<D>& sh, const elem_t* q_tok,
+                                                  const BatonAttnHeads& h) {
+    for (int i = threadIdx.x; i < BATON_ATTN_MAX_G * D; i += blockDim.x) {
+        const int g = i / D, d = i - g * D;
+        sh.q[g][d] = g < h.ng ? q_tok[(size_t)(h.head0 + g) * D + d] : baton_from_f(0.0f);
     }
 }
 
@@ -88,31 +100,46 @@ __device__ __forceinline__ void baton_attn_load_q(const elem_t* q_tok, const Bat
 // memory and this warp's partial accumulator. Must be called by all threads of the block.
 template <int D>
 __device__ __forceinline__ void baton_attn_chunk(
-    BatonAttnShared<D>& sh, const float (&qr)[BATON_ATTN_MAX_G][D / 32],
-    float (&acc)[BATON_ATTN_MAX_G][D / 32], const elem_t* __restrict__ k_cache,
-    const elem_t* __restrict__ v_cache, const int* __restrict__ block_table, int block_size,
-    int num_kv_heads, const BatonAttnHeads& h, int c0, int c1) {
+    BatonAttnShared<D>& sh, float qscale, float (&acc)[BATON_ATTN_MAX_G][D / 32],
+    const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
+    const int* __restrict__ block_table, int block_size, int num_kv_heads,
+    const BatonAttnHeads& h, int c0, int c1) {
     constexpr int VPL = D / 32;
+    constexpr int U = 16 / VPL;  // keys per warp per iteration of step 3 (16 registers)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = c1 - c0;
     const size_t tok_stride = (size_t)num_kv_heads * D;
     const size_t head_off = (size_t)h.kvh * D + lane * VPL;
 
-    // 1. Scores q . k for every key of the chunk and every query head of the group.
-    for (int j = warp; j < n; j += BATON_ATTN_WARPS) {
-        const int t = c0 + j;
-        const int page = block_table[t / block_size];
-        const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
-        float kf[VPL];
-        baton_load_pack<VPL>(k_cache + off, kf);
+    // 1. Scores q . k for every key of the chunk and every query head of the group: one key
+    //    per lane, 32 keys per warp, the lane's whole key loaded (16-byte vectors, all in flight
+    //    at once) and dotted with each head's q from shared memory (a broadcast). No cross-lane
+    //    reduction: a warp-wide sum per key and head made this step shuffle-bound.
+    for (int j0 = warp * 32; j0 < n; j0 += BATON_ATTN_WARPS * 32) {
+        const int j = j0 + lane;
+        if (j < n) {
+            const int t = c0 + j;
+            const int page = block_table[t / block_size];
+            const elem_t* kp = k_cache +
+                               ((size_t)page * block_size + (t % block_size)) * tok_stride +
+                               (size_t)h.kvh * D;
+            baton_vec kv[D / BATON_VEC];
 #pragma unroll
-        for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
-            if (g < h.ng) {
+            for (int v = 0; v < D / BATON_VEC; ++v) kv[v] = reinterpret_cast<const baton_vec*>(kp)[v];
+            // One head at a time (a runtime loop: unrolling it over BATON_ATTN_MAX_G heads
+            // multiplied the code, the registers and NVRTC's compile time).
+#pragma unroll 1
+            for (int g = 0; g < h.ng; ++g) {
+                const baton_vec* qg = reinterpret_cast<const baton_vec*>(&sh.q[g][0]);
                 float d = 0.0f;
 #pragma unroll
-                for (int i = 0; i < VPL; ++i) d = fmaf(qr[g][i], kf[i], d);
-                d = baton_warp_sum(d);
-                if (lane == 0) sh.logits[g][j] = d;
+                for (int v = 0; v < D / BATON_VEC; ++v) {
+                    const baton_vec qv = qg[v];
+#pragma unroll
+                    for (int e = 0; e < BATON_VEC; ++e)
+                        d = fmaf(baton_to_f(qv.e[e]), baton_to_f(kv[v].e[e]), d);
+                }
+                sh.logits[g][j] = d * qscale;
             }
         }
     }
@@ -150,18 +177,30 @@ __device__ __forceinline__ void baton_attn_chunk(
             for (int i = 0; i < VPL; ++i) acc[g][i] *= a;
         }
     }
-    for (int j = warp; j < n; j += BATON_ATTN_WARPS) {
-        const int t = c0 + j;
-        const int page = block_table[t / block_size];
-        const size_t off = ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
-        float vf[VPL];
-        baton_load_pack<VPL>(v_cache + off, vf);
+    for (int j0 = warp * U; j0 < n; j0 += BATON_ATTN_WARPS * U) {
+        float vf[U][VPL];
 #pragma unroll
-        for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
-            if (g < h.ng) {
-                const float p = sh.logits[g][j];
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j < n) {
+                const int t = c0 + j;
+                const int page = block_table[t / block_size];
+                const size_t off =
+                    ((size_t)page * block_size + (t % block_size)) * tok_stride + head_off;
+                baton_load_pack<VPL>(v_cache + off, vf[u]);
+            }
+        }
 #pragma unroll
-                for (int i = 0; i < VPL; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u < n) {
+#pragma unroll
+                for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+                    if (g < h.ng) {
+                        const float p = sh.logits[g][j0 + u];
+#pragma unroll
+                        for (int i = 0; i < VPL; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
+                    }
+                }
             }
         }
     }
@@ -230,14 +269,17 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode: one query token per sequence, split-K over partitions of BATON_ATTN_PART keys.
+// Decode: one query token per sequence, split-K over up to max_partitions partitions per
+// sequence (baton_decode_part_size: at least BATON_ATTN_MIN_PART keys each). The host picks
+// max_partitions from the batch so that small batches still fill the GPU (a batch of one
+// sequence and 8 kv heads would otherwise be 8 thread blocks).
 //
 // Shapes: out [num_seqs, num_heads, D] elem_t; q [num_seqs, num_heads, D] elem_t with sequence
 // stride `q_stride` elements; block_tables [num_seqs, max_blocks_per_row] int; seq_lens
 // [num_seqs] int = context length including the current token (0 for a padding row: its output
 // is zeros). Partials: part_acc [num_seqs, num_heads, max_partitions, D] f32 (unnormalized),
 // part_m / part_l [num_seqs, num_heads, max_partitions] f32 (log2-domain max, sum).
-// max_partitions = ceil(max_seq_len / BATON_ATTN_PART).
+// max_partitions >= 1 (the partials' stride and grid.z).
 // Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128);
 // then baton_paged_attention_decode_reduce. A sequence with one partition is written directly
 // to `out` and skipped by the reduce.
@@ -251,18 +293,19 @@ __device__ __forceinline__ void baton_decode_body(
     __shared__ BatonAttnShared<D> sh;
     const int seq = blockIdx.x, part = blockIdx.z;
     const int ctx = seq_lens[seq];
-    const int num_parts = (ctx + BATON_ATTN_PART - 1) / BATON_ATTN_PART;
+    const int psize = baton_decode_part_size(ctx, max_partitions);
+    const int num_parts = baton_decode_num_parts(ctx, max_partitions);
     if (part >= max(num_parts, 1)) return;
     const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
-    float qr[BATON_ATTN_MAX_G][D / 32];
     float acc[BATON_ATTN_MAX_G][D / 32];
-    baton_attn_load_q<D>(q + (size_t)seq * q_stride, h, scale, qr);
+    baton_attn_load_q<D>(sh, q + (size_t)seq * q_stride, h);
     baton_attn_init<D>(sh, acc);
-    const int c0 = part * BATON_ATTN_PART, c1 = min(ctx, c0 + BATON_ATTN_PART);
-    if (c1 > c0)
-        baton_attn_chunk<D>(sh, qr, acc, k_cache, v_cache,
+    const float qscale = scale * BATON_LOG2E;
+    const int c0 = part * psize, c1 = min(ctx, c0 + psize);
+    for (int s0 = c0; s0 < c1; s0 += BATON_ATTN_PART)
+        baton_attn_chunk<D>(sh, qscale, acc, k_cache, v_cache,
                             block_tables + (size_t)seq * max_blocks_per_row, block_size,
-                            num_kv_heads, h, c0, c1);
+                            num_kv_heads, h, s0, min(c1, s0 + BATON_ATTN_PART));
     baton_attn_reduce_warps<D>(sh, acc, h.ng);
     if (num_parts <= 1) {
         baton_attn_store<D>(out + (size_t)seq * num_heads * D, sh, acc, h);
@@ -311,7 +354,7 @@ BATON_ENTRY void baton_paged_attention_decode_reduce(
     const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
     int head_dim, int max_partitions) {
     const int seq = blockIdx.x, head = blockIdx.y;
-    const int num_parts = (seq_lens[seq] + BATON_ATTN_PART - 1) / BATON_ATTN_PART;
+    const int num_parts = baton_decode_num_parts(seq_lens[seq], max_partitions);
     if (num_parts <= 1) return;
     const size_t base = ((size_t)seq * num_heads + head) * max_partitions;
     float m = BATON_NEG_INF;
@@ -361,13 +404,13 @@ __device__ __forceinline__ void baton_prefill_body(
     const int row = lo;
     const int ctx = start_pos[row] + (tok - cu_seqlens[row]) + 1;
     const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
-    float qr[BATON_ATTN_MAX_G][D / 32];
     float acc[BATON_ATTN_MAX_G][D / 32];
-    baton_attn_load_q<D>(q + (size_t)tok * q_stride, h, scale, qr);
+    baton_attn_load_q<D>(sh, q + (size_t)tok * q_stride, h);
     baton_attn_init<D>(sh, acc);
+    const float qscale = scale * BATON_LOG2E;
     const int* bt = block_tables + (size_t)row * max_blocks_per_row;
     for (int c0 = 0; c0 < ctx; c0 += BATON_ATTN_PART)
-        baton_attn_chunk<D>(sh, qr, acc, k_cache, v_cache, bt, block_size, num_kv_heads, h, c0,
+        baton_attn_chunk<D>(sh, qscale, acc, k_cache, v_cache, bt, block_size, num_kv_heads, h, c0,
                             min(ctx, c0 + BATON_ATTN_PART));
     baton_attn_reduce_warps<D>(sh, acc, h.ng);
     baton_attn_store<D>(out + (size_t)tok * num_heads * D, sh, acc, h);

@@ -2,7 +2,8 @@
 // BATON_GEMV_MAX_T tokens, where every linear layer is bound by streaming its weights once and
 // the separate norm and activation kernels of the cuBLAS path cost a launch each.
 //
-// One warp per output row (two weight rows in SiLU mode), the row read once in 16-byte vectors;
+// One warp per output row (two weight rows in SiLU mode), the row read once in 16-byte vectors,
+// U of them per lane in flight, the token count a template parameter;
 // the T activation rows are read (and normalized) by every warp of a block from L1/L2, as in
 // the split-free GEMV of llama.cpp's `mul_mat_vec` and vLLM's fused-norm decode paths.
 //
@@ -28,60 +29,66 @@
 
 __device__ __forceinline__ float baton_gemv_silu(float x) { return x / (1.0f + expf(-x)); }
 
-BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __restrict__ x,
-                                                   const elem_t* __restrict__ w,
-                                                   const elem_t* __restrict__ norm_w, int T,
-                                                   int N, int K, float eps, int mode,
-                                                   int rows_per_block) {
-    __shared__ float scratch[33];
-    __shared__ float inv_s[BATON_GEMV_MAX_T];
-    if (T < 1 || T > BATON_GEMV_MAX_T) return;
-    const bool norm = norm_w != nullptr;
-    if (norm) {
-        for (int t = 0; t < T; ++t) {
-            const float ss = baton_row_sumsq(x + (size_t)t * K, K, scratch);
-            if (threadIdx.x == 0) inv_s[t] = 1.0f / sqrtf(ss / (float)K + eps);
-        }
-        __syncthreads();
-    }
+// The rows of one block for a compile-time token count TT and mode (SILU: two weight rows per
+// output), so that the accumulators and the in-flight weight vectors take only the registers
+// they need (a runtime T and a U of 8 took 240 registers: one block per SM, and the
+// compiler then sank the loads next to their uses, leaving a third of the bandwidth).
+template <int TT, bool SILU, int U>
+__device__ __forceinline__ void baton_gemv_rows(void* out, const elem_t* __restrict__ x,
+                                                const elem_t* __restrict__ w,
+                                                const elem_t* __restrict__ norm_w,
+                                                const float* inv_s, int T, int N, int K,
+                                                int mode, int first, int end, bool vec) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const bool silu = mode == 3;
-    const bool vec = K % BATON_VEC == 0 && baton_aligned16(x) && baton_aligned16(w) &&
-                     (!norm || baton_aligned16(norm_w));
-    const int first = blockIdx.x * rows_per_block;
-    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    const bool norm = norm_w != nullptr;
     for (int n = first + warp; n < end; n += nwarps) {
-        float acc[BATON_GEMV_MAX_T];
-        float acc2[BATON_GEMV_MAX_T];
+        float acc[TT];
+        float acc2[TT];
 #pragma unroll
-        for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
+        for (int t = 0; t < TT; ++t) {
             acc[t] = 0.0f;
             acc2[t] = 0.0f;
         }
         const elem_t* w0 = w + (size_t)n * K;
-        const elem_t* w1 = silu ? w + (size_t)(N + n) * K : w0;
+        const elem_t* w1 = SILU ? w + (size_t)(N + n) * K : w0;
         if (vec) {
+            // U vectors of each weight row per lane per iteration, loaded before the first
+            // FMA; each lane still visits its vectors in ascending order.
             const int nv = K / BATON_VEC;
             const baton_vec* w0v = reinterpret_cast<const baton_vec*>(w0);
             const baton_vec* w1v = reinterpret_cast<const baton_vec*>(w1);
-            for (int i = lane; i < nv; i += BATON_WARP) {
-                const baton_vec a = w0v[i];
-                baton_vec b = a;
-                if (silu) b = w1v[i];
-                baton_vec g = a;
-                if (norm) g = reinterpret_cast<const baton_vec*>(norm_w)[i];
+            for (int i0 = lane; i0 < nv; i0 += BATON_WARP * U) {
+                baton_vec a[U];
+                baton_vec b[SILU ? U : 1];
 #pragma unroll
-                for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
-                    if (t < T) {
-                        const baton_vec xv =
-                            reinterpret_cast<const baton_vec*>(x + (size_t)t * K)[i];
+                for (int u = 0; u < U; ++u) {
+                    const int i = i0 + u * BATON_WARP;
+                    if (i < nv) {
+                        a[u] = w0v[i];
+                        if (SILU) b[SILU ? u : 0] = w1v[i];
+                    }
+                }
 #pragma unroll
-                        for (int j = 0; j < BATON_VEC; ++j) {
-                            float xi = baton_to_f(xv.e[j]);
-                            if (norm)
-                                xi = baton_round(baton_to_f(g.e[j]) * baton_round(xi * inv_s[t]));
-                            acc[t] = fmaf(xi, baton_to_f(a.e[j]), acc[t]);
-                            if (silu) acc2[t] = fmaf(xi, baton_to_f(b.e[j]), acc2[t]);
+                for (int u = 0; u < U; ++u) {
+                    const int i = i0 + u * BATON_WARP;
+                    if (i < nv) {
+                        baton_vec g = a[u];
+                        if (norm) g = reinterpret_cast<const baton_vec*>(norm_w)[i];
+#pragma unroll
+                        for (int t = 0; t < TT; ++t) {
+                            if (t >= T) break;
+                            const baton_vec xv =
+                                reinterpret_cast<const baton_vec*>(x + (size_t)t * K)[i];
+#pragma unroll
+                            for (int j = 0; j < BATON_VEC; ++j) {
+                                float xi = baton_to_f(xv.e[j]);
+                                if (norm)
+                                    xi = baton_round(baton_to_f(g.e[j]) *
+                                                     baton_round(xi * inv_s[t]));
+                                acc[t] = fmaf(xi, baton_to_f(a[u].e[j]), acc[t]);
+                                if (SILU)
+                                    acc2[t] = fmaf(xi, baton_to_f(b[SILU ? u : 0].e[j]), acc2[t]);
+                            }
                         }
                     }
                 }
@@ -89,35 +96,35 @@ BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __re
         } else {
             for (int k = lane; k < K; k += BATON_WARP) {
                 const float a = baton_to_f(w0[k]);
-                const float b = silu ? baton_to_f(w1[k]) : 0.0f;
+                const float b = SILU ? baton_to_f(w1[k]) : 0.0f;
                 const float g = norm ? baton_to_f(norm_w[k]) : 0.0f;
 #pragma unroll
-                for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
-                    if (t < T) {
-                        float xi = baton_to_f(x[(size_t)t * K + k]);
-                        if (norm) xi = baton_round(g * baton_round(xi * inv_s[t]));
-                        acc[t] = fmaf(xi, a, acc[t]);
-                        if (silu) acc2[t] = fmaf(xi, b, acc2[t]);
-                    }
+                for (int t = 0; t < TT; ++t) {
+                    if (t >= T) break;
+                    float xi = baton_to_f(x[(size_t)t * K + k]);
+                    if (norm) xi = baton_round(g * baton_round(xi * inv_s[t]));
+                    acc[t] = fmaf(xi, a, acc[t]);
+                    if (SILU) acc2[t] = fmaf(xi, b, acc2[t]);
                 }
             }
         }
 #pragma unroll
-        for (int t = 0; t < BATON_GEMV_MAX_T; ++t) {
-            if (t < T) {
-                acc[t] = baton_warp_sum(acc[t]);
-                if (silu) acc2[t] = baton_warp_sum(acc2[t]);
-            }
+        for (int t = 0; t < TT; ++t) {
+            if (t >= T) break;
+            acc[t] = baton_warp_sum(acc[t]);
+            if (SILU) acc2[t] = baton_warp_sum(acc2[t]);
         }
         if (lane == 0) {
-            for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+                if (t >= T) break;
                 const size_t o = (size_t)t * N + n;
                 if (mode == 1) {
                     static_cast<float*>(out)[o] = acc[t];
                 } else if (mode == 2) {
                     elem_t* r = static_cast<elem_t*>(out);
                     r[o] = baton_from_f(baton_to_f(r[o]) + baton_round(acc[t]));
-                } else if (silu) {
+                } else if (SILU) {
                     const float gate = baton_round(acc[t]), up = baton_round(acc2[t]);
                     static_cast<elem_t*>(out)[o] = baton_from_f(baton_gemv_silu(gate) * up);
                 } else {
@@ -126,4 +133,67 @@ BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __re
             }
         }
     }
+}
+
+// The prologue (the norm statistics of the T token rows) and the block's rows.
+template <int TT, bool SILU, int U>
+__device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restrict__ x,
+                                                const elem_t* __restrict__ w,
+                                                const elem_t* __restrict__ norm_w, int N, int K,
+                                                int T, float eps, int mode,
+                                                int rows_per_block) {
+    __shared__ float scratch[33];
+    __shared__ float inv_s[BATON_GEMV_MAX_T];
+    const bool norm = norm_w != nullptr;
+    if (norm) {
+        for (int t = 0; t < T; ++t) {
+            const float ss = baton_row_sumsq(x + (size_t)t * K, K, scratch);
+            if (threadIdx.x == 0) inv_s[t] = 1.0f / sqrtf(ss / (float)K + eps);
+        }
+        __syncthreads();
+    }
+    const bool vec = K % BATON_VEC == 0 && baton_aligned16(x) && baton_aligned16(w) &&
+                     (!norm || baton_aligned16(norm_w));
+    const int first = blockIdx.x * rows_per_block;
+    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    baton_gemv_rows<TT, SILU, U>(out, x, w, norm_w, inv_s, T, N, K, mode, first, end, vec);
+}
+
+// Entry points, same parameters. baton_gemv takes any T <= BATON_GEMV_MAX_T and any mode, one
+// weight vector per lane in flight (64 registers). baton_gemv_t1 (modes 0-2) and
+// baton_gemv_silu_t1 (mode 3) are the batch-of-one decode path: T = 1 at compile time and
+// BATON_GEMV_T1_U vectors per lane in flight (64 and 97 registers). A T = 1 entry given another
+// T or mode does nothing. Specializing every T multiplied NVRTC's compile time by 20.
+#define BATON_GEMV_T1_U 4
+BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __restrict__ x,
+                                                   const elem_t* __restrict__ w,
+                                                   const elem_t* __restrict__ norm_w, int T,
+                                                   int N, int K, float eps, int mode,
+                                                   int rows_per_block) {
+    if (T < 1 || T > BATON_GEMV_MAX_T) return;
+    if (mode == 3)
+        baton_gemv_body<BATON_GEMV_MAX_T, true, 1>(out, x, w, norm_w, N, K, T, eps, mode,
+                                                   rows_per_block);
+    else
+        baton_gemv_body<BATON_GEMV_MAX_T, false, 1>(out, x, w, norm_w, N, K, T, eps, mode,
+                                                    rows_per_block);
+}
+
+BATON_ENTRY void __launch_bounds__(256) baton_gemv_t1(void* out, const elem_t* __restrict__ x,
+                                                      const elem_t* __restrict__ w,
+                                                      const elem_t* __restrict__ norm_w, int T,
+                                                      int N, int K, float eps, int mode,
+                                                      int rows_per_block) {
+    if (T == 1 && mode != 3)
+        baton_gemv_body<1, false, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, 1, eps, mode,
+                                                   rows_per_block);
+}
+
+BATON_ENTRY void __launch_bounds__(256) baton_gemv_silu_t1(
+    void* out, const elem_t* __restrict__ x, const elem_t* __restrict__ w,
+    const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
+    int rows_per_block) {
+    if (T == 1 && mode == 3)
+        baton_gemv_body<1, true, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, 1, eps, mode,
+                                                  rows_per_block);
 }

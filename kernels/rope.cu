@@ -19,7 +19,9 @@
 // Shapes: q [num_tokens, num_q_heads, head_dim] with token stride `q_stride`; k and v
 // [num_tokens, num_kv_heads, head_dim] with token stride `kv_stride` (views into the fused QKV
 // output); positions, slot_mapping [num_tokens] int; inv_freq [head_dim / 2] f32.
-// Launch: grid = (num_tokens), block = (128); threads loop over (head, i) pairs, then over v.
+// Launch: grid = (num_tokens), block = (any multiple of 32; the executor uses 512, so that a
+// decode token's 1280 to 2560 pairs take a few iterations per thread); threads loop over
+// (head, i) pairs, then over v.
 BATON_ENTRY void baton_rope_and_cache(elem_t* __restrict__ q, elem_t* __restrict__ k,
                                       const elem_t* __restrict__ v, elem_t* __restrict__ k_cache,
                                       elem_t* __restrict__ v_cache,

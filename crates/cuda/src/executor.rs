@@ -320,6 +320,8 @@ pub struct CudaWorker {
     graphs: HashMap<usize, GraphId>,
     buckets: Vec<usize>,
     max_partitions: usize,
+    /// Rows the attention partials are sized for (`max_rows`).
+    part_rows: usize,
     /// Time each kernel and GEMM on its own (eager launches only).
     profiling: bool,
 }
@@ -723,6 +725,7 @@ impl CudaWorker {
             graphs: HashMap::new(),
             buckets: Vec::new(),
             max_partitions,
+            part_rows: r,
             profiling: false,
             opts,
         };
@@ -983,10 +986,16 @@ impl CudaWorker {
         if fused {
             // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
             // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
+            // A batch of one takes the entries specialized for it (gemv.cu).
             let gemv = |out: u64, x: u64, w: u64, norm: u64, n: usize, k: usize, m: usize| {
                 let rows = if n >= 32768 { 64 } else { 8 };
+                let entry = match (t, m) {
+                    (1, 3) => "baton_gemv_silu_t1",
+                    (1, _) => "baton_gemv_t1",
+                    _ => "baton_gemv",
+                };
                 self.launch(
-                    "baton_gemv",
+                    entry,
                     (n.div_ceil(rows) as u32, 1, 1),
                     256,
                     KArgs::new()
@@ -1177,7 +1186,7 @@ impl CudaWorker {
         self.launch(
             "baton_rope_and_cache",
             (t as u32, 1, 1),
-            128,
+            512,
             KArgs::new()
                 .p(q)
                 .p(k)
@@ -1247,9 +1256,17 @@ impl CudaWorker {
                 // decode_hdD(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,
                 //            block_tables, max_blocks_per_row, seq_lens, nh, nkv, block_size,
                 //            scale, max_partitions)
+                // Partitions per sequence: the partials hold `part_rows * max_partitions` per
+                // head, shared out among this launch's `r` rows.
+                let z = crate::plan::decode_partitions(
+                    r,
+                    gy as usize,
+                    self.opts.max_model_len,
+                    self.part_rows * self.max_partitions / r.max(1),
+                );
                 self.launch(
                     &format!("baton_paged_attention_decode_hd{hd}"),
-                    (r as u32, gy, self.max_partitions as u32),
+                    (r as u32, gy, z as u32),
                     128,
                     KArgs::new()
                         .p(out)
@@ -1267,10 +1284,10 @@ impl CudaWorker {
                         .i(kvh)
                         .i(bs)
                         .f(scale)
-                        .i(self.max_partitions),
+                        .i(z),
                 )?;
-                if self.max_partitions == 1 {
-                    // Every sequence fits one partition: the decode kernel wrote `out` and the
+                if z == 1 {
+                    // Every sequence is one partition: the decode kernel wrote `out` and the
                     // reduce would return at once (one launch per layer saved).
                     return Ok(());
                 }
@@ -1288,7 +1305,7 @@ impl CudaWorker {
                         .p(st(l.seq_lens))
                         .i(nh)
                         .i(hd)
-                        .i(self.max_partitions),
+                        .i(z),
                 )
             }
             AttnMode::Prefill => {

@@ -63,7 +63,10 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("activation.cu", &["baton_silu_and_mul"]),
-    ("gemv.cu", &["baton_gemv"]),
+    (
+        "gemv.cu",
+        &["baton_gemv", "baton_gemv_t1", "baton_gemv_silu_t1"],
+    ),
     (
         "sampling.cu",
         &[
@@ -266,11 +269,26 @@ pub fn compile_for(
         return Err(KernelError::NvrtcUnavailable);
     }
     let opts = nvrtc_options(arch, include_dir, dtype);
+    // One thread per file (NVRTC programs are independent): worker start-up waits for the
+    // slowest file rather than for the sum.
+    let results: Vec<Result<Compiled, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = SOURCES
+            .iter()
+            .map(|&(file, src)| {
+                let opts = &opts;
+                scope.spawn(move || compile_one(file, src, opts))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
     SOURCES
         .iter()
-        .map(|&(file, src)| {
-            compile_one(file, src, &opts)
-                .map(|c| (file.to_owned(), c))
+        .zip(results)
+        .map(|(&(file, _), r)| {
+            r.map(|c| (file.to_owned(), c))
                 .map_err(|log| KernelError::Compile {
                     file: file.to_owned(),
                     arch: format!("{arch} ({})", dtype.name()),

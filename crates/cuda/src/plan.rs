@@ -38,6 +38,39 @@ pub fn graph_bucket(batch: usize, buckets: &[usize]) -> Option<usize> {
     buckets.get(i).copied()
 }
 
+/// Thread blocks a decode attention launch aims for: about four per SM of an H100 or H200 (132
+/// SMs), so that the split-K partitions of a small batch keep enough loads in flight (a batch
+/// of one sequence with 8 kv heads is otherwise 8 blocks, each walking its whole context).
+pub const ATTN_TARGET_BLOCKS: usize = 512;
+
+/// Context length per partition above which [`decode_partitions`] splits further, whatever the
+/// batch: one long sequence among short ones should not be walked by one block per kv head.
+pub const ATTN_LONG_PARTITION: usize = 16384;
+
+/// Most partitions per sequence of a decode attention launch.
+pub const ATTN_MAX_PARTITIONS: usize = 64;
+
+/// Partitions per sequence (grid.z, the `max_partitions` argument of attention.cu's decode
+/// kernels) for a decode launch of `rows` sequences and `blocks_per_row` thread blocks each (kv
+/// heads times head chunks), on a model of `max_model_len` tokens, with partial buffers of
+/// `capacity` partitions per sequence and head. The kernel splits a sequence of `ctx` keys into
+/// partitions of `ceil(ctx / z)` keys rounded up to 64, so a short one uses fewer.
+///
+/// At least 1 and at most `min(capacity, ATTN_MAX_PARTITIONS)`; otherwise enough for
+/// [`ATTN_TARGET_BLOCKS`] blocks, and enough that a `max_model_len` context has partitions of at
+/// most [`ATTN_LONG_PARTITION`] keys. A function of the batch size only, so a captured graph's
+/// choice holds for every replay.
+pub fn decode_partitions(
+    rows: usize,
+    blocks_per_row: usize,
+    max_model_len: usize,
+    capacity: usize,
+) -> usize {
+    let fill = ATTN_TARGET_BLOCKS.div_ceil((rows * blocks_per_row).max(1));
+    let long = max_model_len.div_ceil(ATTN_LONG_PARTITION);
+    fill.max(long).min(ATTN_MAX_PARTITIONS).min(capacity).max(1)
+}
+
 /// A launch's rows flattened into the kernel inputs.
 ///
 /// Token arrays are indexed by flattened token `t` (rows back to back, in row order); row arrays
@@ -206,6 +239,27 @@ pub fn plan_launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_partitions_fill_the_gpu_at_small_batches_and_respect_the_buffers() {
+        // One sequence, 8 kv heads, a short model: 64 partitions (512 blocks).
+        assert_eq!(decode_partitions(1, 8, 257, 256), 64);
+        // Batch 32: 256 blocks, so two partitions; batch 128 or more: one.
+        assert_eq!(decode_partitions(32, 8, 257, 8), 2);
+        assert_eq!(decode_partitions(128, 8, 257, 2), 1);
+        assert_eq!(decode_partitions(512, 8, 257, 1), 1);
+        // The partial buffers bound it.
+        assert_eq!(decode_partitions(1, 8, 257, 5), 5);
+        assert_eq!(decode_partitions(4, 8, 257, 0), 1);
+        // A long model splits even a large batch (partitions of at most 16384 keys).
+        assert_eq!(decode_partitions(256, 8, 131_072, 256), 8);
+        assert_eq!(
+            decode_partitions(1, 1, 1 << 24, 10_000),
+            ATTN_MAX_PARTITIONS
+        );
+        // The grid never reaches zero.
+        assert_eq!(decode_partitions(0, 0, 0, 0), 1);
+    }
 
     #[test]
     fn default_buckets_are_vllm_style_and_cover_every_batch() {
