@@ -22,14 +22,18 @@
 #      batched, through the scheduler with asynchronous launches and CUDA graphs);
 #   2. stories260K in bf16: first-step logits within 2e-2 relative error of the CPU reference;
 #   3. a dummy Llama-1B-shaped model in bf16: every layer's output within 1e-2 of the CPU backend
-#      (same weights) for a batch mixing prefill chunks and decodes, then a decode-only batch;
+#      on the same weights (rounded to bf16), each layer run by the CPU from the GPU's input to
+#      it, for a batch mixing prefill chunks and decodes, then a decode-only batch (the drift
+#      accumulated from the embedding is printed beside each; it grows with depth);
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs). cuBLAS
 #      does not promise one row the same bits at batch 1 and 4, so if only this fails, rerun it
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
 #      prompt 128, gen 128, bf16, CUDA graphs; after each batch size a kernel-by-kernel
 #      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
-#      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare.
+#      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare;
+#  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
+#   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps.
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,6 +56,7 @@ mkdir -p "$RESULTS"
 [[ -f "$MODEL/golden.json" ]] || echo "WARN: no test model at $MODEL (checks 0, 1, 2 and 4 need it)"
 echo "binary $BATON, model $MODEL, budget ${BUDGET}s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+ls /usr/local/cuda/lib64 2>/dev/null | grep -E '^lib(nvrtc|cublas|cublasLt)\.so' | tr '\n' ' '; echo
 
 declare -a results=()
 run_check() { # name, per-check timeout (s), command...
@@ -116,12 +121,32 @@ run_check 4-seeded-alone-vs-batch 60 bash -c "
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-1b.json"
-run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
-    --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
-    --out "$OUT/bench-decode-1b-unfused.json"
 run_check 5b-bench-decode-8b 200 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \
     --out "$OUT/bench-decode-8b.json"
+# 3b. the same for head_dim 128 (Llama-8B widths, 4 layers): the hd128 attention kernels. Not
+# in the issue; its tolerance is 1.5e-2 because layer 0 sits at 0.8e-2 to 1.03e-2 on an H200
+# (session 7): the input is the embedding (standard deviation 0.02), so the layer's output is
+# almost all attention and MLP output, whose bf16 roundings the max-over-max measure sees
+# whole; layers 1-3 sit at 4e-3 to 6e-3.
+run_check 3b-layers-8b-widths-bf16 120 "$BATON" debug layers --load-format dummy \
+    --config "${LLAMA_8B/\"num_hidden_layers\":32/\"num_hidden_layers\":4}" --dtype bf16 --tol 1.5e-2
+
+
+run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
+    --out "$OUT/bench-decode-1b-unfused.json"
+
+# 6. (diagnostic, when ncu is there and time is left) each kernel's own GPU time in eager
+#    batch-1 decode steps of dummy 1B, from Nsight Compute: the --breakdown figures above
+#    include each launch's host-side cost.
+NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)"
+if [[ -n "$NCU" ]]; then
+    run_check 6-ncu-kernel-times-1b 60 "$NCU" --clock-control none --metrics gpu__time_duration.sum \
+        --kernel-name regex:baton_ --launch-skip 400 --launch-count 100 --csv \
+        "$BATON" bench decode --device cuda --load-format dummy --config "$LLAMA_1B" --batch 1 \
+        --prompt-len 128 --gen-len 16 --dtype bf16 --enforce-eager
+fi
 
 echo
 echo "== summary"
