@@ -101,6 +101,16 @@ fn eager(a: &CudaArgs) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> Resul
     }
 }
 
+/// `"PASS"` when `err <= tol`, else `"FAIL"`, counted in `failed`.
+fn judge(err: f64, tol: f64, failed: &mut usize) -> &'static str {
+    if err <= tol {
+        "PASS"
+    } else {
+        *failed += 1;
+        "FAIL"
+    }
+}
+
 /// Index of the largest value (the first of equals; NaN never wins); 0 when empty.
 fn argmax(v: &[f32]) -> usize {
     v.iter()
@@ -405,11 +415,9 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 cpu.forward_layers_forced(&mut kv_forced, &fw, &gpu_layers)?;
             for (li, g) in gpu_layers.iter().enumerate() {
                 let e = rel_err(g, &forced_layers[li]);
-                let ok = e <= a.tol;
-                failed += usize::from(!ok);
                 println!(
                     "{} step {} layer {li}: rel err {e:.3e} (tol {:.1e}; accumulated from the embedding {:.3e})",
-                    if ok { "PASS" } else { "FAIL" },
+                    judge(e, a.tol, &mut failed),
                     si + 1,
                     a.tol,
                     rel_err(g, &cpu_layers[li])
@@ -418,11 +426,9 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
             for (ri, g) in gpu_logits.iter().enumerate() {
                 let (f, c) = (&forced_logits[ri], &cpu_logits[ri]);
                 let e = rel_err(g, f);
-                let ok = e <= a.tol;
-                failed += usize::from(!ok);
                 println!(
                     "{} step {} row {ri} logits (final norm and LM head): rel err {e:.3e} (tol {:.1e}; accumulated {:.3e}), argmax cuda {} cpu {}",
-                    if ok { "PASS" } else { "FAIL" },
+                    judge(e, a.tol, &mut failed),
                     si + 1,
                     a.tol,
                     rel_err(g, c),
@@ -433,11 +439,9 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
         } else {
             for (ri, (g, c)) in gpu_logits.iter().zip(&cpu_logits).enumerate() {
                 let e = rel_err(g, c);
-                let ok = e <= a.tol;
-                failed += usize::from(!ok);
                 println!(
                     "{} step {} row {ri} logits: rel err {e:.3e} (tol {:.1e}), argmax cuda {} cpu {}",
-                    if ok { "PASS" } else { "FAIL" },
+                    judge(e, a.tol, &mut failed),
                     si + 1,
                     a.tol,
                     argmax(g),
@@ -464,6 +468,17 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn judge_counts_errors_over_the_tolerance_and_nan_as_failures() {
+        let mut failed = 0;
+        assert_eq!(judge(1e-3, 1e-2, &mut failed), "PASS");
+        assert_eq!(judge(1e-2, 1e-2, &mut failed), "PASS");
+        assert_eq!(failed, 0);
+        assert_eq!(judge(2e-2, 1e-2, &mut failed), "FAIL");
+        assert_eq!(judge(f64::NAN, 1e-2, &mut failed), "FAIL");
+        assert_eq!(failed, 2);
+    }
 
     #[test]
     fn rel_err_is_max_abs_diff_over_max_abs_reference() {
