@@ -249,7 +249,12 @@ impl Seq {
                 self.rx = None;
                 d.cached_tokens = cached_tokens;
                 let tail = self.detok.finish(&self.tokenizer);
-                let out = self.stop.push(&tail);
+                // The last token's leftover text: searched as that token's text was.
+                let out = if self.output_tokens > self.min_tokens {
+                    self.stop.push(&tail)
+                } else {
+                    self.stop.pass(&tail)
+                };
                 d.text = out.text;
                 let reason = if let Some(s) = out.matched {
                     d.stop_reason = Some(StopReason::Text(s));

@@ -29,6 +29,10 @@ pub struct StopMatcher {
     stops: Vec<String>,
     include_stop: bool,
     pending: String,
+    /// Bytes at the start of `pending` that came from [`StopMatcher::pass`]: a match must end
+    /// after them (vLLM checks stop strings only once `min_tokens` outputs exist, but a match
+    /// may begin in the text before).
+    floor: usize,
     /// The stop string that matched; nothing is released after it.
     matched: Option<String>,
 }
@@ -41,6 +45,7 @@ impl StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             include_stop,
             pending: String::new(),
+            floor: 0,
             matched: None,
         }
     }
@@ -65,10 +70,15 @@ impl StopMatcher {
             };
         }
         self.pending.push_str(text);
-        // Earliest full match (ties: the longest stop string).
+        // Earliest full match ending after `floor` (ties: the longest stop string).
         let mut best: Option<(usize, &String)> = None;
         for s in &self.stops {
-            if let Some(at) = self.pending.find(s.as_str()) {
+            let first = self
+                .pending
+                .match_indices(s.as_str())
+                .map(|(at, _)| at)
+                .find(|&at| at + s.len() > self.floor);
+            if let Some(at) = first {
                 let better = match best {
                     None => true,
                     Some((b, bs)) => at < b || (at == b && s.len() > bs.len()),
@@ -87,12 +97,20 @@ impl StopMatcher {
             let out = self.pending[..end].to_owned();
             self.matched = Some(stop.clone());
             self.pending.clear();
+            self.floor = 0;
             return StopOutput {
                 text: out,
                 matched: self.matched.clone(),
             };
         }
-        // Hold back the longest suffix that is a proper prefix of some stop string.
+        StopOutput {
+            text: self.release(),
+            matched: None,
+        }
+    }
+
+    /// Releases `pending` but its longest suffix that is a proper prefix of some stop string.
+    fn release(&mut self) -> String {
         let cut = self
             .pending
             .char_indices()
@@ -102,18 +120,14 @@ impl StopMatcher {
                 self.stops.iter().any(|s| s.starts_with(tail))
             })
             .unwrap_or(self.pending.len());
-        let out: String = self.pending.drain(..cut).collect();
-        StopOutput {
-            text: out,
-            matched: None,
-        }
+        self.floor = self.floor.saturating_sub(cut);
+        self.pending.drain(..cut).collect()
     }
 
-    /// Releases the held-back text and `text` without looking for stop strings in them (the
-    /// text of the first `min_tokens` outputs). Differs from vLLM in one corner: vLLM also
-    /// finds a match that begins inside that text and ends after it; here such text is already
-    /// released, so only matches that begin after it count. Nothing is released after a
-    /// match.
+    /// Feeds `text` without looking for stop strings ending in it (the text of the first
+    /// `min_tokens` outputs, as vLLM). Its tail that could begin a stop string is still held
+    /// back, so a match that begins in it and ends in a later push is found, as in vLLM.
+    /// Nothing is released after a match.
     pub fn pass(&mut self, text: &str) -> StopOutput {
         if self.matched.is_some() {
             return StopOutput {
@@ -121,10 +135,16 @@ impl StopMatcher {
                 matched: self.matched.clone(),
             };
         }
-        let mut out = std::mem::take(&mut self.pending);
-        out.push_str(text);
+        if self.stops.is_empty() {
+            return StopOutput {
+                text: text.to_owned(),
+                matched: None,
+            };
+        }
+        self.pending.push_str(text);
+        self.floor = self.pending.len();
         StopOutput {
-            text: out,
+            text: self.release(),
             matched: None,
         }
     }
@@ -134,6 +154,7 @@ impl StopMatcher {
         if self.matched.is_some() {
             return String::new();
         }
+        self.floor = 0;
         std::mem::take(&mut self.pending)
     }
 }
@@ -194,6 +215,48 @@ mod tests {
         let o = s.push("!");
         assert_eq!(o.matched.as_deref(), Some("é!"));
         assert_eq!(o.text, "");
+    }
+
+    #[test]
+    fn a_match_beginning_in_passed_text_and_ending_after_it_is_found() {
+        // vLLM: stop strings are checked from the first output past min_tokens, over a window
+        // reaching back into the text before it.
+        let mut s = m(&["the end"]);
+        assert_eq!(s.pass("once the e").text, "once ");
+        let o = s.push("nd. more");
+        assert_eq!(o.matched.as_deref(), Some("the end"));
+        assert_eq!(o.text, "");
+        // With include_stop the held-back part comes out with the stop string.
+        let mut s = StopMatcher::new(&["the end".into()], true);
+        assert_eq!(s.pass("once the e").text, "once ");
+        assert_eq!(s.push("nd. more").text, "the end");
+    }
+
+    #[test]
+    fn a_match_ending_in_passed_text_is_not_found_even_when_held_back() {
+        let mut s = m(&["ab", "xaby"]);
+        // "xab" is held back (it could begin "xaby") but its "ab" ended in passed text.
+        assert_eq!(s.pass("xab").text, "");
+        let o = s.push("z");
+        assert!(!o.stopped());
+        assert_eq!(o.text, "xabz");
+        // Past the passed text, "ab" matches again.
+        assert_eq!(s.push("ab").matched.as_deref(), Some("ab"));
+        // A whole stop string inside passed text is released, not matched.
+        let mut s = m(&["end"]);
+        assert_eq!(s.pass("the end is").text, "the end is");
+        assert!(!s.push(" near").stopped());
+    }
+
+    #[test]
+    fn pass_without_stops_and_after_a_match() {
+        let mut s = m(&[]);
+        assert_eq!(s.pass("abc").text, "abc");
+        let mut s = m(&["x"]);
+        assert!(s.push("x").stopped());
+        let o = s.pass("more");
+        assert_eq!(o.text, "");
+        assert!(o.stopped());
     }
 
     #[test]
