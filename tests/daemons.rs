@@ -414,6 +414,31 @@ fn sigterm_leaves_nothing_in_dev_shm_and_sigkill_leaves_a_restartable_instance()
     );
 }
 
+/// A scheduler SIGKILLed between creating its segment file and publishing the magic leaves a
+/// zeroed file with no lock holder; the next scheduler must wait it out (it is taken as stale
+/// once 2 s old) and start, not fail as "initialising" and leave the instance unusable. (CI
+/// hit this in the restart test above when the kill landed inside the creation.)
+#[test]
+fn a_scheduler_starts_over_the_half_made_segment_of_one_killed_while_creating_it() {
+    let _serial = serial();
+    let inst = instance("halfmade");
+    std::fs::write(shm_path(&inst), vec![0u8; 8192]).unwrap();
+    let mut s = scheduler(&inst, &["--num-blocks", "32"]);
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let g = goldens();
+    let outs = run(&mut link, &greedy_reqs(&[g[0].0.clone()], 4), T);
+    assert_eq!(outs[&0].tokens, g[0].1[..4]);
+    drop(link);
+    s.signal(Signal::SIGTERM);
+    assert!(s.wait_timeout(Duration::from_secs(10)).is_some());
+    assert!(
+        shm_leftovers(&inst).is_empty(),
+        "left behind: {:?}",
+        shm_leftovers(&inst)
+    );
+}
+
 /// The segment carries the model's config fingerprint: a worker or frontend started on a model
 /// of another shape (here one layer fewer, same vocabulary) must refuse to attach instead of
 /// serving garbage, while one on the same shape (dummy weights) attaches.

@@ -37,6 +37,11 @@ pub const SHM_DIR: &str = "/dev/shm";
 /// creator between `shm_open` and taking its lock is never mistaken for a dead one.
 const INIT_GRACE: Duration = Duration::from_secs(2);
 
+/// How long an attacher takes a file without magic and without a live creator as still being
+/// initialised: longer than [`INIT_GRACE`], so that a successor creator has time to replace
+/// it once it is stale before attachers give up on it.
+const ATTACH_GRACE: Duration = Duration::from_secs(5);
+
 /// The segment header at offset 0. `#[repr(C)]`; fits in [`HEADER_SIZE`].
 #[repr(C)]
 struct SegmentHeader {
@@ -351,7 +356,9 @@ fn open_checked(instance: &str, flags: OFlag) -> Result<Opened, SegmentError> {
     let header: SegmentHeader = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
     let magic = header.magic.load(Ordering::Relaxed);
     if magic != MAGIC {
-        if magic == 0 && initializing(&fd) {
+        // No magic yet: a live creator is still initialising, or one died doing it and a
+        // successor will replace the file once it is stale (after INIT_GRACE).
+        if magic == 0 && (initializing(&fd) || younger_than(&st, ATTACH_GRACE)) {
             return Err(SegmentError::Initializing {
                 instance: instance.to_owned(),
                 path,
@@ -454,6 +461,15 @@ enum Existing {
     Stale { fd: OwnedFd, identity: (u64, u64) },
 }
 
+/// True while the file was last modified less than `grace` ago.
+fn younger_than(st: &nix::sys::stat::FileStat, grace: Duration) -> bool {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .saturating_sub(Duration::new(st.st_mtime as u64, st.st_mtime_nsec as u32))
+        < grace
+}
+
 fn inspect(instance: &str, path: &str) -> Result<Existing, SegmentError> {
     let fd =
         match nix::sys::mman::shm_open(shm_name(instance).as_str(), OFlag::O_RDWR, Mode::empty()) {
@@ -477,14 +493,8 @@ fn inspect(instance: &str, path: &str) -> Result<Existing, SegmentError> {
             Existing::Initializing
         });
     }
-    if !complete {
-        let age = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .saturating_sub(Duration::new(st.st_mtime as u64, st.st_mtime_nsec as u32));
-        if age < INIT_GRACE {
-            return Ok(Existing::Initializing);
-        }
+    if !complete && younger_than(&st, INIT_GRACE) {
+        return Ok(Existing::Initializing);
     }
     // Take the creator lock ourselves: a concurrent cleaner now sees it held and backs off.
     if !liveness::try_lock(fd.as_fd(), 0).map_err(sys_io("F_OFD_SETLK", path))? {
@@ -555,6 +565,31 @@ impl Segment {
             instance: instance.to_owned(),
             path,
         })
+    }
+
+    /// [`Segment::create`], retried while it reports [`SegmentError::Initializing`], for up to
+    /// `wait`. What a daemon starting an instance wants: a file left by a creator killed
+    /// between `shm_open` and publishing its magic is taken as stale only once it is
+    /// [`INIT_GRACE`] (2 s) old, and a live creator finishes initialising in milliseconds (then
+    /// this fails with [`SegmentError::Running`]).
+    ///
+    /// # Errors
+    /// As [`Segment::create`]; [`SegmentError::Initializing`] once `wait` has passed.
+    pub fn create_waiting(
+        instance: &str,
+        spec: &LayoutSpec,
+        limits: Limits,
+        wait: Duration,
+    ) -> Result<Segment, SegmentError> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match Segment::create(instance, spec, limits) {
+                Err(SegmentError::Initializing { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
     }
 
     fn init_new(
@@ -857,6 +892,16 @@ mod tests {
         }
     }
 
+    /// Sets the segment file's mtime a minute back (past [`INIT_GRACE`]).
+    fn age(instance: &str) {
+        std::fs::File::options()
+            .write(true)
+            .open(segment_path(instance))
+            .unwrap()
+            .set_modified(SystemTime::now() - Duration::from_secs(60))
+            .unwrap();
+    }
+
     /// Overwrite bytes of the segment file directly, as a foreign or corrupting writer would.
     fn poke(instance: &str, offset: usize, bytes: &[u8]) {
         use std::os::unix::fs::FileExt;
@@ -1117,8 +1162,14 @@ mod tests {
         ] {
             assert!(matches!(e, SegmentError::Initializing { .. }), "{e}");
         }
-        // The creator died before publishing: a hard error, not an endless wait.
+        // The creator died before publishing: initialising while a successor may still
+        // replace the file (ATTACH_GRACE), then a hard error, not an endless wait.
         drop(creator);
+        assert!(matches!(
+            Segment::peek_limits(&id.0),
+            Err(SegmentError::Initializing { .. })
+        ));
+        age(&id.0);
         assert!(matches!(
             Segment::peek_limits(&id.0),
             Err(SegmentError::BadMagic { found: 0, .. })
@@ -1136,8 +1187,14 @@ mod tests {
             matches!(e, SegmentError::BadMagic { expected: MAGIC, found: f, .. } if f == found),
             "{e}"
         );
-        // A zero-filled file (a creator that died before publishing) is garbage too.
+        // A zero-filled file (a creator that died before publishing) is garbage too, once
+        // older than the grace a successor has to replace it.
         std::fs::write(segment_path(&id.0), vec![0u8; 2 * HEADER_SIZE]).unwrap();
+        assert!(matches!(
+            Segment::attach(&id.0, &spec()),
+            Err(SegmentError::Initializing { .. })
+        ));
+        age(&id.0);
         assert!(matches!(
             Segment::attach(&id.0, &spec()),
             Err(SegmentError::BadMagic { found: 0, .. })
@@ -1162,15 +1219,34 @@ mod tests {
             Segment::create(&id.0, &spec(), limits()),
             Err(SegmentError::Initializing { .. })
         ));
-        let old = SystemTime::now() - Duration::from_secs(60);
-        std::fs::File::options()
-            .write(true)
-            .open(segment_path(&id.0))
-            .unwrap()
-            .set_modified(old)
-            .unwrap();
+        age(&id.0);
         let seg = Segment::create(&id.0, &spec(), limits()).unwrap();
         assert_eq!(seg.limits(), limits());
+    }
+
+    #[test]
+    fn create_waiting_outlasts_a_creator_killed_mid_initialisation() {
+        // What a SIGKILL between shm_open and the magic leaves: a zeroed file, no lock holder.
+        let id = TestInstance::new();
+        std::fs::write(segment_path(&id.0), vec![0u8; 2 * HEADER_SIZE]).unwrap();
+        let t0 = std::time::Instant::now();
+        let seg =
+            Segment::create_waiting(&id.0, &spec(), limits(), Duration::from_secs(10)).unwrap();
+        assert_eq!(seg.limits(), limits());
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        // A live, complete segment is Running at once, not waited on.
+        let t0 = std::time::Instant::now();
+        let e =
+            Segment::create_waiting(&id.0, &spec(), limits(), Duration::from_secs(10)).unwrap_err();
+        assert!(matches!(e, SegmentError::Running { .. }), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        drop(seg);
+        // The wait is bounded.
+        std::fs::write(segment_path(&id.0), vec![0u8; 2 * HEADER_SIZE]).unwrap();
+        assert!(matches!(
+            Segment::create_waiting(&id.0, &spec(), limits(), Duration::from_millis(100)),
+            Err(SegmentError::Initializing { .. })
+        ));
     }
 
     #[test]

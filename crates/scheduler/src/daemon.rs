@@ -146,7 +146,14 @@ impl SchedulerDaemon {
             model_fingerprint: cfg.model_fingerprint,
         };
         let control = limits.control_spec();
-        let segment = Segment::create(&cfg.instance, &limits.layout_spec(), limits.to_limits())?;
+        // Waits out a half-made segment of a predecessor killed while creating it (taken as
+        // stale after 2 s) instead of failing: the restart after a SIGKILL must succeed.
+        let segment = Segment::create_waiting(
+            &cfg.instance,
+            &limits.layout_spec(),
+            limits.to_limits(),
+            Duration::from_secs(5),
+        )?;
         let participants = segment.participants(topology::PARTICIPANTS)?;
         let me = participants.register_in(Role::Scheduler, control.scheduler_slots())?;
         let tables = Arc::new(plane::slot_tables(&segment, &limits)?);
