@@ -2,10 +2,10 @@
 // BATON_GEMV_MAX_T tokens, where every linear layer is bound by streaming its weights once and
 // the separate norm and activation kernels of the cuBLAS path cost a launch each.
 //
-// One warp per output row (two weight rows in SiLU mode), the row read once in 16-byte vectors,
-// U of them per lane in flight, the token count a template parameter;
-// the T activation rows are read (and normalized) by every warp of a block from L1/L2, as in
-// the split-free GEMV of llama.cpp's `mul_mat_vec` and vLLM's fused-norm decode paths.
+// One warp per output row (two weight rows in SiLU mode), the row read once in 16-byte vectors
+// (several per lane in flight on the batch-of-one entries, see the entry points below); the T
+// activation rows are read (and normalized) by every warp of a block from L1/L2, as in the
+// split-free GEMV of llama.cpp's `mul_mat_vec` and vLLM's fused-norm decode paths.
 //
 //   xin[t, k] = norm_w ? round(norm_w[k] * round(x[t, k] * inv[t])) : x[t, k]
 //               inv[t] = 1 / sqrt(mean_k(x[t, k]^2) + eps)   (rmsnorm.cu's numerics: statistics
@@ -29,10 +29,11 @@
 
 __device__ __forceinline__ float baton_gemv_silu(float x) { return x / (1.0f + expf(-x)); }
 
-// The rows of one block for a compile-time token count TT and mode (SILU: two weight rows per
-// output), so that the accumulators and the in-flight weight vectors take only the registers
-// they need (a runtime T and a U of 8 took 240 registers: one block per SM, and the
-// compiler then sank the loads next to their uses, leaving a third of the bandwidth).
+// The rows of one block: T <= TT tokens (TT the compile-time bound the accumulators are sized
+// for), SILU mode (two weight rows per output) and U weight vectors per lane in flight, all but
+// T compile-time, so that a specialized entry takes only the registers it needs (a runtime T
+// up to 8 with 8 vectors in flight took 240 registers: one block per SM, and the compiler then
+// sank the loads next to their uses, leaving a third of the bandwidth).
 template <int TT, bool SILU, int U>
 __device__ __forceinline__ void baton_gemv_rows(void* out, const elem_t* __restrict__ x,
                                                 const elem_t* __restrict__ w,
@@ -160,7 +161,7 @@ __device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restr
 }
 
 // Entry points, same parameters. baton_gemv takes any T <= BATON_GEMV_MAX_T and any mode, one
-// weight vector per lane in flight (64 registers). baton_gemv_t1 (modes 0-2) and
+// weight vector per lane in flight (78 registers). baton_gemv_t1 (modes 0-2) and
 // baton_gemv_silu_t1 (mode 3) are the batch-of-one decode path: T = 1 at compile time and
 // BATON_GEMV_T1_U vectors per lane in flight (64 and 97 registers). A T = 1 entry given another
 // T or mode does nothing. Specializing every T multiplied NVRTC's compile time by 20.
