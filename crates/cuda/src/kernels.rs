@@ -140,7 +140,9 @@ impl Dtype {
     pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
 }
 
-/// Keys per attention partition / chunk (`BATON_ATTN_PART` in `attention.cu`).
+/// Keys per attention chunk (`BATON_ATTN_PART` in `attention.cu`). The executor sizes the
+/// split-K partial buffers for `ceil(max_model_len / ATTN_PARTITION)` partitions per row and
+/// head; a launch shares them out among its rows (`plan::decode_partitions`).
 pub const ATTN_PARTITION: usize = 512;
 
 /// Most tokens a `baton_gemv` launch takes (`BATON_GEMV_MAX_T` in `gemv.cu`): decode batches
