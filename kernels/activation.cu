@@ -10,6 +10,8 @@ __device__ __forceinline__ float baton_silu(float x) { return x / (1.0f + expf(-
 BATON_ENTRY void baton_silu_and_mul(elem_t* __restrict__ out,
                                     const elem_t* __restrict__ in, int num_tokens,
                                     int inter) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const elem_t* gate = in + (size_t)t * 2 * inter;

@@ -338,6 +338,8 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
         const int* __restrict__ seq_lens, int num_heads, int num_kv_heads, int block_size,     \
         float scale, int max_partitions) {                                                      \
+        BATON_PDL_WAIT();                                                                   \
+        BATON_PDL_LAUNCH();                                                                 \
         baton_decode_body<D>(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,      \
                              block_tables, max_blocks_per_row, seq_lens, num_heads,             \
                              num_kv_heads, block_size, scale, max_partitions);                  \
@@ -353,6 +355,8 @@ BATON_ENTRY void baton_paged_attention_decode_reduce(
     elem_t* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
     const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
     int head_dim, int max_partitions) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int seq = blockIdx.x, head = blockIdx.y;
     const int num_parts = baton_decode_num_parts(seq_lens[seq], max_partitions);
     if (num_parts <= 1) return;
@@ -423,6 +427,8 @@ __device__ __forceinline__ void baton_prefill_body(
         const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
         const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,            \
         int num_kv_heads, int block_size, float scale) {                                         \
+        BATON_PDL_WAIT();                                                                   \
+        BATON_PDL_LAUNCH();                                                                 \
         baton_prefill_body<D>(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,         \
                               num_rows, block_tables, max_blocks_per_row, num_heads,             \
                               num_kv_heads, block_size, scale);                                  \
@@ -450,6 +456,8 @@ BATON_ENTRY void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_gene
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
     const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
     int num_kv_heads, int head_dim, int block_size, float scale) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     __shared__ float p[BATON_ATTN_PART];
     __shared__ float qs[BATON_GEN_MAX_D];
     __shared__ float scratch[33];

@@ -26,6 +26,25 @@
 #define BATON_ENTRY extern "C" __global__
 #endif
 
+// Programmatic dependent launch (PDL, sm_90+). The host launches every kernel with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (baton_cuda::device), so a kernel's
+// blocks may start while the kernel before it in the stream is still running. The rule every
+// entry point keeps: BATON_PDL_WAIT() runs before its first read of memory that earlier stream
+// work writes and before its first global write; before it, a kernel may only read weights
+// (never written after load). BATON_PDL_WAIT returns once every earlier kernel in the stream
+// has completed and its writes are visible (griddepcontrol.wait; PTX ISA, "Parallel
+// synchronization and communication instructions"). BATON_PDL_LAUNCH lets the next kernel's
+// blocks be scheduled before this one finishes (griddepcontrol.launch_dependents); it has no
+// effect on correctness, only on overlap. Both are no-ops below sm_90, without the launch
+// attribute, and in the host emulator (which runs kernels one after another).
+#if defined(BATON_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
+#define BATON_PDL_WAIT() ((void)0)
+#define BATON_PDL_LAUNCH() ((void)0)
+#else
+#define BATON_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define BATON_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
+#endif
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 

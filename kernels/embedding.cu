@@ -11,6 +11,8 @@ BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
                                         const elem_t* __restrict__ table,
                                         const u32* __restrict__ ids, int num_tokens,
                                         int hidden, int vocab) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const u32 id = ids[t];
@@ -38,6 +40,8 @@ BATON_ENTRY void baton_gather_rows(elem_t* __restrict__ out,
                                    const elem_t* __restrict__ in,
                                    const int* __restrict__ index, int num_rows,
                                    int width) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int r = blockIdx.x;
     if (r >= num_rows) return;
     const int src_row = index[r];
@@ -61,6 +65,8 @@ BATON_ENTRY void baton_gather_pending_ids(u32* __restrict__ input_ids,
                                           const u32* __restrict__ dst_token,
                                           const u32* __restrict__ src_index,
                                           int num_pending) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < num_pending) input_ids[dst_token[i]] = sampled_ring[src_index[i]];
 }

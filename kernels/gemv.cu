@@ -160,17 +160,162 @@ __device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restr
     baton_gemv_rows<TT, SILU, U>(out, x, w, norm_w, inv_s, T, N, K, mode, first, end, vec);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The batch-of-one path (T = 1, vectorized, K <= BATON_GEMV_SMEM_K), built so that a launch is
+// bound by the weight stream alone:
+//   - the activation row is staged once per block in shared memory, already normalized and
+//     rounded (xin above, as elem_t: exactly the value the generic path computes per element),
+//     so the per-row loop is loads and FMAs only;
+//   - each warp walks its rows (first + warp, + 8, ... below end) in chunks of 32 U vectors,
+//     and issues the next chunk's loads (of the same row, or of its next row) before the FMAs
+//     of the current one: U vectors per lane are always in flight (software pipelining, two
+//     register buffers);
+//   - the first chunk's loads are issued before BATON_PDL_WAIT (weights are never written), so
+//     with programmatic dependent launch the weight stream starts while the previous kernel
+//     finishes.
+// The host sizes rows_per_block so that the grid is about two blocks per SM (one wave); the
+// prologue (norm statistics and staging) is then paid once per block, not once per 8 rows.
+// Registers: __launch_bounds__(256, 2) caps them at 128 (two blocks per SM).
+#define BATON_GEMV_SMEM_BYTES 32768
+#define BATON_GEMV_SMEM_K (BATON_GEMV_SMEM_BYTES / (int)sizeof(elem_t))
+
+// Loads chunk c of weight row n (and of row N + n in SiLU mode): vectors c*32U + u*32 + lane.
+template <bool SILU, int U>
+__device__ __forceinline__ void baton_gemv1_load(baton_vec (&a)[U], baton_vec (&b)[SILU ? U : 1],
+                                                 const baton_vec* __restrict__ wv, int N, int nv,
+                                                 int n, int c, int lane) {
+    const baton_vec* r0 = wv + (size_t)n * nv;
+    const baton_vec* r1 = wv + (size_t)(SILU ? N + n : n) * nv;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int i = (c * U + u) * BATON_WARP + lane;
+        if (i < nv) {
+            a[u] = r0[i];
+            if (SILU) b[SILU ? u : 0] = r1[i];
+        }
+    }
+}
+
+// The FMAs of chunk c against the staged activation row.
+template <bool SILU, int U>
+__device__ __forceinline__ void baton_gemv1_fma(float& acc, float& acc2, const baton_vec (&a)[U],
+                                                const baton_vec (&b)[SILU ? U : 1],
+                                                const baton_vec* xs, int nv, int c, int lane) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int i = (c * U + u) * BATON_WARP + lane;
+        if (i < nv) {
+            const baton_vec xv = xs[i];
+#pragma unroll
+            for (int j = 0; j < BATON_VEC; ++j) {
+                const float xi = baton_to_f(xv.e[j]);
+                acc = fmaf(xi, baton_to_f(a[u].e[j]), acc);
+                if (SILU) acc2 = fmaf(xi, baton_to_f(b[SILU ? u : 0].e[j]), acc2);
+            }
+        }
+    }
+}
+
+template <bool SILU, int U>
+__device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __restrict__ x,
+                                                 const elem_t* __restrict__ w,
+                                                 const elem_t* __restrict__ norm_w, int N, int K,
+                                                 float eps, int mode, int rows_per_block) {
+    __shared__ baton_vec xs[BATON_GEMV_SMEM_K / BATON_VEC];
+    __shared__ float scratch[33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int first = blockIdx.x * rows_per_block;
+    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    const int nv = K / BATON_VEC;
+    const int cpr = (nv + BATON_WARP * U - 1) / (BATON_WARP * U);  // chunks per row
+    const baton_vec* wv = reinterpret_cast<const baton_vec*>(w);
+    baton_vec a[U], b[SILU ? U : 1];
+    int n = first + warp, c = 0;
+    if (n < end) baton_gemv1_load<SILU, U>(a, b, wv, N, nv, n, 0, lane);
+
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
+    // Stage xin: the rounded, normalized activation row (or the row itself).
+    const baton_vec* xv = reinterpret_cast<const baton_vec*>(x);
+    if (norm_w != nullptr) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+            const baton_vec v = xv[i];
+#pragma unroll
+            for (int j = 0; j < BATON_VEC; ++j) {
+                const float f = baton_to_f(v.e[j]);
+                ss = fmaf(f, f, ss);
+            }
+        }
+        ss = baton_block_sum(ss, scratch);
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        const baton_vec* gv = reinterpret_cast<const baton_vec*>(norm_w);
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+            const baton_vec v = xv[i], g = gv[i];
+            baton_vec r;
+#pragma unroll
+            for (int j = 0; j < BATON_VEC; ++j)
+                r.e[j] = baton_from_f(baton_to_f(g.e[j]) * baton_round(baton_to_f(v.e[j]) * inv));
+            xs[i] = r;
+        }
+    } else {
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) xs[i] = xv[i];
+    }
+    __syncthreads();
+
+    float acc = 0.0f, acc2 = 0.0f;
+    while (n < end) {
+        int nn = n, nc = c + 1;
+        if (nc == cpr) {
+            nn = n + nwarps;
+            nc = 0;
+        }
+        baton_vec a2[U], b2[SILU ? U : 1];
+        if (nn < end) baton_gemv1_load<SILU, U>(a2, b2, wv, N, nv, nn, nc, lane);
+        baton_gemv1_fma<SILU, U>(acc, acc2, a, b, xs, nv, c, lane);
+        if (nc == 0) {  // row n is complete
+            acc = baton_warp_sum(acc);
+            if (SILU) acc2 = baton_warp_sum(acc2);
+            if (lane == 0) {
+                if (mode == 1) {
+                    static_cast<float*>(out)[n] = acc;
+                } else if (mode == 2) {
+                    elem_t* r = static_cast<elem_t*>(out);
+                    r[n] = baton_from_f(baton_to_f(r[n]) + baton_round(acc));
+                } else if (SILU) {
+                    const float gate = baton_round(acc), up = baton_round(acc2);
+                    static_cast<elem_t*>(out)[n] = baton_from_f(baton_gemv_silu(gate) * up);
+                } else {
+                    static_cast<elem_t*>(out)[n] = baton_from_f(acc);
+                }
+            }
+            acc = 0.0f;
+            acc2 = 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            a[u] = a2[u];
+            if (SILU) b[SILU ? u : 0] = b2[SILU ? u : 0];
+        }
+        n = nn;
+        c = nc;
+    }
+}
+
 // Entry points, same parameters. baton_gemv takes any T <= BATON_GEMV_MAX_T and any mode, one
 // weight vector per lane in flight (78 registers). baton_gemv_t1 (modes 0-2) and
-// baton_gemv_silu_t1 (mode 3) are the batch-of-one decode path: T = 1 at compile time and
-// BATON_GEMV_T1_U vectors per lane in flight (64 and 97 registers). A T = 1 entry given another
-// T or mode does nothing. Specializing every T multiplied NVRTC's compile time by 20.
+// baton_gemv_silu_t1 (mode 3) are the batch-of-one decode path above (baton_gemv1_body: 8 and
+// 4 vectors per lane and weight row in flight), falling back to the generic rows (4 vectors in
+// flight) when the row is not vectorizable or K > BATON_GEMV_SMEM_K. A T = 1 entry given
+// another T or mode does nothing. Specializing every T multiplied NVRTC's compile time by 20.
 #define BATON_GEMV_T1_U 4
 BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __restrict__ x,
                                                    const elem_t* __restrict__ w,
                                                    const elem_t* __restrict__ norm_w, int T,
                                                    int N, int K, float eps, int mode,
                                                    int rows_per_block) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     if (T < 1 || T > BATON_GEMV_MAX_T) return;
     if (mode == 3)
         baton_gemv_body<BATON_GEMV_MAX_T, true, 1>(out, x, w, norm_w, N, K, T, eps, mode,
@@ -180,21 +325,49 @@ BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __re
                                                     rows_per_block);
 }
 
-BATON_ENTRY void __launch_bounds__(256) baton_gemv_t1(void* out, const elem_t* __restrict__ x,
-                                                      const elem_t* __restrict__ w,
-                                                      const elem_t* __restrict__ norm_w, int T,
-                                                      int N, int K, float eps, int mode,
-                                                      int rows_per_block) {
-    if (T == 1 && mode != 3)
-        baton_gemv_body<1, false, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, 1, eps, mode,
-                                                   rows_per_block);
+// True when the batch-of-one body applies: 16-byte rows and an activation row that fits the
+// shared staging buffer.
+__device__ __forceinline__ bool baton_gemv1_fits(const elem_t* x, const elem_t* w,
+                                                 const elem_t* norm_w, int K) {
+    return K % BATON_VEC == 0 && K <= BATON_GEMV_SMEM_K && baton_aligned16(x) &&
+           baton_aligned16(w) && (norm_w == nullptr || baton_aligned16(norm_w));
 }
 
-BATON_ENTRY void __launch_bounds__(256) baton_gemv_silu_t1(
+BATON_ENTRY void __launch_bounds__(256, 2) baton_gemv_t1(void* out, const elem_t* __restrict__ x,
+                                                         const elem_t* __restrict__ w,
+                                                         const elem_t* __restrict__ norm_w,
+                                                         int T, int N, int K, float eps,
+                                                         int mode, int rows_per_block) {
+    if (T != 1 || mode == 3) {
+        BATON_PDL_WAIT();
+        return;
+    }
+    if (baton_gemv1_fits(x, w, norm_w, K)) {
+        baton_gemv1_body<false, 2 * BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, eps, mode,
+                                                      rows_per_block);
+    } else {
+        BATON_PDL_WAIT();
+        BATON_PDL_LAUNCH();
+        baton_gemv_body<1, false, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, 1, eps, mode,
+                                                   rows_per_block);
+    }
+}
+
+BATON_ENTRY void __launch_bounds__(256, 2) baton_gemv_silu_t1(
     void* out, const elem_t* __restrict__ x, const elem_t* __restrict__ w,
     const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
     int rows_per_block) {
-    if (T == 1 && mode == 3)
+    if (T != 1 || mode != 3) {
+        BATON_PDL_WAIT();
+        return;
+    }
+    if (baton_gemv1_fits(x, w, norm_w, K)) {
+        baton_gemv1_body<true, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, eps, mode,
+                                                rows_per_block);
+    } else {
+        BATON_PDL_WAIT();
+        BATON_PDL_LAUNCH();
         baton_gemv_body<1, true, BATON_GEMV_T1_U>(out, x, w, norm_w, N, K, 1, eps, mode,
                                                   rows_per_block);
+    }
 }

@@ -11,6 +11,8 @@
 BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restrict__ in,
                                const elem_t* __restrict__ weight, int num_tokens,
                                int hidden, float eps) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     __shared__ float scratch[33];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
@@ -33,6 +35,8 @@ BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restric
 BATON_ENTRY void baton_add_rmsnorm(elem_t* out, elem_t* __restrict__ residual,
                                    const elem_t* x, const elem_t* __restrict__ weight,
                                    int num_tokens, int hidden, float eps) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     __shared__ float scratch[33];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;

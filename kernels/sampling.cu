@@ -305,6 +305,8 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     BatonPenaltyEntry* const* __restrict__ penalty_table,
     const BatonPenaltyRow* __restrict__ penalty_rows, const u32* __restrict__ input_ids,
     int vocab) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
     const int row = blockIdx.x;
     float* x = logits + (size_t)row * logits_stride;
@@ -469,6 +471,8 @@ BATON_ENTRY void baton_sampling_uniform_bits(u32* __restrict__ out,
                                              const u64* __restrict__ seeds,
                                              const u32* __restrict__ output_index,
                                              int n) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = baton_uniform_bits(seeds[i], output_index[i]);
 }
@@ -478,6 +482,8 @@ BATON_ENTRY void baton_sampling_uniform_bits(u32* __restrict__ out,
 BATON_ENTRY void baton_philox4x32_10_probe(uint4* __restrict__ out,
                                            const uint4* __restrict__ ctr,
                                            const uint2* __restrict__ key, int n) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = baton_philox4x32_10(ctr[i], key[i]);
 }

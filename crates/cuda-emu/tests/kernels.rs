@@ -533,7 +533,13 @@ fn gemv_matches_the_reference_in_every_mode_with_and_without_the_norm_prologue()
                 for t in [1usize, 3, 8] {
                     for mode in 0..4 {
                         for norm in [false, true] {
-                            gemv_case(dtype, t, n, k, mode, norm, eps);
+                            // The general entry, and for one token the one the executor
+                            // launches for the mode.
+                            let mut entries = vec![("baton_gemv", 8usize), ("baton_gemv", 16)];
+                            if t == 1 {
+                                entries.push((t1_entry(mode), 8));
+                            }
+                            gemv_case(dtype, t, n, k, mode, norm, eps, &entries);
                         }
                     }
                 }
@@ -542,7 +548,55 @@ fn gemv_matches_the_reference_in_every_mode_with_and_without_the_norm_prologue()
     });
 }
 
-fn gemv_case(dtype: Dtype, t: usize, n: usize, k: usize, mode: i32, norm: bool, eps: f32) {
+/// The batch-of-one streaming path of `baton_gemv_t1` / `baton_gemv_silu_t1`: rows of several
+/// chunks with a partial last one (K 4104 is 513 bf16 or 1026 f32 vectors; a chunk is 256),
+/// several rows per warp (24 rows per block: the pipeline crosses rows), a partial last block,
+/// and K past the shared staging buffer (the generic fallback; 8200 > 8192 f32 elements).
+#[test]
+fn gemv_batch_of_one_streams_rows_of_several_chunks_and_several_rows_per_warp() {
+    let eps = 1e-5f32;
+    for dtype in Dtype::ALL {
+        for mode in 0..4 {
+            for norm in [false, true] {
+                let entries = [(t1_entry(mode), 8usize), (t1_entry(mode), 24)];
+                gemv_case(dtype, 1, 30, 4104, mode, norm, eps, &entries);
+            }
+        }
+    }
+    for mode in [2, 3] {
+        gemv_case(
+            Dtype::F32,
+            1,
+            9,
+            8200,
+            mode,
+            true,
+            eps,
+            &[(t1_entry(mode), 8)],
+        );
+    }
+}
+
+/// The batch-of-one entry the executor launches for `mode`.
+fn t1_entry(mode: i32) -> &'static str {
+    if mode == 3 {
+        "baton_gemv_silu_t1"
+    } else {
+        "baton_gemv_t1"
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemv_case(
+    dtype: Dtype,
+    t: usize,
+    n: usize,
+    k: usize,
+    mode: i32,
+    norm: bool,
+    eps: f32,
+    entries: &[(&str, usize)],
+) {
     let rows = if mode == 3 { 2 * n } else { n };
     let x = rounded_values(dtype, 20 + t as u64, t * k, 2.0);
     let w = rounded_values(dtype, 30 + k as u64, rows * k, 0.5);
@@ -583,19 +637,7 @@ fn gemv_case(dtype: Dtype, t: usize, n: usize, k: usize, mode: i32, norm: bool, 
     let mut gb = Elems::new(dtype, &g);
     let mut out_e = Elems::new(dtype, &resid);
     let mut out_f = vec![f32::NAN; t * n];
-    // The general entry, and for one token the one the executor launches for the mode.
-    let mut entries = vec![("baton_gemv", 8usize), ("baton_gemv", 16)];
-    if t == 1 {
-        entries.push((
-            if mode == 3 {
-                "baton_gemv_silu_t1"
-            } else {
-                "baton_gemv_t1"
-            },
-            8,
-        ));
-    }
-    for (entry, rows_per_block) in entries {
+    for &(entry, rows_per_block) in entries {
         out_e.write(&resid);
         out_f.fill(f32::NAN);
         let out: *mut u8 = if mode == 1 {

@@ -73,6 +73,9 @@ pub struct Gemm {
 pub trait Device: Send + Sync {
     /// A short description for logs (e.g. `"cuda:0 sm_90"`).
     fn describe(&self) -> String;
+    /// Streaming multiprocessors (132 on an H100 or H200): launch planning sizes one-wave
+    /// grids from it.
+    fn multiprocessor_count(&self) -> usize;
     /// Makes the device current on the calling thread (the driver's context binding).
     fn bind(&self) -> Result<(), CudaWorkerError>;
     /// `(free, total)` device memory in bytes.
@@ -213,7 +216,15 @@ pub struct CudaDevice {
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
     arch: String,
     ordinal: usize,
+    sm_count: usize,
+    /// Launch every kernel with programmatic stream serialization (PDL; see
+    /// `kernels/common.cuh`): compute capability 9.0 or newer, unless [`NO_PDL_ENV`] is set.
+    pdl: bool,
 }
+
+/// Set (to anything but `0` or empty) to launch kernels without programmatic dependent launch,
+/// for A/B measurements (`baton bench decode`).
+pub const NO_PDL_ENV: &str = "BATON_NO_PDL";
 
 // SAFETY: the driver API is thread-safe; the raw cuBLAS handle and graph execs are used by the
 // one worker thread that owns the `CudaWorker` (every entry point binds the context first), and
@@ -246,6 +257,13 @@ impl CudaDevice {
         let stream = drv("cuStreamCreate", ctx.new_stream())?;
         let (major, minor) = drv("compute capability", ctx.compute_capability())?;
         let arch = format!("sm_{major}{minor}");
+        let sm_count = drv(
+            "multiprocessor count",
+            ctx.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )?
+        .max(1) as usize;
+        let no_pdl = std::env::var(NO_PDL_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        let pdl = major >= 9 && !no_pdl;
         let mut functions = HashMap::new();
         for ((file, compiled), &(_, entries)) in compile_for(&arch, include_dir, dtype)?
             .into_iter()
@@ -279,6 +297,8 @@ impl CudaDevice {
             profile: Mutex::new(None),
             arch,
             ordinal,
+            sm_count,
+            pdl,
         };
         dev.workspace = dev.alloc_zeroed(CUBLAS_WORKSPACE)?;
         // SAFETY: `cublas` was just created; the stream and workspace outlive the handle (the
@@ -380,7 +400,15 @@ fn cuda_type(d: Dtype) -> cublas_sys::cudaDataType_t {
 
 impl Device for CudaDevice {
     fn describe(&self) -> String {
-        format!("cuda:{} {}", self.ordinal, self.arch)
+        let pdl = if self.pdl { ", PDL" } else { "" };
+        format!(
+            "cuda:{} {} ({} SMs{pdl})",
+            self.ordinal, self.arch, self.sm_count
+        )
+    }
+
+    fn multiprocessor_count(&self) -> usize {
+        self.sm_count
     }
 
     fn bind(&self) -> Result<(), CudaWorkerError> {
@@ -512,18 +540,54 @@ impl Device for CudaDevice {
         self.timed(
             || name.to_owned(),
             || {
-                // SAFETY: per the contract, `params` matches the kernel's signature and its
-                // pointers address live memory; cuLaunchKernel copies the parameters before
-                // returning.
-                drv("cuLaunchKernel", unsafe {
-                    cu_result::launch_kernel(
+                if !self.pdl {
+                    // SAFETY: per the contract, `params` matches the kernel's signature and
+                    // its pointers address live memory; cuLaunchKernel copies the parameters
+                    // before returning.
+                    return drv("cuLaunchKernel", unsafe {
+                        cu_result::launch_kernel(
+                            f.cu_function(),
+                            grid,
+                            (block, 1, 1),
+                            0,
+                            self.stream.cu_stream(),
+                            params,
+                        )
+                    });
+                }
+                // Programmatic dependent launch: this kernel's blocks may start before the
+                // previous kernel in the stream completes; every kernel waits for it
+                // (BATON_PDL_WAIT) before touching anything but weights.
+                let mut attr = cu::CUlaunchAttribute {
+                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                    pad: [0; 4],
+                    // SAFETY: an all-zero attribute value is valid plain data; the one field
+                    // the id selects is set next.
+                    value: unsafe { std::mem::zeroed() },
+                };
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = cu::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: 0,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: as for cuLaunchKernel above; `config` and `attr` outlive the call,
+                // which copies them.
+                drv("cuLaunchKernelEx", unsafe {
+                    cu::cuLaunchKernelEx(
+                        &config,
                         f.cu_function(),
-                        grid,
-                        (block, 1, 1),
-                        0,
-                        self.stream.cu_stream(),
-                        params,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
                     )
+                    .result()
                 })
             },
         )

@@ -33,7 +33,9 @@
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
-use crate::plan::{default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError};
+use crate::plan::{
+    default_graph_buckets, gemv_rows_per_block, graph_bucket, plan_launch, LaunchPlan, PlanError,
+};
 use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
 };
@@ -987,8 +989,9 @@ impl CudaWorker {
             // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
             // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
             // A batch of one takes the entries specialized for it (gemv.cu).
+            let sms = self.dev.multiprocessor_count();
             let gemv = |out: u64, x: u64, w: u64, norm: u64, n: usize, k: usize, m: usize| {
-                let rows = if n >= 32768 { 64 } else { 8 };
+                let rows = gemv_rows_per_block(t, n, sms);
                 let entry = match (t, m) {
                     (1, 3) => "baton_gemv_silu_t1",
                     (1, _) => "baton_gemv_t1",

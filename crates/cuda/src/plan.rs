@@ -50,6 +50,24 @@ pub const ATTN_LONG_PARTITION: usize = 16384;
 /// Most partitions per sequence of a decode attention launch.
 pub const ATTN_MAX_PARTITIONS: usize = 64;
 
+/// Output rows per thread block of a fused decode GEMV (`kernels/gemv.cu`) of `tokens` tokens
+/// and `n` output rows on a device with `sms` multiprocessors; always a multiple of 8 (the
+/// block's warps take every 8th row).
+///
+/// A batch of one streams its weights with one wave of about two blocks per SM (what
+/// `__launch_bounds__(256, 2)` allows), each warp pipelining across its rows, so the per-block
+/// prologue (norm statistics, staging the activation row) is paid about 2 x `sms` times, not
+/// once per 8 rows. Larger batches keep 8 rows per block (64 past 32768 rows, the LM head).
+pub fn gemv_rows_per_block(tokens: usize, n: usize, sms: usize) -> usize {
+    if tokens == 1 {
+        n.div_ceil(2 * sms.max(1)).div_ceil(8).max(1) * 8
+    } else if n >= 32768 {
+        64
+    } else {
+        8
+    }
+}
+
 /// Partitions per sequence (grid.z, the `max_partitions` argument of attention.cu's decode
 /// kernels) for a decode launch of `rows` sequences and `blocks_per_row` thread blocks each (kv
 /// heads times head chunks), on a model of `max_model_len` tokens, with partial buffers of
@@ -239,6 +257,36 @@ pub fn plan_launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_of_one_gemv_grids_are_one_wave_of_two_blocks_per_sm() {
+        for (n, sms) in [
+            (3072, 132),
+            (128_256, 132),
+            (2048, 132),
+            (20, 4),
+            (1, 1),
+            (7, 0),
+        ] {
+            let rows = gemv_rows_per_block(1, n, sms);
+            assert_eq!(rows % 8, 0, "n {n}");
+            let blocks = n.div_ceil(rows);
+            assert!(
+                blocks <= 2 * sms.max(1),
+                "n {n}: {blocks} blocks on {sms} SMs"
+            );
+            // No fewer blocks than 8-row blocks would give, up to the wave: one wave, full.
+            assert!(
+                blocks >= n.div_ceil(8).min(2 * sms.max(1)) / 2,
+                "n {n}: {blocks}"
+            );
+        }
+        // The Llama-1B LM head on an H200: 488 rows, 263 blocks.
+        assert_eq!(gemv_rows_per_block(1, 128_256, 132), 488);
+        // Larger batches keep 8 rows per block (64 for the LM head).
+        assert_eq!(gemv_rows_per_block(4, 3072, 132), 8);
+        assert_eq!(gemv_rows_per_block(8, 128_256, 132), 64);
+    }
 
     #[test]
     fn decode_partitions_fill_the_gpu_at_small_batches_and_respect_the_buffers() {
