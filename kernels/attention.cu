@@ -20,7 +20,7 @@
 // [l * D/32, (l+1) * D/32).
 //
 // Entry points exist for head_dim 64, 128 and 256 (`_hd64`, `_hd128`, `_hd256`).
-// Checked on an H200 by scripts/gpu-check.sh (session 7).
+// Checked on an H200 by scripts/gpu-check.sh (sessions 7 and 8; session 8 with PDL).
 
 #define BATON_ATTN_PART 512
 #define BATON_ATTN_MAX_G 8
