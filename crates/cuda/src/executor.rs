@@ -500,10 +500,7 @@ impl BufferPlan {
         let t = opts.max_tokens.max(1);
         let r = opts.max_rows.max(1).min(t);
         let max_blocks = opts.max_model_len.div_ceil(opts.block_size.max(1)).max(1);
-        let max_partitions = opts
-            .max_model_len
-            .div_ceil(crate::kernels::ATTN_PARTITION)
-            .max(1);
+        let max_partitions = crate::plan::decode_partition_slots(opts.max_model_len, r);
         let nh = cfg.num_attention_heads;
         let mut a = ActOffsets::default();
         let mut off = 0usize;

@@ -141,8 +141,9 @@ impl Dtype {
 }
 
 /// Keys per attention chunk (`BATON_ATTN_PART` in `attention.cu`). The executor sizes the
-/// split-K partial buffers for `ceil(max_model_len / ATTN_PARTITION)` partitions per row and
-/// head; a launch shares them out among its rows (`plan::decode_partitions`).
+/// split-K partial buffers for at least `ceil(max_model_len / ATTN_PARTITION)` partitions per
+/// row and head (`plan::decode_partition_slots`); a launch shares them out among its rows
+/// (`plan::decode_partitions`).
 pub const ATTN_PARTITION: usize = 512;
 
 /// Most tokens a `baton_gemv` launch takes (`BATON_GEMV_MAX_T` in `gemv.cu`): decode batches

@@ -68,6 +68,21 @@ pub fn gemv_rows_per_block(tokens: usize, n: usize, sms: usize) -> usize {
     }
 }
 
+/// Split-K partial slots per row to allocate for decode attention (the partials hold
+/// `rows * slots` partitions per head, which a launch shares out among its rows): enough for
+/// a `max_model_len` context in partitions of [`ATTN_PARTITION`](crate::kernels::ATTN_PARTITION)
+/// keys, and enough that [`decode_partitions`] can fill the GPU at any batch size up to `rows`
+/// (a batch of `k` rows asks for at most `k * min(64, ceil(512 / k))` <= `512 + k` slots in
+/// all). Without the second term a short model at batch 1 (a benchmark's 256 tokens) got one
+/// partition: 8 attention blocks per layer on a 132-SM GPU.
+pub fn decode_partition_slots(max_model_len: usize, rows: usize) -> usize {
+    let rows = rows.max(1);
+    max_model_len
+        .div_ceil(crate::kernels::ATTN_PARTITION)
+        .max((ATTN_TARGET_BLOCKS + rows).div_ceil(rows))
+        .max(1)
+}
+
 /// Partitions per sequence (grid.z, the `max_partitions` argument of attention.cu's decode
 /// kernels) for a decode launch of `rows` sequences and `blocks_per_row` thread blocks each (kv
 /// heads times head chunks), on a model of `max_model_len` tokens, with partial buffers of
@@ -257,6 +272,24 @@ pub fn plan_launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn partial_slots_let_every_batch_size_fill_the_gpu() {
+        for (len, rows) in [(256, 1), (256, 4), (144, 128), (131_072, 256), (4096, 7)] {
+            let slots = decode_partition_slots(len, rows);
+            assert!(slots >= len.div_ceil(512), "{len} {rows}");
+            for k in 1..=rows {
+                for bpr in [1, 2, 8, 32] {
+                    let unbounded = decode_partitions(k, bpr, len, usize::MAX);
+                    let got = decode_partitions(k, bpr, len, rows * slots / k);
+                    assert_eq!(got, unbounded, "len {len} rows {rows} batch {k} bpr {bpr}");
+                }
+            }
+        }
+        // A batch of one on a 256-token model: 64 partitions (session 8 found it at 1).
+        let slots = decode_partition_slots(256, 1);
+        assert_eq!(decode_partitions(1, 8, 256, slots), 64);
+    }
 
     #[test]
     fn batch_of_one_gemv_grids_are_one_wave_of_two_blocks_per_sm() {
