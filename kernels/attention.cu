@@ -120,9 +120,14 @@ __device__ __forceinline__ void baton_attn_chunk(
         if (j < n) {
             const int t = c0 + j;
             const int page = block_table[t / block_size];
-            const elem_t* kp = k_cache +
-                               ((size_t)page * block_size + (t % block_size)) * tok_stride +
-                               (size_t)h.kvh * D;
+            const size_t kv_off =
+                ((size_t)page * block_size + (t % block_size)) * tok_stride + (size_t)h.kvh * D;
+            const elem_t* kp = k_cache + kv_off;
+            // Step 3 reads this key's value row: start it towards L2 now, so that its loads
+            // there (a dependent round trip per group of keys) do not each wait on DRAM.
+#pragma unroll
+            for (int b = 0; b < (int)(D * sizeof(elem_t)); b += 128)
+                BATON_PREFETCH_L2(reinterpret_cast<const char*>(v_cache + kv_off) + b);
             baton_vec kv[D / BATON_VEC];
 #pragma unroll
             for (int v = 0; v < D / BATON_VEC; ++v) kv[v] = reinterpret_cast<const baton_vec*>(kp)[v];

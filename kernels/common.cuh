@@ -45,6 +45,15 @@
 #define BATON_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
 #endif
 
+// A hint that the 128-byte line holding p will be read soon: fetched into L2 without occupying
+// a register or waiting (PTX prefetch.global.L2). No effect on results; a no-op in the host
+// emulator.
+#if defined(BATON_EMU) || !defined(__CUDA_ARCH__)
+#define BATON_PREFETCH_L2(p) ((void)(p))
+#else
+#define BATON_PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#endif
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 

@@ -411,7 +411,8 @@ fn rope_and_cache_rotates_q_and_k_and_writes_the_rotated_k_and_v_to_their_slots(
             let inv_freq: Vec<f32> = (0..hd / 2)
                 .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
                 .collect();
-            for dtype in Dtype::ALL {
+            // One block per token, and three sharing each token's pairs and v elements.
+            for (dtype, gy) in Dtype::ALL.into_iter().flat_map(|d| [(d, 1u32), (d, 3)]) {
                 let qkv = rounded_values(dtype, 8, t * qkv_w, 1.0);
                 let mut buf = Elems::new(dtype, &qkv);
                 let (q, k, v) = (buf.at(0), buf.at(nh * hd), buf.at(nh * hd + n));
@@ -423,8 +424,8 @@ fn rope_and_cache_rotates_q_and_k_and_writes_the_rotated_k_and_v_to_their_slots(
                 run(
                     dtype,
                     "baton_rope_and_cache",
-                    (t as u32, 1, 1),
-                    128,
+                    (t as u32, gy, 1),
+                    32,
                     Params::new()
                         .ptr_mut(q)
                         .ptr_mut(k)

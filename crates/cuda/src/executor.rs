@@ -1183,10 +1183,13 @@ impl CudaWorker {
         let l = &self.layout;
         // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
         //                num_tokens, nq, nkv, head_dim, q_stride, kv_stride)
+        // One thread per (head, i) pair: `y` blocks of 256 per token (rope.cu).
+        let pairs = (c.num_attention_heads + c.num_key_value_heads) * (c.head_dim / 2);
+        let y = pairs.div_ceil(256).max(1) as u32;
         self.launch(
             "baton_rope_and_cache",
-            (t as u32, 1, 1),
-            512,
+            (t as u32, y, 1),
+            256,
             KArgs::new()
                 .p(q)
                 .p(k)
