@@ -1,4 +1,4 @@
-// Paged attention over the KV cache (elem_t): decode (split-K + reduce), causal varlen prefill,
+// Paged attention over the KV cache (elem_t): decode (split-K, combined in the same launch), causal varlen prefill,
 // and a generic kernel for any head_dim (both cases; the fast paths cover 64, 128 and 256).
 //
 // KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] elem_t
@@ -274,111 +274,468 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode: one query token per sequence, split-K over up to max_partitions partitions per
-// sequence (baton_decode_part_size: at least BATON_ATTN_MIN_PART keys each). The host picks
-// max_partitions from the batch so that small batches still fill the GPU (a batch of one
-// sequence and 8 kv heads would otherwise be 8 thread blocks).
+// Decode: one query token per sequence, with RoPE and the KV-cache write of that token fused in
+// (the executor launches no baton_rope_and_cache for a decode step on these head dims), split-K
+// over up to max_partitions partitions per sequence (baton_decode_part_size: at least
+// BATON_ATTN_MIN_PART keys each), the partitions combined in the same launch by the block that
+// finishes last. The host picks max_partitions from the batch so that small batches still fill
+// the GPU (a batch of one sequence and 8 kv heads would otherwise be 8 thread blocks).
 //
-// Shapes: out [num_seqs, num_heads, D] elem_t; q [num_seqs, num_heads, D] elem_t with sequence
-// stride `q_stride` elements; block_tables [num_seqs, max_blocks_per_row] int; seq_lens
-// [num_seqs] int = context length including the current token (0 for a padding row: its output
-// is zeros). Partials: part_acc [num_seqs, num_heads, max_partitions, D] f32 (unnormalized),
-// part_m / part_l [num_seqs, num_heads, max_partitions] f32 (log2-domain max, sum).
-// max_partitions >= 1 (the partials' stride and grid.z).
-// Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128);
-// then baton_paged_attention_decode_reduce. A sequence with one partition is written directly
-// to `out` and skipped by the reduce.
+// Latency, not bandwidth, bounds this kernel at small batches: a partition is a few tens of
+// KB. So a block walks its partition in tiles of TK keys (16 KB of K and 16 KB of V), and for
+// each tile issues every block-table read, then every K and V copy into shared memory at once
+// (cp.async), before any arithmetic. The first tile is issued before BATON_PDL_WAIT: its keys
+// were written by earlier steps and the sequence length and block table by the step's upload
+// (see common.cuh), so those three dependent round trips overlap the QKV projection.
+//
+// The step's token sits at position seq_len - 1. Its q heads (every block of its group) and
+// its k (the blocks whose partition holds that position) are rotated as baton_rope_and_cache
+// does (rope.cu: same formula, fp32, rounded to elem_t); the rotated k and the v go into the
+// last tile from registers (never read back from the cache, which the same launch writes) and,
+// by the head-chunk-0 block, to the cache slot slot_mapping[seq] (skipped when < 0).
+//
+// Per tile: scores (thread x scores key x % TK for query heads hs, hs + HS, ... of the group,
+// hs = x / TK, HS = 128 / TK), an online-softmax update per head (one warp per head), then
+// p . v with lane l owning head dims [l * D/32, (l+1) * D/32) and warp w taking U consecutive
+// keys per iteration, 4 U apart (U = 16 / (D / 32)). Numerics as above: fp32 dots in dimension
+// order, exp2f, fp32 accumulation; the reductions over the 4 warps and over partitions are fp32.
+//
+// Split-K combine: every block of a split sequence writes its unnormalized partial (acc, m, l)
+// to part_acc / part_m / part_l, fences, and counts itself in counters[seq, blockIdx.y]; the
+// block that brings the count to the sequence's partition count reads every partial (L2, past
+// L1) and writes out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, then resets the
+// counter to 0 for the next launch (the pattern of the CUDA samples' threadFenceReduction).
+//
+// Shapes: out [num_seqs, num_heads, D] elem_t; qkv [num_seqs, (num_heads + 2 num_kv_heads) D]
+// elem_t, the QKV projection before RoPE (q heads, k heads, v heads) with row stride
+// `qkv_stride` elements; k_cache / v_cache as above; block_tables [num_seqs,
+// max_blocks_per_row] int; seq_lens [num_seqs] int = context length including the current
+// token (0 for a padding row: its output is zeros, nothing is written to the cache);
+// slot_mapping [num_seqs] int; inv_freq [D / 2] f32 (rope.cu). Partials: part_acc [num_seqs,
+// num_heads, max_partitions, D] f32 (unnormalized), part_m / part_l [num_seqs, num_heads,
+// max_partitions] f32 (log2-domain max, sum); counters [num_seqs, gridDim.y] int, all 0 before
+// the launch and left 0 after it. max_partitions >= 1 (the partials' stride and grid.z).
+// Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128).
+template <int D>
+struct BatonDecodeTile {
+    // Keys per tile: 16 KB of K (and of V) per tile, at most 128 keys.
+    static constexpr int TK_RAW = 16384 / (D * (int)sizeof(elem_t));
+    static constexpr int TK = TK_RAW > 128 ? 128 : TK_RAW;
+    // Padded row in 16-byte vectors: one vector more than a row, so that the 8 lanes of a
+    // quarter warp reading the same column of 8 consecutive rows hit 8 different bank groups.
+    static constexpr int VR = D / BATON_VEC;  // vectors per row
+    static constexpr int SVR = VR + 1;        // vectors per padded row
+    static constexpr int HS = BATON_ATTN_WARPS * 32 / TK;  // head sets of the scores step
+    static constexpr int GPT = (BATON_ATTN_MAX_G + HS - 1) / HS;  // heads per scoring thread
+    static_assert(TK * VR == 1024, "a tile is 1024 vectors of K (and of V): 8 per thread");
+};
+
+template <int D>
+struct BatonDecodeShared {
+    typedef BatonDecodeTile<D> T;
+    alignas(16) float q[BATON_ATTN_MAX_G][D];  // the group's query vectors (unscaled, fp32)
+    union {
+        struct {
+            uint4 k[T::TK][T::SVR];  // the tile's keys (elem_t, as raw 16-byte vectors)
+            uint4 v[T::TK][T::SVR];  // and values
+        } kv;
+        float red[BATON_ATTN_WARPS - 1][BATON_ATTN_MAX_G][D];  // after the last tile
+        float w[BATON_ATTN_MAX_G][64];  // combine: weights of the first 64 partitions
+    };
+    float p[BATON_ATTN_MAX_G][T::TK];  // scores, then exp2(score - m), of a tile
+    float m[BATON_ATTN_MAX_G];         // running max (log2 domain), then the combined max
+    float l[BATON_ATTN_MAX_G];         // running sum, then 1 / the combined sum
+    float alpha[BATON_ATTN_MAX_G];     // rescale factor of the last tile
+    int last;                          // this block combines the partitions
+};
+
+// Issue the copies of keys [c0, c0 + n) (n <= TK) of kv head `kvh` into the tile, except key
+// `skip` (the step's own token, which the kernel writes from registers): K as one cp.async
+// group, then V as a second, so that the scores can start when K has landed.
+template <int D>
+__device__ __forceinline__ void baton_decode_load_tile(BatonDecodeShared<D>& sh,
+                                                       const elem_t* __restrict__ k_cache,
+                                                       const elem_t* __restrict__ v_cache,
+                                                       const int* __restrict__ bt,
+                                                       int block_size, size_t tok_stride,
+                                                       int kvh, int c0, int n, int skip) {
+    typedef BatonDecodeTile<D> T;
+    constexpr int PER = T::TK * T::VR / (BATON_ATTN_WARPS * 32);  // vectors per thread
+    size_t off[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int x = threadIdx.x + i * BATON_ATTN_WARPS * 32;
+        const int j = x / T::VR, c = x - j * T::VR;
+        const int t = c0 + min(j, n - 1);
+        off[i] = ((size_t)bt[t / block_size] * block_size + (t % block_size)) * tok_stride +
+                 (size_t)kvh * D + (size_t)c * BATON_VEC;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int x = threadIdx.x + i * BATON_ATTN_WARPS * 32;
+        const int j = x / T::VR, c = x - j * T::VR;
+        if (j < n && c0 + j != skip) BATON_CP_ASYNC16(&sh.kv.k[j][c], k_cache + off[i]);
+    }
+    BATON_CP_ASYNC_COMMIT();
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int x = threadIdx.x + i * BATON_ATTN_WARPS * 32;
+        const int j = x / T::VR, c = x - j * T::VR;
+        if (j < n && c0 + j != skip) BATON_CP_ASYNC16(&sh.kv.v[j][c], v_cache + off[i]);
+    }
+    BATON_CP_ASYNC_COMMIT();
+}
+
+// Attend to the n keys of the tile just issued: scores, online softmax, p . v into acc.
+// Called by all threads of the block.
+template <int D>
+__device__ __forceinline__ void baton_decode_tile(BatonDecodeShared<D>& sh, float qscale,
+                                                  float (&acc)[BATON_ATTN_MAX_G][D / 32],
+                                                  int ng, int n) {
+    typedef BatonDecodeTile<D> T;
+    constexpr int VPL = D / 32;
+    constexpr int U = 16 / VPL;  // keys per warp per iteration of the p . v step
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    BATON_CP_ASYNC_WAIT(1);  // this thread's K copies
+    __syncthreads();         // everyone's
+
+    // 1. Scores.
+    {
+        const int j = threadIdx.x % T::TK, hs = threadIdx.x / T::TK;
+        if (j < n) {
+            float dot[T::GPT];
+#pragma unroll
+            for (int gi = 0; gi < T::GPT; ++gi) dot[gi] = 0.0f;
+            const baton_vec* kr = reinterpret_cast<const baton_vec*>(&sh.kv.k[j][0]);
+#pragma unroll
+            for (int c = 0; c < T::VR; ++c) {
+                const baton_vec kv = kr[c];
+                float kf[BATON_VEC];
+#pragma unroll
+                for (int e = 0; e < BATON_VEC; ++e) kf[e] = baton_to_f(kv.e[e]);
+#pragma unroll
+                for (int gi = 0; gi < T::GPT; ++gi) {
+                    const int g = hs + gi * T::HS;
+                    if (g < ng) {
+                        const float* qg = &sh.q[g][c * BATON_VEC];
+#pragma unroll
+                        for (int e = 0; e < BATON_VEC; ++e) dot[gi] = fmaf(qg[e], kf[e], dot[gi]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int gi = 0; gi < T::GPT; ++gi) {
+                const int g = hs + gi * T::HS;
+                if (g < ng) sh.p[g][j] = dot[gi] * qscale;
+            }
+        }
+    }
+    __syncthreads();
+
+    // 2. Online softmax update per query head (one warp per head).
+    for (int g = warp; g < ng; g += BATON_ATTN_WARPS) {
+        float m = BATON_NEG_INF;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sh.p[g][j]);
+        m = baton_warp_max(m);
+        const float m_old = sh.m[g];
+        const float m_new = fmaxf(m_old, m);
+        float l = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            const float e = exp2f(sh.p[g][j] - m_new);
+            sh.p[g][j] = e;
+            l += e;
+        }
+        l = baton_warp_sum(l);
+        if (lane == 0) {
+            const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+            sh.alpha[g] = alpha;
+            sh.l[g] = sh.l[g] * alpha + l;
+            sh.m[g] = m_new;
+        }
+    }
+    BATON_CP_ASYNC_WAIT(0);  // this thread's V copies
+    __syncthreads();
+
+    // 3. Rescale and accumulate p * v.
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+        if (g < ng) {
+            const float a = sh.alpha[g];
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) acc[g][i] *= a;
+        }
+    }
+    for (int j0 = warp * U; j0 < n; j0 += BATON_ATTN_WARPS * U) {
+        float vf[U][VPL];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u < n) {
+                const elem_t* vr = reinterpret_cast<const elem_t*>(&sh.kv.v[j0 + u][0]);
+                baton_load_pack<VPL>(vr + lane * VPL, vf[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u < n) {
+#pragma unroll
+                for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+                    if (g < ng) {
+                        const float p = sh.p[g][j0 + u];
+#pragma unroll
+                        for (int i = 0; i < VPL; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // the next tile overwrites sh.kv and sh.p
+}
+
 template <int D>
 __device__ __forceinline__ void baton_decode_body(
     elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,
-    float* __restrict__ part_l, const elem_t* __restrict__ q, int q_stride,
-    const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
+    float* __restrict__ part_l, int* __restrict__ counters, const elem_t* __restrict__ qkv,
+    int qkv_stride, elem_t* __restrict__ k_cache, elem_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
-    int num_heads, int num_kv_heads, int block_size, float scale, int max_partitions) {
-    __shared__ BatonAttnShared<D> sh;
+    const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, int num_heads,
+    int num_kv_heads, int block_size, float scale, int max_partitions) {
+    typedef BatonDecodeTile<D> T;
+    constexpr int VPL = D / 32;
+    constexpr int HALF = D / 2;
+    constexpr int NT = BATON_ATTN_WARPS * 32;
+    __shared__ BatonDecodeShared<D> sh;
     const int seq = blockIdx.x, part = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
+    // Before BATON_PDL_WAIT: the step's staging inputs and the cache entries of earlier steps
+    // only (common.cuh: both were written at least two kernels back). Every key but the step's
+    // own token `cur` is such an entry, so the first tile's copies go out now, overlapping the
+    // QKV projection that precedes this kernel.
     const int ctx = seq_lens[seq];
     const int psize = baton_decode_part_size(ctx, max_partitions);
     const int num_parts = baton_decode_num_parts(ctx, max_partitions);
     if (part >= max(num_parts, 1)) return;
-    const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
-    float acc[BATON_ATTN_MAX_G][D / 32];
-    baton_attn_load_q<D>(sh, q + (size_t)seq * q_stride, h);
-    baton_attn_init<D>(sh, acc);
-    const float qscale = scale * BATON_LOG2E;
     const int c0 = part * psize, c1 = min(ctx, c0 + psize);
-    for (int s0 = c0; s0 < c1; s0 += BATON_ATTN_PART)
-        baton_attn_chunk<D>(sh, qscale, acc, k_cache, v_cache,
-                            block_tables + (size_t)seq * max_blocks_per_row, block_size,
-                            num_kv_heads, h, s0, min(c1, s0 + BATON_ATTN_PART));
-    baton_attn_reduce_warps<D>(sh, acc, h.ng);
+    const int cur = ctx - 1;  // the step's token: position ctx - 1, K and V from qkv
+    const bool has_cur = c0 <= cur && cur < c1;
+    const int* bt = block_tables + (size_t)seq * max_blocks_per_row;
+    const size_t tok_stride = (size_t)num_kv_heads * D;
+    if (c0 < c1)
+        baton_decode_load_tile<D>(sh, k_cache, v_cache, bt, block_size, tok_stride, h.kvh, c0,
+                                  min(c1 - c0, T::TK), cur);
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
+    // RoPE (rope.cu's formula and roundings) of the group's query heads into sh.q, and of this
+    // kv head's key if the block holds the step's token; that key and its value are kept in
+    // registers until their tile, and written to the cache slot by the head chunk 0 block.
+    const elem_t* q_tok = qkv + (size_t)seq * qkv_stride;
+    const float pos = (float)cur;
+    for (int x = threadIdx.x; x < BATON_ATTN_MAX_G * HALF; x += NT) {
+        const int g = x / HALF, i = x - g * HALF;
+        float r1 = 0.0f, r2 = 0.0f;
+        if (g < h.ng) {
+            const elem_t* qh = q_tok + (size_t)(h.head0 + g) * D;
+            float sn, cs;
+            sincosf(pos * inv_freq[i], &sn, &cs);
+            const float x1 = baton_to_f(qh[i]), x2 = baton_to_f(qh[i + HALF]);
+            r1 = baton_round(x1 * cs - x2 * sn);
+            r2 = baton_round(x2 * cs + x1 * sn);
+        }
+        sh.q[g][i] = r1;
+        sh.q[g][i + HALF] = r2;
+    }
+    constexpr int KPT = (HALF + NT - 1) / NT, VPT = (D + NT - 1) / NT;  // per thread
+    elem_t k_new[KPT][2], v_new[VPT];
+    if (has_cur) {
+        const elem_t* kh = q_tok + (size_t)(num_heads + h.kvh) * D;
+        const elem_t* vh = q_tok + (size_t)(num_heads + num_kv_heads + h.kvh) * D;
+        const int slot = slot_mapping[seq];
+        const bool write = slot >= 0 && h.head0 == h.kvh * (num_heads / num_kv_heads);
+        elem_t* kd = k_cache + (size_t)slot * tok_stride + (size_t)h.kvh * D;
+        elem_t* vd = v_cache + (size_t)slot * tok_stride + (size_t)h.kvh * D;
+#pragma unroll
+        for (int u = 0; u < KPT; ++u) {
+            const int i = threadIdx.x + u * NT;
+            if (i < HALF) {
+                float sn, cs;
+                sincosf(pos * inv_freq[i], &sn, &cs);
+                const float x1 = baton_to_f(kh[i]), x2 = baton_to_f(kh[i + HALF]);
+                k_new[u][0] = baton_from_f(x1 * cs - x2 * sn);
+                k_new[u][1] = baton_from_f(x2 * cs + x1 * sn);
+                if (write) {
+                    kd[i] = k_new[u][0];
+                    kd[i + HALF] = k_new[u][1];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VPT; ++u) {
+            const int i = threadIdx.x + u * NT;
+            if (i < D) {
+                v_new[u] = vh[i];
+                if (write) vd[i] = v_new[u];
+            }
+        }
+    }
+    if (threadIdx.x < BATON_ATTN_MAX_G) {
+        sh.m[threadIdx.x] = BATON_NEG_INF;
+        sh.l[threadIdx.x] = 0.0f;
+    }
+    float acc[BATON_ATTN_MAX_G][VPL];
+#pragma unroll
+    for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) acc[g][i] = 0.0f;
+    // (baton_decode_tile's first barrier publishes q, m, l and the step's key and value.)
+    const float qscale = scale * BATON_LOG2E;
+    for (int s0 = c0; s0 < c1; s0 += T::TK) {
+        const int n = min(c1 - s0, T::TK);
+        if (s0 != c0)
+            baton_decode_load_tile<D>(sh, k_cache, v_cache, bt, block_size, tok_stride, h.kvh,
+                                      s0, n, cur);
+        if (has_cur && cur < s0 + n) {  // the last tile: the step's key and value
+            elem_t* kr = reinterpret_cast<elem_t*>(&sh.kv.k[cur - s0][0]);
+            elem_t* vr = reinterpret_cast<elem_t*>(&sh.kv.v[cur - s0][0]);
+#pragma unroll
+            for (int u = 0; u < KPT; ++u) {
+                const int i = threadIdx.x + u * NT;
+                if (i < HALF) {
+                    kr[i] = k_new[u][0];
+                    kr[i + HALF] = k_new[u][1];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < VPT; ++u) {
+                const int i = threadIdx.x + u * NT;
+                if (i < D) vr[i] = v_new[u];
+            }
+        }
+        baton_decode_tile<D>(sh, qscale, acc, h.ng, n);
+    }
+    __syncthreads();  // an empty partition skipped the tiles' barriers: publish m and l
+    // Sum the per-warp accumulators into warp 0's registers (sh.red overlays the tiles).
+    if (warp > 0) {
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+            if (g < h.ng)
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) sh.red[warp - 1][g][lane * VPL + i] = acc[g][i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g)
+            if (g < h.ng)
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+#pragma unroll
+                    for (int w = 0; w < BATON_ATTN_WARPS - 1; ++w)
+                        acc[g][i] += sh.red[w][g][lane * VPL + i];
+    }
     if (num_parts <= 1) {
-        baton_attn_store<D>(out + (size_t)seq * num_heads * D, sh, acc, h);
+        if (warp == 0) {
+#pragma unroll
+            for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+                if (g < h.ng) {
+                    const float l = sh.l[g];
+                    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                    elem_t* o = out + ((size_t)seq * num_heads + h.head0 + g) * D + lane * VPL;
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i) o[i] = baton_from_f(acc[g][i] * inv);
+                }
+            }
+        }
         return;
     }
-    if ((threadIdx.x >> 5) != 0) return;
-    const int lane = threadIdx.x & 31;
-    for (int g = 0; g < h.ng; ++g) {
-        const size_t ph = ((size_t)seq * num_heads + h.head0 + g) * max_partitions + part;
+    // Split: publish this partition's partial, then count it.
+    const size_t ph0 = ((size_t)seq * num_heads + h.head0) * max_partitions;
+    if (warp == 0) {
+#pragma unroll
+        for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
+            if (g < h.ng) {
+                const size_t ph = ph0 + (size_t)g * max_partitions + part;
+                if (lane == 0) {
+                    part_m[ph] = sh.m[g];
+                    part_l[ph] = sh.l[g];
+                }
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) part_acc[ph * D + lane * VPL + i] = acc[g][i];
+            }
+        }
+        __threadfence();  // the partial is visible device-wide before the count
+    }
+    __syncthreads();
+    int* counter = counters + (size_t)seq * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) sh.last = atomicAdd(counter, 1) == num_parts - 1;
+    __syncthreads();
+    if (!sh.last) return;
+    __threadfence();  // every other partition's partial is visible to this block's reads
+    // Combined max, 1 / sum and each partition's weight 2^(m_p - M) per head: one warp per
+    // head, one partition per lane (the first 64 partitions' weights kept in sh.w). Every load
+    // of a round is issued before any is used: the partials come from L2.
+    for (int g = warp; g < h.ng; g += BATON_ATTN_WARPS) {
+        const float* pm = part_m + ph0 + (size_t)g * max_partitions;
+        const float* pl = part_l + ph0 + (size_t)g * max_partitions;
+        const bool in0 = lane < num_parts, in1 = lane + 32 < num_parts;
+        const float m0 = in0 ? __ldcg(pm + lane) : BATON_NEG_INF;
+        const float m1 = in1 ? __ldcg(pm + lane + 32) : BATON_NEG_INF;
+        const float l0 = in0 ? __ldcg(pl + lane) : 0.0f;
+        const float l1 = in1 ? __ldcg(pl + lane + 32) : 0.0f;
+        float m = fmaxf(m0, m1);
+        for (int p = lane + 64; p < num_parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+        m = baton_warp_max(m);  // finite: every partition of a split sequence has keys
+        const float w0 = exp2f(m0 - m), w1 = exp2f(m1 - m);  // 0 for absent partitions
+        float l = l0 * w0 + l1 * w1;
+        for (int p = lane + 64; p < num_parts; p += 32)
+            l += __ldcg(pl + p) * exp2f(__ldcg(pm + p) - m);
+        l = baton_warp_sum(l);
+        sh.w[g][lane] = w0;
+        sh.w[g][lane + 32] = w1;
         if (lane == 0) {
-            part_m[ph] = sh.m[g];
-            part_l[ph] = sh.l[g];
+            sh.m[g] = m;
+            sh.l[g] = l > 0.0f ? 1.0f / l : 0.0f;
         }
     }
-#pragma unroll
-    for (int g = 0; g < BATON_ATTN_MAX_G; ++g) {
-        if (g < h.ng) {
-            const size_t ph = ((size_t)seq * num_heads + h.head0 + g) * max_partitions + part;
-#pragma unroll
-            for (int i = 0; i < D / 32; ++i) part_acc[ph * D + lane * (D / 32) + i] = acc[g][i];
+    __syncthreads();
+    // out = sum_p w_p acc_p / l, four head dims per thread (float4 loads of the partials).
+    for (int x = threadIdx.x; x < h.ng * (D / 4); x += NT) {
+        const int g = x / (D / 4), d = (x - g * (D / 4)) * 4;
+        const size_t b = ph0 + (size_t)g * max_partitions;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int p = 0; p < num_parts; ++p) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part_acc + (b + p) * D + d));
+            const float w = p < 2 * 32 ? sh.w[g][p] : exp2f(__ldcg(part_m + b + p) - sh.m[g]);
+            a[0] = fmaf(v.x, w, a[0]);
+            a[1] = fmaf(v.y, w, a[1]);
+            a[2] = fmaf(v.z, w, a[2]);
+            a[3] = fmaf(v.w, w, a[3]);
         }
+        elem_t* o = out + ((size_t)seq * num_heads + h.head0 + g) * D + d;
+        const float inv = sh.l[g];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = baton_from_f(a[i] * inv);
     }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
 
 #define BATON_DECODE_ENTRY(D)                                                                  \
-    BATON_ENTRY void __launch_bounds__(128) baton_paged_attention_decode_hd##D(           \
+    BATON_ENTRY void __launch_bounds__(128) baton_paged_attention_decode_hd##D(                \
         elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,      \
-        float* __restrict__ part_l, const elem_t* __restrict__ q, int q_stride,                   \
-        const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                     \
+        float* __restrict__ part_l, int* __restrict__ counters, const elem_t* __restrict__ qkv, \
+        int qkv_stride, elem_t* __restrict__ k_cache, elem_t* __restrict__ v_cache,            \
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
-        const int* __restrict__ seq_lens, int num_heads, int num_kv_heads, int block_size,     \
+        const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
+        const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
         float scale, int max_partitions) {                                                      \
-        BATON_PDL_WAIT();                                                                   \
-        BATON_PDL_LAUNCH();                                                                 \
-        baton_decode_body<D>(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,      \
-                             block_tables, max_blocks_per_row, seq_lens, num_heads,             \
-                             num_kv_heads, block_size, scale, max_partitions);                  \
+        baton_decode_body<D>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache, \
+                             v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping, \
+                             inv_freq, num_heads, num_kv_heads, block_size, scale,              \
+                             max_partitions);                                                   \
     }
 BATON_DECODE_ENTRY(64)
 BATON_DECODE_ENTRY(128)
 BATON_DECODE_ENTRY(256)
-
-// Combine the partitions of sequences with more than one: out = sum_p 2^(m_p - M) acc_p /
-// sum_p 2^(m_p - M) l_p. Shapes as for the decode kernel; any head_dim.
-// Launch: grid = (num_seqs, num_heads), block = (128).
-BATON_ENTRY void baton_paged_attention_decode_reduce(
-    elem_t* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_m,
-    const float* __restrict__ part_l, const int* __restrict__ seq_lens, int num_heads,
-    int head_dim, int max_partitions) {
-    BATON_PDL_WAIT();
-    BATON_PDL_LAUNCH();
-    const int seq = blockIdx.x, head = blockIdx.y;
-    const int num_parts = baton_decode_num_parts(seq_lens[seq], max_partitions);
-    if (num_parts <= 1) return;
-    const size_t base = ((size_t)seq * num_heads + head) * max_partitions;
-    float m = BATON_NEG_INF;
-    for (int p = 0; p < num_parts; ++p) m = fmaxf(m, part_m[base + p]);
-    float l = 0.0f;
-    for (int p = 0; p < num_parts; ++p) l += part_l[base + p] * exp2f(part_m[base + p] - m);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    elem_t* o = out + ((size_t)seq * num_heads + head) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int p = 0; p < num_parts; ++p)
-            a += part_acc[(base + p) * head_dim + d] * exp2f(part_m[base + p] - m);
-        o[d] = baton_from_f(a * inv);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Prefill (and mixed prefill/decode): causal attention for variable-length rows.

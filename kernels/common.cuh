@@ -31,11 +31,17 @@
 // blocks may start while the kernel before it in the stream is still running. The rule every
 // entry point keeps: BATON_PDL_WAIT() runs before its first read of memory that earlier stream
 // work writes and before its first global write; before it, a kernel may only read weights
-// (never written after load). BATON_PDL_WAIT returns once every earlier kernel in the stream
+// (never written after load) and memory last written at least two kernels back in the stream:
+// the step's uploaded inputs (positions, slots, sequence lengths, block tables) and the KV
+// cache entries of earlier steps. That second kind is safe because every entry point runs
+// BATON_PDL_LAUNCH only after its own BATON_PDL_WAIT: when kernel n + 1 starts, every block of
+// kernel n has passed its wait, so kernel n - 1 and everything before it have completed. BATON_PDL_WAIT returns once every earlier kernel in the stream
 // has completed and its writes are visible (griddepcontrol.wait; PTX ISA, "Parallel
 // synchronization and communication instructions"). BATON_PDL_LAUNCH lets the next kernel's
-// blocks be scheduled before this one finishes (griddepcontrol.launch_dependents); it has no
-// effect on correctness, only on overlap. Both are no-ops below sm_90, without the launch
+// blocks be scheduled before this one finishes (griddepcontrol.launch_dependents). It must come
+// after the block's BATON_PDL_WAIT, and a launch must have at least one block that runs
+// BATON_PDL_WAIT (a block may return before waiting if another does not): the two-kernels-back
+// rule above rests on both. Both are no-ops below sm_90, without the launch
 // attribute, and in the host emulator (which runs kernels one after another).
 #if defined(BATON_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
 #define BATON_PDL_WAIT() ((void)0)
@@ -52,6 +58,33 @@
 #define BATON_PREFETCH_L2(p) ((void)(p))
 #else
 #define BATON_PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#endif
+
+// Asynchronous 16-byte copy global -> shared (sm_80+ cp.async.cg: bypasses L1 and registers),
+// in groups: BATON_CP_ASYNC_COMMIT closes the group of the copies issued since the last one,
+// BATON_CP_ASYNC_WAIT(n) waits until at most n groups are still in flight (PTX ISA,
+// "Data movement and conversion instructions: cp.async"). The copies are visible to the
+// issuing thread after the wait and to the block after a __syncthreads that follows it. Both
+// addresses must be 16-byte aligned. The host emulator performs each copy at the wait that
+// covers it (the latest moment the GPU may), so a kernel that touches a destination before
+// its wait fails there; below sm_80 the copy is a plain load and store.
+#if defined(BATON_EMU)
+#define BATON_CP_ASYNC16(dst, src) ::baton_emu::cp_async16((dst), (src))
+#define BATON_CP_ASYNC_COMMIT() ::baton_emu::cp_async_commit()
+#define BATON_CP_ASYNC_WAIT(n) ::baton_emu::cp_async_wait(n)
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+#define BATON_CP_ASYNC16(dst, src) \
+    (*reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src))
+#define BATON_CP_ASYNC_COMMIT() ((void)0)
+#define BATON_CP_ASYNC_WAIT(n) ((void)0)
+#else
+#define BATON_CP_ASYNC16(dst, src)                                                        \
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(                       \
+                     (unsigned)__cvta_generic_to_shared(dst)),                             \
+                 "l"(src)                                                                  \
+                 : "memory")
+#define BATON_CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define BATON_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 #endif
 
 typedef unsigned int u32;

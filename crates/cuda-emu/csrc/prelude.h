@@ -40,6 +40,9 @@ struct uint3 {
 struct __attribute__((aligned(16))) uint4 {
     unsigned int x, y, z, w;
 };
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
 struct dim3 {
     unsigned int x, y, z;
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1)
@@ -60,6 +63,11 @@ struct Coords {
     dim3 grid_dim;
 };
 extern Coords g_coords;
+// cp.async (common.cuh's BATON_CP_ASYNC16 / _COMMIT / _WAIT): a copy is recorded when issued
+// and performed when a wait covers its group, the latest moment the GPU may perform it.
+void cp_async16(void* dst, const void* src);
+void cp_async_commit();
+void cp_async_wait(int pending);
 // Block barrier; `file`/`line` name the textual __syncthreads() so divergent barriers are caught.
 void syncthreads_at(const char* file, int line);
 // Exchanges `size` bytes with lane (lane ^ lane_mask) of the same warp.
@@ -97,6 +105,12 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 }
 inline float atomicAdd(float* p, float v) { const float o = *p; *p = o + v; return o; }
 inline double atomicAdd(double* p, double v) { const double o = *p; *p = o + v; return o; }
+
+// Blocks of a launch run one after another, so a memory fence has nothing to order, and a
+// load that bypasses L1 (__ldcg) is a plain load.
+inline void __threadfence() {}
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
 
 // ---- Integer / bit intrinsics -------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }

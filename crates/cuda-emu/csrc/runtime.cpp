@@ -166,6 +166,16 @@ struct Fiber {
     unsigned shfl_count = 0;  // shuffles completed; parity picks the exchange buffer
     int lane_mask = 0;        // arguments of the pending shuffle
     unsigned size = 0;
+    // cp.async copies issued and not yet performed, each tagged with its group (the number of
+    // commits before it); `groups` counts this thread's commits.
+    struct CpAsync {
+        void* dst;
+        const void* src;
+        unsigned group;
+        unsigned char data[16];  // the source as it was when the copy was issued
+    };
+    std::vector<CpAsync> cp_async;
+    unsigned groups = 0;
 };
 
 struct Warp {
@@ -366,6 +376,44 @@ void switch_away(Run& r, Fiber& f) {
     __builtin_trap();
 }
 
+}  // namespace
+
+// cp.async as the GPU may perform it: the global read happens at some point between the issue
+// and the wait that covers the copy's group, the shared-memory write by that wait. So here the
+// destination is written only at the wait (a kernel that writes it in between, or reads it
+// before its wait and barrier, sees the difference), and a source that changed in between is
+// a failure (the GPU may have read either value).
+void cp_async16(void* dst, const void* src) {
+    Fiber& f = g_run.fibers[g_run.cur];
+    Fiber::CpAsync c{dst, src, f.groups, {}};
+    memcpy(c.data, src, 16);
+    f.cp_async.push_back(c);
+}
+
+void cp_async_commit() { ++g_run.fibers[g_run.cur].groups; }
+
+void cp_async_wait(int pending) {
+    Fiber& f = g_run.fibers[g_run.cur];
+    // Committed groups older than the newest `pending` complete; uncommitted copies do not.
+    const unsigned done = f.groups > (unsigned)pending ? f.groups - (unsigned)pending : 0;
+    size_t kept = 0;
+    for (const Fiber::CpAsync& c : f.cp_async) {
+        if (c.group >= done) {
+            f.cp_async[kept++] = c;
+            continue;
+        }
+        if (memcmp(c.data, c.src, 16) != 0)
+            fail_here(g_run, f,
+                      fmt("thread (%u, %u, %u): the source of a cp.async changed before the "
+                          "wait for it (a race on the GPU)",
+                          f.tid.x, f.tid.y, f.tid.z));
+        memcpy(c.dst, c.data, 16);
+    }
+    f.cp_async.resize(kept);
+}
+
+namespace {
+
 void run_block(Run& r, unsigned long long seed, unsigned long long block_linear) {
     memset(__start_baton_emu_shared, 0xff,
            (size_t)(__stop_baton_emu_shared - __start_baton_emu_shared));
@@ -382,6 +430,8 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
         f.tid = uint3{i % bd.x, (i / bd.x) % bd.y, i / (bd.x * bd.y)};
         f.shfl_count = 0;
         f.site = Site{};
+        f.cp_async.clear();
+        f.groups = 0;
         ctx_init(&f.ctx, g_stacks[i], kStackBytes);
         r.released.push_back(i);
     }
@@ -462,6 +512,10 @@ extern "C" void baton_emu_fiber_main() {
     const unsigned i = r.cur;
     r.entry->invoke(r.args);
     Fiber& f = r.fibers[i];
+    if (!f.cp_async.empty())
+        set_failure(r, 2,
+                    fmt("thread (%u, %u, %u) exited with %zu cp.async copies it never waited for",
+                        f.tid.x, f.tid.y, f.tid.z, f.cp_async.size()));
     f.st = St::Done;
     --r.live;
     Warp& w = r.warps[i / kWarp];

@@ -790,19 +790,77 @@ fn attn_tol(dtype: Dtype) -> (f32, f32) {
     }
 }
 
-/// Split-K decode then decode_reduce, as the executor launches them, with `z` partitions per
-/// sequence (grid.z; the kernel sizes each sequence's partitions from its length): long
-/// sequences (1100 keys), exactly 512 and 513 keys, short ones and a padding row of length 0;
-/// GQA groups of 8 (one head chunk) and 12 (two chunks, the second partial).
+/// The fused decode kernel as the executor launches it, against the unfused pipeline it
+/// replaces (baton_rope_and_cache, then attention over the cache, in f64): `qkv` is the QKV
+/// projection before RoPE and the step's token sits at position `seq_len - 1`, whose cache slot
+/// starts as NaN (so a kernel that read it back from the cache would show). The kernel must
+/// write the same cache bytes as baton_rope_and_cache and the same attention output.
+///
+/// `z` partitions per sequence (grid.z; the kernel sizes each sequence's partitions from its
+/// length and the last block of a split sequence combines them): long sequences (1100 keys),
+/// exactly 512 and 513 keys, short ones and a padding row of length 0; GQA groups of 8 (one
+/// head chunk) and 12 (two chunks, the second partial). Launched twice on the same buffers: the
+/// arrival counters must come back to 0, or the second launch would combine too early (or
+/// never).
 fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32], z: usize) {
-    let (bs, max_len) = (16usize, 1536usize);
+    let bs = 16usize;
+    let max_len = seq_lens.iter().map(|&c| c as usize).max().unwrap_or(0).max(1536);
     let max_parts = z;
     let r = seq_lens.len();
     let ctx: Vec<usize> = seq_lens.iter().map(|&c| c as usize).collect();
-    let cache = Paged::new(dtype, &ctx, max_len, bs, kvh, hd);
+    let mut cache = Paged::new(dtype, &ctx, max_len, bs, kvh, hd);
+    let n = kvh * hd;
+    // The step's token of each row: its position and slot (-1 for the padding row).
+    let positions: Vec<i32> = seq_lens.iter().map(|&c| (c - 1).max(0)).collect();
+    let slots: Vec<i32> = (0..r)
+        .map(|s| match ctx[s] {
+            0 => -1,
+            c => (cache.off(s, c - 1, 0) / n) as i32,
+        })
+        .collect();
+    for &slot in slots.iter().filter(|&&x| x >= 0) {
+        let o = slot as usize * n;
+        cache.k[o..o + n].fill(f32::NAN);
+        cache.v[o..o + n].fill(f32::NAN);
+    }
     let qkv_w = (nh + 2 * kvh) * hd;
     let qkv = rounded_values(dtype, 13, r * qkv_w, 1.0);
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 500_000f64.powf(-(2.0 * i as f64) / hd as f64) as f32)
+        .collect();
     let scale = (hd as f64).powf(-0.5) as f32;
+
+    // The unfused reference: RoPE + cache write, in place on copies.
+    let (mut q_ref, mut kc_ref, mut vc_ref) = (
+        Elems::new(dtype, &qkv),
+        Elems::new(dtype, &cache.k),
+        Elems::new(dtype, &cache.v),
+    );
+    let (qp, kp, vp) = (q_ref.at(0), q_ref.at(nh * hd), q_ref.at(nh * hd + n));
+    // rope_and_cache(q, k, v, k_cache, v_cache, positions, slots, inv_freq, num_tokens, nq,
+    //                nkv, head_dim, q_stride, kv_stride)
+    run(
+        dtype,
+        "baton_rope_and_cache",
+        (r as u32, 1, 1),
+        128,
+        Params::new()
+            .ptr_mut(qp)
+            .ptr_mut(kp)
+            .ptr(vp)
+            .ptr_mut(kc_ref.ptr())
+            .ptr_mut(vc_ref.ptr())
+            .ptr(positions.as_ptr())
+            .ptr(slots.as_ptr())
+            .ptr(inv_freq.as_ptr())
+            .int(r as i32)
+            .int(nh as i32)
+            .int(kvh as i32)
+            .int(hd as i32)
+            .int(qkv_w as i32)
+            .int(qkv_w as i32),
+    );
+
     let (mut q, mut kc, mut vc) = (
         Elems::new(dtype, &qkv),
         Elems::new(dtype, &cache.k),
@@ -813,60 +871,61 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32],
     let mut part_m = vec![f32::NAN; r * nh * max_parts];
     let mut part_l = vec![f32::NAN; r * nh * max_parts];
     let gy = (kvh * (nh / kvh).div_ceil(8)) as u32;
-    // decode_hdD(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache, block_tables,
-    //            max_blocks_per_row, seq_lens, nh, nkv, block_size, scale, max_partitions)
-    run(
-        dtype,
-        &format!("baton_paged_attention_decode_hd{hd}"),
-        (r as u32, gy, max_parts as u32),
-        128,
-        Params::new()
-            .ptr_mut(out.ptr())
-            .ptr_mut(part_acc.as_mut_ptr())
-            .ptr_mut(part_m.as_mut_ptr())
-            .ptr_mut(part_l.as_mut_ptr())
-            .ptr(q.ptr())
-            .int(qkv_w as i32)
-            .ptr(kc.ptr())
-            .ptr(vc.ptr())
-            .ptr(cache.tables.as_ptr())
-            .int(cache.max_blocks as i32)
-            .ptr(seq_lens.as_ptr())
-            .int(nh as i32)
-            .int(kvh as i32)
-            .int(bs as i32)
-            .float(scale)
-            .int(max_parts as i32),
-    );
-    // decode_reduce(out, part_acc, part_m, part_l, seq_lens, nh, head_dim, max_partitions)
-    run(
-        dtype,
-        "baton_paged_attention_decode_reduce",
-        (r as u32, nh as u32, 1),
-        128,
-        Params::new()
-            .ptr_mut(out.ptr())
-            .ptr(part_acc.as_ptr())
-            .ptr(part_m.as_ptr())
-            .ptr(part_l.as_ptr())
-            .ptr(seq_lens.as_ptr())
-            .int(nh as i32)
-            .int(hd as i32)
-            .int(max_parts as i32),
-    );
+    let mut counters = vec![0i32; r * gy as usize];
+    for launch in 0..2 {
+        if launch == 1 {
+            out = Elems::filled(dtype, r * nh * hd, f32::NAN);
+        }
+        // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache,
+        //            v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping,
+        //            inv_freq, nh, nkv, block_size, scale, max_partitions)
+        run(
+            dtype,
+            &format!("baton_paged_attention_decode_hd{hd}"),
+            (r as u32, gy, max_parts as u32),
+            128,
+            Params::new()
+                .ptr_mut(out.ptr())
+                .ptr_mut(part_acc.as_mut_ptr())
+                .ptr_mut(part_m.as_mut_ptr())
+                .ptr_mut(part_l.as_mut_ptr())
+                .ptr_mut(counters.as_mut_ptr())
+                .ptr(q.ptr())
+                .int(qkv_w as i32)
+                .ptr_mut(kc.ptr())
+                .ptr_mut(vc.ptr())
+                .ptr(cache.tables.as_ptr())
+                .int(cache.max_blocks as i32)
+                .ptr(seq_lens.as_ptr())
+                .ptr(slots.as_ptr())
+                .ptr(inv_freq.as_ptr())
+                .int(nh as i32)
+                .int(kvh as i32)
+                .int(bs as i32)
+                .float(scale)
+                .int(max_parts as i32),
+        );
+        assert!(
+            counters.iter().all(|&c| c == 0),
+            "launch {launch}: arrival counters left at {counters:?}"
+        );
+    }
+    let what = format!("{} decode hd {hd} nh {nh} kvh {kvh}", dtype.name());
+    assert!(kc.bytes_mut() == kc_ref.bytes_mut(), "{what}: k cache");
+    assert!(vc.bytes_mut() == vc_ref.bytes_mut(), "{what}: v cache");
+    assert_eq!(q.read(), qkv, "{what}: the QKV input is left as it was");
+    cache.k = kc_ref.read();
+    cache.v = vc_ref.read();
+    let q_rot = q_ref.read();
     let got = out.read();
     let (rel, abs) = attn_tol(dtype);
     for s in 0..r {
         for h in 0..nh {
-            let qh = &qkv[s * qkv_w + h * hd..s * qkv_w + (h + 1) * hd];
+            let qh = &q_rot[s * qkv_w + h * hd..s * qkv_w + (h + 1) * hd];
             let want = cache.attend(s, ctx[s], qh, h, nh, scale);
             let o = (s * nh + h) * hd;
             assert_close(
-                &format!(
-                    "{} decode hd {hd} nh {nh} kvh {kvh} seq {s} (len {}) head {h}",
-                    dtype.name(),
-                    ctx[s]
-                ),
+                &format!("{what} seq {s} (len {}) head {h}", ctx[s]),
                 &got[o..o + hd],
                 &want,
                 rel,
@@ -877,13 +936,16 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32],
 }
 
 #[test]
-fn decode_attention_split_k_and_reduce_match_the_reference_f32() {
+fn decode_attention_split_k_and_combine_match_the_reference_f32() {
     every_schedule(|| {
-        // z = 1: one partition per sequence, walked in chunks of 512 keys (1100 = 512 + 512 +
-        // 76); 3: partitions of 384, 192 and 192 keys; 64: partitions of the minimum 64 keys.
+        // z = 1: one partition per sequence, walked in tiles of 64 keys (f32, head dim 64:
+        // 1100 = 17 x 64 + 12); 3: partitions of 384, 192 and 192 keys; 64: partitions of the
+        // minimum 64 keys.
         for z in [1, 3, 64] {
             decode_case(Dtype::F32, 64, 16, 2, &[1100, 37, 0, 512, 513], z);
         }
+        // 71 partitions of 64 keys: the combine's weights past the first 64.
+        decode_case(Dtype::F32, 64, 8, 1, &[4500, 3], 72);
     });
 }
 

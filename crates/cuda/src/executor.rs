@@ -343,6 +343,7 @@ struct ActOffsets {
     part_acc: usize,
     part_m: usize,
     part_l: usize,
+    attn_counters: usize,
     total: usize,
 }
 
@@ -521,6 +522,10 @@ impl BufferPlan {
         a.part_acc = take(r * nh * max_partitions * cfg.head_dim * 4);
         a.part_m = take(r * nh * max_partitions * 4);
         a.part_l = take(r * nh * max_partitions * 4);
+        // One split-K arrival counter per (row, kv head, head chunk): zeroed at allocation,
+        // and the decode kernel leaves each at 0.
+        let head_chunks = (nh / cfg.num_key_value_heads.max(1)).div_ceil(8).max(1);
+        a.attn_counters = take(r * cfg.num_key_value_heads * head_chunks * 4);
         a.total = off;
         BufferPlan {
             acts: a,
@@ -1017,7 +1022,9 @@ impl CudaWorker {
                 let k = q + q_w as u64 * es;
                 let v = k + kv_w as u64 * es;
                 let (kc, vc) = self.kv_layer(li);
-                self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                if !self.decode_fuses_rope(mode) {
+                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                }
                 self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
                 gemv(act(a.resid), act(a.attn), lw.o, 0, h, q_w, 2)?;
                 gemv(act(a.act), act(a.resid), lw.gate_up, lw.post_norm, im, h, 3)?;
@@ -1071,7 +1078,9 @@ impl CudaWorker {
                 let k = q + q_w as u64 * es;
                 let v = k + kv_w as u64 * es;
                 let (kc, vc) = self.kv_layer(li);
-                self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                if !self.decode_fuses_rope(mode) {
+                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                }
                 self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
                 self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
                 add_rmsnorm(lw.post_norm)?;
@@ -1208,6 +1217,16 @@ impl CudaWorker {
         )
     }
 
+    /// Whether a `mode` launch's attention kernel applies RoPE and writes the step's K and V
+    /// to the cache itself (the decode kernels of the fast head dims), so that no
+    /// `baton_rope_and_cache` launch precedes it.
+    fn decode_fuses_rope(&self, mode: AttnMode) -> bool {
+        mode == AttnMode::Decode && fast_head_dim(self.cfg.head_dim)
+    }
+
+    /// Attention of the step over the KV cache, into the `attn` activations. `q` is the QKV
+    /// projection's output (row stride `q_stride` elements): rotated and already in the cache
+    /// unless [`Self::decode_fuses_rope`], in which case the decode kernel does both.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -1256,9 +1275,12 @@ impl CudaWorker {
         let gy = (kvh * chunks) as u32;
         match mode {
             AttnMode::Decode => {
-                // decode_hdD(out, part_acc, part_m, part_l, q, q_stride, k_cache, v_cache,
-                //            block_tables, max_blocks_per_row, seq_lens, nh, nkv, block_size,
-                //            scale, max_partitions)
+                // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,
+                //            k_cache, v_cache, block_tables, max_blocks_per_row, seq_lens,
+                //            slot_mapping, inv_freq, nh, nkv, block_size, scale,
+                //            max_partitions)
+                // RoPE and the cache write of the step's token are fused in; the last block of
+                // a split sequence combines its partitions (no reduce launch).
                 // Partitions per sequence: the partials hold `part_rows * max_partitions` per
                 // head, shared out among this launch's `r` rows.
                 let z = crate::plan::decode_partitions(
@@ -1276,6 +1298,7 @@ impl CudaWorker {
                         .p(self.acts.at(a.part_acc))
                         .p(self.acts.at(a.part_m))
                         .p(self.acts.at(a.part_l))
+                        .p(self.acts.at(a.attn_counters))
                         .p(q)
                         .i(q_stride)
                         .p(kc)
@@ -1283,31 +1306,12 @@ impl CudaWorker {
                         .p(st(l.block_tables))
                         .i(l.max_blocks)
                         .p(st(l.seq_lens))
+                        .p(st(l.slots))
+                        .p(self.inv_freq.ptr)
                         .i(nh)
                         .i(kvh)
                         .i(bs)
                         .f(scale)
-                        .i(z),
-                )?;
-                if z == 1 {
-                    // Every sequence is one partition: the decode kernel wrote `out` and the
-                    // reduce would return at once (one launch per layer saved).
-                    return Ok(());
-                }
-                // decode_reduce(out, part_acc, part_m, part_l, seq_lens, nh, head_dim,
-                //               max_partitions)
-                self.launch(
-                    "baton_paged_attention_decode_reduce",
-                    (r as u32, nh as u32, 1),
-                    128,
-                    KArgs::new()
-                        .p(out)
-                        .p(self.acts.at(a.part_acc))
-                        .p(self.acts.at(a.part_m))
-                        .p(self.acts.at(a.part_l))
-                        .p(st(l.seq_lens))
-                        .i(nh)
-                        .i(hd)
                         .i(z),
                 )
             }

@@ -55,7 +55,6 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
             "baton_paged_attention_decode_hd64",
             "baton_paged_attention_decode_hd128",
             "baton_paged_attention_decode_hd256",
-            "baton_paged_attention_decode_reduce",
             "baton_paged_attention_prefill_hd64",
             "baton_paged_attention_prefill_hd128",
             "baton_paged_attention_prefill_hd256",
