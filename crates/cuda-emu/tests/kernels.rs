@@ -804,7 +804,12 @@ fn attn_tol(dtype: Dtype) -> (f32, f32) {
 /// never).
 fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32], z: usize) {
     let bs = 16usize;
-    let max_len = seq_lens.iter().map(|&c| c as usize).max().unwrap_or(0).max(1536);
+    let max_len = seq_lens
+        .iter()
+        .map(|&c| c as usize)
+        .max()
+        .unwrap_or(0)
+        .max(1536);
     let max_parts = z;
     let r = seq_lens.len();
     let ctx: Vec<usize> = seq_lens.iter().map(|&c| c as usize).collect();
