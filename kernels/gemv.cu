@@ -170,8 +170,6 @@ __device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restr
 //     and issues the next chunk's loads (of the same row, or of its next row) before the FMAs
 //     of the current one: U vectors per lane are always in flight (software pipelining, two
 //     register buffers);
-//   - each warp also asks L2 for the chunks BATON_GEMV_PF ahead (prefetch.global.L2), which
-//     deepens the stream past what two register buffers hold;
 //   - the first chunk's loads are issued before BATON_PDL_WAIT (weights are never written), so
 //     with programmatic dependent launch the weight stream starts while the previous kernel
 //     finishes.
@@ -195,28 +193,6 @@ __device__ __forceinline__ void baton_gemv1_load(baton_vec (&a)[U], baton_vec (&
             a[u] = r0[i];
             if (SILU) b[SILU ? u : 0] = r1[i];
         }
-    }
-}
-
-// Chunks of weight rows each warp asks L2 to fetch ahead of its register loads (prefetch.global
-// .L2, no registers held): the two register buffers keep one chunk (4 KB) per warp in flight,
-// about 64 KB per SM, which at the H200's loaded DRAM latency streams 3.6 TB/s at best; the
-// prefetches keep BATON_GEMV_PF more chunks per warp on their way. 0 turns them off.
-#ifndef BATON_GEMV_PF
-#define BATON_GEMV_PF 2
-#endif
-
-// Prefetch chunk c of weight row n (and of row N + n in SiLU mode) into L2: one 128-byte line
-// per lane (a chunk is U * 32 vectors of 16 bytes per row: U * 4 lines).
-template <bool SILU, int U>
-__device__ __forceinline__ void baton_gemv1_prefetch(const baton_vec* __restrict__ wv, int N,
-                                                     int nv, int n, int c, int lane) {
-    constexpr int LINES = U * BATON_WARP * 16 / 128;  // lines per chunk and row
-    constexpr int VPL = 128 / 16;                      // vectors per line
-#pragma unroll
-    for (int k = lane; k < (SILU ? 2 : 1) * LINES; k += BATON_WARP) {
-        const int r = k / LINES, i = c * U * BATON_WARP + (k - r * LINES) * VPL;
-        if (i < nv) BATON_PREFETCH_L2(wv + (size_t)(r != 0 ? N + n : n) * nv + i);
     }
 }
 
@@ -256,16 +232,6 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
     baton_vec a[U], b[SILU ? U : 1];
     int n = first + warp, c = 0;
     if (n < end) baton_gemv1_load<SILU, U>(a, b, wv, N, nv, n, 0, lane);
-    // L2 prefetch cursor (pn, pc): BATON_GEMV_PF chunks past the next register load.
-    int pn = n, pc = 0;
-#pragma unroll 1
-    for (int k = 0; k <= BATON_GEMV_PF; ++k) {
-        if (k > 0 && pn < end) baton_gemv1_prefetch<SILU, U>(wv, N, nv, pn, pc, lane);
-        if (++pc == cpr) {
-            pc = 0;
-            pn += nwarps;
-        }
-    }
 
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
@@ -306,13 +272,6 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
         }
         baton_vec a2[U], b2[SILU ? U : 1];
         if (nn < end) baton_gemv1_load<SILU, U>(a2, b2, wv, N, nv, nn, nc, lane);
-        if (BATON_GEMV_PF > 0) {
-            if (pn < end) baton_gemv1_prefetch<SILU, U>(wv, N, nv, pn, pc, lane);
-            if (++pc == cpr) {
-                pc = 0;
-                pn += nwarps;
-            }
-        }
         baton_gemv1_fma<SILU, U>(acc, acc2, a, b, xs, nv, c, lane);
         if (nc == 0) {  // row n is complete
             acc = baton_warp_sum(acc);

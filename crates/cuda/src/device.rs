@@ -226,12 +226,6 @@ pub struct CudaDevice {
 /// for A/B measurements (`baton bench decode`).
 pub const NO_PDL_ENV: &str = "BATON_NO_PDL";
 
-/// Set to a percentage (0 to 100) to give every kernel that preferred shared-memory carveout
-/// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`), for A/B measurements: kernels with
-/// different carveouts cannot share an SM, which limits the overlap programmatic dependent
-/// launch allows. Unset (or out of range): the driver's choice per kernel.
-pub const CARVEOUT_ENV: &str = "BATON_SMEM_CARVEOUT";
-
 // SAFETY: the driver API is thread-safe; the raw cuBLAS handle and graph execs are used by the
 // one worker thread that owns the `CudaWorker` (every entry point binds the context first), and
 // the graph list is behind a mutex.
@@ -270,10 +264,6 @@ impl CudaDevice {
         .max(1) as usize;
         let no_pdl = std::env::var(NO_PDL_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
         let pdl = major >= 9 && !no_pdl;
-        let carveout = std::env::var(CARVEOUT_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<i32>().ok())
-            .filter(|p| (0..=100).contains(p));
         let mut functions = HashMap::new();
         for ((file, compiled), &(_, entries)) in compile_for(&arch, include_dir, dtype)?
             .into_iter()
@@ -284,17 +274,10 @@ impl CudaDevice {
             let module = drv("cuModuleLoadData", ctx.load_module(image))
                 .map_err(|e| CudaWorkerError::Unsupported(format!("{file}: {e}")))?;
             for &entry in entries {
-                let f = drv("cuModuleGetFunction", module.load_function(entry))?;
-                if let Some(pct) = carveout {
-                    drv(
-                        "cuFuncSetAttribute (carveout)",
-                        f.set_attribute(
-                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                            pct,
-                        ),
-                    )?;
-                }
-                functions.insert(entry, f);
+                functions.insert(
+                    entry,
+                    drv("cuModuleGetFunction", module.load_function(entry))?,
+                );
             }
         }
         let fence = drv("cuEventCreate", ctx.new_event(None))?;

@@ -212,29 +212,15 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Environment variable overriding `BATON_GEMV_PF` in `gemv.cu` (weight chunks each warp of
-/// the batch-of-one GEMV prefetches into L2 ahead of its loads; 0 turns prefetching off), for
-/// measuring it. Ignored unless it is a number from 0 to 16.
-pub const GEMV_PREFETCH_ENV: &str = "BATON_GEMV_PREFETCH";
-
-/// NVRTC options for `arch` (e.g. `"sm_90"`), `include_dir` and the element type, plus
-/// `-DBATON_GEMV_PF=<n>` when [`GEMV_PREFETCH_ENV`] holds a valid count.
+/// NVRTC options for `arch` (e.g. `"sm_90"`), `include_dir` and the element type.
 pub fn nvrtc_options(arch: &str, include_dir: &Path, dtype: Dtype) -> Vec<String> {
-    let mut o = vec![
+    vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", include_dir.display()),
         format!("-DBATON_DTYPE={}", dtype.macro_value()),
         "--std=c++17".to_owned(),
         "-lineinfo".to_owned(),
-    ];
-    if let Some(pf) = std::env::var(GEMV_PREFETCH_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<u32>().ok())
-        .filter(|&pf| pf <= 16)
-    {
-        o.push(format!("-DBATON_GEMV_PF={pf}"));
-    }
-    o
+    ]
 }
 
 /// Compiles every kernel file to PTX for `arch` (e.g. `"sm_90"`), with `-I<include_dir>`, for
