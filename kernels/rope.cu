@@ -8,6 +8,11 @@
 // there), so this kernel is scaling-agnostic. The angle is formed in fp32 as HF does
 // (float(position) * inv_freq) and cos/sin use the accurate sincosf (angles reach ~1e5 rad).
 //
+// Decode steps on head dims 64, 128 and 256 do not launch this kernel: the decode attention
+// kernel (attention.cu, baton_decode_body) applies the same formula and roundings itself and
+// writes the step's K and V; keep the two in step (crates/cuda-emu/tests/kernels.rs checks
+// that they write the same cache bytes).
+//
 // baton_rope_and_cache: RoPE on q and k, then the step's K and V written into their KV-cache
 // pages (reshape-and-cache), in one launch. q and k are rotated in place; the cache gets the
 // rotated k (the same rounded values) and v. slot_mapping[t] < 0 (graph padding) skips the
