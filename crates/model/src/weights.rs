@@ -476,16 +476,20 @@ impl LlamaWeights {
     ///
     /// Linear and embedding weights are uniform in `[-0.02·√3, 0.02·√3]` (standard deviation
     /// 0.02, HF's `initializer_range`), norm weights are 1.0. The same `seed` gives the same
-    /// weights on every run and platform (xorshift64* generator, filled sequentially). A tied
-    /// config gets `lm_head == embed`.
+    /// weights on every run and platform, whatever the thread count: each tensor is filled in
+    /// chunks of [`DUMMY_CHUNK`] values, each chunk from its own xorshift64* stream keyed by
+    /// (seed, tensor, chunk), the chunks in parallel (an 8B model is 8e9 values; filled in one
+    /// stream it took most of a minute). A tensor's values do not depend on its size beyond
+    /// its own prefix. A tied config gets `lm_head == embed`.
     pub fn dummy(cfg: &ModelConfig, seed: u64) -> Self {
-        let mut rng = XorShift::new(seed);
         let h = cfg.hidden_size;
+        let mut tensor_id = 0u64;
         let mut rand = |shape: &[usize]| {
             let n: usize = shape.iter().product();
+            tensor_id += 1;
             Tensor {
                 shape: shape.to_vec(),
-                data: rng.uniform(n, 0.02 * 3f32.sqrt()),
+                data: uniform_chunked(seed, tensor_id, n, 0.02 * 3f32.sqrt()),
             }
         };
         let embed = rand(&[cfg.vocab_size, h]);
@@ -518,16 +522,38 @@ impl LlamaWeights {
     }
 }
 
+/// Values per independently seeded chunk of a dummy tensor ([`LlamaWeights::dummy`]).
+pub const DUMMY_CHUNK: usize = 1 << 20;
+
+/// `n` values uniform in `[-a, a)`: chunk `c` of [`DUMMY_CHUNK`] values from the stream keyed
+/// by `(seed, tensor, c)`, the chunks filled in parallel.
+fn uniform_chunked(seed: u64, tensor: u64, n: usize, a: f32) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(DUMMY_CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let key = splitmix64(splitmix64(seed ^ splitmix64(tensor)) ^ c as u64);
+            XorShift::new(key).fill_uniform(chunk, a);
+        });
+    out
+}
+
+/// splitmix64's output function (Steele, Lea and Flood 2014): a bijective 64-bit mix.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// xorshift64* (Vigna 2016): tiny, fast, deterministic across platforms.
 struct XorShift(u64);
 
 impl XorShift {
     fn new(seed: u64) -> Self {
         // splitmix64 of the seed so that seed 0 and nearby seeds give unrelated streams.
-        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = splitmix64(seed);
         XorShift(if z == 0 { 1 } else { z })
     }
 
@@ -541,10 +567,9 @@ impl XorShift {
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
-    /// Returns `n` values uniform in `[-a, a)`, two per 64-bit draw (23 random mantissa bits
-    /// each, via the `1.0 + mantissa` bit trick).
-    fn uniform(&mut self, n: usize, a: f32) -> Vec<f32> {
-        let mut out = vec![0.0f32; n];
+    /// Fills `out` with values uniform in `[-a, a)`, two per 64-bit draw (23 random mantissa
+    /// bits each, via the `1.0 + mantissa` bit trick).
+    fn fill_uniform(&mut self, out: &mut [f32], a: f32) {
         let scale = 2.0 * a;
         let mut pairs = out.chunks_exact_mut(2);
         for p in &mut pairs {
@@ -556,6 +581,5 @@ impl XorShift {
             let r = self.next();
             *last = (f32::from_bits(0x3F80_0000 | (r >> 41) as u32) - 1.5) * scale;
         }
-        out
     }
 }
