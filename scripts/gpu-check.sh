@@ -33,7 +33,10 @@
 #      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
 #      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare;
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
-#   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps.
+#   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
+#      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
+#      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
+#      table with bandwidths).
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -146,6 +149,14 @@ if [[ -n "$NCU" ]]; then
         --kernel-name regex:baton_ --launch-skip 400 --launch-count 100 --csv \
         "$BATON" bench decode --device cuda --load-format dummy --config "$LLAMA_1B" --batch 1 \
         --prompt-len 128 --gen-len 16 --dtype bf16 --enforce-eager
+fi
+
+if [[ -n "$NCU" ]]; then
+    run_check 6b-ncu-kernel-times-8b-warm 90 bash -c "'$NCU' --cache-control none --clock-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum --kernel-name regex:baton_ \
+        --launch-skip 500 --launch-count 170 --csv '$BATON' bench decode --device cuda \
+        --load-format dummy --config '$LLAMA_8B' --batch 1 --prompt-len 128 --gen-len 8 \
+        --dtype bf16 --enforce-eager > '$OUT/ncu-8b-warm.csv'"
 fi
 
 echo
