@@ -57,6 +57,36 @@ __device__ __forceinline__ int baton_decode_num_parts(int ctx, int z) {
     return (ctx + p - 1) / p;
 }
 
+// Online softmax update over the scores p[g][0..n) (log2 domain) of query heads g < ng, one
+// warp per head: p becomes exp2(score - m_new), and m (running max), l (running sum) and alpha
+// (the factor that rescales what earlier keys contributed; 0 on the first keys, m = -inf)
+// are updated. The caller publishes the results with a barrier.
+template <int N>
+__device__ __forceinline__ void baton_attn_softmax(float (*p)[N], float* m, float* l,
+                                                   float* alpha, int ng, int n) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < ng; g += BATON_ATTN_WARPS) {
+        float mx = BATON_NEG_INF;
+        for (int j = lane; j < n; j += 32) mx = fmaxf(mx, p[g][j]);
+        mx = baton_warp_max(mx);
+        const float m_old = m[g];
+        const float m_new = fmaxf(m_old, mx);
+        float sum = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            const float e = exp2f(p[g][j] - m_new);
+            p[g][j] = e;
+            sum += e;
+        }
+        sum = baton_warp_sum(sum);
+        if (lane == 0) {
+            const float a = exp2f(m_old - m_new);
+            alpha[g] = a;
+            l[g] = l[g] * a + sum;
+            m[g] = m_new;
+        }
+    }
+}
+
 // Shared state of one attention block.
 template <int D>
 struct BatonAttnShared {
@@ -150,27 +180,8 @@ __device__ __forceinline__ void baton_attn_chunk(
     }
     __syncthreads();
 
-    // 2. Online softmax update per query head (one warp per head).
-    for (int g = warp; g < h.ng; g += BATON_ATTN_WARPS) {
-        float m = BATON_NEG_INF;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sh.logits[g][j]);
-        m = baton_warp_max(m);
-        const float m_old = sh.m[g];
-        const float m_new = fmaxf(m_old, m);
-        float l = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-            const float p = exp2f(sh.logits[g][j] - m_new);
-            sh.logits[g][j] = p;
-            l += p;
-        }
-        l = baton_warp_sum(l);
-        if (lane == 0) {
-            const float alpha = exp2f(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
-            sh.alpha[g] = alpha;
-            sh.l[g] = sh.l[g] * alpha + l;
-            sh.m[g] = m_new;
-        }
-    }
+    // 2. Online softmax update per query head.
+    baton_attn_softmax<BATON_ATTN_PART>(sh.logits, sh.m, sh.l, sh.alpha, h.ng, n);
     __syncthreads();
 
     // 3. Rescale and accumulate p * v.
@@ -432,27 +443,8 @@ __device__ __forceinline__ void baton_decode_tile(BatonDecodeShared<D>& sh, floa
     }
     __syncthreads();
 
-    // 2. Online softmax update per query head (one warp per head).
-    for (int g = warp; g < ng; g += BATON_ATTN_WARPS) {
-        float m = BATON_NEG_INF;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sh.p[g][j]);
-        m = baton_warp_max(m);
-        const float m_old = sh.m[g];
-        const float m_new = fmaxf(m_old, m);
-        float l = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-            const float e = exp2f(sh.p[g][j] - m_new);
-            sh.p[g][j] = e;
-            l += e;
-        }
-        l = baton_warp_sum(l);
-        if (lane == 0) {
-            const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-            sh.alpha[g] = alpha;
-            sh.l[g] = sh.l[g] * alpha + l;
-            sh.m[g] = m_new;
-        }
-    }
+    // 2. Online softmax update per query head.
+    baton_attn_softmax<T::TK>(sh.p, sh.m, sh.l, sh.alpha, ng, n);
     BATON_CP_ASYNC_WAIT(0);  // this thread's V copies
     __syncthreads();
 
