@@ -3,9 +3,10 @@
 //
 // KV cache, per layer, for K and for V: [num_blocks][block_size][num_kv_heads][head_dim] elem_t
 // (see baton_rope_and_cache in rope.cu). A row's block table [max_blocks_per_row] int maps
-// logical block `pos / block_size` to a physical page. Every key/value a query attends to,
-// including the query's own position, must already be in the cache (baton_rope_and_cache runs
-// first).
+// logical block `pos / block_size` to a physical page. Every key/value a query attends to must
+// be in the cache before the launch (baton_rope_and_cache runs first), except in the decode
+// kernels of head dims 64/128/256, which rotate the step's own k and write it and its v to the
+// cache themselves (see "Decode" below).
 //
 // GQA: query head h uses kv head h / (num_heads / num_kv_heads). A thread block serves one kv
 // head and up to BATON_ATTN_MAX_G of its query heads, so each K/V vector is loaded once per
@@ -543,8 +544,9 @@ __device__ __forceinline__ void baton_decode_body(
         const elem_t* vh = q_tok + (size_t)(num_heads + num_kv_heads + h.kvh) * D;
         const int slot = slot_mapping[seq];
         const bool write = slot >= 0 && h.head0 == h.kvh * (num_heads / num_kv_heads);
-        elem_t* kd = k_cache + (size_t)slot * tok_stride + (size_t)h.kvh * D;
-        elem_t* vd = v_cache + (size_t)slot * tok_stride + (size_t)h.kvh * D;
+        const size_t dst = (size_t)(write ? slot : 0) * tok_stride + (size_t)h.kvh * D;
+        elem_t* kd = k_cache + dst;  // dereferenced only when `write`
+        elem_t* vd = v_cache + dst;
 #pragma unroll
         for (int u = 0; u < KPT; ++u) {
             const int i = threadIdx.x + u * NT;

@@ -177,6 +177,13 @@ __device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restr
 // prologue (norm statistics and staging) is then paid once per block, not once per 8 rows.
 // Registers: __launch_bounds__(256, 2) caps them at 128 (two blocks per SM).
 #define BATON_GEMV_SMEM_BYTES 32768
+// Bytes at the start of a block's weight rows that the batch-of-one path asks L2 to fetch
+// before BATON_PDL_WAIT (0: none), on top of the first chunk's register loads: while the
+// previous kernel finishes, the HBM would otherwise sit idle. Tunable (BATON_KERNEL_DEFINES);
+// off until a GPU A/B run (scripts/gpu-ab.sh) shows a gain.
+#ifndef BATON_GEMV_PREWAIT_L2
+#define BATON_GEMV_PREWAIT_L2 0
+#endif
 #define BATON_GEMV_SMEM_K (BATON_GEMV_SMEM_BYTES / (int)sizeof(elem_t))
 
 // Loads chunk c of weight row n (and of row N + n in SiLU mode): vectors c*32U + u*32 + lane.
@@ -232,6 +239,19 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
     baton_vec a[U], b[SILU ? U : 1];
     int n = first + warp, c = 0;
     if (n < end) baton_gemv1_load<SILU, U>(a, b, wv, N, nv, n, 0, lane);
+    if (BATON_GEMV_PREWAIT_L2 > 0 && first < end) {
+        // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up rows
+        // N + first... One 128-byte line per thread per step.
+        const size_t bytes = (size_t)(end - first) * K * sizeof(elem_t);
+        const size_t lim = bytes < (size_t)BATON_GEMV_PREWAIT_L2 ? bytes
+                                                                 : (size_t)BATON_GEMV_PREWAIT_L2;
+        const char* r0 = reinterpret_cast<const char*>(w + (size_t)first * K);
+        const char* r1 = SILU ? reinterpret_cast<const char*>(w + (size_t)(N + first) * K) : r0;
+        for (size_t off = (size_t)threadIdx.x * 128; off < lim; off += (size_t)blockDim.x * 128) {
+            BATON_PREFETCH_L2(r0 + off);
+            if (SILU) BATON_PREFETCH_L2(r1 + off);
+        }
+    }
 
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
@@ -308,7 +328,9 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
 // 4 vectors per lane and weight row in flight), falling back to the generic rows (4 vectors in
 // flight) when the row is not vectorizable or K > BATON_GEMV_SMEM_K. A T = 1 entry given
 // another T or mode does nothing. Specializing every T multiplied NVRTC's compile time by 20.
+#ifndef BATON_GEMV_T1_U  // tunable: BATON_KERNEL_DEFINES (crates/cuda/src/kernels.rs)
 #define BATON_GEMV_T1_U 4
+#endif
 BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __restrict__ x,
                                                    const elem_t* __restrict__ w,
                                                    const elem_t* __restrict__ norm_w, int T,

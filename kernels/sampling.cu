@@ -176,6 +176,17 @@ struct BatonSampleShared {
     u32 count;
     u32 pending_listed;  // the pending token has an entry in the row's list
     float pending_saved;  // its raw logit when it has none
+    int last;             // this block combines the row's slices
+};
+
+// One slice of a row (split-row pass of baton_sample_f32, 16 bytes): the smallest key
+// (baton_sort_key of the cleaned logit: the argmax, ties to the lowest id), the max of the
+// cleaned logits, and sum exp(c - max) over the slice (0 unless the row wants log-probabilities
+// or the max is -inf).
+struct BatonSamplePartial {
+    u64 key;
+    float maxv;
+    float sum;
 };
 
 // A candidate filter: key <= bound and weight >= min_p; `by_count` selects on counts
@@ -280,7 +291,57 @@ __device__ __forceinline__ void baton_load_strided(const float* x, int i0, int n
     }
 }
 
-// One row per block.
+// Smallest key and max of the cleaned logits x[lo, hi) (key ~0 and -inf when empty), each
+// thread loading BATON_SAMPLE_U logits before using them (one load at a time per thread left a
+// greedy step latency-bound: 57 us on an H200 for a 128256-token vocabulary in one block).
+__device__ float baton_slice_argmax(const float* x, int lo, int hi, BatonSampleShared& sh,
+                                    u64& key_out) {
+    float best = BATON_NEG_INF;
+    u64 best_key = ~0ull;
+    for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += blockDim.x * BATON_SAMPLE_U) {
+        float v[BATON_SAMPLE_U];
+        baton_load_strided(x, i0, hi, v);
+#pragma unroll
+        for (int u = 0; u < BATON_SAMPLE_U; ++u) {
+            const int i = i0 + u * (int)blockDim.x;
+            if (i >= hi) break;
+            const float c = baton_clean(v[u]);
+            const u64 k = baton_sort_key(c, (u32)i);
+            if (k < best_key) {
+                best_key = k;
+                best = c;
+            }
+        }
+    }
+    key_out = baton_block_min_u64(best_key, sh.scratch_u64);
+    return baton_block_max(best, sh.scratch_f);
+}
+
+// sum exp(clean(x[i]) - maxv) over [lo, hi), maxv finite.
+__device__ float baton_slice_expsum(const float* x, int lo, int hi, float maxv,
+                                    BatonSampleShared& sh) {
+    float acc = 0.0f;
+    for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += blockDim.x * BATON_SAMPLE_U) {
+        float v[BATON_SAMPLE_U];
+        baton_load_strided(x, i0, hi, v);
+#pragma unroll
+        for (int u = 0; u < BATON_SAMPLE_U; ++u)
+            if (i0 + u * (int)blockDim.x < hi) acc += expf(baton_clean(v[u]) - maxv);
+    }
+    return baton_block_sum(acc, sh.scratch_f);
+}
+
+// One row per block, or, for a row with no penalties, gridDim.y blocks per row.
+//
+// Split rows: with gridDim.y = S > 1 an unpenalized row is cut into S slices of ceil(vocab / S)
+// logits; block (row, s) writes its slice's BatonSamplePartial to partials[row, s], fences, and
+// counts itself in counters[row]; the block that brings the count to S combines the partials
+// in slice order (argmax = smallest key, max, sum of sum_s exp(max_s - max), so the result does
+// not depend on which block arrives last), resets the counter to 0 and finishes the row alone
+// (selection passes, top log-probs, outputs). A penalized row is done by block (row, 0) alone
+// as with S = 1; its other blocks exit. This keeps a greedy row off a single SM: one block
+// reading a 128256-token row took 30 us on an H200 (session 9's Nsight table), S blocks read
+// a slice each at once.
 //
 // Shapes: logits [num_rows, vocab] f32 with row stride `logits_stride` elements; params
 // [num_rows] BatonSamplingParams; output_index [num_rows] u32 (the RNG counter); penalty_table:
@@ -292,9 +353,12 @@ __device__ __forceinline__ void baton_load_strided(const float* x, int i0, int n
 // out_tokens [num_rows] u32 (may point into the worker's sampled-id ring, see
 // baton_gather_pending_ids); out_logprob [num_rows] f32 (0 unless asked); out_top_ids /
 // out_top_logprobs [num_rows, 20], the first min(top_logprobs, 20, vocab) entries valid, the
-// rest (0xffffffff, -inf).
-// Launch: grid = (num_rows), block = (1024) (any multiple of 32 up to 1024 works).
-// Cost: 1 pass over the row for greedy; for sampling, one pass per radix digit actually needed
+// rest (0xffffffff, -inf). Split rows: partials [num_rows, gridDim.y] BatonSamplePartial
+// (scratch); counters [num_rows] int, all 0 before the launch and left 0 after it.
+// Launch: grid = (num_rows, S), block = (1024) (any multiple of 32 up to 1024 works); the host
+// picks S from the vocabulary (baton_cuda::plan::sample_splits: one slice of 8 logits per
+// thread), S = 1 needs neither partials nor counters.
+// Cost: 1 pass over the row for greedy (spread over S blocks for an unpenalized row); for sampling, one pass per radix digit actually needed
 // (typically 3-5 per select) plus one per mass total, all served from L2 after the first. A
 // penalized row adds a pass over its entries before and after selection (plus one over the row
 // for the raw max when log-probabilities are wanted).
@@ -304,66 +368,95 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     const BatonSamplingParams* __restrict__ params, const u32* __restrict__ output_index,
     BatonPenaltyEntry* const* __restrict__ penalty_table,
     const BatonPenaltyRow* __restrict__ penalty_rows, const u32* __restrict__ input_ids,
-    int vocab) {
+    BatonSamplePartial* __restrict__ partials, int* __restrict__ counters, int vocab) {
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
     const int row = blockIdx.x;
+    const int splits = (int)gridDim.y;
     float* x = logits + (size_t)row * logits_stride;
     const BatonSamplingParams p = params[row];
+    const int n_top = min(min((int)p.top_logprobs, BATON_MAX_TOP_LOGPROBS), vocab);
+    const bool want = p.want_logprob != 0 || n_top > 0;
 
-    // Penalties, in place (entries are distinct tokens: no two threads write one logit).
     const BatonPenaltyRow pr = penalty_rows[row];
     const bool penalized = pr.count > 0 || pr.pending_index >= 0;
     BatonPenaltyEntry* pe = nullptr;
     u32 pend = 0xffffffffu;
-    if (penalized) {
-        pe = *penalty_table + pr.offset;
-        if (pr.pending_index >= 0) pend = input_ids[pr.pending_index];
-        if (threadIdx.x == 0) sh.pending_listed = 0;
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x)
-            if (pe[i].token == pend) sh.pending_listed = 1;  // one entry at most: one writer
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x) {
-            const BatonPenaltyEntry e = pe[i];
-            if (e.token >= (u32)vocab) continue;
-            const float v = x[e.token];
-            pe[i].saved = v;
-            x[e.token] = baton_penalize(v, e.bias, e.output_count + (e.token == pend ? 1u : 0u),
-                                        e.in_prompt != 0, p);
-        }
-        if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) {
-            // A fresh entry: one output occurrence, not in the prompt.
-            sh.pending_saved = x[pend];
-            x[pend] = baton_penalize(sh.pending_saved, 0.0f, 1u, false, p);
+    u64 best_key;
+    float maxv;  // of the penalized row (selection), later of the raw row (log-probabilities)
+    float ln_sum = 0.0f;
+    bool have_ln_sum = false;
+    if (!penalized && splits > 1) {
+        // Split row: this block's slice, published and counted.
+        const int chunk = (vocab + splits - 1) / splits;
+        const int lo = min((int)blockIdx.y * chunk, vocab), hi = min(lo + chunk, vocab);
+        u64 k;
+        const float m = baton_slice_argmax(x, lo, hi, sh, k);
+        const float sum = want && m != BATON_NEG_INF ? baton_slice_expsum(x, lo, hi, m, sh) : 0.0f;
+        BatonSamplePartial* part = partials + (size_t)row * splits;
+        if (threadIdx.x == 0) {
+            part[blockIdx.y].key = k;
+            part[blockIdx.y].maxv = m;
+            part[blockIdx.y].sum = sum;
+            __threadfence();  // the partial is visible device-wide before the count
+            sh.last = atomicAdd(counters + row, 1) == splits - 1;
         }
         __syncthreads();
-    }
-
-    // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never wins).
-    // The row passes load BATON_SAMPLE_U logits per thread before using them (one block per
-    // row: one load at a time per thread left a greedy step latency-bound, 57 us on an H200
-    // for a 128256-token vocabulary); each thread still visits its indices in ascending order.
-    float best = BATON_NEG_INF;
-    u64 best_key = ~0ull;
-    for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
-        float v[BATON_SAMPLE_U];
-        baton_load_strided(x, i0, vocab, v);
-#pragma unroll
-        for (int u = 0; u < BATON_SAMPLE_U; ++u) {
-            const int i = i0 + u * (int)blockDim.x;
-            if (i >= vocab) break;
-            const float c = baton_clean(v[u]);
-            const u64 k = baton_sort_key(c, (u32)i);
-            if (k < best_key) {
-                best_key = k;
-                best = c;
+        if (!sh.last) return;
+        __threadfence();  // every other slice's partial is visible to this block's reads
+        // Combine in slice order (L2 reads, past L1): the same result whichever block is last.
+        u64 kk = ~0ull;
+        float mm = BATON_NEG_INF;
+        for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+            const u64 ki = __ldcg(&part[i].key);
+            kk = ki < kk ? ki : kk;
+            mm = fmaxf(mm, __ldcg(&part[i].maxv));
+        }
+        best_key = baton_block_min_u64(kk, sh.scratch_u64);
+        maxv = baton_block_max(mm, sh.scratch_f);
+        if (want && maxv != BATON_NEG_INF) {
+            float acc = 0.0f;
+            for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+                const float mi = __ldcg(&part[i].maxv);
+                if (mi != BATON_NEG_INF) acc += __ldcg(&part[i].sum) * expf(mi - maxv);
             }
+            ln_sum = logf(baton_block_sum(acc, sh.scratch_f));
+            have_ln_sum = true;
         }
+        if (threadIdx.x == 0) counters[row] = 0;  // ready for the next launch
+    } else if (blockIdx.y != 0) {
+        return;  // a penalized row (or S = 1): block 0 does it all
+    } else {
+        if (penalized) {
+            // Penalties, in place (entries are distinct tokens: no two threads write one
+            // logit).
+            pe = *penalty_table + pr.offset;
+            if (pr.pending_index >= 0) pend = input_ids[pr.pending_index];
+            if (threadIdx.x == 0) sh.pending_listed = 0;
+            __syncthreads();
+            for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x)
+                if (pe[i].token == pend) sh.pending_listed = 1;  // one entry at most: one writer
+            __syncthreads();
+            for (u32 i = threadIdx.x; i < pr.count; i += blockDim.x) {
+                const BatonPenaltyEntry e = pe[i];
+                if (e.token >= (u32)vocab) continue;
+                const float v = x[e.token];
+                pe[i].saved = v;
+                x[e.token] = baton_penalize(v, e.bias, e.output_count + (e.token == pend ? 1u : 0u),
+                                            e.in_prompt != 0, p);
+            }
+            if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) {
+                // A fresh entry: one output occurrence, not in the prompt.
+                sh.pending_saved = x[pend];
+                x[pend] = baton_penalize(sh.pending_saved, 0.0f, 1u, false, p);
+            }
+            __syncthreads();
+        }
+        // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never
+        // wins).
+        maxv = baton_slice_argmax(x, 0, vocab, sh, best_key);
     }
-    best_key = baton_block_min_u64(best_key, sh.scratch_u64);
-    float maxv = baton_block_max(best, sh.scratch_f);  // of the penalized row, then the raw
     const u32 argmax = vocab > 0 ? (u32)best_key : 0u;
 
     const float inv_t = 1.0f / p.temperature;
@@ -397,8 +490,6 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         token = 0;  // every logit is -inf / NaN
     }
 
-    const int n_top = min(min((int)p.top_logprobs, BATON_MAX_TOP_LOGPROBS), vocab);
-    const bool want = p.want_logprob != 0 || n_top > 0;
     if (penalized) {
         // Restore the raw logits (every read of the penalized row is done), then the raw max.
         __syncthreads();
@@ -409,30 +500,12 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) x[pend] = sh.pending_saved;
         __syncthreads();
         if (want) {
-            float m = BATON_NEG_INF;
-            for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
-                float v[BATON_SAMPLE_U];
-                baton_load_strided(x, i0, vocab, v);
-#pragma unroll
-                for (int u = 0; u < BATON_SAMPLE_U; ++u)
-                    if (i0 + u * (int)blockDim.x < vocab) m = fmaxf(m, baton_clean(v[u]));
-            }
-            maxv = baton_block_max(m, sh.scratch_f);
+            u64 unused;
+            maxv = baton_slice_argmax(x, 0, vocab, sh, unused);
         }
     }
-
-    float ln_sum = 0.0f;
-    if (want && maxv != BATON_NEG_INF) {
-        float acc = 0.0f;
-        for (int i0 = threadIdx.x; i0 < vocab; i0 += blockDim.x * BATON_SAMPLE_U) {
-            float v[BATON_SAMPLE_U];
-            baton_load_strided(x, i0, vocab, v);
-#pragma unroll
-            for (int u = 0; u < BATON_SAMPLE_U; ++u)
-                if (i0 + u * (int)blockDim.x < vocab) acc += expf(baton_clean(v[u]) - maxv);
-        }
-        ln_sum = logf(baton_block_sum(acc, sh.scratch_f));
-    }
+    if (want && !have_ln_sum && maxv != BATON_NEG_INF)
+        ln_sum = logf(baton_slice_expsum(x, 0, vocab, maxv, sh));
     // Top log-probs: n_top passes, each the smallest key after the previous one.
     u64 prev = 0;
     for (int j = 0; j < n_top; ++j) {

@@ -82,18 +82,8 @@ run_check() { # name, per-check timeout (s), command...
     results+=("$verdict $name ($((SECONDS - t0)) s)")
 }
 
-LLAMA_1B='{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":2048,
-"intermediate_size":8192,"num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
-"head_dim":64,"vocab_size":128256,"max_position_embeddings":131072,"rms_norm_eps":1e-05,
-"rope_theta":500000.0,"rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
-"original_max_position_embeddings":8192,"rope_type":"llama3"},"tie_word_embeddings":true,
-"bos_token_id":128000,"eos_token_id":128001}'
-LLAMA_8B='{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
-"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
-"head_dim":128,"vocab_size":128256,"max_position_embeddings":131072,"rms_norm_eps":1e-05,
-"rope_theta":500000.0,"rope_scaling":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
-"original_max_position_embeddings":8192,"rope_type":"llama3"},"tie_word_embeddings":false,
-"bos_token_id":128000,"eos_token_id":128001}'
+# LLAMA_1B, LLAMA_8B: the issue's dummy shapes (config.json text).
+source "$repo_root/scripts/llama-shapes.sh"
 
 # 0. Without CUDA in the environment the binary must fail cleanly (no panic).
 run_check 0-clean-error-without-libs 30 bash -c \

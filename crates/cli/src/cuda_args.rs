@@ -1,7 +1,7 @@
 //! Flags of the CUDA backend and the one place that builds it for the CLI.
 
 use anyhow::{Context, Result};
-use baton_cuda::{CudaWorker, CudaWorkerOptions, Dtype, KvBlocks};
+use baton_cuda::{CudaWorker, CudaWorkerOptions, Dtype, KvBlocks, Tuning};
 use baton_model::{LlamaWeights, ModelConfig};
 use clap::Args;
 
@@ -86,9 +86,14 @@ pub struct CudaSizes {
 
 /// The worker options for the flags `a` and the sizes `s` (KV pages fixed by `s.num_blocks`,
 /// else sized from `--gpu-memory-utilization`, capped at what `max_rows` sequences of
-/// `max_model_len` can use). The include dir comes from `BATON_CUDA_INCLUDE`.
-pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> CudaWorkerOptions {
-    CudaWorkerOptions {
+/// `max_model_len` can use). The include dir comes from `BATON_CUDA_INCLUDE`, the tuning
+/// overrides from `BATON_ATTN_TARGET_BLOCKS` and `BATON_KERNEL_DEFINES` ([`Tuning::from_env`]:
+/// knobs for A/B runs, unset in normal use).
+///
+/// # Errors
+/// A tuning variable that does not parse.
+pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> Result<CudaWorkerOptions> {
+    Ok(CudaWorkerOptions {
         device: a.cuda_device,
         dtype: a.dtype,
         include_dir: baton_cuda::include_dir_from_env(),
@@ -105,7 +110,8 @@ pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> CudaWorkerOptions {
         max_model_len: s.max_model_len,
         enforce_eager: a.enforce_eager,
         fused_decode: !a.no_fused_decode,
-    }
+        tuning: Tuning::from_env().map_err(anyhow::Error::msg)?,
+    })
 }
 
 /// Opens the GPU `a` names and returns, so a command fails at once on a machine without a
@@ -130,6 +136,6 @@ pub fn build_cuda(
     a: &CudaArgs,
     s: CudaSizes,
 ) -> Result<CudaWorker> {
-    let opts = cuda_options(a, s);
+    let opts = cuda_options(a, s)?;
     CudaWorker::new(cfg, weights, opts).context("starting the CUDA backend (--device cuda)")
 }

@@ -149,7 +149,7 @@ fn cuda_kv_blocks(a: &ServeArgs) -> Result<usize> {
         max_rows: sched.max_num_seqs,
         max_model_len: sched.max_model_len,
     };
-    let opts = cuda_options(&a.cuda, sizes);
+    let opts = cuda_options(&a.cuda, sizes)?;
     let (free, total) = baton_cuda::CudaDevice::probe_memory(a.cuda.cuda_device)
         .context("sizing the KV cache for --device cuda")?;
     let n = baton_cuda::CudaWorker::plan_kv_blocks(&cfg, &opts, free, total)

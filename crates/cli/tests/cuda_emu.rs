@@ -57,7 +57,7 @@ fn emu_with(
             dev,
             cfg,
             weights,
-            cuda_options(&args, sizes),
+            cuda_options(&args, sizes)?,
         )?)
     }
 }

@@ -556,19 +556,34 @@ extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[
     r.ready.assign(n, 0);
     g_coords.block_dim = dim3(block[0], block[1], block[2]);
     g_coords.grid_dim = dim3(grid[0], grid[1], grid[2]);
+    // Blocks run one after another, in linear order, or reversed / shuffled with the thread
+    // schedule: a kernel whose blocks hand work to the one that finishes last (split-K
+    // combines) must give the same result whichever block that is.
+    const unsigned long long nblocks =
+        (unsigned long long)grid[0] * grid[1] * (unsigned long long)grid[2];
+    std::vector<unsigned long long> order(nblocks);
+    for (unsigned long long i = 0; i < nblocks; ++i) order[i] = i;
+    if (schedule == kReverse) {
+        std::reverse(order.begin(), order.end());
+    } else if (schedule == kShuffled) {
+        unsigned long long s = seed ^ 0xB10C0BDE5EEDull;
+        for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[splitmix64(s) % i]);
+    }
     int code = 0;
-    for (unsigned z = 0; z < grid[2] && code == 0; ++z)
-        for (unsigned y = 0; y < grid[1] && code == 0; ++y)
-            for (unsigned x = 0; x < grid[0] && code == 0; ++x) {
-                g_coords.block_idx = uint3{x, y, z};
-                run_block(r, seed, x + (unsigned long long)grid[0] * (y + (unsigned long long)grid[1] * z));
-                if (r.code != 0) {
-                    code = report(r.code, r.msg);
-                    bad_block[0] = x;
-                    bad_block[1] = y;
-                    bad_block[2] = z;
-                }
-            }
+    for (unsigned long long b : order) {
+        const unsigned x = (unsigned)(b % grid[0]);
+        const unsigned y = (unsigned)((b / grid[0]) % grid[1]);
+        const unsigned z = (unsigned)(b / ((unsigned long long)grid[0] * grid[1]));
+        g_coords.block_idx = uint3{x, y, z};
+        run_block(r, seed, b);
+        if (r.code != 0) {
+            code = report(r.code, r.msg);
+            bad_block[0] = x;
+            bad_block[1] = y;
+            bad_block[2] = z;
+            break;
+        }
+    }
     g_busy = false;
     return code;
 }

@@ -255,7 +255,10 @@ pub fn entry_points(dtype: Dtype) -> Vec<&'static str> {
 }
 
 /// Order in which the emulator resumes the threads of a block that a barrier releases, and
-/// starts them. A kernel without races computes bit-identical results under every schedule.
+/// starts them, and the order of the blocks: [`Schedule::Reverse`] also runs the blocks in
+/// descending linear order and [`Schedule::Shuffled`] in a seeded shuffled order, so a kernel
+/// whose last-finishing block combines the others' partials is checked with different blocks
+/// last. A kernel without races computes bit-identical results under every schedule.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Schedule {
     /// Ascending linear thread id (the default).
@@ -302,7 +305,7 @@ pub unsafe fn launch(
 /// Runs kernel `name` of the `dtype` module on the host, as
 /// `cuLaunchKernel(f, grid, block, 0 shared bytes, stream, args, NULL)` followed by a stream
 /// synchronize would: when it returns, every block has run. `schedule` orders the threads
-/// within each block (see [`Schedule`]).
+/// within each block and the blocks (see [`Schedule`]).
 ///
 /// `grid` and `block` are (x, y, z) in blocks and threads. `args` is the `kernelParams` array:
 /// one pointer per kernel parameter, pointing at the parameter's value (an `int` is read as the

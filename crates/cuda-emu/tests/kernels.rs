@@ -1118,7 +1118,10 @@ fn sample(
 }
 
 /// Runs baton_sample_f32 with penalties: `rows` [num_rows] index into `entries`, pending inputs
-/// are read from `input_ids`. Checks that the kernel leaves the logits as it found them.
+/// are read from `input_ids`. Runs it twice, with one block per row and with the rows split
+/// (the executor's `plan::sample_splits`, at least 3 so that small vocabularies split too), and
+/// checks that both give the same tokens and top ids and log-probabilities within float
+/// rounding; returns the split run (what the executor launches).
 fn sample_penalized(
     logits: &[f32],
     vocab: usize,
@@ -1128,7 +1131,64 @@ fn sample_penalized(
     entries: &mut [DevicePenaltyEntry],
     input_ids: &[u32],
 ) -> SampleOut {
+    let splits = baton_cuda::plan::sample_splits(vocab).max(3);
+    let one = sample_split(
+        logits,
+        vocab,
+        params,
+        output_index,
+        penalty_rows,
+        entries,
+        input_ids,
+        1,
+    );
+    let split = sample_split(
+        logits,
+        vocab,
+        params,
+        output_index,
+        penalty_rows,
+        entries,
+        input_ids,
+        splits,
+    );
+    assert_same_samples(&one, &split, &format!("1 vs {splits} slices"));
+    split
+}
+
+/// Asserts that two sampler runs over the same rows agree: tokens and top ids exactly,
+/// log-probabilities within float rounding (a split row sums exp() per slice).
+#[track_caller]
+fn assert_same_samples(a: &SampleOut, b: &SampleOut, what: &str) {
+    assert_eq!(a.tokens, b.tokens, "{what}: tokens");
+    assert_eq!(a.top_ids, b.top_ids, "{what}: top ids");
+    let close = |x: f32, y: f32| x == y || (x - y).abs() <= 1e-6 * (1.0 + y.abs());
+    for (i, (x, y)) in a.logprob.iter().zip(&b.logprob).enumerate() {
+        assert!(close(*x, *y), "{what}: row {i} logprob {x} vs {y}");
+    }
+    for (i, (x, y)) in a.top_lp.iter().zip(&b.top_lp).enumerate() {
+        assert!(close(*x, *y), "{what}: top slot {i} logprob {x} vs {y}");
+    }
+}
+
+/// One baton_sample_f32 launch with grid (rows, `splits`). Checks that the kernel leaves the
+/// logits as it found them and every row's arrival counter at 0.
+#[allow(clippy::too_many_arguments)]
+fn sample_split(
+    logits: &[f32],
+    vocab: usize,
+    params: &[SamplingParams],
+    output_index: &[u32],
+    penalty_rows: &[PenaltyRow],
+    entries: &mut [DevicePenaltyEntry],
+    input_ids: &[u32],
+    splits: usize,
+) -> SampleOut {
     let rows = params.len();
+    // BatonSamplePartial {u64 key; float max; float sum}: poisoned, the kernel writes before
+    // it reads.
+    let mut partials = vec![u64::MAX; 2 * rows * splits];
+    let mut counters = vec![0i32; rows];
     assert_eq!(penalty_rows.len(), rows);
     let mut dev_logits = logits.to_vec();
     let table: u64 = entries.as_mut_ptr() as u64;
@@ -1140,12 +1200,12 @@ fn sample_penalized(
         top_lp: vec![f32::NAN; rows * TOP],
     };
     // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params, output_index,
-    //            penalty_table, penalty_rows, input_ids, vocab)
+    //            penalty_table, penalty_rows, input_ids, partials, counters, vocab)
     run(
         Dtype::Bf16, // sampling reads f32 logits whatever the module's elem_t
         "baton_sample_f32",
-        (rows as u32, 1, 1),
-        1024,
+        (rows as u32, splits as u32, 1),
+        baton_cuda::plan::SAMPLE_BLOCK as u32,
         Params::new()
             .ptr_mut(o.tokens.as_mut_ptr())
             .ptr_mut(o.logprob.as_mut_ptr())
@@ -1158,12 +1218,18 @@ fn sample_penalized(
             .ptr(&table)
             .ptr(penalty_rows.as_ptr())
             .ptr(input_ids.as_ptr())
+            .ptr_mut(partials.as_mut_ptr())
+            .ptr_mut(counters.as_mut_ptr())
             .int(vocab as i32),
     );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(
         bits(&dev_logits) == bits(logits),
         "the sampler did not restore the logits"
+    );
+    assert!(
+        counters.iter().all(|&c| c == 0),
+        "arrival counters left at {counters:?} ({splits} slices)"
     );
     o
 }
@@ -1210,6 +1276,62 @@ fn assert_matches_cpu_penalized(
         );
         assert_eq!(o.top_lp[r * TOP + j], f32::NEG_INFINITY);
     }
+}
+
+#[test]
+fn split_rows_sample_as_one_block_whatever_the_slice_count() {
+    every_schedule(|| {
+        let vocab = 100usize;
+        let rows = 6usize;
+        let mut logits = values(31, rows * vocab);
+        // Row 0: a tie for the maximum across slices (ids 95 and 5) -> 5.
+        logits[95] = 4.0;
+        logits[5] = 4.0;
+        // Row 1: the maximum in the last slice; row 2 in the first.
+        logits[vocab + 99] = 3.0;
+        logits[2 * vocab] = 3.0;
+        // Row 3: NaN and +inf in different slices; row 4: every logit -inf.
+        logits[3 * vocab + 10] = f32::NAN;
+        logits[3 * vocab + 60] = f32::INFINITY;
+        logits[4 * vocab..5 * vocab].fill(f32::NEG_INFINITY);
+        let with_lp = SamplingParams {
+            top_logprobs: 4,
+            want_logprob: 1,
+            ..SamplingParams::greedy()
+        };
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            seed: 11,
+            want_logprob: 1,
+            ..SamplingParams::greedy()
+        };
+        let params = [
+            with_lp,
+            SamplingParams::greedy(),
+            with_lp,
+            with_lp,
+            with_lp,
+            sampled,
+        ];
+        let idx: Vec<u32> = (0..rows as u32).collect();
+        let none = vec![PenaltyRow::NONE; rows];
+        let run_with = |splits: usize| {
+            sample_split(&logits, vocab, &params, &idx, &none, &mut [], &[], splits)
+        };
+        let one = run_with(1);
+        // 64 slices of 2 logits leave the last 14 empty.
+        for splits in [2, 7, 64] {
+            let split = run_with(splits);
+            assert_same_samples(&one, &split, &format!("{splits} slices"));
+            for r in 0..rows {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                assert_matches_cpu(&split, r, row, &params[r], idx[r]);
+            }
+        }
+        assert_eq!(&one.tokens[..5], &[5, 99, 0, 60, 0]);
+    });
 }
 
 #[test]
@@ -1541,10 +1663,14 @@ fn penalized_sampling_matches_the_cpu_sampler_on_the_penalized_logits() {
         );
         changed += (0..rows).filter(|&r| o.tokens[r] != pen.tokens[r]).count();
         assert_eq!(o.tokens[5], pen.tokens[5], "an unpenalized row moved");
-        // Top log-probabilities are the raw ones, whatever the penalties.
+        // Top log-probabilities are the raw ones, whatever the penalties (up to float
+        // rounding: the unpenalized rows of `o` are split rows, summed per slice).
         assert_eq!(o.top_ids, pen.top_ids);
-        assert_eq!(o.top_lp, pen.top_lp);
-        assert_eq!(o.logprob[5], pen.logprob[5]);
+        let close = |x: f32, y: f32| x == y || (x - y).abs() <= 1e-6 * (1.0 + y.abs());
+        for (i, (x, y)) in o.top_lp.iter().zip(&pen.top_lp).enumerate() {
+            assert!(close(*x, *y), "top slot {i}: {x} vs {y}");
+        }
+        assert!(close(o.logprob[5], pen.logprob[5]));
     }
     assert!(changed >= 6, "penalties changed only {changed} tokens");
     assert!(

@@ -190,6 +190,9 @@ impl CudaBackend {
         let mut d_top_lp = self
             .stream
             .alloc_zeros::<f32>((rows * SAMPLER_TOP_SLOTS).max(1))?;
+        let splits = crate::plan::sample_splits(vocab);
+        let d_partials = self.stream.alloc_zeros::<u64>(2 * rows.max(1) * splits)?;
+        let d_counters = self.stream.alloc_zeros::<i32>(rows.max(1))?;
         if rows > 0 {
             let f = self.func("baton_sample_f32")?;
             let mut b = self.stream.launch_builder(f);
@@ -204,18 +207,21 @@ impl CudaBackend {
                 .arg(&d_pen_table)
                 .arg(&d_pen_rows)
                 .arg(&d_input_ids)
+                .arg(&d_partials)
+                .arg(&d_counters)
                 .arg(&vocab_i32);
             let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
-                block_dim: (1024, 1, 1),
+                grid_dim: (rows as u32, splits as u32, 1),
+                block_dim: (crate::plan::SAMPLE_BLOCK as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: arguments match `baton_sample_f32(u32* tokens, float* logprob, u32*
             // top_ids, float* top_lp, float* logits, int logits_stride, const
             // BatonSamplingParams* params, const u32* output_index, BatonPenaltyEntry* const*
-            // penalty_table, const BatonPenaltyRow* penalty_rows, const u32* input_ids, int
-            // vocab)`; every buffer holds `rows` (or `rows * 20`) entries, logits `rows *
-            // vocab`, params `rows` 48-byte records with the layout checked by
+            // penalty_table, const BatonPenaltyRow* penalty_rows, const u32* input_ids,
+            // BatonSamplePartial* partials, int* counters, int vocab)`; every buffer holds
+            // `rows` (or `rows * 20`) entries, logits `rows * vocab`, partials `rows * splits`
+            // 16-byte records and counters `rows` zeroed ints (grid.y = splits), params `rows` 48-byte records with the layout checked by
             // `kernels::tests::sampling_params_layout_matches_the_cuda_struct`, penalty rows
             // `rows` 16-byte records that penalize nothing (so the table is not read).
             unsafe { b.launch(cfg) }?;

@@ -15,7 +15,7 @@
 //! same device addresses; host sources of async copies are read again at replay).
 
 use crate::executor::CudaWorkerError;
-use crate::kernels::{compile_for, kernel_entry_points, Dtype};
+use crate::kernels::{compile_with_defines, kernel_entry_points, Dtype};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::sys as cu;
 use cudarc::driver::DriverError;
@@ -236,12 +236,19 @@ unsafe impl Sync for CudaDevice {}
 impl CudaDevice {
     /// Opens device `ordinal`: checks the driver and cuBLAS can be loaded, creates the context
     /// and stream, compiles every kernel for the device's architecture and `dtype` (headers
-    /// from `include_dir`), loads them, and sets up cuBLAS.
+    /// from `include_dir`, extra `-D` definitions `defines`, usually none: see
+    /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV)), loads them, and sets up
+    /// cuBLAS.
     ///
     /// # Errors
     /// [`CudaWorkerError::DriverUnavailable`], [`CudaWorkerError::CublasUnavailable`], driver,
     /// NVRTC and cuBLAS failures.
-    pub fn new(ordinal: usize, include_dir: &Path, dtype: Dtype) -> Result<Self, CudaWorkerError> {
+    pub fn new(
+        ordinal: usize,
+        include_dir: &Path,
+        dtype: Dtype,
+        defines: &[String],
+    ) -> Result<Self, CudaWorkerError> {
         if !crate::backend::driver_available() {
             return Err(CudaWorkerError::DriverUnavailable);
         }
@@ -265,9 +272,10 @@ impl CudaDevice {
         let no_pdl = std::env::var(NO_PDL_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
         let pdl = major >= 9 && !no_pdl;
         let mut functions = HashMap::new();
-        for ((file, compiled), &(_, entries)) in compile_for(&arch, include_dir, dtype)?
-            .into_iter()
-            .zip(kernel_entry_points())
+        for ((file, compiled), &(_, entries)) in
+            compile_with_defines(&arch, include_dir, dtype, defines)?
+                .into_iter()
+                .zip(kernel_entry_points())
         {
             // The CUBIN for this exact architecture: no driver JIT at start-up.
             let image = cudarc::nvrtc::Ptx::from_binary(compiled.cubin);
@@ -555,9 +563,11 @@ impl Device for CudaDevice {
                         )
                     });
                 }
-                // Programmatic dependent launch: this kernel's blocks may start before the
-                // previous kernel in the stream completes; every kernel waits for it
-                // (BATON_PDL_WAIT) before touching anything but weights.
+                // Programmatic dependent launch: this kernel's blocks may start once the
+                // previous kernel in the stream has run BATON_PDL_LAUNCH; every kernel waits
+                // for its predecessor (BATON_PDL_WAIT) before its first global write and
+                // before reading anything but weights and memory written two or more kernels
+                // back (the rule in kernels/common.cuh).
                 let mut attr = cu::CUlaunchAttribute {
                     id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                     pad: [0; 4],

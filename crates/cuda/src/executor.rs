@@ -150,6 +150,9 @@ pub struct CudaWorkerOptions {
     /// RMSNorm prologue, residual-add and SiLU epilogues: 6 kernels per layer instead of 9)
     /// rather than cuBLAS and the separate norm and activation kernels.
     pub fused_decode: bool,
+    /// Launch-shape and kernel-constant overrides ([`Tuning::default`] unless a tuning run
+    /// sets them, see [`Tuning::from_env`]).
+    pub tuning: crate::plan::Tuning,
 }
 
 /// Device weights of one layer (raw addresses into [`CudaWorker::weights`]).
@@ -344,6 +347,8 @@ struct ActOffsets {
     part_m: usize,
     part_l: usize,
     attn_counters: usize,
+    sample_partials: usize,
+    sample_counters: usize,
     total: usize,
 }
 
@@ -501,7 +506,11 @@ impl BufferPlan {
         let t = opts.max_tokens.max(1);
         let r = opts.max_rows.max(1).min(t);
         let max_blocks = opts.max_model_len.div_ceil(opts.block_size.max(1)).max(1);
-        let max_partitions = crate::plan::decode_partition_slots(opts.max_model_len, r);
+        let max_partitions = crate::plan::decode_partition_slots(
+            opts.max_model_len,
+            r,
+            opts.tuning.attn_target_blocks,
+        );
         let nh = cfg.num_attention_heads;
         let mut a = ActOffsets::default();
         let mut off = 0usize;
@@ -526,6 +535,10 @@ impl BufferPlan {
         // and the decode kernel leaves each at 0.
         let head_chunks = (nh / cfg.num_key_value_heads.max(1)).div_ceil(8).max(1);
         a.attn_counters = take(r * cfg.num_key_value_heads * head_chunks * 4);
+        // The sampler's split rows: 16-byte partials per (row, slice) and one arrival counter
+        // per row, zeroed at allocation and left at 0 by each launch.
+        a.sample_partials = take(r * crate::plan::sample_splits(cfg.vocab_size) * 16);
+        a.sample_counters = take(r * 4);
         a.total = off;
         BufferPlan {
             acts: a,
@@ -606,7 +619,12 @@ impl CudaWorker {
         opts: CudaWorkerOptions,
     ) -> Result<Self, CudaWorkerError> {
         check_shape(&cfg)?;
-        let dev = CudaDevice::new(opts.device, &opts.include_dir, opts.dtype)?;
+        let dev = CudaDevice::new(
+            opts.device,
+            &opts.include_dir,
+            opts.dtype,
+            &opts.tuning.kernel_defines,
+        )?;
         Self::with_device(Arc::new(dev), cfg, weights, opts)
     }
 
@@ -1153,11 +1171,12 @@ impl CudaWorker {
         let o = out_offsets(self.layout.max_rows);
         let od = |x: usize| self.out_dev.at(x);
         // sample_f32(tokens, logprob, top_ids, top_lp, logits, logits_stride, params,
-        //            output_index, penalty_table, penalty_rows, input_ids, vocab)
+        //            output_index, penalty_table, penalty_rows, input_ids, partials, counters,
+        //            vocab)
         self.launch(
             "baton_sample_f32",
-            (r as u32, 1, 1),
-            1024,
+            (r as u32, crate::plan::sample_splits(c.vocab_size) as u32, 1),
+            crate::plan::SAMPLE_BLOCK as u32,
             KArgs::new()
                 .p(od(o.tokens))
                 .p(od(o.logprob))
@@ -1170,6 +1189,8 @@ impl CudaWorker {
                 .p(st(l.penalty_table))
                 .p(st(l.penalty_rows))
                 .p(st(l.ids))
+                .p(act(a.sample_partials))
+                .p(act(a.sample_counters))
                 .i(c.vocab_size),
         )
     }
@@ -1288,6 +1309,7 @@ impl CudaWorker {
                     gy as usize,
                     self.opts.max_model_len,
                     self.part_rows * self.max_partitions / r.max(1),
+                    self.opts.tuning.attn_target_blocks,
                 );
                 self.launch(
                     &format!("baton_paged_attention_decode_hd{hd}"),
@@ -2015,6 +2037,7 @@ mod tests {
             max_model_len: 4096,
             enforce_eager: false,
             fused_decode: true,
+            tuning: Default::default(),
         }
     }
 
@@ -2101,6 +2124,7 @@ mod tests {
                 max_model_len: 64,
                 enforce_eager: true,
                 fused_decode: true,
+                tuning: Default::default(),
             },
         )
         .err()

@@ -212,6 +212,46 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// Environment variable with extra kernel macro definitions for tuning runs:
+/// `NAME=VALUE[,NAME=VALUE...]`, each becoming an NVRTC `-DNAME=VALUE` (see
+/// [`parse_kernel_defines`]). Only constants a kernel file guards with `#ifndef` can be
+/// overridden; `scripts/gpu-ab.sh` uses it to compare variants without a rebuild.
+pub const KERNEL_DEFINES_ENV: &str = "BATON_KERNEL_DEFINES";
+
+/// Parses `NAME=VALUE[,NAME=VALUE...]` (whitespace around items ignored) into `NAME=VALUE`
+/// strings. A name is `BATON_` followed by upper-case letters, digits and `_`; a value is a
+/// decimal integer (optionally negative). `BATON_DTYPE` is set by the worker and refused.
+///
+/// # Errors
+/// A message naming the first bad item.
+pub fn parse_kernel_defines(s: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("{item:?}: expected NAME=VALUE"))?;
+        let (name, value) = (name.trim(), value.trim());
+        let name_ok = name.len() > "BATON_".len()
+            && name.starts_with("BATON_")
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+        if !name_ok || name == "BATON_DTYPE" {
+            return Err(format!(
+                "{name:?}: a kernel constant is BATON_ plus upper-case letters, digits and _ \
+                 (not BATON_DTYPE)"
+            ));
+        }
+        if value.parse::<i64>().is_err() {
+            return Err(format!(
+                "{name}={value:?}: the value must be a decimal integer"
+            ));
+        }
+        out.push(format!("{name}={value}"));
+    }
+    Ok(out)
+}
+
 /// NVRTC options for `arch` (e.g. `"sm_90"`), `include_dir` and the element type.
 pub fn nvrtc_options(arch: &str, include_dir: &Path, dtype: Dtype) -> Vec<String> {
     vec![
@@ -267,10 +307,25 @@ pub fn compile_for(
     include_dir: &Path,
     dtype: Dtype,
 ) -> Result<Vec<(String, Compiled)>, KernelError> {
+    compile_with_defines(arch, include_dir, dtype, &[])
+}
+
+/// [`compile_for`] with extra `-D` definitions (`NAME=VALUE` strings, as
+/// [`parse_kernel_defines`] returns them).
+///
+/// # Errors
+/// As [`compile_ptx_for`].
+pub fn compile_with_defines(
+    arch: &str,
+    include_dir: &Path,
+    dtype: Dtype,
+    defines: &[String],
+) -> Result<Vec<(String, Compiled)>, KernelError> {
     if !nvrtc_available() {
         return Err(KernelError::NvrtcUnavailable);
     }
-    let opts = nvrtc_options(arch, include_dir, dtype);
+    let mut opts = nvrtc_options(arch, include_dir, dtype);
+    opts.extend(defines.iter().map(|d| format!("-D{d}")));
     // One thread per file (NVRTC programs are independent): worker start-up waits for the
     // slowest file rather than for the sum.
     let results: Vec<Result<Compiled, String>> = std::thread::scope(|scope| {
@@ -521,6 +576,27 @@ mod tests {
     fn ptx_entry_points_parses_visible_entries() {
         let ptx = "//\n.visible .entry baton_a(\n\t.param .u64 x\n)\n.entry baton_b(\n.func f(\n";
         assert_eq!(ptx_entry_points(ptx), vec!["baton_a", "baton_b"]);
+    }
+
+    #[test]
+    fn kernel_defines_parse_names_and_integers_and_refuse_the_rest() {
+        assert_eq!(
+            parse_kernel_defines(" BATON_GEMV_T1_U=2, BATON_X_9 = -4 ,").unwrap(),
+            vec!["BATON_GEMV_T1_U=2".to_string(), "BATON_X_9=-4".to_string()]
+        );
+        assert_eq!(parse_kernel_defines("").unwrap(), Vec::<String>::new());
+        for bad in [
+            "BATON_GEMV_T1_U",
+            "GEMV=2",
+            "BATON_=1",
+            "BATON_lower=1",
+            "BATON_DTYPE=2",
+            "BATON_U=2.5",
+            "BATON_U=1;rm",
+            "BATON_U=",
+        ] {
+            assert!(parse_kernel_defines(bad).is_err(), "{bad} accepted");
+        }
     }
 
     #[test]

@@ -60,6 +60,6 @@ pub use memory::{
     decode_floor_seconds, kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape,
 };
 pub use plan::{
-    default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError,
+    default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError, Tuning,
     DEFAULT_MAX_GRAPH_BATCH,
 };

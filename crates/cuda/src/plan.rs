@@ -50,6 +50,85 @@ pub const ATTN_LONG_PARTITION: usize = 16384;
 /// Most partitions per sequence of a decode attention launch.
 pub const ATTN_MAX_PARTITIONS: usize = 64;
 
+/// Environment variable overriding [`ATTN_TARGET_BLOCKS`] (a positive integer): a tuning
+/// knob for A/B runs on a GPU (`scripts/gpu-ab.sh`), read by [`Tuning::from_env`].
+pub const ATTN_TARGET_BLOCKS_ENV: &str = "BATON_ATTN_TARGET_BLOCKS";
+
+/// Launch-shape and kernel-constant overrides for tuning runs. The defaults are what the
+/// worker uses; the GPU A/B script sets the rest through the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Thread blocks a decode attention launch aims for ([`decode_partitions`]).
+    pub attn_target_blocks: usize,
+    /// Extra kernel macro definitions, `NAME=VALUE` (NVRTC `-D`), from
+    /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV).
+    pub kernel_defines: Vec<String>,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            attn_target_blocks: ATTN_TARGET_BLOCKS,
+            kernel_defines: Vec::new(),
+        }
+    }
+}
+
+impl Tuning {
+    /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`] and
+    /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
+    ///
+    /// # Errors
+    /// A message naming the variable when a value does not parse (see
+    /// [`parse_kernel_defines`](crate::kernels::parse_kernel_defines)).
+    pub fn from_env() -> Result<Self, String> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// [`Tuning::from_env`] over `var` (a variable's value, `None` when unset).
+    ///
+    /// # Errors
+    /// As [`Tuning::from_env`].
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let var = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        let mut t = Tuning::default();
+        if let Some(v) = var(ATTN_TARGET_BLOCKS_ENV) {
+            t.attn_target_blocks = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| (1..=1 << 20).contains(&n))
+                .ok_or_else(|| {
+                    format!("{ATTN_TARGET_BLOCKS_ENV}={v:?}: expected an integer in 1..=1048576")
+                })?;
+        }
+        if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
+            t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
+                .map_err(|e| format!("{}: {e}", crate::kernels::KERNEL_DEFINES_ENV))?;
+        }
+        Ok(t)
+    }
+}
+
+/// Threads per block of the sampler (`baton_sample_f32` in `kernels/sampling.cu`).
+pub const SAMPLE_BLOCK: usize = 1024;
+
+/// Logits per slice of a split sampler row: one round of 8 loads per thread of a
+/// [`SAMPLE_BLOCK`]-thread block.
+pub const SAMPLE_SLICE: usize = SAMPLE_BLOCK * 8;
+
+/// Most slices (thread blocks) per sampler row; the partial buffer holds this many per row.
+pub const SAMPLE_MAX_SPLITS: usize = 64;
+
+/// Thread blocks per row of a sampler launch (grid.y of `baton_sample_f32`) for a vocabulary
+/// of `vocab` tokens: one per [`SAMPLE_SLICE`] logits, at least 1 and at most
+/// [`SAMPLE_MAX_SPLITS`]. An unpenalized row is read by that many blocks at once and combined
+/// by the last to finish (one block reading a 128256-token row took 30 us on an H200, one
+/// SM's bandwidth); a penalized row is done by one block whatever this says.
+pub fn sample_splits(vocab: usize) -> usize {
+    vocab.div_ceil(SAMPLE_SLICE).clamp(1, SAMPLE_MAX_SPLITS)
+}
+
 /// Output rows per thread block of a fused decode GEMV (`kernels/gemv.cu`) of `tokens` tokens
 /// and `n` output rows on a device with `sms` multiprocessors; always a multiple of 8 (the
 /// block's warps take every 8th row).
@@ -75,11 +154,13 @@ pub fn gemv_rows_per_block(tokens: usize, n: usize, sms: usize) -> usize {
 /// (a batch of `k` rows asks for at most `k * min(64, ceil(512 / k))` <= `512 + k` slots in
 /// all). Without the second term a short model at batch 1 (a benchmark's 256 tokens) got one
 /// partition: 8 attention blocks per layer on a 132-SM GPU.
-pub fn decode_partition_slots(max_model_len: usize, rows: usize) -> usize {
+///
+/// `target` is the block target of [`decode_partitions`] ([`ATTN_TARGET_BLOCKS`] unless tuned).
+pub fn decode_partition_slots(max_model_len: usize, rows: usize, target: usize) -> usize {
     let rows = rows.max(1);
     max_model_len
         .div_ceil(crate::kernels::ATTN_PARTITION)
-        .max((ATTN_TARGET_BLOCKS + rows).div_ceil(rows))
+        .max((target + rows).div_ceil(rows))
         .max(1)
 }
 
@@ -89,8 +170,8 @@ pub fn decode_partition_slots(max_model_len: usize, rows: usize) -> usize {
 /// `capacity` partitions per sequence and head. The kernel splits a sequence of `ctx` keys into
 /// partitions of `ceil(ctx / z)` keys rounded up to 64, so a short one uses fewer.
 ///
-/// At least 1 and at most `min(capacity, ATTN_MAX_PARTITIONS)`; otherwise enough for
-/// [`ATTN_TARGET_BLOCKS`] blocks, and enough that a `max_model_len` context has partitions of at
+/// At least 1 and at most `min(capacity, ATTN_MAX_PARTITIONS)`; otherwise enough for `target`
+/// blocks ([`ATTN_TARGET_BLOCKS`] unless tuned), and enough that a `max_model_len` context has partitions of at
 /// most [`ATTN_LONG_PARTITION`] keys. A function of the batch size only, so a captured graph's
 /// choice holds for every replay.
 pub fn decode_partitions(
@@ -98,8 +179,9 @@ pub fn decode_partitions(
     blocks_per_row: usize,
     max_model_len: usize,
     capacity: usize,
+    target: usize,
 ) -> usize {
-    let fill = ATTN_TARGET_BLOCKS.div_ceil((rows * blocks_per_row).max(1));
+    let fill = target.div_ceil((rows * blocks_per_row).max(1));
     let long = max_model_len.div_ceil(ATTN_LONG_PARTITION);
     fill.max(long).min(ATTN_MAX_PARTITIONS).min(capacity).max(1)
 }
@@ -276,19 +358,68 @@ mod tests {
     #[test]
     fn partial_slots_let_every_batch_size_fill_the_gpu() {
         for (len, rows) in [(256, 1), (256, 4), (144, 128), (131_072, 256), (4096, 7)] {
-            let slots = decode_partition_slots(len, rows);
-            assert!(slots >= len.div_ceil(512), "{len} {rows}");
-            for k in 1..=rows {
-                for bpr in [1, 2, 8, 32] {
-                    let unbounded = decode_partitions(k, bpr, len, usize::MAX);
-                    let got = decode_partitions(k, bpr, len, rows * slots / k);
-                    assert_eq!(got, unbounded, "len {len} rows {rows} batch {k} bpr {bpr}");
+            for target in [ATTN_TARGET_BLOCKS, 128, 1] {
+                let slots = decode_partition_slots(len, rows, target);
+                assert!(slots >= len.div_ceil(512), "{len} {rows}");
+                for k in 1..=rows {
+                    for bpr in [1, 2, 8, 32] {
+                        let unbounded = decode_partitions(k, bpr, len, usize::MAX, target);
+                        let got = decode_partitions(k, bpr, len, rows * slots / k, target);
+                        assert_eq!(
+                            got, unbounded,
+                            "len {len} rows {rows} batch {k} bpr {bpr} target {target}"
+                        );
+                    }
                 }
             }
         }
-        // A batch of one on a 256-token model: 64 partitions (session 8 found it at 1).
-        let slots = decode_partition_slots(256, 1);
-        assert_eq!(decode_partitions(1, 8, 256, slots), 64);
+        // A batch of one on a 256-token model: 64 partitions (session 8 found it at 1), 16
+        // with a target of 128 blocks.
+        let slots = decode_partition_slots(256, 1, ATTN_TARGET_BLOCKS);
+        assert_eq!(decode_partitions(1, 8, 256, slots, ATTN_TARGET_BLOCKS), 64);
+        let slots = decode_partition_slots(256, 1, 128);
+        assert_eq!(decode_partitions(1, 8, 256, slots, 128), 16);
+    }
+
+    #[test]
+    fn tuning_reads_its_two_variables_and_refuses_bad_values() {
+        let env = |a: &'static str, k: &'static str| {
+            move |name: &str| match name {
+                ATTN_TARGET_BLOCKS_ENV => Some(a.to_string()),
+                crate::kernels::KERNEL_DEFINES_ENV => Some(k.to_string()),
+                _ => None,
+            }
+        };
+        assert_eq!(Tuning::from_lookup(|_| None).unwrap(), Tuning::default());
+        assert_eq!(
+            Tuning::from_lookup(env(" ", "")).unwrap(),
+            Tuning::default()
+        );
+        let t = Tuning::from_lookup(env("128", "BATON_GEMV_T1_U=2")).unwrap();
+        assert_eq!(t.attn_target_blocks, 128);
+        assert_eq!(t.kernel_defines, vec!["BATON_GEMV_T1_U=2".to_string()]);
+        for (a, k) in [("0", ""), ("-3", ""), ("many", ""), ("", "T1_U=2")] {
+            let e = Tuning::from_lookup(env(a, k)).unwrap_err();
+            assert!(e.starts_with("BATON_"), "{a:?} {k:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn sampler_slices_cover_the_row_in_one_round_each_up_to_the_cap() {
+        for vocab in [0, 1, 512, 8192, 8193, 32_000, 128_256, 152_064, 1 << 20] {
+            let s = sample_splits(vocab);
+            assert!((1..=SAMPLE_MAX_SPLITS).contains(&s), "vocab {vocab}: {s}");
+            // The kernel's slices of ceil(vocab / s) logits cover the row.
+            assert!(vocab.div_ceil(s) * s >= vocab, "vocab {vocab}");
+            if s < SAMPLE_MAX_SPLITS {
+                assert!(vocab.div_ceil(s) <= SAMPLE_SLICE, "vocab {vocab}: {s}");
+            }
+            if vocab > SAMPLE_SLICE {
+                assert!(s > 1, "vocab {vocab} left on one block");
+            }
+        }
+        assert_eq!(sample_splits(128_256), 16);
+        assert_eq!(sample_splits(512), 1);
     }
 
     #[test]
@@ -324,22 +455,25 @@ mod tests {
     #[test]
     fn decode_partitions_fill_the_gpu_at_small_batches_and_respect_the_buffers() {
         // One sequence, 8 kv heads, a short model: 64 partitions (512 blocks).
-        assert_eq!(decode_partitions(1, 8, 257, 256), 64);
+        assert_eq!(decode_partitions(1, 8, 257, 256, ATTN_TARGET_BLOCKS), 64);
         // Batch 32: 256 blocks, so two partitions; batch 128 or more: one.
-        assert_eq!(decode_partitions(32, 8, 257, 8), 2);
-        assert_eq!(decode_partitions(128, 8, 257, 2), 1);
-        assert_eq!(decode_partitions(512, 8, 257, 1), 1);
+        assert_eq!(decode_partitions(32, 8, 257, 8, ATTN_TARGET_BLOCKS), 2);
+        assert_eq!(decode_partitions(128, 8, 257, 2, ATTN_TARGET_BLOCKS), 1);
+        assert_eq!(decode_partitions(512, 8, 257, 1, ATTN_TARGET_BLOCKS), 1);
         // The partial buffers bound it.
-        assert_eq!(decode_partitions(1, 8, 257, 5), 5);
-        assert_eq!(decode_partitions(4, 8, 257, 0), 1);
+        assert_eq!(decode_partitions(1, 8, 257, 5, ATTN_TARGET_BLOCKS), 5);
+        assert_eq!(decode_partitions(4, 8, 257, 0, ATTN_TARGET_BLOCKS), 1);
         // A long model splits even a large batch (partitions of at most 16384 keys).
-        assert_eq!(decode_partitions(256, 8, 131_072, 256), 8);
         assert_eq!(
-            decode_partitions(1, 1, 1 << 24, 10_000),
+            decode_partitions(256, 8, 131_072, 256, ATTN_TARGET_BLOCKS),
+            8
+        );
+        assert_eq!(
+            decode_partitions(1, 1, 1 << 24, 10_000, ATTN_TARGET_BLOCKS),
             ATTN_MAX_PARTITIONS
         );
         // The grid never reaches zero.
-        assert_eq!(decode_partitions(0, 0, 0, 0), 1);
+        assert_eq!(decode_partitions(0, 0, 0, 0, ATTN_TARGET_BLOCKS), 1);
     }
 
     #[test]

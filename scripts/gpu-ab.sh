@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# A/B of decode tuning knobs on a GPU machine, with one prebuilt binary: `baton bench decode`
+# at batch 1 on the dummy Llama-1B and Llama-8B shapes (prompt 128, gen 128, bf16, CUDA
+# graphs), once per variant. Variants differ only in their environment:
+#   BATON_ATTN_TARGET_BLOCKS  thread blocks a decode attention launch aims for (default 512;
+#                             crates/cuda/src/plan.rs, Tuning);
+#   BATON_KERNEL_DEFINES      kernel constants as NVRTC -D, NAME=VALUE[,NAME=VALUE...], for
+#                             the constants kernels/ guards with #ifndef (BATON_GEMV_T1_U,
+#                             BATON_GEMV_PREWAIT_L2, ...).
+# The base variant runs first and last, so drift between runs shows. Prints a table of ms per
+# decode step last, and writes it to $OUT/ab.txt, with every run's log and JSON packed into
+# $OUT/gpu-ab.tgz (a device run returns only a few files).
+#
+# Usage, on the device machine from the repository root with .gpu carried (as gpu-check.sh):
+#   GPU_AB_BUDGET=240 bash scripts/gpu-ab.sh
+#   GPU_AB_VARIANTS=$'base|\nl2-64k|BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=65536' \
+#       GPU_AB_SHAPES=8b bash scripts/gpu-ab.sh
+# A variant is NAME|VAR=VALUE VAR=VALUE ... (nothing after | = the defaults). GPU_AB_SHAPES is
+# "1b 8b" unless set. The budget (default 300 s) cuts the list short rather than overrun; runs
+# not made show as "-". Exit status 0 unless the binary is missing.
+set -uo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+if [[ -n "${BATON:-}" ]]; then :
+elif [[ -x "$repo_root/.gpu/baton" ]]; then BATON="$repo_root/.gpu/baton"
+else BATON="$repo_root/target/release/baton"; fi
+[[ -x "$BATON" ]] || { echo "FAIL: no binary at $BATON (scripts/gpu-prepare.sh)"; exit 2; }
+RESULTS="${OUT:-$repo_root/gpu-ab-out}"
+mkdir -p "$RESULTS"
+RUNS="$(mktemp -d /tmp/gpu-ab.XXXXXX)" # every log and JSON; packed into $RESULTS at the end
+BUDGET="${GPU_AB_BUDGET:-300}"
+deadline=$((SECONDS + BUDGET - 5))
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export BATON_CUDA_INCLUDE="${BATON_CUDA_INCLUDE:-/usr/local/cuda/include}"
+# LLAMA_1B, LLAMA_8B
+source "$repo_root/scripts/llama-shapes.sh"
+
+default_variants='base|
+attn-128|BATON_ATTN_TARGET_BLOCKS=128
+attn-256|BATON_ATTN_TARGET_BLOCKS=256
+l2-32k|BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=32768
+l2-96k|BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=98304
+t1u-2|BATON_KERNEL_DEFINES=BATON_GEMV_T1_U=2
+base-again|'
+VARIANTS="${GPU_AB_VARIANTS:-$default_variants}"
+read -r -a SHAPES <<<"${GPU_AB_SHAPES:-1b 8b}"
+
+declare -A ms=()
+declare -a names=()
+while IFS= read -r line; do
+    [[ -z "$line" ]] && continue
+    name="${line%%|*}"
+    vars="${line#*|}"
+    [[ "$line" == *"|"* ]] || vars=""
+    names+=("$name")
+    for shape in "${SHAPES[@]}"; do
+        case "$shape" in
+        1b) cfg="$LLAMA_1B" ;;
+        8b) cfg="$LLAMA_8B" ;;
+        *) echo "unknown shape $shape (1b or 8b)"; continue ;;
+        esac
+        left=$((deadline - SECONDS))
+        if ((left < 20)); then
+            echo "skip $name $shape: budget spent"
+            continue
+        fi
+        json="$RUNS/ab-$name-$shape.json"
+        echo "== $name $shape: ${vars:-defaults}"
+        # shellcheck disable=SC2086 # vars is a list of VAR=VALUE words
+        timeout -k 5 "$left" env $vars "$BATON" bench decode --device cuda --load-format dummy \
+            --config "$cfg" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 \
+            --out "$json" >"$RUNS/ab-$name-$shape.log" 2>&1
+        rc=$?
+        v=$(grep -o '"ms_per_step": *[0-9.e+-]*' "$json" 2>/dev/null | head -1 | sed 's/.*: *//')
+        if [[ $rc != 0 || -z "$v" ]]; then
+            echo "   failed (exit $rc):"
+            tail -3 "$RUNS/ab-$name-$shape.log"
+            v="fail"
+        else
+            echo "   $v ms/step"
+        fi
+        ms["$name/$shape"]="$v"
+    done
+done <<<"$VARIANTS"
+
+{
+    printf '%-14s' "variant"
+    for shape in "${SHAPES[@]}"; do printf ' %12s' "$shape ms/step"; done
+    printf '\n'
+    for name in "${names[@]}"; do
+        printf '%-14s' "$name"
+        for shape in "${SHAPES[@]}"; do printf ' %12s' "${ms[$name/$shape]:--}"; done
+        printf '\n'
+    done
+} | tee "$RESULTS/ab.txt"
+tar czf "$RESULTS/gpu-ab.tgz" -C "$RUNS" . && echo "logs and JSON: $RESULTS/gpu-ab.tgz"
