@@ -31,12 +31,14 @@
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
 #      prompt 128, gen 128, bf16, CUDA graphs; after each batch size a kernel-by-kernel
 #      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
-#      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare;
+#      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare; 5d
+#      1B at batches 1 and 32 with --device-time (the host's share of a step);
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
-#      table with bandwidths).
+#      table with bandwidths); 6c the warp-stall and source-counter sections of the 8B qkv,
+#      o and down GEMVs (baton_gemv_t1) of one warm layer.
 set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -130,6 +132,13 @@ run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --lo
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
     --out "$OUT/bench-decode-1b-unfused.json"
 
+# 5d. (diagnostic) the device's share of a step: 1B batch 1 and 32 with --device-time (timing
+#     events from each step's upload to its fence); wall minus device is host time per step,
+#     what pipelined launches could hide.
+run_check 5d-bench-decode-1b-device-time 60 "$BATON" bench decode --device cuda \
+    --load-format dummy --config "$LLAMA_1B" --batch 1,32 --prompt-len 128 --gen-len 64 \
+    --dtype bf16 --device-time --out "$OUT/bench-decode-1b-device-time.json"
+
 # 6. (diagnostic, when ncu is there and time is left) each kernel's own GPU time in eager
 #    batch-1 decode steps of dummy 1B, from Nsight Compute: the --breakdown figures above
 #    include each launch's host-side cost.
@@ -149,6 +158,17 @@ if [[ -n "$NCU" ]]; then
         --dtype bf16 --enforce-eager > '$OUT/ncu-8b-warm.csv'"
 fi
 
+# 6c. (diagnostic) what the batch-of-one GEMVs' warps stall on: Nsight Compute's warp-state
+#     and source-counter sections for the qkv, o and down GEMVs (baton_gemv_t1) of one warm
+#     8B layer; the stall table and the hottest SASS lines land in the log.
+if [[ -n "$NCU" ]]; then
+    run_check 6c-ncu-gemv-stalls-8b 90 "$NCU" --cache-control none --clock-control none \
+        --section WarpStateStats --section SourceCounters --kernel-name baton_gemv_t1 \
+        --launch-skip 300 --launch-count 3 "$BATON" bench decode --device cuda \
+        --load-format dummy --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 8 \
+        --dtype bf16 --enforce-eager
+fi
+
 echo
 echo "== summary"
 failed=0
@@ -158,7 +178,7 @@ for r in "${results[@]}"; do
 done
 echo "== decode benchmark (ms per step vs HBM floor)"
 grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5c-bench-decode-1b-unfused.log" \
-    "$OUT/5b-bench-decode-8b.log" 2>/dev/null
+    "$OUT/5b-bench-decode-8b.log" "$OUT/5d-bench-decode-1b-device-time.log" 2>/dev/null
 printf '%s\n' "${results[@]}" >"$RESULTS/summary.txt"
 tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" . && echo "logs and JSON: $RESULTS/gpu-check.tgz"
 exit $((failed > 0))

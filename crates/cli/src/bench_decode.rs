@@ -69,6 +69,11 @@ pub struct DecodeArgs {
     /// replay's).
     #[arg(long)]
     pub breakdown: bool,
+    /// Also time each step's device work (CUDA only: timing events from the step's upload to
+    /// its fence; two more event records per step) and report it beside the wall time: the
+    /// difference is host time per step.
+    #[arg(long)]
+    pub device_time: bool,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -87,6 +92,10 @@ pub struct DecodePoint {
     pub floor_ms: f64,
     /// `ms_per_step / floor_ms`.
     pub ratio: f64,
+    /// Mean device time per step (CUDA: timing events from the step's upload to its fence),
+    /// ms: `ms_per_step` less this is host time per step that pipelined launches could hide.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_ms_per_step: Option<f64>,
     /// With `--breakdown`: one eager decode step, per kernel or GEMM, most time first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub breakdown: Vec<KernelTime>,
@@ -196,13 +205,50 @@ fn row(slot: usize, first_pos: usize, n: usize, block_size: usize, sample: bool)
     }
 }
 
-/// Runs one batch size on `backend` and returns `(mean step seconds, per-step contexts)`.
+/// What [`measure_batch`] drives: a backend, and the device's share of its last step where
+/// the backend measures it (CUDA with step timing on).
+pub trait BenchBackend {
+    /// The backend.
+    fn backend(&mut self) -> &mut dyn Backend;
+    /// Device milliseconds of the last executed step, or `None`.
+    fn last_step_device_ms(&self) -> Option<f64> {
+        None
+    }
+}
+
+impl BenchBackend for CudaWorker {
+    fn backend(&mut self) -> &mut dyn Backend {
+        self
+    }
+    fn last_step_device_ms(&self) -> Option<f64> {
+        CudaWorker::last_step_device_ms(self)
+    }
+}
+
+impl BenchBackend for CpuBackend {
+    fn backend(&mut self) -> &mut dyn Backend {
+        self
+    }
+}
+
+/// Timing of one batch size ([`measure_batch`]).
+#[derive(Clone, Debug)]
+pub struct BatchTiming {
+    /// Mean wall seconds per timed decode step, through the fence.
+    pub step_s: f64,
+    /// Mean device seconds per timed step (upload to fence), when the backend reports it.
+    pub device_step_s: Option<f64>,
+    /// Context length (tokens) of each timed step.
+    pub ctxs: Vec<usize>,
+}
+
+/// Runs one batch size on `target`: prefill, then `gen_len` decode steps, the first a warm-up.
 ///
 /// # Errors
 /// A backend failure.
 #[allow(clippy::too_many_arguments)]
 pub fn measure_batch(
-    backend: &mut dyn Backend,
+    target: &mut dyn BenchBackend,
     tables: &BenchTables,
     seq: &mut u64,
     batch: usize,
@@ -210,7 +256,7 @@ pub fn measure_batch(
     gen_len: usize,
     block_size: usize,
     max_tokens: usize,
-) -> Result<(f64, Vec<usize>)> {
+) -> Result<BatchTiming> {
     // Prefill whole prompts, rows packed up to the token capacity.
     let per_launch = (max_tokens / prompt_len.max(1)).max(1);
     let mut i = 0;
@@ -223,12 +269,13 @@ pub fn measure_batch(
                 .map(|s| row(s, 0, prompt_len, block_size, false))
                 .collect(),
         };
-        backend.execute(&l, tables).context("prefill")?;
+        target.backend().execute(&l, tables).context("prefill")?;
         i += n;
     }
     // Decode: the first step reads position prompt_len from the table, the others take the
     // previous launch's sampled ids on the device.
     let mut total = 0.0;
+    let mut device_total = Some(0.0);
     let mut timed = 0;
     let mut ctxs = Vec::with_capacity(gen_len);
     for step in 0..gen_len {
@@ -247,17 +294,27 @@ pub fn measure_batch(
             .collect();
         let l = Launch { seq: *seq, rows };
         let t = Instant::now();
-        let c = backend.execute(&l, tables).context("decode step")?;
+        let c = target
+            .backend()
+            .execute(&l, tables)
+            .context("decode step")?;
         let dt = t.elapsed().as_secs_f64();
+        let device_ms = target.last_step_device_ms();
         anyhow::ensure!(c.sampled.len() == batch, "a decode step lost rows");
         // Step 0 (table input, first use of the shape) is a warm-up.
         if step > 0 || gen_len == 1 {
             total += dt;
+            device_total = device_total.zip(device_ms).map(|(a, ms)| a + ms / 1e3);
             timed += 1;
             ctxs.push(pos + 1);
         }
     }
-    Ok((total / timed.max(1) as f64, ctxs))
+    let n = timed.max(1) as f64;
+    Ok(BatchTiming {
+        step_s: total / n,
+        device_step_s: device_total.filter(|_| timed > 0).map(|s| s / n),
+        ctxs,
+    })
 }
 
 /// The benchmarked backend, typed so the CUDA worker's profiling is reachable.
@@ -267,7 +324,7 @@ enum Bench {
 }
 
 impl Bench {
-    fn as_backend(&mut self) -> &mut dyn Backend {
+    fn as_target(&mut self) -> &mut dyn BenchBackend {
         match self {
             Bench::Cpu(b) => b.as_mut(),
             Bench::Cuda(w) => w.as_mut(),
@@ -338,6 +395,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     if a.breakdown && a.device != BenchDevice::Cuda {
         bail!("--breakdown needs --device cuda");
     }
+    if a.device_time && a.device != BenchDevice::Cuda {
+        bail!("--device-time needs --device cuda");
+    }
     if a.device == BenchDevice::Cuda {
         check_cuda_device(&a.cuda)?;
     }
@@ -389,7 +449,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 max_rows: max_batch,
                 max_model_len: max_len,
             };
-            let w = build_cuda(cfg, weights, &a.cuda, sizes)?;
+            let mut w = build_cuda(cfg, weights, &a.cuda, sizes)?;
+            w.set_step_timing(a.device_time)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             let bw = w
                 .measure_copy_bandwidth(1 << 30, 10)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -409,8 +471,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let mut seq = 0u64;
     let mut points = Vec::new();
     for &b in &a.batch {
-        let (step_s, ctxs) = measure_batch(
-            backend.as_backend(),
+        let BatchTiming {
+            step_s,
+            device_step_s,
+            ctxs,
+        } = measure_batch(
+            backend.as_target(),
             &tables,
             &mut seq,
             b,
@@ -438,6 +504,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         points.push(DecodePoint {
             batch: b,
             ms_per_step: step_s * 1e3,
+            device_ms_per_step: device_step_s.map(|s| s * 1e3),
             output_tokens_per_s: b as f64 / step_s.max(1e-12),
             floor_ms: floor_s * 1e3,
             ratio: step_s / floor_s.max(1e-15),
@@ -451,13 +518,24 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         bandwidth / 1e9,
         (shape.weight_elems_read_per_step() * elem_bytes) as f64 / 1e9
     );
+    let device = points.iter().any(|p| p.device_ms_per_step.is_some());
     println!(
-        "{:>6} {:>12} {:>14} {:>12} {:>14}",
-        "batch", "ms/step", "tokens/s", "floor ms", "measured/floor"
+        "{:>6} {:>12} {:>14} {:>12} {:>14}{}",
+        "batch",
+        "ms/step",
+        "tokens/s",
+        "floor ms",
+        "measured/floor",
+        if device { "  device ms/step" } else { "" }
     );
     for p in &points {
+        let dev = match p.device_ms_per_step {
+            Some(ms) if device => format!(" {ms:>16.3}"),
+            _ if device => format!(" {:>16}", "-"),
+            _ => String::new(),
+        };
         println!(
-            "{:>6} {:>12.3} {:>14.1} {:>12.3} {:>14.2}",
+            "{:>6} {:>12.3} {:>14.1} {:>12.3} {:>14.2}{dev}",
             p.batch, p.ms_per_step, p.output_tokens_per_s, p.floor_ms, p.ratio
         );
     }

@@ -142,3 +142,21 @@ fn a_batch_too_large_for_memory_is_refused_before_allocating() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("GiB CPU KV cache"), "{err}");
 }
+
+#[test]
+fn cuda_only_flags_are_refused_on_the_cpu() {
+    for (flag, needs) in [
+        ("--device-time", "--device-time needs --device cuda"),
+        ("--breakdown", "--breakdown needs --device cuda"),
+    ] {
+        let o = baton()
+            .args(["bench", "decode", "--device", "cpu", flag])
+            .args(["--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--model"])
+            .arg(model_dir())
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag}: {err}");
+        assert!(err.contains(needs), "{flag}: {err}");
+    }
+}

@@ -261,7 +261,8 @@ fn bench_decode_case(
     let dev = last.lock().unwrap().take().unwrap();
     let tables = BenchTables::new(cfg.vocab_size, pages);
     let mut seq = 0;
-    let (step_s, ctxs) = measure_batch(
+    w.set_step_timing(true).unwrap();
+    let timing = measure_batch(
         &mut w,
         &tables,
         &mut seq,
@@ -272,8 +273,13 @@ fn bench_decode_case(
         batch * prompt,
     )
     .expect("decode steps through graphs and pending ids");
-    assert!(step_s > 0.0);
-    assert_eq!(ctxs.len(), gen - 1, "step 0 is the warm-up");
+    assert!(timing.step_s > 0.0);
+    // The emulator's step time is the wall time from the upload to the fence: part of the
+    // step, never more.
+    let dev_s = timing.device_step_s.expect("step timing is on");
+    assert!(dev_s > 0.0 && dev_s <= timing.step_s, "{timing:?}");
+    assert_eq!(timing.ctxs.len(), gen - 1, "step 0 is the warm-up");
+    w.set_step_timing(false).unwrap();
     assert!(dev.graphs() > 0);
     let k = profile_decode_step(&mut w, &tables, &mut seq, batch, prompt + gen - 1, bs).unwrap();
     let calls = |name: &str| k.iter().find(|x| x.name == name).map_or(0, |x| x.calls);

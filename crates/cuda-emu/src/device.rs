@@ -64,6 +64,8 @@ struct State {
     graph_launches: u64,
     /// Wall time of each launch and GEMM while profiling.
     profile: Option<Vec<(String, f64)>>,
+    /// Step timing: on, the last step mark, and the wall time from it to the last fence.
+    step_timing: Option<(Option<std::time::Instant>, Option<f64>)>,
 }
 
 /// The host-emulated device. See the module docs.
@@ -427,7 +429,12 @@ impl Device for EmuDevice {
         self.check_canaries(&self.lock(), "synchronize")
     }
 
+    /// Work runs at enqueue, so the fence has passed when it is recorded; with step timing
+    /// on it closes the step's wall-clock interval.
     fn record_fence(&self) -> Result<(), CudaWorkerError> {
+        if let Some((Some(t0), ms)) = self.lock().step_timing.as_mut() {
+            *ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+        }
         Ok(())
     }
 
@@ -490,6 +497,22 @@ impl Device for EmuDevice {
 
     fn set_profiling(&self, on: bool) {
         self.lock().profile = on.then(Vec::new);
+    }
+
+    fn set_step_timing(&self, on: bool) -> Result<(), CudaWorkerError> {
+        self.lock().step_timing = on.then_some((None, None));
+        Ok(())
+    }
+
+    fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
+        if let Some((t0, _)) = self.lock().step_timing.as_mut() {
+            *t0 = Some(std::time::Instant::now());
+        }
+        Ok(())
+    }
+
+    fn step_device_ms(&self) -> Option<f64> {
+        self.lock().step_timing.and_then(|(_, ms)| ms)
     }
 
     fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {

@@ -184,6 +184,26 @@ pub trait Device: Send + Sync {
     /// The calls timed since profiling started, in order: `(kernel name or GEMM label,
     /// milliseconds)`. Waits for the stream.
     fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError>;
+    /// Starts (`true`) or stops step timing: with it on, [`Device::mark_step_start`] and the
+    /// next [`Device::record_fence`] bracket a step's device work with a pair of timing
+    /// events (two event records per step; off by default).
+    ///
+    /// # Errors
+    /// The timing events cannot be created (step timing stays off).
+    fn set_step_timing(&self, _on: bool) -> Result<(), CudaWorkerError> {
+        Ok(())
+    }
+    /// Marks the start of a step's device work on the stream (when step timing is on).
+    fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
+        Ok(())
+    }
+    /// Milliseconds on the stream from the last [`Device::mark_step_start`] to the last fence,
+    /// once [`Device::wait_fence`] has returned; `None` with step timing off. It counts the
+    /// stream's idle gaps while the host submits the step's work after the mark, not the host
+    /// work before it.
+    fn step_device_ms(&self) -> Option<f64> {
+        None
+    }
 }
 
 pub(crate) fn drv<T>(what: &'static str, r: Result<T, DriverError>) -> Result<T, CudaWorkerError> {
@@ -214,6 +234,9 @@ pub struct CudaDevice {
     graphs: Mutex<Vec<cu::CUgraphExec>>,
     /// Event pairs around each call while profiling.
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// Step timing: (start, end) timing events, recorded by `mark_step_start` and
+    /// `record_fence` while on.
+    step_timing: Mutex<Option<(CudaEvent, CudaEvent)>>,
     arch: String,
     ordinal: usize,
     sm_count: usize,
@@ -303,6 +326,7 @@ impl CudaDevice {
             fence,
             graphs: Mutex::new(Vec::new()),
             profile: Mutex::new(None),
+            step_timing: Mutex::new(None),
             arch,
             ordinal,
             sm_count,
@@ -647,6 +671,14 @@ impl Device for CudaDevice {
     }
 
     fn record_fence(&self) -> Result<(), CudaWorkerError> {
+        if let Some((_, end)) = self
+            .step_timing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            drv("cuEventRecord", end.record(&self.stream))?;
+        }
         drv("cuEventRecord", self.fence.record(&self.stream))
     }
 
@@ -747,6 +779,40 @@ impl Device for CudaDevice {
 
     fn set_profiling(&self, on: bool) {
         *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = on.then(Vec::new);
+    }
+
+    fn set_step_timing(&self, on: bool) -> Result<(), CudaWorkerError> {
+        let mut t = self.step_timing.lock().unwrap_or_else(|p| p.into_inner());
+        *t = None;
+        if on {
+            let ev = || {
+                drv(
+                    "cuEventCreate",
+                    self.ctx
+                        .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)),
+                )
+            };
+            *t = Some((ev()?, ev()?));
+        }
+        Ok(())
+    }
+
+    fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
+        match self
+            .step_timing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            Some((start, _)) => drv("cuEventRecord", start.record(&self.stream)),
+            None => Ok(()),
+        }
+    }
+
+    fn step_device_ms(&self) -> Option<f64> {
+        let t = self.step_timing.lock().unwrap_or_else(|p| p.into_inner());
+        let (start, end) = t.as_ref()?;
+        start.elapsed_ms(end).ok().map(f64::from)
     }
 
     fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {

@@ -828,6 +828,24 @@ impl CudaWorker {
         self.dev.set_profiling(on);
     }
 
+    /// Starts (`true`) or stops step timing: each launch's device work, from its upload to
+    /// its fence, is bracketed by a pair of timing events (see
+    /// [`CudaWorker::last_step_device_ms`]). For benchmarks; off by default.
+    ///
+    /// # Errors
+    /// The timing events cannot be created.
+    pub fn set_step_timing(&mut self, on: bool) -> Result<(), WorkerError> {
+        self.dev.set_step_timing(on).map_err(dev_err)
+    }
+
+    /// Milliseconds on the stream from the last launch's upload to its fence (the GPU's share
+    /// of the step, including any gap while the host was still submitting), or `None` when
+    /// step timing is off. The rest of a step's wall time is host work (resolving rows,
+    /// staging, the wait's wake-up, the completion) that pipelined launches could hide.
+    pub fn last_step_device_ms(&self) -> Option<f64> {
+        self.dev.step_device_ms()
+    }
+
     /// The calls timed since [`CudaWorker::set_profiling`]: `(kernel name or GEMM label,
     /// milliseconds)` in launch order.
     ///
@@ -1622,6 +1640,7 @@ impl CudaWorker {
         dumps: Option<&mut Dumps>,
     ) -> Result<(), CudaWorkerError> {
         let t = inputs.plan.num_tokens();
+        self.dev.mark_step_start()?;
         self.upload_staging(inputs.plan.num_rows())?;
         if self.pen_used > 0 {
             // SAFETY: both buffers hold `pen_cap >= pen_used` entries; the pinned side is not
