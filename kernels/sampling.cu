@@ -181,8 +181,8 @@ struct BatonSampleShared {
 
 // One slice of a row (split-row pass of baton_sample_f32, 16 bytes): the smallest key
 // (baton_sort_key of the cleaned logit: the argmax, ties to the lowest id), the max of the
-// cleaned logits, and sum exp(c - max) over the slice (0 unless the row wants log-probabilities
-// or the max is -inf).
+// cleaned logits, and sum exp(c - max) over the slice (0 when the row wants no
+// log-probabilities, or the max is -inf).
 struct BatonSamplePartial {
     u64 key;
     float maxv;
@@ -334,7 +334,7 @@ __device__ float baton_slice_expsum(const float* x, int lo, int hi, float maxv,
 // One row per block, or, for a row with no penalties, gridDim.y blocks per row.
 //
 // Split rows: with gridDim.y = S > 1 an unpenalized row is cut into S slices of ceil(vocab / S)
-// logits; block (row, s) writes its slice's BatonSamplePartial to partials[row, s], fences, and
+// logits rounded up to a multiple of 32 (the last slices may be short or empty); block (row, s) writes its slice's BatonSamplePartial to partials[row, s], fences, and
 // counts itself in counters[row]; the block that brings the count to S combines the partials
 // in slice order (argmax = smallest key, max, sum of sum_s exp(max_s - max), so the result does
 // not depend on which block arrives last), resets the counter to 0 and finishes the row alone
@@ -389,7 +389,8 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     bool have_ln_sum = false;
     if (!penalized && splits > 1) {
         // Split row: this block's slice, published and counted.
-        const int chunk = (vocab + splits - 1) / splits;
+        // ceil(vocab / S) rounded up to 32 logits, so every slice starts on a 128-byte line.
+        const int chunk = ((vocab + splits - 1) / splits + 31) / 32 * 32;
         const int lo = min((int)blockIdx.y * chunk, vocab), hi = min(lo + chunk, vocab);
         u64 k;
         const float m = baton_slice_argmax(x, lo, hi, sh, k);

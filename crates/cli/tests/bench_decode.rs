@@ -151,7 +151,15 @@ fn cuda_only_flags_are_refused_on_the_cpu() {
     ] {
         let o = baton()
             .args(["bench", "decode", "--device", "cpu", flag])
-            .args(["--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--model"])
+            .args([
+                "--batch",
+                "1",
+                "--prompt-len",
+                "4",
+                "--gen-len",
+                "2",
+                "--model",
+            ])
             .arg(model_dir())
             .output()
             .expect("runs");

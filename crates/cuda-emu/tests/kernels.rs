@@ -1321,7 +1321,7 @@ fn split_rows_sample_as_one_block_whatever_the_slice_count() {
             sample_split(&logits, vocab, &params, &idx, &none, &mut [], &[], splits)
         };
         let one = run_with(1);
-        // 64 slices of 2 logits leave the last 14 empty.
+        // Slices are rounded up to 32 logits: 7 and 64 slices leave the last ones empty.
         for splits in [2, 7, 64] {
             let split = run_with(splits);
             assert_same_samples(&one, &split, &format!("{splits} slices"));

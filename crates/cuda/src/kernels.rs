@@ -218,29 +218,35 @@ pub fn nvrtc_available() -> bool {
 /// overridden; `scripts/gpu-ab.sh` uses it to compare variants without a rebuild.
 pub const KERNEL_DEFINES_ENV: &str = "BATON_KERNEL_DEFINES";
 
+/// The kernel constants [`KERNEL_DEFINES_ENV`] may set: each is guarded with `#ifndef` in a
+/// kernel file (a test checks), so a definition on the command line replaces the default.
+pub const KERNEL_TUNABLES: &[&str] = &["BATON_GEMV_T1_U", "BATON_GEMV_PREWAIT_L2"];
+
 /// Parses `NAME=VALUE[,NAME=VALUE...]` (whitespace around items ignored) into `NAME=VALUE`
-/// strings. A name is `BATON_` followed by upper-case letters, digits and `_`; a value is a
-/// decimal integer (optionally negative). `BATON_DTYPE` is set by the worker and refused.
+/// strings. A name must be one of [`KERNEL_TUNABLES`] (any other would be ignored by the
+/// kernels, or clash with their own definition), at most once; a value is a decimal integer
+/// (optionally negative).
 ///
 /// # Errors
 /// A message naming the first bad item.
 pub fn parse_kernel_defines(s: &str) -> Result<Vec<String>, String> {
-    let mut out = Vec::new();
+    let mut out: Vec<String> = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (name, value) = item
             .split_once('=')
             .ok_or_else(|| format!("{item:?}: expected NAME=VALUE"))?;
         let (name, value) = (name.trim(), value.trim());
-        let name_ok = name.len() > "BATON_".len()
-            && name.starts_with("BATON_")
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
-        if !name_ok || name == "BATON_DTYPE" {
+        if !KERNEL_TUNABLES.contains(&name) {
             return Err(format!(
-                "{name:?}: a kernel constant is BATON_ plus upper-case letters, digits and _ \
-                 (not BATON_DTYPE)"
+                "{name:?} is not a tunable kernel constant (one of {})",
+                KERNEL_TUNABLES.join(", ")
             ));
+        }
+        if out
+            .iter()
+            .any(|d| d.split_once('=').is_some_and(|(n, _)| n == name))
+        {
+            return Err(format!("{name} is set twice"));
         }
         if value.parse::<i64>().is_err() {
             return Err(format!(
@@ -581,21 +587,50 @@ mod tests {
     #[test]
     fn kernel_defines_parse_names_and_integers_and_refuse_the_rest() {
         assert_eq!(
-            parse_kernel_defines(" BATON_GEMV_T1_U=2, BATON_X_9 = -4 ,").unwrap(),
-            vec!["BATON_GEMV_T1_U=2".to_string(), "BATON_X_9=-4".to_string()]
+            parse_kernel_defines(" BATON_GEMV_T1_U=2, BATON_GEMV_PREWAIT_L2 = -4 ,").unwrap(),
+            vec![
+                "BATON_GEMV_T1_U=2".to_string(),
+                "BATON_GEMV_PREWAIT_L2=-4".to_string()
+            ]
         );
         assert_eq!(parse_kernel_defines("").unwrap(), Vec::<String>::new());
         for bad in [
             "BATON_GEMV_T1_U",
             "GEMV=2",
-            "BATON_=1",
-            "BATON_lower=1",
+            "BATON_SAMPLE_U=4",
             "BATON_DTYPE=2",
-            "BATON_U=2.5",
-            "BATON_U=1;rm",
-            "BATON_U=",
+            "baton_gemv_t1_u=2",
+            "BATON_GEMV_T1_U=2.5",
+            "BATON_GEMV_T1_U=1;rm",
+            "BATON_GEMV_T1_U=",
+            "BATON_GEMV_T1_U=2,BATON_GEMV_T1_U=4",
         ] {
             assert!(parse_kernel_defines(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn every_tunable_kernel_constant_is_guarded_in_a_kernel_file() {
+        for name in KERNEL_TUNABLES {
+            let guard = format!("#ifndef {name}");
+            let define = format!("#define {name} ");
+            let (file, src) = SOURCES
+                .iter()
+                .find(|(_, src)| src.contains(&guard))
+                .unwrap_or_else(|| panic!("no kernel file guards {name} with #ifndef"));
+            let g = src.find(&guard).unwrap();
+            let d = src[g..]
+                .find(&define)
+                .unwrap_or_else(|| panic!("{file}: {name} guarded but not defined after"));
+            assert!(
+                !src[g..g + d].contains("#endif"),
+                "{file}: the default of {name} is outside its #ifndef"
+            );
+            assert_eq!(
+                src.matches(&define).count(),
+                1,
+                "{file}: {name} defined more than once"
+            );
         }
     }
 

@@ -50,7 +50,7 @@ pub const ATTN_LONG_PARTITION: usize = 16384;
 /// Most partitions per sequence of a decode attention launch.
 pub const ATTN_MAX_PARTITIONS: usize = 64;
 
-/// Environment variable overriding [`ATTN_TARGET_BLOCKS`] (a positive integer): a tuning
+/// Environment variable overriding [`ATTN_TARGET_BLOCKS`] (an integer in 1..=4096): a tuning
 /// knob for A/B runs on a GPU (`scripts/gpu-ab.sh`), read by [`Tuning::from_env`].
 pub const ATTN_TARGET_BLOCKS_ENV: &str = "BATON_ATTN_TARGET_BLOCKS";
 
@@ -97,9 +97,9 @@ impl Tuning {
                 .trim()
                 .parse::<usize>()
                 .ok()
-                .filter(|&n| (1..=1 << 20).contains(&n))
+                .filter(|&n| (1..=4096).contains(&n))
                 .ok_or_else(|| {
-                    format!("{ATTN_TARGET_BLOCKS_ENV}={v:?}: expected an integer in 1..=1048576")
+                    format!("{ATTN_TARGET_BLOCKS_ENV}={v:?}: expected an integer in 1..=4096")
                 })?;
         }
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
@@ -398,7 +398,13 @@ mod tests {
         let t = Tuning::from_lookup(env("128", "BATON_GEMV_T1_U=2")).unwrap();
         assert_eq!(t.attn_target_blocks, 128);
         assert_eq!(t.kernel_defines, vec!["BATON_GEMV_T1_U=2".to_string()]);
-        for (a, k) in [("0", ""), ("-3", ""), ("many", ""), ("", "T1_U=2")] {
+        for (a, k) in [
+            ("0", ""),
+            ("-3", ""),
+            ("many", ""),
+            ("4097", ""),
+            ("", "T1_U=2"),
+        ] {
             let e = Tuning::from_lookup(env(a, k)).unwrap_err();
             assert!(e.starts_with("BATON_"), "{a:?} {k:?}: {e}");
         }

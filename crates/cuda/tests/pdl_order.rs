@@ -11,7 +11,14 @@
 //! The scan is textual: comments are stripped, functions are the top-level brace blocks of each
 //! file (macro bodies included), and a function's name is the identifier before its parameter
 //! list. Good enough for the style of `kernels/`; a kernel written otherwise fails loudly here
-//! rather than passing unchecked (an entry point with no body found is an error).
+//! rather than passing unchecked (an entry point the scan does not find is an error, and so is
+//! `griddepcontrol` outside the two macros).
+//!
+//! What it does not check: order by control flow (a wait under an `if` before an
+//! unconditional launch passes), member functions, and the other half of the rule, that
+//! nothing before the wait writes global memory or reads what the previous kernel wrote (the
+//! attention cp.async prologue and the GEMV's pre-wait loads are checked by review, and by the
+//! GPU's results).
 
 use baton_cuda::kernels::{kernel_entry_points, kernel_sources};
 
@@ -26,8 +33,27 @@ struct Function {
     body: String,
 }
 
-/// `src` without `//` and `/* */` comments (kernels hold no string literals with either).
+/// `src` without `//` and `/* */` comments (kernels hold no string literals with either), and
+/// with the PDL macros' spelling normalized (`BATON_PDL_WAIT ()` -> `BATON_PDL_WAIT()`).
 fn strip_comments(src: &str) -> String {
+    let mut s = strip_comments_only(src);
+    for m in ["BATON_PDL_WAIT", "BATON_PDL_LAUNCH"] {
+        loop {
+            let spaced = s.match_indices(m).find_map(|(i, _)| {
+                let rest = &s[i + m.len()..];
+                let gap = rest.len() - rest.trim_start().len();
+                (gap > 0 && rest.trim_start().starts_with('(')).then_some((i + m.len(), gap))
+            });
+            match spaced {
+                Some((at, gap)) => s.replace_range(at..at + gap, ""),
+                None => break,
+            }
+        }
+    }
+    s
+}
+
+fn strip_comments_only(src: &str) -> String {
     let b = src.as_bytes();
     let mut out = String::with_capacity(src.len());
     let mut i = 0;
@@ -212,6 +238,11 @@ fn every_kernel_waits_before_it_lets_its_dependents_launch() {
     let mut bad = Vec::new();
     for (file, src) in kernel_sources() {
         bad.extend(violations(file, src));
+        if strip_comments(src).contains("griddepcontrol") {
+            bad.push(format!(
+                "{file}: griddepcontrol outside BATON_PDL_WAIT / BATON_PDL_LAUNCH"
+            ));
+        }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
@@ -254,7 +285,7 @@ fn the_scan_rejects_a_launch_before_the_wait_and_an_entry_that_never_waits() {
 
     let second = "BATON_ENTRY void k(float* o) {\n    BATON_PDL_WAIT();\n    \
                   BATON_PDL_LAUNCH();\n    // BATON_PDL_WAIT() in a comment does not count\n    \
-                  BATON_PDL_LAUNCH();\n}\n";
+                  BATON_PDL_LAUNCH ();\n}\n";
     assert_eq!(violations("t.cu", second).len(), 1);
 
     let never = "#define E(D) \\\n    BATON_ENTRY void k_hd##D(float* o) { \\\n        \
