@@ -13,7 +13,7 @@ use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::{decode_floor_seconds, ModelShape};
 use baton_cuda::CudaWorker;
-use baton_model::{CpuModel, LlamaWeights, LoadFormat, ModelConfig, ModelDir};
+use baton_model::{CpuModel, LlamaWeights, LoadFormat, ModelConfig, ModelDir, ModelWeights};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
 use baton_worker::{Backend, CpuBackend, TableReader};
 use clap::{Args, ValueEnum};
@@ -365,10 +365,12 @@ fn load_config(a: &DecodeArgs) -> Result<ModelConfig> {
     }
 }
 
-fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<LlamaWeights> {
+fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<ModelWeights> {
     match (a.load_format, &a.model) {
-        (LoadFormatArg::Dummy, _) => Ok(LlamaWeights::dummy(cfg, a.seed)),
-        (LoadFormatArg::Auto, Some(dir)) => Ok(ModelDir::new(dir).load(LoadFormat::Auto)?.weights),
+        (LoadFormatArg::Dummy, _) => Ok(LlamaWeights::dummy(cfg, a.seed).into()),
+        (LoadFormatArg::Auto, Some(dir)) => {
+            Ok(ModelDir::new(dir).load_mapped(LoadFormat::Auto)?.weights)
+        }
         (LoadFormatArg::Auto, None) => bail!("--config needs --load-format dummy"),
     }
 }
@@ -432,7 +434,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     avail as f64 / (1u64 << 30) as f64
                 );
             }
-            let m = CpuModel::try_new(cfg, weights)?;
+            let m = CpuModel::try_new(cfg.clone(), weights.into_host(&cfg)?)?;
             let b = CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
             (
                 Bench::Cpu(Box::new(b)),

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use baton_cuda::{CudaWorker, CudaWorkerOptions, Dtype, KvBlocks, Tuning};
-use baton_model::{LlamaWeights, ModelConfig};
+use baton_model::{ModelConfig, ModelWeights};
 use clap::Args;
 
 /// Flags of `--device cuda` (vLLM's names).
@@ -132,7 +132,7 @@ pub fn check_cuda_device(a: &CudaArgs) -> Result<()> {
 /// Every [`baton_cuda::CudaWorkerError`], with context.
 pub fn build_cuda(
     cfg: ModelConfig,
-    weights: LlamaWeights,
+    weights: impl Into<ModelWeights>,
     a: &CudaArgs,
     s: CudaSizes,
 ) -> Result<CudaWorker> {

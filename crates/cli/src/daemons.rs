@@ -173,13 +173,13 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 LoadFormatArg::Auto => LoadFormat::Auto,
                 LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
             };
-            Some((dir.clone(), ModelDir::new(&dir).load(format)?))
+            Some((dir.clone(), ModelDir::new(&dir).load_mapped(format)?))
         }
     };
     let (segment, limits) = daemon::attach(&a.instance, wait)?;
     match (a.device, loaded) {
         (Device::Cpu, Some((dir, loaded))) => {
-            let (mut model, _) = loaded.into_cpu_model();
+            let (mut model, _) = loaded.into_cpu_model()?;
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;

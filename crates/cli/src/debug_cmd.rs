@@ -9,7 +9,8 @@ use anyhow::{bail, Context, Result};
 use baton_cuda::executor::RowInput;
 use baton_cuda::CudaWorker;
 use baton_model::{
-    CpuModel, ForwardRow, LlamaWeights, LoadFormat, ModelConfig, ModelDir, PagedKvCache,
+    CpuModel, ForwardRow, LlamaWeights, LoadFormat, ModelConfig, ModelDir, ModelWeights,
+    PagedKvCache,
 };
 use baton_proto::SamplingParams;
 use baton_scheduler::{Event, NewRequest, SchedulerConfig};
@@ -89,11 +90,11 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
 
 /// Builds the worker a check runs on, from the model and the sizes the check needs: the CUDA
 /// device from the flags, or (in tests) the host emulator.
-pub type BuildWorker<'a> = dyn Fn(ModelConfig, LlamaWeights, CudaSizes) -> Result<CudaWorker> + 'a;
+pub type BuildWorker<'a> = dyn Fn(ModelConfig, ModelWeights, CudaSizes) -> Result<CudaWorker> + 'a;
 
 /// A builder on the CUDA device with graphs off (the comparisons dump per-layer outputs, which
 /// graphs cannot).
-fn eager(a: &CudaArgs) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> Result<CudaWorker> + '_ {
+fn eager(a: &CudaArgs) -> impl Fn(ModelConfig, ModelWeights, CudaSizes) -> Result<CudaWorker> + '_ {
     move |c, w, s| {
         let mut args = a.clone();
         args.enforce_eager = true;
@@ -164,7 +165,8 @@ pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
         .iter()
         .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
         .collect();
-    let loaded = ModelDir::new(model).load(LoadFormat::Auto)?;
+    // Mapped: the worker reads the checkpoint in its stored dtype, as generate and serve do.
+    let loaded = ModelDir::new(model).load_mapped(LoadFormat::Auto)?;
     let cfg = loaded.config.clone();
     let eos = loaded.eos_token_ids();
     let sched = SchedulerConfig {
@@ -347,7 +349,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
         max_rows: 8,
         max_model_len: 2048.min(cfg.max_position_embeddings),
     };
-    let mut gpu = build(cfg, weights, sizes)?;
+    let mut gpu = build(cfg, weights.into(), sizes)?;
     let steps: Vec<Step> = if layers {
         let (s1, s2) = mixed_steps(vocab, &a.prompt_ids);
         let s3 = decode_step(&s2, vocab);

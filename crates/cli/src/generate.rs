@@ -189,7 +189,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.device == GenDevice::Cuda {
         check_cuda_device(&a.cuda)?;
     }
-    let mut loaded = ModelDir::new(&a.model).load(format)?;
+    // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.
+    let mut loaded = ModelDir::new(&a.model).load_mapped(format)?;
     let eos = loaded.eos_token_ids();
     let mut cfg = a
         .engine
@@ -200,7 +201,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     )?;
     match a.device {
         GenDevice::Cpu => {
-            let (mut model, _) = loaded.into_cpu_model();
+            let (mut model, _) = loaded.into_cpu_model()?;
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;

@@ -20,7 +20,7 @@ use baton::engine::LocalEngine;
 use baton::generate::LoadFormatArg;
 use baton_cuda::{CudaWorker, Dtype};
 use baton_cuda_emu::EmuDevice;
-use baton_model::{LlamaWeights, ModelConfig, ModelDir};
+use baton_model::{LlamaWeights, ModelConfig, ModelDir, ModelWeights};
 use baton_scheduler::SchedulerConfig;
 use common::*;
 use std::sync::{Arc, Mutex};
@@ -34,7 +34,7 @@ fn emu(
     dtype: Dtype,
     enforce_eager: bool,
     last: &Mutex<Option<Arc<EmuDevice>>>,
-) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
+) -> impl Fn(ModelConfig, ModelWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
     emu_with(
         CudaArgs {
             dtype,
@@ -49,7 +49,7 @@ fn emu(
 fn emu_with(
     args: CudaArgs,
     last: &Mutex<Option<Arc<EmuDevice>>>,
-) -> impl Fn(ModelConfig, LlamaWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
+) -> impl Fn(ModelConfig, ModelWeights, CudaSizes) -> anyhow::Result<CudaWorker> + '_ {
     move |cfg, weights, sizes| {
         let dev = Arc::new(EmuDevice::new(args.dtype, EMU_MEMORY));
         *last.lock().unwrap() = Some(dev.clone());
@@ -183,7 +183,8 @@ fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
             max_model_len: sched.max_model_len,
         };
         let last = Mutex::new(None);
-        let w = emu(Dtype::Bf16, false, &last)(loaded.config, loaded.weights, sizes).unwrap();
+        let w =
+            emu(Dtype::Bf16, false, &last)(loaded.config, loaded.weights.into(), sizes).unwrap();
         LocalEngine::new(sched.clone(), w)
     };
     let prompt = goldens()[0].prompt_ids.clone();
@@ -257,7 +258,7 @@ fn bench_decode_case(
         no_fused_decode: !fused,
         ..CudaArgs::default()
     };
-    let mut w = emu_with(args, &last)(cfg.clone(), weights, sizes).unwrap();
+    let mut w = emu_with(args, &last)(cfg.clone(), weights.into(), sizes).unwrap();
     let dev = last.lock().unwrap().take().unwrap();
     let tables = BenchTables::new(cfg.vocab_size, pages);
     let mut seq = 0;
@@ -328,7 +329,7 @@ fn emu_engine(
         max_rows: sched.max_num_seqs,
         max_model_len: sched.max_model_len,
     };
-    let w = emu(dtype, enforce_eager, last)(loaded.config, loaded.weights, sizes).unwrap();
+    let w = emu(dtype, enforce_eager, last)(loaded.config, loaded.weights.into(), sizes).unwrap();
     LocalEngine::new(sched.clone(), w)
 }
 
@@ -470,4 +471,92 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
             assert!(dev.graph_launches() > 0, "no decode graph was replayed");
         }
     }
+}
+
+/// A copy of stories260K in `dir` with every tensor stored as `dtype` (converted from the f32
+/// checkpoint, rounded to nearest even), the other files copied as they are.
+fn stored_as(dtype: safetensors::Dtype, dir: &std::path::Path) {
+    use safetensors::tensor::{serialize_to_file, TensorView};
+    let src = model_dir();
+    std::fs::create_dir_all(dir).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "json") {
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+            let data: Vec<u8> = t
+                .data()
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    match dtype {
+                        safetensors::Dtype::BF16 => half::bf16::from_f32(x).to_le_bytes().to_vec(),
+                        safetensors::Dtype::F16 => half::f16::from_f32(x).to_le_bytes().to_vec(),
+                        _ => x.to_le_bytes().to_vec(),
+                    }
+                })
+                .collect();
+            (name, t.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = converted
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap()))
+        .collect();
+    serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn a_mapped_checkpoint_puts_the_same_bits_on_the_device_as_the_f32_load() {
+    use safetensors::Dtype as S;
+    let root = std::env::temp_dir().join(format!("baton-mapped-{}", std::process::id()));
+    for stored in [S::F32, S::BF16, S::F16] {
+        let dir = root.join(format!("{stored:?}"));
+        stored_as(stored, &dir);
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let last = Mutex::new(None);
+            let build = emu(dtype, true, &last);
+            let sizes = CudaSizes {
+                block_size: 16,
+                num_blocks: Some(8),
+                max_tokens: 64,
+                max_rows: 4,
+                max_model_len: 128,
+            };
+            let mapped = ModelDir::new(&dir)
+                .load_mapped(baton_model::LoadFormat::Auto)
+                .unwrap();
+            assert!(
+                matches!(mapped.weights, ModelWeights::Mapped(_)),
+                "safetensors stay mapped"
+            );
+            let a = build(mapped.config, mapped.weights, sizes)
+                .unwrap()
+                .download_weights()
+                .unwrap();
+            let host = ModelDir::new(&dir)
+                .load(baton_model::LoadFormat::Auto)
+                .unwrap();
+            let b = build(host.config, host.weights.into(), sizes)
+                .unwrap()
+                .download_weights()
+                .unwrap();
+            assert_eq!(a.len(), b.len());
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert!(
+                first.is_none(),
+                "stored {stored:?}, device {dtype:?}: first differing byte {first:?}"
+            );
+            assert!(a.iter().any(|&x| x != 0), "nothing was uploaded");
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
 }

@@ -39,7 +39,7 @@ use crate::plan::{
 use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
 };
-use baton_model::{LlamaWeights, ModelConfig, Tensor};
+use baton_model::{LlamaWeights, ModelConfig, ModelWeights, RawTensor, Tensor};
 use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
 use baton_worker::penalty::{PenaltyEntry, PenaltyHistories};
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
@@ -418,6 +418,76 @@ pub fn to_device_bytes(v: &[f32], dtype: Dtype) -> Vec<u8> {
     out
 }
 
+/// One tensor of a device weight group: f32 in host memory, or a stored tensor in the map.
+#[derive(Clone, Copy)]
+enum WeightPart<'a> {
+    F32(&'a Tensor),
+    Raw(RawTensor<'a>),
+}
+
+impl WeightPart<'_> {
+    fn len(&self) -> usize {
+        match self {
+            WeightPart::F32(t) => t.data.len(),
+            WeightPart::Raw(r) => r.bytes.len() / r.dtype.size(),
+        }
+    }
+}
+
+/// The parts of a weight group, back to back, as device `dtype` bytes. A stored tensor of
+/// the device's own type is copied as is; anything else goes through f32, exactly as
+/// [`to_device_bytes`] rounds (so a checkpoint gives the device the same bits whether it was
+/// converted to f32 on the host first or not).
+fn group_device_bytes(parts: &[WeightPart<'_>], dtype: Dtype) -> Vec<u8> {
+    let es = dtype.size();
+    let mut out = vec![0u8; parts.iter().map(|p| p.len() * es).sum()];
+    let mut at = 0;
+    for p in parts {
+        let n = p.len() * es;
+        let dst = &mut out[at..at + n];
+        match p {
+            WeightPart::F32(t) => dst.copy_from_slice(&to_device_bytes(&t.data, dtype)),
+            WeightPart::Raw(r) => raw_to_device_bytes(r, dtype, dst),
+        }
+        at += n;
+    }
+    out
+}
+
+/// Writes stored tensor `r` into `dst` (`r`'s element count times `dtype.size()` bytes) as
+/// device `dtype` elements: a plain copy when the types match, else each element through f32
+/// (exact from f16 and bf16) and rounded to nearest even, in parallel chunks.
+pub fn raw_to_device_bytes(r: &RawTensor<'_>, dtype: Dtype, dst: &mut [u8]) {
+    use baton_model::DType as S;
+    use rayon::prelude::*;
+    let same = matches!(
+        (r.dtype, dtype),
+        (S::F32, Dtype::F32) | (S::BF16, Dtype::Bf16) | (S::F16, Dtype::F16)
+    );
+    if same {
+        dst.copy_from_slice(r.bytes);
+        return;
+    }
+    const CHUNK: usize = 1 << 16;
+    let (ss, es) = (r.dtype.size(), dtype.size());
+    dst.par_chunks_mut(CHUNK * es)
+        .zip(r.bytes.par_chunks(CHUNK * ss))
+        .for_each(|(o, x)| {
+            for (o, x) in o.chunks_exact_mut(es).zip(x.chunks_exact(ss)) {
+                let f = match r.dtype {
+                    S::F32 => f32::from_le_bytes([x[0], x[1], x[2], x[3]]),
+                    S::F16 => half::f16::from_le_bytes([x[0], x[1]]).to_f32(),
+                    S::BF16 => half::bf16::from_le_bytes([x[0], x[1]]).to_f32(),
+                };
+                match dtype {
+                    Dtype::F32 => o.copy_from_slice(&f.to_le_bytes()),
+                    Dtype::Bf16 => o.copy_from_slice(&half::bf16::from_f32(f).to_le_bytes()),
+                    Dtype::F16 => o.copy_from_slice(&half::f16::from_f32(f).to_le_bytes()),
+                }
+            }
+        });
+}
+
 /// Converts device element bytes back to f32 (for debug dumps).
 pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
     match dtype {
@@ -615,7 +685,7 @@ impl CudaWorker {
     /// shape the kernels do not support, not enough device memory.
     pub fn new(
         cfg: ModelConfig,
-        weights: LlamaWeights,
+        weights: impl Into<ModelWeights>,
         opts: CudaWorkerOptions,
     ) -> Result<Self, CudaWorkerError> {
         check_shape(&cfg)?;
@@ -636,7 +706,7 @@ impl CudaWorker {
     pub fn with_device(
         dev: Arc<dyn Device>,
         cfg: ModelConfig,
-        weights: LlamaWeights,
+        weights: impl Into<ModelWeights>,
         opts: CudaWorkerOptions,
     ) -> Result<Self, CudaWorkerError> {
         check_shape(&cfg)?;
@@ -647,37 +717,87 @@ impl CudaWorker {
 
         // Weights: one allocation, tensors at 256-byte aligned offsets.
         let es = dtype.size();
-        let LlamaWeights {
-            embed,
-            layers,
-            norm,
-            lm_head,
-        } = weights;
         let wl = WeightLayout::new(&cfg, es);
         let (embed_off, norm_off, head_off) = (wl.embed, wl.norm, wl.head);
         let layer_offs = wl.layers;
         let weight_bytes = wl.total;
         let wbuf = alloc(weight_bytes)?;
-        let upload = |o: usize, parts: &[&Tensor]| -> Result<(), CudaWorkerError> {
-            let mut v: Vec<f32> = Vec::new();
-            for p in parts {
-                v.extend_from_slice(&p.data);
+        // One device group (a tensor, or fused q|k|v and gate|up) at a time: peak host memory
+        // is one group in the device dtype, plus the f32 weights when they came that way.
+        let upload = |o: usize, parts: &[WeightPart<'_>]| -> Result<(), CudaWorkerError> {
+            let bytes = group_device_bytes(parts, dtype);
+            if o + bytes.len() > weight_bytes {
+                return Err(CudaWorkerError::Unsupported(format!(
+                    "weight group at byte {o} ({} bytes) overruns the {weight_bytes}-byte layout",
+                    bytes.len()
+                )));
             }
-            let bytes = to_device_bytes(&v, dtype);
-            // SAFETY: `o + bytes.len()` lies inside the weight allocation (offsets were laid
-            // out above from the same element counts).
+            // SAFETY: `o + bytes.len()` lies inside the weight allocation (checked above).
             unsafe { dev.copy_htod(wbuf.at(o), &bytes) }
         };
-        upload(embed_off, &[&embed])?;
-        drop(embed);
-        let mut layer_ptrs = Vec::with_capacity(layers.len());
-        for (l, offs) in layers.into_iter().zip(&layer_offs) {
-            upload(offs[0], &[&l.input_layernorm])?;
-            upload(offs[1], &[&l.q_proj, &l.k_proj, &l.v_proj])?;
-            upload(offs[2], &[&l.o_proj])?;
-            upload(offs[3], &[&l.post_attention_layernorm])?;
-            upload(offs[4], &[&l.gate_proj, &l.up_proj])?;
-            upload(offs[5], &[&l.down_proj])?;
+        // Per layer, in `layer_tensor_shapes` order (input norm, q, k, v, o, post norm, gate,
+        // up, down), the fused device groups.
+        const GROUPS: [&[usize]; 6] = [&[0], &[1, 2, 3], &[4], &[5], &[6, 7], &[8]];
+        match weights.into() {
+            ModelWeights::Host(w) => {
+                let LlamaWeights {
+                    embed,
+                    layers,
+                    norm,
+                    lm_head,
+                } = w;
+                upload(embed_off, &[WeightPart::F32(&embed)])?;
+                drop(embed);
+                for (l, offs) in layers.into_iter().zip(&layer_offs) {
+                    let t = [
+                        &l.input_layernorm,
+                        &l.q_proj,
+                        &l.k_proj,
+                        &l.v_proj,
+                        &l.o_proj,
+                        &l.post_attention_layernorm,
+                        &l.gate_proj,
+                        &l.up_proj,
+                        &l.down_proj,
+                    ];
+                    for (g, &o) in GROUPS.iter().zip(offs) {
+                        let parts: Vec<_> = g.iter().map(|&i| WeightPart::F32(t[i])).collect();
+                        upload(o, &parts)?;
+                    }
+                }
+                upload(norm_off, &[WeightPart::F32(&norm)])?;
+                upload(head_off, &[WeightPart::F32(&lm_head)])?;
+            }
+            ModelWeights::Mapped(src) => {
+                let model_err = |e: baton_model::ModelError| {
+                    CudaWorkerError::Unsupported(format!("reading weights: {e}"))
+                };
+                let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+                let raw = |n: &str, s: &[usize]| src.get_shaped(n, s).map_err(model_err);
+                upload(
+                    embed_off,
+                    &[WeightPart::Raw(raw("model.embed_tokens.weight", &[v, h])?)],
+                )?;
+                for (i, offs) in layer_offs.iter().enumerate() {
+                    let t = baton_model::weights::layer_tensor_shapes(&cfg, i)
+                        .iter()
+                        .map(|(n, s)| raw(n, s))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for (g, &o) in GROUPS.iter().zip(offs) {
+                        let parts: Vec<_> = g.iter().map(|&i| WeightPart::Raw(t[i])).collect();
+                        upload(o, &parts)?;
+                    }
+                }
+                upload(
+                    norm_off,
+                    &[WeightPart::Raw(raw("model.norm.weight", &[h])?)],
+                )?;
+                let head = src.lm_head_name(&cfg).map_err(model_err)?;
+                upload(head_off, &[WeightPart::Raw(raw(head, &[v, h])?)])?;
+            }
+        }
+        let mut layer_ptrs = Vec::with_capacity(layer_offs.len());
+        for offs in &layer_offs {
             layer_ptrs.push(LayerPtrs {
                 input_norm: wbuf.at(offs[0]),
                 qkv: wbuf.at(offs[1]),
@@ -687,9 +807,6 @@ impl CudaWorker {
                 down: wbuf.at(offs[5]),
             });
         }
-        upload(norm_off, &[&norm])?;
-        upload(head_off, &[&lm_head])?;
-        drop(lm_head);
         let inv = cfg.rope_inv_freq();
         let inv_freq = alloc(4 * inv.len())?;
         let inv_bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -858,6 +975,21 @@ impl CudaWorker {
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// Debug hook: the whole weight allocation copied back ([`CudaWorker::weight_bytes`]
+    /// bytes: every tensor in the device dtype at its layout offset, padding zeroed), to check
+    /// that two ways of loading a model put the same bits on the device.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn download_weights(&self) -> Result<Vec<u8>, WorkerError> {
+        self.bind().map_err(dev_err)?;
+        let mut host = vec![0u8; self.weight_bytes];
+        // SAFETY: the weight allocation holds `weight_bytes` bytes; the stream is idle after
+        // construction or a completed launch, and nothing writes weights after start-up.
+        unsafe { self.dev.copy_dtoh(&mut host, self._weights.ptr) }.map_err(dev_err)?;
+        Ok(host)
     }
 
     /// The element type.

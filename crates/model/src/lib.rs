@@ -18,7 +18,9 @@ pub use config::{GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
 pub use tokenizer::Tokenizer;
-pub use weights::{DType, LayerWeights, LlamaWeights, RawTensor, Tensor, WeightSource};
+pub use weights::{
+    DType, LayerWeights, LlamaWeights, ModelWeights, RawTensor, Tensor, WeightSource,
+};
 
 use std::path::{Path, PathBuf};
 
@@ -76,6 +78,78 @@ impl ModelDir {
     pub fn load(&self, format: LoadFormat) -> Result<LoadedModel, ModelError> {
         load_model_dir_with(&self.root, format)
     }
+
+    /// Loads everything as [`ModelDir::load`] does, except that safetensors weights stay
+    /// memory-mapped ([`ModelWeights::Mapped`], checked but not converted) for a device
+    /// backend to read in their stored dtype. Dummy weights are generated in f32 as before.
+    ///
+    /// # Errors
+    /// As [`load_model_dir_with`].
+    pub fn load_mapped(&self, format: LoadFormat) -> Result<MappedModel, ModelError> {
+        let (config, generation_config, tokenizer) = load_meta(&self.root, format)?;
+        let weights = match format {
+            LoadFormat::Auto => {
+                let src = WeightSource::open(&self.root)?;
+                src.check_llama(&config)?;
+                ModelWeights::Mapped(src)
+            }
+            LoadFormat::Dummy { seed } => ModelWeights::Host(LlamaWeights::dummy(&config, seed)),
+        };
+        Ok(MappedModel {
+            config,
+            generation_config,
+            tokenizer,
+            weights,
+        })
+    }
+}
+
+/// A model directory loaded for a device backend ([`ModelDir::load_mapped`]).
+#[derive(Debug)]
+pub struct MappedModel {
+    /// Parsed config.json.
+    pub config: ModelConfig,
+    /// Parsed generation_config.json (default when absent).
+    pub generation_config: GenerationConfig,
+    /// The tokenizer; always `Some` for [`LoadFormat::Auto`].
+    pub tokenizer: Option<Tokenizer>,
+    /// Mapped safetensors, or f32 dummy weights.
+    pub weights: ModelWeights,
+}
+
+impl MappedModel {
+    /// Builds the CPU model (converting mapped weights to f32), consuming the weights.
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::load`].
+    pub fn into_cpu_model(self) -> Result<(CpuModel, Option<Tokenizer>), ModelError> {
+        let weights = self.weights.into_host(&self.config)?;
+        Ok((CpuModel::new(self.config, weights), self.tokenizer))
+    }
+
+    /// Stop token ids, as [`LoadedModel::eos_token_ids`].
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        eos_token_ids(
+            &self.generation_config,
+            &self.config,
+            self.tokenizer.as_ref(),
+        )
+    }
+}
+
+/// generation_config's `eos_token_id`s, else config.json's, else the tokenizer's EOS.
+fn eos_token_ids(
+    generation_config: &GenerationConfig,
+    config: &ModelConfig,
+    tokenizer: Option<&Tokenizer>,
+) -> Vec<u32> {
+    if !generation_config.eos_token_ids.is_empty() {
+        return generation_config.eos_token_ids.clone();
+    }
+    if !config.eos_token_ids.is_empty() {
+        return config.eos_token_ids.clone();
+    }
+    tokenizer.and_then(Tokenizer::eos_id).into_iter().collect()
 }
 
 /// A loaded model directory.
@@ -95,17 +169,11 @@ impl LoadedModel {
     /// Stop token ids: generation_config's `eos_token_id`s, else config.json's, else the
     /// tokenizer's EOS.
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        if !self.generation_config.eos_token_ids.is_empty() {
-            return self.generation_config.eos_token_ids.clone();
-        }
-        if !self.config.eos_token_ids.is_empty() {
-            return self.config.eos_token_ids.clone();
-        }
-        self.tokenizer
-            .as_ref()
-            .and_then(Tokenizer::eos_id)
-            .into_iter()
-            .collect()
+        eos_token_ids(
+            &self.generation_config,
+            &self.config,
+            self.tokenizer.as_ref(),
+        )
     }
 
     /// Builds the CPU model, consuming the weights.
@@ -129,6 +197,25 @@ pub fn load_model_dir(path: impl AsRef<Path>) -> Result<LoadedModel, ModelError>
 /// unsupported architecture/model_type/features, missing tensors, wrong shapes, unsupported
 /// dtypes, inconsistent shard index, tokenizer failures. Never panics on bad input.
 pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedModel, ModelError> {
+    let (config, generation_config, tokenizer) = load_meta(path, format)?;
+    let weights = match format {
+        LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open(path)?)?,
+        LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
+    };
+    Ok(LoadedModel {
+        config,
+        generation_config,
+        tokenizer,
+        weights,
+    })
+}
+
+/// config.json, generation_config.json (default when absent) and the tokenizer (required for
+/// [`LoadFormat::Auto`], loaded when present otherwise).
+fn load_meta(
+    path: &Path,
+    format: LoadFormat,
+) -> Result<(ModelConfig, GenerationConfig, Option<Tokenizer>), ModelError> {
     let dir = ModelDir::new(path);
     let config = ModelConfig::from_file(&dir.config_path())?;
     let gen_path = dir.generation_config_path();
@@ -149,14 +236,5 @@ pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedMode
     } else {
         None
     };
-    let weights = match format {
-        LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open(path)?)?,
-        LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
-    };
-    Ok(LoadedModel {
-        config,
-        generation_config,
-        tokenizer,
-        weights,
-    })
+    Ok((config, generation_config, tokenizer))
 }

@@ -348,11 +348,11 @@ impl WeightSource {
         })
     }
 
-    /// Loads a tensor as f32 after checking its shape.
+    /// A stored tensor after checking its shape.
     ///
     /// # Errors
     /// As [`WeightSource::get`], plus [`ModelError::ShapeMismatch`].
-    pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
+    pub fn get_shaped(&self, name: &str, expected: &[usize]) -> Result<RawTensor<'_>, ModelError> {
         let raw = self.get(name)?;
         if raw.shape != expected {
             return Err(ModelError::ShapeMismatch {
@@ -362,7 +362,107 @@ impl WeightSource {
                 found: raw.shape.to_vec(),
             });
         }
-        Ok(raw.to_f32())
+        Ok(raw)
+    }
+
+    /// Loads a tensor as f32 after checking its shape.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get_shaped`].
+    pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
+        Ok(self.get_shaped(name, expected)?.to_f32())
+    }
+
+    /// Fails with [`ModelError::ExtraLayers`] when `src` holds a layer index past `cfg`'s: the
+    /// two describe different models, and the forward pass would run fewer layers than
+    /// trained and produce fluent garbage.
+    ///
+    /// # Errors
+    /// [`ModelError::ExtraLayers`].
+    pub fn check_layer_count(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let extra = self.tensor_names().find(|n| {
+            n.strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+                .is_some_and(|i| i >= cfg.num_hidden_layers)
+        });
+        match extra {
+            Some(tensor) => Err(ModelError::ExtraLayers {
+                file: self.origin.display().to_string(),
+                tensor: tensor.to_owned(),
+                layers: cfg.num_hidden_layers,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Name of the tensor holding the LM head, `[vocab, hidden]`: `lm_head.weight` when
+    /// stored, else (tied embeddings) `model.embed_tokens.weight`.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`] for an untied model without `lm_head.weight` (HF would
+    /// leave it randomly initialised; we refuse instead).
+    pub fn lm_head_name(&self, cfg: &ModelConfig) -> Result<&'static str, ModelError> {
+        if self.contains("lm_head.weight") {
+            Ok("lm_head.weight")
+        } else if cfg.tie_word_embeddings {
+            Ok("model.embed_tokens.weight")
+        } else {
+            Err(ModelError::MissingTensor {
+                file: self.origin.display().to_string(),
+                tensor: "lm_head.weight".into(),
+            })
+        }
+    }
+
+    /// Checks everything [`LlamaWeights::load`] checks (no extra layers; every tensor present,
+    /// of a supported dtype, with its shape) without converting anything: a device backend
+    /// then reads each tensor from the map in its stored dtype.
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::load`].
+    pub fn check_llama(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        self.check_layer_count(cfg)?;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        self.get_shaped("model.embed_tokens.weight", &[v, h])?;
+        for i in 0..cfg.num_hidden_layers {
+            for (n, s) in layer_tensor_shapes(cfg, i) {
+                self.get_shaped(&n, &s)?;
+            }
+        }
+        self.get_shaped("model.norm.weight", &[h])?;
+        self.get_shaped(self.lm_head_name(cfg)?, &[v, h])?;
+        Ok(())
+    }
+}
+
+/// A model's weights as a backend takes them.
+#[derive(Debug)]
+pub enum ModelWeights {
+    /// f32 tensors in host memory (dummy weights; what the CPU backend runs on).
+    Host(LlamaWeights),
+    /// Memory-mapped safetensors, checked by [`WeightSource::check_llama`]: a device backend
+    /// converts each tensor straight from its stored dtype, so a bf16 checkpoint never exists
+    /// as f32 in host memory (32 GB for an 8B model).
+    Mapped(WeightSource),
+}
+
+impl From<LlamaWeights> for ModelWeights {
+    fn from(w: LlamaWeights) -> Self {
+        ModelWeights::Host(w)
+    }
+}
+
+impl ModelWeights {
+    /// The weights as f32 tensors (converting mapped ones: [`LlamaWeights::load`]).
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::load`].
+    pub fn into_host(self, cfg: &ModelConfig) -> Result<LlamaWeights, ModelError> {
+        match self {
+            ModelWeights::Host(w) => Ok(w),
+            ModelWeights::Mapped(src) => LlamaWeights::load(cfg, &src),
+        }
     }
 }
 
@@ -396,21 +496,7 @@ impl LlamaWeights {
     /// [`ModelError::MissingTensor`], [`ModelError::ShapeMismatch`],
     /// [`ModelError::UnsupportedDtype`] naming the file and tensor.
     pub fn load(cfg: &ModelConfig, src: &WeightSource) -> Result<Self, ModelError> {
-        // A layer index past the config's means the two describe different models: the
-        // forward pass would run fewer layers than trained and produce fluent garbage.
-        let extra = src.tensor_names().find(|n| {
-            n.strip_prefix("model.layers.")
-                .and_then(|rest| rest.split('.').next())
-                .and_then(|i| i.parse::<usize>().ok())
-                .is_some_and(|i| i >= cfg.num_hidden_layers)
-        });
-        if let Some(tensor) = extra {
-            return Err(ModelError::ExtraLayers {
-                file: src.origin.display().to_string(),
-                tensor: tensor.to_owned(),
-                layers: cfg.num_hidden_layers,
-            });
-        }
+        src.check_layer_count(cfg)?;
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
@@ -431,16 +517,9 @@ impl LlamaWeights {
             });
         }
         let norm = src.load_f32("model.norm.weight", &[h])?;
-        let lm_head = if src.contains("lm_head.weight") {
-            src.load_f32("lm_head.weight", &[v, h])?
-        } else if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            // HF would leave an untied head randomly initialised; refuse instead.
-            return Err(ModelError::MissingTensor {
-                file: src.origin.display().to_string(),
-                tensor: "lm_head.weight".into(),
-            });
+        let lm_head = match src.lm_head_name(cfg)? {
+            "lm_head.weight" => src.load_f32("lm_head.weight", &[v, h])?,
+            _ => embed.clone(),
         };
         Ok(LlamaWeights {
             embed,

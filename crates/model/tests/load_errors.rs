@@ -3,15 +3,22 @@
 
 mod common;
 
-use baton_model::{load_model_dir, load_model_dir_with, LoadFormat, ModelError};
+use baton_model::{load_model_dir, load_model_dir_with, LoadFormat, ModelDir, ModelError};
 use common::{edit_config, fake_dir, stories_tensors, write_safetensors, OwnedTensor, TempDir};
 use std::path::Path;
 
+/// The error of loading `dir`, which the mapped load (what a device backend uses) must report
+/// word for word too.
 fn err(dir: &Path) -> String {
-    match load_model_dir(dir) {
+    let e = match load_model_dir(dir) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
+    };
+    match ModelDir::new(dir).load_mapped(LoadFormat::Auto) {
+        Ok(_) => panic!("the mapped load of {} should fail", dir.display()),
+        Err(m) => assert_eq!(m.to_string(), e, "mapped and f32 loads disagree"),
     }
+    e
 }
 
 fn assert_mentions(msg: &str, parts: &[&str]) {
