@@ -22,19 +22,14 @@ set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-if [[ -n "${BATON:-}" ]]; then :
-elif [[ -x "$repo_root/.gpu/baton" ]]; then BATON="$repo_root/.gpu/baton"
-else BATON="$repo_root/target/release/baton"; fi
+# BATON, the CUDA library and include paths, LLAMA_1B, LLAMA_8B
+source "$repo_root/scripts/gpu-env.sh"
 [[ -x "$BATON" ]] || { echo "FAIL: no binary at $BATON (scripts/gpu-prepare.sh)"; exit 2; }
 RESULTS="${OUT:-$repo_root/gpu-ab-out}"
 mkdir -p "$RESULTS"
 RUNS="$(mktemp -d /tmp/gpu-ab.XXXXXX)" # every log and JSON; packed into $RESULTS at the end
 BUDGET="${GPU_AB_BUDGET:-300}"
 deadline=$((SECONDS + BUDGET - 5))
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export BATON_CUDA_INCLUDE="${BATON_CUDA_INCLUDE:-/usr/local/cuda/include}"
-# LLAMA_1B, LLAMA_8B
-source "$repo_root/scripts/llama-shapes.sh"
 
 default_variants='base|
 attn-128|BATON_ATTN_TARGET_BLOCKS=128

@@ -43,9 +43,8 @@ set -uo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-if [[ -n "${BATON:-}" ]]; then :
-elif [[ -x "$repo_root/.gpu/baton" ]]; then BATON="$repo_root/.gpu/baton"
-else BATON="$repo_root/target/release/baton"; fi
+# BATON, the CUDA library and include paths, LLAMA_1B, LLAMA_8B
+source "$repo_root/scripts/gpu-env.sh"
 if [[ -n "${BATON_TEST_MODEL:-}" ]]; then MODEL="$BATON_TEST_MODEL"
 elif [[ -d "$repo_root/.gpu/stories260K" ]]; then MODEL="$repo_root/.gpu/stories260K"
 else MODEL="$repo_root/../shared/models/stories260K"; fi
@@ -53,8 +52,6 @@ RESULTS="${OUT:-$repo_root/gpu-check-out}"
 OUT="$(mktemp -d /tmp/gpu-check.XXXXXX)" # every log and JSON; packed into $RESULTS at the end
 BUDGET="${GPU_CHECK_BUDGET:-470}"
 deadline=$((SECONDS + BUDGET - 15)) # keeps time for the summary and the tarball
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export BATON_CUDA_INCLUDE="${BATON_CUDA_INCLUDE:-/usr/local/cuda/include}"
 mkdir -p "$RESULTS"
 
 [[ -x "$BATON" ]] || { echo "FAIL: no binary at $BATON (scripts/gpu-prepare.sh)"; exit 2; }
@@ -83,9 +80,6 @@ run_check() { # name, per-check timeout (s), command...
     echo "$verdict $name (exit $rc, $((SECONDS - t0)) s, log $log)"
     results+=("$verdict $name ($((SECONDS - t0)) s)")
 }
-
-# LLAMA_1B, LLAMA_8B: the issue's dummy shapes (config.json text).
-source "$repo_root/scripts/llama-shapes.sh"
 
 # 0. Without CUDA in the environment the binary must fail cleanly (no panic).
 run_check 0-clean-error-without-libs 30 bash -c \

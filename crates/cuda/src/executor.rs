@@ -749,17 +749,7 @@ impl CudaWorker {
                 upload(embed_off, &[WeightPart::F32(&embed)])?;
                 drop(embed);
                 for (l, offs) in layers.into_iter().zip(&layer_offs) {
-                    let t = [
-                        &l.input_layernorm,
-                        &l.q_proj,
-                        &l.k_proj,
-                        &l.v_proj,
-                        &l.o_proj,
-                        &l.post_attention_layernorm,
-                        &l.gate_proj,
-                        &l.up_proj,
-                        &l.down_proj,
-                    ];
+                    let t = l.tensors();
                     for (g, &o) in GROUPS.iter().zip(offs) {
                         let parts: Vec<_> = g.iter().map(|&i| WeightPart::F32(t[i])).collect();
                         upload(o, &parts)?;

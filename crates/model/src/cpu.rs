@@ -387,18 +387,7 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
         ));
     }
     for (i, l) in w.layers.iter().enumerate() {
-        let tensors = [
-            &l.input_layernorm,
-            &l.q_proj,
-            &l.k_proj,
-            &l.v_proj,
-            &l.o_proj,
-            &l.post_attention_layernorm,
-            &l.gate_proj,
-            &l.up_proj,
-            &l.down_proj,
-        ];
-        for ((name, want), t) in layer_tensor_shapes(c, i).iter().zip(tensors) {
+        for ((name, want), t) in layer_tensor_shapes(c, i).iter().zip(l.tensors()) {
             mismatch(name, t, want)?;
         }
     }

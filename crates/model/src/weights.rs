@@ -61,6 +61,38 @@ pub struct LayerWeights {
     pub down_proj: Tensor,
 }
 
+impl LayerWeights {
+    /// The nine tensors in field order, which is [`layer_tensor_shapes`]'s order.
+    pub fn tensors(&self) -> [&Tensor; 9] {
+        [
+            &self.input_layernorm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.post_attention_layernorm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+
+    /// [`LayerWeights::tensors`], mutable.
+    pub fn tensors_mut(&mut self) -> [&mut Tensor; 9] {
+        [
+            &mut self.input_layernorm,
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.post_attention_layernorm,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
+    }
+}
+
 /// All weights of a Llama-family model as f32 host tensors.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaWeights {
@@ -534,17 +566,7 @@ impl LlamaWeights {
     pub fn map_values(&mut self, f: impl Fn(f32) -> f32) {
         let mut tensors = vec![&mut self.embed, &mut self.norm, &mut self.lm_head];
         for l in &mut self.layers {
-            tensors.extend([
-                &mut l.input_layernorm,
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-                &mut l.post_attention_layernorm,
-                &mut l.gate_proj,
-                &mut l.up_proj,
-                &mut l.down_proj,
-            ]);
+            tensors.extend(l.tensors_mut());
         }
         for t in tensors {
             t.data.iter_mut().for_each(|x| *x = f(*x));
