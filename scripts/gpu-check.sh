@@ -32,7 +32,8 @@
 #      prompt 128, gen 128, bf16, CUDA graphs; after each batch size a kernel-by-kernel
 #      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
 #      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare; 5d
-#      1B at batches 1 and 32 with --device-time (the host's share of a step);
+#      1B at batches 1 and 32 with --device-time (the host's share of a step); 5e 1B batch 1
+#      with sampled rows (temperature 0.8, top-p 0.95: the sampler's selection passes);
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
@@ -133,6 +134,13 @@ run_check 5d-bench-decode-1b-device-time 60 "$BATON" bench decode --device cuda 
     --load-format dummy --config "$LLAMA_1B" --batch 1,32 --prompt-len 128 --gen-len 64 \
     --dtype bf16 --device-time --out "$OUT/bench-decode-1b-device-time.json"
 
+# 5e. (diagnostic) the sampler's cost: 1B batch 1 with sampled rows (temperature 0.8, top-p
+#     0.95): the selection passes run over the whole 128256-token row in one block.
+run_check 5e-bench-decode-1b-sampled 60 "$BATON" bench decode --device cuda \
+    --load-format dummy --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 64 \
+    --dtype bf16 --temperature 0.8 --top-p 0.95 --device-time \
+    --out "$OUT/bench-decode-1b-sampled.json"
+
 # 6. (diagnostic, when ncu is there and time is left) each kernel's own GPU time in eager
 #    batch-1 decode steps of dummy 1B, from Nsight Compute: the --breakdown figures above
 #    include each launch's host-side cost.
@@ -172,7 +180,8 @@ for r in "${results[@]}"; do
 done
 echo "== decode benchmark (ms per step vs HBM floor)"
 grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5c-bench-decode-1b-unfused.log" \
-    "$OUT/5b-bench-decode-8b.log" "$OUT/5d-bench-decode-1b-device-time.log" 2>/dev/null
+    "$OUT/5b-bench-decode-8b.log" "$OUT/5d-bench-decode-1b-device-time.log" \
+    "$OUT/5e-bench-decode-1b-sampled.log" 2>/dev/null
 printf '%s\n' "${results[@]}" >"$RESULTS/summary.txt"
 tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" . && echo "logs and JSON: $RESULTS/gpu-check.tgz"
 exit $((failed > 0))

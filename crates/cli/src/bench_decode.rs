@@ -74,6 +74,17 @@ pub struct DecodeArgs {
     /// difference is host time per step.
     #[arg(long)]
     pub device_time: bool,
+    /// Sampling temperature of the decode rows (0: greedy, the default). With a temperature
+    /// the rows are sampled (seeded per sequence), so the step includes the sampler's
+    /// selection passes.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Top-k filter (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -242,7 +253,31 @@ pub struct BatchTiming {
     pub ctxs: Vec<usize>,
 }
 
-/// Runs one batch size on `target`: prefill, then `gen_len` decode steps, the first a warm-up.
+/// The decode rows' sampling parameters from `--temperature`, `--top-p` and `--top-k` (greedy
+/// by default; each sequence's seed is added to its slot).
+///
+/// # Errors
+/// A temperature that is negative or not finite, a top-p outside (0, 1].
+pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature {} must be finite and >= 0", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p {} must be in (0, 1]", a.top_p);
+    }
+    let top_k =
+        i32::try_from(a.top_k).map_err(|_| anyhow::anyhow!("--top-k {} is too large", a.top_k))?;
+    Ok(SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k,
+        seed: 1_000,
+        ..SamplingParams::greedy()
+    })
+}
+
+/// Runs one batch size on `target`: prefill, then `gen_len` decode steps (rows sampled with
+/// `params`, the seed offset by each row's slot), the first a warm-up.
 ///
 /// # Errors
 /// A backend failure.
@@ -256,6 +291,7 @@ pub fn measure_batch(
     gen_len: usize,
     block_size: usize,
     max_tokens: usize,
+    params: SamplingParams,
 ) -> Result<BatchTiming> {
     // Prefill whole prompts, rows packed up to the token capacity.
     let per_launch = (max_tokens / prompt_len.max(1)).max(1);
@@ -285,6 +321,10 @@ pub fn measure_batch(
             .map(|s| {
                 let mut r = row(s, pos, 1, block_size, true);
                 r.output_index = step as u32;
+                r.params = SamplingParams {
+                    seed: params.seed.wrapping_add(s as u64),
+                    ..params
+                };
                 if step > 0 {
                     r.pending_launch = *seq - 1;
                     r.pending_row = s as u32;
@@ -394,6 +434,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    let params = decode_params(a)?;
     if a.breakdown && a.device != BenchDevice::Cuda {
         bail!("--breakdown needs --device cuda");
     }
@@ -472,6 +513,14 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let tables = BenchTables::new(vocab, pages_per_seq);
     let mut seq = 0u64;
     let mut points = Vec::new();
+    let sampling = if params.temperature > 0.0 {
+        format!(
+            "sampled (temperature {}, top-p {}, top-k {})",
+            params.temperature, params.top_p, params.top_k
+        )
+    } else {
+        "greedy".to_owned()
+    };
     for &b in &a.batch {
         let BatchTiming {
             step_s,
@@ -486,6 +535,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             a.gen_len,
             a.block_size,
             max_tokens,
+            params,
         )?;
         let floor_s = ctxs
             .iter()
@@ -514,7 +564,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         });
     }
     println!(
-        "decode on {label}: prompt {} gen {}, copy bandwidth {:.1} GB/s, weights {:.2} GB",
+        "decode on {label}: prompt {} gen {}, {sampling}, copy bandwidth {:.1} GB/s, weights {:.2} GB",
         a.prompt_len,
         a.gen_len,
         bandwidth / 1e9,
@@ -566,6 +616,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             "device": label,
             "prompt_len": a.prompt_len,
             "gen_len": a.gen_len,
+            "sampling": sampling,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_bytes_per_step": shape.weight_elems_read_per_step() * elem_bytes,
             "points": points,

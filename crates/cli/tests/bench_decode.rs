@@ -168,3 +168,72 @@ fn cuda_only_flags_are_refused_on_the_cpu() {
         assert!(err.contains(needs), "{flag}: {err}");
     }
 }
+
+#[test]
+fn bad_sampling_flags_are_refused_before_loading() {
+    for (flags, needs) in [
+        (
+            &["--temperature", "-1"][..],
+            "--temperature -1 must be finite",
+        ),
+        (
+            &["--temperature", "NaN"][..],
+            "--temperature NaN must be finite",
+        ),
+        (&["--top-p", "0"][..], "--top-p 0 must be in (0, 1]"),
+        (&["--top-p", "1.5"][..], "--top-p 1.5 must be in (0, 1]"),
+    ] {
+        let o = baton()
+            .args(["bench", "decode", "--device", "cpu"])
+            .args(flags)
+            .args([
+                "--batch",
+                "1",
+                "--prompt-len",
+                "4",
+                "--gen-len",
+                "2",
+                "--model",
+            ])
+            .arg(model_dir())
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(needs), "{flags:?}: {err}");
+    }
+}
+
+#[test]
+fn a_sampled_cpu_decode_bench_reports_its_sampling() {
+    let o = baton()
+        .args([
+            "bench",
+            "decode",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0.8",
+            "--top-p",
+        ])
+        .args([
+            "0.9",
+            "--top-k",
+            "40",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--gen-len",
+        ])
+        .args(["3", "--model"])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("sampled (temperature 0.8, top-p 0.9, top-k 40)"),
+        "{out}"
+    );
+}

@@ -272,6 +272,7 @@ fn bench_decode_case(
         gen,
         bs,
         batch * prompt,
+        baton_proto::SamplingParams::greedy(),
     )
     .expect("decode steps through graphs and pending ids");
     assert!(timing.step_s > 0.0);
