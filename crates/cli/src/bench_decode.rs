@@ -82,9 +82,9 @@ pub struct DecodeArgs {
     /// Nucleus sampling mass (1: off).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
-    /// Top-k filter (0: off).
+    /// Top-k filter (0 or -1: off).
     #[arg(long, default_value_t = 0)]
-    pub top_k: u32,
+    pub top_k: i32,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -143,8 +143,8 @@ pub fn group_profile(profile: &[(String, f64)]) -> Vec<KernelTime> {
     by
 }
 
-/// Runs one decode launch of `batch` rows at position `pos` (ids from the tables) on `w` with
-/// profiling on, and returns its calls grouped by name.
+/// Runs one decode launch of `batch` rows at position `pos` (ids from the tables, rows sampled
+/// with `params`) on `w` with profiling on, and returns its calls grouped by name.
 ///
 /// # Errors
 /// A backend failure.
@@ -155,12 +155,19 @@ pub fn profile_decode_step(
     batch: usize,
     pos: usize,
     block_size: usize,
+    params: SamplingParams,
 ) -> Result<Vec<KernelTime>> {
     *seq += 1;
     let l = Launch {
         seq: *seq,
         rows: (0..batch)
-            .map(|s| row(s, pos, 1, block_size, true))
+            .map(|s| LaunchRow {
+                params: SamplingParams {
+                    seed: params.seed.wrapping_add(s as u64),
+                    ..params
+                },
+                ..row(s, pos, 1, block_size, true)
+            })
             .collect(),
     };
     w.set_profiling(true);
@@ -257,7 +264,7 @@ pub struct BatchTiming {
 /// by default; each sequence's seed is added to its slot).
 ///
 /// # Errors
-/// A temperature that is negative or not finite, a top-p outside (0, 1].
+/// A temperature that is negative or not finite, a top-p outside (0, 1], a top-k below -1.
 pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature {} must be finite and >= 0", a.temperature);
@@ -265,12 +272,13 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }
-    let top_k =
-        i32::try_from(a.top_k).map_err(|_| anyhow::anyhow!("--top-k {} is too large", a.top_k))?;
+    if a.top_k < -1 {
+        bail!("--top-k {} must be >= -1 (0 or -1: off)", a.top_k);
+    }
     Ok(SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,
-        top_k,
+        top_k: a.top_k,
         seed: 1_000,
         ..SamplingParams::greedy()
     })
@@ -550,6 +558,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 b,
                 a.prompt_len + a.gen_len - 1,
                 a.block_size,
+                params,
             )?,
             _ => Vec::new(),
         };

@@ -237,3 +237,18 @@ fn a_sampled_cpu_decode_bench_reports_its_sampling() {
         "{out}"
     );
 }
+
+#[test]
+fn a_top_k_below_minus_one_is_refused() {
+    let o = baton()
+        .args([
+            "bench", "decode", "--device", "cpu", "--top-k", "-2", "--batch", "1",
+        ])
+        .args(["--prompt-len", "4", "--gen-len", "2", "--model"])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--top-k -2 must be >= -1"), "{err}");
+}

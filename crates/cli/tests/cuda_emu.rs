@@ -283,7 +283,16 @@ fn bench_decode_case(
     assert_eq!(timing.ctxs.len(), gen - 1, "step 0 is the warm-up");
     w.set_step_timing(false).unwrap();
     assert!(dev.graphs() > 0);
-    let k = profile_decode_step(&mut w, &tables, &mut seq, batch, prompt + gen - 1, bs).unwrap();
+    let k = profile_decode_step(
+        &mut w,
+        &tables,
+        &mut seq,
+        batch,
+        prompt + gen - 1,
+        bs,
+        baton_proto::SamplingParams::greedy(),
+    )
+    .unwrap();
     let calls = |name: &str| k.iter().find(|x| x.name == name).map_or(0, |x| x.calls);
     if fused {
         // Per layer: QKV (norm prologue), O (+residual), gate_up (norm, SiLU), down
@@ -560,4 +569,27 @@ fn a_mapped_checkpoint_puts_the_same_bits_on_the_device_as_the_f32_load() {
         }
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn mapped_weights_are_checked_against_the_workers_own_config() {
+    let mapped = ModelDir::new(model_dir())
+        .load_mapped(baton_model::LoadFormat::Auto)
+        .unwrap();
+    // A config one layer short of the checkpoint (bench decode --config with --model).
+    let mut cfg = mapped.config.clone();
+    cfg.num_hidden_layers -= 1;
+    let last = Mutex::new(None);
+    let sizes = CudaSizes {
+        block_size: 16,
+        num_blocks: Some(8),
+        max_tokens: 64,
+        max_rows: 4,
+        max_model_len: 128,
+    };
+    let e = match emu(Dtype::F32, true, &last)(cfg, mapped.weights, sizes) {
+        Ok(_) => panic!("a checkpoint with an extra layer was accepted"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(e.contains("layer"), "{e}");
 }

@@ -455,11 +455,17 @@ fn group_device_bytes(parts: &[WeightPart<'_>], dtype: Dtype) -> Vec<u8> {
 }
 
 /// Writes stored tensor `r` into `dst` (`r`'s element count times `dtype.size()` bytes) as
-/// device `dtype` elements: a plain copy when the types match, else each element through f32
-/// (exact from f16 and bf16) and rounded to nearest even, in parallel chunks.
-pub fn raw_to_device_bytes(r: &RawTensor<'_>, dtype: Dtype, dst: &mut [u8]) {
+/// device `dtype` elements: a plain copy when the types match (NaN payloads kept as stored),
+/// else each element through f32 (exact from f16 and bf16) and rounded to nearest even, in
+/// parallel chunks.
+fn raw_to_device_bytes(r: &RawTensor<'_>, dtype: Dtype, dst: &mut [u8]) {
     use baton_model::DType as S;
     use rayon::prelude::*;
+    assert_eq!(
+        dst.len(),
+        r.bytes.len() / r.dtype.size() * dtype.size(),
+        "raw_to_device_bytes: destination size"
+    );
     let same = matches!(
         (r.dtype, dtype),
         (S::F32, Dtype::F32) | (S::BF16, Dtype::Bf16) | (S::F16, Dtype::F16)
@@ -762,6 +768,9 @@ impl CudaWorker {
                 let model_err = |e: baton_model::ModelError| {
                     CudaWorkerError::Unsupported(format!("reading weights: {e}"))
                 };
+                // Against this worker's config, which may not be the checkpoint's own (bench
+                // decode --config): every shape, and no extra layers.
+                src.check_llama(&cfg).map_err(model_err)?;
                 let (h, v) = (cfg.hidden_size, cfg.vocab_size);
                 let raw = |n: &str, s: &[usize]| src.get_shaped(n, s).map_err(model_err);
                 upload(

@@ -7,6 +7,21 @@ use baton_model::{load_model_dir, load_model_dir_with, LoadFormat, ModelDir, Mod
 use common::{edit_config, fake_dir, stories_tensors, write_safetensors, OwnedTensor, TempDir};
 use std::path::Path;
 
+/// The error of loading `dir` ([`ModelError`]), after checking that the mapped load (what a
+/// device backend uses) reports it word for word too.
+fn both(dir: &Path) -> ModelError {
+    let e = load_model_dir(dir).expect_err("loading should fail");
+    let m = ModelDir::new(dir)
+        .load_mapped(LoadFormat::Auto)
+        .expect_err("the mapped load should fail");
+    assert_eq!(
+        m.to_string(),
+        e.to_string(),
+        "mapped and f32 loads disagree"
+    );
+    e
+}
+
 /// The error of loading `dir`, which the mapped load (what a device backend uses) must report
 /// word for word too.
 fn err(dir: &Path) -> String {
@@ -162,7 +177,7 @@ fn missing_tensor_is_named_with_its_file() {
     let d = dir_with_tensors("notensor", |t| {
         t.retain(|x| x.0 != "model.layers.3.mlp.up_proj.weight")
     });
-    let e = load_model_dir(&d).unwrap_err();
+    let e = both(&d);
     assert!(matches!(e, ModelError::MissingTensor { .. }), "{e:?}");
     assert_mentions(
         &e.to_string(),
@@ -188,7 +203,7 @@ fn wrong_shape_names_tensor_expected_and_found() {
             .unwrap();
         k.2 = vec![64, 32];
     });
-    let e = load_model_dir(&d).unwrap_err();
+    let e = both(&d);
     assert!(matches!(e, ModelError::ShapeMismatch { .. }), "{e:?}");
     assert_mentions(
         &e.to_string(),
@@ -212,7 +227,7 @@ fn unsupported_dtypes_i32_and_f64_are_named() {
             n.1 = dtype;
             n.3 = vec![0u8; 64 * size];
         });
-        let e = load_model_dir(&d).unwrap_err();
+        let e = both(&d);
         assert!(matches!(e, ModelError::UnsupportedDtype { .. }), "{e:?}");
         assert_mentions(
             &e.to_string(),
