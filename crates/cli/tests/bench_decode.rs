@@ -143,65 +143,46 @@ fn a_batch_too_large_for_memory_is_refused_before_allocating() {
     assert!(err.contains("GiB CPU KV cache"), "{err}");
 }
 
+/// Runs a one-step CPU `bench decode` on stories260K with `flags` and asserts that it exits 1
+/// with `needs` in its error.
+#[track_caller]
+fn refused(flags: &[&str], needs: &str) {
+    let o = baton()
+        .args(["bench", "decode", "--device", "cpu"])
+        .args(flags)
+        .args([
+            "--batch",
+            "1",
+            "--prompt-len",
+            "4",
+            "--gen-len",
+            "2",
+            "--model",
+        ])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{flags:?}: {err}");
+    assert!(err.contains(needs), "{flags:?}: {err}");
+}
+
 #[test]
 fn cuda_only_flags_are_refused_on_the_cpu() {
-    for (flag, needs) in [
-        ("--device-time", "--device-time needs --device cuda"),
-        ("--breakdown", "--breakdown needs --device cuda"),
-    ] {
-        let o = baton()
-            .args(["bench", "decode", "--device", "cpu", flag])
-            .args([
-                "--batch",
-                "1",
-                "--prompt-len",
-                "4",
-                "--gen-len",
-                "2",
-                "--model",
-            ])
-            .arg(model_dir())
-            .output()
-            .expect("runs");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{flag}: {err}");
-        assert!(err.contains(needs), "{flag}: {err}");
-    }
+    refused(&["--device-time"], "--device-time needs --device cuda");
+    refused(&["--breakdown"], "--breakdown needs --device cuda");
 }
 
 #[test]
 fn bad_sampling_flags_are_refused_before_loading() {
-    for (flags, needs) in [
-        (
-            &["--temperature", "-1"][..],
-            "--temperature -1 must be finite",
-        ),
-        (
-            &["--temperature", "NaN"][..],
-            "--temperature NaN must be finite",
-        ),
-        (&["--top-p", "0"][..], "--top-p 0 must be in (0, 1]"),
-        (&["--top-p", "1.5"][..], "--top-p 1.5 must be in (0, 1]"),
-    ] {
-        let o = baton()
-            .args(["bench", "decode", "--device", "cpu"])
-            .args(flags)
-            .args([
-                "--batch",
-                "1",
-                "--prompt-len",
-                "4",
-                "--gen-len",
-                "2",
-                "--model",
-            ])
-            .arg(model_dir())
-            .output()
-            .expect("runs");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{flags:?}: {err}");
-        assert!(err.contains(needs), "{flags:?}: {err}");
-    }
+    refused(&["--temperature", "-1"], "--temperature -1 must be finite");
+    refused(
+        &["--temperature", "NaN"],
+        "--temperature NaN must be finite",
+    );
+    refused(&["--top-p", "0"], "--top-p 0 must be in (0, 1]");
+    refused(&["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]");
+    refused(&["--top-k", "-2"], "--top-k -2 must be >= -1");
 }
 
 #[test]
@@ -236,19 +217,4 @@ fn a_sampled_cpu_decode_bench_reports_its_sampling() {
         out.contains("sampled (temperature 0.8, top-p 0.9, top-k 40)"),
         "{out}"
     );
-}
-
-#[test]
-fn a_top_k_below_minus_one_is_refused() {
-    let o = baton()
-        .args([
-            "bench", "decode", "--device", "cpu", "--top-k", "-2", "--batch", "1",
-        ])
-        .args(["--prompt-len", "4", "--gen-len", "2", "--model"])
-        .arg(model_dir())
-        .output()
-        .expect("runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("--top-k -2 must be >= -1"), "{err}");
 }

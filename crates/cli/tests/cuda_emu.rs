@@ -483,6 +483,17 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
     }
 }
 
+/// Buffers for a worker that only loads weights (8 pages, 4 rows of 64 tokens).
+fn small_sizes() -> CudaSizes {
+    CudaSizes {
+        block_size: 16,
+        num_blocks: Some(8),
+        max_tokens: 64,
+        max_rows: 4,
+        max_model_len: 128,
+    }
+}
+
 /// A copy of stories260K in `dir` with every tensor stored as `dtype` (converted from the f32
 /// checkpoint, rounded to nearest even), the other files copied as they are.
 fn stored_as(dtype: safetensors::Dtype, dir: &std::path::Path) {
@@ -534,13 +545,7 @@ fn a_mapped_checkpoint_puts_the_same_bits_on_the_device_as_the_f32_load() {
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             let last = Mutex::new(None);
             let build = emu(dtype, true, &last);
-            let sizes = CudaSizes {
-                block_size: 16,
-                num_blocks: Some(8),
-                max_tokens: 64,
-                max_rows: 4,
-                max_model_len: 128,
-            };
+            let sizes = small_sizes();
             let mapped = ModelDir::new(&dir)
                 .load_mapped(baton_model::LoadFormat::Auto)
                 .unwrap();
@@ -580,13 +585,7 @@ fn mapped_weights_are_checked_against_the_workers_own_config() {
     let mut cfg = mapped.config.clone();
     cfg.num_hidden_layers -= 1;
     let last = Mutex::new(None);
-    let sizes = CudaSizes {
-        block_size: 16,
-        num_blocks: Some(8),
-        max_tokens: 64,
-        max_rows: 4,
-        max_model_len: 128,
-    };
+    let sizes = small_sizes();
     let e = match emu(Dtype::F32, true, &last)(cfg, mapped.weights, sizes) {
         Ok(_) => panic!("a checkpoint with an extra layer was accepted"),
         Err(e) => format!("{e:#}"),
