@@ -264,7 +264,8 @@ pub struct BatchTiming {
 /// by default; each sequence's seed is added to its slot).
 ///
 /// # Errors
-/// A temperature that is negative or not finite, a top-p outside (0, 1], a top-k below -1.
+/// A temperature that is negative or not finite, a top-p outside (0, 1], a top-k below -1,
+/// a top-p or top-k without a temperature (greedy rows would ignore them).
 pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature {} must be finite and >= 0", a.temperature);
@@ -274,6 +275,12 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     }
     if a.top_k < -1 {
         bail!("--top-k {} must be >= -1 (0 or -1: off)", a.top_k);
+    }
+    if a.temperature == 0.0 && (a.top_p < 1.0 || a.top_k > 0) {
+        bail!(
+            "--top-p and --top-k need --temperature > 0: at temperature 0 every row is greedy, \
+             so the benchmark would not measure them"
+        );
     }
     Ok(SamplingParams {
         temperature: a.temperature,

@@ -183,6 +183,14 @@ fn bad_sampling_flags_are_refused_before_loading() {
     refused(&["--top-p", "0"], "--top-p 0 must be in (0, 1]");
     refused(&["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]");
     refused(&["--top-k", "-2"], "--top-k -2 must be >= -1");
+    refused(
+        &["--top-p", "0.9"],
+        "--top-p and --top-k need --temperature > 0",
+    );
+    refused(
+        &["--top-k", "40"],
+        "--top-p and --top-k need --temperature > 0",
+    );
 }
 
 #[test]
