@@ -439,11 +439,13 @@ fn a_scheduler_starts_over_the_half_made_segment_of_one_killed_while_creating_it
     );
 }
 
-/// The segment carries the model's config fingerprint: a worker or frontend started on a model
-/// of another shape (here one layer fewer, same vocabulary) must refuse to attach instead of
-/// serving garbage, while one on the same shape (dummy weights) attaches.
+/// The segment carries the model's config fingerprint and its weights' fingerprint: a worker or
+/// frontend started on a model of another shape (here one layer fewer, same vocabulary), or a
+/// worker with other weights of the same shape (dummy weights against the checkpoint, or
+/// another dummy seed), must refuse to attach instead of serving garbage, while a worker with
+/// the scheduler's weights attaches.
 #[test]
-fn a_worker_or_frontend_on_another_model_shape_refuses_to_attach() {
+fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     let _serial = serial();
     let inst = instance("fingerprint");
     let _s = scheduler(&inst, &["--num-blocks", "64"]);
@@ -451,26 +453,68 @@ fn a_worker_or_frontend_on_another_model_shape_refuses_to_attach() {
         let n = c["num_hidden_layers"].as_u64().unwrap();
         c["num_hidden_layers"] = (n - 1).into();
     });
-    // `baton worker|frontend --model <other>`: must exit non-zero, with `why` in its message.
-    let refused = |cmd: &str, extra: &[&str], why: &str| {
-        let mut args = vec![cmd, "--instance", &inst, "--attach-timeout", "30"];
+    // `baton <cmd> --instance <inst> --model <dir>`: must exit non-zero, with `why` in its
+    // message.
+    let refused = |inst: &str, dir: &std::path::Path, cmd: &str, extra: &[&str], why: &str| {
+        let mut args = vec![cmd, "--instance", inst, "--attach-timeout", "30"];
+        if cmd == "scheduler" {
+            args.truncate(3);
+        }
         args.extend_from_slice(extra);
         let mut args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
-        args.extend([std::ffi::OsStr::new("--model"), other.as_os_str()]);
+        args.extend([std::ffi::OsStr::new("--model"), dir.as_os_str()]);
         let (st, err) = baton_to_exit(&args, Duration::from_secs(60));
         assert!(
             st.is_some_and(|s| !s.success()),
-            "a {cmd} with another layer count was not refused ({st:?}): {err}"
+            "{cmd} {extra:?} on {} was not refused ({st:?}): {err}",
+            dir.display()
         );
-        assert!(err.contains(why), "{cmd}: {err}");
+        assert!(err.contains(why), "{cmd} {extra:?}: {err}");
     };
-    refused("worker", &["--load-format", "dummy"], "not the scheduler's");
-    refused("frontend", &["--port", "0"], "serves another model");
+    refused(
+        &inst,
+        &other,
+        "worker",
+        &["--load-format", "dummy"],
+        "not the scheduler's",
+    );
+    refused(
+        &inst,
+        &other,
+        "frontend",
+        &["--port", "0"],
+        "serves another model",
+    );
 
-    // The same shape with other (dummy) weights is the same fingerprint: it attaches.
+    // The same shape with other weights: random ones against the scheduler's checkpoint.
     let same = edited_model_dir("fp-same", |_| {});
-    let _w = worker_on(&inst, &same, &["--load-format", "dummy"]);
-    let _link = connect(&inst);
+    let dummy = |seed: &'static str| ["--load-format", "dummy", "--seed", seed];
+    refused(&inst, &same, "worker", &dummy("0"), "weights (fingerprint");
+    // A scheduler for a directory without safetensors needs to be told the workers' weights.
+    let inst2 = instance("fingerprint-dummy");
+    refused(
+        &inst2,
+        &same,
+        "scheduler",
+        &["--num-blocks", "64"],
+        "--load-format dummy",
+    );
+    // Told dummy seed 7, it refuses seed 8 and takes seed 7.
+    let _s2 = scheduler_on(
+        &inst2,
+        &same,
+        &[
+            "--num-blocks",
+            "64",
+            "--load-format",
+            "dummy",
+            "--seed",
+            "7",
+        ],
+    );
+    refused(&inst2, &same, "worker", &dummy("8"), "weights (fingerprint");
+    let _w = worker_on(&inst2, &same, &dummy("7"));
+    let _link = connect(&inst2);
     let _ = std::fs::remove_dir_all(other);
     let _ = std::fs::remove_dir_all(same);
 }

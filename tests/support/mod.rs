@@ -83,9 +83,14 @@ fn baton() -> Command {
 
 /// Starts `baton scheduler` with `extra` flags.
 pub fn scheduler(instance: &str, extra: &[&str]) -> Proc {
+    scheduler_on(instance, &model_dir(), extra)
+}
+
+/// Starts `baton scheduler --model DIR` with `extra` flags.
+pub fn scheduler_on(instance: &str, dir: &std::path::Path, extra: &[&str]) -> Proc {
     let child = baton()
         .args(["scheduler", "--instance", instance, "--model"])
-        .arg(model_dir())
+        .arg(dir)
         .args(extra)
         .spawn()
         .expect("spawn scheduler");

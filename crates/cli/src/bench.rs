@@ -135,6 +135,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         vocab_size: 32000,
         frontends: 1,
         model_fingerprint: 0,
+        weights_fingerprint: 0,
         launch_timeout: None,
         trace: None,
     })?;
@@ -156,7 +157,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         32000,
         3,
     );
-    let mut w = WorkerDaemon::new(segment, limits, backend, Duration::from_secs(5))?;
+    let mut w = WorkerDaemon::new(segment, limits, backend, 0, Duration::from_secs(5))?;
     let s3 = stop.clone();
     let worker_thread = std::thread::spawn(move || w.run(&s3));
     let mut link = FrontendLink::connect(&instance).context("connecting the bench frontend")?;

@@ -4,7 +4,7 @@ use crate::args::EngineArgs;
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
-use baton_model::{LoadFormat, ModelConfig, ModelDir};
+use baton_model::{ModelConfig, ModelDir};
 use baton_scheduler::daemon::{DaemonConfig, SchedulerDaemon};
 use baton_worker::daemon::{self, WorkerDaemon};
 use baton_worker::{CpuBackend, KvCapacity, NullBackend};
@@ -20,9 +20,18 @@ pub struct SchedulerArgs {
     /// Instance name: the control segment is /dev/shm/baton-INSTANCE.
     #[arg(long, default_value = "default")]
     pub instance: String,
-    /// A model directory, for the defaults of --max-model-len and the vocabulary check.
+    /// A model directory, for the defaults of --max-model-len, the vocabulary check and the
+    /// model and weights fingerprints workers must match.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The weights workers load (with --model): `auto` publishes the fingerprint of the
+    /// directory's safetensors, `dummy` that of --seed's random weights, so a worker with other
+    /// weights refuses to attach.
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Seed of the workers' dummy weights (with --load-format dummy).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Frontend slots (ring pairs).
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
@@ -92,11 +101,15 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
 /// Bad flags, a running instance of the same name.
 pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
-    let (model_cfg, vocab, fingerprint) = match &a.model {
+    let (model_cfg, vocab, fingerprint, weights_fingerprint) = match &a.model {
         Some(dir) => {
-            let c = ModelConfig::from_file(&ModelDir::new(dir).config_path())?;
+            let dir = ModelDir::new(dir);
+            let c = ModelConfig::from_file(&dir.config_path())?;
+            let w = dir
+                .weights_fingerprint(a.load_format.with_seed(a.seed))
+                .context("reading the weights' fingerprint (give --load-format dummy for workers with random weights)")?;
             let (v, f) = (c.vocab_size, c.fingerprint());
-            (c, v, f)
+            (c, v, f, w)
         }
         None => {
             let Some(len) = a.engine.max_model_len else {
@@ -109,7 +122,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
                 r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":1,"max_position_embeddings":1}"#,
             )?;
             c.max_position_embeddings = len;
-            (c, usize::MAX, 0)
+            (c, usize::MAX, 0, 0)
         }
     };
     if a.frontends == 0 {
@@ -125,6 +138,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
         vocab_size: vocab,
         frontends: a.frontends,
         model_fingerprint: fingerprint,
+        weights_fingerprint,
         launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
     };
@@ -169,23 +183,21 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             if a.device == Device::Cuda {
                 check_cuda_device(&a.cuda)?;
             }
-            let format = match a.load_format {
-                LoadFormatArg::Auto => LoadFormat::Auto,
-                LoadFormatArg::Dummy => LoadFormat::Dummy { seed: a.seed },
-            };
+            let format = a.load_format.with_seed(a.seed);
             Some((dir.clone(), ModelDir::new(&dir).load_mapped(format)?))
         }
     };
     let (segment, limits) = daemon::attach(&a.instance, wait)?;
     match (a.device, loaded) {
         (Device::Cpu, Some((dir, loaded))) => {
+            let weights = loaded.weights_fingerprint;
             let (mut model, _) = loaded.into_cpu_model()?;
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
             let backend = CpuBackend::try_new(model, limits.num_blocks, limits.block_size)
                 .map_err(anyhow::Error::msg)?;
-            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             eprintln!(
                 "baton worker: cpu backend ({}) attached to {}",
                 dir.display(),
@@ -201,8 +213,9 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 max_rows: limits.max_num_seqs,
                 max_model_len: limits.max_model_len,
             };
+            let weights = loaded.weights_fingerprint;
             let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
-            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             eprintln!(
                 "baton worker: cuda backend ({}) attached to {}",
                 dir.display(),
@@ -221,7 +234,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 limits.vocab_size
             };
             let backend = NullBackend::new(cap, vocab, a.null_token);
-            let mut w = WorkerDaemon::new(segment, limits, backend, wait)?;
+            let mut w = WorkerDaemon::new(segment, limits, backend, 0, wait)?;
             eprintln!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop)?;
         }

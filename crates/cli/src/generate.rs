@@ -22,6 +22,16 @@ pub enum LoadFormatArg {
     Dummy,
 }
 
+impl LoadFormatArg {
+    /// The model crate's [`LoadFormat`], with `seed` for dummy weights.
+    pub fn with_seed(self, seed: u64) -> LoadFormat {
+        match self {
+            LoadFormatArg::Auto => LoadFormat::Auto,
+            LoadFormatArg::Dummy => LoadFormat::Dummy { seed },
+        }
+    }
+}
+
 /// Flags of `baton generate`.
 #[derive(Args, Clone, Debug)]
 pub struct GenerateArgs {
@@ -180,12 +190,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if prompts.is_empty() {
         bail!("give at least one --prompt or a --prompts-file");
     }
-    let format = match a.load_format {
-        LoadFormatArg::Auto => LoadFormat::Auto,
-        LoadFormatArg::Dummy => LoadFormat::Dummy {
-            seed: a.seed.unwrap_or(0),
-        },
-    };
+    let format = a.load_format.with_seed(a.seed.unwrap_or(0));
     if a.device == GenDevice::Cuda {
         check_cuda_device(&a.cuda)?;
     }

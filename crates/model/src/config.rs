@@ -240,16 +240,12 @@ impl ModelConfig {
     /// with another one refuses to attach. Leaves out what may differ between processes of one
     /// deployment (`max_position_embeddings`, EOS/BOS ids, `torch_dtype`).
     ///
-    /// FNV-1a over the fields' little-endian bytes (floats by their bit patterns); never 0,
-    /// which the segment uses for "unknown".
+    /// FNV-1a ([`crate::fingerprint::Fnv64`]) over the fields' little-endian bytes (floats by
+    /// their bit patterns); never 0, which the segment uses for "unknown". The weights have
+    /// their own fingerprint ([`crate::fingerprint::weights_fingerprint`]).
     pub fn fingerprint(&self) -> u64 {
-        const PRIME: u64 = 0x0000_0100_0000_01b3;
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |bytes: &[u8]| {
-            for &b in bytes {
-                h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-            }
-        };
+        let mut h = crate::fingerprint::Fnv64::default();
+        let mut eat = |bytes: &[u8]| h.eat(bytes);
         eat(self.model_type.as_bytes());
         eat(&[0xff]);
         for n in [
@@ -281,7 +277,7 @@ impl ModelConfig {
             }
         }
         eat(&[u8::from(self.tie_word_embeddings)]);
-        h.max(1)
+        h.finish()
     }
 
     /// Parses and validates a config from JSON text (errors name the file `config.json`).

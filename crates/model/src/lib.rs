@@ -11,12 +11,14 @@
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod fingerprint;
 pub mod tokenizer;
 pub mod weights;
 
 pub use config::{GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
+pub use fingerprint::{dummy_weights_fingerprint, weights_fingerprint};
 pub use tokenizer::Tokenizer;
 pub use weights::{
     DType, LayerWeights, LlamaWeights, ModelWeights, RawTensor, Tensor, WeightSource,
@@ -79,6 +81,19 @@ impl ModelDir {
         load_model_dir_with(&self.root, format)
     }
 
+    /// The fingerprint of the weights `format` names, without loading them: the stored
+    /// tensors' ([`weights_fingerprint`]) or the dummy seed's ([`dummy_weights_fingerprint`]).
+    /// Equal to [`MappedModel::weights_fingerprint`] of the same directory and format.
+    ///
+    /// # Errors
+    /// As [`WeightSource::open`] for [`LoadFormat::Auto`].
+    pub fn weights_fingerprint(&self, format: LoadFormat) -> Result<u64, ModelError> {
+        match format {
+            LoadFormat::Auto => weights_fingerprint(&WeightSource::open(&self.root)?),
+            LoadFormat::Dummy { seed } => Ok(dummy_weights_fingerprint(seed)),
+        }
+    }
+
     /// Loads everything as [`ModelDir::load`] does, except that safetensors weights stay
     /// memory-mapped ([`ModelWeights::Mapped`], checked but not converted) for a device
     /// backend to read in their stored dtype. Dummy weights are generated in f32 as before.
@@ -87,15 +102,20 @@ impl ModelDir {
     /// As [`load_model_dir_with`].
     pub fn load_mapped(&self, format: LoadFormat) -> Result<MappedModel, ModelError> {
         let (config, generation_config, tokenizer) = load_meta(&self.root, format)?;
-        let weights = match format {
+        let (weights, weights_fingerprint) = match format {
             LoadFormat::Auto => {
                 let src = WeightSource::open(&self.root)?;
                 src.check_llama(&config)?;
-                ModelWeights::Mapped(src)
+                let f = weights_fingerprint(&src)?;
+                (ModelWeights::Mapped(src), f)
             }
-            LoadFormat::Dummy { seed } => ModelWeights::Host(LlamaWeights::dummy(&config, seed)),
+            LoadFormat::Dummy { seed } => (
+                ModelWeights::Host(LlamaWeights::dummy(&config, seed)),
+                dummy_weights_fingerprint(seed),
+            ),
         };
         Ok(MappedModel {
+            weights_fingerprint,
             config,
             generation_config,
             tokenizer,
@@ -115,6 +135,9 @@ pub struct MappedModel {
     pub tokenizer: Option<Tokenizer>,
     /// Mapped safetensors, or f32 dummy weights.
     pub weights: ModelWeights,
+    /// [`ModelDir::weights_fingerprint`] of these weights (a worker checks it against the
+    /// scheduler's at attach).
+    pub weights_fingerprint: u64,
 }
 
 impl MappedModel {

@@ -71,6 +71,11 @@ pub struct PlaneLimits {
     /// `ModelConfig::fingerprint`); 0: unknown, nothing to check. A worker or frontend whose
     /// model has another fingerprint refuses to attach.
     pub model_fingerprint: u64,
+    /// Fingerprint of the weights the scheduler was started for (`baton_model`'s
+    /// `weights_fingerprint` or `dummy_weights_fingerprint`); 0: unknown, nothing to check. A
+    /// worker holding other weights refuses to attach (frontends, which load no weights, do
+    /// not check it).
+    pub weights_fingerprint: u64,
 }
 
 impl PlaneLimits {
@@ -113,6 +118,7 @@ impl PlaneLimits {
         spare[3] = self.frontends as u64;
         spare[4] = self.max_inflight as u64;
         spare[5] = self.model_fingerprint;
+        spare[6] = self.weights_fingerprint;
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -134,6 +140,7 @@ impl PlaneLimits {
             frontends: l.spare[3] as usize,
             max_inflight: l.spare[4] as usize,
             model_fingerprint: l.spare[5],
+            weights_fingerprint: l.spare[6],
         }
     }
 }
@@ -180,6 +187,7 @@ mod tests {
             frontends: 4,
             max_inflight: 2,
             model_fingerprint: 0x1234_5678_9abc_def0,
+            weights_fingerprint: 0x0fed_cba9_8765_4321,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

@@ -43,6 +43,9 @@ pub struct DaemonConfig {
     /// The model's `ModelConfig::fingerprint`, published for workers and frontends to check
     /// at attach (0: unknown, unchecked).
     pub model_fingerprint: u64,
+    /// The weights' fingerprint (`baton_model::weights_fingerprint`), published for workers
+    /// to check at attach (0: unknown, unchecked).
+    pub weights_fingerprint: u64,
     /// The step watchdog: when launches are in flight and no completion has arrived for this
     /// long, the worker is taken as hung and killed (SIGKILL), so the usual worker-death path
     /// requeues its requests once the kernel has released its liveness lock; its KV pages are
@@ -144,6 +147,7 @@ impl SchedulerDaemon {
             frontends: cfg.frontends,
             max_inflight: cfg.sched.max_inflight,
             model_fingerprint: cfg.model_fingerprint,
+            weights_fingerprint: cfg.weights_fingerprint,
         };
         let control = limits.control_spec();
         // Waits out a half-made segment of a predecessor killed while creating it (taken as

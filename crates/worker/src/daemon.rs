@@ -87,14 +87,18 @@ pub struct WorkerDaemon<B: Backend> {
 impl<B: Backend> WorkerDaemon<B> {
     /// Registers in a worker slot of `segment` and opens the worker's rings, retrying for up
     /// to `wait` while the scheduler is still cleaning up after a previous worker.
+    /// `weights_fingerprint` identifies the backend's weights (`baton_model::weights_fingerprint`;
+    /// 0: unknown, as for the null backend).
     ///
     /// # Errors
-    /// A backend whose KV pool, block size, vocabulary or model fingerprint differs from the
-    /// published limits; no slot or ring became free within `wait`.
+    /// A backend whose KV pool, block size, vocabulary, model fingerprint or weights
+    /// fingerprint differs from the published limits; no slot or ring became free within
+    /// `wait`.
     pub fn new(
         segment: Segment,
         limits: PlaneLimits,
         backend: B,
+        weights_fingerprint: u64,
         wait: Duration,
     ) -> Result<Self, DaemonError> {
         let cap = backend.kv_capacity();
@@ -118,6 +122,15 @@ impl<B: Backend> WorkerDaemon<B> {
                  ({:016x}): layers, widths, heads, vocabulary or RoPE differ; start both with \
                  the same --model",
                 limits.model_fingerprint
+            )));
+        }
+        let (theirs, mine) = (limits.weights_fingerprint, weights_fingerprint);
+        if theirs != 0 && mine != 0 && theirs != mine {
+            return Err(DaemonError::Mismatch(format!(
+                "this worker's weights (fingerprint {mine:016x}) are not the scheduler's \
+                 ({theirs:016x}): the model has the same shape but another checkpoint, or \
+                 another --load-format or --seed; start both with the same --model, \
+                 --load-format and --seed"
             )));
         }
         let control = limits.control_spec();
