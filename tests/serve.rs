@@ -58,20 +58,36 @@ fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
 }
 
 fn health(addr: &str) -> u16 {
+    http_get(addr, "/health").0
+}
+
+/// `GET path`: the status (0 when the server cannot be reached) and the whole response.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
     let Ok(mut s) = TcpStream::connect(addr) else {
-        return 0;
+        return (0, String::new());
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = write!(
         s,
-        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     );
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    out.split_whitespace()
+    let status = out
+        .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    (status, out)
+}
+
+/// The value of the unlabelled-but-for-the-model sample `name` on a `/metrics` page.
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && !l.contains("le="))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{page}"))
 }
 
 /// Children of `pid` (by /proc/*/stat ppid).
@@ -128,6 +144,42 @@ fn a_killed_worker_shows_as_503_is_restarted_and_in_flight_requests_complete() {
     // A reference run, then the same request with the worker killed in the middle.
     let (reference, done) = stream_completion(&addr, 400);
     assert!(done);
+    // The phase histograms across processes: the scheduler's queue and prefill times came
+    // with the first token, and its span lies inside the frontend's time to first token.
+    let (_, page) = http_get(&addr, "/metrics");
+    for phase in ["queue", "prefill", "decode", "inference"] {
+        let count = metric(&page, &format!("vllm:request_{phase}_time_seconds_count"));
+        assert_eq!(count, 1.0, "{phase}");
+    }
+    let sum = |name: &str| metric(&page, &format!("vllm:{name}_sum"));
+    let (queue, prefill) = (
+        sum("request_queue_time_seconds"),
+        sum("request_prefill_time_seconds"),
+    );
+    let (decode, inference) = (
+        sum("request_decode_time_seconds"),
+        sum("request_inference_time_seconds"),
+    );
+    let (ttft, e2e) = (
+        sum("time_to_first_token_seconds"),
+        sum("e2e_request_latency_seconds"),
+    );
+    assert!(
+        queue + prefill <= ttft + 1e-6,
+        "queue {queue} + prefill {prefill} > ttft {ttft}"
+    );
+    assert!(
+        prefill > 0.0 && decode > 0.0,
+        "prefill {prefill}, decode {decode}"
+    );
+    assert!(
+        decode <= e2e - ttft + 1e-6,
+        "decode {decode}, e2e {e2e}, ttft {ttft}"
+    );
+    assert!(
+        (inference - (prefill + decode)).abs() < 1e-9,
+        "{inference} != {prefill} + {decode}"
+    );
     let a2 = addr.clone();
     let t = std::thread::spawn(move || stream_completion(&a2, 400));
     std::thread::sleep(Duration::from_millis(30));

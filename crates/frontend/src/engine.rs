@@ -8,7 +8,7 @@
 //! [`EngineClient::limits`] are the same values the scheduler enforces, so the frontend can
 //! refuse a request with a 400 before it reaches the engine.
 
-use baton_proto::SamplingParams;
+use baton_proto::{FirstTokenTimes, SamplingParams};
 use baton_scheduler::FinishReason;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -51,6 +51,9 @@ pub enum EngineEvent {
         logprob: f32,
         /// Top log-probabilities, most likely first (empty unless asked for).
         top: Vec<(u32, f32)>,
+        /// On the request's first token: its queue and prefill times as the scheduler
+        /// measured them (`None` on the others, or when the engine does not time them).
+        first: Option<FirstTokenTimes>,
     },
     /// The request ended; nothing follows.
     Finished {

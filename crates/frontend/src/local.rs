@@ -13,13 +13,15 @@ use crate::engine::{
 };
 use baton_proto::Launch;
 use baton_scheduler::{
-    check_admission, Event, FinishReason, NewRequest, Scheduler, SchedulerConfig, SchedulerStats,
+    check_admission, Event, FinishReason, NewRequest, PhaseClock, Scheduler, SchedulerConfig,
+    SchedulerStats,
 };
 use baton_worker::Backend;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 enum Command {
@@ -198,12 +200,25 @@ impl EngineClient for LocalEngineClient {
     }
 }
 
-/// Per-request senders, by request id.
+/// Per-request senders and phase clocks, by request id.
 struct Router {
-    senders: HashMap<u64, UnboundedSender<EngineEvent>>,
+    senders: HashMap<u64, (UnboundedSender<EngineEvent>, PhaseClock)>,
 }
 
 impl Router {
+    /// `ids` took their first launch now.
+    fn started(&mut self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for id in ids {
+            if let Some((_, clock)) = self.senders.get_mut(id) {
+                clock.scheduled(now);
+            }
+        }
+    }
+
     /// Routes `events`; returns ids whose receiver is gone while the request is live.
     fn route(&mut self, events: &mut Vec<Event>, orphans: &mut Vec<u64>) {
         for e in events.drain(..) {
@@ -215,13 +230,15 @@ impl Router {
                     logprob,
                     top,
                 } => {
-                    if let Some(tx) = self.senders.get(&id) {
+                    if let Some((tx, clock)) = self.senders.get_mut(&id) {
+                        let first = clock.token(Instant::now());
                         if tx
                             .send(EngineEvent::Token {
                                 token,
                                 cached_tokens,
                                 logprob,
                                 top,
+                                first,
                             })
                             .is_err()
                         {
@@ -236,7 +253,7 @@ impl Router {
                     output_tokens,
                     cached_tokens,
                 } => {
-                    if let Some(tx) = self.senders.remove(&id) {
+                    if let Some((tx, _)) = self.senders.remove(&id) {
                         let _ = tx.send(EngineEvent::Finished {
                             reason,
                             prompt_tokens,
@@ -250,7 +267,7 @@ impl Router {
     }
 
     fn fail_all(&mut self, msg: &str) {
-        for (_, tx) in self.senders.drain() {
+        for (_, (tx, _)) in self.senders.drain() {
             let _ = tx.send(EngineEvent::Error(msg.to_owned()));
         }
     }
@@ -262,7 +279,9 @@ fn handle(c: Command, sched: &mut Scheduler, router: &mut Router, events: &mut V
             let id = req.id;
             match sched.add_request(req) {
                 Ok(()) => {
-                    router.senders.insert(id, tx);
+                    router
+                        .senders
+                        .insert(id, (tx, PhaseClock::new(Instant::now())));
                 }
                 Err(e) => {
                     let _ = tx.send(EngineEvent::Error(e.to_string()));
@@ -311,6 +330,7 @@ fn engine_loop(
             break;
         }
         while let Some(l) = sched.schedule() {
+            router.started(sched.started());
             published.push_back(l);
         }
         if let Some(launch) = published.pop_front() {

@@ -1,6 +1,7 @@
 //! Prometheus metrics with vLLM's names, written as text exposition format by hand.
 
 use crate::engine::EngineStats;
+use baton_proto::FirstTokenTimes;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -78,6 +79,10 @@ struct Histograms {
     tpot: Histogram,
     prompt: Histogram,
     generation: Histogram,
+    queue: Histogram,
+    prefill: Histogram,
+    decode: Histogram,
+    inference: Histogram,
 }
 
 /// What a sequence reports when it ends.
@@ -93,6 +98,10 @@ pub struct Finished<'a> {
     pub prompt_tokens: usize,
     /// Output tokens received.
     pub output_tokens: usize,
+    /// The scheduler's queue and prefill times (from the first token), if a token came.
+    pub first_times: Option<FirstTokenTimes>,
+    /// Seconds from the first token to the last, as this frontend received them.
+    pub decode: Option<f64>,
 }
 
 /// Counters and histograms of one frontend.
@@ -127,6 +136,10 @@ impl Metrics {
                 tpot: Histogram::new(ITL_BUCKETS),
                 prompt: Histogram::new(TOKEN_BUCKETS),
                 generation: Histogram::new(TOKEN_BUCKETS),
+                queue: Histogram::new(E2E_BUCKETS),
+                prefill: Histogram::new(E2E_BUCKETS),
+                decode: Histogram::new(E2E_BUCKETS),
+                inference: Histogram::new(E2E_BUCKETS),
             }),
         }
     }
@@ -156,6 +169,9 @@ impl Metrics {
 
     /// A sequence finished: its reason, latency and token counts. The time per output token
     /// is vLLM's `(e2e - ttft) / (output_tokens - 1)`, for sequences of two or more tokens.
+    /// The phase histograms (vLLM v1's queue, prefill, decode and inference times) count
+    /// sequences that got a token: queue and prefill as the scheduler measured them, decode
+    /// from the first token to the last as received here, inference = prefill + decode.
     pub fn on_finished(&self, f: Finished<'_>) {
         if let Some(i) = FINISHED.iter().position(|r| *r == f.reason) {
             self.finished[i].fetch_add(1, Ordering::Relaxed);
@@ -164,6 +180,14 @@ impl Metrics {
         h.e2e.observe(f.e2e);
         h.prompt.observe(f.prompt_tokens as f64);
         h.generation.observe(f.output_tokens as f64);
+        if let Some(t) = f.first_times {
+            h.queue.observe(t.queue);
+            h.prefill.observe(t.prefill);
+            if let Some(d) = f.decode {
+                h.decode.observe(d);
+                h.inference.observe(t.prefill + d);
+            }
+        }
         if let (Some(ttft), true) = (f.ttft, f.output_tokens > 1) {
             h.tpot
                 .observe((f.e2e - ttft).max(0.0) / (f.output_tokens - 1) as f64);
@@ -283,6 +307,30 @@ impl Metrics {
             "Number of generation tokens processed.",
             &labels,
         );
+        for (hist, name, help) in [
+            (
+                &h.queue,
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+            ),
+            (
+                &h.prefill,
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+            ),
+            (
+                &h.decode,
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+            ),
+            (
+                &h.inference,
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+            ),
+        ] {
+            hist.write(&mut out, name, help, &labels);
+        }
         out
     }
 }
@@ -316,6 +364,8 @@ mod tests {
             ttft,
             prompt_tokens: 7,
             output_tokens,
+            first_times: None,
+            decode: None,
         };
         m.on_finished(f(11, Some(0.5)));
         m.on_finished(f(1, Some(0.9)));
@@ -331,5 +381,36 @@ mod tests {
         has("vllm:request_time_per_output_token_seconds_bucket{model_name=\"m\",le=\"0.05\"} 1");
         has("vllm:request_time_per_output_token_seconds_bucket{model_name=\"m\",le=\"0.025\"} 0");
         has("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"} 3");
+        has("vllm:request_queue_time_seconds_count{model_name=\"m\"} 0");
+    }
+
+    #[test]
+    fn phase_histograms_take_the_schedulers_first_token_times_and_the_decode_span() {
+        let m = Metrics::new();
+        let f = |first_times, decode| Finished {
+            reason: "stop",
+            e2e: 1.0,
+            ttft: Some(0.5),
+            prompt_tokens: 7,
+            output_tokens: 3,
+            first_times,
+            decode,
+        };
+        let t = FirstTokenTimes {
+            queue: 0.25,
+            prefill: 0.125,
+        };
+        m.on_finished(f(Some(t), Some(0.5)));
+        // A sequence without a token has no phases.
+        m.on_finished(f(None, None));
+        let page = m.render(&EngineStats::default(), "m");
+        let has = |line: &str| assert!(page.contains(line), "{line} not in\n{page}");
+        has("vllm:request_queue_time_seconds_sum{model_name=\"m\"} 0.25");
+        has("vllm:request_queue_time_seconds_count{model_name=\"m\"} 1");
+        has("vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 0.125");
+        has("vllm:request_decode_time_seconds_sum{model_name=\"m\"} 0.5");
+        has("vllm:request_inference_time_seconds_sum{model_name=\"m\"} 0.625");
+        has("vllm:request_inference_time_seconds_bucket{model_name=\"m\",le=\"0.5\"} 0");
+        has("vllm:request_inference_time_seconds_bucket{model_name=\"m\",le=\"0.8\"} 1");
     }
 }

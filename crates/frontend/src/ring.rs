@@ -201,6 +201,7 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                     cached_tokens: m.detail as usize,
                     logprob: m.logprob,
                     top,
+                    first: wire::decode_first(m.first),
                 });
             }
         }

@@ -16,6 +16,7 @@ use crate::metrics::{Finished, Metrics};
 use crate::openai::StopReason;
 use crate::stop::StopMatcher;
 use baton_model::Tokenizer;
+use baton_proto::FirstTokenTimes;
 use baton_scheduler::FinishReason;
 use std::sync::Arc;
 use std::time::Instant;
@@ -87,6 +88,8 @@ pub struct Seq {
     arrived: Instant,
     last_token: Option<Instant>,
     first_token: Option<Instant>,
+    /// The scheduler's queue and prefill times, from the first token.
+    first_times: Option<FirstTokenTimes>,
     prompt_tokens: usize,
     draining: tokio::sync::watch::Receiver<bool>,
 }
@@ -163,6 +166,7 @@ impl Seq {
             arrived: ctx.arrived,
             last_token: None,
             first_token: None,
+            first_times: None,
             prompt_tokens: prompt.len(),
             draining: ctx.draining.clone(),
         }
@@ -206,7 +210,11 @@ impl Seq {
                 cached_tokens,
                 logprob,
                 top,
+                first,
             }) => {
+                if first.is_some() {
+                    self.first_times = first;
+                }
                 let now = Instant::now();
                 let since = now.duration_since(self.last_token.unwrap_or(self.arrived));
                 self.metrics
@@ -300,6 +308,11 @@ impl Seq {
                 .map(|t| t.duration_since(self.arrived).as_secs_f64()),
             prompt_tokens: self.prompt_tokens,
             output_tokens: self.output_tokens,
+            first_times: self.first_times,
+            decode: self
+                .first_token
+                .zip(self.last_token)
+                .map(|(f, l)| l.duration_since(f).as_secs_f64()),
         });
     }
 

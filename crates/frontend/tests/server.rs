@@ -486,6 +486,7 @@ async fn stop_reason_is_null_for_eos_and_the_id_for_a_stop_token() {
             cached_tokens: 0,
             logprob: 0.0,
             top: vec![],
+            first: None,
         };
         vec![
             token(403),
@@ -1338,6 +1339,11 @@ async fn health_models_metrics_tokenize_and_detokenize_answer() {
     assert!(r
         .body
         .contains("vllm:inter_token_latency_seconds_count{model_name=\"stories\"} 4"));
+    // The in-process engine times the phases too.
+    for phase in ["queue", "prefill", "decode", "inference"] {
+        let line = format!("vllm:request_{phase}_time_seconds_count{{model_name=\"stories\"}} 1");
+        assert!(r.body.contains(&line), "{line} missing:\n{}", r.body);
+    }
     let t = post(
         srv.addr,
         "/tokenize",
@@ -1676,6 +1682,7 @@ async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
                 cached_tokens: 0,
                 logprob: 0.0,
                 top: vec![],
+                first: None,
             },
             EngineEvent::Error("the scheduler is gone".into()),
         ]

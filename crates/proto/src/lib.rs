@@ -17,6 +17,17 @@ pub mod wire;
 use bytemuck::{Pod, Zeroable};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// Where a request's time went before its first token, in seconds, as the scheduler measured
+/// it; carried by the request's first token (vLLM v1's `vllm:request_queue_time_seconds` and
+/// `vllm:request_prefill_time_seconds`; the frontend times the decode phase itself).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FirstTokenTimes {
+    /// From admission at the scheduler to the request's first launch.
+    pub queue: f64,
+    /// From its first launch to its first token.
+    pub prefill: f64,
+}
+
 /// A launch sequence number. Launches are numbered from 1 and only grow; 0 means "none".
 pub type LaunchSeq = u64;
 

@@ -116,6 +116,25 @@ pub struct ToFrontend {
     pub top_ids: [u32; MAX_TOP_LOGPROBS],
     /// Their log-probabilities.
     pub top_logprobs: [f32; MAX_TOP_LOGPROBS],
+    /// `TOKEN`: on a request's first token, its queue and prefill times in seconds
+    /// ([`crate::FirstTokenTimes`]); negative on its other tokens. Not read on other kinds.
+    /// See [`encode_first`].
+    pub first: [f32; 2],
+}
+
+/// [`ToFrontend::first`] for `t` (f32 seconds; `None`: -1, not a first token).
+pub fn encode_first(t: Option<crate::FirstTokenTimes>) -> [f32; 2] {
+    t.map_or([-1.0; 2], |t| {
+        [t.queue.max(0.0) as f32, t.prefill.max(0.0) as f32]
+    })
+}
+
+/// The inverse of [`encode_first`].
+pub fn decode_first(w: [f32; 2]) -> Option<crate::FirstTokenTimes> {
+    (w[0] >= 0.0 && w[1] >= 0.0).then(|| crate::FirstTokenTimes {
+        queue: f64::from(w[0]),
+        prefill: f64::from(w[1]),
+    })
 }
 
 /// Kinds of [`LaunchSlot`].

@@ -7,6 +7,7 @@
 //! reclaimed; a dead worker's launches are forgotten, its pages invalidated, and its running
 //! requests requeued to recompute from their known history.
 
+use crate::phases::PhaseClock;
 use crate::request::{FinishReason, NewRequest, RequestId};
 use crate::scheduler::{Event, Scheduler, SchedulerConfig};
 use crate::trace::Tracer;
@@ -83,6 +84,8 @@ struct Route {
     frontend: usize,
     generation: u64,
     local: u64,
+    /// Phase timestamps, reported with `FINISHED` (the `/metrics` phase histograms).
+    clock: PhaseClock,
 }
 
 /// An admission whose token slots are still arriving.
@@ -502,6 +505,7 @@ impl SchedulerDaemon {
                         frontend: k,
                         generation,
                         local: p.head.req,
+                        clock: PhaseClock::new(Instant::now()),
                     },
                 );
                 self.by_local.insert((k, p.head.req), id);
@@ -610,6 +614,14 @@ impl SchedulerDaemon {
         }
         let mut any = false;
         while let Some(l) = self.sched.schedule() {
+            if !self.sched.started().is_empty() {
+                let now = Instant::now();
+                for id in self.sched.started() {
+                    if let Some(r) = self.routes.get_mut(id) {
+                        r.clock.scheduled(now);
+                    }
+                }
+            }
             self.scratch_launch.clear();
             wire::encode_launch(&l, &mut self.scratch_launch);
             // The ring holds max_inflight launches of max_num_seqs rows, so this never waits
@@ -638,6 +650,8 @@ impl SchedulerDaemon {
 
     fn route_events(&mut self) {
         let events = std::mem::take(&mut self.events);
+        // One clock read for the whole batch of events (they came from one completion).
+        let mut now = None;
         for e in &events {
             match *e {
                 Event::Token {
@@ -647,11 +661,14 @@ impl SchedulerDaemon {
                     logprob,
                     ref top,
                 } => {
-                    let Some(r) = self.routes.get(&id).copied() else {
+                    let Some(r) = self.routes.get_mut(&id) else {
                         continue;
                     };
+                    let first = r.clock.token(*now.get_or_insert_with(Instant::now));
+                    let r = *r;
                     let mut m = ToFrontend::zeroed();
                     m.kind = to_frontend::TOKEN;
+                    m.first = wire::encode_first(first);
                     m.req = r.local;
                     m.token = token;
                     m.logprob = logprob;

@@ -7,11 +7,13 @@
 
 pub mod check;
 pub mod daemon;
+pub mod phases;
 pub mod request;
 pub mod scheduler;
 pub mod trace;
 
 pub use check::{check_trace, TraceSummary, Violation};
+pub use phases::PhaseClock;
 pub use request::{FinishReason, NewRequest, RequestId};
 pub use scheduler::{
     check_admission, AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats,

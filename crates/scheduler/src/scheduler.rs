@@ -263,6 +263,8 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     inflight: VecDeque<Inflight>,
     /// Row lists of completed launches, kept for reuse.
     spare_rows: Vec<Vec<RowMeta>>,
+    /// Requests that took their first slot in the latest `schedule()` call.
+    started: Vec<RequestId>,
     next_seq: LaunchSeq,
     released: LaunchSeq,
     preemptions: u64,
@@ -306,6 +308,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             running: Vec::new(),
             inflight: VecDeque::new(),
             spare_rows: Vec::new(),
+            started: Vec::new(),
             next_seq: 1,
             released: 0,
             preemptions: 0,
@@ -339,6 +342,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// The token and block tables the worker reads.
     pub fn tables(&self) -> &Arc<SlotTables<S>> {
         &self.tables
+    }
+
+    /// Requests that took a slot for the first time (not a relaunch after preemption or a
+    /// worker's death) in the latest [`Scheduler::schedule`] call: their first launch. Cleared
+    /// by the next call; callers that time request phases read it after each call.
+    pub fn started(&self) -> &[RequestId] {
+        &self.started
     }
 
     /// Counts now.
@@ -425,6 +435,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     /// in-flight limit is reached, or the pages needed are coming back and the scheduler waits
     /// for their fence).
     pub fn schedule(&mut self) -> Option<Launch> {
+        self.started.clear();
         if self.inflight.len() >= self.cfg.max_inflight {
             return None;
         }
@@ -494,6 +505,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     self.waiting.pop_front();
                     self.running.push(idx);
                     let r = &mut self.requests[idx];
+                    if r.prompt_cached.is_none() {
+                        self.started.push(r.id);
+                    }
                     r.prompt_cached
                         .get_or_insert(r.cached_len.min(r.prompt_len - 1));
                     let r = &self.requests[idx];
