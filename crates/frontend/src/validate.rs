@@ -581,7 +581,9 @@ fn parse_logit_bias(f: &Fields, vocab_size: usize) -> Result<Vec<(u32, f32)>, Ap
 /// Parses the `prompt` field of a completions request.
 ///
 /// # Errors
-/// 400 when it is missing, empty, of the wrong shape, or holds an out-of-range token id.
+/// 400 when it is missing, an empty list, of the wrong shape, or holds an out-of-range token
+/// id. An empty string is accepted here, as vLLM and OpenAI accept it: it is refused later only
+/// if it tokenizes to nothing (with `add_special_tokens`, a Llama tokenizer gives it a BOS).
 pub fn parse_prompts(f: &Fields, limits: &EngineLimits) -> Result<Vec<PromptInput>, ApiError> {
     let shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of \
                  lists of token ids.";
@@ -609,14 +611,11 @@ pub fn parse_prompts(f: &Fields, limits: &EngineLimits) -> Result<Vec<PromptInpu
             .collect::<Result<_, _>>()?,
         _ => return Err(ApiError::field("prompt", shape)),
     };
-    for p in &prompts {
-        let is_empty = match p {
-            PromptInput::Text(s) => s.is_empty(),
-            PromptInput::Tokens(t) => t.is_empty(),
-        };
-        if is_empty {
-            return Err(empty());
-        }
+    if prompts
+        .iter()
+        .any(|p| matches!(p, PromptInput::Tokens(t) if t.is_empty()))
+    {
+        return Err(empty());
     }
     Ok(prompts)
 }
@@ -858,7 +857,7 @@ mod tests {
             err(r#"{"prompt":[1,600]}"#).param.as_deref(),
             Some("prompt")
         );
-        assert_eq!(err(r#"{"prompt":""}"#).param.as_deref(), Some("prompt"));
+        assert_eq!(err(r#"{"prompt":[[]]}"#).param.as_deref(), Some("prompt"));
         assert_eq!(
             err(r#"{"prompt":"a","logprobs":21}"#).param.as_deref(),
             Some("logprobs")

@@ -745,6 +745,20 @@ async fn echo_prepends_the_prompt() {
     assert_eq!(text_of(&v, 0), g["full_text"].as_str().unwrap());
 }
 
+/// An empty string prompt is the BOS alone (vLLM and OpenAI accept it): unconditional
+/// generation, the same as `[BOS]` given as token ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_string_prompt_generates_from_the_bos_alone() {
+    let srv = start(Opts::default()).await;
+    let body = |prompt: Value| json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let v = completion(srv.addr, body(json!(""))).await;
+    assert_eq!(v["usage"]["prompt_tokens"], 1, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    let bos = completion(srv.addr, body(json!([1]))).await;
+    assert_eq!(text_of(&v, 0), text_of(&bos, 0));
+    assert!(!text_of(&v, 0).is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_4xx_with_an_openai_error_body() {
     let srv = start(Opts {
@@ -763,8 +777,9 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
             Some("prompt"),
         ),
         (
+            // Empty after tokenization ("" alone gets a BOS, as in vLLM).
             "/v1/completions",
-            json!({"prompt": ""}).to_string(),
+            json!({"prompt": "", "add_special_tokens": false}).to_string(),
             400,
             Some("prompt"),
         ),
