@@ -40,7 +40,7 @@
 #define BATON_PHILOX_W1 0xBB67AE85u
 #define BATON_FIX_ONE 1099511627776.0f  // 2^40
 
-// Same layout as baton_proto::SamplingParams (#[repr(C)], 48 bytes; checked by a Rust test).
+// Same layout as baton_proto::SamplingParams (#[repr(C)], 56 bytes; checked by a Rust test).
 struct BatonSamplingParams {
     float temperature;
     float top_p;
@@ -53,14 +53,20 @@ struct BatonSamplingParams {
     float frequency_penalty;
     float repetition_penalty;
     u32 logit_bias_len;
+    u32 allowed_only;
+    u32 reserved;
 };
 
 // One distinct token of a row's history or logit bias (baton_cuda::staging::DevicePenaltyEntry,
 // 20 bytes): the host's baton_worker::penalty::PenaltyEntry plus room for the logit it replaces.
+// flags: bit 0 (BATON_ENTRY_IN_PROMPT) the token occurs in the prompt; bit 1
+// (BATON_ENTRY_LISTED) it has a logit-bias entry (with allowed_only: it may be sampled).
+#define BATON_ENTRY_IN_PROMPT 1u
+#define BATON_ENTRY_LISTED 2u
 struct BatonPenaltyEntry {
     u32 token;
     u32 output_count;
-    u32 in_prompt;
+    u32 flags;
     float bias;
     float saved;
 };
@@ -190,14 +196,31 @@ struct BatonSamplePartial {
 };
 
 // A candidate filter: key <= bound and weight >= min_p; `by_count` selects on counts
-// (every token counts 1, even a zero-weight one) instead of fixed-point mass.
+// (every token counts 1, even a zero-weight one) instead of fixed-point mass. `list`
+// (allowed_token_ids, else null): only its BATON_ENTRY_LISTED tokens are candidates, and the
+// passes walk its n_list entries instead of the vocabulary (every other token has zero mass).
 struct BatonSelect {
     const float* x;
     int vocab;
     float maxv, inv_t, min_p;
     u64 bound;
     bool by_count;
+    const BatonPenaltyEntry* list;
+    u32 n_list;
 };
+
+// Indices a selection pass walks: the vocabulary, or the allow-list's entries.
+__device__ __forceinline__ int baton_select_len(const BatonSelect& s) {
+    return s.list ? (int)s.n_list : s.vocab;
+}
+
+// The token at walk index j, or -1 for an entry that is not a candidate (not listed, or out of
+// the vocabulary).
+__device__ __forceinline__ int baton_select_token(const BatonSelect& s, int j) {
+    if (!s.list) return j;
+    const BatonPenaltyEntry e = s.list[j];
+    return (e.flags & BATON_ENTRY_LISTED) && e.token < (u32)s.vocab ? (int)e.token : -1;
+}
 
 // Metric of token i under `s` (0 = not a candidate) and its key.
 __device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, u64& key) {
@@ -212,7 +235,9 @@ __device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, u64& ke
 // Total metric of the candidates.
 __device__ u64 baton_select_total(const BatonSelect& s, BatonSampleShared& sh) {
     u64 acc = 0;
-    for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+    for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
+        const int i = baton_select_token(s, j);
+        if (i < 0) continue;
         u64 key;
         acc += baton_metric(s, i, key);
     }
@@ -230,7 +255,9 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
             sh.hist_c[d] = 0;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+        for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
+            const int i = baton_select_token(s, j);
+            if (i < 0) continue;
             u64 key;
             const u64 m = baton_metric(s, i, key);
             if (m == 0) continue;
@@ -267,7 +294,9 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
         __syncthreads();  // sh.* are rewritten by the next pass
         if (count == 1 && shift > 0) {
             u64 found = ~0ull;
-            for (int i = threadIdx.x; i < s.vocab; i += blockDim.x) {
+            for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
+                const int i = baton_select_token(s, j);
+                if (i < 0) continue;
                 u64 key;
                 if (baton_metric(s, i, key) != 0 && (key >> shift) == (prefix >> shift))
                     found = key < found ? key : found;
@@ -311,6 +340,26 @@ __device__ float baton_slice_argmax(const float* x, int lo, int hi, BatonSampleS
                 best_key = k;
                 best = c;
             }
+        }
+    }
+    key_out = baton_block_min_u64(best_key, sh.scratch_u64);
+    return baton_block_max(best, sh.scratch_f);
+}
+
+// Smallest key and max of the cleaned logits of the BATON_ENTRY_LISTED tokens of list[0, n)
+// (allowed_token_ids), as baton_slice_argmax over a row whose other logits are -inf.
+__device__ float baton_list_argmax(const float* x, const BatonPenaltyEntry* list, u32 n,
+                                   int vocab, BatonSampleShared& sh, u64& key_out) {
+    float best = BATON_NEG_INF;
+    u64 best_key = ~0ull;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        const BatonPenaltyEntry e = list[j];
+        if (!(e.flags & BATON_ENTRY_LISTED) || e.token >= (u32)vocab) continue;
+        const float c = baton_clean(x[e.token]);
+        const u64 k = baton_sort_key(c, e.token);
+        if (k < best_key) {
+            best_key = k;
+            best = c;
         }
     }
     key_out = baton_block_min_u64(best_key, sh.scratch_u64);
@@ -445,7 +494,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
                 const float v = x[e.token];
                 pe[i].saved = v;
                 x[e.token] = baton_penalize(v, e.bias, e.output_count + (e.token == pend ? 1u : 0u),
-                                            e.in_prompt != 0, p);
+                                            (e.flags & BATON_ENTRY_IN_PROMPT) != 0, p);
             }
             if (threadIdx.x == 0 && pend < (u32)vocab && !sh.pending_listed) {
                 // A fresh entry: one output occurrence, not in the prompt.
@@ -455,9 +504,15 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
             __syncthreads();
         }
         // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never
-        // wins).
-        maxv = baton_slice_argmax(x, 0, vocab, sh, best_key);
+        // wins); with allowed_token_ids, of the listed tokens only.
+        if (penalized && p.allowed_only != 0) {
+            maxv = baton_list_argmax(x, pe, pr.count, vocab, sh, best_key);
+            if (maxv == BATON_NEG_INF) best_key = 0;  // as an all -inf row: token 0
+        } else {
+            maxv = baton_slice_argmax(x, 0, vocab, sh, best_key);
+        }
     }
+    const bool allow = penalized && p.allowed_only != 0;
     const u32 argmax = vocab > 0 ? (u32)best_key : 0u;
 
     const float inv_t = 1.0f / p.temperature;
@@ -472,7 +527,12 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         s.min_p = 0.0f;
         s.bound = ~0ull;
         s.by_count = true;
-        if (p.top_k > 0 && p.top_k < vocab) s.bound = baton_radix_select(s, (u64)(p.top_k - 1), sh);
+        s.list = allow ? pe : nullptr;
+        s.n_list = allow ? pr.count : 0u;
+        // Candidates before top-k: the vocabulary, or the listed tokens.
+        const u64 n_cand = allow ? baton_select_total(s, sh) : (u64)vocab;
+        if (p.top_k > 0 && (u64)p.top_k < n_cand)
+            s.bound = baton_radix_select(s, (u64)(p.top_k - 1), sh);
         s.by_count = false;
         if (p.top_p < 1.0f) {
             const u64 z = baton_select_total(s, sh);

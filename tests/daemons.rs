@@ -113,6 +113,14 @@ fn goldens_match_across_processes(async_flag: &str) {
             r.logit_bias = vec![(g[i].1[0], -100.0), (300, 3.0)];
             r.params.logit_bias_len = 2;
         }
+        // allowed_token_ids: the same entries, as an allow-list.
+        if i % 3 == 1 {
+            r.logit_bias = vec![(261, 0.0), (300, 1.0), (403, 0.0), (g[i].1[1], 0.5)];
+            r.logit_bias.sort_by_key(|e| e.0);
+            r.logit_bias.dedup_by_key(|e| e.0);
+            r.params.logit_bias_len = r.logit_bias.len() as u32;
+            r.params.allowed_only = 1;
+        }
     }
     let outs = run(&mut link, &penalized, T);
     let want = in_process(&penalized);
@@ -122,6 +130,16 @@ fn goldens_match_across_processes(async_flag: &str) {
             "penalized request {} differs across processes ({async_flag})",
             r.id
         );
+        if r.params.allowed_only != 0 {
+            assert!(
+                outs[&r.id]
+                    .tokens
+                    .iter()
+                    .all(|t| r.logit_bias.iter().any(|e| e.0 == *t)),
+                "request {} left its allow-list",
+                r.id
+            );
+        }
     }
     assert!(
         penalized

@@ -343,6 +343,9 @@ fn emu_engine(
     LocalEngine::new(sched.clone(), w)
 }
 
+/// The `allowed_token_ids` of the requests that have one (stories260K ids).
+const ALLOWED: [u32; 6] = [261, 278, 300, 345, 403, 407];
+
 #[test]
 fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eagerly() {
     use baton_proto::SamplingParams;
@@ -428,6 +431,49 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
         m.stop_token_ids = vec![g[2].greedy_ids[3]];
         m.min_tokens = 10;
         v.push(m);
+        // allowed_token_ids: greedy; sampled with top-k above the list's size, a bias on one
+        // allowed token, a presence penalty and min_tokens (its stop id both allowed and
+        // masked); sampled with top-p.
+        for (id, params, extra_bias) in [
+            (10, greedy(), None),
+            (
+                11,
+                SamplingParams {
+                    top_k: 50,
+                    presence_penalty: 0.7,
+                    ..seeded(11)
+                },
+                Some(ALLOWED[2]),
+            ),
+            (
+                12,
+                SamplingParams {
+                    top_p: 0.6,
+                    ..seeded(12)
+                },
+                None,
+            ),
+        ] {
+            let mut a = request(
+                id,
+                g[id as usize % g.len()].prompt_ids.clone(),
+                40,
+                SamplingParams {
+                    logit_bias_len: ALLOWED.len() as u32,
+                    allowed_only: 1,
+                    ..params
+                },
+            );
+            a.logit_bias = ALLOWED
+                .iter()
+                .map(|&t| (t, if Some(t) == extra_bias { 2.0 } else { 0.0 }))
+                .collect();
+            if id == 11 {
+                a.stop_token_ids = vec![ALLOWED[0]];
+                a.min_tokens = 12;
+            }
+            v.push(a);
+        }
         v
     };
     let (mut cpu, _) = engine(sched.clone());
@@ -446,6 +492,15 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
         want[&8].0.len() > 10,
         "min_tokens did not hold the stop id back"
     );
+    for id in [10, 11, 12] {
+        let got = &want[&id].0;
+        assert!(
+            got.iter().all(|t| ALLOWED.contains(t)),
+            "request {id} sampled outside allowed_token_ids: {got:?}"
+        );
+        let distinct: std::collections::BTreeSet<_> = got.iter().collect();
+        assert!(id == 10 || distinct.len() > 1, "request {id}: {got:?}");
+    }
     for i in 0..3 {
         let golden = &g[i % g.len()].greedy_ids;
         let got = &want[&(i as u64)].0;

@@ -454,7 +454,7 @@ mod tests {
     fn sampling_params_layout_matches_the_cuda_struct() {
         use baton_proto::SamplingParams as P;
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!((size_of::<P>(), align_of::<P>()), (48, 8));
+        assert_eq!((size_of::<P>(), align_of::<P>()), (56, 8));
         assert_eq!(offset_of!(P, temperature), 0);
         assert_eq!(offset_of!(P, top_p), 4);
         assert_eq!(offset_of!(P, top_k), 8);
@@ -466,6 +466,8 @@ mod tests {
         assert_eq!(offset_of!(P, frequency_penalty), 36);
         assert_eq!(offset_of!(P, repetition_penalty), 40);
         assert_eq!(offset_of!(P, logit_bias_len), 44);
+        assert_eq!(offset_of!(P, allowed_only), 48);
+        assert_eq!(offset_of!(P, reserved), 52);
         let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
         let body = src
             .split("struct BatonSamplingParams {")
@@ -490,7 +492,9 @@ mod tests {
                 "float presence_penalty;",
                 "float frequency_penalty;",
                 "float repetition_penalty;",
-                "u32 logit_bias_len;"
+                "u32 logit_bias_len;",
+                "u32 allowed_only;",
+                "u32 reserved;"
             ]
         );
     }
@@ -507,7 +511,7 @@ mod tests {
             [
                 offset_of!(E, token),
                 offset_of!(E, output_count),
-                offset_of!(E, in_prompt),
+                offset_of!(E, flags),
                 offset_of!(E, bias),
                 offset_of!(E, saved)
             ],
@@ -539,7 +543,7 @@ mod tests {
             [
                 "u32 token;",
                 "u32 output_count;",
-                "u32 in_prompt;",
+                "u32 flags;",
                 "float bias;",
                 "float saved;"
             ]

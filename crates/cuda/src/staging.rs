@@ -50,20 +50,27 @@ pub struct DevicePenaltyEntry {
     pub token: u32,
     /// Occurrences among the outputs the host knows.
     pub output_count: u32,
-    /// 1 if the token occurs in the prompt, else 0.
-    pub in_prompt: u32,
+    /// Bit 0 ([`ENTRY_IN_PROMPT`]): the token occurs in the prompt. Bit 1 ([`ENTRY_LISTED`]):
+    /// the token has a logit-bias entry (with `allowed_only`, it may be sampled).
+    pub flags: u32,
     /// The request's logit bias for the token (0 for none), added before the penalties.
     pub bias: f32,
     /// Written by the kernel (the raw logit); 0 on upload.
     pub saved: f32,
 }
 
+/// [`DevicePenaltyEntry::flags`]: the token occurs in the prompt.
+pub const ENTRY_IN_PROMPT: u32 = 1;
+/// [`DevicePenaltyEntry::flags`]: the token is listed in the logit-bias row.
+pub const ENTRY_LISTED: u32 = 2;
+
 impl From<&PenaltyEntry> for DevicePenaltyEntry {
     fn from(e: &PenaltyEntry) -> Self {
         DevicePenaltyEntry {
             token: e.token,
             output_count: e.output_count,
-            in_prompt: u32::from(e.in_prompt),
+            flags: if e.in_prompt { ENTRY_IN_PROMPT } else { 0 }
+                | if e.listed { ENTRY_LISTED } else { 0 },
             bias: e.bias,
             saved: 0.0,
         }
@@ -415,9 +422,11 @@ mod tests {
             output_count,
             in_prompt,
             bias: 0.0,
+            listed: false,
         };
         let mut biased = e(9, 0, true);
         biased.bias = -2.5;
+        biased.listed = true;
         let a = [e(3, 2, true), biased];
         let b = [e(1, 1, false)];
         let (mut rows, mut entries) = (vec![PenaltyRow::NONE; 9], Vec::new());
@@ -442,16 +451,16 @@ mod tests {
             rows,
             vec![row(0, 2, -1), row(2, 0, -1), row(2, 1, 17), row(3, 0, 4)]
         );
-        let d = |token, output_count, in_prompt, bias| DevicePenaltyEntry {
+        let d = |token, output_count, flags, bias| DevicePenaltyEntry {
             token,
             output_count,
-            in_prompt,
+            flags,
             bias,
             saved: 0.0,
         };
         assert_eq!(
             entries,
-            vec![d(3, 2, 1, 0.0), d(9, 0, 1, -2.5), d(1, 1, 0, 0.0)]
+            vec![d(3, 2, 1, 0.0), d(9, 0, 3, -2.5), d(1, 1, 0, 0.0)]
         );
         assert_eq!(
             rows[1],

@@ -344,6 +344,8 @@ impl AppState {
                     frequency_penalty: gen.frequency_penalty,
                     repetition_penalty: gen.repetition_penalty,
                     logit_bias_len: gen.logit_bias.len() as u32,
+                    allowed_only: u32::from(gen.allowed_only),
+                    reserved: 0,
                 };
                 let req = EngineRequest {
                     prompt: ids.clone(),

@@ -118,8 +118,11 @@ pub struct GenParams {
     /// vLLM repetition penalty, `> 0` (1: none).
     pub repetition_penalty: f32,
     /// OpenAI `logit_bias`, `(token, bias)` ascending by token, biases clamped to
-    /// [-100, 100] (vLLM's clamp).
+    /// [-100, 100] (vLLM's clamp). With `allowed_only`, exactly the allowed tokens, each with
+    /// its bias or 0.
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `allowed_token_ids` was given: only the tokens of `logit_bias` may be sampled.
+    pub allowed_only: bool,
     /// vLLM's `min_tokens`: neither stop ids nor stop strings end the sequence before this
     /// many output tokens.
     pub min_tokens: u32,
@@ -209,7 +212,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         "guided_choice",
         "guided_grammar",
         "structured_outputs",
-        "allowed_token_ids",
         "prompt_logprobs",
         "truncate_prompt_tokens",
         "logits_processors",
@@ -492,6 +494,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         None => Vec::new(),
         Some(v) => parse_token_ids(v, "stop_token_ids", limits.vocab_size)?,
     };
+    let (logit_bias, allowed_only) = parse_bias_and_allowed(f, limits.vocab_size)?;
     Ok(GenParams {
         max_tokens,
         max_tokens_param,
@@ -502,7 +505,8 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         presence_penalty,
         frequency_penalty,
         repetition_penalty: repetition_penalty as f32,
-        logit_bias: parse_logit_bias(f, limits.vocab_size)?,
+        logit_bias,
+        allowed_only,
         min_tokens,
         cache_salt: match f.get::<String>("cache_salt")? {
             None => 0,
@@ -537,6 +541,56 @@ pub fn salt_hash(salt: &str) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     salt.hash(&mut h);
     h.finish().max(1)
+}
+
+/// Parses vLLM's `allowed_token_ids` (absent or null: `None`): a non-empty list of token ids in
+/// the vocabulary, at most [`MAX_LOGIT_BIAS`] distinct ones; returned sorted and distinct.
+fn parse_allowed_token_ids(f: &Fields, vocab_size: usize) -> Result<Option<Vec<u32>>, ApiError> {
+    const P: &str = "allowed_token_ids";
+    let v = match f.raw(P) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(v) => v,
+    };
+    let mut ids = parse_token_ids(v, P, vocab_size)?;
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.is_empty() {
+        return Err(ApiError::field(
+            P,
+            "'allowed_token_ids' must list at least one token id.",
+        ));
+    }
+    if ids.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::field(
+            P,
+            format!(
+                "'allowed_token_ids' has {} distinct ids; this server accepts at most \
+                 {MAX_LOGIT_BIAS}.",
+                ids.len()
+            ),
+        ));
+    }
+    Ok(Some(ids))
+}
+
+/// The request's logit-bias entries and whether they are an allow-list: `logit_bias` alone,
+/// or, with `allowed_token_ids`, each allowed token with its `logit_bias` entry or 0 (a bias
+/// on a token outside the list is moot: that token cannot be sampled).
+fn parse_bias_and_allowed(
+    f: &Fields,
+    vocab_size: usize,
+) -> Result<(Vec<(u32, f32)>, bool), ApiError> {
+    let bias = parse_logit_bias(f, vocab_size)?;
+    Ok(match parse_allowed_token_ids(f, vocab_size)? {
+        None => (bias, false),
+        Some(ids) => {
+            let of = |t: u32| {
+                bias.binary_search_by_key(&t, |e| e.0)
+                    .map_or(0.0, |i| bias[i].1)
+            };
+            (ids.into_iter().map(|t| (t, of(t))).collect(), true)
+        }
+    })
 }
 
 /// Parses `logit_bias`: an object (or null) from token ids, written as decimal strings, to

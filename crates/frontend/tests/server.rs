@@ -86,6 +86,71 @@ async fn penalties_change_greedy_text_the_same_way_streamed_and_not() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+/// vLLM's `allowed_token_ids`: only the listed tokens are sampled, greedy or not, whatever
+/// `logit_bias` says about others; log-probabilities stay the raw ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_token_ids_restrict_sampling_to_the_list() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let first = g["greedy_ids"][0].as_u64().unwrap();
+    let want = post(srv.addr, "/detokenize", &json!({"tokens": vec![403; 5]}))
+        .await
+        .json();
+    let want = want["prompt"].as_str().unwrap();
+    for extra in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1.0, "seed": 3}),
+        // A bias on a token outside the list is moot; one inside still applies.
+        json!({"temperature": 0, "logit_bias": {first.to_string(): 100, "403": 5}}),
+    ] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 5, "allowed_token_ids": [403]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let text = text_of(&completion(srv.addr, body.clone()).await, 0);
+        // (A decode of the ids alone drops the SentencePiece leading space a continuation keeps.)
+        assert_eq!(text.trim_start(), want, "{extra}");
+    }
+    // Two allowed tokens: the greedy pick among them, and raw log-probabilities (the golden's
+    // first token, outside the list, still tops `top_logprobs`).
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                      "allowed_token_ids": [403, 407]});
+    let v = completion(srv.addr, body).await;
+    let lp = &v["choices"][0]["logprobs"];
+    let top: Vec<f64> = lp["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let chosen = lp["token_logprobs"][0].as_f64().unwrap();
+    assert_eq!(
+        top.iter().filter(|&&t| t > chosen).count(),
+        2,
+        "both raw top log-probs should beat the allowed pick: {lp}"
+    );
+    for (bad, why) in [
+        (json!([]), "at least one"),
+        (json!([1, 99999]), "out of range"),
+        (json!("403"), "list of token ids"),
+    ] {
+        let r = post(
+            srv.addr,
+            "/v1/completions",
+            &json!({"prompt": prompt, "allowed_token_ids": bad}),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["param"], "allowed_token_ids", "{bad}: {e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(why),
+            "{bad}: {e}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logit_bias_forces_or_bans_tokens() {
     let srv = start(Opts::default()).await;

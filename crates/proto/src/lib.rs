@@ -86,6 +86,12 @@ pub struct SamplingParams {
     /// its slot, and the worker reads this many. 0: none. On a launch row the scheduler adds
     /// the `min_tokens` stop-id mask entries while they apply.
     pub logit_bias_len: u32,
+    /// 1: vLLM's `allowed_token_ids`. The logit-bias entries are then also an allow-list:
+    /// every token without one is excluded from sampling (as if its logit were `-inf`; the
+    /// log-probabilities stay the raw ones). 0: off. Requires `logit_bias_len > 0`.
+    pub allowed_only: u32,
+    /// Zero (keeps the struct free of padding for [`bytemuck::Pod`]).
+    pub reserved: u32,
 }
 
 impl Default for SamplingParams {
@@ -109,6 +115,8 @@ impl SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logit_bias_len: 0,
+            allowed_only: 0,
+            reserved: 0,
         }
     }
 
@@ -353,8 +361,8 @@ mod tests {
     #[test]
     fn launch_row_is_plain_data_of_stable_size() {
         // The ring slot layout depends on this size; a change must be deliberate.
-        assert_eq!(std::mem::size_of::<LaunchRow>(), 88);
-        assert_eq!(std::mem::size_of::<SamplingParams>(), 48);
+        assert_eq!(std::mem::size_of::<LaunchRow>(), 96);
+        assert_eq!(std::mem::size_of::<SamplingParams>(), 56);
     }
 
     #[test]

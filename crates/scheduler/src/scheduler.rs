@@ -1098,6 +1098,11 @@ pub fn check_admission(
             r.params.logit_bias_len
         )));
     }
+    if r.params.allowed_only != 0 && bias.is_empty() {
+        return Err(AdmitError::BadLogitBias(
+            "allowed_only with no entries would allow no token".into(),
+        ));
+    }
     if r.min_tokens > 0 {
         let mut ids = r.stop_token_ids.clone();
         if !r.ignore_eos {

@@ -37,6 +37,10 @@ pub struct PenaltyEntry {
     pub in_prompt: bool,
     /// The request's logit bias for the token (0 when it has none).
     pub bias: f32,
+    /// The token has an entry in the slot's logit-bias row (a bias, a `min_tokens` mask, or an
+    /// `allowed_token_ids` entry): with `SamplingParams::allowed_only`, the tokens that may be
+    /// sampled.
+    pub listed: bool,
 }
 
 /// Builds the penalty list of a history and a logit bias: one entry per distinct token,
@@ -78,6 +82,7 @@ pub fn build_penalty_list(
                 output_count: u32::from(is_output),
                 in_prompt: !is_output,
                 bias: 0.0,
+                listed: false,
             }),
         }
     }
@@ -94,10 +99,14 @@ fn merge_bias(out: &mut Vec<PenaltyEntry>, bias: &[(u32, f32)]) {
     let from_history = out.len();
     for &(token, b) in bias {
         match out[..from_history].binary_search_by_key(&token, |e| e.token) {
-            Ok(i) => out[i].bias = b,
+            Ok(i) => {
+                out[i].bias = b;
+                out[i].listed = true;
+            }
             Err(_) => out.push(PenaltyEntry {
                 token,
                 bias: b,
+                listed: true,
                 ..PenaltyEntry::default()
             }),
         }
@@ -212,6 +221,7 @@ impl PenaltyHistories {
             output_count: n,
             in_prompt: p,
             bias: 0.0,
+            listed: false,
         }));
         // The row's own inputs: one for a decode, a chunk for a prefill.
         let known = out.len();
@@ -235,6 +245,7 @@ impl PenaltyHistories {
                     output_count: n,
                     in_prompt: p,
                     bias: 0.0,
+                    listed: false,
                 }),
             }
         }
@@ -401,6 +412,7 @@ mod tests {
             output_count,
             in_prompt,
             bias: 0.0,
+            listed: false,
         };
         assert_eq!(
             list,
@@ -411,11 +423,12 @@ mod tests {
         build_penalty_list(&history, 100, true, &[], &mut scratch, &mut list);
         assert!(list.iter().all(|e| e.output_count == 0 && e.in_prompt));
         // A bias on a history token joins its entry; others get their own, in id order; the
-        // last of repeated entries counts.
+        // last of repeated entries counts. Every entry with a bias is listed.
         let bias = [(8, 1.5), (5, -2.0), (1, 3.0), (8, -4.0)];
         build_penalty_list(&history, 4, false, &bias, &mut scratch, &mut list);
         let b = |mut x: PenaltyEntry, bias| {
             x.bias = bias;
+            x.listed = true;
             x
         };
         assert_eq!(
@@ -570,6 +583,7 @@ mod tests {
             output_count: 3,
             in_prompt: true,
             bias: 0.0,
+            listed: false,
         };
         for x in [-3.5f32, 0.0, 2.25] {
             assert_eq!(penalize(x, &e, &p).to_bits(), x.to_bits());
@@ -584,6 +598,7 @@ mod tests {
             output_count: 0,
             in_prompt: true,
             bias: 0.0,
+            listed: false,
         };
         assert_eq!(penalize(3.0, &prompt_only, &p), 1.5);
         assert_eq!(penalize(-3.0, &prompt_only, &p), -6.0);
@@ -593,6 +608,7 @@ mod tests {
             output_count: 2,
             in_prompt: false,
             bias: 0.0,
+            listed: false,
         };
         assert_eq!(penalize(1.0, &twice, &p), 0.0);
         assert_eq!(

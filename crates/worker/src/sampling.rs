@@ -192,7 +192,8 @@ impl Sampler {
     /// As [`Sampler::sample`], with the row's penalty list (logit bias and penalties, see
     /// [`crate::penalty`]): the token is drawn from the adjusted logits, the log-probabilities
     /// stay those of the raw `logits`. An empty `penalties`, or params that adjust nothing, is
-    /// exactly [`Sampler::sample`].
+    /// exactly [`Sampler::sample`]. With `params.allowed_only` only tokens whose entry is
+    /// `listed` can be drawn (the rest count as `-inf`; an all-`-inf` row gives token 0).
     pub fn sample_penalized(
         &mut self,
         logits: &[f32],
@@ -216,6 +217,9 @@ impl Sampler {
             penalized.clear();
             penalized.extend_from_slice(logits);
             apply_penalties(&mut penalized, penalties, params);
+            if params.allowed_only != 0 {
+                mask_unlisted(&mut penalized, penalties);
+            }
             &penalized[..]
         };
         let token = if greedy {
@@ -382,6 +386,23 @@ impl Sampler {
     }
 }
 
+/// `allowed_token_ids`: every logit whose token has no listed entry becomes `-inf` (`list`
+/// ascending by token, as the penalty lists are).
+fn mask_unlisted(x: &mut [f32], list: &[PenaltyEntry]) {
+    let mut allowed = list
+        .iter()
+        .filter(|e| e.listed)
+        .map(|e| e.token as usize)
+        .peekable();
+    for (i, v) in x.iter_mut().enumerate() {
+        if allowed.peek() == Some(&i) {
+            allowed.next();
+        } else {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// Index of the largest cleaned logit, ties to the lowest id (so `+inf` ties with `f32::MAX`,
 /// exactly like the candidate order and the device); an all-NaN / `-inf` row gives 0.
 #[inline]
@@ -429,6 +450,71 @@ mod tests {
             top_logprobs: 0,
             want_logprob: 0,
             ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn allowed_only_draws_from_listed_entries_and_keeps_raw_logprobs() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+        let entry = |token, listed| PenaltyEntry {
+            token,
+            listed,
+            ..PenaltyEntry::default()
+        };
+        // 7 is in the history only (not listed): never drawn.
+        let list = [
+            entry(3, true),
+            entry(7, false),
+            entry(11, true),
+            entry(40, true),
+        ];
+        let allowed = |p: SamplingParams| SamplingParams {
+            logit_bias_len: 3,
+            allowed_only: 1,
+            want_logprob: 1,
+            ..p
+        };
+        let mut s = Sampler::new();
+        let g = s.sample_penalized(&logits, &allowed(SamplingParams::greedy()), 0, &list);
+        let best = [3u32, 11, 40]
+            .into_iter()
+            .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]))
+            .unwrap();
+        assert_eq!(g.token, best);
+        // The log-probability is the raw one, over the whole row.
+        let raw = s.sample(
+            &logits,
+            &SamplingParams {
+                want_logprob: 1,
+                ..SamplingParams::greedy()
+            },
+            0,
+        );
+        let (m, ln) = log_sum_exp_shifted(&logits);
+        let want = (f64::from(logits[best as usize]) - f64::from(m) - ln) as f32;
+        assert_eq!(g.logprob, want);
+        assert!(
+            raw.logprob > g.logprob,
+            "the unrestricted argmax is more likely"
+        );
+        for i in 0..200 {
+            let t = s
+                .sample_penalized(
+                    &logits,
+                    &allowed(params(1.5, 0, 1.0, 0.0, i)),
+                    i as u32,
+                    &list,
+                )
+                .token;
+            assert!([3, 11, 40].contains(&t), "drew {t}");
+        }
+        // Every listed logit -inf: token 0, as for an all -inf row.
+        let mut dead = logits.clone();
+        for t in [3, 11, 40] {
+            dead[t] = f32::NEG_INFINITY;
+        }
+        for p in [SamplingParams::greedy(), params(1.0, 0, 1.0, 0.0, 1)] {
+            assert_eq!(s.sample_penalized(&dead, &allowed(p), 0, &list).token, 0);
         }
     }
 
