@@ -432,6 +432,41 @@ fn sigterm_leaves_nothing_in_dev_shm_and_sigkill_leaves_a_restartable_instance()
     );
 }
 
+/// A scheduler stopped by SIGTERM ends every live request with the shutdown error (the frontend
+/// turns it into a 503 or an error event), never with an ordinary finish a client could take
+/// for a whole answer; requests that completed before keep their normal finish.
+#[test]
+fn a_scheduler_stopped_by_sigterm_ends_live_requests_with_the_shutdown_error() {
+    let _serial = serial();
+    let inst = instance("sigterm-live");
+    let mut s = scheduler(&inst, &["--num-blocks", "256"]);
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    let reqs = greedy_reqs(&mixed_prompts(32, 5), 400);
+    for r in &reqs {
+        submit(&mut link, r);
+    }
+    let outs = collect(&mut link, reqs.len(), T, |n, _| {
+        if n == 1 {
+            s.signal(Signal::SIGTERM);
+        }
+    });
+    let shut = outs
+        .values()
+        .filter(|o| o.error == Some(baton_proto::wire::error::SHUTDOWN))
+        .count();
+    assert!(shut > 0, "no request saw the shutdown error");
+    for (id, o) in &outs {
+        assert!(
+            o.error == Some(baton_proto::wire::error::SHUTDOWN) || o.reason == reason::LENGTH,
+            "request {id} ended with reason {} / error {:?}",
+            o.reason,
+            o.error
+        );
+    }
+    assert!(s.wait_timeout(Duration::from_secs(10)).is_some());
+}
+
 /// A scheduler SIGKILLed between creating its segment file and publishing the magic leaves a
 /// zeroed file with no lock holder; the next scheduler must wait it out (it is taken as stale
 /// once 2 s old) and start, not fail as "initialising" and leave the instance unusable. (CI

@@ -168,6 +168,8 @@ pub struct Out {
     pub tokens: Vec<u32>,
     /// Final reason code (`wire::reason`), or `u32::MAX` for an error.
     pub reason: u32,
+    /// The error code (`wire::error`) when the request ended with an error.
+    pub error: Option<u32>,
     pub finishes: u32,
 }
 
@@ -237,6 +239,7 @@ pub fn collect(
             to_frontend::ERROR => {
                 o.finishes += 1;
                 o.reason = u32::MAX;
+                o.error = Some(m.reason);
                 finished += 1;
             }
             k => panic!("unknown output kind {k}"),

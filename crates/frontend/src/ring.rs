@@ -227,7 +227,12 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                     wire::error::INVALID => {
                         "the scheduler refused the request (it can never fit its limits)"
                     }
-                    wire::error::SHUTDOWN => "the scheduler is shutting down",
+                    wire::error::SHUTDOWN => {
+                        let _ = tx.send(EngineEvent::Error(format!(
+                            "{UNAVAILABLE_PREFIX}the scheduler is shutting down"
+                        )));
+                        return;
+                    }
                     _ => "protocol error between frontend and scheduler",
                 };
                 let _ = tx.send(EngineEvent::Error(msg.into()));

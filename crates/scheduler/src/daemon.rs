@@ -750,6 +750,17 @@ impl SchedulerDaemon {
             .fetch_or(plane::STATUS_SHUTTING_DOWN, Ordering::Release);
         let mut events = std::mem::take(&mut self.events);
         self.sched.abort_all(FinishReason::Abort, &mut events);
+        // Live requests end with the shutdown error (the frontend answers 503 or ends the
+        // stream with an error event, as it does at its own shutdown), not an ordinary "abort"
+        // finish a client could take for a complete answer.
+        for e in &events {
+            if let Event::Finished { id, .. } = *e {
+                if let Some(r) = self.routes.remove(&id) {
+                    self.by_local.remove(&(r.frontend, r.local));
+                    self.reply_error(r.frontend, r.local, wire::error::SHUTDOWN, 0);
+                }
+            }
+        }
         self.events = events;
         self.route_events();
         let deadline = Instant::now() + Duration::from_millis(200);
