@@ -16,6 +16,10 @@ fn serve(instance: &str, port: u16) -> (Proc, String) {
 }
 
 fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
+    serve_on(instance, port, &model_dir(), extra)
+}
+
+fn serve_on(instance: &str, port: u16, dir: &std::path::Path, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args([
             "serve",
@@ -27,7 +31,7 @@ fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
             "32",
             "--model",
         ])
-        .arg(model_dir())
+        .arg(dir)
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -322,4 +326,26 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
         .filter(|n| n.contains(&inst))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// `serve --load-format dummy` serves random weights of the config's shape from a directory
+/// without safetensors (benchmarks): the scheduler publishes the dummy seed's fingerprint, so
+/// the worker it starts attaches and requests complete.
+#[test]
+fn serve_with_dummy_weights_needs_no_safetensors() {
+    let _serial = serial();
+    let inst = instance("serve-dummy");
+    let dir = edited_model_dir("serve-dummy", |_| {});
+    let (mut serve, addr) = serve_on(
+        &inst,
+        18305,
+        &dir,
+        &["--load-format", "dummy", "--seed", "9"],
+    );
+    assert_eq!(health(&addr), 200);
+    let (_, done) = stream_completion(&addr, 8);
+    assert!(done, "a request on dummy weights did not complete");
+    serve.signal(Signal::SIGTERM);
+    assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -10,6 +10,7 @@ use crate::args::EngineArgs;
 use crate::cuda_args::{cuda_options, CudaArgs, CudaSizes};
 use crate::daemons::Device;
 use crate::frontend_cmd::HttpArgs;
+use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nix::sys::signal::{kill, Signal};
@@ -30,6 +31,13 @@ pub struct ServeArgs {
     /// Device of the worker.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// Weight loading, passed to the scheduler and the worker: `dummy` serves seeded random
+    /// weights of config.json's shape (benchmarks; no safetensors needed, tokenizer.json is).
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Seed of --load-format dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Instance name: the segment is /dev/shm/baton-INSTANCE. Two servers need two names.
     #[arg(long, default_value = "default")]
     pub instance: String,
@@ -260,6 +268,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         a.frontends.to_string(),
     ];
     sched_args.extend(engine_flags(&engine));
+    let weights: Vec<String> = match a.load_format {
+        LoadFormatArg::Auto => Vec::new(),
+        LoadFormatArg::Dummy => vec![
+            "--load-format".into(),
+            "dummy".into(),
+            "--seed".into(),
+            a.seed.to_string(),
+        ],
+    };
+    sched_args.extend(weights.iter().cloned());
     let device = match a.device {
         Device::Cpu => "cpu",
         Device::Cuda => "cuda",
@@ -276,6 +294,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         "--cpu-threads".into(),
         a.cpu_threads.to_string(),
     ];
+    worker_args.extend(weights);
     if a.device == Device::Cuda {
         worker_args.extend(a.cuda.to_flags());
     }
