@@ -84,7 +84,8 @@ struct Route {
     frontend: usize,
     generation: u64,
     local: u64,
-    /// Phase timestamps, reported with `FINISHED` (the `/metrics` phase histograms).
+    /// Phase timestamps: the queue and prefill times go out with the first token (the
+    /// frontend's `/metrics` phase histograms).
     clock: PhaseClock,
 }
 
@@ -650,7 +651,7 @@ impl SchedulerDaemon {
 
     fn route_events(&mut self) {
         let events = std::mem::take(&mut self.events);
-        // One clock read for the whole batch of events (they came from one completion).
+        // One clock read for all the events routed now (a token's time is its completion's).
         let mut now = None;
         for e in &events {
             match *e {
