@@ -221,7 +221,7 @@ impl CudaBackend {
             // penalty_table, const BatonPenaltyRow* penalty_rows, const u32* input_ids,
             // BatonSamplePartial* partials, int* counters, int vocab)`; every buffer holds
             // `rows` (or `rows * 20`) entries, logits `rows * vocab`, partials `rows * splits`
-            // 16-byte records and counters `rows` zeroed ints (grid.y = splits), params `rows` 48-byte records with the layout checked by
+            // 16-byte records and counters `rows` zeroed ints (grid.y = splits), params `rows` 56-byte records with the layout checked by
             // `kernels::tests::sampling_params_layout_matches_the_cuda_struct`, penalty rows
             // `rows` 16-byte records that penalize nothing (so the table is not read).
             unsafe { b.launch(cfg) }?;

@@ -147,7 +147,7 @@ pub struct StagingLayout {
     pub pending_src: usize,
     /// `[max_rows]` u32 output index (RNG counter) per row.
     pub output_index: usize,
-    /// `[max_rows]` 48-byte [`SamplingParams`] per row.
+    /// `[max_rows]` 56-byte [`SamplingParams`] per row.
     pub params: usize,
     /// `[max_rows]` [`PenaltyRow`] per row.
     pub penalty_rows: usize,
@@ -328,7 +328,7 @@ mod tests {
             (l.pending_dst, 28),
             (l.pending_src, 28),
             (l.output_index, 28),
-            (l.params, 7 * 48),
+            (l.params, 7 * 56),
             (l.penalty_rows, 7 * 16),
             (l.penalty_table, 8),
             (l.block_tables, 84),
