@@ -167,6 +167,16 @@ def chat_n_and_stop():
 
 
 @check
+def vllm_extra_body_allowed_token_ids():
+    # vLLM's extension through the client's extra_body: only the listed token is sampled.
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                  temperature=1.0, seed=7, logprobs=1,
+                                  extra_body={"allowed_token_ids": [403]})
+    toks = r.choices[0].logprobs.tokens
+    assert len(toks) == 4 and len(set(toks)) == 1, toks
+
+
+@check
 def bad_requests_raise_bad_request_error():
     for kw in [dict(top_p=0.0), dict(n=0), dict(max_tokens=-1), dict(temperature=-1.0), dict(logprobs=21),
                dict(max_tokens=100000)]:
