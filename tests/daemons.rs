@@ -568,6 +568,43 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     refused(&inst2, &same, "worker", &dummy("8"), "weights (fingerprint");
     let _w = worker_on(&inst2, &same, &dummy("7"));
     let _link = connect(&inst2);
+    // A --seed without --load-format dummy would be ignored: refused.
+    let inst3 = instance("fingerprint-seed");
+    refused(
+        &inst3,
+        &same,
+        "scheduler",
+        &["--num-blocks", "64", "--seed", "3"],
+        "needs --load-format dummy",
+    );
+    refused(
+        &inst3,
+        &same,
+        "worker",
+        &["--seed", "3"],
+        "needs --load-format dummy",
+    );
+    // Without --model, a scheduler told dummy seed 4 still publishes that seed's fingerprint.
+    let s4 = Proc {
+        child: baton()
+            .args([
+                "scheduler",
+                "--instance",
+                &inst3,
+                "--max-model-len",
+                "512",
+                "--num-blocks",
+                "64",
+            ])
+            .args(["--load-format", "dummy", "--seed", "4"])
+            .spawn()
+            .expect("spawn scheduler"),
+        name: "scheduler",
+    };
+    refused(&inst3, &same, "worker", &dummy("5"), "weights (fingerprint");
+    let _w4 = worker_on(&inst3, &same, &["--load-format", "dummy", "--seed", "4"]);
+    let _link4 = connect(&inst3);
+    s4.signal(Signal::SIGTERM);
     let _ = std::fs::remove_dir_all(other);
     let _ = std::fs::remove_dir_all(same);
 }

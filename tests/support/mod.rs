@@ -72,7 +72,7 @@ pub fn instance(name: &str) -> String {
     format!("t{}-{name}", std::process::id())
 }
 
-fn baton() -> Command {
+pub fn baton() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_baton"));
     c.stdin(Stdio::null()).stdout(Stdio::null());
     if std::env::var_os("BATON_TEST_LOGS").is_none() {

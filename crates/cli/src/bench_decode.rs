@@ -265,7 +265,8 @@ pub struct BatchTiming {
 ///
 /// # Errors
 /// A temperature that is negative or not finite, a top-p outside (0, 1], a top-k below -1,
-/// a top-p or top-k without a temperature (greedy rows would ignore them).
+/// a top-p or top-k without a temperature (greedy rows would ignore them), a sampled request
+/// that the sampler treats as greedy (top-k 1, a temperature whose inverse overflows).
 pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature {} must be finite and >= 0", a.temperature);
@@ -280,6 +281,13 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
         bail!(
             "--top-p and --top-k need --temperature > 0: at temperature 0 every row is greedy, \
              so the benchmark would not measure them"
+        );
+    }
+    if a.temperature > 0.0 && (a.top_k == 1 || !(1.0 / a.temperature).is_finite()) {
+        bail!(
+            "--top-k 1, or a temperature whose inverse overflows ({}), samples greedily; \
+             leave --temperature at 0 to benchmark greedy rows",
+            a.temperature
         );
     }
     Ok(SamplingParams {

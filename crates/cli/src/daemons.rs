@@ -4,7 +4,7 @@ use crate::args::EngineArgs;
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
-use baton_model::{ModelConfig, ModelDir};
+use baton_model::{LoadFormat, ModelConfig, ModelDir};
 use baton_scheduler::daemon::{DaemonConfig, SchedulerDaemon};
 use baton_worker::daemon::{self, WorkerDaemon};
 use baton_worker::{CpuBackend, KvCapacity, NullBackend};
@@ -24,14 +24,14 @@ pub struct SchedulerArgs {
     /// model and weights fingerprints workers must match.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The weights workers load (with --model): `auto` publishes the fingerprint of the
-    /// directory's safetensors, `dummy` that of --seed's random weights, so a worker with other
-    /// weights refuses to attach.
+    /// The weights workers load: `auto` publishes the fingerprint of the --model directory's
+    /// safetensors (none without --model), `dummy` that of --seed's random weights, so a
+    /// worker with other weights refuses to attach.
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
-    /// Seed of the workers' dummy weights (with --load-format dummy).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the workers' dummy weights (with --load-format dummy; default 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Frontend slots (ring pairs).
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
@@ -66,9 +66,9 @@ pub struct WorkerArgs {
     /// Weight loading.
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
-    /// Seed of dummy weights.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of dummy weights (with --load-format dummy; default 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// How long to wait for the scheduler's segment and a free worker slot, in seconds.
     #[arg(long, default_value_t = 10.0)]
     pub attach_timeout: f64,
@@ -101,13 +101,15 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
 /// Bad flags, a running instance of the same name.
 pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
+    let format = a.load_format.with_seed_flag(a.seed)?;
     let (model_cfg, vocab, fingerprint, weights_fingerprint) = match &a.model {
         Some(dir) => {
             let dir = ModelDir::new(dir);
             let c = ModelConfig::from_file(&dir.config_path())?;
-            let w = dir
-                .weights_fingerprint(a.load_format.with_seed(a.seed))
-                .context("reading the weights' fingerprint (give --load-format dummy for workers with random weights)")?;
+            let w = dir.weights_fingerprint(format).context(
+                "reading the weights' fingerprint (give --load-format dummy for workers with \
+                 random weights)",
+            )?;
             let (v, f) = (c.vocab_size, c.fingerprint());
             (c, v, f, w)
         }
@@ -122,7 +124,12 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
                 r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":1,"vocab_size":1,"max_position_embeddings":1}"#,
             )?;
             c.max_position_embeddings = len;
-            (c, usize::MAX, 0, 0)
+            // Dummy weights need no directory: their fingerprint is the seed's.
+            let w = match format {
+                LoadFormat::Dummy { seed } => baton_model::dummy_weights_fingerprint(seed),
+                LoadFormat::Auto => 0,
+            };
+            (c, usize::MAX, 0, w)
         }
     };
     if a.frontends == 0 {
@@ -183,7 +190,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             if a.device == Device::Cuda {
                 check_cuda_device(&a.cuda)?;
             }
-            let format = a.load_format.with_seed(a.seed);
+            let format = a.load_format.with_seed_flag(a.seed)?;
             Some((dir.clone(), ModelDir::new(&dir).load_mapped(format)?))
         }
     };

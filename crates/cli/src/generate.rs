@@ -23,6 +23,18 @@ pub enum LoadFormatArg {
 }
 
 impl LoadFormatArg {
+    /// The model crate's [`LoadFormat`] for the daemons' `--load-format` and `--seed` (seed 0
+    /// by default).
+    ///
+    /// # Errors
+    /// A `--seed` without `--load-format dummy` (it would be ignored).
+    pub fn with_seed_flag(self, seed: Option<u64>) -> anyhow::Result<LoadFormat> {
+        if self == LoadFormatArg::Auto && seed.is_some() {
+            anyhow::bail!("--seed sets the seed of dummy weights; it needs --load-format dummy");
+        }
+        Ok(self.with_seed(seed.unwrap_or(0)))
+    }
+
     /// The model crate's [`LoadFormat`], with `seed` for dummy weights.
     pub fn with_seed(self, seed: u64) -> LoadFormat {
         match self {

@@ -35,9 +35,9 @@ pub struct ServeArgs {
     /// weights of config.json's shape (benchmarks; no safetensors needed, tokenizer.json is).
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
-    /// Seed of --load-format dummy weights.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of --load-format dummy weights (default 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Instance name: the segment is /dev/shm/baton-INSTANCE. Two servers need two names.
     #[arg(long, default_value = "default")]
     pub instance: String,
@@ -268,13 +268,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         a.frontends.to_string(),
     ];
     sched_args.extend(engine_flags(&engine));
-    let weights: Vec<String> = match a.load_format {
-        LoadFormatArg::Auto => Vec::new(),
-        LoadFormatArg::Dummy => vec![
+    let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed)? {
+        baton_model::LoadFormat::Auto => Vec::new(),
+        baton_model::LoadFormat::Dummy { seed } => vec![
             "--load-format".into(),
             "dummy".into(),
             "--seed".into(),
-            a.seed.to_string(),
+            seed.to_string(),
         ],
     };
     sched_args.extend(weights.iter().cloned());

@@ -191,6 +191,11 @@ fn bad_sampling_flags_are_refused_before_loading() {
         &["--top-k", "40"],
         "--top-p and --top-k need --temperature > 0",
     );
+    refused(
+        &["--temperature", "0.8", "--top-k", "1"],
+        "samples greedily",
+    );
+    refused(&["--temperature", "1e-45"], "samples greedily");
 }
 
 #[test]
