@@ -313,6 +313,20 @@ impl AppState {
                 ),
             ));
         }
+        // min_tokens masks the stop ids; if they are every allowed token, nothing is left to
+        // sample before min_tokens.
+        if gen.allowed_only
+            && gen
+                .logit_bias
+                .iter()
+                .all(|&(t, _)| stops.binary_search(&t).is_ok())
+        {
+            return Err(ApiError::field(
+                "allowed_token_ids",
+                "Every token in 'allowed_token_ids' is a stop token id (EOS included) that \
+                 'min_tokens' holds back, so nothing could be sampled before min_tokens.",
+            ));
+        }
         Ok(())
     }
 

@@ -130,6 +130,26 @@ async fn allowed_token_ids_restrict_sampling_to_the_list() {
         2,
         "both raw top log-probs should beat the allowed pick: {lp}"
     );
+    // min_tokens holds back every allowed token (here EOS, id 2): nothing could be sampled.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "allowed_token_ids": [2], "min_tokens": 3, "max_tokens": 5}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["param"],
+        "allowed_token_ids",
+        "{}",
+        r.body
+    );
+    // With one allowed token left over, it is fine.
+    completion(
+        srv.addr,
+        json!({"prompt": prompt, "allowed_token_ids": [2, 403], "min_tokens": 3, "max_tokens": 5}),
+    )
+    .await;
     for (bad, why) in [
         (json!([]), "at least one"),
         (json!([1, 99999]), "out of range"),

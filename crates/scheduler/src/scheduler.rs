@@ -1114,6 +1114,11 @@ pub fn check_admission(
         if stops > MAX_MIN_TOKENS_STOP_IDS {
             return Err(AdmitError::MinTokensStopIds { stops });
         }
+        if r.params.allowed_only != 0 && bias.iter().all(|&(t, _)| ids.binary_search(&t).is_ok()) {
+            return Err(AdmitError::BadLogitBias(
+                "min_tokens holds back every allowed token (all are stop ids)".into(),
+            ));
+        }
     }
     if let Some(&(t, b)) = bias
         .iter()

@@ -1,0 +1,61 @@
+//! `check_admission` on the sampling extras: a logit bias must match its params, and an
+//! `allowed_token_ids` list must leave something to sample while `min_tokens` holds the stop ids
+//! back.
+
+use baton_proto::SamplingParams;
+use baton_scheduler::{check_admission, AdmitError, NewRequest, SchedulerConfig};
+
+fn cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 64,
+        block_size: 16,
+        num_blocks: 64,
+        max_model_len: 256,
+        max_inflight: 2,
+        enable_prefix_caching: true,
+    }
+}
+
+/// A request allowed only `allowed`, with `min_tokens` and stop ids `stops` (EOS 2).
+fn allowed(allowed: &[u32], min_tokens: u32, stops: &[u32]) -> NewRequest {
+    NewRequest {
+        id: 1,
+        prompt: vec![1, 5, 6],
+        max_tokens: 8,
+        params: SamplingParams {
+            logit_bias_len: allowed.len() as u32,
+            allowed_only: 1,
+            ..SamplingParams::greedy()
+        },
+        eos_ids: vec![2],
+        stop_token_ids: stops.to_vec(),
+        ignore_eos: false,
+        logit_bias: allowed.iter().map(|&t| (t, 0.0)).collect(),
+        min_tokens,
+        cache_salt: 0,
+    }
+}
+
+#[test]
+fn an_allow_list_that_min_tokens_empties_is_refused() {
+    let c = cfg();
+    let ok = |r: &NewRequest| check_admission(&c, 512, r);
+    // Every allowed token is EOS or a stop id while min_tokens holds them back.
+    for r in [allowed(&[2], 3, &[]), allowed(&[2, 9], 3, &[9])] {
+        assert!(
+            matches!(ok(&r), Err(AdmitError::BadLogitBias(_))),
+            "{:?}",
+            r.logit_bias
+        );
+    }
+    // Something is left, min_tokens is off, or EOS is ignored: admitted.
+    assert_eq!(ok(&allowed(&[2, 9], 3, &[])), Ok(()));
+    assert_eq!(ok(&allowed(&[2], 0, &[])), Ok(()));
+    let mut r = allowed(&[2], 3, &[]);
+    r.ignore_eos = true;
+    assert_eq!(ok(&r), Ok(()));
+    // An allow-list must list something.
+    let empty = allowed(&[], 0, &[]);
+    assert!(matches!(ok(&empty), Err(AdmitError::BadLogitBias(_))));
+}
