@@ -430,6 +430,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
 
     const BatonPenaltyRow pr = penalty_rows[row];
     const bool penalized = pr.count > 0 || pr.pending_index >= 0;
+    const bool allow = penalized && p.allowed_only != 0;  // allowed_token_ids: walk the list
     BatonPenaltyEntry* pe = nullptr;
     u32 pend = 0xffffffffu;
     u64 best_key;
@@ -505,14 +506,13 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         }
         // Pass 1: max of the cleaned logits and the argmax (ties to the lowest id, NaN never
         // wins); with allowed_token_ids, of the listed tokens only.
-        if (penalized && p.allowed_only != 0) {
+        if (allow) {
             maxv = baton_list_argmax(x, pe, pr.count, vocab, sh, best_key);
             if (maxv == BATON_NEG_INF) best_key = 0;  // as an all -inf row: token 0
         } else {
             maxv = baton_slice_argmax(x, 0, vocab, sh, best_key);
         }
     }
-    const bool allow = penalized && p.allowed_only != 0;
     const u32 argmax = vocab > 0 ? (u32)best_key : 0u;
 
     const float inv_t = 1.0f / p.temperature;
