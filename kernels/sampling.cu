@@ -41,6 +41,7 @@
 #define BATON_FIX_ONE 1099511627776.0f  // 2^40
 
 // Same layout as baton_proto::SamplingParams (#[repr(C)], 56 bytes; checked by a Rust test).
+// prompt_logprobs is unused here: the worker scores prompt positions on the host.
 struct BatonSamplingParams {
     float temperature;
     float top_p;
@@ -54,7 +55,7 @@ struct BatonSamplingParams {
     float repetition_penalty;
     u32 logit_bias_len;
     u32 allowed_only;
-    u32 reserved;
+    u32 prompt_logprobs;
 };
 
 // One distinct token of a row's history or logit bias (baton_cuda::staging::DevicePenaltyEntry,

@@ -107,6 +107,29 @@ run_check 4-seeded-alone-vs-batch 60 bash -c "
     head -n 1 '$OUT/seeded-batch.jsonl'
     diff <(head -n 1 '$OUT/seeded-alone.jsonl') <(head -n 1 '$OUT/seeded-batch.jsonl')"
 
+# 4b. prompt log-probabilities (echo + logprobs): the CUDA worker (LM head over every prompt
+# position after the fence, scored on the host) against the CPU worker, f32, through serve.
+run_check 4b-prompt-logprobs-cuda-vs-cpu 60 bash -c "
+    set -e
+    body='{\"prompt\":\"Once upon a time, there was a little girl named Lily\",\"echo\":true,\"logprobs\":3,\"max_tokens\":2,\"temperature\":0}'
+    for dev in cpu cuda; do
+        port=\$([[ \$dev == cpu ]] && echo 18391 || echo 18392)
+        '$BATON' serve --model '$MODEL' --device \$dev --dtype f32 --port \$port --instance gpucheck-\$dev > '$OUT'/serve-\$dev.log 2>&1 &
+        pid=\$!
+        for _ in \$(seq 100); do curl -sf localhost:\$port/health > /dev/null && break; sleep 0.2; done
+        curl -sf localhost:\$port/v1/completions -H 'content-type: application/json' -d \"\$body\" > '$OUT'/echo-\$dev.json
+        kill \$pid; wait \$pid || true
+    done
+    python3 - '$OUT/echo-cpu.json' '$OUT/echo-cuda.json' <<'PY'
+import json, sys
+a, b = (json.load(open(f))['choices'][0]['logprobs'] for f in sys.argv[1:3])
+assert a['tokens'] == b['tokens'], (a['tokens'], b['tokens'])
+assert a['token_logprobs'][0] is None and b['token_logprobs'][0] is None
+d = max(abs(x - y) for x, y in zip(a['token_logprobs'][1:], b['token_logprobs'][1:]))
+print(len(a['tokens']), 'positions, max |cpu - cuda| =', d)
+assert d < 1e-4
+PY"
+
 # 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1,32,128 --prompt-len 128 --gen-len 128 --dtype bf16 --breakdown \

@@ -148,6 +148,40 @@ fn goldens_match_across_processes(async_flag: &str) {
             .any(|(r, (_, gold))| outs[&r.id].tokens[..] != gold[..48]),
         "the penalties changed no output"
     );
+
+    // Prompt log-probabilities travel worker -> scheduler -> frontend in slots of their own.
+    // The longer histories' full blocks are in the prefix cache by now; a request that wants
+    // them computes its whole prompt anyway, and gets every position as the in-process engine
+    // scores it.
+    let mut scored = greedy_reqs(&longer, 4);
+    for r in &mut scored {
+        r.id += 300;
+        r.params.prompt_logprobs = 1 + 3;
+    }
+    let hits = link.stats().prefix_cache_hits;
+    let outs = run(&mut link, &scored, T);
+    let want = in_process_prompt_logprobs(&scored);
+    for r in &scored {
+        let got = &outs[&r.id].prompt;
+        let want = &want[&r.id];
+        assert_eq!(got.len(), r.prompt.len() - 1, "request {}", r.id);
+        assert_eq!(got.len(), want.len(), "request {}", r.id);
+        for (k, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(
+                (g.0, g.1),
+                (k as u32 + 1, r.prompt[k + 1]),
+                "request {}",
+                r.id
+            );
+            assert_eq!((g.0, g.1, &g.3), (w.0, w.1, &w.3), "request {}", r.id);
+            assert!((g.2 - w.2).abs() < 1e-5, "request {}: {g:?} vs {w:?}", r.id);
+        }
+    }
+    assert_eq!(
+        link.stats().prefix_cache_hits,
+        hits,
+        "a request owed prompt log-probabilities took blocks from the prefix cache"
+    );
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",
@@ -158,6 +192,39 @@ fn goldens_match_across_processes(async_flag: &str) {
 /// The tokens of `reqs` from the in-process engine on the CPU backend (no EOS ids: over the
 /// ring only `stop_token_ids` stop a request).
 fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
+    let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    for e in in_process_events(reqs) {
+        if let baton_scheduler::Event::Token { id, token, .. } = e {
+            out.entry(id).or_default().push(token);
+        }
+    }
+    out
+}
+
+/// [`in_process`]'s prompt log-probabilities, as `support::Out::prompt` holds them.
+#[allow(clippy::type_complexity)]
+fn in_process_prompt_logprobs(
+    reqs: &[Req],
+) -> std::collections::HashMap<u64, Vec<(u32, u32, f32, Vec<u32>)>> {
+    let mut out: std::collections::HashMap<u64, Vec<_>> = Default::default();
+    for e in in_process_events(reqs) {
+        if let baton_scheduler::Event::PromptLogprob {
+            id,
+            pos,
+            token,
+            logprob,
+            top,
+        } = e
+        {
+            let top = top.iter().map(|t| t.0).collect();
+            out.entry(id).or_default().push((pos, token, logprob, top));
+        }
+    }
+    out
+}
+
+/// The events of `reqs` on the in-process engine (see [`in_process`]).
+fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
     let cfg = baton_scheduler::SchedulerConfig {
         max_num_seqs: 64,
         max_num_batched_tokens: 256,
@@ -190,13 +257,7 @@ fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
     }
     let mut events = Vec::new();
     engine.run_until_idle(&mut events).expect("runs");
-    let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
-    for e in events {
-        if let baton_scheduler::Event::Token { id, token, .. } = e {
-            out.entry(id).or_default().push(token);
-        }
-    }
-    out
+    events
 }
 
 #[test]

@@ -171,6 +171,8 @@ pub struct Out {
     /// The error code (`wire::error`) when the request ended with an error.
     pub error: Option<u32>,
     pub finishes: u32,
+    /// Prompt log-probabilities `(pos, token, logprob, top ids)`, in arrival order.
+    pub prompt: Vec<(u32, u32, f32, Vec<u32>)>,
 }
 
 /// Submits `reqs`, then collects outputs until every one finished (or `timeout`).
@@ -230,6 +232,15 @@ pub fn collect(
                 o.tokens.push(m.token);
                 tokens += 1;
                 on_token(tokens, link);
+            }
+            to_frontend::PROMPT_LOGPROB => {
+                assert!(
+                    o.tokens.is_empty() && o.finishes == 0,
+                    "request {} got a prompt log-probability after its first token",
+                    m.req
+                );
+                let top = m.top_ids[..m.n_top as usize].to_vec();
+                o.prompt.push((m.detail, m.token, m.logprob, top));
             }
             to_frontend::FINISHED => {
                 o.finishes += 1;

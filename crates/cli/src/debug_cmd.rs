@@ -383,6 +383,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 start_pos: *s,
                 block_table: b,
                 want_logits: true,
+                all_logits: false,
             })
             .collect();
         let (cpu_logits, cpu_layers) = cpu.forward_with_layer_outputs(&mut kv, &fw)?;
@@ -397,6 +398,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 params: SamplingParams::greedy(),
                 output_index: 0,
                 penalties: Vec::new(),
+                scored: Vec::new(),
             })
             .collect();
         let (gpu_logits, gpu_layers) = gpu

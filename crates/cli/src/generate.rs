@@ -371,6 +371,8 @@ pub fn generate<B: baton_worker::Backend>(
         match e {
             Event::Token { id, token, .. } => gens[id as usize].ids.push(token),
             Event::Finished { id, reason, .. } => gens[id as usize].finish_reason = reason,
+            // `generate` asks for none.
+            Event::PromptLogprob { .. } => {}
         }
     }
     for g in &mut gens {

@@ -135,6 +135,7 @@ pub fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, FinishReason)> {
                 assert_eq!(e.1, FinishReason::Abort, "request {id} finished twice");
                 e.1 = reason;
             }
+            Event::PromptLogprob { .. } => {}
         }
     }
     out
@@ -365,4 +366,27 @@ pub mod delayed {
         }
         reqs
     }
+}
+
+/// One prompt position's log-probability: `(pos, token, logprob, top)`.
+pub type PromptEntry = (u32, u32, f32, Vec<(u32, f32)>);
+
+/// The prompt log-probabilities among `events`, by request, in arrival order.
+pub fn prompt_logprobs(events: &[Event]) -> HashMap<u64, Vec<PromptEntry>> {
+    let mut out: HashMap<u64, Vec<PromptEntry>> = HashMap::new();
+    for e in events {
+        if let Event::PromptLogprob {
+            id,
+            pos,
+            token,
+            logprob,
+            top,
+        } = e
+        {
+            out.entry(*id)
+                .or_default()
+                .push((*pos, *token, *logprob, top.clone()));
+        }
+    }
+    out
 }

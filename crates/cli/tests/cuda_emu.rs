@@ -647,3 +647,94 @@ fn mapped_weights_are_checked_against_the_workers_own_config() {
     };
     assert!(e.contains("layer"), "{e}");
 }
+
+/// Prompt log-probabilities on the CUDA worker (the LM head over every scored position after
+/// the fence, scored on the host) against the CPU worker: prompts chunked over several
+/// launches (rows that end inside the prompt), beside a plain request whose decodes would
+/// otherwise run from a graph, in f32.
+#[test]
+fn prompt_logprobs_match_the_cpu_worker() {
+    use baton_proto::SamplingParams;
+    let sched = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 8,
+        ..config(16, 256, 2)
+    };
+    let g = goldens();
+    let reqs = || {
+        let mut v: Vec<_> = g
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let params = SamplingParams {
+                    prompt_logprobs: 1 + 4,
+                    ..SamplingParams::greedy()
+                };
+                request(i as u64, x.prompt_ids.clone(), 6, params)
+            })
+            .collect();
+        v.push(request(
+            99,
+            g[0].prompt_ids.clone(),
+            12,
+            SamplingParams::greedy(),
+        ));
+        v
+    };
+    let (mut cpu, _) = engine(sched.clone());
+    for r in reqs() {
+        cpu.add_request(r).unwrap();
+    }
+    let mut want = Vec::new();
+    cpu.run_until_idle(&mut want).unwrap();
+    let want_lp = prompt_logprobs(&want);
+    assert_eq!(want_lp.len(), g.len(), "every request that asked got them");
+    let last = Mutex::new(None);
+    let mut e = emu_engine(&sched, Dtype::F32, false, &last);
+    for r in reqs() {
+        e.add_request(r).unwrap();
+    }
+    let mut got = Vec::new();
+    e.run_until_idle(&mut got).unwrap();
+    assert_pool_full(&e);
+    assert_eq!(
+        collect(got.clone()),
+        collect(want.clone()),
+        "outputs differ"
+    );
+    let got_lp = prompt_logprobs(&got);
+    for (id, w) in &want_lp {
+        let gl = &got_lp[id];
+        assert_eq!(gl.len(), w.len(), "request {id}");
+        assert_eq!(
+            w.len(),
+            g[*id as usize].prompt_ids.len() - 1,
+            "request {id}"
+        );
+        for ((wp, wt, wl, wtop), (gp, gt, gl, gtop)) in w.iter().zip(gl) {
+            assert_eq!((wp, wt), (gp, gt), "request {id}");
+            assert!(
+                (wl - gl).abs() < 1e-4,
+                "request {id} position {wp}: {wl} vs {gl}"
+            );
+            assert_eq!(wtop.len(), 4);
+            assert_eq!(gtop.len(), 4);
+            for ((a, al), (b, bl)) in wtop.iter().zip(gtop) {
+                assert!(
+                    (al - bl).abs() < 1e-4,
+                    "request {id} position {wp}: {wtop:?} vs {gtop:?}"
+                );
+                // Equal ids, or a tie the two workers broke differently.
+                assert!(
+                    a == b || wtop.iter().any(|&(t, l)| t == *b && (l - bl).abs() < 1e-4),
+                    "request {id} position {wp}: {wtop:?} vs {gtop:?}"
+                );
+            }
+        }
+    }
+    let dev = last.lock().unwrap().take().unwrap();
+    assert!(
+        dev.graph_launches() > 0,
+        "the plain request's decodes ran from graphs"
+    );
+}

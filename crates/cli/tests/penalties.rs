@@ -43,6 +43,7 @@ fn oracle(
             start_pos: pos,
             block_table: &pages,
             want_logits: true,
+            all_logits: false,
         };
         let mut logits = model.forward(&mut kv, &[row]).unwrap().remove(0);
         pos += input.len();

@@ -40,8 +40,11 @@ use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
 };
 use baton_model::{LlamaWeights, ModelConfig, ModelWeights, RawTensor, Tensor};
-use baton_proto::{Completion, Launch, LaunchSeq, Sampled, SamplingParams, NOT_PENDING};
+use baton_proto::{
+    Completion, Launch, LaunchSeq, PromptLogprob, Sampled, SamplingParams, NOT_PENDING,
+};
 use baton_worker::penalty::{PenaltyEntry, PenaltyHistories};
+use baton_worker::sampling::Sampler;
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::DriverError;
@@ -272,6 +275,11 @@ pub struct RowInput {
     /// it (positions before `start_pos` from the token table, then `tokens` except a pending
     /// first id, which the device merges in as one more output). Empty otherwise.
     pub penalties: Vec<PenaltyEntry>,
+    /// Prompt log-probabilities: the prompt token that follows each of the row's first
+    /// `scored.len()` positions, whose log-probability the row reports (with
+    /// `params.prompt_top()` top entries); see `LaunchRow::scores_prompt`. Empty otherwise. A
+    /// launch with such a row runs eagerly.
+    pub scored: Vec<u32>,
 }
 
 /// Writes `entries` at the start of `buf` (which holds at least as many).
@@ -279,6 +287,10 @@ fn put_entries(buf: &mut [u8], entries: &[DevicePenaltyEntry]) {
     let b: &[u8] = bytemuck::cast_slice(entries);
     buf[..b.len()].copy_from_slice(b);
 }
+
+/// One scored prompt position: `(row, index into the row's scored tokens, log-probability,
+/// top entries)`.
+type PromptScore = (u32, u32, f32, Vec<(u32, f32)>);
 
 /// `(sampled id or u32::MAX, log-probability, top entries)` of one row.
 pub type RowOutput = (u32, f32, Vec<(u32, f32)>);
@@ -329,6 +341,13 @@ pub struct CudaWorker {
     part_rows: usize,
     /// Time each kernel and GEMM on its own (eager launches only).
     profiling: bool,
+    /// Scores prompt tokens on the host (see [`CudaWorker::score_prompts`]).
+    scorer: Sampler,
+    /// Host copy of a chunk of prompt logits (`max_rows * vocab` f32, allocated on first use).
+    prompt_logits: Vec<f32>,
+    /// `(row, index into the row's scored tokens, log-probability, top entries)` of the last
+    /// launch's prompt positions, in row then position order.
+    prompt_scores: Vec<PromptScore>,
 }
 
 /// Byte offsets of the activation buffers inside [`CudaWorker::acts`].
@@ -856,6 +875,9 @@ impl CudaWorker {
             pen_cap,
             pen_used: 0,
             histories: PenaltyHistories::new(),
+            scorer: Sampler::new(),
+            prompt_logits: Vec::new(),
+            prompt_scores: Vec::new(),
             out_dev,
             out_host,
             ring,
@@ -1651,7 +1673,11 @@ impl CudaWorker {
             .collect();
         let mut plan = plan_launch(&spans, self.opts.block_size)
             .map_err(|e: PlanError| WorkerError::Forward(e.to_string()))?;
-        let decode = rows.iter().all(|r| r.tokens.len() == 1);
+        // Prompt scoring reads every position's final hidden state, which only the eager
+        // prefill path leaves in `xn`.
+        let decode = rows
+            .iter()
+            .all(|r| r.tokens.len() == 1 && r.scored.is_empty());
         let bucket = if decode && dumps.is_none() && !self.profiling {
             graph_bucket(n_rows, &self.buckets).filter(|b| self.graphs.contains_key(b))
         } else {
@@ -1730,6 +1756,11 @@ impl CudaWorker {
         done.map_err(dev_err)?;
         self.ring_host
             .commit(seq, slot, rows.iter().map(|r| r.sample).collect());
+        self.prompt_scores.clear();
+        if rows.iter().any(|r| !r.scored.is_empty()) {
+            self.score_prompts(rows, &inputs.plan.cu_seqlens)
+                .map_err(dev_err)?;
+        }
 
         let o = out_offsets(self.layout.max_rows);
         let host = self.out_host.bytes();
@@ -1754,6 +1785,62 @@ impl CudaWorker {
                 (rd_u32(o.tokens + 4 * i), rd_f32(o.logprob + 4 * i), top)
             })
             .collect())
+    }
+
+    /// Prompt log-probabilities of the rows that score prompt tokens (`RowInput::scored`),
+    /// after the launch's fence: the LM head over those positions' final hidden states (the
+    /// eager prefill path leaves every position's in `xn`, `[tokens, hidden]`, rows at
+    /// `cu_seqlens`), at most `max_rows` positions per GEMM into the logits buffer (free once
+    /// the sampler ran), each chunk copied to the host (`positions x vocab` f32) and scored
+    /// there exactly as the CPU worker scores them ([`Sampler::score`]). Fills
+    /// `self.prompt_scores`.
+    ///
+    /// Cost: one GEMM and one device-to-host copy of `vocab` f32 per position (0.5 MB for a
+    /// 128256-token vocabulary); the scheduler caps a launch at
+    /// `baton_proto::MAX_PROMPT_LOGPROB_POSITIONS` such positions. Only requests that ask for
+    /// prompt log-probabilities pay it.
+    fn score_prompts(
+        &mut self,
+        rows: &[RowInput],
+        cu_seqlens: &[i32],
+    ) -> Result<(), CudaWorkerError> {
+        let v = self.cfg.vocab_size;
+        let h = self.cfg.hidden_size;
+        let es = self.dtype.size();
+        let max_rows = self.layout.max_rows;
+        let logits = self.acts.at(self.act_off.logits);
+        let xn = self.acts.at(self.act_off.xn);
+        let mut host = std::mem::take(&mut self.prompt_logits);
+        host.resize(max_rows * v, 0.0);
+        for (i, r) in rows.iter().enumerate() {
+            let n_top = r.params.prompt_top().unwrap_or(0);
+            let base = cu_seqlens[i] as usize;
+            for c0 in (0..r.scored.len()).step_by(max_rows) {
+                let m = (r.scored.len() - c0).min(max_rows);
+                let x = xn + ((base + c0) * h * es) as u64;
+                self.gemm(
+                    "gemm prompt lm_head",
+                    logits,
+                    x,
+                    self.lm_head,
+                    m,
+                    v,
+                    h,
+                    true,
+                )?;
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut host[..m * v]);
+                // SAFETY: the logits region holds max_rows * vocab f32 >= m * vocab; the copy
+                // is stream-ordered after the GEMM and synchronous.
+                unsafe { self.dev.copy_dtoh(dst, logits) }?;
+                for (j, row) in host[..m * v].chunks_exact(v).enumerate() {
+                    let (lp, top) = self.scorer.score(row, r.scored[c0 + j], n_top);
+                    self.prompt_scores
+                        .push((i as u32, (c0 + j) as u32, lp, top));
+                }
+            }
+        }
+        self.prompt_logits = host;
+        Ok(())
     }
 
     /// The device part of [`CudaWorker::run_rows`] once the inputs are staged on the host:
@@ -1941,6 +2028,17 @@ impl CudaWorker {
                         &mut penalties,
                     )
                     .map_err(|e| WorkerError::Forward(format!("row {i}: {e}")))?;
+                // The token after each scored position: in the row, then (for a row that
+                // ends before the prompt does) the next one in the table.
+                let n_scored = r.scores_prompt().len();
+                let mut scored = Vec::with_capacity(n_scored);
+                if n_scored > 0 {
+                    scored.extend_from_slice(&tokens[1.min(tokens.len())..]);
+                    if scored.len() < n_scored {
+                        tables.read_tokens(r.req.slot, end..end + 1, &mut scored);
+                    }
+                    scored.truncate(n_scored);
+                }
                 Ok(RowInput {
                     tokens,
                     start_pos: first,
@@ -1950,6 +2048,7 @@ impl CudaWorker {
                     params: r.params,
                     output_index: r.output_index,
                     penalties,
+                    scored,
                 })
             })
             .collect()
@@ -2015,9 +2114,25 @@ impl Backend for CudaWorker {
                 top,
             })
             .collect();
+        let prompt = self
+            .prompt_scores
+            .drain(..)
+            .map(|(row, k, logprob, top)| {
+                let r = &launch.rows[row as usize];
+                PromptLogprob {
+                    row,
+                    req: r.req,
+                    pos: r.first_pos + k + 1,
+                    token: rows[row as usize].scored[k as usize],
+                    logprob,
+                    top,
+                }
+            })
+            .collect();
         Ok(Completion {
             seq: launch.seq,
             sampled,
+            prompt,
         })
     }
 

@@ -467,7 +467,7 @@ mod tests {
         assert_eq!(offset_of!(P, repetition_penalty), 40);
         assert_eq!(offset_of!(P, logit_bias_len), 44);
         assert_eq!(offset_of!(P, allowed_only), 48);
-        assert_eq!(offset_of!(P, reserved), 52);
+        assert_eq!(offset_of!(P, prompt_logprobs), 52);
         let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
         let body = src
             .split("struct BatonSamplingParams {")
@@ -494,7 +494,7 @@ mod tests {
                 "float repetition_penalty;",
                 "u32 logit_bias_len;",
                 "u32 allowed_only;",
-                "u32 reserved;"
+                "u32 prompt_logprobs;"
             ]
         );
     }

@@ -55,6 +55,20 @@ pub enum EngineEvent {
         /// measured them (`None` on the others, or when the engine does not time them).
         first: Option<FirstTokenTimes>,
     },
+    /// The log-probability of prompt token `token` at position `pos` given the tokens before
+    /// it, for a request with `params.prompt_logprobs > 0` (OpenAI `echo` with `logprobs`).
+    /// Positions `1..prompt_len` come once each, in order, before the first `Token`; position
+    /// 0 has none. A request that ends early (abort, cancel, error) may not report them all.
+    PromptLogprob {
+        /// The scored token's position in the prompt (>= 1).
+        pos: u32,
+        /// The prompt token at `pos`.
+        token: u32,
+        /// Its log-probability under the raw logits (temperature 1, no penalty or bias).
+        logprob: f32,
+        /// Top log-probabilities at `pos`, most likely first (as many as asked, maybe none).
+        top: Vec<(u32, f32)>,
+    },
     /// The request ended; nothing follows.
     Finished {
         /// Why.

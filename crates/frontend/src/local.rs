@@ -246,6 +246,25 @@ impl Router {
                         }
                     }
                 }
+                Event::PromptLogprob {
+                    id,
+                    pos,
+                    token,
+                    logprob,
+                    top,
+                } => {
+                    if let Some((tx, _)) = self.senders.get(&id) {
+                        let ev = EngineEvent::PromptLogprob {
+                            pos,
+                            token,
+                            logprob,
+                            top,
+                        };
+                        if tx.send(ev).is_err() {
+                            orphans.push(id);
+                        }
+                    }
+                }
                 Event::Finished {
                     id,
                     reason,

@@ -146,17 +146,28 @@ pub fn cached_per_prompt(cached_by_choice: &[usize], n: usize) -> usize {
         .sum()
 }
 
-/// Legacy completions log-probabilities of a choice (or of a streamed delta).
+/// Legacy completions log-probabilities of a choice (or of a streamed delta). With `echo`,
+/// the prompt's tokens come first; the first prompt token has no log-probability (`null`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct CompletionLogprobs {
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
-    /// Log-probability of each sampled token.
-    pub token_logprobs: Vec<f32>,
-    /// Each sampled token's text.
+    /// Log-probability of each token (`null` for the first prompt token).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Each token's text.
     pub tokens: Vec<String>,
-    /// The top alternatives per position.
-    pub top_logprobs: Vec<TopLogprobs>,
+    /// The top alternatives per position (`null` for the first prompt token).
+    pub top_logprobs: Vec<Option<TopLogprobs>>,
+}
+
+impl CompletionLogprobs {
+    /// Appends `other`'s entries (the tokens that follow).
+    pub fn append(&mut self, other: CompletionLogprobs) {
+        self.text_offset.extend(other.text_offset);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.tokens.extend(other.tokens);
+        self.top_logprobs.extend(other.top_logprobs);
+    }
 }
 
 /// The top alternatives at one position, a JSON object from token text to log-probability in

@@ -205,6 +205,18 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                 });
             }
         }
+        to_frontend::PROMPT_LOGPROB => {
+            if let Some(tx) = routes.get(&m.req) {
+                let n = (m.n_top as usize).min(baton_proto::MAX_TOP_LOGPROBS);
+                let top = (0..n).map(|i| (m.top_ids[i], m.top_logprobs[i])).collect();
+                let _ = tx.send(EngineEvent::PromptLogprob {
+                    pos: m.detail,
+                    token: m.token,
+                    logprob: m.logprob,
+                    top,
+                });
+            }
+        }
         to_frontend::FINISHED => {
             if let Some(tx) = routes.remove(&m.req) {
                 let reason = match m.reason {

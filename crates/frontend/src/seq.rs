@@ -52,6 +52,13 @@ pub struct Delta {
     /// On the last delta: prompt tokens whose KV came from the prefix cache (0 when the
     /// sequence ended on a stop string, before the engine's own end).
     pub cached_tokens: usize,
+    /// Prompt log-probabilities by prompt position (OpenAI `echo` with `logprobs`), on the
+    /// first delta of a sequence that asked for them ([`SeqContext::prompt_logprobs`]) and on
+    /// no other: that delta comes once every position has arrived, or with the first output
+    /// token, the end or the error, whichever is first. Entry 0 is always `None` (the first
+    /// token has no log-probability), and so is any position the engine did not report (a
+    /// request that ended early). `id` is the token the engine scored.
+    pub prompt: Option<Vec<Option<TokenInfo>>>,
 }
 
 /// The finish reason reported to the client.
@@ -82,6 +89,11 @@ pub struct Seq {
     min_tokens: usize,
     /// The last output token.
     last_id: Option<u32>,
+    /// Prompt log-probabilities gathered so far, by position, until a delta carries them
+    /// (`None` when not asked for, or already delivered).
+    prompt_lp: Option<Vec<Option<TokenInfo>>>,
+    /// Positions of `prompt_lp` filled.
+    prompt_lp_seen: usize,
     /// Output tokens consumed (up to and including a stop-string match).
     pub output_tokens: usize,
     done: bool,
@@ -133,6 +145,9 @@ pub struct SeqContext {
     /// vLLM's `min_tokens`: stop strings are not matched in the text of the first this many
     /// output tokens (the engine masks stop ids itself).
     pub min_tokens: u32,
+    /// The engine request asks for prompt log-probabilities (`params.prompt_logprobs > 0`):
+    /// the sequence gathers them and delivers them on its first delta ([`Delta::prompt`]).
+    pub prompt_logprobs: bool,
     /// When the HTTP request arrived.
     pub arrived: Instant,
     /// Becomes true when the server stops waiting for live requests at shutdown.
@@ -161,6 +176,8 @@ impl Seq {
             stop_text_ids: ctx.stop_text_ids.clone(),
             min_tokens: ctx.min_tokens as usize,
             last_id: None,
+            prompt_lp: ctx.prompt_logprobs.then(|| vec![None; prompt.len()]),
+            prompt_lp_seen: 0,
             output_tokens: 0,
             done: false,
             arrived: ctx.arrived,
@@ -186,18 +203,26 @@ impl Seq {
             index: self.index,
             ..Delta::default()
         };
-        let ev = match self.rx.as_mut() {
-            Some(rx) => {
-                let draining = &mut self.draining;
-                tokio::select! {
-                    biased;
-                    ev = rx.recv() => Some(ev),
-                    // A closed channel (the server state is gone) disables this branch.
-                    Ok(_) = draining.wait_for(|&d| d) => None,
+        let ev = loop {
+            let ev = self.recv().await;
+            if let Some(Some(EngineEvent::PromptLogprob {
+                pos,
+                token,
+                logprob,
+                top,
+            })) = ev
+            {
+                if self.gather_prompt_logprob(pos, token, logprob, top) {
+                    // Every position arrived: deliver them now, before any output token.
+                    d.prompt = self.prompt_lp.take();
+                    return Some(d);
                 }
+                continue;
             }
-            None => Some(None),
+            break ev;
         };
+        // The first delta carries the prompt log-probabilities gathered so far.
+        d.prompt = self.prompt_lp.take();
         let Some(ev) = ev else {
             self.abandon();
             d.error = Some(SHUTTING_DOWN.into());
@@ -284,6 +309,8 @@ impl Seq {
                 d.error = Some(msg);
                 self.finish(&mut d, "abort");
             }
+            // Gathered by the loop above.
+            Some(EngineEvent::PromptLogprob { .. }) => {}
             None => {
                 self.rx = None;
                 d.error = Some("the engine dropped the request without finishing it".into());
@@ -291,6 +318,51 @@ impl Seq {
             }
         }
         Some(d)
+    }
+
+    /// The next engine event: `Some(None)` when the channel closed, `None` when the server
+    /// stopped waiting for live requests (shutdown).
+    async fn recv(&mut self) -> Option<Option<EngineEvent>> {
+        match self.rx.as_mut() {
+            Some(rx) => {
+                let draining = &mut self.draining;
+                tokio::select! {
+                    biased;
+                    ev = rx.recv() => Some(ev),
+                    // A closed channel (the server state is gone) disables this branch.
+                    Ok(_) = draining.wait_for(|&d| d) => None,
+                }
+            }
+            None => Some(None),
+        }
+    }
+
+    /// Records one prompt log-probability; returns true when it completed the set (every
+    /// position from 1 to the prompt's end). Events the sequence did not ask for, positions
+    /// out of range and repeats are ignored.
+    fn gather_prompt_logprob(
+        &mut self,
+        pos: u32,
+        token: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    ) -> bool {
+        let Some(lp) = self.prompt_lp.as_mut() else {
+            return false;
+        };
+        let pos = pos as usize;
+        if pos == 0 {
+            return false;
+        }
+        if let Some(slot @ None) = lp.get_mut(pos) {
+            *slot = Some(TokenInfo {
+                id: token,
+                logprob,
+                top,
+            });
+            self.prompt_lp_seen += 1;
+        }
+        self.prompt_lp_seen + 1 >= lp.len()
     }
 
     fn finish(&mut self, d: &mut Delta, reason: &'static str) {

@@ -9,6 +9,7 @@
 
 use crate::chat::ChatTemplate;
 use crate::cors::CorsConfig;
+use crate::detok::IncrementalDetokenizer;
 use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
@@ -271,6 +272,7 @@ impl AppState {
             },
             skip_special: gen.skip_special_tokens,
             min_tokens: gen.min_tokens,
+            prompt_logprobs: gen.prompt_logprobs > 0,
             arrived,
             draining: self.draining.subscribe(),
         }
@@ -359,7 +361,7 @@ impl AppState {
                     repetition_penalty: gen.repetition_penalty,
                     logit_bias_len: gen.logit_bias.len() as u32,
                     allowed_only: u32::from(gen.allowed_only),
-                    reserved: 0,
+                    prompt_logprobs: gen.prompt_logprobs,
                 };
                 let req = EngineRequest {
                     prompt: ids.clone(),
@@ -412,21 +414,51 @@ impl AppState {
         (text, bytes)
     }
 
+    /// A scored token's `top_logprobs` entry: its alternatives and the token itself.
+    fn top_entry(&self, t: &TokenInfo) -> TopLogprobs {
+        TopLogprobs::new(
+            t.top
+                .iter()
+                .map(|&(id, lp)| (self.token_text(id).0, lp))
+                .chain(std::iter::once((self.token_text(t.id).0, t.logprob))),
+        )
+    }
+
     fn completion_logprobs(&self, tokens: &[TokenInfo], offset: &mut usize) -> CompletionLogprobs {
         let mut out = CompletionLogprobs::default();
         for t in tokens {
             let (text, _) = self.token_text(t.id);
             out.text_offset.push(*offset);
             *offset += text.chars().count();
-            out.token_logprobs.push(t.logprob);
-            let top = TopLogprobs::new(
-                t.top
-                    .iter()
-                    .map(|&(id, lp)| (self.token_text(id).0, lp))
-                    .chain(std::iter::once((text.clone(), t.logprob))),
-            );
-            out.top_logprobs.push(top);
+            out.token_logprobs.push(Some(t.logprob));
+            out.top_logprobs.push(Some(self.top_entry(t)));
             out.tokens.push(text);
+        }
+        out
+    }
+
+    /// The log-probabilities of an echoed prompt (OpenAI `echo` with `logprobs`): one entry
+    /// per prompt token `ids` (BOS included), with the engine's `scored` entries by position
+    /// (see [`Delta::prompt`]); the first token, and any position not reported, gets `null`s.
+    /// `text_offset` indexes `echo`, the echoed text: a token's offset is the length of the
+    /// text the tokens before it decode to (with `skip_special`, as `echo` was made), so a
+    /// special token like BOS, which the text does not show, takes no room.
+    fn prompt_logprobs(
+        &self,
+        echo: &EchoPrompt,
+        scored: &[Option<TokenInfo>],
+    ) -> CompletionLogprobs {
+        let limit = echo.text.chars().count();
+        let mut detok = IncrementalDetokenizer::new(&[], echo.skip_special);
+        let mut offset = 0;
+        let mut out = CompletionLogprobs::default();
+        for (pos, &id) in echo.ids.iter().enumerate() {
+            out.text_offset.push(offset.min(limit));
+            offset += detok.push(&self.tokenizer, id).chars().count();
+            let t = scored.get(pos).and_then(Option::as_ref);
+            out.token_logprobs.push(t.map(|t| t.logprob));
+            out.top_logprobs.push(t.map(|t| self.top_entry(t)));
+            out.tokens.push(self.token_text(id).0);
         }
         out
     }
@@ -920,6 +952,8 @@ fn sse_response<C: Chunker>(
 struct Collected {
     text: String,
     tokens: Vec<TokenInfo>,
+    /// See [`Delta::prompt`].
+    prompt: Option<Vec<Option<TokenInfo>>>,
     finish: Option<&'static str>,
     stop_reason: Option<StopReason>,
     cached_tokens: usize,
@@ -940,6 +974,9 @@ async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
         let c = &mut out[d.index % n];
         c.text.push_str(&d.text);
         c.tokens.extend(d.tokens);
+        if d.prompt.is_some() {
+            c.prompt = d.prompt;
+        }
         if d.finish.is_some() {
             c.finish = d.finish;
             c.stop_reason = d.stop_reason;
@@ -984,9 +1021,23 @@ impl ChunkHead {
     }
 }
 
+/// An echoed prompt whose log-probabilities were asked for.
+struct EchoPrompt {
+    /// The echoed text.
+    text: String,
+    /// The prompt's token ids, as admitted.
+    ids: Vec<u32>,
+    /// Whether `text` leaves special tokens out.
+    skip_special: bool,
+}
+
 struct CompletionChunker {
     head: ChunkHead,
+    /// Per choice: the echoed prompt sent in the prelude.
     echo: Vec<Option<String>>,
+    /// Per choice: the echoed prompt sent with its log-probabilities, in the chunk of the
+    /// choice's first delta (which carries them, [`Delta::prompt`]), as vLLM sends it.
+    echo_lp: Vec<Option<Arc<EchoPrompt>>>,
     offsets: Vec<usize>,
 }
 
@@ -1013,18 +1064,32 @@ impl Chunker for CompletionChunker {
     }
 
     fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String> {
-        if self.head.carries_nothing(d) {
+        let echo = self.echo_lp.get_mut(d.index).and_then(Option::take);
+        if echo.is_none() && self.head.carries_nothing(d) {
             return None;
         }
-        let logprobs = self.head.logprobs.then(|| {
-            self.head
+        let mut text = String::new();
+        let mut logprobs = None;
+        if let Some(e) = echo {
+            let scored = d.prompt.as_deref().unwrap_or_default();
+            logprobs = Some(self.head.st.prompt_logprobs(&e, scored));
+            self.offsets[d.index] = e.text.chars().count();
+            text.push_str(&e.text);
+        }
+        text.push_str(&d.text);
+        if self.head.logprobs {
+            let out = self
+                .head
                 .st
-                .completion_logprobs(&d.tokens, &mut self.offsets[d.index])
-        });
+                .completion_logprobs(&d.tokens, &mut self.offsets[d.index]);
+            logprobs
+                .get_or_insert_with(CompletionLogprobs::default)
+                .append(out);
+        }
         Some(self.head.chunk(
             vec![CompletionChoice {
                 index: d.index,
-                text: d.text.clone(),
+                text,
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
                 stop_reason: d.stop_reason.clone(),
@@ -1053,6 +1118,8 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     let gen = &req.gen;
     let mut prompts = Vec::with_capacity(req.prompts.len());
     let mut echo_texts = Vec::new();
+    // Per prompt, with prompt log-probabilities: what their text offsets are measured on.
+    let mut echo_lp = Vec::new();
     for p in &req.prompts {
         let (ids, text) = match p {
             PromptInput::Text(s) => (
@@ -1079,6 +1146,17 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             "prompt",
             gen.max_tokens_param,
         )?;
+        if gen.prompt_logprobs > 0 {
+            echo_lp.push(Arc::new(EchoPrompt {
+                text: text.clone(),
+                ids: ids.clone(),
+                // A text prompt is echoed as given: its special tokens are the tokenizer's.
+                skip_special: match p {
+                    PromptInput::Text(_) => true,
+                    PromptInput::Tokens(_) => gen.skip_special_tokens,
+                },
+            }));
+        }
         echo_texts.push(text);
         prompts.push((ids, max));
     }
@@ -1088,6 +1166,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     let created = now_secs();
     let n = gen.n;
     let echo_for = |i: usize| req.echo.then(|| echo_texts[i / n].clone());
+    let echo_lp_for = |i: usize| echo_lp.get(i / n).cloned();
     if gen.stream {
         let chunker = CompletionChunker {
             head: ChunkHead {
@@ -1097,7 +1176,16 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 created,
                 logprobs: gen.logprobs.is_some(),
             },
-            echo: (0..seqs.len()).map(echo_for).collect(),
+            echo: (0..seqs.len())
+                .map(|i| {
+                    if echo_lp.is_empty() {
+                        echo_for(i)
+                    } else {
+                        None
+                    }
+                })
+                .collect(),
+            echo_lp: (0..seqs.len()).map(echo_lp_for).collect(),
             offsets: vec![0; seqs.len()],
         };
         return Ok(sse_response(
@@ -1119,13 +1207,18 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             let mut text = echo_for(i).unwrap_or_default();
             let mut offset = text.chars().count();
             text.push_str(&c.text);
+            let logprobs = gen.logprobs.is_some().then(|| {
+                let mut lp = match echo_lp_for(i) {
+                    Some(e) => st.prompt_logprobs(&e, c.prompt.as_deref().unwrap_or_default()),
+                    None => CompletionLogprobs::default(),
+                };
+                lp.append(st.completion_logprobs(&c.tokens, &mut offset));
+                lp
+            });
             CompletionChoice {
                 index: i,
                 text,
-                logprobs: gen
-                    .logprobs
-                    .is_some()
-                    .then(|| st.completion_logprobs(&c.tokens, &mut offset)),
+                logprobs,
                 finish_reason: c.finish.map(str::to_owned),
                 stop_reason: c.stop_reason,
             }

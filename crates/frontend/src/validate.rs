@@ -140,6 +140,9 @@ pub struct GenParams {
     pub n: usize,
     /// `Some(k)`: return each sampled token's log-probability and `k` alternatives.
     pub logprobs: Option<u32>,
+    /// `baton_proto::SamplingParams::prompt_logprobs`: 0, or `k + 1` for a `/v1/completions`
+    /// request with `echo` and `logprobs: k` (the echoed prompt's log-probabilities).
+    pub prompt_logprobs: u32,
     /// Stream server-sent events.
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
@@ -524,6 +527,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         ignore_eos: f.get::<bool>("ignore_eos")?.unwrap_or(false),
         n,
         logprobs,
+        prompt_logprobs: 0,
         stream,
         include_usage,
         continuous_usage,
@@ -682,7 +686,7 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
     let prompts = parse_prompts(&f, limits)?;
-    let gen = parse_gen(&f, false, limits)?;
+    let mut gen = parse_gen(&f, false, limits)?;
     let seqs = prompts.len().saturating_mul(gen.n);
     if seqs > MAX_SEQUENCES_PER_REQUEST {
         return Err(ApiError::field(
@@ -696,11 +700,10 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
         ));
     }
     let echo = f.get::<bool>("echo")?.unwrap_or(false);
-    if echo && gen.logprobs.is_some() {
-        return Err(ApiError::field(
-            "echo",
-            "'echo' together with 'logprobs' (prompt log-probabilities) is not supported by this server.",
-        ));
+    if echo {
+        // The echoed prompt gets log-probabilities too, with as many alternatives as the
+        // outputs ('logprobs' is already bounded by MAX_TOP_LOGPROBS).
+        gen.prompt_logprobs = gen.logprobs.map_or(0, |k| k + 1);
     }
     if let Some(s) = f.get::<String>("suffix")? {
         if !s.is_empty() {
@@ -917,6 +920,31 @@ mod tests {
             Some("logprobs")
         );
         assert_eq!(err("{nope").param, None);
+    }
+
+    #[test]
+    fn echo_with_logprobs_asks_for_prompt_logprobs_with_as_many_alternatives() {
+        let parse = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap();
+        let r = parse(r#"{"prompt":"a","echo":true,"logprobs":0}"#);
+        assert_eq!((r.gen.logprobs, r.gen.prompt_logprobs), (Some(0), 1));
+        let r = parse(r#"{"prompt":["a","b"],"n":2,"echo":true,"logprobs":5}"#);
+        assert_eq!((r.gen.logprobs, r.gen.prompt_logprobs), (Some(5), 6));
+        let r = parse(r#"{"prompt":"a","echo":true,"logprobs":20}"#);
+        assert_eq!(r.gen.prompt_logprobs, MAX_TOP_LOGPROBS as u32 + 1);
+        assert_eq!(
+            parse(r#"{"prompt":"a","echo":true}"#).gen.prompt_logprobs,
+            0
+        );
+        assert_eq!(
+            parse(r#"{"prompt":"a","logprobs":3}"#).gen.prompt_logprobs,
+            0
+        );
+        assert_eq!(
+            err(r#"{"prompt":"a","echo":true,"logprobs":21}"#)
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
     }
 
     #[test]

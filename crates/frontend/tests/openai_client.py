@@ -14,6 +14,7 @@ Prints one line per check and a closing 'N passed, N failed' line; exits non-zer
 """
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -135,6 +136,19 @@ def echo():
     g = goldens()[1]
     r = client.completions.create(model=MODEL, prompt=g["prompt"], max_tokens=64, temperature=0, echo=True)
     assert r.choices[0].text == g["full_text"]
+
+
+@check
+def echo_logprobs():
+    # lm-evaluation-harness's loglikelihood request: the prompt's tokens are scored too.
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n = r.usage.prompt_tokens + 1
+    assert len(lp.tokens) == n and len(lp.token_logprobs) == n and len(lp.text_offset) == n, lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(math.isfinite(x) and x <= 0 for x in lp.token_logprobs[1:]), lp.token_logprobs
+    assert r.choices[0].text.startswith("Once upon a time")
 
 
 @check

@@ -830,6 +830,363 @@ async fn echo_prepends_the_prompt() {
     assert_eq!(text_of(&v, 0), g["full_text"].as_str().unwrap());
 }
 
+/// A `top_logprobs` entry in the order the server wrote it (`serde_json::Value` sorts keys).
+#[derive(Debug, PartialEq)]
+struct OrderedTop(Vec<(String, f64)>);
+
+impl<'de> serde::Deserialize<'de> for OrderedTop {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OrderedTop;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map from token text to log-probability")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<OrderedTop, A::Error> {
+                let mut v = Vec::new();
+                while let Some(e) = m.next_entry()? {
+                    v.push(e);
+                }
+                Ok(OrderedTop(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The legacy completions `logprobs` object.
+#[derive(Debug, Default, PartialEq, serde::Deserialize)]
+struct Lp {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f64>>,
+    top_logprobs: Vec<Option<OrderedTop>>,
+    text_offset: Vec<usize>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct LpChoice {
+    index: usize,
+    text: String,
+    logprobs: Lp,
+    finish_reason: Option<String>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct LpBody {
+    choices: Vec<LpChoice>,
+}
+
+async fn lp_completion(addr: std::net::SocketAddr, body: Value) -> LpBody {
+    let r = post(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body))
+}
+
+/// A streamed completion's choices, each gathered from its chunks.
+async fn lp_completion_stream(addr: std::net::SocketAddr, mut body: Value) -> Vec<LpChoice> {
+    body["stream"] = json!(true);
+    let r = post(addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut out: Vec<LpChoice> = Vec::new();
+    for e in r.events().iter().filter(|e| *e != "[DONE]") {
+        let v: LpBody = serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
+        for c in v.choices {
+            while out.len() <= c.index {
+                out.push(LpChoice {
+                    index: out.len(),
+                    text: String::new(),
+                    logprobs: Lp::default(),
+                    finish_reason: None,
+                });
+            }
+            let o = &mut out[c.index];
+            o.text.push_str(&c.text);
+            o.logprobs.tokens.extend(c.logprobs.tokens);
+            o.logprobs.token_logprobs.extend(c.logprobs.token_logprobs);
+            o.logprobs.top_logprobs.extend(c.logprobs.top_logprobs);
+            o.logprobs.text_offset.extend(c.logprobs.text_offset);
+            if c.finish_reason.is_some() {
+                o.finish_reason = c.finish_reason;
+            }
+        }
+    }
+    out
+}
+
+/// Checks an echoed choice's log-probabilities: `n_prompt` prompt tokens (BOS first) then
+/// `n_out` outputs, the first entry null, every other scored with at most `k` alternatives
+/// plus the token itself, most likely first, and offsets that index the choice's text.
+fn check_echo_logprobs(c: &LpChoice, prompt: &str, n_prompt: usize, n_out: usize, k: usize) {
+    let lp = &c.logprobs;
+    let n = n_prompt + n_out;
+    assert!(c.text.starts_with(prompt), "{c:?}");
+    assert_eq!(lp.tokens.len(), n, "{lp:?}");
+    assert_eq!(lp.token_logprobs.len(), n, "{lp:?}");
+    assert_eq!(lp.top_logprobs.len(), n, "{lp:?}");
+    assert_eq!(lp.text_offset.len(), n, "{lp:?}");
+    assert_eq!(
+        lp.token_logprobs[0], None,
+        "the first token has no log-probability"
+    );
+    assert_eq!(lp.top_logprobs[0], None);
+    assert_eq!(lp.tokens[0], "<s>", "BOS is listed");
+    let prompt_tokens: String = lp.tokens[1..n_prompt].concat();
+    assert_eq!(prompt_tokens.trim_start(), prompt);
+    let output_tokens: String = lp.tokens[n_prompt..].concat();
+    assert_eq!(format!("{prompt}{output_tokens}"), c.text);
+    for i in 1..n {
+        let x = lp.token_logprobs[i].unwrap_or_else(|| panic!("position {i} unscored: {lp:?}"));
+        assert!(x.is_finite() && x <= 0.0, "position {i}: {x}");
+        let top = &lp.top_logprobs[i].as_ref().expect("top entries").0;
+        assert!(
+            (k.max(1)..=k + 1).contains(&top.len()),
+            "position {i}: {top:?}"
+        );
+        assert!(
+            top.windows(2).all(|w| w[0].1 >= w[1].1),
+            "position {i} not most likely first: {top:?}"
+        );
+        let own = top
+            .iter()
+            .find(|(t, _)| *t == lp.tokens[i])
+            .unwrap_or_else(|| panic!("position {i}: {:?} not in {top:?}", lp.tokens[i]));
+        // Two tokens may share a text; the entry keeps the more likely one.
+        assert!(own.1 >= x - 1e-6, "position {i}: {own:?} vs {x}");
+        assert!(own.1 - x < 1e-6 || top.len() > 1, "position {i}");
+    }
+    let chars: Vec<char> = c.text.chars().collect();
+    assert_eq!(lp.text_offset[0], 0);
+    assert!(lp.text_offset.windows(2).all(|w| w[0] <= w[1]), "{lp:?}");
+    for i in 1..n {
+        let off = lp.text_offset[i];
+        assert!(off <= chars.len(), "offset {off} past the text");
+        let rest: String = chars[off..].iter().collect();
+        let t = &lp.tokens[i];
+        assert!(
+            rest.starts_with(t.as_str()) || (off == 0 && rest.starts_with(t.trim_start())),
+            "token {i} {t:?} is not at offset {off} of {:?}",
+            c.text
+        );
+    }
+}
+
+/// OpenAI `echo` with `logprobs` (what lm-evaluation-harness's loglikelihood tasks send): the
+/// log-probabilities cover every prompt token, BOS included, then the outputs; the first
+/// token's are null.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_with_logprobs_scores_every_prompt_token() {
+    let srv = start(Opts::default()).await;
+    for g in common::goldens() {
+        let prompt = g["prompt"].as_str().unwrap();
+        let n_prompt = g["prompt_ids"].as_array().unwrap().len();
+        let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true,
+                          "logprobs": 2});
+        let v = lp_completion(srv.addr, body).await;
+        let c = &v.choices[0];
+        check_echo_logprobs(c, prompt, n_prompt, 1, 2);
+        // Greedy: the output token is the most likely one.
+        let out = c.logprobs.token_logprobs[n_prompt].unwrap();
+        let best = c.logprobs.top_logprobs[n_prompt].as_ref().unwrap().0[0].1;
+        assert!((best - out).abs() < 1e-6, "{c:?}");
+        // The same prompt as token ids scores the same.
+        let body = json!({"prompt": g["prompt_ids"], "max_tokens": 1, "temperature": 0,
+                          "echo": true, "logprobs": 2});
+        let t = lp_completion(srv.addr, body).await;
+        assert_eq!(
+            t.choices[0].logprobs, c.logprobs,
+            "token-id prompt {prompt:?}"
+        );
+        assert_eq!(t.choices[0].text, c.text);
+    }
+    // logprobs = 0: each prompt position lists the token alone.
+    let body = json!({"prompt": "The cat", "max_tokens": 2, "echo": true, "logprobs": 0});
+    let v = lp_completion(srv.addr, body).await;
+    check_echo_logprobs(&v.choices[0], "The cat", 4, 2, 0);
+    // Still bounded like logprobs.
+    let body = json!({"prompt": "a", "echo": true, "logprobs": 21});
+    let r = post(srv.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "logprobs");
+    // Without logprobs, echo has none.
+    let v = completion(
+        srv.addr,
+        json!({"prompt": "a", "max_tokens": 1, "echo": true}),
+    )
+    .await;
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// A prompt position's log-probability is the one the model gave that token when it
+/// generated it: greedy outputs of prompt P, scored again as prompt P + outputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_prompt_logprobs_equal_the_logprobs_the_tokens_were_generated_with() {
+    let srv = start(Opts::default()).await;
+    for g in common::goldens() {
+        let ids: Vec<u64> = g["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let body = json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 1});
+        let v = completion(srv.addr, body).await;
+        let gen: Vec<f64> = v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(gen.len(), 8);
+        let greedy: Vec<u64> = g["greedy_ids"].as_array().unwrap()[..8]
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let mut ext = ids.clone();
+        ext.extend(&greedy);
+        let body = json!({"prompt": ext, "max_tokens": 1, "temperature": 0, "echo": true,
+                          "logprobs": 1});
+        let e = lp_completion(srv.addr, body).await;
+        let lp = &e.choices[0].logprobs;
+        assert_eq!(lp.token_logprobs.len(), ext.len() + 1);
+        for (j, want) in gen.iter().enumerate() {
+            let got = lp.token_logprobs[ids.len() + j].unwrap();
+            assert!(
+                (got - want).abs() < 1e-4,
+                "prompt {:?} output {j}: generated with {want}, scored {got}",
+                g["prompt"]
+            );
+        }
+    }
+}
+
+/// Streamed, the echoed prompt and its log-probabilities come with each choice's first chunk;
+/// gathered, they equal the non-streamed response, for several prompts and n > 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_echo_logprobs_equal_the_non_streamed_ones() {
+    let srv = start(Opts::default()).await;
+    let goldens = common::goldens();
+    let prompts = [goldens[0]["prompt"].clone(), goldens[2]["prompt"].clone()];
+    let body = json!({"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0,
+                      "echo": true, "logprobs": 1});
+    let v = lp_completion(srv.addr, body.clone()).await;
+    assert_eq!(v.choices.len(), 4);
+    for c in &v.choices {
+        let g = &goldens[if c.index < 2 { 0 } else { 2 }];
+        let n_prompt = g["prompt_ids"].as_array().unwrap().len();
+        check_echo_logprobs(c, g["prompt"].as_str().unwrap(), n_prompt, 4, 1);
+    }
+    assert_eq!(v.choices[0].logprobs, v.choices[1].logprobs);
+    assert_ne!(v.choices[0].logprobs, v.choices[2].logprobs);
+    let streamed = lp_completion_stream(srv.addr, body).await;
+    assert_eq!(streamed.len(), 4);
+    for (s, c) in streamed.iter().zip(&v.choices) {
+        assert_eq!(s.text, c.text, "choice {}", c.index);
+        assert_eq!(s.logprobs, c.logprobs, "choice {}", c.index);
+        assert_eq!(s.finish_reason, c.finish_reason);
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// A request that ends before every prompt position was scored reports what arrived (null
+/// elsewhere) or its error; once every position arrived, the echo is sent before any token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_logprobs_of_a_request_that_ends_early_or_scores_all_first() {
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    let (addr, task) = common::start_scripted(|req| {
+        let plp = |pos: u32, logprob: f32| EngineEvent::PromptLogprob {
+            pos,
+            token: req.prompt.get(pos as usize).copied().unwrap_or(0),
+            logprob,
+            top: vec![],
+        };
+        let finished = |reason, output_tokens| EngineEvent::Finished {
+            reason,
+            prompt_tokens: req.prompt.len(),
+            output_tokens,
+            cached_tokens: 0,
+        };
+        match req.max_tokens {
+            // Aborted after two positions (and stray positions, ignored).
+            1 => vec![
+                plp(1, -1.0),
+                plp(0, -9.0),
+                plp(2, -2.0),
+                plp(99, -9.0),
+                finished(FinishReason::Abort, 0),
+            ],
+            // The engine fails.
+            2 => vec![plp(1, -1.0), EngineEvent::Error("boom".into())],
+            // Every position, then one token.
+            _ => vec![
+                plp(1, -1.0),
+                plp(2, -2.0),
+                plp(3, -3.0),
+                EngineEvent::Token {
+                    token: 403,
+                    cached_tokens: 0,
+                    logprob: -0.5,
+                    top: vec![],
+                    first: None,
+                },
+                finished(FinishReason::Length, 1),
+            ],
+        }
+    })
+    .await;
+    let prompt = json!([1, 403, 407, 261]);
+    let body = |max: u32| {
+        json!({"prompt": prompt, "max_tokens": max, "echo": true, "logprobs": 0,
+               "temperature": 0})
+    };
+    let v = lp_completion(addr, body(1)).await;
+    let c = &v.choices[0];
+    assert_eq!(c.finish_reason.as_deref(), Some("abort"));
+    assert_eq!(
+        c.logprobs.token_logprobs,
+        [None, Some(-1.0), Some(-2.0), None]
+    );
+    assert_eq!(c.logprobs.tokens.len(), 4);
+    let s = lp_completion_stream(addr, body(1)).await;
+    assert_eq!(s[0].logprobs, c.logprobs);
+    assert_eq!(s[0].text, c.text);
+    let r = post(addr, "/v1/completions", &body(2)).await;
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("boom"));
+    // Complete: the echo chunk comes alone, before the token's.
+    let mut b = body(3);
+    b["stream"] = json!(true);
+    let r = post(addr, "/v1/completions", &b).await;
+    let ev = r.events();
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(
+        first["choices"][0]["logprobs"]["token_logprobs"],
+        json!([null, -1.0, -2.0, -3.0]),
+        "{}",
+        r.body
+    );
+    let second: Value = serde_json::from_str(&ev[1]).unwrap();
+    assert_eq!(
+        second["choices"][0]["logprobs"]["token_logprobs"],
+        json!([-0.5]),
+        "{}",
+        r.body
+    );
+    let v = lp_completion(addr, body(3)).await;
+    assert_eq!(
+        v.choices[0].logprobs.token_logprobs,
+        [None, Some(-1.0), Some(-2.0), Some(-3.0), Some(-0.5)]
+    );
+    task.abort();
+}
+
 /// An empty string prompt is the BOS alone (vLLM and OpenAI accept it): unconditional
 /// generation, the same as `[BOS]` given as token ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,6 +48,7 @@ fn main() {
                         start_pos: 0,
                         block_table: &tables[s],
                         want_logits: true,
+                        all_logits: false,
                     }],
                 )
                 .unwrap();
@@ -63,6 +64,7 @@ fn main() {
                     start_pos: ctx + step,
                     block_table: &tables[s],
                     want_logits: true,
+                    all_logits: false,
                 })
                 .collect();
             model.forward(&mut kv, &rows).unwrap();

@@ -147,6 +147,9 @@ pub struct ForwardRow<'a> {
     pub block_table: &'a [u32],
     /// Whether to return logits for the row's last token.
     pub want_logits: bool,
+    /// Whether to return logits for every position of the row (prompt log-probabilities),
+    /// which includes the last one; `want_logits` is then irrelevant.
+    pub all_logits: bool,
 }
 
 /// A linear layer `y = x · Wᵀ` with `W` `[n, k]` row-major.
@@ -651,7 +654,8 @@ impl CpuModel {
     /// linear layers together as one `[T, hidden]` matrix.
     ///
     /// Returns one logits vector (`vocab_size` f32) per row with `want_logits`, for the row's
-    /// last token, in row order. Rows must not share pages they write.
+    /// last token, and one per position (in position order) for a row with `all_logits`, in
+    /// row order. Rows must not share pages they write.
     ///
     /// # Errors
     /// [`ForwardError`] for an empty row, a token `>= vocab_size`, positions beyond
@@ -899,14 +903,29 @@ impl CpuModel {
             s.x[..t * h].copy_from_slice(last);
         }
 
-        // Final norm + LM head for the last token of each row that wants logits.
+        // Final norm + LM head for the last token of each row that wants logits (every token
+        // of a row with `all_logits`).
         let mut sel = 0;
         let mut end = 0;
-        resize(&mut s.last, rows.len() * h);
+        let wanted: usize = rows
+            .iter()
+            .map(|r| match (r.all_logits, r.want_logits) {
+                (true, _) => r.tokens.len(),
+                (false, w) => usize::from(w),
+            })
+            .sum();
+        resize(&mut s.last, wanted * h);
         for row in rows {
+            let start = end;
             end += row.tokens.len();
-            if row.want_logits {
-                let i = end - 1;
+            let picked = if row.all_logits {
+                start..end
+            } else if row.want_logits {
+                end - 1..end
+            } else {
+                end..end
+            };
+            for i in picked {
                 rms_norm(
                     &s.x[i * h..(i + 1) * h],
                     &self.norm,

@@ -51,6 +51,7 @@ fn dummy_1b_weights_are_deterministic_and_forward_gives_finite_logits() {
                 start_pos: 0,
                 block_table: &table,
                 want_logits: true,
+                all_logits: false,
             }],
         )
         .unwrap()
@@ -74,6 +75,7 @@ fn dummy_1b_weights_are_deterministic_and_forward_gives_finite_logits() {
                     start_pos: 8 + step,
                     block_table: &table,
                     want_logits: true,
+                    all_logits: false,
                 }],
             )
             .unwrap()

@@ -20,6 +20,7 @@ fn forced_inputs_replace_each_layers_input_and_the_final_norms() {
         start_pos: 0,
         block_table: &table,
         want_logits: true,
+        all_logits: false,
     }];
     let run = |forced: Option<&[Vec<f32>]>| {
         let mut kv = PagedKvCache::new(&cfg, 4, 16);
@@ -62,6 +63,7 @@ fn forced_inputs_of_the_wrong_shape_are_an_error() {
         start_pos: 0,
         block_table: &table,
         want_logits: true,
+        all_logits: false,
     }];
     let mut kv = PagedKvCache::new(&cfg, 4, 16);
     let short = vec![vec![0.0; 3 * 64]; 2];

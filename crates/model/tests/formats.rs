@@ -97,6 +97,7 @@ fn invalid_forward_rows_are_errors_and_write_nothing() {
         start_pos: 0,
         block_table: &[0],
         want_logits: true,
+        all_logits: false,
     };
     type Check = fn(&ForwardError) -> bool;
     let cases: Vec<(ForwardRow, Check)> = vec![
@@ -188,6 +189,7 @@ fn invalid_forward_rows_are_errors_and_write_nothing() {
     assert_eq!(model.forward(&mut kv, &[ok]).unwrap().len(), 1);
     let quiet = ForwardRow {
         want_logits: false,
+        all_logits: false,
         ..ok
     };
     assert!(model.forward(&mut kv, &[quiet]).unwrap().is_empty());

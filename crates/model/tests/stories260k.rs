@@ -76,6 +76,7 @@ fn first_step_top5_logits_match_golden_within_1e4() {
                     start_pos: 0,
                     block_table: &[0, 1, 2, 3],
                     want_logits: true,
+                    all_logits: false,
                 }],
             )
             .unwrap()
@@ -194,6 +195,7 @@ fn mixed_prefill_decode_batches_give_bitwise_identical_logits_to_alone() {
                 start_pos: start,
                 block_table: &tables[s],
                 want_logits: want,
+                all_logits: false,
             })
             .collect();
         if rows.iter().any(|r| r.tokens.len() > 1) && rows.iter().any(|r| r.tokens.len() == 1) {
@@ -256,6 +258,7 @@ fn thread_count_does_not_change_logits_bitwise() {
                 start_pos: 0,
                 block_table: t,
                 want_logits: true,
+                all_logits: false,
             })
             .collect();
         logits.extend(model.forward(&mut kv, &rows).unwrap());
@@ -267,6 +270,7 @@ fn thread_count_does_not_change_logits_bitwise() {
                 start_pos: s.len() - 1,
                 block_table: t,
                 want_logits: true,
+                all_logits: false,
             })
             .collect();
         logits.extend(model.forward(&mut kv, &rows).unwrap());
@@ -288,6 +292,7 @@ fn forward_layer_outputs_match_forward_logits() {
         start_pos: 0,
         block_table: &[0],
         want_logits: true,
+        all_logits: false,
     };
     let mut kv = PagedKvCache::new(model.config(), 1, 16);
     let a = model.forward(&mut kv, &[row(0)]).unwrap();
@@ -299,4 +304,56 @@ fn forward_layer_outputs_match_forward_logits() {
     assert_eq!(layers.len(), 5);
     assert!(layers.iter().all(|l| l.len() == p.prompt_ids.len() * 64));
     assert_ne!(layers[0], layers[4]);
+}
+
+/// A row with `all_logits` returns one logits vector per position, each the one that
+/// position's prefix gives as its last token alone, bit for bit (prompt log-probabilities
+/// rest on this), beside a row that wants only its last token's.
+#[test]
+fn all_logits_rows_give_every_prefix_its_own_last_token_logits() {
+    let (model, _) = load();
+    let g = golden();
+    let p = &g.prompts[1].prompt_ids;
+    let q = &g.prompts[0].prompt_ids;
+    let pages: Vec<u32> = (0..4).collect();
+    let other: Vec<u32> = (4..8).collect();
+    let mut kv = PagedKvCache::new(model.config(), 8, 16);
+    let out = model
+        .forward(
+            &mut kv,
+            &[
+                ForwardRow {
+                    tokens: q,
+                    start_pos: 0,
+                    block_table: &other,
+                    want_logits: true,
+                    all_logits: false,
+                },
+                ForwardRow {
+                    tokens: p,
+                    start_pos: 0,
+                    block_table: &pages,
+                    want_logits: false,
+                    all_logits: true,
+                },
+            ],
+        )
+        .unwrap();
+    assert_eq!(out.len(), 1 + p.len());
+    for k in 1..=p.len() {
+        let mut kv = PagedKvCache::new(model.config(), 8, 16);
+        let alone = model
+            .forward(
+                &mut kv,
+                &[ForwardRow {
+                    tokens: &p[..k],
+                    start_pos: 0,
+                    block_table: &pages,
+                    want_logits: true,
+                    all_logits: false,
+                }],
+            )
+            .unwrap();
+        assert!(bits(&out[k]) == bits(&alone[0]), "position {}", k - 1);
+    }
 }

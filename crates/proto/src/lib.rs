@@ -90,8 +90,13 @@ pub struct SamplingParams {
     /// every token without one is excluded from sampling (as if its logit were `-inf`; the
     /// log-probabilities stay the raw ones). 0: off. Requires `logit_bias_len > 0`.
     pub allowed_only: u32,
-    /// Zero (keeps the struct free of padding for [`bytemuck::Pod`]).
-    pub reserved: u32,
+    /// Prompt log-probabilities (OpenAI `echo` with `logprobs`, vLLM's `prompt_logprobs`):
+    /// 0 for none, else one more than the number of top log-probabilities wanted per prompt
+    /// position (1..=[`MAX_TOP_LOGPROBS`] + 1). On a launch row it is set only while the row
+    /// covers prompt positions whose log-probabilities are still owed (see
+    /// [`LaunchRow::scores_prompt`]); the worker then reports a [`PromptLogprob`] for each
+    /// position of the row whose next token is known.
+    pub prompt_logprobs: u32,
 }
 
 impl Default for SamplingParams {
@@ -116,7 +121,7 @@ impl SamplingParams {
             repetition_penalty: 1.0,
             logit_bias_len: 0,
             allowed_only: 0,
-            reserved: 0,
+            prompt_logprobs: 0,
         }
     }
 
@@ -137,6 +142,13 @@ impl SamplingParams {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.has_repetition_penalty()
+    }
+
+    /// The number of top log-probabilities per prompt position, when prompt log-probabilities
+    /// are wanted (see [`SamplingParams::prompt_logprobs`]).
+    pub fn prompt_top(&self) -> Option<usize> {
+        (self.prompt_logprobs > 0)
+            .then(|| (self.prompt_logprobs as usize - 1).min(MAX_TOP_LOGPROBS))
     }
 
     /// True when the sampler changes logits before drawing: penalties or a logit bias.
@@ -189,6 +201,47 @@ pub struct LaunchRow {
     pub params: SamplingParams,
 }
 
+impl LaunchRow {
+    /// Positions whose logits score the next prompt token, when this row reports prompt
+    /// log-probabilities (`params.prompt_logprobs > 0`): every position of the row except
+    /// the last one of a sampling row (its logits sample instead). The token scored by the
+    /// logits at position `p` is the one at `p + 1`, in the token table (the prompt is
+    /// written at admission). Empty for other rows.
+    pub fn scores_prompt(&self) -> std::ops::Range<u32> {
+        if self.params.prompt_logprobs == 0 {
+            return self.first_pos..self.first_pos;
+        }
+        let end = self.first_pos + self.num_tokens - self.sample.min(1);
+        self.first_pos..end
+    }
+}
+
+/// The most positions, summed over a launch's rows, that may report prompt log-probabilities
+/// ([`LaunchRow::scores_prompt`]); the scheduler shortens such rows to stay within it. It
+/// bounds the logits a worker materializes for them (`positions x vocab` f32) and the
+/// completion slots they take.
+pub const MAX_PROMPT_LOGPROB_POSITIONS: usize = 256;
+
+/// The log-probability of one prompt token given the tokens before it, as a worker reports it
+/// for a row with [`SamplingParams::prompt_logprobs`]: from the raw logits at position
+/// `pos - 1` (temperature 1, no penalty or bias, as vLLM's `prompt_logprobs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprob {
+    /// Row index within the launch.
+    pub row: u32,
+    /// The request the row belonged to.
+    pub req: SlotRef,
+    /// The scored token's position (>= 1; position 0 has no log-probability).
+    pub pos: u32,
+    /// The token at `pos`.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Top log-probabilities at `pos`, `(token, logprob)`, most likely first (ties to the
+    /// lower id), as many as the row asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// A launch record as the in-process engine and the worker see it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Launch {
@@ -220,6 +273,8 @@ pub struct Completion {
     pub seq: LaunchSeq,
     /// One entry per row with `sample == 1`, in row order.
     pub sampled: Vec<Sampled>,
+    /// Prompt log-probabilities of the rows that asked for them, in row then position order.
+    pub prompt: Vec<PromptLogprob>,
 }
 
 /// Token and block tables, one row per request slot.
@@ -363,6 +418,21 @@ mod tests {
         // The ring slot layout depends on this size; a change must be deliberate.
         assert_eq!(std::mem::size_of::<LaunchRow>(), 96);
         assert_eq!(std::mem::size_of::<SamplingParams>(), 56);
+    }
+
+    #[test]
+    fn a_row_scores_every_position_but_the_one_it_samples_from() {
+        let mut row = LaunchRow::zeroed();
+        row.first_pos = 8;
+        row.num_tokens = 5;
+        assert!(row.scores_prompt().is_empty(), "not asked");
+        row.params.prompt_logprobs = 1;
+        assert_eq!(row.scores_prompt(), 8..13, "a chunk inside the prompt");
+        row.sample = 1;
+        assert_eq!(row.scores_prompt(), 8..12, "the last chunk samples at 12");
+        assert_eq!(row.params.prompt_top(), Some(0));
+        row.params.prompt_logprobs = 1 + 50;
+        assert_eq!(row.params.prompt_top(), Some(MAX_TOP_LOGPROBS));
     }
 
     #[test]

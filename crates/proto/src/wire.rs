@@ -65,6 +65,10 @@ pub mod to_frontend {
     pub const FINISHED: u32 = 2;
     /// `req` was refused or failed; `reason` holds an error code (see [`super::error`]).
     pub const ERROR: u32 = 3;
+    /// The log-probability of `req`'s prompt token `token` at position `detail`, with its top
+    /// entries ([`crate::PromptLogprob`]). A request's prompt entries arrive in position
+    /// order, before its first `TOKEN`.
+    pub const PROMPT_LOGPROB: u32 = 4;
 }
 
 /// Finish reasons on the wire.
@@ -110,7 +114,7 @@ pub struct ToFrontend {
     /// `FINISHED`: output tokens.
     pub output_tokens: u32,
     /// `ERROR`: a detail, for example the admission error's limit. `FINISHED` and `TOKEN`:
-    /// prompt tokens taken from the prefix cache.
+    /// prompt tokens taken from the prefix cache. `PROMPT_LOGPROB`: the position.
     pub detail: u32,
     /// Top token ids.
     pub top_ids: [u32; MAX_TOP_LOGPROBS],
@@ -161,33 +165,37 @@ pub struct LaunchSlot {
 
 /// Kinds of [`CompletionSlot`].
 pub mod completion_kind {
-    /// A completion header: launch `seq` finished (fenced); `n` sampled rows follow.
+    /// A completion header: launch `seq` finished (fenced); `n` body slots follow (`SAMPLED`
+    /// then `PROMPT`).
     pub const HEADER: u32 = 1;
     /// One sampled row.
     pub const SAMPLED: u32 = 2;
     /// The worker failed launch `seq`; `n` holds an error code.
     pub const FAILED: u32 = 3;
+    /// One prompt log-probability ([`crate::PromptLogprob`]); `n` holds its position.
+    pub const PROMPT: u32 = 4;
 }
 
-/// A worker-to-scheduler slot: a completion header or one sampled row.
+/// A worker-to-scheduler slot: a completion header, one sampled row or one prompt
+/// log-probability.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct CompletionSlot {
     /// One of [`completion_kind`].
     pub kind: u32,
-    /// `HEADER`: sampled rows that follow.
+    /// `HEADER`: body slots that follow. `PROMPT`: the scored position.
     pub n: u32,
     /// The launch.
     pub seq: LaunchSeq,
-    /// `SAMPLED`: the request of the row.
+    /// `SAMPLED`, `PROMPT`: the request of the row.
     pub req: SlotRef,
-    /// `SAMPLED`: row index.
+    /// `SAMPLED`, `PROMPT`: row index.
     pub row: u32,
-    /// `SAMPLED`: the token.
+    /// `SAMPLED`, `PROMPT`: the token.
     pub token: u32,
-    /// `SAMPLED`: log-probability.
+    /// `SAMPLED`, `PROMPT`: its log-probability.
     pub logprob: f32,
-    /// `SAMPLED`: valid top entries.
+    /// `SAMPLED`, `PROMPT`: valid top entries.
     pub n_top: u32,
     /// Top token ids.
     pub top_ids: [u32; MAX_TOP_LOGPROBS],
@@ -211,42 +219,68 @@ pub fn encode_launch(launch: &crate::Launch, out: &mut Vec<LaunchSlot>) {
     }));
 }
 
-/// Encodes a completion as a header slot followed by one slot per sampled row.
+/// Encodes a completion as a header slot followed by one slot per sampled row, then one per
+/// prompt log-probability.
 pub fn encode_completion(c: &crate::Completion, out: &mut Vec<CompletionSlot>) {
     let mut header = CompletionSlot::zeroed();
     header.kind = completion_kind::HEADER;
-    header.n = c.sampled.len() as u32;
+    header.n = (c.sampled.len() + c.prompt.len()) as u32;
     header.seq = c.seq;
     out.push(header);
-    for s in &c.sampled {
+    let body = |kind: u32, n: u32, req, row, token, logprob, top: &[(u32, f32)]| {
         let mut slot = CompletionSlot::zeroed();
-        slot.kind = completion_kind::SAMPLED;
+        slot.kind = kind;
+        slot.n = n;
         slot.seq = c.seq;
-        slot.req = s.req;
-        slot.row = s.row;
-        slot.token = s.token;
-        slot.logprob = s.logprob;
-        let n = s.top.len().min(MAX_TOP_LOGPROBS);
-        slot.n_top = n as u32;
-        for (i, &(id, lp)) in s.top[..n].iter().enumerate() {
+        slot.req = req;
+        slot.row = row;
+        slot.token = token;
+        slot.logprob = logprob;
+        let k = top.len().min(MAX_TOP_LOGPROBS);
+        slot.n_top = k as u32;
+        for (i, &(id, lp)) in top[..k].iter().enumerate() {
             slot.top_ids[i] = id;
             slot.top_logprobs[i] = lp;
         }
-        out.push(slot);
+        slot
+    };
+    for s in &c.sampled {
+        let kind = completion_kind::SAMPLED;
+        out.push(body(kind, 0, s.req, s.row, s.token, s.logprob, &s.top));
     }
+    for p in &c.prompt {
+        let kind = completion_kind::PROMPT;
+        out.push(body(kind, p.pos, p.req, p.row, p.token, p.logprob, &p.top));
+    }
+}
+
+fn decode_top(slot: &CompletionSlot) -> Vec<(u32, f32)> {
+    let n = (slot.n_top as usize).min(MAX_TOP_LOGPROBS);
+    (0..n)
+        .map(|i| (slot.top_ids[i], slot.top_logprobs[i]))
+        .collect()
 }
 
 /// Decodes a sampled row slot.
 pub fn decode_sampled(slot: &CompletionSlot) -> crate::Sampled {
-    let n = (slot.n_top as usize).min(MAX_TOP_LOGPROBS);
     crate::Sampled {
         row: slot.row,
         req: slot.req,
         token: slot.token,
         logprob: slot.logprob,
-        top: (0..n)
-            .map(|i| (slot.top_ids[i], slot.top_logprobs[i]))
-            .collect(),
+        top: decode_top(slot),
+    }
+}
+
+/// Decodes a prompt log-probability slot.
+pub fn decode_prompt(slot: &CompletionSlot) -> crate::PromptLogprob {
+    crate::PromptLogprob {
+        row: slot.row,
+        req: slot.req,
+        pos: slot.n,
+        token: slot.token,
+        logprob: slot.logprob,
+        top: decode_top(slot),
     }
 }
 
@@ -312,7 +346,7 @@ impl LaunchAssembler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Completion, Launch, Sampled};
+    use crate::{Completion, Launch, PromptLogprob, Sampled};
 
     #[test]
     fn launches_round_trip_through_slots() {
@@ -360,22 +394,45 @@ mod tests {
 
     #[test]
     fn completions_keep_top_logprobs() {
+        let req = SlotRef {
+            slot: 2,
+            generation: 3,
+        };
         let c = Completion {
             seq: 4,
             sampled: vec![Sampled {
                 row: 1,
-                req: SlotRef {
-                    slot: 2,
-                    generation: 3,
-                },
+                req,
                 token: 5,
                 logprob: -0.5,
                 top: vec![(5, -0.5), (6, -1.5)],
             }],
+            prompt: vec![
+                PromptLogprob {
+                    row: 0,
+                    req,
+                    pos: 9,
+                    token: 7,
+                    logprob: -2.25,
+                    top: vec![(3, -0.25)],
+                },
+                PromptLogprob {
+                    row: 0,
+                    req,
+                    pos: 10,
+                    token: 8,
+                    logprob: -1.0,
+                    top: Vec::new(),
+                },
+            ],
         };
         let mut slots = Vec::new();
         encode_completion(&c, &mut slots);
-        assert_eq!(slots[0].n, 1);
+        assert_eq!(slots[0].n, 3, "the header counts every body slot");
+        assert_eq!(slots[1].kind, completion_kind::SAMPLED);
         assert_eq!(decode_sampled(&slots[1]), c.sampled[0]);
+        assert_eq!(slots[2].kind, completion_kind::PROMPT);
+        assert_eq!(decode_prompt(&slots[2]), c.prompt[0]);
+        assert_eq!(decode_prompt(&slots[3]), c.prompt[1]);
     }
 }

@@ -559,6 +559,7 @@ impl SchedulerDaemon {
                     let c = Completion {
                         seq: s.seq,
                         sampled: Vec::with_capacity(s.n as usize),
+                        prompt: Vec::new(),
                     };
                     if s.n == 0 {
                         self.accept_completion(c);
@@ -566,11 +567,15 @@ impl SchedulerDaemon {
                         self.completion_in = Some((c, s.n as usize));
                     }
                 }
-                completion_kind::SAMPLED => {
+                completion_kind::SAMPLED | completion_kind::PROMPT => {
                     let done = match &mut self.completion_in {
                         Some((c, want)) if c.seq == s.seq => {
-                            c.sampled.push(wire::decode_sampled(s));
-                            c.sampled.len() == *want
+                            if s.kind == completion_kind::SAMPLED {
+                                c.sampled.push(wire::decode_sampled(s));
+                            } else {
+                                c.prompt.push(wire::decode_prompt(s));
+                            }
+                            c.sampled.len() + c.prompt.len() == *want
                         }
                         _ => {
                             tracing::error!(
@@ -674,12 +679,26 @@ impl SchedulerDaemon {
                     m.token = token;
                     m.logprob = logprob;
                     m.detail = cached_tokens as u32;
-                    let n = top.len().min(baton_proto::MAX_TOP_LOGPROBS);
-                    m.n_top = n as u32;
-                    for (i, &(t, lp)) in top[..n].iter().enumerate() {
-                        m.top_ids[i] = t;
-                        m.top_logprobs[i] = lp;
-                    }
+                    put_top(&mut m, top);
+                    self.frontends[r.frontend].outbox.push_back(m);
+                }
+                Event::PromptLogprob {
+                    id,
+                    pos,
+                    token,
+                    logprob,
+                    ref top,
+                } => {
+                    let Some(r) = self.routes.get(&id) else {
+                        continue;
+                    };
+                    let mut m = ToFrontend::zeroed();
+                    m.kind = to_frontend::PROMPT_LOGPROB;
+                    m.req = r.local;
+                    m.token = token;
+                    m.logprob = logprob;
+                    m.detail = pos;
+                    put_top(&mut m, top);
                     self.frontends[r.frontend].outbox.push_back(m);
                 }
                 Event::Finished {
@@ -785,4 +804,14 @@ struct FinishedCounts {
     output: usize,
     /// Prompt positions taken from the prefix cache.
     cached: usize,
+}
+
+/// Copies up to [`baton_proto::MAX_TOP_LOGPROBS`] top entries into `m`.
+fn put_top(m: &mut ToFrontend, top: &[(u32, f32)]) {
+    let n = top.len().min(baton_proto::MAX_TOP_LOGPROBS);
+    m.n_top = n as u32;
+    for (i, &(t, lp)) in top[..n].iter().enumerate() {
+        m.top_ids[i] = t;
+        m.top_logprobs[i] = lp;
+    }
 }

@@ -116,6 +116,10 @@ pub(crate) struct Request {
     pub state: State,
     /// Times this request was preempted.
     pub preemptions: u32,
+    /// The next prompt position whose log-probability the request's owner gets (from 1; see
+    /// `SamplingParams::prompt_logprobs`). It survives preemption, so a recompute reports
+    /// only the positions not yet delivered.
+    pub prompt_lp_next: usize,
 }
 
 impl Request {
@@ -158,6 +162,7 @@ impl Request {
             stop_mask,
             state: State::Waiting,
             preemptions: 0,
+            prompt_lp_next: 1,
         }
     }
 
@@ -188,6 +193,12 @@ impl Request {
     #[inline]
     pub fn outputs_promised(&self) -> usize {
         self.num_outputs() + self.inflight_samples.len()
+    }
+
+    /// True while prompt log-probabilities are wanted and some are not delivered yet.
+    #[inline]
+    pub fn owes_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs > 0 && self.prompt_lp_next < self.prompt_len
     }
 
     /// True if `token` ends generation.

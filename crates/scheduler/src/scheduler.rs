@@ -19,7 +19,7 @@ use crate::trace::{Boundary, TraceRecord, Tracer};
 use baton_kv::{PagePool, PoolStats, PrefixHasher, SlotAllocator};
 use baton_proto::{
     Completion, HeapSlotTables, Launch, LaunchRow, LaunchSeq, SlotRef, SlotTables, MAX_LOGIT_BIAS,
-    MAX_MIN_TOKENS_STOP_IDS, NOT_PENDING,
+    MAX_MIN_TOKENS_STOP_IDS, MAX_PROMPT_LOGPROB_POSITIONS, MAX_TOP_LOGPROBS, NOT_PENDING,
 };
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
@@ -83,6 +83,10 @@ pub enum AdmitError {
     /// `min_tokens > 0` with more stop ids (EOS included) than the mask holds.
     #[error("min_tokens is supported with at most {} stop token ids (EOS included), this request has {stops}", MAX_MIN_TOKENS_STOP_IDS)]
     MinTokensStopIds { stops: usize },
+    /// `params.prompt_logprobs` asks for more than [`baton_proto::MAX_TOP_LOGPROBS`] top
+    /// entries per prompt position.
+    #[error("prompt log-probabilities are supported with at most {most} top entries, this request asks for {asked}")]
+    TooManyPromptLogprobs { asked: u32, most: usize },
 }
 
 /// What the scheduler tells the request's owner.
@@ -100,6 +104,21 @@ pub enum Event {
         /// Its log-probability, if asked.
         logprob: f32,
         /// Top log-probabilities, if asked.
+        top: Vec<(u32, f32)>,
+    },
+    /// The log-probability of prompt token `token` at position `pos` of `id` (requests with
+    /// `params.prompt_logprobs`). Each position from 1 to `prompt_len - 1` comes once, in
+    /// order, before the request's first `Token`.
+    PromptLogprob {
+        /// The request.
+        id: RequestId,
+        /// The scored token's position.
+        pos: u32,
+        /// The token at `pos`.
+        token: u32,
+        /// Its log-probability given the tokens before it.
+        logprob: f32,
+        /// Top log-probabilities at `pos`.
         top: Vec<(u32, f32)>,
     },
     /// The request ended; no further event for `id` follows.
@@ -446,13 +465,15 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         meta.clear();
         meta.reserve(cap);
         let mut budget = self.cfg.max_num_batched_tokens;
+        // Positions that may still report prompt log-probabilities in this launch.
+        let mut lp_budget = MAX_PROMPT_LOGPROB_POSITIONS;
 
         // Running requests first, in admission order: decodes and prefill continuations.
         let mut waiting_for_fence = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let idx = self.running[i];
-            match self.plan_row(idx, seq, budget, &mut rows, &mut meta) {
+            match self.plan_row(idx, seq, budget, &mut lp_budget, &mut rows, &mut meta) {
                 Plan::Row(n) => {
                     budget -= n;
                     i += 1;
@@ -496,10 +517,12 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
-            if self.cfg.enable_prefix_caching {
+            // A request that still owes prompt log-probabilities computes its prompt: cached
+            // positions have no logits (as in vLLM, which skips the cache for them).
+            if self.cfg.enable_prefix_caching && !self.requests[idx].owes_prompt_logprobs() {
                 self.take_cached_prefix(idx, slot.slot);
             }
-            match self.plan_row(idx, seq, budget, &mut rows, &mut meta) {
+            match self.plan_row(idx, seq, budget, &mut lp_budget, &mut rows, &mut meta) {
                 Plan::Row(n) => {
                     budget -= n;
                     self.waiting.pop_front();
@@ -568,7 +591,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
 
     /// Plans one row for request `idx` in launch `seq`, allocating its pages, and appends it
     /// to `rows` and `meta`. On success the request's `last_launch`, `scheduled_len` and
-    /// in-flight samples already account for the row.
+    /// in-flight samples already account for the row. A row that reports prompt
+    /// log-probabilities takes its positions from `lp_budget` too (and waits when it is 0).
     ///
     /// Inlined into the per-row loop (with `on_sampled`, a quarter of the instructions per
     /// decode step at 1024 sequences were calls, spills and reloads around these two).
@@ -578,6 +602,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         idx: Idx,
         seq: LaunchSeq,
         budget: usize,
+        lp_budget: &mut usize,
         rows: &mut Vec<LaunchRow>,
         meta: &mut Vec<RowMeta>,
     ) -> Plan {
@@ -603,6 +628,17 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             (1, r.inflight_samples.get(first - known).copied())
         } else {
             ((known - first).min(budget), None)
+        };
+        // Prompt log-probabilities: the row's logits at positions `first..` score prompt
+        // tokens `first + 1..`; only rows that reach an owed one report them.
+        let scores_prompt = r.owes_prompt_logprobs() && first + 1 < r.prompt_len;
+        let n = if scores_prompt {
+            if *lp_budget == 0 {
+                return Plan::Nothing;
+            }
+            n.min(*lp_budget)
+        } else {
+            n
         };
         let end = first + n;
         // A row that reaches the frontier samples the next token, if it has room for one.
@@ -633,6 +669,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         debug_assert!(pending_launch == NOT_PENDING || pending_launch < seq);
         let output_index = r.outputs_promised();
         let mut params = r.params;
+        if scores_prompt {
+            *lp_budget -= n;
+        } else {
+            params.prompt_logprobs = 0;
+        }
         if output_index < r.min_tokens {
             // The stop-id mask follows the bias in the slot's logit-bias row.
             params.logit_bias_len = r.logit_bias.len() as u32;
@@ -808,6 +849,31 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // A launch has at most one row per request, and handling a sample touches no other
         // request's lengths, so this matches marking every row first. Entries out of row order
         // are handled after the pass, in the order they came.
+        // Prompt log-probabilities first: a request's come before its first token. Each owed
+        // position is taken once, in order (a recompute after preemption reports some again).
+        for p in &c.prompt {
+            let Some(m) = launch.rows.get(p.row as usize) else {
+                continue;
+            };
+            let Some(r) = self.requests.try_get_mut(m.req) else {
+                continue;
+            };
+            if r.slot != Some(m.slot)
+                || p.req != m.slot
+                || p.pos as usize != r.prompt_lp_next
+                || !r.owes_prompt_logprobs()
+            {
+                continue;
+            }
+            r.prompt_lp_next += 1;
+            events.push(Event::PromptLogprob {
+                id: m.id,
+                pos: p.pos,
+                token: p.token,
+                logprob: p.logprob,
+                top: p.top.clone(),
+            });
+        }
         let mut next = 0;
         // Samples live requests expect from this launch, and how many arrived.
         let (mut expected, mut accepted) = (0usize, 0usize);
@@ -1097,6 +1163,12 @@ pub fn check_admission(
             bias.len(),
             r.params.logit_bias_len
         )));
+    }
+    if r.params.prompt_logprobs > MAX_TOP_LOGPROBS as u32 + 1 {
+        return Err(AdmitError::TooManyPromptLogprobs {
+            asked: r.params.prompt_logprobs - 1,
+            most: MAX_TOP_LOGPROBS,
+        });
     }
     if r.params.allowed_only != 0 && bias.is_empty() {
         return Err(AdmitError::BadLogitBias(

@@ -38,7 +38,10 @@
 //! "64 pages free, but 1 of 64 are referred to by launches after 0 (unreleased)" (and the
 //! deterministic test below fails too).
 
-use baton_proto::{Completion, Launch, LaunchSeq, SamplingParams, SlotRef, NOT_PENDING};
+use baton_proto::{
+    Completion, Launch, LaunchSeq, PromptLogprob, SamplingParams, SlotRef,
+    MAX_PROMPT_LOGPROB_POSITIONS, NOT_PENDING,
+};
 use baton_scheduler::{
     check_trace, Event, FinishReason, NewRequest, RequestId, Scheduler, SchedulerConfig, Tracer,
 };
@@ -150,6 +153,10 @@ struct Shadow {
     /// A launch that included the request failed: it must end with `Abort`.
     failed: bool,
     finished: Option<FinishReason>,
+    /// Asked for prompt log-probabilities (every third request).
+    wants_prompt: bool,
+    /// Positions of the prompt log-probabilities received, in arrival order.
+    prompt_lps: Vec<u32>,
 }
 
 struct Sim {
@@ -236,8 +243,10 @@ impl Sim {
                         3 + ((x + j * 17) % (VOCAB - 3)) as u32
                     })
                     .collect();
+                let wants_prompt = id.is_multiple_of(3);
                 let params = SamplingParams {
                     seed: id,
+                    prompt_logprobs: if wants_prompt { 1 + (id % 5) as u32 } else { 0 },
                     ..SamplingParams::greedy()
                 };
                 let r = NewRequest {
@@ -266,6 +275,8 @@ impl Sim {
                             cancelled: false,
                             failed: false,
                             finished: None,
+                            wants_prompt,
+                            prompt_lps: Vec::new(),
                         },
                     );
                 }
@@ -368,6 +379,21 @@ impl Sim {
         let mut tokens = Vec::new();
         let mut history = Vec::new();
         let bs = self.cfg.block_size;
+        let scored: usize = l.rows.iter().map(|r| r.scores_prompt().len()).sum();
+        prop_assert!(
+            scored <= MAX_PROMPT_LOGPROB_POSITIONS,
+            "launch {} scores {} prompt positions",
+            l.seq,
+            scored
+        );
+        for r in &l.rows {
+            let owner = by_slot.get(&r.req).and_then(|id| self.reqs.get(id));
+            prop_assert!(
+                r.params.prompt_logprobs == 0 || owner.is_some_and(|o| o.wants_prompt),
+                "a row of launch {} reports prompt log-probabilities nobody asked for",
+                l.seq
+            );
+        }
         for (i, r) in l.rows.iter().enumerate() {
             let mut b = Vec::new();
             tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut b);
@@ -523,7 +549,27 @@ impl Sim {
                 top: Vec::new(),
             })
             .collect();
-        self.to_complete.push_back(Completion { seq, sampled });
+        // Prompt log-probabilities as a worker reports them: the token after each scored
+        // position, read from the table now; the log-probability encodes the position.
+        let tables = self.sched.tables().clone();
+        let mut prompt = Vec::new();
+        for (i, r) in p.launch.rows.iter().enumerate() {
+            for pos in r.scores_prompt() {
+                prompt.push(PromptLogprob {
+                    row: i as u32,
+                    req: r.req,
+                    pos: pos + 1,
+                    token: tables.token(r.req.slot, pos as usize + 1),
+                    logprob: -(pos as f32 + 1.0),
+                    top: vec![(0, -0.5); r.params.prompt_top().unwrap_or(0)],
+                });
+            }
+        }
+        self.to_complete.push_back(Completion {
+            seq,
+            sampled,
+            prompt,
+        });
         Ok(())
     }
 
@@ -531,11 +577,45 @@ impl Sim {
     fn take_events(&mut self) -> Result<(), TestCaseError> {
         for e in std::mem::take(&mut self.events) {
             match e {
+                Event::PromptLogprob {
+                    id,
+                    pos,
+                    token,
+                    logprob,
+                    top,
+                } => {
+                    let r = self
+                        .reqs
+                        .get_mut(&id)
+                        .expect("prompt log-probability for an unknown request");
+                    prop_assert!(r.wants_prompt, "request {} did not ask for them", id);
+                    prop_assert!(r.outputs.is_empty(), "request {} got one after a token", id);
+                    prop_assert!(r.finished.is_none());
+                    prop_assert_eq!(
+                        pos as usize,
+                        r.prompt_lps.len() + 1,
+                        "request {} positions out of order: {:?}",
+                        id,
+                        &r.prompt_lps
+                    );
+                    prop_assert!((pos as usize) < r.prompt_len);
+                    prop_assert_eq!(token, r.prompt[pos as usize]);
+                    prop_assert_eq!(logprob, -(pos as f32));
+                    prop_assert_eq!(top.len(), (id % 5) as usize);
+                    r.prompt_lps.push(pos);
+                }
                 Event::Token { id, token, .. } => {
                     let r = self
                         .reqs
                         .get_mut(&id)
                         .expect("token for an unknown request");
+                    prop_assert!(
+                        !r.wants_prompt || r.prompt_lps.len() == r.prompt_len - 1,
+                        "request {} got its first token after {} of {} prompt log-probabilities",
+                        id,
+                        r.prompt_lps.len(),
+                        r.prompt_len - 1
+                    );
                     prop_assert!(!r.cancelled, "output published for cancelled request {id}");
                     prop_assert!(r.finished.is_none(), "output for finished request {id}");
                     let want = token_for(r.seed, r.outputs.len() as u32, self.eos_every);
@@ -559,6 +639,14 @@ impl Sim {
                     let r = self.reqs.get_mut(&id).expect("unknown request finished");
                     prop_assert!(r.finished.is_none(), "request {id} finished twice");
                     prop_assert_eq!(output_tokens, r.outputs.len());
+                    // The prompt is computed, not taken from the prefix cache, while its
+                    // log-probabilities are owed.
+                    prop_assert!(
+                        !r.wants_prompt || cached_tokens == 0,
+                        "request {} wants prompt log-probabilities but took {} from the cache",
+                        id,
+                        cached_tokens
+                    );
                     // Cached prompt tokens, not recomputed outputs: the last prompt token is
                     // always computed.
                     prop_assert!(
@@ -846,6 +934,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         &Completion {
             seq: l1.seq,
             sampled,
+            prompt: Vec::new(),
         },
         &mut ev,
     );
@@ -908,6 +997,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
                 logprob: 0.0,
                 top: vec![],
             }],
+            prompt: Vec::new(),
         },
         &mut ev,
     );
@@ -949,6 +1039,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             &Completion {
                 seq: l.seq,
                 sampled,
+                prompt: Vec::new(),
             },
             &mut ev,
         );

@@ -5,7 +5,7 @@ use crate::penalty::{PenaltyEntry, PenaltyHistories};
 use crate::sampling::Sampler;
 use crate::{Backend, KeptIds, KvCapacity, TableReader, WorkerError};
 use baton_model::{CpuModel, ForwardRow, PagedKvCache};
-use baton_proto::{Completion, Launch, Sampled, NOT_PENDING};
+use baton_proto::{Completion, Launch, PromptLogprob, Sampled, NOT_PENDING};
 
 /// The CPU reference backend.
 pub struct CpuBackend {
@@ -19,6 +19,8 @@ pub struct CpuBackend {
     histories: PenaltyHistories,
     bias: Vec<(u32, f32)>,
     penalties: Vec<PenaltyEntry>,
+    /// A token read from the table (the one after a prompt chunk).
+    scratch: Vec<u32>,
 }
 
 impl CpuBackend {
@@ -47,6 +49,7 @@ impl CpuBackend {
             histories: PenaltyHistories::new(),
             bias: Vec::new(),
             penalties: Vec::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -95,6 +98,7 @@ impl Backend for CpuBackend {
                 start_pos: r.first_pos as usize,
                 block_table: &self.blocks[b.clone()],
                 want_logits: r.sample == 1,
+                all_logits: !r.scores_prompt().is_empty(),
             })
             .collect();
         let logits = self
@@ -104,13 +108,56 @@ impl Backend for CpuBackend {
 
         let mut ids = vec![u32::MAX; launch.rows.len()];
         let mut sampled = Vec::with_capacity(logits.len());
-        let sampling_rows = launch
-            .rows
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.sample == 1);
+        let mut prompt = Vec::new();
+        // Rows that report prompt log-probabilities got one logits vector per position, the
+        // others one for their last position if they sample.
+        let mut next = logits.iter();
+        let mut per_row = Vec::with_capacity(launch.rows.len());
+        for (i, r) in launch.rows.iter().enumerate() {
+            let scored = r.scores_prompt();
+            if scored.is_empty() {
+                per_row.push(if r.sample == 1 { next.next() } else { None });
+                continue;
+            }
+            let first = r.first_pos as usize;
+            let row_tokens = &self.tokens[spans[i].0.clone()];
+            let n_top = r.params.prompt_top().unwrap_or(0);
+            let mut last = None;
+            for pos in first..first + r.num_tokens as usize {
+                let l = next.next().ok_or_else(|| {
+                    WorkerError::Forward(format!("row {i}: no logits at position {pos}"))
+                })?;
+                last = Some(l);
+                if pos >= scored.end as usize {
+                    continue;
+                }
+                // The prompt token scored by position `pos` is the one at `pos + 1`: in this
+                // row, or the next in the table for a row that ends before it.
+                let token = match row_tokens.get(pos + 1 - first) {
+                    Some(&t) => t,
+                    None => {
+                        self.scratch.clear();
+                        tables.read_tokens(r.req.slot, pos + 1..pos + 2, &mut self.scratch);
+                        self.scratch[0]
+                    }
+                };
+                let (logprob, top) = self.sampler.score(l, token, n_top);
+                prompt.push(PromptLogprob {
+                    row: i as u32,
+                    req: r.req,
+                    pos: pos as u32 + 1,
+                    token,
+                    logprob,
+                    top,
+                });
+            }
+            per_row.push(last.filter(|_| r.sample == 1));
+        }
 
-        for ((i, r), l) in sampling_rows.zip(&logits) {
+        for (i, r) in launch.rows.iter().enumerate() {
+            let Some(l) = per_row[i] else {
+                continue;
+            };
             // The row's inputs are all known here (a pending first id is resolved).
             self.histories
                 .launch_row(
@@ -138,6 +185,7 @@ impl Backend for CpuBackend {
         Ok(Completion {
             seq: launch.seq,
             sampled,
+            prompt,
         })
     }
 

@@ -47,6 +47,7 @@ impl Backend for NullBackend {
         Ok(Completion {
             seq: launch.seq,
             sampled,
+            prompt: Vec::new(),
         })
     }
 

@@ -239,6 +239,25 @@ impl Sampler {
                 top: Vec::new(),
             };
         }
+        let (logprob, top) = self.score(logits, token, n_top);
+        SampleOut {
+            token,
+            logprob,
+            top,
+        }
+    }
+
+    /// The log-probability of `token` under the raw `logits` (log-softmax at temperature 1,
+    /// the sum in f64 after cleaning NaN to `-inf` and `+inf` to `f32::MAX`) and the `n_top`
+    /// (at most [`MAX_TOP_LOGPROBS`]) most likely entries `(token, logprob)`, most likely
+    /// first, ties to the lower id. What a sampled token reports as its log-probabilities,
+    /// and what a prompt position reports for the prompt token that follows it. `token` must
+    /// be below `logits.len()`; an empty row gives `-inf` and no entries.
+    pub fn score(&mut self, logits: &[f32], token: u32, n_top: usize) -> (f32, Vec<(u32, f32)>) {
+        let n_top = n_top.min(MAX_TOP_LOGPROBS).min(logits.len());
+        let Some(&x) = logits.get(token as usize) else {
+            return (f32::NEG_INFINITY, Vec::new());
+        };
         let (max, ln_sum) = log_sum_exp_shifted(logits);
         let logprob_of = |x: f32| -> f32 {
             if max == f32::NEG_INFINITY {
@@ -247,7 +266,7 @@ impl Sampler {
                 (f64::from(x) - f64::from(max) - ln_sum) as f32
             }
         };
-        let logprob = logprob_of(clean(logits[token as usize]));
+        let logprob = logprob_of(clean(x));
         let mut top = Vec::with_capacity(n_top);
         if n_top > 0 {
             self.keys.clear();
@@ -264,11 +283,7 @@ impl Sampler {
             head.sort_unstable();
             top.extend(head.iter().map(|&k| (key_id(k), logprob_of(key_logit(k)))));
         }
-        SampleOut {
-            token,
-            logprob,
-            top,
-        }
+        (logprob, top)
     }
 
     /// The non-greedy path: filters then inverse-CDF draw with `u` in `[0, 1)`.

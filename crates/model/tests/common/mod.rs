@@ -101,6 +101,7 @@ pub fn greedy_alone(
                 start_pos: 0,
                 block_table: pages,
                 want_logits: true,
+                all_logits: false,
             }],
         )
         .expect("prefill")
@@ -120,6 +121,7 @@ pub fn greedy_alone(
                     start_pos: prompt.len() + step,
                     block_table: pages,
                     want_logits: true,
+                    all_logits: false,
                 }],
             )
             .expect("decode")
@@ -237,6 +239,7 @@ pub fn prompt_logits(model: &CpuModel, prompt: &[u32]) -> Vec<f32> {
                 start_pos: 0,
                 block_table: &[0, 1],
                 want_logits: true,
+                all_logits: false,
             }],
         )
         .expect("forward")
