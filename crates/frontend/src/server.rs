@@ -298,12 +298,7 @@ impl AppState {
                 ),
             ));
         }
-        let mut stops = gen.stop_token_ids.clone();
-        if !gen.ignore_eos {
-            stops.extend_from_slice(&self.eos_ids);
-        }
-        stops.sort_unstable();
-        stops.dedup();
+        let stops = baton_scheduler::stop_ids(&gen.stop_token_ids, &self.eos_ids, gen.ignore_eos);
         if stops.len() > baton_proto::MAX_MIN_TOKENS_STOP_IDS {
             return Err(ApiError::field(
                 "min_tokens",
@@ -318,10 +313,7 @@ impl AppState {
         // min_tokens masks the stop ids; if they are every allowed token, nothing is left to
         // sample before min_tokens.
         if gen.allowed_only
-            && gen
-                .logit_bias
-                .iter()
-                .all(|&(t, _)| stops.binary_search(&t).is_ok())
+            && baton_scheduler::min_tokens_empties_allow_list(&gen.logit_bias, &stops)
         {
             return Err(ApiError::field(
                 "allowed_token_ids",

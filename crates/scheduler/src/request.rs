@@ -44,6 +44,27 @@ pub struct NewRequest {
     pub cache_salt: u64,
 }
 
+/// The ids that end a request: `stop_token_ids`, plus `eos_ids` unless `ignore_eos`, sorted
+/// ascending, each once. These are what `min_tokens` holds back while it applies.
+pub fn stop_ids(stop_token_ids: &[u32], eos_ids: &[u32], ignore_eos: bool) -> Vec<u32> {
+    let mut ids = stop_token_ids.to_vec();
+    if !ignore_eos {
+        ids.extend_from_slice(eos_ids);
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// True when `min_tokens` would leave an allow-list (`allowed_token_ids`, as logit-bias
+/// entries) with nothing to sample: every allowed token is one of `stops` (sorted, as
+/// [`stop_ids`] returns them), which `min_tokens` masks.
+pub fn min_tokens_empties_allow_list(allowed: &[(u32, f32)], stops: &[u32]) -> bool {
+    allowed
+        .iter()
+        .all(|&(t, _)| stops.binary_search(&t).is_ok())
+}
+
 /// Why a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -124,13 +145,8 @@ pub(crate) struct Request {
 
 impl Request {
     pub fn new(r: NewRequest) -> Self {
-        let mut stop_ids = r.stop_token_ids;
-        if !r.ignore_eos {
-            stop_ids.extend_from_slice(&r.eos_ids);
-        }
         // Each once: the min_tokens mask holds at most MAX_MIN_TOKENS_STOP_IDS distinct ids.
-        stop_ids.sort_unstable();
-        stop_ids.dedup();
+        let stop_ids = stop_ids(&r.stop_token_ids, &r.eos_ids, r.ignore_eos);
         let stop_mask = stop_ids.iter().fold(0, |m, &t| m | 1 << (t % 64));
         Self {
             id: r.id,

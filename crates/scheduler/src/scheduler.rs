@@ -1176,17 +1176,12 @@ pub fn check_admission(
         ));
     }
     if r.min_tokens > 0 {
-        let mut ids = r.stop_token_ids.clone();
-        if !r.ignore_eos {
-            ids.extend_from_slice(&r.eos_ids);
-        }
-        ids.sort_unstable();
-        ids.dedup();
+        let ids = crate::request::stop_ids(&r.stop_token_ids, &r.eos_ids, r.ignore_eos);
         let stops = ids.len();
         if stops > MAX_MIN_TOKENS_STOP_IDS {
             return Err(AdmitError::MinTokensStopIds { stops });
         }
-        if r.params.allowed_only != 0 && bias.iter().all(|&(t, _)| ids.binary_search(&t).is_ok()) {
+        if r.params.allowed_only != 0 && crate::request::min_tokens_empties_allow_list(bias, &ids) {
             return Err(AdmitError::BadLogitBias(
                 "min_tokens holds back every allowed token (all are stop ids)".into(),
             ));
