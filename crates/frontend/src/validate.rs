@@ -311,9 +311,11 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             (true, Some(v)) => ("max_completion_tokens", Some(v)),
             _ => ("max_tokens", f.int("max_tokens")?),
         };
+        // 0 only on /v1/completions, where `parse_completion` requires `echo` with it.
+        let least = i64::from(chat);
         match v {
             None => (name, None),
-            Some(v) if v < 1 => {
+            Some(v) if v < least => {
                 return Err(ApiError::field(
                     name,
                     format!("'{name}' must be at least 1, got {v}."),
@@ -700,6 +702,13 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
         ));
     }
     let echo = f.get::<bool>("echo")?.unwrap_or(false);
+    if gen.max_tokens == Some(0) && !echo {
+        return Err(ApiError::field(
+            gen.max_tokens_param,
+            "'max_tokens' must be at least 1, got 0 (0 is accepted with 'echo', to return the \
+             prompt, and its log-probabilities with 'logprobs', without generating).",
+        ));
+    }
     if echo {
         // The echoed prompt gets log-probabilities too, with as many alternatives as the
         // outputs ('logprobs' is already bounded by MAX_TOP_LOGPROBS).

@@ -1091,6 +1091,59 @@ async fn streamed_echo_logprobs_equal_the_non_streamed_ones() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+/// `max_tokens: 0` with `echo` scores the prompt without generating (what vLLM does, and what
+/// some evaluation harnesses send): the text is the prompt, the log-probabilities are the
+/// prompt's (equal to those of the same request with one output token), no completion token
+/// is counted and the choice ends with `length`, streamed or not. Without `echo` it is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_0_with_echo_scores_the_prompt_alone() {
+    let srv = start(Opts::default()).await;
+    let g = &common::goldens()[1];
+    let prompt = g["prompt"].as_str().unwrap();
+    let n_prompt = g["prompt_ids"].as_array().unwrap().len();
+    let body = |max: u32| {
+        json!({"prompt": prompt, "max_tokens": max, "temperature": 0, "echo": true,
+               "logprobs": 2})
+    };
+    let one = lp_completion(srv.addr, body(1)).await;
+    let zero = lp_completion(srv.addr, body(0)).await;
+    let c = &zero.choices[0];
+    check_echo_logprobs(c, prompt, n_prompt, 0, 2);
+    assert_eq!(c.text, prompt);
+    assert_eq!(c.finish_reason.as_deref(), Some("length"));
+    let full = &one.choices[0].logprobs;
+    assert_eq!(c.logprobs.tokens[..], full.tokens[..n_prompt]);
+    assert_eq!(
+        c.logprobs.token_logprobs[..],
+        full.token_logprobs[..n_prompt]
+    );
+    assert_eq!(c.logprobs.top_logprobs[..], full.top_logprobs[..n_prompt]);
+    let v = completion(srv.addr, body(0)).await;
+    assert_eq!(v["usage"]["completion_tokens"], 0, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], n_prompt, "{v}");
+    let streamed = lp_completion_stream(srv.addr, body(0)).await;
+    assert_eq!(streamed.len(), 1);
+    assert_eq!(streamed[0].text, c.text);
+    assert_eq!(streamed[0].logprobs, c.logprobs);
+    assert_eq!(streamed[0].finish_reason.as_deref(), Some("length"));
+    // Echo without logprobs: the prompt alone.
+    let v = completion(
+        srv.addr,
+        json!({"prompt": prompt, "max_tokens": 0, "echo": true}),
+    )
+    .await;
+    assert_eq!(v["choices"][0]["text"], prompt, "{v}");
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "max_tokens");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 /// A request that ends before every prompt position was scored reports what arrived (null
 /// elsewhere) or its error; once every position arrived, the echo is sent before any token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

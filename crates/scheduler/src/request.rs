@@ -20,7 +20,8 @@ pub struct NewRequest {
     pub id: RequestId,
     /// Prompt token ids (BOS included if the model wants it). Must be non-empty.
     pub prompt: Vec<u32>,
-    /// Most new tokens to generate (>= 1).
+    /// Most new tokens to generate. 0: compute the prompt only (for its log-probabilities,
+    /// OpenAI `echo` with `max_tokens: 0`), then finish with `Length` and no output.
     pub max_tokens: u32,
     /// Sampling parameters. `seed` is the request's own stream; callers give unseeded requests a
     /// random seed.

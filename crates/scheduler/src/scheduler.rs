@@ -61,9 +61,6 @@ pub enum AdmitError {
     /// The prompt has no tokens.
     #[error("the prompt is empty")]
     EmptyPrompt,
-    /// `max_tokens` is 0.
-    #[error("max_tokens must be at least 1")]
-    ZeroMaxTokens,
     /// The prompt leaves no room for one new token.
     #[error("the prompt has {prompt} tokens; this model's maximum context length is {max_model_len} tokens, which leaves no room for a new token")]
     PromptTooLong { prompt: usize, max_model_len: usize },
@@ -613,7 +610,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let slot = r.slot.expect("running request has a slot");
         let known = r.known_len();
         let frontier = known + r.inflight_samples.len();
-        if r.scheduled_len >= frontier || r.outputs_promised() >= r.max_tokens {
+        // `max_tokens == 0`: compute the prompt (for its log-probabilities) and sample nothing.
+        let prompt_only = r.max_tokens == 0;
+        if r.scheduled_len >= frontier || (!prompt_only && r.outputs_promised() >= r.max_tokens) {
             return Plan::Nothing;
         }
         let first = r.scheduled_len;
@@ -642,8 +641,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         };
         let end = first + n;
         // A row that reaches the frontier samples the next token, if it has room for one.
-        let sample = end == frontier && end < max_model_len;
-        if end == frontier && !sample {
+        let sample = end == frontier && end < max_model_len && !prompt_only;
+        if end == frontier && !sample && !prompt_only {
             return Plan::Nothing;
         }
         // The block table covers `scheduled_len` exactly (`div_ceil(scheduled_len,
@@ -877,11 +876,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let mut next = 0;
         // Samples live requests expect from this launch, and how many arrived.
         let (mut expected, mut accepted) = (0usize, 0usize);
+        let mut prompt_done = false;
         let bs = self.cfg.block_size;
         for (row, m) in launch.rows.iter().enumerate() {
             if let Some(r) = self.requests.try_get_mut(m.req) {
                 if r.slot == Some(m.slot) {
                     r.computed_len = r.computed_len.max((m.first_pos + m.num_tokens) as usize);
+                    prompt_done = r.max_tokens == 0 && r.computed_len >= r.known_len;
                     expected +=
                         usize::from(r.inflight_samples.front() == Some(&(c.seq, row as u32)));
                     if self.cfg.enable_prefix_caching && r.computed_len >= (r.registered + 1) * bs {
@@ -900,6 +901,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             while let Some(s) = c.sampled.get(next).filter(|s| s.row as usize == row) {
                 accepted += usize::from(self.on_sampled(c.seq, s, m, events));
                 next += 1;
+            }
+            if std::mem::take(&mut prompt_done) {
+                // A `max_tokens == 0` request ends once its prompt is computed.
+                self.finish(m.req, FinishReason::Length, events);
             }
         }
         for s in &c.sampled[next..] {
@@ -1127,7 +1132,7 @@ enum Plan {
 }
 
 /// The stateless admission checks of [`Scheduler::add_request`], for a frontend that wants to
-/// refuse a request before it reaches the scheduler: a non-empty prompt, `max_tokens >= 1`, a
+/// refuse a request before it reaches the scheduler: a non-empty prompt, a
 /// prompt shorter than `max_model_len`, token ids below `vocab_size`, and a request whose pages
 /// fit in the pool at all.
 ///
@@ -1140,9 +1145,6 @@ pub fn check_admission(
 ) -> Result<(), AdmitError> {
     if r.prompt.is_empty() {
         return Err(AdmitError::EmptyPrompt);
-    }
-    if r.max_tokens == 0 {
-        return Err(AdmitError::ZeroMaxTokens);
     }
     if r.prompt.len() >= cfg.max_model_len {
         return Err(AdmitError::PromptTooLong {
@@ -1196,8 +1198,12 @@ pub fn check_admission(
         )));
     }
     // The last sampled token's KV is never computed, so the request computes at most
-    // `min(prompt + max_tokens, max_model_len) - 1` positions.
-    let most = (r.prompt.len() + r.max_tokens as usize).min(cfg.max_model_len) - 1;
+    // `min(prompt + max_tokens, max_model_len) - 1` positions (the prompt alone when
+    // `max_tokens == 0`).
+    let most = match r.max_tokens {
+        0 => r.prompt.len(),
+        m => (r.prompt.len() + m as usize).min(cfg.max_model_len) - 1,
+    };
     let needed = most.max(1).div_ceil(cfg.block_size);
     if needed > cfg.num_blocks {
         return Err(AdmitError::TooLargeForPool {

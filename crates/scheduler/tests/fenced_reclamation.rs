@@ -101,7 +101,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (1usize..40, 1u32..24, any::<bool>(), 0u8..4).prop_map(|(prompt_len, max_tokens, ignore_eos, family)| Op::Admit { prompt_len, max_tokens, ignore_eos, family }),
+        3 => (1usize..40, 0u32..24, any::<bool>(), 0u8..4).prop_map(|(prompt_len, max_tokens, ignore_eos, family)| Op::Admit { prompt_len, max_tokens, ignore_eos, family }),
         1 => any::<usize>().prop_map(Op::Cancel),
         6 => Just(Op::Schedule),
         5 => Just(Op::Execute),
@@ -639,6 +639,18 @@ impl Sim {
                     let r = self.reqs.get_mut(&id).expect("unknown request finished");
                     prop_assert!(r.finished.is_none(), "request {id} finished twice");
                     prop_assert_eq!(output_tokens, r.outputs.len());
+                    // A request that ran to its end got every prompt log-probability (a
+                    // `max_tokens: 0` one too, which ends with its prompt computed).
+                    prop_assert!(
+                        !r.wants_prompt
+                            || !matches!(reason, FinishReason::Length | FinishReason::Stop)
+                            || r.prompt_lps.len() == r.prompt_len - 1,
+                        "request {} ended {:?} with {} of {} prompt log-probabilities",
+                        id,
+                        reason,
+                        r.prompt_lps.len(),
+                        r.prompt_len - 1
+                    );
                     // The prompt is computed, not taken from the prefix cache, while its
                     // log-probabilities are owed.
                     prop_assert!(
