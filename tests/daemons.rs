@@ -153,10 +153,14 @@ fn goldens_match_across_processes(async_flag: &str) {
     // The longer histories' full blocks are in the prefix cache by now; a request that wants
     // them computes its whole prompt anyway, and gets every position as the in-process engine
     // scores it.
+    // Every other one with `max_tokens: 0`: it computes the prompt and ends with no output.
     let mut scored = greedy_reqs(&longer, 4);
-    for r in &mut scored {
+    for (i, r) in scored.iter_mut().enumerate() {
         r.id += 300;
         r.params.prompt_logprobs = 1 + 3;
+        if i % 2 == 1 {
+            r.max_tokens = 0;
+        }
     }
     let hits = link.stats().prefix_cache_hits;
     let outs = run(&mut link, &scored, T);
@@ -165,6 +169,13 @@ fn goldens_match_across_processes(async_flag: &str) {
         let got = &outs[&r.id].prompt;
         let want = &want[&r.id];
         assert_eq!(got.len(), r.prompt.len() - 1, "request {}", r.id);
+        assert_eq!(outs[&r.id].reason, reason::LENGTH, "request {}", r.id);
+        assert_eq!(
+            outs[&r.id].tokens.len(),
+            r.max_tokens as usize,
+            "request {}",
+            r.id
+        );
         assert_eq!(got.len(), want.len(), "request {}", r.id);
         for (k, (g, w)) in got.iter().zip(want).enumerate() {
             assert_eq!(
