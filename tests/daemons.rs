@@ -162,7 +162,7 @@ fn goldens_match_across_processes(async_flag: &str) {
             r.max_tokens = 0;
         }
     }
-    let hits = link.stats().prefix_cache_hits;
+    let before = link.stats();
     let outs = run(&mut link, &scored, T);
     let want = in_process_prompt_logprobs(&scored);
     for r in &scored {
@@ -188,9 +188,9 @@ fn goldens_match_across_processes(async_flag: &str) {
             assert!((g.2 - w.2).abs() < 1e-5, "request {}: {g:?} vs {w:?}", r.id);
         }
     }
+    let after = link.stats();
     assert_eq!(
-        link.stats().prefix_cache_hits,
-        hits,
+        after.prefix_cache_hits, before.prefix_cache_hits,
         "a request owed prompt log-probabilities took blocks from the prefix cache"
     );
     assert!(
@@ -212,7 +212,8 @@ fn in_process(reqs: &[Req]) -> std::collections::HashMap<u64, Vec<u32>> {
     out
 }
 
-/// [`in_process`]'s prompt log-probabilities, as `support::Out::prompt` holds them.
+/// [`in_process`]'s prompt log-probabilities, as `support::Out::prompt` holds them (the rank
+/// after the top ids).
 #[allow(clippy::type_complexity)]
 fn in_process_prompt_logprobs(
     reqs: &[Req],
@@ -224,11 +225,13 @@ fn in_process_prompt_logprobs(
             pos,
             token,
             logprob,
+            rank,
             top,
         } = e
         {
-            let top = top.iter().map(|t| t.0).collect();
-            out.entry(id).or_default().push((pos, token, logprob, top));
+            let mut ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+            ids.push(rank);
+            out.entry(id).or_default().push((pos, token, logprob, ids));
         }
     }
     out

@@ -171,7 +171,8 @@ pub struct Out {
     /// The error code (`wire::error`) when the request ended with an error.
     pub error: Option<u32>,
     pub finishes: u32,
-    /// Prompt log-probabilities `(pos, token, logprob, top ids)`, in arrival order.
+    /// Prompt log-probabilities `(pos, token, logprob, top ids then the token's rank)`, in
+    /// arrival order.
     pub prompt: Vec<(u32, u32, f32, Vec<u32>)>,
 }
 
@@ -239,7 +240,8 @@ pub fn collect(
                     "request {} got a prompt log-probability after its first token",
                     m.req
                 );
-                let top = m.top_ids[..m.n_top as usize].to_vec();
+                let mut top = m.top_ids[..m.n_top as usize].to_vec();
+                top.push(m.output_tokens);
                 o.prompt.push((m.detail, m.token, m.logprob, top));
             }
             to_frontend::FINISHED => {

@@ -368,8 +368,8 @@ pub mod delayed {
     }
 }
 
-/// One prompt position's log-probability: `(pos, token, logprob, top)`.
-pub type PromptEntry = (u32, u32, f32, Vec<(u32, f32)>);
+/// One prompt position's log-probability: `(pos, token, logprob, top, rank)`.
+pub type PromptEntry = (u32, u32, f32, Vec<(u32, f32)>, u32);
 
 /// The prompt log-probabilities among `events`, by request, in arrival order.
 pub fn prompt_logprobs(events: &[Event]) -> HashMap<u64, Vec<PromptEntry>> {
@@ -380,12 +380,13 @@ pub fn prompt_logprobs(events: &[Event]) -> HashMap<u64, Vec<PromptEntry>> {
             pos,
             token,
             logprob,
+            rank,
             top,
         } = e
         {
             out.entry(*id)
                 .or_default()
-                .push((*pos, *token, *logprob, top.clone()));
+                .push((*pos, *token, *logprob, top.clone(), *rank));
         }
     }
     out

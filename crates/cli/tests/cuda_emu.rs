@@ -711,8 +711,8 @@ fn prompt_logprobs_match_the_cpu_worker() {
             g[*id as usize].prompt_ids.len() - 1,
             "request {id}"
         );
-        for ((wp, wt, wl, wtop), (gp, gt, gl, gtop)) in w.iter().zip(gl) {
-            assert_eq!((wp, wt), (gp, gt), "request {id}");
+        for ((wp, wt, wl, wtop, wr), (gp, gt, gl, gtop, gr)) in w.iter().zip(gl) {
+            assert_eq!((wp, wt, wr), (gp, gt, gr), "request {id}");
             assert!(
                 (wl - gl).abs() < 1e-4,
                 "request {id} position {wp}: {wl} vs {gl}"

@@ -116,7 +116,7 @@ fn prompt_logprobs_agree_with_the_sampled_log_probability_of_the_same_context() 
         let n = x.prompt_ids.len();
         let positions: Vec<u32> = entries.iter().map(|p| p.0).collect();
         assert_eq!(positions, (1..=n as u32).collect::<Vec<_>>(), "request {i}");
-        for (pos, token, lp, top) in entries {
+        for (pos, token, lp, top, rank) in entries {
             let k = *pos as usize;
             let want = x.prompt_ids.get(k).copied().unwrap_or(firsts[i]);
             assert_eq!(*token, want, "request {i} position {pos}");
@@ -131,6 +131,12 @@ fn prompt_logprobs_agree_with_the_sampled_log_probability_of_the_same_context() 
             );
             assert_eq!(top.len(), 2, "request {i} position {pos}");
             assert!(top[0].1 >= top[1].1 && *lp <= top[0].1 + 1e-6);
+            // The rank agrees with the top entries: the j-th of them has rank j + 1, a token
+            // outside them ranks below.
+            match top.iter().position(|t| t.0 == *token) {
+                Some(j) => assert_eq!(*rank, j as u32 + 1, "request {i} position {pos}"),
+                None => assert!(*rank > 2, "request {i} position {pos}: rank {rank}"),
+            }
         }
         let last = entries.last().unwrap();
         assert_eq!(last.3[0].0, firsts[i], "request {i}: greedy is the argmax");

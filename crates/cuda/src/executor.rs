@@ -288,9 +288,17 @@ fn put_entries(buf: &mut [u8], entries: &[DevicePenaltyEntry]) {
     buf[..b.len()].copy_from_slice(b);
 }
 
-/// One scored prompt position: `(row, index into the row's scored tokens, log-probability,
-/// top entries)`.
-type PromptScore = (u32, u32, f32, Vec<(u32, f32)>);
+/// One scored prompt position of the last launch.
+struct PromptScore {
+    /// The launch row.
+    row: u32,
+    /// Index into the row's scored tokens (`RowInput::scored`).
+    k: u32,
+    logprob: f32,
+    /// See `baton_proto::PromptLogprob::rank`.
+    rank: u32,
+    top: Vec<(u32, f32)>,
+}
 
 /// `(sampled id or u32::MAX, log-probability, top entries)` of one row.
 pub type RowOutput = (u32, f32, Vec<(u32, f32)>);
@@ -345,8 +353,7 @@ pub struct CudaWorker {
     scorer: Sampler,
     /// Host copy of a chunk of prompt logits (`max_rows * vocab` f32, allocated on first use).
     prompt_logits: Vec<f32>,
-    /// `(row, index into the row's scored tokens, log-probability, top entries)` of the last
-    /// launch's prompt positions, in row then position order.
+    /// The last launch's scored prompt positions, in row then position order.
     prompt_scores: Vec<PromptScore>,
 }
 
@@ -1833,9 +1840,15 @@ impl CudaWorker {
                 // is stream-ordered after the GEMM and synchronous.
                 unsafe { self.dev.copy_dtoh(dst, logits) }?;
                 for (j, row) in host[..m * v].chunks_exact(v).enumerate() {
-                    let (lp, top) = self.scorer.score(row, r.scored[c0 + j], n_top);
-                    self.prompt_scores
-                        .push((i as u32, (c0 + j) as u32, lp, top));
+                    let token = r.scored[c0 + j];
+                    let (logprob, top) = self.scorer.score(row, token, n_top);
+                    self.prompt_scores.push(PromptScore {
+                        row: i as u32,
+                        k: (c0 + j) as u32,
+                        logprob,
+                        rank: baton_worker::sampling::rank_of(row, token),
+                        top,
+                    });
                 }
             }
         }
@@ -2117,15 +2130,16 @@ impl Backend for CudaWorker {
         let prompt = self
             .prompt_scores
             .drain(..)
-            .map(|(row, k, logprob, top)| {
-                let r = &launch.rows[row as usize];
+            .map(|s| {
+                let r = &launch.rows[s.row as usize];
                 PromptLogprob {
-                    row,
+                    row: s.row,
                     req: r.req,
-                    pos: r.first_pos + k + 1,
-                    token: rows[row as usize].scored[k as usize],
-                    logprob,
-                    top,
+                    pos: r.first_pos + s.k + 1,
+                    token: rows[s.row as usize].scored[s.k as usize],
+                    logprob: s.logprob,
+                    rank: s.rank,
+                    top: s.top,
                 }
             })
             .collect();

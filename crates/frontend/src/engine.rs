@@ -66,6 +66,8 @@ pub enum EngineEvent {
         token: u32,
         /// Its log-probability under the raw logits (temperature 1, no penalty or bias).
         logprob: f32,
+        /// Its rank in the vocabulary (1: the most likely; vLLM's `Logprob.rank`).
+        rank: u32,
         /// Top log-probabilities at `pos`, most likely first (as many as asked, maybe none).
         top: Vec<(u32, f32)>,
     },

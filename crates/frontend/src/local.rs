@@ -251,6 +251,7 @@ impl Router {
                     pos,
                     token,
                     logprob,
+                    rank,
                     top,
                 } => {
                     if let Some((tx, _)) = self.senders.get(&id) {
@@ -258,6 +259,7 @@ impl Router {
                             pos,
                             token,
                             logprob,
+                            rank,
                             top,
                         };
                         if tx.send(ev).is_err() {

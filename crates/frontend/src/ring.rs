@@ -213,6 +213,7 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                     pos: m.detail,
                     token: m.token,
                     logprob: m.logprob,
+                    rank: m.output_tokens,
                     top,
                 });
             }

@@ -210,6 +210,7 @@ impl Seq {
                 token,
                 logprob,
                 top,
+                ..
             })) = ev
             {
                 if self.gather_prompt_logprob(pos, token, logprob, top) {

@@ -1155,6 +1155,7 @@ async fn echo_logprobs_of_a_request_that_ends_early_or_scores_all_first() {
             pos,
             token: req.prompt.get(pos as usize).copied().unwrap_or(0),
             logprob,
+            rank: 1,
             top: vec![],
         };
         let finished = |reason, output_tokens| EngineEvent::Finished {

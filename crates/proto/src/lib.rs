@@ -237,6 +237,9 @@ pub struct PromptLogprob {
     pub token: u32,
     /// Its log-probability.
     pub logprob: f32,
+    /// Its rank in the vocabulary at `pos`: 1 + the number of tokens strictly more likely
+    /// (vLLM's `Logprob.rank`).
+    pub rank: u32,
     /// Top log-probabilities at `pos`, `(token, logprob)`, most likely first (ties to the
     /// lower id), as many as the row asked for.
     pub top: Vec<(u32, f32)>,

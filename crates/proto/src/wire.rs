@@ -111,7 +111,8 @@ pub struct ToFrontend {
     pub n_top: u32,
     /// `FINISHED`: prompt tokens.
     pub prompt_tokens: u32,
-    /// `FINISHED`: output tokens.
+    /// `FINISHED`: output tokens. `PROMPT_LOGPROB`: the token's rank
+    /// ([`crate::PromptLogprob::rank`]).
     pub output_tokens: u32,
     /// `ERROR`: a detail, for example the admission error's limit. `FINISHED` and `TOKEN`:
     /// prompt tokens taken from the prefix cache. `PROMPT_LOGPROB`: the position.
@@ -201,6 +202,10 @@ pub struct CompletionSlot {
     pub top_ids: [u32; MAX_TOP_LOGPROBS],
     /// Their log-probabilities.
     pub top_logprobs: [f32; MAX_TOP_LOGPROBS],
+    /// `PROMPT`: the token's rank ([`crate::PromptLogprob::rank`]).
+    pub rank: u32,
+    /// Zero (keeps the struct free of padding for [`bytemuck::Pod`]).
+    pub reserved: u32,
 }
 
 /// Encodes `launch` as a header slot followed by one slot per row.
@@ -250,7 +255,9 @@ pub fn encode_completion(c: &crate::Completion, out: &mut Vec<CompletionSlot>) {
     }
     for p in &c.prompt {
         let kind = completion_kind::PROMPT;
-        out.push(body(kind, p.pos, p.req, p.row, p.token, p.logprob, &p.top));
+        let mut slot = body(kind, p.pos, p.req, p.row, p.token, p.logprob, &p.top);
+        slot.rank = p.rank;
+        out.push(slot);
     }
 }
 
@@ -280,6 +287,7 @@ pub fn decode_prompt(slot: &CompletionSlot) -> crate::PromptLogprob {
         pos: slot.n,
         token: slot.token,
         logprob: slot.logprob,
+        rank: slot.rank,
         top: decode_top(slot),
     }
 }
@@ -414,6 +422,7 @@ mod tests {
                     pos: 9,
                     token: 7,
                     logprob: -2.25,
+                    rank: 4,
                     top: vec![(3, -0.25)],
                 },
                 PromptLogprob {
@@ -422,6 +431,7 @@ mod tests {
                     pos: 10,
                     token: 8,
                     logprob: -1.0,
+                    rank: 1,
                     top: Vec::new(),
                 },
             ],

@@ -687,6 +687,7 @@ impl SchedulerDaemon {
                     pos,
                     token,
                     logprob,
+                    rank,
                     ref top,
                 } => {
                     let Some(r) = self.routes.get(&id) else {
@@ -698,6 +699,7 @@ impl SchedulerDaemon {
                     m.token = token;
                     m.logprob = logprob;
                     m.detail = pos;
+                    m.output_tokens = rank;
                     put_top(&mut m, top);
                     self.frontends[r.frontend].outbox.push_back(m);
                 }

@@ -115,6 +115,8 @@ pub enum Event {
         token: u32,
         /// Its log-probability given the tokens before it.
         logprob: f32,
+        /// Its rank among the vocabulary (1: the most likely).
+        rank: u32,
         /// Top log-probabilities at `pos`.
         top: Vec<(u32, f32)>,
     },
@@ -870,6 +872,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 pos: p.pos,
                 token: p.token,
                 logprob: p.logprob,
+                rank: p.rank,
                 top: p.top.clone(),
             });
         }

@@ -561,6 +561,7 @@ impl Sim {
                     pos: pos + 1,
                     token: tables.token(r.req.slot, pos as usize + 1),
                     logprob: -(pos as f32 + 1.0),
+                    rank: pos + 2,
                     top: vec![(0, -0.5); r.params.prompt_top().unwrap_or(0)],
                 });
             }
@@ -582,8 +583,10 @@ impl Sim {
                     pos,
                     token,
                     logprob,
+                    rank,
                     top,
                 } => {
+                    prop_assert_eq!(rank, pos + 1, "the rank travels with its position");
                     let r = self
                         .reqs
                         .get_mut(&id)

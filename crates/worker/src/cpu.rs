@@ -148,6 +148,7 @@ impl Backend for CpuBackend {
                     pos: pos as u32 + 1,
                     token,
                     logprob,
+                    rank: crate::sampling::rank_of(l, token),
                     top,
                 });
             }

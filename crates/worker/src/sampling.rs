@@ -401,6 +401,17 @@ impl Sampler {
     }
 }
 
+/// The rank of `token` under `logits`: 1 + the number of tokens whose cleaned logit is
+/// strictly larger (ties share a rank, as vLLM's `Logprob.rank` counts them); 0 for a token
+/// outside the row.
+pub fn rank_of(logits: &[f32], token: u32) -> u32 {
+    let Some(&x) = logits.get(token as usize) else {
+        return 0;
+    };
+    let x = clean(x);
+    1 + logits.iter().filter(|&&y| clean(y) > x).count() as u32
+}
+
 /// `allowed_token_ids`: every logit whose token has no listed entry becomes `-inf` (`list`
 /// ascending by token, as the penalty lists are).
 fn mask_unlisted(x: &mut [f32], list: &[PenaltyEntry]) {
@@ -551,6 +562,18 @@ mod tests {
                 (w >> 8) as f32 / 16_777_216.0 * 8.0 - 4.0
             })
             .collect()
+    }
+
+    #[test]
+    fn rank_counts_strictly_larger_logits_with_ties_sharing_a_rank() {
+        let l = [0.5, 2.0, f32::NAN, 2.0, -1.0, f32::INFINITY];
+        // +inf cleans to f32::MAX (rank 1); NaN to -inf (last).
+        assert_eq!(rank_of(&l, 5), 1);
+        assert_eq!((rank_of(&l, 1), rank_of(&l, 3)), (2, 2));
+        assert_eq!(rank_of(&l, 0), 4);
+        assert_eq!(rank_of(&l, 4), 5);
+        assert_eq!(rank_of(&l, 2), 6);
+        assert_eq!(rank_of(&l, 6), 0, "outside the row");
     }
 
     #[test]
