@@ -193,6 +193,10 @@ fn goldens_match_across_processes(async_flag: &str) {
         after.prefix_cache_hits, before.prefix_cache_hits,
         "a request owed prompt log-probabilities took blocks from the prefix cache"
     );
+    assert_eq!(
+        after.prefix_cache_queries, before.prefix_cache_queries,
+        "a request that makes no lookup counted as prefix-cache queries"
+    );
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",

@@ -517,8 +517,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.state = State::Running;
             }
             // A request that still owes prompt log-probabilities computes its prompt: cached
-            // positions have no logits (as in vLLM, which skips the cache for them).
-            if self.cfg.enable_prefix_caching && !self.requests[idx].owes_prompt_logprobs() {
+            // positions have no logits (as in vLLM, which skips the cache for them). It makes
+            // no lookup, so it counts as no query either.
+            let lookup =
+                self.cfg.enable_prefix_caching && !self.requests[idx].owes_prompt_logprobs();
+            if lookup {
                 self.take_cached_prefix(idx, slot.slot);
             }
             match self.plan_row(idx, seq, budget, &mut lp_budget, &mut rows, &mut meta) {
@@ -533,7 +536,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     r.prompt_cached
                         .get_or_insert(r.cached_len.min(r.prompt_len - 1));
                     let r = &self.requests[idx];
-                    if self.cfg.enable_prefix_caching {
+                    if lookup {
                         self.prefix_queries += r.known_len as u64;
                         self.prefix_hits += r.cached_len as u64;
                     }
