@@ -56,7 +56,8 @@ pub enum EngineEvent {
         first: Option<FirstTokenTimes>,
     },
     /// The log-probability of prompt token `token` at position `pos` given the tokens before
-    /// it, for a request with `params.prompt_logprobs > 0` (OpenAI `echo` with `logprobs`).
+    /// it, for a request with `params.prompt_logprobs > 0` (OpenAI `echo` with `logprobs`,
+    /// vLLM's `prompt_logprobs`).
     /// Positions `1..prompt_len` come once each, in order, before the first `Token`; position
     /// 0 has none. A request that ends early (abort, cancel, error) may not report them all.
     PromptLogprob {

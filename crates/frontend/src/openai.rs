@@ -203,6 +203,39 @@ impl Serialize for TopLogprobs {
     }
 }
 
+/// One token of vLLM's `prompt_logprobs` at one prompt position.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PromptLogprob {
+    /// Its log-probability given the prompt tokens before the position.
+    pub logprob: f32,
+    /// Its rank in the vocabulary (1: the most likely); for an alternative, its place in the
+    /// top list.
+    pub rank: u32,
+    /// The token's text, as in the other log-probability lists.
+    pub decoded_token: String,
+}
+
+/// vLLM's `prompt_logprobs` at one prompt position: a JSON object from token id (a decimal
+/// string) to its [`PromptLogprob`], the prompt token first, then the top alternatives most
+/// likely first; each token appears once.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PromptPosition(pub Vec<(u32, PromptLogprob)>);
+
+impl Serialize for PromptPosition {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (id, v) in &self.0 {
+            m.serialize_entry(&id.to_string(), v)?;
+        }
+        m.end()
+    }
+}
+
+/// vLLM's `prompt_logprobs` of a prompt: one entry per prompt token (BOS included), `null`
+/// for the first and for any position the engine did not score.
+pub type PromptLogprobs = Vec<Option<PromptPosition>>;
+
 /// What ended a choice whose `finish_reason` is `stop`, as vLLM reports it in `stop_reason`:
 /// the stop string that matched (a JSON string) or the `stop_token_ids` entry that was
 /// generated (a JSON integer). A choice that ended on the model's EOS, on its length or by an
@@ -230,6 +263,10 @@ pub struct CompletionChoice {
     /// The stop string or stop token id that ended the choice; `null` otherwise, and in every
     /// streamed chunk but the last of the choice (vLLM sends the field in every chunk).
     pub stop_reason: Option<StopReason>,
+    /// vLLM's `prompt_logprobs` of the choice's prompt, when the request asked for them (left
+    /// out otherwise; never streamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// A response or streamed chunk of either API, over its choice type `C`.
@@ -323,6 +360,10 @@ pub struct ChatResponse {
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: Usage,
+    /// vLLM's `prompt_logprobs` of the rendered prompt (the choices share it), when the
+    /// request asked for them (left out otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// The delta of a streamed chat chunk.
@@ -382,6 +423,20 @@ mod tests {
         assert_eq!(
             json(&choice(Some(Some(StopReason::Text("\n\n".into())))))["stop_reason"],
             "\n\n"
+        );
+    }
+
+    #[test]
+    fn prompt_positions_serialize_as_objects_keyed_by_token_id_in_order() {
+        let e = |logprob, rank, t: &str| PromptLogprob {
+            logprob,
+            rank,
+            decoded_token: t.into(),
+        };
+        let p = PromptPosition(vec![(7, e(-2.5, 3, " cat")), (12, e(-0.5, 1, ","))]);
+        assert_eq!(
+            serde_json::to_string(&p).unwrap(),
+            r#"{"7":{"logprob":-2.5,"rank":3,"decoded_token":" cat"},"12":{"logprob":-0.5,"rank":1,"decoded_token":","}}"#
         );
     }
 

@@ -29,6 +29,9 @@ pub struct TokenInfo {
     pub id: u32,
     /// Its log-probability.
     pub logprob: f32,
+    /// Its rank in the vocabulary (1: the most likely) where the engine reported it (prompt
+    /// tokens, [`Delta::prompt`]); `None` for sampled tokens.
+    pub rank: Option<u32>,
     /// Most likely alternatives.
     pub top: Vec<(u32, f32)>,
 }
@@ -52,12 +55,13 @@ pub struct Delta {
     /// On the last delta: prompt tokens whose KV came from the prefix cache (0 when the
     /// sequence ended on a stop string, before the engine's own end).
     pub cached_tokens: usize,
-    /// Prompt log-probabilities by prompt position (OpenAI `echo` with `logprobs`), on the
-    /// first delta of a sequence that asked for them ([`SeqContext::prompt_logprobs`]) and on
-    /// no other: that delta comes once every position has arrived, or with the first output
-    /// token, the end or the error, whichever is first. Entry 0 is always `None` (the first
-    /// token has no log-probability), and so is any position the engine did not report (a
-    /// request that ended early). `id` is the token the engine scored.
+    /// Prompt log-probabilities by prompt position (OpenAI `echo` with `logprobs`, vLLM's
+    /// `prompt_logprobs`), on the first delta of a sequence that asked for them
+    /// ([`SeqContext::prompt_logprobs`]) and on no other: that delta comes once every position
+    /// has arrived, or with the first output token, the end or the error, whichever is first.
+    /// Entry 0 is always `None` (the first token has no log-probability), and so is any
+    /// position the engine did not report (a request that ended early). `id` is the token the
+    /// engine scored, `rank` its rank.
     pub prompt: Option<Vec<Option<TokenInfo>>>,
 }
 
@@ -209,11 +213,17 @@ impl Seq {
                 pos,
                 token,
                 logprob,
+                rank,
                 top,
-                ..
             })) = ev
             {
-                if self.gather_prompt_logprob(pos, token, logprob, top) {
+                let t = TokenInfo {
+                    id: token,
+                    logprob,
+                    rank: Some(rank),
+                    top,
+                };
+                if self.gather_prompt_logprob(pos, t) {
                     // Every position arrived: deliver them now, before any output token.
                     d.prompt = self.prompt_lp.take();
                     return Some(d);
@@ -252,6 +262,7 @@ impl Seq {
                 d.tokens.push(TokenInfo {
                     id: token,
                     logprob,
+                    rank: None,
                     top,
                 });
                 // A stop token is the last one (the scheduler ends the request on it), and its
@@ -341,13 +352,7 @@ impl Seq {
     /// Records one prompt log-probability; returns true when it completed the set (every
     /// position from 1 to the prompt's end). Events the sequence did not ask for, positions
     /// out of range and repeats are ignored.
-    fn gather_prompt_logprob(
-        &mut self,
-        pos: u32,
-        token: u32,
-        logprob: f32,
-        top: Vec<(u32, f32)>,
-    ) -> bool {
+    fn gather_prompt_logprob(&mut self, pos: u32, t: TokenInfo) -> bool {
         let Some(lp) = self.prompt_lp.as_mut() else {
             return false;
         };
@@ -356,11 +361,7 @@ impl Seq {
             return false;
         }
         if let Some(slot @ None) = lp.get_mut(pos) {
-            *slot = Some(TokenInfo {
-                id: token,
-                logprob,
-                top,
-            });
+            *slot = Some(t);
             self.prompt_lp_seen += 1;
         }
         self.prompt_lp_seen + 1 >= lp.len()

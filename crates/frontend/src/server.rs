@@ -15,7 +15,7 @@ use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
     ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    StopReason, TopLogprobs, Usage,
+    PromptLogprob, PromptLogprobs, PromptPosition, StopReason, TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -406,11 +406,12 @@ impl AppState {
         (text, bytes)
     }
 
-    /// A scored token's `top_logprobs` entry: its alternatives and the token itself.
-    fn top_entry(&self, t: &TokenInfo) -> TopLogprobs {
+    /// A scored token's `top_logprobs` entry: its first `k` alternatives and the token itself.
+    fn top_entry(&self, t: &TokenInfo, k: usize) -> TopLogprobs {
         TopLogprobs::new(
             t.top
                 .iter()
+                .take(k)
                 .map(|&(id, lp)| (self.token_text(id).0, lp))
                 .chain(std::iter::once((self.token_text(t.id).0, t.logprob))),
         )
@@ -423,7 +424,7 @@ impl AppState {
             out.text_offset.push(*offset);
             *offset += text.chars().count();
             out.token_logprobs.push(Some(t.logprob));
-            out.top_logprobs.push(Some(self.top_entry(t)));
+            out.top_logprobs.push(Some(self.top_entry(t, t.top.len())));
             out.tokens.push(text);
         }
         out
@@ -434,7 +435,8 @@ impl AppState {
     /// (see [`Delta::prompt`]); the first token, and any position not reported, gets `null`s.
     /// `text_offset` indexes `echo`, the echoed text: a token's offset is the length of the
     /// text the tokens before it decode to (with `skip_special`, as `echo` was made), so a
-    /// special token like BOS, which the text does not show, takes no room.
+    /// special token like BOS, which the text does not show, takes no room. Each position lists
+    /// `echo.top` alternatives (the engine may have scored more for `prompt_logprobs`).
     fn prompt_logprobs(
         &self,
         echo: &EchoPrompt,
@@ -445,14 +447,63 @@ impl AppState {
         let mut offset = 0;
         let mut out = CompletionLogprobs::default();
         for (pos, &id) in echo.ids.iter().enumerate() {
-            out.text_offset.push(offset.min(limit));
-            offset += detok.push(&self.tokenizer, id).chars().count();
+            match &echo.offsets {
+                Some(o) => out.text_offset.push(o[pos].min(limit)),
+                None => {
+                    out.text_offset.push(offset.min(limit));
+                    offset += detok.push(&self.tokenizer, id).chars().count();
+                }
+            }
             let t = scored.get(pos).and_then(Option::as_ref);
             out.token_logprobs.push(t.map(|t| t.logprob));
-            out.top_logprobs.push(t.map(|t| self.top_entry(t)));
+            out.top_logprobs
+                .push(t.map(|t| self.top_entry(t, echo.top)));
             out.tokens.push(self.token_text(id).0);
         }
         out
+    }
+
+    /// vLLM's `prompt_logprobs` of prompt `ids` with `k` alternatives per position, from the
+    /// engine's `scored` entries by position (see [`Delta::prompt`]): `null` for the first
+    /// token and any position not reported. Each position lists the prompt token with its
+    /// rank, then the top `k` tokens ranked 1 to `k` by their place in the top list (a prompt
+    /// token among them is listed once, ranked by that place, as vLLM does).
+    fn vllm_prompt_logprobs(
+        &self,
+        ids: &[u32],
+        scored: &[Option<TokenInfo>],
+        k: usize,
+    ) -> PromptLogprobs {
+        let entry = |id: u32, logprob: f32, rank: u32| {
+            let decoded_token = self.token_text(id).0;
+            (
+                id,
+                PromptLogprob {
+                    logprob,
+                    rank,
+                    decoded_token,
+                },
+            )
+        };
+        (0..ids.len())
+            .map(|pos| {
+                let t = scored.get(pos)?.as_ref()?;
+                let top = &t.top[..k.min(t.top.len())];
+                let rank = match top.iter().position(|&(id, _)| id == t.id) {
+                    Some(i) => i as u32 + 1,
+                    None => t.rank.unwrap_or(0),
+                };
+                let mut out = Vec::with_capacity(top.len() + 1);
+                out.push(entry(t.id, t.logprob, rank));
+                out.extend(
+                    top.iter()
+                        .enumerate()
+                        .filter(|(_, &(id, _))| id != t.id)
+                        .map(|(i, &(id, lp))| entry(id, lp, i as u32 + 1)),
+                );
+                Some(PromptPosition(out))
+            })
+            .collect()
     }
 
     fn chat_logprobs(&self, tokens: &[TokenInfo]) -> ChatLogprobs {
@@ -1013,6 +1064,25 @@ impl ChunkHead {
     }
 }
 
+/// Each of `ids`' character offsets in `text`, which `ids` encode (with or without the
+/// tokenizer's added tokens): the tokenizer's own alignment of the text's encoding without
+/// added tokens, found as a run of `ids`; tokens before it are at 0, after it at the end.
+/// `None` if the encoding fails or is not such a run.
+fn text_offsets(tok: &baton_model::Tokenizer, text: &str, ids: &[u32]) -> Option<Vec<usize>> {
+    let enc = tok.inner().encode_char_offsets(text, false).ok()?;
+    let plain = enc.get_ids();
+    let k = (0..=ids.len().checked_sub(plain.len())?).find(|&k| ids[k..].starts_with(plain))?;
+    let end = text.chars().count();
+    Some(
+        (0..ids.len())
+            .map(|pos| match pos.checked_sub(k) {
+                None => 0,
+                Some(j) => enc.get_offsets().get(j).map_or(end, |o| o.0),
+            })
+            .collect(),
+    )
+}
+
 /// An echoed prompt whose log-probabilities were asked for.
 struct EchoPrompt {
     /// The echoed text.
@@ -1021,6 +1091,15 @@ struct EchoPrompt {
     ids: Vec<u32>,
     /// Whether `text` leaves special tokens out.
     skip_special: bool,
+    /// For a text prompt, each token's character offset in `text`, from the tokenizer's own
+    /// alignment (a token the tokenizer added, such as BOS, sits where it was added). The
+    /// decoded widths do not always add up to the text: a Llama tokenizer encodes the space
+    /// after a special token written in the prompt (`<s> upon`) as two tokens. `None` for a
+    /// token-id prompt (echoed as its decoding, so its decoded widths are the offsets), or
+    /// when the alignment could not be matched to `ids`.
+    offsets: Option<Vec<usize>>,
+    /// Alternatives per position (the request's `logprobs`).
+    top: usize,
 }
 
 struct CompletionChunker {
@@ -1048,6 +1127,7 @@ impl Chunker for CompletionChunker {
                         logprobs: None,
                         finish_reason: None,
                         stop_reason: None,
+                        prompt_logprobs: None,
                     }],
                     None,
                 ))
@@ -1085,6 +1165,7 @@ impl Chunker for CompletionChunker {
                 logprobs,
                 finish_reason: d.finish.map(str::to_owned),
                 stop_reason: d.stop_reason.clone(),
+                prompt_logprobs: None,
             }],
             usage,
         ))
@@ -1138,10 +1219,16 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             "prompt",
             gen.max_tokens_param,
         )?;
-        if gen.prompt_logprobs > 0 {
+        if let Some(k) = req.echo_logprobs() {
+            let offsets = match p {
+                PromptInput::Text(s) => text_offsets(&st.tokenizer, s, &ids),
+                PromptInput::Tokens(_) => None,
+            };
             echo_lp.push(Arc::new(EchoPrompt {
                 text: text.clone(),
                 ids: ids.clone(),
+                offsets,
+                top: k as usize,
                 // A text prompt is echoed as given: its special tokens are the tokenizer's.
                 skip_special: match p {
                     PromptInput::Text(_) => true,
@@ -1207,12 +1294,17 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 lp.append(st.completion_logprobs(&c.tokens, &mut offset));
                 lp
             });
+            let prompt_logprobs = gen.prompt_top.map(|k| {
+                let scored = c.prompt.as_deref().unwrap_or_default();
+                st.vllm_prompt_logprobs(&prompts[i / n].0, scored, k as usize)
+            });
             CompletionChoice {
                 index: i,
                 text,
                 logprobs,
                 finish_reason: c.finish.map(str::to_owned),
                 stop_reason: c.stop_reason,
+                prompt_logprobs,
             }
         })
         .collect();
@@ -1312,7 +1404,8 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         gen.max_tokens_param,
     )?;
     let prompt_tokens = ids.len();
-    let seqs = st.submit_all(&[(ids, max)], gen, arrived)?;
+    let prompts = [(ids, max)];
+    let seqs = st.submit_all(&prompts, gen, arrived)?;
     let id = random_id("chatcmpl");
     let created = now_secs();
     if gen.stream {
@@ -1339,6 +1432,11 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let (outs, completion_tokens) = collect(seqs).await?;
     // One prompt, `n` choices.
     let cached_tokens = outs.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
+    // The choices share the prompt: the first sequence's scores (as vLLM).
+    let prompt_logprobs = gen.prompt_top.map(|k| {
+        let scored = outs.first().and_then(|c| c.prompt.as_deref());
+        st.vllm_prompt_logprobs(&prompts[0].0, scored.unwrap_or_default(), k as usize)
+    });
     let choices = outs
         .into_iter()
         .enumerate()
@@ -1360,6 +1458,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         model: st.config.served_model_name.clone(),
         choices,
         usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
+        prompt_logprobs,
     })
     .into_response())
 }

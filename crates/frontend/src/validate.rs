@@ -140,9 +140,15 @@ pub struct GenParams {
     pub n: usize,
     /// `Some(k)`: return each sampled token's log-probability and `k` alternatives.
     pub logprobs: Option<u32>,
-    /// `baton_proto::SamplingParams::prompt_logprobs`: 0, or `k + 1` for a `/v1/completions`
-    /// request with `echo` and `logprobs: k` (the echoed prompt's log-probabilities).
+    /// `baton_proto::SamplingParams::prompt_logprobs`: 0, or `1 + k` where `k` is the most top
+    /// alternatives either asker wants: vLLM's `prompt_logprobs` ([`GenParams::prompt_top`])
+    /// and, on `/v1/completions`, `echo` with `logprobs: k` (the echoed prompt's
+    /// log-probabilities).
     pub prompt_logprobs: u32,
+    /// vLLM's `prompt_logprobs: k` (0..=[`MAX_TOP_LOGPROBS`]; `None` when absent or null): the
+    /// response lists, per prompt position, the prompt token and the `k` most likely tokens
+    /// with their log-probabilities and ranks. Never set with `stream` (vLLM refuses it).
+    pub prompt_top: Option<u32>,
     /// Stream server-sent events.
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
@@ -169,6 +175,14 @@ pub struct CompletionRequest {
     pub add_special_tokens: bool,
     /// Generation options.
     pub gen: GenParams,
+}
+
+impl CompletionRequest {
+    /// `Some(k)` for `echo` with `logprobs: k`: the echoed prompt gets log-probabilities with
+    /// `k` alternatives in the legacy `logprobs` object.
+    pub fn echo_logprobs(&self) -> Option<u32> {
+        self.gen.logprobs.filter(|_| self.echo)
+    }
 }
 
 /// A parsed `/v1/chat/completions` request.
@@ -215,7 +229,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         "guided_choice",
         "guided_grammar",
         "structured_outputs",
-        "prompt_logprobs",
         "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
@@ -437,6 +450,15 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         }
         want.then_some(top.unwrap_or(0) as u32)
     } else {
+        // The legacy API has no `top_logprobs` (its `logprobs` is the count); say so rather
+        // than ignore it (`null` is absent).
+        if f.raw("top_logprobs").is_some() {
+            return Err(ApiError::field(
+                "top_logprobs",
+                "'top_logprobs' is a chat completions parameter; on /v1/completions, \
+                 'logprobs' is the number of top log-probabilities.",
+            ));
+        }
         match f.raw("logprobs") {
             None => None,
             Some(Value::Bool(_)) => {
@@ -495,6 +517,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
     };
     // vLLM: per-chunk usage only together with the final usage chunk.
     let continuous_usage = continuous_usage && include_usage;
+    let prompt_top = parse_prompt_top(f, stream)?;
     let stop_token_ids = match f.raw("stop_token_ids") {
         None => Vec::new(),
         Some(v) => parse_token_ids(v, "stop_token_ids", limits.vocab_size)?,
@@ -529,7 +552,8 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         ignore_eos: f.get::<bool>("ignore_eos")?.unwrap_or(false),
         n,
         logprobs,
-        prompt_logprobs: 0,
+        prompt_logprobs: prompt_top.map_or(0, |k| k + 1),
+        prompt_top,
         stream,
         include_usage,
         continuous_usage,
@@ -538,6 +562,33 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             .unwrap_or(false),
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
     })
+}
+
+/// Parses vLLM's `prompt_logprobs` (absent or null: `None`): an integer in
+/// 0..=[`MAX_TOP_LOGPROBS`], refused with `stream` as vLLM refuses it.
+fn parse_prompt_top(f: &Fields, stream: bool) -> Result<Option<u32>, ApiError> {
+    const P: &str = "prompt_logprobs";
+    let Some(k) = f.int(P)? else {
+        return Ok(None);
+    };
+    if k < 0 || k as usize > MAX_TOP_LOGPROBS {
+        let whole = if k == -1 {
+            " (-1, the whole vocabulary, is not supported by this server)"
+        } else {
+            ""
+        };
+        return Err(ApiError::field(
+            P,
+            format!("'{P}' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}{whole}."),
+        ));
+    }
+    if stream {
+        return Err(ApiError::field(
+            P,
+            "'prompt_logprobs' are not available when 'stream' is true.",
+        ));
+    }
+    Ok(Some(k as u32))
 }
 
 /// The 64-bit hash of a `cache_salt` the scheduler mixes into prefix-cache keys: the same in
@@ -711,8 +762,10 @@ pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<Completion
     }
     if echo {
         // The echoed prompt gets log-probabilities too, with as many alternatives as the
-        // outputs ('logprobs' is already bounded by MAX_TOP_LOGPROBS).
-        gen.prompt_logprobs = gen.logprobs.map_or(0, |k| k + 1);
+        // outputs ('logprobs' is already bounded by MAX_TOP_LOGPROBS); the engine computes
+        // as many as the larger of that and 'prompt_logprobs' asks for.
+        let echo_lp = gen.logprobs.map_or(0, |k| k + 1);
+        gen.prompt_logprobs = gen.prompt_logprobs.max(echo_lp);
     }
     if let Some(s) = f.get::<String>("suffix")? {
         if !s.is_empty() {
@@ -954,6 +1007,45 @@ mod tests {
                 .as_deref(),
             Some("logprobs")
         );
+    }
+
+    #[test]
+    fn prompt_logprobs_ask_the_engine_for_the_most_alternatives_either_field_wants() {
+        let parse = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap().gen;
+        let g = parse(r#"{"prompt":"a","prompt_logprobs":2}"#);
+        assert_eq!(
+            (g.prompt_top, g.prompt_logprobs, g.logprobs),
+            (Some(2), 3, None)
+        );
+        let g = parse(r#"{"prompt":"a","prompt_logprobs":0}"#);
+        assert_eq!((g.prompt_top, g.prompt_logprobs), (Some(0), 1));
+        let g = parse(r#"{"prompt":"a","prompt_logprobs":null}"#);
+        assert_eq!((g.prompt_top, g.prompt_logprobs), (None, 0));
+        let g = parse(r#"{"prompt":"a","echo":true,"logprobs":5,"prompt_logprobs":2}"#);
+        assert_eq!((g.prompt_top, g.prompt_logprobs), (Some(2), 6));
+        let g = parse(r#"{"prompt":"a","echo":true,"logprobs":1,"prompt_logprobs":20}"#);
+        assert_eq!((g.prompt_top, g.prompt_logprobs), (Some(20), 21));
+        // logprobs without echo scores no prompt.
+        let g = parse(r#"{"prompt":"a","logprobs":5,"prompt_logprobs":1}"#);
+        assert_eq!(g.prompt_logprobs, 2);
+        let chat = |b: &str| parse_chat(b.as_bytes(), &LIMITS);
+        let msgs = r#""messages":[{"role":"user","content":"a"}]"#;
+        let g = chat(&format!(r#"{{{msgs},"prompt_logprobs":4}}"#))
+            .unwrap()
+            .gen;
+        assert_eq!((g.prompt_top, g.prompt_logprobs), (Some(4), 5));
+        for bad in [
+            r#""prompt_logprobs":-1"#,
+            r#""prompt_logprobs":21"#,
+            r#""prompt_logprobs":"x""#,
+            r#""prompt_logprobs":true"#,
+            r#""prompt_logprobs":2,"stream":true"#,
+        ] {
+            let e = err(&format!(r#"{{"prompt":"a",{bad}}}"#));
+            assert_eq!(e.param.as_deref(), Some("prompt_logprobs"), "{bad}");
+            let e = chat(&format!("{{{msgs},{bad}}}")).expect_err(bad);
+            assert_eq!(e.param.as_deref(), Some("prompt_logprobs"), "{bad}");
+        }
     }
 
     #[test]

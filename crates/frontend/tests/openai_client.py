@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import traceback
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -45,6 +46,15 @@ def goldens():
         candidates = [root / "shared" / "models" / "stories260K", root.parent / "shared" / "models" / "stories260K"]
         d = next((c for c in candidates if c.is_dir()), candidates[-1])
     return json.loads((d / "golden.json").read_text())["prompts"]
+
+
+def tokenize(prompt):
+    # /tokenize is not under /v1 and not part of the client's API.
+    req = urllib.request.Request(base_url().removesuffix("/v1") + "/tokenize",
+                                 data=json.dumps({"prompt": prompt}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        return json.loads(resp.read())["tokens"]
 
 
 client = openai.OpenAI(base_url=base_url(), api_key=os.environ.get("BATON_API_KEY", "none"), max_retries=0)
@@ -149,6 +159,27 @@ def echo_logprobs():
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
     assert all(math.isfinite(x) and x <= 0 for x in lp.token_logprobs[1:]), lp.token_logprobs
     assert r.choices[0].text.startswith("Once upon a time")
+
+
+@check
+def vllm_prompt_logprobs():
+    # vLLM's prompt_logprobs through extra_body: per prompt token (first null) the token's own
+    # entry, keyed by its id, plus the top alternatives, with ranks and decoded text.
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    plp = (r.choices[0].model_extra or {}).get("prompt_logprobs")
+    ids = tokenize("Once upon a time")
+    assert plp is not None and len(plp) == r.usage.prompt_tokens == len(ids), plp
+    assert plp[0] is None, plp
+    for tok, pos in zip(ids[1:], plp[1:]):
+        own = pos[str(tok)]
+        assert own["rank"] >= 1 and math.isfinite(own["logprob"]) and own["logprob"] <= 0, pos
+        assert isinstance(own["decoded_token"], str), pos
+        assert any(e["rank"] == 1 for e in pos.values()) and len(pos) in (1, 2), pos
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plp = (r.model_extra or {}).get("prompt_logprobs")
+    assert plp is not None and len(plp) == r.usage.prompt_tokens and plp[0] is None, plp
 
 
 @check

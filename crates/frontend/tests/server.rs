@@ -1091,6 +1091,33 @@ async fn streamed_echo_logprobs_equal_the_non_streamed_ones() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+/// A text prompt that writes special tokens (`<s>`, `</s>` become ids 1 and 2) echoes them as
+/// text, so their `text_offset` slices are that text, while the BOS the tokenizer adds takes
+/// no room (the session-12 trial found the offsets drifting after such a token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_offsets_cover_special_tokens_written_in_the_prompt() {
+    let srv = start(Opts::default()).await;
+    let prompt = "Once <s> upon</s> a time";
+    let body = json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 0});
+    let v = lp_completion(srv.addr, body).await;
+    let c = &v.choices[0];
+    assert_eq!(c.text, prompt);
+    let chars: Vec<char> = c.text.chars().collect();
+    let off = &c.logprobs.text_offset;
+    assert_eq!(off[0], 0, "the added BOS");
+    let slice = |i: usize| -> String {
+        let end = off.get(i + 1).copied().unwrap_or(chars.len());
+        chars[off[i]..end].iter().collect()
+    };
+    let specials: Vec<String> = (1..off.len())
+        .filter(|&i| c.logprobs.tokens[i].starts_with('<'))
+        .map(slice)
+        .collect();
+    assert_eq!(specials, ["<s>", "</s>"], "{c:?}");
+    let all: String = (0..off.len()).map(slice).collect();
+    assert_eq!(all, prompt, "the slices tile the text: {off:?}");
+}
+
 /// `max_tokens: 0` with `echo` scores the prompt without generating (what vLLM does, and what
 /// some evaluation harnesses send): the text is the prompt, the log-probabilities are the
 /// prompt's (equal to those of the same request with one output token), no completion token
@@ -1241,6 +1268,416 @@ async fn echo_logprobs_of_a_request_that_ends_early_or_scores_all_first() {
     task.abort();
 }
 
+/// A JSON object's entries in the order they were sent.
+#[derive(Debug, PartialEq)]
+struct Ordered<T>(Vec<(String, T)>);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Ordered<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+            type Value = Ordered<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Ordered<T>, A::Error> {
+                let mut v = Vec::new();
+                while let Some(e) = m.next_entry()? {
+                    v.push(e);
+                }
+                Ok(Ordered(v))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// One token of vLLM's `prompt_logprobs` at one position.
+#[derive(Debug, PartialEq, serde::Deserialize)]
+struct PlpEntry {
+    logprob: f64,
+    rank: u64,
+    decoded_token: String,
+}
+
+/// vLLM's `prompt_logprobs` list: per position, token id (as a string) to its entry.
+type Plp = Vec<Option<Ordered<PlpEntry>>>;
+
+/// The `prompt_logprobs` of a response body, entries in the order sent: choice `i`'s, or with
+/// `None` the top-level one (chat).
+fn plp_in(body: &str, choice: Option<usize>) -> Plp {
+    #[derive(serde::Deserialize)]
+    struct C {
+        prompt_logprobs: Option<Plp>,
+    }
+    #[derive(serde::Deserialize)]
+    struct B {
+        prompt_logprobs: Option<Plp>,
+        choices: Vec<C>,
+    }
+    let mut b: B = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    match choice {
+        Some(i) => b.choices.swap_remove(i).prompt_logprobs,
+        None => b.prompt_logprobs,
+    }
+    .unwrap_or_else(|| panic!("no prompt_logprobs: {body}"))
+}
+
+/// A 200 from `path`: the JSON and the raw body (whose object entries keep their order).
+async fn post_ok(addr: std::net::SocketAddr, path: &str, body: Value) -> (Value, String) {
+    let r = post(addr, path, &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    (r.json(), r.body)
+}
+
+fn ids_of(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// Checks vLLM's `prompt_logprobs` of prompt `ids` with `k` alternatives: one entry per
+/// token, the first null; each position lists the prompt token first with its rank (its place
+/// in the top list when it is there), then the top `k` ranked 1 to `k`, the rank-1 entry the
+/// most likely, and alternatives at least as likely as a prompt token ranked below them.
+fn check_plp(plp: &Plp, ids: &[u64], k: usize) {
+    assert_eq!(plp.len(), ids.len(), "{plp:?}");
+    assert!(plp[0].is_none(), "the first token has none: {plp:?}");
+    for (i, p) in plp.iter().enumerate().skip(1) {
+        let p = &p
+            .as_ref()
+            .unwrap_or_else(|| panic!("position {i} unscored"))
+            .0;
+        let (own_id, own) = &p[0];
+        assert_eq!(*own_id, ids[i].to_string(), "position {i}: {p:?}");
+        assert!(own.rank >= 1, "position {i}: {p:?}");
+        assert!(own.logprob.is_finite() && own.logprob <= 0.0, "{p:?}");
+        let in_top = own.rank as usize <= k;
+        assert_eq!(
+            p.len(),
+            if in_top { k } else { k + 1 },
+            "position {i}: {p:?}"
+        );
+        let mut keys: Vec<&String> = p.iter().map(|e| &e.0).collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), p.len(), "a token listed twice at {i}: {p:?}");
+        // Ranks 1..=k each once among the top entries (the prompt token's included when in
+        // the top).
+        let mut ranks: Vec<u64> = p
+            .iter()
+            .skip(usize::from(!in_top))
+            .map(|e| e.1.rank)
+            .collect();
+        ranks.sort_unstable();
+        assert_eq!(
+            ranks,
+            (1..=k as u64).collect::<Vec<_>>(),
+            "position {i}: {p:?}"
+        );
+        let mut by_rank: Vec<&PlpEntry> = p.iter().map(|e| &e.1).collect();
+        by_rank.sort_by_key(|e| e.rank);
+        assert!(
+            by_rank.windows(2).all(|w| w[0].logprob >= w[1].logprob),
+            "position {i}: not most likely first by rank: {p:?}"
+        );
+        let best = p.iter().map(|e| e.1.logprob).fold(f64::MIN, f64::max);
+        assert_eq!(
+            by_rank[0].logprob, best,
+            "position {i}: rank 1 is the max: {p:?}"
+        );
+        if !in_top {
+            assert!(
+                p[1..].iter().all(|e| e.1.logprob >= own.logprob),
+                "position {i}: {p:?}"
+            );
+        }
+        // Token ids that parse, with their text.
+        for (id, e) in p {
+            assert!(id.parse::<u32>().is_ok(), "{id}");
+            assert!(!e.decoded_token.is_empty() || id == "0", "{p:?}");
+        }
+    }
+}
+
+/// vLLM's `prompt_logprobs: k` on `/v1/completions`: per choice, one entry per prompt token
+/// (BOS included, first null) with the prompt token's log-probability (the one `echo` with
+/// `logprobs` reports), its rank, and the top `k`; together with `echo` and `logprobs` the
+/// echoed log-probabilities are unchanged; without it the field is left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_list_the_prompt_tokens_with_ranks_and_top_alternatives() {
+    let srv = start(Opts::default()).await;
+    for g in common::goldens() {
+        let prompt = g["prompt"].as_str().unwrap();
+        let ids = ids_of(&g["prompt_ids"]);
+        let base = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
+        let echo = lp_completion(
+            srv.addr,
+            with_fields(&base, json!({"echo": true, "logprobs": 2})),
+        )
+        .await;
+        let elp = &echo.choices[0].logprobs;
+        let (v, raw) = post_ok(
+            srv.addr,
+            "/v1/completions",
+            with_fields(&base, json!({"prompt_logprobs": 2, "n": 2})),
+        )
+        .await;
+        let c = &v["choices"][0];
+        assert!(c["logprobs"].is_null(), "{v}");
+        assert!(!c["text"].as_str().unwrap().starts_with(prompt), "no echo");
+        let plp = plp_in(&raw, Some(0));
+        check_plp(&plp, &ids, 2);
+        assert_eq!(plp, plp_in(&raw, Some(1)), "the choices share the prompt");
+        for (i, p) in plp.iter().enumerate().skip(1) {
+            let p = &p.as_ref().unwrap().0;
+            let want = elp.token_logprobs[i].unwrap();
+            assert!(
+                (p[0].1.logprob - want).abs() < 1e-6,
+                "position {i}: {p:?} vs echo {want}"
+            );
+            assert_eq!(p[0].1.decoded_token, elp.tokens[i], "position {i}");
+            let best = elp.top_logprobs[i].as_ref().unwrap().0[0].1;
+            let rank1 = p.iter().find(|e| e.1.rank == 1).unwrap();
+            assert!((rank1.1.logprob - best).abs() < 1e-6, "position {i}: {p:?}");
+        }
+        // Both at once: the echo is as without prompt_logprobs (its own number of
+        // alternatives), and prompt_logprobs has its own.
+        let (_, raw) = post_ok(
+            srv.addr,
+            "/v1/completions",
+            with_fields(
+                &base,
+                json!({"echo": true, "logprobs": 2, "prompt_logprobs": 4}),
+            ),
+        )
+        .await;
+        let both: LpBody = serde_json::from_str(&raw).unwrap();
+        assert_eq!(both.choices[0].logprobs, *elp, "{prompt:?}");
+        assert_eq!(both.choices[0].text, echo.choices[0].text);
+        let plp4 = plp_in(&raw, Some(0));
+        check_plp(&plp4, &ids, 4);
+        // No alternatives: the prompt token alone, with the same log-probability and rank.
+        let (_, raw) = post_ok(
+            srv.addr,
+            "/v1/completions",
+            with_fields(&base, json!({"prompt_logprobs": 0})),
+        )
+        .await;
+        let plp0 = plp_in(&raw, Some(0));
+        check_plp(&plp0, &ids, 0);
+        for (i, (p0, p4)) in plp0.iter().zip(&plp4).enumerate().skip(1) {
+            let (p0, p4) = (&p0.as_ref().unwrap().0, &p4.as_ref().unwrap().0);
+            assert_eq!(p0[0].0, p4[0].0, "position {i}");
+            assert!((p0[0].1.logprob - p4[0].1.logprob).abs() < 1e-6);
+            if p0[0].1.rank <= 4 {
+                assert_eq!(p0[0].1.rank, p4[0].1.rank, "position {i}: {p0:?} {p4:?}");
+            }
+        }
+        assert!(echo.choices[0].finish_reason.is_some());
+    }
+    // Not asked (or null): no field.
+    let v = completion(srv.addr, json!({"prompt": "a", "max_tokens": 1})).await;
+    assert!(v["choices"][0].get("prompt_logprobs").is_none(), "{v}");
+    let v = completion(
+        srv.addr,
+        json!({"prompt": "a", "max_tokens": 1, "prompt_logprobs": null}),
+    )
+    .await;
+    assert!(v["choices"][0].get("prompt_logprobs").is_none(), "{v}");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// The rank is the prompt token's rank in the vocabulary: 1 where the token is the model's
+/// greedy choice (a prompt extended by its own greedy continuation), and where it is in the
+/// top 20, its place there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_rank_greedy_tokens_first_and_agree_with_the_top_list() {
+    let srv = start(Opts::default()).await;
+    let mut below_first = 0;
+    for g in common::goldens() {
+        let ids = ids_of(&g["prompt_ids"]);
+        let mut ext = ids.clone();
+        ext.extend(&ids_of(&g["greedy_ids"])[..8]);
+        let plp = |k: u32| {
+            let body = json!({"prompt": ext, "max_tokens": 1, "prompt_logprobs": k});
+            async move { plp_in(&post_ok(srv.addr, "/v1/completions", body).await.1, Some(0)) }
+        };
+        let (p0, p20) = (plp(0).await, plp(20).await);
+        check_plp(&p0, &ext, 0);
+        check_plp(&p20, &ext, 20);
+        for i in 1..ext.len() {
+            let own = &p0[i].as_ref().unwrap().0[0].1;
+            let top = &p20[i].as_ref().unwrap().0;
+            if i >= ids.len() {
+                assert_eq!(own.rank, 1, "greedy token at {i}: {own:?}");
+                assert_eq!(top[0].1.rank, 1, "greedy token at {i}: {top:?}");
+            }
+            if own.rank > 1 {
+                below_first += 1;
+            }
+            // The engine's rank (k = 0) is the token's place in the top 20, or past it.
+            if own.rank <= 20 {
+                assert_eq!(top.len(), 20, "position {i}: {top:?}");
+                assert_eq!(top[0].1.rank, own.rank, "position {i}: {own:?} {top:?}");
+            } else {
+                assert_eq!(top.len(), 21, "position {i}: {top:?}");
+                assert_eq!(top[0].1.rank, own.rank);
+            }
+        }
+    }
+    assert!(
+        below_first > 0,
+        "every prompt token was the most likely one"
+    );
+}
+
+/// On `/v1/chat/completions`, `prompt_logprobs` is one list at the top level for the rendered
+/// prompt (the choices share it), one entry per prompt token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompt_logprobs_cover_the_templated_prompt_at_the_top_level() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let messages = json!([{"role": "system", "content": "Tell a story."},
+                          {"role": "user", "content": "Once upon a time"}]);
+    let body = json!({"messages": messages, "max_tokens": 3, "n": 2, "prompt_logprobs": 1});
+    let (v, raw) = post_ok(srv.addr, "/v1/chat/completions", body).await;
+    let t = post(srv.addr, "/tokenize", &json!({"messages": messages})).await;
+    let ids = ids_of(&t.json()["tokens"]);
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    let plp = plp_in(&raw, None);
+    check_plp(&plp, &ids, 1);
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    assert!(v["choices"][0].get("prompt_logprobs").is_none(), "{v}");
+    // Not asked: no field.
+    let body = json!({"messages": messages, "max_tokens": 3});
+    let v = post(srv.addr, "/v1/chat/completions", &body).await.json();
+    assert!(v.get("prompt_logprobs").is_none(), "{v}");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// `prompt_logprobs` outside 0..=20 (vLLM's -1, the whole vocabulary, included), of the
+/// wrong type, or with `stream` is a 400 naming it, on both endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_prompt_logprobs_are_a_400_naming_them() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let bodies = [
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": 1})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}),
+        ),
+    ];
+    for (path, base) in &bodies {
+        for bad in [
+            json!({"prompt_logprobs": -1}),
+            json!({"prompt_logprobs": 21}),
+            json!({"prompt_logprobs": "x"}),
+            json!({"prompt_logprobs": 1.5}),
+            json!({"prompt_logprobs": 1, "stream": true}),
+            json!({"prompt_logprobs": 0, "stream": true}),
+        ] {
+            let r = post(srv.addr, path, &with_fields(base, bad.clone())).await;
+            assert_eq!(r.status, 400, "{path} {bad}: {}", r.body);
+            assert_eq!(r.json()["error"]["param"], "prompt_logprobs", "{}", r.body);
+        }
+        let r = post(
+            srv.addr,
+            path,
+            &with_fields(base, json!({"prompt_logprobs": 20})),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+    }
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"prompt": "a", "prompt_logprobs": 1, "stream": true}),
+    )
+    .await;
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not available when 'stream' is true"),
+        "{}",
+        r.body
+    );
+}
+
+/// Positions the engine did not report (a request that ended early) are null; each position
+/// lists the scored token first with its rank (its place in the top list when there), then
+/// the first `k` top entries ranked by place, the scored token once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_of_a_request_that_ends_early_are_null_where_unscored() {
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    let (addr, task) = common::start_scripted(|req| {
+        let plp = |pos: u32, logprob: f32, rank, top: Vec<(u32, f32)>| EngineEvent::PromptLogprob {
+            pos,
+            token: req.prompt[pos as usize],
+            logprob,
+            rank,
+            top,
+        };
+        vec![
+            plp(1, -0.25, 1, vec![(403, -0.25), (5, -1.5)]),
+            plp(2, -2.5, 9, vec![(5, -0.5), (6, -0.75)]),
+            EngineEvent::Finished {
+                reason: FinishReason::Abort,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 0,
+                cached_tokens: 0,
+            },
+        ]
+    })
+    .await;
+    let body =
+        |k: u32| json!({"prompt": [1, 403, 407, 261], "max_tokens": 1, "prompt_logprobs": k});
+    let (v, raw) = post_ok(addr, "/v1/completions", body(2)).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "abort");
+    let got: Vec<Option<Vec<(String, f64, u64)>>> = plp_in(&raw, Some(0))
+        .into_iter()
+        .map(|p| {
+            p.map(|p| {
+                p.0.into_iter()
+                    .map(|(id, e)| (id, e.logprob, e.rank))
+                    .collect()
+            })
+        })
+        .collect();
+    let e = |id: &str, lp: f64, rank: u64| (id.to_owned(), lp, rank);
+    assert_eq!(
+        got,
+        [
+            None,
+            Some(vec![e("403", -0.25, 1), e("5", -1.5, 2)]),
+            Some(vec![e("407", -2.5, 9), e("5", -0.5, 1), e("6", -0.75, 2)]),
+            None,
+        ]
+    );
+    // One alternative: the first of the top list.
+    let plp = plp_in(&post_ok(addr, "/v1/completions", body(1)).await.1, Some(0));
+    let ids: Vec<Vec<&str>> = plp[1..3]
+        .iter()
+        .map(|p| p.as_ref().unwrap().0.iter().map(|e| e.0.as_str()).collect())
+        .collect();
+    assert_eq!(ids, [vec!["403"], vec!["407", "5"]]);
+    task.abort();
+}
+
 /// An empty string prompt is the BOS alone (vLLM and OpenAI accept it): unconditional
 /// generation, the same as `[BOS]` given as token ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1338,6 +1775,12 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
             json!({"prompt": "a", "max_tokens": 1.5}).to_string(),
             400,
             Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": 1, "top_logprobs": 3}).to_string(),
+            400,
+            Some("top_logprobs"),
         ),
         (
             "/v1/completions",
@@ -2473,7 +2916,6 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         ("structured_outputs", json!({"choice": ["a"]})),
         ("bad_words", json!(["Lily"])),
         ("truncate_prompt_tokens", json!(2)),
-        ("prompt_logprobs", json!(1)),
         ("chat_template", json!("{{ messages }}")),
     ];
     for (k, v) in refused {
