@@ -433,9 +433,10 @@ impl AppState {
     /// The log-probabilities of an echoed prompt (OpenAI `echo` with `logprobs`): one entry
     /// per prompt token `ids` (BOS included), with the engine's `scored` entries by position
     /// (see [`Delta::prompt`]); the first token, and any position not reported, gets `null`s.
-    /// `text_offset` indexes `echo`, the echoed text: a token's offset is the length of the
-    /// text the tokens before it decode to (with `skip_special`, as `echo` was made), so a
-    /// special token like BOS, which the text does not show, takes no room. Each position lists
+    /// `text_offset` indexes `echo`, the echoed text: `echo.offsets` for a text prompt, else
+    /// (a token-id prompt, echoed as its decoding) the length of the text the tokens before it
+    /// decode to (with `skip_special`, as `echo` was made), so a special token like BOS, which
+    /// the text does not show, takes no room. Each position lists
     /// `echo.top` alternatives (the engine may have scored more for `prompt_logprobs`).
     fn prompt_logprobs(
         &self,
