@@ -232,6 +232,8 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
+        "prompt_embeds",
+        "documents",
     ] {
         if f.raw(name).is_some() {
             return Err(ApiError::field(
@@ -247,6 +249,26 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
                 "'bad_words' is not supported by this server.",
             ));
         }
+    }
+    if f.raw("chat_template_kwargs")
+        .is_some_and(|v| v.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return Err(ApiError::field(
+            "chat_template_kwargs",
+            "'chat_template_kwargs' is not supported by this server.",
+        ));
+    }
+    if f.get::<bool>("return_token_ids")? == Some(true) {
+        return Err(ApiError::field(
+            "return_token_ids",
+            "'return_token_ids' is not supported by this server.",
+        ));
+    }
+    if f.int("priority")?.is_some_and(|p| p != 0) {
+        return Err(ApiError::field(
+            "priority",
+            "Priority scheduling is not enabled on this server; 'priority' must be 0.",
+        ));
     }
     if f.raw("chat_template").is_some() {
         return Err(ApiError::field(
@@ -329,10 +351,11 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         match v {
             None => (name, None),
             Some(v) if v < least => {
+                let with_echo = if chat { "" } else { " (or 0 with 'echo')" };
                 return Err(ApiError::field(
                     name,
-                    format!("'{name}' must be at least 1, got {v}."),
-                ))
+                    format!("'{name}' must be at least 1{with_echo}, got {v}."),
+                ));
             }
             Some(v) => (name, Some(u32::try_from(v).unwrap_or(u32::MAX))),
         }
@@ -827,6 +850,13 @@ fn flatten_content(i: usize, assistant: bool, content: Option<&Value>) -> Result
 pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
+    if f.get::<bool>("echo")? == Some(true) {
+        return Err(ApiError::field(
+            "echo",
+            "'echo' on chat completions (prepending the last message to the reply) is not \
+             supported by this server.",
+        ));
+    }
     let raw = f
         .raw("messages")
         .ok_or_else(|| ApiError::field("messages", "'messages' is required."))?;

@@ -2917,6 +2917,11 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         ("bad_words", json!(["Lily"])),
         ("truncate_prompt_tokens", json!(2)),
         ("chat_template", json!("{{ messages }}")),
+        ("prompt_embeds", json!("AAAA")),
+        ("documents", json!([{"text": "x"}])),
+        ("chat_template_kwargs", json!({"enable_thinking": false})),
+        ("return_token_ids", json!(true)),
+        ("priority", json!(1)),
     ];
     for (k, v) in refused {
         let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
@@ -2932,10 +2937,19 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         ("bad_words", json!([])),
         ("guided_json", Value::Null),
         ("allowed_token_ids", Value::Null),
+        ("chat_template_kwargs", json!({})),
+        ("return_token_ids", json!(false)),
+        ("priority", json!(0)),
     ] {
         let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
         assert_eq!(r.status, 200, "{k}={v}: {}", r.body);
     }
+    // vLLM's chat `echo` prepends the last message to the reply; not implemented, so refused.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 2, "echo": true});
+    let r = post(srv.addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "echo", "{}", r.body);
 }
 
 /// `add_special_tokens: false` leaves BOS out of a completions prompt, as `/tokenize` does.
