@@ -22,7 +22,8 @@ pub const UNAVAILABLE_PREFIX: &str = "engine unavailable: ";
 pub struct EngineRequest {
     /// Prompt token ids (BOS included when the model wants it). Non-empty.
     pub prompt: Vec<u32>,
-    /// Most new tokens (>= 1).
+    /// Most new tokens; 0 computes the prompt only (`echo` with `max_tokens: 0`) and ends
+    /// with `length` and no token.
     pub max_tokens: u32,
     /// Sampling parameters; `seed` is always set (random when the user gave none).
     pub params: SamplingParams,
