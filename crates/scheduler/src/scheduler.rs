@@ -848,11 +848,6 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             evidence: Some("completion".into()),
             ..TraceRecord::new(Boundary::ForwardExecution)
         });
-        // One pass over the rows: a row's positions are marked computed, then its sampled
-        // entries (in row order, as workers send them) are handled while the request is hot.
-        // A launch has at most one row per request, and handling a sample touches no other
-        // request's lengths, so this matches marking every row first. Entries out of row order
-        // are handled after the pass, in the order they came.
         // Prompt log-probabilities first: a request's come before its first token. Each owed
         // position is taken once, in order (a recompute after preemption reports some again).
         for p in &c.prompt {
@@ -879,6 +874,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 top: p.top.clone(),
             });
         }
+        // One pass over the rows: a row's positions are marked computed, then its sampled
+        // entries (in row order, as workers send them) are handled while the request is hot.
+        // A launch has at most one row per request, and handling a sample touches no other
+        // request's lengths, so this matches marking every row first. Entries out of row order
+        // are handled after the pass, in the order they came.
         let mut next = 0;
         // Samples live requests expect from this launch, and how many arrived.
         let (mut expected, mut accepted) = (0usize, 0usize);
