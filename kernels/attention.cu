@@ -44,17 +44,19 @@ __device__ __forceinline__ void baton_load_pack(const elem_t* p, float (&out)[VP
 }
 
 // Keys of one decode partition of a sequence of `ctx` keys when the launch has `z` partitions
-// per sequence (grid.z): ceil(ctx / z) rounded up to a multiple of BATON_ATTN_MIN_PART, so a
-// sequence uses at most z partitions and a short one fewer. A partition longer than
-// BATON_ATTN_PART is walked in chunks of BATON_ATTN_PART.
-#define BATON_ATTN_MIN_PART 64
-__device__ __forceinline__ int baton_decode_part_size(int ctx, int z) {
+// per sequence (grid.z) and partitions of at least `min_part` keys (the kernel argument, a
+// multiple of BATON_ATTN_PART_ALIGN chosen by the host): ceil(ctx / z) rounded up to a multiple
+// of BATON_ATTN_PART_ALIGN, and at least min_part, so a sequence uses at most z partitions and a
+// short one fewer (one when ctx <= min_part: no combine). The decode kernel walks a partition in
+// tiles of BatonDecodeTile<D>::TK keys.
+#define BATON_ATTN_PART_ALIGN 64
+__device__ __forceinline__ int baton_decode_part_size(int ctx, int z, int min_part) {
     const int p = (ctx + z - 1) / z;
-    return max(BATON_ATTN_MIN_PART, (p + BATON_ATTN_MIN_PART - 1) / BATON_ATTN_MIN_PART *
-                                        BATON_ATTN_MIN_PART);
+    return max(min_part, (p + BATON_ATTN_PART_ALIGN - 1) / BATON_ATTN_PART_ALIGN *
+                             BATON_ATTN_PART_ALIGN);
 }
-__device__ __forceinline__ int baton_decode_num_parts(int ctx, int z) {
-    const int p = baton_decode_part_size(ctx, z);
+__device__ __forceinline__ int baton_decode_num_parts(int ctx, int z, int min_part) {
+    const int p = baton_decode_part_size(ctx, z, min_part);
     return (ctx + p - 1) / p;
 }
 
@@ -288,8 +290,8 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 // ---------------------------------------------------------------------------------------------
 // Decode: one query token per sequence, with RoPE and the KV-cache write of that token fused in
 // (the executor launches no baton_rope_and_cache for a decode step on these head dims), split-K
-// over up to max_partitions partitions per sequence (baton_decode_part_size: at least
-// BATON_ATTN_MIN_PART keys each), the partitions combined in the same launch by the block that
+// over up to max_partitions partitions per sequence (baton_decode_part_size: at least min_part
+// keys each), the partitions combined in the same launch by the block that
 // finishes last. The host picks max_partitions from the batch so that small batches still fill
 // the GPU (a batch of one sequence and 8 kv heads would otherwise be 8 thread blocks).
 //
@@ -326,7 +328,8 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 // slot_mapping [num_seqs] int; inv_freq [D / 2] f32 (rope.cu). Partials: part_acc [num_seqs,
 // num_heads, max_partitions, D] f32 (unnormalized), part_m / part_l [num_seqs, num_heads,
 // max_partitions] f32 (log2-domain max, sum); counters [num_seqs, gridDim.y] int, all 0 before
-// the launch and left 0 after it. max_partitions >= 1 (the partials' stride and grid.z).
+// the launch and left 0 after it. max_partitions >= 1 (the partials' stride and grid.z);
+// min_part >= 1 (keys, a multiple of 64 from the host: plan::Tuning::attn_min_partition).
 // Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128).
 template <int D>
 struct BatonDecodeTile {
@@ -491,7 +494,7 @@ __device__ __forceinline__ void baton_decode_body(
     int qkv_stride, elem_t* __restrict__ k_cache, elem_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
     const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, int num_heads,
-    int num_kv_heads, int block_size, float scale, int max_partitions) {
+    int num_kv_heads, int block_size, float scale, int max_partitions, int min_part) {
     typedef BatonDecodeTile<D> T;
     constexpr int VPL = D / 32;
     constexpr int HALF = D / 2;
@@ -505,8 +508,8 @@ __device__ __forceinline__ void baton_decode_body(
     // own token `cur` is such an entry, so the first tile's copies go out now, overlapping the
     // QKV projection that precedes this kernel.
     const int ctx = seq_lens[seq];
-    const int psize = baton_decode_part_size(ctx, max_partitions);
-    const int num_parts = baton_decode_num_parts(ctx, max_partitions);
+    const int psize = baton_decode_part_size(ctx, max_partitions, min_part);
+    const int num_parts = baton_decode_num_parts(ctx, max_partitions, min_part);
     if (part >= max(num_parts, 1)) return;
     const int c0 = part * psize, c1 = min(ctx, c0 + psize);
     const int cur = ctx - 1;  // the step's token: position ctx - 1, K and V from qkv
@@ -721,11 +724,11 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
         const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
         const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
-        float scale, int max_partitions) {                                                      \
+        float scale, int max_partitions, int min_part) {                                        \
         baton_decode_body<D>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache, \
                              v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping, \
                              inv_freq, num_heads, num_kv_heads, block_size, scale,              \
-                             max_partitions);                                                   \
+                             max_partitions, min_part);                                         \
     }
 BATON_DECODE_ENTRY(64)
 BATON_DECODE_ENTRY(128)

@@ -158,14 +158,31 @@ fn head_dim_128_and_f16_layers_match_the_cpu_reference() {
 
 #[test]
 fn a_530_token_prefill_and_a_decode_over_two_partitions_match_the_cpu_reference() {
-    // Past 512 keys: the prefill kernel walks two chunks, the decode kernel splits into two
-    // partitions and the reduce kernel merges them. f32, so the tolerance is tight.
+    // Past 512 keys: the prefill kernel walks two chunks, the decode kernel splits into
+    // partitions and the block that finishes last combines them. f32, so the tolerance is
+    // tight. With the default minimum partition (64 keys) and larger ones (256: 3 partitions;
+    // 1024: one block per kv head walks all 531 keys, no combine).
     let mut a = compare_args(Dtype::F32, 1e-4);
     a.config = Some(HD64_LONG.to_owned());
     a.load_format = LoadFormatArg::Dummy;
     a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
-    let last = Mutex::new(None);
-    compare(&a, false, &emu(Dtype::F32, true, &last)).expect("long context, f32");
+    for min_partition in [baton_cuda::plan::ATTN_MIN_PARTITION, 256, 1024] {
+        let last = Mutex::new(None);
+        let build = |cfg, weights, sizes| {
+            let dev = Arc::new(EmuDevice::new(Dtype::F32, EMU_MEMORY));
+            *last.lock().unwrap() = Some(dev.clone());
+            let args = CudaArgs {
+                dtype: Dtype::F32,
+                enforce_eager: true,
+                ..CudaArgs::default()
+            };
+            let mut opts = cuda_options(&args, sizes)?;
+            opts.tuning.attn_min_partition = min_partition;
+            Ok(CudaWorker::with_device(dev, cfg, weights, opts)?)
+        };
+        compare(&a, false, &build)
+            .unwrap_or_else(|e| panic!("long context, f32, min partition {min_partition}: {e:#}"));
+    }
 }
 
 #[test]

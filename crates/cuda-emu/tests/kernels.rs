@@ -797,12 +797,26 @@ fn attn_tol(dtype: Dtype) -> (f32, f32) {
 /// write the same cache bytes as baton_rope_and_cache and the same attention output.
 ///
 /// `z` partitions per sequence (grid.z; the kernel sizes each sequence's partitions from its
-/// length and the last block of a split sequence combines them): long sequences (1100 keys),
+/// length and `min_part`, the fewest keys per partition, and the last block of a split sequence
+/// combines them): long sequences (1100 keys),
 /// exactly 512 and 513 keys, short ones and a padding row of length 0; GQA groups of 8 (one
 /// head chunk) and 12 (two chunks, the second partial). Launched twice on the same buffers: the
 /// arrival counters must come back to 0, or the second launch would combine too early (or
 /// never).
 fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32], z: usize) {
+    decode_case_min(dtype, hd, nh, kvh, seq_lens, z, 64);
+}
+
+/// [`decode_case`] with partitions of at least `min_part` keys.
+fn decode_case_min(
+    dtype: Dtype,
+    hd: usize,
+    nh: usize,
+    kvh: usize,
+    seq_lens: &[i32],
+    z: usize,
+    min_part: usize,
+) {
     let bs = 16usize;
     let max_len = seq_lens
         .iter()
@@ -883,7 +897,7 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32],
         }
         // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache,
         //            v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping,
-        //            inv_freq, nh, nkv, block_size, scale, max_partitions)
+        //            inv_freq, nh, nkv, block_size, scale, max_partitions, min_part)
         run(
             dtype,
             &format!("baton_paged_attention_decode_hd{hd}"),
@@ -908,14 +922,38 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32],
                 .int(kvh as i32)
                 .int(bs as i32)
                 .float(scale)
-                .int(max_parts as i32),
+                .int(max_parts as i32)
+                .int(min_part as i32),
         );
         assert!(
             counters.iter().all(|&c| c == 0),
             "launch {launch}: arrival counters left at {counters:?}"
         );
     }
-    let what = format!("{} decode hd {hd} nh {nh} kvh {kvh}", dtype.name());
+    let what = format!(
+        "{} decode hd {hd} nh {nh} kvh {kvh} z {z} min_part {min_part}",
+        dtype.name()
+    );
+    // Partitions as the kernel sizes them (attention.cu, baton_decode_part_size): a split
+    // sequence writes a partial (m) for each of its partitions and no others, an unsplit one
+    // none.
+    for (s, &len) in ctx.iter().enumerate() {
+        let psize = len.div_ceil(z).div_ceil(64).max(1) * 64;
+        let psize = psize.max(min_part);
+        let parts = len.div_ceil(psize);
+        let written = if parts > 1 { parts } else { 0 };
+        for h in 0..nh {
+            let b = (s * nh + h) * max_parts;
+            let got = part_m[b..b + max_parts]
+                .iter()
+                .filter(|m| !m.is_nan())
+                .count();
+            assert_eq!(
+                got, written,
+                "{what}: seq {s} (len {len}) head {h} partials"
+            );
+        }
+    }
     assert!(kc.bytes_mut() == kc_ref.bytes_mut(), "{what}: k cache");
     assert!(vc.bytes_mut() == vc_ref.bytes_mut(), "{what}: v cache");
     assert_eq!(q.read(), qkv, "{what}: the QKV input is left as it was");
@@ -951,6 +989,19 @@ fn decode_attention_split_k_and_combine_match_the_reference_f32() {
         }
         // 71 partitions of 64 keys: the combine's weights past the first 64.
         decode_case(Dtype::F32, 64, 8, 1, &[4500, 3], 72);
+    });
+}
+
+#[test]
+fn decode_attention_with_a_larger_minimum_partition_f32() {
+    every_schedule(|| {
+        // z = 64 with partitions of at least 256 keys: 1100 keys in 5 partitions (four of
+        // 256, one of 76), 512 and 513 in 2 and 3, 37 in one (no combine); at least 1024:
+        // 1100 in 2, the rest in one. Head dim 128: tiles of 64 keys, so one partition
+        // walks several tiles.
+        for (z, min_part) in [(64, 256), (64, 1024), (3, 512)] {
+            decode_case_min(Dtype::F32, 128, 8, 2, &[1100, 37, 0, 512, 513], z, min_part);
+        }
     });
 }
 

@@ -1477,7 +1477,7 @@ impl CudaWorker {
                 // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,
                 //            k_cache, v_cache, block_tables, max_blocks_per_row, seq_lens,
                 //            slot_mapping, inv_freq, nh, nkv, block_size, scale,
-                //            max_partitions)
+                //            max_partitions, min_part)
                 // RoPE and the cache write of the step's token are fused in; the last block of
                 // a split sequence combines its partitions (no reduce launch).
                 // Partitions per sequence: the partials hold `part_rows * max_partitions` per
@@ -1488,6 +1488,7 @@ impl CudaWorker {
                     self.opts.max_model_len,
                     self.part_rows * self.max_partitions / r.max(1),
                     self.opts.tuning.attn_target_blocks,
+                    self.opts.tuning.attn_min_partition,
                 );
                 self.launch(
                     &format!("baton_paged_attention_decode_hd{hd}"),
@@ -1512,7 +1513,8 @@ impl CudaWorker {
                         .i(kvh)
                         .i(bs)
                         .f(scale)
-                        .i(z),
+                        .i(z)
+                        .i(self.opts.tuning.attn_min_partition),
                 )
             }
             AttnMode::Prefill => {

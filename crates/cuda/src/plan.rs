@@ -54,12 +54,24 @@ pub const ATTN_MAX_PARTITIONS: usize = 64;
 /// knob for A/B runs on a GPU (`scripts/gpu-ab.sh`), read by [`Tuning::from_env`].
 pub const ATTN_TARGET_BLOCKS_ENV: &str = "BATON_ATTN_TARGET_BLOCKS";
 
+/// Fewest keys in a split-K partition of decode attention (the `min_part` argument of
+/// attention.cu's decode kernels): a sequence of at most this many keys is walked by one
+/// block per kv head with no combine, a longer one is split into partitions of at least this
+/// many. Partition sizes are multiples of 64 keys (the kernel's `BATON_ATTN_PART_ALIGN`).
+pub const ATTN_MIN_PARTITION: usize = 64;
+
+/// Environment variable overriding [`ATTN_MIN_PARTITION`] (a multiple of 64 in 64..=16384): a
+/// tuning knob for A/B runs, read by [`Tuning::from_env`].
+pub const ATTN_MIN_PARTITION_ENV: &str = "BATON_ATTN_MIN_PARTITION";
+
 /// Launch-shape and kernel-constant overrides for tuning runs. The defaults are what the
 /// worker uses; the GPU A/B script sets the rest through the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tuning {
     /// Thread blocks a decode attention launch aims for ([`decode_partitions`]).
     pub attn_target_blocks: usize,
+    /// Fewest keys per decode attention partition ([`ATTN_MIN_PARTITION`]).
+    pub attn_min_partition: usize,
     /// Extra kernel macro definitions, `NAME=VALUE` (NVRTC `-D`), from
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV).
     pub kernel_defines: Vec<String>,
@@ -69,13 +81,14 @@ impl Default for Tuning {
     fn default() -> Self {
         Tuning {
             attn_target_blocks: ATTN_TARGET_BLOCKS,
+            attn_min_partition: ATTN_MIN_PARTITION,
             kernel_defines: Vec::new(),
         }
     }
 }
 
 impl Tuning {
-    /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`] and
+    /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`] and
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
     ///
     /// # Errors
@@ -100,6 +113,18 @@ impl Tuning {
                 .filter(|&n| (1..=4096).contains(&n))
                 .ok_or_else(|| {
                     format!("{ATTN_TARGET_BLOCKS_ENV}={v:?}: expected an integer in 1..=4096")
+                })?;
+        }
+        if let Some(v) = var(ATTN_MIN_PARTITION_ENV) {
+            t.attn_min_partition = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| (64..=16384).contains(&n) && n % 64 == 0)
+                .ok_or_else(|| {
+                    format!(
+                        "{ATTN_MIN_PARTITION_ENV}={v:?}: expected a multiple of 64 in 64..=16384"
+                    )
                 })?;
         }
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
@@ -168,22 +193,31 @@ pub fn decode_partition_slots(max_model_len: usize, rows: usize, target: usize) 
 /// kernels) for a decode launch of `rows` sequences and `blocks_per_row` thread blocks each (kv
 /// heads times head chunks), on a model of `max_model_len` tokens, with partial buffers of
 /// `capacity` partitions per sequence and head. The kernel splits a sequence of `ctx` keys into
-/// partitions of `ceil(ctx / z)` keys rounded up to 64, so a short one uses fewer.
+/// partitions of `ceil(ctx / z)` keys rounded up to 64 and at least `min_partition`, so a short
+/// one uses fewer.
 ///
 /// At least 1 and at most `min(capacity, ATTN_MAX_PARTITIONS)`; otherwise enough for `target`
-/// blocks ([`ATTN_TARGET_BLOCKS`] unless tuned), and enough that a `max_model_len` context has partitions of at
-/// most [`ATTN_LONG_PARTITION`] keys. A function of the batch size only, so a captured graph's
-/// choice holds for every replay.
+/// blocks ([`ATTN_TARGET_BLOCKS`] unless tuned), and enough that a `max_model_len` context has
+/// partitions of at most [`ATTN_LONG_PARTITION`] keys, but no more than a `max_model_len`
+/// context can use at `min_partition` keys each ([`ATTN_MIN_PARTITION`] unless tuned): the
+/// blocks of partitions no sequence can reach would only start and exit. A function of the
+/// batch size only, so a captured graph's choice holds for every replay.
 pub fn decode_partitions(
     rows: usize,
     blocks_per_row: usize,
     max_model_len: usize,
     capacity: usize,
     target: usize,
+    min_partition: usize,
 ) -> usize {
     let fill = target.div_ceil((rows * blocks_per_row).max(1));
     let long = max_model_len.div_ceil(ATTN_LONG_PARTITION);
-    fill.max(long).min(ATTN_MAX_PARTITIONS).min(capacity).max(1)
+    let usable = max_model_len.div_ceil(min_partition.max(1));
+    fill.max(long)
+        .min(usable)
+        .min(ATTN_MAX_PARTITIONS)
+        .min(capacity)
+        .max(1)
 }
 
 /// A launch's rows flattened into the kernel inputs.
@@ -363,8 +397,9 @@ mod tests {
                 assert!(slots >= len.div_ceil(512), "{len} {rows}");
                 for k in 1..=rows {
                     for bpr in [1, 2, 8, 32] {
-                        let unbounded = decode_partitions(k, bpr, len, usize::MAX, target);
-                        let got = decode_partitions(k, bpr, len, rows * slots / k, target);
+                        let min = ATTN_MIN_PARTITION;
+                        let unbounded = decode_partitions(k, bpr, len, usize::MAX, target, min);
+                        let got = decode_partitions(k, bpr, len, rows * slots / k, target, min);
                         assert_eq!(
                             got, unbounded,
                             "len {len} rows {rows} batch {k} bpr {bpr} target {target}"
@@ -373,23 +408,55 @@ mod tests {
                 }
             }
         }
-        // A batch of one on a 256-token model: 64 partitions (session 8 found it at 1), 16
+        // A batch of one on a 4096-token model: 64 partitions (session 8 found it at 1), 16
         // with a target of 128 blocks.
-        let slots = decode_partition_slots(256, 1, ATTN_TARGET_BLOCKS);
-        assert_eq!(decode_partitions(1, 8, 256, slots, ATTN_TARGET_BLOCKS), 64);
-        let slots = decode_partition_slots(256, 1, 128);
-        assert_eq!(decode_partitions(1, 8, 256, slots, 128), 16);
+        let slots = decode_partition_slots(4096, 1, ATTN_TARGET_BLOCKS);
+        let min = ATTN_MIN_PARTITION;
+        assert_eq!(
+            decode_partitions(1, 8, 4096, slots, ATTN_TARGET_BLOCKS, min),
+            64
+        );
+        let slots = decode_partition_slots(4096, 1, 128);
+        assert_eq!(decode_partitions(1, 8, 4096, slots, 128, min), 16);
     }
 
     #[test]
-    fn tuning_reads_its_two_variables_and_refuses_bad_values() {
-        let env = |a: &'static str, k: &'static str| {
+    fn decode_partitions_stop_at_what_the_longest_context_can_use() {
+        // A benchmark's 257-token model at batch 1: 5 partitions of 64 keys can cover any
+        // context, so the other 59 of the fill target's 64 would only start and exit.
+        let slots = decode_partition_slots(257, 1, ATTN_TARGET_BLOCKS);
+        assert_eq!(
+            decode_partitions(1, 8, 257, slots, ATTN_TARGET_BLOCKS, 64),
+            5
+        );
+        // Partitions of at least 256 keys: 2; of at least 512: 1 (no combine).
+        assert_eq!(
+            decode_partitions(1, 8, 257, slots, ATTN_TARGET_BLOCKS, 256),
+            2
+        );
+        assert_eq!(
+            decode_partitions(1, 8, 257, slots, ATTN_TARGET_BLOCKS, 512),
+            1
+        );
+        // Long models keep their long-context split whatever the minimum.
+        let slots = decode_partition_slots(131_072, 256, ATTN_TARGET_BLOCKS);
+        assert_eq!(
+            decode_partitions(256, 8, 131_072, slots, ATTN_TARGET_BLOCKS, 1024),
+            8
+        );
+    }
+
+    #[test]
+    fn tuning_reads_its_three_variables_and_refuses_bad_values() {
+        let env3 = |a: &'static str, m: &'static str, k: &'static str| {
             move |name: &str| match name {
                 ATTN_TARGET_BLOCKS_ENV => Some(a.to_string()),
+                ATTN_MIN_PARTITION_ENV => Some(m.to_string()),
                 crate::kernels::KERNEL_DEFINES_ENV => Some(k.to_string()),
                 _ => None,
             }
         };
+        let env = |a: &'static str, k: &'static str| env3(a, "", k);
         assert_eq!(Tuning::from_lookup(|_| None).unwrap(), Tuning::default());
         assert_eq!(
             Tuning::from_lookup(env(" ", "")).unwrap(),
@@ -407,6 +474,13 @@ mod tests {
         ] {
             let e = Tuning::from_lookup(env(a, k)).unwrap_err();
             assert!(e.starts_with("BATON_"), "{a:?} {k:?}: {e}");
+        }
+        let t = Tuning::from_lookup(env3("", "256", "")).unwrap();
+        assert_eq!(t.attn_min_partition, 256);
+        assert_eq!(t.attn_target_blocks, ATTN_TARGET_BLOCKS);
+        for m in ["0", "32", "100", "16448", "-64", "x"] {
+            let e = Tuning::from_lookup(env3("", m, "")).unwrap_err();
+            assert!(e.starts_with(ATTN_MIN_PARTITION_ENV), "{m:?}: {e}");
         }
     }
 
@@ -460,26 +534,24 @@ mod tests {
 
     #[test]
     fn decode_partitions_fill_the_gpu_at_small_batches_and_respect_the_buffers() {
-        // One sequence, 8 kv heads, a short model: 64 partitions (512 blocks).
-        assert_eq!(decode_partitions(1, 8, 257, 256, ATTN_TARGET_BLOCKS), 64);
+        let p = |rows, bpr, len, cap| {
+            decode_partitions(rows, bpr, len, cap, ATTN_TARGET_BLOCKS, ATTN_MIN_PARTITION)
+        };
+        // One sequence, 8 kv heads, a 4096-token model: 64 partitions (512 blocks).
+        assert_eq!(p(1, 8, 4096, 256), 64);
         // Batch 32: 256 blocks, so two partitions; batch 128 or more: one.
-        assert_eq!(decode_partitions(32, 8, 257, 8, ATTN_TARGET_BLOCKS), 2);
-        assert_eq!(decode_partitions(128, 8, 257, 2, ATTN_TARGET_BLOCKS), 1);
-        assert_eq!(decode_partitions(512, 8, 257, 1, ATTN_TARGET_BLOCKS), 1);
+        assert_eq!(p(32, 8, 257, 8), 2);
+        assert_eq!(p(128, 8, 257, 2), 1);
+        assert_eq!(p(512, 8, 257, 1), 1);
         // The partial buffers bound it.
-        assert_eq!(decode_partitions(1, 8, 257, 5, ATTN_TARGET_BLOCKS), 5);
-        assert_eq!(decode_partitions(4, 8, 257, 0, ATTN_TARGET_BLOCKS), 1);
+        assert_eq!(p(1, 8, 257, 3), 3);
+        assert_eq!(p(4, 8, 257, 0), 1);
         // A long model splits even a large batch (partitions of at most 16384 keys).
-        assert_eq!(
-            decode_partitions(256, 8, 131_072, 256, ATTN_TARGET_BLOCKS),
-            8
-        );
-        assert_eq!(
-            decode_partitions(1, 1, 1 << 24, 10_000, ATTN_TARGET_BLOCKS),
-            ATTN_MAX_PARTITIONS
-        );
+        assert_eq!(p(256, 8, 131_072, 256), 8);
+        assert_eq!(p(1, 1, 1 << 24, 10_000), ATTN_MAX_PARTITIONS);
         // The grid never reaches zero.
-        assert_eq!(decode_partitions(0, 0, 0, 0, ATTN_TARGET_BLOCKS), 1);
+        assert_eq!(p(0, 0, 0, 0), 1);
+        assert_eq!(decode_partitions(1, 8, 257, 5, ATTN_TARGET_BLOCKS, 0), 5);
     }
 
     #[test]
