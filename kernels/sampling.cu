@@ -245,10 +245,116 @@ __device__ u64 baton_select_total(const BatonSelect& s, BatonSampleShared& sh) {
     return baton_block_sum_u64(acc, sh.scratch_u64);
 }
 
+// Bins of a radix pass that each thread accumulates in registers before adding them to the
+// shared histogram (round-robin eviction; 0: one shared atomic per candidate). In the first
+// passes most candidates share a handful of digits (the key's top bytes are the logit's sign
+// and exponent), and the same-address atomics of a warp's lanes serialize. Integer sums, so
+// the histogram, and every result, are the same whatever this is. Tunable
+// (BATON_KERNEL_DEFINES, crates/cuda/src/kernels.rs).
+#ifndef BATON_SAMPLE_BIN_CACHE
+#define BATON_SAMPLE_BIN_CACHE 2
+#endif
+
+// Adds mass w of one candidate to bin d of the shared histogram through the thread's register
+// bins: a hit adds in place, a miss evicts bin `next` (round robin) to the histogram. A register
+// bin is its mass cw[k] and tag[k] = (candidates << 9) | digit, digit 256 marking a free bin (a
+// thread sees fewer than 2^23 candidates a pass: vocab / blockDim).
+__device__ __forceinline__ void baton_bin_flush(u32 tag, u64 w, BatonSampleShared& sh) {
+    const u32 d = tag & 511u;
+    if (d < 256u) {
+        atomicAdd(&sh.hist_w[d], w);
+        atomicAdd(&sh.hist_c[d], tag >> 9);
+    }
+}
+
+template <int NC>
+__device__ __forceinline__ void baton_bin_add(u32 (&tag)[NC], u64 (&cw)[NC], int& next, u32 d,
+                                              u64 w, BatonSampleShared& sh) {
+    bool hit = false;
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+        if ((tag[k] & 511u) == d) {
+            cw[k] += w;
+            tag[k] += 512u;
+            hit = true;
+        }
+    }
+    if (hit) return;
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+        if (k == next) {
+            baton_bin_flush(tag[k], cw[k], sh);
+            tag[k] = 512u | d;
+            cw[k] = w;
+        }
+    }
+    next = next + 1 == NC ? 0 : next + 1;
+}
+
+// The digit a radix pass chooses, from the pass's histogram: the first bin d (in digit order)
+// with below + sum_{d' <= d} hist_w[d'] > t, with sh.below = below + the bins before it and
+// sh.count = its candidates; when no bin qualifies (t >= below + total: unreachable when t is
+// below the total of the candidates), the last non-empty bin (0 if none) and sh.below = below.
+// Warp 0: lane l owns bins [8 l, 8 l + 8), an exclusive prefix over the lanes' sums (xor
+// butterfly) finds the one lane whose range holds t, which scans its 8 bins again (re-read from
+// shared memory: keeping them in registers made the 64-register sampler spill). The other warps
+// do nothing; the caller publishes sh.digit / sh.below / sh.count with a barrier.
+__device__ __forceinline__ void baton_radix_choose(u64 below, u64 t, BatonSampleShared& sh) {
+    if (threadIdx.x >= BATON_WARP) return;
+    const int lane = threadIdx.x;
+    u64 sum = 0;
+    int last = -1;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int d = lane * 8 + k;
+        sum += sh.hist_w[d];
+        if (sh.hist_c[d] != 0u) last = d;
+    }
+    // pre: the sum of the lanes below this one; tot: of the whole warp.
+    u64 pre = 0, tot = sum;
+#pragma unroll
+    for (int o = 1; o < BATON_WARP; o <<= 1) {
+        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
+        if (lane & o) pre += other;
+        tot += other;
+        last = max(last, __shfl_xor_sync(BATON_FULL_MASK, last, o));
+    }
+    const u64 lo = below + pre;
+    if (lo <= t && t < lo + sum) {
+        u64 b = lo;
+        int chosen = -1;
+        u32 count = 0;
+        for (int k = 0; k < 8 && chosen < 0; ++k) {
+            const int d = lane * 8 + k;
+            const u32 ck = sh.hist_c[d];
+            if (ck == 0u) continue;
+            const u64 wk = sh.hist_w[d];
+            if (b + wk > t) {
+                chosen = d;
+                count = ck;
+            } else {
+                b += wk;
+            }
+        }
+        sh.digit = (u32)chosen;
+        sh.below = b;
+        sh.count = count;
+    } else if (lane == 0 && !(t < below + tot)) {
+        const int d = last < 0 ? 0 : last;
+        sh.digit = (u32)d;
+        sh.below = below;
+        sh.count = sh.hist_c[d];
+    }
+}
+
 // The smallest candidate key K such that (sum of metric over candidates with key <= K) > t.
 // Requires t < baton_select_total(s). MSB-first radix select, 8 bits per pass; stops early
-// (one extra pass) once the chosen bin holds a single candidate.
-__device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared& sh) {
+// (one extra pass) once the chosen bin holds a single candidate. Not inlined: with its
+// register bins inlined at its three call sites, the 64-register (1024-thread) sampler spilled
+// (ptxas -v, sm_90: 2 bins 52 bytes, 4 bins 172); as a call, 2 bins spill 16 bytes around the
+// calls and none inside.
+__device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared& sh) {
+    constexpr int NC = BATON_SAMPLE_BIN_CACHE > 0 ? BATON_SAMPLE_BIN_CACHE : 1;
     u64 prefix = 0, below = 0;
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int d = threadIdx.x; d < 256; d += blockDim.x) {
@@ -256,6 +362,14 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
             sh.hist_c[d] = 0;
         }
         __syncthreads();
+        u32 tag[NC];
+        u64 cw[NC];
+#pragma unroll
+        for (int k = 0; k < NC; ++k) {
+            tag[k] = 256u;
+            cw[k] = 0;
+        }
+        int next = 0;
         for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
             const int i = baton_select_token(s, j);
             if (i < 0) continue;
@@ -264,30 +378,17 @@ __device__ u64 baton_radix_select(const BatonSelect& s, u64 t, BatonSampleShared
             if (m == 0) continue;
             if (shift < 56 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
             const u32 d = (u32)(key >> shift) & 255u;
-            atomicAdd(&sh.hist_w[d], m);
-            atomicAdd(&sh.hist_c[d], 1u);
+            if (BATON_SAMPLE_BIN_CACHE > 0) {
+                baton_bin_add<NC>(tag, cw, next, d, m, sh);
+            } else {
+                atomicAdd(&sh.hist_w[d], m);
+                atomicAdd(&sh.hist_c[d], 1u);
+            }
         }
+#pragma unroll
+        for (int k = 0; k < NC; ++k) baton_bin_flush(tag[k], cw[k], sh);
         __syncthreads();
-        if (threadIdx.x == 0) {
-            u64 b = below;
-            int chosen = -1, last = -1;
-            for (int d = 0; d < 256; ++d) {
-                if (sh.hist_c[d] == 0) continue;
-                last = d;
-                if (b + sh.hist_w[d] > t) {
-                    chosen = d;
-                    break;
-                }
-                b += sh.hist_w[d];
-            }
-            if (chosen < 0) {  // unreachable when t < total; stay in range regardless
-                chosen = last < 0 ? 0 : last;
-                b = below;
-            }
-            sh.digit = (u32)chosen;
-            sh.below = b;
-            sh.count = sh.hist_c[chosen];
-        }
+        baton_radix_choose(below, t, sh);
         __syncthreads();
         prefix |= (u64)sh.digit << shift;
         below = sh.below;

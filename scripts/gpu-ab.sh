@@ -4,10 +4,17 @@
 # graphs), once per variant. Variants differ only in their environment:
 #   BATON_ATTN_TARGET_BLOCKS  thread blocks a decode attention launch aims for (default 512;
 #                             crates/cuda/src/plan.rs, Tuning);
+#   BATON_ATTN_MIN_PARTITION  fewest keys per split-K partition of decode attention (default
+#                             64; a multiple of 64): at or below it a sequence is one block
+#                             per kv head with no combine;
 #   BATON_KERNEL_DEFINES      kernel constants as NVRTC -D, NAME=VALUE[,NAME=VALUE...], for
 #                             the constants kernels/ guards with #ifndef (BATON_GEMV_T1_U,
-#                             BATON_GEMV_PREWAIT_L2, ...).
-# The base variant runs first and last, so drift between runs shows. Prints a table of ms per
+#                             BATON_GEMV_PREWAIT_L2, BATON_SAMPLE_BIN_CACHE, ...);
+#   AB_ARGS                   not an environment variable: extra `bench decode` flags for this
+#                             variant, comma-separated (--temperature=0.8,--top-p=0.95 for a
+#                             sampled row instead of greedy).
+# The base variant runs first and again near the end, so drift between runs shows; the list is
+# in priority order, since the budget cuts it short. Prints a table of ms per
 # decode step last, and writes it to $OUT/ab.txt, with every run's log and JSON packed into
 # $OUT/gpu-ab.tgz (a device run returns only a few files).
 #
@@ -32,10 +39,14 @@ BUDGET="${GPU_AB_BUDGET:-300}"
 deadline=$((SECONDS + BUDGET - 5))
 
 default_variants='base|
+minpart-256|BATON_ATTN_MIN_PARTITION=256
+minpart-512|BATON_ATTN_MIN_PARTITION=512
+topp|AB_ARGS=--temperature=0.8,--top-p=0.95
+topp-bins-0|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SAMPLE_BIN_CACHE=0
 attn-128|BATON_ATTN_TARGET_BLOCKS=128
-l2-64k|BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=65536
 t1u-2|BATON_KERNEL_DEFINES=BATON_GEMV_T1_U=2
-base-again|'
+base-again|
+l2-64k|BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=65536'
 VARIANTS="${GPU_AB_VARIANTS:-$default_variants}"
 read -r -a SHAPES <<<"${GPU_AB_SHAPES:-1b 8b}"
 
@@ -47,6 +58,16 @@ while IFS= read -r line; do
     vars="${line#*|}"
     [[ "$line" == *"|"* ]] || vars=""
     names+=("$name")
+    # AB_ARGS=a,b,... -> extra bench flags; every other word stays an environment setting.
+    extra=()
+    envs=()
+    for word in $vars; do
+        if [[ "$word" == AB_ARGS=* ]]; then
+            IFS=',' read -r -a extra <<<"${word#AB_ARGS=}"
+        else
+            envs+=("$word")
+        fi
+    done
     for shape in "${SHAPES[@]}"; do
         case "$shape" in
         1b) cfg="$LLAMA_1B" ;;
@@ -60,10 +81,9 @@ while IFS= read -r line; do
         fi
         json="$RUNS/ab-$name-$shape.json"
         echo "== $name $shape: ${vars:-defaults}"
-        # shellcheck disable=SC2086 # vars is a list of VAR=VALUE words
-        timeout -k 5 "$left" env $vars "$BATON" bench decode --device cuda --load-format dummy \
-            --config "$cfg" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 \
-            --out "$json" >"$RUNS/ab-$name-$shape.log" 2>&1
+        timeout -k 5 "$left" env "${envs[@]}" "$BATON" bench decode --device cuda \
+            --load-format dummy --config "$cfg" --batch 1 --prompt-len 128 --gen-len 128 \
+            --dtype bf16 "${extra[@]}" --out "$json" >"$RUNS/ab-$name-$shape.log" 2>&1
         rc=$?
         v=$(grep -o '"ms_per_step": *[0-9.e+-]*' "$json" 2>/dev/null | head -1 | sed 's/.*: *//')
         if [[ $rc != 0 || -z "$v" ]]; then

@@ -220,7 +220,11 @@ pub const KERNEL_DEFINES_ENV: &str = "BATON_KERNEL_DEFINES";
 
 /// The kernel constants [`KERNEL_DEFINES_ENV`] may set: each is guarded with `#ifndef` in a
 /// kernel file (a test checks), so a definition on the command line replaces the default.
-pub const KERNEL_TUNABLES: &[&str] = &["BATON_GEMV_T1_U", "BATON_GEMV_PREWAIT_L2"];
+pub const KERNEL_TUNABLES: &[&str] = &[
+    "BATON_GEMV_T1_U",
+    "BATON_GEMV_PREWAIT_L2",
+    "BATON_SAMPLE_BIN_CACHE",
+];
 
 /// Parses `NAME=VALUE[,NAME=VALUE...]` (whitespace around items ignored) into `NAME=VALUE`
 /// strings. A name must be one of [`KERNEL_TUNABLES`] (any other would be ignored by the
