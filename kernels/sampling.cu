@@ -482,6 +482,36 @@ __device__ float baton_slice_expsum(const float* x, int lo, int hi, float maxv,
     return baton_block_sum(acc, sh.scratch_f);
 }
 
+// The n_top (<= BATON_MAX_TOP_LOGPROBS) most likely entries of the raw row x[0, vocab) into
+// ids / lps [BATON_MAX_TOP_LOGPROBS] (most likely first, ties to the lower id; log-probability
+// (clean(x) - maxv) - ln_sum, -inf when maxv is), the rest (0xffffffff, -inf): n_top passes,
+// each the smallest key after the previous one. Called by the whole block.
+__device__ __forceinline__ void baton_top_logprobs(const float* x, int vocab, int n_top,
+                                                   float maxv, float ln_sum, u32* ids,
+                                                   float* lps, BatonSampleShared& sh) {
+    u64 prev = 0;
+    for (int j = 0; j < n_top; ++j) {
+        u64 found = ~0ull;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const u64 k = baton_sort_key(baton_clean(x[i]), (u32)i);
+            if ((j == 0 || k > prev) && k < found) found = k;
+        }
+        found = baton_block_min_u64(found, sh.scratch_u64);
+        prev = found;
+        if (threadIdx.x == 0) {
+            const u32 id = (u32)found;
+            ids[j] = id;
+            lps[j] = maxv == BATON_NEG_INF ? BATON_NEG_INF : (baton_clean(x[id]) - maxv) - ln_sum;
+        }
+    }
+    if (threadIdx.x == 0) {
+        for (int j = n_top; j < BATON_MAX_TOP_LOGPROBS; ++j) {
+            ids[j] = 0xffffffffu;
+            lps[j] = BATON_NEG_INF;
+        }
+    }
+}
+
 // One row per block, or, for a row with no penalties, gridDim.y blocks per row.
 //
 // Split rows: with gridDim.y = S > 1 an unpenalized row is cut into S slices of ceil(vocab / S)
@@ -669,28 +699,10 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     }
     if (want && !have_ln_sum && maxv != BATON_NEG_INF)
         ln_sum = logf(baton_slice_expsum(x, 0, vocab, maxv, sh));
-    // Top log-probs: n_top passes, each the smallest key after the previous one.
-    u64 prev = 0;
-    for (int j = 0; j < n_top; ++j) {
-        u64 found = ~0ull;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const u64 k = baton_sort_key(baton_clean(x[i]), (u32)i);
-            if ((j == 0 || k > prev) && k < found) found = k;
-        }
-        found = baton_block_min_u64(found, sh.scratch_u64);
-        prev = found;
-        if (threadIdx.x == 0) {
-            const u32 id = (u32)found;
-            out_top_ids[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = id;
-            out_top_logprobs[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] =
-                maxv == BATON_NEG_INF ? BATON_NEG_INF : (baton_clean(x[id]) - maxv) - ln_sum;
-        }
-    }
+    baton_top_logprobs(x, vocab, n_top, maxv, ln_sum,
+                       out_top_ids + (size_t)row * BATON_MAX_TOP_LOGPROBS,
+                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh);
     if (threadIdx.x == 0) {
-        for (int j = n_top; j < BATON_MAX_TOP_LOGPROBS; ++j) {
-            out_top_ids[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = 0xffffffffu;
-            out_top_logprobs[(size_t)row * BATON_MAX_TOP_LOGPROBS + j] = BATON_NEG_INF;
-        }
         out_tokens[row] = token;
         float lp = 0.0f;
         if (want)
@@ -698,6 +710,49 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
                      ? BATON_NEG_INF
                      : (baton_clean(x[token]) - maxv) - ln_sum;
         out_logprob[row] = lp;
+    }
+}
+
+// Prompt scoring (prompt log-probabilities, `echo` with `logprobs` and vLLM's
+// `prompt_logprobs`): for row r of logits [num_rows, vocab] f32 (row stride `vocab`), the
+// position's distribution, and tokens[r], the prompt token that follows it, what the CPU
+// worker's Sampler::score and sampling::rank_of give (crates/worker/src/sampling.rs):
+//   out_logprob[r] = (clean(x[token]) - max) - ln(sum_i exp(clean(x[i]) - max)) (f32 here, the
+//                    CPU sums in f64: within float rounding), -inf for an all -inf row or a
+//                    token outside the vocabulary;
+//   out_rank[r]    = 1 + #{i : clean(x[i]) > clean(x[token])} (ties share a rank), 0 for a
+//                    token outside the vocabulary;
+//   out_top_ids / out_top_logprobs [num_rows, 20]: the min(n_top, 20, vocab) most likely
+//                    entries as the sampler's top log-probabilities, the rest (0xffffffff, -inf).
+// Replaces a 4 * vocab byte copy and a host pass per scored position.
+// Launch: grid = (num_rows), block = (1024) (any multiple of 32 up to 1024 works).
+BATON_ENTRY void __launch_bounds__(1024) baton_score_rows(
+    float* __restrict__ out_logprob, u32* __restrict__ out_rank, u32* __restrict__ out_top_ids,
+    float* __restrict__ out_top_logprobs, const float* __restrict__ logits,
+    const u32* __restrict__ tokens, int vocab, int n_top) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
+    __shared__ BatonSampleShared sh;
+    const int row = blockIdx.x;
+    const float* x = logits + (size_t)row * vocab;
+    const u32 token = tokens[row];
+    const int nt = min(min(n_top, BATON_MAX_TOP_LOGPROBS), vocab);
+    u64 unused;
+    const float maxv = baton_slice_argmax(x, 0, vocab, sh, unused);
+    const float ln_sum =
+        maxv == BATON_NEG_INF ? 0.0f : logf(baton_slice_expsum(x, 0, vocab, maxv, sh));
+    const bool inside = token < (u32)vocab;
+    const float xt = inside ? baton_clean(x[token]) : BATON_NEG_INF;
+    u32 above = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) above += baton_clean(x[i]) > xt;
+    const u64 n_above = baton_block_sum_u64((u64)above, sh.scratch_u64);
+    baton_top_logprobs(x, vocab, nt, maxv, ln_sum,
+                       out_top_ids + (size_t)row * BATON_MAX_TOP_LOGPROBS,
+                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh);
+    if (threadIdx.x == 0) {
+        out_logprob[row] =
+            (!inside || maxv == BATON_NEG_INF) ? BATON_NEG_INF : (xt - maxv) - ln_sum;
+        out_rank[row] = inside ? (u32)(1 + n_above) : 0u;
     }
 }
 

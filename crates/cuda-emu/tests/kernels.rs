@@ -1810,3 +1810,96 @@ fn sampling_a_llama_sized_vocabulary_matches_the_cpu() {
         }
     });
 }
+
+/// `baton_score_rows` (prompt log-probabilities) against the CPU worker's `Sampler::score` and
+/// `sampling::rank_of`: rows with ties at the token's logit and in the top entries, NaN (as
+/// -inf), +inf (as f32::MAX), an all -inf row, a token that is the row's only finite logit, and
+/// a Llama-sized row; n_top 0, 1, 5 and 20 (the cap) over a vocabulary that is smaller or larger.
+#[test]
+fn prompt_scoring_matches_the_cpu_scorer() {
+    every_schedule(|| {
+        for (vocab, n_top) in [
+            (1000usize, 5usize),
+            (1000, 0),
+            (7, 20),
+            (128_256, 20),
+            (300, 1),
+        ] {
+            let rows = 6usize;
+            let mut logits: Vec<f32> = (0..rows * vocab)
+                .map(|i| ((i * 7919 % 1013) as f32 / 97.0 - 5.0).sin() * 8.0)
+                .collect();
+            let row = |r: usize| r * vocab..(r + 1) * vocab;
+            // Row 1: ties at the token's logit and at the top.
+            for i in row(1).step_by(3) {
+                logits[i] = 4.0;
+            }
+            // Row 2: NaN and +inf.
+            logits[row(2).start + 1] = f32::NAN;
+            logits[row(2).start + vocab / 2] = f32::INFINITY;
+            // Row 3: every logit -inf.
+            logits[row(3)].fill(f32::NEG_INFINITY);
+            // Row 4: one finite logit, the token's.
+            logits[row(4)].fill(f32::NEG_INFINITY);
+            logits[row(4).start + vocab - 1] = 0.5;
+            let tokens: Vec<u32> = vec![
+                (vocab / 3) as u32,
+                3,
+                (vocab / 2) as u32,
+                0,
+                (vocab - 1) as u32,
+                1,
+            ];
+            let mut lp = vec![f32::NAN; rows];
+            let mut rank = vec![u32::MAX - 1; rows];
+            let mut top_ids = vec![0u32; rows * TOP];
+            let mut top_lp = vec![f32::NAN; rows * TOP];
+            // score_rows(out_logprob, out_rank, out_top_ids, out_top_logprobs, logits, tokens,
+            //            vocab, n_top)
+            run(
+                Dtype::F32,
+                "baton_score_rows",
+                (rows as u32, 1, 1),
+                baton_cuda::plan::SAMPLE_BLOCK as u32,
+                Params::new()
+                    .ptr_mut(lp.as_mut_ptr())
+                    .ptr_mut(rank.as_mut_ptr())
+                    .ptr_mut(top_ids.as_mut_ptr())
+                    .ptr_mut(top_lp.as_mut_ptr())
+                    .ptr(logits.as_ptr())
+                    .ptr(tokens.as_ptr())
+                    .int(vocab as i32)
+                    .int(n_top as i32),
+            );
+            let mut cpu = Sampler::new();
+            for r in 0..rows {
+                let x = &logits[row(r)];
+                let what = format!("vocab {vocab} n_top {n_top} row {r}");
+                let (want_lp, want_top) = cpu.score(x, tokens[r], n_top);
+                let close = |a: f32, b: f32| (a == b) || (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+                assert!(
+                    close(lp[r], want_lp),
+                    "{what}: logprob {} vs {want_lp}",
+                    lp[r]
+                );
+                assert_eq!(
+                    rank[r],
+                    baton_worker::sampling::rank_of(x, tokens[r]),
+                    "{what}: rank"
+                );
+                let got_top: Vec<(u32, f32)> = (0..TOP)
+                    .map(|j| (top_ids[r * TOP + j], top_lp[r * TOP + j]))
+                    .take_while(|&(id, _)| id != u32::MAX)
+                    .collect();
+                assert_eq!(got_top.len(), want_top.len(), "{what}: top count");
+                for (g, w) in got_top.iter().zip(&want_top) {
+                    assert_eq!(g.0, w.0, "{what}: top ids {got_top:?} vs {want_top:?}");
+                    assert!(close(g.1, w.1), "{what}: top {got_top:?} vs {want_top:?}");
+                }
+                for j in got_top.len()..TOP {
+                    assert_eq!(top_lp[r * TOP + j], f32::NEG_INFINITY, "{what}: slot {j}");
+                }
+            }
+        }
+    });
+}

@@ -44,7 +44,6 @@ use baton_proto::{
     Completion, Launch, LaunchSeq, PromptLogprob, Sampled, SamplingParams, NOT_PENDING,
 };
 use baton_worker::penalty::{PenaltyEntry, PenaltyHistories};
-use baton_worker::sampling::Sampler;
 use baton_worker::{Backend, KvCapacity, TableReader, WorkerError};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::DriverError;
@@ -349,10 +348,9 @@ pub struct CudaWorker {
     part_rows: usize,
     /// Time each kernel and GEMM on its own (eager launches only).
     profiling: bool,
-    /// Scores prompt tokens on the host (see [`CudaWorker::score_prompts`]).
-    scorer: Sampler,
-    /// Host copy of a chunk of prompt logits (`max_rows * vocab` f32, allocated on first use).
-    prompt_logits: Vec<f32>,
+    /// Host copy of a chunk of prompt-scoring outputs (`max_rows` positions, see
+    /// [`ActOffsets::score_out`]; allocated on first use).
+    prompt_out: Vec<u8>,
     /// The last launch's scored prompt positions, in row then position order.
     prompt_scores: Vec<PromptScore>,
 }
@@ -375,8 +373,17 @@ struct ActOffsets {
     attn_counters: usize,
     sample_partials: usize,
     sample_counters: usize,
+    /// Prompt scoring ([`CudaWorker::score_prompts`]): `[max_rows]` u32 tokens in, and out
+    /// `[max_rows]` f32 log-probabilities, `[max_rows]` u32 ranks, `[max_rows, 20]` top ids
+    /// and `[max_rows, 20]` top log-probabilities, one contiguous block from `score_out`.
+    score_tokens: usize,
+    score_out: usize,
     total: usize,
 }
+
+/// Bytes of prompt-scoring output per position: log-probability, rank, and
+/// [`SAMPLER_TOP_SLOTS`] top ids and log-probabilities.
+const SCORE_OUT_BYTES_PER_ROW: usize = 4 * (2 + 2 * SAMPLER_TOP_SLOTS);
 
 /// Byte offsets of the sampler outputs inside `out_dev` / `out_host`.
 #[derive(Clone, Copy, Debug)]
@@ -641,6 +648,8 @@ impl BufferPlan {
         // per row, zeroed at allocation and left at 0 by each launch.
         a.sample_partials = take(r * crate::plan::sample_splits(cfg.vocab_size) * 16);
         a.sample_counters = take(r * 4);
+        a.score_tokens = take(r * 4);
+        a.score_out = take(r * SCORE_OUT_BYTES_PER_ROW);
         a.total = off;
         BufferPlan {
             acts: a,
@@ -882,8 +891,7 @@ impl CudaWorker {
             pen_cap,
             pen_used: 0,
             histories: PenaltyHistories::new(),
-            scorer: Sampler::new(),
-            prompt_logits: Vec::new(),
+            prompt_out: Vec::new(),
             prompt_scores: Vec::new(),
             out_dev,
             out_host,
@@ -1800,14 +1808,14 @@ impl CudaWorker {
     /// after the launch's fence: the LM head over those positions' final hidden states (the
     /// eager prefill path leaves every position's in `xn`, `[tokens, hidden]`, rows at
     /// `cu_seqlens`), at most `max_rows` positions per GEMM into the logits buffer (free once
-    /// the sampler ran), each chunk copied to the host (`positions x vocab` f32) and scored
-    /// there exactly as the CPU worker scores them ([`Sampler::score`]). Fills
-    /// `self.prompt_scores`.
+    /// the sampler ran), then `baton_score_rows` (kernels/sampling.cu) per chunk: each
+    /// position's log-probability of the prompt token that follows it, its rank and the top
+    /// entries, as the CPU worker's `Sampler::score` and `sampling::rank_of` give them. Only
+    /// those (168 bytes a position) come back to the host. Fills `self.prompt_scores`.
     ///
-    /// Cost: one GEMM and one device-to-host copy of `vocab` f32 per position (0.5 MB for a
-    /// 128256-token vocabulary); the scheduler caps a launch at
-    /// `baton_proto::MAX_PROMPT_LOGPROB_POSITIONS` such positions. Only requests that ask for
-    /// prompt log-probabilities pay it.
+    /// Cost: one GEMM and one scoring launch per `max_rows` positions; the scheduler caps a
+    /// launch at `baton_proto::MAX_PROMPT_LOGPROB_POSITIONS` such positions. Only requests
+    /// that ask for prompt log-probabilities pay it.
     fn score_prompts(
         &mut self,
         rows: &[RowInput],
@@ -1819,8 +1827,11 @@ impl CudaWorker {
         let max_rows = self.layout.max_rows;
         let logits = self.acts.at(self.act_off.logits);
         let xn = self.acts.at(self.act_off.xn);
-        let mut host = std::mem::take(&mut self.prompt_logits);
-        host.resize(max_rows * v, 0.0);
+        let tokens_dev = self.acts.at(self.act_off.score_tokens);
+        let out_dev = self.acts.at(self.act_off.score_out);
+        let top = SAMPLER_TOP_SLOTS;
+        let mut host = std::mem::take(&mut self.prompt_out);
+        host.resize(max_rows * SCORE_OUT_BYTES_PER_ROW, 0);
         for (i, r) in rows.iter().enumerate() {
             let n_top = r.params.prompt_top().unwrap_or(0);
             let base = cu_seqlens[i] as usize;
@@ -1837,24 +1848,56 @@ impl CudaWorker {
                     h,
                     true,
                 )?;
-                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut host[..m * v]);
-                // SAFETY: the logits region holds max_rows * vocab f32 >= m * vocab; the copy
-                // is stream-ordered after the GEMM and synchronous.
-                unsafe { self.dev.copy_dtoh(dst, logits) }?;
-                for (j, row) in host[..m * v].chunks_exact(v).enumerate() {
-                    let token = r.scored[c0 + j];
-                    let (logprob, top) = self.scorer.score(row, token, n_top);
+                let toks: &[u8] = bytemuck::cast_slice(&r.scored[c0..c0 + m]);
+                // SAFETY: score_tokens holds max_rows >= m u32; the copy is stream-ordered
+                // and synchronous, and the previous chunk's scoring launch finished with its
+                // read-back below.
+                unsafe { self.dev.copy_htod(tokens_dev, toks) }?;
+                // Outputs at out_dev: logprob [m], rank [m], top ids [m, 20], top lps [m, 20].
+                let (lp_at, rank_at) = (0usize, 4 * m);
+                let (ids_at, tlp_at) = (8 * m, 8 * m + 4 * m * top);
+                // score_rows(out_logprob, out_rank, out_top_ids, out_top_logprobs, logits,
+                //            tokens, vocab, n_top)
+                self.launch(
+                    "baton_score_rows",
+                    (m as u32, 1, 1),
+                    crate::plan::SAMPLE_BLOCK as u32,
+                    KArgs::new()
+                        .p(out_dev + lp_at as u64)
+                        .p(out_dev + rank_at as u64)
+                        .p(out_dev + ids_at as u64)
+                        .p(out_dev + tlp_at as u64)
+                        .p(logits)
+                        .p(tokens_dev)
+                        .i(v)
+                        .i(n_top),
+                )?;
+                let got = &mut host[..m * SCORE_OUT_BYTES_PER_ROW];
+                // SAFETY: score_out holds max_rows * SCORE_OUT_BYTES_PER_ROW bytes; the copy
+                // waits for the stream, so the launch above has finished.
+                unsafe { self.dev.copy_dtoh(got, out_dev) }?;
+                let rd = |at: usize| {
+                    u32::from_le_bytes([got[at], got[at + 1], got[at + 2], got[at + 3]])
+                };
+                for j in 0..m {
+                    let top = (0..n_top.min(top))
+                        .map(|t| {
+                            let k = j * top + t;
+                            (rd(ids_at + 4 * k), f32::from_bits(rd(tlp_at + 4 * k)))
+                        })
+                        .filter(|&(id, _)| id != u32::MAX)
+                        .collect();
                     self.prompt_scores.push(PromptScore {
                         row: i as u32,
                         k: (c0 + j) as u32,
-                        logprob,
-                        rank: baton_worker::sampling::rank_of(row, token),
+                        logprob: f32::from_bits(rd(lp_at + 4 * j)),
+                        rank: rd(rank_at + 4 * j),
                         top,
                     });
                 }
             }
         }
-        self.prompt_logits = host;
+        self.prompt_out = host;
         Ok(())
     }
 

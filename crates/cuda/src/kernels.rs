@@ -70,6 +70,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         "sampling.cu",
         &[
             "baton_sample_f32",
+            "baton_score_rows",
             "baton_sampling_uniform_bits",
             "baton_philox4x32_10_probe",
         ],
