@@ -43,21 +43,26 @@ __device__ __forceinline__ void baton_load_pack(const elem_t* p, float (&out)[VP
     for (int i = 0; i < VPL; ++i) out[i] = baton_to_f(v.e[i]);
 }
 
-// Keys of one decode partition of a sequence of `ctx` keys when the launch has `z` partitions
-// per sequence (grid.z) and partitions of at least `min_part` keys (the kernel argument, a
-// multiple of BATON_ATTN_PART_ALIGN chosen by the host): ceil(ctx / z) rounded up to a multiple
-// of BATON_ATTN_PART_ALIGN, and at least min_part, so a sequence uses at most z partitions and a
-// short one fewer (one when ctx <= min_part: no combine). The decode kernel walks a partition in
-// tiles of BatonDecodeTile<D>::TK keys.
+// Keys of one decode partition of a sequence of `ctx` keys, from the launch's arguments:
+// `z` partitions per sequence at most (grid.z), `fill` partitions the host would like per
+// sequence to fill the GPU at this batch size (1 <= fill <= z), partitions of at least
+// `min_part` keys and, when filling, of at most `long_part`:
+//   max(min_part, min(ceil(ctx / fill), long_part), ceil(ctx / z)), each term but min_part
+//   rounded up to a multiple of BATON_ATTN_PART_ALIGN (the host's min_part is one).
+// So a short sequence is one partition (no combine) when ctx <= min_part; a batch large
+// enough to fill the GPU (fill 1) splits only sequences longer than long_part; and a sequence
+// never needs more than z partitions. The decode kernel walks a partition in tiles of
+// BatonDecodeTile<D>::TK keys.
 #define BATON_ATTN_PART_ALIGN 64
-__device__ __forceinline__ int baton_decode_part_size(int ctx, int z, int min_part) {
-    const int p = (ctx + z - 1) / z;
-    return max(min_part, (p + BATON_ATTN_PART_ALIGN - 1) / BATON_ATTN_PART_ALIGN *
-                             BATON_ATTN_PART_ALIGN);
+__device__ __forceinline__ int baton_attn_align(int keys) {
+    return (keys + BATON_ATTN_PART_ALIGN - 1) / BATON_ATTN_PART_ALIGN * BATON_ATTN_PART_ALIGN;
 }
-__device__ __forceinline__ int baton_decode_num_parts(int ctx, int z, int min_part) {
-    const int p = baton_decode_part_size(ctx, z, min_part);
-    return (ctx + p - 1) / p;
+__device__ __forceinline__ int baton_decode_part_size(int ctx, int z, int fill, int min_part,
+                                                      int long_part) {
+    fill = max(fill, 1);
+    const int by_fill = min(baton_attn_align((ctx + fill - 1) / fill), long_part);
+    const int by_grid = baton_attn_align((ctx + z - 1) / z);
+    return max(max(min_part, by_fill), by_grid);
 }
 
 // Online softmax update over the scores p[g][0..n) (log2 domain) of query heads g < ng, one
@@ -290,10 +295,10 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 // ---------------------------------------------------------------------------------------------
 // Decode: one query token per sequence, with RoPE and the KV-cache write of that token fused in
 // (the executor launches no baton_rope_and_cache for a decode step on these head dims), split-K
-// over up to max_partitions partitions per sequence (baton_decode_part_size: at least min_part
-// keys each), the partitions combined in the same launch by the block that
-// finishes last. The host picks max_partitions from the batch so that small batches still fill
-// the GPU (a batch of one sequence and 8 kv heads would otherwise be 8 thread blocks).
+// over up to max_partitions partitions per sequence (sized by baton_decode_part_size), the
+// partitions combined in the same launch by the block that finishes last. The host picks
+// `fill` from the batch so that small batches still fill the GPU (a batch of one sequence and
+// 8 kv heads would otherwise be 8 thread blocks) and large ones split only long sequences.
 //
 // Latency, not bandwidth, bounds this kernel at small batches: a partition is a few tens of
 // KB. So a block walks its partition in tiles of TK keys (16 KB of K and 16 KB of V), and for
@@ -329,7 +334,8 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 // num_heads, max_partitions, D] f32 (unnormalized), part_m / part_l [num_seqs, num_heads,
 // max_partitions] f32 (log2-domain max, sum); counters [num_seqs, gridDim.y] int, all 0 before
 // the launch and left 0 after it. max_partitions >= 1 (the partials' stride and grid.z);
-// min_part >= 1 (keys, a multiple of 64 from the host: plan::Tuning::attn_min_partition).
+// fill, min_part, long_part: partition sizing, see baton_decode_part_size (the host's
+// plan::decode_fill, plan::Tuning::attn_min_partition and plan::ATTN_LONG_PARTITION).
 // Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128).
 template <int D>
 struct BatonDecodeTile {
@@ -494,7 +500,8 @@ __device__ __forceinline__ void baton_decode_body(
     int qkv_stride, elem_t* __restrict__ k_cache, elem_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
     const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, int num_heads,
-    int num_kv_heads, int block_size, float scale, int max_partitions, int min_part) {
+    int num_kv_heads, int block_size, float scale, int max_partitions, int fill, int min_part,
+    int long_part) {
     typedef BatonDecodeTile<D> T;
     constexpr int VPL = D / 32;
     constexpr int HALF = D / 2;
@@ -508,8 +515,8 @@ __device__ __forceinline__ void baton_decode_body(
     // own token `cur` is such an entry, so the first tile's copies go out now, overlapping the
     // QKV projection that precedes this kernel.
     const int ctx = seq_lens[seq];
-    const int psize = baton_decode_part_size(ctx, max_partitions, min_part);
-    const int num_parts = baton_decode_num_parts(ctx, max_partitions, min_part);
+    const int psize = baton_decode_part_size(ctx, max_partitions, fill, min_part, long_part);
+    const int num_parts = (ctx + psize - 1) / psize;
     if (part >= max(num_parts, 1)) return;
     const int c0 = part * psize, c1 = min(ctx, c0 + psize);
     const int cur = ctx - 1;  // the step's token: position ctx - 1, K and V from qkv
@@ -724,11 +731,11 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
         const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
         const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
-        float scale, int max_partitions, int min_part) {                                        \
+        float scale, int max_partitions, int fill, int min_part, int long_part) {              \
         baton_decode_body<D>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache, \
                              v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping, \
                              inv_freq, num_heads, num_kv_heads, block_size, scale,              \
-                             max_partitions, min_part);                                         \
+                             max_partitions, fill, min_part, long_part);                        \
     }
 BATON_DECODE_ENTRY(64)
 BATON_DECODE_ENTRY(128)

@@ -804,19 +804,44 @@ fn attn_tol(dtype: Dtype) -> (f32, f32) {
 /// arrival counters must come back to 0, or the second launch would combine too early (or
 /// never).
 fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32], z: usize) {
-    decode_case_min(dtype, hd, nh, kvh, seq_lens, z, 64);
+    decode_case_sized(dtype, hd, nh, kvh, seq_lens, z, Sizing::grid(z));
 }
 
-/// [`decode_case`] with partitions of at least `min_part` keys.
-fn decode_case_min(
+/// The decode kernel's partition-sizing arguments (`fill`, `min_part`, `long_part`; see
+/// `baton_cuda::plan::decode_partition_size`).
+#[derive(Clone, Copy)]
+struct Sizing {
+    fill: usize,
+    min_part: usize,
+    long_part: usize,
+}
+
+impl Sizing {
+    /// Partitions sized by the grid alone: fill = z, 64-key minimum.
+    fn grid(z: usize) -> Self {
+        Sizing {
+            fill: z,
+            min_part: 64,
+            long_part: baton_cuda::plan::ATTN_LONG_PARTITION,
+        }
+    }
+}
+
+/// [`decode_case`] with explicit partition sizing.
+fn decode_case_sized(
     dtype: Dtype,
     hd: usize,
     nh: usize,
     kvh: usize,
     seq_lens: &[i32],
     z: usize,
-    min_part: usize,
+    sizing: Sizing,
 ) {
+    let Sizing {
+        fill,
+        min_part,
+        long_part,
+    } = sizing;
     let bs = 16usize;
     let max_len = seq_lens
         .iter()
@@ -897,7 +922,8 @@ fn decode_case_min(
         }
         // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache,
         //            v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping,
-        //            inv_freq, nh, nkv, block_size, scale, max_partitions, min_part)
+        //            inv_freq, nh, nkv, block_size, scale, max_partitions, fill, min_part,
+        //            long_part)
         run(
             dtype,
             &format!("baton_paged_attention_decode_hd{hd}"),
@@ -923,7 +949,9 @@ fn decode_case_min(
                 .int(bs as i32)
                 .float(scale)
                 .int(max_parts as i32)
-                .int(min_part as i32),
+                .int(fill as i32)
+                .int(min_part as i32)
+                .int(long_part as i32),
         );
         assert!(
             counters.iter().all(|&c| c == 0),
@@ -931,16 +959,17 @@ fn decode_case_min(
         );
     }
     let what = format!(
-        "{} decode hd {hd} nh {nh} kvh {kvh} z {z} min_part {min_part}",
+        "{} decode hd {hd} nh {nh} kvh {kvh} z {z} fill {fill} min_part {min_part} long \
+         {long_part}",
         dtype.name()
     );
     // Partitions as the kernel sizes them (attention.cu, baton_decode_part_size): a split
     // sequence writes a partial (m) for each of its partitions and no others, an unsplit one
     // none.
     for (s, &len) in ctx.iter().enumerate() {
-        let psize = len.div_ceil(z).div_ceil(64).max(1) * 64;
-        let psize = psize.max(min_part);
+        let psize = baton_cuda::plan::decode_partition_size(len, z, fill, min_part, long_part);
         let parts = len.div_ceil(psize);
+        assert!(parts <= z, "{what}: {parts} partitions");
         let written = if parts > 1 { parts } else { 0 };
         for h in 0..nh {
             let b = (s * nh + h) * max_parts;
@@ -1000,7 +1029,30 @@ fn decode_attention_with_a_larger_minimum_partition_f32() {
         // 1100 in 2, the rest in one. Head dim 128: tiles of 64 keys, so one partition
         // walks several tiles.
         for (z, min_part) in [(64, 256), (64, 1024), (3, 512)] {
-            decode_case_min(Dtype::F32, 128, 8, 2, &[1100, 37, 0, 512, 513], z, min_part);
+            let sizing = Sizing {
+                min_part,
+                ..Sizing::grid(z)
+            };
+            decode_case_sized(Dtype::F32, 128, 8, 2, &[1100, 37, 0, 512, 513], z, sizing);
+        }
+    });
+}
+
+#[test]
+fn decode_attention_sized_by_fill_splits_only_long_sequences_f32() {
+    every_schedule(|| {
+        // A grid of 8 partitions, fill 1 (a batch that fills the GPU), partitions of at most
+        // 512 keys: 1100 keys in 3 (512, 512, 76), 513 in 2, 512 and 37 in one; fill 2: 1100
+        // in 3 (the 512 cap), 512 in 2 of 256, 37 in one. A 4500-key sequence would need 9 of
+        // 512, so the grid's 8 sizes it (576 keys each).
+        for fill in [1, 2] {
+            let sizing = Sizing {
+                fill,
+                min_part: 64,
+                long_part: 512,
+            };
+            decode_case_sized(Dtype::F32, 64, 8, 2, &[1100, 37, 0, 512, 513], 8, sizing);
+            decode_case_sized(Dtype::F32, 64, 8, 1, &[4500, 3], 8, sizing);
         }
     });
 }

@@ -1485,7 +1485,7 @@ impl CudaWorker {
                 // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,
                 //            k_cache, v_cache, block_tables, max_blocks_per_row, seq_lens,
                 //            slot_mapping, inv_freq, nh, nkv, block_size, scale,
-                //            max_partitions, min_part)
+                //            max_partitions, fill, min_part, long_part)
                 // RoPE and the cache write of the step's token are fused in; the last block of
                 // a split sequence combines its partitions (no reduce launch).
                 // Partitions per sequence: the partials hold `part_rows * max_partitions` per
@@ -1498,6 +1498,9 @@ impl CudaWorker {
                     self.opts.tuning.attn_target_blocks,
                     self.opts.tuning.attn_min_partition,
                 );
+                let fill =
+                    crate::plan::decode_fill(r, gy as usize, self.opts.tuning.attn_target_blocks)
+                        .min(z);
                 self.launch(
                     &format!("baton_paged_attention_decode_hd{hd}"),
                     (r as u32, gy, z as u32),
@@ -1522,7 +1525,9 @@ impl CudaWorker {
                         .i(bs)
                         .f(scale)
                         .i(z)
-                        .i(self.opts.tuning.attn_min_partition),
+                        .i(fill)
+                        .i(self.opts.tuning.attn_min_partition)
+                        .i(crate::plan::ATTN_LONG_PARTITION),
                 )
             }
             AttnMode::Prefill => {

@@ -220,6 +220,38 @@ pub fn decode_partitions(
         .max(1)
 }
 
+/// Partitions per sequence that a decode attention launch of `rows` sequences and
+/// `blocks_per_row` thread blocks each would like, to have about `target` blocks in all
+/// ([`ATTN_TARGET_BLOCKS`] unless tuned): the `fill` argument of attention.cu's decode kernels,
+/// in `1..=ATTN_MAX_PARTITIONS`. The kernel sizes a sequence's partitions from it (at least
+/// `min_partition` keys, at most [`ATTN_LONG_PARTITION`] when that is enough), so a batch that
+/// fills the GPU on its own (fill 1) splits only its long sequences, however long the model's
+/// `max_model_len` makes the grid ([`decode_partitions`]). The executor passes
+/// `min(decode_fill, grid z)`.
+pub fn decode_fill(rows: usize, blocks_per_row: usize, target: usize) -> usize {
+    target
+        .div_ceil((rows * blocks_per_row).max(1))
+        .clamp(1, ATTN_MAX_PARTITIONS)
+}
+
+/// Keys in one decode partition of a sequence of `ctx` keys, as attention.cu's
+/// `baton_decode_part_size` computes it from the launch's grid `z`, `fill`, `min_partition`
+/// and `long_partition` (a host copy, for tests and planning): `max(min_partition,
+/// min(align(ceil(ctx / fill)), long_partition), align(ceil(ctx / z)))`, align = up to a
+/// multiple of 64.
+pub fn decode_partition_size(
+    ctx: usize,
+    z: usize,
+    fill: usize,
+    min_partition: usize,
+    long_partition: usize,
+) -> usize {
+    let align = |k: usize| k.div_ceil(64) * 64;
+    let by_fill = align(ctx.div_ceil(fill.max(1))).min(long_partition);
+    let by_grid = align(ctx.div_ceil(z.max(1)));
+    min_partition.max(by_fill).max(by_grid)
+}
+
 /// A launch's rows flattened into the kernel inputs.
 ///
 /// Token arrays are indexed by flattened token `t` (rows back to back, in row order); row arrays
@@ -418,6 +450,39 @@ mod tests {
         );
         let slots = decode_partition_slots(4096, 1, 128);
         assert_eq!(decode_partitions(1, 8, 4096, slots, 128, min), 16);
+    }
+
+    #[test]
+    fn a_full_batch_on_a_long_model_splits_only_its_long_sequences() {
+        // Llama-3.1 at 131072 tokens, batch 256, 8 kv heads: the grid keeps 8 partitions per
+        // sequence (16384 keys each for the longest), but the batch fills the GPU alone.
+        let (mml, rows) = (131_072, 256);
+        let slots = decode_partition_slots(mml, rows, ATTN_TARGET_BLOCKS);
+        let z = decode_partitions(rows, 8, mml, slots, ATTN_TARGET_BLOCKS, 64);
+        assert_eq!(z, 8);
+        let fill = decode_fill(rows, 8, ATTN_TARGET_BLOCKS).min(z);
+        assert_eq!(fill, 1);
+        let parts = |ctx: usize| ctx.div_ceil(decode_partition_size(ctx, z, fill, 64, 16384));
+        // A 2000-token sequence is one partition (it was 8 of 256 keys), a 100000-token one
+        // 7 of 16384.
+        assert_eq!(parts(2000), 1);
+        assert_eq!(parts(100_000), 7);
+        // Every context fits the grid, whatever the sizes.
+        for ctx in [1, 63, 64, 65, 16384, 16385, 65_536, 131_072] {
+            for (fill, min) in [(1, 64), (8, 64), (1, 16384), (3, 512)] {
+                let p = decode_partition_size(ctx, z, fill, min, 16384);
+                assert!(ctx.div_ceil(p) <= z, "ctx {ctx} fill {fill} min {min}: {p}");
+                assert!(p.is_multiple_of(64) && p >= min);
+            }
+        }
+        // Batch 1 on the same model: fill 64, so a 2000-token sequence is 32 partitions.
+        let z1 = decode_partitions(1, 8, mml, slots, ATTN_TARGET_BLOCKS, 64);
+        let f1 = decode_fill(1, 8, ATTN_TARGET_BLOCKS).min(z1);
+        assert_eq!((z1, f1), (64, 64));
+        assert_eq!(
+            2000usize.div_ceil(decode_partition_size(2000, z1, f1, 64, 16384)),
+            32
+        );
     }
 
     #[test]
