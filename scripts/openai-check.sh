@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs the official `openai` Python client against `baton serve` on the test model (issue 6):
-# completions and chat, streaming and not, include_usage, stop, n=2, logprobs, seed, the greedy
-# goldens and a BadRequestError. Installs `openai` into a venv on first use.
+# completions, chat and responses (client.responses, openai >= 1.66), streaming and not,
+# include_usage, stop, n=2, logprobs, seed, the greedy goldens and a BadRequestError. Installs
+# `openai` into a venv on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export BATON_TEST_MODEL="${BATON_TEST_MODEL:-$(pwd)/../shared/models/stories260K}"
 VENV="${BATON_OPENAI_VENV:-$HOME/.cache/baton/openai-venv}"
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import openai" 2>/dev/null; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "openai>=1.40"
+# `client.responses` needs openai >= 1.66: an older venv is upgraded.
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import openai.resources.responses" 2>/dev/null; then
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check --upgrade "openai>=1.66"
 fi
 cargo build --quiet -p baton
 BIN="${CARGO_TARGET_DIR:-target}/debug/baton"

@@ -3,7 +3,8 @@
 //! Contract: every request is parsed and validated completely (model name, prompt, limits) and
 //! every engine request is admitted before a response starts, so a bad request always gets a
 //! 4xx with an OpenAI error body and never a half-opened stream. After a stream started, an
-//! engine error is one `data: {"error": ...}` event followed by `data: [DONE]`. A client that
+//! engine error is one `data: {"error": ...}` event followed by `data: [DONE]` (on
+//! `/v1/responses`, an `error` and a `response.failed` event: [`crate::responses`]). A client that
 //! goes away (streaming or not) drops the response future or body, which drops its sequences,
 //! which cancel their engine requests ([`crate::seq`]).
 
@@ -96,7 +97,7 @@ impl std::fmt::Debug for AppState {
     }
 }
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -148,7 +149,7 @@ impl AppState {
     ///
     /// # Errors
     /// 400 naming `field` for a prompt that is too long or fails to tokenize.
-    async fn encode_prompt(
+    pub(crate) async fn encode_prompt(
         &self,
         text: &str,
         add_special: bool,
@@ -180,7 +181,7 @@ impl AppState {
             .map_err(err)
     }
 
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m) if m != self.config.served_model_name => Err(ApiError::not_found(
                 Some("model"),
@@ -228,7 +229,7 @@ impl AppState {
         Ok(text[..end].to_owned())
     }
 
-    fn render_messages(
+    pub(crate) fn render_messages(
         &self,
         messages: &[Value],
         add_generation_prompt: bool,
@@ -326,7 +327,7 @@ impl AppState {
 
     /// Submits `n` engine requests per prompt; choice `p * n + j` is prompt `p`, seed
     /// `seed + j`. Already-admitted requests are cancelled (dropped) if a later one fails.
-    fn submit_all(
+    pub(crate) fn submit_all(
         &self,
         prompts: &[(Vec<u32>, u32)],
         gen: &GenParams,
@@ -536,17 +537,19 @@ impl AppState {
     }
 }
 
-/// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-/// `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`; CORS around them all
-/// ([`crate::cors`]).
+/// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/models`,
+/// `/health`, `/version`, `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`;
+/// CORS around them all ([`crate::cors`]).
 pub fn router(state: Arc<AppState>) -> Router {
     let cors = state.cors.clone();
     let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(crate::responses::create))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model_by_id))
         .route("/health", get(health))
+        .route("/version", get(version))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -732,6 +735,11 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         Ok(()) => StatusCode::OK.into_response(),
         Err(reason) => ApiError::unavailable(reason).into_response(),
     }
+}
+
+/// `GET /version` (vLLM's): the server's version.
+async fn version() -> Response {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") })).into_response()
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -993,19 +1001,19 @@ fn sse_response<C: Chunker>(
 
 /// Per-choice results of a non-streamed request.
 #[derive(Default)]
-struct Collected {
-    text: String,
-    tokens: Vec<TokenInfo>,
+pub(crate) struct Collected {
+    pub(crate) text: String,
+    pub(crate) tokens: Vec<TokenInfo>,
     /// See [`Delta::prompt`].
-    prompt: Option<Vec<Option<TokenInfo>>>,
-    finish: Option<&'static str>,
-    stop_reason: Option<StopReason>,
-    cached_tokens: usize,
+    pub(crate) prompt: Option<Vec<Option<TokenInfo>>>,
+    pub(crate) finish: Option<&'static str>,
+    pub(crate) stop_reason: Option<StopReason>,
+    pub(crate) cached_tokens: usize,
 }
 
 /// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
 /// which cancels them.
-async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
+pub(crate) async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
     let n = seqs.len();
     let mut out: Vec<Collected> = (0..n).map(|_| Collected::default()).collect();
     let mut merged = merge(seqs);
@@ -1478,7 +1486,7 @@ pub async fn bind(host: &str, port: u16) -> anyhow::Result<(TcpListener, SocketA
 
 /// The error for a request the engine ended with `msg`: 503 when the server is shutting down
 /// or the engine is unavailable (a load balancer retries elsewhere), else 500.
-fn engine_error(msg: String) -> ApiError {
+pub(crate) fn engine_error(msg: String) -> ApiError {
     if msg == crate::seq::SHUTTING_DOWN || msg.starts_with(crate::engine::UNAVAILABLE_PREFIX) {
         ApiError::unavailable(msg)
     } else {

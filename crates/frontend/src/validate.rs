@@ -914,6 +914,366 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
     })
 }
 
+/// A parsed `/v1/responses` body (OpenAI's Responses API, as vLLM serves it without a store):
+/// the input items become chat messages rendered by the chat template.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResponsesRequest {
+    /// The `model` field, if given.
+    pub model: Option<String>,
+    /// The chat messages: `instructions` as a system message first, then the input items, each
+    /// `content` flattened to a string.
+    pub messages: Vec<Value>,
+    /// `instructions`, echoed in the response.
+    pub instructions: Option<String>,
+    /// `metadata` (an object of strings), echoed in the response.
+    pub metadata: Option<Value>,
+    /// `user`, echoed in the response.
+    pub user: Option<String>,
+    /// `parallel_tool_calls` (default true), echoed; there are no tools to call.
+    pub parallel_tool_calls: bool,
+    /// `tool_choice`: `auto` (the default) or `none`, echoed.
+    pub tool_choice: String,
+    /// `reasoning` when given without an effort or summary (`null` otherwise), echoed.
+    pub reasoning: Option<Value>,
+    /// `service_tier` (default `auto`), echoed; it changes nothing here.
+    pub service_tier: String,
+    /// Generation options; `max_tokens` is `max_output_tokens` and `n` is 1.
+    pub gen: GenParams,
+}
+
+/// The fields of the Responses API that need a response store (Baton keeps none), refused
+/// with a 400 naming them.
+const RESPONSES_STATEFUL: [&str; 2] = ["previous_response_id", "conversation"];
+
+/// Chat Completions fields with a Responses API counterpart, refused on `/v1/responses` with
+/// a pointer to it rather than silently ignored.
+const RESPONSES_CHAT_ONLY: [(&str, &str); 5] = [
+    ("messages", "'input' (a string or a list of messages)"),
+    ("max_tokens", "'max_output_tokens'"),
+    ("max_completion_tokens", "'max_output_tokens'"),
+    (
+        "prompt_logprobs",
+        "nothing: prompt log-probabilities are not returned by /v1/responses",
+    ),
+    (
+        "logprobs",
+        "nothing: log-probabilities are not returned by /v1/responses",
+    ),
+];
+
+/// Flattens one Responses input item's `content` (a string, or a list of `input_text` or
+/// `output_text` parts) to a string; parts are joined with newlines, as chat joins its text
+/// parts.
+fn flatten_response_content(i: usize, content: Option<&Value>) -> Result<String, ApiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    (Some("input_text" | "output_text"), Some(t)) => texts.push(t.to_owned()),
+                    (Some(k @ ("input_text" | "output_text")), None) => {
+                        return Err(ApiError::invalid(
+                            Some(format!("input[{i}].content[{j}].text")),
+                            format!("An '{k}' content part needs a string 'text'."),
+                        ))
+                    }
+                    _ => {
+                        let what = kind.map_or_else(
+                            || "without a type".to_owned(),
+                            |k| format!("of type '{k}'"),
+                        );
+                        return Err(ApiError::invalid(
+                            Some(format!("input[{i}].content[{j}]")),
+                            format!(
+                                "Content parts {what} are not supported by this server; only \
+                                 'input_text' and 'output_text' parts are."
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        None | Some(Value::Null) => Err(ApiError::invalid(
+            Some(format!("input[{i}].content")),
+            "A message needs 'content'.",
+        )),
+        Some(_) => Err(ApiError::invalid(
+            Some(format!("input[{i}].content")),
+            "A message's content must be a string or a list of content parts.",
+        )),
+    }
+}
+
+/// Parses the Responses `input`: a string (one user message) or a non-empty list of message
+/// items (`{"role", "content"}`, optionally with `"type": "message"`).
+fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
+    let raw = f
+        .raw("input")
+        .ok_or_else(|| ApiError::field("input", "'input' is required."))?;
+    let items = match raw {
+        Value::String(s) => return Ok(vec![serde_json::json!({"role": "user", "content": s})]),
+        Value::Array(items) if items.is_empty() => {
+            return Err(ApiError::field("input", "'input' cannot be an empty list."))
+        }
+        Value::Array(items) => items,
+        _ => {
+            return Err(ApiError::field(
+                "input",
+                "'input' must be a string or a list of input items.",
+            ))
+        }
+    };
+    let mut messages = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let obj = item.as_object().ok_or_else(|| {
+            ApiError::invalid(
+                Some(format!("input[{i}]")),
+                "Each input item must be an object.",
+            )
+        })?;
+        match obj.get("type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(t)) if t == "message" => {}
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    Some(format!("input[{i}].type")),
+                    format!(
+                        "Input items of type {t} are not supported by this server; only \
+                         messages are (no tools, images or files)."
+                    ),
+                ))
+            }
+        }
+        let role = match obj.get("role").and_then(Value::as_str) {
+            Some(r @ ("user" | "assistant" | "system" | "developer")) => r,
+            Some(r) => {
+                return Err(ApiError::invalid(
+                    Some(format!("input[{i}].role")),
+                    format!(
+                        "Unknown role '{r}': a message's role must be 'user', 'assistant', \
+                         'system' or 'developer'."
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    Some(format!("input[{i}].role")),
+                    "Each input message needs a string 'role'.",
+                ))
+            }
+        };
+        let content = flatten_response_content(i, obj.get("content"))?;
+        messages.push(serde_json::json!({"role": role, "content": content}));
+    }
+    Ok(messages)
+}
+
+/// Refuses the Responses API options Baton does not implement (tools, reasoning effort,
+/// structured output, `include`, background mode, truncation, prompt templates, stored
+/// state), each a 400 naming its field.
+fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
+    for name in RESPONSES_STATEFUL {
+        if f.raw(name).is_some() {
+            return Err(ApiError::field(
+                name,
+                format!(
+                    "'{name}' is not supported by this server: it does not store responses \
+                     (send the whole conversation in 'input')."
+                ),
+            ));
+        }
+    }
+    for (name, instead) in RESPONSES_CHAT_ONLY {
+        let given = match f.raw(name) {
+            None | Some(Value::Bool(false)) => false,
+            Some(_) => true,
+        };
+        if given {
+            return Err(ApiError::field(
+                name,
+                format!("'{name}' is a chat completions parameter; /v1/responses takes {instead}."),
+            ));
+        }
+    }
+    if f.int("n")?.is_some_and(|n| n != 1) {
+        return Err(ApiError::field(
+            "n",
+            "/v1/responses makes one output message; 'n' must be 1.",
+        ));
+    }
+    if let Some(v) = f.raw("tool_choice") {
+        if !matches!(v.as_str(), Some("auto" | "none")) {
+            return Err(ApiError::field(
+                "tool_choice",
+                "Tool calling is not supported by this server; 'tool_choice' must be \"auto\" \
+                 or \"none\".",
+            ));
+        }
+    }
+    if let Some(r) = f.raw("reasoning") {
+        let o = r
+            .as_object()
+            .ok_or_else(|| ApiError::field("reasoning", "'reasoning' must be an object."))?;
+        if let Some((k, _)) = o.iter().find(|(_, v)| !v.is_null()) {
+            return Err(ApiError::field(
+                "reasoning",
+                format!("Reasoning options ('reasoning.{k}') are not supported by this server."),
+            ));
+        }
+    }
+    if let Some(t) = f.raw("text") {
+        let o = t
+            .as_object()
+            .ok_or_else(|| ApiError::field("text", "'text' must be an object."))?;
+        match o.get("format") {
+            None | Some(Value::Null) => {}
+            Some(fmt) if fmt.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(_) => {
+                return Err(ApiError::field(
+                    "text.format",
+                    "Only text.format {\"type\": \"text\"} is supported by this server (no \
+                     structured output).",
+                ))
+            }
+        }
+        if !matches!(o.get("verbosity"), None | Some(Value::Null)) {
+            return Err(ApiError::field(
+                "text.verbosity",
+                "'text.verbosity' is not supported by this server.",
+            ));
+        }
+    }
+    if let Some(v) = f.raw("include") {
+        if v.as_array().is_none_or(|a| !a.is_empty()) {
+            return Err(ApiError::field(
+                "include",
+                "'include' is not supported by this server (no extra output data such as \
+                 log-probabilities).",
+            ));
+        }
+    }
+    if f.get::<bool>("background")? == Some(true) {
+        return Err(ApiError::field(
+            "background",
+            "Background mode is not supported by this server: it does not store responses.",
+        ));
+    }
+    match f.raw("truncation") {
+        None => {}
+        Some(v) if v.as_str() == Some("disabled") => {}
+        Some(_) => {
+            return Err(ApiError::field(
+                "truncation",
+                "Only truncation \"disabled\" is supported by this server: an input longer \
+                 than the context is refused, never cut.",
+            ))
+        }
+    }
+    if f.raw("prompt").is_some() {
+        return Err(ApiError::field(
+            "prompt",
+            "Prompt templates ('prompt') are not supported by this server.",
+        ));
+    }
+    match f.int("top_logprobs")? {
+        None | Some(0) => {}
+        Some(_) => {
+            return Err(ApiError::field(
+                "top_logprobs",
+                "Log-probabilities are not returned by /v1/responses on this server; \
+                 'top_logprobs' must be 0.",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Parses a `/v1/responses` body. Sampling options are validated as on chat completions (vLLM's
+/// extras such as `top_k`, `min_p`, `seed`, `repetition_penalty`, `stop` included);
+/// `max_output_tokens` is the output limit.
+///
+/// # Errors
+/// 400 naming the field at fault.
+pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRequest, ApiError> {
+    let f = Fields::parse(body)?;
+    let model = f.get::<String>("model")?;
+    refuse_unsupported_responses(&f)?;
+    let instructions = f.get::<String>("instructions")?;
+    let mut messages = Vec::new();
+    if let Some(s) = &instructions {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    messages.extend(parse_response_input(&f)?);
+    let max_output_tokens = match f.int("max_output_tokens")? {
+        None => None,
+        Some(v) if v < 1 => {
+            return Err(ApiError::field(
+                "max_output_tokens",
+                format!("'max_output_tokens' must be at least 1, got {v}."),
+            ))
+        }
+        Some(v) => Some(u32::try_from(v).unwrap_or(u32::MAX)),
+    };
+    let metadata = match f.raw("metadata") {
+        None => None,
+        Some(Value::Object(o)) if o.values().all(Value::is_string) => {
+            Some(Value::Object(o.clone()))
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                "metadata",
+                "'metadata' must be an object of string values.",
+            ))
+        }
+    };
+    // Accepted and echoed or ignored, but they must have their types.
+    let _store: Option<bool> = f.get("store")?;
+    let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
+    let _max_tool_calls = f.int("max_tool_calls")?;
+    let parallel_tool_calls = f.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
+    let tool_choice = f
+        .get::<String>("tool_choice")?
+        .unwrap_or_else(|| "auto".to_owned());
+    let service_tier = f
+        .get::<String>("service_tier")?
+        .unwrap_or_else(|| "auto".to_owned());
+    let reasoning = f.raw("reasoning").cloned();
+    let user = f.get::<String>("user")?;
+    // The chat validator on the remaining fields: Responses' own `stream_options` (only
+    // `include_obfuscation`, which changes nothing here) and `top_logprobs` (checked above)
+    // mean something else there.
+    let mut rest = f.obj.clone();
+    rest.remove("stream_options");
+    rest.remove("top_logprobs");
+    let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    gen.max_tokens = max_output_tokens;
+    gen.max_tokens_param = "max_output_tokens";
+    if let Some(m) = max_output_tokens.filter(|&m| gen.min_tokens > m) {
+        return Err(ApiError::field(
+            "min_tokens",
+            format!(
+                "'min_tokens' must be at most max_output_tokens={m}, got {}.",
+                gen.min_tokens
+            ),
+        ));
+    }
+    Ok(ResponsesRequest {
+        model,
+        messages,
+        instructions,
+        metadata,
+        user,
+        parallel_tool_calls,
+        tool_choice,
+        reasoning,
+        service_tier,
+        gen,
+    })
+}
+
 /// `/v1/completions` without `max_tokens` generates this many tokens, as OpenAI's API and vLLM
 /// do (the chat endpoint instead defaults to the room left in the context).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
@@ -1094,6 +1454,51 @@ mod tests {
             ]
         );
         assert_eq!(p(r#"{"prompt":["a","b"]}"#).len(), 2);
+    }
+
+    #[test]
+    fn responses_input_becomes_chat_messages_after_the_instructions() {
+        let parse = |b: &str| parse_responses(b.as_bytes(), &LIMITS).expect(b);
+        let r = parse(r#"{"input":"hi","instructions":"Be brief.","max_output_tokens":7}"#);
+        assert_eq!(
+            r.messages,
+            vec![
+                serde_json::json!({"role": "system", "content": "Be brief."}),
+                serde_json::json!({"role": "user", "content": "hi"}),
+            ]
+        );
+        assert_eq!(
+            (r.gen.max_tokens, r.gen.max_tokens_param, r.gen.n),
+            (Some(7), "max_output_tokens", 1)
+        );
+        assert_eq!(
+            (r.tool_choice.as_str(), r.parallel_tool_calls),
+            ("auto", true)
+        );
+        let r = parse(
+            r#"{"input":[{"type":"message","role":"assistant","content":[
+                {"type":"output_text","text":"a"},{"type":"output_text","text":"b"}]},
+                {"role":"developer","content":"c"}],
+                "stream_options":{"include_obfuscation":false},"top_k":5,"seed":3}"#,
+        );
+        assert_eq!(
+            r.messages,
+            vec![
+                serde_json::json!({"role": "assistant", "content": "a\nb"}),
+                serde_json::json!({"role": "developer", "content": "c"}),
+            ]
+        );
+        assert_eq!(
+            (r.gen.top_k, r.gen.seed, r.gen.max_tokens),
+            (5, Some(3), None)
+        );
+        assert!(!r.gen.stream && !r.gen.include_usage);
+        let e = parse_responses(
+            br#"{"input":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#,
+            &LIMITS,
+        )
+        .expect_err("a chat part type");
+        assert_eq!(e.param.as_deref(), Some("input[0].content[0]"));
     }
 
     #[test]

@@ -212,6 +212,65 @@ def chat_n_and_stop():
 
 
 @check
+def responses():
+    # The Responses API (client.responses): input as a string or as message items, instructions
+    # as the system message, the same greedy tokens as the equivalent chat completion.
+    user = "Once upon a time"
+    r = client.responses.create(model=MODEL, input=user, max_output_tokens=16, temperature=0,
+                                metadata={"run": "check"}, store=False)
+    assert r.object == "response" and r.id.startswith("resp_"), r
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+    assert r.output[0].type == "message" and r.output[0].role == "assistant", r.output
+    assert r.output_text and r.output[0].content[0].text == r.output_text, r.output
+    assert r.usage.output_tokens == 16 and r.usage.total_tokens == r.usage.input_tokens + 16, r.usage
+    assert r.usage.output_tokens_details.reasoning_tokens == 0, r.usage
+    assert r.metadata == {"run": "check"} and r.max_output_tokens == 16, r
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": user}],
+                                          max_tokens=16, temperature=0)
+    assert r.output_text == chat.choices[0].message.content, (r.output_text, chat.choices[0].message.content)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens, (r.usage, chat.usage)
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": user}]}]
+    r2 = client.responses.create(model=MODEL, instructions="Tell a story.", input=items,
+                                 max_output_tokens=16, temperature=0)
+    chat2 = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Tell a story."}, {"role": "user", "content": user}],
+        max_tokens=16, temperature=0)
+    assert r2.output_text == chat2.choices[0].message.content, (r2.output_text, chat2.choices[0].message.content)
+    assert r2.usage.input_tokens == chat2.usage.prompt_tokens and r2.instructions == "Tell a story.", r2
+    # Streamed: typed events with increasing sequence numbers, deltas adding up to the text.
+    kinds, numbers, deltas, final = [], [], "", None
+    for ev in client.responses.create(model=MODEL, input=user, max_output_tokens=16, temperature=0, stream=True):
+        kinds.append(ev.type)
+        numbers.append(ev.sequence_number)
+        if ev.type == "response.output_text.delta":
+            deltas += ev.delta
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert numbers == list(range(len(numbers))), numbers
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-1] == "response.incomplete", kinds
+    assert deltas == r.output_text and final.output_text == r.output_text, (deltas, r.output_text)
+    # The SDK's stream helper, on a response a stop string completes.
+    stop = r.output_text.split()[3]
+    with client.responses.stream(model=MODEL, input=user, max_output_tokens=16, temperature=0,
+                                 extra_body={"stop": [stop]}) as stream:
+        text = "".join(ev.delta for ev in stream if ev.type == "response.output_text.delta")
+        done = stream.get_final_response()
+    assert done.status == "completed" and done.output_text == text, (done.status, text)
+    assert r.output_text.startswith(text) and stop not in text, (text, stop)
+    for kw in [dict(previous_response_id="resp_x"), dict(tools=[{"type": "function", "name": "f",
+               "parameters": {}}]), dict(background=True), dict(include=["message.output_text.logprobs"])]:
+        try:
+            client.responses.create(model=MODEL, input=user, max_output_tokens=4, **kw)
+        except openai.BadRequestError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            assert body.get("param") == next(iter(kw)), e.body
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
+@check
 def vllm_extra_body_allowed_token_ids():
     # vLLM's extension through the client's extra_body: only the listed token is sampled.
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,

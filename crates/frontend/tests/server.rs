@@ -3147,3 +3147,630 @@ async fn cached_prompt_tokens_are_reported_in_usage_and_metrics() {
         );
     }
 }
+
+// ---- /v1/responses ----
+
+/// A server with the Llama-2 chat template (the responses endpoint renders through it).
+async fn start_chat(opts: Opts) -> common::TestServer {
+    start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..opts
+    })
+    .await
+}
+
+async fn response(addr: std::net::SocketAddr, body: &Value) -> Value {
+    let r = post(addr, "/v1/responses", body).await;
+    assert_eq!(r.status, 200, "{body}: {}", r.body);
+    r.json()
+}
+
+/// The text of a non-streamed response's one output message.
+fn response_text(v: &Value) -> String {
+    assert_eq!(v["output"].as_array().map(Vec::len), Some(1), "{v}");
+    let content = v["output"][0]["content"].as_array().expect("content");
+    assert_eq!(content.len(), 1, "{v}");
+    content[0]["text"].as_str().expect("text").to_owned()
+}
+
+/// A streamed response's `(event, data)` pairs; panics on anything but `event:` + `data:`
+/// pairs.
+fn response_events(r: &common::Resp) -> Vec<(String, Value)> {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    r.body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let (ev, data) = e.split_once('\n').unwrap_or_else(|| panic!("{e:?}"));
+            let kind = ev
+                .strip_prefix("event: ")
+                .unwrap_or_else(|| panic!("{e:?}"));
+            let data = data
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("{e:?}"));
+            let data: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+            (kind.to_owned(), data)
+        })
+        .collect()
+}
+
+/// Checks a streamed response's event order, types and sequence numbers; returns the
+/// concatenated deltas and the final event's response.
+fn check_response_stream(events: &[(String, Value)]) -> (String, Value) {
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    for (i, (kind, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], kind.as_str(), "event {i}: {data}");
+        assert_eq!(data["sequence_number"], i, "event {i}: {data}");
+    }
+    let n = kinds.len();
+    assert!(n >= 8, "{kinds:?}");
+    assert_eq!(
+        kinds[..4],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ],
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds[n - 4..n - 1],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done"
+        ],
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[n - 1], "response.completed" | "response.incomplete"),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds[4..n - 4]
+            .iter()
+            .all(|k| *k == "response.output_text.delta"),
+        "{kinds:?}"
+    );
+    let created = &events[0].1["response"];
+    assert_eq!(created["status"], "in_progress", "{created}");
+    assert_eq!(created["output"], json!([]), "{created}");
+    assert_eq!(events[1].1["response"], *created);
+    let item = &events[2].1["item"];
+    assert_eq!(item["status"], "in_progress", "{item}");
+    assert_eq!(events[2].1["output_index"], 0);
+    let msg_id = item["id"].as_str().expect("item id").to_owned();
+    assert!(msg_id.starts_with("msg_"), "{msg_id}");
+    let mut text = String::new();
+    for (_, d) in &events[3..n - 1] {
+        if d.get("item_id").is_some() {
+            assert_eq!(d["item_id"], msg_id.as_str(), "{d}");
+            assert_eq!(d["output_index"], 0, "{d}");
+            assert_eq!(d["content_index"], 0, "{d}");
+        }
+    }
+    for (_, d) in &events[4..n - 4] {
+        assert_eq!(d["logprobs"], json!([]), "{d}");
+        let delta = d["delta"].as_str().expect("delta");
+        assert!(!delta.is_empty(), "{d}");
+        text.push_str(delta);
+    }
+    assert_eq!(events[n - 4].1["text"], text.as_str());
+    assert_eq!(events[n - 3].1["part"]["text"], text.as_str());
+    let done_item = &events[n - 2].1["item"];
+    assert_eq!(done_item["content"][0]["text"], text.as_str());
+    let last = events[n - 1].1["response"].clone();
+    assert_eq!(last["id"], created["id"]);
+    assert_eq!(last["output"][0], *done_item);
+    assert_eq!(
+        last["status"],
+        if kinds[n - 1] == "response.completed" {
+            "completed"
+        } else {
+            "incomplete"
+        }
+    );
+    (text, last)
+}
+
+async fn response_stream(addr: std::net::SocketAddr, body: &Value) -> (String, Value) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = post(addr, "/v1/responses", &body).await;
+    assert!(!r.body.contains("[DONE]"), "{}", r.body);
+    check_response_stream(&response_events(&r))
+}
+
+fn success_count(metrics: &str, reason: &str) -> u64 {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("vllm:request_success_total")
+                && l.contains(&format!("finished_reason=\"{reason}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {reason} counter in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_have_openai_shape_streamed_and_not() {
+    let srv = start_chat(Opts::default()).await;
+    let body = json!({"model": MODEL, "input": "Once upon a time", "max_output_tokens": 20,
+                      "temperature": 0, "metadata": {"run": "7"}, "user": "u-1", "store": true,
+                      "tools": [], "tool_choice": "none", "parallel_tool_calls": false,
+                      "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                      "include": [], "reasoning": null});
+    let v = response(srv.addr, &body).await;
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"), "{v}");
+    assert_eq!(v["object"], "response");
+    assert!(v["created_at"].as_u64().unwrap() > 1_600_000_000, "{v}");
+    assert_eq!(v["model"], MODEL);
+    // 20 tokens of a greedy story: cut by the limit.
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(
+        v["incomplete_details"],
+        json!({"reason": "max_output_tokens"})
+    );
+    assert_eq!(v["error"], Value::Null);
+    let out = &v["output"][0];
+    assert_eq!(out["type"], "message");
+    assert!(out["id"].as_str().unwrap().starts_with("msg_"), "{v}");
+    assert_eq!(out["role"], "assistant");
+    assert_eq!(out["status"], "incomplete");
+    assert_eq!(out["content"][0]["type"], "output_text");
+    assert_eq!(out["content"][0]["annotations"], json!([]));
+    let text = response_text(&v);
+    assert!(!text.is_empty());
+    // The prompt is the rendered template of one user message.
+    let t = post(
+        srv.addr,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "Once upon a time"}]}),
+    )
+    .await
+    .json();
+    let u = &v["usage"];
+    assert_eq!(u["input_tokens"], t["count"], "{u}");
+    assert_eq!(u["output_tokens"], 20, "{u}");
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(t["count"].as_u64().unwrap() + 20)
+    );
+    assert!(u["input_tokens_details"]["cached_tokens"].is_u64(), "{u}");
+    assert_eq!(u["output_tokens_details"]["reasoning_tokens"], 0);
+    // The echoed request.
+    assert_eq!(v["metadata"], json!({"run": "7"}));
+    assert_eq!(v["user"], "u-1");
+    assert_eq!(v["instructions"], Value::Null);
+    assert_eq!(v["max_output_tokens"], 20);
+    assert_eq!(v["temperature"], 0.0);
+    assert_eq!(v["top_p"], 1.0);
+    assert_eq!(v["tools"], json!([]));
+    assert_eq!(v["tool_choice"], "none");
+    assert_eq!(v["parallel_tool_calls"], false);
+    assert_eq!(v["text"], json!({"format": {"type": "text"}}));
+    assert_eq!(v["previous_response_id"], Value::Null);
+    assert_eq!(v["truncation"], "disabled");
+    // Streamed: the same text, in order, with the same final response.
+    let (streamed, last) = response_stream(srv.addr, &body).await;
+    assert_eq!(streamed, text);
+    assert_eq!(last["status"], "incomplete");
+    assert_eq!(last["incomplete_details"], v["incomplete_details"]);
+    assert_eq!(last["usage"]["output_tokens"], 20);
+    assert_eq!(last["usage"]["input_tokens"], u["input_tokens"]);
+    assert_eq!(last["metadata"], v["metadata"]);
+    assert_ne!(last["id"], v["id"]);
+    // A stop string ends it early: completed.
+    let cut = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[cut..].chars().take(3).collect();
+    let stopped = with_fields(&body, json!({"stop": [stop.clone()]}));
+    let v = response(srv.addr, &stopped).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["incomplete_details"], Value::Null, "{v}");
+    assert_eq!(v["output"][0]["status"], "completed", "{v}");
+    assert!(text.starts_with(&response_text(&v)), "{v}");
+    let (streamed, last) = response_stream(srv.addr, &stopped).await;
+    assert_eq!(streamed, response_text(&v));
+    assert_eq!(last["status"], "completed");
+    // Seeded sampling: streamed and not give the same text.
+    let seeded = json!({"input": [{"role": "user", "content": "Lily wanted to"}],
+                        "max_output_tokens": 24, "temperature": 0.7, "top_p": 0.9,
+                        "top_k": 40, "seed": 11});
+    let v = response(srv.addr, &seeded).await;
+    assert_eq!(
+        (v["temperature"].clone(), v["top_p"].clone()),
+        (json!(0.7), json!(0.9))
+    );
+    let (streamed, _) = response_stream(srv.addr, &seeded).await;
+    assert_eq!(streamed, response_text(&v));
+    // /metrics counts them like chat requests: 3 cut by length, 2 stopped, 1 either way.
+    let m = get(srv.addr, "/metrics").await.body;
+    let ended = success_count(&m, "length") + success_count(&m, "stop");
+    assert_eq!(ended, 6, "{m}");
+    assert!(success_count(&m, "length") >= 2, "{m}");
+    assert!(success_count(&m, "stop") >= 2, "{m}");
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// Greedy text and prompt size of a chat completion and of a responses request.
+async fn chat_vs_response(addr: std::net::SocketAddr, messages: Value, resp: Value) {
+    let chat = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_completion_tokens": 24, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(chat.status, 200, "{}", chat.body);
+    let chat = chat.json();
+    let r = response(
+        addr,
+        &with_fields(&resp, json!({"max_output_tokens": 24, "temperature": 0})),
+    )
+    .await;
+    assert_eq!(
+        r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"],
+        "{resp}"
+    );
+    assert_eq!(
+        response_text(&r),
+        chat["choices"][0]["message"]["content"].as_str().unwrap(),
+        "{resp}"
+    );
+    assert_eq!(
+        r["usage"]["output_tokens"],
+        chat["usage"]["completion_tokens"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_input_forms_and_instructions_match_the_equivalent_chat() {
+    let srv = start_chat(Opts::default()).await;
+    let user = json!([{"role": "user", "content": "Once upon a time"}]);
+    // A string is one user message; so is a message item, with either content form.
+    chat_vs_response(srv.addr, user.clone(), json!({"input": "Once upon a time"})).await;
+    chat_vs_response(srv.addr, user.clone(), json!({"input": user.clone()})).await;
+    chat_vs_response(
+        srv.addr,
+        user.clone(),
+        json!({"input": [{"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": "Once upon a time"}]}]}),
+    )
+    .await;
+    // Several text parts are joined as chat joins them.
+    chat_vs_response(
+        srv.addr,
+        json!([{"role": "user", "content": [{"type": "text", "text": "Once upon"},
+                                             {"type": "text", "text": "a time"}]}]),
+        json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Once upon"},
+                                                       {"type": "input_text", "text": "a time"}]}]}),
+    )
+    .await;
+    // instructions are the system message, first.
+    let sys_user = json!([{"role": "system", "content": "Tell a story."},
+                          {"role": "user", "content": "Once upon a time"}]);
+    chat_vs_response(
+        srv.addr,
+        sys_user.clone(),
+        json!({"instructions": "Tell a story.", "input": "Once upon a time"}),
+    )
+    .await;
+    let with = response(
+        srv.addr,
+        &json!({"instructions": "Tell a story.", "input": "Once upon a time",
+                "max_output_tokens": 1}),
+    )
+    .await;
+    assert_eq!(with["instructions"], "Tell a story.");
+    let without = response(
+        srv.addr,
+        &json!({"input": "Once upon a time", "max_output_tokens": 1}),
+    )
+    .await;
+    assert!(
+        with["usage"]["input_tokens"].as_u64() > without["usage"]["input_tokens"].as_u64(),
+        "{with} {without}"
+    );
+    // A multi-turn history with an assistant output message and a developer message.
+    chat_vs_response(
+        srv.addr,
+        json!([{"role": "developer", "content": "Be kind."},
+               {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello there."},
+               {"role": "user", "content": "Tell me about a cat."}]),
+        json!({"input": [
+            {"role": "developer", "content": "Be kind."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Hello there.", "annotations": []}]},
+            {"role": "user", "content": "Tell me about a cat."}]}),
+    )
+    .await;
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
+    let srv = start_chat(Opts {
+        max_model_len: Some(128),
+        ..Opts::default()
+    })
+    .await;
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({}), "input"),
+        (json!({"input": []}), "input"),
+        (json!({"input": 5}), "input"),
+        (json!({"input": ["hi"]}), "input[0]"),
+        (
+            json!({"input": "hi", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+        (
+            json!({"input": "hi", "conversation": "conv_1"}),
+            "conversation",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
+            "tools",
+        ),
+        (
+            json!({"input": "hi", "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tool_choice": {"type": "function", "name": "f"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "reasoning": {"effort": "high"}}),
+            "reasoning",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "json_object"}}}),
+            "text.format",
+        ),
+        (
+            json!({"input": "hi", "include": ["message.output_text.logprobs"]}),
+            "include",
+        ),
+        (json!({"input": "hi", "background": true}), "background"),
+        (json!({"input": "hi", "truncation": "auto"}), "truncation"),
+        (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
+        (json!({"input": "hi", "top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"input": "hi", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+        (
+            json!({"input": "hi", "max_output_tokens": "x"}),
+            "max_output_tokens",
+        ),
+        (
+            json!({"input": "hi", "max_output_tokens": 1000}),
+            "max_output_tokens",
+        ),
+        (json!({"input": "hi", "max_tokens": 5}), "max_tokens"),
+        (json!({"input": "hi", "n": 2}), "n"),
+        (json!({"input": "hi", "temperature": -1}), "temperature"),
+        (json!({"input": "hi", "top_p": 0}), "top_p"),
+        (json!({"input": "hi", "metadata": {"k": 1}}), "metadata"),
+        (json!({"input": "hi", "instructions": 3}), "instructions"),
+        (json!({"input": "hi", "store": "yes"}), "store"),
+        (
+            json!({"input": "hi", "min_tokens": 9, "max_output_tokens": 4}),
+            "min_tokens",
+        ),
+        (
+            json!({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                              "arguments": "{}"}]}),
+            "input[0].type",
+        ),
+        (
+            json!({"input": [{"type": "input_image", "image_url": "http://x/y.png"}]}),
+            "input[0].type",
+        ),
+        (
+            json!({"input": [{"role": "tool", "content": "x"}]}),
+            "input[0].role",
+        ),
+        (json!({"input": [{"content": "x"}]}), "input[0].role"),
+        (json!({"input": [{"role": "user"}]}), "input[0].content"),
+        (
+            json!({"input": [{"role": "user", "content": "a"},
+                             {"role": "user", "content": [
+                                 {"type": "input_text", "text": "look"},
+                                 {"type": "input_image", "image_url": "http://x/y.png"}]}]}),
+            "input[1].content[1]",
+        ),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
+            "input[0].content[0]",
+        ),
+        (json!({"input": "Once upon a time ".repeat(60)}), "input"),
+    ];
+    for (body, param) in cases {
+        let r = post(srv.addr, "/v1/responses", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{body}: {e}");
+        assert!(e["error"]["message"].as_str().unwrap().len() > 10, "{e}");
+    }
+    let r = post(
+        srv.addr,
+        "/v1/responses",
+        &json!({"model": "other", "input": "hi"}),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "model");
+    // Nothing is stored, so there is nothing to get.
+    let r = get(srv.addr, "/v1/responses/resp_0123").await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.json()["error"].is_object());
+    // None of them reached the engine.
+    let m = get(srv.addr, "/metrics").await.body;
+    assert!(
+        m.contains("vllm:prompt_tokens_total{model_name=\"stories\"} 0"),
+        "{m}"
+    );
+    // Without a chat template it is a clear 400 too.
+    let plain = start(Opts::default()).await;
+    let r = post(plain.addr, "/v1/responses", &json!({"input": "hi"})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("chat template"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_client_disconnect_mid_stream_cancels() {
+    let srv = start_chat(Opts {
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"input": "Once upon a time", "max_output_tokens": 400, "ignore_eos": true,
+                      "stream": true})
+    .to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes("POST", "/v1/responses", &[], &body))
+        .await
+        .unwrap();
+    // The four opening events and a few deltas.
+    let head = read_events(&mut s, 8).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("event: response.output_text.delta"), "{head}");
+    let st = srv.engine.scheduler_stats();
+    assert_eq!(st.running + st.waiting, 1, "live: {st:?}");
+    drop(s);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(
+        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
+        "cancelled: {:?}",
+        srv.engine.scheduler_stats()
+    );
+    let launches = srv.engine.scheduler_stats().launches;
+    assert!(
+        launches < at_drop + 100,
+        "{at_drop} launches at the drop, {launches} at the end"
+    );
+    let m = get(srv.addr, "/metrics").await.body;
+    assert_eq!(success_count(&m, "abort"), 1, "{m}");
+    // Non-streamed: the same on a disconnect while waiting.
+    let body = json!({"input": "Once upon a time", "max_output_tokens": 400, "ignore_eos": true})
+        .to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes("POST", "/v1/responses", &[], &body))
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    while srv.engine.scheduler_stats().running == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(s);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+    assert!(srv.engine.scheduler_stats().launches < at_drop + 100);
+    let m = get(srv.addr, "/metrics").await.body;
+    assert_eq!(success_count(&m, "abort"), 2, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_engine_error_mid_stream_ends_with_error_and_response_failed() {
+    use baton_frontend::EngineEvent;
+    let token = |t| EngineEvent::Token {
+        token: t,
+        cached_tokens: 0,
+        logprob: 0.0,
+        top: vec![],
+        first: None,
+    };
+    let (addr, task) = common::start_scripted_with_template(
+        move |_| {
+            vec![
+                token(403),
+                token(407),
+                EngineEvent::Error("the scheduler is gone".into()),
+            ]
+        },
+        Some(LLAMA2_TEMPLATE.into()),
+    )
+    .await;
+    let r = post(
+        addr,
+        "/v1/responses",
+        &json!({"input": "a", "stream": true}),
+    )
+    .await;
+    assert!(!r.body.contains("[DONE]"), "{}", r.body);
+    let ev = response_events(&r);
+    let kinds: Vec<&str> = ev.iter().map(|(k, _)| k.as_str()).collect();
+    let n = kinds.len();
+    assert_eq!(kinds[n - 2..], ["error", "response.failed"], "{kinds:?}");
+    assert!(!kinds.contains(&"response.completed"), "{kinds:?}");
+    for (i, (kind, d)) in ev.iter().enumerate() {
+        assert_eq!(d["sequence_number"], i, "{d}");
+        assert_eq!(d["type"], kind.as_str(), "{d}");
+    }
+    assert!(ev[n - 2].1["message"]
+        .as_str()
+        .unwrap()
+        .contains("scheduler is gone"));
+    let failed = &ev[n - 1].1["response"];
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert!(failed["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scheduler is gone"));
+    let deltas: String = ev
+        .iter()
+        .filter(|(k, _)| k == "response.output_text.delta")
+        .map(|(_, d)| d["delta"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(failed["output"][0]["content"][0]["text"], deltas.as_str());
+    assert_eq!(failed["usage"]["output_tokens"], 2);
+    // Not streamed: a 500 with an OpenAI error body.
+    let r = post(addr, "/v1/responses", &json!({"input": "a"})).await;
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scheduler is gone"));
+    // An EOS finish is "completed".
+    task.abort();
+    let (addr, task) = common::start_scripted_with_template(
+        move |req| {
+            vec![
+                token(403),
+                token(common::EOS),
+                EngineEvent::Finished {
+                    reason: baton_scheduler::FinishReason::Stop,
+                    prompt_tokens: req.prompt.len(),
+                    output_tokens: 2,
+                    cached_tokens: 0,
+                },
+            ]
+        },
+        Some(LLAMA2_TEMPLATE.into()),
+    )
+    .await;
+    let v = response(addr, &json!({"input": "a"})).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 2, "{v}");
+    let (text, last) = response_stream(addr, &json!({"input": "a"})).await;
+    assert_eq!(text, response_text(&v));
+    assert_eq!(last["status"], "completed");
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_reports_the_crate_version() {
+    let srv = start(Opts::default()).await;
+    let r = get(srv.addr, "/version").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), json!({"version": env!("CARGO_PKG_VERSION")}));
+}

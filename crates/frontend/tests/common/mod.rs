@@ -207,6 +207,17 @@ pub async fn start_scripted<F>(script: F) -> (SocketAddr, tokio::task::JoinHandl
 where
     F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
 {
+    start_scripted_with_template(script, None).await
+}
+
+/// [`start_scripted`] with a chat template (for the chat and responses endpoints).
+pub async fn start_scripted_with_template<F>(
+    script: F,
+    chat_template: Option<String>,
+) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
     let tok = baton_model::load_model_dir(model_dir())
         .expect("stories260K loads")
         .tokenizer
@@ -216,7 +227,7 @@ where
         port: 0,
         api_key: None,
         served_model_name: MODEL.into(),
-        chat_template: None,
+        chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: baton_frontend::CorsConfig::default(),
     };

@@ -1,0 +1,347 @@
+//! `POST /v1/responses`: OpenAI's Responses API over the chat pipeline, as vLLM serves it
+//! without a response store.
+//!
+//! Contract: the input items (and `instructions`, as a system message first) are rendered by
+//! the chat template and go through the same validation, admission, engine events,
+//! cancellation and metrics as `/v1/chat/completions`; the output is one assistant message
+//! with one `output_text` part. A `length` finish makes the response `incomplete` (reason
+//! `max_output_tokens`), any other finish `completed`. Nothing is stored: `previous_response_id`
+//! is refused and there is no `GET /v1/responses/{id}`.
+//!
+//! Streamed, every event is `event: <type>` plus a JSON `data:` line carrying `type` and a
+//! `sequence_number` that counts from 0: `response.created`, `response.in_progress`,
+//! `response.output_item.added`, `response.content_part.added`, one
+//! `response.output_text.delta` per piece of text, `response.output_text.done`,
+//! `response.content_part.done`, `response.output_item.done`, then `response.completed` (or
+//! `response.incomplete`) with the whole response. There is no `data: [DONE]`. An engine error
+//! after the stream started ends it with an `error` event (vLLM's) and a `response.failed`
+//! carrying the response with its `error`.
+
+use crate::engine::random_seed;
+use crate::openai::ApiError;
+use crate::seq::{Delta, Seq};
+use crate::server::{collect, engine_error, now_secs, AppState};
+use crate::validate::{self, ResponsesRequest};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// `POST /v1/responses`.
+pub async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match create_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// An id of OpenAI's form for Responses objects: `<prefix>_<32 hex digits>`.
+fn object_id(prefix: &str) -> String {
+    format!("{prefix}_{:016x}{:016x}", random_seed(), random_seed())
+}
+
+async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let limits = st.engine.limits();
+    let req = validate::parse_responses(&body, &limits)?;
+    st.check_model(req.model.as_deref())?;
+    let text = st
+        .render_messages(&req.messages, true, &serde_json::Map::new())
+        .map_err(|mut e| {
+            if e.param.as_deref() == Some("messages") {
+                e.param = Some("input".into());
+            }
+            e
+        })?;
+    // As on chat: the template writes the special tokens.
+    let ids = st
+        .encode_prompt(&text, false, "input", limits.max_model_len)
+        .await?;
+    let max = validate::resolve_max_tokens(
+        &limits,
+        ids.len(),
+        req.gen.max_tokens,
+        None,
+        "input",
+        req.gen.max_tokens_param,
+    )?;
+    let input_tokens = ids.len();
+    let seqs = st.submit_all(&[(ids, max)], &req.gen, arrived)?;
+    let shell = Shell::new(&st, &req, max);
+    if req.gen.stream {
+        return Ok(stream_response(shell, seqs, input_tokens));
+    }
+    let (outs, output_tokens) = collect(seqs).await?;
+    let out = outs.into_iter().next().unwrap_or_default();
+    let status = status_of(out.finish);
+    let usage = usage(input_tokens, out.cached_tokens, output_tokens);
+    let message = shell.message(&out.text, status);
+    Ok(Json(shell.response(status, vec![message], usage, Value::Null)).into_response())
+}
+
+/// The response's status (and its output message's) for a sequence's finish reason.
+fn status_of(finish: Option<&str>) -> &'static str {
+    match finish {
+        Some("length") => "incomplete",
+        _ => "completed",
+    }
+}
+
+/// The Responses API `usage` object.
+fn usage(input_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Value {
+    json!({
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    })
+}
+
+/// An `f32` sampling parameter as the client most likely wrote it: its shortest decimal form
+/// (`0.7`, where widening the `f32` would echo `0.699999988079071`).
+fn echo_f32(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+/// What every response object of one request shares: its ids and the echoed request fields.
+struct Shell {
+    id: String,
+    msg_id: String,
+    created_at: u64,
+    model: String,
+    instructions: Option<String>,
+    max_output_tokens: u32,
+    temperature: f64,
+    top_p: f64,
+    metadata: Option<Value>,
+    parallel_tool_calls: bool,
+    tool_choice: String,
+    reasoning: Option<Value>,
+    service_tier: String,
+    user: Option<String>,
+}
+
+impl Shell {
+    /// `max_output_tokens` is the effective limit (given, or the room left in the context),
+    /// and `temperature` and `top_p` the effective values, as vLLM echoes them.
+    fn new(st: &AppState, req: &ResponsesRequest, max_output_tokens: u32) -> Self {
+        Self {
+            id: object_id("resp"),
+            msg_id: object_id("msg"),
+            created_at: now_secs(),
+            model: st.config.served_model_name.clone(),
+            instructions: req.instructions.clone(),
+            max_output_tokens,
+            temperature: echo_f32(req.gen.temperature),
+            top_p: echo_f32(req.gen.top_p),
+            metadata: req.metadata.clone(),
+            parallel_tool_calls: req.parallel_tool_calls,
+            tool_choice: req.tool_choice.clone(),
+            reasoning: req.reasoning.clone(),
+            service_tier: req.service_tier.clone(),
+            user: req.user.clone(),
+        }
+    }
+
+    /// The `output_text` content part.
+    fn part(text: &str) -> Value {
+        json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+    }
+
+    /// The output message with `text` (no content part while `in_progress`).
+    fn message(&self, text: &str, status: &str) -> Value {
+        let content = if status == "in_progress" {
+            Vec::new()
+        } else {
+            vec![Self::part(text)]
+        };
+        json!({
+            "type": "message",
+            "id": self.msg_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        })
+    }
+
+    /// The response object.
+    fn response(&self, status: &str, output: Vec<Value>, usage: Value, error: Value) -> Value {
+        let incomplete = if status == "incomplete" {
+            json!({"reason": "max_output_tokens"})
+        } else {
+            Value::Null
+        };
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": false,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": null,
+            "metadata": self.metadata,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": null,
+            "reasoning": self.reasoning,
+            "service_tier": self.service_tier,
+            "store": false,
+            "temperature": self.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": self.tool_choice,
+            "tools": [],
+            "top_logprobs": 0,
+            "top_p": self.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": self.user,
+        })
+    }
+}
+
+/// The streamed response's state: one sequence in, SSE events out.
+struct Streamer {
+    shell: Shell,
+    seq: Option<Seq>,
+    /// The next event's `sequence_number`.
+    sequence_number: u64,
+    /// The text so far.
+    text: String,
+    input_tokens: usize,
+    output_tokens: usize,
+    /// Events ready to send.
+    pending: VecDeque<Bytes>,
+}
+
+impl Streamer {
+    /// Queues one event: `event: <kind>` and `data` with its `type` and the next
+    /// `sequence_number`.
+    fn push(&mut self, kind: &str, mut data: Value) {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.sequence_number);
+        self.sequence_number += 1;
+        self.pending
+            .push_back(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")));
+    }
+
+    /// Where the text events point.
+    fn at(&self) -> Value {
+        json!({"item_id": self.shell.msg_id, "output_index": 0, "content_index": 0})
+    }
+
+    /// The events before any output.
+    fn prelude(&mut self) {
+        let r = self
+            .shell
+            .response("in_progress", Vec::new(), Value::Null, Value::Null);
+        self.push("response.created", json!({ "response": r }));
+        self.push("response.in_progress", json!({ "response": r }));
+        let item = self.shell.message("", "in_progress");
+        self.push(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": item}),
+        );
+        let mut e = self.at();
+        e["part"] = Shell::part("");
+        self.push("response.content_part.added", e);
+    }
+
+    /// Queues the events of one delta; after the last one, drops the sequence.
+    fn on_delta(&mut self, d: Delta) {
+        self.output_tokens += d.tokens.len();
+        if let Some(msg) = d.error {
+            // Dropping the sequence cancels it (it has ended already when the engine failed).
+            self.seq = None;
+            let e = engine_error(msg);
+            self.push(
+                "error",
+                json!({"code": "server_error", "message": e.message, "param": null}),
+            );
+            let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
+            let output = vec![self.shell.message(&self.text, "incomplete")];
+            let error = json!({"code": "server_error", "message": e.message});
+            let r = self.shell.response("failed", output, usage, error);
+            self.push("response.failed", json!({ "response": r }));
+            return;
+        }
+        if !d.text.is_empty() {
+            let mut e = self.at();
+            e["delta"] = json!(d.text);
+            e["logprobs"] = json!([]);
+            self.push("response.output_text.delta", e);
+            self.text.push_str(&d.text);
+        }
+        let Some(finish) = d.finish else {
+            return;
+        };
+        self.seq = None;
+        let status = status_of(Some(finish));
+        let mut e = self.at();
+        e["text"] = json!(self.text);
+        e["logprobs"] = json!([]);
+        self.push("response.output_text.done", e);
+        let mut e = self.at();
+        e["part"] = Shell::part(&self.text);
+        self.push("response.content_part.done", e);
+        let item = self.shell.message(&self.text, status);
+        self.push(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item.clone()}),
+        );
+        let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
+        let r = self.shell.response(status, vec![item], usage, Value::Null);
+        let kind = if status == "incomplete" {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        self.push(kind, json!({ "response": r }));
+    }
+}
+
+/// The SSE response of a streamed request. A client that goes away drops the body, which
+/// drops the sequence, which cancels its engine request.
+fn stream_response(shell: Shell, seqs: Vec<Seq>, input_tokens: usize) -> Response {
+    let mut s = Streamer {
+        shell,
+        seq: seqs.into_iter().next(),
+        sequence_number: 0,
+        text: String::new(),
+        input_tokens,
+        output_tokens: 0,
+        pending: VecDeque::new(),
+    };
+    s.prelude();
+    let body = stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(b) = s.pending.pop_front() {
+                return Some((Ok::<_, std::convert::Infallible>(b), s));
+            }
+            let d = match s.seq.as_mut() {
+                Some(seq) => seq.next().await,
+                None => return None,
+            };
+            match d {
+                Some(d) => s.on_delta(d),
+                None => s.seq = None,
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
