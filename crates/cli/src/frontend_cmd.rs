@@ -1,6 +1,7 @@
 //! `baton frontend`: the OpenAI API over the shared-memory control plane.
 
 use anyhow::{bail, Context, Result};
+use baton_frontend::tools::ToolParser;
 use baton_frontend::{RingEngineClient, ServerConfig};
 use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
 use baton_proto::link::{FrontendLink, LinkError};
@@ -47,6 +48,17 @@ pub struct HttpArgs {
     /// Allow credentials (cookies, HTTP authentication) on cross-origin requests.
     #[arg(long)]
     pub allow_credentials: bool,
+    /// Parse chat outputs for tool calls when a request sends `tools` with `tool_choice`
+    /// "auto" (the default with tools), as vLLM's flag; needs --tool-call-parser.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// How the model writes tool calls (vLLM's names): llama3_json or hermes.
+    #[arg(long, value_parser = tool_parser)]
+    pub tool_call_parser: Option<ToolParser>,
+}
+
+fn tool_parser(s: &str) -> Result<ToolParser, String> {
+    s.parse()
 }
 
 /// The value of a list flag (`--allowed-origins` and the like), parsed by
@@ -112,6 +124,12 @@ impl HttpArgs {
         if self.allow_credentials {
             v.push("--allow-credentials".into());
         }
+        if self.enable_auto_tool_choice {
+            v.push("--enable-auto-tool-choice".into());
+        }
+        if let Some(p) = self.tool_call_parser {
+            v.extend(["--tool-call-parser".to_owned(), p.name().to_owned()]);
+        }
         let optional = [
             ("--served-model-name", &self.served_model_name),
             ("--chat-template", &self.chat_template),
@@ -122,6 +140,20 @@ impl HttpArgs {
             }
         }
         v
+    }
+
+    /// Checks the flags that depend on each other, as vLLM does at startup.
+    ///
+    /// # Errors
+    /// `--enable-auto-tool-choice` without `--tool-call-parser`.
+    pub fn check(&self) -> Result<()> {
+        if self.enable_auto_tool_choice && self.tool_call_parser.is_none() {
+            bail!(
+                "--enable-auto-tool-choice requires --tool-call-parser (one of: {})",
+                baton_frontend::tools::TOOL_PARSER_NAMES.join(", ")
+            );
+        }
+        Ok(())
     }
 
     /// The CORS settings of these flags.
@@ -168,6 +200,7 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 /// # Errors
 /// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
 pub fn run(a: FrontendArgs) -> Result<()> {
+    a.http.check()?;
     let dir = ModelDir::new(&a.model);
     let tc_path = dir.tokenizer_config_path();
     let tc = if tc_path.exists() {
@@ -264,6 +297,8 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: a.http.cors(),
+        enable_auto_tool_choice: a.http.enable_auto_tool_choice,
+        tool_call_parser: a.http.tool_call_parser,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -350,6 +385,24 @@ mod tests {
             let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
             assert_eq!(back.cors(), a.cors(), "{flags:?}");
         }
+    }
+
+    #[test]
+    fn tool_flags_reach_serves_frontend_child_and_need_each_other() {
+        let a = parse(&["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).unwrap();
+        a.check().unwrap();
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(back.enable_auto_tool_choice);
+        assert_eq!(back.tool_call_parser, Some(ToolParser::Hermes));
+        let d = parse(&[]).unwrap();
+        assert!(!d.to_flags().iter().any(|f| f.contains("tool")));
+        let e = parse(&["--enable-auto-tool-choice"]).unwrap().check();
+        assert!(e.unwrap_err().to_string().contains("--tool-call-parser"));
+        let only = parse(&["--tool-call-parser", "llama3_json"]).unwrap();
+        only.check().unwrap();
+        let e = parse(&["--tool-call-parser", "mistral"]).expect_err("unknown parser");
+        assert!(e.to_string().contains("llama3_json, hermes"), "{e}");
     }
 
     #[test]

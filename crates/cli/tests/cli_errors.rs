@@ -274,3 +274,70 @@ fn serve_checks_instance_template_and_port_before_starting_children() {
     }
     drop(busy);
 }
+
+#[test]
+fn tool_calling_flags_are_checked_at_startup() {
+    let model = common::model_dir();
+    let inst = format!("tf-{}", std::process::id());
+    let bad: [(&str, &[&str], &str); 4] = [
+        (
+            "serve",
+            &["--enable-auto-tool-choice"],
+            "--tool-call-parser",
+        ),
+        (
+            "frontend",
+            &["--enable-auto-tool-choice"],
+            "--tool-call-parser",
+        ),
+        (
+            "serve",
+            &["--tool-call-parser", "pythonic"],
+            "llama3_json, hermes",
+        ),
+        (
+            "frontend",
+            &["--enable-auto-tool-choice", "--tool-call-parser", "nope"],
+            "--tool-call-parser",
+        ),
+    ];
+    for (cmd, flags, want) in bad {
+        let mut args = vec![os(cmd), os("--model"), model.as_os_str()];
+        args.extend(["--instance", &inst, "--port", "0"].iter().map(|f| os(f)));
+        args.extend(flags.iter().map(|f| os(f)));
+        let (code, err) = run_bounded(&args, "a bad tool flag");
+        assert_fails_with(code, &err, want, &(cmd, flags));
+        assert!(
+            !err.contains("baton scheduler"),
+            "{flags:?}: a scheduler was started: {err}"
+        );
+    }
+    // Valid combinations pass the check: the frontend goes on to look for its scheduler.
+    let good: [&[&str]; 2] = [
+        &[
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "llama3_json",
+        ],
+        &["--tool-call-parser", "hermes"],
+    ];
+    for flags in good {
+        let mut args = vec![os("frontend"), os("--model"), model.as_os_str()];
+        args.extend(
+            [
+                "--instance",
+                &inst,
+                "--port",
+                "0",
+                "--attach-timeout",
+                "0.2",
+            ]
+            .iter()
+            .map(|f| os(f)),
+        );
+        args.extend(flags.iter().map(|f| os(f)));
+        let (code, err) = run_bounded(&args, "frontend with tool flags");
+        assert_fails_with(code, &err, "scheduler", &flags);
+        assert!(!err.contains("--tool-call-parser"), "{flags:?}: {err}");
+    }
+}

@@ -56,6 +56,8 @@ async fn main() -> anyhow::Result<()> {
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: baton_frontend::CorsConfig::default(),
+        enable_auto_tool_choice: false,
+        tool_call_parser: None,
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

@@ -3,7 +3,8 @@
 //! Contract: the environment matches transformers' (`trim_blocks`, `lstrip_blocks`, loop
 //! controls, Python string/dict methods through `minijinja-contrib`'s pycompat, `tojson`), and
 //! provides `raise_exception(msg)` and `strftime_now(fmt)`. The context holds `messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token` and any `chat_template_kwargs`. A template
+//! `add_generation_prompt`, `bos_token`, `eos_token`, `tools` (the request's tools, or none)
+//! and any `chat_template_kwargs`. A template
 //! that raises or fails to render is the client's problem (a 400), never a panic.
 //!
 //! OpenAI's `developer` role (its name for system instructions in newer clients) reaches a
@@ -184,6 +185,8 @@ impl ChatTemplate {
         );
         ctx.insert("bos_token".into(), bos_token.into());
         ctx.insert("eos_token".into(), eos_token.into());
+        // As transformers' `apply_chat_template`: `tools` is always defined (none without).
+        ctx.entry("tools").or_insert(serde_json::Value::Null);
         let ctx = Value::from(minijinja::value::Serde(serde_json::Value::Object(ctx)));
         let tmpl = self.env.get_template(NAME).map_err(|e| e.to_string())?;
         tmpl.render(ctx).map_err(|e| {
@@ -272,6 +275,37 @@ mod tests {
         assert_eq!(
             strftime(1_721_738_096, "%d %b %Y %A %H:%M:%S"),
             "23 Jul 2024 Tuesday 12:34:56"
+        );
+    }
+
+    #[test]
+    fn tools_are_defined_for_every_template_and_render_like_llama_3_1s() {
+        // The constructs Llama 3.1's template uses for tools: `tools is not none`,
+        // `tojson(indent=4)`, and a tool call's arguments as an object.
+        let src = "{% if tools is not none %}{% for t in tools %}{{ t | tojson(indent=4) }}\n{% endfor %}{% endif %}{% for m in messages %}{% if m.tool_calls %}{{ '{\"name\": \"' + m.tool_calls[0].function.name + '\", \"parameters\": ' }}{{ m.tool_calls[0].function.arguments | tojson }}}{% elif m.role == 'tool' %}[{{ m.content }}]{% else %}{{ m.content }}{% endif %};{% endfor %}";
+        let t = ChatTemplate::new(src.into()).unwrap();
+        let msgs = [
+            json!({"role": "user", "content": "Weather?"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "w", "arguments": {"city": "Paris"}}}]}),
+            json!({"role": "tool", "content": "sunny"}),
+        ];
+        let none = t.render(&msgs, true, "", "", &Map::new()).unwrap();
+        assert_eq!(
+            none,
+            "Weather?;{\"name\": \"w\", \"parameters\": {\"city\": \"Paris\"}};[sunny];"
+        );
+        let mut kw = Map::new();
+        kw.insert(
+            "tools".into(),
+            json!([{"type": "function", "function": {"name": "w"}}]),
+        );
+        let with = t.render(&msgs, true, "", "", &kw).unwrap();
+        assert_eq!(
+            with,
+            "{\n    \"function\": {\n        \"name\": \"w\"\n    },\n    \"type\": \"function\"\n}\n"
+                .to_owned()
+                + &none
         );
     }
 

@@ -19,6 +19,7 @@ pub mod ring;
 pub mod seq;
 pub mod server;
 pub mod stop;
+pub mod tools;
 pub mod validate;
 
 pub use cors::CorsConfig;

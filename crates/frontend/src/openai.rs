@@ -326,8 +326,46 @@ pub struct ChatLogprobs {
 pub struct ChatMessage {
     /// `assistant`.
     pub role: &'static str,
-    /// Generated text.
-    pub content: String,
+    /// Generated text; `null` when the output was only tool calls.
+    pub content: Option<String>,
+    /// The tool calls the parser found (left out when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// A function call of the assistant (`message.tool_calls[i]`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ToolCallOut {
+    /// `chatcmpl-tool-<hex>`.
+    pub id: String,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+/// The function of a tool call.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, a JSON text.
+    pub arguments: String,
+}
+
+/// A tool call in a streamed delta (`delta.tool_calls[i]`): sent whole, once.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    /// Position of the call in the message's `tool_calls`.
+    pub index: usize,
+    /// `chatcmpl-tool-<hex>`.
+    pub id: String,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its whole arguments.
+    pub function: FunctionCall,
 }
 
 /// One choice of a `/v1/chat/completions` response.
@@ -375,6 +413,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool calls, each whole, in the delta before the choice's last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// One choice of a streamed chat chunk.

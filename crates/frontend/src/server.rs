@@ -16,9 +16,11 @@ use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
     ChatResponse, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    PromptLogprob, PromptLogprobs, PromptPosition, StopReason, TopLogprobs, Usage,
+    FunctionCall, PromptLogprob, PromptLogprobs, PromptPosition, StopReason, ToolCallDelta,
+    ToolCallOut, TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
+use crate::tools::{StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, Fields, GenParams, PromptInput};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -57,6 +59,12 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// CORS: which browser origins may call the API ([`CorsConfig::default`]: any, as vLLM).
     pub cors: CorsConfig,
+    /// vLLM's `--enable-auto-tool-choice`: chat requests with `tools` and `tool_choice` `auto`
+    /// (the default with tools) have their output parsed for tool calls. Needs
+    /// [`ServerConfig::tool_call_parser`].
+    pub enable_auto_tool_choice: bool,
+    /// vLLM's `--tool-call-parser`: how the model writes tool calls.
+    pub tool_call_parser: Option<ToolParser>,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -108,14 +116,20 @@ impl AppState {
     /// Builds the state; compiles the chat template and checks the CORS settings.
     ///
     /// # Errors
-    /// The chat template does not compile, or a CORS origin, method or header cannot appear in
-    /// an HTTP header.
+    /// The chat template does not compile, a CORS origin, method or header cannot appear in
+    /// an HTTP header, or auto tool choice is enabled without a tool call parser.
     pub fn new(
         config: ServerConfig,
         tokenizer: Tokenizer,
         engine: Arc<dyn EngineClient>,
         eos_ids: Vec<u32>,
     ) -> anyhow::Result<Self> {
+        if config.enable_auto_tool_choice && config.tool_call_parser.is_none() {
+            anyhow::bail!(
+                "--enable-auto-tool-choice requires --tool-call-parser (one of: {})",
+                crate::tools::TOOL_PARSER_NAMES.join(", ")
+            );
+        }
         let source = config
             .chat_template
             .clone()
@@ -200,11 +214,11 @@ impl AppState {
     /// Renders `req`'s messages with the chat template; with `continue_final_message`, cut
     /// right after the final message's content (as transformers' `apply_chat_template`).
     fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
-        let text = self.render_messages(
-            &req.messages,
-            req.add_generation_prompt,
-            &req.template_kwargs,
-        )?;
+        let mut kwargs = req.template_kwargs.clone();
+        if let Some(tools) = &req.tools {
+            kwargs.insert("tools".into(), Value::Array(tools.clone()));
+        }
+        let text = self.render_messages(&req.messages, req.add_generation_prompt, &kwargs)?;
         if !req.continue_final_message {
             return Ok(text);
         }
@@ -882,9 +896,9 @@ fn merge(seqs: Vec<Seq>) -> SelectAll<BoxStream<'static, Delta>> {
 trait Chunker: Send + 'static {
     /// Payloads sent before any delta (echoed prompts, the chat role).
     fn prelude(&mut self) -> Vec<String>;
-    /// The payload of a delta, or `None` when there is nothing to send; `usage` is the
-    /// choice's usage so far when `continuous_usage_stats` asked for it.
-    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String>;
+    /// The payloads of a delta (none when there is nothing to send); `usage` is the choice's
+    /// usage so far when `continuous_usage_stats` asked for it.
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String>;
     /// The usage chunk.
     fn usage(&mut self, usage: Usage) -> String;
 }
@@ -963,8 +977,13 @@ fn sse_response<C: Chunker>(
                             *out += d.tokens.len();
                             Some(Usage::new(*prompt, *out, 0))
                         });
-                        if let Some(p) = s.chunker.delta(&d, usage) {
-                            return Some((Ok(sse_data(&p)), s));
+                        let payloads = s.chunker.delta(&d, usage);
+                        if !payloads.is_empty() {
+                            let mut out = Vec::new();
+                            for p in &payloads {
+                                out.extend_from_slice(&sse_data(p));
+                            }
+                            return Some((Ok(Bytes::from(out)), s));
                         }
                     }
                     None => {
@@ -1144,10 +1163,10 @@ impl Chunker for CompletionChunker {
             .collect()
     }
 
-    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String> {
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String> {
         let echo = self.echo_lp.get_mut(d.index).and_then(Option::take);
         if echo.is_none() && self.head.carries_nothing(d) {
-            return None;
+            return Vec::new();
         }
         let mut text = String::new();
         let mut logprobs = None;
@@ -1167,7 +1186,7 @@ impl Chunker for CompletionChunker {
                 .get_or_insert_with(CompletionLogprobs::default)
                 .append(out);
         }
-        Some(self.head.chunk(
+        vec![self.head.chunk(
             vec![CompletionChoice {
                 index: d.index,
                 text,
@@ -1177,7 +1196,7 @@ impl Chunker for CompletionChunker {
                 prompt_logprobs: None,
             }],
             usage,
-        ))
+        )]
     }
 
     fn usage(&mut self, usage: Usage) -> String {
@@ -1331,6 +1350,23 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
 struct ChatChunker {
     head: ChunkHead,
     choices: usize,
+    /// Per choice, with auto tool choice: holds text that may be a tool call.
+    filters: Option<Vec<StreamFilter>>,
+}
+
+/// The `tool_calls` of a response message, each with a new id.
+fn tool_calls_out(calls: Vec<ToolCall>) -> Vec<ToolCallOut> {
+    calls
+        .into_iter()
+        .map(|c| ToolCallOut {
+            id: random_id("chatcmpl-tool"),
+            kind: "function",
+            function: FunctionCall {
+                name: c.name,
+                arguments: c.arguments,
+            },
+        })
+        .collect()
 }
 
 impl Chunker for ChatChunker {
@@ -1343,6 +1379,7 @@ impl Chunker for ChatChunker {
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            tool_calls: None,
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -1354,27 +1391,74 @@ impl Chunker for ChatChunker {
             .collect()
     }
 
-    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Option<String> {
-        if self.head.carries_nothing(d) {
-            return None;
+    fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String> {
+        let (text, calls) = match self.filters.as_mut().and_then(|f| f.get_mut(d.index)) {
+            None => (d.text.clone(), Vec::new()),
+            Some(f) => {
+                let mut text = f.push(&d.text);
+                let mut calls = Vec::new();
+                if d.finish.is_some() {
+                    let (rest, c) = f.finish();
+                    text.push_str(&rest);
+                    calls = c;
+                }
+                (text, calls)
+            }
+        };
+        let with_logprobs = self.head.logprobs && !d.tokens.is_empty();
+        if text.is_empty() && d.finish.is_none() && !with_logprobs {
+            return Vec::new();
         }
         let logprobs = self
             .head
             .logprobs
             .then(|| self.head.st.chat_logprobs(&d.tokens));
-        Some(self.head.chunk(
-            vec![ChatChunkChoice {
-                index: d.index,
-                delta: ChatDelta {
-                    role: None,
-                    content: (!d.text.is_empty() || d.finish.is_none()).then(|| d.text.clone()),
-                },
-                logprobs,
-                finish_reason: d.finish.map(str::to_owned),
-                stop_reason: d.finish.map(|_| d.stop_reason.clone()),
-            }],
+        let choice = |delta, logprobs, finish: Option<&str>| ChatChunkChoice {
+            index: d.index,
+            delta,
+            logprobs,
+            finish_reason: finish.map(str::to_owned),
+            stop_reason: finish.map(|_| d.stop_reason.clone()),
+        };
+        if calls.is_empty() {
+            let delta = ChatDelta {
+                content: (!text.is_empty() || d.finish.is_none()).then_some(text),
+                ..ChatDelta::default()
+            };
+            return vec![self
+                .head
+                .chunk(vec![choice(delta, logprobs, d.finish)], usage)];
+        }
+        // The choice's last delta with tool calls: its remaining content (and the log-probs),
+        // the calls whole, then the end.
+        let mut out = Vec::new();
+        if !text.is_empty() || with_logprobs {
+            let delta = ChatDelta {
+                content: Some(text),
+                ..ChatDelta::default()
+            };
+            out.push(self.head.chunk(vec![choice(delta, logprobs, None)], usage));
+        }
+        let calls = tool_calls_out(calls)
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| ToolCallDelta {
+                index,
+                id: c.id,
+                kind: c.kind,
+                function: c.function,
+            })
+            .collect();
+        let delta = ChatDelta {
+            tool_calls: Some(calls),
+            ..ChatDelta::default()
+        };
+        out.push(self.head.chunk(vec![choice(delta, None, None)], usage));
+        out.push(self.head.chunk(
+            vec![choice(ChatDelta::default(), None, Some("tool_calls"))],
             usage,
-        ))
+        ));
+        out
     }
 
     fn usage(&mut self, usage: Usage) -> String {
@@ -1394,7 +1478,26 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let limits = st.engine.limits();
     let req = validate::parse_chat(&body, &limits)?;
     st.check_model(req.model.as_deref())?;
-    let gen = &req.gen;
+    let parser = match req.tool_choice {
+        validate::ToolChoice::None => None,
+        validate::ToolChoice::Auto => match st.config.tool_call_parser {
+            Some(p) if st.config.enable_auto_tool_choice => Some(p),
+            _ => {
+                return Err(ApiError::field(
+                    "tool_choice",
+                    "\"auto\" tool choice requires --enable-auto-tool-choice and \
+                     --tool-call-parser to be set",
+                ))
+            }
+        },
+    };
+    let mut gen = req.gen.clone();
+    if parser == Some(ToolParser::Hermes) {
+        // As vLLM's hermes parser: `<tool_call>` is an added token in the models that use it,
+        // which the output must keep for the parser to see it.
+        gen.skip_special_tokens = false;
+    }
+    let gen = &gen;
     let text = st.render_chat(&req)?;
     let ids = st
         .encode_prompt(
@@ -1427,6 +1530,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 logprobs: gen.logprobs.is_some(),
             },
             choices: seqs.len(),
+            filters: parser.map(|p| (0..seqs.len()).map(|_| StreamFilter::new(p)).collect()),
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -1449,15 +1553,30 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let choices = outs
         .into_iter()
         .enumerate()
-        .map(|(i, c)| ChatChoice {
-            index: i,
-            message: ChatMessage {
-                role: "assistant",
-                content: c.text,
-            },
-            logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
-            finish_reason: c.finish.map(str::to_owned),
-            stop_reason: c.stop_reason,
+        .map(|(i, c)| {
+            let (content, calls) = match parser {
+                None => (Some(c.text), Vec::new()),
+                Some(p) => {
+                    let parsed = p.parse(&c.text);
+                    (parsed.content, parsed.calls)
+                }
+            };
+            let finish = if calls.is_empty() {
+                c.finish.map(str::to_owned)
+            } else {
+                Some("tool_calls".to_owned())
+            };
+            ChatChoice {
+                index: i,
+                message: ChatMessage {
+                    role: "assistant",
+                    content,
+                    tool_calls: tool_calls_out(calls),
+                },
+                logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
+                finish_reason: finish,
+                stop_reason: c.stop_reason,
+            }
         })
         .collect();
     Ok(Json(ChatResponse {

@@ -3,7 +3,8 @@
 //!
 //! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
 //! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
-//! Baton does not implement (beam search, tools, guided decoding) are refused rather than
+//! Baton does not implement (beam search, guided decoding, tools outside chat completions) are
+//! refused rather than
 //! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
 
 use crate::engine::EngineLimits;
@@ -202,8 +203,25 @@ pub struct ChatRequest {
     pub add_special_tokens: bool,
     /// Extra template variables (`chat_template_kwargs`).
     pub template_kwargs: Map<String, Value>,
+    /// The request's `tools` as given (each `{"type": "function", "function": {...}}`), for
+    /// the template's `tools`; `None` when absent or empty.
+    pub tools: Option<Vec<Value>>,
+    /// `tool_choice`, resolved as vLLM does: `auto` when absent and `tools` are given, else
+    /// `none`.
+    pub tool_choice: ToolChoice,
     /// Generation options.
     pub gen: GenParams,
+}
+
+/// A chat request's `tool_choice` this server serves (`required` and a named function need
+/// guided decoding and are refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model's output is not parsed for tool calls (the tools still reach the template,
+    /// vLLM's default).
+    None,
+    /// The tool call parser decides whether the output is tool calls.
+    Auto,
 }
 
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
@@ -217,7 +235,7 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         if v.as_array().is_none_or(|a| !a.is_empty()) {
             return Err(ApiError::field(
                 "tools",
-                "Tool calling is not supported by this server.",
+                "Tool calling is only supported on /v1/chat/completions by this server.",
             ));
         }
     }
@@ -886,9 +904,25 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
             "content".into(),
             flatten_content(i, assistant, obj.get("content"))?,
         );
+        if assistant {
+            normalize_tool_calls(i, &mut out)?;
+        }
+        if !matches!(out.get("tool_call_id"), None | Some(Value::String(_))) {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].tool_call_id")),
+                "'tool_call_id' must be a string.",
+            ));
+        }
         messages.push(Value::Object(out));
     }
-    let gen = parse_gen(&f, true, limits)?;
+    let tools = parse_tools(&f)?;
+    let tool_choice = parse_tool_choice(&f, tools.is_some())?;
+    // Type-checked and accepted; every parsed call is returned.
+    let _parallel_tool_calls: Option<bool> = f.get("parallel_tool_calls")?;
+    // `tools` are served here; `parse_gen` refuses them on the other endpoints.
+    let mut rest = f.obj.clone();
+    rest.remove("tools");
+    let gen = parse_gen(&Fields { obj: rest }, true, limits)?;
     let template_kwargs = f
         .get::<Map<String, Value>>("chat_template_kwargs")?
         .unwrap_or_default();
@@ -910,8 +944,176 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
         continue_final_message,
         add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(false),
         template_kwargs,
+        tools,
+        tool_choice,
         gen,
     })
+}
+
+/// Parses `tools`: a list of `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?}}` (`type` may be left out, as vLLM defaults it). Absent, null or empty:
+/// `None`.
+fn parse_tools(f: &Fields) -> Result<Option<Vec<Value>>, ApiError> {
+    let Some(raw) = f.raw("tools") else {
+        return Ok(None);
+    };
+    let items = raw
+        .as_array()
+        .ok_or_else(|| ApiError::field("tools", "'tools' must be a list of tools."))?;
+    for (i, t) in items.iter().enumerate() {
+        let at = |p: &str| Some(format!("tools[{i}]{p}"));
+        let obj = t
+            .as_object()
+            .ok_or_else(|| ApiError::invalid(at(""), "Each tool must be an object."))?;
+        match obj.get("type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(k)) if k == "function" => {}
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    at(".type"),
+                    format!("Only tools of type \"function\" are supported, got {k}."),
+                ))
+            }
+        }
+        let func = obj
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    at(".function"),
+                    "A tool needs a 'function' object with a 'name'.",
+                )
+            })?;
+        match func.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    at(".function.name"),
+                    "A tool's function needs a non-empty string 'name'.",
+                ))
+            }
+        }
+        if !matches!(
+            func.get("description"),
+            None | Some(Value::Null | Value::String(_))
+        ) {
+            return Err(ApiError::invalid(
+                at(".function.description"),
+                "A function's 'description' must be a string.",
+            ));
+        }
+        if !matches!(
+            func.get("parameters"),
+            None | Some(Value::Null | Value::Object(_))
+        ) {
+            return Err(ApiError::invalid(
+                at(".function.parameters"),
+                "A function's 'parameters' must be a JSON Schema object.",
+            ));
+        }
+    }
+    Ok((!items.is_empty()).then(|| items.clone()))
+}
+
+/// Parses `tool_choice` as vLLM does: absent means `auto` with tools and `none` without;
+/// `auto` needs tools; `required` and a named function need guided decoding, which this
+/// server does not have.
+fn parse_tool_choice(f: &Fields, has_tools: bool) -> Result<ToolChoice, ApiError> {
+    const P: &str = "tool_choice";
+    let choice = match f.raw(P) {
+        None => {
+            return Ok(if has_tools {
+                ToolChoice::Auto
+            } else {
+                ToolChoice::None
+            })
+        }
+        Some(Value::String(s)) if s == "none" => return Ok(ToolChoice::None),
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "required" => {
+            return Err(ApiError::field(
+                P,
+                "tool_choice \"required\" is not supported by this server: it needs guided \
+                 decoding. Use \"auto\" (with --enable-auto-tool-choice) or \"none\".",
+            ))
+        }
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            return Err(ApiError::field(
+                P,
+                "A named function tool_choice is not supported by this server: it needs \
+                 guided decoding. Use \"auto\" (with --enable-auto-tool-choice) or \"none\".",
+            ))
+        }
+        Some(v) => {
+            return Err(ApiError::field(
+                P,
+                format!(
+                    "Invalid value for 'tool_choice': {v}; expected \"none\", \"auto\", \
+                     \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
+                ),
+            ))
+        }
+    };
+    if !has_tools {
+        return Err(ApiError::field(
+            P,
+            "When using `tool_choice`, `tools` must be set.",
+        ));
+    }
+    Ok(choice)
+}
+
+/// An assistant message's `tool_calls` as chat templates expect them (vLLM's and
+/// transformers' convention): each `function.arguments` JSON string parsed to its value (an
+/// empty or missing one to `{}`); an empty list is dropped.
+fn normalize_tool_calls(i: usize, out: &mut Map<String, Value>) -> Result<(), ApiError> {
+    let calls = match out.get_mut("tool_calls") {
+        None => return Ok(()),
+        Some(Value::Null) => {
+            out.remove("tool_calls");
+            return Ok(());
+        }
+        Some(Value::Array(a)) if a.is_empty() => {
+            out.remove("tool_calls");
+            return Ok(());
+        }
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].tool_calls")),
+                "'tool_calls' must be a list of tool calls.",
+            ))
+        }
+    };
+    for (j, call) in calls.iter_mut().enumerate() {
+        let at = |p: &str| Some(format!("messages[{i}].tool_calls[{j}]{p}"));
+        let func = call
+            .as_object_mut()
+            .and_then(|c| c.get_mut("function"))
+            .and_then(Value::as_object_mut)
+            .ok_or_else(|| {
+                ApiError::invalid(at(".function"), "A tool call needs a 'function' object.")
+            })?;
+        if !func.get("name").is_some_and(Value::is_string) {
+            return Err(ApiError::invalid(
+                at(".function.name"),
+                "A tool call's function needs a string 'name'.",
+            ));
+        }
+        let args = match func.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+            Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+                ApiError::invalid(
+                    at(".function.arguments"),
+                    format!("A tool call's 'arguments' must be a JSON text: {e}."),
+                )
+            })?,
+            Some(v) => v.clone(),
+        };
+        func.insert("arguments".into(), args);
+    }
+    Ok(())
 }
 
 /// A parsed `/v1/responses` body (OpenAI's Responses API, as vLLM serves it without a store):

@@ -302,6 +302,33 @@ def bad_requests_raise_bad_request_error():
         raise AssertionError("an unknown model was accepted")
 
 
+@check
+def tool_choices_the_server_cannot_serve_raise_bad_request_error():
+    # This server runs without --enable-auto-tool-choice: "auto" (the default with tools) is
+    # refused as vLLM refuses it; "required" needs guided decoding; "none" renders the tools and
+    # returns plain content.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    for kw, want in [(dict(), "--enable-auto-tool-choice"), (dict(tool_choice="auto"), "--tool-call-parser"),
+                     (dict(tool_choice="required"), "required"),
+                     (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "named")]:
+        try:
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=2, **kw)
+        except openai.BadRequestError as e:
+            assert e.status_code == 400
+            body = e.body if isinstance(e.body, dict) else {}
+            assert body.get("param") == "tool_choice", e.body
+            assert want in body.get("message", ""), e.body
+        else:
+            raise AssertionError(f"{kw} was accepted")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="none", max_tokens=4,
+                                       temperature=0)
+    c = r.choices[0]
+    assert c.message.tool_calls is None and c.message.content, r
+    assert c.finish_reason == "length", r
+
+
 def main():
     passed = failed = 0
     for fn in CHECKS:

@@ -3774,3 +3774,497 @@ async fn version_reports_the_crate_version() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json(), json!({"version": env!("CARGO_PKG_VERSION")}));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tool calling (`--enable-auto-tool-choice --tool-call-parser ...`).
+
+/// A template that prints the tools, each message with its tool calls (arguments through
+/// `tojson` and one field read as an object) and tool call id, so a test can read the prompt.
+const TOOLS_TEMPLATE: &str = "{% for t in tools or [] %}TOOL {{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}({{ c.function.arguments | tojson }}) CITY={{ c.function.arguments.city }}{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}})
+}
+
+/// A scripted server whose model writes `text` (its tokens, then a stop), with the given tool
+/// call parser (and auto tool choice) or none; the prompts it received are kept. The output
+/// text is `" " + text`: stories260K's tokenizer starts a text with a word-boundary piece,
+/// which the streaming detokenizer shows as a space.
+async fn tool_server(
+    text: &str,
+    parser: Option<baton_frontend::tools::ToolParser>,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
+    usize,
+) {
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let ids = tok.encode(text, false).unwrap();
+    assert_eq!(
+        tok.decode(&ids, true).unwrap(),
+        text,
+        "the test text round-trips"
+    );
+    let first = tok.id_to_piece(ids[0]).unwrap();
+    assert!(first.starts_with('\u{2581}'), "{first}");
+    let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = prompts.clone();
+    let n = ids.len();
+    let (addr, task) = common::start_scripted_with_tools(
+        move |req| {
+            seen.lock().unwrap().push(req.prompt.clone());
+            let mut ev: Vec<EngineEvent> = ids
+                .iter()
+                .map(|&token| EngineEvent::Token {
+                    token,
+                    cached_tokens: 0,
+                    logprob: -0.5,
+                    top: vec![],
+                    first: None,
+                })
+                .collect();
+            ev.push(EngineEvent::Finished {
+                reason: FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: ids.len(),
+                cached_tokens: 0,
+            });
+            ev
+        },
+        Some(TOOLS_TEMPLATE.into()),
+        parser,
+    )
+    .await;
+    (addr, task, prompts, n)
+}
+
+/// The messages and finish reasons a streamed chat response accumulates to, as the openai
+/// SDK's stream helper builds them: content concatenated (null if none came), tool calls
+/// merged by index (arguments concatenated).
+fn accumulate_chat_stream(r: &common::Resp) -> Vec<(Value, Value)> {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ev = r.events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    let mut out: Vec<(Value, Value)> = Vec::new();
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{e}");
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            while out.len() <= i {
+                out.push((json!({"role": "assistant", "content": null}), Value::Null));
+            }
+            let (msg, finish) = &mut out[i];
+            let d = &c["delta"];
+            if let Some(t) = d["content"].as_str() {
+                let prev = msg["content"].as_str().unwrap_or("").to_owned();
+                msg["content"] = json!(prev + t);
+            }
+            for tc in d["tool_calls"].as_array().into_iter().flatten() {
+                let calls = msg
+                    .as_object_mut()
+                    .unwrap()
+                    .entry("tool_calls")
+                    .or_insert(json!([]));
+                let k = tc["index"].as_u64().unwrap() as usize;
+                let list = calls.as_array_mut().unwrap();
+                while list.len() <= k {
+                    list.push(json!({"function": {"arguments": ""}}));
+                }
+                let slot = &mut list[k];
+                for key in ["id", "type"] {
+                    if let Some(x) = tc.get(key) {
+                        slot[key] = x.clone();
+                    }
+                }
+                if let Some(name) = tc["function"].get("name") {
+                    slot["function"]["name"] = name.clone();
+                }
+                let args = slot["function"]["arguments"].as_str().unwrap().to_owned();
+                slot["function"]["arguments"] =
+                    json!(args + tc["function"]["arguments"].as_str().unwrap_or(""));
+            }
+            if !c["finish_reason"].is_null() {
+                *finish = c["finish_reason"].clone();
+            }
+        }
+    }
+    // An empty streamed content is what a null one accumulates to in the SDK.
+    for (m, _) in &mut out {
+        if m["content"] == json!("") {
+            m["content"] = Value::Null;
+        }
+    }
+    out
+}
+
+/// A message with the tool call ids replaced by a placeholder (after checking their form).
+fn without_ids(mut m: Value) -> Value {
+    let calls = m.get_mut("tool_calls").and_then(Value::as_array_mut);
+    for c in calls.into_iter().flatten() {
+        let id = c["id"].as_str().unwrap();
+        let hex = id.strip_prefix("chatcmpl-tool-").expect(id);
+        assert!(
+            !hex.is_empty() && hex.chars().all(|c| c.is_ascii_hexdigit()),
+            "{id}"
+        );
+        c["id"] = json!("ID");
+    }
+    m
+}
+
+/// Posts `body` streamed and not; checks that both give the same messages and finish reasons
+/// and returns them (ids replaced).
+async fn chat_both_ways(addr: std::net::SocketAddr, body: &Value) -> Vec<(Value, Value)> {
+    let r = post(addr, "/v1/chat/completions", body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let whole: Vec<(Value, Value)> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                without_ids(c["message"].clone()),
+                c["finish_reason"].clone(),
+            )
+        })
+        .collect();
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = post(addr, "/v1/chat/completions", &sb).await;
+    let streamed: Vec<(Value, Value)> = accumulate_chat_stream(&r)
+        .into_iter()
+        .map(|(m, f)| (without_ids(m), f))
+        .collect();
+    assert_eq!(streamed, whole, "streamed vs not for {body}");
+    whole
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hermes_tool_calls_come_back_as_tool_calls_streamed_and_not() {
+    use baton_frontend::tools::ToolParser;
+    let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"note\": \"café ☕ \\\"x\\\"\"}}\n</tool_call>";
+    let (addr, task, _, n_out) = tool_server(text, Some(ToolParser::Hermes)).await;
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [weather_tool()], "n": 2});
+    let r = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 2 * n_out);
+    let ids: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["message"]["tool_calls"][0]["id"].as_str().unwrap())
+        .collect();
+    assert_ne!(ids[0], ids[1], "each call has its own id");
+    let out = chat_both_ways(addr, &body).await;
+    assert_eq!(out.len(), 2);
+    for (msg, finish) in out {
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(msg["content"], " Let me check.\n");
+        let calls = msg["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["type"], "function");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        // The arguments as vLLM writes them (Python's json.dumps, unicode kept).
+        assert_eq!(
+            calls[0]["function"]["arguments"],
+            "{\"city\": \"Zürich\", \"note\": \"café ☕ \\\"x\\\"\"}"
+        );
+    }
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama3_json_tool_calls_come_back_with_null_content() {
+    use baton_frontend::tools::ToolParser;
+    let text = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"get_time\", \"parameters\": {\"tz\": \"CET\", \"fmt\": [1, 2.5]}}";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Llama3Json)).await;
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [weather_tool()], "tool_choice": "auto",
+                      "logprobs": true});
+    let out = chat_both_ways(addr, &body).await;
+    let (msg, finish) = &out[0];
+    assert_eq!(finish, "tool_calls");
+    assert_eq!(msg["content"], Value::Null);
+    let calls = msg["tool_calls"].as_array().unwrap();
+    let got: Vec<(&str, &str)> = calls
+        .iter()
+        .map(|c| {
+            (
+                c["function"]["name"].as_str().unwrap(),
+                c["function"]["arguments"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("get_weather", "{\"city\": \"Paris\"}"),
+            ("get_time", "{\"tz\": \"CET\", \"fmt\": [1, 2.5]}")
+        ]
+    );
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_that_is_not_a_tool_call_or_tool_choice_none_is_plain_content() {
+    use baton_frontend::tools::ToolParser;
+    let hermes_call = "<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call>";
+    let cases: [(&str, ToolParser, Value); 5] = [
+        ("Once upon a time.", ToolParser::Hermes, json!("auto")),
+        ("Once upon a time.", ToolParser::Llama3Json, json!("auto")),
+        (
+            "{\"name\": \"get_weather\"",
+            ToolParser::Llama3Json,
+            json!("auto"),
+        ),
+        (
+            "Hm <tool_call>{not json}</tool_call>",
+            ToolParser::Hermes,
+            json!("auto"),
+        ),
+        (hermes_call, ToolParser::Hermes, json!("none")),
+    ];
+    for (text, parser, choice) in cases {
+        let (addr, task, _, _) = tool_server(text, Some(parser)).await;
+        let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                          "tools": [weather_tool()], "tool_choice": choice});
+        let out = chat_both_ways(addr, &body).await;
+        assert_eq!(
+            out[0],
+            (
+                json!({"role": "assistant", "content": format!(" {text}")}),
+                json!("stop")
+            ),
+            "{text}"
+        );
+        task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_and_tool_messages_reach_the_template() {
+    // No tool flags: tool_choice "none" still renders the tools (vLLM's default).
+    let (addr, task, prompts, _) = tool_server("It is sunny.", None).await;
+    let body = json!({
+    "tools": [weather_tool()], "tool_choice": "none",
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+    ]});
+    let r = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["choices"][0]["message"]["content"],
+        " It is sunny."
+    );
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let prompt = tok.decode(&prompts.lock().unwrap()[0], true).unwrap();
+    assert_eq!(
+        prompt,
+        // (trim_blocks, as transformers: no newline after a block tag)
+        "TOOL get_weather: {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}\n\
+         user: Weather in Paris?\
+         assistant:  CALL get_weather({\"city\": \"Paris\"}) CITY=Paris\
+         tool: 22 C, sunny [call_1]\
+         assistant:"
+    );
+    // Arguments given as an object pass as they are; without tools, `tools` is none.
+    let body = json!({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "cold"}]});
+    let r = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let prompt = tok.decode(&prompts.lock().unwrap()[1], true).unwrap();
+    assert!(prompt.starts_with("user: Weather?assistant:"), "{prompt}");
+    assert!(prompt.contains("CITY=Oslo"), "{prompt}");
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
+    use baton_frontend::tools::ToolParser;
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let tools = json!([weather_tool()]);
+    // Without the flags: auto (the default with tools) is refused with vLLM's message.
+    let (addr, task, _, _) = tool_server("x", None).await;
+    for extra in [
+        json!({"tools": tools}),
+        json!({"tools": tools, "tool_choice": "auto"}),
+    ] {
+        let body = with_fields(&json!({"messages": msgs}), extra);
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 400, "{body}");
+        let e = &r.json()["error"];
+        assert_eq!(e["param"], "tool_choice");
+        let m = e["message"].as_str().unwrap();
+        assert!(
+            m.contains("--enable-auto-tool-choice") && m.contains("--tool-call-parser"),
+            "{m}"
+        );
+    }
+    task.abort();
+    let (addr, task, _, _) = tool_server("x", Some(ToolParser::Hermes)).await;
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!({"tools": tools, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools, "tool_choice":
+                   {"type": "function", "function": {"name": "get_weather"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "auto"}), "tool_choice"),
+        (json!({"tools": tools, "tool_choice": 3}), "tool_choice"),
+        (json!({"tools": {"a": 1}}), "tools"),
+        (json!({"tools": [5]}), "tools[0]"),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"tools": [{"type": "function"}]}),
+            "tools[0].function",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [weather_tool(), {"type": "function", "function": {"description": "d"}}]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+    ];
+    for (extra, param) in cases {
+        let body = with_fields(&json!({"messages": msgs}), extra);
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
+    let bad_messages: Vec<(Value, &str)> = vec![
+        (
+            json!([{"role": "user", "content": "x"},
+                   {"role": "assistant", "tool_calls": [
+                       {"id": "c", "type": "function",
+                        "function": {"name": "f", "arguments": "{not json"}}]}]),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            json!([{"role": "assistant", "tool_calls": "f"}]),
+            "messages[0].tool_calls",
+        ),
+        (
+            json!([{"role": "assistant", "tool_calls": [{"id": "c"}]}]),
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            json!([{"role": "tool", "tool_call_id": 7, "content": "x"}]),
+            "messages[0].tool_call_id",
+        ),
+        (
+            json!([{"role": "tool", "tool_call_id": "c"}]),
+            "messages[0].content",
+        ),
+    ];
+    for (messages, param) in bad_messages {
+        let body = json!({"messages": messages});
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
+    // Tools stay a chat completions feature: the other endpoints refuse them.
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "tools": tools}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "tools");
+    let r = post(
+        addr,
+        "/v1/responses",
+        &json!({"input": "x", "tools": tools}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "tools");
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hermes_keeps_special_tokens_in_the_output_it_parses() {
+    use baton_frontend::tools::ToolParser;
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    // The model writes a word, then BOS (a special token, as `<tool_call>` is in the models
+    // that use hermes), then a stop.
+    let (addr, task) = common::start_scripted_with_tools(
+        |req| {
+            let token = |token| EngineEvent::Token {
+                token,
+                cached_tokens: 0,
+                logprob: 0.0,
+                top: vec![],
+                first: None,
+            };
+            vec![
+                token(403),
+                token(1),
+                EngineEvent::Finished {
+                    reason: FinishReason::Stop,
+                    prompt_tokens: req.prompt.len(),
+                    output_tokens: 2,
+                    cached_tokens: 0,
+                },
+            ]
+        },
+        Some(TOOLS_TEMPLATE.into()),
+        Some(ToolParser::Hermes),
+    )
+    .await;
+    let content = |choice: &str| {
+        let body = json!({"messages": [{"role": "user", "content": "x"}],
+                          "tools": [weather_tool()], "tool_choice": choice});
+        async move {
+            let r = post(addr, "/v1/chat/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    let parsed = content("auto").await;
+    let plain = content("none").await;
+    assert!(parsed.ends_with("<s>"), "{parsed:?}");
+    assert!(!plain.contains("<s>"), "{plain:?}");
+    task.abort();
+}

@@ -141,6 +141,8 @@ pub async fn start(opts: Opts) -> TestServer {
             .header_read_timeout
             .unwrap_or(baton_frontend::DEFAULT_HEADER_READ_TIMEOUT),
         cors: opts.cors.unwrap_or_default(),
+        enable_auto_tool_choice: false,
+        tool_call_parser: None,
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
@@ -218,6 +220,19 @@ pub async fn start_scripted_with_template<F>(
 where
     F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
 {
+    start_scripted_with_tools(script, chat_template, None).await
+}
+
+/// [`start_scripted_with_template`] with `--enable-auto-tool-choice --tool-call-parser P` when
+/// `tool_parser` is given.
+pub async fn start_scripted_with_tools<F>(
+    script: F,
+    chat_template: Option<String>,
+    tool_parser: Option<baton_frontend::tools::ToolParser>,
+) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
     let tok = baton_model::load_model_dir(model_dir())
         .expect("stories260K loads")
         .tokenizer
@@ -230,6 +245,8 @@ where
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: baton_frontend::CorsConfig::default(),
+        enable_auto_tool_choice: tool_parser.is_some(),
+        tool_call_parser: tool_parser,
     };
     let state = Arc::new(
         AppState::new(cfg, tok, Arc::new(Scripted(script)), vec![EOS]).expect("state builds"),

@@ -1,0 +1,663 @@
+//! Tool calling on `/v1/chat/completions`, as vLLM serves it with `--enable-auto-tool-choice
+//! --tool-call-parser NAME`: the request's `tools` go to the chat template, and a parser turns
+//! the model's text into `tool_calls`.
+//!
+//! Contract: a parser either finds tool calls in the whole output of a choice or leaves the
+//! output as plain content, never half of each. Each call's `arguments` is the JSON the model
+//! wrote, re-serialized as Python's `json.dumps(..., ensure_ascii=False)` writes it (what vLLM
+//! returns: `", "` and `": "` separators, keys in the model's order, non-ASCII kept).
+//!
+//! Streaming is simpler than vLLM's argument fragments and gives the same accumulated message:
+//! text streams as content until the output may be a tool call (for `llama3_json`, output that
+//! starts with `{` or `<|python_tag|>`; for `hermes`, from `<tool_call>` on), then the rest is
+//! held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
+//! sent as content ([`StreamFilter`]).
+
+use std::fmt::Write as _;
+
+/// A `--tool-call-parser` (vLLM's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolParser {
+    /// `llama3_json`: `{"name": ..., "parameters" | "arguments": {...}}`, optionally after
+    /// `<|python_tag|>`, several separated by `;`.
+    Llama3Json,
+    /// `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+    Hermes,
+}
+
+/// The names `--tool-call-parser` accepts.
+pub const TOOL_PARSER_NAMES: [&str; 2] = ["llama3_json", "hermes"];
+
+impl std::str::FromStr for ToolParser {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "llama3_json" => Ok(Self::Llama3Json),
+            "hermes" => Ok(Self::Hermes),
+            _ => Err(format!(
+                "unknown tool call parser {s:?}; this server has: {}",
+                TOOL_PARSER_NAMES.join(", ")
+            )),
+        }
+    }
+}
+
+impl ToolParser {
+    /// The parser's flag name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama3Json => "llama3_json",
+            Self::Hermes => "hermes",
+        }
+    }
+}
+
+const PYTHON_TAG: &str = "<|python_tag|>";
+const HERMES_START: &str = "<tool_call>";
+const HERMES_END: &str = "</tool_call>";
+
+/// One parsed tool call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, a JSON text.
+    pub arguments: String,
+}
+
+/// A choice's output split into content and tool calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Parsed {
+    /// The text that is not a tool call (`None` when empty).
+    pub content: Option<String>,
+    /// The calls, in order; empty when the output is plain content.
+    pub calls: Vec<ToolCall>,
+}
+
+impl Parsed {
+    fn plain(text: &str) -> Self {
+        Self {
+            content: Some(text.to_owned()),
+            calls: Vec::new(),
+        }
+    }
+}
+
+impl ToolParser {
+    /// Splits a whole output into content and tool calls; output that is not tool calls is all
+    /// content.
+    pub fn parse(self, text: &str) -> Parsed {
+        let calls = match self {
+            Self::Llama3Json => llama3_calls(text).map(|c| (None, c)),
+            Self::Hermes => hermes_calls(text),
+        };
+        match calls {
+            Some((content, calls)) if !calls.is_empty() => Parsed {
+                content: content.filter(|c: &String| !c.is_empty()),
+                calls,
+            },
+            _ => Parsed::plain(text),
+        }
+    }
+}
+
+/// The call of one parsed object: a string `name` and `arguments` (or, for `llama3_json`,
+/// `parameters`).
+fn call_of(v: &J, allow_parameters: bool) -> Option<ToolCall> {
+    let J::Obj(fields) = v else { return None };
+    let get = |k: &str| fields.iter().find(|(n, _)| n == k).map(|(_, v)| v);
+    let Some(J::Str(name)) = get("name") else {
+        return None;
+    };
+    let args = get("arguments").or_else(|| get("parameters").filter(|_| allow_parameters))?;
+    let mut arguments = String::new();
+    args.dump(&mut arguments);
+    Some(ToolCall {
+        name: name.clone(),
+        arguments,
+    })
+}
+
+fn llama3_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let t = text.trim_start();
+    let t = t.strip_prefix(PYTHON_TAG).unwrap_or(t);
+    let mut p = JsonParser {
+        s: t.as_bytes(),
+        i: 0,
+    };
+    let mut calls = Vec::new();
+    loop {
+        p.ws();
+        if p.i == p.s.len() {
+            break;
+        }
+        if p.s[p.i] != b'{' {
+            return None;
+        }
+        calls.push(call_of(&p.value(0)?, true)?);
+        p.ws();
+        match p.s.get(p.i) {
+            None => break,
+            Some(b';') => p.i += 1,
+            Some(_) => return None,
+        }
+    }
+    Some(calls)
+}
+
+/// `(content before the first block, calls)`; a last block without `</tool_call>` counts (as in
+/// vLLM), text after the last block is dropped.
+fn hermes_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+    let first = text.find(HERMES_START)?;
+    let mut rest = &text[first..];
+    let mut calls = Vec::new();
+    while let Some(start) = rest.find(HERMES_START) {
+        let body = &rest[start + HERMES_START.len()..];
+        let (inner, after) = match body.find(HERMES_END) {
+            Some(e) => (&body[..e], &body[e + HERMES_END.len()..]),
+            None => (body, ""),
+        };
+        let mut p = JsonParser {
+            s: inner.as_bytes(),
+            i: 0,
+        };
+        p.ws();
+        let v = p.value(0)?;
+        p.ws();
+        if p.i != p.s.len() {
+            return None;
+        }
+        calls.push(call_of(&v, false)?);
+        rest = after;
+    }
+    Some((Some(text[..first].to_owned()), calls))
+}
+
+/// Per-choice streaming state: what text may be sent now, and at the end, the rest and the
+/// tool calls.
+#[derive(Debug)]
+pub struct StreamFilter {
+    parser: ToolParser,
+    /// The whole output so far.
+    all: String,
+    /// Bytes of `all` already released as content.
+    sent: usize,
+    /// The output may be a tool call: everything from `sent` on is held to the end.
+    holding: bool,
+    /// `llama3_json` decided the output is plain text.
+    plain: bool,
+}
+
+impl StreamFilter {
+    /// A filter for one choice.
+    pub fn new(parser: ToolParser) -> Self {
+        Self {
+            parser,
+            all: String::new(),
+            sent: 0,
+            holding: false,
+            plain: false,
+        }
+    }
+
+    /// Adds `text`; returns the content that can be sent now.
+    pub fn push(&mut self, text: &str) -> String {
+        self.all.push_str(text);
+        if self.holding {
+            return String::new();
+        }
+        let upto = match self.parser {
+            ToolParser::Llama3Json if self.plain => self.all.len(),
+            ToolParser::Llama3Json => {
+                let t = self.all.trim_start();
+                if t.starts_with('{') || t.starts_with(PYTHON_TAG) {
+                    self.holding = true;
+                    return String::new();
+                }
+                if t.is_empty() || PYTHON_TAG.starts_with(t) {
+                    return String::new();
+                }
+                self.plain = true;
+                self.all.len()
+            }
+            ToolParser::Hermes => match self.all[self.sent..].find(HERMES_START) {
+                Some(p) => {
+                    self.holding = true;
+                    self.sent + p
+                }
+                None => self.all.len() - partial_suffix(&self.all[self.sent..], HERMES_START),
+            },
+        };
+        let out = self.all[self.sent..upto].to_owned();
+        self.sent = upto;
+        out
+    }
+
+    /// Ends the choice: the content not sent yet, and the tool calls (empty when the output was
+    /// plain text, which is then all content).
+    pub fn finish(&mut self) -> (String, Vec<ToolCall>) {
+        let parsed = if self.holding {
+            self.parser.parse(&self.all)
+        } else {
+            Parsed::plain(&self.all)
+        };
+        let rest = if parsed.calls.is_empty() {
+            self.all[self.sent..].to_owned()
+        } else {
+            // The content of a tool-call output is what came before the held part, already sent.
+            String::new()
+        };
+        self.sent = self.all.len();
+        (rest, parsed.calls)
+    }
+}
+
+/// The length of the longest proper prefix of `pat` that `s` ends with.
+fn partial_suffix(s: &str, pat: &str) -> usize {
+    (1..pat.len())
+        .rev()
+        .find(|&k| s.ends_with(&pat[..k]))
+        .unwrap_or(0)
+}
+
+/// A JSON value with object keys in their order and numbers as written.
+#[derive(Clone, Debug, PartialEq)]
+enum J {
+    Null,
+    Bool(bool),
+    Num(String),
+    Str(String),
+    Arr(Vec<J>),
+    Obj(Vec<(String, J)>),
+}
+
+impl J {
+    /// Writes the value as Python's `json.dumps(v, ensure_ascii=False)` does.
+    fn dump(&self, out: &mut String) {
+        match self {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Num(n) => out.push_str(n),
+            J::Str(s) => dump_str(s, out),
+            J::Arr(items) => {
+                out.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    v.dump(out);
+                }
+                out.push(']');
+            }
+            J::Obj(fields) => {
+                out.push('{');
+                for (i, (k, v)) in fields.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    dump_str(k, out);
+                    out.push_str(": ");
+                    v.dump(out);
+                }
+                out.push('}');
+            }
+        }
+    }
+}
+
+fn dump_str(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Deepest nesting accepted, so a hostile output cannot exhaust the stack.
+const MAX_DEPTH: usize = 128;
+
+/// A strict JSON parser over bytes (the input is UTF-8 text).
+struct JsonParser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl JsonParser<'_> {
+    fn ws(&mut self) {
+        while self
+            .s
+            .get(self.i)
+            .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, lit: &str) -> bool {
+        if self.s[self.i..].starts_with(lit.as_bytes()) {
+            self.i += lit.len();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Option<J> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.ws();
+        match *self.s.get(self.i)? {
+            b'{' => {
+                self.i += 1;
+                let mut fields = Vec::new();
+                self.ws();
+                if self.eat("}") {
+                    return Some(J::Obj(fields));
+                }
+                loop {
+                    self.ws();
+                    let k = self.string()?;
+                    self.ws();
+                    if !self.eat(":") {
+                        return None;
+                    }
+                    let v = self.value(depth + 1)?;
+                    fields.push((k, v));
+                    self.ws();
+                    if self.eat("}") {
+                        return Some(J::Obj(fields));
+                    }
+                    if !self.eat(",") {
+                        return None;
+                    }
+                }
+            }
+            b'[' => {
+                self.i += 1;
+                let mut items = Vec::new();
+                self.ws();
+                if self.eat("]") {
+                    return Some(J::Arr(items));
+                }
+                loop {
+                    items.push(self.value(depth + 1)?);
+                    self.ws();
+                    if self.eat("]") {
+                        return Some(J::Arr(items));
+                    }
+                    if !self.eat(",") {
+                        return None;
+                    }
+                }
+            }
+            b'"' => self.string().map(J::Str),
+            b't' if self.eat("true") => Some(J::Bool(true)),
+            b'f' if self.eat("false") => Some(J::Bool(false)),
+            b'n' if self.eat("null") => Some(J::Null),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => None,
+        }
+    }
+
+    fn number(&mut self) -> Option<J> {
+        let start = self.i;
+        let digits = |p: &mut Self| {
+            let s = p.i;
+            while p.s.get(p.i).is_some_and(u8::is_ascii_digit) {
+                p.i += 1;
+            }
+            p.i > s
+        };
+        self.eat("-");
+        if !self.eat("0") && !digits(self) {
+            return None;
+        }
+        if self.eat(".") && !digits(self) {
+            return None;
+        }
+        if matches!(self.s.get(self.i), Some(b'e' | b'E')) {
+            self.i += 1;
+            if matches!(self.s.get(self.i), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            if !digits(self) {
+                return None;
+            }
+        }
+        let n = std::str::from_utf8(&self.s[start..self.i]).ok()?;
+        Some(J::Num(n.to_owned()))
+    }
+
+    fn hex4(&mut self) -> Option<u32> {
+        let h = self.s.get(self.i..self.i + 4)?;
+        let v = u32::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()?;
+        self.i += 4;
+        Some(v)
+    }
+
+    fn string(&mut self) -> Option<String> {
+        if !self.eat("\"") {
+            return None;
+        }
+        let mut out = Vec::new();
+        loop {
+            let b = *self.s.get(self.i)?;
+            self.i += 1;
+            match b {
+                b'"' => return String::from_utf8(out).ok(),
+                b'\\' => {
+                    let e = *self.s.get(self.i)?;
+                    self.i += 1;
+                    let c = match e {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => {
+                            let hi = self.hex4()?;
+                            let cp = if (0xD800..0xDC00).contains(&hi) {
+                                if !self.eat("\\u") {
+                                    return None;
+                                }
+                                let lo = self.hex4()?;
+                                if !(0xDC00..0xE000).contains(&lo) {
+                                    return None;
+                                }
+                                0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00)
+                            } else {
+                                hi
+                            };
+                            char::from_u32(cp)?
+                        }
+                        _ => return None,
+                    };
+                    let mut buf = [0; 4];
+                    out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                }
+                b if b < 0x20 => return None,
+                b => out.push(b),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    #[test]
+    fn llama3_json_parses_one_call_with_parameters_or_arguments() {
+        let p = ToolParser::Llama3Json;
+        let out = p.parse(r#"{"name": "get_weather", "parameters": {"city":"Paris","days":3}}"#);
+        assert_eq!(out.content, None);
+        assert_eq!(
+            out.calls,
+            [call("get_weather", r#"{"city": "Paris", "days": 3}"#)]
+        );
+        let out = p.parse("<|python_tag|>{\"name\":\"f\",\"arguments\":{}}");
+        assert_eq!(out.calls, [call("f", "{}")]);
+    }
+
+    #[test]
+    fn llama3_json_parses_several_calls_separated_by_semicolons() {
+        let out = ToolParser::Llama3Json.parse(
+            r#"{"name": "a", "parameters": {"x": [1, 2.5, -3e2]}}; {"name": "b", "parameters": {"y": null, "z": true}}"#,
+        );
+        assert_eq!(
+            out.calls,
+            [
+                call("a", r#"{"x": [1, 2.5, -3e2]}"#),
+                call("b", r#"{"y": null, "z": true}"#)
+            ]
+        );
+    }
+
+    #[test]
+    fn llama3_json_falls_back_to_content() {
+        for text in [
+            "Hello there",
+            r#"{"name": "a", "parameters": {"x": 1}"#,
+            r#"{"name": "a"}"#,
+            r#"{"parameters": {}}"#,
+            r#"{"name": "a", "parameters": {}} and more"#,
+            r#"Sure: {"name": "a", "parameters": {}}"#,
+            "",
+        ] {
+            let out = ToolParser::Llama3Json.parse(text);
+            assert!(out.calls.is_empty(), "{text}");
+            assert_eq!(out.content.as_deref(), Some(text));
+        }
+    }
+
+    #[test]
+    fn hermes_parses_blocks_and_keeps_the_text_before_the_first() {
+        let p = ToolParser::Hermes;
+        let out = p.parse(
+            "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"t\",\"arguments\":{}}</tool_call>",
+        );
+        assert_eq!(out.content.as_deref(), Some("Let me check.\n"));
+        assert_eq!(
+            out.calls,
+            [call("get_weather", r#"{"city": "Paris"}"#), call("t", "{}")]
+        );
+        let out = p.parse("<tool_call>{\"name\":\"t\",\"arguments\":{\"a\":1}}");
+        assert_eq!(out.content, None);
+        assert_eq!(out.calls, [call("t", r#"{"a": 1}"#)]);
+    }
+
+    #[test]
+    fn hermes_malformed_json_is_content() {
+        for text in [
+            "no calls here",
+            "<tool_call>{\"name\": \"t\", \"arguments\": {</tool_call>",
+            "<tool_call>{\"name\": \"t\"}</tool_call>",
+            "ok <tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call><tool_call>oops</tool_call>",
+        ] {
+            let out = ToolParser::Hermes.parse(text);
+            assert!(out.calls.is_empty(), "{text}");
+            assert_eq!(out.content.as_deref(), Some(text));
+        }
+    }
+
+    #[test]
+    fn unicode_and_escapes_in_arguments_come_back_as_python_writes_them() {
+        let out = ToolParser::Hermes.parse(
+            "<tool_call>{\"name\": \"say\", \"arguments\": {\"text\": \"h\u{e9}llo \\u00e9 \\ud83d\\ude00 \u{65e5}\u{672c} \\\"q\\\" \\/ \\n\"}}</tool_call>",
+        );
+        assert_eq!(
+            out.calls,
+            [call(
+                "say",
+                "{\"text\": \"h\u{e9}llo \u{e9} \u{1f600} \u{65e5}\u{672c} \\\"q\\\" / \\n\"}"
+            )]
+        );
+        let args: serde_json::Value = serde_json::from_str(&out.calls[0].arguments).unwrap();
+        assert_eq!(
+            args["text"],
+            "h\u{e9}llo \u{e9} \u{1f600} \u{65e5}\u{672c} \"q\" / \n"
+        );
+    }
+
+    fn stream(p: ToolParser, pieces: &[&str]) -> (String, Vec<ToolCall>) {
+        let mut f = StreamFilter::new(p);
+        let mut content: String = pieces.iter().map(|t| f.push(t)).collect();
+        let (rest, calls) = f.finish();
+        content.push_str(&rest);
+        (content, calls)
+    }
+
+    #[test]
+    fn streaming_gives_what_the_whole_output_parses_to() {
+        let cases: [(ToolParser, &str); 8] = [
+            (ToolParser::Hermes, "Let me see. <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>"),
+            (ToolParser::Hermes, "a <tool_ca then not"),
+            (ToolParser::Hermes, "x <tool_call>{broken</tool_call>"),
+            (ToolParser::Hermes, "<tool_call>{\"name\":\"f\",\"arguments\":{}}</tool_call>"),
+            (ToolParser::Llama3Json, "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}"),
+            (ToolParser::Llama3Json, " {\"name\": \"f\", \"parameters\": {\"q\": \"\u{e9}\"}}; {\"name\": \"g\", \"parameters\": {}}"),
+            (ToolParser::Llama3Json, "<|py not a tag"),
+            (ToolParser::Llama3Json, "{not json"),
+        ];
+        for (p, text) in cases {
+            let whole = p.parse(text);
+            // Every split into pieces of 1..=4 chars.
+            for size in 1..=4 {
+                let chars: Vec<char> = text.chars().collect();
+                let pieces: Vec<String> = chars.chunks(size).map(|c| c.iter().collect()).collect();
+                let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+                let (content, calls) = stream(p, &refs);
+                assert_eq!(calls, whole.calls, "{text:?} by {size}");
+                assert_eq!(
+                    (!content.is_empty()).then_some(content),
+                    whole.content,
+                    "{text:?} by {size}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn plain_text_streams_without_waiting_for_the_end() {
+        let mut f = StreamFilter::new(ToolParser::Llama3Json);
+        assert_eq!(f.push("Hel"), "Hel");
+        assert_eq!(f.push("lo"), "lo");
+        let mut f = StreamFilter::new(ToolParser::Hermes);
+        assert_eq!(f.push("Hi <tool"), "Hi ");
+        assert_eq!(f.push("box>"), "<toolbox>");
+        assert_eq!(f.push(" <tool_call>{"), " ");
+        assert_eq!(f.push("}"), "");
+    }
+
+    #[test]
+    fn parser_names_round_trip_and_bad_ones_are_refused() {
+        for n in TOOL_PARSER_NAMES {
+            assert_eq!(n.parse::<ToolParser>().unwrap().name(), n);
+        }
+        assert!("mistral".parse::<ToolParser>().is_err());
+    }
+}
