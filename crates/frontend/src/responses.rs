@@ -20,11 +20,10 @@
 use crate::engine::random_seed;
 use crate::openai::ApiError;
 use crate::seq::{Delta, Seq};
-use crate::server::{collect, engine_error, now_secs, AppState};
+use crate::server::{collect, engine_error, event_stream, now_secs, AppState};
 use crate::validate::{self, ResponsesRequest};
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream;
@@ -338,10 +337,5 @@ fn stream_response(shell: Shell, seqs: Vec<Seq>, input_tokens: usize) -> Respons
             }
         }
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    event_stream(body)
 }

@@ -1009,7 +1009,14 @@ fn sse_response<C: Chunker>(
             }
         }
     });
-    let body = stream::iter(prelude).chain(body);
+    event_stream(stream::iter(prelude).chain(body))
+}
+
+/// A `200 text/event-stream` response (no caching) streaming `body`'s chunks.
+pub(crate) fn event_stream<S>(body: S) -> Response
+where
+    S: futures::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+{
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
