@@ -1122,11 +1122,13 @@ fn normalize_tool_calls(i: usize, out: &mut Map<String, Value>) -> Result<(), Ap
 pub struct ResponsesRequest {
     /// The `model` field, if given.
     pub model: Option<String>,
-    /// The chat messages: `instructions` as a system message first, then the input items, each
-    /// `content` flattened to a string.
+    /// The chat messages: `instructions` (when not empty) as a system message first, then the
+    /// input items, each `content` flattened to a string.
     pub messages: Vec<Value>,
     /// `instructions`, echoed in the response.
     pub instructions: Option<String>,
+    /// `max_tool_calls`, echoed; there are no tools to call.
+    pub max_tool_calls: Option<i64>,
     /// `metadata` (an object of strings), echoed in the response.
     pub metadata: Option<Value>,
     /// `user`, echoed in the response.
@@ -1149,7 +1151,7 @@ const RESPONSES_STATEFUL: [&str; 2] = ["previous_response_id", "conversation"];
 
 /// Chat Completions fields with a Responses API counterpart, refused on `/v1/responses` with
 /// a pointer to it rather than silently ignored.
-const RESPONSES_CHAT_ONLY: [(&str, &str); 5] = [
+const RESPONSES_CHAT_ONLY: [(&str, &str); 7] = [
     ("messages", "'input' (a string or a list of messages)"),
     ("max_tokens", "'max_output_tokens'"),
     ("max_completion_tokens", "'max_output_tokens'"),
@@ -1160,6 +1162,11 @@ const RESPONSES_CHAT_ONLY: [(&str, &str); 5] = [
     (
         "logprobs",
         "nothing: log-probabilities are not returned by /v1/responses",
+    ),
+    ("echo", "nothing: the output never repeats the input"),
+    (
+        "continue_final_message",
+        "nothing: the output is always a new assistant message",
     ),
 ];
 
@@ -1300,6 +1307,16 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
+    if !matches!(
+        f.raw("add_generation_prompt"),
+        None | Some(Value::Null | Value::Bool(true))
+    ) {
+        return Err(ApiError::field(
+            "add_generation_prompt",
+            "'add_generation_prompt' is a chat completions parameter; /v1/responses always \
+             starts a new assistant message.",
+        ));
+    }
     if f.int("n")?.is_some_and(|n| n != 1) {
         return Err(ApiError::field(
             "n",
@@ -1405,7 +1422,8 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
     refuse_unsupported_responses(&f)?;
     let instructions = f.get::<String>("instructions")?;
     let mut messages = Vec::new();
-    if let Some(s) = &instructions {
+    // Empty instructions are no instructions (not an empty system turn).
+    if let Some(s) = instructions.as_ref().filter(|s| !s.is_empty()) {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
     messages.extend(parse_response_input(&f)?);
@@ -1434,7 +1452,7 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
     // Accepted and echoed or ignored, but they must have their types.
     let _store: Option<bool> = f.get("store")?;
     let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
-    let _max_tool_calls = f.int("max_tool_calls")?;
+    let max_tool_calls = f.int("max_tool_calls")?;
     let parallel_tool_calls = f.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
     let tool_choice = f
         .get::<String>("tool_choice")?
@@ -1466,6 +1484,7 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
         model,
         messages,
         instructions,
+        max_tool_calls,
         metadata,
         user,
         parallel_tool_calls,

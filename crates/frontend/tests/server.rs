@@ -3472,6 +3472,20 @@ async fn responses_input_forms_and_instructions_match_the_equivalent_chat() {
         with["usage"]["input_tokens"].as_u64() > without["usage"]["input_tokens"].as_u64(),
         "{with} {without}"
     );
+    // Empty instructions are none (no empty system turn), but are echoed; max_tool_calls is
+    // echoed.
+    let empty = response(
+        srv.addr,
+        &json!({"instructions": "", "input": "Once upon a time", "max_output_tokens": 1,
+                "max_tool_calls": 3}),
+    )
+    .await;
+    assert_eq!(
+        empty["usage"]["input_tokens"], without["usage"]["input_tokens"],
+        "{empty} {without}"
+    );
+    assert_eq!(empty["instructions"], "");
+    assert_eq!(empty["max_tool_calls"], 3);
     // A multi-turn history with an assistant output message and a developer message.
     chat_vs_response(
         srv.addr,
@@ -3505,6 +3519,15 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
         (
             json!({"input": "hi", "previous_response_id": "resp_1"}),
             "previous_response_id",
+        ),
+        (json!({"input": "hi", "echo": true}), "echo"),
+        (
+            json!({"input": "hi", "continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"input": "hi", "add_generation_prompt": false}),
+            "add_generation_prompt",
         ),
         (
             json!({"input": "hi", "conversation": "conv_1"}),
