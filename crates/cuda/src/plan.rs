@@ -193,8 +193,8 @@ pub fn decode_partition_slots(max_model_len: usize, rows: usize, target: usize) 
 /// kernels) for a decode launch of `rows` sequences and `blocks_per_row` thread blocks each (kv
 /// heads times head chunks), on a model of `max_model_len` tokens, with partial buffers of
 /// `capacity` partitions per sequence and head. The kernel splits a sequence of `ctx` keys into
-/// partitions of `ceil(ctx / z)` keys rounded up to 64 and at least `min_partition`, so a short
-/// one uses fewer.
+/// partitions of [`decode_partition_size`] keys (from this grid, [`decode_fill`] and
+/// `min_partition`), so a short one uses fewer.
 ///
 /// At least 1 and at most `min(capacity, ATTN_MAX_PARTITIONS)`; otherwise enough for `target`
 /// blocks ([`ATTN_TARGET_BLOCKS`] unless tuned), and enough that a `max_model_len` context has
@@ -210,7 +210,7 @@ pub fn decode_partitions(
     target: usize,
     min_partition: usize,
 ) -> usize {
-    let fill = target.div_ceil((rows * blocks_per_row).max(1));
+    let fill = decode_fill(rows, blocks_per_row, target);
     let long = max_model_len.div_ceil(ATTN_LONG_PARTITION);
     let usable = max_model_len.div_ceil(min_partition.max(1));
     fill.max(long)
