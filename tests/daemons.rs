@@ -24,6 +24,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             stop_token_ids: vec![],
             logit_bias: vec![],
             cache_salt: 0,
+            constraint: vec![],
         })
         .collect()
 }
@@ -197,6 +198,42 @@ fn goldens_match_across_processes(async_flag: &str) {
         after.prefix_cache_queries, before.prefix_cache_queries,
         "a request that makes no lookup counted as prefix-cache queries"
     );
+
+    // Structured outputs: the constraint crosses the admission ring as bytes, the scheduler
+    // daemon compiles it against the model's tokenizer and writes each row's token mask into
+    // the shared table, and the worker applies it. Greedy and seeded-sampled, the tokens equal
+    // the in-process engine's, and they are not the unconstrained ones.
+    let constraints = [
+        baton_grammar::Constraint::Regex("[0-9]{3}-[0-9]{4}".into()),
+        baton_grammar::Constraint::Choice(vec!["Lily and Ben".into(), "a big red ball".into()]),
+    ];
+    let mut guided = greedy_reqs(&prompts, 40);
+    for (i, r) in guided.iter_mut().enumerate() {
+        r.id += 400;
+        r.constraint = constraints[i % 2].to_wire();
+        r.stop_token_ids = vec![2];
+        if i % 3 == 2 {
+            r.params.temperature = 0.9;
+            r.params.seed = 11 + i as u64;
+        }
+    }
+    let outs = run(&mut link, &guided, T);
+    let want = in_process(&guided);
+    let free = in_process(&greedy_reqs(&prompts, 40));
+    for (i, r) in guided.iter().enumerate() {
+        assert_eq!(
+            outs[&r.id].tokens, want[&r.id],
+            "guided request {} ({async_flag})",
+            r.id
+        );
+        assert_eq!(outs[&r.id].reason, reason::STOP, "guided request {}", r.id);
+        assert_ne!(
+            outs[&r.id].tokens,
+            free[&(i as u64)],
+            "guided request {}",
+            r.id
+        );
+    }
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",
@@ -270,6 +307,16 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
                 logit_bias: r.logit_bias.clone(),
                 min_tokens: 0,
                 cache_salt: 0,
+                guide: (!r.constraint.is_empty()).then(|| {
+                    let v = baton_grammar::Vocabulary::from_tokenizer_json(
+                        &model_dir().join("tokenizer.json"),
+                        512,
+                        &[2],
+                    )
+                    .expect("the test model's vocabulary");
+                    v.compile(&baton_grammar::Constraint::from_wire(&r.constraint).unwrap())
+                        .expect("the constraint compiles")
+                }),
             })
             .expect("admitted");
     }
@@ -376,6 +423,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         stop_token_ids: vec![],
         logit_bias: vec![],
         cache_salt: 0,
+        constraint: vec![],
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.

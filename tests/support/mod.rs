@@ -160,6 +160,8 @@ pub struct Req {
     pub logit_bias: Vec<(u32, f32)>,
     /// Hashed `cache_salt` (0: none).
     pub cache_salt: u64,
+    /// The structured-output constraint's wire form (empty: none).
+    pub constraint: Vec<u8>,
 }
 
 /// What came back for one request.
@@ -197,6 +199,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             logit_bias: &r.logit_bias,
             min_tokens: 0,
             cache_salt: r.cache_salt,
+            constraint: &r.constraint,
         },
         Duration::from_secs(5),
     )

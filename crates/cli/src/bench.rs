@@ -77,6 +77,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         logit_bias: Vec::new(),
         min_tokens: 0,
         cache_salt: 0,
+        guide: None,
     }
 }
 
@@ -138,6 +139,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         weights_fingerprint: 0,
         launch_timeout: None,
         trace: None,
+        vocabulary: None,
     })?;
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
@@ -178,6 +180,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             logit_bias: &[],
             min_tokens: 0,
             cache_salt: 0,
+            constraint: &[],
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

@@ -204,6 +204,9 @@ impl TableReader for BenchTables {
     }
     /// The bench's rows carry no logit bias (`logit_bias_len == 0`), so nothing is read.
     fn read_logit_bias(&self, _slot: u32, _n: usize, _out: &mut Vec<(u32, f32)>) {}
+    fn read_token_mask(&self, _slot: u32, out: &mut Vec<u32>) {
+        out.clear();
+    }
 }
 
 fn row(slot: usize, first_pos: usize, n: usize, block_size: usize, sample: bool) -> LaunchRow {

@@ -95,6 +95,31 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
+/// The vocabulary structured outputs compile against: the model directory's tokenizer.json
+/// for `vocab_size` logits, ending on the model's EOS ids. `None` (with a warning) when the
+/// directory has no tokenizer.json or llguidance cannot read it: the scheduler then refuses
+/// constrained requests.
+///
+/// # Errors
+/// A malformed config.json or generation_config.json.
+pub fn grammar_vocabulary(
+    dir: &ModelDir,
+    vocab_size: usize,
+) -> Result<Option<baton_grammar::Vocabulary>> {
+    let path = dir.tokenizer_path();
+    if !path.exists() {
+        return Ok(None);
+    }
+    let eos = dir.eos_token_ids()?;
+    match baton_grammar::Vocabulary::from_tokenizer_json(&path, vocab_size, &eos) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) => {
+            tracing::warn!("structured outputs are unavailable: {e}");
+            Ok(None)
+        }
+    }
+}
+
 /// Runs `baton scheduler` until SIGTERM/SIGINT.
 ///
 /// # Errors
@@ -148,6 +173,10 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
         weights_fingerprint,
         launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
+        vocabulary: match &a.model {
+            Some(dir) => grammar_vocabulary(&ModelDir::new(dir), vocab)?,
+            None => None,
+        },
     };
     let mut d = SchedulerDaemon::create(cfg)?;
     eprintln!(

@@ -240,6 +240,7 @@ fn run_greedy<B: Backend>(
                 logit_bias: Vec::new(),
                 min_tokens: 0,
                 cache_salt: 0,
+                guide: None,
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

@@ -355,6 +355,7 @@ pub fn generate<B: baton_worker::Backend>(
                 logit_bias: Vec::new(),
                 min_tokens,
                 cache_salt: 0,
+                guide: None,
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

@@ -104,6 +104,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParam
         logit_bias: Vec::new(),
         min_tokens: 0,
         cache_salt: 0,
+        guide: None,
     }
 }
 

@@ -93,10 +93,10 @@ impl Constraint {
                         "a JSON schema must be an object".into(),
                     ));
                 }
-                TopLevelGrammar::from_json_schema(schema.clone())
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
             }
             Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
             }
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Choice(choices) => {
@@ -109,6 +109,23 @@ impl Constraint {
             Constraint::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
         })
     }
+}
+
+/// JSON is generated in one canonical layout, `{"a": 1, "b": [2, 3]}` (Python's `json.dumps`
+/// separators), unless the schema sets llguidance's own `x-guidance` options. With free
+/// whitespace a small model can emit newlines until `max_tokens` (seen with stories260K),
+/// which vLLM users avoid with `disable_any_whitespace`; here that is the default.
+fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": "
+            })
+        });
+    }
+    schema
 }
 
 /// The model's vocabulary as the grammar compiler sees it: every token's bytes, the EOS ids,
@@ -149,14 +166,24 @@ impl Vocabulary {
         let text = std::fs::read(path).map_err(|e| err(e.to_string()))?;
         let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|e| err(e.to_string()))?;
+        Self::from_tokenizer_value(&json, vocab_size, eos_ids).map_err(err)
+    }
+
+    /// As [`Vocabulary::from_tokenizer_json`], from the parsed file.
+    ///
+    /// # Errors
+    /// A tokenizer of another kind, more tokens than `vocab_size`, or no EOS id.
+    pub fn from_tokenizer_value(
+        json: &serde_json::Value,
+        vocab_size: usize,
+        eos_ids: &[u32],
+    ) -> Result<Self, String> {
         // The decoder walks names it does not control (`<0x..>` pieces); a malformed one must
         // be an error, not a panic.
-        let words = std::panic::catch_unwind(|| {
-            llguidance::token_bytes_from_tokenizer_json(&json)
-        })
-        .map_err(|_| err("malformed vocabulary entry".into()))?
-        .map_err(|e| err(e.to_string()))?;
-        Self::from_token_bytes(words, vocab_size, eos_ids).map_err(err)
+        let words = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(json))
+            .map_err(|_| "malformed vocabulary entry".to_owned())?
+            .map_err(|e| e.to_string())?;
+        Self::from_token_bytes(words, vocab_size, eos_ids)
     }
 
     /// Builds a vocabulary from each token's bytes (index = token id; special tokens start
@@ -180,7 +207,9 @@ impl Vocabulary {
             return Err("the model has no EOS token id, so a constrained output cannot end".into());
         };
         if let Some(&bad) = eos_ids.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(format!("EOS id {bad} is outside the vocabulary of {vocab_size}"));
+            return Err(format!(
+                "EOS id {bad} is outside the vocabulary of {vocab_size}"
+            ));
         }
         words.resize(vocab_size, Vec::new());
         let info = TokRxInfo::new(vocab_size as u32, eos);
@@ -238,6 +267,17 @@ pub struct Guide {
     m: Matcher,
     vocab_size: usize,
     eos_ids: Arc<[u32]>,
+}
+
+impl Clone for Guide {
+    /// An independent copy at the same point of the output.
+    fn clone(&self) -> Self {
+        Self {
+            m: self.m.deep_clone(),
+            vocab_size: self.vocab_size,
+            eos_ids: self.eos_ids.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Guide {
@@ -321,7 +361,9 @@ mod tests {
     fn choice_allows_only_prefixes_of_the_choices_then_eos() {
         let (v, words) = vocab();
         let n = v.vocab_size();
-        let mut g = v.compile(&Constraint::Choice(vec!["yes".into(), "no".into()])).unwrap();
+        let mut g = v
+            .compile(&Constraint::Choice(vec!["yes".into(), "no".into()]))
+            .unwrap();
         let first = allowed(&mut g, n);
         let id = |w: &str| words.iter().position(|x| x == w.as_bytes()).unwrap() as u32;
         assert!(first.contains(&id("yes")) && first.contains(&id("no")));
@@ -348,7 +390,9 @@ mod tests {
         let (v, _) = vocab();
         assert!(v.compile(&Constraint::Regex("(".into())).is_err());
         assert!(v.compile(&Constraint::Choice(vec![])).is_err());
-        assert!(v.compile(&Constraint::Grammar("start: undefined_rule".into())).is_err());
+        assert!(v
+            .compile(&Constraint::Grammar("start: undefined_rule".into()))
+            .is_err());
         assert!(v.compile(&Constraint::Json(serde_json::json!(3))).is_err());
         let e = v
             .compile(&Constraint::Json(serde_json::json!({"type": "nosuchtype"})))

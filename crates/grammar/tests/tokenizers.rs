@@ -5,7 +5,9 @@ use baton_grammar::{mask_words, Constraint, Vocabulary};
 use std::path::PathBuf;
 
 fn shared(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/models")
+        .join(rel)
 }
 
 fn model_dir() -> PathBuf {
@@ -24,8 +26,8 @@ fn allowed(v: &Vocabulary, g: &mut baton_grammar::Guide) -> Vec<u32> {
 
 #[test]
 fn stories_vocabulary_guides_a_digit_regex() {
-    let v = Vocabulary::from_tokenizer_json(&model_dir().join("tokenizer.json"), 512, &[2])
-        .unwrap();
+    let v =
+        Vocabulary::from_tokenizer_json(&model_dir().join("tokenizer.json"), 512, &[2]).unwrap();
     let mut g = v.compile(&Constraint::Regex("[0-9]{2}".into())).unwrap();
     let first = allowed(&v, &mut g);
     assert!(!first.is_empty());

@@ -94,6 +94,15 @@ impl ModelDir {
         }
     }
 
+    /// The model's stop token ids (as [`LoadedModel::eos_token_ids`]) without loading weights.
+    ///
+    /// # Errors
+    /// A missing or malformed config.json, a malformed generation_config.json or tokenizer.
+    pub fn eos_token_ids(&self) -> Result<Vec<u32>, ModelError> {
+        let (c, g, t) = load_meta(&self.root, LoadFormat::Dummy { seed: 0 })?;
+        Ok(eos_token_ids(&g, &c, t.as_ref()))
+    }
+
     /// Loads everything as [`ModelDir::load`] does, except that safetensors weights stay
     /// memory-mapped ([`ModelWeights::Mapped`], checked but not converted) for a device
     /// backend to read in their stored dtype. Dummy weights are generated in f32 as before.

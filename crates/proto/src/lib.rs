@@ -97,6 +97,13 @@ pub struct SamplingParams {
     /// [`LaunchRow::scores_prompt`]); the worker then reports a [`PromptLogprob`] for each
     /// position of the row whose next token is known.
     pub prompt_logprobs: u32,
+    /// 1: structured output. Only the tokens set in the slot's row of the token-mask table
+    /// ([`SlotTables::token_mask`], written by the scheduler before it publishes the row) may
+    /// be sampled; every other logit is `-inf` before the draw and the log-probabilities, as
+    /// vLLM applies its grammar bitmask to the logits. 0: off. Set only on sampling rows.
+    pub token_mask: u32,
+    /// Zero (keeps the record free of implicit padding; 64 bytes).
+    pub reserved: u32,
 }
 
 impl Default for SamplingParams {
@@ -122,6 +129,8 @@ impl SamplingParams {
             logit_bias_len: 0,
             allowed_only: 0,
             prompt_logprobs: 0,
+            token_mask: 0,
+            reserved: 0,
         }
     }
 
@@ -291,8 +300,17 @@ pub struct SlotTables<S: AsRef<[AtomicU32]>> {
     blocks: S,
     /// [`MAX_LOGIT_BIAS`] `(token, bias as f32 bits)` pairs per slot.
     bias: S,
+    /// `mask_words` words per slot: the token mask of the slot's next guided sampling row.
+    mask: S,
     max_model_len: usize,
     max_blocks_per_seq: usize,
+    mask_words: usize,
+}
+
+/// `u32` words of a token mask over a vocabulary of `vocab_size` ids (bit `t % 32` of word
+/// `t / 32` is token `t`; see [`SamplingParams::token_mask`]).
+pub const fn token_mask_words(vocab_size: usize) -> usize {
+    vocab_size.div_ceil(32)
 }
 
 /// `u32` words of one slot's row in the logit-bias table: the request's bias, then its
@@ -304,15 +322,28 @@ pub type HeapSlotTables = SlotTables<Box<[AtomicU32]>>;
 
 impl HeapSlotTables {
     /// Zeroed tables for `max_seqs` slots of `max_model_len` tokens and `max_blocks_per_seq`
-    /// block-table entries each.
+    /// block-table entries each, with no token-mask table (no structured outputs).
     pub fn new_heap(max_seqs: usize, max_model_len: usize, max_blocks_per_seq: usize) -> Self {
+        Self::new_heap_masked(max_seqs, max_model_len, max_blocks_per_seq, 0)
+    }
+
+    /// As [`HeapSlotTables::new_heap`], with `mask_words` ([`token_mask_words`] of the
+    /// vocabulary) words of token mask per slot.
+    pub fn new_heap_masked(
+        max_seqs: usize,
+        max_model_len: usize,
+        max_blocks_per_seq: usize,
+        mask_words: usize,
+    ) -> Self {
         let mk = |n: usize| (0..n).map(|_| AtomicU32::new(0)).collect::<Box<[_]>>();
         Self {
             tokens: mk(max_seqs * max_model_len),
             blocks: mk(max_seqs * max_blocks_per_seq),
             bias: mk(max_seqs * LOGIT_BIAS_WORDS),
+            mask: mk(max_seqs * mask_words),
             max_model_len,
             max_blocks_per_seq,
+            mask_words,
         }
     }
 }
@@ -320,20 +351,55 @@ impl HeapSlotTables {
 impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
     /// Wraps existing storage (for example regions of the shared segment).
     /// `tokens.len()` must be `max_seqs * max_model_len`, `blocks.len()`
-    /// `max_seqs * max_blocks_per_seq` and `bias.len()` `max_seqs * LOGIT_BIAS_WORDS`.
+    /// `max_seqs * max_blocks_per_seq`, `bias.len()` `max_seqs * LOGIT_BIAS_WORDS` and
+    /// `mask.len()` `max_seqs * mask_words`.
     pub fn from_parts(
         tokens: S,
         blocks: S,
         bias: S,
+        mask: S,
         max_model_len: usize,
         max_blocks_per_seq: usize,
+        mask_words: usize,
     ) -> Self {
         Self {
             tokens,
             blocks,
             bias,
+            mask,
             max_model_len,
             max_blocks_per_seq,
+            mask_words,
+        }
+    }
+
+    /// Words of one slot's token mask (0: the tables have no mask table).
+    pub fn mask_words(&self) -> usize {
+        self.mask_words
+    }
+
+    /// The token-mask row of `slot` ([`SlotTables::mask_words`] words): the scheduler writes
+    /// it before publishing a guided sampling row of the slot, and rewrites it only after that
+    /// row's completion (a guided request has at most one sampling row in flight).
+    pub fn token_mask(&self, slot: u32) -> &[AtomicU32] {
+        &self.mask.as_ref()[slot as usize * self.mask_words..][..self.mask_words]
+    }
+
+    /// Copies the token-mask row of `slot` into `out` (cleared first).
+    pub fn read_token_mask(&self, slot: u32, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(
+            self.token_mask(slot)
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed)),
+        );
+    }
+
+    /// Writes the token-mask row of `slot` (scheduler only); `words.len()` must be
+    /// [`SlotTables::mask_words`].
+    pub fn set_token_mask(&self, slot: u32, words: &[u32]) {
+        for (w, &v) in self.token_mask(slot).iter().zip(words) {
+            w.store(v, Ordering::Relaxed);
         }
     }
 
@@ -419,8 +485,8 @@ mod tests {
     #[test]
     fn launch_row_is_plain_data_of_stable_size() {
         // The ring slot layout depends on this size; a change must be deliberate.
-        assert_eq!(std::mem::size_of::<LaunchRow>(), 96);
-        assert_eq!(std::mem::size_of::<SamplingParams>(), 56);
+        assert_eq!(std::mem::size_of::<LaunchRow>(), 104);
+        assert_eq!(std::mem::size_of::<SamplingParams>(), 64);
     }
 
     #[test]

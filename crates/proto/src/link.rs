@@ -59,6 +59,9 @@ pub struct Admission<'a> {
     pub cache_salt: u64,
     /// Ignore the model's EOS ids.
     pub ignore_eos: bool,
+    /// The structured-output constraint's wire form (`baton_grammar::Constraint::to_wire`);
+    /// empty: unconstrained.
+    pub constraint: &'a [u8],
 }
 
 /// Scheduler statistics read from the segment.
@@ -229,7 +232,9 @@ impl LinkSender {
         head.params.logit_bias_len = a.logit_bias.len() as u32;
         head.min_tokens = a.min_tokens;
         head.cache_salt = a.cache_salt;
+        head.constraint_len = a.constraint.len() as u32;
         self.scratch.push(head);
+        let constraint = wire::pack_bytes(a.constraint);
         let bias: Vec<u32> = a
             .logit_bias
             .iter()
@@ -240,6 +245,7 @@ impl LinkSender {
             .chunks(TOKENS_PER_SLOT)
             .chain(a.stop_token_ids.chunks(TOKENS_PER_SLOT))
             .chain(bias.chunks(TOKENS_PER_SLOT))
+            .chain(constraint.chunks(TOKENS_PER_SLOT))
         {
             let mut m = ToScheduler::zeroed();
             m.kind = to_scheduler::TOKENS;

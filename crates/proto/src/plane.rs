@@ -17,6 +17,9 @@ pub const TOKENS: &str = "tables.tokens";
 pub const BLOCKS: &str = "tables.blocks";
 /// The logit-bias table region: `max_num_seqs * LOGIT_BIAS_WORDS` u32.
 pub const LOGIT_BIAS: &str = "tables.logit_bias";
+/// The token-mask table region (structured outputs): `max_num_seqs *
+/// token_mask_words(vocab_size)` u32, at least one word.
+pub const TOKEN_MASK: &str = "tables.token_mask";
 /// Scheduler statistics for `/metrics` and `/health`: see the `STAT_*` indices.
 pub const STATS: &str = "scheduler.stats";
 
@@ -106,6 +109,10 @@ impl PlaneLimits {
             .atomics_u32(TOKENS, self.max_num_seqs * self.max_model_len)
             .atomics_u32(BLOCKS, self.max_num_seqs * self.max_blocks_per_seq())
             .atomics_u32(LOGIT_BIAS, self.max_num_seqs * crate::LOGIT_BIAS_WORDS)
+            .atomics_u32(
+                TOKEN_MASK,
+                (self.max_num_seqs * crate::token_mask_words(self.vocab_size)).max(1),
+            )
             .atomics_u64(STATS, STAT_WORDS)
     }
 
@@ -166,8 +173,10 @@ pub fn slot_tables(arena: &Arena, l: &PlaneLimits) -> Result<SharedSlotTables, R
         SharedU32(arena.atomics_u32(TOKENS)?),
         SharedU32(arena.atomics_u32(BLOCKS)?),
         SharedU32(arena.atomics_u32(LOGIT_BIAS)?),
+        SharedU32(arena.atomics_u32(TOKEN_MASK)?),
         l.max_model_len,
         l.max_blocks_per_seq(),
+        crate::token_mask_words(l.vocab_size),
     ))
 }
 
@@ -194,5 +203,12 @@ mod tests {
         let t = slot_tables(&arena, &l).unwrap();
         t.set_token(7, 511, 3);
         assert_eq!(t.token(7, 511), 3);
+        assert_eq!(t.mask_words(), 16);
+        t.set_token_mask(7, &[5; 16]);
+        let mut m = Vec::new();
+        t.read_token_mask(7, &mut m);
+        assert_eq!(m, [5; 16]);
+        t.read_token_mask(6, &mut m);
+        assert_eq!(m, [0; 16]);
     }
 }

@@ -23,9 +23,33 @@ pub mod to_scheduler {
     pub const CANCEL: u32 = 3;
 }
 
-/// The words that follow an `ADMIT` slot in `TOKENS` slots: prompt, stop ids, logit-bias pairs.
+/// The words that follow an `ADMIT` slot in `TOKENS` slots: prompt, stop ids, logit-bias pairs,
+/// then the structured-output constraint's `constraint_len` bytes, four to a word
+/// (little-endian, the last word zero-padded).
 pub fn admit_words(head: &ToScheduler) -> usize {
-    head.prompt_len as usize + head.n as usize + 2 * head.params.logit_bias_len as usize
+    head.prompt_len as usize
+        + head.n as usize
+        + 2 * head.params.logit_bias_len as usize
+        + (head.constraint_len as usize).div_ceil(4)
+}
+
+/// Packs `bytes` four to a `u32` word, little-endian, the last word zero-padded.
+pub fn pack_bytes(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(w)
+        })
+        .collect()
+}
+
+/// The first `len` bytes of `words` packed by [`pack_bytes`] (fewer if `words` is short).
+pub fn unpack_bytes(words: &[u32], len: usize) -> Vec<u8> {
+    let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    out.truncate(len);
+    out
 }
 
 /// Admission flag: ignore the model's EOS ids.
@@ -49,6 +73,11 @@ pub struct ToScheduler {
     pub flags: u32,
     /// `ADMIT`: vLLM's `min_tokens` (stop ids cannot end the request before this many outputs).
     pub min_tokens: u32,
+    /// `ADMIT`: bytes of the structured-output constraint (`baton_grammar::Constraint`'s wire
+    /// form) at the end of the admission's words; 0: unconstrained.
+    pub constraint_len: u32,
+    /// Zero.
+    pub reserved: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.
@@ -355,6 +384,17 @@ impl LaunchAssembler {
 mod tests {
     use super::*;
     use crate::{Completion, Launch, PromptLogprob, Sampled};
+
+    #[test]
+    fn bytes_pack_four_to_a_word() {
+        for n in 0..9 {
+            let b: Vec<u8> = (1..=n).collect();
+            let w = pack_bytes(&b);
+            assert_eq!(w.len(), (n as usize).div_ceil(4));
+            assert_eq!(unpack_bytes(&w, b.len()), b);
+        }
+        assert_eq!(pack_bytes(&[1, 2, 3, 4, 5]), [0x0403_0201, 5]);
+    }
 
     #[test]
     fn launches_round_trip_through_slots() {

@@ -54,6 +54,9 @@ pub struct DaemonConfig {
     pub launch_timeout: Option<Duration>,
     /// Lifecycle trace file.
     pub trace: Option<PathBuf>,
+    /// The vocabulary structured outputs compile against (from the model's tokenizer.json);
+    /// `None`: a request with a constraint is refused.
+    pub vocabulary: Option<baton_grammar::Vocabulary>,
 }
 
 /// Errors that stop the daemon.
@@ -105,6 +108,7 @@ struct FrontendPort {
 /// The running daemon's state.
 pub struct SchedulerDaemon {
     limits: PlaneLimits,
+    vocabulary: Option<baton_grammar::Vocabulary>,
     segment: Segment,
     _me: Registration,
     participants: ParticipantTable,
@@ -208,6 +212,7 @@ impl SchedulerDaemon {
             last_progress: Instant::now(),
             launch_timeout: cfg.launch_timeout,
             watchdog_fired: false,
+            vocabulary: cfg.vocabulary,
             segment,
         })
     }
@@ -477,8 +482,37 @@ impl SchedulerDaemon {
         };
         let prompt_len = p.head.prompt_len as usize;
         let mut tokens = p.tokens;
-        let bias_words = tokens.split_off((prompt_len + p.head.n as usize).min(tokens.len()));
+        let bias_len = 2 * p.head.params.logit_bias_len as usize;
+        let mut bias_words = tokens.split_off((prompt_len + p.head.n as usize).min(tokens.len()));
+        let constraint_words = bias_words.split_off(bias_len.min(bias_words.len()));
         let stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
+        // The frontend compiled the constraint already; a failure here (no vocabulary, or a
+        // frontend of another build) refuses the request like any invalid one.
+        let guide = match p.head.constraint_len {
+            0 => Ok(None),
+            n => {
+                let bytes = wire::unpack_bytes(&constraint_words, n as usize);
+                match &self.vocabulary {
+                    Some(v) => baton_grammar::Constraint::from_wire(&bytes)
+                        .and_then(|c| v.compile(&c))
+                        .map(Some)
+                        .map_err(|e| e.to_string()),
+                    None => Err("the scheduler was started without a tokenizer".into()),
+                }
+            }
+        };
+        let guide = match guide {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::debug!(
+                    frontend = k,
+                    req = p.head.req,
+                    "structured output refused: {e}"
+                );
+                self.reply_error(k, p.head.req, wire::error::INVALID, 0);
+                return;
+            }
+        };
         let logit_bias = bias_words
             .chunks_exact(2)
             .map(|w| (w[0], f32::from_bits(w[1])))
@@ -496,6 +530,7 @@ impl SchedulerDaemon {
             logit_bias,
             min_tokens: p.head.min_tokens,
             cache_salt: p.head.cache_salt,
+            guide,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

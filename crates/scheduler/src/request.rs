@@ -43,6 +43,11 @@ pub struct NewRequest {
     /// vLLM's `cache_salt`, hashed (0: none): mixed into the prefix-cache key of the first
     /// block, so only requests with the same salt share cached blocks.
     pub cache_salt: u64,
+    /// Structured output: the compiled constraint at the start of the output, or `None`. The
+    /// scheduler computes the token mask of each sampling row from it and feeds it every
+    /// accepted token; a guided request has at most one sampling row in flight. Needs tables
+    /// with a token-mask table, `min_tokens == 0` and no `allowed_only`.
+    pub guide: Option<baton_grammar::Guide>,
 }
 
 /// The ids that end a request: `stop_token_ids`, plus `eos_ids` unless `ignore_eos`, sorted
@@ -142,6 +147,17 @@ pub(crate) struct Request {
     /// `SamplingParams::prompt_logprobs`). It survives preemption, so a recompute reports
     /// only the positions not yet delivered.
     pub prompt_lp_next: usize,
+    /// Structured output: the guide and the mask of the next sampled token (computed when the
+    /// previous token was accepted; it survives preemption, which keeps the outputs).
+    pub guide: Option<Box<Guided>>,
+}
+
+/// A guided request's constraint state.
+#[derive(Debug)]
+pub(crate) struct Guided {
+    pub guide: baton_grammar::Guide,
+    /// [`baton_proto::token_mask_words`] words: the tokens allowed next.
+    pub mask: Vec<u32>,
 }
 
 impl Request {
@@ -180,6 +196,12 @@ impl Request {
             state: State::Waiting,
             preemptions: 0,
             prompt_lp_next: 1,
+            guide: r.guide.map(|guide| {
+                Box::new(Guided {
+                    guide,
+                    mask: Vec::new(),
+                })
+            }),
         }
     }
 
@@ -242,6 +264,7 @@ mod tests {
             logit_bias: Vec::new(),
             min_tokens: 0,
             cache_salt: 0,
+            guide: None,
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");

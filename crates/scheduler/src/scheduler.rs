@@ -84,6 +84,10 @@ pub enum AdmitError {
     /// entries per prompt position.
     #[error("prompt log-probabilities are supported with at most {most} top entries, this request asks for {asked}")]
     TooManyPromptLogprobs { asked: u32, most: usize },
+    /// A structured output that cannot run here: the scheduler has no token-mask table (no
+    /// vocabulary), it is combined with `min_tokens` or `allowed_only`, or its guide failed.
+    #[error("structured output: {0}")]
+    Guided(String),
 }
 
 /// What the scheduler tells the request's owner.
@@ -297,10 +301,11 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
 impl Scheduler<Box<[AtomicU32]>> {
     /// A scheduler with heap-backed token and block tables (the in-process engine).
     pub fn new_local(cfg: SchedulerConfig, vocab_size: usize) -> Self {
-        let tables = Arc::new(HeapSlotTables::new_heap(
+        let tables = Arc::new(HeapSlotTables::new_heap_masked(
             cfg.max_num_seqs,
             cfg.max_model_len,
             cfg.max_blocks_per_seq(),
+            baton_proto::token_mask_words(vocab_size),
         ));
         Self::with_tables(cfg, vocab_size, tables)
     }
@@ -439,7 +444,19 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         if self.requests.find(r.id).is_some() {
             return Err(AdmitError::DuplicateId(r.id));
         }
-        let req = Request::new(r);
+        let words = self.tables.mask_words();
+        if r.guide.is_some() && words != baton_proto::token_mask_words(self.vocab_size) {
+            return Err(AdmitError::Guided(
+                "this scheduler has no token-mask table for the model's vocabulary".into(),
+            ));
+        }
+        let mut req = Request::new(r);
+        if let Some(g) = &mut req.guide {
+            g.mask.resize(words, 0);
+            g.guide
+                .fill_mask(&mut g.mask)
+                .map_err(|e| AdmitError::Guided(e.to_string()))?;
+        }
         self.emit(|| TraceRecord {
             owner: Some("scheduler".into()),
             ..Self::req_record(Boundary::Admission, &req)
@@ -615,6 +632,11 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let slot = r.slot.expect("running request has a slot");
         let known = r.known_len();
         let frontier = known + r.inflight_samples.len();
+        // A guided row's mask depends on every earlier output, so it waits until they are
+        // accepted (it never reads a pending input).
+        if r.guide.is_some() && !r.inflight_samples.is_empty() {
+            return Plan::Nothing;
+        }
         // `max_tokens == 0`: compute the prompt (for its log-probabilities) and sample nothing.
         let prompt_only = r.max_tokens == 0;
         if r.scheduled_len >= frontier || (!prompt_only && r.outputs_promised() >= r.max_tokens) {
@@ -681,6 +703,12 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         if output_index < r.min_tokens {
             // The stop-id mask follows the bias in the slot's logit-bias row.
             params.logit_bias_len = r.logit_bias.len() as u32;
+        }
+        if let (true, Some(g)) = (sample, &r.guide) {
+            // No launch still reads this slot's mask row: the previous guided row of the
+            // request completed before this one could be planned.
+            self.tables.set_token_mask(slot.slot, &g.mask);
+            params.token_mask = 1;
         }
         rows.push(LaunchRow {
             req: slot,
@@ -958,11 +986,29 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.known_len += 1;
                 let stop = r.num_outputs() > r.min_tokens && r.is_stop(s.token);
                 let length = r.num_outputs() >= r.max_tokens || r.known_len >= max_model_len;
-                Some((stop, length, r.prompt_cached.unwrap_or(0)))
+                // The guide takes the token and gives the next mask (not needed after the
+                // last token); a failure ends the request.
+                let guide_failed = match &mut r.guide {
+                    Some(g) if !stop && !length => g
+                        .guide
+                        .consume(s.token)
+                        .and_then(|()| g.guide.fill_mask(&mut g.mask))
+                        .err(),
+                    _ => None,
+                };
+                if let Some(e) = &guide_failed {
+                    tracing::warn!(req = r.id, "structured output failed: {e}");
+                }
+                Some((
+                    stop,
+                    length,
+                    guide_failed.is_some(),
+                    r.prompt_cached.unwrap_or(0),
+                ))
             }
             _ => None,
         };
-        let Some((stop, length, cached_tokens)) = accepted else {
+        let Some((stop, length, guide_failed, cached_tokens)) = accepted else {
             self.emit(|| TraceRecord {
                 req: Some(m.id),
                 launch: Some(seq),
@@ -998,6 +1044,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         });
         if stop {
             self.finish(m.req, FinishReason::Stop, events);
+        } else if guide_failed {
+            self.finish(m.req, FinishReason::Abort, events);
         } else if length {
             self.finish(m.req, FinishReason::Length, events);
         }
@@ -1177,6 +1225,11 @@ pub fn check_admission(
             asked: r.params.prompt_logprobs - 1,
             most: MAX_TOP_LOGPROBS,
         });
+    }
+    if r.guide.is_some() && (r.min_tokens > 0 || r.params.allowed_only != 0) {
+        return Err(AdmitError::Guided(
+            "a structured output cannot be combined with min_tokens or allowed_token_ids".into(),
+        ));
     }
     if r.params.allowed_only != 0 && bias.is_empty() {
         return Err(AdmitError::BadLogitBias(

@@ -34,6 +34,7 @@ fn allowed(allowed: &[u32], min_tokens: u32, stops: &[u32]) -> NewRequest {
         logit_bias: allowed.iter().map(|&t| (t, 0.0)).collect(),
         min_tokens,
         cache_salt: 0,
+        guide: None,
     }
 }
 

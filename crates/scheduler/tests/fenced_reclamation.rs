@@ -260,6 +260,7 @@ impl Sim {
                     logit_bias: Vec::new(),
                     min_tokens: 0,
                     cache_salt: 0,
+                    guide: None,
                 };
                 let prompt = r.prompt.clone();
                 if self.sched.add_request(r).is_ok() {
@@ -911,6 +912,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         logit_bias: Vec::new(),
         min_tokens: 0,
         cache_salt: 0,
+        guide: None,
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -924,6 +926,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         logit_bias: Vec::new(),
         min_tokens: 0,
         cache_salt: 0,
+        guide: None,
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -995,6 +998,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             logit_bias: Vec::new(),
             min_tokens: 0,
             cache_salt: 0,
+            guide: None,
         })
         .unwrap();
     }

@@ -21,6 +21,9 @@ pub struct CpuBackend {
     penalties: Vec<PenaltyEntry>,
     /// A token read from the table (the one after a prompt chunk).
     scratch: Vec<u32>,
+    /// A structured-output row's token mask and its masked logits.
+    mask: Vec<u32>,
+    masked: Vec<f32>,
 }
 
 impl CpuBackend {
@@ -50,6 +53,8 @@ impl CpuBackend {
             bias: Vec::new(),
             penalties: Vec::new(),
             scratch: Vec::new(),
+            mask: Vec::new(),
+            masked: Vec::new(),
         })
     }
 
@@ -170,6 +175,22 @@ impl Backend for CpuBackend {
                     &mut self.penalties,
                 )
                 .map_err(|e| WorkerError::Forward(format!("row {i}: {e}")))?;
+            let l = if r.params.token_mask != 0 {
+                tables.read_token_mask(r.req.slot, &mut self.mask);
+                if self.mask.len() != l.len().div_ceil(32) {
+                    return Err(WorkerError::Forward(format!(
+                        "row {i} asks for a token mask of {} words but the tables hold {}",
+                        l.len().div_ceil(32),
+                        self.mask.len()
+                    )));
+                }
+                self.masked.clear();
+                self.masked.extend_from_slice(l);
+                crate::sampling::apply_token_mask(&mut self.masked, &self.mask);
+                &self.masked[..]
+            } else {
+                l
+            };
             let out = self
                 .sampler
                 .sample_penalized(l, &r.params, r.output_index, &self.penalties);

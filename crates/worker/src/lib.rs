@@ -31,6 +31,9 @@ pub trait TableReader {
     fn read_blocks(&self, slot: u32, n: usize, out: &mut Vec<u32>);
     /// Appends the first `n` (at most `MAX_LOGIT_BIAS`) logit-bias entries of `slot` to `out`.
     fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>);
+    /// Replaces `out` with the token-mask row of `slot` (`baton_proto::token_mask_words` of
+    /// the vocabulary; empty when the tables have no mask table).
+    fn read_token_mask(&self, slot: u32, out: &mut Vec<u32>);
 }
 
 impl<S: AsRef<[AtomicU32]>> TableReader for SlotTables<S> {
@@ -42,6 +45,9 @@ impl<S: AsRef<[AtomicU32]>> TableReader for SlotTables<S> {
     }
     fn read_logit_bias(&self, slot: u32, n: usize, out: &mut Vec<(u32, f32)>) {
         SlotTables::read_logit_bias(self, slot, n.min(baton_proto::MAX_LOGIT_BIAS), out)
+    }
+    fn read_token_mask(&self, slot: u32, out: &mut Vec<u32>) {
+        SlotTables::read_token_mask(self, slot, out)
     }
 }
 

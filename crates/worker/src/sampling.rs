@@ -412,6 +412,18 @@ pub fn rank_of(logits: &[f32], token: u32) -> u32 {
     1 + logits.iter().filter(|&&y| clean(y) > x).count() as u32
 }
 
+/// Structured outputs (`SamplingParams::token_mask`): every logit whose bit in `mask` is clear
+/// becomes `-inf` (bit `t % 32` of word `t / 32` is token `t`; tokens past the mask count as
+/// clear). Applied before everything else, as vLLM applies its grammar bitmask to the logits
+/// before the sampler, so the log-probabilities are those of the masked logits.
+pub fn apply_token_mask(logits: &mut [f32], mask: &[u32]) {
+    for (t, v) in logits.iter_mut().enumerate() {
+        if mask.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// `allowed_token_ids`: every logit whose token has no listed entry becomes `-inf` (`list`
 /// ascending by token, as the penalty lists are).
 fn mask_unlisted(x: &mut [f32], list: &[PenaltyEntry]) {
