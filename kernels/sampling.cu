@@ -40,7 +40,7 @@
 #define BATON_PHILOX_W1 0xBB67AE85u
 #define BATON_FIX_ONE 1099511627776.0f  // 2^40
 
-// Same layout as baton_proto::SamplingParams (#[repr(C)], 56 bytes; checked by a Rust test).
+// Same layout as baton_proto::SamplingParams (#[repr(C)], 64 bytes; checked by a Rust test).
 // prompt_logprobs is unused here: the worker scores prompt positions on the host.
 struct BatonSamplingParams {
     float temperature;
@@ -56,6 +56,8 @@ struct BatonSamplingParams {
     u32 logit_bias_len;
     u32 allowed_only;
     u32 prompt_logprobs;
+    u32 token_mask;
+    u32 reserved;
 };
 
 // One distinct token of a row's history or logit bias (baton_cuda::staging::DevicePenaltyEntry,

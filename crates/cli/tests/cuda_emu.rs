@@ -755,3 +755,200 @@ fn prompt_logprobs_match_the_cpu_worker() {
         "the plain request's decodes ran from graphs"
     );
 }
+
+/// Random token-mask words with about `density` of the bits set (an LCG seeded by `seed`).
+fn random_mask(seed: u64, words: usize, density: f64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..words)
+        .map(|_| {
+            (0..32).fold(0u32, |acc, b| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let u = (s >> 11) as f64 / (1u64 << 53) as f64;
+                acc | (u32::from(u < density) << b)
+            })
+        })
+        .collect()
+}
+
+/// Structured outputs (`SamplingParams::token_mask`): launches with guided rows (greedy and
+/// seeded, with log-probabilities) beside unguided ones, on the CUDA worker (emulated, f32) and
+/// the CPU worker over the same tables, step by step: a prefill launch (eager), then decode
+/// launches (graph replays, or eager under --enforce-eager), the last with no guided row. Each
+/// step's masks are random and exclude the token the row would take unmasked (what a third,
+/// CPU worker gives with the masks off), so a CUDA worker that ignored them would differ. Two
+/// guided rows need twice the initial mask buffer: it grows after the graphs were captured,
+/// which then read its new address from the staging buffer.
+#[test]
+fn token_masked_rows_match_the_cpu_worker_with_graphs_and_eagerly() {
+    use baton_proto::{
+        token_mask_words, HeapSlotTables, Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING,
+    };
+    use baton_worker::{Backend, CpuBackend};
+    let (bs, pages, rows, max_len) = (16usize, 4usize, 4usize, 64usize);
+    let g = goldens();
+    let cpu_model = || {
+        baton_model::load_model_dir(model_dir())
+            .expect("test model loads")
+            .into_cpu_model()
+            .0
+    };
+    let vocab = cpu_model().config().vocab_size;
+    let words = token_mask_words(vocab);
+    let params = [
+        // Guided, greedy, with log-probabilities.
+        SamplingParams {
+            top_logprobs: 3,
+            want_logprob: 1,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams::greedy(),
+        // Guided, seeded.
+        SamplingParams {
+            top_logprobs: 2,
+            want_logprob: 1,
+            ..seeded(21)
+        },
+        seeded(22),
+    ];
+    let guided = [true, false, true, false];
+    let steps = 6usize;
+    for eager in [false, true] {
+        let tables = HeapSlotTables::new_heap_masked(rows, max_len, pages, words);
+        let mut len = vec![0usize; rows];
+        for s in 0..rows {
+            let prompt = &g[s % g.len()].prompt_ids;
+            for (p, &t) in prompt.iter().enumerate() {
+                tables.set_token(s as u32, p, t);
+            }
+            len[s] = prompt.len();
+            for i in 0..pages {
+                tables.set_block(s as u32, i, (s * pages + i) as u32);
+            }
+        }
+        let mut cpu = CpuBackend::new(cpu_model(), rows * pages, bs);
+        let mut unmasked = CpuBackend::new(cpu_model(), rows * pages, bs);
+        let last = Mutex::new(None);
+        let loaded = ModelDir::new(model_dir())
+            .load(baton_model::LoadFormat::Auto)
+            .expect("model");
+        let sizes = CudaSizes {
+            block_size: bs,
+            num_blocks: Some(rows * pages),
+            max_tokens: max_len,
+            max_rows: rows,
+            max_model_len: max_len,
+        };
+        let mut gpu =
+            emu(Dtype::F32, eager, &last)(loaded.config, loaded.weights.into(), sizes).unwrap();
+        // Computed positions per slot (0 before the prefill).
+        let mut done = vec![0usize; rows];
+        for step in 0..steps {
+            let masked = step + 1 < steps;
+            let launch = |masks: bool| Launch {
+                seq: step as u64 + 1,
+                rows: (0..rows)
+                    .map(|s| LaunchRow {
+                        req: SlotRef {
+                            slot: s as u32,
+                            generation: 0,
+                        },
+                        first_pos: done[s] as u32,
+                        num_tokens: (len[s] - done[s]) as u32,
+                        num_blocks: len[s].div_ceil(bs) as u32,
+                        sample: 1,
+                        pending_launch: NOT_PENDING,
+                        pending_row: 0,
+                        output_index: step as u32,
+                        params: SamplingParams {
+                            token_mask: u32::from(masks && guided[s]),
+                            ..params[s]
+                        },
+                    })
+                    .collect(),
+            };
+            let free = unmasked.execute(&launch(false), &tables).unwrap();
+            if masked {
+                for s in (0..rows).filter(|&s| guided[s]) {
+                    let mut mask = random_mask((step * rows + s) as u64, words, 0.4);
+                    let t = free.sampled[s].token as usize;
+                    mask[t / 32] &= !(1 << (t % 32));
+                    tables.set_token_mask(s as u32, &mask);
+                }
+            }
+            let l = launch(masked);
+            let want = cpu.execute(&l, &tables).unwrap();
+            let got = gpu.execute(&l, &tables).unwrap();
+            assert_eq!(want.sampled.len(), rows);
+            assert_eq!(got.sampled.len(), rows);
+            for (s, (w, o)) in want.sampled.iter().zip(&got.sampled).enumerate() {
+                let what = format!("eager {eager}, step {step}, row {s}");
+                assert_eq!(w.token, o.token, "{what}: token (CPU vs CUDA)");
+                assert!(
+                    (w.logprob - o.logprob).abs() <= 1e-4 * (1.0 + w.logprob.abs()),
+                    "{what}: logprob {} vs {}",
+                    w.logprob,
+                    o.logprob
+                );
+                assert_eq!(w.top.len(), o.top.len(), "{what}: top entries");
+                for (a, b) in w.top.iter().zip(&o.top) {
+                    assert!(
+                        (a.1 - b.1).abs() <= 1e-4 * (1.0 + a.1.abs()),
+                        "{what}: top {:?} vs {:?}",
+                        w.top,
+                        o.top
+                    );
+                }
+                if masked && guided[s] {
+                    // The mask decided the token, and only allowed tokens have finite
+                    // log-probabilities.
+                    let mut mask = Vec::new();
+                    tables.read_token_mask(s as u32, &mut mask);
+                    let allowed = |t: u32| mask[t as usize / 32] >> (t % 32) & 1 == 1;
+                    assert_ne!(
+                        w.token, free.sampled[s].token,
+                        "{what}: mask changed nothing"
+                    );
+                    assert!(allowed(w.token), "{what}: token {} not allowed", w.token);
+                    for &(t, lp) in &w.top {
+                        assert!(
+                            allowed(t) || lp == f32::NEG_INFINITY,
+                            "{what}: top {t} {lp}"
+                        );
+                    }
+                } else {
+                    assert_eq!(
+                        w.token, free.sampled[s].token,
+                        "{what}: unguided row changed"
+                    );
+                }
+            }
+            // Next step: decode the CPU's token (the same as the CUDA worker's).
+            for (s, w) in want.sampled.iter().enumerate() {
+                tables.set_token(s as u32, len[s], w.token);
+                done[s] = len[s];
+                len[s] += 1;
+            }
+        }
+        assert_eq!(
+            gpu.token_mask_capacity(),
+            2 * words,
+            "the mask buffer grew to two rows"
+        );
+        let dev = last.lock().unwrap().take().unwrap();
+        let mask_launches = dev.launches_of("baton_apply_token_mask");
+        if eager {
+            assert_eq!(dev.graph_launches(), 0);
+            // Only launches with a guided row run the kernel.
+            assert_eq!(mask_launches, steps as u64 - 1);
+        } else {
+            // The decode steps replayed graphs (each runs the kernel, guided rows or not).
+            assert!(
+                dev.graph_launches() >= steps as u64 - 1,
+                "decode graphs replayed"
+            );
+            assert!(mask_launches >= steps as u64, "{mask_launches}");
+        }
+    }
+}

@@ -1955,3 +1955,189 @@ fn prompt_scoring_matches_the_cpu_scorer() {
         }
     });
 }
+
+// ---- Token masks (structured outputs) ------------------------------------------------------------
+
+/// Runs `baton_apply_token_mask` over `logits` ([rows, stride] f32) as the executor launches it,
+/// but with grid.y = `splits`: row `r` takes mask `mask_rows[r]` of `masks` (compacted,
+/// `ceil(vocab / 32)` words each) or none for `-1`.
+fn apply_token_mask_dev(
+    logits: &mut [f32],
+    stride: usize,
+    vocab: usize,
+    mask_rows: &[i32],
+    masks: &[u32],
+    splits: usize,
+) {
+    let rows = mask_rows.len();
+    assert_eq!(logits.len(), rows * stride);
+    let table: u64 = masks.as_ptr() as u64;
+    // apply_token_mask(logits, logits_stride, mask_rows, mask_table, vocab)
+    run(
+        Dtype::Bf16, // f32 logits whatever the module's elem_t
+        "baton_apply_token_mask",
+        (rows as u32, splits as u32, 1),
+        baton_cuda::plan::TOKEN_MASK_BLOCK as u32,
+        Params::new()
+            .ptr_mut(logits.as_mut_ptr())
+            .int(stride as i32)
+            .ptr(mask_rows.as_ptr())
+            .ptr(&table)
+            .int(vocab as i32),
+    );
+}
+
+/// The CPU worker's masking of the same rows: `baton_worker::sampling::apply_token_mask` on
+/// each row's first `vocab` logits (the padding past `vocab` is never touched).
+fn apply_token_mask_ref(
+    logits: &[f32],
+    stride: usize,
+    vocab: usize,
+    mask_rows: &[i32],
+    masks: &[u32],
+) -> Vec<f32> {
+    let words = baton_proto::token_mask_words(vocab);
+    let mut want = logits.to_vec();
+    for (r, &m) in mask_rows.iter().enumerate() {
+        if m >= 0 {
+            let mask = &masks[m as usize * words..][..words];
+            baton_worker::sampling::apply_token_mask(&mut want[r * stride..][..vocab], mask);
+        }
+    }
+    want
+}
+
+/// Random mask words with about `density` of the bits set (an LCG, as [`values`]).
+fn mask_words(seed: u64, words: usize, density: f32) -> Vec<u32> {
+    let v = values(seed, 32 * words);
+    (0..words)
+        .map(|w| {
+            (0..32).fold(0u32, |acc, b| {
+                acc | (u32::from(v[32 * w + b] < 2.0 * density - 1.0) << b)
+            })
+        })
+        .collect()
+}
+
+/// Compares logits bit for bit (NaN payloads and signed zeros included).
+#[track_caller]
+fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// `baton_apply_token_mask` against the CPU worker's `apply_token_mask`: rows with and without
+/// a mask (masks taken out of row order, one row's mask used twice), a vocabulary that is not a
+/// multiple of 32 with set bits past it in the last word, logits padded past the vocabulary
+/// (untouched), NaN / +inf / -0 logits, empty, full and sparse masks, and grids of 1 block per
+/// row up to more blocks than mask words (empty slices).
+#[test]
+fn token_masks_set_every_disallowed_logit_to_minus_infinity_as_the_cpu_worker() {
+    every_schedule(|| {
+        let vocab = 1000usize; // 31 full words and 8 tokens of a 32nd
+        let words = baton_proto::token_mask_words(vocab);
+        assert_eq!(words, 32);
+        let stride = vocab + 13;
+        let rows = 7usize;
+        let mut logits: Vec<f32> = values(41, rows * stride).iter().map(|x| x * 6.0).collect();
+        logits[3] = f32::NAN;
+        logits[stride + 5] = f32::INFINITY;
+        logits[2 * stride + 999] = -0.0;
+        logits[4 * stride + 31] = f32::NEG_INFINITY;
+        let mut last = mask_words(44, 1, 0.5)[0];
+        last |= 0xffff_ff00; // bits of tokens 1000.. (past the vocabulary)
+        let masks: Vec<u32> = [
+            mask_words(42, words, 0.1), // 0: sparse (a grammar's usual mask)
+            vec![0; words],             // 1: nothing allowed
+            vec![u32::MAX; words],      // 2: everything allowed
+            mask_words(43, words - 1, 0.5) // 3: half, with bits past the vocabulary
+                .into_iter()
+                .chain([last])
+                .collect(),
+        ]
+        .concat();
+        let mask_rows = [3, -1, 0, 1, -1, 3, 2];
+        let want = apply_token_mask_ref(&logits, stride, vocab, &mask_rows, &masks);
+        // The masks did something, and left the unmasked rows and the padding alone.
+        assert!(want[3 * stride..3 * stride + vocab]
+            .iter()
+            .all(|x| *x == f32::NEG_INFINITY));
+        assert_same_bits(
+            &want[stride..2 * stride],
+            &logits[stride..2 * stride],
+            "row 1",
+        );
+        let executor = baton_cuda::plan::token_mask_splits(vocab);
+        assert_eq!(executor, 1);
+        for splits in [executor, 2, 3, 7, 32, 64] {
+            let mut got = logits.clone();
+            apply_token_mask_dev(&mut got, stride, vocab, &mask_rows, &masks, splits);
+            assert_same_bits(&got, &want, &format!("{splits} blocks per row"));
+        }
+        // A full mask changes nothing, an empty one everything.
+        let mut got = logits[..stride].to_vec();
+        apply_token_mask_dev(&mut got, stride, vocab, &[2], &masks, 1);
+        assert_same_bits(&got, &logits[..stride], "full mask");
+    });
+}
+
+/// A Llama-3-sized vocabulary (128256 tokens, 4008 mask words, the executor's 16 blocks per
+/// row) with a guided row between unguided ones, then the sampler over the masked logits: the
+/// greedy and seeded draws, log-probabilities and top entries are the CPU worker's on the
+/// masked logits (the mask excludes the unmasked argmax, so an ignored mask would fail).
+#[test]
+fn token_masks_over_a_llama_3_vocabulary_then_sampling_match_the_cpu_worker() {
+    every_schedule(|| {
+        let vocab = 128_256usize;
+        let words = baton_proto::token_mask_words(vocab);
+        assert_eq!(words, 4008);
+        let raw: Vec<f32> = values(51, vocab).iter().map(|x| x * 10.0).collect();
+        let argmax = (0..vocab)
+            .max_by(|&a, &b| raw[a].total_cmp(&raw[b]).then(b.cmp(&a)))
+            .unwrap();
+        let mut mask = mask_words(52, words, 0.3);
+        mask[argmax / 32] &= !(1 << (argmax % 32));
+        let logits: Vec<f32> = raw.iter().chain(&raw).chain(&raw).copied().collect();
+        let mask_rows = [-1, 0, -1];
+        let want = apply_token_mask_ref(&logits, vocab, vocab, &mask_rows, &mask);
+        let splits = baton_cuda::plan::token_mask_splits(vocab);
+        assert_eq!(splits, 16);
+        let mut got = logits.clone();
+        apply_token_mask_dev(&mut got, vocab, vocab, &mask_rows, &mask, splits);
+        assert_same_bits(&got, &want, "128256 tokens");
+
+        let masked = &want[vocab..2 * vocab];
+        let params = [
+            SamplingParams {
+                top_logprobs: 5,
+                want_logprob: 1,
+                ..SamplingParams::greedy()
+            },
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 77,
+                top_logprobs: 3,
+                want_logprob: 1,
+                ..SamplingParams::greedy()
+            },
+        ];
+        // The sampler over the first two rows (unguided, guided) of the masked logits.
+        for p in &params {
+            let o = sample(&got[..2 * vocab], vocab, &[*p, *p], &[4, 4]);
+            assert_matches_cpu(&o, 0, &raw, p, 4);
+            assert_matches_cpu(&o, 1, masked, p, 4);
+            let t = o.tokens[1] as usize;
+            assert_ne!(t, argmax, "the mask was ignored");
+            assert!(
+                mask[t / 32] >> (t % 32) & 1 == 1,
+                "token {t} is not allowed"
+            );
+            if p.temperature == 0.0 {
+                assert_eq!(o.tokens[0], argmax as u32);
+            }
+        }
+    });
+}

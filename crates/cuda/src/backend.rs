@@ -1,10 +1,8 @@
-//! `CudaBackend` skeleton: one device context and stream, with every kernel of `kernels/`
-//! compiled by NVRTC for the device's own architecture and loaded by entry-point name.
-//!
-//! Status: compiles everywhere, runs only with a GPU. The model forward pass (cuBLAS GEMMs,
-//! CUDA graphs, the KV pool) is not built yet; what exists is loading, memory info, and typed
-//! launchers for the sampler and its RNG probes, which `tests/gpu_smoke.rs` exercises on a
-//! device. None of it has run on a GPU as of this writing.
+//! `CudaBackend`: a device probe for `tests/gpu_smoke.rs`: one device context and stream, with
+//! every kernel of `kernels/` compiled by NVRTC for the device's own architecture and loaded by
+//! entry-point name, and typed launchers for the sampler and its Philox RNG. It is not the
+//! worker: the model runs in [`crate::executor::CudaWorker`] through the [`crate::device`]
+//! trait. The sampler here applies no penalties and no structured-output mask.
 
 use crate::kernels::{compile_ptx, kernel_entry_points, KernelError, SAMPLER_TOP_SLOTS};
 use baton_proto::SamplingParams;
@@ -221,7 +219,7 @@ impl CudaBackend {
             // penalty_table, const BatonPenaltyRow* penalty_rows, const u32* input_ids,
             // BatonSamplePartial* partials, int* counters, int vocab)`; every buffer holds
             // `rows` (or `rows * 20`) entries, logits `rows * vocab`, partials `rows * splits`
-            // 16-byte records and counters `rows` zeroed ints (grid.y = splits), params `rows` 56-byte records with the layout checked by
+            // 16-byte records and counters `rows` zeroed ints (grid.y = splits), params `rows` 64-byte records with the layout checked by
             // `kernels::tests::sampling_params_layout_matches_the_cuda_struct`, penalty rows
             // `rows` 16-byte records that penalize nothing (so the table is not read).
             unsafe { b.launch(cfg) }?;

@@ -7,15 +7,20 @@
 //!    rows with penalties or a logit bias carry their list, built on the host from the token
 //!    and logit-bias tables ([`baton_worker::penalty::PenaltyHistories`], per-slot counts kept
 //!    across steps); the lists go, flattened, into a separate growable entry buffer (one more
-//!    async copy) whose address the staging buffer carries;
+//!    async copy) whose address the staging buffer carries. Structured-output rows
+//!    (`SamplingParams::token_mask`) carry the slot's token mask from the mask table the same
+//!    way: the guided rows' masks, compacted, in a growable mask buffer (uploaded only when a
+//!    row has one), each row's index into it in the staging buffer;
 //! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
 //!    from the ring of ids earlier launches sampled (never a host round trip);
 //! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, RoPE, KV
 //!    write by slot, paged attention (decode split-K, varlen prefill, or the generic kernel for
 //!    head dims other than 64/128/256), O GEMM, add + RMSNorm, gate/up GEMM, SiLU-and-mul, down
 //!    GEMM; final add + RMSNorm, gather of each row's last token, LM-head GEMM to f32 logits,
-//!    device sampler (penalties applied to the logits first, a pending input merged into its
-//!    row's list on the device). GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on
+//!    the guided rows' token masks (`baton_apply_token_mask`: every disallowed logit becomes
+//!    `-inf`, as the CPU worker's `apply_token_mask`; eager launches without a guided row skip
+//!    it), device sampler (penalties applied to the logits first, a pending input merged into
+//!    its row's list on the device). GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on
 //!    the stream;
 //! 4. the sampled ids are copied into the device ring (for the next launches' pending rows) and
 //!    to pinned host memory, then a CUDA event is recorded: the launch's fence. `execute`
@@ -287,6 +292,23 @@ fn put_entries(buf: &mut [u8], entries: &[DevicePenaltyEntry]) {
     buf[..b.len()].copy_from_slice(b);
 }
 
+/// The token masks of a launch's structured-output rows (`SamplingParams::token_mask`), as
+/// [`CudaWorker::resolve`] reads them from the mask table: per row the index of its mask among
+/// the launch's masks (`-1` for none), and the masks of the guided rows, compacted
+/// (`baton_proto::token_mask_words(vocab)` u32 words each, in row order).
+#[derive(Clone, Debug, Default)]
+struct TokenMasks {
+    rows: Vec<i32>,
+    words: Vec<u32>,
+}
+
+impl TokenMasks {
+    /// Whether some row has a mask.
+    fn any(&self) -> bool {
+        !self.words.is_empty()
+    }
+}
+
 /// One scored prompt position of the last launch.
 struct PromptScore {
     /// The launch row.
@@ -337,6 +359,18 @@ pub struct CudaWorker {
     pen_used: usize,
     /// Per-slot token counts of penalized requests (host side; see `baton_worker::penalty`).
     histories: PenaltyHistories,
+    /// Token masks of the current launch's guided rows, compacted (device and pinned host,
+    /// `mask_cap` u32 words each; reallocated larger when a launch needs more, see
+    /// [`CudaWorker::reserve_masks`]).
+    mask_dev: Buf,
+    mask_host: Pinned,
+    mask_cap: usize,
+    /// Words the current launch uses (0: no row has a mask; nothing is uploaded).
+    mask_used: usize,
+    /// The last resolved launch's masks (host scratch, see [`CudaWorker::resolve`]).
+    masks: TokenMasks,
+    /// One row's mask as read from the tables (host scratch).
+    mask_row: Vec<u32>,
     out_dev: Buf,
     out_host: Pinned,
     ring: Buf,
@@ -604,6 +638,8 @@ struct BufferPlan {
     max_partitions: usize,
     /// Initial capacity of the penalty-entry buffer, in entries.
     penalty_entries: usize,
+    /// Initial capacity of the token-mask buffer, in u32 words (one row's mask).
+    mask_words: usize,
 }
 
 impl BufferPlan {
@@ -658,6 +694,7 @@ impl BufferPlan {
             rows: r,
             max_partitions,
             penalty_entries: initial_penalty_entries(t),
+            mask_words: baton_proto::token_mask_words(cfg.vocab_size).max(1),
         }
     }
 
@@ -669,6 +706,7 @@ impl BufferPlan {
             + round(self.out.total)
             + round(4 * KEPT_LAUNCHES * self.rows)
             + round(PENALTY_ENTRY_BYTES * self.penalty_entries)
+            + round(4 * self.mask_words)
     }
 }
 
@@ -860,6 +898,9 @@ impl CudaWorker {
         let pen_cap = bp.penalty_entries;
         let pen_dev = alloc(PENALTY_ENTRY_BYTES * pen_cap)?;
         let pen_host = Pinned::new(&dev, PENALTY_ENTRY_BYTES * pen_cap)?;
+        let mask_cap = bp.mask_words;
+        let mask_dev = alloc(4 * mask_cap)?;
+        let mask_host = Pinned::new(&dev, 4 * mask_cap)?;
 
         // KV pool.
         let num_blocks = Self::plan_kv_blocks(&cfg, &opts, free_before, total_mem)?;
@@ -891,6 +932,12 @@ impl CudaWorker {
             pen_cap,
             pen_used: 0,
             histories: PenaltyHistories::new(),
+            mask_dev,
+            mask_host,
+            mask_cap,
+            mask_used: 0,
+            masks: TokenMasks::default(),
+            mask_row: Vec::new(),
             prompt_out: Vec::new(),
             prompt_scores: Vec::new(),
             out_dev,
@@ -1033,6 +1080,12 @@ impl CudaWorker {
         self.dtype
     }
 
+    /// Capacity of the token-mask buffer, in u32 words (one row's mask at first; it grows when
+    /// a launch has more guided rows).
+    pub fn token_mask_capacity(&self) -> usize {
+        self.mask_cap
+    }
+
     /// Capacity of the penalty-entry buffer, in entries (it grows when a launch needs more).
     pub fn penalty_capacity(&self) -> usize {
         self.pen_cap
@@ -1129,13 +1182,17 @@ impl CudaWorker {
 
     /// Enqueues the forward pass and the sampler for `t` tokens in `r` rows whose inputs are
     /// already in the device staging buffer. With `dumps`, synchronizes after each layer and
-    /// copies the residual stream back (never under graph capture).
+    /// copies the residual stream back (never under graph capture). With `token_masks`, the
+    /// token masks the staging buffer names are applied to the logits before the sampler
+    /// (always under graph capture: a replay may carry guided rows; rows without a mask cost
+    /// their blocks one load).
     fn enqueue_forward(
         &self,
         t: usize,
         r: usize,
         mode: AttnMode,
         mut dumps: Option<&mut Dumps>,
+        token_masks: bool,
     ) -> Result<(), CudaWorkerError> {
         let c = &self.cfg;
         let (h, hd, nh, kvh) = (
@@ -1353,6 +1410,24 @@ impl CudaWorker {
                     .map(<[f32]>::to_vec)
                     .collect();
             }
+        }
+        if token_masks {
+            // apply_token_mask(logits, logits_stride, mask_rows, mask_table, vocab)
+            self.launch(
+                "baton_apply_token_mask",
+                (
+                    r as u32,
+                    crate::plan::token_mask_splits(c.vocab_size) as u32,
+                    1,
+                ),
+                crate::plan::TOKEN_MASK_BLOCK as u32,
+                KArgs::new()
+                    .p(act(a.logits))
+                    .i(c.vocab_size)
+                    .p(st(l.mask_rows))
+                    .p(st(l.mask_table))
+                    .i(c.vocab_size),
+            )?;
         }
         let o = out_offsets(self.layout.max_rows);
         let od = |x: usize| self.out_dev.at(x);
@@ -1593,6 +1668,24 @@ impl CudaWorker {
         Ok(())
     }
 
+    /// Makes room for `n` token-mask words, as [`CudaWorker::reserve_penalties`] does for
+    /// penalty entries (captured graphs read the new address from the staging buffer).
+    ///
+    /// # Errors
+    /// Allocation failures (out of device or pinned memory).
+    fn reserve_masks(&mut self, n: usize) -> Result<(), CudaWorkerError> {
+        if n <= self.mask_cap {
+            return Ok(());
+        }
+        let cap = n.max(2 * self.mask_cap);
+        let dev = Buf::new(&self.dev, 4 * cap)?;
+        let host = Pinned::new(&self.dev, 4 * cap)?;
+        self.mask_dev = dev;
+        self.mask_host = host;
+        self.mask_cap = cap;
+        Ok(())
+    }
+
     /// Copies the staging host buffer to the device (async, on the stream).
     /// Uploads the staged inputs of a launch of `num_rows` rows (after padding): the prefix
     /// of the staging buffer those rows use.
@@ -1632,6 +1725,8 @@ impl CudaWorker {
                 plan,
                 penalty_rows: Vec::new(),
                 penalty_table: self.pen_dev.ptr,
+                mask_rows: Vec::new(),
+                mask_table: self.mask_dev.ptr,
             };
             let layout = self.layout;
             layout
@@ -1639,10 +1734,10 @@ impl CudaWorker {
                 .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
             self.upload_staging(b)?;
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
-            self.enqueue_forward(b, b, AttnMode::Decode, None)?;
+            self.enqueue_forward(b, b, AttnMode::Decode, None, true)?;
             self.dev.synchronize()?;
             self.dev.begin_capture()?;
-            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None);
+            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None, true);
             // Always end the capture (even after an enqueue error) so the stream leaves
             // capture mode.
             let graph = self.dev.end_capture();
@@ -1656,11 +1751,13 @@ impl CudaWorker {
     /// Runs `rows` as launch `seq`: stages the inputs, resolves pending ids on the device,
     /// runs the forward pass (a graph replay for decode batches with a bucket), samples,
     /// fences. Returns the sampled id per row (`u32::MAX` for rows that do not sample) and
-    /// each row's log-probability and top entries.
+    /// each row's log-probability and top entries. `masks` holds the token masks of the
+    /// guided rows (empty: none).
     fn run_rows(
         &mut self,
         seq: LaunchSeq,
         rows: &[RowInput],
+        masks: &TokenMasks,
         dumps: Option<&mut Dumps>,
     ) -> Result<Vec<RowOutput>, WorkerError> {
         self.bind().map_err(dev_err)?;
@@ -1742,6 +1839,17 @@ impl CudaWorker {
         self.reserve_penalties(entries.len()).map_err(dev_err)?;
         put_entries(self.pen_host.bytes_mut(), &entries);
         self.pen_used = entries.len();
+        // Structured outputs: upload only the guided rows' masks, and none when no row has one.
+        let mut mask_rows = Vec::new();
+        self.mask_used = 0;
+        if masks.any() {
+            assert_eq!(masks.rows.len(), n_rows, "one mask index per row");
+            self.reserve_masks(masks.words.len()).map_err(dev_err)?;
+            let b: &[u8] = bytemuck::cast_slice(&masks.words);
+            self.mask_host.bytes_mut()[..b.len()].copy_from_slice(b);
+            self.mask_used = masks.words.len();
+            mask_rows.clone_from(&masks.rows);
+        }
         let run_rows = match bucket {
             Some(b) => {
                 plan.pad_decode_rows(b);
@@ -1750,6 +1858,9 @@ impl CudaWorker {
                 params.resize(b, SamplingParams::greedy());
                 if !penalty_rows.is_empty() {
                     penalty_rows.resize(b, PenaltyRow::NONE);
+                }
+                if !mask_rows.is_empty() {
+                    mask_rows.resize(b, -1);
                 }
                 b
             }
@@ -1763,6 +1874,8 @@ impl CudaWorker {
             params,
             penalty_rows,
             penalty_table: self.pen_dev.ptr,
+            mask_rows,
+            mask_table: self.mask_dev.ptr,
         };
         let layout = self.layout;
         layout
@@ -1934,6 +2047,14 @@ impl CudaWorker {
                 )
             }?;
         }
+        if self.mask_used > 0 {
+            // SAFETY: both buffers hold `mask_cap >= mask_used` words; the pinned side is not
+            // written again before this launch's fence (as for the staging buffer).
+            unsafe {
+                self.dev
+                    .copy_htod_async(self.mask_dev.ptr, self.mask_host.ptr, 4 * self.mask_used)
+            }?;
+        }
         if !inputs.pending.is_empty() {
             let l = &self.layout;
             // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
@@ -1962,7 +2083,8 @@ impl CudaWorker {
                 } else {
                     AttnMode::Prefill
                 };
-                self.enqueue_forward(t, run_rows, mode, dumps)?;
+                let masked = !inputs.mask_rows.is_empty();
+                self.enqueue_forward(t, run_rows, mode, dumps, masked)?;
             }
         }
         // Keep the sampled ids on the device for later PendingFrom rows.
@@ -2007,7 +2129,7 @@ impl CudaWorker {
             layers,
             ..Dumps::default()
         };
-        self.run_rows(0, rows, Some(&mut d))?;
+        self.run_rows(0, rows, &TokenMasks::default(), Some(&mut d))?;
         Ok((d.logits_out, d.layers_out))
     }
 
@@ -2030,7 +2152,47 @@ impl CudaWorker {
         let mut histories = std::mem::take(&mut self.histories);
         let rows = self.resolve_with(&mut histories, launch, tables);
         self.histories = histories;
-        rows
+        let rows = rows?;
+        self.resolve_masks(launch, tables)?;
+        Ok(rows)
+    }
+
+    /// Reads the token masks of the launch's guided sampling rows into `self.masks` (as the
+    /// CPU worker: a row's mask must be `token_mask_words(vocab)` words).
+    fn resolve_masks(
+        &mut self,
+        launch: &Launch,
+        tables: &dyn TableReader,
+    ) -> Result<(), WorkerError> {
+        let words = baton_proto::token_mask_words(self.cfg.vocab_size);
+        let m = &mut self.masks;
+        m.rows.clear();
+        m.words.clear();
+        if !launch
+            .rows
+            .iter()
+            .any(|r| r.sample == 1 && r.params.token_mask != 0)
+        {
+            return Ok(());
+        }
+        let mut n = 0i32;
+        for (i, r) in launch.rows.iter().enumerate() {
+            if r.sample != 1 || r.params.token_mask == 0 {
+                m.rows.push(-1);
+                continue;
+            }
+            tables.read_token_mask(r.req.slot, &mut self.mask_row);
+            if self.mask_row.len() != words {
+                return Err(WorkerError::Forward(format!(
+                    "row {i} asks for a token mask of {words} words but the tables hold {}",
+                    self.mask_row.len()
+                )));
+            }
+            m.words.extend_from_slice(&self.mask_row);
+            m.rows.push(n);
+            n += 1;
+        }
+        Ok(())
     }
 
     /// [`CudaWorker::resolve`] with the per-slot penalty counts borrowed apart from `self`.
@@ -2162,7 +2324,10 @@ impl Backend for CudaWorker {
         tables: &dyn TableReader,
     ) -> Result<Completion, WorkerError> {
         let rows = self.resolve(launch, tables)?;
-        let out = self.run_rows(launch.seq, &rows, None)?;
+        let masks = std::mem::take(&mut self.masks);
+        let out = self.run_rows(launch.seq, &rows, &masks, None);
+        self.masks = masks;
+        let out = out?;
         let sampled = launch
             .rows
             .iter()

@@ -35,6 +35,10 @@ static SOURCES: &[(&str, &str)] = &[
     ),
     ("gemv.cu", include_str!("../../../kernels/gemv.cu")),
     ("sampling.cu", include_str!("../../../kernels/sampling.cu")),
+    (
+        "token_mask.cu",
+        include_str!("../../../kernels/token_mask.cu"),
+    ),
 ];
 
 /// `(file name, extern "C" entry points it must define)`, same order as [`kernel_sources`].
@@ -75,6 +79,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
             "baton_philox4x32_10_probe",
         ],
     ),
+    ("token_mask.cu", &["baton_apply_token_mask"]),
 ];
 
 /// Element type of weights, activations and the KV cache; selects `elem_t` in
@@ -459,7 +464,7 @@ mod tests {
     fn sampling_params_layout_matches_the_cuda_struct() {
         use baton_proto::SamplingParams as P;
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!((size_of::<P>(), align_of::<P>()), (56, 8));
+        assert_eq!((size_of::<P>(), align_of::<P>()), (64, 8));
         assert_eq!(offset_of!(P, temperature), 0);
         assert_eq!(offset_of!(P, top_p), 4);
         assert_eq!(offset_of!(P, top_k), 8);
@@ -473,6 +478,8 @@ mod tests {
         assert_eq!(offset_of!(P, logit_bias_len), 44);
         assert_eq!(offset_of!(P, allowed_only), 48);
         assert_eq!(offset_of!(P, prompt_logprobs), 52);
+        assert_eq!(offset_of!(P, token_mask), 56);
+        assert_eq!(offset_of!(P, reserved), 60);
         let (_, src) = SOURCES.iter().find(|s| s.0 == "sampling.cu").unwrap();
         let body = src
             .split("struct BatonSamplingParams {")
@@ -499,7 +506,9 @@ mod tests {
                 "float repetition_penalty;",
                 "u32 logit_bias_len;",
                 "u32 allowed_only;",
-                "u32 prompt_logprobs;"
+                "u32 prompt_logprobs;",
+                "u32 token_mask;",
+                "u32 reserved;"
             ]
         );
     }

@@ -154,6 +154,27 @@ pub fn sample_splits(vocab: usize) -> usize {
     vocab.div_ceil(SAMPLE_SLICE).clamp(1, SAMPLE_MAX_SPLITS)
 }
 
+/// Threads per block of `baton_apply_token_mask` (`kernels/token_mask.cu`).
+pub const TOKEN_MASK_BLOCK: usize = 256;
+
+/// Mask words (32 tokens each) per block of `baton_apply_token_mask`: one per thread, walked a
+/// token per thread per step (32 steps of a [`TOKEN_MASK_BLOCK`]-thread block).
+pub const TOKEN_MASK_WORDS_PER_BLOCK: usize = 256;
+
+/// Most blocks per row of a `baton_apply_token_mask` launch.
+pub const TOKEN_MASK_MAX_SPLITS: usize = 64;
+
+/// Thread blocks per row of a `baton_apply_token_mask` launch (its grid.y) for a vocabulary
+/// of `vocab` tokens: one per [`TOKEN_MASK_WORDS_PER_BLOCK`] mask words, at least 1 and at
+/// most [`TOKEN_MASK_MAX_SPLITS`] (16 for 128256 tokens, the sampler's split). A row without
+/// a mask costs each of its blocks one load, so the decode graphs, which always run the
+/// kernel, pay `rows * splits` near-empty blocks when no row is guided.
+pub fn token_mask_splits(vocab: usize) -> usize {
+    baton_proto::token_mask_words(vocab)
+        .div_ceil(TOKEN_MASK_WORDS_PER_BLOCK)
+        .clamp(1, TOKEN_MASK_MAX_SPLITS)
+}
+
 /// Output rows per thread block of a fused decode GEMV (`kernels/gemv.cu`) of `tokens` tokens
 /// and `n` output rows on a device with `sms` multiprocessors; always a multiple of 8 (the
 /// block's warps take every 8th row).
@@ -565,6 +586,39 @@ mod tests {
         }
         assert_eq!(sample_splits(128_256), 16);
         assert_eq!(sample_splits(512), 1);
+    }
+
+    #[test]
+    fn token_mask_splits_cover_the_mask_words_of_a_row() {
+        for vocab in [
+            0,
+            1,
+            31,
+            32,
+            33,
+            1000,
+            8192,
+            8193,
+            32_000,
+            128_256,
+            1 << 20,
+            1 << 24,
+        ] {
+            let s = token_mask_splits(vocab);
+            assert!(
+                (1..=TOKEN_MASK_MAX_SPLITS).contains(&s),
+                "vocab {vocab}: {s}"
+            );
+            let words = baton_proto::token_mask_words(vocab);
+            if s < TOKEN_MASK_MAX_SPLITS {
+                assert!(
+                    words.div_ceil(s) <= TOKEN_MASK_WORDS_PER_BLOCK,
+                    "vocab {vocab}"
+                );
+            }
+        }
+        assert_eq!(token_mask_splits(128_256), 16);
+        assert_eq!(token_mask_splits(1000), 1);
     }
 
     #[test]

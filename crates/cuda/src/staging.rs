@@ -1,11 +1,16 @@
 //! The per-step input block: every host-side input of one launch (ids, positions, slots, row
-//! metadata, block tables, pending-id references, sampling parameters, penalty rows) packed into
-//! one byte buffer at fixed offsets, copied to the device with one `cuMemcpyHtoDAsync`.
+//! metadata, block tables, pending-id references, sampling parameters, penalty rows, token-mask
+//! rows) packed into one byte buffer at fixed offsets, copied to the device with one
+//! `cuMemcpyHtoDAsync`.
 //!
 //! The penalty entries themselves ([`DevicePenaltyEntry`], built by [`pack_penalties`]) vary in
 //! number, so they live in a separate buffer that grows when a launch needs more; the staging
 //! buffer carries its device address (the `penalty_table` region), which the sampler reads
-//! through, so a captured graph keeps working after the entry buffer was reallocated.
+//! through, so a captured graph keeps working after the entry buffer was reallocated. The
+//! token masks of structured-output rows (`SamplingParams::token_mask`) work the same way: each
+//! row's `mask_rows` entry is the index of its mask among the launch's masks (or `-1`), and the
+//! masks of the guided rows, compacted, live in a growable buffer whose address the
+//! `mask_table` region carries (`baton_apply_token_mask` in `kernels/token_mask.cu`).
 //!
 //! Why fixed offsets: a captured CUDA graph bakes in device pointers, so each region lives at
 //! the same device address on every step; only the contents change. Regions are 16-byte
@@ -147,12 +152,18 @@ pub struct StagingLayout {
     pub pending_src: usize,
     /// `[max_rows]` u32 output index (RNG counter) per row.
     pub output_index: usize,
-    /// `[max_rows]` 56-byte [`SamplingParams`] per row.
+    /// `[max_rows]` 64-byte [`SamplingParams`] per row.
     pub params: usize,
     /// `[max_rows]` [`PenaltyRow`] per row.
     pub penalty_rows: usize,
     /// One u64: the device address of the launch's [`DevicePenaltyEntry`] array.
     pub penalty_table: usize,
+    /// `[max_rows]` i32 per row: the index of the row's token mask among the launch's masks
+    /// (its words start at `index * token_mask_words(vocab)` of the mask array), or `-1` for a
+    /// row without one.
+    pub mask_rows: usize,
+    /// One u64: the device address of the launch's token-mask array (u32 words).
+    pub mask_table: usize,
     /// Total bytes.
     pub total: usize,
 }
@@ -178,6 +189,11 @@ pub struct StepInputs {
     pub penalty_rows: Vec<PenaltyRow>,
     /// Device address of the entry array `penalty_rows` index into (0 when there is none).
     pub penalty_table: u64,
+    /// `[num_rows]` token-mask index per row (`-1`: none; see [`StagingLayout::mask_rows`]),
+    /// or empty when no row has a mask.
+    pub mask_rows: Vec<i32>,
+    /// Device address of the mask array `mask_rows` index into (0 when there is none).
+    pub mask_table: u64,
 }
 
 /// Why a step does not fit the staging buffer.
@@ -216,6 +232,8 @@ impl StagingLayout {
         let params = take(std::mem::size_of::<SamplingParams>() * r);
         let penalty_rows = take(std::mem::size_of::<PenaltyRow>() * r);
         let penalty_table = take(8);
+        let mask_rows = take(4 * r);
+        let mask_table = take(8);
         // Last, so a launch uploads only the rows it uses (see `used_bytes`).
         let block_tables = take(4 * r * b);
         StagingLayout {
@@ -236,6 +254,8 @@ impl StagingLayout {
             params,
             penalty_rows,
             penalty_table,
+            mask_rows,
+            mask_table,
             total: off,
         }
     }
@@ -275,6 +295,7 @@ impl StagingLayout {
         assert_eq!(s.output_index.len(), p.num_rows());
         assert_eq!(s.params.len(), p.num_rows());
         assert!(s.penalty_rows.is_empty() || s.penalty_rows.len() == p.num_rows());
+        assert!(s.mask_rows.is_empty() || s.mask_rows.len() == p.num_rows());
         put(buf, self.ids, &s.ids);
         put(buf, self.positions, &p.positions);
         put(buf, self.slots, &p.slot_mapping);
@@ -300,6 +321,12 @@ impl StagingLayout {
             put(buf, self.penalty_rows, &s.penalty_rows);
         }
         put(buf, self.penalty_table, &[s.penalty_table]);
+        if s.mask_rows.is_empty() {
+            put(buf, self.mask_rows, &vec![-1i32; p.num_rows()]);
+        } else {
+            put(buf, self.mask_rows, &s.mask_rows);
+        }
+        put(buf, self.mask_table, &[s.mask_table]);
         Ok(())
     }
 }
@@ -328,9 +355,11 @@ mod tests {
             (l.pending_dst, 28),
             (l.pending_src, 28),
             (l.output_index, 28),
-            (l.params, 7 * 56),
+            (l.params, 7 * 64),
             (l.penalty_rows, 7 * 16),
             (l.penalty_table, 8),
+            (l.mask_rows, 28),
+            (l.mask_table, 8),
             (l.block_tables, 84),
         ];
         for w in regions.windows(2) {
@@ -345,6 +374,7 @@ mod tests {
         assert_eq!(l.used_bytes(7), l.total);
         assert_eq!(l.used_bytes(2), l.block_tables + 2 * 3 * 4 + 8);
         assert!(l.used_bytes(2) >= l.penalty_table + 8);
+        assert!(l.used_bytes(1) >= l.mask_table + 8);
         assert_eq!(l.used_bytes(0), l.used_bytes(1));
         assert_eq!(l.used_bytes(100), l.total);
     }
@@ -373,6 +403,8 @@ mod tests {
                 },
             ],
             penalty_table: 0x1234_5678_9abc,
+            mask_rows: vec![-1, 0],
+            mask_table: 0x2468_ace0_1357,
         };
         l.fill(&mut buf, &s).unwrap();
         let rd = |at: usize, n: usize| -> Vec<i32> {
@@ -401,9 +433,15 @@ mod tests {
             buf[l.penalty_table..l.penalty_table + 8],
             0x1234_5678_9abcu64.to_le_bytes()
         );
-        // Without penalty rows every row reads as not penalized.
+        assert_eq!(rd(l.mask_rows, 2), vec![-1, 0]);
+        assert_eq!(
+            buf[l.mask_table..l.mask_table + 8],
+            0x2468_ace0_1357u64.to_le_bytes()
+        );
+        // Without penalty or mask rows every row reads as not penalized and not masked.
         let s = StepInputs {
             penalty_rows: Vec::new(),
+            mask_rows: Vec::new(),
             ..s
         };
         let mut again = buf.clone();
@@ -413,6 +451,11 @@ mod tests {
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         assert_eq!(rows, vec![0, 0, -1, 0, 0, 0, -1, 0]);
+        let masks: Vec<i32> = again[l.mask_rows..l.mask_rows + 8]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(masks, vec![-1, -1]);
     }
 
     #[test]
