@@ -303,7 +303,7 @@ mod tests {
         let with = t.render(&msgs, true, "", "", &kw).unwrap();
         assert_eq!(
             with,
-            "{\n    \"function\": {\n        \"name\": \"w\"\n    },\n    \"type\": \"function\"\n}\n"
+            "{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"w\"\n    }\n}\n"
                 .to_owned()
                 + &none
         );

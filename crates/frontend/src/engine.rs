@@ -17,6 +17,23 @@ use tokio::sync::mpsc::UnboundedReceiver;
 /// rather than 500.
 pub const UNAVAILABLE_PREFIX: &str = "engine unavailable: ";
 
+/// A structured output as the frontend submits it: the constraint (what crosses to a
+/// scheduler process, which compiles it again) and its compiled guide (what an in-process
+/// scheduler takes).
+#[derive(Clone, Debug)]
+pub struct GuidedRequest {
+    /// The constraint.
+    pub constraint: baton_grammar::Constraint,
+    /// Compiled against the model's vocabulary, at the start of the output.
+    pub guide: baton_grammar::Guide,
+}
+
+impl PartialEq for GuidedRequest {
+    fn eq(&self, other: &Self) -> bool {
+        self.constraint == other.constraint
+    }
+}
+
 /// One request as the frontend submits it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineRequest {
@@ -37,6 +54,8 @@ pub struct EngineRequest {
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed (see `baton_scheduler::NewRequest::cache_salt`).
     pub cache_salt: u64,
+    /// Structured output, or `None` (see `baton_scheduler::NewRequest::guide`).
+    pub guided: Option<GuidedRequest>,
 }
 
 /// What the engine reports about one request.

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 enum Command {
     Submit {
-        req: NewRequest,
+        req: Box<NewRequest>,
         tx: UnboundedSender<EngineEvent>,
     },
     Cancel(u64),
@@ -156,11 +156,15 @@ impl EngineClient for LocalEngineClient {
             logit_bias: req.logit_bias,
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
+            guide: req.guided.map(|g| g.guide),
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
         let (tx, rx) = unbounded_channel();
-        self.send(Command::Submit { req: new, tx })?;
+        self.send(Command::Submit {
+            req: Box::new(new),
+            tx,
+        })?;
         Ok((id, rx))
     }
 
@@ -298,7 +302,7 @@ fn handle(c: Command, sched: &mut Scheduler, router: &mut Router, events: &mut V
     match c {
         Command::Submit { req, tx } => {
             let id = req.id;
-            match sched.add_request(req) {
+            match sched.add_request(*req) {
                 Ok(()) => {
                     router
                         .senders

@@ -125,6 +125,7 @@ struct Shell {
     tool_choice: String,
     reasoning: Option<Value>,
     service_tier: String,
+    text_format: Value,
     user: Option<String>,
 }
 
@@ -147,6 +148,7 @@ impl Shell {
             tool_choice: req.tool_choice.clone(),
             reasoning: req.reasoning.clone(),
             service_tier: req.service_tier.clone(),
+            text_format: req.text_format.clone(),
             user: req.user.clone(),
         }
     }
@@ -199,7 +201,7 @@ impl Shell {
             "service_tier": self.service_tier,
             "store": false,
             "temperature": self.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.text_format},
             "tool_choice": self.tool_choice,
             "tools": [],
             "top_logprobs": 0,

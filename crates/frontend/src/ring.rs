@@ -301,12 +301,18 @@ impl EngineClient for RingEngineClient {
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
+            guide: req.guided.as_ref().map(|g| g.guide.clone()),
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         lock(&self.routes).insert(id, tx);
+        let constraint = req
+            .guided
+            .as_ref()
+            .map(|g| g.constraint.to_wire())
+            .unwrap_or_default();
         let a = Admission {
             req: id,
             prompt: &req.prompt,
@@ -318,6 +324,7 @@ impl EngineClient for RingEngineClient {
             logit_bias: &req.logit_bias,
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
+            constraint: &constraint,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

@@ -11,7 +11,7 @@
 use crate::chat::ChatTemplate;
 use crate::cors::CorsConfig;
 use crate::detok::IncrementalDetokenizer;
-use crate::engine::{random_seed, EngineClient, EngineRequest, SubmitError};
+use crate::engine::{random_seed, EngineClient, EngineRequest, GuidedRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::openai::{
     ApiError, ChatChoice, ChatChunkChoice, ChatDelta, ChatLogprob, ChatLogprobs, ChatMessage,
@@ -20,7 +20,7 @@ use crate::openai::{
     ToolCallOut, TopLogprobs, Usage,
 };
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
-use crate::tools::{StreamFilter, ToolCall, ToolParser};
+use crate::tools::{CallMode, StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, Fields, GenParams, PromptInput};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -85,6 +85,9 @@ pub struct AppState {
     pub eos_ids: Vec<u32>,
     /// The chat template: `--chat-template`, else the tokenizer's, else none.
     pub chat: Option<ChatTemplate>,
+    /// The vocabulary structured outputs compile against, or why there is none (a tokenizer
+    /// llguidance cannot read).
+    vocabulary: Result<baton_grammar::Vocabulary, String>,
     created: u64,
     /// Set to true when a shutdown's grace period is over: live sequences then end their
     /// streams with an error event instead of being cut.
@@ -142,7 +145,12 @@ impl AppState {
             .cors
             .layer()
             .map_err(|e| anyhow::anyhow!("CORS settings: {e}"))?;
+        let vocabulary = grammar_vocabulary(&tokenizer, engine.limits().vocab_size, &eos_ids);
+        if let Err(e) = &vocabulary {
+            tracing::warn!("structured outputs are unavailable: {e}");
+        }
         Ok(Self {
+            vocabulary,
             cors,
             config,
             engine,
@@ -339,6 +347,33 @@ impl AppState {
         Ok(())
     }
 
+    /// Compiles the request's structured-output constraint, if any.
+    ///
+    /// # Errors
+    /// 400 naming the constraint's field when it does not compile, or when this model's
+    /// tokenizer cannot be used for structured outputs.
+    fn compile_constraint(&self, gen: &GenParams) -> Result<Option<GuidedRequest>, ApiError> {
+        let Some((c, field)) = &gen.constraint else {
+            return Ok(None);
+        };
+        let v = self.vocabulary.as_ref().map_err(|e| {
+            ApiError::field(
+                field,
+                format!("Structured outputs are unavailable with this model's tokenizer: {e}"),
+            )
+        })?;
+        let guide = v.compile(c).map_err(|e| {
+            ApiError::field(
+                field,
+                format!("The structured-output constraint is invalid: {e}"),
+            )
+        })?;
+        Ok(Some(GuidedRequest {
+            constraint: c.clone(),
+            guide,
+        }))
+    }
+
     /// Submits `n` engine requests per prompt; choice `p * n + j` is prompt `p`, seed
     /// `seed + j`. Already-admitted requests are cancelled (dropped) if a later one fails.
     pub(crate) fn submit_all(
@@ -348,6 +383,7 @@ impl AppState {
         arrived: Instant,
     ) -> Result<Vec<Seq>, ApiError> {
         self.check_min_tokens(prompts, gen)?;
+        let guided = self.compile_constraint(gen)?;
         let ctx = self.seq_context(gen, arrived);
         let mut seqs = Vec::with_capacity(prompts.len() * gen.n);
         for (p, (ids, max_tokens)) in prompts.iter().enumerate() {
@@ -369,6 +405,8 @@ impl AppState {
                     logit_bias_len: gen.logit_bias.len() as u32,
                     allowed_only: u32::from(gen.allowed_only),
                     prompt_logprobs: gen.prompt_logprobs,
+                    token_mask: 0,
+                    reserved: 0,
                 };
                 let req = EngineRequest {
                     prompt: ids.clone(),
@@ -379,6 +417,7 @@ impl AppState {
                     logit_bias: gen.logit_bias.clone(),
                     min_tokens: gen.min_tokens,
                     cache_salt: gen.cache_salt,
+                    guided: guided.clone(),
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),
@@ -1485,10 +1524,12 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let limits = st.engine.limits();
     let req = validate::parse_chat(&body, &limits)?;
     st.check_model(req.model.as_deref())?;
-    let parser = match req.tool_choice {
+    let parser = match &req.tool_choice {
         validate::ToolChoice::None => None,
+        validate::ToolChoice::Required => Some(CallMode::Required),
+        validate::ToolChoice::Named(name) => Some(CallMode::Named(name.clone())),
         validate::ToolChoice::Auto => match st.config.tool_call_parser {
-            Some(p) if st.config.enable_auto_tool_choice => Some(p),
+            Some(p) if st.config.enable_auto_tool_choice => Some(CallMode::Parser(p)),
             _ => {
                 return Err(ApiError::field(
                     "tool_choice",
@@ -1499,7 +1540,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         },
     };
     let mut gen = req.gen.clone();
-    if parser == Some(ToolParser::Hermes) {
+    if parser == Some(CallMode::Parser(ToolParser::Hermes)) {
         // As vLLM's hermes parser: `<tool_call>` is an added token in the models that use it,
         // which the output must keep for the parser to see it.
         gen.skip_special_tokens = false;
@@ -1537,7 +1578,11 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 logprobs: gen.logprobs.is_some(),
             },
             choices: seqs.len(),
-            filters: parser.map(|p| (0..seqs.len()).map(|_| StreamFilter::new(p)).collect()),
+            filters: parser.as_ref().map(|p| {
+                (0..seqs.len())
+                    .map(|_| StreamFilter::new(p.clone()))
+                    .collect()
+            }),
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -1561,7 +1606,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let (content, calls) = match parser {
+            let (content, calls) = match &parser {
                 None => (Some(c.text), Vec::new()),
                 Some(p) => {
                     let parsed = p.parse(&c.text);
@@ -1755,4 +1800,19 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let (listener, _) = bind(&cfg.host, cfg.port).await?;
     serve_on(listener, cfg, tokenizer, engine, eos_ids).await
+}
+
+/// The vocabulary of `tokenizer` for structured outputs over `vocab_size` logits, ending on
+/// `eos_ids`.
+fn grammar_vocabulary(
+    tokenizer: &Tokenizer,
+    vocab_size: usize,
+    eos_ids: &[u32],
+) -> Result<baton_grammar::Vocabulary, String> {
+    let text = tokenizer
+        .inner()
+        .to_string(false)
+        .map_err(|e| e.to_string())?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    baton_grammar::Vocabulary::from_tokenizer_value(&json, vocab_size, eos_ids)
 }

@@ -174,11 +174,86 @@ fn hermes_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
     Some((Some(text[..first].to_owned()), calls))
 }
 
+/// How a chat choice's output becomes tool calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallMode {
+    /// `tool_choice: "auto"`: the `--tool-call-parser` decides.
+    Parser(ToolParser),
+    /// `tool_choice` names this function: the whole output (guided by its parameters' schema)
+    /// is its arguments.
+    Named(String),
+    /// `tool_choice: "required"`: the output (guided) is a JSON list of
+    /// `{"name", "parameters"}` objects.
+    Required,
+}
+
+impl CallMode {
+    /// Splits a whole output into content and tool calls. A guided output cut short by
+    /// `max_tokens` that does not parse: the named function gets it as its arguments anyway (as
+    /// vLLM), a `required` list becomes content.
+    pub fn parse(&self, text: &str) -> Parsed {
+        match self {
+            Self::Parser(p) => p.parse(text),
+            Self::Named(name) => {
+                let mut p = JsonParser {
+                    s: text.as_bytes(),
+                    i: 0,
+                };
+                p.ws();
+                let arguments = match p.value(0) {
+                    Some(v)
+                        if {
+                            p.ws();
+                            p.i == p.s.len()
+                        } =>
+                    {
+                        let mut s = String::new();
+                        v.dump(&mut s);
+                        s
+                    }
+                    _ => text.to_owned(),
+                };
+                Parsed {
+                    content: None,
+                    calls: vec![ToolCall {
+                        name: name.clone(),
+                        arguments,
+                    }],
+                }
+            }
+            Self::Required => required_calls(text).filter(|c| !c.is_empty()).map_or_else(
+                || Parsed::plain(text),
+                |calls| Parsed {
+                    content: None,
+                    calls,
+                },
+            ),
+        }
+    }
+}
+
+/// The calls of a `required` output: a JSON list of `{"name", "parameters"}` objects.
+fn required_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let mut p = JsonParser {
+        s: text.as_bytes(),
+        i: 0,
+    };
+    p.ws();
+    let J::Arr(items) = p.value(0)? else {
+        return None;
+    };
+    p.ws();
+    if p.i != p.s.len() {
+        return None;
+    }
+    items.iter().map(|v| call_of(v, true)).collect()
+}
+
 /// Per-choice streaming state: what text may be sent now, and at the end, the rest and the
 /// tool calls.
 #[derive(Debug)]
 pub struct StreamFilter {
-    parser: ToolParser,
+    mode: CallMode,
     /// The whole output so far.
     all: String,
     /// Bytes of `all` already released as content.
@@ -190,13 +265,14 @@ pub struct StreamFilter {
 }
 
 impl StreamFilter {
-    /// A filter for one choice.
-    pub fn new(parser: ToolParser) -> Self {
+    /// A filter for one choice. A guided mode (`Named`, `Required`) holds the whole output.
+    pub fn new(mode: CallMode) -> Self {
+        let holding = !matches!(mode, CallMode::Parser(_));
         Self {
-            parser,
+            mode,
             all: String::new(),
             sent: 0,
-            holding: false,
+            holding,
             plain: false,
         }
     }
@@ -207,7 +283,10 @@ impl StreamFilter {
         if self.holding {
             return String::new();
         }
-        let upto = match self.parser {
+        let CallMode::Parser(parser) = &self.mode else {
+            return String::new();
+        };
+        let upto = match parser {
             ToolParser::Llama3Json if self.plain => self.all.len(),
             ToolParser::Llama3Json => {
                 let t = self.all.trim_start();
@@ -238,7 +317,7 @@ impl StreamFilter {
     /// plain text, which is then all content).
     pub fn finish(&mut self) -> (String, Vec<ToolCall>) {
         let parsed = if self.holding {
-            self.parser.parse(&self.all)
+            self.mode.parse(&self.all)
         } else {
             Parsed::plain(&self.all)
         };
@@ -503,6 +582,32 @@ impl JsonParser<'_> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn guided_modes_turn_whole_outputs_into_calls() {
+        let named = CallMode::Named("f".into());
+        let p = named.parse("{\"a\":1,\"b\":[true]}");
+        assert_eq!(p.content, None);
+        assert_eq!(p.calls, vec![call("f", "{\"a\": 1, \"b\": [true]}")]);
+        // Cut short: the text is the arguments anyway.
+        assert_eq!(named.parse("{\"a\":").calls, vec![call("f", "{\"a\":")]);
+        let req = CallMode::Required;
+        let p = req.parse("[{\"name\": \"g\", \"parameters\": {\"x\": 2}}, {\"name\": \"f\", \"parameters\": {}}]");
+        assert_eq!(p.calls, vec![call("g", "{\"x\": 2}"), call("f", "{}")]);
+        for cut in [
+            "[{\"name\": \"g\"",
+            "[]",
+            "{\"name\": \"g\", \"parameters\": {}}",
+        ] {
+            let p = req.parse(cut);
+            assert!(p.calls.is_empty(), "{cut}");
+            assert_eq!(p.content.as_deref(), Some(cut));
+        }
+        let mut f = StreamFilter::new(CallMode::Named("f".into()));
+        assert_eq!(f.push("{\"a\""), "");
+        assert_eq!(f.push(": 1}"), "");
+        assert_eq!(f.finish(), (String::new(), vec![call("f", "{\"a\": 1}")]));
+    }
+
     fn call(name: &str, arguments: &str) -> ToolCall {
         ToolCall {
             name: name.into(),
@@ -604,7 +709,7 @@ mod tests {
     }
 
     fn stream(p: ToolParser, pieces: &[&str]) -> (String, Vec<ToolCall>) {
-        let mut f = StreamFilter::new(p);
+        let mut f = StreamFilter::new(CallMode::Parser(p));
         let mut content: String = pieces.iter().map(|t| f.push(t)).collect();
         let (rest, calls) = f.finish();
         content.push_str(&rest);
@@ -643,10 +748,10 @@ mod tests {
 
     #[test]
     fn plain_text_streams_without_waiting_for_the_end() {
-        let mut f = StreamFilter::new(ToolParser::Llama3Json);
+        let mut f = StreamFilter::new(CallMode::Parser(ToolParser::Llama3Json));
         assert_eq!(f.push("Hel"), "Hel");
         assert_eq!(f.push("lo"), "lo");
-        let mut f = StreamFilter::new(ToolParser::Hermes);
+        let mut f = StreamFilter::new(CallMode::Parser(ToolParser::Hermes));
         assert_eq!(f.push("Hi <tool"), "Hi ");
         assert_eq!(f.push("box>"), "<toolbox>");
         assert_eq!(f.push(" <tool_call>{"), " ");

@@ -3,12 +3,13 @@
 //!
 //! Contract: bodies are parsed field by field from a JSON object, so a wrong type names its
 //! field; unknown fields are ignored (as vLLM and OpenAI do), but fields that ask for something
-//! Baton does not implement (beam search, guided decoding, tools outside chat completions) are
+//! Baton does not implement (beam search, tools outside chat completions) are
 //! refused rather than
 //! silently ignored. Length limits come from [`EngineLimits`], the values the scheduler enforces.
 
 use crate::engine::EngineLimits;
 use crate::openai::ApiError;
+use baton_grammar::{Constraint, MAX_CONSTRAINT_BYTES};
 use baton_proto::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -161,6 +162,142 @@ pub struct GenParams {
     pub include_stop_str_in_output: bool,
     /// Drop special tokens from the text.
     pub skip_special_tokens: bool,
+    /// Structured output (`response_format` or vLLM's `structured_outputs` / `guided_*`), with
+    /// the field it came from for errors; compiled by the server against the model's
+    /// vocabulary.
+    pub constraint: Option<(Constraint, &'static str)>,
+}
+
+/// Reads the request's structured-output constraint: OpenAI's `response_format`
+/// (`json_object`, `json_schema`), vLLM's `structured_outputs` object (`json`, `regex`,
+/// `choice`, `grammar`, `json_object`) or its older `guided_json`, `guided_regex`,
+/// `guided_choice` and `guided_grammar`. At most one may be given; null or
+/// `{"type": "text"}` means none.
+///
+/// # Errors
+/// A malformed value, an unknown kind, or two constraints.
+pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+    let mut found: Vec<(Constraint, &'static str)> = Vec::new();
+    let string = |name: &'static str, v: &Value| -> Result<String, ApiError> {
+        v.as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| ApiError::field(name, format!("'{name}' must be a string.")))
+    };
+    let choices = |name: &'static str, v: &Value| -> Result<Constraint, ApiError> {
+        let list = v
+            .as_array()
+            .and_then(|a| a.iter().map(|c| c.as_str().map(str::to_owned)).collect())
+            .ok_or_else(|| ApiError::field(name, format!("'{name}' must be a list of strings.")))?;
+        Ok(Constraint::Choice(list))
+    };
+    let schema = |name: &'static str, v: &Value| -> Result<Constraint, ApiError> {
+        match v {
+            Value::Object(_) | Value::Bool(_) => Ok(Constraint::Json(v.clone())),
+            Value::String(s) => serde_json::from_str(s)
+                .map(Constraint::Json)
+                .map_err(|e| ApiError::field(name, format!("'{name}' is not valid JSON: {e}."))),
+            _ => Err(ApiError::field(
+                name,
+                format!("'{name}' must be a JSON schema (an object, or a string holding one)."),
+            )),
+        }
+    };
+    const RF: &str = "response_format";
+    match f.raw(RF) {
+        None | Some(Value::Null) => {}
+        Some(v) => match v.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((Constraint::JsonObject, RF)),
+            Some("json_schema") => {
+                let Some(s) = v.get("json_schema").and_then(|j| j.get("schema")) else {
+                    return Err(ApiError::field(
+                        RF,
+                        "response_format of type 'json_schema' needs 'json_schema.schema'.",
+                    ));
+                };
+                found.push((schema(RF, s)?, RF));
+            }
+            _ => {
+                return Err(ApiError::field(
+                    RF,
+                    "response_format 'type' must be 'text', 'json_object' or 'json_schema'.",
+                ))
+            }
+        },
+    }
+    for name in [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ] {
+        let Some(v) = f.raw(name).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let c = match name {
+            "guided_json" => schema(name, v)?,
+            "guided_regex" => Constraint::Regex(string(name, v)?),
+            "guided_choice" => choices(name, v)?,
+            _ => Constraint::Grammar(string(name, v)?),
+        };
+        found.push((c, name));
+    }
+    const SO: &str = "structured_outputs";
+    if let Some(so) = f.raw(SO).filter(|v| !v.is_null()) {
+        let Some(o) = so.as_object() else {
+            return Err(ApiError::field(
+                SO,
+                "'structured_outputs' must be an object.",
+            ));
+        };
+        for (k, v) in o {
+            if v.is_null() || v == &Value::Bool(false) {
+                continue;
+            }
+            let c = match k.as_str() {
+                "json" => schema(SO, v)?,
+                "regex" => Constraint::Regex(string(SO, v)?),
+                "choice" => choices(SO, v)?,
+                "grammar" => Constraint::Grammar(string(SO, v)?),
+                "json_object" if v == &Value::Bool(true) => Constraint::JsonObject,
+                // Backend tuning knobs of vLLM's; llguidance has its own defaults.
+                "disable_any_whitespace"
+                | "disable_fallback"
+                | "disable_additional_properties"
+                | "whitespace_pattern"
+                | "backend" => continue,
+                _ => {
+                    return Err(ApiError::field(
+                        SO,
+                        format!(
+                            "'structured_outputs.{k}' is not supported by this server \
+                             (json, regex, choice, grammar and json_object are)."
+                        ),
+                    ))
+                }
+            };
+            found.push((c, SO));
+        }
+    }
+    if found.len() > 1 {
+        return Err(ApiError::field(
+            found[1].1,
+            format!(
+                "Only one structured-output constraint may be given ('{}' and '{}').",
+                found[0].1, found[1].1
+            ),
+        ));
+    }
+    let c = found.pop();
+    if let Some((c, name)) = &c {
+        if c.to_wire().len() > MAX_CONSTRAINT_BYTES {
+            return Err(ApiError::field(
+                name,
+                format!("The constraint is larger than {MAX_CONSTRAINT_BYTES} bytes."),
+            ));
+        }
+    }
+    Ok(c)
 }
 
 /// A parsed `/v1/completions` request.
@@ -213,15 +350,19 @@ pub struct ChatRequest {
     pub gen: GenParams,
 }
 
-/// A chat request's `tool_choice` this server serves (`required` and a named function need
-/// guided decoding and are refused).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A chat request's `tool_choice`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
     /// The model's output is not parsed for tool calls (the tools still reach the template,
     /// vLLM's default).
     None,
     /// The tool call parser decides whether the output is tool calls.
     Auto,
+    /// The output is a JSON list of one or more calls of the tools, guided by a schema built
+    /// from their parameters (vLLM's; no tool call parser needed).
+    Required,
+    /// The output is the arguments of this function, guided by its parameters' schema.
+    Named(String),
 }
 
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
@@ -242,11 +383,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     // vLLM's extra parameters that would change the output: refused rather than ignored
     // (a client must not get plausible text that silently broke its constraint).
     for name in [
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
         "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
@@ -294,15 +430,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
             "A per-request 'chat_template' is not accepted by this server; it uses the one it \
              was started with (--chat-template).",
         ));
-    }
-    if let Some(v) = f.raw("response_format") {
-        let kind = v.get("type").and_then(Value::as_str);
-        if kind != Some("text") {
-            return Err(ApiError::field(
-                "response_format",
-                "Only response_format {\"type\": \"text\"} is supported by this server.",
-            ));
-        }
     }
     Ok(())
 }
@@ -564,6 +691,22 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         Some(v) => parse_token_ids(v, "stop_token_ids", limits.vocab_size)?,
     };
     let (logit_bias, allowed_only) = parse_bias_and_allowed(f, limits.vocab_size)?;
+    let constraint = parse_constraint(f)?;
+    if let Some((_, name)) = &constraint {
+        let clash = if min_tokens > 0 {
+            Some("min_tokens")
+        } else if allowed_only {
+            Some("allowed_token_ids")
+        } else {
+            None
+        };
+        if let Some(other) = clash {
+            return Err(ApiError::field(
+                name,
+                format!("A structured output cannot be combined with '{other}' on this server."),
+            ));
+        }
+    }
     Ok(GenParams {
         max_tokens,
         max_tokens_param,
@@ -602,6 +745,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             .get::<bool>("include_stop_str_in_output")?
             .unwrap_or(false),
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
+        constraint,
     })
 }
 
@@ -916,13 +1060,36 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
         messages.push(Value::Object(out));
     }
     let tools = parse_tools(&f)?;
-    let tool_choice = parse_tool_choice(&f, tools.is_some())?;
-    // Type-checked and accepted; every parsed call is returned.
-    let _parallel_tool_calls: Option<bool> = f.get("parallel_tool_calls")?;
+    let tool_choice = parse_tool_choice(&f, tools.as_deref())?;
+    // With a parser every parsed call is returned; `false` limits `required` to one call.
+    let parallel_tool_calls = f.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
     // `tools` are served here; `parse_gen` refuses them on the other endpoints.
     let mut rest = f.obj.clone();
     rest.remove("tools");
-    let gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    if let Some(schema) = tool_choice_schema(
+        &tool_choice,
+        tools.as_deref().unwrap_or_default(),
+        parallel_tool_calls,
+    ) {
+        if let Some((_, other)) = &gen.constraint {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!(
+                    "tool_choice \"required\" or a named function is a structured output; it \
+                     cannot be combined with '{other}'."
+                ),
+            ));
+        }
+        if gen.min_tokens > 0 || gen.allowed_only {
+            return Err(ApiError::field(
+                "tool_choice",
+                "tool_choice \"required\" or a named function cannot be combined with \
+                 'min_tokens' or 'allowed_token_ids' on this server.",
+            ));
+        }
+        gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
+    }
     let template_kwargs = f
         .get::<Map<String, Value>>("chat_template_kwargs")?
         .unwrap_or_default();
@@ -1016,9 +1183,9 @@ fn parse_tools(f: &Fields) -> Result<Option<Vec<Value>>, ApiError> {
 }
 
 /// Parses `tool_choice` as vLLM does: absent means `auto` with tools and `none` without;
-/// `auto` needs tools; `required` and a named function need guided decoding, which this
-/// server does not have.
-fn parse_tool_choice(f: &Fields, has_tools: bool) -> Result<ToolChoice, ApiError> {
+/// `auto`, `required` and a named function need tools, and the named one must be among them.
+fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, ApiError> {
+    let has_tools = tools.is_some();
     const P: &str = "tool_choice";
     let choice = match f.raw(P) {
         None => {
@@ -1030,19 +1197,31 @@ fn parse_tool_choice(f: &Fields, has_tools: bool) -> Result<ToolChoice, ApiError
         }
         Some(Value::String(s)) if s == "none" => return Ok(ToolChoice::None),
         Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
-        Some(Value::String(s)) if s == "required" => {
-            return Err(ApiError::field(
-                P,
-                "tool_choice \"required\" is not supported by this server: it needs guided \
-                 decoding. Use \"auto\" (with --enable-auto-tool-choice) or \"none\".",
-            ))
-        }
+        Some(Value::String(s)) if s == "required" => ToolChoice::Required,
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            return Err(ApiError::field(
-                P,
-                "A named function tool_choice is not supported by this server: it needs \
-                 guided decoding. Use \"auto\" (with --enable-auto-tool-choice) or \"none\".",
-            ))
+            let Some(name) = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+            else {
+                return Err(ApiError::field(
+                    P,
+                    "A named tool_choice needs 'function.name'.",
+                ));
+            };
+            let known = tools.unwrap_or_default().iter().any(|t| {
+                t.get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    == Some(name)
+            });
+            if has_tools && !known {
+                return Err(ApiError::field(
+                    P,
+                    format!("tool_choice names the function {name:?}, which is not in 'tools'."),
+                ));
+            }
+            ToolChoice::Named(name.to_owned())
         }
         Some(v) => {
             return Err(ApiError::field(
@@ -1061,6 +1240,61 @@ fn parse_tool_choice(f: &Fields, has_tools: bool) -> Result<ToolChoice, ApiError
         ));
     }
     Ok(choice)
+}
+
+/// The JSON schema that guides the output for `tool_choice` `required` or a named function
+/// (vLLM's): a named function's output is its arguments (its `parameters` schema, any object
+/// without one); `required`'s is a non-empty list of `{"name", "parameters"}` objects, one
+/// `anyOf` branch per tool, at most one with `parallel_tool_calls: false`. `None` for `none`
+/// and `auto`.
+fn tool_choice_schema(choice: &ToolChoice, tools: &[Value], parallel: bool) -> Option<Value> {
+    let params = |t: &Value| {
+        t.get("function")
+            .and_then(|f| f.get("parameters"))
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({"type": "object"}))
+    };
+    let name = |t: &Value| {
+        t.get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    match choice {
+        ToolChoice::None | ToolChoice::Auto => None,
+        ToolChoice::Named(n) => Some(
+            tools
+                .iter()
+                .find(|t| name(t).as_deref() == Some(n.as_str()))
+                .map(params)
+                .unwrap_or_else(|| serde_json::json!({"type": "object"})),
+        ),
+        ToolChoice::Required => {
+            let branches: Vec<Value> = tools
+                .iter()
+                .filter_map(|t| {
+                    Some(serde_json::json!({
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string", "enum": [name(t)?]},
+                            "parameters": params(t),
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    }))
+                })
+                .collect();
+            let mut schema = serde_json::json!({
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": branches},
+            });
+            if !parallel {
+                schema["maxItems"] = 1.into();
+            }
+            Some(schema)
+        }
+    }
 }
 
 /// An assistant message's `tool_calls` as chat templates expect them (vLLM's and
@@ -1141,6 +1375,9 @@ pub struct ResponsesRequest {
     pub reasoning: Option<Value>,
     /// `service_tier` (default `auto`), echoed; it changes nothing here.
     pub service_tier: String,
+    /// `text.format` as echoed in the response (`{"type": "text"}` by default); a
+    /// `json_object` or `json_schema` format is also `gen.constraint`.
+    pub text_format: Value,
     /// Generation options; `max_tokens` is `max_output_tokens` and `n` is 1.
     pub gen: GenParams,
 }
@@ -1347,17 +1584,6 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
         let o = t
             .as_object()
             .ok_or_else(|| ApiError::field("text", "'text' must be an object."))?;
-        match o.get("format") {
-            None | Some(Value::Null) => {}
-            Some(fmt) if fmt.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => {
-                return Err(ApiError::field(
-                    "text.format",
-                    "Only text.format {\"type\": \"text\"} is supported by this server (no \
-                     structured output).",
-                ))
-            }
-        }
         if !matches!(o.get("verbosity"), None | Some(Value::Null)) {
             return Err(ApiError::field(
                 "text.verbosity",
@@ -1469,6 +1695,22 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
     rest.remove("stream_options");
     rest.remove("top_logprobs");
     let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    let text_format = parse_text_format(&f)?;
+    if let Some(c) = text_format.1 {
+        if let Some((_, other)) = &gen.constraint {
+            return Err(ApiError::field(
+                "text.format",
+                format!("Only one structured-output constraint may be given ('text.format' and '{other}')."),
+            ));
+        }
+        if gen.min_tokens > 0 || gen.allowed_only {
+            return Err(ApiError::field(
+                "text.format",
+                "A structured output cannot be combined with 'min_tokens' or 'allowed_token_ids' on this server.",
+            ));
+        }
+        gen.constraint = Some((c, "text.format"));
+    }
     gen.max_tokens = max_output_tokens;
     gen.max_tokens_param = "max_output_tokens";
     if let Some(m) = max_output_tokens.filter(|&m| gen.min_tokens > m) {
@@ -1491,8 +1733,48 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
         tool_choice,
         reasoning,
         service_tier,
+        text_format: text_format.0,
         gen,
     })
+}
+
+/// The Responses API's `text.format`: `text` (the default), `json_object`, or `json_schema`
+/// with its `schema` (and `name`, `strict`, `description`, echoed). Returns the format to echo
+/// and the constraint it asks for.
+fn parse_text_format(f: &Fields) -> Result<(Value, Option<Constraint>), ApiError> {
+    const P: &str = "text.format";
+    let fmt = match f.raw("text").and_then(|t| t.get("format")) {
+        None | Some(Value::Null) => return Ok((serde_json::json!({"type": "text"}), None)),
+        Some(v) => v,
+    };
+    let c = match fmt.get("type").and_then(Value::as_str) {
+        Some("text") => None,
+        Some("json_object") => Some(Constraint::JsonObject),
+        Some("json_schema") => match fmt.get("schema") {
+            Some(s @ (Value::Object(_) | Value::Bool(_))) => Some(Constraint::Json(s.clone())),
+            _ => {
+                return Err(ApiError::field(
+                    P,
+                    "text.format of type 'json_schema' needs a 'schema' object.",
+                ))
+            }
+        },
+        _ => {
+            return Err(ApiError::field(
+                P,
+                "text.format 'type' must be 'text', 'json_object' or 'json_schema'.",
+            ))
+        }
+    };
+    if c.as_ref()
+        .is_some_and(|c| c.to_wire().len() > MAX_CONSTRAINT_BYTES)
+    {
+        return Err(ApiError::field(
+            P,
+            format!("The constraint is larger than {MAX_CONSTRAINT_BYTES} bytes."),
+        ));
+    }
+    Ok((fmt.clone(), c))
 }
 
 /// `/v1/completions` without `max_tokens` generates this many tokens, as OpenAI's API and vLLM

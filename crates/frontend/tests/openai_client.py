@@ -281,6 +281,41 @@ def vllm_extra_body_allowed_token_ids():
 
 
 @check
+def structured_outputs():
+    # OpenAI's typed parse (a strict json_schema response_format from a pydantic model), the
+    # Responses API's text.format, and vLLM's extras through extra_body.
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        done: bool
+        colour: Literal["red", "blue", "green"]
+
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    r = client.chat.completions.parse(model=MODEL, messages=msgs, response_format=Answer,
+                                      max_tokens=60, temperature=0)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Answer), r
+    r = client.responses.parse(model=MODEL, input="Once upon a time", text_format=Answer,
+                               max_output_tokens=60, temperature=0)
+    assert isinstance(r.output_parsed, Answer), r
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0.8,
+                                  seed=3, extra_body={"guided_choice": ["a cat", "a dog"]})
+    assert r.choices[0].text in ("a cat", "a dog"), r
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit(), r
+    try:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=4, extra_body={"guided_regex": "("})
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        assert body.get("param") == "guided_regex", e.body
+    else:
+        raise AssertionError("a bad regex was accepted")
+
+
+@check
 def bad_requests_raise_bad_request_error():
     for kw in [dict(top_p=0.0), dict(n=0), dict(max_tokens=-1), dict(temperature=-1.0), dict(logprobs=21),
                dict(max_tokens=100000)]:
@@ -303,16 +338,25 @@ def bad_requests_raise_bad_request_error():
 
 
 @check
-def tool_choices_the_server_cannot_serve_raise_bad_request_error():
+def tool_choices():
     # This server runs without --enable-auto-tool-choice: "auto" (the default with tools) is
-    # refused as vLLM refuses it; "required" needs guided decoding; "none" renders the tools and
-    # returns plain content.
+    # refused as vLLM refuses it; "none" renders the tools and returns plain content;
+    # "required" and a named function are structured outputs and need no parser.
     tools = [{"type": "function", "function": {
-        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}}}]
     msgs = [{"role": "user", "content": "Once upon a time"}]
+    for choice in [{"type": "function", "function": {"name": "get_weather"}}, "required"]:
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=120, temperature=0)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, r
+        call = c.message.tool_calls[0]
+        assert call.function.name == "get_weather", r
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome"), r
     for kw, want in [(dict(), "--enable-auto-tool-choice"), (dict(tool_choice="auto"), "--tool-call-parser"),
-                     (dict(tool_choice="required"), "required"),
-                     (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "named")]:
+                     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "nope")]:
         try:
             client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=2, **kw)
         except openai.BadRequestError as e:

@@ -86,6 +86,160 @@ async fn penalties_change_greedy_text_the_same_way_streamed_and_not() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+/// Structured outputs: every form vLLM and OpenAI clients send constrains the text, greedy
+/// and sampled, streamed and not; bad constraints are 400s naming their field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_constrain_the_text() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let prompt = common::goldens()[0]["prompt"].as_str().unwrap().to_owned();
+    let base = json!({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let with = |k: &str, v: Value, extra: Value| {
+        let mut b = base.clone();
+        b[k] = v;
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // Unconstrained, this model tells a story: no digits, no braces.
+    let free = text_of(&completion(srv.addr, base.clone()).await, 0);
+    assert!(
+        !free.contains('{') && !free.chars().any(|c| c.is_ascii_digit()),
+        "{free}"
+    );
+    let choices = ["red fox", "blue whale", "green tree"];
+    for (k, v) in [
+        ("guided_choice", json!(choices)),
+        ("structured_outputs", json!({"choice": choices})),
+    ] {
+        for extra in [
+            json!({}),
+            json!({"temperature": 1.0, "seed": 7}),
+            json!({"n": 2, "temperature": 1.0}),
+        ] {
+            let r = completion(srv.addr, with(k, v.clone(), extra.clone())).await;
+            for c in r["choices"].as_array().unwrap() {
+                let t = c["text"].as_str().unwrap();
+                assert!(choices.contains(&t), "{k} {extra}: {t:?}");
+                assert_eq!(c["finish_reason"], "stop", "{r}");
+            }
+        }
+    }
+    for (k, v) in [
+        ("guided_regex", json!("[0-9]{3}-[0-9]{2}")),
+        ("structured_outputs", json!({"regex": "[0-9]{3}-[0-9]{2}"})),
+    ] {
+        let r = completion(srv.addr, with(k, v, json!({}))).await;
+        let t = text_of(&r, 0);
+        let b = t.as_bytes();
+        assert!(
+            b.len() == 6 && b[3] == b'-' && t.chars().filter(char::is_ascii_digit).count() == 5,
+            "{k}: {t:?}"
+        );
+    }
+    // JSON: a schema with a required boolean and a bounded string; long enough to finish.
+    let schema = json!({"type": "object", "properties": {
+        "done": {"type": "boolean"}, "name": {"type": "string", "maxLength": 8}},
+        "required": ["done", "name"], "additionalProperties": false});
+    for (k, v) in [
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+        ),
+        ("guided_json", schema.clone()),
+        ("guided_json", Value::String(schema.to_string())),
+        ("structured_outputs", json!({"json": schema})),
+    ] {
+        let r = completion(srv.addr, with(k, v, json!({"max_tokens": 200}))).await;
+        let t = text_of(&r, 0);
+        let parsed: Value = serde_json::from_str(&t).unwrap_or_else(|e| panic!("{k}: {t:?}: {e}"));
+        assert!(
+            parsed["done"].is_boolean() && parsed["name"].is_string(),
+            "{t}"
+        );
+        assert_eq!(parsed.as_object().unwrap().len(), 2, "{t}");
+    }
+    let r = completion(
+        srv.addr,
+        with(
+            "response_format",
+            json!({"type": "json_object"}),
+            json!({"max_tokens": 200}),
+        ),
+    )
+    .await;
+    let t = text_of(&r, 0);
+    if r["choices"][0]["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<Value>(&t).unwrap().is_object(),
+            "{t}"
+        );
+    } else {
+        assert!(t.trim_start().starts_with('{'), "{t}");
+    }
+    // Streamed: the same text as not streamed.
+    let body = with("guided_regex", json!("[0-9]{4}"), json!({}));
+    let whole = text_of(&completion(srv.addr, body.clone()).await, 0);
+    let (streamed, _) = completion_stream(srv.addr, body).await;
+    assert_eq!(streamed, whole);
+    // Chat completions take response_format too.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "pick"}],
+                      "max_tokens": 10, "temperature": 0,
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"enum": ["yes", "no"]}}}});
+    let r = post(srv.addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let content = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(content == "\"yes\"" || content == "\"no\"", "{content}");
+    // Bad constraints.
+    for (k, v, extra) in [
+        ("guided_regex", json!("("), json!({})),
+        ("guided_json", json!({"type": "nosuchtype"}), json!({})),
+        ("guided_json", json!("{not json"), json!({})),
+        ("guided_choice", json!([]), json!({})),
+        ("guided_choice", json!("a"), json!({})),
+        ("guided_grammar", json!("start: undefined_rule"), json!({})),
+        ("structured_outputs", json!({"nosuchkind": 1}), json!({})),
+        ("structured_outputs", json!(3), json!({})),
+        ("response_format", json!({"type": "json_schema"}), json!({})),
+        ("response_format", json!({"type": "yaml"}), json!({})),
+        ("guided_regex", json!("a+"), json!({"guided_choice": ["a"]})),
+        ("guided_regex", json!("a+"), json!({"min_tokens": 2})),
+        (
+            "guided_regex",
+            json!("a+"),
+            json!({"allowed_token_ids": [403]}),
+        ),
+    ] {
+        let r = post(
+            srv.addr,
+            "/v1/completions",
+            &with(k, v.clone(), extra.clone()),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{k}={v} {extra}: {}", r.body);
+        let param = r.json()["error"]["param"].as_str().unwrap_or("").to_owned();
+        assert!(
+            param == k || extra.get(&param).is_some(),
+            "{k}={v}: {}",
+            r.body
+        );
+    }
+    for (k, v) in [
+        ("guided_json", Value::Null),
+        ("response_format", json!({"type": "text"})),
+    ] {
+        let r = post(srv.addr, "/v1/completions", &with(k, v.clone(), json!({}))).await;
+        assert_eq!(r.status, 200, "{k}={v}: {}", r.body);
+    }
+}
+
 /// vLLM's `allowed_token_ids`: only the listed tokens are sampled, greedy or not, whatever
 /// `logit_bias` says about others; log-probabilities stay the raw ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2909,11 +3063,6 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
     };
     let refused = [
         ("min_tokens", json!(-1)),
-        ("guided_json", json!({"type": "object"})),
-        ("guided_choice", json!(["a", "b"])),
-        ("guided_regex", json!("a+")),
-        ("guided_grammar", json!("root ::= \"a\"")),
-        ("structured_outputs", json!({"choice": ["a"]})),
         ("bad_words", json!(["Lily"])),
         ("truncate_prompt_tokens", json!(2)),
         ("chat_template", json!("{{ messages }}")),
@@ -3295,6 +3444,20 @@ fn success_count(metrics: &str, reason: &str) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_text_format_constrains_the_output_and_is_echoed() {
+    let srv = start_chat(Opts::default()).await;
+    let format = json!({"type": "json_schema", "name": "answer", "strict": true,
+                        "schema": {"enum": ["yes", "no"]}});
+    let body = json!({"model": MODEL, "input": "Say yes or no.", "max_output_tokens": 10,
+                      "temperature": 0, "text": {"format": format}});
+    let v = response(srv.addr, &body).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    let text = response_text(&v);
+    assert!(text == "\"yes\"" || text == "\"no\"", "{text}");
+    assert_eq!(v["text"]["format"], format);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_have_openai_shape_streamed_and_not() {
     let srv = start_chat(Opts::default()).await;
     let body = json!({"model": MODEL, "input": "Once upon a time", "max_output_tokens": 20,
@@ -3550,7 +3713,21 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             "reasoning",
         ),
         (
-            json!({"input": "hi", "text": {"format": {"type": "json_object"}}}),
+            json!({"input": "hi", "text": {"format": {"type": "yaml"}}}),
+            "text.format",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}),
+            "text.format",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                   "schema": {"type": "nosuchtype"}}}}),
+            "text.format",
+        ),
+        (
+            json!({"input": "hi", "text": {"format": {"type": "json_object"}},
+                   "guided_regex": "a+"}),
             "text.format",
         ),
         (
@@ -4103,8 +4280,9 @@ async fn tools_and_tool_messages_reach_the_template() {
     let prompt = tok.decode(&prompts.lock().unwrap()[0], true).unwrap();
     assert_eq!(
         prompt,
-        // (trim_blocks, as transformers: no newline after a block tag)
-        "TOOL get_weather: {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}\n\
+        // (trim_blocks, as transformers: no newline after a block tag; keys in the request's
+        // order, as Python's dicts keep them)
+        "TOOL get_weather: {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}\n\
          user: Weather in Paris?\
          assistant:  CALL get_weather({\"city\": \"Paris\"}) CITY=Paris\
          tool: 22 C, sunny [call_1]\
@@ -4123,6 +4301,89 @@ async fn tools_and_tool_messages_reach_the_template() {
     assert!(prompt.starts_with("user: Weather?assistant:"), "{prompt}");
     assert!(prompt.contains("CITY=Oslo"), "{prompt}");
     task.abort();
+}
+
+/// `tool_choice` `required` and a named function are structured outputs (no parser flags
+/// needed): the real model's output is a call of the named function with arguments valid
+/// under its parameters, or a non-empty list of calls of the given tools; streamed, the same
+/// calls arrive in one delta.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_required_and_named_guide_the_output_into_calls() {
+    let srv = start_chat(Opts::default()).await;
+    let city = |names: &[&str]| {
+        json!({"type": "object", "properties": {"city": {"type": "string", "enum": names}},
+               "required": ["city"], "additionalProperties": false})
+    };
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": city(&["Paris", "Rome"])}},
+        {"type": "function", "function": {"name": "get_time", "parameters": city(&["Oslo", "Lima"])}},
+    ]);
+    let msgs = json!([{"role": "user", "content": "Once upon a time"}]);
+    // (With parallel calls, this small model lists calls until max_tokens: the required case
+    // asks for one.)
+    let cases = [
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            Some("get_time"),
+        ),
+        (json!("required"), None),
+    ];
+    for (choice, named) in cases {
+        for temperature in [0.0, 1.0] {
+            let body = json!({"model": MODEL, "messages": msgs, "tools": tools,
+                              "tool_choice": choice, "max_tokens": 60,
+                              "parallel_tool_calls": false,
+                              "temperature": temperature, "seed": 5});
+            let r = post(srv.addr, "/v1/chat/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v = r.json();
+            let c = &v["choices"][0];
+            assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+            assert_eq!(c["message"]["content"], Value::Null, "{v}");
+            let calls = c["message"]["tool_calls"].as_array().unwrap();
+            assert!(!calls.is_empty(), "{v}");
+            for call in calls {
+                let name = call["function"]["name"].as_str().unwrap();
+                let args: Value =
+                    serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+                let cities: &[&str] = match name {
+                    "get_weather" => &["Paris", "Rome"],
+                    "get_time" => &["Oslo", "Lima"],
+                    _ => panic!("unknown function {name}: {v}"),
+                };
+                if let Some(n) = named {
+                    assert_eq!(name, n, "{v}");
+                }
+                assert!(cities.contains(&args["city"].as_str().unwrap()), "{v}");
+                assert_eq!(args.as_object().unwrap().len(), 1, "{v}");
+            }
+            // Streamed: the calls come in one delta, with no content.
+            let mut s = body.clone();
+            s["stream"] = json!(true);
+            let r = post(srv.addr, "/v1/chat/completions", &s).await;
+            let mut streamed = Vec::new();
+            let mut content = String::new();
+            let mut finish = Value::Null;
+            for line in r.body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                if line == "[DONE]" {
+                    break;
+                }
+                let ch: Value = serde_json::from_str(line).unwrap();
+                let d = &ch["choices"][0];
+                content.push_str(d["delta"]["content"].as_str().unwrap_or(""));
+                if let Some(t) = d["delta"]["tool_calls"].as_array() {
+                    streamed.extend(t.iter().map(|t| t["function"].clone()));
+                }
+                if !d["finish_reason"].is_null() {
+                    finish = d["finish_reason"].clone();
+                }
+            }
+            assert_eq!(content, "", "{}", r.body);
+            assert_eq!(finish, "tool_calls", "{}", r.body);
+            let plain: Vec<Value> = calls.iter().map(|c| c["function"].clone()).collect();
+            assert_eq!(streamed, plain, "{}", r.body);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4151,14 +4412,24 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
     let (addr, task, _, _) = tool_server("x", Some(ToolParser::Hermes)).await;
     let cases: Vec<(Value, &str)> = vec![
         (
-            json!({"tools": tools, "tool_choice": "required"}),
+            json!({"tools": tools, "tool_choice":
+                   {"type": "function", "function": {"name": "no_such_function"}}}),
             "tool_choice",
         ),
         (
-            json!({"tools": tools, "tool_choice":
-                   {"type": "function", "function": {"name": "get_weather"}}}),
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {}}}),
             "tool_choice",
         ),
+        (
+            json!({"tools": tools, "tool_choice": "required",
+                   "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "required", "min_tokens": 2}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
         (json!({"tool_choice": "auto"}), "tool_choice"),
         (json!({"tools": tools, "tool_choice": 3}), "tool_choice"),
         (json!({"tools": {"a": 1}}), "tools"),
