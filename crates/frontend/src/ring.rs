@@ -301,7 +301,9 @@ impl EngineClient for RingEngineClient {
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
-            guide: req.guided.as_ref().map(|g| g.guide.clone()),
+            // The scheduler daemon compiles its own guide from the wire form, and validation
+            // already refused the combinations `check_admission` would (no copy needed here).
+            guide: None,
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

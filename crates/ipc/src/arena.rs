@@ -134,7 +134,9 @@ impl ArenaInner {
         ring: &str,
     ) -> Result<NonNull<Doorbell>, RegionError> {
         let end = offset.checked_add(std::mem::size_of::<Doorbell>());
-        if end.is_none_or(|e| e > self.len) || offset % std::mem::align_of::<Doorbell>() != 0 {
+        if end.is_none_or(|e| e > self.len)
+            || !offset.is_multiple_of(std::mem::align_of::<Doorbell>())
+        {
             return Err(RegionError::Corrupt {
                 name: ring.to_owned(),
                 what: format!("doorbell offset {offset} is outside the segment"),

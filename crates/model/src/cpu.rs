@@ -358,14 +358,14 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
     }
     if c.num_key_value_heads == 0
         || c.num_attention_heads == 0
-        || c.num_attention_heads % c.num_key_value_heads != 0
+        || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads)
     {
         return Err(bad(
             "num_key_value_heads",
             "must be > 0 and divide num_attention_heads".into(),
         ));
     }
-    if c.head_dim == 0 || c.head_dim % 2 != 0 {
+    if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) {
         return Err(bad("head_dim", "must be even and > 0".into()));
     }
     let mismatch = |name: &str, t: &Tensor, want: &[usize]| -> Result<(), ModelError> {
