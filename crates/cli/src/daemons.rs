@@ -125,6 +125,18 @@ pub fn grammar_vocabulary(
 /// # Errors
 /// Bad flags, a running instance of the same name.
 pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
+    // Structured outputs' constraints are compiled and their masks computed on the scheduler's
+    // thread: give it the stack they may need (`baton_grammar::GRAMMAR_STACK_BYTES`).
+    std::thread::Builder::new()
+        .name("baton-scheduler".into())
+        .stack_size(baton_grammar::GRAMMAR_STACK_BYTES)
+        .spawn(move || scheduler_main(a))
+        .context("starting the scheduler thread")?
+        .join()
+        .map_err(|_| anyhow::anyhow!("the scheduler thread panicked"))?
+}
+
+fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
     let format = a.load_format.with_seed_flag(a.seed)?;
     let (model_cfg, vocab, fingerprint, weights_fingerprint) = match &a.model {

@@ -87,6 +87,8 @@ impl LocalEngineClient {
         let thread_shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("baton-engine".into())
+            // Structured outputs' masks are computed on this thread (see the constant).
+            .stack_size(baton_grammar::GRAMMAR_STACK_BYTES)
             .spawn(move || {
                 let reason = match engine_loop(sched, backend, rx, &thread_shared) {
                     Ok(()) => "the engine has shut down".to_owned(),

@@ -81,14 +81,28 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let status = status_of(out.finish);
     let usage = usage(input_tokens, out.cached_tokens, output_tokens);
     let message = shell.message(&out.text, status);
-    Ok(Json(shell.response(status, vec![message], usage, Value::Null)).into_response())
+    Ok(Json(shell.response(status, vec![message], usage, error_of(status))).into_response())
 }
 
 /// The response's status (and its output message's) for a sequence's finish reason.
 fn status_of(finish: Option<&str>) -> &'static str {
     match finish {
         Some("length") => "incomplete",
+        // The engine gave up on the request (a structured output's grammar failed, or it could
+        // no longer fit): not a completed answer.
+        Some("abort") => "failed",
         _ => "completed",
+    }
+}
+
+/// The `error` of a response with `status`.
+fn error_of(status: &str) -> Value {
+    if status == "failed" {
+        json!({"code": "server_error", "message": "The engine aborted the generation (for \
+               example, a structured output's grammar exceeded its limits); the output is \
+               incomplete."})
+    } else {
+        Value::Null
     }
 }
 
@@ -160,6 +174,12 @@ impl Shell {
 
     /// The output message with `text` (no content part while `in_progress`).
     fn message(&self, text: &str, status: &str) -> Value {
+        // A message item is in_progress, completed or incomplete (a failed response's is cut).
+        let status = if status == "failed" {
+            "incomplete"
+        } else {
+            status
+        };
         let content = if status == "in_progress" {
             Vec::new()
         } else {
@@ -303,11 +323,13 @@ impl Streamer {
             json!({"output_index": 0, "item": item.clone()}),
         );
         let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
-        let r = self.shell.response(status, vec![item], usage, Value::Null);
-        let kind = if status == "incomplete" {
-            "response.incomplete"
-        } else {
-            "response.completed"
+        let r = self
+            .shell
+            .response(status, vec![item], usage, error_of(status));
+        let kind = match status {
+            "incomplete" => "response.incomplete",
+            "failed" => "response.failed",
+            _ => "response.completed",
         };
         self.push(kind, json!({ "response": r }));
     }

@@ -1438,8 +1438,8 @@ impl Chunker for ChatChunker {
     }
 
     fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String> {
-        let (text, calls) = match self.filters.as_mut().and_then(|f| f.get_mut(d.index)) {
-            None => (d.text.clone(), Vec::new()),
+        let (text, calls, end) = match self.filters.as_mut().and_then(|f| f.get_mut(d.index)) {
+            None => (d.text.clone(), Vec::new(), d.finish),
             Some(f) => {
                 let mut text = f.push(&d.text);
                 let mut calls = Vec::new();
@@ -1448,7 +1448,8 @@ impl Chunker for ChatChunker {
                     text.push_str(&rest);
                     calls = c;
                 }
-                (text, calls)
+                let end = f.mode().finish(!calls.is_empty(), d.finish);
+                (text, calls, end)
             }
         };
         let with_logprobs = self.head.logprobs && !d.tokens.is_empty();
@@ -1500,10 +1501,10 @@ impl Chunker for ChatChunker {
             ..ChatDelta::default()
         };
         out.push(self.head.chunk(vec![choice(delta, None, None)], usage));
-        out.push(self.head.chunk(
-            vec![choice(ChatDelta::default(), None, Some("tool_calls"))],
-            usage,
-        ));
+        out.push(
+            self.head
+                .chunk(vec![choice(ChatDelta::default(), None, end)], usage),
+        );
         out
     }
 
@@ -1613,11 +1614,11 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                     (parsed.content, parsed.calls)
                 }
             };
-            let finish = if calls.is_empty() {
-                c.finish.map(str::to_owned)
-            } else {
-                Some("tool_calls".to_owned())
-            };
+            let finish = match &parser {
+                Some(p) => p.finish(!calls.is_empty(), c.finish),
+                None => c.finish,
+            }
+            .map(str::to_owned);
             ChatChoice {
                 index: i,
                 message: ChatMessage {

@@ -188,6 +188,19 @@ pub enum CallMode {
 }
 
 impl CallMode {
+    /// The `finish_reason` of a choice whose output `parse` gave `calls`, given the sequence's
+    /// own finish: `tool_calls` when there are calls, except that a guided output (named or
+    /// required) keeps the real reason unless it ended normally (`stop`), so a call cut short
+    /// by `max_tokens` says `length`, as vLLM's does.
+    pub fn finish<'a>(&self, has_calls: bool, finish: Option<&'a str>) -> Option<&'a str> {
+        match (has_calls, self) {
+            (false, _) => finish,
+            (true, Self::Parser(_)) => Some("tool_calls"),
+            (true, _) if finish == Some("stop") => Some("tool_calls"),
+            (true, _) => finish,
+        }
+    }
+
     /// Splits a whole output into content and tool calls. A guided output cut short by
     /// `max_tokens` that does not parse: the named function gets it as its arguments anyway (as
     /// vLLM), a `required` list becomes content.
@@ -275,6 +288,11 @@ impl StreamFilter {
             holding,
             plain: false,
         }
+    }
+
+    /// How this choice's output becomes calls.
+    pub fn mode(&self) -> &CallMode {
+        &self.mode
     }
 
     /// Adds `text`; returns the content that can be sent now.

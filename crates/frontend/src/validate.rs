@@ -177,7 +177,7 @@ pub struct GenParams {
 /// # Errors
 /// A malformed value, an unknown kind, or two constraints.
 pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>, ApiError> {
-    let mut found: Vec<(Constraint, &'static str)> = Vec::new();
+    let mut found: Vec<(Constraint, &'static str, String)> = Vec::new();
     let string = |name: &'static str, v: &Value| -> Result<String, ApiError> {
         v.as_str()
             .map(str::to_owned)
@@ -207,7 +207,7 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
         None | Some(Value::Null) => {}
         Some(v) => match v.get("type").and_then(Value::as_str) {
             Some("text") => {}
-            Some("json_object") => found.push((Constraint::JsonObject, RF)),
+            Some("json_object") => found.push((Constraint::JsonObject, RF, RF.into())),
             Some("json_schema") => {
                 let Some(s) = v.get("json_schema").and_then(|j| j.get("schema")) else {
                     return Err(ApiError::field(
@@ -215,7 +215,7 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
                         "response_format of type 'json_schema' needs 'json_schema.schema'.",
                     ));
                 };
-                found.push((schema(RF, s)?, RF));
+                found.push((schema(RF, s)?, RF, RF.into()));
             }
             _ => {
                 return Err(ApiError::field(
@@ -240,7 +240,7 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
             "guided_choice" => choices(name, v)?,
             _ => Constraint::Grammar(string(name, v)?),
         };
-        found.push((c, name));
+        found.push((c, name, name.into()));
     }
     const SO: &str = "structured_outputs";
     if let Some(so) = f.raw(SO).filter(|v| !v.is_null()) {
@@ -251,7 +251,7 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
             ));
         };
         for (k, v) in o {
-            if v.is_null() || v == &Value::Bool(false) {
+            if v.is_null() {
                 continue;
             }
             let c = match k.as_str() {
@@ -259,13 +259,22 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
                 "regex" => Constraint::Regex(string(SO, v)?),
                 "choice" => choices(SO, v)?,
                 "grammar" => Constraint::Grammar(string(SO, v)?),
-                "json_object" if v == &Value::Bool(true) => Constraint::JsonObject,
-                // Backend tuning knobs of vLLM's; llguidance has its own defaults.
+                "json_object" => match v {
+                    Value::Bool(true) => Constraint::JsonObject,
+                    Value::Bool(false) => continue,
+                    _ => {
+                        return Err(ApiError::field(
+                            SO,
+                            "'structured_outputs.json_object' must be true or false.",
+                        ))
+                    }
+                },
+                // Options, read below.
                 "disable_any_whitespace"
-                | "disable_fallback"
-                | "disable_additional_properties"
                 | "whitespace_pattern"
-                | "backend" => continue,
+                | "backend"
+                | "disable_fallback"
+                | "disable_additional_properties" => continue,
                 _ => {
                     return Err(ApiError::field(
                         SO,
@@ -276,7 +285,85 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
                     ))
                 }
             };
-            found.push((c, SO));
+            found.push((c, SO, format!("{SO}.{k}")));
+        }
+    }
+    let so = f.raw(SO).and_then(Value::as_object);
+    let opt = |k: &str| so.and_then(|o| o.get(k)).filter(|v| !v.is_null());
+    // vLLM's backend choice: every backend it names serves the same constraints; this server
+    // always uses llguidance.
+    for (name, v) in [
+        ("structured_outputs", opt("backend")),
+        ("guided_decoding_backend", f.raw("guided_decoding_backend")),
+    ] {
+        let Some(v) = v.filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let known = [
+            "auto",
+            "guidance",
+            "llguidance",
+            "xgrammar",
+            "outlines",
+            "lm-format-enforcer",
+        ];
+        if !v.as_str().is_some_and(|b| known.contains(&b)) {
+            return Err(ApiError::field(
+                name,
+                format!("Unknown structured-output backend {v}; this server uses llguidance (one of {known:?} is accepted)."),
+            ));
+        }
+    }
+    // JSON layout options (vLLM's): free whitespace when `disable_any_whitespace` is false,
+    // or whitespace matching a pattern; the default is the compact layout (see baton-grammar).
+    let mut layout = Map::new();
+    match opt("disable_any_whitespace") {
+        None | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => {
+            layout.insert("whitespace_flexible".into(), Value::Bool(true));
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                SO,
+                "'structured_outputs.disable_any_whitespace' must be a boolean.",
+            ))
+        }
+    }
+    for (name, v) in [
+        ("structured_outputs", opt("whitespace_pattern")),
+        (
+            "guided_whitespace_pattern",
+            f.raw("guided_whitespace_pattern"),
+        ),
+    ] {
+        match v {
+            None | Some(Value::Null) => {}
+            Some(Value::String(p)) => {
+                layout.insert("whitespace_pattern".into(), Value::String(p.clone()));
+            }
+            Some(_) => {
+                return Err(ApiError::field(
+                    name,
+                    "The whitespace pattern must be a string.",
+                ))
+            }
+        }
+    }
+    if !layout.is_empty() {
+        for (c, _, _) in &mut found {
+            if matches!(c, Constraint::JsonObject) {
+                *c = Constraint::Json(serde_json::json!({"type": "object"}));
+            }
+            if let Constraint::Json(Value::Object(schema)) = c {
+                let x = schema
+                    .entry("x-guidance")
+                    .or_insert_with(|| Value::Object(Map::new()));
+                if let Some(x) = x.as_object_mut() {
+                    for (k, v) in &layout {
+                        x.entry(k.clone()).or_insert_with(|| v.clone());
+                    }
+                }
+            }
         }
     }
     if found.len() > 1 {
@@ -284,11 +371,11 @@ pub fn parse_constraint(f: &Fields) -> Result<Option<(Constraint, &'static str)>
             found[1].1,
             format!(
                 "Only one structured-output constraint may be given ('{}' and '{}').",
-                found[0].1, found[1].1
+                found[0].2, found[1].2
             ),
         ));
     }
-    let c = found.pop();
+    let c = found.pop().map(|(c, name, _)| (c, name));
     if let Some((c, name)) = &c {
         if c.to_wire().len() > MAX_CONSTRAINT_BYTES {
             return Err(ApiError::field(
@@ -1071,7 +1158,7 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
         &tool_choice,
         tools.as_deref().unwrap_or_default(),
         parallel_tool_calls,
-    ) {
+    )? {
         if let Some((_, other)) = &gen.constraint {
             return Err(ApiError::field(
                 "tool_choice",
@@ -1245,9 +1332,18 @@ fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, 
 /// The JSON schema that guides the output for `tool_choice` `required` or a named function
 /// (vLLM's): a named function's output is its arguments (its `parameters` schema, any object
 /// without one); `required`'s is a non-empty list of `{"name", "parameters"}` objects, one
-/// `anyOf` branch per tool, at most one with `parallel_tool_calls: false`. `None` for `none`
-/// and `auto`.
-fn tool_choice_schema(choice: &ToolChoice, tools: &[Value], parallel: bool) -> Option<Value> {
+/// `anyOf` branch per tool, at most one with `parallel_tool_calls: false`; the tools'
+/// `$defs` (and `definitions`) move to the list's top level, where their `#/$defs/...`
+/// references point (as vLLM does: pydantic puts nested models there). `None` for `none` and
+/// `auto`.
+///
+/// # Errors
+/// Two tools that define the same `$defs` name differently.
+fn tool_choice_schema(
+    choice: &ToolChoice,
+    tools: &[Value],
+    parallel: bool,
+) -> Result<Option<Value>, ApiError> {
     let params = |t: &Value| {
         t.get("function")
             .and_then(|f| f.get("parameters"))
@@ -1260,7 +1356,7 @@ fn tool_choice_schema(choice: &ToolChoice, tools: &[Value], parallel: bool) -> O
             .and_then(Value::as_str)
             .map(str::to_owned)
     };
-    match choice {
+    Ok(match choice {
         ToolChoice::None | ToolChoice::Auto => None,
         ToolChoice::Named(n) => Some(
             tools
@@ -1270,20 +1366,45 @@ fn tool_choice_schema(choice: &ToolChoice, tools: &[Value], parallel: bool) -> O
                 .unwrap_or_else(|| serde_json::json!({"type": "object"})),
         ),
         ToolChoice::Required => {
-            let branches: Vec<Value> = tools
-                .iter()
-                .filter_map(|t| {
-                    Some(serde_json::json!({
-                        "type": "object",
-                        "properties": {
-                            "name": {"type": "string", "enum": [name(t)?]},
-                            "parameters": params(t),
-                        },
-                        "required": ["name", "parameters"],
-                        "additionalProperties": false,
-                    }))
-                })
-                .collect();
+            let mut defs: Map<String, Value> = Map::new();
+            let mut legacy: Map<String, Value> = Map::new();
+            let mut branches = Vec::new();
+            for t in tools {
+                let Some(n) = name(t) else { continue };
+                let mut p = params(t);
+                if let Some(o) = p.as_object_mut() {
+                    for (key, into) in [("$defs", &mut defs), ("definitions", &mut legacy)] {
+                        let Some(Value::Object(d)) = o.remove(key) else {
+                            continue;
+                        };
+                        for (k, v) in d {
+                            match into.get(&k) {
+                                Some(old) if *old != v => {
+                                    return Err(ApiError::field(
+                                        "tool_choice",
+                                        format!(
+                                            "tool_choice \"required\": two tools define \
+                                             '{key}/{k}' differently."
+                                        ),
+                                    ))
+                                }
+                                _ => {
+                                    into.insert(k, v);
+                                }
+                            }
+                        }
+                    }
+                }
+                branches.push(serde_json::json!({
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [n]},
+                        "parameters": p,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": false,
+                }));
+            }
             let mut schema = serde_json::json!({
                 "type": "array",
                 "minItems": 1,
@@ -1292,9 +1413,15 @@ fn tool_choice_schema(choice: &ToolChoice, tools: &[Value], parallel: bool) -> O
             if !parallel {
                 schema["maxItems"] = 1.into();
             }
+            if !defs.is_empty() {
+                schema["$defs"] = Value::Object(defs);
+            }
+            if !legacy.is_empty() {
+                schema["definitions"] = Value::Object(legacy);
+            }
             Some(schema)
         }
-    }
+    })
 }
 
 /// An assistant message's `tool_calls` as chat templates expect them (vLLM's and

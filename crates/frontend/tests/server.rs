@@ -240,6 +240,111 @@ async fn structured_outputs_constrain_the_text() {
     }
 }
 
+/// Constraints that nest through references, that grow past llguidance's limits while
+/// generating, and option mistakes: never a crash, a hang or a success that is not one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_survive_deep_and_overgrown_constraints() {
+    let srv = start_chat(Opts::default()).await;
+    let base = json!({"model": MODEL, "prompt": "Once", "max_tokens": 8, "temperature": 0});
+    let with = |k: &str, v: Value| {
+        let mut b = base.clone();
+        b[k] = v;
+        b
+    };
+    // A 900-deep $ref chain and a 3000-rule Lark chain (a 2 MiB stack overflowed at 300).
+    let n = 900;
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("d{i}"),
+            json!({"type": "array", "items": {"$ref": format!("#/$defs/d{}", i + 1)}}),
+        );
+    }
+    defs.insert(format!("d{n}"), json!({"type": "integer"}));
+    let deep = json!({"$defs": defs, "$ref": "#/$defs/d0"});
+    let lark: String = (0..3000)
+        .map(|i| format!("r{i}: r{}\n", i + 1))
+        .chain(["r3000: \"x\"\nstart: r0\n".to_owned()])
+        .collect();
+    for body in [
+        with("guided_json", deep),
+        with("guided_grammar", json!(lark)),
+    ] {
+        let r = post(srv.addr, "/v1/completions", &body).await;
+        assert!(r.status == 200 || r.status == 400, "{}", r.body);
+    }
+    let r = completion(srv.addr, base.clone()).await;
+    assert!(!text_of(&r, 0).is_empty());
+    // 500 optional properties: compiles, then llguidance's row limit stops it after a token or
+    // two. The output is cut: `abort` on completions, a failed response.
+    let props: serde_json::Map<String, Value> = (0..500)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    let wide = json!({"type": "object", "properties": props});
+    let r = completion(srv.addr, with("guided_json", wide.clone())).await;
+    assert_eq!(r["choices"][0]["finish_reason"], "abort", "{r}");
+    let body = json!({"model": MODEL, "input": "Once", "max_output_tokens": 8, "temperature": 0,
+                      "text": {"format": {"type": "json_schema", "name": "w", "schema": wide}}});
+    let v = response(srv.addr, &body).await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["error"]["code"], "server_error", "{v}");
+    assert_eq!(v["output"][0]["status"], "incomplete", "{v}");
+    // Option mistakes are 400s naming the field; the two keys are named.
+    for (k, v) in [
+        ("structured_outputs", json!({"regex": false})),
+        ("structured_outputs", json!({"grammar": 3})),
+        ("structured_outputs", json!({"json_object": "yes"})),
+        (
+            "structured_outputs",
+            json!({"regex": "a", "backend": "nosuch"}),
+        ),
+        (
+            "structured_outputs",
+            json!({"regex": "a", "disable_any_whitespace": "no"}),
+        ),
+        ("guided_decoding_backend", json!("nosuch")),
+    ] {
+        let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
+        assert_eq!(r.status, 400, "{k}={v}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], k, "{}", r.body);
+    }
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &with("structured_outputs", json!({"regex": "a", "choice": ["b"]})),
+    )
+    .await;
+    let m = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        m.contains("structured_outputs.regex") && m.contains("structured_outputs.choice"),
+        "{m}"
+    );
+    // llguidance's state dump stays out of error bodies.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &with("guided_regex", json!("[^\\s\\S]")),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let m = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(!m.contains("<state>") && !m.contains('\n'), "{m}");
+    // Accepted backend names and layout options: free whitespace on request.
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                        "required": ["ok"], "additionalProperties": false});
+    for so in [
+        json!({"json": schema, "backend": "xgrammar"}),
+        json!({"json": schema, "disable_any_whitespace": true}),
+        json!({"json": schema, "whitespace_pattern": " ?"}),
+    ] {
+        let mut b = with("structured_outputs", so.clone());
+        b["max_tokens"] = json!(100);
+        let t = text_of(&completion(srv.addr, b).await, 0);
+        let v: Value = serde_json::from_str(&t).unwrap_or_else(|e| panic!("{so}: {t:?}: {e}"));
+        assert!(v["ok"].is_boolean(), "{t}");
+    }
+}
+
 /// vLLM's `allowed_token_ids`: only the listed tokens are sampled, greedy or not, whatever
 /// `logit_bias` says about others; log-probabilities stay the raw ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4314,9 +4419,13 @@ async fn tool_choice_required_and_named_guide_the_output_into_calls() {
         json!({"type": "object", "properties": {"city": {"type": "string", "enum": names}},
                "required": ["city"], "additionalProperties": false})
     };
+    // get_time's parameters reach their enum through `$defs`, as pydantic writes nested models.
+    let time_params = json!({"$defs": {"City": {"type": "string", "enum": ["Oslo", "Lima"]}},
+                             "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+                             "required": ["city"], "additionalProperties": false});
     let tools = json!([
         {"type": "function", "function": {"name": "get_weather", "parameters": city(&["Paris", "Rome"])}},
-        {"type": "function", "function": {"name": "get_time", "parameters": city(&["Oslo", "Lima"])}},
+        {"type": "function", "function": {"name": "get_time", "parameters": time_params}},
     ]);
     let msgs = json!([{"role": "user", "content": "Once upon a time"}]);
     // (With parallel calls, this small model lists calls until max_tokens: the required case
@@ -4383,6 +4492,23 @@ async fn tool_choice_required_and_named_guide_the_output_into_calls() {
             let plain: Vec<Value> = calls.iter().map(|c| c["function"].clone()).collect();
             assert_eq!(streamed, plain, "{}", r.body);
         }
+    }
+    // Cut short by max_tokens: a named call keeps its partial arguments but says `length`
+    // (as vLLM); a required list that does not parse is content.
+    for (choice, calls) in [
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            true,
+        ),
+        (json!("required"), false),
+    ] {
+        let body = json!({"model": MODEL, "messages": msgs, "tools": tools,
+                          "tool_choice": choice, "max_tokens": 4, "temperature": 0});
+        let r = post(srv.addr, "/v1/chat/completions", &body).await;
+        let v = r.json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "length", "{v}");
+        assert_eq!(c["message"]["tool_calls"].is_array(), calls, "{v}");
     }
 }
 

@@ -25,6 +25,24 @@ use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 /// The most bytes a [`Constraint`]'s wire form may take (64 KiB: large JSON schemas fit).
 pub const MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
 
+/// Stack for threads that compile constraints or compute masks. llguidance's compiler and
+/// Earley parser recurse once per level of a grammar's nesting through references (a `$ref`
+/// chain, a chain of Lark rules), which the nesting limits inside one JSON value or regex do not
+/// bound: a 300-deep `$ref` chain overflowed a 2 MiB tokio worker's stack (and a stack overflow
+/// aborts the process). 256 MiB of address space (touched only as deep as the recursion goes)
+/// covers everything a 64 KiB constraint can nest. [`Vocabulary::compile`] runs on such a thread
+/// by itself; the threads that own [`Guide`]s (the scheduler's, the in-process engine's) are
+/// started with it.
+pub const GRAMMAR_STACK_BYTES: usize = 256 << 20;
+
+/// The first line of an llguidance error (its messages go on with a dump of the parser's state
+/// and the grammar, which are for llguidance's developers, not for an API error body).
+fn first_line(e: impl std::fmt::Display) -> String {
+    let s = e.to_string();
+    let line = s.lines().next().unwrap_or_default().trim();
+    line.strip_suffix(';').unwrap_or(line).to_owned()
+}
+
 /// `u32` words of a token mask for a vocabulary of `vocab_size` ids: bit `t % 32` of word
 /// `t / 32` is token `t`.
 pub const fn mask_words(vocab_size: usize) -> usize {
@@ -117,13 +135,19 @@ impl Constraint {
 /// which vLLM users avoid with `disable_any_whitespace`; here that is the default.
 fn compact(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(o) = schema.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(|| {
-            serde_json::json!({
-                "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": "
-            })
-        });
+        let x = o
+            .entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({}));
+        // Options the schema sets win; the layout fills in the rest.
+        if let Some(x) = x.as_object_mut() {
+            for (k, v) in [
+                ("whitespace_flexible", serde_json::json!(false)),
+                ("item_separator", serde_json::json!(", ")),
+                ("key_separator", serde_json::json!(": ")),
+            ] {
+                x.entry(k).or_insert(v);
+            }
+        }
     }
     schema
 }
@@ -234,21 +258,40 @@ impl Vocabulary {
     /// # Errors
     /// [`GrammarError::Invalid`] with llguidance's message for a schema, regex or grammar it
     /// rejects (or one that needs a feature it lacks).
+    ///
+    /// Runs on a thread of its own with [`GRAMMAR_STACK_BYTES`] of stack (a few tens of
+    /// microseconds to start), so a deeply nested constraint cannot overflow the caller's.
     pub fn compile(&self, c: &Constraint) -> Result<Guide, GrammarError> {
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("baton-grammar".into())
+                .stack_size(GRAMMAR_STACK_BYTES)
+                .spawn_scoped(s, || self.compile_here(c))
+                .map_err(|e| GrammarError::Invalid(format!("no thread to compile on: {e}")))?
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(GrammarError::Invalid(
+                        "the constraint compiler failed".into(),
+                    ))
+                })
+        })
+    }
+
+    fn compile_here(&self, c: &Constraint) -> Result<Guide, GrammarError> {
         let grammar = c.to_grammar()?;
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+            .map_err(|e| GrammarError::Invalid(first_line(e)))?;
         let mut m = Matcher::new(Ok(parser));
         if let Some(e) = m.get_error() {
-            return Err(GrammarError::Invalid(e));
+            return Err(GrammarError::Invalid(first_line(e)));
         }
         // A grammar that allows nothing at the start (for example, an unsatisfiable schema)
         // is the caller's error, found now rather than as a stuck request.
         let first = m
             .compute_mask()
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+            .map_err(|e| GrammarError::Invalid(first_line(e)))?;
         if first.is_zero() {
             return Err(GrammarError::Invalid(
                 "the constraint allows no output with this model's vocabulary".into(),
@@ -299,7 +342,7 @@ impl Guide {
         let v = self
             .m
             .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Matcher(e.to_string()))?;
+            .map_err(|e| GrammarError::Matcher(first_line(e)))?;
         let src = v.as_slice();
         out.fill(0);
         let n = out.len().min(src.len());
@@ -323,7 +366,7 @@ impl Guide {
         }
         self.m
             .consume_token(token)
-            .map_err(|e| GrammarError::Matcher(e.to_string()))
+            .map_err(|e| GrammarError::Matcher(first_line(e)))
     }
 
     /// True once the constraint is complete and nothing can follow but EOS, or the guide
