@@ -14,7 +14,7 @@
 //! registered once the request's `computed_len` covers it (its KV is written and fenced), and it
 //! is never written again. A dead worker takes the cache with it.
 
-use crate::request::{FinishReason, NewRequest, Request, RequestId, State};
+use crate::request::{FinishReason, Guided, NewRequest, Request, RequestId, State};
 use crate::trace::{Boundary, TraceRecord, Tracer};
 use baton_kv::{PagePool, PoolStats, PrefixHasher, SlotAllocator};
 use baton_proto::{
@@ -296,6 +296,11 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     hasher: PrefixHasher,
     prefix_queries: u64,
     prefix_hits: u64,
+    /// Guided requests that accepted a token in the completion being handled: their next
+    /// masks are computed together at its end ([`Scheduler::fill_guided_masks`]).
+    guided_fill: Vec<Idx>,
+    /// Threads for those masks (built on first use; `None` before, or if it could not start).
+    guide_pool: Option<rayon::ThreadPool>,
 }
 
 impl Scheduler<Box<[AtomicU32]>> {
@@ -341,6 +346,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             hasher: PrefixHasher::new(),
             prefix_queries: 0,
             prefix_hits: 0,
+            guided_fill: Vec::new(),
+            guide_pool: None,
             cfg,
         }
     }
@@ -961,8 +968,57 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 }
             }
         }
+        self.fill_guided_masks(events);
         self.spare_rows.push(launch.rows);
         true
+    }
+
+    /// Computes the next token mask of every guided request that accepted a token in this
+    /// completion, in parallel on [`Scheduler::guide_pool`] when there are several (a mask is
+    /// tens of microseconds for a JSON schema on a 32000-token vocabulary, and up to llguidance's
+    /// per-step fuel, about 15 ms, for a costly grammar; one after another they held up the
+    /// whole step). A failure (llguidance's limits) ends that request with `Abort`.
+    fn fill_guided_masks(&mut self, events: &mut Vec<Event>) {
+        if self.guided_fill.is_empty() {
+            return;
+        }
+        let mut jobs: Vec<(Idx, Box<Guided>)> = Vec::with_capacity(self.guided_fill.len());
+        for i in std::mem::take(&mut self.guided_fill) {
+            if let Some(g) = self.requests.try_get_mut(i).and_then(|r| r.guide.take()) {
+                jobs.push((i, g));
+            }
+        }
+        let fill = |g: &mut Box<Guided>| {
+            let Guided { guide, mask } = &mut **g;
+            guide.fill_mask(mask).err()
+        };
+        if jobs.len() > 1 && self.guide_pool.is_none() {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+            self.guide_pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("baton-guide-{i}"))
+                // Masks recurse as deep as the grammar nests (see the constant).
+                .stack_size(baton_grammar::GRAMMAR_STACK_BYTES)
+                .build()
+                .ok();
+        }
+        let errors: Vec<Option<baton_grammar::GrammarError>> = match &self.guide_pool {
+            Some(pool) if jobs.len() > 1 => {
+                use rayon::prelude::*;
+                pool.install(|| jobs.par_iter_mut().map(|(_, g)| fill(g)).collect())
+            }
+            _ => jobs.iter_mut().map(|(_, g)| fill(g)).collect(),
+        };
+        for ((i, g), e) in jobs.into_iter().zip(errors) {
+            let Some(r) = self.requests.try_get_mut(i) else {
+                continue;
+            };
+            r.guide = Some(g);
+            if let Some(e) = e {
+                tracing::warn!(req = r.id, "structured output failed: {e}");
+                self.finish(i, FinishReason::Abort, events);
+            }
+        }
     }
 
     /// Accepts sampled entry `s` of row `m` of launch `seq` if the request is live and this is
@@ -986,14 +1042,17 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 r.known_len += 1;
                 let stop = r.num_outputs() > r.min_tokens && r.is_stop(s.token);
                 let length = r.num_outputs() >= r.max_tokens || r.known_len >= max_model_len;
-                // The guide takes the token and gives the next mask (not needed after the
-                // last token); a failure ends the request.
+                // The guide takes the token (not needed after the last one); its next mask is
+                // computed at the end of the completion with the other guided rows'. A
+                // failure ends the request.
                 let guide_failed = match &mut r.guide {
-                    Some(g) if !stop && !length => g
-                        .guide
-                        .consume(s.token)
-                        .and_then(|()| g.guide.fill_mask(&mut g.mask))
-                        .err(),
+                    Some(g) if !stop && !length => {
+                        let e = g.guide.consume(s.token).err();
+                        if e.is_none() {
+                            self.guided_fill.push(m.req);
+                        }
+                        e
+                    }
                     _ => None,
                 };
                 if let Some(e) = &guide_failed {
