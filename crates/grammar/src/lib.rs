@@ -241,6 +241,8 @@ impl Vocabulary {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
+        // Errors without the parser's state (which holds the generated text) or the grammar.
+        factory.limits_mut().verbose_errors = false;
         Ok(Self {
             factory: Arc::new(factory),
             vocab_size,
