@@ -330,22 +330,40 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
 
 /// `serve --load-format dummy` serves random weights of the config's shape from a directory
 /// without safetensors (benchmarks): the scheduler publishes the dummy seed's fingerprint, so
-/// the worker it starts attaches and requests complete.
+/// the worker it starts attaches and requests complete. Also with the test model's shapes
+/// under Qwen2's and Qwen3's architectures (q/k/v biases; per-head q/k norms): the three
+/// processes agree on the config's fingerprint and serve it.
 #[test]
 fn serve_with_dummy_weights_needs_no_safetensors() {
     let _serial = serial();
-    let inst = instance("serve-dummy");
-    let dir = edited_model_dir("serve-dummy", |_| {});
-    let (mut serve, addr) = serve_on(
-        &inst,
-        18305,
-        &dir,
-        &["--load-format", "dummy", "--seed", "9"],
-    );
-    assert_eq!(health(&addr), 200);
-    let (_, done) = stream_completion(&addr, 8);
-    assert!(done, "a request on dummy weights did not complete");
-    serve.signal(Signal::SIGTERM);
-    assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
-    let _ = std::fs::remove_dir_all(dir);
+    let qwen = |ty: &'static str, arch: &'static str| {
+        move |c: &mut serde_json::Value| {
+            c["model_type"] = ty.into();
+            c["architectures"] = serde_json::json!([arch]);
+        }
+    };
+    let edits: [(&str, Box<dyn Fn(&mut serde_json::Value)>); 3] = [
+        ("llama", Box::new(|_: &mut serde_json::Value| {})),
+        ("qwen2", Box::new(qwen("qwen2", "Qwen2ForCausalLM"))),
+        ("qwen3", Box::new(qwen("qwen3", "Qwen3ForCausalLM"))),
+    ];
+    for (name, edit) in edits {
+        let inst = instance(&format!("serve-dummy-{name}"));
+        let dir = edited_model_dir(&format!("serve-dummy-{name}"), |c| edit(c));
+        let (mut serve, addr) = serve_on(
+            &inst,
+            18305,
+            &dir,
+            &["--load-format", "dummy", "--seed", "9"],
+        );
+        assert_eq!(health(&addr), 200, "{name}");
+        let (_, done) = stream_completion(&addr, 8);
+        assert!(done, "{name}: a request on dummy weights did not complete");
+        serve.signal(Signal::SIGTERM);
+        assert!(
+            serve.wait_timeout(Duration::from_secs(20)).is_some(),
+            "{name}"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -1,7 +1,8 @@
 //! Parsing of a Hugging Face model directory's JSON configs.
 //!
 //! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
-//! Mistral-without-sliding-window, SiLU MLP, no biases, default or `llama3` RoPE) and rejects
+//! Mistral-without-sliding-window, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm); SiLU
+//! MLP, no other biases, no sliding window, default or `llama3` RoPE) and rejects
 //! anything else with a [`ModelError`] naming the file and field. [`GenerationConfig`] and
 //! [`TokenizerConfig`] are lenient: unknown keys are ignored, known keys must be well-typed.
 
@@ -29,14 +30,26 @@ pub enum RopeScaling {
 /// A Llama-family model's architecture, from `config.json`.
 ///
 /// Defaults follow transformers' `LlamaConfig`: `num_key_value_heads = num_attention_heads`,
-/// `head_dim = hidden_size / num_attention_heads`, `rope_theta = 10000`,
+/// `head_dim = hidden_size / num_attention_heads` (`Qwen3Config`: 128), `rope_theta = 10000`,
 /// `tie_word_embeddings = false`.
+///
+/// Qwen2 and Qwen3 are Llama with two additions, each a flag here so that every backend
+/// tests the flag rather than the name (transformers' `modeling_qwen2.py` /
+/// `modeling_qwen3.py`): [`ModelConfig::qkv_bias`] and [`ModelConfig::qk_norm`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// `architectures` as found (may be empty when the key is absent).
     pub architectures: Vec<String>,
-    /// `model_type`: `llama` or `mistral`.
+    /// `model_type`: `llama`, `mistral`, `qwen2` or `qwen3`.
     pub model_type: String,
+    /// The q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`, shapes
+    /// `[heads * head_dim]`, `[kv_heads * head_dim]` twice): Qwen2, always. The output
+    /// projection never has one here.
+    pub qkv_bias: bool,
+    /// Each query head and each key head is RMS-normalized over `head_dim` after the
+    /// projection and before RoPE, with `self_attn.q_norm.weight` / `k_norm.weight`
+    /// (`[head_dim]`, shared by the heads) and `rms_norm_eps`: Qwen3 (`Qwen3RMSNorm`).
+    pub qk_norm: bool,
     /// Residual stream width (elements).
     pub hidden_size: usize,
     /// MLP inner width (elements).
@@ -277,6 +290,11 @@ impl ModelConfig {
             }
         }
         eat(&[u8::from(self.tie_word_embeddings)]);
+        // The model_type above already separates Qwen from Llama; the flags are eaten too
+        // (only when set, so Llama fingerprints are unchanged) in case a type gains one.
+        if self.qkv_bias || self.qk_norm {
+            eat(&[0xfe, u8::from(self.qkv_bias), u8::from(self.qk_norm)]);
+        }
         h.finish()
     }
 
@@ -307,7 +325,12 @@ impl ModelConfig {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(f.invalid("architectures", "expected a list of strings")),
         };
-        const ARCHS: [&str; 2] = ["LlamaForCausalLM", "MistralForCausalLM"];
+        const ARCHS: [&str; 4] = [
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+        ];
         if !architectures.is_empty() && !architectures.iter().any(|a| ARCHS.contains(&a.as_str())) {
             return Err(ModelError::UnsupportedArchitecture {
                 file: file.into(),
@@ -317,7 +340,7 @@ impl ModelConfig {
         let model_type = f
             .opt_str("model_type")?
             .ok_or_else(|| f.missing("model_type"))?;
-        if model_type != "llama" && model_type != "mistral" {
+        if !["llama", "mistral", "qwen2", "qwen3"].contains(&model_type) {
             return Err(ModelError::UnsupportedModelType {
                 file: file.into(),
                 found: model_type.into(),
@@ -353,6 +376,8 @@ impl ModelConfig {
         }
         let head_dim = match f.opt_usize("head_dim")? {
             Some(h) => h,
+            // Qwen3Config's own default, whatever the widths.
+            None if model_type == "qwen3" => 128,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(f.invalid(
@@ -376,13 +401,43 @@ impl ModelConfig {
                 return Err(f.invalid("hidden_act", format!("{act:?} is unsupported; only silu")));
             }
         }
+        // Qwen2 always has q/k/v biases (its config has no key for them); elsewhere
+        // `attention_bias` also puts one on o_proj, which is not implemented.
         for key in ["attention_bias", "mlp_bias"] {
             if f.opt_bool(key)? == Some(true) {
-                return Err(f.invalid(key, "biases are unsupported"));
+                return Err(f.invalid(
+                    key,
+                    format!("biases are unsupported for model_type {model_type:?}"),
+                ));
             }
         }
+        let qkv_bias = model_type == "qwen2";
+        let qk_norm = model_type == "qwen3";
         if f.opt_usize("pretraining_tp")?.unwrap_or(1) != 1 {
             return Err(f.invalid("pretraining_tp", "only 1 is supported"));
+        }
+        if model_type == "qwen2" || model_type == "qwen3" {
+            // transformers applies `sliding_window` only with `use_sliding_window`, to the
+            // layers from `max_window_layers` on, or where `layer_types` says so.
+            if f.opt_bool("use_sliding_window")? == Some(true) {
+                return Err(f.invalid(
+                    "use_sliding_window",
+                    "sliding-window attention is unsupported",
+                ));
+            }
+            if let Some(types) = f.get("layer_types") {
+                let sliding = types
+                    .as_array()
+                    .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?
+                    .iter()
+                    .any(|t| t.as_str() != Some("full_attention"));
+                if sliding {
+                    return Err(f.invalid(
+                        "layer_types",
+                        "only \"full_attention\" layers are supported",
+                    ));
+                }
+            }
         }
         if model_type == "mistral" {
             if let Some(w) = f.get("sliding_window") {
@@ -462,6 +517,8 @@ impl ModelConfig {
         Ok(ModelConfig {
             architectures,
             model_type: model_type.to_string(),
+            qkv_bias,
+            qk_norm,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
@@ -751,6 +808,98 @@ mod tests {
         let mut c = base.clone();
         c.max_position_embeddings = 4096;
         assert_eq!(c.fingerprint(), fp, "max_position_embeddings");
+    }
+
+    /// Qwen2.5-0.5B-Instruct's and Qwen3-0.6B's config.json, as published (keys that do not
+    /// change the forward pass trimmed).
+    const QWEN2: &str = r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864,
+        "max_position_embeddings": 32768, "max_window_layers": 21, "num_attention_heads": 14,
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+        "torch_dtype": "bfloat16", "use_sliding_window": false, "vocab_size": 151936,
+        "bos_token_id": 151643, "eos_token_id": 151645"#;
+    const QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "attention_bias": false, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+        "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+        "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "use_sliding_window": false, "vocab_size": 151936, "bos_token_id": 151643,
+        "eos_token_id": 151645"#;
+
+    #[test]
+    fn qwen2_and_qwen3_configs_parse_with_their_flags() {
+        let q2 = ModelConfig::from_json_str(&format!("{QWEN2}}}")).unwrap();
+        assert!(q2.qkv_bias && !q2.qk_norm);
+        assert_eq!((q2.head_dim, q2.num_key_value_heads), (64, 2));
+        assert!(q2.tie_word_embeddings);
+        let q3 = ModelConfig::from_json_str(&format!("{QWEN3}}}")).unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias);
+        // head_dim 128 with hidden 1024 / 16 heads = 64: the explicit value wins.
+        assert_eq!(q3.head_dim, 128);
+        assert_eq!(q3.rope_theta, 1e6);
+        let l = cfg("").unwrap();
+        assert!(!l.qkv_bias && !l.qk_norm);
+        // Qwen3Config's default head_dim is 128, not hidden / heads.
+        let no_hd = QWEN3.replace(r#""head_dim": 128, "#, "");
+        assert_eq!(
+            ModelConfig::from_json_str(&format!("{no_hd}}}"))
+                .unwrap()
+                .head_dim,
+            128
+        );
+        // The flags change the fingerprint beside the model_type.
+        let mut c = q3.clone();
+        c.qk_norm = false;
+        assert_ne!(c.fingerprint(), q3.fingerprint());
+        let mut c = q2.clone();
+        c.qkv_bias = false;
+        assert_ne!(c.fingerprint(), q2.fingerprint());
+    }
+
+    #[test]
+    fn qwen_features_we_do_not_run_are_refused() {
+        for (base, extra, field) in [
+            (
+                QWEN2,
+                r#", "use_sliding_window": true"#,
+                "use_sliding_window",
+            ),
+            (
+                QWEN3,
+                r#", "use_sliding_window": true"#,
+                "use_sliding_window",
+            ),
+            (
+                QWEN3,
+                r#", "layer_types": ["full_attention", "sliding_attention"]"#,
+                "layer_types",
+            ),
+            (QWEN3, r#", "layer_types": "full_attention""#, "layer_types"),
+            (QWEN3, r#", "attention_bias": true"#, "attention_bias"),
+            (QWEN2, r#", "hidden_act": "gelu""#, "hidden_act"),
+        ] {
+            // Later keys win in serde_json: the extra overrides the base's value.
+            let e = ModelConfig::from_json_str(&format!("{base}{extra}}}")).unwrap_err();
+            assert!(
+                matches!(&e, ModelError::InvalidField { field: f, .. } if f == field),
+                "{extra}: {e}"
+            );
+        }
+        let ok = ModelConfig::from_json_str(&format!(
+            r#"{QWEN3}, "layer_types": ["full_attention", "full_attention"]}}"#
+        ));
+        assert!(ok.is_ok(), "{ok:?}");
+        let e = ModelConfig::from_json_str(&format!(
+            "{}}}",
+            QWEN3.replace("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        ))
+        .unwrap_err();
+        assert!(
+            matches!(e, ModelError::UnsupportedArchitecture { .. }),
+            "{e}"
+        );
     }
 
     #[test]

@@ -266,6 +266,10 @@ struct Layer {
     input_norm: Vec<f32>,
     /// Fused q, k, v projections: `[(heads + 2 kv_heads) * head_dim, hidden]`.
     qkv: Linear,
+    /// Fused q, k, v biases, `[(heads + 2 kv_heads) * head_dim]` (Qwen2).
+    qkv_bias: Option<Vec<f32>>,
+    /// Per-head q and k RMSNorm weights, `[head_dim]` each (Qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Linear,
     post_norm: Vec<f32>,
     /// Fused gate and up projections: `[2 * intermediate, hidden]`.
@@ -390,7 +394,25 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
         ));
     }
     for (i, l) in w.layers.iter().enumerate() {
-        for ((name, want), t) in layer_tensor_shapes(c, i).iter().zip(l.tensors()) {
+        let shapes = layer_tensor_shapes(c, i);
+        let tensors = l.tensors();
+        if tensors.len() != shapes.len() {
+            return Err(bad(
+                "model_type",
+                format!(
+                    "layer {i} has {} weight tensors; a {:?} layer has {} ({})",
+                    tensors.len(),
+                    c.model_type,
+                    shapes.len(),
+                    shapes
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        for ((name, want), t) in shapes.iter().zip(tensors) {
             mismatch(name, t, want)?;
         }
     }
@@ -497,11 +519,24 @@ fn attend(
 /// HF `LlamaRMSNorm`: `x * rsqrt(mean(x²) + eps) * w`, computed in f32 (sum in f64).
 #[inline]
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let var = (ss / x.len() as f64) as f32;
-    let r = 1.0 / (var + eps).sqrt();
+    let r = rms_scale(x, eps);
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = g * (v * r);
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, the sum of squares in f64.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let var = (ss / x.len() as f64) as f32;
+    1.0 / (var + eps).sqrt()
+}
+
+/// [`rms_norm`] in place (Qwen3's per-head q/k norm).
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let r = rms_scale(x, eps);
+    for (v, &g) in x.iter_mut().zip(w) {
+        *v = g * (*v * r);
     }
 }
 
@@ -540,6 +575,11 @@ impl CpuModel {
         let layers = layers
             .into_iter()
             .map(|l| Layer {
+                qkv_bias: match (l.q_bias, l.k_bias, l.v_bias) {
+                    (Some(q), Some(k), Some(v)) => Some([q.data, k.data, v.data].concat()),
+                    _ => None,
+                },
+                qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (q.data, k.data)),
                 qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
                 o: Linear::concat(vec![l.o_proj]),
                 gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
@@ -818,8 +858,14 @@ impl CpuModel {
                 );
             }
             par_matmul(&s.xn, t, &layer.qkv, &mut s.qkv, &mut s.pad);
+            if let Some(b) = &layer.qkv_bias {
+                for tok in s.qkv[..t * qkv_w].chunks_exact_mut(qkv_w) {
+                    tok.iter_mut().zip(b).for_each(|(x, &bb)| *x += bb);
+                }
+            }
 
-            // RoPE on q and k (HF rotate_half: pairs (j, j + hd/2)), then store k and v.
+            // Qwen3: RMSNorm of each q and k head (before RoPE); then RoPE on q and k (HF
+            // rotate_half: pairs (j, j + hd/2)), then store k and v.
             let mut i = 0;
             for row in rows {
                 for (j, _) in row.tokens.iter().enumerate() {
@@ -827,6 +873,11 @@ impl CpuModel {
                     let cs = &s.cos[i * half..(i + 1) * half];
                     let sn = &s.sin[i * half..(i + 1) * half];
                     let tok = &mut s.qkv[i * qkv_w..(i + 1) * qkv_w];
+                    if let Some((qn, kn)) = &layer.qk_norm {
+                        for (hi, head) in tok[..q_w + kv_w].chunks_exact_mut(hd).enumerate() {
+                            rms_norm_in_place(head, if hi < nh { qn } else { kn }, eps);
+                        }
+                    }
                     for head in tok[..q_w + kv_w].chunks_exact_mut(hd) {
                         let (a, b) = head.split_at_mut(half);
                         for d in 0..half {

@@ -59,12 +59,35 @@ pub struct LayerWeights {
     pub up_proj: Tensor,
     /// `[hidden, intermediate]`.
     pub down_proj: Tensor,
+    /// `[heads * head_dim]` q projection bias, present exactly when
+    /// [`ModelConfig::qkv_bias`] (Qwen2).
+    pub q_bias: Option<Tensor>,
+    /// `[kv_heads * head_dim]` k projection bias, as `q_bias`.
+    pub k_bias: Option<Tensor>,
+    /// `[kv_heads * head_dim]` v projection bias, as `q_bias`.
+    pub v_bias: Option<Tensor>,
+    /// `[head_dim]` RMSNorm weight of every query head, present exactly when
+    /// [`ModelConfig::qk_norm`] (Qwen3).
+    pub q_norm: Option<Tensor>,
+    /// `[head_dim]` RMSNorm weight of every key head, as `q_norm`.
+    pub k_norm: Option<Tensor>,
+}
+
+/// Index of `self_attn.q_proj.bias` in [`layer_tensor_shapes`] and [`LayerWeights::tensors`]
+/// when the config has [`ModelConfig::qkv_bias`] (k and v follow).
+pub const LAYER_QKV_BIAS: usize = 9;
+
+/// Index of `self_attn.q_norm.weight` in [`layer_tensor_shapes`] and
+/// [`LayerWeights::tensors`] when the config has [`ModelConfig::qk_norm`] (k follows).
+pub fn layer_qk_norm_index(cfg: &ModelConfig) -> usize {
+    LAYER_QKV_BIAS + if cfg.qkv_bias { 3 } else { 0 }
 }
 
 impl LayerWeights {
-    /// The nine tensors in field order, which is [`layer_tensor_shapes`]'s order.
-    pub fn tensors(&self) -> [&Tensor; 9] {
-        [
+    /// Every tensor in [`layer_tensor_shapes`]'s order: the nine Llama ones in field order,
+    /// then the present q/k/v biases, then the present q/k norms.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut v = vec![
             &self.input_layernorm,
             &self.q_proj,
             &self.k_proj,
@@ -74,12 +97,24 @@ impl LayerWeights {
             &self.gate_proj,
             &self.up_proj,
             &self.down_proj,
-        ]
+        ];
+        v.extend(
+            [
+                &self.q_bias,
+                &self.k_bias,
+                &self.v_bias,
+                &self.q_norm,
+                &self.k_norm,
+            ]
+            .into_iter()
+            .flatten(),
+        );
+        v
     }
 
     /// [`LayerWeights::tensors`], mutable.
-    pub fn tensors_mut(&mut self) -> [&mut Tensor; 9] {
-        [
+    pub fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut v = vec![
             &mut self.input_layernorm,
             &mut self.q_proj,
             &mut self.k_proj,
@@ -89,7 +124,19 @@ impl LayerWeights {
             &mut self.gate_proj,
             &mut self.up_proj,
             &mut self.down_proj,
-        ]
+        ];
+        v.extend(
+            [
+                &mut self.q_bias,
+                &mut self.k_bias,
+                &mut self.v_bias,
+                &mut self.q_norm,
+                &mut self.k_norm,
+            ]
+            .into_iter()
+            .flatten(),
+        );
+        v
     }
 }
 
@@ -498,14 +545,17 @@ impl ModelWeights {
     }
 }
 
-/// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights`] field order.
-pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> [(String, Vec<usize>); 9] {
+/// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights`] field order:
+/// the nine Llama tensors (indices 0..9), then `self_attn.{q,k,v}_proj.bias` when
+/// [`ModelConfig::qkv_bias`] (from [`LAYER_QKV_BIAS`]), then `self_attn.{q,k}_norm.weight`
+/// when [`ModelConfig::qk_norm`] (from [`layer_qk_norm_index`]).
+pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
     let p = format!("model.layers.{i}.");
-    [
+    let mut v = vec![
         (format!("{p}input_layernorm.weight"), vec![h]),
         (format!("{p}self_attn.q_proj.weight"), vec![q, h]),
         (format!("{p}self_attn.k_proj.weight"), vec![kv, h]),
@@ -515,7 +565,65 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> [(String, Vec<usize>)
         (format!("{p}mlp.gate_proj.weight"), vec![im, h]),
         (format!("{p}mlp.up_proj.weight"), vec![im, h]),
         (format!("{p}mlp.down_proj.weight"), vec![h, im]),
-    ]
+    ];
+    if cfg.qkv_bias {
+        v.push((format!("{p}self_attn.q_proj.bias"), vec![q]));
+        v.push((format!("{p}self_attn.k_proj.bias"), vec![kv]));
+        v.push((format!("{p}self_attn.v_proj.bias"), vec![kv]));
+    }
+    if cfg.qk_norm {
+        v.push((format!("{p}self_attn.q_norm.weight"), vec![cfg.head_dim]));
+        v.push((format!("{p}self_attn.k_norm.weight"), vec![cfg.head_dim]));
+    }
+    v
+}
+
+/// Splits [`layer_tensor_shapes`]-ordered values into the nine Llama ones and the optional
+/// tail as (q_bias, k_bias, v_bias, q_norm, k_norm).
+#[allow(clippy::type_complexity)]
+fn split_layer<T>(
+    cfg: &ModelConfig,
+    v: Vec<T>,
+) -> (
+    [T; 9],
+    (Option<T>, Option<T>, Option<T>),
+    (Option<T>, Option<T>),
+) {
+    let mut it = v.into_iter();
+    let core: [T; 9] = std::array::from_fn(|_| it.next().expect("nine Llama tensors"));
+    let bias = if cfg.qkv_bias {
+        (it.next(), it.next(), it.next())
+    } else {
+        (None, None, None)
+    };
+    let norm = if cfg.qk_norm {
+        (it.next(), it.next())
+    } else {
+        (None, None)
+    };
+    (core, bias, norm)
+}
+
+impl LayerWeights {
+    fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
+        let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) = split_layer(cfg, tensors);
+        LayerWeights {
+            input_layernorm: ln1,
+            q_proj: q,
+            k_proj: k,
+            v_proj: v,
+            o_proj: o,
+            post_attention_layernorm: ln2,
+            gate_proj: g,
+            up_proj: u,
+            down_proj: d,
+            q_bias: qb,
+            k_bias: kb,
+            v_bias: vb,
+            q_norm: qn,
+            k_norm: kn,
+        }
+    }
 }
 
 impl LlamaWeights {
@@ -534,19 +642,11 @@ impl LlamaWeights {
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let [ln1, q, k, vv, o, ln2, g, u, d] = layer_tensor_shapes(cfg, i);
-            let ld = |(n, s): (String, Vec<usize>)| src.load_f32(&n, &s);
-            layers.push(LayerWeights {
-                input_layernorm: ld(ln1)?,
-                q_proj: ld(q)?,
-                k_proj: ld(k)?,
-                v_proj: ld(vv)?,
-                o_proj: ld(o)?,
-                post_attention_layernorm: ld(ln2)?,
-                gate_proj: ld(g)?,
-                up_proj: ld(u)?,
-                down_proj: ld(d)?,
-            });
+            let tensors = layer_tensor_shapes(cfg, i)
+                .into_iter()
+                .map(|(n, s)| src.load_f32(&n, &s))
+                .collect::<Result<Vec<_>, _>>()?;
+            layers.push(LayerWeights::from_ordered(cfg, tensors));
         }
         let norm = src.load_f32("model.norm.weight", &[h])?;
         let lm_head = match src.lm_head_name(cfg)? {
@@ -581,38 +681,58 @@ impl LlamaWeights {
     /// chunks of [`DUMMY_CHUNK`] values, each chunk from its own xorshift64* stream keyed by
     /// (seed, tensor, chunk), the chunks in parallel (an 8B model is 8e9 values; filled in one
     /// stream it took most of a minute). A tensor's values do not depend on its size beyond
-    /// its own prefix. A tied config gets `lm_head == embed`.
+    /// its own prefix. A tied config gets `lm_head == embed`. Qwen2's q/k/v biases are uniform
+    /// in `[-0.1, 0.1]` and Qwen3's q/k norm weights uniform in `[0.5, 1.5]` (HF initializes
+    /// those to 0 and 1; random values make a backend that mixes up heads or skips them
+    /// differ from the reference). They are drawn after each layer's nine Llama tensors, so
+    /// a Llama config's values are unchanged.
     pub fn dummy(cfg: &ModelConfig, seed: u64) -> Self {
         let h = cfg.hidden_size;
         let mut tensor_id = 0u64;
-        let mut rand = |shape: &[usize]| {
+        let mut rand = |shape: &[usize], a: f32| {
             let n: usize = shape.iter().product();
             tensor_id += 1;
             Tensor {
                 shape: shape.to_vec(),
-                data: uniform_chunked(seed, tensor_id, n, 0.02 * 3f32.sqrt()),
+                data: uniform_chunked(seed, tensor_id, n, a),
             }
         };
-        let embed = rand(&[cfg.vocab_size, h]);
+        let embed = rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let [ln1, q, k, v, o, ln2, g, u, d] = layer_tensor_shapes(cfg, i);
-            layers.push(LayerWeights {
+            let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) =
+                split_layer(cfg, layer_tensor_shapes(cfg, i));
+            let mut layer = LayerWeights {
                 input_layernorm: Tensor::full(&ln1.1, 1.0),
-                q_proj: rand(&q.1),
-                k_proj: rand(&k.1),
-                v_proj: rand(&v.1),
-                o_proj: rand(&o.1),
+                q_proj: rand(&q.1, 0.02 * 3f32.sqrt()),
+                k_proj: rand(&k.1, 0.02 * 3f32.sqrt()),
+                v_proj: rand(&v.1, 0.02 * 3f32.sqrt()),
+                o_proj: rand(&o.1, 0.02 * 3f32.sqrt()),
                 post_attention_layernorm: Tensor::full(&ln2.1, 1.0),
-                gate_proj: rand(&g.1),
-                up_proj: rand(&u.1),
-                down_proj: rand(&d.1),
-            });
+                gate_proj: rand(&g.1, 0.02 * 3f32.sqrt()),
+                up_proj: rand(&u.1, 0.02 * 3f32.sqrt()),
+                down_proj: rand(&d.1, 0.02 * 3f32.sqrt()),
+                q_bias: None,
+                k_bias: None,
+                v_bias: None,
+                q_norm: None,
+                k_norm: None,
+            };
+            layer.q_bias = qb.map(|t| rand(&t.1, 0.1));
+            layer.k_bias = kb.map(|t| rand(&t.1, 0.1));
+            layer.v_bias = vb.map(|t| rand(&t.1, 0.1));
+            let around_one = |mut t: Tensor| {
+                t.data.iter_mut().for_each(|x| *x += 1.0);
+                t
+            };
+            layer.q_norm = qn.map(|t| around_one(rand(&t.1, 0.5)));
+            layer.k_norm = kn.map(|t| around_one(rand(&t.1, 0.5)));
+            layers.push(layer);
         }
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
-            rand(&[cfg.vocab_size, h])
+            rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt())
         };
         LlamaWeights {
             embed,

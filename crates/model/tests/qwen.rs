@@ -1,0 +1,357 @@
+//! Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) on the CPU reference.
+//!
+//! No Qwen checkpoint is at hand, so the forward pass is checked against `dense_reference`:
+//! a plain, unpaged transcription of transformers' `modeling_qwen2.py` / `modeling_qwen3.py`
+//! (projection with bias, `q_norm(q.view(..., head_dim))` before `apply_rotary_pos_emb`,
+//! causal GQA softmax attention, SiLU MLP) written without any of `CpuModel`'s code. The same
+//! reference on a Llama config must match `CpuModel`, whose Llama path reproduces the
+//! stories260K goldens, so the two can only disagree on the Qwen parts.
+
+mod common;
+
+use baton_model::{
+    load_model_dir, CpuModel, ForwardRow, LlamaWeights, ModelConfig, ModelDir, ModelError,
+    PagedKvCache,
+};
+use common::{temp_dir, write_safetensors, OwnedTensor};
+
+fn config(model_type: &str, extra: &str) -> ModelConfig {
+    let arch = match model_type {
+        "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
+    ModelConfig::from_json_str(&format!(
+        r#"{{"architectures": ["{arch}"], "model_type": "{model_type}", "hidden_size": 48,
+        "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0{extra}}}"#
+    ))
+    .expect("config")
+}
+
+fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let var = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (var + eps).sqrt();
+    x.iter().zip(w).map(|(v, g)| g * (v * r)).collect()
+}
+
+/// `y = W x (+ b)` with `W` `[n, k]`.
+fn linear(w: &[f32], b: Option<&[f32]>, x: &[f32]) -> Vec<f32> {
+    let k = x.len();
+    (0..w.len() / k)
+        .map(|o| {
+            let dot: f32 = w[o * k..(o + 1) * k]
+                .iter()
+                .zip(x)
+                .map(|(a, b)| a * b)
+                .sum();
+            dot + b.map_or(0.0, |b| b[o])
+        })
+        .collect()
+}
+
+/// HF's `apply_rotary_pos_emb` with `rotate_half`, `inv_freq = theta^(-2i/d)`.
+fn rope(head: &mut [f32], pos: usize, theta: f32) {
+    let d = head.len();
+    let half = d / 2;
+    for i in 0..half {
+        let inv = 1.0 / theta.powf((2 * i) as f32 / d as f32);
+        let (c, s) = ((pos as f32 * inv).cos(), (pos as f32 * inv).sin());
+        let (x1, x2) = (head[i], head[i + half]);
+        head[i] = x1 * c - x2 * s;
+        head[i + half] = x2 * c + x1 * s;
+    }
+}
+
+/// Logits of every position of `tokens`, computed densely from the weights.
+fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+    let (nh, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let eps = cfg.rms_norm_eps;
+    let mut xs: Vec<Vec<f32>> = tokens
+        .iter()
+        .map(|&t| w.embed.data[t as usize * h..(t as usize + 1) * h].to_vec())
+        .collect();
+    for l in &w.layers {
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let xn = rms(x, &l.input_layernorm.data, eps);
+            let bias = |b: &Option<baton_model::Tensor>| b.as_ref().map(|t| t.data.clone());
+            let mut q = linear(&l.q_proj.data, bias(&l.q_bias).as_deref(), &xn);
+            let mut k = linear(&l.k_proj.data, bias(&l.k_bias).as_deref(), &xn);
+            let v = linear(&l.v_proj.data, bias(&l.v_bias).as_deref(), &xn);
+            for (heads, norm) in [(&mut q, &l.q_norm), (&mut k, &l.k_norm)] {
+                for head in heads.chunks_exact_mut(hd) {
+                    if let Some(n) = norm {
+                        let y = rms(head, &n.data, eps);
+                        head.copy_from_slice(&y);
+                    }
+                    rope(head, pos, cfg.rope_theta);
+                }
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for (pos, x) in xs.iter_mut().enumerate() {
+            let mut ctx = vec![0.0f32; nh * hd];
+            for head in 0..nh {
+                let g = head / (nh / kvh);
+                let q = &qs[pos][head * hd..(head + 1) * hd];
+                let scores: Vec<f32> = (0..=pos)
+                    .map(|j| {
+                        let k = &ks[j][g * hd..(g + 1) * hd];
+                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for (j, p) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        ctx[head * hd + d] += p / z * vs[j][g * hd + d];
+                    }
+                }
+            }
+            let o = linear(&l.o_proj.data, None, &ctx);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let xn = rms(x, &l.post_attention_layernorm.data, eps);
+            let gate = linear(&l.gate_proj.data, None, &xn);
+            let up = linear(&l.up_proj.data, None, &xn);
+            let act: Vec<f32> = gate
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = linear(&l.down_proj.data, None, &act);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    xs.iter()
+        .map(|x| linear(&w.lm_head.data, None, &rms(x, &w.norm.data, eps)))
+        .collect()
+}
+
+/// `CpuModel`'s logits of every position: the first five tokens as one prefill row (paged in
+/// blocks of 4), then one decode row per remaining token.
+fn paged_logits(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let model = CpuModel::new(cfg.clone(), w.clone());
+    let mut kv = PagedKvCache::new(cfg, 8, 4);
+    let pages = [5u32, 2, 7, 0, 3];
+    let mut out = model
+        .forward(
+            &mut kv,
+            &[ForwardRow {
+                tokens: &tokens[..5],
+                start_pos: 0,
+                block_table: &pages,
+                want_logits: true,
+                all_logits: true,
+            }],
+        )
+        .expect("prefill");
+    for p in 5..tokens.len() {
+        out.extend(
+            model
+                .forward(
+                    &mut kv,
+                    &[ForwardRow {
+                        tokens: &tokens[p..p + 1],
+                        start_pos: p,
+                        block_table: &pages,
+                        want_logits: true,
+                        all_logits: false,
+                    }],
+                )
+                .expect("decode"),
+        );
+    }
+    out
+}
+
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / scale);
+        }
+    }
+    worst
+}
+
+const TOKENS: [u32; 11] = [3, 91, 14, 15, 92, 65, 35, 89, 79, 32, 38];
+
+#[test]
+fn the_reference_matches_the_llama_path_it_shares_with_qwen() {
+    let cfg = config("llama", "");
+    let w = LlamaWeights::dummy(&cfg, 11);
+    let err = max_rel(
+        &paged_logits(&cfg, &w, &TOKENS),
+        &dense_reference(&cfg, &w, &TOKENS),
+    );
+    assert!(err < 1e-4, "llama: {err}");
+}
+
+#[test]
+fn qwen2_biases_and_qwen3_head_norms_match_the_dense_reference() {
+    for (ty, extra) in [
+        ("qwen2", ""),
+        ("qwen3", r#", "head_dim": 8"#),
+        // Qwen3Config's default head_dim (128), far above hidden / heads.
+        ("qwen3", ""),
+        // head_dim larger than hidden / heads, as in Qwen3-0.6B (1024 / 16 heads, head_dim 128).
+        ("qwen3", r#", "head_dim": 16"#),
+        ("qwen2", r#", "tie_word_embeddings": true"#),
+    ] {
+        let cfg = config(ty, extra);
+        let w = LlamaWeights::dummy(&cfg, 11);
+        let got = paged_logits(&cfg, &w, &TOKENS);
+        let err = max_rel(&got, &dense_reference(&cfg, &w, &TOKENS));
+        assert!(err < 1e-4, "{ty}{extra}: {err}");
+        // The feature matters: without it the reference is far off.
+        let mut plain = w.clone();
+        for l in &mut plain.layers {
+            l.q_bias = None;
+            l.k_bias = None;
+            l.v_bias = None;
+            l.q_norm = None;
+            l.k_norm = None;
+        }
+        let off = max_rel(&got, &dense_reference(&cfg, &plain, &TOKENS));
+        assert!(
+            off > 1e-2,
+            "{ty}{extra}: the Qwen part changes nothing ({off})"
+        );
+    }
+}
+
+#[test]
+fn dummy_qwen_weights_have_the_extra_tensors_and_llama_weights_are_unchanged() {
+    let q2 = config("qwen2", "");
+    let w = LlamaWeights::dummy(&q2, 3);
+    let l = &w.layers[1];
+    assert_eq!(l.q_bias.as_ref().unwrap().shape, [48]);
+    assert_eq!(l.k_bias.as_ref().unwrap().shape, [16]);
+    assert!(l.q_norm.is_none() && l.k_norm.is_none());
+    assert_eq!(l.tensors().len(), 12);
+    let q3 = config("qwen3", r#", "head_dim": 8"#);
+    let w3 = LlamaWeights::dummy(&q3, 3);
+    let n = w3.layers[0].q_norm.as_ref().unwrap();
+    assert_eq!(n.shape, [8]);
+    assert!(n.data.iter().all(|v| (0.5..1.5).contains(v)));
+    assert!(n.data.windows(2).any(|p| p[0] != p[1]), "norm weights vary");
+    assert_ne!(w3.layers[0].q_norm, w3.layers[0].k_norm);
+    // The Llama tensors of a Qwen config are the Llama config's (drawn first per layer).
+    let llama = LlamaWeights::dummy(&config("llama", ""), 3);
+    assert_eq!(llama.layers[0].q_proj, w3.layers[0].q_proj);
+    assert_eq!(llama.layers[0].down_proj, w.layers[0].down_proj);
+}
+
+/// A model directory holding `w` as a bf16-free f32 checkpoint under `cfg`'s config.json.
+fn write_checkpoint(
+    tag: &str,
+    cfg_json: &str,
+    w: &LlamaWeights,
+    cfg: &ModelConfig,
+) -> common::TempDir {
+    let d = temp_dir(tag);
+    std::fs::write(d.join("config.json"), cfg_json).unwrap();
+    let mut tensors: Vec<OwnedTensor> = Vec::new();
+    let mut put = |name: String, t: &baton_model::Tensor| {
+        let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name, safetensors::Dtype::F32, t.shape.clone(), bytes));
+    };
+    put("model.embed_tokens.weight".into(), &w.embed);
+    put("model.norm.weight".into(), &w.norm);
+    if !cfg.tie_word_embeddings {
+        put("lm_head.weight".into(), &w.lm_head);
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        for ((name, _), t) in baton_model::weights::layer_tensor_shapes(cfg, i)
+            .into_iter()
+            .zip(l.tensors())
+        {
+            put(name, t);
+        }
+    }
+    write_safetensors(&d, "model.safetensors", &tensors);
+    // The tokenizer files of the test model (its vocabulary is larger than 97; loading
+    // does not compare the two).
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(common::model_dir().join(f), d.join(f)).unwrap();
+    }
+    d
+}
+
+#[test]
+fn qwen_checkpoints_load_and_a_missing_qwen_tensor_is_named() {
+    for ty in ["qwen2", "qwen3"] {
+        let cfg = config(ty, "");
+        let json = format!(
+            r#"{{"architectures": ["{}"], "model_type": "{ty}", "hidden_size": 48,
+            "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
+            "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}}"#,
+            if ty == "qwen2" {
+                "Qwen2ForCausalLM"
+            } else {
+                "Qwen3ForCausalLM"
+            }
+        );
+        let w = LlamaWeights::dummy(&cfg, 5);
+        let d = write_checkpoint(ty, &json, &w, &cfg);
+        let loaded = load_model_dir(&*d).expect("loads");
+        assert_eq!(loaded.weights, w, "{ty}: f32 round trip");
+        ModelDir::new(&*d)
+            .load_mapped(baton_model::LoadFormat::Auto)
+            .expect("mapped load checks the extra tensors");
+        // Drop one extra tensor: both loads name it.
+        let missing = if ty == "qwen2" {
+            "model.layers.1.self_attn.v_proj.bias"
+        } else {
+            "model.layers.0.self_attn.k_norm.weight"
+        };
+        let src = baton_model::WeightSource::open(&d).unwrap();
+        let kept: Vec<OwnedTensor> = src
+            .tensor_names()
+            .filter(|n| *n != missing)
+            .map(|n| {
+                let t = src.get(n).unwrap();
+                (
+                    n.to_string(),
+                    safetensors::Dtype::F32,
+                    t.shape.to_vec(),
+                    t.bytes.to_vec(),
+                )
+            })
+            .collect();
+        drop(src);
+        write_safetensors(&d, "model.safetensors", &kept);
+        for e in [
+            load_model_dir(&*d).map(|_| ()).unwrap_err(),
+            ModelDir::new(&*d)
+                .load_mapped(baton_model::LoadFormat::Auto)
+                .map(|_| ())
+                .unwrap_err(),
+        ] {
+            assert!(
+                matches!(&e, ModelError::MissingTensor { tensor, .. } if tensor == missing),
+                "{ty}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn weights_without_the_qwen_tensors_are_refused_by_the_cpu_model() {
+    let cfg = config("qwen3", r#", "head_dim": 8"#);
+    let mut w = LlamaWeights::dummy(&cfg, 1);
+    w.layers[1].k_norm = None;
+    let e = CpuModel::try_new(cfg, w).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("k_norm"), "{e}");
+}
