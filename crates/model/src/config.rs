@@ -583,13 +583,19 @@ impl ModelConfig {
         }
     }
 
-    /// Number of f32 parameters the config implies (embedding, layers, norm, LM head unless
-    /// tied). Useful for sizing dummy loads.
+    /// Number of f32 parameters the config implies (embedding, layers with their Qwen biases
+    /// and head norms, norm, LM head unless tied). Useful for sizing dummy loads.
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let layer = 2 * h + q * h + 2 * kv * h + h * q + 3 * self.intermediate_size * h;
+        let mut layer = 2 * h + q * h + 2 * kv * h + h * q + 3 * self.intermediate_size * h;
+        if self.qkv_bias {
+            layer += q + 2 * kv;
+        }
+        if self.qk_norm {
+            layer += 2 * self.head_dim;
+        }
         let head = if self.tie_word_embeddings {
             0
         } else {

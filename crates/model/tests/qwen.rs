@@ -246,6 +246,22 @@ fn dummy_qwen_weights_have_the_extra_tensors_and_llama_weights_are_unchanged() {
     assert!(n.data.iter().all(|v| (0.5..1.5).contains(v)));
     assert!(n.data.windows(2).any(|p| p[0] != p[1]), "norm weights vary");
     assert_ne!(w3.layers[0].q_norm, w3.layers[0].k_norm);
+    // num_parameters counts the extra tensors.
+    for (cfg, w) in [(&q2, &w), (&q3, &w3)] {
+        let stored: usize = w
+            .layers
+            .iter()
+            .flat_map(|l| l.tensors())
+            .chain([&w.embed, &w.norm])
+            .map(|t| t.data.len())
+            .sum();
+        let head = if cfg.tie_word_embeddings {
+            0
+        } else {
+            w.lm_head.data.len()
+        };
+        assert_eq!(cfg.num_parameters(), stored + head, "{}", cfg.model_type);
+    }
     // The Llama tensors of a Qwen config are the Llama config's (drawn first per layer).
     let llama = LlamaWeights::dummy(&config("llama", ""), 3);
     assert_eq!(llama.layers[0].q_proj, w3.layers[0].q_proj);
