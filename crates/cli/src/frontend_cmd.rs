@@ -1,6 +1,7 @@
 //! `baton frontend`: the OpenAI API over the shared-memory control plane.
 
 use anyhow::{bail, Context, Result};
+use baton_frontend::reasoning::ReasoningParser;
 use baton_frontend::tools::ToolParser;
 use baton_frontend::{RingEngineClient, ServerConfig};
 use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
@@ -55,6 +56,14 @@ pub struct HttpArgs {
     /// How the model writes tool calls (vLLM's names): llama3_json or hermes.
     #[arg(long, value_parser = tool_parser)]
     pub tool_call_parser: Option<ToolParser>,
+    /// Split chat and Responses outputs into reasoning and content (vLLM's names): qwen3 or
+    /// deepseek_r1.
+    #[arg(long, value_parser = reasoning_parser)]
+    pub reasoning_parser: Option<ReasoningParser>,
+}
+
+fn reasoning_parser(s: &str) -> Result<ReasoningParser, String> {
+    s.parse()
 }
 
 fn tool_parser(s: &str) -> Result<ToolParser, String> {
@@ -129,6 +138,9 @@ impl HttpArgs {
         }
         if let Some(p) = self.tool_call_parser {
             v.extend(["--tool-call-parser".to_owned(), p.name().to_owned()]);
+        }
+        if let Some(p) = self.reasoning_parser {
+            v.extend(["--reasoning-parser".to_owned(), p.name().to_owned()]);
         }
         let optional = [
             ("--served-model-name", &self.served_model_name),
@@ -299,6 +311,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         cors: a.http.cors(),
         enable_auto_tool_choice: a.http.enable_auto_tool_choice,
         tool_call_parser: a.http.tool_call_parser,
+        reasoning_parser: a.http.reasoning_parser,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -395,6 +408,11 @@ mod tests {
         let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(back.enable_auto_tool_choice);
         assert_eq!(back.tool_call_parser, Some(ToolParser::Hermes));
+        let a = parse(&["--reasoning-parser", "deepseek_r1"]).unwrap();
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.reasoning_parser, Some(ReasoningParser::DeepSeekR1));
+        assert!(parse(&["--reasoning-parser", "granite"]).is_err());
         let d = parse(&[]).unwrap();
         assert!(!d.to_flags().iter().any(|f| f.contains("tool")));
         let e = parse(&["--enable-auto-tool-choice"]).unwrap().check();

@@ -58,6 +58,7 @@ async fn main() -> anyhow::Result<()> {
         cors: baton_frontend::CorsConfig::default(),
         enable_auto_tool_choice: false,
         tool_call_parser: None,
+        reasoning_parser: None,
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

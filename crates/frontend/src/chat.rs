@@ -1,10 +1,14 @@
 //! Chat templates: Hugging Face-style Jinja templates rendered with minijinja.
 //!
 //! Contract: the environment matches transformers' (`trim_blocks`, `lstrip_blocks`, loop
-//! controls, Python string/dict methods through `minijinja-contrib`'s pycompat, `tojson`), and
+//! controls, Python string/dict methods through `minijinja-contrib`'s pycompat, and `tojson`
+//! as transformers defines it: Python's `json.dumps` with `ensure_ascii=False`, not
+//! minijinja's, which escapes `<`, `>`, `&` and `'` for HTML and so would change a tool's
+//! description in the prompt), and
 //! provides `raise_exception(msg)` and `strftime_now(fmt)`. The context holds `messages`,
 //! `add_generation_prompt`, `bos_token`, `eos_token`, `tools` (the request's tools, or none)
-//! and any `chat_template_kwargs`. A template
+//! and any `chat_template_kwargs` (which, as in transformers, win over `bos_token`,
+//! `eos_token` and `tools`; `messages` and `add_generation_prompt` are the caller's). A template
 //! that raises or fails to render is the client's problem (a 400), never a panic.
 //!
 //! OpenAI's `developer` role (its name for system instructions in newer clients) reaches a
@@ -12,6 +16,7 @@
 //! instruction where the model was trained to see it instead of refusing or dropping it; a
 //! template that handles `developer` itself gets it unchanged.
 
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::Map;
 
@@ -47,6 +52,135 @@ pub fn load_template_arg(arg: &str) -> anyhow::Result<String> {
             path.display()
         )
     })
+}
+
+/// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`: Python's `json.dumps` with those arguments.
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let bad = |msg: &str| Error::new(ErrorKind::InvalidOperation, format!("tojson: {msg}"));
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_owned()),
+            None => Some(" ".repeat(
+                usize::try_from(v).map_err(|_| bad("indent must be a number or a string"))?,
+            )),
+        },
+    };
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let separators = kwargs.get::<Option<Vec<String>>>("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators {
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+        Some(s) => match <[String; 2]>::try_from(s) {
+            Ok([i, k]) => (i, k),
+            Err(_) => return Err(bad("separators must be a pair of strings")),
+        },
+    };
+    let json = serde_json::to_value(value).map_err(|e| bad(&e.to_string()))?;
+    let mut out = String::new();
+    let style = PyJson {
+        indent: indent.as_deref(),
+        item: &item,
+        key: &key,
+        ensure_ascii,
+        sort_keys,
+    };
+    style.dump(&json, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// How Python's `json.dumps` writes a value.
+struct PyJson<'a> {
+    indent: Option<&'a str>,
+    item: &'a str,
+    key: &'a str,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+impl PyJson<'_> {
+    fn newline(&self, level: usize, out: &mut String) {
+        if let Some(ind) = self.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn dump(&self, v: &serde_json::Value, level: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Number(n) => out.push_str(&n.to_string()),
+            J::String(s) => self.string(s, out),
+            J::Array(items) if items.is_empty() => out.push_str("[]"),
+            J::Array(items) => {
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(self.item);
+                    }
+                    self.newline(level + 1, out);
+                    self.dump(x, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push(']');
+            }
+            J::Object(map) if map.is_empty() => out.push_str("{}"),
+            J::Object(map) => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(self.item);
+                    }
+                    self.newline(level + 1, out);
+                    self.string(k, out);
+                    out.push_str(self.key);
+                    self.dump(x, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push('}');
+            }
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        use std::fmt::Write as _;
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && (c as u32) > 0x7e) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        let _ = write!(out, "\\u{:04x}", u);
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -146,6 +280,7 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
+        env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         let knows_developer = source.contains("developer");
@@ -183,8 +318,8 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             serde_json::Value::Bool(add_generation_prompt),
         );
-        ctx.insert("bos_token".into(), bos_token.into());
-        ctx.insert("eos_token".into(), eos_token.into());
+        ctx.entry("bos_token").or_insert_with(|| bos_token.into());
+        ctx.entry("eos_token").or_insert_with(|| eos_token.into());
         // As transformers' `apply_chat_template`: `tools` is always defined (none without).
         ctx.entry("tools").or_insert(serde_json::Value::Null);
         let ctx = Value::from(minijinja::value::Serde(serde_json::Value::Object(ctx)));
@@ -306,6 +441,99 @@ mod tests {
             "{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"w\"\n    }\n}\n"
                 .to_owned()
                 + &none
+        );
+    }
+
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|{{ messages[0] | tojson(ensure_ascii=true, separators=[',', ':'], sort_keys=true) }}|{{ [] | tojson(indent=2) }}".into(),
+        )
+        .unwrap();
+        let msgs =
+            [json!({"z": "It's <b>&</b> caf\u{e9} \u{1f600}\n", "a": [1, 2.5, null, true, {}]})];
+        let out = t.render(&msgs, false, "", "", &Map::new()).unwrap();
+        let parts: Vec<&str> = out.split('|').collect();
+        // What `json.dumps(x, ensure_ascii=False)` gives: no HTML escapes, unicode kept.
+        assert_eq!(
+            parts[0],
+            "{\"z\": \"It's <b>&</b> caf\u{e9} \u{1f600}\\n\", \"a\": [1, 2.5, null, true, {}]}"
+        );
+        assert_eq!(
+            parts[1],
+            "{\n  \"z\": \"It's <b>&</b> caf\u{e9} \u{1f600}\\n\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true,\n    {}\n  ]\n}"
+        );
+        assert_eq!(
+            parts[2],
+            "{\"a\":[1,2.5,null,true,{}],\"z\":\"It's <b>&</b> caf\\u00e9 \\ud83d\\ude00\\n\"}"
+        );
+        assert_eq!(parts[3], "[]");
+    }
+
+    // The chat template of Qwen/Qwen3-8B (tokenizer_config.json `chat_template`, its final
+    // revision; Apache-2.0, Copyright Alibaba Cloud / the Qwen team), in
+    // tests/fixtures/qwen3_chat_template.jinja.
+    const QWEN3: &str = include_str!("../tests/fixtures/qwen3_chat_template.jinja");
+
+    fn qwen3(msgs: &[serde_json::Value], kwargs: serde_json::Value) -> String {
+        let t = ChatTemplate::new(QWEN3.into()).unwrap();
+        let kw = kwargs.as_object().cloned().unwrap_or_default();
+        t.render(msgs, true, "", "<|im_end|>", &kw).unwrap()
+    }
+
+    #[test]
+    fn qwen3_template_renders_a_conversation_and_the_thinking_switch() {
+        let msgs = [
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "Hi"}),
+        ];
+        let on = qwen3(&msgs, json!({}));
+        assert_eq!(
+            on,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(on, qwen3(&msgs, json!({"enable_thinking": true})));
+        let off = qwen3(&msgs, json!({"enable_thinking": false}));
+        assert_eq!(off, on.clone() + "<think>\n\n</think>\n\n");
+    }
+
+    #[test]
+    fn qwen3_template_renders_reasoning_and_a_tool_call_round_trip() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "description": "The city's weather.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let msgs = [
+            json!({"role": "user", "content": "Weather in Paris?"}),
+            json!({"role": "assistant", "content": "", "reasoning_content": "\nI should call the tool.\n",
+                   "tool_calls": [{"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}),
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"}),
+        ];
+        let out = qwen3(&msgs, json!({"tools": tools}));
+        let expected = concat!(
+            "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+            "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The city's weather.\", ",
+            "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}\n</tools>\n\n",
+            "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n",
+            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n",
+            "<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n",
+        );
+        assert_eq!(out, expected);
+        // Reasoning left in an earlier turn's content is split out of it by the template.
+        let msgs = [
+            json!({"role": "user", "content": "2+2?"}),
+            json!({"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}),
+            json!({"role": "user", "content": "3+3?"}),
+        ];
+        let out = qwen3(&msgs, json!({}));
+        assert_eq!(
+            out,
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
         );
     }
 

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod local;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 pub mod responses;
 pub mod ring;
 pub mod seq;

@@ -326,8 +326,16 @@ pub struct ChatLogprobs {
 pub struct ChatMessage {
     /// `assistant`.
     pub role: &'static str,
-    /// Generated text; `null` when the output was only tool calls.
+    /// Generated text; `null` when the output was only tool calls (or, with a reasoning
+    /// parser, only reasoning).
     pub content: Option<String>,
+    /// The reasoning, with `--reasoning-parser` (left out when none): current vLLM's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    /// The same text under the name vLLM used before 0.18 (and DeepSeek's API and Qwen-Agent
+    /// read), so older clients keep working (left out when none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// The tool calls the parser found (left out when none).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCallOut>,
@@ -413,6 +421,12 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New reasoning, with `--reasoning-parser` (see [`ChatMessage::reasoning`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    /// The same text under its older name (see [`ChatMessage::reasoning_content`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// Tool calls, each whole, in the delta before the choice's last.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,

@@ -16,9 +16,22 @@
 //! `response.incomplete`) with the whole response. There is no `data: [DONE]`. An engine error
 //! after the stream started ends it with an `error` event (vLLM's) and a `response.failed`
 //! carrying the response with its `error`.
+//!
+//! With `--reasoning-parser` ([`crate::reasoning`]; not for a request with a structured
+//! output), the reasoning comes first as a `reasoning` output item, as vLLM's:
+//! `{"type": "reasoning", "id": "rs_...", "summary": [], "content": [{"type":
+//! "reasoning_text", "text": ...}], "status": ...}`, and the message is output 1. Streamed,
+//! the reasoning item opens at the first reasoning text (`response.output_item.added`,
+//! `response.content_part.added` with a `reasoning_text` part), sends
+//! `response.reasoning_text.delta` events, and closes (`response.reasoning_text.done`,
+//! `response.content_part.done`, `response.output_item.done`) before the message item opens;
+//! the message item always comes, empty when the output was cut inside the reasoning (the
+//! reasoning item says `completed` even then; the response says `incomplete`). The
+//! template gets no `chat_template_kwargs` here, so `qwen3` always expects thinking.
 
 use crate::engine::random_seed;
 use crate::openai::ApiError;
+use crate::reasoning::{ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq};
 use crate::server::{collect, engine_error, event_stream, now_secs, AppState};
 use crate::validate::{self, ResponsesRequest};
@@ -71,17 +84,28 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         req.gen.max_tokens_param,
     )?;
     let input_tokens = ids.len();
-    let seqs = st.submit_all(&[(ids, max)], &req.gen, arrived)?;
+    let mut gen = req.gen.clone();
+    let reasoning = st.reasoning_parser(&mut gen);
+    let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
     let shell = Shell::new(&st, &req, max);
-    if req.gen.stream {
-        return Ok(stream_response(shell, seqs, input_tokens));
+    let no_kwargs = serde_json::Map::new();
+    if gen.stream {
+        let splitter = reasoning.map(|r| r.splitter(&no_kwargs));
+        return Ok(stream_response(shell, seqs, input_tokens, splitter));
     }
     let (outs, output_tokens) = collect(seqs).await?;
     let out = outs.into_iter().next().unwrap_or_default();
     let status = status_of(out.finish);
     let usage = usage(input_tokens, out.cached_tokens, output_tokens);
-    let message = shell.message(&out.text, status);
-    Ok(Json(shell.response(status, vec![message], usage, error_of(status))).into_response())
+    let split = match reasoning {
+        Some(r) => r.split(&no_kwargs, &out.text),
+        None => Split {
+            reasoning: String::new(),
+            content: out.text,
+        },
+    };
+    let output = shell.output(&split, status);
+    Ok(Json(shell.response(status, output, usage, error_of(status))).into_response())
 }
 
 /// The response's status (and its output message's) for a sequence's finish reason.
@@ -127,6 +151,7 @@ fn echo_f32(x: f32) -> f64 {
 struct Shell {
     id: String,
     msg_id: String,
+    rs_id: String,
     created_at: u64,
     model: String,
     instructions: Option<String>,
@@ -150,6 +175,7 @@ impl Shell {
         Self {
             id: object_id("resp"),
             msg_id: object_id("msg"),
+            rs_id: object_id("rs"),
             created_at: now_secs(),
             model: st.config.served_model_name.clone(),
             instructions: req.instructions.clone(),
@@ -192,6 +218,39 @@ impl Shell {
             "role": "assistant",
             "content": content,
         })
+    }
+
+    /// The `reasoning_text` content part.
+    fn reasoning_part(text: &str) -> Value {
+        json!({"type": "reasoning_text", "text": text})
+    }
+
+    /// The reasoning item with `text` (no content part while `in_progress`).
+    fn reasoning_item(&self, text: &str, status: &str) -> Value {
+        let content = if status == "in_progress" {
+            Vec::new()
+        } else {
+            vec![Self::reasoning_part(text)]
+        };
+        json!({
+            "type": "reasoning",
+            "id": self.rs_id,
+            "summary": [],
+            "content": content,
+            "encrypted_content": null,
+            "status": status,
+        })
+    }
+
+    /// The output items of a finished response: the reasoning item (when there was
+    /// reasoning), then the message.
+    fn output(&self, split: &Split, status: &str) -> Vec<Value> {
+        let mut out = Vec::new();
+        if !split.reasoning.is_empty() {
+            out.push(self.reasoning_item(&split.reasoning, "completed"));
+        }
+        out.push(self.message(&split.content, status));
+        out
     }
 
     /// The response object.
@@ -241,6 +300,14 @@ struct Streamer {
     sequence_number: u64,
     /// The text so far.
     text: String,
+    /// With a reasoning parser: splits the output.
+    splitter: Option<ReasoningSplitter>,
+    /// The reasoning so far.
+    reasoning: String,
+    /// The reasoning item is open (added, not done).
+    reasoning_open: bool,
+    /// The message item has been added.
+    message_open: bool,
     input_tokens: usize,
     output_tokens: usize,
     /// Events ready to send.
@@ -258,26 +325,99 @@ impl Streamer {
             .push_back(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")));
     }
 
-    /// Where the text events point.
-    fn at(&self) -> Value {
-        json!({"item_id": self.shell.msg_id, "output_index": 0, "content_index": 0})
+    /// The message item's output index: after the reasoning item, if there is one.
+    fn msg_index(&self) -> usize {
+        usize::from(!self.reasoning.is_empty())
     }
 
-    /// The events before any output.
+    /// Where the text events point.
+    fn at(&self) -> Value {
+        json!({"item_id": self.shell.msg_id, "output_index": self.msg_index(), "content_index": 0})
+    }
+
+    /// Where the reasoning events point.
+    fn at_reasoning(&self) -> Value {
+        json!({"item_id": self.shell.rs_id, "output_index": 0, "content_index": 0})
+    }
+
+    /// The events before any output. Without a reasoning parser the message item opens at
+    /// once; with one, it waits for the first content (the reasoning item may come first).
     fn prelude(&mut self) {
         let r = self
             .shell
             .response("in_progress", Vec::new(), Value::Null, Value::Null);
         self.push("response.created", json!({ "response": r }));
         self.push("response.in_progress", json!({ "response": r }));
+        if self.splitter.is_none() {
+            self.open_message();
+        }
+    }
+
+    /// Adds the message item.
+    fn open_message(&mut self) {
+        self.close_reasoning();
+        if self.message_open {
+            return;
+        }
+        self.message_open = true;
         let item = self.shell.message("", "in_progress");
         self.push(
             "response.output_item.added",
-            json!({"output_index": 0, "item": item}),
+            json!({"output_index": self.msg_index(), "item": item}),
         );
         let mut e = self.at();
         e["part"] = Shell::part("");
         self.push("response.content_part.added", e);
+    }
+
+    /// Sends reasoning text (opening the reasoning item first).
+    fn reasoning_delta(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        if !self.reasoning_open {
+            self.reasoning_open = true;
+            let item = self.shell.reasoning_item("", "in_progress");
+            self.push(
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item}),
+            );
+            let mut e = self.at_reasoning();
+            e["part"] = Shell::reasoning_part("");
+            self.push("response.content_part.added", e);
+        }
+        self.reasoning.push_str(text);
+        let mut e = self.at_reasoning();
+        e["delta"] = json!(text);
+        self.push("response.reasoning_text.delta", e);
+    }
+
+    /// Closes the reasoning item, if open.
+    fn close_reasoning(&mut self) {
+        if !self.reasoning_open {
+            return;
+        }
+        self.reasoning_open = false;
+        let mut e = self.at_reasoning();
+        e["text"] = json!(self.reasoning);
+        self.push("response.reasoning_text.done", e);
+        let mut e = self.at_reasoning();
+        e["part"] = Shell::reasoning_part(&self.reasoning);
+        self.push("response.content_part.done", e);
+        let item = self.shell.reasoning_item(&self.reasoning, "completed");
+        self.push(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        );
+    }
+
+    /// The output items so far, for a response with `status`.
+    fn output(&self, status: &str) -> Vec<Value> {
+        let split = Split {
+            reasoning: self.reasoning.clone(),
+            content: self.text.clone(),
+        };
+        self.shell.output(&split, status)
     }
 
     /// Queues the events of one delta; after the last one, drops the sequence.
@@ -292,23 +432,40 @@ impl Streamer {
                 json!({"code": "server_error", "message": e.message, "param": null}),
             );
             let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
-            let output = vec![self.shell.message(&self.text, "incomplete")];
+            let output = self.output("incomplete");
             let error = json!({"code": "server_error", "message": e.message});
             let r = self.shell.response("failed", output, usage, error);
             self.push("response.failed", json!({ "response": r }));
             return;
         }
-        if !d.text.is_empty() {
+        let split = match self.splitter.as_mut() {
+            None => Split {
+                reasoning: String::new(),
+                content: d.text,
+            },
+            Some(s) => {
+                let mut out = s.push(&d.text);
+                if d.finish.is_some() {
+                    out.append(s.finish());
+                }
+                out
+            }
+        };
+        self.reasoning_delta(&split.reasoning);
+        if !split.content.is_empty() {
+            self.open_message();
             let mut e = self.at();
-            e["delta"] = json!(d.text);
+            e["delta"] = json!(split.content);
             e["logprobs"] = json!([]);
             self.push("response.output_text.delta", e);
-            self.text.push_str(&d.text);
+            self.text.push_str(&split.content);
         }
         let Some(finish) = d.finish else {
             return;
         };
         self.seq = None;
+        // The message item always comes, empty when the output was all reasoning.
+        self.open_message();
         let status = status_of(Some(finish));
         let mut e = self.at();
         e["text"] = json!(self.text);
@@ -320,12 +477,12 @@ impl Streamer {
         let item = self.shell.message(&self.text, status);
         self.push(
             "response.output_item.done",
-            json!({"output_index": 0, "item": item.clone()}),
+            json!({"output_index": self.msg_index(), "item": item}),
         );
         let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
         let r = self
             .shell
-            .response(status, vec![item], usage, error_of(status));
+            .response(status, self.output(status), usage, error_of(status));
         let kind = match status {
             "incomplete" => "response.incomplete",
             "failed" => "response.failed",
@@ -337,12 +494,21 @@ impl Streamer {
 
 /// The SSE response of a streamed request. A client that goes away drops the body, which
 /// drops the sequence, which cancels its engine request.
-fn stream_response(shell: Shell, seqs: Vec<Seq>, input_tokens: usize) -> Response {
+fn stream_response(
+    shell: Shell,
+    seqs: Vec<Seq>,
+    input_tokens: usize,
+    splitter: Option<ReasoningSplitter>,
+) -> Response {
     let mut s = Streamer {
         shell,
         seq: seqs.into_iter().next(),
         sequence_number: 0,
         text: String::new(),
+        splitter,
+        reasoning: String::new(),
+        reasoning_open: false,
+        message_open: false,
         input_tokens,
         output_tokens: 0,
         pending: VecDeque::new(),

@@ -19,6 +19,7 @@ use crate::openai::{
     FunctionCall, PromptLogprob, PromptLogprobs, PromptPosition, StopReason, ToolCallDelta,
     ToolCallOut, TopLogprobs, Usage,
 };
+use crate::reasoning::{ReasoningParser, ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq, SeqContext, TokenInfo};
 use crate::tools::{CallMode, StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, Fields, GenParams, PromptInput};
@@ -65,6 +66,9 @@ pub struct ServerConfig {
     pub enable_auto_tool_choice: bool,
     /// vLLM's `--tool-call-parser`: how the model writes tool calls.
     pub tool_call_parser: Option<ToolParser>,
+    /// vLLM's `--reasoning-parser`: chat and Responses outputs are split into reasoning and
+    /// content ([`crate::reasoning`]).
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -97,6 +101,9 @@ pub struct AppState {
     max_piece_bytes: usize,
     /// The CORS layer built from `config.cors`.
     cors: tower_http::cors::CorsLayer,
+    /// The tokenizer marks `<think>` or `</think>` as special: with a reasoning parser, outputs
+    /// are detokenized with `skip_special_tokens` off so the parser sees the tags.
+    think_tags_special: bool,
 }
 
 impl std::fmt::Debug for AppState {
@@ -146,6 +153,15 @@ impl AppState {
             .layer()
             .map_err(|e| anyhow::anyhow!("CORS settings: {e}"))?;
         let vocabulary = grammar_vocabulary(&tokenizer, engine.limits().vocab_size, &eos_ids);
+        let think_tags_special = tokenizer
+            .inner()
+            .get_added_tokens_decoder()
+            .values()
+            .any(|t| {
+                t.special
+                    && (t.content == crate::reasoning::THINK_START
+                        || t.content == crate::reasoning::THINK_END)
+            });
         if let Err(e) = &vocabulary {
             tracing::warn!("structured outputs are unavailable: {e}");
         }
@@ -160,6 +176,7 @@ impl AppState {
             created: now_secs(),
             draining: tokio::sync::watch::Sender::new(false),
             max_piece_bytes: tokenizer_max_piece_bytes(&tokenizer),
+            think_tags_special,
             tokenizer: Arc::new(tokenizer),
         })
     }
@@ -219,12 +236,31 @@ impl AppState {
             .unwrap_or_default()
     }
 
+    /// The reasoning parser for a chat or Responses request with `gen`: the flag's, except for
+    /// a request with structured outputs (its constraint applies from the first token, so the
+    /// output is all content; vLLM can let the model reason first with some backends). When
+    /// the tokenizer marks a think tag as special, `gen` keeps special tokens in the text, so
+    /// the parser sees the tags (vLLM finds them by token id).
+    pub(crate) fn reasoning_parser(&self, gen: &mut GenParams) -> Option<ReasoningParser> {
+        let p = self.config.reasoning_parser?;
+        if gen.constraint.is_some() {
+            return None;
+        }
+        if self.think_tags_special {
+            gen.skip_special_tokens = false;
+        }
+        Some(p)
+    }
+
     /// Renders `req`'s messages with the chat template; with `continue_final_message`, cut
     /// right after the final message's content (as transformers' `apply_chat_template`).
     fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
         let mut kwargs = req.template_kwargs.clone();
         if let Some(tools) = &req.tools {
-            kwargs.insert("tools".into(), Value::Array(tools.clone()));
+            // A `tools` in `chat_template_kwargs` wins, as in vLLM.
+            kwargs
+                .entry("tools")
+                .or_insert_with(|| Value::Array(tools.clone()));
         }
         let text = self.render_messages(&req.messages, req.add_generation_prompt, &kwargs)?;
         if !req.continue_final_message {
@@ -1398,6 +1434,25 @@ struct ChatChunker {
     choices: usize,
     /// Per choice, with auto tool choice: holds text that may be a tool call.
     filters: Option<Vec<StreamFilter>>,
+    /// Per choice, with a reasoning parser: splits the text before the tool filter sees it.
+    reasoning: Option<Vec<ReasoningSplitter>>,
+    /// Send the reasoning (vLLM's `include_reasoning`).
+    include_reasoning: bool,
+}
+
+/// `Some(text)` when `text` is not empty.
+fn non_empty(text: String) -> Option<String> {
+    (!text.is_empty()).then_some(text)
+}
+
+/// A chat delta's `reasoning` and `reasoning_content` fields, set to `text` unless it is empty.
+fn reasoning_delta(text: String) -> ChatDelta {
+    let text = non_empty(text);
+    ChatDelta {
+        reasoning_content: text.clone(),
+        reasoning: text,
+        ..ChatDelta::default()
+    }
 }
 
 /// The `tool_calls` of a response message, each with a new id.
@@ -1425,7 +1480,7 @@ impl Chunker for ChatChunker {
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
-                            tool_calls: None,
+                            ..ChatDelta::default()
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -1438,10 +1493,30 @@ impl Chunker for ChatChunker {
     }
 
     fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String> {
+        // The reasoning parser first: the tool call parser only sees content.
+        let Split { reasoning, content } =
+            match self.reasoning.as_mut().and_then(|r| r.get_mut(d.index)) {
+                None => Split {
+                    reasoning: String::new(),
+                    content: d.text.clone(),
+                },
+                Some(r) => {
+                    let mut out = r.push(&d.text);
+                    if d.finish.is_some() {
+                        out.append(r.finish());
+                    }
+                    out
+                }
+            };
+        let reasoning = if self.include_reasoning {
+            reasoning
+        } else {
+            String::new()
+        };
         let (text, calls, end) = match self.filters.as_mut().and_then(|f| f.get_mut(d.index)) {
-            None => (d.text.clone(), Vec::new(), d.finish),
+            None => (content, Vec::new(), d.finish),
             Some(f) => {
-                let mut text = f.push(&d.text);
+                let mut text = f.push(&content);
                 let mut calls = Vec::new();
                 if d.finish.is_some() {
                     let (rest, c) = f.finish();
@@ -1453,7 +1528,7 @@ impl Chunker for ChatChunker {
             }
         };
         let with_logprobs = self.head.logprobs && !d.tokens.is_empty();
-        if text.is_empty() && d.finish.is_none() && !with_logprobs {
+        if text.is_empty() && reasoning.is_empty() && d.finish.is_none() && !with_logprobs {
             return Vec::new();
         }
         let logprobs = self
@@ -1468,9 +1543,10 @@ impl Chunker for ChatChunker {
             stop_reason: finish.map(|_| d.stop_reason.clone()),
         };
         if calls.is_empty() {
+            let send_empty = d.finish.is_none() && reasoning.is_empty();
             let delta = ChatDelta {
-                content: (!text.is_empty() || d.finish.is_none()).then_some(text),
-                ..ChatDelta::default()
+                content: (!text.is_empty() || send_empty).then_some(text),
+                ..reasoning_delta(reasoning)
             };
             return vec![self
                 .head
@@ -1479,10 +1555,10 @@ impl Chunker for ChatChunker {
         // The choice's last delta with tool calls: its remaining content (and the log-probs),
         // the calls whole, then the end.
         let mut out = Vec::new();
-        if !text.is_empty() || with_logprobs {
+        if !text.is_empty() || !reasoning.is_empty() || with_logprobs {
             let delta = ChatDelta {
-                content: Some(text),
-                ..ChatDelta::default()
+                content: (!text.is_empty() || reasoning.is_empty()).then_some(text),
+                ..reasoning_delta(reasoning)
             };
             out.push(self.head.chunk(vec![choice(delta, logprobs, None)], usage));
         }
@@ -1546,6 +1622,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         // which the output must keep for the parser to see it.
         gen.skip_special_tokens = false;
     }
+    let reasoning = st.reasoning_parser(&mut gen);
     let gen = &gen;
     let text = st.render_chat(&req)?;
     let ids = st
@@ -1584,6 +1661,12 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                     .map(|_| StreamFilter::new(p.clone()))
                     .collect()
             }),
+            reasoning: reasoning.map(|r| {
+                (0..seqs.len())
+                    .map(|_| r.splitter(&req.template_kwargs))
+                    .collect()
+            }),
+            include_reasoning: req.include_reasoning,
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -1603,17 +1686,30 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         let scored = outs.first().and_then(|c| c.prompt.as_deref());
         st.vllm_prompt_logprobs(&prompts[0].0, scored.unwrap_or_default(), k as usize)
     });
+    let reasoning_on = reasoning.is_some();
     let choices = outs
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let (content, calls) = match &parser {
-                None => (Some(c.text), Vec::new()),
-                Some(p) => {
-                    let parsed = p.parse(&c.text);
-                    (parsed.content, parsed.calls)
+            // The reasoning parser first: the tool call parser only sees content.
+            let (reasoning, text) = match reasoning {
+                None => (None, c.text),
+                Some(r) => {
+                    let split = r.split(&req.template_kwargs, &c.text);
+                    (non_empty(split.reasoning), split.content)
                 }
             };
+            let (content, calls) = match &parser {
+                // With a reasoning parser, no content is `null` (as vLLM).
+                None if reasoning_on => (non_empty(text), Vec::new()),
+                None => (Some(text), Vec::new()),
+                Some(p) => {
+                    let parsed = p.parse(&text);
+                    let content = parsed.content.filter(|c| !reasoning_on || !c.is_empty());
+                    (content, parsed.calls)
+                }
+            };
+            let reasoning = reasoning.filter(|_| req.include_reasoning);
             let finish = match &parser {
                 Some(p) => p.finish(!calls.is_empty(), c.finish),
                 None => c.finish,
@@ -1624,6 +1720,8 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 message: ChatMessage {
                     role: "assistant",
                     content,
+                    reasoning_content: reasoning.clone(),
+                    reasoning,
                     tool_calls: tool_calls_out(calls),
                 },
                 logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),

@@ -425,8 +425,12 @@ pub struct ChatRequest {
     /// Let the tokenizer add its special tokens (BOS) to the rendered prompt (default false:
     /// the template writes them).
     pub add_special_tokens: bool,
-    /// Extra template variables (`chat_template_kwargs`).
+    /// Extra template variables (`chat_template_kwargs`, less the keys it may set on the
+    /// request itself: see `parse_template_kwargs`).
     pub template_kwargs: Map<String, Value>,
+    /// vLLM's `include_reasoning` (default true): with a reasoning parser, `false` leaves the
+    /// reasoning out of the response.
+    pub include_reasoning: bool,
     /// The request's `tools` as given (each `{"type": "function", "function": {...}}`), for
     /// the template's `tools`; `None` when absent or empty.
     pub tools: Option<Vec<Value>>,
@@ -491,12 +495,14 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
+    // Served on /v1/chat/completions (`parse_chat` takes it out before calling here); the
+    // other endpoints have no chat template (vLLM's completions request has no such field).
     if f.raw("chat_template_kwargs")
         .is_some_and(|v| v.as_object().is_none_or(|o| !o.is_empty()))
     {
         return Err(ApiError::field(
             "chat_template_kwargs",
-            "'chat_template_kwargs' is not supported by this server.",
+            "'chat_template_kwargs' is only accepted on /v1/chat/completions by this server.",
         ));
     }
     if f.get::<bool>("return_token_ids")? == Some(true) {
@@ -1153,6 +1159,7 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
     // `tools` are served here; `parse_gen` refuses them on the other endpoints.
     let mut rest = f.obj.clone();
     rest.remove("tools");
+    rest.remove("chat_template_kwargs");
     let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
     if let Some(schema) = tool_choice_schema(
         &tool_choice,
@@ -1177,11 +1184,15 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
         }
         gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
     }
-    let template_kwargs = f
-        .get::<Map<String, Value>>("chat_template_kwargs")?
-        .unwrap_or_default();
-    let continue_final_message = f.get::<bool>("continue_final_message")?.unwrap_or(false);
-    let add_generation_prompt = match f.get::<bool>("add_generation_prompt")? {
+    let (template_kwargs, from_kwargs) = parse_template_kwargs(&f)?;
+    let continue_final_message = match from_kwargs.continue_final_message {
+        Some(b) => b,
+        None => f.get::<bool>("continue_final_message")?.unwrap_or(false),
+    };
+    let add_generation_prompt = match from_kwargs
+        .add_generation_prompt
+        .map_or_else(|| f.get::<bool>("add_generation_prompt"), |b| Ok(Some(b)))?
+    {
         Some(true) if continue_final_message => {
             return Err(ApiError::field(
                 "continue_final_message",
@@ -1198,10 +1209,61 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
         continue_final_message,
         add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(false),
         template_kwargs,
+        include_reasoning: f.get::<bool>("include_reasoning")?.unwrap_or(true),
         tools,
         tool_choice,
         gen,
     })
+}
+
+/// What `chat_template_kwargs` sets on the request itself.
+#[derive(Debug, Default)]
+struct KwargOverrides {
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+}
+
+/// Reads `chat_template_kwargs` (an object; null is none) as vLLM does: its keys become
+/// template variables and win over what the server would set (`tools`, `bos_token`, ...), and
+/// `add_generation_prompt` and `continue_final_message` there override the request's own
+/// fields (they reach transformers' `apply_chat_template` as its arguments in vLLM).
+/// `chat_template` and `tokenize` are refused as vLLM refuses them, and so is `messages`,
+/// which the server always sets (in vLLM it fails the render).
+fn parse_template_kwargs(f: &Fields) -> Result<(Map<String, Value>, KwargOverrides), ApiError> {
+    const NAME: &str = "chat_template_kwargs";
+    let mut kwargs = match f.raw(NAME) {
+        None => return Ok((Map::new(), KwargOverrides::default())),
+        Some(Value::Object(o)) => o.clone(),
+        Some(v) => {
+            return Err(ApiError::field(
+                NAME,
+                format!("'{NAME}' must be an object of template variables, got {v}."),
+            ))
+        }
+    };
+    for key in ["chat_template", "tokenize", "messages", "conversation"] {
+        if kwargs.contains_key(key) {
+            return Err(ApiError::field(
+                NAME,
+                format!("Found unexpected chat template kwargs from request: '{key}'."),
+            ));
+        }
+    }
+    let mut flag = |key: &str| -> Result<Option<bool>, ApiError> {
+        match kwargs.remove(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(v) => Err(ApiError::field(
+                NAME,
+                format!("'{NAME}.{key}' must be a boolean, got {v}."),
+            )),
+        }
+    };
+    let overrides = KwargOverrides {
+        add_generation_prompt: flag("add_generation_prompt")?,
+        continue_final_message: flag("continue_final_message")?,
+    };
+    Ok((kwargs, overrides))
 }
 
 /// Parses `tools`: a list of `{"type": "function", "function": {"name", "description"?,

@@ -338,6 +338,30 @@ def bad_requests_raise_bad_request_error():
 
 
 @check
+def chat_template_kwargs_through_extra_body():
+    # vLLM's chat_template_kwargs: its keys become template variables (a variable the template
+    # does not use changes nothing; one it uses, bos_token here, changes the prompt), and a
+    # value that is not an object is a 400 naming it.
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    def chat(**extra):
+        return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                              extra_body=extra)
+    base = chat()
+    off = chat(chat_template_kwargs={"enable_thinking": False})
+    assert off.choices[0].message.content == base.choices[0].message.content, (off, base)
+    assert off.usage.prompt_tokens == base.usage.prompt_tokens, (off.usage, base.usage)
+    no_bos = chat(chat_template_kwargs={"bos_token": ""})
+    assert no_bos.usage.prompt_tokens < base.usage.prompt_tokens, (no_bos.usage, base.usage)
+    try:
+        chat(chat_template_kwargs="enable_thinking=False")
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        assert body.get("param") == "chat_template_kwargs", e.body
+    else:
+        raise AssertionError("a non-object chat_template_kwargs was accepted")
+
+
+@check
 def tool_choices():
     # This server runs without --enable-auto-tool-choice: "auto" (the default with tools) is
     # refused as vLLM refuses it; "none" renders the tools and returns plain content;

@@ -4107,8 +4107,22 @@ async fn tool_server(
     std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
     usize,
 ) {
+    text_server(text, parser, None, baton_scheduler::FinishReason::Stop).await
+}
+
+/// [`tool_server`] with a reasoning parser and the finish reason the engine gives.
+async fn text_server(
+    text: &str,
+    parser: Option<baton_frontend::tools::ToolParser>,
+    reasoning: Option<baton_frontend::reasoning::ReasoningParser>,
+    finish: baton_scheduler::FinishReason,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
+    usize,
+) {
     use baton_frontend::EngineEvent;
-    use baton_scheduler::FinishReason;
     let tok = baton_model::load_model_dir(common::model_dir())
         .unwrap()
         .tokenizer
@@ -4124,7 +4138,7 @@ async fn tool_server(
     let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = prompts.clone();
     let n = ids.len();
-    let (addr, task) = common::start_scripted_with_tools(
+    let (addr, task) = common::start_scripted_with_parsers(
         move |req| {
             seen.lock().unwrap().push(req.prompt.clone());
             let mut ev: Vec<EngineEvent> = ids
@@ -4138,7 +4152,7 @@ async fn tool_server(
                 })
                 .collect();
             ev.push(EngineEvent::Finished {
-                reason: FinishReason::Stop,
+                reason: finish,
                 prompt_tokens: req.prompt.len(),
                 output_tokens: ids.len(),
                 cached_tokens: 0,
@@ -4147,6 +4161,7 @@ async fn tool_server(
         },
         Some(TOOLS_TEMPLATE.into()),
         parser,
+        reasoning,
     )
     .await;
     (addr, task, prompts, n)
@@ -4170,9 +4185,11 @@ fn accumulate_chat_stream(r: &common::Resp) -> Vec<(Value, Value)> {
             }
             let (msg, finish) = &mut out[i];
             let d = &c["delta"];
-            if let Some(t) = d["content"].as_str() {
-                let prev = msg["content"].as_str().unwrap_or("").to_owned();
-                msg["content"] = json!(prev + t);
+            for key in ["content", "reasoning", "reasoning_content"] {
+                if let Some(t) = d[key].as_str() {
+                    let prev = msg[key].as_str().unwrap_or("").to_owned();
+                    msg[key] = json!(prev + t);
+                }
             }
             for tc in d["tool_calls"].as_array().into_iter().flatten() {
                 let calls = msg
@@ -4687,4 +4704,407 @@ async fn hermes_keeps_special_tokens_in_the_output_it_parses() {
     assert!(parsed.ends_with("<s>"), "{parsed:?}");
     assert!(!plain.contains("<s>"), "{plain:?}");
     task.abort();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reasoning parsers (`--reasoning-parser qwen3|deepseek_r1`) and `chat_template_kwargs`.
+
+/// Posts a chat request with `extra` fields, streamed and not, to a scripted server whose model
+/// writes `text` (the output is `" " + text`, see [`tool_server`]); returns the messages and
+/// finish reasons (checked equal both ways) and the non-streamed body.
+async fn reasoning_chat(
+    text: &str,
+    tools: Option<baton_frontend::tools::ToolParser>,
+    reasoning: Option<baton_frontend::reasoning::ReasoningParser>,
+    finish: baton_scheduler::FinishReason,
+    extra: Value,
+) -> (Vec<(Value, Value)>, Value) {
+    let (addr, task, _, n_out) = text_server(text, tools, reasoning, finish).await;
+    let mut body = json!({"messages": [{"role": "user", "content": "2+2?"}], "n": 2});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let out = chat_both_ways(addr, &body).await;
+    let r = post(addr, "/v1/chat/completions", &body).await;
+    let v = r.json();
+    // The split changes no count.
+    assert_eq!(v["usage"]["completion_tokens"], 2 * n_out, "{v}");
+    task.abort();
+    (out, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_parser_splits_chat_output_streamed_and_not() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_scheduler::FinishReason;
+    for parser in [ReasoningParser::Qwen3, ReasoningParser::DeepSeekR1] {
+        // Only `</think>`: the template opened the reasoning in the prompt.
+        let (out, _) = reasoning_chat(
+            "I add two and two.</think>\n\nIt is 4.",
+            None,
+            Some(parser),
+            FinishReason::Stop,
+            json!({}),
+        )
+        .await;
+        assert_eq!(out.len(), 2);
+        for (msg, finish) in out {
+            assert_eq!(finish, "stop");
+            assert_eq!(
+                msg,
+                json!({"role": "assistant", "content": "\n\nIt is 4.",
+                       "reasoning": " I add two and two.",
+                       "reasoning_content": " I add two and two."}),
+                "{parser:?}"
+            );
+        }
+        // Both tags (each several tokens of this tokenizer, so split over deltas).
+        let (out, _) = reasoning_chat(
+            "<think>Hmm, 4.</think>Yes: 4.",
+            None,
+            Some(parser),
+            FinishReason::Stop,
+            json!({}),
+        )
+        .await;
+        for (msg, _) in out {
+            assert_eq!(msg["content"], "Yes: 4.");
+            assert_eq!(msg["reasoning"], " Hmm, 4.");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_cut_by_max_tokens_is_all_reasoning_unless_qwen3_thinking_is_off() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_scheduler::FinishReason;
+    let text = "<think>Let me see, two plus";
+    let (out, _) = reasoning_chat(
+        text,
+        None,
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Length,
+        json!({}),
+    )
+    .await;
+    let (msg, finish) = &out[0];
+    assert_eq!(finish, "length");
+    assert_eq!(msg["content"], Value::Null, "{msg}");
+    assert_eq!(msg["reasoning"], " Let me see, two plus");
+    // `enable_thinking: false`: qwen3 takes the output as content; deepseek_r1 ignores it.
+    let off = json!({"chat_template_kwargs": {"enable_thinking": false}});
+    let (out, _) = reasoning_chat(
+        "Four.",
+        None,
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+        off.clone(),
+    )
+    .await;
+    assert_eq!(out[0].0, json!({"role": "assistant", "content": " Four."}));
+    let (out, _) = reasoning_chat(
+        "Four.",
+        None,
+        Some(ReasoningParser::DeepSeekR1),
+        FinishReason::Stop,
+        off,
+    )
+    .await;
+    assert_eq!(out[0].0["reasoning"], " Four.");
+    assert_eq!(out[0].0["content"], Value::Null);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_reasoning_parser_think_tags_stay_in_the_content() {
+    use baton_scheduler::FinishReason;
+    let text = "<think>Hmm.</think>Yes.";
+    let (addr, task, _, _) = text_server(text, None, None, FinishReason::Stop).await;
+    let body = json!({"messages": [{"role": "user", "content": "?"}],
+                      "chat_template_kwargs": {"enable_thinking": true}});
+    let out = chat_both_ways(addr, &body).await;
+    assert_eq!(
+        out[0].0,
+        json!({"role": "assistant", "content": " <think>Hmm.</think>Yes."})
+    );
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = post(addr, "/v1/chat/completions", &sb).await;
+    assert!(!r.body.contains("reasoning"), "{}", r.body);
+    let r = post(addr, "/v1/responses", &json!({"input": "?"})).await;
+    let v = r.json();
+    assert_eq!(v["output"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["output"][0]["type"], "message");
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_parser_hands_only_content_to_the_tool_parser() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::tools::ToolParser;
+    use baton_scheduler::FinishReason;
+    // The reasoning mentions a tool call; only the one after `</think>` is parsed.
+    let text = "<think>Maybe <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>?</think>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let (out, _) = reasoning_chat(
+        text,
+        Some(ToolParser::Hermes),
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+        json!({"tools": [weather_tool()]}),
+    )
+    .await;
+    for (msg, finish) in out {
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(
+            msg["reasoning"],
+            " Maybe <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>?"
+        );
+        assert_eq!(msg["content"], "\n");
+        let calls = msg["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{msg}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+    }
+    // The call in the reasoning alone is no call.
+    let (out, _) = reasoning_chat(
+        "<tool_call>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call>",
+        Some(ToolParser::Hermes),
+        Some(ReasoningParser::DeepSeekR1),
+        FinishReason::Length,
+        json!({"tools": [weather_tool()]}),
+    )
+    .await;
+    assert_eq!(out[0].1, "length");
+    assert!(out[0].0.get("tool_calls").is_none(), "{:?}", out[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn include_reasoning_false_and_structured_outputs_leave_the_reasoning_out() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_scheduler::FinishReason;
+    let text = "<think>Hmm.</think>Yes.";
+    let (out, _) = reasoning_chat(
+        text,
+        None,
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+        json!({"include_reasoning": false}),
+    )
+    .await;
+    assert_eq!(out[0].0, json!({"role": "assistant", "content": "Yes."}));
+    // A guided request's output is all content (the constraint applies from the first token).
+    let (out, _) = reasoning_chat(
+        text,
+        None,
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+        json!({"structured_outputs": {"regex": ".*"}}),
+    )
+    .await;
+    assert_eq!(
+        out[0].0,
+        json!({"role": "assistant", "content": " <think>Hmm.</think>Yes."})
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_put_the_reasoning_in_a_reasoning_item_streamed_and_not() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_scheduler::FinishReason;
+    let (addr, task, _, _) = text_server(
+        "<think>Hmm, 4.</think>Yes: 4.",
+        None,
+        Some(ReasoningParser::DeepSeekR1),
+        FinishReason::Stop,
+    )
+    .await;
+    let r = post(addr, "/v1/responses", &json!({"input": "2+2?"})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let output = v["output"].as_array().unwrap().clone();
+    assert_eq!(output.len(), 2, "{v}");
+    let rs = &output[0];
+    assert_eq!(rs["type"], "reasoning");
+    assert!(rs["id"].as_str().unwrap().starts_with("rs_"), "{rs}");
+    assert_eq!(rs["summary"], json!([]));
+    assert_eq!(
+        rs["content"],
+        json!([{"type": "reasoning_text", "text": " Hmm, 4."}])
+    );
+    assert_eq!(output[1]["type"], "message");
+    assert_eq!(output[1]["content"][0]["text"], "Yes: 4.");
+    let r = post(
+        addr,
+        "/v1/responses",
+        &json!({"input": "2+2?", "stream": true}),
+    )
+    .await;
+    let ev = response_events(&r);
+    for (i, (kind, d)) in ev.iter().enumerate() {
+        assert_eq!(d["sequence_number"], i, "{d}");
+        assert_eq!(d["type"], kind.as_str(), "{d}");
+    }
+    let of = |kind: &str, field: &str| -> String {
+        ev.iter()
+            .filter(|(k, _)| k == kind)
+            .map(|(_, d)| d[field].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(of("response.reasoning_text.delta", "delta"), " Hmm, 4.");
+    assert_eq!(of("response.reasoning_text.done", "text"), " Hmm, 4.");
+    assert_eq!(of("response.output_text.delta", "delta"), "Yes: 4.");
+    let kinds: Vec<&str> = ev.iter().map(|(k, _)| k.as_str()).collect();
+    let first_text = kinds
+        .iter()
+        .position(|k| *k == "response.output_text.delta")
+        .unwrap();
+    let rs_done = kinds
+        .iter()
+        .position(|k| *k == "response.reasoning_text.done")
+        .unwrap();
+    assert!(rs_done < first_text, "{kinds:?}");
+    let added: Vec<(Value, Value)> = ev
+        .iter()
+        .filter(|(k, _)| k == "response.output_item.added")
+        .map(|(_, d)| (d["output_index"].clone(), d["item"]["type"].clone()))
+        .collect();
+    assert_eq!(
+        added,
+        [(json!(0), json!("reasoning")), (json!(1), json!("message"))]
+    );
+    let (_, last) = ev.last().unwrap();
+    assert_eq!(last["type"], "response.completed");
+    let streamed = last["response"]["output"].as_array().unwrap();
+    assert_eq!(streamed[0]["content"], rs["content"]);
+    assert_eq!(streamed[1]["content"], output[1]["content"]);
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_template_kwargs_reach_the_template_and_bad_ones_are_400s() {
+    use baton_scheduler::FinishReason;
+    let template = "{% for m in messages %}{{ m.content }};{% endfor %}{% if enable_thinking is false %}OFF;{% endif %}{{ flavour }};{% if bos_token == 'B' %}B{% endif %};{{ tools | length if tools else 'none' }};{% if add_generation_prompt %}GEN{% endif %}";
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = prompts.clone();
+    let (addr, task) = common::start_scripted_with_template(
+        move |req| {
+            seen.lock().unwrap().push(req.prompt.clone());
+            vec![baton_frontend::EngineEvent::Finished {
+                reason: FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 0,
+                cached_tokens: 0,
+            }]
+        },
+        Some(template.into()),
+    )
+    .await;
+    let chat = |kwargs: Value| {
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+               "chat_template_kwargs": kwargs})
+    };
+    let mut rendered = Vec::new();
+    for kwargs in [
+        json!({"enable_thinking": false, "flavour": "mint"}),
+        json!({"add_generation_prompt": false, "bos_token": "B", "tools": [1, 2]}),
+        Value::Null,
+    ] {
+        let r = post(addr, "/v1/chat/completions", &chat(kwargs)).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let ids = prompts.lock().unwrap().pop().unwrap();
+        rendered.push(tok.decode(&ids, false).unwrap());
+    }
+    assert_eq!(rendered[0].trim_start(), "hi;OFF;mint;;none;GEN");
+    // The kwargs win over the request's `add_generation_prompt` and the server's variables.
+    assert_eq!(rendered[1].trim_start(), "hi;;B;2;");
+    assert_eq!(rendered[2].trim_start(), "hi;;;none;GEN");
+    for bad in [
+        json!("enable_thinking=false"),
+        json!([1]),
+        json!({"messages": []}),
+        json!({"chat_template": "{{ 1 }}"}),
+        json!({"tokenize": true}),
+        json!({"add_generation_prompt": "yes"}),
+        json!({"add_generation_prompt": true, "continue_final_message": true}),
+    ] {
+        let r = post(addr, "/v1/chat/completions", &chat(bad.clone())).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        let param = r.json()["error"]["param"].clone();
+        assert!(
+            param == "chat_template_kwargs" || param == "continue_final_message",
+            "{bad}: {}",
+            r.body
+        );
+    }
+    // No template on these endpoints: still refused there.
+    let r = post(
+        addr,
+        "/v1/responses",
+        &json!({"input": "hi", "chat_template_kwargs": {"enable_thinking": false}}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "chat_template_kwargs");
+    task.abort();
+}
+
+/// `<think>` and `</think>` as special tokens (not so in Qwen3 or DeepSeek-R1, but possible in
+/// other models): detokenizing with `skip_special_tokens` would drop them, so with a reasoning
+/// parser the output keeps them and the split works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_think_tags_are_kept_for_the_reasoning_parser() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
+    let (open, close) = (
+        tok.piece_to_id("<think>").unwrap(),
+        tok.piece_to_id("</think>").unwrap(),
+    );
+    let mut ids = vec![open];
+    ids.extend(tok.encode("Hmm", false).unwrap());
+    ids.push(close);
+    ids.extend(tok.encode("Yes", false).unwrap());
+    let mut out = Vec::new();
+    for parser in [Some(ReasoningParser::DeepSeekR1), None] {
+        let ids = ids.clone();
+        let (addr, task) = common::start_scripted_with_tokenizer(
+            move |req| {
+                let mut ev: Vec<EngineEvent> = ids
+                    .iter()
+                    .map(|&token| EngineEvent::Token {
+                        token,
+                        cached_tokens: 0,
+                        logprob: 0.0,
+                        top: vec![],
+                        first: None,
+                    })
+                    .collect();
+                ev.push(EngineEvent::Finished {
+                    reason: FinishReason::Stop,
+                    prompt_tokens: req.prompt.len(),
+                    output_tokens: ids.len(),
+                    cached_tokens: 0,
+                });
+                ev
+            },
+            Some(TOOLS_TEMPLATE.into()),
+            None,
+            parser,
+            common::tokenizer_with_specials(&["<think>", "</think>"]),
+        )
+        .await;
+        let body = json!({"messages": [{"role": "user", "content": "?"}]});
+        out.push(chat_both_ways(addr, &body).await.remove(0).0);
+        task.abort();
+    }
+    let with = &out[0];
+    assert_eq!(with["reasoning"].as_str().unwrap().trim(), "Hmm", "{with}");
+    assert_eq!(with["content"].as_str().unwrap().trim(), "Yes", "{with}");
+    // Without a parser the special tags are skipped as usual.
+    let plain = out[1]["content"].as_str().unwrap();
+    assert!(!plain.contains("think") && plain.contains("Hmm"), "{plain}");
 }

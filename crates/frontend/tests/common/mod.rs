@@ -143,6 +143,7 @@ pub async fn start(opts: Opts) -> TestServer {
         cors: opts.cors.unwrap_or_default(),
         enable_auto_tool_choice: false,
         tool_call_parser: None,
+        reasoning_parser: None,
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
@@ -233,10 +234,37 @@ pub async fn start_scripted_with_tools<F>(
 where
     F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
 {
+    start_scripted_with_parsers(script, chat_template, tool_parser, None).await
+}
+
+/// [`start_scripted_with_tools`] with `--reasoning-parser R` when `reasoning_parser` is given.
+pub async fn start_scripted_with_parsers<F>(
+    script: F,
+    chat_template: Option<String>,
+    tool_parser: Option<baton_frontend::tools::ToolParser>,
+    reasoning_parser: Option<baton_frontend::reasoning::ReasoningParser>,
+) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
     let tok = baton_model::load_model_dir(model_dir())
         .expect("stories260K loads")
         .tokenizer
         .expect("tokenizer");
+    start_scripted_with_tokenizer(script, chat_template, tool_parser, reasoning_parser, tok).await
+}
+
+/// [`start_scripted_with_parsers`] with another tokenizer (see [`tokenizer_with_specials`]).
+pub async fn start_scripted_with_tokenizer<F>(
+    script: F,
+    chat_template: Option<String>,
+    tool_parser: Option<baton_frontend::tools::ToolParser>,
+    reasoning_parser: Option<baton_frontend::reasoning::ReasoningParser>,
+    tok: baton_model::Tokenizer,
+) -> (SocketAddr, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
+{
     let cfg = ServerConfig {
         host: "127.0.0.1".into(),
         port: 0,
@@ -247,6 +275,7 @@ where
         cors: baton_frontend::CorsConfig::default(),
         enable_auto_tool_choice: tool_parser.is_some(),
         tool_call_parser: tool_parser,
+        reasoning_parser,
     };
     let state = Arc::new(
         AppState::new(cfg, tok, Arc::new(Scripted(script)), vec![EOS]).expect("state builds"),
@@ -418,4 +447,35 @@ pub async fn wait_engine_idle(engine: &LocalEngineClient, within: Duration) -> b
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     false
+}
+
+/// stories260K's tokenizer with `specials` added as special tokens (ids after its vocabulary),
+/// for tests of tokens the test model does not have.
+pub fn tokenizer_with_specials(specials: &[&str]) -> baton_model::Tokenizer {
+    let path = model_dir().join("tokenizer.json");
+    let mut v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("tokenizer.json")).unwrap();
+    let first = v["model"]["vocab"]
+        .as_object()
+        .expect("a vocab object")
+        .len();
+    let added = v["added_tokens"].as_array_mut().expect("added_tokens");
+    for (i, content) in specials.iter().enumerate() {
+        added.push(
+            serde_json::json!({"id": first + i, "content": content, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "baton-tokenizer-{}-{}",
+        std::process::id(),
+        specials.join("").len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tokenizer.json");
+    std::fs::write(&file, v.to_string()).unwrap();
+    let tok = baton_model::Tokenizer::from_file(&file, baton_model::TokenizerConfig::default())
+        .expect("the edited tokenizer loads");
+    let _ = std::fs::remove_dir_all(&dir);
+    tok
 }
