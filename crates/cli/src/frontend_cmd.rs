@@ -7,7 +7,7 @@ use baton_frontend::{RingEngineClient, ServerConfig};
 use baton_model::{ModelDir, Tokenizer, TokenizerConfig};
 use baton_proto::link::{FrontendLink, LinkError};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +60,79 @@ pub struct HttpArgs {
     /// deepseek_r1.
     #[arg(long, value_parser = reasoning_parser)]
     pub reasoning_parser: Option<ReasoningParser>,
+    /// Where default sampling values come from (vLLM's flag): "auto" takes temperature,
+    /// top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) from the
+    /// model's generation_config.json for requests that leave them out; "vllm" uses the
+    /// OpenAI defaults; anything else is a directory holding a generation_config.json.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
+    /// A JSON object of those defaults that overrides the generation config's, e.g.
+    /// '{"temperature": 0.5}' (vLLM's flag).
+    #[arg(long)]
+    pub override_generation_config: Option<String>,
+}
+
+impl HttpArgs {
+    /// The sampling defaults these flags give for the model in `model_dir`
+    /// ([`baton_frontend::validate::SamplingDefaults`]), checked as a request's values are.
+    ///
+    /// # Errors
+    /// An unreadable or malformed generation config, a malformed override, or a value a
+    /// request could not send.
+    pub fn sampling_defaults(
+        &self,
+        model_dir: &Path,
+    ) -> Result<baton_frontend::validate::SamplingDefaults> {
+        use baton_frontend::validate::SamplingDefaults;
+        let file = match self.generation_config.as_str() {
+            "vllm" => None,
+            "auto" => Some(ModelDir::new(model_dir).generation_config_path()),
+            dir => {
+                let p = Path::new(dir).join("generation_config.json");
+                anyhow::ensure!(
+                    p.exists(),
+                    "--generation-config {dir}: {} does not exist",
+                    p.display()
+                );
+                Some(p)
+            }
+        };
+        let mut g = match file {
+            Some(p) if p.exists() => baton_model::GenerationConfig::from_file(&p)?,
+            _ => baton_model::GenerationConfig::default(),
+        };
+        if let Some(text) = &self.override_generation_config {
+            let o =
+                baton_model::GenerationConfig::from_json_str(text, "--override-generation-config")?;
+            g.temperature = o.temperature.or(g.temperature);
+            g.top_p = o.top_p.or(g.top_p);
+            g.top_k = o.top_k.or(g.top_k);
+            g.min_p = o.min_p.or(g.min_p);
+            g.repetition_penalty = o.repetition_penalty.or(g.repetition_penalty);
+            g.max_new_tokens = o.max_new_tokens.or(g.max_new_tokens);
+        }
+        let d = SamplingDefaults {
+            temperature: g.temperature.map(f64::from),
+            top_p: g.top_p.map(f64::from),
+            top_k: g.top_k.map(i64::from),
+            min_p: g.min_p.map(f64::from),
+            repetition_penalty: g.repetition_penalty.map(f64::from),
+            max_tokens: g.max_new_tokens,
+        };
+        baton_frontend::validate::check_sampling_defaults(&d).map_err(|e| {
+            anyhow::anyhow!(
+                "default sampling parameters (--generation-config {}{}): {}",
+                self.generation_config,
+                if self.override_generation_config.is_some() {
+                    " with --override-generation-config"
+                } else {
+                    ""
+                },
+                e.message
+            )
+        })?;
+        Ok(d)
+    }
 }
 
 fn reasoning_parser(s: &str) -> Result<ReasoningParser, String> {
@@ -142,6 +215,13 @@ impl HttpArgs {
         if let Some(p) = self.reasoning_parser {
             v.extend(["--reasoning-parser".to_owned(), p.name().to_owned()]);
         }
+        v.extend([
+            "--generation-config".to_owned(),
+            self.generation_config.clone(),
+        ]);
+        if let Some(o) = &self.override_generation_config {
+            v.extend(["--override-generation-config".to_owned(), o.clone()]);
+        }
         let optional = [
             ("--served-model-name", &self.served_model_name),
             ("--chat-template", &self.chat_template),
@@ -213,6 +293,7 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 /// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
 pub fn run(a: FrontendArgs) -> Result<()> {
     a.http.check()?;
+    let sampling_defaults = a.http.sampling_defaults(&a.model)?;
     let dir = ModelDir::new(&a.model);
     let tc_path = dir.tokenizer_config_path();
     let tc = if tc_path.exists() {
@@ -288,6 +369,14 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             );
         }
     }
+    if sampling_defaults != baton_frontend::validate::SamplingDefaults::NONE {
+        // As vLLM says it: requests that leave these out get them.
+        tracing::info!(
+            "default sampling parameters from the generation config: {} (--generation-config \
+             vllm for the OpenAI defaults)",
+            serde_json::Value::Object(sampling_defaults.to_json())
+        );
+    }
     let vocab = tokenizer.vocab_size();
     let worker_timeout =
         (a.http.worker_timeout > 0.0).then(|| Duration::from_secs_f64(a.http.worker_timeout));
@@ -312,6 +401,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         enable_auto_tool_choice: a.http.enable_auto_tool_choice,
         tool_call_parser: a.http.tool_call_parser,
         reasoning_parser: a.http.reasoning_parser,
+        sampling_defaults,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -371,6 +461,87 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<HttpArgs, clap::Error> {
         P::try_parse_from(std::iter::once("x").chain(args.iter().copied())).map(|p| p.http)
+    }
+
+    #[test]
+    fn generation_config_flags_give_the_sampling_defaults_and_reach_serves_child() {
+        use baton_frontend::validate::SamplingDefaults;
+        let model = std::env::temp_dir().join(format!("baton-gencfg-{}", std::process::id()));
+        let other = model.join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(
+            model.join("generation_config.json"),
+            r#"{"eos_token_id": [1, 2], "do_sample": true, "temperature": 0.6, "top_p": 0.95,
+                "top_k": 20, "max_new_tokens": 300}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            other.join("generation_config.json"),
+            r#"{"repetition_penalty": 1.05}"#,
+        )
+        .unwrap();
+        let auto = parse(&[]).unwrap().sampling_defaults(&model).unwrap();
+        assert_eq!(
+            auto,
+            SamplingDefaults {
+                temperature: Some(0.6f32.into()),
+                top_p: Some(0.95f32.into()),
+                top_k: Some(20),
+                max_tokens: Some(300),
+                ..SamplingDefaults::NONE
+            }
+        );
+        let vllm = parse(&["--generation-config", "vllm"]).unwrap();
+        assert_eq!(
+            vllm.sampling_defaults(&model).unwrap(),
+            SamplingDefaults::NONE
+        );
+        let dir = parse(&["--generation-config", other.to_str().unwrap()]).unwrap();
+        assert_eq!(
+            dir.sampling_defaults(&model).unwrap(),
+            SamplingDefaults {
+                repetition_penalty: Some(1.05f32.into()),
+                ..SamplingDefaults::NONE
+            }
+        );
+        let over = parse(&[
+            "--override-generation-config",
+            r#"{"temperature": 0.2, "min_p": 0.1}"#,
+        ])
+        .unwrap();
+        let d = over.sampling_defaults(&model).unwrap();
+        assert_eq!(d.temperature, Some(0.2f32.into()));
+        assert_eq!(d.min_p, Some(0.1f32.into()));
+        assert_eq!(d.top_k, Some(20));
+        // The child frontend of `serve` gets the same flags.
+        let back = parse(
+            &over
+                .to_flags()
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        assert_eq!(back.sampling_defaults(&model).unwrap(), d);
+        // Errors: a value no request could send, a malformed override, a missing directory.
+        for (args, needle) in [
+            (
+                vec!["--override-generation-config", r#"{"top_p": 0}"#],
+                "top_p",
+            ),
+            (
+                vec!["--override-generation-config", "{"],
+                "--override-generation-config",
+            ),
+            (
+                vec!["--generation-config", "/nonexistent/dir"],
+                "/nonexistent/dir",
+            ),
+        ] {
+            let e = parse(&args).unwrap().sampling_defaults(&model).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{args:?}: {e:#}");
+        }
+        let _ = std::fs::remove_dir_all(&model);
     }
 
     #[test]

@@ -235,6 +235,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // What would make a child fail at once is checked before any child starts.
     baton_ipc::check_instance(&a.instance).context("--instance")?;
     a.http.check()?;
+    a.http.sampling_defaults(&a.model)?;
     if let Some(t) = &a.http.chat_template {
         let source = baton_frontend::chat::load_template_arg(t)?;
         baton_frontend::chat::ChatTemplate::new(source)

@@ -59,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         enable_auto_tool_choice: false,
         tool_call_parser: None,
         reasoning_parser: None,
+        sampling_defaults: Default::default(),
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

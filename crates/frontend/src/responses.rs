@@ -61,7 +61,7 @@ fn object_id(prefix: &str) -> String {
 async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let limits = st.engine.limits();
-    let req = validate::parse_responses(&body, &limits)?;
+    let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
     let text = st
         .render_messages(&req.messages, true, &serde_json::Map::new())

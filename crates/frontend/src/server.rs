@@ -69,6 +69,8 @@ pub struct ServerConfig {
     /// vLLM's `--reasoning-parser`: chat and Responses outputs are split into reasoning and
     /// content ([`crate::reasoning`]).
     pub reasoning_parser: Option<ReasoningParser>,
+    /// Defaults for the sampling fields a request leaves out (vLLM's `--generation-config`).
+    pub sampling_defaults: crate::validate::SamplingDefaults,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -887,7 +889,8 @@ fn tokenize_blocking(st: &AppState, body: &Bytes) -> Response {
         let f = Fields::parse(body)?;
         st.check_model(f.get::<String>("model")?.as_deref())?;
         let ids = if f.raw("messages").is_some() {
-            let req = validate::parse_chat(body, &st.engine.limits())?;
+            let req =
+                validate::parse_chat(body, &st.engine.limits(), &st.config.sampling_defaults)?;
             let text = st.render_chat(&req)?;
             st.tokenizer
                 .encode(&text, req.add_special_tokens)
@@ -1296,7 +1299,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let limits = st.engine.limits();
-    let req = validate::parse_completion(&body, &limits)?;
+    let req = validate::parse_completion(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
     let gen = &req.gen;
     let mut prompts = Vec::with_capacity(req.prompts.len());
@@ -1599,7 +1602,7 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
 async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let limits = st.engine.limits();
-    let req = validate::parse_chat(&body, &limits)?;
+    let req = validate::parse_chat(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
     let parser = match &req.tool_choice {
         validate::ToolChoice::None => None,

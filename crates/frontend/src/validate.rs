@@ -89,6 +89,83 @@ impl Fields {
     }
 }
 
+/// Sampling values a request gets for the fields it leaves out (or sets to `null`), as vLLM's
+/// `--generation-config auto` (its default) takes them from the model's
+/// `generation_config.json`: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
+/// and `max_new_tokens` as `max_tokens` (vLLM's `get_diff_sampling_param`). `None` keeps the
+/// OpenAI default (1, 1, off, 0, 1, the rest of the context). A request's own value always
+/// wins. Checked at start-up by [`check_sampling_defaults`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    /// Default `temperature`.
+    pub temperature: Option<f64>,
+    /// Default `top_p`.
+    pub top_p: Option<f64>,
+    /// Default `top_k` (0 or -1: off).
+    pub top_k: Option<i64>,
+    /// Default `min_p`.
+    pub min_p: Option<f64>,
+    /// Default `repetition_penalty`.
+    pub repetition_penalty: Option<f64>,
+    /// Default `max_tokens` (`max_completion_tokens`, `max_output_tokens`).
+    pub max_tokens: Option<u32>,
+}
+
+// The values come from JSON, which has no NaN, and are checked at start-up.
+impl Eq for SamplingDefaults {}
+
+impl SamplingDefaults {
+    /// No defaults: every field keeps the OpenAI default.
+    pub const NONE: SamplingDefaults = SamplingDefaults {
+        temperature: None,
+        top_p: None,
+        top_k: None,
+        min_p: None,
+        repetition_penalty: None,
+        max_tokens: None,
+    };
+
+    /// The defaults as a JSON object of request fields (what [`check_sampling_defaults`]
+    /// parses, and what the frontend logs at start-up).
+    pub fn to_json(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        let mut put = |k: &str, v: Option<Value>| {
+            if let Some(v) = v {
+                m.insert(k.to_owned(), v);
+            }
+        };
+        put("temperature", self.temperature.map(Value::from));
+        put("top_p", self.top_p.map(Value::from));
+        put("top_k", self.top_k.map(Value::from));
+        put("min_p", self.min_p.map(Value::from));
+        put(
+            "repetition_penalty",
+            self.repetition_penalty.map(Value::from),
+        );
+        put("max_tokens", self.max_tokens.map(Value::from));
+        m
+    }
+}
+
+/// Checks `d` as if a request had sent its values.
+///
+/// # Errors
+/// The 400 such a request would get, naming the field.
+pub fn check_sampling_defaults(d: &SamplingDefaults) -> Result<(), ApiError> {
+    let limits = EngineLimits {
+        max_model_len: usize::MAX,
+        vocab_size: usize::MAX,
+        max_num_seqs: 1,
+    };
+    parse_gen(
+        &Fields { obj: d.to_json() },
+        true,
+        &limits,
+        &SamplingDefaults::NONE,
+    )
+    .map(|_| ())
+}
+
 /// A prompt as the client gave it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PromptInput {
@@ -575,7 +652,12 @@ fn parse_token_ids(v: &Value, param: &str, vocab: usize) -> Result<Vec<u32>, Api
 ///
 /// # Errors
 /// 400 naming the field at fault.
-pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenParams, ApiError> {
+pub fn parse_gen(
+    f: &Fields,
+    chat: bool,
+    limits: &EngineLimits,
+    defaults: &SamplingDefaults,
+) -> Result<GenParams, ApiError> {
     refuse_unsupported(f)?;
     // Accepted and unused (OpenAI's end-user id), but it must be a string.
     let _user: Option<String> = f.get("user")?;
@@ -587,7 +669,7 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
         // 0 only on /v1/completions, where `parse_completion` requires `echo` with it.
         let least = i64::from(chat);
         match v {
-            None => (name, None),
+            None => (name, defaults.max_tokens),
             Some(v) if v < least => {
                 let with_echo = if chat { "" } else { " (or 0 with 'echo')" };
                 return Err(ApiError::field(
@@ -598,28 +680,31 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
             Some(v) => (name, Some(u32::try_from(v).unwrap_or(u32::MAX))),
         }
     };
-    let temperature = f.float("temperature")?.unwrap_or(1.0);
+    let temperature = f
+        .float("temperature")?
+        .or(defaults.temperature)
+        .unwrap_or(1.0);
     if !temperature.is_finite() || temperature < 0.0 {
         return Err(ApiError::field(
             "temperature",
             format!("'temperature' must be at least 0, got {temperature}."),
         ));
     }
-    let top_p = f.float("top_p")?.unwrap_or(1.0);
+    let top_p = f.float("top_p")?.or(defaults.top_p).unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::field(
             "top_p",
             format!("'top_p' must be in (0, 1], got {top_p}."),
         ));
     }
-    let top_k = f.int("top_k")?.unwrap_or(0);
+    let top_k = f.int("top_k")?.or(defaults.top_k).unwrap_or(0);
     if top_k < -1 {
         return Err(ApiError::field(
             "top_k",
             format!("'top_k' must be -1 (disabled), 0 (disabled) or at least 1, got {top_k}."),
         ));
     }
-    let min_p = f.float("min_p")?.unwrap_or(0.0);
+    let min_p = f.float("min_p")?.or(defaults.min_p).unwrap_or(0.0);
     if !(0.0..=1.0).contains(&min_p) {
         return Err(ApiError::field(
             "min_p",
@@ -638,7 +723,10 @@ pub fn parse_gen(f: &Fields, chat: bool, limits: &EngineLimits) -> Result<GenPar
     };
     let presence_penalty = penalty("presence_penalty")?;
     let frequency_penalty = penalty("frequency_penalty")?;
-    let repetition_penalty = f.float("repetition_penalty")?.unwrap_or(1.0);
+    let repetition_penalty = f
+        .float("repetition_penalty")?
+        .or(defaults.repetition_penalty)
+        .unwrap_or(1.0);
     // Checked as the f32 the sampler uses (1e-300 would become 0, which means "off").
     if !(repetition_penalty as f32 > 0.0 && (repetition_penalty as f32).is_finite()) {
         return Err(ApiError::field(
@@ -1013,11 +1101,15 @@ pub fn parse_prompts(f: &Fields, limits: &EngineLimits) -> Result<Vec<PromptInpu
 ///
 /// # Errors
 /// 400 naming the field at fault.
-pub fn parse_completion(body: &[u8], limits: &EngineLimits) -> Result<CompletionRequest, ApiError> {
+pub fn parse_completion(
+    body: &[u8],
+    limits: &EngineLimits,
+    defaults: &SamplingDefaults,
+) -> Result<CompletionRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
     let prompts = parse_prompts(&f, limits)?;
-    let mut gen = parse_gen(&f, false, limits)?;
+    let mut gen = parse_gen(&f, false, limits, defaults)?;
     let seqs = prompts.len().saturating_mul(gen.n);
     if seqs > MAX_SEQUENCES_PER_REQUEST {
         return Err(ApiError::field(
@@ -1102,7 +1194,11 @@ fn flatten_content(i: usize, assistant: bool, content: Option<&Value>) -> Result
 ///
 /// # Errors
 /// 400 naming the field at fault.
-pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, ApiError> {
+pub fn parse_chat(
+    body: &[u8],
+    limits: &EngineLimits,
+    defaults: &SamplingDefaults,
+) -> Result<ChatRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
     if f.get::<bool>("echo")? == Some(true) {
@@ -1160,7 +1256,7 @@ pub fn parse_chat(body: &[u8], limits: &EngineLimits) -> Result<ChatRequest, Api
     let mut rest = f.obj.clone();
     rest.remove("tools");
     rest.remove("chat_template_kwargs");
-    let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    let mut gen = parse_gen(&Fields { obj: rest }, true, limits, defaults)?;
     if let Some(schema) = tool_choice_schema(
         &tool_choice,
         tools.as_deref().unwrap_or_default(),
@@ -1831,7 +1927,11 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
 ///
 /// # Errors
 /// 400 naming the field at fault.
-pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRequest, ApiError> {
+pub fn parse_responses(
+    body: &[u8],
+    limits: &EngineLimits,
+    defaults: &SamplingDefaults,
+) -> Result<ResponsesRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
     refuse_unsupported_responses(&f)?;
@@ -1883,7 +1983,7 @@ pub fn parse_responses(body: &[u8], limits: &EngineLimits) -> Result<ResponsesRe
     let mut rest = f.obj.clone();
     rest.remove("stream_options");
     rest.remove("top_logprobs");
-    let mut gen = parse_gen(&Fields { obj: rest }, true, limits)?;
+    let mut gen = parse_gen(&Fields { obj: rest }, true, limits, defaults)?;
     let text_format = parse_text_format(&f)?;
     if let Some(c) = text_format.1 {
         if let Some((_, other)) = &gen.constraint {
@@ -2026,8 +2126,82 @@ mod tests {
         max_num_seqs: 8,
     };
 
+    #[test]
+    fn sampling_defaults_fill_left_out_fields_and_are_checked() {
+        let d = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            min_p: Some(0.05),
+            repetition_penalty: Some(1.1),
+            max_tokens: Some(9),
+        };
+        let parse = |b: &str, d: &SamplingDefaults| parse_completion(b.as_bytes(), &LIMITS, d);
+        let g = parse(r#"{"prompt":"a"}"#, &d).unwrap().gen;
+        assert_eq!(
+            (
+                g.temperature,
+                g.top_p,
+                g.top_k,
+                g.min_p,
+                g.repetition_penalty,
+                g.max_tokens
+            ),
+            (0.6, 0.95, 20, 0.05, 1.1, Some(9))
+        );
+        let g = parse(
+            r#"{"prompt":"a","temperature":1,"top_p":1,"top_k":0,"min_p":0,
+                "repetition_penalty":1,"max_tokens":3}"#,
+            &d,
+        )
+        .unwrap()
+        .gen;
+        assert_eq!(
+            (
+                g.temperature,
+                g.top_p,
+                g.top_k,
+                g.min_p,
+                g.repetition_penalty,
+                g.max_tokens
+            ),
+            (1.0, 1.0, 0, 0.0, 1.0, Some(3))
+        );
+        let g = parse(r#"{"prompt":"a"}"#, &SamplingDefaults::NONE)
+            .unwrap()
+            .gen;
+        assert_eq!((g.temperature, g.top_k, g.max_tokens), (1.0, 0, None));
+        assert!(check_sampling_defaults(&d).is_ok());
+        for (bad, field) in [
+            (
+                SamplingDefaults {
+                    top_p: Some(0.0),
+                    ..d
+                },
+                "top_p",
+            ),
+            (
+                SamplingDefaults {
+                    temperature: Some(-1.0),
+                    ..d
+                },
+                "temperature",
+            ),
+            (
+                SamplingDefaults {
+                    max_tokens: Some(0),
+                    ..d
+                },
+                "max_tokens",
+            ),
+        ] {
+            let e = check_sampling_defaults(&bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{}", e.message);
+        }
+    }
+
     fn err(body: &str) -> ApiError {
-        parse_completion(body.as_bytes(), &LIMITS).expect_err(body)
+        parse_completion(body.as_bytes(), &LIMITS, &SamplingDefaults::NONE).expect_err(body)
     }
 
     #[test]
@@ -2068,7 +2242,8 @@ mod tests {
 
     #[test]
     fn echo_with_logprobs_asks_for_prompt_logprobs_with_as_many_alternatives() {
-        let parse = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap();
+        let parse =
+            |b: &str| parse_completion(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE).unwrap();
         let r = parse(r#"{"prompt":"a","echo":true,"logprobs":0}"#);
         assert_eq!((r.gen.logprobs, r.gen.prompt_logprobs), (Some(0), 1));
         let r = parse(r#"{"prompt":["a","b"],"n":2,"echo":true,"logprobs":5}"#);
@@ -2093,7 +2268,11 @@ mod tests {
 
     #[test]
     fn prompt_logprobs_ask_the_engine_for_the_most_alternatives_either_field_wants() {
-        let parse = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap().gen;
+        let parse = |b: &str| {
+            parse_completion(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE)
+                .unwrap()
+                .gen
+        };
         let g = parse(r#"{"prompt":"a","prompt_logprobs":2}"#);
         assert_eq!(
             (g.prompt_top, g.prompt_logprobs, g.logprobs),
@@ -2110,7 +2289,7 @@ mod tests {
         // logprobs without echo scores no prompt.
         let g = parse(r#"{"prompt":"a","logprobs":5,"prompt_logprobs":1}"#);
         assert_eq!(g.prompt_logprobs, 2);
-        let chat = |b: &str| parse_chat(b.as_bytes(), &LIMITS);
+        let chat = |b: &str| parse_chat(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE);
         let msgs = r#""messages":[{"role":"user","content":"a"}]"#;
         let g = chat(&format!(r#"{{{msgs},"prompt_logprobs":4}}"#))
             .unwrap()
@@ -2132,7 +2311,11 @@ mod tests {
 
     #[test]
     fn prompt_shapes_parse() {
-        let p = |b: &str| parse_completion(b.as_bytes(), &LIMITS).unwrap().prompts;
+        let p = |b: &str| {
+            parse_completion(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE)
+                .unwrap()
+                .prompts
+        };
         assert_eq!(p(r#"{"prompt":"x"}"#), vec![PromptInput::Text("x".into())]);
         assert_eq!(
             p(r#"{"prompt":[1,2]}"#),
@@ -2150,7 +2333,8 @@ mod tests {
 
     #[test]
     fn responses_input_becomes_chat_messages_after_the_instructions() {
-        let parse = |b: &str| parse_responses(b.as_bytes(), &LIMITS).expect(b);
+        let parse =
+            |b: &str| parse_responses(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE).expect(b);
         let r = parse(r#"{"input":"hi","instructions":"Be brief.","max_output_tokens":7}"#);
         assert_eq!(
             r.messages,
@@ -2188,6 +2372,7 @@ mod tests {
         let e = parse_responses(
             br#"{"input":[{"role":"user","content":[{"type":"text","text":"x"}]}]}"#,
             &LIMITS,
+            &SamplingDefaults::NONE,
         )
         .expect_err("a chat part type");
         assert_eq!(e.param.as_deref(), Some("input[0].content[0]"));

@@ -989,6 +989,64 @@ async fn n_choices_use_consecutive_seeds_and_are_indexed() {
     assert_ne!(texts[0], texts[2]);
 }
 
+/// vLLM's `--generation-config auto`: a request that leaves a sampling field out gets the
+/// model's default; one that sets it keeps its own value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generation_config_defaults_fill_only_what_a_request_leaves_out() {
+    let plain = start(Opts::default()).await;
+    let srv = start(Opts {
+        sampling_defaults: baton_frontend::validate::SamplingDefaults {
+            temperature: Some(0.0),
+            top_k: Some(5),
+            max_tokens: Some(7),
+            ..Default::default()
+        },
+        chat_template: Some("{% for m in messages %}{{ m['content'] }}{% endfor %}".into()),
+        ..Opts::default()
+    })
+    .await;
+    let prompt = "Once upon a time";
+    // Left out: greedy (temperature 0 by default) and 7 tokens, as asked for explicitly from
+    // a server without defaults; `null` counts as left out.
+    let greedy = completion(
+        plain.addr,
+        json!({"prompt": prompt, "temperature": 0, "max_tokens": 7, "ignore_eos": true}),
+    )
+    .await;
+    for body in [
+        json!({"prompt": prompt, "ignore_eos": true}),
+        json!({"prompt": prompt, "ignore_eos": true, "temperature": null, "max_tokens": null}),
+    ] {
+        let got = completion(srv.addr, body.clone()).await;
+        assert_eq!(text_of(&got, 0), text_of(&greedy, 0), "{body}");
+        assert_eq!(got["usage"]["completion_tokens"], 7, "{body}");
+    }
+    // Chat takes them too (max_completion_tokens left out).
+    let r = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 7);
+    // Set: the request's own values, including top_k 0 (off), win over the defaults.
+    let sampled = json!({"prompt": prompt, "max_tokens": 24, "temperature": 1.2, "top_k": 0,
+                         "seed": 11});
+    assert_eq!(
+        text_of(&completion(srv.addr, sampled.clone()).await, 0),
+        text_of(&completion(plain.addr, sampled).await, 0)
+    );
+    // The top_k default applies to a sampled request that leaves it out.
+    let no_k = json!({"prompt": prompt, "max_tokens": 24, "temperature": 1.2, "seed": 11});
+    let mut with_k = no_k.clone();
+    with_k["top_k"] = json!(5);
+    assert_eq!(
+        text_of(&completion(srv.addr, no_k).await, 0),
+        text_of(&completion(plain.addr, with_k).await, 0)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_sampling_is_deterministic() {
     let srv = start(Opts::default()).await;

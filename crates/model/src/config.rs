@@ -620,6 +620,12 @@ pub struct GenerationConfig {
     pub top_k: Option<u32>,
     /// `do_sample`, if given.
     pub do_sample: Option<bool>,
+    /// Default min-p, if given.
+    pub min_p: Option<f32>,
+    /// Default repetition penalty, if given.
+    pub repetition_penalty: Option<f32>,
+    /// Default number of new tokens (`max_new_tokens`), if given.
+    pub max_new_tokens: Option<u32>,
 }
 
 impl GenerationConfig {
@@ -637,6 +643,9 @@ impl GenerationConfig {
             top_p: f.opt_f64("top_p")?.map(|x| x as f32),
             top_k: f.opt_u32("top_k")?,
             do_sample: f.opt_bool("do_sample")?,
+            min_p: f.opt_f64("min_p")?.map(|x| x as f32),
+            repetition_penalty: f.opt_f64("repetition_penalty")?.map(|x| x as f32),
+            max_new_tokens: f.opt_u32("max_new_tokens")?,
         })
     }
 
@@ -1005,11 +1014,16 @@ mod tests {
             .unwrap();
         assert_eq!((g.eos_token_ids, g.bos_token_id), (vec![2], Some(1)));
         let g = GenerationConfig::from_json_str(
-            r#"{"eos_token_id": [128001, 128008], "temperature": 0.6, "top_p": 0.9, "top_k": 50}"#,
+            r#"{"eos_token_id": [128001, 128008], "temperature": 0.6, "top_p": 0.9, "top_k": 50,
+            "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 300}"#,
             "g",
         )
         .unwrap();
         assert_eq!(g.eos_token_ids, vec![128001, 128008]);
+        assert_eq!(
+            (g.min_p, g.repetition_penalty, g.max_new_tokens),
+            (Some(0.05), Some(1.1), Some(300))
+        );
         assert_eq!(
             (g.temperature, g.top_p, g.top_k),
             (Some(0.6), Some(0.9), Some(50))

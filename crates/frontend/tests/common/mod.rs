@@ -48,6 +48,8 @@ pub struct Opts {
     pub header_read_timeout: Option<Duration>,
     /// CORS settings (default: vLLM's, every origin).
     pub cors: Option<baton_frontend::CorsConfig>,
+    /// Sampling defaults (`--generation-config`; default: none).
+    pub sampling_defaults: baton_frontend::validate::SamplingDefaults,
 }
 
 /// A backend that sleeps before each launch.
@@ -144,6 +146,7 @@ pub async fn start(opts: Opts) -> TestServer {
         enable_auto_tool_choice: false,
         tool_call_parser: None,
         reasoning_parser: None,
+        sampling_defaults: opts.sampling_defaults,
     };
     let state = Arc::new(
         AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
@@ -276,6 +279,7 @@ where
         enable_auto_tool_choice: tool_parser.is_some(),
         tool_call_parser: tool_parser,
         reasoning_parser,
+        sampling_defaults: Default::default(),
     };
     let state = Arc::new(
         AppState::new(cfg, tok, Arc::new(Scripted(script)), vec![EOS]).expect("state builds"),
