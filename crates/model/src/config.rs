@@ -25,6 +25,25 @@ pub enum RopeScaling {
         /// Context length the model was pre-trained with.
         original_max_position_embeddings: usize,
     },
+    /// YaRN (Peng et al. 2023, arXiv:2309.00071), as Qwen2.5 and Qwen3 enable it for long
+    /// contexts; see [`ModelConfig::rope_inv_freq`] and [`ModelConfig::rope_attention_factor`].
+    Yarn {
+        /// Context extension factor (`factor`).
+        factor: f32,
+        /// Context length the model was pre-trained with (`original_max_position_embeddings`,
+        /// else `max_position_embeddings`).
+        original_max_position_embeddings: usize,
+        /// Rotations at which the ramp ends in pure extrapolation (`beta_fast`, default 32).
+        beta_fast: f32,
+        /// Rotations at which the ramp starts from pure interpolation (`beta_slow`, default 1).
+        beta_slow: f32,
+        /// The factor cos and sin are multiplied by (`attention_factor`, else
+        /// `0.1 ln(factor) + 1` for `factor > 1`, else 1).
+        attention_factor: f32,
+        /// Whether the correction range is rounded outwards to whole dimensions (`truncate`,
+        /// default true).
+        truncate: bool,
+    },
 }
 
 /// A Llama-family model's architecture, from `config.json`.
@@ -288,6 +307,20 @@ impl ModelConfig {
                 }
                 eat(&(original_max_position_embeddings as u64).to_le_bytes());
             }
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            }) => {
+                eat(&[2, u8::from(truncate)]);
+                for x in [factor, beta_fast, beta_slow, attention_factor] {
+                    eat(&x.to_bits().to_le_bytes());
+                }
+                eat(&(original_max_position_embeddings as u64).to_le_bytes());
+            }
         }
         eat(&[u8::from(self.tie_word_embeddings)]);
         // The model_type above already separates Qwen from Llama; the flags are eaten too
@@ -499,10 +532,49 @@ impl ModelConfig {
                             original_max_position_embeddings,
                         })
                     }
+                    "yarn" => {
+                        let factor = s.opt_f64("factor")?.ok_or_else(|| s.missing("factor"))?;
+                        if !(factor >= 1.0 && factor.is_finite()) {
+                            return Err(s.invalid("factor", format!("{factor} must be >= 1")));
+                        }
+                        // DeepSeek's variant; its attention factor is not plain YaRN's.
+                        for k in ["mscale", "mscale_all_dim"] {
+                            if s.get(k).is_some() && s.get("attention_factor").is_none() {
+                                return Err(s.invalid(k, "YaRN's mscale variants are unsupported"));
+                            }
+                        }
+                        let original = s
+                            .opt_usize("original_max_position_embeddings")?
+                            .unwrap_or(max_position_embeddings);
+                        let attention_factor = match s.opt_f64("attention_factor")? {
+                            Some(a) if a > 0.0 && a.is_finite() => a,
+                            Some(a) => {
+                                return Err(s.invalid("attention_factor", format!("{a} must be > 0")))
+                            }
+                            None if factor > 1.0 => 0.1 * factor.ln() + 1.0,
+                            None => 1.0,
+                        };
+                        let beta_fast = s.opt_f64("beta_fast")?.unwrap_or(32.0);
+                        let beta_slow = s.opt_f64("beta_slow")?.unwrap_or(1.0);
+                        if !(beta_fast > 0.0 && beta_slow > 0.0) || original == 0 {
+                            return Err(s.invalid(
+                                "beta_fast",
+                                "need beta_fast > 0, beta_slow > 0 and original_max_position_embeddings > 0",
+                            ));
+                        }
+                        Some(RopeScaling::Yarn {
+                            factor: factor as f32,
+                            original_max_position_embeddings: original,
+                            beta_fast: beta_fast as f32,
+                            beta_slow: beta_slow as f32,
+                            attention_factor: attention_factor as f32,
+                            truncate: s.opt_bool("truncate")?.unwrap_or(true),
+                        })
+                    }
                     other => {
                         return Err(s.invalid(
                             "rope_type",
-                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3"),
+                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3, yarn"),
                         ))
                     }
                 }
@@ -547,7 +619,13 @@ impl ModelConfig {
     /// `high = orig_ctx / high_freq_factor`: wavelengths `> low` are divided by `factor`,
     /// wavelengths `< high` are kept, and in between
     /// `s = (orig_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`,
-    /// `inv = (1 - s) * inv / factor + s * inv`. The attention scaling factor is 1 in both cases.
+    /// `inv = (1 - s) * inv / factor + s * inv`.
+    ///
+    /// YaRN follows `_compute_yarn_parameters` as vLLM's `YaRNScalingRotaryEmbedding` does (the
+    /// `factor` as given): with `pos = base^(2i/d)`, the correction range `[low, high]` from
+    /// `d ln(orig / (2π β)) / (2 ln base)` at `β = beta_fast, beta_slow` (floored / ceiled when
+    /// `truncate`, clamped to `[0, d - 1]`) and `ramp_i = clamp((i - low) / (high - low), 0, 1)`,
+    /// `inv = (1 / (factor pos)) ramp + (1 / pos) (1 - ramp)`.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let dim = self.head_dim;
         let base = self.rope_theta;
@@ -556,6 +634,40 @@ impl ModelConfig {
             .collect();
         match &self.rope_scaling {
             None => inv,
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            }) => {
+                let d = dim as f64;
+                let correction = |rot: f32| {
+                    d * ((*original_max_position_embeddings as f64)
+                        / (rot as f64 * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * (base as f64).ln())
+                };
+                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let low = low.max(0.0) as f32;
+                let mut high = high.min(d - 1.0) as f32;
+                if low == high {
+                    high += 0.001;
+                }
+                inv.into_iter()
+                    .enumerate()
+                    .map(|(i, extrapolation)| {
+                        let pos = base.powf((2 * i) as f32 / dim as f32);
+                        let interpolation = 1.0 / (factor * pos);
+                        let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                        interpolation * ramp + extrapolation * (1.0 - ramp)
+                    })
+                    .collect()
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -580,6 +692,18 @@ impl ModelConfig {
                     })
                     .collect()
             }
+        }
+    }
+
+    /// The factor RoPE's cos and sin are multiplied by: YaRN's `attention_factor`, else 1
+    /// (transformers' `attention_scaling`). It scales every attention logit by its square; a
+    /// backend may apply it that way instead.
+    pub fn rope_attention_factor(&self) -> f32 {
+        match self.rope_scaling {
+            Some(RopeScaling::Yarn {
+                attention_factor, ..
+            }) => attention_factor,
+            _ => 1.0,
         }
     }
 
@@ -871,6 +995,60 @@ mod tests {
         let mut c = q2.clone();
         c.qkv_bias = false;
         assert_ne!(c.fingerprint(), q2.fingerprint());
+    }
+
+    /// Qwen's documented YaRN settings (factor 4 over 32768); expected values computed in f64
+    /// Python from transformers' `_compute_yarn_parameters` (correction range [23, 40]).
+    #[test]
+    fn yarn_inv_freq_and_attention_factor_match_hand_computed_values() {
+        let c = ModelConfig::from_json_str(&format!(
+            r#"{QWEN3}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0,
+                "original_max_position_embeddings": 32768}}}}"#
+        ))
+        .unwrap();
+        let inv = c.rope_inv_freq();
+        assert_eq!(inv.len(), 64);
+        for (i, want) in [
+            (0, 1.0),
+            (5, 0.3398208328942559),
+            (10, 0.1154781984689458),
+            (20, 0.01333521432163324),
+            (30, 0.0010643609812470017),
+            (40, 4.445698525097307e-05),
+            (63, 3.102344401879299e-07),
+        ] {
+            let got = inv[i] as f64;
+            assert!(
+                (got - want).abs() <= 2e-6 * want,
+                "inv_freq[{i}] = {got}, want {want}"
+            );
+        }
+        assert!((c.rope_attention_factor() - 1.138_629_4).abs() < 1e-6);
+        let plain = ModelConfig::from_json_str(&format!("{QWEN3}}}")).unwrap();
+        assert_eq!(plain.rope_attention_factor(), 1.0);
+        assert_ne!(plain.fingerprint(), c.fingerprint());
+        // An explicit attention_factor wins; DeepSeek's mscale variant is refused.
+        let c = ModelConfig::from_json_str(&format!(
+            r#"{QWEN3}, "rope_scaling": {{"type": "yarn", "factor": 2.0,
+                "attention_factor": 1.5}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.rope_attention_factor(), 1.5);
+        for bad in [
+            r#"{"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}"#,
+            r#"{"rope_type": "yarn", "factor": 0.5}"#,
+            r#"{"rope_type": "yarn"}"#,
+            r#"{"rope_type": "longrope", "factor": 4.0}"#,
+        ] {
+            let e = ModelConfig::from_json_str(&format!(r#"{QWEN3}, "rope_scaling": {bad}}}"#));
+            assert!(
+                matches!(
+                    e,
+                    Err(ModelError::InvalidField { .. } | ModelError::MissingField { .. })
+                ),
+                "{bad}: {e:?}"
+            );
+        }
     }
 
     #[test]

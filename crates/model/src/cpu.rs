@@ -820,15 +820,17 @@ impl CpuModel {
                 .extend((0..row.tokens.len()).map(|j| (r, row.start_pos + j + 1)));
         }
 
-        // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32).
+        // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32), times YaRN's
+        // attention factor (HF's `attention_scaling`; 1 otherwise).
+        let att = c.rope_attention_factor();
         let mut i = 0;
         for row in rows {
             for j in 0..row.tokens.len() {
                 let pos = (row.start_pos + j) as f32;
                 for (d, &f) in self.inv_freq.iter().enumerate() {
                     let a = (pos * f) as f64;
-                    s.cos[i * half + d] = a.cos() as f32;
-                    s.sin[i * half + d] = a.sin() as f32;
+                    s.cos[i * half + d] = a.cos() as f32 * att;
+                    s.sin[i * half + d] = a.sin() as f32 * att;
                 }
                 i += 1;
             }

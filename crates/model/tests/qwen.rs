@@ -51,13 +51,16 @@ fn linear(w: &[f32], b: Option<&[f32]>, x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// HF's `apply_rotary_pos_emb` with `rotate_half`, `inv_freq = theta^(-2i/d)`.
-fn rope(head: &mut [f32], pos: usize, theta: f32) {
+/// HF's `apply_rotary_pos_emb` with `rotate_half`; cos and sin scaled by `att` (HF's
+/// `attention_scaling`).
+fn rope(head: &mut [f32], pos: usize, inv_freq: &[f32], att: f32) {
     let d = head.len();
     let half = d / 2;
-    for i in 0..half {
-        let inv = 1.0 / theta.powf((2 * i) as f32 / d as f32);
-        let (c, s) = ((pos as f32 * inv).cos(), (pos as f32 * inv).sin());
+    for (i, &inv) in inv_freq.iter().enumerate().take(half) {
+        let (c, s) = (
+            (pos as f32 * inv).cos() * att,
+            (pos as f32 * inv).sin() * att,
+        );
         let (x1, x2) = (head[i], head[i + half]);
         head[i] = x1 * c - x2 * s;
         head[i + half] = x2 * c + x1 * s;
@@ -69,6 +72,14 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
     let (h, hd) = (cfg.hidden_size, cfg.head_dim);
     let (nh, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let eps = cfg.rms_norm_eps;
+    // Plain RoPE's frequencies are computed here; scaled ones come from the config (its own
+    // unit tests check them against transformers' formulas).
+    let inv_freq: Vec<f32> = match cfg.rope_scaling {
+        None => (0..hd / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
+            .collect(),
+        Some(_) => cfg.rope_inv_freq(),
+    };
     let mut xs: Vec<Vec<f32>> = tokens
         .iter()
         .map(|&t| w.embed.data[t as usize * h..(t as usize + 1) * h].to_vec())
@@ -89,7 +100,7 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                         let y = rms(head, &n.data, eps);
                         head.copy_from_slice(&y);
                     }
-                    rope(head, pos, cfg.rope_theta);
+                    rope(head, pos, &inv_freq, cfg.rope_attention_factor());
                 }
             }
             qs.push(q);
@@ -207,6 +218,12 @@ fn qwen2_biases_and_qwen3_head_norms_match_the_dense_reference() {
         // head_dim larger than hidden / heads, as in Qwen3-0.6B (1024 / 16 heads, head_dim 128).
         ("qwen3", r#", "head_dim": 16"#),
         ("qwen2", r#", "tie_word_embeddings": true"#),
+        // YaRN with a visible attention factor (cos and sin scaled by it).
+        (
+            "qwen3",
+            r#", "head_dim": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+               "original_max_position_embeddings": 16, "attention_factor": 1.7}"#,
+        ),
     ] {
         let cfg = config(ty, extra);
         let w = LlamaWeights::dummy(&cfg, 11);
