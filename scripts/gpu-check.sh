@@ -35,6 +35,7 @@
 #      1B at batches 1 and 32 with --device-time (the host's share of a step); 5e 1B batch 1
 #      with sampled rows (temperature 0.8, top-p 0.95: the sampler's selection passes);
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
+#      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases);
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -145,6 +146,21 @@ run_check 5b-bench-decode-8b 200 "$BATON" bench decode --device cuda --load-form
 run_check 3b-layers-8b-widths-bf16 120 "$BATON" debug layers --load-format dummy \
     --config "${LLAMA_8B/\"num_hidden_layers\":32/\"num_hidden_layers\":4}" --dtype bf16 --tol 1.5e-2
 
+# 3c. Qwen3 (q/k RMSNorm per head before RoPE: baton_qkv_post) and 3d. Qwen2 (q/k/v biases), as
+# in 3b: Qwen3-0.6B and Qwen2.5-0.5B widths with 4 layers, bf16, tolerance as 3b's (never run
+# on a GPU before; the emulator passes them at 1e-2 on tiny shapes).
+QWEN3_06B='{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":1024,
+"intermediate_size":3072,"num_hidden_layers":4,"num_attention_heads":16,"num_key_value_heads":8,
+"head_dim":128,"vocab_size":151936,"max_position_embeddings":40960,"rms_norm_eps":1e-06,
+"rope_theta":1000000,"tie_word_embeddings":true}'
+QWEN2_05B='{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2","hidden_size":896,
+"intermediate_size":4864,"num_hidden_layers":4,"num_attention_heads":14,"num_key_value_heads":2,
+"vocab_size":151936,"max_position_embeddings":32768,"rms_norm_eps":1e-06,
+"rope_theta":1000000.0,"tie_word_embeddings":true}'
+run_check 3c-layers-qwen3-bf16 60 "$BATON" debug layers --load-format dummy \
+    --config "$QWEN3_06B" --dtype bf16 --tol 1.5e-2
+run_check 3d-layers-qwen2-bf16 60 "$BATON" debug layers --load-format dummy \
+    --config "$QWEN2_05B" --dtype bf16 --tol 1.5e-2
 
 run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \

@@ -332,9 +332,18 @@ fn bench_decode_case(
         assert_eq!(calls("gemm lm_head"), 1);
         assert!(k.iter().all(|x| !x.name.starts_with("baton_gemv")), "{k:?}");
     }
+    // Qwen's biases and q/k norms: one launch per layer after the QKV projection; a Llama
+    // model launches none (exactly the kernels it launched before Qwen support).
+    let post = if cfg.qkv_bias || cfg.qk_norm {
+        layers
+    } else {
+        0
+    };
+    assert_eq!(calls("baton_qkv_post"), post, "{k:?}");
     // RoPE and the cache write of a decode step run inside the decode attention kernel.
     assert_eq!(calls("baton_rope_and_cache"), 0, "{k:?}");
-    assert_eq!(calls("baton_paged_attention_decode_hd64"), layers, "{k:?}");
+    let decode = format!("baton_paged_attention_decode_hd{}", cfg.head_dim);
+    assert_eq!(calls(&decode), layers, "{k:?}");
     assert_eq!(calls("baton_sample_f32"), 1);
     assert!(k.iter().all(|x| x.total_us >= 0.0));
 }
@@ -951,4 +960,278 @@ fn token_masked_rows_match_the_cpu_worker_with_graphs_and_eagerly() {
             assert!(mask_launches >= steps as u64, "{mask_launches}");
         }
     }
+}
+
+// ---- Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) ---------------------------------------
+
+/// Qwen2-shaped: q/k/v biases, head dim 64 (4 query heads, 2 KV heads).
+const QWEN2: &str = r#"{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":256,
+    "rms_norm_eps":1e-6,"rope_theta":1000000.0}"#;
+
+/// Qwen3-shaped: q/k norms, head dim 128 given explicitly (4 query heads: a query width of 512,
+/// twice the hidden size, as in Qwen3-0.6B), 2 KV heads.
+const QWEN3: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":128,"vocab_size":1000,"max_position_embeddings":256,
+    "rms_norm_eps":1e-6,"rope_theta":1000000.0}"#;
+
+/// Qwen3-shaped with head dim 32: the generic attention kernel, so decode steps launch
+/// `baton_rope_and_cache` after the norms instead of fusing RoPE into attention.
+const QWEN3_HD32: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3",
+    "hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":32,"vocab_size":1000,"max_position_embeddings":256}"#;
+
+/// [`QWEN3`] with YaRN RoPE scaling and a visible attention factor (the CPU scales cos and
+/// sin by it, the CUDA worker the attention scale by its square).
+const QWEN3_YARN: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":128,"vocab_size":1000,"max_position_embeddings":256,
+    "rms_norm_eps":1e-6,"rope_theta":1000000.0,"rope_scaling":{"rope_type":"yarn",
+    "factor":4.0,"original_max_position_embeddings":64,"attention_factor":1.7}}"#;
+
+#[test]
+fn every_layer_of_qwen2_and_qwen3_models_matches_the_cpu_reference() {
+    // `baton debug layers`: a batch mixing prefill chunks and decodes (cuBLAS path), then a
+    // decode-only batch of 4 rows (the fused GEMV path), each layer against the CPU layer on
+    // the GPU's input.
+    for (name, config, dtype, tol) in [
+        ("qwen2", QWEN2, Dtype::F32, 1e-4),
+        ("qwen2", QWEN2, Dtype::Bf16, 1e-2),
+        ("qwen3", QWEN3, Dtype::F32, 1e-4),
+        ("qwen3", QWEN3, Dtype::Bf16, 1e-2),
+        ("qwen3 hd32", QWEN3_HD32, Dtype::F32, 1e-4),
+        ("qwen3 yarn", QWEN3_YARN, Dtype::F32, 1e-4),
+    ] {
+        let mut a = compare_args(dtype, tol);
+        a.config = Some(config.to_owned());
+        a.load_format = LoadFormatArg::Dummy;
+        let last = Mutex::new(None);
+        compare(&a, true, &emu(dtype, true, &last))
+            .unwrap_or_else(|e| panic!("{name} {dtype:?} layers: {e:#}"));
+        let dev = last.lock().unwrap().take().unwrap();
+        assert!(dev.launches_of("baton_qkv_post") > 0, "{name}");
+    }
+}
+
+/// Greedy tokens of several requests on the CPU worker and on the CUDA worker (f32, decode
+/// graphs and eagerly), dummy weights of `config`: prompts chunked over steps of 32 tokens
+/// beside decodes, then one request alone (the batch-of-one GEMV entries).
+fn qwen_greedy_matches_the_cpu_worker(name: &str, config: &str) {
+    let cfg = ModelConfig::from_json_str(config).unwrap();
+    let weights = LlamaWeights::dummy(&cfg, 3);
+    let sched = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 32,
+        max_model_len: 128,
+        ..config_for_tests()
+    };
+    let prompt = |seed: u32, n: usize| -> Vec<u32> {
+        (0..n as u32)
+            .map(|p| (3 + seed * 101 + 37 * p) % 1000)
+            .collect()
+    };
+    let batch = || {
+        vec![
+            request(0, prompt(0, 45), 10, baton_proto::SamplingParams::greedy()),
+            request(1, prompt(1, 7), 10, baton_proto::SamplingParams::greedy()),
+            request(2, prompt(2, 20), 10, baton_proto::SamplingParams::greedy()),
+        ]
+    };
+    let alone = || {
+        vec![request(
+            3,
+            prompt(3, 11),
+            8,
+            baton_proto::SamplingParams::greedy(),
+        )]
+    };
+    let no_eos = |mut v: Vec<baton_scheduler::NewRequest>| {
+        for r in &mut v {
+            r.eos_ids.clear();
+        }
+        v
+    };
+    let model = baton_model::CpuModel::try_new(cfg.clone(), weights.clone()).unwrap();
+    let cpu = baton_worker::CpuBackend::new(model, sched.num_blocks, sched.block_size);
+    let mut cpu = LocalEngine::new(sched.clone(), cpu);
+    let want_batch = run(&mut cpu, no_eos(batch()));
+    let want_alone = run(&mut cpu, no_eos(alone()));
+    assert_eq!(want_batch[&0].0.len(), 10, "{name}");
+    let sizes = CudaSizes {
+        block_size: sched.block_size,
+        num_blocks: Some(sched.num_blocks),
+        max_tokens: sched.max_num_batched_tokens,
+        max_rows: sched.max_num_seqs,
+        max_model_len: sched.max_model_len,
+    };
+    for eager in [false, true] {
+        let last = Mutex::new(None);
+        let w = emu(Dtype::F32, eager, &last)(cfg.clone(), weights.clone().into(), sizes).unwrap();
+        let mut e = LocalEngine::new(sched.clone(), w);
+        let got_batch = run(&mut e, no_eos(batch()));
+        let got_alone = run(&mut e, no_eos(alone()));
+        for (got, want) in [(&got_batch, &want_batch), (&got_alone, &want_alone)] {
+            for id in want.keys() {
+                assert_eq!(
+                    got[id], want[id],
+                    "{name} request {id} (eager {eager}): the CUDA worker differs from the CPU worker"
+                );
+            }
+        }
+        let dev = last.lock().unwrap().take().unwrap();
+        assert!(dev.launches_of("baton_qkv_post") > 0, "{name}");
+        if eager {
+            assert_eq!(dev.graph_launches(), 0, "{name}");
+        } else {
+            assert!(
+                dev.graph_launches() > 0,
+                "{name}: no decode graph was replayed"
+            );
+        }
+    }
+}
+
+/// A scheduler configuration with the tests' defaults (block size 16, 64 pages, two launches in
+/// flight).
+fn config_for_tests() -> SchedulerConfig {
+    config(16, 64, 2)
+}
+
+#[test]
+fn qwen2_greedy_tokens_match_the_cpu_worker_with_graphs_and_eagerly() {
+    qwen_greedy_matches_the_cpu_worker("qwen2", QWEN2);
+}
+
+#[test]
+fn qwen3_greedy_tokens_match_the_cpu_worker_with_graphs_and_eagerly() {
+    qwen_greedy_matches_the_cpu_worker("qwen3", QWEN3);
+}
+
+#[test]
+fn a_qwen_decode_step_launches_qkv_post_once_per_layer() {
+    // Qwen2 and Qwen3 at once (both flags): the bias and the norm in one launch per layer.
+    let mut cfg = ModelConfig::from_json_str(QWEN3).unwrap();
+    cfg.qkv_bias = true;
+    let weights = LlamaWeights::dummy(&cfg, 0);
+    assert!(weights.layers[0].q_bias.is_some() && weights.layers[0].q_norm.is_some());
+    let (prompt, gen, bs) = (8usize, 4usize, 16usize);
+    for (batch, fused) in [(1usize, true), (3, false)] {
+        let pages = (prompt + gen + 1).div_ceil(bs);
+        let sizes = CudaSizes {
+            block_size: bs,
+            num_blocks: Some(batch * pages),
+            max_tokens: batch * prompt,
+            max_rows: batch,
+            max_model_len: prompt + gen + 1,
+        };
+        bench_decode_case(
+            &cfg,
+            weights.clone(),
+            sizes,
+            fused,
+            pages,
+            (batch, prompt, gen, bs),
+        );
+    }
+}
+
+#[test]
+fn mapped_qwen_checkpoints_put_the_same_bits_on_the_device_as_the_f32_load() {
+    // Dummy Qwen2 and Qwen3 weights stored as bf16 safetensors (the HF names of
+    // `layer_tensor_shapes`, biases and q/k norms included), next to stories260K's tokenizer
+    // (vocab 512): the mapped load must upload the fused bias and norm groups exactly as the
+    // host load does.
+    use safetensors::tensor::{serialize_to_file, TensorView};
+    let root = std::env::temp_dir().join(format!("baton-mapped-qwen-{}", std::process::id()));
+    for (name, config) in [("qwen2", QWEN2), ("qwen3", QWEN3)] {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(model_dir().join(f), dir.join(f)).unwrap();
+        }
+        let config = config.replace(r#""vocab_size":1000"#, r#""vocab_size":512"#);
+        std::fs::write(dir.join("config.json"), &config).unwrap();
+        let cfg = ModelConfig::from_json_str(&config).unwrap();
+        let w = LlamaWeights::dummy(&cfg, 9);
+        let bf16 = |t: &baton_model::Tensor| -> Vec<u8> {
+            t.data
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect()
+        };
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+            (
+                "model.embed_tokens.weight".into(),
+                w.embed.shape.clone(),
+                bf16(&w.embed),
+            ),
+            (
+                "model.norm.weight".into(),
+                w.norm.shape.clone(),
+                bf16(&w.norm),
+            ),
+        ];
+        if !cfg.tie_word_embeddings {
+            tensors.push((
+                "lm_head.weight".into(),
+                w.lm_head.shape.clone(),
+                bf16(&w.lm_head),
+            ));
+        }
+        for (i, l) in w.layers.iter().enumerate() {
+            let shapes = baton_model::weights::layer_tensor_shapes(&cfg, i);
+            let ts = l.tensors();
+            assert_eq!(shapes.len(), ts.len(), "{name}");
+            assert_eq!(shapes.len(), 9 + if cfg.qkv_bias { 3 } else { 2 }, "{name}");
+            for ((n, s), t) in shapes.into_iter().zip(ts) {
+                assert_eq!(s, t.shape, "{name} {n}");
+                tensors.push((n, s, bf16(t)));
+            }
+        }
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, d)| {
+                let v = TensorView::new(safetensors::Dtype::BF16, s.clone(), d).unwrap();
+                (n.clone(), v)
+            })
+            .collect();
+        serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        for dtype in [Dtype::Bf16, Dtype::F32] {
+            let last = Mutex::new(None);
+            let build = emu(dtype, true, &last);
+            let sizes = small_sizes();
+            let mapped = ModelDir::new(&dir)
+                .load_mapped(baton_model::LoadFormat::Auto)
+                .unwrap();
+            assert!(matches!(mapped.weights, ModelWeights::Mapped(_)));
+            let a = build(mapped.config, mapped.weights, sizes)
+                .unwrap()
+                .download_weights()
+                .unwrap();
+            let host = ModelDir::new(&dir)
+                .load(baton_model::LoadFormat::Auto)
+                .unwrap();
+            assert!(
+                host.weights.layers[1].q_bias.is_some() == cfg.qkv_bias,
+                "{name}"
+            );
+            assert!(
+                host.weights.layers[1].k_norm.is_some() == cfg.qk_norm,
+                "{name}"
+            );
+            let b = build(host.config, host.weights.into(), sizes)
+                .unwrap()
+                .download_weights()
+                .unwrap();
+            assert_eq!(a.len(), b.len());
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert!(
+                first.is_none(),
+                "{name}, device {dtype:?}: first differing byte {first:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
 }

@@ -476,6 +476,134 @@ fn rope_and_cache_rotates_q_and_k_and_writes_the_rotated_k_and_v_to_their_slots(
     });
 }
 
+// ---- QKV post-processing (Qwen2 biases, Qwen3 q/k norms) ----------------------------------------
+
+/// What `baton_qkv_post` must leave in `qkv` (rows of `stride` elements, heads of `hd`): each
+/// head of q, k and v gets its bias, rounded once; then each q and k head is RMSNorm'd with
+/// its kind's weight (Qwen3RMSNorm: `round(w * round(y * inv))`, statistics in f64 here).
+/// Elements past the heads (row padding) are left as they are.
+#[allow(clippy::too_many_arguments)]
+fn qkv_post_ref(
+    dtype: Dtype,
+    qkv: &[f32],
+    bias: Option<&[f32]>,
+    norm: Option<&[f32]>,
+    (nq, nkv, hd): (usize, usize, usize),
+    stride: usize,
+    eps: f32,
+) -> Vec<f32> {
+    let mut out = qkv.to_vec();
+    let heads = nq + 2 * nkv;
+    for row in out.chunks_exact_mut(stride) {
+        if let Some(b) = bias {
+            for (x, &b) in row[..heads * hd].iter_mut().zip(b) {
+                *x = round(dtype, *x + b);
+            }
+        }
+        if let Some(w) = norm {
+            for head in 0..nq + nkv {
+                let wk = if head < nq { &w[..hd] } else { &w[hd..] };
+                let x = &mut row[head * hd..(head + 1) * hd];
+                let y = rmsnorm_ref(dtype, x, wk, eps);
+                x.copy_from_slice(&y);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn qkv_post_adds_biases_and_normalizes_q_and_k_heads_as_the_reference() {
+    every_schedule(|| {
+        let (t, eps) = (3usize, 1e-6f32);
+        // (q heads, kv heads, head_dim, extra row padding, block): one and several warps per
+        // block, heads not a multiple of the warps per block, a head_dim not a multiple of 32.
+        let shapes = [
+            (4usize, 2usize, 64usize, 0usize, 128u32),
+            (2, 1, 128, 0, 128),
+            (6, 2, 128, 8, 64),
+            (3, 3, 40, 0, 32),
+        ];
+        for (nq, nkv, hd, pad, block) in shapes {
+            let heads = nq + 2 * nkv;
+            let stride = heads * hd + pad;
+            for dtype in Dtype::ALL {
+                for (with_bias, with_norm) in [(true, false), (false, true), (true, true)] {
+                    let what = format!(
+                        "{} {nq}/{nkv}x{hd} pad {pad} block {block} bias {with_bias} \
+                         norm {with_norm}",
+                        dtype.name()
+                    );
+                    let qkv = rounded_values(dtype, 11, t * stride, 3.0);
+                    let bias = rounded_values(dtype, 12, heads * hd, 0.5);
+                    // Around 1, different for q and k: a kind mix-up shows.
+                    let norm: Vec<f32> = values(13, 2 * hd)
+                        .into_iter()
+                        .map(|v| round(dtype, 1.0 + 0.4 * v))
+                        .collect();
+                    let mut buf = Elems::new(dtype, &qkv);
+                    let mut b = Elems::new(dtype, &bias);
+                    let mut w = Elems::new(dtype, &norm);
+                    let bias_ptr = if with_bias {
+                        b.ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    let norm_ptr = if with_norm {
+                        w.ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    let launched = nq + nkv + if with_bias { nkv } else { 0 };
+                    let gy = launched.div_ceil(block as usize / 32) as u32;
+                    // qkv_post(qkv, bias, norm, num_tokens, nq, nkv, head_dim, stride, eps)
+                    run(
+                        dtype,
+                        "baton_qkv_post",
+                        (t as u32, gy, 1),
+                        block,
+                        Params::new()
+                            .ptr_mut(buf.ptr())
+                            .ptr(bias_ptr)
+                            .ptr(norm_ptr)
+                            .int(t as i32)
+                            .int(nq as i32)
+                            .int(nkv as i32)
+                            .int(hd as i32)
+                            .int(stride as i32)
+                            .float(eps),
+                    );
+                    let want = qkv_post_ref(
+                        dtype,
+                        &qkv,
+                        with_bias.then_some(&bias[..]),
+                        with_norm.then_some(&norm[..]),
+                        (nq, nkv, hd),
+                        stride,
+                        eps,
+                    );
+                    let got = buf.read();
+                    if with_norm {
+                        // One rounding of y * inv may flip with inv's last bit: two ulps.
+                        assert_close(&what, &got, &want, 2.0 * ulp(dtype), 1e-6);
+                    } else {
+                        assert_eq!(got, want, "{what}");
+                    }
+                    // v heads are never normalized, and padding is never written.
+                    for r in 0..t {
+                        let v = r * stride + (nq + nkv) * hd;
+                        assert_eq!(
+                            got[v..(r + 1) * stride],
+                            want[v..(r + 1) * stride],
+                            "{what}"
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
 // ---- SiLU-and-mul ------------------------------------------------------------------------------------
 
 #[test]

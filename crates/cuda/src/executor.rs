@@ -13,13 +13,14 @@
 //!    row has one), each row's index into it in the staging buffer;
 //! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
 //!    from the ring of ids earlier launches sampled (never a host round trip);
-//! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, RoPE, KV
-//!    write by slot, paged attention (decode split-K, varlen prefill, or the generic kernel for
-//!    head dims other than 64/128/256), O GEMM, add + RMSNorm, gate/up GEMM, SiLU-and-mul, down
-//!    GEMM; final add + RMSNorm, gather of each row's last token, LM-head GEMM to f32 logits,
-//!    the guided rows' token masks (`baton_apply_token_mask`: every disallowed logit becomes
-//!    `-inf`, as the CPU worker's `apply_token_mask`; eager launches without a guided row skip
-//!    it), device sampler (penalties applied to the logits first, a pending input merged into
+//! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, for Qwen2 and
+//!    Qwen3 the q/k/v biases and per-head q/k RMSNorms (`baton_qkv_post`, launched only when the
+//!    config has them), RoPE, KV write by slot, paged attention (decode split-K, varlen prefill, or
+//!    the generic kernel for head dims other than 64/128/256), O GEMM, add + RMSNorm, gate/up GEMM,
+//!    SiLU-and-mul, down GEMM; final add + RMSNorm, gather of each row's last token, LM-head GEMM
+//!    to f32 logits, the guided rows' token masks (`baton_apply_token_mask`: every disallowed logit
+//!    becomes `-inf`, as the CPU worker's `apply_token_mask`; eager launches without a guided row
+//!    skip it), device sampler (penalties applied to the logits first, a pending input merged into
 //!    its row's list on the device). GEMMs are cuBLAS `cublasGemmEx` with `CUBLAS_COMPUTE_32F` on
 //!    the stream;
 //! 4. the sampled ids are copied into the device ring (for the next launches' pending rows) and
@@ -171,6 +172,10 @@ struct LayerPtrs {
     post_norm: u64,
     gate_up: u64,
     down: u64,
+    /// Fused `[q_bias | k_bias | v_bias]` (Qwen2), or 0 when the model has no biases.
+    qkv_bias: u64,
+    /// Fused `[q_norm | k_norm]`, `[2 * head_dim]` (Qwen3), or 0 when the model has none.
+    qk_norm: u64,
 }
 
 /// Kernel arguments with stable addresses, in declaration order.
@@ -579,13 +584,48 @@ pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
     }
 }
 
+/// Per layer, the device weight groups, each a list of indices into
+/// `baton_model::weights::layer_tensor_shapes` (and `LayerWeights::tensors`) uploaded back to
+/// back: input norm, fused q|k|v, o, post norm, fused gate|up, down; then the fused
+/// q|k|v bias when the config has `qkv_bias` (Qwen2: tensors 9, 10, 11) and the fused
+/// q|k norm when it has `qk_norm` (Qwen3: the two tensors after the biases, if any).
+fn layer_groups(cfg: &ModelConfig) -> Vec<Vec<usize>> {
+    let mut g: Vec<Vec<usize>> = vec![
+        vec![0],
+        vec![1, 2, 3],
+        vec![4],
+        vec![5],
+        vec![6, 7],
+        vec![8],
+    ];
+    let mut next = 9;
+    if cfg.qkv_bias {
+        g.push(vec![next, next + 1, next + 2]);
+        next += 3;
+    }
+    if cfg.qk_norm {
+        g.push(vec![next, next + 1]);
+    }
+    g
+}
+
+/// Index of the fused q|k|v bias group in [`layer_groups`], when the config has one.
+fn bias_group(cfg: &ModelConfig) -> Option<usize> {
+    cfg.qkv_bias.then_some(6)
+}
+
+/// Index of the fused q|k norm group in [`layer_groups`], when the config has one.
+fn norm_group(cfg: &ModelConfig) -> Option<usize> {
+    cfg.qk_norm.then_some(6 + usize::from(cfg.qkv_bias))
+}
+
 /// Byte offsets of the weight tensors inside the one weight allocation (256-byte aligned, in
-/// upload order: embedding; per layer input norm, fused q/k/v, o, post norm, fused gate/up,
-/// down; final norm; LM head).
+/// upload order: embedding; per layer the groups of [`layer_groups`]; final norm; LM head).
 struct WeightLayout {
     embed: usize,
-    /// Per layer: `[input_norm, qkv, o, post_norm, gate_up, down]`.
-    layers: Vec<[usize; 6]>,
+    /// Per layer, one offset per group of [`layer_groups`]: `[input_norm, qkv, o, post_norm,
+    /// gate_up, down]`, then the q|k|v bias and the q|k norm when present.
+    layers: Vec<Vec<usize>>,
     norm: usize,
     head: usize,
     total: usize,
@@ -600,21 +640,19 @@ impl WeightLayout {
             off = (off + elems * es).div_ceil(256) * 256;
             o
         };
-        let q_w = cfg.num_attention_heads * cfg.head_dim;
-        let qkv_w = q_w + 2 * cfg.num_key_value_heads * cfg.head_dim;
-        let im = cfg.intermediate_size;
+        // Every layer has the same shapes: the group sizes from layer 0's tensors.
+        let shapes = baton_model::weights::layer_tensor_shapes(cfg, 0);
+        let group_elems: Vec<usize> = layer_groups(cfg)
+            .iter()
+            .map(|g| {
+                g.iter()
+                    .map(|&i| shapes[i].1.iter().product::<usize>())
+                    .sum()
+            })
+            .collect();
         let embed = place(cfg.vocab_size * h);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|_| {
-                [
-                    place(h),
-                    place(qkv_w * h),
-                    place(h * q_w),
-                    place(h),
-                    place(2 * im * h),
-                    place(h * im),
-                ]
-            })
+            .map(|_| group_elems.iter().map(|&n| place(n)).collect())
             .collect();
         let norm = place(h);
         let head = place(cfg.vocab_size * h);
@@ -723,7 +761,8 @@ fn initial_penalty_entries(max_tokens: usize) -> usize {
 /// What a worker allocates on the device, in bytes, before its KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevicePlan {
-    /// The weights in the worker's dtype (q/k/v and gate/up fused, 256-byte aligned tensors).
+    /// The weights in the worker's dtype (q/k/v and gate/up fused, Qwen's q/k/v biases and q/k
+    /// norms as two more fused groups per layer, 256-byte aligned tensors).
     pub weight_bytes: usize,
     /// Activations, staging, sampler outputs, the sampled-id ring and the RoPE table.
     pub buffer_bytes: usize,
@@ -815,8 +854,9 @@ impl CudaWorker {
             unsafe { dev.copy_htod(wbuf.at(o), &bytes) }
         };
         // Per layer, in `layer_tensor_shapes` order (input norm, q, k, v, o, post norm, gate,
-        // up, down), the fused device groups.
-        const GROUPS: [&[usize]; 6] = [&[0], &[1, 2, 3], &[4], &[5], &[6, 7], &[8]];
+        // up, down, then Qwen's biases and norms), the fused device groups.
+        let groups = layer_groups(&cfg);
+        let shapes_len = baton_model::weights::layer_tensor_shapes(&cfg, 0).len();
         match weights.into() {
             ModelWeights::Host(w) => {
                 let LlamaWeights {
@@ -829,7 +869,13 @@ impl CudaWorker {
                 drop(embed);
                 for (l, offs) in layers.into_iter().zip(&layer_offs) {
                     let t = l.tensors();
-                    for (g, &o) in GROUPS.iter().zip(offs) {
+                    if t.len() != shapes_len {
+                        return Err(CudaWorkerError::Unsupported(format!(
+                            "a layer has {} weight tensors, the config wants {shapes_len}",
+                            t.len()
+                        )));
+                    }
+                    for (g, &o) in groups.iter().zip(offs) {
                         let parts: Vec<_> = g.iter().map(|&i| WeightPart::F32(t[i])).collect();
                         upload(o, &parts)?;
                     }
@@ -855,7 +901,7 @@ impl CudaWorker {
                         .iter()
                         .map(|(n, s)| raw(n, s))
                         .collect::<Result<Vec<_>, _>>()?;
-                    for (g, &o) in GROUPS.iter().zip(offs) {
+                    for (g, &o) in groups.iter().zip(offs) {
                         let parts: Vec<_> = g.iter().map(|&i| WeightPart::Raw(t[i])).collect();
                         upload(o, &parts)?;
                     }
@@ -877,6 +923,8 @@ impl CudaWorker {
                 post_norm: wbuf.at(offs[3]),
                 gate_up: wbuf.at(offs[4]),
                 down: wbuf.at(offs[5]),
+                qkv_bias: bias_group(&cfg).map_or(0, |g| wbuf.at(offs[g])),
+                qk_norm: norm_group(&cfg).map_or(0, |g| wbuf.at(offs[g])),
             });
         }
         let inv = cfg.rope_inv_freq();
@@ -1207,7 +1255,10 @@ impl CudaWorker {
         let qkv_w = q_w + 2 * kv_w;
         let im = c.intermediate_size;
         let eps = c.rms_norm_eps;
-        let scale = (hd as f64).powf(-0.5) as f32;
+        // YaRN's attention factor scales cos and sin in HF, so every q.k logit by its square:
+        // applied here instead (the KV cache holds unscaled keys; only this worker reads them).
+        let att = c.rope_attention_factor();
+        let scale = (hd as f64).powf(-0.5) as f32 * att * att;
         let a = &self.act_off;
         let act = |o: usize| self.acts.at(o);
         let st = |o: usize| self.staging_dev.at(o);
@@ -1279,6 +1330,7 @@ impl CudaWorker {
             };
             for (li, lw) in self.layers.iter().enumerate() {
                 gemv(act(a.qkv), act(a.resid), lw.qkv, lw.input_norm, qkv_w, h, 0)?;
+                self.qkv_post(t, lw)?;
                 let q = act(a.qkv);
                 let k = q + q_w as u64 * es;
                 let v = k + kv_w as u64 * es;
@@ -1335,6 +1387,7 @@ impl CudaWorker {
                     h,
                     false,
                 )?;
+                self.qkv_post(t, lw)?;
                 let q = act(a.qkv);
                 let k = q + q_w as u64 * es;
                 let v = k + kv_w as u64 * es;
@@ -1453,6 +1506,37 @@ impl CudaWorker {
                 .p(act(a.sample_partials))
                 .p(act(a.sample_counters))
                 .i(c.vocab_size),
+        )
+    }
+
+    /// Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorms on the step's `t` QKV rows, in
+    /// place, right after the QKV projection and before RoPE (`kernels/qkv_post.cu`). A model
+    /// with neither (Llama, Mistral) launches nothing.
+    fn qkv_post(&self, t: usize, lw: &LayerPtrs) -> Result<(), CudaWorkerError> {
+        if lw.qkv_bias == 0 && lw.qk_norm == 0 {
+            return Ok(());
+        }
+        let c = &self.cfg;
+        let (hd, nh, kvh) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        // A warp per (token, head): q and k heads, and the v heads when there is a bias.
+        const WARPS: usize = 4;
+        let heads = nh + kvh + if lw.qkv_bias != 0 { kvh } else { 0 };
+        // qkv_post(qkv, bias, norm, num_tokens, nq, nkv, head_dim, stride, eps); a 0 pointer
+        // is the kernel's null (no bias / no norm).
+        self.launch(
+            "baton_qkv_post",
+            (t as u32, heads.div_ceil(WARPS) as u32, 1),
+            (32 * WARPS) as u32,
+            KArgs::new()
+                .p(self.acts.at(self.act_off.qkv))
+                .p(lw.qkv_bias)
+                .p(lw.qk_norm)
+                .i(t)
+                .i(nh)
+                .i(kvh)
+                .i(hd)
+                .i((nh + 2 * kvh) * hd)
+                .f(c.rms_norm_eps),
         )
     }
 
@@ -2551,6 +2635,63 @@ mod tests {
             p.buffer_bytes > 2048 * 2 * 8192 * 2,
             "gate/up activations at least"
         );
+    }
+
+    #[test]
+    fn qwen_biases_and_norms_are_two_more_groups_per_layer() {
+        // A Llama 1B shape as Qwen2 (q|k|v biases) and as Qwen3 (q|k norms; head_dim 128, so
+        // the query width is not the hidden size).
+        let base = r#""hidden_size":2048,"intermediate_size":8192,"num_hidden_layers":16,
+            "num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
+            "max_position_embeddings":131072"#;
+        let llama = CudaWorker::device_plan(&llama_1b(), &opts(KvBlocks::Fixed(1)))
+            .unwrap()
+            .weight_bytes;
+        let qwen2 = ModelConfig::from_json_str(&format!(
+            r#"{{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2",{base}}}"#
+        ))
+        .unwrap();
+        assert!(qwen2.qkv_bias && !qwen2.qk_norm);
+        let groups = layer_groups(&qwen2);
+        assert_eq!(groups.len(), 7);
+        assert_eq!(groups[bias_group(&qwen2).unwrap()], [9, 10, 11]);
+        assert_eq!(norm_group(&qwen2), None);
+        let p = CudaWorker::device_plan(&qwen2, &opts(KvBlocks::Fixed(1))).unwrap();
+        // One 256-byte aligned group of (32 + 2 * 8) * 64 bf16 biases per layer.
+        let bias = ((32 + 2 * 8) * 64 * 2usize).div_ceil(256) * 256;
+        assert_eq!(p.weight_bytes, llama + 16 * bias);
+
+        let qwen3 = ModelConfig::from_json_str(&format!(
+            r#"{{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","head_dim":128,
+            {base}}}"#
+        ))
+        .unwrap();
+        assert!(!qwen3.qkv_bias && qwen3.qk_norm);
+        let groups = layer_groups(&qwen3);
+        assert_eq!(groups.len(), 7);
+        assert_eq!(groups[norm_group(&qwen3).unwrap()], [9, 10]);
+        let shapes = baton_model::weights::layer_tensor_shapes(&qwen3, 3);
+        assert!(
+            shapes[9].0.ends_with("self_attn.q_norm.weight"),
+            "{shapes:?}"
+        );
+        assert!(
+            shapes[10].0.ends_with("self_attn.k_norm.weight"),
+            "{shapes:?}"
+        );
+        let wl = WeightLayout::new(&qwen3, 2);
+        let (h, q, kv, im) = (2048usize, 32 * 128usize, 8 * 128usize, 8192usize);
+        let layer = [h, (q + 2 * kv) * h, h * q, h, 2 * im * h, h * im, 2 * 128];
+        let per_layer: usize = layer.iter().map(|n| (n * 2).div_ceil(256) * 256).sum();
+        assert_eq!(wl.layers[1][0] - wl.layers[0][0], per_layer);
+        assert_eq!(wl.layers[0].len(), 7);
+
+        // Both at once: the bias group, then the norm group.
+        let mut both = qwen2.clone();
+        both.qk_norm = true;
+        assert_eq!(layer_groups(&both)[6], [9, 10, 11]);
+        assert_eq!(layer_groups(&both)[7], [12, 13]);
+        assert_eq!(norm_group(&both), Some(7));
     }
 
     #[test]

@@ -25,6 +25,7 @@ static SOURCES: &[(&str, &str)] = &[
     ),
     ("rmsnorm.cu", include_str!("../../../kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
+    ("qkv_post.cu", include_str!("../../../kernels/qkv_post.cu")),
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
@@ -53,6 +54,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
     ),
     ("rmsnorm.cu", &["baton_rmsnorm", "baton_add_rmsnorm"]),
     ("rope.cu", &["baton_rope_and_cache"]),
+    ("qkv_post.cu", &["baton_qkv_post"]),
     (
         "attention.cu",
         &[
