@@ -159,28 +159,35 @@ impl PyJson<'_> {
     }
 
     fn string(&self, s: &str, out: &mut String) {
-        use std::fmt::Write as _;
-        out.push('"');
-        for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{8}' => out.push_str("\\b"),
-                '\u{c}' => out.push_str("\\f"),
-                c if (c as u32) < 0x20 || (self.ensure_ascii && (c as u32) > 0x7e) => {
-                    let mut units = [0u16; 2];
-                    for u in c.encode_utf16(&mut units) {
-                        let _ = write!(out, "\\u{:04x}", u);
-                    }
-                }
-                c => out.push(c),
-            }
-        }
-        out.push('"');
+        py_json_string(s, self.ensure_ascii, out);
     }
+}
+
+/// Writes `s` as a JSON string the way Python's `json.dumps` does: `\"`, `\\`, the short
+/// escapes (`\n`, `\r`, `\t`, `\b`, `\f`), other control characters as `\u00XX`, and with
+/// `ensure_ascii` everything outside space..`~` as UTF-16 `\uXXXX` units.
+pub(crate) fn py_json_string(s: &str, ensure_ascii: bool, out: &mut String) {
+    use std::fmt::Write as _;
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{:04x}", u);
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {

@@ -13,8 +13,6 @@
 //! held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
 //! sent as content ([`StreamFilter`]).
 
-use std::fmt::Write as _;
-
 /// A `--tool-call-parser` (vLLM's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolParser {
@@ -403,24 +401,9 @@ impl J {
     }
 }
 
+/// Python's `json.dumps(s, ensure_ascii=False)`.
 fn dump_str(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    crate::chat::py_json_string(s, false, out);
 }
 
 /// Deepest nesting accepted, so a hostile output cannot exhaust the stack.
