@@ -189,8 +189,10 @@ impl ReasoningSplitter {
     }
 }
 
-/// The length of the longest proper prefix of `pat` (ASCII) that `s` ends with.
-fn partial_suffix(s: &str, pat: &str) -> usize {
+/// The length of the longest proper prefix of `pat` (ASCII) that `s` ends with: how much of
+/// `s`'s end a streaming parser holds back because `pat` may complete there (also the tool
+/// parsers').
+pub(crate) fn partial_suffix(s: &str, pat: &str) -> usize {
     (1..pat.len())
         .rev()
         .find(|&k| s.ends_with(&pat[..k]))

@@ -348,13 +348,7 @@ impl StreamFilter {
     }
 }
 
-/// The length of the longest proper prefix of `pat` that `s` ends with.
-fn partial_suffix(s: &str, pat: &str) -> usize {
-    (1..pat.len())
-        .rev()
-        .find(|&k| s.ends_with(&pat[..k]))
-        .unwrap_or(0)
-}
+use crate::reasoning::partial_suffix;
 
 /// A JSON value with object keys in their order and numbers as written.
 #[derive(Clone, Debug, PartialEq)]
