@@ -13,6 +13,8 @@
 //! held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
 //! sent as content ([`StreamFilter`]).
 
+use crate::reasoning::partial_suffix;
+
 /// A `--tool-call-parser` (vLLM's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolParser {
@@ -347,8 +349,6 @@ impl StreamFilter {
         (rest, parsed.calls)
     }
 }
-
-use crate::reasoning::partial_suffix;
 
 /// A JSON value with object keys in their order and numbers as written.
 #[derive(Clone, Debug, PartialEq)]
