@@ -25,6 +25,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             logit_bias: vec![],
             cache_salt: 0,
             constraint: vec![],
+            guide_after: None,
         })
         .collect()
 }
@@ -208,6 +209,7 @@ fn goldens_match_across_processes(async_flag: &str) {
         baton_grammar::Constraint::Choice(vec!["Lily and Ben".into(), "a big red ball".into()]),
     ];
     let mut guided = greedy_reqs(&prompts, 40);
+    let free = in_process(&greedy_reqs(&prompts, 40));
     for (i, r) in guided.iter_mut().enumerate() {
         r.id += 400;
         r.constraint = constraints[i % 2].to_wire();
@@ -216,10 +218,15 @@ fn goldens_match_across_processes(async_flag: &str) {
             r.params.temperature = 0.9;
             r.params.seed = 11 + i as u64;
         }
+        // The second (a choice, greedy) after its 4th free token, as after a reasoning's
+        // `</think>` (`FLAG_GUIDE_AFTER` on the wire): its first tokens are the free ones.
+        if i == 1 {
+            r.params = SamplingParams::greedy();
+            r.guide_after = Some(free[&(i as u64)][3]);
+        }
     }
     let outs = run(&mut link, &guided, T);
     let want = in_process(&guided);
-    let free = in_process(&greedy_reqs(&prompts, 40));
     for (i, r) in guided.iter().enumerate() {
         assert_eq!(
             outs[&r.id].tokens, want[&r.id],
@@ -227,6 +234,13 @@ fn goldens_match_across_processes(async_flag: &str) {
             r.id
         );
         assert_eq!(outs[&r.id].reason, reason::STOP, "guided request {}", r.id);
+        if let Some(t) = r.guide_after {
+            // Free (greedy, as unconstrained) up to and including the token that wakes the
+            // guide.
+            let f = &free[&(i as u64)];
+            let p = f.iter().position(|&x| x == t).unwrap();
+            assert_eq!(outs[&r.id].tokens[..=p], f[..=p], "guided request {}", r.id);
+        }
         assert_ne!(
             outs[&r.id].tokens,
             free[&(i as u64)],
@@ -314,8 +328,13 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
                         &[2],
                     )
                     .expect("the test model's vocabulary");
-                    v.compile(&baton_grammar::Constraint::from_wire(&r.constraint).unwrap())
-                        .expect("the constraint compiles")
+                    let g = v
+                        .compile(&baton_grammar::Constraint::from_wire(&r.constraint).unwrap())
+                        .expect("the constraint compiles");
+                    match r.guide_after {
+                        Some(t) => g.start_after(t),
+                        None => g,
+                    }
                 }),
             })
             .expect("admitted");
@@ -424,6 +443,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         logit_bias: vec![],
         cache_salt: 0,
         constraint: vec![],
+        guide_after: None,
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.

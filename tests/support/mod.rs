@@ -162,6 +162,8 @@ pub struct Req {
     pub cache_salt: u64,
     /// The structured-output constraint's wire form (empty: none).
     pub constraint: Vec<u8>,
+    /// The constraint applies after this token is sampled (the end of the reasoning).
+    pub guide_after: Option<u32>,
 }
 
 /// What came back for one request.
@@ -200,6 +202,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             min_tokens: 0,
             cache_salt: r.cache_salt,
             constraint: &r.constraint,
+            guide_after: r.guide_after,
         },
         Duration::from_secs(5),
     )

@@ -181,6 +181,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             min_tokens: 0,
             cache_salt: 0,
             constraint: &[],
+            guide_after: None,
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

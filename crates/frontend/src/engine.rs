@@ -24,8 +24,11 @@ pub const UNAVAILABLE_PREFIX: &str = "engine unavailable: ";
 pub struct GuidedRequest {
     /// The constraint.
     pub constraint: baton_grammar::Constraint,
-    /// Compiled against the model's vocabulary, at the start of the output.
+    /// Compiled against the model's vocabulary, at the start of the output (dormant until
+    /// `after` when that is set).
     pub guide: baton_grammar::Guide,
+    /// The token after which the constraint applies (the end of the reasoning), if any.
+    pub after: Option<u32>,
 }
 
 impl PartialEq for GuidedRequest {

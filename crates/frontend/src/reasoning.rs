@@ -66,12 +66,18 @@ impl ReasoningParser {
         }
     }
 
+    /// Whether a request rendered with `template_kwargs` has no reasoning at all: qwen3 with
+    /// `enable_thinking: false`.
+    pub fn thinking_off(self, template_kwargs: &Map<String, Value>) -> bool {
+        self == Self::Qwen3 && template_kwargs.get("enable_thinking") == Some(&Value::Bool(false))
+    }
+
     /// A splitter for one choice of a request rendered with `template_kwargs`.
     pub fn splitter(self, template_kwargs: &Map<String, Value>) -> ReasoningSplitter {
-        let thinking_off = template_kwargs.get("enable_thinking") == Some(&Value::Bool(false));
-        let state = match self {
-            Self::Qwen3 if thinking_off => State::Content,
-            _ => State::Start,
+        let state = if self.thinking_off(template_kwargs) {
+            State::Content
+        } else {
+            State::Start
         };
         ReasoningSplitter {
             state,

@@ -85,7 +85,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     )?;
     let input_tokens = ids.len();
     let mut gen = req.gen.clone();
-    let reasoning = st.reasoning_parser(&mut gen);
+    let reasoning = st.reasoning_parser(&mut gen, &serde_json::Map::new());
     let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
     let shell = Shell::new(&st, &req, max);
     let no_kwargs = serde_json::Map::new();

@@ -327,6 +327,7 @@ impl EngineClient for RingEngineClient {
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
             constraint: &constraint,
+            guide_after: req.guided.as_ref().and_then(|g| g.after),
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

@@ -106,6 +106,8 @@ pub struct AppState {
     /// The tokenizer marks `<think>` or `</think>` as special: with a reasoning parser, outputs
     /// are detokenized with `skip_special_tokens` off so the parser sees the tags.
     think_tags_special: bool,
+    /// The id of `</think>` when it is one token.
+    think_end_id: Option<u32>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -155,6 +157,12 @@ impl AppState {
             .layer()
             .map_err(|e| anyhow::anyhow!("CORS settings: {e}"))?;
         let vocabulary = grammar_vocabulary(&tokenizer, engine.limits().vocab_size, &eos_ids);
+        // `</think>` as one token: structured outputs can start after it.
+        let think_end_id = tokenizer
+            .encode(crate::reasoning::THINK_END, false)
+            .ok()
+            .filter(|ids| ids.len() == 1)
+            .map(|ids| ids[0]);
         let think_tags_special = tokenizer
             .inner()
             .get_added_tokens_decoder()
@@ -179,6 +187,7 @@ impl AppState {
             draining: tokio::sync::watch::Sender::new(false),
             max_piece_bytes: tokenizer_max_piece_bytes(&tokenizer),
             think_tags_special,
+            think_end_id,
             tokenizer: Arc::new(tokenizer),
         })
     }
@@ -238,15 +247,24 @@ impl AppState {
             .unwrap_or_default()
     }
 
-    /// The reasoning parser for a chat or Responses request with `gen`: the flag's, except for
-    /// a request with structured outputs (its constraint applies from the first token, so the
-    /// output is all content; vLLM can let the model reason first with some backends). When
-    /// the tokenizer marks a think tag as special, `gen` keeps special tokens in the text, so
-    /// the parser sees the tags (vLLM finds them by token id).
-    pub(crate) fn reasoning_parser(&self, gen: &mut GenParams) -> Option<ReasoningParser> {
+    /// The reasoning parser for a chat or Responses request with `gen` rendered with
+    /// `template_kwargs`: the flag's. With structured outputs, as vLLM's: the model reasons
+    /// freely and the constraint applies from the token after `</think>`
+    /// ([`GenParams::guide_after`]); where that cannot be (`</think>` is not one token, or
+    /// qwen3 with thinking off) the constraint applies from the first token and the output is
+    /// all content. When the tokenizer marks a think tag as special, `gen` keeps special
+    /// tokens in the text, so the parser sees the tags (vLLM finds them by token id).
+    pub(crate) fn reasoning_parser(
+        &self,
+        gen: &mut GenParams,
+        template_kwargs: &serde_json::Map<String, Value>,
+    ) -> Option<ReasoningParser> {
         let p = self.config.reasoning_parser?;
         if gen.constraint.is_some() {
-            return None;
+            match self.think_end_id {
+                Some(end) if !p.thinking_off(template_kwargs) => gen.guide_after = Some(end),
+                _ => return None,
+            }
         }
         if self.think_tags_special {
             gen.skip_special_tokens = false;
@@ -406,9 +424,14 @@ impl AppState {
                 format!("The structured-output constraint is invalid: {e}"),
             )
         })?;
+        let guide = match gen.guide_after {
+            Some(t) => guide.start_after(t),
+            None => guide,
+        };
         Ok(Some(GuidedRequest {
             constraint: c.clone(),
             guide,
+            after: gen.guide_after,
         }))
     }
 
@@ -1625,7 +1648,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         // which the output must keep for the parser to see it.
         gen.skip_special_tokens = false;
     }
-    let reasoning = st.reasoning_parser(&mut gen);
+    let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let gen = &gen;
     let text = st.render_chat(&req)?;
     let ids = st

@@ -243,6 +243,9 @@ pub struct GenParams {
     /// the field it came from for errors; compiled by the server against the model's
     /// vocabulary.
     pub constraint: Option<(Constraint, &'static str)>,
+    /// The constraint applies only after this token is sampled: the id of `</think>` when a
+    /// reasoning parser lets the model reason first (set by the server, never by a request).
+    pub guide_after: Option<u32>,
 }
 
 /// Reads the request's structured-output constraint: OpenAI's `response_format`
@@ -927,6 +930,7 @@ pub fn parse_gen(
             .unwrap_or(false),
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
         constraint,
+        guide_after: None,
     })
 }
 

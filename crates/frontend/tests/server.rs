@@ -5112,6 +5112,81 @@ async fn chat_template_kwargs_reach_the_template_and_bad_ones_are_400s() {
 /// `<think>` and `</think>` as special tokens (not so in Qwen3 or DeepSeek-R1, but possible in
 /// other models): detokenizing with `skip_special_tokens` would drop them, so with a reasoning
 /// parser the output keeps them and the split works.
+/// With a reasoning parser and `</think>` one token, a structured-output request lets the
+/// model reason first: the engine gets the guide dormant until `</think>` (vLLM's behaviour)
+/// and the output is split; qwen3 with thinking off constrains from the first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::EngineEvent;
+    use baton_scheduler::FinishReason;
+    use std::sync::{Arc, Mutex};
+    let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
+    let (open, close) = (
+        tok.piece_to_id("<think>").unwrap(),
+        tok.piece_to_id("</think>").unwrap(),
+    );
+    let mut ids = vec![open];
+    ids.extend(tok.encode("Hmm", false).unwrap());
+    ids.push(close);
+    ids.extend(tok.encode("Yes", false).unwrap());
+    // Per engine request: (the guide's `after`, whether the guide is active).
+    type Seen = Vec<(Option<u32>, bool)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let record = seen.clone();
+    let (addr, task) = common::start_scripted_with_tokenizer(
+        move |req| {
+            let g = req.guided.as_ref().expect("a guided request");
+            record.lock().unwrap().push((g.after, g.guide.is_active()));
+            let mut ev: Vec<EngineEvent> = ids
+                .iter()
+                .map(|&token| EngineEvent::Token {
+                    token,
+                    cached_tokens: 0,
+                    logprob: 0.0,
+                    top: vec![],
+                    first: None,
+                })
+                .collect();
+            ev.push(EngineEvent::Finished {
+                reason: FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: ids.len(),
+                cached_tokens: 0,
+            });
+            ev
+        },
+        Some(TOOLS_TEMPLATE.into()),
+        None,
+        Some(ReasoningParser::Qwen3),
+        tok,
+    )
+    .await;
+    let body = json!({"messages": [{"role": "user", "content": "?"}],
+                      "structured_outputs": {"regex": "[A-Za-z]+"}});
+    let (msg, _) = chat_both_ways(addr, &body).await.remove(0);
+    assert_eq!(msg["reasoning"].as_str().unwrap().trim(), "Hmm", "{msg}");
+    assert_eq!(msg["content"].as_str().unwrap().trim(), "Yes", "{msg}");
+    // Streamed and not: the engine got a dormant guide waiting for `</think>`.
+    let got = seen.lock().unwrap().clone();
+    assert!(
+        !got.is_empty() && got.iter().all(|&g| g == (Some(close), false)),
+        "{got:?}"
+    );
+    // Thinking off: the constraint holds from the first token, nothing is split.
+    seen.lock().unwrap().clear();
+    let mut body = body;
+    body["chat_template_kwargs"] = json!({"enable_thinking": false});
+    let (msg, _) = chat_both_ways(addr, &body).await.remove(0);
+    assert!(msg.get("reasoning").is_none_or(Value::is_null), "{msg}");
+    let got = seen.lock().unwrap().clone();
+    assert!(
+        !got.is_empty() && got.iter().all(|&g| g == (None, true)),
+        "{got:?}"
+    );
+    task.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     use baton_frontend::reasoning::ReasoningParser;

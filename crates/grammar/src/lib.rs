@@ -303,6 +303,7 @@ impl Vocabulary {
             m,
             vocab_size: self.vocab_size,
             eos_ids: self.eos_ids.clone(),
+            after: None,
         })
     }
 }
@@ -312,6 +313,8 @@ pub struct Guide {
     m: Matcher,
     vocab_size: usize,
     eos_ids: Arc<[u32]>,
+    /// Dormant until this token is sampled ([`Guide::start_after`]).
+    after: Option<u32>,
 }
 
 impl Clone for Guide {
@@ -321,6 +324,7 @@ impl Clone for Guide {
             m: self.m.deep_clone(),
             vocab_size: self.vocab_size,
             eos_ids: self.eos_ids.clone(),
+            after: self.after,
         }
     }
 }
@@ -329,11 +333,26 @@ impl std::fmt::Debug for Guide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Guide")
             .field("stopped", &self.m.is_stopped())
+            .field("after", &self.after)
             .finish()
     }
 }
 
 impl Guide {
+    /// The same guide, dormant until `token` has been sampled: the constraint then applies
+    /// from the next token on (vLLM's structured outputs with a reasoning parser: the model
+    /// thinks freely, and the answer after `</think>` is constrained). While dormant,
+    /// [`Guide::fill_mask`] allows every token and [`Guide::consume`] only watches for `token`.
+    pub fn start_after(mut self, token: u32) -> Self {
+        self.after = Some(token);
+        self
+    }
+
+    /// False while dormant ([`Guide::start_after`]): the row samples unconstrained.
+    pub fn is_active(&self) -> bool {
+        self.after.is_none()
+    }
+
     /// Writes the mask of tokens allowed next into `out` ([`mask_words`]`(vocab_size)` words,
     /// bit `t % 32` of word `t / 32` set for an allowed token `t`). Once the constraint is
     /// complete only the EOS ids are allowed.
@@ -341,6 +360,15 @@ impl Guide {
     /// # Errors
     /// [`GrammarError::Matcher`] when the parser failed (an earlier error, or a limit reached).
     pub fn fill_mask(&mut self, out: &mut [u32]) -> Result<(), GrammarError> {
+        if !self.is_active() {
+            let n = self.vocab_size.min(out.len() * 32);
+            out.fill(0);
+            out[..n / 32].fill(u32::MAX);
+            if !n.is_multiple_of(32) {
+                out[n / 32] = (1u32 << (n % 32)) - 1;
+            }
+            return Ok(());
+        }
         let v = self
             .m
             .compute_mask_or_eos()
@@ -363,6 +391,12 @@ impl Guide {
     /// # Errors
     /// [`GrammarError::Matcher`] for a token the last mask did not allow.
     pub fn consume(&mut self, token: u32) -> Result<(), GrammarError> {
+        if let Some(after) = self.after {
+            if token == after {
+                self.after = None;
+            }
+            return Ok(());
+        }
         if self.m.is_stopped() && self.eos_ids.contains(&token) && self.m.get_error().is_none() {
             return Ok(());
         }
@@ -374,7 +408,7 @@ impl Guide {
     /// True once the constraint is complete and nothing can follow but EOS, or the guide
     /// failed.
     pub fn is_finished(&self) -> bool {
-        self.m.is_stopped()
+        self.is_active() && self.m.is_stopped()
     }
 }
 
@@ -400,6 +434,41 @@ mod tests {
         (0..words as u32)
             .filter(|&t| m[t as usize / 32] >> (t % 32) & 1 == 1)
             .collect()
+    }
+
+    #[test]
+    fn a_guide_started_after_a_token_is_free_until_that_token_then_constrains() {
+        let (v, words) = vocab();
+        let n = v.vocab_size();
+        let id = |w: &str| words.iter().position(|x| x == w.as_bytes()).unwrap() as u32;
+        let end = id("maybe"); // stands for `</think>`
+        let mut g = v
+            .compile(&Constraint::Choice(vec!["yes".into()]))
+            .unwrap()
+            .start_after(end);
+        assert!(!g.is_active() && !g.is_finished());
+        // Dormant: every token of the model (padding included), any token consumed.
+        assert_eq!(allowed(&mut g, n), (0..n as u32).collect::<Vec<_>>());
+        for t in [id("no"), u32::from(b'x'), id("true")] {
+            g.consume(t).unwrap();
+        }
+        assert!(!g.is_active());
+        g.consume(end).unwrap();
+        assert!(g.is_active());
+        // Now the constraint, from its start: "no" is refused.
+        let first = allowed(&mut g, n);
+        assert!(first.contains(&id("yes")) && !first.contains(&id("no")));
+        assert!(g.consume(id("no")).is_err());
+        // A clone keeps the state.
+        let mut g = v
+            .compile(&Constraint::Choice(vec!["yes".into()]))
+            .unwrap()
+            .start_after(end);
+        let c = g.clone();
+        assert!(!c.is_active());
+        g.consume(end).unwrap();
+        g.consume(id("yes")).unwrap();
+        assert_eq!(allowed(&mut g, n), vec![words.len() as u32 - 1]);
     }
 
     #[test]

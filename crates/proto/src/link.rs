@@ -62,6 +62,9 @@ pub struct Admission<'a> {
     /// The structured-output constraint's wire form (`baton_grammar::Constraint::to_wire`);
     /// empty: unconstrained.
     pub constraint: &'a [u8],
+    /// The constraint applies only after this token is sampled (the end of the reasoning,
+    /// `baton_grammar::Guide::start_after`); `None`: from the first token.
+    pub guide_after: Option<u32>,
 }
 
 /// Scheduler statistics read from the segment.
@@ -228,6 +231,10 @@ impl LinkSender {
         } else {
             0
         };
+        if let Some(t) = a.guide_after {
+            head.flags |= wire::FLAG_GUIDE_AFTER;
+            head.guide_after = t;
+        }
         head.params = a.params;
         head.params.logit_bias_len = a.logit_bias.len() as u32;
         head.min_tokens = a.min_tokens;

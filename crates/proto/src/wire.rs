@@ -54,6 +54,9 @@ pub fn unpack_bytes(words: &[u32], len: usize) -> Vec<u8> {
 
 /// Admission flag: ignore the model's EOS ids.
 pub const FLAG_IGNORE_EOS: u32 = 1;
+/// [`ToScheduler::flags`]: the structured-output constraint applies after
+/// [`ToScheduler::guide_after`] is sampled (the end of the reasoning).
+pub const FLAG_GUIDE_AFTER: u32 = 2;
 
 /// A frontend-to-scheduler slot (admission and cancels).
 #[repr(C)]
@@ -69,15 +72,16 @@ pub struct ToScheduler {
     pub prompt_len: u32,
     /// `ADMIT`: most new tokens.
     pub max_tokens: u32,
-    /// `ADMIT`: [`FLAG_IGNORE_EOS`].
+    /// `ADMIT`: [`FLAG_IGNORE_EOS`], [`FLAG_GUIDE_AFTER`].
     pub flags: u32,
     /// `ADMIT`: vLLM's `min_tokens` (stop ids cannot end the request before this many outputs).
     pub min_tokens: u32,
     /// `ADMIT`: bytes of the structured-output constraint (`baton_grammar::Constraint`'s wire
     /// form) at the end of the admission's words; 0: unconstrained.
     pub constraint_len: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// `ADMIT` with [`FLAG_GUIDE_AFTER`]: the constraint applies after this token is
+    /// sampled (`baton_grammar::Guide::start_after`); else zero.
+    pub guide_after: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.

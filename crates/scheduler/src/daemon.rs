@@ -502,6 +502,10 @@ impl SchedulerDaemon {
             }
         };
         let guide = match guide {
+            // The end of the reasoning, when the frontend's reasoning parser asked for it.
+            Ok(g) if p.head.flags & wire::FLAG_GUIDE_AFTER != 0 => {
+                g.map(|g| g.start_after(p.head.guide_after))
+            }
             Ok(g) => g,
             Err(e) => {
                 tracing::debug!(

@@ -711,7 +711,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             // The stop-id mask follows the bias in the slot's logit-bias row.
             params.logit_bias_len = r.logit_bias.len() as u32;
         }
-        if let (true, Some(g)) = (sample, &r.guide) {
+        // A dormant guide (structured output after the reasoning, `Guide::start_after`)
+        // constrains nothing yet; the row still waits for its earlier samples above, so the
+        // token that wakes the guide is accepted before the next row is planned.
+        if let (true, Some(g)) = (sample, r.guide.as_ref().filter(|g| g.guide.is_active())) {
             // No launch still reads this slot's mask row: the previous guided row of the
             // request completed before this one could be planned.
             self.tables.set_token_mask(slot.slot, &g.mask);
@@ -1048,7 +1051,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 let guide_failed = match &mut r.guide {
                     Some(g) if !stop && !length => {
                         let e = g.guide.consume(s.token).err();
-                        if e.is_none() {
+                        // A dormant guide needs no mask (its rows are unconstrained).
+                        if e.is_none() && g.guide.is_active() {
                             self.guided_fill.push(m.req);
                         }
                         e

@@ -192,7 +192,9 @@ where
     fn limits(&self) -> EngineLimits {
         EngineLimits {
             max_model_len: 512,
-            vocab_size: 512,
+            // The test model's 512 tokens, padded as models pad theirs, so that a tokenizer
+            // with added tokens (`tokenizer_with_specials`) still fits.
+            vocab_size: 544,
             max_num_seqs: 1,
         }
     }
