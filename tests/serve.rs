@@ -314,7 +314,21 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
         "children outlived baton serve by more than 2 s"
     );
     assert!(t.elapsed() <= Duration::from_secs(2));
-    // The next start removes the dead instance's segment and stops cleanly.
+    // The scheduler got SIGTERM (its parent-death signal) and removed its segment.
+    let shm_left = || {
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(&inst))
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        wait_for(Duration::from_secs(2), || shm_left().is_empty()),
+        "a SIGKILLed serve left {:?}",
+        shm_left()
+    );
+    // The next start works and stops cleanly.
     let (mut serve3, addr) = serve(&inst, 18304);
     assert_eq!(health(&addr), 200);
     serve3.signal(Signal::SIGTERM);

@@ -91,6 +91,17 @@ fn spawn(k: &Kid, capture_stdout: bool) -> Result<Child> {
     spawn_with(&k.args, &k.env, capture_stdout, false)
 }
 
+/// The signal a child gets when `baton serve` dies (`PR_SET_PDEATHSIG`): SIGTERM for the
+/// scheduler, which then removes its shared-memory segment before exiting (a SIGKILL would
+/// leave it in /dev/shm until the instance's next start), SIGKILL for the others.
+fn death_signal(args: &[String]) -> libc::c_int {
+    if args.first().map(String::as_str) == Some("scheduler") {
+        libc::SIGTERM
+    } else {
+        libc::SIGKILL
+    }
+}
+
 fn spawn_with(
     args: &[String],
     env: &[(&'static str, String)],
@@ -109,11 +120,12 @@ fn spawn_with(
     if capture_stderr {
         c.stderr(Stdio::piped());
     }
+    let sig = death_signal(args);
     // SAFETY: the closure runs in the forked child before exec and only calls prctl, getppid
     // and setpgid, which are async-signal-safe; it touches no memory shared with the parent.
     unsafe {
-        c.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+        c.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, sig) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             // A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground

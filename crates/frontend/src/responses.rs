@@ -79,7 +79,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         &limits,
         ids.len(),
         req.gen.max_tokens,
-        None,
+        req.gen.default_max_tokens,
         "input",
         req.gen.max_tokens_param,
     )?;

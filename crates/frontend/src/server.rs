@@ -1351,7 +1351,13 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             &limits,
             ids.len(),
             gen.max_tokens,
-            Some(validate::COMPLETIONS_DEFAULT_MAX_TOKENS),
+            // OpenAI's 16 for the legacy API, or less by the generation config's default.
+            Some(
+                gen.default_max_tokens
+                    .map_or(validate::COMPLETIONS_DEFAULT_MAX_TOKENS, |d| {
+                        d.min(validate::COMPLETIONS_DEFAULT_MAX_TOKENS)
+                    }),
+            ),
             "prompt",
             gen.max_tokens_param,
         )?;
@@ -1663,7 +1669,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         &limits,
         ids.len(),
         gen.max_tokens,
-        None,
+        gen.default_max_tokens,
         "messages",
         gen.max_tokens_param,
     )?;

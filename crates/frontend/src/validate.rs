@@ -182,6 +182,10 @@ pub struct GenParams {
     pub max_tokens: Option<u32>,
     /// The field `max_tokens` came from (`max_tokens` or `max_completion_tokens`), for errors.
     pub max_tokens_param: &'static str,
+    /// The generation config's `max_new_tokens` ([`SamplingDefaults::max_tokens`]): when the
+    /// request leaves `max_tokens` out, the output stops there or at the end of the context,
+    /// whichever comes first (vLLM's `get_max_tokens`).
+    pub default_max_tokens: Option<u32>,
     /// Softmax temperature (0: greedy).
     pub temperature: f32,
     /// Nucleus mass in (0, 1].
@@ -672,7 +676,7 @@ pub fn parse_gen(
         // 0 only on /v1/completions, where `parse_completion` requires `echo` with it.
         let least = i64::from(chat);
         match v {
-            None => (name, defaults.max_tokens),
+            None => (name, None),
             Some(v) if v < least => {
                 let with_echo = if chat { "" } else { " (or 0 with 'echo')" };
                 return Err(ApiError::field(
@@ -894,6 +898,7 @@ pub fn parse_gen(
     Ok(GenParams {
         max_tokens,
         max_tokens_param,
+        default_max_tokens: defaults.max_tokens,
         temperature: temperature as f32,
         top_p: top_p as f32,
         top_k: top_k as i32,
@@ -2149,9 +2154,19 @@ mod tests {
                 g.top_k,
                 g.min_p,
                 g.repetition_penalty,
-                g.max_tokens
             ),
-            (0.6, 0.95, 20, 0.05, 1.1, Some(9))
+            (0.6, 0.95, 20, 0.05, 1.1)
+        );
+        // max_new_tokens caps the output where the request sets no max_tokens ...
+        assert_eq!((g.max_tokens, g.default_max_tokens), (None, Some(9)));
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 10, g.max_tokens, g.default_max_tokens, "p", "m"),
+            Ok(9)
+        );
+        // ... and never makes a request too long: at most the rest of the context.
+        assert_eq!(
+            resolve_max_tokens(&LIMITS, 510, None, Some(9), "p", "m"),
+            Ok(2)
         );
         let g = parse(
             r#"{"prompt":"a","temperature":1,"top_p":1,"top_k":0,"min_p":0,

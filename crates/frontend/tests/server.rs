@@ -1030,6 +1030,15 @@ async fn generation_config_defaults_fill_only_what_a_request_leaves_out() {
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["usage"]["completion_tokens"], 7);
+    // And the Responses API (max_output_tokens left out).
+    let r = post(
+        srv.addr,
+        "/v1/responses",
+        &json!({"input": "hi", "max_output_tokens": null}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["output_tokens"], 7, "{}", r.body);
     // Set: the request's own values, including top_k 0 (off), win over the defaults.
     let sampled = json!({"prompt": prompt, "max_tokens": 24, "temperature": 1.2, "top_k": 0,
                          "seed": 11});
@@ -1045,6 +1054,19 @@ async fn generation_config_defaults_fill_only_what_a_request_leaves_out() {
         text_of(&completion(srv.addr, no_k).await, 0),
         text_of(&completion(plain.addr, with_k).await, 0)
     );
+    // A max_tokens default never makes a request too long for the context: the output
+    // stops at its end instead (a 5-token prompt in 8 positions: 3 tokens, not a 400).
+    let short = start(Opts {
+        sampling_defaults: baton_frontend::validate::SamplingDefaults {
+            max_tokens: Some(7),
+            ..Default::default()
+        },
+        max_model_len: Some(8),
+        ..Opts::default()
+    })
+    .await;
+    let got = completion(short.addr, json!({"prompt": prompt, "ignore_eos": true})).await;
+    assert_eq!(got["usage"]["completion_tokens"], 3, "{got}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

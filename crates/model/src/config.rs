@@ -428,6 +428,9 @@ impl ModelConfig {
             ));
         }
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+        if !(rms_norm_eps >= 0.0 && rms_norm_eps.is_finite()) {
+            return Err(f.invalid("rms_norm_eps", format!("{rms_norm_eps} must be >= 0")));
+        }
 
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
@@ -459,11 +462,16 @@ impl ModelConfig {
                 ));
             }
             if let Some(types) = f.get("layer_types") {
-                let sliding = types
+                let types = types
                     .as_array()
-                    .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?
-                    .iter()
-                    .any(|t| t.as_str() != Some("full_attention"));
+                    .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?;
+                if types.len() != num_hidden_layers {
+                    return Err(f.invalid(
+                        "layer_types",
+                        format!("{} entries for {num_hidden_layers} layers", types.len()),
+                    ));
+                }
+                let sliding = types.iter().any(|t| t.as_str() != Some("full_attention"));
                 if sliding {
                     return Err(f.invalid(
                         "layer_types",
@@ -1070,6 +1078,12 @@ mod tests {
                 "layer_types",
             ),
             (QWEN3, r#", "layer_types": "full_attention""#, "layer_types"),
+            (
+                QWEN3,
+                r#", "layer_types": ["full_attention"]"#,
+                "layer_types",
+            ),
+            (QWEN3, r#", "rms_norm_eps": -1.0"#, "rms_norm_eps"),
             (QWEN3, r#", "attention_bias": true"#, "attention_bias"),
             (QWEN2, r#", "hidden_act": "gelu""#, "hidden_act"),
         ] {
@@ -1080,8 +1094,10 @@ mod tests {
                 "{extra}: {e}"
             );
         }
+        let full = vec!["full_attention"; 28];
         let ok = ModelConfig::from_json_str(&format!(
-            r#"{QWEN3}, "layer_types": ["full_attention", "full_attention"]}}"#
+            r#"{QWEN3}, "layer_types": {}}}"#,
+            serde_json::json!(full)
         ));
         assert!(ok.is_ok(), "{ok:?}");
         let e = ModelConfig::from_json_str(&format!(

@@ -51,7 +51,7 @@ pub enum ModelError {
     },
     /// `architectures` names no supported architecture.
     #[error(
-        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM"
+        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )]
     UnsupportedArchitecture {
         /// File path.
@@ -59,8 +59,8 @@ pub enum ModelError {
         /// The `architectures` list as found.
         found: Vec<String>,
     },
-    /// `model_type` is not `llama` or `mistral`.
-    #[error("{file}: unsupported `model_type` {found:?}; supported: llama, mistral")]
+    /// `model_type` is not `llama`, `mistral`, `qwen2` or `qwen3`.
+    #[error("{file}: unsupported `model_type` {found:?}; supported: llama, mistral, qwen2, qwen3")]
     UnsupportedModelType {
         /// File path.
         file: String,

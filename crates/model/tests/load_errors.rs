@@ -144,10 +144,13 @@ fn unsupported_rope_scaling_type_is_named() {
     edit_config(&d, |c| {
         c.insert(
             "rope_scaling".into(),
-            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            serde_json::json!({"rope_type": "longrope", "factor": 4.0}),
         );
     });
-    assert_mentions(&err(&d), &["config.json", "rope_scaling.rope_type", "yarn"]);
+    assert_mentions(
+        &err(&d),
+        &["config.json", "rope_scaling.rope_type", "longrope"],
+    );
 }
 
 #[test]
