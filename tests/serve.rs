@@ -372,6 +372,19 @@ fn serve_with_dummy_weights_needs_no_safetensors() {
         assert_eq!(health(&addr), 200, "{name}");
         let (_, done) = stream_completion(&addr, 8);
         assert!(done, "{name}: a request on dummy weights did not complete");
+        // vLLM serves under the `--model` string, so its clients send that: accepted too;
+        // another name is a 404.
+        for (model, want) in [(dir.display().to_string(), 200), ("nope".into(), 404)] {
+            let body = serde_json::json!({"model": model, "prompt": "a", "max_tokens": 1});
+            let mut s = TcpStream::connect(&addr).unwrap();
+            write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.to_string().len()).unwrap();
+            let mut resp = String::new();
+            let _ = s.read_to_string(&mut resp);
+            assert!(
+                resp.starts_with(&format!("HTTP/1.1 {want}")),
+                "{name} {model}: {resp}"
+            );
+        }
         serve.signal(Signal::SIGTERM);
         assert!(
             serve.wait_timeout(Duration::from_secs(20)).is_some(),

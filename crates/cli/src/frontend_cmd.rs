@@ -395,6 +395,12 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| default_model_name(&a.model)),
+        // As vLLM, which serves under the `--model` string: requests may name the model by it.
+        model_aliases: if a.http.served_model_name.is_none() {
+            vec![a.model.display().to_string()]
+        } else {
+            Vec::new()
+        },
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: a.http.cors(),

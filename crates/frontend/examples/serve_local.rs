@@ -53,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
         port,
         api_key: std::env::var("BATON_API_KEY").ok(),
         served_model_name: name,
+        model_aliases: Vec::new(),
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: baton_frontend::CorsConfig::default(),

@@ -50,6 +50,10 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// The model name clients use (`model` field, `/v1/models`).
     pub served_model_name: String,
+    /// Other names a request's `model` may give (without `--served-model-name`, the
+    /// `--model` argument as typed: vLLM serves under that string, so its clients send it);
+    /// `/v1/models` and responses use `served_model_name`.
+    pub model_aliases: Vec<String>,
     /// A chat template (the template text; see [`crate::chat::load_template_arg`] for paths)
     /// that overrides the tokenizer's.
     pub chat_template: Option<String>,
@@ -233,10 +237,15 @@ impl AppState {
 
     pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.config.served_model_name => Err(ApiError::not_found(
-                Some("model"),
-                format!("The model `{m}` does not exist."),
-            )),
+            Some(m)
+                if m != self.config.served_model_name
+                    && !self.config.model_aliases.iter().any(|a| a == m) =>
+            {
+                Err(ApiError::not_found(
+                    Some("model"),
+                    format!("The model `{m}` does not exist."),
+                ))
+            }
             _ => Ok(()),
         }
     }

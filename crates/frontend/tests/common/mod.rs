@@ -138,6 +138,7 @@ pub async fn start(opts: Opts) -> TestServer {
         port: 0,
         api_key: opts.api_key,
         served_model_name: MODEL.into(),
+        model_aliases: Vec::new(),
         chat_template: opts.chat_template,
         header_read_timeout: opts
             .header_read_timeout
@@ -275,6 +276,7 @@ where
         port: 0,
         api_key: None,
         served_model_name: MODEL.into(),
+        model_aliases: Vec::new(),
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
         cors: baton_frontend::CorsConfig::default(),
