@@ -26,6 +26,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             cache_salt: 0,
             constraint: vec![],
             guide_after: None,
+            priority: 0,
         })
         .collect()
 }
@@ -302,6 +303,7 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
         max_model_len: 512,
         max_inflight: 2,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     };
     let (model, _) = baton_model::load_model_dir(model_dir())
         .expect("test model loads")
@@ -311,6 +313,7 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
     for r in reqs {
         engine
             .add_request(baton_scheduler::NewRequest {
+                priority: r.priority,
                 id: r.id,
                 prompt: r.prompt.clone(),
                 max_tokens: r.max_tokens,
@@ -444,6 +447,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         cache_salt: 0,
         constraint: vec![],
         guide_after: None,
+        priority: 0,
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.
@@ -827,4 +831,82 @@ fn a_hung_worker_is_killed_by_the_watchdog_and_its_requests_finish_on_the_next()
         "pool not back to full: {:?}",
         link.stats()
     );
+}
+
+/// `--scheduling-policy priority` across processes: the priority travels in the admission, the
+/// plane says the policy to every frontend, and with one slot the waiting requests start by
+/// priority, not by arrival. Under the default policy the scheduler refuses a non-zero
+/// priority with an admission error (the frontend refuses it first with a 400).
+#[test]
+fn waiting_requests_start_by_priority_across_processes_and_fcfs_refuses_a_priority() {
+    let inst = instance("priority");
+    let _s = scheduler(
+        &inst,
+        &[
+            "--num-blocks",
+            "64",
+            "--max-num-seqs",
+            "1",
+            "--scheduling-policy",
+            "priority",
+        ],
+    );
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    assert!(link.limits().priority_scheduling);
+    let g = goldens();
+    let req = |id: u64, max_tokens: u32, priority: i32| {
+        let mut r = greedy_reqs(&[g[0].0.clone()], max_tokens).remove(0);
+        r.id = id;
+        r.priority = priority;
+        r
+    };
+    // Request 1 takes the only slot; 2 to 5 arrive while it runs.
+    submit(&mut link, &req(1, 200, 0));
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        assert!(std::time::Instant::now() < deadline, "no first token");
+        if link
+            .poll(Duration::from_millis(50))
+            .is_some_and(|m| m.kind == baton_proto::wire::to_frontend::TOKEN)
+        {
+            break;
+        }
+    }
+    for (id, p) in [(2, 5), (3, -1), (4, 5), (5, -1)] {
+        submit(&mut link, &req(id, 4, p));
+    }
+    let mut first_tokens = Vec::new();
+    let mut finished = 0;
+    while finished < 5 {
+        assert!(std::time::Instant::now() < deadline, "timed out");
+        let Some(m) = link.poll(Duration::from_millis(50)) else {
+            continue;
+        };
+        match m.kind {
+            baton_proto::wire::to_frontend::TOKEN => {
+                if !first_tokens.contains(&m.req) {
+                    first_tokens.push(m.req);
+                }
+            }
+            baton_proto::wire::to_frontend::FINISHED => finished += 1,
+            k => panic!("request {} ended with kind {k} ({})", m.req, m.reason),
+        }
+    }
+    assert_eq!(
+        first_tokens,
+        vec![1, 3, 5, 2, 4],
+        "after request 1, by priority"
+    );
+    drop(link);
+
+    let inst = instance("fcfs");
+    let _s = scheduler(&inst, &["--num-blocks", "64"]);
+    let _w = worker(&inst);
+    let mut link = connect(&inst);
+    assert!(!link.limits().priority_scheduling);
+    let outs = run(&mut link, &[req(1, 4, 3), req(2, 4, 0)], T);
+    assert_eq!(outs[&1].error, Some(baton_proto::wire::error::INVALID));
+    assert!(outs[&1].tokens.is_empty());
+    assert_eq!(outs[&2].tokens, g[0].1[..4]);
 }

@@ -164,6 +164,8 @@ pub struct Req {
     pub constraint: Vec<u8>,
     /// The constraint applies after this token is sampled (the end of the reasoning).
     pub guide_after: Option<u32>,
+    /// vLLM's `priority` (0 unless the scheduler runs `--scheduling-policy priority`).
+    pub priority: i32,
 }
 
 /// What came back for one request.
@@ -203,6 +205,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             cache_salt: r.cache_salt,
             constraint: &r.constraint,
             guide_after: r.guide_after,
+            priority: r.priority,
         },
         Duration::from_secs(5),
     )

@@ -1,7 +1,7 @@
 //! Flags shared by the commands that build an engine (vLLM's names where they exist).
 
 use baton_model::{ModelConfig, PagedKvCache};
-use baton_scheduler::SchedulerConfig;
+use baton_scheduler::{SchedulerConfig, SchedulingPolicy};
 use clap::Args;
 
 /// Scheduler and KV-cache flags.
@@ -43,6 +43,11 @@ pub struct EngineArgs {
     /// Turn prefix caching off: every request computes its whole prompt.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// The order requests start in and are preempted in (vLLM's `--scheduling-policy`):
+    /// `fcfs`, first come first served; `priority`, by each request's `priority` field (lower
+    /// first), then arrival. Under `fcfs` a request's `priority` must be 0.
+    #[arg(long, default_value = "fcfs", value_parser = parse_policy)]
+    pub scheduling_policy: SchedulingPolicy,
     /// Write the scheduler's lifecycle trace (JSON lines) to this file.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -128,8 +133,14 @@ impl EngineArgs {
                 1
             },
             enable_prefix_caching: self.enable_prefix_caching && !self.no_enable_prefix_caching,
+            policy: self.scheduling_policy,
         })
     }
+}
+
+/// Parses `--scheduling-policy`.
+fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
+    s.parse()
 }
 
 /// The thread count for a `--cpu-threads` flag: the flag, or with 0 one thread per CPU this

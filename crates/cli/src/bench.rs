@@ -62,11 +62,13 @@ fn config(n: usize, steps: usize, inflight: usize) -> SchedulerConfig {
         max_inflight: inflight,
         // Every request has the same prompt: measure the scheduler, not cache hits.
         enable_prefix_caching: false,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     }
 }
 
 fn request(id: u64, max_tokens: u32) -> NewRequest {
     NewRequest {
+        priority: 0,
         id,
         prompt: (0..16).map(|i| 3 + i as u32).collect(),
         max_tokens,
@@ -182,6 +184,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             cache_salt: 0,
             constraint: &[],
             guide_after: None,
+            priority: 0,
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

@@ -177,6 +177,7 @@ pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
         max_model_len: cfg.max_position_embeddings,
         max_inflight: 2,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     };
     let sizes = CudaSizes {
         block_size: 16,
@@ -230,6 +231,7 @@ fn run_greedy<B: Backend>(
     for (i, p) in prompts.iter().enumerate() {
         engine
             .add_request(NewRequest {
+                priority: 0,
                 id: i as u64,
                 prompt: p.clone(),
                 max_tokens: max_tokens as u32,

@@ -345,6 +345,7 @@ pub fn generate<B: baton_worker::Backend>(
         params.seed = seed.unwrap_or_else(rand_seed);
         engine
             .add_request(NewRequest {
+                priority: 0,
                 id: i as u64,
                 prompt: ids.clone(),
                 max_tokens,

@@ -208,6 +208,12 @@ fn engine_flags(e: &EngineArgs) -> Vec<String> {
     if e.no_enable_prefix_caching || !e.enable_prefix_caching {
         v.push("--no-enable-prefix-caching".into());
     }
+    if e.scheduling_policy != baton_scheduler::SchedulingPolicy::Fcfs {
+        v.extend([
+            "--scheduling-policy".into(),
+            e.scheduling_policy.name().into(),
+        ]);
+    }
     if let Some(t) = &e.trace {
         v.extend(["--trace".into(), t.display().to_string()]);
     }
@@ -544,5 +550,34 @@ mod tests {
         let f = flags(&["--launch-timeout", "7.5"]);
         let i = f.iter().position(|x| x == "--launch-timeout").unwrap();
         assert_eq!(f[i + 1], "7.5");
+    }
+
+    #[test]
+    fn the_scheduler_child_gets_the_scheduling_policy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            e: EngineArgs,
+        }
+        let parse = |args: &[&str]| {
+            P::try_parse_from(std::iter::once("x").chain(args.iter().copied())).map(|p| p.e)
+        };
+        let e = parse(&["--scheduling-policy", "priority"]).unwrap();
+        let f = engine_flags(&e);
+        let i = f.iter().position(|x| x == "--scheduling-policy").unwrap();
+        assert_eq!(f[i + 1], "priority");
+        // The child parses what it is given back to the same policy.
+        let back: Vec<&str> = f.iter().map(String::as_str).collect();
+        assert_eq!(parse(&back).unwrap().scheduling_policy, e.scheduling_policy);
+        assert_eq!(
+            parse(&[]).unwrap().scheduling_policy,
+            baton_scheduler::SchedulingPolicy::Fcfs
+        );
+        let err = parse(&["--scheduling-policy", "lifo"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("fcfs or priority"), "{err}");
     }
 }

@@ -68,6 +68,7 @@ pub fn config(block_size: usize, num_blocks: usize, max_inflight: usize) -> Sche
         max_model_len: 512,
         max_inflight,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     }
 }
 
@@ -94,6 +95,7 @@ pub fn seeded(seed: u64) -> SamplingParams {
 /// A request.
 pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParams) -> NewRequest {
     NewRequest {
+        priority: 0,
         id,
         prompt,
         max_tokens,

@@ -35,6 +35,7 @@ async fn main() -> anyhow::Result<()> {
         max_model_len,
         max_inflight: 2,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let tokenizer = tokenizer.ok_or_else(|| anyhow::anyhow!("{dir} has no tokenizer.json"))?;
@@ -53,6 +54,7 @@ async fn main() -> anyhow::Result<()> {
         port,
         api_key: std::env::var("BATON_API_KEY").ok(),
         served_model_name: name,
+        more_served_model_names: Vec::new(),
         model_aliases: Vec::new(),
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,

@@ -59,6 +59,9 @@ pub struct EngineRequest {
     pub cache_salt: u64,
     /// Structured output, or `None` (see `baton_scheduler::NewRequest::guide`).
     pub guided: Option<GuidedRequest>,
+    /// vLLM's `priority` (see `baton_scheduler::NewRequest::priority`); must be 0 unless
+    /// [`EngineLimits::priority_scheduling`].
+    pub priority: i32,
 }
 
 /// What the engine reports about one request.
@@ -120,6 +123,9 @@ pub struct EngineLimits {
     pub vocab_size: usize,
     /// Most requests running at once.
     pub max_num_seqs: usize,
+    /// The scheduler orders requests by `priority` (vLLM's `--scheduling-policy priority`);
+    /// false: a request's `priority` must be 0.
+    pub priority_scheduling: bool,
 }
 
 /// Load figures for `/metrics`.

@@ -148,6 +148,7 @@ impl EngineClient for LocalEngineClient {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let new = NewRequest {
+            priority: req.priority,
             id,
             prompt: req.prompt,
             max_tokens: req.max_tokens,
@@ -179,6 +180,7 @@ impl EngineClient for LocalEngineClient {
             max_model_len: self.cfg.max_model_len,
             vocab_size: self.vocab_size,
             max_num_seqs: self.cfg.max_num_seqs,
+            priority_scheduling: self.cfg.policy == baton_scheduler::SchedulingPolicy::Priority,
         }
     }
 

@@ -279,6 +279,11 @@ impl EngineClient for RingEngineClient {
             max_inflight: l.max_inflight,
             // Admission checks do not depend on it.
             enable_prefix_caching: false,
+            policy: if l.priority_scheduling {
+                baton_scheduler::SchedulingPolicy::Priority
+            } else {
+                baton_scheduler::SchedulingPolicy::Fcfs
+            },
         };
         let mut stop_ids = req.stop_token_ids.clone();
         if !req.ignore_eos {
@@ -290,6 +295,7 @@ impl EngineClient for RingEngineClient {
             );
         }
         let probe = baton_scheduler::NewRequest {
+            priority: req.priority,
             id: 0,
             prompt: req.prompt.clone(),
             max_tokens: req.max_tokens,
@@ -328,6 +334,7 @@ impl EngineClient for RingEngineClient {
             cache_salt: req.cache_salt,
             constraint: &constraint,
             guide_after: req.guided.as_ref().and_then(|g| g.after),
+            priority: req.priority,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);
@@ -355,6 +362,7 @@ impl EngineClient for RingEngineClient {
                 l.vocab_size.min(self.vocab_size)
             },
             max_num_seqs: l.max_num_seqs,
+            priority_scheduling: l.priority_scheduling,
         }
     }
 

@@ -488,6 +488,7 @@ impl AppState {
                     min_tokens: gen.min_tokens,
                     cache_salt: gen.cache_salt,
                     guided: guided.clone(),
+                    priority: gen.priority,
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),

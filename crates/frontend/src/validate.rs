@@ -156,6 +156,7 @@ pub fn check_sampling_defaults(d: &SamplingDefaults) -> Result<(), ApiError> {
         max_model_len: usize::MAX,
         vocab_size: usize::MAX,
         max_num_seqs: 1,
+        priority_scheduling: false,
     };
     parse_gen(
         &Fields { obj: d.to_json() },
@@ -211,6 +212,9 @@ pub struct GenParams {
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed to a non-zero u64 (0: none); see [`salt_hash`].
     pub cache_salt: u64,
+    /// vLLM's `priority` (lower runs earlier; default 0), accepted non-zero only when the
+    /// scheduler runs the priority policy ([`EngineLimits::priority_scheduling`]).
+    pub priority: i32,
     /// Seed of the first choice (`seed + j` for choice `j`); random when `None`.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -589,18 +593,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
             "'chat_template_kwargs' is only accepted on /v1/chat/completions by this server.",
         ));
     }
-    if f.get::<bool>("return_token_ids")? == Some(true) {
-        return Err(ApiError::field(
-            "return_token_ids",
-            "'return_token_ids' is not supported by this server.",
-        ));
-    }
-    if f.int("priority")?.is_some_and(|p| p != 0) {
-        return Err(ApiError::field(
-            "priority",
-            "Priority scheduling is not enabled on this server; 'priority' must be 0.",
-        ));
-    }
     if f.raw("chat_template").is_some() {
         return Err(ApiError::field(
             "chat_template",
@@ -909,6 +901,7 @@ pub fn parse_gen(
         logit_bias,
         allowed_only,
         min_tokens,
+        priority: parse_priority(f, limits)?,
         cache_salt: match f.get::<String>("cache_salt")? {
             None => 0,
             Some(s) if s.is_empty() => {
@@ -964,6 +957,33 @@ fn parse_prompt_top(f: &Fields, stream: bool) -> Result<Option<u32>, ApiError> {
         ));
     }
     Ok(Some(k as u32))
+}
+
+/// Reads vLLM's `priority`: an integer that fits in an i32, 0 unless the scheduler runs the
+/// priority policy (vLLM's message for that case).
+///
+/// # Errors
+/// 400 naming `priority`.
+fn parse_priority(f: &Fields, limits: &EngineLimits) -> Result<i32, ApiError> {
+    let Some(p) = f.int("priority")? else {
+        return Ok(0);
+    };
+    let p = i32::try_from(p).map_err(|_| {
+        ApiError::field(
+            "priority",
+            format!("'priority' must be between {} and {}.", i32::MIN, i32::MAX),
+        )
+    })?;
+    if p != 0 && !limits.priority_scheduling {
+        return Err(ApiError::field(
+            "priority",
+            format!(
+                "Got priority {p} but Priority scheduling is not enabled (start the server with \
+                 --scheduling-policy priority)."
+            ),
+        ));
+    }
+    Ok(p)
 }
 
 /// The 64-bit hash of a `cache_salt` the scheduler mixes into prefix-cache keys: the same in
@@ -2133,6 +2153,7 @@ mod tests {
         max_model_len: 512,
         vocab_size: 512,
         max_num_seqs: 8,
+        priority_scheduling: false,
     };
 
     #[test]

@@ -2926,6 +2926,7 @@ async fn health_is_503_once_the_engine_is_gone() {
                 max_model_len: 512,
                 vocab_size: 512,
                 max_num_seqs: 1,
+                priority_scheduling: false,
             }
         }
         fn health(&self) -> Result<(), String> {

@@ -65,6 +65,8 @@ pub struct Admission<'a> {
     /// The constraint applies only after this token is sampled (the end of the reasoning,
     /// `baton_grammar::Guide::start_after`); `None`: from the first token.
     pub guide_after: Option<u32>,
+    /// vLLM's `priority` (see [`crate::wire::ToScheduler::priority`]).
+    pub priority: i32,
 }
 
 /// Scheduler statistics read from the segment.
@@ -239,6 +241,7 @@ impl LinkSender {
         head.params.logit_bias_len = a.logit_bias.len() as u32;
         head.min_tokens = a.min_tokens;
         head.cache_salt = a.cache_salt;
+        head.priority = a.priority;
         head.constraint_len = a.constraint.len() as u32;
         self.scratch.push(head);
         let constraint = wire::pack_bytes(a.constraint);

@@ -79,6 +79,9 @@ pub struct PlaneLimits {
     /// worker holding other weights refuses to attach (frontends, which load no weights, do
     /// not check it).
     pub weights_fingerprint: u64,
+    /// The scheduler orders requests by their `priority` (vLLM's `--scheduling-policy
+    /// priority`); false: first come, first served, and a request's priority must be 0.
+    pub priority_scheduling: bool,
 }
 
 impl PlaneLimits {
@@ -126,6 +129,7 @@ impl PlaneLimits {
         spare[4] = self.max_inflight as u64;
         spare[5] = self.model_fingerprint;
         spare[6] = self.weights_fingerprint;
+        spare[7] = u64::from(self.priority_scheduling);
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -148,6 +152,7 @@ impl PlaneLimits {
             max_inflight: l.spare[4] as usize,
             model_fingerprint: l.spare[5],
             weights_fingerprint: l.spare[6],
+            priority_scheduling: l.spare[7] & 1 != 0,
         }
     }
 }
@@ -197,6 +202,7 @@ mod tests {
             max_inflight: 2,
             model_fingerprint: 0x1234_5678_9abc_def0,
             weights_fingerprint: 0x0fed_cba9_8765_4321,
+            priority_scheduling: true,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

@@ -82,6 +82,11 @@ pub struct ToScheduler {
     /// `ADMIT` with [`FLAG_GUIDE_AFTER`]: the constraint applies after this token is
     /// sampled (`baton_grammar::Guide::start_after`); else zero.
     pub guide_after: u32,
+    /// `ADMIT`: vLLM's `priority` (lower runs first under the scheduler's priority policy;
+    /// 0 under first come, first served).
+    pub priority: i32,
+    /// Zero (keeps `cache_salt` 8-byte aligned).
+    pub reserved: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.

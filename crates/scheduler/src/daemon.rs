@@ -156,6 +156,7 @@ impl SchedulerDaemon {
             max_inflight: cfg.sched.max_inflight,
             model_fingerprint: cfg.model_fingerprint,
             weights_fingerprint: cfg.weights_fingerprint,
+            priority_scheduling: cfg.sched.policy == crate::SchedulingPolicy::Priority,
         };
         let control = limits.control_spec();
         // Waits out a half-made segment of a predecessor killed while creating it (taken as
@@ -524,6 +525,7 @@ impl SchedulerDaemon {
         let id = self.next_id;
         let params: SamplingParams = p.head.params;
         let req = NewRequest {
+            priority: p.head.priority,
             id,
             prompt: tokens,
             max_tokens: p.head.max_tokens,

@@ -17,5 +17,6 @@ pub use phases::PhaseClock;
 pub use request::{min_tokens_empties_allow_list, stop_ids, FinishReason, NewRequest, RequestId};
 pub use scheduler::{
     check_admission, AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats,
+    SchedulingPolicy,
 };
 pub use trace::{Boundary, TraceRecord, Tracer};

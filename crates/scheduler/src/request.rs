@@ -48,6 +48,9 @@ pub struct NewRequest {
     /// accepted token; a guided request has at most one sampling row in flight. Needs tables
     /// with a token-mask table, `min_tokens == 0` and no `allowed_only`.
     pub guide: Option<baton_grammar::Guide>,
+    /// vLLM's `priority`: under [`crate::SchedulingPolicy::Priority`] a lower value starts
+    /// earlier and is preempted later; ignored under `Fcfs`.
+    pub priority: i32,
 }
 
 /// The ids that end a request: `stop_token_ids`, plus `eos_ids` unless `ignore_eos`, sorted
@@ -150,6 +153,10 @@ pub(crate) struct Request {
     /// Structured output: the guide and the mask of the next sampled token (computed when the
     /// previous token was accepted; it survives preemption, which keeps the outputs).
     pub guide: Option<Box<Guided>>,
+    /// See [`NewRequest::priority`].
+    pub priority: i32,
+    /// Admission order among all requests (set by the scheduler), the tie-break of `priority`.
+    pub arrival: u64,
 }
 
 /// A guided request's constraint state.
@@ -202,6 +209,8 @@ impl Request {
                     mask: Vec::new(),
                 })
             }),
+            priority: r.priority,
+            arrival: 0,
         }
     }
 
@@ -254,6 +263,7 @@ mod tests {
     #[test]
     fn stop_ids_are_found_through_the_mask() {
         let r = Request::new(NewRequest {
+            priority: 0,
             id: 1,
             prompt: vec![5],
             max_tokens: 1,

@@ -46,6 +46,53 @@ pub struct SchedulerConfig {
     /// Reuse the KV of full blocks whose whole prefix matches a block computed before
     /// (automatic prefix caching, vLLM's `--enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// The order waiting requests start in and running requests are preempted in (vLLM's
+    /// `--scheduling-policy`).
+    pub policy: SchedulingPolicy,
+}
+
+/// How the scheduler orders requests (vLLM's `--scheduling-policy`).
+///
+/// Either way running requests are planned before waiting ones, and a waiting request never
+/// preempts a running one: preemption happens only when a running request needs a page and
+/// none is free or coming back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SchedulingPolicy {
+    /// First come, first served: waiting requests start in admission order (a preempted one
+    /// goes back to the front), and the most recently started running request is preempted
+    /// first.
+    #[default]
+    Fcfs,
+    /// By each request's `priority` (lower first), then by admission order, as vLLM's
+    /// `priority` policy orders by `(priority, arrival_time)`: waiting requests start in that
+    /// order, a preempted one goes back to its place in it, and the running request that
+    /// comes last in it (least urgent, latest admitted) is preempted first.
+    Priority,
+}
+
+impl SchedulingPolicy {
+    /// The flag's spelling: `fcfs` or `priority`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fcfs => "fcfs",
+            Self::Priority => "priority",
+        }
+    }
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = String;
+
+    /// Parses `fcfs` or `priority`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(Self::Fcfs),
+            "priority" => Ok(Self::Priority),
+            _ => Err(format!(
+                "unknown scheduling policy {s:?}: use fcfs or priority"
+            )),
+        }
+    }
 }
 
 impl SchedulerConfig {
@@ -88,6 +135,9 @@ pub enum AdmitError {
     /// vocabulary), it is combined with `min_tokens` or `allowed_only`, or its guide failed.
     #[error("structured output: {0}")]
     Guided(String),
+    /// A `priority` other than 0 under [`SchedulingPolicy::Fcfs`] (vLLM refuses it too).
+    #[error("got priority {0} but priority scheduling is not enabled (the scheduler runs with --scheduling-policy fcfs)")]
+    PriorityNotEnabled(i32),
 }
 
 /// What the scheduler tells the request's owner.
@@ -279,9 +329,13 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     slots: SlotAllocator,
     tables: Arc<SlotTables<S>>,
     requests: Requests,
+    /// Waiting requests in the order they start: see [`SchedulingPolicy`].
     waiting: VecDeque<Idx>,
-    /// Running requests in admission order (the last one is preempted first).
+    /// Running requests, the one preempted first last: in the order they took their slot
+    /// (`Fcfs`), or by `(priority, arrival)` (`Priority`).
     running: Vec<Idx>,
+    /// The next request's arrival number (admission order, for `Priority`).
+    next_arrival: u64,
     inflight: VecDeque<Inflight>,
     /// Row lists of completed launches, kept for reuse.
     spare_rows: Vec<Vec<RowMeta>>,
@@ -334,6 +388,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             requests: Requests::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            next_arrival: 0,
             inflight: VecDeque::new(),
             spare_rows: Vec::new(),
             started: Vec::new(),
@@ -458,6 +513,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             ));
         }
         let mut req = Request::new(r);
+        req.arrival = self.next_arrival;
+        self.next_arrival += 1;
         if let Some(g) = &mut req.guide {
             g.mask.resize(words, 0);
             g.guide
@@ -469,7 +526,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             ..Self::req_record(Boundary::Admission, &req)
         });
         let i = self.requests.insert(req);
-        self.waiting.push_back(i);
+        self.enqueue_waiting(i, false);
         Ok(())
     }
 
@@ -552,7 +609,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 Plan::Row(n) => {
                     budget -= n;
                     self.waiting.pop_front();
-                    self.running.push(idx);
+                    self.push_running(idx);
                     let r = &mut self.requests[idx];
                     if r.prompt_cached.is_none() {
                         self.started.push(r.id);
@@ -780,6 +837,46 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         r.scheduled_len = r.cached_len;
     }
 
+    /// The order key of `idx` under [`SchedulingPolicy::Priority`]: `(priority, arrival)`.
+    #[inline]
+    fn priority_key(&self, idx: Idx) -> (i32, u64) {
+        let r = &self.requests[idx];
+        (r.priority, r.arrival)
+    }
+
+    /// Puts `idx` in the waiting queue: under `Fcfs` at the back, or at the front when it
+    /// `returns` (preempted, or its worker died: it was admitted before everything waiting);
+    /// under `Priority` at its place by `(priority, arrival)`, after its equals.
+    fn enqueue_waiting(&mut self, idx: Idx, returns: bool) {
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs if returns => self.waiting.push_front(idx),
+            SchedulingPolicy::Fcfs => self.waiting.push_back(idx),
+            SchedulingPolicy::Priority => {
+                let key = self.priority_key(idx);
+                let at = self
+                    .waiting
+                    .partition_point(|&w| self.priority_key(w) <= key);
+                self.waiting.insert(at, idx);
+            }
+        }
+    }
+
+    /// Adds `idx` to the running list: at the end under `Fcfs`, at its place by
+    /// `(priority, arrival)` under `Priority`, so that the last one is always the one to
+    /// preempt first.
+    fn push_running(&mut self, idx: Idx) {
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs => self.running.push(idx),
+            SchedulingPolicy::Priority => {
+                let key = self.priority_key(idx);
+                let at = self
+                    .running
+                    .partition_point(|&w| self.priority_key(w) <= key);
+                self.running.insert(at, idx);
+            }
+        }
+    }
+
     /// Preempts `idx` by recompute: its pages and slot retire after its last launch, its history
     /// stays, and it goes back to the front of the waiting queue.
     fn preempt(&mut self, idx: Idx) {
@@ -791,7 +888,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let r = &mut self.requests[idx];
         r.back_to_waiting();
         r.preemptions += 1;
-        self.waiting.push_front(idx);
+        self.enqueue_waiting(idx, true);
         let rec = Self::req_record(Boundary::Preempt, &self.requests[idx]);
         self.emit(|| rec);
     }
@@ -1181,7 +1278,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         for &id in running.iter().rev() {
             self.release_resources(id);
             self.requests[id].back_to_waiting();
-            self.waiting.push_front(id);
+            self.enqueue_waiting(id, true);
             // The trace must say the request recomputes: its computed KV died with the worker.
             if self.trace.is_some() {
                 let rec = TraceRecord {
@@ -1262,6 +1359,9 @@ pub fn check_admission(
 ) -> Result<(), AdmitError> {
     if r.prompt.is_empty() {
         return Err(AdmitError::EmptyPrompt);
+    }
+    if r.priority != 0 && cfg.policy == SchedulingPolicy::Fcfs {
+        return Err(AdmitError::PriorityNotEnabled(r.priority));
     }
     if r.prompt.len() >= cfg.max_model_len {
         return Err(AdmitError::PromptTooLong {

@@ -14,12 +14,14 @@ fn cfg() -> SchedulerConfig {
         max_model_len: 256,
         max_inflight: 2,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     }
 }
 
 /// A request allowed only `allowed`, with `min_tokens` and stop ids `stops` (EOS 2).
 fn allowed(allowed: &[u32], min_tokens: u32, stops: &[u32]) -> NewRequest {
     NewRequest {
+        priority: 0,
         id: 1,
         prompt: vec![1, 5, 6],
         max_tokens: 8,

@@ -43,7 +43,8 @@ use baton_proto::{
     MAX_PROMPT_LOGPROB_POSITIONS, NOT_PENDING,
 };
 use baton_scheduler::{
-    check_trace, Event, FinishReason, NewRequest, RequestId, Scheduler, SchedulerConfig, Tracer,
+    check_trace, Event, FinishReason, NewRequest, RequestId, Scheduler, SchedulerConfig,
+    SchedulingPolicy, Tracer,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -249,7 +250,14 @@ impl Sim {
                     prompt_logprobs: if wants_prompt { 1 + (id % 5) as u32 } else { 0 },
                     ..SamplingParams::greedy()
                 };
+                // Under the priority policy, three priorities in no relation to arrival, so
+                // requests overtake each other and the least urgent running one is preempted.
+                let priority = match self.sched.config().policy {
+                    SchedulingPolicy::Priority => (id % 3) as i32 - 1,
+                    SchedulingPolicy::Fcfs => 0,
+                };
                 let r = NewRequest {
+                    priority,
                     id,
                     prompt,
                     max_tokens,
@@ -839,9 +847,10 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
         1usize..=6,
         0u64..12,
         0u8..4,
+        any::<bool>(),
     )
         .prop_map(
-            |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every, caching)| {
+            |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every, caching, by_priority)| {
                 let block_size = 1 << (bs_log - 1);
                 let max_model_len = 64;
                 // At least what one request can need, so every request fits alone; little more, so
@@ -856,6 +865,11 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
                         max_model_len,
                         max_inflight,
                         enable_prefix_caching: caching != 0,
+                        policy: if by_priority {
+                            SchedulingPolicy::Priority
+                        } else {
+                            SchedulingPolicy::Fcfs
+                        },
                     },
                     eos_every,
                 )
@@ -899,9 +913,11 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         max_model_len: 16,
         max_inflight: 2,
         enable_prefix_caching: false,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     s.add_request(NewRequest {
+        priority: 0,
         id: 1,
         prompt: vec![3, 4, 5],
         max_tokens: 1,
@@ -916,6 +932,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
     })
     .unwrap();
     s.add_request(NewRequest {
+        priority: 0,
         id: 2,
         prompt: vec![3, 4, 5, 6, 7],
         max_tokens: 8,
@@ -984,10 +1001,12 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
         max_model_len: 16,
         max_inflight: 1,
         enable_prefix_caching: true,
+        policy: baton_scheduler::SchedulingPolicy::Fcfs,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     for id in [1, 2] {
         s.add_request(NewRequest {
+            priority: 0,
             id,
             prompt: vec![3, 4, 5],
             max_tokens: 4,

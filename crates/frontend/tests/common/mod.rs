@@ -48,8 +48,12 @@ pub struct Opts {
     pub header_read_timeout: Option<Duration>,
     /// CORS settings (default: vLLM's, every origin).
     pub cors: Option<baton_frontend::CorsConfig>,
+    /// The scheduler's `--scheduling-policy` (default: fcfs).
+    pub scheduling_policy: baton_scheduler::SchedulingPolicy,
     /// Sampling defaults (`--generation-config`; default: none).
     pub sampling_defaults: baton_frontend::validate::SamplingDefaults,
+    /// Served names after the first ([`MODEL`]), as `--served-model-name stories b c`.
+    pub more_served_model_names: Vec<String>,
 }
 
 /// A backend that sleeps before each launch.
@@ -121,6 +125,7 @@ pub async fn start(opts: Opts) -> TestServer {
         max_model_len,
         max_inflight: 2,
         enable_prefix_caching: true,
+        policy: opts.scheduling_policy,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
@@ -197,6 +202,7 @@ where
             // with added tokens (`tokenizer_with_specials`) still fits.
             vocab_size: 544,
             max_num_seqs: 1,
+            priority_scheduling: false,
         }
     }
     fn health(&self) -> Result<(), String> {
