@@ -25,9 +25,11 @@ pub struct HttpArgs {
     /// flag, `ps` does not show).
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
-    /// The model name clients use (default: the model directory's name).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// The model names clients use, one or more as in vLLM (`--served-model-name a b`): a
+    /// request may give any, responses report the first, /v1/models lists each (default: the
+    /// model directory's name, and requests may also give the --model string).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
     /// A chat template: a file, or the template text (default: tokenizer_config.json's).
     #[arg(long)]
     pub chat_template: Option<String>,
@@ -222,14 +224,12 @@ impl HttpArgs {
         if let Some(o) = &self.override_generation_config {
             v.extend(["--override-generation-config".to_owned(), o.clone()]);
         }
-        let optional = [
-            ("--served-model-name", &self.served_model_name),
-            ("--chat-template", &self.chat_template),
-        ];
-        for (flag, value) in optional {
-            if let Some(x) = value {
-                v.extend([flag.to_owned(), x.clone()]);
-            }
+        if !self.served_model_name.is_empty() {
+            v.push("--served-model-name".into());
+            v.extend(self.served_model_name.iter().cloned());
+        }
+        if let Some(x) = &self.chat_template {
+            v.extend(["--chat-template".to_owned(), x.clone()]);
         }
         v
     }
@@ -393,10 +393,12 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         served_model_name: a
             .http
             .served_model_name
-            .clone()
+            .first()
+            .cloned()
             .unwrap_or_else(|| default_model_name(&a.model)),
+        more_served_model_names: a.http.served_model_name.iter().skip(1).cloned().collect(),
         // As vLLM, which serves under the `--model` string: requests may name the model by it.
-        model_aliases: if a.http.served_model_name.is_none() {
+        model_aliases: if a.http.served_model_name.is_empty() {
             vec![a.model.display().to_string()]
         } else {
             Vec::new()
@@ -575,6 +577,20 @@ mod tests {
             let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
             assert_eq!(back.cors(), a.cors(), "{flags:?}");
         }
+    }
+
+    #[test]
+    fn served_model_name_takes_several_names_and_reaches_serves_frontend_child() {
+        let a = parse(&["--served-model-name", "a", "b", "c", "--port", "9"]).unwrap();
+        assert_eq!(a.served_model_name, ["a", "b", "c"]);
+        assert_eq!(a.port, 9);
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.served_model_name, ["a", "b", "c"], "{flags:?}");
+        let d = parse(&[]).unwrap();
+        assert!(d.served_model_name.is_empty());
+        assert!(!d.to_flags().iter().any(|f| f == "--served-model-name"));
+        assert!(parse(&["--served-model-name"]).is_err());
     }
 
     #[test]

@@ -267,6 +267,14 @@ pub struct CompletionChoice {
     /// out otherwise; never streamed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// With vLLM's `return_token_ids`: the prompt's token ids (streamed: in the choice's
+    /// first chunk only); left out otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// With `return_token_ids`: the generated token ids (streamed: this chunk's), stop tokens
+    /// included; left out otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A response or streamed chunk of either API, over its choice type `C`.
@@ -285,6 +293,11 @@ pub struct Chunk<C> {
     /// Token counts (streamed chunks: only the last, with `include_usage`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// A streamed chat response's prompt token ids with vLLM's `return_token_ids`, in each
+    /// choice's first chunk (left out otherwise, and on completions, which put them in the
+    /// choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// A `/v1/completions` response or streamed chunk.
@@ -389,6 +402,10 @@ pub struct ChatChoice {
     pub finish_reason: Option<String>,
     /// The stop string or stop token id that ended the choice, else `null`.
     pub stop_reason: Option<StopReason>,
+    /// With vLLM's `return_token_ids`: the generated token ids, stop tokens included (left out
+    /// otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A `/v1/chat/completions` response.
@@ -410,6 +427,9 @@ pub struct ChatResponse {
     /// request asked for them (left out otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// With vLLM's `return_token_ids`: the rendered prompt's token ids (left out otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// The delta of a streamed chat chunk.
@@ -447,6 +467,10 @@ pub struct ChatChunkChoice {
     /// `Some(None)` is `null` there; `None` leaves the field out of the other chunks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<Option<StopReason>>,
+    /// With vLLM's `return_token_ids`: the token ids this chunk's delta came from (left out
+    /// otherwise, and from the first chunk, which carries the role).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A streamed `/v1/chat/completions` chunk.
@@ -464,6 +488,7 @@ mod tests {
             logprobs: None,
             finish_reason: None,
             stop_reason,
+            token_ids: None,
         };
         let json = |c: &ChatChunkChoice| serde_json::to_value(c).unwrap();
         assert!(json(&choice(None)).get("stop_reason").is_none());

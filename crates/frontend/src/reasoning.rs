@@ -179,6 +179,12 @@ impl ReasoningSplitter {
         }
     }
 
+    /// Whether the text pushed so far is still reasoning (no `</think>` yet, and thinking is
+    /// on).
+    pub fn in_reasoning(&self) -> bool {
+        self.state != State::Content
+    }
+
     /// Ends the choice: releases the held text (a tag prefix that never completed).
     pub fn finish(&mut self) -> Split {
         let held = std::mem::take(&mut self.held);

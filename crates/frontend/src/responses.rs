@@ -33,7 +33,7 @@ use crate::engine::random_seed;
 use crate::openai::ApiError;
 use crate::reasoning::{ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq};
-use crate::server::{collect, engine_error, event_stream, now_secs, AppState};
+use crate::server::{collect_with, engine_error, event_stream, now_secs, AppState};
 use crate::validate::{self, ResponsesRequest};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -89,14 +89,32 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
     let shell = Shell::new(&st, &req, max);
     let no_kwargs = serde_json::Map::new();
+    let mut counter = reasoning.map(|r| ReasoningTokens::new(r.splitter(&no_kwargs)));
     if gen.stream {
         let splitter = reasoning.map(|r| r.splitter(&no_kwargs));
-        return Ok(stream_response(shell, seqs, input_tokens, splitter));
+        return Ok(stream_response(
+            shell,
+            seqs,
+            input_tokens,
+            splitter,
+            counter,
+        ));
     }
-    let (outs, output_tokens) = collect(seqs).await?;
+    let (outs, output_tokens) = collect_with(seqs, |d| {
+        if let Some(c) = counter.as_mut() {
+            c.push(d);
+        }
+    })
+    .await?;
     let out = outs.into_iter().next().unwrap_or_default();
     let status = status_of(out.finish);
-    let usage = usage(input_tokens, out.cached_tokens, output_tokens);
+    let reasoning_tokens = counter.map_or(0, |c| c.count);
+    let usage = usage(
+        input_tokens,
+        out.cached_tokens,
+        output_tokens,
+        reasoning_tokens,
+    );
     let split = match reasoning {
         Some(r) => r.split(&no_kwargs, &out.text),
         None => Split {
@@ -131,14 +149,46 @@ fn error_of(status: &str) -> Value {
 }
 
 /// The Responses API `usage` object.
-fn usage(input_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Value {
+fn usage(
+    input_tokens: usize,
+    cached_tokens: usize,
+    output_tokens: usize,
+    reasoning_tokens: usize,
+) -> Value {
     json!({
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     })
+}
+
+/// Counts an output's reasoning tokens (`output_tokens_details.reasoning_tokens`) from its
+/// deltas, as vLLM's reasoning parsers count them: the output tokens up to the one that ends
+/// the reasoning (`</think>`), the think tags themselves not counted. An output that never
+/// ends its reasoning is all reasoning, as its text is (vLLM's `deepseek_r1` counts 0 there).
+struct ReasoningTokens {
+    splitter: ReasoningSplitter,
+    count: usize,
+}
+
+impl ReasoningTokens {
+    fn new(splitter: ReasoningSplitter) -> Self {
+        Self { splitter, count: 0 }
+    }
+
+    /// Counts `d`'s tokens if its text is still reasoning (one token per delta: the engine
+    /// reports them one by one).
+    fn push(&mut self, d: &Delta) {
+        if !self.splitter.in_reasoning() {
+            return;
+        }
+        let _ = self.splitter.push(&d.text);
+        if self.splitter.in_reasoning() && d.text != crate::reasoning::THINK_START {
+            self.count += d.tokens.len();
+        }
+    }
 }
 
 /// An `f32` sampling parameter as the client most likely wrote it: its shortest decimal form
@@ -310,6 +360,8 @@ struct Streamer {
     message_open: bool,
     input_tokens: usize,
     output_tokens: usize,
+    /// With a reasoning parser: counts the reasoning tokens.
+    reasoning_tokens: Option<ReasoningTokens>,
     /// Events ready to send.
     pending: VecDeque<Bytes>,
 }
@@ -323,6 +375,11 @@ impl Streamer {
         self.sequence_number += 1;
         self.pending
             .push_back(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")));
+    }
+
+    /// The reasoning tokens so far.
+    fn reasoning_count(&self) -> usize {
+        self.reasoning_tokens.as_ref().map_or(0, |c| c.count)
     }
 
     /// The message item's output index: after the reasoning item, if there is one.
@@ -423,6 +480,9 @@ impl Streamer {
     /// Queues the events of one delta; after the last one, drops the sequence.
     fn on_delta(&mut self, d: Delta) {
         self.output_tokens += d.tokens.len();
+        if let Some(c) = self.reasoning_tokens.as_mut() {
+            c.push(&d);
+        }
         if let Some(msg) = d.error {
             // Dropping the sequence cancels it (it has ended already when the engine failed).
             self.seq = None;
@@ -431,7 +491,12 @@ impl Streamer {
                 "error",
                 json!({"code": "server_error", "message": e.message, "param": null}),
             );
-            let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
+            let usage = usage(
+                self.input_tokens,
+                d.cached_tokens,
+                self.output_tokens,
+                self.reasoning_count(),
+            );
             let output = self.output("incomplete");
             let error = json!({"code": "server_error", "message": e.message});
             let r = self.shell.response("failed", output, usage, error);
@@ -479,7 +544,12 @@ impl Streamer {
             "response.output_item.done",
             json!({"output_index": self.msg_index(), "item": item}),
         );
-        let usage = usage(self.input_tokens, d.cached_tokens, self.output_tokens);
+        let usage = usage(
+            self.input_tokens,
+            d.cached_tokens,
+            self.output_tokens,
+            self.reasoning_count(),
+        );
         let r = self
             .shell
             .response(status, self.output(status), usage, error_of(status));
@@ -499,6 +569,7 @@ fn stream_response(
     seqs: Vec<Seq>,
     input_tokens: usize,
     splitter: Option<ReasoningSplitter>,
+    reasoning_tokens: Option<ReasoningTokens>,
 ) -> Response {
     let mut s = Streamer {
         shell,
@@ -511,6 +582,7 @@ fn stream_response(
         message_open: false,
         input_tokens,
         output_tokens: 0,
+        reasoning_tokens,
         pending: VecDeque::new(),
     };
     s.prelude();

@@ -48,8 +48,12 @@ pub struct ServerConfig {
     pub port: u16,
     /// Require `Authorization: Bearer <key>` on `/v1/*`.
     pub api_key: Option<String>,
-    /// The model name clients use (`model` field, `/v1/models`).
+    /// The model name clients use (`model` field, `/v1/models`): the first of
+    /// `--served-model-name`, the one responses report.
     pub served_model_name: String,
+    /// The further names of `--served-model-name` (vLLM takes several): a request may name
+    /// the model by any of them, and `/v1/models` lists each after `served_model_name`.
+    pub more_served_model_names: Vec<String>,
     /// Other names a request's `model` may give (without `--served-model-name`, the
     /// `--model` argument as typed: vLLM serves under that string, so its clients send it);
     /// `/v1/models` and responses use `served_model_name`.
@@ -202,7 +206,8 @@ impl AppState {
     /// normalizers), and a long one is tokenized on tokio's blocking pool.
     ///
     /// # Errors
-    /// 400 naming `field` for a prompt that is too long or fails to tokenize.
+    /// 400 naming `field` for a prompt that is too long, fails to tokenize, or encodes to a
+    /// token id outside the model's vocabulary.
     pub(crate) async fn encode_prompt(
         &self,
         text: &str,
@@ -225,20 +230,34 @@ impl AppState {
             ));
         }
         let err = |e: baton_model::ModelError| ApiError::field(field, e.to_string());
-        if text.len() <= INLINE_TOKENIZE_BYTES {
-            return self.tokenizer.encode(text, add_special).map_err(err);
+        let ids = if text.len() <= INLINE_TOKENIZE_BYTES {
+            self.tokenizer.encode(text, add_special).map_err(err)?
+        } else {
+            let (tok, owned) = (Arc::clone(&self.tokenizer), text.to_owned());
+            tokio::task::spawn_blocking(move || tok.encode(&owned, add_special))
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?
+                .map_err(err)?
+        };
+        // A tokenizer with added tokens past the model's vocabulary (vLLM checks this too).
+        let vocab = self.engine.limits().vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::field(
+                field,
+                format!(
+                    "Token id {id} is out of vocabulary: the prompt's text encodes to it, and \
+                     this model has {vocab} tokens."
+                ),
+            ));
         }
-        let (tok, owned) = (Arc::clone(&self.tokenizer), text.to_owned());
-        tokio::task::spawn_blocking(move || tok.encode(&owned, add_special))
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?
-            .map_err(err)
+        Ok(ids)
     }
 
     pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m)
                 if m != self.config.served_model_name
+                    && !self.config.more_served_model_names.iter().any(|a| a == m)
                     && !self.config.model_aliases.iter().any(|a| a == m) =>
             {
                 Err(ApiError::not_found(
@@ -880,22 +899,26 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// The served model's `/v1/models` entry.
-fn model_card(st: &AppState) -> Value {
-    let name = &st.config.served_model_name;
+/// The `/v1/models` entry of served name `name` (`root` is the first served name).
+fn model_card(st: &AppState, name: &str) -> Value {
     json!({
         "id": name,
         "object": "model",
         "created": st.created,
         "owned_by": "baton",
-        "root": name,
+        "root": st.config.served_model_name,
         "parent": null,
         "max_model_len": st.engine.limits().max_model_len,
     })
 }
 
+/// `GET /v1/models`: one entry per served name, as vLLM lists them (not the aliases).
 async fn models(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+    let data: Vec<Value> = std::iter::once(&st.config.served_model_name)
+        .chain(&st.config.more_served_model_names)
+        .map(|name| model_card(&st, name))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// `GET /v1/models/{model}` (the `openai` client's `models.retrieve`): the card, or a 404.
@@ -904,7 +927,11 @@ async fn model_by_id(
     axum::extract::Path(model): axum::extract::Path<String>,
 ) -> Response {
     match st.check_model(Some(&model)) {
-        Ok(()) => Json(model_card(&st)).into_response(),
+        // A served name has its own card; an alias gets the first name's.
+        Ok(()) if st.config.more_served_model_names.contains(&model) => {
+            Json(model_card(&st, &model)).into_response()
+        }
+        Ok(()) => Json(model_card(&st, &st.config.served_model_name)).into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -1151,6 +1178,14 @@ pub(crate) struct Collected {
 /// Runs every sequence to its end. Dropping this future (client gone) drops the sequences,
 /// which cancels them.
 pub(crate) async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), ApiError> {
+    collect_with(seqs, |_| {}).await
+}
+
+/// [`collect`], showing each delta to `watch` first.
+pub(crate) async fn collect_with(
+    seqs: Vec<Seq>,
+    mut watch: impl FnMut(&Delta),
+) -> Result<(Vec<Collected>, usize), ApiError> {
     let n = seqs.len();
     let mut out: Vec<Collected> = (0..n).map(|_| Collected::default()).collect();
     let mut merged = merge(seqs);
@@ -1159,6 +1194,7 @@ pub(crate) async fn collect(seqs: Vec<Seq>) -> Result<(Vec<Collected>, usize), A
         if let Some(msg) = d.error {
             return Err(engine_error(msg));
         }
+        watch(&d);
         completion_tokens += d.tokens.len();
         let c = &mut out[d.index % n];
         c.text.push_str(&d.text);
@@ -1182,11 +1218,23 @@ struct ChunkHead {
     object: &'static str,
     created: u64,
     logprobs: bool,
+    /// vLLM's `return_token_ids`.
+    token_ids: bool,
 }
 
 impl ChunkHead {
     /// One SSE data payload.
     fn chunk<C: serde::Serialize>(&self, choices: Vec<C>, usage: Option<Usage>) -> String {
+        self.chunk_with_prompt(choices, usage, None)
+    }
+
+    /// One SSE data payload with the chat prompt's token ids (`return_token_ids`).
+    fn chunk_with_prompt<C: serde::Serialize>(
+        &self,
+        choices: Vec<C>,
+        usage: Option<Usage>,
+        prompt_token_ids: Option<Vec<u32>>,
+    ) -> String {
         let r = crate::openai::Chunk {
             id: self.id.clone(),
             object: self.object,
@@ -1194,14 +1242,23 @@ impl ChunkHead {
             model: self.st.config.served_model_name.clone(),
             choices,
             usage,
+            prompt_token_ids,
         };
         serde_json::to_string(&r).unwrap_or_default()
     }
 
-    /// Whether `d` has nothing to send: no text, no finish, and no token whose logprobs were
-    /// asked for.
+    /// Whether `d` has nothing to send: no text, no finish, and no token whose logprobs or
+    /// ids were asked for.
     fn carries_nothing(&self, d: &Delta) -> bool {
-        d.text.is_empty() && d.finish.is_none() && (!self.logprobs || d.tokens.is_empty())
+        d.text.is_empty()
+            && d.finish.is_none()
+            && (!(self.logprobs || self.token_ids) || d.tokens.is_empty())
+    }
+
+    /// `d`'s token ids, when the request asked for them.
+    fn ids(&self, d: &Delta) -> Option<Vec<u32>> {
+        self.token_ids
+            .then(|| d.tokens.iter().map(|t| t.id).collect())
     }
 
     /// The usage chunk.
@@ -1256,6 +1313,8 @@ struct CompletionChunker {
     /// choice's first delta (which carries them, [`Delta::prompt`]), as vLLM sends it.
     echo_lp: Vec<Option<Arc<EchoPrompt>>>,
     offsets: Vec<usize>,
+    /// Per choice, with `return_token_ids`: the prompt's ids, sent in its first chunk.
+    prompt_ids: Vec<Option<Vec<u32>>>,
 }
 
 impl Chunker for CompletionChunker {
@@ -1266,6 +1325,7 @@ impl Chunker for CompletionChunker {
             .filter_map(|(i, e)| {
                 let e = e?;
                 self.offsets[i] = e.chars().count();
+                let prompt_token_ids = self.prompt_ids.get_mut(i).and_then(Option::take);
                 Some(self.head.chunk(
                     vec![CompletionChoice {
                         index: i,
@@ -1274,6 +1334,8 @@ impl Chunker for CompletionChunker {
                         finish_reason: None,
                         stop_reason: None,
                         prompt_logprobs: None,
+                        token_ids: prompt_token_ids.as_ref().map(|_| Vec::new()),
+                        prompt_token_ids,
                     }],
                     None,
                 ))
@@ -1312,6 +1374,8 @@ impl Chunker for CompletionChunker {
                 finish_reason: d.finish.map(str::to_owned),
                 stop_reason: d.stop_reason.clone(),
                 prompt_logprobs: None,
+                prompt_token_ids: self.prompt_ids.get_mut(d.index).and_then(Option::take),
+                token_ids: self.head.ids(d),
             }],
             usage,
         )]
@@ -1406,6 +1470,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 object: "text_completion",
                 created,
                 logprobs: gen.logprobs.is_some(),
+                token_ids: gen.return_token_ids,
             },
             echo: (0..seqs.len())
                 .map(|i| {
@@ -1418,6 +1483,9 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 .collect(),
             echo_lp: (0..seqs.len()).map(echo_lp_for).collect(),
             offsets: vec![0; seqs.len()],
+            prompt_ids: (0..seqs.len())
+                .map(|i| gen.return_token_ids.then(|| prompts[i / n].0.clone()))
+                .collect(),
         };
         return Ok(sse_response(
             chunker,
@@ -1457,6 +1525,10 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 finish_reason: c.finish.map(str::to_owned),
                 stop_reason: c.stop_reason,
                 prompt_logprobs,
+                prompt_token_ids: gen.return_token_ids.then(|| prompts[i / n].0.clone()),
+                token_ids: gen
+                    .return_token_ids
+                    .then(|| c.tokens.iter().map(|t| t.id).collect()),
             }
         })
         .collect();
@@ -1467,6 +1539,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
         model: st.config.served_model_name.clone(),
         choices,
         usage: Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens)),
+        prompt_token_ids: None,
     })
     .into_response())
 }
@@ -1480,6 +1553,8 @@ struct ChatChunker {
     reasoning: Option<Vec<ReasoningSplitter>>,
     /// Send the reasoning (vLLM's `include_reasoning`).
     include_reasoning: bool,
+    /// With `return_token_ids`: the prompt's ids, sent in each choice's first chunk.
+    prompt_ids: Option<Vec<u32>>,
 }
 
 /// `Some(text)` when `text` is not empty.
@@ -1516,7 +1591,7 @@ impl Chunker for ChatChunker {
     fn prelude(&mut self) -> Vec<String> {
         (0..self.choices)
             .map(|i| {
-                self.head.chunk(
+                self.head.chunk_with_prompt(
                     vec![ChatChunkChoice {
                         index: i,
                         delta: ChatDelta {
@@ -1527,8 +1602,10 @@ impl Chunker for ChatChunker {
                         logprobs: None,
                         finish_reason: None,
                         stop_reason: None,
+                        token_ids: None,
                     }],
                     None,
+                    self.prompt_ids.clone(),
                 )
             })
             .collect()
@@ -1570,19 +1647,28 @@ impl Chunker for ChatChunker {
             }
         };
         let with_logprobs = self.head.logprobs && !d.tokens.is_empty();
-        if text.is_empty() && reasoning.is_empty() && d.finish.is_none() && !with_logprobs {
+        let with_ids = self.head.token_ids && !d.tokens.is_empty();
+        if text.is_empty()
+            && reasoning.is_empty()
+            && d.finish.is_none()
+            && !with_logprobs
+            && !with_ids
+        {
             return Vec::new();
         }
         let logprobs = self
             .head
             .logprobs
             .then(|| self.head.st.chat_logprobs(&d.tokens));
-        let choice = |delta, logprobs, finish: Option<&str>| ChatChunkChoice {
+        // The delta's ids go in its first chunk (the tool-call chunks after it get `[]`).
+        let mut ids = self.head.ids(d);
+        let mut choice = |delta, logprobs, finish: Option<&str>| ChatChunkChoice {
             index: d.index,
             delta,
             logprobs,
             finish_reason: finish.map(str::to_owned),
             stop_reason: finish.map(|_| d.stop_reason.clone()),
+            token_ids: ids.take().or_else(|| self.head.token_ids.then(Vec::new)),
         };
         if calls.is_empty() {
             let send_empty = d.finish.is_none() && reasoning.is_empty();
@@ -1597,7 +1683,7 @@ impl Chunker for ChatChunker {
         // The choice's last delta with tool calls: its remaining content (and the log-probs),
         // the calls whole, then the end.
         let mut out = Vec::new();
-        if !text.is_empty() || !reasoning.is_empty() || with_logprobs {
+        if !text.is_empty() || !reasoning.is_empty() || with_logprobs || with_ids {
             let delta = ChatDelta {
                 content: (!text.is_empty() || reasoning.is_empty()).then_some(text),
                 ..reasoning_delta(reasoning)
@@ -1696,6 +1782,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 object: "chat.completion.chunk",
                 created,
                 logprobs: gen.logprobs.is_some(),
+                token_ids: gen.return_token_ids,
             },
             choices: seqs.len(),
             filters: parser.as_ref().map(|p| {
@@ -1709,6 +1796,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                     .collect()
             }),
             include_reasoning: req.include_reasoning,
+            prompt_ids: gen.return_token_ids.then(|| prompts[0].0.clone()),
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -1769,6 +1857,9 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
                 finish_reason: finish,
                 stop_reason: c.stop_reason,
+                token_ids: gen
+                    .return_token_ids
+                    .then(|| c.tokens.iter().map(|t| t.id).collect()),
             }
         })
         .collect();
@@ -1780,6 +1871,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         choices,
         usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
         prompt_logprobs,
+        prompt_token_ids: gen.return_token_ids.then(|| prompts[0].0.clone()),
     })
     .into_response())
 }

@@ -254,6 +254,9 @@ pub struct GenParams {
     /// The constraint applies only after this token is sampled: the id of `</think>` when a
     /// reasoning parser lets the model reason first (set by the server, never by a request).
     pub guide_after: Option<u32>,
+    /// vLLM's `return_token_ids`: responses carry the prompt's token ids and each choice's
+    /// generated ids (`prompt_token_ids`, `token_ids`).
+    pub return_token_ids: bool,
 }
 
 /// Reads the request's structured-output constraint: OpenAI's `response_format`
@@ -929,6 +932,7 @@ pub fn parse_gen(
         skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
         constraint,
         guide_after: None,
+        return_token_ids: f.get::<bool>("return_token_ids")?.unwrap_or(false),
     })
 }
 
@@ -1268,6 +1272,11 @@ pub fn parse_chat(
         );
         if assistant {
             normalize_tool_calls(i, &mut out)?;
+            // vLLM takes an assistant message's `reasoning` (its current name) and gives it to
+            // the template under both names; templates read `reasoning_content`.
+            if let Some(r) = obj.get("reasoning").filter(|r| !r.is_null()) {
+                out.insert("reasoning_content".into(), r.clone());
+            }
         }
         if !matches!(out.get("tool_call_id"), None | Some(Value::String(_))) {
             return Err(ApiError::invalid(
@@ -1310,23 +1319,30 @@ pub fn parse_chat(
         gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
     }
     let (template_kwargs, from_kwargs) = parse_template_kwargs(&f)?;
-    let continue_final_message = match from_kwargs.continue_final_message {
-        Some(b) => b,
-        None => f.get::<bool>("continue_final_message")?.unwrap_or(false),
-    };
-    let add_generation_prompt = match from_kwargs
+    let request_continue = f.get::<bool>("continue_final_message")?;
+    let request_add = f.get::<bool>("add_generation_prompt")?;
+    let continue_final_message = from_kwargs
+        .continue_final_message
+        .or(request_continue)
+        .unwrap_or(false);
+    // True unless the request (or its kwargs) says false, as in vLLM: so
+    // `continue_final_message` needs an explicit `add_generation_prompt: false`.
+    let add_generation_prompt = from_kwargs
         .add_generation_prompt
-        .map_or_else(|| f.get::<bool>("add_generation_prompt"), |b| Ok(Some(b)))?
-    {
-        Some(true) if continue_final_message => {
-            return Err(ApiError::field(
-                "continue_final_message",
-                "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
-            ))
-        }
-        Some(b) => b,
-        None => !continue_final_message,
-    };
+        .or(request_add)
+        .unwrap_or(true);
+    if continue_final_message && add_generation_prompt {
+        let message = if request_continue == Some(true) && request_add == Some(true) {
+            // vLLM's request validator.
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        } else {
+            // vLLM renders then and the template step refuses the pair.
+            "continue_final_message and add_generation_prompt are not compatible: \
+             'add_generation_prompt' defaults to true, so send \"add_generation_prompt\": false \
+             with \"continue_final_message\": true."
+        };
+        return Err(ApiError::field("continue_final_message", message));
+    }
     Ok(ChatRequest {
         model,
         messages,
@@ -1872,6 +1888,13 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
         return Err(ApiError::field(
             "n",
             "/v1/responses makes one output message; 'n' must be 1.",
+        ));
+    }
+    if f.get::<bool>("return_token_ids")? == Some(true) {
+        return Err(ApiError::field(
+            "return_token_ids",
+            "'return_token_ids' is served on /v1/completions and /v1/chat/completions, not on \
+             /v1/responses.",
         ));
     }
     if let Some(v) = f.raw("tool_choice") {

@@ -281,6 +281,30 @@ def vllm_extra_body_allowed_token_ids():
 
 
 @check
+def vllm_extra_body_return_token_ids():
+    # vLLM's return_token_ids: the prompt's ids and the generated ids come back as extra fields
+    # the client keeps (model_extra), streamed and not; a stop token is in the ids, not the text.
+    g = goldens()[0]
+    want = g["greedy_ids"][:11]  # up to and including the first ".", the stop token here
+    kw = dict(model=MODEL, prompt=g["prompt"], max_tokens=12, temperature=0,
+              extra_body={"return_token_ids": True, "stop_token_ids": [want[-1]]})
+    c = client.completions.create(**kw).choices[0]
+    assert c.model_extra["prompt_token_ids"] == g["prompt_ids"], c
+    assert c.model_extra["token_ids"] == want and not c.text.endswith("."), c
+    prompt, ids = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            prompt.append(c.model_extra.get("prompt_token_ids"))
+            ids += c.model_extra.get("token_ids") or []
+    assert prompt[0] == g["prompt_ids"] and not any(prompt[1:]) and ids == want, (prompt, ids)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"], r
+    assert len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens, r
+
+
+@check
 def structured_outputs():
     # OpenAI's typed parse (a strict json_schema response_format from a pydantic model), the
     # Responses API's text.format, and vLLM's extras through extra_body.

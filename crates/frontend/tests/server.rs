@@ -3255,7 +3255,6 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         ("prompt_embeds", json!("AAAA")),
         ("documents", json!([{"text": "x"}])),
         ("chat_template_kwargs", json!({"enable_thinking": false})),
-        ("return_token_ids", json!(true)),
         ("priority", json!(1)),
     ];
     for (k, v) in refused {
@@ -3314,8 +3313,9 @@ async fn add_special_tokens_false_leaves_bos_out_of_a_completion_prompt() {
 }
 
 /// `continue_final_message` leaves the last (assistant) message open: the rendered prompt ends
-/// right after its content instead of closing it with EOS; combined with an explicit
-/// `add_generation_prompt: true` it is a 400.
+/// right after its content instead of closing it with EOS. As in vLLM it needs
+/// `add_generation_prompt: false`: with `add_generation_prompt` true, given or by default, it is
+/// a 400 (on `/tokenize` too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn continue_final_message_leaves_the_last_message_open() {
     let srv = start(Opts {
@@ -3342,7 +3342,8 @@ async fn continue_final_message_leaves_the_last_message_open() {
         }
     };
     let closed = tokens(json!({"add_generation_prompt": false})).await;
-    let open = tokens(json!({"continue_final_message": true})).await;
+    let open =
+        tokens(json!({"continue_final_message": true, "add_generation_prompt": false})).await;
     assert_eq!(
         closed.last(),
         Some(&2),
@@ -3361,11 +3362,46 @@ async fn continue_final_message_leaves_the_last_message_open() {
     )
     .await;
     assert_eq!(r.status, 400, "{}", r.body);
+    let e = r.json()["error"].clone();
+    assert_eq!(
+        e["message"],
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    );
+    assert_eq!(e["param"], "continue_final_message");
+    // add_generation_prompt defaults to true: continue_final_message alone is refused too
+    // (also when it comes from chat_template_kwargs).
+    for (path, extra) in [
+        (
+            "/v1/chat/completions",
+            json!({"continue_final_message": true}),
+        ),
+        ("/tokenize", json!({"continue_final_message": true})),
+        (
+            "/v1/chat/completions",
+            json!({"chat_template_kwargs": {"continue_final_message": true}}),
+        ),
+    ] {
+        let mut body = json!({"model": MODEL, "messages": messages, "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(srv.addr, path, &body).await;
+        assert_eq!(r.status, 400, "{path} {extra}: {}", r.body);
+        let e = r.json()["error"].clone();
+        assert_eq!(e["param"], "continue_final_message", "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("\"add_generation_prompt\": false"),
+            "{e}"
+        );
+    }
     let r = post(
         srv.addr,
         "/v1/chat/completions",
         &json!({"model": MODEL, "messages": messages, "continue_final_message": true,
-            "max_tokens": 2, "temperature": 0}),
+            "add_generation_prompt": false, "max_tokens": 2, "temperature": 0}),
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -3870,6 +3906,10 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             "previous_response_id",
         ),
         (json!({"input": "hi", "echo": true}), "echo"),
+        (
+            json!({"input": "hi", "return_token_ids": true}),
+            "return_token_ids",
+        ),
         (
             json!({"input": "hi", "continue_final_message": true}),
             "continue_final_message",
@@ -5263,4 +5303,394 @@ async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     // Without a parser the special tags are skipped as usual.
     let plain = out[1]["content"].as_str().unwrap();
     assert!(!plain.contains("think") && plain.contains("Hmm"), "{plain}");
+}
+
+/// `--served-model-name stories b c` (vLLM takes several names): a request may give any of
+/// them, responses report the first, and `/v1/models` lists each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_served_model_name_is_accepted_and_listed() {
+    let srv = start(Opts {
+        more_served_model_names: vec!["b".into(), "org/c".into()],
+        ..Opts::default()
+    })
+    .await;
+    let m = get(srv.addr, "/v1/models").await.json();
+    let ids: Vec<&str> = m["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "b", "org/c"], "{m}");
+    for name in [MODEL, "b", "org/c"] {
+        let v = completion(
+            srv.addr,
+            json!({"model": name, "prompt": "Once", "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(v["model"], MODEL, "{v}");
+        let card = get(srv.addr, &format!("/v1/models/{name}")).await;
+        assert_eq!(card.status, 200, "{}", card.body);
+        assert_eq!(card.json()["id"], name);
+    }
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"model": "d", "prompt": "Once", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+}
+
+/// A text prompt whose encoding has a token id past the model's vocabulary (a tokenizer with
+/// more added tokens than the model has rows) is a 400 naming the field the text came in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_prompt_encoding_outside_the_vocabulary_is_a_400_naming_its_field() {
+    // The scripted engine's vocabulary is 544: the 33rd added token onwards is outside it.
+    let names: Vec<String> = (0..40).map(|i| format!("<x{i}>")).collect();
+    let tok =
+        common::tokenizer_with_specials(&names.iter().map(String::as_str).collect::<Vec<_>>());
+    let outside = tok.piece_to_id("<x39>").unwrap();
+    assert!(outside >= 544, "{outside}");
+    let (addr, task) = common::start_scripted_with_tokenizer(
+        |req| {
+            vec![baton_frontend::EngineEvent::Finished {
+                reason: baton_scheduler::FinishReason::Length,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 0,
+                cached_tokens: 0,
+            }]
+        },
+        Some("{% for m in messages %}{{ m.content }}{% endfor %}".into()),
+        None,
+        None,
+        tok,
+    )
+    .await;
+    let cases = [
+        ("/v1/completions", json!({"prompt": "Hi <x39>"}), "prompt"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi <x39>"}]}),
+            "messages",
+        ),
+        ("/v1/responses", json!({"input": "Hi <x39>"}), "input"),
+    ];
+    for (path, body, param) in cases {
+        let r = post(addr, path, &body).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        let e = r.json()["error"].clone();
+        assert_eq!(e["param"], param, "{path}: {e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("Token id {outside} is out of vocabulary")),
+            "{e}"
+        );
+    }
+    // An added token inside the vocabulary is fine.
+    let r = post(addr, "/v1/completions", &json!({"prompt": "Hi <x0>"})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    task.abort();
+}
+
+/// A scripted server whose engine answers every request with `ids` and records the prompts,
+/// over `tok` with the reasoning parser `reasoning`.
+async fn ids_server(
+    ids: Vec<u32>,
+    template: &str,
+    reasoning: Option<baton_frontend::reasoning::ReasoningParser>,
+    tok: baton_model::Tokenizer,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
+) {
+    use baton_frontend::EngineEvent;
+    let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = prompts.clone();
+    let (addr, task) = common::start_scripted_with_tokenizer(
+        move |req| {
+            seen.lock().unwrap().push(req.prompt.clone());
+            let mut ev: Vec<EngineEvent> = ids
+                .iter()
+                .map(|&token| EngineEvent::Token {
+                    token,
+                    cached_tokens: 0,
+                    logprob: 0.0,
+                    top: vec![],
+                    first: None,
+                })
+                .collect();
+            ev.push(EngineEvent::Finished {
+                reason: baton_scheduler::FinishReason::Stop,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: ids.len(),
+                cached_tokens: 0,
+            });
+            ev
+        },
+        Some(template.into()),
+        None,
+        reasoning,
+        tok,
+    )
+    .await;
+    (addr, task, prompts)
+}
+
+/// `/v1/responses` counts the reasoning tokens in `usage.output_tokens_details` (streamed and
+/// not), as vLLM's reasoning parsers count them: the output tokens before `</think>`, the think
+/// tags not counted; an output that never closes its reasoning is all reasoning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_count_the_reasoning_tokens() {
+    use baton_frontend::reasoning::ReasoningParser;
+    let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
+    let (open, close) = (
+        tok.piece_to_id("<think>").unwrap(),
+        tok.piece_to_id("</think>").unwrap(),
+    );
+    let thought = tok.encode("Hmm, two and two make four", false).unwrap();
+    let answer = tok.encode("It is 4.", false).unwrap();
+    assert!(thought.len() > 3 && answer.len() > 1);
+    let cat = |parts: &[&[u32]]| parts.concat();
+    let cases = [
+        // The template opened the reasoning: only `</think>` comes.
+        (cat(&[&thought, &[close], &answer]), thought.len()),
+        (cat(&[&[open], &thought, &[close], &answer]), thought.len()),
+        // Cut inside the reasoning: all reasoning.
+        (cat(&[&[open], &thought]), thought.len()),
+    ];
+    for (ids, want) in cases {
+        let total = ids.len();
+        let (addr, task, _) = ids_server(
+            ids,
+            TOOLS_TEMPLATE,
+            Some(ReasoningParser::DeepSeekR1),
+            common::tokenizer_with_specials(&["<think>", "</think>"]),
+        )
+        .await;
+        let v = response(addr, &json!({"input": "2+2?"})).await;
+        let u = &v["usage"];
+        assert_eq!(u["output_tokens"], total, "{v}");
+        assert_eq!(u["output_tokens_details"]["reasoning_tokens"], want, "{v}");
+        let r = post(
+            addr,
+            "/v1/responses",
+            &json!({"input": "2+2?", "stream": true}),
+        )
+        .await;
+        let ev = response_events(&r);
+        let (kind, last) = ev.last().unwrap();
+        assert_eq!(kind, "response.completed", "{}", r.body);
+        let u = &last["response"]["usage"];
+        assert_eq!(u["output_tokens"], total, "{last}");
+        assert_eq!(
+            u["output_tokens_details"]["reasoning_tokens"], want,
+            "{last}"
+        );
+        task.abort();
+    }
+    // No reasoning parser: no reasoning tokens.
+    let (addr, task, _) = ids_server(
+        cat(&[&thought, &[close], &answer]),
+        TOOLS_TEMPLATE,
+        None,
+        common::tokenizer_with_specials(&["<think>", "</think>"]),
+    )
+    .await;
+    let v = response(addr, &json!({"input": "2+2?"})).await;
+    assert_eq!(v["usage"]["output_tokens_details"]["reasoning_tokens"], 0);
+    task.abort();
+}
+
+/// An assistant message's `reasoning` (vLLM's current name) reaches the chat template as
+/// `reasoning_content`, which templates read, as `reasoning_content` itself does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assistant_messages_reasoning_reaches_the_template_as_reasoning_content() {
+    let load = || {
+        baton_model::load_model_dir(common::model_dir())
+            .unwrap()
+            .tokenizer
+            .unwrap()
+    };
+    let tok = load();
+    let template = "{% for m in messages %}{{ m.role }}[{{ m.reasoning_content }}]{{ m.content }};{% endfor %}";
+    let (addr, task, prompts) = ids_server(vec![], template, None, load()).await;
+    for field in ["reasoning", "reasoning_content"] {
+        let body = json!({"messages": [
+            {"role": "user", "content": "sum"},
+            {"role": "assistant", "content": "four", field: "two and two"},
+            {"role": "user", "content": "ok"}], "max_tokens": 1});
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let ids = prompts.lock().unwrap().pop().unwrap();
+        let text = tok.decode(&ids, true).unwrap();
+        assert!(
+            text.contains("assistant[two and two]four;"),
+            "{field}: {text}"
+        );
+    }
+    task.abort();
+}
+
+/// The ids of a choice's `token_ids` (or a chat response's `prompt_token_ids`).
+fn id_list(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("a list of ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Per choice of a streamed completions or chat response with `return_token_ids`: the
+/// prompt ids (which must come once, in the choice's first chunk: top-level on chat) and the
+/// concatenated token ids (on every chunk after the chat role chunk).
+fn streamed_ids(r: &common::Resp, chat: bool) -> Vec<(Vec<u32>, Vec<u32>)> {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut out: Vec<(Option<Vec<u32>>, Vec<u32>)> = Vec::new();
+    for e in r.events() {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if out.len() <= i {
+                out.resize(i + 1, (None, Vec::new()));
+            }
+            let prompt = if chat {
+                &v["prompt_token_ids"]
+            } else {
+                &c["prompt_token_ids"]
+            };
+            let first = chat && c["delta"]["role"] == "assistant";
+            if out[i].0.is_none() {
+                out[i].0 = Some(id_list(prompt));
+            } else {
+                assert!(prompt.is_null(), "prompt ids after the first chunk: {e}");
+            }
+            if first {
+                assert!(c.get("token_ids").is_none(), "{e}");
+            } else {
+                out[i].1.extend(id_list(&c["token_ids"]));
+            }
+        }
+    }
+    out.into_iter().map(|(p, t)| (p.unwrap(), t)).collect()
+}
+
+/// vLLM's `return_token_ids` on /v1/completions and /v1/chat/completions, streamed and not:
+/// the prompt's ids and exactly the generated ids of each choice, the token that completed a
+/// stop string and a stop token included (the text leaves them out, the ids do not, as vLLM's
+/// `token_ids` keep every generated token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let prompt_ids = id_list(&g["prompt_ids"]);
+    let greedy = id_list(&g["greedy_ids"]);
+    let base = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                      "return_token_ids": true});
+    // Greedy, ended by max_tokens, by a stop string (" named" is token 8: its whole text), by
+    // a stop token id (the first ".", token 10).
+    let dot = greedy[10];
+    assert_eq!(greedy.iter().position(|&t| t == dot), Some(10));
+    for (extra, want, text) in [
+        (json!({}), &greedy[..12], None),
+        (
+            json!({"stop": ["named"]}),
+            &greedy[..9],
+            Some(", there was a little girl "),
+        ),
+        (
+            json!({"stop_token_ids": [dot]}),
+            &greedy[..11],
+            Some(", there was a little girl named Lily"),
+        ),
+    ] {
+        let body = with_fields(&base, extra.clone());
+        let v = completion(srv.addr, body.clone()).await;
+        let c = &v["choices"][0];
+        assert_eq!(id_list(&c["prompt_token_ids"]), prompt_ids, "{extra}");
+        assert_eq!(id_list(&c["token_ids"]), want, "{extra}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], want.len());
+        if let Some(t) = text {
+            assert_eq!(c["text"], t, "{extra}");
+        }
+        let mut body = body;
+        body["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/completions", &body).await;
+        assert_eq!(
+            streamed_ids(&r, false),
+            [(prompt_ids.clone(), want.to_vec())],
+            "{extra}"
+        );
+    }
+    // n > 1 with echo: each choice has its own ids (seeded sampling, streamed the same).
+    let body = with_fields(
+        &base,
+        json!({"n": 3, "temperature": 1.0, "seed": 7, "echo": true}),
+    );
+    let v = completion(srv.addr, body.clone()).await;
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut want = Vec::new();
+    for c in choices {
+        assert_eq!(id_list(&c["prompt_token_ids"]), prompt_ids);
+        let ids = id_list(&c["token_ids"]);
+        assert!(!ids.is_empty() && ids.len() <= 12, "{c}");
+        want.push((prompt_ids.clone(), ids));
+    }
+    assert!(want[0].1 != want[1].1 || want[1].1 != want[2].1, "{v}");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let r = post(srv.addr, "/v1/completions", &streamed).await;
+    assert_eq!(streamed_ids(&r, false), want);
+    // Without the field: no ids.
+    let v = completion(
+        srv.addr,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}),
+    )
+    .await;
+    assert!(v["choices"][0].get("token_ids").is_none(), "{v}");
+    assert!(v["choices"][0].get("prompt_token_ids").is_none(), "{v}");
+
+    // Chat: the prompt ids at the top (the rendered prompt, as /tokenize gives it), the ids on
+    // each choice.
+    let messages = json!([{"role": "user", "content": "Tell a story."}]);
+    let t = post(srv.addr, "/tokenize", &json!({"messages": messages})).await;
+    let chat_prompt = id_list(&t.json()["tokens"]);
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 10, "n": 2,
+                      "temperature": 1.0, "seed": 3, "return_token_ids": true});
+    let r = post(srv.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(id_list(&v["prompt_token_ids"]), chat_prompt);
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let mut want = Vec::new();
+    for c in v["choices"].as_array().unwrap() {
+        let ids = id_list(&c["token_ids"]);
+        assert_eq!(
+            tok.decode(&ids, true).unwrap().trim(),
+            c["message"]["content"].as_str().unwrap().trim(),
+            "{c}"
+        );
+        want.push((chat_prompt.clone(), ids));
+    }
+    let total: usize = want.iter().map(|w| w.1.len()).sum();
+    assert_eq!(v["usage"]["completion_tokens"], total);
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let r = post(srv.addr, "/v1/chat/completions", &streamed).await;
+    assert_eq!(streamed_ids(&r, true), want);
 }

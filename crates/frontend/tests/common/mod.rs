@@ -143,6 +143,7 @@ pub async fn start(opts: Opts) -> TestServer {
         port: 0,
         api_key: opts.api_key,
         served_model_name: MODEL.into(),
+        more_served_model_names: opts.more_served_model_names,
         model_aliases: Vec::new(),
         chat_template: opts.chat_template,
         header_read_timeout: opts
@@ -282,6 +283,7 @@ where
         port: 0,
         api_key: None,
         served_model_name: MODEL.into(),
+        more_served_model_names: Vec::new(),
         model_aliases: Vec::new(),
         chat_template,
         header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
