@@ -393,3 +393,27 @@ fn serve_with_dummy_weights_needs_no_safetensors() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// `--generation-config vllm` takes no sampling defaults from generation_config.json, so a
+/// malformed one must not stop `serve`: the scheduler, the worker and the frontend each
+/// ignore it (the scheduler and frontend with a warning) and take the stop ids from
+/// config.json. Under `auto` serve refuses it at once (`cli_errors.rs`).
+#[test]
+fn serve_with_generation_config_vllm_starts_despite_a_malformed_generation_config() {
+    let _serial = serial();
+    let inst = instance("serve-badgen");
+    let dir = edited_model_dir("serve-badgen", |_| {});
+    std::fs::write(dir.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
+    let (mut serve, addr) = serve_on(
+        &inst,
+        18306,
+        &dir,
+        &["--load-format", "dummy", "--generation-config", "vllm"],
+    );
+    assert_eq!(health(&addr), 200);
+    let (_, done) = stream_completion(&addr, 8);
+    assert!(done, "a request did not complete");
+    serve.signal(Signal::SIGTERM);
+    assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+    let _ = std::fs::remove_dir_all(dir);
+}

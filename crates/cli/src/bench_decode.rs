@@ -13,7 +13,7 @@ use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::{decode_floor_seconds, ModelShape};
 use baton_cuda::CudaWorker;
-use baton_model::{CpuModel, LlamaWeights, LoadFormat, ModelConfig, ModelDir, ModelWeights};
+use baton_model::{CpuModel, LlamaWeights, ModelConfig, ModelDir, ModelWeights};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
 use baton_worker::{Backend, CpuBackend, TableReader};
 use clap::{Args, ValueEnum};
@@ -434,10 +434,11 @@ fn load_config(a: &DecodeArgs) -> Result<ModelConfig> {
 fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<ModelWeights> {
     match (a.load_format, &a.model) {
         (LoadFormatArg::Dummy, _) => Ok(LlamaWeights::dummy(cfg, a.seed).into()),
-        (LoadFormatArg::Auto, Some(dir)) => {
-            Ok(ModelDir::new(dir).load_mapped(LoadFormat::Auto)?.weights)
+        (f, Some(dir)) => {
+            let format = f.with_seed(a.seed, Some(dir))?;
+            Ok(ModelDir::new(dir).load_mapped(format)?.weights)
         }
-        (LoadFormatArg::Auto, None) => bail!("--config needs --load-format dummy"),
+        (_, None) => bail!("--config needs --load-format dummy"),
     }
 }
 

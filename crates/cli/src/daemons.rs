@@ -110,7 +110,13 @@ pub fn grammar_vocabulary(
     if !path.exists() {
         return Ok(None);
     }
-    let eos = dir.eos_token_ids()?;
+    // Only the stop ids are taken from generation_config.json here: one that does not load
+    // is ignored, as the frontend does under `--generation-config vllm` (under `auto` the
+    // frontend refuses it), so both take config.json's ids.
+    let (eos, ignored) = dir.eos_token_ids_lenient()?;
+    if let Some(e) = ignored {
+        tracing::warn!("ignoring {e}; the stop ids come from config.json");
+    }
     match baton_grammar::Vocabulary::from_tokenizer_json(&path, vocab_size, &eos) {
         Ok(v) => Ok(Some(v)),
         Err(e) => {
@@ -138,7 +144,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
 
 fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
-    let format = a.load_format.with_seed_flag(a.seed)?;
+    let format = a.load_format.with_seed_flag(a.seed, a.model.as_deref())?;
     let (model_cfg, vocab, fingerprint, weights_fingerprint) = match &a.model {
         Some(dir) => {
             let dir = ModelDir::new(dir);
@@ -231,8 +237,13 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             if a.device == Device::Cuda {
                 check_cuda_device(&a.cuda)?;
             }
-            let format = a.load_format.with_seed_flag(a.seed)?;
-            Some((dir.clone(), ModelDir::new(&dir).load_mapped(format)?))
+            let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
+            // A worker uses nothing from generation_config.json: one that does not load is
+            // the frontend's to report (`--generation-config auto` refuses it, `vllm` not).
+            Some((
+                dir.clone(),
+                ModelDir::new(&dir).load_mapped_lenient(format)?,
+            ))
         }
     };
     let (segment, limits) = daemon::attach(&a.instance, wait)?;

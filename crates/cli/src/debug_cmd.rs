@@ -268,8 +268,11 @@ fn load(a: &CompareArgs) -> Result<(ModelConfig, LlamaWeights)> {
     };
     let w = match (a.load_format, &a.model) {
         (LoadFormatArg::Dummy, _) => LlamaWeights::dummy(&cfg, a.seed),
-        (LoadFormatArg::Auto, Some(dir)) => ModelDir::new(dir).load(LoadFormat::Auto)?.weights,
-        (LoadFormatArg::Auto, None) => bail!("--config needs --load-format dummy"),
+        (f, Some(dir)) => {
+            let format = f.with_seed(a.seed, Some(dir))?;
+            ModelDir::new(dir).load(format)?.weights
+        }
+        (_, None) => bail!("--config needs --load-format dummy"),
     };
     Ok((cfg, w))
 }

@@ -116,7 +116,7 @@ impl HttpArgs {
         let d = SamplingDefaults {
             temperature: g.temperature.map(f64::from),
             top_p: g.top_p.map(f64::from),
-            top_k: g.top_k.map(i64::from),
+            top_k: g.top_k,
             min_p: g.min_p.map(f64::from),
             repetition_penalty: g.repetition_penalty.map(f64::from),
             max_tokens: g.max_new_tokens,
@@ -302,11 +302,20 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         TokenizerConfig::default()
     };
     let tokenizer = Tokenizer::from_file(&dir.tokenizer_path(), tc)?;
-    let gen_path = dir.generation_config_path();
-    let mut eos = if gen_path.exists() {
-        baton_model::GenerationConfig::from_file(&gen_path)?.eos_token_ids
-    } else {
-        Vec::new()
+    // Stop ids: generation_config.json's. Only `auto` reads the sampling defaults from it
+    // (and has refused a malformed one above); otherwise a file that does not load is
+    // ignored with a warning and config.json's ids are used, so that `--generation-config
+    // vllm` starts (vLLM falls back to config.json for a file that is not valid JSON).
+    let mut eos = match dir.generation_config() {
+        Ok(g) => g.eos_token_ids,
+        Err(e) if a.http.generation_config != "auto" => {
+            tracing::warn!(
+                "ignoring {e} (--generation-config {}); the stop ids come from config.json",
+                a.http.generation_config
+            );
+            Vec::new()
+        }
+        Err(e) => return Err(e.into()),
     };
     // config.json is optional for a frontend (a tokenizer directory is enough); when present it
     // gives the EOS ids if generation_config.json does not, and the fingerprint to check.

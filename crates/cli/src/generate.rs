@@ -10,7 +10,7 @@ use baton_scheduler::{Event, FinishReason, NewRequest};
 use baton_worker::{Backend, CpuBackend};
 use clap::{Args, ValueEnum};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// How weights are loaded (vLLM's `--load-format`).
@@ -20,27 +20,55 @@ pub enum LoadFormatArg {
     Auto,
     /// Seeded random weights from config.json alone (benchmarks).
     Dummy,
+    /// Read the safetensors files; a directory without them is an error naming the flag
+    /// (vLLM's `safetensors`; Baton reads no other format, so otherwise the same as `auto`).
+    Safetensors,
 }
 
 impl LoadFormatArg {
     /// The model crate's [`LoadFormat`] for the daemons' `--load-format` and `--seed` (seed 0
-    /// by default).
+    /// by default), checked against the `--model` directory when one is given.
     ///
     /// # Errors
-    /// A `--seed` without `--load-format dummy` (it would be ignored).
-    pub fn with_seed_flag(self, seed: Option<u64>) -> anyhow::Result<LoadFormat> {
-        if self == LoadFormatArg::Auto && seed.is_some() {
+    /// A `--seed` without `--load-format dummy` (it would be ignored); as
+    /// [`LoadFormatArg::with_seed`].
+    pub fn with_seed_flag(
+        self,
+        seed: Option<u64>,
+        model: Option<&Path>,
+    ) -> anyhow::Result<LoadFormat> {
+        if self != LoadFormatArg::Dummy && seed.is_some() {
             anyhow::bail!("--seed sets the seed of dummy weights; it needs --load-format dummy");
         }
-        Ok(self.with_seed(seed.unwrap_or(0)))
+        self.with_seed(seed.unwrap_or(0), model)
     }
 
-    /// The model crate's [`LoadFormat`], with `seed` for dummy weights.
-    pub fn with_seed(self, seed: u64) -> LoadFormat {
-        match self {
+    /// The model crate's [`LoadFormat`], with `seed` for dummy weights (`safetensors` is
+    /// [`LoadFormat::Auto`] once `model`, when given, is checked to hold safetensors).
+    ///
+    /// # Errors
+    /// `--load-format safetensors` with a `model` directory that has neither
+    /// `model.safetensors` nor `model.safetensors.index.json`.
+    pub fn with_seed(self, seed: u64, model: Option<&Path>) -> anyhow::Result<LoadFormat> {
+        Ok(match self {
             LoadFormatArg::Auto => LoadFormat::Auto,
             LoadFormatArg::Dummy => LoadFormat::Dummy { seed },
-        }
+            LoadFormatArg::Safetensors => {
+                if let Some(dir) = model {
+                    let has = ["model.safetensors", "model.safetensors.index.json"]
+                        .iter()
+                        .any(|f| dir.join(f).is_file());
+                    if !has {
+                        anyhow::bail!(
+                            "--load-format safetensors: {} has no model.safetensors or \
+                             model.safetensors.index.json",
+                            dir.display()
+                        );
+                    }
+                }
+                LoadFormat::Auto
+            }
+        })
     }
 }
 
@@ -202,7 +230,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if prompts.is_empty() {
         bail!("give at least one --prompt or a --prompts-file");
     }
-    let format = a.load_format.with_seed(a.seed.unwrap_or(0));
+    let format = a
+        .load_format
+        .with_seed(a.seed.unwrap_or(0), Some(&a.model))?;
     if a.device == GenDevice::Cuda {
         check_cuda_device(&a.cuda)?;
     }

@@ -288,7 +288,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         a.frontends.to_string(),
     ];
     sched_args.extend(engine_flags(&engine));
-    let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed)? {
+    let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {
         baton_model::LoadFormat::Auto => Vec::new(),
         baton_model::LoadFormat::Dummy { seed } => vec![
             "--load-format".into(),
@@ -419,7 +419,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     while http_health(&addr) != Some(200) {
-        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+        if stop.load(Ordering::Relaxed) {
+            // SIGINT/SIGTERM while the children start: a requested stop, not a failure.
+            shutdown(&mut kids);
+            eprintln!("baton serve: stopped during start-up");
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
             shutdown(&mut kids);
             bail!("the server did not become healthy within 120 s");
         }

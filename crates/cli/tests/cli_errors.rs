@@ -341,3 +341,87 @@ fn tool_calling_flags_are_checked_at_startup() {
         assert!(!err.contains("--tool-call-parser"), "{flags:?}: {err}");
     }
 }
+
+/// A temporary copy of the test model's JSON files (no weights) under `tag`.
+fn json_only_copy(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(common::model_dir()).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "json") {
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    dir
+}
+
+/// vLLM users pass `--load-format safetensors`: it is `auto` for a safetensors checkpoint,
+/// and a directory without one is refused naming the flag, by `generate` and by `serve`
+/// before any child starts.
+#[test]
+fn load_format_safetensors_reads_safetensors_and_names_the_flag_without_them() {
+    let (code, err) = generate(&["--load-format", "safetensors", "--temperature", "0"]);
+    assert_eq!(code, Some(0), "{err}");
+    let dir = json_only_copy("no-safetensors");
+    let inst = format!("st-{}", std::process::id());
+    let cases: [Vec<&std::ffi::OsStr>; 2] = [
+        vec![
+            os("generate"),
+            os("--prompt"),
+            os("hi"),
+            os("--load-format"),
+            os("safetensors"),
+            os("--model"),
+            dir.as_os_str(),
+        ],
+        vec![
+            os("serve"),
+            os("--port"),
+            os("0"),
+            os("--instance"),
+            os(&inst),
+            os("--load-format"),
+            os("safetensors"),
+            os("--model"),
+            dir.as_os_str(),
+        ],
+    ];
+    for args in cases {
+        let (code, err) = run_bounded(&args, "--load-format safetensors without safetensors");
+        assert_fails_with(code, &err, "--load-format safetensors", &args);
+        assert!(err.contains("model.safetensors"), "{err}");
+        assert!(
+            !err.contains("baton scheduler"),
+            "a child was started: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `serve` (with `--generation-config auto`, the default) refuses a malformed
+/// generation_config.json before starting any child, naming the file.
+#[test]
+fn serve_refuses_a_malformed_generation_config_under_auto() {
+    let dir = json_only_copy("bad-genconfig");
+    std::fs::write(dir.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
+    let inst = format!("badgen-{}", std::process::id());
+    let args = [
+        os("serve"),
+        os("--port"),
+        os("0"),
+        os("--instance"),
+        os(&inst),
+        os("--load-format"),
+        os("dummy"),
+        os("--model"),
+        dir.as_os_str(),
+    ];
+    let (code, err) = run_bounded(&args, "serve with a malformed generation config");
+    assert_fails_with(code, &err, "generation_config.json", &args);
+    assert!(
+        !err.contains("baton scheduler"),
+        "a child was started: {err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

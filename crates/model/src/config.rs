@@ -748,8 +748,9 @@ pub struct GenerationConfig {
     pub temperature: Option<f32>,
     /// Default nucleus threshold, if given.
     pub top_p: Option<f32>,
-    /// Default top-k, if given.
-    pub top_k: Option<u32>,
+    /// Default top-k, if given: -1 and 0 mean no top-k (Hugging Face's "disabled"), as in a
+    /// request.
+    pub top_k: Option<i64>,
     /// `do_sample`, if given.
     pub do_sample: Option<bool>,
     /// Default min-p, if given.
@@ -773,7 +774,23 @@ impl GenerationConfig {
             eos_token_ids: f.u32_or_list("eos_token_id")?,
             temperature: f.opt_f64("temperature")?.map(|x| x as f32),
             top_p: f.opt_f64("top_p")?.map(|x| x as f32),
-            top_k: f.opt_u32("top_k")?,
+            top_k: match f.get("top_k") {
+                None => None,
+                // Integral floats such as 50.0 too, as the other integer fields.
+                Some(v) => match v.as_i64().or_else(|| {
+                    v.as_f64()
+                        .filter(|f| f.fract() == 0.0 && f.abs() < 1e15)
+                        .map(|f| f as i64)
+                }) {
+                    Some(k) if (-1..=i64::from(u32::MAX)).contains(&k) => Some(k),
+                    _ => {
+                        return Err(f.invalid(
+                            "top_k",
+                            format!("expected -1 or 0 (no top-k) or a positive integer, found {v}"),
+                        ))
+                    }
+                },
+            },
             do_sample: f.opt_bool("do_sample")?,
             min_p: f.opt_f64("min_p")?.map(|x| x as f32),
             repetition_penalty: f.opt_f64("repetition_penalty")?.map(|x| x as f32),
@@ -1222,8 +1239,14 @@ mod tests {
             (g.temperature, g.top_p, g.top_k),
             (Some(0.6), Some(0.9), Some(50))
         );
-        let e = GenerationConfig::from_json_str(r#"{"top_k": -1}"#, "generation_config.json");
-        assert!(e.unwrap_err().to_string().contains("top_k"));
+        for (text, want) in [(r#"{"top_k": -1}"#, -1), (r#"{"top_k": 0}"#, 0)] {
+            let g = GenerationConfig::from_json_str(text, "generation_config.json").unwrap();
+            assert_eq!(g.top_k, Some(want), "{text}");
+        }
+        for bad in [r#"{"top_k": -2}"#, r#"{"top_k": 2.5}"#, r#"{"top_k": "5"}"#] {
+            let e = GenerationConfig::from_json_str(bad, "generation_config.json");
+            assert!(e.unwrap_err().to_string().contains("top_k"), "{bad}");
+        }
     }
 
     #[test]

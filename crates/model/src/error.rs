@@ -103,6 +103,28 @@ pub enum ModelError {
         /// `num_hidden_layers` from config.json.
         layers: usize,
     },
+    /// The checkpoint stores tensors a model of config.json's architecture does not use
+    /// (say an `o_proj.bias` in a Qwen2 checkpoint, a `q_norm` in a Llama one): the weights
+    /// are of another architecture, and running without them would give wrong outputs. Names
+    /// known to be harmless (saved RoPE tables, a tied `lm_head.weight`, an all-zero bias) are
+    /// not counted. vLLM refuses such a checkpoint too (a `KeyError` or `ValueError` naming
+    /// the weight).
+    #[error(
+        "{file}: the checkpoint has {count} tensor(s) that a `{model_type}` model as config.json \
+         describes does not use: {}; config.json and the weights do not match, or the \
+         checkpoint's architecture is not supported",
+        list_names(.tensors, *.count)
+    )]
+    UnusedTensors {
+        /// The weights file (or index).
+        file: String,
+        /// `model_type` from config.json.
+        model_type: String,
+        /// The first few such tensors, sorted.
+        tensors: Vec<String>,
+        /// How many there are.
+        count: usize,
+    },
     /// A tensor is stored in a dtype other than F32, F16 or BF16.
     #[error("{file}: tensor `{tensor}` has unsupported dtype {dtype}; supported: F32, F16, BF16")]
     UnsupportedDtype {
@@ -217,6 +239,19 @@ pub enum ForwardError {
         /// Values per buffer (`T * hidden`).
         values: usize,
     },
+}
+
+/// `` `a`, `b` and 3 more `` for an error message.
+fn list_names(names: &[String], count: usize) -> String {
+    let mut s = names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if count > names.len() {
+        s.push_str(&format!(" and {} more", count - names.len()));
+    }
+    s
 }
 
 impl ModelError {

@@ -99,8 +99,39 @@ impl ModelDir {
     /// # Errors
     /// A missing or malformed config.json, a malformed generation_config.json or tokenizer.
     pub fn eos_token_ids(&self) -> Result<Vec<u32>, ModelError> {
-        let (c, g, t) = load_meta(&self.root, LoadFormat::Dummy { seed: 0 })?;
-        Ok(eos_token_ids(&g, &c, t.as_ref()))
+        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, false)?;
+        Ok(eos_token_ids(
+            &m.generation_config,
+            &m.config,
+            m.tokenizer.as_ref(),
+        ))
+    }
+
+    /// [`ModelDir::eos_token_ids`], except that a generation_config.json that does not load
+    /// is ignored (the ids then come from config.json, else the tokenizer) and its error
+    /// returned beside them for the caller to report: what `--generation-config vllm` needs,
+    /// and what a process that takes only the stop ids from that file can do whatever the
+    /// flag (the frontend, which reads the sampling defaults, refuses the file under `auto`).
+    ///
+    /// # Errors
+    /// A missing or malformed config.json or tokenizer.
+    pub fn eos_token_ids_lenient(&self) -> Result<(Vec<u32>, Option<ModelError>), ModelError> {
+        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, true)?;
+        let ids = eos_token_ids(&m.generation_config, &m.config, m.tokenizer.as_ref());
+        Ok((ids, m.generation_config_error))
+    }
+
+    /// generation_config.json, or the default (no values) when the file does not exist.
+    ///
+    /// # Errors
+    /// An unreadable or malformed file, named.
+    pub fn generation_config(&self) -> Result<GenerationConfig, ModelError> {
+        let p = self.generation_config_path();
+        if p.exists() {
+            GenerationConfig::from_file(&p)
+        } else {
+            Ok(GenerationConfig::default())
+        }
     }
 
     /// Loads everything as [`ModelDir::load`] does, except that safetensors weights stay
@@ -110,7 +141,31 @@ impl ModelDir {
     /// # Errors
     /// As [`load_model_dir_with`].
     pub fn load_mapped(&self, format: LoadFormat) -> Result<MappedModel, ModelError> {
-        let (config, generation_config, tokenizer) = load_meta(&self.root, format)?;
+        self.load_mapped_with(format, false)
+    }
+
+    /// [`ModelDir::load_mapped`], except that a generation_config.json that does not load is
+    /// ignored: [`MappedModel::generation_config_error`] holds its error and the stop ids come
+    /// from config.json, else the tokenizer (as [`ModelDir::eos_token_ids_lenient`]). For a
+    /// worker, which uses nothing from that file.
+    ///
+    /// # Errors
+    /// As [`ModelDir::load_mapped`], less the generation config's.
+    pub fn load_mapped_lenient(&self, format: LoadFormat) -> Result<MappedModel, ModelError> {
+        self.load_mapped_with(format, true)
+    }
+
+    fn load_mapped_with(
+        &self,
+        format: LoadFormat,
+        lenient: bool,
+    ) -> Result<MappedModel, ModelError> {
+        let Meta {
+            config,
+            generation_config,
+            generation_config_error,
+            tokenizer,
+        } = load_meta(&self.root, format, lenient)?;
         let (weights, weights_fingerprint) = match format {
             LoadFormat::Auto => {
                 let src = WeightSource::open(&self.root)?;
@@ -127,6 +182,7 @@ impl ModelDir {
             weights_fingerprint,
             config,
             generation_config,
+            generation_config_error,
             tokenizer,
             weights,
         })
@@ -138,8 +194,11 @@ impl ModelDir {
 pub struct MappedModel {
     /// Parsed config.json.
     pub config: ModelConfig,
-    /// Parsed generation_config.json (default when absent).
+    /// Parsed generation_config.json (default when absent, or when it did not load under
+    /// [`ModelDir::load_mapped_lenient`]).
     pub generation_config: GenerationConfig,
+    /// Why generation_config.json was ignored ([`ModelDir::load_mapped_lenient`] only).
+    pub generation_config_error: Option<ModelError>,
     /// The tokenizer; always `Some` for [`LoadFormat::Auto`].
     pub tokenizer: Option<Tokenizer>,
     /// Mapped safetensors, or f32 dummy weights.
@@ -229,7 +288,12 @@ pub fn load_model_dir(path: impl AsRef<Path>) -> Result<LoadedModel, ModelError>
 /// unsupported architecture/model_type/features, missing tensors, wrong shapes, unsupported
 /// dtypes, inconsistent shard index, tokenizer failures. Never panics on bad input.
 pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedModel, ModelError> {
-    let (config, generation_config, tokenizer) = load_meta(path, format)?;
+    let Meta {
+        config,
+        generation_config,
+        tokenizer,
+        ..
+    } = load_meta(path, format, false)?;
     let weights = match format {
         LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open(path)?)?,
         LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
@@ -242,19 +306,25 @@ pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedMode
     })
 }
 
-/// config.json, generation_config.json (default when absent) and the tokenizer (required for
-/// [`LoadFormat::Auto`], loaded when present otherwise).
-fn load_meta(
-    path: &Path,
-    format: LoadFormat,
-) -> Result<(ModelConfig, GenerationConfig, Option<Tokenizer>), ModelError> {
+/// What [`load_meta`] reads.
+struct Meta {
+    config: ModelConfig,
+    generation_config: GenerationConfig,
+    /// The generation config's error when `lenient` ignored it.
+    generation_config_error: Option<ModelError>,
+    tokenizer: Option<Tokenizer>,
+}
+
+/// config.json, generation_config.json (default when absent, and with `lenient` when it does
+/// not load, its error kept) and the tokenizer (required for [`LoadFormat::Auto`], loaded
+/// when present otherwise).
+fn load_meta(path: &Path, format: LoadFormat, lenient: bool) -> Result<Meta, ModelError> {
     let dir = ModelDir::new(path);
     let config = ModelConfig::from_file(&dir.config_path())?;
-    let gen_path = dir.generation_config_path();
-    let generation_config = if gen_path.exists() {
-        GenerationConfig::from_file(&gen_path)?
-    } else {
-        GenerationConfig::default()
+    let (generation_config, generation_config_error) = match dir.generation_config() {
+        Ok(g) => (g, None),
+        Err(e) if lenient => (GenerationConfig::default(), Some(e)),
+        Err(e) => return Err(e),
     };
     let tok_path = dir.tokenizer_path();
     let tokenizer = if matches!(format, LoadFormat::Auto) || tok_path.exists() {
@@ -268,5 +338,10 @@ fn load_meta(
     } else {
         None
     };
-    Ok((config, generation_config, tokenizer))
+    Ok(Meta {
+        config,
+        generation_config,
+        generation_config_error,
+        tokenizer,
+    })
 }

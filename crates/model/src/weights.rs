@@ -475,17 +475,83 @@ impl WeightSource {
         }
     }
 
-    /// Name of the tensor holding the LM head, `[vocab, hidden]`: `lm_head.weight` when
-    /// stored, else (tied embeddings) `model.embed_tokens.weight`.
+    /// Stored tensors that a model of `cfg` does not use and that are not known to be
+    /// harmless ([`is_harmless_unused`], or an all-zero bias), sorted. Layers past `cfg`'s are
+    /// included (see [`WeightSource::check_layer_count`]).
+    pub fn unused_tensors(&self, cfg: &ModelConfig) -> Vec<&str> {
+        let mut used: std::collections::HashSet<String> = (0..cfg.num_hidden_layers)
+            .flat_map(|i| layer_tensor_shapes(cfg, i).into_iter().map(|(n, _)| n))
+            .collect();
+        used.insert("model.embed_tokens.weight".into());
+        used.insert("model.norm.weight".into());
+        if !cfg.tie_word_embeddings {
+            used.insert("lm_head.weight".into());
+        }
+        self.tensor_names()
+            .filter(|n| !used.contains(*n) && !is_harmless_unused(cfg, n))
+            .filter(|n| !(n.ends_with(".bias") && self.is_all_zero(n)))
+            .collect()
+    }
+
+    /// Whether a stored tensor of a supported dtype holds only zeros (`-0.0` included).
+    fn is_all_zero(&self, name: &str) -> bool {
+        self.get(name).is_ok_and(|t| {
+            let sign = match t.dtype {
+                DType::F32 => 0x8000_0000u32,
+                DType::F16 | DType::BF16 => 0x8000,
+            };
+            match t.dtype {
+                DType::F32 => t
+                    .bytes
+                    .chunks_exact(4)
+                    .all(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & !sign == 0),
+                DType::F16 | DType::BF16 => t
+                    .bytes
+                    .chunks_exact(2)
+                    .all(|c| u32::from(u16::from_le_bytes([c[0], c[1]])) & !sign == 0),
+            }
+        })
+    }
+
+    /// Fails when the checkpoint's tensor names do not match a model of `cfg`: layers past
+    /// `cfg`'s ([`ModelError::ExtraLayers`]), or any other tensor the model would not use
+    /// ([`ModelError::UnusedTensors`], from [`WeightSource::unused_tensors`]): an
+    /// architecture the loader does not handle would otherwise give wrong outputs silently.
+    /// Both [`LlamaWeights::load`] and [`WeightSource::check_llama`] (the mapped load) start
+    /// with it.
+    ///
+    /// # Errors
+    /// [`ModelError::ExtraLayers`], [`ModelError::UnusedTensors`].
+    pub fn check_tensor_names(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        self.check_layer_count(cfg)?;
+        let unused = self.unused_tensors(cfg);
+        if unused.is_empty() {
+            return Ok(());
+        }
+        Err(ModelError::UnusedTensors {
+            file: self.origin.display().to_string(),
+            model_type: cfg.model_type.clone(),
+            count: unused.len(),
+            tensors: unused
+                .iter()
+                .take(UNUSED_TENSORS_NAMED)
+                .map(|n| (*n).to_owned())
+                .collect(),
+        })
+    }
+
+    /// Name of the tensor holding the LM head, `[vocab, hidden]`: `model.embed_tokens.weight`
+    /// with tied embeddings (a stored `lm_head.weight` is then ignored, as vLLM skips it and
+    /// transformers ties it to the embedding), else `lm_head.weight`.
     ///
     /// # Errors
     /// [`ModelError::MissingTensor`] for an untied model without `lm_head.weight` (HF would
     /// leave it randomly initialised; we refuse instead).
     pub fn lm_head_name(&self, cfg: &ModelConfig) -> Result<&'static str, ModelError> {
-        if self.contains("lm_head.weight") {
-            Ok("lm_head.weight")
-        } else if cfg.tie_word_embeddings {
+        if cfg.tie_word_embeddings {
             Ok("model.embed_tokens.weight")
+        } else if self.contains("lm_head.weight") {
+            Ok("lm_head.weight")
         } else {
             Err(ModelError::MissingTensor {
                 file: self.origin.display().to_string(),
@@ -494,14 +560,15 @@ impl WeightSource {
         }
     }
 
-    /// Checks everything [`LlamaWeights::load`] checks (no extra layers; every tensor present,
-    /// of a supported dtype, with its shape) without converting anything: a device backend
-    /// then reads each tensor from the map in its stored dtype.
+    /// Checks everything [`LlamaWeights::load`] checks (no extra layers or other unused
+    /// tensors: [`WeightSource::check_tensor_names`]; every tensor present, of a supported
+    /// dtype, with its shape) without converting anything: a device backend then reads each
+    /// tensor from the map in its stored dtype.
     ///
     /// # Errors
     /// As [`LlamaWeights::load`].
     pub fn check_llama(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
-        self.check_layer_count(cfg)?;
+        self.check_tensor_names(cfg)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         self.get_shaped("model.embed_tokens.weight", &[v, h])?;
         for i in 0..cfg.num_hidden_layers {
@@ -513,6 +580,27 @@ impl WeightSource {
         self.get_shaped(self.lm_head_name(cfg)?, &[v, h])?;
         Ok(())
     }
+}
+
+/// How many unused tensors [`ModelError::UnusedTensors`] names (it counts them all).
+pub const UNUSED_TENSORS_NAMED: usize = 5;
+
+/// Substrings of checkpoint tensor names that carry nothing a model needs: RoPE tables some
+/// training frameworks save (early ColossalAI, GPTQModel). vLLM's loaders skip the same
+/// names.
+pub const HARMLESS_UNUSED_TENSORS: &[&str] = &[
+    "rotary_emb.inv_freq",
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+];
+
+/// Whether an unused stored tensor is known to be harmless for a model of `cfg`: one of
+/// [`HARMLESS_UNUSED_TENSORS`], or `lm_head.weight` with tied embeddings (the embedding is
+/// the head; vLLM skips `lm_head.*` then).
+pub fn is_harmless_unused(cfg: &ModelConfig, name: &str) -> bool {
+    HARMLESS_UNUSED_TENSORS.iter().any(|s| name.contains(s))
+        || (cfg.tie_word_embeddings && name == "lm_head.weight")
 }
 
 /// A model's weights as a backend takes them.
@@ -629,14 +717,16 @@ impl LayerWeights {
 impl LlamaWeights {
     /// Loads and converts all weights from `src`, checking shapes against `cfg`.
     ///
-    /// The LM head is `lm_head.weight` when stored, else (tied embeddings) a copy of
-    /// `model.embed_tokens.weight`.
+    /// The LM head is `lm_head.weight`, or with tied embeddings a copy of
+    /// `model.embed_tokens.weight` ([`WeightSource::lm_head_name`]).
     ///
     /// # Errors
-    /// [`ModelError::MissingTensor`], [`ModelError::ShapeMismatch`],
-    /// [`ModelError::UnsupportedDtype`] naming the file and tensor.
+    /// [`ModelError::ExtraLayers`] and [`ModelError::UnusedTensors`]
+    /// ([`WeightSource::check_tensor_names`]), [`ModelError::MissingTensor`],
+    /// [`ModelError::ShapeMismatch`], [`ModelError::UnsupportedDtype`] naming the file and
+    /// tensor.
     pub fn load(cfg: &ModelConfig, src: &WeightSource) -> Result<Self, ModelError> {
-        src.check_layer_count(cfg)?;
+        src.check_tensor_names(cfg)?;
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;

@@ -355,3 +355,158 @@ fn a_checkpoint_with_more_layers_than_the_config_is_refused() {
         ],
     );
 }
+
+/// Stories260K's tensors plus `extra` (name, shape, value of every element), f32.
+fn with_extra(tag: &str, extra: &[(&str, &[usize], f32)]) -> TempDir {
+    dir_with_tensors(tag, |t| {
+        for (name, shape, value) in extra {
+            let n: usize = shape.iter().product();
+            let bytes = std::iter::repeat_n(value.to_le_bytes(), n)
+                .flatten()
+                .collect();
+            t.push((
+                (*name).to_string(),
+                safetensors::Dtype::F32,
+                shape.to_vec(),
+                bytes,
+            ));
+        }
+    })
+}
+
+/// A tensor the model does not use (a q/k norm in a Llama checkpoint, an o_proj bias) means
+/// the checkpoint is of another architecture: both loads refuse it, naming the file and the
+/// first few such tensors with their count, as vLLM raises on a weight name it has no
+/// parameter for.
+#[test]
+fn tensors_the_model_does_not_use_are_refused_and_named() {
+    let d = with_extra(
+        "unused",
+        &[
+            ("model.layers.0.self_attn.q_norm.weight", &[8], 1.0),
+            ("model.layers.0.self_attn.k_norm.weight", &[8], 1.0),
+            ("model.layers.1.self_attn.o_proj.bias", &[64], 0.5),
+            ("model.vision_tower.weight", &[4], 1.0),
+            ("model.layers.2.mlp.gate_proj.scale", &[1], 1.0),
+            ("model.layers.3.mlp.up_proj.bias", &[172], 0.5),
+            ("model.layers.4.mlp.down_proj.bias", &[64], 0.5),
+        ],
+    );
+    let e = both(&d);
+    assert!(
+        matches!(&e, ModelError::UnusedTensors { count: 7, tensors, .. } if tensors.len() == 5),
+        "{e:?}"
+    );
+    assert_mentions(
+        &e.to_string(),
+        &[
+            "model.safetensors",
+            "`llama`",
+            "7 tensor(s)",
+            "`model.layers.0.self_attn.k_norm.weight`",
+            "`model.layers.0.self_attn.q_norm.weight`",
+            "`model.layers.1.self_attn.o_proj.bias`",
+            "and 2 more",
+        ],
+    );
+    // One alone.
+    let d = with_extra(
+        "unused-one",
+        &[("model.layers.1.self_attn.o_proj.bias", &[64], 0.5)],
+    );
+    let e = both(&d).to_string();
+    assert_mentions(
+        &e,
+        &["1 tensor(s)", "`model.layers.1.self_attn.o_proj.bias`"],
+    );
+    assert!(!e.contains("more"), "{e}");
+}
+
+/// What vLLM skips loads: saved RoPE tables, an all-zero bias (what GPTQ exports store;
+/// adding it changes nothing) and, with tied embeddings, `lm_head.weight`, which is then not
+/// the head: the embedding is (as vLLM and transformers tie them). A non-zero bias is refused.
+#[test]
+fn harmless_unused_tensors_are_skipped_and_a_tied_lm_head_is_the_embedding() {
+    let d = with_extra(
+        "harmless",
+        &[
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", &[4], 1.0),
+            (
+                "model.layers.1.self_attn.rotary_emb.cos_cached",
+                &[2, 4],
+                1.0,
+            ),
+            (
+                "model.layers.1.self_attn.rotary_emb.sin_cached",
+                &[2, 4],
+                1.0,
+            ),
+            ("model.rotary_pos_emb.inv_freq", &[4], 1.0),
+            ("model.layers.2.self_attn.o_proj.bias", &[64], -0.0),
+            ("model.layers.2.mlp.down_proj.bias", &[64], 0.0),
+            ("lm_head.weight", &[512, 64], 0.25),
+        ],
+    );
+    let m = load_model_dir(&d).expect("harmless extras load");
+    assert_eq!(
+        m.weights.lm_head, m.weights.embed,
+        "a tied head is the embedding"
+    );
+    ModelDir::new(&*d)
+        .load_mapped(LoadFormat::Auto)
+        .expect("the mapped load skips them too");
+    // Untied, the stored head is used (and is no longer unused).
+    edit_config(&d, |c| {
+        c.insert("tie_word_embeddings".into(), serde_json::json!(false));
+    });
+    let m = load_model_dir(&d).expect("untied loads");
+    assert!(m.weights.lm_head.data.iter().all(|&x| x == 0.25));
+    let d = with_extra(
+        "nonzero-bias",
+        &[("model.layers.2.mlp.down_proj.bias", &[64], 1e-30)],
+    );
+    assert!(matches!(
+        both(&d),
+        ModelError::UnusedTensors { count: 1, .. }
+    ));
+}
+
+/// `--generation-config vllm` must start with a malformed generation_config.json: the
+/// lenient reads ignore it, return its error (naming the file) for the caller to report, and
+/// take the stop ids from config.json. The strict ones still refuse it.
+#[test]
+fn lenient_reads_ignore_a_malformed_generation_config_and_use_config_json_stop_ids() {
+    let d = dir_with_tensors("badgen-lenient", |_| {});
+    std::fs::write(d.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
+    edit_config(&d, |c| {
+        c.insert("eos_token_id".into(), serde_json::json!(7));
+    });
+    let dir = ModelDir::new(&*d);
+    let (ids, e) = dir.eos_token_ids_lenient().expect("lenient stop ids");
+    assert_eq!(ids, vec![7], "config.json's eos_token_id");
+    assert_mentions(
+        &e.expect("the ignored error").to_string(),
+        &["generation_config.json"],
+    );
+    let m = dir
+        .load_mapped_lenient(LoadFormat::Auto)
+        .expect("lenient load");
+    assert_eq!(m.eos_token_ids(), vec![7]);
+    assert!(m.generation_config_error.is_some());
+    assert_mentions(
+        &dir.eos_token_ids().unwrap_err().to_string(),
+        &["generation_config.json"],
+    );
+    // A well-formed file is read by both, with no error.
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 3]}"#,
+    )
+    .unwrap();
+    let (ids, e) = dir.eos_token_ids_lenient().unwrap();
+    assert_eq!(ids, vec![2, 3]);
+    assert!(e.is_none(), "{e:?}");
+    let m = dir.load_mapped_lenient(LoadFormat::Auto).unwrap();
+    assert!(m.generation_config_error.is_none());
+    assert_eq!(m.eos_token_ids(), vec![2, 3]);
+}
