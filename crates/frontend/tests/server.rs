@@ -4243,7 +4243,6 @@ async fn text_server(
     std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
     usize,
 ) {
-    use baton_frontend::EngineEvent;
     let tok = baton_model::load_model_dir(common::model_dir())
         .unwrap()
         .tokenizer
@@ -4262,23 +4261,7 @@ async fn text_server(
     let (addr, task) = common::start_scripted_with_parsers(
         move |req| {
             seen.lock().unwrap().push(req.prompt.clone());
-            let mut ev: Vec<EngineEvent> = ids
-                .iter()
-                .map(|&token| EngineEvent::Token {
-                    token,
-                    cached_tokens: 0,
-                    logprob: -0.5,
-                    top: vec![],
-                    first: None,
-                })
-                .collect();
-            ev.push(EngineEvent::Finished {
-                reason: finish,
-                prompt_tokens: req.prompt.len(),
-                output_tokens: ids.len(),
-                cached_tokens: 0,
-            });
-            ev
+            common::token_events(&ids, -0.5, req.prompt.len(), finish)
         },
         Some(TOOLS_TEMPLATE.into()),
         parser,
@@ -5181,7 +5164,6 @@ async fn chat_template_kwargs_reach_the_template_and_bad_ones_are_400s() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() {
     use baton_frontend::reasoning::ReasoningParser;
-    use baton_frontend::EngineEvent;
     use baton_scheduler::FinishReason;
     use std::sync::{Arc, Mutex};
     let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
@@ -5201,23 +5183,7 @@ async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() 
         move |req| {
             let g = req.guided.as_ref().expect("a guided request");
             record.lock().unwrap().push((g.after, g.guide.is_active()));
-            let mut ev: Vec<EngineEvent> = ids
-                .iter()
-                .map(|&token| EngineEvent::Token {
-                    token,
-                    cached_tokens: 0,
-                    logprob: 0.0,
-                    top: vec![],
-                    first: None,
-                })
-                .collect();
-            ev.push(EngineEvent::Finished {
-                reason: FinishReason::Stop,
-                prompt_tokens: req.prompt.len(),
-                output_tokens: ids.len(),
-                cached_tokens: 0,
-            });
-            ev
+            common::token_events(&ids, 0.0, req.prompt.len(), FinishReason::Stop)
         },
         Some(TOOLS_TEMPLATE.into()),
         None,
@@ -5253,7 +5219,6 @@ async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     use baton_frontend::reasoning::ReasoningParser;
-    use baton_frontend::EngineEvent;
     use baton_scheduler::FinishReason;
     let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
     let (open, close) = (
@@ -5268,25 +5233,7 @@ async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     for parser in [Some(ReasoningParser::DeepSeekR1), None] {
         let ids = ids.clone();
         let (addr, task) = common::start_scripted_with_tokenizer(
-            move |req| {
-                let mut ev: Vec<EngineEvent> = ids
-                    .iter()
-                    .map(|&token| EngineEvent::Token {
-                        token,
-                        cached_tokens: 0,
-                        logprob: 0.0,
-                        top: vec![],
-                        first: None,
-                    })
-                    .collect();
-                ev.push(EngineEvent::Finished {
-                    reason: FinishReason::Stop,
-                    prompt_tokens: req.prompt.len(),
-                    output_tokens: ids.len(),
-                    cached_tokens: 0,
-                });
-                ev
-            },
+            move |req| common::token_events(&ids, 0.0, req.prompt.len(), FinishReason::Stop),
             Some(TOOLS_TEMPLATE.into()),
             None,
             parser,
@@ -5407,29 +5354,17 @@ async fn ids_server(
     tokio::task::JoinHandle<()>,
     std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
 ) {
-    use baton_frontend::EngineEvent;
     let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = prompts.clone();
     let (addr, task) = common::start_scripted_with_tokenizer(
         move |req| {
             seen.lock().unwrap().push(req.prompt.clone());
-            let mut ev: Vec<EngineEvent> = ids
-                .iter()
-                .map(|&token| EngineEvent::Token {
-                    token,
-                    cached_tokens: 0,
-                    logprob: 0.0,
-                    top: vec![],
-                    first: None,
-                })
-                .collect();
-            ev.push(EngineEvent::Finished {
-                reason: baton_scheduler::FinishReason::Stop,
-                prompt_tokens: req.prompt.len(),
-                output_tokens: ids.len(),
-                cached_tokens: 0,
-            });
-            ev
+            common::token_events(
+                &ids,
+                0.0,
+                req.prompt.len(),
+                baton_scheduler::FinishReason::Stop,
+            )
         },
         Some(template.into()),
         None,

@@ -495,3 +495,31 @@ pub fn tokenizer_with_specials(specials: &[&str]) -> baton_model::Tokenizer {
     let _ = std::fs::remove_dir_all(&dir);
     tok
 }
+
+/// A scripted engine's answer to a request with a `prompt_len`-token prompt: one `Token`
+/// event per id in `ids`, each with log-probability `logprob` and no alternatives, then
+/// `Finished` with `reason`.
+pub fn token_events(
+    ids: &[u32],
+    logprob: f32,
+    prompt_len: usize,
+    reason: baton_scheduler::FinishReason,
+) -> Vec<EngineEvent> {
+    let mut ev: Vec<EngineEvent> = ids
+        .iter()
+        .map(|&token| EngineEvent::Token {
+            token,
+            cached_tokens: 0,
+            logprob,
+            top: vec![],
+            first: None,
+        })
+        .collect();
+    ev.push(EngineEvent::Finished {
+        reason,
+        prompt_tokens: prompt_len,
+        output_tokens: ids.len(),
+        cached_tokens: 0,
+    });
+    ev
+}
