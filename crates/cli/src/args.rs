@@ -21,7 +21,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub num_blocks: Option<usize>,
     /// Host memory for the CPU KV cache when --num-blocks is not given, in GiB.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = parse_positive)]
     pub kv_cache_memory: f64,
     /// Maximum tokens per sequence (default: the model's max_position_embeddings).
     #[arg(long)]
@@ -138,6 +138,28 @@ impl EngineArgs {
     }
 }
 
+/// Parses a positive finite number (`--kv-cache-memory`).
+///
+/// # Errors
+/// Zero, negative, NaN, infinite or not a number.
+pub fn parse_positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("expected a positive number, found {s:?}")),
+    }
+}
+
+/// Parses a share in (0, 1] (`--gpu-memory-utilization`, which vLLM also bounds by 1).
+///
+/// # Errors
+/// Outside (0, 1], or not a number.
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("expected a number in (0, 1], found {s:?}")),
+    }
+}
+
 /// Parses `--scheduling-policy`.
 fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
     s.parse()
@@ -150,5 +172,31 @@ pub fn cpu_threads(flag: usize) -> usize {
         flag
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_flags_refuse_values_that_cannot_size_a_cache() {
+        for bad in ["-1", "0", "nan", "inf", "x"] {
+            assert!(parse_positive(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_positive("0.5"), Ok(0.5));
+        for bad in ["0", "-0.1", "1.01", "2", "nan", "x"] {
+            assert!(parse_fraction(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_fraction("1"), Ok(1.0));
+        assert_eq!(parse_fraction("0.9"), Ok(0.9));
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            e: EngineArgs,
+        }
+        assert!(P::try_parse_from(["x", "--kv-cache-memory", "-1"]).is_err());
+        assert!(P::try_parse_from(["x", "--kv-cache-memory", "1.5"]).is_ok());
     }
 }

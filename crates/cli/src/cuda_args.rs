@@ -14,7 +14,7 @@ pub struct CudaArgs {
     pub dtype: Dtype,
     /// Share of the GPU's memory this instance may use (weights + activations + KV cache);
     /// the KV pool gets what is left, unless --num-blocks is given.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = crate::args::parse_fraction)]
     pub gpu_memory_utilization: f64,
     /// Run every launch eagerly: no CUDA graphs for decode batches.
     #[arg(long)]

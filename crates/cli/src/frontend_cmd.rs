@@ -190,10 +190,10 @@ pub fn parse_seconds(s: &str) -> Result<f64, String> {
 impl HttpArgs {
     /// The same flags as command-line arguments, for a child `baton frontend`.
     pub fn to_flags(&self) -> Vec<String> {
-        // The API key is not among them: it goes through API_KEY_ENV.
+        // The API key is not among them: it goes through API_KEY_ENV. Free-form values are
+        // passed as `--flag=value`, so that one starting with `-` is not taken for a flag.
         let mut v = vec![
-            "--host".into(),
-            self.host.clone(),
+            format!("--host={}", self.host),
             "--port".into(),
             self.port.to_string(),
             "--worker-timeout".into(),
@@ -217,19 +217,16 @@ impl HttpArgs {
         if let Some(p) = self.reasoning_parser {
             v.extend(["--reasoning-parser".to_owned(), p.name().to_owned()]);
         }
-        v.extend([
-            "--generation-config".to_owned(),
-            self.generation_config.clone(),
-        ]);
+        v.push(format!("--generation-config={}", self.generation_config));
         if let Some(o) = &self.override_generation_config {
-            v.extend(["--override-generation-config".to_owned(), o.clone()]);
+            v.push(format!("--override-generation-config={o}"));
         }
-        if !self.served_model_name.is_empty() {
-            v.push("--served-model-name".into());
-            v.extend(self.served_model_name.iter().cloned());
+        // One flag per name (the flag appends).
+        for name in &self.served_model_name {
+            v.push(format!("--served-model-name={name}"));
         }
         if let Some(x) = &self.chat_template {
-            v.extend(["--chat-template".to_owned(), x.clone()]);
+            v.push(format!("--chat-template={x}"));
         }
         v
     }
@@ -596,9 +593,26 @@ mod tests {
         let flags = a.to_flags();
         let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert_eq!(back.served_model_name, ["a", "b", "c"], "{flags:?}");
+        // A name or template that starts with `-` reaches the child as a value.
+        let a = parse(&[
+            "--served-model-name=-weird",
+            "--served-model-name",
+            "b",
+            "--chat-template=-{{ x }}",
+            "--generation-config=-dir",
+        ])
+        .unwrap();
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.served_model_name, ["-weird", "b"], "{flags:?}");
+        assert_eq!(back.chat_template.as_deref(), Some("-{{ x }}"));
+        assert_eq!(back.generation_config, "-dir");
         let d = parse(&[]).unwrap();
         assert!(d.served_model_name.is_empty());
-        assert!(!d.to_flags().iter().any(|f| f == "--served-model-name"));
+        assert!(!d
+            .to_flags()
+            .iter()
+            .any(|f| f.starts_with("--served-model-name")));
         assert!(parse(&["--served-model-name"]).is_err());
     }
 
