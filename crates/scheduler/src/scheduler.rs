@@ -195,6 +195,17 @@ pub enum Event {
 /// generation changes on every reuse), as a request id would be.
 type Idx = u32;
 
+/// Where `idx` goes in `list`, which is sorted by [`SchedulingPolicy::Priority`]'s key
+/// `(priority, arrival)`: after every entry whose key is not greater than its own.
+fn priority_position(requests: &Requests, list: &[Idx], idx: Idx) -> usize {
+    let key = |i: Idx| {
+        let r = &requests[i];
+        (r.priority, r.arrival)
+    };
+    let k = key(idx);
+    list.partition_point(|&w| key(w) <= k)
+}
+
 /// One row of a launch as the scheduler remembers it until the completion.
 #[derive(Clone, Copy, Debug)]
 struct RowMeta {
@@ -837,13 +848,6 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         r.scheduled_len = r.cached_len;
     }
 
-    /// The order key of `idx` under [`SchedulingPolicy::Priority`]: `(priority, arrival)`.
-    #[inline]
-    fn priority_key(&self, idx: Idx) -> (i32, u64) {
-        let r = &self.requests[idx];
-        (r.priority, r.arrival)
-    }
-
     /// Puts `idx` in the waiting queue: under `Fcfs` at the back, or at the front when it
     /// `returns` (preempted, or its worker died: it was admitted before everything waiting);
     /// under `Priority` at its place by `(priority, arrival)`, after its equals.
@@ -852,10 +856,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             SchedulingPolicy::Fcfs if returns => self.waiting.push_front(idx),
             SchedulingPolicy::Fcfs => self.waiting.push_back(idx),
             SchedulingPolicy::Priority => {
-                let key = self.priority_key(idx);
-                let at = self
-                    .waiting
-                    .partition_point(|&w| self.priority_key(w) <= key);
+                let at = priority_position(&self.requests, self.waiting.make_contiguous(), idx);
                 self.waiting.insert(at, idx);
             }
         }
@@ -868,10 +869,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         match self.cfg.policy {
             SchedulingPolicy::Fcfs => self.running.push(idx),
             SchedulingPolicy::Priority => {
-                let key = self.priority_key(idx);
-                let at = self
-                    .running
-                    .partition_point(|&w| self.priority_key(w) <= key);
+                let at = priority_position(&self.requests, &self.running, idx);
                 self.running.insert(at, idx);
             }
         }
