@@ -27,6 +27,7 @@ fn greedy_reqs(prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Req> {
             constraint: vec![],
             guide_after: None,
             priority: 0,
+            bad_words: vec![],
         })
         .collect()
 }
@@ -249,6 +250,36 @@ fn goldens_match_across_processes(async_flag: &str) {
             r.id
         );
     }
+
+    // vLLM's `bad_words` cross the admission ring after the constraint, and the scheduler
+    // daemon writes each row's ban into the shared mask table. The first request is guided
+    // too, with its guided first token banned: the ban and the guide's mask combine.
+    let guided_first = outs[&guided[0].id].tokens[0];
+    let mut banned = greedy_reqs(&prompts, 40);
+    for (i, r) in banned.iter_mut().enumerate() {
+        r.id += 500;
+        r.stop_token_ids = vec![2];
+        let f = &free[&(i as u64)];
+        r.bad_words = vec![vec![f[2], f[3]], vec![f[6]]];
+        if i == 0 {
+            r.constraint = guided[0].constraint.clone();
+            r.bad_words.push(vec![guided_first]);
+        }
+    }
+    let outs = run(&mut link, &banned, T);
+    let want = in_process(&banned);
+    for (i, r) in banned.iter().enumerate() {
+        let got = &outs[&r.id].tokens;
+        assert_eq!(got, &want[&r.id], "request {} ({async_flag})", r.id);
+        for w in &r.bad_words {
+            assert!(
+                !got.windows(w.len()).any(|x| x == &w[..]),
+                "request {} generated the bad word {w:?}: {got:?}",
+                r.id
+            );
+        }
+        assert_ne!(got, &free[&(i as u64)], "request {}", r.id);
+    }
     assert!(
         wait_for(Duration::from_secs(5), || link.stats().pages_used == 0),
         "pool not back to full: {:?}",
@@ -339,6 +370,7 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
                         None => g,
                     }
                 }),
+                bad_words: r.bad_words.clone(),
             })
             .expect("admitted");
     }
@@ -448,6 +480,7 @@ fn cancel_right_after_launch_publishes_nothing_after_it_and_reclaims_after_the_f
         constraint: vec![],
         guide_after: None,
         priority: 0,
+        bad_words: vec![],
     };
     submit(&mut link, &r);
     // Wait until a launch includes it, then cancel at once.

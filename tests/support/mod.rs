@@ -166,6 +166,8 @@ pub struct Req {
     pub guide_after: Option<u32>,
     /// vLLM's `priority` (0 unless the scheduler runs `--scheduling-policy priority`).
     pub priority: i32,
+    /// vLLM's `bad_words` as token sequences (empty: none).
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 /// What came back for one request.
@@ -206,6 +208,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             constraint: &r.constraint,
             guide_after: r.guide_after,
             priority: r.priority,
+            bad_words: &r.bad_words,
         },
         Duration::from_secs(5),
     )

@@ -80,6 +80,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         min_tokens: 0,
         cache_salt: 0,
         guide: None,
+        bad_words: Vec::new(),
     }
 }
 
@@ -185,6 +186,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             constraint: &[],
             guide_after: None,
             priority: 0,
+            bad_words: &[],
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

@@ -243,6 +243,7 @@ fn run_greedy<B: Backend>(
                 min_tokens: 0,
                 cache_salt: 0,
                 guide: None,
+                bad_words: Vec::new(),
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

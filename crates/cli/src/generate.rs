@@ -387,6 +387,7 @@ pub fn generate<B: baton_worker::Backend>(
                 min_tokens,
                 cache_salt: 0,
                 guide: None,
+                bad_words: Vec::new(),
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

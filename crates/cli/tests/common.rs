@@ -107,6 +107,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParam
         min_tokens: 0,
         cache_salt: 0,
         guide: None,
+        bad_words: Vec::new(),
     }
 }
 

@@ -1,4 +1,5 @@
-//! Logit bias and presence, frequency and repetition penalties through the whole engine.
+//! Logit bias, presence, frequency and repetition penalties, `min_tokens` and vLLM's
+//! `bad_words` through the whole engine.
 //!
 //! The oracle decodes one request alone with the model's forward pass over its own KV cache,
 //! applying the penalties densely from its own token counts (the formulation of vLLM's
@@ -251,6 +252,92 @@ fn min_tokens_masks_stop_ids_until_reached_then_they_stop_again() {
         let got = run(&mut engine, reqs);
         for (id, expect) in &want {
             assert_eq!(&got[id].0, expect, "request {id} (inflight {max_inflight})");
+        }
+        assert_pool_full(&engine);
+    }
+}
+
+/// Greedy decoding with vLLM's `bad_words`: before each token, the last token of every word
+/// whose other tokens end the outputs so far is masked; stops after `max_tokens` or at EOS
+/// (2).
+fn oracle_bad_words(
+    model: &CpuModel,
+    prompt: &[u32],
+    max_tokens: usize,
+    words: &[Vec<u32>],
+) -> Vec<u32> {
+    let mut out: Vec<u32> = Vec::new();
+    while out.len() < max_tokens {
+        let banned: Vec<(u32, f32)> = words
+            .iter()
+            .filter(|w| out.ends_with(&w[..w.len() - 1]))
+            .map(|w| (w[w.len() - 1], f32::NEG_INFINITY))
+            .collect();
+        let history = [prompt, &out[..]].concat();
+        let next = oracle(model, &history, 1, &SamplingParams::greedy(), &banned)[0];
+        out.push(next);
+        if next == 2 {
+            break;
+        }
+    }
+    out
+}
+
+/// True when the token sequence `word` occurs in `out`.
+fn contains(out: &[u32], word: &[u32]) -> bool {
+    out.windows(word.len()).any(|w| w == word)
+}
+
+#[test]
+fn bad_words_are_never_generated_and_the_rest_follows_the_oracle() {
+    let g = goldens();
+    let (model, _) = load_model_dir(model_dir()).unwrap().into_cpu_model();
+    // Words taken from each golden continuation `t`, so each changes it: one token, two and
+    // three tokens (their last token is banned only right after the others), and a mix.
+    let sets = |t: &[u32]| -> Vec<Vec<Vec<u32>>> {
+        vec![
+            vec![vec![t[2]]],
+            vec![vec![t[4], t[5]]],
+            vec![vec![t[6], t[7], t[8]], vec![t[1]]],
+            vec![vec![t[3], t[4]], vec![t[9], t[10]], vec![t[0]]],
+        ]
+    };
+    // Alone; batched with fillers under asynchronous scheduling (a multi-token word's mask
+    // needs the output still being sampled); a small pool that forces preemption.
+    for (num_blocks, max_inflight, fillers) in [(512, 1, 0), (512, 2, 10), (20, 2, 10)] {
+        let (mut engine, _) = engine(config(16, num_blocks, max_inflight));
+        let mut reqs = Vec::new();
+        let mut want = HashMap::new();
+        for (j, gold) in g.iter().enumerate().take(3) {
+            for (k, words) in sets(&gold.greedy_ids).into_iter().enumerate() {
+                let id = (j * 10 + k) as u64;
+                let expect = oracle_bad_words(&model, &gold.prompt_ids, 40, &words);
+                assert_ne!(
+                    expect[..],
+                    gold.greedy_ids[..expect.len()],
+                    "{words:?} does not change the golden continuation: a weak test"
+                );
+                let mut r = request(id, gold.prompt_ids.clone(), 40, SamplingParams::greedy());
+                r.bad_words = words.clone();
+                reqs.push(r);
+                want.insert(id, (expect, words));
+            }
+        }
+        for (i, f) in filler_prompts(fillers).into_iter().enumerate() {
+            let r = request(1000 + i as u64, f, 30, SamplingParams::greedy());
+            reqs.insert(i * 2 % (reqs.len() + 1), r);
+        }
+        let got = run(&mut engine, reqs);
+        for (id, (expect, words)) in &want {
+            let out = &got[id].0;
+            let at = format!("request {id} ({num_blocks} pages, inflight {max_inflight})");
+            for w in words {
+                assert!(
+                    !contains(out, w),
+                    "{at}: generated the bad word {w:?}: {out:?}"
+                );
+            }
+            assert_eq!(out, expect, "{at}");
         }
         assert_pool_full(&engine);
     }

@@ -62,6 +62,8 @@ pub struct EngineRequest {
     /// vLLM's `priority` (see `baton_scheduler::NewRequest::priority`); must be 0 unless
     /// [`EngineLimits::priority_scheduling`].
     pub priority: i32,
+    /// vLLM's `bad_words` as token sequences (see `baton_scheduler::NewRequest::bad_words`).
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 /// What the engine reports about one request.

@@ -160,6 +160,7 @@ impl EngineClient for LocalEngineClient {
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
             guide: req.guided.map(|g| g.guide),
+            bad_words: req.bad_words,
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

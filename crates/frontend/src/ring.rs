@@ -310,6 +310,7 @@ impl EngineClient for RingEngineClient {
             // The scheduler daemon compiles its own guide from the wire form, and validation
             // already refused the combinations `check_admission` would (no copy needed here).
             guide: None,
+            bad_words: req.bad_words.clone(),
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
@@ -335,6 +336,7 @@ impl EngineClient for RingEngineClient {
             constraint: &constraint,
             guide_after: req.guided.as_ref().and_then(|g| g.after),
             priority: req.priority,
+            bad_words: &req.bad_words,
         };
         if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
             lock(&self.routes).remove(&id);

@@ -431,6 +431,23 @@ impl AppState {
         Ok(())
     }
 
+    /// vLLM's `bad_words` as token sequences ([`crate::validate::bad_words_token_ids`] over
+    /// this model's tokenizer, no special tokens added).
+    ///
+    /// # Errors
+    /// 400 naming `bad_words` (see [`crate::validate::bad_words_token_ids`]).
+    fn bad_words_token_ids(&self, gen: &GenParams) -> Result<Vec<Vec<u32>>, ApiError> {
+        crate::validate::bad_words_token_ids(
+            &gen.bad_words,
+            self.engine.limits().vocab_size,
+            |text| {
+                self.tokenizer
+                    .encode(text, false)
+                    .map_err(|e| e.to_string())
+            },
+        )
+    }
+
     /// Compiles the request's structured-output constraint, if any.
     ///
     /// # Errors
@@ -473,6 +490,7 @@ impl AppState {
     ) -> Result<Vec<Seq>, ApiError> {
         self.check_min_tokens(prompts, gen)?;
         let guided = self.compile_constraint(gen)?;
+        let bad_words = self.bad_words_token_ids(gen)?;
         let ctx = self.seq_context(gen, arrived);
         let mut seqs = Vec::with_capacity(prompts.len() * gen.n);
         for (p, (ids, max_tokens)) in prompts.iter().enumerate() {
@@ -508,6 +526,7 @@ impl AppState {
                     cache_salt: gen.cache_salt,
                     guided: guided.clone(),
                     priority: gen.priority,
+                    bad_words: bad_words.clone(),
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),

@@ -257,6 +257,95 @@ pub struct GenParams {
     /// vLLM's `return_token_ids`: responses carry the prompt's token ids and each choice's
     /// generated ids (`prompt_token_ids`, `token_ids`).
     pub return_token_ids: bool,
+    /// vLLM's `bad_words`: words never generated, each non-blank, together at most
+    /// [`MAX_BAD_WORDS_BYTES`] bytes; the server tokenizes them (`bad_words_token_ids` in
+    /// `server.rs`).
+    pub bad_words: Vec<String>,
+}
+
+/// The most bytes of text all of a request's `bad_words` may have together.
+pub const MAX_BAD_WORDS_BYTES: usize = 64 * 1024;
+
+/// Parses vLLM's `bad_words`: a list of non-blank strings (absent or null: none).
+fn parse_bad_words(f: &Fields) -> Result<Vec<String>, ApiError> {
+    const P: &str = "bad_words";
+    let words = f.get::<Vec<String>>(P)?.unwrap_or_default();
+    if words.iter().any(|w| w.trim().is_empty()) {
+        return Err(ApiError::field(
+            P,
+            "'bad_words' must not contain a blank word.",
+        ));
+    }
+    let bytes: usize = words.iter().map(String::len).sum();
+    if bytes > MAX_BAD_WORDS_BYTES {
+        return Err(ApiError::field(
+            P,
+            format!(
+                "'bad_words' may have at most {MAX_BAD_WORDS_BYTES} bytes of text, got {bytes}."
+            ),
+        ));
+    }
+    Ok(words)
+}
+
+/// vLLM's `bad_words` as token sequences: each word with its leading whitespace removed
+/// (`encode` it, without special tokens), then, when the tokenizer starts the word
+/// differently after a space but in as many tokens, the word after a space too, so it is
+/// banned both at the start of the text and after a space (vLLM's
+/// `SamplingParams.update_from_tokenizer`).
+///
+/// # Errors
+/// 400 naming `bad_words` when a word does not tokenize or encodes to no token, a token is
+/// outside the model's `vocab_size`, or the sequences take more than
+/// [`baton_proto::wire::MAX_BAD_WORDS_WORDS`] words on the wire (one per sequence plus its
+/// tokens).
+pub fn bad_words_token_ids(
+    words: &[String],
+    vocab_size: usize,
+    encode: impl Fn(&str) -> Result<Vec<u32>, String>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    const P: &str = "bad_words";
+    let encode = |text: &str| encode(text).map_err(|e| ApiError::field(P, e));
+    let mut out: Vec<Vec<u32>> = Vec::with_capacity(words.len());
+    for word in words {
+        let bare = word.trim_start();
+        let plain = encode(bare)?;
+        if plain.is_empty() {
+            return Err(ApiError::field(
+                P,
+                format!("The bad word {word:?} encodes to no token."),
+            ));
+        }
+        let spaced = encode(&format!(" {bare}"))?;
+        let new_start = spaced.first() != plain.first() && spaced.len() == plain.len();
+        out.push(plain);
+        if new_start {
+            out.push(spaced);
+        }
+    }
+    if let Some(&id) = out.iter().flatten().find(|&&id| id as usize >= vocab_size) {
+        return Err(ApiError::field(
+            P,
+            format!(
+                "A bad word encodes to token id {id}, outside this model's vocabulary of \
+                 {vocab_size} tokens."
+            ),
+        ));
+    }
+    let wire: usize = out.iter().map(|w| 1 + w.len()).sum();
+    if wire > baton_proto::wire::MAX_BAD_WORDS_WORDS {
+        return Err(ApiError::field(
+            P,
+            format!(
+                "'bad_words' encode to {} token sequences of {} tokens in all; this server \
+                 takes at most {} tokens and sequences together.",
+                out.len(),
+                wire - out.len(),
+                baton_proto::wire::MAX_BAD_WORDS_WORDS
+            ),
+        ));
+    }
+    Ok(out)
 }
 
 /// Reads the request's structured-output constraint: OpenAI's `response_format`
@@ -575,14 +664,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
             return Err(ApiError::field(
                 name,
                 format!("'{name}' is not supported by this server."),
-            ));
-        }
-    }
-    if let Some(v) = f.raw("bad_words") {
-        if v.as_array().is_none_or(|a| !a.is_empty()) {
-            return Err(ApiError::field(
-                "bad_words",
-                "'bad_words' is not supported by this server.",
             ));
         }
     }
@@ -933,6 +1014,7 @@ pub fn parse_gen(
         constraint,
         guide_after: None,
         return_token_ids: f.get::<bool>("return_token_ids")?.unwrap_or(false),
+        bad_words: parse_bad_words(f)?,
     })
 }
 
@@ -2178,6 +2260,67 @@ mod tests {
         max_num_seqs: 8,
         priority_scheduling: false,
     };
+
+    /// A tokenizer of the GPT-2 kind for [`bad_words_token_ids`]: a leading space is its own
+    /// token (9) before "hello" but part of the first token of "world" (30 instead of 20).
+    fn toy_encode(text: &str) -> Result<Vec<u32>, String> {
+        match text {
+            "hello" => Ok(vec![10, 11]),
+            " hello" => Ok(vec![9, 10, 11]),
+            "world" => Ok(vec![20, 21]),
+            " world" => Ok(vec![30, 21]),
+            "big" => Ok(vec![600]),
+            " big" => Ok(vec![601]),
+            "x" | " x" => Ok(vec![40]),
+            _ => Err(format!("cannot encode {text:?}")),
+        }
+    }
+
+    #[test]
+    fn bad_words_take_the_spaced_variant_only_when_it_starts_differently() {
+        let ids = |w: &[&str]| {
+            let w: Vec<String> = w.iter().map(|s| s.to_string()).collect();
+            bad_words_token_ids(&w, 512, toy_encode)
+        };
+        // The spaced "hello" is longer, and the spaced "x" starts the same: plain only.
+        assert_eq!(ids(&["hello"]).unwrap(), [vec![10, 11]]);
+        assert_eq!(ids(&["x"]).unwrap(), [vec![40]]);
+        // Leading whitespace is dropped first; "world" starts differently after a space.
+        assert_eq!(
+            ids(&["  world", "hello"]).unwrap(),
+            [vec![20, 21], vec![30, 21], vec![10, 11]]
+        );
+        // Out of the vocabulary, and a word the tokenizer refuses: 400s naming the field.
+        let e = ids(&["big"]).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.param.as_deref(), Some("bad_words"));
+        assert!(e.message.contains("600"), "{}", e.message);
+        assert_eq!(ids(&["?"]).unwrap_err().param.as_deref(), Some("bad_words"));
+        // Past the wire's limit: 2 words per "x" (its length, then the token).
+        let many = vec!["x".to_string(); baton_proto::wire::MAX_BAD_WORDS_WORDS / 2 + 1];
+        assert!(bad_words_token_ids(&many, 512, toy_encode).is_err());
+        let most = vec!["x".to_string(); baton_proto::wire::MAX_BAD_WORDS_WORDS / 2];
+        assert!(bad_words_token_ids(&most, 512, toy_encode).is_ok());
+    }
+
+    #[test]
+    fn bad_words_must_be_a_list_of_non_blank_strings() {
+        let parse = |v: serde_json::Value| {
+            let body = serde_json::json!({ "bad_words": v }).to_string();
+            parse_bad_words(&Fields::parse(body.as_bytes()).unwrap())
+        };
+        assert_eq!(parse(serde_json::json!(["a", " b"])).unwrap(), ["a", " b"]);
+        assert!(parse(serde_json::Value::Null).unwrap().is_empty());
+        for bad in [
+            serde_json::json!(["a", " "]),
+            serde_json::json!("a"),
+            serde_json::json!([1]),
+            serde_json::json!(["x".repeat(MAX_BAD_WORDS_BYTES + 1)]),
+        ] {
+            let e = parse(bad.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("bad_words"), "{bad}");
+        }
+    }
 
     #[test]
     fn sampling_defaults_fill_left_out_fields_and_are_checked() {

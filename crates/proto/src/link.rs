@@ -67,6 +67,9 @@ pub struct Admission<'a> {
     pub guide_after: Option<u32>,
     /// vLLM's `priority` (see [`crate::wire::ToScheduler::priority`]).
     pub priority: i32,
+    /// vLLM's `bad_words` as token sequences, each non-empty; at most
+    /// [`wire::MAX_BAD_WORDS_WORDS`] words once packed ([`wire::pack_bad_words`]).
+    pub bad_words: &'a [Vec<u32>],
 }
 
 /// Scheduler statistics read from the segment.
@@ -243,6 +246,8 @@ impl LinkSender {
         head.cache_salt = a.cache_salt;
         head.priority = a.priority;
         head.constraint_len = a.constraint.len() as u32;
+        let bad_words = wire::pack_bad_words(a.bad_words);
+        head.bad_words_len = bad_words.len() as u32;
         self.scratch.push(head);
         let constraint = wire::pack_bytes(a.constraint);
         let bias: Vec<u32> = a
@@ -256,6 +261,7 @@ impl LinkSender {
             .chain(a.stop_token_ids.chunks(TOKENS_PER_SLOT))
             .chain(bias.chunks(TOKENS_PER_SLOT))
             .chain(constraint.chunks(TOKENS_PER_SLOT))
+            .chain(bad_words.chunks(TOKENS_PER_SLOT))
         {
             let mut m = ToScheduler::zeroed();
             m.kind = to_scheduler::TOKENS;

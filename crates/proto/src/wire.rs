@@ -24,13 +24,48 @@ pub mod to_scheduler {
 }
 
 /// The words that follow an `ADMIT` slot in `TOKENS` slots: prompt, stop ids, logit-bias pairs,
-/// then the structured-output constraint's `constraint_len` bytes, four to a word
-/// (little-endian, the last word zero-padded).
+/// the structured-output constraint's `constraint_len` bytes, four to a word
+/// (little-endian, the last word zero-padded), then the `bad_words_len` words of vLLM's
+/// `bad_words` ([`pack_bad_words`]).
 pub fn admit_words(head: &ToScheduler) -> usize {
     head.prompt_len as usize
         + head.n as usize
         + 2 * head.params.logit_bias_len as usize
         + (head.constraint_len as usize).div_ceil(4)
+        + head.bad_words_len as usize
+}
+
+/// Most words of an admission's `bad_words` section ([`pack_bad_words`]: one length word per
+/// word plus its token ids).
+pub const MAX_BAD_WORDS_WORDS: usize = 4096;
+
+/// vLLM's `bad_words` as token sequences, flattened for the wire: for each word its length,
+/// then its token ids.
+pub fn pack_bad_words(words: &[Vec<u32>]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(words.iter().map(|w| 1 + w.len()).sum());
+    for w in words {
+        out.push(w.len() as u32);
+        out.extend_from_slice(w);
+    }
+    out
+}
+
+/// The token sequences [`pack_bad_words`] flattened into `words`.
+///
+/// # Errors
+/// `None` when a length is zero or runs past the end of `words`.
+pub fn unpack_bad_words(words: &[u32]) -> Option<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    let mut rest = words;
+    while let Some((&n, tail)) = rest.split_first() {
+        let n = n as usize;
+        if n == 0 || n > tail.len() {
+            return None;
+        }
+        out.push(tail[..n].to_vec());
+        rest = &tail[n..];
+    }
+    Some(out)
 }
 
 /// Packs `bytes` four to a `u32` word, little-endian, the last word zero-padded.
@@ -85,8 +120,9 @@ pub struct ToScheduler {
     /// `ADMIT`: vLLM's `priority` (lower runs first under the scheduler's priority policy;
     /// 0 under first come, first served).
     pub priority: i32,
-    /// Zero (keeps `cache_salt` 8-byte aligned).
-    pub reserved: u32,
+    /// `ADMIT`: words of the `bad_words` section at the very end of the admission's words
+    /// ([`pack_bad_words`]; at most [`MAX_BAD_WORDS_WORDS`]); 0: none.
+    pub bad_words_len: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.
@@ -403,6 +439,18 @@ mod tests {
             assert_eq!(unpack_bytes(&w, b.len()), b);
         }
         assert_eq!(pack_bytes(&[1, 2, 3, 4, 5]), [0x0403_0201, 5]);
+    }
+
+    #[test]
+    fn bad_words_round_trip_and_malformed_sections_are_refused() {
+        let words = vec![vec![7], vec![1, 2, 3], vec![0, 9]];
+        let w = pack_bad_words(&words);
+        assert_eq!(w, [1, 7, 3, 1, 2, 3, 2, 0, 9]);
+        assert_eq!(unpack_bad_words(&w), Some(words));
+        assert_eq!(unpack_bad_words(&[]), Some(Vec::new()));
+        // A zero length, and a length past the end.
+        assert_eq!(unpack_bad_words(&[1, 7, 0]), None);
+        assert_eq!(unpack_bad_words(&[3, 1, 2]), None);
     }
 
     #[test]

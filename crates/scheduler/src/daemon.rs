@@ -485,7 +485,15 @@ impl SchedulerDaemon {
         let mut tokens = p.tokens;
         let bias_len = 2 * p.head.params.logit_bias_len as usize;
         let mut bias_words = tokens.split_off((prompt_len + p.head.n as usize).min(tokens.len()));
-        let constraint_words = bias_words.split_off(bias_len.min(bias_words.len()));
+        let mut constraint_words = bias_words.split_off(bias_len.min(bias_words.len()));
+        let constraint_word_len = (p.head.constraint_len as usize).div_ceil(4);
+        let bad_words_words =
+            constraint_words.split_off(constraint_word_len.min(constraint_words.len()));
+        let Some(bad_words) = wire::unpack_bad_words(&bad_words_words) else {
+            tracing::debug!(frontend = k, req = p.head.req, "malformed bad_words");
+            self.reply_error(k, p.head.req, wire::error::INVALID, 0);
+            return;
+        };
         let stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
         // The frontend compiled the constraint already; a failure here (no vocabulary, or a
         // frontend of another build) refuses the request like any invalid one.
@@ -537,6 +545,7 @@ impl SchedulerDaemon {
             min_tokens: p.head.min_tokens,
             cache_salt: p.head.cache_salt,
             guide,
+            bad_words,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

@@ -51,6 +51,32 @@ pub struct NewRequest {
     /// vLLM's `priority`: under [`crate::SchedulingPolicy::Priority`] a lower value starts
     /// earlier and is preempted later; ignored under `Fcfs`.
     pub priority: i32,
+    /// vLLM's `bad_words` as token sequences (each non-empty, at most
+    /// [`baton_proto::wire::MAX_BAD_WORDS_WORDS`] words once packed): a word's last token is
+    /// never sampled right after its other tokens ([`ban_bad_words`]). The scheduler writes
+    /// the ban into the slot's token mask; a request with a word of several tokens has at
+    /// most one sampling row in flight, as a guided one.
+    pub bad_words: Vec<Vec<u32>>,
+}
+
+/// Clears in `mask` (a token mask, bit `t % 32` of word `t / 32` for token `t`) the last
+/// token of every word of `words` whose other tokens are the end of `outputs` (the request's
+/// latest outputs, oldest first; only outputs count, not the prompt). A one-token word is
+/// always banned; a longer word only once the request has that many outputs before it.
+///
+/// Source: vLLM's `bad_words` (`vllm/v1/sample/ops/bad_words.py`, `apply_bad_words`, which
+/// compares each word's prefix with the request's output token ids).
+pub fn ban_bad_words(words: &[Vec<u32>], outputs: &[u32], mask: &mut [u32]) {
+    for w in words {
+        let Some((&last, prefix)) = w.split_last() else {
+            continue;
+        };
+        if outputs.ends_with(prefix) {
+            if let Some(m) = mask.get_mut(last as usize / 32) {
+                *m &= !(1 << (last % 32));
+            }
+        }
+    }
 }
 
 /// The ids that end a request: `stop_token_ids`, plus `eos_ids` unless `ignore_eos`, sorted
@@ -157,6 +183,10 @@ pub(crate) struct Request {
     pub priority: i32,
     /// Admission order among all requests (set by the scheduler), the tie-break of `priority`.
     pub arrival: u64,
+    /// See [`NewRequest::bad_words`].
+    pub bad_words: Vec<Vec<u32>>,
+    /// Tokens of the longest bad word (0: none).
+    pub bad_words_longest: usize,
 }
 
 /// A guided request's constraint state.
@@ -211,7 +241,18 @@ impl Request {
             }),
             priority: r.priority,
             arrival: 0,
+            bad_words_longest: r.bad_words.iter().map(Vec::len).max().unwrap_or(0),
+            bad_words: r.bad_words,
         }
+    }
+
+    /// True when the token mask of the next sampling row depends on the outputs before it (a
+    /// guide, or a bad word of several tokens): such a row is planned only once every earlier
+    /// sample is accepted, and writes the slot's mask row when planned. Otherwise a request
+    /// with bad words has a fixed mask, written once at slot take.
+    #[inline]
+    pub fn mask_follows_outputs(&self) -> bool {
+        self.guide.is_some() || self.bad_words_longest > 1
     }
 
     /// Back to waiting with nothing computed or scheduled (preemption, worker death, or a
@@ -275,9 +316,34 @@ mod tests {
             min_tokens: 0,
             cache_salt: 0,
             guide: None,
+            bad_words: Vec::new(),
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");
         }
+    }
+
+    /// The tokens `ban_bad_words` leaves allowed in a 70-token vocabulary.
+    fn banned(words: &[Vec<u32>], outputs: &[u32]) -> Vec<u32> {
+        let mut mask = vec![u32::MAX; 3];
+        ban_bad_words(words, outputs, &mut mask);
+        (0..70)
+            .filter(|&t| mask[t / 32] >> (t % 32) & 1 == 0)
+            .map(|t| t as u32)
+            .collect()
+    }
+
+    #[test]
+    fn bad_words_ban_the_last_token_after_their_prefix() {
+        let words = vec![vec![5], vec![1, 2, 40], vec![2, 33], vec![9, 64]];
+        // A one-token word is always banned, even before any output.
+        assert_eq!(banned(&words, &[]), [5]);
+        assert_eq!(banned(&words, &[7]), [5]);
+        // A longer word's last token only right after its other tokens, in order.
+        assert_eq!(banned(&words, &[7, 2]), [5, 33]);
+        assert_eq!(banned(&words, &[1, 2]), [5, 33, 40]);
+        assert_eq!(banned(&words, &[2, 1]), [5]);
+        assert_eq!(banned(&words, &[1, 2, 7]), [5]);
+        assert_eq!(banned(&words, &[9]), [5, 64]);
     }
 }

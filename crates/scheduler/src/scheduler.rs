@@ -138,6 +138,10 @@ pub enum AdmitError {
     /// A `priority` other than 0 under [`SchedulingPolicy::Fcfs`] (vLLM refuses it too).
     #[error("got priority {0} but priority scheduling is not enabled (the scheduler runs with --scheduling-policy fcfs)")]
     PriorityNotEnabled(i32),
+    /// `bad_words` with an empty word, a token outside the vocabulary, more than
+    /// [`baton_proto::wire::MAX_BAD_WORDS_WORDS`] words once packed, or no token-mask table.
+    #[error("bad_words: {0}")]
+    BadWords(String),
 }
 
 /// What the scheduler tells the request's owner.
@@ -358,6 +362,10 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     trace: Option<Tracer>,
     scratch_pages: Vec<u32>,
     scratch_tokens: Vec<u32>,
+    /// A token mask being composed (guide and bad words) before it is written to a slot.
+    scratch_mask: Vec<u32>,
+    /// The latest outputs of a request with bad words, oldest first.
+    scratch_recent: Vec<u32>,
     hasher: PrefixHasher,
     prefix_queries: u64,
     prefix_hits: u64,
@@ -409,6 +417,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             trace: None,
             scratch_pages: Vec::new(),
             scratch_tokens: Vec::new(),
+            scratch_mask: Vec::new(),
+            scratch_recent: Vec::new(),
             hasher: PrefixHasher::new(),
             prefix_queries: 0,
             prefix_hits: 0,
@@ -518,10 +528,14 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             return Err(AdmitError::DuplicateId(r.id));
         }
         let words = self.tables.mask_words();
-        if r.guide.is_some() && words != baton_proto::token_mask_words(self.vocab_size) {
-            return Err(AdmitError::Guided(
-                "this scheduler has no token-mask table for the model's vocabulary".into(),
-            ));
+        if words != baton_proto::token_mask_words(self.vocab_size) {
+            let no_table = "this scheduler has no token-mask table for the model's vocabulary";
+            if r.guide.is_some() {
+                return Err(AdmitError::Guided(no_table.into()));
+            }
+            if !r.bad_words.is_empty() {
+                return Err(AdmitError::BadWords(no_table.into()));
+            }
         }
         let mut req = Request::new(r);
         req.arrival = self.next_arrival;
@@ -605,6 +619,14 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     self.tables.set_token(slot.slot, pos, t);
                 }
                 self.tables.set_logit_bias(slot.slot, &r.logit_bias);
+                if !r.bad_words.is_empty() && !r.mask_follows_outputs() {
+                    // Only one-token bad words: the same mask for every sampling row.
+                    let m = &mut self.scratch_mask;
+                    m.clear();
+                    m.resize(self.tables.mask_words(), u32::MAX);
+                    crate::request::ban_bad_words(&r.bad_words, &[], m);
+                    self.tables.set_token_mask(slot.slot, m);
+                }
                 r.slot = Some(slot);
                 r.state = State::Running;
             }
@@ -707,9 +729,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let slot = r.slot.expect("running request has a slot");
         let known = r.known_len();
         let frontier = known + r.inflight_samples.len();
-        // A guided row's mask depends on every earlier output, so it waits until they are
-        // accepted (it never reads a pending input).
-        if r.guide.is_some() && !r.inflight_samples.is_empty() {
+        // A guided row's mask depends on every earlier output, and so does the mask of a
+        // request with a bad word of several tokens, so the row waits until they are accepted
+        // (it never reads a pending input).
+        if r.mask_follows_outputs() && !r.inflight_samples.is_empty() {
             return Plan::Nothing;
         }
         // `max_tokens == 0`: compute the prompt (for its log-probabilities) and sample nothing.
@@ -782,10 +805,37 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // A dormant guide (structured output after the reasoning, `Guide::start_after`)
         // constrains nothing yet; the row still waits for its earlier samples above, so the
         // token that wakes the guide is accepted before the next row is planned.
-        if let (true, Some(g)) = (sample, r.guide.as_ref().filter(|g| g.guide.is_active())) {
-            // No launch still reads this slot's mask row: the previous guided row of the
-            // request completed before this one could be planned.
-            self.tables.set_token_mask(slot.slot, &g.mask);
+        let guide_mask = r
+            .guide
+            .as_ref()
+            .filter(|g| g.guide.is_active())
+            .map(|g| &g.mask);
+        if sample && (guide_mask.is_some() || !r.bad_words.is_empty()) {
+            // No launch still reads this slot's mask row: the request's previous sampling row
+            // completed before this one could be planned (`mask_follows_outputs`). A request
+            // with only one-token bad words has a fixed mask, written at slot take.
+            match guide_mask {
+                Some(g) if r.bad_words.is_empty() => self.tables.set_token_mask(slot.slot, g),
+                _ if r.mask_follows_outputs() => {
+                    let m = &mut self.scratch_mask;
+                    m.clear();
+                    match guide_mask {
+                        Some(g) => m.extend_from_slice(g),
+                        None => m.resize(self.tables.mask_words(), u32::MAX),
+                    }
+                    // The outputs a bad word's prefix can match: the latest
+                    // `bad_words_longest - 1`, all accepted (none is in flight).
+                    let from = known
+                        .saturating_sub(r.bad_words_longest.saturating_sub(1))
+                        .max(r.prompt_len);
+                    self.scratch_recent.clear();
+                    self.scratch_recent
+                        .extend((from..known).map(|p| self.tables.token(slot.slot, p)));
+                    crate::request::ban_bad_words(&r.bad_words, &self.scratch_recent, m);
+                    self.tables.set_token_mask(slot.slot, m);
+                }
+                _ => {}
+            }
             params.token_mask = 1;
         }
         rows.push(LaunchRow {
@@ -1386,6 +1436,26 @@ pub fn check_admission(
             asked: r.params.prompt_logprobs - 1,
             most: MAX_TOP_LOGPROBS,
         });
+    }
+    let bad_words_words: usize = r.bad_words.iter().map(|w| 1 + w.len()).sum();
+    if bad_words_words > baton_proto::wire::MAX_BAD_WORDS_WORDS {
+        return Err(AdmitError::BadWords(format!(
+            "{bad_words_words} words once packed, at most {}",
+            baton_proto::wire::MAX_BAD_WORDS_WORDS
+        )));
+    }
+    if r.bad_words.iter().any(Vec::is_empty) {
+        return Err(AdmitError::BadWords("a word has no tokens".into()));
+    }
+    if let Some(&id) = r
+        .bad_words
+        .iter()
+        .flatten()
+        .find(|&&t| t as usize >= vocab_size)
+    {
+        return Err(AdmitError::BadWords(format!(
+            "token id {id} is out of range for a vocabulary of {vocab_size}"
+        )));
     }
     if r.guide.is_some() && (r.min_tokens > 0 || r.params.allowed_only != 0) {
         return Err(AdmitError::Guided(

@@ -22,7 +22,11 @@
 //! - every KV position a launch reads was written, into the page the launch names, from the
 //!   same token history as the reading request's (so a prefix-cache hit shares only pages whose
 //!   whole prefix matches, and a dead worker's cache is not used again); prompts of a few
-//!   families share prefixes, so hits are common.
+//!   families share prefixes, so hits are common;
+//! - when the worker executes a sampling row of a request with `bad_words`, the slot's token
+//!   mask bans exactly the last token of each word whose other tokens end the outputs before
+//!   the row's position (so the mask is neither stale nor rewritten while a launch that reads
+//!   it is unexecuted), and rows of other requests ask for no mask.
 //!
 //! At the end of each case everything drains, the pool and the slots are all back, and
 //! `check_trace` accepts the scheduler's lifecycle trace.
@@ -140,6 +144,8 @@ struct Published {
     tokens: Vec<Vec<(usize, u32)>>,
     /// Per row: the request's token history up to the row's end (prompt, then its stream).
     history: Vec<Vec<u32>>,
+    /// Per row: the request's `bad_words` and prompt length.
+    bans: Vec<(Vec<Vec<u32>>, usize)>,
 }
 
 /// What the test knows of one request, from the outside.
@@ -158,6 +164,8 @@ struct Shadow {
     wants_prompt: bool,
     /// Positions of the prompt log-probabilities received, in arrival order.
     prompt_lps: Vec<u32>,
+    /// The request's `bad_words`.
+    bad_words: Vec<Vec<u32>>,
 }
 
 struct Sim {
@@ -256,6 +264,14 @@ impl Sim {
                     SchedulingPolicy::Priority => (id % 3) as i32 - 1,
                     SchedulingPolicy::Fcfs => 0,
                 };
+                // Every fourth request has one-token bad words (a fixed mask), every fourth
+                // longer ones taken from its own stream, so their prefixes match.
+                let t = |k| token_for(id, k, self.eos_every);
+                let bad_words = match id % 4 {
+                    1 => vec![vec![t(3)], vec![5]],
+                    2 => vec![vec![t(0), t(1)], vec![t(2), t(3), t(4)], vec![7]],
+                    _ => Vec::new(),
+                };
                 let r = NewRequest {
                     priority,
                     id,
@@ -269,8 +285,10 @@ impl Sim {
                     min_tokens: 0,
                     cache_salt: 0,
                     guide: None,
+                    bad_words,
                 };
                 let prompt = r.prompt.clone();
+                let bad_words = r.bad_words.clone();
                 if self.sched.add_request(r).is_ok() {
                     self.reqs.insert(
                         id,
@@ -286,6 +304,7 @@ impl Sim {
                             finished: None,
                             wants_prompt,
                             prompt_lps: Vec::new(),
+                            bad_words,
                         },
                     );
                 }
@@ -387,6 +406,7 @@ impl Sim {
         let mut blocks = Vec::new();
         let mut tokens = Vec::new();
         let mut history = Vec::new();
+        let mut bans = Vec::new();
         let bs = self.cfg.block_size;
         let scored: usize = l.rows.iter().map(|r| r.scores_prompt().len()).sum();
         prop_assert!(
@@ -465,6 +485,7 @@ impl Sim {
                 l.seq
             );
             let shadow = &self.reqs[&id.unwrap()];
+            bans.push((shadow.bad_words.clone(), shadow.prompt_len));
             history.push(
                 (0..end)
                     .map(|pos| match shadow.prompt.get(pos) {
@@ -503,6 +524,7 @@ impl Sim {
                 blocks,
                 tokens,
                 history,
+                bans,
             },
         );
         Ok(())
@@ -544,6 +566,45 @@ impl Sim {
                 }
             }
         }
+        // The token mask a sampling row reads now bans what its request's outputs before the
+        // row's position call for.
+        let tables = self.sched.tables().clone();
+        let mut mask = Vec::new();
+        for (i, r) in p.launch.rows.iter().enumerate() {
+            let (words, prompt_len) = &p.bans[i];
+            if r.sample == 0 || !live.contains(&r.req) {
+                continue;
+            }
+            prop_assert_eq!(
+                r.params.token_mask,
+                u32::from(!words.is_empty()),
+                "launch {} row {}: token mask flag",
+                seq,
+                i
+            );
+            if words.is_empty() {
+                continue;
+            }
+            let end = (r.first_pos + r.num_tokens) as usize;
+            let outputs = &p.history[i][*prompt_len..end];
+            tables.read_token_mask(r.req.slot, &mut mask);
+            for t in 0..VOCAB as u32 {
+                let banned = words
+                    .iter()
+                    .any(|w| w[w.len() - 1] == t && outputs.ends_with(&w[..w.len() - 1]));
+                let allowed = mask[t as usize / 32] >> (t % 32) & 1 == 1;
+                prop_assert!(
+                    allowed != banned,
+                    "launch {} row {}: token {} allowed {} after outputs {:?} with bad words {:?}",
+                    seq,
+                    i,
+                    t,
+                    allowed,
+                    outputs,
+                    words
+                );
+            }
+        }
         let sampled = p
             .launch
             .rows
@@ -560,7 +621,6 @@ impl Sim {
             .collect();
         // Prompt log-probabilities as a worker reports them: the token after each scored
         // position, read from the table now; the log-probability encodes the position.
-        let tables = self.sched.tables().clone();
         let mut prompt = Vec::new();
         for (i, r) in p.launch.rows.iter().enumerate() {
             for pos in r.scores_prompt() {
@@ -929,6 +989,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         min_tokens: 0,
         cache_salt: 0,
         guide: None,
+        bad_words: Vec::new(),
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -944,6 +1005,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         min_tokens: 0,
         cache_salt: 0,
         guide: None,
+        bad_words: Vec::new(),
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -1018,6 +1080,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             min_tokens: 0,
             cache_salt: 0,
             guide: None,
+            bad_words: Vec::new(),
         })
         .unwrap();
     }

@@ -38,6 +38,7 @@ fn request(id: RequestId, priority: i32, prompt_len: usize, max_tokens: u32) -> 
         min_tokens: 0,
         cache_salt: 0,
         guide: None,
+        bad_words: Vec::new(),
         priority,
     }
 }
