@@ -234,8 +234,12 @@ impl HttpArgs {
     /// Checks the flags that depend on each other, as vLLM does at startup.
     ///
     /// # Errors
-    /// `--enable-auto-tool-choice` without `--tool-call-parser`.
+    /// `--enable-auto-tool-choice` without `--tool-call-parser`; an empty
+    /// `--served-model-name`.
     pub fn check(&self) -> Result<()> {
+        if self.served_model_name.iter().any(String::is_empty) {
+            bail!("--served-model-name: a served model name must not be empty");
+        }
         if self.enable_auto_tool_choice && self.tool_call_parser.is_none() {
             bail!(
                 "--enable-auto-tool-choice requires --tool-call-parser (one of: {})",
@@ -431,9 +435,10 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             engine.index()
         );
         let client: Arc<dyn baton_frontend::EngineClient> = engine.clone();
-        let state = Arc::new(baton_frontend::AppState::new(
-            config, tokenizer, client, eos,
-        )?);
+        let state = Arc::new(
+            baton_frontend::AppState::new(config, tokenizer, client, eos)?
+                .with_model_root(a.model.display().to_string()),
+        );
         // Stop on SIGTERM/SIGINT, or when the scheduler exits: a restarted scheduler makes a
         // new segment this process cannot reach, so exit and let a supervisor restart us.
         let gone = Arc::new(AtomicBool::new(false));
@@ -614,6 +619,13 @@ mod tests {
             .iter()
             .any(|f| f.starts_with("--served-model-name")));
         assert!(parse(&["--served-model-name"]).is_err());
+        // An empty name stops start-up (of `serve` too, before it spawns children).
+        let e = parse(&["--served-model-name", "a", ""]).unwrap().check();
+        assert!(e.unwrap_err().to_string().contains("--served-model-name"));
+        assert!(parse(&["--served-model-name", "a"])
+            .unwrap()
+            .check()
+            .is_ok());
     }
 
     #[test]

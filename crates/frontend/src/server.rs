@@ -116,6 +116,8 @@ pub struct AppState {
     think_tags_special: bool,
     /// The id of `</think>` when it is one token.
     think_end_id: Option<u32>,
+    /// `root` of the `/v1/models` cards: the model's path (see [`AppState::with_model_root`]).
+    model_root: String,
 }
 
 impl std::fmt::Debug for AppState {
@@ -135,13 +137,19 @@ pub(crate) fn now_secs() -> u64 {
 }
 
 impl AppState {
-    /// Builds the state; compiles the chat template and checks the CORS settings.
+    /// Builds the state; compiles the chat template and checks the CORS settings and the
+    /// served model names (a repeated name is listed once).
+    ///
+    /// `/v1/models` reports `root` as the first of `config.model_aliases` (the `--model`
+    /// argument when no `--served-model-name` is given), else the first served name;
+    /// [`AppState::with_model_root`] sets it to the model's path, as vLLM reports it.
     ///
     /// # Errors
     /// The chat template does not compile, a CORS origin, method or header cannot appear in
-    /// an HTTP header, or auto tool choice is enabled without a tool call parser.
+    /// an HTTP header, auto tool choice is enabled without a tool call parser, or a served
+    /// model name is empty.
     pub fn new(
-        config: ServerConfig,
+        mut config: ServerConfig,
         tokenizer: Tokenizer,
         engine: Arc<dyn EngineClient>,
         eos_ids: Vec<u32>,
@@ -152,6 +160,30 @@ impl AppState {
                 crate::tools::TOOL_PARSER_NAMES.join(", ")
             );
         }
+        if std::iter::once(&config.served_model_name)
+            .chain(&config.more_served_model_names)
+            .any(String::is_empty)
+        {
+            anyhow::bail!(
+                "--served-model-name: a served model name cannot be empty (got \"\"); give \
+                 one or more non-empty names, or leave the flag out to serve under the model \
+                 directory's name"
+            );
+        }
+        // `--served-model-name a a b`: each name once, in order (after the first).
+        let mut seen = vec![config.served_model_name.clone()];
+        config.more_served_model_names.retain(|n| {
+            let new = !seen.contains(n);
+            if new {
+                seen.push(n.clone());
+            }
+            new
+        });
+        let model_root = config
+            .model_aliases
+            .first()
+            .unwrap_or(&config.served_model_name)
+            .clone();
         let source = config
             .chat_template
             .clone()
@@ -197,7 +229,16 @@ impl AppState {
             think_tags_special,
             think_end_id,
             tokenizer: Arc::new(tokenizer),
+            model_root,
         })
+    }
+
+    /// Sets the `root` of the `/v1/models` cards to `root`, the model as `--model` gave it
+    /// (vLLM reports the model's path there, with `parent` null).
+    #[must_use]
+    pub fn with_model_root(mut self, root: impl Into<String>) -> Self {
+        self.model_root = root.into();
+        self
     }
 
     /// Tokenizes a prompt for a generation request without stalling the async threads: a
@@ -302,6 +343,13 @@ impl AppState {
 
     /// Renders `req`'s messages with the chat template; with `continue_final_message`, cut
     /// right after the final message's content (as transformers' `apply_chat_template`).
+    ///
+    /// Where the content ends is found by rendering a second time with a unique sentinel
+    /// appended to the final message's content: the content is looked for only before the
+    /// sentinel, so a content that also occurs in what the template writes after it (`"s"` in
+    /// a closing `</s>`) is still cut at the message. When the template does not reproduce
+    /// the sentinel once (it drops or transforms the content), the cut falls back to the last
+    /// occurrence of the content in the whole prompt, as transformers' `rindex`.
     fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
         let mut kwargs = req.template_kwargs.clone();
         if let Some(tools) = &req.tools {
@@ -320,16 +368,26 @@ impl AppState {
             .and_then(|m| m.get("content"))
             .and_then(Value::as_str)
             .unwrap_or_default();
-        let end = text
-            .rfind(last)
-            .map(|i| i + last.len())
-            .or_else(|| text.rfind(last.trim()).map(|i| i + last.trim().len()))
-            .filter(|_| !last.trim().is_empty())
-            .ok_or_else(|| {
+        // Private-use characters and a random number: no content or template writes it.
+        let sentinel = format!(
+            "\u{E000}baton-final-{:016x}\u{E001}",
+            crate::engine::random_seed()
+        );
+        let mut marked = req.messages.clone();
+        if let Some(m) = marked.last_mut().and_then(Value::as_object_mut) {
+            m.insert("content".into(), Value::String(format!("{last}{sentinel}")));
+        }
+        // A template that fails on the marked content (it checks the content, say) leaves
+        // the fallback.
+        let marked = self
+            .render_messages(&marked, req.add_generation_prompt, &kwargs)
+            .ok();
+        let end =
+            continue_final_end(&text, marked.as_deref(), &sentinel, last).ok_or_else(|| {
                 ApiError::field(
                     "continue_final_message",
                     "The final message's content was not found in the rendered prompt, so it \
-                     cannot be continued.",
+                 cannot be continued.",
                 )
             })?;
         Ok(text[..end].to_owned())
@@ -918,14 +976,15 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// The `/v1/models` entry of served name `name` (`root` is the first served name).
+/// The `/v1/models` entry of served name `name` (`root` is the model, as vLLM reports it:
+/// [`AppState::with_model_root`]).
 fn model_card(st: &AppState, name: &str) -> Value {
     json!({
         "id": name,
         "object": "model",
         "created": st.created,
         "owned_by": "baton",
-        "root": st.config.served_model_name,
+        "root": st.model_root,
         "parent": null,
         "max_model_len": st.engine.limits().max_model_len,
     })
@@ -1016,8 +1075,8 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             .as_array()
             .ok_or_else(|| ApiError::field("tokens", "'tokens' must be a list of token ids."))?
             .iter()
-            .map(|t| match t.as_u64() {
-                Some(id) if id < vocab as u64 => Ok(id as u32),
+            .map(|t| match validate::json_int(t) {
+                Some(id) if id >= 0 && (id as u64) < vocab as u64 => Ok(id as u32),
                 _ => Err(ApiError::field(
                     "tokens",
                     format!("Token id {t} is not in the vocabulary of {vocab}."),
@@ -1034,6 +1093,36 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// Where a `continue_final_message` prompt ends in `text` (the template's rendering): right
+/// after the final message's content `last` (or, if the template trimmed it, `last` trimmed).
+/// `marked` is the same rendering with `sentinel` appended to that content: the template
+/// writes the same text up to the content in both, so when `sentinel` occurs once in it, the
+/// content is looked for only before that point. Otherwise, or when it is not found there,
+/// the last occurrence in the whole `text`. `None` when the content (trimmed) is empty or not
+/// found.
+fn continue_final_end(
+    text: &str,
+    marked: Option<&str>,
+    sentinel: &str,
+    last: &str,
+) -> Option<usize> {
+    let trimmed = last.trim();
+    if trimmed.is_empty() {
+        return None;
+    }
+    let find = |hay: &str| {
+        hay.rfind(last)
+            .map(|i| i + last.len())
+            .or_else(|| hay.rfind(trimmed).map(|i| i + trimmed.len()))
+    };
+    marked
+        .filter(|m| m.matches(sentinel).count() == 1)
+        .and_then(|m| m.find(sentinel))
+        .and_then(|pos| text.get(..pos))
+        .and_then(find)
+        .or_else(|| find(text))
 }
 
 fn random_id(prefix: &str) -> String {
@@ -1422,23 +1511,32 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
     let mut echo_texts = Vec::new();
     // Per prompt, with prompt log-probabilities: what their text offsets are measured on.
     let mut echo_lp = Vec::new();
+    // With `truncate_prompt_tokens` a text past what `max_model_len` tokens can hold is
+    // tokenized and cut rather than refused (the body limit still bounds it).
+    let encode_limit = if req.truncate_prompt_tokens.is_some() {
+        usize::MAX
+    } else {
+        limits.max_model_len
+    };
     for p in &req.prompts {
-        let (ids, text) = match p {
-            PromptInput::Text(s) => (
-                st.encode_prompt(s, req.add_special_tokens, "prompt", limits.max_model_len)
-                    .await?,
-                s.clone(),
-            ),
-            PromptInput::Tokens(t) => {
-                let text = if req.echo {
-                    st.tokenizer
-                        .decode(t, gen.skip_special_tokens)
-                        .map_err(|e| ApiError::field("prompt", e.to_string()))?
-                } else {
-                    String::new()
-                };
-                (t.clone(), text)
+        let mut ids = match p {
+            PromptInput::Text(s) => {
+                st.encode_prompt(s, req.add_special_tokens, "prompt", encode_limit)
+                    .await?
             }
+            PromptInput::Tokens(t) => t.clone(),
+        };
+        // A text prompt cut by `truncate_prompt_tokens` is echoed (and scored) as the ids
+        // kept, as a token prompt is.
+        let as_tokens = validate::truncate_prompt(&mut ids, req.truncate_prompt_tokens)
+            || matches!(p, PromptInput::Tokens(_));
+        let text = match p {
+            PromptInput::Text(s) if !as_tokens => s.clone(),
+            _ if req.echo => st
+                .tokenizer
+                .decode(&ids, gen.skip_special_tokens)
+                .map_err(|e| ApiError::field("prompt", e.to_string()))?,
+            _ => String::new(),
         };
         let max = validate::resolve_max_tokens(
             &limits,
@@ -1456,8 +1554,8 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
         )?;
         if let Some(k) = req.echo_logprobs() {
             let offsets = match p {
-                PromptInput::Text(s) => text_offsets(&st.tokenizer, s, &ids),
-                PromptInput::Tokens(_) => None,
+                PromptInput::Text(s) if !as_tokens => text_offsets(&st.tokenizer, s, &ids),
+                _ => None,
             };
             echo_lp.push(Arc::new(EchoPrompt {
                 text: text.clone(),
@@ -1465,10 +1563,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 offsets,
                 top: k as usize,
                 // A text prompt is echoed as given: its special tokens are the tokenizer's.
-                skip_special: match p {
-                    PromptInput::Text(_) => true,
-                    PromptInput::Tokens(_) => gen.skip_special_tokens,
-                },
+                skip_special: !as_tokens || gen.skip_special_tokens,
             }));
         }
         echo_texts.push(text);
@@ -1772,14 +1867,20 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let gen = &gen;
     let text = st.render_chat(&req)?;
-    let ids = st
+    let mut ids = st
         .encode_prompt(
             &text,
             req.add_special_tokens,
             "messages",
-            limits.max_model_len,
+            // With `truncate_prompt_tokens` a long prompt is cut rather than refused.
+            if req.truncate_prompt_tokens.is_some() {
+                usize::MAX
+            } else {
+                limits.max_model_len
+            },
         )
         .await?;
+    validate::truncate_prompt(&mut ids, req.truncate_prompt_tokens);
     let max = validate::resolve_max_tokens(
         &limits,
         ids.len(),
@@ -2067,4 +2168,50 @@ fn grammar_vocabulary(
         .map_err(|e| e.to_string())?;
     let json: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
     baton_grammar::Vocabulary::from_tokenizer_value(&json, vocab_size, eos_ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continue_final_end;
+
+    /// Renders `[INST] q [/INST] {content.strip()} </s>` as the Llama-2 template does.
+    fn llama2(content: &str) -> String {
+        format!("<s>[INST] q [/INST] {} </s>", content.trim())
+    }
+
+    #[test]
+    fn continue_final_message_is_cut_before_the_sentinel() {
+        const S: &str = "\u{E000}x\u{E001}";
+        let cut = |content: &str| {
+            let text = llama2(content);
+            let marked = llama2(&format!("{content}{S}"));
+            continue_final_end(&text, Some(&marked), S, content).map(|e| text[..e].to_owned())
+        };
+        // The last "s" of the rendering is in `</s>`; the message's is before it.
+        assert_eq!(cut("s").as_deref(), Some("<s>[INST] q [/INST] s"));
+        assert_eq!(cut("INST").as_deref(), Some("<s>[INST] q [/INST] INST"));
+        // Where the content is not ambiguous, as the last occurrence (the fallback) cuts.
+        for content in ["Once upon", "Once upon ", " Once", "a b"] {
+            let text = llama2(content);
+            let old = continue_final_end(&text, None, S, content);
+            assert!(old.is_some(), "{content:?}");
+            assert_eq!(
+                cut(content),
+                old.map(|e| text[..e].to_owned()),
+                "{content:?}"
+            );
+        }
+        // A template that drops the sentinel, or writes it twice: the last occurrence.
+        let text = llama2("s");
+        let last_s = text.rfind('s').unwrap() + 1;
+        assert_eq!(continue_final_end(&text, Some(&text), S, "s"), Some(last_s));
+        let twice = format!("{S}{}", llama2(&format!("s{S}")));
+        assert_eq!(
+            continue_final_end(&text, Some(&twice), S, "s"),
+            Some(last_s)
+        );
+        // Empty or absent content cannot be continued.
+        assert_eq!(continue_final_end(&text, Some(&text), S, " "), None);
+        assert_eq!(continue_final_end(&text, Some(&text), S, "zebra"), None);
+    }
 }

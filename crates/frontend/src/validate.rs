@@ -64,10 +64,15 @@ impl Fields {
         }
     }
 
+    /// `name` as an integer; `None` when absent or null. As pydantic's lax mode (vLLM's
+    /// request models): an integer-valued float such as `2.0` or `-0` is that integer.
+    ///
+    /// # Errors
+    /// 400 naming `name` for anything else (`2.5`, a string, past the i64 range).
     fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
         match self.raw(name) {
             None => Ok(None),
-            Some(v) => v.as_i64().map(Some).ok_or_else(|| {
+            Some(v) => json_int(v).map(Some).ok_or_else(|| {
                 ApiError::field(
                     name,
                     format!("Invalid value for '{name}': expected an integer, got {v}."),
@@ -87,6 +92,18 @@ impl Fields {
             }),
         }
     }
+}
+
+/// A JSON number as an integer, as pydantic's lax mode reads an `int` field: an integer, or a
+/// float with no fractional part (`2.0`, `-0`, `1e3`) within the i64 range; `None` otherwise.
+pub(crate) fn json_int(v: &Value) -> Option<i64> {
+    // 2^63 as an f64: the first float past i64::MAX (which is not representable).
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+    v.as_i64().or_else(|| {
+        v.as_f64()
+            .filter(|x| x.fract() == 0.0 && *x >= -LIMIT && *x < LIMIT)
+            .map(|x| x as i64)
+    })
 }
 
 /// Sampling values a request gets for the fields it leaves out (or sets to `null`), as vLLM's
@@ -578,6 +595,9 @@ pub struct CompletionRequest {
     pub echo: bool,
     /// Let the tokenizer add its special tokens (BOS) to text prompts (default true).
     pub add_special_tokens: bool,
+    /// vLLM's `truncate_prompt_tokens`, resolved: keep only the last this many tokens of each
+    /// prompt (see [`parse_truncate_prompt_tokens`]).
+    pub truncate_prompt_tokens: Option<usize>,
     /// Generation options.
     pub gen: GenParams,
 }
@@ -605,6 +625,9 @@ pub struct ChatRequest {
     /// Let the tokenizer add its special tokens (BOS) to the rendered prompt (default false:
     /// the template writes them).
     pub add_special_tokens: bool,
+    /// vLLM's `truncate_prompt_tokens`, resolved: keep only the last this many tokens of the
+    /// rendered prompt (see [`parse_truncate_prompt_tokens`]).
+    pub truncate_prompt_tokens: Option<usize>,
     /// Extra template variables (`chat_template_kwargs`, less the keys it may set on the
     /// request itself: see `parse_template_kwargs`).
     pub template_kwargs: Map<String, Value>,
@@ -654,7 +677,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     // vLLM's extra parameters that would change the output: refused rather than ignored
     // (a client must not get plausible text that silently broke its constraint).
     for name in [
-        "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
         "prompt_embeds",
@@ -713,7 +735,7 @@ fn parse_token_ids(v: &Value, param: &str, vocab: usize) -> Result<Vec<u32>, Api
     items
         .iter()
         .map(|t| {
-            let id = t.as_i64().ok_or_else(|| {
+            let id = json_int(t).ok_or_else(|| {
                 ApiError::field(
                     param,
                     format!("'{param}' must contain integer token ids, got {t}."),
@@ -840,7 +862,7 @@ pub fn parse_gen(
         None => None,
         Some(v) => Some(
             v.as_u64()
-                .or_else(|| v.as_i64().map(|s| s as u64))
+                .or_else(|| json_int(v).map(|s| s as u64))
                 .ok_or_else(|| {
                     ApiError::field("seed", format!("'seed' must be an integer, got {v}."))
                 })?,
@@ -1170,6 +1192,52 @@ fn parse_logit_bias(f: &Fields, vocab_size: usize) -> Result<Vec<(u32, f32)>, Ap
     Ok(out)
 }
 
+/// Parses vLLM's `truncate_prompt_tokens` (completions and chat): absent or null is no
+/// truncation; `k >= 1` keeps the last `k` prompt tokens (left truncation, after tokenization
+/// and, on chat, after the chat template); `-1` truncates to `max_model_len`. As in vLLM, 0 and
+/// values below -1 are refused, and so is a `k` past `max_model_len`. Returns the number of
+/// tokens to keep.
+///
+/// # Errors
+/// 400 naming `truncate_prompt_tokens`.
+pub fn parse_truncate_prompt_tokens(
+    f: &Fields,
+    limits: &EngineLimits,
+) -> Result<Option<usize>, ApiError> {
+    const P: &str = "truncate_prompt_tokens";
+    let Some(k) = f.int(P)? else {
+        return Ok(None);
+    };
+    let max = limits.max_model_len;
+    match k {
+        -1 => Ok(Some(max)),
+        k if k < 1 => Err(ApiError::field(
+            P,
+            format!("'{P}' must be an integer >= 1 or -1, got {k}."),
+        )),
+        k if k as u64 > max as u64 => Err(ApiError::field(
+            P,
+            format!(
+                "{P} value ({k}) is greater than max_model_len ({max}). Please, select a \
+                 smaller truncation size."
+            ),
+        )),
+        k => Ok(Some(k as usize)),
+    }
+}
+
+/// Applies a resolved `truncate_prompt_tokens`: keeps the last `keep` ids of `ids` (all of
+/// them when there are no more). Returns whether any were cut.
+pub fn truncate_prompt(ids: &mut Vec<u32>, keep: Option<usize>) -> bool {
+    match keep {
+        Some(k) if ids.len() > k => {
+            ids.drain(..ids.len() - k);
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Parses the `prompt` field of a completions request.
 ///
 /// # Errors
@@ -1265,6 +1333,7 @@ pub fn parse_completion(
         prompts,
         echo,
         add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(true),
+        truncate_prompt_tokens: parse_truncate_prompt_tokens(&f, limits)?,
         gen,
     })
 }
@@ -1431,6 +1500,7 @@ pub fn parse_chat(
         add_generation_prompt,
         continue_final_message,
         add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(false),
+        truncate_prompt_tokens: parse_truncate_prompt_tokens(&f, limits)?,
         template_kwargs,
         include_reasoning: f.get::<bool>("include_reasoning")?.unwrap_or(true),
         tools,
@@ -1964,6 +2034,14 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             "add_generation_prompt",
             "'add_generation_prompt' is a chat completions parameter; /v1/responses always \
              starts a new assistant message.",
+        ));
+    }
+    // vLLM's Responses API has no such field (its `truncation` is the Responses way).
+    if f.raw("truncate_prompt_tokens").is_some() {
+        return Err(ApiError::field(
+            "truncate_prompt_tokens",
+            "'truncate_prompt_tokens' is served on /v1/completions and /v1/chat/completions, \
+             not on /v1/responses.",
         ));
     }
     if f.int("n")?.is_some_and(|n| n != 1) {
@@ -2605,5 +2683,50 @@ mod tests {
             resolve_max_tokens(&LIMITS, 500, None, Some(16), "prompt", "max_tokens"),
             Ok(12)
         );
+    }
+
+    #[test]
+    fn integer_valued_floats_are_integers_and_other_numbers_are_not() {
+        let v = |t: &str| serde_json::from_str::<Value>(t).unwrap();
+        for (text, want) in [
+            ("2", Some(2)),
+            ("2.0", Some(2)),
+            ("-0", Some(0)),
+            ("-0.0", Some(0)),
+            ("1e3", Some(1000)),
+            ("-7.0", Some(-7)),
+            ("2.5", None),
+            ("-0.5", None),
+            ("9.3e18", None),
+            ("-9.3e18", None),
+            ("\"2\"", None),
+            ("true", None),
+        ] {
+            assert_eq!(json_int(&v(text)), want, "{text}");
+        }
+        assert_eq!(json_int(&v("-9.2e18")), Some(-9_200_000_000_000_000_000));
+    }
+
+    #[test]
+    fn truncate_prompt_tokens_resolve_and_cut_from_the_left() {
+        let parse = |b: &str| {
+            let f = Fields::parse(b.as_bytes()).unwrap();
+            parse_truncate_prompt_tokens(&f, &LIMITS)
+        };
+        assert_eq!(parse("{}"), Ok(None));
+        assert_eq!(parse(r#"{"truncate_prompt_tokens":null}"#), Ok(None));
+        assert_eq!(parse(r#"{"truncate_prompt_tokens":3}"#), Ok(Some(3)));
+        assert_eq!(parse(r#"{"truncate_prompt_tokens":-1}"#), Ok(Some(512)));
+        assert_eq!(parse(r#"{"truncate_prompt_tokens":512}"#), Ok(Some(512)));
+        for bad in ["0", "-2", "513", "1.5", "\"3\""] {
+            let e = parse(&format!(r#"{{"truncate_prompt_tokens":{bad}}}"#)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("truncate_prompt_tokens"), "{bad}");
+        }
+        let mut ids = vec![1, 2, 3, 4, 5];
+        assert!(!truncate_prompt(&mut ids, None));
+        assert!(!truncate_prompt(&mut ids, Some(5)));
+        assert_eq!(ids, [1, 2, 3, 4, 5]);
+        assert!(truncate_prompt(&mut ids, Some(2)));
+        assert_eq!(ids, [4, 5]);
     }
 }

@@ -3249,8 +3249,10 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
     };
     let refused = [
         ("min_tokens", json!(-1)),
-        ("bad_words", json!(["Lily"])),
-        ("truncate_prompt_tokens", json!(2)),
+        // Served, but a blank word is refused.
+        ("bad_words", json!([" "])),
+        // Served, but 0 is refused (vLLM: an integer >= 1 or -1).
+        ("truncate_prompt_tokens", json!(0)),
         ("chat_template", json!("{{ messages }}")),
         ("prompt_embeds", json!("AAAA")),
         ("documents", json!([{"text": "x"}])),
@@ -3269,6 +3271,7 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
     for (k, v) in [
         ("min_tokens", json!(0)),
         ("bad_words", json!([])),
+        ("truncate_prompt_tokens", Value::Null),
         ("guided_json", Value::Null),
         ("allowed_token_ids", Value::Null),
         ("chat_template_kwargs", json!({})),
@@ -5155,17 +5158,10 @@ async fn chat_template_kwargs_reach_the_template_and_bad_ones_are_400s() {
     task.abort();
 }
 
-/// `<think>` and `</think>` as special tokens (not so in Qwen3 or DeepSeek-R1, but possible in
-/// other models): detokenizing with `skip_special_tokens` would drop them, so with a reasoning
-/// parser the output keeps them and the split works.
-/// With a reasoning parser and `</think>` one token, a structured-output request lets the
-/// model reason first: the engine gets the guide dormant until `</think>` (vLLM's behaviour)
-/// and the output is split; qwen3 with thinking off constrains from the first token.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() {
-    use baton_frontend::reasoning::ReasoningParser;
-    use baton_scheduler::FinishReason;
-    use std::sync::{Arc, Mutex};
+/// stories260K's tokenizer with `<think>` and `</think>` added as special tokens, the id of
+/// `</think>`, and an output that reasons "Hmm" and answers "Yes" in it:
+/// `<think>`, "Hmm", `</think>`, "Yes".
+fn think_tokenizer_and_output() -> (baton_model::Tokenizer, u32, Vec<u32>) {
     let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
     let (open, close) = (
         tok.piece_to_id("<think>").unwrap(),
@@ -5175,6 +5171,18 @@ async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() 
     ids.extend(tok.encode("Hmm", false).unwrap());
     ids.push(close);
     ids.extend(tok.encode("Yes", false).unwrap());
+    (tok, close, ids)
+}
+
+/// With a reasoning parser and `</think>` one token, a structured-output request lets the
+/// model reason first: the engine gets the guide dormant until `</think>` (vLLM's behaviour)
+/// and the output is split; qwen3 with thinking off constrains from the first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_scheduler::FinishReason;
+    use std::sync::{Arc, Mutex};
+    let (tok, close, ids) = think_tokenizer_and_output();
     // Per engine request: (the guide's `after`, whether the guide is active).
     type Seen = Vec<(Option<u32>, bool)>;
     let seen: Arc<Mutex<Seen>> = Arc::default();
@@ -5216,28 +5224,22 @@ async fn structured_outputs_with_a_reasoning_parser_start_after_the_reasoning() 
     task.abort();
 }
 
+/// `<think>` and `</think>` as special tokens (not so in Qwen3 or DeepSeek-R1, but possible in
+/// other models): detokenizing with `skip_special_tokens` would drop them, so with a reasoning
+/// parser the output keeps them and the split works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     use baton_frontend::reasoning::ReasoningParser;
     use baton_scheduler::FinishReason;
-    let tok = common::tokenizer_with_specials(&["<think>", "</think>"]);
-    let (open, close) = (
-        tok.piece_to_id("<think>").unwrap(),
-        tok.piece_to_id("</think>").unwrap(),
-    );
-    let mut ids = vec![open];
-    ids.extend(tok.encode("Hmm", false).unwrap());
-    ids.push(close);
-    ids.extend(tok.encode("Yes", false).unwrap());
     let mut out = Vec::new();
     for parser in [Some(ReasoningParser::DeepSeekR1), None] {
-        let ids = ids.clone();
+        let (tok, _, ids) = think_tokenizer_and_output();
         let (addr, task) = common::start_scripted_with_tokenizer(
             move |req| common::token_events(&ids, 0.0, req.prompt.len(), FinishReason::Stop),
             Some(TOOLS_TEMPLATE.into()),
             None,
             parser,
-            common::tokenizer_with_specials(&["<think>", "</think>"]),
+            tok,
         )
         .await;
         let body = json!({"messages": [{"role": "user", "content": "?"}]});
@@ -5628,4 +5630,392 @@ async fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
     streamed["stream"] = json!(true);
     let r = post(srv.addr, "/v1/chat/completions", &streamed).await;
     assert_eq!(streamed_ids(&r, true), want);
+}
+
+/// A scripted server (stories260K's tokenizer, the Llama-2 template, `max_model_len` 512)
+/// whose model answers "Yes" to every request; the requests the engine received are kept.
+async fn recording_server() -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<Vec<baton_frontend::EngineRequest>>>,
+) {
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let out = tok.encode("Yes", false).unwrap();
+    let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = prompts.clone();
+    let (addr, task) = common::start_scripted_with_template(
+        move |req| {
+            seen.lock().unwrap().push(req.clone());
+            common::token_events(
+                &out,
+                -0.5,
+                req.prompt.len(),
+                baton_scheduler::FinishReason::Stop,
+            )
+        },
+        Some(LLAMA2_TEMPLATE.into()),
+    )
+    .await;
+    (addr, task, prompts)
+}
+
+/// The prompt the engine got for `body` on `path` (which must succeed), and the response.
+async fn engine_prompt(
+    addr: std::net::SocketAddr,
+    seen: &std::sync::Mutex<Vec<baton_frontend::EngineRequest>>,
+    path: &str,
+    body: Value,
+) -> (Vec<u32>, Value) {
+    seen.lock().unwrap().clear();
+    let r = post(addr, path, &body).await;
+    let shown: String = body.to_string().chars().take(300).collect();
+    assert_eq!(r.status, 200, "{shown}: {}", r.body);
+    (only_prompt(seen), r.json())
+}
+
+/// The prompt of the one request the engine received.
+fn only_prompt(seen: &std::sync::Mutex<Vec<baton_frontend::EngineRequest>>) -> Vec<u32> {
+    let got = seen.lock().unwrap();
+    assert_eq!(got.len(), 1, "{got:?}");
+    got[0].prompt.clone()
+}
+
+/// vLLM's `truncate_prompt_tokens` on `/v1/completions`: `k` keeps the last `k` prompt tokens
+/// (after tokenization, so the BOS goes first), -1 keeps up to `max_model_len`; usage and the
+/// echo are of the kept tokens. A prompt too long for the context (or for the untokenized
+/// length guard) is cut instead of refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_prompt_tokens_keeps_the_last_prompt_tokens_on_completions() {
+    let (addr, task, prompts) = recording_server().await;
+    let text = "Once upon a time there was a little girl named Lily";
+    let base = json!({"model": MODEL, "prompt": text, "max_tokens": 4});
+    let (full, v) = engine_prompt(addr, &prompts, "/v1/completions", base.clone()).await;
+    assert!(full.len() > 5, "{full:?}");
+    assert_eq!(v["usage"]["prompt_tokens"], full.len());
+    for k in [1usize, 3, 5] {
+        let body = with_fields(&base, json!({"truncate_prompt_tokens": k, "echo": true}));
+        let (got, v) = engine_prompt(addr, &prompts, "/v1/completions", body).await;
+        assert_eq!(got, full[full.len() - k..], "k = {k}");
+        assert_eq!(v["usage"]["prompt_tokens"], k, "{v}");
+        // The echo is the kept tokens, not the whole text.
+        let tok = baton_model::load_model_dir(common::model_dir())
+            .unwrap()
+            .tokenizer
+            .unwrap();
+        let kept = tok.decode(&got, true).unwrap();
+        let echoed = text_of(&v, 0);
+        assert!(
+            echoed.starts_with(&kept) && !echoed.starts_with(text),
+            "k = {k}: {echoed:?} vs {kept:?}"
+        );
+    }
+    // Longer than the prompt, or -1 (max_model_len 512): nothing is cut, the text is echoed.
+    for k in [json!(full.len()), json!(400), json!(-1), json!(3.0)] {
+        let body = with_fields(&base, json!({"truncate_prompt_tokens": k, "echo": true}));
+        let (got, v) = engine_prompt(addr, &prompts, "/v1/completions", body).await;
+        if k == json!(3.0) {
+            // An integer-valued float is that integer (pydantic's lax mode).
+            assert_eq!(got, full[full.len() - 3..]);
+            continue;
+        }
+        assert_eq!(got, full, "k = {k}");
+        assert!(text_of(&v, 0).starts_with(text), "{v}");
+    }
+    // Token prompts: the last k ids; a 600-id prompt (past max_model_len 512) is cut to fit.
+    let ids: Vec<u32> = (0..600).map(|i| 3 + (i * 7) % 500).collect();
+    let body = json!({"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 2});
+    let (got, _) = engine_prompt(addr, &prompts, "/v1/completions", body).await;
+    assert_eq!(got, ids[598..]);
+    let body = json!({"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 500});
+    let (got, _) = engine_prompt(addr, &prompts, "/v1/completions", body).await;
+    assert_eq!(got, ids[100..]);
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "without truncation: {}", r.body);
+    // A text far past what 512 tokens can hold is refused untokenized, unless it is cut.
+    let long = "the cat sat on the mat. ".repeat(20_000);
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let body = json!({"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": 8});
+    let (got, _) = engine_prompt(addr, &prompts, "/v1/completions", body).await;
+    assert_eq!(got.len(), 8);
+    task.abort();
+}
+
+/// On `/v1/chat/completions`, `truncate_prompt_tokens` cuts the prompt the chat template
+/// rendered (vLLM truncates after the template); `usage.prompt_tokens` counts what is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_prompt_tokens_cuts_the_rendered_chat_prompt() {
+    let (addr, task, prompts) = recording_server().await;
+    let base = json!({"model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Tell me a story about a cat."}]});
+    let (full, v) = engine_prompt(addr, &prompts, "/v1/chat/completions", base.clone()).await;
+    assert_eq!(v["usage"]["prompt_tokens"], full.len());
+    for stream in [false, true] {
+        let body = with_fields(
+            &base,
+            json!({"truncate_prompt_tokens": 4, "stream": stream,
+                   "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null }}),
+        );
+        prompts.lock().unwrap().clear();
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(only_prompt(&prompts), full[full.len() - 4..]);
+        let usage = if stream {
+            let ev = r.events();
+            serde_json::from_str::<Value>(&ev[ev.len() - 2]).unwrap()["usage"].clone()
+        } else {
+            r.json()["usage"].clone()
+        };
+        assert_eq!(usage["prompt_tokens"], 4, "{usage}");
+    }
+    task.abort();
+}
+
+/// Bad `truncate_prompt_tokens` values are 400s naming the field, with vLLM's messages; it is
+/// refused on `/v1/responses`, which vLLM does not give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_truncate_prompt_tokens_are_refused_naming_the_field() {
+    let (addr, task, prompts) = recording_server().await;
+    for (path, base) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "Once", "max_tokens": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        ),
+    ] {
+        for (k, says) in [
+            (json!(0), "must be an integer >= 1 or -1, got 0"),
+            (json!(-2), "must be an integer >= 1 or -1, got -2"),
+            (
+                json!(513),
+                "truncate_prompt_tokens value (513) is greater than max_model_len (512). \
+                 Please, select a smaller truncation size.",
+            ),
+            (json!(2.5), "expected an integer"),
+            (json!("4"), "expected an integer"),
+        ] {
+            let r = post(
+                addr,
+                path,
+                &with_fields(&base, json!({"truncate_prompt_tokens": k})),
+            )
+            .await;
+            assert_eq!(r.status, 400, "{path} {k}: {}", r.body);
+            let e = r.json()["error"].clone();
+            assert_eq!(e["param"], "truncate_prompt_tokens", "{e}");
+            assert!(e["message"].as_str().unwrap().contains(says), "{e}");
+        }
+    }
+    assert!(prompts.lock().unwrap().is_empty());
+    let r = post(
+        addr,
+        "/v1/responses",
+        &json!({"input": "Hi", "truncate_prompt_tokens": 4}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "truncate_prompt_tokens");
+    task.abort();
+}
+
+/// Integer fields take an integer-valued float (`2.0`, `-0`, `1e1`) as pydantic's lax mode
+/// does in vLLM, with the same range checks; `2.5` is still a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn integer_fields_accept_integer_valued_floats() {
+    let (addr, task, prompts) = recording_server().await;
+    let r = send(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        r#"{"prompt": [1.0, 20, 3e1], "max_tokens": 2.0, "min_tokens": -0, "n": 1e0,
+            "top_k": -1.0, "seed": 7.0, "logprobs": 2.0, "stop_token_ids": [5.0]}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    {
+        let got = prompts.lock().unwrap();
+        assert_eq!(got.len(), 1);
+        let req = &got[0];
+        assert_eq!(req.prompt, [1, 20, 30]);
+        assert_eq!((req.max_tokens, req.min_tokens, req.params.seed), (2, 0, 7));
+        assert_eq!(req.stop_token_ids, [5]);
+        assert_eq!(req.params.top_logprobs, 2);
+    }
+    prompts.lock().unwrap().clear();
+    for (field, bad) in [
+        ("max_tokens", "2.5"),
+        ("n", "1.5"),
+        ("n", "200.0"),
+        ("top_k", "-2.0"),
+        ("seed", "0.5"),
+        ("prompt", "[1.5]"),
+        ("max_tokens", "1e300"),
+    ] {
+        let body = if field == "prompt" {
+            format!(r#"{{"prompt": {bad}}}"#)
+        } else {
+            format!(r#"{{"prompt": "Once", "{field}": {bad}}}"#)
+        };
+        let r = send(addr, "POST", "/v1/completions", &[], &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], field, "{body}");
+    }
+    let r = send(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3.0,
+            "top_logprobs": 1.0, "logprobs": true}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let got = prompts.lock().unwrap();
+    assert_eq!(
+        (got[0].max_tokens, got[0].params.top_logprobs),
+        (3, 1),
+        "{got:?}"
+    );
+    drop(got);
+    task.abort();
+}
+
+/// `continue_final_message` cuts the prompt right after the final message even when its
+/// content also occurs in what the template writes after it: with the Llama-2 template an
+/// assistant content `"s"` is followed by `</s>`, whose `s` a search for the last occurrence
+/// of the content would cut at. The prompt equals the rendered text up to the content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continue_final_message_is_cut_at_the_message_not_at_a_later_occurrence() {
+    let (addr, task, prompts) = recording_server().await;
+    for (content, want) in [
+        ("s", "<s>[INST] Tell a story. [/INST] s"),
+        ("Once upon", "<s>[INST] Tell a story. [/INST] Once upon"),
+        // The template strips the content and writes a space after it: the content is found
+        // whole, so the space stays (as transformers cuts it).
+        ("Once upon ", "<s>[INST] Tell a story. [/INST] Once upon "),
+        // Leading whitespace is stripped: the content is found trimmed.
+        ("  Once", "<s>[INST] Tell a story. [/INST] Once"),
+        ("INST", "<s>[INST] Tell a story. [/INST] INST"),
+    ] {
+        let body = json!({"model": MODEL, "max_tokens": 2, "add_generation_prompt": false,
+            "continue_final_message": true,
+            "messages": [{"role": "user", "content": "Tell a story."},
+                         {"role": "assistant", "content": content}]});
+        let (got, _) = engine_prompt(addr, &prompts, "/v1/chat/completions", body).await;
+        let plain = json!({"prompt": want, "add_special_tokens": false, "max_tokens": 2});
+        let (want_ids, _) = engine_prompt(addr, &prompts, "/v1/completions", plain).await;
+        assert_eq!(got, want_ids, "content {content:?}: want {want:?}");
+    }
+    task.abort();
+}
+
+/// `/v1/models` reports the model's path as each card's `root` (vLLM's), `parent` null; a
+/// server not told the path reports the first served name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_cards_report_the_model_path_as_root() {
+    let path = common::model_dir().display().to_string();
+    let srv = start(Opts {
+        more_served_model_names: vec!["b".into()],
+        model_root: Some(path.clone()),
+        ..Opts::default()
+    })
+    .await;
+    let m = get(srv.addr, "/v1/models").await.json();
+    let cards = m["data"].as_array().unwrap();
+    assert_eq!(cards.len(), 2, "{m}");
+    for c in cards {
+        assert_eq!(c["root"], path, "{c}");
+        assert!(c["parent"].is_null(), "{c}");
+    }
+    let card = get(srv.addr, "/v1/models/b").await.json();
+    assert_eq!(card["root"], path, "{card}");
+    let plain = start(Opts::default()).await;
+    let m = get(plain.addr, "/v1/models").await.json();
+    assert_eq!(m["data"][0]["root"], MODEL, "{m}");
+    // Without a path but with the `--model` string as an alias (`baton frontend` without
+    // `--served-model-name`): that string.
+    let tok = baton_model::load_model_dir(common::model_dir())
+        .unwrap()
+        .tokenizer
+        .unwrap();
+    let cfg = baton_frontend::ServerConfig {
+        model_aliases: vec!["../models/stories".into()],
+        ..common::scripted_config()
+    };
+    let engine = std::sync::Arc::new(common::Scripted(|_: &baton_frontend::EngineRequest| {
+        Vec::new()
+    }));
+    let state = baton_frontend::AppState::new(cfg, tok, engine, vec![common::EOS]).unwrap();
+    let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
+    let task = tokio::spawn(async move {
+        let _ = baton_frontend::serve_state(
+            listener,
+            std::sync::Arc::new(state),
+            std::future::pending(),
+        )
+        .await;
+    });
+    let m = get(addr, "/v1/models").await.json();
+    assert_eq!(m["data"][0]["id"], MODEL, "{m}");
+    assert_eq!(m["data"][0]["root"], "../models/stories", "{m}");
+    task.abort();
+}
+
+/// `--served-model-name` with an empty name stops start-up with an error naming the flag; a
+/// repeated name is served and listed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_served_model_names_are_refused_and_repeats_listed_once() {
+    let tok = || {
+        baton_model::load_model_dir(common::model_dir())
+            .unwrap()
+            .tokenizer
+            .unwrap()
+    };
+    for (first, more) in [("", vec![]), (MODEL, vec!["b".to_owned(), String::new()])] {
+        let cfg = baton_frontend::ServerConfig {
+            served_model_name: first.into(),
+            more_served_model_names: more.clone(),
+            ..common::scripted_config()
+        };
+        let engine = std::sync::Arc::new(common::Scripted(|_: &baton_frontend::EngineRequest| {
+            Vec::new()
+        }));
+        let e = baton_frontend::AppState::new(cfg, tok(), engine, vec![common::EOS])
+            .expect_err("an empty served name is refused");
+        let e = e.to_string();
+        assert!(
+            e.contains("--served-model-name") && e.contains("empty"),
+            "{first:?} {more:?}: {e}"
+        );
+    }
+    let srv = start(Opts {
+        more_served_model_names: vec!["b".into(), "b".into(), MODEL.into(), "c".into()],
+        ..Opts::default()
+    })
+    .await;
+    let m = get(srv.addr, "/v1/models").await.json();
+    let ids: Vec<&str> = m["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "b", "c"], "{m}");
 }

@@ -54,6 +54,8 @@ pub struct Opts {
     pub sampling_defaults: baton_frontend::validate::SamplingDefaults,
     /// Served names after the first ([`MODEL`]), as `--served-model-name stories b c`.
     pub more_served_model_names: Vec<String>,
+    /// The `/v1/models` root ([`AppState::with_model_root`]; default: the server's default).
+    pub model_root: Option<String>,
 }
 
 /// A backend that sleeps before each launch.
@@ -155,10 +157,12 @@ pub async fn start(opts: Opts) -> TestServer {
         reasoning_parser: None,
         sampling_defaults: opts.sampling_defaults,
     };
-    let state = Arc::new(
-        AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
-            .expect("state builds"),
-    );
+    let state = AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
+        .expect("state builds");
+    let state = Arc::new(match opts.model_root {
+        Some(root) => state.with_model_root(root),
+        None => state,
+    });
     let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.expect("binds");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let st = state.clone();
@@ -279,19 +283,11 @@ where
     F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
 {
     let cfg = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        api_key: None,
-        served_model_name: MODEL.into(),
-        more_served_model_names: Vec::new(),
-        model_aliases: Vec::new(),
         chat_template,
-        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
-        cors: baton_frontend::CorsConfig::default(),
         enable_auto_tool_choice: tool_parser.is_some(),
         tool_call_parser: tool_parser,
         reasoning_parser,
-        sampling_defaults: Default::default(),
+        ..scripted_config()
     };
     let state = Arc::new(
         AppState::new(cfg, tok, Arc::new(Scripted(script)), vec![EOS]).expect("state builds"),
@@ -301,6 +297,26 @@ where
         let _ = baton_frontend::serve_state(listener, state, std::future::pending()).await;
     });
     (addr, task)
+}
+
+/// The flags of a [`start_scripted`] server: served as [`MODEL`] on any free port, no template,
+/// parser, key or sampling defaults.
+pub fn scripted_config() -> ServerConfig {
+    ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: None,
+        served_model_name: MODEL.into(),
+        more_served_model_names: Vec::new(),
+        model_aliases: Vec::new(),
+        chat_template: None,
+        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
+        cors: baton_frontend::CorsConfig::default(),
+        enable_auto_tool_choice: false,
+        tool_call_parser: None,
+        reasoning_parser: None,
+        sampling_defaults: Default::default(),
+    }
 }
 
 /// A raw HTTP response.
@@ -482,10 +498,13 @@ pub fn tokenizer_with_specials(specials: &[&str]) -> baton_model::Tokenizer {
             "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
         );
     }
+    // One directory per call: tests run in parallel, and one removing its directory must not
+    // pull the file from under another.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "baton-tokenizer-{}-{}",
         std::process::id(),
-        specials.join("").len()
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("tokenizer.json");
