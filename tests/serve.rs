@@ -417,3 +417,49 @@ fn serve_with_generation_config_vllm_starts_despite_a_malformed_generation_confi
     assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--generation-config DIR` takes the stop ids from DIR's generation_config.json, as vLLM
+/// does: with the golden's 5th greedy token as DIR's only `eos_token_id`, a greedy request
+/// stops there. `/v1/models` reports the `--model` path as `root`.
+#[test]
+fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_path() {
+    let _serial = serial();
+    let inst = instance("serve-gendir");
+    let (prompt, greedy) = goldens().remove(0);
+    let gen_dir = std::env::temp_dir().join(format!("baton-{inst}-gen"));
+    std::fs::create_dir_all(&gen_dir).unwrap();
+    let stop = greedy[4];
+    assert!(
+        !greedy[..4].contains(&stop),
+        "the stop id must first appear 5th"
+    );
+    std::fs::write(
+        gen_dir.join("generation_config.json"),
+        format!("{{\"eos_token_id\": [{stop}]}}"),
+    )
+    .unwrap();
+    let (mut serve, addr) = serve_with(
+        &inst,
+        18307,
+        &["--generation-config", gen_dir.to_str().unwrap()],
+    );
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 20, "temperature": 0,
+                                  "return_token_ids": true});
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.to_string().len()).unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let json: serde_json::Value =
+        serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap_or_default()).expect(&resp);
+    let choice = &json["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop", "{resp}");
+    let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+    assert_eq!(ids, greedy[..5], "{resp}");
+    let (status, models) = http_get(&addr, "/v1/models");
+    assert_eq!(status, 200, "{models}");
+    let want = serde_json::json!(model_dir().display().to_string()).to_string();
+    assert!(models.contains(&format!("\"root\":{want}")), "{models}");
+    serve.signal(Signal::SIGTERM);
+    assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+    let _ = std::fs::remove_dir_all(gen_dir);
+}

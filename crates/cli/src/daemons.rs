@@ -4,7 +4,7 @@ use crate::args::EngineArgs;
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
-use baton_model::{LoadFormat, ModelConfig, ModelDir};
+use baton_model::{LoadFormat, ModelConfig, ModelDir, ModelError};
 use baton_scheduler::daemon::{DaemonConfig, SchedulerDaemon};
 use baton_worker::daemon::{self, WorkerDaemon};
 use baton_worker::{CpuBackend, KvCapacity, NullBackend};
@@ -149,10 +149,18 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         Some(dir) => {
             let dir = ModelDir::new(dir);
             let c = ModelConfig::from_file(&dir.config_path())?;
-            let w = dir.weights_fingerprint(format).context(
-                "reading the weights' fingerprint (give --load-format dummy for workers with \
-                 random weights)",
-            )?;
+            // The workers' load refuses a checkpoint whose tensor names do not fit the
+            // config: say so here too, first (not as a fingerprint failure). The hint fits a
+            // directory without weights.
+            let w = dir
+                .checked_weights_fingerprint(format, &c)
+                .map_err(|e| match e {
+                    ModelError::Io { .. } => anyhow::Error::new(e).context(
+                        "reading the weights' fingerprint (give --load-format dummy for \
+                         workers with random weights)",
+                    ),
+                    e => e.into(),
+                })?;
             let (v, f) = (c.vocab_size, c.fingerprint());
             (c, v, f, w)
         }

@@ -303,20 +303,25 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         TokenizerConfig::default()
     };
     let tokenizer = Tokenizer::from_file(&dir.tokenizer_path(), tc)?;
-    // Stop ids: generation_config.json's. Only `auto` reads the sampling defaults from it
-    // (and has refused a malformed one above); otherwise a file that does not load is
-    // ignored with a warning and config.json's ids are used, so that `--generation-config
-    // vllm` starts (vLLM falls back to config.json for a file that is not valid JSON).
-    let mut eos = match dir.generation_config() {
-        Ok(g) => g.eos_token_ids,
-        Err(e) if a.http.generation_config != "auto" => {
+    // Stop ids: those of the generation config the flag names (vLLM's): the model
+    // directory's file under `auto` and `vllm`, DIR's under DIR. Under `vllm` a file that does
+    // not load is ignored with a warning and config.json's ids are used, so that the server
+    // starts (vLLM falls back to config.json for a file that is not valid JSON); under `auto`
+    // and DIR it was refused above.
+    let source: baton_model::GenerationConfigSource = a
+        .http
+        .generation_config
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--generation-config: {e}"))?;
+    let mut eos = {
+        let (g, skipped) = dir.generation_config_from(&source)?;
+        if let Some(e) = skipped {
             tracing::warn!(
                 "ignoring {e} (--generation-config {}); the stop ids come from config.json",
                 a.http.generation_config
             );
-            Vec::new()
         }
-        Err(e) => return Err(e.into()),
+        g.eos_token_ids
     };
     // config.json is optional for a frontend (a tokenizer directory is enough); when present it
     // gives the EOS ids if generation_config.json does not, and the fingerprint to check.

@@ -4,7 +4,7 @@ use crate::args::EngineArgs;
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::engine::LocalEngine;
 use anyhow::{bail, Context, Result};
-use baton_model::{LoadFormat, ModelDir, Tokenizer};
+use baton_model::{GenerationConfig, GenerationConfigSource, LoadFormat, ModelDir, Tokenizer};
 use baton_proto::SamplingParams;
 use baton_scheduler::{Event, FinishReason, NewRequest};
 use baton_worker::{Backend, CpuBackend};
@@ -84,21 +84,23 @@ pub struct GenerateArgs {
     /// A file with one prompt per line.
     #[arg(long)]
     pub prompts_file: Option<PathBuf>,
-    /// New tokens per prompt.
-    #[arg(long, default_value_t = 16)]
-    pub max_tokens: u32,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub temperature: f32,
-    /// Nucleus sampling mass; 1 disables.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub top_p: f32,
-    /// Keep the k most likely tokens; 0 or -1 disables.
-    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
-    pub top_k: i32,
-    /// Drop tokens below min_p times the top probability; 0 disables.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub min_p: f32,
+    /// New tokens per prompt [default: the generation config's max_new_tokens, else 16].
+    #[arg(long)]
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature; 0 is greedy [default: the generation config's, else 1].
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass; 1 disables [default: the generation config's, else 1].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens; 0 or -1 disables [default: the generation config's,
+    /// else 0].
+    #[arg(long, allow_hyphen_values = true)]
+    pub top_k: Option<i32>,
+    /// Drop tokens below min_p times the top probability; 0 disables [default: the
+    /// generation config's, else 0].
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_p: Option<f32>,
     /// Subtracted once from the logit of every token already generated (OpenAI
     /// `presence_penalty`), in [-2, 2]; 0 disables.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -108,9 +110,17 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Divides positive and multiplies negative logits of tokens in the prompt or the output
-    /// (vLLM `repetition_penalty`), > 0; 1 disables.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub repetition_penalty: f32,
+    /// (vLLM `repetition_penalty`), > 0; 1 disables [default: the generation config's,
+    /// else 1].
+    #[arg(long, allow_negative_numbers = true)]
+    pub repetition_penalty: Option<f32>,
+    /// Where the sampling defaults and stop ids come from (vLLM's flag): "auto" reads the
+    /// model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    /// max_new_tokens as --max-tokens, for the flags not given; eos_token_id as stop ids);
+    /// "vllm" takes no defaults from it (the stop ids still; a malformed file is then only a
+    /// warning); anything else is a directory whose generation_config.json gives both.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: GenerationConfigSource,
     /// No stop token (EOS included) is sampled before this many new tokens (vLLM
     /// `min_tokens`); at most --max-tokens.
     #[arg(long, default_value_t = 0)]
@@ -165,21 +175,132 @@ pub struct Generation {
     pub finish_reason: FinishReason,
 }
 
-fn validate_sampling(a: &GenerateArgs) -> Result<()> {
-    if !a.temperature.is_finite() || a.temperature < 0.0 {
+/// A sampling value and where it came from: the flag, the generation config, or the
+/// OpenAI default.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sourced<T> {
+    /// The value used.
+    pub value: T,
+    /// The generation config's field it came from, when the flag was not given.
+    pub from_config: Option<&'static str>,
+}
+
+impl<T> Sourced<T> {
+    /// `flag` alone, or with the generation config's field the value came from, for
+    /// messages.
+    fn name(&self, flag: &str, source: &GenerationConfigSource) -> String {
+        match self.from_config {
+            None => flag.to_owned(),
+            Some(field) => {
+                format!("{flag} (the generation config's {field}, --generation-config {source})")
+            }
+        }
+    }
+}
+
+/// The sampling values of `baton generate`: a flag given wins, else the generation config's
+/// default (vLLM's `--generation-config`), else OpenAI's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// `--temperature` (default 1).
+    pub temperature: Sourced<f32>,
+    /// `--top-p` (default 1).
+    pub top_p: Sourced<f32>,
+    /// `--top-k` (default 0: off).
+    pub top_k: Sourced<i32>,
+    /// `--min-p` (default 0).
+    pub min_p: Sourced<f32>,
+    /// `--repetition-penalty` (default 1).
+    pub repetition_penalty: Sourced<f32>,
+    /// `--max-tokens` (default 16; the generation config's `max_new_tokens`).
+    pub max_tokens: Sourced<u32>,
+}
+
+/// The flag's value if given, else the generation config's `field` if set, else `default`.
+fn pick<T>(flag: Option<T>, config: Option<T>, field: &'static str, default: T) -> Sourced<T> {
+    match (flag, config) {
+        (Some(value), _) => Sourced {
+            value,
+            from_config: None,
+        },
+        (None, Some(value)) => Sourced {
+            value,
+            from_config: Some(field),
+        },
+        (None, None) => Sourced {
+            value: default,
+            from_config: None,
+        },
+    }
+}
+
+impl Sampling {
+    /// The values of `a`'s flags over the defaults of `g` (the generation config
+    /// `--generation-config` gave: [`baton_model::ModelDir::generation_config_from`]).
+    pub fn resolve(a: &GenerateArgs, g: &GenerationConfig) -> Self {
+        // A top_k past i32 keeps every token, as i32::MAX does.
+        let top_k = g.top_k.map(|k| k.min(i64::from(i32::MAX)) as i32);
+        Sampling {
+            temperature: pick(a.temperature, g.temperature, "temperature", 1.0),
+            top_p: pick(a.top_p, g.top_p, "top_p", 1.0),
+            top_k: pick(a.top_k, top_k, "top_k", 0),
+            min_p: pick(a.min_p, g.min_p, "min_p", 0.0),
+            repetition_penalty: pick(
+                a.repetition_penalty,
+                g.repetition_penalty,
+                "repetition_penalty",
+                1.0,
+            ),
+            max_tokens: pick(a.max_tokens, g.max_new_tokens, "max_new_tokens", 16),
+        }
+    }
+
+    /// The request parameters of these values and `a`'s penalties.
+    fn params(&self, a: &GenerateArgs) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.value,
+            top_p: self.top_p.value,
+            top_k: self.top_k.value,
+            min_p: self.min_p.value,
+            presence_penalty: a.presence_penalty,
+            frequency_penalty: a.frequency_penalty,
+            repetition_penalty: self.repetition_penalty.value,
+            ..SamplingParams::greedy()
+        }
+    }
+}
+
+/// Checks the sampling values, naming the flag (and the generation config's field when the
+/// value came from there).
+fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
+    let src = &a.generation_config;
+    let t = s.temperature.value;
+    if !t.is_finite() || t < 0.0 {
         bail!(
-            "--temperature must be a finite number >= 0, got {}",
-            a.temperature
+            "{} must be a finite number >= 0, got {t}",
+            s.temperature.name("--temperature", src)
         );
     }
-    if a.top_p.is_nan() || a.top_p <= 0.0 || a.top_p > 1.0 {
-        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    let p = s.top_p.value;
+    if p.is_nan() || p <= 0.0 || p > 1.0 {
+        bail!(
+            "{} must be in (0, 1], got {p}",
+            s.top_p.name("--top-p", src)
+        );
     }
-    if a.top_k < -1 {
-        bail!("--top-k must be -1, 0 or positive, got {}", a.top_k);
+    if s.top_k.value < -1 {
+        bail!(
+            "{} must be -1, 0 or positive, got {}",
+            s.top_k.name("--top-k", src),
+            s.top_k.value
+        );
     }
-    if !(0.0..=1.0).contains(&a.min_p) {
-        bail!("--min-p must be in [0, 1], got {}", a.min_p);
+    if !(0.0..=1.0).contains(&s.min_p.value) {
+        bail!(
+            "{} must be in [0, 1], got {}",
+            s.min_p.name("--min-p", src),
+            s.min_p.value
+        );
     }
     for (name, v) in [
         ("--presence-penalty", a.presence_penalty),
@@ -189,21 +310,26 @@ fn validate_sampling(a: &GenerateArgs) -> Result<()> {
             bail!("{name} must be in [-2, 2], got {v}");
         }
     }
-    if !(a.repetition_penalty > 0.0 && a.repetition_penalty.is_finite()) {
+    let r = s.repetition_penalty.value;
+    if !(r > 0.0 && r.is_finite()) {
         bail!(
-            "--repetition-penalty must be a finite number > 0, got {}",
-            a.repetition_penalty
+            "{} must be a finite number > 0, got {r}",
+            s.repetition_penalty.name("--repetition-penalty", src)
         );
     }
-    if a.min_tokens > a.max_tokens {
+    let max = s.max_tokens.value;
+    if a.min_tokens > max {
         bail!(
-            "--min-tokens ({}) must be at most --max-tokens ({})",
+            "--min-tokens ({}) must be at most {} ({max})",
             a.min_tokens,
-            a.max_tokens
+            s.max_tokens.name("--max-tokens", src)
         );
     }
-    if a.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
+    if max == 0 {
+        bail!(
+            "{} must be at least 1",
+            s.max_tokens.name("--max-tokens", src)
+        );
     }
     Ok(())
 }
@@ -213,7 +339,19 @@ fn validate_sampling(a: &GenerateArgs) -> Result<()> {
 /// # Errors
 /// Bad flags, a model that fails to load, a prompt that cannot run.
 pub fn run(a: GenerateArgs) -> Result<()> {
-    validate_sampling(&a)?;
+    let dir = ModelDir::new(&a.model);
+    // Read first: the sampling values it gives are checked with the flags'.
+    let (generation_config, ignored) = dir
+        .generation_config_from(&a.generation_config)
+        .with_context(|| format!("--generation-config {}", a.generation_config))?;
+    if let Some(e) = &ignored {
+        tracing::warn!(
+            "ignoring {e} (--generation-config {}); the stop ids come from config.json",
+            a.generation_config
+        );
+    }
+    let sampling = Sampling::resolve(&a, &generation_config);
+    validate_sampling(&a, &sampling)?;
     let mut prompts = a.prompts.clone();
     if let Some(f) = &a.prompts_file {
         let text = std::fs::read_to_string(f)
@@ -237,7 +375,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         check_cuda_device(&a.cuda)?;
     }
     // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.
-    let mut loaded = ModelDir::new(&a.model).load_mapped(format)?;
+    let mut loaded = dir.load_mapped_from(format, &a.generation_config)?;
     let eos = loaded.eos_token_ids();
     let mut cfg = a
         .engine
@@ -260,6 +398,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 &tokenizer,
                 &prompts,
                 &eos,
+                &sampling,
             )
         }
         GenDevice::Cuda => {
@@ -278,6 +417,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 &tokenizer,
                 &prompts,
                 &eos,
+                &sampling,
             )
         }
     }
@@ -289,6 +429,7 @@ fn run_on<B: Backend>(
     tokenizer: &Tokenizer,
     prompts: &[String],
     eos: &[u32],
+    sampling: &Sampling,
 ) -> Result<()> {
     if let Some(path) = &a.engine.trace {
         let t = baton_scheduler::Tracer::to_file(path)
@@ -296,23 +437,14 @@ fn run_on<B: Backend>(
         engine.scheduler_mut().set_tracer(t);
     }
 
-    let params = SamplingParams {
-        temperature: a.temperature,
-        top_p: a.top_p,
-        top_k: a.top_k,
-        min_p: a.min_p,
-        presence_penalty: a.presence_penalty,
-        frequency_penalty: a.frequency_penalty,
-        repetition_penalty: a.repetition_penalty,
-        ..SamplingParams::greedy()
-    };
+    let max_tokens = sampling.max_tokens.value;
     let start = Instant::now();
     let gens = generate(
         &mut engine,
         tokenizer,
         prompts,
-        a.max_tokens,
-        params,
+        max_tokens,
+        sampling.params(a),
         a.seed,
         eos,
         a.ignore_eos,
@@ -335,11 +467,10 @@ fn run_on<B: Backend>(
     }
     for (i, g) in gens.iter().enumerate() {
         let n = g.ids.len();
-        if g.finish_reason == FinishReason::Length && n < a.max_tokens as usize {
+        if g.finish_reason == FinishReason::Length && n < max_tokens as usize {
             eprintln!(
                 "note: prompt {i} stopped at the maximum model length ({max_model_len} tokens) \
-                 after {n} of --max-tokens {}",
-                a.max_tokens
+                 after {n} of --max-tokens {max_tokens}"
             );
         }
     }

@@ -4,25 +4,31 @@ mod common;
 
 use std::process::Command;
 
-/// Runs `baton generate --model <test model> <extra…>`; returns (exit code, stderr).
+/// Runs `baton generate --model <test model> <extra…>` (with `--max-tokens 2` unless `extra`
+/// sets it); returns (exit code, stderr).
 fn generate(extra: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .arg("generate")
-        .arg("--model")
-        .arg(common::model_dir())
-        .args(["--prompt", "Once upon a time"])
-        .args(if extra.contains(&"--max-tokens") {
-            &[][..]
-        } else {
-            &["--max-tokens", "2"][..]
-        })
-        .args(extra)
-        .output()
-        .expect("run baton");
+    let max: &[&str] = if extra.contains(&"--max-tokens") {
+        &[]
+    } else {
+        &["--max-tokens", "2"]
+    };
+    let out = generate_in(&common::model_dir(), &[max, extra].concat());
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs `baton generate --model <model> --prompt <the first golden prompt> <extra…>`.
+fn generate_in(model: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(["--prompt", &common::goldens()[0].prompt])
+        .args(extra)
+        .output()
+        .expect("run baton")
 }
 
 #[test]
@@ -356,6 +362,28 @@ fn json_only_copy(tag: &str) -> std::path::PathBuf {
     dir
 }
 
+/// `baton serve --port 0 --instance <inst> --load-format <format> --model <dir>`.
+fn serve_args<'a>(
+    inst: &'a str,
+    format: &'a str,
+    dir: &'a std::path::Path,
+) -> Vec<&'a std::ffi::OsStr> {
+    [
+        "serve",
+        "--port",
+        "0",
+        "--instance",
+        inst,
+        "--load-format",
+        format,
+        "--model",
+    ]
+    .into_iter()
+    .map(os)
+    .chain([dir.as_os_str()])
+    .collect()
+}
+
 /// vLLM users pass `--load-format safetensors`: it is `auto` for a safetensors checkpoint,
 /// and a directory without one is refused naming the flag, by `generate` and by `serve`
 /// before any child starts.
@@ -375,17 +403,7 @@ fn load_format_safetensors_reads_safetensors_and_names_the_flag_without_them() {
             os("--model"),
             dir.as_os_str(),
         ],
-        vec![
-            os("serve"),
-            os("--port"),
-            os("0"),
-            os("--instance"),
-            os(&inst),
-            os("--load-format"),
-            os("safetensors"),
-            os("--model"),
-            dir.as_os_str(),
-        ],
+        serve_args(&inst, "safetensors", &dir),
     ];
     for args in cases {
         let (code, err) = run_bounded(&args, "--load-format safetensors without safetensors");
@@ -406,22 +424,202 @@ fn serve_refuses_a_malformed_generation_config_under_auto() {
     let dir = json_only_copy("bad-genconfig");
     std::fs::write(dir.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
     let inst = format!("badgen-{}", std::process::id());
-    let args = [
-        os("serve"),
-        os("--port"),
-        os("0"),
-        os("--instance"),
-        os(&inst),
-        os("--load-format"),
-        os("dummy"),
-        os("--model"),
-        dir.as_os_str(),
-    ];
+    let args = serve_args(&inst, "dummy", &dir);
     let (code, err) = run_bounded(&args, "serve with a malformed generation config");
     assert_fails_with(code, &err, "generation_config.json", &args);
     assert!(
         !err.contains("baton scheduler"),
         "a child was started: {err}"
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A temporary copy of the test model, weights included, under `tag`.
+fn model_copy(tag: &str) -> std::path::PathBuf {
+    let dir = json_only_copy(tag);
+    std::fs::copy(
+        common::model_dir().join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    dir
+}
+
+/// `baton generate --json` on `model` with `extra`: the new ids and the finish reason of the
+/// first golden prompt; fails the test if it does not exit 0.
+fn generated(model: &std::path::Path, extra: &[&str]) -> (Vec<u32>, String) {
+    let out = generate_in(model, &[&["--json"][..], extra].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{extra:?}: {err}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{extra:?}: {e}: {err}"));
+    let ids = v["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    (ids, v["finish_reason"].as_str().unwrap().to_owned())
+}
+
+/// `baton generate --generation-config auto|vllm|DIR`, as `serve`'s: under `auto` (the
+/// default) the model's generation_config.json gives the sampling values of the flags not
+/// given (a flag given wins), `vllm` ignores them, DIR's file gives them; a malformed file
+/// stops `auto` only.
+#[test]
+fn generate_takes_sampling_defaults_from_the_generation_config_and_a_flag_wins() {
+    let g = &common::goldens()[0];
+    let dir = model_copy("gen-defaults");
+    // Temperature 2: this small model's draws at 1 are often its greedy tokens.
+    let hot = r#"{"bos_token_id": 1, "eos_token_id": 2, "temperature": 2, "max_new_tokens": 6}"#;
+    std::fs::write(dir.join("generation_config.json"), hot).unwrap();
+    // The config's temperature and max_new_tokens.
+    let (drawn, _) = generated(&dir, &["--seed", "7"]);
+    assert_eq!(drawn.len(), 6, "the generation config's max_new_tokens");
+    // A flag given wins: --temperature 0 is the greedy golden, still 6 tokens.
+    let (ids, _) = generated(&dir, &["--seed", "7", "--temperature", "0"]);
+    assert_eq!(ids, g.greedy_ids[..6], "--temperature 0 wins");
+    assert_ne!(drawn, ids, "the config's temperature 2 was used");
+    // `vllm`: temperature 1 and 16 tokens, the same draws as flags giving those.
+    let (cool, _) = generated(&dir, &["--seed", "7", "--generation-config", "vllm"]);
+    assert_eq!(cool.len(), 16, "vllm ignores max_new_tokens");
+    assert_ne!(cool[..6], drawn, "vllm ignores the config's temperature");
+    let (ids, _) = generated(
+        &dir,
+        &["--seed", "7", "--temperature", "1", "--max-tokens", "16"],
+    );
+    assert_eq!(ids, cool, "--temperature 1 and --max-tokens 16 win");
+    // DIR: its file, while the model's is malformed (which only `auto` refuses).
+    let other = json_only_copy("gen-defaults-dir");
+    std::fs::write(other.join("generation_config.json"), hot).unwrap();
+    std::fs::write(dir.join("generation_config.json"), "{\"eos_token_id\": [2,").unwrap();
+    let (ids, _) = generated(
+        &dir,
+        &[
+            "--seed",
+            "7",
+            "--generation-config",
+            other.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(ids, drawn, "DIR's defaults");
+    let (ids, _) = generated(&dir, &["--generation-config", "vllm", "--max-tokens", "3"]);
+    assert_eq!(ids.len(), 3);
+    let out = generate_in(&dir, &["--max-tokens", "3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_fails_with(out.status.code(), &err, "generation_config.json", &"auto");
+    // A DIR without the file is named.
+    let out = generate_in(
+        &dir,
+        &["--generation-config", dir.join("nope").to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_fails_with(
+        out.status.code(),
+        &err,
+        "nope/generation_config.json",
+        &"DIR",
+    );
+    // An out-of-range default is refused naming the flag and the field, unless the flag is
+    // given.
+    for (field, value, flag, ok) in [
+        ("temperature", "-1", "--temperature", "0"),
+        ("top_p", "0", "--top-p", "1"),
+        ("min_p", "2", "--min-p", "0"),
+        ("repetition_penalty", "0", "--repetition-penalty", "1"),
+        ("max_new_tokens", "0", "--max-tokens", "2"),
+    ] {
+        std::fs::write(
+            dir.join("generation_config.json"),
+            format!(r#"{{"eos_token_id": 2, "{field}": {value}}}"#),
+        )
+        .unwrap();
+        let two: &[&str] = if flag == "--max-tokens" {
+            &[]
+        } else {
+            &["--max-tokens", "2"]
+        };
+        let out = generate_in(&dir, two);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_fails_with(out.status.code(), &err, flag, &field);
+        assert!(
+            err.contains(&format!("generation config's {field}")),
+            "{err}"
+        );
+        let (ids, _) = generated(&dir, &[&[flag, ok][..], two].concat());
+        assert_eq!(ids.len(), 2, "{flag} {ok} wins over {field} {value}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(other);
+}
+
+/// The stop ids come from the generation config `--generation-config` names: DIR's
+/// `eos_token_id` ends the output, the model directory's file is not read for them.
+#[test]
+fn generate_takes_the_stop_ids_from_the_generation_config_dir() {
+    let g = &common::goldens()[0];
+    let dir = model_copy("gen-eos");
+    let other = json_only_copy("gen-eos-dir");
+    let stop = g.greedy_ids[2];
+    std::fs::write(
+        other.join("generation_config.json"),
+        format!(r#"{{"eos_token_id": [{stop}], "temperature": 0}}"#),
+    )
+    .unwrap();
+    let dir_flag = [
+        "--generation-config",
+        other.to_str().unwrap(),
+        "--max-tokens",
+        "10",
+    ];
+    let (ids, reason) = generated(&dir, &dir_flag);
+    let at = g.greedy_ids.iter().position(|&t| t == stop).unwrap();
+    assert_eq!(
+        (ids.as_slice(), reason.as_str()),
+        (&g.greedy_ids[..=at], "stop"),
+        "DIR's eos_token_id stops"
+    );
+    // The model's own file (eos 2) does not stop there.
+    let (ids, reason) = generated(&dir, &["--temperature", "0", "--max-tokens", "10"]);
+    assert_eq!(
+        (ids.as_slice(), reason.as_str()),
+        (&g.greedy_ids[..10], "length")
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(other);
+}
+
+/// A checkpoint with a tensor the model does not use, of a dtype the loader does not read, is
+/// refused by the scheduler with the workers' unused-tensor error, not as a fingerprint
+/// failure hinting at `--load-format dummy`.
+#[test]
+fn the_scheduler_refuses_an_unused_tensor_of_an_unsupported_dtype_as_unused() {
+    let dir = json_only_copy("unused-i32");
+    let bytes = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let extra = [0u8; 16];
+    let name = "model.layers.0.mlp.gate_proj.qweight";
+    let mut views = st.tensors();
+    views.push((
+        name.to_owned(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![4], &extra).unwrap(),
+    ));
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let inst = format!("unused-{}", std::process::id());
+    let args = [
+        os("scheduler"),
+        os("--instance"),
+        os(&inst),
+        os("--model"),
+        dir.as_os_str(),
+    ];
+    let (code, err) = run_bounded(&args, "a scheduler on an unused I32 tensor");
+    assert_fails_with(code, &err, name, &args);
+    assert!(err.contains("does not use"), "{err}");
+    assert!(!err.contains("--load-format dummy"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }

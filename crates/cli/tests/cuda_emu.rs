@@ -624,37 +624,53 @@ fn a_mapped_checkpoint_puts_the_same_bits_on_the_device_as_the_f32_load() {
         let dir = root.join(format!("{stored:?}"));
         stored_as(stored, &dir);
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
-            let last = Mutex::new(None);
-            let build = emu(dtype, true, &last);
-            let sizes = small_sizes();
-            let mapped = ModelDir::new(&dir)
-                .load_mapped(baton_model::LoadFormat::Auto)
-                .unwrap();
-            assert!(
-                matches!(mapped.weights, ModelWeights::Mapped(_)),
-                "safetensors stay mapped"
-            );
-            let a = build(mapped.config, mapped.weights, sizes)
-                .unwrap()
-                .download_weights()
-                .unwrap();
-            let host = ModelDir::new(&dir)
-                .load(baton_model::LoadFormat::Auto)
-                .unwrap();
-            let b = build(host.config, host.weights.into(), sizes)
-                .unwrap()
-                .download_weights()
-                .unwrap();
-            assert_eq!(a.len(), b.len());
-            let first = a.iter().zip(&b).position(|(x, y)| x != y);
-            assert!(
-                first.is_none(),
-                "stored {stored:?}, device {dtype:?}: first differing byte {first:?}"
-            );
+            let a =
+                assert_mapped_uploads_as_the_f32_load(&dir, dtype, &format!("{stored:?}"), |_| {});
             assert!(a.iter().any(|&x| x != 0), "nothing was uploaded");
         }
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+/// Builds the emulated CUDA worker in `dtype` from the checkpoint in `dir` twice, from its
+/// mapped load (checked to stay mapped) and from its f32 load (which `check_host` looks at
+/// first), and asserts that both put the same bytes on the device; returns those bytes.
+/// `what` names the checkpoint in failures.
+fn assert_mapped_uploads_as_the_f32_load(
+    dir: &std::path::Path,
+    dtype: Dtype,
+    what: &str,
+    check_host: impl FnOnce(&baton_model::LoadedModel),
+) -> Vec<u8> {
+    let last = Mutex::new(None);
+    let build = emu(dtype, true, &last);
+    let sizes = small_sizes();
+    let mapped = ModelDir::new(dir)
+        .load_mapped(baton_model::LoadFormat::Auto)
+        .unwrap();
+    assert!(
+        matches!(mapped.weights, ModelWeights::Mapped(_)),
+        "{what}: safetensors stay mapped"
+    );
+    let a = build(mapped.config, mapped.weights, sizes)
+        .unwrap()
+        .download_weights()
+        .unwrap();
+    let host = ModelDir::new(dir)
+        .load(baton_model::LoadFormat::Auto)
+        .unwrap();
+    check_host(&host);
+    let b = build(host.config, host.weights.into(), sizes)
+        .unwrap()
+        .download_weights()
+        .unwrap();
+    assert_eq!(a.len(), b.len(), "{what}");
+    let first = a.iter().zip(&b).position(|(x, y)| x != y);
+    assert!(
+        first.is_none(),
+        "stored {what}, device {dtype:?}: first differing byte {first:?}"
+    );
+    a
 }
 
 #[test]
@@ -1199,38 +1215,16 @@ fn mapped_qwen_checkpoints_put_the_same_bits_on_the_device_as_the_f32_load() {
             .collect();
         serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
         for dtype in [Dtype::Bf16, Dtype::F32] {
-            let last = Mutex::new(None);
-            let build = emu(dtype, true, &last);
-            let sizes = small_sizes();
-            let mapped = ModelDir::new(&dir)
-                .load_mapped(baton_model::LoadFormat::Auto)
-                .unwrap();
-            assert!(matches!(mapped.weights, ModelWeights::Mapped(_)));
-            let a = build(mapped.config, mapped.weights, sizes)
-                .unwrap()
-                .download_weights()
-                .unwrap();
-            let host = ModelDir::new(&dir)
-                .load(baton_model::LoadFormat::Auto)
-                .unwrap();
-            assert!(
-                host.weights.layers[1].q_bias.is_some() == cfg.qkv_bias,
-                "{name}"
-            );
-            assert!(
-                host.weights.layers[1].k_norm.is_some() == cfg.qk_norm,
-                "{name}"
-            );
-            let b = build(host.config, host.weights.into(), sizes)
-                .unwrap()
-                .download_weights()
-                .unwrap();
-            assert_eq!(a.len(), b.len());
-            let first = a.iter().zip(&b).position(|(x, y)| x != y);
-            assert!(
-                first.is_none(),
-                "{name}, device {dtype:?}: first differing byte {first:?}"
-            );
+            assert_mapped_uploads_as_the_f32_load(&dir, dtype, name, |host| {
+                assert!(
+                    host.weights.layers[1].q_bias.is_some() == cfg.qkv_bias,
+                    "{name}"
+                );
+                assert!(
+                    host.weights.layers[1].k_norm.is_some() == cfg.qk_norm,
+                    "{name}"
+                );
+            });
         }
     }
     std::fs::remove_dir_all(&root).ok();

@@ -96,7 +96,7 @@ pub enum ModelError {
          (config.json says num_hidden_layers = {layers}); the config and the weights do not match"
     )]
     ExtraLayers {
-        /// The weights file (or index).
+        /// The weights file holding the tensor named first (a shard when sharded).
         file: String,
         /// One such tensor.
         tensor: String,
@@ -116,7 +116,7 @@ pub enum ModelError {
         list_names(.tensors, *.count)
     )]
     UnusedTensors {
-        /// The weights file (or index).
+        /// The weights file holding the tensor named first (a shard when sharded).
         file: String,
         /// `model_type` from config.json.
         model_type: String,

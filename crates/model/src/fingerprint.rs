@@ -47,7 +47,8 @@ const SAMPLE_BYTES: usize = 64;
 
 /// A 64-bit fingerprint of a checkpoint's stored weights: per tensor, in name order, its name,
 /// dtype, shape and `3 × 64` bytes sampled from its data (its start, middle and end; all of it
-/// when smaller).
+/// when smaller). Every stored tensor counts, whatever its dtype (one the model skips, such
+/// as a saved RoPE table, may be of a dtype the loader does not read).
 ///
 /// Cheap (one page read per window through the memory map: under 900 for an 8B checkpoint of
 /// 291 tensors, well under a second even from network storage), so the scheduler, which never
@@ -57,19 +58,19 @@ const SAMPLE_BYTES: usize = 64;
 /// dense weight update does not.
 ///
 /// # Errors
-/// As [`WeightSource::get`] (a tensor with an unsupported dtype).
+/// A tensor whose data lies outside its file ([`ModelError::Safetensors`]).
 pub fn weights_fingerprint(src: &WeightSource) -> Result<u64, ModelError> {
     let mut h = Fnv64::default();
     h.eat(b"safetensors");
     for name in src.tensor_names() {
-        let t = src.get(name)?;
+        let (dtype, shape, b) = src.get_any_dtype(name)?;
         h.eat(name.as_bytes());
-        h.eat(&[0xff, t.dtype.size() as u8, t.dtype as u8]);
-        h.eat_u64(t.shape.len() as u64);
-        for &d in t.shape {
+        h.eat(&[0xff]);
+        h.eat(dtype.as_bytes());
+        h.eat_u64(shape.len() as u64);
+        for &d in shape {
             h.eat_u64(d as u64);
         }
-        let b = t.bytes;
         if b.len() <= SAMPLE_WINDOWS * SAMPLE_BYTES {
             h.eat(b);
         } else {

@@ -40,6 +40,53 @@ pub enum LoadFormat {
     },
 }
 
+/// Where the generation config comes from: vLLM's `--generation-config auto|vllm|DIR`
+/// (parsed from the flag's value by [`std::str::FromStr`]; read by
+/// [`ModelDir::generation_config_from`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum GenerationConfigSource {
+    /// `auto`: the model directory's generation_config.json gives the sampling defaults and
+    /// the stop ids; a malformed file is an error.
+    #[default]
+    Auto,
+    /// `vllm`: no sampling defaults (the OpenAI ones apply). The stop ids still come from the
+    /// model directory's generation_config.json, as vLLM loads that file for them under
+    /// `vllm` too; a file that does not load is then ignored and its error returned for the
+    /// caller to report.
+    Vllm,
+    /// `DIR`: `DIR/generation_config.json`, which must exist, gives the sampling defaults and
+    /// the stop ids (the model directory's file is not read).
+    Dir(PathBuf),
+}
+
+impl std::str::FromStr for GenerationConfigSource {
+    type Err = String;
+
+    /// `auto`, `vllm`, or any other non-empty string as a directory.
+    ///
+    /// # Errors
+    /// An empty string.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "vllm" => Ok(Self::Vllm),
+            "" => Err("expected auto, vllm or a directory holding generation_config.json".into()),
+            dir => Ok(Self::Dir(PathBuf::from(dir))),
+        }
+    }
+}
+
+impl std::fmt::Display for GenerationConfigSource {
+    /// The flag value that parses back to this source.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Vllm => f.write_str("vllm"),
+            Self::Dir(d) => write!(f, "{}", d.display()),
+        }
+    }
+}
+
 /// The files of a HF model directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelDir {
@@ -94,6 +141,30 @@ impl ModelDir {
         }
     }
 
+    /// [`ModelDir::weights_fingerprint`] after checking that the stored tensor names fit a
+    /// model of `cfg` ([`WeightSource::check_tensor_names`]), so that a checkpoint the
+    /// workers' load would refuse is refused with the same error (not with one about the
+    /// fingerprint). For a process that publishes the fingerprint without loading weights
+    /// (the scheduler).
+    ///
+    /// # Errors
+    /// As [`WeightSource::open`], [`ModelError::ExtraLayers`], [`ModelError::UnusedTensors`],
+    /// as [`weights_fingerprint`].
+    pub fn checked_weights_fingerprint(
+        &self,
+        format: LoadFormat,
+        cfg: &ModelConfig,
+    ) -> Result<u64, ModelError> {
+        match format {
+            LoadFormat::Auto => {
+                let src = WeightSource::open(&self.root)?;
+                src.check_tensor_names(cfg)?;
+                weights_fingerprint(&src)
+            }
+            LoadFormat::Dummy { .. } => self.weights_fingerprint(format),
+        }
+    }
+
     /// The model's stop token ids (as [`LoadedModel::eos_token_ids`]) without loading weights.
     ///
     /// # Errors
@@ -132,6 +203,72 @@ impl ModelDir {
         } else {
             Ok(GenerationConfig::default())
         }
+    }
+
+    /// The generation config `source` gives for this model: under
+    /// [`GenerationConfigSource::Auto`] this directory's generation_config.json (the default,
+    /// no values, when absent); under [`GenerationConfigSource::Vllm`] only that file's
+    /// `eos_token_ids` (the sampling fields `None`), and when the file does not load, no
+    /// values and its error beside them, for the caller to report; under
+    /// [`GenerationConfigSource::Dir`] `DIR/generation_config.json`, whole. The stop ids of a
+    /// model are these `eos_token_ids`, else config.json's, else the tokenizer's EOS
+    /// ([`MappedModel::eos_token_ids`]).
+    ///
+    /// # Errors
+    /// Under `Auto`, an unreadable or malformed generation_config.json; under `Dir`, a
+    /// `DIR/generation_config.json` that is missing ([`ModelError::Io`] naming it),
+    /// unreadable or malformed.
+    pub fn generation_config_from(
+        &self,
+        source: &GenerationConfigSource,
+    ) -> Result<(GenerationConfig, Option<ModelError>), ModelError> {
+        match source {
+            GenerationConfigSource::Auto => Ok((self.generation_config()?, None)),
+            GenerationConfigSource::Vllm => Ok(match self.generation_config() {
+                Ok(g) => (
+                    GenerationConfig {
+                        eos_token_ids: g.eos_token_ids,
+                        ..GenerationConfig::default()
+                    },
+                    None,
+                ),
+                Err(e) => (GenerationConfig::default(), Some(e)),
+            }),
+            GenerationConfigSource::Dir(dir) => {
+                let p = ModelDir::new(dir).generation_config_path();
+                if !p.is_file() {
+                    return Err(ModelError::Io {
+                        file: p.display().to_string(),
+                        reason: "no such file (--generation-config DIR needs \
+                                 DIR/generation_config.json)"
+                            .into(),
+                    });
+                }
+                Ok((GenerationConfig::from_file(&p)?, None))
+            }
+        }
+    }
+
+    /// [`ModelDir::load_mapped`] with the generation config `source` gives
+    /// ([`ModelDir::generation_config_from`]) in [`MappedModel::generation_config`] (so
+    /// [`MappedModel::eos_token_ids`] follows it) and, under
+    /// [`GenerationConfigSource::Vllm`], the ignored file's error in
+    /// [`MappedModel::generation_config_error`]. The generation config is read first, so its
+    /// errors come before the weights'.
+    ///
+    /// # Errors
+    /// As [`ModelDir::generation_config_from`], then as [`ModelDir::load_mapped`] less the
+    /// model directory's generation config.
+    pub fn load_mapped_from(
+        &self,
+        format: LoadFormat,
+        source: &GenerationConfigSource,
+    ) -> Result<MappedModel, ModelError> {
+        let (generation_config, ignored) = self.generation_config_from(source)?;
+        let mut m = self.load_mapped_with(format, true)?;
+        m.generation_config = generation_config;
+        m.generation_config_error = ignored;
+        Ok(m)
     }
 
     /// Loads everything as [`ModelDir::load`] does, except that safetensors weights stay

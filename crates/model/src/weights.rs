@@ -370,21 +370,7 @@ impl WeightSource {
     /// [`ModelError::MissingTensor`], or [`ModelError::UnsupportedDtype`] for anything other
     /// than F32/F16/BF16.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
-        let (key, &id) =
-            self.names
-                .get_key_value(name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    file: self.origin.display().to_string(),
-                    tensor: name.to_string(),
-                })?;
-        let shard = &self.shards[id];
-        let info = shard
-            .meta
-            .info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                file: shard.path.display().to_string(),
-                tensor: name.to_string(),
-            })?;
+        let (key, shard, info, bytes) = self.stored(name)?;
         let dtype = match info.dtype {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
@@ -397,16 +383,7 @@ impl WeightSource {
                 })
             }
         };
-        let start = 8 + shard.header_len + info.data_offsets.0;
-        let end = 8 + shard.header_len + info.data_offsets.1;
         let n: usize = info.shape.iter().product();
-        let bytes = shard
-            .mmap
-            .get(start..end)
-            .ok_or_else(|| ModelError::Safetensors {
-                file: shard.path.display().to_string(),
-                reason: format!("tensor `{name}` data out of range"),
-            })?;
         if bytes.len() != n * dtype.size() {
             return Err(ModelError::Safetensors {
                 file: shard.path.display().to_string(),
@@ -425,6 +402,65 @@ impl WeightSource {
             bytes,
             file: &shard.path,
         })
+    }
+
+    /// A stored tensor's name as stored, shard, safetensors metadata and bytes, whatever its
+    /// dtype (unchecked against the shape).
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], or [`ModelError::Safetensors`] for data outside the file.
+    #[allow(clippy::type_complexity)]
+    fn stored(
+        &self,
+        name: &str,
+    ) -> Result<(&str, &Shard, &safetensors::tensor::TensorInfo, &[u8]), ModelError> {
+        let (key, &id) =
+            self.names
+                .get_key_value(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    file: self.origin.display().to_string(),
+                    tensor: name.to_string(),
+                })?;
+        let shard = &self.shards[id];
+        let info = shard
+            .meta
+            .info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: shard.path.display().to_string(),
+                tensor: name.to_string(),
+            })?;
+        let start = 8 + shard.header_len + info.data_offsets.0;
+        let end = 8 + shard.header_len + info.data_offsets.1;
+        let bytes = shard
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| ModelError::Safetensors {
+                file: shard.path.display().to_string(),
+                reason: format!("tensor `{name}` data out of range"),
+            })?;
+        Ok((key, shard, info, bytes))
+    }
+
+    /// A stored tensor's dtype as safetensors names it (`"F32"`, `"I64"`, ...), shape and
+    /// bytes, whatever the dtype: what [`crate::weights_fingerprint`] hashes, so that a tensor
+    /// the model skips (a saved RoPE table in an integer dtype, say) does not stop it.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get`], less [`ModelError::UnsupportedDtype`].
+    pub(crate) fn get_any_dtype(
+        &self,
+        name: &str,
+    ) -> Result<(String, &[usize], &[u8]), ModelError> {
+        let (_, _, info, bytes) = self.stored(name)?;
+        Ok((format!("{:?}", info.dtype), &info.shape, bytes))
+    }
+
+    /// The file holding a stored tensor: its shard (the single file when not sharded), or the
+    /// index file when `name` is not stored.
+    pub(crate) fn file_of(&self, name: &str) -> &Path {
+        self.names
+            .get(name)
+            .map_or(&self.origin, |&id| &self.shards[id].path)
     }
 
     /// A stored tensor after checking its shape.
@@ -467,7 +503,7 @@ impl WeightSource {
         });
         match extra {
             Some(tensor) => Err(ModelError::ExtraLayers {
-                file: self.origin.display().to_string(),
+                file: self.file_of(tensor).display().to_string(),
                 tensor: tensor.to_owned(),
                 layers: cfg.num_hidden_layers,
             }),
@@ -528,8 +564,10 @@ impl WeightSource {
         if unused.is_empty() {
             return Ok(());
         }
+        // The shard holding the first one named: where to look (a sharded checkpoint's index
+        // only lists names).
         Err(ModelError::UnusedTensors {
-            file: self.origin.display().to_string(),
+            file: self.file_of(unused[0]).display().to_string(),
             model_type: cfg.model_type.clone(),
             count: unused.len(),
             tensors: unused

@@ -3,8 +3,14 @@
 
 mod common;
 
-use baton_model::{load_model_dir, load_model_dir_with, LoadFormat, ModelDir, ModelError};
-use common::{edit_config, fake_dir, stories_tensors, write_safetensors, OwnedTensor, TempDir};
+use baton_model::{
+    load_model_dir, load_model_dir_with, GenerationConfigSource, LoadFormat, ModelConfig, ModelDir,
+    ModelError,
+};
+use common::{
+    edit_config, fake_dir, stories_tensors, write_safetensors, write_two_shards, OwnedTensor,
+    TempDir, TWO_SHARDS,
+};
 use std::path::Path;
 
 /// The error of loading `dir` ([`ModelError`]), after checking that the mapped load (what a
@@ -422,6 +428,87 @@ fn tensors_the_model_does_not_use_are_refused_and_named() {
     assert!(!e.contains("more"), "{e}");
 }
 
+/// The unused-tensor and extra-layer errors of a sharded checkpoint name the shard holding
+/// the tensor (the index only lists names).
+#[test]
+fn a_sharded_checkpoints_unused_tensors_are_named_with_their_shard() {
+    let d = fake_dir("unused-sharded");
+    let mut t = stories_tensors();
+    // Last, so in the second shard.
+    t.push((
+        "model.layers.1.self_attn.o_proj.bias".into(),
+        safetensors::Dtype::F32,
+        vec![64],
+        std::iter::repeat_n(0.5f32.to_le_bytes(), 64)
+            .flatten()
+            .collect(),
+    ));
+    write_two_shards(&d, &t);
+    let e = both(&d);
+    assert!(matches!(e, ModelError::UnusedTensors { .. }), "{e:?}");
+    assert_mentions(
+        &e.to_string(),
+        &[TWO_SHARDS[1], "model.layers.1.self_attn.o_proj.bias"],
+    );
+    assert!(!e.to_string().contains("index.json"), "{e}");
+    // The first tensor of the layer the config lacks, in its shard.
+    edit_config(&d, |c| {
+        c.insert("num_hidden_layers".into(), serde_json::json!(4));
+    });
+    let first = t
+        .iter()
+        .position(|x| x.0.starts_with("model.layers.4."))
+        .unwrap();
+    let shard = TWO_SHARDS[usize::from(first >= t.len() / 2)];
+    let e = both(&d);
+    assert!(matches!(e, ModelError::ExtraLayers { .. }), "{e:?}");
+    assert_mentions(&e.to_string(), &[shard, &t[first].0]);
+}
+
+/// An unused tensor of a dtype the loader does not read is refused as unused, by the loads
+/// and by the scheduler's fingerprint step (`checked_weights_fingerprint`), not as a dtype
+/// error; a tensor the loader skips (a RoPE table saved as I64) does not stop the loads or
+/// the fingerprint, and counts in it.
+#[test]
+fn an_unused_tensor_of_an_unsupported_dtype_is_refused_as_unused() {
+    let with = |tag: &str, name: &str, dtype: safetensors::Dtype| {
+        dir_with_tensors(tag, |t| {
+            t.push((name.into(), dtype, vec![4], vec![0x11; 32]));
+        })
+    };
+    let d = with(
+        "unused-i64",
+        "model.layers.0.mlp.gate_proj.qzeros",
+        safetensors::Dtype::I64,
+    );
+    let e = both(&d);
+    assert!(matches!(e, ModelError::UnusedTensors { .. }), "{e:?}");
+    let cfg = ModelConfig::from_file(&d.join("config.json")).unwrap();
+    let e = ModelDir::new(&*d)
+        .checked_weights_fingerprint(LoadFormat::Auto, &cfg)
+        .expect_err("the fingerprint step refuses it");
+    assert!(matches!(e, ModelError::UnusedTensors { .. }), "{e:?}");
+    assert_mentions(&e.to_string(), &["model.layers.0.mlp.gate_proj.qzeros"]);
+
+    let d = with(
+        "skipped-i64",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+        safetensors::Dtype::I64,
+    );
+    load_model_dir(&d).expect("a skipped I64 tensor loads");
+    let m = ModelDir::new(&*d)
+        .load_mapped(LoadFormat::Auto)
+        .expect("and maps");
+    let f = ModelDir::new(&*d)
+        .checked_weights_fingerprint(LoadFormat::Auto, &cfg)
+        .expect("and is fingerprinted");
+    assert_eq!(f, m.weights_fingerprint);
+    let plain = ModelDir::new(common::model_dir())
+        .weights_fingerprint(LoadFormat::Auto)
+        .unwrap();
+    assert_ne!(f, plain, "the skipped tensor counts in the fingerprint");
+}
+
 /// What vLLM skips loads: saved RoPE tables, an all-zero bias (what GPTQ exports store;
 /// adding it changes nothing) and, with tied embeddings, `lm_head.weight`, which is then not
 /// the head: the embedding is (as vLLM and transformers tie them). A non-zero bias is refused.
@@ -509,4 +596,71 @@ fn lenient_reads_ignore_a_malformed_generation_config_and_use_config_json_stop_i
     let m = dir.load_mapped_lenient(LoadFormat::Auto).unwrap();
     assert!(m.generation_config_error.is_none());
     assert_eq!(m.eos_token_ids(), vec![2, 3]);
+}
+
+/// `--generation-config`'s sources (`ModelDir::generation_config_from`, `load_mapped_from`):
+/// `auto` reads the model's file whole, `vllm` only its stop ids (a malformed file ignored,
+/// its error returned), DIR its own file whole, stop ids included, without reading the
+/// model's.
+#[test]
+fn generation_config_sources_give_their_sampling_defaults_and_stop_ids() {
+    let d = dir_with_tensors("gensrc", |_| {});
+    let gen = d.join("generation_config.json");
+    std::fs::write(&gen, r#"{"eos_token_id": [2, 3], "temperature": 0.5}"#).unwrap();
+    let other = fake_dir("gensrc-dir");
+    std::fs::write(
+        other.join("generation_config.json"),
+        r#"{"eos_token_id": 9, "top_k": 4}"#,
+    )
+    .unwrap();
+    let dir = ModelDir::new(&*d);
+    let src = |s: &str| s.parse::<GenerationConfigSource>().unwrap();
+    let other_src = src(other.to_str().unwrap());
+    assert_eq!(other_src, GenerationConfigSource::Dir(other.to_path_buf()));
+    assert_eq!(
+        src(&other_src.to_string()),
+        other_src,
+        "Display is the flag"
+    );
+    assert!("".parse::<GenerationConfigSource>().is_err());
+    let read = |s: &GenerationConfigSource| dir.generation_config_from(s).unwrap();
+    let (g, e) = read(&src("auto"));
+    assert_eq!((g.eos_token_ids, g.temperature), (vec![2, 3], Some(0.5)));
+    assert!(e.is_none());
+    let (g, e) = read(&src("vllm"));
+    assert_eq!((g.eos_token_ids, g.temperature), (vec![2, 3], None));
+    assert!(e.is_none());
+    let (g, _) = read(&other_src);
+    assert_eq!(
+        (g.eos_token_ids, g.top_k, g.temperature),
+        (vec![9], Some(4), None)
+    );
+    let m = dir.load_mapped_from(LoadFormat::Auto, &other_src).unwrap();
+    assert_eq!(m.eos_token_ids(), vec![9], "DIR's stop ids");
+    // A malformed model file: `auto` refuses it, `vllm` ignores it (config.json's stop ids),
+    // DIR does not read it.
+    std::fs::write(&gen, "{\"eos_token_id\": [2,").unwrap();
+    assert_mentions(
+        &dir.generation_config_from(&src("auto"))
+            .unwrap_err()
+            .to_string(),
+        &["generation_config.json", "line 1"],
+    );
+    assert!(dir
+        .load_mapped_from(LoadFormat::Auto, &src("auto"))
+        .is_err());
+    let m = dir
+        .load_mapped_from(LoadFormat::Auto, &src("vllm"))
+        .unwrap();
+    assert_eq!(m.eos_token_ids(), vec![2], "config.json's");
+    assert!(m.generation_config_error.is_some());
+    let m = dir.load_mapped_from(LoadFormat::Auto, &other_src).unwrap();
+    assert_eq!(m.eos_token_ids(), vec![9]);
+    assert!(m.generation_config_error.is_none());
+    // A DIR without the file is named.
+    let none = src(d.join("nope").to_str().unwrap());
+    assert_mentions(
+        &dir.generation_config_from(&none).unwrap_err().to_string(),
+        &["nope/generation_config.json"],
+    );
 }

@@ -5,7 +5,9 @@
 mod common;
 
 use baton_model::{dummy_weights_fingerprint, LoadFormat, ModelDir};
-use common::{fake_dir, model_dir, stories_tensors, write_safetensors, OwnedTensor};
+use common::{
+    fake_dir, model_dir, stories_tensors, write_safetensors, write_two_shards, OwnedTensor,
+};
 
 /// The fingerprint of a copy of stories260K holding `tensors` in one file.
 fn of(tag: &str, tensors: &[OwnedTensor]) -> u64 {
@@ -32,22 +34,7 @@ fn the_same_tensors_agree_however_they_are_stored() {
     assert_eq!(of("fp-rev", &rev), orig);
     // Two shards and an index.
     let d = fake_dir("fp-shards");
-    let (a, b) = tensors.split_at(tensors.len() / 2);
-    write_safetensors(&d, "model-00001-of-00002.safetensors", a);
-    write_safetensors(&d, "model-00002-of-00002.safetensors", b);
-    let map: serde_json::Map<String, serde_json::Value> = a
-        .iter()
-        .map(|t| (t.0.clone(), "model-00001-of-00002.safetensors".into()))
-        .chain(
-            b.iter()
-                .map(|t| (t.0.clone(), "model-00002-of-00002.safetensors".into())),
-        )
-        .collect();
-    std::fs::write(
-        d.join("model.safetensors.index.json"),
-        serde_json::json!({ "weight_map": map }).to_string(),
-    )
-    .unwrap();
+    write_two_shards(&d, &tensors);
     assert_eq!(
         ModelDir::new(&*d)
             .weights_fingerprint(LoadFormat::Auto)

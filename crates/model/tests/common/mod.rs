@@ -201,6 +201,30 @@ pub fn write_safetensors(dir: &std::path::Path, file: &str, tensors: &[OwnedTens
     std::fs::write(dir.join(file), bytes).expect("write safetensors");
 }
 
+/// The shard files [`write_two_shards`] writes.
+pub const TWO_SHARDS: [&str; 2] = [
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+];
+
+/// Writes `tensors` as a sharded checkpoint in `dir`: the first half in [`TWO_SHARDS`]`[0]`,
+/// the rest in `[1]`, and `model.safetensors.index.json` mapping each to its shard.
+pub fn write_two_shards(dir: &std::path::Path, tensors: &[OwnedTensor]) {
+    let (a, b) = tensors.split_at(tensors.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (shard, part) in TWO_SHARDS.iter().zip([a, b]) {
+        write_safetensors(dir, shard, part);
+        for t in part {
+            map.insert(t.0.clone(), (*shard).into());
+        }
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({ "weight_map": map }).to_string(),
+    )
+    .expect("write index");
+}
+
 /// A temp copy of stories260K's JSON files (config, generation config, tokenizer) without
 /// weights.
 pub fn fake_dir(tag: &str) -> TempDir {
