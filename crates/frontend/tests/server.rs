@@ -2936,10 +2936,7 @@ async fn health_is_503_once_the_engine_is_gone() {
             baton_frontend::EngineStats::default()
         }
     }
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let cfg = srv.state.config.clone();
     let state = std::sync::Arc::new(
         baton_frontend::AppState::new(cfg, tok, std::sync::Arc::new(Dead), vec![2]).unwrap(),
@@ -3006,10 +3003,7 @@ async fn engine_errors_after_the_stream_started_end_it_with_one_error_event() {
 #[test]
 fn incremental_detokenizer_matches_full_decode() {
     use baton_frontend::detok::IncrementalDetokenizer;
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let check = |prompt: &[u32], out: &[u32]| {
         let mut d = IncrementalDetokenizer::new(prompt, true);
         let mut got = String::new();
@@ -4246,10 +4240,7 @@ async fn text_server(
     std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
     usize,
 ) {
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let ids = tok.encode(text, false).unwrap();
     assert_eq!(
         tok.decode(&ids, true).unwrap(),
@@ -4502,10 +4493,7 @@ async fn tools_and_tool_messages_reach_the_template() {
         r.json()["choices"][0]["message"]["content"],
         " It is sunny."
     );
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let prompt = tok.decode(&prompts.lock().unwrap()[0], true).unwrap();
     assert_eq!(
         prompt,
@@ -5090,10 +5078,7 @@ async fn responses_put_the_reasoning_in_a_reasoning_item_streamed_and_not() {
 async fn chat_template_kwargs_reach_the_template_and_bad_ones_are_400s() {
     use baton_scheduler::FinishReason;
     let template = "{% for m in messages %}{{ m.content }};{% endfor %}{% if enable_thinking is false %}OFF;{% endif %}{{ flavour }};{% if bos_token == 'B' %}B{% endif %};{{ tools | length if tools else 'none' }};{% if add_generation_prompt %}GEN{% endif %}";
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = prompts.clone();
     let (addr, task) = common::start_scripted_with_template(
@@ -5446,12 +5431,7 @@ async fn responses_count_the_reasoning_tokens() {
 /// `reasoning_content`, which templates read, as `reasoning_content` itself does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_assistant_messages_reasoning_reaches_the_template_as_reasoning_content() {
-    let load = || {
-        baton_model::load_model_dir(common::model_dir())
-            .unwrap()
-            .tokenizer
-            .unwrap()
-    };
+    let load = common::stories_tokenizer;
     let tok = load();
     let template = "{% for m in messages %}{{ m.role }}[{{ m.reasoning_content }}]{{ m.content }};{% endfor %}";
     let (addr, task, prompts) = ids_server(vec![], template, None, load()).await;
@@ -5610,10 +5590,7 @@ async fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     assert_eq!(id_list(&v["prompt_token_ids"]), chat_prompt);
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let mut want = Vec::new();
     for c in v["choices"].as_array().unwrap() {
         let ids = id_list(&c["token_ids"]);
@@ -5639,10 +5616,7 @@ async fn recording_server() -> (
     tokio::task::JoinHandle<()>,
     std::sync::Arc<std::sync::Mutex<Vec<baton_frontend::EngineRequest>>>,
 ) {
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let out = tok.encode("Yes", false).unwrap();
     let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = prompts.clone();
@@ -5701,10 +5675,7 @@ async fn truncate_prompt_tokens_keeps_the_last_prompt_tokens_on_completions() {
         assert_eq!(got, full[full.len() - k..], "k = {k}");
         assert_eq!(v["usage"]["prompt_tokens"], k, "{v}");
         // The echo is the kept tokens, not the whole text.
-        let tok = baton_model::load_model_dir(common::model_dir())
-            .unwrap()
-            .tokenizer
-            .unwrap();
+        let tok = common::stories_tokenizer();
         let kept = tok.decode(&got, true).unwrap();
         let echoed = text_of(&v, 0);
         assert!(
@@ -5951,10 +5922,7 @@ async fn model_cards_report_the_model_path_as_root() {
     assert_eq!(m["data"][0]["root"], MODEL, "{m}");
     // Without a path but with the `--model` string as an alias (`baton frontend` without
     // `--served-model-name`): that string.
-    let tok = baton_model::load_model_dir(common::model_dir())
-        .unwrap()
-        .tokenizer
-        .unwrap();
+    let tok = common::stories_tokenizer();
     let cfg = baton_frontend::ServerConfig {
         model_aliases: vec!["../models/stories".into()],
         ..common::scripted_config()
@@ -5982,12 +5950,7 @@ async fn model_cards_report_the_model_path_as_root() {
 /// repeated name is served and listed once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_served_model_names_are_refused_and_repeats_listed_once() {
-    let tok = || {
-        baton_model::load_model_dir(common::model_dir())
-            .unwrap()
-            .tokenizer
-            .unwrap()
-    };
+    let tok = common::stories_tokenizer;
     for (first, more) in [("", vec![]), (MODEL, vec!["b".to_owned(), String::new()])] {
         let cfg = baton_frontend::ServerConfig {
             served_model_name: first.into(),

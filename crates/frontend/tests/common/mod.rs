@@ -264,11 +264,22 @@ pub async fn start_scripted_with_parsers<F>(
 where
     F: Fn(&EngineRequest) -> Vec<EngineEvent> + Send + Sync + 'static,
 {
-    let tok = baton_model::load_model_dir(model_dir())
+    start_scripted_with_tokenizer(
+        script,
+        chat_template,
+        tool_parser,
+        reasoning_parser,
+        stories_tokenizer(),
+    )
+    .await
+}
+
+/// The tokenizer of stories260K ([`model_dir`]).
+pub fn stories_tokenizer() -> baton_model::Tokenizer {
+    baton_model::load_model_dir(model_dir())
         .expect("stories260K loads")
         .tokenizer
-        .expect("tokenizer");
-    start_scripted_with_tokenizer(script, chat_template, tool_parser, reasoning_parser, tok).await
+        .expect("tokenizer")
 }
 
 /// [`start_scripted_with_parsers`] with another tokenizer (see [`tokenizer_with_specials`]).
