@@ -5239,6 +5239,18 @@ async fn special_think_tags_are_kept_for_the_reasoning_parser() {
     assert!(!plain.contains("think") && plain.contains("Hmm"), "{plain}");
 }
 
+/// The ids `/v1/models` lists, and the whole response.
+async fn model_ids(addr: std::net::SocketAddr) -> (Vec<String>, Value) {
+    let m = get(addr, "/v1/models").await.json();
+    let ids = m["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .collect();
+    (ids, m)
+}
+
 /// `--served-model-name stories b c` (vLLM takes several names): a request may give any of
 /// them, responses report the first, and `/v1/models` lists each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -5248,13 +5260,7 @@ async fn every_served_model_name_is_accepted_and_listed() {
         ..Opts::default()
     })
     .await;
-    let m = get(srv.addr, "/v1/models").await.json();
-    let ids: Vec<&str> = m["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap())
-        .collect();
+    let (ids, m) = model_ids(srv.addr).await;
     assert_eq!(ids, [MODEL, "b", "org/c"], "{m}");
     for name in [MODEL, "b", "org/c"] {
         let v = completion(
@@ -5973,12 +5979,6 @@ async fn empty_served_model_names_are_refused_and_repeats_listed_once() {
         ..Opts::default()
     })
     .await;
-    let m = get(srv.addr, "/v1/models").await.json();
-    let ids: Vec<&str> = m["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap())
-        .collect();
+    let (ids, m) = model_ids(srv.addr).await;
     assert_eq!(ids, [MODEL, "b", "c"], "{m}");
 }
