@@ -500,10 +500,43 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
             }
             v.push(a);
         }
+        // vLLM's bad_words through the token mask: one-token words (a fixed mask, rows with
+        // a pending input) and a word of two tokens (rows wait for their previous sample),
+        // the latter with a presence penalty too.
+        for (id, words, params) in [
+            (13, vec![vec![g[0].greedy_ids[2]], vec![5]], greedy()),
+            (
+                14,
+                vec![vec![g[1].greedy_ids[3], g[1].greedy_ids[4]]],
+                SamplingParams {
+                    presence_penalty: 0.3,
+                    ..greedy()
+                },
+            ),
+        ] {
+            let mut b = request(id, g[id as usize % g.len()].prompt_ids.clone(), 40, params);
+            b.bad_words = words;
+            v.push(b);
+        }
         v
     };
     let (mut cpu, _) = engine(sched.clone());
     let want = run(&mut cpu, reqs());
+    for (id, word) in [
+        (13, vec![g[0].greedy_ids[2]]),
+        (14, g[1].greedy_ids[3..5].to_vec()),
+    ] {
+        let got = &want[&id].0;
+        assert!(
+            !got.windows(word.len()).any(|w| w == word),
+            "request {id} generated its bad word: {got:?}"
+        );
+    }
+    assert_ne!(
+        want[&13].0[..],
+        g[0].greedy_ids[..want[&13].0.len()],
+        "the bad word changed nothing"
+    );
     assert_pool_full(&cpu);
     assert_eq!(
         want[&9].0,
