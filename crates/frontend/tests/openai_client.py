@@ -305,6 +305,22 @@ def vllm_extra_body_return_token_ids():
 
 
 @check
+def vllm_extra_body_bad_words():
+    # vLLM's bad_words: a word of the greedy continuation ("little", "Lily", ...) is never
+    # generated once banned, and the continuation changes.
+    g = goldens()[0]
+    kw = dict(model=MODEL, prompt=g["prompt"], max_tokens=30, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    for word in [w for w in plain.replace(".", " ").replace(",", " ").split() if len(w) > 3][:3]:
+        seq = tokenize(word)[1:]  # without the BOS /tokenize adds
+        c = client.completions.create(extra_body={"return_token_ids": True, "bad_words": [word]},
+                                      **kw).choices[0]
+        ids = c.model_extra["token_ids"]
+        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, seq, ids)
+        assert c.text != plain, (word, c.text)
+
+
+@check
 def structured_outputs():
     # OpenAI's typed parse (a strict json_schema response_format from a pydantic model), the
     # Responses API's text.format, and vLLM's extras through extra_body.
