@@ -55,6 +55,10 @@ pub struct HttpArgs {
     /// "auto" (the default with tools), as vLLM's flag; needs --tool-call-parser.
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
+    /// Name the tokens of log-probability entries as `token_id:{id}` instead of their text
+    /// (vLLM's flag; a request's `return_tokens_as_token_ids` overrides it).
+    #[arg(long)]
+    pub return_tokens_as_token_ids: bool,
     /// How the model writes tool calls (vLLM's names): llama3_json or hermes.
     #[arg(long, value_parser = tool_parser)]
     pub tool_call_parser: Option<ToolParser>,
@@ -210,6 +214,9 @@ impl HttpArgs {
         }
         if self.enable_auto_tool_choice {
             v.push("--enable-auto-tool-choice".into());
+        }
+        if self.return_tokens_as_token_ids {
+            v.push("--return-tokens-as-token-ids".into());
         }
         if let Some(p) = self.tool_call_parser {
             v.extend(["--tool-call-parser".to_owned(), p.name().to_owned()]);
@@ -425,6 +432,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         tool_call_parser: a.http.tool_call_parser,
         reasoning_parser: a.http.reasoning_parser,
         sampling_defaults,
+        return_tokens_as_token_ids: a.http.return_tokens_as_token_ids,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -654,6 +662,17 @@ mod tests {
         only.check().unwrap();
         let e = parse(&["--tool-call-parser", "mistral"]).expect_err("unknown parser");
         assert!(e.to_string().contains("llama3_json, hermes"), "{e}");
+    }
+
+    #[test]
+    fn return_tokens_as_token_ids_reaches_serves_frontend_child() {
+        let a = parse(&["--return-tokens-as-token-ids"]).unwrap();
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(back.return_tokens_as_token_ids, "{flags:?}");
+        let d = parse(&[]).unwrap();
+        assert!(!d.return_tokens_as_token_ids);
+        assert!(!d.to_flags().iter().any(|f| f.contains("token-ids")));
     }
 
     #[test]

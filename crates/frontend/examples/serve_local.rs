@@ -63,6 +63,7 @@ async fn main() -> anyhow::Result<()> {
         tool_call_parser: None,
         reasoning_parser: None,
         sampling_defaults: Default::default(),
+        return_tokens_as_token_ids: false,
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

@@ -79,6 +79,9 @@ pub struct ServerConfig {
     pub reasoning_parser: Option<ReasoningParser>,
     /// Defaults for the sampling fields a request leaves out (vLLM's `--generation-config`).
     pub sampling_defaults: crate::validate::SamplingDefaults,
+    /// vLLM's `--return-tokens-as-token-ids`: log-probability entries name their tokens as
+    /// `token_id:{id}` unless a request's `return_tokens_as_token_ids` says otherwise.
+    pub return_tokens_as_token_ids: bool,
 }
 
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
@@ -597,8 +600,21 @@ impl AppState {
         Ok(seqs)
     }
 
-    /// The text of a token for log-probability lists, and its bytes.
-    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+    /// True when `gen`'s log-probability entries name tokens by id (vLLM's
+    /// `return_tokens_as_token_ids`, else the server's flag).
+    fn tokens_as_ids(&self, gen: &GenParams) -> bool {
+        gen.return_tokens_as_token_ids
+            .unwrap_or(self.config.return_tokens_as_token_ids)
+    }
+
+    /// The text of a token for log-probability lists, and its bytes; with `as_id`,
+    /// `token_id:{id}` and its bytes (vLLM's `return_tokens_as_token_ids`, for clients that
+    /// need the exact ids, such as RL trainers).
+    fn token_text(&self, id: u32, as_id: bool) -> (String, Vec<u8>) {
+        if as_id {
+            let text = format!("token_id:{id}");
+            return (text.clone(), text.into_bytes());
+        }
         let bytes = match self.tokenizer.id_to_piece(id) {
             Some(p) if p.len() == 6 && p.starts_with("<0x") && p.ends_with('>') => {
                 match u8::from_str_radix(&p[3..5], 16) {
@@ -627,25 +643,35 @@ impl AppState {
         (text, bytes)
     }
 
-    /// A scored token's `top_logprobs` entry: its first `k` alternatives and the token itself.
-    fn top_entry(&self, t: &TokenInfo, k: usize) -> TopLogprobs {
+    /// A scored token's `top_logprobs` entry: its first `k` alternatives and the token itself
+    /// (named by id with `as_id`).
+    fn top_entry(&self, t: &TokenInfo, k: usize, as_id: bool) -> TopLogprobs {
         TopLogprobs::new(
             t.top
                 .iter()
                 .take(k)
-                .map(|&(id, lp)| (self.token_text(id).0, lp))
-                .chain(std::iter::once((self.token_text(t.id).0, t.logprob))),
+                .map(|&(id, lp)| (self.token_text(id, as_id).0, lp))
+                .chain(std::iter::once((self.token_text(t.id, as_id).0, t.logprob))),
         )
     }
 
-    fn completion_logprobs(&self, tokens: &[TokenInfo], offset: &mut usize) -> CompletionLogprobs {
+    /// `/v1/completions` log-probabilities of generated `tokens`; `offset` is the text
+    /// offset of the first (in characters of the tokens' strings, as vLLM counts them), and
+    /// advances past them. With `as_id` tokens are named `token_id:{id}`.
+    fn completion_logprobs(
+        &self,
+        tokens: &[TokenInfo],
+        offset: &mut usize,
+        as_id: bool,
+    ) -> CompletionLogprobs {
         let mut out = CompletionLogprobs::default();
         for t in tokens {
-            let (text, _) = self.token_text(t.id);
+            let (text, _) = self.token_text(t.id, as_id);
             out.text_offset.push(*offset);
             *offset += text.chars().count();
             out.token_logprobs.push(Some(t.logprob));
-            out.top_logprobs.push(Some(self.top_entry(t, t.top.len())));
+            out.top_logprobs
+                .push(Some(self.top_entry(t, t.top.len(), as_id)));
             out.tokens.push(text);
         }
         out
@@ -663,6 +689,7 @@ impl AppState {
         &self,
         echo: &EchoPrompt,
         scored: &[Option<TokenInfo>],
+        as_id: bool,
     ) -> CompletionLogprobs {
         let limit = echo.text.chars().count();
         let mut detok = IncrementalDetokenizer::new(&[], echo.skip_special);
@@ -679,8 +706,8 @@ impl AppState {
             let t = scored.get(pos).and_then(Option::as_ref);
             out.token_logprobs.push(t.map(|t| t.logprob));
             out.top_logprobs
-                .push(t.map(|t| self.top_entry(t, echo.top)));
-            out.tokens.push(self.token_text(id).0);
+                .push(t.map(|t| self.top_entry(t, echo.top, as_id)));
+            out.tokens.push(self.token_text(id, as_id).0);
         }
         out
     }
@@ -697,7 +724,7 @@ impl AppState {
         k: usize,
     ) -> PromptLogprobs {
         let entry = |id: u32, logprob: f32, rank: u32| {
-            let decoded_token = self.token_text(id).0;
+            let decoded_token = self.token_text(id, false).0;
             (
                 id,
                 PromptLogprob {
@@ -728,12 +755,14 @@ impl AppState {
             .collect()
     }
 
-    fn chat_logprobs(&self, tokens: &[TokenInfo]) -> ChatLogprobs {
+    /// Chat log-probabilities of generated `tokens` (named `token_id:{id}`, with those
+    /// strings' bytes, with `as_id`).
+    fn chat_logprobs(&self, tokens: &[TokenInfo], as_id: bool) -> ChatLogprobs {
         ChatLogprobs {
             content: tokens
                 .iter()
                 .map(|t| {
-                    let (token, bytes) = self.token_text(t.id);
+                    let (token, bytes) = self.token_text(t.id, as_id);
                     ChatLogprob {
                         token,
                         logprob: t.logprob,
@@ -742,7 +771,7 @@ impl AppState {
                             .top
                             .iter()
                             .map(|&(id, logprob)| {
-                                let (token, bytes) = self.token_text(id);
+                                let (token, bytes) = self.token_text(id, as_id);
                                 ChatTopLogprob {
                                     token,
                                     logprob,
@@ -1326,6 +1355,8 @@ struct ChunkHead {
     object: &'static str,
     created: u64,
     logprobs: bool,
+    /// Log-probability entries name tokens by id (vLLM's `return_tokens_as_token_ids`).
+    tokens_as_ids: bool,
     /// vLLM's `return_token_ids`.
     token_ids: bool,
 }
@@ -1460,16 +1491,21 @@ impl Chunker for CompletionChunker {
         let mut logprobs = None;
         if let Some(e) = echo {
             let scored = d.prompt.as_deref().unwrap_or_default();
-            logprobs = Some(self.head.st.prompt_logprobs(&e, scored));
+            logprobs = Some(
+                self.head
+                    .st
+                    .prompt_logprobs(&e, scored, self.head.tokens_as_ids),
+            );
             self.offsets[d.index] = e.text.chars().count();
             text.push_str(&e.text);
         }
         text.push_str(&d.text);
         if self.head.logprobs {
-            let out = self
-                .head
-                .st
-                .completion_logprobs(&d.tokens, &mut self.offsets[d.index]);
+            let out = self.head.st.completion_logprobs(
+                &d.tokens,
+                &mut self.offsets[d.index],
+                self.head.tokens_as_ids,
+            );
             logprobs
                 .get_or_insert_with(CompletionLogprobs::default)
                 .append(out);
@@ -1584,6 +1620,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 object: "text_completion",
                 created,
                 logprobs: gen.logprobs.is_some(),
+                tokens_as_ids: st.tokens_as_ids(gen),
                 token_ids: gen.return_token_ids,
             },
             echo: (0..seqs.len())
@@ -1621,11 +1658,14 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             let mut offset = text.chars().count();
             text.push_str(&c.text);
             let logprobs = gen.logprobs.is_some().then(|| {
+                let as_id = st.tokens_as_ids(gen);
                 let mut lp = match echo_lp_for(i) {
-                    Some(e) => st.prompt_logprobs(&e, c.prompt.as_deref().unwrap_or_default()),
+                    Some(e) => {
+                        st.prompt_logprobs(&e, c.prompt.as_deref().unwrap_or_default(), as_id)
+                    }
                     None => CompletionLogprobs::default(),
                 };
-                lp.append(st.completion_logprobs(&c.tokens, &mut offset));
+                lp.append(st.completion_logprobs(&c.tokens, &mut offset, as_id));
                 lp
             });
             let prompt_logprobs = gen.prompt_top.map(|k| {
@@ -1770,10 +1810,11 @@ impl Chunker for ChatChunker {
         {
             return Vec::new();
         }
-        let logprobs = self
-            .head
-            .logprobs
-            .then(|| self.head.st.chat_logprobs(&d.tokens));
+        let logprobs = self.head.logprobs.then(|| {
+            self.head
+                .st
+                .chat_logprobs(&d.tokens, self.head.tokens_as_ids)
+        });
         // The delta's ids go in its first chunk (the tool-call chunks after it get `[]`).
         let mut ids = self.head.ids(d);
         let mut choice = |delta, logprobs, finish: Option<&str>| ChatChunkChoice {
@@ -1902,6 +1943,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 object: "chat.completion.chunk",
                 created,
                 logprobs: gen.logprobs.is_some(),
+                tokens_as_ids: st.tokens_as_ids(gen),
                 token_ids: gen.return_token_ids,
             },
             choices: seqs.len(),
@@ -1974,7 +2016,10 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                     reasoning,
                     tool_calls: tool_calls_out(calls),
                 },
-                logprobs: gen.logprobs.is_some().then(|| st.chat_logprobs(&c.tokens)),
+                logprobs: gen
+                    .logprobs
+                    .is_some()
+                    .then(|| st.chat_logprobs(&c.tokens, st.tokens_as_ids(gen))),
                 finish_reason: finish,
                 stop_reason: c.stop_reason,
                 token_ids: gen

@@ -274,6 +274,10 @@ pub struct GenParams {
     /// vLLM's `return_token_ids`: responses carry the prompt's token ids and each choice's
     /// generated ids (`prompt_token_ids`, `token_ids`).
     pub return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: log-probability entries name their tokens as
+    /// `token_id:{id}` instead of their text; `None`: the server's
+    /// `--return-tokens-as-token-ids` decides.
+    pub return_tokens_as_token_ids: Option<bool>,
     /// vLLM's `bad_words`: words never generated, each non-blank, together at most
     /// [`MAX_BAD_WORDS_BYTES`] bytes; the server tokenizes them (`bad_words_token_ids` in
     /// `server.rs`).
@@ -676,12 +680,7 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     }
     // vLLM's extra parameters that would change the output: refused rather than ignored
     // (a client must not get plausible text that silently broke its constraint).
-    for name in [
-        "logits_processors",
-        "return_tokens_as_token_ids",
-        "prompt_embeds",
-        "documents",
-    ] {
+    for name in ["logits_processors", "prompt_embeds", "documents"] {
         if f.raw(name).is_some() {
             return Err(ApiError::field(
                 name,
@@ -1036,6 +1035,7 @@ pub fn parse_gen(
         constraint,
         guide_after: None,
         return_token_ids: f.get::<bool>("return_token_ids")?.unwrap_or(false),
+        return_tokens_as_token_ids: f.get::<bool>("return_tokens_as_token_ids")?,
         bad_words: parse_bad_words(f)?,
     })
 }
@@ -1870,7 +1870,7 @@ const RESPONSES_STATEFUL: [&str; 2] = ["previous_response_id", "conversation"];
 
 /// Chat Completions fields with a Responses API counterpart, refused on `/v1/responses` with
 /// a pointer to it rather than silently ignored.
-const RESPONSES_CHAT_ONLY: [(&str, &str); 7] = [
+const RESPONSES_CHAT_ONLY: [(&str, &str); 8] = [
     ("messages", "'input' (a string or a list of messages)"),
     ("max_tokens", "'max_output_tokens'"),
     ("max_completion_tokens", "'max_output_tokens'"),
@@ -1883,6 +1883,10 @@ const RESPONSES_CHAT_ONLY: [(&str, &str); 7] = [
         "nothing: log-probabilities are not returned by /v1/responses",
     ),
     ("echo", "nothing: the output never repeats the input"),
+    (
+        "return_tokens_as_token_ids",
+        "nothing: log-probabilities are not returned by /v1/responses",
+    ),
     (
         "continue_final_message",
         "nothing: the output is always a new assistant message",

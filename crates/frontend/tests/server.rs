@@ -5982,3 +5982,119 @@ async fn empty_served_model_names_are_refused_and_repeats_listed_once() {
     let (ids, m) = model_ids(srv.addr).await;
     assert_eq!(ids, [MODEL, "b", "c"], "{m}");
 }
+
+/// The tokens of a completions choice's log-probabilities and the keys of its top entries.
+fn logprob_tokens(c: &Value) -> (Vec<String>, Vec<Vec<String>>) {
+    let lp = &c["logprobs"];
+    let tokens = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect();
+    let tops = lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_object().unwrap().keys().cloned().collect())
+        .collect();
+    (tokens, tops)
+}
+
+/// vLLM's `return_tokens_as_token_ids`: log-probability entries name their tokens
+/// `token_id:{id}` (the ids `return_token_ids` gives), on completions and chat, streamed and
+/// not; `--return-tokens-as-token-ids` is the default a request overrides; /v1/responses,
+/// which returns no log-probabilities, refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn return_tokens_as_token_ids_names_logprob_tokens_by_id() {
+    let off = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let on = start(Opts {
+        return_tokens_as_token_ids: true,
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8,
+                      "temperature": 0, "logprobs": 2, "return_token_ids": true});
+    for (srv, field, as_ids) in [
+        (&off, json!(true), true),
+        (&off, Value::Null, false),
+        (&on, Value::Null, true),
+        (&on, json!(false), false),
+    ] {
+        let mut b = body.clone();
+        b["return_tokens_as_token_ids"] = field.clone();
+        let v = completion(srv.addr, b.clone()).await;
+        let c = &v["choices"][0];
+        let ids = id_list(&c["token_ids"]);
+        let (tokens, tops) = logprob_tokens(c);
+        let named: Vec<String> = ids.iter().map(|i| format!("token_id:{i}")).collect();
+        if as_ids {
+            assert_eq!(tokens, named, "{field}");
+            for (t, top) in tokens.iter().zip(&tops) {
+                assert!(top.contains(t), "{field}: {top:?}");
+                assert!(top.iter().all(|k| k.starts_with("token_id:")), "{top:?}");
+            }
+        } else {
+            assert_eq!(tokens.concat(), text_of(&v, 0), "{field}");
+        }
+        // Streamed, the same tokens.
+        b["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/completions", &b).await;
+        let mut streamed = Vec::new();
+        for e in r.events().iter().filter(|e| *e != "[DONE]") {
+            let v: Value = serde_json::from_str(e).unwrap();
+            if let Some(c) = v["choices"].get(0).filter(|c| !c["logprobs"].is_null()) {
+                streamed.extend(logprob_tokens(c).0);
+            }
+        }
+        assert_eq!(streamed, tokens, "{field} streamed");
+    }
+    // Chat: each content entry's token and its bytes, and its top entries.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                      "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+                      "return_token_ids": true, "return_tokens_as_token_ids": true});
+    let r = post(off.addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let ids = id_list(&v["choices"][0]["token_ids"]);
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), ids.len(), "{v}");
+    for (e, id) in content.iter().zip(&ids) {
+        let name = format!("token_id:{id}");
+        assert_eq!(e["token"], name, "{e}");
+        assert_eq!(e["bytes"], json!(name.as_bytes()), "{e}");
+        for t in e["top_logprobs"].as_array().unwrap() {
+            assert!(t["token"].as_str().unwrap().starts_with("token_id:"), "{t}");
+        }
+    }
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let r = post(off.addr, "/v1/chat/completions", &streamed).await;
+    let mut tokens = Vec::new();
+    for e in r.events().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(c) = v["choices"][0]["logprobs"]["content"].as_array() {
+            tokens.extend(c.iter().map(|e| e["token"].as_str().unwrap().to_owned()));
+        }
+    }
+    let named: Vec<String> = ids.iter().map(|i| format!("token_id:{i}")).collect();
+    assert_eq!(tokens, named, "chat streamed");
+    // Responses: refused when asked for, accepted when off.
+    for (value, status) in [(true, 400), (false, 200)] {
+        let r = post(
+            off.addr,
+            "/v1/responses",
+            &json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                    "return_tokens_as_token_ids": value}),
+        )
+        .await;
+        assert_eq!(r.status, status, "{}", r.body);
+        if status == 400 {
+            assert_eq!(r.json()["error"]["param"], "return_tokens_as_token_ids");
+        }
+    }
+}

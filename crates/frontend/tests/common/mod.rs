@@ -54,6 +54,8 @@ pub struct Opts {
     pub sampling_defaults: baton_frontend::validate::SamplingDefaults,
     /// Served names after the first ([`MODEL`]), as `--served-model-name stories b c`.
     pub more_served_model_names: Vec<String>,
+    /// `--return-tokens-as-token-ids`.
+    pub return_tokens_as_token_ids: bool,
     /// The `/v1/models` root ([`AppState::with_model_root`]; default: the server's default).
     pub model_root: Option<String>,
 }
@@ -156,6 +158,7 @@ pub async fn start(opts: Opts) -> TestServer {
         tool_call_parser: None,
         reasoning_parser: None,
         sampling_defaults: opts.sampling_defaults,
+        return_tokens_as_token_ids: opts.return_tokens_as_token_ids,
     };
     let state = AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
         .expect("state builds");
@@ -327,6 +330,7 @@ pub fn scripted_config() -> ServerConfig {
         tool_call_parser: None,
         reasoning_parser: None,
         sampling_defaults: Default::default(),
+        return_tokens_as_token_ids: false,
     }
 }
 
