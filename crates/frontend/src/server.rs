@@ -1709,6 +1709,9 @@ struct ChatChunker {
     include_reasoning: bool,
     /// With `return_token_ids`: the prompt's ids, sent in each choice's first chunk.
     prompt_ids: Option<Vec<u32>>,
+    /// vLLM's `echo` ([`validate::ChatRequest::echo_text`]): sent as each choice's first
+    /// content, after the role chunk.
+    echo: Option<String>,
 }
 
 /// `Some(text)` when `text` is not empty.
@@ -1743,26 +1746,36 @@ fn tool_calls_out(calls: Vec<ToolCall>) -> Vec<ToolCallOut> {
 
 impl Chunker for ChatChunker {
     fn prelude(&mut self) -> Vec<String> {
-        (0..self.choices)
+        let chunk = |i: usize, delta: ChatDelta| ChatChunkChoice {
+            index: i,
+            delta,
+            logprobs: None,
+            finish_reason: None,
+            stop_reason: None,
+            token_ids: None,
+        };
+        let mut out: Vec<String> = (0..self.choices)
             .map(|i| {
-                self.head.chunk_with_prompt(
-                    vec![ChatChunkChoice {
-                        index: i,
-                        delta: ChatDelta {
-                            role: Some("assistant"),
-                            content: Some(String::new()),
-                            ..ChatDelta::default()
-                        },
-                        logprobs: None,
-                        finish_reason: None,
-                        stop_reason: None,
-                        token_ids: None,
-                    }],
-                    None,
-                    self.prompt_ids.clone(),
-                )
+                let role = ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..ChatDelta::default()
+                };
+                self.head
+                    .chunk_with_prompt(vec![chunk(i, role)], None, self.prompt_ids.clone())
             })
-            .collect()
+            .collect();
+        // vLLM sends the echoed content of every choice after the role chunks.
+        if let Some(text) = &self.echo {
+            out.extend((0..self.choices).map(|i| {
+                let delta = ChatDelta {
+                    content: Some(text.clone()),
+                    ..ChatDelta::default()
+                };
+                self.head.chunk(vec![chunk(i, delta)], None)
+            }));
+        }
+        out
     }
 
     fn delta(&mut self, d: &Delta, usage: Option<Usage>) -> Vec<String> {
@@ -1959,6 +1972,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             }),
             include_reasoning: req.include_reasoning,
             prompt_ids: gen.return_token_ids.then(|| prompts[0].0.clone()),
+            echo: req.echo_text(),
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -2007,6 +2021,11 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 None => c.finish,
             }
             .map(str::to_owned);
+            // vLLM's `echo`: the last message's content before the reply's.
+            let content = match req.echo_text() {
+                Some(e) => Some(e + content.as_deref().unwrap_or_default()),
+                None => content,
+            };
             ChatChoice {
                 index: i,
                 message: ChatMessage {

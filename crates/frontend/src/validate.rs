@@ -644,8 +644,27 @@ pub struct ChatRequest {
     /// `tool_choice`, resolved as vLLM does: `auto` when absent and `tools` are given, else
     /// `none`.
     pub tool_choice: ToolChoice,
+    /// vLLM's `echo` on chat: the reply's content starts with the last message's content when
+    /// that message has the reply's role (see [`ChatRequest::echo_text`]).
+    pub echo: bool,
     /// Generation options.
     pub gen: GenParams,
+}
+
+impl ChatRequest {
+    /// What `echo` puts before each choice's content: the last message's content when the
+    /// reply continues that message's role (vLLM: the reply's role is `assistant` with
+    /// `add_generation_prompt`, else the last message's own role), else nothing. `None`
+    /// without `echo` or when there is nothing to echo.
+    pub fn echo_text(&self) -> Option<String> {
+        if !self.echo {
+            return None;
+        }
+        let last = self.messages.last()?;
+        let same_role = !self.add_generation_prompt || last["role"] == "assistant";
+        let text = last["content"].as_str().unwrap_or_default();
+        (same_role && !text.is_empty()).then(|| text.to_owned())
+    }
 }
 
 /// A chat request's `tool_choice`.
@@ -1385,13 +1404,6 @@ pub fn parse_chat(
 ) -> Result<ChatRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.get::<String>("model")?;
-    if f.get::<bool>("echo")? == Some(true) {
-        return Err(ApiError::field(
-            "echo",
-            "'echo' on chat completions (prepending the last message to the reply) is not \
-             supported by this server.",
-        ));
-    }
     let raw = f
         .raw("messages")
         .ok_or_else(|| ApiError::field("messages", "'messages' is required."))?;
@@ -1505,6 +1517,7 @@ pub fn parse_chat(
         include_reasoning: f.get::<bool>("include_reasoning")?.unwrap_or(true),
         tools,
         tool_choice,
+        echo: f.get::<bool>("echo")?.unwrap_or(false),
         gen,
     })
 }

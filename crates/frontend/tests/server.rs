@@ -3275,12 +3275,6 @@ async fn output_changing_vllm_extras_are_refused_not_ignored() {
         let r = post(srv.addr, "/v1/completions", &with(k, v.clone())).await;
         assert_eq!(r.status, 200, "{k}={v}: {}", r.body);
     }
-    // vLLM's chat `echo` prepends the last message to the reply; not implemented, so refused.
-    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 2, "echo": true});
-    let r = post(srv.addr, "/v1/chat/completions", &chat).await;
-    assert_eq!(r.status, 400, "{}", r.body);
-    assert_eq!(r.json()["error"]["param"], "echo", "{}", r.body);
 }
 
 /// `add_special_tokens: false` leaves BOS out of a completions prompt, as `/tokenize` does.
@@ -6097,4 +6091,57 @@ async fn return_tokens_as_token_ids_names_logprob_tokens_by_id() {
             assert_eq!(r.json()["error"]["param"], "return_tokens_as_token_ids");
         }
     }
+}
+
+/// vLLM's `echo` on chat: when the reply continues the last message's role (no generation
+/// prompt, as with `continue_final_message`), the reply's content starts with that message's
+/// content, streamed (its own chunk after the role chunk) and not; after a user message with
+/// the generation prompt there is nothing to echo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_echo_prepends_the_continued_message() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let partial = "Once upon a time, there was";
+    let cont = json!({"model": MODEL, "max_tokens": 6, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Tell me a story."},
+                                   {"role": "assistant", "content": partial}],
+                      "add_generation_prompt": false, "continue_final_message": true});
+    let content = |v: &Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let reply = |body: &Value| {
+        let body = body.clone();
+        async move {
+            let r = post(srv.addr, "/v1/chat/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()
+        }
+    };
+    let plain = content(&reply(&cont).await);
+    assert!(!plain.is_empty());
+    let mut echoed = cont.clone();
+    echoed["echo"] = json!(true);
+    let v = reply(&echoed).await;
+    assert_eq!(content(&v), format!("{partial}{plain}"), "{v}");
+    // The echo is not generated: the usage counts the reply's tokens only.
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    echoed["stream"] = json!(true);
+    let r = post(srv.addr, "/v1/chat/completions", &echoed).await;
+    let (text, _) = stream_text(&r, true);
+    assert_eq!(text, format!("{partial}{plain}"));
+    // A user message answered with the generation prompt: nothing to echo.
+    let ask = json!({"model": MODEL, "max_tokens": 6, "temperature": 0,
+                     "messages": [{"role": "user", "content": "Tell me a story."}]});
+    let mut ask_echo = ask.clone();
+    ask_echo["echo"] = json!(true);
+    assert_eq!(
+        content(&reply(&ask_echo).await),
+        content(&reply(&ask).await)
+    );
 }
