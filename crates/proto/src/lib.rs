@@ -403,6 +403,17 @@ impl<S: AsRef<[AtomicU32]>> SlotTables<S> {
         }
     }
 
+    /// Sets (`allowed`) or clears the bit of `token` in the token-mask row of `slot`
+    /// (scheduler only, under the same rule as [`SlotTables::set_token_mask`]). A token past
+    /// the row is ignored.
+    pub fn set_token_allowed(&self, slot: u32, token: u32, allowed: bool) {
+        if let Some(w) = self.token_mask(slot).get(token as usize / 32) {
+            let bit = 1u32 << (token % 32);
+            let v = w.load(Ordering::Relaxed);
+            w.store(if allowed { v | bit } else { v & !bit }, Ordering::Relaxed);
+        }
+    }
+
     /// Tokens per slot.
     pub fn max_model_len(&self) -> usize {
         self.max_model_len

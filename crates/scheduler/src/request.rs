@@ -67,16 +67,23 @@ pub struct NewRequest {
 /// Source: vLLM's `bad_words` (`vllm/v1/sample/ops/bad_words.py`, `apply_bad_words`, which
 /// compares each word's prefix with the request's output token ids).
 pub fn ban_bad_words(words: &[Vec<u32>], outputs: &[u32], mask: &mut [u32]) {
-    for w in words {
-        let Some((&last, prefix)) = w.split_last() else {
-            continue;
-        };
-        if outputs.ends_with(prefix) {
-            if let Some(m) = mask.get_mut(last as usize / 32) {
-                *m &= !(1 << (last % 32));
-            }
+    for last in bad_word_bans(words, outputs) {
+        if let Some(m) = mask.get_mut(last as usize / 32) {
+            *m &= !(1 << (last % 32));
         }
     }
+}
+
+/// The tokens [`ban_bad_words`] bans after `outputs`: the last token of each word of `words`
+/// whose other tokens end `outputs` (a token may come more than once).
+pub fn bad_word_bans<'a>(
+    words: &'a [Vec<u32>],
+    outputs: &'a [u32],
+) -> impl Iterator<Item = u32> + 'a {
+    words.iter().filter_map(move |w| {
+        let (&last, prefix) = w.split_last()?;
+        outputs.ends_with(prefix).then_some(last)
+    })
 }
 
 /// The ids that end a request: `stop_token_ids`, plus `eos_ids` unless `ignore_eos`, sorted
@@ -187,6 +194,11 @@ pub(crate) struct Request {
     pub bad_words: Vec<Vec<u32>>,
     /// Tokens of the longest bad word (0: none).
     pub bad_words_longest: usize,
+    /// Without a guide: the tokens a bad word of several tokens clears in the slot's mask row
+    /// now, on top of the one-token words' fixed bans (written at slot take). The next
+    /// sampling row allows them again before it clears its own, so a row costs O(words)
+    /// instead of a whole mask.
+    pub bad_words_banned: Vec<u32>,
 }
 
 /// A guided request's constraint state.
@@ -242,14 +254,16 @@ impl Request {
             priority: r.priority,
             arrival: 0,
             bad_words_longest: r.bad_words.iter().map(Vec::len).max().unwrap_or(0),
+            bad_words_banned: Vec::new(),
             bad_words: r.bad_words,
         }
     }
 
     /// True when the token mask of the next sampling row depends on the outputs before it (a
     /// guide, or a bad word of several tokens): such a row is planned only once every earlier
-    /// sample is accepted, and writes the slot's mask row when planned. Otherwise a request
-    /// with bad words has a fixed mask, written once at slot take.
+    /// sample is accepted, and updates the slot's mask row when planned (a guided row writes
+    /// it whole; a row with bad words only changes the bits of its words' last tokens).
+    /// Otherwise a request with bad words has a fixed mask, written once at slot take.
     #[inline]
     pub fn mask_follows_outputs(&self) -> bool {
         self.guide.is_some() || self.bad_words_longest > 1

@@ -619,13 +619,15 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     self.tables.set_token(slot.slot, pos, t);
                 }
                 self.tables.set_logit_bias(slot.slot, &r.logit_bias);
-                if !r.bad_words.is_empty() && !r.mask_follows_outputs() {
-                    // Only one-token bad words: the same mask for every sampling row.
+                if !r.bad_words.is_empty() && r.guide.is_none() {
+                    // The one-token words' bans, fixed for every sampling row (a longer
+                    // word's bans come and go on top: `plan_row`).
                     let m = &mut self.scratch_mask;
                     m.clear();
                     m.resize(self.tables.mask_words(), u32::MAX);
                     crate::request::ban_bad_words(&r.bad_words, &[], m);
                     self.tables.set_token_mask(slot.slot, m);
+                    r.bad_words_banned.clear();
                 }
                 r.slot = Some(slot);
                 r.state = State::Running;
@@ -814,8 +816,30 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             // No launch still reads this slot's mask row: the request's previous sampling row
             // completed before this one could be planned (`mask_follows_outputs`). A request
             // with only one-token bad words has a fixed mask, written at slot take.
+            // The outputs a bad word's prefix can match: the latest `bad_words_longest - 1`,
+            // all accepted (none is in flight).
+            let recent_from = known
+                .saturating_sub(r.bad_words_longest.saturating_sub(1))
+                .max(r.prompt_len);
             match guide_mask {
                 Some(g) if r.bad_words.is_empty() => self.tables.set_token_mask(slot.slot, g),
+                // Bad words without a guide: the fixed mask of slot take, with the bans of
+                // the longer words updated in place.
+                None if r.guide.is_none() && r.bad_words_longest > 1 => {
+                    let one_token = |t: u32| r.bad_words.iter().any(|w| w[..] == [t]);
+                    for t in r.bad_words_banned.drain(..) {
+                        if !one_token(t) {
+                            self.tables.set_token_allowed(slot.slot, t, true);
+                        }
+                    }
+                    self.scratch_recent.clear();
+                    self.scratch_recent
+                        .extend((recent_from..known).map(|p| self.tables.token(slot.slot, p)));
+                    for t in crate::request::bad_word_bans(&r.bad_words, &self.scratch_recent) {
+                        self.tables.set_token_allowed(slot.slot, t, false);
+                        r.bad_words_banned.push(t);
+                    }
+                }
                 _ if r.mask_follows_outputs() => {
                     let m = &mut self.scratch_mask;
                     m.clear();
@@ -823,14 +847,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                         Some(g) => m.extend_from_slice(g),
                         None => m.resize(self.tables.mask_words(), u32::MAX),
                     }
-                    // The outputs a bad word's prefix can match: the latest
-                    // `bad_words_longest - 1`, all accepted (none is in flight).
-                    let from = known
-                        .saturating_sub(r.bad_words_longest.saturating_sub(1))
-                        .max(r.prompt_len);
                     self.scratch_recent.clear();
                     self.scratch_recent
-                        .extend((from..known).map(|p| self.tables.token(slot.slot, p)));
+                        .extend((recent_from..known).map(|p| self.tables.token(slot.slot, p)));
                     crate::request::ban_bad_words(&r.bad_words, &self.scratch_recent, m);
                     self.tables.set_token_mask(slot.slot, m);
                 }

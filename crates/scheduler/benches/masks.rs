@@ -1,0 +1,135 @@
+//! Scheduler CPU time per decode step (`schedule` + `on_completion` + `on_released`) for 128
+//! running requests over a 128256-token vocabulary (Llama 3's): without bad words, with
+//! one-token bad words (a fixed token mask written at slot take), and with a two-token bad
+//! word (the mask follows the outputs, so it is written for every sampling row).
+//!
+//! `cargo bench -p baton-scheduler --bench masks`. Results: `bench/RESULTS.md`.
+
+use baton_proto::{Completion, Sampled, SamplingParams};
+use baton_scheduler::{Event, NewRequest, Scheduler, SchedulerConfig, SchedulingPolicy};
+use criterion::{black_box, Criterion};
+use std::time::Duration;
+
+const VOCAB: usize = 128_256;
+const ROWS: usize = 128;
+
+fn request(id: u64, bad_words: &[Vec<u32>]) -> NewRequest {
+    NewRequest {
+        id,
+        prompt: (0..16).map(|i| 100 + (id as u32 * 31 + i) % 1000).collect(),
+        max_tokens: 256,
+        params: SamplingParams::greedy(),
+        eos_ids: vec![2],
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        logit_bias: Vec::new(),
+        min_tokens: 0,
+        cache_salt: 0,
+        guide: None,
+        priority: 0,
+        bad_words: bad_words.to_vec(),
+    }
+}
+
+/// A scheduler with [`ROWS`] requests decoding; finished requests are replaced by new ones.
+struct Bench {
+    s: Scheduler,
+    words: Vec<Vec<u32>>,
+    next_id: u64,
+    events: Vec<Event>,
+}
+
+impl Bench {
+    fn new(words: Vec<Vec<u32>>) -> Self {
+        let cfg = SchedulerConfig {
+            max_num_seqs: ROWS,
+            max_num_batched_tokens: 8192,
+            block_size: 16,
+            num_blocks: ROWS * 32,
+            max_model_len: 512,
+            max_inflight: 1,
+            enable_prefix_caching: false,
+            policy: SchedulingPolicy::Fcfs,
+        };
+        let mut b = Bench {
+            s: Scheduler::new_local(cfg, VOCAB),
+            words,
+            next_id: 0,
+            events: Vec::new(),
+        };
+        for _ in 0..ROWS {
+            b.add();
+        }
+        // Past the prefills.
+        for _ in 0..4 {
+            b.step();
+        }
+        b
+    }
+
+    fn add(&mut self) {
+        self.s
+            .add_request(request(self.next_id, &self.words))
+            .expect("admitted");
+        self.next_id += 1;
+    }
+
+    /// One launch: planned, completed (every sampling row samples token 9, then 10, ...),
+    /// released.
+    fn step(&mut self) {
+        let l = self.s.schedule().expect("work");
+        let sampled = l
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample != 0)
+            .map(|(i, r)| Sampled {
+                row: i as u32,
+                req: r.req,
+                token: 9 + r.output_index % 4,
+                logprob: 0.0,
+                top: Vec::new(),
+            })
+            .collect();
+        self.s.on_completion(
+            &Completion {
+                seq: l.seq,
+                sampled,
+                prompt: Vec::new(),
+            },
+            &mut self.events,
+        );
+        self.s.on_released(l.seq);
+        let finished = self
+            .events
+            .drain(..)
+            .filter(|e| matches!(e, Event::Finished { .. }))
+            .count();
+        for _ in 0..finished {
+            self.add();
+        }
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .configure_from_args()
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    let mut g = c.benchmark_group("decode_step_128_rows_vocab_128256");
+    for (name, words) in [
+        ("no_bad_words", Vec::new()),
+        ("one_token_bad_words", vec![vec![11], vec![500]]),
+        ("two_token_bad_word", vec![vec![9, 10], vec![500]]),
+    ] {
+        let mut b = Bench::new(words);
+        g.bench_function(name, |bench| {
+            bench.iter(|| {
+                b.step();
+                black_box(b.next_id)
+            })
+        });
+    }
+    g.finish();
+    c.final_summary();
+}
