@@ -61,6 +61,22 @@ fn serve_on(instance: &str, port: u16, dir: &std::path::Path, extra: &[&str]) ->
     )
 }
 
+/// `POST /v1/completions` with `body`: the whole response and its JSON body (`null` when it
+/// has none).
+fn post_completion(addr: &str, body: &serde_json::Value) -> (String, serde_json::Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.to_string();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let json = resp
+        .split("\r\n\r\n")
+        .nth(1)
+        .and_then(|b| serde_json::from_str(b).ok())
+        .unwrap_or_default();
+    (resp, json)
+}
+
 fn health(addr: &str) -> u16 {
     http_get(addr, "/health").0
 }
@@ -376,10 +392,7 @@ fn serve_with_dummy_weights_needs_no_safetensors() {
         // another name is a 404.
         for (model, want) in [(dir.display().to_string(), 200), ("nope".into(), 404)] {
             let body = serde_json::json!({"model": model, "prompt": "a", "max_tokens": 1});
-            let mut s = TcpStream::connect(&addr).unwrap();
-            write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.to_string().len()).unwrap();
-            let mut resp = String::new();
-            let _ = s.read_to_string(&mut resp);
+            let (resp, _) = post_completion(&addr, &body);
             assert!(
                 resp.starts_with(&format!("HTTP/1.1 {want}")),
                 "{name} {model}: {resp}"
@@ -445,16 +458,21 @@ fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_p
     );
     let body = serde_json::json!({"prompt": prompt, "max_tokens": 20, "temperature": 0,
                                   "return_token_ids": true});
-    let mut s = TcpStream::connect(&addr).unwrap();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.to_string().len()).unwrap();
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let json: serde_json::Value =
-        serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap_or_default()).expect(&resp);
+    let (resp, json) = post_completion(&addr, &body);
     let choice = &json["choices"][0];
     assert_eq!(choice["finish_reason"], "stop", "{resp}");
     let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
     assert_eq!(ids, greedy[..5], "{resp}");
+    // As vLLM: DIR's eos id is a stop token id (the stop reason names it), and the
+    // tokenizer's EOS still ends a request (with no stop reason).
+    assert_eq!(choice["stop_reason"], stop, "{resp}");
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                  "return_token_ids": true, "logit_bias": {"2": 100}});
+    let (resp, json) = post_completion(&addr, &body);
+    let choice = &json["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop", "{resp}");
+    assert_eq!(choice["token_ids"], serde_json::json!([2]), "{resp}");
+    assert!(choice["stop_reason"].is_null(), "{resp}");
     let (status, models) = http_get(&addr, "/v1/models");
     assert_eq!(status, 200, "{models}");
     let want = serde_json::json!(model_dir().display().to_string()).to_string();

@@ -320,7 +320,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         .generation_config
         .parse()
         .map_err(|e| anyhow::anyhow!("--generation-config: {e}"))?;
-    let mut eos = {
+    let generation_ids = {
         let (g, skipped) = dir.generation_config_from(&source)?;
         if let Some(e) = skipped {
             tracing::warn!(
@@ -331,17 +331,14 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         g.eos_token_ids
     };
     // config.json is optional for a frontend (a tokenizer directory is enough); when present it
-    // gives the EOS ids if generation_config.json does not, and the fingerprint to check.
+    // gives the EOS ids if generation_config.json does not, and the fingerprint to check. The
+    // tokenizer's EOS always stops too (vLLM's).
     let model_cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
-    if eos.is_empty() {
-        eos = model_cfg
-            .as_ref()
-            .map(|c| c.eos_token_ids.clone())
-            .unwrap_or_default();
-    }
-    if eos.is_empty() {
-        eos.extend(tokenizer.eos_id());
-    }
+    let eos = baton_model::model_stop_ids(
+        tokenizer.eos_id(),
+        &generation_ids,
+        model_cfg.as_ref().map_or(&[][..], |c| &c.eos_token_ids[..]),
+    );
     let chat_template = a
         .http
         .chat_template

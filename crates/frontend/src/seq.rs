@@ -137,8 +137,9 @@ pub struct SeqContext {
     /// Keep the matched stop string in the output.
     pub include_stop: bool,
     /// The token ids reported as `stop_reason` when the engine stops on them: the request's
-    /// `stop_token_ids`, less the model's EOS ids unless `ignore_eos` (vLLM checks EOS first
-    /// and reports no stop reason for it).
+    /// `stop_token_ids` and, unless `ignore_eos`, the model's stop ids, less the tokenizer's
+    /// EOS unless `ignore_eos` (vLLM checks that one first and reports no stop reason for it;
+    /// the generation config's further EOS ids are stop token ids there).
     pub stop_reason_ids: Vec<u32>,
     /// Token ids that end the sequence and whose text is left out of the output (vLLM's
     /// detokenizer does the same unless `include_stop_str_in_output`): `stop_token_ids`, and the

@@ -426,12 +426,19 @@ impl AppState {
             metrics: Arc::clone(&self.metrics),
             stop: gen.stop.clone(),
             include_stop: gen.include_stop_str_in_output,
-            stop_reason_ids: gen
-                .stop_token_ids
-                .iter()
-                .copied()
-                .filter(|id| gen.ignore_eos || !self.eos_ids.contains(id))
-                .collect(),
+            stop_reason_ids: {
+                let (eos, primary): (&[u32], _) = if gen.ignore_eos {
+                    (&[], None)
+                } else {
+                    (&self.eos_ids, self.tokenizer.eos_id())
+                };
+                gen.stop_token_ids
+                    .iter()
+                    .chain(eos)
+                    .copied()
+                    .filter(|&id| Some(id) != primary)
+                    .collect()
+            },
             stop_text_ids: if gen.include_stop_str_in_output {
                 Vec::new()
             } else {

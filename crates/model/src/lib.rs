@@ -365,19 +365,42 @@ impl MappedModel {
     }
 }
 
-/// generation_config's `eos_token_id`s, else config.json's, else the tokenizer's EOS.
+/// The tokenizer's EOS, then generation_config's `eos_token_id`s (config.json's when it has
+/// none): [`model_stop_ids`].
 fn eos_token_ids(
     generation_config: &GenerationConfig,
     config: &ModelConfig,
     tokenizer: Option<&Tokenizer>,
 ) -> Vec<u32> {
-    if !generation_config.eos_token_ids.is_empty() {
-        return generation_config.eos_token_ids.clone();
+    model_stop_ids(
+        tokenizer.and_then(Tokenizer::eos_id),
+        &generation_config.eos_token_ids,
+        &config.eos_token_ids,
+    )
+}
+
+/// A model's stop ids as vLLM gathers them: the tokenizer's EOS (`tokenizer_eos`, which
+/// always ends a request unless `ignore_eos`), then the generation config's `eos_token_id`s
+/// (`generation_ids`; vLLM's `SamplingParams.update_from_generation_config` adds them to the
+/// request's stop ids), or config.json's (`config_ids`) when the generation config has none.
+/// Each id once, the tokenizer's first (a chat template's `eos_token` falls back to it).
+pub fn model_stop_ids(
+    tokenizer_eos: Option<u32>,
+    generation_ids: &[u32],
+    config_ids: &[u32],
+) -> Vec<u32> {
+    let more = if generation_ids.is_empty() {
+        config_ids
+    } else {
+        generation_ids
+    };
+    let mut ids: Vec<u32> = tokenizer_eos.into_iter().collect();
+    for &id in more {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
     }
-    if !config.eos_token_ids.is_empty() {
-        return config.eos_token_ids.clone();
-    }
-    tokenizer.and_then(Tokenizer::eos_id).into_iter().collect()
+    ids
 }
 
 /// A loaded model directory.
@@ -481,4 +504,24 @@ fn load_meta(path: &Path, format: LoadFormat, lenient: bool) -> Result<Meta, Mod
         generation_config_error,
         tokenizer,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model_stop_ids;
+
+    #[test]
+    fn stop_ids_are_the_tokenizers_eos_then_the_generation_configs() {
+        // Llama 3.1 Instruct: the tokenizer's <|eot_id|>, then the generation config's three.
+        assert_eq!(
+            model_stop_ids(Some(128009), &[128001, 128008, 128009], &[128001]),
+            [128009, 128001, 128008]
+        );
+        // A generation config without the tokenizer's EOS adds to it, not replaces it.
+        assert_eq!(model_stop_ids(Some(2), &[376], &[2]), [2, 376]);
+        // No generation-config ids: config.json's.
+        assert_eq!(model_stop_ids(Some(2), &[], &[2, 7]), [2, 7]);
+        assert_eq!(model_stop_ids(None, &[], &[7]), [7]);
+        assert!(model_stop_ids(None, &[], &[]).is_empty());
+    }
 }

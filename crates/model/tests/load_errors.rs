@@ -570,7 +570,11 @@ fn lenient_reads_ignore_a_malformed_generation_config_and_use_config_json_stop_i
     });
     let dir = ModelDir::new(&*d);
     let (ids, e) = dir.eos_token_ids_lenient().expect("lenient stop ids");
-    assert_eq!(ids, vec![7], "config.json's eos_token_id");
+    assert_eq!(
+        ids,
+        vec![2, 7],
+        "the tokenizer's EOS, then config.json's eos_token_id"
+    );
     assert_mentions(
         &e.expect("the ignored error").to_string(),
         &["generation_config.json"],
@@ -578,7 +582,7 @@ fn lenient_reads_ignore_a_malformed_generation_config_and_use_config_json_stop_i
     let m = dir
         .load_mapped_lenient(LoadFormat::Auto)
         .expect("lenient load");
-    assert_eq!(m.eos_token_ids(), vec![7]);
+    assert_eq!(m.eos_token_ids(), vec![2, 7]);
     assert!(m.generation_config_error.is_some());
     assert_mentions(
         &dir.eos_token_ids().unwrap_err().to_string(),
@@ -636,7 +640,11 @@ fn generation_config_sources_give_their_sampling_defaults_and_stop_ids() {
         (vec![9], Some(4), None)
     );
     let m = dir.load_mapped_from(LoadFormat::Auto, &other_src).unwrap();
-    assert_eq!(m.eos_token_ids(), vec![9], "DIR's stop ids");
+    assert_eq!(
+        m.eos_token_ids(),
+        vec![2, 9],
+        "the tokenizer's EOS, then DIR's stop ids"
+    );
     // A malformed model file: `auto` refuses it, `vllm` ignores it (config.json's stop ids),
     // DIR does not read it.
     std::fs::write(&gen, "{\"eos_token_id\": [2,").unwrap();
@@ -655,7 +663,7 @@ fn generation_config_sources_give_their_sampling_defaults_and_stop_ids() {
     assert_eq!(m.eos_token_ids(), vec![2], "config.json's");
     assert!(m.generation_config_error.is_some());
     let m = dir.load_mapped_from(LoadFormat::Auto, &other_src).unwrap();
-    assert_eq!(m.eos_token_ids(), vec![9]);
+    assert_eq!(m.eos_token_ids(), vec![2, 9]);
     assert!(m.generation_config_error.is_none());
     // A DIR without the file is named.
     let none = src(d.join("nope").to_str().unwrap());
