@@ -559,6 +559,15 @@ impl AppState {
         self.check_min_tokens(prompts, gen)?;
         let guided = self.compile_constraint(gen)?;
         let bad_words = self.bad_words_token_ids(gen)?;
+        if gen.allowed_only
+            && baton_scheduler::bad_words_empty_allow_list(&gen.logit_bias, &bad_words)
+        {
+            return Err(ApiError::field(
+                "bad_words",
+                "Every token in 'allowed_token_ids' is a bad word of one token, so nothing \
+                 could be sampled.",
+            ));
+        }
         let ctx = self.seq_context(gen, arrived);
         let mut seqs = Vec::with_capacity(prompts.len() * gen.n);
         for (p, (ids, max_tokens)) in prompts.iter().enumerate() {
@@ -657,8 +666,11 @@ impl AppState {
             t.top
                 .iter()
                 .take(k)
-                .map(|&(id, lp)| (self.token_text(id, as_id).0, lp))
-                .chain(std::iter::once((self.token_text(t.id, as_id).0, t.logprob))),
+                .map(|&(id, lp)| (self.token_text(id, as_id).0, reported(lp)))
+                .chain(std::iter::once((
+                    self.token_text(t.id, as_id).0,
+                    reported(t.logprob),
+                ))),
         )
     }
 
@@ -676,7 +688,7 @@ impl AppState {
             let (text, _) = self.token_text(t.id, as_id);
             out.text_offset.push(*offset);
             *offset += text.chars().count();
-            out.token_logprobs.push(Some(t.logprob));
+            out.token_logprobs.push(Some(reported(t.logprob)));
             out.top_logprobs
                 .push(Some(self.top_entry(t, t.top.len(), as_id)));
             out.tokens.push(text);
@@ -711,7 +723,7 @@ impl AppState {
                 }
             }
             let t = scored.get(pos).and_then(Option::as_ref);
-            out.token_logprobs.push(t.map(|t| t.logprob));
+            out.token_logprobs.push(t.map(|t| reported(t.logprob)));
             out.top_logprobs
                 .push(t.map(|t| self.top_entry(t, echo.top, as_id)));
             out.tokens.push(self.token_text(id, as_id).0);
@@ -735,7 +747,7 @@ impl AppState {
             (
                 id,
                 PromptLogprob {
-                    logprob,
+                    logprob: reported(logprob),
                     rank,
                     decoded_token,
                 },
@@ -772,7 +784,7 @@ impl AppState {
                     let (token, bytes) = self.token_text(t.id, as_id);
                     ChatLogprob {
                         token,
-                        logprob: t.logprob,
+                        logprob: reported(t.logprob),
                         bytes,
                         top_logprobs: t
                             .top
@@ -781,7 +793,7 @@ impl AppState {
                                 let (token, bytes) = self.token_text(id, as_id);
                                 ChatTopLogprob {
                                     token,
-                                    logprob,
+                                    logprob: reported(logprob),
                                     bytes,
                                 }
                             })
@@ -1129,6 +1141,12 @@ async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// A log-probability as responses report it: at least -9999, as vLLM clamps them, so a token
+/// the request's masks ruled out (`-inf`, which JSON cannot carry) is a number, not `null`.
+fn reported(logprob: f32) -> f32 {
+    logprob.max(-9999.0)
 }
 
 /// Where a `continue_final_message` prompt ends in `text` (the template's rendering): right

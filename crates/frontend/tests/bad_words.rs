@@ -101,6 +101,38 @@ async fn a_banned_word_is_never_generated() {
         let first = plain_ids.windows(seq.len()).position(|w| w == seq).unwrap();
         assert_eq!(ids[..first], plain_ids[..first], "stream {stream}");
     }
+    // An allow-list that a one-token bad word empties is a 400 naming the field.
+    let lily = tokenize(&srv, "Lily").await;
+    assert_eq!(lily.len(), 1, "{lily:?}");
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "x", "max_tokens": 2, "bad_words": ["Lily"],
+                "allowed_token_ids": [lily[0]]}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "bad_words", "{}", r.body);
+    // A constraint the bad words block entirely: the guide fails (the request aborts), and
+    // the ruled-out token's log-probability is a number (vLLM's -9999 floor), not null.
+    let r = post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4,
+                "logprobs": 1, "guided_regex": " x\n", "bad_words": ["x\n"]}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    for x in lp["token_logprobs"].as_array().unwrap() {
+        assert!(x.as_f64().is_some_and(|x| x >= -9999.0), "{v}");
+    }
+    for m in lp["top_logprobs"].as_array().unwrap() {
+        for x in m.as_object().unwrap().values() {
+            assert!(x.is_number(), "{v}");
+        }
+    }
     // Malformed lists are 400s naming the field.
     for bad in [json!([""]), json!(["  "]), json!("word"), json!([7])] {
         let r = post(

@@ -107,6 +107,14 @@ pub fn min_tokens_empties_allow_list(allowed: &[(u32, f32)], stops: &[u32]) -> b
         .all(|&(t, _)| stops.binary_search(&t).is_ok())
 }
 
+/// True when `bad_words` leave an allow-list (`allowed_token_ids`, as logit-bias entries)
+/// with nothing to sample: every allowed token is a bad word of one token.
+pub fn bad_words_empty_allow_list(allowed: &[(u32, f32)], bad_words: &[Vec<u32>]) -> bool {
+    allowed
+        .iter()
+        .all(|&(t, _)| bad_words.iter().any(|w| w[..] == [t]))
+}
+
 /// Why a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

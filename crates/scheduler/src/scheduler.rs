@@ -1476,6 +1476,14 @@ pub fn check_admission(
             "token id {id} is out of range for a vocabulary of {vocab_size}"
         )));
     }
+    if r.params.allowed_only != 0
+        && !bias.is_empty()
+        && crate::request::bad_words_empty_allow_list(bias, &r.bad_words)
+    {
+        return Err(AdmitError::BadWords(
+            "every allowed token is a bad word of one token".into(),
+        ));
+    }
     if r.guide.is_some() && (r.min_tokens > 0 || r.params.allowed_only != 0) {
         return Err(AdmitError::Guided(
             "a structured output cannot be combined with min_tokens or allowed_token_ids".into(),

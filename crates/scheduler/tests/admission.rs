@@ -63,3 +63,28 @@ fn an_allow_list_that_min_tokens_empties_is_refused() {
     let empty = allowed(&[], 0, &[]);
     assert!(matches!(ok(&empty), Err(AdmitError::BadLogitBias(_))));
 }
+
+#[test]
+fn an_allow_list_that_bad_words_empty_is_refused_and_bad_words_are_checked() {
+    let c = cfg();
+    let ok = |r: &NewRequest| check_admission(&c, 512, r);
+    let with = |allow: &[u32], words: Vec<Vec<u32>>| {
+        let mut r = allowed(allow, 0, &[]);
+        r.bad_words = words;
+        r
+    };
+    // Every allowed token is a one-token bad word.
+    let r = with(&[7, 9], vec![vec![7], vec![9], vec![3, 4]]);
+    assert!(matches!(ok(&r), Err(AdmitError::BadWords(_))), "{r:?}");
+    // Something is left (9 is banned only after 3).
+    assert_eq!(ok(&with(&[7, 9], vec![vec![7], vec![3, 9]])), Ok(()));
+    // An empty word, a token outside the vocabulary, too many words.
+    for words in [
+        vec![vec![]],
+        vec![vec![3, 512]],
+        vec![vec![3; baton_proto::wire::MAX_BAD_WORDS_WORDS]],
+    ] {
+        let r = with(&[7], words);
+        assert!(matches!(ok(&r), Err(AdmitError::BadWords(_))), "{r:?}");
+    }
+}
