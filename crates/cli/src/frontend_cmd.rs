@@ -104,7 +104,8 @@ impl HttpArgs {
             }
         };
         let mut g = match file {
-            Some(p) if p.exists() => baton_model::GenerationConfig::from_file(&p)?,
+            Some(p) if p.exists() => baton_model::GenerationConfig::from_file(&p)
+                .with_context(|| format!("--generation-config {}", self.generation_config))?,
             _ => baton_model::GenerationConfig::default(),
         };
         if let Some(text) = &self.override_generation_config {
@@ -244,8 +245,8 @@ impl HttpArgs {
     /// `--enable-auto-tool-choice` without `--tool-call-parser`; an empty
     /// `--served-model-name`.
     pub fn check(&self) -> Result<()> {
-        if self.served_model_name.iter().any(String::is_empty) {
-            bail!("--served-model-name: a served model name must not be empty");
+        if self.served_model_name.iter().any(|n| n.trim().is_empty()) {
+            bail!("--served-model-name: a served model name must not be empty or blank");
         }
         if self.enable_auto_tool_choice && self.tool_call_parser.is_none() {
             bail!(
@@ -630,8 +631,10 @@ mod tests {
             .any(|f| f.starts_with("--served-model-name")));
         assert!(parse(&["--served-model-name"]).is_err());
         // An empty name stops start-up (of `serve` too, before it spawns children).
-        let e = parse(&["--served-model-name", "a", ""]).unwrap().check();
-        assert!(e.unwrap_err().to_string().contains("--served-model-name"));
+        for blank in ["", " "] {
+            let e = parse(&["--served-model-name", "a", blank]).unwrap().check();
+            assert!(e.unwrap_err().to_string().contains("--served-model-name"));
+        }
         assert!(parse(&["--served-model-name", "a"])
             .unwrap()
             .check()

@@ -428,6 +428,10 @@ fn serve_refuses_a_malformed_generation_config_under_auto() {
     let (code, err) = run_bounded(&args, "serve with a malformed generation config");
     assert_fails_with(code, &err, "generation_config.json", &args);
     assert!(
+        err.contains("--generation-config auto"),
+        "the flag is named: {err}"
+    );
+    assert!(
         !err.contains("baton scheduler"),
         "a child was started: {err}"
     );

@@ -165,11 +165,11 @@ impl AppState {
         }
         if std::iter::once(&config.served_model_name)
             .chain(&config.more_served_model_names)
-            .any(String::is_empty)
+            .any(|n| n.trim().is_empty())
         {
             anyhow::bail!(
-                "--served-model-name: a served model name cannot be empty (got \"\"); give \
-                 one or more non-empty names, or leave the flag out to serve under the model \
+                "--served-model-name: a served model name cannot be empty or blank; give \
+                 one or more names, or leave the flag out to serve under the model \
                  directory's name"
             );
         }
