@@ -231,19 +231,13 @@ fn run_greedy<B: Backend>(
     for (i, p) in prompts.iter().enumerate() {
         engine
             .add_request(NewRequest {
-                priority: 0,
-                id: i as u64,
-                prompt: p.clone(),
-                max_tokens: max_tokens as u32,
-                params: SamplingParams::greedy(),
                 eos_ids: eos.to_vec(),
-                stop_token_ids: Vec::new(),
-                ignore_eos: false,
-                logit_bias: Vec::new(),
-                min_tokens: 0,
-                cache_salt: 0,
-                guide: None,
-                bad_words: Vec::new(),
+                ..NewRequest::new(
+                    i as u64,
+                    p.clone(),
+                    max_tokens as u32,
+                    SamplingParams::greedy(),
+                )
             })
             .map_err(|e| anyhow::anyhow!("prompt {i}: {e:?}"))?;
     }

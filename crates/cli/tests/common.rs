@@ -92,22 +92,11 @@ pub fn seeded(seed: u64) -> SamplingParams {
     }
 }
 
-/// A request.
+/// A request that stops on the test model's EOS (2).
 pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, params: SamplingParams) -> NewRequest {
     NewRequest {
-        priority: 0,
-        id,
-        prompt,
-        max_tokens,
-        params,
         eos_ids: vec![2],
-        stop_token_ids: Vec::new(),
-        ignore_eos: false,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        cache_salt: 0,
-        guide: None,
-        bad_words: Vec::new(),
+        ..NewRequest::new(id, prompt, max_tokens, params)
     }
 }
 

@@ -289,6 +289,31 @@ pub struct Completion {
     pub prompt: Vec<PromptLogprob>,
 }
 
+impl Completion {
+    /// The completion of `launch` in which every sampling row samples `token(row)`, with
+    /// log-probability 0, no top entries and no prompt log-probabilities: what the null
+    /// backend returns, and what scheduler tests and benchmarks feed back.
+    pub fn sampling(launch: &Launch, mut token: impl FnMut(&LaunchRow) -> u32) -> Self {
+        Self {
+            seq: launch.seq,
+            sampled: launch
+                .rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.sample == 1)
+                .map(|(i, r)| Sampled {
+                    row: i as u32,
+                    req: r.req,
+                    token: token(r),
+                    logprob: 0.0,
+                    top: Vec::new(),
+                })
+                .collect(),
+            prompt: Vec::new(),
+        }
+    }
+}
+
 /// Token and block tables, one row per request slot.
 ///
 /// Only the scheduler writes; the worker reads. Entries a published launch refers to are never

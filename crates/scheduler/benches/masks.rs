@@ -5,7 +5,7 @@
 //!
 //! `cargo bench -p baton-scheduler --bench masks`. Results: `bench/RESULTS.md`.
 
-use baton_proto::{Completion, Sampled, SamplingParams};
+use baton_proto::{Completion, SamplingParams};
 use baton_scheduler::{Event, NewRequest, Scheduler, SchedulerConfig, SchedulingPolicy};
 use criterion::{black_box, Criterion};
 use std::time::Duration;
@@ -14,20 +14,10 @@ const VOCAB: usize = 128_256;
 const ROWS: usize = 128;
 
 fn request(id: u64, bad_words: &[Vec<u32>]) -> NewRequest {
+    let prompt = (0..16).map(|i| 100 + (id as u32 * 31 + i) % 1000).collect();
     NewRequest {
-        id,
-        prompt: (0..16).map(|i| 100 + (id as u32 * 31 + i) % 1000).collect(),
-        max_tokens: 256,
-        params: SamplingParams::greedy(),
-        eos_ids: vec![2],
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        cache_salt: 0,
-        guide: None,
-        priority: 0,
         bad_words: bad_words.to_vec(),
+        ..NewRequest::new(id, prompt, 256, SamplingParams::greedy())
     }
 }
 
@@ -78,27 +68,8 @@ impl Bench {
     /// released.
     fn step(&mut self) {
         let l = self.s.schedule().expect("work");
-        let sampled = l
-            .rows
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.sample != 0)
-            .map(|(i, r)| Sampled {
-                row: i as u32,
-                req: r.req,
-                token: 9 + r.output_index % 4,
-                logprob: 0.0,
-                top: Vec::new(),
-            })
-            .collect();
-        self.s.on_completion(
-            &Completion {
-                seq: l.seq,
-                sampled,
-                prompt: Vec::new(),
-            },
-            &mut self.events,
-        );
+        let c = Completion::sampling(&l, |r| 9 + r.output_index % 4);
+        self.s.on_completion(&c, &mut self.events);
         self.s.on_released(l.seq);
         let finished = self
             .events

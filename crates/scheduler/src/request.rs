@@ -59,6 +59,29 @@ pub struct NewRequest {
     pub bad_words: Vec<Vec<u32>>,
 }
 
+impl NewRequest {
+    /// A request of `prompt` for up to `max_tokens` new tokens with `params`, and nothing
+    /// else: no EOS or stop ids, bias, `min_tokens`, salt, guide, priority or bad words (set
+    /// those with struct update syntax).
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: u32, params: SamplingParams) -> Self {
+        Self {
+            id,
+            prompt,
+            max_tokens,
+            params,
+            eos_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            cache_salt: 0,
+            guide: None,
+            priority: 0,
+            bad_words: Vec::new(),
+        }
+    }
+}
+
 /// Clears in `mask` (a token mask, bit `t % 32` of word `t / 32` for token `t`) the last
 /// token of every word of `words` whose other tokens are the end of `outputs` (the request's
 /// latest outputs, oldest first; only outputs count, not the prompt). A one-token word is

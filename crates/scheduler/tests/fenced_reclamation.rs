@@ -1122,28 +1122,8 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
     let mut finished_other = false;
     for _ in 0..10 {
         let Some(l) = s.schedule() else { break };
-        let sampled = l
-            .rows
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.sample == 1)
-            .map(|(i, r)| baton_proto::Sampled {
-                row: i as u32,
-                req: r.req,
-                token: 9,
-                logprob: 0.0,
-                top: vec![],
-            })
-            .collect();
         let mut ev = Vec::new();
-        s.on_completion(
-            &Completion {
-                seq: l.seq,
-                sampled,
-                prompt: Vec::new(),
-            },
-            &mut ev,
-        );
+        s.on_completion(&Completion::sampling(&l, |_| 9), &mut ev);
         s.on_released(l.seq);
         finished_other |= ev.iter().any(|e| {
             matches!(

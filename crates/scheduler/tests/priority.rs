@@ -3,7 +3,7 @@
 //! one needs a page. The random lifecycle test in `fenced_reclamation.rs` runs both policies
 //! against its invariants (fences, outputs, lengths); these tests pin the orders.
 
-use baton_proto::{Completion, Launch, Sampled, SamplingParams};
+use baton_proto::{Completion, Launch, SamplingParams};
 use baton_scheduler::{
     AdmitError, Event, NewRequest, RequestId, Scheduler, SchedulerConfig, SchedulingPolicy,
 };
@@ -24,22 +24,14 @@ fn config(policy: SchedulingPolicy, max_num_seqs: usize, num_blocks: usize) -> S
 }
 
 fn request(id: RequestId, priority: i32, prompt_len: usize, max_tokens: u32) -> NewRequest {
+    let prompt = (0..prompt_len)
+        .map(|i| 3 + (id as u32 * 7 + i as u32) % 50)
+        .collect();
     NewRequest {
-        id,
-        prompt: (0..prompt_len)
-            .map(|i| 3 + (id as u32 * 7 + i as u32) % 50)
-            .collect(),
-        max_tokens,
-        params: SamplingParams::greedy(),
         eos_ids: vec![2],
-        stop_token_ids: Vec::new(),
         ignore_eos: true,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        cache_salt: 0,
-        guide: None,
-        bad_words: Vec::new(),
         priority,
+        ..NewRequest::new(id, prompt, max_tokens, SamplingParams::greedy())
     }
 }
 
@@ -48,28 +40,8 @@ fn request(id: RequestId, priority: i32, prompt_len: usize, max_tokens: u32) -> 
 fn step(s: &mut Scheduler) -> (Vec<RequestId>, Vec<Event>) {
     let l: Launch = s.schedule().expect("there is work");
     let started = s.started().to_vec();
-    let sampled = l
-        .rows
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| r.sample != 0)
-        .map(|(i, r)| Sampled {
-            row: i as u32,
-            req: r.req,
-            token: 9,
-            logprob: 0.0,
-            top: vec![],
-        })
-        .collect();
     let mut ev = Vec::new();
-    s.on_completion(
-        &Completion {
-            seq: l.seq,
-            sampled,
-            prompt: Vec::new(),
-        },
-        &mut ev,
-    );
+    s.on_completion(&Completion::sampling(&l, |_| 9), &mut ev);
     s.on_released(l.seq);
     (started, ev)
 }

@@ -2,7 +2,7 @@
 //! It measures the control plane and the scheduler alone.
 
 use crate::{Backend, KvCapacity, TableReader, WorkerError};
-use baton_proto::{Completion, Launch, Sampled};
+use baton_proto::{Completion, Launch};
 
 /// A backend that samples `token` everywhere.
 #[derive(Debug)]
@@ -29,26 +29,7 @@ impl Backend for NullBackend {
         launch: &Launch,
         _tables: &dyn TableReader,
     ) -> Result<Completion, WorkerError> {
-        let mut sampled = Vec::with_capacity(launch.rows.len());
-        for (i, r) in launch
-            .rows
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.sample == 1)
-        {
-            sampled.push(Sampled {
-                row: i as u32,
-                req: r.req,
-                token: self.token,
-                logprob: 0.0,
-                top: Vec::new(),
-            });
-        }
-        Ok(Completion {
-            seq: launch.seq,
-            sampled,
-            prompt: Vec::new(),
-        })
+        Ok(Completion::sampling(launch, |_| self.token))
     }
 
     fn kv_capacity(&self) -> KvCapacity {
