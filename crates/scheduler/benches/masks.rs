@@ -1,7 +1,8 @@
 //! Scheduler CPU time per decode step (`schedule` + `on_completion` + `on_released`) for 128
 //! running requests over a 128256-token vocabulary (Llama 3's): without bad words, with
 //! one-token bad words (a fixed token mask written at slot take), and with a two-token bad
-//! word (the mask follows the outputs, so it is written for every sampling row).
+//! word (the mask follows the outputs, so it is written for every sampling row), and with a
+//! list near the wire's limit.
 //!
 //! `cargo bench -p baton-scheduler --bench masks`. Results: `bench/RESULTS.md`.
 
@@ -82,6 +83,18 @@ impl Bench {
     }
 }
 
+/// An adversarial list near `MAX_BAD_WORDS_WORDS`: 800 one-token words, and 800 two-token
+/// words after token 9, so every row that follows a 9 bans 800 tokens and allows them again
+/// at its next row.
+fn near_the_wire_limit() -> Vec<Vec<u32>> {
+    let one = (0..800).map(|i| vec![2000 + i]);
+    let two = (0..800).map(|i| vec![9, 5000 + i]);
+    let words: Vec<Vec<u32>> = one.chain(two).collect();
+    let packed: usize = words.iter().map(|w| 1 + w.len()).sum();
+    assert!(packed <= baton_proto::wire::MAX_BAD_WORDS_WORDS);
+    words
+}
+
 fn main() {
     let mut c = Criterion::default()
         .configure_from_args()
@@ -92,6 +105,7 @@ fn main() {
         ("no_bad_words", Vec::new()),
         ("one_token_bad_words", vec![vec![11], vec![500]]),
         ("two_token_bad_word", vec![vec![9, 10], vec![500]]),
+        ("near_the_wire_limit", near_the_wire_limit()),
     ] {
         let mut b = Bench::new(words);
         g.bench_function(name, |bench| {

@@ -227,9 +227,16 @@ pub(crate) struct Request {
     pub bad_words_longest: usize,
     /// Without a guide: the tokens a bad word of several tokens clears in the slot's mask row
     /// now, on top of the one-token words' fixed bans (written at slot take). The next
-    /// sampling row allows them again before it clears its own, so a row costs O(words)
-    /// instead of a whole mask.
+    /// sampling row allows them again before it clears its own, so a row costs O(tokens of
+    /// the longer words + bans × log one-token words) instead of a whole mask.
     pub bad_words_banned: Vec<u32>,
+    /// The bad words of one token, sorted ascending, each once: the bans that stay in the
+    /// slot's mask row for the whole request. `plan_row` searches it before it allows a
+    /// longer word's previous ban again.
+    pub bad_words_one_token: Vec<u32>,
+    /// `bad_words` is sorted by length (stably): the words from this index on have several
+    /// tokens, the only ones whose bans change from row to row.
+    pub bad_words_longer_from: usize,
 }
 
 /// A guided request's constraint state.
@@ -286,7 +293,25 @@ impl Request {
             arrival: 0,
             bad_words_longest: r.bad_words.iter().map(Vec::len).max().unwrap_or(0),
             bad_words_banned: Vec::new(),
-            bad_words: r.bad_words,
+            bad_words_longer_from: r.bad_words.iter().filter(|w| w.len() < 2).count(),
+            bad_words_one_token: {
+                let mut ids: Vec<u32> = r
+                    .bad_words
+                    .iter()
+                    .filter_map(|w| match w[..] {
+                        [t] => Some(t),
+                        _ => None,
+                    })
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            },
+            bad_words: {
+                let mut words = r.bad_words;
+                words.sort_by_key(Vec::len);
+                words
+            },
         }
     }
 

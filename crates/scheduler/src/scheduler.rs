@@ -826,16 +826,16 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 // Bad words without a guide: the fixed mask of slot take, with the bans of
                 // the longer words updated in place.
                 None if r.guide.is_none() && r.bad_words_longest > 1 => {
-                    let one_token = |t: u32| r.bad_words.iter().any(|w| w[..] == [t]);
                     for t in r.bad_words_banned.drain(..) {
-                        if !one_token(t) {
+                        if r.bad_words_one_token.binary_search(&t).is_err() {
                             self.tables.set_token_allowed(slot.slot, t, true);
                         }
                     }
                     self.scratch_recent.clear();
                     self.scratch_recent
                         .extend((recent_from..known).map(|p| self.tables.token(slot.slot, p)));
-                    for t in crate::request::bad_word_bans(&r.bad_words, &self.scratch_recent) {
+                    let longer = &r.bad_words[r.bad_words_longer_from..];
+                    for t in crate::request::bad_word_bans(longer, &self.scratch_recent) {
                         self.tables.set_token_allowed(slot.slot, t, false);
                         r.bad_words_banned.push(t);
                     }
