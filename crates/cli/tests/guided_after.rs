@@ -58,3 +58,42 @@ fn a_guide_started_after_a_token_leaves_the_output_free_until_it_then_constrains
         assert_ne!(ids[..6], free[..6]);
     }
 }
+
+/// A structured output whose every first token is a bad word leaves nothing to sample: the
+/// request ends as `Abort`, and the token the worker drew from the empty row (which the guide
+/// refuses) is not delivered.
+#[test]
+fn a_guide_the_bad_words_block_aborts_without_delivering_the_refused_token() {
+    let g = goldens();
+    let prompt = g[0].prompt_ids.clone();
+    let (_, tok) = engine(config(16, 256, 2));
+    let vocab = Vocabulary::from_tokenizer_json(
+        &model_dir().join("tokenizer.json"),
+        tok.vocab_size(),
+        &[2],
+    )
+    .unwrap();
+    let choice = Constraint::Choice(vec![" The end.".into()]);
+    let mut first = vocab.compile(&choice).unwrap();
+    let mut mask = vec![0u32; tok.vocab_size().div_ceil(32)];
+    first.fill_mask(&mut mask).unwrap();
+    let allowed: Vec<Vec<u32>> = (0..tok.vocab_size() as u32)
+        .filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 != 0)
+        .map(|t| vec![t])
+        .collect();
+    assert!(
+        !allowed.is_empty() && !allowed.contains(&vec![2]),
+        "{allowed:?}"
+    );
+    for inflight in [1, 2] {
+        let (mut e, _) = engine(config(16, 256, inflight));
+        let mut r = request(1, prompt.clone(), 20, SamplingParams::greedy());
+        r.guide = Some(vocab.compile(&choice).unwrap());
+        r.bad_words = allowed.clone();
+        let out = run(&mut e, vec![r]);
+        let (ids, reason) = &out[&1];
+        assert_eq!(*reason, FinishReason::Abort, "{ids:?}");
+        assert!(ids.is_empty(), "a refused token was delivered: {ids:?}");
+        assert_pool_full(&e);
+    }
+}

@@ -1225,6 +1225,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                 };
                 if let Some(e) = &guide_failed {
                     tracing::warn!(req = r.id, "structured output failed: {e}");
+                    // The guide refused the token (an empty mask, e.g. one the bad words
+                    // emptied, or a grammar past llguidance's limits): it is not an output.
+                    r.known_len -= 1;
                 }
                 Some((
                     stop,
@@ -1244,6 +1247,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             });
             return false;
         };
+        if guide_failed {
+            self.finish(m.req, FinishReason::Abort, events);
+            return true;
+        }
         if self.trace.is_some() {
             let r = &self.requests[m.req];
             let mut sampled = Self::req_record(Boundary::Sampling, r);
@@ -1271,8 +1278,6 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         });
         if stop {
             self.finish(m.req, FinishReason::Stop, events);
-        } else if guide_failed {
-            self.finish(m.req, FinishReason::Abort, events);
         } else if length {
             self.finish(m.req, FinishReason::Length, events);
         }
