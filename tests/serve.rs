@@ -433,7 +433,9 @@ fn serve_with_generation_config_vllm_starts_despite_a_malformed_generation_confi
 
 /// `--generation-config DIR` takes the stop ids from DIR's generation_config.json, as vLLM
 /// does: with the golden's 5th greedy token as DIR's only `eos_token_id`, a greedy request
-/// stops there. `/v1/models` reports the `--model` path as `root`.
+/// stops there. `/v1/models` reports the `--model` path as `root`. Under `ignore_eos`,
+/// `min_tokens` still holds both EOS ids back, as vLLM's. A structured output may end with
+/// DIR's ids.
 #[test]
 fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_path() {
     let _serial = serial();
@@ -473,6 +475,29 @@ fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_p
     assert_eq!(choice["finish_reason"], "stop", "{resp}");
     assert_eq!(choice["token_ids"], serde_json::json!([2]), "{resp}");
     assert!(choice["stop_reason"].is_null(), "{resp}");
+    // Through the rings, min_tokens holds back both EOS ids even under ignore_eos (vLLM's
+    // `_all_stop_token_ids`); after it, EOS ends nothing.
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                  "return_token_ids": true, "logit_bias": {"2": 100},
+                                  "ignore_eos": true, "min_tokens": 3});
+    let (resp, json) = post_completion(&addr, &body);
+    let choice = &json["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{resp}");
+    let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+    assert!(
+        !ids[..3].contains(&2) && !ids[..3].contains(&stop),
+        "{resp}"
+    );
+    assert_eq!(ids[3..], [2, 2, 2], "{resp}");
+    // A structured output ends with DIR's stop ids too (the scheduler compiles guides with
+    // them): once the choice is written, the biased id of DIR ends the request.
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                  "guided_choice": ["Hi"], "logit_bias": {stop.to_string(): 100}});
+    let (resp, json) = post_completion(&addr, &body);
+    let choice = &json["choices"][0];
+    assert_eq!(choice["text"], "Hi", "{resp}");
+    assert_eq!(choice["finish_reason"], "stop", "{resp}");
+    assert_eq!(choice["stop_reason"], stop, "{resp}");
     let (status, models) = http_get(&addr, "/v1/models");
     assert_eq!(status, 200, "{models}");
     let want = serde_json::json!(model_dir().display().to_string()).to_string();

@@ -199,6 +199,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             req: r.id,
             prompt: &r.prompt,
             stop_token_ids: &r.stop_token_ids,
+            eos_ids: &[],
             max_tokens: r.max_tokens,
             params: r.params,
             ignore_eos: false,

@@ -177,6 +177,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             req: i as u64,
             prompt: &prompt,
             stop_token_ids: &[],
+            eos_ids: &[],
             max_tokens: steps as u32,
             params: SamplingParams::greedy(),
             ignore_eos: false,

@@ -35,6 +35,13 @@ pub struct SchedulerArgs {
     /// Frontend slots (ring pairs).
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
+    /// Where the stop ids a structured output may end with come from, as the frontend's flag
+    /// of the same name: "auto" and "vllm" read the --model directory's
+    /// generation_config.json (one that does not load is ignored with a warning), anything
+    /// else is a directory holding a generation_config.json. Give the frontends' value (`baton
+    /// serve` does).
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
     /// Scheduler and KV-cache flags.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -105,15 +112,25 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
 pub fn grammar_vocabulary(
     dir: &ModelDir,
     vocab_size: usize,
+    generation_config: &str,
 ) -> Result<Option<baton_grammar::Vocabulary>> {
     let path = dir.tokenizer_path();
     if !path.exists() {
         return Ok(None);
     }
-    // Only the stop ids are taken from generation_config.json here: one that does not load
-    // is ignored, as the frontend does under `--generation-config vllm` (under `auto` the
-    // frontend refuses it), so both take config.json's ids.
-    let (eos, ignored) = dir.eos_token_ids_lenient()?;
+    // Only the stop ids are taken from the generation config here, from the file the
+    // frontends read. Under `auto` one that does not load is ignored, as under `vllm` (the
+    // frontend refuses it under `auto`, so no request comes).
+    let source = match generation_config
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--generation-config: {e}"))?
+    {
+        baton_model::GenerationConfigSource::Auto => baton_model::GenerationConfigSource::Vllm,
+        s => s,
+    };
+    let (eos, ignored) = dir
+        .eos_token_ids_from(&source)
+        .with_context(|| format!("--generation-config {generation_config}"))?;
     if let Some(e) = ignored {
         tracing::warn!("ignoring {e}; the stop ids come from config.json");
     }
@@ -200,7 +217,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
         vocabulary: match &a.model {
-            Some(dir) => grammar_vocabulary(&ModelDir::new(dir), vocab)?,
+            Some(dir) => grammar_vocabulary(&ModelDir::new(dir), vocab, &a.generation_config)?,
             None => None,
         },
     };

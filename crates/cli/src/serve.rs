@@ -286,6 +286,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model.clone(),
         "--frontends".into(),
         a.frontends.to_string(),
+        "--generation-config".into(),
+        a.http.generation_config.clone(),
     ];
     sched_args.extend(engine_flags(&engine));
     let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {

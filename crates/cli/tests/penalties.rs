@@ -257,6 +257,39 @@ fn min_tokens_masks_stop_ids_until_reached_then_they_stop_again() {
     }
 }
 
+/// vLLM's `min_tokens` holds the EOS ids back even under `ignore_eos` (its
+/// `_all_stop_token_ids`): with EOS biased to win every step, the first `min_tokens` outputs
+/// are something else, and the rest are EOS, which ends nothing.
+#[test]
+fn min_tokens_holds_eos_back_under_ignore_eos() {
+    let g = goldens();
+    for max_inflight in [1, 2] {
+        let (mut engine, _) = engine(config(16, 512, max_inflight));
+        let mut reqs = Vec::new();
+        for (id, min_tokens) in [(0u64, 0u32), (1, 3)] {
+            let mut r = request(id, g[0].prompt_ids.clone(), 6, SamplingParams::greedy());
+            r.ignore_eos = true;
+            r.logit_bias = vec![(2, 100.0)];
+            r.params.logit_bias_len = 1;
+            r.min_tokens = min_tokens;
+            reqs.push(r);
+        }
+        let got = run(&mut engine, reqs);
+        assert_eq!(
+            got[&0].0, [2; 6],
+            "the bias makes EOS win, and it ends nothing"
+        );
+        let (held, reason) = &got[&1];
+        assert_eq!(held.len(), 6, "{held:?} {reason:?}");
+        assert!(
+            !held[..3].contains(&2),
+            "min_tokens let EOS through: {held:?}"
+        );
+        assert_eq!(held[3..], [2; 3], "{held:?}");
+        assert_pool_full(&engine);
+    }
+}
+
 /// Greedy decoding with vLLM's `bad_words`: before each token, the last token of every word
 /// whose other tokens end the outputs so far is masked; stops after `max_tokens` or at EOS
 /// (2).

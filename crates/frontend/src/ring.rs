@@ -42,8 +42,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl RingEngineClient {
-    /// Wraps a connected link. `eos_ids` are the model's EOS ids (sent as stop ids unless a
-    /// request sets `ignore_eos`); `vocab_size` is the tokenizer's. `worker_timeout`: how long
+    /// Wraps a connected link. `eos_ids` are the model's EOS ids (sent after each request's
+    /// stop ids; they end nothing under `ignore_eos`); `vocab_size` is the tokenizer's. `worker_timeout`: how long
     /// requests may wait while no worker is attached before they fail with 503 (`None`:
     /// forever).
     pub fn new(
@@ -285,25 +285,23 @@ impl EngineClient for RingEngineClient {
                 baton_scheduler::SchedulingPolicy::Fcfs
             },
         };
-        let mut stop_ids = req.stop_token_ids.clone();
-        if !req.ignore_eos {
-            stop_ids.extend(
-                self.eos_ids
-                    .iter()
-                    .copied()
-                    .filter(|e| !req.stop_token_ids.contains(e)),
-            );
-        }
+        // The EOS ids travel after the stop ids: they end the request unless `ignore_eos`,
+        // and min_tokens holds them back either way.
+        let eos_ids: Vec<u32> = self
+            .eos_ids
+            .iter()
+            .copied()
+            .filter(|e| !req.stop_token_ids.contains(e))
+            .collect();
         let probe = baton_scheduler::NewRequest {
             priority: req.priority,
             id: 0,
             prompt: req.prompt.clone(),
             max_tokens: req.max_tokens,
             params: req.params,
-            eos_ids: Vec::new(),
-            // What the scheduler will see: EOS ids travel as stop ids.
-            stop_token_ids: stop_ids.clone(),
-            ignore_eos: false,
+            eos_ids: eos_ids.clone(),
+            stop_token_ids: req.stop_token_ids.clone(),
+            ignore_eos: req.ignore_eos,
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,
@@ -325,11 +323,11 @@ impl EngineClient for RingEngineClient {
         let a = Admission {
             req: id,
             prompt: &req.prompt,
-            stop_token_ids: &stop_ids,
+            stop_token_ids: &req.stop_token_ids,
+            eos_ids: &eos_ids,
             max_tokens: req.max_tokens,
             params: req.params,
-            // EOS ids travel as stop ids above, so the scheduler has nothing more to ignore.
-            ignore_eos: false,
+            ignore_eos: req.ignore_eos,
             logit_bias: &req.logit_bias,
             min_tokens: req.min_tokens,
             cache_salt: req.cache_salt,

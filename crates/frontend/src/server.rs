@@ -473,7 +473,8 @@ impl AppState {
                 ),
             ));
         }
-        let stops = baton_scheduler::stop_ids(&gen.stop_token_ids, &self.eos_ids, gen.ignore_eos);
+        // min_tokens holds back the EOS ids even under ignore_eos (vLLM's).
+        let stops = baton_scheduler::min_tokens_ids(&gen.stop_token_ids, &self.eos_ids);
         if stops.len() > baton_proto::MAX_MIN_TOKENS_STOP_IDS {
             return Err(ApiError::field(
                 "min_tokens",

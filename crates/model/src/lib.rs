@@ -192,6 +192,24 @@ impl ModelDir {
         Ok((ids, m.generation_config_error))
     }
 
+    /// The model's stop ids ([`model_stop_ids`]) with the generation config `source` gives
+    /// ([`ModelDir::generation_config_from`]): what the frontend stops on, and what a
+    /// structured output may end with. Under [`GenerationConfigSource::Vllm`] a file that
+    /// does not load is ignored and its error returned beside the ids, for the caller to
+    /// report.
+    ///
+    /// # Errors
+    /// As [`ModelDir::generation_config_from`]; a missing or malformed config.json or
+    /// tokenizer.
+    pub fn eos_token_ids_from(
+        &self,
+        source: &GenerationConfigSource,
+    ) -> Result<(Vec<u32>, Option<ModelError>), ModelError> {
+        let (g, skipped) = self.generation_config_from(source)?;
+        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, true)?;
+        Ok((eos_token_ids(&g, &m.config, m.tokenizer.as_ref()), skipped))
+    }
+
     /// generation_config.json, or the default (no values) when the file does not exist.
     ///
     /// # Errors

@@ -46,6 +46,9 @@ pub struct Admission<'a> {
     pub prompt: &'a [u32],
     /// Extra stop token ids.
     pub stop_token_ids: &'a [u32],
+    /// The model's EOS ids (none of them in `stop_token_ids`): they end the request unless
+    /// `ignore_eos`, and `min_tokens` holds them back either way.
+    pub eos_ids: &'a [u32],
     /// Most new tokens.
     pub max_tokens: u32,
     /// Sampling parameters (seed set); `logit_bias_len` is set from `logit_bias` on submit.
@@ -57,7 +60,7 @@ pub struct Admission<'a> {
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed (0: none).
     pub cache_salt: u64,
-    /// Ignore the model's EOS ids.
+    /// `eos_ids` end nothing (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
     /// The structured-output constraint's wire form (`baton_grammar::Constraint::to_wire`);
     /// empty: unconstrained.
@@ -228,7 +231,8 @@ impl LinkSender {
         let mut head = ToScheduler::zeroed();
         head.kind = to_scheduler::ADMIT;
         head.req = a.req;
-        head.n = a.stop_token_ids.len() as u32;
+        head.n = (a.stop_token_ids.len() + a.eos_ids.len()) as u32;
+        head.eos_len = a.eos_ids.len() as u32;
         head.prompt_len = a.prompt.len() as u32;
         head.max_tokens = a.max_tokens;
         head.flags = if a.ignore_eos {
@@ -259,6 +263,7 @@ impl LinkSender {
             .prompt
             .chunks(TOKENS_PER_SLOT)
             .chain(a.stop_token_ids.chunks(TOKENS_PER_SLOT))
+            .chain(a.eos_ids.chunks(TOKENS_PER_SLOT))
             .chain(bias.chunks(TOKENS_PER_SLOT))
             .chain(constraint.chunks(TOKENS_PER_SLOT))
             .chain(bad_words.chunks(TOKENS_PER_SLOT))

@@ -87,7 +87,8 @@ pub fn unpack_bytes(words: &[u32], len: usize) -> Vec<u8> {
     out
 }
 
-/// Admission flag: ignore the model's EOS ids.
+/// Admission flag: the model's EOS ids (the last [`ToScheduler::eos_len`] stop ids) end
+/// nothing.
 pub const FLAG_IGNORE_EOS: u32 = 1;
 /// [`ToScheduler::flags`]: the structured-output constraint applies after
 /// [`ToScheduler::guide_after`] is sampled (the end of the reasoning).
@@ -99,7 +100,8 @@ pub const FLAG_GUIDE_AFTER: u32 = 2;
 pub struct ToScheduler {
     /// One of [`to_scheduler`].
     pub kind: u32,
-    /// Valid tokens in `tokens` (`TOKENS`), or `num_stop` (`ADMIT`).
+    /// Valid tokens in `tokens` (`TOKENS`), or the number of stop ids (`ADMIT`; the last
+    /// `eos_len` of them are the model's EOS ids).
     pub n: u32,
     /// The frontend's request id.
     pub req: u64,
@@ -123,6 +125,12 @@ pub struct ToScheduler {
     /// `ADMIT`: words of the `bad_words` section at the very end of the admission's words
     /// ([`pack_bad_words`]; at most [`MAX_BAD_WORDS_WORDS`]); 0: none.
     pub bad_words_len: u32,
+    /// `ADMIT`: how many of the `n` stop ids, at their end, are the model's EOS ids. They end
+    /// the request unless [`FLAG_IGNORE_EOS`]; `min_tokens` holds them back either way (vLLM's
+    /// `_all_stop_token_ids`).
+    pub eos_len: u32,
+    /// Zero.
+    pub reserved: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.

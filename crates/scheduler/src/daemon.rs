@@ -494,7 +494,9 @@ impl SchedulerDaemon {
             self.reply_error(k, p.head.req, wire::error::INVALID, 0);
             return;
         };
-        let stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
+        let mut stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
+        let eos_ids =
+            stop_token_ids.split_off(stop_token_ids.len().saturating_sub(p.head.eos_len as usize));
         // The frontend compiled the constraint already; a failure here (no vocabulary, or a
         // frontend of another build) refuses the request like any invalid one.
         let guide = match p.head.constraint_len {
@@ -538,7 +540,7 @@ impl SchedulerDaemon {
             prompt: tokens,
             max_tokens: p.head.max_tokens,
             params,
-            eos_ids: Vec::new(),
+            eos_ids,
             stop_token_ids,
             ignore_eos: p.head.flags & wire::FLAG_IGNORE_EOS != 0,
             logit_bias,

@@ -15,8 +15,8 @@ pub mod trace;
 pub use check::{check_trace, TraceSummary, Violation};
 pub use phases::PhaseClock;
 pub use request::{
-    bad_words_empty_allow_list, min_tokens_empties_allow_list, stop_ids, FinishReason, NewRequest,
-    RequestId,
+    bad_words_empty_allow_list, min_tokens_empties_allow_list, min_tokens_ids, stop_ids,
+    FinishReason, NewRequest, RequestId,
 };
 pub use scheduler::{
     check_admission, AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats,

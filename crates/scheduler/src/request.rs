@@ -36,9 +36,10 @@ pub struct NewRequest {
     /// order); at most [`baton_proto::MAX_LOGIT_BIAS`] entries, and `params.logit_bias_len`
     /// must equal its length (checked at admission).
     pub logit_bias: Vec<(u32, f32)>,
-    /// vLLM's `min_tokens`: while the request has fewer outputs, its stop ids (EOS included
-    /// unless `ignore_eos`) are masked from sampling and end nothing; at most
-    /// [`baton_proto::MAX_MIN_TOKENS_STOP_IDS`] stop ids when non-zero.
+    /// vLLM's `min_tokens`: while the request has fewer outputs, its stop ids and EOS ids
+    /// (even under `ignore_eos`, as vLLM's `_all_stop_token_ids`: [`min_tokens_ids`]) are
+    /// masked from sampling and end nothing; at most
+    /// [`baton_proto::MAX_MIN_TOKENS_STOP_IDS`] such ids when non-zero.
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed (0: none): mixed into the prefix-cache key of the first
     /// block, so only requests with the same salt share cached blocks.
@@ -121,9 +122,18 @@ pub fn stop_ids(stop_token_ids: &[u32], eos_ids: &[u32], ignore_eos: bool) -> Ve
     ids
 }
 
+/// The ids `min_tokens` holds back: `stop_token_ids` and `eos_ids`, even under `ignore_eos`,
+/// sorted ascending, each once.
+///
+/// Source: vLLM's `SamplingParams._all_stop_token_ids` (`update_from_generation_config` adds
+/// the EOS ids whatever `ignore_eos` says), which its min-tokens logits processor masks.
+pub fn min_tokens_ids(stop_token_ids: &[u32], eos_ids: &[u32]) -> Vec<u32> {
+    stop_ids(stop_token_ids, eos_ids, false)
+}
+
 /// True when `min_tokens` would leave an allow-list (`allowed_token_ids`, as logit-bias
 /// entries) with nothing to sample: every allowed token is one of `stops` (sorted, as
-/// [`stop_ids`] returns them), which `min_tokens` masks.
+/// [`min_tokens_ids`] returns them), which `min_tokens` masks.
 pub fn min_tokens_empties_allow_list(allowed: &[(u32, f32)], stops: &[u32]) -> bool {
     allowed
         .iter()
@@ -249,7 +259,7 @@ pub(crate) struct Guided {
 
 impl Request {
     pub fn new(r: NewRequest) -> Self {
-        // Each once: the min_tokens mask holds at most MAX_MIN_TOKENS_STOP_IDS distinct ids.
+        // What ends the request, each once (what min_tokens holds back: `min_tokens_ids`).
         let stop_ids = stop_ids(&r.stop_token_ids, &r.eos_ids, r.ignore_eos);
         let stop_mask = stop_ids.iter().fold(0, |m, &t| m | 1 << (t % 64));
         Self {
@@ -272,7 +282,8 @@ impl Request {
             logit_bias: {
                 let mut b = r.logit_bias;
                 if r.min_tokens > 0 {
-                    b.extend(stop_ids.iter().map(|&t| (t, f32::NEG_INFINITY)));
+                    let held = min_tokens_ids(&r.stop_token_ids, &r.eos_ids);
+                    b.extend(held.iter().map(|&t| (t, f32::NEG_INFINITY)));
                 }
                 b
             },

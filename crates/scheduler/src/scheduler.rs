@@ -1500,7 +1500,7 @@ pub fn check_admission(
         ));
     }
     if r.min_tokens > 0 {
-        let ids = crate::request::stop_ids(&r.stop_token_ids, &r.eos_ids, r.ignore_eos);
+        let ids = crate::request::min_tokens_ids(&r.stop_token_ids, &r.eos_ids);
         let stops = ids.len();
         if stops > MAX_MIN_TOKENS_STOP_IDS {
             return Err(AdmitError::MinTokensStopIds { stops });

@@ -53,12 +53,13 @@ fn an_allow_list_that_min_tokens_empties_is_refused() {
             r.logit_bias
         );
     }
-    // Something is left, min_tokens is off, or EOS is ignored: admitted.
-    assert_eq!(ok(&allowed(&[2, 9], 3, &[])), Ok(()));
-    assert_eq!(ok(&allowed(&[2], 0, &[])), Ok(()));
+    // min_tokens holds EOS back even when it ends nothing (vLLM's `_all_stop_token_ids`).
     let mut r = allowed(&[2], 3, &[]);
     r.ignore_eos = true;
-    assert_eq!(ok(&r), Ok(()));
+    assert!(matches!(ok(&r), Err(AdmitError::BadLogitBias(_))));
+    // Something is left, or min_tokens is off: admitted.
+    assert_eq!(ok(&allowed(&[2, 9], 3, &[])), Ok(()));
+    assert_eq!(ok(&allowed(&[2], 0, &[])), Ok(()));
     // An allow-list must list something.
     let empty = allowed(&[], 0, &[]);
     assert!(matches!(ok(&empty), Err(AdmitError::BadLogitBias(_))));
