@@ -7,6 +7,9 @@
 #   BATON_ATTN_MIN_PARTITION  fewest keys per split-K partition of decode attention (default
 #                             64; a multiple of 64): at or below it a sequence is one block
 #                             per kv head with no combine;
+#   BATON_GEMV1_BLOCKS_PER_SM blocks per SM of a batch-of-one GEMV grid (default 2; 1 leaves
+#                             register room for the next kernel's blocks to start their
+#                             weight loads before their PDL wait);
 #   BATON_KERNEL_DEFINES      kernel constants as NVRTC -D, NAME=VALUE[,NAME=VALUE...], for
 #                             the constants kernels/ guards with #ifndef (BATON_GEMV_T1_U,
 #                             BATON_GEMV_PREWAIT_L2, BATON_SAMPLE_BIN_CACHE, ...);
@@ -39,6 +42,7 @@ BUDGET="${GPU_AB_BUDGET:-300}"
 deadline=$((SECONDS + BUDGET - 5))
 
 default_variants='base|
+gemv-1-per-sm|BATON_GEMV1_BLOCKS_PER_SM=1
 minpart-256|BATON_ATTN_MIN_PARTITION=256
 minpart-512|BATON_ATTN_MIN_PARTITION=512
 topp|AB_ARGS=--temperature=0.8,--top-p=0.95

@@ -93,6 +93,27 @@ fn f32_goldens_are_exact_with_decode_graphs() {
     assert!(dev.launches() > 0);
 }
 
+/// `BATON_GEMV1_BLOCKS_PER_SM=1` (a tuning knob for GPU A/B runs): batch-of-one GEMV grids of
+/// one block per SM, so each warp pipelines across twice the rows.
+#[test]
+fn f32_goldens_are_exact_with_one_gemv_block_per_sm() {
+    let last = Mutex::new(None);
+    let build = |cfg, weights, sizes| {
+        let dev = Arc::new(EmuDevice::new(Dtype::F32, EMU_MEMORY));
+        *last.lock().unwrap() = Some(dev.clone());
+        let args = CudaArgs {
+            dtype: Dtype::F32,
+            ..CudaArgs::default()
+        };
+        let mut opts = cuda_options(&args, sizes)?;
+        opts.tuning.gemv1_blocks_per_sm = 1;
+        Ok(CudaWorker::with_device(dev, cfg, weights, opts)?)
+    };
+    golden(&model_dir(), &build).expect("f32 goldens, one GEMV block per SM");
+    let dev = last.lock().unwrap().take().expect("a device was built");
+    assert!(dev.graphs() > 0, "no decode graph was captured");
+}
+
 #[test]
 fn f32_goldens_are_exact_eagerly_and_without_the_fused_decode_kernels() {
     for fused in [true, false] {

@@ -1305,7 +1305,7 @@ impl CudaWorker {
             // A batch of one takes the entries specialized for it (gemv.cu).
             let sms = self.dev.multiprocessor_count();
             let gemv = |out: u64, x: u64, w: u64, norm: u64, n: usize, k: usize, m: usize| {
-                let rows = gemv_rows_per_block(t, n, sms);
+                let rows = gemv_rows_per_block(t, n, sms, self.opts.tuning.gemv1_blocks_per_sm);
                 let entry = match (t, m) {
                     (1, 3) => "baton_gemv_silu_t1",
                     (1, _) => "baton_gemv_t1",

@@ -64,6 +64,17 @@ pub const ATTN_MIN_PARTITION: usize = 64;
 /// tuning knob for A/B runs, read by [`Tuning::from_env`].
 pub const ATTN_MIN_PARTITION_ENV: &str = "BATON_ATTN_MIN_PARTITION";
 
+/// Thread blocks per SM that a batch-of-one decode GEMV's grid aims for
+/// ([`gemv_rows_per_block`]): one wave of two, what `__launch_bounds__(256, 2)` allows.
+pub const GEMV1_BLOCKS_PER_SM: usize = 2;
+
+/// Environment variable overriding [`GEMV1_BLOCKS_PER_SM`] (1 or 2): a tuning knob for A/B
+/// runs, read by [`Tuning::from_env`]. Two blocks of 256 threads at 128 registers fill an
+/// SM's register file, so the next kernel's blocks cannot become resident (and issue their
+/// weight loads before their PDL wait) until these exit; one block per SM leaves room for
+/// them, with half the loads in flight.
+pub const GEMV1_BLOCKS_PER_SM_ENV: &str = "BATON_GEMV1_BLOCKS_PER_SM";
+
 /// Launch-shape and kernel-constant overrides for tuning runs. The defaults are what the
 /// worker uses; the GPU A/B script sets the rest through the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,6 +83,8 @@ pub struct Tuning {
     pub attn_target_blocks: usize,
     /// Fewest keys per decode attention partition ([`ATTN_MIN_PARTITION`]).
     pub attn_min_partition: usize,
+    /// Blocks per SM of a batch-of-one GEMV grid ([`GEMV1_BLOCKS_PER_SM`]).
+    pub gemv1_blocks_per_sm: usize,
     /// Extra kernel macro definitions, `NAME=VALUE` (NVRTC `-D`), from
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV).
     pub kernel_defines: Vec<String>,
@@ -82,13 +95,15 @@ impl Default for Tuning {
         Tuning {
             attn_target_blocks: ATTN_TARGET_BLOCKS,
             attn_min_partition: ATTN_MIN_PARTITION,
+            gemv1_blocks_per_sm: GEMV1_BLOCKS_PER_SM,
             kernel_defines: Vec::new(),
         }
     }
 }
 
 impl Tuning {
-    /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`] and
+    /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`],
+    /// [`GEMV1_BLOCKS_PER_SM_ENV`] and
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
     ///
     /// # Errors
@@ -126,6 +141,14 @@ impl Tuning {
                         "{ATTN_MIN_PARTITION_ENV}={v:?}: expected a multiple of 64 in 64..=16384"
                     )
                 })?;
+        }
+        if let Some(v) = var(GEMV1_BLOCKS_PER_SM_ENV) {
+            t.gemv1_blocks_per_sm = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| (1..=2).contains(&n))
+                .ok_or_else(|| format!("{GEMV1_BLOCKS_PER_SM_ENV}={v:?}: expected 1 or 2"))?;
         }
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
             t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
@@ -179,13 +202,14 @@ pub fn token_mask_splits(vocab: usize) -> usize {
 /// and `n` output rows on a device with `sms` multiprocessors; always a multiple of 8 (the
 /// block's warps take every 8th row).
 ///
-/// A batch of one streams its weights with one wave of about two blocks per SM (what
-/// `__launch_bounds__(256, 2)` allows), each warp pipelining across its rows, so the per-block
-/// prologue (norm statistics, staging the activation row) is paid about 2 x `sms` times, not
-/// once per 8 rows. Larger batches keep 8 rows per block (64 past 32768 rows, the LM head).
-pub fn gemv_rows_per_block(tokens: usize, n: usize, sms: usize) -> usize {
+/// A batch of one streams its weights with one wave of about `per_sm` blocks per SM
+/// ([`GEMV1_BLOCKS_PER_SM`], two, is what `__launch_bounds__(256, 2)` allows), each warp
+/// pipelining across its rows, so the per-block prologue (norm statistics, staging the
+/// activation row) is paid about `per_sm` x `sms` times, not once per 8 rows. Larger batches
+/// keep 8 rows per block (64 past 32768 rows, the LM head).
+pub fn gemv_rows_per_block(tokens: usize, n: usize, sms: usize, per_sm: usize) -> usize {
     if tokens == 1 {
-        n.div_ceil(2 * sms.max(1)).div_ceil(8).max(1) * 8
+        n.div_ceil(per_sm.max(1) * sms.max(1)).div_ceil(8).max(1) * 8
     } else if n >= 32768 {
         64
     } else {
@@ -533,7 +557,7 @@ mod tests {
     }
 
     #[test]
-    fn tuning_reads_its_three_variables_and_refuses_bad_values() {
+    fn tuning_reads_its_variables_and_refuses_bad_values() {
         let env3 = |a: &'static str, m: &'static str, k: &'static str| {
             move |name: &str| match name {
                 ATTN_TARGET_BLOCKS_ENV => Some(a.to_string()),
@@ -567,6 +591,17 @@ mod tests {
         for m in ["0", "32", "100", "16448", "-64", "x"] {
             let e = Tuning::from_lookup(env3("", m, "")).unwrap_err();
             assert!(e.starts_with(ATTN_MIN_PARTITION_ENV), "{m:?}: {e}");
+        }
+        let gemv = |v: &'static str| {
+            Tuning::from_lookup(move |name: &str| {
+                (name == GEMV1_BLOCKS_PER_SM_ENV).then(|| v.to_string())
+            })
+        };
+        assert_eq!(gemv("1").unwrap().gemv1_blocks_per_sm, 1);
+        assert_eq!(gemv(" 2 ").unwrap(), Tuning::default());
+        for v in ["0", "3", "x", "-1"] {
+            let e = gemv(v).unwrap_err();
+            assert!(e.starts_with(GEMV1_BLOCKS_PER_SM_ENV), "{v:?}: {e}");
         }
     }
 
@@ -631,24 +666,27 @@ mod tests {
             (1, 1),
             (7, 0),
         ] {
-            let rows = gemv_rows_per_block(1, n, sms);
-            assert_eq!(rows % 8, 0, "n {n}");
-            let blocks = n.div_ceil(rows);
-            assert!(
-                blocks <= 2 * sms.max(1),
-                "n {n}: {blocks} blocks on {sms} SMs"
-            );
-            // No fewer blocks than 8-row blocks would give, up to the wave: one wave, full.
-            assert!(
-                blocks >= n.div_ceil(8).min(2 * sms.max(1)) / 2,
-                "n {n}: {blocks}"
-            );
+            for per_sm in [1, 2] {
+                let rows = gemv_rows_per_block(1, n, sms, per_sm);
+                assert_eq!(rows % 8, 0, "n {n}");
+                let blocks = n.div_ceil(rows);
+                assert!(
+                    blocks <= per_sm * sms.max(1),
+                    "n {n}: {blocks} blocks on {sms} SMs, {per_sm} per SM"
+                );
+                // No fewer blocks than 8-row blocks would give, up to the wave: one wave, full.
+                assert!(
+                    blocks >= n.div_ceil(8).min(per_sm * sms.max(1)) / 2,
+                    "n {n}: {blocks}"
+                );
+            }
         }
-        // The Llama-1B LM head on an H200: 488 rows, 263 blocks.
-        assert_eq!(gemv_rows_per_block(1, 128_256, 132), 488);
+        // The Llama-1B LM head on an H200: 488 rows, 263 blocks; 976 rows, 132 at one per SM.
+        assert_eq!(gemv_rows_per_block(1, 128_256, 132, 2), 488);
+        assert_eq!(gemv_rows_per_block(1, 128_256, 132, 1), 976);
         // Larger batches keep 8 rows per block (64 for the LM head).
-        assert_eq!(gemv_rows_per_block(4, 3072, 132), 8);
-        assert_eq!(gemv_rows_per_block(8, 128_256, 132), 64);
+        assert_eq!(gemv_rows_per_block(4, 3072, 132, 2), 8);
+        assert_eq!(gemv_rows_per_block(8, 128_256, 132, 1), 64);
     }
 
     #[test]
