@@ -90,24 +90,15 @@ impl HttpArgs {
         model_dir: &Path,
     ) -> Result<baton_frontend::validate::SamplingDefaults> {
         use baton_frontend::validate::SamplingDefaults;
-        let file = match self.generation_config.as_str() {
-            "vllm" => None,
-            "auto" => Some(ModelDir::new(model_dir).generation_config_path()),
-            dir => {
-                let p = Path::new(dir).join("generation_config.json");
-                anyhow::ensure!(
-                    p.exists(),
-                    "--generation-config {dir}: {} does not exist",
-                    p.display()
-                );
-                Some(p)
-            }
-        };
-        let mut g = match file {
-            Some(p) if p.exists() => baton_model::GenerationConfig::from_file(&p)
-                .with_context(|| format!("--generation-config {}", self.generation_config))?,
-            _ => baton_model::GenerationConfig::default(),
-        };
+        let source: baton_model::GenerationConfigSource = self
+            .generation_config
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--generation-config: {e}"))?;
+        // Under `vllm` only the stop ids are read (no sampling defaults), and a file that does
+        // not load is left for the stop ids' warning.
+        let (mut g, _) = ModelDir::new(model_dir)
+            .generation_config_from(&source)
+            .with_context(|| format!("--generation-config {}", self.generation_config))?;
         if let Some(text) = &self.override_generation_config {
             let o =
                 baton_model::GenerationConfig::from_json_str(text, "--override-generation-config")?;
