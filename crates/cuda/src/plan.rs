@@ -119,37 +119,38 @@ impl Tuning {
     /// As [`Tuning::from_env`].
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
         let var = |name: &str| var(name).filter(|v| !v.trim().is_empty());
-        let mut t = Tuning::default();
-        if let Some(v) = var(ATTN_TARGET_BLOCKS_ENV) {
-            t.attn_target_blocks = v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| (1..=4096).contains(&n))
-                .ok_or_else(|| {
-                    format!("{ATTN_TARGET_BLOCKS_ENV}={v:?}: expected an integer in 1..=4096")
-                })?;
-        }
-        if let Some(v) = var(ATTN_MIN_PARTITION_ENV) {
-            t.attn_min_partition = v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| (64..=16384).contains(&n) && n % 64 == 0)
-                .ok_or_else(|| {
-                    format!(
-                        "{ATTN_MIN_PARTITION_ENV}={v:?}: expected a multiple of 64 in 64..=16384"
-                    )
-                })?;
-        }
-        if let Some(v) = var(GEMV1_BLOCKS_PER_SM_ENV) {
-            t.gemv1_blocks_per_sm = v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| (1..=2).contains(&n))
-                .ok_or_else(|| format!("{GEMV1_BLOCKS_PER_SM_ENV}={v:?}: expected 1 or 2"))?;
-        }
+        // An integer knob: `name`'s value where set, checked by `ok`, else `default`.
+        let knob =
+            |name: &str, default: usize, ok: fn(usize) -> bool, expected: &str| match var(name) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| ok(n))
+                    .ok_or_else(|| format!("{name}={v:?}: expected {expected}")),
+            };
+        let mut t = Tuning {
+            attn_target_blocks: knob(
+                ATTN_TARGET_BLOCKS_ENV,
+                ATTN_TARGET_BLOCKS,
+                |n| (1..=4096).contains(&n),
+                "an integer in 1..=4096",
+            )?,
+            attn_min_partition: knob(
+                ATTN_MIN_PARTITION_ENV,
+                ATTN_MIN_PARTITION,
+                |n| (64..=16384).contains(&n) && n % 64 == 0,
+                "a multiple of 64 in 64..=16384",
+            )?,
+            gemv1_blocks_per_sm: knob(
+                GEMV1_BLOCKS_PER_SM_ENV,
+                GEMV1_BLOCKS_PER_SM,
+                |n| (1..=2).contains(&n),
+                "1 or 2",
+            )?,
+            kernel_defines: Vec::new(),
+        };
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
             t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
                 .map_err(|e| format!("{}: {e}", crate::kernels::KERNEL_DEFINES_ENV))?;
