@@ -1,14 +1,27 @@
 //! Compiles every kernel in `kernels/` for sm_90 with NVRTC and checks each expected
 //! `extern "C"` entry point is in the PTX and that a CUBIN (what the worker loads) came out.
+//! ptxas' resource report (registers, spills, shared memory) is printed per function, and in
+//! bf16 and f16 no function may spill more than [`SPILL_BUDGET`] allows: spills in the
+//! decode path cost speed that only a GPU run would otherwise show.
 //!
 //! Needs NVRTC (no GPU): run `scripts/nvrtc-check.sh`, which installs the CUDA 13 NVRTC and
 //! runtime-header wheels and sets `LD_LIBRARY_PATH` / `BATON_CUDA_INCLUDE`. Without NVRTC the
 //! test is skipped with a loud message, unless `BATON_REQUIRE_NVRTC=1`, which makes it fail.
 
 use baton_cuda::kernels::{
-    compile_for, include_dir_from_env, kernel_entry_points, nvrtc_available, ptx_entry_points,
-    Dtype,
+    compile_with_options, include_dir_from_env, kernel_entry_points, nvrtc_available,
+    ptx_entry_points, ptxas_usage, Dtype, PTXAS_VERBOSE,
 };
+
+/// Bytes per thread a function may spill (stores, and loads alike) in bf16 and f16: what
+/// ptxas (CUDA 13.0) does today. Every other function: none. f32 is the exact-comparison
+/// dtype, not a speed path: its prefill kernel for head dim 256 spills over a KB.
+const SPILL_BUDGET: [(&str, u32); 2] = [
+    // 64 registers at 1024 threads; a few bytes around the __noinline__ radix select.
+    ("baton_sample_f32", 16),
+    // Head dims other than 64/128/256 (no Llama or Qwen model uses one).
+    ("baton_paged_attention_generic", 16),
+];
 
 fn nvrtc_required() -> bool {
     std::env::var("BATON_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
@@ -41,7 +54,8 @@ fn kernels_compile_to_ptx_for_sm90() {
 
 fn check_dtype(dtype: Dtype, include: &std::path::Path) {
     let started = std::time::Instant::now();
-    let compiled = compile_for("sm_90", include, dtype).unwrap_or_else(|e| panic!("{e}"));
+    let compiled = compile_with_options("sm_90", include, dtype, &[PTXAS_VERBOSE.to_owned()])
+        .unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "compiled {} kernel files for sm_90 ({}) in {:.1?}",
         compiled.len(),
@@ -78,5 +92,36 @@ fn check_dtype(dtype: Dtype, include: &std::path::Path) {
             src.len(),
             c.cubin.len()
         );
+        let usage = ptxas_usage(&c.log);
+        for entry in entries {
+            assert!(
+                usage.iter().any(|u| u.function == *entry),
+                "{file}: no ptxas report for {entry} in the log:\n{}",
+                c.log
+            );
+        }
+        for u in &usage {
+            eprintln!(
+                "    {:<40} {:>3} registers, {:>5} B smem, {:>3} B stack, spills {} B stored {} B loaded",
+                u.function, u.registers, u.smem_bytes, u.stack_bytes, u.spill_store_bytes,
+                u.spill_load_bytes
+            );
+            if dtype == Dtype::F32 {
+                continue;
+            }
+            let budget = SPILL_BUDGET
+                .iter()
+                .find(|(f, _)| *f == u.function)
+                .map_or(0, |&(_, b)| b);
+            assert!(
+                u.spill_store_bytes <= budget && u.spill_load_bytes <= budget,
+                "{file} ({}): {} spills {} B stored and {} B loaded per thread, {budget} allowed \
+                 (SPILL_BUDGET); check its registers and launch bounds",
+                dtype.name(),
+                u.function,
+                u.spill_store_bytes,
+                u.spill_load_bytes
+            );
+        }
     }
 }
