@@ -334,11 +334,12 @@ pub struct ChatLogprobs {
     pub content: Vec<ChatLogprob>,
 }
 
-/// The assistant message of a chat choice.
+/// The reply message of a chat choice.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ChatMessage {
-    /// `assistant`.
-    pub role: &'static str,
+    /// `assistant`, or with `add_generation_prompt: false` the last message's role (vLLM's;
+    /// see [`crate::validate::ChatRequest::reply_role`]).
+    pub role: String,
     /// Generated text; `null` when the output was only tool calls (or, with a reasoning
     /// parser, only reasoning).
     pub content: Option<String>,
@@ -435,9 +436,9 @@ pub struct ChatResponse {
 /// The delta of a streamed chat chunk.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct ChatDelta {
-    /// `assistant` in the first chunk of a choice.
+    /// The reply's role in the first chunk of a choice (see [`ChatMessage::role`]).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub role: Option<&'static str>,
+    pub role: Option<String>,
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,

@@ -8,6 +8,17 @@
 //! `max_output_tokens`), any other finish `completed`. Nothing is stored: `previous_response_id`
 //! is refused and there is no `GET /v1/responses/{id}`.
 //!
+//! Log-probabilities, as vLLM serves them (its `ResponsesRequest.is_include_output_logprobs`):
+//! with `include: ["message.output_text.logprobs"]` the `output_text` part's `logprobs` lists
+//! one entry per output token, `{"token", "logprob", "bytes", "top_logprobs": [{"token",
+//! "logprob", "bytes"}]}` (OpenAI's `Logprob`), with `top_logprobs` (0..=20, default 0)
+//! alternatives each, most likely first; the entries are chat's (`OutputLogprobs`), so a
+//! log-probability is at least -9999 and `--return-tokens-as-token-ids` names tokens by id.
+//! `top_logprobs` alone asks for nothing (vLLM's rule) but is echoed. Without `include` the
+//! `logprobs` lists are empty. Every other `include` value OpenAI defines (tool outputs,
+//! images, encrypted reasoning) and any unknown value is a 400 naming it, as are
+//! `top_logprobs` outside 0..=20 and chat's `logprobs` field.
+//!
 //! Streamed, every event is `event: <type>` plus a JSON `data:` line carrying `type` and a
 //! `sequence_number` that counts from 0: `response.created`, `response.in_progress`,
 //! `response.output_item.added`, `response.content_part.added`, one
@@ -15,7 +26,13 @@
 //! `response.content_part.done`, `response.output_item.done`, then `response.completed` (or
 //! `response.incomplete`) with the whole response. There is no `data: [DONE]`. An engine error
 //! after the stream started ends it with an `error` event (vLLM's) and a `response.failed`
-//! carrying the response with its `error`.
+//! carrying the response with its `error`. With log-probabilities, each
+//! `response.output_text.delta` carries the entries of the tokens since the previous one and
+//! `response.output_text.done` all of them, both in the text events' shape (OpenAI's
+//! `ResponseTextDeltaEvent.logprobs`: `{"token", "logprob", "top_logprobs": [{"token",
+//! "logprob"}]}`, no bytes); the content part, the message item and the final response carry
+//! the full entries. A token whose text has not reached the output when the output ends (the
+//! EOS that ended it, a stop string's tokens) is carried by no delta, only by the final lists.
 //!
 //! With `--reasoning-parser` ([`crate::reasoning`]; not for a request with a structured
 //! output), the reasoning comes first as a `reasoning` output item, as vLLM's:
@@ -27,14 +44,17 @@
 //! `response.content_part.done`, `response.output_item.done`) before the message item opens;
 //! the message item always comes, empty when the output was cut inside the reasoning (the
 //! reasoning item says `completed` even then; the response says `incomplete`). The
-//! template gets no `chat_template_kwargs` here, so `qwen3` always expects thinking.
+//! template gets no `chat_template_kwargs` here, so `qwen3` always expects thinking. Only the
+//! answer's tokens have log-probabilities (the reasoning item has none): those after the
+//! reasoning ended, and a token whose text both ends it and starts the answer; not the
+//! reasoning's, nor `<think>`/`</think>` (`OutputSplitter`).
 
 use crate::engine::random_seed;
 use crate::openai::ApiError;
 use crate::reasoning::{ReasoningSplitter, Split};
-use crate::seq::{Delta, Seq};
+use crate::seq::{Delta, Seq, TokenInfo};
 use crate::server::{collect_with, engine_error, event_stream, now_secs, AppState};
-use crate::validate::{self, ResponsesRequest};
+use crate::validate::{self, GenParams, ResponsesRequest};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -90,19 +110,31 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let shell = Shell::new(&st, &req, max);
     let no_kwargs = serde_json::Map::new();
     let mut counter = reasoning.map(|r| ReasoningTokens::new(r.splitter(&no_kwargs)));
+    let splitter = || OutputSplitter {
+        reasoning: reasoning.map(|r| r.splitter(&no_kwargs)),
+    };
+    let mut logprobs = OutputLogprobs::new(&st, &gen);
     if gen.stream {
-        let splitter = reasoning.map(|r| r.splitter(&no_kwargs));
         return Ok(stream_response(
             shell,
             seqs,
             input_tokens,
-            splitter,
+            splitter(),
             counter,
+            logprobs,
         ));
     }
+    // With log-probabilities, the deltas are split as a stream would be, to tell the
+    // answer's tokens from the reasoning's.
+    let mut token_splitter = logprobs.is_some().then(splitter);
     let (outs, output_tokens) = collect_with(seqs, |d| {
         if let Some(c) = counter.as_mut() {
             c.push(d);
+        }
+        if let (Some(s), Some(lp)) = (token_splitter.as_mut(), logprobs.as_mut()) {
+            if s.push(d).1 {
+                lp.push(&d.tokens);
+            }
         }
     })
     .await?;
@@ -122,8 +154,130 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             content: out.text,
         },
     };
-    let output = shell.output(&split, status);
+    let lp = logprobs
+        .as_ref()
+        .map_or_else(|| json!([]), OutputLogprobs::all);
+    let output = shell.output(&split, &lp, status);
     Ok(Json(shell.response(status, output, usage, error_of(status))).into_response())
+}
+
+/// Splits an output's deltas into reasoning and answer text (with `--reasoning-parser`;
+/// without one everything is the answer), and says which deltas' tokens are the answer's
+/// (`output_text`'s, for its log-probabilities).
+///
+/// A delta's tokens are the answer's when the reasoning had ended before them, or when their
+/// text released answer text (a token that both ends the reasoning and starts the answer
+/// counts as the answer's). The reasoning's tokens, `<think>` and `</think>` included, are
+/// not: a reasoning item has no log-probabilities.
+struct OutputSplitter {
+    /// With a reasoning parser: its splitter.
+    reasoning: Option<ReasoningSplitter>,
+}
+
+impl OutputSplitter {
+    /// Splits `d`'s text (releasing what is held back on the last delta); returns the split
+    /// and whether `d`'s tokens are the answer's.
+    fn push(&mut self, d: &Delta) -> (Split, bool) {
+        let Some(s) = self.reasoning.as_mut() else {
+            let split = Split {
+                reasoning: String::new(),
+                content: d.text.clone(),
+            };
+            return (split, true);
+        };
+        let answered = !s.in_reasoning();
+        let mut out = s.push(&d.text);
+        if d.finish.is_some() {
+            out.append(s.finish());
+        }
+        let answer = answered || !out.content.is_empty();
+        (out, answer)
+    }
+}
+
+/// The output text's log-probabilities, with `include: ["message.output_text.logprobs"]`
+/// (`gen.logprobs`): one entry per answer token in OpenAI's Responses `Logprob` shape,
+/// `{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}`, built
+/// as chat's `logprobs.content` is ([`AppState::chat_logprobs`]: log-probabilities floored at
+/// -9999, tokens named `token_id:{id}` under `--return-tokens-as-token-ids`).
+///
+/// Every answer token has an entry, those whose text is not in the output too (the EOS that
+/// ended it, a stop string's tokens), as on chat and in vLLM.
+struct OutputLogprobs {
+    st: Arc<AppState>,
+    as_id: bool,
+    /// The entries so far.
+    entries: Vec<Value>,
+    /// How many of `entries` a `response.output_text.delta` has carried.
+    sent: usize,
+}
+
+impl OutputLogprobs {
+    /// `None` unless `gen` asks for log-probabilities.
+    fn new(st: &Arc<AppState>, gen: &GenParams) -> Option<Self> {
+        gen.logprobs.map(|_| Self {
+            st: Arc::clone(st),
+            as_id: st.tokens_as_ids(gen),
+            entries: Vec::new(),
+            sent: 0,
+        })
+    }
+
+    /// Adds the entries of answer `tokens`. Each log-probability is written as chat writes
+    /// its `f32` (the shortest decimal form, see [`echo_f32`]), so the two endpoints report
+    /// the same numbers.
+    fn push(&mut self, tokens: &[TokenInfo]) {
+        let lp = self.st.chat_logprobs(tokens, self.as_id);
+        self.entries.extend(lp.content.iter().map(|e| {
+            let top: Vec<Value> = e
+                .top_logprobs
+                .iter()
+                .map(
+                    |t| json!({"token": t.token, "logprob": echo_f32(t.logprob), "bytes": t.bytes}),
+                )
+                .collect();
+            json!({"token": e.token, "logprob": echo_f32(e.logprob), "bytes": e.bytes,
+                   "top_logprobs": top})
+        }));
+    }
+
+    /// The entries no `response.output_text.delta` has carried yet, in the events' shape; they
+    /// count as carried from now on.
+    fn unsent(&mut self) -> Value {
+        let out = event_logprobs(&self.entries[self.sent..]);
+        self.sent = self.entries.len();
+        out
+    }
+
+    /// Every entry, as the `output_text` part carries them.
+    fn all(&self) -> Value {
+        Value::Array(self.entries.clone())
+    }
+}
+
+/// Log-probability entries in the shape of the text events' `logprobs` (OpenAI's
+/// `ResponseTextDeltaEvent` and `ResponseTextDoneEvent`, as vLLM streams them): `{"token",
+/// "logprob", "top_logprobs": [{"token", "logprob"}]}`, without the bytes.
+fn event_logprobs(entries: &[Value]) -> Value {
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        if let Some(o) = v.as_object_mut() {
+            o.remove("bytes");
+        }
+        v
+    };
+    entries
+        .iter()
+        .map(|e| {
+            let mut e = strip(e);
+            if let Some(top) = e.get_mut("top_logprobs").and_then(Value::as_array_mut) {
+                for t in top.iter_mut() {
+                    *t = strip(t);
+                }
+            }
+            e
+        })
+        .collect()
 }
 
 /// The response's status (and its output message's) for a sequence's finish reason.
@@ -191,8 +345,9 @@ impl ReasoningTokens {
     }
 }
 
-/// An `f32` sampling parameter as the client most likely wrote it: its shortest decimal form
-/// (`0.7`, where widening the `f32` would echo `0.699999988079071`).
+/// An `f32` as the client most likely wrote it (a sampling parameter) or as a serialized
+/// `f32` reads (a log-probability): its shortest decimal form (`0.7`, where widening the
+/// `f32` would echo `0.699999988079071`).
 fn echo_f32(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
@@ -215,6 +370,8 @@ struct Shell {
     reasoning: Option<Value>,
     service_tier: String,
     text_format: Value,
+    /// `top_logprobs` as given (0 by default).
+    top_logprobs: u32,
     user: Option<String>,
 }
 
@@ -239,17 +396,19 @@ impl Shell {
             reasoning: req.reasoning.clone(),
             service_tier: req.service_tier.clone(),
             text_format: req.text_format.clone(),
+            top_logprobs: req.top_logprobs,
             user: req.user.clone(),
         }
     }
 
-    /// The `output_text` content part.
-    fn part(text: &str) -> Value {
-        json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+    /// The `output_text` content part, with its `logprobs` (`[]` when not asked for).
+    fn part(text: &str, logprobs: &Value) -> Value {
+        json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
     }
 
-    /// The output message with `text` (no content part while `in_progress`).
-    fn message(&self, text: &str, status: &str) -> Value {
+    /// The output message with `text` and its `logprobs` (no content part while
+    /// `in_progress`).
+    fn message(&self, text: &str, logprobs: &Value, status: &str) -> Value {
         // A message item is in_progress, completed or incomplete (a failed response's is cut).
         let status = if status == "failed" {
             "incomplete"
@@ -259,7 +418,7 @@ impl Shell {
         let content = if status == "in_progress" {
             Vec::new()
         } else {
-            vec![Self::part(text)]
+            vec![Self::part(text, logprobs)]
         };
         json!({
             "type": "message",
@@ -293,13 +452,13 @@ impl Shell {
     }
 
     /// The output items of a finished response: the reasoning item (when there was
-    /// reasoning), then the message.
-    fn output(&self, split: &Split, status: &str) -> Vec<Value> {
+    /// reasoning), then the message, its text with `logprobs`.
+    fn output(&self, split: &Split, logprobs: &Value, status: &str) -> Vec<Value> {
         let mut out = Vec::new();
         if !split.reasoning.is_empty() {
             out.push(self.reasoning_item(&split.reasoning, "completed"));
         }
-        out.push(self.message(&split.content, status));
+        out.push(self.message(&split.content, logprobs, status));
         out
     }
 
@@ -333,7 +492,7 @@ impl Shell {
             "text": {"format": self.text_format},
             "tool_choice": self.tool_choice,
             "tools": [],
-            "top_logprobs": 0,
+            "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -350,8 +509,10 @@ struct Streamer {
     sequence_number: u64,
     /// The text so far.
     text: String,
-    /// With a reasoning parser: splits the output.
-    splitter: Option<ReasoningSplitter>,
+    /// Splits the output (with a reasoning parser) and tells the answer's tokens.
+    splitter: OutputSplitter,
+    /// With `include: ["message.output_text.logprobs"]`: the answer's log-probabilities.
+    logprobs: Option<OutputLogprobs>,
     /// The reasoning so far.
     reasoning: String,
     /// The reasoning item is open (added, not done).
@@ -405,7 +566,7 @@ impl Streamer {
             .response("in_progress", Vec::new(), Value::Null, Value::Null);
         self.push("response.created", json!({ "response": r }));
         self.push("response.in_progress", json!({ "response": r }));
-        if self.splitter.is_none() {
+        if self.splitter.reasoning.is_none() {
             self.open_message();
         }
     }
@@ -417,13 +578,13 @@ impl Streamer {
             return;
         }
         self.message_open = true;
-        let item = self.shell.message("", "in_progress");
+        let item = self.shell.message("", &json!([]), "in_progress");
         self.push(
             "response.output_item.added",
             json!({"output_index": self.msg_index(), "item": item}),
         );
         let mut e = self.at();
-        e["part"] = Shell::part("");
+        e["part"] = Shell::part("", &json!([]));
         self.push("response.content_part.added", e);
     }
 
@@ -468,13 +629,20 @@ impl Streamer {
         );
     }
 
+    /// The answer's log-probabilities so far (`[]` when not asked for).
+    fn all_logprobs(&self) -> Value {
+        self.logprobs
+            .as_ref()
+            .map_or_else(|| json!([]), OutputLogprobs::all)
+    }
+
     /// The output items so far, for a response with `status`.
     fn output(&self, status: &str) -> Vec<Value> {
         let split = Split {
             reasoning: self.reasoning.clone(),
             content: self.text.clone(),
         };
-        self.shell.output(&split, status)
+        self.shell.output(&split, &self.all_logprobs(), status)
     }
 
     /// Queues the events of one delta; after the last one, drops the sequence.
@@ -503,25 +671,21 @@ impl Streamer {
             self.push("response.failed", json!({ "response": r }));
             return;
         }
-        let split = match self.splitter.as_mut() {
-            None => Split {
-                reasoning: String::new(),
-                content: d.text,
-            },
-            Some(s) => {
-                let mut out = s.push(&d.text);
-                if d.finish.is_some() {
-                    out.append(s.finish());
-                }
-                out
-            }
-        };
+        let (split, answer) = self.splitter.push(&d);
+        if let Some(lp) = self.logprobs.as_mut().filter(|_| answer) {
+            lp.push(&d.tokens);
+        }
         self.reasoning_delta(&split.reasoning);
         if !split.content.is_empty() {
             self.open_message();
             let mut e = self.at();
             e["delta"] = json!(split.content);
-            e["logprobs"] = json!([]);
+            // The answer tokens since the last delta event: a token whose text is held back
+            // (a possible stop string, an incomplete character) comes with the text.
+            e["logprobs"] = self
+                .logprobs
+                .as_mut()
+                .map_or_else(|| json!([]), OutputLogprobs::unsent);
             self.push("response.output_text.delta", e);
             self.text.push_str(&split.content);
         }
@@ -532,14 +696,15 @@ impl Streamer {
         // The message item always comes, empty when the output was all reasoning.
         self.open_message();
         let status = status_of(Some(finish));
+        let all = self.all_logprobs();
         let mut e = self.at();
         e["text"] = json!(self.text);
-        e["logprobs"] = json!([]);
+        e["logprobs"] = event_logprobs(all.as_array().map_or(&[], Vec::as_slice));
         self.push("response.output_text.done", e);
         let mut e = self.at();
-        e["part"] = Shell::part(&self.text);
+        e["part"] = Shell::part(&self.text, &all);
         self.push("response.content_part.done", e);
-        let item = self.shell.message(&self.text, status);
+        let item = self.shell.message(&self.text, &all, status);
         self.push(
             "response.output_item.done",
             json!({"output_index": self.msg_index(), "item": item}),
@@ -568,8 +733,9 @@ fn stream_response(
     shell: Shell,
     seqs: Vec<Seq>,
     input_tokens: usize,
-    splitter: Option<ReasoningSplitter>,
+    splitter: OutputSplitter,
     reasoning_tokens: Option<ReasoningTokens>,
+    logprobs: Option<OutputLogprobs>,
 ) -> Response {
     let mut s = Streamer {
         shell,
@@ -577,6 +743,7 @@ fn stream_response(
         sequence_number: 0,
         text: String::new(),
         splitter,
+        logprobs,
         reasoning: String::new(),
         reasoning_open: false,
         message_open: false,

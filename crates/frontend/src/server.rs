@@ -619,7 +619,7 @@ impl AppState {
 
     /// True when `gen`'s log-probability entries name tokens by id (vLLM's
     /// `return_tokens_as_token_ids`, else the server's flag).
-    fn tokens_as_ids(&self, gen: &GenParams) -> bool {
+    pub(crate) fn tokens_as_ids(&self, gen: &GenParams) -> bool {
         gen.return_tokens_as_token_ids
             .unwrap_or(self.config.return_tokens_as_token_ids)
     }
@@ -703,20 +703,31 @@ impl AppState {
     /// `text_offset` indexes `echo`, the echoed text: `echo.offsets` for a text prompt, else
     /// (a token-id prompt, echoed as its decoding) the length of the text the tokens before it
     /// decode to (with `skip_special`, as `echo` was made), so a special token like BOS, which
-    /// the text does not show, takes no room. Each position lists
-    /// `echo.top` alternatives (the engine may have scored more for `prompt_logprobs`).
+    /// the text does not show, takes no room. With `as_id` the offsets count the
+    /// `token_id:{id}` strings the entries name instead, from 0 (vLLM measures `text_offset`
+    /// in the reported tokens' strings, so the output's offsets continue from the prompt's).
+    /// Each position lists `echo.top` alternatives (the engine may have scored more for
+    /// `prompt_logprobs`).
+    ///
+    /// Returns the entries and the text offset of the first output token: the echoed text's
+    /// length, or with `as_id` the total length of the prompt's `token_id:{id}` strings.
     fn prompt_logprobs(
         &self,
         echo: &EchoPrompt,
         scored: &[Option<TokenInfo>],
         as_id: bool,
-    ) -> CompletionLogprobs {
+    ) -> (CompletionLogprobs, usize) {
         let limit = echo.text.chars().count();
         let mut detok = IncrementalDetokenizer::new(&[], echo.skip_special);
         let mut offset = 0;
         let mut out = CompletionLogprobs::default();
         for (pos, &id) in echo.ids.iter().enumerate() {
+            let (token, _) = self.token_text(id, as_id);
             match &echo.offsets {
+                _ if as_id => {
+                    out.text_offset.push(offset);
+                    offset += token.chars().count();
+                }
                 Some(o) => out.text_offset.push(o[pos].min(limit)),
                 None => {
                     out.text_offset.push(offset.min(limit));
@@ -727,9 +738,9 @@ impl AppState {
             out.token_logprobs.push(t.map(|t| reported(t.logprob)));
             out.top_logprobs
                 .push(t.map(|t| self.top_entry(t, echo.top, as_id)));
-            out.tokens.push(self.token_text(id, as_id).0);
+            out.tokens.push(token);
         }
-        out
+        (out, if as_id { offset } else { limit })
     }
 
     /// vLLM's `prompt_logprobs` of prompt `ids` with `k` alternatives per position, from the
@@ -776,8 +787,10 @@ impl AppState {
     }
 
     /// Chat log-probabilities of generated `tokens` (named `token_id:{id}`, with those
-    /// strings' bytes, with `as_id`).
-    fn chat_logprobs(&self, tokens: &[TokenInfo], as_id: bool) -> ChatLogprobs {
+    /// strings' bytes, with `as_id`): each token's text, log-probability (floored by
+    /// [`reported`]), bytes and alternatives. Also the entries of the Responses API's
+    /// `output_text.logprobs`, which have the same shape ([`crate::responses`]).
+    pub(crate) fn chat_logprobs(&self, tokens: &[TokenInfo], as_id: bool) -> ChatLogprobs {
         ChatLogprobs {
             content: tokens
                 .iter()
@@ -1155,8 +1168,10 @@ fn reported(logprob: f32) -> f32 {
 /// `marked` is the same rendering with `sentinel` appended to that content: the template
 /// writes the same text up to the content in both, so when `sentinel` occurs once in it, the
 /// content is looked for only before that point. Otherwise, or when it is not found there,
-/// the last occurrence in the whole `text`. `None` when the content (trimmed) is empty or not
-/// found.
+/// the last occurrence in the whole `text`. `None` when the content is not found.
+///
+/// A content that is empty once trimmed keeps the whole `text`, as transformers does
+/// (`rindex("")` is the length of the rendering, so its cut keeps it all).
 fn continue_final_end(
     text: &str,
     marked: Option<&str>,
@@ -1165,7 +1180,7 @@ fn continue_final_end(
 ) -> Option<usize> {
     let trimmed = last.trim();
     if trimmed.is_empty() {
-        return None;
+        return Some(text.len());
     }
     let find = |hay: &str| {
         hay.rfind(last)
@@ -1517,12 +1532,12 @@ impl Chunker for CompletionChunker {
         let mut logprobs = None;
         if let Some(e) = echo {
             let scored = d.prompt.as_deref().unwrap_or_default();
-            logprobs = Some(
-                self.head
-                    .st
-                    .prompt_logprobs(&e, scored, self.head.tokens_as_ids),
-            );
-            self.offsets[d.index] = e.text.chars().count();
+            let (lp, end) = self
+                .head
+                .st
+                .prompt_logprobs(&e, scored, self.head.tokens_as_ids);
+            logprobs = Some(lp);
+            self.offsets[d.index] = end;
             text.push_str(&e.text);
         }
         text.push_str(&d.text);
@@ -1687,7 +1702,10 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 let as_id = st.tokens_as_ids(gen);
                 let mut lp = match echo_lp_for(i) {
                     Some(e) => {
-                        st.prompt_logprobs(&e, c.prompt.as_deref().unwrap_or_default(), as_id)
+                        let scored = c.prompt.as_deref().unwrap_or_default();
+                        let (lp, end) = st.prompt_logprobs(&e, scored, as_id);
+                        offset = end;
+                        lp
                     }
                     None => CompletionLogprobs::default(),
                 };
@@ -1738,6 +1756,8 @@ struct ChatChunker {
     /// vLLM's `echo` ([`validate::ChatRequest::echo_text`]): sent as each choice's first
     /// content, after the role chunk.
     echo: Option<String>,
+    /// The role of each choice's first chunk ([`validate::ChatRequest::reply_role`]).
+    role: String,
 }
 
 /// `Some(text)` when `text` is not empty.
@@ -1783,7 +1803,7 @@ impl Chunker for ChatChunker {
         let mut out: Vec<String> = (0..self.choices)
             .map(|i| {
                 let role = ChatDelta {
-                    role: Some("assistant"),
+                    role: Some(self.role.clone()),
                     content: Some(String::new()),
                     ..ChatDelta::default()
                 };
@@ -1999,6 +2019,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             include_reasoning: req.include_reasoning,
             prompt_ids: gen.return_token_ids.then(|| prompts[0].0.clone()),
             echo: req.echo_text(),
+            role: req.reply_role().to_owned(),
         };
         let n = seqs.len();
         return Ok(sse_response(
@@ -2055,7 +2076,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             ChatChoice {
                 index: i,
                 message: ChatMessage {
-                    role: "assistant",
+                    role: req.reply_role().to_owned(),
                     content,
                     reasoning_content: reasoning.clone(),
                     reasoning,
@@ -2300,8 +2321,15 @@ mod tests {
             continue_final_end(&text, Some(&twice), S, "s"),
             Some(last_s)
         );
-        // Empty or absent content cannot be continued.
-        assert_eq!(continue_final_end(&text, Some(&text), S, " "), None);
+        // Content empty once trimmed keeps the whole rendering (transformers' `rindex("")`);
+        // content the rendering does not contain cannot be continued.
+        for content in ["", " "] {
+            assert_eq!(
+                continue_final_end(&text, Some(&text), S, content),
+                Some(text.len()),
+                "{content:?}"
+            );
+        }
         assert_eq!(continue_final_end(&text, Some(&text), S, "zebra"), None);
     }
 }

@@ -624,7 +624,8 @@ pub struct ChatRequest {
     /// Render the assistant prefix (default true).
     pub add_generation_prompt: bool,
     /// Leave the final message open, so the model continues it (vLLM's and transformers'
-    /// `continue_final_message`): the rendered prompt ends right after its content.
+    /// `continue_final_message`): the rendered prompt ends right after its content (a content
+    /// empty once trimmed keeps the whole rendering, as transformers does).
     pub continue_final_message: bool,
     /// Let the tokenizer add its special tokens (BOS) to the rendered prompt (default false:
     /// the template writes them).
@@ -652,16 +653,27 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
+    /// The role the reply reports, in the non-streamed message and the first streamed delta
+    /// (vLLM's `get_chat_request_role`): `assistant` with `add_generation_prompt`, else the
+    /// last message's own role (the reply continues that message: `user` when a user message
+    /// comes last). `assistant` when there is no last message or it has no string role.
+    pub fn reply_role(&self) -> &str {
+        let last = self.messages.last().and_then(|m| m["role"].as_str());
+        match last {
+            Some(role) if !self.add_generation_prompt => role,
+            _ => "assistant",
+        }
+    }
+
     /// What `echo` puts before each choice's content: the last message's content when the
-    /// reply continues that message's role (vLLM: the reply's role is `assistant` with
-    /// `add_generation_prompt`, else the last message's own role), else nothing. `None`
-    /// without `echo` or when there is nothing to echo.
+    /// reply continues that message's role (see [`ChatRequest::reply_role`]), else nothing.
+    /// `None` without `echo` or when there is nothing to echo.
     pub fn echo_text(&self) -> Option<String> {
         if !self.echo {
             return None;
         }
         let last = self.messages.last()?;
-        let same_role = !self.add_generation_prompt || last["role"] == "assistant";
+        let same_role = last["role"] == self.reply_role();
         let text = last["content"].as_str().unwrap_or_default();
         (same_role && !text.is_empty()).then(|| text.to_owned())
     }
@@ -1873,36 +1885,152 @@ pub struct ResponsesRequest {
     /// `text.format` as echoed in the response (`{"type": "text"}` by default); a
     /// `json_object` or `json_schema` format is also `gen.constraint`.
     pub text_format: Value,
-    /// Generation options; `max_tokens` is `max_output_tokens` and `n` is 1.
+    /// `top_logprobs` (0..=[`MAX_TOP_LOGPROBS`]; 0 when absent or null), echoed. It takes
+    /// effect only with `include: ["message.output_text.logprobs"]` (vLLM's rule), which
+    /// sets `gen.logprobs` to it.
+    pub top_logprobs: u32,
+    /// Generation options; `max_tokens` is `max_output_tokens` and `n` is 1. `logprobs` is
+    /// `Some(top_logprobs)` when `include` asks for the output's log-probabilities.
     pub gen: GenParams,
+}
+
+/// The `include` value that asks for the output text's log-probabilities.
+pub const INCLUDE_OUTPUT_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// The other `include` values OpenAI's Responses API defines: outputs of tools, images and
+/// encrypted reasoning, which this server never produces, so each is refused with a 400
+/// naming it.
+const RESPONSES_INCLUDE_UNSERVED: [&str; 7] = [
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+];
+
+/// The Responses API's `include`: absent, `null` or a list of strings. Returns whether it
+/// asks for the output's log-probabilities ([`INCLUDE_OUTPUT_LOGPROBS`]).
+///
+/// # Errors
+/// 400 naming `include` for anything but a list of strings, for a value OpenAI defines that
+/// this server cannot serve, and for an unknown value (each message names the value).
+fn parse_response_include(f: &Fields) -> Result<bool, ApiError> {
+    let items = match f.raw("include") {
+        None => return Ok(false),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(ApiError::field(
+                "include",
+                "'include' must be a list of strings.",
+            ))
+        }
+    };
+    let mut logprobs = false;
+    for v in items {
+        match v.as_str() {
+            Some(INCLUDE_OUTPUT_LOGPROBS) => logprobs = true,
+            Some(s) if RESPONSES_INCLUDE_UNSERVED.contains(&s) => {
+                return Err(ApiError::field(
+                    "include",
+                    format!(
+                        "'include' value '{s}' is not supported by this server (it has no \
+                         tools, images or encrypted reasoning); only \
+                         '{INCLUDE_OUTPUT_LOGPROBS}' is."
+                    ),
+                ))
+            }
+            Some(s) => {
+                return Err(ApiError::field(
+                    "include",
+                    format!(
+                        "Unknown 'include' value '{s}'; this server supports \
+                         '{INCLUDE_OUTPUT_LOGPROBS}'."
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::field(
+                    "include",
+                    format!("'include' must be a list of strings, got an item {v}."),
+                ))
+            }
+        }
+    }
+    Ok(logprobs)
+}
+
+/// The Responses API's `top_logprobs`: 0..=[`MAX_TOP_LOGPROBS`] (as OpenAI's and vLLM's
+/// sampler limit), 0 when absent or `null`.
+///
+/// # Errors
+/// 400 naming `top_logprobs` for a value out of range or not an integer.
+fn parse_response_top_logprobs(f: &Fields) -> Result<u32, ApiError> {
+    match f.int("top_logprobs")? {
+        None => Ok(0),
+        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Ok(k as u32),
+        Some(k) => Err(ApiError::field(
+            "top_logprobs",
+            format!("'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+        )),
+    }
 }
 
 /// The fields of the Responses API that need a response store (Baton keeps none), refused
 /// with a 400 naming them.
 const RESPONSES_STATEFUL: [&str; 2] = ["previous_response_id", "conversation"];
 
-/// Chat Completions fields with a Responses API counterpart, refused on `/v1/responses` with
-/// a pointer to it rather than silently ignored.
-const RESPONSES_CHAT_ONLY: [(&str, &str); 8] = [
-    ("messages", "'input' (a string or a list of messages)"),
-    ("max_tokens", "'max_output_tokens'"),
-    ("max_completion_tokens", "'max_output_tokens'"),
+/// Where a field refused on `/v1/responses` is served: chat only.
+const SERVED_ON_CHAT: &str = "/v1/chat/completions";
+/// Where a field refused on `/v1/responses` is served: completions and chat.
+const SERVED_ON_BOTH: &str = "/v1/completions and /v1/chat/completions";
+
+/// Fields of the other endpoints that `/v1/responses` does not take, refused there rather
+/// than silently ignored: each with the endpoints it is served on and what `/v1/responses`
+/// does instead.
+const RESPONSES_REFUSED: [(&str, &str, &str); 8] = [
+    (
+        "messages",
+        SERVED_ON_CHAT,
+        "send 'input' (a string or a list of messages) instead",
+    ),
+    (
+        "max_tokens",
+        SERVED_ON_BOTH,
+        "send 'max_output_tokens' instead",
+    ),
+    (
+        "max_completion_tokens",
+        SERVED_ON_CHAT,
+        "send 'max_output_tokens' instead",
+    ),
     (
         "prompt_logprobs",
-        "nothing: prompt log-probabilities are not returned by /v1/responses",
+        SERVED_ON_BOTH,
+        "/v1/responses returns no prompt log-probabilities",
     ),
     (
         "logprobs",
-        "nothing: log-probabilities are not returned by /v1/responses",
+        SERVED_ON_BOTH,
+        "send 'include': [\"message.output_text.logprobs\"] (and 'top_logprobs' for \
+         alternatives) instead",
     ),
-    ("echo", "nothing: the output never repeats the input"),
+    (
+        "echo",
+        SERVED_ON_BOTH,
+        "/v1/responses never repeats the input",
+    ),
     (
         "return_tokens_as_token_ids",
-        "nothing: log-probabilities are not returned by /v1/responses",
+        SERVED_ON_BOTH,
+        "its log-probabilities name tokens by id only under the server's \
+         --return-tokens-as-token-ids",
     ),
     (
         "continue_final_message",
-        "nothing: the output is always a new assistant message",
+        SERVED_ON_CHAT,
+        "/v1/responses always starts a new assistant message",
     ),
 ];
 
@@ -2017,8 +2145,8 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Refuses the Responses API options Baton does not implement (tools, reasoning effort,
-/// structured output, `include`, background mode, truncation, prompt templates, stored
-/// state), each a 400 naming its field.
+/// `text.verbosity`, background mode, truncation, prompt templates, stored state), each a
+/// 400 naming its field (`include` values: [`parse_response_include`]).
 fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
     for name in RESPONSES_STATEFUL {
         if f.raw(name).is_some() {
@@ -2031,7 +2159,7 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
-    for (name, instead) in RESPONSES_CHAT_ONLY {
+    for (name, served, instead) in RESPONSES_REFUSED {
         let given = match f.raw(name) {
             None | Some(Value::Bool(false)) => false,
             Some(_) => true,
@@ -2039,7 +2167,10 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
         if given {
             return Err(ApiError::field(
                 name,
-                format!("'{name}' is a chat completions parameter; /v1/responses takes {instead}."),
+                format!(
+                    "'{name}' is not supported on /v1/responses (it is a parameter of \
+                     {served}); {instead}."
+                ),
             ));
         }
     }
@@ -2105,15 +2236,6 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
-    if let Some(v) = f.raw("include") {
-        if v.as_array().is_none_or(|a| !a.is_empty()) {
-            return Err(ApiError::field(
-                "include",
-                "'include' is not supported by this server (no extra output data such as \
-                 log-probabilities).",
-            ));
-        }
-    }
     if f.get::<bool>("background")? == Some(true) {
         return Err(ApiError::field(
             "background",
@@ -2136,16 +2258,6 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             "prompt",
             "Prompt templates ('prompt') are not supported by this server.",
         ));
-    }
-    match f.int("top_logprobs")? {
-        None | Some(0) => {}
-        Some(_) => {
-            return Err(ApiError::field(
-                "top_logprobs",
-                "Log-probabilities are not returned by /v1/responses on this server; \
-                 'top_logprobs' must be 0.",
-            ))
-        }
     }
     Ok(())
 }
@@ -2206,6 +2318,8 @@ pub fn parse_responses(
         .unwrap_or_else(|| "auto".to_owned());
     let reasoning = f.raw("reasoning").cloned();
     let user = f.get::<String>("user")?;
+    let include_logprobs = parse_response_include(&f)?;
+    let top_logprobs = parse_response_top_logprobs(&f)?;
     // The chat validator on the remaining fields: Responses' own `stream_options` (only
     // `include_obfuscation`, which changes nothing here) and `top_logprobs` (checked above)
     // mean something else there.
@@ -2231,6 +2345,9 @@ pub fn parse_responses(
     }
     gen.max_tokens = max_output_tokens;
     gen.max_tokens_param = "max_output_tokens";
+    // vLLM's `is_include_output_logprobs`: `include` asks for them, `top_logprobs` says how
+    // many alternatives (alone it asks for nothing).
+    gen.logprobs = include_logprobs.then_some(top_logprobs);
     if let Some(m) = max_output_tokens.filter(|&m| gen.min_tokens > m) {
         return Err(ApiError::field(
             "min_tokens",
@@ -2252,6 +2369,7 @@ pub fn parse_responses(
         reasoning,
         service_tier,
         text_format: text_format.0,
+        top_logprobs,
         gen,
     })
 }

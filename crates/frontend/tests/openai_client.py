@@ -259,8 +259,31 @@ def responses():
         done = stream.get_final_response()
     assert done.status == "completed" and done.output_text == text, (done.status, text)
     assert r.output_text.startswith(text) and stop not in text, (text, stop)
+    # Log-probabilities (include), as the SDK parses them: chat's, one per output token.
+    def field(o, k):
+        return o[k] if isinstance(o, dict) else getattr(o, k)
+
+    lp_kw = dict(model=MODEL, input=user, max_output_tokens=8, temperature=0,
+                 include=["message.output_text.logprobs"], extra_body={"top_logprobs": 2})
+    lp = client.responses.create(**lp_kw)
+    entries = field(lp.output[0].content[0], "logprobs")
+    assert len(entries) == 8, entries
+    assert "".join(field(e, "token") for e in entries) == lp.output_text, (entries, lp.output_text)
+    for e in entries:
+        top = field(e, "top_logprobs")
+        assert len(top) == 2 and field(top[0], "logprob") >= field(top[1], "logprob"), e
+        assert abs(field(e, "logprob") - field(top[0], "logprob")) < 1e-5, e
+        assert list(field(e, "bytes")) == list(field(e, "token").encode()), e
+    chat_lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": user}],
+                                             max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    assert [field(e, "logprob") for e in entries] == [c.logprob for c in chat_lp.choices[0].logprobs.content]
+    streamed = []
+    for ev in client.responses.create(stream=True, **lp_kw):
+        if ev.type == "response.output_text.delta":
+            streamed += [field(e, "logprob") for e in field(ev, "logprobs")]
+    assert streamed == [field(e, "logprob") for e in entries], streamed
     for kw in [dict(previous_response_id="resp_x"), dict(tools=[{"type": "function", "name": "f",
-               "parameters": {}}]), dict(background=True), dict(include=["message.output_text.logprobs"])]:
+               "parameters": {}}]), dict(background=True), dict(include=["reasoning.encrypted_content"])]:
         try:
             client.responses.create(model=MODEL, input=user, max_output_tokens=4, **kw)
         except openai.BadRequestError as e:

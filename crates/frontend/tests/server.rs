@@ -3558,8 +3558,15 @@ fn response_events(r: &common::Resp) -> Vec<(String, Value)> {
 }
 
 /// Checks a streamed response's event order, types and sequence numbers; returns the
-/// concatenated deltas and the final event's response.
+/// concatenated deltas and the final event's response. Every delta's `logprobs` is `[]` (see
+/// [`check_response_stream_with`]).
 fn check_response_stream(events: &[(String, Value)]) -> (String, Value) {
+    check_response_stream_with(events, false)
+}
+
+/// [`check_response_stream`]; with `logprobs` the deltas' `logprobs` are not checked (see
+/// [`streamed_logprobs`]).
+fn check_response_stream_with(events: &[(String, Value)], logprobs: bool) -> (String, Value) {
     let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
     for (i, (kind, data)) in events.iter().enumerate() {
         assert_eq!(data["type"], kind.as_str(), "event {i}: {data}");
@@ -3614,7 +3621,9 @@ fn check_response_stream(events: &[(String, Value)]) -> (String, Value) {
         }
     }
     for (_, d) in &events[4..n - 4] {
-        assert_eq!(d["logprobs"], json!([]), "{d}");
+        if !logprobs {
+            assert_eq!(d["logprobs"], json!([]), "{d}");
+        }
         let delta = d["delta"].as_str().expect("delta");
         assert!(!delta.is_empty(), "{d}");
         text.push_str(delta);
@@ -3947,14 +3956,9 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
                    "guided_regex": "a+"}),
             "text.format",
         ),
-        (
-            json!({"input": "hi", "include": ["message.output_text.logprobs"]}),
-            "include",
-        ),
         (json!({"input": "hi", "background": true}), "background"),
         (json!({"input": "hi", "truncation": "auto"}), "truncation"),
         (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
-        (json!({"input": "hi", "top_logprobs": 2}), "top_logprobs"),
         (
             json!({"input": "hi", "max_output_tokens": 0}),
             "max_output_tokens",
@@ -5998,7 +6002,7 @@ fn logprob_tokens(c: &Value) -> (Vec<String>, Vec<Vec<String>>) {
 /// vLLM's `return_tokens_as_token_ids`: log-probability entries name their tokens
 /// `token_id:{id}` (the ids `return_token_ids` gives), on completions and chat, streamed and
 /// not; `--return-tokens-as-token-ids` is the default a request overrides; /v1/responses,
-/// which returns no log-probabilities, refuses it.
+/// whose log-probabilities follow the server's flag alone (as vLLM's), refuses it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn return_tokens_as_token_ids_names_logprob_tokens_by_id() {
     let off = start(Opts {
@@ -6144,4 +6148,630 @@ async fn chat_echo_prepends_the_continued_message() {
         content(&reply(&ask_echo).await),
         content(&reply(&ask).await)
     );
+}
+
+/// The reply's role, as vLLM's `get_chat_request_role`: `assistant` with the generation
+/// prompt (the default), else the last message's own role (the reply continues it: `user`
+/// after a user message, `system` after a system one), in the non-streamed message and in
+/// every choice's first streamed delta.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_reply_role_is_the_last_messages_without_the_generation_prompt() {
+    let (addr, task, _) = recording_server().await;
+    let user = json!([{"role": "user", "content": "Tell me a story."}]);
+    let system = json!([{"role": "user", "content": "Tell me a story."},
+                        {"role": "system", "content": "Be brief."}]);
+    let assistant = json!([{"role": "user", "content": "Tell me a story."},
+                           {"role": "assistant", "content": "Once"}]);
+    for (messages, extra, want) in [
+        (&user, json!({}), "assistant"),
+        (&user, json!({"add_generation_prompt": true}), "assistant"),
+        (&user, json!({"add_generation_prompt": false}), "user"),
+        (
+            &user,
+            json!({"chat_template_kwargs": {"add_generation_prompt": false}}),
+            "user",
+        ),
+        (&system, json!({"add_generation_prompt": false}), "system"),
+        (&system, json!({}), "assistant"),
+        (
+            &assistant,
+            json!({"add_generation_prompt": false, "continue_final_message": true}),
+            "assistant",
+        ),
+    ] {
+        let mut body = json!({"model": MODEL, "messages": messages, "max_tokens": 2, "n": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        let v = r.json();
+        for c in v["choices"].as_array().unwrap() {
+            assert_eq!(c["message"]["role"], want, "{body}: {v}");
+        }
+        body["stream"] = json!(true);
+        let r = post(addr, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        let mut roles = std::collections::BTreeMap::new();
+        for e in r.events().iter().filter(|e| *e != "[DONE]") {
+            let v: Value = serde_json::from_str(e).unwrap();
+            for c in v["choices"].as_array().unwrap() {
+                if let Some(role) = c["delta"].get("role") {
+                    let first = roles.insert(c["index"].as_u64().unwrap(), role.clone());
+                    assert_eq!(first, None, "a second role delta: {e}");
+                }
+            }
+        }
+        assert_eq!(roles.len(), 2, "{body}: {}", r.body);
+        assert!(roles.values().all(|r| *r == want), "{body}: {roles:?}");
+    }
+    task.abort();
+}
+
+/// With `echo`, `logprobs` and `return_tokens_as_token_ids`, `text_offset` counts the
+/// `token_id:{id}` strings the entries name, as vLLM's (which measures every offset in the
+/// reported tokens' strings): from 0 at the first prompt token, each the sum of the lengths
+/// before it, the output's continuing the prompt's, for a text or a token-id prompt, streamed
+/// and not. Without `return_tokens_as_token_ids` the prompt's offsets index the echoed text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_logprobs_offsets_count_token_id_strings() {
+    let srv = start(Opts::default()).await;
+    let tok = common::stories_tokenizer();
+    let prompt = "Once upon a time";
+    let ids = tok.encode(prompt, true).unwrap();
+    let n_prompt = ids.len();
+    let cumulative = |tokens: &[String]| {
+        let mut at = 0;
+        tokens
+            .iter()
+            .map(|t| {
+                let here = at;
+                at += t.chars().count();
+                here
+            })
+            .collect::<Vec<usize>>()
+    };
+    for p in [json!(prompt), json!(ids)] {
+        let body = json!({"model": MODEL, "prompt": p, "max_tokens": 4, "temperature": 0,
+                          "echo": true, "logprobs": 1, "return_tokens_as_token_ids": true});
+        let plain = lp_completion(srv.addr, body.clone()).await.choices;
+        let streamed = lp_completion_stream(srv.addr, body.clone()).await;
+        for (how, c) in [("plain", &plain[0]), ("streamed", &streamed[0])] {
+            let lp = &c.logprobs;
+            assert_eq!(lp.tokens.len(), n_prompt + 4, "{p} {how}: {lp:?}");
+            assert_eq!(lp.tokens[0], format!("token_id:{}", ids[0]), "{p} {how}");
+            assert_eq!(
+                lp.text_offset,
+                cumulative(&lp.tokens),
+                "{p} {how}: {:?}",
+                lp.tokens
+            );
+        }
+    }
+    // Without it, the prompt's offsets index the echoed text and the output's start at its
+    // end (as before).
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                      "echo": true, "logprobs": 1});
+    let v = lp_completion(srv.addr, body).await;
+    let lp = &v.choices[0].logprobs;
+    let chars = prompt.chars().count();
+    assert_eq!(lp.text_offset[0], 0, "{lp:?}");
+    assert!(
+        lp.text_offset[..n_prompt].iter().all(|&o| o < chars),
+        "{lp:?}"
+    );
+    assert_eq!(lp.text_offset[n_prompt], chars, "{lp:?}");
+}
+
+/// `/v1/responses` refuses the other endpoints' fields it has no use for with a message that
+/// says where each is served: `return_tokens_as_token_ids`, `echo`, `logprobs` and
+/// `max_tokens` are parameters of both completions and chat, not "chat completions
+/// parameters".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_refusals_say_where_a_field_is_served() {
+    let (addr, task, _) = recording_server().await;
+    let both = "/v1/completions and /v1/chat/completions";
+    for (field, value, served) in [
+        ("return_tokens_as_token_ids", json!(true), both),
+        ("echo", json!(true), both),
+        ("logprobs", json!(true), both),
+        ("prompt_logprobs", json!(1), both),
+        ("max_tokens", json!(4), both),
+        ("max_completion_tokens", json!(4), "/v1/chat/completions"),
+        (
+            "messages",
+            json!([{"role": "user", "content": "Hi"}]),
+            "/v1/chat/completions",
+        ),
+        (
+            "continue_final_message",
+            json!(true),
+            "/v1/chat/completions",
+        ),
+    ] {
+        let mut body = json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2});
+        body[field] = value;
+        let r = post(addr, "/v1/responses", &body).await;
+        assert_eq!(r.status, 400, "{field}: {}", r.body);
+        let e = r.json()["error"].clone();
+        assert_eq!(e["param"], field, "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(&format!("'{field}' is not supported on /v1/responses")),
+            "{e}"
+        );
+        assert!(
+            message.contains(&format!("a parameter of {served})")),
+            "{e}"
+        );
+        assert!(!message.contains("a chat completions parameter"), "{e}");
+    }
+    task.abort();
+}
+
+/// `continue_final_message` with a final message whose content is empty (or blank) continues
+/// the whole rendered chat, as transformers' `apply_chat_template` does (its cut at
+/// `rindex("")`, the rendering's length, keeps it all): the prompt is the rendering without
+/// the generation prompt, on chat and on `/tokenize`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continue_final_message_with_an_empty_final_message_keeps_the_whole_prompt() {
+    let (addr, task, prompts) = recording_server().await;
+    for content in ["", "  "] {
+        let messages = json!([{"role": "user", "content": "Tell a story."},
+                              {"role": "assistant", "content": content}]);
+        let closed = json!({"model": MODEL, "max_tokens": 2, "add_generation_prompt": false,
+                            "messages": messages});
+        let mut open = closed.clone();
+        open["continue_final_message"] = json!(true);
+        let (want, _) = engine_prompt(addr, &prompts, "/v1/chat/completions", closed).await;
+        let (got, _) = engine_prompt(addr, &prompts, "/v1/chat/completions", open).await;
+        assert_eq!(got, want, "content {content:?}");
+        // The rendering ends with the closed (empty) message: `[/INST]  </s>`.
+        let plain = json!({"prompt": "<s>[INST] Tell a story. [/INST]  </s>",
+                           "add_special_tokens": false, "max_tokens": 2});
+        let (rendered, _) = engine_prompt(addr, &prompts, "/v1/completions", plain).await;
+        assert_eq!(got, rendered, "content {content:?}");
+        let tokenize = json!({"messages": messages, "add_generation_prompt": false,
+                              "continue_final_message": true});
+        let r = post(addr, "/tokenize", &tokenize).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let tokens: Vec<u32> = r.json()["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tokens, want, "content {content:?}");
+    }
+    task.abort();
+}
+
+/// The `include` value that asks `/v1/responses` for the output's log-probabilities.
+const OUTPUT_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// The `logprobs` of a non-streamed response's one output message.
+fn response_logprobs(v: &Value) -> Vec<Value> {
+    let content = &v["output"][0]["content"][0];
+    assert_eq!(content["type"], "output_text", "{v}");
+    content["logprobs"].as_array().expect("logprobs").clone()
+}
+
+/// Checks one Responses log-probability entry: `{"token", "logprob", "bytes",
+/// "top_logprobs"}` with `k` alternatives of `{"token", "logprob", "bytes"}`, most likely
+/// first, each log-probability in [-9999, 0] and each `bytes` its token's UTF-8. Without
+/// `bytes` (the text events' shape, OpenAI's `ResponseTextDeltaEvent.logprobs`) no entry may
+/// have bytes.
+fn check_logprob_entry(e: &Value, k: usize, bytes: bool) {
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let want: &[&str] = if bytes {
+        &["bytes", "logprob", "token", "top_logprobs"]
+    } else {
+        &["logprob", "token", "top_logprobs"]
+    };
+    assert_eq!(keys(e), want, "{e}");
+    let check = |v: &Value| {
+        let token = v["token"].as_str().expect("token");
+        let lp = v["logprob"].as_f64().expect("logprob");
+        assert!((-9999.0..=0.0).contains(&lp), "{v}");
+        if bytes {
+            assert_eq!(v["bytes"], json!(token.as_bytes()), "{v}");
+        }
+        lp
+    };
+    let lp = check(e);
+    let top = e["top_logprobs"].as_array().expect("top_logprobs");
+    assert_eq!(top.len(), k, "{e}");
+    let want_top: &[&str] = if bytes {
+        &["bytes", "logprob", "token"]
+    } else {
+        &["logprob", "token"]
+    };
+    let tops: Vec<f64> = top
+        .iter()
+        .map(|t| {
+            assert_eq!(keys(t), want_top, "{t}");
+            check(t)
+        })
+        .collect();
+    assert!(tops.windows(2).all(|w| w[0] >= w[1]), "not sorted: {e}");
+    if let Some(best) = tops.first() {
+        assert!(lp <= best + 1e-5, "{e}");
+    }
+}
+
+/// The entries without their bytes (the text events' shape).
+fn without_bytes(entries: &[Value]) -> Vec<Value> {
+    entries
+        .iter()
+        .map(|e| {
+            let mut e = e.clone();
+            e.as_object_mut().unwrap().remove("bytes");
+            for t in e["top_logprobs"].as_array_mut().unwrap() {
+                t.as_object_mut().unwrap().remove("bytes");
+            }
+            e
+        })
+        .collect()
+}
+
+/// A streamed response's log-probabilities: the `response.output_text.delta` events' entries
+/// concatenated, and the `response.output_text.done` event's. Each delta's entries are
+/// checked to name tokens whose strings make up its text, with `k` alternatives each.
+fn streamed_logprobs(events: &[(String, Value)], k: usize) -> (Vec<Value>, Vec<Value>) {
+    let mut deltas = Vec::new();
+    let mut done = None;
+    for (kind, d) in events {
+        match kind.as_str() {
+            "response.output_text.delta" => {
+                let entries = d["logprobs"].as_array().expect("delta logprobs");
+                for e in entries {
+                    check_logprob_entry(e, k, false);
+                }
+                deltas.extend(entries.iter().cloned());
+            }
+            "response.output_text.done" => {
+                let entries = d["logprobs"].as_array().expect("done logprobs");
+                for e in entries {
+                    check_logprob_entry(e, k, false);
+                }
+                done = Some(entries.clone());
+            }
+            _ => assert!(d.get("logprobs").is_none(), "{kind}: {d}"),
+        }
+    }
+    (deltas, done.expect("a response.output_text.done event"))
+}
+
+/// The concatenated token strings of log-probability entries.
+fn entry_tokens(entries: &[Value]) -> String {
+    entries
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect()
+}
+
+/// `/v1/responses` with `include: ["message.output_text.logprobs"]` returns the output text's
+/// log-probabilities in OpenAI's shape, streamed and not: one entry per output token whose
+/// strings make up the text, `top_logprobs` alternatives each (most likely first; greedy, the
+/// sampled token is the first), and the streamed deltas' entries add up to the done event's
+/// and the final response's. `top_logprobs` is echoed; without `include` there are none (vLLM's
+/// rule, `top_logprobs` alone asks for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_logprobs_have_openai_shape_streamed_and_not() {
+    let srv = start_chat(Opts::default()).await;
+    let body = json!({"model": MODEL, "input": "Once upon a time", "max_output_tokens": 12,
+                      "temperature": 0, "include": [OUTPUT_LOGPROBS], "top_logprobs": 2});
+    let v = response(srv.addr, &body).await;
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(v["top_logprobs"], 2, "{v}");
+    let text = response_text(&v);
+    let lp = response_logprobs(&v);
+    assert_eq!(lp.len(), 12, "{v}");
+    for e in &lp {
+        check_logprob_entry(e, 2, true);
+        // Greedy: the sampled token is the most likely one.
+        assert_eq!(e["token"], e["top_logprobs"][0]["token"], "{e}");
+        let (a, b) = (
+            e["logprob"].as_f64().unwrap(),
+            e["top_logprobs"][0]["logprob"].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() < 1e-5, "{e}");
+    }
+    assert_eq!(entry_tokens(&lp), text);
+    // Streamed: each delta carries its tokens' entries; together they are the done event's,
+    // and the final response has the same list as the non-streamed one.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = post(srv.addr, "/v1/responses", &sb).await;
+    let ev = response_events(&r);
+    let (streamed, last) = check_response_stream_with(&ev, true);
+    assert_eq!(streamed, text);
+    let (deltas, done) = streamed_logprobs(&ev, 2);
+    assert_eq!(deltas, without_bytes(&lp));
+    assert_eq!(done, deltas);
+    for (kind, d) in &ev {
+        if kind == "response.output_text.delta" {
+            let entries = d["logprobs"].as_array().unwrap();
+            assert!(!entries.is_empty(), "{d}");
+        }
+    }
+    let part = ev
+        .iter()
+        .find(|(k, _)| k == "response.content_part.done")
+        .map(|(_, d)| d["part"]["logprobs"].clone())
+        .unwrap();
+    assert_eq!(part, json!(lp));
+    assert_eq!(response_logprobs(&last), lp);
+    assert_eq!(last["top_logprobs"], 2);
+    // include alone: no alternatives.
+    let v = response(srv.addr, &with_fields(&body, json!({"top_logprobs": null}))).await;
+    assert_eq!(v["top_logprobs"], 0, "{v}");
+    let plain = response_logprobs(&v);
+    assert_eq!(plain.len(), 12);
+    for (e, full) in plain.iter().zip(&lp) {
+        check_logprob_entry(e, 0, true);
+        assert_eq!(e["token"], full["token"]);
+    }
+    // Without include: none, streamed or not, even with top_logprobs (echoed).
+    for top in [json!(3), Value::Null] {
+        let b = json!({"model": MODEL, "input": "Once upon a time", "max_output_tokens": 4,
+                       "temperature": 0, "top_logprobs": top});
+        let v = response(srv.addr, &b).await;
+        assert_eq!(response_logprobs(&v), Vec::<Value>::new(), "{v}");
+        assert_eq!(v["top_logprobs"], top.as_u64().unwrap_or(0), "{v}");
+        let (_, last) = response_stream(srv.addr, &b).await;
+        assert_eq!(response_logprobs(&last), Vec::<Value>::new(), "{last}");
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
+/// A response's log-probabilities are the chat endpoint's for the same greedy request on the
+/// same engine: the same tokens, log-probabilities, bytes and alternatives; under
+/// `--return-tokens-as-token-ids` both name tokens `token_id:{id}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_logprobs_equal_the_chat_logprobs() {
+    for as_ids in [false, true] {
+        let srv = start_chat(Opts {
+            return_tokens_as_token_ids: as_ids,
+            ..Opts::default()
+        })
+        .await;
+        let chat = post(
+            srv.addr,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Lily wanted to"}],
+                    "max_completion_tokens": 10, "temperature": 0, "logprobs": true,
+                    "top_logprobs": 3}),
+        )
+        .await;
+        assert_eq!(chat.status, 200, "{}", chat.body);
+        let chat = chat.json();
+        let want = chat["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .clone();
+        assert_eq!(want.len(), 10, "{chat}");
+        let body = json!({"input": "Lily wanted to", "max_output_tokens": 10, "temperature": 0,
+                          "include": [OUTPUT_LOGPROBS], "top_logprobs": 3});
+        let v = response(srv.addr, &body).await;
+        let got = response_logprobs(&v);
+        assert_eq!(got, want, "as ids: {as_ids}");
+        assert_eq!(
+            response_text(&v),
+            chat["choices"][0]["message"]["content"].as_str().unwrap()
+        );
+        if as_ids {
+            assert!(
+                got.iter()
+                    .all(|e| e["token"].as_str().unwrap().starts_with("token_id:")),
+                "{v}"
+            );
+        } else {
+            assert_eq!(entry_tokens(&got), response_text(&v));
+        }
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let r = post(srv.addr, "/v1/responses", &sb).await;
+        let (_, last) = check_response_stream_with(&response_events(&r), true);
+        assert_eq!(response_logprobs(&last), want, "as ids: {as_ids} streamed");
+    }
+}
+
+/// With a reasoning parser only the answer's tokens have log-probabilities: not the reasoning's
+/// nor the think tags, streamed and not; an output cut inside its reasoning has none. The
+/// scripted engine gives every token its own log-probability (and one alternative), so the
+/// entries show which tokens they are; the last one's is `-inf`, reported as -9999.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_logprobs_cover_only_the_answer_with_a_reasoning_parser() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::EngineEvent;
+    let specials = ["<think>", "</think>"];
+    let tok = common::tokenizer_with_specials(&specials);
+    let (open, close) = (
+        tok.piece_to_id("<think>").unwrap(),
+        tok.piece_to_id("</think>").unwrap(),
+    );
+    let thought = tok.encode("Hmm, two and two make four", false).unwrap();
+    let answer = tok.encode("It is 4.", false).unwrap();
+    // The last token was masked out (-inf): reported as -9999, as everywhere.
+    let lp_of = |i: usize, n: usize| {
+        if i + 1 == n {
+            f32::NEG_INFINITY
+        } else {
+            -0.125 * (i as f32 + 1.0)
+        }
+    };
+    for (ids, answered) in [
+        ([&[open][..], &thought, &[close], &answer].concat(), true),
+        ([&thought[..], &[close], &answer].concat(), true),
+        ([&[open][..], &thought].concat(), false),
+    ] {
+        let events = ids.clone();
+        let (addr, task) = common::start_scripted_with_tokenizer(
+            move |req| {
+                let mut ev: Vec<EngineEvent> = events
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &token)| EngineEvent::Token {
+                        token,
+                        cached_tokens: 0,
+                        logprob: lp_of(i, events.len()),
+                        top: vec![(token, lp_of(i, events.len()))],
+                        first: None,
+                    })
+                    .collect();
+                ev.push(EngineEvent::Finished {
+                    reason: baton_scheduler::FinishReason::Stop,
+                    prompt_tokens: req.prompt.len(),
+                    output_tokens: events.len(),
+                    cached_tokens: 0,
+                });
+                ev
+            },
+            Some(TOOLS_TEMPLATE.into()),
+            None,
+            Some(ReasoningParser::DeepSeekR1),
+            common::tokenizer_with_specials(&specials),
+        )
+        .await;
+        let body = json!({"input": "2+2?", "include": [OUTPUT_LOGPROBS], "top_logprobs": 1});
+        let v = response(addr, &body).await;
+        let output = v["output"].as_array().unwrap();
+        assert_eq!(output.len(), 2, "{v}");
+        assert!(output[0].get("logprobs").is_none(), "{v}");
+        assert!(
+            output[0]["content"][0].get("logprobs").is_none(),
+            "the reasoning has no log-probabilities: {v}"
+        );
+        let msg = &output[1]["content"][0];
+        let lp = msg["logprobs"].as_array().unwrap().clone();
+        // The answer's tokens are the last ones: their own log-probabilities, in order.
+        let want: Vec<f64> = if answered {
+            (ids.len() - answer.len()..ids.len())
+                .map(|i| f64::from(lp_of(i, ids.len()).max(-9999.0)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let got: Vec<f64> = lp.iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
+        assert_eq!(got, want, "{v}");
+        for e in &lp {
+            check_logprob_entry(e, 1, true);
+        }
+        assert_eq!(entry_tokens(&lp), msg["text"].as_str().unwrap(), "{v}");
+        // Streamed: the same entries, on the answer's deltas only.
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let r = post(addr, "/v1/responses", &sb).await;
+        let ev = response_events(&r);
+        let (deltas, done) = streamed_logprobs(&ev, 1);
+        assert_eq!(deltas, without_bytes(&lp), "{}", r.body);
+        assert_eq!(done, deltas);
+        let (kind, last) = ev.last().unwrap();
+        assert_eq!(kind, "response.completed", "{}", r.body);
+        assert_eq!(
+            last["response"]["output"][1]["content"][0]["logprobs"],
+            json!(lp)
+        );
+        task.abort();
+    }
+}
+
+/// `top_logprobs` must be an integer in 0..=20 and `include` a list of values this server
+/// serves: out of range, the wrong type, an `include` value OpenAI defines for tools, images
+/// or encrypted reasoning, or an unknown one, is a 400 naming the field (and the value).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_logprob_fields_out_of_range_or_unknown_are_400s() {
+    let (addr, task, prompts) = recording_server().await;
+    let cases: Vec<(Value, &str, &str)> = vec![
+        (json!({"top_logprobs": 21}), "top_logprobs", "21"),
+        (json!({"top_logprobs": -1}), "top_logprobs", "-1"),
+        (json!({"top_logprobs": 2.5}), "top_logprobs", "2.5"),
+        (json!({"top_logprobs": "2"}), "top_logprobs", "2"),
+        (
+            json!({"include": [OUTPUT_LOGPROBS], "top_logprobs": 21}),
+            "top_logprobs",
+            "21",
+        ),
+        (
+            json!({"include": ["message.output_text.logprob"]}),
+            "include",
+            "message.output_text.logprob",
+        ),
+        (
+            json!({"include": [OUTPUT_LOGPROBS, "nope"]}),
+            "include",
+            "nope",
+        ),
+        (
+            json!({"include": ["reasoning.encrypted_content"]}),
+            "include",
+            "reasoning.encrypted_content",
+        ),
+        (
+            json!({"include": ["file_search_call.results"]}),
+            "include",
+            "file_search_call.results",
+        ),
+        (json!({"include": OUTPUT_LOGPROBS}), "include", "list"),
+        (json!({"include": [3]}), "include", "3"),
+    ];
+    for (extra, param, names) in cases {
+        let body = with_fields(
+            &json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2}),
+            extra,
+        );
+        let r = post(addr, "/v1/responses", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = r.json()["error"].clone();
+        assert_eq!(e["param"], param, "{body}: {e}");
+        assert_eq!(e["type"], "invalid_request_error", "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains(names),
+            "{body}: {e}"
+        );
+    }
+    assert!(
+        prompts.lock().unwrap().is_empty(),
+        "a bad request reached the engine"
+    );
+    // The edges and `null`s are accepted; only `include` asks the engine for log-probabilities,
+    // with `top_logprobs` alternatives.
+    for (extra, want) in [
+        (json!({"top_logprobs": 20}), None),
+        (json!({"top_logprobs": 0, "include": []}), None),
+        (json!({"top_logprobs": null, "include": null}), None),
+        (json!({"include": [OUTPUT_LOGPROBS]}), Some(0)),
+        (
+            json!({"include": [OUTPUT_LOGPROBS], "top_logprobs": 20}),
+            Some(20),
+        ),
+        (
+            json!({"include": [OUTPUT_LOGPROBS, OUTPUT_LOGPROBS], "top_logprobs": 2.0}),
+            Some(2),
+        ),
+    ] {
+        let body = with_fields(
+            &json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2}),
+            extra,
+        );
+        let r = post(addr, "/v1/responses", &body).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.body);
+        let req = prompts
+            .lock()
+            .unwrap()
+            .pop()
+            .expect("the request reached the engine");
+        let p = req.params;
+        assert_eq!(
+            want,
+            (p.want_logprob != 0).then_some(p.top_logprobs),
+            "{body}"
+        );
+    }
+    task.abort();
 }
