@@ -31,8 +31,8 @@
 //! `response.output_text.done` all of them, both in the text events' shape (OpenAI's
 //! `ResponseTextDeltaEvent.logprobs`: `{"token", "logprob", "top_logprobs": [{"token",
 //! "logprob"}]}`, no bytes); the content part, the message item and the final response carry
-//! the full entries. A token whose text has not reached the output when the output ends (the
-//! EOS that ended it, a stop string's tokens) is carried by no delta, only by the final lists.
+//! the full entries. Tokens whose text has not reached the output when the output ends (the
+//! EOS that ended it, a stop string's tokens) come in a last delta with empty text.
 //!
 //! With `--reasoning-parser` ([`crate::reasoning`]; not for a request with a structured
 //! output), the reasoning comes first as a `reasoning` output item, as vLLM's:
@@ -695,6 +695,16 @@ impl Streamer {
         self.seq = None;
         // The message item always comes, empty when the output was all reasoning.
         self.open_message();
+        // Answer tokens whose text never reached the output (the EOS, a stop string's tokens)
+        // come in a last delta with no text, so the deltas add up to the done event's list
+        // (chat streams them with empty content too).
+        let rest = self.logprobs.as_mut().map(OutputLogprobs::unsent);
+        if let Some(rest) = rest.filter(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
+            let mut e = self.at();
+            e["delta"] = json!("");
+            e["logprobs"] = rest;
+            self.push("response.output_text.delta", e);
+        }
         let status = status_of(Some(finish));
         let all = self.all_logprobs();
         let mut e = self.at();

@@ -6507,6 +6507,19 @@ async fn responses_logprobs_have_openai_shape_streamed_and_not() {
     assert_eq!(part, json!(lp));
     assert_eq!(response_logprobs(&last), lp);
     assert_eq!(last["top_logprobs"], 2);
+    // A token with no text of its own (the EOS that ends a structured output) comes in a last
+    // delta with empty text: the deltas still add up to the done event's list.
+    let format = json!({"type": "json_schema", "name": "x", "schema": {"enum": ["yes"]}});
+    let sb = json!({"model": MODEL, "input": "Hi", "max_output_tokens": 10, "temperature": 0,
+                    "include": [OUTPUT_LOGPROBS], "stream": true, "text": {"format": format}});
+    let ev = response_events(&post(srv.addr, "/v1/responses", &sb).await);
+    let (deltas, done) = streamed_logprobs(&ev, 0);
+    assert_eq!(
+        done.last().map(|e| e["token"].clone()),
+        Some(json!("</s>")),
+        "{done:?}"
+    );
+    assert_eq!(deltas, done);
     // include alone: no alternatives.
     let v = response(srv.addr, &with_fields(&body, json!({"top_logprobs": null}))).await;
     assert_eq!(v["top_logprobs"], 0, "{v}");
