@@ -1099,12 +1099,12 @@ fn tokenize_blocking(st: &AppState, body: &Bytes) -> Response {
             let text = f
                 .get::<String>("prompt")?
                 .ok_or_else(|| ApiError::field("prompt", "'prompt' (a string) is required."))?;
-            let special = f.get::<bool>("add_special_tokens")?.unwrap_or(true);
+            let special = f.bool("add_special_tokens")?.unwrap_or(true);
             st.tokenizer
                 .encode(&text, special)
                 .map_err(|e| ApiError::field("prompt", e.to_string()))?
         };
-        let token_strs = if f.get::<bool>("return_token_strs")?.unwrap_or(false) {
+        let token_strs = if f.bool("return_token_strs")?.unwrap_or(false) {
             json!(ids
                 .iter()
                 .map(|&id| st.tokenizer.id_to_piece(id).unwrap_or_default())

@@ -65,14 +65,15 @@ impl Fields {
     }
 
     /// `name` as an integer; `None` when absent or null. As pydantic's lax mode (vLLM's
-    /// request models): an integer-valued float such as `2.0` or `-0` is that integer.
+    /// request models): an integer-valued float such as `2.0` or `-0` is that integer, and
+    /// so is a string holding an integer (`"8"`, surrounding whitespace ignored).
     ///
     /// # Errors
-    /// 400 naming `name` for anything else (`2.5`, a string, past the i64 range).
+    /// 400 naming `name` for anything else (`2.5`, `"2.5"`, `"x"`, past the i64 range).
     fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
         match self.raw(name) {
             None => Ok(None),
-            Some(v) => json_int(v).map(Some).ok_or_else(|| {
+            Some(v) => lax_int(v).map(Some).ok_or_else(|| {
                 ApiError::field(
                     name,
                     format!("Invalid value for '{name}': expected an integer, got {v}."),
@@ -81,16 +82,76 @@ impl Fields {
         }
     }
 
+    /// `name` as a number; `None` when absent or null. As pydantic's lax mode, a string
+    /// holding a finite number (`"0.5"`, `"1e-3"`) is that number.
+    ///
+    /// # Errors
+    /// 400 naming `name` for anything else.
     fn float(&self, name: &str) -> Result<Option<f64>, ApiError> {
         match self.raw(name) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+            Some(v) => lax_float(v).map(Some).ok_or_else(|| {
                 ApiError::field(
                     name,
                     format!("Invalid value for '{name}': expected a number, got {v}."),
                 )
             }),
         }
+    }
+
+    /// `name` as a boolean; `None` when absent or null. As pydantic's lax mode: `0` and `1`
+    /// (`0.0`, `1.0`), and the strings `0`, `off`, `f`, `false`, `n`, `no`, `1`, `on`, `t`,
+    /// `true`, `y`, `yes` in any case.
+    ///
+    /// # Errors
+    /// 400 naming `name` for anything else.
+    pub fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.raw(name) {
+            None => Ok(None),
+            Some(v) => lax_bool(v).map(Some).ok_or_else(|| {
+                ApiError::field(
+                    name,
+                    format!("Invalid value for '{name}': expected a boolean, got {v}."),
+                )
+            }),
+        }
+    }
+}
+
+/// [`json_int`], or a string holding a decimal integer (whitespace around it ignored), as
+/// pydantic's lax mode reads an `int` field.
+fn lax_int(v: &Value) -> Option<i64> {
+    json_int(v).or_else(|| v.as_str()?.trim().parse().ok())
+}
+
+/// A JSON number, or a string holding a finite number, as pydantic's lax mode reads a `float`
+/// field (the finite check keeps `"nan"` and `"inf"` out of the range checks).
+fn lax_float(v: &Value) -> Option<f64> {
+    v.as_f64().or_else(|| {
+        v.as_str()?
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite())
+    })
+}
+
+/// A JSON boolean, `0`/`1`, or one of pydantic's boolean strings (any case), as pydantic's
+/// lax mode reads a `bool` field.
+fn lax_bool(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::Number(n) => match n.as_f64() {
+            Some(0.0) => Some(false),
+            Some(1.0) => Some(true),
+            _ => None,
+        },
+        Value::String(s) => match s.to_ascii_lowercase().as_str() {
+            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -695,7 +756,7 @@ pub enum ToolChoice {
 }
 
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
-    if f.get::<bool>("use_beam_search")? == Some(true) {
+    if f.bool("use_beam_search")? == Some(true) {
         return Err(ApiError::field(
             "use_beam_search",
             "Beam search is not supported by this server.",
@@ -915,7 +976,7 @@ pub fn parse_gen(
         }
     }
     let logprobs = if chat {
-        let want = f.get::<bool>("logprobs")?.unwrap_or(false);
+        let want = f.bool("logprobs")?.unwrap_or(false);
         let top = f.int("top_logprobs")?;
         match top {
             Some(k) if k < 0 || k as usize > MAX_TOP_LOGPROBS => {
@@ -963,7 +1024,7 @@ pub fn parse_gen(
             }
         }
     };
-    let stream = f.get::<bool>("stream")?.unwrap_or(false);
+    let stream = f.bool("stream")?.unwrap_or(false);
     let mut continuous_usage = false;
     let include_usage = match f.raw("stream_options") {
         None => false,
@@ -1051,7 +1112,7 @@ pub fn parse_gen(
         seed,
         stop: parse_stop(f)?,
         stop_token_ids,
-        ignore_eos: f.get::<bool>("ignore_eos")?.unwrap_or(false),
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         n,
         logprobs,
         prompt_logprobs: prompt_top.map_or(0, |k| k + 1),
@@ -1059,14 +1120,12 @@ pub fn parse_gen(
         stream,
         include_usage,
         continuous_usage,
-        include_stop_str_in_output: f
-            .get::<bool>("include_stop_str_in_output")?
-            .unwrap_or(false),
-        skip_special_tokens: f.get::<bool>("skip_special_tokens")?.unwrap_or(true),
+        include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(false),
+        skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(true),
         constraint,
         guide_after: None,
-        return_token_ids: f.get::<bool>("return_token_ids")?.unwrap_or(false),
-        return_tokens_as_token_ids: f.get::<bool>("return_tokens_as_token_ids")?,
+        return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
+        return_tokens_as_token_ids: f.bool("return_tokens_as_token_ids")?,
         bad_words: parse_bad_words(f)?,
     })
 }
@@ -1336,7 +1395,7 @@ pub fn parse_completion(
             ),
         ));
     }
-    let echo = f.get::<bool>("echo")?.unwrap_or(false);
+    let echo = f.bool("echo")?.unwrap_or(false);
     if gen.max_tokens == Some(0) && !echo {
         return Err(ApiError::field(
             gen.max_tokens_param,
@@ -1363,7 +1422,7 @@ pub fn parse_completion(
         model,
         prompts,
         echo,
-        add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(true),
+        add_special_tokens: f.bool("add_special_tokens")?.unwrap_or(true),
         truncate_prompt_tokens: parse_truncate_prompt_tokens(&f, limits)?,
         gen,
     })
@@ -1464,7 +1523,7 @@ pub fn parse_chat(
     let tools = parse_tools(&f)?;
     let tool_choice = parse_tool_choice(&f, tools.as_deref())?;
     // With a parser every parsed call is returned; `false` limits `required` to one call.
-    let parallel_tool_calls = f.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
+    let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     // `tools` are served here; `parse_gen` refuses them on the other endpoints.
     let mut rest = f.obj.clone();
     rest.remove("tools");
@@ -1494,8 +1553,8 @@ pub fn parse_chat(
         gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
     }
     let (template_kwargs, from_kwargs) = parse_template_kwargs(&f)?;
-    let request_continue = f.get::<bool>("continue_final_message")?;
-    let request_add = f.get::<bool>("add_generation_prompt")?;
+    let request_continue = f.bool("continue_final_message")?;
+    let request_add = f.bool("add_generation_prompt")?;
     let continue_final_message = from_kwargs
         .continue_final_message
         .or(request_continue)
@@ -1523,13 +1582,13 @@ pub fn parse_chat(
         messages,
         add_generation_prompt,
         continue_final_message,
-        add_special_tokens: f.get::<bool>("add_special_tokens")?.unwrap_or(false),
+        add_special_tokens: f.bool("add_special_tokens")?.unwrap_or(false),
         truncate_prompt_tokens: parse_truncate_prompt_tokens(&f, limits)?,
         template_kwargs,
-        include_reasoning: f.get::<bool>("include_reasoning")?.unwrap_or(true),
+        include_reasoning: f.bool("include_reasoning")?.unwrap_or(true),
         tools,
         tool_choice,
-        echo: f.get::<bool>("echo")?.unwrap_or(false),
+        echo: f.bool("echo")?.unwrap_or(false),
         gen,
     })
 }
@@ -2198,7 +2257,7 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             "/v1/responses makes one output message; 'n' must be 1.",
         ));
     }
-    if f.get::<bool>("return_token_ids")? == Some(true) {
+    if f.bool("return_token_ids")? == Some(true) {
         return Err(ApiError::field(
             "return_token_ids",
             "'return_token_ids' is served on /v1/completions and /v1/chat/completions, not on \
@@ -2236,7 +2295,7 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             ));
         }
     }
-    if f.get::<bool>("background")? == Some(true) {
+    if f.bool("background")? == Some(true) {
         return Err(ApiError::field(
             "background",
             "Background mode is not supported by this server: it does not store responses.",
@@ -2309,7 +2368,7 @@ pub fn parse_responses(
     let _store: Option<bool> = f.get("store")?;
     let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
     let max_tool_calls = f.int("max_tool_calls")?;
-    let parallel_tool_calls = f.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
+    let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let tool_choice = f
         .get::<String>("tool_choice")?
         .unwrap_or_else(|| "auto".to_owned());
@@ -2853,7 +2912,9 @@ mod tests {
         assert_eq!(parse(r#"{"truncate_prompt_tokens":3}"#), Ok(Some(3)));
         assert_eq!(parse(r#"{"truncate_prompt_tokens":-1}"#), Ok(Some(512)));
         assert_eq!(parse(r#"{"truncate_prompt_tokens":512}"#), Ok(Some(512)));
-        for bad in ["0", "-2", "513", "1.5", "\"3\""] {
+        // As pydantic's lax mode, a string holding an integer is that integer.
+        assert_eq!(parse(r#"{"truncate_prompt_tokens":" 3 "}"#), Ok(Some(3)));
+        for bad in ["0", "-2", "513", "1.5", "\"1.5\"", "\"x\"", "\"\"", "true"] {
             let e = parse(&format!(r#"{{"truncate_prompt_tokens":{bad}}}"#)).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("truncate_prompt_tokens"), "{bad}");
         }

@@ -2031,6 +2031,73 @@ async fn an_empty_string_prompt_generates_from_the_bos_alone() {
     assert!(!text_of(&v, 0).is_empty());
 }
 
+/// As vLLM's pydantic request models (lax mode): numbers in strings and boolean words are read
+/// as the field's type, so the same request written with strings gives the same output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numeric_strings_and_boolean_words_read_as_pydantic_lax_mode_does() {
+    let srv = start(Opts {
+        chat_template: Some(LLAMA2_TEMPLATE.into()),
+        ..Opts::default()
+    })
+    .await;
+    let g = &common::goldens()[0];
+    let prompt = g["prompt"].as_str().unwrap();
+    let typed = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 1,
+                       "echo": false, "stream": false, "return_token_ids": true});
+    let lax = json!({"prompt": prompt, "max_tokens": " 5", "temperature": "0.0", "logprobs": "1",
+                     "echo": "off", "stream": 0, "return_token_ids": "Yes"});
+    let (want, _) = post_ok(srv.addr, "/v1/completions", typed).await;
+    let (got, body) = post_ok(srv.addr, "/v1/completions", lax).await;
+    assert_eq!(text_of(&got, 0), text_of(&want, 0), "{body}");
+    assert_eq!(
+        got["choices"][0]["token_ids"],
+        want["choices"][0]["token_ids"]
+    );
+    assert_eq!(
+        got["choices"][0]["logprobs"],
+        want["choices"][0]["logprobs"]
+    );
+    assert_eq!(got["usage"]["completion_tokens"], 5, "{body}");
+    // Chat too, with a boolean word for `logprobs` and a number string for `top_logprobs`.
+    let msgs = json!([{"role": "user", "content": prompt}]);
+    let (want, _) = post_ok(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"messages": msgs, "max_tokens": 3, "temperature": 0, "logprobs": true,
+               "top_logprobs": 2}),
+    )
+    .await;
+    let (got, body) = post_ok(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"messages": msgs, "max_tokens": "3", "temperature": "0", "logprobs": "true",
+               "top_logprobs": "2"}),
+    )
+    .await;
+    assert_eq!(
+        got["choices"][0]["message"], want["choices"][0]["message"],
+        "{body}"
+    );
+    assert_eq!(
+        got["choices"][0]["logprobs"], want["choices"][0]["logprobs"],
+        "{body}"
+    );
+    // What lax mode does not read stays a 400 naming the field.
+    for (field, bad) in [
+        ("max_tokens", json!("5.5")),
+        ("temperature", json!("warm")),
+        ("temperature", json!("nan")),
+        ("stream", json!("sometimes")),
+        ("echo", json!(2)),
+    ] {
+        let body = with_fields(&json!({"prompt": prompt}), json!({ field: bad }));
+        let r = post(srv.addr, "/v1/completions", &body).await;
+        assert_eq!(r.status, 400, "{field}={bad}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], field, "{}", r.body);
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_4xx_with_an_openai_error_body() {
     let srv = start(Opts {
@@ -2093,7 +2160,7 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "a", "n": "2"}).to_string(),
+            json!({"prompt": "a", "n": "two"}).to_string(),
             400,
             Some("n"),
         ),
@@ -2195,7 +2262,7 @@ async fn bad_requests_get_4xx_with_an_openai_error_body() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "a", "stream": "yes"}).to_string(),
+            json!({"prompt": "a", "stream": "sometimes"}).to_string(),
             400,
             Some("stream"),
         ),
@@ -4690,7 +4757,10 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
             "tools[0].function.parameters",
         ),
-        (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+        (
+            json!({"parallel_tool_calls": "maybe"}),
+            "parallel_tool_calls",
+        ),
     ];
     for (extra, param) in cases {
         let body = with_fields(&json!({"messages": msgs}), extra);
@@ -5783,7 +5853,7 @@ async fn bad_truncate_prompt_tokens_are_refused_naming_the_field() {
                  Please, select a smaller truncation size.",
             ),
             (json!(2.5), "expected an integer"),
-            (json!("4"), "expected an integer"),
+            (json!("four"), "expected an integer"),
         ] {
             let r = post(
                 addr,
@@ -6704,7 +6774,7 @@ async fn responses_logprob_fields_out_of_range_or_unknown_are_400s() {
         (json!({"top_logprobs": 21}), "top_logprobs", "21"),
         (json!({"top_logprobs": -1}), "top_logprobs", "-1"),
         (json!({"top_logprobs": 2.5}), "top_logprobs", "2.5"),
-        (json!({"top_logprobs": "2"}), "top_logprobs", "2"),
+        (json!({"top_logprobs": "two"}), "top_logprobs", "two"),
         (
             json!({"include": [OUTPUT_LOGPROBS], "top_logprobs": 21}),
             "top_logprobs",
