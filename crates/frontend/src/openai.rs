@@ -89,13 +89,40 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({
             "error": {
-                "message": self.message,
+                "message": clipped(&self.message, MAX_ERROR_MESSAGE_BYTES),
                 "type": self.kind,
-                "param": self.param,
+                "param": self.param.as_deref().map(|p| clipped(p, MAX_ERROR_MESSAGE_BYTES)),
                 "code": self.status.as_u16(),
             }
         })
     }
+}
+
+/// Most bytes of an error body's `message` (and `param`): a message that quotes a huge bad
+/// value (a 1 MB `role`) keeps its start and end, not a copy of the request.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 2048;
+
+/// `s`, or when longer than `max` bytes its first and last `max / 2` bytes or fewer (cut at
+/// character boundaries) around ` [... N bytes ...] `.
+fn clipped(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let mut head = max / 2;
+    while !s.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = s.len() - max / 2;
+    while !s.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!(
+        "{} [... {} bytes ...] {}",
+        &s[..head],
+        tail - head,
+        &s[tail..]
+    )
+    .into()
 }
 
 impl IntoResponse for ApiError {
@@ -480,6 +507,26 @@ pub type ChatChunk = Chunk<ChatChunkChoice>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_bodies_clip_long_messages_at_character_boundaries() {
+        assert_eq!(clipped("short", 8), "short");
+        let long = format!("'role' must be a string, got {}.", "é".repeat(3000));
+        let e = ApiError::field(&"p".repeat(5000), long.clone());
+        let body = e.body();
+        let msg = body["error"]["message"].as_str().unwrap();
+        assert!(msg.len() < MAX_ERROR_MESSAGE_BYTES + 64, "{}", msg.len());
+        assert!(msg.starts_with("'role' must be a string, got éé"), "{msg}");
+        assert!(msg.ends_with("éé."), "{msg}");
+        assert!(msg.contains(" bytes ...] "), "{msg}");
+        assert!(body["error"]["param"].as_str().unwrap().len() < MAX_ERROR_MESSAGE_BYTES + 64);
+        // Under the limit nothing changes.
+        let e = ApiError::field("n", "'n' must be at least 1, got 0.");
+        assert_eq!(
+            e.body()["error"]["message"],
+            "'n' must be at least 1, got 0."
+        );
+    }
 
     #[test]
     fn stop_reason_is_a_string_an_integer_or_null_and_left_out_of_unfinished_chat_chunks() {
