@@ -286,8 +286,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model.clone(),
         "--frontends".into(),
         a.frontends.to_string(),
-        "--generation-config".into(),
-        a.http.generation_config.clone(),
+        // One argument: a directory named like a flag (`-dash`) stays a value.
+        format!("--generation-config={}", a.http.generation_config),
     ];
     sched_args.extend(engine_flags(&engine));
     let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {
@@ -390,7 +390,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
             shutdown(&mut kids);
             bail!("the scheduler could not start ({st}); see its error above");
         }
-        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+        if stop.load(Ordering::Relaxed) {
+            // SIGINT/SIGTERM before the scheduler is ready: a requested stop, as below.
+            shutdown(&mut kids);
+            eprintln!("baton serve: stopped during start-up");
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
             shutdown(&mut kids);
             bail!("the scheduler did not become ready");
         }
