@@ -542,7 +542,13 @@ pub fn generate<B: baton_worker::Backend>(
     for g in &mut gens {
         let prefix = tokenizer.decode(&g.prompt_ids, true)?;
         let mut all = g.prompt_ids.clone();
-        all.extend_from_slice(&g.ids);
+        // A stop id ends the output without showing in its text (vLLM's and the HTTP
+        // endpoints'): the scheduler stops only on stop ids, so `Stop` means the last is one.
+        let shown = match g.finish_reason {
+            FinishReason::Stop => &g.ids[..g.ids.len().saturating_sub(1)],
+            _ => &g.ids[..],
+        };
+        all.extend_from_slice(shown);
         let full = tokenizer.decode(&all, true)?;
         g.text = full
             .strip_prefix(prefix.as_str())

@@ -583,6 +583,19 @@ fn generate_takes_the_stop_ids_from_the_generation_config_dir() {
         (&g.greedy_ids[..=at], "stop"),
         "DIR's eos_token_id stops"
     );
+    // As vLLM's, the stop token's text is not in the output text.
+    let out = generate_in(&dir, &[&["--json"][..], &dir_flag[..]].concat());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = v["text"].as_str().unwrap();
+    let n = (at + 1).to_string();
+    let with_stop = generate_in(&dir, &["--json", "--temperature", "0", "--max-tokens", &n]);
+    let v: serde_json::Value = serde_json::from_slice(&with_stop.stdout).unwrap();
+    let through_stop = v["text"].as_str().unwrap();
+    assert!(
+        through_stop.len() > text.len() && through_stop.starts_with(text),
+        "{text:?} against {through_stop:?}"
+    );
+    assert!(g.greedy_text.starts_with(text), "{text:?}");
     // The model's own file (eos 2) does not stop there.
     let (ids, reason) = generated(&dir, &["--temperature", "0", "--max-tokens", "10"]);
     assert_eq!(
