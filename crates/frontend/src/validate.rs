@@ -939,7 +939,12 @@ pub fn parse_gen(
             ))
         }
         Some(n) => {
-            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            let n = u32::try_from(n).map_err(|_| {
+                ApiError::field(
+                    "min_tokens",
+                    format!("'min_tokens' must be at most {}, got {n}.", u32::MAX),
+                )
+            })?;
             if let Some(m) = max_tokens.filter(|&m| n > m) {
                 return Err(ApiError::field(
                     "min_tokens",
