@@ -2095,6 +2095,12 @@ async fn numeric_strings_and_boolean_words_read_as_pydantic_lax_mode_does() {
         assert_eq!(r.status, 400, "{field}={bad}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], field, "{}", r.body);
     }
+    // An integer past u32 is named as sent, not clamped.
+    let body = json!({"prompt": prompt, "min_tokens": "4294967296"});
+    let r = post(srv.addr, "/v1/completions", &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(msg.contains("got 4294967296"), "{msg}");
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
