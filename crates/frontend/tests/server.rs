@@ -2035,11 +2035,7 @@ async fn an_empty_string_prompt_generates_from_the_bos_alone() {
 /// as the field's type, so the same request written with strings gives the same output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numeric_strings_and_boolean_words_read_as_pydantic_lax_mode_does() {
-    let srv = start(Opts {
-        chat_template: Some(LLAMA2_TEMPLATE.into()),
-        ..Opts::default()
-    })
-    .await;
+    let srv = start_chat(Opts::default()).await;
     let g = &common::goldens()[0];
     let prompt = g["prompt"].as_str().unwrap();
     let typed = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 1,
