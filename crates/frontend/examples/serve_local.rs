@@ -50,20 +50,10 @@ async fn main() -> anyhow::Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| dir.clone());
     let config = ServerConfig {
-        host: "127.0.0.1".into(),
         port,
         api_key: std::env::var("BATON_API_KEY").ok(),
-        served_model_name: name,
-        more_served_model_names: Vec::new(),
-        model_aliases: Vec::new(),
         chat_template,
-        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
-        cors: baton_frontend::CorsConfig::default(),
-        enable_auto_tool_choice: false,
-        tool_call_parser: None,
-        reasoning_parser: None,
-        sampling_defaults: Default::default(),
-        return_tokens_as_token_ids: false,
+        ..ServerConfig::new(name)
     };
     let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
     println!("listening on http://{addr}");

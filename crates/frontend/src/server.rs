@@ -84,6 +84,30 @@ pub struct ServerConfig {
     pub return_tokens_as_token_ids: bool,
 }
 
+impl ServerConfig {
+    /// `served_model_name` on 127.0.0.1, any free port, with every other flag at its default:
+    /// no API key, extra names, chat template, tool or reasoning parser or sampling defaults,
+    /// vLLM's CORS and [`DEFAULT_HEADER_READ_TIMEOUT`].
+    pub fn new(served_model_name: impl Into<String>) -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 0,
+            api_key: None,
+            served_model_name: served_model_name.into(),
+            more_served_model_names: Vec::new(),
+            model_aliases: Vec::new(),
+            chat_template: None,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            cors: CorsConfig::default(),
+            enable_auto_tool_choice: false,
+            tool_call_parser: None,
+            reasoning_parser: None,
+            sampling_defaults: Default::default(),
+            return_tokens_as_token_ids: false,
+        }
+    }
+}
+
 /// The default [`ServerConfig::header_read_timeout`] (hyper's own default, 30 s).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -143,22 +143,16 @@ pub async fn start(opts: Opts) -> TestServer {
     let engine =
         Arc::new(LocalEngineClient::start(cfg, backend, eos.clone()).expect("engine starts"));
     let config = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
         api_key: opts.api_key,
-        served_model_name: MODEL.into(),
         more_served_model_names: opts.more_served_model_names,
-        model_aliases: Vec::new(),
         chat_template: opts.chat_template,
         header_read_timeout: opts
             .header_read_timeout
             .unwrap_or(baton_frontend::DEFAULT_HEADER_READ_TIMEOUT),
         cors: opts.cors.unwrap_or_default(),
-        enable_auto_tool_choice: false,
-        tool_call_parser: None,
-        reasoning_parser: None,
         sampling_defaults: opts.sampling_defaults,
         return_tokens_as_token_ids: opts.return_tokens_as_token_ids,
+        ..scripted_config()
     };
     let state = AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
         .expect("state builds");
@@ -316,22 +310,7 @@ where
 /// The flags of a [`start_scripted`] server: served as [`MODEL`] on any free port, no template,
 /// parser, key or sampling defaults.
 pub fn scripted_config() -> ServerConfig {
-    ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        api_key: None,
-        served_model_name: MODEL.into(),
-        more_served_model_names: Vec::new(),
-        model_aliases: Vec::new(),
-        chat_template: None,
-        header_read_timeout: baton_frontend::DEFAULT_HEADER_READ_TIMEOUT,
-        cors: baton_frontend::CorsConfig::default(),
-        enable_auto_tool_choice: false,
-        tool_call_parser: None,
-        reasoning_parser: None,
-        sampling_defaults: Default::default(),
-        return_tokens_as_token_ids: false,
-    }
+    ServerConfig::new(MODEL)
 }
 
 /// A raw HTTP response.
