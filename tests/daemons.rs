@@ -943,3 +943,190 @@ fn waiting_requests_start_by_priority_across_processes_and_fcfs_refuses_a_priori
     assert!(outs[&1].tokens.is_empty());
     assert_eq!(outs[&2].tokens, g[0].1[..4]);
 }
+
+/// A CPU backend that keeps launches in flight as the CUDA worker does ([`Backend::submit`]
+/// runs a launch, reading the tables then; [`Backend::finish`] hands the oldest back), and
+/// panics when the worker daemon breaks the contract: more than two unfinished, `execute`
+/// with launches unfinished, anything but `finish` after a failed `submit` while earlier
+/// launches are unfinished, or a launch whose `released` was published before it was
+/// finished (its fence: with a GPU, its pages could be reused under it).
+struct Overlapping {
+    inner: baton_worker::CpuBackend,
+    done: std::collections::VecDeque<(
+        baton_proto::LaunchSeq,
+        Result<baton_proto::Completion, baton_worker::WorkerError>,
+    )>,
+    /// The most launches unfinished at once.
+    peak: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Submits so far, and the number of the submit that fails (0: none).
+    submits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    fail_at: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Set by a failed submit with launches unfinished: only `finish` may come next.
+    must_drain: bool,
+    /// The segment's participant table, where the worker publishes `released`.
+    participants: baton_ipc::ParticipantTable,
+}
+
+impl baton_worker::Backend for Overlapping {
+    fn execute(
+        &mut self,
+        launch: &baton_proto::Launch,
+        tables: &dyn baton_worker::TableReader,
+    ) -> Result<baton_proto::Completion, baton_worker::WorkerError> {
+        assert!(self.done.is_empty(), "execute with launches in flight");
+        self.inner.execute(launch, tables)
+    }
+    fn max_in_flight(&self) -> usize {
+        2
+    }
+    fn submit(
+        &mut self,
+        launch: &baton_proto::Launch,
+        tables: &dyn baton_worker::TableReader,
+    ) -> Result<bool, baton_worker::WorkerError> {
+        assert!(
+            !self.must_drain || self.done.is_empty(),
+            "submit before the launches ahead of a failed one were finished"
+        );
+        assert!(self.done.len() < 2, "a third launch in flight");
+        let n = 1 + self
+            .submits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n == self.fail_at.load(std::sync::atomic::Ordering::Relaxed) {
+            self.must_drain = true;
+            return Err(baton_worker::WorkerError::Forward("injected".into()));
+        }
+        let c = self.inner.execute(launch, tables);
+        self.done.push_back((launch.seq, c));
+        self.peak
+            .fetch_max(self.done.len(), std::sync::atomic::Ordering::Relaxed);
+        Ok(true)
+    }
+    fn finish(
+        &mut self,
+    ) -> Option<(
+        baton_proto::LaunchSeq,
+        Result<baton_proto::Completion, baton_worker::WorkerError>,
+    )> {
+        let r = self.done.pop_front();
+        if let Some((seq, _)) = &r {
+            let released = self
+                .participants
+                .min_released(baton_ipc::Role::Worker)
+                .unwrap_or(0);
+            assert!(
+                released < *seq,
+                "launch {seq} was released (released = {released}) before its fence"
+            );
+        }
+        if self.done.is_empty() {
+            self.must_drain = false;
+        }
+        r
+    }
+    fn kv_capacity(&self) -> baton_worker::KvCapacity {
+        self.inner.kv_capacity()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn model_fingerprint(&self) -> u64 {
+        self.inner.model_fingerprint()
+    }
+    fn name(&self) -> &'static str {
+        "overlapping cpu"
+    }
+}
+
+/// A worker daemon whose backend keeps launches in flight (the CUDA worker's pipelining, here
+/// on the CPU through [`Overlapping`]) behind an asynchronous scheduler: it really holds two
+/// (the scheduler publishes the next launch before the previous one completes), the outputs
+/// match the in-process engine, a launch that fails at submit aborts its requests after the
+/// completion of the launch ahead of it, and the requests admitted afterwards run to their
+/// goldens.
+#[test]
+fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let _serial = serial();
+    let inst = instance("inflight");
+    let _s = scheduler(&inst, &["--num-blocks", "128", "--async-scheduling"]);
+    let loaded = baton_model::ModelDir::new(model_dir())
+        .load_mapped_lenient(baton_model::LoadFormat::Auto)
+        .expect("test model");
+    let weights = loaded.weights_fingerprint;
+    let (model, _) = loaded.into_cpu_model().expect("cpu model");
+    let (segment, limits) =
+        baton_worker::daemon::attach(&inst, Duration::from_secs(60)).expect("attach");
+    let participants = segment
+        .participants(baton_ipc::topology::PARTICIPANTS)
+        .expect("participant table");
+    let inner = baton_worker::CpuBackend::new(model, limits.num_blocks, limits.block_size);
+    let (peak, submits, fail_at) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let backend = Overlapping {
+        inner,
+        done: Default::default(),
+        peak: peak.clone(),
+        submits: submits.clone(),
+        fail_at: fail_at.clone(),
+        must_drain: false,
+        participants,
+    };
+    let mut w =
+        baton_worker::daemon::WorkerDaemon::new(segment, limits, backend, weights, T).expect("w");
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let worker = std::thread::spawn(move || w.run(&stop2));
+    let mut link = connect(&inst);
+    let g = goldens();
+    let mut reqs = greedy_reqs(&g.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), 48);
+    let mut sampled = greedy_reqs(&mixed_prompts(6, 3), 40);
+    for (i, r) in sampled.iter_mut().enumerate() {
+        r.id = 50 + i as u64;
+        r.params = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.9,
+            seed: 7 + i as u64,
+            frequency_penalty: 0.4,
+            ..SamplingParams::greedy()
+        };
+    }
+    reqs.extend(sampled);
+    let outs = run(&mut link, &reqs, T);
+    let want = in_process(&reqs);
+    for r in &reqs {
+        assert_eq!(outs[&r.id].tokens, want[&r.id], "request {}", r.id);
+    }
+    assert_eq!(
+        peak.load(Ordering::Relaxed),
+        2,
+        "the worker never held two launches"
+    );
+    // The 10th submit from here fails, in the middle of the goldens' decode.
+    fail_at.store(submits.load(Ordering::Relaxed) + 10, Ordering::Relaxed);
+    let mut again = greedy_reqs(&g.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), 48);
+    again.iter_mut().for_each(|r| r.id += 100);
+    let outs = run(&mut link, &again, T);
+    let mut aborted = 0;
+    for (i, (_, want)) in g.iter().enumerate() {
+        let o = &outs[&(100 + i as u64)];
+        assert!(want.starts_with(&o.tokens), "golden {i} went wrong: {o:?}");
+        aborted += usize::from(o.reason == reason::ABORT);
+    }
+    assert!(aborted > 0, "the failed launch aborted nothing: {outs:?}");
+    again.iter_mut().for_each(|r| r.id += 100);
+    let outs = run(&mut link, &again, T);
+    for (i, (_, want)) in g.iter().enumerate() {
+        assert_eq!(
+            outs[&(200 + i as u64)].tokens,
+            want[..48],
+            "golden {i} after the failure"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    worker.join().expect("worker thread").expect("worker run");
+}

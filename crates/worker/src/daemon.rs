@@ -4,6 +4,13 @@
 //! completion and then advances its `released` counter, both only after the backend returned
 //! from the launch (its fence). A launch that fails is reported as failed and released too, so
 //! the scheduler aborts its requests instead of waiting forever.
+//!
+//! A backend that can hold launches in flight ([`Backend::max_in_flight`] > 1: the CUDA
+//! worker) gets the next launch submitted while the device still runs the previous one, when
+//! the scheduler has already published it: the host's staging of launch n + 1 then overlaps
+//! the device's work on launch n, and the device goes from one launch to the next without
+//! waiting for the host. Completions are still published, and `released` still advances, in
+//! launch order and each only after that launch's fence.
 
 use crate::{Backend, WorkerError};
 use baton_ipc::topology::{self, WorkerEnds};
@@ -82,6 +89,8 @@ pub struct WorkerDaemon<B: Backend> {
     backend: B,
     assembler: LaunchAssembler,
     out: Vec<CompletionSlot>,
+    /// Launches submitted to the backend and not yet finished (see [`Backend::submit`]).
+    inflight: usize,
 }
 
 impl<B: Backend> WorkerDaemon<B> {
@@ -165,17 +174,38 @@ impl<B: Backend> WorkerDaemon<B> {
             backend,
             assembler: LaunchAssembler::default(),
             out: Vec::new(),
+            inflight: 0,
         })
     }
 
-    /// Executes launches until `stop` is set.
+    /// Executes launches until `stop` is set, then finishes the launches in flight.
     ///
     /// # Errors
     /// [`DaemonError::SchedulerGone`] when the scheduler died (checked while idle).
     pub fn run(&mut self, stop: &AtomicBool) -> Result<(), DaemonError> {
+        let depth = self.backend.max_in_flight().max(1);
+        let r = self.run_launches(depth, stop);
+        self.drain(stop);
+        r
+    }
+
+    fn run_launches(&mut self, depth: usize, stop: &AtomicBool) -> Result<(), DaemonError> {
         while !stop.load(Ordering::Relaxed) {
             self.me.heartbeat();
-            let Some(slot) = self.ends.launches.wait_pop(Duration::from_millis(100)) else {
+            // With launches in flight the device is busy: take what the ring already holds
+            // without waiting, and otherwise wait for the oldest launch's fence.
+            let slot = if self.inflight == 0 {
+                self.ends.launches.wait_pop(Duration::from_millis(100))
+            } else if self.inflight < depth {
+                self.ends.launches.pop()
+            } else {
+                None
+            };
+            let Some(slot) = slot else {
+                if self.inflight > 0 {
+                    self.finish_oldest(stop);
+                    continue;
+                }
                 if !self.segment.creator_alive() {
                     return Err(DaemonError::SchedulerGone(
                         self.segment.instance().to_owned(),
@@ -184,7 +214,7 @@ impl<B: Backend> WorkerDaemon<B> {
                 continue;
             };
             match self.assembler.feed(&slot) {
-                Ok(Some(launch)) => self.execute(&launch, stop),
+                Ok(Some(launch)) => self.start(&launch, depth, stop),
                 Ok(None) => {}
                 Err(e) => tracing::error!("malformed launch ring: {e}"),
             }
@@ -192,15 +222,61 @@ impl<B: Backend> WorkerDaemon<B> {
         Ok(())
     }
 
-    fn execute(&mut self, launch: &baton_proto::Launch, stop: &AtomicBool) {
+    /// Submits `launch` behind the launches in flight when the backend can overlap it;
+    /// otherwise finishes those and executes it to its fence.
+    fn start(&mut self, launch: &baton_proto::Launch, depth: usize, stop: &AtomicBool) {
+        if depth > 1 {
+            match self.backend.submit(launch, &self.tables) {
+                Ok(true) => {
+                    self.inflight += 1;
+                    return;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    // Earlier launches complete first, in order.
+                    self.drain(stop);
+                    self.publish(launch.seq, Err(e), stop);
+                    return;
+                }
+            }
+        }
+        self.drain(stop);
+        let r = self.backend.execute(launch, &self.tables);
+        self.publish(launch.seq, r, stop);
+    }
+
+    /// Finishes every launch in flight, oldest first.
+    fn drain(&mut self, stop: &AtomicBool) {
+        while self.inflight > 0 {
+            self.finish_oldest(stop);
+        }
+    }
+
+    /// Waits for the oldest launch in flight and publishes it.
+    fn finish_oldest(&mut self, stop: &AtomicBool) {
+        self.inflight = self.inflight.saturating_sub(1);
+        match self.backend.finish() {
+            Some((seq, r)) => self.publish(seq, r, stop),
+            None => tracing::error!("the backend had no launch in flight to finish"),
+        }
+    }
+
+    /// Publishes the completion (or failure) of launch `seq`, whose fence has passed, then
+    /// releases it.
+    fn publish(
+        &mut self,
+        seq: baton_proto::LaunchSeq,
+        r: Result<baton_proto::Completion, WorkerError>,
+        stop: &AtomicBool,
+    ) {
         self.out.clear();
-        match self.backend.execute(launch, &self.tables) {
+        match r {
             Ok(c) => wire::encode_completion(&c, &mut self.out),
             Err(e) => {
-                tracing::error!(seq = launch.seq, "launch failed: {e}");
+                tracing::error!(seq, "launch failed: {e}");
                 let mut f = CompletionSlot::zeroed();
                 f.kind = completion_kind::FAILED;
-                f.seq = launch.seq;
+                f.seq = seq;
                 f.n = match e {
                     WorkerError::MissingPending { .. } => 1,
                     WorkerError::Forward(_) => 2,
@@ -217,6 +293,6 @@ impl<B: Backend> WorkerDaemon<B> {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        self.me.set_released(launch.seq);
+        self.me.set_released(seq);
     }
 }

@@ -19,7 +19,7 @@ pub use cpu::CpuBackend;
 pub use kept::KeptIds;
 pub use null::NullBackend;
 
-use baton_proto::{Completion, Launch, SlotTables};
+use baton_proto::{Completion, Launch, LaunchSeq, SlotTables};
 use std::ops::Range;
 use std::sync::atomic::AtomicU32;
 
@@ -94,6 +94,35 @@ pub trait Backend: Send {
         launch: &Launch,
         tables: &dyn TableReader,
     ) -> Result<Completion, WorkerError>;
+
+    /// Launches this backend can hold between [`Backend::submit`] and [`Backend::finish`]:
+    /// how many the worker may keep in flight so that the device never waits for the host
+    /// between two launches. 1 (the default): the backend only runs launches to their fence,
+    /// in [`Backend::execute`], and `submit` is never called.
+    fn max_in_flight(&self) -> usize {
+        1
+    }
+
+    /// Enqueues `launch` without waiting for its fence. The caller has fewer than
+    /// [`Backend::max_in_flight`] launches unfinished and publishes nothing of this one (and
+    /// releases nothing) before [`Backend::finish`] returns it. A later launch's pending rows
+    /// may name a submitted launch. `Ok(false)`: this launch cannot overlap others (for
+    /// example it scores prompt tokens after its fence) and nothing was done: finish the
+    /// earlier launches, then [`Backend::execute`] it.
+    ///
+    /// # Errors
+    /// As [`Backend::execute`]; nothing of this launch is in flight then, while the launches
+    /// submitted before it still are (finish them first, to keep completions in order).
+    fn submit(&mut self, _launch: &Launch, _tables: &dyn TableReader) -> Result<bool, WorkerError> {
+        Ok(false)
+    }
+
+    /// Waits for the fence of the oldest launch submitted and not yet finished, and returns
+    /// its sequence number with its completion (or the device error its fence reported);
+    /// `None` when nothing is in flight.
+    fn finish(&mut self) -> Option<(LaunchSeq, Result<Completion, WorkerError>)> {
+        None
+    }
 
     /// The KV pool this backend holds.
     fn kv_capacity(&self) -> KvCapacity;
