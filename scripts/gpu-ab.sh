@@ -43,6 +43,7 @@ deadline=$((SECONDS + BUDGET - 5))
 
 default_variants='base|
 gemv-1-per-sm|BATON_GEMV1_BLOCKS_PER_SM=1
+in-flight-1|AB_ARGS=--in-flight=1
 minpart-256|BATON_ATTN_MIN_PARTITION=256
 minpart-512|BATON_ATTN_MIN_PARTITION=512
 topp|AB_ARGS=--temperature=0.8,--top-p=0.95

@@ -29,7 +29,8 @@
 #      does not promise one row the same bits at batch 1 and 4, so if only this fails, rerun it
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
 #   5. baton bench decode, dummy Llama-1B (batches 1,32,128) and Llama-8B (batch 1) shapes,
-#      prompt 128, gen 128, bf16, CUDA graphs; after each batch size a kernel-by-kernel
+#      prompt 128, gen 128, bf16, CUDA graphs, two launches in flight (the worker daemon's
+#      pipelining; 5f repeats 1B batch 1 with one); after each batch size a kernel-by-kernel
 #      breakdown of one eager step (--breakdown), to see what to optimize; 5c repeats 1B at
 #      batch 1 with --no-fused-decode (cuBLAS and separate norm/SiLU kernels) to compare; 5d
 #      1B at batches 1 and 32 with --device-time (the host's share of a step); 5e 1B batch 1
@@ -171,14 +172,20 @@ run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --lo
 #     what pipelined launches could hide.
 run_check 5d-bench-decode-1b-device-time 60 "$BATON" bench decode --device cuda \
     --load-format dummy --config "$LLAMA_1B" --batch 1,32 --prompt-len 128 --gen-len 64 \
-    --dtype bf16 --device-time --out "$OUT/bench-decode-1b-device-time.json"
+    --dtype bf16 --device-time --in-flight 1 --out "$OUT/bench-decode-1b-device-time.json"
 
 # 5e. (diagnostic) the sampler's cost: 1B batch 1 with sampled rows (temperature 0.8, top-p
 #     0.95): the selection passes run over the whole 128256-token row in one block.
 run_check 5e-bench-decode-1b-sampled 60 "$BATON" bench decode --device cuda \
     --load-format dummy --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 64 \
-    --dtype bf16 --temperature 0.8 --top-p 0.95 --device-time \
+    --dtype bf16 --temperature 0.8 --top-p 0.95 --device-time --in-flight 1 \
     --out "$OUT/bench-decode-1b-sampled.json"
+
+# 5f. one launch in flight (each step waited for before the next is staged): what the
+#     pipelining of 5a/5b gains, at batch 1 where the host's share weighs most.
+run_check 5f-bench-decode-in-flight-1 90 "$BATON" bench decode --device cuda \
+    --load-format dummy --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 \
+    --dtype bf16 --in-flight 1 --out "$OUT/bench-decode-1b-in-flight-1.json"
 
 # 6. (diagnostic, when ncu is there and time is left) each kernel's own GPU time in eager
 #    batch-1 decode steps of dummy 1B, from Nsight Compute: the --breakdown figures above
@@ -220,7 +227,7 @@ done
 echo "== decode benchmark (ms per step vs HBM floor)"
 grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5c-bench-decode-1b-unfused.log" \
     "$OUT/5b-bench-decode-8b.log" "$OUT/5d-bench-decode-1b-device-time.log" \
-    "$OUT/5e-bench-decode-1b-sampled.log" 2>/dev/null
+    "$OUT/5e-bench-decode-1b-sampled.log" "$OUT/5f-bench-decode-in-flight-1.log" 2>/dev/null
 printf '%s\n' "${results[@]}" >"$RESULTS/summary.txt"
 tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" . && echo "logs and JSON: $RESULTS/gpu-check.tgz"
 exit $((failed > 0))

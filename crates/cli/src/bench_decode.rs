@@ -5,8 +5,11 @@
 //! The launches are built here, without the scheduler: per batch size, prefill launches of
 //! whole prompts (rows packed up to the backend's token capacity), then `gen_len` decode
 //! launches whose rows take their input from the previous launch's sampled ids
-//! (`PendingFrom`), exactly as the asynchronous scheduler publishes them. Each step is timed
-//! from `execute` to its return, i.e. through the fence.
+//! (`PendingFrom`), exactly as the asynchronous scheduler publishes them. With one launch in
+//! flight each step is timed from `execute` to its return, i.e. through the fence; with
+//! `--in-flight 2` (the default; CUDA only) the steps after the warm-up are submitted while
+//! the previous one runs, as the worker daemon does, and a step's time is the whole run's
+//! wall time over the steps.
 
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
@@ -85,6 +88,11 @@ pub struct DecodeArgs {
     /// Top-k filter (0 or -1: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: i32,
+    /// Decode launches kept in flight: 2 submits each step while the previous one runs (the
+    /// worker daemon's pipelining; CUDA only, the CPU backend runs one at a time), 1 waits
+    /// for each step's fence before staging the next. --device-time needs 1.
+    #[arg(long, default_value_t = 2)]
+    pub in_flight: usize,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -107,6 +115,8 @@ pub struct DecodePoint {
     /// ms: `ms_per_step` less this is host time per step that pipelined launches could hide.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_ms_per_step: Option<f64>,
+    /// Decode launches in flight while timing (1: each step waited for before the next).
+    pub in_flight: usize,
     /// With `--breakdown`: one eager decode step, per kernel or GEMM, most time first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub breakdown: Vec<KernelTime>,
@@ -303,7 +313,9 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
 }
 
 /// Runs one batch size on `target`: prefill, then `gen_len` decode steps (rows sampled with
-/// `params`, the seed offset by each row's slot), the first a warm-up.
+/// `params`, the seed offset by each row's slot), the first a warm-up. With `in_flight` > 1
+/// (capped by the backend's [`Backend::max_in_flight`]) the timed steps are submitted that
+/// many deep and the step time is the run's wall time over the steps.
 ///
 /// # Errors
 /// A backend failure.
@@ -318,7 +330,9 @@ pub fn measure_batch(
     block_size: usize,
     max_tokens: usize,
     params: SamplingParams,
+    in_flight: usize,
 ) -> Result<BatchTiming> {
+    let depth = in_flight.clamp(1, target.backend().max_in_flight().max(1));
     // Prefill whole prompts, rows packed up to the token capacity.
     let per_launch = (max_tokens / prompt_len.max(1)).max(1);
     let mut i = 0;
@@ -340,8 +354,7 @@ pub fn measure_batch(
     let mut device_total = Some(0.0);
     let mut timed = 0;
     let mut ctxs = Vec::with_capacity(gen_len);
-    for step in 0..gen_len {
-        *seq += 1;
+    let decode_launch = |seq: u64, step: usize| {
         let pos = prompt_len + step;
         let rows = (0..batch)
             .map(|s| {
@@ -352,13 +365,19 @@ pub fn measure_batch(
                     ..params
                 };
                 if step > 0 {
-                    r.pending_launch = *seq - 1;
+                    r.pending_launch = seq - 1;
                     r.pending_row = s as u32;
                 }
                 r
             })
             .collect();
-        let l = Launch { seq: *seq, rows };
+        Launch { seq, rows }
+    };
+    let synchronous = if depth > 1 { 1.min(gen_len) } else { gen_len };
+    for step in 0..synchronous {
+        *seq += 1;
+        let pos = prompt_len + step;
+        let l = decode_launch(*seq, step);
         let t = Instant::now();
         let c = target
             .backend()
@@ -374,6 +393,40 @@ pub fn measure_batch(
             timed += 1;
             ctxs.push(pos + 1);
         }
+    }
+    if synchronous < gen_len {
+        // Pipelined: keep `depth` steps in flight, timed as a whole from the first submit
+        // to the last fence.
+        let finish = |target: &mut dyn BenchBackend| -> Result<()> {
+            let (_, c) = target
+                .backend()
+                .finish()
+                .context("the backend lost a launch in flight")?;
+            let c = c.context("decode step")?;
+            anyhow::ensure!(c.sampled.len() == batch, "a decode step lost rows");
+            Ok(())
+        };
+        let t = Instant::now();
+        let mut inflight = 0;
+        for step in synchronous..gen_len {
+            *seq += 1;
+            let l = decode_launch(*seq, step);
+            if inflight == depth {
+                finish(target)?;
+                inflight -= 1;
+            }
+            let queued = target.backend().submit(&l, tables).context("decode step")?;
+            anyhow::ensure!(queued, "the backend refused to overlap a decode step");
+            inflight += 1;
+            ctxs.push(prompt_len + step + 1);
+        }
+        while inflight > 0 {
+            finish(target)?;
+            inflight -= 1;
+        }
+        total = t.elapsed().as_secs_f64();
+        timed = gen_len - synchronous;
+        device_total = None;
     }
     let n = timed.max(1) as f64;
     Ok(BatchTiming {
@@ -467,6 +520,15 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     }
     if a.device_time && a.device != BenchDevice::Cuda {
         bail!("--device-time needs --device cuda");
+    }
+    if a.in_flight == 0 {
+        bail!("--in-flight must be at least 1");
+    }
+    if a.device_time && a.in_flight > 1 {
+        bail!(
+            "--device-time times each step alone: give --in-flight 1 with it (steps in \
+             flight overlap, so one step's device time is not its own)"
+        );
     }
     if a.device == BenchDevice::Cuda {
         check_cuda_device(&a.cuda)?;
@@ -563,7 +625,11 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             a.block_size,
             max_tokens,
             params,
+            a.in_flight,
         )?;
+        let in_flight = a
+            .in_flight
+            .clamp(1, backend.as_target().backend().max_in_flight());
         let floor_s = ctxs
             .iter()
             .map(|&c| decode_floor_seconds(&shape, elem_bytes, b, c, bandwidth))
@@ -588,13 +654,16 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             output_tokens_per_s: b as f64 / step_s.max(1e-12),
             floor_ms: floor_s * 1e3,
             ratio: step_s / floor_s.max(1e-15),
+            in_flight,
             breakdown,
         });
     }
     println!(
-        "decode on {label}: prompt {} gen {}, {sampling}, copy bandwidth {:.1} GB/s, weights {:.2} GB",
+        "decode on {label}: prompt {} gen {}, {sampling}, {} in flight, copy bandwidth {:.1} GB/s, \
+         weights {:.2} GB",
         a.prompt_len,
         a.gen_len,
+        points.first().map_or(1, |p| p.in_flight),
         bandwidth / 1e9,
         (shape.weight_elems_read_per_step() * elem_bytes) as f64 / 1e9
     );

@@ -311,6 +311,7 @@ fn bench_decode_case(
         bs,
         batch * prompt,
         baton_proto::SamplingParams::greedy(),
+        1,
     )
     .expect("decode steps through graphs and pending ids");
     assert!(timing.step_s > 0.0);
@@ -320,6 +321,27 @@ fn bench_decode_case(
     assert!(dev_s > 0.0 && dev_s <= timing.step_s, "{timing:?}");
     assert_eq!(timing.ctxs.len(), gen - 1, "step 0 is the warm-up");
     w.set_step_timing(false).unwrap();
+    // Two steps in flight on the deferred stream: timed as a whole, no per-step device time.
+    dev.set_deferred(true).unwrap();
+    let timing = measure_batch(
+        &mut w,
+        &tables,
+        &mut seq,
+        batch,
+        prompt,
+        gen,
+        bs,
+        batch * prompt,
+        baton_proto::SamplingParams::greedy(),
+        2,
+    )
+    .expect("decode steps in flight");
+    dev.set_deferred(false).unwrap();
+    assert!(
+        timing.step_s > 0.0 && timing.device_step_s.is_none(),
+        "{timing:?}"
+    );
+    assert_eq!(timing.ctxs.len(), gen - 1, "step 0 is the warm-up");
     assert!(dev.graphs() > 0);
     let k = profile_decode_step(
         &mut w,
@@ -1282,4 +1304,188 @@ fn mapped_qwen_checkpoints_put_the_same_bits_on_the_device_as_the_f32_load() {
         }
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+/// Two launches in flight (`Backend::submit` / `Backend::finish`, as the worker daemon drives
+/// the CUDA worker) give every launch the completion it gets when each runs alone to its fence.
+/// The in-flight worker's emulated stream is deferred (`EmuDevice::set_deferred`): nothing
+/// enqueued runs until a fence wait or a synchronous call needs it, so a launch whose pinned
+/// staging, penalty, mask or output buffer the next launch reused before the fence would read
+/// the next launch's inputs or lose its ids. The rows: greedy; seeded with penalties (the
+/// host's list plus the pending id merged on the device, rewarding repeats so that a list read
+/// from the wrong launch changes the draw); greedy with a logit bias; and two guided rows with
+/// log-probabilities and different masks that, as the scheduler keeps them, never have a
+/// sampling row in flight behind another (each joins every other launch, the two in turn, and
+/// reads its input id from the token table).
+#[test]
+fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
+    use baton_proto::{
+        token_mask_words, Completion, HeapSlotTables, Launch, LaunchRow, SamplingParams, SlotRef,
+        NOT_PENDING,
+    };
+    use baton_worker::Backend;
+    let (bs, pages, rows, max_len, steps) = (16usize, 4usize, 5usize, 64usize, 10usize);
+    let g = goldens();
+    let loaded = || {
+        ModelDir::new(model_dir())
+            .load(baton_model::LoadFormat::Auto)
+            .expect("model")
+    };
+    let vocab = loaded().config.vocab_size;
+    let words = token_mask_words(vocab);
+    let params = [
+        SamplingParams::greedy(),
+        SamplingParams {
+            presence_penalty: 0.3,
+            frequency_penalty: -2.5,
+            repetition_penalty: 1.2,
+            ..seeded(31)
+        },
+        SamplingParams {
+            logit_bias_len: 2,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            top_p: 0.8,
+            top_logprobs: 2,
+            want_logprob: 1,
+            token_mask: 1,
+            ..seeded(32)
+        },
+        SamplingParams {
+            top_logprobs: 3,
+            want_logprob: 1,
+            token_mask: 1,
+            ..SamplingParams::greedy()
+        },
+    ];
+    let prompt_len: Vec<usize> = (0..rows).map(|s| g[s % g.len()].prompt_ids.len()).collect();
+    let new_tables = || {
+        let t = HeapSlotTables::new_heap_masked(rows, max_len, pages, words);
+        for (s, &n) in prompt_len.iter().enumerate() {
+            for (p, &id) in g[s % g.len()].prompt_ids[..n].iter().enumerate() {
+                t.set_token(s as u32, p, id);
+            }
+            for i in 0..pages {
+                t.set_block(s as u32, i, (s * pages + i) as u32);
+            }
+        }
+        t.set_logit_bias(2, &[(g[2 % g.len()].greedy_ids[0], -50.0), (300, 2.5)]);
+        t.set_token_mask(3, &random_mask(7, words, 0.3));
+        t.set_token_mask(4, &random_mask(8, words, 0.3));
+        t
+    };
+    // Launch 1 prefills every prompt; launch k > 1 decodes slots 0-2 at position prompt + k - 2,
+    // from the previous launch's id on the device (rows 0-2 of every launch). The guided slots
+    // decode from the token table, one position per two launches: slot 3 in odd launches,
+    // slot 4 in even ones from launch 4 on (its first output comes from launch 1, which is
+    // still in flight while launch 2 is staged).
+    let launch = |k: usize| Launch {
+        seq: k as u64,
+        rows: (0..rows)
+            .filter(|&s| {
+                k == 1
+                    || s < 3
+                    || (s == 3 && k % 2 == 1)
+                    || (s == 4 && k.is_multiple_of(2) && k >= 4)
+            })
+            .map(|s| {
+                let row = |first: usize, n: usize, out: usize| LaunchRow {
+                    req: SlotRef {
+                        slot: s as u32,
+                        generation: 0,
+                    },
+                    first_pos: first as u32,
+                    num_tokens: n as u32,
+                    num_blocks: (first + n).div_ceil(bs) as u32,
+                    sample: 1,
+                    pending_launch: NOT_PENDING,
+                    pending_row: 0,
+                    output_index: out as u32,
+                    params: params[s],
+                };
+                if k == 1 {
+                    row(0, prompt_len[s], 0)
+                } else if s >= 3 {
+                    let j = (k + 3 - s) / 2;
+                    row(prompt_len[s] + j - 1, 1, j)
+                } else {
+                    let j = k - 1;
+                    LaunchRow {
+                        pending_launch: k as u64 - 1,
+                        pending_row: s as u32,
+                        ..row(prompt_len[s] + j - 1, 1, j)
+                    }
+                }
+            })
+            .collect(),
+    };
+    // Writes a finished launch's ids into the token table, as the scheduler does.
+    let record = |t: &HeapSlotTables, l: &Launch, c: &Completion| {
+        for s in &c.sampled {
+            let r = &l.rows[s.row as usize];
+            t.set_token(r.req.slot, (r.first_pos + r.num_tokens) as usize, s.token);
+        }
+    };
+    let sizes = CudaSizes {
+        block_size: bs,
+        num_blocks: Some(rows * pages),
+        max_tokens: max_len,
+        max_rows: rows,
+        max_model_len: max_len,
+    };
+    for eager in [false, true] {
+        let last = Mutex::new(None);
+        let l = loaded();
+        let mut one = emu(Dtype::Bf16, eager, &last)(l.config, l.weights.into(), sizes).unwrap();
+        let tables = new_tables();
+        let mut want = Vec::new();
+        for k in 1..=steps {
+            let c = one.execute(&launch(k), &tables).expect("launch alone");
+            record(&tables, &launch(k), &c);
+            want.push(c);
+        }
+
+        let l = loaded();
+        let mut two = emu(Dtype::Bf16, eager, &last)(l.config, l.weights.into(), sizes).unwrap();
+        let dev = last.lock().unwrap().take().unwrap();
+        dev.set_deferred(true).unwrap();
+        assert_eq!(two.max_in_flight(), 2);
+        let tables = new_tables();
+        let mut got = Vec::new();
+        let finish = |w: &mut CudaWorker, got: &mut Vec<Completion>| {
+            let (seq, c) = w.finish().expect("a launch in flight");
+            let c = c.expect("launch in flight");
+            assert_eq!(seq, c.seq);
+            record(&tables, &launch(seq as usize), &c);
+            got.push(c);
+        };
+        // The prefill scores nothing, so it overlaps too.
+        let mut inflight = 0;
+        for k in 1..=steps {
+            if inflight == 2 {
+                finish(&mut two, &mut got);
+                inflight -= 1;
+            }
+            assert!(
+                two.submit(&launch(k), &tables).expect("submit"),
+                "launch {k} was not taken in flight"
+            );
+            inflight += 1;
+        }
+        while inflight > 0 {
+            finish(&mut two, &mut got);
+            inflight -= 1;
+        }
+        assert!(two.finish().is_none(), "nothing is left in flight");
+        for (w, g) in want.iter().zip(&got) {
+            assert_eq!(w, g, "launch {} (eager: {eager})", w.seq);
+        }
+        assert_eq!(got.len(), steps);
+        for (slot, n) in [(3, 1 + (steps - 1) / 2), (4, 1 + (steps - 2) / 2)] {
+            let samples = want.iter().flat_map(|c| &c.sampled);
+            let count = samples.filter(|s| s.req.slot == slot).count();
+            assert_eq!(count, n, "guided slot {slot}'s samples");
+        }
+    }
 }

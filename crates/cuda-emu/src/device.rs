@@ -5,8 +5,14 @@
 //!   address is the host address. Every allocation is followed by [`CANARY_BYTES`] of a fixed
 //!   pattern, checked at every synchronization point and at free: a kernel or copy that writes
 //!   past the end of a buffer is reported as an error naming the allocation.
-//! - **Stream**: one in-order stream, executed eagerly: an `*_async` call or a launch has run
-//!   when it returns (a valid schedule of a single stream). Fences are therefore no-ops.
+//! - **Stream**: one in-order stream, executed eagerly by default: an `*_async` call or a
+//!   launch has run when it returns (a valid schedule of a single stream), so fences are
+//!   no-ops. [`EmuDevice::set_deferred`] switches to the other extreme: nothing enqueued runs
+//!   until something waits for it (a fence wait runs the stream up to that fence's record; a
+//!   synchronous copy, `synchronize`, a free or a capture runs all of it). A host buffer the
+//!   host rewrites before the fence of the copy that reads it then shows up as wrong data,
+//!   and a host read of results before their fence reads stale bytes: the two ways a caller
+//!   that keeps several launches in flight can get its buffers wrong.
 //! - **Kernels**: [`crate::launch`] runs the CUDA C kernels of `kernels/` for the device's
 //!   dtype under the fiber emulator; it checks the parameter count against the kernel's
 //!   signature.
@@ -50,6 +56,13 @@ enum Op {
 
 #[derive(Default)]
 struct State {
+    /// Deferred mode ([`EmuDevice::set_deferred`]): the stream's enqueued, not yet run work.
+    deferred: Option<std::collections::VecDeque<Op>>,
+    /// Operations enqueued and operations run in deferred mode (stream positions).
+    enqueued: u64,
+    executed: u64,
+    /// Stream position of each fence's last record.
+    fences: [u64; baton_cuda::FENCE_FRAMES],
     /// Device allocations: address -> requested bytes.
     allocs: HashMap<u64, usize>,
     /// Host (pinned) allocations: address -> bytes.
@@ -155,8 +168,55 @@ impl EmuDevice {
                 c.push(op);
                 return Ok(());
             }
+            if let Some(q) = st.deferred.as_mut() {
+                q.push_back(op);
+                st.enqueued += 1;
+                return Ok(());
+            }
         }
         self.run(&op)
+    }
+
+    /// Switches deferred execution on or off (see the module docs); switching off first runs
+    /// whatever is enqueued.
+    ///
+    /// # Errors
+    /// A failure of the work run while switching off.
+    pub fn set_deferred(&self, on: bool) -> Result<(), CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
+        let mut st = self.lock();
+        st.deferred = on.then(Default::default);
+        Ok(())
+    }
+
+    /// Runs deferred work in stream order until `upto` operations have run (all of it for
+    /// `u64::MAX`). The first failure is returned and the rest of the queue dropped, as a
+    /// CUDA stream stops at a sticky error.
+    fn run_enqueued(&self, upto: u64) -> Result<(), CudaWorkerError> {
+        loop {
+            let op = {
+                let mut st = self.lock();
+                if st.executed >= upto {
+                    return Ok(());
+                }
+                match st.deferred.as_mut().and_then(|q| q.pop_front()) {
+                    Some(op) => {
+                        st.executed += 1;
+                        op
+                    }
+                    None => return Ok(()),
+                }
+            };
+            if let Err(e) = self.run(&op) {
+                let mut st = self.lock();
+                if let Some(q) = st.deferred.as_mut() {
+                    let dropped = q.len() as u64;
+                    q.clear();
+                    st.executed += dropped;
+                }
+                return Err(e);
+            }
+        }
     }
 
     fn run(&self, op: &Op) -> Result<(), CudaWorkerError> {
@@ -323,6 +383,10 @@ impl Device for EmuDevice {
     }
 
     unsafe fn free(&self, ptr: DevPtr) {
+        // cuMemFree waits for the work that may use the allocation; so does this.
+        if let Err(e) = self.run_enqueued(u64::MAX) {
+            panic!("deferred work failed before a free: {e}");
+        }
         let mut st = self.lock();
         if let Err(e) = self.check_canaries(&st, "free") {
             // A free has no error path: fail loudly in tests rather than hide corruption.
@@ -351,6 +415,9 @@ impl Device for EmuDevice {
     }
 
     unsafe fn free_host(&self, ptr: *mut u8) {
+        if let Err(e) = self.run_enqueued(u64::MAX) {
+            panic!("deferred work failed before a host free: {e}");
+        }
         if let Some(bytes) = self.lock().host.remove(&(ptr as usize)) {
             if let Ok(l) = Layout::from_size_align(bytes, ALIGN) {
                 // SAFETY: allocated by `alloc_host` with this layout, freed once.
@@ -360,12 +427,14 @@ impl Device for EmuDevice {
     }
 
     unsafe fn copy_htod(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
         // SAFETY: Device::copy_htod's contract.
         unsafe { std::ptr::copy(src.as_ptr(), dst as *mut u8, src.len()) };
         self.check_canaries(&self.lock(), "copy_htod")
     }
 
     unsafe fn copy_dtoh(&self, dst: &mut [u8], src: DevPtr) -> Result<(), CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
         // SAFETY: Device::copy_dtoh's contract.
         unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
@@ -426,23 +495,37 @@ impl Device for EmuDevice {
     }
 
     fn synchronize(&self) -> Result<(), CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
         self.check_canaries(&self.lock(), "synchronize")
     }
 
-    /// Work runs at enqueue, so the fence has passed when it is recorded; with step timing
-    /// on it closes the step's wall-clock interval.
-    fn record_fence(&self) -> Result<(), CudaWorkerError> {
-        if let Some((Some(t0), ms)) = self.lock().step_timing.as_mut() {
+    /// Eager: work runs at enqueue, so the fence has passed when it is recorded; with step
+    /// timing on it closes the step's wall-clock interval. Deferred: notes the stream
+    /// position the fence's wait runs up to.
+    fn record_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {
+        let mut st = self.lock();
+        let at = st.enqueued;
+        *st.fences
+            .get_mut(frame)
+            .ok_or_else(|| err("record_fence", format!("no fence frame {frame}")))? = at;
+        if let Some((Some(t0), ms)) = st.step_timing.as_mut() {
             *ms = Some(t0.elapsed().as_secs_f64() * 1e3);
         }
         Ok(())
     }
 
-    fn wait_fence(&self) -> Result<(), CudaWorkerError> {
+    fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {
+        let at = *self
+            .lock()
+            .fences
+            .get(frame)
+            .ok_or_else(|| err("wait_fence", format!("no fence frame {frame}")))?;
+        self.run_enqueued(at)?;
         self.check_canaries(&self.lock(), "fence")
     }
 
     fn begin_capture(&self) -> Result<(), CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
         let mut st = self.lock();
         if st.capture.is_some() {
             return Err(err("begin_capture", "already capturing"));
@@ -468,10 +551,18 @@ impl Device for EmuDevice {
                 return Err(err("launch_graph", "graph launch during capture"));
             }
             st.graph_launches += 1;
-            st.graphs
+            let ops = st
+                .graphs
                 .get(graph)
                 .cloned()
-                .ok_or_else(|| err("launch_graph", format!("no graph {graph}")))?
+                .ok_or_else(|| err("launch_graph", format!("no graph {graph}")))?;
+            if let Some(q) = st.deferred.as_mut() {
+                let n = ops.len() as u64;
+                q.extend(ops);
+                st.enqueued += n;
+                return Ok(());
+            }
+            ops
         };
         for op in &ops {
             self.run(op)?;
@@ -642,6 +733,43 @@ mod tests {
         d.begin_capture().unwrap();
         assert!(d.alloc_zeroed(16).is_err(), "no allocation while capturing");
         d.end_capture().unwrap();
+    }
+
+    #[test]
+    fn a_deferred_stream_runs_at_its_fences_and_reads_host_sources_then() {
+        let d = EmuDevice::new(Dtype::F32, 1 << 20);
+        let (a, b) = (d.alloc_host(16).unwrap(), d.alloc_host(16).unwrap());
+        let (back_a, back_b) = (d.alloc_host(16).unwrap(), d.alloc_host(16).unwrap());
+        let (da, db) = (d.alloc_zeroed(16).unwrap(), d.alloc_zeroed(16).unwrap());
+        d.set_deferred(true).unwrap();
+        // SAFETY: every buffer holds 16 bytes and lives until the device is dropped.
+        unsafe {
+            std::ptr::write_bytes(a, 1, 16);
+            d.copy_htod_async(da, a, 16).unwrap();
+            d.copy_dtoh_async(back_a, da, 16).unwrap();
+            d.record_fence(1).unwrap();
+            std::ptr::write_bytes(b, 2, 16);
+            d.copy_htod_async(db, b, 16).unwrap();
+            d.copy_dtoh_async(back_b, db, 16).unwrap();
+            d.record_fence(0).unwrap();
+            // The host rewrites the first launch's source before its fence: the copy, which
+            // has not run yet, reads the new bytes (the bug this mode exists to expose).
+            std::ptr::write_bytes(a, 3, 16);
+            assert_eq!(*back_a, 0, "nothing runs before a wait");
+            d.wait_fence(1).unwrap();
+            assert_eq!(
+                *back_a, 3,
+                "the copy ran at the wait, from the rewritten source"
+            );
+            assert_eq!(
+                *back_b, 0,
+                "fence 1's wait ran only the work recorded before it"
+            );
+            d.wait_fence(0).unwrap();
+            assert_eq!(*back_b, 2);
+        }
+        assert!(d.wait_fence(2).is_err(), "only FENCE_FRAMES fences");
+        d.set_deferred(false).unwrap();
     }
 
     #[test]

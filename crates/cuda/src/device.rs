@@ -160,10 +160,13 @@ pub trait Device: Send + Sync {
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), CudaWorkerError>;
     /// Waits until the stream is idle.
     fn synchronize(&self) -> Result<(), CudaWorkerError>;
-    /// Records the fence (a CUDA event) after everything enqueued so far.
-    fn record_fence(&self) -> Result<(), CudaWorkerError>;
-    /// Waits until the last recorded fence has passed.
-    fn wait_fence(&self) -> Result<(), CudaWorkerError>;
+    /// Records fence `frame` (a CUDA event; `frame < FENCE_FRAMES`) after everything
+    /// enqueued so far. Each frame is one launch in flight: recording a frame again moves it
+    /// to the new point of the stream.
+    fn record_fence(&self, frame: usize) -> Result<(), CudaWorkerError>;
+    /// Waits until the last record of fence `frame` has passed (everything enqueued before it
+    /// is complete, host copies included).
+    fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError>;
     /// Starts capturing the stream's work into a graph (the stream must be idle).
     fn begin_capture(&self) -> Result<(), CudaWorkerError>;
     /// Ends the capture begun by [`Device::begin_capture`] and instantiates the graph. Always
@@ -223,14 +226,15 @@ pub const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// A CUDA device through cudarc: one context, one created stream (never the legacy default
 /// stream), the kernels of one [`Dtype`] compiled with NVRTC for the device's architecture,
-/// a cuBLAS handle on the stream with its own workspace, and one event as the fence.
+/// a cuBLAS handle on the stream with its own workspace, and [`FENCE_FRAMES`] events as the
+/// fences.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     cublas: cublas_sys::cublasHandle_t,
     workspace: DevPtr,
     functions: HashMap<&'static str, CudaFunction>,
-    fence: CudaEvent,
+    fences: Vec<CudaEvent>,
     graphs: Mutex<Vec<cu::CUgraphExec>>,
     /// Event pairs around each call while profiling.
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -244,6 +248,10 @@ pub struct CudaDevice {
     /// `kernels/common.cuh`): compute capability 9.0 or newer, unless [`NO_PDL_ENV`] is set.
     pdl: bool,
 }
+
+/// Fences a [`Device`] keeps: how many launches the executor can have in flight at once (one
+/// fence per launch, see `CudaWorker::submit`).
+pub const FENCE_FRAMES: usize = 2;
 
 /// Set (to anything but `0` or empty) to launch kernels without programmatic dependent launch,
 /// for A/B measurements (`baton bench decode`).
@@ -311,7 +319,9 @@ impl CudaDevice {
                 );
             }
         }
-        let fence = drv("cuEventCreate", ctx.new_event(None))?;
+        let fences = (0..FENCE_FRAMES)
+            .map(|_| drv("cuEventCreate", ctx.new_event(None)))
+            .collect::<Result<Vec<_>, _>>()?;
         let cublas =
             cudarc::cublas::result::create_handle().map_err(|e| CudaWorkerError::Cublas {
                 what: "cublasCreate",
@@ -323,7 +333,7 @@ impl CudaDevice {
             cublas,
             workspace: 0,
             functions,
-            fence,
+            fences,
             graphs: Mutex::new(Vec::new()),
             profile: Mutex::new(None),
             step_timing: Mutex::new(None),
@@ -413,6 +423,16 @@ impl CudaDevice {
             p.push((label(), start, end));
         }
         Ok(())
+    }
+
+    /// Fence `frame`, or an error naming the bad index.
+    fn fence(&self, frame: usize) -> Result<&CudaEvent, CudaWorkerError> {
+        self.fences
+            .get(frame)
+            .ok_or_else(|| CudaWorkerError::Device {
+                what: "fence",
+                msg: format!("no fence frame {frame} (the device keeps {FENCE_FRAMES})"),
+            })
     }
 
     /// The device's architecture, e.g. `"sm_90"`.
@@ -670,7 +690,8 @@ impl Device for CudaDevice {
         drv("cuStreamSynchronize", self.stream.synchronize())
     }
 
-    fn record_fence(&self) -> Result<(), CudaWorkerError> {
+    fn record_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {
+        let fence = self.fence(frame)?;
         if let Some((_, end)) = self
             .step_timing
             .lock()
@@ -679,11 +700,11 @@ impl Device for CudaDevice {
         {
             drv("cuEventRecord", end.record(&self.stream))?;
         }
-        drv("cuEventRecord", self.fence.record(&self.stream))
+        drv("cuEventRecord", fence.record(&self.stream))
     }
 
-    fn wait_fence(&self) -> Result<(), CudaWorkerError> {
-        drv("cuEventSynchronize", self.fence.synchronize())
+    fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {
+        drv("cuEventSynchronize", self.fence(frame)?.synchronize())
     }
 
     fn begin_capture(&self) -> Result<(), CudaWorkerError> {

@@ -28,6 +28,17 @@
 //!    returns the completion only after that event completed (`cuEventSynchronize`), so the
 //!    caller advances `released` only past fenced launches.
 //!
+//! **Two launches in flight** (`Backend::submit` / `Backend::finish`, which the worker daemon
+//! uses): `submit` does steps 1-4 without the wait and `finish` waits for the oldest launch's
+//! fence and reads its ids, so the host stages launch n + 1 while the device runs launch n and
+//! the device goes from one to the next without a host round trip. Everything the host writes
+//! for a launch or reads back from it lives in that launch's pinned [`HostFrame`] (one per
+//! fence, [`FENCE_FRAMES`]); a frame is written again only after its launch's fence has passed
+//! (finished, or waited for before the penalty or mask buffers grow). Device-side buffers
+//! (staging, outputs, activations) are shared: the stream orders each launch's use of them
+//! after the previous launch's. A launch whose rows score prompt tokens runs only through
+//! `execute` (its scoring reads the logits after the fence).
+//!
 //! Decode-only launches of up to the largest bucket replay a CUDA graph captured at start-up
 //! for the smallest bucket that holds them (`--enforce-eager` turns this off). The graphs read
 //! the staging buffer's fixed device addresses, so step 1 is all a replay needs.
@@ -36,7 +47,7 @@
 //! `baton-cuda-emu` in tests. Status: runs and matches the CPU reference on the emulator; NOT
 //! RUN ON A GPU YET (see the crate docs).
 
-use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned};
+use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned, FENCE_FRAMES};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
 use crate::plan::{
@@ -235,17 +246,26 @@ struct Ring {
 
 impl Ring {
     /// The ring slot the next launch writes its ids into. Whatever launch held it is
-    /// forgotten now, before the slot is overwritten; the new launch is recorded only by
-    /// [`Ring::commit`], once its fence has passed, so a failed launch is never a source.
+    /// forgotten now, before the slot is overwritten (it is at least `KEPT_LAUNCHES`
+    /// launches old, more than can be in flight); the new launch is recorded only by
+    /// [`Ring::commit`], once all its work is enqueued, and a launch whose fence then fails
+    /// is dropped by [`Ring::forget`], so a failed launch is never a source for a launch
+    /// staged after the failure.
     fn reserve(&mut self) -> usize {
         let slot = self.pushes % KEPT_LAUNCHES;
         self.pushes += 1;
         self.launches.retain(|l| l.1 != slot);
         slot
     }
-    /// Records that launch `seq` completed with its ids in `slot` (from [`Ring::reserve`]).
+    /// Records that launch `seq` was enqueued whole with its ids going to `slot` (from
+    /// [`Ring::reserve`]). Later launches' pending rows may name it from now on: they read
+    /// the slot after it on the stream.
     fn commit(&mut self, seq: LaunchSeq, slot: usize, sampled: Vec<bool>) {
         self.launches.push_back((seq, slot, sampled));
+    }
+    /// Drops launch `seq` (its fence failed): no later launch may take ids from it.
+    fn forget(&mut self, seq: LaunchSeq) {
+        self.launches.retain(|l| l.0 != seq);
     }
     #[cfg(test)]
     fn push(&mut self, seq: LaunchSeq, sampled: Vec<bool>) -> usize {
@@ -353,12 +373,20 @@ pub struct CudaWorker {
     acts: Buf,
     act_off: ActOffsets,
     staging_dev: Buf,
-    staging_host: Pinned,
     layout: StagingLayout,
-    /// Penalty entries of the current launch (device and pinned host, `pen_cap` entries each;
-    /// reallocated larger when a launch needs more, see [`CudaWorker::reserve_penalties`]).
+    /// The pinned host buffers of each launch in flight, one frame per fence
+    /// ([`FENCE_FRAMES`]); see [`HostFrame`].
+    frames: Vec<HostFrame>,
+    /// Launches enqueued so far: launch `k` uses frame `k % FENCE_FRAMES` and fence frame
+    /// of the same index.
+    enqueued: usize,
+    /// Launches submitted ([`CudaWorker::submit_launch`]) whose completion has not been
+    /// taken ([`CudaWorker::finish_oldest`]), oldest first.
+    inflight: VecDeque<InFlight>,
+    /// Penalty entries of the current launch (device, and the frames' pinned host buffers,
+    /// `pen_cap` entries each; reallocated larger when a launch needs more, see
+    /// [`CudaWorker::reserve_penalties`]).
     pen_dev: Buf,
-    pen_host: Pinned,
     pen_cap: usize,
     /// Entries the current launch uses.
     pen_used: usize,
@@ -368,7 +396,6 @@ pub struct CudaWorker {
     /// `mask_cap` u32 words each; reallocated larger when a launch needs more, see
     /// [`CudaWorker::reserve_masks`]).
     mask_dev: Buf,
-    mask_host: Pinned,
     mask_cap: usize,
     /// Words the current launch uses (0: no row has a mask; nothing is uploaded).
     mask_used: usize,
@@ -377,7 +404,6 @@ pub struct CudaWorker {
     /// One row's mask as read from the tables (host scratch).
     mask_row: Vec<u32>,
     out_dev: Buf,
-    out_host: Pinned,
     ring: Buf,
     ring_host: Ring,
     graphs: HashMap<usize, GraphId>,
@@ -392,6 +418,36 @@ pub struct CudaWorker {
     prompt_out: Vec<u8>,
     /// The last launch's scored prompt positions, in row then position order.
     prompt_scores: Vec<PromptScore>,
+}
+
+/// The pinned host side of one launch: what the host writes for the device to read (staging,
+/// penalty entries, token masks) and where the device leaves the sampled ids. A launch owns
+/// its frame from staging until its fence has passed; only then may the host write the frame
+/// again (for a later launch) or trust what it reads there.
+struct HostFrame {
+    /// Staged inputs (`StagingLayout::total` bytes), uploaded by one async copy.
+    staging: Pinned,
+    /// Penalty entries (`pen_cap` of them).
+    pen: Pinned,
+    /// Token-mask words (`mask_cap` of them).
+    mask: Pinned,
+    /// The sampler outputs ([`OutOffsets`]), copied back before the fence.
+    out: Pinned,
+}
+
+/// A launch submitted and not yet finished (see [`CudaWorker::submit_launch`]).
+struct InFlight {
+    /// Its fence frame (and host frame).
+    frame: usize,
+    /// The launch record, for the completion.
+    launch: Launch,
+}
+
+/// What [`CudaWorker::enqueue_rows`] leaves for the wait: the launch's frame and where each
+/// row's tokens start (`[rows + 1]`, unpadded).
+struct Enqueued {
+    frame: usize,
+    cu_seqlens: Vec<i32>,
 }
 
 /// Byte offsets of the activation buffers inside [`CudaWorker::acts`].
@@ -424,7 +480,7 @@ struct ActOffsets {
 /// [`SAMPLER_TOP_SLOTS`] top ids and log-probabilities.
 const SCORE_OUT_BYTES_PER_ROW: usize = 4 * (2 + 2 * SAMPLER_TOP_SLOTS);
 
-/// Byte offsets of the sampler outputs inside `out_dev` / `out_host`.
+/// Byte offsets of the sampler outputs inside `out_dev` / [`HostFrame::out`].
 #[derive(Clone, Copy, Debug)]
 struct OutOffsets {
     tokens: usize,
@@ -939,16 +995,22 @@ impl CudaWorker {
             (bp.acts, bp.staging, bp.out, bp.rows, bp.max_partitions);
         let acts = alloc(a.total)?;
         let staging_dev = alloc(layout.total)?;
-        let staging_host = Pinned::new(&dev, layout.total)?;
         let out_dev = alloc(oo.total)?;
-        let out_host = Pinned::new(&dev, oo.total)?;
         let ring = alloc(4 * KEPT_LAUNCHES * r)?;
         let pen_cap = bp.penalty_entries;
         let pen_dev = alloc(PENALTY_ENTRY_BYTES * pen_cap)?;
-        let pen_host = Pinned::new(&dev, PENALTY_ENTRY_BYTES * pen_cap)?;
         let mask_cap = bp.mask_words;
         let mask_dev = alloc(4 * mask_cap)?;
-        let mask_host = Pinned::new(&dev, 4 * mask_cap)?;
+        let frames = (0..FENCE_FRAMES)
+            .map(|_| {
+                Ok(HostFrame {
+                    staging: Pinned::new(&dev, layout.total)?,
+                    pen: Pinned::new(&dev, PENALTY_ENTRY_BYTES * pen_cap)?,
+                    mask: Pinned::new(&dev, 4 * mask_cap)?,
+                    out: Pinned::new(&dev, oo.total)?,
+                })
+            })
+            .collect::<Result<Vec<_>, CudaWorkerError>>()?;
 
         // KV pool.
         let num_blocks = Self::plan_kv_blocks(&cfg, &opts, free_before, total_mem)?;
@@ -973,15 +1035,15 @@ impl CudaWorker {
             acts,
             act_off: a,
             staging_dev,
-            staging_host,
             layout,
+            frames,
+            enqueued: 0,
+            inflight: VecDeque::new(),
             pen_dev,
-            pen_host,
             pen_cap,
             pen_used: 0,
             histories: PenaltyHistories::new(),
             mask_dev,
-            mask_host,
             mask_cap,
             mask_used: 0,
             masks: TokenMasks::default(),
@@ -989,7 +1051,6 @@ impl CudaWorker {
             prompt_out: Vec::new(),
             prompt_scores: Vec::new(),
             out_dev,
-            out_host,
             ring,
             ring_host: Ring::default(),
             graphs: HashMap::new(),
@@ -1732,22 +1793,34 @@ impl CudaWorker {
         Ok(())
     }
 
-    /// Makes room for `n` penalty entries: when the buffers hold fewer, replaces them with
-    /// buffers of `max(n, 2 * capacity)` entries. Only called between launches (every earlier
-    /// launch has passed its fence), so no copy or kernel still uses the old buffers; captured
-    /// graphs read the new address from the staging buffer.
+    /// Waits for the fence of every launch in flight (their completions stay to be taken:
+    /// the wait only makes their buffers free to replace).
+    fn wait_in_flight(&self) -> Result<(), CudaWorkerError> {
+        for f in &self.inflight {
+            self.dev.wait_fence(f.frame)?;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `n` penalty entries: when the buffers hold fewer, replaces them (the
+    /// device buffer and every frame's host buffer) with buffers of `max(n, 2 * capacity)`
+    /// entries. Called before the launch is staged, after waiting for the launches in flight,
+    /// so no copy or kernel still uses the old buffers; captured graphs read the new address
+    /// from the staging buffer.
     ///
     /// # Errors
-    /// Allocation failures (out of device or pinned memory).
+    /// Allocation failures (out of device or pinned memory); a failed fence wait.
     fn reserve_penalties(&mut self, n: usize) -> Result<(), CudaWorkerError> {
         if n <= self.pen_cap {
             return Ok(());
         }
+        self.wait_in_flight()?;
         let cap = n.max(2 * self.pen_cap);
         let dev = Buf::new(&self.dev, PENALTY_ENTRY_BYTES * cap)?;
-        let host = Pinned::new(&self.dev, PENALTY_ENTRY_BYTES * cap)?;
+        for f in &mut self.frames {
+            f.pen = Pinned::new(&self.dev, PENALTY_ENTRY_BYTES * cap)?;
+        }
         self.pen_dev = dev;
-        self.pen_host = host;
         self.pen_cap = cap;
         Ok(())
     }
@@ -1761,29 +1834,47 @@ impl CudaWorker {
         if n <= self.mask_cap {
             return Ok(());
         }
+        self.wait_in_flight()?;
         let cap = n.max(2 * self.mask_cap);
         let dev = Buf::new(&self.dev, 4 * cap)?;
-        let host = Pinned::new(&self.dev, 4 * cap)?;
+        for f in &mut self.frames {
+            f.mask = Pinned::new(&self.dev, 4 * cap)?;
+        }
         self.mask_dev = dev;
-        self.mask_host = host;
         self.mask_cap = cap;
         Ok(())
     }
 
-    /// Copies the staging host buffer to the device (async, on the stream).
-    /// Uploads the staged inputs of a launch of `num_rows` rows (after padding): the prefix
-    /// of the staging buffer those rows use.
-    fn upload_staging(&self, num_rows: usize) -> Result<(), CudaWorkerError> {
+    /// Uploads the staged inputs of a launch of `num_rows` rows (after padding) from frame
+    /// `frame`: the prefix of the staging buffer those rows use (async, on the stream).
+    fn upload_staging(&self, frame: usize, num_rows: usize) -> Result<(), CudaWorkerError> {
         // SAFETY: both buffers are `layout.total` >= `used_bytes` bytes; the host side is
-        // pinned and is not written again before the fence of this launch (execute
-        // synchronizes before returning, also on an error).
+        // pinned and belongs to this launch until its fence has passed (HostFrame). The
+        // device side is read only by work enqueued after this copy, and the next launch's
+        // upload is ordered after it on the stream.
         unsafe {
             self.dev.copy_htod_async(
                 self.staging_dev.ptr,
-                self.staging_host.ptr,
+                self.frames[frame].staging.ptr,
                 self.layout.used_bytes(num_rows),
             )
         }
+    }
+
+    /// The frame the next enqueued launch uses, or an error when its previous launch is
+    /// still in flight (more than `FENCE_FRAMES - 1` launches unfinished).
+    fn next_frame(&self) -> Result<usize, CudaWorkerError> {
+        let frame = self.enqueued % FENCE_FRAMES;
+        if self.inflight.iter().any(|f| f.frame == frame) {
+            return Err(CudaWorkerError::Device {
+                what: "launch",
+                msg: format!(
+                    "{} launches in flight; finish one before enqueuing another",
+                    self.inflight.len()
+                ),
+            });
+        }
+        Ok(frame)
     }
 
     /// Captures one decode graph per bucket, largest first, after an eager warm-up.
@@ -1813,10 +1904,11 @@ impl CudaWorker {
                 mask_table: self.mask_dev.ptr,
             };
             let layout = self.layout;
+            let frame = self.next_frame()?;
             layout
-                .fill(self.staging_host.bytes_mut(), &inputs)
+                .fill(self.frames[frame].staging.bytes_mut(), &inputs)
                 .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
-            self.upload_staging(b)?;
+            self.upload_staging(frame, b)?;
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
             self.enqueue_forward(b, b, AttnMode::Decode, None, true)?;
             self.dev.synchronize()?;
@@ -1832,11 +1924,10 @@ impl CudaWorker {
         Ok(())
     }
 
-    /// Runs `rows` as launch `seq`: stages the inputs, resolves pending ids on the device,
-    /// runs the forward pass (a graph replay for decode batches with a bucket), samples,
-    /// fences. Returns the sampled id per row (`u32::MAX` for rows that do not sample) and
-    /// each row's log-probability and top entries. `masks` holds the token masks of the
-    /// guided rows (empty: none).
+    /// Runs `rows` as launch `seq` through its fence ([`CudaWorker::enqueue_rows`], then the
+    /// wait, then the prompt scores of rows that ask for them). Returns the sampled id per
+    /// row (`u32::MAX` for rows that do not sample) and each row's log-probability and top
+    /// entries. `masks` holds the token masks of the guided rows (empty: none).
     fn run_rows(
         &mut self,
         seq: LaunchSeq,
@@ -1844,7 +1935,36 @@ impl CudaWorker {
         masks: &TokenMasks,
         dumps: Option<&mut Dumps>,
     ) -> Result<Vec<RowOutput>, WorkerError> {
+        let e = self.enqueue_rows(seq, rows, masks, dumps)?;
+        if let Err(err) = self.dev.wait_fence(e.frame) {
+            self.ring_host.forget(seq);
+            return Err(dev_err(err));
+        }
+        self.prompt_scores.clear();
+        if rows.iter().any(|r| !r.scored.is_empty()) {
+            self.score_prompts(rows, &e.cu_seqlens).map_err(dev_err)?;
+        }
+        Ok(self.read_outputs(
+            e.frame,
+            rows.iter().map(|r| (r.sample, r.params.top_logprobs)),
+        ))
+    }
+
+    /// Enqueues `rows` as launch `seq` without waiting: stages the inputs in the next host
+    /// frame, resolves pending ids on the device, runs the forward pass (a graph replay for
+    /// decode batches with a bucket), samples, copies the ids back and records the frame's
+    /// fence. The launch's ids are in the device ring from here on (later launches' pending
+    /// rows may name it: they read it in stream order); until its fence has passed, its
+    /// frame is not touched.
+    fn enqueue_rows(
+        &mut self,
+        seq: LaunchSeq,
+        rows: &[RowInput],
+        masks: &TokenMasks,
+        dumps: Option<&mut Dumps>,
+    ) -> Result<Enqueued, WorkerError> {
         self.bind().map_err(dev_err)?;
+        let frame = self.next_frame().map_err(dev_err)?;
         let n_rows = rows.len();
         let vocab = self.cfg.vocab_size;
         for (i, r) in rows.iter().enumerate() {
@@ -1921,7 +2041,7 @@ impl CudaWorker {
             .map_err(|e| WorkerError::Forward(e.to_string()))?;
         }
         self.reserve_penalties(entries.len()).map_err(dev_err)?;
-        put_entries(self.pen_host.bytes_mut(), &entries);
+        put_entries(self.frames[frame].pen.bytes_mut(), &entries);
         self.pen_used = entries.len();
         // Structured outputs: upload only the guided rows' masks, and none when no row has one.
         let mut mask_rows = Vec::new();
@@ -1930,7 +2050,7 @@ impl CudaWorker {
             assert_eq!(masks.rows.len(), n_rows, "one mask index per row");
             self.reserve_masks(masks.words.len()).map_err(dev_err)?;
             let b: &[u8] = bytemuck::cast_slice(&masks.words);
-            self.mask_host.bytes_mut()[..b.len()].copy_from_slice(b);
+            self.frames[frame].mask.bytes_mut()[..b.len()].copy_from_slice(b);
             self.mask_used = masks.words.len();
             mask_rows.clone_from(&masks.rows);
         }
@@ -1963,37 +2083,43 @@ impl CudaWorker {
         };
         let layout = self.layout;
         layout
-            .fill(self.staging_host.bytes_mut(), &inputs)
+            .fill(self.frames[frame].staging.bytes_mut(), &inputs)
             .map_err(|e: CapacityError| WorkerError::Forward(e.to_string()))?;
         let slot = self.ring_host.reserve();
-        let done = self.run_staged(&inputs, rows, bucket, run_rows, decode, slot, dumps);
+        self.enqueued += 1;
+        let done = self.run_staged(&inputs, rows, bucket, run_rows, decode, frame, slot, dumps);
         if done.is_err() {
-            // Drain what was queued before the failure, so the next launch does not refill
-            // the pinned staging buffer under a copy still in flight.
+            // Drain what was queued before the failure, so no later launch refills a pinned
+            // buffer under a copy still in flight.
             let _ = self.dev.synchronize();
         }
         done.map_err(dev_err)?;
         self.ring_host
             .commit(seq, slot, rows.iter().map(|r| r.sample).collect());
-        self.prompt_scores.clear();
-        if rows.iter().any(|r| !r.scored.is_empty()) {
-            self.score_prompts(rows, &inputs.plan.cu_seqlens)
-                .map_err(dev_err)?;
-        }
+        let mut cu_seqlens = inputs.plan.cu_seqlens;
+        cu_seqlens.truncate(n_rows + 1);
+        Ok(Enqueued { frame, cu_seqlens })
+    }
 
+    /// The sampler outputs of a launch whose fence (frame `frame`) has passed: per row,
+    /// given `(samples, top_logprobs)`, the sampled id (`u32::MAX` for a row that does not
+    /// sample), its log-probability and its top entries.
+    fn read_outputs(
+        &self,
+        frame: usize,
+        rows: impl Iterator<Item = (bool, u32)>,
+    ) -> Vec<RowOutput> {
         let o = out_offsets(self.layout.max_rows);
-        let host = self.out_host.bytes();
+        let host = self.frames[frame].out.bytes();
         let rd_u32 =
             |at: usize| u32::from_le_bytes([host[at], host[at + 1], host[at + 2], host[at + 3]]);
         let rd_f32 = |at: usize| f32::from_bits(rd_u32(at));
-        Ok(rows
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                if !r.sample {
+        rows.enumerate()
+            .map(|(i, (sample, top_logprobs))| {
+                if !sample {
                     return (u32::MAX, 0.0, Vec::new());
                 }
-                let n_top = (r.params.top_logprobs as usize).min(SAMPLER_TOP_SLOTS);
+                let n_top = (top_logprobs as usize).min(SAMPLER_TOP_SLOTS);
                 let top = (0..n_top)
                     .map(|j| {
                         let k = i * SAMPLER_TOP_SLOTS + j;
@@ -2003,7 +2129,7 @@ impl CudaWorker {
                     .collect();
                 (rd_u32(o.tokens + 4 * i), rd_f32(o.logprob + 4 * i), top)
             })
-            .collect())
+            .collect()
     }
 
     /// Prompt log-probabilities of the rows that score prompt tokens (`RowInput::scored`),
@@ -2103,9 +2229,10 @@ impl CudaWorker {
         Ok(())
     }
 
-    /// The device part of [`CudaWorker::run_rows`] once the inputs are staged on the host:
-    /// upload, pending ids, the forward pass (graph replay or eager), sampled ids into ring
-    /// `slot` and to the pinned host buffer, then the fence, waited on.
+    /// The device part of [`CudaWorker::enqueue_rows`] once the inputs are staged in host
+    /// frame `frame`: upload, pending ids, the forward pass (graph replay or eager), sampled
+    /// ids into ring `slot` and to the frame's pinned output buffer, then the frame's fence
+    /// (recorded, not waited on).
     #[allow(clippy::too_many_arguments)]
     fn run_staged(
         &mut self,
@@ -2114,29 +2241,31 @@ impl CudaWorker {
         bucket: Option<usize>,
         run_rows: usize,
         decode: bool,
+        frame: usize,
         slot: usize,
         dumps: Option<&mut Dumps>,
     ) -> Result<(), CudaWorkerError> {
         let t = inputs.plan.num_tokens();
         self.dev.mark_step_start()?;
-        self.upload_staging(inputs.plan.num_rows())?;
+        self.upload_staging(frame, inputs.plan.num_rows())?;
+        let f = &self.frames[frame];
         if self.pen_used > 0 {
-            // SAFETY: both buffers hold `pen_cap >= pen_used` entries; the pinned side is not
-            // written again before this launch's fence (as for the staging buffer).
+            // SAFETY: both buffers hold `pen_cap >= pen_used` entries; the pinned side
+            // belongs to this launch until its fence (as the staging buffer); the device side
+            // is rewritten only by a later launch's copy, ordered after this launch's sampler.
             unsafe {
                 self.dev.copy_htod_async(
                     self.pen_dev.ptr,
-                    self.pen_host.ptr,
+                    f.pen.ptr,
                     PENALTY_ENTRY_BYTES * self.pen_used,
                 )
             }?;
         }
         if self.mask_used > 0 {
-            // SAFETY: both buffers hold `mask_cap >= mask_used` words; the pinned side is not
-            // written again before this launch's fence (as for the staging buffer).
+            // SAFETY: both buffers hold `mask_cap >= mask_used` words; as for the penalties.
             unsafe {
                 self.dev
-                    .copy_htod_async(self.mask_dev.ptr, self.mask_host.ptr, 4 * self.mask_used)
+                    .copy_htod_async(self.mask_dev.ptr, f.mask.ptr, 4 * self.mask_used)
             }?;
         }
         if !inputs.pending.is_empty() {
@@ -2184,15 +2313,15 @@ impl CudaWorker {
                 4 * n_rows,
             )
         }?;
-        // SAFETY: the pinned host buffer has the same layout and size as out_dev; it is not
-        // read before the fence below has passed.
+        // SAFETY: the frame's pinned output buffer has the same layout and size as out_dev;
+        // it is not read before the fence below has passed, and no other launch in flight
+        // uses this frame.
         unsafe {
             self.dev
-                .copy_dtoh_async(self.out_host.ptr, self.out_dev.ptr, o.total)
+                .copy_dtoh_async(self.frames[frame].out.ptr, self.out_dev.ptr, o.total)
         }?;
         // The fence: the launch is complete (KV written, ids in host memory) when it passes.
-        self.dev.record_fence()?;
-        self.dev.wait_fence()?;
+        self.dev.record_fence(frame)?;
         Ok(())
     }
 
@@ -2401,6 +2530,24 @@ impl CudaWorker {
     }
 }
 
+/// The sampled rows of `launch` from its per-row outputs (see [`CudaWorker::read_outputs`]).
+fn sampled_rows(launch: &Launch, out: Vec<RowOutput>) -> Vec<Sampled> {
+    launch
+        .rows
+        .iter()
+        .zip(out)
+        .enumerate()
+        .filter(|(_, (r, _))| r.sample == 1)
+        .map(|(i, (r, (token, logprob, top)))| Sampled {
+            row: i as u32,
+            req: r.req,
+            token,
+            logprob,
+            top,
+        })
+        .collect()
+}
+
 impl Backend for CudaWorker {
     fn execute(
         &mut self,
@@ -2411,21 +2558,7 @@ impl Backend for CudaWorker {
         let masks = std::mem::take(&mut self.masks);
         let out = self.run_rows(launch.seq, &rows, &masks, None);
         self.masks = masks;
-        let out = out?;
-        let sampled = launch
-            .rows
-            .iter()
-            .zip(out)
-            .enumerate()
-            .filter(|(_, (r, _))| r.sample == 1)
-            .map(|(i, (r, (token, logprob, top)))| Sampled {
-                row: i as u32,
-                req: r.req,
-                token,
-                logprob,
-                top,
-            })
-            .collect();
+        let sampled = sampled_rows(launch, out?);
         let prompt = self
             .prompt_scores
             .drain(..)
@@ -2447,6 +2580,57 @@ impl Backend for CudaWorker {
             sampled,
             prompt,
         })
+    }
+
+    /// Two ([`FENCE_FRAMES`]): while the device runs one launch the host stages the next.
+    fn max_in_flight(&self) -> usize {
+        FENCE_FRAMES
+    }
+
+    /// Resolves and enqueues `launch` in the next host frame (see
+    /// [`CudaWorker::enqueue_rows`]). Refuses (`Ok(false)`) a launch that scores prompt
+    /// tokens (its scoring runs after the fence) and any launch while every frame is taken.
+    fn submit(&mut self, launch: &Launch, tables: &dyn TableReader) -> Result<bool, WorkerError> {
+        if self.inflight.len() >= FENCE_FRAMES
+            || launch.rows.iter().any(|r| !r.scores_prompt().is_empty())
+        {
+            return Ok(false);
+        }
+        let rows = self.resolve(launch, tables)?;
+        let masks = std::mem::take(&mut self.masks);
+        let e = self.enqueue_rows(launch.seq, &rows, &masks, None);
+        self.masks = masks;
+        let e = e?;
+        self.inflight.push_back(InFlight {
+            frame: e.frame,
+            launch: launch.clone(),
+        });
+        Ok(true)
+    }
+
+    fn finish(&mut self) -> Option<(LaunchSeq, Result<Completion, WorkerError>)> {
+        let f = self.inflight.pop_front()?;
+        let seq = f.launch.seq;
+        let waited = self.bind().and_then(|()| self.dev.wait_fence(f.frame));
+        if let Err(e) = waited {
+            self.ring_host.forget(seq);
+            return Some((seq, Err(dev_err(e))));
+        }
+        let out = self.read_outputs(
+            f.frame,
+            f.launch
+                .rows
+                .iter()
+                .map(|r| (r.sample == 1, r.params.top_logprobs)),
+        );
+        Some((
+            seq,
+            Ok(Completion {
+                seq,
+                sampled: sampled_rows(&f.launch, out),
+                prompt: Vec::new(),
+            }),
+        ))
     }
 
     fn kv_capacity(&self) -> KvCapacity {

@@ -50,7 +50,7 @@ pub mod memory;
 pub mod plan;
 pub mod staging;
 
-pub use device::{CudaDevice, DevPtr, Device, Gemm, GraphId};
+pub use device::{CudaDevice, DevPtr, Device, Gemm, GraphId, FENCE_FRAMES};
 pub use executor::{CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
 pub use kernels::{
     compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
