@@ -25,6 +25,8 @@
 #      on the same weights (rounded to bf16), each layer run by the CPU from the GPU's input to
 #      it, for a batch mixing prefill chunks and decodes, then a decode-only batch (the drift
 #      accumulated from the embedding is printed beside each; it grows with depth);
+#  4c. stories260K f32 goldens through `serve --device cuda` (the worker daemon keeps two
+#      launches in flight), concurrent and alone;
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs). cuBLAS
 #      does not promise one row the same bits at batch 1 and 4, so if only this fails, rerun it
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
@@ -131,6 +133,18 @@ d = max(abs(x - y) for x, y in zip(a['token_logprobs'][1:], b['token_logprobs'][
 print(len(a['tokens']), 'positions, max |cpu - cuda| =', d)
 assert d < 1e-4
 PY"
+
+# 4c. the worker daemon with two launches in flight (session 19, never run on a GPU before):
+# stories260K in f32 through serve reproduces the goldens, 9 requests at once and 3 alone
+# (scripts/serve-goldens.py; the same script passes against the CPU worker).
+run_check 4c-goldens-through-serve-in-flight 60 bash -c "
+    set -e
+    '$BATON' serve --model '$MODEL' --device cuda --dtype f32 --port 18393 --instance gpucheck-inflight > '$OUT'/serve-inflight.log 2>&1 &
+    pid=\$!
+    for _ in \$(seq 100); do curl -sf localhost:18393/health > /dev/null && break; sleep 0.2; done
+    rc=0; python3 scripts/serve-goldens.py 18393 '$MODEL' 3 || rc=\$?
+    kill \$pid; wait \$pid || true
+    exit \$rc"
 
 # 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \
