@@ -3,8 +3,10 @@
 //!
 //! Contract: the engine publishes up to `max_inflight` launches before executing the oldest, so
 //! asynchronous scheduling (`PendingFrom` rows) runs here exactly as across processes. It
-//! reports a launch released to the scheduler only after the backend returned from it (the CPU
-//! backend's fence).
+//! reports a launch released to the scheduler only after the backend returned from it (its
+//! fence). A backend that keeps launches in flight ([`Backend::max_in_flight`] > 1: CUDA) gets
+//! the published launches submitted ahead, as the worker daemon does, and they are finished,
+//! completed and released in launch order.
 
 use baton_proto::Launch;
 use baton_scheduler::{
@@ -18,6 +20,8 @@ pub struct LocalEngine<B: Backend> {
     sched: Scheduler,
     backend: B,
     published: VecDeque<Launch>,
+    /// Launches submitted to the backend and not yet finished (see [`Backend::submit`]).
+    submitted: VecDeque<Launch>,
 }
 
 impl<B: Backend> LocalEngine<B> {
@@ -35,6 +39,7 @@ impl<B: Backend> LocalEngine<B> {
             sched: Scheduler::new_local(cfg, vocab),
             backend,
             published: VecDeque::new(),
+            submitted: VecDeque::new(),
         }
     }
 
@@ -68,18 +73,43 @@ impl<B: Backend> LocalEngine<B> {
 
     /// True when no request is live and nothing is in flight.
     pub fn is_idle(&self) -> bool {
-        self.sched.is_idle() && self.published.is_empty()
+        self.sched.is_idle() && self.published.is_empty() && self.submitted.is_empty()
     }
 
-    /// One step: publish launches up to the in-flight limit, execute the oldest through its
-    /// fence, accept its completion and report it released. Returns `false` when there was
-    /// nothing to do.
+    /// One step: publish launches up to the in-flight limit, submit them to a backend that
+    /// keeps launches in flight, then finish the oldest (or execute it through its fence),
+    /// accept its completion and report it released. Returns `false` when there was nothing
+    /// to do.
     ///
     /// # Errors
     /// A backend failure.
     pub fn step(&mut self, events: &mut Vec<Event>) -> Result<bool, WorkerError> {
         while let Some(l) = self.sched.schedule() {
             self.published.push_back(l);
+        }
+        let depth = self.backend.max_in_flight();
+        while depth > 1 && self.submitted.len() < depth {
+            let Some(l) = self.published.front() else {
+                break;
+            };
+            if !self.backend.submit(l, self.sched.tables().as_ref())? {
+                break; // runs through `execute` once the launches ahead have finished
+            }
+            self.submitted.extend(self.published.pop_front());
+        }
+        if let Some(launch) = self.submitted.pop_front() {
+            let (seq, completion) = self.backend.finish().ok_or_else(|| {
+                WorkerError::Device(format!("launch {} was lost in flight", launch.seq))
+            })?;
+            if seq != launch.seq {
+                return Err(WorkerError::Device(format!(
+                    "launch {seq} finished while launch {} was the oldest in flight",
+                    launch.seq
+                )));
+            }
+            self.sched.on_completion(&completion?, events);
+            self.sched.on_released(launch.seq);
+            return Ok(true);
         }
         let Some(launch) = self.published.pop_front() else {
             return Ok(false);

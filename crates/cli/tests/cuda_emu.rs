@@ -392,6 +392,8 @@ fn bench_decode_case(
 }
 
 /// A LocalEngine on the CUDA worker over an emulated device (left in `last`), sized as `sched`.
+/// The device's stream is deferred (`EmuDevice::set_deferred`): the engine keeps two launches
+/// in flight, and a host buffer reused before its launch's fence would change the results.
 fn emu_engine(
     sched: &SchedulerConfig,
     dtype: Dtype,
@@ -409,6 +411,9 @@ fn emu_engine(
         max_model_len: sched.max_model_len,
     };
     let w = emu(dtype, enforce_eager, last)(loaded.config, loaded.weights.into(), sizes).unwrap();
+    if let Some(dev) = last.lock().unwrap().as_ref() {
+        dev.set_deferred(true).unwrap();
+    }
     LocalEngine::new(sched.clone(), w)
 }
 
