@@ -944,23 +944,40 @@ fn waiting_requests_start_by_priority_across_processes_and_fcfs_refuses_a_priori
     assert_eq!(outs[&2].tokens, g[0].1[..4]);
 }
 
-/// A CPU backend that keeps launches in flight as the CUDA worker does ([`Backend::submit`]
-/// runs a launch, reading the tables then; [`Backend::finish`] hands the oldest back), and
-/// panics when the worker daemon breaks the contract: more than two unfinished, `execute`
-/// with launches unfinished, anything but `finish` after a failed `submit` while earlier
-/// launches are unfinished, or a launch whose `released` was published before it was
-/// finished (its fence: with a GPU, its pages could be reused under it).
+/// Counters and fault injection of [`Overlapping`], shared with the test.
+#[derive(Default)]
+struct OverlapKnobs {
+    /// The most launches unfinished at once.
+    peak: std::sync::atomic::AtomicUsize,
+    /// Submits so far (refused and failed ones included), and those taken while another
+    /// launch was in flight.
+    submits: std::sync::atomic::AtomicUsize,
+    overlapped: std::sync::atomic::AtomicUsize,
+    /// Every how many submits one is refused (`Ok(false)`: run it through `execute`); 0: none.
+    refuse_every: std::sync::atomic::AtomicUsize,
+    /// The number of the submit that fails, and of the finish whose fence fails (0: none).
+    fail_submit_at: std::sync::atomic::AtomicUsize,
+    finishes: std::sync::atomic::AtomicUsize,
+    fail_finish_at: std::sync::atomic::AtomicUsize,
+}
+
+/// A CPU backend that keeps launches in flight as the CUDA worker does: [`Backend::submit`]
+/// runs a launch (reading the tables then) and gives it a simulated device time, after which
+/// [`Backend::oldest_done`] says its fence passed; [`Backend::finish`] waits for that and
+/// hands the oldest back. It panics when the worker daemon breaks the contract: more than two
+/// unfinished, `execute` with launches unfinished, anything but `finish` after a failed
+/// `submit` while earlier launches are unfinished, or a launch whose `released` was published
+/// before it was finished (its fence: with a GPU, its pages could be reused under it).
 struct Overlapping {
     inner: baton_worker::CpuBackend,
+    #[allow(clippy::type_complexity)]
     done: std::collections::VecDeque<(
         baton_proto::LaunchSeq,
         Result<baton_proto::Completion, baton_worker::WorkerError>,
+        std::time::Instant,
     )>,
-    /// The most launches unfinished at once.
-    peak: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    /// Submits so far, and the number of the submit that fails (0: none).
-    submits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    fail_at: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    device_time: Duration,
+    knobs: std::sync::Arc<OverlapKnobs>,
     /// Set by a failed submit with launches unfinished: only `finish` may come next.
     must_drain: bool,
     /// The segment's participant table, where the worker publishes `released`.
@@ -984,23 +1001,35 @@ impl baton_worker::Backend for Overlapping {
         launch: &baton_proto::Launch,
         tables: &dyn baton_worker::TableReader,
     ) -> Result<bool, baton_worker::WorkerError> {
+        use std::sync::atomic::Ordering::Relaxed;
         assert!(
             !self.must_drain || self.done.is_empty(),
             "submit before the launches ahead of a failed one were finished"
         );
         assert!(self.done.len() < 2, "a third launch in flight");
-        let n = 1 + self
-            .submits
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if n == self.fail_at.load(std::sync::atomic::Ordering::Relaxed) {
+        let k = &self.knobs;
+        let n = 1 + k.submits.fetch_add(1, Relaxed);
+        let every = k.refuse_every.load(Relaxed);
+        if every > 0 && n.is_multiple_of(every) {
+            return Ok(false);
+        }
+        if n == k.fail_submit_at.load(Relaxed) {
             self.must_drain = true;
             return Err(baton_worker::WorkerError::Forward("injected".into()));
         }
+        if !self.done.is_empty() {
+            k.overlapped.fetch_add(1, Relaxed);
+        }
         let c = self.inner.execute(launch, tables);
-        self.done.push_back((launch.seq, c));
-        self.peak
-            .fetch_max(self.done.len(), std::sync::atomic::Ordering::Relaxed);
+        let ready = std::time::Instant::now() + self.device_time;
+        self.done.push_back((launch.seq, c, ready));
+        k.peak.fetch_max(self.done.len(), Relaxed);
         Ok(true)
+    }
+    fn oldest_done(&mut self) -> bool {
+        self.done
+            .front()
+            .is_none_or(|d| std::time::Instant::now() >= d.2)
     }
     fn finish(
         &mut self,
@@ -1008,21 +1037,27 @@ impl baton_worker::Backend for Overlapping {
         baton_proto::LaunchSeq,
         Result<baton_proto::Completion, baton_worker::WorkerError>,
     )> {
-        let r = self.done.pop_front();
-        if let Some((seq, _)) = &r {
-            let released = self
-                .participants
-                .min_released(baton_ipc::Role::Worker)
-                .unwrap_or(0);
-            assert!(
-                released < *seq,
-                "launch {seq} was released (released = {released}) before its fence"
-            );
+        use std::sync::atomic::Ordering::Relaxed;
+        let (seq, mut r, ready) = self.done.pop_front()?;
+        std::thread::sleep(ready.saturating_duration_since(std::time::Instant::now()));
+        let released = self
+            .participants
+            .min_released(baton_ipc::Role::Worker)
+            .unwrap_or(0);
+        assert!(
+            released < seq,
+            "launch {seq} was released (released = {released}) before its fence"
+        );
+        let n = 1 + self.knobs.finishes.fetch_add(1, Relaxed);
+        if n == self.knobs.fail_finish_at.load(Relaxed) {
+            r = Err(baton_worker::WorkerError::Device(
+                "injected fence failure".into(),
+            ));
         }
         if self.done.is_empty() {
             self.must_drain = false;
         }
-        r
+        Some((seq, r))
     }
     fn kv_capacity(&self) -> baton_worker::KvCapacity {
         self.inner.kv_capacity()
@@ -1039,14 +1074,18 @@ impl baton_worker::Backend for Overlapping {
 }
 
 /// A worker daemon whose backend keeps launches in flight (the CUDA worker's pipelining, here
-/// on the CPU through [`Overlapping`]) behind an asynchronous scheduler: it really holds two
-/// (the scheduler publishes the next launch before the previous one completes), the outputs
-/// match the in-process engine, a launch that fails at submit aborts its requests after the
-/// completion of the launch ahead of it, and the requests admitted afterwards run to their
-/// goldens.
+/// on the CPU through [`Overlapping`], 3 ms of simulated device time a launch) behind an
+/// asynchronous scheduler:
+/// - the outputs match the in-process engine, the worker holds two launches at once, and most
+///   launches are submitted while the one before them still runs (the scheduler publishes
+///   the next launch only after the completion before the oldest, so a worker that blocked on
+///   the oldest's fence as soon as the ring was empty would overlap about every other one);
+/// - launches the backend refuses to overlap run through `execute` after the ones ahead;
+/// - a launch that fails at submit, or whose fence fails, aborts its requests, after the
+///   completion of the launch ahead of it, and later requests run to their goldens.
 #[test]
 fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
     use std::sync::Arc;
     let _serial = serial();
     let inst = instance("inflight");
@@ -1061,18 +1100,12 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     let participants = segment
         .participants(baton_ipc::topology::PARTICIPANTS)
         .expect("participant table");
-    let inner = baton_worker::CpuBackend::new(model, limits.num_blocks, limits.block_size);
-    let (peak, submits, fail_at) = (
-        Arc::new(AtomicUsize::new(0)),
-        Arc::new(AtomicUsize::new(0)),
-        Arc::new(AtomicUsize::new(0)),
-    );
+    let knobs = Arc::new(OverlapKnobs::default());
     let backend = Overlapping {
-        inner,
+        inner: baton_worker::CpuBackend::new(model, limits.num_blocks, limits.block_size),
         done: Default::default(),
-        peak: peak.clone(),
-        submits: submits.clone(),
-        fail_at: fail_at.clone(),
+        device_time: Duration::from_millis(3),
+        knobs: knobs.clone(),
         must_drain: false,
         participants,
     };
@@ -1083,7 +1116,12 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     let worker = std::thread::spawn(move || w.run(&stop2));
     let mut link = connect(&inst);
     let g = goldens();
-    let mut reqs = greedy_reqs(&g.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), 48);
+    let golden_reqs = |id0: u64| {
+        let mut r = greedy_reqs(&g.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), 48);
+        r.iter_mut().for_each(|r| r.id += id0);
+        r
+    };
+    let mut reqs = golden_reqs(0);
     let mut sampled = greedy_reqs(&mixed_prompts(6, 3), 40);
     for (i, r) in sampled.iter_mut().enumerate() {
         r.id = 50 + i as u64;
@@ -1101,32 +1139,46 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     for r in &reqs {
         assert_eq!(outs[&r.id].tokens, want[&r.id], "request {}", r.id);
     }
-    assert_eq!(
-        peak.load(Ordering::Relaxed),
-        2,
-        "the worker never held two launches"
+    assert_eq!(knobs.peak.load(Relaxed), 2, "never two launches in flight");
+    let (overlapped, submits) = (knobs.overlapped.load(Relaxed), knobs.submits.load(Relaxed));
+    assert!(
+        overlapped * 10 >= submits * 8,
+        "only {overlapped} of {submits} launches were submitted behind a running one"
     );
-    // The 10th submit from here fails, in the middle of the goldens' decode.
-    fail_at.store(submits.load(Ordering::Relaxed) + 10, Ordering::Relaxed);
-    let mut again = greedy_reqs(&g.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), 48);
-    again.iter_mut().for_each(|r| r.id += 100);
-    let outs = run(&mut link, &again, T);
-    let mut aborted = 0;
-    for (i, (_, want)) in g.iter().enumerate() {
-        let o = &outs[&(100 + i as u64)];
-        assert!(want.starts_with(&o.tokens), "golden {i} went wrong: {o:?}");
-        aborted += usize::from(o.reason == reason::ABORT);
-    }
-    assert!(aborted > 0, "the failed launch aborted nothing: {outs:?}");
-    again.iter_mut().for_each(|r| r.id += 100);
-    let outs = run(&mut link, &again, T);
+    // Every 5th submit refused: those run through `execute` once the ones ahead finished.
+    knobs.refuse_every.store(5, Relaxed);
+    let outs = run(&mut link, &golden_reqs(100), T);
     for (i, (_, want)) in g.iter().enumerate() {
         assert_eq!(
-            outs[&(200 + i as u64)].tokens,
+            outs[&(100 + i as u64)].tokens,
             want[..48],
-            "golden {i} after the failure"
+            "golden {i}, refusals"
         );
     }
-    stop.store(true, Ordering::Relaxed);
+    knobs.refuse_every.store(0, Relaxed);
+    // The 10th submit from here fails, then (next round) the 10th fence, each in the middle
+    // of the goldens' decode; the round after each runs clean.
+    let faults = [
+        (&knobs.fail_submit_at, &knobs.submits),
+        (&knobs.fail_finish_at, &knobs.finishes),
+    ];
+    for (round, (fail_at, count)) in faults.into_iter().enumerate() {
+        fail_at.store(count.load(Relaxed) + 10, Relaxed);
+        let id0 = 200 + 200 * round as u64;
+        let outs = run(&mut link, &golden_reqs(id0), T);
+        let mut aborted = 0;
+        for (i, (_, want)) in g.iter().enumerate() {
+            let o = &outs[&(id0 + i as u64)];
+            assert!(want.starts_with(&o.tokens), "golden {i} went wrong: {o:?}");
+            aborted += usize::from(o.reason == reason::ABORT);
+        }
+        assert!(aborted > 0, "the failed launch aborted nothing: {outs:?}");
+        let outs = run(&mut link, &golden_reqs(id0 + 100), T);
+        for (i, (_, want)) in g.iter().enumerate() {
+            let got = &outs[&(id0 + 100 + i as u64)].tokens;
+            assert_eq!(got, &want[..48], "golden {i} after the failure");
+        }
+    }
+    stop.store(true, Relaxed);
     worker.join().expect("worker thread").expect("worker run");
 }

@@ -8,11 +8,15 @@
 //! - **Stream**: one in-order stream, executed eagerly by default: an `*_async` call or a
 //!   launch has run when it returns (a valid schedule of a single stream), so fences are
 //!   no-ops. [`EmuDevice::set_deferred`] switches to the other extreme: nothing enqueued runs
-//!   until something waits for it (a fence wait runs the stream up to that fence's record; a
-//!   synchronous copy, `synchronize`, a free or a capture runs all of it). A host buffer the
-//!   host rewrites before the fence of the copy that reads it then shows up as wrong data,
-//!   and a host read of results before their fence reads stale bytes: the two ways a caller
-//!   that keeps several launches in flight can get its buffers wrong.
+//!   until something waits for it (a fence wait runs the stream up to that fence's record, or
+//!   all of it under [`EmuDevice::set_run_ahead`]; a synchronous copy, `synchronize` or a
+//!   capture runs all of it). A host buffer the host rewrites before the fence of the copy
+//!   that reads it then shows up as wrong data, a host read of results before their fence
+//!   reads stale bytes, and (run ahead) results the next launch's copy overwrote before the
+//!   host read them show up too: the ways a caller that keeps several launches in flight can
+//!   get its buffers wrong. Freeing a device or host buffer that queued work still uses
+//!   panics (CUDA may wait inside the free; relying on that is the bug). The first failure
+//!   of deferred work is sticky, as a CUDA stream's: every later wait reports it.
 //! - **Kernels**: [`crate::launch`] runs the CUDA C kernels of `kernels/` for the device's
 //!   dtype under the fiber emulator; it checks the parameter count against the kernel's
 //!   signature.
@@ -63,6 +67,10 @@ struct State {
     executed: u64,
     /// Stream position of each fence's last record.
     fences: [u64; baton_cuda::FENCE_FRAMES],
+    /// Deferred mode: a fence wait runs the whole queue ([`EmuDevice::set_run_ahead`]).
+    run_ahead: bool,
+    /// The first failure of deferred work (sticky).
+    failed: Option<String>,
     /// Device allocations: address -> requested bytes.
     allocs: HashMap<u64, usize>,
     /// Host (pinned) allocations: address -> bytes.
@@ -189,10 +197,33 @@ impl EmuDevice {
         Ok(())
     }
 
+    /// In deferred mode, makes every fence wait run the whole queue instead of stopping at
+    /// the fence: the device running ahead of the host, as a GPU does.
+    pub fn set_run_ahead(&self, on: bool) {
+        self.lock().run_ahead = on;
+    }
+
+    /// Whether queued (deferred, not yet run) work uses memory in `[at, at + bytes)`: a copy
+    /// touching it, a launch with a parameter pointing into it, a GEMM matrix inside it.
+    fn queued_work_uses(&self, at: usize, bytes: usize) -> bool {
+        let inside = |p: u64| (at as u64..(at + bytes) as u64).contains(&p);
+        let st = self.lock();
+        st.deferred.iter().flatten().any(|op| match op {
+            Op::Copy { dst, src, bytes: n } => {
+                (*dst < at + bytes && at < dst + n) || (*src < at + bytes && at < src + n)
+            }
+            Op::Launch { vals, .. } => vals.iter().any(|&v| inside(v)),
+            Op::Gemm(g) => [g.a, g.b, g.c].into_iter().any(inside),
+        })
+    }
+
     /// Runs deferred work in stream order until `upto` operations have run (all of it for
-    /// `u64::MAX`). The first failure is returned and the rest of the queue dropped, as a
-    /// CUDA stream stops at a sticky error.
+    /// `u64::MAX`). The first failure is returned, the rest of the queue dropped and the
+    /// failure kept: every later call reports it, as a CUDA stream's sticky error.
     fn run_enqueued(&self, upto: u64) -> Result<(), CudaWorkerError> {
+        if let Some(e) = self.lock().failed.clone() {
+            return Err(err("stream", e));
+        }
         loop {
             let op = {
                 let mut st = self.lock();
@@ -214,6 +245,7 @@ impl EmuDevice {
                     q.clear();
                     st.executed += dropped;
                 }
+                st.failed = Some(e.to_string());
                 return Err(e);
             }
         }
@@ -383,10 +415,11 @@ impl Device for EmuDevice {
     }
 
     unsafe fn free(&self, ptr: DevPtr) {
-        // cuMemFree waits for the work that may use the allocation; so does this.
-        if let Err(e) = self.run_enqueued(u64::MAX) {
-            panic!("deferred work failed before a free: {e}");
-        }
+        let bytes = self.lock().allocs.get(&ptr).copied().unwrap_or(0);
+        assert!(
+            !self.queued_work_uses(ptr as usize, bytes),
+            "the {bytes}-byte allocation at {ptr:#x} freed while queued work still uses it"
+        );
         let mut st = self.lock();
         if let Err(e) = self.check_canaries(&st, "free") {
             // A free has no error path: fail loudly in tests rather than hide corruption.
@@ -415,9 +448,11 @@ impl Device for EmuDevice {
     }
 
     unsafe fn free_host(&self, ptr: *mut u8) {
-        if let Err(e) = self.run_enqueued(u64::MAX) {
-            panic!("deferred work failed before a host free: {e}");
-        }
+        let bytes = self.lock().host.get(&(ptr as usize)).copied().unwrap_or(0);
+        assert!(
+            !self.queued_work_uses(ptr as usize, bytes),
+            "the {bytes}-byte host buffer at {ptr:?} freed while queued work still uses it"
+        );
         if let Some(bytes) = self.lock().host.remove(&(ptr as usize)) {
             if let Ok(l) = Layout::from_size_align(bytes, ALIGN) {
                 // SAFETY: allocated by `alloc_host` with this layout, freed once.
@@ -514,13 +549,22 @@ impl Device for EmuDevice {
         Ok(())
     }
 
+    /// Deferred: the work before the fence runs now (the emulated device is never behind a
+    /// query), so the fence has passed.
+    fn fence_passed(&self, frame: usize) -> Result<bool, CudaWorkerError> {
+        self.wait_fence(frame).map(|()| true)
+    }
+
     fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {
-        let at = *self
-            .lock()
-            .fences
-            .get(frame)
-            .ok_or_else(|| err("wait_fence", format!("no fence frame {frame}")))?;
-        self.run_enqueued(at)?;
+        let (at, ahead) = {
+            let st = self.lock();
+            let at = *st
+                .fences
+                .get(frame)
+                .ok_or_else(|| err("wait_fence", format!("no fence frame {frame}")))?;
+            (at, st.run_ahead)
+        };
+        self.run_enqueued(if ahead { u64::MAX } else { at })?;
         self.check_canaries(&self.lock(), "fence")
     }
 
@@ -769,7 +813,53 @@ mod tests {
             assert_eq!(*back_b, 2);
         }
         assert!(d.wait_fence(2).is_err(), "only FENCE_FRAMES fences");
-        d.set_deferred(false).unwrap();
+        // Run ahead: a wait runs everything queued, past its own fence.
+        d.set_run_ahead(true);
+        // SAFETY: as above.
+        unsafe {
+            d.copy_dtoh_async(back_a, db, 16).unwrap();
+            d.record_fence(1).unwrap();
+            std::ptr::write_bytes(b, 5, 16);
+            d.copy_htod_async(db, b, 16).unwrap();
+            d.copy_dtoh_async(back_b, db, 16).unwrap();
+            d.record_fence(0).unwrap();
+            d.wait_fence(1).unwrap();
+            assert_eq!(
+                (*back_a, *back_b),
+                (2, 5),
+                "the wait ran fence 0's work too"
+            );
+        }
+        // Freeing what queued work still uses panics instead of waiting.
+        // SAFETY: as above.
+        unsafe { d.copy_htod_async(da, a, 16).unwrap() };
+        let freed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: `da` is live; the free panics before releasing it.
+            unsafe { d.free(da) }
+        }));
+        assert!(freed.is_err(), "a buffer in use by queued work was freed");
+        d.synchronize().unwrap();
+        // A failure of deferred work is sticky.
+        let bad = Gemm {
+            what: "bad",
+            trans_a: false,
+            trans_b: false,
+            m: 4,
+            n: 1,
+            k: 1,
+            a: da,
+            lda: 1,
+            b: da,
+            ldb: 1,
+            ab_type: Dtype::F32,
+            c: db,
+            ldc: 4,
+            c_type: Dtype::F32,
+        };
+        // SAFETY: the operands lie in live 16-byte buffers; the GEMM fails on its `lda`.
+        unsafe { d.gemm(&bad).unwrap() };
+        assert!(d.synchronize().is_err(), "the bad GEMM ran at the sync");
+        assert!(d.wait_fence(0).is_err(), "the failure is sticky");
     }
 
     #[test]

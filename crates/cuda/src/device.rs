@@ -167,6 +167,11 @@ pub trait Device: Send + Sync {
     /// Waits until the last record of fence `frame` has passed (everything enqueued before it
     /// is complete, host copies included).
     fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError>;
+    /// Whether fence `frame` has passed, without waiting (`cuEventQuery`).
+    ///
+    /// # Errors
+    /// A device error, including one of earlier asynchronous work.
+    fn fence_passed(&self, frame: usize) -> Result<bool, CudaWorkerError>;
     /// Starts capturing the stream's work into a graph (the stream must be idle).
     fn begin_capture(&self) -> Result<(), CudaWorkerError>;
     /// Ends the capture begun by [`Device::begin_capture`] and instantiates the graph. Always
@@ -701,6 +706,10 @@ impl Device for CudaDevice {
             drv("cuEventRecord", end.record(&self.stream))?;
         }
         drv("cuEventRecord", fence.record(&self.stream))
+    }
+
+    fn fence_passed(&self, frame: usize) -> Result<bool, CudaWorkerError> {
+        drv("cuEventQuery", self.fence(frame)?.try_is_complete())
     }
 
     fn wait_fence(&self, frame: usize) -> Result<(), CudaWorkerError> {

@@ -2554,6 +2554,14 @@ impl Backend for CudaWorker {
         launch: &Launch,
         tables: &dyn TableReader,
     ) -> Result<Completion, WorkerError> {
+        if !self.inflight.is_empty() {
+            // Its completion would overtake theirs; refuse before anything changes state.
+            return Err(WorkerError::Forward(format!(
+                "launch {} executed with {} launches in flight (finish them first)",
+                launch.seq,
+                self.inflight.len()
+            )));
+        }
         let rows = self.resolve(launch, tables)?;
         let masks = std::mem::take(&mut self.masks);
         let out = self.run_rows(launch.seq, &rows, &masks, None);
@@ -2608,11 +2616,20 @@ impl Backend for CudaWorker {
         Ok(true)
     }
 
+    fn oldest_done(&mut self) -> bool {
+        self.inflight
+            .front()
+            .is_none_or(|f| self.dev.fence_passed(f.frame).unwrap_or(true))
+    }
+
     fn finish(&mut self) -> Option<(LaunchSeq, Result<Completion, WorkerError>)> {
         let f = self.inflight.pop_front()?;
         let seq = f.launch.seq;
         let waited = self.bind().and_then(|()| self.dev.wait_fence(f.frame));
         if let Err(e) = waited {
+            // The caller releases the launch on an error: make sure nothing of it still runs
+            // (a failed bind means a context that runs no more work).
+            let _ = self.dev.synchronize();
             self.ring_host.forget(seq);
             return Some((seq, Err(dev_err(e))));
         }

@@ -193,7 +193,11 @@ impl<B: Backend> WorkerDaemon<B> {
         while !stop.load(Ordering::Relaxed) {
             self.me.heartbeat();
             // With launches in flight the device is busy: take what the ring already holds
-            // without waiting, and otherwise wait for the oldest launch's fence.
+            // without waiting. With every frame taken, wait for the oldest launch's fence;
+            // with room for one more, finish the oldest only once its fence has passed, and
+            // meanwhile keep looking at the ring: the scheduler publishes the next launch
+            // when it has the completion before the oldest, and submitting it before the
+            // oldest's fence is what keeps the device busy.
             let slot = if self.inflight == 0 {
                 self.ends.launches.wait_pop(Duration::from_millis(100))
             } else if self.inflight < depth {
@@ -202,8 +206,12 @@ impl<B: Backend> WorkerDaemon<B> {
                 None
             };
             let Some(slot) = slot else {
-                if self.inflight > 0 {
+                if self.inflight >= depth || (self.inflight > 0 && self.backend.oldest_done()) {
                     self.finish_oldest(stop);
+                    continue;
+                }
+                if self.inflight > 0 {
+                    std::thread::yield_now();
                     continue;
                 }
                 if !self.segment.creator_alive() {

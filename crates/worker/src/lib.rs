@@ -117,6 +117,13 @@ pub trait Backend: Send {
         Ok(false)
     }
 
+    /// Whether the oldest launch submitted and not yet finished has passed its fence (so
+    /// [`Backend::finish`] would not wait), or nothing is in flight. `true` by default; an
+    /// error counts as passed (`finish` reports it).
+    fn oldest_done(&mut self) -> bool {
+        true
+    }
+
     /// Waits for the fence of the oldest launch submitted and not yet finished, and returns
     /// its sequence number with its completion (or the device error its fence reported);
     /// `None` when nothing is in flight.
