@@ -1303,7 +1303,11 @@ fn mapped_qwen_checkpoints_put_the_same_bits_on_the_device_as_the_f32_load() {
 /// The in-flight worker's emulated stream is deferred (`EmuDevice::set_deferred`): nothing
 /// enqueued runs until a fence wait or a synchronous call needs it, so a launch whose pinned
 /// staging, penalty, mask or output buffer the next launch reused before the fence would read
-/// the next launch's inputs or lose its ids. The rows: greedy; seeded with penalties (the
+/// the next launch's inputs or lose its ids; once more with waits that run the whole queue
+/// (`set_run_ahead`). Some launches run alone (a finish that waited on the wrong fence would
+/// read them early), and the penalty lists outgrow their buffers while a launch is in flight
+/// (freeing them without waiting panics in the emulator). Each of these was checked by
+/// mutation. The rows: greedy; seeded with penalties (the
 /// host's list plus the pending id merged on the device, rewarding repeats so that a list read
 /// from the wrong launch changes the draw); greedy with a logit bias; and two guided rows with
 /// log-probabilities and different masks that, as the scheduler keeps them, never have a
@@ -1326,7 +1330,11 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
     let vocab = loaded().config.vocab_size;
     let words = token_mask_words(vocab);
     let params = [
-        SamplingParams::greedy(),
+        SamplingParams {
+            repetition_penalty: 1.1,
+            frequency_penalty: 0.2,
+            ..SamplingParams::greedy()
+        },
         SamplingParams {
             presence_penalty: 0.3,
             frequency_penalty: -2.5,
@@ -1335,6 +1343,8 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
         },
         SamplingParams {
             logit_bias_len: 2,
+            presence_penalty: 0.2,
+            repetition_penalty: 1.05,
             ..SamplingParams::greedy()
         },
         SamplingParams {
@@ -1422,7 +1432,9 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
     let sizes = CudaSizes {
         block_size: bs,
         num_blocks: Some(rows * pages),
-        max_tokens: max_len,
+        // 32 penalty entries to start with: the three penalized rows' lists outgrow them while
+        // launches are in flight, so the buffers are replaced under them (after a wait).
+        max_tokens: 32,
         max_rows: rows,
         max_model_len: max_len,
     };
@@ -1438,42 +1450,55 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
             want.push(c);
         }
 
-        let l = loaded();
-        let mut two = emu(Dtype::Bf16, eager, &last)(l.config, l.weights.into(), sizes).unwrap();
-        let dev = last.lock().unwrap().take().unwrap();
-        dev.set_deferred(true).unwrap();
-        assert_eq!(two.max_in_flight(), 2);
-        let tables = new_tables();
-        let mut got = Vec::new();
-        let finish = |w: &mut CudaWorker, got: &mut Vec<Completion>| {
-            let (seq, c) = w.finish().expect("a launch in flight");
-            let c = c.expect("launch in flight");
-            assert_eq!(seq, c.seq);
-            record(&tables, &launch(seq as usize), &c);
-            got.push(c);
-        };
-        // The prefill scores nothing, so it overlaps too.
-        let mut inflight = 0;
-        for k in 1..=steps {
-            if inflight == 2 {
+        // A wait runs the stream to its fence only, or (ahead) all of it, as a GPU that
+        // already ran the next launch: its copy-back then lands before the host reads.
+        for ahead in [false, true] {
+            let l = loaded();
+            let mut two =
+                emu(Dtype::Bf16, eager, &last)(l.config, l.weights.into(), sizes).unwrap();
+            let dev = last.lock().unwrap().take().unwrap();
+            dev.set_deferred(true).unwrap();
+            dev.set_run_ahead(ahead);
+            assert_eq!(two.max_in_flight(), 2);
+            let tables = new_tables();
+            let mut got = Vec::new();
+            let finish = |w: &mut CudaWorker, got: &mut Vec<Completion>| {
+                let (seq, c) = w.finish().expect("a launch in flight");
+                let c = c.expect("launch in flight");
+                assert_eq!(seq, c.seq);
+                record(&tables, &launch(seq as usize), &c);
+                got.push(c);
+            };
+            // The prefill scores nothing, so it overlaps too. Launches 2, 6, 10, ... run
+            // alone: everything is finished before them and they are finished at once (so
+            // their own fence is the only one that makes their results ready).
+            let mut inflight = 0;
+            for k in 1..=steps {
+                let alone = k % 4 == 2;
+                while inflight == 2 || (alone && inflight > 0) {
+                    finish(&mut two, &mut got);
+                    inflight -= 1;
+                }
+                assert!(
+                    two.submit(&launch(k), &tables).expect("submit"),
+                    "launch {k} was not taken in flight"
+                );
+                inflight += 1;
+                if alone {
+                    finish(&mut two, &mut got);
+                    inflight -= 1;
+                }
+            }
+            while inflight > 0 {
                 finish(&mut two, &mut got);
                 inflight -= 1;
             }
-            assert!(
-                two.submit(&launch(k), &tables).expect("submit"),
-                "launch {k} was not taken in flight"
-            );
-            inflight += 1;
+            assert!(two.finish().is_none(), "nothing is left in flight");
+            for (w, g) in want.iter().zip(&got) {
+                assert_eq!(w, g, "launch {} (eager: {eager}, ahead: {ahead})", w.seq);
+            }
+            assert_eq!(got.len(), steps);
         }
-        while inflight > 0 {
-            finish(&mut two, &mut got);
-            inflight -= 1;
-        }
-        assert!(two.finish().is_none(), "nothing is left in flight");
-        for (w, g) in want.iter().zip(&got) {
-            assert_eq!(w, g, "launch {} (eager: {eager})", w.seq);
-        }
-        assert_eq!(got.len(), steps);
         for (slot, n) in [(3, 1 + (steps - 1) / 2), (4, 1 + (steps - 2) / 2)] {
             let samples = want.iter().flat_map(|c| &c.sampled);
             let count = samples.filter(|s| s.req.slot == slot).count();
