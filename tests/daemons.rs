@@ -959,6 +959,12 @@ struct OverlapKnobs {
     fail_submit_at: std::sync::atomic::AtomicUsize,
     finishes: std::sync::atomic::AtomicUsize,
     fail_finish_at: std::sync::atomic::AtomicUsize,
+    /// Submits taken in flight (`Ok(true)`).
+    accepted: std::sync::atomic::AtomicUsize,
+    /// From this submit on (0: never), the first that leaves two launches in flight sets
+    /// `stop`, the worker daemon's stop flag.
+    stop_at: std::sync::atomic::AtomicUsize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A CPU backend that keeps launches in flight as the CUDA worker does: [`Backend::submit`]
@@ -1024,6 +1030,11 @@ impl baton_worker::Backend for Overlapping {
         let ready = std::time::Instant::now() + self.device_time;
         self.done.push_back((launch.seq, c, ready));
         k.peak.fetch_max(self.done.len(), Relaxed);
+        k.accepted.fetch_add(1, Relaxed);
+        let stop_at = k.stop_at.load(Relaxed);
+        if stop_at > 0 && n >= stop_at && self.done.len() == 2 {
+            k.stop.store(true, Relaxed);
+        }
         Ok(true)
     }
     fn oldest_done(&mut self) -> bool {
@@ -1082,7 +1093,9 @@ impl baton_worker::Backend for Overlapping {
 ///   the oldest's fence as soon as the ring was empty would overlap about every other one);
 /// - launches the backend refuses to overlap run through `execute` after the ones ahead;
 /// - a launch that fails at submit, or whose fence fails, aborts its requests, after the
-///   completion of the launch ahead of it, and later requests run to their goldens.
+///   completion of the launch ahead of it, and later requests run to their goldens;
+/// - stopped with two launches in flight, the worker finishes both (releasing each after its
+///   fence) before it returns.
 #[test]
 fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -1100,7 +1113,11 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     let participants = segment
         .participants(baton_ipc::topology::PARTICIPANTS)
         .expect("participant table");
-    let knobs = Arc::new(OverlapKnobs::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let knobs = Arc::new(OverlapKnobs {
+        stop: stop.clone(),
+        ..OverlapKnobs::default()
+    });
     let backend = Overlapping {
         inner: baton_worker::CpuBackend::new(model, limits.num_blocks, limits.block_size),
         done: Default::default(),
@@ -1111,7 +1128,6 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
     };
     let mut w =
         baton_worker::daemon::WorkerDaemon::new(segment, limits, backend, weights, T).expect("w");
-    let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let worker = std::thread::spawn(move || w.run(&stop2));
     let mut link = connect(&inst);
@@ -1179,6 +1195,17 @@ fn a_worker_with_launches_in_flight_matches_the_in_process_engine() {
             assert_eq!(got, &want[..48], "golden {i} after the failure");
         }
     }
-    stop.store(true, Relaxed);
+    // Stop in the middle of the goldens' decode, with two launches in flight.
+    knobs
+        .stop_at
+        .store(knobs.submits.load(Relaxed) + 10, Relaxed);
+    for r in &golden_reqs(1000) {
+        submit(&mut link, r);
+    }
     worker.join().expect("worker thread").expect("worker run");
+    assert_eq!(
+        knobs.finishes.load(Relaxed),
+        knobs.accepted.load(Relaxed),
+        "launches were left in flight at the stop"
+    );
 }
