@@ -88,6 +88,11 @@
 #endif
 
 typedef unsigned int u32;
+
+// An input id with this bit set is a `PendingFrom` reference: the low bits index the device ring
+// of ids earlier launches sampled (see baton_embedding_gather). The host's copy is
+// baton_cuda::staging::PENDING_TAG.
+#define BATON_PENDING_TAG 0x80000000u
 typedef unsigned long long u64;
 
 #ifndef BATON_DTYPE

@@ -1,21 +1,35 @@
-// Token embedding gather, row gather, and on-device resolution of `PendingFrom` input tokens.
+// Token embedding gather (with the on-device resolution of `PendingFrom` input tokens) and row
+// gather.
 
-// Embedding gather: out[t, :] = table[ids[t], :].
+// Embedding gather: out[t, :] = table[ids[t], :], resolving `PendingFrom` input ids on the way.
 //
-// Shapes: ids [num_tokens] u32; table [vocab, hidden] elem_t row-major; out [num_tokens, hidden]
-// elem_t row-major. An id >= vocab (which a correct launch never produces) writes a zero row
-// instead of reading out of bounds.
+// An id with BATON_PENDING_TAG set is a reference into the device ring of ids that earlier
+// launches sampled (never round-tripped through the host): the id is
+// sampled_ring[ids[t] & ~BATON_PENDING_TAG], and the kernel writes it back to ids[t] for the
+// launch's later kernels (the sampler's penalty merge). The worker keeps the ids of its last
+// KEPT_LAUNCHES launches in the ring, `max_rows` per launch; stream order after the source
+// launch's ring copy is the only synchronization needed.
+//
+// Shapes: ids [num_tokens] u32 (tagged entries rewritten in place); sampled_ring [any] u32;
+// table [vocab, hidden] elem_t row-major; out [num_tokens, hidden] elem_t row-major. An id >=
+// vocab (which a correct launch never produces) writes a zero row instead of reading out of
+// bounds.
 // Launch: grid = (num_tokens), block = (256); any hidden size; 16-byte vector copies when
 // hidden is a multiple of BATON_VEC and both rows are 16-byte aligned.
 BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
                                         const elem_t* __restrict__ table,
-                                        const u32* __restrict__ ids, int num_tokens,
+                                        u32* __restrict__ ids,
+                                        const u32* __restrict__ sampled_ring, int num_tokens,
                                         int hidden, int vocab) {
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
-    const u32 id = ids[t];
+    const u32 raw = ids[t];
+    const u32 id = (raw & BATON_PENDING_TAG) ? sampled_ring[raw & ~BATON_PENDING_TAG] : raw;
+    // Every thread has read ids[t] before the barrier, so the write-back races with no read.
+    __syncthreads();
+    if (threadIdx.x == 0 && id != raw) ids[t] = id;
     elem_t* dst = out + (size_t)t * hidden;
     if (id >= (u32)vocab) {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = baton_from_f(0.0f);
@@ -48,25 +62,4 @@ BATON_ENTRY void baton_gather_rows(elem_t* __restrict__ out,
     elem_t* dst = out + (size_t)r * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x)
         dst[i] = src_row < 0 ? baton_from_f(0.0f) : in[(size_t)src_row * width + i];
-}
-
-// Resolve `PendingFrom { launch, row }` inputs: copy ids sampled by earlier launches (still on the
-// device, never round-tripped through the host) into this launch's input ids.
-//
-// The worker keeps the sampled ids of the last `depth` launches in one device ring,
-// `sampled_ring[depth * max_rows]`, launch `s` at offset `(s % depth) * max_rows`. For pending
-// entry i: input_ids[dst_token[i]] = sampled_ring[src_index[i]], where src_index is
-// `(launch % depth) * max_rows + row`, computed by the host.
-// Shapes: input_ids [num_tokens] u32 (written in place); dst_token, src_index [num_pending] u32.
-// Launch: grid = (ceil(num_pending / 256)), block = (256). Run on the same stream after the
-// sampling kernel of the source launch (stream order is the only synchronization needed).
-BATON_ENTRY void baton_gather_pending_ids(u32* __restrict__ input_ids,
-                                          const u32* __restrict__ sampled_ring,
-                                          const u32* __restrict__ dst_token,
-                                          const u32* __restrict__ src_index,
-                                          int num_pending) {
-    BATON_PDL_WAIT();
-    BATON_PDL_LAUNCH();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < num_pending) input_ids[dst_token[i]] = sampled_ring[src_index[i]];
 }

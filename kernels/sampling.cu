@@ -77,7 +77,7 @@ struct BatonPenaltyEntry {
 // Where a row's penalty entries are (baton_cuda::staging::PenaltyRow, 16 bytes): entries
 // [offset, offset + count) of the launch's table; pending_index >= 0 is the index in the input-id
 // buffer of the row's first input, an output sampled by an earlier launch that the host did not
-// know (resolved on the device by baton_gather_pending_ids), which counts as one more output
+// know (resolved on the device by baton_embedding_gather), which counts as one more output
 // occurrence. count == 0 and pending_index < 0: the row is not penalized.
 struct BatonPenaltyRow {
     u32 offset;
@@ -534,7 +534,7 @@ __device__ __forceinline__ void baton_top_logprobs(const float* x, int vocab, in
 // launch's input-id buffer, read at penalty_rows[row].pending_index. The logits of penalized
 // rows are modified during the launch and restored (bit for bit) before it ends. Outputs:
 // out_tokens [num_rows] u32 (may point into the worker's sampled-id ring, see
-// baton_gather_pending_ids); out_logprob [num_rows] f32 (0 unless asked); out_top_ids /
+// baton_embedding_gather); out_logprob [num_rows] f32 (0 unless asked); out_top_ids /
 // out_top_logprobs [num_rows, 20], the first min(top_logprobs, 20, vocab) entries valid, the
 // rest (0xffffffff, -inf). Split rows: partials [num_rows, gridDim.y] BatonSamplePartial
 // (scratch); counters [num_rows] int, all 0 before the launch and left 0 after it.

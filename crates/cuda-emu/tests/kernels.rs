@@ -285,7 +285,9 @@ fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
                 let table = rounded_values(dtype, 6, vocab * hidden, 1.0);
                 let mut tab = Elems::new(dtype, &table);
                 let mut out = Elems::filled(dtype, ids.len() * hidden, f32::NAN);
-                // embedding(out, table, ids, num_tokens, hidden, vocab)
+                let mut staged = ids.clone();
+                let ring = [0u32; 4];
+                // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab)
                 run(
                     dtype,
                     "baton_embedding_gather",
@@ -294,7 +296,8 @@ fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
                     Params::new()
                         .ptr_mut(out.ptr())
                         .ptr(tab.ptr())
-                        .ptr(ids.as_ptr())
+                        .ptr_mut(staged.as_mut_ptr())
+                        .ptr(ring.as_ptr())
                         .int(ids.len() as i32)
                         .int(hidden as i32)
                         .int(vocab as i32),
@@ -353,32 +356,51 @@ fn gather_rows_picks_the_indexed_rows_and_zeroes_negative_indices() {
     });
 }
 
+/// Tagged ids (`PENDING_TAG | ring index`) take their id from the ring of sampled ids, embed
+/// it and write it back in place; untagged ids are left as they are.
 #[test]
-fn gather_pending_ids_copies_ring_entries_into_input_ids_across_blocks() {
+fn embedding_gather_resolves_pending_ids_from_the_ring_and_writes_them_back() {
+    const TAG: u32 = 0x8000_0000; // baton_cuda::staging::PENDING_TAG
     every_schedule(|| {
-        let n = 300usize; // two blocks of 256
-        let ring: Vec<u32> = (0..1024u32).map(|i| i * 7 + 1).collect();
-        let dst: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 600).collect(); // distinct
-        let src: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 1024).collect();
-        let mut ids = vec![u32::MAX; 600];
-        // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
+        let (vocab, hidden) = (50usize, 64usize);
+        let ring: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % vocab as u32).collect();
+        // Plain, pending, plain, pending (ring entry 39), an out-of-range plain id.
+        let staged_in: Vec<u32> = vec![4, TAG | 10, 4, TAG | 39, 77];
+        let resolved: Vec<u32> = vec![4, ring[10], 4, ring[39], 77];
+        let table = rounded_values(Dtype::F32, 6, vocab * hidden, 1.0);
+        let mut tab = Elems::new(Dtype::F32, &table);
+        let mut out = Elems::filled(Dtype::F32, staged_in.len() * hidden, f32::NAN);
+        let mut staged = staged_in.clone();
         run(
-            Dtype::Bf16,
-            "baton_gather_pending_ids",
-            (n.div_ceil(256) as u32, 1, 1),
+            Dtype::F32,
+            "baton_embedding_gather",
+            (staged.len() as u32, 1, 1),
             256,
             Params::new()
-                .ptr_mut(ids.as_mut_ptr())
+                .ptr_mut(out.ptr())
+                .ptr(tab.ptr())
+                .ptr_mut(staged.as_mut_ptr())
                 .ptr(ring.as_ptr())
-                .ptr(dst.as_ptr())
-                .ptr(src.as_ptr())
-                .int(n as i32),
+                .int(staged.len() as i32)
+                .int(hidden as i32)
+                .int(vocab as i32),
         );
-        let mut want = vec![u32::MAX; 600];
-        for i in 0..n {
-            want[dst[i] as usize] = ring[src[i] as usize];
-        }
-        assert_eq!(ids, want);
+        assert_eq!(
+            staged, resolved,
+            "pending ids written back, the others untouched"
+        );
+        let want: Vec<f32> = resolved
+            .iter()
+            .flat_map(|&id| {
+                let id = id as usize;
+                if id < vocab {
+                    table[id * hidden..(id + 1) * hidden].to_vec()
+                } else {
+                    vec![0.0; hidden]
+                }
+            })
+            .collect();
+        assert_eq!(out.read(), want);
     });
 }
 

@@ -11,8 +11,9 @@
 //!    (`SamplingParams::token_mask`) carry the slot's token mask from the mask table the same
 //!    way: the guided rows' masks, compacted, in a growable mask buffer (uploaded only when a
 //!    row has one), each row's index into it in the staging buffer;
-//! 2. `PendingFrom` rows get their first id on the device: `baton_gather_pending_ids` copies it
-//!    from the ring of ids earlier launches sampled (never a host round trip);
+//! 2. `PendingFrom` rows get their first id on the device: it is staged as its index in the
+//!    ring of ids earlier launches sampled, tagged ([`crate::staging::PENDING_TAG`]), and the
+//!    embedding kernel reads it from there (never a host round trip);
 //! 3. the forward pass: embedding; per layer fused residual-add + RMSNorm, QKV GEMM, for Qwen2 and
 //!    Qwen3 the q/k/v biases and per-head q/k RMSNorms (`baton_qkv_post`, launched only when the
 //!    config has them), RoPE, KV write by slot, paged attention (decode split-K, varlen prefill, or
@@ -383,6 +384,8 @@ pub struct CudaWorker {
     /// Launches submitted ([`CudaWorker::submit_launch`]) whose completion has not been
     /// taken ([`CudaWorker::finish_oldest`]), oldest first.
     inflight: VecDeque<InFlight>,
+    /// `PendingFrom` inputs staged so far (see [`CudaWorker::pending_inputs`]).
+    pending_inputs: u64,
     /// Penalty entries of the current launch (device, and the frames' pinned host buffers,
     /// `pen_cap` entries each; reallocated larger when a launch needs more, see
     /// [`CudaWorker::reserve_penalties`]).
@@ -1039,6 +1042,7 @@ impl CudaWorker {
             frames,
             enqueued: 0,
             inflight: VecDeque::new(),
+            pending_inputs: 0,
             pen_dev,
             pen_cap,
             pen_used: 0,
@@ -1343,7 +1347,8 @@ impl CudaWorker {
             )
         };
 
-        // embedding(out, table, ids, num_tokens, hidden, vocab)
+        // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab): resolves the
+        // pending ids from the ring too.
         self.launch(
             "baton_embedding_gather",
             (t as u32, 1, 1),
@@ -1352,6 +1357,7 @@ impl CudaWorker {
                 .p(act(a.resid))
                 .p(self.embed)
                 .p(st(l.ids))
+                .p(self.ring.ptr)
                 .i(t)
                 .i(h)
                 .i(c.vocab_size),
@@ -2015,6 +2021,7 @@ impl CudaWorker {
                 pending.push((at, src));
             }
         }
+        self.pending_inputs += pending.len() as u64;
         let mut output_index: Vec<u32> = rows.iter().map(|r| r.output_index).collect();
         let mut params: Vec<SamplingParams> = rows.iter().map(|r| r.params).collect();
         let mut penalty_rows = Vec::new();
@@ -2268,21 +2275,6 @@ impl CudaWorker {
                     .copy_htod_async(self.mask_dev.ptr, f.mask.ptr, 4 * self.mask_used)
             }?;
         }
-        if !inputs.pending.is_empty() {
-            let l = &self.layout;
-            // gather_pending_ids(input_ids, sampled_ring, dst_token, src_index, num_pending)
-            self.launch(
-                "baton_gather_pending_ids",
-                (inputs.pending.len().div_ceil(256) as u32, 1, 1),
-                256,
-                KArgs::new()
-                    .p(self.staging_dev.at(l.ids))
-                    .p(self.ring.ptr)
-                    .p(self.staging_dev.at(l.pending_dst))
-                    .p(self.staging_dev.at(l.pending_src))
-                    .i(inputs.pending.len()),
-            )?;
-        }
         match bucket {
             Some(b) => {
                 let exec = self.graphs[&b];
@@ -2517,6 +2509,12 @@ impl CudaWorker {
             self.dtype.size(),
         )
         .unwrap_or(0)
+    }
+
+    /// `PendingFrom` inputs staged so far: first ids the embedding kernel took from the ring
+    /// of earlier launches' sampled ids.
+    pub fn pending_inputs(&self) -> u64 {
+        self.pending_inputs
     }
 
     /// `(free, total)` device memory in bytes.

@@ -46,11 +46,7 @@ static SOURCES: &[(&str, &str)] = &[
 static ENTRY_POINTS: &[(&str, &[&str])] = &[
     (
         "embedding.cu",
-        &[
-            "baton_embedding_gather",
-            "baton_gather_rows",
-            "baton_gather_pending_ids",
-        ],
+        &["baton_embedding_gather", "baton_gather_rows"],
     ),
     ("rmsnorm.cu", &["baton_rmsnorm", "baton_add_rmsnorm"]),
     ("rope.cu", &["baton_rope_and_cache"]),

@@ -21,6 +21,12 @@ use crate::plan::LaunchPlan;
 use baton_proto::SamplingParams;
 use baton_worker::penalty::PenaltyEntry;
 
+/// Marks a staged input id as a `PendingFrom` reference: the low 31 bits are an index into
+/// the device ring of sampled ids, which `baton_embedding_gather` reads and writes back in its
+/// place (kernels/embedding.cu; `BATON_PENDING_TAG` in kernels/common.cuh). Token ids are
+/// below it (vocabularies are far smaller than 2^31).
+pub const PENDING_TAG: u32 = 0x8000_0000;
+
 /// Where a row's penalty entries are (`BatonPenaltyRow` in `kernels/sampling.cu`, 16 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -130,7 +136,8 @@ pub struct StagingLayout {
     pub max_rows: usize,
     /// Block-table stride (entries per row).
     pub max_blocks: usize,
-    /// `[max_tokens]` u32 input ids (pending entries filled on the device).
+    /// `[max_tokens]` u32 input ids; a pending entry is its ring index with [`PENDING_TAG`]
+    /// set, replaced by the id on the device.
     pub ids: usize,
     /// `[max_tokens]` i32 positions.
     pub positions: usize,
@@ -146,10 +153,6 @@ pub struct StagingLayout {
     pub last_index: usize,
     /// `[max_rows * max_blocks]` i32 block tables; the last region.
     pub block_tables: usize,
-    /// `[max_rows]` u32 token index each pending id is written to.
-    pub pending_dst: usize,
-    /// `[max_rows]` u32 index into the device ring of sampled ids.
-    pub pending_src: usize,
     /// `[max_rows]` u32 output index (RNG counter) per row.
     pub output_index: usize,
     /// `[max_rows]` 64-byte [`SamplingParams`] per row.
@@ -179,7 +182,8 @@ pub struct StepInputs {
     pub plan: LaunchPlan,
     /// `[num_tokens]` input ids; entries that [`Self::pending`] overwrites hold 0.
     pub ids: Vec<u32>,
-    /// `(token index, ring index)` of each id resolved on the device.
+    /// `(token index, ring index)` of each id resolved on the device: the staged id is the
+    /// ring index with [`PENDING_TAG`] set, which `baton_embedding_gather` replaces.
     pub pending: Vec<(u32, u32)>,
     /// `[num_rows]` output index per row.
     pub output_index: Vec<u32>,
@@ -200,7 +204,8 @@ pub struct StepInputs {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("launch does not fit the device buffers: {what} {have} > capacity {cap}")]
 pub struct CapacityError {
-    /// What overflowed (`tokens`, `rows`, `block-table entries per row`, `penalty entries`).
+    /// What overflowed (`tokens`, `rows`, `block-table entries per row`, `penalty entries`,
+    /// `pending token index`, `pending ring index`).
     pub what: &'static str,
     /// Needed.
     pub have: usize,
@@ -226,8 +231,6 @@ impl StagingLayout {
         let start_pos = take(4 * r);
         let seq_lens = take(4 * r);
         let last_index = take(4 * r);
-        let pending_dst = take(4 * r);
-        let pending_src = take(4 * r);
         let output_index = take(4 * r);
         let params = take(std::mem::size_of::<SamplingParams>() * r);
         let penalty_rows = take(std::mem::size_of::<PenaltyRow>() * r);
@@ -248,8 +251,6 @@ impl StagingLayout {
             seq_lens,
             last_index,
             block_tables,
-            pending_dst,
-            pending_src,
             output_index,
             params,
             penalty_rows,
@@ -273,7 +274,8 @@ impl StagingLayout {
     /// they held; the kernels only read the first `num_tokens` / `num_rows` entries.
     ///
     /// # Errors
-    /// [`CapacityError`] when tokens, rows or block-table width exceed the layout.
+    /// [`CapacityError`] when tokens, rows or block-table width exceed the layout, or a pending
+    /// entry names a token past `ids` or a ring index that does not fit under [`PENDING_TAG`].
     pub fn fill(&self, buf: &mut [u8], s: &StepInputs) -> Result<(), CapacityError> {
         let p = &s.plan;
         let check = |what, have, cap| {
@@ -296,7 +298,24 @@ impl StagingLayout {
         assert_eq!(s.params.len(), p.num_rows());
         assert!(s.penalty_rows.is_empty() || s.penalty_rows.len() == p.num_rows());
         assert!(s.mask_rows.is_empty() || s.mask_rows.len() == p.num_rows());
-        put(buf, self.ids, &s.ids);
+        let mut ids = s.ids.clone();
+        for &(dst, src) in &s.pending {
+            let cap = PENDING_TAG;
+            if src >= cap {
+                return Err(CapacityError {
+                    what: "pending ring index",
+                    have: src as usize,
+                    cap: cap as usize,
+                });
+            }
+            let at = ids.get_mut(dst as usize).ok_or(CapacityError {
+                what: "pending token index",
+                have: dst as usize,
+                cap: s.ids.len(),
+            })?;
+            *at = PENDING_TAG | src;
+        }
+        put(buf, self.ids, &ids);
         put(buf, self.positions, &p.positions);
         put(buf, self.slots, &p.slot_mapping);
         put(buf, self.cu_seqlens, &p.cu_seqlens);
@@ -308,10 +327,6 @@ impl StagingLayout {
             let row = &p.block_tables[r * mb..(r + 1) * mb];
             put(buf, self.block_tables + 4 * r * self.max_blocks, row);
         }
-        let dst: Vec<u32> = s.pending.iter().map(|x| x.0).collect();
-        let src: Vec<u32> = s.pending.iter().map(|x| x.1).collect();
-        put(buf, self.pending_dst, &dst);
-        put(buf, self.pending_src, &src);
         put(buf, self.output_index, &s.output_index);
         put(buf, self.params, bytemuck::cast_slice::<_, u8>(&s.params));
         if s.penalty_rows.is_empty() {
@@ -352,8 +367,6 @@ mod tests {
             (l.start_pos, 28),
             (l.seq_lens, 28),
             (l.last_index, 28),
-            (l.pending_dst, 28),
-            (l.pending_src, 28),
             (l.output_index, 28),
             (l.params, 7 * 64),
             (l.penalty_rows, 7 * 16),
@@ -413,7 +426,8 @@ mod tests {
                 .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()
         };
-        assert_eq!(rd(l.ids, 6), vec![1, 2, 3, 4, 5, 0]);
+        // The pending id: its ring index, tagged.
+        assert_eq!(rd(l.ids, 6), vec![1, 2, 3, 4, 5, (PENDING_TAG | 42) as i32]);
         assert_eq!(rd(l.positions, 6), vec![0, 1, 2, 3, 4, 9]);
         assert_eq!(rd(l.cu_seqlens, 3), vec![0, 5, 6]);
         assert_eq!(rd(l.seq_lens, 2), vec![5, 10]);
@@ -421,8 +435,6 @@ mod tests {
         // Row stride 4 in the staging buffer, 2 in the plan.
         assert_eq!(rd(l.block_tables, 2), vec![7, 3]);
         assert_eq!(rd(l.block_tables + 16, 2), vec![1, 2]);
-        assert_eq!(rd(l.pending_dst, 1), vec![5]);
-        assert_eq!(rd(l.pending_src, 1), vec![42]);
         assert_eq!(rd(l.output_index, 2), vec![0, 9]);
         assert_eq!(
             &buf[l.params..l.params + std::mem::size_of::<SamplingParams>()],
