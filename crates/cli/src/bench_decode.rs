@@ -629,7 +629,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         )?;
         let in_flight = a
             .in_flight
-            .clamp(1, backend.as_target().backend().max_in_flight());
+            .clamp(1, backend.as_target().backend().max_in_flight().max(1));
         let floor_s = ctxs
             .iter()
             .map(|&c| decode_floor_seconds(&shape, elem_bytes, b, c, bandwidth))

@@ -381,8 +381,8 @@ pub struct CudaWorker {
     /// Launches enqueued so far: launch `k` uses frame `k % FENCE_FRAMES` and fence frame
     /// of the same index.
     enqueued: usize,
-    /// Launches submitted ([`CudaWorker::submit_launch`]) whose completion has not been
-    /// taken ([`CudaWorker::finish_oldest`]), oldest first.
+    /// Launches submitted (`Backend::submit`) whose completion has not been
+    /// taken (`Backend::finish`), oldest first.
     inflight: VecDeque<InFlight>,
     /// `PendingFrom` inputs staged so far (see [`CudaWorker::pending_inputs`]).
     pending_inputs: u64,
@@ -438,7 +438,7 @@ struct HostFrame {
     out: Pinned,
 }
 
-/// A launch submitted and not yet finished (see [`CudaWorker::submit_launch`]).
+/// A launch submitted and not yet finished (see `Backend::submit` on `CudaWorker`).
 struct InFlight {
     /// Its fence frame (and host frame).
     frame: usize,
@@ -2237,9 +2237,9 @@ impl CudaWorker {
     }
 
     /// The device part of [`CudaWorker::enqueue_rows`] once the inputs are staged in host
-    /// frame `frame`: upload, pending ids, the forward pass (graph replay or eager), sampled
-    /// ids into ring `slot` and to the frame's pinned output buffer, then the frame's fence
-    /// (recorded, not waited on).
+    /// frame `frame`: upload, the forward pass (graph replay or eager; its embedding kernel
+    /// resolves the pending ids), sampled ids into ring `slot` and to the frame's pinned
+    /// output buffer, then the frame's fence (recorded, not waited on).
     #[allow(clippy::too_many_arguments)]
     fn run_staged(
         &mut self,
