@@ -274,6 +274,21 @@ fn add_rmsnorm_updates_the_residual_and_normalizes_it_even_when_out_aliases_x() 
 
 // ---- Embedding, row gather, pending ids -----------------------------------------------------------
 
+/// The rows `baton_embedding_gather` writes for `ids`: each id's table row, zeros for an id
+/// past `vocab`.
+fn embedded_rows(table: &[f32], ids: &[u32], vocab: usize, hidden: usize) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&id| {
+            let id = id as usize;
+            if id < vocab {
+                table[id * hidden..(id + 1) * hidden].to_vec()
+            } else {
+                vec![0.0; hidden]
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
     every_schedule(|| {
@@ -302,17 +317,7 @@ fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
                         .int(hidden as i32)
                         .int(vocab as i32),
                 );
-                let want: Vec<f32> = ids
-                    .iter()
-                    .flat_map(|&id| {
-                        let id = id as usize;
-                        if id < vocab {
-                            table[id * hidden..(id + 1) * hidden].to_vec()
-                        } else {
-                            vec![0.0; hidden]
-                        }
-                    })
-                    .collect();
+                let want = embedded_rows(&table, &ids, vocab, hidden);
                 assert_eq!(out.read(), want, "{} hidden {hidden}", dtype.name());
             }
         }
@@ -389,18 +394,7 @@ fn embedding_gather_resolves_pending_ids_from_the_ring_and_writes_them_back() {
             staged, resolved,
             "pending ids written back, the others untouched"
         );
-        let want: Vec<f32> = resolved
-            .iter()
-            .flat_map(|&id| {
-                let id = id as usize;
-                if id < vocab {
-                    table[id * hidden..(id + 1) * hidden].to_vec()
-                } else {
-                    vec![0.0; hidden]
-                }
-            })
-            .collect();
-        assert_eq!(out.read(), want);
+        assert_eq!(out.read(), embedded_rows(&table, &resolved, vocab, hidden));
     });
 }
 

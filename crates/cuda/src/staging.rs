@@ -298,24 +298,25 @@ impl StagingLayout {
         assert_eq!(s.params.len(), p.num_rows());
         assert!(s.penalty_rows.is_empty() || s.penalty_rows.len() == p.num_rows());
         assert!(s.mask_rows.is_empty() || s.mask_rows.len() == p.num_rows());
-        let mut ids = s.ids.clone();
+        put(buf, self.ids, &s.ids);
+        // Each pending id over its placeholder: its ring index, tagged.
         for &(dst, src) in &s.pending {
-            let cap = PENDING_TAG;
-            if src >= cap {
+            if src >= PENDING_TAG {
                 return Err(CapacityError {
                     what: "pending ring index",
                     have: src as usize,
-                    cap: cap as usize,
+                    cap: PENDING_TAG as usize,
                 });
             }
-            let at = ids.get_mut(dst as usize).ok_or(CapacityError {
-                what: "pending token index",
-                have: dst as usize,
-                cap: s.ids.len(),
-            })?;
-            *at = PENDING_TAG | src;
+            if dst as usize >= s.ids.len() {
+                return Err(CapacityError {
+                    what: "pending token index",
+                    have: dst as usize,
+                    cap: s.ids.len(),
+                });
+            }
+            put(buf, self.ids + 4 * dst as usize, &[PENDING_TAG | src]);
         }
-        put(buf, self.ids, &ids);
         put(buf, self.positions, &p.positions);
         put(buf, self.slots, &p.slot_mapping);
         put(buf, self.cu_seqlens, &p.cu_seqlens);
@@ -555,5 +556,24 @@ mod tests {
             l.fill(&mut buf, &s).unwrap_err().what,
             "block-table entries per row"
         );
+        // A pending entry past the ids, or a ring index the tag would corrupt.
+        let t = [0u32; 1];
+        let plan = plan_launch(&[(0, 2, &t)], 8).unwrap();
+        let l = StagingLayout::new(16, 4, 4);
+        let mut buf = vec![0u8; l.total];
+        let mut s = StepInputs {
+            ids: vec![0; 2],
+            pending: vec![(2, 0)],
+            output_index: vec![0],
+            params: vec![SamplingParams::greedy()],
+            plan,
+            ..StepInputs::default()
+        };
+        let e = l.fill(&mut buf, &s).unwrap_err();
+        assert_eq!((e.what, e.have, e.cap), ("pending token index", 2, 2));
+        s.pending = vec![(1, PENDING_TAG)];
+        assert_eq!(l.fill(&mut buf, &s).unwrap_err().what, "pending ring index");
+        s.pending = vec![(1, PENDING_TAG - 1)];
+        l.fill(&mut buf, &s).unwrap();
     }
 }
