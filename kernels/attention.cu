@@ -23,6 +23,8 @@
 // Entry points exist for head_dim 64, 128 and 256 (`_hd64`, `_hd128`, `_hd256`).
 // Checked on an H200 by scripts/gpu-check.sh (sessions 7 and 8; session 8 with PDL).
 
+#include "gemv.cuh"
+
 #define BATON_ATTN_PART 512
 #define BATON_ATTN_MAX_G 8
 #define BATON_ATTN_WARPS 4
@@ -108,19 +110,23 @@ struct BatonAttnShared {
     float alpha[BATON_ATTN_MAX_G];  // rescale factor of the last chunk
 };
 
-// Which kv head and which query heads this block serves.
+// Which kv head and which query heads the block at grid row y serves.
 struct BatonAttnHeads {
     int kvh, head0, ng;
 };
-__device__ __forceinline__ BatonAttnHeads baton_attn_heads(int num_heads, int num_kv_heads) {
+__device__ __forceinline__ BatonAttnHeads baton_attn_heads_at(int y, int num_heads,
+                                                              int num_kv_heads) {
     const int group = num_heads / num_kv_heads;
     const int chunks = (group + BATON_ATTN_MAX_G - 1) / BATON_ATTN_MAX_G;
-    const int kvh = blockIdx.y / chunks, c = blockIdx.y - kvh * chunks;
+    const int kvh = y / chunks, c = y - kvh * chunks;
     BatonAttnHeads h;
     h.kvh = kvh;
     h.head0 = kvh * group + c * BATON_ATTN_MAX_G;
     h.ng = min(BATON_ATTN_MAX_G, group - c * BATON_ATTN_MAX_G);
     return h;
+}
+__device__ __forceinline__ BatonAttnHeads baton_attn_heads(int num_heads, int num_kv_heads) {
+    return baton_attn_heads_at(blockIdx.y, num_heads, num_kv_heads);
 }
 
 // The group's query vectors into shared memory (zeros past h.ng). The block's threads share
@@ -493,7 +499,12 @@ __device__ __forceinline__ void baton_decode_tile(BatonDecodeShared<D>& sh, floa
     __syncthreads();  // the next tile overwrites sh.kv and sh.p
 }
 
-template <int D>
+// One block's work: sequence `seq`, grid row `gy` of `ny` (kv head and query-head chunk) and
+// partition `part`, with shared state `sh` (the entry point's, or the persistent kernel's). An
+// entry point passes its block coordinates; GRID: the persistent decode kernel below passes a
+// work item and waits at the grid barrier `bar` (when not null) where an entry point waits for
+// its predecessor, on every path.
+template <int D, bool GRID>
 __device__ __forceinline__ void baton_decode_body(
     elem_t* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_m,
     float* __restrict__ part_l, int* __restrict__ counters, const elem_t* __restrict__ qkv,
@@ -501,15 +512,13 @@ __device__ __forceinline__ void baton_decode_body(
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
     const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, int num_heads,
     int num_kv_heads, int block_size, float scale, int max_partitions, int fill, int min_part,
-    int long_part) {
+    int long_part, BatonDecodeShared<D>& sh, int seq, int gy, int part, int ny, unsigned* bar) {
     typedef BatonDecodeTile<D> T;
     constexpr int VPL = D / 32;
     constexpr int HALF = D / 2;
     constexpr int NT = BATON_ATTN_WARPS * 32;
-    __shared__ BatonDecodeShared<D> sh;
-    const int seq = blockIdx.x, part = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const BatonAttnHeads h = baton_attn_heads(num_heads, num_kv_heads);
+    const BatonAttnHeads h = baton_attn_heads_at(gy, num_heads, num_kv_heads);
     // Before BATON_PDL_WAIT: the step's staging inputs and the cache entries of earlier steps
     // only (common.cuh: both were written at least two kernels back). Every key but the step's
     // own token `cur` is such an entry, so the first tile's copies go out now, overlapping the
@@ -517,7 +526,10 @@ __device__ __forceinline__ void baton_decode_body(
     const int ctx = seq_lens[seq];
     const int psize = baton_decode_part_size(ctx, max_partitions, fill, min_part, long_part);
     const int num_parts = (ctx + psize - 1) / psize;
-    if (part >= max(num_parts, 1)) return;
+    if (part >= max(num_parts, 1)) {
+        if (GRID && bar != nullptr) BATON_GRID_SYNC(bar);
+        return;
+    }
     const int c0 = part * psize, c1 = min(ctx, c0 + psize);
     const int cur = ctx - 1;  // the step's token: position ctx - 1, K and V from qkv
     const bool has_cur = c0 <= cur && cur < c1;
@@ -526,8 +538,12 @@ __device__ __forceinline__ void baton_decode_body(
     if (c0 < c1)
         baton_decode_load_tile<D>(sh, k_cache, v_cache, bt, block_size, tok_stride, h.kvh, c0,
                                   min(c1 - c0, T::TK), cur);
-    BATON_PDL_WAIT();
-    BATON_PDL_LAUNCH();
+    if (GRID) {
+        if (bar != nullptr) BATON_GRID_SYNC(bar);
+    } else {
+        BATON_PDL_WAIT();
+        BATON_PDL_LAUNCH();
+    }
     // RoPE (rope.cu's formula and roundings) of the group's query heads into sh.q, and of this
     // kv head's key if the block holds the step's token; that key and its value are kept in
     // registers until their tile, and written to the cache slot by the head chunk 0 block.
@@ -540,7 +556,8 @@ __device__ __forceinline__ void baton_decode_body(
             const elem_t* qh = q_tok + (size_t)(h.head0 + g) * D;
             float sn, cs;
             sincosf(pos * inv_freq[i], &sn, &cs);
-            const float x1 = baton_to_f(qh[i]), x2 = baton_to_f(qh[i + HALF]);
+            const float x1 = baton_to_f(baton_ld_act<GRID>(qh + i));
+            const float x2 = baton_to_f(baton_ld_act<GRID>(qh + i + HALF));
             r1 = baton_round(x1 * cs - x2 * sn);
             r2 = baton_round(x2 * cs + x1 * sn);
         }
@@ -563,7 +580,8 @@ __device__ __forceinline__ void baton_decode_body(
             if (i < HALF) {
                 float sn, cs;
                 sincosf(pos * inv_freq[i], &sn, &cs);
-                const float x1 = baton_to_f(kh[i]), x2 = baton_to_f(kh[i + HALF]);
+                const float x1 = baton_to_f(baton_ld_act<GRID>(kh + i));
+                const float x2 = baton_to_f(baton_ld_act<GRID>(kh + i + HALF));
                 k_new[u][0] = baton_from_f(x1 * cs - x2 * sn);
                 k_new[u][1] = baton_from_f(x2 * cs + x1 * sn);
                 if (write) {
@@ -576,7 +594,7 @@ __device__ __forceinline__ void baton_decode_body(
         for (int u = 0; u < VPT; ++u) {
             const int i = threadIdx.x + u * NT;
             if (i < D) {
-                v_new[u] = vh[i];
+                v_new[u] = baton_ld_act<GRID>(vh + i);
                 if (write) vd[i] = v_new[u];
             }
         }
@@ -669,7 +687,7 @@ __device__ __forceinline__ void baton_decode_body(
         __threadfence();  // the partial is visible device-wide before the count
     }
     __syncthreads();
-    int* counter = counters + (size_t)seq * gridDim.y + blockIdx.y;
+    int* counter = counters + (size_t)seq * ny + gy;
     if (threadIdx.x == 0) sh.last = atomicAdd(counter, 1) == num_parts - 1;
     __syncthreads();
     if (!sh.last) return;
@@ -732,14 +750,149 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
         const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
         float scale, int max_partitions, int fill, int min_part, int long_part) {              \
-        baton_decode_body<D>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache, \
-                             v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping, \
-                             inv_freq, num_heads, num_kv_heads, block_size, scale,              \
-                             max_partitions, fill, min_part, long_part);                        \
+        __shared__ BatonDecodeShared<D> sh;                                                    \
+        baton_decode_body<D, false>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,  \
+                                    k_cache, v_cache, block_tables, max_blocks_per_row,        \
+                                    seq_lens, slot_mapping, inv_freq, num_heads, num_kv_heads, \
+                                    block_size, scale, max_partitions, fill, min_part,         \
+                                    long_part, sh, blockIdx.x, blockIdx.y, blockIdx.z,         \
+                                    gridDim.y, nullptr);                                       \
     }
 BATON_DECODE_ENTRY(64)
 BATON_DECODE_ENTRY(128)
 BATON_DECODE_ENTRY(256)
+
+// ---------------------------------------------------------------------------------------------
+// Persistent decode: every decoder layer of a batch-of-one decode step in one cooperative launch
+// (the host's `persistent_decode` option, Llama-style layers without q/k/v biases or q/k norms,
+// head dims 64 and 128). The per-kernel fused path launches five kernels per layer (the QKV,
+// O, gate_up and down GEMVs and decode attention); on the H200 each launch boundary cost about
+// 5 us beyond its work (bench/RESULTS.md, sessions 8-9), most of the gap to the HBM floor at
+// batch 1. Here the boundaries are grid barriers (BATON_GRID_SYNC) inside one kernel, and each
+// phase still issues its first weight loads (and decode attention its first K/V tile) before
+// its barrier, as the entry points do before BATON_PDL_WAIT.
+//
+// Per layer l, with the layer's pointers L = layers[8 l ..] = {qkv, o, gate_up, down, input
+// norm, post-attention norm, k cache, v cache}:
+//   qkv  = gemv(resid, W_qkv, norm input)       mode 0   (gemv.cuh, baton_gemv1_body)
+//   attn = decode attention (RoPE, cache write, split-K combine), work items (gy, part) over
+//          the blocks, as baton_paged_attention_decode_hdD's grid (1, ny, max_partitions)
+//   resid += gemv(attn, W_o)                    mode 2
+//   act  = silu(gemv(resid, W_gate)) * gemv(resid, W_up), norm post   mode 3
+//   resid += gemv(act, W_down)                  mode 2
+// so each value is computed exactly as the per-kernel fused path computes it (same bodies,
+// same roundings; a GEMV row does not depend on the grid): the results are bit-identical.
+// A GEMV phase gives block b rows [b r, b r + r), r = ceil(N / gridDim.x); the activation row
+// is staged in the attention tile's shared memory (sh.kv), so a row longer than that (K elements)
+// takes the generic batch-of-one rows instead.
+//
+// Shapes: layers [num_layers, 8] u64 (device pointers); resid [hidden], qkv [(num_heads + 2
+// num_kv_heads) D], attn [num_heads D], act [inter] elem_t; the attention arguments as in
+// baton_paged_attention_decode_hdD for one sequence (row 0 of block_tables, seq_lens,
+// slot_mapping; partials and counters for one row); bar: the grid barrier's two words (zero
+// before the first launch, left zero).
+// Launch: cooperative, grid = (G), G <= resident blocks (at most 4 per SM), block = (128).
+#define BATON_LAYER_PTRS 8
+// Each phase is a call, not inlined: ptxas then allocates registers per phase (each fits the
+// 128 of __launch_bounds__(128, 4) on its own, as its entry point shows); inlined, the layer
+// loop held every phase's values at once and spilled kilobytes per thread.
+template <bool SILU>
+__device__ __noinline__ void baton_layers_gemv(void* out, const elem_t* x, const elem_t* w,
+                                                  const elem_t* norm_w, int N, int K, float eps,
+                                                  int mode, baton_vec* xs, int xs_cap,
+                                                  unsigned* bar) {
+    const int rows = (N + (int)gridDim.x - 1) / (int)gridDim.x;
+    if (baton_gemv1_fits(x, w, norm_w, K, xs_cap)) {
+        baton_gemv1_body<SILU, BATON_GEMV_T1_U, true>(
+            out, x, w, norm_w, N, K, eps, mode, rows, xs, bar);
+    } else {
+        BATON_GRID_SYNC(bar);  // the host never launches a shape that does not fit
+    }
+}
+
+// The attention phase of layer (k_cache, v_cache): this block's work items, then the barrier
+// if it had none.
+template <int D>
+__device__ __noinline__ void baton_layers_attention(
+    BatonDecodeShared<D>& sh, elem_t* attn, float* part_acc, float* part_m, float* part_l,
+    int* counters, const elem_t* qkv, int qkv_w, elem_t* k_cache, elem_t* v_cache,
+    const int* block_tables, int max_blocks_per_row, const int* seq_lens, const int* slot_mapping,
+    const float* inv_freq, int num_heads, int num_kv_heads, int block_size, float scale,
+    int max_partitions, int fill, int min_part, int long_part, int ny, unsigned* bar) {
+    const int items = ny * max_partitions;
+    __syncthreads();  // every warp is done with xs (sh.kv) before the tile copies into it
+    unsigned* wait = bar;  // the phase's barrier, passed to this block's first item only
+    for (int i = blockIdx.x; i < items; i += gridDim.x) {
+        baton_decode_body<D, true>(attn, part_acc, part_m, part_l, counters, qkv, qkv_w, k_cache,
+                                   v_cache, block_tables, max_blocks_per_row, seq_lens,
+                                   slot_mapping, inv_freq, num_heads, num_kv_heads, block_size,
+                                   scale, max_partitions, fill, min_part, long_part, sh, 0,
+                                   i % ny, i / ny, ny, wait);
+        wait = nullptr;
+        __syncthreads();  // the next item's copies overwrite sh
+    }
+    if (wait != nullptr) BATON_GRID_SYNC(bar);
+}
+
+template <int D>
+__device__ __forceinline__ void baton_decode_layers_body(
+    const unsigned long long* __restrict__ layers, int num_layers, elem_t* resid, elem_t* qkv,
+    elem_t* attn, elem_t* act, float* __restrict__ part_acc, float* __restrict__ part_m,
+    float* __restrict__ part_l, int* __restrict__ counters, const int* __restrict__ block_tables,
+    int max_blocks_per_row, const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, int hidden, int num_heads, int num_kv_heads, int inter,
+    int block_size, float scale, float eps, int max_partitions, int fill, int min_part,
+    int long_part, unsigned* bar) {
+    __shared__ BatonDecodeShared<D> sh;
+    baton_vec* xs = reinterpret_cast<baton_vec*>(&sh.kv);
+    const int xs_cap = (int)(sizeof(sh.kv) / sizeof(elem_t));
+    const int qkv_w = (num_heads + 2 * num_kv_heads) * D;
+    const int group = num_heads / num_kv_heads;
+    const int ny = num_kv_heads * ((group + BATON_ATTN_MAX_G - 1) / BATON_ATTN_MAX_G);
+    for (int l = 0; l < num_layers; ++l) {
+        const unsigned long long* L = layers + (size_t)l * BATON_LAYER_PTRS;
+        const elem_t* w_qkv = reinterpret_cast<const elem_t*>(L[0]);
+        const elem_t* w_o = reinterpret_cast<const elem_t*>(L[1]);
+        const elem_t* w_gate_up = reinterpret_cast<const elem_t*>(L[2]);
+        const elem_t* w_down = reinterpret_cast<const elem_t*>(L[3]);
+        const elem_t* input_norm = reinterpret_cast<const elem_t*>(L[4]);
+        const elem_t* post_norm = reinterpret_cast<const elem_t*>(L[5]);
+        elem_t* k_cache = reinterpret_cast<elem_t*>(L[6]);
+        elem_t* v_cache = reinterpret_cast<elem_t*>(L[7]);
+        baton_layers_gemv<false>(qkv, resid, w_qkv, input_norm, qkv_w, hidden, eps, 0, xs,
+                                 xs_cap, bar);
+        baton_layers_attention<D>(sh, attn, part_acc, part_m, part_l, counters, qkv, qkv_w,
+                                  k_cache, v_cache, block_tables, max_blocks_per_row, seq_lens,
+                                  slot_mapping, inv_freq, num_heads, num_kv_heads, block_size,
+                                  scale, max_partitions, fill, min_part, long_part, ny, bar);
+        baton_layers_gemv<false>(resid, attn, w_o, nullptr, hidden, num_heads * D, eps, 2, xs,
+                                 xs_cap, bar);
+        baton_layers_gemv<true>(act, resid, w_gate_up, post_norm, inter, hidden, eps, 3, xs,
+                                xs_cap, bar);
+        baton_layers_gemv<false>(resid, act, w_down, nullptr, hidden, inter, eps, 2, xs, xs_cap,
+                                 bar);
+    }
+}
+
+#define BATON_DECODE_LAYERS_ENTRY(D)                                                           \
+    BATON_ENTRY void __launch_bounds__(128, 3) baton_decode_layers_hd##D(                      \
+        const unsigned long long* __restrict__ layers, int num_layers, elem_t* resid,           \
+        elem_t* qkv, elem_t* attn, elem_t* act, float* __restrict__ part_acc,                   \
+        float* __restrict__ part_m, float* __restrict__ part_l, int* __restrict__ counters,     \
+        const int* __restrict__ block_tables, int max_blocks_per_row,                           \
+        const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
+        const float* __restrict__ inv_freq, int hidden, int num_heads, int num_kv_heads,        \
+        int inter, int block_size, float scale, float eps, int max_partitions, int fill,        \
+        int min_part, int long_part, unsigned* bar) {                                          \
+        BATON_PDL_WAIT();                                                                      \
+        baton_decode_layers_body<D>(layers, num_layers, resid, qkv, attn, act, part_acc,       \
+                                    part_m, part_l, counters, block_tables,                    \
+                                    max_blocks_per_row, seq_lens, slot_mapping, inv_freq,      \
+                                    hidden, num_heads, num_kv_heads, inter, block_size, scale, \
+                                    eps, max_partitions, fill, min_part, long_part, bar);      \
+    }
+BATON_DECODE_LAYERS_ENTRY(64)
+BATON_DECODE_LAYERS_ENTRY(128)
 
 // ---------------------------------------------------------------------------------------------
 // Prefill (and mixed prefill/decode): causal attention for variable-length rows.

@@ -51,6 +51,42 @@
 #define BATON_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
 #endif
 
+// Grid-wide barrier of a cooperative launch: the host launches with
+// CU_LAUNCH_ATTRIBUTE_COOPERATIVE and a grid no larger than what the SMs hold at once
+// (cuOccupancyMaxActiveBlocksPerMultiprocessor), so every block is resident and may wait for
+// the others. Every block of the grid must reach each barrier (a block that returns early hangs
+// the rest; the host emulator reports it as a deadlock). `bar` is two words of global memory,
+// zero at allocation: bar[0] counts the blocks that arrived, bar[1] is the generation; the
+// barrier leaves bar[0] at 0, so a launch needs no reset. After the block's __syncthreads,
+// thread 0 reads the generation, fences the block's writes device-wide and counts the block;
+// the last block to arrive resets the count and bumps the generation, the others spin until it
+// moves; a fence and a second __syncthreads release the block, whose reads then see every
+// block's writes from before the barrier. The protocol of cooperative groups' grid.sync (CUDA
+// C++ Programming Guide, "Grid Synchronization"; the generation word replaces its flipped top
+// bit). In the host emulator it is a barrier over every block's threads (crates/cuda-emu).
+#ifdef BATON_EMU
+#define BATON_GRID_SYNC(bar) ((void)(bar), ::baton_emu::grid_sync_at(__FILE__, __LINE__))
+#else
+__device__ __forceinline__ void baton_grid_sync(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned* gen = bar + 1;
+        const unsigned g = *gen;
+        __threadfence();  // the block's writes, and the generation read, before the count
+        if (atomicAdd(bar, 1u) == gridDim.x * gridDim.y * gridDim.z - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();  // the reset before the release
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (*gen == g) __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+#define BATON_GRID_SYNC(bar) baton_grid_sync(bar)
+#endif
+
 // A hint that the 128-byte line holding p will be read soon: fetched into L2 without occupying
 // a register or waiting (PTX prefetch.global.L2). No effect on results; a no-op in the host
 // emulator.
@@ -175,3 +211,22 @@ __device__ __forceinline__ float baton_row_sumsq(const elem_t* x, int n, float* 
 struct __align__(16) baton_vec {
     elem_t e[BATON_VEC];
 };
+
+// Loads of activations that other blocks of the same launch write (the persistent decode
+// kernel reads, after a grid barrier, what other blocks wrote before it): through L2
+// (ld.global.cg, __ldcg), never from the non-coherent read-only path that a const __restrict__
+// pointer lets the compiler use, nor from an L1 line filled before the barrier. With GRID false
+// (a kernel whose inputs were written by earlier launches) a plain load.
+template <bool GRID, class T>
+__device__ __forceinline__ T baton_ld_act(const T* p) {
+    if (GRID) return __ldcg(p);
+    return *p;
+}
+template <bool GRID>
+__device__ __forceinline__ baton_vec baton_ld_act_vec(const baton_vec* p) {
+    if (GRID) {
+        const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+        return *reinterpret_cast<const baton_vec*>(&u);
+    }
+    return *p;
+}

@@ -10,6 +10,9 @@
 #   BATON_GEMV1_BLOCKS_PER_SM blocks per SM of a batch-of-one GEMV grid (default 2; 1 leaves
 #                             register room for the next kernel's blocks to start their
 #                             weight loads before their PDL wait);
+#   BATON_PERSISTENT_DECODE   1: every layer of a batch-of-one decode step in one cooperative
+#                             launch (baton_decode_layers_hdD, grid barriers between phases)
+#                             instead of five launches per layer;
 #   BATON_KERNEL_DEFINES      kernel constants as NVRTC -D, NAME=VALUE[,NAME=VALUE...], for
 #                             the constants kernels/ guards with #ifndef (BATON_GEMV_T1_U,
 #                             BATON_GEMV_PREWAIT_L2, BATON_SAMPLE_BIN_CACHE, ...);
@@ -42,6 +45,7 @@ BUDGET="${GPU_AB_BUDGET:-300}"
 deadline=$((SECONDS + BUDGET - 5))
 
 default_variants='base|
+persistent|BATON_PERSISTENT_DECODE=1
 gemv-1-per-sm|BATON_GEMV1_BLOCKS_PER_SM=1
 in-flight-1|AB_ARGS=--in-flight=1
 minpart-256|BATON_ATTN_MIN_PARTITION=256

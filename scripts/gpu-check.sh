@@ -27,6 +27,8 @@
 #      accumulated from the embedding is printed beside each; it grows with depth);
 #  4c. stories260K f32 goldens through `serve --device cuda` (the worker daemon keeps two
 #      launches in flight), concurrent and alone;
+#  4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1) gives the per-kernel path's
+#      greedy tokens on dummy Llama-1B and 8B widths;
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs). cuBLAS
 #      does not promise one row the same bits at batch 1 and 4, so if only this fails, rerun it
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
@@ -145,6 +147,38 @@ run_check 4c-goldens-through-serve-in-flight 60 bash -c "
     rc=0; python3 scripts/serve-goldens.py 18393 '$MODEL' 3 || rc=\$?
     kill \$pid; wait \$pid || true
     exit \$rc"
+
+# 4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1, session 20, never run on a GPU
+#     before): greedy tokens of one request (batch-of-one decode steps: one cooperative launch
+#     per step) equal the per-kernel path's, bf16 with graphs, on dummy weights of Llama-1B
+#     widths (16 layers, head dim 64) and Llama-8B widths (4 layers, head dim 128), with
+#     stories260K's tokenizer (vocab 512). Its phases are the per-kernel bodies, so the ids must
+#     be identical (the emulator checks the log-probabilities bit for bit too).
+persistent_vs_per_kernel() {
+    set -e
+    local shape d cfg
+    for shape in 1b 8b; do
+        d=$(mktemp -d "/tmp/persistent-$shape.XXXXXX")
+        cp "$MODEL/tokenizer.json" "$MODEL/tokenizer_config.json" "$d/"
+        if [[ $shape == 1b ]]; then cfg="$LLAMA_1B"; else cfg="$LLAMA_8B"; fi
+        cfg="${cfg/\"vocab_size\":128256/\"vocab_size\":512}"
+        cfg="${cfg/\"num_hidden_layers\":32/\"num_hidden_layers\":4}"
+        cfg="${cfg/\"bos_token_id\":128000,\"eos_token_id\":128001/\"bos_token_id\":1,\"eos_token_id\":2}"
+        printf '%s' "$cfg" >"$d/config.json"
+        local common=(generate --model "$d" --load-format dummy --device cuda --dtype bf16
+            --temperature 0 --max-tokens 96 --json --ignore-eos --max-model-len 512
+            --prompt 'Once upon a time there was a little girl')
+        "$BATON" "${common[@]}" >"$OUT/persistent-off-$shape.jsonl"
+        BATON_PERSISTENT_DECODE=1 "$BATON" "${common[@]}" >"$OUT/persistent-on-$shape.jsonl"
+        head -c 300 "$OUT/persistent-on-$shape.jsonl"
+        echo
+        diff "$OUT/persistent-off-$shape.jsonl" "$OUT/persistent-on-$shape.jsonl"
+        echo "$shape: identical"
+    done
+}
+export -f persistent_vs_per_kernel
+export BATON MODEL OUT LLAMA_1B LLAMA_8B
+run_check 4d-persistent-decode-vs-per-kernel 120 bash -c persistent_vs_per_kernel
 
 # 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \

@@ -588,12 +588,16 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 .measure_copy_bandwidth(1 << 30, 10)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             let label = format!(
-                "cuda {} {}",
+                "cuda {} {}{}",
                 a.cuda.dtype.name(),
                 if a.cuda.enforce_eager {
                     "eager"
                 } else {
                     "graphs"
+                },
+                match w.persistent_decode() {
+                    Some(grid) => format!(", persistent decode ({grid} blocks)"),
+                    None => String::new(),
                 }
             );
             (Bench::Cuda(Box::new(w)), a.cuda.dtype.size(), bw, label)

@@ -1506,3 +1506,143 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
         }
     }
 }
+
+/// `BATON_PERSISTENT_DECODE=1`: a batch-of-one decode step runs every layer in one cooperative
+/// launch of `baton_decode_layers_hdD` (grid barriers between the phases, emulated by parking
+/// every block at each barrier). Its phases are the per-kernel fused path's bodies, so the
+/// tokens and their log-probabilities (and top-5) are bit-identical to the per-kernel path's,
+/// with graphs and eagerly, in bf16 and f32, for head dims 64 and 128; batches of several rows
+/// keep the per-kernel path.
+#[test]
+fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
+    let sched = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 32,
+        max_model_len: 128,
+        ..config_for_tests()
+    };
+    let sizes = CudaSizes {
+        block_size: sched.block_size,
+        num_blocks: Some(sched.num_blocks),
+        max_tokens: sched.max_num_batched_tokens,
+        max_rows: sched.max_num_seqs,
+        max_model_len: sched.max_model_len,
+    };
+    let params = baton_proto::SamplingParams {
+        want_logprob: 1,
+        top_logprobs: 5,
+        ..baton_proto::SamplingParams::greedy()
+    };
+    let reqs = |base: u64| -> Vec<baton_scheduler::NewRequest> {
+        // Two requests side by side (the per-kernel path), then one alone past 64 keys
+        // (the persistent kernel over two decode partitions).
+        let prompt = |n: u32, a: u32, b: u32| (0..n).map(|p| (a + b * p) % 1000).collect();
+        let mut v = if base == 0 {
+            vec![
+                request(base, prompt(9, 5, 31), 6, params),
+                request(base + 1, prompt(20, 7, 17), 6, params),
+            ]
+        } else {
+            vec![request(base, prompt(60, 11, 13), 12, params)]
+        };
+        for r in &mut v {
+            r.eos_ids.clear();
+        }
+        v
+    };
+    let events = |e: &mut LocalEngine<CudaWorker>, base: u64| {
+        for r in reqs(base) {
+            e.add_request(r).unwrap();
+        }
+        let mut ev = Vec::new();
+        e.run_until_idle(&mut ev).unwrap();
+        ev.into_iter()
+            .filter_map(|ev| match ev {
+                baton_scheduler::Event::Token {
+                    id,
+                    token,
+                    logprob,
+                    top,
+                    ..
+                } => Some((
+                    id,
+                    token,
+                    logprob.to_bits(),
+                    top.iter()
+                        .map(|&(t, l)| (t, l.to_bits()))
+                        .collect::<Vec<_>>(),
+                )),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Asked for where it cannot run (q/k norms, head dim 8, the cuBLAS path): an error that
+    // names the variable, never a silent fallback.
+    for (config, no_fused_decode) in [(QWEN3, false), (HD64, true)] {
+        let cfg = ModelConfig::from_json_str(config).unwrap();
+        let args = CudaArgs {
+            dtype: Dtype::F32,
+            no_fused_decode,
+            ..CudaArgs::default()
+        };
+        let mut opts = cuda_options(&args, sizes).unwrap();
+        opts.tuning.persistent_decode = true;
+        let dev = Arc::new(EmuDevice::new(Dtype::F32, EMU_MEMORY));
+        let weights = ModelWeights::from(LlamaWeights::dummy(&cfg, 5));
+        let e = CudaWorker::with_device(dev, cfg, weights, opts)
+            .err()
+            .expect("refused");
+        assert!(
+            e.to_string()
+                .contains(baton_cuda::plan::PERSISTENT_DECODE_ENV),
+            "{e}"
+        );
+    }
+    for (config, dtype) in [
+        (HD64, Dtype::Bf16),
+        (HD64, Dtype::F32),
+        (HD128, Dtype::Bf16),
+    ] {
+        let cfg = ModelConfig::from_json_str(config).unwrap();
+        let weights = LlamaWeights::dummy(&cfg, 5);
+        let layers = format!("baton_decode_layers_hd{}", cfg.head_dim);
+        for eager in [false, true] {
+            let mut got = Vec::new();
+            for persistent in [false, true] {
+                let last = Mutex::new(None);
+                let dev = Arc::new(EmuDevice::new(dtype, EMU_MEMORY));
+                *last.lock().unwrap() = Some(dev.clone());
+                let args = CudaArgs {
+                    dtype,
+                    enforce_eager: eager,
+                    ..CudaArgs::default()
+                };
+                let mut opts = cuda_options(&args, sizes).unwrap();
+                opts.tuning.persistent_decode = persistent;
+                let w = CudaWorker::with_device(
+                    dev,
+                    cfg.clone(),
+                    ModelWeights::from(weights.clone()),
+                    opts,
+                )
+                .unwrap();
+                let what = format!("{dtype:?} hd{} eager {eager}", cfg.head_dim);
+                assert_eq!(w.persistent_decode().is_some(), persistent, "{what}");
+                let mut e = LocalEngine::new(sched.clone(), w);
+                let mut ev = events(&mut e, 0);
+                ev.extend(events(&mut e, 10));
+                assert_eq!(ev.len(), 24, "{what}");
+                let dev = last.lock().unwrap().take().unwrap();
+                let n = dev.launches_of(&layers);
+                if persistent {
+                    // The lone request's decode steps (its first token comes from a prefill).
+                    assert!(n >= 11, "{what}: {n} persistent launches");
+                } else {
+                    assert_eq!(n, 0, "{what}");
+                }
+                got.push(ev);
+            }
+            assert_eq!(got[0], got[1], "{dtype:?} hd{} eager {eager}", cfg.head_dim);
+        }
+    }
+}

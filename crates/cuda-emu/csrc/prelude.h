@@ -71,6 +71,9 @@ void cp_async_commit();
 void cp_async_wait(int pending);
 // Block barrier; `file`/`line` name the textual __syncthreads() so divergent barriers are caught.
 void syncthreads_at(const char* file, int line);
+// Grid barrier of a cooperative launch (common.cuh's BATON_GRID_SYNC): the block's threads wait
+// until every block of the grid has arrived; a failure in a launch that is not cooperative.
+void grid_sync_at(const char* file, int line);
 // Exchanges `size` bytes with lane (lane ^ lane_mask) of the same warp.
 void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
                  unsigned mask, int lane_mask, int width);

@@ -142,7 +142,7 @@ void ctx_init(Ctx* c, unsigned char* lo, size_t len) {
 }
 
 // ---- Block state -------------------------------------------------------------------------------
-enum class St : unsigned char { Ready, AtBlock, AtWarp, Done };
+enum class St : unsigned char { Ready, AtBlock, AtWarp, AtGrid, Done };
 
 struct Site {
     const char* file = nullptr;
@@ -200,13 +200,19 @@ struct Run {
     std::vector<unsigned> ready;  // ring of n slots: a fiber is queued at most once
     unsigned head = 0, queued = 0;
     unsigned live = 0, arrived = 0;
+    unsigned at_grid = 0;     // threads waiting at the grid barrier (cooperative launches)
+    unsigned stack_base = 0;  // this block's first stack in g_stacks
+    bool cooperative = false;
     unsigned cur = 0;
     Ctx sched;
     int code = 0;  // BATON_EMU_* of the first failure in this block
     std::string msg;
 };
 
-Run g_run;
+// The block that runs now: g_single for ordinary launches (blocks run one after another and
+// reuse it), one Run per block of a cooperative launch (blocks are parked at grid barriers).
+Run g_single;
+Run* g_cur = &g_single;
 std::vector<unsigned char*> g_stacks;  // each: guard page, then kStackBytes of stack
 std::atomic<bool> g_busy{false};
 
@@ -384,16 +390,16 @@ void switch_away(Run& r, Fiber& f) {
 // before its wait and barrier, sees the difference), and a source that changed in between is
 // a failure (the GPU may have read either value).
 void cp_async16(void* dst, const void* src) {
-    Fiber& f = g_run.fibers[g_run.cur];
+    Fiber& f = g_cur->fibers[g_cur->cur];
     Fiber::CpAsync c{dst, src, f.groups, {}};
     memcpy(c.data, src, 16);
     f.cp_async.push_back(c);
 }
 
-void cp_async_commit() { ++g_run.fibers[g_run.cur].groups; }
+void cp_async_commit() { ++g_cur->fibers[g_cur->cur].groups; }
 
 void cp_async_wait(int pending) {
-    Fiber& f = g_run.fibers[g_run.cur];
+    Fiber& f = g_cur->fibers[g_cur->cur];
     // Committed groups older than the newest `pending` complete; uncommitted copies do not.
     const unsigned done = f.groups > (unsigned)pending ? f.groups - (unsigned)pending : 0;
     size_t kept = 0;
@@ -403,7 +409,7 @@ void cp_async_wait(int pending) {
             continue;
         }
         if (memcmp(c.data, c.src, 16) != 0)
-            fail_here(g_run, f,
+            fail_here(*g_cur, f,
                       fmt("thread (%u, %u, %u): the source of a cp.async changed before the "
                           "wait for it (a race on the GPU)",
                           f.tid.x, f.tid.y, f.tid.z));
@@ -414,9 +420,11 @@ void cp_async_wait(int pending) {
 
 namespace {
 
-void run_block(Run& r, unsigned long long seed, unsigned long long block_linear) {
-    memset(__start_baton_emu_shared, 0xff,
-           (size_t)(__stop_baton_emu_shared - __start_baton_emu_shared));
+size_t shared_bytes() { return (size_t)(__stop_baton_emu_shared - __start_baton_emu_shared); }
+
+// Resets block `r` (fresh fibers, every thread ready; shared memory poisoned) without running it.
+void init_block(Run& r, unsigned long long seed, unsigned long long block_linear) {
+    memset(__start_baton_emu_shared, 0xff, shared_bytes());
     r.rng = seed ^ (block_linear * 0xD1B54A32D192ED03ull);
     r.code = 0;
     r.msg.clear();
@@ -432,7 +440,7 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
         f.site = Site{};
         f.cp_async.clear();
         f.groups = 0;
-        ctx_init(&f.ctx, g_stacks[i], kStackBytes);
+        ctx_init(&f.ctx, g_stacks[r.stack_base + i], kStackBytes);
         r.released.push_back(i);
     }
     release_all(r);
@@ -442,11 +450,19 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
         wp.live = wp.size;
         wp.arrived = 0;
     }
+    r.at_grid = 0;
+}
+
+// Runs the ready fibers of block `r` until none is ready, then classifies what is left: every
+// thread finished, every live thread waits at the grid barrier (cooperative launches; the caller
+// resumes the block once every block has arrived), or a failure in r.code.
+void resume_block(Run& r) {
     // Fibers hand over to each other; control comes back here when the block failed, finished,
     // or has no ready fiber left.
     const unsigned first = pop_ready(r);
     ctx_switch(&r.sched, &r.fibers[first].ctx);
     if (r.code != 0) return;
+    if (r.live > 0 && r.at_grid == r.live) return;
     if (r.live > 0) {
         std::string warps;
         for (unsigned w = 0; w < r.warps.size(); ++w)
@@ -460,14 +476,43 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
         if (!warps.empty())
             msg += "; at __shfl_xor_sync (warps " + warps +
                    "): " + describe_sites(r, St::AtWarp, 0, r.n);
+        if (r.at_grid > 0)
+            msg += "; at the grid barrier: " + describe_sites(r, St::AtGrid, 0, r.n);
         set_failure(r, 1, msg);
     }
+}
+
+void run_block(Run& r, unsigned long long seed, unsigned long long block_linear) {
+    init_block(r, seed, block_linear);
+    resume_block(r);
+}
+
+// Releases the threads of a block parked at the grid barrier (all at the same textual barrier,
+// as for __syncthreads) and runs them.
+void release_grid(Run& r) {
+    const Fiber* first = nullptr;
+    for (unsigned i = 0; i < r.n; ++i) {
+        const Fiber& f = r.fibers[i];
+        if (f.st != St::AtGrid) continue;
+        if (!first) {
+            first = &f;
+        } else if (!same_site(first->site, f.site)) {
+            set_failure(r, 2,
+                        "divergent grid barrier: the threads of the block wait at different "
+                        "barriers (" + describe_sites(r, St::AtGrid, 0, r.n) + ")");
+            return;
+        }
+        r.released.push_back(i);
+    }
+    r.at_grid = 0;
+    release_all(r);
+    resume_block(r);
 }
 
 }  // namespace
 
 void syncthreads_at(const char* file, int line) {
-    Run& r = g_run;
+    Run& r = *g_cur;
     Fiber& f = r.fibers[r.cur];
     f.st = St::AtBlock;
     f.site = Site{file, line};
@@ -475,9 +520,23 @@ void syncthreads_at(const char* file, int line) {
     switch_away(r, f);
 }
 
+void grid_sync_at(const char* file, int line) {
+    Run& r = *g_cur;
+    Fiber& f = r.fibers[r.cur];
+    if (!r.cooperative)
+        fail_here(r, f,
+                  fmt("grid barrier at %s:%d in a launch that is not cooperative (its blocks "
+                      "need not be resident together)",
+                      base_name(file), line));
+    f.st = St::AtGrid;
+    f.site = Site{file, line};
+    ++r.at_grid;
+    switch_away(r, f);
+}
+
 void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
                  unsigned mask, int lane_mask, int width) {
-    Run& r = g_run;
+    Run& r = *g_cur;
     const unsigned i = r.cur;
     Fiber& f = r.fibers[i];
     const unsigned lane = i % kWarp;
@@ -508,7 +567,7 @@ void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned
 
 extern "C" void baton_emu_fiber_main() {
     using namespace baton_emu;
-    Run& r = g_run;
+    Run& r = *g_cur;
     const unsigned i = r.cur;
     r.entry->invoke(r.args);
     Fiber& f = r.fibers[i];
@@ -526,14 +585,108 @@ extern "C" void baton_emu_fiber_main() {
     __builtin_trap();  // a finished fiber is never resumed
 }
 
+namespace baton_emu {
+namespace {
+
+uint3 block_coords(unsigned long long b, const unsigned grid[3]) {
+    return uint3{(unsigned)(b % grid[0]), (unsigned)((b / grid[0]) % grid[1]),
+                 (unsigned)(b / ((unsigned long long)grid[0] * grid[1]))};
+}
+
+// Sets `r` up for `n` threads of the launch's entry.
+void prepare_run(Run& r, const Entry* entry, void** args, int schedule, unsigned n,
+                 unsigned stack_base, bool cooperative) {
+    r.schedule = schedule;
+    r.entry = entry;
+    r.args = args;
+    r.n = n;
+    r.stack_base = stack_base;
+    r.cooperative = cooperative;
+    r.fibers.resize(n);
+    r.warps.resize((n + kWarp - 1) / kWarp);
+    r.ready.assign(n, 0);
+}
+
+// A cooperative launch: every block's fibers stay alive across grid barriers. Each round runs
+// every unfinished block, in `order`, until it finishes or all its live threads wait at the
+// grid barrier; a parked block's shared memory is saved and restored around the other blocks'
+// turns. When a round ends with every block parked, the next round releases them. A block that
+// finishes while others wait at a barrier would hang the GPU (the barrier counts every block of
+// the grid), so that is reported as a deadlock. Returns the failing block's index in `bad`.
+int run_cooperative(const Entry* entry, const unsigned grid[3], void** args, int schedule,
+                    unsigned long long seed, unsigned n,
+                    const std::vector<unsigned long long>& order, std::string& msg,
+                    uint3& bad) {
+    const size_t nblocks = order.size();
+    if (!ensure_stacks((unsigned)(n * nblocks))) {
+        msg = fmt("cannot map stacks for %zu blocks of %u threads", nblocks, n);
+        return 3;
+    }
+    std::vector<Run> blocks(nblocks);
+    std::vector<std::vector<unsigned char>> saved(nblocks);
+    std::vector<unsigned char> state(nblocks, 0);  // 0 not started, 1 parked, 2 finished
+    for (size_t b = 0; b < nblocks; ++b)
+        prepare_run(blocks[b], entry, args, schedule, n, (unsigned)(b * n), true);
+    for (unsigned round = 0;; ++round) {
+        for (unsigned long long b : order) {
+            if (state[b] == 2) continue;
+            Run& r = blocks[b];
+            g_cur = &r;
+            g_coords.block_idx = block_coords(b, grid);
+            if (state[b] == 0) {
+                run_block(r, seed, b);
+            } else {
+                memcpy(__start_baton_emu_shared, saved[b].data(), shared_bytes());
+                release_grid(r);
+            }
+            if (r.code != 0) {
+                msg = r.msg;
+                bad = g_coords.block_idx;
+                return r.code;
+            }
+            if (r.live == 0) {
+                state[b] = 2;
+                saved[b].clear();
+            } else {
+                state[b] = 1;
+                saved[b].assign(__start_baton_emu_shared,
+                                __start_baton_emu_shared + shared_bytes());
+            }
+        }
+        size_t parked = 0;
+        unsigned long long done = nblocks;
+        for (size_t b = 0; b < nblocks; ++b) {
+            if (state[b] == 1) ++parked;
+            if (state[b] == 2 && done == nblocks) done = b;
+        }
+        if (parked == 0) return 0;
+        if (done != nblocks) {
+            bad = block_coords(done, grid);
+            msg = fmt("deadlock: the block finished while %zu of %zu blocks wait at the grid "
+                      "barrier (round %u; a grid barrier needs every block of the grid)",
+                      parked, nblocks, round);
+            for (size_t b = 0; b < nblocks; ++b)
+                if (state[b] == 1) {
+                    msg += " at " + describe_sites(blocks[b], St::AtGrid, 0, blocks[b].n);
+                    break;
+                }
+            return 1;
+        }
+    }
+}
+
+}  // namespace
+}  // namespace baton_emu
+
 // Runs `entry` over the grid, queueing fibers per `schedule` (0 thread order, 1 reverse, 2
-// shuffled with `seed`, 3 released fibers first). Returns 0, or 1 (deadlock) / 2 (divergence or unsupported
-// barrier use) / 3 (resource failure) with a NUL-terminated message in err[0..cap) and the
-// failing block's index in bad_block[3]. Callers validate grid, block and argument count;
-// launches must not overlap (the Rust side holds a mutex).
+// shuffled with `seed`, 3 released fibers first). Blocks run one after another, or, when
+// `cooperative`, interleaved at grid barriers (run_cooperative). Returns 0, or 1 (deadlock) / 2
+// (divergence or unsupported barrier use) / 3 (resource failure) with a NUL-terminated message
+// in err[0..cap) and the failing block's index in bad_block[3]. Callers validate grid, block and
+// argument count; launches must not overlap (the Rust side holds a mutex).
 extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[3],
                              const unsigned block[3], void** args, int schedule,
-                             unsigned long long seed, char* err, size_t cap,
+                             unsigned long long seed, int cooperative, char* err, size_t cap,
                              unsigned bad_block[3]) {
     using namespace baton_emu;
     auto report = [&](int code, const std::string& msg) {
@@ -541,19 +694,14 @@ extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[
         return code;
     };
     if (g_busy.exchange(true)) return report(3, "overlapping launches (missing lock)");
-    Run& r = g_run;
+    Run& r = g_single;
+    g_cur = &g_single;
     const unsigned n = block[0] * block[1] * block[2];
     if (n == 0 || n > 1024 || !ensure_stacks(n)) {
         g_busy = false;
         return report(3, fmt("cannot run a block of %u threads", n));
     }
-    r.schedule = schedule;
-    r.entry = entry;
-    r.args = args;
-    r.n = n;
-    r.fibers.resize(n);
-    r.warps.resize((n + kWarp - 1) / kWarp);
-    r.ready.assign(n, 0);
+    prepare_run(r, entry, args, schedule, n, 0, false);
     g_coords.block_dim = dim3(block[0], block[1], block[2]);
     g_coords.grid_dim = dim3(grid[0], grid[1], grid[2]);
     // Blocks run one after another, in linear order, or reversed / shuffled with the thread
@@ -570,17 +718,28 @@ extern "C" int baton_emu_run(const baton_emu::Entry* entry, const unsigned grid[
         for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[splitmix64(s) % i]);
     }
     int code = 0;
+    if (cooperative) {
+        std::string msg;
+        uint3 bad{0, 0, 0};
+        code = run_cooperative(entry, grid, args, schedule, seed, n, order, msg, bad);
+        g_cur = &g_single;
+        if (code != 0) {
+            report(code, msg);
+            bad_block[0] = bad.x;
+            bad_block[1] = bad.y;
+            bad_block[2] = bad.z;
+        }
+        g_busy = false;
+        return code;
+    }
     for (unsigned long long b : order) {
-        const unsigned x = (unsigned)(b % grid[0]);
-        const unsigned y = (unsigned)((b / grid[0]) % grid[1]);
-        const unsigned z = (unsigned)(b / ((unsigned long long)grid[0] * grid[1]));
-        g_coords.block_idx = uint3{x, y, z};
+        g_coords.block_idx = block_coords(b, grid);
         run_block(r, seed, b);
         if (r.code != 0) {
             code = report(r.code, r.msg);
-            bad_block[0] = x;
-            bad_block[1] = y;
-            bad_block[2] = z;
+            bad_block[0] = g_coords.block_idx.x;
+            bad_block[1] = g_coords.block_idx.y;
+            bad_block[2] = g_coords.block_idx.z;
             break;
         }
     }

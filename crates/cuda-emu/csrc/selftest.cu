@@ -114,3 +114,39 @@ BATON_ENTRY void emu_test_scratch_reuse(float* out) {
     b = baton_warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
     out[threadIdx.x] = a + b;
 }
+
+// Grid barriers (cooperative launches). Thread 0 of block b writes a[b] = b + 1 and keeps
+// 1000 (b + 1) in shared memory; after the barrier it writes out[b] = sum(a) + that shared
+// value (so every block's write is seen, and a block's shared memory survives the other blocks'
+// turns); after a second barrier it writes a[b] = out[(b + 1) % nb], another block's output.
+BATON_ENTRY void emu_test_grid_sync(u32* a, u32* out, unsigned* bar) {
+    __shared__ u32 mine;
+    const u32 b = blockIdx.x, nb = gridDim.x;
+    if (threadIdx.x == 0) {
+        a[b] = b + 1;
+        mine = 1000 * (b + 1);
+    }
+    BATON_GRID_SYNC(bar);
+    if (threadIdx.x == 0) {
+        u32 s = 0;
+        for (u32 i = 0; i < nb; ++i) s += a[i];
+        out[b] = s + mine;
+    }
+    BATON_GRID_SYNC(bar);
+    if (threadIdx.x == 0) a[b] = out[(b + 1) % nb];
+}
+
+// Block `early` returns before the grid barrier the others wait at: a hang on a GPU.
+BATON_ENTRY void emu_test_grid_sync_early_exit(unsigned* bar, int early) {
+    if ((int)blockIdx.x == early) return;
+    BATON_GRID_SYNC(bar);
+}
+
+// The first warp waits at __syncthreads while the rest of the block waits at the grid barrier.
+BATON_ENTRY void emu_test_grid_sync_mixed(unsigned* bar) {
+    if (threadIdx.x < 32) {
+        __syncthreads();
+    } else {
+        BATON_GRID_SYNC(bar);
+    }
+}

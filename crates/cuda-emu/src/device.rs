@@ -38,6 +38,8 @@ use std::sync::Mutex;
 /// Bytes of guard pattern after every allocation.
 pub const CANARY_BYTES: usize = 256;
 const CANARY: u8 = 0xA5;
+/// Blocks of any kernel that one emulated SM holds at once ([`Device::max_resident_blocks`]).
+pub const EMU_RESIDENT_BLOCKS: usize = 4;
 const ALIGN: usize = 256;
 
 /// One recorded stream operation (graph capture).
@@ -48,6 +50,8 @@ enum Op {
         grid: (u32, u32, u32),
         block: u32,
         vals: Vec<u64>,
+        /// Launched through `Device::launch_cooperative` (grid barriers allowed).
+        cooperative: bool,
     },
     Gemm(Gemm),
     /// Any copy (host addresses on both sides under emulation).
@@ -274,6 +278,7 @@ impl EmuDevice {
                 grid,
                 block,
                 vals,
+                cooperative,
             } => {
                 let mut vals = vals.clone();
                 let ptrs: Vec<*mut c_void> = vals
@@ -288,8 +293,18 @@ impl EmuDevice {
                 // SAFETY: the values were copied from the caller's parameter slots (8 bytes
                 // each) and the caller guaranteed they match the kernel and address live
                 // memory (Device::launch's contract).
-                unsafe { crate::launch(self.dtype, name, *grid, (*block, 1, 1), &ptrs) }
-                    .map_err(|e| err("kernel launch", format!("{name}: {e}")))
+                let sched = crate::Schedule::InOrder;
+                let block = (*block, 1, 1);
+                if *cooperative {
+                    // SAFETY: as below.
+                    unsafe {
+                        crate::launch_cooperative(self.dtype, name, *grid, block, &ptrs, sched)
+                    }
+                } else {
+                    // SAFETY: as above.
+                    unsafe { crate::launch_with(self.dtype, name, *grid, block, &ptrs, sched) }
+                }
+                .map_err(|e| err("kernel launch", format!("{name}: {e}")))
             }
             Op::Gemm(g) => gemm(g),
             Op::Copy { dst, src, bytes } => {
@@ -522,6 +537,48 @@ impl Device for EmuDevice {
             grid,
             block,
             vals,
+            cooperative: false,
+        })
+    }
+
+    /// The emulator does not model occupancy: every kernel gets [`EMU_RESIDENT_BLOCKS`] blocks
+    /// per (emulated) SM, so a cooperative grid is 16 blocks, and each of its threads one fiber.
+    fn max_resident_blocks(&self, name: &str, _block: u32) -> Result<usize, CudaWorkerError> {
+        if !crate::has_entry(self.dtype, name) {
+            return Err(err("occupancy", format!("kernel {name} not loaded")));
+        }
+        Ok(EMU_RESIDENT_BLOCKS)
+    }
+
+    unsafe fn launch_cooperative(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaWorkerError> {
+        if !crate::has_entry(self.dtype, name) {
+            return Err(err("kernel launch", format!("kernel {name} not loaded")));
+        }
+        let blocks = u64::from(grid.0) * u64::from(grid.1) * u64::from(grid.2);
+        let most = (EMU_RESIDENT_BLOCKS * self.multiprocessor_count()) as u64;
+        if blocks > most {
+            return Err(err(
+                "cooperative launch",
+                format!("{name}: {blocks} blocks, but at most {most} are resident at once"),
+            ));
+        }
+        // SAFETY: per this device's contract every parameter pointer addresses an 8-byte slot.
+        let vals = params
+            .iter()
+            .map(|&p| unsafe { *(p as *const u64) })
+            .collect();
+        self.submit(Op::Launch {
+            name: name.to_owned(),
+            grid,
+            block,
+            vals,
+            cooperative: true,
         })
     }
 

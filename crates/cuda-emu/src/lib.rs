@@ -109,6 +109,7 @@ extern "C" {
         args: *mut *mut c_void,
         schedule: c_int,
         seed: u64,
+        cooperative: c_int,
         err: *mut c_char,
         cap: usize,
         bad_block: *mut c_uint,
@@ -333,6 +334,51 @@ pub unsafe fn launch_with(
     args: &[*mut c_void],
     schedule: Schedule,
 ) -> Result<(), EmuError> {
+    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
+    unsafe { launch_impl(dtype, name, grid, block, args, schedule, false) }
+}
+
+/// [`launch_with`] as a cooperative launch (`cuLaunchKernelEx` with
+/// `CU_LAUNCH_ATTRIBUTE_COOPERATIVE`): every block of the grid is resident at once, so the
+/// kernel may wait at grid barriers (`BATON_GRID_SYNC` in `kernels/common.cuh`). The emulator
+/// keeps every block's threads alive (one fiber stack each: keep such grids to a few thousand
+/// threads) and runs the blocks in rounds: each unfinished block runs, in the schedule's block
+/// order, until it finishes or all its live threads wait at the grid barrier; parked blocks'
+/// shared memory is saved and restored around the others' turns; once every block is parked
+/// the next round releases them. A block that finishes while others wait at a barrier is
+/// [`EmuError::Deadlock`] (on a GPU the barrier would wait for it forever), as is a grid
+/// barrier that some of a block's threads reach while others wait at `__syncthreads`. A grid
+/// barrier in a launch made through [`launch_with`] is [`EmuError::Divergence`].
+///
+/// # Safety
+///
+/// As for [`launch_with`].
+pub unsafe fn launch_cooperative(
+    dtype: Dtype,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &[*mut c_void],
+    schedule: Schedule,
+) -> Result<(), EmuError> {
+    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
+    unsafe { launch_impl(dtype, name, grid, block, args, schedule, true) }
+}
+
+/// [`launch_with`] and [`launch_cooperative`].
+///
+/// # Safety
+///
+/// As for [`launch_with`].
+unsafe fn launch_impl(
+    dtype: Dtype,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &[*mut c_void],
+    schedule: Schedule,
+    cooperative: bool,
+) -> Result<(), EmuError> {
     let kernel = *registry()
         .0
         .get(&(dtype, name))
@@ -393,6 +439,7 @@ pub unsafe fn launch_with(
                 ptrs.as_mut_ptr(),
                 sched,
                 seed,
+                c_int::from(cooperative),
                 err.as_mut_ptr(),
                 err.len(),
                 bad.as_mut_ptr(),

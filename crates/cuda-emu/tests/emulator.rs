@@ -2,7 +2,8 @@
 //! memory, shuffles and the detection of deadlocked or divergent barriers (`csrc/selftest.cu`).
 
 use baton_cuda_emu::{
-    entry_points, has_entry, launch, launch_with, param_count, Dtype, EmuError, Params, Schedule,
+    entry_points, has_entry, launch, launch_cooperative, launch_with, param_count, Dtype, EmuError,
+    Params, Schedule,
 };
 
 /// Launches `name` (f32 module) with `params`.
@@ -24,7 +25,7 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
         .iter()
         .flat_map(|(_, e)| e.iter().copied())
         .collect();
-    assert_eq!(expected.len(), 22, "kernels.rs lists 22 entry points today");
+    assert_eq!(expected.len(), 24, "kernels.rs lists 24 entry points today");
     for dtype in Dtype::ALL {
         for e in &expected {
             assert!(
@@ -52,6 +53,10 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
         Some(22)
     );
     assert_eq!(param_count(Dtype::F16, "baton_sample_f32"), Some(14));
+    assert_eq!(
+        param_count(Dtype::Bf16, "baton_decode_layers_hd128"),
+        Some(27)
+    );
     assert!(!has_entry(Dtype::F32, "baton_nope"));
 }
 
@@ -330,5 +335,104 @@ fn run_ahead_lets_one_warp_overwrite_shared_memory_the_others_have_not_read() {
     assert_ne!(
         outs[1], want,
         "running warp 0 ahead exposes the missing barrier"
+    );
+}
+
+/// Launches `name` (f32 module) cooperatively under `schedule`.
+fn run_cooperative(
+    name: &str,
+    grid: u32,
+    block: u32,
+    params: &mut Params,
+    schedule: Schedule,
+) -> Result<(), EmuError> {
+    let args = params.as_args();
+    // SAFETY: as in `run`: the argument lists of csrc/selftest.cu, buffers sized for the grid.
+    unsafe {
+        launch_cooperative(
+            Dtype::F32,
+            name,
+            (grid, 1, 1),
+            (block, 1, 1),
+            &args,
+            schedule,
+        )
+    }
+}
+
+#[test]
+fn a_grid_barrier_shows_every_blocks_writes_and_keeps_each_blocks_shared_memory() {
+    for schedule in Schedule::ALL {
+        for (nb, threads) in [(1u32, 32u32), (5, 64), (16, 128)] {
+            let n = nb as usize;
+            let mut a = vec![u32::MAX; n];
+            let mut out = vec![u32::MAX; n];
+            let mut bar = [0u32; 2];
+            let mut p = Params::new();
+            p.ptr_mut(a.as_mut_ptr())
+                .ptr_mut(out.as_mut_ptr())
+                .ptr_mut(bar.as_mut_ptr());
+            run_cooperative("emu_test_grid_sync", nb, threads, &mut p, schedule).unwrap();
+            let sum: u32 = (1..=nb).sum();
+            let want: Vec<u32> = (0..nb).map(|b| sum + 1000 * (b + 1)).collect();
+            assert_eq!(out, want, "{schedule:?}, {nb} blocks");
+            let rotated: Vec<u32> = (0..n).map(|b| want[(b + 1) % n]).collect();
+            assert_eq!(a, rotated, "{schedule:?}, {nb} blocks");
+        }
+    }
+}
+
+#[test]
+fn a_grid_barrier_outside_a_cooperative_launch_or_missed_by_a_block_is_an_error() {
+    let mut bar = [0u32; 2];
+    let (mut a, mut out) = (vec![0u32; 2], vec![0u32; 2]);
+    let mut p = Params::new();
+    p.ptr_mut(a.as_mut_ptr())
+        .ptr_mut(out.as_mut_ptr())
+        .ptr_mut(bar.as_mut_ptr());
+    let e = run("emu_test_grid_sync", (2, 1, 1), (32, 1, 1), &mut p).unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Divergence { detail, .. } if detail.contains("not cooperative")),
+        "{e}"
+    );
+    for early in [0, 3] {
+        let mut p = Params::new();
+        p.ptr_mut(bar.as_mut_ptr()).int(early);
+        let e = run_cooperative(
+            "emu_test_grid_sync_early_exit",
+            4,
+            32,
+            &mut p,
+            Schedule::InOrder,
+        )
+        .unwrap_err();
+        let EmuError::Deadlock {
+            block_idx, detail, ..
+        } = &e
+        else {
+            panic!("expected a deadlock, got {e}");
+        };
+        assert_eq!(*block_idx, (early as u32, 0, 0), "{detail}");
+        assert!(detail.contains("3 of 4 blocks wait"), "{detail}");
+    }
+    // Every block reaching the barrier (no block index 7 in a grid of 4) is fine.
+    let mut p = Params::new();
+    p.ptr_mut(bar.as_mut_ptr()).int(7);
+    run_cooperative(
+        "emu_test_grid_sync_early_exit",
+        4,
+        32,
+        &mut p,
+        Schedule::Reverse,
+    )
+    .unwrap();
+    let mut p = Params::new();
+    p.ptr_mut(bar.as_mut_ptr());
+    let e =
+        run_cooperative("emu_test_grid_sync_mixed", 2, 64, &mut p, Schedule::InOrder).unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Deadlock { detail, .. }
+            if detail.contains("__syncthreads") && detail.contains("grid barrier")),
+        "{e}"
     );
 }

@@ -153,6 +153,28 @@ pub trait Device: Send + Sync {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaWorkerError>;
+    /// The most blocks of kernel `name`, `block` threads each and no dynamic shared memory,
+    /// that one SM holds at once (`cuOccupancyMaxActiveBlocksPerMultiprocessor`): a cooperative
+    /// launch may have at most this many times [`Device::multiprocessor_count`] blocks.
+    ///
+    /// # Errors
+    /// The kernel is not loaded, or the driver call fails.
+    fn max_resident_blocks(&self, name: &str, block: u32) -> Result<usize, CudaWorkerError>;
+    /// [`Device::launch`] as a cooperative launch (`CU_LAUNCH_ATTRIBUTE_COOPERATIVE`, no
+    /// programmatic dependent launch): every block of the grid is resident at once, so the
+    /// kernel may wait at grid barriers (`BATON_GRID_SYNC`, kernels/common.cuh). The driver
+    /// refuses a grid larger than [`Device::max_resident_blocks`] times the SM count
+    /// (`CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`).
+    ///
+    /// # Safety
+    /// As for [`Device::launch`].
+    unsafe fn launch_cooperative(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaWorkerError>;
     /// Enqueues `g`.
     ///
     /// # Safety
@@ -640,6 +662,68 @@ impl Device for CudaDevice {
                 // SAFETY: as for cuLaunchKernel above; `config` and `attr` outlive the call,
                 // which copies them.
                 drv("cuLaunchKernelEx", unsafe {
+                    cu::cuLaunchKernelEx(
+                        &config,
+                        f.cu_function(),
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                    .result()
+                })
+            },
+        )
+    }
+
+    fn max_resident_blocks(&self, name: &str, block: u32) -> Result<usize, CudaWorkerError> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
+        drv(
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            f.occupancy_max_active_blocks_per_multiprocessor(block, 0, None),
+        )
+        .map(|n| n as usize)
+    }
+
+    unsafe fn launch_cooperative(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaWorkerError> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
+        self.timed(
+            || name.to_owned(),
+            || {
+                let mut attr = cu::CUlaunchAttribute {
+                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                    pad: [0; 4],
+                    // SAFETY: an all-zero attribute value is valid plain data; the one field
+                    // the id selects is set next.
+                    value: unsafe { std::mem::zeroed() },
+                };
+                attr.value.cooperative = 1;
+                let config = cu::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: 0,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: per the contract, `params` matches the kernel's signature and its
+                // pointers address live memory; `config` and `attr` outlive the call, which
+                // copies them and the parameters.
+                drv("cuLaunchKernelEx (cooperative)", unsafe {
                     cu::cuLaunchKernelEx(
                         &config,
                         f.cu_function(),

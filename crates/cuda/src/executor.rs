@@ -190,16 +190,19 @@ struct LayerPtrs {
     qk_norm: u64,
 }
 
+/// Most parameters of a kernel (`baton_decode_layers_hdD` has 27).
+const MAX_KERNEL_PARAMS: usize = 32;
+
 /// Kernel arguments with stable addresses, in declaration order.
 struct KArgs {
-    vals: [u64; 24],
+    vals: [u64; MAX_KERNEL_PARAMS],
     n: usize,
 }
 
 impl KArgs {
     fn new() -> Self {
         KArgs {
-            vals: [0; 24],
+            vals: [0; MAX_KERNEL_PARAMS],
             n: 0,
         }
     }
@@ -414,6 +417,9 @@ pub struct CudaWorker {
     max_partitions: usize,
     /// Rows the attention partials are sized for (`max_rows`).
     part_rows: usize,
+    /// The persistent decode kernel, when [`Tuning::persistent_decode`](crate::plan::Tuning)
+    /// asked for it.
+    persistent: Option<Persistent>,
     /// Time each kernel and GEMM on its own (eager launches only).
     profiling: bool,
     /// Host copy of a chunk of prompt-scoring outputs (`max_rows` positions, see
@@ -421,6 +427,44 @@ pub struct CudaWorker {
     prompt_out: Vec<u8>,
     /// The last launch's scored prompt positions, in row then position order.
     prompt_scores: Vec<PromptScore>,
+}
+
+/// The persistent decode kernel of a worker (`baton_decode_layers_hdD`, kernels/attention.cu).
+struct Persistent {
+    /// `[num_layers, 8]` u64 device pointers: qkv, o, gate_up, down, input norm, post norm,
+    /// k cache, v cache (the kernel's `layers` argument).
+    table: Buf,
+    /// Blocks of its cooperative grid ([`crate::plan::decode_layers_grid`]).
+    grid: u32,
+}
+
+/// Why a model cannot take the persistent decode kernel, or `None` when it can: Llama-style
+/// layers (no q/k/v biases, no q/k norms), head dim 64 or 128, and every GEMV's activation row
+/// (hidden size, q width, intermediate size) whole 16-byte vectors that fit the kernel's
+/// staging ([`crate::plan::decode_layers_stage_elems`]).
+fn persistent_refusal(cfg: &ModelConfig, es: usize) -> Option<String> {
+    let hd = cfg.head_dim;
+    if !matches!(hd, 64 | 128) {
+        return Some(format!("head_dim {hd} (64 or 128 only)"));
+    }
+    if bias_group(cfg).is_some() || norm_group(cfg).is_some() {
+        return Some("q/k/v biases or q/k norms (Llama-style layers only)".into());
+    }
+    let cap = crate::plan::decode_layers_stage_elems(hd, es);
+    let rows = [
+        ("hidden_size", cfg.hidden_size),
+        ("q width", cfg.num_attention_heads * hd),
+        ("intermediate_size", cfg.intermediate_size),
+    ];
+    for (what, k) in rows {
+        if k % (16 / es) != 0 || k > cap {
+            return Some(format!(
+                "{what} {k}: more than the {cap} elements the kernel stages, or not whole \
+                 16-byte vectors"
+            ));
+        }
+    }
+    None
 }
 
 /// The pinned host side of one launch: what the host writes for the device to read (staging,
@@ -471,6 +515,9 @@ struct ActOffsets {
     attn_counters: usize,
     sample_partials: usize,
     sample_counters: usize,
+    /// The persistent decode kernel's grid barrier: two u32 words, zeroed at allocation and
+    /// left at zero by each launch (`BATON_GRID_SYNC`, kernels/common.cuh).
+    grid_bar: usize,
     /// Prompt scoring ([`CudaWorker::score_prompts`]): `[max_rows]` u32 tokens in, and out
     /// `[max_rows]` f32 log-probabilities, `[max_rows]` u32 ranks, `[max_rows, 20]` top ids
     /// and `[max_rows, 20]` top log-probabilities, one contiguous block from `score_out`.
@@ -781,6 +828,7 @@ impl BufferPlan {
         // per row, zeroed at allocation and left at 0 by each launch.
         a.sample_partials = take(r * crate::plan::sample_splits(cfg.vocab_size) * 16);
         a.sample_counters = take(r * 4);
+        a.grid_bar = take(8);
         a.score_tokens = take(r * 4);
         a.score_out = take(r * SCORE_OUT_BYTES_PER_ROW);
         a.total = off;
@@ -1061,16 +1109,79 @@ impl CudaWorker {
             buckets: Vec::new(),
             max_partitions,
             part_rows: r,
+            persistent: None,
             profiling: false,
             opts,
         };
         w.embed = w._weights.at(embed_off);
         w.final_norm = w._weights.at(norm_off);
         w.lm_head = w._weights.at(head_off);
+        if w.opts.tuning.persistent_decode {
+            w.persistent = Some(w.plan_persistent()?);
+        }
         if !w.opts.enforce_eager {
             w.capture_graphs()?;
         }
         Ok(w)
+    }
+
+    /// Sets up the persistent decode kernel (its layer table and grid).
+    ///
+    /// # Errors
+    /// [`CudaWorkerError::Unsupported`] when the model, the options (`--no-fused-decode`) or
+    /// the device cannot take it (it was asked for explicitly, so never a silent fallback), or
+    /// a device error.
+    fn plan_persistent(&self) -> Result<Persistent, CudaWorkerError> {
+        let refuse = |why: String| {
+            Err(CudaWorkerError::Unsupported(format!(
+                "{}=1: the persistent decode kernel cannot run {why}",
+                crate::plan::PERSISTENT_DECODE_ENV
+            )))
+        };
+        if !self.opts.fused_decode {
+            return refuse("with --no-fused-decode".into());
+        }
+        if let Some(why) = persistent_refusal(&self.cfg, self.dtype.size()) {
+            return refuse(format!("this model: {why}"));
+        }
+        let name = format!("baton_decode_layers_hd{}", self.cfg.head_dim);
+        let resident = self
+            .dev
+            .max_resident_blocks(&name, crate::plan::DECODE_LAYERS_BLOCK)?;
+        let grid = crate::plan::decode_layers_grid(self.dev.multiprocessor_count(), resident);
+        if grid == 0 {
+            return refuse(format!("on this device: no block of {name} fits on an SM"));
+        }
+        let mut bytes = Vec::with_capacity(self.layers.len() * 64);
+        for (li, lw) in self.layers.iter().enumerate() {
+            let (kc, vc) = self.kv_layer(li);
+            for p in [
+                lw.qkv,
+                lw.o,
+                lw.gate_up,
+                lw.down,
+                lw.input_norm,
+                lw.post_norm,
+                kc,
+                vc,
+            ] {
+                bytes.extend_from_slice(&p.to_le_bytes());
+            }
+        }
+        let table = Buf::new(&self.dev, bytes.len())?;
+        // SAFETY: the allocation holds `bytes.len()` bytes.
+        unsafe { self.dev.copy_htod(table.ptr, &bytes) }?;
+        self.dev.synchronize()?;
+        Ok(Persistent {
+            table,
+            grid: grid as u32,
+        })
+    }
+
+    /// The persistent decode kernel's grid (blocks) when batch-of-one decode steps run
+    /// through it ([`crate::plan::PERSISTENT_DECODE_ENV`]), else `None`.
+    pub fn persistent_decode(&self) -> Option<u32> {
+        self.persistent.as_ref().map(|p| p.grid)
     }
 
     /// What a worker for `cfg` and `opts` allocates besides its KV cache (no device needed).
@@ -1235,6 +1346,19 @@ impl CudaWorker {
         block: u32,
         args: &mut KArgs,
     ) -> Result<(), CudaWorkerError> {
+        self.launch_as(name, grid, block, args, false)
+    }
+
+    /// [`Self::launch`], or a cooperative launch (`Device::launch_cooperative`, for a kernel
+    /// with grid barriers; the grid at most the resident blocks).
+    fn launch_as(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut KArgs,
+        cooperative: bool,
+    ) -> Result<(), CudaWorkerError> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -1249,7 +1373,15 @@ impl CudaWorker {
         // bytes of their slot, floats as their bits. Each slot stays alive (in `args`) until
         // the launch has read the parameters, which it does before returning. All pointers
         // address live allocations of this worker sized for the launch's token and row counts.
-        unsafe { self.dev.launch(name, grid, block, &mut ptrs) }
+        // A cooperative launch's grid is at most the resident blocks the driver reported (a
+        // larger one fails the launch instead of hanging at a grid barrier).
+        unsafe {
+            if cooperative {
+                self.dev.launch_cooperative(name, grid, block, &mut ptrs)
+            } else {
+                self.dev.launch(name, grid, block, &mut ptrs)
+            }
+        }
     }
 
     /// `out[t, n] = x[t, k] · W[n, k]ᵀ`, row-major, through `cublasGemmEx` (fp32 accumulate);
@@ -1395,7 +1527,17 @@ impl CudaWorker {
                         .i(rows),
                 )
             };
+            let persistent = self
+                .persistent
+                .as_ref()
+                .filter(|_| t == 1 && dumps.is_none());
+            if let Some(p) = persistent {
+                self.decode_layers(p, scale)?;
+            }
             for (li, lw) in self.layers.iter().enumerate() {
+                if persistent.is_some() {
+                    break;
+                }
                 gemv(act(a.qkv), act(a.resid), lw.qkv, lw.input_norm, qkv_w, h, 0)?;
                 self.qkv_post(t, lw)?;
                 let q = act(a.qkv);
@@ -1657,6 +1799,25 @@ impl CudaWorker {
         mode == AttnMode::Decode && fast_head_dim(self.cfg.head_dim)
     }
 
+    /// Decode attention's grid for `r` rows: (grid.y = kv heads x head chunks, partitions per
+    /// sequence = grid.z, fill). The partials hold `part_rows * max_partitions` per head,
+    /// shared out among the launch's rows.
+    fn decode_split(&self, r: usize) -> (u32, usize, usize) {
+        let c = &self.cfg;
+        let (nh, kvh) = (c.num_attention_heads, c.num_key_value_heads);
+        let gy = kvh * (nh / kvh).div_ceil(8);
+        let z = crate::plan::decode_partitions(
+            r,
+            gy,
+            self.opts.max_model_len,
+            self.part_rows * self.max_partitions / r.max(1),
+            self.opts.tuning.attn_target_blocks,
+            self.opts.tuning.attn_min_partition,
+        );
+        let fill = crate::plan::decode_fill(r, gy, self.opts.tuning.attn_target_blocks).min(z);
+        (gy as u32, z, fill)
+    }
+
     /// Attention of the step over the KV cache, into the `attn` activations. `q` is the QKV
     /// projection's output (row stride `q_stride` elements): rotated and already in the cache
     /// unless [`Self::decode_fuses_rope`], in which case the decode kernel does both.
@@ -1704,8 +1865,7 @@ impl CudaWorker {
                     .f(scale),
             );
         }
-        let chunks = (nh / kvh).div_ceil(8);
-        let gy = (kvh * chunks) as u32;
+        let (gy, z, fill) = self.decode_split(r);
         match mode {
             AttnMode::Decode => {
                 // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,
@@ -1714,19 +1874,6 @@ impl CudaWorker {
                 //            max_partitions, fill, min_part, long_part)
                 // RoPE and the cache write of the step's token are fused in; the last block of
                 // a split sequence combines its partitions (no reduce launch).
-                // Partitions per sequence: the partials hold `part_rows * max_partitions` per
-                // head, shared out among this launch's `r` rows.
-                let z = crate::plan::decode_partitions(
-                    r,
-                    gy as usize,
-                    self.opts.max_model_len,
-                    self.part_rows * self.max_partitions / r.max(1),
-                    self.opts.tuning.attn_target_blocks,
-                    self.opts.tuning.attn_min_partition,
-                );
-                let fill =
-                    crate::plan::decode_fill(r, gy as usize, self.opts.tuning.attn_target_blocks)
-                        .min(z);
                 self.launch(
                     &format!("baton_paged_attention_decode_hd{hd}"),
                     (r as u32, gy, z as u32),
@@ -1782,6 +1929,56 @@ impl CudaWorker {
                 )
             }
         }
+    }
+
+    /// Every decoder layer of a batch-of-one decode step in one cooperative launch of the
+    /// persistent decode kernel: what the fused path's per-layer GEMVs and decode attention
+    /// compute, bit for bit (kernels/attention.cu, "Persistent decode").
+    fn decode_layers(&self, p: &Persistent, scale: f32) -> Result<(), CudaWorkerError> {
+        let c = &self.cfg;
+        let a = &self.act_off;
+        let act = |o: usize| self.acts.at(o);
+        let st = |o: usize| self.staging_dev.at(o);
+        let l = &self.layout;
+        let (_, z, fill) = self.decode_split(1);
+        // decode_layers_hdD(layers, num_layers, resid, qkv, attn, act, part_acc, part_m,
+        //     part_l, counters, block_tables, max_blocks_per_row, seq_lens, slot_mapping,
+        //     inv_freq, hidden, nh, nkv, inter, block_size, scale, eps, max_partitions, fill,
+        //     min_part, long_part, bar)
+        self.launch_as(
+            &format!("baton_decode_layers_hd{}", c.head_dim),
+            (p.grid, 1, 1),
+            crate::plan::DECODE_LAYERS_BLOCK,
+            KArgs::new()
+                .p(p.table.ptr)
+                .i(c.num_hidden_layers)
+                .p(act(a.resid))
+                .p(act(a.qkv))
+                .p(act(a.attn))
+                .p(act(a.act))
+                .p(act(a.part_acc))
+                .p(act(a.part_m))
+                .p(act(a.part_l))
+                .p(act(a.attn_counters))
+                .p(st(l.block_tables))
+                .i(l.max_blocks)
+                .p(st(l.seq_lens))
+                .p(st(l.slots))
+                .p(self.inv_freq.ptr)
+                .i(c.hidden_size)
+                .i(c.num_attention_heads)
+                .i(c.num_key_value_heads)
+                .i(c.intermediate_size)
+                .i(self.opts.block_size)
+                .f(scale)
+                .f(c.rms_norm_eps)
+                .i(z)
+                .i(fill)
+                .i(self.opts.tuning.attn_min_partition)
+                .i(crate::plan::ATTN_LONG_PARTITION)
+                .p(act(a.grid_bar)),
+            true,
+        )
     }
 
     fn dump_resid(&self, d: &mut Dumps, t: usize) -> Result<(), CudaWorkerError> {
@@ -2816,6 +3013,31 @@ mod tests {
             fused_decode: true,
             tuning: Default::default(),
         }
+    }
+
+    #[test]
+    fn llama_1b_and_8b_take_the_persistent_kernel_in_bf16_and_qwen_or_odd_shapes_do_not() {
+        let mut cfg = llama_1b();
+        assert_eq!(persistent_refusal(&cfg, 2), None);
+        assert_eq!(persistent_refusal(&cfg, 4), None);
+        cfg.head_dim = 128;
+        cfg.num_attention_heads = 32;
+        cfg.hidden_size = 4096;
+        cfg.intermediate_size = 14336;
+        assert_eq!(persistent_refusal(&cfg, 2), None);
+        // 14336 f32 elements are more than the hd128 tile stages.
+        assert!(persistent_refusal(&cfg, 4)
+            .unwrap()
+            .contains("intermediate_size"));
+        let mut odd = llama_1b();
+        odd.intermediate_size = 8200 + 4;
+        assert!(persistent_refusal(&odd, 2).unwrap().contains("16-byte"));
+        let mut hd = llama_1b();
+        hd.head_dim = 256;
+        assert!(persistent_refusal(&hd, 2).unwrap().contains("head_dim"));
+        let mut qwen = llama_1b();
+        qwen.qkv_bias = true;
+        assert!(persistent_refusal(&qwen, 2).unwrap().contains("biases"));
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //!
 //! Every `.cu` file is compiled as its own NVRTC program, with `kernels/common.cuh` prepended
 //! textually (followed by a `#line 1 "<file>"` directive so compiler messages point at the
-//! right file and line). The only header the kernels include is `cuda_bf16.h` (and what it
-//! includes), found through `-I<include_dir>`; see [`include_dir_from_env`].
+//! right file and line). A kernel file may include one of our headers (`#include "gemv.cuh"`,
+//! see [`kernel_headers`]): [`full_source`] inlines it, since NVRTC compiles from memory. The
+//! only other header is `cuda_bf16.h` (and what it includes), found through `-I<include_dir>`;
+//! see [`include_dir_from_env`].
 //!
 //! NVRTC is loaded dynamically (cudarc `dynamic-loading`): building this crate needs no CUDA,
 //! and [`compile_ptx`] reports [`KernelError::NvrtcUnavailable`] instead of panicking when
@@ -42,6 +44,9 @@ static SOURCES: &[(&str, &str)] = &[
     ),
 ];
 
+/// `(file name, CUDA C source)` of the headers that kernel files include.
+static HEADERS: &[(&str, &str)] = &[("gemv.cuh", include_str!("../../../kernels/gemv.cuh"))];
+
 /// `(file name, extern "C" entry points it must define)`, same order as [`kernel_sources`].
 static ENTRY_POINTS: &[(&str, &[&str])] = &[
     (
@@ -61,6 +66,8 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
             "baton_paged_attention_prefill_hd128",
             "baton_paged_attention_prefill_hd256",
             "baton_paged_attention_generic",
+            "baton_decode_layers_hd64",
+            "baton_decode_layers_hd128",
         ],
     ),
     ("activation.cu", &["baton_silu_and_mul"]),
@@ -190,14 +197,45 @@ pub fn kernel_sources() -> &'static [(&'static str, &'static str)] {
     SOURCES
 }
 
+/// `(file name, CUDA C source)` of the headers kernel files may include (`#include "name"`).
+pub fn kernel_headers() -> &'static [(&'static str, &'static str)] {
+    HEADERS
+}
+
+/// `source` with each `#include "name"` line of a [`kernel_headers`] header replaced by the
+/// header's text, between `#line` directives that keep compiler messages pointing at the right
+/// file and line. Headers hold no includes of their own. Other lines are kept as they are.
+pub fn expand_includes(file: &str, source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    for (i, line) in source.split_inclusive('\n').enumerate() {
+        let header = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'))
+            .and_then(|name| HEADERS.iter().find(|(n, _)| *n == name));
+        match header {
+            Some((name, text)) => {
+                out.push_str(&format!("#line 1 \"{name}\"\n{text}\n"));
+                out.push_str(&format!("#line {} \"{file}\"\n", i + 2));
+            }
+            None => out.push_str(line),
+        }
+    }
+    out
+}
+
 /// `(file name, entry points)` that each kernel file must define, for loaders and tests.
 pub fn kernel_entry_points() -> &'static [(&'static str, &'static [&'static str])] {
     ENTRY_POINTS
 }
 
-/// The text NVRTC compiles for `file`: the prelude, a `#line` reset, then the file.
+/// The text NVRTC compiles for `file`: the prelude, a `#line` reset, then the file with its
+/// headers inlined ([`expand_includes`]).
 pub fn full_source(file: &str, source: &str) -> String {
-    format!("{COMMON_HEADER}\n#line 1 \"{file}\"\n{source}")
+    format!(
+        "{COMMON_HEADER}\n#line 1 \"{file}\"\n{}",
+        expand_includes(file, source)
+    )
 }
 
 /// The CUDA include directory: `$BATON_CUDA_INCLUDE`, else `/usr/local/cuda/include`.
@@ -712,6 +750,31 @@ ptxas info    : Used 64 registers, used 1 barriers, 64 bytes cumulative stack si
     }
 
     #[test]
+    fn our_headers_are_inlined_between_line_directives_and_other_includes_kept() {
+        let s = expand_includes(
+            "k.cu",
+            "a\n#include \"gemv.cuh\"\nb\n#include <cuda_bf16.h>\n",
+        );
+        let gemv = kernel_headers()[0].1;
+        assert_eq!(
+            s,
+            format!(
+                "a\n#line 1 \"gemv.cuh\"\n{gemv}\n#line 3 \"k.cu\"\nb\n#include <cuda_bf16.h>\n"
+            )
+        );
+        // Every kernel file that includes a header gets it, and no header includes another.
+        for (file, src) in SOURCES {
+            assert!(
+                !expand_includes(file, src).contains("#include \""),
+                "{file}"
+            );
+        }
+        for (name, text) in HEADERS {
+            assert!(!text.contains("#include \""), "{name} includes a header");
+        }
+    }
+
+    #[test]
     fn ptx_entry_points_parses_visible_entries() {
         let ptx = "//\n.visible .entry baton_a(\n\t.param .u64 x\n)\n.entry baton_b(\n.func f(\n";
         assert_eq!(ptx_entry_points(ptx), vec!["baton_a", "baton_b"]);
@@ -749,6 +812,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 64 bytes cumulative stack si
             let define = format!("#define {name} ");
             let (file, src) = SOURCES
                 .iter()
+                .chain(HEADERS)
                 .find(|(_, src)| src.contains(&guard))
                 .unwrap_or_else(|| panic!("no kernel file guards {name} with #ifndef"));
             let g = src.find(&guard).unwrap();

@@ -75,6 +75,39 @@ pub const GEMV1_BLOCKS_PER_SM: usize = 2;
 /// them, with half the loads in flight.
 pub const GEMV1_BLOCKS_PER_SM_ENV: &str = "BATON_GEMV1_BLOCKS_PER_SM";
 
+/// Environment variable turning on the persistent decode kernel (`1`; `0` or unset: off): a
+/// batch-of-one decode step runs every layer in one cooperative launch
+/// (`baton_decode_layers_hdD`, kernels/attention.cu) instead of five launches per layer. Off by
+/// default until a GPU A/B run (`scripts/gpu-ab.sh`, variant `persistent`) shows it faster.
+pub const PERSISTENT_DECODE_ENV: &str = "BATON_PERSISTENT_DECODE";
+
+/// Thread blocks per SM of the persistent decode kernel's grid at most: its
+/// `__launch_bounds__(128, 3)` (168 registers, no spills in its GEMV phases at 4 weight vectors
+/// per lane in flight; at 4 blocks, 128 registers, they spilled).
+pub const DECODE_LAYERS_BLOCKS_PER_SM: usize = 3;
+
+/// Threads per block of the persistent decode kernel (decode attention's 4 warps).
+pub const DECODE_LAYERS_BLOCK: u32 = 128;
+
+/// Elements of the activation row the persistent decode kernel can stage for a GEMV phase:
+/// the bytes of decode attention's K/V tile in shared memory (`BatonDecodeShared<D>::kv`,
+/// kernels/attention.cu: 2 x TK keys x (D / VEC + 1) 16-byte vectors, TK = min(16384 / (D x
+/// elem bytes), 128)) over `elem_bytes`. A model whose hidden size, q width (heads x head_dim)
+/// or intermediate size exceeds this cannot take the persistent path (the kernel skips such a
+/// phase's work).
+pub fn decode_layers_stage_elems(head_dim: usize, elem_bytes: usize) -> usize {
+    let tk = (16384 / (head_dim * elem_bytes)).min(128);
+    let svr = head_dim * elem_bytes / 16 + 1;
+    2 * tk * svr * 16 / elem_bytes
+}
+
+/// Blocks of the persistent decode kernel's cooperative grid: `resident` blocks per SM (the
+/// driver's occupancy for the kernel), at most [`DECODE_LAYERS_BLOCKS_PER_SM`], times `sms`.
+/// 0 when none fits (the worker then keeps the per-kernel path).
+pub fn decode_layers_grid(sms: usize, resident: usize) -> usize {
+    sms * resident.min(DECODE_LAYERS_BLOCKS_PER_SM)
+}
+
 /// Launch-shape and kernel-constant overrides for tuning runs. The defaults are what the
 /// worker uses; the GPU A/B script sets the rest through the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +121,9 @@ pub struct Tuning {
     /// Extra kernel macro definitions, `NAME=VALUE` (NVRTC `-D`), from
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV).
     pub kernel_defines: Vec<String>,
+    /// Batch-of-one decode steps through the persistent decode kernel
+    /// ([`PERSISTENT_DECODE_ENV`]).
+    pub persistent_decode: bool,
 }
 
 impl Default for Tuning {
@@ -97,13 +133,14 @@ impl Default for Tuning {
             attn_min_partition: ATTN_MIN_PARTITION,
             gemv1_blocks_per_sm: GEMV1_BLOCKS_PER_SM,
             kernel_defines: Vec::new(),
+            persistent_decode: false,
         }
     }
 }
 
 impl Tuning {
     /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`],
-    /// [`GEMV1_BLOCKS_PER_SM_ENV`] and
+    /// [`GEMV1_BLOCKS_PER_SM_ENV`], [`PERSISTENT_DECODE_ENV`] and
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
     ///
     /// # Errors
@@ -150,6 +187,7 @@ impl Tuning {
                 "1 or 2",
             )?,
             kernel_defines: Vec::new(),
+            persistent_decode: knob(PERSISTENT_DECODE_ENV, 0, |n| n <= 1, "0 or 1")? == 1,
         };
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
             t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
@@ -604,6 +642,34 @@ mod tests {
             let e = gemv(v).unwrap_err();
             assert!(e.starts_with(GEMV1_BLOCKS_PER_SM_ENV), "{v:?}: {e}");
         }
+        let persistent = |v: &'static str| {
+            Tuning::from_lookup(move |name: &str| {
+                (name == PERSISTENT_DECODE_ENV).then(|| v.to_string())
+            })
+        };
+        assert!(persistent("1").unwrap().persistent_decode);
+        assert!(!persistent("0").unwrap().persistent_decode);
+        assert!(!Tuning::default().persistent_decode);
+        for v in ["2", "yes", "-1"] {
+            let e = persistent(v).unwrap_err();
+            assert!(e.starts_with(PERSISTENT_DECODE_ENV), "{v:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_persistent_kernel_stages_what_the_attention_tile_holds() {
+        // BatonDecodeShared<D>::kv: 2 x TK x (D / VEC + 1) vectors of 16 bytes.
+        assert_eq!(decode_layers_stage_elems(64, 2), 2 * 128 * 9 * 16 / 2);
+        assert_eq!(decode_layers_stage_elems(128, 2), 2 * 64 * 17 * 16 / 2);
+        assert_eq!(decode_layers_stage_elems(64, 4), 2 * 64 * 17 * 16 / 4);
+        // Llama-3.2-1B (hidden 2048, intermediate 8192) and Llama-3.1-8B (4096, 14336) fit in
+        // bf16; 8B's down projection does not in f32.
+        assert!(decode_layers_stage_elems(64, 2) >= 8192);
+        assert!(decode_layers_stage_elems(128, 2) >= 14336);
+        assert!(decode_layers_stage_elems(128, 4) < 14336);
+        assert_eq!(decode_layers_grid(132, 4), 396);
+        assert_eq!(decode_layers_grid(132, 2), 264);
+        assert_eq!(decode_layers_grid(132, 0), 0);
     }
 
     #[test]

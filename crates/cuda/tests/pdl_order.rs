@@ -20,7 +20,7 @@
 //! attention cp.async prologue and the GEMV's pre-wait loads are checked by review, and by the
 //! GPU's results).
 
-use baton_cuda::kernels::{kernel_entry_points, kernel_sources};
+use baton_cuda::kernels::{expand_includes, kernel_entry_points, kernel_sources};
 
 const WAIT: &str = "BATON_PDL_WAIT()";
 const LAUNCH: &str = "BATON_PDL_LAUNCH()";
@@ -237,6 +237,7 @@ fn violations(file: &str, src: &str) -> Vec<String> {
 fn every_kernel_waits_before_it_lets_its_dependents_launch() {
     let mut bad = Vec::new();
     for (file, src) in kernel_sources() {
+        let src = &expand_includes(file, src);
         bad.extend(violations(file, src));
         if strip_comments(src).contains("griddepcontrol") {
             bad.push(format!(
@@ -250,7 +251,7 @@ fn every_kernel_waits_before_it_lets_its_dependents_launch() {
 #[test]
 fn the_scan_finds_every_entry_point() {
     for (file, src) in kernel_sources() {
-        let entries: Vec<String> = functions(src)
+        let entries: Vec<String> = functions(&expand_includes(file, src))
             .into_iter()
             .filter(|f| f.entry)
             .map(|f| f.name)
