@@ -46,6 +46,7 @@ deadline=$((SECONDS + BUDGET - 5))
 
 default_variants='base|
 persistent|BATON_PERSISTENT_DECODE=1
+persistent-l2-64k|BATON_PERSISTENT_DECODE=1 BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=65536
 gemv-1-per-sm|BATON_GEMV1_BLOCKS_PER_SM=1
 in-flight-1|AB_ARGS=--in-flight=1
 minpart-256|BATON_ATTN_MIN_PARTITION=256

@@ -213,13 +213,7 @@ fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
         let loaded = ModelDir::new(model_dir())
             .load(baton_model::LoadFormat::Auto)
             .expect("model");
-        let sizes = CudaSizes {
-            block_size: sched.block_size,
-            num_blocks: Some(sched.num_blocks),
-            max_tokens: sched.max_num_batched_tokens,
-            max_rows: sched.max_num_seqs,
-            max_model_len: sched.max_model_len,
-        };
+        let sizes = sizes_of(sched);
         let last = Mutex::new(None);
         let w =
             emu(Dtype::Bf16, false, &last)(loaded.config, loaded.weights.into(), sizes).unwrap();
@@ -390,13 +384,7 @@ fn emu_engine(
     let loaded = ModelDir::new(model_dir())
         .load(baton_model::LoadFormat::Auto)
         .expect("model");
-    let sizes = CudaSizes {
-        block_size: sched.block_size,
-        num_blocks: Some(sched.num_blocks),
-        max_tokens: sched.max_num_batched_tokens,
-        max_rows: sched.max_num_seqs,
-        max_model_len: sched.max_model_len,
-    };
+    let sizes = sizes_of(sched);
     let w = emu(dtype, enforce_eager, last)(loaded.config, loaded.weights.into(), sizes).unwrap();
     if let Some(dev) = last.lock().unwrap().as_ref() {
         dev.set_deferred(true).unwrap();
@@ -633,6 +621,17 @@ fn penalized_requests_match_the_cpu_worker_with_pending_rows_with_graphs_and_eag
 }
 
 /// Buffers for a worker that only loads weights (8 pages, 4 rows of 64 tokens).
+/// The CUDA worker sizes that match a scheduler configuration.
+fn sizes_of(sched: &SchedulerConfig) -> CudaSizes {
+    CudaSizes {
+        block_size: sched.block_size,
+        num_blocks: Some(sched.num_blocks),
+        max_tokens: sched.max_num_batched_tokens,
+        max_rows: sched.max_num_seqs,
+        max_model_len: sched.max_model_len,
+    }
+}
+
 fn small_sizes() -> CudaSizes {
     CudaSizes {
         block_size: 16,
@@ -1143,13 +1142,7 @@ fn qwen_greedy_matches_the_cpu_worker(name: &str, config: &str) {
     let want_batch = run(&mut cpu, no_eos(batch()));
     let want_alone = run(&mut cpu, no_eos(alone()));
     assert_eq!(want_batch[&0].0.len(), 10, "{name}");
-    let sizes = CudaSizes {
-        block_size: sched.block_size,
-        num_blocks: Some(sched.num_blocks),
-        max_tokens: sched.max_num_batched_tokens,
-        max_rows: sched.max_num_seqs,
-        max_model_len: sched.max_model_len,
-    };
+    let sizes = sizes_of(&sched);
     for eager in [false, true] {
         let last = Mutex::new(None);
         let w = emu(Dtype::F32, eager, &last)(cfg.clone(), weights.clone().into(), sizes).unwrap();
@@ -1521,13 +1514,7 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
         max_model_len: 128,
         ..config_for_tests()
     };
-    let sizes = CudaSizes {
-        block_size: sched.block_size,
-        num_blocks: Some(sched.num_blocks),
-        max_tokens: sched.max_num_batched_tokens,
-        max_rows: sched.max_num_seqs,
-        max_model_len: sched.max_model_len,
-    };
+    let sizes = sizes_of(&sched);
     let params = baton_proto::SamplingParams {
         want_logprob: 1,
         top_logprobs: 5,

@@ -304,24 +304,31 @@ std::string describe_sites(const Run& r, St st, unsigned lo, unsigned hi) {
     return out;
 }
 
-void release_block(Run& r) {
+// Queues the threads waiting in state `st` (__syncthreads or the grid barrier, `what`), which
+// must all wait at the same textual barrier; false (and a divergence failure) when they do not.
+bool release_waiting(Run& r, St st, const char* what) {
     const Fiber* first = nullptr;
     for (unsigned i = 0; i < r.n; ++i) {
         const Fiber& f = r.fibers[i];
-        if (f.st != St::AtBlock) continue;
+        if (f.st != st) continue;
         if (!first) {
             first = &f;
         } else if (!same_site(first->site, f.site)) {
             set_failure(r, 2,
-                        "divergent __syncthreads: the threads of the block wait at different "
-                        "barriers (" + describe_sites(r, St::AtBlock, 0, r.n) + ")");
-            return;
+                        fmt("divergent %s: the threads of the block wait at different barriers (",
+                            what) +
+                            describe_sites(r, st, 0, r.n) + ")");
+            return false;
         }
     }
-    r.arrived = 0;
     for (unsigned i = 0; i < r.n; ++i)
-        if (r.fibers[i].st == St::AtBlock) r.released.push_back(i);
+        if (r.fibers[i].st == st) r.released.push_back(i);
     release_all(r);
+    return true;
+}
+
+void release_block(Run& r) {
+    if (release_waiting(r, St::AtBlock, "__syncthreads")) r.arrived = 0;
 }
 
 void release_warp(Run& r, unsigned wi) {
@@ -490,22 +497,8 @@ void run_block(Run& r, unsigned long long seed, unsigned long long block_linear)
 // Releases the threads of a block parked at the grid barrier (all at the same textual barrier,
 // as for __syncthreads) and runs them.
 void release_grid(Run& r) {
-    const Fiber* first = nullptr;
-    for (unsigned i = 0; i < r.n; ++i) {
-        const Fiber& f = r.fibers[i];
-        if (f.st != St::AtGrid) continue;
-        if (!first) {
-            first = &f;
-        } else if (!same_site(first->site, f.site)) {
-            set_failure(r, 2,
-                        "divergent grid barrier: the threads of the block wait at different "
-                        "barriers (" + describe_sites(r, St::AtGrid, 0, r.n) + ")");
-            return;
-        }
-        r.released.push_back(i);
-    }
+    if (!release_waiting(r, St::AtGrid, "grid barrier")) return;
     r.at_grid = 0;
-    release_all(r);
     resume_block(r);
 }
 

@@ -271,6 +271,35 @@ impl EmuDevice {
         r
     }
 
+    /// Records (or runs) a launch of `name` with the values `params` point at.
+    ///
+    /// # Safety
+    /// Every parameter pointer addresses an 8-byte slot (`Device::launch`'s contract).
+    unsafe fn submit_launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &[*mut c_void],
+        cooperative: bool,
+    ) -> Result<(), CudaWorkerError> {
+        if !crate::has_entry(self.dtype, name) {
+            return Err(err("kernel launch", format!("kernel {name} not loaded")));
+        }
+        // SAFETY: per the contract every parameter pointer addresses an 8-byte slot.
+        let vals = params
+            .iter()
+            .map(|&p| unsafe { *(p as *const u64) })
+            .collect();
+        self.submit(Op::Launch {
+            name: name.to_owned(),
+            grid,
+            block,
+            vals,
+            cooperative,
+        })
+    }
+
     fn run_untimed(&self, op: &Op) -> Result<(), CudaWorkerError> {
         match op {
             Op::Launch {
@@ -524,25 +553,12 @@ impl Device for EmuDevice {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaWorkerError> {
-        if !crate::has_entry(self.dtype, name) {
-            return Err(err("kernel launch", format!("kernel {name} not loaded")));
-        }
-        // SAFETY: per this device's contract every parameter pointer addresses an 8-byte slot.
-        let vals = params
-            .iter()
-            .map(|&p| unsafe { *(p as *const u64) })
-            .collect();
-        self.submit(Op::Launch {
-            name: name.to_owned(),
-            grid,
-            block,
-            vals,
-            cooperative: false,
-        })
+        // SAFETY: per this device's contract, as submit_launch's.
+        unsafe { self.submit_launch(name, grid, block, params, false) }
     }
 
     /// The emulator does not model occupancy: every kernel gets [`EMU_RESIDENT_BLOCKS`] blocks
-    /// per (emulated) SM, so a cooperative grid is 16 blocks, and each of its threads one fiber.
+    /// per (emulated) SM, so a cooperative grid has at most 16 blocks (each thread a fiber).
     fn max_resident_blocks(&self, name: &str, _block: u32) -> Result<usize, CudaWorkerError> {
         if !crate::has_entry(self.dtype, name) {
             return Err(err("occupancy", format!("kernel {name} not loaded")));
@@ -557,9 +573,6 @@ impl Device for EmuDevice {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaWorkerError> {
-        if !crate::has_entry(self.dtype, name) {
-            return Err(err("kernel launch", format!("kernel {name} not loaded")));
-        }
         let blocks = u64::from(grid.0) * u64::from(grid.1) * u64::from(grid.2);
         let most = (EMU_RESIDENT_BLOCKS * self.multiprocessor_count()) as u64;
         if blocks > most {
@@ -568,18 +581,8 @@ impl Device for EmuDevice {
                 format!("{name}: {blocks} blocks, but at most {most} are resident at once"),
             ));
         }
-        // SAFETY: per this device's contract every parameter pointer addresses an 8-byte slot.
-        let vals = params
-            .iter()
-            .map(|&p| unsafe { *(p as *const u64) })
-            .collect();
-        self.submit(Op::Launch {
-            name: name.to_owned(),
-            grid,
-            block,
-            vals,
-            cooperative: true,
-        })
+        // SAFETY: per this device's contract, as submit_launch's.
+        unsafe { self.submit_launch(name, grid, block, params, true) }
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), CudaWorkerError> {

@@ -292,6 +292,62 @@ unsafe impl Send for CudaDevice {}
 unsafe impl Sync for CudaDevice {}
 
 impl CudaDevice {
+    /// The loaded kernel `name`.
+    fn function(&self, name: &str) -> Result<&CudaFunction, CudaWorkerError> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))
+    }
+
+    /// `cuLaunchKernelEx` of `f` on the worker's stream with one launch attribute `id`, its
+    /// value set by `set` (from all zeros), no dynamic shared memory.
+    ///
+    /// # Safety
+    /// As for [`Device::launch`]: `params` matches `f`'s signature and its pointers address
+    /// live memory.
+    unsafe fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+        id: cu::CUlaunchAttributeID,
+        set: impl FnOnce(&mut cu::CUlaunchAttributeValue),
+    ) -> Result<(), CudaWorkerError> {
+        let mut attr = cu::CUlaunchAttribute {
+            id,
+            pad: [0; 4],
+            // SAFETY: an all-zero attribute value is valid plain data; `set` fills the field
+            // that `id` selects.
+            value: unsafe { std::mem::zeroed() },
+        };
+        set(&mut attr.value);
+        let config = cu::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: per the contract, `params` matches the kernel's signature and its pointers
+        // address live memory; `config` and `attr` outlive the call, which copies them and the
+        // parameters.
+        drv("cuLaunchKernelEx", unsafe {
+            cu::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        })
+    }
+
     /// Opens device `ordinal`: checks the driver and cuBLAS can be loaded, creates the context
     /// and stream, compiles every kernel for the device's architecture and `dtype` (headers
     /// from `include_dir`, extra `-D` definitions `defines`, usually none: see
@@ -612,10 +668,7 @@ impl Device for CudaDevice {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaWorkerError> {
-        let f = self
-            .functions
-            .get(name)
-            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
+        let f = self.function(name)?;
         self.timed(
             || name.to_owned(),
             || {
@@ -639,49 +692,23 @@ impl Device for CudaDevice {
                 // for its predecessor (BATON_PDL_WAIT) before its first global write and
                 // before reading anything but weights and memory written two or more kernels
                 // back (the rule in kernels/common.cuh).
-                let mut attr = cu::CUlaunchAttribute {
-                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                    pad: [0; 4],
-                    // SAFETY: an all-zero attribute value is valid plain data; the one field
-                    // the id selects is set next.
-                    value: unsafe { std::mem::zeroed() },
-                };
-                attr.value.programmaticStreamSerializationAllowed = 1;
-                let config = cu::CUlaunchConfig {
-                    gridDimX: grid.0,
-                    gridDimY: grid.1,
-                    gridDimZ: grid.2,
-                    blockDimX: block,
-                    blockDimY: 1,
-                    blockDimZ: 1,
-                    sharedMemBytes: 0,
-                    hStream: self.stream.cu_stream(),
-                    attrs: &mut attr,
-                    numAttrs: 1,
-                };
-                // SAFETY: as for cuLaunchKernel above; `config` and `attr` outlive the call,
-                // which copies them.
-                drv("cuLaunchKernelEx", unsafe {
-                    cu::cuLaunchKernelEx(
-                        &config,
-                        f.cu_function(),
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                    .result()
-                })
+                let id =
+                    cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                // SAFETY: per the contract (launch_ex's is this function's).
+                unsafe {
+                    self.launch_ex(f, grid, block, params, id, |v| {
+                        v.programmaticStreamSerializationAllowed = 1
+                    })
+                }
             },
         )
     }
 
     fn max_resident_blocks(&self, name: &str, block: u32) -> Result<usize, CudaWorkerError> {
-        let f = self
-            .functions
-            .get(name)
-            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
         drv(
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-            f.occupancy_max_active_blocks_per_multiprocessor(block, 0, None),
+            self.function(name)?
+                .occupancy_max_active_blocks_per_multiprocessor(block, 0, None),
         )
         .map(|n| n as usize)
     }
@@ -693,46 +720,12 @@ impl Device for CudaDevice {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaWorkerError> {
-        let f = self
-            .functions
-            .get(name)
-            .ok_or_else(|| CudaWorkerError::Unsupported(format!("kernel {name} not loaded")))?;
+        let f = self.function(name)?;
+        let id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         self.timed(
             || name.to_owned(),
-            || {
-                let mut attr = cu::CUlaunchAttribute {
-                    id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-                    pad: [0; 4],
-                    // SAFETY: an all-zero attribute value is valid plain data; the one field
-                    // the id selects is set next.
-                    value: unsafe { std::mem::zeroed() },
-                };
-                attr.value.cooperative = 1;
-                let config = cu::CUlaunchConfig {
-                    gridDimX: grid.0,
-                    gridDimY: grid.1,
-                    gridDimZ: grid.2,
-                    blockDimX: block,
-                    blockDimY: 1,
-                    blockDimZ: 1,
-                    sharedMemBytes: 0,
-                    hStream: self.stream.cu_stream(),
-                    attrs: &mut attr,
-                    numAttrs: 1,
-                };
-                // SAFETY: per the contract, `params` matches the kernel's signature and its
-                // pointers address live memory; `config` and `attr` outlive the call, which
-                // copies them and the parameters.
-                drv("cuLaunchKernelEx (cooperative)", unsafe {
-                    cu::cuLaunchKernelEx(
-                        &config,
-                        f.cu_function(),
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                    .result()
-                })
-            },
+            // SAFETY: per the contract (launch_ex's is this function's).
+            || unsafe { self.launch_ex(f, grid, block, params, id, |v| v.cooperative = 1) },
         )
     }
 
