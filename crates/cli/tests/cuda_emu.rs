@@ -1505,7 +1505,8 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
 /// every block at each barrier). Its phases are the per-kernel fused path's bodies, so the
 /// tokens and their log-probabilities (and top-5) are bit-identical to the per-kernel path's,
 /// with graphs and eagerly, in bf16 and f32, for head dims 64 and 128; batches of several rows
-/// keep the per-kernel path.
+/// keep the per-kernel path. The persistent runs use other thread and block orders (the
+/// emulator's reverse and shuffled schedules).
 #[test]
 fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
     let sched = SchedulerConfig {
@@ -1598,6 +1599,15 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
             for persistent in [false, true] {
                 let last = Mutex::new(None);
                 let dev = Arc::new(EmuDevice::new(dtype, EMU_MEMORY));
+                if persistent {
+                    // Other thread and block orders than the per-kernel run's: other blocks
+                    // combine the split-K partitions, and reach each grid barrier last.
+                    dev.set_schedule(if eager {
+                        baton_cuda_emu::Schedule::Reverse
+                    } else {
+                        baton_cuda_emu::Schedule::Shuffled(7)
+                    });
+                }
                 *last.lock().unwrap() = Some(dev.clone());
                 let args = CudaArgs {
                     dtype,

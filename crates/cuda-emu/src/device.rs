@@ -73,6 +73,8 @@ struct State {
     fences: [u64; baton_cuda::FENCE_FRAMES],
     /// Deferred mode: a fence wait runs the whole queue ([`EmuDevice::set_run_ahead`]).
     run_ahead: bool,
+    /// Thread and block order of every launch ([`EmuDevice::set_schedule`]).
+    schedule: crate::Schedule,
     /// The first failure of deferred work (sticky).
     failed: Option<String>,
     /// Device allocations: address -> requested bytes.
@@ -201,6 +203,13 @@ impl EmuDevice {
         Ok(())
     }
 
+    /// Runs every later launch under `schedule` (default [`crate::Schedule::InOrder`]): the
+    /// order of a block's threads at barriers and of the blocks, so a worker-level test can
+    /// check that no kernel result depends on which block finishes last.
+    pub fn set_schedule(&self, schedule: crate::Schedule) {
+        self.lock().schedule = schedule;
+    }
+
     /// In deferred mode, makes every fence wait run the whole queue instead of stopping at
     /// the fence: the device running ahead of the host, as a GPU does.
     pub fn set_run_ahead(&self, on: bool) {
@@ -322,7 +331,7 @@ impl EmuDevice {
                 // SAFETY: the values were copied from the caller's parameter slots (8 bytes
                 // each) and the caller guaranteed they match the kernel and address live
                 // memory (Device::launch's contract).
-                let sched = crate::Schedule::InOrder;
+                let sched = self.lock().schedule;
                 let block = (*block, 1, 1);
                 if *cooperative {
                     // SAFETY: as below.
