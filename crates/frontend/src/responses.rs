@@ -2,7 +2,8 @@
 //! without a response store.
 //!
 //! Contract: the input items (and `instructions`, as a system message first) are rendered by
-//! the chat template and go through the same validation, admission, engine events,
+//! the chat template (a `reasoning` item, as this endpoint returns them, becomes the
+//! `reasoning_content` of the assistant message that follows it) and go through the same validation, admission, engine events,
 //! cancellation and metrics as `/v1/chat/completions`; the output is one assistant message
 //! with one `output_text` part. A `length` finish makes the response `incomplete` (reason
 //! `max_output_tokens`), any other finish `completed`. Nothing is stored: `previous_response_id`

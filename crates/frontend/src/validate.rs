@@ -2144,8 +2144,59 @@ fn flatten_response_content(i: usize, content: Option<&Value>) -> Result<String,
     }
 }
 
+/// The text of a Responses `reasoning` input item (what `/v1/responses` returns as output 0
+/// with `--reasoning-parser`, and what clients send back on the next turn, as vLLM's example
+/// client does): its `content` parts' `reasoning_text`, else its `summary` parts'
+/// `summary_text`, joined with newlines. `encrypted_content` is refused (this server never
+/// issues any), as is a part of another type.
+fn response_reasoning_text(
+    i: usize,
+    obj: &serde_json::Map<String, Value>,
+) -> Result<String, ApiError> {
+    if !matches!(obj.get("encrypted_content"), None | Some(Value::Null)) {
+        return Err(ApiError::invalid(
+            Some(format!("input[{i}].encrypted_content")),
+            "Encrypted reasoning is not supported by this server (it never returns any).",
+        ));
+    }
+    let mut texts = Vec::new();
+    for (field, kind) in [("content", "reasoning_text"), ("summary", "summary_text")] {
+        let parts = match obj.get(field) {
+            None | Some(Value::Null) => continue,
+            Some(Value::Array(parts)) => parts,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    Some(format!("input[{i}].{field}")),
+                    format!("A reasoning item's '{field}' must be a list of '{kind}' parts."),
+                ))
+            }
+        };
+        for (j, p) in parts.iter().enumerate() {
+            match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                (Some(k), Some(Value::String(t))) if k == kind => texts.push(t.clone()),
+                _ => {
+                    return Err(ApiError::invalid(
+                        Some(format!("input[{i}].{field}[{j}]")),
+                        format!(
+                            "A reasoning item's '{field}' parts must be \
+                             {{\"type\": \"{kind}\", \"text\": string}}."
+                        ),
+                    ))
+                }
+            }
+        }
+        if !texts.is_empty() {
+            break;
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
 /// Parses the Responses `input`: a string (one user message) or a non-empty list of message
-/// items (`{"role", "content"}`, optionally with `"type": "message"`).
+/// items (`{"role", "content"}`, optionally with `"type": "message"`) and `reasoning` items.
+/// A reasoning item becomes the `reasoning_content` of the assistant message that follows it
+/// (what chat templates read), or of an assistant message with empty content of its own when
+/// no assistant message follows (vLLM's conversion).
 fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
     let raw = f
         .raw("input")
@@ -2164,6 +2215,8 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
         }
     };
     let mut messages = Vec::with_capacity(items.len());
+    // Reasoning waiting for the assistant message that follows it.
+    let mut reasoning: Option<String> = None;
     for (i, item) in items.iter().enumerate() {
         let obj = item.as_object().ok_or_else(|| {
             ApiError::invalid(
@@ -2174,12 +2227,20 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
         match obj.get("type") {
             None | Some(Value::Null) => {}
             Some(Value::String(t)) if t == "message" => {}
+            Some(Value::String(t)) if t == "reasoning" => {
+                let text = response_reasoning_text(i, obj)?;
+                if let Some(prev) = reasoning.replace(text) {
+                    messages.push(serde_json::json!(
+                        {"role": "assistant", "content": "", "reasoning_content": prev}));
+                }
+                continue;
+            }
             Some(t) => {
                 return Err(ApiError::invalid(
                     Some(format!("input[{i}].type")),
                     format!(
                         "Input items of type {t} are not supported by this server; only \
-                         messages are (no tools, images or files)."
+                         messages and reasoning are (no tools, images or files)."
                     ),
                 ))
             }
@@ -2203,7 +2264,20 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
             }
         };
         let content = flatten_response_content(i, obj.get("content"))?;
-        messages.push(serde_json::json!({"role": role, "content": content}));
+        let mut m = serde_json::json!({"role": role, "content": content});
+        if let Some(r) = reasoning.take() {
+            if role == "assistant" {
+                m["reasoning_content"] = Value::String(r);
+            } else {
+                messages.push(serde_json::json!(
+                    {"role": "assistant", "content": "", "reasoning_content": r}));
+            }
+        }
+        messages.push(m);
+    }
+    if let Some(r) = reasoning {
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": "", "reasoning_content": r}));
     }
     Ok(messages)
 }
@@ -2859,6 +2933,69 @@ mod tests {
         )
         .expect_err("a chat part type");
         assert_eq!(e.param.as_deref(), Some("input[0].content[0]"));
+    }
+
+    #[test]
+    fn responses_reasoning_items_become_the_next_assistant_messages_reasoning() {
+        let parse = |body: &str| {
+            parse_responses(body.as_bytes(), &LIMITS, &SamplingDefaults::NONE).map(|r| r.messages)
+        };
+        // As /v1/responses returns them with --reasoning-parser: reasoning, then the message.
+        let m = parse(
+            r#"{"input":[{"role":"user","content":"q"},
+                {"type":"reasoning","id":"rs_1","summary":[],"encrypted_content":null,
+                 "content":[{"type":"reasoning_text","text":"think"}],"status":"completed"},
+                {"type":"message","role":"assistant","content":[{"type":"output_text","text":"a"}]},
+                {"role":"user","content":"q2"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            vec![
+                serde_json::json!({"role": "user", "content": "q"}),
+                serde_json::json!({"role": "assistant", "content": "a", "reasoning_content": "think"}),
+                serde_json::json!({"role": "user", "content": "q2"}),
+            ]
+        );
+        // A summary when there is no content; no assistant message after it: one of its own.
+        let m = parse(
+            r#"{"input":[{"role":"user","content":"q"},
+                {"type":"reasoning","summary":[{"type":"summary_text","text":"s1"},
+                 {"type":"summary_text","text":"s2"}]},
+                {"role":"user","content":"q2"},
+                {"type":"reasoning","content":[{"type":"reasoning_text","text":"r"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            vec![
+                serde_json::json!({"role": "user", "content": "q"}),
+                serde_json::json!({"role": "assistant", "content": "", "reasoning_content": "s1\ns2"}),
+                serde_json::json!({"role": "user", "content": "q2"}),
+                serde_json::json!({"role": "assistant", "content": "", "reasoning_content": "r"}),
+            ]
+        );
+        for (body, param) in [
+            (
+                r#"{"input":[{"type":"reasoning","encrypted_content":"xyz","summary":[]}]}"#,
+                "input[0].encrypted_content",
+            ),
+            (
+                r#"{"input":[{"type":"reasoning","content":[{"type":"output_text","text":"x"}]}]}"#,
+                "input[0].content[0]",
+            ),
+            (
+                r#"{"input":[{"type":"reasoning","summary":"x"}]}"#,
+                "input[0].summary",
+            ),
+            (
+                r#"{"input":[{"role":"user","content":"q"},{"type":"function_call","name":"f"}]}"#,
+                "input[1].type",
+            ),
+        ] {
+            let e = parse(body).expect_err(body);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
     }
 
     #[test]
