@@ -74,9 +74,14 @@ impl Fields {
         match self.raw(name) {
             None => Ok(None),
             Some(v) => lax_int(v).map(Some).ok_or_else(|| {
+                let what = if is_integral(v) {
+                    "an integer within ±9223372036854775807"
+                } else {
+                    "an integer"
+                };
                 ApiError::field(
                     name,
-                    format!("Invalid value for '{name}': expected an integer, got {v}."),
+                    format!("Invalid value for '{name}': expected {what}, got {v}."),
                 )
             }),
         }
@@ -122,6 +127,12 @@ impl Fields {
 /// pydantic's lax mode reads an `int` field.
 fn lax_int(v: &Value) -> Option<i64> {
     json_int(v).or_else(|| v.as_str()?.trim().parse().ok())
+}
+
+/// Whether `v` is a whole number (a JSON number or a numeric string) that [`lax_int`] refuses
+/// only for its size (`1e30`, `2**70`): its error says so rather than "expected an integer".
+fn is_integral(v: &Value) -> bool {
+    lax_float(v).is_some_and(|x| x.fract() == 0.0)
 }
 
 /// A JSON number, or a string holding a finite number, as pydantic's lax mode reads a `float`

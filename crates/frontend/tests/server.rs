@@ -5854,8 +5854,16 @@ async fn bad_truncate_prompt_tokens_are_refused_naming_the_field() {
                 "truncate_prompt_tokens value (513) is greater than max_model_len (512). \
                  Please, select a smaller truncation size.",
             ),
-            (json!(2.5), "expected an integer"),
-            (json!("four"), "expected an integer"),
+            (json!(2.5), "expected an integer, got 2.5"),
+            (json!("four"), "expected an integer, got \"four\""),
+            (
+                json!(1e30),
+                "expected an integer within ±9223372036854775807",
+            ),
+            (
+                json!("1180591620717411303424"),
+                "expected an integer within ±9223372036854775807",
+            ),
         ] {
             let r = post(
                 addr,
