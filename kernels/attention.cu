@@ -790,12 +790,13 @@ BATON_DECODE_ENTRY(256)
 // num_kv_heads) D], attn [num_heads D], act [inter] elem_t; the attention arguments as in
 // baton_paged_attention_decode_hdD for one sequence (row 0 of block_tables, seq_lens,
 // slot_mapping; partials and counters for one row); bar: the grid barrier's two words (zero
-// before the first launch, left zero).
-// Launch: cooperative, grid = (G), G <= resident blocks (at most 4 per SM), block = (128).
+// before the first launch; the count is left zero, the generation keeps counting).
+// Launch: cooperative, grid = (G), G <= resident blocks (at most 3 per SM), block = (128): half
+// the GEMV entry points' 256 threads, which baton_gemv1_body's GRID norm statistic relies on.
 #define BATON_LAYER_PTRS 8
-// Each phase is a call, not inlined: ptxas then allocates registers per phase (each fits the
-// 128 of __launch_bounds__(128, 4) on its own, as its entry point shows); inlined, the layer
-// loop held every phase's values at once and spilled kilobytes per thread.
+// Each phase is a call, not inlined: ptxas then allocates registers per phase (168 at
+// __launch_bounds__(128, 3), a few bytes spilled around the calls); inlined, the layer loop
+// held every phase's values at once and spilled kilobytes per thread.
 template <bool SILU>
 __device__ __noinline__ void baton_layers_gemv(void* out, const elem_t* x, const elem_t* w,
                                                   const elem_t* norm_w, int N, int K, float eps,

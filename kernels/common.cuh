@@ -217,15 +217,38 @@ struct __align__(16) baton_vec {
 // (ld.global.cg, __ldcg), never from the non-coherent read-only path that a const __restrict__
 // pointer lets the compiler use, nor from an L1 line filled before the barrier. With GRID false
 // (a kernel whose inputs were written by earlier launches) a plain load.
+// Through the unsigned type of T's size: the 2-byte __ldcg of cuda_bf16.h / cuda_fp16.h is a
+// plain asm (no volatile, no memory clobber) that the compiler could move across the grid
+// barrier; the integer overloads are asm volatile.
 template <bool GRID, class T>
 __device__ __forceinline__ T baton_ld_act(const T* p) {
-    if (GRID) return __ldcg(p);
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- or 4-byte elements");
+    if (GRID) {
+        if (sizeof(T) == 2) {
+            const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+            return *reinterpret_cast<const T*>(&u);
+        }
+        const unsigned int u = __ldcg(reinterpret_cast<const unsigned int*>(p));
+        return *reinterpret_cast<const T*>(&u);
+    }
     return *p;
 }
 template <bool GRID>
 __device__ __forceinline__ baton_vec baton_ld_act_vec(const baton_vec* p) {
     if (GRID) {
         const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+        return *reinterpret_cast<const baton_vec*>(&u);
+    }
+    return *p;
+}
+// A 16-byte weight vector. GRID: through the read-only path explicitly (ld.global.nc): inside
+// the persistent kernel's __noinline__ phases the weight pointers come from the layer table
+// and would otherwise be loaded through generic addresses; weights are never written. Else a
+// plain load (which the entry points' compiler turns into ld.global.nc itself).
+template <bool GRID>
+__device__ __forceinline__ baton_vec baton_ld_weight_vec(const baton_vec* p) {
+    if (GRID) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
         return *reinterpret_cast<const baton_vec*>(&u);
     }
     return *p;

@@ -193,8 +193,25 @@ __device__ __forceinline__ void baton_gemv_body(void* out, const elem_t* __restr
 #define BATON_GEMV_T1_U 4
 #endif
 
+// baton_block_sum over 2 x blockDim.x virtual threads: v0 is thread t's sum, v1 thread
+// t + blockDim.x's; the virtual warps' sums are added in order (warps of v0, then of v1), as
+// baton_block_sum adds them for a block of twice the size. Every thread gets the result.
+__device__ __forceinline__ float baton_block_sum_pairs(float v0, float v1, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v0 = baton_warp_sum(v0);
+    v1 = baton_warp_sum(v1);
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) {
+        scratch[warp] = v0;
+        scratch[warp + nwarps] = v1;
+    }
+    __syncthreads();
+    const float v = lane < 2 * nwarps ? scratch[lane] : 0.0f;
+    return baton_warp_sum(v);
+}
+
 // Loads chunk c of weight row n (and of row N + n in SiLU mode): vectors c*32U + u*32 + lane.
-template <bool SILU, int U>
+template <bool SILU, int U, bool GRID>
 __device__ __forceinline__ void baton_gemv1_load(baton_vec (&a)[U], baton_vec (&b)[SILU ? U : 1],
                                                  const baton_vec* __restrict__ wv, int N, int nv,
                                                  int n, int c, int lane) {
@@ -204,8 +221,8 @@ __device__ __forceinline__ void baton_gemv1_load(baton_vec (&a)[U], baton_vec (&
     for (int u = 0; u < U; ++u) {
         const int i = (c * U + u) * BATON_WARP + lane;
         if (i < nv) {
-            a[u] = r0[i];
-            if (SILU) b[SILU ? u : 0] = r1[i];
+            a[u] = baton_ld_weight_vec<GRID>(r0 + i);
+            if (SILU) b[SILU ? u : 0] = baton_ld_weight_vec<GRID>(r1 + i);
         }
     }
 }
@@ -249,7 +266,7 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
     const baton_vec* wv = reinterpret_cast<const baton_vec*>(w);
     baton_vec a[U], b[SILU ? U : 1];
     int n = first + warp, c = 0;
-    if (n < end) baton_gemv1_load<SILU, U>(a, b, wv, N, nv, n, 0, lane);
+    if (n < end) baton_gemv1_load<SILU, U, GRID>(a, b, wv, N, nv, n, 0, lane);
     if (BATON_GEMV_PREWAIT_L2 > 0 && first < end) {
         // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up rows
         // N + first... One 128-byte line per thread per step.
@@ -273,16 +290,30 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
     // Stage xin: the rounded, normalized activation row (or the row itself).
     const baton_vec* xv = reinterpret_cast<const baton_vec*>(x);
     if (norm_w != nullptr) {
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        // The statistic is summed in the 256-thread entry points' order whatever the block
+        // size: a GRID block has 128 threads, so each thread sums for two of the entry's
+        // threads (t and t + 128) and the block sum takes those 8 warps' sums in order. The
+        // persistent kernel's values are then bit-identical to the per-kernel path's (with
+        // one sum per thread, rows of more than 128 vectors summed in another order).
+        const int stride = GRID ? 2 * (int)blockDim.x : (int)blockDim.x;
+        float ss = 0.0f, ss2 = 0.0f;
+        for (int i = threadIdx.x; i < nv; i += stride) {
             const baton_vec v = baton_ld_act_vec<GRID>(xv + i);
 #pragma unroll
             for (int j = 0; j < BATON_VEC; ++j) {
                 const float f = baton_to_f(v.e[j]);
                 ss = fmaf(f, f, ss);
             }
+            if (GRID && i + (int)blockDim.x < nv) {
+                const baton_vec v2 = baton_ld_act_vec<GRID>(xv + i + blockDim.x);
+#pragma unroll
+                for (int j = 0; j < BATON_VEC; ++j) {
+                    const float f = baton_to_f(v2.e[j]);
+                    ss2 = fmaf(f, f, ss2);
+                }
+            }
         }
-        ss = baton_block_sum(ss, scratch);
+        ss = GRID ? baton_block_sum_pairs(ss, ss2, scratch) : baton_block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)K + eps);
         const baton_vec* gv = reinterpret_cast<const baton_vec*>(norm_w);
         for (int i = threadIdx.x; i < nv; i += blockDim.x) {
@@ -307,7 +338,7 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
             nc = 0;
         }
         baton_vec a2[U], b2[SILU ? U : 1];
-        if (nn < end) baton_gemv1_load<SILU, U>(a2, b2, wv, N, nv, nn, nc, lane);
+        if (nn < end) baton_gemv1_load<SILU, U, GRID>(a2, b2, wv, N, nv, nn, nc, lane);
         baton_gemv1_fma<SILU, U>(acc, acc2, a, b, xs, nv, c, lane);
         if (nc == 0) {  // row n is complete
             acc = baton_warp_sum(acc);

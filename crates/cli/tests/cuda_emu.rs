@@ -1586,10 +1586,16 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
             "{e}"
         );
     }
+    // Hidden 2048: rows of more than 128 vectors, where the norm statistic's order depends
+    // on the block size (the persistent kernel's blocks have half the entry points' threads).
+    const WIDE: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+        "hidden_size":2048,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"head_dim":64,"vocab_size":1000,"max_position_embeddings":256}"#;
     for (config, dtype) in [
         (HD64, Dtype::Bf16),
         (HD64, Dtype::F32),
         (HD128, Dtype::Bf16),
+        (WIDE, Dtype::F32),
     ] {
         let cfg = ModelConfig::from_json_str(config).unwrap();
         let weights = LlamaWeights::dummy(&cfg, 5);

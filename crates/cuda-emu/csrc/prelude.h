@@ -115,6 +115,9 @@ inline double atomicAdd(double* p, double v) { const double o = *p; *p = o + v; 
 inline void __threadfence() {}
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
+// The read-only (non-coherent) path (__ldg) is a plain load too.
+template <class T>
+inline T __ldg(const T* p) { return *p; }
 
 // ---- Integer / bit intrinsics -------------------------------------------------------------------
 inline int min(int a, int b) { return a < b ? a : b; }

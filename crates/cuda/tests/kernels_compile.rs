@@ -25,8 +25,8 @@ const SPILL_BUDGET: [(&str, u32); 5] = [
     // The persistent decode kernels (`baton_decode_layers_hd64/128`) and their __noinline__
     // phases (`baton_layers_gemv<SILU>`, `baton_layers_attention<D>`, matched inside their
     // mangled names): values kept across the phase calls, at 168 registers.
-    ("baton_decode_layers_hd", 48),
-    ("baton_layers_gemv", 48),
+    ("baton_decode_layers_hd", 64),
+    ("baton_layers_gemv", 64),
     ("baton_layers_attention", 16),
 ];
 
