@@ -1531,13 +1531,15 @@ impl CudaWorker {
                 .persistent
                 .as_ref()
                 .filter(|_| t == 1 && dumps.is_none());
-            if let Some(p) = persistent {
-                self.decode_layers(p, scale)?;
-            }
-            for (li, lw) in self.layers.iter().enumerate() {
-                if persistent.is_some() {
-                    break;
+            // The layers one launch each, or all in the persistent kernel's one launch.
+            let per_kernel = match persistent {
+                Some(p) => {
+                    self.decode_layers(p, scale)?;
+                    &self.layers[..0]
                 }
+                None => &self.layers[..],
+            };
+            for (li, lw) in per_kernel.iter().enumerate() {
                 gemv(act(a.qkv), act(a.resid), lw.qkv, lw.input_norm, qkv_w, h, 0)?;
                 self.qkv_post(t, lw)?;
                 let q = act(a.qkv);
