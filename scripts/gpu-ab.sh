@@ -13,6 +13,8 @@
 #   BATON_PERSISTENT_DECODE   1: every layer of a batch-of-one decode step in one cooperative
 #                             launch (baton_decode_layers_hdD, grid barriers between phases)
 #                             instead of five launches per layer;
+#   BATON_PERSISTENT_BLOCKS_PER_SM  blocks per SM of the persistent kernel's grid (default 3,
+#                             the most that fit; fewer make each grid barrier cheaper);
 #   BATON_KERNEL_DEFINES      kernel constants as NVRTC -D, NAME=VALUE[,NAME=VALUE...], for
 #                             the constants kernels/ guards with #ifndef (BATON_GEMV_T1_U,
 #                             BATON_GEMV_PREWAIT_L2, BATON_SAMPLE_BIN_CACHE, ...);
@@ -47,6 +49,8 @@ deadline=$((SECONDS + BUDGET - 5))
 default_variants='base|
 persistent|BATON_PERSISTENT_DECODE=1
 persistent-l2-64k|BATON_PERSISTENT_DECODE=1 BATON_KERNEL_DEFINES=BATON_GEMV_PREWAIT_L2=65536
+persistent-2-per-sm|BATON_PERSISTENT_DECODE=1 BATON_PERSISTENT_BLOCKS_PER_SM=2
+persistent-1-per-sm|BATON_PERSISTENT_DECODE=1 BATON_PERSISTENT_BLOCKS_PER_SM=1
 gemv-1-per-sm|BATON_GEMV1_BLOCKS_PER_SM=1
 in-flight-1|AB_ARGS=--in-flight=1
 minpart-256|BATON_ATTN_MIN_PARTITION=256

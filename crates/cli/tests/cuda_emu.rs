@@ -1506,7 +1506,7 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
 /// tokens and their log-probabilities (and top-5) are bit-identical to the per-kernel path's,
 /// with graphs and eagerly, in bf16 and f32, for head dims 64 and 128; batches of several rows
 /// keep the per-kernel path. The persistent runs use other thread and block orders (the
-/// emulator's reverse and shuffled schedules).
+/// emulator's reverse and shuffled schedules) and, eagerly, one block per SM instead of three.
 #[test]
 fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
     let sched = SchedulerConfig {
@@ -1622,6 +1622,10 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
                 };
                 let mut opts = cuda_options(&args, sizes).unwrap();
                 opts.tuning.persistent_decode = persistent;
+                // Eager persistent runs take one block per SM (BATON_PERSISTENT_BLOCKS_PER_SM):
+                // other rows per block in every phase, the same bits.
+                let per_sm = if eager { 1 } else { 3 };
+                opts.tuning.persistent_blocks_per_sm = per_sm;
                 let w = CudaWorker::with_device(
                     dev,
                     cfg.clone(),
@@ -1630,7 +1634,12 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
                 )
                 .unwrap();
                 let what = format!("{dtype:?} hd{} eager {eager}", cfg.head_dim);
-                assert_eq!(w.persistent_decode().is_some(), persistent, "{what}");
+                let grid = w.persistent_decode();
+                assert_eq!(grid.is_some(), persistent, "{what}");
+                if persistent {
+                    // The emulator's 4 SMs, each holding at least 3 blocks.
+                    assert_eq!(grid, Some(4 * per_sm as u32), "{what}");
+                }
                 let mut e = LocalEngine::new(sched.clone(), w);
                 let mut ev = events(&mut e, 0);
                 ev.extend(events(&mut e, 10));

@@ -1148,7 +1148,11 @@ impl CudaWorker {
         let resident = self
             .dev
             .max_resident_blocks(&name, crate::plan::DECODE_LAYERS_BLOCK)?;
-        let grid = crate::plan::decode_layers_grid(self.dev.multiprocessor_count(), resident);
+        let grid = crate::plan::decode_layers_grid(
+            self.dev.multiprocessor_count(),
+            resident,
+            self.opts.tuning.persistent_blocks_per_sm,
+        );
         if grid == 0 {
             return refuse(format!("on this device: no block of {name} fits on an SM"));
         }

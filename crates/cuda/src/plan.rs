@@ -86,6 +86,13 @@ pub const PERSISTENT_DECODE_ENV: &str = "BATON_PERSISTENT_DECODE";
 /// per lane in flight; at 4 blocks, 128 registers, they spilled).
 pub const DECODE_LAYERS_BLOCKS_PER_SM: usize = 3;
 
+/// Environment variable lowering the persistent decode kernel's blocks per SM below the
+/// driver's occupancy (1 to [`DECODE_LAYERS_BLOCKS_PER_SM`]): a tuning knob for A/B runs, read
+/// by [`Tuning::from_env`]. Fewer blocks make each grid barrier cheaper (fewer arrivals on
+/// its counter) and give each block more rows per GEMV phase; more blocks keep more weight
+/// loads in flight.
+pub const DECODE_LAYERS_BLOCKS_PER_SM_ENV: &str = "BATON_PERSISTENT_BLOCKS_PER_SM";
+
 /// Threads per block of the persistent decode kernel (decode attention's 4 warps).
 pub const DECODE_LAYERS_BLOCK: u32 = 128;
 
@@ -102,10 +109,10 @@ pub fn decode_layers_stage_elems(head_dim: usize, elem_bytes: usize) -> usize {
 }
 
 /// Blocks of the persistent decode kernel's cooperative grid: `resident` blocks per SM (the
-/// driver's occupancy for the kernel), at most [`DECODE_LAYERS_BLOCKS_PER_SM`], times `sms`.
-/// 0 when none fits (the worker then keeps the per-kernel path).
-pub fn decode_layers_grid(sms: usize, resident: usize) -> usize {
-    sms * resident.min(DECODE_LAYERS_BLOCKS_PER_SM)
+/// driver's occupancy for the kernel), at most `per_sm` ([`Tuning::persistent_blocks_per_sm`],
+/// itself at most [`DECODE_LAYERS_BLOCKS_PER_SM`]), times `sms`. 0 when none fits.
+pub fn decode_layers_grid(sms: usize, resident: usize, per_sm: usize) -> usize {
+    sms * resident.min(per_sm).min(DECODE_LAYERS_BLOCKS_PER_SM)
 }
 
 /// Launch-shape and kernel-constant overrides for tuning runs. The defaults are what the
@@ -124,6 +131,9 @@ pub struct Tuning {
     /// Batch-of-one decode steps through the persistent decode kernel
     /// ([`PERSISTENT_DECODE_ENV`]).
     pub persistent_decode: bool,
+    /// Blocks per SM of the persistent decode kernel's grid at most
+    /// ([`DECODE_LAYERS_BLOCKS_PER_SM_ENV`]).
+    pub persistent_blocks_per_sm: usize,
 }
 
 impl Default for Tuning {
@@ -134,13 +144,14 @@ impl Default for Tuning {
             gemv1_blocks_per_sm: GEMV1_BLOCKS_PER_SM,
             kernel_defines: Vec::new(),
             persistent_decode: false,
+            persistent_blocks_per_sm: DECODE_LAYERS_BLOCKS_PER_SM,
         }
     }
 }
 
 impl Tuning {
     /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`],
-    /// [`GEMV1_BLOCKS_PER_SM_ENV`], [`PERSISTENT_DECODE_ENV`] and
+    /// [`GEMV1_BLOCKS_PER_SM_ENV`], [`PERSISTENT_DECODE_ENV`], [`DECODE_LAYERS_BLOCKS_PER_SM_ENV`] and
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
     ///
     /// # Errors
@@ -188,6 +199,12 @@ impl Tuning {
             )?,
             kernel_defines: Vec::new(),
             persistent_decode: knob(PERSISTENT_DECODE_ENV, 0, |n| n <= 1, "0 or 1")? == 1,
+            persistent_blocks_per_sm: knob(
+                DECODE_LAYERS_BLOCKS_PER_SM_ENV,
+                DECODE_LAYERS_BLOCKS_PER_SM,
+                |n| (1..=DECODE_LAYERS_BLOCKS_PER_SM).contains(&n),
+                "1, 2 or 3",
+            )?,
         };
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
             t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
@@ -654,6 +671,17 @@ mod tests {
             let e = persistent(v).unwrap_err();
             assert!(e.starts_with(PERSISTENT_DECODE_ENV), "{v:?}: {e}");
         }
+        let per_sm = |v: &'static str| {
+            Tuning::from_lookup(move |name: &str| {
+                (name == DECODE_LAYERS_BLOCKS_PER_SM_ENV).then(|| v.to_string())
+            })
+        };
+        assert_eq!(per_sm("1").unwrap().persistent_blocks_per_sm, 1);
+        assert_eq!(per_sm("3").unwrap(), Tuning::default());
+        for v in ["0", "4", "x"] {
+            let e = per_sm(v).unwrap_err();
+            assert!(e.starts_with(DECODE_LAYERS_BLOCKS_PER_SM_ENV), "{v:?}: {e}");
+        }
     }
 
     #[test]
@@ -667,9 +695,11 @@ mod tests {
         assert!(decode_layers_stage_elems(64, 2) >= 8192);
         assert!(decode_layers_stage_elems(128, 2) >= 14336);
         assert!(decode_layers_stage_elems(128, 4) < 14336);
-        assert_eq!(decode_layers_grid(132, 4), 396);
-        assert_eq!(decode_layers_grid(132, 2), 264);
-        assert_eq!(decode_layers_grid(132, 0), 0);
+        assert_eq!(decode_layers_grid(132, 4, 3), 396);
+        assert_eq!(decode_layers_grid(132, 2, 3), 264);
+        assert_eq!(decode_layers_grid(132, 4, 1), 132);
+        assert_eq!(decode_layers_grid(132, 4, 5), 396);
+        assert_eq!(decode_layers_grid(132, 0, 3), 0);
     }
 
     #[test]
