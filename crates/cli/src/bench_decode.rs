@@ -93,6 +93,9 @@ pub struct DecodeArgs {
     /// for each step's fence before staging the next. --device-time needs 1.
     #[arg(long, default_value_t = 2)]
     pub in_flight: usize,
+    /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_threads: usize,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -564,13 +567,15 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     avail as f64 / (1u64 << 30) as f64
                 );
             }
-            let m = CpuModel::try_new(cfg.clone(), weights.into_host(&cfg)?)?;
+            let mut m = CpuModel::try_new(cfg.clone(), weights.into_host(&cfg)?)?;
+            let threads = crate::args::cpu_threads(a.cpu_threads);
+            m.set_threads(threads).map_err(anyhow::Error::msg)?;
             let b = CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
             (
                 Bench::Cpu(Box::new(b)),
                 4,
                 host_copy_bandwidth(),
-                "cpu f32".into(),
+                format!("cpu f32, {threads} threads"),
             )
         }
         BenchDevice::Cuda => {

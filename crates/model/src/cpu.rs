@@ -3,8 +3,8 @@
 //! Contract: numerics follow HF transformers `modeling_llama.py` (RMSNorm, rotate-half RoPE,
 //! GQA causal attention with f32 softmax, SwiGLU MLP), and every row's output is bit-identical
 //! whatever else is in the batch, whatever its row index, block size or page ids: all per-token
-//! arithmetic (including the gemm calls, see `matmul`) is done in an order that depends only
-//! on that token's data and position. Invalid inputs are rejected before anything is written.
+//! arithmetic (including the linear layers, see `crate::linear`) is done in an order that
+//! depends only on that token's data and position. Invalid inputs are rejected before anything is written.
 
 use crate::config::ModelConfig;
 use crate::error::{ForwardError, ModelError};
@@ -175,90 +175,11 @@ impl Linear {
         }
         Linear { w, n, k }
     }
-}
 
-/// Largest number of token rows per gemm call; see [`matmul`].
-const MAX_TILE: usize = 64;
-
-/// Scratch for [`matmul`]'s padded tiles.
-#[derive(Default)]
-struct PadBuf {
-    x: Vec<f32>,
-    out: Vec<f32>,
-}
-
-/// One gemm call: `out[m, n] = x[m, k] · W[n, k]ᵀ`, single-threaded.
-fn gemm_call(m: usize, x: &[f32], lin: &Linear, out: &mut [f32]) {
-    let (n, k) = (lin.n, lin.k);
-    assert!(x.len() >= m * k && out.len() >= m * n && lin.w.len() == n * k);
-    // SAFETY: `x` holds at least m×k row-major values (row stride k), `lin.w` is exactly n×k
-    // row-major, read as the k×n rhs (row stride 1, column stride k), `out` holds at least m×n
-    // row-major values (row stride n); the assert above checks these extents. `out` is a
-    // distinct `&mut` borrow, so it does not alias the inputs, and `read_dst = false` means its
-    // prior contents are not read.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            lin.w.as_ptr(),
-            k as isize,
-            1,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
-/// `out[T, n] = x[T, k] · W[n, k]ᵀ` via the `gemm` crate (0.18), single-threaded, with every
-/// row's result independent of `T` and of the other rows (bit-exact batch invariance).
-///
-/// Why the tiling: gemm-0.18 dispatches on the shape. One row (`m == 1`) goes to a gemv
-/// kernel and small products (`m·n <= 256`) to a "horizontal" kernel; both sum over `k` in a
-/// different order than the blocked microkernel used otherwise, so one gemm call over all `T`
-/// rows gives a token a result that depends on how many other tokens are in the batch
-/// (measured: every `T` in the gemv/horizontal range differs from the blocked result). The
-/// blocked kernel's order depends only on its `k` block size `kc`, which gemm derives from `k`
-/// alone once `n` is fixed, provided `m <= 64` (above that the `m <= 64 && n <= 64` shortcut
-/// may switch to a different `kc`). So rows are processed in tiles of at most [`MAX_TILE`]
-/// rows, and a tile smaller than `m_min = max(2, 256 / n + 1)` is zero-padded to `m_min` rows,
-/// so every call of a given layer runs the blocked kernel with the same `kc`. For `n` so
-/// small that `m_min > MAX_TILE` (`n <= 4`), every row is computed alone (`m = 1`) instead.
-/// Tested by `matmul_rows_are_bit_identical_for_any_batch_size`.
-fn matmul(x: &[f32], t: usize, lin: &Linear, out: &mut [f32], pad: &mut PadBuf) {
-    let (n, k) = (lin.n, lin.k);
-    let m_min = (256 / n.max(1) + 1).max(2);
-    if m_min > MAX_TILE {
-        for r in 0..t {
-            gemm_call(1, &x[r * k..(r + 1) * k], lin, &mut out[r * n..(r + 1) * n]);
-        }
-        return;
-    }
-    let mut r = 0;
-    while r < t {
-        let m = MAX_TILE.min(t - r);
-        if m >= m_min {
-            gemm_call(m, &x[r * k..(r + m) * k], lin, &mut out[r * n..(r + m) * n]);
-        } else {
-            resize(&mut pad.x, m_min * k);
-            resize(&mut pad.out, m_min * n);
-            pad.x[..m * k].copy_from_slice(&x[r * k..(r + m) * k]);
-            pad.x[m * k..m_min * k].fill(0.0);
-            gemm_call(m_min, &pad.x, lin, &mut pad.out);
-            out[r * n..(r + m) * n].copy_from_slice(&pad.out[..m * n]);
-        }
-        r += m;
+    /// `out[t, n] = x[t, k] · Wᵀ` on the current rayon pool, each element in the fixed order
+    /// of [`crate::linear`] (bit-identical whatever `t` and the thread count).
+    fn apply(&self, x: &[f32], t: usize, out: &mut [f32]) {
+        crate::linear::linear(x, t, &self.w, self.n, self.k, out);
     }
 }
 
@@ -290,7 +211,6 @@ struct Scratch {
     sin: Vec<f32>,
     last: Vec<f32>,
     logits: Vec<f32>,
-    pad: PadBuf,
     /// Per token of the batch: (row index, positions attended).
     tok_ctx: Vec<(usize, usize)>,
 }
@@ -307,27 +227,6 @@ fn thread_pool(n: usize) -> Result<rayon::ThreadPool, String> {
         .thread_name(|i| format!("baton-cpu-{i}"))
         .build()
         .map_err(|e| format!("starting {n} CPU threads: {e}"))
-}
-
-/// [`matmul`] with its rows split into chunks run on the current rayon pool's threads. A chunk
-/// has at least `m_min` rows (or is computed row by row, as `matmul` does for tiny `n`), so
-/// each row's result is what `matmul` over all rows gives.
-fn par_matmul(x: &[f32], t: usize, lin: &Linear, out: &mut [f32], pad: &mut PadBuf) {
-    use rayon::prelude::*;
-    let (n, k) = (lin.n, lin.k);
-    let threads = rayon::current_num_threads();
-    let m_min = (256 / n.max(1) + 1).max(2);
-    let chunk = t.div_ceil(threads).max(m_min.min(MAX_TILE));
-    if threads == 1 || t <= chunk {
-        matmul(x, t, lin, out, pad);
-        return;
-    }
-    out[..t * n]
-        .par_chunks_mut(chunk * n)
-        .zip(x[..t * k].par_chunks(chunk * k))
-        .for_each_init(PadBuf::default, |pad, (o, xi)| {
-            matmul(xi, xi.len() / k, lin, o, pad)
-        });
 }
 
 /// The CPU model: config, f32 weights (q/k/v and gate/up fused) and RoPE tables.
@@ -859,7 +758,7 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
-            par_matmul(&s.xn, t, &layer.qkv, &mut s.qkv, &mut s.pad);
+            layer.qkv.apply(&s.xn, t, &mut s.qkv);
             if let Some(b) = &layer.qkv_bias {
                 for tok in s.qkv[..t * qkv_w].chunks_exact_mut(qkv_w) {
                     tok.iter_mut().zip(b).for_each(|(x, &bb)| *x += bb);
@@ -920,7 +819,7 @@ impl CpuModel {
                         },
                     );
             }
-            par_matmul(&s.attn, t, &layer.o, &mut s.tmp, &mut s.pad);
+            layer.o.apply(&s.attn, t, &mut s.tmp);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
                 *x += a;
             }
@@ -934,7 +833,7 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
-            par_matmul(&s.xn, t, &layer.gate_up, &mut s.gate_up, &mut s.pad);
+            layer.gate_up.apply(&s.xn, t, &mut s.gate_up);
             s.act[..t * im]
                 .par_chunks_mut(im)
                 .zip(s.gate_up[..t * 2 * im].par_chunks(2 * im))
@@ -944,7 +843,7 @@ impl CpuModel {
                         *a = g / (1.0 + (-g).exp()) * u;
                     }
                 });
-            par_matmul(&s.act, t, &layer.down, &mut s.tmp, &mut s.pad);
+            layer.down.apply(&s.act, t, &mut s.tmp);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
                 *x += a;
             }
@@ -990,74 +889,10 @@ impl CpuModel {
         }
         let v = c.vocab_size;
         resize(&mut s.logits, sel * v);
-        par_matmul(&s.last, sel, &self.lm_head, &mut s.logits, &mut s.pad);
+        self.lm_head.apply(&s.last, sel, &mut s.logits);
         Ok(s.logits[..sel * v]
             .chunks_exact(v)
             .map(<[f32]>::to_vec)
             .collect())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *s ^= *s << 13;
-                *s ^= *s >> 7;
-                *s ^= *s << 17;
-                ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
-
-    /// Every row of `matmul` over T rows must equal (bitwise) that row computed alone, for
-    /// shapes hitting gemm's gemv, horizontal and blocked kernels and multi-block `k`.
-    #[test]
-    fn matmul_rows_are_bit_identical_for_any_batch_size() {
-        let mut s = 0x1234_5678_9abc_def1u64;
-        let mut pad = PadBuf::default();
-        for &(n, k, max_t) in &[
-            (3usize, 64usize, 70usize),
-            (8, 64, 70),
-            (32, 64, 70),
-            (64, 64, 140),
-            (128, 64, 70),
-            (344, 64, 70),
-            (64, 172, 70),
-            (40, 1100, 140),
-            (512, 64, 140),
-            (300, 1300, 70),
-        ] {
-            let lin = Linear {
-                w: rnd(n * k, &mut s),
-                n,
-                k,
-            };
-            let x = rnd(max_t * k, &mut s);
-            let mut alone = vec![0.0f32; max_t * n];
-            for r in 0..max_t {
-                matmul(
-                    &x[r * k..(r + 1) * k],
-                    1,
-                    &lin,
-                    &mut alone[r * n..(r + 1) * n],
-                    &mut pad,
-                );
-            }
-            // Sanity: the alone results are a real matmul.
-            let dot: f64 = (0..k).map(|i| x[i] as f64 * lin.w[i] as f64).sum();
-            assert!((alone[0] as f64 - dot).abs() < 1e-4, "n={n} k={k}");
-            for t in 1..=max_t {
-                let mut out = vec![0.0f32; t * n];
-                matmul(&x[..t * k], t, &lin, &mut out, &mut pad);
-                assert!(
-                    out == alone[..t * n],
-                    "n={n} k={k}: rows of a {t}-row matmul differ from rows computed alone"
-                );
-            }
-        }
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fingerprint;
+mod linear;
 pub mod tokenizer;
 pub mod weights;
 
