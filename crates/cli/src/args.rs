@@ -165,6 +165,20 @@ fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
     s.parse()
 }
 
+/// Most threads `--cpu-threads` takes: far past any host's cores, and few enough that a typo
+/// cannot start tens of thousands of threads.
+pub const MAX_CPU_THREADS: usize = 1024;
+
+/// Parses `--cpu-threads`: 0 (one per CPU) to [`MAX_CPU_THREADS`].
+pub fn parse_cpu_threads(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n <= MAX_CPU_THREADS => Ok(n),
+        _ => Err(format!(
+            "expected 0 (one thread per CPU) to {MAX_CPU_THREADS}, got {s:?}"
+        )),
+    }
+}
+
 /// The thread count for a `--cpu-threads` flag: the flag, or with 0 one thread per CPU this
 /// process may run on.
 pub fn cpu_threads(flag: usize) -> usize {
@@ -178,6 +192,16 @@ pub fn cpu_threads(flag: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_threads_take_zero_to_the_cap() {
+        assert_eq!(parse_cpu_threads("0"), Ok(0));
+        assert_eq!(parse_cpu_threads("1024"), Ok(1024));
+        for bad in ["1025", "100000", "18446744073709551615", "-1", "x", ""] {
+            let e = parse_cpu_threads(bad).unwrap_err();
+            assert!(e.contains("1024"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn memory_flags_refuse_values_that_cannot_size_a_cache() {

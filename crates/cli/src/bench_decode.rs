@@ -15,7 +15,7 @@ use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::{decode_floor_seconds, ModelShape};
-use baton_cuda::CudaWorker;
+use baton_cuda::{CudaWorker, Dtype};
 use baton_model::{CpuModel, LlamaWeights, ModelConfig, ModelDir, ModelWeights};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
 use baton_worker::{Backend, CpuBackend, TableReader};
@@ -94,8 +94,13 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = 2)]
     pub in_flight: usize,
     /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
+    /// Weights of the CPU backend: f32, or rounded to bf16 or f16, which it then keeps at 2
+    /// bytes per weight as it does a 16-bit checkpoint's (its arithmetic and KV cache are
+    /// f32 either way). --dtype is the CUDA backend's.
+    #[arg(long, default_value = "f32", value_parser = crate::cuda_args::parse_dtype)]
+    pub cpu_dtype: Dtype,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -489,7 +494,10 @@ fn load_config(a: &DecodeArgs) -> Result<ModelConfig> {
 
 fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<ModelWeights> {
     match (a.load_format, &a.model) {
-        (LoadFormatArg::Dummy, _) => Ok(LlamaWeights::dummy(cfg, a.seed).into()),
+        (LoadFormatArg::Dummy, _) => {
+            baton_model::check_dummy_fits(cfg)?;
+            Ok(LlamaWeights::dummy(cfg, a.seed).into())
+        }
         (f, Some(dir)) => {
             let format = f.with_seed(a.seed, Some(dir))?;
             Ok(ModelDir::new(dir).load_mapped(format)?.weights)
@@ -551,13 +559,20 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         vocab: cfg.vocab_size,
     };
     let vocab = cfg.vocab_size;
-    let (mut backend, elem_bytes, bandwidth, label): (Bench, usize, f64, String) = match a.device {
+    // Bytes per weight and per KV element.
+    let (mut backend, elem_bytes, kv_elem_bytes, bandwidth, label): (
+        Bench,
+        usize,
+        usize,
+        f64,
+        String,
+    ) = match a.device {
         BenchDevice::Cpu => {
             // The cache is zero-filled at once: refuse what this machine cannot hold
             // rather than be killed by the OOM killer part way.
             let kv_bytes = num_blocks as f64
                 * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size) as f64;
-            if let Some(avail) = mem_available_bytes() {
+            if let Some(avail) = baton_model::host_memory_available() {
                 anyhow::ensure!(
                     kv_bytes <= 0.8 * avail as f64,
                     "--batch {max_batch} at {max_len} tokens needs a {:.1} GiB CPU KV cache \
@@ -567,15 +582,20 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     avail as f64 / (1u64 << 30) as f64
                 );
             }
-            let mut m = CpuModel::try_new(cfg.clone(), weights.into_host(&cfg)?)?;
+            let mut host = weights.into_host(&cfg)?;
+            if a.cpu_dtype != Dtype::F32 {
+                host.map_values(|x| a.cpu_dtype.round(x));
+            }
+            let mut m = CpuModel::try_new(cfg.clone(), host)?;
             let threads = crate::args::cpu_threads(a.cpu_threads);
             m.set_threads(threads).map_err(anyhow::Error::msg)?;
             let b = CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
             (
                 Bench::Cpu(Box::new(b)),
+                a.cpu_dtype.size(),
                 4,
                 host_copy_bandwidth(),
-                format!("cpu f32, {threads} threads"),
+                format!("cpu {} weights, {threads} threads", a.cpu_dtype.name()),
             )
         }
         BenchDevice::Cuda => {
@@ -605,7 +625,8 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     None => String::new(),
                 }
             );
-            (Bench::Cuda(Box::new(w)), a.cuda.dtype.size(), bw, label)
+            let e = a.cuda.dtype.size();
+            (Bench::Cuda(Box::new(w)), e, e, bw, label)
         }
     };
     let tables = BenchTables::new(vocab, pages_per_seq);
@@ -641,7 +662,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             .clamp(1, backend.as_target().backend().max_in_flight().max(1));
         let floor_s = ctxs
             .iter()
-            .map(|&c| decode_floor_seconds(&shape, elem_bytes, b, c, bandwidth))
+            .map(|&c| decode_floor_seconds(&shape, elem_bytes, kv_elem_bytes, b, c, bandwidth))
             .sum::<f64>()
             / ctxs.len().max(1) as f64;
         let breakdown = match &mut backend {
@@ -731,12 +752,4 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
-}
-
-/// `MemAvailable` from `/proc/meminfo`, in bytes (None where it cannot be read).
-fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

@@ -83,7 +83,7 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 3)]
     pub null_token: u32,
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
     /// CUDA flags (with --device cuda). The KV pool has exactly the scheduler's page count.
     #[command(flatten)]
@@ -279,11 +279,14 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
+            let weight_gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
+            let threads = model.threads();
             let backend = CpuBackend::try_new(model, limits.num_blocks, limits.block_size)
                 .map_err(anyhow::Error::msg)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             eprintln!(
-                "baton worker: cpu backend ({}) attached to {}",
+                "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
+                 threads) attached to {}",
                 dir.display(),
                 a.instance
             );

@@ -262,7 +262,10 @@ fn load(a: &CompareArgs) -> Result<(ModelConfig, LlamaWeights)> {
         (None, None) => bail!("give --model DIR or --config JSON"),
     };
     let w = match (a.load_format, &a.model) {
-        (LoadFormatArg::Dummy, _) => LlamaWeights::dummy(&cfg, a.seed),
+        (LoadFormatArg::Dummy, _) => {
+            baton_model::check_dummy_fits(&cfg)?;
+            LlamaWeights::dummy(&cfg, a.seed)
+        }
         (f, Some(dir)) => {
             let format = f.with_seed(a.seed, Some(dir))?;
             ModelDir::new(dir).load(format)?.weights

@@ -135,7 +135,7 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
     /// Print one JSON object per prompt (ids, text, finish reason) instead of plain text.
     #[arg(long)]

@@ -45,7 +45,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub http: HttpArgs,
     /// Threads of the CPU worker's forward pass (0: one per available CPU).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
     /// Frontend slots in the segment.
     #[arg(long, default_value_t = 8)]

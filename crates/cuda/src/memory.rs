@@ -162,18 +162,20 @@ impl ModelShape {
     }
 }
 
-/// The memory floor of one decode step: the bytes it must read from HBM (weights read in full
-/// plus the KV of every sequence), in seconds at `bandwidth` bytes/s. Compute, activations and
-/// launch gaps are ignored, so a measured step time divided by this is >= 1 on a real device.
+/// The memory floor of one decode step: the bytes it must read from HBM (weights read in full,
+/// `weight_bytes` per weight, plus the KV of every sequence, `kv_bytes` per element), in
+/// seconds at `bandwidth` bytes/s. Compute, activations and launch gaps are ignored, so a
+/// measured step time divided by this is >= 1 on a real device.
 pub fn decode_floor_seconds(
     shape: &ModelShape,
-    dtype_bytes: usize,
+    weight_bytes: usize,
+    kv_bytes: usize,
     batch: usize,
     ctx: usize,
     bandwidth: f64,
 ) -> f64 {
-    let bytes = shape.weight_elems_read_per_step() * dtype_bytes
-        + shape.kv_bytes_read(batch, ctx, dtype_bytes);
+    let bytes = shape.weight_elems_read_per_step() * weight_bytes
+        + shape.kv_bytes_read(batch, ctx, kv_bytes);
     bytes as f64 / bandwidth.max(1.0)
 }
 
@@ -210,12 +212,15 @@ mod tests {
     fn decode_floor_is_bytes_over_bandwidth() {
         let s = llama3_8b();
         let bw = 4.1e12;
-        let t = decode_floor_seconds(&s, 2, 1, 256, bw);
+        let t = decode_floor_seconds(&s, 2, 2, 1, 256, bw);
         let bytes = s.weight_elems_read_per_step() * 2 + 256 * 131072;
         assert!((t - bytes as f64 / bw).abs() < 1e-12);
         // About 3.7 ms for 8B in bf16 at 4.1 TB/s.
         assert!((0.0036..0.0038).contains(&t), "{t}");
-        assert!(decode_floor_seconds(&s, 2, 32, 256, bw) > t);
+        assert!(decode_floor_seconds(&s, 2, 2, 32, 256, bw) > t);
+        // The CPU backend: 2-byte weights, an f32 cache.
+        let cpu = decode_floor_seconds(&s, 2, 4, 1, 256, bw);
+        assert!((cpu - (bytes + 256 * 131072) as f64 / bw).abs() < 1e-12);
     }
 
     const GB: usize = 1 << 30;

@@ -10,6 +10,19 @@ use crate::error::ModelError;
 use serde_json::{Map, Value};
 use std::path::Path;
 
+/// Largest `hidden_size` accepted (4x Llama 3.1 405B's).
+pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
+/// Largest `intermediate_size` accepted.
+pub const MAX_INTERMEDIATE_SIZE: usize = 1 << 20;
+/// Largest `num_hidden_layers` accepted.
+pub const MAX_LAYERS: usize = 1 << 10;
+/// Largest `num_attention_heads` accepted.
+pub const MAX_HEADS: usize = 1 << 10;
+/// Largest `head_dim` accepted.
+pub const MAX_HEAD_DIM: usize = 1 << 10;
+/// Largest `vocab_size` accepted (16x Gemma's): the scheduler's per-slot token-mask table
+/// holds `vocab_size / 8` bytes per sequence.
+pub const MAX_VOCAB_SIZE: usize = 1 << 22;
 /// RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -398,6 +411,24 @@ impl ModelConfig {
                 return Err(f.invalid(k, "must be > 0"));
             }
         }
+        // Far above any model served (Llama 3.1 405B: hidden 16384, 126 layers, 128 heads;
+        // Gemma's 262144-token vocabulary): a larger value is a typo, and honouring it would
+        // only fail later on an allocation of terabytes.
+        for (k, x, max) in [
+            ("hidden_size", hidden_size, MAX_HIDDEN_SIZE),
+            (
+                "intermediate_size",
+                intermediate_size,
+                MAX_INTERMEDIATE_SIZE,
+            ),
+            ("num_hidden_layers", num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", num_attention_heads, MAX_HEADS),
+            ("vocab_size", vocab_size, MAX_VOCAB_SIZE),
+        ] {
+            if x > max {
+                return Err(f.invalid(k, format!("{x} is larger than Baton supports ({max})")));
+            }
+        }
         let num_key_value_heads = f
             .opt_usize("num_key_value_heads")?
             .unwrap_or(num_attention_heads);
@@ -425,6 +456,12 @@ impl ModelConfig {
             return Err(f.invalid(
                 "head_dim",
                 format!("{head_dim} must be even and > 0 for RoPE"),
+            ));
+        }
+        if head_dim > MAX_HEAD_DIM {
+            return Err(f.invalid(
+                "head_dim",
+                format!("{head_dim} is larger than Baton supports ({MAX_HEAD_DIM})"),
             ));
         }
         let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
@@ -1074,6 +1111,34 @@ mod tests {
                 "{bad}: {e:?}"
             );
         }
+    }
+
+    /// Sizes far past any real model are config errors naming the field, not allocations of
+    /// terabytes later (a vocabulary of 10^12 aborted the scheduler).
+    #[test]
+    fn absurd_sizes_are_refused_naming_the_field() {
+        for (extra, field) in [
+            (r#", "vocab_size": 1000000000000"#, "vocab_size"),
+            (r#", "vocab_size": 4194305"#, "vocab_size"),
+            (r#", "hidden_size": 1099511627776"#, "hidden_size"),
+            (
+                r#", "intermediate_size": 1099511627776"#,
+                "intermediate_size",
+            ),
+            (r#", "num_hidden_layers": 100000"#, "num_hidden_layers"),
+            (r#", "num_attention_heads": 4096"#, "num_attention_heads"),
+            (r#", "head_dim": 100000"#, "head_dim"),
+        ] {
+            let e = ModelConfig::from_json_str(&format!("{QWEN3}{extra}}}")).unwrap_err();
+            assert!(
+                matches!(&e, ModelError::InvalidField { field: f, .. } if f == field),
+                "{extra}: {e}"
+            );
+            assert!(e.to_string().contains("larger than Baton supports"), "{e}");
+        }
+        // The caps themselves are accepted.
+        let ok = ModelConfig::from_json_str(&format!(r#"{QWEN3}, "vocab_size": 4194304}}"#));
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ForwardError, ModelError};
+use crate::linear::Store;
 use crate::weights::{layer_tensor_shapes, LlamaWeights, Tensor};
 use std::sync::Mutex;
 
@@ -152,10 +153,11 @@ pub struct ForwardRow<'a> {
     pub all_logits: bool,
 }
 
-/// A linear layer `y = x · Wᵀ` with `W` `[n, k]` row-major.
-#[derive(Debug, Clone)]
+/// A linear layer `y = x · Wᵀ` with `W` `[n, k]` row-major, in the narrowest type that holds
+/// its values exactly ([`Store::compact`]: bf16 or f16 for a 16-bit checkpoint).
+#[derive(Clone)]
 struct Linear {
-    w: Vec<f32>,
+    w: Store,
     n: usize,
     k: usize,
 }
@@ -173,7 +175,11 @@ impl Linear {
             n += p.shape[0];
             w.extend_from_slice(&p.data);
         }
-        Linear { w, n, k }
+        Linear {
+            w: Store::compact(w),
+            n,
+            k,
+        }
     }
 
     /// `out[t, n] = x[t, k] · Wᵀ` on the current rayon pool, each element in the fixed order
@@ -229,10 +235,12 @@ fn thread_pool(n: usize) -> Result<rayon::ThreadPool, String> {
         .map_err(|e| format!("starting {n} CPU threads: {e}"))
 }
 
-/// The CPU model: config, f32 weights (q/k/v and gate/up fused) and RoPE tables.
+/// The CPU model: config, weights (q/k/v and gate/up fused; the embedding and the linear layers
+/// kept as bf16 or f16 when every value of the matrix is one, the rest f32; arithmetic in f32)
+/// and RoPE tables.
 pub struct CpuModel {
     cfg: ModelConfig,
-    embed: Vec<f32>,
+    embed: Store,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
@@ -488,7 +496,7 @@ impl CpuModel {
             })
             .collect();
         Ok(CpuModel {
-            embed: embed.data,
+            embed: Store::compact(embed.data),
             layers,
             norm: norm.data,
             lm_head: Linear::concat(vec![lm_head]),
@@ -519,6 +527,29 @@ impl CpuModel {
     /// The number of threads a forward pass runs on.
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Host bytes the weights take: the embedding and linear layers as stored (2 bytes per
+    /// weight for a bf16 or f16 checkpoint, 4 otherwise; see [`CpuModel`]), norms and biases
+    /// as f32.
+    pub fn weight_bytes(&self) -> usize {
+        let linear = |l: &Linear| l.w.bytes();
+        let f32s = |v: &[f32]| 4 * v.len();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                linear(&l.qkv)
+                    + linear(&l.o)
+                    + linear(&l.gate_up)
+                    + linear(&l.down)
+                    + f32s(&l.input_norm)
+                    + f32s(&l.post_norm)
+                    + l.qkv_bias.as_deref().map_or(0, f32s)
+                    + l.qk_norm.as_ref().map_or(0, |(q, k)| f32s(q) + f32s(k))
+            })
+            .sum();
+        self.embed.bytes() + layers + f32s(&self.norm) + linear(&self.lm_head)
     }
 
     /// The model's config.
@@ -740,7 +771,7 @@ impl CpuModel {
         for row in rows {
             for &tok in row.tokens {
                 let e = tok as usize * h;
-                s.x[i * h..(i + 1) * h].copy_from_slice(&self.embed[e..e + h]);
+                self.embed.read(e, &mut s.x[i * h..(i + 1) * h]);
                 i += 1;
             }
         }

@@ -11,6 +11,20 @@ use thiserror::Error;
 /// `file` is always the path (as displayed) of the file being read when the failure happened.
 #[derive(Debug, Error)]
 pub enum ModelError {
+    /// Weights this process would have to generate do not fit in the host's available
+    /// memory (`--load-format dummy` on a shape too large for the machine).
+    #[error(
+        "{what} need {need_gib:.1} GiB of host memory but only {available_gib:.1} GiB is \
+         available"
+    )]
+    TooLarge {
+        /// What would be allocated.
+        what: String,
+        /// GiB needed.
+        need_gib: f64,
+        /// GiB available (`MemAvailable`).
+        available_gib: f64,
+    },
     /// A file that must exist is missing or unreadable.
     #[error("{file}: cannot read file: {reason}")]
     Io {

@@ -329,10 +329,13 @@ impl ModelDir {
                 let f = weights_fingerprint(&src)?;
                 (ModelWeights::Mapped(src), f)
             }
-            LoadFormat::Dummy { seed } => (
-                ModelWeights::Host(LlamaWeights::dummy(&config, seed)),
-                dummy_weights_fingerprint(seed),
-            ),
+            LoadFormat::Dummy { seed } => {
+                check_dummy_fits(&config)?;
+                (
+                    ModelWeights::Host(LlamaWeights::dummy(&config, seed)),
+                    dummy_weights_fingerprint(seed),
+                )
+            }
         };
         Ok(MappedModel {
             weights_fingerprint,
@@ -523,6 +526,48 @@ fn load_meta(path: &Path, format: LoadFormat, lenient: bool) -> Result<Meta, Mod
         generation_config_error,
         tokenizer,
     })
+}
+
+/// f32 values [`LlamaWeights::dummy`] allocates for `cfg`: the embedding and LM head, the
+/// final norm and every layer's tensors.
+pub fn dummy_weight_elems(cfg: &ModelConfig) -> u128 {
+    let vh = cfg.vocab_size as u128 * cfg.hidden_size as u128;
+    let layers: u128 = (0..cfg.num_hidden_layers)
+        .map(|i| {
+            weights::layer_tensor_shapes(cfg, i)
+                .iter()
+                .map(|(_, s)| s.iter().map(|&d| d as u128).product::<u128>())
+                .sum::<u128>()
+        })
+        .sum();
+    2 * vh + cfg.hidden_size as u128 + layers
+}
+
+/// Host memory this process may still take (`MemAvailable` of /proc/meminfo), in bytes;
+/// `None` where that is not known.
+pub fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses dummy weights ([`LlamaWeights::dummy`]) that would not fit in host memory, rather
+/// than abort on the allocation part way.
+///
+/// # Errors
+/// [`ModelError::TooLarge`] when [`dummy_weight_elems`] f32 values exceed
+/// [`host_memory_available`].
+pub fn check_dummy_fits(cfg: &ModelConfig) -> Result<(), ModelError> {
+    let need = dummy_weight_elems(cfg) * 4;
+    match host_memory_available() {
+        Some(avail) if need > avail as u128 => Err(ModelError::TooLarge {
+            what: "--load-format dummy weights of this config (f32)".into(),
+            need_gib: need as f64 / (1u64 << 30) as f64,
+            available_gib: avail as f64 / (1u64 << 30) as f64,
+        }),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -15,9 +15,15 @@
 //! 64 KiB of `W` that stay in L2 while every row tile passes over them; the blocks are spread
 //! over the current rayon pool. Nothing is packed or copied: a decode step (`t` of 1 to a few)
 //! streams each weight once, split over the threads, where a GEMM library packs `W` first.
-//! x86-64 with AVX2 and FMA takes the vector path (detected at run time); every other machine
-//! takes the portable path, which gives the same bits (`f32::mul_add` is the same fused
-//! operation).
+//! x86-64 with AVX2, FMA and F16C takes the vector path (detected at run time); every other
+//! machine takes the portable path, which gives the same bits
+//! (`f32::mul_add` is the same fused operation).
+//!
+//! Weights are kept in the narrowest type that holds every value of the matrix exactly
+//! ([`Store::compact`]): a bf16 or f16 checkpoint's matrices, which the loader widened to f32,
+//! go back to 2 bytes per weight, and the kernel widens each vector as it loads it. Widening is
+//! exact, so the results are the bits of the f32 path, with half the memory and, for a decode
+//! step that streams the weights, half the traffic.
 
 use rayon::prelude::*;
 
@@ -63,6 +69,121 @@ fn combine(a: [f32; 8]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
+/// Element types of a [`Store`], as the kernels' `E` parameter.
+const F32: u8 = 0;
+/// bfloat16: the top half of an f32's bits.
+const BF16: u8 = 1;
+/// IEEE binary16.
+const F16: u8 = 2;
+
+/// A row-major weight matrix in the narrowest type that holds all of its values exactly.
+#[derive(Clone)]
+pub(crate) enum Store {
+    /// f32 values (some value is neither bf16 nor f16).
+    F32(Vec<f32>),
+    /// bfloat16 bit patterns.
+    Bf16(Vec<u16>),
+    /// IEEE binary16 bit patterns.
+    F16(Vec<u16>),
+}
+
+impl Store {
+    /// `w` as bf16 when every value is one (its low 16 bits are zero), else as f16 when every
+    /// value survives the round trip through f16 bit for bit, else as f32. Lossless: the
+    /// values read back are `w`'s, bit for bit.
+    pub(crate) fn compact(w: Vec<f32>) -> Self {
+        if w.iter().all(|v| v.to_bits() & 0xffff == 0) {
+            return Store::Bf16(w.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+        }
+        let f16 = |v: f32| half::f16::from_f32(v);
+        if w.iter().all(|&v| f16(v).to_f32().to_bits() == v.to_bits()) {
+            return Store::F16(w.iter().map(|&v| f16(v).to_bits()).collect());
+        }
+        Store::F32(w)
+    }
+
+    /// Number of values.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Store::F32(v) => v.len(),
+            Store::Bf16(v) | Store::F16(v) => v.len(),
+        }
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Store::F32(v) => 4 * v.len(),
+            Store::Bf16(v) | Store::F16(v) => 2 * v.len(),
+        }
+    }
+
+    /// Values `start..start + out.len()`, widened to f32 into `out`.
+    ///
+    /// # Panics
+    /// If the range is past the end (a caller bug).
+    pub(crate) fn read(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            Store::F32(v) => out.copy_from_slice(&v[start..end]),
+            Store::Bf16(v) => {
+                for (o, &b) in out.iter_mut().zip(&v[start..end]) {
+                    *o = widen::<BF16>(b);
+                }
+            }
+            Store::F16(v) => {
+                for (o, &b) in out.iter_mut().zip(&v[start..end]) {
+                    *o = widen::<F16>(b);
+                }
+            }
+        }
+    }
+
+    /// The element type code and the address of the first value.
+    fn raw(&self) -> (u8, *const u8) {
+        match self {
+            Store::F32(v) => (F32, v.as_ptr().cast()),
+            Store::Bf16(v) => (BF16, v.as_ptr().cast()),
+            Store::F16(v) => (F16, v.as_ptr().cast()),
+        }
+    }
+}
+
+/// A 16-bit weight of type `E` (BF16 or F16) as the f32 it stands for (exact).
+#[inline(always)]
+fn widen<const E: u8>(b: u16) -> f32 {
+    if E == BF16 {
+        f32::from_bits((b as u32) << 16)
+    } else {
+        half::f16::from_bits(b).to_f32()
+    }
+}
+
+/// Bytes per value of element type `E`.
+const fn elem_bytes<const E: u8>() -> usize {
+    if E == F32 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Value `i` at `p`, of element type `E`, as f32.
+///
+/// # Safety
+/// `p` points to at least `i + 1` values of type `E`.
+#[inline(always)]
+unsafe fn load_elem<const E: u8>(p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees value i exists; unaligned reads need no alignment.
+    unsafe {
+        if E == F32 {
+            p.cast::<f32>().add(i).read_unaligned()
+        } else {
+            widen::<E>(p.cast::<u16>().add(i).read_unaligned())
+        }
+    }
+}
+
 /// A pointer to `out` shared by the column-block tasks.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -81,21 +202,29 @@ impl OutPtr {
 
 /// One column block's kernel: `out[r, j] (row stride n) = x[r, ..] · W[j, ..]` for every row
 /// `r < t` and `j` in `j0..j1`.
-type BlockFn = unsafe fn(*const f32, usize, *const f32, usize, usize, usize, usize, *mut f32);
+type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usize, *mut f32);
 
 /// `out[t, n] = x[t, k] · W[n, k]ᵀ`, all row-major (`x` row stride `k`, `W` row stride `k`,
 /// `out` row stride `n`), on the current rayon pool's threads when the product is large
-/// enough. Every element is bit-identical to [`dot_order`] of its row and column.
+/// enough. Every element is bit-identical to [`dot_order`] of its row and its column (widened
+/// to f32).
 ///
 /// # Panics
 /// If `x` has fewer than `t * k` values, `w` is not `n * k` values, or `out` has fewer than
 /// `t * n` (a caller bug: the forward pass sizes these from the config).
-pub(crate) fn linear(x: &[f32], t: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
+pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &mut [f32]) {
     assert!(x.len() >= t * k && w.len() == n * k && out.len() >= t * n);
     if t == 0 || n == 0 {
         return;
     }
-    let kernel = block_kernel();
+    let (elem, wp) = w.raw();
+    let kernel = match elem {
+        F32 => block_kernel::<F32>(),
+        BF16 => block_kernel::<BF16>(),
+        _ => block_kernel::<F16>(),
+    };
+    // Shared by the tasks (a raw pointer is not Sync).
+    let wp = OutPtr(wp as *mut f32);
     let nb = block_cols(k);
     let blocks = n.div_ceil(nb);
     let threads = rayon::current_num_threads();
@@ -116,17 +245,18 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &[f32], n: usize, k: usize, out: &m
         let r1 = (r0 + rows_per).min(t);
         let j0 = b * nb;
         let j1 = (j0 + nb).min(n);
-        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values, and the
-        // kernel touches only x[r, ..k], W[j, ..k] and out[r, j] for r in r0..r1 ⊆ 0..t and j
-        // in j0..j1 ⊆ 0..n. Tasks cover disjoint (row chunk, column block) rectangles, so
-        // concurrent tasks never write one element, and `out` stays mutably borrowed by this
-        // call until every task has returned. The AVX2 kernel is chosen only where the CPU
-        // has AVX2 and FMA (`block_kernel`).
+        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`wp` is
+        // `w`'s first value, of the type the kernel was chosen for), and the kernel touches
+        // only x[r, ..k], W[j, ..k] and out[r, j] for r in r0..r1 ⊆ 0..t and j in j0..j1 ⊆
+        // 0..n. Tasks cover disjoint (row chunk, column block) rectangles, so concurrent
+        // tasks never write one element, `w` is only read, and `out` stays mutably borrowed
+        // by this call until every task has returned. The AVX2 kernel is chosen only where
+        // the CPU has the features it uses (`block_kernel`).
         unsafe {
             kernel(
                 x.as_ptr().add(r0 * k),
                 r1 - r0,
-                w.as_ptr(),
+                wp.get() as *const u8,
                 n,
                 k,
                 j0,
@@ -143,42 +273,46 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &[f32], n: usize, k: usize, out: &m
     }
 }
 
-/// The fastest block kernel this CPU runs.
-fn block_kernel() -> BlockFn {
+/// The fastest block kernel for weights of type `E` this CPU runs.
+fn block_kernel<const E: u8>() -> BlockFn {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return avx2::block;
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            return avx2::block::<E>;
         }
     }
-    portable_block
+    portable_block::<E>
 }
 
-/// The portable block kernel: [`dot_order`] per element.
+/// The portable block kernel: [`dot_order`] per element, over the widened weights.
 ///
 /// # Safety
-/// `x` points to `t * k` values, `w` to `n * k`, `out` to `t * n` writable values that no one
-/// else accesses in columns `j0..j1`, and `j0 <= j1 <= n`.
+/// `x` points to `t * k` values, `w` to `n * k` values of type `E`, `out` to `t * n` writable
+/// values that no one else accesses in columns `j0..j1`, and `j0 <= j1 <= n`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn portable_block(
+unsafe fn portable_block<const E: u8>(
     x: *const f32,
     t: usize,
-    w: *const f32,
+    w: *const u8,
     n: usize,
     k: usize,
     j0: usize,
     j1: usize,
     out: *mut f32,
 ) {
-    for r in 0..t {
-        // SAFETY: row r of x and rows j of W lie inside the extents the caller guarantees.
-        let xr = unsafe { std::slice::from_raw_parts(x.add(r * k), k) };
-        for j in j0..j1 {
-            // SAFETY: as above; out[r, j] is inside out and in this block's columns.
+    let mut wj = vec![0.0f32; k];
+    for j in j0..j1 {
+        for (i, v) in wj.iter_mut().enumerate() {
+            // SAFETY: row j of W lies inside the extents the caller guarantees.
+            *v = unsafe { load_elem::<E>(w, j * k + i) };
+        }
+        for r in 0..t {
+            // SAFETY: row r of x and out[r, j] lie inside the caller's extents; out[r, j] is
+            // in this block's columns.
             unsafe {
-                let wj = std::slice::from_raw_parts(w.add(j * k), k);
-                *out.add(r * n + j) = dot_order(xr, wj);
+                let xr = std::slice::from_raw_parts(x.add(r * k), k);
+                *out.add(r * n + j) = dot_order(xr, &wj);
             }
         }
     }
@@ -187,37 +321,74 @@ unsafe fn portable_block(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! The AVX2 + FMA block kernel: register tiles of `R` rows by `C` columns, each output one
-    //! 8-lane accumulator in [`super::dot_order`]'s order.
+    //! 8-lane accumulator in [`super::dot_order`]'s order; weights of element type `E`
+    //! widened as they are loaded (F16C for f16).
 
+    use super::{elem_bytes, BF16, F32};
     use std::arch::x86_64::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// Per thread: a column block's 16-bit weights widened to f32 (see [`block`]).
+        static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
 
     /// As [`super::portable_block`], with AVX2 and FMA.
     ///
     /// # Safety
-    /// As [`super::portable_block`], and the CPU has AVX2 and FMA.
+    /// As [`super::portable_block`], and the CPU has AVX2, FMA and F16C.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block<const E: u8>(
         x: *const f32,
         t: usize,
-        w: *const f32,
+        w: *const u8,
         n: usize,
         k: usize,
         j0: usize,
         j1: usize,
         out: *mut f32,
     ) {
+        if E != F32 && t >= 4 {
+            // Four rows or more: widen the block's weights once into an f32 scratch (exact,
+            // so the same bits) rather than once per 4-row tile, whose conversions compete
+            // with the FMAs for the vector pipes (bf16 at batch 64 was half again slower).
+            WIDE.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                let cols = j1 - j0;
+                buf.clear();
+                buf.resize(cols * k, 0.0);
+                let eb = elem_bytes::<E>();
+                let full = cols * k / 8 * 8;
+                let mut i = 0;
+                // SAFETY: W rows j0..j1 are cols * k values from w + j0 * k * eb, inside the
+                // caller's extents; buf holds cols * k values.
+                unsafe {
+                    let src = w.add(j0 * k * eb);
+                    while i < full {
+                        _mm256_storeu_ps(buf.as_mut_ptr().add(i), load8::<E>(src.add(i * eb)));
+                        i += 8;
+                    }
+                    for (i, v) in buf.iter_mut().enumerate().skip(full) {
+                        *v = super::load_elem::<E>(src, i);
+                    }
+                    // Columns 0..cols of the scratch are out's columns j0..j1.
+                    block::<F32>(x, t, buf.as_ptr().cast(), n, k, 0, cols, out.add(j0));
+                }
+            });
+            return;
+        }
         let mut r = 0;
         // SAFETY (every call below): rows r..r + R < t of x, columns j0..j1 of W and out,
         // within the caller's extents.
         while r + 4 <= t {
-            unsafe { rows::<4, 2>(x, r, w, n, k, j0, j1, out) };
+            unsafe { rows::<E, 4, 2>(x, r, w, n, k, j0, j1, out) };
             r += 4;
         }
         match t - r {
-            3 => unsafe { rows::<3, 2>(x, r, w, n, k, j0, j1, out) },
-            2 => unsafe { rows::<2, 4>(x, r, w, n, k, j0, j1, out) },
-            1 => unsafe { rows::<1, 8>(x, r, w, n, k, j0, j1, out) },
+            3 => unsafe { rows::<E, 3, 2>(x, r, w, n, k, j0, j1, out) },
+            2 => unsafe { rows::<E, 2, 4>(x, r, w, n, k, j0, j1, out) },
+            1 => unsafe { rows::<E, 1, 8>(x, r, w, n, k, j0, j1, out) },
             _ => {}
         }
     }
@@ -227,48 +398,70 @@ mod avx2 {
     /// # Safety
     /// As [`block`], with `r + R <= t`.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows<const R: usize, const C: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows<const E: u8, const R: usize, const C: usize>(
         x: *const f32,
         r: usize,
-        w: *const f32,
+        w: *const u8,
         n: usize,
         k: usize,
         j0: usize,
         j1: usize,
         out: *mut f32,
     ) {
+        let row_bytes = k * elem_bytes::<E>();
         // SAFETY (both loops): the tile's rows and columns are inside the caller's extents.
         unsafe {
             let xr = x.add(r * k);
             let mut j = j0;
             while j + C <= j1 {
-                tile::<R, C>(xr, w.add(j * k), k, out.add(r * n + j), n);
+                tile::<E, R, C>(xr, w.add(j * row_bytes), k, out.add(r * n + j), n);
                 j += C;
             }
             while j < j1 {
-                tile::<R, 1>(xr, w.add(j * k), k, out.add(r * n + j), n);
+                tile::<E, R, 1>(xr, w.add(j * row_bytes), k, out.add(r * n + j), n);
                 j += 1;
             }
         }
     }
 
-    /// `out[a * ldo + c] = x[a, ..k] · w[c, ..k]` for `a < R`, `c < C` (`x` and `w` row
-    /// stride `k`), each in [`super::dot_order`]'s order.
+    /// Eight weights of type `E` at `p`, widened to f32 (exact).
     ///
     /// # Safety
-    /// `x` points to `R * k` values, `w` to `C * k`, `out` to the `R x C` tile (row stride
-    /// `ldo`); the CPU has AVX2 and FMA.
+    /// `p` points to 8 values of type `E`; the CPU has AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<const E: u8>(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 values (32 or 16 bytes); unaligned loads.
+        unsafe {
+            if E == F32 {
+                _mm256_loadu_ps(p.cast())
+            } else if E == BF16 {
+                let h = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            }
+        }
+    }
+
+    /// `out[a * ldo + c] = x[a, ..k] · w[c, ..k]` for `a < R`, `c < C` (`x` and `w` row
+    /// stride `k` values), each in [`super::dot_order`]'s order.
+    ///
+    /// # Safety
+    /// `x` points to `R * k` values, `w` to `C * k` values of type `E`, `out` to the `R x C`
+    /// tile (row stride `ldo`); the CPU has AVX2, FMA and F16C.
     #[inline]
     #[allow(clippy::needless_range_loop)] // acc[a][c]: a register tile, indexed as one
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const R: usize, const C: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const E: u8, const R: usize, const C: usize>(
         x: *const f32,
-        w: *const f32,
+        w: *const u8,
         k: usize,
         out: *mut f32,
         ldo: usize,
     ) {
+        let eb = elem_bytes::<E>();
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let full = k / 8 * 8;
         let mut i = 0;
@@ -280,7 +473,7 @@ mod avx2 {
             }
             for c in 0..C {
                 // SAFETY: i + 8 <= k, inside row c of w.
-                let wv = unsafe { _mm256_loadu_ps(w.add(c * k + i)) };
+                let wv = unsafe { load8::<E>(w.add((c * k + i) * eb)) };
                 for a in 0..R {
                     acc[a][c] = _mm256_fmadd_ps(xv[a], wv, acc[a][c]);
                 }
@@ -300,10 +493,16 @@ mod avx2 {
                 }
             }
             for c in 0..C {
-                // SAFETY: as for x.
+                // Zero bits are +0 in all three types. SAFETY: w[c, full..k] is inside row
+                // c (rem * eb bytes); wbuf holds 32 bytes, 8 values of any type.
                 let wv = unsafe {
-                    std::ptr::copy_nonoverlapping(w.add(c * k + full), buf.as_mut_ptr(), rem);
-                    _mm256_loadu_ps(buf.as_ptr())
+                    let mut wbuf = [0u8; 32];
+                    std::ptr::copy_nonoverlapping(
+                        w.add((c * k + full) * eb),
+                        wbuf.as_mut_ptr(),
+                        rem * eb,
+                    );
+                    load8::<E>(wbuf.as_ptr())
                 };
                 for a in 0..R {
                     acc[a][c] = _mm256_fmadd_ps(xv[a], wv, acc[a][c]);
@@ -320,7 +519,7 @@ mod avx2 {
 
     /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`, as `super::combine`.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         // (s0 + s2, s1 + s3, ..)
@@ -345,10 +544,11 @@ mod tests {
             .collect()
     }
 
-    /// Every element of a `t`-row linear equals [`dot_order`] of its row and column, bit for
-    /// bit, for every `t` (all register-tile shapes and their remainders), for `k` with and
-    /// without a partial last group of eight, for `n` across one and several column blocks,
-    /// on one thread and on a pool of three; and `dot_order` is a real dot product.
+    /// Every element of a `t`-row linear equals [`dot_order`] of its row and (widened)
+    /// column, bit for bit, for every `t` (all register-tile shapes and their remainders), for
+    /// `k` with and without a partial last group of eight, for `n` across one and several
+    /// column blocks, on one thread and on a pool of three, with f32, bf16 and f16 weights;
+    /// and `dot_order` is a real dot product.
     #[test]
     fn every_element_is_the_reference_dot_whatever_the_batch_and_threads() {
         let mut s = 0x1234_5678_9abc_def1u64;
@@ -364,32 +564,100 @@ mod tests {
             (300, 61, 10),
             (1100, 96, 6),
         ] {
-            let w = rnd(n * k, &mut s);
+            let w32 = rnd(n * k, &mut s);
             let x = rnd(max_t * k, &mut s);
-            let reference: Vec<f32> = (0..max_t)
-                .flat_map(|r| {
-                    let (x, w) = (&x, &w);
-                    (0..n).map(move |j| dot_order(&x[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]))
-                })
+            let bf16: Vec<f32> = w32
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
                 .collect();
-            let exact: f64 = (0..k).map(|i| x[i] as f64 * w[i] as f64).sum();
-            assert!((reference[0] as f64 - exact).abs() < 1e-4, "n={n} k={k}");
-            for t in 1..=max_t {
-                for threads in [1, 3] {
-                    let mut out = vec![f32::NAN; t * n];
-                    if threads == 1 {
-                        linear(&x, t, &w, n, k, &mut out);
-                    } else {
-                        pool.install(|| linear(&x, t, &w, n, k, &mut out));
+            let f16: Vec<f32> = w32
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_f32())
+                .collect();
+            let stores = [
+                (Store::F32(w32.clone()), w32),
+                (
+                    Store::Bf16(bf16.iter().map(|v| (v.to_bits() >> 16) as u16).collect()),
+                    bf16,
+                ),
+                (
+                    Store::F16(
+                        f16.iter()
+                            .map(|&v| half::f16::from_f32(v).to_bits())
+                            .collect(),
+                    ),
+                    f16,
+                ),
+            ];
+            for (store, w) in &stores {
+                let reference: Vec<f32> = (0..max_t)
+                    .flat_map(|r| {
+                        let x = &x;
+                        (0..n)
+                            .map(move |j| dot_order(&x[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]))
+                    })
+                    .collect();
+                let exact: f64 = (0..k).map(|i| x[i] as f64 * w[i] as f64).sum();
+                assert!((reference[0] as f64 - exact).abs() < 1e-4, "n={n} k={k}");
+                for t in 1..=max_t {
+                    for threads in [1, 3] {
+                        let mut out = vec![f32::NAN; t * n];
+                        if threads == 1 {
+                            linear(&x, t, store, n, k, &mut out);
+                        } else {
+                            pool.install(|| linear(&x, t, store, n, k, &mut out));
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert!(
+                            bits(&out) == bits(&reference[..t * n]),
+                            "n={n} k={k} t={t} threads={threads} {} bytes",
+                            store.bytes()
+                        );
                     }
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert!(
-                        bits(&out) == bits(&reference[..t * n]),
-                        "n={n} k={k} t={t} threads={threads}"
-                    );
                 }
             }
         }
+    }
+
+    /// `Store::compact` keeps every value bit for bit and picks the narrowest type that does.
+    #[test]
+    fn compact_is_lossless_and_narrowest() {
+        let mut s = 99u64;
+        let w = rnd(1000, &mut s);
+        let bf: Vec<f32> = w
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let hf: Vec<f32> = w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        for (values, bytes) in [(&w, 4000), (&bf, 2000), (&hf, 2000)] {
+            let store = Store::compact(values.clone());
+            assert_eq!(store.bytes(), bytes);
+            let mut back = vec![0.0f32; values.len()];
+            store.read(0, &mut back);
+            assert!(back
+                .iter()
+                .zip(values.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let mut part = [0.0f32; 3];
+            store.read(10, &mut part);
+            assert_eq!(part, values[10..13]);
+        }
+        // -0.0, 0, infinities and a subnormal bf16 survive as bf16.
+        let special = vec![
+            -0.0,
+            0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(1 << 16),
+        ];
+        let store = Store::compact(special.clone());
+        assert!(matches!(store, Store::Bf16(_)));
+        let mut back = vec![1.0; special.len()];
+        store.read(0, &mut back);
+        assert!(back
+            .iter()
+            .zip(&special)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     /// The lane order matters: a sum in plain index order gives other bits for some inputs,
