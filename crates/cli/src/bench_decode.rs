@@ -541,6 +541,15 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
              flight overlap, so one step's device time is not its own)"
         );
     }
+    if let Some(dir) = a.out.as_deref().and_then(std::path::Path::parent) {
+        // Before minutes of benchmarking, not after.
+        anyhow::ensure!(
+            dir.as_os_str().is_empty() || dir.is_dir(),
+            "--out {}: no directory {}",
+            a.out.as_deref().unwrap_or(dir).display(),
+            dir.display()
+        );
+    }
     if a.device == BenchDevice::Cuda {
         check_cuda_device(&a.cuda)?;
     }

@@ -244,6 +244,13 @@ fn http_health(addr: &str) -> Option<u16> {
 /// A child that cannot start, or a frontend that never becomes ready.
 pub fn run(a: ServeArgs) -> Result<()> {
     let stop = crate::daemons::stop_flag()?;
+    if !a.model.is_dir() {
+        bail!(
+            "--model {}: no such directory (relative paths are from {})",
+            a.model.display(),
+            std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string())
+        );
+    }
     if !a.model.join("config.json").exists() {
         bail!(
             "{}: no config.json; --model must be a Hugging Face model directory",

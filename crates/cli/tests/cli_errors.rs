@@ -279,6 +279,13 @@ fn serve_checks_instance_template_and_port_before_starting_children() {
         assert!(!std::path::Path::new(&format!("/dev/shm/baton-{inst}")).exists());
     }
     drop(busy);
+    // A --model path that does not exist says so (a relative path from the wrong directory is
+    // the usual cause), rather than that it lacks a config.json.
+    let (code, err) = run_bounded(
+        &[os("serve"), os("--model"), os("no/such/model-dir")],
+        "serve with a missing model",
+    );
+    assert_fails_with(code, &err, "no/such/model-dir: no such directory", &"serve");
 }
 
 #[test]
