@@ -240,7 +240,9 @@ fn thread_pool(n: usize) -> Result<rayon::ThreadPool, String> {
 /// and RoPE tables.
 pub struct CpuModel {
     cfg: ModelConfig,
-    embed: Store,
+    /// The token embedding; `None` when it is the LM head's matrix (tied embeddings, or equal
+    /// values), which then serves both.
+    embed: Option<Store>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
@@ -496,7 +498,14 @@ impl CpuModel {
             })
             .collect();
         Ok(CpuModel {
-            embed: Store::compact(embed.data),
+            // Tied embeddings (LlamaWeights holds two equal copies): one matrix serves both
+            // when they are equal bit for bit.
+            embed: (!embed
+                .data
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(lm_head.data.iter().map(|v| v.to_bits())))
+            .then(|| Store::compact(embed.data)),
             layers,
             norm: norm.data,
             lm_head: Linear::concat(vec![lm_head]),
@@ -549,7 +558,10 @@ impl CpuModel {
                     + l.qk_norm.as_ref().map_or(0, |(q, k)| f32s(q) + f32s(k))
             })
             .sum();
-        self.embed.bytes() + layers + f32s(&self.norm) + linear(&self.lm_head)
+        self.embed.as_ref().map_or(0, Store::bytes)
+            + layers
+            + f32s(&self.norm)
+            + linear(&self.lm_head)
     }
 
     /// The model's config.
@@ -771,7 +783,8 @@ impl CpuModel {
         for row in rows {
             for &tok in row.tokens {
                 let e = tok as usize * h;
-                self.embed.read(e, &mut s.x[i * h..(i + 1) * h]);
+                let table = self.embed.as_ref().unwrap_or(&self.lm_head.w);
+                table.read(e, &mut s.x[i * h..(i + 1) * h]);
                 i += 1;
             }
         }
@@ -925,5 +938,51 @@ impl CpuModel {
             .chunks_exact(v)
             .map(<[f32]>::to_vec)
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tied embeddings are held once (the LM head's matrix serves the embedding lookup) and
+    /// give the logits of the same matrix held twice; different matrices are both held.
+    #[test]
+    fn tied_embeddings_are_held_once() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":32,
+            "intermediate_size":48,"num_hidden_layers":1,"num_attention_heads":4,
+            "vocab_size":200,"max_position_embeddings":64,"tie_word_embeddings":true}"#,
+        )
+        .unwrap();
+        let w = LlamaWeights::dummy(&cfg, 3);
+        let tied = CpuModel::try_new(cfg.clone(), w.clone()).unwrap();
+        assert!(tied.embed.is_none());
+        let mut held_twice = CpuModel::try_new(cfg.clone(), w.clone()).unwrap();
+        held_twice.embed = Some(held_twice.lm_head.w.clone());
+        let logits = |m: &CpuModel| {
+            let mut kv = PagedKvCache::new(&cfg, 4, 16);
+            let table = [0u32, 1];
+            let row = ForwardRow {
+                tokens: &[5, 17, 199, 0],
+                start_pos: 0,
+                block_table: &table,
+                want_logits: true,
+                all_logits: false,
+            };
+            m.forward(&mut kv, &[row]).unwrap()
+        };
+        let bits = |v: Vec<Vec<f32>>| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(logits(&tied)), bits(logits(&held_twice)));
+        let mut other = w;
+        other.lm_head.data[0] += 1.0;
+        let separate = CpuModel::try_new(cfg.clone(), other).unwrap();
+        assert!(separate.embed.is_some());
+        assert_eq!(
+            separate.weight_bytes(),
+            tied.weight_bytes() + 200 * 32 * 4,
+            "a second [vocab, hidden] f32 matrix"
+        );
+        assert_ne!(bits(logits(&separate)), bits(logits(&tied)));
     }
 }
