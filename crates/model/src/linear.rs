@@ -200,6 +200,22 @@ impl OutPtr {
     }
 }
 
+/// A pointer to the weights shared by the column-block tasks.
+#[derive(Clone, Copy)]
+struct WeightPtr(*const u8);
+// SAFETY: the weights belong to the `&Store` that `linear` borrows until every task has
+// finished, and the tasks only read them.
+unsafe impl Send for WeightPtr {}
+// SAFETY: as for `Send`: shared reads only.
+unsafe impl Sync for WeightPtr {}
+
+impl WeightPtr {
+    /// The pointer (a method, so a closure captures the whole `WeightPtr`).
+    fn get(self) -> *const u8 {
+        self.0
+    }
+}
+
 /// One column block's kernel: `out[r, j] (row stride n) = x[r, ..] · W[j, ..]` for every row
 /// `r < t` and `j` in `j0..j1`.
 type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usize, *mut f32);
@@ -223,8 +239,7 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         BF16 => block_kernel::<BF16>(),
         _ => block_kernel::<F16>(),
     };
-    // Shared by the tasks (a raw pointer is not Sync).
-    let wp = OutPtr(wp as *mut f32);
+    let wp = WeightPtr(wp);
     let nb = block_cols(k);
     let blocks = n.div_ceil(nb);
     let threads = rayon::current_num_threads();
@@ -256,7 +271,7 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
             kernel(
                 x.as_ptr().add(r0 * k),
                 r1 - r0,
-                wp.get() as *const u8,
+                wp.get(),
                 n,
                 k,
                 j0,
