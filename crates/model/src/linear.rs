@@ -200,22 +200,6 @@ impl OutPtr {
     }
 }
 
-/// A pointer to the weights shared by the column-block tasks.
-#[derive(Clone, Copy)]
-struct WeightPtr(*const u8);
-// SAFETY: the weights belong to the `&Store` that `linear` borrows until every task has
-// finished, and the tasks only read them.
-unsafe impl Send for WeightPtr {}
-// SAFETY: as for `Send`: shared reads only.
-unsafe impl Sync for WeightPtr {}
-
-impl WeightPtr {
-    /// The pointer (a method, so a closure captures the whole `WeightPtr`).
-    fn get(self) -> *const u8 {
-        self.0
-    }
-}
-
 /// One column block's kernel: `out[r, j] (row stride n) = x[r, ..] · W[j, ..]` for every row
 /// `r < t` and `j` in `j0..j1`.
 type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usize, *mut f32);
@@ -233,13 +217,11 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
     if t == 0 || n == 0 {
         return;
     }
-    let (elem, wp) = w.raw();
-    let kernel = match elem {
+    let kernel = match w.raw().0 {
         F32 => block_kernel::<F32>(),
         BF16 => block_kernel::<BF16>(),
         _ => block_kernel::<F16>(),
     };
-    let wp = WeightPtr(wp);
     let nb = block_cols(k);
     let blocks = n.div_ceil(nb);
     let threads = rayon::current_num_threads();
@@ -260,8 +242,8 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         let r1 = (r0 + rows_per).min(t);
         let j0 = b * nb;
         let j1 = (j0 + nb).min(n);
-        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`wp` is
-        // `w`'s first value, of the type the kernel was chosen for), and the kernel touches
+        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`w.raw()`
+        // gives `w`'s first value, of the type the kernel was chosen for), and the kernel touches
         // only x[r, ..k], W[j, ..k] and out[r, j] for r in r0..r1 ⊆ 0..t and j in j0..j1 ⊆
         // 0..n. Tasks cover disjoint (row chunk, column block) rectangles, so concurrent
         // tasks never write one element, `w` is only read, and `out` stays mutably borrowed
@@ -271,7 +253,7 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
             kernel(
                 x.as_ptr().add(r0 * k),
                 r1 - r0,
-                wp.get(),
+                w.raw().1,
                 n,
                 k,
                 j0,
