@@ -1,7 +1,8 @@
 //! The CPU reference forward pass on a SmolLM-135M-shaped model (hidden 576, 30 layers, 9
 //! heads of 64, 3 KV heads, intermediate 1536, vocabulary 49152, tied embeddings; seeded
-//! random weights): one decode step at batch 1, 16 and 64 (each sequence 128 tokens in), and a
-//! 256-token prefill, on `BATON_BENCH_THREADS` threads (default 2).
+//! random weights): one decode step at batch 1, 16 and 64 (each sequence 128 tokens in), a
+//! 256-token prefill, and one decode step at batch 1 and 4 with 2048 tokens in (where the
+//! attention's share grows), on `BATON_BENCH_THREADS` threads (default 2).
 //!
 //! `cargo bench -p baton-model --bench forward`. Results: `bench/RESULTS.md`.
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 const SMOL: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
     "hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,"num_attention_heads":9,
-    "num_key_value_heads":3,"head_dim":64,"vocab_size":49152,"max_position_embeddings":2048,
+    "num_key_value_heads":3,"head_dim":64,"vocab_size":49152,"max_position_embeddings":4096,
     "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":true}"#;
 
 const BLOCK: usize = 16;
@@ -85,6 +86,49 @@ fn main() {
             model.forward(&mut kv, &[row]).expect("prefill")
         })
     });
+    g.finish();
+
+    // Long contexts: decode at position 2048 (attention reads 2048 positions per layer).
+    drop(kv);
+    let long_ctx: usize = 2048;
+    let long_batch = 4;
+    let long_pages = (long_ctx + 1).div_ceil(BLOCK);
+    let mut kv = PagedKvCache::new(&cfg, long_batch * long_pages, BLOCK);
+    let long_tables: Vec<Vec<u32>> = (0..long_batch)
+        .map(|s| ((s * long_pages) as u32..((s + 1) * long_pages) as u32).collect())
+        .collect();
+    let long_prompt: Vec<u32> = (0..long_ctx as u32)
+        .map(|i| (i * 7919 + 3) % 49152)
+        .collect();
+    for table in &long_tables {
+        let row = ForwardRow {
+            tokens: &long_prompt,
+            start_pos: 0,
+            block_table: table,
+            want_logits: false,
+            all_logits: false,
+        };
+        model.forward(&mut kv, &[row]).expect("prefill");
+    }
+    let mut g = c.benchmark_group("cpu_forward_ctx2048");
+    for batch in [1usize, long_batch] {
+        g.throughput(Throughput::Elements(batch as u64));
+        g.bench_with_input(BenchmarkId::new("decode", batch), &batch, |b, &batch| {
+            b.iter(|| {
+                let rows: Vec<ForwardRow> = long_tables[..batch]
+                    .iter()
+                    .map(|t| ForwardRow {
+                        tokens: &step,
+                        start_pos: long_ctx,
+                        block_table: t,
+                        want_logits: true,
+                        all_logits: false,
+                    })
+                    .collect();
+                model.forward(&mut kv, &rows).expect("decode")
+            })
+        });
+    }
     g.finish();
     c.final_summary();
 }

@@ -6,10 +6,12 @@
 //! arithmetic (including the linear layers, see `crate::linear`) is done in an order that
 //! depends only on that token's data and position. Invalid inputs are rejected before anything is written.
 
+use crate::attention;
 use crate::config::ModelConfig;
 use crate::error::{ForwardError, ModelError};
 use crate::linear::Store;
-use crate::weights::{layer_tensor_shapes, LlamaWeights, Tensor};
+use crate::vmath;
+use crate::weights::{layer_tensor_shapes, LayerWeights, LlamaWeights, Tensor, WeightSource};
 use std::sync::Mutex;
 
 /// Paged KV cache on the host: `num_blocks` pages of `block_size` token slots per layer.
@@ -204,6 +206,25 @@ struct Layer {
     down: Linear,
 }
 
+impl Layer {
+    /// Fuses q/k/v and gate/up, keeping each matrix in its narrowest exact type.
+    fn new(l: LayerWeights) -> Self {
+        Layer {
+            qkv_bias: match (l.q_bias, l.k_bias, l.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some([q.data, k.data, v.data].concat()),
+                _ => None,
+            },
+            qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (q.data, k.data)),
+            qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
+            o: Linear::concat(vec![l.o_proj]),
+            gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
+            down: Linear::concat(vec![l.down_proj]),
+            input_norm: l.input_layernorm.data,
+            post_norm: l.post_attention_layernorm.data,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
@@ -219,7 +240,17 @@ struct Scratch {
     logits: Vec<f32>,
     /// Per token of the batch: (row index, positions attended).
     tok_ctx: Vec<(usize, usize)>,
+    /// Attention tasks: (token, KV head, partition), by token, then KV head, then partition.
+    attn_tasks: Vec<(u32, u32, u32)>,
+    /// Per token: the index of its first attention task.
+    attn_first_task: Vec<usize>,
+    /// The attention tasks' outputs, `attention::task_len` values each.
+    attn_parts: Vec<f32>,
 }
+
+/// Attention multiply-adds (`Σ positions x query width` over the step's tokens) below which
+/// the attention runs on the calling thread.
+const ATTN_PAR_MIN_MACS: usize = 1 << 16;
 
 fn resize(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
@@ -259,7 +290,8 @@ impl std::fmt::Debug for CpuModel {
     }
 }
 
-fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
+/// The config's head layout and sizes are ones the forward pass runs.
+fn check_config(cfg: &ModelConfig) -> Result<(), ModelError> {
     let bad = |field: &str, reason: String| ModelError::InvalidField {
         file: "config.json".into(),
         field: field.into(),
@@ -281,6 +313,18 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
     if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) {
         return Err(bad("head_dim", "must be even and > 0".into()));
     }
+    Ok(())
+}
+
+/// [`check_config`], then every weight has the shape the config implies.
+fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
+    check_config(cfg)?;
+    let bad = |field: &str, reason: String| ModelError::InvalidField {
+        file: "config.json".into(),
+        field: field.into(),
+        reason,
+    };
+    let c = cfg;
     let mismatch = |name: &str, t: &Tensor, want: &[usize]| -> Result<(), ModelError> {
         if t.shape != want || t.data.len() != want.iter().product::<usize>() {
             return Err(ModelError::ShapeMismatch {
@@ -326,103 +370,6 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
         }
     }
     Ok(())
-}
-
-/// `Σ a[d]·b[d]` in a fixed order: 8 lane sums (`d mod 8`, ascending `d`), combined as a
-/// fixed tree, then any tail. Depends only on the two vectors, so it is batch invariant, and
-/// it vectorizes.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n8 = a.len().min(b.len()) / 8 * 8;
-    let mut acc = [0.0f32; 8];
-    for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += ca[l] * cb[l];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in a[n8..].iter().zip(&b[n8..]) {
-        s += x * y;
-    }
-    s
-}
-
-/// Causal attention of one query token, all heads, over positions `0..n_ctx` of one sequence
-/// (HF eager attention: `softmax(q·kᵀ · head_dim^-0.5)` in f32, then `· v`).
-///
-/// `q` and `out` are `[heads * head_dim]`; `scores` has room for `group * n_ctx` values. For
-/// each KV head the keys/values of each position are read once and used by the `group` query
-/// heads sharing it. Per (head, position) the arithmetic is in a fixed order (dot as in
-/// [`dot`], softmax sum and V accumulation over positions ascending), independent of block
-/// size and page ids.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    kv: &PagedKvCache,
-    layer: usize,
-    table: &[u32],
-    n_ctx: usize,
-    q: &[f32],
-    out: &mut [f32],
-    scores: &mut [f32],
-    scale: f32,
-) {
-    let hd = kv.head_dim;
-    let kvh = kv.kv_heads;
-    let group = q.len() / (kvh * hd);
-    let stride = kvh * hd;
-    let bs = kv.block_size;
-    let pages = &table[..n_ctx.div_ceil(bs)];
-    let scores = &mut scores[..group * n_ctx];
-    for g in 0..kvh {
-        let qs = &q[g * group * hd..(g + 1) * group * hd];
-        // Scores: [group][n_ctx].
-        let mut p = 0;
-        for &page in pages {
-            let n = bs.min(n_ctx - p);
-            let base = kv.offset(layer, page as usize, 0) + g * hd;
-            let ks = &kv.k[base..base + (n - 1) * stride + hd];
-            for sl in 0..n {
-                let kk = &ks[sl * stride..sl * stride + hd];
-                for (hh, qh) in qs.chunks_exact(hd).enumerate() {
-                    scores[hh * n_ctx + p + sl] = dot(qh, kk) * scale;
-                }
-            }
-            p += n;
-        }
-        let outs = &mut out[g * group * hd..(g + 1) * group * hd];
-        for (sc, o) in scores
-            .chunks_exact_mut(n_ctx)
-            .zip(outs.chunks_exact_mut(hd))
-        {
-            let max = sc.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0f32;
-            for x in sc.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            let inv = 1.0 / sum;
-            for x in sc.iter_mut() {
-                *x *= inv;
-            }
-            o.fill(0.0);
-        }
-        let mut p = 0;
-        for &page in pages {
-            let n = bs.min(n_ctx - p);
-            let base = kv.offset(layer, page as usize, 0) + g * hd;
-            let vs = &kv.v[base..base + (n - 1) * stride + hd];
-            for sl in 0..n {
-                let vv = &vs[sl * stride..sl * stride + hd];
-                for (hh, o) in outs.chunks_exact_mut(hd).enumerate() {
-                    let w = scores[hh * n_ctx + p + sl];
-                    for (a, b) in o.iter_mut().zip(vv) {
-                        *a += w * b;
-                    }
-                }
-            }
-            p += n;
-        }
-    }
 }
 
 /// HF `LlamaRMSNorm`: `x * rsqrt(mean(x²) + eps) * w`, computed in f32 (sum in f64).
@@ -481,33 +428,69 @@ impl CpuModel {
             norm,
             lm_head,
         } = w;
-        let layers = layers
-            .into_iter()
-            .map(|l| Layer {
-                qkv_bias: match (l.q_bias, l.k_bias, l.v_bias) {
-                    (Some(q), Some(k), Some(v)) => Some([q.data, k.data, v.data].concat()),
-                    _ => None,
-                },
-                qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (q.data, k.data)),
-                qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
-                o: Linear::concat(vec![l.o_proj]),
-                gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
-                down: Linear::concat(vec![l.down_proj]),
-                input_norm: l.input_layernorm.data,
-                post_norm: l.post_attention_layernorm.data,
-            })
-            .collect();
-        Ok(CpuModel {
-            // Tied embeddings (LlamaWeights holds two equal copies): one matrix serves both
-            // when they are equal bit for bit.
-            embed: (!embed
-                .data
-                .iter()
-                .map(|v| v.to_bits())
-                .eq(lm_head.data.iter().map(|v| v.to_bits())))
-            .then(|| Store::compact(embed.data)),
+        // Tied embeddings (LlamaWeights holds two equal copies): one matrix serves both when
+        // they are equal bit for bit.
+        let tied = embed
+            .data
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(lm_head.data.iter().map(|v| v.to_bits()));
+        let layers = layers.into_iter().map(Layer::new).collect();
+        Self::assemble(
+            cfg,
+            (!tied).then(|| Store::compact(embed.data)),
             layers,
-            norm: norm.data,
+            norm.data,
+            lm_head,
+        )
+    }
+
+    /// Builds the model from a checkpoint's mapped tensors one layer at a time, so that host
+    /// memory peaks at the built model plus one layer (or the embedding) in f32: a bf16
+    /// checkpoint is held at 2 bytes per weight ([`CpuModel`]) and never exists whole as f32
+    /// (`LlamaWeights::load` then [`CpuModel::try_new`] peaks at 4 bytes per weight). The
+    /// result is the same model, bit for bit.
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::load`] (missing, misshapen, unused or unsupported tensors, naming
+    /// the file and tensor) and [`CpuModel::try_new`] (an unusable config).
+    pub fn from_source(cfg: ModelConfig, src: &WeightSource) -> Result<Self, ModelError> {
+        check_config(&cfg)?;
+        src.check_tensor_names(&cfg)?;
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let lm_head_name = src.lm_head_name(&cfg)?;
+        let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
+        let (embed, lm_head) = if lm_head_name == "lm_head.weight" {
+            let embed = Store::compact(embed.data);
+            (Some(embed), src.load_f32("lm_head.weight", &[v, h])?)
+        } else {
+            (None, embed)
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let tensors = layer_tensor_shapes(&cfg, i)
+                .into_iter()
+                .map(|(n, s)| src.load_f32(&n, &s))
+                .collect::<Result<Vec<_>, _>>()?;
+            layers.push(Layer::new(LayerWeights::from_ordered(&cfg, tensors)));
+        }
+        let norm = src.load_f32("model.norm.weight", &[h])?;
+        Self::assemble(cfg, embed, layers, norm.data, lm_head)
+    }
+
+    /// The model from built layers; `embed` is `None` when the LM head's matrix serves the
+    /// embedding lookup (tied embeddings).
+    fn assemble(
+        cfg: ModelConfig,
+        embed: Option<Store>,
+        layers: Vec<Layer>,
+        norm: Vec<f32>,
+        lm_head: Tensor,
+    ) -> Result<Self, ModelError> {
+        Ok(CpuModel {
+            embed,
+            layers,
+            norm,
             lm_head: Linear::concat(vec![lm_head]),
             inv_freq: cfg.rope_inv_freq(),
             cfg,
@@ -520,11 +503,12 @@ impl CpuModel {
         })
     }
 
-    /// Runs forward passes on `n` threads (at least 1): attention is split over tokens, the
-    /// linear layers over row chunks, the MLP activation over tokens. Every value is computed
-    /// by the same code in the same order whatever `n` is (a row's attention by one thread, a
-    /// linear's rows in tiles of at least `m_min` rows as `matmul` documents), so the
-    /// outputs are bit-identical for every thread count and batch.
+    /// Runs forward passes on `n` threads (at least 1): attention is split into (token, KV
+    /// head, softmax partition) tasks (`crate::attention`), the linear layers into (row
+    /// chunk, column block) tasks (`crate::linear`), the MLP activation over tokens. Every
+    /// value is computed by the same operations in the same order whatever `n` is and
+    /// whichever thread runs it, so the outputs are bit-identical for every thread count
+    /// and batch.
     ///
     /// # Errors
     /// The operating system refused to start the threads.
@@ -735,11 +719,6 @@ impl CpuModel {
         // HF: `scaling = head_dim**-0.5` (a Python float), applied to the f32 scores.
         let scale = (hd as f64).powf(-0.5) as f32;
         let t: usize = rows.iter().map(|r| r.tokens.len()).sum();
-        let max_end = rows
-            .iter()
-            .map(|r| r.start_pos + r.tokens.len())
-            .max()
-            .unwrap_or(0);
 
         let mut guard = self
             .scratch
@@ -755,12 +734,29 @@ impl CpuModel {
         resize(&mut s.act, t * im);
         resize(&mut s.cos, t * half);
         resize(&mut s.sin, t * half);
-        // Per token: its row and the number of positions it attends to.
+        // Per token: its row and the number of positions it attends to; its attention tasks
+        // (KV head, partition), the first at `attn_first_task[token]`.
         s.tok_ctx.clear();
         for (r, row) in rows.iter().enumerate() {
             s.tok_ctx
                 .extend((0..row.tokens.len()).map(|j| (r, row.start_pos + j + 1)));
         }
+        s.attn_tasks.clear();
+        s.attn_first_task.clear();
+        let mut attn_macs = 0usize;
+        for (i, &(_, n_ctx)) in s.tok_ctx.iter().enumerate() {
+            s.attn_first_task.push(s.attn_tasks.len());
+            attn_macs += n_ctx * q_w;
+            for g in 0..kvh {
+                for j in 0..n_ctx.div_ceil(attention::PARTITION) {
+                    s.attn_tasks.push((i as u32, g as u32, j as u32));
+                }
+            }
+        }
+        let task_len = attention::task_len(group, hd);
+        resize(&mut s.attn_parts, s.attn_tasks.len() * task_len);
+        // Forking costs a few µs: a small step's attention runs on this thread (same bits).
+        let parallel_attention = attn_macs >= ATTN_PAR_MIN_MACS;
 
         // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32), times YaRN's
         // attention factor (HF's `attention_scaling`; 1 otherwise).
@@ -839,29 +835,72 @@ impl CpuModel {
                 }
             }
 
-            // Causal GQA attention over the pages; f32 softmax (HF eager attention). One
-            // token per task, each with its own score buffer.
+            // Causal GQA attention (`crate::attention`): tasks of (token, KV head, softmax
+            // partition), then each token's partitions combined; bits independent of the
+            // batch and the threads.
             {
-                let (kv, qkv, ctx) = (&*kv, &s.qkv, &s.tok_ctx);
-                s.attn[..t * q_w]
-                    .par_chunks_mut(q_w)
-                    .enumerate()
-                    .for_each_init(
-                        || vec![0.0f32; group * max_end],
-                        |scores, (i, out)| {
-                            let (r, n_ctx) = ctx[i];
-                            attend(
-                                kv,
-                                li,
-                                rows[r].block_table,
-                                n_ctx,
-                                &qkv[i * qkv_w..i * qkv_w + q_w],
-                                out,
-                                scores,
-                                scale,
-                            );
-                        },
+                let kvl = attention::KvLayer {
+                    k: &kv.k,
+                    v: &kv.v,
+                    layer_off: kv.offset(li, 0, 0),
+                    block_size: kv.block_size,
+                    stride: kv_w,
+                    head_dim: hd,
+                };
+                let (qkv, ctx, tasks) = (&s.qkv, &s.tok_ctx, &s.attn_tasks);
+                let run = |scratch: &mut attention::TaskScratch,
+                           (task, out): (usize, &mut [f32])| {
+                    let (i, g, j) = tasks[task];
+                    let (i, g, j) = (i as usize, g as usize, j as usize);
+                    let (r, n_ctx) = ctx[i];
+                    let p0 = j * attention::PARTITION;
+                    let q0 = i * qkv_w + g * group * hd;
+                    attention::partition(
+                        kvl,
+                        rows[r].block_table,
+                        g,
+                        p0,
+                        (p0 + attention::PARTITION).min(n_ctx),
+                        &qkv[q0..q0 + group * hd],
+                        scale,
+                        scratch,
+                        out,
                     );
+                };
+                let parts = &mut s.attn_parts[..tasks.len() * task_len];
+                if parallel_attention {
+                    parts
+                        .par_chunks_mut(task_len)
+                        .enumerate()
+                        .for_each_init(|| attention::TaskScratch::new(group), run);
+                } else {
+                    let mut scratch = attention::TaskScratch::new(group);
+                    for job in parts.chunks_mut(task_len).enumerate() {
+                        run(&mut scratch, job);
+                    }
+                }
+                let (parts, first) = (&s.attn_parts, &s.attn_first_task);
+                let join = |(i, out): (usize, &mut [f32])| {
+                    let n_parts = ctx[i].1.div_ceil(attention::PARTITION);
+                    for g in 0..kvh {
+                        let t0 = (first[i] + g * n_parts) * task_len;
+                        attention::combine(
+                            &parts[t0..t0 + n_parts * task_len],
+                            n_parts,
+                            group,
+                            hd,
+                            &mut out[g * group * hd..(g + 1) * group * hd],
+                        );
+                    }
+                };
+                if parallel_attention {
+                    s.attn[..t * q_w]
+                        .par_chunks_mut(q_w)
+                        .enumerate()
+                        .for_each(join);
+                } else {
+                    s.attn[..t * q_w].chunks_mut(q_w).enumerate().for_each(join);
+                }
             }
             layer.o.apply(&s.attn, t, &mut s.tmp);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
@@ -883,9 +922,7 @@ impl CpuModel {
                 .zip(s.gate_up[..t * 2 * im].par_chunks(2 * im))
                 .for_each(|(act, gu)| {
                     let (g, u) = gu.split_at(im);
-                    for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
+                    vmath::silu_mul(g, u, act);
                 });
             layer.down.apply(&s.act, t, &mut s.tmp);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
@@ -944,6 +981,108 @@ impl CpuModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A context spanning several softmax partitions gives the same bits whatever the batch
+    /// around it, the prefill chunking, the block size, the page ids and the thread count
+    /// (the attention tasks split by partition and run in parallel only for large steps: a
+    /// decode step alone here runs on the calling thread, beside a filler chunk in parallel).
+    #[test]
+    fn long_contexts_are_batch_invariant_across_partitions() {
+        let cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
+            "intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":8,"vocab_size":300,
+            "max_position_embeddings":2048}"#,
+        )
+        .unwrap();
+        let mut model = CpuModel::try_new(cfg.clone(), LlamaWeights::dummy(&cfg, 7)).unwrap();
+        let prompt: Vec<u32> = (0..700u32).map(|i| (i * 37 + 11) % 300).collect();
+        let filler: Vec<u32> = (0..620u32).map(|i| (i * 53 + 2) % 300).collect();
+        let steps = [5u32, 77, 123];
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        // Alone, one thread, block size 16, the prompt in one row: the last prompt logits,
+        // then each decode step's.
+        let alone = |model: &CpuModel| {
+            let mut kv = PagedKvCache::new(&cfg, 64, 16);
+            let table: Vec<u32> = (0..64).collect();
+            let row = |tokens, start_pos| ForwardRow {
+                tokens,
+                start_pos,
+                block_table: &table,
+                want_logits: true,
+                all_logits: false,
+            };
+            let mut out = vec![bits(
+                &model.forward(&mut kv, &[row(&prompt, 0)]).unwrap()[0],
+            )];
+            for (i, tok) in steps.iter().enumerate() {
+                let l = model.forward(&mut kv, &[row(std::slice::from_ref(tok), 700 + i)]);
+                out.push(bits(&l.unwrap()[0]));
+            }
+            out
+        };
+        model.set_threads(1).unwrap();
+        let reference = alone(&model);
+        // Beside a filler, three threads, block size 7, pages in reverse order, the prompt in
+        // chunks of 250, 250 and 200.
+        model.set_threads(3).unwrap();
+        let mut kv = PagedKvCache::new(&cfg, 200, 7);
+        let table: Vec<u32> = (0..110).rev().collect();
+        let ftable: Vec<u32> = (110..200).collect();
+        let mut got = Vec::new();
+        let mut pos = 0;
+        for (chunk, (f0, f1)) in [250, 250, 200]
+            .into_iter()
+            .zip([(0, 250), (250, 400), (400, 500)])
+        {
+            let rows = [
+                ForwardRow {
+                    tokens: &filler[f0..f1],
+                    start_pos: f0,
+                    block_table: &ftable,
+                    want_logits: false,
+                    all_logits: false,
+                },
+                ForwardRow {
+                    tokens: &prompt[pos..pos + chunk],
+                    start_pos: pos,
+                    block_table: &table,
+                    want_logits: true,
+                    all_logits: false,
+                },
+            ];
+            let l = model.forward(&mut kv, &rows).unwrap();
+            pos += chunk;
+            if pos == 700 {
+                got.push(bits(&l[0]));
+            }
+        }
+        for (i, tok) in steps.iter().enumerate() {
+            let rows = [
+                ForwardRow {
+                    tokens: std::slice::from_ref(tok),
+                    start_pos: 700 + i,
+                    block_table: &table,
+                    want_logits: true,
+                    all_logits: false,
+                },
+                ForwardRow {
+                    tokens: &filler[500 + 40 * i..540 + 40 * i],
+                    start_pos: 500 + 40 * i,
+                    block_table: &ftable,
+                    want_logits: true,
+                    all_logits: false,
+                },
+            ];
+            got.push(bits(&model.forward(&mut kv, &rows).unwrap()[0]));
+        }
+        assert!(
+            got == reference,
+            "a long context's logits changed with the batch"
+        );
+        // And on three threads alone (parallel partitions of one token).
+        assert!(alone(&model) == reference);
+    }
 
     /// Tied embeddings are held once (the LM head's matrix serves the embedding lookup) and
     /// give the logits of the same matrix held twice; different matrices are both held.

@@ -8,12 +8,14 @@
 
 #![warn(missing_docs)]
 
+mod attention;
 pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fingerprint;
 mod linear;
 pub mod tokenizer;
+mod vmath;
 pub mod weights;
 
 pub use config::{GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
@@ -368,13 +370,17 @@ pub struct MappedModel {
 }
 
 impl MappedModel {
-    /// Builds the CPU model (converting mapped weights to f32), consuming the weights.
+    /// Builds the CPU model, consuming the weights: mapped ones layer by layer
+    /// ([`CpuModel::from_source`]: a bf16 checkpoint never exists whole as f32).
     ///
     /// # Errors
-    /// As [`LlamaWeights::load`].
+    /// As [`CpuModel::from_source`] and [`CpuModel::try_new`].
     pub fn into_cpu_model(self) -> Result<(CpuModel, Option<Tokenizer>), ModelError> {
-        let weights = self.weights.into_host(&self.config)?;
-        Ok((CpuModel::new(self.config, weights), self.tokenizer))
+        let model = match self.weights {
+            ModelWeights::Host(w) => CpuModel::try_new(self.config, w)?,
+            ModelWeights::Mapped(src) => CpuModel::from_source(self.config, &src)?,
+        };
+        Ok((model, self.tokenizer))
     }
 
     /// Stop token ids, as [`LoadedModel::eos_token_ids`].

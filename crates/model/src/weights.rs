@@ -731,7 +731,8 @@ fn split_layer<T>(
 }
 
 impl LayerWeights {
-    fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
+    /// The layer from its tensors in [`layer_tensor_shapes`] order.
+    pub(crate) fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
         let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) = split_layer(cfg, tensors);
         LayerWeights {
             input_layernorm: ln1,

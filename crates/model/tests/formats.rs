@@ -97,6 +97,55 @@ fn bf16_and_f16_weights_load_with_close_logits_report_source_dtype_and_stay_16_b
     }
 }
 
+/// Building the CPU model straight from the mapped checkpoint, layer by layer
+/// (`CpuModel::from_source`, what `baton worker` and `baton generate` do), gives the model
+/// that the whole-f32 path (`LlamaWeights::load` then `CpuModel::try_new`) gives: the same
+/// logits bit for bit and the same bytes held, for f32, bf16 and f16 checkpoints and for an
+/// untied LM head.
+#[test]
+fn the_layer_by_layer_load_builds_the_same_model() {
+    let prompt = &golden().prompts[0].prompt_ids;
+    let untied = fake_dir("untied");
+    let mut t = stories_tensors();
+    let embed = t
+        .iter()
+        .find(|x| x.0 == "model.embed_tokens.weight")
+        .unwrap()
+        .clone();
+    // A different head: the embedding's values, halved.
+    let halved: Vec<u8> = embed
+        .3
+        .chunks_exact(4)
+        .flat_map(|c| (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * 0.5).to_le_bytes())
+        .collect();
+    t.push(("lm_head.weight".into(), embed.1, embed.2.clone(), halved));
+    write_safetensors(&untied, "model.safetensors", &t);
+    common::edit_config(&untied, |c| {
+        c.insert("tie_word_embeddings".into(), false.into());
+    });
+    let bf16 = convert(safetensors::Dtype::BF16);
+    let f16 = convert(safetensors::Dtype::F16);
+    for d in [&*model_dir(), &*bf16, &*f16, &*untied] {
+        let whole = cpu(d);
+        let cfg = baton_model::ModelConfig::from_json_str(
+            &std::fs::read_to_string(d.join("config.json")).unwrap(),
+        )
+        .unwrap();
+        let direct = CpuModel::from_source(cfg, &WeightSource::open(d).unwrap()).unwrap();
+        assert_eq!(direct.weight_bytes(), whole.weight_bytes(), "{d:?}");
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(prompt_logits(&direct, prompt)) == bits(prompt_logits(&whole, prompt)),
+            "{d:?}: the logits differ"
+        );
+    }
+    // The untied head is used (its logits are not the tied model's).
+    assert_ne!(
+        prompt_logits(&cpu(&untied), prompt),
+        prompt_logits(&cpu(&model_dir()), prompt)
+    );
+}
+
 #[test]
 fn invalid_forward_rows_are_errors_and_write_nothing() {
     let model = cpu(&model_dir());

@@ -1,0 +1,525 @@
+//! Batch-invariant causal GQA attention over the paged KV cache, for the CPU reference.
+//!
+//! Numerics (HF eager attention, `modeling_llama.py`): per query head `h` and position `p`
+//! the score `s = (q_h · k_p) * scale`, then `softmax(s)` in f32 and `Σ_p softmax_p v_p`.
+//! The softmax is computed per partition of [`PARTITION`] positions (`0..256`, `256..512`,
+//! ...) and the partitions are combined exactly as split-K decode attention does (vLLM's
+//! paged attention v2, FlashAttention's rescaling):
+//!
+//! - per partition `j`: `m_j = max s`, `e_p = exp(s_p - m_j)`, `l_j = Σ e_p`, `o_j = Σ e_p v_p`;
+//! - then `M = max_j m_j`, `w_j = exp(m_j - M)`, `out = (Σ_j w_j o_j) * (1 / Σ_j w_j l_j)`.
+//!
+//! Invariant: every value is computed by one fixed sequence of IEEE operations that depends
+//! only on the token's own query, its context's keys and values and the positions, never on
+//! the batch, the block size, the page ids, the thread count or which path (AVX2 or portable)
+//! runs it:
+//!
+//! - `q · k` is [`crate::linear::dot_order`] (8 fused lanes, fixed combine);
+//! - `exp` is [`crate::vmath::exp_order`];
+//! - `Σ e_p` is [`sum_order`] (8 lanes by `p mod 8` from the partition's start, ascending,
+//!   zero-padded, the same lane combine);
+//! - `o_j[d]` is a fused multiply-add chain over `p` ascending from `+0`; the combine chains
+//!   over `j` ascending from `+0`.
+//!
+//! Partitions are fixed by position, so a long context splits into independent tasks (the
+//! parallelism a batch-of-one decode step needs: tasks are (token, KV head, partition)), and
+//! the bits stay the same whichever thread runs a task.
+
+use crate::linear::dot_order;
+use crate::vmath::exp_order;
+
+/// Positions per softmax partition (a multiple of 8).
+pub(crate) const PARTITION: usize = 256;
+
+/// Where one layer's K and V rows are: `k` and `v` are the whole cache (`[layer][page][slot]
+/// [kv_head][head_dim]` f32); position `p` of a sequence with block table `table` is at
+/// `layer_off + (table[p / block_size] * block_size + p % block_size) * stride`, plus
+/// `kv_head * head_dim`.
+#[derive(Clone, Copy)]
+pub(crate) struct KvLayer<'a> {
+    /// The whole K cache.
+    pub k: &'a [f32],
+    /// The whole V cache (same layout).
+    pub v: &'a [f32],
+    /// Offset of the layer's page 0, slot 0.
+    pub layer_off: usize,
+    /// Tokens per page.
+    pub block_size: usize,
+    /// Values per position: `kv_heads * head_dim`.
+    pub stride: usize,
+    /// Values per head.
+    pub head_dim: usize,
+}
+
+/// Values one task writes: per query head of the group, `[m, l, o[0..head_dim]]`.
+pub(crate) fn task_len(group: usize, head_dim: usize) -> usize {
+    group * (head_dim + 2)
+}
+
+/// The reference sum of `e` (see the module documentation).
+pub(crate) fn sum_order(e: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for c in e.chunks(8) {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    let s = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Per-thread scratch of a partition task: the scores `[group][PARTITION]` and the
+/// positions' row offsets.
+pub(crate) struct TaskScratch {
+    scores: Vec<f32>,
+    rows: Vec<usize>,
+}
+
+impl TaskScratch {
+    /// Scratch for groups of up to `group` query heads per KV head.
+    pub(crate) fn new(group: usize) -> Self {
+        TaskScratch {
+            scores: vec![0.0; group * PARTITION],
+            rows: Vec::with_capacity(PARTITION),
+        }
+    }
+}
+
+/// One partition task: the query heads `q` (`[group][head_dim]`, those of KV head `kv_head`)
+/// against positions `p0..p1` (`p1 - p0 <= PARTITION`, `p0` a multiple of it) of the sequence
+/// whose pages are `table`; writes `[m, l, o]` per query head into `out`
+/// ([`task_len`] values).
+///
+/// # Panics
+/// If a position's row is outside the cache or `out`/`q` are too short (a caller bug: the
+/// forward pass validates block tables first).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn partition(
+    kv: KvLayer,
+    table: &[u32],
+    kv_head: usize,
+    p0: usize,
+    p1: usize,
+    q: &[f32],
+    scale: f32,
+    scratch: &mut TaskScratch,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let group = q.len() / hd;
+    assert!(p1 > p0 && p1 - p0 <= PARTITION && out.len() >= task_len(group, hd));
+    // Row offsets, page by page (one division per page, not per position).
+    scratch.rows.clear();
+    let mut p = p0;
+    while p < p1 {
+        let page = table[p / kv.block_size] as usize;
+        let slot = p % kv.block_size;
+        let n = (kv.block_size - slot).min(p1 - p);
+        let first = kv.layer_off + (page * kv.block_size + slot) * kv.stride + kv_head * hd;
+        let last = first + (n - 1) * kv.stride + hd;
+        assert!(last <= kv.k.len() && last <= kv.v.len());
+        scratch.rows.extend((0..n).map(|i| first + i * kv.stride));
+        p += n;
+    }
+    if scratch.scores.len() < group * PARTITION {
+        scratch.scores.resize(group * PARTITION, 0.0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && crate::vmath::avx2::available() {
+        // SAFETY: AVX2 and FMA are available (checked just above); every row offset plus
+        // head_dim is inside k and v (asserted above), q holds group * head_dim values, the
+        // scores group * PARTITION, out task_len(group, hd).
+        unsafe { avx2::partition(kv, &scratch.rows, q, group, scale, &mut scratch.scores, out) };
+        return;
+    }
+    partition_portable(kv, &scratch.rows, q, group, scale, &mut scratch.scores, out);
+}
+
+/// [`partition`]'s reference computation over the row offsets `rows`.
+fn partition_portable(
+    kv: KvLayer,
+    rows: &[usize],
+    q: &[f32],
+    group: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let n = rows.len();
+    for h in 0..group {
+        let qh = &q[h * hd..(h + 1) * hd];
+        let s = &mut scores[h * PARTITION..h * PARTITION + n];
+        for (x, &r) in s.iter_mut().zip(rows) {
+            *x = dot_order(qh, &kv.k[r..r + hd]) * scale;
+        }
+        let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        for x in s.iter_mut() {
+            *x = exp_order(*x - m);
+        }
+        let l = sum_order(s);
+        let o = &mut out[h * (hd + 2)..(h + 1) * (hd + 2)];
+        o[0] = m;
+        o[1] = l;
+        let o = &mut o[2..];
+        o.fill(0.0);
+        for (&e, &r) in s.iter().zip(rows) {
+            for (a, &v) in o.iter_mut().zip(&kv.v[r..r + hd]) {
+                *a = e.mul_add(v, *a);
+            }
+        }
+    }
+}
+
+/// Combines one token's partition results for one KV head: `parts` holds `n_parts` task
+/// outputs ([`task_len`] each, partitions ascending); writes `[group][head_dim]` into `out`.
+pub(crate) fn combine(parts: &[f32], n_parts: usize, group: usize, hd: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vmath::avx2::available() {
+        // SAFETY: AVX2 and FMA are available (checked just above).
+        unsafe { avx2::combine(parts, n_parts, group, hd, out) };
+        return;
+    }
+    combine_portable(parts, n_parts, group, hd, out);
+}
+
+/// [`combine`]'s reference loop (compiled with FMA instructions inside [`avx2::combine`]).
+#[inline(always)]
+fn combine_portable(parts: &[f32], n_parts: usize, group: usize, hd: usize, out: &mut [f32]) {
+    let tl = task_len(group, hd);
+    for h in 0..group {
+        let part = |j: usize| &parts[j * tl + h * (hd + 2)..j * tl + (h + 1) * (hd + 2)];
+        let big_m = (0..n_parts).fold(f32::NEG_INFINITY, |a, j| a.max(part(j)[0]));
+        let o = &mut out[h * hd..(h + 1) * hd];
+        o.fill(0.0);
+        let mut big_l = 0.0f32;
+        for j in 0..n_parts {
+            let pj = part(j);
+            let w = exp_order(pj[0] - big_m);
+            big_l = w.mul_add(pj[1], big_l);
+            for (a, &x) in o.iter_mut().zip(&pj[2..]) {
+                *a = w.mul_add(x, *a);
+            }
+        }
+        let inv = 1.0 / big_l;
+        for a in o.iter_mut() {
+            *a *= inv;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The partition task with AVX2 + FMA, for `head_dim` a multiple of 8.
+
+    use super::{KvLayer, PARTITION};
+    use crate::vmath::avx2::exp8;
+    use std::arch::x86_64::*;
+
+    /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` of each of 8 accumulators, as
+    /// `[f(a[0]), .., f(a[7])]` (the lane combine of `dot_order`, eight at a time).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum8(a: [__m256; 8]) -> __m256 {
+        // (l0+l4, l1+l5, l2+l6, l3+l7) of a[i] in the low half and of a[i + 4] in the high.
+        let s = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(x, y),
+                _mm256_permute2f128_ps::<0x31>(x, y),
+            )
+        };
+        let (s04, s15, s26, s37) = (s(a[0], a[4]), s(a[1], a[5]), s(a[2], a[6]), s(a[3], a[7]));
+        // Per accumulator (s0 + s2, s1 + s3): [a0, a1 | a4, a5] and [a2, a3 | a6, a7].
+        let t = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
+        };
+        let (r01, r23) = (t(s04, s15), t(s26, s37));
+        // (s0 + s2) + (s1 + s3): [a0, a1, a2, a3 | a4, a5, a6, a7].
+        _mm256_hadd_ps(r01, r23)
+    }
+
+    /// One lane of [`hsum8`] (a single accumulator).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum1(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let p = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)))
+    }
+
+    /// As [`super::partition_portable`].
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `head_dim` is a multiple of 8; every `rows[i] + head_dim`
+    /// is inside `kv.k` and `kv.v`; `q` holds `group * head_dim` values, `scores` `group *
+    /// PARTITION`, `out` `group * (head_dim + 2)`; `rows.len() <= PARTITION`.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn partition(
+        kv: KvLayer,
+        rows: &[usize],
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let hd = kv.head_dim;
+        let n = rows.len();
+        let n8 = n / 8 * 8;
+        let (kp, vp, qp) = (kv.k.as_ptr(), kv.v.as_ptr(), q.as_ptr());
+        let sc = scores.as_mut_ptr();
+        let scale8 = _mm256_set1_ps(scale);
+        // Scores, eight positions at a time: their K rows stay in L1 across the group's heads.
+        let mut i = 0;
+        while i < n8 {
+            for h in 0..group {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                let mut d = 0;
+                while d < hd {
+                    // SAFETY: d + 8 <= hd: inside q's head h and inside each position's row.
+                    unsafe {
+                        let qv = _mm256_loadu_ps(qp.add(h * hd + d));
+                        for a in 0..8 {
+                            let kv8 = _mm256_loadu_ps(kp.add(rows[i + a] + d));
+                            acc[a] = _mm256_fmadd_ps(qv, kv8, acc[a]);
+                        }
+                    }
+                    d += 8;
+                }
+                let s = _mm256_mul_ps(hsum8(acc), scale8);
+                // SAFETY: h * PARTITION + i + 8 <= group * PARTITION.
+                unsafe { _mm256_storeu_ps(sc.add(h * PARTITION + i), s) };
+            }
+            i += 8;
+        }
+        for i in n8..n {
+            for h in 0..group {
+                let mut acc = _mm256_setzero_ps();
+                let mut d = 0;
+                while d < hd {
+                    // SAFETY: as above.
+                    unsafe {
+                        let qv = _mm256_loadu_ps(qp.add(h * hd + d));
+                        acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(rows[i] + d)), acc);
+                    }
+                    d += 8;
+                }
+                // SAFETY: inside head h's scores.
+                unsafe { *sc.add(h * PARTITION + i) = hsum1(acc) * scale };
+            }
+        }
+        let n_pad = n.div_ceil(8) * 8;
+        for h in 0..group {
+            // SAFETY: head h's scores are PARTITION >= n_pad values from sc + h * PARTITION.
+            let s = unsafe { std::slice::from_raw_parts_mut(sc.add(h * PARTITION), n_pad) };
+            let m = s[..n].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            // Padding scores exp to +0, which the lane sums add exactly (sum_order's zero
+            // padding).
+            s[n..].fill(f32::NEG_INFINITY);
+            let m8 = _mm256_set1_ps(m);
+            let mut lanes = _mm256_setzero_ps();
+            for c in s.chunks_exact_mut(8) {
+                // SAFETY: c holds 8 values.
+                unsafe {
+                    let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m8));
+                    _mm256_storeu_ps(c.as_mut_ptr(), e);
+                    lanes = _mm256_add_ps(lanes, e);
+                }
+            }
+            let l = hsum1(lanes);
+            let o = &mut out[h * (hd + 2)..(h + 1) * (hd + 2)];
+            o[0] = m;
+            o[1] = l;
+            let op = o[2..].as_mut_ptr();
+            // o = Σ_p e_p v_p, up to eight vectors of head_dim at a time (independent FMA
+            // chains).
+            let mut d = 0;
+            while d < hd {
+                let w = ((hd - d) / 8).min(8);
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for (p, &r) in rows.iter().enumerate() {
+                    let e = _mm256_set1_ps(s[p]);
+                    for (c, a) in acc.iter_mut().enumerate().take(w) {
+                        // SAFETY: d + 8 * c + 8 <= hd, inside position p's V row.
+                        let v = unsafe { _mm256_loadu_ps(vp.add(r + d + 8 * c)) };
+                        *a = _mm256_fmadd_ps(e, v, *a);
+                    }
+                }
+                for (c, a) in acc.iter().enumerate().take(w) {
+                    // SAFETY: d + 8 * c + 8 <= hd, inside o.
+                    unsafe { _mm256_storeu_ps(op.add(d + 8 * c), *a) };
+                }
+                d += 8 * w;
+            }
+        }
+    }
+
+    /// [`super::combine_portable`] compiled with FMA instructions.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn combine(
+        parts: &[f32],
+        n_parts: usize,
+        group: usize,
+        hd: usize,
+        out: &mut [f32],
+    ) {
+        super::combine_portable(parts, n_parts, group, hd, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *s ^= *s << 13;
+                *s ^= *s >> 7;
+                *s ^= *s << 17;
+                ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// Attention of one token (positions `0..n_ctx`, all partitions, combined) for KV head
+    /// `g`, through `partition` (or the portable body when `portable`) and `combine`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        kv: KvLayer,
+        table: &[u32],
+        g: usize,
+        n_ctx: usize,
+        q: &[f32],
+        scale: f32,
+        portable: bool,
+    ) -> Vec<f32> {
+        let hd = kv.head_dim;
+        let group = q.len() / hd;
+        let n_parts = n_ctx.div_ceil(PARTITION);
+        let tl = task_len(group, hd);
+        let mut parts = vec![f32::NAN; n_parts * tl];
+        let mut scratch = TaskScratch::new(group);
+        for j in 0..n_parts {
+            let (p0, p1) = (j * PARTITION, ((j + 1) * PARTITION).min(n_ctx));
+            let out = &mut parts[j * tl..(j + 1) * tl];
+            if portable {
+                // The portable body over the same rows.
+                scratch.rows.clear();
+                for p in p0..p1 {
+                    let page = table[p / kv.block_size] as usize;
+                    scratch.rows.push(
+                        kv.layer_off
+                            + (page * kv.block_size + p % kv.block_size) * kv.stride
+                            + g * hd,
+                    );
+                }
+                let rows = scratch.rows.clone();
+                partition_portable(kv, &rows, q, group, scale, &mut scratch.scores, out);
+            } else {
+                partition(kv, table, g, p0, p1, q, scale, &mut scratch, out);
+            }
+        }
+        let mut out = vec![f32::NAN; group * hd];
+        if portable {
+            combine_portable(&parts, n_parts, group, hd, &mut out);
+        } else {
+            combine(&parts, n_parts, group, hd, &mut out);
+        }
+        out
+    }
+
+    /// The result is softmax attention (against an f64 computation), and the vector path
+    /// gives the portable reference's bits, for head dims with and without a vector path,
+    /// contexts within one partition and across several with partial groups of eight, block
+    /// sizes 1, 16 and 7, and groups of 1 to 5 query heads per KV head.
+    #[test]
+    fn partitions_combine_to_softmax_attention_with_the_reference_bits() {
+        let mut s = 0xfeed_beefu64;
+        for &(hd, kvh, group) in &[
+            (64usize, 2usize, 3usize),
+            (8, 4, 2),
+            (128, 1, 5),
+            (12, 2, 1),
+        ] {
+            for &bs in &[16usize, 1, 7] {
+                for &n_ctx in &[1usize, 5, 8, 255, 256, 257, 600, 1030] {
+                    let stride = kvh * hd;
+                    let pages = n_ctx.div_ceil(bs) + 3;
+                    let k = rnd(pages * bs * stride, &mut s);
+                    let v = rnd(pages * bs * stride, &mut s);
+                    // Pages in a scrambled order, as a block table is.
+                    let table: Vec<u32> = (0..pages as u32).rev().collect();
+                    let kv = KvLayer {
+                        k: &k,
+                        v: &v,
+                        layer_off: 0,
+                        block_size: bs,
+                        stride,
+                        head_dim: hd,
+                    };
+                    let q: Vec<f32> = rnd(group * hd, &mut s).iter().map(|x| x * 8.0).collect();
+                    let scale = (hd as f64).powf(-0.5) as f32;
+                    for g in 0..kvh {
+                        let fast = attend(kv, &table, g, n_ctx, &q, scale, false);
+                        let reference = attend(kv, &table, g, n_ctx, &q, scale, true);
+                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&fast), bits(&reference), "hd={hd} bs={bs} n={n_ctx}");
+                        // f64 softmax attention.
+                        let row =
+                            |p: usize| (table[p / bs] as usize * bs + p % bs) * stride + g * hd;
+                        for h in 0..group {
+                            let qh = &q[h * hd..(h + 1) * hd];
+                            let sc: Vec<f64> = (0..n_ctx)
+                                .map(|p| {
+                                    let r = row(p);
+                                    (0..hd).map(|d| qh[d] as f64 * k[r + d] as f64).sum::<f64>()
+                                        * scale as f64
+                                })
+                                .collect();
+                            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                            let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                            let sum: f64 = e.iter().sum();
+                            for d in 0..hd {
+                                let want: f64 =
+                                    (0..n_ctx).map(|p| e[p] / sum * v[row(p) + d] as f64).sum();
+                                let got = fast[h * hd + d] as f64;
+                                assert!(
+                                    (got - want).abs() < 1e-5,
+                                    "hd={hd} bs={bs} n={n_ctx} h={h} d={d}: {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `sum_order` is the lane order, not the plain one (so the test above can tell them
+    /// apart), and sums.
+    #[test]
+    fn sum_order_is_a_sum_in_lane_order() {
+        let mut s = 5u64;
+        let x = rnd(1000, &mut s);
+        let exact: f64 = x.iter().map(|&v| v as f64).sum();
+        assert!((sum_order(&x) as f64 - exact).abs() < 1e-3);
+        let differs = (0..50).any(|_| {
+            let a = rnd(77, &mut s);
+            a.iter().fold(0.0f32, |acc, v| acc + v).to_bits() != sum_order(&a).to_bits()
+        });
+        assert!(differs);
+    }
+}
