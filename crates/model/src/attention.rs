@@ -90,6 +90,79 @@ impl TaskScratch {
     }
 }
 
+/// Per-thread scratch of [`attend`]: the partition results of one (token, KV head) and a
+/// partition task's scratch.
+pub(crate) struct JobScratch {
+    parts: Vec<f32>,
+    task: TaskScratch,
+}
+
+impl JobScratch {
+    /// Scratch for groups of up to `group` query heads per KV head.
+    pub(crate) fn new(group: usize) -> Self {
+        JobScratch {
+            parts: Vec::new(),
+            task: TaskScratch::new(group),
+        }
+    }
+}
+
+/// Causal attention of one token's query heads `q` (`[group][head_dim]`, those of KV head
+/// `kv_head`) over positions `0..n_ctx` of the sequence whose pages are `table`: every
+/// partition, then [`combine`]; writes `[group][head_dim]` into `out`. With `split` the
+/// partitions run as tasks on the current rayon pool (for a step with fewer (token, KV head)
+/// jobs than threads); the bits are the same either way.
+///
+/// Memory: `ceil(n_ctx / PARTITION) * task_len(group, head_dim)` values of scratch, held per
+/// thread, not per token.
+///
+/// # Panics
+/// As [`partition`]; `n_ctx` is at least 1.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend(
+    kv: KvLayer,
+    table: &[u32],
+    kv_head: usize,
+    n_ctx: usize,
+    q: &[f32],
+    scale: f32,
+    split: bool,
+    scratch: &mut JobScratch,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let group = q.len() / kv.head_dim;
+    let tl = task_len(group, kv.head_dim);
+    let n_parts = n_ctx.div_ceil(PARTITION);
+    if scratch.parts.len() < n_parts * tl {
+        scratch.parts.resize(n_parts * tl, 0.0);
+    }
+    let parts = &mut scratch.parts[..n_parts * tl];
+    let bounds = |j: usize| (j * PARTITION, ((j + 1) * PARTITION).min(n_ctx));
+    if split && n_parts > 1 {
+        parts.par_chunks_mut(tl).enumerate().for_each_init(
+            || TaskScratch::new(group),
+            |task, (j, o)| {
+                let (p0, p1) = bounds(j);
+                partition(kv, table, kv_head, p0, p1, q, scale, task, o);
+            },
+        );
+    } else {
+        for (j, o) in parts.chunks_mut(tl).enumerate() {
+            let (p0, p1) = bounds(j);
+            partition(kv, table, kv_head, p0, p1, q, scale, &mut scratch.task, o);
+        }
+    }
+    let parts = &scratch.parts[..n_parts * tl];
+    combine(
+        |j| &parts[j * tl..(j + 1) * tl],
+        n_parts,
+        group,
+        kv.head_dim,
+        out,
+    );
+}
+
 /// One partition task: the query heads `q` (`[group][head_dim]`, those of KV head `kv_head`)
 /// against positions `p0..p1` (`p1 - p0 <= PARTITION`, `p0` a multiple of it) of the sequence
 /// whose pages are `table`; writes `[m, l, o]` per query head into `out`
@@ -176,24 +249,36 @@ fn partition_portable(
     }
 }
 
-/// Combines one token's partition results for one KV head: `parts` holds `n_parts` task
-/// outputs ([`task_len`] each, partitions ascending); writes `[group][head_dim]` into `out`.
-pub(crate) fn combine(parts: &[f32], n_parts: usize, group: usize, hd: usize, out: &mut [f32]) {
+/// Combines one token's partition results for one KV head: `part(j)` is partition `j`'s task
+/// output ([`task_len`] values) for `j` in `0..n_parts`; writes `[group][head_dim]` into
+/// `out`.
+pub(crate) fn combine<'a>(
+    part: impl Fn(usize) -> &'a [f32],
+    n_parts: usize,
+    group: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if crate::vmath::avx2::available() {
         // SAFETY: AVX2 and FMA are available (checked just above).
-        unsafe { avx2::combine(parts, n_parts, group, hd, out) };
+        unsafe { avx2::combine(part, n_parts, group, hd, out) };
         return;
     }
-    combine_portable(parts, n_parts, group, hd, out);
+    combine_portable(part, n_parts, group, hd, out);
 }
 
 /// [`combine`]'s reference loop (compiled with FMA instructions inside [`avx2::combine`]).
 #[inline(always)]
-fn combine_portable(parts: &[f32], n_parts: usize, group: usize, hd: usize, out: &mut [f32]) {
-    let tl = task_len(group, hd);
+fn combine_portable<'a>(
+    part: impl Fn(usize) -> &'a [f32],
+    n_parts: usize,
+    group: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
     for h in 0..group {
-        let part = |j: usize| &parts[j * tl + h * (hd + 2)..j * tl + (h + 1) * (hd + 2)];
+        let part = |j: usize| &part(j)[h * (hd + 2)..(h + 1) * (hd + 2)];
         let big_m = (0..n_parts).fold(f32::NEG_INFINITY, |a, j| a.max(part(j)[0]));
         let o = &mut out[h * hd..(h + 1) * hd];
         o.fill(0.0);
@@ -368,14 +453,14 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn combine(
-        parts: &[f32],
+    pub(super) unsafe fn combine<'a>(
+        part: impl Fn(usize) -> &'a [f32],
         n_parts: usize,
         group: usize,
         hd: usize,
         out: &mut [f32],
     ) {
-        super::combine_portable(parts, n_parts, group, hd, out);
+        super::combine_portable(part, n_parts, group, hd, out);
     }
 }
 
@@ -397,7 +482,7 @@ mod tests {
     /// Attention of one token (positions `0..n_ctx`, all partitions, combined) for KV head
     /// `g`, through `partition` (or the portable body when `portable`) and `combine`.
     #[allow(clippy::too_many_arguments)]
-    fn attend(
+    fn attend_parts(
         kv: KvLayer,
         table: &[u32],
         g: usize,
@@ -433,10 +518,11 @@ mod tests {
             }
         }
         let mut out = vec![f32::NAN; group * hd];
+        let part = |j: usize| &parts[j * tl..(j + 1) * tl];
         if portable {
-            combine_portable(&parts, n_parts, group, hd, &mut out);
+            combine_portable(part, n_parts, group, hd, &mut out);
         } else {
-            combine(&parts, n_parts, group, hd, &mut out);
+            combine(part, n_parts, group, hd, &mut out);
         }
         out
     }
@@ -448,6 +534,10 @@ mod tests {
     #[test]
     fn partitions_combine_to_softmax_attention_with_the_reference_bits() {
         let mut s = 0xfeed_beefu64;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         for &(hd, kvh, group) in &[
             (64usize, 2usize, 3usize),
             (8, 4, 2),
@@ -473,10 +563,29 @@ mod tests {
                     let q: Vec<f32> = rnd(group * hd, &mut s).iter().map(|x| x * 8.0).collect();
                     let scale = (hd as f64).powf(-0.5) as f32;
                     for g in 0..kvh {
-                        let fast = attend(kv, &table, g, n_ctx, &q, scale, false);
-                        let reference = attend(kv, &table, g, n_ctx, &q, scale, true);
+                        let fast = attend_parts(kv, &table, g, n_ctx, &q, scale, false);
+                        let reference = attend_parts(kv, &table, g, n_ctx, &q, scale, true);
                         let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                         assert_eq!(bits(&fast), bits(&reference), "hd={hd} bs={bs} n={n_ctx}");
+                        // `attend`, its partitions split over a pool of three or not.
+                        for split in [false, true] {
+                            let mut out = vec![f32::NAN; group * hd];
+                            let mut scratch = JobScratch::new(group);
+                            pool.install(|| {
+                                attend(
+                                    kv,
+                                    &table,
+                                    g,
+                                    n_ctx,
+                                    &q,
+                                    scale,
+                                    split,
+                                    &mut scratch,
+                                    &mut out,
+                                )
+                            });
+                            assert_eq!(bits(&out), bits(&fast), "split={split} n={n_ctx}");
+                        }
                         // f64 softmax attention.
                         let row =
                             |p: usize| (table[p / bs] as usize * bs + p % bs) * stride + g * hd;

@@ -240,12 +240,6 @@ struct Scratch {
     logits: Vec<f32>,
     /// Per token of the batch: (row index, positions attended).
     tok_ctx: Vec<(usize, usize)>,
-    /// Attention tasks: (token, KV head, partition), by token, then KV head, then partition.
-    attn_tasks: Vec<(u32, u32, u32)>,
-    /// Per token: the index of its first attention task.
-    attn_first_task: Vec<usize>,
-    /// The attention tasks' outputs, `attention::task_len` values each.
-    attn_parts: Vec<f32>,
 }
 
 /// Attention multiply-adds (`Σ positions x query width` over the step's tokens) below which
@@ -734,27 +728,13 @@ impl CpuModel {
         resize(&mut s.act, t * im);
         resize(&mut s.cos, t * half);
         resize(&mut s.sin, t * half);
-        // Per token: its row and the number of positions it attends to; its attention tasks
-        // (KV head, partition), the first at `attn_first_task[token]`.
+        // Per token: its row and the number of positions it attends to.
         s.tok_ctx.clear();
         for (r, row) in rows.iter().enumerate() {
             s.tok_ctx
                 .extend((0..row.tokens.len()).map(|j| (r, row.start_pos + j + 1)));
         }
-        s.attn_tasks.clear();
-        s.attn_first_task.clear();
-        let mut attn_macs = 0usize;
-        for (i, &(_, n_ctx)) in s.tok_ctx.iter().enumerate() {
-            s.attn_first_task.push(s.attn_tasks.len());
-            attn_macs += n_ctx * q_w;
-            for g in 0..kvh {
-                for j in 0..n_ctx.div_ceil(attention::PARTITION) {
-                    s.attn_tasks.push((i as u32, g as u32, j as u32));
-                }
-            }
-        }
-        let task_len = attention::task_len(group, hd);
-        resize(&mut s.attn_parts, s.attn_tasks.len() * task_len);
+        let attn_macs: usize = s.tok_ctx.iter().map(|&(_, n_ctx)| n_ctx * q_w).sum();
         // Forking costs a few µs: a small step's attention runs on this thread (same bits).
         let parallel_attention = attn_macs >= ATTN_PAR_MIN_MACS;
 
@@ -835,9 +815,9 @@ impl CpuModel {
                 }
             }
 
-            // Causal GQA attention (`crate::attention`): tasks of (token, KV head, softmax
-            // partition), then each token's partitions combined; bits independent of the
-            // batch and the threads.
+            // Causal GQA attention (`crate::attention`): a job per (token, KV head), its
+            // softmax partitions split over the threads too when the step has few jobs (a
+            // small decode batch); bits independent of the batch and the threads.
             {
                 let kvl = attention::KvLayer {
                     k: &kv.k,
@@ -847,59 +827,35 @@ impl CpuModel {
                     stride: kv_w,
                     head_dim: hd,
                 };
-                let (qkv, ctx, tasks) = (&s.qkv, &s.tok_ctx, &s.attn_tasks);
-                let run = |scratch: &mut attention::TaskScratch,
-                           (task, out): (usize, &mut [f32])| {
-                    let (i, g, j) = tasks[task];
-                    let (i, g, j) = (i as usize, g as usize, j as usize);
+                let (qkv, ctx) = (&s.qkv, &s.tok_ctx);
+                let job_len = group * hd;
+                let split = parallel_attention && t * kvh < 2 * rayon::current_num_threads();
+                let run = |scratch: &mut attention::JobScratch, (job, out): (usize, &mut [f32])| {
+                    let (i, g) = (job / kvh, job % kvh);
                     let (r, n_ctx) = ctx[i];
-                    let p0 = j * attention::PARTITION;
-                    let q0 = i * qkv_w + g * group * hd;
-                    attention::partition(
+                    let q0 = i * qkv_w + g * job_len;
+                    attention::attend(
                         kvl,
                         rows[r].block_table,
                         g,
-                        p0,
-                        (p0 + attention::PARTITION).min(n_ctx),
-                        &qkv[q0..q0 + group * hd],
+                        n_ctx,
+                        &qkv[q0..q0 + job_len],
                         scale,
+                        split,
                         scratch,
                         out,
                     );
                 };
-                let parts = &mut s.attn_parts[..tasks.len() * task_len];
+                let attn = &mut s.attn[..t * q_w];
                 if parallel_attention {
-                    parts
-                        .par_chunks_mut(task_len)
+                    attn.par_chunks_mut(job_len)
                         .enumerate()
-                        .for_each_init(|| attention::TaskScratch::new(group), run);
+                        .for_each_init(|| attention::JobScratch::new(group), run);
                 } else {
-                    let mut scratch = attention::TaskScratch::new(group);
-                    for job in parts.chunks_mut(task_len).enumerate() {
+                    let mut scratch = attention::JobScratch::new(group);
+                    for job in attn.chunks_mut(job_len).enumerate() {
                         run(&mut scratch, job);
                     }
-                }
-                let (parts, first) = (&s.attn_parts, &s.attn_first_task);
-                let join = |(i, out): (usize, &mut [f32])| {
-                    let n_parts = ctx[i].1.div_ceil(attention::PARTITION);
-                    for g in 0..kvh {
-                        let t0 = (first[i] + g * n_parts) * task_len;
-                        attention::combine(
-                            &parts[t0..t0 + n_parts * task_len],
-                            n_parts,
-                            group,
-                            hd,
-                            &mut out[g * group * hd..(g + 1) * group * hd],
-                        );
-                    }
-                };
-                if parallel_attention {
-                    s.attn[..t * q_w]
-                        .par_chunks_mut(q_w)
-                        .enumerate()
-                        .for_each(join);
-                } else {
-                    s.attn[..t * q_w].chunks_mut(q_w).enumerate().for_each(join);
                 }
             }
             layer.o.apply(&s.attn, t, &mut s.tmp);
