@@ -57,6 +57,7 @@ pub(crate) fn task_len(group: usize, head_dim: usize) -> usize {
 }
 
 /// The reference sum of `e` (see the module documentation).
+#[inline(always)]
 pub(crate) fn sum_order(e: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     for c in e.chunks(8) {
@@ -203,7 +204,7 @@ pub(crate) fn partition(
         scratch.scores.resize(group * PARTITION, 0.0);
     }
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && crate::vmath::avx2::available() {
+    if crate::vmath::avx2::available() {
         // SAFETY: AVX2 and FMA are available (checked just above); every row offset plus
         // head_dim is inside k and v (asserted above), q holds group * head_dim values, the
         // scores group * PARTITION, out task_len(group, hd).
@@ -300,11 +301,16 @@ fn combine_portable<'a>(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    //! The partition task with AVX2 + FMA, for `head_dim` a multiple of 8.
+    //! The partition task with AVX2 + FMA (a head dim's last partial group of eight read
+    //! and written through lane masks).
 
     use super::{KvLayer, PARTITION};
     use crate::vmath::avx2::exp8;
     use std::arch::x86_64::*;
+
+    /// `TAIL_MASKS[8 - r..16 - r]` sets the first `r` lanes, `r` in `1..8` (for `r` = 0 no
+    /// tail is read).
+    static TAIL_MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
     /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` of each of 8 accumulators, as
     /// `[f(a[0]), .., f(a[7])]` (the lane combine of `dot_order`, eight at a time).
@@ -343,7 +349,7 @@ mod avx2 {
     /// As [`super::partition_portable`].
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `head_dim` is a multiple of 8; every `rows[i] + head_dim`
+    /// The CPU has AVX2 and FMA; every `rows[i] + head_dim`
     /// is inside `kv.k` and `kv.v`; `q` holds `group * head_dim` values, `scores` `group *
     /// PARTITION`, `out` `group * (head_dim + 2)`; `rows.len() <= PARTITION`.
     #[allow(clippy::needless_range_loop)]
@@ -361,6 +367,19 @@ mod avx2 {
         let n = rows.len();
         let n8 = n / 8 * 8;
         let (kp, vp, qp) = (kv.k.as_ptr(), kv.v.as_ptr(), q.as_ptr());
+        // A head dim's last partial group of eight is read with a lane mask: the masked lanes
+        // read nothing and give +0, as dot_order's zero padding.
+        // SAFETY: 8 - hd % 8 + 8 <= 16 values of TAIL_MASKS.
+        let tail = unsafe { _mm256_loadu_si256(TAIL_MASKS.as_ptr().add(8 - hd % 8).cast()) };
+        // Eight values of a row at offset d < hd (masked past hd).
+        // SAFETY (callers): p points to a row of at least hd values.
+        let ld = |p: *const f32, d: usize| unsafe {
+            if d + 8 <= hd {
+                _mm256_loadu_ps(p.add(d))
+            } else {
+                _mm256_maskload_ps(p.add(d), tail)
+            }
+        };
         let sc = scores.as_mut_ptr();
         let scale8 = _mm256_set1_ps(scale);
         // Scores, eight positions at a time: their K rows stay in L1 across the group's heads.
@@ -370,11 +389,11 @@ mod avx2 {
                 let mut acc = [_mm256_setzero_ps(); 8];
                 let mut d = 0;
                 while d < hd {
-                    // SAFETY: d + 8 <= hd: inside q's head h and inside each position's row.
+                    // SAFETY: q's head h and each position's K row hold hd values.
                     unsafe {
-                        let qv = _mm256_loadu_ps(qp.add(h * hd + d));
+                        let qv = ld(qp.add(h * hd), d);
                         for a in 0..8 {
-                            let kv8 = _mm256_loadu_ps(kp.add(rows[i + a] + d));
+                            let kv8 = ld(kp.add(rows[i + a]), d);
                             acc[a] = _mm256_fmadd_ps(qv, kv8, acc[a]);
                         }
                     }
@@ -393,8 +412,8 @@ mod avx2 {
                 while d < hd {
                     // SAFETY: as above.
                     unsafe {
-                        let qv = _mm256_loadu_ps(qp.add(h * hd + d));
-                        acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(rows[i] + d)), acc);
+                        let qv = ld(qp.add(h * hd), d);
+                        acc = _mm256_fmadd_ps(qv, ld(kp.add(rows[i]), d), acc);
                     }
                     d += 8;
                 }
@@ -429,19 +448,26 @@ mod avx2 {
             // chains).
             let mut d = 0;
             while d < hd {
-                let w = ((hd - d) / 8).min(8);
+                let w = (hd - d).div_ceil(8).min(8);
                 let mut acc = [_mm256_setzero_ps(); 8];
                 for (p, &r) in rows.iter().enumerate() {
                     let e = _mm256_set1_ps(s[p]);
                     for (c, a) in acc.iter_mut().enumerate().take(w) {
-                        // SAFETY: d + 8 * c + 8 <= hd, inside position p's V row.
-                        let v = unsafe { _mm256_loadu_ps(vp.add(r + d + 8 * c)) };
+                        // SAFETY: position p's V row holds hd values; d + 8 * c < hd.
+                        let v = unsafe { ld(vp.add(r), d + 8 * c) };
                         *a = _mm256_fmadd_ps(e, v, *a);
                     }
                 }
                 for (c, a) in acc.iter().enumerate().take(w) {
-                    // SAFETY: d + 8 * c + 8 <= hd, inside o.
-                    unsafe { _mm256_storeu_ps(op.add(d + 8 * c), *a) };
+                    let dc = d + 8 * c;
+                    // SAFETY: o holds hd values and dc < hd; the masked store writes dc..hd.
+                    unsafe {
+                        if dc + 8 <= hd {
+                            _mm256_storeu_ps(op.add(dc), *a)
+                        } else {
+                            _mm256_maskstore_ps(op.add(dc), tail, *a)
+                        }
+                    }
                 }
                 d += 8 * w;
             }
@@ -528,7 +554,7 @@ mod tests {
     }
 
     /// The result is softmax attention (against an f64 computation), and the vector path
-    /// gives the portable reference's bits, for head dims with and without a vector path,
+    /// gives the portable reference's bits, for head dims with and without a partial group of 8,
     /// contexts within one partition and across several with partial groups of eight, block
     /// sizes 1, 16 and 7, and groups of 1 to 5 query heads per KV head.
     #[test]
@@ -543,6 +569,7 @@ mod tests {
             (8, 4, 2),
             (128, 1, 5),
             (12, 2, 1),
+            (20, 1, 2),
         ] {
             for &bs in &[16usize, 1, 7] {
                 for &n_ctx in &[1usize, 5, 8, 255, 256, 257, 600, 1030] {
