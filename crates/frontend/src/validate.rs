@@ -884,7 +884,16 @@ pub fn parse_gen(
                     format!("'{name}' must be at least 1{with_echo}, got {v}."),
                 ));
             }
-            Some(v) => (name, Some(u32::try_from(v).unwrap_or(u32::MAX))),
+            Some(v) => match u32::try_from(v) {
+                Ok(v) => (name, Some(v)),
+                // No model's context is this long; say the number sent, not a clamped one.
+                Err(_) => {
+                    return Err(ApiError::field(
+                        name,
+                        format!("'{name}' must be at most {}, got {v}.", u32::MAX),
+                    ))
+                }
+            },
         }
     };
     let temperature = f
@@ -2788,7 +2797,14 @@ mod tests {
         assert!(e.message.contains("2050 sequences"), "{}", e.message);
         assert_eq!(
             err(r#"{"prompt":"a","max_tokens":-1}"#).param.as_deref(),
-            Some("max_tokens")
+            Some("max_tokens"),
+        );
+        let huge = err(r#"{"prompt":"a","max_tokens":1000000000000}"#);
+        assert_eq!(huge.param.as_deref(), Some("max_tokens"));
+        assert!(
+            huge.message.contains("got 1000000000000"),
+            "{}",
+            huge.message
         );
         assert_eq!(
             err(r#"{"prompt":"a","temperature":"hot"}"#)
