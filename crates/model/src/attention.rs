@@ -305,6 +305,7 @@ mod avx2 {
     //! and written through lane masks).
 
     use super::{KvLayer, PARTITION};
+    use crate::linear::avx2::hsum;
     use crate::vmath::avx2::exp8;
     use std::arch::x86_64::*;
 
@@ -335,15 +336,6 @@ mod avx2 {
         let (r01, r23) = (t(s04, s15), t(s26, s37));
         // (s0 + s2) + (s1 + s3): [a0, a1, a2, a3 | a4, a5, a6, a7].
         _mm256_hadd_ps(r01, r23)
-    }
-
-    /// One lane of [`hsum8`] (a single accumulator).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum1(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let p = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)))
     }
 
     /// As [`super::partition_portable`].
@@ -418,7 +410,7 @@ mod avx2 {
                     d += 8;
                 }
                 // SAFETY: inside head h's scores.
-                unsafe { *sc.add(h * PARTITION + i) = hsum1(acc) * scale };
+                unsafe { *sc.add(h * PARTITION + i) = hsum(acc) * scale };
             }
         }
         let n_pad = n.div_ceil(8) * 8;
@@ -439,7 +431,7 @@ mod avx2 {
                     lanes = _mm256_add_ps(lanes, e);
                 }
             }
-            let l = hsum1(lanes);
+            let l = hsum(lanes);
             let o = &mut out[h * (hd + 2)..(h + 1) * (hd + 2)];
             o[0] = m;
             o[1] = l;
@@ -493,17 +485,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *s ^= *s << 13;
-                *s ^= *s >> 7;
-                *s ^= *s << 17;
-                ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::linear::rnd;
 
     /// Attention of one token (positions `0..n_ctx`, all partitions, combined) for KV head
     /// `g`, through `partition` (or the portable body when `portable`) and `combine`.

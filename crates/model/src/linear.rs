@@ -316,7 +316,7 @@ unsafe fn portable_block<const E: u8>(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     //! The AVX2 + FMA block kernel: register tiles of `R` rows by `C` columns, each output one
     //! 8-lane accumulator in [`super::dot_order`]'s order; weights of element type `E`
     //! widened as they are loaded (F16C for f16).
@@ -514,10 +514,11 @@ mod avx2 {
         }
     }
 
-    /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`, as `super::combine`.
+    /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`, as `super::combine` (also the
+    /// attention's lane combine).
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         // (s0 + s2, s1 + s3, ..)
         let p = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -526,20 +527,22 @@ mod avx2 {
     }
 }
 
+/// `n` values in `[-0.5, 0.5)` from an xorshift state `s` (the kernels' tests).
+#[cfg(test)]
+pub(crate) fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *s ^= *s << 13;
+            *s ^= *s >> 7;
+            *s ^= *s << 17;
+            ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *s ^= *s << 13;
-                *s ^= *s >> 7;
-                *s ^= *s << 17;
-                ((*s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
 
     /// Every element of a `t`-row linear equals [`dot_order`] of its row and (widened)
     /// column, bit for bit, for every `t` (all register-tile shapes and their remainders), for
