@@ -460,14 +460,10 @@ impl CpuModel {
         } else {
             (None, embed)
         };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let tensors = layer_tensor_shapes(&cfg, i)
-                .into_iter()
-                .map(|(n, s)| src.load_f32(&n, &s))
-                .collect::<Result<Vec<_>, _>>()?;
-            layers.push(Layer::new(LayerWeights::from_ordered(&cfg, tensors)));
-        }
+        // Each layer's f32 tensors are dropped once the layer is built.
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| LayerWeights::load(&cfg, src, i).map(Layer::new))
+            .collect::<Result<Vec<_>, _>>()?;
         let norm = src.load_f32("model.norm.weight", &[h])?;
         Self::assemble(cfg, embed, layers, norm.data, lm_head)
     }

@@ -731,8 +731,25 @@ fn split_layer<T>(
 }
 
 impl LayerWeights {
+    /// Layer `i`'s tensors from `src`, converted to f32 and checked against
+    /// [`layer_tensor_shapes`].
+    ///
+    /// # Errors
+    /// As [`WeightSource::load_f32`] (missing, misshapen or unsupported tensors).
+    pub(crate) fn load(
+        cfg: &ModelConfig,
+        src: &WeightSource,
+        i: usize,
+    ) -> Result<Self, ModelError> {
+        let tensors = layer_tensor_shapes(cfg, i)
+            .into_iter()
+            .map(|(n, s)| src.load_f32(&n, &s))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::from_ordered(cfg, tensors))
+    }
+
     /// The layer from its tensors in [`layer_tensor_shapes`] order.
-    pub(crate) fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
+    fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
         let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) = split_layer(cfg, tensors);
         LayerWeights {
             input_layernorm: ln1,
@@ -769,14 +786,9 @@ impl LlamaWeights {
         let h = cfg.hidden_size;
         let v = cfg.vocab_size;
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let tensors = layer_tensor_shapes(cfg, i)
-                .into_iter()
-                .map(|(n, s)| src.load_f32(&n, &s))
-                .collect::<Result<Vec<_>, _>>()?;
-            layers.push(LayerWeights::from_ordered(cfg, tensors));
-        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| LayerWeights::load(cfg, src, i))
+            .collect::<Result<Vec<_>, _>>()?;
         let norm = src.load_f32("model.norm.weight", &[h])?;
         let lm_head = match src.lm_head_name(cfg)? {
             "lm_head.weight" => src.load_f32("lm_head.weight", &[v, h])?,
