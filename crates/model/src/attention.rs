@@ -24,23 +24,82 @@
 //! Partitions are fixed by position, so a long context splits into independent tasks (the
 //! parallelism a batch-of-one decode step needs: tasks are (token, KV head, partition)), and
 //! the bits stay the same whichever thread runs a task.
+//!
+//! K and V are stored as [`KvElem`]s (f32, bf16 or f16: vLLM's `--kv-cache-dtype`); every
+//! read widens them to f32 exactly, so a 16-bit cache changes only the values stored (rounded
+//! to nearest-even once, when written), never the order of the arithmetic above.
 
 use crate::linear::dot_order;
 use crate::vmath::exp_order;
+use crate::weights::DType;
+
+/// An element type of the KV cache: f32, bf16 or f16. Widening to f32 is exact; narrowing
+/// rounds to nearest, ties to even (`half`'s conversions, as PyTorch's `.to(dtype)`).
+pub(crate) trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// The dtype this type stores.
+    const DTYPE: DType;
+    /// The exact f32 value.
+    fn to_f32(self) -> f32;
+    /// The nearest value (ties to even; overflow gives infinity, NaN stays NaN).
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvElem for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl KvElem for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+
+impl KvElem for half::f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+/// Whether this CPU runs the vector partition kernel (AVX2, FMA and F16C; every AVX2 CPU
+/// has F16C).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn vector_path() -> bool {
+    crate::vmath::avx2::available() && std::arch::is_x86_feature_detected!("f16c")
+}
 
 /// Positions per softmax partition (a multiple of 8).
 pub(crate) const PARTITION: usize = 256;
 
 /// Where one layer's K and V rows are: `k` and `v` are the whole cache (`[layer][page][slot]
-/// [kv_head][head_dim]` f32); position `p` of a sequence with block table `table` is at
+/// [kv_head][head_dim]` of `E`); position `p` of a sequence with block table `table` is at
 /// `layer_off + (table[p / block_size] * block_size + p % block_size) * stride`, plus
 /// `kv_head * head_dim`.
-#[derive(Clone, Copy)]
-pub(crate) struct KvLayer<'a> {
+pub(crate) struct KvLayer<'a, E> {
     /// The whole K cache.
-    pub k: &'a [f32],
+    pub k: &'a [E],
     /// The whole V cache (same layout).
-    pub v: &'a [f32],
+    pub v: &'a [E],
     /// Offset of the layer's page 0, slot 0.
     pub layer_off: usize,
     /// Tokens per page.
@@ -50,6 +109,14 @@ pub(crate) struct KvLayer<'a> {
     /// Values per head.
     pub head_dim: usize,
 }
+
+impl<E> Clone for KvLayer<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for KvLayer<'_, E> {}
 
 /// Values one task writes: per query head of the group, `[m, l, o[0..head_dim]]`.
 pub(crate) fn task_len(group: usize, head_dim: usize) -> usize {
@@ -74,11 +141,12 @@ pub(crate) fn sum_order(e: &[f32]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// Per-thread scratch of a partition task: the scores `[group][PARTITION]` and the
-/// positions' row offsets.
+/// Per-thread scratch of a partition task: the scores `[group][PARTITION]`, the
+/// positions' row offsets and one widened row (the portable path over a 16-bit cache).
 pub(crate) struct TaskScratch {
     scores: Vec<f32>,
     rows: Vec<usize>,
+    row: Vec<f32>,
 }
 
 impl TaskScratch {
@@ -87,6 +155,7 @@ impl TaskScratch {
         TaskScratch {
             scores: vec![0.0; group * PARTITION],
             rows: Vec::with_capacity(PARTITION),
+            row: Vec::new(),
         }
     }
 }
@@ -120,8 +189,8 @@ impl JobScratch {
 /// # Panics
 /// As [`partition`]; `n_ctx` is at least 1.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attend(
-    kv: KvLayer,
+pub(crate) fn attend<E: KvElem>(
+    kv: KvLayer<E>,
     table: &[u32],
     kv_head: usize,
     n_ctx: usize,
@@ -173,8 +242,8 @@ pub(crate) fn attend(
 /// If a position's row is outside the cache or `out`/`q` are too short (a caller bug: the
 /// forward pass validates block tables first).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn partition(
-    kv: KvLayer,
+pub(crate) fn partition<E: KvElem>(
+    kv: KvLayer<E>,
     table: &[u32],
     kv_head: usize,
     p0: usize,
@@ -204,33 +273,44 @@ pub(crate) fn partition(
         scratch.scores.resize(group * PARTITION, 0.0);
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::vmath::avx2::available() {
-        // SAFETY: AVX2 and FMA are available (checked just above); every row offset plus
-        // head_dim is inside k and v (asserted above), q holds group * head_dim values, the
-        // scores group * PARTITION, out task_len(group, hd).
+    if vector_path() {
+        // SAFETY: AVX2, FMA and F16C are available (checked just above); every row offset
+        // plus head_dim is inside k and v (asserted above), q holds group * head_dim values,
+        // the scores group * PARTITION, out task_len(group, hd).
         unsafe { avx2::partition(kv, &scratch.rows, q, group, scale, &mut scratch.scores, out) };
         return;
     }
-    partition_portable(kv, &scratch.rows, q, group, scale, &mut scratch.scores, out);
+    let TaskScratch { scores, rows, row } = scratch;
+    partition_portable(kv, rows, q, group, scale, scores, row, out);
 }
 
-/// [`partition`]'s reference computation over the row offsets `rows`.
-fn partition_portable(
-    kv: KvLayer,
+/// [`partition`]'s reference computation over the row offsets `rows` (`row`: scratch for one
+/// widened row).
+#[allow(clippy::too_many_arguments)]
+fn partition_portable<E: KvElem>(
+    kv: KvLayer<E>,
     rows: &[usize],
     q: &[f32],
     group: usize,
     scale: f32,
     scores: &mut [f32],
+    row: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let hd = kv.head_dim;
     let n = rows.len();
+    row.resize(hd, 0.0);
+    let widen = |x: &[E], row: &mut [f32]| {
+        for (w, &e) in row.iter_mut().zip(x) {
+            *w = e.to_f32();
+        }
+    };
     for h in 0..group {
         let qh = &q[h * hd..(h + 1) * hd];
         let s = &mut scores[h * PARTITION..h * PARTITION + n];
         for (x, &r) in s.iter_mut().zip(rows) {
-            *x = dot_order(qh, &kv.k[r..r + hd]) * scale;
+            widen(&kv.k[r..r + hd], row);
+            *x = dot_order(qh, row) * scale;
         }
         let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
         for x in s.iter_mut() {
@@ -244,7 +324,7 @@ fn partition_portable(
         o.fill(0.0);
         for (&e, &r) in s.iter().zip(rows) {
             for (a, &v) in o.iter_mut().zip(&kv.v[r..r + hd]) {
-                *a = e.mul_add(v, *a);
+                *a = e.mul_add(v.to_f32(), *a);
             }
         }
     }
@@ -261,7 +341,7 @@ pub(crate) fn combine<'a>(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::vmath::avx2::available() {
+    if vector_path() {
         // SAFETY: AVX2 and FMA are available (checked just above).
         unsafe { avx2::combine(part, n_parts, group, hd, out) };
         return;
@@ -304,9 +384,10 @@ mod avx2 {
     //! The partition task with AVX2 + FMA (a head dim's last partial group of eight read
     //! and written through lane masks).
 
-    use super::{KvLayer, PARTITION};
+    use super::{KvElem, KvLayer, PARTITION};
     use crate::linear::avx2::hsum;
     use crate::vmath::avx2::exp8;
+    use crate::weights::DType;
     use std::arch::x86_64::*;
 
     /// `TAIL_MASKS[8 - r..16 - r]` sets the first `r` lanes, `r` in `1..8` (for `r` = 0 no
@@ -338,16 +419,17 @@ mod avx2 {
         _mm256_hadd_ps(r01, r23)
     }
 
-    /// As [`super::partition_portable`].
+    /// As [`super::partition_portable`]. A 16-bit K or V row is widened in registers (bf16:
+    /// a 16-bit shift; f16: F16C's `vcvtph2ps`), exactly as `KvElem::to_f32`.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; every `rows[i] + head_dim`
+    /// The CPU has AVX2, FMA and F16C; every `rows[i] + head_dim`
     /// is inside `kv.k` and `kv.v`; `q` holds `group * head_dim` values, `scores` `group *
     /// PARTITION`, `out` `group * (head_dim + 2)`; `rows.len() <= PARTITION`.
     #[allow(clippy::needless_range_loop)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn partition(
-        kv: KvLayer,
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn partition<E: KvElem>(
+        kv: KvLayer<E>,
         rows: &[usize],
         q: &[f32],
         group: usize,
@@ -372,6 +454,28 @@ mod avx2 {
                 _mm256_maskload_ps(p.add(d), tail)
             }
         };
+        // The same for a K or V row of E (E::DTYPE is a constant: one arm is compiled). A
+        // 16-bit tail is copied into zeros, which widen to +0 as the masked lanes do.
+        // SAFETY (callers): p points to a row of at least hd values.
+        let ld_kv = |p: *const E, d: usize| unsafe {
+            let half8 = || {
+                let p = p.add(d).cast::<u16>();
+                if d + 8 <= hd {
+                    _mm_loadu_si128(p.cast())
+                } else {
+                    let mut t = [0u16; 8];
+                    std::ptr::copy_nonoverlapping(p, t.as_mut_ptr(), hd - d);
+                    _mm_loadu_si128(t.as_ptr().cast())
+                }
+            };
+            match E::DTYPE {
+                DType::F32 => ld(p.cast::<f32>(), d),
+                DType::BF16 => {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half8())))
+                }
+                DType::F16 => _mm256_cvtph_ps(half8()),
+            }
+        };
         let sc = scores.as_mut_ptr();
         let scale8 = _mm256_set1_ps(scale);
         // Scores, eight positions at a time: their K rows stay in L1 across the group's heads.
@@ -385,7 +489,7 @@ mod avx2 {
                     unsafe {
                         let qv = ld(qp.add(h * hd), d);
                         for a in 0..8 {
-                            let kv8 = ld(kp.add(rows[i + a]), d);
+                            let kv8 = ld_kv(kp.add(rows[i + a]), d);
                             acc[a] = _mm256_fmadd_ps(qv, kv8, acc[a]);
                         }
                     }
@@ -405,7 +509,7 @@ mod avx2 {
                     // SAFETY: as above.
                     unsafe {
                         let qv = ld(qp.add(h * hd), d);
-                        acc = _mm256_fmadd_ps(qv, ld(kp.add(rows[i]), d), acc);
+                        acc = _mm256_fmadd_ps(qv, ld_kv(kp.add(rows[i]), d), acc);
                     }
                     d += 8;
                 }
@@ -446,7 +550,7 @@ mod avx2 {
                     let e = _mm256_set1_ps(s[p]);
                     for (c, a) in acc.iter_mut().enumerate().take(w) {
                         // SAFETY: position p's V row holds hd values; d + 8 * c < hd.
-                        let v = unsafe { ld(vp.add(r), d + 8 * c) };
+                        let v = unsafe { ld_kv(vp.add(r), d + 8 * c) };
                         *a = _mm256_fmadd_ps(e, v, *a);
                     }
                 }
@@ -490,8 +594,8 @@ mod tests {
     /// Attention of one token (positions `0..n_ctx`, all partitions, combined) for KV head
     /// `g`, through `partition` (or the portable body when `portable`) and `combine`.
     #[allow(clippy::too_many_arguments)]
-    fn attend_parts(
-        kv: KvLayer,
+    fn attend_parts<E: KvElem>(
+        kv: KvLayer<E>,
         table: &[u32],
         g: usize,
         n_ctx: usize,
@@ -520,7 +624,8 @@ mod tests {
                     );
                 }
                 let rows = scratch.rows.clone();
-                partition_portable(kv, &rows, q, group, scale, &mut scratch.scores, out);
+                let (scores, row) = (&mut scratch.scores, &mut scratch.row);
+                partition_portable(kv, &rows, q, group, scale, scores, row, out);
             } else {
                 partition(kv, table, g, p0, p1, q, scale, &mut scratch, out);
             }
@@ -535,10 +640,81 @@ mod tests {
         out
     }
 
+    /// One case of the test below over a cache of `E`: the vector path's bits equal the
+    /// portable reference's, `attend` (split or not) gives the same bits, and the result is
+    /// softmax attention over the stored (widened) K and V against an f64 computation.
+    #[allow(clippy::too_many_arguments)]
+    fn check_case<E: KvElem>(
+        k: &[f32],
+        v: &[f32],
+        table: &[u32],
+        (hd, kvh, bs): (usize, usize, usize),
+        n_ctx: usize,
+        q: &[f32],
+        pool: &rayon::ThreadPool,
+    ) {
+        let group = q.len() / hd;
+        let stride = kvh * hd;
+        let k: Vec<E> = k.iter().map(|&x| E::from_f32(x)).collect();
+        let v: Vec<E> = v.iter().map(|&x| E::from_f32(x)).collect();
+        let kv = KvLayer {
+            k: &k,
+            v: &v,
+            layer_off: 0,
+            block_size: bs,
+            stride,
+            head_dim: hd,
+        };
+        let scale = (hd as f64).powf(-0.5) as f32;
+        let what = format!("{:?} hd={hd} bs={bs} n={n_ctx}", E::DTYPE);
+        for g in 0..kvh {
+            let fast = attend_parts(kv, table, g, n_ctx, q, scale, false);
+            let reference = attend_parts(kv, table, g, n_ctx, q, scale, true);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&reference), "{what}");
+            // `attend`, its partitions split over a pool of three or not.
+            for split in [false, true] {
+                let mut out = vec![f32::NAN; group * hd];
+                let mut scratch = JobScratch::new(group);
+                pool.install(|| {
+                    attend(kv, table, g, n_ctx, q, scale, split, &mut scratch, &mut out)
+                });
+                assert_eq!(bits(&out), bits(&fast), "split={split} {what}");
+            }
+            // f64 softmax attention over the stored values.
+            let row = |p: usize| (table[p / bs] as usize * bs + p % bs) * stride + g * hd;
+            let (kf, vf) = (
+                |i: usize| k[i].to_f32() as f64,
+                |i: usize| v[i].to_f32() as f64,
+            );
+            for h in 0..group {
+                let qh = &q[h * hd..(h + 1) * hd];
+                let sc: Vec<f64> = (0..n_ctx)
+                    .map(|p| {
+                        let r = row(p);
+                        (0..hd).map(|d| qh[d] as f64 * kf(r + d)).sum::<f64>() * scale as f64
+                    })
+                    .collect();
+                let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (0..n_ctx).map(|p| e[p] / sum * vf(row(p) + d)).sum();
+                    let got = fast[h * hd + d] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{what} h={h} d={d}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The result is softmax attention (against an f64 computation), and the vector path
-    /// gives the portable reference's bits, for head dims with and without a partial group of 8,
-    /// contexts within one partition and across several with partial groups of eight, block
-    /// sizes 1, 16 and 7, and groups of 1 to 5 query heads per KV head.
+    /// gives the portable reference's bits, over f32, bf16 and f16 caches, for head dims with
+    /// and without a partial group of 8, contexts within one partition and across several
+    /// with partial groups of eight, block sizes 1, 16 and 7, and groups of 1 to 5 query heads
+    /// per KV head.
     #[test]
     fn partitions_combine_to_softmax_attention_with_the_reference_bits() {
         let mut s = 0xfeed_beefu64;
@@ -561,68 +737,42 @@ mod tests {
                     let v = rnd(pages * bs * stride, &mut s);
                     // Pages in a scrambled order, as a block table is.
                     let table: Vec<u32> = (0..pages as u32).rev().collect();
-                    let kv = KvLayer {
-                        k: &k,
-                        v: &v,
-                        layer_off: 0,
-                        block_size: bs,
-                        stride,
-                        head_dim: hd,
-                    };
                     let q: Vec<f32> = rnd(group * hd, &mut s).iter().map(|x| x * 8.0).collect();
-                    let scale = (hd as f64).powf(-0.5) as f32;
-                    for g in 0..kvh {
-                        let fast = attend_parts(kv, &table, g, n_ctx, &q, scale, false);
-                        let reference = attend_parts(kv, &table, g, n_ctx, &q, scale, true);
-                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(&fast), bits(&reference), "hd={hd} bs={bs} n={n_ctx}");
-                        // `attend`, its partitions split over a pool of three or not.
-                        for split in [false, true] {
-                            let mut out = vec![f32::NAN; group * hd];
-                            let mut scratch = JobScratch::new(group);
-                            pool.install(|| {
-                                attend(
-                                    kv,
-                                    &table,
-                                    g,
-                                    n_ctx,
-                                    &q,
-                                    scale,
-                                    split,
-                                    &mut scratch,
-                                    &mut out,
-                                )
-                            });
-                            assert_eq!(bits(&out), bits(&fast), "split={split} n={n_ctx}");
-                        }
-                        // f64 softmax attention.
-                        let row =
-                            |p: usize| (table[p / bs] as usize * bs + p % bs) * stride + g * hd;
-                        for h in 0..group {
-                            let qh = &q[h * hd..(h + 1) * hd];
-                            let sc: Vec<f64> = (0..n_ctx)
-                                .map(|p| {
-                                    let r = row(p);
-                                    (0..hd).map(|d| qh[d] as f64 * k[r + d] as f64).sum::<f64>()
-                                        * scale as f64
-                                })
-                                .collect();
-                            let m = sc.iter().cloned().fold(f64::MIN, f64::max);
-                            let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
-                            let sum: f64 = e.iter().sum();
-                            for d in 0..hd {
-                                let want: f64 =
-                                    (0..n_ctx).map(|p| e[p] / sum * v[row(p) + d] as f64).sum();
-                                let got = fast[h * hd + d] as f64;
-                                assert!(
-                                    (got - want).abs() < 1e-5,
-                                    "hd={hd} bs={bs} n={n_ctx} h={h} d={d}: {got} vs {want}"
-                                );
-                            }
-                        }
-                    }
+                    let case = (hd, kvh, bs);
+                    check_case::<f32>(&k, &v, &table, case, n_ctx, &q, &pool);
+                    check_case::<half::bf16>(&k, &v, &table, case, n_ctx, &q, &pool);
+                    check_case::<half::f16>(&k, &v, &table, case, n_ctx, &q, &pool);
                 }
             }
+        }
+    }
+
+    /// Storing rounds to nearest, ties to even, and widening is exact: the values a 16-bit
+    /// cache holds are the f32 values' nearest, and differ from them (so a cache that kept
+    /// f32 or truncated would fail).
+    #[test]
+    fn sixteen_bit_elements_round_to_nearest_even() {
+        // 1 + 2^-8 + 2^-9 is above bf16's halfway point 1 + 2^-8: rounds up to 1 + 2^-7.
+        let x = 1.0f32 + 2f32.powi(-8) + 2f32.powi(-9);
+        assert_eq!(half::bf16::from_f32(x).to_f32(), 1.0 + 2f32.powi(-7));
+        // Exactly halfway (1 + 2^-8): ties to the even 1.0.
+        let tie = 1.0f32 + 2f32.powi(-8);
+        assert_eq!(<half::bf16 as KvElem>::from_f32(tie).to_f32(), 1.0);
+        assert_eq!(
+            <half::f16 as KvElem>::from_f32(1.0 + 2f32.powi(-11)).to_f32(),
+            1.0
+        );
+        assert_eq!(
+            <half::f16 as KvElem>::from_f32(70000.0).to_f32(),
+            f32::INFINITY
+        );
+        assert_eq!(<f32 as KvElem>::from_f32(x), x);
+        let mut s = 9u64;
+        for &x in &rnd(1000, &mut s) {
+            let b = <half::bf16 as KvElem>::from_f32(x).to_f32();
+            assert!((b - x).abs() <= x.abs() * 2f32.powi(-8));
+            let h = <half::f16 as KvElem>::from_f32(x).to_f32();
+            assert!((h - x).abs() <= x.abs() * 2f32.powi(-11) + 2f32.powi(-25));
         }
     }
 

@@ -6,23 +6,35 @@
 //! arithmetic (including the linear layers, see `crate::linear`) is done in an order that
 //! depends only on that token's data and position. Invalid inputs are rejected before anything is written.
 
-use crate::attention;
+use crate::attention::{self, KvElem};
 use crate::config::ModelConfig;
 use crate::error::{ForwardError, ModelError};
 use crate::linear::Store;
 use crate::vmath;
-use crate::weights::{layer_tensor_shapes, LayerWeights, LlamaWeights, Tensor, WeightSource};
+use crate::weights::{
+    layer_tensor_shapes, DType, LayerWeights, LlamaWeights, Tensor, WeightSource,
+};
 use std::sync::Mutex;
+
+/// The K and V arrays of a [`PagedKvCache`], in its dtype.
+#[derive(Clone)]
+enum KvData {
+    F32(Vec<f32>, Vec<f32>),
+    Bf16(Vec<half::bf16>, Vec<half::bf16>),
+    F16(Vec<half::f16>, Vec<half::f16>),
+}
 
 /// Paged KV cache on the host: `num_blocks` pages of `block_size` token slots per layer.
 ///
-/// Layout of both `K` and `V`: `[layer][page][slot][kv_head][head_dim]` f32, contiguous.
-/// Position `p` of a sequence lives in page `block_table[p / block_size]`, slot
-/// `p % block_size`. K is stored after RoPE. `Debug` prints the dimensions only.
+/// Layout of both `K` and `V`: `[layer][page][slot][kv_head][head_dim]`, contiguous, in the
+/// cache's dtype: f32 (the reference), or bf16 or f16 (vLLM's `--kv-cache-dtype`: half the
+/// memory and the bytes a decode step reads; values are rounded to nearest-even when stored
+/// and widened exactly when read, see `crate::attention`). Position `p` of a sequence lives
+/// in page `block_table[p / block_size]`, slot `p % block_size`. K is stored after RoPE.
+/// `Debug` prints the dimensions only.
 #[derive(Clone)]
 pub struct PagedKvCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    data: KvData,
     num_layers: usize,
     num_blocks: usize,
     block_size: usize,
@@ -33,6 +45,7 @@ pub struct PagedKvCache {
 impl std::fmt::Debug for PagedKvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedKvCache")
+            .field("dtype", &self.dtype())
             .field("num_layers", &self.num_layers)
             .field("num_blocks", &self.num_blocks)
             .field("block_size", &self.block_size)
@@ -43,10 +56,11 @@ impl std::fmt::Debug for PagedKvCache {
 }
 
 impl PagedKvCache {
-    /// Allocates a zeroed cache of `num_blocks` pages of `block_size` tokens for every layer.
+    /// Allocates a zeroed f32 cache of `num_blocks` pages of `block_size` tokens for every
+    /// layer.
     ///
-    /// Memory: `num_blocks * bytes_per_block(cfg, block_size)` bytes. A `block_size` of 0 is
-    /// treated as 1.
+    /// Memory: `num_blocks * bytes_per_block(cfg, block_size, DType::F32)` bytes. A
+    /// `block_size` of 0 is treated as 1.
     ///
     /// # Panics
     /// When the memory cannot be allocated; [`PagedKvCache::try_new`] returns an error instead.
@@ -64,6 +78,31 @@ impl PagedKvCache {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Self, String> {
+        Self::try_with_dtype(cfg, num_blocks, block_size, DType::F32)
+    }
+
+    /// The KV dtype `--kv-cache-dtype auto` means for `cfg` (vLLM: the model's dtype):
+    /// config.json's `torch_dtype` when it is `bfloat16` or `float16` (also `bf16`, `f16`,
+    /// `half`), else f32 (`float32`, absent, or a dtype the CPU does not store).
+    pub fn auto_dtype(cfg: &ModelConfig) -> DType {
+        match cfg.torch_dtype.as_deref() {
+            Some("bfloat16" | "bf16") => DType::BF16,
+            Some("float16" | "f16" | "fp16" | "half") => DType::F16,
+            _ => DType::F32,
+        }
+    }
+
+    /// As [`PagedKvCache::try_new`], storing K and V as `dtype`: memory
+    /// `num_blocks * bytes_per_block(cfg, block_size, dtype)` bytes.
+    ///
+    /// # Errors
+    /// The size overflows `usize`, or the allocator refused it.
+    pub fn try_with_dtype(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: DType,
+    ) -> Result<Self, String> {
         let block_size = block_size.max(1);
         let n = [
             num_blocks,
@@ -73,25 +112,30 @@ impl PagedKvCache {
         ]
         .iter()
         .try_fold(cfg.num_hidden_layers, |a, &b| a.checked_mul(b));
-        let alloc = |n: usize| -> Option<Vec<f32>> {
+        fn alloc<E: KvElem>(n: usize) -> Option<Vec<E>> {
             let mut v = Vec::new();
             v.try_reserve_exact(n).ok()?;
-            v.resize(n, 0.0);
+            v.resize(n, E::default());
             Some(v)
-        };
+        }
         let too_big = || {
             format!(
                 "the CPU KV cache of {num_blocks} blocks of {block_size} tokens needs {:.1} GiB, \
                  which cannot be allocated; give fewer --num-blocks",
-                num_blocks as f64 * Self::bytes_per_block(cfg, block_size) as f64
+                num_blocks as f64 * Self::bytes_per_block(cfg, block_size, dtype) as f64
                     / (1u64 << 30) as f64
             )
         };
         let n = n.ok_or_else(too_big)?;
-        let (k, v) = (alloc(n).ok_or_else(too_big)?, alloc(n).ok_or_else(too_big)?);
+        let data = match dtype {
+            DType::F32 => KvData::F32(alloc(n).ok_or_else(too_big)?, alloc(n).ok_or_else(too_big)?),
+            DType::BF16 => {
+                KvData::Bf16(alloc(n).ok_or_else(too_big)?, alloc(n).ok_or_else(too_big)?)
+            }
+            DType::F16 => KvData::F16(alloc(n).ok_or_else(too_big)?, alloc(n).ok_or_else(too_big)?),
+        };
         Ok(PagedKvCache {
-            k,
-            v,
+            data,
             num_layers: cfg.num_hidden_layers,
             num_blocks,
             block_size,
@@ -110,10 +154,23 @@ impl PagedKvCache {
         self.num_blocks
     }
 
-    /// Bytes one page takes across all layers, K and V, in f32:
-    /// `2 * layers * block_size * kv_heads * head_dim * 4`.
-    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+    /// The dtype K and V are stored in.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            KvData::F32(..) => DType::F32,
+            KvData::Bf16(..) => DType::BF16,
+            KvData::F16(..) => DType::F16,
+        }
+    }
+
+    /// Bytes one page takes across all layers, K and V, stored as `dtype`:
+    /// `2 * layers * block_size * kv_heads * head_dim * dtype.size()`.
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize, dtype: DType) -> usize {
+        2 * cfg.num_hidden_layers
+            * block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * dtype.size()
     }
 
     /// Offset of (layer, page, slot) in `k`/`v`.
@@ -122,15 +179,114 @@ impl PagedKvCache {
         ((layer * self.num_blocks + page) * self.block_size + slot) * self.kv_heads * self.head_dim
     }
 
-    /// The stored K and V of one position (`[kv_heads * head_dim]` each), for inspection.
-    /// `None` if out of range.
-    pub fn get(&self, layer: usize, page: usize, slot: usize) -> Option<(&[f32], &[f32])> {
+    /// The stored K and V of one position (`[kv_heads * head_dim]` each, widened to f32),
+    /// for inspection. `None` if out of range.
+    pub fn get(&self, layer: usize, page: usize, slot: usize) -> Option<(Vec<f32>, Vec<f32>)> {
         if layer >= self.num_layers || page >= self.num_blocks || slot >= self.block_size {
             return None;
         }
-        let o = self.offset(layer, page, slot);
-        let w = self.kv_heads * self.head_dim;
-        Some((&self.k[o..o + w], &self.v[o..o + w]))
+        let r = self.offset(layer, page, slot)..self.offset(layer, page, slot + 1);
+        fn widen<E: KvElem>(x: &[E]) -> Vec<f32> {
+            x.iter().map(|e| e.to_f32()).collect()
+        }
+        Some(match &self.data {
+            KvData::F32(k, v) => (k[r.clone()].to_vec(), v[r].to_vec()),
+            KvData::Bf16(k, v) => (widen(&k[r.clone()]), widen(&v[r])),
+            KvData::F16(k, v) => (widen(&k[r.clone()]), widen(&v[r])),
+        })
+    }
+
+    /// Stores one position's K and V rows (`[kv_heads * head_dim]` f32 each) at offset `o`,
+    /// rounded to the cache's dtype.
+    fn store(&mut self, o: usize, k_row: &[f32], v_row: &[f32]) {
+        fn put<E: KvElem>(dst: &mut [E], src: &[f32]) {
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d = E::from_f32(x);
+            }
+        }
+        let w = k_row.len();
+        match &mut self.data {
+            KvData::F32(k, v) => {
+                k[o..o + w].copy_from_slice(k_row);
+                v[o..o + w].copy_from_slice(v_row);
+            }
+            KvData::Bf16(k, v) => {
+                put(&mut k[o..o + w], k_row);
+                put(&mut v[o..o + w], v_row);
+            }
+            KvData::F16(k, v) => {
+                put(&mut k[o..o + w], k_row);
+                put(&mut v[o..o + w], v_row);
+            }
+        }
+    }
+}
+
+/// One layer's attention over the step's tokens: the inputs [`AttentionStep::run`] needs
+/// besides the cache.
+struct AttentionStep<'a> {
+    rows: &'a [ForwardRow<'a>],
+    /// `[T][q_heads + 2 * kv_heads][head_dim]`: the step's q, k and v after RoPE.
+    qkv: &'a [f32],
+    /// Per token: its row and the number of positions it attends to.
+    tok_ctx: &'a [(usize, usize)],
+    /// Offset of the layer's page 0, slot 0 in the cache.
+    layer_off: usize,
+    block_size: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    /// Run the jobs on the current rayon pool (else on this thread; same bits).
+    parallel: bool,
+}
+
+impl AttentionStep<'_> {
+    /// Causal GQA attention of every token over the cache `k`/`v`: a job per (token, KV
+    /// head), its partitions split over the threads too when the step has fewer jobs than
+    /// twice the threads (a small decode batch). Writes `[T][q_heads][head_dim]` into `attn`.
+    fn run<E: KvElem>(&self, k: &[E], v: &[E], attn: &mut [f32]) {
+        use rayon::prelude::*;
+        let (kvh, hd) = (self.kv_heads, self.head_dim);
+        let group = self.q_heads / kvh;
+        let qkv_w = (self.q_heads + 2 * kvh) * hd;
+        let kvl = attention::KvLayer {
+            k,
+            v,
+            layer_off: self.layer_off,
+            block_size: self.block_size,
+            stride: kvh * hd,
+            head_dim: hd,
+        };
+        let job_len = group * hd;
+        let t = self.tok_ctx.len();
+        let split = self.parallel && t * kvh < 2 * rayon::current_num_threads();
+        let run = |scratch: &mut attention::JobScratch, (job, out): (usize, &mut [f32])| {
+            let (i, g) = (job / kvh, job % kvh);
+            let (r, n_ctx) = self.tok_ctx[i];
+            let q0 = i * qkv_w + g * job_len;
+            attention::attend(
+                kvl,
+                self.rows[r].block_table,
+                g,
+                n_ctx,
+                &self.qkv[q0..q0 + job_len],
+                self.scale,
+                split,
+                scratch,
+                out,
+            );
+        };
+        if self.parallel {
+            attn.par_chunks_mut(job_len)
+                .enumerate()
+                .for_each_init(|| attention::JobScratch::new(group), run);
+        } else {
+            let mut scratch = attention::JobScratch::new(group);
+            for job in attn.chunks_mut(job_len).enumerate() {
+                run(&mut scratch, job);
+            }
+        }
     }
 }
 
@@ -700,7 +856,6 @@ impl CpuModel {
         let kvh = c.num_key_value_heads;
         let hd = c.head_dim;
         let half = hd / 2;
-        let group = nh / kvh;
         let q_w = nh * hd;
         let kv_w = kvh * hd;
         let qkv_w = q_w + 2 * kv_w;
@@ -805,8 +960,7 @@ impl CpuModel {
                     }
                     let page = row.block_table[pos / kv.block_size] as usize;
                     let o = kv.offset(li, page, pos % kv.block_size);
-                    kv.k[o..o + kv_w].copy_from_slice(&tok[q_w..q_w + kv_w]);
-                    kv.v[o..o + kv_w].copy_from_slice(&tok[q_w + kv_w..]);
+                    kv.store(o, &tok[q_w..q_w + kv_w], &tok[q_w + kv_w..]);
                     i += 1;
                 }
             }
@@ -814,45 +968,23 @@ impl CpuModel {
             // Causal GQA attention (`crate::attention`): a job per (token, KV head), its
             // softmax partitions split over the threads too when the step has few jobs (a
             // small decode batch); bits independent of the batch and the threads.
-            {
-                let kvl = attention::KvLayer {
-                    k: &kv.k,
-                    v: &kv.v,
-                    layer_off: kv.offset(li, 0, 0),
-                    block_size: kv.block_size,
-                    stride: kv_w,
-                    head_dim: hd,
-                };
-                let (qkv, ctx) = (&s.qkv, &s.tok_ctx);
-                let job_len = group * hd;
-                let split = parallel_attention && t * kvh < 2 * rayon::current_num_threads();
-                let run = |scratch: &mut attention::JobScratch, (job, out): (usize, &mut [f32])| {
-                    let (i, g) = (job / kvh, job % kvh);
-                    let (r, n_ctx) = ctx[i];
-                    let q0 = i * qkv_w + g * job_len;
-                    attention::attend(
-                        kvl,
-                        rows[r].block_table,
-                        g,
-                        n_ctx,
-                        &qkv[q0..q0 + job_len],
-                        scale,
-                        split,
-                        scratch,
-                        out,
-                    );
-                };
-                let attn = &mut s.attn[..t * q_w];
-                if parallel_attention {
-                    attn.par_chunks_mut(job_len)
-                        .enumerate()
-                        .for_each_init(|| attention::JobScratch::new(group), run);
-                } else {
-                    let mut scratch = attention::JobScratch::new(group);
-                    for job in attn.chunks_mut(job_len).enumerate() {
-                        run(&mut scratch, job);
-                    }
-                }
+            let step = AttentionStep {
+                rows,
+                qkv: &s.qkv,
+                tok_ctx: &s.tok_ctx,
+                layer_off: kv.offset(li, 0, 0),
+                block_size: kv.block_size,
+                q_heads: nh,
+                kv_heads: kvh,
+                head_dim: hd,
+                scale,
+                parallel: parallel_attention,
+            };
+            let attn = &mut s.attn[..t * q_w];
+            match &kv.data {
+                KvData::F32(k, v) => step.run(k, v, attn),
+                KvData::Bf16(k, v) => step.run(k, v, attn),
+                KvData::F16(k, v) => step.run(k, v, attn),
             }
             layer.o.apply(&s.attn, t, &mut s.tmp);
             for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
@@ -937,9 +1069,34 @@ mod tests {
     /// A context spanning several softmax partitions gives the same bits whatever the batch
     /// around it, the prefill chunking, the block size, the page ids and the thread count
     /// (the attention tasks split by partition and run in parallel only for large steps: a
-    /// decode step alone here runs on the calling thread, beside a filler chunk in parallel).
+    /// decode step alone here runs on the calling thread, beside a filler chunk in parallel),
+    /// over f32, bf16 and f16 caches. The 16-bit caches give other bits than f32's, within
+    /// a small distance of them.
     #[test]
     fn long_contexts_are_batch_invariant_across_partitions() {
+        let [f32_ref, bf16_ref, f16_ref] =
+            [DType::F32, DType::BF16, DType::F16].map(long_context_reference);
+        let max_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter()
+                .flatten()
+                .zip(b.iter().flatten())
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max)
+        };
+        let scale = f32_ref.iter().flatten().fold(0.0f32, |a, x| a.max(x.abs()));
+        for (name, other) in [("bf16", &bf16_ref), ("f16", &f16_ref)] {
+            let d = max_diff(&f32_ref, other);
+            assert!(
+                d > 0.0 && d < 0.05 * scale,
+                "{name}: {d} (logits up to {scale})"
+            );
+        }
+    }
+
+    /// [`long_contexts_are_batch_invariant_across_partitions`] over a `dtype` cache: asserts
+    /// the invariance, returns the reference logits (the last prompt position's, then each
+    /// decode step's).
+    fn long_context_reference(dtype: DType) -> Vec<Vec<f32>> {
         let cfg = ModelConfig::from_json_str(
             r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
             "intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,
@@ -955,7 +1112,7 @@ mod tests {
         // Alone, one thread, block size 16, the prompt in one row: the last prompt logits,
         // then each decode step's.
         let alone = |model: &CpuModel| {
-            let mut kv = PagedKvCache::new(&cfg, 64, 16);
+            let mut kv = PagedKvCache::try_with_dtype(&cfg, 64, 16, dtype).unwrap();
             let table: Vec<u32> = (0..64).collect();
             let row = |tokens, start_pos| ForwardRow {
                 tokens,
@@ -978,7 +1135,8 @@ mod tests {
         // Beside a filler, three threads, block size 7, pages in reverse order, the prompt in
         // chunks of 250, 250 and 200.
         model.set_threads(3).unwrap();
-        let mut kv = PagedKvCache::new(&cfg, 200, 7);
+        let mut kv = PagedKvCache::try_with_dtype(&cfg, 200, 7, dtype).unwrap();
+        assert_eq!(kv.dtype(), dtype);
         let table: Vec<u32> = (0..110).rev().collect();
         let ftable: Vec<u32> = (110..200).collect();
         let mut got = Vec::new();
@@ -1030,10 +1188,14 @@ mod tests {
         }
         assert!(
             got == reference,
-            "a long context's logits changed with the batch"
+            "{dtype:?}: a long context's logits changed with the batch"
         );
         // And on three threads alone (parallel partitions of one token).
-        assert!(alone(&model) == reference);
+        assert!(alone(&model) == reference, "{dtype:?}");
+        reference
+            .iter()
+            .map(|b| b.iter().map(|&x| f32::from_bits(x)).collect())
+            .collect()
     }
 
     /// Tied embeddings are held once (the LM head's matrix serves the embedding lookup) and
