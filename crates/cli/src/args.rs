@@ -1,6 +1,6 @@
 //! Flags shared by the commands that build an engine (vLLM's names where they exist).
 
-use baton_model::{ModelConfig, PagedKvCache};
+use baton_model::{DType, ModelConfig, PagedKvCache};
 use baton_scheduler::{SchedulerConfig, SchedulingPolicy};
 use clap::Args;
 
@@ -23,6 +23,12 @@ pub struct EngineArgs {
     /// Host memory for the CPU KV cache when --num-blocks is not given, in GiB.
     #[arg(long, default_value_t = 2.0, value_parser = parse_positive)]
     pub kv_cache_memory: f64,
+    /// Data type of the KV cache (vLLM's flag): `auto`, the model's (config.json's
+    /// torch_dtype; float32 when it has none), or `bfloat16`, `float16`, `float32`. A 16-bit
+    /// cache holds twice the tokens in the same memory and halves what a decode step reads;
+    /// float32 is the exact reference. Under --device cuda the cache has the --dtype.
+    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Maximum tokens per sequence (default: the model's max_position_embeddings).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -107,7 +113,8 @@ impl EngineArgs {
             Some(0) => return Err("--num-blocks must be at least 1".into()),
             Some(n) => n,
             None => {
-                let per_block = PagedKvCache::bytes_per_block(model, self.block_size).max(1);
+                let dtype = self.kv_cache_dtype.resolve(model);
+                let per_block = PagedKvCache::bytes_per_block(model, self.block_size, dtype).max(1);
                 let budget = (self.kv_cache_memory * (1u64 << 30) as f64) as usize / per_block;
                 (self.max_num_seqs * blocks_per_seq).min(budget).max(1)
             }
@@ -136,6 +143,59 @@ impl EngineArgs {
             policy: self.scheduling_policy,
         })
     }
+}
+
+/// `--kv-cache-dtype`: vLLM's `auto` (the model's dtype) or a storage type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The model's dtype ([`PagedKvCache::auto_dtype`]).
+    Auto,
+    /// This dtype.
+    Is(DType),
+}
+
+impl KvCacheDtype {
+    /// The dtype the CPU cache of `model` is stored in.
+    pub fn resolve(self, model: &ModelConfig) -> DType {
+        match self {
+            KvCacheDtype::Auto => PagedKvCache::auto_dtype(model),
+            KvCacheDtype::Is(d) => d,
+        }
+    }
+
+    /// The flag's value that parses back to `self`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Is(DType::BF16) => "bfloat16",
+            KvCacheDtype::Is(DType::F16) => "float16",
+            KvCacheDtype::Is(DType::F32) => "float32",
+        }
+    }
+}
+
+/// Parses `--kv-cache-dtype`: `auto`, `bfloat16`/`bf16`, `float16`/`fp16`/`f16`/`half`,
+/// `float32`/`fp32`/`f32`/`float`.
+///
+/// # Errors
+/// Anything else; vLLM's fp8 types get their own message (not supported).
+pub fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype, String> {
+    Ok(match s.trim().to_ascii_lowercase().as_str() {
+        "auto" => KvCacheDtype::Auto,
+        "bfloat16" | "bf16" => KvCacheDtype::Is(DType::BF16),
+        "float16" | "fp16" | "f16" | "half" => KvCacheDtype::Is(DType::F16),
+        "float32" | "fp32" | "f32" | "float" => KvCacheDtype::Is(DType::F32),
+        x if x.starts_with("fp8") => {
+            return Err(format!(
+                "{s:?}: fp8 KV caches are not supported; use auto, bfloat16, float16 or float32"
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "unknown KV cache dtype {s:?}: use auto, bfloat16, float16 or float32"
+            ))
+        }
+    })
 }
 
 /// Parses a positive finite number (`--kv-cache-memory`).
@@ -222,5 +282,63 @@ mod tests {
         }
         assert!(P::try_parse_from(["x", "--kv-cache-memory", "-1"]).is_err());
         assert!(P::try_parse_from(["x", "--kv-cache-memory", "1.5"]).is_ok());
+    }
+
+    /// `--kv-cache-dtype` parses vLLM's names and ours back to themselves, refuses fp8 and
+    /// unknown names, and sizes the pool: a 16-bit cache gets twice the pages of f32 in the
+    /// same --kv-cache-memory, and `auto` follows config.json's torch_dtype.
+    #[test]
+    fn the_kv_cache_dtype_sizes_the_pool() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            e: EngineArgs,
+        }
+        for (s, want) in [
+            ("auto", KvCacheDtype::Auto),
+            ("bfloat16", KvCacheDtype::Is(DType::BF16)),
+            ("BF16", KvCacheDtype::Is(DType::BF16)),
+            ("half", KvCacheDtype::Is(DType::F16)),
+            ("float32", KvCacheDtype::Is(DType::F32)),
+        ] {
+            let d = parse_kv_cache_dtype(s).unwrap();
+            assert_eq!(d, want, "{s}");
+            assert_eq!(parse_kv_cache_dtype(d.name()), Ok(d));
+        }
+        assert!(parse_kv_cache_dtype("fp8_e4m3")
+            .unwrap_err()
+            .contains("not supported"));
+        assert!(parse_kv_cache_dtype("int4")
+            .unwrap_err()
+            .contains("unknown"));
+        assert!(P::try_parse_from(["x", "--kv-cache-dtype", "fp8"]).is_err());
+
+        let mut cfg = ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":64,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+            "vocab_size":10,"max_position_embeddings":64}"#,
+        )
+        .unwrap();
+        let blocks = |cfg: &ModelConfig, args: &[&str]| {
+            let mut a = vec!["x", "--kv-cache-memory", "0.001", "--max-num-seqs", "1000"];
+            a.extend_from_slice(args);
+            P::try_parse_from(a)
+                .unwrap()
+                .e
+                .scheduler_config(cfg)
+                .unwrap()
+                .num_blocks
+        };
+        // 2 layers * 16 tokens * 2 heads * 16 dims * 2 (K, V) = 2048 values a page.
+        let bytes = (0.001 * (1u64 << 30) as f64) as usize;
+        let (f32_pages, half_pages) = (bytes / (2048 * 4), bytes / (2048 * 2));
+        assert!(half_pages >= 2 * f32_pages && f32_pages > 100);
+        assert_eq!(blocks(&cfg, &[]), f32_pages);
+        assert_eq!(blocks(&cfg, &["--kv-cache-dtype", "float32"]), f32_pages);
+        assert_eq!(blocks(&cfg, &["--kv-cache-dtype", "bf16"]), half_pages);
+        cfg.torch_dtype = Some("bfloat16".into());
+        assert_eq!(blocks(&cfg, &[]), half_pages);
+        assert_eq!(blocks(&cfg, &["--kv-cache-dtype", "float32"]), f32_pages);
     }
 }

@@ -97,10 +97,14 @@ pub struct DecodeArgs {
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
     /// Weights of the CPU backend: f32, or rounded to bf16 or f16, which it then keeps at 2
-    /// bytes per weight as it does a 16-bit checkpoint's (its arithmetic and KV cache are
-    /// f32 either way). --dtype is the CUDA backend's.
+    /// bytes per weight as it does a 16-bit checkpoint's (its arithmetic is f32 either way).
+    /// --dtype is the CUDA backend's.
     #[arg(long, default_value = "f32", value_parser = crate::cuda_args::parse_dtype)]
     pub cpu_dtype: Dtype,
+    /// The CPU KV cache's dtype: `auto` (the --cpu-dtype), `bfloat16`, `float16` or
+    /// `float32`. Under --device cuda the cache has the --dtype.
+    #[arg(long, default_value = "auto", value_parser = crate::args::parse_kv_cache_dtype)]
+    pub kv_cache_dtype: crate::args::KvCacheDtype,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -551,6 +555,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         );
     }
     if a.device == BenchDevice::Cuda {
+        crate::cuda_args::check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda)?;
     }
     let weights = load_weights(a, &cfg)?;
@@ -579,8 +584,16 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         BenchDevice::Cpu => {
             // The cache is zero-filled at once: refuse what this machine cannot hold
             // rather than be killed by the OOM killer part way.
+            let kv_dtype = match a.kv_cache_dtype {
+                crate::args::KvCacheDtype::Auto => match a.cpu_dtype {
+                    Dtype::Bf16 => baton_model::DType::BF16,
+                    Dtype::F16 => baton_model::DType::F16,
+                    Dtype::F32 => baton_model::DType::F32,
+                },
+                crate::args::KvCacheDtype::Is(d) => d,
+            };
             let kv_bytes = num_blocks as f64
-                * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size) as f64;
+                * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size, kv_dtype) as f64;
             if let Some(avail) = baton_model::host_memory_available() {
                 anyhow::ensure!(
                     kv_bytes <= 0.8 * avail as f64,
@@ -598,13 +611,18 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             let mut m = CpuModel::try_new(cfg.clone(), host)?;
             let threads = crate::args::cpu_threads(a.cpu_threads);
             m.set_threads(threads).map_err(anyhow::Error::msg)?;
-            let b = CpuBackend::try_new(m, num_blocks, a.block_size).map_err(anyhow::Error::msg)?;
+            let b = CpuBackend::try_new(m, num_blocks, a.block_size, kv_dtype)
+                .map_err(anyhow::Error::msg)?;
             (
                 Bench::Cpu(Box::new(b)),
                 a.cpu_dtype.size(),
-                4,
+                kv_dtype.size(),
                 host_copy_bandwidth(),
-                format!("cpu {} weights, {threads} threads", a.cpu_dtype.name()),
+                format!(
+                    "cpu {} weights, {} KV cache, {threads} threads",
+                    a.cpu_dtype.name(),
+                    crate::args::KvCacheDtype::Is(kv_dtype).name()
+                ),
             )
         }
         BenchDevice::Cuda => {

@@ -5,6 +5,33 @@ use baton_cuda::{CudaWorker, CudaWorkerOptions, Dtype, KvBlocks, Tuning};
 use baton_model::{ModelConfig, ModelWeights};
 use clap::Args;
 
+/// Refuses a `--kv-cache-dtype` the CUDA backend does not store: its KV cache is in --dtype.
+///
+/// # Errors
+/// `kv` names another dtype than `cuda.dtype`.
+pub fn check_cuda_kv_dtype(kv: crate::args::KvCacheDtype, cuda: &CudaArgs) -> Result<()> {
+    use baton_model::DType;
+    let same = match kv {
+        crate::args::KvCacheDtype::Auto => true,
+        crate::args::KvCacheDtype::Is(d) => {
+            d == match cuda.dtype {
+                Dtype::Bf16 => DType::BF16,
+                Dtype::F16 => DType::F16,
+                Dtype::F32 => DType::F32,
+            }
+        }
+    };
+    anyhow::ensure!(
+        same,
+        "--kv-cache-dtype {} with --device cuda: the CUDA KV cache is stored in --dtype ({}); \
+         give --kv-cache-dtype auto or --dtype {}",
+        kv.name(),
+        cuda.dtype.name(),
+        kv.name()
+    );
+    Ok(())
+}
+
 /// Flags of `--device cuda` (vLLM's names).
 #[derive(Args, Clone, Debug)]
 pub struct CudaArgs {

@@ -1,7 +1,7 @@
 //! `baton scheduler` and `baton worker`: the two daemons.
 
-use crate::args::EngineArgs;
-use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
+use crate::args::{EngineArgs, KvCacheDtype};
+use crate::cuda_args::{build_cuda, check_cuda_device, check_cuda_kv_dtype, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelConfig, ModelDir, ModelError};
@@ -85,6 +85,11 @@ pub struct WorkerArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
+    /// Data type of the CPU KV cache: `auto` (the model's), `bfloat16`, `float16` or
+    /// `float32` (as the scheduler's flag, which sizes the pool from it; `baton serve` passes
+    /// both the same value). Under --device cuda the cache has the --dtype.
+    #[arg(long, default_value = "auto", value_parser = crate::args::parse_kv_cache_dtype)]
+    pub kv_cache_dtype: crate::args::KvCacheDtype,
     /// CUDA flags (with --device cuda). The KV pool has exactly the scheduler's page count.
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -260,6 +265,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .clone()
                 .with_context(|| format!("--model DIR is required for --device {name}"))?;
             if a.device == Device::Cuda {
+                check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
                 check_cuda_device(&a.cuda)?;
             }
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
@@ -281,13 +287,16 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             let weight_gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
             let threads = model.threads();
-            let backend = CpuBackend::try_new(model, limits.num_blocks, limits.block_size)
-                .map_err(anyhow::Error::msg)?;
+            let kv_dtype = a.kv_cache_dtype.resolve(model.config());
+            let backend =
+                CpuBackend::try_new(model, limits.num_blocks, limits.block_size, kv_dtype)
+                    .map_err(anyhow::Error::msg)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             eprintln!(
                 "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
-                 threads) attached to {}",
+                 threads, {} KV cache) attached to {}",
                 dir.display(),
+                KvCacheDtype::Is(kv_dtype).name(),
                 a.instance
             );
             w.run(&stop)?;

@@ -1,7 +1,7 @@
 //! `baton generate`: offline generation over the in-process engine.
 
 use crate::args::EngineArgs;
-use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda, check_cuda_device, check_cuda_kv_dtype, CudaArgs, CudaSizes};
 use crate::engine::LocalEngine;
 use anyhow::{bail, Context, Result};
 use baton_model::{GenerationConfig, GenerationConfigSource, LoadFormat, ModelDir, Tokenizer};
@@ -390,7 +390,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size)
+            let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
+            let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;
             run_on(
                 LocalEngine::new(cfg, backend),
@@ -402,6 +403,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             )
         }
         GenDevice::Cuda => {
+            check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
             let sizes = CudaSizes {
                 block_size: cfg.block_size,
                 num_blocks: a.engine.num_blocks,

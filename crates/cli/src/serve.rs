@@ -195,6 +195,8 @@ fn engine_flags(e: &EngineArgs) -> Vec<String> {
         e.block_size.to_string(),
         "--kv-cache-memory".into(),
         e.kv_cache_memory.to_string(),
+        "--kv-cache-dtype".into(),
+        e.kv_cache_dtype.name().into(),
     ];
     if let Some(n) = e.num_blocks {
         v.extend(["--num-blocks".into(), n.to_string()]);
@@ -259,6 +261,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     // What would make a child fail at once is checked before any child starts.
     baton_ipc::check_instance(&a.instance).context("--instance")?;
+    if a.device == Device::Cuda {
+        crate::cuda_args::check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
+    }
     a.http.check()?;
     a.http.sampling_defaults(&a.model)?;
     if let Some(t) = &a.http.chat_template {
@@ -322,6 +327,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         device.into(),
         "--cpu-threads".into(),
         a.cpu_threads.to_string(),
+        "--kv-cache-dtype".into(),
+        engine.kv_cache_dtype.name().into(),
     ];
     worker_args.extend(weights);
     if a.device == Device::Cuda {

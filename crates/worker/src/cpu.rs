@@ -4,7 +4,7 @@
 use crate::penalty::{PenaltyEntry, PenaltyHistories};
 use crate::sampling::Sampler;
 use crate::{Backend, KeptIds, KvCapacity, TableReader, WorkerError};
-use baton_model::{CpuModel, ForwardRow, PagedKvCache};
+use baton_model::{CpuModel, DType, ForwardRow, PagedKvCache};
 use baton_proto::{Completion, Launch, PromptLogprob, Sampled, NOT_PENDING};
 
 /// The CPU reference backend.
@@ -27,21 +27,29 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend over `model` with a KV pool of `num_blocks` pages of `block_size` tokens.
+    /// A backend over `model` with a KV pool of `num_blocks` pages of `block_size` tokens, in
+    /// the model's dtype ([`PagedKvCache::auto_dtype`]: `--kv-cache-dtype auto`).
     ///
     /// # Panics
     /// When the KV cache cannot be allocated ([`CpuBackend::try_new`] returns an error).
     pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Self {
-        Self::try_new(model, num_blocks, block_size).unwrap_or_else(|e| panic!("{e}"))
+        let dtype = PagedKvCache::auto_dtype(model.config());
+        Self::try_new(model, num_blocks, block_size, dtype).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// As [`CpuBackend::new`], with an error naming the size when the KV cache cannot be
+    /// A backend over `model` with a KV pool of `num_blocks` pages of `block_size` tokens
+    /// stored as `kv_dtype`, with an error naming the size when the KV cache cannot be
     /// allocated.
     ///
     /// # Errors
     /// The KV cache's allocation failed.
-    pub fn try_new(model: CpuModel, num_blocks: usize, block_size: usize) -> Result<Self, String> {
-        let kv = PagedKvCache::try_new(model.config(), num_blocks, block_size)?;
+    pub fn try_new(
+        model: CpuModel,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dtype: DType,
+    ) -> Result<Self, String> {
+        let kv = PagedKvCache::try_with_dtype(model.config(), num_blocks, block_size, kv_dtype)?;
         Ok(Self {
             model,
             kv,
@@ -61,6 +69,11 @@ impl CpuBackend {
     /// The model.
     pub fn model(&self) -> &CpuModel {
         &self.model
+    }
+
+    /// The dtype the KV cache is stored in.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv.dtype()
     }
 }
 
