@@ -242,6 +242,83 @@ impl std::fmt::Debug for WeightSource {
     }
 }
 
+/// Why the safetensors header of `bytes` (a whole file) is invalid, naming the first tensor at
+/// fault, for a file `SafeTensors::read_metadata` refused (its message names no tensor).
+/// Checks, per tensor in file order: `dtype`, `shape` and `data_offsets` are present and
+/// well-formed, the dtype is one safetensors defines, the shape's byte size equals the span of
+/// its `data_offsets`, and the spans are packed from 0 without gaps or overlaps (the format's
+/// rules, <https://github.com/huggingface/safetensors>). `None` when no tensor is at fault (a
+/// truncated file, a header that is not JSON, a file longer than its tensors).
+fn header_fault(bytes: &[u8]) -> Option<String> {
+    use serde_json::Value;
+    let n = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header = bytes.get(8..8usize.checked_add(n)?)?;
+    let map: serde_json::Map<String, Value> = serde_json::from_slice(header).ok()?;
+    let mut spans: Vec<(u64, u64, &str)> = Vec::new();
+    for (name, info) in map.iter().filter(|(k, _)| *k != "__metadata__") {
+        let field = |f: &str| info.get(f);
+        let Some(dtype) = field("dtype").and_then(Value::as_str) else {
+            return Some(format!("tensor `{name}` has no string `dtype`"));
+        };
+        let bits: u64 = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+            "I16" | "U16" | "F16" | "BF16" => 16,
+            "I32" | "U32" | "F32" => 32,
+            "I64" | "U64" | "F64" | "C64" => 64,
+            "F4" => 4,
+            "F6_E2M3" | "F6_E3M2" => 6,
+            other => return Some(format!("tensor `{name}` has an unknown dtype {other:?}")),
+        };
+        let shape: Option<Vec<u64>> = field("shape")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect());
+        let Some(shape) = shape else {
+            return Some(format!(
+                "tensor `{name}` has no `shape` list of non-negative integers"
+            ));
+        };
+        let offsets: Option<Vec<u64>> = field("data_offsets")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect());
+        let (start, end) = match offsets.as_deref() {
+            Some(&[s, e]) if s <= e => (s, e),
+            _ => {
+                return Some(format!(
+                    "tensor `{name}` needs `data_offsets` [start, end] with start <= end, \
+                     found {}",
+                    field("data_offsets").unwrap_or(&Value::Null)
+                ))
+            }
+        };
+        let size = shape
+            .iter()
+            .try_fold(bits, |a, &d| a.checked_mul(d))
+            .filter(|b| b % 8 == 0)
+            .map(|b| b / 8);
+        if size != Some(end - start) {
+            return Some(format!(
+                "tensor `{name}` of shape {shape:?} and dtype {dtype} takes {} bytes, but its \
+                 data_offsets {start}..{end} span {}",
+                size.map_or_else(|| "an impossible number of".into(), |b| b.to_string()),
+                end - start
+            ));
+        }
+        spans.push((start, end, name));
+    }
+    spans.sort_unstable();
+    let mut at = 0u64;
+    for (start, end, name) in spans {
+        if start != at {
+            return Some(format!(
+                "tensor `{name}`'s data starts at byte {start}, where {at} was expected \
+                 (tensors are packed from 0 without gaps or overlaps)"
+            ));
+        }
+        at = end;
+    }
+    None
+}
+
 fn open_shard(path: &Path) -> Result<Shard, ModelError> {
     let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, &e))?;
     // SAFETY: the mapping is read-only and private to this process; model files are not
@@ -251,7 +328,10 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
     let (header_len, meta) =
         SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
             file: path.display().to_string(),
-            reason: e.to_string(),
+            reason: match header_fault(&mmap) {
+                Some(why) => format!("{e}: {why}"),
+                None => e.to_string(),
+            },
         })?;
     // read_metadata validates offsets against the buffer, but be defensive: every tensor's
     // byte range must lie inside the map.

@@ -260,6 +260,56 @@ fn truncated_or_garbage_safetensors_is_an_error_not_a_panic() {
     assert_mentions(&err(&d), &["model.safetensors"]);
 }
 
+/// A header that safetensors refuses for one tensor (a wrong dtype or shape for its bytes, an
+/// unknown dtype, overlapping data) names that tensor.
+#[test]
+fn a_header_fault_names_the_tensor() {
+    let d = dir_with_tensors("hdr", |_| {});
+    let p = d.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = "model.layers.2.mlp.up_proj.weight";
+    let with = |edit: Edit| {
+        let mut h = header.clone();
+        edit(&mut h[name]);
+        // The same header length (padded with spaces), so the data stays where it was.
+        let mut text = serde_json::to_vec(&h).unwrap();
+        assert!(text.len() <= n, "the edit grew the header");
+        text.resize(n, b' ');
+        let mut out = bytes[..8].to_vec();
+        out.extend_from_slice(&text);
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&p, out).unwrap();
+    };
+    // The unedited header, rewritten this way, loads.
+    with(|_| {});
+    let e = load_model_dir(&d);
+    assert!(e.is_ok(), "{:?}", e.err());
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit); 5] = [
+        ("a 16-bit dtype over f32 bytes", |t| {
+            t["dtype"] = "F16".into()
+        }),
+        ("an unknown dtype", |t| t["dtype"] = "Q7".into()),
+        ("a wrong shape", |t| t["shape"][0] = 3.into()),
+        ("no shape", |t| {
+            t.as_object_mut().unwrap().remove("shape");
+        }),
+        ("overlapping data", |t| {
+            let [s, e] = [0, 1].map(|i| t["data_offsets"][i].as_u64().unwrap());
+            t["data_offsets"] = serde_json::json!([s - 4, e - 4]);
+        }),
+    ];
+    for (what, edit) in cases {
+        with(edit);
+        let e = err(&d);
+        eprintln!("{what}");
+        assert_mentions(&e, &["model.safetensors", name]);
+    }
+    std::fs::write(&p, &bytes).unwrap();
+}
+
 #[test]
 fn missing_weights_file_names_model_safetensors() {
     let d = fake_dir("noweights");
