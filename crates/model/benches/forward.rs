@@ -6,7 +6,7 @@
 //!
 //! `cargo bench -p baton-model --bench forward`. Results: `bench/RESULTS.md`.
 
-use baton_model::{CpuModel, ForwardRow, LlamaWeights, ModelConfig, PagedKvCache};
+use baton_model::{CpuModel, DType, ForwardRow, LlamaWeights, ModelConfig, PagedKvCache};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use std::time::Duration;
 
@@ -88,46 +88,51 @@ fn main() {
     });
     g.finish();
 
-    // Long contexts: decode at position 2048 (attention reads 2048 positions per layer).
+    // Long contexts: decode at position 2048 (attention reads 2048 positions per layer),
+    // over an f32 and a bf16 KV cache (`--kv-cache-dtype`).
     drop(kv);
     let long_ctx: usize = 2048;
     let long_batch = 4;
     let long_pages = (long_ctx + 1).div_ceil(BLOCK);
-    let mut kv = PagedKvCache::new(&cfg, long_batch * long_pages, BLOCK);
     let long_tables: Vec<Vec<u32>> = (0..long_batch)
         .map(|s| ((s * long_pages) as u32..((s + 1) * long_pages) as u32).collect())
         .collect();
     let long_prompt: Vec<u32> = (0..long_ctx as u32)
         .map(|i| (i * 7919 + 3) % 49152)
         .collect();
-    for table in &long_tables {
-        let row = ForwardRow {
-            tokens: &long_prompt,
-            start_pos: 0,
-            block_table: table,
-            want_logits: false,
-            all_logits: false,
-        };
-        model.forward(&mut kv, &[row]).expect("prefill");
-    }
     let mut g = c.benchmark_group("cpu_forward_ctx2048");
-    for batch in [1usize, long_batch] {
-        g.throughput(Throughput::Elements(batch as u64));
-        g.bench_with_input(BenchmarkId::new("decode", batch), &batch, |b, &batch| {
-            b.iter(|| {
-                let rows: Vec<ForwardRow> = long_tables[..batch]
-                    .iter()
-                    .map(|t| ForwardRow {
-                        tokens: &step,
-                        start_pos: long_ctx,
-                        block_table: t,
-                        want_logits: true,
-                        all_logits: false,
-                    })
-                    .collect();
-                model.forward(&mut kv, &rows).expect("decode")
-            })
-        });
+    for dtype in [DType::F32, DType::BF16] {
+        let mut kv =
+            PagedKvCache::try_with_dtype(&cfg, long_batch * long_pages, BLOCK, dtype).unwrap();
+        for table in &long_tables {
+            let row = ForwardRow {
+                tokens: &long_prompt,
+                start_pos: 0,
+                block_table: table,
+                want_logits: false,
+                all_logits: false,
+            };
+            model.forward(&mut kv, &[row]).expect("prefill");
+        }
+        for batch in [1usize, long_batch] {
+            g.throughput(Throughput::Elements(batch as u64));
+            let id = BenchmarkId::new(format!("decode_kv_{dtype:?}").to_lowercase(), batch);
+            g.bench_with_input(id, &batch, |b, &batch| {
+                b.iter(|| {
+                    let rows: Vec<ForwardRow> = long_tables[..batch]
+                        .iter()
+                        .map(|t| ForwardRow {
+                            tokens: &step,
+                            start_pos: long_ctx,
+                            block_table: t,
+                            want_logits: true,
+                            all_logits: false,
+                        })
+                        .collect();
+                    model.forward(&mut kv, &rows).expect("decode")
+                })
+            });
+        }
     }
     g.finish();
     c.final_summary();

@@ -454,26 +454,38 @@ mod avx2 {
                 _mm256_maskload_ps(p.add(d), tail)
             }
         };
-        // The same for a K or V row of E (E::DTYPE is a constant: one arm is compiled). A
-        // 16-bit tail is copied into zeros, which widen to +0 as the masked lanes do.
+        // Eight 16-bit values at p widened to f32 (E::DTYPE is a constant: one arm is
+        // compiled).
+        // SAFETY (callers): p points to 8 readable values.
+        let widen8 = |p: *const u16| unsafe {
+            let x = _mm_loadu_si128(p.cast());
+            match E::DTYPE {
+                DType::BF16 => {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(x)))
+                }
+                _ => _mm256_cvtph_ps(x),
+            }
+        };
+        // Eight values of a K or V row of E at offset d, d + 8 <= hd.
+        // SAFETY (callers): p points to a row of at least hd values.
+        let ld_kv_full = |p: *const E, d: usize| unsafe {
+            match E::DTYPE {
+                DType::F32 => _mm256_loadu_ps(p.cast::<f32>().add(d)),
+                _ => widen8(p.cast::<u16>().add(d)),
+            }
+        };
+        // Eight values of a K or V row at offset d < hd (as `ld`). A 16-bit tail is copied
+        // into zeros, which widen to +0 as the masked lanes do.
         // SAFETY (callers): p points to a row of at least hd values.
         let ld_kv = |p: *const E, d: usize| unsafe {
-            let half8 = || {
-                let p = p.add(d).cast::<u16>();
-                if d + 8 <= hd {
-                    _mm_loadu_si128(p.cast())
-                } else {
-                    let mut t = [0u16; 8];
-                    std::ptr::copy_nonoverlapping(p, t.as_mut_ptr(), hd - d);
-                    _mm_loadu_si128(t.as_ptr().cast())
-                }
-            };
-            match E::DTYPE {
-                DType::F32 => ld(p.cast::<f32>(), d),
-                DType::BF16 => {
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half8())))
-                }
-                DType::F16 => _mm256_cvtph_ps(half8()),
+            if d + 8 <= hd {
+                ld_kv_full(p, d)
+            } else if E::DTYPE == DType::F32 {
+                ld(p.cast::<f32>(), d)
+            } else {
+                let mut t = [0u16; 8];
+                std::ptr::copy_nonoverlapping(p.cast::<u16>().add(d), t.as_mut_ptr(), hd - d);
+                widen8(t.as_ptr())
             }
         };
         let sc = scores.as_mut_ptr();
@@ -541,8 +553,25 @@ mod avx2 {
             o[1] = l;
             let op = o[2..].as_mut_ptr();
             // o = Σ_p e_p v_p, up to eight vectors of head_dim at a time (independent FMA
-            // chains).
+            // chains; the same chain per value either way).
             let mut d = 0;
+            // Whole groups of 64 values: a fixed eight accumulators, which stay in registers.
+            while d + 64 <= hd {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for (p, &r) in rows.iter().enumerate() {
+                    let e = _mm256_set1_ps(s[p]);
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        // SAFETY: position p's V row holds hd values; d + 8 * c + 8 <= hd.
+                        let v = unsafe { ld_kv_full(vp.add(r), d + 8 * c) };
+                        *a = _mm256_fmadd_ps(e, v, *a);
+                    }
+                }
+                for (c, a) in acc.iter().enumerate() {
+                    // SAFETY: o holds hd values and d + 8 * c + 8 <= hd.
+                    unsafe { _mm256_storeu_ps(op.add(d + 8 * c), *a) };
+                }
+                d += 64;
+            }
             while d < hd {
                 let w = (hd - d).div_ceil(8).min(8);
                 let mut acc = [_mm256_setzero_ps(); 8];
