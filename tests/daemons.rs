@@ -793,6 +793,40 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     let _ = std::fs::remove_dir_all(same);
 }
 
+/// The scheduler publishes the CPU KV cache dtype it sized its pool for: a worker given
+/// another `--kv-cache-dtype` refuses to attach (it would hold twice or half the memory the
+/// scheduler budgeted), naming both; a worker left on `auto` follows it and attaches.
+#[test]
+fn a_worker_given_another_kv_cache_dtype_than_the_schedulers_refuses_to_attach() {
+    let _serial = serial();
+    let inst = instance("kv-dtype");
+    let _s = scheduler(&inst, &["--num-blocks", "64", "--kv-cache-dtype", "bf16"]);
+    let dir = model_dir();
+    let flags = [
+        "worker",
+        "--instance",
+        &inst,
+        "--attach-timeout",
+        "30",
+        "--kv-cache-dtype",
+        "float32",
+        "--model",
+    ];
+    let mut args: Vec<&std::ffi::OsStr> = flags.iter().map(std::ffi::OsStr::new).collect();
+    args.push(dir.as_os_str());
+    let (st, err) = baton_to_exit(&args, Duration::from_secs(60));
+    assert!(
+        st.is_some_and(|s| !s.success()),
+        "not refused ({st:?}): {err}"
+    );
+    assert!(
+        err.contains("--kv-cache-dtype float32") && err.contains("for a bfloat16 cache"),
+        "{err}"
+    );
+    let _w = worker_on(&inst, &dir, &[]);
+    let _link = connect(&inst);
+}
+
 /// A frontend that finds every slot taken says so at once and fails after its attach timeout,
 /// naming the flag that sets the slot count.
 #[test]

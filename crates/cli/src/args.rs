@@ -120,10 +120,17 @@ impl EngineArgs {
             }
         };
         if num_blocks.saturating_mul(self.block_size) < max_model_len {
+            let half =
+                if self.num_blocks.is_none() && self.kv_cache_dtype.resolve(model) == DType::F32 {
+                    ", a 16-bit --kv-cache-dtype"
+                } else {
+                    ""
+                };
             return Err(format!(
-                "the KV cache ({num_blocks} blocks of {} tokens = {} tokens) cannot hold one \
+                "the KV cache ({num_blocks} block{} of {} tokens = {} tokens) cannot hold one \
                  sequence of the maximum model length {max_model_len}; give more --num-blocks \
-                 (or --kv-cache-memory) or a smaller --max-model-len",
+                 (or --kv-cache-memory{half}) or a smaller --max-model-len",
+                if num_blocks == 1 { "" } else { "s" },
                 self.block_size,
                 num_blocks.saturating_mul(self.block_size)
             ));
@@ -160,6 +167,47 @@ impl KvCacheDtype {
         match self {
             KvCacheDtype::Auto => PagedKvCache::auto_dtype(model),
             KvCacheDtype::Is(d) => d,
+        }
+    }
+
+    /// The code the scheduler publishes for `dtype` (`baton_proto::plane::KV_DTYPE_*`).
+    pub fn code(dtype: DType) -> u8 {
+        use baton_proto::plane::{KV_DTYPE_BF16, KV_DTYPE_F16, KV_DTYPE_F32};
+        match dtype {
+            DType::F32 => KV_DTYPE_F32,
+            DType::BF16 => KV_DTYPE_BF16,
+            DType::F16 => KV_DTYPE_F16,
+        }
+    }
+
+    /// The dtype a published code names (`None`: unknown, not published).
+    pub fn from_code(code: u8) -> Option<DType> {
+        use baton_proto::plane::{KV_DTYPE_BF16, KV_DTYPE_F16, KV_DTYPE_F32};
+        match code {
+            KV_DTYPE_F32 => Some(DType::F32),
+            KV_DTYPE_BF16 => Some(DType::BF16),
+            KV_DTYPE_F16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// The dtype a CPU worker given this flag stores its cache in, under a scheduler that
+    /// published `published` (a `KV_DTYPE_*` code) for `model`: `auto` follows the scheduler
+    /// (else the model's dtype); an explicit dtype must be the published one.
+    ///
+    /// # Errors
+    /// An explicit dtype other than the scheduler's.
+    pub fn for_worker(self, published: u8, model: &ModelConfig) -> Result<DType, String> {
+        match (self, Self::from_code(published)) {
+            (KvCacheDtype::Auto, Some(d)) => Ok(d),
+            (KvCacheDtype::Auto, None) => Ok(PagedKvCache::auto_dtype(model)),
+            (KvCacheDtype::Is(mine), Some(theirs)) if mine != theirs => Err(format!(
+                "--kv-cache-dtype {}: the scheduler sized its KV pool for a {} cache; give the \
+                 worker --kv-cache-dtype auto (to follow it) or start both with the same value",
+                self.name(),
+                KvCacheDtype::Is(theirs).name()
+            )),
+            (KvCacheDtype::Is(mine), _) => Ok(mine),
         }
     }
 
@@ -340,5 +388,26 @@ mod tests {
         cfg.torch_dtype = Some("bfloat16".into());
         assert_eq!(blocks(&cfg, &[]), half_pages);
         assert_eq!(blocks(&cfg, &["--kv-cache-dtype", "float32"]), f32_pages);
+
+        // A worker: `auto` follows the scheduler's published dtype, else the model's; an
+        // explicit dtype must be the published one.
+        let (bf16, f32) = (KvCacheDtype::Is(DType::BF16), KvCacheDtype::Is(DType::F32));
+        let code = KvCacheDtype::code;
+        assert_eq!(
+            KvCacheDtype::Auto.for_worker(code(DType::F16), &cfg),
+            Ok(DType::F16)
+        );
+        assert_eq!(
+            KvCacheDtype::Auto.for_worker(code(DType::F32), &cfg),
+            Ok(DType::F32)
+        );
+        assert_eq!(KvCacheDtype::Auto.for_worker(0, &cfg), Ok(DType::BF16));
+        assert_eq!(f32.for_worker(0, &cfg), Ok(DType::F32));
+        assert_eq!(bf16.for_worker(code(DType::BF16), &cfg), Ok(DType::BF16));
+        let e = f32.for_worker(code(DType::BF16), &cfg).unwrap_err();
+        assert!(e.contains("float32") && e.contains("bfloat16"), "{e}");
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            assert_eq!(KvCacheDtype::from_code(code(d)), Some(d));
+        }
     }
 }

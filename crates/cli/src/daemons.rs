@@ -219,6 +219,15 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         frontends: a.frontends,
         model_fingerprint: fingerprint,
         weights_fingerprint,
+        // What the CPU formula sized the pool for (with --model: its config.json's dtype
+        // under `auto`).
+        kv_dtype: match &a.model {
+            Some(_) => KvCacheDtype::code(a.engine.kv_cache_dtype.resolve(&model_cfg)),
+            None => match a.engine.kv_cache_dtype {
+                KvCacheDtype::Is(d) => KvCacheDtype::code(d),
+                KvCacheDtype::Auto => baton_proto::plane::KV_DTYPE_UNKNOWN,
+            },
+        },
         launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
         vocabulary: match &a.model {
@@ -226,9 +235,12 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
             None => None,
         },
     };
+    let kv = KvCacheDtype::from_code(cfg.kv_dtype).map_or(String::new(), |d| {
+        format!(" ({} on a CPU worker)", KvCacheDtype::Is(d).name())
+    });
     let mut d = SchedulerDaemon::create(cfg)?;
     eprintln!(
-        "baton scheduler: instance {} ready ({} KV pages of {} tokens, max model len {}, max {} seqs, async scheduling {})",
+        "baton scheduler: instance {} ready ({} KV pages of {} tokens{kv}, max model len {}, max {} seqs, async scheduling {})",
         a.instance,
         sched.num_blocks,
         sched.block_size,
@@ -287,7 +299,10 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             let weight_gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
             let threads = model.threads();
-            let kv_dtype = a.kv_cache_dtype.resolve(model.config());
+            let kv_dtype = a
+                .kv_cache_dtype
+                .for_worker(limits.kv_dtype, model.config())
+                .map_err(anyhow::Error::msg)?;
             let backend =
                 CpuBackend::try_new(model, limits.num_blocks, limits.block_size, kv_dtype)
                     .map_err(anyhow::Error::msg)?;

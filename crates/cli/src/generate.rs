@@ -372,6 +372,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .load_format
         .with_seed(a.seed.unwrap_or(0), Some(&a.model))?;
     if a.device == GenDevice::Cuda {
+        check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda)?;
     }
     // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.
@@ -403,7 +404,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             )
         }
         GenDevice::Cuda => {
-            check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
             let sizes = CudaSizes {
                 block_size: cfg.block_size,
                 num_blocks: a.engine.num_blocks,

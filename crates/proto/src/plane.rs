@@ -82,7 +82,21 @@ pub struct PlaneLimits {
     /// The scheduler orders requests by their `priority` (vLLM's `--scheduling-policy
     /// priority`); false: first come, first served, and a request's priority must be 0.
     pub priority_scheduling: bool,
+    /// The CPU KV cache's dtype the scheduler sized its pool for (`--kv-cache-dtype`
+    /// resolved): [`KV_DTYPE_UNKNOWN`], [`KV_DTYPE_F32`], [`KV_DTYPE_BF16`] or
+    /// [`KV_DTYPE_F16`]. A CPU worker given `auto` stores its cache in it; one given another
+    /// dtype refuses to attach.
+    pub kv_dtype: u8,
 }
+
+/// [`PlaneLimits::kv_dtype`]: not published (nothing to follow or check).
+pub const KV_DTYPE_UNKNOWN: u8 = 0;
+/// [`PlaneLimits::kv_dtype`]: f32.
+pub const KV_DTYPE_F32: u8 = 1;
+/// [`PlaneLimits::kv_dtype`]: bf16.
+pub const KV_DTYPE_BF16: u8 = 2;
+/// [`PlaneLimits::kv_dtype`]: f16.
+pub const KV_DTYPE_F16: u8 = 3;
 
 impl PlaneLimits {
     /// Block-table entries per slot.
@@ -129,7 +143,7 @@ impl PlaneLimits {
         spare[4] = self.max_inflight as u64;
         spare[5] = self.model_fingerprint;
         spare[6] = self.weights_fingerprint;
-        spare[7] = u64::from(self.priority_scheduling);
+        spare[7] = u64::from(self.priority_scheduling) | u64::from(self.kv_dtype) << 8;
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -153,6 +167,7 @@ impl PlaneLimits {
             model_fingerprint: l.spare[5],
             weights_fingerprint: l.spare[6],
             priority_scheduling: l.spare[7] & 1 != 0,
+            kv_dtype: (l.spare[7] >> 8) as u8,
         }
     }
 }
@@ -203,6 +218,7 @@ mod tests {
             model_fingerprint: 0x1234_5678_9abc_def0,
             weights_fingerprint: 0x0fed_cba9_8765_4321,
             priority_scheduling: true,
+            kv_dtype: KV_DTYPE_BF16,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

@@ -47,6 +47,9 @@ pub struct DaemonConfig {
     /// The weights' fingerprint (`baton_model::weights_fingerprint`), published for workers
     /// to check at attach (0: unknown, unchecked).
     pub weights_fingerprint: u64,
+    /// The CPU KV cache's dtype the pool was sized for (`baton_proto::plane::KV_DTYPE_*`),
+    /// published for CPU workers to follow or check.
+    pub kv_dtype: u8,
     /// The step watchdog: when launches are in flight and no completion has arrived for this
     /// long, the worker is taken as hung and killed (SIGKILL), so the usual worker-death path
     /// requeues its requests once the kernel has released its liveness lock; its KV pages are
@@ -157,6 +160,7 @@ impl SchedulerDaemon {
             model_fingerprint: cfg.model_fingerprint,
             weights_fingerprint: cfg.weights_fingerprint,
             priority_scheduling: cfg.sched.policy == crate::SchedulingPolicy::Priority,
+            kv_dtype: cfg.kv_dtype,
         };
         let control = limits.control_spec();
         // Waits out a half-made segment of a predecessor killed while creating it (taken as
