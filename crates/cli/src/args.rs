@@ -228,11 +228,11 @@ impl KvCacheDtype {
 /// # Errors
 /// Anything else; vLLM's fp8 types get their own message (not supported).
 pub fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype, String> {
+    if let Some(d) = DType::from_name(s) {
+        return Ok(KvCacheDtype::Is(d));
+    }
     Ok(match s.trim().to_ascii_lowercase().as_str() {
         "auto" => KvCacheDtype::Auto,
-        "bfloat16" | "bf16" => KvCacheDtype::Is(DType::BF16),
-        "float16" | "fp16" | "f16" | "half" => KvCacheDtype::Is(DType::F16),
-        "float32" | "fp32" | "f32" | "float" => KvCacheDtype::Is(DType::F32),
         x if x.starts_with("fp8") => {
             return Err(format!(
                 "{s:?}: fp8 KV caches are not supported; use auto, bfloat16, float16 or float32"

@@ -585,11 +585,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             // The cache is zero-filled at once: refuse what this machine cannot hold
             // rather than be killed by the OOM killer part way.
             let kv_dtype = match a.kv_cache_dtype {
-                crate::args::KvCacheDtype::Auto => match a.cpu_dtype {
-                    Dtype::Bf16 => baton_model::DType::BF16,
-                    Dtype::F16 => baton_model::DType::F16,
-                    Dtype::F32 => baton_model::DType::F32,
-                },
+                crate::args::KvCacheDtype::Auto => crate::cuda_args::model_dtype(a.cpu_dtype),
                 crate::args::KvCacheDtype::Is(d) => d,
             };
             let kv_bytes = num_blocks as f64

@@ -10,16 +10,9 @@ use clap::Args;
 /// # Errors
 /// `kv` names another dtype than `cuda.dtype`.
 pub fn check_cuda_kv_dtype(kv: crate::args::KvCacheDtype, cuda: &CudaArgs) -> Result<()> {
-    use baton_model::DType;
     let same = match kv {
         crate::args::KvCacheDtype::Auto => true,
-        crate::args::KvCacheDtype::Is(d) => {
-            d == match cuda.dtype {
-                Dtype::Bf16 => DType::BF16,
-                Dtype::F16 => DType::F16,
-                Dtype::F32 => DType::F32,
-            }
-        }
+        crate::args::KvCacheDtype::Is(d) => d == model_dtype(cuda.dtype),
     };
     anyhow::ensure!(
         same,
@@ -30,6 +23,15 @@ pub fn check_cuda_kv_dtype(kv: crate::args::KvCacheDtype, cuda: &CudaArgs) -> Re
         kv.name()
     );
     Ok(())
+}
+
+/// The model crate's name for a CUDA element type.
+pub fn model_dtype(d: Dtype) -> baton_model::DType {
+    match d {
+        Dtype::Bf16 => baton_model::DType::BF16,
+        Dtype::F16 => baton_model::DType::F16,
+        Dtype::F32 => baton_model::DType::F32,
+    }
 }
 
 /// Flags of `--device cuda` (vLLM's names).

@@ -82,14 +82,13 @@ impl PagedKvCache {
     }
 
     /// The KV dtype `--kv-cache-dtype auto` means for `cfg` (vLLM: the model's dtype):
-    /// config.json's `torch_dtype` when it is `bfloat16` or `float16` (also `bf16`, `f16`,
-    /// `half`), else f32 (`float32`, absent, or a dtype the CPU does not store).
+    /// config.json's `torch_dtype` ([`DType::from_name`]), else f32 (absent, or a dtype the
+    /// CPU does not store).
     pub fn auto_dtype(cfg: &ModelConfig) -> DType {
-        match cfg.torch_dtype.as_deref() {
-            Some("bfloat16" | "bf16") => DType::BF16,
-            Some("float16" | "f16" | "fp16" | "half") => DType::F16,
-            _ => DType::F32,
-        }
+        cfg.torch_dtype
+            .as_deref()
+            .and_then(DType::from_name)
+            .unwrap_or(DType::F32)
     }
 
     /// As [`PagedKvCache::try_new`], storing K and V as `dtype`: memory
@@ -190,7 +189,7 @@ impl PagedKvCache {
             x.iter().map(|e| e.to_f32()).collect()
         }
         Some(match &self.data {
-            KvData::F32(k, v) => (k[r.clone()].to_vec(), v[r].to_vec()),
+            KvData::F32(k, v) => (widen(&k[r.clone()]), widen(&v[r])),
             KvData::Bf16(k, v) => (widen(&k[r.clone()]), widen(&v[r])),
             KvData::F16(k, v) => (widen(&k[r.clone()]), widen(&v[r])),
         })
@@ -207,8 +206,8 @@ impl PagedKvCache {
         let w = k_row.len();
         match &mut self.data {
             KvData::F32(k, v) => {
-                k[o..o + w].copy_from_slice(k_row);
-                v[o..o + w].copy_from_slice(v_row);
+                put(&mut k[o..o + w], k_row);
+                put(&mut v[o..o + w], v_row);
             }
             KvData::Bf16(k, v) => {
                 put(&mut k[o..o + w], k_row);

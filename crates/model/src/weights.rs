@@ -172,6 +172,18 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
         }
     }
+
+    /// The dtype a name means, case-insensitively: PyTorch's (`float32`, `bfloat16`,
+    /// `float16`, as config.json's `torch_dtype` and vLLM's flags spell them) or a short one
+    /// (`f32`/`fp32`/`float`, `bf16`, `f16`/`fp16`/`half`). `None` for anything else.
+    pub fn from_name(name: &str) -> Option<DType> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "float32" | "fp32" | "f32" | "float" => Some(DType::F32),
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            "float16" | "fp16" | "f16" | "half" => Some(DType::F16),
+            _ => None,
+        }
+    }
 }
 
 /// One stored tensor, borrowed from the memory map.
