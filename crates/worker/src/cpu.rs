@@ -70,11 +70,6 @@ impl CpuBackend {
     pub fn model(&self) -> &CpuModel {
         &self.model
     }
-
-    /// The dtype the KV cache is stored in.
-    pub fn kv_dtype(&self) -> DType {
-        self.kv.dtype()
-    }
 }
 
 impl Backend for CpuBackend {
