@@ -20,6 +20,28 @@ fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
 }
 
 fn serve_on(instance: &str, port: u16, dir: &std::path::Path, extra: &[&str]) -> (Proc, String) {
+    let (child, mut err) = serve_until_ready(instance, port, dir, extra);
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (
+        Proc {
+            child,
+            name: "serve",
+        },
+        format!("127.0.0.1:{port}"),
+    )
+}
+
+/// Starts `baton serve` and reads its stderr up to the "ready on" line; the caller owns the
+/// rest of the pipe.
+fn serve_until_ready(
+    instance: &str,
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::Child, BufReader<std::process::ChildStderr>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args([
             "serve",
@@ -48,17 +70,7 @@ fn serve_on(instance: &str, port: u16, dir: &std::path::Path, extra: &[&str]) ->
             panic!("baton serve exited before it was ready");
         }
     }
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
-    (
-        Proc {
-            child,
-            name: "serve",
-        },
-        format!("127.0.0.1:{port}"),
-    )
+    (child, err)
 }
 
 /// `POST /v1/completions` with `body`: the whole response and its JSON body (`null` when it
@@ -505,4 +517,44 @@ fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_p
     serve.signal(Signal::SIGTERM);
     assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
     let _ = std::fs::remove_dir_all(gen_dir);
+}
+
+/// Nobody reading serve's stderr any more (`baton serve 2>&1 | head -2` closes the pipe) must
+/// not take serve down: it goes on serving, restarts a killed worker (which it logs), and
+/// still stops cleanly on SIGTERM. `eprintln!` used to panic it with exit 101 here.
+#[test]
+fn serve_keeps_serving_when_nobody_reads_its_stderr() {
+    let _serial = serial();
+    let inst = instance("serve-epipe");
+    let (child, err) = serve_until_ready(&inst, 18308, &model_dir(), &[]);
+    drop(err);
+    let mut serve = Proc {
+        child,
+        name: "serve",
+    };
+    let addr = "127.0.0.1:18308".to_string();
+    let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 8});
+    let (resp, _) = post_completion(&addr, &body);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let worker = children(serve.pid())
+        .into_iter()
+        .find(|(_, c)| c.contains(" worker "))
+        .expect("worker child");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker.0), Signal::SIGKILL).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            children(serve.pid())
+                .iter()
+                .any(|(p, c)| c.contains(" worker ") && *p != worker.0)
+                && health(&addr) == 200
+        }),
+        "the worker was not restarted"
+    );
+    let (resp, _) = post_completion(&addr, &body);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    serve.signal(Signal::SIGTERM);
+    let status = serve
+        .wait_timeout(Duration::from_secs(20))
+        .expect("baton serve ignored SIGTERM");
+    assert!(status.success(), "baton serve exited with {status:?}");
 }

@@ -321,7 +321,11 @@ pub fn run_serve(args: ServeArgs, command_line: String) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     let report = rt.block_on(bench(&args, command_line, progress_bar))?;
-    print!("{}", report.table());
+    {
+        // A closed stdout (`| head`) must not cost the JSON and the plot below, nor panic.
+        use std::io::Write as _;
+        let _ = std::io::stdout().write_all(report.table().as_bytes());
+    }
     if let Some(p) = &args.result_json {
         std::fs::write(p, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing {}", p.display()))?;

@@ -249,7 +249,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::MockServer(a) => baton_bench::run_mock(a),
         BenchCmd::Sched(a) => {
             let mut rows = Vec::new();
-            println!(
+            outln!(
                 "{:>8} {:>22} {:>18} {:>22} {:>26}",
                 "seqs",
                 "sched CPU us/step",
@@ -260,7 +260,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             for &n in &a.num_seqs {
                 let (cpu_us, local_rate) = sched_cpu_per_step(n, a.steps);
                 let (ring_rate, daemon_us) = rings_steps_per_sec(n, a.steps)?;
-                println!(
+                outln!(
                     "{n:>8} {cpu_us:>22.1} {local_rate:>18.0} {ring_rate:>22.0} {daemon_us:>26.1}"
                 );
                 rows.push(serde_json::json!({

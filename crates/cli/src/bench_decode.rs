@@ -711,7 +711,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             breakdown,
         });
     }
-    println!(
+    outln!(
         "decode on {label}: prompt {} gen {}, {sampling}, {} in flight, copy bandwidth {:.1} GB/s, \
          weights {:.2} GB",
         a.prompt_len,
@@ -721,7 +721,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         (shape.weight_elems_read_per_step() * elem_bytes) as f64 / 1e9
     );
     let device = points.iter().any(|p| p.device_ms_per_step.is_some());
-    println!(
+    outln!(
         "{:>6} {:>12} {:>14} {:>12} {:>14}{}",
         "batch",
         "ms/step",
@@ -736,23 +736,31 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             _ if device => format!(" {:>16}", "-"),
             _ => String::new(),
         };
-        println!(
+        outln!(
             "{:>6} {:>12.3} {:>14.1} {:>12.3} {:>14.2}{dev}",
-            p.batch, p.ms_per_step, p.output_tokens_per_s, p.floor_ms, p.ratio
+            p.batch,
+            p.ms_per_step,
+            p.output_tokens_per_s,
+            p.floor_ms,
+            p.ratio
         );
     }
     for p in points.iter().filter(|p| !p.breakdown.is_empty()) {
         let total: f64 = p.breakdown.iter().map(|k| k.total_us).sum();
-        println!(
+        outln!(
             "\nbatch {}: one eager decode step, kernel by kernel ({:.1} us in all)",
-            p.batch, total
+            p.batch,
+            total
         );
-        println!(
+        outln!(
             "{:>40} {:>6} {:>10} {:>6}",
-            "kernel", "calls", "us", "share"
+            "kernel",
+            "calls",
+            "us",
+            "share"
         );
         for k in &p.breakdown {
-            println!(
+            outln!(
                 "{:>40} {:>6} {:>10.1} {:>5.1}%",
                 k.name,
                 k.calls,

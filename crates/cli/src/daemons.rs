@@ -239,7 +239,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         format!(" ({} on a CPU worker)", KvCacheDtype::Is(d).name())
     });
     let mut d = SchedulerDaemon::create(cfg)?;
-    eprintln!(
+    say!(
         "baton scheduler: instance {} ready ({} KV pages of {} tokens{kv}, max model len {}, max {} seqs, async scheduling {})",
         a.instance,
         sched.num_blocks,
@@ -250,7 +250,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     );
     d.run(&stop);
     drop(d);
-    eprintln!("baton scheduler: stopped, segment removed");
+    say!("baton scheduler: stopped, segment removed");
     Ok(())
 }
 
@@ -307,7 +307,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 CpuBackend::try_new(model, limits.num_blocks, limits.block_size, kv_dtype)
                     .map_err(anyhow::Error::msg)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
-            eprintln!(
+            say!(
                 "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
                  threads, {} KV cache) attached to {}",
                 dir.display(),
@@ -327,7 +327,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             let weights = loaded.weights_fingerprint;
             let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
-            eprintln!(
+            say!(
                 "baton worker: cuda backend ({}) attached to {}",
                 dir.display(),
                 a.instance
@@ -346,7 +346,7 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             };
             let backend = NullBackend::new(cap, vocab, a.null_token);
             let mut w = WorkerDaemon::new(segment, limits, backend, 0, wait)?;
-            eprintln!("baton worker: null backend attached to {}", a.instance);
+            say!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop)?;
         }
     }

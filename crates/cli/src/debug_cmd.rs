@@ -209,7 +209,7 @@ pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
 
 fn report(what: &str, got: &[u32], want: &[u32]) -> usize {
     if got == want {
-        println!("PASS {what}");
+        outln!("PASS {what}");
         0
     } else {
         let at = got
@@ -217,7 +217,7 @@ fn report(what: &str, got: &[u32], want: &[u32]) -> usize {
             .zip(want)
             .position(|(a, b)| a != b)
             .unwrap_or(got.len().min(want.len()));
-        println!("FAIL {what}: first difference at output {at} (got {got:?}, want {want:?})");
+        outln!("FAIL {what}: first difference at output {at} (got {got:?}, want {want:?})");
         1
     }
 }
@@ -423,7 +423,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 cpu.forward_layers_forced(&mut kv_forced, &fw, &gpu_layers)?;
             for (li, g) in gpu_layers.iter().enumerate() {
                 let e = rel_err(g, &forced_layers[li]);
-                println!(
+                outln!(
                     "{} step {} layer {li}: rel err {e:.3e} (tol {:.1e}; accumulated from the embedding {:.3e})",
                     judge(e, a.tol, &mut failed),
                     si + 1,
@@ -434,7 +434,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
             for (ri, g) in gpu_logits.iter().enumerate() {
                 let (f, c) = (&forced_logits[ri], &cpu_logits[ri]);
                 let e = rel_err(g, f);
-                println!(
+                outln!(
                     "{} step {} row {ri} logits (final norm and LM head): rel err {e:.3e} (tol {:.1e}; accumulated {:.3e}), argmax cuda {} cpu {}",
                     judge(e, a.tol, &mut failed),
                     si + 1,
@@ -447,7 +447,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
         } else {
             for (ri, (g, c)) in gpu_logits.iter().zip(&cpu_logits).enumerate() {
                 let e = rel_err(g, c);
-                println!(
+                outln!(
                     "{} step {} row {ri} logits: rel err {e:.3e} (tol {:.1e}), argmax cuda {} cpu {}",
                     judge(e, a.tol, &mut failed),
                     si + 1,

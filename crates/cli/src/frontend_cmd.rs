@@ -357,10 +357,11 @@ pub fn run(a: FrontendArgs) -> Result<()> {
                 // this start is slow.
                 if !told_full {
                     told_full = true;
-                    eprintln!(
+                    say!(
                         "baton frontend: every frontend slot of instance {} is taken; waiting up \
                          to {} s for one to free",
-                        a.instance, a.attach_timeout
+                        a.instance,
+                        a.attach_timeout
                     );
                 }
                 std::thread::sleep(Duration::from_millis(50));
@@ -430,8 +431,8 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         let (listener, addr) = baton_frontend::bind(&config.host, config.port).await?;
         // One line on stdout, which `baton serve` reads for the bound port; the slot goes to
         // the log.
-        println!("listening on http://{addr}");
-        eprintln!(
+        outln!("listening on http://{addr}");
+        say!(
             "baton frontend: attached to instance {} as frontend slot {}",
             a.instance,
             engine.index()

@@ -1,7 +1,9 @@
 //! `baton generate`: offline generation over the in-process engine.
 
-use crate::args::EngineArgs;
-use crate::cuda_args::{build_cuda, check_cuda_device, check_cuda_kv_dtype, CudaArgs, CudaSizes};
+use crate::args::{EngineArgs, KvCacheDtype};
+use crate::cuda_args::{
+    build_cuda, check_cuda_device, check_cuda_kv_dtype, model_dtype, CudaArgs, CudaSizes,
+};
 use crate::engine::LocalEngine;
 use anyhow::{bail, Context, Result};
 use baton_model::{GenerationConfig, GenerationConfigSource, LoadFormat, ModelDir, Tokenizer};
@@ -394,6 +396,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
             let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;
+            say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype);
             run_on(
                 LocalEngine::new(cfg, backend),
                 &a,
@@ -413,6 +416,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             };
             let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
             cfg.num_blocks = backend.kv_capacity().num_blocks;
+            say_kv_cache(cfg.num_blocks, cfg.block_size, model_dtype(a.cuda.dtype));
             run_on(
                 LocalEngine::new(cfg, backend),
                 &a,
@@ -423,6 +427,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             )
         }
     }
+}
+
+/// The KV cache's line on stderr: its pages and the dtype `--kv-cache-dtype` resolved to.
+fn say_kv_cache(num_blocks: usize, block_size: usize, dtype: baton_model::DType) {
+    say!(
+        "KV cache: {num_blocks} pages of {block_size} tokens in {}",
+        KvCacheDtype::Is(dtype).name()
+    );
 }
 
 fn run_on<B: Backend>(
@@ -470,14 +482,14 @@ fn run_on<B: Backend>(
     for (i, g) in gens.iter().enumerate() {
         let n = g.ids.len();
         if g.finish_reason == FinishReason::Length && n < max_tokens as usize {
-            eprintln!(
+            say!(
                 "note: prompt {i} stopped at the maximum model length ({max_model_len} tokens) \
                  after {n} of --max-tokens {max_tokens}"
             );
         }
     }
     let tokens: usize = gens.iter().map(|g| g.ids.len()).sum();
-    eprintln!(
+    say!(
         "generated {tokens} tokens for {} prompts in {secs:.3} s ({:.1} tokens/s)",
         gens.len(),
         tokens as f64 / secs.max(1e-9)

@@ -3,6 +3,27 @@
 //! The offline path runs the same [`baton_scheduler::Scheduler`] and the same
 //! [`baton_worker::Backend`] as the daemons, connected by in-process queues instead of rings.
 
+/// `eprintln!` that never panics: when nobody reads stderr any more (`baton serve 2>&1 | head -2`
+/// closes the pipe), the line is dropped and the process goes on serving. `eprintln!` panics on
+/// EPIPE, which took `baton serve` down with exit 101.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `println!` that never panics, for report lines: a closed stdout (`baton bench decode | head -3`)
+/// drops them. Output a caller must not lose goes through `writeln!` and `?` instead.
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub mod args;
 pub mod bench;
 pub mod bench_decode;

@@ -174,7 +174,7 @@ fn cuda_kv_blocks(a: &ServeArgs) -> Result<usize> {
         .context("sizing the KV cache for --device cuda")?;
     let n = baton_cuda::CudaWorker::plan_kv_blocks(&cfg, &opts, free, total)
         .context("sizing the KV cache for --device cuda")?;
-    eprintln!(
+    say!(
         "baton serve: KV cache sized for --gpu-memory-utilization {} of cuda:{} ({:.1} of {:.1} GiB free): {n} pages of {} tokens",
         a.cuda.gpu_memory_utilization,
         a.cuda.cuda_device,
@@ -390,7 +390,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 if line.contains(" ready (") {
                     let _ = ready_tx.send(());
                 }
-                eprintln!("{line}");
+                say!("{line}");
             }
         });
     }
@@ -407,7 +407,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if stop.load(Ordering::Relaxed) {
             // SIGINT/SIGTERM before the scheduler is ready: a requested stop, as below.
             shutdown(&mut kids);
-            eprintln!("baton serve: stopped during start-up");
+            say!("baton serve: stopped during start-up");
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -444,7 +444,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if stop.load(Ordering::Relaxed) {
             // SIGINT/SIGTERM while the children start: a requested stop, not a failure.
             shutdown(&mut kids);
-            eprintln!("baton serve: stopped during start-up");
+            say!("baton serve: stopped during start-up");
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -467,22 +467,26 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .ok()
         .map(|l| baton_proto::plane::PlaneLimits::from_limits(&l));
     let kv = limits.map_or_else(String::new, |l| {
+        let dtype = crate::args::KvCacheDtype::from_code(l.kv_dtype)
+            .map_or_else(String::new, |d| {
+                format!(" in {}", crate::args::KvCacheDtype::Is(d).name())
+            });
         format!(
-            ", KV capacity {} pages x {} tokens = {} tokens, max model len {}",
+            ", KV capacity {} pages x {} tokens = {} tokens{dtype}, max model len {}",
             l.num_blocks,
             l.block_size,
             l.num_blocks * l.block_size,
             l.max_model_len
         )
     });
-    eprintln!("baton serve: ready on http://{addr}, model {model} ({device}){kv}");
+    say!("baton serve: ready on http://{addr}, model {model} ({device}){kv}");
 
     while !stop.load(Ordering::Relaxed) {
         for i in 0..kids.len() {
             let exited = kids[i].child.as_mut().map(Child::try_wait);
             let Some(Ok(Some(st))) = exited else { continue };
             if kids[i].name == "scheduler" {
-                eprintln!("baton serve: the scheduler exited ({st}); stopping");
+                say!("baton serve: the scheduler exited ({st}); stopping");
                 shutdown(&mut kids);
                 // A scheduler that died could not unlink its segment; nothing uses it now.
                 let _ = baton_ipc::Segment::remove_stale(&instance);
@@ -496,7 +500,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 k.crashes + 1
             };
             let delay = restart_delay(k.crashes);
-            eprintln!(
+            say!(
                 "baton serve: {} exited ({st}); restarting in {:.2} s",
                 k.name,
                 delay.as_secs_f64()
@@ -524,7 +528,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("baton serve: shutting down");
+    say!("baton serve: shutting down");
     shutdown(&mut kids);
     Ok(())
 }

@@ -29,7 +29,7 @@ pub fn run(cmd: TraceCmd) -> Result<()> {
                 .with_context(|| format!("opening trace {}", a.file.display()))?;
             let s = baton_scheduler::check_trace(std::io::BufReader::new(f))
                 .map_err(|v| anyhow::anyhow!("{}: {v}", a.file.display()))?;
-            println!(
+            outln!(
                 "ok: {} lines, {} requests, {} launches ({} membership changes), {} tokens published, {} cancels, {} pages reclaimed, {} requests finished with a launch in flight",
                 s.lines, s.requests, s.launches, s.membership_changes, s.published, s.cancels, s.reclaimed_pages, s.finished_with_launch_in_flight
             );
