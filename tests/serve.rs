@@ -20,7 +20,7 @@ fn serve_with(instance: &str, port: u16, extra: &[&str]) -> (Proc, String) {
 }
 
 fn serve_on(instance: &str, port: u16, dir: &std::path::Path, extra: &[&str]) -> (Proc, String) {
-    let (child, mut err) = serve_until_ready(instance, port, dir, extra);
+    let (child, mut err) = serve_until_ready(instance, port, dir, extra, &[]);
     std::thread::spawn(move || {
         let mut sink = String::new();
         let _ = err.read_to_string(&mut sink);
@@ -41,6 +41,7 @@ fn serve_until_ready(
     port: u16,
     dir: &std::path::Path,
     extra: &[&str],
+    env: &[(&str, &str)],
 ) -> (std::process::Child, BufReader<std::process::ChildStderr>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args([
@@ -55,6 +56,7 @@ fn serve_until_ready(
         ])
         .arg(dir)
         .args(extra)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -521,12 +523,14 @@ fn serve_with_generation_config_dir_stops_on_its_eos_ids_and_models_report_the_p
 
 /// Nobody reading serve's stderr any more (`baton serve 2>&1 | head -2` closes the pipe) must
 /// not take serve down: it goes on serving, restarts a killed worker (which it logs), and
-/// still stops cleanly on SIGTERM. `eprintln!` used to panic it with exit 101 here.
+/// still stops cleanly on SIGTERM. `eprintln!` used to panic it with exit 101 here, and at
+/// `BATON_LOG=info` the frontend and worker, which write their logs straight to that pipe,
+/// panicked on their next line (tracing-subscriber's fallback `eprintln!`).
 #[test]
 fn serve_keeps_serving_when_nobody_reads_its_stderr() {
     let _serial = serial();
     let inst = instance("serve-epipe");
-    let (child, err) = serve_until_ready(&inst, 18308, &model_dir(), &[]);
+    let (child, err) = serve_until_ready(&inst, 18308, &model_dir(), &[], &[("BATON_LOG", "info")]);
     drop(err);
     let mut serve = Proc {
         child,

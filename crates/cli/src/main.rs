@@ -69,7 +69,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("BATON_LOG")
                 .unwrap_or_else(|_| "warn".into()),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(|| QuietStderr)
         // Colours only on a terminal, so redirected logs stay plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -102,4 +102,21 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+/// stderr for log lines, dropping what cannot be written. On a write error tracing-subscriber
+/// reports it with `eprintln!`, which panics on a closed pipe (`baton serve 2>&1 | head -2`
+/// at `BATON_LOG=info`): a daemon's log line is not worth the daemon.
+struct QuietStderr;
+
+impl std::io::Write for QuietStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
 }
