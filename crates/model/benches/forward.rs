@@ -1,8 +1,8 @@
 //! The CPU reference forward pass on a SmolLM-135M-shaped model (hidden 576, 30 layers, 9
 //! heads of 64, 3 KV heads, intermediate 1536, vocabulary 49152, tied embeddings; seeded
 //! random weights): one decode step at batch 1, 16 and 64 (each sequence 128 tokens in), a
-//! 256-token prefill, and one decode step at batch 1 and 4 with 2048 tokens in (where the
-//! attention's share grows), on `BATON_BENCH_THREADS` threads (default 2).
+//! 256-token prefill, and one decode step at batch 1 and 4 and a 256-token prefill chunk with
+//! 2048 tokens in (where the attention's share grows), on `BATON_BENCH_THREADS` threads (default 2).
 //!
 //! `cargo bench -p baton-model --bench forward`. Results: `bench/RESULTS.md`.
 
@@ -114,6 +114,23 @@ fn main() {
             };
             model.forward(&mut kv, &[row]).expect("prefill");
         }
+        // The last 256 prompt tokens again, as a prefill chunk: each attends to 1793..2048
+        // positions (a long prompt's later chunks; `--max-num-batched-tokens` chunking).
+        let tail = long_ctx - 256;
+        g.throughput(Throughput::Elements(256));
+        let id = format!("prefill_tail256_kv_{dtype:?}").to_lowercase();
+        g.bench_function(id, |b| {
+            b.iter(|| {
+                let row = ForwardRow {
+                    tokens: &long_prompt[tail..],
+                    start_pos: tail,
+                    block_table: &long_tables[0],
+                    want_logits: true,
+                    all_logits: false,
+                };
+                model.forward(&mut kv, &[row]).expect("prefill")
+            })
+        });
         for batch in [1usize, long_batch] {
             g.throughput(Throughput::Elements(batch as u64));
             let id = BenchmarkId::new(format!("decode_kv_{dtype:?}").to_lowercase(), batch);

@@ -91,6 +91,11 @@ fn vector_path() -> bool {
 /// Positions per softmax partition (a multiple of 8).
 pub(crate) const PARTITION: usize = 256;
 
+/// Positions per pass of the vector path's `Σ e·v` loop over the group's heads: 32 V rows
+/// of a head dim of 128 in f32 are 16 KiB, which stays in L1 while each head reads them.
+#[cfg(target_arch = "x86_64")]
+const V_CHUNK: usize = 32;
+
 /// Where one layer's K and V rows are: `k` and `v` are the whole cache (`[layer][page][slot]
 /// [kv_head][head_dim]` of `E`); position `p` of a sequence with block table `table` is at
 /// `layer_off + (table[p / block_size] * block_size + p % block_size) * stride`, plus
@@ -165,6 +170,10 @@ impl TaskScratch {
 pub(crate) struct JobScratch {
     parts: Vec<f32>,
     task: TaskScratch,
+    /// [`attend_tile`]'s shared partitions: `[partition][token][task_len]`.
+    shared: Vec<f32>,
+    /// [`attend_tile`]'s gathered queries, `[token][group][head_dim]`.
+    pub(crate) q: Vec<f32>,
 }
 
 impl JobScratch {
@@ -173,9 +182,15 @@ impl JobScratch {
         JobScratch {
             parts: Vec::new(),
             task: TaskScratch::new(group),
+            shared: Vec::new(),
+            q: Vec::new(),
         }
     }
 }
+
+/// Query tokens of one sequence per [`attend_tile`] call: a prefill chunk's tokens read each
+/// shared partition's K and V rows once per tile instead of once per token.
+pub(crate) const TILE: usize = 8;
 
 /// Causal attention of one token's query heads `q` (`[group][head_dim]`, those of KV head
 /// `kv_head`) over positions `0..n_ctx` of the sequence whose pages are `table`: every
@@ -231,6 +246,73 @@ pub(crate) fn attend<E: KvElem>(
         kv.head_dim,
         out,
     );
+}
+
+/// [`attend`] for `t` consecutive query tokens of one sequence, token `i` attending to
+/// positions `0..n0 + i` (a prefill chunk): `q` is `[t][group][head_dim]` (those of KV head
+/// `kv_head`), `out` gets `[t][group][head_dim]`. The partitions every token sees whole
+/// (`0..n0 / PARTITION`) run once for all `t * group` query heads, as if they were one
+/// token's group (each head's arithmetic is its own, so the bits are those of `attend`); the
+/// rest run per token, and each token's partitions are combined as in `attend`.
+///
+/// Memory: `n0 / PARTITION * t * task_len(group, head_dim)` values of scratch, per thread.
+///
+/// # Panics
+/// As [`partition`]; `n0` and `t` are at least 1.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_tile<E: KvElem>(
+    kv: KvLayer<E>,
+    table: &[u32],
+    kv_head: usize,
+    n0: usize,
+    t: usize,
+    q: &[f32],
+    scale: f32,
+    scratch: &mut JobScratch,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let group = q.len() / hd / t;
+    let tl = task_len(group, hd);
+    let full = n0 / PARTITION;
+    if scratch.shared.len() < full * t * tl {
+        scratch.shared.resize(full * t * tl, 0.0);
+    }
+    for (j, o) in scratch.shared[..full * t * tl]
+        .chunks_mut(t * tl)
+        .enumerate()
+    {
+        let (p0, p1) = (j * PARTITION, (j + 1) * PARTITION);
+        partition(kv, table, kv_head, p0, p1, q, scale, &mut scratch.task, o);
+    }
+    for i in 0..t {
+        let n_ctx = n0 + i;
+        let n_parts = n_ctx.div_ceil(PARTITION);
+        let own = n_parts - full;
+        if scratch.parts.len() < own * tl {
+            scratch.parts.resize(own * tl, 0.0);
+        }
+        let qi = &q[i * group * hd..(i + 1) * group * hd];
+        for (j, o) in scratch.parts[..own * tl].chunks_mut(tl).enumerate() {
+            let p0 = (full + j) * PARTITION;
+            let p1 = (p0 + PARTITION).min(n_ctx);
+            partition(kv, table, kv_head, p0, p1, qi, scale, &mut scratch.task, o);
+        }
+        let (shared, parts) = (&scratch.shared, &scratch.parts);
+        combine(
+            |j| {
+                if j < full {
+                    &shared[(j * t + i) * tl..(j * t + i + 1) * tl]
+                } else {
+                    &parts[(j - full) * tl..(j - full + 1) * tl]
+                }
+            },
+            n_parts,
+            group,
+            hd,
+            &mut out[i * group * hd..(i + 1) * group * hd],
+        );
+    }
 }
 
 /// One partition task: the query heads `q` (`[group][head_dim]`, those of KV head `kv_head`)
@@ -384,7 +466,7 @@ mod avx2 {
     //! The partition task with AVX2 + FMA (a head dim's last partial group of eight read
     //! and written through lane masks).
 
-    use super::{KvElem, KvLayer, PARTITION};
+    use super::{KvElem, KvLayer, PARTITION, V_CHUNK};
     use crate::linear::avx2::hsum;
     use crate::vmath::avx2::exp8;
     use crate::weights::DType;
@@ -547,55 +629,83 @@ mod avx2 {
                     lanes = _mm256_add_ps(lanes, e);
                 }
             }
-            let l = hsum(lanes);
-            let o = &mut out[h * (hd + 2)..(h + 1) * (hd + 2)];
-            o[0] = m;
-            o[1] = l;
-            let op = o[2..].as_mut_ptr();
-            // o = Σ_p e_p v_p, up to eight vectors of head_dim at a time (independent FMA
-            // chains; the same chain per value either way).
-            let mut d = 0;
-            // Whole groups of 64 values: a fixed eight accumulators, which stay in registers.
-            while d + 64 <= hd {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for (p, &r) in rows.iter().enumerate() {
-                    let e = _mm256_set1_ps(s[p]);
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        // SAFETY: position p's V row holds hd values; d + 8 * c + 8 <= hd.
-                        let v = unsafe { ld_kv_full(vp.add(r), d + 8 * c) };
-                        *a = _mm256_fmadd_ps(e, v, *a);
-                    }
-                }
-                for (c, a) in acc.iter().enumerate() {
-                    // SAFETY: o holds hd values and d + 8 * c + 8 <= hd.
-                    unsafe { _mm256_storeu_ps(op.add(d + 8 * c), *a) };
-                }
-                d += 64;
-            }
-            while d < hd {
-                let w = (hd - d).div_ceil(8).min(8);
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for (p, &r) in rows.iter().enumerate() {
-                    let e = _mm256_set1_ps(s[p]);
-                    for (c, a) in acc.iter_mut().enumerate().take(w) {
-                        // SAFETY: position p's V row holds hd values; d + 8 * c < hd.
-                        let v = unsafe { ld_kv(vp.add(r), d + 8 * c) };
-                        *a = _mm256_fmadd_ps(e, v, *a);
-                    }
-                }
-                for (c, a) in acc.iter().enumerate().take(w) {
-                    let dc = d + 8 * c;
-                    // SAFETY: o holds hd values and dc < hd; the masked store writes dc..hd.
-                    unsafe {
-                        if dc + 8 <= hd {
-                            _mm256_storeu_ps(op.add(dc), *a)
-                        } else {
-                            _mm256_maskstore_ps(op.add(dc), tail, *a)
+            out[h * (hd + 2)] = m;
+            out[h * (hd + 2) + 1] = hsum(lanes);
+        }
+        // o = Σ_p e_p v_p per head, [`V_CHUNK`] positions at a time with the group's heads
+        // inside, so a chunk's V rows are read from memory once and from L1 by the other
+        // heads. Each value's chain is the same: p ascending from +0, its running value kept
+        // in `out` between chunks (an exact f32 store and load).
+        let op = out.as_mut_ptr();
+        let mut c0 = 0;
+        while c0 < n {
+            let chunk = &rows[c0..(c0 + V_CHUNK).min(n)];
+            for h in 0..group {
+                // SAFETY: head h's scores hold n values from sc + h * PARTITION + c0.
+                let e_h = unsafe { sc.add(h * PARTITION + c0) };
+                // SAFETY: head h's o holds hd values from op + h * (hd + 2) + 2.
+                let oh = unsafe { op.add(h * (hd + 2) + 2) };
+                // Up to eight vectors of head_dim at a time (independent FMA chains).
+                let mut d = 0;
+                // Whole groups of 64 values: a fixed eight accumulators, which stay in
+                // registers.
+                while d + 64 <= hd {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    if c0 > 0 {
+                        for (c, a) in acc.iter_mut().enumerate() {
+                            // SAFETY: d + 8 * c + 8 <= hd values of o.
+                            *a = unsafe { _mm256_loadu_ps(oh.add(d + 8 * c)) };
                         }
                     }
+                    for (p, &r) in chunk.iter().enumerate() {
+                        // SAFETY: p < chunk.len() scores of this chunk.
+                        let e = _mm256_set1_ps(unsafe { *e_h.add(p) });
+                        for (c, a) in acc.iter_mut().enumerate() {
+                            // SAFETY: position p's V row holds hd values; d + 8 * c + 8 <= hd.
+                            let v = unsafe { ld_kv_full(vp.add(r), d + 8 * c) };
+                            *a = _mm256_fmadd_ps(e, v, *a);
+                        }
+                    }
+                    for (c, a) in acc.iter().enumerate() {
+                        // SAFETY: o holds hd values and d + 8 * c + 8 <= hd.
+                        unsafe { _mm256_storeu_ps(oh.add(d + 8 * c), *a) };
+                    }
+                    d += 64;
                 }
-                d += 8 * w;
+                while d < hd {
+                    let w = (hd - d).div_ceil(8).min(8);
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    if c0 > 0 {
+                        for (c, a) in acc.iter_mut().enumerate().take(w) {
+                            // o holds hd values; d + 8 * c < hd (masked past hd).
+                            *a = ld(oh.cast_const(), d + 8 * c);
+                        }
+                    }
+                    for (p, &r) in chunk.iter().enumerate() {
+                        // SAFETY: p < chunk.len() scores of this chunk.
+                        let e = _mm256_set1_ps(unsafe { *e_h.add(p) });
+                        for (c, a) in acc.iter_mut().enumerate().take(w) {
+                            // SAFETY: position p's V row holds hd values; d + 8 * c < hd.
+                            let v = unsafe { ld_kv(vp.add(r), d + 8 * c) };
+                            *a = _mm256_fmadd_ps(e, v, *a);
+                        }
+                    }
+                    for (c, a) in acc.iter().enumerate().take(w) {
+                        let dc = d + 8 * c;
+                        // SAFETY: o holds hd values and dc < hd; the masked store writes
+                        // dc..hd.
+                        unsafe {
+                            if dc + 8 <= hd {
+                                _mm256_storeu_ps(oh.add(dc), *a)
+                            } else {
+                                _mm256_maskstore_ps(oh.add(dc), tail, *a)
+                            }
+                        }
+                    }
+                    d += 8 * w;
+                }
             }
+            c0 += V_CHUNK;
         }
     }
 
@@ -772,6 +882,81 @@ mod tests {
                     check_case::<half::bf16>(&k, &v, &table, case, n_ctx, &q, &pool);
                     check_case::<half::f16>(&k, &v, &table, case, n_ctx, &q, &pool);
                 }
+            }
+        }
+    }
+
+    /// A tile of a prefill chunk's tokens gives each token `attend`'s bits, over each cache
+    /// dtype, for tiles starting on, just after and well past a partition boundary, head dims
+    /// with and without a partial group of 8, and groups of 1 to 5.
+    #[test]
+    fn a_tile_of_tokens_gives_each_token_attends_bits() {
+        fn case<E: KvElem>(
+            k: &[f32],
+            v: &[f32],
+            table: &[u32],
+            (hd, bs): (usize, usize),
+            n0: usize,
+            q: &[f32],
+        ) {
+            let group_hd = q.len() / TILE;
+            let group = group_hd / hd;
+            let k: Vec<E> = k.iter().map(|&x| E::from_f32(x)).collect();
+            let v: Vec<E> = v.iter().map(|&x| E::from_f32(x)).collect();
+            let kv = KvLayer {
+                k: &k,
+                v: &v,
+                layer_off: 0,
+                block_size: bs,
+                stride: hd,
+                head_dim: hd,
+            };
+            let scale = 0.125;
+            for t in [1, 2, 5, TILE] {
+                let q = &q[..t * group_hd];
+                let mut tile = vec![f32::NAN; t * group_hd];
+                let mut scratch = JobScratch::new(group);
+                attend_tile(kv, table, 0, n0, t, q, scale, &mut scratch, &mut tile);
+                for i in 0..t {
+                    let mut one = vec![f32::NAN; group_hd];
+                    let qi = &q[i * group_hd..(i + 1) * group_hd];
+                    attend(
+                        kv,
+                        table,
+                        0,
+                        n0 + i,
+                        qi,
+                        scale,
+                        false,
+                        &mut scratch,
+                        &mut one,
+                    );
+                    let got = &tile[i * group_hd..(i + 1) * group_hd];
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(got),
+                        bits(&one),
+                        "{:?} hd={hd} n0={n0} t={t} token {i}",
+                        E::DTYPE
+                    );
+                }
+            }
+        }
+        let mut s = 0x5eed_0001u64;
+        for &(hd, group) in &[(64usize, 3usize), (12, 1), (20, 5)] {
+            for &n0 in &[256usize, 257, 300, 512, 700] {
+                let bs = 16;
+                let pages = (n0 + TILE).div_ceil(bs) + 2;
+                let k = rnd(pages * bs * hd, &mut s);
+                let v = rnd(pages * bs * hd, &mut s);
+                let table: Vec<u32> = (0..pages as u32).rev().collect();
+                let q: Vec<f32> = rnd(TILE * group * hd, &mut s)
+                    .iter()
+                    .map(|x| x * 8.0)
+                    .collect();
+                case::<f32>(&k, &v, &table, (hd, bs), n0, &q);
+                case::<half::bf16>(&k, &v, &table, (hd, bs), n0, &q);
+                case::<half::f16>(&k, &v, &table, (hd, bs), n0, &q);
             }
         }
     }

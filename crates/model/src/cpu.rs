@@ -241,14 +241,18 @@ struct AttentionStep<'a> {
 }
 
 impl AttentionStep<'_> {
-    /// Causal GQA attention of every token over the cache `k`/`v`: a job per (token, KV
-    /// head), its partitions split over the threads too when the step has fewer jobs than
-    /// twice the threads (a small decode batch). Writes `[T][q_heads][head_dim]` into `attn`.
+    /// Causal GQA attention of every token over the cache `k`/`v`: a job per (unit, KV head),
+    /// where a unit is one token or a tile of up to [`attention::TILE`] consecutive tokens of
+    /// a prefill chunk that share at least one whole partition ([`attention::attend_tile`]);
+    /// a single token's partitions are split over the threads too when the step has fewer
+    /// jobs than twice the threads (a small decode batch). Writes `[T][q_heads][head_dim]`
+    /// into `attn`; the bits do not depend on the units.
     fn run<E: KvElem>(&self, k: &[E], v: &[E], attn: &mut [f32]) {
         use rayon::prelude::*;
         let (kvh, hd) = (self.kv_heads, self.head_dim);
         let group = self.q_heads / kvh;
         let qkv_w = (self.q_heads + 2 * kvh) * hd;
+        let q_w = self.q_heads * hd;
         let kvl = attention::KvLayer {
             k,
             v,
@@ -258,34 +262,85 @@ impl AttentionStep<'_> {
             head_dim: hd,
         };
         let job_len = group * hd;
-        let t = self.tok_ctx.len();
-        let split = self.parallel && t * kvh < 2 * rayon::current_num_threads();
-        let run = |scratch: &mut attention::JobScratch, (job, out): (usize, &mut [f32])| {
-            let (i, g) = (job / kvh, job % kvh);
-            let (r, n_ctx) = self.tok_ctx[i];
-            let q0 = i * qkv_w + g * job_len;
-            attention::attend(
-                kvl,
-                self.rows[r].block_table,
-                g,
-                n_ctx,
-                &self.qkv[q0..q0 + job_len],
-                self.scale,
-                split,
-                scratch,
-                out,
-            );
+        let units = self.units();
+        let split = self.parallel && units.len() * kvh < 2 * rayon::current_num_threads();
+        // Job outputs, `[unit][kv head][token of the unit][group][head_dim]`: attn's own
+        // layout when every unit is one token, else a buffer scattered into attn below.
+        let tiled = units.len() < self.tok_ctx.len();
+        let mut buf = if tiled {
+            vec![0.0f32; attn.len()]
+        } else {
+            Vec::new()
+        };
+        let dst: &mut [f32] = if tiled { &mut buf } else { &mut *attn };
+        let mut jobs = Vec::with_capacity(units.len() * kvh);
+        let mut rest = dst;
+        for &(i0, n) in &units {
+            for g in 0..kvh {
+                let (o, r) = rest.split_at_mut(n * job_len);
+                jobs.push((i0, n, g, o));
+                rest = r;
+            }
+        }
+        let run = |scratch: &mut attention::JobScratch,
+                   (i0, n, g, out): (usize, usize, usize, &mut [f32])| {
+            let (r, n_ctx) = self.tok_ctx[i0];
+            let table = self.rows[r].block_table;
+            let q = |i: usize| &self.qkv[i * qkv_w + g * job_len..][..job_len];
+            if n == 1 {
+                attention::attend(kvl, table, g, n_ctx, q(i0), self.scale, split, scratch, out);
+            } else {
+                let mut qt = std::mem::take(&mut scratch.q);
+                qt.clear();
+                for i in i0..i0 + n {
+                    qt.extend_from_slice(q(i));
+                }
+                attention::attend_tile(kvl, table, g, n_ctx, n, &qt, self.scale, scratch, out);
+                scratch.q = qt;
+            }
         };
         if self.parallel {
-            attn.par_chunks_mut(job_len)
-                .enumerate()
+            jobs.into_par_iter()
                 .for_each_init(|| attention::JobScratch::new(group), run);
         } else {
             let mut scratch = attention::JobScratch::new(group);
-            for job in attn.chunks_mut(job_len).enumerate() {
+            for job in jobs {
                 run(&mut scratch, job);
             }
         }
+        if tiled {
+            let mut off = 0;
+            for &(i0, n) in &units {
+                for g in 0..kvh {
+                    for i in i0..i0 + n {
+                        attn[i * q_w + g * job_len..][..job_len]
+                            .copy_from_slice(&buf[off..off + job_len]);
+                        off += job_len;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The step's units, `(first token, tokens)`: runs of up to [`attention::TILE`]
+    /// consecutive tokens of one row whose first token attends to a whole partition or
+    /// more (its later tokens attend to more), else single tokens.
+    fn units(&self) -> Vec<(usize, usize)> {
+        let mut units = Vec::new();
+        let mut i = 0;
+        while i < self.tok_ctx.len() {
+            let (r, n_ctx) = self.tok_ctx[i];
+            let mut n = 1;
+            if n_ctx >= attention::PARTITION {
+                while n < attention::TILE && self.tok_ctx.get(i + n).is_some_and(|&(r2, _)| r2 == r)
+                {
+                    n += 1;
+                }
+            }
+            units.push((i, n));
+            i += n;
+        }
+        units
     }
 }
 
