@@ -1019,9 +1019,10 @@ impl CpuModel {
                 }
             }
 
-            // Causal GQA attention (`crate::attention`): a job per (token, KV head), its
-            // softmax partitions split over the threads too when the step has few jobs (a
-            // small decode batch); bits independent of the batch and the threads.
+            // Causal GQA attention (`crate::attention`): a job per (token or tile of a
+            // prefill chunk's tokens, KV head), a token's softmax partitions split over the
+            // threads too when the step has few jobs (a small decode batch); bits independent
+            // of the batch, the tiles and the threads.
             let step = AttentionStep {
                 rows,
                 qkv: &s.qkv,
