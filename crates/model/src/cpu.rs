@@ -262,8 +262,14 @@ impl AttentionStep<'_> {
             head_dim: hd,
         };
         let job_len = group * hd;
-        let units = self.units();
-        let split = self.parallel && units.len() * kvh < 2 * rayon::current_num_threads();
+        let threads = rayon::current_num_threads();
+        let mut units = self.units(true);
+        if self.parallel && units.len() * kvh < 2 * threads {
+            // Too few tiles to keep the threads busy (a short chunk late in a long prompt on
+            // many threads): single tokens, whose partitions split over the threads.
+            units = self.units(false);
+        }
+        let split = self.parallel && units.len() * kvh < 2 * threads;
         // Job outputs, `[unit][kv head][token of the unit][group][head_dim]`: attn's own
         // layout when every unit is one token, else a buffer scattered into attn below.
         let tiled = units.len() < self.tok_ctx.len();
@@ -322,16 +328,16 @@ impl AttentionStep<'_> {
         }
     }
 
-    /// The step's units, `(first token, tokens)`: runs of up to [`attention::TILE`]
-    /// consecutive tokens of one row whose first token attends to a whole partition or
-    /// more (its later tokens attend to more), else single tokens.
-    fn units(&self) -> Vec<(usize, usize)> {
+    /// The step's units, `(first token, tokens)`: with `tile`, runs of up to
+    /// [`attention::TILE`] consecutive tokens of one row whose first token attends to a whole
+    /// partition or more (its later tokens attend to more), else single tokens.
+    fn units(&self, tile: bool) -> Vec<(usize, usize)> {
         let mut units = Vec::new();
         let mut i = 0;
         while i < self.tok_ctx.len() {
             let (r, n_ctx) = self.tok_ctx[i];
             let mut n = 1;
-            if n_ctx >= attention::PARTITION {
+            if tile && n_ctx >= attention::PARTITION {
                 while n < attention::TILE && self.tok_ctx.get(i + n).is_some_and(|&(r2, _)| r2 == r)
                 {
                     n += 1;
