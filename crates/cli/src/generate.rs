@@ -469,15 +469,24 @@ fn run_on<B: Backend>(
     let max_model_len = engine.scheduler_mut().config().max_model_len;
 
     let mut out = std::io::stdout().lock();
-    for (i, g) in gens.iter().enumerate() {
-        if a.json {
-            writeln!(out, "{}", serde_json::to_string(g)?)?;
-        } else if gens.len() == 1 {
-            writeln!(out, "{}", g.text)?;
-        } else {
-            writeln!(out, "### [{i}] {}", g.prompt)?;
-            writeln!(out, "{}", g.text)?;
+    let mut print = || -> std::io::Result<()> {
+        for (i, g) in gens.iter().enumerate() {
+            if a.json {
+                writeln!(out, "{}", serde_json::to_string(g)?)?;
+            } else if gens.len() == 1 {
+                writeln!(out, "{}", g.text)?;
+            } else {
+                writeln!(out, "### [{i}] {}", g.prompt)?;
+                writeln!(out, "{}", g.text)?;
+            }
         }
+        out.flush()
+    };
+    match print() {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            return Err(crate::ClosedStdout.into())
+        }
+        r => r.context("writing the generations to stdout")?,
     }
     for (i, g) in gens.iter().enumerate() {
         let n = g.ids.len();

@@ -24,6 +24,20 @@ macro_rules! outln {
     }};
 }
 
+/// The error of a command whose stdout reader went away (`baton generate ... | head -1`):
+/// `main` ends quietly with status 0 on it, as a C tool dies of SIGPIPE (Rust ignores SIGPIPE,
+/// so the write fails with EPIPE instead).
+#[derive(Debug)]
+pub struct ClosedStdout;
+
+impl std::fmt::Display for ClosedStdout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for ClosedStdout {}
+
 pub mod args;
 pub mod bench;
 pub mod bench_decode;

@@ -86,22 +86,12 @@ fn main() -> ExitCode {
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
-        // A reader that went away (`baton generate ... | head -1`) ends the command quietly,
-        // as it would a C tool that died of SIGPIPE; Rust ignores SIGPIPE, so the write fails.
-        Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if e.is::<baton::ClosedStdout>() => ExitCode::SUCCESS,
         Err(e) => {
             baton::say!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
-}
-
-/// Whether `e` is, at bottom, a write to a closed pipe.
-fn broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-    })
 }
 
 /// stderr for log lines, dropping what cannot be written. On a write error tracing-subscriber

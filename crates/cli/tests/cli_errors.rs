@@ -647,3 +647,50 @@ fn the_scheduler_refuses_an_unused_tensor_of_an_unsupported_dtype_as_unused() {
     assert!(!err.contains("--load-format dummy"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A reader that goes away (`baton generate ... | head -c 5`) ends generate quietly with status
+/// 0, as a C tool dies of SIGPIPE; a stdout that cannot be written for another reason
+/// (`/dev/full`) is an error naming stdout.
+#[test]
+fn a_closed_stdout_ends_generate_quietly_and_a_full_one_is_an_error() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("generate")
+        .arg("--model")
+        .arg(common::model_dir())
+        .args([
+            "--prompt",
+            &common::goldens()[0].prompt,
+            "--max-tokens",
+            "8",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run baton");
+    // Close the read end before anything is written: the write fails with EPIPE.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("error"), "{err}");
+    let full = std::fs::File::options().write(true).open("/dev/full");
+    if let Ok(full) = full {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .arg("generate")
+            .arg("--model")
+            .arg(common::model_dir())
+            .args([
+                "--prompt",
+                &common::goldens()[0].prompt,
+                "--max-tokens",
+                "2",
+            ])
+            .stdout(full)
+            .output()
+            .expect("run baton");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("writing the generations to stdout"), "{err}");
+    }
+}
