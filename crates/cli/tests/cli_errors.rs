@@ -21,14 +21,18 @@ fn generate(extra: &[&str]) -> (Option<i32>, String) {
 
 /// Runs `baton generate --model <model> --prompt <the first golden prompt> <extra…>`.
 fn generate_in(model: &std::path::Path, extra: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_baton"))
-        .arg("generate")
+    generate_cmd(model, extra).output().expect("run baton")
+}
+
+/// The command [`generate_in`] runs.
+fn generate_cmd(model: &std::path::Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+    cmd.arg("generate")
         .arg("--model")
         .arg(model)
         .args(["--prompt", &common::goldens()[0].prompt])
-        .args(extra)
-        .output()
-        .expect("run baton")
+        .args(extra);
+    cmd
 }
 
 #[test]
@@ -654,16 +658,7 @@ fn the_scheduler_refuses_an_unused_tensor_of_an_unsupported_dtype_as_unused() {
 #[test]
 fn a_closed_stdout_ends_generate_quietly_and_a_full_one_is_an_error() {
     use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .arg("generate")
-        .arg("--model")
-        .arg(common::model_dir())
-        .args([
-            "--prompt",
-            &common::goldens()[0].prompt,
-            "--max-tokens",
-            "8",
-        ])
+    let mut child = generate_cmd(&common::model_dir(), &["--max-tokens", "8"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -676,16 +671,7 @@ fn a_closed_stdout_ends_generate_quietly_and_a_full_one_is_an_error() {
     assert!(!err.contains("error"), "{err}");
     let full = std::fs::File::options().write(true).open("/dev/full");
     if let Ok(full) = full {
-        let out = Command::new(env!("CARGO_BIN_EXE_baton"))
-            .arg("generate")
-            .arg("--model")
-            .arg(common::model_dir())
-            .args([
-                "--prompt",
-                &common::goldens()[0].prompt,
-                "--max-tokens",
-                "2",
-            ])
+        let out = generate_cmd(&common::model_dir(), &["--max-tokens", "2"])
             .stdout(full)
             .output()
             .expect("run baton");
