@@ -101,8 +101,8 @@ impl EngineArgs {
             }
             Some(n) if n > model.max_position_embeddings => {
                 return Err(format!(
-                    "--max-model-len {n} exceeds the model's max_position_embeddings {}",
-                    model.max_position_embeddings
+                    "--max-model-len {n} exceeds {}",
+                    model.context_limit()
                 ))
             }
             Some(n) => n,
@@ -294,6 +294,17 @@ pub fn cpu_threads(flag: usize) -> usize {
         flag
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+/// Says on stderr, as `who`, that the model's context is capped below config.json's
+/// `max_position_embeddings` and why ([`ModelConfig::context_cap`]); nothing when it is not.
+pub fn say_context_cap(who: &str, model: &ModelConfig) {
+    if let Some(why) = &model.context_cap {
+        crate::say!(
+            "{who}: the model's context is capped at {} positions ({why})",
+            model.max_position_embeddings
+        );
     }
 }
 

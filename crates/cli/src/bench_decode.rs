@@ -524,10 +524,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let cfg = load_config(a)?;
     let max_len = a.prompt_len + a.gen_len + 1;
     if cfg.max_position_embeddings < max_len {
-        bail!(
-            "prompt + gen ({max_len}) exceeds max_position_embeddings {}",
-            cfg.max_position_embeddings
-        );
+        bail!("prompt + gen ({max_len}) exceeds {}", cfg.context_limit());
     }
     let params = decode_params(a)?;
     if a.breakdown && a.device != BenchDevice::Cuda {

@@ -212,6 +212,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         .engine
         .scheduler_config(&model_cfg)
         .map_err(anyhow::Error::msg)?;
+    crate::args::say_context_cap("baton scheduler", &model_cfg);
     let cfg = DaemonConfig {
         instance: a.instance.clone(),
         sched: sched.clone(),

@@ -460,6 +460,32 @@ fn model_copy(tag: &str) -> std::path::PathBuf {
     dir
 }
 
+/// A Mistral model whose `sliding_window` is shorter than its positions is served up to the
+/// window, where full attention is the same (sliding-window attention is not implemented):
+/// the output is the golden one up to the window, and a longer `--max-model-len` is refused
+/// with the reason.
+#[test]
+fn a_sliding_window_caps_the_context_and_a_longer_max_model_len_is_refused() {
+    let g = &common::goldens()[0];
+    let dir = model_copy("sliding");
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["model_type"] = "mistral".into();
+    c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    c["sliding_window"] = 32.into();
+    std::fs::write(&path, c.to_string()).unwrap();
+    let (ids, finish) = generated(&dir, &["--temperature", "0", "--max-tokens", "64"]);
+    assert_eq!(ids, g.greedy_ids[..32 - g.prompt_ids.len()]);
+    assert_eq!(finish, "length");
+    let args = ["--temperature", "0", "--max-model-len", "33"];
+    let out = generate_in(&dir, &args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_fails_with(out.status.code(), &err, "--max-model-len 33", &args);
+    assert!(err.contains("32 positions (sliding_window 32"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// `baton generate --json` on `model` with `extra`: the new ids and the finish reason of the
 /// first golden prompt; fails the test if it does not exit 0.
 fn generated(model: &std::path::Path, extra: &[&str]) -> (Vec<u32>, String) {

@@ -161,12 +161,20 @@ const HD128: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama
     "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":2,
     "num_key_value_heads":1,"vocab_size":1000,"max_position_embeddings":256}"#;
 
+/// [`HD64`] as a Phi-3 with partial RoPE (half of each head rotated; the frequency-0 pairs of
+/// the permuted layout must pass through the CUDA kernels unchanged).
+const HD64_PARTIAL: &str = r#"{"architectures":["Phi3ForCausalLM"],"model_type":"phi3",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":256,
+    "partial_rotary_factor":0.5}"#;
+
 #[test]
-fn head_dim_128_and_f16_layers_match_the_cpu_reference() {
+fn head_dim_128_f16_and_partial_rope_layers_match_the_cpu_reference() {
     for (config, dtype, tol) in [
         (HD128, Dtype::Bf16, 1e-2),
         (HD128, Dtype::F32, 1e-4),
         (HD64, Dtype::F16, 1e-2),
+        (HD64_PARTIAL, Dtype::F32, 1e-4),
     ] {
         let mut a = compare_args(dtype, tol);
         a.config = Some(config.to_owned());

@@ -891,6 +891,17 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         )));
     }
+    // The attention factor is applied to the logits (see the step's `scale`), which is right
+    // only when every pair of dims is rotated.
+    if cfg.rotary_dim != cfg.head_dim && cfg.rope_attention_factor() != 1.0 {
+        return Err(CudaWorkerError::Unsupported(format!(
+            "partial RoPE (rotary_dim {} of head_dim {}) with a RoPE attention factor ({}) is \
+             not implemented on CUDA yet; --device cpu runs it",
+            cfg.rotary_dim,
+            cfg.head_dim,
+            cfg.rope_attention_factor()
+        )));
+    }
     Ok(())
 }
 
@@ -3155,6 +3166,31 @@ mod tests {
             CudaWorker::plan_kv_blocks(&cfg, &o, 2 * gib, 2 * gib),
             Err(CudaWorkerError::KvSizing(_))
         ));
+    }
+
+    /// The logits-side attention factor is right only when every pair of dims rotates: partial
+    /// RoPE with LongRoPE's factor is refused (before any device call), without it accepted.
+    #[test]
+    fn partial_rope_with_an_attention_factor_is_refused() {
+        let phi = |extra: &str| {
+            baton_model::ModelConfig::from_json_str(&format!(
+                r#"{{"architectures":["Phi3ForCausalLM"],"model_type":"phi3","hidden_size":64,
+                "intermediate_size":32,"num_hidden_layers":1,"num_attention_heads":2,
+                "num_key_value_heads":1,"vocab_size":32,"max_position_embeddings":64,
+                "partial_rotary_factor":0.5{extra}}}"#
+            ))
+            .unwrap()
+        };
+        check_shape(&phi("")).expect("partial RoPE alone runs");
+        let longrope = phi(
+            r#","original_max_position_embeddings":32,"rope_scaling":{"type":"longrope",
+            "short_factor":[1,1,1,1,1,1,1,1],"long_factor":[1,1,1,1,1,1,1,1]}"#,
+        );
+        let e = check_shape(&longrope).unwrap_err().to_string();
+        assert!(
+            e.contains("partial RoPE") && e.contains("--device cpu"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! Parsing of a Hugging Face model directory's JSON configs.
 //!
 //! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
-//! Mistral-without-sliding-window, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm); SiLU
-//! MLP, no other biases, no sliding window, default or `llama3` RoPE) and rejects
-//! anything else with a [`ModelError`] naming the file and field. [`GenerationConfig`] and
+//! Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused projections);
+//! SiLU MLP, no other biases, default, `llama3`, `yarn` or `longrope` RoPE) and rejects
+//! anything else with a [`ModelError`] naming the file and field. Sliding-window attention and
+//! LongRoPE's long factors are not implemented: such a model is served up to the window (where
+//! full attention is the same) or up to its pre-training length (where LongRoPE uses its short
+//! factors), as [`ModelConfig::context_cap`] records. [`GenerationConfig`] and
 //! [`TokenizerConfig`] are lenient: unknown keys are ignored, known keys must be well-typed.
 
 use crate::error::ModelError;
@@ -57,6 +60,22 @@ pub enum RopeScaling {
         /// default true).
         truncate: bool,
     },
+    /// LongRoPE (Ding et al. 2024, arXiv:2402.13753) as Phi-3 configures it (`longrope`, or
+    /// the older name `su`), with its short factors only: transformers' Phi-3 uses the short
+    /// factors while the sequence is at most `original_max_position_embeddings` long, and
+    /// Baton serves no longer sequences of such a model (see [`ModelConfig::context_cap`]).
+    /// See [`ModelConfig::rope_inv_freq`] and [`ModelConfig::rope_attention_factor`].
+    LongRope {
+        /// Per-frequency divisors (`short_factor`), `head_dim / 2` of them.
+        short_factor: Vec<f32>,
+        /// The factor cos and sin are multiplied by (`attention_factor`, else
+        /// `sqrt(1 + ln(s) / ln(original_max_position_embeddings))` for
+        /// `s = max_position_embeddings / original_max_position_embeddings > 1`, else 1;
+        /// transformers' `_compute_longrope_parameters`).
+        attention_factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+    },
 }
 
 /// A Llama-family model's architecture, from `config.json`.
@@ -67,12 +86,14 @@ pub enum RopeScaling {
 ///
 /// Qwen2 and Qwen3 are Llama with two additions, each a flag here so that every backend
 /// tests the flag rather than the name (transformers' `modeling_qwen2.py` /
-/// `modeling_qwen3.py`): [`ModelConfig::qkv_bias`] and [`ModelConfig::qk_norm`].
+/// `modeling_qwen3.py`): [`ModelConfig::qkv_bias`] and [`ModelConfig::qk_norm`]. Phi-3
+/// (`modeling_phi3.py`, also Phi-4) is Llama with fused projection matrices in the
+/// checkpoint, which the loader splits ([`ModelConfig::fused_projections`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// `architectures` as found (may be empty when the key is absent).
     pub architectures: Vec<String>,
-    /// `model_type`: `llama`, `mistral`, `qwen2` or `qwen3`.
+    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3` or `phi3`.
     pub model_type: String,
     /// The q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`, shapes
     /// `[heads * head_dim]`, `[kv_heads * head_dim]` twice): Qwen2, always. The output
@@ -82,6 +103,13 @@ pub struct ModelConfig {
     /// projection and before RoPE, with `self_attn.q_norm.weight` / `k_norm.weight`
     /// (`[head_dim]`, shared by the heads) and `rms_norm_eps`: Qwen3 (`Qwen3RMSNorm`).
     pub qk_norm: bool,
+    /// The checkpoint stores each layer's q, k and v projections as one
+    /// `self_attn.qkv_proj.weight` (`[(heads + 2 kv_heads) * head_dim, hidden]`: the q rows,
+    /// then k, then v) and gate and up as one `mlp.gate_up_proj.weight`
+    /// (`[2 * intermediate, hidden]`: gate rows, then up): Phi-3 (transformers'
+    /// `Phi3Attention` / `Phi3MLP`). The model is Llama's; [`crate::WeightSource`] serves the
+    /// row ranges under the Llama names.
+    pub fused_projections: bool,
     /// Residual stream width (elements).
     pub hidden_size: usize,
     /// MLP inner width (elements).
@@ -94,10 +122,25 @@ pub struct ModelConfig {
     pub num_key_value_heads: usize,
     /// Per-head width (elements); even.
     pub head_dim: usize,
+    /// How many leading dims of each q and k head RoPE rotates (transformers'
+    /// `int(head_dim * partial_rotary_factor)`, as Phi-4-mini gives; else `head_dim`); even.
+    /// Every backend rotates the whole head (pairs `(i, i + head_dim / 2)`), so for a smaller
+    /// value [`crate::WeightSource::open_for`] permutes each head's q and k rows (and their
+    /// biases and norms) so that the rotated pairs `(i, i + rotary_dim / 2)` land on
+    /// `(i, i + head_dim / 2)` and the other dims on pairs that
+    /// [`ModelConfig::rope_inv_freq`] gives frequency 0 (cos 1, sin 0: left as they are).
+    /// q.k is a sum over the head's dims, so the permutation changes no score.
+    pub rotary_dim: usize,
     /// Rows of the embedding and LM-head matrices.
     pub vocab_size: usize,
-    /// Largest number of positions the model accepts.
+    /// Largest number of positions the model accepts: config.json's value, or less where
+    /// [`ModelConfig::context_cap`] says why.
     pub max_position_embeddings: usize,
+    /// Why [`ModelConfig::max_position_embeddings`] is below config.json's value, for error
+    /// messages: sliding-window attention (served up to the window, as vLLM's
+    /// `--disable-sliding-window` does) or LongRoPE (served up to its pre-training length,
+    /// where its short factors apply). `None` when it is config.json's value.
+    pub context_cap: Option<String>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// RoPE base.
@@ -279,8 +322,8 @@ impl ModelConfig {
 
     /// A 64-bit fingerprint of what the forward pass computes: `model_type`, the widths
     /// (`hidden_size`, `intermediate_size`, `head_dim`), `num_hidden_layers`, the query and KV
-    /// head counts, `vocab_size`, `rms_norm_eps`, `rope_theta`, `rope_scaling` and
-    /// `tie_word_embeddings`. Two processes that disagree on it would run different models on
+    /// head counts, `vocab_size`, `rms_norm_eps`, `rope_theta`, `rope_scaling`, the rotary dim
+    /// when below `head_dim`, and `tie_word_embeddings`. Two processes that disagree on it would run different models on
     /// the same KV pages and token ids, so the scheduler publishes it and a worker or frontend
     /// with another one refuses to attach. Leaves out what may differ between processes of one
     /// deployment (`max_position_embeddings`, EOS/BOS ids, `torch_dtype`).
@@ -306,7 +349,7 @@ impl ModelConfig {
         }
         eat(&self.rms_norm_eps.to_bits().to_le_bytes());
         eat(&self.rope_theta.to_bits().to_le_bytes());
-        match self.rope_scaling {
+        match &self.rope_scaling {
             None => eat(&[0]),
             Some(RopeScaling::Llama3 {
                 factor,
@@ -318,7 +361,7 @@ impl ModelConfig {
                 for x in [factor, low_freq_factor, high_freq_factor] {
                     eat(&x.to_bits().to_le_bytes());
                 }
-                eat(&(original_max_position_embeddings as u64).to_le_bytes());
+                eat(&(*original_max_position_embeddings as u64).to_le_bytes());
             }
             Some(RopeScaling::Yarn {
                 factor,
@@ -328,11 +371,22 @@ impl ModelConfig {
                 attention_factor,
                 truncate,
             }) => {
-                eat(&[2, u8::from(truncate)]);
+                eat(&[2, u8::from(*truncate)]);
                 for x in [factor, beta_fast, beta_slow, attention_factor] {
                     eat(&x.to_bits().to_le_bytes());
                 }
-                eat(&(original_max_position_embeddings as u64).to_le_bytes());
+                eat(&(*original_max_position_embeddings as u64).to_le_bytes());
+            }
+            Some(RopeScaling::LongRope {
+                short_factor,
+                attention_factor,
+                original_max_position_embeddings,
+            }) => {
+                eat(&[3]);
+                for x in short_factor.iter().chain([attention_factor]) {
+                    eat(&x.to_bits().to_le_bytes());
+                }
+                eat(&(*original_max_position_embeddings as u64).to_le_bytes());
             }
         }
         eat(&[u8::from(self.tie_word_embeddings)]);
@@ -340,6 +394,10 @@ impl ModelConfig {
         // (only when set, so Llama fingerprints are unchanged) in case a type gains one.
         if self.qkv_bias || self.qk_norm {
             eat(&[0xfe, u8::from(self.qkv_bias), u8::from(self.qk_norm)]);
+        }
+        if self.rotary_dim != self.head_dim {
+            eat(&[0xfd]);
+            eat(&(self.rotary_dim as u64).to_le_bytes());
         }
         h.finish()
     }
@@ -371,11 +429,12 @@ impl ModelConfig {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(f.invalid("architectures", "expected a list of strings")),
         };
-        const ARCHS: [&str; 4] = [
+        const ARCHS: [&str; 5] = [
             "LlamaForCausalLM",
             "MistralForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
+            "Phi3ForCausalLM",
         ];
         if !architectures.is_empty() && !architectures.iter().any(|a| ARCHS.contains(&a.as_str())) {
             return Err(ModelError::UnsupportedArchitecture {
@@ -386,7 +445,7 @@ impl ModelConfig {
         let model_type = f
             .opt_str("model_type")?
             .ok_or_else(|| f.missing("model_type"))?;
-        if !["llama", "mistral", "qwen2", "qwen3"].contains(&model_type) {
+        if !["llama", "mistral", "qwen2", "qwen3", "phi3"].contains(&model_type) {
             return Err(ModelError::UnsupportedModelType {
                 file: file.into(),
                 found: model_type.into(),
@@ -486,17 +545,67 @@ impl ModelConfig {
         }
         let qkv_bias = model_type == "qwen2";
         let qk_norm = model_type == "qwen3";
+        let fused_projections = model_type == "phi3";
+        // transformers: `int(head_dim * partial_rotary_factor)` leading dims are rotated.
+        let rotary_dim = match f.opt_f64("partial_rotary_factor")? {
+            None => head_dim,
+            Some(x) if x > 0.0 && x <= 1.0 => {
+                let r = (head_dim as f64 * x) as usize;
+                if r == 0 || !r.is_multiple_of(2) {
+                    return Err(f.invalid(
+                        "partial_rotary_factor",
+                        format!("{x} rotates {r} of {head_dim} dims; need an even number > 0"),
+                    ));
+                }
+                r
+            }
+            Some(x) => {
+                return Err(f.invalid("partial_rotary_factor", format!("{x} must be in (0, 1]")))
+            }
+        };
         if f.opt_usize("pretraining_tp")?.unwrap_or(1) != 1 {
             return Err(f.invalid("pretraining_tp", "only 1 is supported"));
         }
+        // Context caps, each with its reason: the served length is the smallest.
+        let mut caps: Vec<(usize, String)> = Vec::new();
+        // The window in tokens (`sliding_window`; `null` = none), required when `what` says
+        // that some layer slides.
+        let window = |what: &str| -> Result<Option<usize>, ModelError> {
+            match f.get("sliding_window") {
+                None | Some(Value::Null) if what.is_empty() => Ok(None),
+                None | Some(Value::Null) => Err(f.invalid(
+                    "sliding_window",
+                    format!("{what} but no sliding_window is given"),
+                )),
+                Some(w) => f.opt_usize("sliding_window")?.map(Some).ok_or_else(|| {
+                    f.invalid("sliding_window", format!("expected an integer, found {w}"))
+                }),
+            }
+        };
+        let mut slides_from = |w: usize| -> Result<(), ModelError> {
+            if w == 0 {
+                return Err(f.invalid("sliding_window", "must be > 0"));
+            }
+            if w < max_position_embeddings {
+                caps.push((
+                    w,
+                    format!(
+                        "sliding_window {w}: sliding-window attention is not implemented, and \
+                         up to the window full attention is the same (vLLM's \
+                         --disable-sliding-window)"
+                    ),
+                ));
+            }
+            Ok(())
+        };
         if model_type == "qwen2" || model_type == "qwen3" {
             // transformers applies `sliding_window` only with `use_sliding_window`, to the
-            // layers from `max_window_layers` on, or where `layer_types` says so.
+            // layers from `max_window_layers` on, or where `layer_types` says so. Any sliding
+            // layer caps the context at the window.
             if f.opt_bool("use_sliding_window")? == Some(true) {
-                return Err(f.invalid(
-                    "use_sliding_window",
-                    "sliding-window attention is unsupported",
-                ));
+                if let Some(w) = window("use_sliding_window is true")? {
+                    slides_from(w)?;
+                }
             }
             if let Some(types) = f.get("layer_types") {
                 let types = types
@@ -508,26 +617,30 @@ impl ModelConfig {
                         format!("{} entries for {num_hidden_layers} layers", types.len()),
                     ));
                 }
-                let sliding = types.iter().any(|t| t.as_str() != Some("full_attention"));
-                if sliding {
+                let known = ["full_attention", "sliding_attention"];
+                if let Some(t) = types
+                    .iter()
+                    .find(|t| !known.iter().any(|k| t.as_str() == Some(k)))
+                {
                     return Err(f.invalid(
                         "layer_types",
-                        "only \"full_attention\" layers are supported",
+                        format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
                     ));
+                }
+                if types
+                    .iter()
+                    .any(|t| t.as_str() == Some("sliding_attention"))
+                {
+                    if let Some(w) = window("layer_types has sliding_attention layers")? {
+                        slides_from(w)?;
+                    }
                 }
             }
         }
-        if model_type == "mistral" {
-            if let Some(w) = f.get("sliding_window") {
-                let w = f.opt_usize("sliding_window")?.ok_or_else(|| {
-                    f.invalid("sliding_window", format!("expected an integer, found {w}"))
-                })?;
-                if w < max_position_embeddings {
-                    return Err(f.invalid(
-                        "sliding_window",
-                        format!("sliding-window attention ({w} < max_position_embeddings {max_position_embeddings}) is unsupported"),
-                    ));
-                }
+        if model_type == "mistral" || model_type == "phi3" {
+            // Every layer slides when `sliding_window` is set (transformers' Mistral and Phi-3).
+            if let Some(w) = window("")? {
+                slides_from(w)?;
             }
         }
 
@@ -616,10 +729,68 @@ impl ModelConfig {
                             truncate: s.opt_bool("truncate")?.unwrap_or(true),
                         })
                     }
+                    "longrope" | "su" => {
+                        let half = rotary_dim / 2;
+                        let factors = |k: &str| -> Result<Vec<f32>, ModelError> {
+                            let bad = || {
+                                s.invalid(k, format!("expected a list of {half} positive numbers"))
+                            };
+                            let list = s.get(k).ok_or_else(|| s.missing(k))?;
+                            let list = list.as_array().ok_or_else(bad)?;
+                            if list.len() != half {
+                                return Err(bad());
+                            }
+                            list.iter()
+                                .map(|x| match x.as_f64() {
+                                    Some(x) if x > 0.0 && x.is_finite() => Ok(x as f32),
+                                    _ => Err(bad()),
+                                })
+                                .collect()
+                        };
+                        let short_factor = factors("short_factor")?;
+                        factors("long_factor")?;
+                        // transformers' `_compute_longrope_parameters`: Phi-3 keeps the
+                        // pre-training length at the top level and scales by the ratio.
+                        let (original, factor) = match f.opt_usize("original_max_position_embeddings")? {
+                            Some(o) => (o, max_position_embeddings as f64 / o as f64),
+                            None => (
+                                max_position_embeddings,
+                                s.opt_f64("factor")?.unwrap_or(1.0),
+                            ),
+                        };
+                        if original == 0 {
+                            return Err(f.invalid("original_max_position_embeddings", "must be > 0"));
+                        }
+                        let attention_factor = match s.opt_f64("attention_factor")? {
+                            Some(a) if a > 0.0 && a.is_finite() => a,
+                            Some(a) => {
+                                return Err(s.invalid("attention_factor", format!("{a} must be > 0")))
+                            }
+                            None if factor > 1.0 => {
+                                (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+                            }
+                            None => 1.0,
+                        };
+                        if original < max_position_embeddings {
+                            caps.push((
+                                original,
+                                format!(
+                                    "LongRoPE: its long factors (for sequences past \
+                                     original_max_position_embeddings {original}) are not \
+                                     implemented"
+                                ),
+                            ));
+                        }
+                        Some(RopeScaling::LongRope {
+                            short_factor,
+                            attention_factor: attention_factor as f32,
+                            original_max_position_embeddings: original,
+                        })
+                    }
                     other => {
                         return Err(s.invalid(
                             "rope_type",
-                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3, yarn"),
+                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3, yarn, longrope"),
                         ))
                     }
                 }
@@ -631,17 +802,24 @@ impl ModelConfig {
             None => f.opt_str("dtype")?.map(str::to_string),
         };
 
+        let (max_position_embeddings, context_cap) = match caps.into_iter().min_by_key(|c| c.0) {
+            Some((len, why)) => (len, Some(why)),
+            None => (max_position_embeddings, None),
+        };
         Ok(ModelConfig {
             architectures,
             model_type: model_type.to_string(),
             qkv_bias,
             qk_norm,
+            fused_projections,
+            context_cap,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
+            rotary_dim,
             vocab_size,
             max_position_embeddings,
             rms_norm_eps,
@@ -671,8 +849,43 @@ impl ModelConfig {
     /// `d ln(orig / (2π β)) / (2 ln base)` at `β = beta_fast, beta_slow` (floored / ceiled when
     /// `truncate`, clamped to `[0, d - 1]`) and `ramp_i = clamp((i - low) / (high - low), 0, 1)`,
     /// `inv = (1 / (factor pos)) ramp + (1 / pos) (1 - ramp)`.
+    ///
+    /// LongRoPE follows `_compute_longrope_parameters` with the short factors:
+    /// `inv[i] = 1 / (short_factor[i] theta^(2i / d))`.
+    ///
+    /// With partial RoPE `d` is [`ModelConfig::rotary_dim`] in all of these (as transformers
+    /// computes them), and the last `(head_dim - rotary_dim) / 2` values are 0: the pairs of
+    /// dims left unrotated in the permuted head layout.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let dim = self.head_dim;
+        let mut inv = self.rotary_inv_freq();
+        inv.resize(self.head_dim / 2, 0.0);
+        inv
+    }
+
+    /// Where each dim of a q or k head comes from in the layout every backend rotates
+    /// (see [`ModelConfig::rotary_dim`]): `perm[j]` is the checkpoint's dim at position `j`,
+    /// `head_dim` entries. For `i < r/2` (`r = rotary_dim`, `h = head_dim / 2`): `perm[i] = i`,
+    /// `perm[i + h] = i + r/2` (the rotated pairs); the unrotated dims `r..head_dim` fill
+    /// positions `r/2..h` and then `h + r/2..head_dim`, in order. The identity for full RoPE.
+    pub fn rope_head_permutation(&self) -> Vec<usize> {
+        let (d, r) = (self.head_dim, self.rotary_dim);
+        let (h, rh) = (d / 2, r / 2);
+        let mut perm = vec![0; d];
+        for i in 0..rh {
+            perm[i] = i;
+            perm[i + h] = i + rh;
+        }
+        let pass = h - rh;
+        for k in 0..pass {
+            perm[rh + k] = r + k;
+            perm[h + rh + k] = r + pass + k;
+        }
+        perm
+    }
+
+    /// The `rotary_dim / 2` rotated frequencies of [`ModelConfig::rope_inv_freq`].
+    fn rotary_inv_freq(&self) -> Vec<f32> {
+        let dim = self.rotary_dim;
         let base = self.rope_theta;
         let inv: Vec<f32> = (0..dim / 2)
             .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
@@ -713,6 +926,9 @@ impl ModelConfig {
                     })
                     .collect()
             }
+            Some(RopeScaling::LongRope { short_factor, .. }) => (0..dim / 2)
+                .map(|i| 1.0f32 / (short_factor[i] * base.powf((2 * i) as f32 / dim as f32)))
+                .collect(),
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -740,12 +956,33 @@ impl ModelConfig {
         }
     }
 
-    /// The factor RoPE's cos and sin are multiplied by: YaRN's `attention_factor`, else 1
-    /// (transformers' `attention_scaling`). It scales every attention logit by its square; a
-    /// backend may apply it that way instead.
+    /// "the model's max_position_embeddings N", followed by the reason it is below
+    /// config.json's value ([`ModelConfig::context_cap`]) when it is: what an error about a
+    /// too-long context names.
+    pub fn context_limit(&self) -> String {
+        match &self.context_cap {
+            None => format!(
+                "the model's max_position_embeddings {}",
+                self.max_position_embeddings
+            ),
+            Some(why) => format!(
+                "the model's served context of {} positions ({why})",
+                self.max_position_embeddings
+            ),
+        }
+    }
+
+    /// The factor RoPE's cos and sin are multiplied by: YaRN's or LongRoPE's
+    /// `attention_factor`, else 1 (transformers' `attention_scaling`). With full RoPE it
+    /// scales every attention logit by its square, and a backend may apply it that way
+    /// instead; with partial RoPE ([`ModelConfig::rotary_dim`]) it scales only the rotated
+    /// pairs (the first `rotary_dim / 2` of `rope_inv_freq`'s).
     pub fn rope_attention_factor(&self) -> f32 {
         match self.rope_scaling {
             Some(RopeScaling::Yarn {
+                attention_factor, ..
+            })
+            | Some(RopeScaling::LongRope {
                 attention_factor, ..
             }) => attention_factor,
             _ => 1.0,
@@ -1020,6 +1257,16 @@ mod tests {
         "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
         "torch_dtype": "bfloat16", "use_sliding_window": false, "vocab_size": 151936,
         "bos_token_id": 151643, "eos_token_id": 151645"#;
+    /// Phi-3-mini-4k-instruct's config.json (transformers 4.40).
+    const PHI3: &str = r#"{"architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+        "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "use_cache": true, "vocab_size": 32064"#;
     const QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "attention_bias": false, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
         "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
@@ -1141,23 +1388,165 @@ mod tests {
         assert!(ok.is_ok(), "{ok:?}");
     }
 
+    /// Sliding windows and LongRoPE cap the served context (see [`ModelConfig::context_cap`]):
+    /// at the window, where full attention is the same, and at LongRoPE's pre-training length,
+    /// where its short factors apply.
+    #[test]
+    fn sliding_windows_and_longrope_cap_the_context_with_the_reason() {
+        // Qwen: only with use_sliding_window, or sliding layers; a window past the positions
+        // changes nothing.
+        let q = |extra: &str| ModelConfig::from_json_str(&format!("{QWEN2}{extra}}}")).unwrap();
+        assert_eq!(q("").max_position_embeddings, 32768);
+        assert_eq!(q(r#", "use_sliding_window": true"#).context_cap, None);
+        let c = q(r#", "use_sliding_window": true, "sliding_window": 4096"#);
+        assert_eq!(c.max_position_embeddings, 4096);
+        assert!(c.context_cap.unwrap().starts_with("sliding_window 4096"));
+        let c = q(r#", "sliding_window": 4096"#);
+        assert_eq!((c.max_position_embeddings, c.context_cap), (32768, None));
+        let mut types = vec!["full_attention"; 24];
+        types[23] = "sliding_attention";
+        let c = q(&format!(
+            r#", "sliding_window": 1000, "layer_types": {}"#,
+            serde_json::json!(types)
+        ));
+        assert_eq!(c.max_position_embeddings, 1000);
+
+        // Phi-3-mini-4k: a 2047-token window on 4096 positions.
+        let phi3 = |extra: &str| ModelConfig::from_json_str(&format!("{PHI3}{extra}}}"));
+        let c = phi3("").unwrap();
+        assert!(c.fused_projections && !c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.max_position_embeddings, 2047);
+        assert!(c
+            .context_limit()
+            .contains("2047 positions (sliding_window 2047"));
+        // Phi-3.5-mini: LongRoPE to 131072 from 4096, window 262144 (no cap of its own).
+        let short: Vec<f64> = (0..48).map(|i| 1.0 + 0.05 * i as f64).collect();
+        let long: Vec<f64> = (0..48).map(|i| 2.0 + i as f64).collect();
+        let longrope = format!(
+            r#", "max_position_embeddings": 131072, "sliding_window": 262144,
+            "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": {}}}"#,
+            serde_json::json!(short),
+            serde_json::json!(long)
+        );
+        let c = phi3(&longrope).unwrap();
+        assert_eq!(c.max_position_embeddings, 4096);
+        assert!(c.context_cap.as_ref().unwrap().contains("LongRoPE"));
+        // transformers' `_compute_longrope_parameters`: 1 / (short_i * base^(2i/d)), and
+        // sqrt(1 + ln(131072 / 4096) / ln(4096)) on cos and sin.
+        let inv = c.rope_inv_freq();
+        for (i, x) in inv.iter().enumerate() {
+            let want = 1.0f32 / (short[i] as f32 * 10000f32.powf((2 * i) as f32 / 96.0));
+            assert_eq!(x.to_bits(), want.to_bits(), "{i}");
+        }
+        let att = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt() as f32;
+        assert_eq!(c.rope_attention_factor(), att);
+        assert!((att - 1.190_238).abs() < 1e-5, "{att}");
+        // The older name `su`, an explicit attention_factor, and the fingerprint seeing the
+        // factors.
+        let su = phi3(&longrope.replace("longrope", "su")).unwrap();
+        assert_eq!(su.fingerprint(), c.fingerprint());
+        let other = phi3(&longrope.replace("1.05", "1.06")).unwrap();
+        assert_ne!(other.fingerprint(), c.fingerprint());
+        let given = phi3(&longrope.replace(r#""type""#, r#""attention_factor": 1.5, "type""#));
+        assert_eq!(given.unwrap().rope_attention_factor(), 1.5);
+        // A short list, a non-positive factor, a rotary dim that is odd, 0 or past the head.
+        for (bad, field) in [
+            (longrope.replace("[1.0,", "["), "short_factor"),
+            (longrope.replace("[2.0,", "[0.0,"), "long_factor"),
+            (
+                format!(r#", "partial_rotary_factor": 0.75{longrope}"#),
+                "short_factor",
+            ),
+            (
+                r#", "partial_rotary_factor": 0.7"#.into(),
+                "partial_rotary_factor",
+            ),
+            (
+                r#", "partial_rotary_factor": 0.0"#.into(),
+                "partial_rotary_factor",
+            ),
+            (
+                r#", "partial_rotary_factor": 1.5"#.into(),
+                "partial_rotary_factor",
+            ),
+        ] {
+            let e = phi3(&bad).unwrap_err();
+            assert!(e.to_string().contains(field), "{bad}: {e}");
+        }
+        assert_eq!(
+            phi3(r#", "partial_rotary_factor": 1.0"#)
+                .unwrap()
+                .rotary_dim,
+            96
+        );
+        assert_eq!(c.rope_head_permutation(), (0..96).collect::<Vec<_>>());
+    }
+
+    /// Partial RoPE (Phi-4-mini: 0.75 of a 128-dim head) in the layout every backend rotates
+    /// whole: the first `rotary_dim / 2` frequencies are transformers' over `rotary_dim`, the
+    /// rest 0, and the head permutation puts each rotated pair `(i, i + r/2)` at
+    /// `(i, i + head_dim/2)`.
+    #[test]
+    fn partial_rope_frequencies_and_head_permutation() {
+        let c = ModelConfig::from_json_str(&format!(
+            r#"{PHI3}, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+            "partial_rotary_factor": 0.75}}"#
+        ))
+        .unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim), (128, 96));
+        let inv = c.rope_inv_freq();
+        assert_eq!(inv.len(), 64);
+        for (i, x) in inv.iter().enumerate() {
+            let want = if i < 48 {
+                1.0 / 10000f32.powf((2 * i) as f32 / 96.0)
+            } else {
+                0.0
+            };
+            assert_eq!(x.to_bits(), want.to_bits(), "{i}");
+        }
+        let perm = c.rope_head_permutation();
+        for i in 0..48 {
+            assert_eq!((perm[i], perm[i + 64]), (i, i + 48), "rotated pair {i}");
+        }
+        // The 32 unrotated dims fill the zero-frequency pairs, in order.
+        let rest: Vec<usize> = perm[48..64].iter().chain(&perm[112..]).copied().collect();
+        assert_eq!(rest, (96..128).collect::<Vec<_>>());
+        let mut sorted = perm.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..128).collect::<Vec<_>>());
+        // The fingerprint sees the rotary dim.
+        let full = ModelConfig {
+            rotary_dim: 128,
+            ..c.clone()
+        };
+        assert_ne!(full.fingerprint(), c.fingerprint());
+    }
+
     #[test]
     fn qwen_features_we_do_not_run_are_refused() {
         for (base, extra, field) in [
-            (
-                QWEN2,
-                r#", "use_sliding_window": true"#,
-                "use_sliding_window",
-            ),
-            (
-                QWEN3,
-                r#", "use_sliding_window": true"#,
-                "use_sliding_window",
-            ),
+            // A sliding layer needs its window (QWEN3's is null).
+            (QWEN3, r#", "use_sliding_window": true"#, "sliding_window"),
             (
                 QWEN3,
                 r#", "layer_types": ["full_attention", "sliding_attention"]"#,
                 "layer_types",
+            ),
+            (
+                QWEN3,
+                &format!(
+                    r#", "layer_types": {}"#,
+                    serde_json::json!([vec!["sliding_attention"; 27], vec!["x"]].concat())
+                ),
+                "layer_types",
+            ),
+            (
+                QWEN3,
+                &format!(
+                    r#", "layer_types": {}"#,
+                    serde_json::json!(vec!["sliding_attention"; 28])
+                ),
+                "sliding_window",
             ),
             (QWEN3, r#", "layer_types": "full_attention""#, "layer_types"),
             (

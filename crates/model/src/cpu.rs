@@ -951,13 +951,17 @@ impl CpuModel {
 
         // RoPE cos/sin per token (HF: freqs = inv_freq * position in f32), times YaRN's
         // attention factor (HF's `attention_scaling`; 1 otherwise).
+        // With partial RoPE only the rotated pairs are scaled (`rotary_dim`: the pairs past
+        // it have frequency 0 and stay as they are).
         let att = c.rope_attention_factor();
+        let rotated = c.rotary_dim / 2;
         let mut i = 0;
         for row in rows {
             for j in 0..row.tokens.len() {
                 let pos = (row.start_pos + j) as f32;
                 for (d, &f) in self.inv_freq.iter().enumerate() {
                     let a = (pos * f) as f64;
+                    let att = if d < rotated { att } else { 1.0 };
                     s.cos[i * half + d] = a.cos() as f32 * att;
                     s.sin[i * half + d] = a.sin() as f32 * att;
                 }

@@ -160,7 +160,7 @@ impl ModelDir {
     ) -> Result<u64, ModelError> {
         match format {
             LoadFormat::Auto => {
-                let src = WeightSource::open(&self.root)?;
+                let src = WeightSource::open_for(&self.root, cfg)?;
                 src.check_tensor_names(cfg)?;
                 weights_fingerprint(&src)
             }
@@ -326,7 +326,7 @@ impl ModelDir {
         } = load_meta(&self.root, format, lenient)?;
         let (weights, weights_fingerprint) = match format {
             LoadFormat::Auto => {
-                let src = WeightSource::open(&self.root)?;
+                let src = WeightSource::open_for(&self.root, &config)?;
                 src.check_llama(&config)?;
                 let f = weights_fingerprint(&src)?;
                 (ModelWeights::Mapped(src), f)
@@ -483,7 +483,7 @@ pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedMode
         ..
     } = load_meta(path, format, false)?;
     let weights = match format {
-        LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open(path)?)?,
+        LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open_for(path, &config)?)?,
         LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
     };
     Ok(LoadedModel {

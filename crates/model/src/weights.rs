@@ -242,6 +242,31 @@ pub struct WeightSource {
     names: BTreeMap<String, usize>,
     /// The file named in "missing tensor" errors (the single file or the index).
     origin: PathBuf,
+    /// Tensors served as a row range of a stored one (a fused checkpoint's q, k, v, gate and
+    /// up projections; [`WeightSource::open_for`]), by the name the model uses.
+    views: BTreeMap<String, RowView>,
+    /// Tensors served from a copy: a partial-RoPE model's q and k rows in the permuted head
+    /// layout ([`WeightSource::open_for`]), by name.
+    copies: BTreeMap<String, CopiedTensor>,
+}
+
+/// A tensor [`WeightSource`] holds in memory: its stored dtype and shape, its file.
+#[derive(Debug)]
+struct CopiedTensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+    file: PathBuf,
+}
+
+/// Rows `start..start + shape[0]` of the stored 2-D tensor `source`, whose whole shape is
+/// `[fused_rows, shape[1]]`. Row-major storage makes them one contiguous byte range.
+#[derive(Debug)]
+struct RowView {
+    source: String,
+    start: usize,
+    fused_rows: usize,
+    shape: [usize; 2],
 }
 
 impl std::fmt::Debug for WeightSource {
@@ -388,6 +413,8 @@ impl WeightSource {
                 shards: vec![shard],
                 names,
                 origin: single,
+                views: BTreeMap::new(),
+                copies: BTreeMap::new(),
             });
         }
         let index_name = index.display().to_string();
@@ -443,7 +470,101 @@ impl WeightSource {
             shards,
             names,
             origin: index,
+            views: BTreeMap::new(),
+            copies: BTreeMap::new(),
         })
+    }
+
+    /// [`WeightSource::open`] for a model of `cfg`: with [`ModelConfig::fused_projections`]
+    /// (Phi-3), each layer's `self_attn.{q,k,v}_proj.weight` is served as its row range of
+    /// the stored `self_attn.qkv_proj.weight` (`[q + 2 kv, hidden]`: q rows first, then k,
+    /// then v, as transformers' `Phi3Attention` slices it) and `mlp.{gate,up}_proj.weight` as
+    /// the halves of `mlp.gate_up_proj.weight` (`[2 intermediate, hidden]`: gate first, as
+    /// `Phi3MLP`'s `chunk(2)`), without a copy. A fused tensor of another shape is a
+    /// [`ModelError::ShapeMismatch`] naming it when a part is read.
+    ///
+    /// With partial RoPE ([`ModelConfig::rotary_dim`] below `head_dim`), each layer's
+    /// `self_attn.{q,k}_proj.weight` (and `.bias`, and Qwen3's `q_norm`/`k_norm`) is served
+    /// from a copy whose rows within each head follow [`ModelConfig::rope_head_permutation`]
+    /// (a tensor that is missing or of another shape is left to the load's own error).
+    ///
+    /// # Errors
+    /// As [`WeightSource::open`].
+    pub fn open_for(dir: &Path, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        let mut src = Self::open(dir)?;
+        if cfg.fused_projections {
+            let h = cfg.hidden_size;
+            let q = cfg.num_attention_heads * cfg.head_dim;
+            let kv = cfg.num_key_value_heads * cfg.head_dim;
+            let im = cfg.intermediate_size;
+            for i in 0..cfg.num_hidden_layers {
+                let p = format!("model.layers.{i}.");
+                let qkv = format!("{p}self_attn.qkv_proj.weight");
+                let gate_up = format!("{p}mlp.gate_up_proj.weight");
+                for (part, source, start, rows, fused_rows) in [
+                    ("self_attn.q_proj.weight", &qkv, 0, q, q + 2 * kv),
+                    ("self_attn.k_proj.weight", &qkv, q, kv, q + 2 * kv),
+                    ("self_attn.v_proj.weight", &qkv, q + kv, kv, q + 2 * kv),
+                    ("mlp.gate_proj.weight", &gate_up, 0, im, 2 * im),
+                    ("mlp.up_proj.weight", &gate_up, im, im, 2 * im),
+                ] {
+                    let name = format!("{p}{part}");
+                    // A checkpoint storing the part itself keeps it (the fused tensor is
+                    // then unused, and refused as such).
+                    if !src.contains(&name) {
+                        let view = RowView {
+                            source: source.clone(),
+                            start,
+                            fused_rows,
+                            shape: [rows, h],
+                        };
+                        src.views.insert(name, view);
+                    }
+                }
+            }
+        }
+        if cfg.rotary_dim != cfg.head_dim {
+            let perm = cfg.rope_head_permutation();
+            let d = cfg.head_dim;
+            for i in 0..cfg.num_hidden_layers {
+                let p = format!("model.layers.{i}.");
+                let mut parts = vec![
+                    ("self_attn.q_proj.weight", cfg.num_attention_heads),
+                    ("self_attn.k_proj.weight", cfg.num_key_value_heads),
+                ];
+                if cfg.qkv_bias {
+                    parts.push(("self_attn.q_proj.bias", cfg.num_attention_heads));
+                    parts.push(("self_attn.k_proj.bias", cfg.num_key_value_heads));
+                }
+                if cfg.qk_norm {
+                    parts.push(("self_attn.q_norm.weight", 1));
+                    parts.push(("self_attn.k_norm.weight", 1));
+                }
+                for (part, heads) in parts {
+                    let name = format!("{p}{part}");
+                    let Ok(t) = src.get(&name) else { continue };
+                    if t.shape.first() != Some(&(heads * d)) {
+                        continue;
+                    }
+                    let row = t.bytes.len() / (heads * d);
+                    let mut bytes = Vec::with_capacity(t.bytes.len());
+                    for h in 0..heads {
+                        for &from in &perm {
+                            let r = h * d + from;
+                            bytes.extend_from_slice(&t.bytes[r * row..(r + 1) * row]);
+                        }
+                    }
+                    let copy = CopiedTensor {
+                        dtype: t.dtype,
+                        shape: t.shape.to_vec(),
+                        bytes,
+                        file: t.file.to_path_buf(),
+                    };
+                    src.copies.insert(name, copy);
+                }
+            }
+        }
+        Ok(src)
     }
 
     /// Names of all stored tensors, sorted.
@@ -456,12 +577,41 @@ impl WeightSource {
         self.names.contains_key(name)
     }
 
-    /// A stored tensor's dtype, shape and bytes.
+    /// A stored tensor's dtype, shape and bytes, or a part of a fused one, or a permuted
+    /// copy ([`WeightSource::open_for`]).
     ///
     /// # Errors
-    /// [`ModelError::MissingTensor`], or [`ModelError::UnsupportedDtype`] for anything other
-    /// than F32/F16/BF16.
+    /// [`ModelError::MissingTensor`] (naming the fused tensor for a part), or
+    /// [`ModelError::UnsupportedDtype`] for anything other than F32/F16/BF16.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
+        if let Some((key, t)) = self.copies.get_key_value(name) {
+            return Ok(RawTensor {
+                name: key,
+                dtype: t.dtype,
+                shape: &t.shape,
+                bytes: &t.bytes,
+                file: &t.file,
+            });
+        }
+        if let Some((key, view)) = self.views.get_key_value(name) {
+            let fused = self.get(&view.source)?;
+            let whole = [view.fused_rows, view.shape[1]];
+            if fused.shape != whole {
+                return Err(ModelError::ShapeMismatch {
+                    file: fused.file.display().to_string(),
+                    tensor: view.source.clone(),
+                    expected: whole.to_vec(),
+                    found: fused.shape.to_vec(),
+                });
+            }
+            let row = view.shape[1] * fused.dtype.size();
+            return Ok(RawTensor {
+                name: key,
+                shape: &view.shape,
+                bytes: &fused.bytes[view.start * row..(view.start + view.shape[0]) * row],
+                ..fused
+            });
+        }
         let (key, shard, info, bytes) = self.stored(name)?;
         let dtype = match info.dtype {
             Dtype::F32 => DType::F32,
@@ -610,6 +760,7 @@ impl WeightSource {
         let mut used: std::collections::HashSet<String> = (0..cfg.num_hidden_layers)
             .flat_map(|i| layer_tensor_shapes(cfg, i).into_iter().map(|(n, _)| n))
             .collect();
+        used.extend(self.views.values().map(|v| v.source.clone()));
         used.insert("model.embed_tokens.weight".into());
         used.insert("model.norm.weight".into());
         if !cfg.tie_word_embeddings {

@@ -150,17 +150,20 @@ fn unsupported_rope_scaling_type_is_named() {
     edit_config(&d, |c| {
         c.insert(
             "rope_scaling".into(),
-            serde_json::json!({"rope_type": "longrope", "factor": 4.0}),
+            serde_json::json!({"rope_type": "dynamic", "factor": 4.0}),
         );
     });
     assert_mentions(
         &err(&d),
-        &["config.json", "rope_scaling.rope_type", "longrope"],
+        &["config.json", "rope_scaling.rope_type", "dynamic"],
     );
 }
 
+/// Sliding-window attention is not implemented: a Mistral model with a window shorter than
+/// its positions is served up to the window, where full attention is the same (vLLM's
+/// `--disable-sliding-window`).
 #[test]
-fn mistral_with_sliding_window_is_rejected_and_without_it_loads() {
+fn mistral_with_sliding_window_is_capped_at_the_window_and_without_it_loads_whole() {
     let d = dir_with_tensors("mistral", |_| {});
     edit_config(&d, |c| {
         c.insert(
@@ -170,15 +173,31 @@ fn mistral_with_sliding_window_is_rejected_and_without_it_loads() {
         c.insert("model_type".into(), serde_json::json!("mistral"));
         c.insert("sliding_window".into(), serde_json::json!(256));
     });
-    assert_mentions(&err(&d), &["config.json", "sliding_window", "256"]);
-    edit_config(&d, |c| {
-        c.insert("sliding_window".into(), serde_json::Value::Null);
-    });
-    load_model_dir(&d).expect("mistral without sliding window loads");
-    edit_config(&d, |c| {
-        c.insert("sliding_window".into(), serde_json::json!(512));
-    });
-    load_model_dir(&d).expect("window >= max_position_embeddings loads");
+    let capped = load_model_dir(&d).expect("a sliding window loads").config;
+    assert_eq!(capped.max_position_embeddings, 256);
+    let why = capped.context_cap.clone().expect("the cap is explained");
+    assert_mentions(&why, &["sliding_window 256", "not implemented"]);
+    assert_mentions(
+        &capped.context_limit(),
+        &["256 positions", "sliding_window 256"],
+    );
+    for (bad, what) in [
+        (serde_json::json!("256"), "integer"),
+        (serde_json::json!(0), "must be > 0"),
+    ] {
+        edit_config(&d, |c| {
+            c.insert("sliding_window".into(), bad);
+        });
+        assert_mentions(&err(&d), &["config.json", "sliding_window", what]);
+    }
+    for window in [serde_json::Value::Null, serde_json::json!(512)] {
+        edit_config(&d, |c| {
+            c.insert("sliding_window".into(), window.clone());
+        });
+        let whole = load_model_dir(&d).expect("loads").config;
+        assert_eq!(whole.max_position_embeddings, 512, "{window}");
+        assert_eq!(whole.context_cap, None, "{window}");
+    }
 }
 
 #[test]

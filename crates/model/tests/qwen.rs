@@ -11,23 +11,28 @@ mod common;
 
 use baton_model::{
     load_model_dir, CpuModel, ForwardRow, LlamaWeights, ModelConfig, ModelDir, ModelError,
-    PagedKvCache,
+    PagedKvCache, RopeScaling,
 };
 use common::{temp_dir, write_safetensors, OwnedTensor};
 
 fn config(model_type: &str, extra: &str) -> ModelConfig {
+    ModelConfig::from_json_str(&config_json(model_type, extra)).expect("config")
+}
+
+/// [`config`]'s config.json text.
+fn config_json(model_type: &str, extra: &str) -> String {
     let arch = match model_type {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
+        "phi3" => "Phi3ForCausalLM",
         _ => "LlamaForCausalLM",
     };
-    ModelConfig::from_json_str(&format!(
+    format!(
         r#"{{"architectures": ["{arch}"], "model_type": "{model_type}", "hidden_size": 48,
         "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
         "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 64,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0{extra}}}"#
-    ))
-    .expect("config")
+    )
 }
 
 fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
@@ -72,11 +77,16 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
     let (h, hd) = (cfg.hidden_size, cfg.head_dim);
     let (nh, kvh) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let eps = cfg.rms_norm_eps;
-    // Plain RoPE's frequencies are computed here; scaled ones come from the config (its own
-    // unit tests check them against transformers' formulas).
-    let inv_freq: Vec<f32> = match cfg.rope_scaling {
-        None => (0..hd / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32))
+    // Plain RoPE's and LongRoPE's frequencies are computed here, over the first
+    // `rotary_dim` dims of a head (transformers' partial RoPE: the rest pass through); other
+    // scaled ones come from the config (its own unit tests check them against transformers'
+    // formulas).
+    let r = cfg.rotary_dim;
+    let base = |i: usize| cfg.rope_theta.powf((2 * i) as f32 / r as f32);
+    let inv_freq: Vec<f32> = match &cfg.rope_scaling {
+        None => (0..r / 2).map(|i| 1.0 / base(i)).collect(),
+        Some(RopeScaling::LongRope { short_factor, .. }) => (0..r / 2)
+            .map(|i| 1.0 / (short_factor[i] * base(i)))
             .collect(),
         Some(_) => cfg.rope_inv_freq(),
     };
@@ -100,7 +110,7 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                         let y = rms(head, &n.data, eps);
                         head.copy_from_slice(&y);
                     }
-                    rope(head, pos, &inv_freq, cfg.rope_attention_factor());
+                    rope(&mut head[..r], pos, &inv_freq, cfg.rope_attention_factor());
                 }
             }
             qs.push(q);
@@ -387,4 +397,59 @@ fn weights_without_the_qwen_tensors_are_refused_by_the_cpu_model() {
     w.layers[1].k_norm = None;
     let e = CpuModel::try_new(cfg, w).map(|_| ()).unwrap_err();
     assert!(e.to_string().contains("k_norm"), "{e}");
+}
+
+/// Partial RoPE (Phi-4-mini's `partial_rotary_factor`): the loader permutes each head's q and
+/// k rows (and biases and head norms) so that the backends' whole-head rotate-half computes
+/// transformers' rotation of the first `rotary_dim` dims, with LongRoPE's attention factor on
+/// the rotated dims only. Checked through a checkpoint (where the permutation happens)
+/// against the dense reference on the checkpoint's own weights.
+#[test]
+fn partial_rope_matches_the_dense_reference_through_a_checkpoint() {
+    let longrope = r#", "original_max_position_embeddings": 32, "rope_scaling": {"rope_type":
+        "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2, 3.1, 4.0],
+        "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]}"#;
+    for (ty, extra) in [
+        ("phi3", longrope.to_string()),
+        ("phi3", String::new()),
+        ("qwen2", String::new()),
+        ("qwen3", longrope.to_string()),
+    ] {
+        let extra = format!(r#", "head_dim": 16, "partial_rotary_factor": 0.75{extra}"#);
+        let json = config_json(ty, &extra);
+        let cfg = config(ty, &extra);
+        assert_eq!(cfg.rotary_dim, 12);
+        let w = LlamaWeights::dummy(&cfg, 13);
+        let d = write_checkpoint(&format!("partial-{ty}"), &json, &w, &cfg);
+        let loaded = load_model_dir(&*d).expect("loads");
+        assert_ne!(
+            loaded.weights, w,
+            "{ty}{extra}: the q and k rows are permuted"
+        );
+        let want = dense_reference(&cfg, &w, &TOKENS);
+        let got = paged_logits(&cfg, &loaded.weights, &TOKENS);
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-4, "{ty}{extra}: {err}");
+        // The mapped, layer-by-layer load (the worker's) gives the same logits.
+        let m = ModelDir::new(&*d)
+            .load_mapped(baton_model::LoadFormat::Auto)
+            .unwrap();
+        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
+            panic!("mapped")
+        };
+        let mapped = CpuModel::from_source(cfg.clone(), src).unwrap();
+        let mut kv = PagedKvCache::new(&cfg, 4, 4);
+        let row = ForwardRow {
+            tokens: &TOKENS,
+            start_pos: 0,
+            block_table: &[0, 1, 2],
+            want_logits: true,
+            all_logits: true,
+        };
+        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        assert!(err < 1e-4, "{ty}{extra}, mapped: {err}");
+        // Without the permutation the rotation is another one, and the logits far off.
+        let off = max_rel(&paged_logits(&cfg, &w, &TOKENS), &want);
+        assert!(off > 1e-3, "{ty}{extra}: unpermuted weights agree ({off})");
+    }
 }
