@@ -160,7 +160,7 @@ impl ModelDir {
     ) -> Result<u64, ModelError> {
         match format {
             LoadFormat::Auto => {
-                let src = WeightSource::open_for(&self.root, cfg)?;
+                let src = WeightSource::open_names_for(&self.root, cfg)?;
                 src.check_tensor_names(cfg)?;
                 weights_fingerprint(&src)
             }

@@ -491,6 +491,17 @@ impl WeightSource {
     /// # Errors
     /// As [`WeightSource::open`].
     pub fn open_for(dir: &Path, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        Self::open_with(dir, cfg, true)
+    }
+
+    /// [`WeightSource::open_for`] without the permuted copies: the tensor names and shapes
+    /// are the same, but a partial-RoPE model's q and k come unpermuted. For checks of the
+    /// names ([`WeightSource::check_tensor_names`]) that read no values.
+    pub(crate) fn open_names_for(dir: &Path, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        Self::open_with(dir, cfg, false)
+    }
+
+    fn open_with(dir: &Path, cfg: &ModelConfig, copies: bool) -> Result<Self, ModelError> {
         let mut src = Self::open(dir)?;
         if cfg.fused_projections {
             let h = cfg.hidden_size;
@@ -523,7 +534,7 @@ impl WeightSource {
                 }
             }
         }
-        if cfg.rotary_dim != cfg.head_dim {
+        if copies && cfg.rotary_dim != cfg.head_dim {
             let perm = cfg.rope_head_permutation();
             let d = cfg.head_dim;
             for i in 0..cfg.num_hidden_layers {
