@@ -168,6 +168,15 @@ const HD64_PARTIAL: &str = r#"{"architectures":["Phi3ForCausalLM"],"model_type":
     "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":256,
     "partial_rotary_factor":0.5}"#;
 
+/// [`HD64_PARTIAL`] with LongRoPE and a large attention factor, which the CUDA worker puts
+/// into the rotated dims' q rows (the CPU into their cos and sin).
+const HD64_PARTIAL_LONGROPE: &str = r#"{"architectures":["Phi3ForCausalLM"],"model_type":"phi3",
+    "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":256,
+    "partial_rotary_factor":0.5,"original_max_position_embeddings":128,"rope_scaling":{"type":
+    "longrope","attention_factor":1.6,"short_factor":[1.0,1.1,1.3,1.6,2.0,2.5,3.1,3.8,4.6,5.5,
+    6.5,7.6,8.8,10.1,11.5,13.0],"long_factor":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}}"#;
+
 #[test]
 fn head_dim_128_f16_and_partial_rope_layers_match_the_cpu_reference() {
     for (config, dtype, tol) in [
@@ -175,6 +184,8 @@ fn head_dim_128_f16_and_partial_rope_layers_match_the_cpu_reference() {
         (HD128, Dtype::F32, 1e-4),
         (HD64, Dtype::F16, 1e-2),
         (HD64_PARTIAL, Dtype::F32, 1e-4),
+        (HD64_PARTIAL_LONGROPE, Dtype::F32, 1e-4),
+        (HD64_PARTIAL_LONGROPE, Dtype::Bf16, 1e-2),
     ] {
         let mut a = compare_args(dtype, tol);
         a.config = Some(config.to_owned());

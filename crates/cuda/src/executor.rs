@@ -891,18 +891,70 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         )));
     }
-    // The attention factor is applied to the logits (see the step's `scale`), which is right
-    // only when every pair of dims is rotated.
-    if cfg.rotary_dim != cfg.head_dim && cfg.rope_attention_factor() != 1.0 {
+    // With partial RoPE the attention factor goes into the q rows of the rotated dims
+    // ([`rotated_q_scale`]); a per-head q norm after the projection would undo that.
+    if rotated_q_scale(cfg).is_some() && cfg.qk_norm {
         return Err(CudaWorkerError::Unsupported(format!(
-            "partial RoPE (rotary_dim {} of head_dim {}) with a RoPE attention factor ({}) is \
-             not implemented on CUDA yet; --device cpu runs it",
+            "partial RoPE (rotary_dim {} of head_dim {}) with a RoPE attention factor ({}) and \
+             q/k head norms is not implemented on CUDA; --device cpu runs it",
             cfg.rotary_dim,
             cfg.head_dim,
             cfg.rope_attention_factor()
         )));
     }
     Ok(())
+}
+
+/// The factor the q rows of the rotated dims are multiplied by at upload, for partial RoPE
+/// with a RoPE attention factor `a` (LongRoPE's, YaRN's): `a²`, else `None`.
+///
+/// transformers multiplies cos and sin by `a` for q and k, so each rotated pair's share of
+/// q.k by `a²` and the unrotated dims' share not at all. The step applies `a²` to the whole
+/// logit when every pair rotates (the attention `scale`); with partial RoPE it cannot, and
+/// RoPE is linear in q, so `a² R(W x + b) = R(a² W x + a² b)`: the q projection rows (and
+/// bias) of the rotated dims, in the permuted head layout (`ModelConfig::rotary_dim`), are
+/// scaled once here, rounded to the device dtype. The KV cache holds unscaled keys, as with
+/// full RoPE.
+fn rotated_q_scale(cfg: &ModelConfig) -> Option<f32> {
+    let a = cfg.rope_attention_factor();
+    (cfg.rotary_dim != cfg.head_dim && a != 1.0).then_some(a * a)
+}
+
+/// Multiplies the rotated dims' rows of the q part (the first `heads * head_dim` rows of
+/// `row_elems` device elements each) of a device-dtype group in place by `factor`: rows
+/// `i` and `i + head_dim / 2` of each head for `i < rotary_dim / 2` ([`rotated_q_scale`]).
+fn scale_rotated_q_rows(
+    bytes: &mut [u8],
+    cfg: &ModelConfig,
+    dtype: Dtype,
+    row_elems: usize,
+    factor: f32,
+) {
+    let (d, es) = (cfg.head_dim, dtype.size());
+    let row = row_elems * es;
+    for head in 0..cfg.num_attention_heads {
+        for i in 0..cfg.rotary_dim / 2 {
+            for r in [i, i + d / 2] {
+                let at = (head * d + r) * row;
+                for e in bytes[at..at + row].chunks_exact_mut(es) {
+                    match dtype {
+                        Dtype::F32 => {
+                            let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]) * factor;
+                            e.copy_from_slice(&x.to_le_bytes());
+                        }
+                        Dtype::Bf16 => {
+                            let x = half::bf16::from_le_bytes([e[0], e[1]]).to_f32() * factor;
+                            e.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+                        }
+                        Dtype::F16 => {
+                            let x = half::f16::from_le_bytes([e[0], e[1]]).to_f32() * factor;
+                            e.copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Head dims with a fast (warp-per-key) attention kernel.
@@ -961,7 +1013,18 @@ impl CudaWorker {
         // One device group (a tensor, or fused q|k|v and gate|up) at a time: peak host memory
         // is one group in the device dtype, plus the f32 weights when they came that way.
         let upload = |o: usize, parts: &[WeightPart<'_>]| -> Result<(), CudaWorkerError> {
-            let bytes = group_device_bytes(parts, dtype);
+            let mut bytes = group_device_bytes(parts, dtype);
+            // The q|k|v group and the q|k|v bias group start with q's rows.
+            if let Some(f) = rotated_q_scale(&cfg) {
+                if layer_offs.iter().any(|offs| offs[1] == o) {
+                    scale_rotated_q_rows(&mut bytes, &cfg, dtype, cfg.hidden_size, f);
+                }
+                if let Some(g) = bias_group(&cfg) {
+                    if layer_offs.iter().any(|offs| offs[g] == o) {
+                        scale_rotated_q_rows(&mut bytes, &cfg, dtype, 1, f);
+                    }
+                }
+            }
             if o + bytes.len() > weight_bytes {
                 return Err(CudaWorkerError::Unsupported(format!(
                     "weight group at byte {o} ({} bytes) overruns the {weight_bytes}-byte layout",
@@ -1469,7 +1532,11 @@ impl CudaWorker {
         let eps = c.rms_norm_eps;
         // YaRN's attention factor scales cos and sin in HF, so every q.k logit by its square:
         // applied here instead (the KV cache holds unscaled keys; only this worker reads them).
-        let att = c.rope_attention_factor();
+        // (With partial RoPE the q rows of the rotated dims carry it instead: rotated_q_scale.)
+        let att = match rotated_q_scale(c) {
+            Some(_) => 1.0,
+            None => c.rope_attention_factor(),
+        };
         let scale = (hd as f64).powf(-0.5) as f32 * att * att;
         let a = &self.act_off;
         let act = |o: usize| self.acts.at(o);
@@ -3168,10 +3235,11 @@ mod tests {
         ));
     }
 
-    /// The logits-side attention factor is right only when every pair of dims rotates: partial
-    /// RoPE with LongRoPE's factor is refused (before any device call), without it accepted.
+    /// With partial RoPE the attention factor goes into the rotated dims' q rows (not the
+    /// logits): `a²` on rows `i` and `i + head_dim/2` of each head for `i < rotary_dim/2`, no
+    /// other row; with q/k head norms (which would undo it) the config is refused.
     #[test]
-    fn partial_rope_with_an_attention_factor_is_refused() {
+    fn partial_rope_scales_the_rotated_q_rows_by_the_attention_factor() {
         let phi = |extra: &str| {
             baton_model::ModelConfig::from_json_str(&format!(
                 r#"{{"architectures":["Phi3ForCausalLM"],"model_type":"phi3","hidden_size":64,
@@ -3181,12 +3249,33 @@ mod tests {
             ))
             .unwrap()
         };
-        check_shape(&phi("")).expect("partial RoPE alone runs");
-        let longrope = phi(
-            r#","original_max_position_embeddings":32,"rope_scaling":{"type":"longrope",
-            "short_factor":[1,1,1,1,1,1,1,1],"long_factor":[1,1,1,1,1,1,1,1]}"#,
-        );
-        let e = check_shape(&longrope).unwrap_err().to_string();
+        let plain = phi("");
+        check_shape(&plain).expect("partial RoPE alone runs");
+        assert_eq!(rotated_q_scale(&plain), None);
+        let longrope = r#","original_max_position_embeddings":32,"rope_scaling":{"type":
+            "longrope","short_factor":[1,1,1,1,1,1,1,1],"long_factor":[1,1,1,1,1,1,1,1],
+            "attention_factor":1.5}"#;
+        let cfg = phi(longrope);
+        check_shape(&cfg).expect("partial RoPE with a factor runs");
+        assert_eq!(rotated_q_scale(&cfg), Some(2.25));
+        // head_dim 32, rotary 16: rows 0..8 and 16..24 of each of the 2 heads, 3 values each.
+        let (d, n) = (32, 3);
+        let rows = 2 * d + 2 * 16; // q, then k's rows, untouched
+        let vals: Vec<f32> = (0..rows * n).map(|i| i as f32 + 1.0).collect();
+        let mut bytes = to_device_bytes(&vals, Dtype::F32);
+        scale_rotated_q_rows(&mut bytes, &cfg, Dtype::F32, n, 2.25);
+        let got: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        for (i, (&g, &v)) in got.iter().zip(&vals).enumerate() {
+            let r = i / n;
+            let rotated = r < 2 * d && (r % d < 8 || (16..24).contains(&(r % d)));
+            assert_eq!(g, if rotated { v * 2.25 } else { v }, "row {r}");
+        }
+        let mut qwen3 = cfg.clone();
+        qwen3.qk_norm = true;
+        let e = check_shape(&qwen3).unwrap_err().to_string();
         assert!(
             e.contains("partial RoPE") && e.contains("--device cpu"),
             "{e}"
