@@ -40,7 +40,8 @@
 #      1B at batches 1 and 32 with --device-time (the host's share of a step); 5e 1B batch 1
 #      with sampled rows (temperature 0.8, top-p 0.95: the sampler's selection passes);
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
-#      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases);
+#      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases),
+#      3e for Phi-4-mini widths (partial RoPE with LongRoPE's attention factor);
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -210,6 +211,19 @@ run_check 3c-layers-qwen3-bf16 60 "$BATON" debug layers --load-format dummy \
     --config "$QWEN3_06B" --dtype bf16 --tol 1.5e-2
 run_check 3d-layers-qwen2-bf16 60 "$BATON" debug layers --load-format dummy \
     --config "$QWEN2_05B" --dtype bf16 --tol 1.5e-2
+
+# 3e. Phi-4-mini widths with 4 layers: partial RoPE (96 of 128 dims; the frequency-0 pairs of
+# the permuted layout) and LongRoPE's attention factor, which CUDA puts into the rotated q rows
+# (never run on a GPU; the emulator passes it at 1e-2 on tiny shapes).
+PHI4_MINI_SF=$(awk 'BEGIN { for (i = 0; i < 48; i++) printf "%s%.2f", (i ? "," : ""), 1 + 0.1 * i }')
+PHI4_MINI='{"architectures":["Phi3ForCausalLM"],"model_type":"phi3","hidden_size":3072,
+"intermediate_size":8192,"num_hidden_layers":4,"num_attention_heads":24,"num_key_value_heads":8,
+"vocab_size":200064,"max_position_embeddings":131072,"original_max_position_embeddings":4096,
+"partial_rotary_factor":0.75,"rms_norm_eps":1e-05,"rope_theta":10000.0,
+"tie_word_embeddings":true,"rope_scaling":{"type":"longrope","short_factor":['"$PHI4_MINI_SF"'],
+"long_factor":['"$PHI4_MINI_SF"']}}'
+run_check 3e-layers-phi4-mini-bf16 60 "$BATON" debug layers --load-format dummy \
+    --config "$PHI4_MINI" --dtype bf16 --tol 1.5e-2
 
 run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
