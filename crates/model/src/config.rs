@@ -157,6 +157,13 @@ pub struct ModelConfig {
     pub torch_dtype: Option<String>,
 }
 
+/// Whether `x` stays a positive, finite number as f32 (what the RoPE tables compute in):
+/// `1e-300` would become 0 and `1e300` infinity, and either NaN logits.
+fn positive_f32(x: f64) -> bool {
+    let y = x as f32;
+    y > 0.0 && y.is_finite()
+}
+
 /// Reads typed fields from one JSON object, producing errors that name file and field.
 pub(crate) struct Fields<'a> {
     pub(crate) file: &'a str,
@@ -602,7 +609,10 @@ impl ModelConfig {
             // transformers applies `sliding_window` only with `use_sliding_window`, to the
             // layers from `max_window_layers` on, or where `layer_types` says so. Any sliding
             // layer caps the context at the window.
-            if f.opt_bool("use_sliding_window")? == Some(true) {
+            // (`max_window_layers` defaults to 28 in both configs.)
+            let first_sliding = f.opt_usize("max_window_layers")?.unwrap_or(28);
+            if f.opt_bool("use_sliding_window")? == Some(true) && first_sliding < num_hidden_layers
+            {
                 if let Some(w) = window("use_sliding_window is true")? {
                     slides_from(w)?;
                 }
@@ -656,8 +666,8 @@ impl ModelConfig {
             }
         }
         let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
-        if rope_theta <= 0.0 {
-            return Err(f.invalid("rope_theta", "must be > 0"));
+        if !(rope_theta > 0.0 && rope_theta.is_finite()) {
+            return Err(f.invalid("rope_theta", "must be > 0 and finite in f32"));
         }
         let rope_scaling = match scaling_fields {
             None => None,
@@ -677,10 +687,11 @@ impl ModelConfig {
                         let high_freq_factor = num("high_freq_factor")?;
                         let original_max_position_embeddings =
                             s.req_usize("original_max_position_embeddings")?;
-                        if factor <= 0.0 || low_freq_factor <= 0.0 || high_freq_factor <= low_freq_factor {
+                        let finite = [factor, low_freq_factor, high_freq_factor].iter().all(|x| x.is_finite());
+                        if !finite || factor <= 0.0 || low_freq_factor <= 0.0 || high_freq_factor <= low_freq_factor {
                             return Err(s.invalid(
                                 "factor",
-                                "need factor > 0 and high_freq_factor > low_freq_factor > 0",
+                                "need factor > 0 and high_freq_factor > low_freq_factor > 0, finite in f32",
                             ));
                         }
                         Some(RopeScaling::Llama3 {
@@ -692,8 +703,8 @@ impl ModelConfig {
                     }
                     "yarn" => {
                         let factor = s.opt_f64("factor")?.ok_or_else(|| s.missing("factor"))?;
-                        if !(factor >= 1.0 && factor.is_finite()) {
-                            return Err(s.invalid("factor", format!("{factor} must be >= 1")));
+                        if !(factor >= 1.0 && positive_f32(factor)) {
+                            return Err(s.invalid("factor", format!("{factor} must be >= 1 and finite in f32")));
                         }
                         // DeepSeek's variant; its attention factor is not plain YaRN's.
                         for k in ["mscale", "mscale_all_dim"] {
@@ -705,16 +716,16 @@ impl ModelConfig {
                             .opt_usize("original_max_position_embeddings")?
                             .unwrap_or(max_position_embeddings);
                         let attention_factor = match s.opt_f64("attention_factor")? {
-                            Some(a) if a > 0.0 && a.is_finite() => a,
+                            Some(a) if positive_f32(a) => a,
                             Some(a) => {
-                                return Err(s.invalid("attention_factor", format!("{a} must be > 0")))
+                                return Err(s.invalid("attention_factor", format!("{a} must be > 0 and finite in f32")))
                             }
                             None if factor > 1.0 => 0.1 * factor.ln() + 1.0,
                             None => 1.0,
                         };
                         let beta_fast = s.opt_f64("beta_fast")?.unwrap_or(32.0);
                         let beta_slow = s.opt_f64("beta_slow")?.unwrap_or(1.0);
-                        if !(beta_fast > 0.0 && beta_slow > 0.0) || original == 0 {
+                        if !(positive_f32(beta_fast) && positive_f32(beta_slow)) || original == 0 {
                             return Err(s.invalid(
                                 "beta_fast",
                                 "need beta_fast > 0, beta_slow > 0 and original_max_position_embeddings > 0",
@@ -742,7 +753,7 @@ impl ModelConfig {
                             }
                             list.iter()
                                 .map(|x| match x.as_f64() {
-                                    Some(x) if x > 0.0 && x.is_finite() => Ok(x as f32),
+                                    Some(x) if positive_f32(x) => Ok(x as f32),
                                     _ => Err(bad()),
                                 })
                                 .collect()
@@ -751,7 +762,12 @@ impl ModelConfig {
                         factors("long_factor")?;
                         // transformers' `_compute_longrope_parameters`: Phi-3 keeps the
                         // pre-training length at the top level and scales by the ratio.
-                        let (original, factor) = match f.opt_usize("original_max_position_embeddings")? {
+                        // (`Phi3Config` defaults it to 4096.)
+                        let top = match f.opt_usize("original_max_position_embeddings")? {
+                            None if model_type == "phi3" => Some(4096),
+                            o => o,
+                        };
+                        let (original, factor) = match top {
                             Some(o) => (o, max_position_embeddings as f64 / o as f64),
                             None => (
                                 max_position_embeddings,
@@ -762,9 +778,9 @@ impl ModelConfig {
                             return Err(f.invalid("original_max_position_embeddings", "must be > 0"));
                         }
                         let attention_factor = match s.opt_f64("attention_factor")? {
-                            Some(a) if a > 0.0 && a.is_finite() => a,
+                            Some(a) if positive_f32(a) => a,
                             Some(a) => {
-                                return Err(s.invalid("attention_factor", format!("{a} must be > 0")))
+                                return Err(s.invalid("attention_factor", format!("{a} must be > 0 and finite in f32")))
                             }
                             None if factor > 1.0 => {
                                 (1.0 + factor.ln() / (original as f64).ln()).sqrt()
@@ -1401,6 +1417,10 @@ mod tests {
         let c = q(r#", "use_sliding_window": true, "sliding_window": 4096"#);
         assert_eq!(c.max_position_embeddings, 4096);
         assert!(c.context_cap.unwrap().starts_with("sliding_window 4096"));
+        // Layers from max_window_layers on slide: none of 24 from 24 on.
+        let c =
+            q(r#", "use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 24"#);
+        assert_eq!((c.max_position_embeddings, c.context_cap), (32768, None));
         let c = q(r#", "sliding_window": 4096"#);
         assert_eq!((c.max_position_embeddings, c.context_cap), (32768, None));
         let mut types = vec!["full_attention"; 24];
@@ -1430,6 +1450,13 @@ mod tests {
         );
         let c = phi3(&longrope).unwrap();
         assert_eq!(c.max_position_embeddings, 4096);
+        // Phi3Config's default pre-training length is 4096 too.
+        let without = ModelConfig::from_json_str(&format!(
+            "{}{longrope}}}",
+            PHI3.replace(r#""original_max_position_embeddings": 4096, "#, "")
+        ))
+        .unwrap();
+        assert_eq!(without.rope_scaling, c.rope_scaling);
         assert!(c.context_cap.as_ref().unwrap().contains("LongRoPE"));
         // transformers' `_compute_longrope_parameters`: 1 / (short_i * base^(2i/d)), and
         // sqrt(1 + ln(131072 / 4096) / ln(4096)) on cos and sin.
@@ -1468,6 +1495,33 @@ mod tests {
             (
                 r#", "partial_rotary_factor": 1.5"#.into(),
                 "partial_rotary_factor",
+            ),
+            // Values that f32 turns into 0 or infinity (NaN logits otherwise).
+            (longrope.replace("[1.0,", "[1e-300,"), "short_factor"),
+            (
+                longrope.replace(r#""type""#, r#""attention_factor": 1e300, "type""#),
+                "attention_factor",
+            ),
+            (r#", "rope_theta": 1e300"#.into(), "rope_theta"),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e300}"#
+                    .into(),
+                "attention_factor",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 1e300}"#.into(),
+                "factor",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1e300}"#
+                    .into(),
+                "beta_fast",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "llama3", "factor": 1e300, "low_freq_factor": 1,
+                "high_freq_factor": 4, "original_max_position_embeddings": 8192}"#
+                    .into(),
+                "factor",
             ),
         ] {
             let e = phi3(&bad).unwrap_err();
@@ -1526,7 +1580,11 @@ mod tests {
     fn qwen_features_we_do_not_run_are_refused() {
         for (base, extra, field) in [
             // A sliding layer needs its window (QWEN3's is null).
-            (QWEN3, r#", "use_sliding_window": true"#, "sliding_window"),
+            (
+                QWEN3,
+                r#", "use_sliding_window": true, "max_window_layers": 2"#,
+                "sliding_window",
+            ),
             (
                 QWEN3,
                 r#", "layer_types": ["full_attention", "sliding_attention"]"#,

@@ -65,7 +65,7 @@ pub enum ModelError {
     },
     /// `architectures` names no supported architecture.
     #[error(
-        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"
     )]
     UnsupportedArchitecture {
         /// File path.
@@ -73,8 +73,10 @@ pub enum ModelError {
         /// The `architectures` list as found.
         found: Vec<String>,
     },
-    /// `model_type` is not `llama`, `mistral`, `qwen2` or `qwen3`.
-    #[error("{file}: unsupported `model_type` {found:?}; supported: llama, mistral, qwen2, qwen3")]
+    /// `model_type` is not `llama`, `mistral`, `qwen2`, `qwen3` or `phi3`.
+    #[error(
+        "{file}: unsupported `model_type` {found:?}; supported: llama, mistral, qwen2, qwen3, phi3"
+    )]
     UnsupportedModelType {
         /// File path.
         file: String,
@@ -116,6 +118,21 @@ pub enum ModelError {
         tensor: String,
         /// `num_hidden_layers` from config.json.
         layers: usize,
+    },
+    /// A fused checkpoint (Phi-3) also stores one of the parts its fused tensor holds (a
+    /// `q_proj` beside the `qkv_proj`): one of the two would be ignored, and which is meant is
+    /// unknown.
+    #[error(
+        "{file}: the checkpoint stores both `{part}` and the fused `{fused}` that holds its \
+         rows; one of them would be ignored, so the weights are ambiguous"
+    )]
+    FusedAndPart {
+        /// The weights file holding the part (a shard when sharded).
+        file: String,
+        /// The separately stored part.
+        part: String,
+        /// The fused tensor.
+        fused: String,
     },
     /// The checkpoint stores tensors a model of config.json's architecture does not use
     /// (say an `o_proj.bias` in a Qwen2 checkpoint, a `q_norm` in a Llama one): the weights

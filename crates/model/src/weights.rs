@@ -481,7 +481,8 @@ impl WeightSource {
     /// then v, as transformers' `Phi3Attention` slices it) and `mlp.{gate,up}_proj.weight` as
     /// the halves of `mlp.gate_up_proj.weight` (`[2 intermediate, hidden]`: gate first, as
     /// `Phi3MLP`'s `chunk(2)`), without a copy. A fused tensor of another shape is a
-    /// [`ModelError::ShapeMismatch`] naming it when a part is read.
+    /// [`ModelError::ShapeMismatch`] naming it when a part is read; a checkpoint storing the
+    /// separate parts is read as it is.
     ///
     /// With partial RoPE ([`ModelConfig::rotary_dim`] below `head_dim`), each layer's
     /// `self_attn.{q,k}_proj.weight` (and `.bias`, and Qwen3's `q_norm`/`k_norm`) is served
@@ -489,7 +490,8 @@ impl WeightSource {
     /// (a tensor that is missing or of another shape is left to the load's own error).
     ///
     /// # Errors
-    /// As [`WeightSource::open`].
+    /// As [`WeightSource::open`], and [`ModelError::FusedAndPart`] for a checkpoint storing
+    /// both a fused tensor and one of its parts.
     pub fn open_for(dir: &Path, cfg: &ModelConfig) -> Result<Self, ModelError> {
         Self::open_with(dir, cfg, true)
     }
@@ -520,8 +522,14 @@ impl WeightSource {
                     ("mlp.up_proj.weight", &gate_up, im, im, 2 * im),
                 ] {
                     let name = format!("{p}{part}");
-                    // A checkpoint storing the part itself keeps it (the fused tensor is
-                    // then unused, and refused as such).
+                    // A checkpoint of unfused tensors keeps them; one with both is ambiguous.
+                    if src.contains(&name) && src.contains(source) {
+                        return Err(ModelError::FusedAndPart {
+                            file: src.file_of(&name).display().to_string(),
+                            part: name,
+                            fused: source.clone(),
+                        });
+                    }
                     if !src.contains(&name) {
                         let view = RowView {
                             source: source.clone(),

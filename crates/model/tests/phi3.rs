@@ -139,6 +139,39 @@ fn a_fused_tensor_of_the_wrong_shape_or_a_missing_one_is_named() {
     }
 }
 
+/// A fused checkpoint that also stores one of the parts is ambiguous (which rows are meant?):
+/// refused, naming both, by both loads and by the scheduler's name check.
+#[test]
+fn a_part_stored_beside_its_fused_tensor_is_refused() {
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let d = phi3_dir("phi3-both", |t| {
+        t.push((
+            q.into(),
+            safetensors::Dtype::F32,
+            vec![64, 64],
+            vec![0; 64 * 64 * 4],
+        ))
+    });
+    let cfg = baton_model::ModelConfig::from_json_str(
+        &std::fs::read_to_string(d.join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for e in [
+        load_model_dir(&d).map(|_| ()).unwrap_err(),
+        mapped_cpu(&d).map(|_| ()).unwrap_err(),
+        ModelDir::new(&*d)
+            .checked_weights_fingerprint(LoadFormat::Auto, &cfg)
+            .map(|_| ())
+            .unwrap_err(),
+    ] {
+        assert!(
+            matches!(&e, ModelError::FusedAndPart { part, fused, .. }
+                if part == q && fused == "model.layers.0.self_attn.qkv_proj.weight"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn a_llama_layout_under_a_phi3_config_loads_and_a_fused_tensor_under_llama_is_refused() {
     // Parts stored whole are read as they are (a converted checkpoint).
