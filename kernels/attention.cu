@@ -67,6 +67,13 @@ __device__ __forceinline__ int baton_decode_part_size(int ctx, int z, int fill, 
     return max(max(min_part, by_fill), by_grid);
 }
 
+// The first key a query that attends to `ctx` keys (itself the last) reads: under a sliding
+// window (window > 0; transformers' sliding_window, FlashAttention's window_size = (window - 1,
+// 0)) its last `window` keys, else all.
+__device__ __forceinline__ int baton_window_start(int ctx, int window) {
+    return window > 0 ? max(ctx - window, 0) : 0;
+}
+
 // Online softmax update over the scores p[g][0..n) (log2 domain) of query heads g < ng, one
 // warp per head: p becomes exp2(score - m_new), and m (running max), l (running sum) and alpha
 // (the factor that rescales what earlier keys contributed; 0 on the first keys, m = -inf)
@@ -341,7 +348,9 @@ __device__ __forceinline__ void baton_attn_store(elem_t* out_tok, const BatonAtt
 // max_partitions] f32 (log2-domain max, sum); counters [num_seqs, gridDim.y] int, all 0 before
 // the launch and left 0 after it. max_partitions >= 1 (the partials' stride and grid.z);
 // fill, min_part, long_part: partition sizing, see baton_decode_part_size (the host's
-// plan::decode_fill, plan::Tuning::attn_min_partition and plan::ATTN_LONG_PARTITION).
+// plan::decode_fill, plan::Tuning::attn_min_partition and plan::ATTN_LONG_PARTITION), over the
+// keys a sequence attends to: all of them, or its last `window` under a sliding window
+// (window > 0, baton_window_start), partitioned from the first.
 // Launch: grid = (num_seqs, num_kv_heads * ceil(group / 8), max_partitions), block = (128).
 template <int D>
 struct BatonDecodeTile {
@@ -512,7 +521,8 @@ __device__ __forceinline__ void baton_decode_body(
     const int* __restrict__ block_tables, int max_blocks_per_row, const int* __restrict__ seq_lens,
     const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, int num_heads,
     int num_kv_heads, int block_size, float scale, int max_partitions, int fill, int min_part,
-    int long_part, BatonDecodeShared<D>& sh, int seq, int gy, int part, int ny, unsigned* bar) {
+    int long_part, int window, BatonDecodeShared<D>& sh, int seq, int gy, int part, int ny,
+    unsigned* bar) {
     typedef BatonDecodeTile<D> T;
     constexpr int VPL = D / 32;
     constexpr int HALF = D / 2;
@@ -523,14 +533,18 @@ __device__ __forceinline__ void baton_decode_body(
     // only (common.cuh: both were written at least two kernels back). Every key but the step's
     // own token `cur` is such an entry, so the first tile's copies go out now, overlapping the
     // QKV projection that precedes this kernel.
+    // Keys [lo, ctx): the last `window` ones under a sliding window (window > 0), split into
+    // partitions of psize keys from lo.
     const int ctx = seq_lens[seq];
-    const int psize = baton_decode_part_size(ctx, max_partitions, fill, min_part, long_part);
-    const int num_parts = (ctx + psize - 1) / psize;
+    const int lo = baton_window_start(ctx, window);
+    const int span = ctx - lo;
+    const int psize = baton_decode_part_size(span, max_partitions, fill, min_part, long_part);
+    const int num_parts = (span + psize - 1) / psize;
     if (part >= max(num_parts, 1)) {
         if (GRID && bar != nullptr) BATON_GRID_SYNC(bar);
         return;
     }
-    const int c0 = part * psize, c1 = min(ctx, c0 + psize);
+    const int c0 = lo + part * psize, c1 = min(ctx, c0 + psize);
     const int cur = ctx - 1;  // the step's token: position ctx - 1, K and V from qkv
     const bool has_cur = c0 <= cur && cur < c1;
     const int* bt = block_tables + (size_t)seq * max_blocks_per_row;
@@ -749,13 +763,13 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ block_tables, int max_blocks_per_row,                           \
         const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
         const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
-        float scale, int max_partitions, int fill, int min_part, int long_part) {              \
+        float scale, int max_partitions, int fill, int min_part, int long_part, int window) {  \
         __shared__ BatonDecodeShared<D> sh;                                                    \
         baton_decode_body<D, false>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,  \
                                     k_cache, v_cache, block_tables, max_blocks_per_row,        \
                                     seq_lens, slot_mapping, inv_freq, num_heads, num_kv_heads, \
                                     block_size, scale, max_partitions, fill, min_part,         \
-                                    long_part, sh, blockIdx.x, blockIdx.y, blockIdx.z,         \
+                                    long_part, window, sh, blockIdx.x, blockIdx.y, blockIdx.z, \
                                     gridDim.y, nullptr);                                       \
     }
 BATON_DECODE_ENTRY(64)
@@ -827,7 +841,7 @@ __device__ __noinline__ void baton_layers_attention(
         baton_decode_body<D, true>(attn, part_acc, part_m, part_l, counters, qkv, qkv_w, k_cache,
                                    v_cache, block_tables, max_blocks_per_row, seq_lens,
                                    slot_mapping, inv_freq, num_heads, num_kv_heads, block_size,
-                                   scale, max_partitions, fill, min_part, long_part, sh, 0,
+                                   scale, max_partitions, fill, min_part, long_part, 0, sh, 0,
                                    i % ny, i / ny, ny, wait);
         wait = nullptr;
         __syncthreads();  // the next item's copies overwrite sh
@@ -900,8 +914,8 @@ BATON_DECODE_LAYERS_ENTRY(128)
 //
 // Query token i of row r (cu_seqlens[r] <= i < cu_seqlens[r + 1]) sits at position
 // p = start_pos[r] + (i - cu_seqlens[r]) and attends to keys 0..=p of its row, read from the
-// cache through block_tables[r]. Rows may be decodes (one token) or prefill chunks continuing an
-// already-cached prefix.
+// cache through block_tables[r] (keys p + 1 - window..=p under a sliding window, window > 0).
+// Rows may be decodes (one token) or prefill chunks continuing an already-cached prefix.
 // Shapes: out [num_tokens, num_heads, D] elem_t; q [num_tokens, num_heads, D] elem_t with token
 // stride `q_stride`; cu_seqlens [num_rows + 1] int (cu_seqlens[0] = 0); start_pos [num_rows]
 // int; block_tables [num_rows, max_blocks_per_row] int. Tokens >= cu_seqlens[num_rows] (graph
@@ -915,7 +929,7 @@ __device__ __forceinline__ void baton_prefill_body(
     const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
     const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
-    int num_kv_heads, int block_size, float scale) {
+    int num_kv_heads, int block_size, float scale, int window) {
     __shared__ BatonAttnShared<D> sh;
     const int tok = blockIdx.x;
     if (tok >= cu_seqlens[num_rows]) return;
@@ -933,7 +947,7 @@ __device__ __forceinline__ void baton_prefill_body(
     baton_attn_init<D>(sh, acc);
     const float qscale = scale * BATON_LOG2E;
     const int* bt = block_tables + (size_t)row * max_blocks_per_row;
-    for (int c0 = 0; c0 < ctx; c0 += BATON_ATTN_PART)
+    for (int c0 = baton_window_start(ctx, window); c0 < ctx; c0 += BATON_ATTN_PART)
         baton_attn_chunk<D>(sh, qscale, acc, k_cache, v_cache, bt, block_size, num_kv_heads, h, c0,
                             min(ctx, c0 + BATON_ATTN_PART));
     baton_attn_reduce_warps<D>(sh, acc, h.ng);
@@ -946,12 +960,12 @@ __device__ __forceinline__ void baton_prefill_body(
         const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,                      \
         const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
         const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,            \
-        int num_kv_heads, int block_size, float scale) {                                         \
+        int num_kv_heads, int block_size, float scale, int window) {                             \
         BATON_PDL_WAIT();                                                                   \
         BATON_PDL_LAUNCH();                                                                 \
         baton_prefill_body<D>(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,         \
                               num_rows, block_tables, max_blocks_per_row, num_heads,             \
-                              num_kv_heads, block_size, scale);                                  \
+                              num_kv_heads, block_size, scale, window);                          \
     }
 BATON_PREFILL_ENTRY(64)
 BATON_PREFILL_ENTRY(128)
@@ -966,7 +980,7 @@ BATON_PREFILL_ENTRY(256)
 // exp as the CPU reference), then thread d accumulates sum_j p_j v_j[d] in key order.
 // Slower than the fast paths; it is the path the f32 golden check runs (head_dim 8).
 // Shapes: out [num_tokens, num_heads, head_dim] elem_t; q [num_tokens, num_heads, head_dim]
-// elem_t with token stride q_stride; the rest as for the prefill kernel.
+// elem_t with token stride q_stride; the rest, and `window`, as for the prefill kernel.
 // Launch: grid = (num_tokens, num_heads), block = (128).
 #define BATON_GEN_THREADS 128
 #define BATON_GEN_MAX_D 1024
@@ -975,7 +989,7 @@ BATON_ENTRY void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_gene
     const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
     const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, float scale) {
+    int num_kv_heads, int head_dim, int block_size, float scale, int window) {
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ float p[BATON_ATTN_PART];
@@ -1001,7 +1015,7 @@ BATON_ENTRY void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_gene
 #pragma unroll
     for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
     float m = BATON_NEG_INF, l = 0.0f;
-    for (int c0 = 0; c0 < ctx; c0 += BATON_ATTN_PART) {
+    for (int c0 = baton_window_start(ctx, window); c0 < ctx; c0 += BATON_ATTN_PART) {
         const int n = min(BATON_ATTN_PART, ctx - c0);
         float cmax = BATON_NEG_INF;
         for (int j = threadIdx.x; j < n; j += blockDim.x) {

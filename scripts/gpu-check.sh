@@ -41,7 +41,8 @@
 #      with sampled rows (temperature 0.8, top-p 0.95: the sampler's selection passes);
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
 #      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases),
-#      3e for Phi-4-mini widths (partial RoPE with LongRoPE's attention factor);
+#      3e for Phi-4-mini widths (partial RoPE with LongRoPE's attention factor); 3f layers
+#      at Mistral-7B widths with a 32-key sliding window over a 100-token prompt;
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -224,6 +225,18 @@ PHI4_MINI='{"architectures":["Phi3ForCausalLM"],"model_type":"phi3","hidden_size
 "long_factor":['"$PHI4_MINI_SF"']}}'
 run_check 3e-layers-phi4-mini-bf16 60 "$BATON" debug layers --load-format dummy \
     --config "$PHI4_MINI" --dtype bf16 --tol 1.5e-2
+
+# 3f. Mistral-7B-v0.1 widths with 4 layers and a 32-key sliding window: layers as in 3 over a
+# 100-token prompt, a 20-token chunk after it and decodes (prefill chunks and decode partitions
+# start at the window's first key; never run on a GPU, the emulator passes 530-token prompts in
+# f32 at 1e-4).
+MISTRAL_7B='{"architectures":["MistralForCausalLM"],"model_type":"mistral","hidden_size":4096,
+"intermediate_size":14336,"num_hidden_layers":4,"num_attention_heads":32,"num_key_value_heads":8,
+"vocab_size":32000,"max_position_embeddings":32768,"rms_norm_eps":1e-05,"rope_theta":10000.0,
+"sliding_window":32}'
+MISTRAL_IDS=$(awk 'BEGIN { for (i = 0; i < 100; i++) printf "%s%d", (i ? "," : ""), (3 + 41 * i) % 32000 }')
+run_check 3f-layers-mistral-sliding-bf16 90 "$BATON" debug layers --load-format dummy \
+    --config "$MISTRAL_7B" --dtype bf16 --tol 1.5e-2 --prompt-ids "$MISTRAL_IDS"
 
 run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \

@@ -562,3 +562,46 @@ fn serve_keeps_serving_when_nobody_reads_its_stderr() {
         .expect("baton serve ignored SIGTERM");
     assert!(status.success(), "baton serve exited with {status:?}");
 }
+
+/// A LongRoPE model across the processes: the scheduler, the worker and the frontend each set
+/// the factors from the served length (`--max-model-len`), so their config fingerprints agree
+/// and serve becomes ready either way. stories260K with short LongRoPE factors of 1 and an
+/// attention factor of 1 gives the goldens at `--max-model-len 256` (its
+/// `original_max_position_embeddings`); served at the model's 512 positions, the long factors
+/// of 4 apply to every position and the output departs from them.
+#[test]
+fn a_longrope_model_serves_with_the_factors_of_its_max_model_len() {
+    let _serial = serial();
+    let dir = edited_model_dir("serve-longrope", |c| {
+        c["original_max_position_embeddings"] = 256.into();
+        c["rope_scaling"] = serde_json::json!({"type": "longrope", "attention_factor": 1.0,
+            "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [4.0, 4.0, 4.0, 4.0]});
+    });
+    std::fs::copy(
+        model_dir().join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let (prompt, greedy) = goldens().swap_remove(0);
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+        "return_token_ids": true});
+    for (extra, port, golden) in [
+        (&["--max-model-len", "256"][..], 18309, true),
+        (&[][..], 18310, false),
+    ] {
+        let inst = instance(&format!("serve-longrope-{port}"));
+        let (mut serve, addr) = serve_on(&inst, port, &dir, extra);
+        let (resp, json) = post_completion(&addr, &body);
+        let ids: Vec<u32> = json["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{extra:?}: {resp}"))
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids.len(), 24, "{extra:?}: {resp}");
+        assert_eq!(ids == greedy[..24], golden, "{extra:?}: {ids:?}");
+        serve.signal(Signal::SIGTERM);
+        assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

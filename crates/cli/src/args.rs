@@ -297,14 +297,13 @@ pub fn cpu_threads(flag: usize) -> usize {
     }
 }
 
-/// Says on stderr, as `who`, that the model's context is capped below config.json's
-/// `max_position_embeddings` and why ([`ModelConfig::context_cap`]); nothing when it is not.
-pub fn say_context_cap(who: &str, model: &ModelConfig) {
-    if let Some(why) = &model.context_cap {
-        crate::say!(
-            "{who}: the model's context is capped at {} positions ({why})",
-            model.max_position_embeddings
-        );
+/// Sets what the served context length `max_model_len` decides in `model`
+/// ([`ModelConfig::set_max_model_len`]: LongRoPE's factors) and says on stderr, as `who`,
+/// which RoPE factors apply ([`ModelConfig::rope_note`]); says nothing without LongRoPE.
+pub fn serve_up_to(who: &str, model: &mut ModelConfig, max_model_len: usize) {
+    model.set_max_model_len(max_model_len);
+    if let Some(note) = model.rope_note() {
+        crate::say!("{who}: {note}");
     }
 }
 

@@ -521,11 +521,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     if a.prompt_len == 0 || a.gen_len == 0 || a.block_size == 0 {
         bail!("--prompt-len, --gen-len and --block-size must be at least 1");
     }
-    let cfg = load_config(a)?;
+    let mut cfg = load_config(a)?;
     let max_len = a.prompt_len + a.gen_len + 1;
     if cfg.max_position_embeddings < max_len {
         bail!("prompt + gen ({max_len}) exceeds {}", cfg.context_limit());
     }
+    cfg.set_max_model_len(max_len);
     let params = decode_params(a)?;
     if a.breakdown && a.device != BenchDevice::Cuda {
         bail!("--breakdown needs --device cuda");

@@ -167,7 +167,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
 fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
     let format = a.load_format.with_seed_flag(a.seed, a.model.as_deref())?;
-    let (model_cfg, vocab, fingerprint, weights_fingerprint) = match &a.model {
+    let (mut model_cfg, vocab, weights_fingerprint) = match &a.model {
         Some(dir) => {
             let dir = ModelDir::new(dir);
             let c = ModelConfig::from_file(&dir.config_path())?;
@@ -183,8 +183,8 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
                     ),
                     e => e.into(),
                 })?;
-            let (v, f) = (c.vocab_size, c.fingerprint());
-            (c, v, f, w)
+            let v = c.vocab_size;
+            (c, v, w)
         }
         None => {
             let Some(len) = a.engine.max_model_len else {
@@ -202,7 +202,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
                 LoadFormat::Dummy { seed } => baton_model::dummy_weights_fingerprint(seed),
                 LoadFormat::Auto => 0,
             };
-            (c, usize::MAX, 0, w)
+            (c, usize::MAX, w)
         }
     };
     if a.frontends == 0 {
@@ -212,7 +212,14 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         .engine
         .scheduler_config(&model_cfg)
         .map_err(anyhow::Error::msg)?;
-    crate::args::say_context_cap("baton scheduler", &model_cfg);
+    // The fingerprint workers and frontends must match, with the RoPE factors the served
+    // length chooses (they set the same from the segment's max_model_len).
+    crate::args::serve_up_to("baton scheduler", &mut model_cfg, sched.max_model_len);
+    let fingerprint = if a.model.is_some() {
+        model_cfg.fingerprint()
+    } else {
+        0
+    };
     let cfg = DaemonConfig {
         instance: a.instance.clone(),
         sched: sched.clone(),
@@ -291,6 +298,11 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
         }
     };
     let (segment, limits) = daemon::attach(&a.instance, wait)?;
+    // The RoPE factors of the scheduler's served length (its fingerprint covers them).
+    let loaded = loaded.map(|(dir, mut l)| {
+        l.config.set_max_model_len(limits.max_model_len);
+        (dir, l)
+    });
     match (a.device, loaded) {
         (Device::Cpu, Some((dir, loaded))) => {
             let weights = loaded.weights_fingerprint;

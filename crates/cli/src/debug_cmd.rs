@@ -333,7 +333,9 @@ fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
 /// # Errors
 /// A comparison over the tolerance, bad flags, a backend failure.
 pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result<()> {
-    let (cfg, weights) = load(a)?;
+    let (mut cfg, weights) = load(a)?;
+    // The comparison's served length (sizes below) chooses LongRoPE's factors, for both sides.
+    cfg.set_max_model_len(2048.min(cfg.max_position_embeddings));
     let vocab = cfg.vocab_size;
     // The layer comparison runs the CPU on the weights the GPU holds (rounded to --dtype):
     // rounding a dummy 1B model's weights to bf16 alone moves its layer outputs by 6e-3 at

@@ -325,7 +325,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
     // config.json is optional for a frontend (a tokenizer directory is enough); when present it
     // gives the EOS ids if generation_config.json does not, and the fingerprint to check. The
     // tokenizer's EOS always stops too (vLLM's).
-    let model_cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
+    let mut model_cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
     let eos = baton_model::model_stop_ids(
         tokenizer.eos_id(),
         &generation_ids,
@@ -370,7 +370,9 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         }
     };
     let theirs = link.limits().model_fingerprint;
-    if let Some(c) = &model_cfg {
+    if let Some(c) = &mut model_cfg {
+        // The RoPE factors of the scheduler's served length (its fingerprint covers them).
+        c.set_max_model_len(link.limits().max_model_len);
         if theirs != 0 && theirs != c.fingerprint() {
             bail!(
                 "the scheduler of instance {} serves another model than {} (config fingerprint \

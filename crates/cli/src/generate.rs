@@ -384,7 +384,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .engine
         .scheduler_config(&loaded.config)
         .map_err(anyhow::Error::msg)?;
-    crate::args::say_context_cap("note", &loaded.config);
+    crate::args::serve_up_to("note", &mut loaded.config, cfg.max_model_len);
     let tokenizer = loaded.tokenizer.take().context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
     )?;

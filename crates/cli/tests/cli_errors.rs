@@ -460,12 +460,12 @@ fn model_copy(tag: &str) -> std::path::PathBuf {
     dir
 }
 
-/// A Mistral model whose `sliding_window` is shorter than its positions is served up to the
-/// window, where full attention is the same (sliding-window attention is not implemented):
-/// the output is the golden one up to the window, and a longer `--max-model-len` is refused
-/// with the reason.
+/// stories260K as a Mistral model with a 16-token `sliding_window`: `baton generate` serves
+/// all 512 positions; the greedy output is the golden one while every position fits the
+/// window, and then departs from it (the model's own full attention); a `--max-model-len`
+/// past the positions is refused.
 #[test]
-fn a_sliding_window_caps_the_context_and_a_longer_max_model_len_is_refused() {
+fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
     let g = &common::goldens()[0];
     let dir = model_copy("sliding");
     let path = dir.join("config.json");
@@ -473,16 +473,82 @@ fn a_sliding_window_caps_the_context_and_a_longer_max_model_len_is_refused() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     c["model_type"] = "mistral".into();
     c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
-    c["sliding_window"] = 32.into();
+    c["sliding_window"] = 16.into();
     std::fs::write(&path, c.to_string()).unwrap();
     let (ids, finish) = generated(&dir, &["--temperature", "0", "--max-tokens", "64"]);
-    assert_eq!(ids, g.greedy_ids[..32 - g.prompt_ids.len()]);
-    assert_eq!(finish, "length");
-    let args = ["--temperature", "0", "--max-model-len", "33"];
+    assert_eq!((ids.len(), finish.as_str()), (64, "length"));
+    let fits = 16 - g.prompt_ids.len();
+    assert_eq!(ids[..fits], g.greedy_ids[..fits]);
+    assert_ne!(ids, g.greedy_ids, "the window changed nothing");
+    let rest = (512 - g.prompt_ids.len()).to_string();
+    let (ids, finish) = generated(
+        &dir,
+        &[
+            "--temperature",
+            "0",
+            "--max-model-len",
+            "512",
+            "--max-tokens",
+            &rest,
+        ],
+    );
+    assert_eq!(
+        (ids.len(), finish.as_str()),
+        (512 - g.prompt_ids.len(), "length")
+    );
+    let args = ["--temperature", "0", "--max-model-len", "513"];
     let out = generate_in(&dir, &args);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_fails_with(out.status.code(), &err, "--max-model-len 33", &args);
-    assert!(err.contains("32 positions (sliding_window 32"), "{err}");
+    assert_fails_with(out.status.code(), &err, "--max-model-len 513", &args);
+    assert!(err.contains("max_position_embeddings 512"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// stories260K with LongRoPE (original 256 of its 512 positions; short factors of 1 and an
+/// attention factor of 1, long factors of 4): `baton generate` says which factors apply, gives
+/// the goldens at `--max-model-len 256` and departs from them past it, where the long factors
+/// apply to every position (vLLM's choice).
+#[test]
+fn longrope_factors_follow_the_max_model_len() {
+    let g = &common::goldens()[0];
+    let dir = model_copy("longrope");
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["original_max_position_embeddings"] = 256.into();
+    c["rope_scaling"] = serde_json::json!({"type": "longrope", "attention_factor": 1.0,
+        "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [4.0, 4.0, 4.0, 4.0]});
+    std::fs::write(&path, c.to_string()).unwrap();
+    for (len, golden, note) in [
+        ("256", true, "short factors apply"),
+        ("512", false, "long factors apply"),
+    ] {
+        let args = [
+            "--json",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+            "--max-model-len",
+            len,
+        ];
+        let out = generate_in(&dir, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{len}: {err}");
+        assert!(err.contains(note), "{len}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ids: Vec<u32> = v["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            ids == g.greedy_ids[..24],
+            golden,
+            "--max-model-len {len}: {ids:?}"
+        );
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

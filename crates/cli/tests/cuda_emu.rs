@@ -169,13 +169,15 @@ const HD64_PARTIAL: &str = r#"{"architectures":["Phi3ForCausalLM"],"model_type":
     "partial_rotary_factor":0.5}"#;
 
 /// [`HD64_PARTIAL`] with LongRoPE and a large attention factor, which the CUDA worker puts
-/// into the rotated dims' q rows (the CPU into their cos and sin).
+/// into the rotated dims' q rows (the CPU into their cos and sin); the comparison serves 256
+/// positions, past the original 128, so the long factors apply.
 const HD64_PARTIAL_LONGROPE: &str = r#"{"architectures":["Phi3ForCausalLM"],"model_type":"phi3",
     "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
     "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":256,
     "partial_rotary_factor":0.5,"original_max_position_embeddings":128,"rope_scaling":{"type":
     "longrope","attention_factor":1.6,"short_factor":[1.0,1.1,1.3,1.6,2.0,2.5,3.1,3.8,4.6,5.5,
-    6.5,7.6,8.8,10.1,11.5,13.0],"long_factor":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}}"#;
+    6.5,7.6,8.8,10.1,11.5,13.0],"long_factor":[1.5,1.9,2.4,3.0,3.7,4.5,5.4,6.4,7.5,8.7,10.0,
+    11.4,12.9,14.5,16.2,18.0]}}"#;
 
 #[test]
 fn head_dim_128_f16_and_partial_rope_layers_match_the_cpu_reference() {
@@ -223,6 +225,42 @@ fn a_530_token_prefill_and_a_decode_over_two_partitions_match_the_cpu_reference(
         compare(&a, false, &build)
             .unwrap_or_else(|e| panic!("long context, f32, min partition {min_partition}: {e:#}"));
     }
+}
+
+/// Sliding-window models (`ModelConfig::sliding_window`) over a 530-token prompt, against the
+/// CPU reference in f32: a Mistral with a 200-key window on every layer (the prefill kernel's
+/// chunks and the decode kernel's partitions start at the window's first key), a Qwen2 whose
+/// second layer alone slides, and head dim 8 (the generic kernel); then layer by layer in bf16.
+#[test]
+fn sliding_window_models_match_the_cpu_reference_past_the_window() {
+    let mistral = r#"{"architectures":["MistralForCausalLM"],"model_type":"mistral",
+        "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":1024,
+        "sliding_window":200}"#;
+    let qwen2 = r#"{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2",
+        "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":1024,
+        "use_sliding_window":true,"sliding_window":100,"max_window_layers":1}"#;
+    let hd8 = r#"{"architectures":["MistralForCausalLM"],"model_type":"mistral",
+        "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,
+        "num_key_value_heads":4,"vocab_size":1000,"max_position_embeddings":1024,
+        "sliding_window":300}"#;
+    for config in [mistral, qwen2, hd8] {
+        let mut a = compare_args(Dtype::F32, 1e-4);
+        a.config = Some(config.to_owned());
+        a.load_format = LoadFormatArg::Dummy;
+        a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+        let last = Mutex::new(None);
+        compare(&a, false, &emu(Dtype::F32, true, &last))
+            .unwrap_or_else(|e| panic!("{config}: {e:#}"));
+    }
+    // Layer by layer in bf16 (gpu-check.sh's 3f): a 100-token prompt under a 32-key window.
+    let mut a = compare_args(Dtype::Bf16, 1e-2);
+    a.config = Some(mistral.replace(r#""sliding_window":200"#, r#""sliding_window":32"#));
+    a.load_format = LoadFormatArg::Dummy;
+    a.prompt_ids = (0..100).map(|p| (3 + 41 * p) % 1000).collect();
+    let last = Mutex::new(None);
+    compare(&a, true, &emu(Dtype::Bf16, true, &last)).expect("bf16 layers, sliding window");
 }
 
 #[test]

@@ -50,7 +50,7 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
     assert_eq!(param_count(Dtype::Bf16, "baton_rmsnorm"), Some(6));
     assert_eq!(
         param_count(Dtype::F32, "baton_paged_attention_decode_hd64"),
-        Some(22)
+        Some(23)
     );
     assert_eq!(param_count(Dtype::F16, "baton_sample_f32"), Some(14));
     assert_eq!(

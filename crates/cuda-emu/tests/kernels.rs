@@ -887,11 +887,14 @@ impl Paged {
         ((page as usize * self.bs + pos % self.bs) * self.kvh + kvh) * self.hd
     }
 
-    /// softmax(q . K[0..ctx] * scale) V for query head `head` of `row`, in f64.
+    /// softmax(q . K[lo..ctx] * scale) V[lo..ctx] for query head `head` of `row`, in f64,
+    /// where `lo` is 0, or `ctx - window` under a sliding window (`window > 0`).
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         row: usize,
         ctx: usize,
+        window: usize,
         q: &[f32],
         head: usize,
         nh: usize,
@@ -899,7 +902,12 @@ impl Paged {
     ) -> Vec<f32> {
         let hd = self.hd;
         let kvh = head / (nh / self.kvh);
-        let scores: Vec<f64> = (0..ctx)
+        let lo = if window > 0 {
+            ctx.saturating_sub(window)
+        } else {
+            0
+        };
+        let scores: Vec<f64> = (lo..ctx)
             .map(|p| {
                 let o = self.off(row, p, kvh);
                 let dot: f64 = (0..hd)
@@ -916,8 +924,8 @@ impl Paged {
         let z: f64 = e.iter().sum();
         (0..hd)
             .map(|d| {
-                let a: f64 = (0..ctx)
-                    .map(|p| e[p] * f64::from(self.v[self.off(row, p, kvh) + d]))
+                let a: f64 = (lo..ctx)
+                    .map(|p| e[p - lo] * f64::from(self.v[self.off(row, p, kvh) + d]))
                     .sum();
                 (a / z) as f32
             })
@@ -952,12 +960,14 @@ fn decode_case(dtype: Dtype, hd: usize, nh: usize, kvh: usize, seq_lens: &[i32],
 }
 
 /// The decode kernel's partition-sizing arguments (`fill`, `min_part`, `long_part`; see
-/// `baton_cuda::plan::decode_partition_size`).
+/// `baton_cuda::plan::decode_partition_size`), and the sliding window (0 for none) whose keys
+/// are partitioned.
 #[derive(Clone, Copy)]
 struct Sizing {
     fill: usize,
     min_part: usize,
     long_part: usize,
+    window: usize,
 }
 
 impl Sizing {
@@ -967,6 +977,7 @@ impl Sizing {
             fill: z,
             min_part: 64,
             long_part: baton_cuda::plan::ATTN_LONG_PARTITION,
+            window: 0,
         }
     }
 }
@@ -985,6 +996,7 @@ fn decode_case_sized(
         fill,
         min_part,
         long_part,
+        window,
     } = sizing;
     let bs = 16usize;
     let max_len = seq_lens
@@ -1067,7 +1079,7 @@ fn decode_case_sized(
         // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride, k_cache,
         //            v_cache, block_tables, max_blocks_per_row, seq_lens, slot_mapping,
         //            inv_freq, nh, nkv, block_size, scale, max_partitions, fill, min_part,
-        //            long_part)
+        //            long_part, window)
         run(
             dtype,
             &format!("baton_paged_attention_decode_hd{hd}"),
@@ -1095,7 +1107,8 @@ fn decode_case_sized(
                 .int(max_parts as i32)
                 .int(fill as i32)
                 .int(min_part as i32)
-                .int(long_part as i32),
+                .int(long_part as i32)
+                .int(window as i32),
         );
         assert!(
             counters.iter().all(|&c| c == 0),
@@ -1104,15 +1117,16 @@ fn decode_case_sized(
     }
     let what = format!(
         "{} decode hd {hd} nh {nh} kvh {kvh} z {z} fill {fill} min_part {min_part} long \
-         {long_part}",
+         {long_part} window {window}",
         dtype.name()
     );
     // Partitions as the kernel sizes them (attention.cu, baton_decode_part_size): a split
     // sequence writes a partial (m) for each of its partitions and no others, an unsplit one
     // none.
     for (s, &len) in ctx.iter().enumerate() {
-        let psize = baton_cuda::plan::decode_partition_size(len, z, fill, min_part, long_part);
-        let parts = len.div_ceil(psize);
+        let span = if window > 0 { len.min(window) } else { len };
+        let psize = baton_cuda::plan::decode_partition_size(span, z, fill, min_part, long_part);
+        let parts = span.div_ceil(psize);
         assert!(parts <= z, "{what}: {parts} partitions");
         let written = if parts > 1 { parts } else { 0 };
         for h in 0..nh {
@@ -1138,7 +1152,7 @@ fn decode_case_sized(
     for s in 0..r {
         for h in 0..nh {
             let qh = &q_rot[s * qkv_w + h * hd..s * qkv_w + (h + 1) * hd];
-            let want = cache.attend(s, ctx[s], qh, h, nh, scale);
+            let want = cache.attend(s, ctx[s], window, qh, h, nh, scale);
             let o = (s * nh + h) * hd;
             assert_close(
                 &format!("{what} seq {s} (len {}) head {h}", ctx[s]),
@@ -1194,6 +1208,7 @@ fn decode_attention_sized_by_fill_splits_only_long_sequences_f32() {
                 fill,
                 min_part: 64,
                 long_part: 512,
+                window: 0,
             };
             decode_case_sized(Dtype::F32, 64, 8, 2, &[1100, 37, 0, 512, 513], 8, sizing);
             decode_case_sized(Dtype::F32, 64, 8, 1, &[4500, 3], 8, sizing);
@@ -1238,6 +1253,16 @@ fn decode_and_prefill_attention_hd128_and_hd256_in_every_dtype() {
 /// crossing a 512-key chunk, plus graph-padding tokens past cu_seqlens[num_rows] that must be
 /// left alone. Launched like the executor's prefill (fast kernel) or generic path.
 fn prefill_case(dtype: Dtype, name: &str, nh: usize, kvh: usize, hd: usize) {
+    prefill_case_windowed(dtype, name, (nh, kvh, hd), 0);
+}
+
+/// [`prefill_case`] under a sliding window of `window` keys (0 for none).
+fn prefill_case_windowed(
+    dtype: Dtype,
+    name: &str,
+    (nh, kvh, hd): (usize, usize, usize),
+    window: usize,
+) {
     let (bs, max_len) = (16usize, 1024usize);
     let start_pos = [5i32, 600, 40];
     let lens = [7usize, 3, 1]; // the last row is a decode inside a prefill launch
@@ -1277,13 +1302,17 @@ fn prefill_case(dtype: Dtype, name: &str, nh: usize, kvh: usize, hd: usize) {
         .int(kvh as i32);
     let grid = if name == "baton_paged_attention_generic" {
         // generic(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
-        //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale)
-        p.int(hd as i32).int(bs as i32).float(scale);
+        //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale,
+        //         window)
+        p.int(hd as i32)
+            .int(bs as i32)
+            .float(scale)
+            .int(window as i32);
         (t as u32, nh as u32, 1)
     } else {
         // prefill_hdD(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
-        //             block_tables, max_blocks_per_row, nh, nkv, block_size, scale)
-        p.int(bs as i32).float(scale);
+        //             block_tables, max_blocks_per_row, nh, nkv, block_size, scale, window)
+        p.int(bs as i32).float(scale).int(window as i32);
         (t as u32, (kvh * (nh / kvh).div_ceil(8)) as u32, 1)
     };
     run(dtype, name, grid, 128, &mut p);
@@ -1302,10 +1331,10 @@ fn prefill_case(dtype: Dtype, name: &str, nh: usize, kvh: usize, hd: usize) {
             let row = (0..rows).rev().find(|&r| cu[r] as usize <= tok).unwrap();
             let pos = start_pos[row] as usize + (tok - cu[row] as usize);
             let qh = &qkv[tok * qkv_w + h * hd..tok * qkv_w + (h + 1) * hd];
-            let want = cache.attend(row, pos + 1, qh, h, nh, scale);
+            let want = cache.attend(row, pos + 1, window, qh, h, nh, scale);
             assert_close(
                 &format!(
-                    "{} {name} token {tok} (row {row}, position {pos}) head {h}",
+                    "{} {name} window {window} token {tok} (row {row}, position {pos}) head {h}",
                     dtype.name()
                 ),
                 &got[o..o + hd],
@@ -1328,6 +1357,48 @@ fn prefill_attention_hd64_is_causal_over_varlen_rows_with_cached_prefixes_f32() 
 fn prefill_attention_hd64_bf16() {
     every_schedule(|| {
         prefill_case(Dtype::Bf16, "baton_paged_attention_prefill_hd64", 4, 4, 64);
+    });
+}
+
+/// Sliding windows (`ModelConfig::sliding_window`): each query attends to its last `window`
+/// keys. Windows of 1 key, of fewer keys than a prefill row continues from, and of more keys
+/// than a 512-key chunk (the 603-key row's window starts mid-chunk); decode partitions counted
+/// from the window's first key, split or not.
+#[test]
+fn every_attention_kernel_reads_only_its_sliding_window() {
+    every_schedule(|| {
+        for window in [1, 3, 520] {
+            prefill_case_windowed(
+                Dtype::F32,
+                "baton_paged_attention_prefill_hd64",
+                (8, 2, 64),
+                window,
+            );
+            prefill_case_windowed(
+                Dtype::F32,
+                "baton_paged_attention_generic",
+                (8, 4, 8),
+                window,
+            );
+        }
+        prefill_case_windowed(
+            Dtype::Bf16,
+            "baton_paged_attention_prefill_hd128",
+            (2, 1, 128),
+            100,
+        );
+        for (window, z) in [(1, 1), (100, 1), (100, 4), (700, 3), (1000, 64)] {
+            let sizing = Sizing {
+                window,
+                ..Sizing::grid(z)
+            };
+            decode_case_sized(Dtype::F32, 64, 16, 2, &[1100, 37, 0, 512, 513], z, sizing);
+        }
+        let sizing = Sizing {
+            window: 300,
+            ..Sizing::grid(8)
+        };
+        decode_case_sized(Dtype::Bf16, 128, 4, 2, &[530, 9, 0], 8, sizing);
     });
 }
 

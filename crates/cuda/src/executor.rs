@@ -439,7 +439,7 @@ struct Persistent {
 }
 
 /// Why a model cannot take the persistent decode kernel, or `None` when it can: Llama-style
-/// layers (no q/k/v biases, no q/k norms), head dim 64 or 128, and every GEMV's activation row
+/// layers (no q/k/v biases, no q/k norms, no sliding windows), head dim 64 or 128, and every GEMV's activation row
 /// (hidden size, q width, intermediate size) whole 16-byte vectors that fit the kernel's
 /// staging ([`crate::plan::decode_layers_stage_elems`]).
 fn persistent_refusal(cfg: &ModelConfig, es: usize) -> Option<String> {
@@ -449,6 +449,9 @@ fn persistent_refusal(cfg: &ModelConfig, es: usize) -> Option<String> {
     }
     if bias_group(cfg).is_some() || norm_group(cfg).is_some() {
         return Some("q/k/v biases or q/k norms (Llama-style layers only)".into());
+    }
+    if cfg.sliding_window.iter().any(Option::is_some) {
+        return Some("sliding-window attention (full causal attention only)".into());
     }
     let cap = crate::plan::decode_layers_stage_elems(hd, es);
     let rows = [
@@ -1631,7 +1634,7 @@ impl CudaWorker {
                 if !self.decode_fuses_rope(mode) {
                     self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
                 }
-                self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
+                self.attention(li, t, r, mode, q, qkv_w, kc, vc, scale)?;
                 gemv(act(a.resid), act(a.attn), lw.o, 0, h, q_w, 2)?;
                 gemv(act(a.act), act(a.resid), lw.gate_up, lw.post_norm, im, h, 3)?;
                 gemv(act(a.resid), act(a.act), lw.down, 0, h, im, 2)?;
@@ -1688,7 +1691,7 @@ impl CudaWorker {
                 if !self.decode_fuses_rope(mode) {
                     self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
                 }
-                self.attention(t, r, mode, q, qkv_w, kc, vc, scale)?;
+                self.attention(li, t, r, mode, q, qkv_w, kc, vc, scale)?;
                 self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
                 add_rmsnorm(lw.post_norm)?;
                 self.gemm(
@@ -1902,12 +1905,15 @@ impl CudaWorker {
         (gy as u32, z, fill)
     }
 
-    /// Attention of the step over the KV cache, into the `attn` activations. `q` is the QKV
-    /// projection's output (row stride `q_stride` elements): rotated and already in the cache
-    /// unless [`Self::decode_fuses_rope`], in which case the decode kernel does both.
+    /// Layer `li`'s attention of the step over the KV cache, into the `attn` activations. `q`
+    /// is the QKV projection's output (row stride `q_stride` elements): rotated and already in
+    /// the cache unless [`Self::decode_fuses_rope`], in which case the decode kernel does both.
+    /// Each kernel takes the layer's sliding window (`ModelConfig::sliding_window`, 0 for
+    /// none) as its last argument.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
+        li: usize,
         t: usize,
         r: usize,
         mode: AttnMode,
@@ -1924,9 +1930,11 @@ impl CudaWorker {
         let l = &self.layout;
         let st = |o: usize| self.staging_dev.at(o);
         let bs = self.opts.block_size;
+        let window = c.sliding_window[li].map_or(0, |w| w.min(i32::MAX as usize));
         if !fast_head_dim(hd) {
             // generic(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos, num_rows,
-            //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale)
+            //         block_tables, max_blocks_per_row, nh, nkv, head_dim, block_size, scale,
+            //         window)
             return self.launch(
                 "baton_paged_attention_generic",
                 (t as u32, nh as u32, 1),
@@ -1946,7 +1954,8 @@ impl CudaWorker {
                     .i(kvh)
                     .i(hd)
                     .i(bs)
-                    .f(scale),
+                    .f(scale)
+                    .i(window),
             );
         }
         let (gy, z, fill) = self.decode_split(r);
@@ -1955,7 +1964,7 @@ impl CudaWorker {
                 // decode_hdD(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,
                 //            k_cache, v_cache, block_tables, max_blocks_per_row, seq_lens,
                 //            slot_mapping, inv_freq, nh, nkv, block_size, scale,
-                //            max_partitions, fill, min_part, long_part)
+                //            max_partitions, fill, min_part, long_part, window)
                 // RoPE and the cache write of the step's token are fused in; the last block of
                 // a split sequence combines its partitions (no reduce launch).
                 self.launch(
@@ -1984,13 +1993,14 @@ impl CudaWorker {
                         .i(z)
                         .i(fill)
                         .i(self.opts.tuning.attn_min_partition)
-                        .i(crate::plan::ATTN_LONG_PARTITION),
+                        .i(crate::plan::ATTN_LONG_PARTITION)
+                        .i(window),
                 )
             }
             AttnMode::Prefill => {
                 // prefill_hdD(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,
                 //             num_rows, block_tables, max_blocks_per_row, nh, nkv, block_size,
-                //             scale)
+                //             scale, window)
                 self.launch(
                     &format!("baton_paged_attention_prefill_hd{hd}"),
                     (t as u32, gy, 1),
@@ -2009,7 +2019,8 @@ impl CudaWorker {
                         .i(nh)
                         .i(kvh)
                         .i(bs)
-                        .f(scale),
+                        .f(scale)
+                        .i(window),
                 )
             }
         }
@@ -3100,7 +3111,7 @@ mod tests {
     }
 
     #[test]
-    fn llama_1b_and_8b_take_the_persistent_kernel_in_bf16_and_qwen_or_odd_shapes_do_not() {
+    fn llama_1b_and_8b_take_the_persistent_kernel_in_bf16_and_qwen_sliding_or_odd_shapes_do_not() {
         let mut cfg = llama_1b();
         assert_eq!(persistent_refusal(&cfg, 2), None);
         assert_eq!(persistent_refusal(&cfg, 4), None);
@@ -3122,6 +3133,11 @@ mod tests {
         let mut qwen = llama_1b();
         qwen.qkv_bias = true;
         assert!(persistent_refusal(&qwen, 2).unwrap().contains("biases"));
+        let mut mistral = llama_1b();
+        mistral.sliding_window[3] = Some(4096);
+        assert!(persistent_refusal(&mistral, 2)
+            .unwrap()
+            .contains("sliding-window"));
     }
 
     #[test]

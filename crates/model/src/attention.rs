@@ -192,23 +192,40 @@ impl JobScratch {
 /// shared partition's K and V rows once per tile instead of once per token.
 pub(crate) const TILE: usize = 8;
 
+/// The first position a query attends to when it attends to `n_ctx` positions (itself the
+/// last) under the sliding window `window` ([`crate::ModelConfig::sliding_window`]: its last
+/// `w` keys); 0 without one.
+#[inline]
+pub(crate) fn window_start(n_ctx: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| n_ctx.saturating_sub(w))
+}
+
+/// Partition `j`'s positions for a query that attends to `lo..n_ctx`: the fixed range
+/// `j * PARTITION..(j + 1) * PARTITION`, clipped to it.
+#[inline]
+fn bounds(j: usize, lo: usize, n_ctx: usize) -> (usize, usize) {
+    ((j * PARTITION).max(lo), ((j + 1) * PARTITION).min(n_ctx))
+}
+
 /// Causal attention of one token's query heads `q` (`[group][head_dim]`, those of KV head
-/// `kv_head`) over positions `0..n_ctx` of the sequence whose pages are `table`: every
-/// partition, then [`combine`]; writes `[group][head_dim]` into `out`. With `split` the
-/// partitions run as tasks on the current rayon pool (for a step with fewer (token, KV head)
-/// jobs than threads); the bits are the same either way.
+/// `kv_head`) over positions `window_start(n_ctx, window)..n_ctx` of the sequence whose pages
+/// are `table`: every partition the range touches (clipped to it), then [`combine`]; writes
+/// `[group][head_dim]` into `out`. With `split` the partitions run as tasks on the current
+/// rayon pool (for a step with fewer (token, KV head) jobs than threads); the bits are the
+/// same either way.
 ///
 /// Memory: `ceil(n_ctx / PARTITION) * task_len(group, head_dim)` values of scratch, held per
 /// thread, not per token.
 ///
 /// # Panics
-/// As [`partition`]; `n_ctx` is at least 1.
+/// As [`partition`]; `n_ctx` is at least 1, and so is a window.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<E: KvElem>(
     kv: KvLayer<E>,
     table: &[u32],
     kv_head: usize,
     n_ctx: usize,
+    window: Option<usize>,
     q: &[f32],
     scale: f32,
     split: bool,
@@ -218,23 +235,24 @@ pub(crate) fn attend<E: KvElem>(
     use rayon::prelude::*;
     let group = q.len() / kv.head_dim;
     let tl = task_len(group, kv.head_dim);
-    let n_parts = n_ctx.div_ceil(PARTITION);
+    let lo = window_start(n_ctx, window);
+    let first = lo / PARTITION;
+    let n_parts = n_ctx.div_ceil(PARTITION) - first;
     if scratch.parts.len() < n_parts * tl {
         scratch.parts.resize(n_parts * tl, 0.0);
     }
     let parts = &mut scratch.parts[..n_parts * tl];
-    let bounds = |j: usize| (j * PARTITION, ((j + 1) * PARTITION).min(n_ctx));
     if split && n_parts > 1 {
         parts.par_chunks_mut(tl).enumerate().for_each_init(
             || TaskScratch::new(group),
             |task, (j, o)| {
-                let (p0, p1) = bounds(j);
+                let (p0, p1) = bounds(first + j, lo, n_ctx);
                 partition(kv, table, kv_head, p0, p1, q, scale, task, o);
             },
         );
     } else {
         for (j, o) in parts.chunks_mut(tl).enumerate() {
-            let (p0, p1) = bounds(j);
+            let (p0, p1) = bounds(first + j, lo, n_ctx);
             partition(kv, table, kv_head, p0, p1, q, scale, &mut scratch.task, o);
         }
     }
@@ -248,14 +266,23 @@ pub(crate) fn attend<E: KvElem>(
     );
 }
 
+/// The partitions [`attend_tile`] runs once for all `t` query tokens of a tile whose first
+/// token attends to `n0` positions: those every token sees whole, `js..je` (empty when
+/// `je <= js`). Without a window `js` is 0; with one the last token's window start bounds it.
+pub(crate) fn tile_shared(n0: usize, t: usize, window: Option<usize>) -> (usize, usize) {
+    let lo_last = window_start(n0 + t - 1, window);
+    (lo_last.div_ceil(PARTITION), n0 / PARTITION)
+}
+
 /// [`attend`] for `t` consecutive query tokens of one sequence, token `i` attending to
-/// positions `0..n0 + i` (a prefill chunk): `q` is `[t][group][head_dim]` (those of KV head
-/// `kv_head`), `out` gets `[t][group][head_dim]`. The partitions every token sees whole
-/// (`0..n0 / PARTITION`) run once for all `t * group` query heads, as if they were one
-/// token's group (each head's arithmetic is its own, so the bits are those of `attend`); the
-/// rest run per token, and each token's partitions are combined as in `attend`.
+/// positions `window_start(n0 + i, window)..n0 + i` (a prefill chunk): `q` is
+/// `[t][group][head_dim]` (those of KV head `kv_head`), `out` gets `[t][group][head_dim]`. The
+/// partitions every token sees whole ([`tile_shared`]) run once for all `t * group` query
+/// heads, as if they were one token's group (each head's arithmetic is its own, so the bits
+/// are those of `attend`); the rest run per token, and each token's partitions are combined
+/// in position order as in `attend`.
 ///
-/// Memory: `n0 / PARTITION * t * task_len(group, head_dim)` values of scratch, per thread.
+/// Memory: `(je - js) * t * task_len(group, head_dim)` values of scratch, per thread.
 ///
 /// # Panics
 /// As [`partition`]; `n0` and `t` are at least 1.
@@ -266,6 +293,7 @@ pub(crate) fn attend_tile<E: KvElem>(
     kv_head: usize,
     n0: usize,
     t: usize,
+    window: Option<usize>,
     q: &[f32],
     scale: f32,
     scratch: &mut JobScratch,
@@ -274,40 +302,52 @@ pub(crate) fn attend_tile<E: KvElem>(
     let hd = kv.head_dim;
     let group = q.len() / hd / t;
     let tl = task_len(group, hd);
-    let full = n0 / PARTITION;
-    if scratch.shared.len() < full * t * tl {
-        scratch.shared.resize(full * t * tl, 0.0);
+    let (js, je) = tile_shared(n0, t, window);
+    let n_shared = je.saturating_sub(js);
+    if scratch.shared.len() < n_shared * t * tl {
+        scratch.shared.resize(n_shared * t * tl, 0.0);
     }
-    for (j, o) in scratch.shared[..full * t * tl]
+    for (j, o) in scratch.shared[..n_shared * t * tl]
         .chunks_mut(t * tl)
         .enumerate()
     {
-        let (p0, p1) = (j * PARTITION, (j + 1) * PARTITION);
+        let (p0, p1) = ((js + j) * PARTITION, (js + j + 1) * PARTITION);
         partition(kv, table, kv_head, p0, p1, q, scale, &mut scratch.task, o);
     }
     for i in 0..t {
         let n_ctx = n0 + i;
-        let n_parts = n_ctx.div_ceil(PARTITION);
-        let own = n_parts - full;
+        let lo = window_start(n_ctx, window);
+        let (first, last) = (lo / PARTITION, n_ctx.div_ceil(PARTITION));
+        // This token's shared partitions: `js..je` (inside `first..last`), or none.
+        let (s0, s1) = if n_shared > 0 {
+            (js, je)
+        } else {
+            (first, first)
+        };
+        let own = (last - first) - (s1 - s0);
         if scratch.parts.len() < own * tl {
             scratch.parts.resize(own * tl, 0.0);
         }
         let qi = &q[i * group * hd..(i + 1) * group * hd];
-        for (j, o) in scratch.parts[..own * tl].chunks_mut(tl).enumerate() {
-            let p0 = (full + j) * PARTITION;
-            let p1 = (p0 + PARTITION).min(n_ctx);
+        let own_parts = (first..s0).chain(s1..last);
+        for (j, o) in own_parts.zip(scratch.parts[..own * tl].chunks_mut(tl)) {
+            let (p0, p1) = bounds(j, lo, n_ctx);
             partition(kv, table, kv_head, p0, p1, qi, scale, &mut scratch.task, o);
         }
         let (shared, parts) = (&scratch.shared, &scratch.parts);
         combine(
-            |j| {
-                if j < full {
-                    &shared[(j * t + i) * tl..(j * t + i + 1) * tl]
+            |k| {
+                let j = first + k;
+                let slot = if j < s0 {
+                    j - first
+                } else if j < s1 {
+                    return &shared[((j - s0) * t + i) * tl..((j - s0) * t + i + 1) * tl];
                 } else {
-                    &parts[(j - full) * tl..(j - full + 1) * tl]
-                }
+                    (s0 - first) + (j - s1)
+                };
+                &parts[slot * tl..(slot + 1) * tl]
             },
-            n_parts,
+            last - first,
             group,
             hd,
             &mut out[i * group * hd..(i + 1) * group * hd],
@@ -316,7 +356,7 @@ pub(crate) fn attend_tile<E: KvElem>(
 }
 
 /// One partition task: the query heads `q` (`[group][head_dim]`, those of KV head `kv_head`)
-/// against positions `p0..p1` (`p1 - p0 <= PARTITION`, `p0` a multiple of it) of the sequence
+/// against positions `p0..p1` (`p1 - p0 <= PARTITION`, inside one partition) of the sequence
 /// whose pages are `table`; writes `[m, l, o]` per query head into `out`
 /// ([`task_len`] values).
 ///
@@ -737,19 +777,23 @@ mod tests {
         kv: KvLayer<E>,
         table: &[u32],
         g: usize,
-        n_ctx: usize,
+        (lo, n_ctx): (usize, usize),
         q: &[f32],
         scale: f32,
         portable: bool,
     ) -> Vec<f32> {
         let hd = kv.head_dim;
         let group = q.len() / hd;
-        let n_parts = n_ctx.div_ceil(PARTITION);
+        let first = lo / PARTITION;
+        let n_parts = n_ctx.div_ceil(PARTITION) - first;
         let tl = task_len(group, hd);
         let mut parts = vec![f32::NAN; n_parts * tl];
         let mut scratch = TaskScratch::new(group);
         for j in 0..n_parts {
-            let (p0, p1) = (j * PARTITION, ((j + 1) * PARTITION).min(n_ctx));
+            let (p0, p1) = (
+                ((first + j) * PARTITION).max(lo),
+                ((first + j + 1) * PARTITION).min(n_ctx),
+            );
             let out = &mut parts[j * tl..(j + 1) * tl];
             if portable {
                 // The portable body over the same rows.
@@ -781,14 +825,15 @@ mod tests {
 
     /// One case of the test below over a cache of `E`: the vector path's bits equal the
     /// portable reference's, `attend` (split or not) gives the same bits, and the result is
-    /// softmax attention over the stored (widened) K and V against an f64 computation.
+    /// softmax attention over the stored (widened) K and V of the window's positions against
+    /// an f64 computation.
     #[allow(clippy::too_many_arguments)]
     fn check_case<E: KvElem>(
         k: &[f32],
         v: &[f32],
         table: &[u32],
         (hd, kvh, bs): (usize, usize, usize),
-        n_ctx: usize,
+        (n_ctx, window): (usize, Option<usize>),
         q: &[f32],
         pool: &rayon::ThreadPool,
     ) {
@@ -805,10 +850,12 @@ mod tests {
             head_dim: hd,
         };
         let scale = (hd as f64).powf(-0.5) as f32;
-        let what = format!("{:?} hd={hd} bs={bs} n={n_ctx}", E::DTYPE);
+        let what = format!("{:?} hd={hd} bs={bs} n={n_ctx} window={window:?}", E::DTYPE);
+        // The window's first position, computed here rather than by `window_start`.
+        let lo = window.map_or(0, |w| n_ctx.saturating_sub(w));
         for g in 0..kvh {
-            let fast = attend_parts(kv, table, g, n_ctx, q, scale, false);
-            let reference = attend_parts(kv, table, g, n_ctx, q, scale, true);
+            let fast = attend_parts(kv, table, g, (lo, n_ctx), q, scale, false);
+            let reference = attend_parts(kv, table, g, (lo, n_ctx), q, scale, true);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fast), bits(&reference), "{what}");
             // `attend`, its partitions split over a pool of three or not.
@@ -816,7 +863,18 @@ mod tests {
                 let mut out = vec![f32::NAN; group * hd];
                 let mut scratch = JobScratch::new(group);
                 pool.install(|| {
-                    attend(kv, table, g, n_ctx, q, scale, split, &mut scratch, &mut out)
+                    attend(
+                        kv,
+                        table,
+                        g,
+                        n_ctx,
+                        window,
+                        q,
+                        scale,
+                        split,
+                        &mut scratch,
+                        &mut out,
+                    )
                 });
                 assert_eq!(bits(&out), bits(&fast), "split={split} {what}");
             }
@@ -828,7 +886,7 @@ mod tests {
             );
             for h in 0..group {
                 let qh = &q[h * hd..(h + 1) * hd];
-                let sc: Vec<f64> = (0..n_ctx)
+                let sc: Vec<f64> = (lo..n_ctx)
                     .map(|p| {
                         let r = row(p);
                         (0..hd).map(|d| qh[d] as f64 * kf(r + d)).sum::<f64>() * scale as f64
@@ -838,7 +896,7 @@ mod tests {
                 let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
                 let sum: f64 = e.iter().sum();
                 for d in 0..hd {
-                    let want: f64 = (0..n_ctx).map(|p| e[p] / sum * vf(row(p) + d)).sum();
+                    let want: f64 = (lo..n_ctx).map(|p| e[p - lo] / sum * vf(row(p) + d)).sum();
                     let got = fast[h * hd + d] as f64;
                     assert!(
                         (got - want).abs() < 1e-5,
@@ -852,8 +910,8 @@ mod tests {
     /// The result is softmax attention (against an f64 computation), and the vector path
     /// gives the portable reference's bits, over f32, bf16 and f16 caches, for head dims with
     /// and without a partial group of 8, contexts within one partition and across several
-    /// with partial groups of eight, block sizes 1, 16 and 7, and groups of 1 to 5 query heads
-    /// per KV head.
+    /// with partial groups of eight, block sizes 1, 16 and 7, groups of 1 to 5 query heads
+    /// per KV head, and sliding windows that start inside, on and past partition boundaries.
     #[test]
     fn partitions_combine_to_softmax_attention_with_the_reference_bits() {
         let mut s = 0xfeed_beefu64;
@@ -878,9 +936,24 @@ mod tests {
                     let table: Vec<u32> = (0..pages as u32).rev().collect();
                     let q: Vec<f32> = rnd(group * hd, &mut s).iter().map(|x| x * 8.0).collect();
                     let case = (hd, kvh, bs);
-                    check_case::<f32>(&k, &v, &table, case, n_ctx, &q, &pool);
-                    check_case::<half::bf16>(&k, &v, &table, case, n_ctx, &q, &pool);
-                    check_case::<half::f16>(&k, &v, &table, case, n_ctx, &q, &pool);
+                    // Windows where n_ctx - w lands mid-partition, on a boundary, at 0.
+                    let windows: &[Option<usize>] = if bs == 1 {
+                        &[None]
+                    } else {
+                        &[
+                            None,
+                            Some(1),
+                            Some(3),
+                            Some(300),
+                            Some(n_ctx.saturating_sub(256).max(1)),
+                        ]
+                    };
+                    for &w in windows {
+                        let c = (n_ctx, w);
+                        check_case::<f32>(&k, &v, &table, case, c, &q, &pool);
+                        check_case::<half::bf16>(&k, &v, &table, case, c, &q, &pool);
+                        check_case::<half::f16>(&k, &v, &table, case, c, &q, &pool);
+                    }
                 }
             }
         }
@@ -888,7 +961,8 @@ mod tests {
 
     /// A tile of a prefill chunk's tokens gives each token `attend`'s bits, over each cache
     /// dtype, for tiles starting on, just after and well past a partition boundary, head dims
-    /// with and without a partial group of 8, and groups of 1 to 5.
+    /// with and without a partial group of 8, groups of 1 to 5, and sliding windows that
+    /// leave some, one or no partition shared.
     #[test]
     fn a_tile_of_tokens_gives_each_token_attends_bits() {
         fn case<E: KvElem>(
@@ -896,7 +970,7 @@ mod tests {
             v: &[f32],
             table: &[u32],
             (hd, bs): (usize, usize),
-            n0: usize,
+            (n0, window): (usize, Option<usize>),
             q: &[f32],
         ) {
             let group_hd = q.len() / TILE;
@@ -916,7 +990,18 @@ mod tests {
                 let q = &q[..t * group_hd];
                 let mut tile = vec![f32::NAN; t * group_hd];
                 let mut scratch = JobScratch::new(group);
-                attend_tile(kv, table, 0, n0, t, q, scale, &mut scratch, &mut tile);
+                attend_tile(
+                    kv,
+                    table,
+                    0,
+                    n0,
+                    t,
+                    window,
+                    q,
+                    scale,
+                    &mut scratch,
+                    &mut tile,
+                );
                 for i in 0..t {
                     let mut one = vec![f32::NAN; group_hd];
                     let qi = &q[i * group_hd..(i + 1) * group_hd];
@@ -925,6 +1010,7 @@ mod tests {
                         table,
                         0,
                         n0 + i,
+                        window,
                         qi,
                         scale,
                         false,
@@ -936,7 +1022,7 @@ mod tests {
                     assert_eq!(
                         bits(got),
                         bits(&one),
-                        "{:?} hd={hd} n0={n0} t={t} token {i}",
+                        "{:?} hd={hd} n0={n0} window={window:?} t={t} token {i}",
                         E::DTYPE
                     );
                 }
@@ -954,9 +1040,19 @@ mod tests {
                     .iter()
                     .map(|x| x * 8.0)
                     .collect();
-                case::<f32>(&k, &v, &table, (hd, bs), n0, &q);
-                case::<half::bf16>(&k, &v, &table, (hd, bs), n0, &q);
-                case::<half::f16>(&k, &v, &table, (hd, bs), n0, &q);
+                for w in [
+                    None,
+                    Some(1),
+                    Some(5),
+                    Some(200),
+                    Some(256),
+                    Some(263),
+                    Some(520),
+                ] {
+                    case::<f32>(&k, &v, &table, (hd, bs), (n0, w), &q);
+                    case::<half::bf16>(&k, &v, &table, (hd, bs), (n0, w), &q);
+                    case::<half::f16>(&k, &v, &table, (hd, bs), (n0, w), &q);
+                }
             }
         }
     }

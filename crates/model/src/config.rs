@@ -2,11 +2,10 @@
 //!
 //! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
 //! Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused projections);
-//! SiLU MLP, no other biases, default, `llama3`, `yarn` or `longrope` RoPE) and rejects
-//! anything else with a [`ModelError`] naming the file and field. Sliding-window attention and
-//! LongRoPE's long factors are not implemented: such a model is served up to the window (where
-//! full attention is the same) or up to its pre-training length (where LongRoPE uses its short
-//! factors), as [`ModelConfig::context_cap`] records. [`GenerationConfig`] and
+//! SiLU MLP, no other biases, default, `llama3`, `yarn` or `longrope` RoPE, full or
+//! sliding-window attention per layer) and rejects anything else with a [`ModelError`] naming
+//! the file and field. What depends on the served context length (LongRoPE's choice of
+//! factors) is set by [`ModelConfig::set_max_model_len`]. [`GenerationConfig`] and
 //! [`TokenizerConfig`] are lenient: unknown keys are ignored, known keys must be well-typed.
 
 use crate::error::ModelError;
@@ -61,13 +60,21 @@ pub enum RopeScaling {
         truncate: bool,
     },
     /// LongRoPE (Ding et al. 2024, arXiv:2402.13753) as Phi-3 configures it (`longrope`, or
-    /// the older name `su`), with its short factors only: transformers' Phi-3 uses the short
-    /// factors while the sequence is at most `original_max_position_embeddings` long, and
-    /// Baton serves no longer sequences of such a model (see [`ModelConfig::context_cap`]).
-    /// See [`ModelConfig::rope_inv_freq`] and [`ModelConfig::rope_attention_factor`].
+    /// the older name `su`). transformers' Phi-3 switches from the short to the long factors
+    /// once a sequence is longer than `original_max_position_embeddings`, which would change
+    /// the RoPE of keys already in a KV cache; Baton, as vLLM, chooses once for every position
+    /// by the served context length ([`ModelConfig::set_max_model_len`]: the long factors when
+    /// it exceeds `original_max_position_embeddings`). See [`ModelConfig::rope_inv_freq`] and
+    /// [`ModelConfig::rope_attention_factor`].
     LongRope {
-        /// Per-frequency divisors (`short_factor`), `head_dim / 2` of them.
+        /// Per-frequency divisors for short contexts (`short_factor`), `rotary_dim / 2` of
+        /// them.
         short_factor: Vec<f32>,
+        /// Per-frequency divisors for long contexts (`long_factor`), `rotary_dim / 2` of them.
+        long_factor: Vec<f32>,
+        /// Whether `long_factor` applies (else `short_factor`): false as parsed, set by
+        /// [`ModelConfig::set_max_model_len`].
+        long: bool,
         /// The factor cos and sin are multiplied by (`attention_factor`, else
         /// `sqrt(1 + ln(s) / ln(original_max_position_embeddings))` for
         /// `s = max_position_embeddings / original_max_position_embeddings > 1`, else 1;
@@ -133,14 +140,17 @@ pub struct ModelConfig {
     pub rotary_dim: usize,
     /// Rows of the embedding and LM-head matrices.
     pub vocab_size: usize,
-    /// Largest number of positions the model accepts: config.json's value, or less where
-    /// [`ModelConfig::context_cap`] says why.
+    /// Largest number of positions the model accepts (config.json's value).
     pub max_position_embeddings: usize,
-    /// Why [`ModelConfig::max_position_embeddings`] is below config.json's value, for error
-    /// messages: sliding-window attention (served up to the window, as vLLM's
-    /// `--disable-sliding-window` does) or LongRoPE (served up to its pre-training length,
-    /// where its short factors apply). `None` when it is config.json's value.
-    pub context_cap: Option<String>,
+    /// Sliding-window attention, per layer (`num_hidden_layers` entries): `Some(w)` when the
+    /// layer's query at position `p` attends only to positions `p + 1 - w ..= p` (its last `w`
+    /// keys, itself included: transformers' `sliding_window_overlay`, `kv_idx > q_idx - w`, and
+    /// FlashAttention's `window_size = (w - 1, 0)` as vLLM passes it); `None` for full causal
+    /// attention. Mistral and Phi-3 slide on every layer when `sliding_window` is set; Qwen2
+    /// and Qwen3 only with `use_sliding_window`, from `max_window_layers` on, or where
+    /// `layer_types` says `sliding_attention`. A window of `max_position_embeddings` or more
+    /// is `None` (it covers every position).
+    pub sliding_window: Vec<Option<usize>>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// RoPE base.
@@ -330,7 +340,7 @@ impl ModelConfig {
     /// A 64-bit fingerprint of what the forward pass computes: `model_type`, the widths
     /// (`hidden_size`, `intermediate_size`, `head_dim`), `num_hidden_layers`, the query and KV
     /// head counts, `vocab_size`, `rms_norm_eps`, `rope_theta`, `rope_scaling`, the rotary dim
-    /// when below `head_dim`, and `tie_word_embeddings`. Two processes that disagree on it would run different models on
+    /// when below `head_dim`, the sliding windows, and `tie_word_embeddings`. Two processes that disagree on it would run different models on
     /// the same KV pages and token ids, so the scheduler publishes it and a worker or frontend
     /// with another one refuses to attach. Leaves out what may differ between processes of one
     /// deployment (`max_position_embeddings`, EOS/BOS ids, `torch_dtype`).
@@ -386,11 +396,16 @@ impl ModelConfig {
             }
             Some(RopeScaling::LongRope {
                 short_factor,
+                long_factor,
+                long,
                 attention_factor,
                 original_max_position_embeddings,
             }) => {
-                eat(&[3]);
-                for x in short_factor.iter().chain([attention_factor]) {
+                // The factors in use (the choice is the served length's, which every process
+                // of a deployment sets from the scheduler's).
+                eat(&[3, u8::from(*long)]);
+                let f = if *long { long_factor } else { short_factor };
+                for x in f.iter().chain([attention_factor]) {
                     eat(&x.to_bits().to_le_bytes());
                 }
                 eat(&(*original_max_position_embeddings as u64).to_le_bytes());
@@ -406,6 +421,12 @@ impl ModelConfig {
             eat(&[0xfd]);
             eat(&(self.rotary_dim as u64).to_le_bytes());
         }
+        if self.sliding_window.iter().any(Option::is_some) {
+            eat(&[0xfc]);
+            for w in &self.sliding_window {
+                eat(&(w.unwrap_or(0) as u64).to_le_bytes());
+            }
+        }
         h.finish()
     }
 
@@ -414,7 +435,7 @@ impl ModelConfig {
     /// # Errors
     /// [`ModelError::MissingField`] / [`ModelError::InvalidField`] for absent or ill-typed
     /// fields, [`ModelError::UnsupportedArchitecture`] / [`ModelError::UnsupportedModelType`],
-    /// and `InvalidField` for unsupported features (sliding window, biases, non-SiLU
+    /// and `InvalidField` for unsupported features (biases, non-SiLU
     /// activation, unknown `rope_scaling` type, inconsistent head counts).
     pub fn from_json_str(json: &str) -> Result<Self, ModelError> {
         Self::from_json_str_named(json, "config.json")
@@ -573,50 +594,35 @@ impl ModelConfig {
         if f.opt_usize("pretraining_tp")?.unwrap_or(1) != 1 {
             return Err(f.invalid("pretraining_tp", "only 1 is supported"));
         }
-        // Context caps, each with its reason: the served length is the smallest.
-        let mut caps: Vec<(usize, String)> = Vec::new();
+        // Sliding-window attention, per layer (see `ModelConfig::sliding_window`).
+        let mut sliding_window: Vec<Option<usize>> = vec![None; num_hidden_layers];
         // The window in tokens (`sliding_window`; `null` = none), required when `what` says
-        // that some layer slides.
+        // that some layer slides; a window that covers every position is no window.
         let window = |what: &str| -> Result<Option<usize>, ModelError> {
-            match f.get("sliding_window") {
-                None | Some(Value::Null) if what.is_empty() => Ok(None),
-                None | Some(Value::Null) => Err(f.invalid(
-                    "sliding_window",
-                    format!("{what} but no sliding_window is given"),
-                )),
-                Some(w) => f.opt_usize("sliding_window")?.map(Some).ok_or_else(|| {
+            let w = match f.get("sliding_window") {
+                None | Some(Value::Null) if what.is_empty() => return Ok(None),
+                None | Some(Value::Null) => {
+                    return Err(f.invalid(
+                        "sliding_window",
+                        format!("{what} but no sliding_window is given"),
+                    ))
+                }
+                Some(w) => f.opt_usize("sliding_window")?.ok_or_else(|| {
                     f.invalid("sliding_window", format!("expected an integer, found {w}"))
-                }),
-            }
-        };
-        let mut slides_from = |w: usize| -> Result<(), ModelError> {
+                })?,
+            };
             if w == 0 {
                 return Err(f.invalid("sliding_window", "must be > 0"));
             }
-            if w < max_position_embeddings {
-                caps.push((
-                    w,
-                    format!(
-                        "sliding_window {w}: sliding-window attention is not implemented, and \
-                         up to the window full attention is the same (vLLM's \
-                         --disable-sliding-window)"
-                    ),
-                ));
-            }
-            Ok(())
+            Ok((w < max_position_embeddings).then_some(w))
         };
         if model_type == "qwen2" || model_type == "qwen3" {
-            // transformers applies `sliding_window` only with `use_sliding_window`, to the
-            // layers from `max_window_layers` on, or where `layer_types` says so. Any sliding
-            // layer caps the context at the window.
-            // (`max_window_layers` defaults to 28 in both configs.)
+            // transformers keeps `sliding_window` only with `use_sliding_window`, and applies
+            // it where `layer_types` says `sliding_attention`, else to the layers from
+            // `max_window_layers` on (default 28 in both configs; transformers derives its
+            // `layer_types` default from it).
+            let slides = f.opt_bool("use_sliding_window")? == Some(true);
             let first_sliding = f.opt_usize("max_window_layers")?.unwrap_or(28);
-            if f.opt_bool("use_sliding_window")? == Some(true) && first_sliding < num_hidden_layers
-            {
-                if let Some(w) = window("use_sliding_window is true")? {
-                    slides_from(w)?;
-                }
-            }
             if let Some(types) = f.get("layer_types") {
                 let types = types
                     .as_array()
@@ -637,21 +643,29 @@ impl ModelConfig {
                         format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
                     ));
                 }
-                if types
-                    .iter()
-                    .any(|t| t.as_str() == Some("sliding_attention"))
+                if slides
+                    && types
+                        .iter()
+                        .any(|t| t.as_str() == Some("sliding_attention"))
                 {
-                    if let Some(w) = window("layer_types has sliding_attention layers")? {
-                        slides_from(w)?;
+                    let w = window("layer_types has sliding_attention layers")?;
+                    for (s, t) in sliding_window.iter_mut().zip(types) {
+                        if t.as_str() == Some("sliding_attention") {
+                            *s = w;
+                        }
                     }
+                }
+            } else if slides && first_sliding < num_hidden_layers {
+                let w = window("use_sliding_window is true")?;
+                for s in &mut sliding_window[first_sliding..] {
+                    *s = w;
                 }
             }
         }
         if model_type == "mistral" || model_type == "phi3" {
             // Every layer slides when `sliding_window` is set (transformers' Mistral and Phi-3).
-            if let Some(w) = window("")? {
-                slides_from(w)?;
-            }
+            let w = window("")?;
+            sliding_window.fill(w);
         }
 
         // RoPE: transformers <= 4.x uses rope_theta + rope_scaling; 5.x uses rope_parameters.
@@ -759,7 +773,7 @@ impl ModelConfig {
                                 .collect()
                         };
                         let short_factor = factors("short_factor")?;
-                        factors("long_factor")?;
+                        let long_factor = factors("long_factor")?;
                         // transformers' `_compute_longrope_parameters`: Phi-3 keeps the
                         // pre-training length at the top level and scales by the ratio.
                         // (`Phi3Config` defaults it to 4096.)
@@ -787,18 +801,10 @@ impl ModelConfig {
                             }
                             None => 1.0,
                         };
-                        if original < max_position_embeddings {
-                            caps.push((
-                                original,
-                                format!(
-                                    "LongRoPE: its long factors (for sequences past \
-                                     original_max_position_embeddings {original}) are not \
-                                     implemented"
-                                ),
-                            ));
-                        }
                         Some(RopeScaling::LongRope {
                             short_factor,
+                            long_factor,
+                            long: false,
                             attention_factor: attention_factor as f32,
                             original_max_position_embeddings: original,
                         })
@@ -818,17 +824,13 @@ impl ModelConfig {
             None => f.opt_str("dtype")?.map(str::to_string),
         };
 
-        let (max_position_embeddings, context_cap) = match caps.into_iter().min_by_key(|c| c.0) {
-            Some((len, why)) => (len, Some(why)),
-            None => (max_position_embeddings, None),
-        };
         Ok(ModelConfig {
             architectures,
             model_type: model_type.to_string(),
             qkv_bias,
             qk_norm,
             fused_projections,
-            context_cap,
+            sliding_window,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
@@ -942,9 +944,17 @@ impl ModelConfig {
                     })
                     .collect()
             }
-            Some(RopeScaling::LongRope { short_factor, .. }) => (0..dim / 2)
-                .map(|i| 1.0f32 / (short_factor[i] * base.powf((2 * i) as f32 / dim as f32)))
-                .collect(),
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                long,
+                ..
+            }) => {
+                let f = if *long { long_factor } else { short_factor };
+                (0..dim / 2)
+                    .map(|i| 1.0f32 / (f[i] * base.powf((2 * i) as f32 / dim as f32)))
+                    .collect()
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -972,20 +982,57 @@ impl ModelConfig {
         }
     }
 
-    /// "the model's max_position_embeddings N", followed by the reason it is below
-    /// config.json's value ([`ModelConfig::context_cap`]) when it is: what an error about a
-    /// too-long context names.
+    /// "the model's max_position_embeddings N": what an error about a too-long context names.
     pub fn context_limit(&self) -> String {
-        match &self.context_cap {
-            None => format!(
-                "the model's max_position_embeddings {}",
-                self.max_position_embeddings
-            ),
-            Some(why) => format!(
-                "the model's served context of {} positions ({why})",
-                self.max_position_embeddings
-            ),
+        format!(
+            "the model's max_position_embeddings {}",
+            self.max_position_embeddings
+        )
+    }
+
+    /// Sets what depends on the served context length `max_model_len` (vLLM's
+    /// `--max-model-len`, at most `max_position_embeddings`): LongRoPE's long factors apply,
+    /// to every position, when it exceeds `original_max_position_embeddings`, else the short
+    /// ones (vLLM's `Phi3LongRoPEScaledRotaryEmbedding`: one choice for the deployment, so a
+    /// KV cache never holds keys rotated with both). Every process that runs or checks the
+    /// model (scheduler, workers, frontends, `baton generate`) calls it with the scheduler's
+    /// value; [`ModelConfig::fingerprint`] covers the choice. Without LongRoPE it does nothing.
+    pub fn set_max_model_len(&mut self, max_model_len: usize) {
+        if let Some(RopeScaling::LongRope {
+            long,
+            original_max_position_embeddings,
+            ..
+        }) = &mut self.rope_scaling
+        {
+            *long = max_model_len > *original_max_position_embeddings;
         }
+    }
+
+    /// What a start-up line says about the RoPE factors [`ModelConfig::set_max_model_len`]
+    /// chose, for LongRoPE (vLLM warns the same way): which factors apply to every position,
+    /// and the `--max-model-len` that selects the others. `None` without LongRoPE.
+    pub fn rope_note(&self) -> Option<String> {
+        let Some(RopeScaling::LongRope {
+            long,
+            original_max_position_embeddings: orig,
+            ..
+        }) = &self.rope_scaling
+        else {
+            return None;
+        };
+        Some(if *long {
+            format!(
+                "LongRoPE's long factors apply to every position (the served context exceeds \
+                 original_max_position_embeddings {orig}), which may cost some quality on \
+                 short prompts; --max-model-len {orig} or less selects the short factors"
+            )
+        } else {
+            format!(
+                "LongRoPE's short factors apply (the served context is at most \
+                 original_max_position_embeddings {orig}); a larger --max-model-len selects the \
+                 long factors for every position"
+            )
+        })
     }
 
     /// The factor RoPE's cos and sin are multiplied by: YaRN's or LongRoPE's
@@ -1404,42 +1451,64 @@ mod tests {
         assert!(ok.is_ok(), "{ok:?}");
     }
 
-    /// Sliding windows and LongRoPE cap the served context (see [`ModelConfig::context_cap`]):
-    /// at the window, where full attention is the same, and at LongRoPE's pre-training length,
-    /// where its short factors apply.
+    /// Sliding windows per layer ([`ModelConfig::sliding_window`]) as transformers applies
+    /// them, and LongRoPE's factors, short or long by the served context length
+    /// ([`ModelConfig::set_max_model_len`]).
     #[test]
-    fn sliding_windows_and_longrope_cap_the_context_with_the_reason() {
-        // Qwen: only with use_sliding_window, or sliding layers; a window past the positions
-        // changes nothing.
+    fn sliding_windows_per_layer_and_longrope_factors_by_the_served_length() {
+        // Qwen: only with use_sliding_window, from max_window_layers on or on the
+        // sliding_attention layers; a window past the positions is none.
         let q = |extra: &str| ModelConfig::from_json_str(&format!("{QWEN2}{extra}}}")).unwrap();
-        assert_eq!(q("").max_position_embeddings, 32768);
-        assert_eq!(q(r#", "use_sliding_window": true"#).context_cap, None);
+        let none = vec![None; 24];
+        let c = q("");
+        assert_eq!(
+            (c.max_position_embeddings, &c.sliding_window),
+            (32768, &none)
+        );
+        assert_eq!(q(r#", "use_sliding_window": true"#).sliding_window, none);
         let c = q(r#", "use_sliding_window": true, "sliding_window": 4096"#);
-        assert_eq!(c.max_position_embeddings, 4096);
-        assert!(c.context_cap.unwrap().starts_with("sliding_window 4096"));
-        // Layers from max_window_layers on slide: none of 24 from 24 on.
+        assert_eq!(c.max_position_embeddings, 32768);
+        assert_eq!(c.sliding_window[..21], none[..21]);
+        assert_eq!(c.sliding_window[21..], [Some(4096); 3]);
+        let c =
+            q(r#", "use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 20"#);
+        assert_eq!(c.sliding_window[..20], none[..20]);
+        assert_eq!(c.sliding_window[20..], [Some(4096); 4]);
         let c =
             q(r#", "use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 24"#);
-        assert_eq!((c.max_position_embeddings, c.context_cap), (32768, None));
-        let c = q(r#", "sliding_window": 4096"#);
-        assert_eq!((c.max_position_embeddings, c.context_cap), (32768, None));
+        assert_eq!(c.sliding_window, none);
+        assert_eq!(q(r#", "sliding_window": 4096"#).sliding_window, none);
+        let c = q(r#", "use_sliding_window": true, "sliding_window": 32768"#);
+        assert_eq!(c.sliding_window, none);
         let mut types = vec!["full_attention"; 24];
-        types[23] = "sliding_attention";
+        types[3] = "sliding_attention";
+        let types = serde_json::json!(types);
         let c = q(&format!(
-            r#", "sliding_window": 1000, "layer_types": {}"#,
-            serde_json::json!(types)
+            r#", "use_sliding_window": true, "sliding_window": 1000, "layer_types": {types}"#
         ));
-        assert_eq!(c.max_position_embeddings, 1000);
+        let mut want = none.clone();
+        want[3] = Some(1000);
+        assert_eq!(
+            (c.max_position_embeddings, &c.sliding_window),
+            (32768, &want)
+        );
+        let c = q(&format!(
+            r#", "sliding_window": 1000, "layer_types": {types}"#
+        ));
+        assert_eq!(c.sliding_window, none);
+        // The fingerprint sees the windows.
+        let other = q(r#", "use_sliding_window": true, "sliding_window": 999"#);
+        let slid = q(r#", "use_sliding_window": true, "sliding_window": 1000"#);
+        let fps = [q("").fingerprint(), slid.fingerprint(), other.fingerprint()];
+        assert!(fps[0] != fps[1] && fps[1] != fps[2] && fps[0] != fps[2]);
 
-        // Phi-3-mini-4k: a 2047-token window on 4096 positions.
+        // Phi-3-mini-4k: a 2047-token window on 4096 positions, every layer.
         let phi3 = |extra: &str| ModelConfig::from_json_str(&format!("{PHI3}{extra}}}"));
         let c = phi3("").unwrap();
         assert!(c.fused_projections && !c.qkv_bias && !c.qk_norm);
-        assert_eq!(c.max_position_embeddings, 2047);
-        assert!(c
-            .context_limit()
-            .contains("2047 positions (sliding_window 2047"));
-        // Phi-3.5-mini: LongRoPE to 131072 from 4096, window 262144 (no cap of its own).
+        assert_eq!(c.max_position_embeddings, 4096);
+        assert!(c.sliding_window.iter().all(|&w| w == Some(2047)));
+        // Phi-3.5-mini: LongRoPE to 131072 from 4096, window 262144 (none: past the positions).
         let short: Vec<f64> = (0..48).map(|i| 1.0 + 0.05 * i as f64).collect();
         let long: Vec<f64> = (0..48).map(|i| 2.0 + i as f64).collect();
         let longrope = format!(
@@ -1448,8 +1517,9 @@ mod tests {
             serde_json::json!(short),
             serde_json::json!(long)
         );
-        let c = phi3(&longrope).unwrap();
-        assert_eq!(c.max_position_embeddings, 4096);
+        let mut c = phi3(&longrope).unwrap();
+        assert_eq!(c.max_position_embeddings, 131072);
+        assert!(c.rope_note().unwrap().contains("short factors apply"));
         // Phi3Config's default pre-training length is 4096 too.
         let without = ModelConfig::from_json_str(&format!(
             "{}{longrope}}}",
@@ -1457,7 +1527,6 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(without.rope_scaling, c.rope_scaling);
-        assert!(c.context_cap.as_ref().unwrap().contains("LongRoPE"));
         // transformers' `_compute_longrope_parameters`: 1 / (short_i * base^(2i/d)), and
         // sqrt(1 + ln(131072 / 4096) / ln(4096)) on cos and sin.
         let inv = c.rope_inv_freq();
@@ -1468,6 +1537,20 @@ mod tests {
         let att = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt() as f32;
         assert_eq!(c.rope_attention_factor(), att);
         assert!((att - 1.190_238).abs() < 1e-5, "{att}");
+        // Served past 4096 positions: the long factors for every position (vLLM), the same
+        // attention factor, another fingerprint; back at 4096 the short ones again.
+        let short_fp = c.fingerprint();
+        c.set_max_model_len(4097);
+        for (i, x) in c.rope_inv_freq().iter().enumerate() {
+            let want = 1.0f32 / (long[i] as f32 * 10000f32.powf((2 * i) as f32 / 96.0));
+            assert_eq!(x.to_bits(), want.to_bits(), "{i}");
+        }
+        assert_eq!(c.rope_attention_factor(), att);
+        assert_ne!(c.fingerprint(), short_fp);
+        assert!(c.rope_note().unwrap().contains("long factors apply"));
+        c.set_max_model_len(4096);
+        assert_eq!((c.fingerprint(), c.rope_inv_freq()), (short_fp, inv));
+        assert_eq!(phi3("").unwrap().rope_note(), None);
         // The older name `su`, an explicit attention_factor, and the fingerprint seeing the
         // factors.
         let su = phi3(&longrope.replace("longrope", "su")).unwrap();
@@ -1601,7 +1684,7 @@ mod tests {
             (
                 QWEN3,
                 &format!(
-                    r#", "layer_types": {}"#,
+                    r#", "use_sliding_window": true, "layer_types": {}"#,
                     serde_json::json!(vec!["sliding_attention"; 28])
                 ),
                 "sliding_window",

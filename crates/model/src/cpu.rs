@@ -236,6 +236,9 @@ struct AttentionStep<'a> {
     kv_heads: usize,
     head_dim: usize,
     scale: f32,
+    /// The layer's sliding window ([`ModelConfig::sliding_window`]), `None` for full causal
+    /// attention.
+    window: Option<usize>,
     /// Run the jobs on the current rayon pool (else on this thread; same bits).
     parallel: bool,
 }
@@ -294,14 +297,16 @@ impl AttentionStep<'_> {
             let table = self.rows[r].block_table;
             let q = |i: usize| &self.qkv[i * qkv_w + g * job_len..][..job_len];
             if n == 1 {
-                attention::attend(kvl, table, g, n_ctx, q(i0), self.scale, split, scratch, out);
+                let (w, scale) = (self.window, self.scale);
+                attention::attend(kvl, table, g, n_ctx, w, q(i0), scale, split, scratch, out);
             } else {
                 let mut qt = std::mem::take(&mut scratch.q);
                 qt.clear();
                 for i in i0..i0 + n {
                     qt.extend_from_slice(q(i));
                 }
-                attention::attend_tile(kvl, table, g, n_ctx, n, &qt, self.scale, scratch, out);
+                let (w, scale) = (self.window, self.scale);
+                attention::attend_tile(kvl, table, g, n_ctx, n, w, &qt, scale, scratch, out);
                 scratch.q = qt;
             }
         };
@@ -329,15 +334,17 @@ impl AttentionStep<'_> {
     }
 
     /// The step's units, `(first token, tokens)`: with `tile`, runs of up to
-    /// [`attention::TILE`] consecutive tokens of one row whose first token attends to a whole
-    /// partition or more (its later tokens attend to more), else single tokens.
+    /// [`attention::TILE`] consecutive tokens of one row that share a whole partition
+    /// ([`attention::tile_shared`]: without a window, those whose first token attends to a
+    /// whole partition or more), else single tokens.
     fn units(&self, tile: bool) -> Vec<(usize, usize)> {
         let mut units = Vec::new();
         let mut i = 0;
         while i < self.tok_ctx.len() {
             let (r, n_ctx) = self.tok_ctx[i];
             let mut n = 1;
-            if tile && n_ctx >= attention::PARTITION {
+            let (js, je) = attention::tile_shared(n_ctx, attention::TILE, self.window);
+            if tile && js < je {
                 while n < attention::TILE && self.tok_ctx.get(i + n).is_some_and(|&(r2, _)| r2 == r)
                 {
                     n += 1;
@@ -1043,6 +1050,7 @@ impl CpuModel {
                 kv_heads: kvh,
                 head_dim: hd,
                 scale,
+                window: c.sliding_window[li],
                 parallel: parallel_attention,
             };
             let attn = &mut s.attn[..t * q_w];

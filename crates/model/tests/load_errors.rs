@@ -159,11 +159,10 @@ fn unsupported_rope_scaling_type_is_named() {
     );
 }
 
-/// Sliding-window attention is not implemented: a Mistral model with a window shorter than
-/// its positions is served up to the window, where full attention is the same (vLLM's
-/// `--disable-sliding-window`).
+/// A Mistral model's `sliding_window` applies to every layer and leaves the served context
+/// whole; a window that covers every position is none, and bad values are refused.
 #[test]
-fn mistral_with_sliding_window_is_capped_at_the_window_and_without_it_loads_whole() {
+fn a_mistral_sliding_window_applies_to_every_layer_and_bad_ones_are_refused() {
     let d = dir_with_tensors("mistral", |_| {});
     edit_config(&d, |c| {
         c.insert(
@@ -173,14 +172,9 @@ fn mistral_with_sliding_window_is_capped_at_the_window_and_without_it_loads_whol
         c.insert("model_type".into(), serde_json::json!("mistral"));
         c.insert("sliding_window".into(), serde_json::json!(256));
     });
-    let capped = load_model_dir(&d).expect("a sliding window loads").config;
-    assert_eq!(capped.max_position_embeddings, 256);
-    let why = capped.context_cap.clone().expect("the cap is explained");
-    assert_mentions(&why, &["sliding_window 256", "not implemented"]);
-    assert_mentions(
-        &capped.context_limit(),
-        &["256 positions", "sliding_window 256"],
-    );
+    let slid = load_model_dir(&d).expect("a sliding window loads").config;
+    assert_eq!(slid.max_position_embeddings, 512);
+    assert_eq!(slid.sliding_window, vec![Some(256); slid.num_hidden_layers]);
     for (bad, what) in [
         (serde_json::json!("256"), "integer"),
         (serde_json::json!(0), "must be > 0"),
@@ -196,7 +190,7 @@ fn mistral_with_sliding_window_is_capped_at_the_window_and_without_it_loads_whol
         });
         let whole = load_model_dir(&d).expect("loads").config;
         assert_eq!(whole.max_position_embeddings, 512, "{window}");
-        assert_eq!(whole.context_cap, None, "{window}");
+        assert!(whole.sliding_window.iter().all(Option::is_none), "{window}");
     }
 }
 

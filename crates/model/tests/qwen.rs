@@ -5,7 +5,9 @@
 //! (projection with bias, `q_norm(q.view(..., head_dim))` before `apply_rotary_pos_emb`,
 //! causal GQA softmax attention, SiLU MLP) written without any of `CpuModel`'s code. The same
 //! reference on a Llama config must match `CpuModel`, whose Llama path reproduces the
-//! stories260K goldens, so the two can only disagree on the Qwen parts.
+//! stories260K goldens, so the two can only disagree on the Qwen parts. The reference also
+//! checks partial RoPE (Phi-4-mini) and sliding-window attention (Mistral, Phi-3, Qwen's
+//! sliding layers; transformers' `sliding_window_overlay` mask).
 
 mod common;
 
@@ -25,6 +27,7 @@ fn config_json(model_type: &str, extra: &str) -> String {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "phi3" => "Phi3ForCausalLM",
+        "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     };
     format!(
@@ -85,16 +88,22 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
     let base = |i: usize| cfg.rope_theta.powf((2 * i) as f32 / r as f32);
     let inv_freq: Vec<f32> = match &cfg.rope_scaling {
         None => (0..r / 2).map(|i| 1.0 / base(i)).collect(),
-        Some(RopeScaling::LongRope { short_factor, .. }) => (0..r / 2)
-            .map(|i| 1.0 / (short_factor[i] * base(i)))
-            .collect(),
+        Some(RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            long,
+            ..
+        }) => {
+            let f = if *long { long_factor } else { short_factor };
+            (0..r / 2).map(|i| 1.0 / (f[i] * base(i))).collect()
+        }
         Some(_) => cfg.rope_inv_freq(),
     };
     let mut xs: Vec<Vec<f32>> = tokens
         .iter()
         .map(|&t| w.embed.data[t as usize * h..(t as usize + 1) * h].to_vec())
         .collect();
-    for l in &w.layers {
+    for (li, l) in w.layers.iter().enumerate() {
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -118,11 +127,18 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
             vs.push(v);
         }
         for (pos, x) in xs.iter_mut().enumerate() {
+            // transformers' sliding-window mask: key j is seen when j > pos - window.
+            let first = match cfg.sliding_window[li] {
+                Some(w) => (0..=pos)
+                    .find(|&j| j as i64 > pos as i64 - w as i64)
+                    .unwrap(),
+                None => 0,
+            };
             let mut ctx = vec![0.0f32; nh * hd];
             for head in 0..nh {
                 let g = head / (nh / kvh);
                 let q = &qs[pos][head * hd..(head + 1) * hd];
-                let scores: Vec<f32> = (0..=pos)
+                let scores: Vec<f32> = (first..=pos)
                     .map(|j| {
                         let k = &ks[j][g * hd..(g + 1) * hd];
                         q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
@@ -131,7 +147,7 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                 let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f32 = e.iter().sum();
-                for (j, p) in e.iter().enumerate() {
+                for (j, p) in (first..).zip(&e) {
                     for d in 0..hd {
                         ctx[head * hd + d] += p / z * vs[j][g * hd + d];
                     }
@@ -451,5 +467,94 @@ fn partial_rope_matches_the_dense_reference_through_a_checkpoint() {
         // Without the permutation the rotation is another one, and the logits far off.
         let off = max_rel(&paged_logits(&cfg, &w, &TOKENS), &want);
         assert!(off > 1e-3, "{ty}{extra}: unpermuted weights agree ({off})");
+        // Served past original_max_position_embeddings (32): LongRoPE's long factors, for
+        // every position.
+        if cfg.rope_note().is_some() {
+            let mut long = cfg.clone();
+            long.set_max_model_len(64);
+            let want_long = dense_reference(&long, &w, &TOKENS);
+            let err = max_rel(&paged_logits(&long, &loaded.weights, &TOKENS), &want_long);
+            assert!(err < 1e-4, "{ty}{extra}, long factors: {err}");
+            let off = max_rel(&want_long, &want);
+            assert!(
+                off > 1e-3,
+                "{ty}{extra}: the long factors change nothing ({off})"
+            );
+        }
+    }
+}
+
+/// `CpuModel`'s logits of every position, the tokens prefilled in rows of `chunk` (pages of 16
+/// tokens, in reverse order).
+fn chunked_logits(
+    cfg: &ModelConfig,
+    w: &LlamaWeights,
+    tokens: &[u32],
+    chunk: usize,
+) -> Vec<Vec<f32>> {
+    let model = CpuModel::new(cfg.clone(), w.clone());
+    let pages = tokens.len().div_ceil(16);
+    let mut kv = PagedKvCache::new(cfg, pages + 1, 16);
+    let table: Vec<u32> = (1..=pages as u32).rev().collect();
+    let mut out = Vec::new();
+    for start in (0..tokens.len()).step_by(chunk) {
+        let end = (start + chunk).min(tokens.len());
+        let row = ForwardRow {
+            tokens: &tokens[start..end],
+            start_pos: start,
+            block_table: &table,
+            want_logits: true,
+            all_logits: true,
+        };
+        out.extend(model.forward(&mut kv, &[row]).expect("forward"));
+    }
+    out
+}
+
+/// Sliding-window attention ([`ModelConfig::sliding_window`]) against the dense reference's
+/// mask, over 560 positions: windows of a few keys, of more than a 256-position partition
+/// (starting mid-partition, so a tile of prefill tokens shares some partitions and not
+/// others), on every layer (Mistral, Phi-3) or on Qwen's sliding layers only; prefilled whole,
+/// in chunks of 100, and decoded token by token. Without the window, or with it on every
+/// layer where one layer slides, the logits are far off.
+#[test]
+fn sliding_windows_match_the_dense_reference_across_partitions_and_tiles() {
+    let tokens: Vec<u32> = (0..560u32).map(|i| (i * 37 + 11) % 97).collect();
+    for (ty, extra) in [
+        ("mistral", r#", "sliding_window": 300"#),
+        ("mistral", r#", "sliding_window": 7"#),
+        ("phi3", r#", "sliding_window": 257"#),
+        (
+            "qwen2",
+            r#", "use_sliding_window": true, "sliding_window": 40, "max_window_layers": 1"#,
+        ),
+    ] {
+        let cfg = config(ty, &format!(r#", "max_position_embeddings": 1024{extra}"#));
+        assert!(
+            cfg.sliding_window.iter().any(Option::is_some),
+            "{ty}{extra}"
+        );
+        let w = LlamaWeights::dummy(&cfg, 17);
+        let want = dense_reference(&cfg, &w, &tokens);
+        for chunk in [560, 100, 1] {
+            let err = max_rel(&chunked_logits(&cfg, &w, &tokens, chunk), &want);
+            assert!(err < 1e-4, "{ty}{extra}, rows of {chunk}: {err}");
+        }
+        let mut full = cfg.clone();
+        full.sliding_window.fill(None);
+        let off = max_rel(&dense_reference(&full, &w, &tokens), &want);
+        assert!(
+            off > 1e-2,
+            "{ty}{extra}: the window changes nothing ({off})"
+        );
+        if cfg.sliding_window.contains(&None) {
+            let mut every = cfg.clone();
+            every.sliding_window.fill(Some(40));
+            let off = max_rel(&chunked_logits(&every, &w, &tokens, 100), &want);
+            assert!(
+                off > 1e-2,
+                "{ty}{extra}: every layer sliding agrees ({off})"
+            );
+        }
     }
 }
