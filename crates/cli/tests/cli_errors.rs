@@ -504,6 +504,38 @@ fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A Gemma 3 text model (random weights, stories260K's tokenizer) runs end to end on the CPU:
+/// `baton generate --load-format dummy` decodes past its 16-key sliding window on the local
+/// and global RoPE layers, the same ids whether the prompt is prefilled at once or in chunks
+/// of 3 tokens and on 1 or 2 threads.
+#[test]
+fn a_gemma3_text_model_generates_the_same_ids_however_it_is_batched() {
+    let dir = json_only_copy("gemma3");
+    let gemma = r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 512,
+        "max_position_embeddings": 512, "sliding_window": 16, "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": 8, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float32"}"#;
+    std::fs::write(dir.join("config.json"), gemma).unwrap();
+    let base = [
+        "--load-format",
+        "dummy",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    ];
+    let run = |extra: &[&str]| {
+        let args = [&base[..], &["--max-tokens", "40"], extra].concat();
+        generated(&dir, &args).0
+    };
+    let whole = run(&[]);
+    assert_eq!(whole.len(), 40);
+    assert_eq!(run(&["--max-num-batched-tokens", "3"]), whole);
+    assert_eq!(run(&["--cpu-threads", "2"]), whole);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// stories260K with LongRoPE (original 256 of its 512 positions; short factors of 1 and an
 /// attention factor of 1, long factors of 4): `baton generate` says which factors apply, gives
 /// the goldens at `--max-model-len 256` and departs from them past it, where the long factors

@@ -894,6 +894,20 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         )));
     }
+    // Gemma 3's conventions are CPU-only so far.
+    if cfg.hidden_act != baton_model::Activation::Silu
+        || cfg.norm_offset != 0.0
+        || cfg.sandwich_norms
+        || cfg.embed_scale.is_some()
+        || cfg.query_pre_attn_scalar.is_some()
+        || cfg.local_rope_theta.is_some()
+    {
+        return Err(CudaWorkerError::Unsupported(format!(
+            "model_type {:?}: Gemma 3's (1 + w) norms, output norms, GeLU MLP, scaled \
+             embeddings and local RoPE are not implemented on CUDA; --device cpu runs it",
+            cfg.model_type
+        )));
+    }
     // With partial RoPE the attention factor goes into the q rows of the rotated dims
     // ([`rotated_q_scale`]); a per-head q norm after the projection would undo that.
     if rotated_q_scale(cfg).is_some() && cfg.qk_norm {
@@ -3296,6 +3310,35 @@ mod tests {
             e.contains("partial RoPE") && e.contains("--device cpu"),
             "{e}"
         );
+    }
+
+    /// Gemma 3 is CPU-only: the CUDA worker refuses it by name before uploading anything,
+    /// and each of its conventions alone is refused too.
+    #[test]
+    fn gemma3_is_refused_with_the_cpu_alternative() {
+        let gemma = baton_model::ModelConfig::from_json_str(
+            r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text",
+            "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+            "num_attention_heads":2,"num_key_value_heads":1,"head_dim":32,"vocab_size":32,
+            "max_position_embeddings":64}"#,
+        )
+        .unwrap();
+        let e = check_shape(&gemma).unwrap_err().to_string();
+        assert!(
+            e.contains("gemma3_text") && e.contains("--device cpu"),
+            "{e}"
+        );
+        let llama = llama_1b();
+        check_shape(&llama).expect("Llama runs");
+        let mut one = llama.clone();
+        one.norm_offset = 1.0;
+        assert!(check_shape(&one).is_err());
+        let mut one = llama.clone();
+        one.hidden_act = baton_model::Activation::GeluTanh;
+        assert!(check_shape(&one).is_err());
+        let mut one = llama;
+        one.embed_scale = Some(2.0);
+        assert!(check_shape(&one).is_err());
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Parsing of a Hugging Face model directory's JSON configs.
 //!
 //! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
-//! Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused projections);
-//! SiLU MLP, no other biases, default, `llama3`, `yarn` or `longrope` RoPE, full or
+//! Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused projections),
+//! Gemma 3 text (its norms, GeLU, scaled embeddings and local RoPE); no other biases, default, `llama3`, `yarn` or `longrope` RoPE, full or
 //! sliding-window attention per layer) and rejects anything else with a [`ModelError`] naming
 //! the file and field. What depends on the served context length (LongRoPE's choice of
 //! factors) is set by [`ModelConfig::set_max_model_len`]. [`GenerationConfig`] and
@@ -25,9 +25,25 @@ pub const MAX_HEAD_DIM: usize = 1 << 10;
 /// Largest `vocab_size` accepted (16x Gemma's): the scheduler's per-slot token-mask table
 /// holds `vocab_size / 8` bytes per sequence.
 pub const MAX_VOCAB_SIZE: usize = 1 << 22;
+/// The MLP's activation of the gate projection (`hidden_act`; Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (`silu`, Llama's): `x sigmoid(x)`.
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`, Gemma's; PyTorch's
+    /// `gelu(approximate="tanh")`): `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`.
+    GeluTanh,
+}
+
 /// RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
+    /// Linear position interpolation (`linear`; Chen et al. 2023, arXiv:2306.15595): every
+    /// inverse frequency divided by `factor` (transformers' `_compute_linear_scaling_rope_parameters`).
+    Linear {
+        /// The divisor, > 0.
+        factor: f32,
+    },
     /// Llama 3.1 style scaling, see [`ModelConfig::rope_inv_freq`].
     Llama3 {
         /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
@@ -100,7 +116,7 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     /// `architectures` as found (may be empty when the key is absent).
     pub architectures: Vec<String>,
-    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3` or `phi3`.
+    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3`, `phi3` or `gemma3_text`.
     pub model_type: String,
     /// The q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`, shapes
     /// `[heads * head_dim]`, `[kv_heads * head_dim]` twice): Qwen2, always. The output
@@ -117,6 +133,31 @@ pub struct ModelConfig {
     /// `Phi3Attention` / `Phi3MLP`). The model is Llama's; [`crate::WeightSource`] serves the
     /// row ranges under the Llama names.
     pub fused_projections: bool,
+    /// The MLP activation: SiLU, or Gemma's tanh GELU.
+    pub hidden_act: Activation,
+    /// Every RMSNorm weight is used as `norm_offset + w`: 1 for Gemma 3 (`Gemma3RMSNorm`:
+    /// `x * rsqrt(mean(x²) + eps) * (1 + w)`, all in f32, its weights stored around 0), 0
+    /// elsewhere. Backends fold it into their f32 copies of the norm weights.
+    pub norm_offset: f32,
+    /// Gemma 3's four norms per layer (`Gemma3DecoderLayer`): besides the norms before
+    /// attention and before the MLP (checkpoint names `input_layernorm` and
+    /// `pre_feedforward_layernorm`), `post_attention_layernorm` normalizes the attention
+    /// output and `post_feedforward_layernorm` the MLP output, each before its residual add.
+    /// (In Llama `post_attention_layernorm` is the norm before the MLP.) See
+    /// [`crate::weights::layer_tensor_shapes`].
+    pub sandwich_norms: bool,
+    /// The factor token embeddings are multiplied by after the lookup: Gemma 3's
+    /// `sqrt(hidden_size)`, rounded to the checkpoint's dtype (`torch_dtype`) as transformers'
+    /// `Gemma3TextScaledWordEmbedding` does (`embed_scale.to(weight.dtype)`: 55.4256 becomes
+    /// 55.5 in bf16); `None` elsewhere.
+    pub embed_scale: Option<f32>,
+    /// Attention scores are `q.k * query_pre_attn_scalar^-0.5` where given (Gemma 3's
+    /// `query_pre_attn_scalar`), else `head_dim^-0.5`; see [`ModelConfig::attention_scale`].
+    pub query_pre_attn_scalar: Option<f32>,
+    /// RoPE base of the sliding-window layers (Gemma 3's `rope_local_base_freq`), which use
+    /// plain RoPE; the other layers use `rope_theta` and `rope_scaling`. `None`: every layer
+    /// uses those. See [`ModelConfig::layer_rope_inv_freq`].
+    pub local_rope_theta: Option<f32>,
     /// Residual stream width (elements).
     pub hidden_size: usize,
     /// MLP inner width (elements).
@@ -368,6 +409,10 @@ impl ModelConfig {
         eat(&self.rope_theta.to_bits().to_le_bytes());
         match &self.rope_scaling {
             None => eat(&[0]),
+            Some(RopeScaling::Linear { factor }) => {
+                eat(&[4]);
+                eat(&factor.to_bits().to_le_bytes());
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -427,6 +472,24 @@ impl ModelConfig {
                 eat(&(w.unwrap_or(0) as u64).to_le_bytes());
             }
         }
+        // Gemma's conventions (only when any differs from Llama's, so other fingerprints stay).
+        let gemma_like = self.hidden_act != Activation::Silu
+            || self.norm_offset != 0.0
+            || self.sandwich_norms
+            || self.embed_scale.is_some()
+            || self.query_pre_attn_scalar.is_some()
+            || self.local_rope_theta.is_some();
+        if gemma_like {
+            eat(&[0xfb, self.hidden_act as u8, u8::from(self.sandwich_norms)]);
+            for x in [
+                self.norm_offset,
+                self.embed_scale.unwrap_or(0.0),
+                self.query_pre_attn_scalar.unwrap_or(0.0),
+                self.local_rope_theta.unwrap_or(0.0),
+            ] {
+                eat(&x.to_bits().to_le_bytes());
+            }
+        }
         h.finish()
     }
 
@@ -457,12 +520,13 @@ impl ModelConfig {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(f.invalid("architectures", "expected a list of strings")),
         };
-        const ARCHS: [&str; 5] = [
+        const ARCHS: [&str; 6] = [
             "LlamaForCausalLM",
             "MistralForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
             "Phi3ForCausalLM",
+            "Gemma3ForCausalLM",
         ];
         if !architectures.is_empty() && !architectures.iter().any(|a| ARCHS.contains(&a.as_str())) {
             return Err(ModelError::UnsupportedArchitecture {
@@ -473,7 +537,7 @@ impl ModelConfig {
         let model_type = f
             .opt_str("model_type")?
             .ok_or_else(|| f.missing("model_type"))?;
-        if !["llama", "mistral", "qwen2", "qwen3", "phi3"].contains(&model_type) {
+        if !["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"].contains(&model_type) {
             return Err(ModelError::UnsupportedModelType {
                 file: file.into(),
                 found: model_type.into(),
@@ -527,8 +591,9 @@ impl ModelConfig {
         }
         let head_dim = match f.opt_usize("head_dim")? {
             Some(h) => h,
-            // Qwen3Config's own default, whatever the widths.
+            // Qwen3Config's and Gemma3TextConfig's own defaults, whatever the widths.
             None if model_type == "qwen3" => 128,
+            None if model_type == "gemma3_text" => 256,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(f.invalid(
@@ -556,11 +621,50 @@ impl ModelConfig {
             return Err(f.invalid("rms_norm_eps", format!("{rms_norm_eps} must be >= 0")));
         }
 
-        if let Some(act) = f.opt_str("hidden_act")? {
-            if act != "silu" {
-                return Err(f.invalid("hidden_act", format!("{act:?} is unsupported; only silu")));
+        let gemma = model_type == "gemma3_text";
+        // Gemma3TextConfig names it `hidden_activation` (default gelu_pytorch_tanh).
+        let act_key = if gemma && f.get("hidden_activation").is_some() {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        let hidden_act = match f.opt_str(act_key)? {
+            None if gemma => Activation::GeluTanh,
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh") => Activation::GeluTanh,
+            Some(act) => {
+                return Err(f.invalid(
+                    act_key,
+                    format!("{act:?} is unsupported; only silu and gelu_pytorch_tanh"),
+                ))
+            }
+        };
+        // Gemma 3 text: what transformers' Gemma3TextConfig runs that Baton does not is
+        // refused (Gemma 2's soft-capping, EmbeddingGemma's bidirectional attention).
+        if gemma {
+            for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+                match f.get(key) {
+                    None | Some(Value::Null) => {}
+                    Some(x) => {
+                        return Err(f.invalid(key, format!("{x}: soft-capping is not implemented")))
+                    }
+                }
+            }
+            if f.opt_bool("use_bidirectional_attention")? == Some(true) {
+                return Err(f.invalid(
+                    "use_bidirectional_attention",
+                    "bidirectional attention (an embedding model) is not implemented",
+                ));
             }
         }
+        let query_pre_attn_scalar = match f.opt_f64("query_pre_attn_scalar")? {
+            Some(x) if gemma && positive_f32(x) => Some(x as f32),
+            Some(x) if gemma => {
+                return Err(f.invalid("query_pre_attn_scalar", format!("{x} must be > 0")))
+            }
+            None if gemma => Some(256.0),
+            _ => None,
+        };
         // Qwen2 always has q/k/v biases (its config has no key for them); elsewhere
         // `attention_bias` also puts one on o_proj, which is not implemented.
         for key in ["attention_bias", "mlp_bias"] {
@@ -572,7 +676,7 @@ impl ModelConfig {
             }
         }
         let qkv_bias = model_type == "qwen2";
-        let qk_norm = model_type == "qwen3";
+        let qk_norm = model_type == "qwen3" || gemma;
         let fused_projections = model_type == "phi3";
         // transformers: `int(head_dim * partial_rotary_factor)` leading dims are rotated.
         let rotary_dim = match f.opt_f64("partial_rotary_factor")? {
@@ -667,22 +771,109 @@ impl ModelConfig {
             let w = window("")?;
             sliding_window.fill(w);
         }
-
-        // RoPE: transformers <= 4.x uses rope_theta + rope_scaling; 5.x uses rope_parameters.
-        let mut rope_theta = f.opt_f64("rope_theta")?;
-        let mut scaling_fields = f.sub("rope_scaling", "rope_scaling.")?;
-        if let Some(p) = f.sub("rope_parameters", "rope_parameters.")? {
-            if rope_theta.is_none() {
-                rope_theta = p.opt_f64("rope_theta")?;
-            }
-            if scaling_fields.is_none() {
-                scaling_fields = Some(p);
+        if gemma {
+            // Gemma3TextConfig: `layer_types`, else every `sliding_window_pattern`-th layer
+            // (default 6; saved as `_sliding_window_pattern` by newer versions) is full and
+            // the rest slide, with `sliding_window` (default 4096) keys.
+            let w = match f.get("sliding_window") {
+                None => Some(4096).filter(|&w| w < max_position_embeddings),
+                Some(_) => window("sliding_attention layers")?,
+            };
+            let sliding: Vec<bool> = match f.get("layer_types") {
+                Some(types) => {
+                    let types = types
+                        .as_array()
+                        .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?;
+                    if types.len() != num_hidden_layers {
+                        return Err(f.invalid(
+                            "layer_types",
+                            format!("{} entries for {num_hidden_layers} layers", types.len()),
+                        ));
+                    }
+                    types
+                        .iter()
+                        .map(|t| match t.as_str() {
+                            Some("sliding_attention") => Ok(true),
+                            Some("full_attention") => Ok(false),
+                            _ => Err(f.invalid(
+                                "layer_types",
+                                format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
+                            )),
+                        })
+                        .collect::<Result<_, _>>()?
+                }
+                None => {
+                    let key = if f.get("_sliding_window_pattern").is_some() {
+                        "_sliding_window_pattern"
+                    } else {
+                        "sliding_window_pattern"
+                    };
+                    let pattern = f.opt_usize(key)?.unwrap_or(6);
+                    if pattern == 0 {
+                        return Err(f.invalid(key, "must be > 0"));
+                    }
+                    (0..num_hidden_layers)
+                        .map(|i| (i + 1) % pattern != 0)
+                        .collect()
+                }
+            };
+            for (s, slides) in sliding_window.iter_mut().zip(sliding) {
+                if slides {
+                    *s = w;
+                }
             }
         }
-        let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
+
+        // RoPE: transformers <= 4.x uses rope_theta + rope_scaling; 5.x uses rope_parameters,
+        // per layer type for Gemma 3 (`full_attention` / `sliding_attention`).
+        let mut rope_theta = f.opt_f64("rope_theta")?;
+        let mut local_theta = f.opt_f64("rope_local_base_freq")?;
+        let mut scaling_fields = f.sub("rope_scaling", "rope_scaling.")?;
+        if let Some(p) = f.sub("rope_parameters", "rope_parameters.")? {
+            let (full, local) = if gemma && p.get("full_attention").is_some() {
+                (
+                    p.sub("full_attention", "rope_parameters.full_attention.")?,
+                    p.sub("sliding_attention", "rope_parameters.sliding_attention.")?,
+                )
+            } else {
+                (Some(p), None)
+            };
+            if let Some(l) = local {
+                if local_theta.is_none() {
+                    local_theta = l.opt_f64("rope_theta")?;
+                }
+                if !matches!(l.opt_str("rope_type")?, None | Some("default")) {
+                    return Err(l.invalid(
+                        "rope_type",
+                        "only default RoPE is supported on sliding-window layers",
+                    ));
+                }
+            }
+            if let Some(p) = full {
+                if rope_theta.is_none() {
+                    rope_theta = p.opt_f64("rope_theta")?;
+                }
+                if scaling_fields.is_none() {
+                    scaling_fields = Some(p);
+                }
+            }
+        }
+        let default_theta = if gemma { 1_000_000.0 } else { 10000.0 };
+        let rope_theta = rope_theta.unwrap_or(default_theta) as f32;
         if !(rope_theta > 0.0 && rope_theta.is_finite()) {
             return Err(f.invalid("rope_theta", "must be > 0 and finite in f32"));
         }
+        let local_rope_theta = match local_theta {
+            _ if !gemma => None,
+            None => Some(10000.0),
+            Some(x) if positive_f32(x) => Some(x as f32),
+            Some(x) => {
+                return Err(f.invalid(
+                    "rope_local_base_freq",
+                    format!("{x} must be > 0 and finite in f32"),
+                ))
+            }
+        };
         let rope_scaling = match scaling_fields {
             None => None,
             Some(s) => {
@@ -692,6 +883,13 @@ impl ModelConfig {
                 };
                 match ty {
                     "default" => None,
+                    "linear" => {
+                        let factor = s.opt_f64("factor")?.ok_or_else(|| s.missing("factor"))?;
+                        if !positive_f32(factor) {
+                            return Err(s.invalid("factor", format!("{factor} must be > 0 and finite in f32")));
+                        }
+                        Some(RopeScaling::Linear { factor: factor as f32 })
+                    }
                     "llama3" => {
                         let num = |k: &str| -> Result<f32, ModelError> {
                             Ok(s.opt_f64(k)?.ok_or_else(|| s.missing(k))? as f32)
@@ -812,7 +1010,7 @@ impl ModelConfig {
                     other => {
                         return Err(s.invalid(
                             "rope_type",
-                            format!("RoPE scaling type {other:?} is unsupported; supported: default, llama3, yarn, longrope"),
+                            format!("RoPE scaling type {other:?} is unsupported; supported: default, linear, llama3, yarn, longrope"),
                         ))
                     }
                 }
@@ -823,6 +1021,15 @@ impl ModelConfig {
             Some(d) => Some(d.to_string()),
             None => f.opt_str("dtype")?.map(str::to_string),
         };
+        // transformers: torch.tensor(hidden_size ** 0.5) (f32), then .to(weight dtype).
+        let embed_scale = gemma.then(|| {
+            let x = (hidden_size as f64).sqrt() as f32;
+            match torch_dtype.as_deref() {
+                Some("bfloat16") => half::bf16::from_f32(x).to_f32(),
+                Some("float16") => half::f16::from_f32(x).to_f32(),
+                _ => x,
+            }
+        });
 
         Ok(ModelConfig {
             architectures,
@@ -830,6 +1037,12 @@ impl ModelConfig {
             qkv_bias,
             qk_norm,
             fused_projections,
+            hidden_act,
+            norm_offset: if gemma { 1.0 } else { 0.0 },
+            sandwich_norms: gemma,
+            embed_scale,
+            query_pre_attn_scalar,
+            local_rope_theta,
             sliding_window,
             hidden_size,
             intermediate_size,
@@ -843,7 +1056,7 @@ impl ModelConfig {
             rms_norm_eps,
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(gemma),
             bos_token_id: f.opt_u32("bos_token_id")?,
             eos_token_ids: f.u32_or_list("eos_token_id")?,
             torch_dtype,
@@ -878,6 +1091,40 @@ impl ModelConfig {
         let mut inv = self.rotary_inv_freq();
         inv.resize(self.head_dim / 2, 0.0);
         inv
+    }
+
+    /// Whether layer `li` uses the local RoPE ([`ModelConfig::local_rope_theta`]: Gemma 3's
+    /// sliding-window layers) rather than [`ModelConfig::rope_inv_freq`].
+    pub fn layer_rope_is_local(&self, li: usize) -> bool {
+        self.local_rope_theta.is_some() && self.sliding_window.get(li).is_some_and(Option::is_some)
+    }
+
+    /// Layer `li`'s `[head_dim / 2]` RoPE inverse frequencies and attention factor: the local
+    /// ones where [`ModelConfig::layer_rope_is_local`] (plain RoPE of base
+    /// `local_rope_theta`, `1 / base^(2i / rotary_dim)`, factor 1: transformers'
+    /// `compute_default_rope_parameters` for the `sliding_attention` layer type), else
+    /// [`ModelConfig::rope_inv_freq`] and [`ModelConfig::rope_attention_factor`].
+    pub fn layer_rope(&self, li: usize) -> (Vec<f32>, f32) {
+        match self.local_rope_theta {
+            Some(base) if self.layer_rope_is_local(li) => {
+                let r = self.rotary_dim;
+                let mut inv: Vec<f32> = (0..r / 2)
+                    .map(|i| 1.0 / base.powf((2 * i) as f32 / r as f32))
+                    .collect();
+                inv.resize(self.head_dim / 2, 0.0);
+                (inv, 1.0)
+            }
+            _ => (self.rope_inv_freq(), self.rope_attention_factor()),
+        }
+    }
+
+    /// The factor attention scores `q.k` are multiplied by: `query_pre_attn_scalar^-0.5`
+    /// (Gemma 3), else `head_dim^-0.5` (transformers' `scaling`, a Python float, used in f32).
+    pub fn attention_scale(&self) -> f32 {
+        match self.query_pre_attn_scalar {
+            Some(x) => (x as f64).powf(-0.5) as f32,
+            None => (self.head_dim as f64).powf(-0.5) as f32,
+        }
     }
 
     /// Where each dim of a q or k head comes from in the layout every backend rotates
@@ -944,6 +1191,7 @@ impl ModelConfig {
                     })
                     .collect()
             }
+            Some(RopeScaling::Linear { factor }) => inv.into_iter().map(|f| f / factor).collect(),
             Some(RopeScaling::LongRope {
                 short_factor,
                 long_factor,

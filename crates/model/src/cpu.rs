@@ -7,7 +7,7 @@
 //! depends only on that token's data and position. Invalid inputs are rejected before anything is written.
 
 use crate::attention::{self, KvElem};
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::error::{ForwardError, ModelError};
 use crate::linear::Store;
 use crate::vmath;
@@ -427,23 +427,42 @@ struct Layer {
     /// Fused gate and up projections: `[2 * intermediate, hidden]`.
     gate_up: Linear,
     down: Linear,
+    /// RMSNorm weights of the attention and MLP outputs before their residual adds (Gemma 3's
+    /// `post_attention_layernorm` and `post_feedforward_layernorm`).
+    out_norms: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// A norm weight as used: `offset + w` in f32 ([`ModelConfig::norm_offset`]; what
+/// `Gemma3RMSNorm` computes as `1.0 + weight.float()` before each multiply).
+fn norm_weight(t: Tensor, offset: f32) -> Vec<f32> {
+    let mut w = t.data;
+    if offset != 0.0 {
+        w.iter_mut().for_each(|x| *x += offset);
+    }
+    w
 }
 
 impl Layer {
-    /// Fuses q/k/v and gate/up, keeping each matrix in its narrowest exact type.
-    fn new(l: LayerWeights) -> Self {
+    /// Fuses q/k/v and gate/up, keeping each matrix in its narrowest exact type; norm weights
+    /// get `norm_offset` added.
+    fn new(l: LayerWeights, norm_offset: f32) -> Self {
+        let nw = |t: Tensor| norm_weight(t, norm_offset);
         Layer {
             qkv_bias: match (l.q_bias, l.k_bias, l.v_bias) {
                 (Some(q), Some(k), Some(v)) => Some([q.data, k.data, v.data].concat()),
                 _ => None,
             },
-            qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (q.data, k.data)),
+            qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (nw(q), nw(k))),
             qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
             o: Linear::concat(vec![l.o_proj]),
             gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
             down: Linear::concat(vec![l.down_proj]),
-            input_norm: l.input_layernorm.data,
-            post_norm: l.post_attention_layernorm.data,
+            input_norm: nw(l.input_layernorm),
+            post_norm: nw(l.post_attention_layernorm),
+            out_norms: l
+                .attn_out_norm
+                .zip(l.mlp_out_norm)
+                .map(|(a, m)| (nw(a), nw(m))),
         }
     }
 }
@@ -494,8 +513,9 @@ pub struct CpuModel {
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
-    /// `[head_dim / 2]` RoPE inverse frequencies ([`ModelConfig::rope_inv_freq`]).
-    inv_freq: Vec<f32>,
+    /// `[head_dim / 2]` RoPE inverse frequencies and the attention factor of the global
+    /// layers, then of the local ones when the config has any ([`ModelConfig::layer_rope`]).
+    ropes: Vec<(Vec<f32>, f32)>,
     scratch: Mutex<Scratch>,
     /// The threads a forward pass runs on (one by default; [`CpuModel::set_threads`]).
     pool: rayon::ThreadPool,
@@ -589,6 +609,19 @@ fn check_shapes(cfg: &ModelConfig, w: &LlamaWeights) -> Result<(), ModelError> {
     Ok(())
 }
 
+/// `x += y`, each `[T, hidden]` token of `y` first RMS-normalized with `norm` when given
+/// (Gemma 3's norms of the sublayer outputs); `y` is scratch afterwards.
+fn add_residual(x: &mut [f32], y: &mut [f32], norm: Option<&[f32]>, eps: f32) {
+    if let Some(w) = norm {
+        for tok in y.chunks_exact_mut(w.len()) {
+            rms_norm_in_place(tok, w, eps);
+        }
+    }
+    for (x, &a) in x.iter_mut().zip(y.iter()) {
+        *x += a;
+    }
+}
+
 /// HF `LlamaRMSNorm`: `x * rsqrt(mean(x²) + eps) * w`, computed in f32 (sum in f64).
 #[inline]
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -652,12 +685,16 @@ impl CpuModel {
             .iter()
             .map(|v| v.to_bits())
             .eq(lm_head.data.iter().map(|v| v.to_bits()));
-        let layers = layers.into_iter().map(Layer::new).collect();
+        let layers = layers
+            .into_iter()
+            .map(|l| Layer::new(l, cfg.norm_offset))
+            .collect();
+        let norm = norm_weight(norm, cfg.norm_offset);
         Self::assemble(
             cfg,
             (!tied).then(|| Store::compact(embed.data)),
             layers,
-            norm.data,
+            norm,
             lm_head,
         )
     }
@@ -685,10 +722,10 @@ impl CpuModel {
         };
         // Each layer's f32 tensors are dropped once the layer is built.
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| LayerWeights::load(&cfg, src, i).map(Layer::new))
+            .map(|i| LayerWeights::load(&cfg, src, i).map(|l| Layer::new(l, cfg.norm_offset)))
             .collect::<Result<Vec<_>, _>>()?;
-        let norm = src.load_f32("model.norm.weight", &[h])?;
-        Self::assemble(cfg, embed, layers, norm.data, lm_head)
+        let norm = norm_weight(src.load_f32("model.norm.weight", &[h])?, cfg.norm_offset);
+        Self::assemble(cfg, embed, layers, norm, lm_head)
     }
 
     /// The model from built layers; `embed` is `None` when the LM head's matrix serves the
@@ -705,7 +742,14 @@ impl CpuModel {
             layers,
             norm,
             lm_head: Linear::concat(vec![lm_head]),
-            inv_freq: cfg.rope_inv_freq(),
+            ropes: {
+                let mut r = vec![(cfg.rope_inv_freq(), cfg.rope_attention_factor())];
+                if let Some(li) = (0..cfg.num_hidden_layers).find(|&li| cfg.layer_rope_is_local(li))
+                {
+                    r.push(cfg.layer_rope(li));
+                }
+                r
+            },
             cfg,
             scratch: Mutex::new(Scratch::default()),
             pool: thread_pool(1).map_err(|reason| ModelError::InvalidField {
@@ -751,6 +795,7 @@ impl CpuModel {
                     + linear(&l.down)
                     + f32s(&l.input_norm)
                     + f32s(&l.post_norm)
+                    + l.out_norms.as_ref().map_or(0, |(a, m)| f32s(a) + f32s(m))
                     + l.qkv_bias.as_deref().map_or(0, f32s)
                     + l.qk_norm.as_ref().map_or(0, |(q, k)| f32s(q) + f32s(k))
             })
@@ -928,8 +973,9 @@ impl CpuModel {
         let qkv_w = q_w + 2 * kv_w;
         let im = c.intermediate_size;
         let eps = c.rms_norm_eps;
-        // HF: `scaling = head_dim**-0.5` (a Python float), applied to the f32 scores.
-        let scale = (hd as f64).powf(-0.5) as f32;
+        // HF: `scaling = head_dim**-0.5` (Gemma 3: `query_pre_attn_scalar**-0.5`; a Python
+        // float), applied to the f32 scores.
+        let scale = c.attention_scale();
         let t: usize = rows.iter().map(|r| r.tokens.len()).sum();
 
         let mut guard = self
@@ -944,8 +990,9 @@ impl CpuModel {
         resize(&mut s.tmp, t * h);
         resize(&mut s.gate_up, t * 2 * im);
         resize(&mut s.act, t * im);
-        resize(&mut s.cos, t * half);
-        resize(&mut s.sin, t * half);
+        let n_ropes = self.ropes.len();
+        resize(&mut s.cos, n_ropes * t * half);
+        resize(&mut s.sin, n_ropes * t * half);
         // Per token: its row and the number of positions it attends to.
         s.tok_ctx.clear();
         for (r, row) in rows.iter().enumerate() {
@@ -960,19 +1007,21 @@ impl CpuModel {
         // attention factor (HF's `attention_scaling`; 1 otherwise).
         // With partial RoPE only the rotated pairs are scaled (`rotary_dim`: the pairs past
         // it have frequency 0 and stay as they are).
-        let att = c.rope_attention_factor();
+        // Gemma 3's local layers have their own table, after the global one.
         let rotated = c.rotary_dim / 2;
-        let mut i = 0;
-        for row in rows {
-            for j in 0..row.tokens.len() {
-                let pos = (row.start_pos + j) as f32;
-                for (d, &f) in self.inv_freq.iter().enumerate() {
-                    let a = (pos * f) as f64;
-                    let att = if d < rotated { att } else { 1.0 };
-                    s.cos[i * half + d] = a.cos() as f32 * att;
-                    s.sin[i * half + d] = a.sin() as f32 * att;
+        for (ri, (inv_freq, att)) in self.ropes.iter().enumerate() {
+            let mut i = ri * t;
+            for row in rows {
+                for j in 0..row.tokens.len() {
+                    let pos = (row.start_pos + j) as f32;
+                    for (d, &f) in inv_freq.iter().enumerate() {
+                        let a = (pos * f) as f64;
+                        let att = if d < rotated { *att } else { 1.0 };
+                        s.cos[i * half + d] = a.cos() as f32 * att;
+                        s.sin[i * half + d] = a.sin() as f32 * att;
+                    }
+                    i += 1;
                 }
-                i += 1;
             }
         }
 
@@ -982,7 +1031,12 @@ impl CpuModel {
             for &tok in row.tokens {
                 let e = tok as usize * h;
                 let table = self.embed.as_ref().unwrap_or(&self.lm_head.w);
-                table.read(e, &mut s.x[i * h..(i + 1) * h]);
+                let x = &mut s.x[i * h..(i + 1) * h];
+                table.read(e, x);
+                // Gemma 3: times sqrt(hidden_size) in the checkpoint's dtype.
+                if let Some(k) = c.embed_scale {
+                    x.iter_mut().for_each(|v| *v *= k);
+                }
                 i += 1;
             }
         }
@@ -1007,14 +1061,19 @@ impl CpuModel {
                 }
             }
 
-            // Qwen3: RMSNorm of each q and k head (before RoPE); then RoPE on q and k (HF
-            // rotate_half: pairs (j, j + hd/2)), then store k and v.
+            // Qwen3, Gemma 3: RMSNorm of each q and k head (before RoPE); then RoPE on q and k
+            // (HF rotate_half: pairs (j, j + hd/2)), then store k and v.
+            let rope_off = if c.layer_rope_is_local(li) {
+                t * half
+            } else {
+                0
+            };
             let mut i = 0;
             for row in rows {
                 for (j, _) in row.tokens.iter().enumerate() {
                     let pos = row.start_pos + j;
-                    let cs = &s.cos[i * half..(i + 1) * half];
-                    let sn = &s.sin[i * half..(i + 1) * half];
+                    let cs = &s.cos[rope_off + i * half..rope_off + (i + 1) * half];
+                    let sn = &s.sin[rope_off + i * half..rope_off + (i + 1) * half];
                     let tok = &mut s.qkv[i * qkv_w..(i + 1) * qkv_w];
                     if let Some((qn, kn)) = &layer.qk_norm {
                         for (hi, head) in tok[..q_w + kv_w].chunks_exact_mut(hd).enumerate() {
@@ -1060,9 +1119,12 @@ impl CpuModel {
                 KvData::F16(k, v) => step.run(k, v, attn),
             }
             layer.o.apply(&s.attn, t, &mut s.tmp);
-            for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
-                *x += a;
-            }
+            add_residual(
+                &mut s.x[..t * h],
+                &mut s.tmp[..t * h],
+                layer.out_norms.as_ref().map(|n| &n.0[..]),
+                eps,
+            );
 
             // MLP block: down(silu(gate(x)) * up(x)).
             for i in 0..t {
@@ -1074,17 +1136,24 @@ impl CpuModel {
                 );
             }
             layer.gate_up.apply(&s.xn, t, &mut s.gate_up);
+            let act = c.hidden_act;
             s.act[..t * im]
                 .par_chunks_mut(im)
                 .zip(s.gate_up[..t * 2 * im].par_chunks(2 * im))
-                .for_each(|(act, gu)| {
+                .for_each(|(out, gu)| {
                     let (g, u) = gu.split_at(im);
-                    vmath::silu_mul(g, u, act);
+                    match act {
+                        Activation::Silu => vmath::silu_mul(g, u, out),
+                        Activation::GeluTanh => vmath::gelu_tanh_mul(g, u, out),
+                    }
                 });
             layer.down.apply(&s.act, t, &mut s.tmp);
-            for (x, &a) in s.x[..t * h].iter_mut().zip(&s.tmp[..t * h]) {
-                *x += a;
-            }
+            add_residual(
+                &mut s.x[..t * h],
+                &mut s.tmp[..t * h],
+                layer.out_norms.as_ref().map(|n| &n.1[..]),
+                eps,
+            );
             if let Some(outs) = layer_outs.as_mut() {
                 outs.push(s.x[..t * h].to_vec());
             }

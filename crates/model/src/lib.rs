@@ -18,7 +18,7 @@ pub mod tokenizer;
 mod vmath;
 pub mod weights;
 
-pub use config::{GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
+pub use config::{Activation, GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
 pub use fingerprint::{dummy_weights_fingerprint, weights_fingerprint};

@@ -80,6 +80,24 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     silu_mul_portable(g, u, out);
 }
 
+/// `out[i] = gelu_tanh(g[i]) * u[i]` (Gemma's `gelu_pytorch_tanh(gate) * up`, HF `Gemma3MLP`)
+/// with PyTorch's tanh approximation in f32: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))`,
+/// `x³` as `x * x * x` (PyTorch's `GeluCUDAKernelImpl` / CPU kernel order) and `tanh` from the
+/// platform's libm, one fixed sequence per value.
+///
+/// # Panics
+/// If the three slices differ in length (a caller bug).
+pub(crate) fn gelu_tanh_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && u.len() == out.len());
+    // sqrt(2) * (2 / sqrt(pi)) * 0.5 = sqrt(2 / pi), as PyTorch's kBeta.
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    for ((o, &x), &u) in out.iter_mut().zip(g).zip(u) {
+        let inner = BETA * (x + KAPPA * (x * x * x));
+        *o = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
 /// [`silu_mul`]'s reference loop.
 #[inline(always)]
 fn silu_mul_portable(g: &[f32], u: &[f32], out: &mut [f32]) {

@@ -51,7 +51,8 @@ pub struct LayerWeights {
     pub v_proj: Tensor,
     /// `[hidden, heads * head_dim]`.
     pub o_proj: Tensor,
-    /// `[hidden]` RMSNorm weight before the MLP.
+    /// `[hidden]` RMSNorm weight before the MLP: Llama's `post_attention_layernorm`, Gemma 3's
+    /// `pre_feedforward_layernorm` ([`ModelConfig::sandwich_norms`]).
     pub post_attention_layernorm: Tensor,
     /// `[intermediate, hidden]`.
     pub gate_proj: Tensor,
@@ -71,6 +72,12 @@ pub struct LayerWeights {
     pub q_norm: Option<Tensor>,
     /// `[head_dim]` RMSNorm weight of every key head, as `q_norm`.
     pub k_norm: Option<Tensor>,
+    /// `[hidden]` RMSNorm weight of the attention output before its residual add (Gemma 3's
+    /// `post_attention_layernorm`), present exactly when [`ModelConfig::sandwich_norms`].
+    pub attn_out_norm: Option<Tensor>,
+    /// `[hidden]` RMSNorm weight of the MLP output before its residual add (Gemma 3's
+    /// `post_feedforward_layernorm`), as `attn_out_norm`.
+    pub mlp_out_norm: Option<Tensor>,
 }
 
 /// Index of `self_attn.q_proj.bias` in [`layer_tensor_shapes`] and [`LayerWeights::tensors`]
@@ -85,7 +92,7 @@ pub fn layer_qk_norm_index(cfg: &ModelConfig) -> usize {
 
 impl LayerWeights {
     /// Every tensor in [`layer_tensor_shapes`]'s order: the nine Llama ones in field order,
-    /// then the present q/k/v biases, then the present q/k norms.
+    /// then the present q/k/v biases, the present q/k norms, the present output norms.
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![
             &self.input_layernorm,
@@ -105,6 +112,8 @@ impl LayerWeights {
                 &self.v_bias,
                 &self.q_norm,
                 &self.k_norm,
+                &self.attn_out_norm,
+                &self.mlp_out_norm,
             ]
             .into_iter()
             .flatten(),
@@ -132,6 +141,8 @@ impl LayerWeights {
                 &mut self.v_bias,
                 &mut self.q_norm,
                 &mut self.k_norm,
+                &mut self.attn_out_norm,
+                &mut self.mlp_out_norm,
             ]
             .into_iter()
             .flatten(),
@@ -936,7 +947,10 @@ impl ModelWeights {
 /// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights`] field order:
 /// the nine Llama tensors (indices 0..9), then `self_attn.{q,k,v}_proj.bias` when
 /// [`ModelConfig::qkv_bias`] (from [`LAYER_QKV_BIAS`]), then `self_attn.{q,k}_norm.weight`
-/// when [`ModelConfig::qk_norm`] (from [`layer_qk_norm_index`]).
+/// when [`ModelConfig::qk_norm`] (from [`layer_qk_norm_index`]), then with
+/// [`ModelConfig::sandwich_norms`] (Gemma 3) `post_attention_layernorm.weight` and
+/// `post_feedforward_layernorm.weight`, the norm before the MLP (index 5) being
+/// `pre_feedforward_layernorm.weight`.
 pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
     let q = cfg.num_attention_heads * cfg.head_dim;
@@ -949,7 +963,11 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usiz
         (format!("{p}self_attn.k_proj.weight"), vec![kv, h]),
         (format!("{p}self_attn.v_proj.weight"), vec![kv, h]),
         (format!("{p}self_attn.o_proj.weight"), vec![h, q]),
-        (format!("{p}post_attention_layernorm.weight"), vec![h]),
+        if cfg.sandwich_norms {
+            (format!("{p}pre_feedforward_layernorm.weight"), vec![h])
+        } else {
+            (format!("{p}post_attention_layernorm.weight"), vec![h])
+        },
         (format!("{p}mlp.gate_proj.weight"), vec![im, h]),
         (format!("{p}mlp.up_proj.weight"), vec![im, h]),
         (format!("{p}mlp.down_proj.weight"), vec![h, im]),
@@ -963,11 +981,15 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usiz
         v.push((format!("{p}self_attn.q_norm.weight"), vec![cfg.head_dim]));
         v.push((format!("{p}self_attn.k_norm.weight"), vec![cfg.head_dim]));
     }
+    if cfg.sandwich_norms {
+        v.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
+        v.push((format!("{p}post_feedforward_layernorm.weight"), vec![h]));
+    }
     v
 }
 
 /// Splits [`layer_tensor_shapes`]-ordered values into the nine Llama ones and the optional
-/// tail as (q_bias, k_bias, v_bias, q_norm, k_norm).
+/// tail as (q_bias, k_bias, v_bias), (q_norm, k_norm), (attn_out_norm, mlp_out_norm).
 #[allow(clippy::type_complexity)]
 fn split_layer<T>(
     cfg: &ModelConfig,
@@ -975,6 +997,7 @@ fn split_layer<T>(
 ) -> (
     [T; 9],
     (Option<T>, Option<T>, Option<T>),
+    (Option<T>, Option<T>),
     (Option<T>, Option<T>),
 ) {
     let mut it = v.into_iter();
@@ -989,7 +1012,12 @@ fn split_layer<T>(
     } else {
         (None, None)
     };
-    (core, bias, norm)
+    let out = if cfg.sandwich_norms {
+        (it.next(), it.next())
+    } else {
+        (None, None)
+    };
+    (core, bias, norm, out)
 }
 
 impl LayerWeights {
@@ -1012,7 +1040,8 @@ impl LayerWeights {
 
     /// The layer from its tensors in [`layer_tensor_shapes`] order.
     fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
-        let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) = split_layer(cfg, tensors);
+        let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn), (an, mn)) =
+            split_layer(cfg, tensors);
         LayerWeights {
             input_layernorm: ln1,
             q_proj: q,
@@ -1028,6 +1057,8 @@ impl LayerWeights {
             v_bias: vb,
             q_norm: qn,
             k_norm: kn,
+            attn_out_norm: an,
+            mlp_out_norm: mn,
         }
     }
 }
@@ -1103,7 +1134,7 @@ impl LlamaWeights {
         let embed = rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn)) =
+            let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn), (an, mn)) =
                 split_layer(cfg, layer_tensor_shapes(cfg, i));
             let mut layer = LayerWeights {
                 input_layernorm: Tensor::full(&ln1.1, 1.0),
@@ -1120,6 +1151,8 @@ impl LlamaWeights {
                 v_bias: None,
                 q_norm: None,
                 k_norm: None,
+                attn_out_norm: None,
+                mlp_out_norm: None,
             };
             layer.q_bias = qb.map(|t| rand(&t.1, 0.1));
             layer.k_bias = kb.map(|t| rand(&t.1, 0.1));
@@ -1130,6 +1163,23 @@ impl LlamaWeights {
             };
             layer.q_norm = qn.map(|t| around_one(rand(&t.1, 0.5)));
             layer.k_norm = kn.map(|t| around_one(rand(&t.1, 0.5)));
+            if cfg.norm_offset != 0.0 {
+                // Gemma: every norm weight is stored around 0 (used as 1 + w); random ones
+                // (drawn after the rest, so Llama's values are unchanged).
+                for t in [
+                    &mut layer.input_layernorm,
+                    &mut layer.post_attention_layernorm,
+                ]
+                .into_iter()
+                .chain(layer.q_norm.as_mut())
+                .chain(layer.k_norm.as_mut())
+                {
+                    let shape = t.shape.clone();
+                    *t = rand(&shape, 0.5);
+                }
+            }
+            layer.attn_out_norm = an.map(|t| rand(&t.1, 0.5));
+            layer.mlp_out_norm = mn.map(|t| rand(&t.1, 0.5));
             layers.push(layer);
         }
         let lm_head = if cfg.tie_word_embeddings {
@@ -1137,10 +1187,15 @@ impl LlamaWeights {
         } else {
             rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt())
         };
+        let norm = if cfg.norm_offset != 0.0 {
+            rand(&[h], 0.5)
+        } else {
+            Tensor::full(&[h], 1.0)
+        };
         LlamaWeights {
             embed,
             layers,
-            norm: Tensor::full(&[h], 1.0),
+            norm,
             lm_head,
         }
     }

@@ -28,6 +28,7 @@ fn config_json(model_type: &str, extra: &str) -> String {
         "qwen3" => "Qwen3ForCausalLM",
         "phi3" => "Phi3ForCausalLM",
         "mistral" => "MistralForCausalLM",
+        "gemma3_text" => "Gemma3ForCausalLM",
         _ => "LlamaForCausalLM",
     };
     format!(
@@ -99,11 +100,47 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
         }
         Some(_) => cfg.rope_inv_freq(),
     };
+    // Gemma 3 (`modeling_gemma3.py`): norms multiply by (1 + w), embeddings by the scale,
+    // sliding layers rotate with the local base and no scaling, scores use
+    // query_pre_attn_scalar, the sublayer outputs are normalized before the residual adds,
+    // and the MLP is GELU(tanh).
+    let off = cfg.norm_offset;
+    let rms = |x: &[f32], w: &[f32], eps: f32| {
+        let w: Vec<f32> = w.iter().map(|v| v + off).collect();
+        rms(x, &w, eps)
+    };
+    let local_inv: Option<Vec<f32>> = cfg.local_rope_theta.map(|b| {
+        (0..r / 2)
+            .map(|i| 1.0 / b.powf((2 * i) as f32 / r as f32))
+            .collect()
+    });
+    let scale = match cfg.query_pre_attn_scalar {
+        Some(s) => 1.0 / s.sqrt(),
+        None => 1.0 / (hd as f32).sqrt(),
+    };
+    let act = |g: f32| match cfg.hidden_act {
+        baton_model::Activation::Silu => g / (1.0 + (-g).exp()),
+        baton_model::Activation::GeluTanh => {
+            let g = g as f64;
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            (0.5 * g * (1.0 + (c * (g + 0.044715 * g.powi(3))).tanh())) as f32
+        }
+    };
     let mut xs: Vec<Vec<f32>> = tokens
         .iter()
-        .map(|&t| w.embed.data[t as usize * h..(t as usize + 1) * h].to_vec())
+        .map(|&t| {
+            let e = &w.embed.data[t as usize * h..(t as usize + 1) * h];
+            e.iter()
+                .map(|v| v * cfg.embed_scale.unwrap_or(1.0))
+                .collect()
+        })
         .collect();
     for (li, l) in w.layers.iter().enumerate() {
+        let sliding = cfg.sliding_window[li].is_some();
+        let (layer_inv, layer_att) = match &local_inv {
+            Some(inv) if sliding => (inv.clone(), 1.0),
+            _ => (inv_freq.clone(), cfg.rope_attention_factor()),
+        };
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -119,7 +156,7 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                         let y = rms(head, &n.data, eps);
                         head.copy_from_slice(&y);
                     }
-                    rope(&mut head[..r], pos, &inv_freq, cfg.rope_attention_factor());
+                    rope(&mut head[..r], pos, &layer_inv, layer_att);
                 }
             }
             qs.push(q);
@@ -141,7 +178,7 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                 let scores: Vec<f32> = (first..=pos)
                     .map(|j| {
                         let k = &ks[j][g * hd..(g + 1) * hd];
-                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
+                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -153,17 +190,19 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
                     }
                 }
             }
-            let o = linear(&l.o_proj.data, None, &ctx);
+            let mut o = linear(&l.o_proj.data, None, &ctx);
+            if let Some(n) = &l.attn_out_norm {
+                o = rms(&o, &n.data, eps);
+            }
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let xn = rms(x, &l.post_attention_layernorm.data, eps);
             let gate = linear(&l.gate_proj.data, None, &xn);
             let up = linear(&l.up_proj.data, None, &xn);
-            let act: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let d = linear(&l.down_proj.data, None, &act);
+            let a: Vec<f32> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
+            let mut d = linear(&l.down_proj.data, None, &a);
+            if let Some(n) = &l.mlp_out_norm {
+                d = rms(&d, &n.data, eps);
+            }
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
     }
@@ -557,4 +596,205 @@ fn sliding_windows_match_the_dense_reference_across_partitions_and_tiles() {
             );
         }
     }
+}
+
+/// Gemma 3 text (`Gemma3ForCausalLM`) against the dense reference's transcription of
+/// `modeling_gemma3.py`: (1 + w) norms, the four norms per layer, GELU(tanh), scaled
+/// embeddings, `query_pre_attn_scalar`, q/k norms, and local RoPE on the sliding layers (every
+/// third layer full, or `layer_types`), with `linear` RoPE scaling on the full layers. Each of
+/// these matters: without it the reference is far off. A checkpoint with Gemma's tensor names
+/// (written here by name, not through the loader's own table) loads and gives the same
+/// logits through the mapped, layer-by-layer load.
+#[test]
+fn gemma3_text_matches_the_dense_reference() {
+    let types = r#"["sliding_attention", "full_attention"]"#;
+    for extra in [
+        r#", "head_dim": 8, "num_hidden_layers": 3, "sliding_window": 4,
+           "sliding_window_pattern": 3"#
+            .to_string(),
+        format!(
+            r#", "head_dim": 16, "layer_types": {types}, "sliding_window": 6,
+               "rope_scaling": {{"rope_type": "linear", "factor": 8.0}},
+               "query_pre_attn_scalar": 12, "torch_dtype": "bfloat16",
+               "rope_local_base_freq": 100.0"#
+        ),
+    ] {
+        let json = config_json("gemma3_text", &extra);
+        let cfg = config("gemma3_text", &extra);
+        assert!(cfg.sandwich_norms && cfg.qk_norm && cfg.tie_word_embeddings);
+        let w = LlamaWeights::dummy(&cfg, 23);
+        let want = dense_reference(&cfg, &w, &TOKENS);
+        let got = paged_logits(&cfg, &w, &TOKENS);
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-4, "{extra}: {err}");
+        let mut variants: Vec<(&str, ModelConfig)> = Vec::new();
+        let mut v = cfg.clone();
+        v.norm_offset = 0.0;
+        variants.push(("norm offset", v));
+        let mut v = cfg.clone();
+        v.hidden_act = baton_model::Activation::Silu;
+        variants.push(("activation", v));
+        let mut v = cfg.clone();
+        v.embed_scale = None;
+        variants.push(("embedding scale", v));
+        let mut v = cfg.clone();
+        v.query_pre_attn_scalar = None;
+        if cfg.head_dim != 8 {
+            variants.push(("query_pre_attn_scalar", v));
+        }
+        let mut v = cfg.clone();
+        v.local_rope_theta = None;
+        variants.push(("local RoPE", v));
+        let mut v = cfg.clone();
+        v.sliding_window.fill(None);
+        variants.push(("sliding windows", v));
+        let mut plain = w.clone();
+        for l in &mut plain.layers {
+            l.attn_out_norm = None;
+            l.mlp_out_norm = None;
+        }
+        variants.push(("output norms", cfg.clone()));
+        for (what, v) in variants {
+            let weights = if what == "output norms" { &plain } else { &w };
+            let off = max_rel(&dense_reference(&v, weights, &TOKENS), &want);
+            assert!(off > 1e-3, "{extra}: the {what} changes nothing ({off})");
+        }
+        // Gemma's checkpoint names: the norm before the MLP is pre_feedforward_layernorm,
+        // post_attention_layernorm normalizes the attention output.
+        let d = temp_dir("gemma3");
+        std::fs::write(d.join("config.json"), &json).unwrap();
+        let mut tensors: Vec<OwnedTensor> = Vec::new();
+        let mut put = |name: String, t: &baton_model::Tensor| {
+            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((name, safetensors::Dtype::F32, t.shape.clone(), bytes));
+        };
+        put("model.embed_tokens.weight".into(), &w.embed);
+        put("model.norm.weight".into(), &w.norm);
+        for (i, l) in w.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}.");
+            put(format!("{p}input_layernorm.weight"), &l.input_layernorm);
+            put(format!("{p}self_attn.q_proj.weight"), &l.q_proj);
+            put(format!("{p}self_attn.k_proj.weight"), &l.k_proj);
+            put(format!("{p}self_attn.v_proj.weight"), &l.v_proj);
+            put(format!("{p}self_attn.o_proj.weight"), &l.o_proj);
+            put(
+                format!("{p}self_attn.q_norm.weight"),
+                l.q_norm.as_ref().unwrap(),
+            );
+            put(
+                format!("{p}self_attn.k_norm.weight"),
+                l.k_norm.as_ref().unwrap(),
+            );
+            put(
+                format!("{p}post_attention_layernorm.weight"),
+                l.attn_out_norm.as_ref().unwrap(),
+            );
+            put(
+                format!("{p}pre_feedforward_layernorm.weight"),
+                &l.post_attention_layernorm,
+            );
+            put(
+                format!("{p}post_feedforward_layernorm.weight"),
+                l.mlp_out_norm.as_ref().unwrap(),
+            );
+            put(format!("{p}mlp.gate_proj.weight"), &l.gate_proj);
+            put(format!("{p}mlp.up_proj.weight"), &l.up_proj);
+            put(format!("{p}mlp.down_proj.weight"), &l.down_proj);
+        }
+        write_safetensors(&d, "model.safetensors", &tensors);
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(common::model_dir().join(f), d.join(f)).unwrap();
+        }
+        let loaded = load_model_dir(&*d).expect("a Gemma 3 checkpoint loads");
+        assert_eq!(loaded.weights, w);
+        let m = ModelDir::new(&*d)
+            .load_mapped(baton_model::LoadFormat::Auto)
+            .unwrap();
+        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
+            panic!("mapped")
+        };
+        let mapped = CpuModel::from_source(m.config.clone(), src).unwrap();
+        let mut kv = PagedKvCache::new(&cfg, 4, 4);
+        let row = ForwardRow {
+            tokens: &TOKENS,
+            start_pos: 0,
+            block_table: &[0, 1, 2],
+            want_logits: true,
+            all_logits: true,
+        };
+        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        assert!(err < 1e-4, "{extra}, mapped: {err}");
+    }
+}
+
+/// Gemma 3 configs: the real gemma-3-1b-it config.json reads as its model card says (every
+/// sixth layer full, the bf16-rounded embedding scale 34.0 of sqrt(1152) = 33.94), and what
+/// Baton does not run is refused by name (soft-capping, bidirectional attention, another
+/// activation, another RoPE type on the sliding layers).
+#[test]
+fn gemma3_configs_read_as_transformers_and_unsupported_features_are_named() {
+    let real = r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": 2,
+        "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": null, "head_dim": 256, "hidden_activation":
+        "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+        "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type":
+        "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26,
+        "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 262144"#;
+    let c = ModelConfig::from_json_str(&format!("{real}}}")).unwrap();
+    assert_eq!(c.sliding_window.len(), 26);
+    for (i, w) in c.sliding_window.iter().enumerate() {
+        assert_eq!(
+            *w,
+            if (i + 1) % 6 == 0 { None } else { Some(512) },
+            "layer {i}"
+        );
+    }
+    assert_eq!(c.embed_scale, Some(34.0));
+    assert_eq!((c.rope_theta, c.local_rope_theta), (1e6, Some(1e4)));
+    assert_eq!(c.attention_scale(), 1.0 / 16.0);
+    assert!(c.tie_word_embeddings && c.qk_norm && c.sandwich_norms);
+    assert_eq!(c.eos_token_ids, [1, 106]);
+    // transformers 5's rope_parameters per layer type read the same.
+    let v5 = real.replace(
+        r#""rope_local_base_freq": 10000, "rope_scaling": null,
+        "rope_theta": 1000000,"#,
+        r#""rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta":
+        1000000}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000}},"#,
+    );
+    assert_ne!(v5, real);
+    let c5 = ModelConfig::from_json_str(&format!("{v5}}}")).unwrap();
+    assert_eq!(c5, c);
+    for (extra, field) in [
+        (
+            r#", "final_logit_softcapping": 30.0"#,
+            "final_logit_softcapping",
+        ),
+        (
+            r#", "attn_logit_softcapping": 50.0"#,
+            "attn_logit_softcapping",
+        ),
+        (
+            r#", "use_bidirectional_attention": true"#,
+            "use_bidirectional_attention",
+        ),
+        (r#", "hidden_activation": "relu""#, "hidden_activation"),
+        (r#", "sliding_window_pattern": 0"#, "sliding_window_pattern"),
+        (r#", "query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
+    ] {
+        let e = ModelConfig::from_json_str(&format!("{real}{extra}}}")).unwrap_err();
+        assert!(
+            matches!(&e, ModelError::InvalidField { field: f, .. } if f == field),
+            "{extra}: {e}"
+        );
+    }
+    let local_yarn = v5.replace(
+        r#""sliding_attention": {"rope_type": "default""#,
+        r#""sliding_attention": {"rope_type": "yarn""#,
+    );
+    let e = ModelConfig::from_json_str(&format!("{local_yarn}}}")).unwrap_err();
+    assert!(e.to_string().contains("sliding-window layers"), "{e}");
 }
