@@ -1,4 +1,5 @@
-// SiLU-and-mul (SwiGLU MLP): out = silu(gate) * up, in fp32, rounded once to elem_t.
+// SiLU-and-mul (SwiGLU MLP): out = silu(gate) * up, in fp32, rounded once to elem_t; and
+// GELU(tanh)-and-mul (Gemma's GeGLU MLP, below).
 //
 // Shapes: in [num_tokens, 2 * inter] elem_t, the gate half first then the up half (the layout of
 // a fused gate_up projection); out [num_tokens, inter] elem_t. silu(x) = x / (1 + exp(-x)), with
@@ -33,4 +34,29 @@ BATON_ENTRY void baton_silu_and_mul(elem_t* __restrict__ out,
         for (int i = threadIdx.x; i < inter; i += blockDim.x)
             o[i] = baton_from_f(baton_silu(baton_to_f(gate[i])) * baton_to_f(up[i]));
     }
+}
+
+// GELU(tanh)-and-mul (Gemma 3's MLP, `gelu_pytorch_tanh(gate) * up`): out = gelu(gate) * up in
+// fp32, rounded once to elem_t, with PyTorch's tanh formula
+// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), x^3 as x * x * x (the CPU
+// reference's order, crates/model/src/vmath.rs gelu_tanh_mul).
+// Shapes and launch as baton_silu_and_mul.
+__device__ __forceinline__ float baton_gelu_tanh(float x) {
+    const float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    const float inner = kBeta * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
+BATON_ENTRY void baton_gelu_tanh_and_mul(elem_t* __restrict__ out,
+                                         const elem_t* __restrict__ in, int num_tokens,
+                                         int inter) {
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
+    const int t = blockIdx.x;
+    if (t >= num_tokens) return;
+    const elem_t* gate = in + (size_t)t * 2 * inter;
+    const elem_t* up = gate + inter;
+    elem_t* o = out + (size_t)t * inter;
+    for (int i = threadIdx.x; i < inter; i += blockDim.x)
+        o[i] = baton_from_f(baton_gelu_tanh(baton_to_f(gate[i])) * baton_to_f(up[i]));
 }

@@ -13,14 +13,15 @@
 // Shapes: ids [num_tokens] u32 (tagged entries rewritten in place); sampled_ring [any] u32;
 // table [vocab, hidden] elem_t row-major; out [num_tokens, hidden] elem_t row-major. An id >=
 // vocab (which a correct launch never produces) writes a zero row instead of reading out of
-// bounds.
+// bounds. scale: 1 copies the row; any other value multiplies it, out = round(row * scale) in
+// fp32 (Gemma 3's sqrt(hidden) in the weight dtype, transformers' Gemma3TextScaledWordEmbedding).
 // Launch: grid = (num_tokens), block = (256); any hidden size; 16-byte vector copies when
 // hidden is a multiple of BATON_VEC and both rows are 16-byte aligned.
 BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
                                         const elem_t* __restrict__ table,
                                         u32* __restrict__ ids,
                                         const u32* __restrict__ sampled_ring, int num_tokens,
-                                        int hidden, int vocab) {
+                                        int hidden, int vocab, float scale) {
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
@@ -36,6 +37,11 @@ BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
         return;
     }
     const elem_t* src = table + (size_t)id * hidden;
+    if (scale != 1.0f) {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+            dst[i] = baton_from_f(baton_to_f(src[i]) * scale);
+        return;
+    }
     if (hidden % BATON_VEC == 0 && baton_aligned16(src) && baton_aligned16(dst)) {
         const int n = hidden / BATON_VEC;
         const uint4* s = reinterpret_cast<const uint4*>(src);

@@ -42,7 +42,8 @@
 #  3b. (after the benchmarks) layers as in 3 for Llama-8B widths (head_dim 128) with 4 layers;
 #      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases),
 #      3e for Phi-4-mini widths (partial RoPE with LongRoPE's attention factor); 3f layers
-#      at Mistral-7B widths with a 32-key sliding window over a 100-token prompt;
+#      at Mistral-7B widths with a 32-key sliding window over a 100-token prompt; 3g at
+#      Gemma-3-1b widths (Gemma 3's norms, GELU, scaled embedding, local RoPE);
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -237,6 +238,18 @@ MISTRAL_7B='{"architectures":["MistralForCausalLM"],"model_type":"mistral","hidd
 MISTRAL_IDS=$(awk 'BEGIN { for (i = 0; i < 100; i++) printf "%s%d", (i ? "," : ""), (3 + 41 * i) % 32000 }')
 run_check 3f-layers-mistral-sliding-bf16 90 "$BATON" debug layers --load-format dummy \
     --config "$MISTRAL_7B" --dtype bf16 --tol 1.5e-2 --prompt-ids "$MISTRAL_IDS"
+
+# 3g. Gemma-3-1b widths with 4 layers (every second full: sliding_window_pattern 2) and a
+# 32-key window: (1 + w) norms folded at upload, the output norms, GELU(tanh), the scaled
+# embedding, local RoPE (never run on a GPU; the emulator passes it in f32 at 1e-4, bf16 at
+# 1.5e-2).
+GEMMA3_1B='{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","hidden_size":1152,
+"intermediate_size":6912,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":1,
+"head_dim":256,"vocab_size":262144,"max_position_embeddings":32768,"query_pre_attn_scalar":256,
+"rope_theta":1000000,"rope_local_base_freq":10000,"sliding_window":32,"sliding_window_pattern":2,
+"torch_dtype":"bfloat16"}'
+run_check 3g-layers-gemma3-1b-bf16 90 "$BATON" debug layers --load-format dummy \
+    --config "$GEMMA3_1B" --dtype bf16 --tol 1.5e-2 --prompt-ids "$MISTRAL_IDS"
 
 run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \

@@ -526,7 +526,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     if cfg.max_position_embeddings < max_len {
         bail!("prompt + gen ({max_len}) exceeds {}", cfg.context_limit());
     }
-    cfg.set_max_model_len(max_len);
+    crate::args::serve_up_to("baton bench decode", &mut cfg, max_len);
     let params = decode_params(a)?;
     if a.breakdown && a.device != BenchDevice::Cuda {
         bail!("--breakdown needs --device cuda");

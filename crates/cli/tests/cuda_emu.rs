@@ -263,6 +263,38 @@ fn sliding_window_models_match_the_cpu_reference_past_the_window() {
     compare(&a, true, &emu(Dtype::Bf16, true, &last)).expect("bf16 layers, sliding window");
 }
 
+/// Gemma 3 text on the CUDA worker against the CPU reference: (1 + w) norms folded at upload,
+/// the output norms, GELU(tanh), the scaled embedding, query_pre_attn_scalar, local RoPE on
+/// the sliding layers and linear scaling on the full one; layer by layer in f32 and bf16, a
+/// 530-token prompt past the 100-key window and a decode step after it (the per-kernel path:
+/// Gemma's decode steps do not take the fused GEMVs), and head dim 8 (the generic kernel).
+#[test]
+fn gemma3_text_layers_and_long_prompts_match_the_cpu_reference() {
+    let gemma = r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text",
+        "hidden_size":256,"intermediate_size":512,"num_hidden_layers":3,"num_attention_heads":4,
+        "num_key_value_heads":2,"head_dim":64,"vocab_size":1000,"max_position_embeddings":1024,
+        "sliding_window":100,"sliding_window_pattern":3,"query_pre_attn_scalar":48,
+        "rope_local_base_freq":500.0,"rope_scaling":{"rope_type":"linear","factor":4.0}}"#;
+    for (dtype, tol) in [(Dtype::F32, 1e-4), (Dtype::Bf16, 1.5e-2)] {
+        let mut a = compare_args(dtype, tol);
+        a.config = Some(gemma.to_owned());
+        a.load_format = LoadFormatArg::Dummy;
+        let last = Mutex::new(None);
+        compare(&a, true, &emu(dtype, true, &last))
+            .unwrap_or_else(|e| panic!("{dtype:?} Gemma 3 layers: {e:#}"));
+    }
+    let hd8 = gemma.replace(r#""head_dim":64"#, r#""head_dim":8"#);
+    for config in [gemma.to_owned(), hd8] {
+        let mut a = compare_args(Dtype::F32, 1e-4);
+        a.config = Some(config.clone());
+        a.load_format = LoadFormatArg::Dummy;
+        a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+        let last = Mutex::new(None);
+        compare(&a, false, &emu(Dtype::F32, false, &last))
+            .unwrap_or_else(|e| panic!("{config}: {e:#}"));
+    }
+}
+
 #[test]
 fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
     let sched = config(16, 256, 2);

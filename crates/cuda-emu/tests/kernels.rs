@@ -289,20 +289,22 @@ fn embedded_rows(table: &[f32], ids: &[u32], vocab: usize, hidden: usize) -> Vec
         .collect()
 }
 
+/// Rows copied (scale 1) or scaled once in f32 and rounded to the dtype (Gemma 3's
+/// `embed_scale`), out-of-range ids zeroed.
 #[test]
 fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
     every_schedule(|| {
         let vocab = 10usize;
         let ids: Vec<u32> = vec![3, 0, 12, 9, 3];
         // 64: the 16-byte vector path; 7: rows not 16-byte aligned, the scalar path.
-        for hidden in [64usize, 7] {
+        for (hidden, scale) in [(64usize, 1.0f32), (7, 1.0), (64, 34.0)] {
             for dtype in Dtype::ALL {
                 let table = rounded_values(dtype, 6, vocab * hidden, 1.0);
                 let mut tab = Elems::new(dtype, &table);
                 let mut out = Elems::filled(dtype, ids.len() * hidden, f32::NAN);
                 let mut staged = ids.clone();
                 let ring = [0u32; 4];
-                // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab)
+                // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab, scale)
                 run(
                     dtype,
                     "baton_embedding_gather",
@@ -315,10 +317,19 @@ fn embedding_gather_copies_rows_and_zeroes_out_of_range_ids() {
                         .ptr(ring.as_ptr())
                         .int(ids.len() as i32)
                         .int(hidden as i32)
-                        .int(vocab as i32),
+                        .int(vocab as i32)
+                        .float(scale),
                 );
-                let want = embedded_rows(&table, &ids, vocab, hidden);
-                assert_eq!(out.read(), want, "{} hidden {hidden}", dtype.name());
+                let want: Vec<f32> = embedded_rows(&table, &ids, vocab, hidden)
+                    .iter()
+                    .map(|&x| dtype.round(x * scale))
+                    .collect();
+                assert_eq!(
+                    out.read(),
+                    want,
+                    "{} hidden {hidden} scale {scale}",
+                    dtype.name()
+                );
             }
         }
     });
@@ -388,7 +399,8 @@ fn embedding_gather_resolves_pending_ids_from_the_ring_and_writes_them_back() {
                 .ptr(ring.as_ptr())
                 .int(staged.len() as i32)
                 .int(hidden as i32)
-                .int(vocab as i32),
+                .int(vocab as i32)
+                .float(1.0),
         );
         assert_eq!(
             staged, resolved,
@@ -657,6 +669,50 @@ fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
                     &want,
                     ulp(dtype),
                     1e-7,
+                );
+            }
+        }
+    });
+}
+
+/// Gemma's GELU(tanh)-and-mul against an f64 evaluation of PyTorch's tanh formula.
+#[test]
+fn gelu_tanh_and_mul_matches_the_reference() {
+    every_schedule(|| {
+        let t = 3usize;
+        for inter in [40usize, 13] {
+            for dtype in Dtype::ALL {
+                let x = rounded_values(dtype, 11, t * 2 * inter, 6.0);
+                let mut inp = Elems::new(dtype, &x);
+                let mut out = Elems::filled(dtype, t * inter, f32::NAN);
+                // gelu_tanh_and_mul(out, in, num_tokens, inter)
+                run(
+                    dtype,
+                    "baton_gelu_tanh_and_mul",
+                    (t as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(out.ptr())
+                        .ptr(inp.ptr())
+                        .int(t as i32)
+                        .int(inter as i32),
+                );
+                let want: Vec<f32> = (0..t * inter)
+                    .map(|i| {
+                        let (r, j) = (i / inter, i % inter);
+                        let g = x[r * 2 * inter + j] as f64;
+                        let u = x[r * 2 * inter + inter + j] as f64;
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        let gelu = 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh());
+                        round(dtype, (gelu * u) as f32)
+                    })
+                    .collect();
+                assert_close(
+                    &format!("{} inter {inter}", dtype.name()),
+                    &out.read(),
+                    &want,
+                    ulp(dtype),
+                    1e-6,
                 );
             }
         }

@@ -188,6 +188,9 @@ struct LayerPtrs {
     qkv_bias: u64,
     /// Fused `[q_norm | k_norm]`, `[2 * head_dim]` (Qwen3), or 0 when the model has none.
     qk_norm: u64,
+    /// `[hidden]` norms of the attention and MLP outputs (Gemma 3), or 0.
+    attn_out_norm: u64,
+    mlp_out_norm: u64,
 }
 
 /// Most parameters of a kernel (`baton_decode_layers_hdD` has 27).
@@ -371,6 +374,8 @@ pub struct CudaWorker {
     final_norm: u64,
     lm_head: u64,
     inv_freq: Buf,
+    /// Gemma 3's local RoPE table (its sliding layers), when the model has one.
+    inv_freq_local: Option<Buf>,
     weight_bytes: usize,
     kv: Buf,
     num_blocks: usize,
@@ -438,6 +443,14 @@ struct Persistent {
     grid: u32,
 }
 
+/// Whether the model's layers have Gemma 3's conventions that the fused decode GEMV path (and
+/// the persistent kernel) do not implement: the norms of the sublayer outputs, GELU, the
+/// (1 + w) norms folded at upload are fine everywhere. Such a model's decode steps take the
+/// per-kernel path with cuBLAS (as `--no-fused-decode`).
+fn gemma_layers(cfg: &ModelConfig) -> bool {
+    cfg.sandwich_norms || cfg.hidden_act != baton_model::Activation::Silu
+}
+
 /// Why a model cannot take the persistent decode kernel, or `None` when it can: Llama-style
 /// layers (no q/k/v biases, no q/k norms, no sliding windows), head dim 64 or 128, and every GEMV's activation row
 /// (hidden size, q width, intermediate size) whole 16-byte vectors that fit the kernel's
@@ -452,6 +465,9 @@ fn persistent_refusal(cfg: &ModelConfig, es: usize) -> Option<String> {
     }
     if cfg.sliding_window.iter().any(Option::is_some) {
         return Some("sliding-window attention (full causal attention only)".into());
+    }
+    if gemma_layers(cfg) {
+        return Some("Gemma 3's layers (Llama-style layers only)".into());
     }
     let cap = crate::plan::decode_layers_stage_elems(hd, es);
     let rows = [
@@ -696,8 +712,9 @@ pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
 /// Per layer, the device weight groups, each a list of indices into
 /// `baton_model::weights::layer_tensor_shapes` (and `LayerWeights::tensors`) uploaded back to
 /// back: input norm, fused q|k|v, o, post norm, fused gate|up, down; then the fused
-/// q|k|v bias when the config has `qkv_bias` (Qwen2: tensors 9, 10, 11) and the fused
-/// q|k norm when it has `qk_norm` (Qwen3: the two tensors after the biases, if any).
+/// q|k|v bias when the config has `qkv_bias` (Qwen2: tensors 9, 10, 11), the fused
+/// q|k norm when it has `qk_norm` (Qwen3, Gemma 3: the two tensors after the biases, if any),
+/// and the attention-output and MLP-output norms, one group each, with `sandwich_norms`.
 fn layer_groups(cfg: &ModelConfig) -> Vec<Vec<usize>> {
     let mut g: Vec<Vec<usize>> = vec![
         vec![0],
@@ -714,6 +731,29 @@ fn layer_groups(cfg: &ModelConfig) -> Vec<Vec<usize>> {
     }
     if cfg.qk_norm {
         g.push(vec![next, next + 1]);
+        next += 2;
+    }
+    if cfg.sandwich_norms {
+        g.push(vec![next]);
+        g.push(vec![next + 1]);
+    }
+    g
+}
+
+/// Indices of the attention-output and MLP-output norm groups in [`layer_groups`] (Gemma 3's
+/// `post_attention_layernorm` and `post_feedforward_layernorm`), when the config has them.
+fn out_norm_groups(cfg: &ModelConfig) -> Option<(usize, usize)> {
+    let g = 6 + usize::from(cfg.qkv_bias) + usize::from(cfg.qk_norm);
+    cfg.sandwich_norms.then_some((g, g + 1))
+}
+
+/// The groups of [`layer_groups`] that hold RMSNorm weights (input and pre-MLP norms, q|k
+/// norms, output norms): [`ModelConfig::norm_offset`] is added to them at upload.
+fn norm_groups(cfg: &ModelConfig) -> Vec<usize> {
+    let mut g = vec![0, 3];
+    g.extend(norm_group(cfg));
+    if let Some((a, m)) = out_norm_groups(cfg) {
+        g.extend([a, m]);
     }
     g
 }
@@ -894,19 +934,14 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         )));
     }
-    // Gemma 3's conventions are CPU-only so far.
-    if cfg.hidden_act != baton_model::Activation::Silu
-        || cfg.norm_offset != 0.0
-        || cfg.sandwich_norms
-        || cfg.embed_scale.is_some()
-        || cfg.query_pre_attn_scalar.is_some()
-        || cfg.local_rope_theta.is_some()
-    {
-        return Err(CudaWorkerError::Unsupported(format!(
-            "model_type {:?}: Gemma 3's (1 + w) norms, output norms, GeLU MLP, scaled \
-             embeddings and local RoPE are not implemented on CUDA; --device cpu runs it",
-            cfg.model_type
-        )));
+    // The q rows carry a partial-RoPE attention factor on every layer (`rotated_q_scale`),
+    // which Gemma's local RoPE layers do not have.
+    if rotated_q_scale(cfg).is_some() && cfg.local_rope_theta.is_some() {
+        return Err(CudaWorkerError::Unsupported(
+            "partial RoPE with a RoPE attention factor beside local RoPE layers is not \
+             implemented on CUDA; --device cpu runs it"
+                .into(),
+        ));
     }
     // With partial RoPE the attention factor goes into the q rows of the rotated dims
     // ([`rotated_q_scale`]); a per-head q norm after the projection would undo that.
@@ -1029,8 +1064,28 @@ impl CudaWorker {
         let wbuf = alloc(weight_bytes)?;
         // One device group (a tensor, or fused q|k|v and gate|up) at a time: peak host memory
         // is one group in the device dtype, plus the f32 weights when they came that way.
+        // Norm weights used as `norm_offset + w` (Gemma 3): folded here, in f32, then rounded
+        // once to the device dtype (exact in f32; one rounding of 1 + w in bf16/f16, where
+        // transformers keeps 1 + w in f32).
+        let norm_offs: Vec<usize> = if cfg.norm_offset != 0.0 {
+            let groups = norm_groups(&cfg);
+            layer_offs
+                .iter()
+                .flat_map(|offs| groups.iter().map(|&g| offs[g]).collect::<Vec<_>>())
+                .chain([norm_off])
+                .collect()
+        } else {
+            Vec::new()
+        };
         let upload = |o: usize, parts: &[WeightPart<'_>]| -> Result<(), CudaWorkerError> {
             let mut bytes = group_device_bytes(parts, dtype);
+            if norm_offs.contains(&o) {
+                let vals: Vec<f32> = from_device_bytes(&bytes, dtype)
+                    .into_iter()
+                    .map(|x| x + cfg.norm_offset)
+                    .collect();
+                bytes = to_device_bytes(&vals, dtype);
+            }
             // The q|k|v group and the q|k|v bias group start with q's rows.
             if let Some(f) = rotated_q_scale(&cfg) {
                 if layer_offs.iter().any(|offs| offs[1] == o) {
@@ -1123,13 +1178,24 @@ impl CudaWorker {
                 down: wbuf.at(offs[5]),
                 qkv_bias: bias_group(&cfg).map_or(0, |g| wbuf.at(offs[g])),
                 qk_norm: norm_group(&cfg).map_or(0, |g| wbuf.at(offs[g])),
+                attn_out_norm: out_norm_groups(&cfg).map_or(0, |(g, _)| wbuf.at(offs[g])),
+                mlp_out_norm: out_norm_groups(&cfg).map_or(0, |(_, g)| wbuf.at(offs[g])),
             });
         }
-        let inv = cfg.rope_inv_freq();
-        let inv_freq = alloc(4 * inv.len())?;
-        let inv_bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
-        // SAFETY: the allocation holds `4 * inv.len()` bytes.
-        unsafe { dev.copy_htod(inv_freq.ptr, &inv_bytes) }?;
+        // RoPE tables: the global one, then Gemma 3's local one (its sliding layers).
+        let upload_inv = |inv: Vec<f32>| -> Result<Buf, CudaWorkerError> {
+            let buf = alloc(4 * inv.len())?;
+            let bytes: Vec<u8> = inv.iter().flat_map(|x| x.to_le_bytes()).collect();
+            // SAFETY: the allocation holds `4 * inv.len()` bytes.
+            unsafe { dev.copy_htod(buf.ptr, &bytes) }?;
+            Ok(buf)
+        };
+        let inv_freq = upload_inv(cfg.rope_inv_freq())?;
+        let inv_freq_local =
+            match (0..cfg.num_hidden_layers).find(|&li| cfg.layer_rope_is_local(li)) {
+                Some(li) => Some(upload_inv(cfg.layer_rope(li).0)?),
+                None => None,
+            };
 
         // Activations, staging, sampler outputs.
         let bp = BufferPlan::new(&cfg, &opts, es);
@@ -1171,6 +1237,7 @@ impl CudaWorker {
             final_norm: 0,
             lm_head: 0,
             inv_freq,
+            inv_freq_local,
             weight_bytes,
             kv,
             num_blocks,
@@ -1298,7 +1365,9 @@ impl CudaWorker {
             es,
         )
         .ok_or_else(|| CudaWorkerError::Unsupported("KV block size overflows".into()))?;
-        let rope = (4 * cfg.rope_inv_freq().len()).max(16).div_ceil(256) * 256;
+        let tables =
+            1 + usize::from((0..cfg.num_hidden_layers).any(|li| cfg.layer_rope_is_local(li)));
+        let rope = tables * (4 * cfg.rope_inv_freq().len()).max(16).div_ceil(256) * 256;
         Ok(DevicePlan {
             weight_bytes: WeightLayout::new(cfg, es).total,
             buffer_bytes: BufferPlan::new(cfg, opts, es).device_bytes() + rope,
@@ -1554,14 +1623,26 @@ impl CudaWorker {
             Some(_) => 1.0,
             None => c.rope_attention_factor(),
         };
-        let scale = (hd as f64).powf(-0.5) as f32 * att * att;
+        // Scores scale by head_dim^-0.5 (Gemma 3: query_pre_attn_scalar^-0.5); Gemma's local
+        // layers have plain RoPE, so no RoPE factor.
+        let local_scale = c.attention_scale();
+        let scale = local_scale * att * att;
+        let layer_scale = |li: usize| {
+            if c.layer_rope_is_local(li) {
+                local_scale
+            } else {
+                scale
+            }
+        };
         let a = &self.act_off;
         let act = |o: usize| self.acts.at(o);
         let st = |o: usize| self.staging_dev.at(o);
         let l = &self.layout;
         let norm_block = if h >= 4096 { 1024 } else { 256 };
         // add_rmsnorm(out, residual, x, weight, num_tokens, hidden, eps): resid += tmp, then
-        // xn = rmsnorm(resid) * weight.
+        // xn = rmsnorm(resid) * weight. With Gemma 3's output norms the sublayer output was
+        // normalized into xn first (`out_norm`), and xn is what is added.
+        let sub_out = if c.sandwich_norms { a.xn } else { a.tmp };
         let add_rmsnorm = |weight: u64| {
             self.launch(
                 "baton_add_rmsnorm",
@@ -1570,6 +1651,25 @@ impl CudaWorker {
                 KArgs::new()
                     .p(act(a.xn))
                     .p(act(a.resid))
+                    .p(act(sub_out))
+                    .p(weight)
+                    .i(t)
+                    .i(h)
+                    .f(eps),
+            )
+        };
+        // rmsnorm(out, in, weight, num_tokens, hidden, eps): xn = rmsnorm(tmp) * weight, the
+        // norm of a sublayer's output before its residual add (Gemma 3); nothing without one.
+        let out_norm = |weight: u64| {
+            if weight == 0 {
+                return Ok(());
+            }
+            self.launch(
+                "baton_rmsnorm",
+                (t as u32, 1, 1),
+                norm_block,
+                KArgs::new()
+                    .p(act(a.xn))
                     .p(act(a.tmp))
                     .p(weight)
                     .i(t)
@@ -1578,8 +1678,8 @@ impl CudaWorker {
             )
         };
 
-        // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab): resolves the
-        // pending ids from the ring too.
+        // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab, scale): resolves
+        // the pending ids from the ring too; Gemma 3 scales the rows.
         self.launch(
             "baton_embedding_gather",
             (t as u32, 1, 1),
@@ -1591,12 +1691,17 @@ impl CudaWorker {
                 .p(self.ring.ptr)
                 .i(t)
                 .i(h)
-                .i(c.vocab_size),
+                .i(c.vocab_size)
+                .f(c.embed_scale.unwrap_or(1.0)),
         )?;
         // Decode batches of at most GEMV_MAX_TOKENS rows: the fused GEMV path. Every row is
-        // one token (t == r), so the LM head reads the residual rows directly.
-        let fused =
-            self.opts.fused_decode && mode == AttnMode::Decode && t == r && t <= GEMV_MAX_TOKENS;
+        // one token (t == r), so the LM head reads the residual rows directly. (Not for Gemma
+        // 3's layers: `gemma_layers`.)
+        let fused = self.opts.fused_decode
+            && mode == AttnMode::Decode
+            && t == r
+            && t <= GEMV_MAX_TOKENS
+            && !gemma_layers(c);
         if fused {
             // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
             // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
@@ -1646,9 +1751,9 @@ impl CudaWorker {
                 let v = k + kv_w as u64 * es;
                 let (kc, vc) = self.kv_layer(li);
                 if !self.decode_fuses_rope(mode) {
-                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w, self.layer_inv_freq(li))?;
                 }
-                self.attention(li, t, r, mode, q, qkv_w, kc, vc, scale)?;
+                self.attention(li, t, r, mode, q, qkv_w, kc, vc, layer_scale(li))?;
                 gemv(act(a.resid), act(a.attn), lw.o, 0, h, q_w, 2)?;
                 gemv(act(a.act), act(a.resid), lw.gate_up, lw.post_norm, im, h, 3)?;
                 gemv(act(a.resid), act(a.act), lw.down, 0, h, im, 2)?;
@@ -1703,10 +1808,11 @@ impl CudaWorker {
                 let v = k + kv_w as u64 * es;
                 let (kc, vc) = self.kv_layer(li);
                 if !self.decode_fuses_rope(mode) {
-                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w)?;
+                    self.rope_and_cache(t, q, k, v, kc, vc, qkv_w, self.layer_inv_freq(li))?;
                 }
-                self.attention(li, t, r, mode, q, qkv_w, kc, vc, scale)?;
+                self.attention(li, t, r, mode, q, qkv_w, kc, vc, layer_scale(li))?;
                 self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
+                out_norm(lw.attn_out_norm)?;
                 add_rmsnorm(lw.post_norm)?;
                 self.gemm(
                     "gemm gate_up",
@@ -1718,9 +1824,13 @@ impl CudaWorker {
                     h,
                     false,
                 )?;
-                // silu_and_mul(out, in, num_tokens, inter)
+                // silu_and_mul(out, in, num_tokens, inter), or Gemma's GELU(tanh) the same way
+                let mlp_act = match c.hidden_act {
+                    baton_model::Activation::Silu => "baton_silu_and_mul",
+                    baton_model::Activation::GeluTanh => "baton_gelu_tanh_and_mul",
+                };
                 self.launch(
-                    "baton_silu_and_mul",
+                    mlp_act,
                     (t as u32, 1, 1),
                     256,
                     KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
@@ -1735,6 +1845,7 @@ impl CudaWorker {
                     im,
                     false,
                 )?;
+                out_norm(lw.mlp_out_norm)?;
             }
             add_rmsnorm(self.final_norm)?;
             if let Some(d) = dumps.as_deref_mut() {
@@ -1862,6 +1973,7 @@ impl CudaWorker {
         kc: u64,
         vc: u64,
         qkv_w: usize,
+        inv_freq: u64,
     ) -> Result<(), CudaWorkerError> {
         let c = &self.cfg;
         let st = |o: usize| self.staging_dev.at(o);
@@ -1883,7 +1995,7 @@ impl CudaWorker {
                 .p(vc)
                 .p(st(l.positions))
                 .p(st(l.slots))
-                .p(self.inv_freq.ptr)
+                .p(inv_freq)
                 .i(t)
                 .i(c.num_attention_heads)
                 .i(c.num_key_value_heads)
@@ -1891,6 +2003,15 @@ impl CudaWorker {
                 .i(qkv_w)
                 .i(qkv_w),
         )
+    }
+
+    /// Layer `li`'s RoPE table on the device: Gemma 3's local one on its sliding layers
+    /// ([`ModelConfig::layer_rope_is_local`]), else the global one.
+    fn layer_inv_freq(&self, li: usize) -> u64 {
+        match &self.inv_freq_local {
+            Some(local) if self.cfg.layer_rope_is_local(li) => local.ptr,
+            _ => self.inv_freq.ptr,
+        }
     }
 
     /// Whether a `mode` launch's attention kernel applies RoPE and writes the step's K and V
@@ -1999,7 +2120,7 @@ impl CudaWorker {
                         .i(l.max_blocks)
                         .p(st(l.seq_lens))
                         .p(st(l.slots))
-                        .p(self.inv_freq.ptr)
+                        .p(self.layer_inv_freq(li))
                         .i(nh)
                         .i(kvh)
                         .i(bs)
@@ -3312,33 +3433,54 @@ mod tests {
         );
     }
 
-    /// Gemma 3 is CPU-only: the CUDA worker refuses it by name before uploading anything,
-    /// and each of its conventions alone is refused too.
+    /// Gemma 3 on CUDA: its device groups add the two output norms after the q|k norms, its
+    /// decode steps take the per-kernel path (not the fused GEMVs nor the persistent kernel),
+    /// and partial RoPE with an attention factor is refused beside its local RoPE layers.
     #[test]
-    fn gemma3_is_refused_with_the_cpu_alternative() {
+    fn gemma3_groups_and_paths() {
         let gemma = baton_model::ModelConfig::from_json_str(
             r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text",
             "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
             "num_attention_heads":2,"num_key_value_heads":1,"head_dim":32,"vocab_size":32,
-            "max_position_embeddings":64}"#,
+            "max_position_embeddings":64,"sliding_window":8,"sliding_window_pattern":2}"#,
         )
         .unwrap();
-        let e = check_shape(&gemma).unwrap_err().to_string();
-        assert!(
-            e.contains("gemma3_text") && e.contains("--device cpu"),
-            "{e}"
-        );
+        check_shape(&gemma).expect("Gemma 3 runs");
+        let shapes = baton_model::weights::layer_tensor_shapes(&gemma, 0);
+        let groups = layer_groups(&gemma);
+        assert_eq!(groups.len(), 9);
+        let (a, m) = out_norm_groups(&gemma).unwrap();
+        assert!(shapes[groups[a][0]]
+            .0
+            .ends_with("post_attention_layernorm.weight"));
+        assert!(shapes[groups[m][0]]
+            .0
+            .ends_with("post_feedforward_layernorm.weight"));
+        assert!(shapes[groups[3][0]]
+            .0
+            .ends_with("pre_feedforward_layernorm.weight"));
+        let norms = norm_groups(&gemma);
+        for g in 0..groups.len() {
+            let is_norm = shapes[groups[g][0]].0.contains("norm");
+            assert_eq!(norms.contains(&g), is_norm, "group {g}");
+        }
+        assert!(gemma_layers(&gemma));
+        assert!(persistent_refusal(&gemma, 2).is_some());
         let llama = llama_1b();
-        check_shape(&llama).expect("Llama runs");
-        let mut one = llama.clone();
-        one.norm_offset = 1.0;
-        assert!(check_shape(&one).is_err());
-        let mut one = llama.clone();
-        one.hidden_act = baton_model::Activation::GeluTanh;
-        assert!(check_shape(&one).is_err());
-        let mut one = llama;
-        one.embed_scale = Some(2.0);
-        assert!(check_shape(&one).is_err());
+        assert!(!gemma_layers(&llama) && out_norm_groups(&llama).is_none());
+        assert_eq!(norm_groups(&llama), [0, 3]);
+        let mut partial = gemma.clone();
+        partial.rotary_dim = 16;
+        partial.rope_scaling = Some(baton_model::RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 16,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.5,
+            truncate: true,
+        });
+        let e = check_shape(&partial).unwrap_err().to_string();
+        assert!(e.contains("local RoPE"), "{e}");
     }
 
     #[test]

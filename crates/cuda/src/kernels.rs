@@ -70,7 +70,10 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
             "baton_decode_layers_hd128",
         ],
     ),
-    ("activation.cu", &["baton_silu_and_mul"]),
+    (
+        "activation.cu",
+        &["baton_silu_and_mul", "baton_gelu_tanh_and_mul"],
+    ),
     (
         "gemv.cu",
         &["baton_gemv", "baton_gemv_t1", "baton_gemv_silu_t1"],

@@ -700,17 +700,18 @@ impl ModelConfig {
         }
         // Sliding-window attention, per layer (see `ModelConfig::sliding_window`).
         let mut sliding_window: Vec<Option<usize>> = vec![None; num_hidden_layers];
-        // The window in tokens (`sliding_window`; `null` = none), required when `what` says
-        // that some layer slides; a window that covers every position is no window.
-        let window = |what: &str| -> Result<Option<usize>, ModelError> {
-            let w = match f.get("sliding_window") {
-                None | Some(Value::Null) if what.is_empty() => return Ok(None),
-                None | Some(Value::Null) => {
-                    return Err(f.invalid(
-                        "sliding_window",
-                        format!("{what} but no sliding_window is given"),
-                    ))
-                }
+        // The window in tokens (`sliding_window`): the config class's default when the key is
+        // absent (MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig: 4096; Phi3Config:
+        // none), none for `null` (transformers then slides no layer); a window that covers
+        // every position is no window.
+        let window = |default: Option<usize>| -> Result<Option<usize>, ModelError> {
+            // (`Fields::get` reads null as absent; here they differ.)
+            let w = match f.obj.get("sliding_window") {
+                None => match default {
+                    Some(w) => w,
+                    None => return Ok(None),
+                },
+                Some(Value::Null) => return Ok(None),
                 Some(w) => f.opt_usize("sliding_window")?.ok_or_else(|| {
                     f.invalid("sliding_window", format!("expected an integer, found {w}"))
                 })?,
@@ -752,7 +753,7 @@ impl ModelConfig {
                         .iter()
                         .any(|t| t.as_str() == Some("sliding_attention"))
                 {
-                    let w = window("layer_types has sliding_attention layers")?;
+                    let w = window(Some(4096))?;
                     for (s, t) in sliding_window.iter_mut().zip(types) {
                         if t.as_str() == Some("sliding_attention") {
                             *s = w;
@@ -760,7 +761,7 @@ impl ModelConfig {
                     }
                 }
             } else if slides && first_sliding < num_hidden_layers {
-                let w = window("use_sliding_window is true")?;
+                let w = window(Some(4096))?;
                 for s in &mut sliding_window[first_sliding..] {
                     *s = w;
                 }
@@ -768,17 +769,18 @@ impl ModelConfig {
         }
         if model_type == "mistral" || model_type == "phi3" {
             // Every layer slides when `sliding_window` is set (transformers' Mistral and Phi-3).
-            let w = window("")?;
+            let w = window(if model_type == "mistral" {
+                Some(4096)
+            } else {
+                None
+            })?;
             sliding_window.fill(w);
         }
         if gemma {
             // Gemma3TextConfig: `layer_types`, else every `sliding_window_pattern`-th layer
             // (default 6; saved as `_sliding_window_pattern` by newer versions) is full and
             // the rest slide, with `sliding_window` (default 4096) keys.
-            let w = match f.get("sliding_window") {
-                None => Some(4096).filter(|&w| w < max_position_embeddings),
-                Some(_) => window("sliding_attention layers")?,
-            };
+            let w = window(Some(4096))?;
             let sliding: Vec<bool> = match f.get("layer_types") {
                 Some(types) => {
                     let types = types
@@ -1031,7 +1033,7 @@ impl ModelConfig {
             }
         });
 
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             architectures,
             model_type: model_type.to_string(),
             qkv_bias,
@@ -1060,7 +1062,47 @@ impl ModelConfig {
             bos_token_id: f.opt_u32("bos_token_id")?,
             eos_token_ids: f.u32_or_list("eos_token_id")?,
             torch_dtype,
-        })
+        };
+        // Values that parse but give RoPE tables f32 cannot hold (a factor of 1e-39, a
+        // llama3 factor of 1e-45) would run as NaN logits: refuse them here, for every table
+        // a served length could choose (LongRoPE's short and long factors, Gemma's local one).
+        let mut tables = vec![("rope_scaling", cfg.clone())];
+        if let Some(RopeScaling::LongRope { .. }) = &cfg.rope_scaling {
+            let mut long = cfg.clone();
+            long.set_max_model_len(usize::MAX);
+            tables = vec![
+                ("rope_scaling.short_factor", cfg.clone()),
+                ("rope_scaling.long_factor", long),
+            ];
+        }
+        let last = cfg.max_position_embeddings as f32;
+        for (field, c) in &tables {
+            let mut invs = vec![c.rope_inv_freq()];
+            if let Some(li) = (0..c.num_hidden_layers).find(|&li| c.layer_rope_is_local(li)) {
+                invs.push(c.layer_rope(li).0);
+            }
+            for inv in invs {
+                if let Some((i, x)) = inv
+                    .iter()
+                    .enumerate()
+                    .find(|(_, x)| !(x.is_finite() && **x >= 0.0 && (**x * last).is_finite()))
+                {
+                    let field = if c.rope_scaling.is_none() {
+                        "rope_theta"
+                    } else {
+                        field
+                    };
+                    return Err(f.invalid(
+                        field,
+                        format!(
+                            "gives RoPE inverse frequency {x} for pair {i}, which f32 cannot \
+                             rotate positions up to {last} with"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(cfg)
     }
 
     /// RoPE inverse frequencies, `head_dim / 2` values (radians per position), in f32 as HF
@@ -1744,6 +1786,22 @@ mod tests {
             r#", "sliding_window": 1000, "layer_types": {types}"#
         ));
         assert_eq!(c.sliding_window, none);
+        // A null window slides no layer (transformers drops it); an absent one is the config
+        // class's default, 4096 (MistralConfig, Qwen2Config, Qwen3Config; Phi3Config: none).
+        let q3 = |extra: &str| ModelConfig::from_json_str(&format!("{QWEN3}{extra}}}")).unwrap();
+        let c = q3(r#", "use_sliding_window": true, "max_window_layers": 2"#);
+        assert!(c.sliding_window.iter().all(Option::is_none));
+        let absent = QWEN2.replace(r#""sliding_window": 32768, "#, "");
+        assert_ne!(absent, QWEN2);
+        let c = ModelConfig::from_json_str(&format!(r#"{absent}, "use_sliding_window": true}}"#))
+            .unwrap();
+        assert_eq!(c.sliding_window[21..], [Some(4096); 3]);
+        let mistral = r#"{"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 32768"#;
+        let m = |extra: &str| ModelConfig::from_json_str(&format!("{mistral}{extra}}}")).unwrap();
+        assert_eq!(m("").sliding_window, [Some(4096); 2]);
+        assert_eq!(m(r#", "sliding_window": null"#).sliding_window, [None; 2]);
         // The fingerprint sees the windows.
         let other = q(r#", "use_sliding_window": true, "sliding_window": 999"#);
         let slid = q(r#", "use_sliding_window": true, "sliding_window": 1000"#);
@@ -1854,6 +1912,27 @@ mod tests {
                     .into(),
                 "factor",
             ),
+            // Positive factors whose inverse frequencies f32 cannot hold, or cannot multiply
+            // by the last position (the trial's NaN logits, exit 0): both factor lists are
+            // checked whatever the served length.
+            (
+                longrope.replace("[2.0,", "[1e-39,"),
+                "rope_scaling.long_factor",
+            ),
+            (
+                longrope.replace("[1.0,", "[2e-38,"),
+                "rope_scaling.short_factor",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "llama3", "factor": 1e-45, "low_freq_factor":
+                1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}"#
+                    .into(),
+                "rope_scaling",
+            ),
+            (
+                r#", "rope_scaling": {"rope_type": "linear", "factor": 1e-38}"#.into(),
+                "rope_scaling",
+            ),
         ] {
             let e = phi3(&bad).unwrap_err();
             assert!(e.to_string().contains(field), "{bad}: {e}");
@@ -1910,12 +1989,6 @@ mod tests {
     #[test]
     fn qwen_features_we_do_not_run_are_refused() {
         for (base, extra, field) in [
-            // A sliding layer needs its window (QWEN3's is null).
-            (
-                QWEN3,
-                r#", "use_sliding_window": true, "max_window_layers": 2"#,
-                "sliding_window",
-            ),
             (
                 QWEN3,
                 r#", "layer_types": ["full_attention", "sliding_attention"]"#,
@@ -1928,14 +2001,6 @@ mod tests {
                     serde_json::json!([vec!["sliding_attention"; 27], vec!["x"]].concat())
                 ),
                 "layer_types",
-            ),
-            (
-                QWEN3,
-                &format!(
-                    r#", "use_sliding_window": true, "layer_types": {}"#,
-                    serde_json::json!(vec!["sliding_attention"; 28])
-                ),
-                "sliding_window",
             ),
             (QWEN3, r#", "layer_types": "full_attention""#, "layer_types"),
             (

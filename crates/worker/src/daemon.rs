@@ -128,7 +128,7 @@ impl<B: Backend> WorkerDaemon<B> {
         if limits.model_fingerprint != 0 && mine != 0 && limits.model_fingerprint != mine {
             return Err(DaemonError::Mismatch(format!(
                 "this worker's model (config fingerprint {mine:016x}) is not the scheduler's \
-                 ({:016x}): layers, widths, heads, vocabulary or RoPE differ; start both with \
+                 ({:016x}): layers, widths, heads, vocabulary, RoPE or sliding windows differ; start both with \
                  the same --model",
                 limits.model_fingerprint
             )));
