@@ -116,7 +116,8 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     /// `architectures` as found (may be empty when the key is absent).
     pub architectures: Vec<String>,
-    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3`, `phi3` or `gemma3_text`.
+    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3`, `phi3` or `gemma3_text` (also for
+    /// the text model of a multimodal `gemma3` checkpoint, [`ModelConfig::multimodal_text`]).
     pub model_type: String,
     /// The q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`, shapes
     /// `[heads * head_dim]`, `[kv_heads * head_dim]` twice): Qwen2, always. The output
@@ -158,6 +159,11 @@ pub struct ModelConfig {
     /// plain RoPE; the other layers use `rope_theta` and `rope_scaling`. `None`: every layer
     /// uses those. See [`ModelConfig::layer_rope_inv_freq`].
     pub local_rope_theta: Option<f32>,
+    /// The text model of a multimodal checkpoint (`Gemma3ForConditionalGeneration`): its
+    /// tensors are stored as `language_model.model.*` (or `model.language_model.*` by newer
+    /// transformers) and read under the text model's names, and the vision tower's are
+    /// ignored ([`crate::WeightSource::open_for`]).
+    pub multimodal_text: bool,
     /// Residual stream width (elements).
     pub hidden_size: usize,
     /// MLP inner width (elements).
@@ -506,7 +512,70 @@ impl ModelConfig {
 
     fn from_json_str_named(json: &str, file: &str) -> Result<Self, ModelError> {
         let v = parse_json(file, json)?;
-        let f = Fields::new(file, &v)?;
+        if v.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+            return Self::from_multimodal_gemma3(&v, file);
+        }
+        Self::from_value(&v, file)
+    }
+
+    /// The text model of a multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`,
+    /// `model_type` `gemma3`: gemma-3-4b/12b/27b): its `text_config`, which gives only what
+    /// differs from `Gemma3TextConfig`'s defaults (filled in here), with the top level's EOS/BOS
+    /// ids and dtype. The vision tower is not loaded ([`ModelConfig::multimodal_text`]), so
+    /// such a model serves text only.
+    fn from_multimodal_gemma3(v: &Value, file: &str) -> Result<Self, ModelError> {
+        let f = Fields::new(file, v)?;
+        let archs = f.get("architectures").and_then(Value::as_array);
+        let known = archs.is_none_or(|a| {
+            a.iter()
+                .any(|x| x.as_str() == Some("Gemma3ForConditionalGeneration"))
+        });
+        if !known {
+            return Err(ModelError::UnsupportedArchitecture {
+                file: file.into(),
+                found: archs.into_iter().flatten().map(|x| x.to_string()).collect(),
+            });
+        }
+        let text = f
+            .get("text_config")
+            .ok_or_else(|| f.missing("text_config"))?
+            .as_object()
+            .ok_or_else(|| f.invalid("text_config", "expected an object"))?;
+        // Gemma3TextConfig's defaults (transformers' configuration_gemma3.py).
+        let mut merged: Map<String, Value> = serde_json::from_str(
+            r#"{"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+            "bos_token_id": 2, "eos_token_id": 1, "rope_theta": 1000000.0,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}"#,
+        )
+        .expect("the defaults parse");
+        for key in ["bos_token_id", "eos_token_id", "torch_dtype", "dtype"] {
+            if let Some(x) = f.get(key) {
+                merged.insert(key.into(), x.clone());
+            }
+        }
+        for (k, x) in text {
+            merged.insert(k.clone(), x.clone());
+        }
+        merged.insert(
+            "architectures".into(),
+            serde_json::json!(["Gemma3ForCausalLM"]),
+        );
+        merged.insert("model_type".into(), "gemma3_text".into());
+        let mut cfg = Self::from_value(&Value::Object(merged), file)?;
+        cfg.architectures = archs
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_str().map(str::to_owned))
+            .collect();
+        cfg.multimodal_text = true;
+        Ok(cfg)
+    }
+
+    fn from_value(v: &Value, file: &str) -> Result<Self, ModelError> {
+        let f = Fields::new(file, v)?;
 
         let architectures: Vec<String> = match f.get("architectures") {
             None => vec![],
@@ -1039,6 +1108,7 @@ impl ModelConfig {
             qkv_bias,
             qk_norm,
             fused_projections,
+            multimodal_text: false,
             hidden_act,
             norm_offset: if gemma { 1.0 } else { 0.0 },
             sandwich_norms: gemma,

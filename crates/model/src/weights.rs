@@ -259,6 +259,9 @@ pub struct WeightSource {
     /// Tensors served from a copy: a partial-RoPE model's q and k rows in the permuted head
     /// layout ([`WeightSource::open_for`]), by name.
     copies: BTreeMap<String, CopiedTensor>,
+    /// The stored name of a tensor `names` lists under another (a multimodal checkpoint's
+    /// text model, [`ModelConfig::multimodal_text`]).
+    aliases: BTreeMap<String, String>,
 }
 
 /// A tensor [`WeightSource`] holds in memory: its stored dtype and shape, its file.
@@ -426,6 +429,7 @@ impl WeightSource {
                 origin: single,
                 views: BTreeMap::new(),
                 copies: BTreeMap::new(),
+                aliases: BTreeMap::new(),
             });
         }
         let index_name = index.display().to_string();
@@ -483,10 +487,14 @@ impl WeightSource {
             origin: index,
             views: BTreeMap::new(),
             copies: BTreeMap::new(),
+            aliases: BTreeMap::new(),
         })
     }
 
-    /// [`WeightSource::open`] for a model of `cfg`: with [`ModelConfig::fused_projections`]
+    /// [`WeightSource::open`] for a model of `cfg`: with [`ModelConfig::multimodal_text`] the
+    /// text model's tensors (`language_model.model.*`, `model.language_model.*`,
+    /// `language_model.lm_head.weight`) are served under the text model's names (`model.*`,
+    /// `lm_head.weight`) and the vision tower's and projector's are not listed; with [`ModelConfig::fused_projections`]
     /// (Phi-3), each layer's `self_attn.{q,k,v}_proj.weight` is served as its row range of
     /// the stored `self_attn.qkv_proj.weight` (`[q + 2 kv, hidden]`: q rows first, then k,
     /// then v, as transformers' `Phi3Attention` slices it) and `mlp.{gate,up}_proj.weight` as
@@ -516,6 +524,38 @@ impl WeightSource {
 
     fn open_with(dir: &Path, cfg: &ModelConfig, copies: bool) -> Result<Self, ModelError> {
         let mut src = Self::open(dir)?;
+        if cfg.multimodal_text {
+            // The text model's tensors under its own names; the vision tower's are not read.
+            let mut names = BTreeMap::new();
+            for (name, id) in std::mem::take(&mut src.names) {
+                let text = ["language_model.model.", "model.language_model."]
+                    .iter()
+                    .find_map(|p| name.strip_prefix(p).map(|rest| format!("model.{rest}")))
+                    .or_else(|| {
+                        (name == "language_model.lm_head.weight").then(|| "lm_head.weight".into())
+                    });
+                let vision = [
+                    "vision_tower.",
+                    "multi_modal_projector.",
+                    "model.vision_tower.",
+                    "model.multi_modal_projector.",
+                ]
+                .iter()
+                .any(|p| name.starts_with(p));
+                match text {
+                    Some(t) => {
+                        names.insert(t.clone(), id);
+                        src.aliases.insert(t, name);
+                    }
+                    None if vision => {}
+                    // Anything else is left for the unused-tensor check to name.
+                    None => {
+                        names.insert(name, id);
+                    }
+                }
+            }
+            src.names = names;
+        }
         if cfg.fused_projections {
             let h = cfg.hidden_size;
             let q = cfg.num_attention_heads * cfg.head_dim;
@@ -696,7 +736,7 @@ impl WeightSource {
         let shard = &self.shards[id];
         let info = shard
             .meta
-            .info(name)
+            .info(self.aliases.get(name).map_or(name, String::as_str))
             .ok_or_else(|| ModelError::MissingTensor {
                 file: shard.path.display().to_string(),
                 tensor: name.to_string(),

@@ -798,3 +798,143 @@ fn gemma3_configs_read_as_transformers_and_unsupported_features_are_named() {
     let e = ModelConfig::from_json_str(&format!("{local_yarn}}}")).unwrap_err();
     assert!(e.to_string().contains("sliding-window layers"), "{e}");
 }
+
+/// Gemma 3's checkpoint tensors of `w` under its own names, each name passed through `name`.
+fn gemma3_tensors(w: &LlamaWeights, name: impl Fn(String) -> String) -> Vec<OwnedTensor> {
+    let mut tensors: Vec<OwnedTensor> = Vec::new();
+    let mut put = |n: String, t: &baton_model::Tensor| {
+        let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name(n), safetensors::Dtype::F32, t.shape.clone(), bytes));
+    };
+    put("model.embed_tokens.weight".into(), &w.embed);
+    put("model.norm.weight".into(), &w.norm);
+    for (i, l) in w.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}.");
+        for (n, t) in [
+            ("input_layernorm.weight", &l.input_layernorm),
+            ("self_attn.q_proj.weight", &l.q_proj),
+            ("self_attn.k_proj.weight", &l.k_proj),
+            ("self_attn.v_proj.weight", &l.v_proj),
+            ("self_attn.o_proj.weight", &l.o_proj),
+            ("self_attn.q_norm.weight", l.q_norm.as_ref().unwrap()),
+            ("self_attn.k_norm.weight", l.k_norm.as_ref().unwrap()),
+            (
+                "post_attention_layernorm.weight",
+                l.attn_out_norm.as_ref().unwrap(),
+            ),
+            (
+                "pre_feedforward_layernorm.weight",
+                &l.post_attention_layernorm,
+            ),
+            (
+                "post_feedforward_layernorm.weight",
+                l.mlp_out_norm.as_ref().unwrap(),
+            ),
+            ("mlp.gate_proj.weight", &l.gate_proj),
+            ("mlp.up_proj.weight", &l.up_proj),
+            ("mlp.down_proj.weight", &l.down_proj),
+        ] {
+            put(format!("{p}{n}"), t);
+        }
+    }
+    tensors
+}
+
+/// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, gemma-3-4b and up)
+/// serves its text model: the `text_config` (which gives only what differs from
+/// Gemma3TextConfig's defaults) with the top level's EOS ids and dtype, the tensors under
+/// `language_model.model.` (transformers 4.50) or `model.language_model.` (later versions),
+/// the vision tower's and projector's ignored, and the logits those of the text model. A
+/// stray tensor outside those is still named.
+#[test]
+fn a_multimodal_gemma3_checkpoint_serves_its_text_model() {
+    let json = r#"{"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "mm_tokens_per_image": 256, "torch_dtype": "float32",
+        "text_config": {"hidden_size": 48, "intermediate_size": 80, "model_type": "gemma3_text",
+        "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+        "head_dim": 8, "vocab_size": 97, "max_position_embeddings": 64,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 4,
+        "sliding_window_pattern": 3},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
+        "patch_size": 14}}"#;
+    let cfg = ModelConfig::from_json_str(json).unwrap();
+    assert!(cfg.multimodal_text && cfg.sandwich_norms && cfg.tie_word_embeddings);
+    assert_eq!(cfg.eos_token_ids, [1, 106]);
+    assert_eq!(cfg.embed_scale, Some(48f32.sqrt()));
+    assert_eq!(cfg.sliding_window, [Some(4), Some(4), None]);
+    assert!(matches!(cfg.rope_scaling, Some(RopeScaling::Linear { factor }) if factor == 8.0));
+    // What the text_config leaves out is Gemma3TextConfig's default.
+    let sparse = ModelConfig::from_json_str(
+        r#"{"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+        "num_hidden_layers": 34, "sliding_window": 1024}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            sparse.num_attention_heads,
+            sparse.num_key_value_heads,
+            sparse.head_dim
+        ),
+        (8, 4, 256)
+    );
+    assert_eq!(
+        (sparse.vocab_size, sparse.max_position_embeddings),
+        (262208, 131072)
+    );
+    let w = LlamaWeights::dummy(&cfg, 29);
+    let want = dense_reference(&cfg, &w, &TOKENS);
+    let vision: OwnedTensor = (
+        String::new(),
+        safetensors::Dtype::F32,
+        vec![2, 2],
+        vec![0u8; 16],
+    );
+    for (tag, prefix, vision_prefix) in [
+        ("mm-450", "language_model.model.", ""),
+        ("mm-452", "model.language_model.", "model."),
+    ] {
+        let d = temp_dir(&format!("gemma3-{tag}"));
+        std::fs::write(d.join("config.json"), json).unwrap();
+        let mut tensors = gemma3_tensors(&w, |n| n.replacen("model.", prefix, 1));
+        for v in [
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "multi_modal_projector.mm_input_projection_weight",
+        ] {
+            let mut t = vision.clone();
+            t.0 = format!("{vision_prefix}{v}");
+            tensors.push(t);
+        }
+        write_safetensors(&d, "model.safetensors", &tensors);
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(common::model_dir().join(f), d.join(f)).unwrap();
+        }
+        let loaded = load_model_dir(&*d).unwrap_or_else(|e| panic!("{tag}: {e}"));
+        assert_eq!(loaded.weights, w, "{tag}");
+        let m = ModelDir::new(&*d)
+            .load_mapped(baton_model::LoadFormat::Auto)
+            .unwrap();
+        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
+            panic!("mapped")
+        };
+        let mapped = CpuModel::from_source(m.config.clone(), src).unwrap();
+        let mut kv = PagedKvCache::new(&cfg, 4, 4);
+        let row = ForwardRow {
+            tokens: &TOKENS,
+            start_pos: 0,
+            block_table: &[0, 1, 2],
+            want_logits: true,
+            all_logits: true,
+        };
+        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        assert!(err < 1e-4, "{tag}: {err}");
+        // A tensor neither the text model's nor the vision tower's is named.
+        let mut t = vision.clone();
+        t.0 = "audio_tower.weight".into();
+        tensors.push(t);
+        write_safetensors(&d, "model.safetensors", &tensors);
+        let e = load_model_dir(&*d).unwrap_err();
+        assert!(e.to_string().contains("audio_tower.weight"), "{tag}: {e}");
+    }
+}
