@@ -691,8 +691,9 @@ impl ModelConfig {
         }
 
         let gemma = model_type == "gemma3_text";
-        // Gemma3TextConfig names it `hidden_activation` (default gelu_pytorch_tanh).
-        let act_key = if gemma && f.get("hidden_activation").is_some() {
+        // Gemma3TextConfig reads only `hidden_activation` (default gelu_pytorch_tanh); a
+        // `hidden_act` beside it is an unused key there, as in vLLM.
+        let act_key = if gemma {
             "hidden_activation"
         } else {
             "hidden_act"
@@ -790,6 +791,33 @@ impl ModelConfig {
             }
             Ok((w < max_position_embeddings).then_some(w))
         };
+        // `layer_types` (Qwen2/3, Gemma 3): per layer, whether it slides; `None` when absent.
+        let layer_types = || -> Result<Option<Vec<bool>>, ModelError> {
+            let Some(types) = f.get("layer_types") else {
+                return Ok(None);
+            };
+            let types = types
+                .as_array()
+                .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?;
+            if types.len() != num_hidden_layers {
+                return Err(f.invalid(
+                    "layer_types",
+                    format!("{} entries for {num_hidden_layers} layers", types.len()),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(f.invalid(
+                        "layer_types",
+                        format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+        };
         if model_type == "qwen2" || model_type == "qwen3" {
             // transformers keeps `sliding_window` only with `use_sliding_window`, and applies
             // it where `layer_types` says `sliding_attention`, else to the layers from
@@ -797,42 +825,16 @@ impl ModelConfig {
             // `layer_types` default from it).
             let slides = f.opt_bool("use_sliding_window")? == Some(true);
             let first_sliding = f.opt_usize("max_window_layers")?.unwrap_or(28);
-            if let Some(types) = f.get("layer_types") {
-                let types = types
-                    .as_array()
-                    .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?;
-                if types.len() != num_hidden_layers {
-                    return Err(f.invalid(
-                        "layer_types",
-                        format!("{} entries for {num_hidden_layers} layers", types.len()),
-                    ));
-                }
-                let known = ["full_attention", "sliding_attention"];
-                if let Some(t) = types
-                    .iter()
-                    .find(|t| !known.iter().any(|k| t.as_str() == Some(k)))
-                {
-                    return Err(f.invalid(
-                        "layer_types",
-                        format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
-                    ));
-                }
-                if slides
-                    && types
-                        .iter()
-                        .any(|t| t.as_str() == Some("sliding_attention"))
-                {
-                    let w = window(Some(4096))?;
-                    for (s, t) in sliding_window.iter_mut().zip(types) {
-                        if t.as_str() == Some("sliding_attention") {
-                            *s = w;
-                        }
-                    }
-                }
-            } else if slides && first_sliding < num_hidden_layers {
+            let sliding = match layer_types()? {
+                Some(types) => types,
+                None => (0..num_hidden_layers).map(|i| i >= first_sliding).collect(),
+            };
+            if slides && sliding.contains(&true) {
                 let w = window(Some(4096))?;
-                for s in &mut sliding_window[first_sliding..] {
-                    *s = w;
+                for (s, slides) in sliding_window.iter_mut().zip(sliding) {
+                    if slides {
+                        *s = w;
+                    }
                 }
             }
         }
@@ -850,29 +852,8 @@ impl ModelConfig {
             // (default 6; saved as `_sliding_window_pattern` by newer versions) is full and
             // the rest slide, with `sliding_window` (default 4096) keys.
             let w = window(Some(4096))?;
-            let sliding: Vec<bool> = match f.get("layer_types") {
-                Some(types) => {
-                    let types = types
-                        .as_array()
-                        .ok_or_else(|| f.invalid("layer_types", "expected a list of strings"))?;
-                    if types.len() != num_hidden_layers {
-                        return Err(f.invalid(
-                            "layer_types",
-                            format!("{} entries for {num_hidden_layers} layers", types.len()),
-                        ));
-                    }
-                    types
-                        .iter()
-                        .map(|t| match t.as_str() {
-                            Some("sliding_attention") => Ok(true),
-                            Some("full_attention") => Ok(false),
-                            _ => Err(f.invalid(
-                                "layer_types",
-                                format!("{t} is unsupported; only \"full_attention\" and \"sliding_attention\" layers are"),
-                            )),
-                        })
-                        .collect::<Result<_, _>>()?
-                }
+            let sliding: Vec<bool> = match layer_types()? {
+                Some(types) => types,
                 None => {
                     let key = if f.get("_sliding_window_pattern").is_some() {
                         "_sliding_window_pattern"

@@ -486,22 +486,7 @@ fn partial_rope_matches_the_dense_reference_through_a_checkpoint() {
         let err = max_rel(&got, &want);
         assert!(err < 1e-4, "{ty}{extra}: {err}");
         // The mapped, layer-by-layer load (the worker's) gives the same logits.
-        let m = ModelDir::new(&*d)
-            .load_mapped(baton_model::LoadFormat::Auto)
-            .unwrap();
-        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
-            panic!("mapped")
-        };
-        let mapped = CpuModel::from_source(cfg.clone(), src).unwrap();
-        let mut kv = PagedKvCache::new(&cfg, 4, 4);
-        let row = ForwardRow {
-            tokens: &TOKENS,
-            start_pos: 0,
-            block_table: &[0, 1, 2],
-            want_logits: true,
-            all_logits: true,
-        };
-        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        let err = max_rel(&mapped_logits(&d), &want);
         assert!(err < 1e-4, "{ty}{extra}, mapped: {err}");
         // Without the permutation the rotation is another one, and the logits far off.
         let off = max_rel(&paged_logits(&cfg, &w, &TOKENS), &want);
@@ -663,66 +648,13 @@ fn gemma3_text_matches_the_dense_reference() {
         // post_attention_layernorm normalizes the attention output.
         let d = temp_dir("gemma3");
         std::fs::write(d.join("config.json"), &json).unwrap();
-        let mut tensors: Vec<OwnedTensor> = Vec::new();
-        let mut put = |name: String, t: &baton_model::Tensor| {
-            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            tensors.push((name, safetensors::Dtype::F32, t.shape.clone(), bytes));
-        };
-        put("model.embed_tokens.weight".into(), &w.embed);
-        put("model.norm.weight".into(), &w.norm);
-        for (i, l) in w.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}.");
-            put(format!("{p}input_layernorm.weight"), &l.input_layernorm);
-            put(format!("{p}self_attn.q_proj.weight"), &l.q_proj);
-            put(format!("{p}self_attn.k_proj.weight"), &l.k_proj);
-            put(format!("{p}self_attn.v_proj.weight"), &l.v_proj);
-            put(format!("{p}self_attn.o_proj.weight"), &l.o_proj);
-            put(
-                format!("{p}self_attn.q_norm.weight"),
-                l.q_norm.as_ref().unwrap(),
-            );
-            put(
-                format!("{p}self_attn.k_norm.weight"),
-                l.k_norm.as_ref().unwrap(),
-            );
-            put(
-                format!("{p}post_attention_layernorm.weight"),
-                l.attn_out_norm.as_ref().unwrap(),
-            );
-            put(
-                format!("{p}pre_feedforward_layernorm.weight"),
-                &l.post_attention_layernorm,
-            );
-            put(
-                format!("{p}post_feedforward_layernorm.weight"),
-                l.mlp_out_norm.as_ref().unwrap(),
-            );
-            put(format!("{p}mlp.gate_proj.weight"), &l.gate_proj);
-            put(format!("{p}mlp.up_proj.weight"), &l.up_proj);
-            put(format!("{p}mlp.down_proj.weight"), &l.down_proj);
-        }
-        write_safetensors(&d, "model.safetensors", &tensors);
+        write_safetensors(&d, "model.safetensors", &gemma3_tensors(&w, |n| n));
         for f in ["tokenizer.json", "tokenizer_config.json"] {
             std::fs::copy(common::model_dir().join(f), d.join(f)).unwrap();
         }
         let loaded = load_model_dir(&*d).expect("a Gemma 3 checkpoint loads");
         assert_eq!(loaded.weights, w);
-        let m = ModelDir::new(&*d)
-            .load_mapped(baton_model::LoadFormat::Auto)
-            .unwrap();
-        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
-            panic!("mapped")
-        };
-        let mapped = CpuModel::from_source(m.config.clone(), src).unwrap();
-        let mut kv = PagedKvCache::new(&cfg, 4, 4);
-        let row = ForwardRow {
-            tokens: &TOKENS,
-            start_pos: 0,
-            block_table: &[0, 1, 2],
-            want_logits: true,
-            all_logits: true,
-        };
-        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        let err = max_rel(&mapped_logits(&d), &want);
         assert!(err < 1e-4, "{extra}, mapped: {err}");
     }
 }
@@ -758,6 +690,11 @@ fn gemma3_configs_read_as_transformers_and_unsupported_features_are_named() {
     assert_eq!(c.attention_scale(), 1.0 / 16.0);
     assert!(c.tie_word_embeddings && c.qk_norm && c.sandwich_norms);
     assert_eq!(c.eos_token_ids, [1, 106]);
+    // Gemma3TextConfig reads `hidden_activation` only: a `hidden_act` beside it is unused.
+    for extra in [r#", "hidden_act": "silu""#, r#", "hidden_act": "relu""#] {
+        let g = ModelConfig::from_json_str(&format!("{real}{extra}}}")).unwrap();
+        assert_eq!(g.hidden_act, baton_model::Activation::GeluTanh, "{extra}");
+    }
     // transformers 5's rope_parameters per layer type read the same.
     let v5 = real.replace(
         r#""rope_local_base_freq": 10000, "rope_scaling": null,
@@ -912,22 +849,7 @@ fn a_multimodal_gemma3_checkpoint_serves_its_text_model() {
         }
         let loaded = load_model_dir(&*d).unwrap_or_else(|e| panic!("{tag}: {e}"));
         assert_eq!(loaded.weights, w, "{tag}");
-        let m = ModelDir::new(&*d)
-            .load_mapped(baton_model::LoadFormat::Auto)
-            .unwrap();
-        let baton_model::ModelWeights::Mapped(src) = &m.weights else {
-            panic!("mapped")
-        };
-        let mapped = CpuModel::from_source(m.config.clone(), src).unwrap();
-        let mut kv = PagedKvCache::new(&cfg, 4, 4);
-        let row = ForwardRow {
-            tokens: &TOKENS,
-            start_pos: 0,
-            block_table: &[0, 1, 2],
-            want_logits: true,
-            all_logits: true,
-        };
-        let err = max_rel(&mapped.forward(&mut kv, &[row]).unwrap(), &want);
+        let err = max_rel(&mapped_logits(&d), &want);
         assert!(err < 1e-4, "{tag}: {err}");
         // A tensor neither the text model's nor the vision tower's is named.
         let mut t = vision.clone();
@@ -937,4 +859,25 @@ fn a_multimodal_gemma3_checkpoint_serves_its_text_model() {
         let e = load_model_dir(&*d).unwrap_err();
         assert!(e.to_string().contains("audio_tower.weight"), "{tag}: {e}");
     }
+}
+
+/// The logits of every position of [`TOKENS`] from the model directory `d` through the mapped,
+/// layer-by-layer load (the worker's).
+fn mapped_logits(d: &std::path::Path) -> Vec<Vec<f32>> {
+    let m = ModelDir::new(d)
+        .load_mapped(baton_model::LoadFormat::Auto)
+        .unwrap();
+    let baton_model::ModelWeights::Mapped(src) = &m.weights else {
+        panic!("mapped")
+    };
+    let mapped = CpuModel::from_source(m.config.clone(), src).unwrap();
+    let mut kv = PagedKvCache::new(&m.config, 4, 4);
+    let row = ForwardRow {
+        tokens: &TOKENS,
+        start_pos: 0,
+        block_table: &[0, 1, 2],
+        want_logits: true,
+        all_logits: true,
+    };
+    mapped.forward(&mut kv, &[row]).unwrap()
 }
