@@ -634,19 +634,21 @@ fn qkv_post_adds_biases_and_normalizes_q_and_k_heads_as_the_reference() {
 
 // ---- SiLU-and-mul ------------------------------------------------------------------------------------
 
-#[test]
-fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
+/// `name` (an act-and-mul kernel: out = act(gate) * up) against `want(gate, up)` rounded to
+/// the dtype, over the vector (inter 40) and scalar (inter 13) paths in every dtype, within
+/// one ulp and `abs`.
+fn act_and_mul_case(name: &str, seed: u64, want: impl Fn(f32, f32) -> f32, abs: f32) {
     every_schedule(|| {
         let t = 3usize;
         for inter in [40usize, 13] {
             for dtype in Dtype::ALL {
-                let x = rounded_values(dtype, 10, t * 2 * inter, 6.0);
+                let x = rounded_values(dtype, seed, t * 2 * inter, 6.0);
                 let mut inp = Elems::new(dtype, &x);
                 let mut out = Elems::filled(dtype, t * inter, f32::NAN);
-                // silu_and_mul(out, in, num_tokens, inter)
+                // act_and_mul(out, in, num_tokens, inter)
                 run(
                     dtype,
-                    "baton_silu_and_mul",
+                    name,
                     (t as u32, 1, 1),
                     256,
                     Params::new()
@@ -658,65 +660,43 @@ fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
                 let want: Vec<f32> = (0..t * inter)
                     .map(|i| {
                         let (r, j) = (i / inter, i % inter);
-                        let g = x[r * 2 * inter + j];
-                        let u = x[r * 2 * inter + inter + j];
-                        round(dtype, g / (1.0 + (-g).exp()) * u)
+                        round(
+                            dtype,
+                            want(x[r * 2 * inter + j], x[r * 2 * inter + inter + j]),
+                        )
                     })
                     .collect();
                 assert_close(
-                    &format!("{} inter {inter}", dtype.name()),
+                    &format!("{name} {} inter {inter}", dtype.name()),
                     &out.read(),
                     &want,
                     ulp(dtype),
-                    1e-7,
+                    abs,
                 );
             }
         }
     });
 }
 
+#[test]
+fn silu_and_mul_matches_the_reference_on_the_vector_and_scalar_paths() {
+    act_and_mul_case(
+        "baton_silu_and_mul",
+        10,
+        |g, u| g / (1.0 + (-g).exp()) * u,
+        1e-7,
+    );
+}
+
 /// Gemma's GELU(tanh)-and-mul against an f64 evaluation of PyTorch's tanh formula.
 #[test]
 fn gelu_tanh_and_mul_matches_the_reference() {
-    every_schedule(|| {
-        let t = 3usize;
-        for inter in [40usize, 13] {
-            for dtype in Dtype::ALL {
-                let x = rounded_values(dtype, 11, t * 2 * inter, 6.0);
-                let mut inp = Elems::new(dtype, &x);
-                let mut out = Elems::filled(dtype, t * inter, f32::NAN);
-                // gelu_tanh_and_mul(out, in, num_tokens, inter)
-                run(
-                    dtype,
-                    "baton_gelu_tanh_and_mul",
-                    (t as u32, 1, 1),
-                    256,
-                    Params::new()
-                        .ptr_mut(out.ptr())
-                        .ptr(inp.ptr())
-                        .int(t as i32)
-                        .int(inter as i32),
-                );
-                let want: Vec<f32> = (0..t * inter)
-                    .map(|i| {
-                        let (r, j) = (i / inter, i % inter);
-                        let g = x[r * 2 * inter + j] as f64;
-                        let u = x[r * 2 * inter + inter + j] as f64;
-                        let c = (2.0 / std::f64::consts::PI).sqrt();
-                        let gelu = 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh());
-                        round(dtype, (gelu * u) as f32)
-                    })
-                    .collect();
-                assert_close(
-                    &format!("{} inter {inter}", dtype.name()),
-                    &out.read(),
-                    &want,
-                    ulp(dtype),
-                    1e-6,
-                );
-            }
-        }
-    });
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let gelu = move |g: f32, u: f32| {
+        let (g, u) = (g as f64, u as f64);
+        (0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u) as f32
+    };
+    act_and_mul_case("baton_gelu_tanh_and_mul", 11, gelu, 1e-6);
 }
 
 // ---- Small-batch GEMV -----------------------------------------------------------------------------

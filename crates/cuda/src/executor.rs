@@ -1658,24 +1658,26 @@ impl CudaWorker {
                     .f(eps),
             )
         };
-        // rmsnorm(out, in, weight, num_tokens, hidden, eps): xn = rmsnorm(tmp) * weight, the
-        // norm of a sublayer's output before its residual add (Gemma 3); nothing without one.
-        let out_norm = |weight: u64| {
-            if weight == 0 {
-                return Ok(());
-            }
+        // rmsnorm(out, in, weight, num_tokens, hidden, eps): xn = rmsnorm(input) * weight.
+        let rmsnorm = |input: usize, weight: u64| {
             self.launch(
                 "baton_rmsnorm",
                 (t as u32, 1, 1),
                 norm_block,
                 KArgs::new()
                     .p(act(a.xn))
-                    .p(act(a.tmp))
+                    .p(act(input))
                     .p(weight)
                     .i(t)
                     .i(h)
                     .f(eps),
             )
+        };
+        // The norm of a sublayer's output (tmp) before its residual add (Gemma 3); nothing
+        // without one.
+        let out_norm = |weight: u64| match weight {
+            0 => Ok(()),
+            w => rmsnorm(a.tmp, w),
         };
 
         // embedding(out, table, ids, sampled_ring, num_tokens, hidden, vocab, scale): resolves
@@ -1773,19 +1775,7 @@ impl CudaWorker {
         } else {
             for (li, lw) in self.layers.iter().enumerate() {
                 if li == 0 {
-                    // rmsnorm(out, in, weight, num_tokens, hidden, eps)
-                    self.launch(
-                        "baton_rmsnorm",
-                        (t as u32, 1, 1),
-                        norm_block,
-                        KArgs::new()
-                            .p(act(a.xn))
-                            .p(act(a.resid))
-                            .p(lw.input_norm)
-                            .i(t)
-                            .i(h)
-                            .f(eps),
-                    )?;
+                    rmsnorm(a.resid, lw.input_norm)?;
                 } else {
                     add_rmsnorm(lw.input_norm)?;
                     if let Some(d) = dumps.as_deref_mut() {
