@@ -554,7 +554,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     }
     if a.device == BenchDevice::Cuda {
         crate::cuda_args::check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
-        check_cuda_device(&a.cuda)?;
+        check_cuda_device(&a.cuda, Some(&cfg))?;
     }
     let weights = load_weights(a, &cfg)?;
     let max_batch = *a.batch.iter().max().unwrap_or(&1);

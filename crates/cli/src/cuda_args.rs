@@ -143,12 +143,18 @@ pub fn cuda_options(a: &CudaArgs, s: CudaSizes) -> Result<CudaWorkerOptions> {
     })
 }
 
-/// Opens the GPU `a` names and returns, so a command fails at once on a machine without a
-/// driver or device, before it spends time (and host memory) loading or generating weights.
+/// Checks that the CUDA backend runs `cfg`'s model when given ([`baton_cuda::check_model`]),
+/// then opens the GPU `a` names and returns, so a command fails at once on a model the
+/// backend does not run or a machine without a driver or device, before it spends time (and
+/// host memory) loading or generating weights.
 ///
 /// # Errors
-/// No driver, no such device, a context that cannot be created; with a hint.
-pub fn check_cuda_device(a: &CudaArgs) -> Result<()> {
+/// An architecture the backend does not run; no driver, no such device, a context that
+/// cannot be created; with a hint.
+pub fn check_cuda_device(a: &CudaArgs, cfg: Option<&ModelConfig>) -> Result<()> {
+    if let Some(cfg) = cfg {
+        baton_cuda::check_model(cfg).context("--device cuda")?;
+    }
     baton_cuda::CudaDevice::probe_memory(a.cuda_device)
         .map(|_| ())
         .context("opening the GPU for --device cuda")

@@ -286,7 +286,8 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .with_context(|| format!("--model DIR is required for --device {name}"))?;
             if a.device == Device::Cuda {
                 check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
-                check_cuda_device(&a.cuda)?;
+                let cfg = baton_model::ModelConfig::from_file(&dir.join("config.json")).ok();
+                check_cuda_device(&a.cuda, cfg.as_ref())?;
             }
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
             // A worker uses nothing from generation_config.json: one that does not load is

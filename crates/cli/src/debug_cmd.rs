@@ -76,11 +76,12 @@ pub struct CompareArgs {
 /// # Errors
 /// A mismatch, bad flags, a backend failure.
 pub fn run(cmd: DebugCmd) -> Result<()> {
-    let cuda = match &cmd {
-        DebugCmd::Golden(a) => &a.cuda,
-        DebugCmd::Logits(a) | DebugCmd::Layers(a) => &a.cuda,
+    let (cuda, model) = match &cmd {
+        DebugCmd::Golden(a) => (&a.cuda, Some(&a.model)),
+        DebugCmd::Logits(a) | DebugCmd::Layers(a) => (&a.cuda, a.model.as_ref()),
     };
-    check_cuda_device(cuda)?;
+    let cfg = model.and_then(|m| ModelConfig::from_file(&m.join("config.json")).ok());
+    check_cuda_device(cuda, cfg.as_ref())?;
     match cmd {
         DebugCmd::Golden(a) => golden(&a.model, &|c, w, s| build_cuda(c, w, &a.cuda, s)),
         DebugCmd::Logits(a) => compare(&a, false, &eager(&a.cuda)),

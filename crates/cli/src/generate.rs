@@ -375,7 +375,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .with_seed(a.seed.unwrap_or(0), Some(&a.model))?;
     if a.device == GenDevice::Cuda {
         check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
-        check_cuda_device(&a.cuda)?;
+        let cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
+        check_cuda_device(&a.cuda, cfg.as_ref())?;
     }
     // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.
     let mut loaded = dir.load_mapped_from(format, &a.generation_config)?;

@@ -920,8 +920,19 @@ pub struct DevicePlan {
     pub kv_bytes_per_block: usize,
 }
 
+/// Whether the CUDA backend runs models of `cfg`'s architecture: checked by
+/// [`CudaWorker::new`] and by commands before they open a GPU, so that a model the backend
+/// does not run is named first.
+///
+/// # Errors
+/// [`CudaWorkerError::Unsupported`] naming what is not implemented (mixture-of-experts MLPs,
+/// some partial-RoPE combinations) or a head layout the kernels do not take.
+pub fn check_model(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
+    check_shape(cfg)
+}
+
 /// Rejects shapes the kernels do not support (heads not a multiple of the KV heads, head dims
-/// over 1024).
+/// over 1024) and architectures not implemented here.
 fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
     if cfg.num_key_value_heads == 0
         || !cfg
@@ -932,6 +943,13 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
         return Err(CudaWorkerError::Unsupported(format!(
             "heads {} / kv heads {} / head_dim {}",
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )));
+    }
+    if let Some(m) = &cfg.moe {
+        return Err(CudaWorkerError::Unsupported(format!(
+            "mixture-of-experts MLPs ({} experts, top {}; model_type {:?}) are not \
+             implemented on CUDA yet; --device cpu runs them",
+            m.num_experts, m.top_k, cfg.model_type
         )));
     }
     // The q rows carry a partial-RoPE attention factor on every layer (`rotated_q_scale`),
@@ -3471,6 +3489,23 @@ mod tests {
         });
         let e = check_shape(&partial).unwrap_err().to_string();
         assert!(e.contains("local RoPE"), "{e}");
+    }
+
+    #[test]
+    fn mixture_of_experts_models_are_refused_by_name() {
+        let mixtral = ModelConfig::from_json_str(
+            r#"{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2}"#,
+        )
+        .expect("config");
+        let e = check_shape(&mixtral).unwrap_err().to_string();
+        assert!(
+            e.contains("mixture-of-experts") && e.contains("--device cpu"),
+            "{e}"
+        );
+        check_shape(&llama_1b()).expect("a dense model runs");
     }
 
     #[test]

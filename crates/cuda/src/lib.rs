@@ -51,7 +51,7 @@ pub mod plan;
 pub mod staging;
 
 pub use device::{CudaDevice, DevPtr, Device, Gemm, GraphId, FENCE_FRAMES};
-pub use executor::{CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
+pub use executor::{check_model, CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};
 pub use kernels::{
     compile_ptx, compile_ptx_for, include_dir_from_env, kernel_entry_points, kernel_sources,
     nvrtc_available, Dtype, KernelError, Ptx,

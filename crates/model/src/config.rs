@@ -2,7 +2,8 @@
 //!
 //! Contract: [`ModelConfig`] accepts only what the CPU forward pass implements exactly (Llama /
 //! Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused projections),
-//! Gemma 3 text (its norms, GeLU, scaled embeddings and local RoPE); no other biases, default, `llama3`, `yarn` or `longrope` RoPE, full or
+//! Gemma 3 text (its norms, GeLU, scaled embeddings and local RoPE), the mixture-of-experts
+//! MLPs of Mixtral, Qwen2-MoE and Qwen3-MoE ([`MoeConfig`]); no other biases, default, `llama3`, `yarn` or `longrope` RoPE, full or
 //! sliding-window attention per layer) and rejects anything else with a [`ModelError`] naming
 //! the file and field. What depends on the served context length (LongRoPE's choice of
 //! factors) is set by [`ModelConfig::set_max_model_len`]. [`GenerationConfig`] and
@@ -22,6 +23,9 @@ pub const MAX_LAYERS: usize = 1 << 10;
 pub const MAX_HEADS: usize = 1 << 10;
 /// Largest `head_dim` accepted.
 pub const MAX_HEAD_DIM: usize = 1 << 10;
+/// Largest number of experts per mixture-of-experts layer accepted (Qwen3-MoE has 128,
+/// DeepSeek-V3 256).
+pub const MAX_EXPERTS: usize = 1 << 10;
 /// Largest `vocab_size` accepted (16x Gemma's): the scheduler's per-slot token-mask table
 /// holds `vocab_size / 8` bytes per sequence.
 pub const MAX_VOCAB_SIZE: usize = 1 << 22;
@@ -101,6 +105,53 @@ pub enum RopeScaling {
     },
 }
 
+/// How a mixture-of-experts checkpoint names a layer's router and experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeNaming {
+    /// Mixtral (`modeling_mixtral.py` as saved before transformers 5):
+    /// `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w1|w3|w2.weight`
+    /// (gate, up, down).
+    Mixtral,
+    /// Qwen2-MoE and Qwen3-MoE: `mlp.gate.weight` and
+    /// `mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`; Qwen2-MoE's shared expert
+    /// `mlp.shared_expert.*_proj.weight` and `mlp.shared_expert_gate.weight`.
+    Qwen,
+}
+
+/// The mixture-of-experts MLPs of Mixtral, Qwen2-MoE and Qwen3-MoE (transformers'
+/// `MixtralSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`; vLLM's
+/// `fused_topk`).
+///
+/// For each token `x` (the MLP input after its RMSNorm): router logits `g = W_r x`
+/// (`[num_experts]`), `p = softmax(g)` in f32, the `top_k` largest `p_e` (ties to the lower
+/// expert id), divided by their sum when [`MoeConfig::norm_topk_prob`]; the output is
+/// `Σ p_e · expert_e(x)` over the chosen experts in ascending expert id (transformers' loop
+/// order), where each expert is a SiLU MLP of width [`MoeConfig::intermediate_size`]; plus,
+/// with a shared expert (Qwen2-MoE), `sigmoid(w_s · x) · shared(x)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_local_experts`, Qwen's `num_experts`), 1..=[`MAX_EXPERTS`].
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`), 1..=`num_experts`.
+    pub top_k: usize,
+    /// Each expert's MLP inner width (Qwen's `moe_intermediate_size`; Mixtral's
+    /// `intermediate_size`).
+    pub intermediate_size: usize,
+    /// Whether the top-k routing weights are renormalized to sum to 1 (Mixtral always;
+    /// Qwen's `norm_topk_prob`, default false).
+    pub norm_topk_prob: bool,
+    /// The shared expert's inner width (Qwen2-MoE's `shared_expert_intermediate_size`), 0
+    /// for none.
+    pub shared_expert_intermediate_size: usize,
+    /// Per layer (`num_hidden_layers` entries): whether its MLP is the mixture of experts;
+    /// else a dense MLP of [`ModelConfig::intermediate_size`] (Qwen's `mlp_only_layers` and
+    /// `decoder_sparse_step`: layer `i` is sparse when `(i + 1) % step == 0` and `i` is not
+    /// listed).
+    pub layers: Vec<bool>,
+    /// The checkpoint's tensor names.
+    pub naming: MoeNaming,
+}
+
 /// A Llama-family model's architecture, from `config.json`.
 ///
 /// Defaults follow transformers' `LlamaConfig`: `num_key_value_heads = num_attention_heads`,
@@ -116,7 +167,8 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     /// `architectures` as found (may be empty when the key is absent).
     pub architectures: Vec<String>,
-    /// `model_type`: `llama`, `mistral`, `qwen2`, `qwen3`, `phi3` or `gemma3_text` (also for
+    /// `model_type`: `llama`, `mistral`, `mixtral`, `qwen2`, `qwen2_moe`, `qwen3`, `qwen3_moe`,
+    /// `phi3` or `gemma3_text` (also for
     /// the text model of a multimodal `gemma3` checkpoint, [`ModelConfig::multimodal_text`]).
     pub model_type: String,
     /// The q, k and v projections add a bias (`self_attn.{q,k,v}_proj.bias`, shapes
@@ -164,9 +216,12 @@ pub struct ModelConfig {
     /// transformers) and read under the text model's names, and the vision tower's are
     /// ignored ([`crate::WeightSource::open_for`]).
     pub multimodal_text: bool,
+    /// Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE), `None` for a dense model.
+    pub moe: Option<MoeConfig>,
     /// Residual stream width (elements).
     pub hidden_size: usize,
-    /// MLP inner width (elements).
+    /// MLP inner width (elements) of the dense MLPs (with [`ModelConfig::moe`], of the layers
+    /// that are not sparse; Mixtral has none).
     pub intermediate_size: usize,
     /// Number of decoder layers.
     pub num_hidden_layers: usize,
@@ -496,6 +551,18 @@ impl ModelConfig {
                 eat(&x.to_bits().to_le_bytes());
             }
         }
+        if let Some(m) = &self.moe {
+            eat(&[0xfa, m.naming as u8, u8::from(m.norm_topk_prob)]);
+            for n in [
+                m.num_experts,
+                m.top_k,
+                m.intermediate_size,
+                m.shared_expert_intermediate_size,
+            ] {
+                eat(&(n as u64).to_le_bytes());
+            }
+            eat(&m.layers.iter().map(|&s| u8::from(s)).collect::<Vec<_>>());
+        }
         h.finish()
     }
 
@@ -574,6 +641,125 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config (defaults
+    /// from `MixtralConfig`, `Qwen2MoeConfig`, `Qwen3MoeConfig`); `None` for other types, and
+    /// for a Qwen MoE config whose layers are all dense.
+    fn parse_moe(
+        f: &Fields<'_>,
+        model_type: &str,
+        num_layers: usize,
+        intermediate_size: usize,
+    ) -> Result<Option<MoeConfig>, ModelError> {
+        let (naming, experts_default, top_k_default) = match model_type {
+            "mixtral" => (MoeNaming::Mixtral, 8, 2),
+            "qwen2_moe" => (MoeNaming::Qwen, 60, 4),
+            "qwen3_moe" => (MoeNaming::Qwen, 128, 8),
+            _ => return Ok(None),
+        };
+        // transformers maps `num_experts` and `num_local_experts` to each other.
+        let key = if f.get("num_local_experts").is_some() {
+            "num_local_experts"
+        } else {
+            "num_experts"
+        };
+        let num_experts = f.opt_usize(key)?.unwrap_or(experts_default);
+        if num_experts > MAX_EXPERTS {
+            return Err(f.invalid(
+                key,
+                format!("{num_experts} is larger than Baton supports ({MAX_EXPERTS})"),
+            ));
+        }
+        let mixtral = naming == MoeNaming::Mixtral;
+        if num_experts == 0 {
+            if mixtral {
+                return Err(f.invalid(key, "must be > 0"));
+            }
+            // Qwen: no sparse layer (transformers tests `num_experts > 0`).
+            return Ok(None);
+        }
+        let top_k = f.opt_usize("num_experts_per_tok")?.unwrap_or(top_k_default);
+        if top_k == 0 || top_k > num_experts {
+            return Err(f.invalid(
+                "num_experts_per_tok",
+                format!("{top_k} must be in 1..={num_experts} ({key})"),
+            ));
+        }
+        let (moe_width, norm_topk_prob, shared, layers) = if mixtral {
+            (intermediate_size, true, 0, vec![true; num_layers])
+        } else {
+            let width = f
+                .opt_usize("moe_intermediate_size")?
+                .unwrap_or(if model_type == "qwen2_moe" { 1408 } else { 768 });
+            let shared = if model_type == "qwen2_moe" {
+                f.opt_usize("shared_expert_intermediate_size")?
+                    .unwrap_or(5632)
+            } else {
+                0
+            };
+            for (k, x) in [
+                ("moe_intermediate_size", width),
+                ("shared_expert_intermediate_size", shared),
+            ] {
+                if x > MAX_INTERMEDIATE_SIZE {
+                    return Err(f.invalid(
+                        k,
+                        format!("{x} is larger than Baton supports ({MAX_INTERMEDIATE_SIZE})"),
+                    ));
+                }
+            }
+            if width == 0 {
+                return Err(f.invalid("moe_intermediate_size", "must be > 0"));
+            }
+            let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                return Err(f.invalid("decoder_sparse_step", "must be > 0"));
+            }
+            let dense: Vec<usize> = match f.get("mlp_only_layers") {
+                None => vec![],
+                Some(v) => v
+                    .as_array()
+                    .and_then(|a| {
+                        a.iter()
+                            .map(|x| x.as_u64().map(|x| x as usize))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| {
+                        f.invalid("mlp_only_layers", "expected a list of layer indices")
+                    })?,
+            };
+            if let Some(&i) = dense.iter().find(|&&i| i >= num_layers) {
+                return Err(f.invalid(
+                    "mlp_only_layers",
+                    format!("layer {i} does not exist ({num_layers} layers)"),
+                ));
+            }
+            let layers: Vec<bool> = (0..num_layers)
+                .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                .collect();
+            let norm = f.opt_bool("norm_topk_prob")?.unwrap_or(false);
+            (width, norm, shared, layers)
+        };
+        if !layers.contains(&true) {
+            return Ok(None);
+        }
+        Ok(Some(MoeConfig {
+            num_experts,
+            top_k,
+            intermediate_size: moe_width,
+            norm_topk_prob,
+            shared_expert_intermediate_size: shared,
+            layers,
+            naming,
+        }))
+    }
+
+    /// Whether layer `li`'s MLP is a mixture of experts ([`ModelConfig::moe`]).
+    pub fn layer_is_moe(&self, li: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| m.layers.get(li).copied().unwrap_or(false))
+    }
+
     fn from_value(v: &Value, file: &str) -> Result<Self, ModelError> {
         let f = Fields::new(file, v)?;
 
@@ -589,11 +775,14 @@ impl ModelConfig {
                 .collect::<Result<_, _>>()?,
             Some(_) => return Err(f.invalid("architectures", "expected a list of strings")),
         };
-        const ARCHS: [&str; 6] = [
+        const ARCHS: [&str; 9] = [
             "LlamaForCausalLM",
             "MistralForCausalLM",
+            "MixtralForCausalLM",
             "Qwen2ForCausalLM",
+            "Qwen2MoeForCausalLM",
             "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
             "Phi3ForCausalLM",
             "Gemma3ForCausalLM",
         ];
@@ -606,7 +795,18 @@ impl ModelConfig {
         let model_type = f
             .opt_str("model_type")?
             .ok_or_else(|| f.missing("model_type"))?;
-        if !["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"].contains(&model_type) {
+        const TYPES: [&str; 9] = [
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "phi3",
+            "gemma3_text",
+        ];
+        if !TYPES.contains(&model_type) {
             return Err(ModelError::UnsupportedModelType {
                 file: file.into(),
                 found: model_type.into(),
@@ -685,7 +885,9 @@ impl ModelConfig {
                 format!("{head_dim} is larger than Baton supports ({MAX_HEAD_DIM})"),
             ));
         }
-        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+        // MixtralConfig's default is 1e-5; the others' 1e-6.
+        let default_eps = if model_type == "mixtral" { 1e-5 } else { 1e-6 };
+        let rms_norm_eps = f.opt_f64("rms_norm_eps")?.unwrap_or(default_eps) as f32;
         if !(rms_norm_eps >= 0.0 && rms_norm_eps.is_finite()) {
             return Err(f.invalid("rms_norm_eps", format!("{rms_norm_eps} must be >= 0")));
         }
@@ -745,8 +947,10 @@ impl ModelConfig {
                 ));
             }
         }
-        let qkv_bias = model_type == "qwen2";
-        let qk_norm = model_type == "qwen3" || gemma;
+        // Qwen2MoeConfig has a `qkv_bias` key (default true).
+        let qkv_bias = model_type == "qwen2"
+            || (model_type == "qwen2_moe" && f.opt_bool("qkv_bias")? != Some(false));
+        let qk_norm = model_type == "qwen3" || model_type == "qwen3_moe" || gemma;
         let fused_projections = model_type == "phi3";
         // transformers: `int(head_dim * partial_rotary_factor)` leading dims are rotated.
         let rotary_dim = match f.opt_f64("partial_rotary_factor")? {
@@ -838,8 +1042,18 @@ impl ModelConfig {
                 }
             }
         }
-        if model_type == "mistral" || model_type == "phi3" {
-            // Every layer slides when `sliding_window` is set (transformers' Mistral and Phi-3).
+        if model_type == "qwen2_moe" || model_type == "qwen3_moe" {
+            // No released checkpoint slides; transformers' per-layer rules differ from Qwen2's.
+            if f.opt_bool("use_sliding_window")? == Some(true) {
+                return Err(f.invalid(
+                    "use_sliding_window",
+                    format!("sliding-window attention is not implemented for {model_type}"),
+                ));
+            }
+        }
+        if model_type == "mistral" || model_type == "mixtral" || model_type == "phi3" {
+            // Every layer slides when `sliding_window` is set (transformers' Mistral, Mixtral
+            // and Phi-3; only MistralConfig has a default window).
             let w = window(if model_type == "mistral" {
                 Some(4096)
             } else {
@@ -847,6 +1061,7 @@ impl ModelConfig {
             })?;
             sliding_window.fill(w);
         }
+        let moe = Self::parse_moe(&f, model_type, num_hidden_layers, intermediate_size)?;
         if gemma {
             // Gemma3TextConfig: `layer_types`, else every `sliding_window_pattern`-th layer
             // (default 6; saved as `_sliding_window_pattern` by newer versions) is full and
@@ -1097,6 +1312,7 @@ impl ModelConfig {
             query_pre_attn_scalar,
             local_rope_theta,
             sliding_window,
+            moe,
             hidden_size,
             intermediate_size,
             num_hidden_layers,
@@ -1393,25 +1609,39 @@ impl ModelConfig {
         }
     }
 
-    /// Number of f32 parameters the config implies (embedding, layers with their Qwen biases
-    /// and head norms, norm, LM head unless tied). Useful for sizing dummy loads.
+    /// Number of f32 parameters the config implies (embedding, layers with their Qwen biases,
+    /// head norms, Gemma's output norms and every expert, norm, LM head unless tied). Useful for sizing dummy loads.
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let mut layer = 2 * h + q * h + 2 * kv * h + h * q + 3 * self.intermediate_size * h;
+        let mut layer = 2 * h + q * h + 2 * kv * h + h * q;
         if self.qkv_bias {
             layer += q + 2 * kv;
         }
         if self.qk_norm {
             layer += 2 * self.head_dim;
         }
+        if self.sandwich_norms {
+            layer += 2 * h;
+        }
+        let mlps: usize = (0..self.num_hidden_layers)
+            .map(|li| match &self.moe {
+                Some(m) if self.layer_is_moe(li) => {
+                    let shared = m.shared_expert_intermediate_size;
+                    m.num_experts * h
+                        + m.num_experts * 3 * m.intermediate_size * h
+                        + if shared > 0 { 3 * shared * h + h } else { 0 }
+                }
+                _ => 3 * self.intermediate_size * h,
+            })
+            .sum();
         let head = if self.tie_word_embeddings {
             0
         } else {
             self.vocab_size * h
         };
-        self.vocab_size * h + self.num_hidden_layers * layer + h + head
+        self.vocab_size * h + self.num_hidden_layers * layer + mlps + h + head
     }
 }
 
@@ -2078,7 +2308,7 @@ mod tests {
         assert!(ok.is_ok(), "{ok:?}");
         let e = ModelConfig::from_json_str(&format!(
             "{}}}",
-            QWEN3.replace("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            QWEN3.replace("Qwen3ForCausalLM", "DeepseekV3ForCausalLM")
         ))
         .unwrap_err();
         assert!(

@@ -424,12 +424,189 @@ struct Layer {
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Linear,
     post_norm: Vec<f32>,
-    /// Fused gate and up projections: `[2 * intermediate, hidden]`.
-    gate_up: Linear,
-    down: Linear,
+    mlp: Mlp,
     /// RMSNorm weights of the attention and MLP outputs before their residual adds (Gemma 3's
     /// `post_attention_layernorm` and `post_feedforward_layernorm`).
     out_norms: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// A layer's MLP.
+enum Mlp {
+    /// `down(act(gate(x)) * up(x))`: fused gate and up `[2 * intermediate, hidden]`, down
+    /// `[hidden, intermediate]`.
+    Dense { gate_up: Linear, down: Linear },
+    /// A mixture of experts ([`crate::MoeConfig`]).
+    Moe(Box<Moe>),
+}
+
+/// A mixture-of-experts MLP ([`crate::MoeConfig`] gives the routing).
+struct Moe {
+    /// `[num_experts, hidden]`.
+    router: Linear,
+    /// Per expert: fused gate and up `[2 * moe_intermediate, hidden]`, down.
+    experts: Vec<(Linear, Linear)>,
+    /// Qwen2-MoE's shared expert: fused gate and up, down, and its gate `[1, hidden]`.
+    shared: Option<(Linear, Linear, Linear)>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+/// Scratch of [`Moe::forward`], reused across layers and steps.
+#[derive(Default)]
+struct MoeScratch {
+    /// `[t, num_experts]` router logits, then probabilities.
+    probs: Vec<f32>,
+    /// Per token, its `top_k` (expert, weight), by ascending expert id.
+    chosen: Vec<(usize, f32)>,
+    /// Per expert, the (token, slot) pairs routed to it, by ascending token.
+    routed: Vec<Vec<(usize, usize)>>,
+    /// One expert's gathered inputs `[m, hidden]`.
+    x: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    /// One expert's outputs `[m, hidden]`.
+    y: Vec<f32>,
+    /// Per (token, slot), the chosen expert's output `[t * top_k, hidden]`.
+    pair_out: Vec<f32>,
+    /// The shared expert's gate logits `[t]`.
+    shared_gate: Vec<f32>,
+}
+
+/// `out[t, hidden] = down(act(gate(x)) * up(x))` for `x` `[t, hidden]`, `gate_up` holding the
+/// gate rows then the up rows; `gu` and `a` are scratch.
+#[allow(clippy::too_many_arguments)]
+fn gated_mlp(
+    gate_up: &Linear,
+    down: &Linear,
+    act: Activation,
+    x: &[f32],
+    t: usize,
+    gu: &mut Vec<f32>,
+    a: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let im = down.k;
+    resize(gu, t * 2 * im);
+    resize(a, t * im);
+    gate_up.apply(x, t, gu);
+    a[..t * im]
+        .par_chunks_mut(im)
+        .zip(gu[..t * 2 * im].par_chunks(2 * im))
+        .for_each(|(out, gu)| {
+            let (g, u) = gu.split_at(im);
+            match act {
+                Activation::Silu => vmath::silu_mul(g, u, out),
+                Activation::GeluTanh => vmath::gelu_tanh_mul(g, u, out),
+            }
+        });
+    down.apply(&a[..t * im], t, out);
+}
+
+impl Moe {
+    /// `out[t, hidden]` = the mixture's output for the normalized MLP inputs `x` `[t,
+    /// hidden]`, as [`crate::MoeConfig`] describes. Each token's experts, weights and sums
+    /// depend on that token alone (the linear layers compute each output element in one
+    /// fixed order), so the bits do not depend on the batch.
+    fn forward(&self, act: Activation, x: &[f32], t: usize, s: &mut MoeScratch, out: &mut [f32]) {
+        let ne = self.experts.len();
+        let k = self.top_k;
+        let h = self.router.k;
+        resize(&mut s.probs, t * ne);
+        self.router.apply(x, t, &mut s.probs);
+        s.chosen.clear();
+        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        for p in s.probs[..t * ne].chunks_exact_mut(ne) {
+            // softmax in f32 (transformers: `F.softmax(router_logits, dim=1, dtype=torch.float)`).
+            let m = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for v in p.iter_mut() {
+                *v = (*v - m).exp();
+                sum += *v;
+            }
+            p.iter_mut().for_each(|v| *v /= sum);
+            // The top k, ties to the lower expert id.
+            order.clear();
+            order.extend(0..ne);
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &mut order[..k];
+            let norm = if self.norm_topk_prob {
+                top.iter().map(|&e| p[e]).sum::<f32>()
+            } else {
+                1.0
+            };
+            top.sort_unstable();
+            s.chosen.extend(top.iter().map(|&e| (e, p[e] / norm)));
+        }
+        s.routed.resize_with(ne, Vec::new);
+        s.routed.iter_mut().for_each(Vec::clear);
+        for (i, c) in s.chosen.iter().enumerate() {
+            s.routed[c.0].push((i / k, i % k));
+        }
+        resize(&mut s.pair_out, t * k * h);
+        for (e, (gate_up, down)) in self.experts.iter().enumerate() {
+            let m = s.routed[e].len();
+            if m == 0 {
+                continue;
+            }
+            resize(&mut s.x, m * h);
+            for (j, &(tok, _)) in s.routed[e].iter().enumerate() {
+                s.x[j * h..(j + 1) * h].copy_from_slice(&x[tok * h..(tok + 1) * h]);
+            }
+            resize(&mut s.y, m * h);
+            gated_mlp(
+                gate_up,
+                down,
+                act,
+                &s.x[..m * h],
+                m,
+                &mut s.gate_up,
+                &mut s.act,
+                &mut s.y[..m * h],
+            );
+            for (j, &(tok, slot)) in s.routed[e].iter().enumerate() {
+                let pair = tok * k + slot;
+                s.pair_out[pair * h..(pair + 1) * h].copy_from_slice(&s.y[j * h..(j + 1) * h]);
+            }
+        }
+        // transformers: `final += expert(x) * weight` per expert in ascending id, from zero.
+        for i in 0..t {
+            let o = &mut out[i * h..(i + 1) * h];
+            o.fill(0.0);
+            for slot in 0..k {
+                let (_, w) = s.chosen[i * k + slot];
+                let pair = i * k + slot;
+                for (o, y) in o.iter_mut().zip(&s.pair_out[pair * h..(pair + 1) * h]) {
+                    *o += y * w;
+                }
+            }
+        }
+        if let Some((gate_up, down, gate)) = &self.shared {
+            // Qwen2-MoE: `final + sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+            resize(&mut s.shared_gate, t);
+            gate.apply(x, t, &mut s.shared_gate);
+            resize(&mut s.y, t * h);
+            gated_mlp(
+                gate_up,
+                down,
+                act,
+                x,
+                t,
+                &mut s.gate_up,
+                &mut s.act,
+                &mut s.y[..t * h],
+            );
+            for i in 0..t {
+                let g = 1.0 / (1.0 + (-s.shared_gate[i]).exp());
+                for (o, y) in out[i * h..(i + 1) * h]
+                    .iter_mut()
+                    .zip(&s.y[i * h..(i + 1) * h])
+                {
+                    *o += g * y;
+                }
+            }
+        }
+    }
 }
 
 /// A norm weight as used: `offset + w` in f32 ([`ModelConfig::norm_offset`]; what
@@ -443,11 +620,35 @@ fn norm_weight(t: Tensor, offset: f32) -> Vec<f32> {
 }
 
 impl Layer {
-    /// Fuses q/k/v and gate/up, keeping each matrix in its narrowest exact type; norm weights
-    /// get `norm_offset` added.
-    fn new(l: LayerWeights, norm_offset: f32) -> Self {
-        let nw = |t: Tensor| norm_weight(t, norm_offset);
+    /// Fuses q/k/v and gate/up (each expert's too), keeping each matrix in its narrowest
+    /// exact type; norm weights get `norm_offset` added.
+    fn new(l: LayerWeights, cfg: &ModelConfig) -> Self {
+        let nw = |t: Tensor| norm_weight(t, cfg.norm_offset);
+        let mlp = match (l.moe, &cfg.moe) {
+            (Some(m), Some(mc)) => Mlp::Moe(Box::new(Moe {
+                router: Linear::concat(vec![m.router]),
+                experts: m
+                    .experts
+                    .into_iter()
+                    .map(|[g, u, d]| (Linear::concat(vec![g, u]), Linear::concat(vec![d])))
+                    .collect(),
+                shared: m.shared.map(|[g, u, d, sg]| {
+                    (
+                        Linear::concat(vec![g, u]),
+                        Linear::concat(vec![d]),
+                        Linear::concat(vec![sg]),
+                    )
+                }),
+                top_k: mc.top_k,
+                norm_topk_prob: mc.norm_topk_prob,
+            })),
+            _ => Mlp::Dense {
+                gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
+                down: Linear::concat(vec![l.down_proj]),
+            },
+        };
         Layer {
+            mlp,
             qkv_bias: match (l.q_bias, l.k_bias, l.v_bias) {
                 (Some(q), Some(k), Some(v)) => Some([q.data, k.data, v.data].concat()),
                 _ => None,
@@ -455,8 +656,6 @@ impl Layer {
             qk_norm: l.q_norm.zip(l.k_norm).map(|(q, k)| (nw(q), nw(k))),
             qkv: Linear::concat(vec![l.q_proj, l.k_proj, l.v_proj]),
             o: Linear::concat(vec![l.o_proj]),
-            gate_up: Linear::concat(vec![l.gate_proj, l.up_proj]),
-            down: Linear::concat(vec![l.down_proj]),
             input_norm: nw(l.input_layernorm),
             post_norm: nw(l.post_attention_layernorm),
             out_norms: l
@@ -476,6 +675,7 @@ struct Scratch {
     tmp: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    moe: MoeScratch,
     cos: Vec<f32>,
     sin: Vec<f32>,
     last: Vec<f32>,
@@ -685,10 +885,7 @@ impl CpuModel {
             .iter()
             .map(|v| v.to_bits())
             .eq(lm_head.data.iter().map(|v| v.to_bits()));
-        let layers = layers
-            .into_iter()
-            .map(|l| Layer::new(l, cfg.norm_offset))
-            .collect();
+        let layers = layers.into_iter().map(|l| Layer::new(l, &cfg)).collect();
         let norm = norm_weight(norm, cfg.norm_offset);
         Self::assemble(
             cfg,
@@ -722,7 +919,7 @@ impl CpuModel {
         };
         // Each layer's f32 tensors are dropped once the layer is built.
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| LayerWeights::load(&cfg, src, i).map(|l| Layer::new(l, cfg.norm_offset)))
+            .map(|i| LayerWeights::load(&cfg, src, i).map(|l| Layer::new(l, &cfg)))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = norm_weight(src.load_f32("model.norm.weight", &[h])?, cfg.norm_offset);
         Self::assemble(cfg, embed, layers, norm, lm_head)
@@ -789,10 +986,22 @@ impl CpuModel {
             .layers
             .iter()
             .map(|l| {
+                let mlp = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => linear(gate_up) + linear(down),
+                    Mlp::Moe(m) => {
+                        linear(&m.router)
+                            + m.experts
+                                .iter()
+                                .map(|(gu, d)| linear(gu) + linear(d))
+                                .sum::<usize>()
+                            + m.shared
+                                .as_ref()
+                                .map_or(0, |(gu, d, g)| linear(gu) + linear(d) + linear(g))
+                    }
+                };
                 linear(&l.qkv)
                     + linear(&l.o)
-                    + linear(&l.gate_up)
-                    + linear(&l.down)
+                    + mlp
                     + f32s(&l.input_norm)
                     + f32s(&l.post_norm)
                     + l.out_norms.as_ref().map_or(0, |(a, m)| f32s(a) + f32s(m))
@@ -961,7 +1170,6 @@ impl CpuModel {
         mut layer_outs: Option<&mut Vec<Vec<f32>>>,
         forced: Option<&[Vec<f32>]>,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
-        use rayon::prelude::*;
         let c = &self.cfg;
         let h = c.hidden_size;
         let nh = c.num_attention_heads;
@@ -971,7 +1179,6 @@ impl CpuModel {
         let q_w = nh * hd;
         let kv_w = kvh * hd;
         let qkv_w = q_w + 2 * kv_w;
-        let im = c.intermediate_size;
         let eps = c.rms_norm_eps;
         // HF: `scaling = head_dim**-0.5` (Gemma 3: `query_pre_attn_scalar**-0.5`; a Python
         // float), applied to the f32 scores.
@@ -988,8 +1195,6 @@ impl CpuModel {
         resize(&mut s.qkv, t * qkv_w);
         resize(&mut s.attn, t * q_w);
         resize(&mut s.tmp, t * h);
-        resize(&mut s.gate_up, t * 2 * im);
-        resize(&mut s.act, t * im);
         let n_ropes = self.ropes.len();
         resize(&mut s.cos, n_ropes * t * half);
         resize(&mut s.sin, n_ropes * t * half);
@@ -1135,19 +1340,25 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
-            layer.gate_up.apply(&s.xn, t, &mut s.gate_up);
-            let act = c.hidden_act;
-            s.act[..t * im]
-                .par_chunks_mut(im)
-                .zip(s.gate_up[..t * 2 * im].par_chunks(2 * im))
-                .for_each(|(out, gu)| {
-                    let (g, u) = gu.split_at(im);
-                    match act {
-                        Activation::Silu => vmath::silu_mul(g, u, out),
-                        Activation::GeluTanh => vmath::gelu_tanh_mul(g, u, out),
-                    }
-                });
-            layer.down.apply(&s.act, t, &mut s.tmp);
+            match &layer.mlp {
+                Mlp::Dense { gate_up, down } => gated_mlp(
+                    gate_up,
+                    down,
+                    c.hidden_act,
+                    &s.xn[..t * h],
+                    t,
+                    &mut s.gate_up,
+                    &mut s.act,
+                    &mut s.tmp[..t * h],
+                ),
+                Mlp::Moe(m) => m.forward(
+                    c.hidden_act,
+                    &s.xn[..t * h],
+                    t,
+                    &mut s.moe,
+                    &mut s.tmp[..t * h],
+                ),
+            }
             add_residual(
                 &mut s.x[..t * h],
                 &mut s.tmp[..t * h],

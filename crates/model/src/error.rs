@@ -65,7 +65,7 @@ pub enum ModelError {
     },
     /// `architectures` names no supported architecture.
     #[error(
-        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration (its text model)"
+        "{file}: unsupported `architectures` {found:?}; supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration (its text model)"
     )]
     UnsupportedArchitecture {
         /// File path.
@@ -73,9 +73,9 @@ pub enum ModelError {
         /// The `architectures` list as found.
         found: Vec<String>,
     },
-    /// `model_type` is not `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma3_text` or `gemma3`.
+    /// `model_type` is not one of those [`crate::ModelConfig`] reads.
     #[error(
-        "{file}: unsupported `model_type` {found:?}; supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text, gemma3"
+        "{file}: unsupported `model_type` {found:?}; supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, phi3, gemma3_text, gemma3"
     )]
     UnsupportedModelType {
         /// File path.

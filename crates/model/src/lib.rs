@@ -18,13 +18,15 @@ pub mod tokenizer;
 mod vmath;
 pub mod weights;
 
-pub use config::{Activation, GenerationConfig, ModelConfig, RopeScaling, TokenizerConfig};
+pub use config::{
+    Activation, GenerationConfig, ModelConfig, MoeConfig, MoeNaming, RopeScaling, TokenizerConfig,
+};
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
 pub use fingerprint::{dummy_weights_fingerprint, weights_fingerprint};
 pub use tokenizer::Tokenizer;
 pub use weights::{
-    DType, LayerWeights, LlamaWeights, ModelWeights, RawTensor, Tensor, WeightSource,
+    DType, LayerWeights, LlamaWeights, ModelWeights, MoeWeights, RawTensor, Tensor, WeightSource,
 };
 
 use std::path::{Path, PathBuf};

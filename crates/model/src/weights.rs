@@ -6,7 +6,7 @@
 //! host tensors after checking every shape against the [`ModelConfig`]; any problem is a
 //! [`ModelError`] naming the file and tensor.
 
-use crate::config::{parse_json, read_text, Fields, ModelConfig};
+use crate::config::{parse_json, read_text, Fields, ModelConfig, MoeNaming};
 use crate::error::ModelError;
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
@@ -54,11 +54,12 @@ pub struct LayerWeights {
     /// `[hidden]` RMSNorm weight before the MLP: Llama's `post_attention_layernorm`, Gemma 3's
     /// `pre_feedforward_layernorm` ([`ModelConfig::sandwich_norms`]).
     pub post_attention_layernorm: Tensor,
-    /// `[intermediate, hidden]`.
+    /// `[intermediate, hidden]` dense MLP gate projection; empty (`[0, hidden]`) in a
+    /// mixture-of-experts layer, whose MLP is [`LayerWeights::moe`].
     pub gate_proj: Tensor,
-    /// `[intermediate, hidden]`.
+    /// `[intermediate, hidden]`; empty (`[0, hidden]`) in a mixture-of-experts layer.
     pub up_proj: Tensor,
-    /// `[hidden, intermediate]`.
+    /// `[hidden, intermediate]`; empty (`[hidden, 0]`) in a mixture-of-experts layer.
     pub down_proj: Tensor,
     /// `[heads * head_dim]` q projection bias, present exactly when
     /// [`ModelConfig::qkv_bias`] (Qwen2).
@@ -78,21 +79,47 @@ pub struct LayerWeights {
     /// `[hidden]` RMSNorm weight of the MLP output before its residual add (Gemma 3's
     /// `post_feedforward_layernorm`), as `attn_out_norm`.
     pub mlp_out_norm: Option<Tensor>,
+    /// The mixture of experts, present exactly in the layers [`ModelConfig::layer_is_moe`]
+    /// names.
+    pub moe: Option<MoeWeights>,
 }
 
-/// Index of `self_attn.q_proj.bias` in [`layer_tensor_shapes`] and [`LayerWeights::tensors`]
-/// when the config has [`ModelConfig::qkv_bias`] (k and v follow).
-pub const LAYER_QKV_BIAS: usize = 9;
+/// One mixture-of-experts MLP ([`crate::MoeConfig`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeWeights {
+    /// `[num_experts, hidden]` router (Mixtral's `block_sparse_moe.gate`, Qwen's `mlp.gate`).
+    pub router: Tensor,
+    /// Per expert: gate `[moe_intermediate, hidden]`, up `[moe_intermediate, hidden]`, down
+    /// `[hidden, moe_intermediate]` (Mixtral's `w1`, `w3`, `w2`).
+    pub experts: Vec<[Tensor; 3]>,
+    /// Qwen2-MoE's shared expert: gate, up `[shared_intermediate, hidden]`, down `[hidden,
+    /// shared_intermediate]`, and its gate `[1, hidden]` (`mlp.shared_expert_gate`).
+    pub shared: Option<[Tensor; 4]>,
+}
 
-/// Index of `self_attn.q_norm.weight` in [`layer_tensor_shapes`] and
-/// [`LayerWeights::tensors`] when the config has [`ModelConfig::qk_norm`] (k follows).
-pub fn layer_qk_norm_index(cfg: &ModelConfig) -> usize {
-    LAYER_QKV_BIAS + if cfg.qkv_bias { 3 } else { 0 }
+impl MoeWeights {
+    /// Every tensor in [`layer_tensor_shapes`]'s order: the router, each expert's gate, up and
+    /// down, the shared expert's gate, up, down and gate weight.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut v = vec![&self.router];
+        v.extend(self.experts.iter().flatten());
+        v.extend(self.shared.iter().flatten());
+        v
+    }
+
+    /// [`MoeWeights::tensors`], mutable.
+    pub fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut v = vec![&mut self.router];
+        v.extend(self.experts.iter_mut().flatten());
+        v.extend(self.shared.iter_mut().flatten());
+        v
+    }
 }
 
 impl LayerWeights {
-    /// Every tensor in [`layer_tensor_shapes`]'s order: the nine Llama ones in field order,
-    /// then the present q/k/v biases, the present q/k norms, the present output norms.
+    /// Every tensor in [`layer_tensor_shapes`]'s order: the nine Llama ones in field order
+    /// (less the dense MLP's three in a mixture-of-experts layer), then the present q/k/v
+    /// biases, the present q/k norms, the present output norms, the experts'.
     pub fn tensors(&self) -> Vec<&Tensor> {
         let mut v = vec![
             &self.input_layernorm,
@@ -101,10 +128,10 @@ impl LayerWeights {
             &self.v_proj,
             &self.o_proj,
             &self.post_attention_layernorm,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
         ];
+        if self.moe.is_none() {
+            v.extend([&self.gate_proj, &self.up_proj, &self.down_proj]);
+        }
         v.extend(
             [
                 &self.q_bias,
@@ -118,6 +145,7 @@ impl LayerWeights {
             .into_iter()
             .flatten(),
         );
+        v.extend(self.moe.iter().flat_map(MoeWeights::tensors));
         v
     }
 
@@ -130,10 +158,10 @@ impl LayerWeights {
             &mut self.v_proj,
             &mut self.o_proj,
             &mut self.post_attention_layernorm,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
         ];
+        if self.moe.is_none() {
+            v.extend([&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]);
+        }
         v.extend(
             [
                 &mut self.q_bias,
@@ -147,6 +175,7 @@ impl LayerWeights {
             .into_iter()
             .flatten(),
         );
+        v.extend(self.moe.iter_mut().flat_map(MoeWeights::tensors_mut));
         v
     }
 }
@@ -984,13 +1013,15 @@ impl ModelWeights {
     }
 }
 
-/// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights`] field order:
-/// the nine Llama tensors (indices 0..9), then `self_attn.{q,k,v}_proj.bias` when
-/// [`ModelConfig::qkv_bias`] (from [`LAYER_QKV_BIAS`]), then `self_attn.{q,k}_norm.weight`
-/// when [`ModelConfig::qk_norm`] (from [`layer_qk_norm_index`]), then with
-/// [`ModelConfig::sandwich_norms`] (Gemma 3) `post_attention_layernorm.weight` and
-/// `post_feedforward_layernorm.weight`, the norm before the MLP (index 5) being
-/// `pre_feedforward_layernorm.weight`.
+/// Expected HF names and shapes of every tensor of layer `i`, in [`LayerWeights::tensors`]
+/// order: the nine Llama tensors (input norm, q, k, v, o, the norm before the MLP, gate, up,
+/// down; in a mixture-of-experts layer only the first six), then `self_attn.{q,k,v}_proj.bias`
+/// when [`ModelConfig::qkv_bias`], then `self_attn.{q,k}_norm.weight` when
+/// [`ModelConfig::qk_norm`], then with [`ModelConfig::sandwich_norms`] (Gemma 3)
+/// `post_attention_layernorm.weight` and `post_feedforward_layernorm.weight` (the norm before
+/// the MLP then being `pre_feedforward_layernorm.weight`), then in a mixture-of-experts layer
+/// ([`ModelConfig::layer_is_moe`]) the router, each expert's gate, up and down, and Qwen2-MoE's
+/// shared expert (gate, up, down, its gate), named as [`crate::MoeNaming`] says.
 pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
     let q = cfg.num_attention_heads * cfg.head_dim;
@@ -1008,10 +1039,13 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usiz
         } else {
             (format!("{p}post_attention_layernorm.weight"), vec![h])
         },
-        (format!("{p}mlp.gate_proj.weight"), vec![im, h]),
-        (format!("{p}mlp.up_proj.weight"), vec![im, h]),
-        (format!("{p}mlp.down_proj.weight"), vec![h, im]),
     ];
+    let moe = cfg.moe.as_ref().filter(|_| cfg.layer_is_moe(i));
+    if moe.is_none() {
+        v.push((format!("{p}mlp.gate_proj.weight"), vec![im, h]));
+        v.push((format!("{p}mlp.up_proj.weight"), vec![im, h]));
+        v.push((format!("{p}mlp.down_proj.weight"), vec![h, im]));
+    }
     if cfg.qkv_bias {
         v.push((format!("{p}self_attn.q_proj.bias"), vec![q]));
         v.push((format!("{p}self_attn.k_proj.bias"), vec![kv]));
@@ -1025,39 +1059,86 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usiz
         v.push((format!("{p}post_attention_layernorm.weight"), vec![h]));
         v.push((format!("{p}post_feedforward_layernorm.weight"), vec![h]));
     }
+    if let Some(m) = moe {
+        let e_im = m.intermediate_size;
+        let (block, names) = match m.naming {
+            MoeNaming::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            MoeNaming::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        };
+        v.push((format!("{p}{block}.gate.weight"), vec![m.num_experts, h]));
+        for e in 0..m.num_experts {
+            let x = format!("{p}{block}.experts.{e}.");
+            v.push((format!("{x}{}.weight", names[0]), vec![e_im, h]));
+            v.push((format!("{x}{}.weight", names[1]), vec![e_im, h]));
+            v.push((format!("{x}{}.weight", names[2]), vec![h, e_im]));
+        }
+        let s_im = m.shared_expert_intermediate_size;
+        if s_im > 0 {
+            let x = format!("{p}mlp.shared_expert.");
+            v.push((format!("{x}gate_proj.weight"), vec![s_im, h]));
+            v.push((format!("{x}up_proj.weight"), vec![s_im, h]));
+            v.push((format!("{x}down_proj.weight"), vec![h, s_im]));
+            v.push((format!("{p}mlp.shared_expert_gate.weight"), vec![1, h]));
+        }
+    }
     v
 }
 
-/// Splits [`layer_tensor_shapes`]-ordered values into the nine Llama ones and the optional
-/// tail as (q_bias, k_bias, v_bias), (q_norm, k_norm), (attn_out_norm, mlp_out_norm).
-#[allow(clippy::type_complexity)]
-fn split_layer<T>(
-    cfg: &ModelConfig,
-    v: Vec<T>,
-) -> (
-    [T; 9],
-    (Option<T>, Option<T>, Option<T>),
-    (Option<T>, Option<T>),
-    (Option<T>, Option<T>),
-) {
+/// A mixture-of-experts layer's router, experts' (gate, up, down) and shared expert (gate, up,
+/// down, its gate).
+type MoeParts<T> = (T, Vec<[T; 3]>, Option<[T; 4]>);
+
+/// A layer's [`layer_tensor_shapes`]-ordered values, split by role.
+struct LayerParts<T> {
+    /// Input norm, q, k, v, o, the norm before the MLP.
+    core: [T; 6],
+    /// The dense MLP's gate, up, down (`None` in a mixture-of-experts layer).
+    mlp: Option<[T; 3]>,
+    bias: (Option<T>, Option<T>, Option<T>),
+    qk_norm: (Option<T>, Option<T>),
+    out_norms: (Option<T>, Option<T>),
+    moe: Option<MoeParts<T>>,
+}
+
+/// Splits [`layer_tensor_shapes`]-ordered values of layer `i` by role.
+fn split_layer<T>(cfg: &ModelConfig, i: usize, v: Vec<T>) -> LayerParts<T> {
     let mut it = v.into_iter();
-    let core: [T; 9] = std::array::from_fn(|_| it.next().expect("nine Llama tensors"));
+    let mut next = || it.next().expect("as many values as layer_tensor_shapes");
+    let core: [T; 6] = std::array::from_fn(|_| next());
+    let moe = cfg.moe.as_ref().filter(|_| cfg.layer_is_moe(i));
+    let mlp = moe.is_none().then(|| std::array::from_fn(|_| next()));
     let bias = if cfg.qkv_bias {
-        (it.next(), it.next(), it.next())
+        (Some(next()), Some(next()), Some(next()))
     } else {
         (None, None, None)
     };
-    let norm = if cfg.qk_norm {
-        (it.next(), it.next())
+    let qk_norm = if cfg.qk_norm {
+        (Some(next()), Some(next()))
     } else {
         (None, None)
     };
-    let out = if cfg.sandwich_norms {
-        (it.next(), it.next())
+    let out_norms = if cfg.sandwich_norms {
+        (Some(next()), Some(next()))
     } else {
         (None, None)
     };
-    (core, bias, norm, out)
+    let moe = moe.map(|m| {
+        let router = next();
+        let experts = (0..m.num_experts)
+            .map(|_| std::array::from_fn(|_| next()))
+            .collect();
+        let shared =
+            (m.shared_expert_intermediate_size > 0).then(|| std::array::from_fn(|_| next()));
+        (router, experts, shared)
+    });
+    LayerParts {
+        core,
+        mlp,
+        bias,
+        qk_norm,
+        out_norms,
+        moe,
+    }
 }
 
 impl LayerWeights {
@@ -1075,13 +1156,27 @@ impl LayerWeights {
             .into_iter()
             .map(|(n, s)| src.load_f32(&n, &s))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::from_ordered(cfg, tensors))
+        Ok(Self::from_ordered(cfg, i, tensors))
     }
 
-    /// The layer from its tensors in [`layer_tensor_shapes`] order.
-    fn from_ordered(cfg: &ModelConfig, tensors: Vec<Tensor>) -> Self {
-        let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn), (an, mn)) =
-            split_layer(cfg, tensors);
+    /// Layer `i` from its tensors in [`layer_tensor_shapes`] order.
+    fn from_ordered(cfg: &ModelConfig, i: usize, tensors: Vec<Tensor>) -> Self {
+        let h = cfg.hidden_size;
+        let LayerParts {
+            core: [ln1, q, k, v, o, ln2],
+            mlp,
+            bias: (qb, kb, vb),
+            qk_norm: (qn, kn),
+            out_norms: (an, mn),
+            moe,
+        } = split_layer(cfg, i, tensors);
+        let [g, u, d] = mlp.unwrap_or_else(|| {
+            [
+                Tensor::full(&[0, h], 0.0),
+                Tensor::full(&[0, h], 0.0),
+                Tensor::full(&[h, 0], 0.0),
+            ]
+        });
         LayerWeights {
             input_layernorm: ln1,
             q_proj: q,
@@ -1099,6 +1194,11 @@ impl LayerWeights {
             k_norm: kn,
             attn_out_norm: an,
             mlp_out_norm: mn,
+            moe: moe.map(|(router, experts, shared)| MoeWeights {
+                router,
+                experts,
+                shared,
+            }),
         }
     }
 }
@@ -1159,7 +1259,9 @@ impl LlamaWeights {
     /// in `[-0.1, 0.1]` and Qwen3's q/k norm weights uniform in `[0.5, 1.5]` (HF initializes
     /// those to 0 and 1; random values make a backend that mixes up heads or skips them
     /// differ from the reference). They are drawn after each layer's nine Llama tensors, so
-    /// a Llama config's values are unchanged.
+    /// a Llama config's values are unchanged. A mixture-of-experts layer draws its router
+    /// uniform in `[-0.5, 0.5]` (so that tokens pick clearly different experts) and its
+    /// experts as linear weights, after the rest of the layer.
     pub fn dummy(cfg: &ModelConfig, seed: u64) -> Self {
         let h = cfg.hidden_size;
         let mut tensor_id = 0u64;
@@ -1174,18 +1276,40 @@ impl LlamaWeights {
         let embed = rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let ([ln1, q, k, v, o, ln2, g, u, d], (qb, kb, vb), (qn, kn), (an, mn)) =
-                split_layer(cfg, layer_tensor_shapes(cfg, i));
+            let LayerParts {
+                core: [ln1, q, k, v, o, ln2],
+                mlp,
+                bias: (qb, kb, vb),
+                qk_norm: (qn, kn),
+                out_norms: (an, mn),
+                moe,
+            } = split_layer(cfg, i, layer_tensor_shapes(cfg, i));
+            let a = 0.02 * 3f32.sqrt();
+            let (input_layernorm, q_proj, k_proj, v_proj, o_proj) = (
+                Tensor::full(&ln1.1, 1.0),
+                rand(&q.1, a),
+                rand(&k.1, a),
+                rand(&v.1, a),
+                rand(&o.1, a),
+            );
+            let [gate_proj, up_proj, down_proj] = match mlp {
+                Some([g, u, d]) => [rand(&g.1, a), rand(&u.1, a), rand(&d.1, a)],
+                None => [
+                    Tensor::full(&[0, h], 0.0),
+                    Tensor::full(&[0, h], 0.0),
+                    Tensor::full(&[h, 0], 0.0),
+                ],
+            };
             let mut layer = LayerWeights {
-                input_layernorm: Tensor::full(&ln1.1, 1.0),
-                q_proj: rand(&q.1, 0.02 * 3f32.sqrt()),
-                k_proj: rand(&k.1, 0.02 * 3f32.sqrt()),
-                v_proj: rand(&v.1, 0.02 * 3f32.sqrt()),
-                o_proj: rand(&o.1, 0.02 * 3f32.sqrt()),
+                input_layernorm,
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
                 post_attention_layernorm: Tensor::full(&ln2.1, 1.0),
-                gate_proj: rand(&g.1, 0.02 * 3f32.sqrt()),
-                up_proj: rand(&u.1, 0.02 * 3f32.sqrt()),
-                down_proj: rand(&d.1, 0.02 * 3f32.sqrt()),
+                gate_proj,
+                up_proj,
+                down_proj,
                 q_bias: None,
                 k_bias: None,
                 v_bias: None,
@@ -1193,6 +1317,7 @@ impl LlamaWeights {
                 k_norm: None,
                 attn_out_norm: None,
                 mlp_out_norm: None,
+                moe: None,
             };
             layer.q_bias = qb.map(|t| rand(&t.1, 0.1));
             layer.k_bias = kb.map(|t| rand(&t.1, 0.1));
@@ -1220,6 +1345,14 @@ impl LlamaWeights {
             }
             layer.attn_out_norm = an.map(|t| rand(&t.1, 0.5));
             layer.mlp_out_norm = mn.map(|t| rand(&t.1, 0.5));
+            layer.moe = moe.map(|(router, experts, shared)| MoeWeights {
+                router: rand(&router.1, 0.5),
+                experts: experts
+                    .into_iter()
+                    .map(|e| e.map(|t| rand(&t.1, a)))
+                    .collect(),
+                shared: shared.map(|s| s.map(|t| rand(&t.1, a))),
+            });
             layers.push(layer);
         }
         let lm_head = if cfg.tie_word_embeddings {

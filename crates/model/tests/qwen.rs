@@ -29,6 +29,9 @@ fn config_json(model_type: &str, extra: &str) -> String {
         "phi3" => "Phi3ForCausalLM",
         "mistral" => "MistralForCausalLM",
         "gemma3_text" => "Gemma3ForCausalLM",
+        "mixtral" => "MixtralForCausalLM",
+        "qwen2_moe" => "Qwen2MoeForCausalLM",
+        "qwen3_moe" => "Qwen3MoeForCausalLM",
         _ => "LlamaForCausalLM",
     };
     format!(
@@ -196,10 +199,46 @@ fn dense_reference(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<V
             }
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let xn = rms(x, &l.post_attention_layernorm.data, eps);
-            let gate = linear(&l.gate_proj.data, None, &xn);
-            let up = linear(&l.up_proj.data, None, &xn);
-            let a: Vec<f32> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
-            let mut d = linear(&l.down_proj.data, None, &a);
+            let mlp = |gate: &[f32], up: &[f32], down: &[f32], xn: &[f32]| {
+                let gate = linear(gate, None, xn);
+                let up = linear(up, None, xn);
+                let a: Vec<f32> = gate.iter().zip(&up).map(|(&g, u)| act(g) * u).collect();
+                linear(down, None, &a)
+            };
+            let mut d = match &l.moe {
+                None => mlp(&l.gate_proj.data, &l.up_proj.data, &l.down_proj.data, &xn),
+                // transformers' sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax
+                // of the router logits, the top k, renormalized if `norm_topk_prob`, the
+                // experts' outputs times their weights added in ascending expert id; Qwen2-MoE
+                // adds `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+                Some(m) => {
+                    let mc = cfg.moe.as_ref().expect("moe config");
+                    let logits = linear(&m.router.data, None, &xn);
+                    let top = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = logits.iter().map(|v| (v - top).exp()).collect();
+                    let z: f32 = e.iter().sum();
+                    let p: Vec<f32> = e.iter().map(|v| v / z).collect();
+                    let mut ids: Vec<usize> = (0..p.len()).collect();
+                    ids.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
+                    ids.truncate(mc.top_k);
+                    let sum: f32 = ids.iter().map(|&i| p[i]).sum();
+                    ids.sort();
+                    let mut out = vec![0f32; h];
+                    for &i in &ids {
+                        let wgt = if mc.norm_topk_prob { p[i] / sum } else { p[i] };
+                        let [g, u, dn] = &m.experts[i];
+                        let y = mlp(&g.data, &u.data, &dn.data, &xn);
+                        out.iter_mut().zip(&y).for_each(|(o, y)| *o += y * wgt);
+                    }
+                    if let Some([g, u, dn, sg]) = &m.shared {
+                        let y = mlp(&g.data, &u.data, &dn.data, &xn);
+                        let gl = linear(&sg.data, None, &xn)[0];
+                        let gate = 1.0 / (1.0 + (-gl).exp());
+                        out.iter_mut().zip(&y).for_each(|(o, y)| *o += gate * y);
+                    }
+                    out
+                }
+            };
             if let Some(n) = &l.mlp_out_norm {
                 d = rms(&d, &n.data, eps);
             }
@@ -880,4 +919,269 @@ fn mapped_logits(d: &std::path::Path) -> Vec<Vec<f32>> {
         all_logits: true,
     };
     mapped.forward(&mut kv, &[row]).unwrap()
+}
+
+/// Mixtral, Qwen2-MoE (shared expert, a dense first layer) and Qwen3-MoE (renormalized top-k,
+/// every second layer sparse) configs of [`config`]'s widths, with their config.json text.
+fn moe_configs() -> Vec<(ModelConfig, String)> {
+    [
+        (
+            "mixtral",
+            r#", "num_local_experts": 5, "num_experts_per_tok": 2"#,
+        ),
+        (
+            "qwen2_moe",
+            r#", "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40, "mlp_only_layers": [0]"#,
+        ),
+        (
+            "qwen3_moe",
+            r#", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "norm_topk_prob": true, "decoder_sparse_step": 2, "head_dim": 8"#,
+        ),
+    ]
+    .into_iter()
+    .map(|(ty, extra)| (config(ty, extra), config_json(ty, extra)))
+    .collect()
+}
+
+#[test]
+fn mixture_of_experts_configs_read_as_transformers() {
+    let cfgs = moe_configs();
+    let m = cfgs[0].0.moe.as_ref().expect("mixtral is sparse");
+    assert_eq!((m.num_experts, m.top_k, m.intermediate_size), (5, 2, 80));
+    assert!(m.norm_topk_prob && m.layers == [true, true]);
+    assert_eq!(m.naming, baton_model::MoeNaming::Mixtral);
+    let q2 = &cfgs[1].0;
+    let m = q2.moe.as_ref().unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.intermediate_size), (6, 3, 24));
+    assert_eq!(m.shared_expert_intermediate_size, 40);
+    assert!(!m.norm_topk_prob && m.layers == [false, true] && q2.qkv_bias);
+    let q3 = &cfgs[2].0;
+    let m = q3.moe.as_ref().unwrap();
+    assert!(m.norm_topk_prob && m.layers == [false, true] && q3.qk_norm && !q3.qkv_bias);
+    assert_eq!(m.shared_expert_intermediate_size, 0);
+    // Defaults: MixtralConfig (8 experts, top 2, eps 1e-5), Qwen3MoeConfig (128, top 8,
+    // width 768, no renormalization, head_dim hidden / heads).
+    let mx = ModelConfig::from_json_str(
+        r#"{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 48,
+        "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 6,
+        "vocab_size": 97, "max_position_embeddings": 64}"#,
+    )
+    .unwrap();
+    let m = mx.moe.as_ref().unwrap();
+    assert_eq!((m.num_experts, m.top_k, mx.rms_norm_eps), (8, 2, 1e-5));
+    assert!(mx.sliding_window.iter().all(Option::is_none));
+    let q3d = config("qwen3_moe", "");
+    let m = q3d.moe.as_ref().unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.intermediate_size), (128, 8, 768));
+    assert!(!m.norm_topk_prob && q3d.head_dim == 8);
+    // Qwen with no experts is dense.
+    assert!(config("qwen3_moe", r#", "num_experts": 0"#).moe.is_none());
+    // The fingerprint covers the routing.
+    let fp = |extra: &str| config("qwen3_moe", extra).fingerprint();
+    assert_ne!(fp(""), fp(r#", "norm_topk_prob": true"#));
+    assert_ne!(fp(""), fp(r#", "num_experts_per_tok": 4"#));
+    assert_ne!(fp(""), fp(r#", "mlp_only_layers": [1]"#));
+    assert_ne!(fp(""), fp(r#", "moe_intermediate_size": 64"#));
+    // What cannot run is refused naming the field.
+    for (ty, extra, field) in [
+        (
+            "mixtral",
+            r#", "num_local_experts": 4, "num_experts_per_tok": 5"#,
+            "num_experts_per_tok",
+        ),
+        (
+            "mixtral",
+            r#", "num_experts_per_tok": 0"#,
+            "num_experts_per_tok",
+        ),
+        (
+            "mixtral",
+            r#", "num_local_experts": 0"#,
+            "num_local_experts",
+        ),
+        ("qwen3_moe", r#", "num_experts": 5000"#, "num_experts"),
+        (
+            "qwen3_moe",
+            r#", "mlp_only_layers": [2]"#,
+            "mlp_only_layers",
+        ),
+        (
+            "qwen3_moe",
+            r#", "mlp_only_layers": "0""#,
+            "mlp_only_layers",
+        ),
+        (
+            "qwen3_moe",
+            r#", "decoder_sparse_step": 0"#,
+            "decoder_sparse_step",
+        ),
+        (
+            "qwen2_moe",
+            r#", "moe_intermediate_size": 0"#,
+            "moe_intermediate_size",
+        ),
+        (
+            "qwen2_moe",
+            r#", "use_sliding_window": true"#,
+            "use_sliding_window",
+        ),
+    ] {
+        let e = ModelConfig::from_json_str(&config_json(ty, extra)).unwrap_err();
+        assert!(
+            matches!(&e, ModelError::InvalidField { field: f, .. } if f == field),
+            "{ty} {extra}: {e}"
+        );
+    }
+}
+
+#[test]
+fn mixture_of_experts_models_match_the_dense_reference() {
+    for (cfg, _) in moe_configs() {
+        let w = LlamaWeights::dummy(&cfg, 9);
+        let want = dense_reference(&cfg, &w, &TOKENS);
+        let got = paged_logits(&cfg, &w, &TOKENS);
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-4, "{}: max rel err {err}", cfg.model_type);
+        // The routing matters: the same weights with the top-k renormalization flipped, or
+        // one expert fewer per token, give other logits.
+        for change in [0, 1] {
+            let mut other = cfg.clone();
+            let m = other.moe.as_mut().unwrap();
+            if change == 0 {
+                m.norm_topk_prob = !m.norm_topk_prob;
+            } else {
+                m.top_k -= 1;
+            }
+            let err = max_rel(&paged_logits(&other, &w, &TOKENS), &want);
+            assert!(err > 1e-3, "{} change {change}: {err}", cfg.model_type);
+        }
+    }
+}
+
+#[test]
+fn mixture_of_experts_logits_do_not_depend_on_the_batch() {
+    for (cfg, _) in moe_configs() {
+        let w = LlamaWeights::dummy(&cfg, 4);
+        let model = CpuModel::new(cfg.clone(), w);
+        let prompts: [&[u32]; 3] = [&TOKENS, &[7, 8, 9, 10, 11, 12], &[50, 3, 91]];
+        let tables: [&[u32]; 3] = [&[0, 1, 2], &[3, 4], &[5]];
+        let rows: Vec<ForwardRow> = prompts
+            .iter()
+            .zip(tables)
+            .map(|(p, b)| ForwardRow {
+                tokens: p,
+                start_pos: 0,
+                block_table: b,
+                want_logits: true,
+                all_logits: true,
+            })
+            .collect();
+        let mut kv = PagedKvCache::new(&cfg, 6, 4);
+        let together = model.forward(&mut kv, &rows).unwrap();
+        let mut alone = Vec::new();
+        for r in &rows {
+            let mut kv = PagedKvCache::new(&cfg, 6, 4);
+            alone.extend(model.forward(&mut kv, std::slice::from_ref(r)).unwrap());
+        }
+        let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+            v.iter()
+                .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(bits(&together), bits(&alone), "{}", cfg.model_type);
+    }
+}
+
+#[test]
+fn mixture_of_experts_checkpoints_load_by_their_names() {
+    for (cfg, json) in moe_configs() {
+        let ty = cfg.model_type.clone();
+        let w = LlamaWeights::dummy(&cfg, 6);
+        let d = write_checkpoint(&ty, &json, &w, &cfg);
+        let src = baton_model::WeightSource::open(&d).unwrap();
+        let names: Vec<String> = src.tensor_names().map(str::to_string).collect();
+        drop(src);
+        let (expert, router) = if ty == "mixtral" {
+            (
+                "model.layers.1.block_sparse_moe.experts.4.w2.weight",
+                "model.layers.0.block_sparse_moe.gate.weight",
+            )
+        } else {
+            (
+                "model.layers.1.mlp.experts.5.down_proj.weight",
+                "model.layers.1.mlp.gate.weight",
+            )
+        };
+        assert!(names.iter().any(|n| n == expert), "{ty}: {names:?}");
+        assert!(names.iter().any(|n| n == router), "{ty}");
+        assert_eq!(
+            names.iter().any(|n| n.contains("shared_expert_gate")),
+            ty == "qwen2_moe"
+        );
+        assert_eq!(load_model_dir(&*d).expect("loads").weights, w, "{ty}");
+        let want = dense_reference(&cfg, &w, &TOKENS);
+        let err = max_rel(&mapped_logits(&d), &want);
+        assert!(err < 1e-4, "{ty}: mapped load, max rel err {err}");
+        // Without one expert's tensor both loads name it.
+        let src = baton_model::WeightSource::open(&d).unwrap();
+        let kept: Vec<OwnedTensor> = src
+            .tensor_names()
+            .filter(|n| *n != expert)
+            .map(|n| {
+                let t = src.get(n).unwrap();
+                (
+                    n.to_string(),
+                    safetensors::Dtype::F32,
+                    t.shape.to_vec(),
+                    t.bytes.to_vec(),
+                )
+            })
+            .collect();
+        drop(src);
+        write_safetensors(&d, "model.safetensors", &kept);
+        for e in [
+            load_model_dir(&*d).map(|_| ()).unwrap_err(),
+            ModelDir::new(&*d)
+                .load_mapped(baton_model::LoadFormat::Auto)
+                .map(|_| ())
+                .unwrap_err(),
+        ] {
+            assert!(
+                matches!(&e, ModelError::MissingTensor { tensor, .. } if tensor == expert),
+                "{ty}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mixture_of_experts_dummy_weights_count_every_expert() {
+    for (cfg, _) in moe_configs() {
+        let w = LlamaWeights::dummy(&cfg, 2);
+        let stored: usize = w
+            .layers
+            .iter()
+            .flat_map(|l| l.tensors())
+            .chain([&w.embed, &w.norm, &w.lm_head])
+            .map(|t| t.data.len())
+            .sum();
+        assert_eq!(cfg.num_parameters(), stored, "{}", cfg.model_type);
+        let m = cfg.moe.as_ref().unwrap();
+        for (i, l) in w.layers.iter().enumerate() {
+            assert_eq!(l.moe.is_some(), m.layers[i]);
+            if let Some(moe) = &l.moe {
+                assert_eq!(moe.experts.len(), m.num_experts);
+                assert_ne!(moe.experts[0], moe.experts[1], "experts differ");
+                assert!(l.gate_proj.data.is_empty());
+            }
+        }
+        // A layer without its experts is refused.
+        let mut bad = w.clone();
+        let li = m.layers.iter().position(|&s| s).unwrap();
+        bad.layers[li].moe.as_mut().unwrap().experts.pop();
+        let e = CpuModel::try_new(cfg.clone(), bad).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("weight tensors"), "{e}");
+    }
 }
