@@ -540,77 +540,13 @@ fn a_gemma3_text_model_generates_the_same_ids_however_it_is_batched() {
 /// router picking two per token: Mixtral renormalizes the two routing weights to sum to 1, so
 /// the output is the dense model's up to rounding, and `baton generate` (the mapped,
 /// layer-by-layer load of the experts by Mixtral's names, the routing, the weighted sum) gives
-/// the golden ids. The CUDA backend refuses the model by name.
+/// the golden ids.
 #[test]
 fn stories260k_as_a_mixtral_of_copies_of_its_mlp_generates_the_goldens() {
     let g = &common::goldens()[0];
-    let dir = json_only_copy("mixtral");
-    let path = dir.join("config.json");
-    let mut c: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    c["model_type"] = "mixtral".into();
-    c["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
-    c["num_local_experts"] = 4.into();
-    c["num_experts_per_tok"] = 2.into();
-    std::fs::write(&path, c.to_string()).unwrap();
-    let (experts, hidden) = (4usize, c["hidden_size"].as_u64().unwrap() as usize);
-    let bytes = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    // A fixed pseudo-random router per layer, uniform in [-1, 1).
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let layers = c["num_hidden_layers"].as_u64().unwrap() as usize;
-    let routers: Vec<Vec<u8>> = (0..layers)
-        .map(|_| {
-            (0..experts * hidden)
-                .flat_map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    let x = ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-                    x.to_le_bytes()
-                })
-                .collect()
-        })
-        .collect();
-    let mut views = Vec::new();
-    for (name, view) in st.tensors() {
-        let Some(rest) = name.strip_prefix("model.layers.") else {
-            views.push((name, view));
-            continue;
-        };
-        let (layer, part) = rest.split_once('.').unwrap();
-        let w = match part {
-            "mlp.gate_proj.weight" => "w1",
-            "mlp.up_proj.weight" => "w3",
-            "mlp.down_proj.weight" => "w2",
-            _ => {
-                views.push((name, view));
-                continue;
-            }
-        };
-        for e in 0..experts {
-            let n = format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight");
-            views.push((n, view.clone()));
-        }
-    }
-    for (i, r) in routers.iter().enumerate() {
-        let n = format!("model.layers.{i}.block_sparse_moe.gate.weight");
-        let v =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![experts, hidden], r)
-                .unwrap();
-        views.push((n, v));
-    }
-    std::fs::write(
-        dir.join("model.safetensors"),
-        safetensors::serialize(views, None).unwrap(),
-    )
-    .unwrap();
+    let dir = common::mixtral_copy("mixtral");
     let (ids, _) = generated(&dir, &["--temperature", "0", "--max-tokens", "64"]);
     assert_eq!(ids, g.greedy_ids);
-    let args = ["--device", "cuda", "--temperature", "0"];
-    let out = generate_in(&dir, &args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_fails_with(out.status.code(), &err, "mixture-of-experts", &args);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -384,3 +384,83 @@ pub fn prompt_logprobs(events: &[Event]) -> HashMap<u64, Vec<PromptEntry>> {
     }
     out
 }
+
+/// A temporary copy of the test model as a Mixtral (`MixtralForCausalLM`, 4 experts, top 2)
+/// whose experts are each a copy of its MLP, under a fixed pseudo-random router per layer
+/// (uniform in [-1, 1)), with its tokenizer and golden.json, under `tag`. Mixtral
+/// renormalizes each token's two routing weights to sum to 1, so the model computes the dense
+/// model's function up to rounding: the goldens hold for it, through every part of the
+/// mixture-of-experts path (the experts loaded by Mixtral's names, routing, grouping, the
+/// weighted sum).
+pub fn mixtral_copy(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(model_dir()).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "json") {
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["model_type"] = "mixtral".into();
+    c["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
+    c["num_local_experts"] = 4.into();
+    c["num_experts_per_tok"] = 2.into();
+    std::fs::write(&path, c.to_string()).unwrap();
+    let (experts, hidden) = (4usize, c["hidden_size"].as_u64().unwrap() as usize);
+    let layers = c["num_hidden_layers"].as_u64().unwrap() as usize;
+    let bytes = std::fs::read(model_dir().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let routers: Vec<Vec<u8>> = (0..layers)
+        .map(|_| {
+            (0..experts * hidden)
+                .flat_map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let x = ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                    x.to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let mut views = Vec::new();
+    for (name, view) in st.tensors() {
+        let expert = name.strip_prefix("model.layers.").and_then(|rest| {
+            let (layer, part) = rest.split_once('.')?;
+            let w = match part {
+                "mlp.gate_proj.weight" => "w1",
+                "mlp.up_proj.weight" => "w3",
+                "mlp.down_proj.weight" => "w2",
+                _ => return None,
+            };
+            Some((layer.to_string(), w))
+        });
+        match expert {
+            None => views.push((name, view)),
+            Some((layer, w)) => {
+                for e in 0..experts {
+                    let n = format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight");
+                    views.push((n, view.clone()));
+                }
+            }
+        }
+    }
+    for (i, r) in routers.iter().enumerate() {
+        let n = format!("model.layers.{i}.block_sparse_moe.gate.weight");
+        let v =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![experts, hidden], r)
+                .unwrap();
+        views.push((n, v));
+    }
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    dir
+}

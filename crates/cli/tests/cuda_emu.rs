@@ -295,6 +295,62 @@ fn gemma3_text_layers_and_long_prompts_match_the_cpu_reference() {
     }
 }
 
+/// Mixture-of-experts models on the CUDA worker against the CPU reference (kernels/moe.cu
+/// beside cuBLAS): Mixtral; Qwen2-MoE with its shared expert and a dense first layer; Qwen3-MoE
+/// with renormalized top-k on every second layer and q/k norms. Layer by layer in f32 and bf16
+/// for a batch mixing prefill chunks and decodes, and the last logits of a 300-token prompt
+/// (tiles of many pairs per expert).
+#[test]
+fn mixture_of_experts_layers_match_the_cpu_reference() {
+    let base = r#""hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"vocab_size":1000,"max_position_embeddings":1024"#;
+    let configs = [
+        format!(
+            r#"{{"architectures":["MixtralForCausalLM"],"model_type":"mixtral",{base},
+            "intermediate_size":96,"num_local_experts":6,"num_experts_per_tok":2}}"#
+        ),
+        format!(
+            r#"{{"architectures":["Qwen2MoeForCausalLM"],"model_type":"qwen2_moe",{base},
+            "intermediate_size":128,"num_experts":5,"num_experts_per_tok":3,
+            "moe_intermediate_size":48,"shared_expert_intermediate_size":80,
+            "mlp_only_layers":[0]}}"#
+        ),
+        format!(
+            r#"{{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",{base},
+            "head_dim":16,"intermediate_size":128,"num_experts":8,"num_experts_per_tok":2,
+            "moe_intermediate_size":32,"norm_topk_prob":true,"decoder_sparse_step":2}}"#
+        ),
+    ];
+    for config in &configs {
+        for (dtype, tol) in [(Dtype::F32, 1e-4), (Dtype::Bf16, 1.5e-2)] {
+            let mut a = compare_args(dtype, tol);
+            a.config = Some(config.clone());
+            a.load_format = LoadFormatArg::Dummy;
+            let last = Mutex::new(None);
+            compare(&a, true, &emu(dtype, true, &last))
+                .unwrap_or_else(|e| panic!("{dtype:?} layers: {config}: {e:#}"));
+        }
+        let mut a = compare_args(Dtype::F32, 1e-4);
+        a.config = Some(config.clone());
+        a.load_format = LoadFormatArg::Dummy;
+        a.prompt_ids = (0..300).map(|p| (3 + 41 * p) % 1000).collect();
+        let last = Mutex::new(None);
+        compare(&a, false, &emu(Dtype::F32, false, &last))
+            .unwrap_or_else(|e| panic!("300-token prompt: {config}: {e:#}"));
+    }
+}
+
+/// stories260K as a Mixtral of copies of its MLP (`common::mixtral_copy`) reproduces the f32
+/// goldens exactly on the CUDA worker, alone and batched, with decode graphs.
+#[test]
+fn a_mixtral_of_copies_of_the_test_model_gives_the_f32_goldens_with_graphs() {
+    let dir = mixtral_copy("emu-mixtral");
+    let last = Mutex::new(None);
+    let r = golden(&dir, &emu(Dtype::F32, false, &last));
+    let _ = std::fs::remove_dir_all(&dir);
+    r.expect("f32 goldens of the Mixtral copy on the emulator");
+}
+
 #[test]
 fn a_seeded_request_samples_the_same_alone_and_in_a_batch() {
     let sched = config(16, 256, 2);

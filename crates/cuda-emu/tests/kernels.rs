@@ -2392,3 +2392,229 @@ fn token_masks_over_a_llama_3_vocabulary_then_sampling_match_the_cpu_worker() {
         }
     });
 }
+
+// ---- Mixture of experts --------------------------------------------------------------------------
+
+/// One MoE layer through the executor's launch sequence (`baton_moe_route`, `baton_moe_align`,
+/// `baton_moe_gemm` for gate|up gathering the tokens, `baton_silu_and_mul` over the pairs,
+/// `baton_moe_gemm` for down, `baton_moe_combine` with and without a shared expert's output)
+/// against a direct reference: softmax, top-k with ties to the lower id, renormalized or not,
+/// `Σ w_e expert_e(x)` in ascending expert id. Token counts from one to several tiles per
+/// expert, an odd hidden width (scalar paths, a partial column block), a K past one chunk.
+#[test]
+fn moe_kernels_route_group_and_combine_as_the_reference() {
+    // (tokens, experts, top_k, hidden, inter, renorm)
+    let cases = [
+        (1usize, 8usize, 2usize, 40usize, 24usize, true),
+        (21, 6, 3, 37, 600, false),
+        (5, 4, 4, 40, 16, true),
+    ];
+    every_schedule(|| {
+        for (ci, &(t, ne, k, h, im, renorm)) in cases.iter().enumerate() {
+            for dtype in Dtype::ALL {
+                let seed = 100 + ci as u64;
+                let x = rounded_values(dtype, seed, t * h, 1.0);
+                let wgu = rounded_values(dtype, seed + 1, ne * 2 * im * h, 0.2);
+                let wd = rounded_values(dtype, seed + 2, ne * h * im, 0.2);
+                // Router logits (the router GEMM's f32 output); token 0 has a three-way tie at
+                // the top (experts 1, 2, 3), which the lower ids win.
+                let mut logits = values(seed + 3, t * ne)
+                    .into_iter()
+                    .map(|v| v * 3.0)
+                    .collect::<Vec<f32>>();
+                logits[1..4].fill(5.0);
+                let (mut ids, mut wts) = (vec![-1i32; t * k], vec![f32::NAN; t * k]);
+                // moe_route(topk_ids, topk_w, logits, num_tokens, num_experts, top_k, renorm)
+                run(
+                    dtype,
+                    "baton_moe_route",
+                    (t as u32, 1, 1),
+                    32,
+                    Params::new()
+                        .ptr_mut(ids.as_mut_ptr())
+                        .ptr_mut(wts.as_mut_ptr())
+                        .ptr(logits.as_ptr())
+                        .int(t as i32)
+                        .int(ne as i32)
+                        .int(k as i32)
+                        .int(i32::from(renorm)),
+                );
+                // Reference routing.
+                let mut want_route = Vec::new();
+                for i in 0..t {
+                    let l = &logits[i * ne..(i + 1) * ne];
+                    let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let s: f32 = l.iter().map(|v| (v - m).exp()).sum();
+                    let p: Vec<f32> = l.iter().map(|v| (v - m).exp() / s).collect();
+                    let mut order: Vec<usize> = (0..ne).collect();
+                    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                    let top = &mut order[..k];
+                    let sum: f32 = top.iter().map(|&e| p[e]).sum();
+                    top.sort_unstable();
+                    for &e in top.iter() {
+                        want_route.push((e as i32, if renorm { p[e] / sum } else { p[e] }));
+                    }
+                }
+                for (j, &(e, w)) in want_route.iter().enumerate() {
+                    assert_eq!(ids[j], e, "case {ci} pair {j}: expert");
+                    assert!(
+                        (wts[j] - w).abs() <= 1e-5,
+                        "case {ci} pair {j}: {} vs {w}",
+                        wts[j]
+                    );
+                }
+                let pairs = t * k;
+                let max_tiles = pairs.div_ceil(8) + ne;
+                let mut sorted = vec![-1i32; pairs];
+                let mut tiles = vec![-1i32; 1 + 3 * max_tiles];
+                // moe_align(sorted_pairs, tiles, topk_ids, num_pairs, num_experts)
+                run(
+                    dtype,
+                    "baton_moe_align",
+                    (1, 1, 1),
+                    1024,
+                    Params::new()
+                        .ptr_mut(sorted.as_mut_ptr())
+                        .ptr_mut(tiles.as_mut_ptr())
+                        .ptr(ids.as_ptr())
+                        .int(pairs as i32)
+                        .int(ne as i32),
+                );
+                // Every pair once, grouped by expert, tiles covering each run in order.
+                let mut seen = sorted.clone();
+                seen.sort_unstable();
+                assert_eq!(seen, (0..pairs as i32).collect::<Vec<_>>(), "case {ci}");
+                let n_tiles = tiles[0] as usize;
+                assert!(n_tiles <= max_tiles);
+                let mut covered = 0usize;
+                for tile in tiles[1..1 + 3 * n_tiles].chunks_exact(3) {
+                    let (e, s, end) = (tiles_at(tile, 0), tiles_at(tile, 1), tiles_at(tile, 2));
+                    assert_eq!(s, covered, "case {ci}: tiles in order");
+                    covered = (s + 8).min(end);
+                    for &p in &sorted[s..covered] {
+                        assert_eq!(ids[p as usize] as usize, e, "case {ci}: pair in its run");
+                    }
+                }
+                assert_eq!(covered, pairs, "case {ci}: tiles cover every pair");
+
+                let mut xin = Elems::new(dtype, &x);
+                let mut wgu_d = Elems::new(dtype, &wgu);
+                let mut wd_d = Elems::new(dtype, &wd);
+                let mut gu = Elems::filled(dtype, pairs * 2 * im, f32::NAN);
+                let mut act = Elems::filled(dtype, pairs * im, f32::NAN);
+                let mut y = Elems::filled(dtype, pairs * h, f32::NAN);
+                let gemm = |out: &mut Elems,
+                            inp: &mut Elems,
+                            w: &mut Elems,
+                            n: usize,
+                            kin: usize,
+                            gather: bool| {
+                    // moe_gemm(out, in, w, sorted_pairs, tiles, n_out, k_in, top_k, gather_tokens)
+                    run(
+                        dtype,
+                        "baton_moe_gemm",
+                        (n.div_ceil(32) as u32, max_tiles as u32, 1),
+                        256,
+                        Params::new()
+                            .ptr_mut(out.ptr())
+                            .ptr(inp.ptr())
+                            .ptr(w.ptr())
+                            .ptr(sorted.as_ptr())
+                            .ptr(tiles.as_ptr())
+                            .int(n as i32)
+                            .int(kin as i32)
+                            .int(k as i32)
+                            .int(i32::from(gather)),
+                    );
+                };
+                gemm(&mut gu, &mut xin, &mut wgu_d, 2 * im, h, true);
+                run(
+                    dtype,
+                    "baton_silu_and_mul",
+                    (pairs as u32, 1, 1),
+                    256,
+                    Params::new()
+                        .ptr_mut(act.ptr())
+                        .ptr(gu.ptr())
+                        .int(pairs as i32)
+                        .int(im as i32),
+                );
+                gemm(&mut y, &mut act, &mut wd_d, h, im, false);
+                // Reference per pair, rounding where the device stores elem_t.
+                let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+                let mut y_ref = vec![0f32; pairs * h];
+                for p in 0..pairs {
+                    let (tok, e) = (p / k, want_route[p].0 as usize);
+                    let xr = &x[tok * h..(tok + 1) * h];
+                    let g: Vec<f32> = (0..2 * im)
+                        .map(|n| round(dtype, dot(&wgu[(e * 2 * im + n) * h..][..h], xr)))
+                        .collect();
+                    let a: Vec<f32> = (0..im)
+                        .map(|j| round(dtype, g[j] / (1.0 + (-g[j]).exp()) * g[im + j]))
+                        .collect();
+                    for n in 0..h {
+                        y_ref[p * h + n] = round(dtype, dot(&wd[(e * h + n) * im..][..im], &a));
+                    }
+                }
+                // Sums of rounded products: an error of a few units of the element type
+                // relative to the largest output (a gate rounded the other way moves a small
+                // output by more than its own ulp).
+                let tol = if dtype == Dtype::F32 {
+                    1e-5
+                } else {
+                    4.0 * ulp(dtype)
+                };
+                let big = y_ref.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_close(
+                    &format!("case {ci} {} experts' outputs", dtype.name()),
+                    &y.read(),
+                    &y_ref,
+                    tol,
+                    tol * big,
+                );
+                for with_shared in [false, true] {
+                    let sh = rounded_values(dtype, seed + 4, t * h, 1.0);
+                    let sg = values(seed + 5, t);
+                    let mut sh_d = Elems::new(dtype, &sh);
+                    let mut out = Elems::filled(dtype, t * h, f32::NAN);
+                    let mut y_dev = Elems::new(dtype, &y.read());
+                    let mut p = Params::new();
+                    // moe_combine(out, y, topk_w, shared, shared_gate, num_tokens, top_k, hidden)
+                    p.ptr_mut(out.ptr()).ptr(y_dev.ptr()).ptr(wts.as_ptr());
+                    if with_shared {
+                        p.ptr(sh_d.ptr()).ptr(sg.as_ptr());
+                    } else {
+                        p.ptr(std::ptr::null::<u8>()).ptr(std::ptr::null::<f32>());
+                    }
+                    p.int(t as i32).int(k as i32).int(h as i32);
+                    run(dtype, "baton_moe_combine", (t as u32, 1, 1), 256, &mut p);
+                    let got_y = y_dev.read();
+                    let want: Vec<f32> = (0..t * h)
+                        .map(|i| {
+                            let (tok, c) = (i / h, i % h);
+                            let mut acc = 0f32;
+                            for j in 0..k {
+                                acc += got_y[(tok * k + j) * h + c] * wts[tok * k + j];
+                            }
+                            if with_shared {
+                                acc += 1.0 / (1.0 + (-sg[tok]).exp()) * sh[i];
+                            }
+                            round(dtype, acc)
+                        })
+                        .collect();
+                    assert_close(
+                        &format!("case {ci} {} combine (shared {with_shared})", dtype.name()),
+                        &out.read(),
+                        &want,
+                        ulp(dtype),
+                        1e-6,
+                    );
+                }
+            }
+        }
+    });
+}
+
+fn tiles_at(tile: &[i32], i: usize) -> usize {
+    tile[i] as usize
+}

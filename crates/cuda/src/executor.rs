@@ -191,6 +191,21 @@ struct LayerPtrs {
     /// `[hidden]` norms of the attention and MLP outputs (Gemma 3), or 0.
     attn_out_norm: u64,
     mlp_out_norm: u64,
+    /// A mixture-of-experts layer's weights (`gate_up` and `down` then hold every expert's,
+    /// `[num_experts, 2 * moe_inter, hidden]` and `[num_experts, hidden, moe_inter]`).
+    moe: Option<MoePtrs>,
+}
+
+/// Device weights of a mixture-of-experts layer beside its experts' (see [`LayerPtrs::moe`]).
+#[derive(Clone, Copy, Debug)]
+struct MoePtrs {
+    /// `[num_experts, hidden]` router.
+    router: u64,
+    /// Qwen2-MoE's shared expert: fused gate|up `[2 * shared_inter, hidden]`, down `[hidden,
+    /// shared_inter]`, and its gate `[1, hidden]`; all 0 without one.
+    shared_gate_up: u64,
+    shared_down: u64,
+    shared_gate: u64,
 }
 
 /// Most parameters of a kernel (`baton_decode_layers_hdD` has 27).
@@ -443,12 +458,12 @@ struct Persistent {
     grid: u32,
 }
 
-/// Whether the model's layers have Gemma 3's conventions that the fused decode GEMV path (and
-/// the persistent kernel) do not implement: the norms of the sublayer outputs, GELU, the
-/// (1 + w) norms folded at upload are fine everywhere. Such a model's decode steps take the
-/// per-kernel path with cuBLAS (as `--no-fused-decode`).
-fn gemma_layers(cfg: &ModelConfig) -> bool {
-    cfg.sandwich_norms || cfg.hidden_act != baton_model::Activation::Silu
+/// Whether the model's layers have what the fused decode GEMV path (and the persistent
+/// kernel) do not implement: Gemma 3's norms of the sublayer outputs and GELU (its (1 + w)
+/// norms folded at upload are fine everywhere), mixture-of-experts MLPs. Such a model's
+/// decode steps take the per-kernel path with cuBLAS (as `--no-fused-decode`).
+fn cublas_layers(cfg: &ModelConfig) -> bool {
+    cfg.sandwich_norms || cfg.hidden_act != baton_model::Activation::Silu || cfg.moe.is_some()
 }
 
 /// Why a model cannot take the persistent decode kernel, or `None` when it can: Llama-style
@@ -466,8 +481,8 @@ fn persistent_refusal(cfg: &ModelConfig, es: usize) -> Option<String> {
     if cfg.sliding_window.iter().any(Option::is_some) {
         return Some("sliding-window attention (full causal attention only)".into());
     }
-    if gemma_layers(cfg) {
-        return Some("Gemma 3's layers (Llama-style layers only)".into());
+    if cublas_layers(cfg) {
+        return Some("Gemma 3's or mixture-of-experts layers (Llama-style layers only)".into());
     }
     let cap = crate::plan::decode_layers_stage_elems(hd, es);
     let rows = [
@@ -542,7 +557,38 @@ struct ActOffsets {
     /// and `[max_rows, 20]` top log-probabilities, one contiguous block from `score_out`.
     score_tokens: usize,
     score_out: usize,
+    /// Mixture-of-experts layers (kernels/moe.cu), all of zero size for a dense model: router
+    /// logits `[t, num_experts]` f32, each token's experts `[t, top_k]` i32 and weights f32,
+    /// the pairs sorted by expert `[t * top_k]` i32, the tiles `[1 + 3 * moe_max_tiles]` i32,
+    /// the pairs' gate|up `[t * top_k, 2 * moe_inter]`, activations `[t * top_k, moe_inter]`
+    /// and outputs `[t * top_k, hidden]`, the shared expert's output `[t, hidden]` and gate
+    /// logits `[t]` f32.
+    moe_logits: usize,
+    moe_ids: usize,
+    moe_w: usize,
+    moe_sorted: usize,
+    moe_tiles: usize,
+    moe_gate_up: usize,
+    moe_act: usize,
+    moe_out: usize,
+    moe_shared: usize,
+    moe_shared_gate: usize,
     total: usize,
+}
+
+/// Pairs per tile of `baton_moe_gemm` (kernels/moe.cu's `BATON_MOE_BM`).
+const MOE_TILE_PAIRS: usize = 8;
+/// Output columns per block of `baton_moe_gemm` (`BATON_MOE_BN`).
+const MOE_TILE_COLS: usize = 32;
+/// Most experts per token and experts per layer the MoE kernels take (`BATON_MOE_MAX_TOPK`,
+/// `BATON_MOE_MAX_EXPERTS`).
+const MOE_MAX_TOP_K: usize = 32;
+const MOE_MAX_EXPERTS: usize = 1024;
+
+/// Most tiles `baton_moe_align` can cut `pairs` (token, expert) pairs over `experts` experts
+/// into: each expert's run adds at most one partial tile.
+fn moe_max_tiles(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(MOE_TILE_PAIRS) + experts
 }
 
 /// Bytes of prompt-scoring output per position: log-probability, rank, and
@@ -709,35 +755,75 @@ pub fn from_device_bytes(b: &[u8], dtype: Dtype) -> Vec<f32> {
     }
 }
 
-/// Per layer, the device weight groups, each a list of indices into
+/// Layer `li`'s device weight groups, each a list of indices into
 /// `baton_model::weights::layer_tensor_shapes` (and `LayerWeights::tensors`) uploaded back to
 /// back: input norm, fused q|k|v, o, post norm, fused gate|up, down; then the fused
-/// q|k|v bias when the config has `qkv_bias` (Qwen2: tensors 9, 10, 11), the fused
-/// q|k norm when it has `qk_norm` (Qwen3, Gemma 3: the two tensors after the biases, if any),
-/// and the attention-output and MLP-output norms, one group each, with `sandwich_norms`.
-fn layer_groups(cfg: &ModelConfig) -> Vec<Vec<usize>> {
-    let mut g: Vec<Vec<usize>> = vec![
-        vec![0],
-        vec![1, 2, 3],
-        vec![4],
-        vec![5],
-        vec![6, 7],
-        vec![8],
-    ];
-    let mut next = 9;
+/// q|k|v bias when the config has `qkv_bias` (Qwen2), the fused q|k norm when it has
+/// `qk_norm` (Qwen3, Gemma 3), and the attention-output and MLP-output norms, one group each,
+/// with `sandwich_norms`. In a mixture-of-experts layer the gate|up group is every expert's
+/// gate and up, expert by expert (`[num_experts, 2 * moe_inter, hidden]`), the down group every
+/// expert's down, and [`moe_groups`] follow: the router, then the shared expert's gate|up,
+/// down and gate when it has one.
+fn layer_groups(cfg: &ModelConfig, li: usize) -> Vec<Vec<usize>> {
+    let moe = cfg.moe.as_ref().filter(|_| cfg.layer_is_moe(li));
+    let mut g: Vec<Vec<usize>> = vec![vec![0], vec![1, 2, 3], vec![4], vec![5]];
+    let mut next = if moe.is_some() { 6 } else { 9 };
+    let mut tail = Vec::new();
     if cfg.qkv_bias {
-        g.push(vec![next, next + 1, next + 2]);
+        tail.push(vec![next, next + 1, next + 2]);
         next += 3;
     }
     if cfg.qk_norm {
-        g.push(vec![next, next + 1]);
+        tail.push(vec![next, next + 1]);
         next += 2;
     }
     if cfg.sandwich_norms {
-        g.push(vec![next]);
-        g.push(vec![next + 1]);
+        tail.push(vec![next]);
+        tail.push(vec![next + 1]);
+        next += 2;
+    }
+    match moe {
+        None => {
+            g.push(vec![6, 7]);
+            g.push(vec![8]);
+            g.extend(tail);
+        }
+        Some(m) => {
+            // The router at `next`, then expert e's gate, up, down at next + 1 + 3e + 0..3.
+            let experts = |part: usize| (0..m.num_experts).map(move |e| next + 1 + 3 * e + part);
+            g.push(
+                experts(0)
+                    .zip(experts(1))
+                    .flat_map(|(a, b)| [a, b])
+                    .collect(),
+            );
+            g.push(experts(2).collect());
+            g.extend(tail);
+            g.push(vec![next]);
+            if m.shared_expert_intermediate_size > 0 {
+                let s = next + 1 + 3 * m.num_experts;
+                g.push(vec![s, s + 1]);
+                g.push(vec![s + 2]);
+                g.push(vec![s + 3]);
+            }
+        }
     }
     g
+}
+
+/// Positions in [`layer_groups`] of a mixture-of-experts layer's router and, when the model
+/// has a shared expert, its gate|up, down and gate groups.
+fn moe_groups(cfg: &ModelConfig) -> (usize, Option<(usize, usize, usize)>) {
+    let router = 6
+        + usize::from(cfg.qkv_bias)
+        + usize::from(cfg.qk_norm)
+        + 2 * usize::from(cfg.sandwich_norms);
+    let shared = cfg
+        .moe
+        .as_ref()
+        .filter(|m| m.shared_expert_intermediate_size > 0)
+        .map(|_| (router + 1, router + 2, router + 3));
+    (router, shared)
 }
 
 /// Indices of the attention-output and MLP-output norm groups in [`layer_groups`] (Gemma 3's
@@ -789,19 +875,22 @@ impl WeightLayout {
             off = (off + elems * es).div_ceil(256) * 256;
             o
         };
-        // Every layer has the same shapes: the group sizes from layer 0's tensors.
-        let shapes = baton_model::weights::layer_tensor_shapes(cfg, 0);
-        let group_elems: Vec<usize> = layer_groups(cfg)
-            .iter()
-            .map(|g| {
-                g.iter()
-                    .map(|&i| shapes[i].1.iter().product::<usize>())
-                    .sum()
-            })
-            .collect();
+        // Each layer's group sizes from its own tensors (a mixture-of-experts model may have
+        // dense layers too).
+        let group_elems = |li: usize| -> Vec<usize> {
+            let shapes = baton_model::weights::layer_tensor_shapes(cfg, li);
+            layer_groups(cfg, li)
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .map(|&i| shapes[i].1.iter().product::<usize>())
+                        .sum()
+                })
+                .collect()
+        };
         let embed = place(cfg.vocab_size * h);
         let layers = (0..cfg.num_hidden_layers)
-            .map(|_| group_elems.iter().map(|&n| place(n)).collect())
+            .map(|li| group_elems(li).iter().map(|&n| place(n)).collect())
             .collect();
         let norm = place(h);
         let head = place(cfg.vocab_size * h);
@@ -856,8 +945,37 @@ impl BufferPlan {
         a.qkv = take(t * qkv_w * es);
         a.attn = take(t * q_w * es);
         a.tmp = take(t * h * es);
+        // The dense MLPs' and the shared expert's.
+        let im = im.max(
+            cfg.moe
+                .as_ref()
+                .map_or(0, |m| m.shared_expert_intermediate_size),
+        );
         a.gate_up = take(t * 2 * im * es);
         a.act = take(t * im * es);
+        let (ne, k, e_im) = cfg
+            .moe
+            .as_ref()
+            .map_or((0, 0, 0), |m| (m.num_experts, m.top_k, m.intermediate_size));
+        let shared = cfg
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.shared_expert_intermediate_size > 0);
+        let pairs = t * k;
+        a.moe_logits = take(t * ne * 4);
+        a.moe_ids = take(pairs * 4);
+        a.moe_w = take(pairs * 4);
+        a.moe_sorted = take(pairs * 4);
+        a.moe_tiles = take(if ne > 0 {
+            4 * (1 + 3 * moe_max_tiles(pairs, ne))
+        } else {
+            0
+        });
+        a.moe_gate_up = take(pairs * 2 * e_im * es);
+        a.moe_act = take(pairs * e_im * es);
+        a.moe_out = take(pairs * h * es);
+        a.moe_shared = take(if shared { t * h * es } else { 0 });
+        a.moe_shared_gate = take(if shared { t * 4 } else { 0 });
         a.last = take(r * h * es);
         a.logits = take(r * cfg.vocab_size * 4);
         a.part_acc = take(r * nh * max_partitions * cfg.head_dim * 4);
@@ -946,11 +1064,13 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
         )));
     }
     if let Some(m) = &cfg.moe {
-        return Err(CudaWorkerError::Unsupported(format!(
-            "mixture-of-experts MLPs ({} experts, top {}; model_type {:?}) are not \
-             implemented on CUDA yet; --device cpu runs them",
-            m.num_experts, m.top_k, cfg.model_type
-        )));
+        if m.top_k > MOE_MAX_TOP_K || m.num_experts > MOE_MAX_EXPERTS {
+            return Err(CudaWorkerError::Unsupported(format!(
+                "mixture-of-experts layers of {} experts, top {}: the CUDA kernels take at \
+                 most {MOE_MAX_EXPERTS} experts and top {MOE_MAX_TOP_K}; --device cpu runs them",
+                m.num_experts, m.top_k
+            )));
+        }
     }
     // The q rows carry a partial-RoPE attention factor on every layer (`rotated_q_scale`),
     // which Gemma's local RoPE layers do not have.
@@ -1124,10 +1244,9 @@ impl CudaWorker {
             // SAFETY: `o + bytes.len()` lies inside the weight allocation (checked above).
             unsafe { dev.copy_htod(wbuf.at(o), &bytes) }
         };
-        // Per layer, in `layer_tensor_shapes` order (input norm, q, k, v, o, post norm, gate,
-        // up, down, then Qwen's biases and norms), the fused device groups.
-        let groups = layer_groups(&cfg);
-        let shapes_len = baton_model::weights::layer_tensor_shapes(&cfg, 0).len();
+        // Per layer, from its tensors in `layer_tensor_shapes` order (input norm, q, k, v, o,
+        // post norm, gate, up, down, then Qwen's biases and norms, the experts'), the fused
+        // device groups of `layer_groups`.
         match weights.into() {
             ModelWeights::Host(w) => {
                 let LlamaWeights {
@@ -1138,8 +1257,10 @@ impl CudaWorker {
                 } = w;
                 upload(embed_off, &[WeightPart::F32(&embed)])?;
                 drop(embed);
-                for (l, offs) in layers.into_iter().zip(&layer_offs) {
+                for (li, (l, offs)) in layers.into_iter().zip(&layer_offs).enumerate() {
                     let t = l.tensors();
+                    let groups = layer_groups(&cfg, li);
+                    let shapes_len = baton_model::weights::layer_tensor_shapes(&cfg, li).len();
                     if t.len() != shapes_len {
                         return Err(CudaWorkerError::Unsupported(format!(
                             "a layer has {} weight tensors, the config wants {shapes_len}",
@@ -1172,7 +1293,7 @@ impl CudaWorker {
                         .iter()
                         .map(|(n, s)| raw(n, s))
                         .collect::<Result<Vec<_>, _>>()?;
-                    for (g, &o) in groups.iter().zip(offs) {
+                    for (g, &o) in layer_groups(&cfg, i).iter().zip(offs) {
                         let parts: Vec<_> = g.iter().map(|&i| WeightPart::Raw(t[i])).collect();
                         upload(o, &parts)?;
                     }
@@ -1186,8 +1307,15 @@ impl CudaWorker {
             }
         }
         let mut layer_ptrs = Vec::with_capacity(layer_offs.len());
-        for offs in &layer_offs {
+        let (router_group, shared_groups) = moe_groups(&cfg);
+        for (li, offs) in layer_offs.iter().enumerate() {
             layer_ptrs.push(LayerPtrs {
+                moe: cfg.layer_is_moe(li).then(|| MoePtrs {
+                    router: wbuf.at(offs[router_group]),
+                    shared_gate_up: shared_groups.map_or(0, |(g, _, _)| wbuf.at(offs[g])),
+                    shared_down: shared_groups.map_or(0, |(_, g, _)| wbuf.at(offs[g])),
+                    shared_gate: shared_groups.map_or(0, |(_, _, g)| wbuf.at(offs[g])),
+                }),
                 input_norm: wbuf.at(offs[0]),
                 qkv: wbuf.at(offs[1]),
                 o: wbuf.at(offs[2]),
@@ -1716,12 +1844,12 @@ impl CudaWorker {
         )?;
         // Decode batches of at most GEMV_MAX_TOKENS rows: the fused GEMV path. Every row is
         // one token (t == r), so the LM head reads the residual rows directly. (Not for Gemma
-        // 3's layers: `gemma_layers`.)
+        // 3's or mixture-of-experts layers: `cublas_layers`.)
         let fused = self.opts.fused_decode
             && mode == AttnMode::Decode
             && t == r
             && t <= GEMV_MAX_TOKENS
-            && !gemma_layers(c);
+            && !cublas_layers(c);
         if fused {
             // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
             // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
@@ -1822,6 +1950,11 @@ impl CudaWorker {
                 self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
                 out_norm(lw.attn_out_norm)?;
                 add_rmsnorm(lw.post_norm)?;
+                if let Some(m) = &lw.moe {
+                    self.moe_mlp(t, lw, m)?;
+                    out_norm(lw.mlp_out_norm)?;
+                    continue;
+                }
                 self.gemm(
                     "gemm gate_up",
                     act(a.gate_up),
@@ -1833,12 +1966,8 @@ impl CudaWorker {
                     false,
                 )?;
                 // silu_and_mul(out, in, num_tokens, inter), or Gemma's GELU(tanh) the same way
-                let mlp_act = match c.hidden_act {
-                    baton_model::Activation::Silu => "baton_silu_and_mul",
-                    baton_model::Activation::GeluTanh => "baton_gelu_tanh_and_mul",
-                };
                 self.launch(
-                    mlp_act,
+                    self.mlp_act(),
                     (t as u32, 1, 1),
                     256,
                     KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(im),
@@ -1941,6 +2070,161 @@ impl CudaWorker {
     /// Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorms on the step's `t` QKV rows, in
     /// place, right after the QKV projection and before RoPE (`kernels/qkv_post.cu`). A model
     /// with neither (Llama, Mistral) launches nothing.
+    /// The MLP activation-and-mul kernel: SiLU, or Gemma's GELU(tanh).
+    fn mlp_act(&self) -> &'static str {
+        match self.cfg.hidden_act {
+            baton_model::Activation::Silu => "baton_silu_and_mul",
+            baton_model::Activation::GeluTanh => "baton_gelu_tanh_and_mul",
+        }
+    }
+
+    /// A mixture-of-experts MLP for the step's `t` tokens (kernels/moe.cu): `tmp` = the
+    /// mixture of `xn`. The router's GEMM (f32 logits), the routing, the pairs grouped by
+    /// expert, each pair's gate|up and down through its expert's weights, the weighted sum
+    /// per token; Qwen2-MoE's shared expert through cuBLAS beside it. Every grid depends on
+    /// `t` only, so graphs capture it.
+    fn moe_mlp(&self, t: usize, lw: &LayerPtrs, m: &MoePtrs) -> Result<(), CudaWorkerError> {
+        let c = &self.cfg;
+        let Some(mc) = c.moe.as_ref() else {
+            return Err(CudaWorkerError::Unsupported(
+                "a mixture-of-experts layer in a dense config".into(),
+            ));
+        };
+        let (h, ne, k, e_im) = (
+            c.hidden_size,
+            mc.num_experts,
+            mc.top_k,
+            mc.intermediate_size,
+        );
+        let a = &self.act_off;
+        let act = |o: usize| self.acts.at(o);
+        let pairs = t * k;
+        self.gemm(
+            "gemm router",
+            act(a.moe_logits),
+            act(a.xn),
+            m.router,
+            t,
+            ne,
+            h,
+            true,
+        )?;
+        // moe_route(topk_ids, topk_w, logits, num_tokens, num_experts, top_k, renorm)
+        self.launch(
+            "baton_moe_route",
+            (t as u32, 1, 1),
+            32,
+            KArgs::new()
+                .p(act(a.moe_ids))
+                .p(act(a.moe_w))
+                .p(act(a.moe_logits))
+                .i(t)
+                .i(ne)
+                .i(k)
+                .i(usize::from(mc.norm_topk_prob)),
+        )?;
+        // moe_align(sorted_pairs, tiles, topk_ids, num_pairs, num_experts)
+        self.launch(
+            "baton_moe_align",
+            (1, 1, 1),
+            1024,
+            KArgs::new()
+                .p(act(a.moe_sorted))
+                .p(act(a.moe_tiles))
+                .p(act(a.moe_ids))
+                .i(pairs)
+                .i(ne),
+        )?;
+        let tiles = moe_max_tiles(pairs, ne) as u32;
+        // moe_gemm(out, in, w, sorted_pairs, tiles, n_out, k_in, top_k, gather_tokens)
+        let experts_gemm = |out: u64, input: u64, w: u64, n: usize, k_in: usize, gather: bool| {
+            self.launch(
+                "baton_moe_gemm",
+                (n.div_ceil(MOE_TILE_COLS) as u32, tiles, 1),
+                256,
+                KArgs::new()
+                    .p(out)
+                    .p(input)
+                    .p(w)
+                    .p(act(a.moe_sorted))
+                    .p(act(a.moe_tiles))
+                    .i(n)
+                    .i(k_in)
+                    .i(k)
+                    .i(usize::from(gather)),
+            )
+        };
+        experts_gemm(act(a.moe_gate_up), act(a.xn), lw.gate_up, 2 * e_im, h, true)?;
+        self.launch(
+            self.mlp_act(),
+            (pairs as u32, 1, 1),
+            256,
+            KArgs::new()
+                .p(act(a.moe_act))
+                .p(act(a.moe_gate_up))
+                .i(pairs)
+                .i(e_im),
+        )?;
+        experts_gemm(act(a.moe_out), act(a.moe_act), lw.down, h, e_im, false)?;
+        let (shared, shared_gate) = if m.shared_gate_up != 0 {
+            let s_im = mc.shared_expert_intermediate_size;
+            self.gemm(
+                "gemm shared gate_up",
+                act(a.gate_up),
+                act(a.xn),
+                m.shared_gate_up,
+                t,
+                2 * s_im,
+                h,
+                false,
+            )?;
+            self.launch(
+                self.mlp_act(),
+                (t as u32, 1, 1),
+                256,
+                KArgs::new().p(act(a.act)).p(act(a.gate_up)).i(t).i(s_im),
+            )?;
+            self.gemm(
+                "gemm shared down",
+                act(a.moe_shared),
+                act(a.act),
+                m.shared_down,
+                t,
+                h,
+                s_im,
+                false,
+            )?;
+            self.gemm(
+                "gemm shared gate",
+                act(a.moe_shared_gate),
+                act(a.xn),
+                m.shared_gate,
+                t,
+                1,
+                h,
+                true,
+            )?;
+            (act(a.moe_shared), act(a.moe_shared_gate))
+        } else {
+            (0, 0)
+        };
+        // moe_combine(out, y, topk_w, shared, shared_gate, num_tokens, top_k, hidden)
+        self.launch(
+            "baton_moe_combine",
+            (t as u32, 1, 1),
+            256,
+            KArgs::new()
+                .p(act(a.tmp))
+                .p(act(a.moe_out))
+                .p(act(a.moe_w))
+                .p(shared)
+                .p(shared_gate)
+                .i(t)
+                .i(k)
+                .i(h),
+        )
+    }
+
     fn qkv_post(&self, t: usize, lw: &LayerPtrs) -> Result<(), CudaWorkerError> {
         if lw.qkv_bias == 0 && lw.qk_norm == 0 {
             return Ok(());
@@ -3316,7 +3600,7 @@ mod tests {
         ))
         .unwrap();
         assert!(qwen2.qkv_bias && !qwen2.qk_norm);
-        let groups = layer_groups(&qwen2);
+        let groups = layer_groups(&qwen2, 0);
         assert_eq!(groups.len(), 7);
         assert_eq!(groups[bias_group(&qwen2).unwrap()], [9, 10, 11]);
         assert_eq!(norm_group(&qwen2), None);
@@ -3331,7 +3615,7 @@ mod tests {
         ))
         .unwrap();
         assert!(!qwen3.qkv_bias && qwen3.qk_norm);
-        let groups = layer_groups(&qwen3);
+        let groups = layer_groups(&qwen3, 0);
         assert_eq!(groups.len(), 7);
         assert_eq!(groups[norm_group(&qwen3).unwrap()], [9, 10]);
         let shapes = baton_model::weights::layer_tensor_shapes(&qwen3, 3);
@@ -3353,8 +3637,8 @@ mod tests {
         // Both at once: the bias group, then the norm group.
         let mut both = qwen2.clone();
         both.qk_norm = true;
-        assert_eq!(layer_groups(&both)[6], [9, 10, 11]);
-        assert_eq!(layer_groups(&both)[7], [12, 13]);
+        assert_eq!(layer_groups(&both, 0)[6], [9, 10, 11]);
+        assert_eq!(layer_groups(&both, 0)[7], [12, 13]);
         assert_eq!(norm_group(&both), Some(7));
     }
 
@@ -3455,7 +3739,7 @@ mod tests {
         .unwrap();
         check_shape(&gemma).expect("Gemma 3 runs");
         let shapes = baton_model::weights::layer_tensor_shapes(&gemma, 0);
-        let groups = layer_groups(&gemma);
+        let groups = layer_groups(&gemma, 0);
         assert_eq!(groups.len(), 9);
         let (a, m) = out_norm_groups(&gemma).unwrap();
         assert!(shapes[groups[a][0]]
@@ -3472,10 +3756,10 @@ mod tests {
             let is_norm = shapes[groups[g][0]].0.contains("norm");
             assert_eq!(norms.contains(&g), is_norm, "group {g}");
         }
-        assert!(gemma_layers(&gemma));
+        assert!(cublas_layers(&gemma));
         assert!(persistent_refusal(&gemma, 2).is_some());
         let llama = llama_1b();
-        assert!(!gemma_layers(&llama) && out_norm_groups(&llama).is_none());
+        assert!(!cublas_layers(&llama) && out_norm_groups(&llama).is_none());
         assert_eq!(norm_groups(&llama), [0, 3]);
         let mut partial = gemma.clone();
         partial.rotary_dim = 16;
@@ -3492,20 +3776,54 @@ mod tests {
     }
 
     #[test]
-    fn mixture_of_experts_models_are_refused_by_name() {
-        let mixtral = ModelConfig::from_json_str(
-            r#"{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    fn mixture_of_experts_groups_upload_every_expert_and_past_the_kernels_limits_are_refused() {
+        let qwen2 = ModelConfig::from_json_str(
+            r#"{"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
             "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-            "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2}"#,
+            "max_position_embeddings": 256, "num_experts": 3, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+            "mlp_only_layers": [0]}"#,
         )
         .expect("config");
-        let e = check_shape(&mixtral).unwrap_err().to_string();
+        check_shape(&qwen2).expect("mixture-of-experts models run");
+        assert!(cublas_layers(&qwen2) && persistent_refusal(&qwen2, 2).is_some());
+        // Layer 0 is dense: Qwen2's groups.
+        let dense = layer_groups(&qwen2, 0);
+        assert_eq!(dense[4], [6, 7]);
+        assert_eq!(dense[6], [9, 10, 11]);
+        assert_eq!(dense.len(), 7);
+        // Layer 1: attention, biases at 6..9, the router at 9, expert e's gate, up, down at
+        // 10 + 3e, the shared expert's after them.
+        let shapes = baton_model::weights::layer_tensor_shapes(&qwen2, 1);
+        let g = layer_groups(&qwen2, 1);
+        assert_eq!(g[4], [10, 11, 13, 14, 16, 17]);
+        assert_eq!(g[5], [12, 15, 18]);
+        assert_eq!(g[6], [6, 7, 8]);
+        let (router, shared) = moe_groups(&qwen2);
+        let (sgu, sd, sg) = shared.expect("a shared expert");
+        assert_eq!(g[router], [9]);
+        assert_eq!(
+            (g[sgu].clone(), g[sd].clone(), g[sg].clone()),
+            (vec![19, 20], vec![21], vec![22])
+        );
+        assert_eq!(g.iter().map(Vec::len).sum::<usize>(), shapes.len());
+        assert!(shapes[9].0.ends_with("mlp.gate.weight"), "{}", shapes[9].0);
+        assert!(shapes[22].0.ends_with("shared_expert_gate.weight"));
+        for (part, name) in [
+            (10, "experts.0.gate_proj"),
+            (14, "experts.1.up_proj"),
+            (18, "experts.2.down_proj"),
+        ] {
+            assert!(shapes[part].0.contains(name), "{}", shapes[part].0);
+        }
+        let mut wide = qwen2.clone();
+        wide.moe.as_mut().unwrap().top_k = MOE_MAX_TOP_K + 1;
+        let e = check_shape(&wide).unwrap_err().to_string();
         assert!(
             e.contains("mixture-of-experts") && e.contains("--device cpu"),
             "{e}"
         );
-        check_shape(&llama_1b()).expect("a dense model runs");
     }
 
     #[test]

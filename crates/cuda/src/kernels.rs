@@ -42,6 +42,7 @@ static SOURCES: &[(&str, &str)] = &[
         "token_mask.cu",
         include_str!("../../../kernels/token_mask.cu"),
     ),
+    ("moe.cu", include_str!("../../../kernels/moe.cu")),
 ];
 
 /// `(file name, CUDA C source)` of the headers that kernel files include.
@@ -88,6 +89,15 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("token_mask.cu", &["baton_apply_token_mask"]),
+    (
+        "moe.cu",
+        &[
+            "baton_moe_route",
+            "baton_moe_align",
+            "baton_moe_gemm",
+            "baton_moe_combine",
+        ],
+    ),
 ];
 
 /// Element type of weights, activations and the KV cache; selects `elem_t` in
