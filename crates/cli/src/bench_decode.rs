@@ -14,7 +14,7 @@
 use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
-use baton_cuda::memory::{decode_floor_seconds, ModelShape};
+use baton_cuda::memory::decode_floor_seconds;
 use baton_cuda::{CudaWorker, Dtype};
 use baton_model::{CpuModel, LlamaWeights, ModelConfig, ModelDir, ModelWeights};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
@@ -561,15 +561,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let pages_per_seq = max_len.div_ceil(a.block_size);
     let num_blocks = max_batch * pages_per_seq;
     let max_tokens = a.prompt_len.max((max_batch * a.prompt_len).min(8192));
-    let shape = ModelShape {
-        hidden: cfg.hidden_size,
-        intermediate: cfg.intermediate_size,
-        layers: cfg.num_hidden_layers,
-        heads: cfg.num_attention_heads,
-        kv_heads: cfg.num_key_value_heads,
-        head_dim: cfg.head_dim,
-        vocab: cfg.vocab_size,
-    };
+    let shape = baton_cuda::executor::model_shape(&cfg);
     let vocab = cfg.vocab_size;
     // Bytes per weight and per KV element.
     let (mut backend, elem_bytes, kv_elem_bytes, bandwidth, label): (
@@ -716,7 +708,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         a.gen_len,
         points.first().map_or(1, |p| p.in_flight),
         bandwidth / 1e9,
-        (shape.weight_elems_read_per_step() * elem_bytes) as f64 / 1e9
+        (shape.weight_elems_read_per_step(1) * elem_bytes) as f64 / 1e9
     );
     let device = points.iter().any(|p| p.device_ms_per_step.is_some());
     outln!(
@@ -774,7 +766,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             "gen_len": a.gen_len,
             "sampling": sampling,
             "copy_bandwidth_bytes_per_s": bandwidth,
-            "weight_bytes_per_step": shape.weight_elems_read_per_step() * elem_bytes,
+            "weight_bytes_per_step": shape.weight_elems_read_per_step(1) * elem_bytes,
             "points": points,
         });
         std::fs::write(path, serde_json::to_string_pretty(&j)?)

@@ -50,7 +50,7 @@
 
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned, FENCE_FRAMES};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
-use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape};
+use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape, MoeShape};
 use crate::plan::{
     default_graph_buckets, gemv_rows_per_block, graph_bucket, plan_launch, LaunchPlan, PlanError,
 };
@@ -632,6 +632,13 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
         kv_heads: cfg.num_key_value_heads,
         head_dim: cfg.head_dim,
         vocab: cfg.vocab_size,
+        moe: cfg.moe.as_ref().map(|m| MoeShape {
+            sparse_layers: m.layers.iter().filter(|&&s| s).count(),
+            experts: m.num_experts,
+            top_k: m.top_k,
+            expert_intermediate: m.intermediate_size,
+            shared_intermediate: m.shared_expert_intermediate_size,
+        }),
     }
 }
 

@@ -57,7 +57,7 @@ pub use kernels::{
     nvrtc_available, Dtype, KernelError, Ptx,
 };
 pub use memory::{
-    decode_floor_seconds, kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape,
+    decode_floor_seconds, kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape, MoeShape,
 };
 pub use plan::{
     default_graph_buckets, graph_bucket, plan_launch, LaunchPlan, PlanError, Tuning,

@@ -134,25 +134,64 @@ pub struct ModelShape {
     pub head_dim: usize,
     /// Vocabulary.
     pub vocab: usize,
+    /// The mixture-of-experts layers, `None` for a dense model.
+    pub moe: Option<MoeShape>,
+}
+
+/// Shape numbers of a model's mixture-of-experts layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Layers whose MLP is the mixture (the others are dense, of `intermediate`).
+    pub sparse_layers: usize,
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Each expert's MLP inner width.
+    pub expert_intermediate: usize,
+    /// The shared expert's inner width, 0 for none.
+    pub shared_intermediate: usize,
 }
 
 impl ModelShape {
-    /// Elements of every weight a decode step reads in full: per layer the fused QKV, O,
-    /// gate/up and down projections and two norms; the final norm and the LM head. The
-    /// embedding table is not counted (a step reads one row per token). Tied embeddings still
-    /// read `vocab x hidden` for the head, so the count does not depend on tying.
-    pub fn weight_elems_read_per_step(&self) -> usize {
+    /// Elements of every weight a decode step of `batch` sequences reads in full: per layer
+    /// the fused QKV, O, gate/up and down projections and two norms; the final norm and the
+    /// LM head. A mixture-of-experts layer reads its router, the shared expert, and at least
+    /// `min(experts, batch * top_k)` experts (each token's own; fewer distinct ones only when
+    /// tokens share experts, so this is a floor). The embedding table is not counted (a step
+    /// reads one row per token). Tied embeddings still read `vocab x hidden` for the head, so
+    /// the count does not depend on tying.
+    pub fn weight_elems_read_per_step(&self, batch: usize) -> usize {
+        self.weight_elems(|m| m.experts.min(batch.max(1) * m.top_k))
+    }
+
+    /// Elements of every weight held on the device: every layer's, every expert's and the
+    /// embedding table (a tied LM head is uploaded as its own copy, so always
+    /// `2 x vocab x hidden`).
+    pub fn weight_elems_resident(&self) -> usize {
+        self.weight_elems(|m| m.experts) + self.vocab * self.hidden
+    }
+
+    /// The weights but the embedding table, with `experts(moe)` experts per sparse layer.
+    fn weight_elems(&self, experts: impl Fn(&MoeShape) -> usize) -> usize {
         let (h, i) = (self.hidden, self.intermediate);
         let q = self.heads * self.head_dim;
         let kv = self.kv_heads * self.head_dim;
-        let layer = (q + 2 * kv) * h + h * q + 2 * i * h + h * i + 2 * h;
-        self.layers * layer + h + self.vocab * h
-    }
-
-    /// Elements of every weight held on the device: the above plus the embedding table (a tied
-    /// LM head is uploaded as its own copy, so always `2 x vocab x hidden`).
-    pub fn weight_elems_resident(&self) -> usize {
-        self.weight_elems_read_per_step() + self.vocab * self.hidden
+        let attention = (q + 2 * kv) * h + h * q + 2 * h;
+        let dense_mlp = 3 * i * h;
+        let mlps = match &self.moe {
+            None => self.layers * dense_mlp,
+            Some(m) => {
+                let shared = if m.shared_intermediate > 0 {
+                    3 * m.shared_intermediate * h + h
+                } else {
+                    0
+                };
+                let sparse = m.experts * h + experts(m) * 3 * m.expert_intermediate * h + shared;
+                m.sparse_layers * sparse + (self.layers - m.sparse_layers) * dense_mlp
+            }
+        };
+        self.layers * attention + mlps + h + self.vocab * h
     }
 
     /// KV bytes one decode step reads for `batch` sequences of context `ctx` each (K and V,
@@ -174,7 +213,7 @@ pub fn decode_floor_seconds(
     ctx: usize,
     bandwidth: f64,
 ) -> f64 {
-    let bytes = shape.weight_elems_read_per_step() * weight_bytes
+    let bytes = shape.weight_elems_read_per_step(batch) * weight_bytes
         + shape.kv_bytes_read(batch, ctx, kv_bytes);
     bytes as f64 / bandwidth.max(1.0)
 }
@@ -192,6 +231,7 @@ mod tests {
             kv_heads: 8,
             head_dim: 128,
             vocab: 128256,
+            moe: None,
         }
     }
 
@@ -201,7 +241,7 @@ mod tests {
         // Llama-3-8B has 8,030,261,248 parameters (untied head included).
         assert_eq!(s.weight_elems_resident(), 8_030_261_248);
         assert_eq!(
-            s.weight_elems_read_per_step(),
+            s.weight_elems_read_per_step(1),
             8_030_261_248 - 128256 * 4096
         );
         // 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes = 128 KiB per token.
@@ -213,7 +253,7 @@ mod tests {
         let s = llama3_8b();
         let bw = 4.1e12;
         let t = decode_floor_seconds(&s, 2, 2, 1, 256, bw);
-        let bytes = s.weight_elems_read_per_step() * 2 + 256 * 131072;
+        let bytes = s.weight_elems_read_per_step(1) * 2 + 256 * 131072;
         assert!((t - bytes as f64 / bw).abs() < 1e-12);
         // About 3.7 ms for 8B in bf16 at 4.1 TB/s.
         assert!((0.0036..0.0038).contains(&t), "{t}");
@@ -221,6 +261,29 @@ mod tests {
         // The CPU backend: 2-byte weights, an f32 cache.
         let cpu = decode_floor_seconds(&s, 2, 4, 1, 256, bw);
         assert!((cpu - (bytes + 256 * 131072) as f64 / bw).abs() < 1e-12);
+    }
+
+    /// Mixtral-8x7B: 46,702,792,704 parameters; a decode step of one token reads two of the
+    /// eight experts per layer, of 32 tokens all eight.
+    #[test]
+    fn mixture_of_experts_steps_read_the_chosen_experts() {
+        let mixtral = ModelShape {
+            vocab: 32000,
+            moe: Some(MoeShape {
+                sparse_layers: 32,
+                experts: 8,
+                top_k: 2,
+                expert_intermediate: 14336,
+                shared_intermediate: 0,
+            }),
+            ..llama3_8b()
+        };
+        assert_eq!(mixtral.weight_elems_resident(), 46_702_792_704);
+        let expert = 3 * 14336 * 4096;
+        let all = mixtral.weight_elems_resident() - 32000 * 4096;
+        assert_eq!(mixtral.weight_elems_read_per_step(1), all - 32 * 6 * expert);
+        assert_eq!(mixtral.weight_elems_read_per_step(3), all - 32 * 2 * expert);
+        assert_eq!(mixtral.weight_elems_read_per_step(32), all);
     }
 
     const GB: usize = 1 << 30;
