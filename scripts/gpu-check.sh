@@ -43,7 +43,8 @@
 #      3c and 3d the same for Qwen3-0.6B and Qwen2.5-0.5B widths (q/k norms, q/k/v biases),
 #      3e for Phi-4-mini widths (partial RoPE with LongRoPE's attention factor); 3f layers
 #      at Mistral-7B widths with a 32-key sliding window over a 100-token prompt; 3g at
-#      Gemma-3-1b widths (Gemma 3's norms, GELU, scaled embedding, local RoPE);
+#      Gemma-3-1b widths (Gemma 3's norms, GELU, scaled embedding, local RoPE); 3h at
+#      Qwen3-30B-A3B widths with 2 layers (the mixture-of-experts kernels);
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -250,6 +251,17 @@ GEMMA3_1B='{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","hi
 "torch_dtype":"bfloat16"}'
 run_check 3g-layers-gemma3-1b-bf16 90 "$BATON" debug layers --load-format dummy \
     --config "$GEMMA3_1B" --dtype bf16 --tol 1.5e-2 --prompt-ids "$MISTRAL_IDS"
+
+# 3h. Qwen3-30B-A3B widths with 2 layers (128 experts, top 8, renormalized; q/k norms):
+# kernels/moe.cu's routing, grouping and grouped GEMMs beside cuBLAS (never run on a GPU; the
+# emulator passes Mixtral, Qwen2-MoE and Qwen3-MoE in f32 at 1e-4 and bf16 at 1.5e-2).
+QWEN3_30B_A3B='{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+"hidden_size":2048,"intermediate_size":6144,"num_hidden_layers":2,"num_attention_heads":32,
+"num_key_value_heads":4,"head_dim":128,"vocab_size":151936,"max_position_embeddings":40960,
+"rope_theta":1000000.0,"num_experts":128,"num_experts_per_tok":8,"moe_intermediate_size":768,
+"norm_topk_prob":true,"torch_dtype":"bfloat16"}'
+run_check 3h-layers-qwen3-30b-a3b-bf16 90 "$BATON" debug layers --load-format dummy \
+    --config "$QWEN3_30B_A3B" --dtype bf16 --tol 1.5e-2 --prompt-ids "$MISTRAL_IDS"
 
 run_check 5c-bench-decode-1b-unfused 90 "$BATON" bench decode --device cuda --load-format dummy \
     --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 --dtype bf16 --no-fused-decode \
