@@ -147,8 +147,9 @@ BATON_ENTRY void baton_moe_align(int* __restrict__ sorted_pairs, int* __restrict
 // elem_t; sorted_pairs and tiles from baton_moe_align. Each output is one fp32 sum in a fixed
 // order (lane l of a warp adds k = l, l + 32, ... over the K chunks in order, then a xor-shuffle
 // tree), rounded once: it depends on k_in alone, never on which pairs share its tile.
-// Launch: grid = (ceil(n_out / BATON_MOE_BN), max_tiles), block = (256): a block computes
-// BATON_MOE_BN columns for the tile's pairs, warp w the columns n0 + w + 8 c.
+// Launch: grid = (max_tiles, ceil(n_out / BATON_MOE_BN)), block = (256): a block computes
+// BATON_MOE_BN columns for the tile's pairs, warp w the columns n0 + w + 8 c. (Tiles on x,
+// whose limit is 2^31 - 1: a long prefill's pairs make more than y's 65535.)
 BATON_ENTRY void baton_moe_gemm(elem_t* __restrict__ out, const elem_t* __restrict__ in,
                                 const elem_t* __restrict__ w,
                                 const int* __restrict__ sorted_pairs,
@@ -156,7 +157,7 @@ BATON_ENTRY void baton_moe_gemm(elem_t* __restrict__ out, const elem_t* __restri
                                 int gather_tokens) {
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
-    const int tile = blockIdx.y;
+    const int tile = blockIdx.x;
     if (tile >= tiles[0]) return;
     const int e = tiles[1 + 3 * tile];
     const int start = tiles[2 + 3 * tile];
@@ -172,7 +173,7 @@ BATON_ENTRY void baton_moe_gemm(elem_t* __restrict__ out, const elem_t* __restri
     }
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int n0 = blockIdx.x * BATON_MOE_BN;
+    const int n0 = blockIdx.y * BATON_MOE_BN;
     const elem_t* we = w + (size_t)e * n_out * k_in;
     constexpr int COLS = BATON_MOE_BN / 8;
     float acc[COLS][BATON_MOE_BM];

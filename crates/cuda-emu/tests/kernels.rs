@@ -2513,7 +2513,7 @@ fn moe_kernels_route_group_and_combine_as_the_reference() {
                     run(
                         dtype,
                         "baton_moe_gemm",
-                        (n.div_ceil(32) as u32, max_tiles as u32, 1),
+                        (max_tiles as u32, n.div_ceil(32) as u32, 1),
                         256,
                         Params::new()
                             .ptr_mut(out.ptr())

@@ -1071,11 +1071,17 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
         )));
     }
     if let Some(m) = &cfg.moe {
-        if m.top_k > MOE_MAX_TOP_K || m.num_experts > MOE_MAX_EXPERTS {
+        // (The grouped GEMM's column blocks are its grid's y, at most 65535.)
+        let col_blocks = (2 * m.intermediate_size).div_ceil(MOE_TILE_COLS);
+        if m.top_k > MOE_MAX_TOP_K || m.num_experts > MOE_MAX_EXPERTS || col_blocks > 65535 {
             return Err(CudaWorkerError::Unsupported(format!(
-                "mixture-of-experts layers of {} experts, top {}: the CUDA kernels take at \
-                 most {MOE_MAX_EXPERTS} experts and top {MOE_MAX_TOP_K}; --device cpu runs them",
-                m.num_experts, m.top_k
+                "mixture-of-experts layers of {} experts, top {}, width {}: the CUDA kernels \
+                 take at most {MOE_MAX_EXPERTS} experts, top {MOE_MAX_TOP_K} and width {}; \
+                 --device cpu runs them",
+                m.num_experts,
+                m.top_k,
+                m.intermediate_size,
+                65535 * MOE_TILE_COLS / 2
             )));
         }
     }
@@ -2147,7 +2153,7 @@ impl CudaWorker {
         let experts_gemm = |out: u64, input: u64, w: u64, n: usize, k_in: usize, gather: bool| {
             self.launch(
                 "baton_moe_gemm",
-                (n.div_ceil(MOE_TILE_COLS) as u32, tiles, 1),
+                (tiles, n.div_ceil(MOE_TILE_COLS) as u32, 1),
                 256,
                 KArgs::new()
                     .p(out)
