@@ -144,6 +144,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         launch_timeout: None,
         trace: None,
         vocabulary: None,
+        kv_window: None,
     })?;
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();

@@ -386,6 +386,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .scheduler_config(&loaded.config)
         .map_err(anyhow::Error::msg)?;
     crate::args::serve_up_to("note", &mut loaded.config, cfg.max_model_len);
+    let kv_window = baton_scheduler::sliding_window_kv(&loaded.config.sliding_window);
     let tokenizer = loaded.tokenizer.take().context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
     )?;
@@ -400,7 +401,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype);
             run_on(
-                LocalEngine::new(cfg, backend),
+                LocalEngine::new(cfg, backend).with_kv_window(kv_window),
                 &a,
                 &tokenizer,
                 &prompts,
@@ -420,7 +421,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             cfg.num_blocks = backend.kv_capacity().num_blocks;
             say_kv_cache(cfg.num_blocks, cfg.block_size, model_dtype(a.cuda.dtype));
             run_on(
-                LocalEngine::new(cfg, backend),
+                LocalEngine::new(cfg, backend).with_kv_window(kv_window),
                 &a,
                 &tokenizer,
                 &prompts,

@@ -224,6 +224,36 @@ pub mod delayed {
             }
         }
 
+        /// An engine on the test model run with a sliding window of `window` keys on every
+        /// layer (as a Mistral), whose scheduler releases pages out of the window early only
+        /// when `release` ([`Scheduler::set_kv_window`]).
+        pub fn windowed(
+            cfg: SchedulerConfig,
+            delays: Delays,
+            window: usize,
+            release: bool,
+        ) -> Self {
+            let mut loaded = load_model_dir(super::model_dir()).expect("test model loads");
+            let layers = loaded.config.num_hidden_layers;
+            loaded.config.sliding_window = vec![Some(window); layers];
+            let (model, _) = loaded.into_cpu_model();
+            let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
+            let mut sched = Scheduler::new_local(cfg, backend.vocab_size());
+            sched.set_kv_window(release.then_some(window));
+            Self {
+                sched,
+                backend,
+                delays,
+                unexecuted: VecDeque::new(),
+                unreported: VecDeque::new(),
+                unreleased: VecDeque::new(),
+                last_completed: 0,
+                stats: DelayedStats::default(),
+                cancel_at: HashMap::new(),
+                tokens: HashMap::new(),
+            }
+        }
+
         /// Writes the lifecycle trace to `tracer`.
         pub fn set_tracer(&mut self, tracer: Tracer) {
             self.sched.set_tracer(tracer);

@@ -90,3 +90,93 @@ fn greedy_goldens_match_with_a_worker_lagging_three_launches_behind_the_schedule
     goldens_match_with_late_reports(4, 48, delays);
     goldens_match_with_late_reports(16, 12, delays);
 }
+
+/// stories260K run with a 16-key sliding window on every layer (as a Mistral): a running
+/// request's pages wholly before its next query's window go back to the pool mid-request
+/// (`Scheduler::set_kv_window`). With the worker executing three launches late (reading the
+/// tables as they are then) and releases lagging, six requests of up to 141 tokens (36 pages
+/// each) share a pool of 64 pages without a preemption; their outputs are those of a roomy
+/// pool that releases nothing early, log-probabilities bit for bit; every page comes back; and
+/// the trace checker, which
+/// tracks the last launch referring to each page, accepts the lifecycle. The same small pool
+/// without the early release preempts.
+#[test]
+fn sliding_window_pages_come_back_mid_request_under_late_reports() {
+    use baton_proto::SamplingParams;
+    use baton_scheduler::NewRequest;
+    let window = 16;
+    let reqs = || -> Vec<NewRequest> {
+        filler_prompts(6)
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let params = SamplingParams {
+                    want_logprob: 1,
+                    ..SamplingParams::greedy()
+                };
+                NewRequest::new(i as u64, p, 100, params)
+            })
+            .collect()
+    };
+    // Per request, each token with its log-probability's bits: a key read from a page that
+    // another request overwrote changes them even when the greedy token survives.
+    let outputs = |events: Vec<baton_scheduler::Event>| {
+        let mut out: std::collections::BTreeMap<u64, Vec<(u32, u32)>> = Default::default();
+        for e in events {
+            if let baton_scheduler::Event::Token {
+                id, token, logprob, ..
+            } = e
+            {
+                out.entry(id).or_default().push((token, logprob.to_bits()));
+            }
+        }
+        out
+    };
+    let late = Delays {
+        completion_lag: 3,
+        release_lag: 2,
+        execute_late: true,
+    };
+    // Reports at once: a released page is reclaimed and reused soonest, so a page let go of
+    // while still in the window is overwritten before the window leaves it.
+    let prompt = Delays {
+        completion_lag: 0,
+        release_lag: 0,
+        execute_late: false,
+    };
+    let run = |num_blocks: usize, release: bool, caching: bool, delays: Delays| {
+        let cfg = baton_scheduler::SchedulerConfig {
+            enable_prefix_caching: caching,
+            ..config(4, num_blocks, 4)
+        };
+        let mut engine = DelayedEngine::windowed(cfg, delays, window, release);
+        let trace = Buf::default();
+        engine.set_tracer(Tracer::new(Box::new(trace.clone())));
+        let out = outputs(engine.run(reqs()));
+        let s = engine.sched.stats();
+        assert_eq!(s.pool.free, s.pool.total, "pool not back to full: {s:?}");
+        assert_eq!(s.slots_retired, 0, "slots still retired: {s:?}");
+        let trace = trace.0.lock().unwrap().clone();
+        let summary = check_trace(trace.as_slice()).expect("the trace passes the checker");
+        (out, s.preemptions, summary)
+    };
+    let (roomy, _, _) = run(4096, false, true, late);
+    assert!(roomy.values().all(|ids| ids.len() == 100));
+    // With prefix caching a released page keeps its block until the pool evicts it; without,
+    // it is reused as soon as it is reclaimed.
+    for (caching, delays) in [(true, late), (false, late), (false, prompt)] {
+        let (small, preemptions, summary) = run(64, true, caching, delays);
+        assert_eq!(
+            small, roomy,
+            "releasing pages out of the window changed outputs (caching {caching}, {delays:?})"
+        );
+        assert_eq!(preemptions, 0, "caching {caching}: {summary:?}");
+        assert!(summary.reclaimed_pages > 2 * 64, "{summary:?}");
+        let (control, preemptions, _) = run(64, false, caching, delays);
+        assert_eq!(control, roomy);
+        assert!(
+            preemptions > 0,
+            "the small pool was meant to preempt without the release (caching {caching})"
+        );
+    }
+}

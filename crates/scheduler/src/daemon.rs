@@ -60,6 +60,9 @@ pub struct DaemonConfig {
     /// The vocabulary structured outputs compile against (from the model's tokenizer.json);
     /// `None`: a request with a constraint is refused.
     pub vocabulary: Option<baton_grammar::Vocabulary>,
+    /// The model's sliding window when every layer has one ([`crate::sliding_window_kv`]):
+    /// running requests' pages out of it are released early ([`Scheduler::set_kv_window`]).
+    pub kv_window: Option<usize>,
 }
 
 /// Errors that stop the daemon.
@@ -175,6 +178,7 @@ impl SchedulerDaemon {
         let me = participants.register_in(Role::Scheduler, control.scheduler_slots())?;
         let tables = Arc::new(plane::slot_tables(&segment, &limits)?);
         let mut sched = Scheduler::with_tables(cfg.sched.clone(), cfg.vocab_size, tables);
+        sched.set_kv_window(cfg.kv_window);
         if let Some(path) = &cfg.trace {
             let t = Tracer::to_file(path).map_err(|err| DaemonError::Trace {
                 path: path.clone(),

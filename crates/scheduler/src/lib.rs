@@ -19,7 +19,7 @@ pub use request::{
     FinishReason, NewRequest, RequestId,
 };
 pub use scheduler::{
-    check_admission, AdmitError, Event, Scheduler, SchedulerConfig, SchedulerStats,
-    SchedulingPolicy,
+    check_admission, sliding_window_kv, AdmitError, Event, Scheduler, SchedulerConfig,
+    SchedulerStats, SchedulingPolicy,
 };
 pub use trace::{Boundary, TraceRecord, Tracer};

@@ -191,6 +191,10 @@ pub(crate) struct Request {
     pub inflight_samples: VecDeque<(LaunchSeq, u32)>,
     /// Block table: page ids, append-only while the request holds its slot.
     pub blocks: Vec<u32>,
+    /// Leading entries of `blocks` whose pages the request has already let go of: with a
+    /// sliding window on every layer ([`crate::Scheduler::set_kv_window`]) no later query of
+    /// the request reads their keys. Their table entries stay and are never read.
+    pub released_blocks: usize,
     /// Prefix-cache keys of the full blocks of the known history computed so far (block `i`'s
     /// key at `i`); they depend on the tokens only, so they survive preemption.
     pub keys: Vec<BlockKey>,
@@ -272,6 +276,7 @@ impl Request {
             scheduled_len: 0,
             inflight_samples: VecDeque::new(),
             blocks: Vec::new(),
+            released_blocks: 0,
             keys: Vec::new(),
             registered: 0,
             cached_len: 0,
@@ -341,6 +346,7 @@ impl Request {
     /// The caller has already given back the slot and pages.
     pub fn back_to_waiting(&mut self) {
         debug_assert!(self.slot.is_none() && self.blocks.is_empty());
+        debug_assert_eq!(self.released_blocks, 0);
         self.state = State::Waiting;
         self.computed_len = 0;
         self.scheduled_len = 0;

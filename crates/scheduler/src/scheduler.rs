@@ -374,6 +374,9 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     guided_fill: Vec<Idx>,
     /// Threads for those masks (built on first use; `None` before, or if it could not start).
     guide_pool: Option<rayon::ThreadPool>,
+    /// The largest sliding window of the model's layers when every layer has one
+    /// ([`Scheduler::set_kv_window`]).
+    kv_window: Option<usize>,
 }
 
 impl Scheduler<Box<[AtomicU32]>> {
@@ -424,8 +427,22 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             prefix_hits: 0,
             guided_fill: Vec::new(),
             guide_pool: None,
+            kv_window: None,
             cfg,
         }
+    }
+
+    /// Lets the scheduler release a running request's pages that no later query reads: when
+    /// every layer of the model attends only to its last `w` keys (`window` = the largest
+    /// such `w`; `None`, the default, when any layer attends to every key), a row whose first
+    /// query is at position `p` reads no key before `p + 1 - w`, and neither does any later
+    /// row of the request, so the pages wholly before that are retired then, after the
+    /// request's previous launch (the last that may read them), as vLLM's sliding-window KV
+    /// manager frees them. With prefix caching, only pages already registered (or cache
+    /// hits) are released, so a released page keeps its block key for later hits.
+    /// [`sliding_window_kv`] gives `window` from a model's per-layer windows.
+    pub fn set_kv_window(&mut self, window: Option<usize>) {
+        self.kv_window = window.filter(|&w| w > 0);
     }
 
     /// Writes the lifecycle trace to `tracer`.
@@ -694,7 +711,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     owner: Some("worker".into()),
                     launch: Some(seq),
                     positions: Some((m.first_pos as usize, m.num_tokens as usize)),
-                    pages: Some(r.blocks[..row.num_blocks as usize].to_vec()),
+                    // The pages the launch may read: not those let go of (`set_kv_window`).
+                    pages: Some(r.blocks[r.released_blocks..row.num_blocks as usize].to_vec()),
                     evidence: (row.pending_launch != NOT_PENDING).then(|| {
                         format!("pending_from={}:{}", row.pending_launch, row.pending_row)
                     }),
@@ -789,6 +807,31 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             for &p in &self.scratch_pages {
                 self.tables.set_block(slot.slot, r.blocks.len(), p);
                 r.blocks.push(p);
+            }
+        }
+        // Pages wholly before the window of the row's first query: no query of this row or a
+        // later one reads them (`set_kv_window`). They retire after the request's previous
+        // launch; this one does not read them. (Not at the first row of a slot tenure, whose
+        // cache hits are reported after it is planned; the next row lets them go.)
+        if let Some(w) = self.kv_window.filter(|_| first > r.cached_len) {
+            let keep_from = (first + 1).saturating_sub(w);
+            let mut upto = (keep_from / block_size).min(r.blocks.len());
+            if self.cfg.enable_prefix_caching {
+                upto = upto.min(r.registered);
+            }
+            if upto > r.released_blocks {
+                let pages = &r.blocks[r.released_blocks..upto];
+                self.pool.retire(pages, r.last_launch);
+                if let Some(t) = &mut self.trace {
+                    t.emit(&TraceRecord {
+                        req: Some(r.id),
+                        launch: Some(r.last_launch),
+                        pages: Some(pages.to_vec()),
+                        owner: Some("pool".into()),
+                        ..TraceRecord::new(Boundary::Retire)
+                    });
+                }
+                r.released_blocks = upto;
             }
         }
         let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
@@ -967,6 +1010,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let r = &mut self.requests[idx];
         let after = r.last_launch;
         let mut pages = std::mem::take(&mut r.blocks);
+        // Pages already let go of (`set_kv_window`) are not the request's any more.
+        pages.drain(..std::mem::take(&mut r.released_blocks));
         let slot = r.slot.take();
         // The tail first: cached blocks are evicted in the order they come back, and a later
         // block is useless without the ones before it.
@@ -1415,6 +1460,25 @@ enum Plan {
     Nothing,
     /// Pages short by this many.
     NeedPages(usize),
+}
+
+/// The window [`Scheduler::set_kv_window`] takes from a model's per-layer sliding windows
+/// (`baton_model::ModelConfig::sliding_window`): the largest, when every layer has one;
+/// `None` when any layer attends to every key (Gemma 3's global layers) or there are none.
+///
+/// ```
+/// use baton_scheduler::sliding_window_kv;
+/// assert_eq!(sliding_window_kv(&[Some(4096); 32]), Some(4096)); // Mistral 7B v0.1
+/// assert_eq!(sliding_window_kv(&[Some(512), Some(1024)]), Some(1024));
+/// assert_eq!(sliding_window_kv(&[Some(512), None]), None); // Gemma 3
+/// assert_eq!(sliding_window_kv(&[None, None]), None);
+/// assert_eq!(sliding_window_kv(&[]), None);
+/// ```
+pub fn sliding_window_kv(windows: &[Option<usize>]) -> Option<usize> {
+    if windows.is_empty() {
+        return None;
+    }
+    windows.iter().try_fold(0usize, |m, w| w.map(|w| m.max(w)))
 }
 
 /// The stateless admission checks of [`Scheduler::add_request`], for a frontend that wants to

@@ -171,6 +171,10 @@ struct Shadow {
 struct Sim {
     sched: Scheduler,
     cfg: SchedulerConfig,
+    /// The model's sliding window on every layer, when it has one: a row whose first query is
+    /// at `p` reads no position before `p + 1 - w`, and the scheduler releases the pages
+    /// wholly before that (`Scheduler::set_kv_window`).
+    window: Option<usize>,
     eos_every: u64,
     trace: Buf,
     next_id: RequestId,
@@ -200,13 +204,15 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(cfg: SchedulerConfig, eos_every: u64) -> Self {
+    fn with_window(cfg: SchedulerConfig, eos_every: u64, window: Option<usize>) -> Self {
         let mut sched = Scheduler::new_local(cfg.clone(), VOCAB);
+        sched.set_kv_window(window);
         let trace = Buf::default();
         sched.set_tracer(Tracer::new(Box::new(trace.clone())));
         Self {
             sched,
             cfg,
+            window,
             eos_every,
             trace,
             next_id: 1,
@@ -428,7 +434,10 @@ impl Sim {
             tables.read_blocks(r.req.slot, r.num_blocks as usize, &mut b);
             let first = r.first_pos as usize;
             let end = first + r.num_tokens as usize;
-            for (bi, &p) in b.iter().enumerate() {
+            // With a sliding window the pages wholly before the first query's window are not
+            // the row's: it neither reads nor writes them (their entries are stale).
+            let from_block = self.reads_from(first) / bs;
+            for (bi, &p) in b.iter().enumerate().skip(from_block) {
                 // A row writes the positions it computes; it only reads the pages before them
                 // (a prefix-cache hit shares such pages with their other holders).
                 let writes = first.max(bi * bs) < end.min((bi + 1) * bs);
@@ -532,6 +541,11 @@ impl Sim {
 
     /// The worker reads the tables as they are now: they must still hold what the launch
     /// referred to at publication.
+    /// The first position a row whose first query is at `first` reads (its window's start).
+    fn reads_from(&self, first: usize) -> usize {
+        self.window.map_or(0, |w| (first + 1).saturating_sub(w))
+    }
+
     fn execute(&mut self, seq: LaunchSeq) -> Result<(), TestCaseError> {
         prop_assert_eq!(seq, self.executed + 1, "launches execute in order");
         self.executed = seq;
@@ -549,9 +563,10 @@ impl Sim {
         for (i, r) in p.launch.rows.iter().enumerate() {
             let (first, end) = (r.first_pos as usize, (r.first_pos + r.num_tokens) as usize);
             let hist = &p.history[i];
+            let read_from = self.reads_from(first);
             for (bi, page) in p.blocks[i].iter().enumerate() {
                 let read_end = first.min((bi + 1) * bs);
-                if read_end > bi * bs && live.contains(&r.req) {
+                if read_end > (bi * bs).max(read_from) && live.contains(&r.req) {
                     let have = self.content.get(page);
                     prop_assert!(
                         have.is_some_and(|(_, c)| c.len() >= read_end && c[..read_end] == hist[..read_end]),
@@ -899,7 +914,7 @@ impl Sim {
     }
 }
 
-fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
+fn config() -> impl Strategy<Value = (SchedulerConfig, u64, Option<usize>)> {
     (
         1usize..=4,
         1usize..=4,
@@ -908,9 +923,21 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
         0u64..12,
         0u8..4,
         any::<bool>(),
+        // A sliding window on every layer in half the cases, from one key to past the
+        // longest request (which releases nothing).
+        prop_oneof![Just(None), (1usize..=70).prop_map(Some)],
     )
         .prop_map(
-            |(max_inflight, bs_log, extra_pages, max_num_seqs, eos_every, caching, by_priority)| {
+            |(
+                max_inflight,
+                bs_log,
+                extra_pages,
+                max_num_seqs,
+                eos_every,
+                caching,
+                by_priority,
+                window,
+            )| {
                 let block_size = 1 << (bs_log - 1);
                 let max_model_len = 64;
                 // At least what one request can need, so every request fits alone; little more, so
@@ -932,6 +959,7 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64)> {
                         },
                     },
                     eos_every,
+                    window,
                 )
             },
         )
@@ -949,10 +977,10 @@ proptest! {
     /// consistent, and every case drains to a full pool and a clean trace.
     #[test]
     fn pages_stay_fenced_cancels_stay_silent_and_lengths_add_up_under_late_out_of_step_fences(
-        (cfg, eos_every) in config(),
+        (cfg, eos_every, window) in config(),
         ops in proptest::collection::vec(op(), 1..600),
     ) {
-        let mut sim = Sim::new(cfg, eos_every);
+        let mut sim = Sim::with_window(cfg, eos_every, window);
         for op in &ops {
             sim.apply(op)?;
         }
