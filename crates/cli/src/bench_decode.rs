@@ -485,7 +485,7 @@ fn load_config(a: &DecodeArgs) -> Result<ModelConfig> {
     if let Some(c) = &a.config {
         let t = c.trim_start();
         return if t.starts_with('{') {
-            Ok(ModelConfig::from_json_str(t)?)
+            Ok(ModelConfig::from_json_str_named(t, "--config")?)
         } else {
             Ok(ModelConfig::from_file(std::path::Path::new(c))?)
         };
@@ -701,14 +701,24 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             breakdown,
         });
     }
+    // The weights a step reads (the embedding table but one row each aside); a
+    // mixture-of-experts step reads only its tokens' experts, so both figures are given.
+    let gb = |elems: usize| (elems * elem_bytes) as f64 / 1e9;
+    let read = gb(shape.weight_elems_read_per_step(1));
+    let weights = match shape.moe {
+        None => format!("weights {read:.2} GB"),
+        Some(_) => format!(
+            "weights {:.2} GB, {read:.2} GB of them read by a batch-1 step",
+            gb(shape.weight_elems_resident() - shape.vocab * shape.hidden)
+        ),
+    };
     outln!(
         "decode on {label}: prompt {} gen {}, {sampling}, {} in flight, copy bandwidth {:.1} GB/s, \
-         weights {:.2} GB",
+         {weights}",
         a.prompt_len,
         a.gen_len,
         points.first().map_or(1, |p| p.in_flight),
         bandwidth / 1e9,
-        (shape.weight_elems_read_per_step(1) * elem_bytes) as f64 / 1e9
     );
     let device = points.iter().any(|p| p.device_ms_per_step.is_some());
     outln!(

@@ -257,7 +257,9 @@ fn run_greedy<B: Backend>(
 
 fn load(a: &CompareArgs) -> Result<(ModelConfig, LlamaWeights)> {
     let cfg = match (&a.config, &a.model) {
-        (Some(c), _) if c.trim_start().starts_with('{') => ModelConfig::from_json_str(c)?,
+        (Some(c), _) if c.trim_start().starts_with('{') => {
+            ModelConfig::from_json_str_named(c, "--config")?
+        }
         (Some(c), _) => ModelConfig::from_file(std::path::Path::new(c))?,
         (None, Some(dir)) => ModelConfig::from_file(&ModelDir::new(dir).config_path())?,
         (None, None) => bail!("give --model DIR or --config JSON"),

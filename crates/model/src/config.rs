@@ -577,7 +577,12 @@ impl ModelConfig {
         Self::from_json_str_named(json, "config.json")
     }
 
-    fn from_json_str_named(json: &str, file: &str) -> Result<Self, ModelError> {
+    /// [`ModelConfig::from_json_str`], its errors naming `file` (say `--config` for JSON given
+    /// on a command line) instead of `config.json`.
+    ///
+    /// # Errors
+    /// As [`ModelConfig::from_json_str`].
+    pub fn from_json_str_named(json: &str, file: &str) -> Result<Self, ModelError> {
         let v = parse_json(file, json)?;
         if v.get("model_type").and_then(Value::as_str) == Some("gemma3") {
             return Self::from_multimodal_gemma3(&v, file);
@@ -727,12 +732,7 @@ impl ModelConfig {
                         f.invalid("mlp_only_layers", "expected a list of layer indices")
                     })?,
             };
-            if let Some(&i) = dense.iter().find(|&&i| i >= num_layers) {
-                return Err(f.invalid(
-                    "mlp_only_layers",
-                    format!("layer {i} does not exist ({num_layers} layers)"),
-                ));
-            }
+            // (An index past the last layer names no layer; transformers ignores it too.)
             let layers: Vec<bool> = (0..num_layers)
                 .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                 .collect();
@@ -814,7 +814,13 @@ impl ModelConfig {
         }
 
         let hidden_size = f.req_usize("hidden_size")?;
-        let intermediate_size = f.req_usize("intermediate_size")?;
+        // The MoE config classes default it (their dense layers' width; Mixtral's experts').
+        let intermediate_size = match model_type {
+            "mixtral" => f.opt_usize("intermediate_size")?.unwrap_or(14336),
+            "qwen2_moe" => f.opt_usize("intermediate_size")?.unwrap_or(5632),
+            "qwen3_moe" => f.opt_usize("intermediate_size")?.unwrap_or(6144),
+            _ => f.req_usize("intermediate_size")?,
+        };
         let num_hidden_layers = f.req_usize("num_hidden_layers")?;
         let num_attention_heads = f.req_usize("num_attention_heads")?;
         let vocab_size = f.req_usize("vocab_size")?;
@@ -1125,7 +1131,12 @@ impl ModelConfig {
                 }
             }
         }
-        let default_theta = if gemma { 1_000_000.0 } else { 10000.0 };
+        // Gemma3TextConfig's and MixtralConfig's defaults are 1e6; the others' 1e4.
+        let default_theta = if gemma || model_type == "mixtral" {
+            1_000_000.0
+        } else {
+            10000.0
+        };
         let rope_theta = rope_theta.unwrap_or(default_theta) as f32;
         if !(rope_theta > 0.0 && rope_theta.is_finite()) {
             return Err(f.invalid("rope_theta", "must be > 0 and finite in f32"));

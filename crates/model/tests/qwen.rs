@@ -976,8 +976,29 @@ fn mixture_of_experts_configs_read_as_transformers() {
     let m = q3d.moe.as_ref().unwrap();
     assert_eq!((m.num_experts, m.top_k, m.intermediate_size), (128, 8, 768));
     assert!(!m.norm_topk_prob && q3d.head_dim == 8);
-    // Qwen with no experts is dense.
+    // Qwen with no experts is dense; a dense-layer index past the last layer names none
+    // (transformers ignores it).
     assert!(config("qwen3_moe", r#", "num_experts": 0"#).moe.is_none());
+    let past = config("qwen3_moe", r#", "mlp_only_layers": [1, 7]"#);
+    assert_eq!(past.moe.as_ref().unwrap().layers, [true, false]);
+    // The defaults of the fields config.json may leave out: MixtralConfig's rope_theta 1e6
+    // and intermediate_size 14336, Qwen3MoeConfig's 6144 and Qwen2MoeConfig's 5632 (the
+    // dense layers' width).
+    let bare = |ty: &str, arch: &str| {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"architectures": ["{arch}"], "model_type": "{ty}", "hidden_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 6, "vocab_size": 97,
+            "max_position_embeddings": 64}}"#
+        ))
+        .unwrap()
+    };
+    let mx = bare("mixtral", "MixtralForCausalLM");
+    assert_eq!((mx.rope_theta, mx.intermediate_size), (1e6, 14336));
+    assert_eq!(mx.moe.as_ref().unwrap().intermediate_size, 14336);
+    let q3 = bare("qwen3_moe", "Qwen3MoeForCausalLM");
+    assert_eq!((q3.rope_theta, q3.intermediate_size), (10000.0, 6144));
+    let q2 = bare("qwen2_moe", "Qwen2MoeForCausalLM");
+    assert_eq!((q2.rope_theta, q2.intermediate_size), (10000.0, 5632));
     // The fingerprint covers the routing.
     let fp = |extra: &str| config("qwen3_moe", extra).fingerprint();
     assert_ne!(fp(""), fp(r#", "norm_topk_prob": true"#));
@@ -1002,11 +1023,6 @@ fn mixture_of_experts_configs_read_as_transformers() {
             "num_local_experts",
         ),
         ("qwen3_moe", r#", "num_experts": 5000"#, "num_experts"),
-        (
-            "qwen3_moe",
-            r#", "mlp_only_layers": [2]"#,
-            "mlp_only_layers",
-        ),
         (
             "qwen3_moe",
             r#", "mlp_only_layers": "0""#,
