@@ -207,7 +207,11 @@ pub mod delayed {
         /// An engine on the test model.
         pub fn new(cfg: SchedulerConfig, delays: Delays) -> Self {
             let loaded = load_model_dir(super::model_dir()).expect("test model loads");
-            let (model, _) = loaded.into_cpu_model();
+            Self::on(loaded.into_cpu_model().0, cfg, delays)
+        }
+
+        /// An engine on `model`.
+        fn on(model: baton_model::CpuModel, cfg: SchedulerConfig, delays: Delays) -> Self {
             let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
             let sched = Scheduler::new_local(cfg, backend.vocab_size());
             Self {
@@ -236,22 +240,9 @@ pub mod delayed {
             let mut loaded = load_model_dir(super::model_dir()).expect("test model loads");
             let layers = loaded.config.num_hidden_layers;
             loaded.config.sliding_window = vec![Some(window); layers];
-            let (model, _) = loaded.into_cpu_model();
-            let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);
-            let mut sched = Scheduler::new_local(cfg, backend.vocab_size());
-            sched.set_kv_window(release.then_some(window));
-            Self {
-                sched,
-                backend,
-                delays,
-                unexecuted: VecDeque::new(),
-                unreported: VecDeque::new(),
-                unreleased: VecDeque::new(),
-                last_completed: 0,
-                stats: DelayedStats::default(),
-                cancel_at: HashMap::new(),
-                tokens: HashMap::new(),
-            }
+            let mut engine = Self::on(loaded.into_cpu_model().0, cfg, delays);
+            engine.sched.set_kv_window(release.then_some(window));
+            engine
         }
 
         /// Writes the lifecycle trace to `tracer`.

@@ -1084,6 +1084,16 @@ pub fn layer_tensor_shapes(cfg: &ModelConfig, i: usize) -> Vec<(String, Vec<usiz
     v
 }
 
+/// The empty dense gate, up and down projections of a mixture-of-experts layer
+/// ([`LayerWeights::gate_proj`]).
+fn no_dense_mlp(h: usize) -> [Tensor; 3] {
+    [
+        Tensor::full(&[0, h], 0.0),
+        Tensor::full(&[0, h], 0.0),
+        Tensor::full(&[h, 0], 0.0),
+    ]
+}
+
 /// A mixture-of-experts layer's router, experts' (gate, up, down) and shared expert (gate, up,
 /// down, its gate).
 type MoeParts<T> = (T, Vec<[T; 3]>, Option<[T; 4]>);
@@ -1170,13 +1180,7 @@ impl LayerWeights {
             out_norms: (an, mn),
             moe,
         } = split_layer(cfg, i, tensors);
-        let [g, u, d] = mlp.unwrap_or_else(|| {
-            [
-                Tensor::full(&[0, h], 0.0),
-                Tensor::full(&[0, h], 0.0),
-                Tensor::full(&[h, 0], 0.0),
-            ]
-        });
+        let [g, u, d] = mlp.unwrap_or_else(|| no_dense_mlp(h));
         LayerWeights {
             input_layernorm: ln1,
             q_proj: q,
@@ -1294,11 +1298,7 @@ impl LlamaWeights {
             );
             let [gate_proj, up_proj, down_proj] = match mlp {
                 Some([g, u, d]) => [rand(&g.1, a), rand(&u.1, a), rand(&d.1, a)],
-                None => [
-                    Tensor::full(&[0, h], 0.0),
-                    Tensor::full(&[0, h], 0.0),
-                    Tensor::full(&[h, 0], 0.0),
-                ],
+                None => no_dense_mlp(h),
             };
             let mut layer = LayerWeights {
                 input_layernorm,

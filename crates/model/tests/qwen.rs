@@ -453,34 +453,39 @@ fn qwen_checkpoints_load_and_a_missing_qwen_tensor_is_named() {
         } else {
             "model.layers.0.self_attn.k_norm.weight"
         };
-        let src = baton_model::WeightSource::open(&d).unwrap();
-        let kept: Vec<OwnedTensor> = src
-            .tensor_names()
-            .filter(|n| *n != missing)
-            .map(|n| {
-                let t = src.get(n).unwrap();
-                (
-                    n.to_string(),
-                    safetensors::Dtype::F32,
-                    t.shape.to_vec(),
-                    t.bytes.to_vec(),
-                )
-            })
-            .collect();
-        drop(src);
-        write_safetensors(&d, "model.safetensors", &kept);
-        for e in [
-            load_model_dir(&*d).map(|_| ()).unwrap_err(),
-            ModelDir::new(&*d)
-                .load_mapped(baton_model::LoadFormat::Auto)
-                .map(|_| ())
-                .unwrap_err(),
-        ] {
-            assert!(
-                matches!(&e, ModelError::MissingTensor { tensor, .. } if tensor == missing),
-                "{ty}: {e}"
-            );
-        }
+        refuse_without(&d, missing, ty);
+    }
+}
+
+/// Rewrites the f32 checkpoint in `d` without tensor `missing`; both loads must then name it.
+fn refuse_without(d: &std::path::Path, missing: &str, tag: &str) {
+    let src = baton_model::WeightSource::open(d).unwrap();
+    let kept: Vec<OwnedTensor> = src
+        .tensor_names()
+        .filter(|n| *n != missing)
+        .map(|n| {
+            let t = src.get(n).unwrap();
+            (
+                n.to_string(),
+                safetensors::Dtype::F32,
+                t.shape.to_vec(),
+                t.bytes.to_vec(),
+            )
+        })
+        .collect();
+    drop(src);
+    write_safetensors(d, "model.safetensors", &kept);
+    for e in [
+        load_model_dir(d).map(|_| ()).unwrap_err(),
+        ModelDir::new(d)
+            .load_mapped(baton_model::LoadFormat::Auto)
+            .map(|_| ())
+            .unwrap_err(),
+    ] {
+        assert!(
+            matches!(&e, ModelError::MissingTensor { tensor, .. } if tensor == missing),
+            "{tag}: {e}"
+        );
     }
 }
 
@@ -1141,34 +1146,7 @@ fn mixture_of_experts_checkpoints_load_by_their_names() {
         let err = max_rel(&mapped_logits(&d), &want);
         assert!(err < 1e-4, "{ty}: mapped load, max rel err {err}");
         // Without one expert's tensor both loads name it.
-        let src = baton_model::WeightSource::open(&d).unwrap();
-        let kept: Vec<OwnedTensor> = src
-            .tensor_names()
-            .filter(|n| *n != expert)
-            .map(|n| {
-                let t = src.get(n).unwrap();
-                (
-                    n.to_string(),
-                    safetensors::Dtype::F32,
-                    t.shape.to_vec(),
-                    t.bytes.to_vec(),
-                )
-            })
-            .collect();
-        drop(src);
-        write_safetensors(&d, "model.safetensors", &kept);
-        for e in [
-            load_model_dir(&*d).map(|_| ()).unwrap_err(),
-            ModelDir::new(&*d)
-                .load_mapped(baton_model::LoadFormat::Auto)
-                .map(|_| ())
-                .unwrap_err(),
-        ] {
-            assert!(
-                matches!(&e, ModelError::MissingTensor { tensor, .. } if tensor == expert),
-                "{ty}: {e}"
-            );
-        }
+        refuse_without(&d, expert, &ty);
     }
 }
 
