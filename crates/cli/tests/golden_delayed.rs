@@ -180,3 +180,45 @@ fn sliding_window_pages_come_back_mid_request_under_late_reports() {
         );
     }
 }
+
+/// A long prompt with prompt log-probabilities (chunks of at most 256 scored positions) beside
+/// a long decode, in a pool that holds one 512-token request (128 pages of 4) and little more,
+/// on the 16-key windowed model without prefix caching: the prompt's second chunk waits for the
+/// pages its first chunk let go of (released before the chunk's own pages are allocated)
+/// instead of preempting itself again and again (220 preemptions when the release came after
+/// the allocation). Outputs do not depend on when reports arrive.
+#[test]
+fn a_long_scored_prompt_reuses_its_own_released_pages_instead_of_preempting_itself() {
+    use baton_proto::SamplingParams;
+    use baton_scheduler::NewRequest;
+    let mut first = None;
+    for (completion_lag, release_lag) in [(0u64, 0u64), (1, 1), (3, 2)] {
+        let delays = Delays {
+            completion_lag,
+            release_lag,
+            execute_late: false,
+        };
+        let cfg = baton_scheduler::SchedulerConfig {
+            enable_prefix_caching: false,
+            max_num_batched_tokens: 2048,
+            ..config(4, 128, 2)
+        };
+        let mut engine = DelayedEngine::windowed(cfg, delays, 16, true);
+        let decode: Vec<u32> = (0..60u32).map(|i| 3 + i * 7 % 400).collect();
+        let long: Vec<u32> = (0..500u32).map(|i| 3 + (i * 37) % 500).collect();
+        let scored = SamplingParams {
+            prompt_logprobs: 1,
+            ..SamplingParams::greedy()
+        };
+        let reqs = vec![
+            NewRequest::new(1, decode, 440, SamplingParams::greedy()),
+            NewRequest::new(2, long, 12, scored),
+        ];
+        let out = collect(engine.run(reqs));
+        assert_eq!((out[&1].0.len(), out[&2].0.len()), (440, 12));
+        let s = engine.sched.stats();
+        assert!(s.preemptions <= 2, "{delays:?}: {s:?}");
+        assert_eq!(s.pool.free, s.pool.total, "pool not back to full: {s:?}");
+        assert_eq!(first.get_or_insert_with(|| out.clone()), &out, "{delays:?}");
+    }
+}

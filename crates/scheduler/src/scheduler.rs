@@ -790,29 +790,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         if end == frontier && !sample && !prompt_only {
             return Plan::Nothing;
         }
-        // The block table covers `scheduled_len` exactly (`div_ceil(scheduled_len,
-        // block_size)` entries), so a row that stays within it needs no division.
-        let blocks_needed = if end <= r.blocks.len() * block_size {
-            r.blocks.len()
-        } else {
-            end.div_ceil(block_size)
-        };
-        debug_assert_eq!(blocks_needed, end.div_ceil(block_size));
-        if blocks_needed > r.blocks.len() {
-            let extra = blocks_needed - r.blocks.len();
-            self.scratch_pages.clear();
-            if !self.pool.alloc(extra, &mut self.scratch_pages) {
-                return Plan::NeedPages(extra - self.pool.num_free());
-            }
-            for &p in &self.scratch_pages {
-                self.tables.set_block(slot.slot, r.blocks.len(), p);
-                r.blocks.push(p);
-            }
-        }
         // Pages wholly before the window of the row's first query: no query of this row or a
         // later one reads them (`set_kv_window`). They retire after the request's previous
-        // launch; this one does not read them. (Not at the first row of a slot tenure, whose
-        // cache hits are reported after it is planned; the next row lets them go.)
+        // launch; this one does not read them. Before this row's pages are allocated, so that
+        // a long prompt's next chunk can wait for its own released pages rather than preempt
+        // itself. (Not at the first row of a slot tenure, whose cache hits are reported after
+        // it is planned, and whose pages a failed allocation gives back whole.)
+        let mut reclaim_now = false;
         if let Some(w) = self.kv_window.filter(|_| first > r.cached_len) {
             let keep_from = (first + 1).saturating_sub(w);
             let mut upto = (keep_from / block_size).min(r.blocks.len());
@@ -832,6 +816,32 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     });
                 }
                 r.released_blocks = upto;
+                reclaim_now = r.last_launch <= self.released;
+            }
+        }
+        // Pages whose launch is already released come back now: no later release would
+        // reclaim them when nothing is in flight.
+        if reclaim_now {
+            self.on_released(self.released);
+        }
+        let r = &mut self.requests[idx];
+        // The block table covers `scheduled_len` exactly (`div_ceil(scheduled_len,
+        // block_size)` entries), so a row that stays within it needs no division.
+        let blocks_needed = if end <= r.blocks.len() * block_size {
+            r.blocks.len()
+        } else {
+            end.div_ceil(block_size)
+        };
+        debug_assert_eq!(blocks_needed, end.div_ceil(block_size));
+        if blocks_needed > r.blocks.len() {
+            let extra = blocks_needed - r.blocks.len();
+            self.scratch_pages.clear();
+            if !self.pool.alloc(extra, &mut self.scratch_pages) {
+                return Plan::NeedPages(extra - self.pool.num_free());
+            }
+            for &p in &self.scratch_pages {
+                self.tables.set_block(slot.slot, r.blocks.len(), p);
+                r.blocks.push(p);
             }
         }
         let (pending_launch, pending_row) = pending.unwrap_or((NOT_PENDING, 0));
