@@ -250,6 +250,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let kv = KvCacheDtype::from_code(cfg.kv_dtype).map_or(String::new(), |d| {
         format!(" ({} on a CPU worker)", KvCacheDtype::Is(d).name())
     });
+    let window = cfg.kv_window;
     let mut d = SchedulerDaemon::create(cfg)?;
     say!(
         "baton scheduler: instance {} ready ({} KV pages of {} tokens{kv}, max model len {}, max {} seqs, async scheduling {})",
@@ -260,6 +261,12 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         sched.max_num_seqs,
         if sched.max_inflight > 1 { "on" } else { "off" }
     );
+    if let Some(w) = window {
+        say!(
+            "baton scheduler: every layer attends to its last {w} keys: running requests give \
+             back the KV pages out of that window"
+        );
+    }
     d.run(&stop);
     drop(d);
     say!("baton scheduler: stopped, segment removed");

@@ -399,7 +399,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
             let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;
-            say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype);
+            say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype, kv_window);
             run_on(
                 LocalEngine::new(cfg, backend).with_kv_window(kv_window),
                 &a,
@@ -419,7 +419,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             };
             let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
             cfg.num_blocks = backend.kv_capacity().num_blocks;
-            say_kv_cache(cfg.num_blocks, cfg.block_size, model_dtype(a.cuda.dtype));
+            say_kv_cache(
+                cfg.num_blocks,
+                cfg.block_size,
+                model_dtype(a.cuda.dtype),
+                kv_window,
+            );
             run_on(
                 LocalEngine::new(cfg, backend).with_kv_window(kv_window),
                 &a,
@@ -433,11 +438,19 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 }
 
 /// The KV cache's line on stderr: its pages and the dtype `--kv-cache-dtype` resolved to.
-fn say_kv_cache(num_blocks: usize, block_size: usize, dtype: baton_model::DType) {
+fn say_kv_cache(
+    num_blocks: usize,
+    block_size: usize,
+    dtype: baton_model::DType,
+    window: Option<usize>,
+) {
     say!(
         "KV cache: {num_blocks} pages of {block_size} tokens in {}",
         KvCacheDtype::Is(dtype).name()
     );
+    if let Some(w) = window {
+        say!("KV cache: every layer attends to its last {w} keys: pages out of that window come back mid-request");
+    }
 }
 
 fn run_on<B: Backend>(

@@ -496,6 +496,10 @@ fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
         (ids.len(), finish.as_str()),
         (512 - g.prompt_ids.len(), "length")
     );
+    // It says that pages out of the window come back mid-request.
+    let out = generate_in(&dir, &["--temperature", "0", "--max-tokens", "4"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("attends to its last 16 keys"), "{err}");
     let args = ["--temperature", "0", "--max-model-len", "513"];
     let out = generate_in(&dir, &args);
     let err = String::from_utf8_lossy(&out.stderr);
