@@ -335,6 +335,7 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
         max_inflight: 2,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     };
     let (model, _) = baton_model::load_model_dir(model_dir())
         .expect("test model loads")

@@ -605,3 +605,38 @@ fn a_longrope_model_serves_with_the_factors_of_its_max_model_len() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// stories260K as a Mistral with a 16-key sliding window, served from a KV pool of 5 pages of
+/// 16 (80 tokens): a request holds only its window's pages and a chunk's, so the scheduler
+/// publishes the window in the segment header and the frontend admits a 400-token generation
+/// that the pool could never hold whole (without the window it would be a 400 naming the
+/// pool), and it runs to its length.
+#[test]
+fn a_sliding_window_model_serves_requests_longer_than_its_kv_pool() {
+    let _serial = serial();
+    let dir = edited_model_dir("serve-window", |c| {
+        c["model_type"] = "mistral".into();
+        c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        c["sliding_window"] = 16.into();
+    });
+    std::fs::copy(
+        model_dir().join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let inst = instance("serve-window");
+    let extra = ["--num-blocks", "5", "--max-num-batched-tokens", "32"];
+    let (mut serve, addr) = serve_on(&inst, 18311, &dir, &extra);
+    let (prompt, _) = goldens().swap_remove(0);
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 400, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true});
+    let (resp, json) = post_completion(&addr, &body);
+    let ids = json["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{resp}"));
+    assert_eq!(ids.len(), 400, "{resp}");
+    assert_eq!(json["choices"][0]["finish_reason"], "length", "{resp}");
+    serve.signal(Signal::SIGTERM);
+    assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+    let _ = std::fs::remove_dir_all(dir);
+}

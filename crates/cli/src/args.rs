@@ -108,38 +108,11 @@ impl EngineArgs {
             Some(n) => n,
             None => model.max_position_embeddings,
         };
-        let blocks_per_seq = max_model_len.div_ceil(self.block_size);
-        let num_blocks = match self.num_blocks {
-            Some(0) => return Err("--num-blocks must be at least 1".into()),
-            Some(n) => n,
-            None => {
-                let dtype = self.kv_cache_dtype.resolve(model);
-                let per_block = PagedKvCache::bytes_per_block(model, self.block_size, dtype).max(1);
-                let budget = (self.kv_cache_memory * (1u64 << 30) as f64) as usize / per_block;
-                (self.max_num_seqs * blocks_per_seq).min(budget).max(1)
-            }
-        };
-        if num_blocks.saturating_mul(self.block_size) < max_model_len {
-            let half =
-                if self.num_blocks.is_none() && self.kv_cache_dtype.resolve(model) == DType::F32 {
-                    ", a 16-bit --kv-cache-dtype"
-                } else {
-                    ""
-                };
-            return Err(format!(
-                "the KV cache ({num_blocks} block{} of {} tokens = {} tokens) cannot hold one \
-                 sequence of the maximum model length {max_model_len}; give more --num-blocks \
-                 (or --kv-cache-memory{half}) or a smaller --max-model-len",
-                if num_blocks == 1 { "" } else { "s" },
-                self.block_size,
-                num_blocks.saturating_mul(self.block_size)
-            ));
-        }
-        Ok(SchedulerConfig {
+        let mut cfg = SchedulerConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             block_size: self.block_size,
-            num_blocks,
+            num_blocks: 0,
             max_model_len,
             max_inflight: if self.async_scheduling && !self.no_async_scheduling {
                 2
@@ -148,7 +121,59 @@ impl EngineArgs {
             },
             enable_prefix_caching: self.enable_prefix_caching && !self.no_enable_prefix_caching,
             policy: self.scheduling_policy,
-        })
+            // A window as long as the served length releases nothing.
+            kv_window: baton_scheduler::sliding_window_kv(&model.sliding_window)
+                .filter(|&w| w < max_model_len),
+        };
+        // Without a window a request holds a page per position; with one, about a window.
+        let per_request = match cfg.kv_window {
+            None => max_model_len.div_ceil(self.block_size),
+            Some(_) => cfg.max_request_pages(),
+        };
+        cfg.num_blocks = match self.num_blocks {
+            Some(0) => return Err("--num-blocks must be at least 1".into()),
+            Some(n) => n,
+            None => {
+                let dtype = self.kv_cache_dtype.resolve(model);
+                let per_block = PagedKvCache::bytes_per_block(model, self.block_size, dtype).max(1);
+                let budget = (self.kv_cache_memory * (1u64 << 30) as f64) as usize / per_block;
+                (self.max_num_seqs.saturating_mul(per_request))
+                    .min(budget)
+                    .max(1)
+            }
+        };
+        let num_blocks = cfg.num_blocks;
+        if num_blocks < cfg.max_request_pages() {
+            let half =
+                if self.num_blocks.is_none() && self.kv_cache_dtype.resolve(model) == DType::F32 {
+                    ", a 16-bit --kv-cache-dtype"
+                } else {
+                    ""
+                };
+            let (what, smaller) = match cfg.kv_window {
+                None => (
+                    format!("one sequence of the maximum model length {max_model_len}"),
+                    "--max-model-len",
+                ),
+                Some(w) => (
+                    format!(
+                        "the {} blocks one sequence holds at once (its sliding window of {w} \
+                         keys plus --max-num-batched-tokens {})",
+                        cfg.max_request_pages(),
+                        self.max_num_batched_tokens
+                    ),
+                    "--max-num-batched-tokens",
+                ),
+            };
+            return Err(format!(
+                "the KV cache ({num_blocks} block{} of {} tokens = {} tokens) cannot hold {what}; \
+                 give more --num-blocks (or --kv-cache-memory{half}) or a smaller {smaller}",
+                if num_blocks == 1 { "" } else { "s" },
+                self.block_size,
+                num_blocks.saturating_mul(self.block_size)
+            ));
+        }
+        Ok(cfg)
     }
 }
 

@@ -63,6 +63,7 @@ fn config(n: usize, steps: usize, inflight: usize) -> SchedulerConfig {
         // Every request has the same prompt: measure the scheduler, not cache hits.
         enable_prefix_caching: false,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     }
 }
 
@@ -144,7 +145,6 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         launch_timeout: None,
         trace: None,
         vocabulary: None,
-        kv_window: None,
     })?;
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();

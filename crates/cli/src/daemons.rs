@@ -242,15 +242,11 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
             Some(dir) => grammar_vocabulary(&ModelDir::new(dir), vocab, &a.generation_config)?,
             None => None,
         },
-        kv_window: match &a.model {
-            Some(_) => baton_scheduler::sliding_window_kv(&model_cfg.sliding_window),
-            None => None,
-        },
     };
     let kv = KvCacheDtype::from_code(cfg.kv_dtype).map_or(String::new(), |d| {
         format!(" ({} on a CPU worker)", KvCacheDtype::Is(d).name())
     });
-    let window = cfg.kv_window;
+    let window = sched.kv_window;
     let mut d = SchedulerDaemon::create(cfg)?;
     say!(
         "baton scheduler: instance {} ready ({} KV pages of {} tokens{kv}, max model len {}, max {} seqs, async scheduling {})",

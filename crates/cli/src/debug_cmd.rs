@@ -179,6 +179,7 @@ pub fn golden(model: &std::path::Path, build: &BuildWorker<'_>) -> Result<()> {
         max_inflight: 2,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     };
     let sizes = CudaSizes {
         block_size: 16,

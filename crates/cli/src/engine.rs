@@ -43,13 +43,6 @@ impl<B: Backend> LocalEngine<B> {
         }
     }
 
-    /// The engine with [`Scheduler::set_kv_window`]: a model whose every layer has a sliding
-    /// window gets running requests' pages out of it back early.
-    pub fn with_kv_window(mut self, window: Option<usize>) -> Self {
-        self.sched.set_kv_window(window);
-        self
-    }
-
     /// The scheduler (for traces and stats).
     pub fn scheduler_mut(&mut self) -> &mut Scheduler {
         &mut self.sched

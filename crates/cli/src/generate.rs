@@ -386,7 +386,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .scheduler_config(&loaded.config)
         .map_err(anyhow::Error::msg)?;
     crate::args::serve_up_to("note", &mut loaded.config, cfg.max_model_len);
-    let kv_window = baton_scheduler::sliding_window_kv(&loaded.config.sliding_window);
+    let kv_window = cfg.kv_window;
     let tokenizer = loaded.tokenizer.take().context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
     )?;
@@ -401,7 +401,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype, kv_window);
             run_on(
-                LocalEngine::new(cfg, backend).with_kv_window(kv_window),
+                LocalEngine::new(cfg, backend),
                 &a,
                 &tokenizer,
                 &prompts,
@@ -426,7 +426,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 kv_window,
             );
             run_on(
-                LocalEngine::new(cfg, backend).with_kv_window(kv_window),
+                LocalEngine::new(cfg, backend),
                 &a,
                 &tokenizer,
                 &prompts,

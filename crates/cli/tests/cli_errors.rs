@@ -461,9 +461,10 @@ fn model_copy(tag: &str) -> std::path::PathBuf {
 }
 
 /// stories260K as a Mistral model with a 16-token `sliding_window`: `baton generate` serves
-/// all 512 positions; the greedy output is the golden one while every position fits the
-/// window, and then departs from it (the model's own full attention); a `--max-model-len`
-/// past the positions is refused.
+/// all 512 positions, also from a KV pool of 5 pages (what one request holds at once with
+/// that window); the greedy output is the golden one while every position fits the window,
+/// and then departs from it (the model's own full attention); a `--max-model-len` past the
+/// positions is refused.
 #[test]
 fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
     let g = &common::goldens()[0];
@@ -496,6 +497,35 @@ fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
         (ids.len(), finish.as_str()),
         (512 - g.prompt_ids.len(), "length")
     );
+    // A request holds only its window's pages and a chunk's; with prefix caching and two
+    // launches in flight (generate's defaults) its previous chunk's too until registered:
+    // max(15, 32) + 32 positions take 4 pages of 16, plus one when they straddle a boundary.
+    // In 5 pages (80 tokens) all 512 positions are served, the same ids; 4 pages are refused
+    // with the reason.
+    let small = |pages: &str| {
+        [
+            "--temperature",
+            "0",
+            "--max-model-len",
+            "512",
+            "--max-tokens",
+            &rest,
+            "--max-num-batched-tokens",
+            "32",
+            "--num-blocks",
+            pages,
+        ]
+        .map(String::from)
+    };
+    let args = small("5");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_eq!(generated(&dir, &args).0, ids, "5 pages of 16 keys");
+    let args = small("4");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = generate_in(&dir, &args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_fails_with(out.status.code(), &err, "cannot hold the 5 blocks", &args);
+    assert!(err.contains("sliding window of 16 keys"), "{err}");
     // It says that pages out of the window come back mid-request.
     let out = generate_in(&dir, &["--temperature", "0", "--max-tokens", "4"]);
     let err = String::from_utf8_lossy(&out.stderr);

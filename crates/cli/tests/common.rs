@@ -69,6 +69,7 @@ pub fn config(block_size: usize, num_blocks: usize, max_inflight: usize) -> Sche
         max_inflight,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     }
 }
 
@@ -230,9 +231,9 @@ pub mod delayed {
 
         /// An engine on the test model run with a sliding window of `window` keys on every
         /// layer (as a Mistral), whose scheduler releases pages out of the window early only
-        /// when `release` ([`Scheduler::set_kv_window`]).
+        /// when `release` ([`SchedulerConfig::kv_window`]).
         pub fn windowed(
-            cfg: SchedulerConfig,
+            mut cfg: SchedulerConfig,
             delays: Delays,
             window: usize,
             release: bool,
@@ -240,9 +241,8 @@ pub mod delayed {
             let mut loaded = load_model_dir(super::model_dir()).expect("test model loads");
             let layers = loaded.config.num_hidden_layers;
             loaded.config.sliding_window = vec![Some(window); layers];
-            let mut engine = Self::on(loaded.into_cpu_model().0, cfg, delays);
-            engine.sched.set_kv_window(release.then_some(window));
-            engine
+            cfg.kv_window = release.then_some(window);
+            Self::on(loaded.into_cpu_model().0, cfg, delays)
         }
 
         /// Writes the lifecycle trace to `tracer`.

@@ -93,7 +93,7 @@ fn greedy_goldens_match_with_a_worker_lagging_three_launches_behind_the_schedule
 
 /// stories260K run with a 16-key sliding window on every layer (as a Mistral): a running
 /// request's pages wholly before its next query's window go back to the pool mid-request
-/// (`Scheduler::set_kv_window`). With the worker executing three launches late (reading the
+/// (`SchedulerConfig::kv_window`). With the worker executing three launches late (reading the
 /// tables as they are then) and releases lagging, six requests of up to 141 tokens (36 pages
 /// each) share a pool of 64 pages without a preemption; their outputs are those of a roomy
 /// pool that releases nothing early, log-probabilities bit for bit; every page comes back; and

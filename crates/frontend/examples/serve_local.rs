@@ -36,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
         max_inflight: 2,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let tokenizer = tokenizer.ok_or_else(|| anyhow::anyhow!("{dir} has no tokenizer.json"))?;

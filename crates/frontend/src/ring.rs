@@ -277,13 +277,14 @@ impl EngineClient for RingEngineClient {
             num_blocks: l.num_blocks,
             max_model_len: l.max_model_len,
             max_inflight: l.max_inflight,
-            // Admission checks do not depend on it.
-            enable_prefix_caching: false,
+            // Admission sizes a windowed request by it (`request_pages`).
+            enable_prefix_caching: l.prefix_caching,
             policy: if l.priority_scheduling {
                 baton_scheduler::SchedulingPolicy::Priority
             } else {
                 baton_scheduler::SchedulingPolicy::Fcfs
             },
+            kv_window: (l.kv_window != 0).then_some(l.kv_window as usize),
         };
         // The EOS ids travel after the stop ids: they end the request unless `ignore_eos`,
         // and min_tokens holds them back either way.

@@ -87,6 +87,14 @@ pub struct PlaneLimits {
     /// [`KV_DTYPE_F16`]. A CPU worker given `auto` stores its cache in it; one given another
     /// dtype refuses to attach.
     pub kv_dtype: u8,
+    /// The model's sliding window in keys when every layer has one, else 0: the scheduler
+    /// releases a running request's pages out of it, so admission (the frontends' checks too)
+    /// sizes a request by it (`baton_scheduler::SchedulerConfig::request_pages`). At most
+    /// `u32::MAX` (the header packs it in 32 bits).
+    pub kv_window: u32,
+    /// The scheduler runs with prefix caching (with a window it holds a request's pages a
+    /// little longer: `baton_scheduler::SchedulerConfig::request_pages`).
+    pub prefix_caching: bool,
 }
 
 /// [`PlaneLimits::kv_dtype`]: not published (nothing to follow or check).
@@ -143,7 +151,10 @@ impl PlaneLimits {
         spare[4] = self.max_inflight as u64;
         spare[5] = self.model_fingerprint;
         spare[6] = self.weights_fingerprint;
-        spare[7] = u64::from(self.priority_scheduling) | u64::from(self.kv_dtype) << 8;
+        spare[7] = u64::from(self.priority_scheduling)
+            | u64::from(self.prefix_caching) << 1
+            | u64::from(self.kv_dtype) << 8
+            | u64::from(self.kv_window) << 32;
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -168,6 +179,8 @@ impl PlaneLimits {
             weights_fingerprint: l.spare[6],
             priority_scheduling: l.spare[7] & 1 != 0,
             kv_dtype: (l.spare[7] >> 8) as u8,
+            kv_window: (l.spare[7] >> 32) as u32,
+            prefix_caching: l.spare[7] & 2 != 0,
         }
     }
 }
@@ -219,6 +232,8 @@ mod tests {
             weights_fingerprint: 0x0fed_cba9_8765_4321,
             priority_scheduling: true,
             kv_dtype: KV_DTYPE_BF16,
+            kv_window: 4096,
+            prefix_caching: true,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

@@ -41,6 +41,7 @@ impl Bench {
             max_inflight: 1,
             enable_prefix_caching: false,
             policy: SchedulingPolicy::Fcfs,
+            kv_window: None,
         };
         let mut b = Bench {
             s: Scheduler::new_local(cfg, VOCAB),

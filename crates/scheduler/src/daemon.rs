@@ -60,9 +60,6 @@ pub struct DaemonConfig {
     /// The vocabulary structured outputs compile against (from the model's tokenizer.json);
     /// `None`: a request with a constraint is refused.
     pub vocabulary: Option<baton_grammar::Vocabulary>,
-    /// The model's sliding window when every layer has one ([`crate::sliding_window_kv`]):
-    /// running requests' pages out of it are released early ([`Scheduler::set_kv_window`]).
-    pub kv_window: Option<usize>,
 }
 
 /// Errors that stop the daemon.
@@ -164,6 +161,13 @@ impl SchedulerDaemon {
             weights_fingerprint: cfg.weights_fingerprint,
             priority_scheduling: cfg.sched.policy == crate::SchedulingPolicy::Priority,
             kv_dtype: cfg.kv_dtype,
+            // A window past u32::MAX keys would need a longer max_model_len than any table
+            // can hold; saturated, frontends would only admit fewer requests.
+            kv_window: cfg
+                .sched
+                .kv_window
+                .map_or(0, |w| u32::try_from(w).unwrap_or(u32::MAX)),
+            prefix_caching: cfg.sched.enable_prefix_caching,
         };
         let control = limits.control_spec();
         // Waits out a half-made segment of a predecessor killed while creating it (taken as
@@ -178,7 +182,6 @@ impl SchedulerDaemon {
         let me = participants.register_in(Role::Scheduler, control.scheduler_slots())?;
         let tables = Arc::new(plane::slot_tables(&segment, &limits)?);
         let mut sched = Scheduler::with_tables(cfg.sched.clone(), cfg.vocab_size, tables);
-        sched.set_kv_window(cfg.kv_window);
         if let Some(path) = &cfg.trace {
             let t = Tracer::to_file(path).map_err(|err| DaemonError::Trace {
                 path: path.clone(),

@@ -192,7 +192,7 @@ pub(crate) struct Request {
     /// Block table: page ids, append-only while the request holds its slot.
     pub blocks: Vec<u32>,
     /// Leading entries of `blocks` whose pages the request has already let go of: with a
-    /// sliding window on every layer ([`crate::Scheduler::set_kv_window`]) no later query of
+    /// sliding window on every layer ([`crate::SchedulerConfig::kv_window`]) no later query of
     /// the request reads their keys. Their table entries stay and are never read.
     pub released_blocks: usize,
     /// Prefix-cache keys of the full blocks of the known history computed so far (block `i`'s

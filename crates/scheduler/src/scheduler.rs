@@ -49,6 +49,16 @@ pub struct SchedulerConfig {
     /// The order waiting requests start in and running requests are preempted in (vLLM's
     /// `--scheduling-policy`).
     pub policy: SchedulingPolicy,
+    /// The largest sliding window of the model's layers, in keys, when every layer has one
+    /// ([`sliding_window_kv`]); `None` when any layer attends to every key. A row whose first
+    /// query is at position `p` reads no key before `p + 1 - w`, and neither does any later
+    /// row of the request, so the pages wholly before that are retired then, after the
+    /// request's previous launch (the last that may read them), as vLLM's sliding-window KV
+    /// manager frees them; a request then holds about a window of pages, not its whole length
+    /// ([`SchedulerConfig::request_pages`]). With prefix caching only pages already
+    /// registered (or cache hits) are released, so a released page keeps its block key for
+    /// later hits, and a cache hit holds only the pages its first row's window reads.
+    pub kv_window: Option<usize>,
 }
 
 /// How the scheduler orders requests (vLLM's `--scheduling-policy`).
@@ -99,6 +109,40 @@ impl SchedulerConfig {
     /// Block-table entries a request can need.
     pub fn max_blocks_per_seq(&self) -> usize {
         self.max_model_len.div_ceil(self.block_size)
+    }
+
+    /// The most KV pages a request that computes `positions` positions holds at once, which
+    /// is what the pool must have for it to run alone (admission refuses more).
+    ///
+    /// Without a window: every position's page, `ceil(positions / block_size)`. With a
+    /// window `w` ([`SchedulerConfig::kv_window`]), a row computing `n <=
+    /// max_num_batched_tokens` positions from `first` holds the pages of positions
+    /// `first + 1 - w .. first + n` (the earlier ones are retired before its pages are
+    /// allocated, and it waits for them to come back rather than preempt itself), at most
+    /// `ceil((w - 1 + n) / block_size) + 1` pages, as vLLM's `SlidingWindowSpec` sizes it.
+    /// With prefix caching, the pages of rows still in flight are registered (and so
+    /// released) only at their completion: with `max_inflight` launches in flight the span is
+    /// `max(w - 1, (max_inflight - 1) * max_num_batched_tokens) + n`. Never more than without
+    /// a window.
+    pub fn request_pages(&self, positions: usize) -> usize {
+        let all = positions.max(1).div_ceil(self.block_size);
+        let Some(w) = self.kv_window.filter(|&w| w > 0) else {
+            return all;
+        };
+        let n = self.max_num_batched_tokens;
+        let unregistered = if self.enable_prefix_caching {
+            self.max_inflight.saturating_sub(1).saturating_mul(n)
+        } else {
+            0
+        };
+        let span = (w - 1).max(unregistered).saturating_add(n);
+        all.min(span.div_ceil(self.block_size).saturating_add(1))
+    }
+
+    /// [`SchedulerConfig::request_pages`] of the longest request: `max_model_len - 1`
+    /// computed positions (the last sampled token's KV is never computed).
+    pub fn max_request_pages(&self) -> usize {
+        self.request_pages(self.max_model_len.saturating_sub(1))
     }
 }
 
@@ -374,9 +418,6 @@ pub struct Scheduler<S: AsRef<[AtomicU32]> = Box<[AtomicU32]>> {
     guided_fill: Vec<Idx>,
     /// Threads for those masks (built on first use; `None` before, or if it could not start).
     guide_pool: Option<rayon::ThreadPool>,
-    /// The largest sliding window of the model's layers when every layer has one
-    /// ([`Scheduler::set_kv_window`]).
-    kv_window: Option<usize>,
 }
 
 impl Scheduler<Box<[AtomicU32]>> {
@@ -402,6 +443,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         tables: Arc<SlotTables<S>>,
     ) -> Self {
         assert!(cfg.block_size > 0 && cfg.max_inflight > 0 && cfg.max_num_seqs > 0);
+        let mut cfg = cfg;
+        cfg.kv_window = cfg.kv_window.filter(|&w| w > 0);
         Self {
             pool: PagePool::new(cfg.num_blocks),
             slots: SlotAllocator::new(cfg.max_num_seqs),
@@ -427,22 +470,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             prefix_hits: 0,
             guided_fill: Vec::new(),
             guide_pool: None,
-            kv_window: None,
             cfg,
         }
-    }
-
-    /// Lets the scheduler release a running request's pages that no later query reads: when
-    /// every layer of the model attends only to its last `w` keys (`window` = the largest
-    /// such `w`; `None`, the default, when any layer attends to every key), a row whose first
-    /// query is at position `p` reads no key before `p + 1 - w`, and neither does any later
-    /// row of the request, so the pages wholly before that are retired then, after the
-    /// request's previous launch (the last that may read them), as vLLM's sliding-window KV
-    /// manager frees them. With prefix caching, only pages already registered (or cache
-    /// hits) are released, so a released page keeps its block key for later hits.
-    /// [`sliding_window_kv`] gives `window` from a model's per-layer windows.
-    pub fn set_kv_window(&mut self, window: Option<usize>) {
-        self.kv_window = window.filter(|&w| w > 0);
     }
 
     /// Writes the lifecycle trace to `tracer`.
@@ -676,7 +705,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     if r.cached_len > 0 && self.trace.is_some() {
                         let rec = TraceRecord {
                             owner: Some("scheduler".into()),
-                            pages: Some(r.blocks[..r.cached_len / self.cfg.block_size].to_vec()),
+                            pages: Some(
+                                r.blocks[r.released_blocks..r.cached_len / self.cfg.block_size]
+                                    .to_vec(),
+                            ),
                             evidence: Some(format!("prefix_cache_hit={}", r.cached_len)),
                             ..Self::req_record(Boundary::CacheHit, r)
                         };
@@ -688,7 +720,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     // (never launched) and wait; new requests do not preempt running ones.
                     let r = &mut self.requests[idx];
                     r.slot = None;
-                    let hits = std::mem::take(&mut r.blocks);
+                    let mut hits = std::mem::take(&mut r.blocks);
+                    // Hits left in the cache before the window were never held.
+                    hits.drain(..std::mem::take(&mut r.released_blocks));
                     r.back_to_waiting();
                     // A hit page's own last use is kept by the pool, so `after = 0` here
                     // cannot let it back before another holder's launch is released.
@@ -711,7 +745,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     owner: Some("worker".into()),
                     launch: Some(seq),
                     positions: Some((m.first_pos as usize, m.num_tokens as usize)),
-                    // The pages the launch may read: not those let go of (`set_kv_window`).
+                    // The pages the launch may read: not those let go of (`kv_window`).
                     pages: Some(r.blocks[r.released_blocks..row.num_blocks as usize].to_vec()),
                     evidence: (row.pending_launch != NOT_PENDING).then(|| {
                         format!("pending_from={}:{}", row.pending_launch, row.pending_row)
@@ -791,13 +825,13 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             return Plan::Nothing;
         }
         // Pages wholly before the window of the row's first query: no query of this row or a
-        // later one reads them (`set_kv_window`). They retire after the request's previous
-        // launch; this one does not read them. Before this row's pages are allocated, so that
-        // a long prompt's next chunk can wait for its own released pages rather than preempt
-        // itself. (Not at the first row of a slot tenure, whose cache hits are reported after
-        // it is planned, and whose pages a failed allocation gives back whole.)
+        // later one reads them (`SchedulerConfig::kv_window`). They retire after the request's
+        // previous launch; this one does not read them. Before this row's pages are allocated,
+        // so that a long prompt's next chunk can wait for its own released pages rather than
+        // preempt itself. (Not at the first row of a slot tenure: its cache hits before the
+        // window were never held, `take_cached_prefix`.)
         let mut reclaim_now = false;
-        if let Some(w) = self.kv_window.filter(|_| first > r.cached_len) {
+        if let Some(w) = self.cfg.kv_window.filter(|_| first > r.cached_len) {
             let keep_from = (first + 1).saturating_sub(w);
             let mut upto = (keep_from / block_size).min(r.blocks.len());
             if self.cfg.enable_prefix_caching {
@@ -959,11 +993,22 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             let Some(p) = self.pool.lookup(r.keys[hits]) else {
                 break;
             };
-            self.pool.share(p);
-            self.tables.set_block(slot, hits, p);
             r.blocks.push(p);
             hits += 1;
         }
+        // With a window, the first row (its first query at `hits * bs`) and every later one
+        // read no key before `hits * bs + 1 - w`: the hit pages wholly before that are left in
+        // the cache, counted as released (`plan_row` releases the same way), so a hit holds
+        // about a window of pages however long the prefix (`SchedulerConfig::request_pages`).
+        let keep = match self.cfg.kv_window {
+            Some(w) => ((hits * bs + 1).saturating_sub(w) / bs).min(hits),
+            None => 0,
+        };
+        for (i, &p) in r.blocks.iter().enumerate().skip(keep) {
+            self.pool.share(p);
+            self.tables.set_block(slot, i, p);
+        }
+        r.released_blocks = keep;
         r.registered = hits;
         r.cached_len = hits * bs;
         r.computed_len = r.cached_len;
@@ -1020,7 +1065,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         let r = &mut self.requests[idx];
         let after = r.last_launch;
         let mut pages = std::mem::take(&mut r.blocks);
-        // Pages already let go of (`set_kv_window`) are not the request's any more.
+        // Pages already let go of (`kv_window`) are not the request's any more.
         pages.drain(..std::mem::take(&mut r.released_blocks));
         let slot = r.slot.take();
         // The tail first: cached blocks are evicted in the order they come back, and a later
@@ -1472,7 +1517,7 @@ enum Plan {
     NeedPages(usize),
 }
 
-/// The window [`Scheduler::set_kv_window`] takes from a model's per-layer sliding windows
+/// The window [`SchedulerConfig::kv_window`] takes from a model's per-layer sliding windows
 /// (`baton_model::ModelConfig::sliding_window`): the largest, when every layer has one;
 /// `None` when any layer attends to every key (Gemma 3's global layers) or there are none.
 ///
@@ -1600,7 +1645,8 @@ pub fn check_admission(
         0 => r.prompt.len(),
         m => (r.prompt.len() + m as usize).min(cfg.max_model_len) - 1,
     };
-    let needed = most.max(1).div_ceil(cfg.block_size);
+    // With a sliding window the request holds only about a window of those pages at once.
+    let needed = cfg.request_pages(most);
     if needed > cfg.num_blocks {
         return Err(AdmitError::TooLargeForPool {
             needed,

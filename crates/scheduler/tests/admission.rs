@@ -15,6 +15,7 @@ fn cfg() -> SchedulerConfig {
         max_inflight: 2,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     }
 }
 

@@ -173,7 +173,7 @@ struct Sim {
     cfg: SchedulerConfig,
     /// The model's sliding window on every layer, when it has one: a row whose first query is
     /// at `p` reads no position before `p + 1 - w`, and the scheduler releases the pages
-    /// wholly before that (`Scheduler::set_kv_window`).
+    /// wholly before that (`SchedulerConfig::kv_window`).
     window: Option<usize>,
     eos_every: u64,
     trace: Buf,
@@ -201,12 +201,17 @@ struct Sim {
     /// it). Device memory: cleared when the worker dies.
     content: HashMap<u32, (LaunchSeq, Vec<u32>)>,
     events: Vec<Event>,
+    /// Events taken so far (tokens, prompt log-probabilities, ends): progress.
+    events_seen: u64,
 }
 
 impl Sim {
     fn with_window(cfg: SchedulerConfig, eos_every: u64, window: Option<usize>) -> Self {
+        let cfg = SchedulerConfig {
+            kv_window: window,
+            ..cfg
+        };
         let mut sched = Scheduler::new_local(cfg.clone(), VOCAB);
-        sched.set_kv_window(window);
         let trace = Buf::default();
         sched.set_tracer(Tracer::new(Box::new(trace.clone())));
         Self {
@@ -227,6 +232,7 @@ impl Sim {
             pages: HashMap::new(),
             content: HashMap::new(),
             events: Vec::new(),
+            events_seen: 0,
         }
     }
 
@@ -660,6 +666,7 @@ impl Sim {
 
     /// Checks every event the scheduler pushed since the last step.
     fn take_events(&mut self) -> Result<(), TestCaseError> {
+        self.events_seen += self.events.len() as u64;
         for e in std::mem::take(&mut self.events) {
             match e {
                 Event::PromptLogprob {
@@ -869,9 +876,35 @@ impl Sim {
     }
 
     /// Runs the worker and the fences to the end: every request finishes, and everything comes
-    /// back.
-    fn drain(&mut self) -> Result<(), TestCaseError> {
+    /// back. `eager`: the scheduler prepares a launch whenever the in-flight limit allows, as
+    /// the daemon does (with two in flight, rows are planned before the previous launch
+    /// completes); else one launch at a time.
+    fn drain(&mut self, eager: bool) -> Result<(), TestCaseError> {
+        // Between two events (a token, a prompt log-probability, an end) the running requests
+        // compute at most a prompt each, a few hundred launches at one position per launch;
+        // far more steps without one means requests are preempted and restarted without end
+        // (a livelock: say a lone request whose pages the pool cannot hold preempting itself).
+        let (mut seen, mut quiet) = (self.events_seen, 0u32);
         while !(self.sched.is_idle() && self.to_execute.is_empty() && self.to_complete.is_empty()) {
+            quiet = if self.events_seen == seen {
+                quiet + 1
+            } else {
+                0
+            };
+            seen = self.events_seen;
+            if quiet > 20_000 {
+                return Err(TestCaseError::fail(format!(
+                    "{quiet} steps without an event (preempted without end?): {:?}",
+                    self.sched.stats()
+                )));
+            }
+            if eager && self.sched.stats().inflight < self.cfg.max_inflight {
+                let before = self.sched.last_launch();
+                self.apply(&Op::Schedule)?;
+                if self.sched.last_launch() != before {
+                    continue;
+                }
+            }
             if !self.to_complete.is_empty() {
                 self.apply(&Op::Complete)?;
             } else if !self.to_execute.is_empty() {
@@ -926,6 +959,9 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64, Option<usize>)> {
         // A sliding window on every layer in half the cases, from one key to past the
         // longest request (which releases nothing).
         prop_oneof![Just(None), (1usize..=70).prop_map(Some)],
+        // Chunks from a few positions to most of a request: with a window, the pool a request
+        // needs alone grows with them (`SchedulerConfig::request_pages`).
+        prop_oneof![Just(48usize), 1usize..=24],
     )
         .prop_map(
             |(
@@ -937,30 +973,32 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, u64, Option<usize>)> {
                 caching,
                 by_priority,
                 window,
+                max_num_batched_tokens,
             )| {
                 let block_size = 1 << (bs_log - 1);
                 let max_model_len = 64;
-                // At least what one request can need, so every request fits alone; little more, so
-                // pages are recycled constantly and preemption happens.
-                let num_blocks = max_model_len / block_size + extra_pages;
-                (
-                    SchedulerConfig {
-                        max_num_seqs,
-                        max_num_batched_tokens: 48,
-                        block_size,
-                        num_blocks,
-                        max_model_len,
-                        max_inflight,
-                        enable_prefix_caching: caching != 0,
-                        policy: if by_priority {
-                            SchedulingPolicy::Priority
-                        } else {
-                            SchedulingPolicy::Fcfs
-                        },
+                let mut cfg = SchedulerConfig {
+                    max_num_seqs,
+                    max_num_batched_tokens,
+                    block_size,
+                    num_blocks: 0,
+                    max_model_len,
+                    max_inflight,
+                    enable_prefix_caching: caching != 0,
+                    policy: if by_priority {
+                        SchedulingPolicy::Priority
+                    } else {
+                        SchedulingPolicy::Fcfs
                     },
-                    eos_every,
-                    window,
-                )
+                    kv_window: window,
+                };
+                // At least what one request can hold at once, so every request runs alone
+                // (with a window that is less than its length: a pool too small for the
+                // window's pages and a chunk's makes a lone request preempt itself forever,
+                // which `drain` catches); little more, so pages are recycled constantly and
+                // preemption happens.
+                cfg.num_blocks = cfg.max_request_pages() + extra_pages;
+                (cfg, eos_every, window)
             },
         )
 }
@@ -979,12 +1017,13 @@ proptest! {
     fn pages_stay_fenced_cancels_stay_silent_and_lengths_add_up_under_late_out_of_step_fences(
         (cfg, eos_every, window) in config(),
         ops in proptest::collection::vec(op(), 1..600),
+        eager in any::<bool>(),
     ) {
         let mut sim = Sim::with_window(cfg, eos_every, window);
         for op in &ops {
             sim.apply(op)?;
         }
-        sim.drain()?;
+        sim.drain(eager)?;
     }
 }
 
@@ -1002,6 +1041,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         max_inflight: 2,
         enable_prefix_caching: false,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     s.add_request(NewRequest {
@@ -1092,6 +1132,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
         max_inflight: 1,
         enable_prefix_caching: true,
         policy: baton_scheduler::SchedulingPolicy::Fcfs,
+        kv_window: None,
     };
     let mut s = Scheduler::new_local(cfg, VOCAB);
     for id in [1, 2] {

@@ -20,6 +20,7 @@ fn config(policy: SchedulingPolicy, max_num_seqs: usize, num_blocks: usize) -> S
         max_inflight: 1,
         enable_prefix_caching: false,
         policy,
+        kv_window: None,
     }
 }
 

@@ -130,6 +130,7 @@ pub async fn start(opts: Opts) -> TestServer {
         max_inflight: 2,
         enable_prefix_caching: true,
         policy: opts.scheduling_policy,
+        kv_window: None,
     };
     let (model, tokenizer) = loaded.into_cpu_model();
     let backend = CpuBackend::new(model, cfg.num_blocks, cfg.block_size);

@@ -1,0 +1,227 @@
+//! With a sliding window on every layer (`SchedulerConfig::kv_window`), a request holds about a
+//! window of KV pages, so admission and the pool size count `SchedulerConfig::request_pages`
+//! rather than the request's length. The invariant: a request admitted into a pool of exactly
+//! that many pages runs to its end alone, without preempting itself, however the launches are
+//! chunked, overlapped (two in flight) or served from the prefix cache.
+
+use baton_proto::{Completion, Launch, Sampled, SamplingParams};
+use baton_scheduler::{
+    check_admission, AdmitError, Event, NewRequest, Scheduler, SchedulerConfig, SchedulingPolicy,
+};
+use std::collections::VecDeque;
+
+const VOCAB: usize = 512;
+
+fn config(
+    block_size: usize,
+    n: usize,
+    window: Option<usize>,
+    caching: bool,
+    inflight: usize,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: n,
+        block_size,
+        num_blocks: 0,
+        max_model_len: 512,
+        max_inflight: inflight,
+        enable_prefix_caching: caching,
+        policy: SchedulingPolicy::Fcfs,
+        kv_window: window,
+    }
+}
+
+fn request(id: u64, prompt_len: usize, max_tokens: u32) -> NewRequest {
+    NewRequest {
+        priority: 0,
+        id,
+        prompt: (0..prompt_len).map(|i| 3 + (i * 37 % 500) as u32).collect(),
+        max_tokens,
+        params: SamplingParams::greedy(),
+        eos_ids: vec![2],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        logit_bias: Vec::new(),
+        min_tokens: 0,
+        cache_salt: 0,
+        guide: None,
+        bad_words: Vec::new(),
+    }
+}
+
+/// Runs `req` to its end alone, publishing a launch whenever the in-flight limit allows (as the
+/// daemon does) and completing and releasing the oldest otherwise. Returns its preemptions.
+fn run_alone(s: &mut Scheduler, req: NewRequest) -> u64 {
+    let id = req.id;
+    let before = s.stats().preemptions;
+    s.add_request(req).expect("admitted");
+    let mut inflight: VecDeque<Launch> = VecDeque::new();
+    let mut events = Vec::new();
+    for _ in 0..10_000 {
+        while inflight.len() < s.config().max_inflight {
+            match s.schedule() {
+                Some(l) => inflight.push_back(l),
+                None => break,
+            }
+        }
+        let Some(l) = inflight.pop_front() else {
+            panic!("stalled with nothing in flight: {:?}", s.stats());
+        };
+        let sampled = l
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.sample != 0)
+            .map(|(i, r)| Sampled {
+                row: i as u32,
+                req: r.req,
+                token: 7,
+                logprob: 0.0,
+                top: vec![],
+            })
+            .collect();
+        let c = Completion {
+            seq: l.seq,
+            sampled,
+            prompt: Vec::new(),
+        };
+        assert!(s.on_completion(&c, &mut events));
+        s.on_released(l.seq);
+        if events
+            .iter()
+            .any(|e| matches!(e, Event::Finished { id: i, .. } if *i == id))
+        {
+            assert!(inflight.is_empty() || s.schedule().is_none());
+            while let Some(l) = inflight.pop_front() {
+                let c = Completion {
+                    seq: l.seq,
+                    sampled: Vec::new(),
+                    prompt: Vec::new(),
+                };
+                s.on_completion(&c, &mut events);
+                s.on_released(l.seq);
+            }
+            return s.stats().preemptions - before;
+        }
+    }
+    panic!(
+        "request {id} did not finish in 10000 launches: {:?}",
+        s.stats()
+    );
+}
+
+#[test]
+fn request_pages_count_the_window_and_a_chunk() {
+    // Mistral 7B's window, 16-token pages, 2048-token chunks, one launch in flight: the
+    // window's 4095 keys before a query plus the chunk, and one page for the alignment.
+    let c = SchedulerConfig {
+        max_model_len: 32768,
+        ..config(16, 2048, Some(4096), false, 1)
+    };
+    assert_eq!(c.max_request_pages(), (4095 + 2048_usize).div_ceil(16) + 1);
+    // Two launches in flight with prefix caching: the previous chunk's pages are released only
+    // once registered, at its completion.
+    let c2 = SchedulerConfig {
+        enable_prefix_caching: true,
+        max_inflight: 2,
+        ..c.clone()
+    };
+    assert_eq!(c2.max_request_pages(), c.max_request_pages());
+    let c3 = SchedulerConfig {
+        kv_window: Some(100),
+        ..c2.clone()
+    };
+    assert_eq!(c3.max_request_pages(), (2048_usize + 2048).div_ceil(16) + 1);
+    // Never more than the request's own pages; without a window exactly those.
+    assert_eq!(c.request_pages(100), 7);
+    let none = SchedulerConfig {
+        kv_window: None,
+        ..c
+    };
+    assert_eq!(none.max_request_pages(), 32767_usize.div_ceil(16));
+}
+
+#[test]
+fn admission_refuses_by_the_window_bound_not_the_length() {
+    let mut c = config(4, 8, Some(16), false, 1);
+    // (16 - 1 + 8) / 4 rounded up, plus one: 7 pages for any length.
+    assert_eq!(c.max_request_pages(), 7);
+    c.num_blocks = 7;
+    assert_eq!(check_admission(&c, VOCAB, &request(1, 200, 50)), Ok(()));
+    c.num_blocks = 6;
+    assert_eq!(
+        check_admission(&c, VOCAB, &request(1, 200, 50)),
+        Err(AdmitError::TooLargeForPool {
+            needed: 7,
+            total: 6
+        })
+    );
+    // A short request needs only its own pages.
+    assert_eq!(check_admission(&c, VOCAB, &request(1, 10, 2)), Ok(()));
+    c.kv_window = None;
+    assert!(matches!(
+        check_admission(&c, VOCAB, &request(1, 200, 50)),
+        Err(AdmitError::TooLargeForPool { needed: 63, .. })
+    ));
+}
+
+/// Every combination of page size, chunk size, window, caching and in-flight limit: a long
+/// request alone in a pool of exactly `max_request_pages` pages finishes without a preemption,
+/// and so does the same request again.
+#[test]
+fn a_long_request_runs_alone_in_the_smallest_pool_admission_allows() {
+    let mut cases = 0;
+    for block_size in [1, 4, 16] {
+        for n in [1, 5, 16, 40] {
+            for window in [1, 2, 7, 16, 33, 100] {
+                for caching in [false, true] {
+                    for inflight in [1, 2] {
+                        let mut c = config(block_size, n, Some(window), caching, inflight);
+                        c.num_blocks = c.max_request_pages();
+                        let mut s = Scheduler::new_local(c.clone(), VOCAB);
+                        for id in 1..=2 {
+                            let preempted = run_alone(&mut s, request(id, 150, 60));
+                            assert_eq!(preempted, 0, "run {id} of {c:?}");
+                        }
+                        let st = s.stats();
+                        assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 4 * 6 * 2 * 2);
+}
+
+/// A prefix cache hit as long as the pool (a request that filled the pool and finished, then
+/// one that extends its prompt) takes only the hit pages its first row's window reads: taking
+/// them all would leave no page for the rest of its prompt, with nothing in flight to free one.
+#[test]
+fn a_cache_hit_as_long_as_the_pool_holds_only_its_window() {
+    let mut cases = 0;
+    for block_size in [1, 4, 16] {
+        for n in [1, 5, 16, 40] {
+            for window in [1, 2, 7, 16, 33, 100] {
+                for inflight in [1, 2] {
+                    let mut c = config(block_size, n, Some(window), true, inflight);
+                    c.num_blocks = c.max_request_pages();
+                    let mut s = Scheduler::new_local(c.clone(), VOCAB);
+                    let cached = (c.num_blocks - 1) * block_size;
+                    assert_eq!(run_alone(&mut s, request(1, cached, 1)), 0, "{c:?}");
+                    let preempted = run_alone(&mut s, request(2, cached + 2 * n + 5, 20));
+                    assert_eq!(preempted, 0, "{c:?}");
+                    let st = s.stats();
+                    assert!(
+                        st.prefix_cache_hits >= (cached - block_size) as u64,
+                        "{c:?}: {st:?}"
+                    );
+                    assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 4 * 6 * 2);
+}
