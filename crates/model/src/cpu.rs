@@ -458,6 +458,8 @@ struct MoeScratch {
     probs: Vec<f32>,
     /// Per token, its `top_k` (expert, weight), by ascending expert id.
     chosen: Vec<(usize, f32)>,
+    /// One token's expert ids while its top k are chosen.
+    order: Vec<usize>,
     /// Per expert, the (token, slot) pairs routed to it, by ascending token.
     routed: Vec<Vec<(usize, usize)>>,
     /// One expert's gathered inputs `[m, hidden]`.
@@ -515,7 +517,7 @@ impl Moe {
         resize(&mut s.probs, t * ne);
         self.router.apply(x, t, &mut s.probs);
         s.chosen.clear();
-        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        let order = &mut s.order;
         for p in s.probs[..t * ne].chunks_exact_mut(ne) {
             // softmax in f32 (transformers: `F.softmax(router_logits, dim=1, dtype=torch.float)`).
             let m = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -525,11 +527,16 @@ impl Moe {
                 sum += *v;
             }
             p.iter_mut().for_each(|v| *v /= sum);
-            // The top k, ties to the lower expert id.
+            // The top k, ties to the lower expert id, in descending order (torch.topk's, whose
+            // order the renormalizing sum follows).
             order.clear();
             order.extend(0..ne);
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let by_prob = |a: &usize, b: &usize| p[*b].total_cmp(&p[*a]).then(a.cmp(b));
+            if k < ne {
+                order.select_nth_unstable_by(k, by_prob);
+            }
             let top = &mut order[..k];
+            top.sort_by(by_prob);
             let norm = if self.norm_topk_prob {
                 top.iter().map(|&e| p[e]).sum::<f32>()
             } else {
