@@ -222,3 +222,61 @@ fn a_long_scored_prompt_reuses_its_own_released_pages_instead_of_preempting_itse
         assert_eq!(first.get_or_insert_with(|| out.clone()), &out, "{delays:?}");
     }
 }
+
+/// Prefix caching on the 16-key windowed model in the smallest pool it admits (with 32-token
+/// chunks): a 300-token prompt runs first (its leading blocks released mid-request and evicted
+/// by its own later pages), then the same prompt extended by 40 tokens. The second is served
+/// from the cache past its first 250 positions, though the first blocks are gone (only the
+/// blocks its first row's window reads must be cached), and its tokens and log-probability
+/// bits equal those of the same request alone in a roomy pool without caching.
+#[test]
+fn a_windowed_prefix_hit_without_its_leading_blocks_gives_the_same_bits() {
+    use baton_proto::SamplingParams;
+    use baton_scheduler::{Event, NewRequest};
+    let first: Vec<u32> = (0..300u32).map(|i| 3 + (i * 37) % 500).collect();
+    let mut second = first.clone();
+    second.extend((0..40u32).map(|i| 3 + (i * 11) % 500));
+    let params = SamplingParams {
+        want_logprob: 1,
+        ..SamplingParams::greedy()
+    };
+    let bits = |events: Vec<Event>, id: u64| -> Vec<(u32, u32)> {
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Token {
+                    id: i,
+                    token,
+                    logprob,
+                    ..
+                } if i == id => Some((token, logprob.to_bits())),
+                _ => None,
+            })
+            .collect()
+    };
+    let delays = Delays {
+        completion_lag: 1,
+        release_lag: 1,
+        execute_late: true,
+    };
+    let cfg = |caching: bool, num_blocks: usize| baton_scheduler::SchedulerConfig {
+        enable_prefix_caching: caching,
+        max_num_batched_tokens: 32,
+        kv_window: Some(16),
+        ..config(4, num_blocks, 2)
+    };
+    let mut roomy = DelayedEngine::windowed(cfg(false, 512), delays, 16, true);
+    let want = bits(
+        roomy.run(vec![NewRequest::new(2, second.clone(), 30, params)]),
+        2,
+    );
+    assert_eq!(want.len(), 30);
+    let small = cfg(true, 0).max_request_pages();
+    let mut engine = DelayedEngine::windowed(cfg(true, small), delays, 16, true);
+    engine.run(vec![NewRequest::new(1, first, 1, params)]);
+    let got = bits(engine.run(vec![NewRequest::new(2, second, 30, params)]), 2);
+    let s = engine.sched.stats();
+    assert!(s.prefix_cache_hits >= 250, "{s:?}");
+    assert_eq!(s.preemptions, 0, "{s:?}");
+    assert_eq!(got, want, "a cached window's KV differs from recomputed KV");
+}

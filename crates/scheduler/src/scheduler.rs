@@ -26,6 +26,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
+/// A block-table entry of a request's `blocks` before its `released_blocks` that it never
+/// held (a sliding-window prefix hit whose leading blocks were not cached); never read.
+const UNHELD_PAGE: u32 = u32::MAX;
+
 /// Limits and policy knobs. The same limits are published to frontends (segment header), so both
 /// sides validate against the same values.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -970,43 +974,61 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         Plan::Row(n)
     }
 
-    /// Takes the longest run of leading full blocks of waiting request `idx`'s known history
-    /// that the prefix cache holds, into its block table in slot `slot`, and counts them as
-    /// computed. At most `known_len - 1` positions are taken, so the request's first row computes
-    /// at least its last known position and samples.
+    /// Takes the longest prefix of full blocks of waiting request `idx`'s known history that
+    /// the prefix cache can serve, into its block table in slot `slot`, and counts it as
+    /// computed. At most `known_len - 1` positions are taken, so the request's first row
+    /// computes at least its last known position and samples.
+    ///
+    /// Without a window every block of the prefix must be cached. With one
+    /// ([`SchedulerConfig::kv_window`]), the first row (its first query at the prefix's end
+    /// `l * bs`) and every later one read no key before `l * bs + 1 - w`, so only the blocks
+    /// from there on must be cached (as vLLM's sliding-window prefix hit): they are taken, and
+    /// the ones before count as released, held or not, so a hit holds about a window of pages
+    /// however long the prefix (`SchedulerConfig::request_pages`). A block's key covers every
+    /// token before it, so a cached block's KV is right whatever became of the earlier ones.
     fn take_cached_prefix(&mut self, idx: Idx, slot: u32) {
         let bs = self.cfg.block_size;
+        let window = self.cfg.kv_window;
+        // The first block a prefix of `l` blocks must have cached.
+        let keep = |l: usize| match window {
+            Some(w) => ((l * bs + 1).saturating_sub(w) / bs).min(l),
+            None => 0,
+        };
         let r = &mut self.requests[idx];
         debug_assert!(r.blocks.is_empty() && r.computed_len == 0);
         let most = (r.known_len - 1) / bs;
-        let mut hits = 0;
-        while hits < most {
-            if r.keys.len() == hits {
-                let parent = hits.checked_sub(1).map(|j| r.keys[j]);
-                let key = self.hasher.block_key(
-                    parent,
-                    r.cache_salt,
-                    &r.tokens[hits * bs..(hits + 1) * bs],
-                );
+        // `run`: cached blocks in a row ending at block `i`.
+        let (mut hits, mut run) = (0, 0);
+        for i in 0..most {
+            if r.keys.len() == i {
+                let parent = i.checked_sub(1).map(|j| r.keys[j]);
+                let key =
+                    self.hasher
+                        .block_key(parent, r.cache_salt, &r.tokens[i * bs..(i + 1) * bs]);
                 r.keys.push(key);
             }
-            let Some(p) = self.pool.lookup(r.keys[hits]) else {
+            if self.pool.lookup(r.keys[i]).is_some() {
+                run += 1;
+            } else if window.is_none() {
                 break;
-            };
-            r.blocks.push(p);
-            hits += 1;
+            } else {
+                run = 0;
+            }
+            if run >= i + 1 - keep(i + 1) {
+                hits = i + 1;
+            }
         }
-        // With a window, the first row (its first query at `hits * bs`) and every later one
-        // read no key before `hits * bs + 1 - w`: the hit pages wholly before that are left in
-        // the cache, counted as released (`plan_row` releases the same way), so a hit holds
-        // about a window of pages however long the prefix (`SchedulerConfig::request_pages`).
-        let keep = match self.cfg.kv_window {
-            Some(w) => ((hits * bs + 1).saturating_sub(w) / bs).min(hits),
-            None => 0,
-        };
-        for (i, &p) in r.blocks.iter().enumerate().skip(keep) {
+        let keep = keep(hits);
+        // Entries before `keep` are released and never read (`released_blocks`).
+        r.blocks.resize(keep, UNHELD_PAGE);
+        for i in keep..hits {
+            let p = self
+                .pool
+                .lookup(r.keys[i])
+                .expect("a cached block of the hit");
             self.pool.share(p);
             self.tables.set_block(slot, i, p);
+            r.blocks.push(p);
         }
         r.released_blocks = keep;
         r.registered = hits;

@@ -225,3 +225,38 @@ fn a_cache_hit_as_long_as_the_pool_holds_only_its_window() {
     }
     assert_eq!(cases, 3 * 4 * 6 * 2);
 }
+
+/// A prompt far longer than the pool, run once (its leading blocks are released mid-request and
+/// evicted by its own later pages), then extended: the extension is served from the cache up
+/// to about the first prompt's end, because with a window only the blocks the first row reads
+/// must be cached, not the whole chain from the first block (vLLM's sliding-window hit).
+#[test]
+fn a_windowed_prefix_hit_needs_only_the_window_blocks_cached() {
+    let mut cases = 0;
+    for block_size in [1, 4, 16] {
+        for n in [1, 5, 16, 40] {
+            for window in [2, 7, 16, 33, 100] {
+                for inflight in [1, 2] {
+                    let mut c = config(block_size, n, Some(window), true, inflight);
+                    c.num_blocks = c.max_request_pages();
+                    let first = (3 * c.num_blocks * block_size).min(300);
+                    let mut s = Scheduler::new_local(c.clone(), VOCAB);
+                    assert_eq!(run_alone(&mut s, request(1, first, 1)), 0, "{c:?}");
+                    let preempted = run_alone(&mut s, request(2, first + 2 * n + 5, 20));
+                    assert_eq!(preempted, 0, "{c:?}");
+                    let st = s.stats();
+                    // The first prompt's last window and chunk were held at its end, so at
+                    // least that far is served.
+                    let served = first.saturating_sub(window + 2 * n + 2 * block_size);
+                    assert!(
+                        st.prefix_cache_hits as usize >= served.max(1),
+                        "{c:?}: {st:?}"
+                    );
+                    assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 4 * 5 * 2);
+}
