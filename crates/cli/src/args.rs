@@ -155,26 +155,42 @@ impl EngineArgs {
                     format!("one sequence of the maximum model length {max_model_len}"),
                     "--max-model-len",
                 ),
-                Some(w) => (
-                    format!(
-                        "the {} blocks one sequence holds at once (its sliding window of {w} \
-                         keys plus --max-num-batched-tokens {})",
-                        cfg.max_request_pages(),
-                        self.max_num_batched_tokens
-                    ),
-                    "--max-num-batched-tokens",
-                ),
+                Some(w) => {
+                    let n = self.max_num_batched_tokens;
+                    // Prefix caching holds the chunks in flight until they are registered.
+                    let lag = if cfg.enable_prefix_caching && (cfg.max_inflight - 1) * n >= w {
+                        ", and the chunk in flight, which prefix caching holds until it \
+                         completes (--no-enable-prefix-caching or --no-async-scheduling lets \
+                         it go)"
+                    } else {
+                        ""
+                    };
+                    (
+                        format!(
+                            "the {} one sequence holds at once (its sliding window of {w} keys \
+                             plus a chunk of --max-num-batched-tokens {n}{lag})",
+                            count(cfg.max_request_pages(), "block"),
+                        ),
+                        "--max-num-batched-tokens",
+                    )
+                }
             };
             return Err(format!(
-                "the KV cache ({num_blocks} block{} of {} tokens = {} tokens) cannot hold {what}; \
-                 give more --num-blocks (or --kv-cache-memory{half}) or a smaller {smaller}",
-                if num_blocks == 1 { "" } else { "s" },
-                self.block_size,
-                num_blocks.saturating_mul(self.block_size)
+                "the KV cache ({} of {} = {}) cannot hold {what}; give more --num-blocks (or \
+                 --kv-cache-memory{half}) or a smaller {smaller}",
+                count(num_blocks, "block"),
+                count(self.block_size, "token"),
+                count(num_blocks.saturating_mul(self.block_size), "token"),
             ));
         }
         Ok(cfg)
     }
+}
+
+/// `n` and `noun`, plural unless `n` is 1: `count(1, "page")` is "1 page", `count(5,
+/// "page")` "5 pages".
+pub fn count(n: usize, noun: &str) -> String {
+    format!("{n} {noun}{}", if n == 1 { "" } else { "s" })
 }
 
 /// `--kv-cache-dtype`: vLLM's `auto` (the model's dtype) or a storage type.

@@ -249,10 +249,10 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let window = sched.kv_window;
     let mut d = SchedulerDaemon::create(cfg)?;
     say!(
-        "baton scheduler: instance {} ready ({} KV pages of {} tokens{kv}, max model len {}, max {} seqs, async scheduling {})",
+        "baton scheduler: instance {} ready (KV: {} of {}{kv}, max model len {}, max {} seqs, async scheduling {})",
         a.instance,
-        sched.num_blocks,
-        sched.block_size,
+        crate::args::count(sched.num_blocks, "page"),
+        crate::args::count(sched.block_size, "token"),
         sched.max_model_len,
         sched.max_num_seqs,
         if sched.max_inflight > 1 { "on" } else { "off" }

@@ -445,7 +445,9 @@ fn say_kv_cache(
     window: Option<usize>,
 ) {
     say!(
-        "KV cache: {num_blocks} pages of {block_size} tokens in {}",
+        "KV cache: {} of {} in {}",
+        crate::args::count(num_blocks, "page"),
+        crate::args::count(block_size, "token"),
         KvCacheDtype::Is(dtype).name()
     );
     if let Some(w) = window {

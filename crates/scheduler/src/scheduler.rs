@@ -658,6 +658,9 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             let Some(&idx) = self.waiting.front() else {
                 break;
             };
+            if self.restart_would_thrash(idx) {
+                break;
+            }
             let Some(slot) = self.slots.alloc() else {
                 break;
             };
@@ -972,6 +975,26 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             r.inflight_samples.push_back((seq, row_idx));
         }
         Plan::Row(n)
+    }
+
+    /// Whether waiting request `idx`, preempted before, should wait rather than restart now:
+    /// while other requests run, it restarts only when the pool (free pages and those coming
+    /// back) holds the pages its known history needs at once
+    /// ([`SchedulerConfig::request_pages`]) plus one page of growth per running request.
+    /// Otherwise a request in a pool too small to hold it beside the running ones is started,
+    /// computes a chunk or two, and is preempted again as they grow, over and over: its
+    /// recompute is thrown away each time (hundreds of times per request in a pool near the
+    /// smallest admitted). vLLM V0 admitted a prompt only when its whole block count was
+    /// free (`can_allocate`); here that holds for restarts, and a request's first start
+    /// still needs only its first chunk's pages. With nothing running it always restarts
+    /// (admission guarantees it fits alone), so it never waits forever.
+    fn restart_would_thrash(&self, idx: Idx) -> bool {
+        let r = &self.requests[idx];
+        if r.preemptions == 0 || self.running.is_empty() {
+            return false;
+        }
+        let need = self.cfg.request_pages(r.known_len) + self.running.len();
+        self.pool.num_free() + self.pool.num_retired() < need
     }
 
     /// Takes the longest prefix of full blocks of waiting request `idx`'s known history that

@@ -1,14 +1,16 @@
-//! With a sliding window on every layer (`SchedulerConfig::kv_window`), a request holds about a
-//! window of KV pages, so admission and the pool size count `SchedulerConfig::request_pages`
-//! rather than the request's length. The invariant: a request admitted into a pool of exactly
-//! that many pages runs to its end alone, without preempting itself, however the launches are
-//! chunked, overlapped (two in flight) or served from the prefix cache.
+//! Small KV pools. With a sliding window on every layer (`SchedulerConfig::kv_window`), a
+//! request holds about a window of KV pages, so admission and the pool size count
+//! `SchedulerConfig::request_pages` rather than the request's length. The invariants: a
+//! request admitted into a pool of exactly that many pages runs to its end alone, without
+//! preempting itself, however the launches are chunked, overlapped (two in flight) or served
+//! from the prefix cache; and in a pool too small for the requests together, a preempted
+//! request waits for room rather than restart and be preempted again and again.
 
 use baton_proto::{Completion, Launch, Sampled, SamplingParams};
 use baton_scheduler::{
     check_admission, AdmitError, Event, NewRequest, Scheduler, SchedulerConfig, SchedulingPolicy,
 };
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 const VOCAB: usize = 512;
 
@@ -50,15 +52,18 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> NewRequest {
     }
 }
 
-/// Runs `req` to its end alone, publishing a launch whenever the in-flight limit allows (as the
-/// daemon does) and completing and releasing the oldest otherwise. Returns its preemptions.
-fn run_alone(s: &mut Scheduler, req: NewRequest) -> u64 {
-    let id = req.id;
+/// Runs `reqs` together to their ends, publishing a launch whenever the in-flight limit allows
+/// (as the daemon does) and completing and releasing the oldest otherwise. Returns the
+/// preemptions.
+fn run_all(s: &mut Scheduler, reqs: Vec<NewRequest>) -> u64 {
     let before = s.stats().preemptions;
-    s.add_request(req).expect("admitted");
+    let mut live: HashSet<u64> = reqs.iter().map(|r| r.id).collect();
+    for r in reqs {
+        s.add_request(r).expect("admitted");
+    }
     let mut inflight: VecDeque<Launch> = VecDeque::new();
     let mut events = Vec::new();
-    for _ in 0..10_000 {
+    for _ in 0..100_000 {
         while inflight.len() < s.config().max_inflight {
             match s.schedule() {
                 Some(l) => inflight.push_back(l),
@@ -66,7 +71,12 @@ fn run_alone(s: &mut Scheduler, req: NewRequest) -> u64 {
             }
         }
         let Some(l) = inflight.pop_front() else {
-            panic!("stalled with nothing in flight: {:?}", s.stats());
+            assert!(
+                live.is_empty(),
+                "stalled with nothing in flight: {:?}",
+                s.stats()
+            );
+            return s.stats().preemptions - before;
         };
         let sampled = l
             .rows
@@ -88,27 +98,21 @@ fn run_alone(s: &mut Scheduler, req: NewRequest) -> u64 {
         };
         assert!(s.on_completion(&c, &mut events));
         s.on_released(l.seq);
-        if events
-            .iter()
-            .any(|e| matches!(e, Event::Finished { id: i, .. } if *i == id))
-        {
-            assert!(inflight.is_empty() || s.schedule().is_none());
-            while let Some(l) = inflight.pop_front() {
-                let c = Completion {
-                    seq: l.seq,
-                    sampled: Vec::new(),
-                    prompt: Vec::new(),
-                };
-                s.on_completion(&c, &mut events);
-                s.on_released(l.seq);
+        for e in events.drain(..) {
+            if let Event::Finished { id, .. } = e {
+                live.remove(&id);
             }
-            return s.stats().preemptions - before;
         }
     }
     panic!(
-        "request {id} did not finish in 10000 launches: {:?}",
+        "requests {live:?} did not finish in 100000 launches: {:?}",
         s.stats()
     );
+}
+
+/// [`run_all`] of one request.
+fn run_alone(s: &mut Scheduler, req: NewRequest) -> u64 {
+    run_all(s, vec![req])
 }
 
 #[test]
@@ -259,4 +263,51 @@ fn a_windowed_prefix_hit_needs_only_the_window_blocks_cached() {
         }
     }
     assert_eq!(cases, 3 * 4 * 5 * 2);
+}
+
+/// Without a window: a long decode beside a long prompt in a pool that holds one 512-token
+/// request and little more. The prompt is started, then preempted when the decode needs its
+/// pages; after that it waits for room (`Scheduler::restart_would_thrash`) instead of
+/// restarting and being preempted again at every chunk, so preemptions stay at the first and
+/// the positions computed stay near the requests' own.
+#[test]
+fn a_preempted_request_waits_for_room_instead_of_thrashing() {
+    for (caching, inflight, n) in [(false, 2, 256), (true, 2, 64), (false, 1, 32)] {
+        let mut c = config(4, n, None, caching, inflight);
+        c.max_model_len = 512;
+        c.num_blocks = 130;
+        let mut s = Scheduler::new_local(c.clone(), VOCAB);
+        let mut decode = request(1, 60, 440);
+        decode
+            .prompt
+            .iter_mut()
+            .for_each(|t| *t = 3 + (*t * 7) % 400);
+        let preempted = run_all(&mut s, vec![decode, request(2, 500, 11)]);
+        assert!(
+            (1..=2).contains(&preempted),
+            "{preempted} preemptions: {c:?}"
+        );
+        assert!(s.stats().launches < 700, "{c:?}: {:?}", s.stats());
+    }
+}
+
+/// With the 16-key window in the smallest pool it admits (5 pages of 16 with 32-token chunks):
+/// eight requests of 4 to 200 prompt tokens generating 300 each, together. Each is preempted
+/// at most about once (a first start that the running ones outgrow), not hundreds of times.
+#[test]
+fn requests_in_the_smallest_windowed_pool_are_not_preempted_over_and_over() {
+    for (caching, inflight) in [(true, 2), (false, 2), (false, 1)] {
+        let mut c = config(16, 32, Some(16), caching, inflight);
+        c.num_blocks = c.max_request_pages();
+        let mut s = Scheduler::new_local(c.clone(), VOCAB);
+        let reqs = [4, 200, 5, 180, 20, 180, 4, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| request(i as u64 + 1, len, 300))
+            .collect();
+        let preempted = run_all(&mut s, reqs);
+        assert!(preempted <= 16, "{preempted} preemptions: {c:?}");
+        let st = s.stats();
+        assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+    }
 }
