@@ -482,17 +482,18 @@ fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
     assert_eq!(ids[..fits], g.greedy_ids[..fits]);
     assert_ne!(ids, g.greedy_ids, "the window changed nothing");
     let rest = (512 - g.prompt_ids.len()).to_string();
-    let (ids, finish) = generated(
-        &dir,
-        &[
+    // Greedy, every position: the flags then `extra`.
+    fn all<'a>(rest: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let base = [
             "--temperature",
             "0",
             "--max-model-len",
             "512",
             "--max-tokens",
-            &rest,
-        ],
-    );
+        ];
+        [&base[..], &[rest], extra].concat()
+    }
+    let (ids, finish) = generated(&dir, &all(&rest, &[]));
     assert_eq!(
         (ids.len(), finish.as_str()),
         (512 - g.prompt_ids.len(), "length")
@@ -502,26 +503,14 @@ fn a_sliding_window_model_is_served_past_its_window_to_its_positions() {
     // max(15, 32) + 32 positions take 4 pages of 16, plus one when they straddle a boundary.
     // In 5 pages (80 tokens) all 512 positions are served, the same ids; 4 pages are refused
     // with the reason.
-    let small = |pages: &str| {
-        [
-            "--temperature",
-            "0",
-            "--max-model-len",
-            "512",
-            "--max-tokens",
+    let small = |pages| {
+        all(
             &rest,
-            "--max-num-batched-tokens",
-            "32",
-            "--num-blocks",
-            pages,
-        ]
-        .map(String::from)
+            &["--max-num-batched-tokens", "32", "--num-blocks", pages],
+        )
     };
-    let args = small("5");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_eq!(generated(&dir, &args).0, ids, "5 pages of 16 keys");
+    assert_eq!(generated(&dir, &small("5")).0, ids, "5 pages of 16 keys");
     let args = small("4");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = generate_in(&dir, &args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_fails_with(out.status.code(), &err, "cannot hold the 5 blocks", &args);

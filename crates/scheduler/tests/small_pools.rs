@@ -199,6 +199,19 @@ fn a_long_request_runs_alone_in_the_smallest_pool_admission_allows() {
     assert_eq!(cases, 3 * 4 * 6 * 2 * 2);
 }
 
+/// Runs a `first`-token prompt alone under `c` (prefix caching on), then the same prompt
+/// extended by two chunks and 5 tokens: neither is preempted and every page comes back.
+/// Returns the positions the second took from the prefix cache.
+fn extended_after(c: SchedulerConfig, first: usize) -> usize {
+    let more = 2 * c.max_num_batched_tokens + 5;
+    let mut s = Scheduler::new_local(c.clone(), VOCAB);
+    assert_eq!(run_alone(&mut s, request(1, first, 1)), 0, "{c:?}");
+    assert_eq!(run_alone(&mut s, request(2, first + more, 20)), 0, "{c:?}");
+    let st = s.stats();
+    assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+    st.prefix_cache_hits as usize
+}
+
 /// A prefix cache hit as long as the pool (a request that filled the pool and finished, then
 /// one that extends its prompt) takes only the hit pages its first row's window reads: taking
 /// them all would leave no page for the rest of its prompt, with nothing in flight to free one.
@@ -211,17 +224,9 @@ fn a_cache_hit_as_long_as_the_pool_holds_only_its_window() {
                 for inflight in [1, 2] {
                     let mut c = config(block_size, n, Some(window), true, inflight);
                     c.num_blocks = c.max_request_pages();
-                    let mut s = Scheduler::new_local(c.clone(), VOCAB);
                     let cached = (c.num_blocks - 1) * block_size;
-                    assert_eq!(run_alone(&mut s, request(1, cached, 1)), 0, "{c:?}");
-                    let preempted = run_alone(&mut s, request(2, cached + 2 * n + 5, 20));
-                    assert_eq!(preempted, 0, "{c:?}");
-                    let st = s.stats();
-                    assert!(
-                        st.prefix_cache_hits >= (cached - block_size) as u64,
-                        "{c:?}: {st:?}"
-                    );
-                    assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+                    let hits = extended_after(c, cached);
+                    assert!(hits >= cached - block_size, "{hits} hits");
                     cases += 1;
                 }
             }
@@ -244,19 +249,11 @@ fn a_windowed_prefix_hit_needs_only_the_window_blocks_cached() {
                     let mut c = config(block_size, n, Some(window), true, inflight);
                     c.num_blocks = c.max_request_pages();
                     let first = (3 * c.num_blocks * block_size).min(300);
-                    let mut s = Scheduler::new_local(c.clone(), VOCAB);
-                    assert_eq!(run_alone(&mut s, request(1, first, 1)), 0, "{c:?}");
-                    let preempted = run_alone(&mut s, request(2, first + 2 * n + 5, 20));
-                    assert_eq!(preempted, 0, "{c:?}");
-                    let st = s.stats();
+                    let hits = extended_after(c, first);
                     // The first prompt's last window and chunk were held at its end, so at
                     // least that far is served.
                     let served = first.saturating_sub(window + 2 * n + 2 * block_size);
-                    assert!(
-                        st.prefix_cache_hits as usize >= served.max(1),
-                        "{c:?}: {st:?}"
-                    );
-                    assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
+                    assert!(hits >= served.max(1), "{hits} hits");
                     cases += 1;
                 }
             }
