@@ -2580,7 +2580,8 @@ pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 /// `default` (clipped to the room left) or else all the room left.
 ///
 /// # Errors
-/// 400 when the prompt is empty or leaves no room, or prompt plus `max_tokens` is over the limit.
+/// 400 when the prompt is empty or leaves no room (a prompt of exactly the limit is taken
+/// with `max_tokens: 0`), or prompt plus `max_tokens` is over the limit.
 pub fn resolve_max_tokens(
     limits: &EngineLimits,
     prompt_len: usize,
@@ -2593,7 +2594,10 @@ pub fn resolve_max_tokens(
     if prompt_len == 0 {
         return Err(ApiError::field(what, "The prompt cannot be empty."));
     }
-    if prompt_len >= max_len {
+    // A prompt that fills the context may still be scored (`max_tokens: 0` with `echo`, as
+    // evaluation harnesses send whole windows): vLLM refuses only prompt plus max_tokens past
+    // the limit.
+    if prompt_len > max_len || (prompt_len == max_len && requested != Some(0)) {
         return Err(ApiError::field(
             what,
             format!(

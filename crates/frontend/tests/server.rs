@@ -1510,6 +1510,42 @@ async fn max_tokens_0_with_echo_scores_the_prompt_alone() {
     assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
 }
 
+/// A prompt that fills the context is scored with `max_tokens: 0` and `echo` (evaluation
+/// harnesses send whole windows so; vLLM refuses only prompt plus `max_tokens` past the
+/// limit): every position's log-probability arrives, equal to those of the same prompt less
+/// its last token asked for one output token. Asking for a token, or leaving `max_tokens`
+/// out, is still a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_fills_the_context_is_scored_with_max_tokens_0() {
+    let srv = start(Opts {
+        max_model_len: Some(64),
+        ..Opts::default()
+    })
+    .await;
+    let ids: Vec<u32> = (0..64u32).map(|i| 3 + (i * 37) % 500).collect();
+    let body = |ids: &[u32], max: Option<u32>| {
+        let mut b = json!({"prompt": ids, "temperature": 0, "echo": true, "logprobs": 1});
+        if let Some(m) = max {
+            b["max_tokens"] = json!(m);
+        }
+        b
+    };
+    let full = lp_completion(srv.addr, body(&ids, Some(0))).await;
+    let c = &full.choices[0];
+    assert_eq!(c.logprobs.token_logprobs.len(), 64, "{c:?}");
+    assert_eq!(c.finish_reason.as_deref(), Some("length"));
+    let less = lp_completion(srv.addr, body(&ids[..63], Some(1))).await;
+    assert_eq!(
+        c.logprobs.token_logprobs[..63],
+        less.choices[0].logprobs.token_logprobs[..63]
+    );
+    for max in [Some(1), None] {
+        let r = post(srv.addr, "/v1/completions", &body(&ids, max)).await;
+        assert_eq!(r.status, 400, "{max:?}: {}", r.body);
+    }
+    assert!(wait_engine_idle(&srv.engine, Duration::from_secs(5)).await);
+}
+
 /// A request that ends before every prompt position was scored reports what arrived (null
 /// elsewhere) or its error; once every position arrived, the echo is sent before any token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

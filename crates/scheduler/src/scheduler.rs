@@ -143,10 +143,11 @@ impl SchedulerConfig {
         all.min(span.div_ceil(self.block_size).saturating_add(1))
     }
 
-    /// [`SchedulerConfig::request_pages`] of the longest request: `max_model_len - 1`
-    /// computed positions (the last sampled token's KV is never computed).
+    /// [`SchedulerConfig::request_pages`] of the longest request: `max_model_len` computed
+    /// positions (a prompt that fills the context, scored with `max_tokens == 0`; one that
+    /// samples computes `max_model_len - 1`, the last sampled token's KV never being computed).
     pub fn max_request_pages(&self) -> usize {
-        self.request_pages(self.max_model_len.saturating_sub(1))
+        self.request_pages(self.max_model_len)
     }
 }
 
@@ -1599,7 +1600,10 @@ pub fn check_admission(
     if r.priority != 0 && cfg.policy == SchedulingPolicy::Fcfs {
         return Err(AdmitError::PriorityNotEnabled(r.priority));
     }
-    if r.prompt.len() >= cfg.max_model_len {
+    // `max_tokens == 0` samples nothing, so its prompt may fill the context.
+    if r.prompt.len() > cfg.max_model_len
+        || (r.prompt.len() == cfg.max_model_len && r.max_tokens != 0)
+    {
         return Err(AdmitError::PromptTooLong {
             prompt: r.prompt.len(),
             max_model_len: cfg.max_model_len,
