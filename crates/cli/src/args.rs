@@ -158,7 +158,7 @@ impl EngineArgs {
                 Some(w) => {
                     let n = self.max_num_batched_tokens;
                     // Prefix caching holds the chunks in flight until they are registered.
-                    let lag = if cfg.enable_prefix_caching && (cfg.max_inflight - 1) * n >= w {
+                    let lag = if cfg.unregistered_positions() >= w {
                         ", and the chunk in flight, which prefix caching holds until it \
                          completes (--no-enable-prefix-caching or --no-async-scheduling lets \
                          it go)"

@@ -133,14 +133,31 @@ impl SchedulerConfig {
         let Some(w) = self.kv_window.filter(|&w| w > 0) else {
             return all;
         };
-        let n = self.max_num_batched_tokens;
-        let unregistered = if self.enable_prefix_caching {
-            self.max_inflight.saturating_sub(1).saturating_mul(n)
+        let span = (w - 1)
+            .max(self.unregistered_positions())
+            .saturating_add(self.max_num_batched_tokens);
+        all.min(span.div_ceil(self.block_size).saturating_add(1))
+    }
+
+    /// Positions a request may still hold behind its window because their chunks are in
+    /// flight and so not yet registered: with prefix caching, `(max_inflight - 1) *
+    /// max_num_batched_tokens`, else 0 (see [`SchedulerConfig::request_pages`]).
+    pub fn unregistered_positions(&self) -> usize {
+        if self.enable_prefix_caching {
+            self.max_inflight
+                .saturating_sub(1)
+                .saturating_mul(self.max_num_batched_tokens)
         } else {
             0
-        };
-        let span = (w - 1).max(unregistered).saturating_add(n);
-        all.min(span.div_ceil(self.block_size).saturating_add(1))
+        }
+    }
+
+    /// The first block a query at `pos` reads under the window ([`SchedulerConfig::kv_window`]):
+    /// every block before it lies wholly before `pos + 1 - w`; 0 without a window.
+    pub fn first_window_block(&self, pos: usize) -> usize {
+        self.kv_window
+            .filter(|&w| w > 0)
+            .map_or(0, |w| (pos + 1).saturating_sub(w) / self.block_size)
     }
 
     /// [`SchedulerConfig::request_pages`] of the longest request: `max_model_len` computed
@@ -839,9 +856,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
         // preempt itself. (Not at the first row of a slot tenure: its cache hits before the
         // window were never held, `take_cached_prefix`.)
         let mut reclaim_now = false;
-        if let Some(w) = self.cfg.kv_window.filter(|_| first > r.cached_len) {
-            let keep_from = (first + 1).saturating_sub(w);
-            let mut upto = (keep_from / block_size).min(r.blocks.len());
+        if self.cfg.kv_window.is_some() && first > r.cached_len {
+            let mut upto = self.cfg.first_window_block(first).min(r.blocks.len());
             if self.cfg.enable_prefix_caching {
                 upto = upto.min(r.registered);
             }
@@ -1013,11 +1029,10 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
     fn take_cached_prefix(&mut self, idx: Idx, slot: u32) {
         let bs = self.cfg.block_size;
         let window = self.cfg.kv_window;
-        // The first block a prefix of `l` blocks must have cached.
-        let keep = |l: usize| match window {
-            Some(w) => ((l * bs + 1).saturating_sub(w) / bs).min(l),
-            None => 0,
-        };
+        // The first block a prefix of `l` blocks must have cached: the first its first row
+        // (a query at `l * bs`) reads.
+        let cfg = &self.cfg;
+        let keep = |l: usize| cfg.first_window_block(l * bs).min(l);
         let r = &mut self.requests[idx];
         debug_assert!(r.blocks.is_empty() && r.computed_len == 0);
         let most = (r.known_len - 1) / bs;
