@@ -395,7 +395,9 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Launches so far.
     pub launches: u64,
-    /// Prompt positions looked up in the prefix cache so far (vLLM's `prefix_cache_queries`).
+    /// Prompt positions looked up in the prefix cache so far, at requests' first starts
+    /// (vLLM's `prefix_cache_queries`: a restart after a preemption or a worker's death is
+    /// not counted, as vLLM keeps preempted requests' lookups apart).
     pub prefix_cache_queries: u64,
     /// Of those, positions found (vLLM's `prefix_cache_hits`).
     pub prefix_cache_hits: u64,
@@ -717,13 +719,17 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                     self.waiting.pop_front();
                     self.push_running(idx);
                     let r = &mut self.requests[idx];
-                    if r.prompt_cached.is_none() {
+                    let first_start = r.prompt_cached.is_none();
+                    if first_start {
                         self.started.push(r.id);
                     }
                     r.prompt_cached
                         .get_or_insert(r.cached_len.min(r.prompt_len - 1));
                     let r = &self.requests[idx];
-                    if lookup {
+                    // As vLLM's `PrefixCacheStats::record`, a restart's lookup (after a
+                    // preemption or a worker's death) is not a new query: counting it would
+                    // let a thrashing pool inflate the hit rate with its own recomputes.
+                    if lookup && first_start {
                         self.prefix_queries += r.known_len as u64;
                         self.prefix_hits += r.cached_len as u64;
                     }

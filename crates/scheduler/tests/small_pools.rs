@@ -308,3 +308,24 @@ fn requests_in_the_smallest_windowed_pool_are_not_preempted_over_and_over() {
         assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
     }
 }
+
+/// The prefix cache counters count each request's first lookup only (vLLM's
+/// `PrefixCacheStats::record` keeps a preempted request's apart): in the churn case above, the
+/// preempted prompt's restart looks its blocks up again, and counting that would report the
+/// pool's own recompute as cache traffic.
+#[test]
+fn a_restart_lookup_is_not_counted_as_a_prefix_cache_query() {
+    let mut c = config(4, 64, None, true, 2);
+    c.num_blocks = 130;
+    let mut s = Scheduler::new_local(c.clone(), VOCAB);
+    let mut decode = request(1, 60, 440);
+    decode
+        .prompt
+        .iter_mut()
+        .for_each(|t| *t = 3 + (*t * 7) % 400);
+    let preempted = run_all(&mut s, vec![decode, request(2, 500, 11)]);
+    assert!(preempted >= 1, "the case must preempt: {c:?}");
+    let st = s.stats();
+    assert_eq!(st.prefix_cache_queries, 60 + 500, "{st:?}");
+    assert!(st.prefix_cache_hits <= st.prefix_cache_queries, "{st:?}");
+}
