@@ -321,10 +321,13 @@ impl AppState {
         Ok(ids)
     }
 
+    /// A request's `model` must name a served model; absent, null or `""` means the first
+    /// (vLLM's `_is_model_supported` takes an empty name too).
     pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m)
-                if m != self.config.served_model_name
+                if !m.is_empty()
+                    && m != self.config.served_model_name
                     && !self.config.more_served_model_names.iter().any(|a| a == m)
                     && !self.config.model_aliases.iter().any(|a| a == m) =>
             {
@@ -866,6 +869,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             Arc::clone(&state),
             body_deadline,
         ))
+        .layer(middleware::from_fn(json_content_type))
         .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
         .with_state(state);
@@ -958,6 +962,45 @@ async fn body_deadline(State(st): State<Arc<AppState>>, req: Request, next: Next
         header::HeaderValue::from_static("close"),
     );
     res
+}
+
+/// Refuses a POST whose `Content-Type` is not JSON with a 400, before reading its body, as
+/// vLLM's FastAPI routes do: they parse the body as JSON only when the type is
+/// `application/json`, an `application/*+json` type, or absent, and a body left unparsed fails
+/// validation. (A form or a file upload must not be taken for a request that happens to parse.)
+async fn json_content_type(req: Request, next: Next) -> Response {
+    if req.method() == axum::http::Method::POST {
+        if let Some(v) = req.headers().get(header::CONTENT_TYPE) {
+            let ct = v.to_str().unwrap_or("");
+            if !is_json_media_type(ct) {
+                let shown: String = ct.chars().take(100).collect();
+                return ApiError::invalid(
+                    None::<String>,
+                    format!(
+                        "The request body must be JSON (Content-Type: application/json), not \
+                         '{shown}'."
+                    ),
+                )
+                .into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// Whether a `Content-Type` value names JSON: `application/json` or `application/<x>+json`,
+/// with any parameters (`; charset=utf-8`), case-insensitively.
+fn is_json_media_type(ct: &str) -> bool {
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match essence.strip_prefix("application/") {
+        Some(sub) => sub == "json" || (sub.ends_with("+json") && !sub.contains('/')),
+        None => false,
+    }
 }
 
 /// Rewrites error responses that axum's extractors produce as plain text (a body over

@@ -766,6 +766,52 @@ pub enum ToolChoice {
     Named(String),
 }
 
+/// OpenAI chat fields that ask for a different kind of answer than this server gives (audio,
+/// web search results, a legacy function call, another verbosity): a 400 naming the field,
+/// so a client never takes plain text for what it asked for. vLLM ignores them with a logged
+/// warning. `prediction` (predicted outputs) only hints at latency and is accepted.
+fn refuse_unsupported_chat(f: &Fields) -> Result<(), ApiError> {
+    let given = |name: &str| f.raw(name).filter(|v| !v.is_null());
+    if let Some(m) = given("modalities") {
+        let text_only = m
+            .as_array()
+            .is_some_and(|a| a.iter().all(|x| x.as_str() == Some("text")));
+        if !text_only {
+            return Err(ApiError::field(
+                "modalities",
+                "Only the \"text\" output modality is supported by this server.",
+            ));
+        }
+    }
+    for (name, what) in [
+        ("audio", "Audio output"),
+        ("web_search_options", "Web search"),
+        ("verbosity", "Output verbosity"),
+    ] {
+        if given(name).is_some() {
+            return Err(ApiError::field(
+                name,
+                format!("{what} ('{name}') is not supported by this server."),
+            ));
+        }
+    }
+    if given("functions").is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(ApiError::field(
+            "functions",
+            "The deprecated 'functions' are not supported by this server; send them as \
+             'tools' ({\"type\": \"function\", \"function\": {...}}).",
+        ));
+    }
+    if given("function_call").is_some_and(|v| v.as_str() != Some("none")) {
+        return Err(ApiError::field(
+            "function_call",
+            "The deprecated 'function_call' is not supported by this server; use \
+             'tool_choice' with 'tools'.",
+        ));
+    }
+    Ok(())
+}
+
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     if f.bool("use_beam_search")? == Some(true) {
         return Err(ApiError::field(
@@ -1499,6 +1545,7 @@ pub fn parse_chat(
     defaults: &SamplingDefaults,
 ) -> Result<ChatRequest, ApiError> {
     let f = Fields::parse(body)?;
+    refuse_unsupported_chat(&f)?;
     let model = f.get::<String>("model")?;
     let raw = f
         .raw("messages")
@@ -2676,6 +2723,66 @@ mod tests {
         assert!(bad_words_token_ids(&many, 512, toy_encode).is_err());
         let most = vec!["x".to_string(); baton_proto::wire::MAX_BAD_WORDS_WORDS / 2];
         assert!(bad_words_token_ids(&most, 512, toy_encode).is_ok());
+    }
+
+    /// Chat fields asking for audio, web search, a legacy function call or another verbosity
+    /// are 400s naming the field; their neutral values, and `prediction`, are accepted.
+    #[test]
+    fn chat_fields_for_other_kinds_of_answer_are_refused() {
+        let parse = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            parse_chat(
+                body.to_string().as_bytes(),
+                &LIMITS,
+                &SamplingDefaults::default(),
+            )
+        };
+        for (extra, param) in [
+            (
+                serde_json::json!({"modalities": ["text", "audio"]}),
+                "modalities",
+            ),
+            (serde_json::json!({"modalities": "text"}), "modalities"),
+            (
+                serde_json::json!({"audio": {"voice": "alloy", "format": "wav"}}),
+                "audio",
+            ),
+            (
+                serde_json::json!({"web_search_options": {}}),
+                "web_search_options",
+            ),
+            (serde_json::json!({"verbosity": "low"}), "verbosity"),
+            (
+                serde_json::json!({"functions": [{"name": "f"}]}),
+                "functions",
+            ),
+            (
+                serde_json::json!({"function_call": {"name": "f"}}),
+                "function_call",
+            ),
+            (
+                serde_json::json!({"function_call": "auto"}),
+                "function_call",
+            ),
+        ] {
+            let e = parse(extra.clone()).unwrap_err();
+            assert_eq!(
+                (e.status.as_u16(), e.param.as_deref()),
+                (400, Some(param)),
+                "{extra}"
+            );
+        }
+        for ok in [
+            serde_json::json!({"modalities": ["text"]}),
+            serde_json::json!({"audio": null, "verbosity": null, "web_search_options": null}),
+            serde_json::json!({"functions": [], "function_call": "none"}),
+            serde_json::json!({"prediction": {"type": "content", "content": "hi"}}),
+        ] {
+            assert!(parse(ok.clone()).is_ok(), "{ok}");
+        }
     }
 
     #[test]

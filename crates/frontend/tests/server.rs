@@ -3288,6 +3288,63 @@ async fn a_prompt_far_over_the_context_is_refused_untokenized_and_huge_bodies_ge
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
 
+/// A POST body is read as JSON only under a JSON `Content-Type` (or none), as vLLM's FastAPI
+/// routes read it: plain text, a form or a file upload is a 400 with an OpenAI error body,
+/// even when its bytes would parse. An empty `model` names the served model, as in vLLM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_of_another_media_type_is_a_400_and_an_empty_model_is_the_served_one() {
+    let srv = start(Opts::default()).await;
+    let body = r#"{"prompt": "a", "max_tokens": 2, "model": ""}"#;
+    let send_as = |ct: Option<&'static str>| async move {
+        let head = ct
+            .map(|c| format!("Content-Type: {c}\r\n"))
+            .unwrap_or_default();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{head}\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut raw))
+            .await
+            .expect("an answer")
+            .unwrap();
+        common::parse_response(&raw)
+    };
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/xml",
+        "application/jsonp",
+        "image/png",
+    ] {
+        let r = send_as(Some(ct)).await;
+        assert_eq!(r.status, 400, "{ct}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{ct}: {e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("application/json") && m.contains(ct)),
+            "{ct}: {e}"
+        );
+    }
+    for ct in [
+        None,
+        Some("application/json"),
+        Some("Application/JSON; charset=utf-8"),
+        Some("application/vnd.api+json"),
+    ] {
+        let r = send_as(ct).await;
+        assert_eq!(r.status, 200, "{ct:?}: {}", r.body);
+        assert_eq!(r.json()["usage"]["completion_tokens"], 2, "{ct:?}");
+        assert_eq!(r.json()["model"], common::MODEL, "{ct:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     let srv = start(Opts {

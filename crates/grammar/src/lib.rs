@@ -43,6 +43,46 @@ fn first_line(e: impl std::fmt::Display) -> String {
     line.strip_suffix(';').unwrap_or(line).to_owned()
 }
 
+/// The message of an llguidance error at compile time, for an API error body: its first line,
+/// with the reason a regex parser gives on a later line (`error: unclosed group`) appended,
+/// and without the position in the wrapper grammar a regex or choice is compiled in (`at
+/// 1(8): `, which is not a position in the client's text). llguidance's bare
+/// `NoExtensionBias` (nothing can be generated) is said in words.
+fn compile_error(e: impl std::fmt::Display, c: &Constraint) -> String {
+    let s = e.to_string();
+    let mut line = first_line(&s);
+    if line == "NoExtensionBias" {
+        return "the constraint allows no output: it matches nothing, or its schema refers to \
+                itself without end"
+            .into();
+    }
+    if !matches!(c, Constraint::Grammar(_)) {
+        if let Some((at, rest)) = line.split_once("): ") {
+            let pos = at.strip_prefix("at ").unwrap_or("");
+            if pos.split_once('(').is_some_and(|(l, col)| {
+                !l.is_empty()
+                    && l.bytes().all(|b| b.is_ascii_digit())
+                    && !col.is_empty()
+                    && col.bytes().all(|b| b.is_ascii_digit())
+            }) {
+                line = rest.to_owned();
+            }
+        }
+    }
+    let reason = s
+        .lines()
+        .skip(1)
+        .find_map(|l| l.trim().strip_prefix("error: "))
+        .map(str::trim);
+    match reason {
+        Some(r) if !line.contains(r) => {
+            let head = line.trim_end().trim_end_matches(':');
+            format!("{head}: {r}")
+        }
+        _ => line,
+    }
+}
+
 /// `u32` words of a token mask for a vocabulary of `vocab_size` ids: bit `t % 32` of word
 /// `t / 32` is token `t`.
 pub const fn mask_words(vocab_size: usize) -> usize {
@@ -284,16 +324,16 @@ impl Vocabulary {
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| GrammarError::Invalid(first_line(e)))?;
+            .map_err(|e| GrammarError::Invalid(compile_error(e, c)))?;
         let mut m = Matcher::new(Ok(parser));
         if let Some(e) = m.get_error() {
-            return Err(GrammarError::Invalid(first_line(e)));
+            return Err(GrammarError::Invalid(compile_error(e, c)));
         }
         // A grammar that allows nothing at the start (for example, an unsatisfiable schema)
         // is the caller's error, found now rather than as a stuck request.
         let first = m
             .compute_mask()
-            .map_err(|e| GrammarError::Invalid(first_line(e)))?;
+            .map_err(|e| GrammarError::Invalid(compile_error(e, c)))?;
         if first.is_zero() {
             return Err(GrammarError::Invalid(
                 "the constraint allows no output with this model's vocabulary".into(),

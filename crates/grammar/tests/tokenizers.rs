@@ -54,3 +54,44 @@ fn llama2_vocabulary_loads_and_rejects_a_mismatched_size() {
     let e = Vocabulary::from_tokenizer_json(&shared("nonexistent.json"), 10, &[2]).unwrap_err();
     assert!(e.to_string().contains("nonexistent.json"), "{e}");
 }
+
+/// A refused constraint's message says why, in the client's own terms: the regex parser's
+/// reason (on a later line of llguidance's error) is kept, the position in the wrapper grammar
+/// a regex is compiled in is dropped (a Lark grammar's own position is kept), and an
+/// unsatisfiable or endlessly self-referring constraint is said in words.
+#[test]
+fn refused_constraints_say_why() {
+    let v =
+        Vocabulary::from_tokenizer_json(&model_dir().join("tokenizer.json"), 512, &[2]).unwrap();
+    let err = |c: Constraint| match v.compile(&c) {
+        Ok(_) => panic!("{c:?} compiled"),
+        Err(e) => e.to_string(),
+    };
+    for (re, why) in [
+        ("((", "unclosed group"),
+        ("(a)\\1", "backreferences are not supported"),
+        ("(?=a)a", "look-around"),
+    ] {
+        let m = err(Constraint::Regex(re.into()));
+        assert!(m.contains(why), "{re}: {m}");
+        assert!(m.contains("invalid regex"), "{re}: {m}");
+        assert!(!m.contains("at 1("), "{re}: {m}");
+    }
+    let m = err(Constraint::Json(
+        serde_json::json!({"type": "string", "pattern": "(("}),
+    ));
+    assert!(m.contains("unclosed group"), "{m}");
+    for c in [
+        Constraint::Regex("[^\\s\\S]".into()),
+        Constraint::Json(serde_json::json!({
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            "$ref": "#/$defs/a"
+        })),
+    ] {
+        let m = err(c);
+        assert!(m.contains("allows no output"), "{m}");
+        assert!(!m.contains("NoExtensionBias"), "{m}");
+    }
+    let m = err(Constraint::Grammar("start: foo(".into()));
+    assert!(m.contains("1(12)"), "{m}");
+}
