@@ -901,6 +901,44 @@ fn a_hung_worker_is_killed_by_the_watchdog_and_its_requests_finish_on_the_next()
     );
 }
 
+/// The watchdog blames only the worker: a scheduler stopped (SIGSTOP here; a debugger, swap
+/// or a VM pause alike) for longer than --launch-timeout while its worker finishes the
+/// launches in flight must not kill that worker when it runs again. The worker lives on and
+/// the requests finish with the golden tokens, never requeued.
+#[test]
+fn a_paused_scheduler_does_not_kill_its_healthy_worker() {
+    let _serial = serial();
+    let g = goldens();
+    let reqs = greedy_reqs(&[g[0].0.clone(), g[1].0.clone()], 64);
+    let inst = instance("paused");
+    let s = scheduler(&inst, &["--num-blocks", "64", "--launch-timeout", "1"]);
+    let mut w = worker(&inst);
+    let mut link = connect(&inst);
+    for r in &reqs {
+        submit(&mut link, r);
+    }
+    let mut paused = false;
+    let outs = collect(&mut link, reqs.len(), T, |tokens, _| {
+        if tokens == 10 && !paused {
+            paused = true;
+            s.signal(Signal::SIGSTOP);
+            std::thread::sleep(Duration::from_millis(2500));
+            s.signal(Signal::SIGCONT);
+        }
+    });
+    assert!(paused);
+    for (i, (_, want)) in g.iter().take(2).enumerate() {
+        let o = &outs[&(i as u64)];
+        assert_eq!(o.finishes, 1);
+        assert_eq!(&o.tokens, want, "request {i} differs after the pause");
+    }
+    assert_eq!(
+        w.wait_timeout(Duration::from_millis(500)),
+        None,
+        "the watchdog killed the healthy worker after the scheduler's pause"
+    );
+}
+
 /// `--scheduling-policy priority` across processes: the priority travels in the admission, the
 /// plane says the policy to every frontend, and with one slot the waiting requests start by
 /// priority, not by arrival. Under the default policy the scheduler refuses a non-zero

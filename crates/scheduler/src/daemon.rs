@@ -30,6 +30,12 @@ use std::time::{Duration, Instant};
 /// How often the daemon asks the kernel which participants died.
 const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
+/// A gap this long between two turns of the step loop means the scheduler itself did not run
+/// (stopped, swapped out, paused in a debugger or a VM): the step watchdog starts its count
+/// again rather than blame the worker for the time (a turn is microseconds to milliseconds,
+/// an idle wait at most [`LIVENESS_PERIOD`]).
+const SELF_PAUSE: Duration = Duration::from_secs(1);
+
 /// Everything `baton scheduler` needs.
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -130,8 +136,11 @@ pub struct SchedulerDaemon {
     scratch_in: Vec<ToScheduler>,
     scratch_done: Vec<CompletionSlot>,
     last_liveness: Instant,
-    /// When the worker last showed progress: a completion, or nothing in flight.
+    /// When the worker last showed progress: a completion, a release, nothing in flight, or
+    /// the end of a pause of the scheduler's own ([`SELF_PAUSE`]).
     last_progress: Instant,
+    /// When the step loop last started a turn.
+    last_turn: Instant,
     launch_timeout: Option<Duration>,
     /// The hung worker was sent SIGKILL (once per attach).
     watchdog_fired: bool,
@@ -222,6 +231,7 @@ impl SchedulerDaemon {
             scratch_done: Vec::new(),
             last_liveness: Instant::now() - LIVENESS_PERIOD,
             last_progress: Instant::now(),
+            last_turn: Instant::now(),
             launch_timeout: cfg.launch_timeout,
             watchdog_fired: false,
             vocabulary: cfg.vocabulary,
@@ -239,6 +249,12 @@ impl SchedulerDaemon {
     pub fn run(&mut self, stop: &AtomicBool) {
         while !stop.load(Ordering::Relaxed) {
             let mut progressed = false;
+            let now = Instant::now();
+            if now.duration_since(self.last_turn) >= SELF_PAUSE {
+                // Whatever the worker did meanwhile, the watchdog did not see it.
+                self.last_progress = now;
+            }
+            self.last_turn = now;
             if self.last_liveness.elapsed() >= LIVENESS_PERIOD {
                 self.check_liveness();
                 self.last_liveness = Instant::now();
@@ -287,6 +303,18 @@ impl SchedulerDaemon {
         let Some(limit) = self.launch_timeout else {
             return;
         };
+        // Progress the loop has not taken in yet (this check runs first in a turn) counts:
+        // a worker that finished its launches while the scheduler was not running is not hung.
+        let released = self.sched.released();
+        if self.worker.completions.has_pending()
+            || self
+                .participants
+                .min_released(Role::Worker)
+                .is_some_and(|m| m > released)
+        {
+            self.last_progress = Instant::now();
+            return;
+        }
         if self.watchdog_fired || self.last_progress.elapsed() < limit {
             return;
         }
