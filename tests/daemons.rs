@@ -728,6 +728,18 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     let same = edited_model_dir("fp-same", |_| {});
     let dummy = |seed: &'static str| ["--load-format", "dummy", "--seed", seed];
     refused(&inst, &same, "worker", &dummy("0"), "weights (fingerprint");
+    // The null backend samples a fixed token: never in place of the checkpoint's weights,
+    // nor as other dummy weights.
+    let null = ["--device", "null"];
+    refused(
+        &inst,
+        &same,
+        "worker",
+        &null,
+        "null backend computes nothing",
+    );
+    let null_dummy = ["--device", "null", "--load-format", "dummy", "--seed", "0"];
+    refused(&inst, &same, "worker", &null_dummy, "weights (fingerprint");
     // A scheduler for a directory without safetensors needs to be told the workers' weights.
     let inst2 = instance("fingerprint-dummy");
     refused(

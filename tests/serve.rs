@@ -363,13 +363,23 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
     assert_eq!(health(&addr), 200);
     serve3.signal(Signal::SIGTERM);
     assert!(serve3.wait_timeout(Duration::from_secs(20)).is_some());
-    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(&inst))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert!(shm_left().is_empty(), "{:?}", shm_left());
+    // A scheduler that cannot stop (SIGSTOP here) is SIGKILLed after 5 s and could not unlink
+    // its segment: serve removes it once the scheduler is dead.
+    let (mut serve4, addr) = serve(&inst, 18312);
+    assert_eq!(health(&addr), 200);
+    let sched = children(serve4.pid())
+        .into_iter()
+        .find(|(_, cmd)| cmd.contains(" scheduler "))
+        .expect("a scheduler child");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(sched.0), Signal::SIGSTOP);
+    serve4.signal(Signal::SIGTERM);
+    assert!(serve4.wait_timeout(Duration::from_secs(30)).is_some());
+    assert!(
+        shm_left().is_empty(),
+        "serve left {:?} after killing a stopped scheduler",
+        shm_left()
+    );
 }
 
 /// `serve --load-format dummy` serves random weights of the config's shape from a directory

@@ -279,6 +279,12 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
 pub fn run_worker(a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
     let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    // The null backend's weights are what it stands in for: the scheduler's dummy weights
+    // (same --load-format dummy --seed), or none.
+    let null_format = match a.device {
+        Device::Null => Some(a.load_format.with_seed_flag(a.seed, a.model.as_deref())?),
+        Device::Cpu | Device::Cuda => None,
+    };
     let loaded = match a.device {
         Device::Null => None,
         Device::Cpu | Device::Cuda => {
@@ -365,8 +371,20 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             } else {
                 limits.vocab_size
             };
+            let weights = match null_format {
+                Some(LoadFormat::Dummy { seed }) => baton_model::dummy_weights_fingerprint(seed),
+                _ if limits.weights_fingerprint != 0 => bail!(
+                    "the null backend computes nothing (every row samples token {}), so it \
+                     attaches only to a scheduler of random weights (give this worker the \
+                     scheduler's --load-format dummy --seed N) or one without --model; \
+                     instance {} serves a checkpoint's weights",
+                    a.null_token,
+                    a.instance
+                ),
+                _ => 0,
+            };
             let backend = NullBackend::new(cap, vocab, a.null_token);
-            let mut w = WorkerDaemon::new(segment, limits, backend, 0, wait)?;
+            let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             say!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop)?;
         }

@@ -290,6 +290,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.device == Device::Cuda && engine.launch_timeout.is_none() {
         engine.launch_timeout = Some(crate::args::CUDA_LAUNCH_TIMEOUT_S);
     }
+    if a.device == Device::Null
+        && !matches!(
+            a.load_format.with_seed_flag(a.seed, Some(&a.model))?,
+            baton_model::LoadFormat::Dummy { .. }
+        )
+    {
+        bail!(
+            "--device null computes nothing (every row samples one fixed token): it serves \
+             only random weights, for benchmarks of the control plane; add --load-format dummy"
+        );
+    }
     let mut sched_args = vec![
         "scheduler".into(),
         "--instance".into(),
@@ -401,17 +412,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
             break;
         }
         if let Some(Ok(Some(st))) = kids[0].child.as_mut().map(Child::try_wait) {
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             bail!("the scheduler could not start ({st}); see its error above");
         }
         if stop.load(Ordering::Relaxed) {
             // SIGINT/SIGTERM before the scheduler is ready: a requested stop, as below.
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             say!("baton serve: stopped during start-up");
             return Ok(());
         }
         if Instant::now() >= deadline {
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             bail!("the scheduler did not become ready");
         }
     }
@@ -430,7 +441,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .to_owned();
     }
     if addr.is_empty() {
-        shutdown(&mut kids);
+        shutdown(&mut kids, &instance);
         bail!("the frontend did not start (see its error above)");
     }
     // A restarted frontend must listen where this one does (with --port 0, the port it got).
@@ -443,12 +454,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     while http_health(&addr) != Some(200) {
         if stop.load(Ordering::Relaxed) {
             // SIGINT/SIGTERM while the children start: a requested stop, not a failure.
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             say!("baton serve: stopped during start-up");
             return Ok(());
         }
         if Instant::now() >= deadline {
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             bail!("the server did not become healthy within 120 s");
         }
         let dead = kids
@@ -458,7 +469,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 _ => None,
             });
         if let Some((name, st)) = dead {
-            shutdown(&mut kids);
+            shutdown(&mut kids, &instance);
             bail!("baton {name} exited during start-up ({st})");
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -487,9 +498,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             let Some(Ok(Some(st))) = exited else { continue };
             if kids[i].name == "scheduler" {
                 say!("baton serve: the scheduler exited ({st}); stopping");
-                shutdown(&mut kids);
-                // A scheduler that died could not unlink its segment; nothing uses it now.
-                let _ = baton_ipc::Segment::remove_stale(&instance);
+                shutdown(&mut kids, &instance);
                 bail!("the scheduler exited ({st})");
             }
             let k = &mut kids[i];
@@ -529,12 +538,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         std::thread::sleep(Duration::from_millis(50));
     }
     say!("baton serve: shutting down");
-    shutdown(&mut kids);
+    shutdown(&mut kids, &instance);
     Ok(())
 }
 
-fn shutdown(kids: &mut [Kid]) {
-    // Frontend, then worker, then the scheduler (which unlinks the segment).
+/// Stops the children, frontend first, then the worker, then the scheduler (which unlinks the
+/// segment), each with SIGTERM and, after 5 s, SIGKILL. A scheduler that could not unlink its
+/// segment (it died, or was killed here because it did not stop: stopped with SIGSTOP, say)
+/// leaves it behind, so it is removed here once no process holds it
+/// ([`baton_ipc::Segment::remove_stale`] checks that its creator is dead).
+fn shutdown(kids: &mut [Kid], instance: &str) {
     for k in kids.iter_mut().rev() {
         let Some(mut c) = k.child.take() else {
             continue;
@@ -545,6 +558,10 @@ fn shutdown(kids: &mut [Kid]) {
             match c.try_wait() {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= deadline => {
+                    say!(
+                        "baton serve: the {} did not stop within 5 s of SIGTERM; killing it",
+                        k.name
+                    );
                     let _ = c.kill();
                     let _ = c.wait();
                     break;
@@ -553,6 +570,7 @@ fn shutdown(kids: &mut [Kid]) {
             }
         }
     }
+    let _ = baton_ipc::Segment::remove_stale(instance);
 }
 
 #[cfg(test)]
