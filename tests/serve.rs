@@ -382,6 +382,84 @@ fn sigterm_stops_every_child_and_cleans_dev_shm_and_sigkill_takes_the_children_d
     );
 }
 
+/// A stopped scheduler (SIGSTOP; a hung one alike) while requests overflow the admission
+/// ring: the frontend's HTTP runtime keeps answering (no handler waits for ring space on its
+/// threads), `/health` turns 503 once the scheduler's loop has been silent for
+/// `SCHEDULER_STALL`, the admissions that found no room within 5 s end with a 503 error body,
+/// and once the scheduler runs again `/health` is 200 and every admitted request completes.
+#[test]
+fn a_stopped_scheduler_leaves_the_frontend_answering_and_health_says_so() {
+    let _serial = serial();
+    let inst = instance("serve-stall");
+    let (_serve, addr) = serve(&inst, 18313);
+    let sched = children(_serve.pid())
+        .into_iter()
+        .find(|(_, cmd)| cmd.contains(" scheduler "))
+        .expect("a scheduler child");
+    let sched = nix::unistd::Pid::from_raw(sched.0);
+    // Resumed however the test ends, so a failed assertion leaves no stopped scheduler.
+    struct Resume(nix::unistd::Pid);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, Signal::SIGCONT);
+        }
+    }
+    let _resume = Resume(sched);
+    let _ = nix::sys::signal::kill(sched, Signal::SIGSTOP);
+    // 48 prompts of 400 ids take 26 slots each: more than the 1024-slot admission ring.
+    let prompt: Vec<u32> = (0..400u32).map(|i| 3 + i * 37 % 500).collect();
+    let clients: Vec<_> = (0..48)
+        .map(|_| {
+            let addr = addr.clone();
+            let body = serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                .to_string();
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(&addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+                let mut resp = String::new();
+                let _ = s.read_to_string(&mut resp);
+                resp
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let (models, _) = http_get(&addr, "/v1/models");
+    assert_eq!(
+        models, 200,
+        "the frontend stopped answering while the ring was full"
+    );
+    assert!(
+        wait_for(Duration::from_secs(15), || health(&addr) == 503),
+        "/health stayed {} with the scheduler stopped",
+        health(&addr)
+    );
+    // Past the admissions' 5 s as well (the 503 came after 5 s of silence).
+    std::thread::sleep(Duration::from_secs(2));
+    let _ = nix::sys::signal::kill(sched, Signal::SIGCONT);
+    assert!(
+        wait_for(Duration::from_secs(10), || health(&addr) == 200),
+        "/health did not come back"
+    );
+    let (mut ok, mut refused) = (0, 0);
+    for c in clients {
+        let resp = c.join().unwrap();
+        let status = resp.split_whitespace().nth(1).unwrap_or("none").to_owned();
+        match status.as_str() {
+            "200" => {
+                assert!(resp.contains("\"completion_tokens\":4"), "{resp}");
+                ok += 1;
+            }
+            "503" => {
+                assert!(resp.contains("not accepting requests"), "{resp}");
+                refused += 1;
+            }
+            _ => panic!("a request ended with {status}: {resp}"),
+        }
+    }
+    assert!(ok >= 1 && refused >= 1, "{ok} completed, {refused} refused");
+}
+
 /// `serve --load-format dummy` serves random weights of the config's shape from a directory
 /// without safetensors (benchmarks): the scheduler publishes the dummy seed's fingerprint, so
 /// the worker it starts attaches and requests complete. Also with the test model's shapes

@@ -1,8 +1,11 @@
 //! [`RingEngineClient`]: the engine behind the shared-memory control plane (`baton frontend`).
 //!
 //! Contract: one reader thread owns the receiving half of this frontend's ring pair and routes
-//! every output to its request's receiver; submits and cancels go through the sending half
-//! under a lock. A request's route lives until its final event (`FINISHED`, including the
+//! every output to its request's receiver; one sender thread owns the sending half and pushes
+//! the admissions and cancels that `submit` and `cancel` queue for it, in order. Neither call
+//! waits for ring space, so a full admission ring (a stalled scheduler) never blocks the HTTP
+//! runtime's threads: an admission that finds no room within [`ADMIT_TIMEOUT`] of its submit
+//! ends with an "engine unavailable" error (HTTP 503). A request's route lives until its final event (`FINISHED`, including the
 //! acknowledgement of a cancel, or `ERROR`), so the frontend keeps its state until the
 //! scheduler acknowledges. If the scheduler dies, every live request gets an error event at
 //! once and the stream ends. If no worker is attached for longer than the worker timeout,
@@ -15,7 +18,7 @@ use crate::engine::{
     UNAVAILABLE_PREFIX,
 };
 use baton_proto::link::{Admission, FrontendLink, LinkReceiver, LinkSender, LinkShared};
-use baton_proto::wire::{self, reason, to_frontend, ToFrontend};
+use baton_proto::wire::{self, reason, to_frontend, ToFrontend, ToScheduler};
 use baton_scheduler::FinishReason;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,10 +28,34 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 type Routes = Arc<Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>>;
 
+/// How long an admission may wait for room in the admission ring, from its submit, before it
+/// fails with an "engine unavailable" error (HTTP 503).
+pub const ADMIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a cancel may wait for room in the ring before it is dropped with a warning (the
+/// request then runs to its end at the scheduler; its route is gone, so nobody sees it).
+const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A scheduler whose step loop has not turned for this long makes `/health` answer 503.
+pub const SCHEDULER_STALL: Duration = Duration::from_secs(5);
+
+/// What the sender thread pushes, in submit order.
+enum Outgoing {
+    /// An encoded admission of request `id`, submitted at `at`.
+    Admit {
+        id: u64,
+        slots: Vec<ToScheduler>,
+        at: Instant,
+    },
+    /// A cancel of request `id`.
+    Cancel(u64),
+}
+
 /// The engine as seen through this frontend's ring pair.
 pub struct RingEngineClient {
     shared: Arc<LinkShared>,
-    tx: Arc<Mutex<LinkSender>>,
+    /// The sender thread's queue.
+    out: std::sync::mpsc::Sender<Outgoing>,
     routes: Routes,
     next_id: AtomicU64,
     eos_ids: Vec<u32>,
@@ -53,14 +80,22 @@ impl RingEngineClient {
         worker_timeout: Option<Duration>,
     ) -> Self {
         let (shared, tx, rx) = link.split();
-        let tx = Arc::new(Mutex::new(tx));
+        let (out, queue) = std::sync::mpsc::channel();
         let routes: Routes = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let dead = Arc::new(Mutex::new(None));
         {
+            let routes = routes.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("baton-ring-sender".into())
+                .spawn(move || sender(tx, &queue, &routes, &stop))
+                .expect("spawning the ring sender thread");
+        }
+        {
             let ctx = ReaderCtx {
                 shared: shared.clone(),
-                tx: tx.clone(),
+                out: out.clone(),
                 routes: routes.clone(),
                 stop: stop.clone(),
                 dead: dead.clone(),
@@ -73,7 +108,7 @@ impl RingEngineClient {
         }
         Self {
             shared,
-            tx,
+            out,
             routes,
             next_id: AtomicU64::new(1),
             eos_ids,
@@ -101,10 +136,53 @@ impl Drop for RingEngineClient {
     }
 }
 
+/// Pushes what `queue` brings into the admission ring, in order, until `stop` or until every
+/// sender of the queue is gone. Waiting for ring space happens here only: an admission that
+/// finds no room by [`ADMIT_TIMEOUT`] after its submit is failed on its route (503).
+fn sender(
+    mut tx: LinkSender,
+    queue: &std::sync::mpsc::Receiver<Outgoing>,
+    routes: &Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>,
+    stop: &AtomicBool,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let item = match queue.recv_timeout(Duration::from_millis(50)) {
+            Ok(item) => item,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        };
+        match item {
+            Outgoing::Admit { id, slots, at } => {
+                // A request cancelled (or failed) before its admission went out has no route
+                // left: nothing to admit.
+                if !lock(routes).contains_key(&id) {
+                    continue;
+                }
+                let left = (at + ADMIT_TIMEOUT).saturating_duration_since(Instant::now());
+                if let Err(e) = tx.push_slots(&slots, left) {
+                    tracing::warn!(id, "admission not delivered: {e}");
+                    if let Some(events) = lock(routes).remove(&id) {
+                        let _ = events.send(EngineEvent::Error(format!(
+                            "{UNAVAILABLE_PREFIX}the scheduler is not accepting requests \
+                             ({e})"
+                        )));
+                    }
+                }
+            }
+            Outgoing::Cancel(id) => {
+                if let Err(e) = tx.push_slots(&[LinkSender::cancel_slot(id)], CANCEL_TIMEOUT) {
+                    tracing::warn!(id, "cancel not delivered: {e}");
+                }
+            }
+        }
+    }
+}
+
 /// What the reader thread shares with the client.
 struct ReaderCtx {
     shared: Arc<LinkShared>,
-    tx: Arc<Mutex<LinkSender>>,
+    /// The sender thread's queue (cancels of requests failed here).
+    out: std::sync::mpsc::Sender<Outgoing>,
     routes: Routes,
     stop: Arc<AtomicBool>,
     /// Why new requests are refused (503), if they are.
@@ -179,13 +257,10 @@ fn check_health(c: &ReaderCtx, no_worker_since: &mut Option<Instant>) {
         return;
     }
     tracing::warn!(requests = failed.len(), "{msg}: failing the live requests");
-    let mut tx = lock(&c.tx);
     for (id, events) in failed {
         // The scheduler drops the request (its acknowledgement finds no route and is ignored),
         // so nothing of it runs when a worker attaches later.
-        if let Err(e) = tx.cancel(id, Duration::from_millis(200)) {
-            tracing::warn!(id, "cancel not delivered: {e}");
-        }
+        let _ = c.out.send(Outgoing::Cancel(id));
         let _ = events.send(EngineEvent::Error(format!("{UNAVAILABLE_PREFIX}{msg}")));
     }
 }
@@ -337,9 +412,18 @@ impl EngineClient for RingEngineClient {
             priority: req.priority,
             bad_words: &req.bad_words,
         };
-        if let Err(e) = lock(&self.tx).submit(&a, Duration::from_secs(5)) {
+        let mut slots = Vec::new();
+        LinkSender::encode_admission(&a, &mut slots);
+        let queued = self.out.send(Outgoing::Admit {
+            id,
+            slots,
+            at: Instant::now(),
+        });
+        if queued.is_err() {
             lock(&self.routes).remove(&id);
-            return Err(SubmitError::Unavailable(e.to_string()));
+            return Err(SubmitError::Unavailable(
+                "the frontend's ring sender has stopped".into(),
+            ));
         }
         Ok((id, rx))
     }
@@ -348,9 +432,8 @@ impl EngineClient for RingEngineClient {
         if !lock(&self.routes).contains_key(&id) {
             return;
         }
-        if let Err(e) = lock(&self.tx).cancel(id, Duration::from_secs(5)) {
-            tracing::warn!(id, "cancel not delivered: {e}");
-        }
+        // Queued behind the admission, so the scheduler sees them in order.
+        let _ = self.out.send(Outgoing::Cancel(id));
     }
 
     fn limits(&self) -> EngineLimits {
@@ -368,7 +451,16 @@ impl EngineClient for RingEngineClient {
     }
 
     fn health(&self) -> Result<(), String> {
-        self.shared.health()
+        self.shared.health()?;
+        // Alive but not turning its loop (stopped, hung): nothing is served, so a load
+        // balancer should look elsewhere. Live requests are left to finish if it comes back.
+        match self.shared.scheduler_silent_for() {
+            Some(d) if d >= SCHEDULER_STALL => Err(format!(
+                "the scheduler has not run its step loop for {:.0} s (stopped or hung)",
+                d.as_secs_f64()
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn stats(&self) -> EngineStats {

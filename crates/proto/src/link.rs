@@ -227,7 +227,18 @@ impl LinkSender {
     /// # Errors
     /// [`LinkError::Full`] when the ring stays full.
     pub fn submit(&mut self, a: &Admission<'_>, timeout: Duration) -> Result<(), LinkError> {
-        self.scratch.clear();
+        let mut slots = std::mem::take(&mut self.scratch);
+        Self::encode_admission(a, &mut slots);
+        self.scratch = slots;
+        self.push_all(timeout)
+    }
+
+    /// The slots of admission `a`, appended to `out` (after clearing it): one `ADMIT` head,
+    /// then `TOKENS` slots of the prompt, stop and EOS ids, logit bias, constraint and bad
+    /// words. What [`LinkSender::submit`] pushes; [`LinkSender::push_slots`] pushes them later,
+    /// from another thread.
+    pub fn encode_admission(a: &Admission<'_>, out: &mut Vec<ToScheduler>) {
+        out.clear();
         let mut head = ToScheduler::zeroed();
         head.kind = to_scheduler::ADMIT;
         head.req = a.req;
@@ -252,7 +263,7 @@ impl LinkSender {
         head.constraint_len = a.constraint.len() as u32;
         let bad_words = wire::pack_bad_words(a.bad_words);
         head.bad_words_len = bad_words.len() as u32;
-        self.scratch.push(head);
+        out.push(head);
         let constraint = wire::pack_bytes(a.constraint);
         let bias: Vec<u32> = a
             .logit_bias
@@ -273,9 +284,8 @@ impl LinkSender {
             m.req = a.req;
             m.n = chunk.len() as u32;
             m.tokens[..chunk.len()].copy_from_slice(chunk);
-            self.scratch.push(m);
+            out.push(m);
         }
-        self.push_all(timeout)
     }
 
     /// Pushes a cancel for `req`.
@@ -284,19 +294,42 @@ impl LinkSender {
     /// [`LinkError::Full`] when the ring stays full.
     pub fn cancel(&mut self, req: u64, timeout: Duration) -> Result<(), LinkError> {
         self.scratch.clear();
-        let mut m = ToScheduler::zeroed();
-        m.kind = to_scheduler::CANCEL;
-        m.req = req;
-        self.scratch.push(m);
+        self.scratch.push(Self::cancel_slot(req));
         self.push_all(timeout)
     }
 
+    /// The one slot of a cancel of `req`, for [`LinkSender::push_slots`].
+    pub fn cancel_slot(req: u64) -> ToScheduler {
+        let mut m = ToScheduler::zeroed();
+        m.kind = to_scheduler::CANCEL;
+        m.req = req;
+        m
+    }
+
     fn push_all(&mut self, timeout: Duration) -> Result<(), LinkError> {
+        let slots = std::mem::take(&mut self.scratch);
+        let r = self.push_slots(&slots, timeout);
+        self.scratch = slots;
+        r
+    }
+
+    /// Pushes encoded slots ([`LinkSender::encode_admission`]) in order, waiting up to
+    /// `timeout` for ring space (`Duration::ZERO`: pushes what fits now).
+    ///
+    /// # Errors
+    /// [`LinkError::Full`] when the ring stays full: with nothing pushed when it was full from
+    /// the start, else with a torn admission, which the scheduler drops when the next `ADMIT`
+    /// arrives.
+    pub fn push_slots(
+        &mut self,
+        slots: &[ToScheduler],
+        timeout: Duration,
+    ) -> Result<(), LinkError> {
         let deadline = std::time::Instant::now() + timeout;
         let mut sent = 0;
-        while sent < self.scratch.len() {
-            sent += self.ring.push_batch(&self.scratch[sent..]);
-            if sent < self.scratch.len() {
+        while sent < slots.len() {
+            sent += self.ring.push_batch(&slots[sent..]);
+            if sent < slots.len() {
                 if std::time::Instant::now() >= deadline {
                     // A partial admission would tear the ring: it is only safe because the
                     // scheduler drops a torn admission when the next ADMIT arrives.
@@ -363,6 +396,15 @@ impl LinkShared {
             return Err("no worker is attached".into());
         }
         Ok(())
+    }
+
+    /// How long ago the scheduler last turned its step loop: now minus its heartbeat stat
+    /// (`CLOCK_MONOTONIC` milliseconds, which every process of the machine shares). A live
+    /// scheduler turns at least every 20 ms, idle or not; a long silence means it is stopped
+    /// or hung. `None` before its first publication.
+    pub fn scheduler_silent_for(&self) -> Option<Duration> {
+        let beat = self.stats[plane::STAT_HEARTBEAT_MS].load(Ordering::Relaxed);
+        (beat != 0).then(|| Duration::from_millis(process::monotonic_ms().saturating_sub(beat)))
     }
 
     /// Scheduler statistics.
