@@ -949,6 +949,28 @@ fn a_paused_scheduler_does_not_kill_its_healthy_worker() {
         None,
         "the watchdog killed the healthy worker after the scheduler's pause"
     );
+    // A second worker on the instance is refused at once, naming the one attached (it used
+    // to wait out its attach timeout and then say only that no slot was free).
+    let dir = model_dir();
+    let flags = [
+        "worker",
+        "--instance",
+        inst.as_str(),
+        "--attach-timeout",
+        "60",
+        "--model",
+    ];
+    let args: Vec<&std::ffi::OsStr> = flags
+        .iter()
+        .map(std::ffi::OsStr::new)
+        .chain([dir.as_os_str()])
+        .collect();
+    let (st, err) = baton_to_exit(&args, Duration::from_secs(20));
+    assert!(st.is_some_and(|s| !s.success()), "{st:?}: {err}");
+    assert!(
+        err.contains(&format!("another worker (pid {})", w.pid())),
+        "{err}"
+    );
 }
 
 /// `--scheduling-policy priority` across processes: the priority travels in the admission, the

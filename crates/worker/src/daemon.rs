@@ -38,6 +38,17 @@ pub enum DaemonError {
     /// No worker slot became free in time.
     #[error("registering as worker")]
     Register(#[from] baton_ipc::RegisterError),
+    /// Another worker holds the instance's worker slot.
+    #[error(
+        "another worker (pid {pid}) is attached to instance {instance}: an instance runs one \
+         worker (stop it first; a worker that dies is replaced by the next one to attach)"
+    )]
+    Taken {
+        /// The instance.
+        instance: String,
+        /// The attached worker's pid.
+        pid: u32,
+    },
     /// The backend does not match the published limits.
     #[error("{0}")]
     Mismatch(String),
@@ -145,11 +156,37 @@ impl<B: Backend> WorkerDaemon<B> {
         let control = limits.control_spec();
         let participants = segment.participants(topology::PARTICIPANTS)?;
         let deadline = Instant::now() + wait;
+        // Since when a live worker has held the slot, while this one retried.
+        let mut held_since: Option<(u32, Instant)> = None;
         let me = loop {
             match participants.register_in(Role::Worker, control.worker_slots()) {
                 Ok(r) => break r,
-                Err(e) if Instant::now() >= deadline => return Err(e.into()),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => {
+                    // A worker that stays alive holds the slot: waiting cannot help. (One that
+                    // died, or is dying as a replacement starts, is reclaimed by the scheduler
+                    // shortly: wait for that.)
+                    let holder = participants.snapshot().into_iter().find(|p| {
+                        control.worker_slots().contains(&p.slot)
+                            && p.state == baton_ipc::SlotState::Live
+                            && baton_ipc::process::is_alive(p.pid, p.start_time)
+                    });
+                    held_since = holder.map(|p| match held_since {
+                        Some((pid, t)) if pid == p.pid => (pid, t),
+                        _ => (p.pid, Instant::now()),
+                    });
+                    if let Some((pid, t)) = held_since {
+                        if t.elapsed() >= Duration::from_secs(1) {
+                            return Err(DaemonError::Taken {
+                                instance: segment.instance().to_owned(),
+                                pid,
+                            });
+                        }
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(e.into());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
             }
         };
         let ends = loop {
