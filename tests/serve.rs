@@ -460,6 +460,50 @@ fn a_stopped_scheduler_leaves_the_frontend_answering_and_health_says_so() {
     assert!(ok >= 1 && refused >= 1, "{ok} completed, {refused} refused");
 }
 
+/// DESIGN section 6: a hung child is killed by the supervisor. With `--heartbeat-timeout 2`,
+/// a frontend stopped with SIGSTOP is killed and restarted (the server answers again, from a
+/// new process), and a stopped scheduler is killed and serve stops with an error, leaving
+/// nothing in /dev/shm.
+#[test]
+fn serve_kills_a_hung_frontend_or_scheduler_by_its_heartbeat() {
+    let _serial = serial();
+    let inst = instance("serve-hung");
+    let (mut srv, addr) = serve_with(&inst, 18314, &["--heartbeat-timeout", "2"]);
+    let child = |role: &str| {
+        children(srv.pid())
+            .into_iter()
+            .find(|(_, cmd)| cmd.contains(&format!(" {role} ")))
+            .map(|(pid, _)| pid)
+    };
+    let front = child("frontend").expect("a frontend child");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(front), Signal::SIGSTOP);
+    assert!(
+        wait_for(Duration::from_secs(20), || child("frontend")
+            .is_some_and(|p| p != front)
+            && health(&addr) == 200),
+        "the stopped frontend was not replaced"
+    );
+    let (_, v) = post_completion(
+        &addr,
+        &serde_json::json!({"prompt": "Once upon a time", "max_tokens": 4}),
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    let sched = child("scheduler").expect("a scheduler child");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(sched), Signal::SIGSTOP);
+    let st = srv.wait_timeout(Duration::from_secs(30));
+    assert!(
+        st.is_some_and(|s| !s.success()),
+        "serve did not stop with an error after its scheduler hung: {st:?}"
+    );
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&inst))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
 /// `serve --load-format dummy` serves random weights of the config's shape from a directory
 /// without safetensors (benchmarks): the scheduler publishes the dummy seed's fingerprint, so
 /// the worker it starts attaches and requests complete. Also with the test model's shapes

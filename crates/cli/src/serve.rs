@@ -50,6 +50,12 @@ pub struct ServeArgs {
     /// Frontend slots in the segment.
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
+    /// Seconds without a heartbeat after which a child is taken as hung and killed: a
+    /// frontend is then restarted, a scheduler stops serve as its death does (0: never). The
+    /// worker is watched by the scheduler's --launch-timeout instead (a long step sends no
+    /// heartbeat).
+    #[arg(long, default_value_t = 30.0)]
+    pub heartbeat_timeout: f64,
     /// Scheduler and KV-cache flags.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -290,6 +296,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.device == Device::Cuda && engine.launch_timeout.is_none() {
         engine.launch_timeout = Some(crate::args::CUDA_LAUNCH_TIMEOUT_S);
     }
+    if !(a.heartbeat_timeout.is_finite() && a.heartbeat_timeout >= 0.0) {
+        bail!(
+            "--heartbeat-timeout must be a number of seconds >= 0, not {}",
+            a.heartbeat_timeout
+        );
+    }
     if a.device == Device::Null
         && !matches!(
             a.load_format.with_seed_flag(a.seed, Some(&a.model))?,
@@ -492,7 +504,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
     });
     say!("baton serve: ready on http://{addr}, model {model} ({device}){kv}");
 
+    // The participant table, to find hung children by their heartbeats (DESIGN section 6).
+    let hang_ms = (a.heartbeat_timeout * 1000.0) as u64;
+    let watch = (hang_ms > 0)
+        .then(|| baton_worker::daemon::attach(&instance, Duration::ZERO).ok())
+        .flatten()
+        .and_then(|(seg, _)| {
+            let t = seg.participants(baton_ipc::topology::PARTICIPANTS).ok()?;
+            Some((seg, t))
+        });
+    let mut last_watch = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        if let Some((_, table)) = &watch {
+            if last_watch.elapsed() >= Duration::from_secs(1) {
+                last_watch = Instant::now();
+                kill_hung(&kids, table, hang_ms);
+            }
+        }
         for i in 0..kids.len() {
             let exited = kids[i].child.as_mut().map(Child::try_wait);
             let Some(Ok(Some(st))) = exited else { continue };
@@ -540,6 +568,28 @@ pub fn run(a: ServeArgs) -> Result<()> {
     say!("baton serve: shutting down");
     shutdown(&mut kids, &instance);
     Ok(())
+}
+
+/// SIGKILLs every scheduler or frontend child whose participant slot is live (its kernel lock
+/// held) with a heartbeat older than `hang_ms`: stopped or hung, not dead. The supervisor loop
+/// then sees it exit and acts as for any death (a frontend is restarted; the scheduler's
+/// death stops serve). The worker is left to the scheduler's launch watchdog.
+fn kill_hung(kids: &[Kid], table: &baton_ipc::ParticipantTable, hang_ms: u64) {
+    for p in table.scan_hung(baton_ipc::process::monotonic_ms(), hang_ms) {
+        let Some(k) = kids
+            .iter()
+            .find(|k| k.name != "worker" && k.child.as_ref().is_some_and(|c| c.id() == p.pid))
+        else {
+            continue;
+        };
+        say!(
+            "baton serve: the {} (pid {}) sent no heartbeat for over {:.0} s; killing it as hung",
+            k.name,
+            p.pid,
+            hang_ms as f64 / 1000.0
+        );
+        let _ = kill(Pid::from_raw(p.pid as i32), Signal::SIGKILL);
+    }
 }
 
 /// Stops the children, frontend first, then the worker, then the scheduler (which unlinks the
