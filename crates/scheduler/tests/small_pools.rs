@@ -266,7 +266,10 @@ fn a_windowed_prefix_hit_needs_only_the_window_blocks_cached() {
 /// request and little more. The prompt is started, then preempted when the decode needs its
 /// pages; after that it waits for room (`Scheduler::restart_would_thrash`) instead of
 /// restarting and being preempted again at every chunk, so preemptions stay at the first and
-/// the positions computed stay near the requests' own.
+/// the positions computed stay near the requests' own. With prefix caching, the prefix cache
+/// counters count each request's first lookup only (vLLM's `PrefixCacheStats::record` keeps
+/// a preempted request's apart): the restart's lookup of its own recomputed blocks is not
+/// cache traffic.
 #[test]
 fn a_preempted_request_waits_for_room_instead_of_thrashing() {
     for (caching, inflight, n) in [(false, 2, 256), (true, 2, 64), (false, 1, 32)] {
@@ -284,7 +287,11 @@ fn a_preempted_request_waits_for_room_instead_of_thrashing() {
             (1..=2).contains(&preempted),
             "{preempted} preemptions: {c:?}"
         );
-        assert!(s.stats().launches < 700, "{c:?}: {:?}", s.stats());
+        let st = s.stats();
+        assert!(st.launches < 700, "{c:?}: {st:?}");
+        if caching {
+            assert_eq!(st.prefix_cache_queries, 60 + 500, "{c:?}: {st:?}");
+        }
     }
 }
 
@@ -307,25 +314,4 @@ fn requests_in_the_smallest_windowed_pool_are_not_preempted_over_and_over() {
         let st = s.stats();
         assert_eq!(st.pool.free, st.pool.total, "{c:?}: {st:?}");
     }
-}
-
-/// The prefix cache counters count each request's first lookup only (vLLM's
-/// `PrefixCacheStats::record` keeps a preempted request's apart): in the churn case above, the
-/// preempted prompt's restart looks its blocks up again, and counting that would report the
-/// pool's own recompute as cache traffic.
-#[test]
-fn a_restart_lookup_is_not_counted_as_a_prefix_cache_query() {
-    let mut c = config(4, 64, None, true, 2);
-    c.num_blocks = 130;
-    let mut s = Scheduler::new_local(c.clone(), VOCAB);
-    let mut decode = request(1, 60, 440);
-    decode
-        .prompt
-        .iter_mut()
-        .for_each(|t| *t = 3 + (*t * 7) % 400);
-    let preempted = run_all(&mut s, vec![decode, request(2, 500, 11)]);
-    assert!(preempted >= 1, "the case must preempt: {c:?}");
-    let st = s.stats();
-    assert_eq!(st.prefix_cache_queries, 60 + 500, "{st:?}");
-    assert!(st.prefix_cache_hits <= st.prefix_cache_queries, "{st:?}");
 }
