@@ -5,13 +5,13 @@
 //! the admissions and cancels that `submit` and `cancel` queue for it, in order. Neither call
 //! waits for ring space, so a full admission ring (a stalled scheduler) never blocks the HTTP
 //! runtime's threads: an admission that finds no room within [`ADMIT_TIMEOUT`] of its submit
-//! ends with an "engine unavailable" error (HTTP 503). A request's route lives until its final event (`FINISHED`, including the
-//! acknowledgement of a cancel, or `ERROR`), so the frontend keeps its state until the
-//! scheduler acknowledges. If the scheduler dies, every live request gets an error event at
-//! once and the stream ends. If no worker is attached for longer than the worker timeout,
-//! every live request is cancelled at the scheduler and ends with an "engine unavailable"
-//! error (HTTP 503), and new requests get a 503 until a worker attaches again; nothing waits
-//! forever.
+//! ends with an "engine unavailable" error (HTTP 503). A request's route lives until its
+//! final event (`FINISHED`, including the acknowledgement of a cancel, or `ERROR`), so the
+//! frontend keeps its state until the scheduler acknowledges. If the scheduler dies, every
+//! live request gets an error event at once and the stream ends. If no worker is attached for
+//! longer than the worker timeout, every live request is cancelled at the scheduler and ends
+//! with an "engine unavailable" error (HTTP 503), and new requests get a 503 until a worker
+//! attaches again; nothing waits forever.
 
 use crate::engine::{
     EngineClient, EngineEvent, EngineLimits, EngineRequest, EngineStats, SubmitError,
