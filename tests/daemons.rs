@@ -879,7 +879,7 @@ fn a_hung_worker_is_killed_by_the_watchdog_and_its_requests_finish_on_the_next()
     let g = goldens();
     let reqs = greedy_reqs(&[g[0].0.clone(), g[1].0.clone()], 64);
     let inst = instance("hung");
-    let _s = scheduler(&inst, &["--num-blocks", "64", "--launch-timeout", "1"]);
+    let s = scheduler(&inst, &["--num-blocks", "64", "--launch-timeout", "2"]);
     let mut w = Some(worker(&inst));
     let mut link = connect(&inst);
     for r in &reqs {
@@ -891,10 +891,18 @@ fn a_hung_worker_is_killed_by_the_watchdog_and_its_requests_finish_on_the_next()
         if tokens == 10 {
             if let Some(mut old) = w.take() {
                 old.signal(Signal::SIGSTOP);
-                // Only the watchdog can end a stopped process here.
-                killed_by = old
-                    .wait_timeout(Duration::from_secs(30))
-                    .and_then(|st| std::os::unix::process::ExitStatusExt::signal(&st));
+                // Only the watchdog can end a stopped process here. The scheduler is paused
+                // now and then meanwhile: its own pauses do not count against the worker, but
+                // they must not hide the hang either (they used to restart the count).
+                for _ in 0..15 {
+                    s.signal(Signal::SIGSTOP);
+                    std::thread::sleep(Duration::from_millis(1200));
+                    s.signal(Signal::SIGCONT);
+                    if let Some(st) = old.wait_timeout(Duration::from_millis(1000)) {
+                        killed_by = std::os::unix::process::ExitStatusExt::signal(&st);
+                        break;
+                    }
+                }
                 replacement = Some(worker(&inst));
             }
         }

@@ -375,11 +375,13 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 Some(LoadFormat::Dummy { seed }) => baton_model::dummy_weights_fingerprint(seed),
                 _ if limits.weights_fingerprint != 0 => bail!(
                     "the null backend computes nothing (every row samples token {}), so it \
-                     attaches only to a scheduler of random weights (give this worker the \
-                     scheduler's --load-format dummy --seed N) or one without --model; \
-                     instance {} serves a checkpoint's weights",
+                     attaches only to a scheduler of random weights, given the scheduler's \
+                     --load-format dummy --seed N, or to one without --model; instance {} \
+                     serves weights (fingerprint {:016x}): a checkpoint's, or dummy ones this \
+                     worker was not told of",
                     a.null_token,
-                    a.instance
+                    a.instance,
+                    limits.weights_fingerprint
                 ),
                 _ => 0,
             };

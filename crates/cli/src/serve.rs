@@ -51,7 +51,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8)]
     pub frontends: usize,
     /// Seconds without a heartbeat after which a child is taken as hung and killed: a
-    /// frontend is then restarted, a scheduler stops serve as its death does (0: never). The
+    /// frontend is then restarted, a scheduler stops serve as its death does (0: never;
+    /// else at least 1). The
     /// worker is watched by the scheduler's --launch-timeout instead (a long step sends no
     /// heartbeat).
     #[arg(long, default_value_t = 30.0)]
@@ -296,9 +297,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.device == Device::Cuda && engine.launch_timeout.is_none() {
         engine.launch_timeout = Some(crate::args::CUDA_LAUNCH_TIMEOUT_S);
     }
-    if !(a.heartbeat_timeout.is_finite() && a.heartbeat_timeout >= 0.0) {
+    // Children send a heartbeat every 20-100 ms: under a second would kill healthy ones.
+    if !(a.heartbeat_timeout == 0.0 || (1.0..=1e9).contains(&a.heartbeat_timeout)) {
         bail!(
-            "--heartbeat-timeout must be a number of seconds >= 0, not {}",
+            "--heartbeat-timeout must be 0 (off) or from 1 to 1e9 seconds, not {}",
             a.heartbeat_timeout
         );
     }

@@ -248,16 +248,29 @@ fn cuda_commands_fail_before_loading_weights_without_a_driver() {
     }
 }
 
-/// `baton serve` refuses a bad instance name, a broken chat template, a busy port and a null
-/// worker for real weights before it starts any child (no segment appears for the instance).
+/// `baton serve` refuses a bad instance name, a broken chat template, a busy port, a null
+/// worker for real weights and a heartbeat timeout under a second before it starts any child
+/// (no segment appears for the instance).
 #[test]
 fn serve_checks_instance_template_and_port_before_starting_children() {
     let model = common::model_dir();
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();
     let inst = format!("precheck-{}", std::process::id());
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["--instance", "a/b", "--port", "0"], "--instance"),
+        // Under the children's heartbeat period it would kill healthy ones.
+        (
+            &[
+                "--instance",
+                &inst,
+                "--port",
+                "0",
+                "--heartbeat-timeout",
+                "0.5",
+            ],
+            "--heartbeat-timeout must be 0 (off) or from 1",
+        ),
         // The null worker computes nothing: only for random weights.
         (
             &["--instance", &inst, "--port", "0", "--device", "null"],

@@ -20,7 +20,7 @@ use crate::engine::{
 use baton_proto::link::{Admission, FrontendLink, LinkReceiver, LinkSender, LinkShared};
 use baton_proto::wire::{self, reason, to_frontend, ToFrontend, ToScheduler};
 use baton_scheduler::FinishReason;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -31,10 +31,6 @@ type Routes = Arc<Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>>;
 /// How long an admission may wait for room in the admission ring, from its submit, before it
 /// fails with an "engine unavailable" error (HTTP 503).
 pub const ADMIT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long a cancel may wait for room in the ring before it is dropped with a warning (the
-/// request then runs to its end at the scheduler; its route is gone, so nobody sees it).
-const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A scheduler whose step loop has not turned for this long makes `/health` answer 503.
 pub const SCHEDULER_STALL: Duration = Duration::from_secs(5);
@@ -137,44 +133,125 @@ impl Drop for RingEngineClient {
 }
 
 /// Pushes what `queue` brings into the admission ring, in order, until `stop` or until every
-/// sender of the queue is gone. Waiting for ring space happens here only: an admission that
-/// finds no room by [`ADMIT_TIMEOUT`] after its submit is failed on its route (503).
+/// sender of the queue is gone. Waiting for ring space happens here only, and never holds up
+/// a deadline: while the front item waits for room, every admission behind it that has not
+/// started by [`ADMIT_TIMEOUT`] after its submit is failed on its route (503), and a cancel of
+/// an admission still queued takes both out (acknowledged here as the scheduler would).
+/// Cancels are never dropped: they go out in order once there is room.
 fn sender(
     mut tx: LinkSender,
     queue: &std::sync::mpsc::Receiver<Outgoing>,
     routes: &Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>,
     stop: &AtomicBool,
 ) {
+    let mut pending: VecDeque<Outgoing> = VecDeque::new();
+    // Slots of the front admission already in the ring (it must go on from there: an
+    // admission is contiguous in the ring).
+    let mut sent = 0usize;
     while !stop.load(Ordering::Relaxed) {
-        let item = match queue.recv_timeout(Duration::from_millis(50)) {
-            Ok(item) => item,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-        };
-        match item {
-            Outgoing::Admit { id, slots, at } => {
-                // A request cancelled (or failed) before its admission went out has no route
-                // left: nothing to admit.
-                if !lock(routes).contains_key(&id) {
-                    continue;
-                }
-                let left = (at + ADMIT_TIMEOUT).saturating_duration_since(Instant::now());
-                if let Err(e) = tx.push_slots(&slots, left) {
-                    tracing::warn!(id, "admission not delivered: {e}");
-                    if let Some(events) = lock(routes).remove(&id) {
-                        let _ = events.send(EngineEvent::Error(format!(
-                            "{UNAVAILABLE_PREFIX}the scheduler is not accepting requests \
-                             ({e})"
-                        )));
-                    }
-                }
-            }
-            Outgoing::Cancel(id) => {
-                if let Err(e) = tx.push_slots(&[LinkSender::cancel_slot(id)], CANCEL_TIMEOUT) {
-                    tracing::warn!(id, "cancel not delivered: {e}");
-                }
+        if pending.is_empty() {
+            match queue.recv_timeout(Duration::from_millis(50)) {
+                Ok(item) => take(item, &mut pending, sent, routes),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             }
         }
+        while let Ok(item) = queue.try_recv() {
+            take(item, &mut pending, sent, routes);
+        }
+        let blocked = loop {
+            let Some(front) = pending.front() else {
+                break false;
+            };
+            match front {
+                Outgoing::Admit { id, slots, at } => {
+                    if sent == 0 && !lock(routes).contains_key(id) {
+                        // Failed before it went out (scheduler gone, no worker): nothing to do.
+                        pending.pop_front();
+                        continue;
+                    }
+                    if at.elapsed() >= ADMIT_TIMEOUT {
+                        // A part already pushed is a torn admission, which the scheduler drops
+                        // when the next ADMIT arrives.
+                        fail_admission(*id, routes);
+                        pending.pop_front();
+                        sent = 0;
+                        continue;
+                    }
+                    sent += tx.try_push_slots(&slots[sent..]);
+                    if sent < slots.len() {
+                        break true;
+                    }
+                    pending.pop_front();
+                    sent = 0;
+                }
+                Outgoing::Cancel(id) => {
+                    if tx.try_push_slots(&[LinkSender::cancel_slot(*id)]) == 0 {
+                        break true;
+                    }
+                    pending.pop_front();
+                }
+            }
+        };
+        if blocked {
+            // The ring is full: admissions further back that ran out of time fail now.
+            let front_started = sent > 0;
+            let mut i = usize::from(front_started);
+            while i < pending.len() {
+                match &pending[i] {
+                    Outgoing::Admit { id, at, .. } if at.elapsed() >= ADMIT_TIMEOUT => {
+                        fail_admission(*id, routes);
+                        pending.remove(i);
+                    }
+                    _ => i += 1,
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// Queues `item` for the sender thread. A cancel of an admission that has not started going
+/// out removes it instead: the scheduler never hears of the request, and its route gets the
+/// acknowledgement the scheduler would have sent.
+fn take(
+    item: Outgoing,
+    pending: &mut VecDeque<Outgoing>,
+    sent: usize,
+    routes: &Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>,
+) {
+    if let Outgoing::Cancel(id) = item {
+        let queued = pending
+            .iter()
+            .position(|o| matches!(o, Outgoing::Admit { id: a, .. } if *a == id));
+        if let Some(pos) = queued.filter(|&p| p > 0 || sent == 0) {
+            pending.remove(pos);
+            if let Some(events) = lock(routes).remove(&id) {
+                let _ = events.send(EngineEvent::Finished {
+                    reason: FinishReason::Cancelled,
+                    prompt_tokens: 0,
+                    output_tokens: 0,
+                    cached_tokens: 0,
+                });
+            }
+            return;
+        }
+    }
+    pending.push_back(item);
+}
+
+/// Ends request `id`, whose admission found no room in the ring in time, with a 503.
+fn fail_admission(id: u64, routes: &Mutex<HashMap<u64, UnboundedSender<EngineEvent>>>) {
+    tracing::warn!(
+        id,
+        "admission not delivered: the admission ring stayed full"
+    );
+    if let Some(events) = lock(routes).remove(&id) {
+        let _ = events.send(EngineEvent::Error(format!(
+            "{UNAVAILABLE_PREFIX}the scheduler is not accepting requests (its admission ring \
+             stayed full for {} s)",
+            ADMIT_TIMEOUT.as_secs()
+        )));
     }
 }
 

@@ -313,6 +313,11 @@ impl LinkSender {
         r
     }
 
+    /// Pushes as many of `slots` as the ring has room for now, in order; returns how many.
+    pub fn try_push_slots(&mut self, slots: &[ToScheduler]) -> usize {
+        self.ring.push_batch(slots)
+    }
+
     /// Pushes encoded slots ([`LinkSender::encode_admission`]) in order, waiting up to
     /// `timeout` for ring space (`Duration::ZERO`: pushes what fits now).
     ///

@@ -31,9 +31,9 @@ use std::time::{Duration, Instant};
 const LIVENESS_PERIOD: Duration = Duration::from_millis(20);
 
 /// A gap this long between two turns of the step loop means the scheduler itself did not run
-/// (stopped, swapped out, paused in a debugger or a VM): the step watchdog starts its count
-/// again rather than blame the worker for the time (a turn is microseconds to milliseconds,
-/// an idle wait at most [`LIVENESS_PERIOD`]).
+/// (stopped, swapped out, paused in a debugger or a VM): the step watchdog does not count the
+/// gap against the worker (a turn is microseconds to milliseconds, an idle wait at most
+/// [`LIVENESS_PERIOD`]).
 const SELF_PAUSE: Duration = Duration::from_secs(1);
 
 /// Everything `baton scheduler` needs.
@@ -136,8 +136,8 @@ pub struct SchedulerDaemon {
     scratch_in: Vec<ToScheduler>,
     scratch_done: Vec<CompletionSlot>,
     last_liveness: Instant,
-    /// When the worker last showed progress: a completion, a release, nothing in flight, or
-    /// the end of a pause of the scheduler's own ([`SELF_PAUSE`]).
+    /// When the worker last showed progress (a completion, a release, nothing in flight),
+    /// moved later by every pause of the scheduler's own ([`SELF_PAUSE`]).
     last_progress: Instant,
     /// When the step loop last started a turn.
     last_turn: Instant,
@@ -250,9 +250,11 @@ impl SchedulerDaemon {
         while !stop.load(Ordering::Relaxed) {
             let mut progressed = false;
             let now = Instant::now();
-            if now.duration_since(self.last_turn) >= SELF_PAUSE {
-                // Whatever the worker did meanwhile, the watchdog did not see it.
-                self.last_progress = now;
+            let gap = now.duration_since(self.last_turn);
+            if gap >= SELF_PAUSE {
+                // The watchdog did not run meanwhile: that time is not the worker's. (Moved,
+                // not restarted, so repeated pauses cannot hide a hung worker forever.)
+                self.last_progress += gap;
             }
             self.last_turn = now;
             if self.last_liveness.elapsed() >= LIVENESS_PERIOD {
