@@ -69,7 +69,7 @@ pub struct SchedulerConfig {
 ///
 /// Either way running requests are planned before waiting ones, and a waiting request never
 /// preempts a running one: preemption happens only when a running request needs a page and
-/// none is free or coming back.
+/// none is free or coming back. A step that preempted starts no waiting request (vLLM V1).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SchedulingPolicy {
     /// First come, first served: waiting requests start in admission order (a preempted one
@@ -645,6 +645,7 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
 
         // Running requests first, in admission order: decodes and prefill continuations.
         let mut waiting_for_fence = false;
+        let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let idx = self.running[i];
@@ -668,13 +669,24 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
                         break;
                     }
                     self.preempt(victim);
+                    preempted = true;
                     // `i` now indexes the next request, or the victim was `idx` itself.
                 }
             }
         }
 
-        // Then waiting requests, first come first served.
-        while !waiting_for_fence && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        // Then waiting requests, first come first served (by priority under `Priority`). A
+        // step that preempted starts none, as vLLM V1's scheduler (`vllm/v1/core/sched/
+        // scheduler.py`: waiting requests are scheduled only `if not preempted_reqs`): the pool
+        // is short, and the pages a preemption freed are for the running requests' growth, not
+        // for a new request that the next decode step would preempt again. A step with no row
+        // yet still starts one, so a scheduler never returns `None` with work it could launch.
+        let hold_waiting = preempted && !rows.is_empty();
+        while !waiting_for_fence
+            && !hold_waiting
+            && budget > 0
+            && self.running.len() < self.cfg.max_num_seqs
+        {
             let Some(&idx) = self.waiting.front() else {
                 break;
             };

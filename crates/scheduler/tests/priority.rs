@@ -167,6 +167,52 @@ fn a_preempted_request_goes_back_to_its_place_by_priority() {
     );
 }
 
+/// vLLM V1's rule: a step that preempts starts no waiting request (the pages it freed are for
+/// the running requests' growth). Requests 1 (priority 1) and 2 (priority 0) fill the pool of
+/// 4 pages; request 3 (priority -5, one page) arrives and waits. When request 2 needs a third
+/// page it preempts request 1, which frees two pages: one is request 2's, and request 3, first
+/// in the waiting order and with a free slot, would fit in the other. It starts in the next
+/// step, not in the one that preempted.
+#[test]
+fn a_step_that_preempts_starts_no_waiting_request() {
+    let mut s = Scheduler::new_local(config(SchedulingPolicy::Priority, 3, 4), VOCAB);
+    s.add_request(request(1, 1, 7, 10)).unwrap();
+    s.add_request(request(2, 0, 7, 10)).unwrap();
+    assert_eq!(step(&mut s).0, vec![2, 1], "by priority");
+    s.add_request(request(3, -5, 3, 1)).unwrap();
+    let mut preempting_steps = Vec::new();
+    let mut started_at = None;
+    for k in 1..20 {
+        let preemptions = s.stats().preemptions;
+        let (started, _) = step(&mut s);
+        if s.stats().preemptions > preemptions {
+            preempting_steps.push(k);
+            assert!(
+                started.is_empty(),
+                "step {k} preempted and started {started:?}"
+            );
+        }
+        if started.contains(&3) {
+            started_at = Some(k);
+            break;
+        }
+    }
+    assert_eq!(
+        preempting_steps.len(),
+        1,
+        "one preemption: {preempting_steps:?}"
+    );
+    assert_eq!(
+        started_at,
+        Some(preempting_steps[0] + 1),
+        "request 3 starts in the step after the preemption"
+    );
+    assert!(
+        s.request_lengths(1).is_some_and(|l| l.slot.is_none()),
+        "request 1 was the one preempted"
+    );
+}
+
 #[test]
 fn a_nonzero_priority_is_refused_under_first_come_first_served() {
     let mut s = Scheduler::new_local(config(SchedulingPolicy::Fcfs, 2, 16), VOCAB);
