@@ -677,11 +677,13 @@ fn a_scheduler_starts_over_the_half_made_segment_of_one_killed_while_creating_it
     );
 }
 
-/// The segment carries the model's config fingerprint and its weights' fingerprint: a worker or
-/// frontend started on a model of another shape (here one layer fewer, same vocabulary), or a
-/// worker with other weights of the same shape (dummy weights against the checkpoint, or
-/// another dummy seed), must refuse to attach instead of serving garbage, while a worker with
-/// the scheduler's weights attaches.
+/// The segment carries the model's config fingerprint, its weights' fingerprint and its
+/// tokenizer's: a worker or frontend started on a model of another shape (here one layer
+/// fewer, same vocabulary), a worker with other weights of the same shape (dummy weights
+/// against the checkpoint, or another dummy seed) or whose model computes fewer positions than
+/// the scheduler serves, and a frontend with another tokenizer.json (two token ids swapped),
+/// must refuse to attach instead of serving garbage or aborting requests midway, while a worker
+/// with the scheduler's weights attaches.
 #[test]
 fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     let _serial = serial();
@@ -722,6 +724,34 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
         "frontend",
         &["--port", "0"],
         "serves another model",
+    );
+    // Fewer positions than the scheduler's 512: the fingerprint leaves the length out.
+    let short = edited_model_dir("fp-positions", |c| {
+        c["max_position_embeddings"] = 256.into()
+    });
+    std::fs::copy(
+        model_dir().join("model.safetensors"),
+        short.join("model.safetensors"),
+    )
+    .expect("copy weights");
+    refused(&inst, &short, "worker", &[], "max_position_embeddings");
+    // The same config with two token ids swapped in tokenizer.json.
+    let swapped = edited_model_dir("fp-tokenizer", |_| {});
+    let tok = std::fs::read_to_string(swapped.join("tokenizer.json")).unwrap();
+    let tok = tok
+        .replacen("\"\u{2581}there\": 383", "\"\u{2581}there\": 432", 1)
+        .replacen("\",\": 432", "\",\": 383", 1);
+    assert!(
+        tok.contains("\"\u{2581}there\": 432"),
+        "the swap found its tokens"
+    );
+    std::fs::write(swapped.join("tokenizer.json"), tok).unwrap();
+    refused(
+        &inst,
+        &swapped,
+        "frontend",
+        &["--port", "0"],
+        "another tokenizer.json",
     );
 
     // The same shape with other weights: random ones against the scheduler's checkpoint.
@@ -802,8 +832,9 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     let _w4 = worker_on(&inst3, &same, &["--load-format", "dummy", "--seed", "4"]);
     let _link4 = connect(&inst3);
     s4.signal(Signal::SIGTERM);
-    let _ = std::fs::remove_dir_all(other);
-    let _ = std::fs::remove_dir_all(same);
+    for d in [other, same, short, swapped] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// The scheduler publishes the CPU KV cache dtype it sized its pool for: a worker given

@@ -141,6 +141,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         frontends: 1,
         model_fingerprint: 0,
         weights_fingerprint: 0,
+        tokenizer_fingerprint: 0,
         kv_dtype: baton_proto::plane::KV_DTYPE_UNKNOWN,
         launch_timeout: None,
         trace: None,

@@ -220,6 +220,19 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     } else {
         0
     };
+    // Frontends with another tokenizer.json refuse to attach (absent: nothing to check; the
+    // scheduler then has no grammar vocabulary either).
+    let tokenizer_fingerprint = match &a.model {
+        Some(dir) => {
+            let path = ModelDir::new(dir).tokenizer_path();
+            if path.exists() {
+                baton_model::tokenizer_fingerprint(&path)?
+            } else {
+                0
+            }
+        }
+        None => 0,
+    };
     let cfg = DaemonConfig {
         instance: a.instance.clone(),
         sched: sched.clone(),
@@ -227,6 +240,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         frontends: a.frontends,
         model_fingerprint: fingerprint,
         weights_fingerprint,
+        tokenizer_fingerprint,
         // What the CPU formula sized the pool for (with --model: its config.json's dtype
         // under `auto`).
         kv_dtype: match &a.model {

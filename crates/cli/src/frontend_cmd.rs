@@ -369,6 +369,19 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     };
+    let theirs = link.limits().tokenizer_fingerprint;
+    if theirs != 0 {
+        let mine = baton_model::tokenizer_fingerprint(&dir.tokenizer_path())?;
+        if mine != theirs {
+            bail!(
+                "the scheduler of instance {} was started with another tokenizer.json than {} \
+                 (fingerprint {theirs:016x}, this one {mine:016x}): the same text would become \
+                 other token ids; start the frontend with the scheduler's --model",
+                a.instance,
+                dir.tokenizer_path().display()
+            );
+        }
+    }
     let theirs = link.limits().model_fingerprint;
     if let Some(c) = &mut model_cfg {
         // The RoPE factors of the scheduler's served length (its fingerprint covers them).

@@ -3395,6 +3395,10 @@ impl Backend for CudaWorker {
         self.cfg.fingerprint()
     }
 
+    fn max_positions(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
     fn name(&self) -> &'static str {
         "cuda"
     }

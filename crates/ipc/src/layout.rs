@@ -11,7 +11,7 @@ use std::fmt;
 
 /// Version of the segment format: header fields, ring, doorbell and participant slot layouts.
 /// Bump it whenever any `#[repr(C)]` type placed in the segment changes.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Bytes reserved at offset 0 for the segment header (one page). Regions start after it.
 pub const HEADER_SIZE: usize = 4096;

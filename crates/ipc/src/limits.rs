@@ -23,5 +23,5 @@ pub struct Limits {
     /// Slots in each completion ring.
     pub completion_capacity: u64,
     /// Reserved for later limits; zero until used.
-    pub spare: [u64; 8],
+    pub spare: [u64; 16],
 }

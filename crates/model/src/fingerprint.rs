@@ -1,6 +1,6 @@
 //! 64-bit fingerprints that processes of one deployment compare at attach: the model config's
-//! ([`crate::ModelConfig::fingerprint`]) and the weights' ([`weights_fingerprint`],
-//! [`dummy_weights_fingerprint`]).
+//! ([`crate::ModelConfig::fingerprint`]), the weights' ([`weights_fingerprint`],
+//! [`dummy_weights_fingerprint`]) and the tokenizer's ([`tokenizer_fingerprint`]).
 //!
 //! FNV-1a (Fowler, Noll, Vo; 64-bit offset basis and prime): not collision-resistant against an
 //! adversary, which nothing here needs; it catches an operator starting two processes on
@@ -91,6 +91,22 @@ pub fn dummy_weights_fingerprint(seed: u64) -> u64 {
     h.eat(b"dummy");
     h.eat_u64(seed);
     h.finish()
+}
+
+/// The fingerprint of a tokenizer file (`tokenizer.json`): FNV-1a over its bytes. Two
+/// processes whose files differ in any byte (another vocabulary, merges, added or special
+/// tokens, normalizer) get different fingerprints; the same file copied anywhere gets the
+/// same one. Whitespace-only differences count as differences (cheap, and a deployment copies
+/// one file rather than rewriting it).
+///
+/// # Errors
+/// [`ModelError::Io`] when the file cannot be read.
+pub fn tokenizer_fingerprint(path: &std::path::Path) -> Result<u64, ModelError> {
+    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, &e))?;
+    let mut h = Fnv64::default();
+    h.eat(b"tokenizer.json");
+    h.eat(&bytes);
+    Ok(h.finish())
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ pub use config::{
 };
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
-pub use fingerprint::{dummy_weights_fingerprint, weights_fingerprint};
+pub use fingerprint::{dummy_weights_fingerprint, tokenizer_fingerprint, weights_fingerprint};
 pub use tokenizer::Tokenizer;
 pub use weights::{
     DType, LayerWeights, LlamaWeights, ModelWeights, MoeWeights, RawTensor, Tensor, WeightSource,

@@ -79,6 +79,11 @@ pub struct PlaneLimits {
     /// worker holding other weights refuses to attach (frontends, which load no weights, do
     /// not check it).
     pub weights_fingerprint: u64,
+    /// Fingerprint of the tokenizer.json the scheduler's model directory holds (`baton_model`'s
+    /// `tokenizer_fingerprint`); 0: unknown, nothing to check. A frontend whose tokenizer
+    /// differs refuses to attach: it would send other ids for the same text, and the
+    /// scheduler's structured-output masks are of its own tokenizer's tokens.
+    pub tokenizer_fingerprint: u64,
     /// The scheduler orders requests by their `priority` (vLLM's `--scheduling-policy
     /// priority`); false: first come, first served, and a request's priority must be 0.
     pub priority_scheduling: bool,
@@ -143,7 +148,7 @@ impl PlaneLimits {
 
     /// The header limits.
     pub fn to_limits(&self) -> Limits {
-        let mut spare = [0u64; 8];
+        let mut spare = [0u64; 16];
         spare[0] = self.num_blocks as u64;
         spare[1] = self.max_num_batched_tokens as u64;
         spare[2] = self.vocab_size as u64;
@@ -155,6 +160,7 @@ impl PlaneLimits {
             | u64::from(self.prefix_caching) << 1
             | u64::from(self.kv_dtype) << 8
             | u64::from(self.kv_window) << 32;
+        spare[8] = self.tokenizer_fingerprint;
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -177,6 +183,7 @@ impl PlaneLimits {
             max_inflight: l.spare[4] as usize,
             model_fingerprint: l.spare[5],
             weights_fingerprint: l.spare[6],
+            tokenizer_fingerprint: l.spare[8],
             priority_scheduling: l.spare[7] & 1 != 0,
             kv_dtype: (l.spare[7] >> 8) as u8,
             kv_window: (l.spare[7] >> 32) as u32,
@@ -230,6 +237,7 @@ mod tests {
             max_inflight: 2,
             model_fingerprint: 0x1234_5678_9abc_def0,
             weights_fingerprint: 0x0fed_cba9_8765_4321,
+            tokenizer_fingerprint: 0x1357_9bdf_0246_8ace,
             priority_scheduling: true,
             kv_dtype: KV_DTYPE_BF16,
             kv_window: 4096,

@@ -53,6 +53,9 @@ pub struct DaemonConfig {
     /// The weights' fingerprint (`baton_model::weights_fingerprint`), published for workers
     /// to check at attach (0: unknown, unchecked).
     pub weights_fingerprint: u64,
+    /// The tokenizer.json's fingerprint (`baton_model::tokenizer_fingerprint`), published for
+    /// frontends to check at attach (0: unknown, unchecked).
+    pub tokenizer_fingerprint: u64,
     /// The CPU KV cache's dtype the pool was sized for (`baton_proto::plane::KV_DTYPE_*`),
     /// published for CPU workers to follow or check.
     pub kv_dtype: u8,
@@ -168,6 +171,7 @@ impl SchedulerDaemon {
             max_inflight: cfg.sched.max_inflight,
             model_fingerprint: cfg.model_fingerprint,
             weights_fingerprint: cfg.weights_fingerprint,
+            tokenizer_fingerprint: cfg.tokenizer_fingerprint,
             priority_scheduling: cfg.sched.policy == crate::SchedulingPolicy::Priority,
             kv_dtype: cfg.kv_dtype,
             // A window past u32::MAX keys would need a longer max_model_len than any table

@@ -234,6 +234,10 @@ impl Backend for CpuBackend {
         self.model.config().fingerprint()
     }
 
+    fn max_positions(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

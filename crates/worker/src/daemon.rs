@@ -135,6 +135,16 @@ impl<B: Backend> WorkerDaemon<B> {
                 backend.vocab_size()
             )));
         }
+        if limits.max_model_len > backend.max_positions() {
+            return Err(DaemonError::Mismatch(format!(
+                "the scheduler serves sequences of up to {} positions but this worker's model \
+                 computes at most {} (max_position_embeddings); start the scheduler with \
+                 --max-model-len {} or less, or both with the same --model",
+                limits.max_model_len,
+                backend.max_positions(),
+                backend.max_positions()
+            )));
+        }
         let mine = backend.model_fingerprint();
         if limits.model_fingerprint != 0 && mine != 0 && limits.model_fingerprint != mine {
             return Err(DaemonError::Mismatch(format!(

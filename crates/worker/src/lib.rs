@@ -141,6 +141,14 @@ pub trait Backend: Send {
     /// 0 for a backend without a model (the null backend), which is not checked.
     fn model_fingerprint(&self) -> u64;
 
+    /// The most positions the model computes (its `max_position_embeddings`): a scheduler
+    /// that serves longer sequences (`max_model_len`) is refused at attach, since the
+    /// fingerprint leaves the length out (the served length is the scheduler's choice).
+    /// Unbounded by default (a backend without a model).
+    fn max_positions(&self) -> usize {
+        usize::MAX
+    }
+
     /// A short name for logs (`cpu`, `null`, `cuda`).
     fn name(&self) -> &'static str;
 }
