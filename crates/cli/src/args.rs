@@ -7,7 +7,7 @@ use clap::Args;
 /// Scheduler and KV-cache flags.
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
-    /// Most sequences running at once.
+    /// Most sequences running at once (at most 65536).
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     /// Most tokens computed per step (prefill chunks plus decodes).
@@ -90,6 +90,13 @@ impl EngineArgs {
         if self.max_num_seqs == 0 {
             return Err("--max-num-seqs must be at least 1".into());
         }
+        if self.max_num_seqs > MAX_NUM_SEQS {
+            return Err(format!(
+                "--max-num-seqs {} exceeds {MAX_NUM_SEQS}, the most request slots a scheduler \
+                 holds (vLLM's default is 256)",
+                self.max_num_seqs
+            ));
+        }
         if self.max_num_batched_tokens == 0 {
             return Err("--max-num-batched-tokens must be at least 1".into());
         }
@@ -143,6 +150,26 @@ impl EngineArgs {
             }
         };
         let num_blocks = cfg.num_blocks;
+        // Page ids are u32 in the block tables, u32::MAX marking a page not held.
+        if num_blocks >= u32::MAX as usize {
+            return Err(format!(
+                "--num-blocks {num_blocks} exceeds {}, the most pages a pool can number",
+                u32::MAX - 1
+            ));
+        }
+        // The scheduler's own bookkeeping per page (free list, holders, last use, prefix key,
+        // LRU tick), before any worker allocates the KV itself.
+        let bookkeeping = num_blocks as u64 * baton_kv::PagePool::BYTES_PER_PAGE as u64;
+        if let Some(avail) = baton_model::host_memory_available() {
+            if bookkeeping > avail {
+                return Err(format!(
+                    "--num-blocks {num_blocks}: the scheduler's bookkeeping of that many pages \
+                     alone needs {:.1} GiB, more than the {:.1} GiB of memory available",
+                    bookkeeping as f64 / (1u64 << 30) as f64,
+                    avail as f64 / (1u64 << 30) as f64
+                ));
+            }
+        }
         if num_blocks < cfg.max_request_pages() {
             let half =
                 if self.num_blocks.is_none() && self.kv_cache_dtype.resolve(model) == DType::F32 {
@@ -312,6 +339,21 @@ pub fn parse_fraction(s: &str) -> Result<f64, String> {
 /// Parses `--scheduling-policy`.
 fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
     s.parse()
+}
+
+/// Most request slots `--max-num-seqs` takes: 256 times vLLM's default, and few enough that a
+/// typo cannot ask for a segment of terabytes.
+pub const MAX_NUM_SEQS: usize = 65536;
+
+/// Most frontend slots `--frontends` takes (each is a pair of rings in the segment).
+pub const MAX_FRONTENDS: usize = 1024;
+
+/// Parses `--frontends`: 1 to [`MAX_FRONTENDS`].
+pub fn parse_frontends(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_FRONTENDS).contains(&n) => Ok(n),
+        _ => Err(format!("expected 1 to {MAX_FRONTENDS}, got {s:?}")),
+    }
 }
 
 /// Most threads `--cpu-threads` takes: far past any host's cores, and few enough that a typo

@@ -33,7 +33,7 @@ pub struct SchedulerArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Frontend slots (ring pairs).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::args::parse_frontends)]
     pub frontends: usize,
     /// Where the stop ids a structured output may end with come from, as the frontend's flag
     /// of the same name: "auto" and "vllm" read the --model directory's
@@ -77,7 +77,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// How long to wait for the scheduler's segment and a free worker slot, in seconds.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = crate::frontend_cmd::parse_seconds)]
     pub attach_timeout: f64,
     /// Token the null backend samples.
     #[arg(long, default_value_t = 3)]
@@ -133,9 +133,11 @@ pub fn grammar_vocabulary(
         baton_model::GenerationConfigSource::Auto => baton_model::GenerationConfigSource::Vllm,
         s => s,
     };
-    let (eos, ignored) = dir
-        .eos_token_ids_from(&source)
+    // The flag's file first, so that only its errors are put down to the flag (a bad
+    // tokenizer.json or config.json is reported as itself).
+    dir.generation_config_from(&source)
         .with_context(|| format!("--generation-config {generation_config}"))?;
+    let (eos, ignored) = dir.eos_token_ids_from(&source)?;
     if let Some(e) = ignored {
         tracing::warn!("ignoring {e}; the stop ids come from config.json");
     }
@@ -205,9 +207,6 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
             (c, usize::MAX, w)
         }
     };
-    if a.frontends == 0 {
-        bail!("--frontends must be at least 1");
-    }
     let sched = a
         .engine
         .scheduler_config(&model_cfg)

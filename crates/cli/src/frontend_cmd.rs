@@ -272,7 +272,7 @@ pub struct FrontendArgs {
     #[command(flatten)]
     pub http: HttpArgs,
     /// How long to wait for the scheduler's segment, in seconds.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = crate::frontend_cmd::parse_seconds)]
     pub attach_timeout: f64,
 }
 

@@ -48,7 +48,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
     /// Frontend slots in the segment.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::args::parse_frontends)]
     pub frontends: usize,
     /// Seconds without a heartbeat after which a child is taken as hung and killed: a
     /// frontend is then restarted, a scheduler stops serve as its death does (0: never;

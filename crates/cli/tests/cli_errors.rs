@@ -71,6 +71,65 @@ fn out_of_range_sampling_and_length_flags_are_refused_with_their_name() {
     }
 }
 
+/// Sizes a typo could ask for: request slots or frontend rings that would make a segment of
+/// terabytes (the scheduler sat in its set-up for minutes, past SIGTERM, with gigabytes
+/// resident), pages past the u32 ids of the block tables or whose bookkeeping alone exceeds the
+/// host's memory (it aborted on the allocation), and negative attach timeouts (taken as 0).
+/// Each is refused at start-up with the flag named, leaving no segment.
+#[test]
+fn sizes_past_the_segment_pool_or_host_and_negative_timeouts_are_refused() {
+    let model = common::model_dir();
+    let inst = format!("sizes-{}", std::process::id());
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["serve", "--max-num-seqs", "65537"],
+            "--max-num-seqs 65537 exceeds 65536",
+        ),
+        (
+            vec!["scheduler", "--max-num-seqs", "1000000000"],
+            "--max-num-seqs",
+        ),
+        (
+            vec!["generate", "--prompt", "x", "--max-num-seqs", "70000"],
+            "--max-num-seqs",
+        ),
+        (
+            vec!["serve", "--num-blocks", "4294967295"],
+            "--num-blocks 4294967295 exceeds",
+        ),
+        (vec!["serve", "--frontends", "0"], "--frontends"),
+        (
+            vec!["scheduler", "--frontends", "100000"],
+            "expected 1 to 1024",
+        ),
+        (vec!["worker", "--attach-timeout", "-1"], "--attach-timeout"),
+        (
+            vec!["frontend", "--attach-timeout", "-1"],
+            "--attach-timeout",
+        ),
+    ];
+    // 4294967294 pages' bookkeeping is about 160 GiB: refused on any host with less free.
+    let pages = "4294967294";
+    let need = 4_294_967_294u64 * baton_kv::PagePool::BYTES_PER_PAGE as u64;
+    if baton_model::host_memory_available().is_some_and(|a| a < need) {
+        cases.push((vec!["scheduler", "--num-blocks", pages], "bookkeeping"));
+    }
+    for (args, want) in &cases {
+        let mut full: Vec<&std::ffi::OsStr> = args.iter().map(|a| os(a)).collect();
+        if args[0] != "generate" {
+            full.extend([os("--instance"), os(&inst)]);
+        }
+        if matches!(args[0], "serve" | "frontend") {
+            full.extend([os("--port"), os("0")]);
+        }
+        full.extend([os("--model"), model.as_os_str()]);
+        let (code, err) = run_bounded(&full, &format!("{args:?}"));
+        assert_fails_with(code, &err, want, args);
+        let shm = std::path::Path::new("/dev/shm").join(format!("baton-{inst}"));
+        assert!(!shm.exists(), "{args:?} left {}", shm.display());
+    }
+}
+
 #[test]
 fn valid_edge_values_are_accepted() {
     let (code, err) = generate(&["--temperature", "0", "--max-model-len", "8"]);

@@ -72,6 +72,16 @@ struct SegmentHeader {
 const _: () = assert!(std::mem::size_of::<SegmentHeader>() <= HEADER_SIZE);
 const _: () = assert!(std::mem::offset_of!(SegmentHeader, layout_version) == 8);
 
+/// `bytes` in MiB (or GiB from 10 GiB on), for messages.
+fn mib(bytes: u64) -> String {
+    let m = bytes as f64 / (1u64 << 20) as f64;
+    if m >= 10240.0 {
+        format!("{:.1} GiB", m / 1024.0)
+    } else {
+        format!("{m:.1} MiB")
+    }
+}
+
 /// Errors from creating, attaching or removing a segment. Each names the instance or path and,
 /// for a mismatch, the expected and found values.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +97,25 @@ pub enum SegmentError {
     /// The layout description is invalid.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The file system holding segments has less room than the segment's size: writing its
+    /// tables would end in SIGBUS once tmpfs runs out, so creation is refused up front.
+    #[error(
+        "instance {instance:?}: the segment needs {} of shared memory but {path}'s file system \
+         has {} free; give fewer request slots or a shorter length (--max-num-seqs, \
+         --max-model-len, --frontends), or a larger /dev/shm (a container's default is 64 MiB: \
+         docker run --shm-size or --ipc=host)",
+        mib(*.size), mib(*.available)
+    )]
+    NoRoom {
+        /// The instance.
+        instance: String,
+        /// The segment file.
+        path: String,
+        /// Bytes the segment needs.
+        size: u64,
+        /// Bytes free for this user on its file system.
+        available: u64,
+    },
     /// Another process created this instance and is still running.
     #[error("instance {instance} is running, pid {pid} (segment {path})")]
     Running {
@@ -618,6 +647,22 @@ impl Segment {
                 path: path.to_owned(),
             }));
         }
+        // tmpfs allocates on first touch: a segment larger than the room left would take
+        // SIGBUS on a later write instead of failing here.
+        if let Ok(st) = nix::sys::statvfs::fstatvfs(&fd) {
+            // fsblkcnt_t and c_ulong are u64 here but not on every target.
+            #[allow(clippy::unnecessary_cast)]
+            let available =
+                (st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64);
+            if layout.size() as u64 > available {
+                return Err(cleanup(SegmentError::NoRoom {
+                    instance: instance.to_owned(),
+                    path: path.to_owned(),
+                    size: layout.size() as u64,
+                    available,
+                }));
+            }
+        }
         nix::unistd::ftruncate(&fd, layout.size() as i64)
             .map_err(sys("ftruncate", path))
             .map_err(cleanup)?;
@@ -910,6 +955,28 @@ mod tests {
             .open(segment_path(instance))
             .unwrap();
         f.write_all_at(bytes, offset as u64).unwrap();
+    }
+
+    /// A segment larger than the room left on /dev/shm is refused before the file is sized
+    /// (tmpfs would SIGBUS on a later write), names both sizes, and leaves no file.
+    #[test]
+    fn a_segment_past_the_room_on_dev_shm_is_refused_and_leaves_no_file() {
+        let id = TestInstance::new();
+        let st = nix::sys::statvfs::statvfs("/dev/shm").unwrap();
+        #[allow(clippy::unnecessary_cast)]
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let words = (free / 8 + (1 << 20)) as usize;
+        let big = spec().atomics_u64("huge", words);
+        let err = Segment::create(&id.0, &big, limits()).unwrap_err();
+        assert!(matches!(err, SegmentError::NoRoom { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("free") && msg.contains("--max-num-seqs"),
+            "{msg}"
+        );
+        assert!(!segment_path(&id.0).exists());
+        // One that fits is created as before.
+        drop(Segment::create(&id.0, &spec(), limits()).unwrap());
     }
 
     #[test]

@@ -94,6 +94,13 @@ pub struct PagePool {
 }
 
 impl PagePool {
+    /// Bytes of bookkeeping per page: the free-list entry, holder count, last use, prefix
+    /// key and LRU tick (the index and LRU maps grow only with cached pages).
+    pub const BYTES_PER_PAGE: usize = std::mem::size_of::<u32>() * 2
+        + std::mem::size_of::<LaunchSeq>()
+        + std::mem::size_of::<Option<BlockKey>>()
+        + std::mem::size_of::<u64>();
+
     /// A pool whose pages `0..total` are all free.
     pub fn new(total: usize) -> Self {
         // Pop from the end, so hand out low ids first (easier to read in traces).
