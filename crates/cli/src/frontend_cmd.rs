@@ -338,13 +338,15 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         .map(baton_frontend::chat::load_template_arg)
         .transpose()?;
     let deadline = Instant::now() + Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    // Since when every slot has been taken, and whether that was said.
+    let mut full_since: Option<Instant> = None;
     let mut told_full = false;
     let link = loop {
         match FrontendLink::connect(&a.instance) {
             Ok(l) => break l,
             Err(e @ LinkError::Register(_)) if Instant::now() >= deadline => {
                 return Err(e).context(format!(
-                    "connecting to the scheduler of instance {}: all its frontend slots stayed \
+                    "connecting to the scheduler of instance {}: every frontend slot stayed \
                      taken for {} s (the scheduler's --frontends sets how many)",
                     a.instance, a.attach_timeout
                 ))
@@ -354,8 +356,10 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             }
             Err(LinkError::Register(_)) => {
                 // A slot frees when a dead frontend's is reclaimed, so keep trying, but say why
-                // this start is slow.
-                if !told_full {
+                // this start is slow once it is (a restart after a frontend's death usually
+                // finds its slot reclaimed within a few hundred ms).
+                let since = *full_since.get_or_insert_with(Instant::now);
+                if !told_full && since.elapsed() >= Duration::from_secs(1) {
                     told_full = true;
                     say!(
                         "baton frontend: every frontend slot of instance {} is taken; waiting up \
