@@ -753,6 +753,15 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
         &["--port", "0"],
         "another tokenizer.json",
     );
+    // The same, given as --tokenizer (vLLM's flag) beside the scheduler's model directory.
+    let tok_flag = format!("--tokenizer={}", swapped.display());
+    refused(
+        &inst,
+        &model_dir(),
+        "frontend",
+        &["--port", "0", &tok_flag],
+        "another tokenizer.json",
+    );
 
     // The same shape with other weights: random ones against the scheduler's checkpoint.
     let same = edited_model_dir("fp-same", |_| {});

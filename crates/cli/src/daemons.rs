@@ -32,6 +32,10 @@ pub struct SchedulerArgs {
     /// Seed of the workers' dummy weights (with --load-format dummy; default 0).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat
+    /// template then applies) to use instead of the model directory's (vLLM's `--tokenizer`).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Frontend slots (ring pairs).
     #[arg(long, default_value_t = 8, value_parser = crate::args::parse_frontends)]
     pub frontends: usize,
@@ -76,6 +80,10 @@ pub struct WorkerArgs {
     /// Seed of dummy weights (with --load-format dummy; default 0).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat
+    /// template then applies) to use instead of the model directory's (vLLM's `--tokenizer`).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
     /// How long to wait for the scheduler's segment and a free worker slot, in seconds.
     #[arg(long, default_value_t = 10.0, value_parser = crate::frontend_cmd::parse_seconds)]
     pub attach_timeout: f64,
@@ -223,7 +231,9 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     // scheduler then has no grammar vocabulary either).
     let tokenizer_fingerprint = match &a.model {
         Some(dir) => {
-            let path = ModelDir::new(dir).tokenizer_path();
+            let path = ModelDir::new(dir)
+                .with_tokenizer(a.tokenizer.as_ref())
+                .tokenizer_path();
             if path.exists() {
                 baton_model::tokenizer_fingerprint(&path)?
             } else {
@@ -252,7 +262,11 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
         launch_timeout: a.engine.launch_timeout(),
         trace: a.engine.trace.clone(),
         vocabulary: match &a.model {
-            Some(dir) => grammar_vocabulary(&ModelDir::new(dir), vocab, &a.generation_config)?,
+            Some(dir) => grammar_vocabulary(
+                &ModelDir::new(dir).with_tokenizer(a.tokenizer.as_ref()),
+                vocab,
+                &a.generation_config,
+            )?,
             None => None,
         },
     };
@@ -320,7 +334,9 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
             // the frontend's to report (`--generation-config auto` refuses it, `vllm` not).
             Some((
                 dir.clone(),
-                ModelDir::new(&dir).load_mapped_lenient(format)?,
+                ModelDir::new(&dir)
+                    .with_tokenizer(a.tokenizer.as_ref())
+                    .load_mapped_lenient(format)?,
             ))
         }
     };

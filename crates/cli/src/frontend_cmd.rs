@@ -76,6 +76,10 @@ pub struct HttpArgs {
     /// '{"temperature": 0.5}' (vLLM's flag).
     #[arg(long)]
     pub override_generation_config: Option<String>,
+    /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat
+    /// template then applies) to use instead of the model directory's (vLLM's `--tokenizer`).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl HttpArgs {
@@ -227,6 +231,9 @@ impl HttpArgs {
         if let Some(x) = &self.chat_template {
             v.push(format!("--chat-template={x}"));
         }
+        if let Some(t) = &self.tokenizer {
+            v.push(format!("--tokenizer={}", t.display()));
+        }
         v
     }
 
@@ -294,7 +301,7 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 pub fn run(a: FrontendArgs) -> Result<()> {
     a.http.check()?;
     let sampling_defaults = a.http.sampling_defaults(&a.model)?;
-    let dir = ModelDir::new(&a.model);
+    let dir = ModelDir::new(&a.model).with_tokenizer(a.http.tokenizer.as_ref());
     let tc_path = dir.tokenizer_config_path();
     let tc = if tc_path.exists() {
         TokenizerConfig::from_file(&tc_path)?

@@ -80,6 +80,10 @@ pub struct GenerateArgs {
     /// A Hugging Face model directory (config.json, tokenizer.json, *.safetensors).
     #[arg(long)]
     pub model: PathBuf,
+    /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat
+    /// template then applies) to use instead of the model directory's (vLLM's `--tokenizer`).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
     /// A prompt; repeat for several.
     #[arg(long = "prompt")]
     pub prompts: Vec<String>,
@@ -341,7 +345,7 @@ fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
 /// # Errors
 /// Bad flags, a model that fails to load, a prompt that cannot run.
 pub fn run(a: GenerateArgs) -> Result<()> {
-    let dir = ModelDir::new(&a.model);
+    let dir = ModelDir::new(&a.model).with_tokenizer(a.tokenizer.as_ref());
     // Read first: the sampling values it gives are checked with the flags'.
     let (generation_config, ignored) = dir
         .generation_config_from(&a.generation_config)

@@ -327,6 +327,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         format!("--generation-config={}", a.http.generation_config),
     ];
     sched_args.extend(engine_flags(&engine));
+    let tokenizer_flag: Vec<String> = a
+        .http
+        .tokenizer
+        .iter()
+        .map(|t| format!("--tokenizer={}", t.display()))
+        .collect();
+    sched_args.extend(tokenizer_flag.iter().cloned());
     let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {
         baton_model::LoadFormat::Auto => Vec::new(),
         baton_model::LoadFormat::Dummy { seed } => vec![
@@ -356,6 +363,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         engine.kv_cache_dtype.name().into(),
     ];
     worker_args.extend(weights);
+    worker_args.extend(tokenizer_flag);
     if a.device == Device::Cuda {
         worker_args.extend(a.cuda.to_flags());
     }

@@ -526,6 +526,33 @@ fn serve_refuses_a_malformed_generation_config_under_auto() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// vLLM's `--tokenizer`: a model directory without tokenizer files is refused naming
+/// tokenizer.json, and served with `--tokenizer DIR` the golden prompt gives the golden ids.
+#[test]
+fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
+    let g = &common::goldens()[0];
+    let dir = model_copy("tokenizer-flag");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    let out = generate_in(&dir, &["--max-tokens", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_fails_with(out.status.code(), &err, "tokenizer.json", &"no tokenizer");
+    let tok = common::model_dir();
+    let tok = tok.to_str().unwrap();
+    let flags = [
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "64",
+        "--tokenizer",
+        tok,
+    ];
+    let (ids, _) = generated(&dir, &flags);
+    assert_eq!(ids, g.greedy_ids);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A temporary copy of the test model, weights included, under `tag`.
 fn model_copy(tag: &str) -> std::path::PathBuf {
     let dir = json_only_copy(tag);

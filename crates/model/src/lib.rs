@@ -97,12 +97,30 @@ impl std::fmt::Display for GenerationConfigSource {
 pub struct ModelDir {
     /// The directory.
     pub root: PathBuf,
+    /// Where tokenizer.json and tokenizer_config.json are read from instead of `root`
+    /// (vLLM's `--tokenizer`); `None`: from `root`.
+    pub tokenizer_root: Option<PathBuf>,
 }
 
 impl ModelDir {
     /// Wraps a directory path (nothing is read yet).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        ModelDir { root: root.into() }
+        ModelDir {
+            root: root.into(),
+            tokenizer_root: None,
+        }
+    }
+
+    /// Reads the tokenizer files from `dir` instead (vLLM's `--tokenizer`: a directory with
+    /// tokenizer.json and optionally tokenizer_config.json, whose chat template then applies);
+    /// `None` keeps the model directory's.
+    pub fn with_tokenizer(mut self, dir: Option<impl Into<PathBuf>>) -> Self {
+        self.tokenizer_root = dir.map(Into::into);
+        self
+    }
+
+    fn tokenizer_dir(&self) -> &Path {
+        self.tokenizer_root.as_deref().unwrap_or(&self.root)
     }
 
     /// `config.json`.
@@ -115,22 +133,23 @@ impl ModelDir {
         self.root.join("generation_config.json")
     }
 
-    /// `tokenizer.json`.
+    /// `tokenizer.json`, of the tokenizer directory when one is set.
     pub fn tokenizer_path(&self) -> PathBuf {
-        self.root.join("tokenizer.json")
+        self.tokenizer_dir().join("tokenizer.json")
     }
 
-    /// `tokenizer_config.json` (optional).
+    /// `tokenizer_config.json` (optional), of the tokenizer directory when one is set.
     pub fn tokenizer_config_path(&self) -> PathBuf {
-        self.root.join("tokenizer_config.json")
+        self.tokenizer_dir().join("tokenizer_config.json")
     }
 
-    /// Loads everything per `format`; see [`load_model_dir_with`].
+    /// Loads everything per `format`; see [`load_model_dir_with`] (the tokenizer from the
+    /// tokenizer directory when one is set).
     ///
     /// # Errors
     /// As [`load_model_dir_with`].
     pub fn load(&self, format: LoadFormat) -> Result<LoadedModel, ModelError> {
-        load_model_dir_with(&self.root, format)
+        load_dir(self, format)
     }
 
     /// The fingerprint of the weights `format` names, without loading them: the stored
@@ -175,7 +194,7 @@ impl ModelDir {
     /// # Errors
     /// A missing or malformed config.json, a malformed generation_config.json or tokenizer.
     pub fn eos_token_ids(&self) -> Result<Vec<u32>, ModelError> {
-        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, false)?;
+        let m = load_meta(self, LoadFormat::Dummy { seed: 0 }, false)?;
         Ok(eos_token_ids(
             &m.generation_config,
             &m.config,
@@ -192,7 +211,7 @@ impl ModelDir {
     /// # Errors
     /// A missing or malformed config.json or tokenizer.
     pub fn eos_token_ids_lenient(&self) -> Result<(Vec<u32>, Option<ModelError>), ModelError> {
-        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, true)?;
+        let m = load_meta(self, LoadFormat::Dummy { seed: 0 }, true)?;
         let ids = eos_token_ids(&m.generation_config, &m.config, m.tokenizer.as_ref());
         Ok((ids, m.generation_config_error))
     }
@@ -211,7 +230,7 @@ impl ModelDir {
         source: &GenerationConfigSource,
     ) -> Result<(Vec<u32>, Option<ModelError>), ModelError> {
         let (g, skipped) = self.generation_config_from(source)?;
-        let m = load_meta(&self.root, LoadFormat::Dummy { seed: 0 }, true)?;
+        let m = load_meta(self, LoadFormat::Dummy { seed: 0 }, true)?;
         Ok((eos_token_ids(&g, &m.config, m.tokenizer.as_ref()), skipped))
     }
 
@@ -325,7 +344,7 @@ impl ModelDir {
             generation_config,
             generation_config_error,
             tokenizer,
-        } = load_meta(&self.root, format, lenient)?;
+        } = load_meta(self, format, lenient)?;
         let (weights, weights_fingerprint) = match format {
             LoadFormat::Auto => {
                 let src = WeightSource::open_for(&self.root, &config)?;
@@ -478,12 +497,17 @@ pub fn load_model_dir(path: impl AsRef<Path>) -> Result<LoadedModel, ModelError>
 /// unsupported architecture/model_type/features, missing tensors, wrong shapes, unsupported
 /// dtypes, inconsistent shard index, tokenizer failures. Never panics on bad input.
 pub fn load_model_dir_with(path: &Path, format: LoadFormat) -> Result<LoadedModel, ModelError> {
+    load_dir(&ModelDir::new(path), format)
+}
+
+fn load_dir(dir: &ModelDir, format: LoadFormat) -> Result<LoadedModel, ModelError> {
+    let path = dir.root.as_path();
     let Meta {
         config,
         generation_config,
         tokenizer,
         ..
-    } = load_meta(path, format, false)?;
+    } = load_meta(dir, format, false)?;
     let weights = match format {
         LoadFormat::Auto => LlamaWeights::load(&config, &WeightSource::open_for(path, &config)?)?,
         LoadFormat::Dummy { seed } => LlamaWeights::dummy(&config, seed),
@@ -508,8 +532,7 @@ struct Meta {
 /// config.json, generation_config.json (default when absent, and with `lenient` when it does
 /// not load, its error kept) and the tokenizer (required for [`LoadFormat::Auto`], loaded
 /// when present otherwise).
-fn load_meta(path: &Path, format: LoadFormat, lenient: bool) -> Result<Meta, ModelError> {
-    let dir = ModelDir::new(path);
+fn load_meta(dir: &ModelDir, format: LoadFormat, lenient: bool) -> Result<Meta, ModelError> {
     let config = ModelConfig::from_file(&dir.config_path())?;
     let (generation_config, generation_config_error) = match dir.generation_config() {
         Ok(g) => (g, None),
