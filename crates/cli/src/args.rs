@@ -341,6 +341,50 @@ fn parse_policy(s: &str) -> Result<SchedulingPolicy, String> {
     s.parse()
 }
 
+/// Checks a `--tokenizer DIR` flag before anything is started: DIR must be a directory holding
+/// a tokenizer.json (a typo must not leave a scheduler without its tokenizer's fingerprint,
+/// which would let any frontend attach).
+///
+/// # Errors
+/// DIR is not a directory, or has no tokenizer.json.
+pub fn check_tokenizer_dir(flag: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let Some(d) = flag else { return Ok(()) };
+    if !d.is_dir() {
+        anyhow::bail!(
+            "--tokenizer {}: not a directory (give the directory holding tokenizer.json)",
+            d.display()
+        );
+    }
+    if !d.join("tokenizer.json").is_file() {
+        anyhow::bail!("--tokenizer {}: it holds no tokenizer.json", d.display());
+    }
+    Ok(())
+}
+
+/// Checks that a `--tokenizer` given by flag fits the model: its `tokens` ids must all be
+/// logits of the model's `logits` (a larger vocabulary encodes text to ids the model never
+/// learnt, or refuses them, so it is another model's tokenizer). Without the flag nothing is
+/// checked (a model's own tokenizer is taken as it ships).
+///
+/// # Errors
+/// The flag is given and `tokens > logits`.
+pub fn check_tokenizer_fits(
+    flag: Option<&std::path::Path>,
+    tokens: usize,
+    logits: usize,
+) -> anyhow::Result<()> {
+    if let Some(d) = flag {
+        if tokens > logits {
+            anyhow::bail!(
+                "--tokenizer {}: its vocabulary has {tokens} tokens but the model has {logits} \
+                 logits; it is another model's tokenizer",
+                d.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Most request slots `--max-num-seqs` takes: 256 times vLLM's default, and few enough that a
 /// typo cannot ask for a segment of terabytes.
 pub const MAX_NUM_SEQS: usize = 65536;

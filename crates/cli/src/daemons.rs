@@ -176,6 +176,7 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
 
 fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
+    crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     let format = a.load_format.with_seed_flag(a.seed, a.model.as_deref())?;
     let (mut model_cfg, vocab, weights_fingerprint) = match &a.model {
         Some(dir) => {
@@ -305,6 +306,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
 /// No scheduler, a model that fails to load, a KV pool or model mismatch.
 pub fn run_worker(a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
+    crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
     // The null backend's weights are what it stands in for: the scheduler's dummy weights
     // (same --load-format dummy --seed), or none.

@@ -243,6 +243,7 @@ impl HttpArgs {
     /// `--enable-auto-tool-choice` without `--tool-call-parser`; an empty
     /// `--served-model-name`.
     pub fn check(&self) -> Result<()> {
+        crate::args::check_tokenizer_dir(self.tokenizer.as_deref())?;
         if self.served_model_name.iter().any(|n| n.trim().is_empty()) {
             bail!("--served-model-name: a served model name must not be empty or blank");
         }
@@ -386,8 +387,9 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         if mine != theirs {
             bail!(
                 "the scheduler of instance {} was started with another tokenizer.json than {} \
-                 (fingerprint {theirs:016x}, this one {mine:016x}): the same text would become \
-                 other token ids; start the frontend with the scheduler's --model",
+                 (fingerprint {theirs:016x}, this one {mine:016x}): the same text may become \
+                 other token ids; start the frontend with the scheduler's --model and \
+                 --tokenizer",
                 a.instance,
                 dir.tokenizer_path().display()
             );
@@ -416,6 +418,9 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         );
     }
     let vocab = tokenizer.vocab_size();
+    if let Some(c) = &model_cfg {
+        crate::args::check_tokenizer_fits(a.http.tokenizer.as_deref(), vocab, c.vocab_size)?;
+    }
     let worker_timeout =
         (a.http.worker_timeout > 0.0).then(|| Duration::from_secs_f64(a.http.worker_timeout));
     let engine = Arc::new(RingEngineClient::new(

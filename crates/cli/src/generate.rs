@@ -345,6 +345,7 @@ fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
 /// # Errors
 /// Bad flags, a model that fails to load, a prompt that cannot run.
 pub fn run(a: GenerateArgs) -> Result<()> {
+    crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.tokenizer.as_ref());
     // Read first: the sampling values it gives are checked with the flags'.
     let (generation_config, ignored) = dir
@@ -393,6 +394,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let kv_window = cfg.kv_window;
     let tokenizer = loaded.tokenizer.take().context(
         "the model directory has no tokenizer.json; generate needs one to encode prompts",
+    )?;
+    crate::args::check_tokenizer_fits(
+        a.tokenizer.as_deref(),
+        tokenizer.vocab_size(),
+        loaded.config.vocab_size,
     )?;
     match a.device {
         GenDevice::Cpu => {

@@ -550,6 +550,35 @@ fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
     ];
     let (ids, _) = generated(&dir, &flags);
     assert_eq!(ids, g.greedy_ids);
+    // A --tokenizer that is no directory of a tokenizer.json is refused by every command
+    // before it starts (a scheduler used to start without a tokenizer fingerprint), and so is
+    // one with more tokens than the model has logits (another model's).
+    let file = dir.join("config.json");
+    let llama2 = tok.replace("stories260K", "llama2-tokenizer");
+    let inst = format!("tokflag-{}", std::process::id());
+    for (cmd, t, want) in [
+        ("generate", "/nonexistent/tok", "not a directory"),
+        ("serve", "/nonexistent/tok", "not a directory"),
+        ("scheduler", file.to_str().unwrap(), "not a directory"),
+        ("worker", "/tmp", "no tokenizer.json"),
+        ("generate", &llama2[..], "another model's tokenizer"),
+    ] {
+        let mut args = vec![
+            os(cmd),
+            os("--model"),
+            dir.as_os_str(),
+            os("--tokenizer"),
+            os(t),
+        ];
+        match cmd {
+            "generate" => args.extend([os("--prompt"), os("a b c")]),
+            "serve" => args.extend([os("--port"), os("0"), os("--instance"), os(&inst)]),
+            _ => args.extend([os("--instance"), os(&inst)]),
+        }
+        let (code, err) = run_bounded(&args, cmd);
+        assert_fails_with(code, &err, want, &(cmd, t));
+        assert!(err.contains("--tokenizer"), "{cmd} {t}: {err}");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -392,6 +392,10 @@ fn route(routes: &mut HashMap<u64, UnboundedSender<EngineEvent>>, m: &ToFrontend
                     wire::error::INVALID => {
                         "the scheduler refused the request (it can never fit its limits)"
                     }
+                    wire::error::NO_GRAMMAR_VOCABULARY => {
+                        "structured outputs are unavailable: the scheduler was started without a \
+                         tokenizer.json (give it --tokenizer, or a --model directory holding one)"
+                    }
                     wire::error::SHUTDOWN => {
                         let _ = tx.send(EngineEvent::Error(format!(
                             "{UNAVAILABLE_PREFIX}the scheduler is shutting down"

@@ -173,6 +173,9 @@ pub mod error {
     pub const SHUTDOWN: u32 = 2;
     /// A malformed admission sequence.
     pub const PROTOCOL: u32 = 3;
+    /// A structured-output request to a scheduler started without a tokenizer.json (it has
+    /// no vocabulary to compile constraints against).
+    pub const NO_GRAMMAR_VOCABULARY: u32 = 4;
 }
 
 /// A scheduler-to-frontend slot (outputs and acknowledgements).

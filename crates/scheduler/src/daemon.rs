@@ -553,7 +553,10 @@ impl SchedulerDaemon {
                         .and_then(|c| v.compile(&c))
                         .map(Some)
                         .map_err(|e| e.to_string()),
-                    None => Err("the scheduler was started without a tokenizer".into()),
+                    None => {
+                        self.reply_error(k, p.head.req, wire::error::NO_GRAMMAR_VOCABULARY, 0);
+                        return;
+                    }
                 }
             }
         };
