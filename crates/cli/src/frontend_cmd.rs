@@ -345,6 +345,10 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         .as_deref()
         .map(baton_frontend::chat::load_template_arg)
         .transpose()?;
+    if let Some(c) = &model_cfg {
+        let tokens = tokenizer.vocab_size();
+        crate::args::check_tokenizer_fits(a.http.tokenizer.as_deref(), tokens, c.vocab_size)?;
+    }
     let deadline = Instant::now() + Duration::from_secs_f64(a.attach_timeout.max(0.0));
     // Since when every slot has been taken, and whether that was said.
     let mut full_since: Option<Instant> = None;
@@ -418,9 +422,6 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         );
     }
     let vocab = tokenizer.vocab_size();
-    if let Some(c) = &model_cfg {
-        crate::args::check_tokenizer_fits(a.http.tokenizer.as_deref(), vocab, c.vocab_size)?;
-    }
     let worker_timeout =
         (a.http.worker_timeout > 0.0).then(|| Duration::from_secs_f64(a.http.worker_timeout));
     let engine = Arc::new(RingEngineClient::new(

@@ -562,6 +562,8 @@ fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
         ("scheduler", file.to_str().unwrap(), "not a directory"),
         ("worker", "/tmp", "no tokenizer.json"),
         ("generate", &llama2[..], "another model's tokenizer"),
+        // Before it waits for a scheduler (there is none).
+        ("frontend", &llama2[..], "another model's tokenizer"),
     ] {
         let mut args = vec![
             os(cmd),
@@ -572,7 +574,9 @@ fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
         ];
         match cmd {
             "generate" => args.extend([os("--prompt"), os("a b c")]),
-            "serve" => args.extend([os("--port"), os("0"), os("--instance"), os(&inst)]),
+            "serve" | "frontend" => {
+                args.extend([os("--port"), os("0"), os("--instance"), os(&inst)])
+            }
             _ => args.extend([os("--instance"), os(&inst)]),
         }
         let (code, err) = run_bounded(&args, cmd);
