@@ -267,6 +267,9 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// `torch_dtype` (or transformers 5's `dtype`), e.g. `"bfloat16"`, if given.
     pub torch_dtype: Option<String>,
+    /// `quantization_config` of an FP8 checkpoint ([`crate::quant`]): its float8 weights are
+    /// dequantized to the model's dtype at load. `None` for an unquantized checkpoint.
+    pub quantization: Option<crate::quant::Fp8Quant>,
 }
 
 /// Whether `x` stays a positive, finite number as f32 (what the RoPE tables compute in):
@@ -623,7 +626,13 @@ impl ModelConfig {
             "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}"#,
         )
         .expect("the defaults parse");
-        for key in ["bos_token_id", "eos_token_id", "torch_dtype", "dtype"] {
+        for key in [
+            "bos_token_id",
+            "eos_token_id",
+            "torch_dtype",
+            "dtype",
+            "quantization_config",
+        ] {
             if let Some(x) = f.get(key) {
                 merged.insert(key.into(), x.clone());
             }
@@ -1340,6 +1349,7 @@ impl ModelConfig {
             bos_token_id: f.opt_u32("bos_token_id")?,
             eos_token_ids: f.u32_or_list("eos_token_id")?,
             torch_dtype,
+            quantization: crate::quant::parse(&f)?,
         };
         // Values that parse but give RoPE tables f32 cannot hold (a factor of 1e-39, a
         // llama3 factor of 1e-45) would run as NaN logits: refuse them here, for every table

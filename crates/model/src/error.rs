@@ -166,6 +166,19 @@ pub enum ModelError {
         /// The dtype as safetensors names it.
         dtype: String,
     },
+    /// A float8 weight of an FP8 checkpoint cannot be dequantized ([`crate::quant`]): its
+    /// scale tensor is missing or of a shape that fits neither per-tensor, per-row nor the
+    /// config's blocks, or the checkpoint stores float8 tensors without a
+    /// `quantization_config` saying how they are scaled.
+    #[error("{file}: FP8 weight `{tensor}`: {reason}")]
+    Fp8 {
+        /// The weights file holding the tensor.
+        file: String,
+        /// HF tensor name of the float8 weight.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The safetensors container itself is malformed (header, offsets, truncation).
     #[error("{file}: invalid safetensors file: {reason}")]
     Safetensors {

@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod error;
 pub mod fingerprint;
 mod linear;
+pub mod quant;
 pub mod tokenizer;
 mod vmath;
 pub mod weights;

@@ -8,6 +8,7 @@
 
 use crate::config::{parse_json, read_text, Fields, ModelConfig, MoeNaming};
 use crate::error::ModelError;
+use crate::quant::{self, Fp8Format, Fp8Quant, FP8_SCALE_SUFFIXES};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use std::collections::BTreeMap;
@@ -553,6 +554,23 @@ impl WeightSource {
 
     fn open_with(dir: &Path, cfg: &ModelConfig, copies: bool) -> Result<Self, ModelError> {
         let mut src = Self::open(dir)?;
+        src.rename_multimodal(cfg);
+        if copies {
+            if let Some(q) = &cfg.quantization {
+                src.dequantize_fp8(cfg, q)?;
+            }
+        }
+        src.add_fused_views(cfg)?;
+        if copies {
+            src.permute_partial_rope(cfg);
+        }
+        Ok(src)
+    }
+
+    /// With [`ModelConfig::multimodal_text`], serves the text model's tensors under the text
+    /// model's names and drops the vision tower's ([`WeightSource::open_for`]).
+    fn rename_multimodal(&mut self, cfg: &ModelConfig) {
+        let src = self;
         if cfg.multimodal_text {
             // The text model's tensors under its own names; the vision tower's are not read.
             let mut names = BTreeMap::new();
@@ -585,6 +603,110 @@ impl WeightSource {
             }
             src.names = names;
         }
+    }
+
+    /// Replaces each float8 `*.weight` by a copy dequantized with its scales
+    /// ([`crate::quant`]) in the model's dtype (`torch_dtype`, bf16 when it names none or
+    /// names another).
+    ///
+    /// # Errors
+    /// [`ModelError::Fp8`] for a weight without a scale tensor, a scale of a shape that
+    /// fits no layout, or a scale that is not finite and positive; as [`WeightSource::get`]
+    /// for a scale tensor.
+    fn dequantize_fp8(&mut self, cfg: &ModelConfig, q: &Fp8Quant) -> Result<(), ModelError> {
+        let out = cfg
+            .torch_dtype
+            .as_deref()
+            .and_then(DType::from_name)
+            .unwrap_or(DType::BF16);
+        let mut done = Vec::new();
+        for name in self.names.keys().filter(|n| n.ends_with(".weight")) {
+            let (_, shard, info, bytes) = self.stored(name)?;
+            let format = match info.dtype {
+                Dtype::F8_E4M3 => Fp8Format::E4M3,
+                Dtype::F8_E5M2 => Fp8Format::E5M2,
+                _ => continue,
+            };
+            let fault = |reason: String| ModelError::Fp8 {
+                file: shard.path.display().to_string(),
+                tensor: name.clone(),
+                reason,
+            };
+            let n: usize = info.shape.iter().product();
+            if bytes.len() != n {
+                return Err(fault(format!(
+                    "holds {} bytes, shape {:?} needs {n}",
+                    bytes.len(),
+                    info.shape
+                )));
+            }
+            let base = &name[..name.len() - ".weight".len()];
+            let scale_name = ["weight_scale_inv", "weight_scale"]
+                .iter()
+                .map(|s| format!("{base}.{s}"))
+                .find(|s| self.contains(s))
+                .ok_or_else(|| {
+                    fault(format!(
+                        "the checkpoint has neither `{base}.weight_scale` nor \
+                         `{base}.weight_scale_inv` to scale it"
+                    ))
+                })?;
+            let scale = self.get(&scale_name)?.to_f32();
+            let [rows, cols] = match info.shape[..] {
+                [r, c] => [r, c],
+                _ => [1, n],
+            };
+            let layout = quant::scale_layout(rows, cols, &scale.shape, q.block)
+                .map_err(|e| fault(format!("scale `{scale_name}`: {e}")))?;
+            if let Some(bad) = scale.data.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return Err(fault(format!(
+                    "scale `{scale_name}` holds {bad}; scales must be finite and positive"
+                )));
+            }
+            let mut copy = vec![0u8; n * out.size()];
+            let table = format.table();
+            let dims = [rows, cols];
+            let (data, sc) = (bytes, &scale.data);
+            match out {
+                DType::F32 => quant::dequantize_rows(
+                    data,
+                    &table,
+                    sc,
+                    dims,
+                    layout,
+                    &mut copy,
+                    f32::to_le_bytes,
+                ),
+                DType::BF16 => {
+                    quant::dequantize_rows(data, &table, sc, dims, layout, &mut copy, |x| {
+                        half::bf16::from_f32(x).to_le_bytes()
+                    })
+                }
+                DType::F16 => {
+                    quant::dequantize_rows(data, &table, sc, dims, layout, &mut copy, |x| {
+                        half::f16::from_f32(x).to_le_bytes()
+                    })
+                }
+            }
+            let tensor = CopiedTensor {
+                dtype: out,
+                shape: info.shape.clone(),
+                bytes: copy,
+                file: shard.path.clone(),
+            };
+            done.push((name.clone(), tensor));
+        }
+        self.copies.extend(done);
+        Ok(())
+    }
+
+    /// With [`ModelConfig::fused_projections`], serves each part of a fused projection as a
+    /// row range of the stored one ([`WeightSource::open_for`]).
+    ///
+    /// # Errors
+    /// [`ModelError::FusedAndPart`].
+    fn add_fused_views(&mut self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let src = self;
         if cfg.fused_projections {
             let h = cfg.hidden_size;
             let q = cfg.num_attention_heads * cfg.head_dim;
@@ -622,7 +744,14 @@ impl WeightSource {
                 }
             }
         }
-        if copies && cfg.rotary_dim != cfg.head_dim {
+        Ok(())
+    }
+
+    /// With partial RoPE, replaces each layer's q and k rows (biases, norms) by a copy in the
+    /// permuted head layout ([`WeightSource::open_for`]).
+    fn permute_partial_rope(&mut self, cfg: &ModelConfig) {
+        let src = self;
+        if cfg.rotary_dim != cfg.head_dim {
             let perm = cfg.rope_head_permutation();
             let d = cfg.head_dim;
             for i in 0..cfg.num_hidden_layers {
@@ -663,7 +792,6 @@ impl WeightSource {
                 }
             }
         }
-        Ok(src)
     }
 
     /// Names of all stored tensors, sorted.
@@ -716,6 +844,17 @@ impl WeightSource {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
+            Dtype::F8_E4M3 | Dtype::F8_E5M2 => {
+                return Err(ModelError::Fp8 {
+                    file: shard.path.display().to_string(),
+                    tensor: name.to_string(),
+                    reason: format!(
+                    "stored as {:?}, but config.json has no `quantization_config` (quant_method \
+                         \"fp8\" or \"compressed-tensors\") saying how it is scaled",
+                    info.dtype
+                ),
+                })
+            }
             other => {
                 return Err(ModelError::UnsupportedDtype {
                     file: shard.path.display().to_string(),
@@ -892,16 +1031,29 @@ impl WeightSource {
     }
 
     /// Fails when the checkpoint's tensor names do not match a model of `cfg`: layers past
-    /// `cfg`'s ([`ModelError::ExtraLayers`]), or any other tensor the model would not use
+    /// `cfg`'s ([`ModelError::ExtraLayers`]), float8 tensors without a `quantization_config`
+    /// ([`ModelError::Fp8`]), or any other tensor the model would not use
     /// ([`ModelError::UnusedTensors`], from [`WeightSource::unused_tensors`]): an
     /// architecture the loader does not handle would otherwise give wrong outputs silently.
     /// Both [`LlamaWeights::load`] and [`WeightSource::check_llama`] (the mapped load) start
     /// with it.
     ///
     /// # Errors
-    /// [`ModelError::ExtraLayers`], [`ModelError::UnusedTensors`].
+    /// [`ModelError::ExtraLayers`], [`ModelError::Fp8`], [`ModelError::UnusedTensors`].
     pub fn check_tensor_names(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
         self.check_layer_count(cfg)?;
+        if cfg.quantization.is_none() {
+            // An FP8 checkpoint whose config lost its quantization_config: say that, not
+            // that its scale tensors are unused.
+            let float8 = |n: &&str| {
+                self.stored(n).is_ok_and(|(_, _, info, _)| {
+                    matches!(info.dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+                })
+            };
+            if let Some(n) = self.tensor_names().find(float8) {
+                self.get(n)?;
+            }
+        }
         let unused = self.unused_tensors(cfg);
         if unused.is_empty() {
             return Ok(());
@@ -977,10 +1129,13 @@ pub const HARMLESS_UNUSED_TENSORS: &[&str] = &[
 
 /// Whether an unused stored tensor is known to be harmless for a model of `cfg`: one of
 /// [`HARMLESS_UNUSED_TENSORS`], or `lm_head.weight` with tied embeddings (the embedding is
-/// the head; vLLM skips `lm_head.*` then).
+/// the head; vLLM skips `lm_head.*` then), or in an FP8 checkpoint
+/// ([`ModelConfig::quantization`]) a scale tensor ([`FP8_SCALE_SUFFIXES`]: a weight's scales
+/// are read with the weight, activation and KV-cache scales are not used).
 pub fn is_harmless_unused(cfg: &ModelConfig, name: &str) -> bool {
     HARMLESS_UNUSED_TENSORS.iter().any(|s| name.contains(s))
         || (cfg.tie_word_embeddings && name == "lm_head.weight")
+        || (cfg.quantization.is_some() && FP8_SCALE_SUFFIXES.iter().any(|s| name.ends_with(s)))
 }
 
 /// A model's weights as a backend takes them.
