@@ -846,6 +846,38 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
     }
 }
 
+/// A worker reads only config.json and the weights (the scheduler and the frontends read the
+/// tokenizer and generation_config.json): one whose directory has neither tokenizer.json,
+/// tokenizer_config.json nor generation_config.json attaches and gives the goldens.
+#[test]
+fn a_worker_needs_only_config_json_and_the_weights() {
+    let _serial = serial();
+    let inst = instance("weights-only");
+    let _s = scheduler(&inst, &["--num-blocks", "64"]);
+    let dir = edited_model_dir("weights-only", |_| {});
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    std::fs::copy(
+        model_dir().join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .expect("copy weights");
+    let _w = worker_on(&inst, &dir, &[]);
+    let mut link = connect(&inst);
+    let g = goldens();
+    let prompts: Vec<_> = g.iter().map(|(p, _)| p.clone()).collect();
+    let outs = run(&mut link, &greedy_reqs(&prompts, 64), T);
+    for (i, (_, want)) in g.iter().enumerate() {
+        assert_eq!(&outs[&(i as u64)].tokens, want, "golden {i}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The scheduler publishes the CPU KV cache dtype it sized its pool for: a worker given
 /// another `--kv-cache-dtype` refuses to attach (it would hold twice or half the memory the
 /// scheduler budgeted), naming both; a worker left on `auto` follows it and attaches.

@@ -80,8 +80,10 @@ pub struct WorkerArgs {
     /// Seed of dummy weights (with --load-format dummy; default 0).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat
-    /// template then applies) to use instead of the model directory's (vLLM's `--tokenizer`).
+    /// Accepted as the other commands take it (vLLM's `--tokenizer`) and checked to be a
+    /// directory holding tokenizer.json, but unused: a worker reads no tokenizer (nor
+    /// generation_config.json), so its `--model` directory needs only config.json and the
+    /// weights.
     #[arg(long)]
     pub tokenizer: Option<std::path::PathBuf>,
     /// How long to wait for the scheduler's segment and a free worker slot, in seconds.
@@ -332,13 +334,11 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 check_cuda_device(&a.cuda, cfg.as_ref())?;
             }
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
-            // A worker uses nothing from generation_config.json: one that does not load is
-            // the frontend's to report (`--generation-config auto` refuses it, `vllm` not).
+            // A worker uses nothing from generation_config.json or the tokenizer: they are
+            // the scheduler's and the frontends' to read and report.
             Some((
                 dir.clone(),
-                ModelDir::new(&dir)
-                    .with_tokenizer(a.tokenizer.as_ref())
-                    .load_mapped_lenient(format)?,
+                ModelDir::new(&dir).load_mapped_weights(format)?,
             ))
         }
     };

@@ -334,6 +334,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .map(|t| format!("--tokenizer={}", t.display()))
         .collect();
     sched_args.extend(tokenizer_flag.iter().cloned());
+    // (The worker reads no tokenizer: it gets no --tokenizer.)
     let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {
         baton_model::LoadFormat::Auto => Vec::new(),
         baton_model::LoadFormat::Dummy { seed } => vec![
@@ -363,7 +364,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         engine.kv_cache_dtype.name().into(),
     ];
     worker_args.extend(weights);
-    worker_args.extend(tokenizer_flag);
     if a.device == Device::Cuda {
         worker_args.extend(a.cuda.to_flags());
     }

@@ -335,17 +335,38 @@ impl ModelDir {
         self.load_mapped_with(format, true)
     }
 
+    /// config.json and the weights only, for a worker: it uses neither generation_config.json
+    /// nor the tokenizer (the scheduler and the frontends do), so neither is read and a
+    /// worker's model directory needs only config.json and the safetensors. The result's
+    /// generation config is the default and its tokenizer `None`.
+    ///
+    /// # Errors
+    /// As [`ModelDir::load_mapped`], less the generation config's and the tokenizer's.
+    pub fn load_mapped_weights(&self, format: LoadFormat) -> Result<MappedModel, ModelError> {
+        let meta = Meta {
+            config: ModelConfig::from_file(&self.config_path())?,
+            generation_config: GenerationConfig::default(),
+            generation_config_error: None,
+            tokenizer: None,
+        };
+        self.load_mapped_meta(format, meta)
+    }
+
     fn load_mapped_with(
         &self,
         format: LoadFormat,
         lenient: bool,
     ) -> Result<MappedModel, ModelError> {
+        self.load_mapped_meta(format, load_meta(self, format, lenient)?)
+    }
+
+    fn load_mapped_meta(&self, format: LoadFormat, meta: Meta) -> Result<MappedModel, ModelError> {
         let Meta {
             config,
             generation_config,
             generation_config_error,
             tokenizer,
-        } = load_meta(self, format, lenient)?;
+        } = meta;
         let (weights, weights_fingerprint) = match format {
             LoadFormat::Auto => {
                 let src = WeightSource::open_for(&self.root, &config)?;

@@ -368,7 +368,10 @@ fn bad_fp8_checkpoints_are_refused_naming_the_tensor_or_field() {
     );
     // The check of the names alone (the scheduler's) says the same, not "unused tensors".
     let src = WeightSource::open_for(&fp8, &cfg_of(&fp8)).unwrap();
-    let e = src.check_tensor_names(&cfg_of(&fp8)).unwrap_err().to_string();
+    let e = src
+        .check_tensor_names(&cfg_of(&fp8))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("quantization_config"), "{e}");
 }
 
