@@ -850,7 +850,7 @@ fn a_worker_or_frontend_on_another_model_or_other_weights_refuses_to_attach() {
 /// tokenizer and generation_config.json): one whose directory has neither tokenizer.json,
 /// tokenizer_config.json nor generation_config.json attaches and gives the goldens.
 #[test]
-fn a_worker_needs_only_config_json_and_the_weights() {
+fn a_worker_needs_only_the_weights_and_a_tokenizerless_scheduler_refuses_only_constraints() {
     let _serial = serial();
     let inst = instance("weights-only");
     let _s = scheduler(&inst, &["--num-blocks", "64"]);
@@ -875,6 +875,27 @@ fn a_worker_needs_only_config_json_and_the_weights() {
     for (i, (_, want)) in g.iter().enumerate() {
         assert_eq!(&outs[&(i as u64)].tokens, want, "golden {i}");
     }
+
+    // A scheduler on that directory has no tokenizer, so no grammar vocabulary: it serves
+    // unconstrained requests, and ends a constrained one with `NO_GRAMMAR_VOCABULARY` (which
+    // the frontend turns into a message naming `--tokenizer`), not with a generic refusal.
+    let inst2 = instance("no-vocabulary");
+    let _s2 = scheduler_on(&inst2, &dir, &["--num-blocks", "64"]);
+    let _w2 = worker_on(&inst2, &dir, &[]);
+    let mut link2 = connect(&inst2);
+    let mut reqs = greedy_reqs(&prompts[..1], 64);
+    let mut guided = reqs[0].clone();
+    guided.id = 1;
+    guided.constraint = baton_grammar::Constraint::Regex("[0-9]{3}".into()).to_wire();
+    reqs.push(guided);
+    let outs = run(&mut link2, &reqs, T);
+    assert_eq!(outs[&0].tokens, g[0].1, "the unconstrained request");
+    assert_eq!(
+        outs[&1].error,
+        Some(baton_proto::wire::error::NO_GRAMMAR_VOCABULARY),
+        "the constrained request: {:?}",
+        outs[&1]
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
