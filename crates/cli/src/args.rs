@@ -361,6 +361,51 @@ pub fn check_tokenizer_dir(flag: Option<&std::path::Path>) -> anyhow::Result<()>
     Ok(())
 }
 
+/// [`check_quantization`] on the config.json of `model` (read only when the flag is given).
+///
+/// # Errors
+/// As [`check_quantization`], and a config.json that does not load.
+pub fn check_quantization_of(flag: Option<&str>, model: &std::path::Path) -> anyhow::Result<()> {
+    if flag.is_none() {
+        return Ok(());
+    }
+    let cfg = baton_model::ModelConfig::from_file(&model.join("config.json"))?;
+    check_quantization(flag, &cfg)
+}
+
+/// Checks vLLM's `--quantization METHOD` against the model's config: accepted when it names
+/// the checkpoint's `quantization_config.quant_method` (case-insensitively; Baton needs no
+/// flag to load them, [`baton_model::quant`]), refused otherwise, as vLLM refuses a method
+/// that differs from the checkpoint's. An unquantized checkpoint with `fp8` would ask for
+/// vLLM's online FP8 quantization, which Baton does not do.
+///
+/// # Errors
+/// The flag names another method than the checkpoint's, or any method for an unquantized
+/// checkpoint.
+pub fn check_quantization(
+    flag: Option<&str>,
+    cfg: &baton_model::ModelConfig,
+) -> anyhow::Result<()> {
+    let Some(m) = flag else { return Ok(()) };
+    match &cfg.quantization {
+        Some(q) if q.method.eq_ignore_ascii_case(m.trim()) => Ok(()),
+        Some(q) => anyhow::bail!(
+            "--quantization {m}: the checkpoint's quantization_config says quant_method {:?}; \
+             give that, or leave the flag out (the checkpoint's method is used)",
+            q.method
+        ),
+        None if m.trim().eq_ignore_ascii_case("fp8") => anyhow::bail!(
+            "--quantization fp8: the checkpoint is not quantized (config.json has no \
+             quantization_config), and online FP8 quantization is not supported; leave the \
+             flag out to serve it in its own dtype, or give an FP8 checkpoint"
+        ),
+        None => anyhow::bail!(
+            "--quantization {m}: the checkpoint is not quantized (config.json has no \
+             quantization_config), and Baton quantizes nothing itself; leave the flag out"
+        ),
+    }
+}
+
 /// Checks that a `--tokenizer` given by flag fits the model: its `tokens` ids must all be
 /// logits of the model's `logits` (a larger vocabulary encodes text to ids the model never
 /// learnt, or refuses them, so it is another model's tokenizer). Without the flag nothing is

@@ -80,6 +80,13 @@ pub struct WorkerArgs {
     /// Seed of dummy weights (with --load-format dummy; default 0).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// vLLM's `--quantization` (`-q`): the checkpoint's quantization method, which must be
+    /// the `quant_method` of config.json's `quantization_config` (`fp8` or
+    /// `compressed-tensors`). Not needed: FP8 checkpoints load without it (dequantized at
+    /// load). Naming a method the checkpoint does not use is refused, as vLLM does; online
+    /// quantization of an unquantized checkpoint is not supported.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// Accepted as the other commands take it (vLLM's `--tokenizer`) and checked to be a
     /// directory holding tokenizer.json, but unused: a worker reads no tokenizer (nor
     /// generation_config.json), so its `--model` directory needs only config.json and the
@@ -309,6 +316,13 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
 pub fn run_worker(a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
+    if a.quantization.is_some() {
+        let dir = a
+            .model
+            .as_deref()
+            .context("--quantization needs --model DIR (the checkpoint it describes)")?;
+        crate::args::check_quantization_of(a.quantization.as_deref(), dir)?;
+    }
     let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
     // The null backend's weights are what it stands in for: the scheduler's dummy weights
     // (same --load-format dummy --seed), or none.

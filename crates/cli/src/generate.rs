@@ -140,6 +140,13 @@ pub struct GenerateArgs {
     /// Weight loading.
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
+    /// vLLM's `--quantization` (`-q`): the checkpoint's quantization method, which must be
+    /// the `quant_method` of config.json's `quantization_config` (`fp8` or
+    /// `compressed-tensors`). Not needed: FP8 checkpoints load without it (dequantized at
+    /// load). Naming a method the checkpoint does not use is refused, as vLLM does; online
+    /// quantization of an unquantized checkpoint is not supported.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
@@ -346,6 +353,7 @@ fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
 /// Bad flags, a model that fails to load, a prompt that cannot run.
 pub fn run(a: GenerateArgs) -> Result<()> {
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
+    crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.tokenizer.as_ref());
     // Read first: the sampling values it gives are checked with the flags'.
     let (generation_config, ignored) = dir

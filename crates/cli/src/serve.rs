@@ -38,6 +38,13 @@ pub struct ServeArgs {
     /// Seed of --load-format dummy weights (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// vLLM's `--quantization` (`-q`): the checkpoint's quantization method, which must be
+    /// the `quant_method` of config.json's `quantization_config` (`fp8` or
+    /// `compressed-tensors`). Not needed: FP8 checkpoints load without it (dequantized at
+    /// load). Naming a method the checkpoint does not use is refused, as vLLM does; online
+    /// quantization of an unquantized checkpoint is not supported.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// Instance name: the segment is /dev/shm/baton-INSTANCE. Two servers need two names.
     #[arg(long, default_value = "default")]
     pub instance: String,
@@ -272,6 +279,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         crate::cuda_args::check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
     }
     a.http.check()?;
+    crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
     a.http.sampling_defaults(&a.model)?;
     if let Some(t) = &a.http.chat_template {
         let source = baton_frontend::chat::load_template_arg(t)?;

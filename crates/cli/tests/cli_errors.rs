@@ -586,6 +586,69 @@ fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// vLLM's `--quantization` (`-q`) is accepted when it names the checkpoint's
+/// `quantization_config.quant_method` and refused otherwise by generate, serve and worker
+/// before they load anything: a method the checkpoint does not use, and any method for an
+/// unquantized checkpoint (vLLM would quantize online; Baton does not).
+#[test]
+fn the_quantization_flag_must_name_the_checkpoints_method() {
+    let g = &common::goldens()[0];
+    // stories260K's f32 weights under an FP8 config: no tensor is float8, so it loads as is.
+    let dir = model_copy("quant-flag");
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    for q in ["fp8", "FP8"] {
+        let flags = ["--temperature", "0", "--max-tokens", "64", "-q", q];
+        let (ids, _) = generated(&dir, &flags);
+        assert_eq!(ids, g.greedy_ids);
+    }
+    let plain = common::model_dir();
+    let inst = format!("quantflag-{}", std::process::id());
+    for (cmd, model, q, want) in [
+        (
+            "generate",
+            &dir,
+            "compressed-tensors",
+            "quant_method \"fp8\"",
+        ),
+        ("serve", &dir, "awq", "quant_method \"fp8\""),
+        ("worker", &dir, "gptq", "quant_method \"fp8\""),
+        (
+            "generate",
+            &plain,
+            "fp8",
+            "online FP8 quantization is not supported",
+        ),
+        (
+            "serve",
+            &plain,
+            "fp8",
+            "online FP8 quantization is not supported",
+        ),
+        ("worker", &plain, "awq", "not quantized"),
+    ] {
+        let mut args = vec![
+            os(cmd),
+            os("--model"),
+            model.as_os_str(),
+            os("--quantization"),
+            os(q),
+        ];
+        match cmd {
+            "generate" => args.extend([os("--prompt"), os("a b c")]),
+            "serve" => args.extend([os("--port"), os("0"), os("--instance"), os(&inst)]),
+            _ => args.extend([os("--instance"), os(&inst)]),
+        }
+        let (code, err) = run_bounded(&args, cmd);
+        assert_fails_with(code, &err, want, &(cmd, q));
+        assert!(err.contains("--quantization"), "{cmd} {q}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A temporary copy of the test model, weights included, under `tag`.
 fn model_copy(tag: &str) -> std::path::PathBuf {
     let dir = json_only_copy(tag);
