@@ -961,6 +961,8 @@ fn a_frontend_with_every_slot_taken_says_why_and_fails_after_its_timeout() {
     assert!(st.is_some_and(|s| !s.success()), "{st:?}: {err}");
     assert!(err.contains("every frontend slot"), "{err}");
     assert!(err.contains("--frontends"), "{err}");
+    // Without the participant table's internals ("slot in 2..3 for Frontend").
+    assert!(!err.contains("participant"), "{err}");
 }
 
 /// The step watchdog: a worker that stops making progress (SIGSTOP here; a hung GPU alike)

@@ -356,13 +356,13 @@ pub fn run(a: FrontendArgs) -> Result<()> {
     let link = loop {
         match FrontendLink::connect(&a.instance) {
             Ok(l) => break l,
-            Err(e @ LinkError::Register(_)) if Instant::now() >= deadline => {
-                return Err(e).context(format!(
-                    "connecting to the scheduler of instance {}: every frontend slot stayed \
-                     taken for {} s (the scheduler's --frontends sets how many)",
-                    a.instance, a.attach_timeout
-                ))
-            }
+            // (Not chained to the error: its slot ranges are the segment's internals.)
+            Err(LinkError::Register(_)) if Instant::now() >= deadline => anyhow::bail!(
+                "connecting to the scheduler of instance {}: every frontend slot stayed taken \
+                 for {} s (the scheduler's --frontends sets how many)",
+                a.instance,
+                a.attach_timeout
+            ),
             Err(e) if Instant::now() >= deadline => {
                 return Err(e).context("connecting to the scheduler")
             }
