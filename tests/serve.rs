@@ -43,18 +43,19 @@ fn serve_until_ready(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (std::process::Child, BufReader<std::process::ChildStderr>) {
+    // The model as the first argument, as `vllm serve MODEL` takes it (scripts/openai-check.sh
+    // and the README give `--model DIR`).
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("serve")
+        .arg(dir)
         .args([
-            "serve",
             "--instance",
             instance,
             "--port",
             &port.to_string(),
             "--max-num-seqs",
             "32",
-            "--model",
         ])
-        .arg(dir)
         .args(extra)
         .envs(env.iter().copied())
         .stdin(Stdio::null())

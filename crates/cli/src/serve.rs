@@ -25,8 +25,15 @@ use std::time::{Duration, Instant};
 /// Flags of `baton serve`.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
-    /// A Hugging Face model directory.
-    #[arg(long)]
+    /// A Hugging Face model directory (also taken as the first argument, as `vllm serve
+    /// MODEL` takes it).
+    #[arg(long = "model", value_name = "DIR", conflicts_with = "model_arg")]
+    pub model_flag: Option<PathBuf>,
+    /// The model directory given as the first argument (vLLM's `vllm serve MODEL`).
+    #[arg(value_name = "MODEL")]
+    pub model_arg: Option<PathBuf>,
+    /// The model directory, from `--model` or the first argument ([`ServeArgs::resolve`]).
+    #[arg(skip)]
     pub model: PathBuf,
     /// Device of the worker.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
@@ -163,6 +170,22 @@ fn spawn_with(
     })
 }
 
+impl ServeArgs {
+    /// Sets [`ServeArgs::model`] from `--model DIR` or the first argument.
+    ///
+    /// # Errors
+    /// Neither is given.
+    pub fn resolve(mut self) -> Result<Self> {
+        self.model = match (self.model_flag.take(), self.model_arg.take()) {
+            (Some(m), _) | (None, Some(m)) => m,
+            (None, None) => bail!(
+                "no model: give its directory as `baton serve DIR` or `baton serve --model DIR`"
+            ),
+        };
+        Ok(self)
+    }
+}
+
 /// The KV page count of a CUDA worker under `a`'s flags on its GPU, computed here (before the
 /// scheduler publishes its limits) from the device's free and total memory and the worker's
 /// own allocation plan ([`baton_cuda::CudaWorker::plan_kv_blocks`], the function the worker
@@ -259,6 +282,7 @@ fn http_health(addr: &str) -> Option<u16> {
 /// # Errors
 /// A child that cannot start, or a frontend that never becomes ready.
 pub fn run(a: ServeArgs) -> Result<()> {
+    let a = a.resolve()?;
     let stop = crate::daemons::stop_flag()?;
     if !a.model.is_dir() {
         bail!(

@@ -367,6 +367,28 @@ fn serve_checks_instance_template_and_port_before_starting_children() {
         "serve with a missing model",
     );
     assert_fails_with(code, &err, "no/such/model-dir: no such directory", &"serve");
+    // The first argument is the model too (`vllm serve MODEL`); no model, or both forms, is
+    // refused.
+    let (code, err) = run_bounded(
+        &[os("serve"), os("no/such/model-dir")],
+        "serve with a missing positional model",
+    );
+    assert_fails_with(code, &err, "no/such/model-dir: no such directory", &"serve");
+    let (code, err) = run_bounded(
+        &[os("serve"), os("--port"), os("0")],
+        "serve without a model",
+    );
+    assert_fails_with(code, &err, "baton serve DIR", &"serve");
+    let (code, err) = run_bounded(
+        &[
+            os("serve"),
+            model.as_os_str(),
+            os("--model"),
+            model.as_os_str(),
+        ],
+        "serve with two models",
+    );
+    assert_fails_with(code, &err, "cannot be used with", &"serve");
 }
 
 #[test]
