@@ -552,6 +552,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             dir.display()
         );
     }
+    let mut resolved = a.clone();
+    resolved.cuda.resolve_dtype(Some(&cfg));
+    let a = &resolved;
     if a.device == BenchDevice::Cuda {
         crate::cuda_args::check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda, Some(&cfg))?;

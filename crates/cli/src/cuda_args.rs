@@ -37,9 +37,15 @@ pub fn model_dtype(d: Dtype) -> baton_model::DType {
 /// Flags of `--device cuda` (vLLM's names).
 #[derive(Args, Clone, Debug)]
 pub struct CudaArgs {
-    /// Element type of weights, activations and KV on the GPU: bf16, f16 or f32 (f32 matches
-    /// the CPU reference).
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    /// Element type of weights, activations and KV on the GPU: `auto` (vLLM's default: the
+    /// model's `torch_dtype` when it is bfloat16 or float16, else bf16, as vLLM runs float32
+    /// checkpoints in bf16 on GPUs), bf16, f16 or f32 (f32 matches the CPU reference); vLLM's
+    /// names (`bfloat16`, `half`, `float16`, `float`, `float32`) too.
+    #[arg(long = "dtype", default_value = "auto", value_parser = parse_dtype_flag)]
+    pub dtype_flag: DtypeFlag,
+    /// The dtype in use: `--dtype`, with `auto` resolved against the model by
+    /// [`CudaArgs::resolve_dtype`] (bf16 until then).
+    #[arg(skip = Dtype::Bf16)]
     pub dtype: Dtype,
     /// Share of the GPU's memory this instance may use (weights + activations + KV cache);
     /// the KV pool gets what is left, unless --num-blocks is given.
@@ -60,6 +66,7 @@ pub struct CudaArgs {
 impl Default for CudaArgs {
     fn default() -> Self {
         Self {
+            dtype_flag: DtypeFlag::Auto,
             dtype: Dtype::Bf16,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
@@ -69,7 +76,32 @@ impl Default for CudaArgs {
     }
 }
 
+/// `--dtype`: a dtype, or `auto` (the model's, [`CudaArgs::resolve_dtype`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DtypeFlag {
+    /// vLLM's `auto`.
+    Auto,
+    /// A dtype given by name.
+    Is(Dtype),
+}
+
 impl CudaArgs {
+    /// Sets [`CudaArgs::dtype`] from `--dtype`: a named dtype as it is; `auto` as vLLM
+    /// resolves it, the model's `torch_dtype` when it is bfloat16 or float16, else bf16
+    /// (a float32 checkpoint, or none known).
+    pub fn resolve_dtype(&mut self, cfg: Option<&baton_model::ModelConfig>) {
+        self.dtype = match self.dtype_flag {
+            DtypeFlag::Is(d) => d,
+            DtypeFlag::Auto => match cfg
+                .and_then(|c| c.torch_dtype.as_deref())
+                .and_then(baton_model::DType::from_name)
+            {
+                Some(baton_model::DType::F16) => Dtype::F16,
+                _ => Dtype::Bf16,
+            },
+        };
+    }
+
     /// The flags that reproduce these values (for a child process).
     pub fn to_flags(&self) -> Vec<String> {
         let mut v = vec![
@@ -90,12 +122,24 @@ impl CudaArgs {
     }
 }
 
-/// Parses `--dtype`.
+/// Parses a dtype name (not `auto`).
 ///
 /// # Errors
 /// A message naming the accepted values.
 pub fn parse_dtype(s: &str) -> Result<Dtype, String> {
-    Dtype::parse(s).ok_or_else(|| format!("unknown dtype {s:?}: use bf16, f16 or f32"))
+    Dtype::parse(s).ok_or_else(|| format!("unknown dtype {s:?}: use auto, bf16, f16 or f32"))
+}
+
+/// Parses `--dtype`: `auto` or a dtype name.
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_dtype_flag(s: &str) -> Result<DtypeFlag, String> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        Ok(DtypeFlag::Auto)
+    } else {
+        parse_dtype(s).map(DtypeFlag::Is)
+    }
 }
 
 /// Sizes of the worker's buffers.
@@ -173,4 +217,47 @@ pub fn build_cuda(
 ) -> Result<CudaWorker> {
     let opts = cuda_options(a, s)?;
     CudaWorker::new(cfg, weights, opts).context("starting the CUDA backend (--device cuda)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_auto_follows_the_models_16_bit_dtype_and_else_is_bf16() {
+        assert_eq!(parse_dtype_flag("auto"), Ok(DtypeFlag::Auto));
+        assert_eq!(parse_dtype_flag("AUTO"), Ok(DtypeFlag::Auto));
+        assert_eq!(parse_dtype_flag("half"), Ok(DtypeFlag::Is(Dtype::F16)));
+        assert_eq!(parse_dtype_flag("float"), Ok(DtypeFlag::Is(Dtype::F32)));
+        assert!(parse_dtype_flag("fp8").unwrap_err().contains("auto"));
+        let cfg = |dtype: Option<&str>| {
+            let mut c = serde_json::json!({"architectures": ["LlamaForCausalLM"],
+                "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 32,
+                "max_position_embeddings": 64});
+            if let Some(d) = dtype {
+                c["torch_dtype"] = d.into();
+            }
+            ModelConfig::from_json_str(&c.to_string()).unwrap()
+        };
+        for (model, flag, want) in [
+            (Some("bfloat16"), DtypeFlag::Auto, Dtype::Bf16),
+            (Some("float16"), DtypeFlag::Auto, Dtype::F16),
+            (Some("float32"), DtypeFlag::Auto, Dtype::Bf16),
+            (None, DtypeFlag::Auto, Dtype::Bf16),
+            (Some("float16"), DtypeFlag::Is(Dtype::F32), Dtype::F32),
+            (Some("bfloat16"), DtypeFlag::Is(Dtype::F16), Dtype::F16),
+        ] {
+            let mut a = CudaArgs {
+                dtype_flag: flag,
+                ..CudaArgs::default()
+            };
+            a.resolve_dtype(Some(&cfg(model)));
+            assert_eq!(a.dtype, want, "{model:?} {flag:?}");
+            assert!(a.to_flags().contains(&want.name().to_string()));
+        }
+        let mut a = CudaArgs::default();
+        a.resolve_dtype(None);
+        assert_eq!(a.dtype, Dtype::Bf16);
+    }
 }

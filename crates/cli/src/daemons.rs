@@ -313,7 +313,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
 ///
 /// # Errors
 /// No scheduler, a model that fails to load, a KV pool or model mismatch.
-pub fn run_worker(a: WorkerArgs) -> Result<()> {
+pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     if a.quantization.is_some() {
@@ -343,8 +343,9 @@ pub fn run_worker(a: WorkerArgs) -> Result<()> {
                 .clone()
                 .with_context(|| format!("--model DIR is required for --device {name}"))?;
             if a.device == Device::Cuda {
-                check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
                 let cfg = baton_model::ModelConfig::from_file(&dir.join("config.json")).ok();
+                a.cuda.resolve_dtype(cfg.as_ref());
+                check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
                 check_cuda_device(&a.cuda, cfg.as_ref())?;
             }
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;

@@ -75,12 +75,13 @@ pub struct CompareArgs {
 ///
 /// # Errors
 /// A mismatch, bad flags, a backend failure.
-pub fn run(cmd: DebugCmd) -> Result<()> {
-    let (cuda, model) = match &cmd {
-        DebugCmd::Golden(a) => (&a.cuda, Some(&a.model)),
-        DebugCmd::Logits(a) | DebugCmd::Layers(a) => (&a.cuda, a.model.as_ref()),
+pub fn run(mut cmd: DebugCmd) -> Result<()> {
+    let (cuda, model) = match &mut cmd {
+        DebugCmd::Golden(a) => (&mut a.cuda, Some(&a.model)),
+        DebugCmd::Logits(a) | DebugCmd::Layers(a) => (&mut a.cuda, a.model.as_ref()),
     };
     let cfg = model.and_then(|m| ModelConfig::from_file(&m.join("config.json")).ok());
+    cuda.resolve_dtype(cfg.as_ref());
     check_cuda_device(cuda, cfg.as_ref())?;
     match cmd {
         DebugCmd::Golden(a) => golden(&a.model, &|c, w, s| build_cuda(c, w, &a.cuda, s)),

@@ -351,7 +351,7 @@ fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
 ///
 /// # Errors
 /// Bad flags, a model that fails to load, a prompt that cannot run.
-pub fn run(a: GenerateArgs) -> Result<()> {
+pub fn run(mut a: GenerateArgs) -> Result<()> {
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.tokenizer.as_ref());
@@ -387,8 +387,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .load_format
         .with_seed(a.seed.unwrap_or(0), Some(&a.model))?;
     if a.device == GenDevice::Cuda {
-        check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
         let cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
+        a.cuda.resolve_dtype(cfg.as_ref());
+        check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda, cfg.as_ref())?;
     }
     // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.

@@ -282,7 +282,7 @@ fn http_health(addr: &str) -> Option<u16> {
 /// # Errors
 /// A child that cannot start, or a frontend that never becomes ready.
 pub fn run(a: ServeArgs) -> Result<()> {
-    let a = a.resolve()?;
+    let mut a = a.resolve()?;
     let stop = crate::daemons::stop_flag()?;
     if !a.model.is_dir() {
         bail!(
@@ -300,6 +300,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // What would make a child fail at once is checked before any child starts.
     baton_ipc::check_instance(&a.instance).context("--instance")?;
     if a.device == Device::Cuda {
+        // `--dtype auto` resolved here: the worker gets the dtype by name.
+        let cfg = baton_model::ModelConfig::from_file(&a.model.join("config.json")).ok();
+        a.cuda.resolve_dtype(cfg.as_ref());
         crate::cuda_args::check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
     }
     a.http.check()?;
