@@ -17,12 +17,12 @@
 //!   (`block_structure: [bn, bk]`, `[ceil(out / bn), ceil(in / bk)]`).
 //!
 //! Baton has no FP8 matrix multiply yet: [`crate::WeightSource::open_for`] dequantizes each
-//! float8 weight once, at load, to the model's dtype (`torch_dtype`; bf16 when it names
-//! none), so the model runs as that dtype's checkpoint would, at its memory cost. Static
-//! activation scales (`input_scale`) and KV-cache scales (`k_scale`, `v_scale`) are not used:
-//! activations and the KV cache stay in the serving dtype. Other methods (GPTQ, AWQ,
-//! bitsandbytes, int8 or int4 compressed-tensors, MXFP4, ...) are refused when config.json is
-//! read.
+//! float8 weight once, at load, to the model's 16-bit dtype (`torch_dtype` bfloat16 or
+//! float16; f32 for any other or none), so the model runs as that dtype's checkpoint would,
+//! at its memory cost. Static activation scales (`input_scale`) and KV-cache scales
+//! (`k_scale`, `v_scale`) are not used: activations and the KV cache stay in the serving
+//! dtype. Other methods (GPTQ, AWQ, bitsandbytes, int8 or int4 compressed-tensors, MXFP4,
+//! ...) are refused when config.json is read.
 
 use serde_json::Value;
 
@@ -65,11 +65,13 @@ pub(crate) fn parse(f: &Fields<'_>) -> Result<Option<Fp8Quant>, ModelError> {
     let Some(q) = f.sub("quantization_config", "quantization_config.")? else {
         return Ok(None);
     };
-    let method = q.opt_str("quant_method")?.unwrap_or("");
+    let method = q
+        .opt_str("quant_method")?
+        .ok_or_else(|| q.missing("quant_method"))?;
     let block = match method {
         "fp8" => {
             if let Some(fmt) = q.opt_str("fmt")? {
-                if fmt != "e4m3" {
+                if !fmt.eq_ignore_ascii_case("e4m3") {
                     return Err(q.invalid(
                         "fmt",
                         format!("float8 format {fmt:?} is not supported; supported: e4m3"),
@@ -283,7 +285,10 @@ pub(crate) fn scale_layout(
 /// Dequantizes a `[rows, cols]` float8 weight into `out` (`rows * cols` elements of `E`
 /// bytes, row-major): element `(r, c)` is `encode(table[q[r * cols + c]] *
 /// scales[(r / bn) * scale_cols + c / bk])`, the product in f32 (`[bn, bk]` from
-/// [`scale_layout`], `scale_cols = ceil(cols / bk)`), rows in parallel (rayon).
+/// [`scale_layout`], `scale_cols = ceil(cols / bk)`), rows in parallel (rayon). `encode`
+/// returns `None` for a value the target dtype cannot hold (NaN, or past its range).
+///
+/// Returns such an element's `(row, column, f32 value)`, or `None` when every one encoded.
 pub(crate) fn dequantize_rows<const E: usize>(
     q: &[u8],
     table: &[f32; 256],
@@ -291,8 +296,8 @@ pub(crate) fn dequantize_rows<const E: usize>(
     [rows, cols]: [usize; 2],
     [bn, bk]: [usize; 2],
     out: &mut [u8],
-    encode: impl Fn(f32) -> [u8; E] + Sync,
-) {
+    encode: impl Fn(f32) -> Option<[u8; E]> + Sync,
+) -> Option<(usize, usize, f32)> {
     use rayon::prelude::*;
     let scale_cols = cols.div_ceil(bk);
     debug_assert_eq!(q.len(), rows * cols);
@@ -300,12 +305,15 @@ pub(crate) fn dequantize_rows<const E: usize>(
     out.par_chunks_mut((cols * E).max(1))
         .zip(q.par_chunks(cols.max(1)))
         .enumerate()
-        .for_each(|(r, (dst, src))| {
+        .try_for_each(|(r, (dst, src))| {
             let srow = &scales[(r / bn) * scale_cols..];
             for (c, (&b, d)) in src.iter().zip(dst.chunks_exact_mut(E)).enumerate() {
-                d.copy_from_slice(&encode(table[b as usize] * srow[c / bk]));
+                let x = table[b as usize] * srow[c / bk];
+                d.copy_from_slice(&encode(x).ok_or((r, c, x))?);
             }
-        });
+            Ok(())
+        })
+        .err()
 }
 
 #[cfg(test)]
@@ -371,15 +379,10 @@ mod tests {
         let scales = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
         let mut out = vec![0u8; 15 * 4];
         let table = Fp8Format::E4M3.table();
-        dequantize_rows(
-            &q,
-            &table,
-            &scales,
-            [3, 5],
-            [2, 2],
-            &mut out,
-            f32::to_le_bytes,
-        );
+        let bad = dequantize_rows(&q, &table, &scales, [3, 5], [2, 2], &mut out, |x| {
+            Some(x.to_le_bytes())
+        });
+        assert_eq!(bad, None);
         let got: Vec<f32> = out
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -606,19 +606,19 @@ impl WeightSource {
     }
 
     /// Replaces each float8 `*.weight` by a copy dequantized with its scales
-    /// ([`crate::quant`]) in the model's dtype (`torch_dtype`, bf16 when it names none or
-    /// names another).
+    /// ([`crate::quant`]) in the model's 16-bit dtype (`torch_dtype` bfloat16 or float16),
+    /// else in f32.
     ///
     /// # Errors
-    /// [`ModelError::Fp8`] for a weight without a scale tensor, a scale of a shape that
-    /// fits no layout, or a scale that is not finite and positive; as [`WeightSource::get`]
-    /// for a scale tensor.
+    /// [`ModelError::Fp8`] for a weight without a scale tensor or with both names, a scale of
+    /// a shape that fits no layout, a scale that is not finite and positive, or an element
+    /// that dequantizes to NaN or past the dtype's range; as [`WeightSource::get`] for a
+    /// scale tensor.
     fn dequantize_fp8(&mut self, cfg: &ModelConfig, q: &Fp8Quant) -> Result<(), ModelError> {
-        let out = cfg
-            .torch_dtype
-            .as_deref()
-            .and_then(DType::from_name)
-            .unwrap_or(DType::BF16);
+        let out = match cfg.torch_dtype.as_deref().and_then(DType::from_name) {
+            Some(d @ (DType::BF16 | DType::F16)) => d,
+            _ => DType::F32,
+        };
         let mut done = Vec::new();
         for name in self.names.keys().filter(|n| n.ends_with(".weight")) {
             let (_, shard, info, bytes) = self.stored(name)?;
@@ -641,20 +641,33 @@ impl WeightSource {
                 )));
             }
             let base = &name[..name.len() - ".weight".len()];
-            let scale_name = ["weight_scale_inv", "weight_scale"]
-                .iter()
-                .map(|s| format!("{base}.{s}"))
-                .find(|s| self.contains(s))
-                .ok_or_else(|| {
-                    fault(format!(
-                        "the checkpoint has neither `{base}.weight_scale` nor \
-                         `{base}.weight_scale_inv` to scale it"
-                    ))
-                })?;
-            let scale = self.get(&scale_name)?.to_f32();
+            let names = ["weight_scale_inv", "weight_scale"].map(|s| format!("{base}.{s}"));
+            let scale_name = match names.iter().filter(|s| self.contains(s)).count() {
+                1 => names.iter().find(|s| self.contains(s)).expect("counted"),
+                0 => {
+                    return Err(fault(format!(
+                        "the checkpoint has neither `{}` nor `{}` to scale it",
+                        names[1], names[0]
+                    )))
+                }
+                _ => {
+                    return Err(fault(format!(
+                        "the checkpoint has both `{}` and `{}`: which scales it is ambiguous",
+                        names[1], names[0]
+                    )))
+                }
+            };
+            let scale = self.get(scale_name)?.to_f32();
             let [rows, cols] = match info.shape[..] {
                 [r, c] => [r, c],
-                _ => [1, n],
+                _ if scale.data.len() == 1 => [1, n],
+                _ => {
+                    return Err(fault(format!(
+                        "shape {:?} takes one scale (per tensor); `{scale_name}` has shape \
+                         {:?} (per-row and block scales are for 2-D weights)",
+                        info.shape, scale.shape
+                    )))
+                }
             };
             let layout = quant::scale_layout(rows, cols, &scale.shape, q.block)
                 .map_err(|e| fault(format!("scale `{scale_name}`: {e}")))?;
@@ -667,26 +680,33 @@ impl WeightSource {
             let table = format.table();
             let dims = [rows, cols];
             let (data, sc) = (bytes, &scale.data);
-            match out {
-                DType::F32 => quant::dequantize_rows(
-                    data,
-                    &table,
-                    sc,
-                    dims,
-                    layout,
-                    &mut copy,
-                    f32::to_le_bytes,
-                ),
+            // A NaN code, or a product past the dtype's range (a scale of 1e38 times 448),
+            // would run as NaN logits: refused, naming the first such element.
+            let bad = match out {
+                DType::F32 => {
+                    quant::dequantize_rows(data, &table, sc, dims, layout, &mut copy, |x| {
+                        x.is_finite().then(|| x.to_le_bytes())
+                    })
+                }
                 DType::BF16 => {
                     quant::dequantize_rows(data, &table, sc, dims, layout, &mut copy, |x| {
-                        half::bf16::from_f32(x).to_le_bytes()
+                        let y = half::bf16::from_f32(x);
+                        y.is_finite().then(|| y.to_le_bytes())
                     })
                 }
                 DType::F16 => {
                     quant::dequantize_rows(data, &table, sc, dims, layout, &mut copy, |x| {
-                        half::f16::from_f32(x).to_le_bytes()
+                        let y = half::f16::from_f32(x);
+                        y.is_finite().then(|| y.to_le_bytes())
                     })
                 }
+            };
+            if let Some((r, c, x)) = bad {
+                return Err(fault(format!(
+                    "element [{r}, {c}] dequantizes to {x} (byte {:#04x} times scale `{scale_name}`), \
+                     which {out:?} cannot hold; the checkpoint is corrupt",
+                    data[r * cols + c]
+                )));
             }
             let tensor = CopiedTensor {
                 dtype: out,
@@ -849,8 +869,9 @@ impl WeightSource {
                     file: shard.path.display().to_string(),
                     tensor: name.to_string(),
                     reason: format!(
-                    "stored as {:?}, but config.json has no `quantization_config` (quant_method \
-                         \"fp8\" or \"compressed-tensors\") saying how it is scaled",
+                    "stored as {:?}: float8 is read only as the `*.weight` of an FP8 checkpoint, \
+                     with its scales, under config.json's `quantization_config` (quant_method \
+                     \"fp8\" or \"compressed-tensors\")",
                     info.dtype
                 ),
                 })

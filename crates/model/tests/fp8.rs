@@ -272,7 +272,7 @@ fn compressed_tensors_channel_and_tensor_scales_load_as_their_dequantized_values
 }
 
 #[test]
-fn f16_models_dequantize_to_f16() {
+fn f16_models_dequantize_to_f16_and_others_to_f32() {
     let (fp8, reference) = checkpoints(
         "f16",
         Scales::Tensor,
@@ -288,6 +288,22 @@ fn f16_models_dequantize_to_f16() {
     let t = src.get("model.layers.0.mlp.down_proj.weight").unwrap();
     assert_eq!(t.dtype, baton_model::DType::F16);
     assert_same_model(&fp8, &reference);
+    // A torch_dtype that names no 16-bit dtype dequantizes to f32 (as such a checkpoint's
+    // unquantized weights are computed).
+    for dtype in [Some("float64"), None] {
+        edit_config(&fp8, |c| match dtype {
+            Some(d) => {
+                c.insert("torch_dtype".into(), d.into());
+            }
+            None => {
+                c.remove("torch_dtype");
+            }
+        });
+        let cfg = cfg_of(&fp8);
+        let src = WeightSource::open_for(&fp8, &cfg).unwrap();
+        let t = src.get("model.layers.0.mlp.down_proj.weight").unwrap();
+        assert_eq!(t.dtype, baton_model::DType::F32, "{dtype:?}");
+    }
 }
 
 fn load_error(dir: &std::path::Path) -> String {
@@ -357,6 +373,66 @@ fn bad_fp8_checkpoints_are_refused_naming_the_tensor_or_field() {
     let e = load_error(&d);
     assert!(e.contains("finite and positive"), "{e}");
 
+    // A NaN code (0x7f) in a weight, or a scale whose product overflows f32 (448 * 3e38),
+    // would run as NaN logits.
+    let d = rewrite(&|t| {
+        let w = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{down}.weight"))
+            .unwrap();
+        w.3[5] = 0x7f;
+    });
+    let e = load_error(&d);
+    assert!(
+        e.contains("[0, 5]") && e.contains("NaN") && e.contains("corrupt"),
+        "{e}"
+    );
+    let d = rewrite(&|t| {
+        let s = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
+            .unwrap();
+        s.3[..4].copy_from_slice(&3e38f32.to_le_bytes());
+    });
+    let e = load_error(&d);
+    assert!(e.contains("inf") && e.contains("cannot hold"), "{e}");
+
+    // Both scale names: which one applies is ambiguous.
+    let d = rewrite(&|t| {
+        let s = t
+            .iter()
+            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
+            .unwrap()
+            .clone();
+        t.push((format!("{down}.weight_scale"), s.1, s.2, s.3));
+    });
+    let e = load_error(&d);
+    assert!(e.contains("both") && e.contains("ambiguous"), "{e}");
+
+    // A 3-D float8 weight takes one scale, and says so.
+    let d = rewrite(&|t| {
+        let w = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{down}.weight"))
+            .unwrap();
+        w.2 = vec![64, 172, 1];
+    });
+    let e = load_error(&d);
+    assert!(e.contains("[64, 172, 1] takes one scale"), "{e}");
+
+    // A float8 tensor that is not a weight (a scale stored as F8) is named as such, not as a
+    // checkpoint without a quantization_config.
+    let d = rewrite(&|t| {
+        let s = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
+            .unwrap();
+        s.1 = Dtype::F8_E4M3;
+        s.3 = vec![0x38; 12];
+    });
+    let e = load_error(&d);
+    assert!(e.contains("float8 is read only as the `*.weight`"), "{e}");
+
     // Float8 tensors without a quantization_config.
     edit_config(&fp8, |c| {
         c.remove("quantization_config");
@@ -405,7 +481,10 @@ fn quantization_methods_other_than_fp8_are_refused_at_config() {
         json!({"quant_method": "awq"}),
         "quantization_config.quant_method",
     );
-    refused(json!({}), "quantization_config.quant_method");
+    assert!(matches!(
+        with(json!({"weight_block_size": [128, 128]})),
+        Err(ModelError::MissingField { field, .. }) if field == "quantization_config.quant_method"
+    ));
     refused(
         json!({"quant_method": "fp8", "fmt": "e5m2"}),
         "quantization_config.fmt",
@@ -443,4 +522,5 @@ fn quantization_methods_other_than_fp8_are_refused_at_config() {
         .unwrap()
         .block
         .is_none());
+    assert!(with(json!({"quant_method": "fp8", "fmt": "E4M3"})).is_ok());
 }
