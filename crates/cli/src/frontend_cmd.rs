@@ -684,8 +684,11 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("--tool-call-parser"));
         let only = parse(&["--tool-call-parser", "llama3_json"]).unwrap();
         only.check().unwrap();
-        let e = parse(&["--tool-call-parser", "mistral"]).expect_err("unknown parser");
-        assert!(e.to_string().contains("llama3_json, hermes"), "{e}");
+        let e = parse(&["--tool-call-parser", "pythonic"]).expect_err("unknown parser");
+        assert!(
+            e.to_string().contains("llama3_json, hermes, mistral"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1825,6 +1825,8 @@ struct ChatChunker {
     echo: Option<String>,
     /// The role of each choice's first chunk ([`validate::ChatRequest::reply_role`]).
     role: String,
+    /// The form of tool call ids: the server's `--tool-call-parser` ([`tool_calls_out`]).
+    call_ids: Option<ToolParser>,
 }
 
 /// `Some(text)` when `text` is not empty.
@@ -1842,12 +1844,15 @@ fn reasoning_delta(text: String) -> ChatDelta {
     }
 }
 
-/// The `tool_calls` of a response message, each with a new id.
-fn tool_calls_out(calls: Vec<ToolCall>) -> Vec<ToolCallOut> {
+/// The `tool_calls` of a response message, each with a new id of the form of `ids`, the
+/// server's `--tool-call-parser` ([`ToolParser::call_id`]: Mistral's templates need theirs
+/// for named and required calls too), or vLLM's default form without one.
+fn tool_calls_out(calls: Vec<ToolCall>, ids: Option<ToolParser>) -> Vec<ToolCallOut> {
+    let ids = ids.unwrap_or(ToolParser::Hermes);
     calls
         .into_iter()
         .map(|c| ToolCallOut {
-            id: random_id("chatcmpl-tool"),
+            id: ids.call_id(random_seed),
             kind: "function",
             function: FunctionCall {
                 name: c.name,
@@ -1971,7 +1976,7 @@ impl Chunker for ChatChunker {
             };
             out.push(self.head.chunk(vec![choice(delta, logprobs, None)], usage));
         }
-        let calls = tool_calls_out(calls)
+        let calls = tool_calls_out(calls, self.call_ids)
             .into_iter()
             .enumerate()
             .map(|(index, c)| ToolCallDelta {
@@ -2026,10 +2031,13 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         },
     };
     let mut gen = req.gen.clone();
-    if parser == Some(CallMode::Parser(ToolParser::Hermes)) {
-        // As vLLM's hermes parser: `<tool_call>` is an added token in the models that use it,
-        // which the output must keep for the parser to see it.
-        gen.skip_special_tokens = false;
+    if let Some(CallMode::Parser(p)) = &parser {
+        if p.keeps_special_tokens() {
+            // As vLLM's hermes and mistral parsers: `<tool_call>` and `[TOOL_CALLS]` are
+            // special tokens in the models that use them, which the output must keep for the
+            // parser to see them.
+            gen.skip_special_tokens = false;
+        }
     }
     let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let gen = &gen;
@@ -2073,6 +2081,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 token_ids: gen.return_token_ids,
             },
             choices: seqs.len(),
+            call_ids: st.config.tool_call_parser,
             filters: parser.as_ref().map(|p| {
                 (0..seqs.len())
                     .map(|_| StreamFilter::new(p.clone()))
@@ -2147,7 +2156,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                     content,
                     reasoning_content: reasoning.clone(),
                     reasoning,
-                    tool_calls: tool_calls_out(calls),
+                    tool_calls: tool_calls_out(calls, st.config.tool_call_parser),
                 },
                 logprobs: gen
                     .logprobs

@@ -9,8 +9,8 @@
 //!
 //! Streaming is simpler than vLLM's argument fragments and gives the same accumulated message:
 //! text streams as content until the output may be a tool call (for `llama3_json`, output that
-//! starts with `{` or `<|python_tag|>`; for `hermes`, from `<tool_call>` on), then the rest is
-//! held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
+//! starts with `{` or `<|python_tag|>`; for `hermes`, from `<tool_call>` on; for `mistral`,
+//! from `[TOOL_CALLS]` on), then the rest is held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
 //! sent as content ([`StreamFilter`]).
 
 use crate::reasoning::partial_suffix;
@@ -23,10 +23,16 @@ pub enum ToolParser {
     Llama3Json,
     /// `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
     Hermes,
+    /// `mistral` (vLLM's `MistralToolParser`): after the `[TOOL_CALLS]` token, a JSON list of
+    /// `{"name": ..., "arguments": {...}}` objects (Mistral-7B-Instruct-v0.3 and other
+    /// tokenizers before v11), or `NAME[ARGS]{...}` / `NAME{...}` after each `[TOOL_CALLS]`
+    /// (v11 and later: Mistral-Small-3.2, Magistral, Devstral). Its tool call ids are 9
+    /// letters and digits, the form Mistral's chat templates require of the ids sent back.
+    Mistral,
 }
 
 /// The names `--tool-call-parser` accepts.
-pub const TOOL_PARSER_NAMES: [&str; 2] = ["llama3_json", "hermes"];
+pub const TOOL_PARSER_NAMES: [&str; 3] = ["llama3_json", "hermes", "mistral"];
 
 impl std::str::FromStr for ToolParser {
     type Err = String;
@@ -35,6 +41,7 @@ impl std::str::FromStr for ToolParser {
         match s {
             "llama3_json" => Ok(Self::Llama3Json),
             "hermes" => Ok(Self::Hermes),
+            "mistral" => Ok(Self::Mistral),
             _ => Err(format!(
                 "unknown tool call parser {s:?}; this server has: {}",
                 TOOL_PARSER_NAMES.join(", ")
@@ -49,6 +56,39 @@ impl ToolParser {
         match self {
             Self::Llama3Json => "llama3_json",
             Self::Hermes => "hermes",
+            Self::Mistral => "mistral",
+        }
+    }
+
+    /// Whether the parser's tag is a special token in the models that use it, so the output it
+    /// parses must be detokenized with `skip_special_tokens` off (as vLLM's `hermes` and
+    /// `mistral` parsers' `adjust_request` do).
+    pub fn keeps_special_tokens(self) -> bool {
+        matches!(self, Self::Hermes | Self::Mistral)
+    }
+
+    /// A new tool call id of this parser's form: `chatcmpl-tool-` and 32 hex digits, or for
+    /// `mistral` 9 letters and digits (vLLM's `MistralToolCall.generate_random_id`; Mistral's
+    /// chat templates refuse other ids in the conversation sent back). `random` gives random
+    /// 64-bit values.
+    pub fn call_id(self, mut random: impl FnMut() -> u64) -> String {
+        match self {
+            Self::Mistral => {
+                const ALNUM: &[u8] =
+                    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+                // 62^9 (1.4e16) of 2^64 values: the modulo bias is below 1e-3.
+                let mut x = random();
+                (0..9)
+                    .map(|_| {
+                        let c = ALNUM[(x % 62) as usize] as char;
+                        x /= 62;
+                        c
+                    })
+                    .collect()
+            }
+            Self::Llama3Json | Self::Hermes => {
+                format!("chatcmpl-tool-{:016x}{:016x}", random(), random())
+            }
         }
     }
 }
@@ -56,6 +96,8 @@ impl ToolParser {
 const PYTHON_TAG: &str = "<|python_tag|>";
 const HERMES_START: &str = "<tool_call>";
 const HERMES_END: &str = "</tool_call>";
+const MISTRAL_TOOL_CALLS: &str = "[TOOL_CALLS]";
+const MISTRAL_ARGS: &str = "[ARGS]";
 
 /// One parsed tool call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,6 +133,7 @@ impl ToolParser {
         let calls = match self {
             Self::Llama3Json => llama3_calls(text).map(|c| (None, c)),
             Self::Hermes => hermes_calls(text),
+            Self::Mistral => mistral_calls(text),
         };
         match calls {
             Some((content, calls)) if !calls.is_empty() => Parsed {
@@ -170,6 +213,61 @@ fn hermes_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         }
         calls.push(call_of(&v, false)?);
         rest = after;
+    }
+    Some((Some(text[..first].to_owned()), calls))
+}
+
+/// `(content before the first [TOOL_CALLS], calls)`: after each `[TOOL_CALLS]`, a JSON list of
+/// `{"name", "arguments"}` objects, or a function name (optionally followed by `[ARGS]`) and
+/// its arguments object (see [`ToolParser::Mistral`]). Anything else there makes the whole
+/// output content.
+fn mistral_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+    let first = text.find(MISTRAL_TOOL_CALLS)?;
+    let mut calls = Vec::new();
+    for seg in text[first..].split(MISTRAL_TOOL_CALLS).skip(1) {
+        let seg = seg.trim();
+        if seg.is_empty() {
+            continue;
+        }
+        if seg.starts_with('[') {
+            let mut p = JsonParser {
+                s: seg.as_bytes(),
+                i: 0,
+            };
+            let J::Arr(items) = p.value(0)? else {
+                return None;
+            };
+            p.ws();
+            if p.i != p.s.len() {
+                return None;
+            }
+            for item in &items {
+                calls.push(call_of(item, false)?);
+            }
+        } else {
+            let brace = seg.find('{')?;
+            let name = seg[..brace].trim();
+            let name = name.strip_suffix(MISTRAL_ARGS).unwrap_or(name).trim();
+            let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+            if name.is_empty() || !name.chars().all(valid) {
+                return None;
+            }
+            let mut p = JsonParser {
+                s: &seg.as_bytes()[brace..],
+                i: 0,
+            };
+            let args = p.value(0)?;
+            p.ws();
+            if p.i != p.s.len() {
+                return None;
+            }
+            let mut arguments = String::new();
+            args.dump(&mut arguments);
+            calls.push(ToolCall {
+                name: name.to_owned(),
+                arguments,
+            });
+        }
     }
     Some((Some(text[..first].to_owned()), calls))
 }
@@ -318,13 +416,20 @@ impl StreamFilter {
                 self.plain = true;
                 self.all.len()
             }
-            ToolParser::Hermes => match self.all[self.sent..].find(HERMES_START) {
-                Some(p) => {
-                    self.holding = true;
-                    self.sent + p
+            ToolParser::Hermes | ToolParser::Mistral => {
+                let tag = if *parser == ToolParser::Hermes {
+                    HERMES_START
+                } else {
+                    MISTRAL_TOOL_CALLS
+                };
+                match self.all[self.sent..].find(tag) {
+                    Some(p) => {
+                        self.holding = true;
+                        self.sent + p
+                    }
+                    None => self.all.len() - partial_suffix(&self.all[self.sent..], tag),
                 }
-                None => self.all.len() - partial_suffix(&self.all[self.sent..], HERMES_START),
-            },
+            }
         };
         let out = self.all[self.sent..upto].to_owned();
         self.sent = upto;
@@ -713,7 +818,11 @@ mod tests {
 
     #[test]
     fn streaming_gives_what_the_whole_output_parses_to() {
-        let cases: [(ToolParser, &str); 8] = [
+        let cases: [(ToolParser, &str); 12] = [
+            (ToolParser::Mistral, "Sure. [TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"a\": 1}}]"),
+            (ToolParser::Mistral, "[TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g{}"),
+            (ToolParser::Mistral, "no [TOOL_CA call"),
+            (ToolParser::Mistral, "x [TOOL_CALLS] [{\"name\": broken"),
             (ToolParser::Hermes, "Let me see. <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>"),
             (ToolParser::Hermes, "a <tool_ca then not"),
             (ToolParser::Hermes, "x <tool_call>{broken</tool_call>"),
@@ -742,6 +851,71 @@ mod tests {
     }
 
     #[test]
+    fn mistral_parses_both_call_formats_and_keeps_the_text_before() {
+        let p = ToolParser::Mistral;
+        // Before v11: one [TOOL_CALLS] and a JSON list.
+        let out = p.parse(
+            "Let me look. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Z\u{fc}rich\"}}, {\"name\": \"t\", \"arguments\": {}}]",
+        );
+        assert_eq!(out.content.as_deref(), Some("Let me look. "));
+        assert_eq!(
+            out.calls,
+            [
+                call("get_weather", "{\"city\": \"Z\u{fc}rich\"}"),
+                call("t", "{}")
+            ]
+        );
+        // v11 and later: NAME[ARGS]{...} (or NAME{...}) after each [TOOL_CALLS].
+        let out = p.parse("[TOOL_CALLS]get_weather[ARGS]{\"city\":\"Paris\"}[TOOL_CALLS]t {}");
+        assert_eq!(out.content, None);
+        assert_eq!(
+            out.calls,
+            [
+                call("get_weather", "{\"city\": \"Paris\"}"),
+                call("t", "{}")
+            ]
+        );
+        // Anything else after the tag is content, whole.
+        for text in [
+            "[TOOL_CALLS] [{\"name\": \"f\"}]",
+            "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}}] and more",
+            "[TOOL_CALLS]bad name{}",
+            "[TOOL_CALLS]f{\"a\": }",
+            "[TOOL_CALLS]",
+            "no tag at all",
+        ] {
+            assert_eq!(p.parse(text), Parsed::plain(text), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn tool_call_ids_have_the_parsers_form() {
+        let mut n = 0u64;
+        let mut next = || {
+            n = n
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            n
+        };
+        for _ in 0..100 {
+            let id = ToolParser::Mistral.call_id(&mut next);
+            assert!(
+                id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()),
+                "{id}"
+            );
+            let id = ToolParser::Hermes.call_id(&mut next);
+            assert!(
+                id.starts_with("chatcmpl-tool-") && id.len() == 14 + 32,
+                "{id}"
+            );
+        }
+        assert_ne!(
+            ToolParser::Mistral.call_id(&mut next),
+            ToolParser::Mistral.call_id(&mut next)
+        );
+    }
+
+    #[test]
     fn plain_text_streams_without_waiting_for_the_end() {
         let mut f = StreamFilter::new(CallMode::Parser(ToolParser::Llama3Json));
         assert_eq!(f.push("Hel"), "Hel");
@@ -758,6 +932,6 @@ mod tests {
         for n in TOOL_PARSER_NAMES {
             assert_eq!(n.parse::<ToolParser>().unwrap().name(), n);
         }
-        assert!("mistral".parse::<ToolParser>().is_err());
+        assert!("pythonic".parse::<ToolParser>().is_err());
     }
 }

@@ -4492,11 +4492,12 @@ fn without_ids(mut m: Value) -> Value {
     let calls = m.get_mut("tool_calls").and_then(Value::as_array_mut);
     for c in calls.into_iter().flatten() {
         let id = c["id"].as_str().unwrap();
-        let hex = id.strip_prefix("chatcmpl-tool-").expect(id);
-        assert!(
-            !hex.is_empty() && hex.chars().all(|c| c.is_ascii_hexdigit()),
-            "{id}"
-        );
+        // vLLM's form, or the `mistral` parser's 9 letters and digits.
+        let ok = match id.strip_prefix("chatcmpl-tool-") {
+            Some(hex) => !hex.is_empty() && hex.chars().all(|c| c.is_ascii_hexdigit()),
+            None => id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()),
+        };
+        assert!(ok, "{id}");
         c["id"] = json!("ID");
     }
     m
@@ -4562,6 +4563,38 @@ async fn hermes_tool_calls_come_back_as_tool_calls_streamed_and_not() {
             calls[0]["function"]["arguments"],
             "{\"city\": \"Zürich\", \"note\": \"café ☕ \\\"x\\\"\"}"
         );
+    }
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mistral_tool_calls_come_back_with_ids_mistral_templates_accept() {
+    use baton_frontend::tools::ToolParser;
+    let text = "Checking. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Mistral)).await;
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [weather_tool()], "n": 2});
+    let r = post(addr, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    for c in r.json()["choices"].as_array().unwrap() {
+        // Mistral's chat templates raise on a tool_call_id that is not 9 letters and digits.
+        let id = c["message"]["tool_calls"][0]["id"].as_str().unwrap();
+        assert!(
+            id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()),
+            "{id}"
+        );
+    }
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let r = post(addr, "/v1/chat/completions", &sb).await;
+    assert!(r.body.contains("\"tool_calls\""), "{}", r.body);
+    for (msg, finish) in chat_both_ways(addr, &body).await {
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(msg["content"], " Checking. ");
+        let calls = msg["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
     }
     task.abort();
 }
@@ -4915,8 +4948,16 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hermes_keeps_special_tokens_in_the_output_it_parses() {
-    use baton_frontend::tools::ToolParser;
+async fn hermes_and_mistral_keep_special_tokens_in_the_output_they_parse() {
+    for parser in [
+        baton_frontend::tools::ToolParser::Hermes,
+        baton_frontend::tools::ToolParser::Mistral,
+    ] {
+        keeps_special_tokens(parser).await;
+    }
+}
+
+async fn keeps_special_tokens(parser: baton_frontend::tools::ToolParser) {
     use baton_frontend::EngineEvent;
     use baton_scheduler::FinishReason;
     // The model writes a word, then BOS (a special token, as `<tool_call>` is in the models
@@ -4942,7 +4983,7 @@ async fn hermes_keeps_special_tokens_in_the_output_it_parses() {
             ]
         },
         Some(TOOLS_TEMPLATE.into()),
-        Some(ToolParser::Hermes),
+        Some(parser),
     )
     .await;
     let content = |choice: &str| {
@@ -4959,7 +5000,7 @@ async fn hermes_keeps_special_tokens_in_the_output_it_parses() {
     };
     let parsed = content("auto").await;
     let plain = content("none").await;
-    assert!(parsed.ends_with("<s>"), "{parsed:?}");
+    assert!(parsed.ends_with("<s>"), "{parser:?}: {parsed:?}");
     assert!(!plain.contains("<s>"), "{plain:?}");
     task.abort();
 }
