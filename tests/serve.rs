@@ -545,11 +545,19 @@ fn serve_with_dummy_weights_needs_no_safetensors() {
                 c["architectures"] = serde_json::json!([arch]);
             }
         });
+        // With vLLM flags whose value is what Baton does (a copied `vllm serve` line).
+        let vllm = [
+            "--trust-remote-code",
+            "--tensor-parallel-size",
+            "1",
+            "--disable-log-requests",
+            "--disable-log-stats",
+        ];
         let (mut serve, addr) = serve_on(
             &inst,
             18305,
             &dir,
-            &["--load-format", "dummy", "--seed", "9"],
+            &[&["--load-format", "dummy", "--seed", "9"][..], &vllm].concat(),
         );
         assert_eq!(health(&addr), 200, "{name}");
         let (_, done) = stream_completion(&addr, 8);

@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve a model over the OpenAI API: scheduler, worker and frontend as child processes.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Generate offline from prompts, in one process.
     Generate(GenerateArgs),
     /// The scheduler daemon: creates the control segment and runs continuous batching.
@@ -76,7 +76,7 @@ fn main() -> ExitCode {
     let cli = parse_cli();
     let res = match cli.cmd {
         Cmd::Generate(a) => generate::run(a),
-        Cmd::Serve(a) => serve::run(a),
+        Cmd::Serve(a) => serve::run(*a),
         Cmd::Trace(c) => trace_cmd::run(c),
         Cmd::Debug(c) => debug_cmd::run(c),
         Cmd::Bench(c) => bench::run(c),

@@ -78,6 +78,55 @@ pub struct ServeArgs {
     /// pool is sized for --gpu-memory-utilization of the GPU's memory.
     #[command(flatten)]
     pub cuda: CudaArgs,
+    /// vLLM flags whose only value here is what Baton does anyway.
+    #[command(flatten)]
+    pub vllm: VllmFlags,
+}
+
+/// vLLM `serve` flags a copied command line often carries, accepted where their value is what
+/// Baton does and refused where it is not, so that `vllm serve` command lines run unchanged
+/// when they ask for nothing Baton lacks.
+#[derive(Args, Clone, Debug, Default)]
+pub struct VllmFlags {
+    /// vLLM's `--trust-remote-code`: accepted, and nothing to trust: Baton never runs code
+    /// from a checkpoint (its architectures are built in; another one is refused).
+    #[arg(long)]
+    pub trust_remote_code: bool,
+    /// vLLM's `--tensor-parallel-size`: only 1 (one worker runs the whole model on one
+    /// device).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// vLLM's `--pipeline-parallel-size`: only 1.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
+    /// vLLM's `--disable-log-requests`: accepted; Baton logs no line per request.
+    #[arg(long)]
+    pub disable_log_requests: bool,
+    /// vLLM's `--disable-log-stats`: accepted; Baton logs no periodic statistics (they are on
+    /// `/metrics`).
+    #[arg(long)]
+    pub disable_log_stats: bool,
+}
+
+impl VllmFlags {
+    /// Refuses a parallel size other than 1.
+    ///
+    /// # Errors
+    /// `--tensor-parallel-size` or `--pipeline-parallel-size` other than 1.
+    pub fn check(&self) -> Result<()> {
+        for (flag, n) in [
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ] {
+            if n != 1 {
+                bail!(
+                    "{flag} {n}: Baton runs a model on one device (one worker process); \
+                     parallelism across devices is not supported, give 1 or leave it out"
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 struct Kid {
@@ -298,6 +347,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         );
     }
     // What would make a child fail at once is checked before any child starts.
+    a.vllm.check()?;
     baton_ipc::check_instance(&a.instance).context("--instance")?;
     if a.device == Device::Cuda {
         // `--dtype auto` resolved here: the worker gets the dtype by name.
