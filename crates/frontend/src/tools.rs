@@ -29,10 +29,16 @@ pub enum ToolParser {
     /// (v11 and later: Mistral-Small-3.2, Magistral, Devstral). Its tool call ids are 9
     /// letters and digits, the form Mistral's chat templates require of the ids sent back.
     Mistral,
+    /// `pythonic` (vLLM's `PythonicToolParser`, for Llama 3.2 and Llama 4 with vLLM's
+    /// pythonic templates): the whole output is a Python list of calls with keyword
+    /// arguments, `[get_weather(city="Paris"), get_time()]`, whose values are Python literals
+    /// (strings, numbers, `True`/`False`/`None`, lists, dicts), optionally inside Llama 4's
+    /// `<|python_start|>` ... `<|python_end|>`.
+    Pythonic,
 }
 
 /// The names `--tool-call-parser` accepts.
-pub const TOOL_PARSER_NAMES: [&str; 3] = ["llama3_json", "hermes", "mistral"];
+pub const TOOL_PARSER_NAMES: [&str; 4] = ["llama3_json", "hermes", "mistral", "pythonic"];
 
 impl std::str::FromStr for ToolParser {
     type Err = String;
@@ -42,6 +48,7 @@ impl std::str::FromStr for ToolParser {
             "llama3_json" => Ok(Self::Llama3Json),
             "hermes" => Ok(Self::Hermes),
             "mistral" => Ok(Self::Mistral),
+            "pythonic" => Ok(Self::Pythonic),
             _ => Err(format!(
                 "unknown tool call parser {s:?}; this server has: {}",
                 TOOL_PARSER_NAMES.join(", ")
@@ -57,6 +64,7 @@ impl ToolParser {
             Self::Llama3Json => "llama3_json",
             Self::Hermes => "hermes",
             Self::Mistral => "mistral",
+            Self::Pythonic => "pythonic",
         }
     }
 
@@ -86,7 +94,7 @@ impl ToolParser {
                     })
                     .collect()
             }
-            Self::Llama3Json | Self::Hermes => {
+            Self::Llama3Json | Self::Hermes | Self::Pythonic => {
                 format!("chatcmpl-tool-{:016x}{:016x}", random(), random())
             }
         }
@@ -98,6 +106,8 @@ const HERMES_START: &str = "<tool_call>";
 const HERMES_END: &str = "</tool_call>";
 const MISTRAL_TOOL_CALLS: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
+const PYTHON_START: &str = "<|python_start|>";
+const PYTHON_END: &str = "<|python_end|>";
 
 /// One parsed tool call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,6 +144,7 @@ impl ToolParser {
             Self::Llama3Json => llama3_calls(text).map(|c| (None, c)),
             Self::Hermes => hermes_calls(text),
             Self::Mistral => mistral_calls(text),
+            Self::Pythonic => pythonic_calls(text).map(|c| (None, c)),
         };
         match calls {
             Some((content, calls)) if !calls.is_empty() => Parsed {
@@ -272,6 +283,251 @@ fn mistral_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
     Some((Some(text[..first].to_owned()), calls))
 }
 
+/// The calls of a `pythonic` output: the whole text (less Llama 4's `<|python_start|>` and
+/// `<|python_end|>`) is a Python list of `name(key=value, ...)` calls whose values are
+/// literals, each turned into JSON as vLLM's `_get_parameter_value` and `json.dumps` do.
+fn pythonic_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let t = text.trim();
+    let t = t.strip_prefix(PYTHON_START).unwrap_or(t);
+    let t = t.strip_suffix(PYTHON_END).unwrap_or(t).trim();
+    let mut p = PyParser {
+        s: t.as_bytes(),
+        i: 0,
+    };
+    if !p.eat(b'[') {
+        return None;
+    }
+    let mut calls = Vec::new();
+    p.ws();
+    if p.eat(b']') {
+        return None;
+    }
+    loop {
+        let name = p.ident()?;
+        p.ws();
+        if !p.eat(b'(') {
+            return None;
+        }
+        let mut args = Vec::new();
+        p.ws();
+        if !p.eat(b')') {
+            loop {
+                let key = p.ident()?;
+                p.ws();
+                if !p.eat(b'=') {
+                    return None;
+                }
+                let v = p.value(0)?;
+                args.push((key, v));
+                p.ws();
+                if p.eat(b')') {
+                    break;
+                }
+                if !p.eat(b',') {
+                    return None;
+                }
+                p.ws();
+                // A trailing comma before `)`.
+                if p.eat(b')') {
+                    break;
+                }
+            }
+        }
+        let mut arguments = String::new();
+        J::Obj(args).dump(&mut arguments);
+        calls.push(ToolCall { name, arguments });
+        p.ws();
+        if p.eat(b']') {
+            break;
+        }
+        if !p.eat(b',') {
+            return None;
+        }
+        p.ws();
+        if p.eat(b']') {
+            break;
+        }
+    }
+    p.ws();
+    (p.i == p.s.len()).then_some(calls)
+}
+
+/// A parser of the Python literals a `pythonic` call passes (what `ast.literal_eval` reads of
+/// them): strings with their escapes, numbers (a leading `-` too), `True`, `False`, `None`,
+/// lists and dicts of literals, as [`J`] values.
+struct PyParser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl PyParser<'_> {
+    fn ws(&mut self) {
+        while self.s.get(self.i).is_some_and(u8::is_ascii_whitespace) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, b: u8) -> bool {
+        let hit = self.s.get(self.i) == Some(&b);
+        self.i += usize::from(hit);
+        hit
+    }
+
+    /// A Python identifier of ASCII letters, digits and `_`, not starting with a digit.
+    fn ident(&mut self) -> Option<String> {
+        self.ws();
+        let start = self.i;
+        while self
+            .s
+            .get(self.i)
+            .is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_')
+        {
+            self.i += 1;
+        }
+        let id = std::str::from_utf8(&self.s[start..self.i]).ok()?;
+        (!id.is_empty() && !id.as_bytes()[0].is_ascii_digit()).then(|| id.to_owned())
+    }
+
+    fn value(&mut self, depth: usize) -> Option<J> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.ws();
+        match *self.s.get(self.i)? {
+            q @ (b'"' | b'\'') => self.string(q).map(J::Str),
+            b'[' => {
+                self.i += 1;
+                let mut items = Vec::new();
+                loop {
+                    self.ws();
+                    if self.eat(b']') {
+                        return Some(J::Arr(items));
+                    }
+                    items.push(self.value(depth + 1)?);
+                    self.ws();
+                    if !self.eat(b',') {
+                        self.ws();
+                        return self.eat(b']').then_some(J::Arr(items));
+                    }
+                }
+            }
+            b'{' => {
+                self.i += 1;
+                let mut fields = Vec::new();
+                loop {
+                    self.ws();
+                    if self.eat(b'}') {
+                        return Some(J::Obj(fields));
+                    }
+                    let q = *self.s.get(self.i)?;
+                    if q != b'"' && q != b'\'' {
+                        return None;
+                    }
+                    let k = self.string(q)?;
+                    self.ws();
+                    if !self.eat(b':') {
+                        return None;
+                    }
+                    fields.push((k, self.value(depth + 1)?));
+                    self.ws();
+                    if !self.eat(b',') {
+                        self.ws();
+                        return self.eat(b'}').then_some(J::Obj(fields));
+                    }
+                }
+            }
+            _ => {
+                let start = self.i;
+                while self.s.get(self.i).is_some_and(|b| {
+                    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+' | b'_')
+                }) {
+                    self.i += 1;
+                }
+                let word = std::str::from_utf8(&self.s[start..self.i]).ok()?;
+                match word {
+                    "True" => Some(J::Bool(true)),
+                    "False" => Some(J::Bool(false)),
+                    "None" => Some(J::Null),
+                    _ => {
+                        // A Python number (`1_000` too) as JSON writes it; NaN and infinities
+                        // are no JSON.
+                        let digits = word.replace('_', "");
+                        let x: f64 = digits.parse().ok()?;
+                        if !x.is_finite() || digits.starts_with('+') {
+                            return None;
+                        }
+                        let int = digits.trim_start_matches('-');
+                        if !int.is_empty() && int.bytes().all(|b| b.is_ascii_digit()) {
+                            let n: i128 = digits.parse().ok()?;
+                            Some(J::Num(n.to_string()))
+                        } else {
+                            Some(J::Num(py_float_repr(x)))
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A string in quotes `q`, with Python's escapes.
+    fn string(&mut self, q: u8) -> Option<String> {
+        self.i += 1;
+        let mut out = Vec::new();
+        loop {
+            let b = *self.s.get(self.i)?;
+            self.i += 1;
+            if b == q {
+                return String::from_utf8(out).ok();
+            }
+            if b == b'\n' {
+                return None;
+            }
+            if b != b'\\' {
+                out.push(b);
+                continue;
+            }
+            let e = *self.s.get(self.i)?;
+            self.i += 1;
+            let c = match e {
+                b'n' => '\n',
+                b't' => '\t',
+                b'r' => '\r',
+                b'0' => '\0',
+                b'\\' | b'\'' | b'"' => e as char,
+                b'x' | b'u' | b'U' => {
+                    let len = match e {
+                        b'x' => 2,
+                        b'u' => 4,
+                        _ => 8,
+                    };
+                    let hex = std::str::from_utf8(self.s.get(self.i..self.i + len)?).ok()?;
+                    self.i += len;
+                    char::from_u32(u32::from_str_radix(hex, 16).ok()?)?
+                }
+                _ => return None,
+            };
+            let mut buf = [0u8; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+}
+
+/// `repr` of a finite Python float: Rust's shortest round-trip digits (`{:?}`, which switches
+/// to exponent notation where Python does), with Python's exponent form (`1e-05`, `1e+16`).
+fn py_float_repr(x: f64) -> String {
+    let r = format!("{x:?}");
+    match r.split_once('e') {
+        Some((m, e)) => {
+            let (sign, digits) = match e.strip_prefix('-') {
+                Some(d) => ('-', d),
+                None => ('+', e),
+            };
+            format!("{m}e{sign}{digits:0>2}")
+        }
+        None => r,
+    }
+}
+
 /// How a chat choice's output becomes tool calls.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CallMode {
@@ -403,14 +659,19 @@ impl StreamFilter {
             return String::new();
         };
         let upto = match parser {
-            ToolParser::Llama3Json if self.plain => self.all.len(),
-            ToolParser::Llama3Json => {
+            ToolParser::Llama3Json | ToolParser::Pythonic if self.plain => self.all.len(),
+            ToolParser::Llama3Json | ToolParser::Pythonic => {
+                let (open, tag) = if *parser == ToolParser::Pythonic {
+                    ('[', PYTHON_START)
+                } else {
+                    ('{', PYTHON_TAG)
+                };
                 let t = self.all.trim_start();
-                if t.starts_with('{') || t.starts_with(PYTHON_TAG) {
+                if t.starts_with(open) || t.starts_with(tag) {
                     self.holding = true;
                     return String::new();
                 }
-                if t.is_empty() || PYTHON_TAG.starts_with(t) {
+                if t.is_empty() || tag.starts_with(t) {
                     return String::new();
                 }
                 self.plain = true;
@@ -818,7 +1079,10 @@ mod tests {
 
     #[test]
     fn streaming_gives_what_the_whole_output_parses_to() {
-        let cases: [(ToolParser, &str); 12] = [
+        let cases: [(ToolParser, &str); 15] = [
+            (ToolParser::Pythonic, "[get_weather(city='Paris'), t()]"),
+            (ToolParser::Pythonic, " <|python_start|>[f(a=[1, {'b': None}])]<|python_end|>"),
+            (ToolParser::Pythonic, "[not a call"),
             (ToolParser::Mistral, "Sure. [TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"a\": 1}}]"),
             (ToolParser::Mistral, "[TOOL_CALLS]f[ARGS]{\"a\": 1}[TOOL_CALLS]g{}"),
             (ToolParser::Mistral, "no [TOOL_CA call"),
@@ -889,6 +1153,52 @@ mod tests {
     }
 
     #[test]
+    fn pythonic_parses_calls_with_python_literals() {
+        let p = ToolParser::Pythonic;
+        let out = p.parse(
+            "[get_weather(city=\"Z\\u00fcrich\", days=3, hot=True, note=None), \
+             f(x=-1.5e-5, y=1_000, l=[1, 'a\\'b'], d={'k': False},), g()]",
+        );
+        assert_eq!(out.content, None);
+        assert_eq!(
+            out.calls,
+            [
+                call(
+                    "get_weather",
+                    "{\"city\": \"Z\u{fc}rich\", \"days\": 3, \"hot\": true, \"note\": null}"
+                ),
+                call(
+                    "f",
+                    "{\"x\": -1.5e-05, \"y\": 1000, \"l\": [1, \"a'b\"], \"d\": {\"k\": false}}"
+                ),
+                call("g", "{}"),
+            ]
+        );
+        // Llama 4's tags around the list.
+        let out = p.parse("<|python_start|>[f(a=1)]<|python_end|>");
+        assert_eq!(out.calls, [call("f", "{\"a\": 1}")]);
+        // Anything but a list of keyword calls of literals is content, whole.
+        for text in [
+            "Sure: [f(a=1)]",
+            "[f(1)]",
+            "[f(a=b)]",
+            "[f(a=1)] and more",
+            "[]",
+            "[f(a=float('nan'))]",
+            "[f(a=inf)]",
+            "[1f(a=1)]",
+            "[f(a='unterminated)]",
+            "plain text",
+        ] {
+            assert_eq!(p.parse(text), Parsed::plain(text), "{text:?}");
+        }
+        assert_eq!(py_float_repr(1e16), "1e+16");
+        assert_eq!(py_float_repr(1e15), "1000000000000000.0");
+        assert_eq!(py_float_repr(0.0001), "0.0001");
+        assert_eq!(py_float_repr(2.5e-7), "2.5e-07");
+    }
+
+    #[test]
     fn tool_call_ids_have_the_parsers_form() {
         let mut n = 0u64;
         let mut next = || {
@@ -932,6 +1242,6 @@ mod tests {
         for n in TOOL_PARSER_NAMES {
             assert_eq!(n.parse::<ToolParser>().unwrap().name(), n);
         }
-        assert!("pythonic".parse::<ToolParser>().is_err());
+        assert!("llama4_pythonic".parse::<ToolParser>().is_err());
     }
 }

@@ -4600,6 +4600,38 @@ async fn mistral_tool_calls_come_back_with_ids_mistral_templates_accept() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pythonic_tool_calls_come_back_as_json_arguments() {
+    use baton_frontend::tools::ToolParser;
+    let text = "[get_weather(city='Paris', days=2), get_time(tz=\"CET\", exact=True)]";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Pythonic)).await;
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [weather_tool()]});
+    for (msg, finish) in chat_both_ways(addr, &body).await {
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(msg["content"], Value::Null);
+        let got: Vec<(&str, &str)> = msg["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["function"]["name"].as_str().unwrap(),
+                    c["function"]["arguments"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("get_weather", "{\"city\": \"Paris\", \"days\": 2}"),
+                ("get_time", "{\"tz\": \"CET\", \"exact\": true}")
+            ]
+        );
+    }
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama3_json_tool_calls_come_back_with_null_content() {
     use baton_frontend::tools::ToolParser;
     let text = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"get_time\", \"parameters\": {\"tz\": \"CET\", \"fmt\": [1, 2.5]}}";
