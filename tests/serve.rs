@@ -800,3 +800,38 @@ fn a_sliding_window_model_serves_requests_longer_than_its_kv_pool() {
     assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// vLLM's `--seed` on serve (passed to the frontend): requests that give no `seed` sample the
+/// same tokens after a restart with the same seed, and the flag needs no dummy weights.
+#[test]
+fn serve_seed_makes_unseeded_sampling_repeat_across_restarts() {
+    let _serial = serial();
+    let bodies = [
+        serde_json::json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0}),
+        serde_json::json!({"prompt": "The cat", "max_tokens": 24, "temperature": 1.0, "n": 2}),
+    ];
+    let texts = |seed: &str| {
+        let inst = instance(&format!("serve-seed-{seed}"));
+        let (mut serve, addr) = serve_with(&inst, 18315, &["--seed", seed]);
+        let out: Vec<String> = bodies
+            .iter()
+            .flat_map(|b| {
+                let (resp, v) = post_completion(&addr, b);
+                assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+                v["choices"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c["text"].as_str().unwrap().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        serve.signal(Signal::SIGTERM);
+        assert!(serve.wait_timeout(Duration::from_secs(20)).is_some());
+        out
+    };
+    let a = texts("7");
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, texts("7"), "the same --seed after a restart");
+    assert_ne!(a, texts("8"), "another --seed");
+}

@@ -282,6 +282,11 @@ pub struct FrontendArgs {
     /// How long to wait for the scheduler's segment, in seconds.
     #[arg(long, default_value_t = 30.0, value_parser = crate::frontend_cmd::parse_seconds)]
     pub attach_timeout: f64,
+    /// vLLM's `--seed`: the seed of the random streams of requests that give no `seed` (the
+    /// `k`-th such sequence samples with a seed derived from it and `k`; default: a random
+    /// seed per sequence).
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 /// The model name clients use for `dir` unless `--served-model-name` is given.
@@ -455,6 +460,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         reasoning_parser: a.http.reasoning_parser,
         sampling_defaults,
         return_tokens_as_token_ids: a.http.return_tokens_as_token_ids,
+        seed: a.seed,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -42,7 +42,9 @@ pub struct ServeArgs {
     /// weights of config.json's shape (benchmarks; no safetensors needed, tokenizer.json is).
     #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
     pub load_format: LoadFormatArg,
-    /// Seed of --load-format dummy weights (default 0).
+    /// vLLM's `--seed`: the seed of the random streams of requests that give no `seed`
+    /// (passed to the frontend: the same requests in the same order sample the same tokens
+    /// after a restart), and of --load-format dummy weights (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
     /// vLLM's `--quantization` (`-q`): the checkpoint's quantization method, which must be
@@ -391,7 +393,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     if a.device == Device::Null
         && !matches!(
-            a.load_format.with_seed_flag(a.seed, Some(&a.model))?,
+            a.load_format
+                .with_seed(a.seed.unwrap_or(0), Some(&a.model))?,
             baton_model::LoadFormat::Dummy { .. }
         )
     {
@@ -420,7 +423,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .collect();
     sched_args.extend(tokenizer_flag.iter().cloned());
     // (The worker reads no tokenizer: it gets no --tokenizer.)
-    let weights: Vec<String> = match a.load_format.with_seed_flag(a.seed, Some(&a.model))? {
+    let weights: Vec<String> = match a
+        .load_format
+        .with_seed(a.seed.unwrap_or(0), Some(&a.model))?
+    {
         baton_model::LoadFormat::Auto => Vec::new(),
         baton_model::LoadFormat::Dummy { seed } => vec![
             "--load-format".into(),
@@ -460,6 +466,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model.clone(),
     ];
     front_args.extend(a.http.to_flags());
+    if let Some(seed) = a.seed {
+        front_args.extend(["--seed".into(), seed.to_string()]);
+    }
 
     let mut kids = [
         Kid {

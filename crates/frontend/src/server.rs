@@ -82,6 +82,12 @@ pub struct ServerConfig {
     /// vLLM's `--return-tokens-as-token-ids`: log-probability entries name their tokens as
     /// `token_id:{id}` unless a request's `return_tokens_as_token_ids` says otherwise.
     pub return_tokens_as_token_ids: bool,
+    /// vLLM's `--seed`: the seed of the random streams of requests that give no `seed`. The
+    /// `k`-th such sequence this server starts (counting every choice of `n`) samples with
+    /// seed `splitmix64(seed + k)`, so a server restarted with the same seed and sent the same
+    /// requests in the same order samples the same tokens (each stream is the row's own,
+    /// whatever its batchmates). `None`: a random seed per sequence.
+    pub seed: Option<u64>,
 }
 
 impl ServerConfig {
@@ -104,6 +110,7 @@ impl ServerConfig {
             reasoning_parser: None,
             sampling_defaults: Default::default(),
             return_tokens_as_token_ids: false,
+            seed: None,
         }
     }
 }
@@ -133,6 +140,8 @@ pub struct AppState {
     /// Set to true when a shutdown's grace period is over: live sequences then end their
     /// streams with an error event instead of being cut.
     draining: tokio::sync::watch::Sender<bool>,
+    /// Sequences started without a request `seed` ([`ServerConfig::seed`]'s `k`).
+    unseeded: std::sync::atomic::AtomicU64,
     /// The longest vocabulary piece in UTF-8 bytes: a prompt longer than `max_model_len`
     /// times this (times a margin for normalization) cannot fit and is refused untokenized.
     max_piece_bytes: usize,
@@ -252,12 +261,26 @@ impl AppState {
             chat,
             created: now_secs(),
             draining: tokio::sync::watch::Sender::new(false),
+            unseeded: std::sync::atomic::AtomicU64::new(0),
             max_piece_bytes: tokenizer_max_piece_bytes(&tokenizer),
             think_tags_special,
             think_end_id,
             tokenizer: Arc::new(tokenizer),
             model_root,
         })
+    }
+
+    /// The seed of a sequence whose request gave none ([`ServerConfig::seed`]).
+    fn unseeded_seed(&self) -> u64 {
+        match self.config.seed {
+            Some(s) => {
+                let k = self
+                    .unseeded
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                splitmix64(s.wrapping_add(k))
+            }
+            None => random_seed(),
+        }
     }
 
     /// Sets the `root` of the `/v1/models` cards to `root`, the model as `--model` gave it
@@ -608,7 +631,7 @@ impl AppState {
                     seed: gen
                         .seed
                         .map(|s| s.wrapping_add(j as u64))
-                        .unwrap_or_else(random_seed),
+                        .unwrap_or_else(|| self.unseeded_seed()),
                     top_logprobs: gen.logprobs.unwrap_or(0),
                     want_logprob: u32::from(gen.logprobs.is_some()),
                     presence_penalty: gen.presence_penalty,
@@ -1260,6 +1283,15 @@ fn continue_final_end(
         .and_then(|pos| text.get(..pos))
         .and_then(find)
         .or_else(|| find(text))
+}
+
+/// SplitMix64's output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
+/// generators", OOPSLA 2014): consecutive inputs give unrelated 64-bit outputs.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 fn random_id(prefix: &str) -> String {

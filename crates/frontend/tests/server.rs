@@ -7034,3 +7034,66 @@ async fn responses_logprob_fields_out_of_range_or_unknown_are_400s() {
     }
     task.abort();
 }
+
+/// vLLM's `--seed` ([`ServerConfig::seed`]): the streams of requests that give no `seed` are
+/// fixed by it, so a restarted server sent the same requests samples the same tokens; every
+/// sequence still gets its own stream (choices of `n` and successive requests differ); a
+/// request's own `seed` wins; without the flag each sequence's seed is random.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_seed_fixes_the_streams_of_requests_without_one() {
+    use baton_frontend::{AppState, EngineEvent, ServerConfig};
+    use baton_scheduler::FinishReason;
+    use std::sync::Arc;
+    async fn seeds(seed: Option<u64>, bodies: &[Value]) -> Vec<u64> {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let script = move |req: &baton_frontend::EngineRequest| {
+            log.lock().unwrap().push(req.params.seed);
+            vec![EngineEvent::Finished {
+                reason: FinishReason::Length,
+                prompt_tokens: req.prompt.len(),
+                output_tokens: 0,
+                cached_tokens: 0,
+            }]
+        };
+        let cfg = ServerConfig {
+            seed,
+            ..common::scripted_config()
+        };
+        let state = Arc::new(
+            AppState::new(
+                cfg,
+                common::stories_tokenizer(),
+                Arc::new(common::Scripted(script)),
+                vec![common::EOS],
+            )
+            .unwrap(),
+        );
+        let (listener, addr) = baton_frontend::bind("127.0.0.1", 0).await.unwrap();
+        let task = tokio::spawn(async move {
+            let _ = baton_frontend::serve_state(listener, state, std::future::pending()).await;
+        });
+        for b in bodies {
+            let r = post(addr, "/v1/completions", b).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+        task.abort();
+        let out = seen.lock().unwrap().clone();
+        out
+    }
+    let bodies = [
+        json!({"prompt": "a", "max_tokens": 1, "temperature": 1.0, "n": 2}),
+        json!({"prompt": "b", "max_tokens": 1, "temperature": 1.0}),
+        json!({"prompt": "c", "max_tokens": 1, "temperature": 1.0, "seed": 5}),
+    ];
+    let a = seeds(Some(7), &bodies).await;
+    let b = seeds(Some(7), &bodies).await;
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, b, "a restarted server with the same --seed");
+    assert!(a[0] != a[1] && a[1] != a[2] && a[0] != a[2], "{a:?}");
+    assert_eq!(a[3], 5, "a request's own seed wins");
+    let other = seeds(Some(8), &bodies).await;
+    assert_ne!(other[..3], a[..3], "another --seed");
+    let (r1, r2) = (seeds(None, &bodies).await, seeds(None, &bodies).await);
+    assert_ne!(r1[..3], r2[..3], "without --seed the streams are random");
+}
