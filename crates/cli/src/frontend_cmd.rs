@@ -283,8 +283,8 @@ pub struct FrontendArgs {
     #[arg(long, default_value_t = 30.0, value_parser = crate::frontend_cmd::parse_seconds)]
     pub attach_timeout: f64,
     /// vLLM's `--seed`: the seed of the random streams of requests that give no `seed` (the
-    /// `k`-th such sequence samples with a seed derived from it and `k`; default: a random
-    /// seed per sequence).
+    /// `k`-th such sequence samples with a seed derived from it, `k` and this frontend's slot,
+    /// so frontends of one instance differ; default: a random seed per sequence).
     #[arg(long)]
     pub seed: Option<u64>,
 }
@@ -460,7 +460,10 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         reasoning_parser: a.http.reasoning_parser,
         sampling_defaults,
         return_tokens_as_token_ids: a.http.return_tokens_as_token_ids,
-        seed: a.seed,
+        // Frontends of one instance take distinct streams: the slot moves the start by 2^40.
+        seed: a
+            .seed
+            .map(|s| s.wrapping_add((engine.index() as u64) << 40)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
