@@ -4599,6 +4599,21 @@ async fn mistral_tool_calls_come_back_with_ids_mistral_templates_accept() {
     task.abort();
 }
 
+/// The `(name, arguments)` of a message's `tool_calls`.
+fn call_names_and_arguments(msg: &Value) -> Vec<(&str, &str)> {
+    msg["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["function"]["name"].as_str().unwrap(),
+                c["function"]["arguments"].as_str().unwrap(),
+            )
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pythonic_tool_calls_come_back_as_json_arguments() {
     use baton_frontend::tools::ToolParser;
@@ -4609,19 +4624,8 @@ async fn pythonic_tool_calls_come_back_as_json_arguments() {
     for (msg, finish) in chat_both_ways(addr, &body).await {
         assert_eq!(finish, "tool_calls");
         assert_eq!(msg["content"], Value::Null);
-        let got: Vec<(&str, &str)> = msg["tool_calls"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| {
-                (
-                    c["function"]["name"].as_str().unwrap(),
-                    c["function"]["arguments"].as_str().unwrap(),
-                )
-            })
-            .collect();
         assert_eq!(
-            got,
+            call_names_and_arguments(&msg),
             [
                 ("get_weather", "{\"city\": \"Paris\", \"days\": 2}"),
                 ("get_time", "{\"tz\": \"CET\", \"exact\": true}")
@@ -4643,18 +4647,8 @@ async fn llama3_json_tool_calls_come_back_with_null_content() {
     let (msg, finish) = &out[0];
     assert_eq!(finish, "tool_calls");
     assert_eq!(msg["content"], Value::Null);
-    let calls = msg["tool_calls"].as_array().unwrap();
-    let got: Vec<(&str, &str)> = calls
-        .iter()
-        .map(|c| {
-            (
-                c["function"]["name"].as_str().unwrap(),
-                c["function"]["arguments"].as_str().unwrap(),
-            )
-        })
-        .collect();
     assert_eq!(
-        got,
+        call_names_and_arguments(msg),
         [
             ("get_weather", "{\"city\": \"Paris\"}"),
             ("get_time", "{\"tz\": \"CET\", \"fmt\": [1, 2.5]}")

@@ -341,96 +341,61 @@ fn bad_fp8_checkpoints_are_refused_naming_the_tensor_or_field() {
         d
     };
     let down = "model.layers.2.mlp.down_proj";
+    let (weight, scale) = (format!("{down}.weight"), format!("{down}.weight_scale_inv"));
+    // The load error of the checkpoint with tensor `name` changed by `f`.
+    let broken = |name: &str, f: &dyn Fn(&mut Owned)| {
+        load_error(&rewrite(&|t| {
+            f(t.iter_mut().find(|x| x.0 == name).expect("the tensor"))
+        }))
+    };
 
     // A weight without its scales.
-    let d = rewrite(&|t| t.retain(|x| x.0 != format!("{down}.weight_scale_inv")));
-    let e = load_error(&d);
+    let e = load_error(&rewrite(&|t| t.retain(|x| x.0 != scale)));
     assert!(
-        e.contains(&format!("`{down}.weight`")) && e.contains("weight_scale"),
+        e.contains(&format!("`{weight}`")) && e.contains("weight_scale"),
         "{e}"
     );
 
     // Scales of a shape that fits no layout (down_proj is [64, 172]: blocks are [2, 6]).
-    let d = rewrite(&|t| {
-        let s = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
-            .unwrap();
+    let e = broken(&scale, &|s| {
         s.2 = vec![2, 3];
         s.3.truncate(6 * 4);
     });
-    let e = load_error(&d);
     assert!(e.contains("[2, 6]") && e.contains("[2, 3]"), "{e}");
 
     // A scale of zero (or NaN) would silently zero (or poison) the weight.
-    let d = rewrite(&|t| {
-        let s = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
-            .unwrap();
-        s.3[..4].copy_from_slice(&0f32.to_le_bytes());
-    });
-    let e = load_error(&d);
+    let e = broken(&scale, &|s| s.3[..4].copy_from_slice(&0f32.to_le_bytes()));
     assert!(e.contains("finite and positive"), "{e}");
 
     // A NaN code (0x7f) in a weight, or a scale whose product overflows f32 (448 * 3e38),
     // would run as NaN logits.
-    let d = rewrite(&|t| {
-        let w = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight"))
-            .unwrap();
-        w.3[5] = 0x7f;
-    });
-    let e = load_error(&d);
+    let e = broken(&weight, &|w| w.3[5] = 0x7f);
     assert!(
         e.contains("[0, 5]") && e.contains("NaN") && e.contains("corrupt"),
         "{e}"
     );
-    let d = rewrite(&|t| {
-        let s = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
-            .unwrap();
-        s.3[..4].copy_from_slice(&3e38f32.to_le_bytes());
+    let e = broken(&scale, &|s| {
+        s.3[..4].copy_from_slice(&3e38f32.to_le_bytes())
     });
-    let e = load_error(&d);
     assert!(e.contains("inf") && e.contains("cannot hold"), "{e}");
 
     // Both scale names: which one applies is ambiguous.
-    let d = rewrite(&|t| {
-        let s = t
-            .iter()
-            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
-            .unwrap()
-            .clone();
+    let e = load_error(&rewrite(&|t| {
+        let s = t.iter().find(|x| x.0 == scale).unwrap().clone();
         t.push((format!("{down}.weight_scale"), s.1, s.2, s.3));
-    });
-    let e = load_error(&d);
+    }));
     assert!(e.contains("both") && e.contains("ambiguous"), "{e}");
 
     // A 3-D float8 weight takes one scale, and says so.
-    let d = rewrite(&|t| {
-        let w = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight"))
-            .unwrap();
-        w.2 = vec![64, 172, 1];
-    });
-    let e = load_error(&d);
+    let e = broken(&weight, &|w| w.2 = vec![64, 172, 1]);
     assert!(e.contains("[64, 172, 1] takes one scale"), "{e}");
 
     // A float8 tensor that is not a weight (a scale stored as F8) is named as such, not as a
     // checkpoint without a quantization_config.
-    let d = rewrite(&|t| {
-        let s = t
-            .iter_mut()
-            .find(|x| x.0 == format!("{down}.weight_scale_inv"))
-            .unwrap();
+    let e = broken(&scale, &|s| {
         s.1 = Dtype::F8_E4M3;
         s.3 = vec![0x38; 12];
     });
-    let e = load_error(&d);
     assert!(e.contains("float8 is read only as the `*.weight`"), "{e}");
 
     // Float8 tensors without a quantization_config.
