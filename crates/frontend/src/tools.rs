@@ -45,10 +45,12 @@ impl std::str::FromStr for ToolParser {
 
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "llama3_json" => Ok(Self::Llama3Json),
+            // vLLM's `llama4_json` and `llama4_pythonic` read Llama 4's forms, which these
+            // parsers read too.
+            "llama3_json" | "llama4_json" => Ok(Self::Llama3Json),
             "hermes" => Ok(Self::Hermes),
             "mistral" => Ok(Self::Mistral),
-            "pythonic" => Ok(Self::Pythonic),
+            "pythonic" | "llama4_pythonic" => Ok(Self::Pythonic),
             _ => Err(format!(
                 "unknown tool call parser {s:?}; this server has: {}",
                 TOOL_PARSER_NAMES.join(", ")
@@ -1242,6 +1244,8 @@ mod tests {
         for n in TOOL_PARSER_NAMES {
             assert_eq!(n.parse::<ToolParser>().unwrap().name(), n);
         }
-        assert!("llama4_pythonic".parse::<ToolParser>().is_err());
+        assert_eq!("llama4_pythonic".parse(), Ok(ToolParser::Pythonic));
+        assert_eq!("llama4_json".parse(), Ok(ToolParser::Llama3Json));
+        assert!("granite".parse::<ToolParser>().is_err());
     }
 }
