@@ -151,7 +151,9 @@ impl Constraint {
                         "a JSON schema must be an object".into(),
                     ));
                 }
-                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+                let mut schema = schema.clone();
+                close_objects(&mut schema);
+                TopLevelGrammar::from_json_schema(compact(schema))
             }
             Constraint::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
@@ -166,6 +168,38 @@ impl Constraint {
             }
             Constraint::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
         })
+    }
+}
+
+/// Sets `"additionalProperties": false` on every subschema with `properties` or
+/// `patternProperties` that leaves it out, so the output has no keys the schema does not name:
+/// vLLM's default backend (xgrammar, whose `strict_mode` is on) generates no others, and vLLM
+/// rewrites a schema this way for its guidance backend with `disable_additional_properties`
+/// (`_walk_json_for_additional_properties`). A schema that sets `additionalProperties` keeps
+/// it. Values that are data rather than schemas (`const`, `enum`, `default`, `examples`,
+/// llguidance's `x-guidance`) are left alone.
+pub fn close_objects(schema: &mut serde_json::Value) {
+    match schema {
+        serde_json::Value::Object(o) => {
+            for (k, v) in o.iter_mut() {
+                if !matches!(
+                    k.as_str(),
+                    "const" | "enum" | "default" | "examples" | "x-guidance"
+                ) {
+                    close_objects(v);
+                }
+            }
+            if (o.contains_key("properties") || o.contains_key("patternProperties"))
+                && !o.contains_key("additionalProperties")
+            {
+                o.insert(
+                    "additionalProperties".into(),
+                    serde_json::Value::Bool(false),
+                );
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(close_objects),
+        _ => {}
     }
 }
 
@@ -474,6 +508,52 @@ mod tests {
         (0..words as u32)
             .filter(|&t| m[t as usize / 32] >> (t % 32) & 1 == 1)
             .collect()
+    }
+
+    #[test]
+    fn object_schemas_admit_only_their_named_keys_unless_they_say_otherwise() {
+        let (v, words) = vocab();
+        let n = v.vocab_size();
+        // `{"a": 1` so far: a closed object can only end; an open one may go on.
+        let after_a = |schema: serde_json::Value| {
+            let mut g = v.compile(&Constraint::Json(schema)).unwrap();
+            for b in b"{\"a\": 1" {
+                g.consume(u32::from(*b)).unwrap();
+            }
+            allowed(&mut g, n)
+        };
+        let object = |extra: serde_json::Value| {
+            let mut s = serde_json::json!({"type": "object",
+                "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+            if let Some(o) = extra.as_object() {
+                s.as_object_mut().unwrap().extend(o.clone());
+            }
+            s
+        };
+        let closed = after_a(object(serde_json::json!({})));
+        assert!(closed.contains(&u32::from(b'}')) && !closed.contains(&u32::from(b',')));
+        let open = after_a(object(serde_json::json!({"additionalProperties": true})));
+        assert!(open.contains(&u32::from(b',')));
+        let _ = words;
+
+        // Nested subschemas are closed too; data and explicit settings are not touched.
+        let mut s = serde_json::json!({
+            "type": "object",
+            "properties": {"in": {"properties": {"x": {}}}, "any": {"type": "object"}},
+            "$defs": {"d": {"patternProperties": {"^p": {}}}},
+            "anyOf": [{"properties": {}}, {"properties": {}, "additionalProperties": {"type": "string"}}],
+            "default": {"properties": {}},
+            "const": {"properties": 1}
+        });
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        assert_eq!(s["properties"]["in"]["additionalProperties"], false);
+        assert!(s["properties"]["any"].get("additionalProperties").is_none());
+        assert_eq!(s["$defs"]["d"]["additionalProperties"], false);
+        assert_eq!(s["anyOf"][0]["additionalProperties"], false);
+        assert_eq!(s["anyOf"][1]["additionalProperties"]["type"], "string");
+        assert!(s["default"].get("additionalProperties").is_none());
+        assert!(s["const"].get("additionalProperties").is_none());
     }
 
     #[test]
