@@ -76,6 +76,21 @@ impl Default for CudaArgs {
     }
 }
 
+/// What to tell a user who gave `--dtype` to a CPU command: the flag sets the GPU's type, and
+/// the CPU backend computes in f32 whatever it says (vLLM's CPU backend would run in it).
+/// `None` for `auto`.
+pub fn cpu_dtype_note(a: &CudaArgs) -> Option<String> {
+    match a.dtype_flag {
+        DtypeFlag::Auto => None,
+        DtypeFlag::Is(d) => Some(format!(
+            "note: --dtype {} applies to --device cuda; the CPU backend computes in f32 (a \
+             16-bit checkpoint's weights stay 2 bytes each in memory; --kv-cache-dtype sets \
+             the KV cache's type)",
+            d.name()
+        )),
+    }
+}
+
 /// `--dtype`: a dtype, or `auto` (the model's, [`CudaArgs::resolve_dtype`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DtypeFlag {

@@ -347,6 +347,8 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
                 a.cuda.resolve_dtype(cfg.as_ref());
                 check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
                 check_cuda_device(&a.cuda, cfg.as_ref())?;
+            } else if let Some(note) = crate::cuda_args::cpu_dtype_note(&a.cuda) {
+                say!("baton worker: {note}");
             }
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
             // A worker uses nothing from generation_config.json or the tokenizer: they are

@@ -59,7 +59,8 @@ pub struct HttpArgs {
     /// (vLLM's flag; a request's `return_tokens_as_token_ids` overrides it).
     #[arg(long)]
     pub return_tokens_as_token_ids: bool,
-    /// How the model writes tool calls (vLLM's names): llama3_json or hermes.
+    /// How the model writes tool calls (vLLM's names): llama3_json, hermes, mistral or
+    /// pythonic (llama4_json and llama4_pythonic are taken as llama3_json and pythonic).
     #[arg(long, value_parser = tool_parser)]
     pub tool_call_parser: Option<ToolParser>,
     /// Split chat and Responses outputs into reasoning and content (vLLM's names): qwen3 or

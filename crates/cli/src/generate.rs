@@ -391,6 +391,8 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
         a.cuda.resolve_dtype(cfg.as_ref());
         check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda, cfg.as_ref())?;
+    } else if let Some(note) = crate::cuda_args::cpu_dtype_note(&a.cuda) {
+        say!("{note}");
     }
     // Mapped: the CUDA worker reads each tensor in its stored dtype; the CPU converts to f32.
     let mut loaded = dir.load_mapped_from(format, &a.generation_config)?;

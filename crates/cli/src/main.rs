@@ -11,7 +11,14 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "baton", version, about = "Baton: an LLM inference server")]
+// A flag given twice takes its last value, as vLLM's argparse does (copied command lines
+// repeat flags).
+#[command(
+    name = "baton",
+    version,
+    about = "Baton: an LLM inference server",
+    args_override_self = true
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

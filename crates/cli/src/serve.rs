@@ -356,6 +356,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let cfg = baton_model::ModelConfig::from_file(&a.model.join("config.json")).ok();
         a.cuda.resolve_dtype(cfg.as_ref());
         crate::cuda_args::check_cuda_kv_dtype(a.engine.kv_cache_dtype, &a.cuda)?;
+    } else if let Some(note) = crate::cuda_args::cpu_dtype_note(&a.cuda) {
+        say!("baton serve: {note}");
     }
     a.http.check()?;
     crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;

@@ -420,8 +420,8 @@ fn tool_calling_flags_are_checked_at_startup() {
         ),
         (
             "serve",
-            &["--tool-call-parser", "pythonic"],
-            "llama3_json, hermes",
+            &["--tool-call-parser", "granite"],
+            "llama3_json, hermes, mistral, pythonic",
         ),
         (
             "frontend",
@@ -681,6 +681,37 @@ fn the_quantization_flag_must_name_the_checkpoints_method() {
         assert!(err.contains("--quantization"), "{cmd} {q}: {err}");
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// vLLM command-line habits: a flag given twice takes its last value (argparse's rule), and
+/// `--dtype` on a CPU run says that it applies to CUDA (the CPU backend computes in f32).
+#[test]
+fn repeated_flags_take_their_last_value_and_a_cpu_dtype_is_noted() {
+    let g = &common::goldens()[0];
+    let flags = [
+        "--max-tokens",
+        "2",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "64",
+        "--dtype",
+        "bf16",
+    ];
+    let (ids, _) = generated(&common::model_dir(), &flags);
+    assert_eq!(ids, g.greedy_ids);
+    let stderr = |flags: &[&str]| {
+        let out = generate_in(&common::model_dir(), flags);
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = stderr(&flags);
+    assert!(
+        err.contains("--dtype bf16 applies to --device cuda"),
+        "{err}"
+    );
+    let err = stderr(&["--max-tokens", "2"]);
+    assert!(!err.contains("--dtype"), "{err}");
 }
 
 /// A temporary copy of the test model, weights included, under `tag`.

@@ -243,6 +243,8 @@ fn mistral_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
             continue;
         }
         if seg.starts_with('[') {
+            // Text after the list is dropped, as vLLM's fallback pattern (`\[{.*}\]`) finds
+            // the list within it.
             let mut p = JsonParser {
                 s: seg.as_bytes(),
                 i: 0,
@@ -250,10 +252,6 @@ fn mistral_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
             let J::Arr(items) = p.value(0)? else {
                 return None;
             };
-            p.ws();
-            if p.i != p.s.len() {
-                return None;
-            }
             for item in &items {
                 calls.push(call_of(item, false)?);
             }
@@ -334,6 +332,14 @@ fn pythonic_calls(text: &str) -> Option<Vec<ToolCall>> {
                     break;
                 }
             }
+        }
+        // A keyword given twice is a SyntaxError in Python: not a call.
+        if args
+            .iter()
+            .enumerate()
+            .any(|(i, (k, _))| args[..i].iter().any(|(j, _)| j == k))
+        {
+            return None;
         }
         let mut arguments = String::new();
         J::Obj(args).dump(&mut arguments);
@@ -545,15 +551,16 @@ pub enum CallMode {
 
 impl CallMode {
     /// The `finish_reason` of a choice whose output `parse` gave `calls`, given the sequence's
-    /// own finish: `tool_calls` when there are calls, except that a guided output (named or
-    /// required) keeps the real reason unless it ended normally (`stop`), so a call cut short
-    /// by `max_tokens` says `length`, as vLLM's does.
+    /// own finish, as OpenAI and vLLM give it: `tool_calls` when the parser found calls;
+    /// for `required`, `tool_calls` when the output ended normally (`stop`), else the real
+    /// reason (a call cut short by `max_tokens` says `length`); for a named function always
+    /// the real reason (`stop`: OpenAI's forced named calls finish with `stop`).
     pub fn finish<'a>(&self, has_calls: bool, finish: Option<&'a str>) -> Option<&'a str> {
         match (has_calls, self) {
-            (false, _) => finish,
+            (false, _) | (true, Self::Named(_)) => finish,
             (true, Self::Parser(_)) => Some("tool_calls"),
-            (true, _) if finish == Some("stop") => Some("tool_calls"),
-            (true, _) => finish,
+            (true, Self::Required) if finish == Some("stop") => Some("tool_calls"),
+            (true, Self::Required) => finish,
         }
     }
 
@@ -1141,10 +1148,12 @@ mod tests {
                 call("t", "{}")
             ]
         );
+        // Text after a list is dropped (vLLM's fallback finds the list within it).
+        let out = p.parse("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}}] and more");
+        assert_eq!(out.calls, [call("f", "{}")]);
         // Anything else after the tag is content, whole.
         for text in [
             "[TOOL_CALLS] [{\"name\": \"f\"}]",
-            "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {}}] and more",
             "[TOOL_CALLS]bad name{}",
             "[TOOL_CALLS]f{\"a\": }",
             "[TOOL_CALLS]",
@@ -1185,6 +1194,7 @@ mod tests {
             "[f(1)]",
             "[f(a=b)]",
             "[f(a=1)] and more",
+            "[f(x=1, x=2)]",
             "[]",
             "[f(a=float('nan'))]",
             "[f(a=inf)]",

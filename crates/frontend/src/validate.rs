@@ -1859,7 +1859,8 @@ fn tool_choice_schema(
         t.get("function")
             .and_then(|f| f.get("parameters"))
             .cloned()
-            .unwrap_or_else(|| serde_json::json!({"type": "object"}))
+            // No parameters: no arguments, `{}` (an object of no properties is closed).
+            .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
     };
     let name = |t: &Value| {
         t.get("function")
@@ -1874,7 +1875,7 @@ fn tool_choice_schema(
                 .iter()
                 .find(|t| name(t).as_deref() == Some(n.as_str()))
                 .map(params)
-                .unwrap_or_else(|| serde_json::json!({"type": "object"})),
+                .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}})),
         ),
         ToolChoice::Required => {
             let mut defs: Map<String, Value> = Map::new();

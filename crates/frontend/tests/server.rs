@@ -275,12 +275,17 @@ async fn structured_outputs_survive_deep_and_overgrown_constraints() {
     }
     let r = completion(srv.addr, base.clone()).await;
     assert!(!text_of(&r, 0).is_empty());
-    // 500 optional properties: compiles, then llguidance's row limit stops it after a token or
-    // two. The output is cut: `abort` on completions, a failed response.
+    // 500 optional properties, closed (no other keys, the default): generated as any schema.
     let props: serde_json::Map<String, Value> = (0..500)
         .map(|i| (format!("p{i}"), json!({"type": "string"})))
         .collect();
-    let wide = json!({"type": "object", "properties": props});
+    let closed = json!({"type": "object", "properties": props.clone()});
+    let r = completion(srv.addr, with("guided_json", closed)).await;
+    assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+    assert!(text_of(&r, 0).starts_with("{\"p"), "{r}");
+    // Open to other keys too: compiles, then llguidance's row limit stops it after a token or
+    // two. The output is cut: `abort` on completions, a failed response.
+    let wide = json!({"type": "object", "properties": props, "additionalProperties": true});
     let r = completion(srv.addr, with("guided_json", wide.clone())).await;
     assert_eq!(r["choices"][0]["finish_reason"], "abort", "{r}");
     let body = json!({"model": MODEL, "input": "Once", "max_output_tokens": 8, "temperature": 0,
@@ -4778,7 +4783,13 @@ async fn tool_choice_required_and_named_guide_the_output_into_calls() {
             assert_eq!(r.status, 200, "{}", r.body);
             let v = r.json();
             let c = &v["choices"][0];
-            assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+            // OpenAI's and vLLM's: `stop` for a named function, `tool_calls` for required.
+            let want = if named.is_some() {
+                "stop"
+            } else {
+                "tool_calls"
+            };
+            assert_eq!(c["finish_reason"], want, "{v}");
             assert_eq!(c["message"]["content"], Value::Null, "{v}");
             let calls = c["message"]["tool_calls"].as_array().unwrap();
             assert!(!calls.is_empty(), "{v}");
@@ -4819,10 +4830,31 @@ async fn tool_choice_required_and_named_guide_the_output_into_calls() {
                 }
             }
             assert_eq!(content, "", "{}", r.body);
-            assert_eq!(finish, "tool_calls", "{}", r.body);
+            assert_eq!(finish, want, "{}", r.body);
             let plain: Vec<Value> = calls.iter().map(|c| c["function"].clone()).collect();
             assert_eq!(streamed, plain, "{}", r.body);
         }
+    }
+    // A function without parameters, and one whose parameters leave additionalProperties out:
+    // no keys but those named (vLLM's default backend generates no others).
+    let open = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                      "required": ["city"]});
+    let tools2 = json!([
+        {"type": "function", "function": {"name": "ping"}},
+        {"type": "function", "function": {"name": "get_city", "parameters": open}},
+    ]);
+    for (name, keys) in [("ping", 0), ("get_city", 1)] {
+        let body = json!({"model": MODEL, "messages": msgs, "tools": tools2, "max_tokens": 60,
+                          "tool_choice": {"type": "function", "function": {"name": name}}});
+        let r = post(srv.addr, "/v1/chat/completions", &body).await;
+        let v = r.json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "stop", "{v}");
+        let args = c["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap();
+        let args: Value = serde_json::from_str(args).unwrap();
+        assert_eq!(args.as_object().unwrap().len(), keys, "{v}");
     }
     // Cut short by max_tokens: a named call keeps its partial arguments but says `length`
     // (as vLLM); a required list that does not parse is content.
