@@ -49,12 +49,29 @@
 //! answer's tokens have log-probabilities (the reasoning item has none): those after the
 //! reasoning ended, and a token whose text both ends it and starts the answer; not the
 //! reasoning's, nor `<think>`/`</think>` (`OutputSplitter`).
+//!
+//! Function tools, as vLLM serves them on this endpoint: `tools` are flat function tools
+//! (`{"type": "function", "name", "description", "parameters", "strict"}`), converted to the
+//! chat form for the template and echoed in the response; `tool_choice` is `none`, `auto`
+//! (the default: the output is parsed by the server's `--tool-call-parser`, which needs
+//! `--enable-auto-tool-choice`, as on chat), `required` or `{"type": "function", "name"}`
+//! (both guided by the tools' schemas, as on chat). Each call becomes a `function_call`
+//! output item, `{"type": "function_call", "id": "fc_...", "call_id", "name", "arguments",
+//! "status"}`, after the message; the message item is left out when the output was calls
+//! only. Input items `function_call` (joined to the assistant message before it, as vLLM)
+//! and `function_call_output` (a `tool` message) carry a tool round trip back. Streamed, text
+//! that may be a call is held as on chat ([`StreamFilter`]); at the end each call is added
+//! (`response.output_item.added` with empty arguments), gets its arguments in one
+//! `response.function_call_arguments.delta`, then `response.function_call_arguments.done` and
+//! `response.output_item.done`. Output log-probabilities with tools (a `tool_choice` other
+//! than `none`) are refused.
 
 use crate::engine::random_seed;
 use crate::openai::ApiError;
 use crate::reasoning::{ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq, TokenInfo};
 use crate::server::{collect_with, engine_error, event_stream, now_secs, AppState};
+use crate::tools::{StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, GenParams, ResponsesRequest};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -84,8 +101,14 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let limits = st.engine.limits();
     let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
+    let mut gen = req.gen.clone();
+    let mode = st.call_mode(&req.tool_choice, &mut gen)?;
+    let mut template_vars = serde_json::Map::new();
+    if let Some(tools) = &req.tools {
+        template_vars.insert("tools".into(), Value::Array(tools.clone()));
+    }
     let text = st
-        .render_messages(&req.messages, true, &serde_json::Map::new())
+        .render_messages(&req.messages, true, &template_vars)
         .map_err(|mut e| {
             if e.param.as_deref() == Some("messages") {
                 e.param = Some("input".into());
@@ -105,7 +128,6 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         req.gen.max_tokens_param,
     )?;
     let input_tokens = ids.len();
-    let mut gen = req.gen.clone();
     let reasoning = st.reasoning_parser(&mut gen, &serde_json::Map::new());
     let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
     let shell = Shell::new(&st, &req, max);
@@ -123,6 +145,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             splitter(),
             counter,
             logprobs,
+            mode.map(StreamFilter::new),
         ));
     }
     // With log-probabilities, the deltas are split as a stream would be, to tell the
@@ -155,10 +178,22 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             content: out.text,
         },
     };
+    // The tool call parser sees only the answer, after the reasoning parser.
+    let (split, calls) = match &mode {
+        None => (split, Vec::new()),
+        Some(m) => {
+            let parsed = m.parse(&split.content);
+            let split = Split {
+                reasoning: split.reasoning,
+                content: parsed.content.unwrap_or_default(),
+            };
+            (split, shell.function_calls(parsed.calls))
+        }
+    };
     let lp = logprobs
         .as_ref()
         .map_or_else(|| json!([]), OutputLogprobs::all);
-    let output = shell.output(&split, &lp, status);
+    let output = shell.output(&split, &lp, status, &calls);
     Ok(Json(shell.response(status, output, usage, error_of(status))).into_response())
 }
 
@@ -367,7 +402,11 @@ struct Shell {
     top_p: f64,
     metadata: Option<Value>,
     parallel_tool_calls: bool,
-    tool_choice: String,
+    /// The function tools, as echoed.
+    tools: Vec<Value>,
+    tool_choice: Value,
+    /// The form of call ids: the server's `--tool-call-parser` ([`ToolParser::call_id`]).
+    call_ids: Option<ToolParser>,
     reasoning: Option<Value>,
     service_tier: String,
     text_format: Value,
@@ -393,7 +432,9 @@ impl Shell {
             top_p: echo_f32(req.gen.top_p),
             metadata: req.metadata.clone(),
             parallel_tool_calls: req.parallel_tool_calls,
-            tool_choice: req.tool_choice.clone(),
+            tools: req.tools_echo.clone(),
+            tool_choice: req.tool_choice_echo.clone(),
+            call_ids: st.config.tool_call_parser,
             reasoning: req.reasoning.clone(),
             service_tier: req.service_tier.clone(),
             text_format: req.text_format.clone(),
@@ -411,11 +452,7 @@ impl Shell {
     /// `in_progress`).
     fn message(&self, text: &str, logprobs: &Value, status: &str) -> Value {
         // A message item is in_progress, completed or incomplete (a failed response's is cut).
-        let status = if status == "failed" {
-            "incomplete"
-        } else {
-            status
-        };
+        let status = item_status(status);
         let content = if status == "in_progress" {
             Vec::new()
         } else {
@@ -453,14 +490,41 @@ impl Shell {
     }
 
     /// The output items of a finished response: the reasoning item (when there was
-    /// reasoning), then the message, its text with `logprobs`.
-    fn output(&self, split: &Split, logprobs: &Value, status: &str) -> Vec<Value> {
+    /// reasoning), then the message, its text with `logprobs` (left out when the output was
+    /// function calls and nothing else, as OpenAI and vLLM), then one `function_call` item per
+    /// call.
+    fn output(
+        &self,
+        split: &Split,
+        logprobs: &Value,
+        status: &str,
+        calls: &[FunctionCallItem],
+    ) -> Vec<Value> {
         let mut out = Vec::new();
         if !split.reasoning.is_empty() {
             out.push(self.reasoning_item(&split.reasoning, "completed"));
         }
-        out.push(self.message(&split.content, logprobs, status));
+        if calls.is_empty() || !split.content.is_empty() {
+            out.push(self.message(&split.content, logprobs, status));
+        }
+        out.extend(calls.iter().map(|c| c.item(item_status(status))));
         out
+    }
+
+    /// The output's tool calls as `function_call` items, each with new ids: `fc_` and 32 hex
+    /// digits for the item, and a call id of the server's parser's form (vLLM's: the parser's
+    /// tool call id; 9 letters and digits for `mistral`, whose templates check them).
+    fn function_calls(&self, calls: Vec<ToolCall>) -> Vec<FunctionCallItem> {
+        let ids = self.call_ids.unwrap_or(ToolParser::Hermes);
+        calls
+            .into_iter()
+            .map(|c| FunctionCallItem {
+                id: object_id("fc"),
+                call_id: ids.call_id(random_seed),
+                name: c.name,
+                arguments: c.arguments,
+            })
+            .collect()
     }
 
     /// The response object.
@@ -492,13 +556,52 @@ impl Shell {
             "temperature": self.temperature,
             "text": {"format": self.text_format},
             "tool_choice": self.tool_choice,
-            "tools": [],
+            "tools": self.tools,
             "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
             "truncation": "disabled",
             "usage": usage,
             "user": self.user,
         })
+    }
+}
+
+/// A function call in the output (OpenAI's `ResponseFunctionToolCall`).
+struct FunctionCallItem {
+    /// The item's id, `fc_...`.
+    id: String,
+    /// The call's id, which the client's `function_call_output` names.
+    call_id: String,
+    name: String,
+    /// The arguments, a JSON text (as the parser writes them: see [`crate::tools`]).
+    arguments: String,
+}
+
+impl FunctionCallItem {
+    /// The `function_call` output item with `status` and `arguments`.
+    fn item_with(&self, status: &str, arguments: &str) -> Value {
+        json!({
+            "type": "function_call",
+            "id": self.id,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": arguments,
+            "status": status,
+        })
+    }
+
+    /// The finished `function_call` output item.
+    fn item(&self, status: &str) -> Value {
+        self.item_with(status, &self.arguments)
+    }
+}
+
+/// An output item's status in a response with `status`: an item of a cut (or failed)
+/// response is `incomplete`.
+fn item_status(status: &str) -> &str {
+    match status {
+        "failed" | "incomplete" => "incomplete",
+        s => s,
     }
 }
 
@@ -524,6 +627,11 @@ struct Streamer {
     output_tokens: usize,
     /// With a reasoning parser: counts the reasoning tokens.
     reasoning_tokens: Option<ReasoningTokens>,
+    /// With function tools (and `tool_choice` other than `none`): holds the text that may be
+    /// a tool call until the output ends.
+    filter: Option<StreamFilter>,
+    /// The function calls, once the output has ended.
+    calls: Vec<FunctionCallItem>,
     /// Events ready to send.
     pending: VecDeque<Bytes>,
 }
@@ -559,15 +667,16 @@ impl Streamer {
         json!({"item_id": self.shell.rs_id, "output_index": 0, "content_index": 0})
     }
 
-    /// The events before any output. Without a reasoning parser the message item opens at
-    /// once; with one, it waits for the first content (the reasoning item may come first).
+    /// The events before any output. Without a reasoning parser or tools the message item
+    /// opens at once; with one, it waits for the first content (the reasoning item may come
+    /// first, or the output may be function calls only).
     fn prelude(&mut self) {
         let r = self
             .shell
             .response("in_progress", Vec::new(), Value::Null, Value::Null);
         self.push("response.created", json!({ "response": r }));
         self.push("response.in_progress", json!({ "response": r }));
-        if self.splitter.reasoning.is_none() {
+        if self.splitter.reasoning.is_none() && self.filter.is_none() {
             self.open_message();
         }
     }
@@ -643,7 +752,55 @@ impl Streamer {
             reasoning: self.reasoning.clone(),
             content: self.text.clone(),
         };
-        self.shell.output(&split, &self.all_logprobs(), status)
+        self.shell
+            .output(&split, &self.all_logprobs(), status, &self.calls)
+    }
+
+    /// Queues a `response.output_text.delta` with `text` (opening the message item first) and
+    /// the answer tokens' log-probabilities not sent yet.
+    fn text_delta(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        self.open_message();
+        let mut e = self.at();
+        e["delta"] = json!(text);
+        // The answer tokens since the last delta event: a token whose text is held back
+        // (a possible stop string, an incomplete character) comes with the text.
+        e["logprobs"] = self
+            .logprobs
+            .as_mut()
+            .map_or_else(|| json!([]), OutputLogprobs::unsent);
+        self.push("response.output_text.delta", e);
+        self.text.push_str(text);
+    }
+
+    /// Queues the events of the function calls, after the message item: each is added with
+    /// empty arguments, gets them in one `response.function_call_arguments.delta`, and is done.
+    fn call_events(&mut self, status: &str) {
+        let first = self.msg_index() + usize::from(self.message_open);
+        let mut events = Vec::with_capacity(4 * self.calls.len());
+        for (k, c) in self.calls.iter().enumerate() {
+            let index = first + k;
+            let at = json!({"item_id": c.id, "output_index": index});
+            events.push((
+                "response.output_item.added",
+                json!({"output_index": index, "item": c.item_with("in_progress", "")}),
+            ));
+            let mut e = at.clone();
+            e["delta"] = json!(c.arguments);
+            events.push(("response.function_call_arguments.delta", e));
+            let mut e = at;
+            e["arguments"] = json!(c.arguments);
+            events.push(("response.function_call_arguments.done", e));
+            events.push((
+                "response.output_item.done",
+                json!({"output_index": index, "item": c.item(item_status(status))}),
+            ));
+        }
+        for (kind, data) in events {
+            self.push(kind, data);
+        }
     }
 
     /// Queues the events of one delta; after the last one, drops the sequence.
@@ -677,49 +834,30 @@ impl Streamer {
             lp.push(&d.tokens);
         }
         self.reasoning_delta(&split.reasoning);
-        if !split.content.is_empty() {
-            self.open_message();
-            let mut e = self.at();
-            e["delta"] = json!(split.content);
-            // The answer tokens since the last delta event: a token whose text is held back
-            // (a possible stop string, an incomplete character) comes with the text.
-            e["logprobs"] = self
-                .logprobs
-                .as_mut()
-                .map_or_else(|| json!([]), OutputLogprobs::unsent);
-            self.push("response.output_text.delta", e);
-            self.text.push_str(&split.content);
-        }
+        // The tool call parser sees only the answer, after the reasoning parser.
+        let content = match self.filter.as_mut() {
+            Some(f) => f.push(&split.content),
+            None => split.content,
+        };
+        self.text_delta(&content);
         let Some(finish) = d.finish else {
             return;
         };
         self.seq = None;
-        // The message item always comes, empty when the output was all reasoning.
-        self.open_message();
-        // Answer tokens whose text never reached the output (the EOS, a stop string's tokens)
-        // come in a last delta with no text, so the deltas add up to the done event's list
-        // (chat streams them with empty content too).
-        let rest = self.logprobs.as_mut().map(OutputLogprobs::unsent);
-        if let Some(rest) = rest.filter(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
-            let mut e = self.at();
-            e["delta"] = json!("");
-            e["logprobs"] = rest;
-            self.push("response.output_text.delta", e);
+        if let Some(mut f) = self.filter.take() {
+            let (rest, calls) = f.finish();
+            self.text_delta(&rest);
+            self.calls = self.shell.function_calls(calls);
         }
         let status = status_of(Some(finish));
-        let all = self.all_logprobs();
-        let mut e = self.at();
-        e["text"] = json!(self.text);
-        e["logprobs"] = event_logprobs(all.as_array().map_or(&[], Vec::as_slice));
-        self.push("response.output_text.done", e);
-        let mut e = self.at();
-        e["part"] = Shell::part(&self.text, &all);
-        self.push("response.content_part.done", e);
-        let item = self.shell.message(&self.text, &all, status);
-        self.push(
-            "response.output_item.done",
-            json!({"output_index": self.msg_index(), "item": item}),
-        );
+        // The message item comes unless the output was function calls only; empty when the
+        // output was all reasoning.
+        if self.calls.is_empty() || self.message_open {
+            self.close_message(status);
+        } else {
+            self.close_reasoning();
+        }
+        self.call_events(status);
         let usage = usage(
             self.input_tokens,
             d.cached_tokens,
@@ -736,6 +874,35 @@ impl Streamer {
         };
         self.push(kind, json!({ "response": r }));
     }
+
+    /// Ends the message item (adding it first if it has not come yet): the answer tokens'
+    /// last log-probabilities, the text's done events.
+    fn close_message(&mut self, status: &str) {
+        self.open_message();
+        // Answer tokens whose text never reached the output (the EOS, a stop string's tokens)
+        // come in a last delta with no text, so the deltas add up to the done event's list
+        // (chat streams them with empty content too).
+        let rest = self.logprobs.as_mut().map(OutputLogprobs::unsent);
+        if let Some(rest) = rest.filter(|v| v.as_array().is_some_and(|a| !a.is_empty())) {
+            let mut e = self.at();
+            e["delta"] = json!("");
+            e["logprobs"] = rest;
+            self.push("response.output_text.delta", e);
+        }
+        let all = self.all_logprobs();
+        let mut e = self.at();
+        e["text"] = json!(self.text);
+        e["logprobs"] = event_logprobs(all.as_array().map_or(&[], Vec::as_slice));
+        self.push("response.output_text.done", e);
+        let mut e = self.at();
+        e["part"] = Shell::part(&self.text, &all);
+        self.push("response.content_part.done", e);
+        let item = self.shell.message(&self.text, &all, status);
+        self.push(
+            "response.output_item.done",
+            json!({"output_index": self.msg_index(), "item": item}),
+        );
+    }
 }
 
 /// The SSE response of a streamed request. A client that goes away drops the body, which
@@ -747,6 +914,7 @@ fn stream_response(
     splitter: OutputSplitter,
     reasoning_tokens: Option<ReasoningTokens>,
     logprobs: Option<OutputLogprobs>,
+    filter: Option<StreamFilter>,
 ) -> Response {
     let mut s = Streamer {
         shell,
@@ -761,6 +929,8 @@ fn stream_response(
         input_tokens,
         output_tokens: 0,
         reasoning_tokens,
+        filter,
+        calls: Vec::new(),
         pending: VecDeque::new(),
     };
     s.prelude();

@@ -394,6 +394,43 @@ impl AppState {
         Some(p)
     }
 
+    /// How an output becomes tool calls for a resolved `tool_choice` (chat's and the Responses
+    /// API's): none for `none`, the server's parser for `auto`, a guided call for `required`
+    /// and a named function. With the `hermes` or `mistral` parser, `gen` keeps special
+    /// tokens in the output: `<tool_call>` and `[TOOL_CALLS]` are special tokens in the
+    /// models that use them, which the parser must see (as vLLM's parsers' `adjust_request`).
+    ///
+    /// # Errors
+    /// 400 naming `tool_choice` for `auto` when the server has no
+    /// `--enable-auto-tool-choice` and `--tool-call-parser` (vLLM's message).
+    pub(crate) fn call_mode(
+        &self,
+        choice: &validate::ToolChoice,
+        gen: &mut GenParams,
+    ) -> Result<Option<CallMode>, ApiError> {
+        let mode = match choice {
+            validate::ToolChoice::None => return Ok(None),
+            validate::ToolChoice::Required => CallMode::Required,
+            validate::ToolChoice::Named(name) => CallMode::Named(name.clone()),
+            validate::ToolChoice::Auto => match self.config.tool_call_parser {
+                Some(p) if self.config.enable_auto_tool_choice => CallMode::Parser(p),
+                _ => {
+                    return Err(ApiError::field(
+                        "tool_choice",
+                        "\"auto\" tool choice requires --enable-auto-tool-choice and \
+                         --tool-call-parser to be set",
+                    ))
+                }
+            },
+        };
+        if let CallMode::Parser(p) = &mode {
+            if p.keeps_special_tokens() {
+                gen.skip_special_tokens = false;
+            }
+        }
+        Ok(Some(mode))
+    }
+
     /// Renders `req`'s messages with the chat template; with `continue_final_message`, cut
     /// right after the final message's content (as transformers' `apply_chat_template`).
     ///
@@ -2047,30 +2084,8 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let limits = st.engine.limits();
     let req = validate::parse_chat(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
-    let parser = match &req.tool_choice {
-        validate::ToolChoice::None => None,
-        validate::ToolChoice::Required => Some(CallMode::Required),
-        validate::ToolChoice::Named(name) => Some(CallMode::Named(name.clone())),
-        validate::ToolChoice::Auto => match st.config.tool_call_parser {
-            Some(p) if st.config.enable_auto_tool_choice => Some(CallMode::Parser(p)),
-            _ => {
-                return Err(ApiError::field(
-                    "tool_choice",
-                    "\"auto\" tool choice requires --enable-auto-tool-choice and \
-                     --tool-call-parser to be set",
-                ))
-            }
-        },
-    };
     let mut gen = req.gen.clone();
-    if let Some(CallMode::Parser(p)) = &parser {
-        if p.keeps_special_tokens() {
-            // As vLLM's hermes and mistral parsers: `<tool_call>` and `[TOOL_CALLS]` are
-            // special tokens in the models that use them, which the output must keep for the
-            // parser to see them.
-            gen.skip_special_tokens = false;
-        }
-    }
+    let parser = st.call_mode(&req.tool_choice, &mut gen)?;
     let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let gen = &gen;
     let text = st.render_chat(&req)?;

@@ -823,7 +823,7 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         if v.as_array().is_none_or(|a| !a.is_empty()) {
             return Err(ApiError::field(
                 "tools",
-                "Tool calling is only supported on /v1/chat/completions by this server.",
+                "Tool calling is served on /v1/chat/completions and /v1/responses, not here.",
             ));
         }
     }
@@ -1601,29 +1601,12 @@ pub fn parse_chat(
     rest.remove("tools");
     rest.remove("chat_template_kwargs");
     let mut gen = parse_gen(&Fields { obj: rest }, true, limits, defaults)?;
-    if let Some(schema) = tool_choice_schema(
+    guide_tool_choice(
+        &mut gen,
         &tool_choice,
         tools.as_deref().unwrap_or_default(),
         parallel_tool_calls,
-    )? {
-        if let Some((_, other)) = &gen.constraint {
-            return Err(ApiError::field(
-                "tool_choice",
-                format!(
-                    "tool_choice \"required\" or a named function is a structured output; it \
-                     cannot be combined with '{other}'."
-                ),
-            ));
-        }
-        if gen.min_tokens > 0 || gen.allowed_only {
-            return Err(ApiError::field(
-                "tool_choice",
-                "tool_choice \"required\" or a named function cannot be combined with \
-                 'min_tokens' or 'allowed_token_ids' on this server.",
-            ));
-        }
-        gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
-    }
+    )?;
     let (template_kwargs, from_kwargs) = parse_template_kwargs(&f)?;
     let request_continue = f.bool("continue_final_message")?;
     let request_add = f.bool("add_generation_prompt")?;
@@ -1840,6 +1823,41 @@ fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, 
     Ok(choice)
 }
 
+/// Guides `gen`'s output for `tool_choice` `required` or a named function (the schema of
+/// [`tool_choice_schema`]; `tools` in the chat form); nothing for `none` and `auto`.
+///
+/// # Errors
+/// 400 naming `tool_choice` when `gen` has another structured-output constraint, `min_tokens`
+/// or `allowed_token_ids`, or when two tools define a `$defs` name differently.
+fn guide_tool_choice(
+    gen: &mut GenParams,
+    choice: &ToolChoice,
+    tools: &[Value],
+    parallel: bool,
+) -> Result<(), ApiError> {
+    let Some(schema) = tool_choice_schema(choice, tools, parallel)? else {
+        return Ok(());
+    };
+    if let Some((_, other)) = &gen.constraint {
+        return Err(ApiError::field(
+            "tool_choice",
+            format!(
+                "tool_choice \"required\" or a named function is a structured output; it \
+                 cannot be combined with '{other}'."
+            ),
+        ));
+    }
+    if gen.min_tokens > 0 || gen.allowed_only {
+        return Err(ApiError::field(
+            "tool_choice",
+            "tool_choice \"required\" or a named function cannot be combined with \
+             'min_tokens' or 'allowed_token_ids' on this server.",
+        ));
+    }
+    gen.constraint = Some((Constraint::Json(schema), "tool_choice"));
+    Ok(())
+}
+
 /// The JSON schema that guides the output for `tool_choice` `required` or a named function
 /// (vLLM's): a named function's output is its arguments (its `parameters` schema, any object
 /// without one); `required`'s is a non-empty list of `{"name", "parameters"}` objects, one
@@ -1973,20 +1991,32 @@ fn normalize_tool_calls(i: usize, out: &mut Map<String, Value>) -> Result<(), Ap
                 "A tool call's function needs a string 'name'.",
             ));
         }
-        let args = match func.get("arguments") {
-            None | Some(Value::Null) => Value::Object(Map::new()),
-            Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
-            Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
-                ApiError::invalid(
-                    at(".function.arguments"),
-                    format!("A tool call's 'arguments' must be a JSON text: {e}."),
-                )
-            })?,
-            Some(v) => v.clone(),
-        };
+        let args = call_arguments(func.get("arguments"), || at(".function.arguments"))?;
         func.insert("arguments".into(), args);
     }
     Ok(())
+}
+
+/// A tool call's `arguments` as chat templates take them: a JSON string parsed to its value
+/// (an empty or missing one is `{}`); a value that is not a string is taken as it is.
+///
+/// # Errors
+/// 400 naming `param()` for a string that is not JSON.
+fn call_arguments(
+    args: Option<&Value>,
+    param: impl Fn() -> Option<String>,
+) -> Result<Value, ApiError> {
+    Ok(match args {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+        Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+            ApiError::invalid(
+                param(),
+                format!("A tool call's 'arguments' must be a JSON text: {e}."),
+            )
+        })?,
+        Some(v) => v.clone(),
+    })
 }
 
 /// A parsed `/v1/responses` body (OpenAI's Responses API, as vLLM serves it without a store):
@@ -2000,16 +2030,28 @@ pub struct ResponsesRequest {
     pub messages: Vec<Value>,
     /// `instructions`, echoed in the response.
     pub instructions: Option<String>,
-    /// `max_tool_calls`, echoed; there are no tools to call.
+    /// `max_tool_calls`, echoed; it limits calls of OpenAI's built-in tools, which this
+    /// server has none of.
     pub max_tool_calls: Option<i64>,
     /// `metadata` (an object of strings), echoed in the response.
     pub metadata: Option<Value>,
     /// `user`, echoed in the response.
     pub user: Option<String>,
-    /// `parallel_tool_calls` (default true), echoed; there are no tools to call.
+    /// `parallel_tool_calls` (default true), echoed; `false` limits `tool_choice`
+    /// `required` to one call (as on chat).
     pub parallel_tool_calls: bool,
-    /// `tool_choice`: `auto` (the default) or `none`, echoed.
-    pub tool_choice: String,
+    /// The function `tools` in the chat form the template takes (`{"type": "function",
+    /// "function": {"name", "description"?, "parameters"?}}`, vLLM's conversion); `None`
+    /// when absent or empty.
+    pub tools: Option<Vec<Value>>,
+    /// The `tools` as the response echoes them (OpenAI's `FunctionTool`: `type`, `name`,
+    /// `description`, `parameters`, `strict`, null where not given).
+    pub tools_echo: Vec<Value>,
+    /// `tool_choice`, resolved: `auto` when absent or `auto` with tools, `none` without
+    /// tools; `required` and a named function guide the output (`gen.constraint`).
+    pub tool_choice: ToolChoice,
+    /// `tool_choice` as echoed: `"auto"` when absent, else as given.
+    pub tool_choice_echo: Value,
     /// `reasoning` when given without an effort or summary (`null` otherwise), echoed.
     pub reasoning: Option<Value>,
     /// `service_tier` (default `auto`), echoed; it changes nothing here.
@@ -2067,7 +2109,7 @@ fn parse_response_include(f: &Fields) -> Result<bool, ApiError> {
                 return Err(ApiError::field(
                     "include",
                     format!(
-                        "'include' value '{s}' is not supported by this server (it has no \
+                        "'include' value '{s}' is not supported by this server (it has no built-in \
                          tools, images or encrypted reasoning); only \
                          '{INCLUDE_OUTPUT_LOGPROBS}' is."
                     ),
@@ -2260,8 +2302,257 @@ fn response_reasoning_text(
     Ok(texts.join("\n"))
 }
 
+/// Parses the Responses API's `tools`: a list of flat function tools, `{"type": "function",
+/// "name", "description"?, "parameters"?, "strict"?}` (OpenAI's `FunctionTool`). Returns the
+/// tools to echo (every field, null where not given) and their chat form for the template
+/// (`{"type": "function", "function": {"name", "description", "parameters"}}`, as vLLM's
+/// `convert_tool_responses_to_completions_format`; `None` when there are none). `strict` is
+/// echoed only: with `tool_choice` `required` or a named function the arguments follow the
+/// schema anyway, with `auto` the model writes them unguided (as in vLLM).
+///
+/// # Errors
+/// 400 naming the field for a tool of another type (OpenAI's built-in tools: web search,
+/// file search, MCP, ...), a chat-form tool, or a field of the wrong type.
+fn parse_response_tools(f: &Fields) -> Result<(Vec<Value>, Option<Vec<Value>>), ApiError> {
+    let items = match f.raw("tools") {
+        None | Some(Value::Null) => return Ok((Vec::new(), None)),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(ApiError::field("tools", "'tools' must be a list of tools.")),
+    };
+    let mut echo = Vec::with_capacity(items.len());
+    let mut chat = Vec::with_capacity(items.len());
+    for (i, t) in items.iter().enumerate() {
+        let at = |p: &str| Some(format!("tools[{i}]{p}"));
+        let obj = t
+            .as_object()
+            .ok_or_else(|| ApiError::invalid(at(""), "Each tool must be an object."))?;
+        match obj.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    at(".type"),
+                    format!(
+                        "Tools of type '{k}' are not supported by this server; only function \
+                         tools ({{\"type\": \"function\", \"name\": ...}}) are."
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    at(".type"),
+                    "Each tool needs a string 'type' (\"function\").",
+                ))
+            }
+        }
+        let name = match obj.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => n,
+            _ if obj.contains_key("function") => {
+                return Err(ApiError::invalid(
+                    at(".name"),
+                    "/v1/responses takes flat function tools, {\"type\": \"function\", \
+                     \"name\": ..., \"parameters\": {...}}, not the chat form with a \
+                     'function' object.",
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    at(".name"),
+                    "A function tool needs a non-empty string 'name'.",
+                ))
+            }
+        };
+        let field = |key: &str, ok: fn(&Value) -> bool, what: &str| match obj.get(key) {
+            None | Some(Value::Null) => Ok(Value::Null),
+            Some(v) if ok(v) => Ok(v.clone()),
+            Some(_) => Err(ApiError::invalid(
+                at(&format!(".{key}")),
+                format!("A function tool's '{key}' must be {what}."),
+            )),
+        };
+        let description = field("description", Value::is_string, "a string")?;
+        let parameters = field("parameters", Value::is_object, "a JSON Schema object")?;
+        let strict = field("strict", Value::is_boolean, "a boolean")?;
+        let mut function = Map::new();
+        function.insert("name".into(), Value::String(name.clone()));
+        for (key, v) in [("description", &description), ("parameters", &parameters)] {
+            if !v.is_null() {
+                function.insert(key.into(), v.clone());
+            }
+        }
+        chat.push(serde_json::json!({"type": "function", "function": function}));
+        echo.push(serde_json::json!({"type": "function", "name": name,
+            "description": description, "parameters": parameters, "strict": strict}));
+    }
+    Ok((echo, (!chat.is_empty()).then_some(chat)))
+}
+
+/// Parses the Responses API's `tool_choice` (OpenAI's forms): `"none"`, `"auto"` (the
+/// default), `"required"`, or `{"type": "function", "name": ...}` naming one of `tools` (the
+/// chat form). Returns the resolved choice and the value to echo. `auto` without tools is
+/// `none` (nothing to call); `required` and a named function need tools.
+///
+/// # Errors
+/// 400 naming `tool_choice` for another form (`allowed_tools`, built-in tool types), an
+/// unknown function name, or `required`/named without tools.
+fn parse_response_tool_choice(
+    f: &Fields,
+    tools: Option<&[Value]>,
+) -> Result<(ToolChoice, Value), ApiError> {
+    const P: &str = "tool_choice";
+    let has_tools = tools.is_some();
+    let auto = || {
+        if has_tools {
+            ToolChoice::Auto
+        } else {
+            ToolChoice::None
+        }
+    };
+    let raw = match f.raw(P) {
+        None | Some(Value::Null) => return Ok((auto(), Value::String("auto".into()))),
+        Some(v) => v,
+    };
+    let choice = match raw {
+        Value::String(s) if s == "none" => ToolChoice::None,
+        Value::String(s) if s == "auto" => auto(),
+        Value::String(s) if s == "required" => ToolChoice::Required,
+        Value::Object(o) => match o.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let Some(name) = o.get("name").and_then(Value::as_str) else {
+                    return Err(ApiError::field(
+                        P,
+                        "A function tool_choice needs a 'name': {\"type\": \"function\", \
+                         \"name\": ...}.",
+                    ));
+                };
+                let known = tools.unwrap_or_default().iter().any(|t| {
+                    t.get("function")
+                        .and_then(|f| f.get("name"))
+                        .and_then(Value::as_str)
+                        == Some(name)
+                });
+                if has_tools && !known {
+                    return Err(ApiError::field(
+                        P,
+                        format!(
+                            "tool_choice names the function {name:?}, which is not in 'tools'."
+                        ),
+                    ));
+                }
+                ToolChoice::Named(name.to_owned())
+            }
+            Some(k) => {
+                return Err(ApiError::field(
+                    P,
+                    format!(
+                        "tool_choice of type '{k}' is not supported by this server; it takes \
+                         \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \
+                         \"name\": ...}}."
+                    ),
+                ))
+            }
+            None => {
+                return Err(ApiError::field(
+                    P,
+                    "A tool_choice object needs a 'type' (\"function\").",
+                ))
+            }
+        },
+        v => {
+            return Err(ApiError::field(
+                P,
+                format!(
+                    "Invalid value for 'tool_choice': {v}; expected \"none\", \"auto\", \
+                     \"required\" or {{\"type\": \"function\", \"name\": ...}}."
+                ),
+            ))
+        }
+    };
+    if !has_tools && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::field(
+            P,
+            "When using `tool_choice`, `tools` must be set.",
+        ));
+    }
+    Ok((choice, raw.clone()))
+}
+
+/// A Responses `function_call` input item (a call the model made in an earlier turn, sent
+/// back) as a chat tool call: `{"id": call_id, "type": "function", "function": {"name",
+/// "arguments"}}`, its `arguments` JSON string parsed to the value templates take.
+///
+/// # Errors
+/// 400 naming the field for a missing or mistyped `call_id`, `name` or `arguments`, or
+/// arguments that are not JSON.
+fn response_function_call(i: usize, obj: &Map<String, Value>) -> Result<Value, ApiError> {
+    let at = |p: &str| Some(format!("input[{i}].{p}"));
+    let text = |key: &str| match obj.get(key) {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        _ => Err(ApiError::invalid(
+            at(key),
+            format!("A function_call item needs a non-empty string '{key}'."),
+        )),
+    };
+    let call_id = text("call_id")?;
+    let name = text("name")?;
+    let arguments = match obj.get("arguments") {
+        Some(a @ Value::String(_)) => call_arguments(Some(a), || at("arguments"))?,
+        _ => {
+            return Err(ApiError::invalid(
+                at("arguments"),
+                "A function_call item needs 'arguments', a JSON text.",
+            ))
+        }
+    };
+    Ok(serde_json::json!({"id": call_id, "type": "function",
+        "function": {"name": name, "arguments": arguments}}))
+}
+
+/// A Responses `function_call_output` input item (a function's result) as a chat `tool`
+/// message: `{"role": "tool", "tool_call_id": call_id, "content": output}` (vLLM's
+/// conversion); an `output` given as a list of `input_text` parts is joined with newlines.
+///
+/// # Errors
+/// 400 naming the field for a missing `call_id` or `output`, or output parts other than text.
+fn response_function_output(i: usize, obj: &Map<String, Value>) -> Result<Value, ApiError> {
+    let at = |p: &str| Some(format!("input[{i}].{p}"));
+    let Some(Value::String(call_id)) = obj.get("call_id") else {
+        return Err(ApiError::invalid(
+            at("call_id"),
+            "A function_call_output item needs a string 'call_id'.",
+        ));
+    };
+    let output = match obj.get("output") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("input_text"), Some(Value::String(t))) => texts.push(t.clone()),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            at(&format!("output[{j}]")),
+                            "Only text output parts ({\"type\": \"input_text\", \"text\": \
+                             ...}) are supported by this server.",
+                        ))
+                    }
+                }
+            }
+            texts.join("\n")
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                at("output"),
+                "A function_call_output item needs 'output', a string.",
+            ))
+        }
+    };
+    Ok(serde_json::json!({"role": "tool", "tool_call_id": call_id, "content": output}))
+}
+
 /// Parses the Responses `input`: a string (one user message) or a non-empty list of message
-/// items (`{"role", "content"}`, optionally with `"type": "message"`) and `reasoning` items.
+/// items (`{"role", "content"}`, optionally with `"type": "message"`), `reasoning` items,
+/// `function_call` items (an assistant's tool call, joined to the assistant message before it
+/// as vLLM does) and `function_call_output` items (`tool` messages).
 /// A reasoning item becomes the `reasoning_content` of the assistant message that follows it
 /// (what chat templates read), or of an assistant message with empty content of its own when
 /// no assistant message follows (vLLM's conversion).
@@ -2303,12 +2594,51 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
                 }
                 continue;
             }
+            Some(Value::String(t)) if t == "function_call" => {
+                let call = response_function_call(i, obj)?;
+                // As vLLM: a call joins the assistant message before it (its text or earlier
+                // calls), or the reasoning waiting for one.
+                match (reasoning.take(), messages.last_mut()) {
+                    (Some(r), _) => messages.push(serde_json::json!({"role": "assistant",
+                        "content": "", "reasoning_content": r, "tool_calls": [call]})),
+                    (None, Some(Value::Object(m)))
+                        if m.get("role").and_then(Value::as_str) == Some("assistant") =>
+                    {
+                        let calls = m
+                            .entry("tool_calls")
+                            .or_insert_with(|| Value::Array(vec![]));
+                        if let Value::Array(calls) = calls {
+                            calls.push(call);
+                        }
+                    }
+                    (None, _) => messages.push(serde_json::json!(
+                        {"role": "assistant", "content": "", "tool_calls": [call]})),
+                }
+                continue;
+            }
+            Some(Value::String(t)) if t == "function_call_output" => {
+                let m = response_function_output(i, obj)?;
+                if let Some(r) = reasoning.take() {
+                    messages.push(serde_json::json!(
+                        {"role": "assistant", "content": "", "reasoning_content": r}));
+                }
+                messages.push(m);
+                continue;
+            }
+            Some(Value::String(t)) if t == "item_reference" => {
+                return Err(ApiError::invalid(
+                    Some(format!("input[{i}].type")),
+                    "Item references are not supported by this server: it does not store \
+                     responses (send the items themselves).",
+                ))
+            }
             Some(t) => {
                 return Err(ApiError::invalid(
                     Some(format!("input[{i}].type")),
                     format!(
                         "Input items of type {t} are not supported by this server; only \
-                         messages and reasoning are (no tools, images or files)."
+                         messages, reasoning, function_call and function_call_output are (no \
+                         built-in tools, images or files)."
                     ),
                 ))
             }
@@ -2350,7 +2680,7 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
     Ok(messages)
 }
 
-/// Refuses the Responses API options Baton does not implement (tools, reasoning effort,
+/// Refuses the Responses API options Baton does not implement (reasoning effort,
 /// `text.verbosity`, background mode, truncation, prompt templates, stored state), each a
 /// 400 naming its field (`include` values: [`parse_response_include`]).
 fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
@@ -2410,15 +2740,6 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
             "'return_token_ids' is served on /v1/completions and /v1/chat/completions, not on \
              /v1/responses.",
         ));
-    }
-    if let Some(v) = f.raw("tool_choice") {
-        if !matches!(v.as_str(), Some("auto" | "none")) {
-            return Err(ApiError::field(
-                "tool_choice",
-                "Tool calling is not supported by this server; 'tool_choice' must be \"auto\" \
-                 or \"none\".",
-            ));
-        }
     }
     if let Some(r) = f.raw("reasoning") {
         let o = r
@@ -2516,9 +2837,8 @@ pub fn parse_responses(
     let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
     let max_tool_calls = f.int("max_tool_calls")?;
     let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
-    let tool_choice = f
-        .get::<String>("tool_choice")?
-        .unwrap_or_else(|| "auto".to_owned());
+    let (tools_echo, tools) = parse_response_tools(&f)?;
+    let (tool_choice, tool_choice_echo) = parse_response_tool_choice(&f, tools.as_deref())?;
     let service_tier = f
         .get::<String>("service_tier")?
         .unwrap_or_else(|| "auto".to_owned());
@@ -2532,6 +2852,8 @@ pub fn parse_responses(
     let mut rest = f.obj.clone();
     rest.remove("stream_options");
     rest.remove("top_logprobs");
+    // Served here (above); `parse_gen` refuses them on the other endpoints.
+    rest.remove("tools");
     let mut gen = parse_gen(&Fields { obj: rest }, true, limits, defaults)?;
     let text_format = parse_text_format(&f)?;
     if let Some(c) = text_format.1 {
@@ -2548,6 +2870,21 @@ pub fn parse_responses(
             ));
         }
         gen.constraint = Some((c, "text.format"));
+    }
+    guide_tool_choice(
+        &mut gen,
+        &tool_choice,
+        tools.as_deref().unwrap_or_default(),
+        parallel_tool_calls,
+    )?;
+    if include_logprobs && tool_choice != ToolChoice::None {
+        return Err(ApiError::field(
+            "include",
+            format!(
+                "'include' value '{INCLUDE_OUTPUT_LOGPROBS}' cannot be combined with function \
+                 tools on this server (with 'tool_choice': \"none\" the output is text only)."
+            ),
+        ));
     }
     gen.max_tokens = max_output_tokens;
     gen.max_tokens_param = "max_output_tokens";
@@ -2571,7 +2908,10 @@ pub fn parse_responses(
         metadata,
         user,
         parallel_tool_calls,
+        tools,
+        tools_echo,
         tool_choice,
+        tool_choice_echo,
         reasoning,
         service_tier,
         text_format: text_format.0,
@@ -3044,8 +3384,8 @@ mod tests {
             (Some(7), "max_output_tokens", 1)
         );
         assert_eq!(
-            (r.tool_choice.as_str(), r.parallel_tool_calls),
-            ("auto", true)
+            (&r.tool_choice, &r.tool_choice_echo, r.parallel_tool_calls),
+            (&ToolChoice::None, &serde_json::json!("auto"), true)
         );
         let r = parse(
             r#"{"input":[{"type":"message","role":"assistant","content":[
@@ -3129,12 +3469,71 @@ mod tests {
             ),
             (
                 r#"{"input":[{"role":"user","content":"q"},{"type":"function_call","name":"f"}]}"#,
-                "input[1].type",
+                "input[1].call_id",
             ),
         ] {
             let e = parse(body).expect_err(body);
             assert_eq!(e.param.as_deref(), Some(param), "{body}");
         }
+    }
+
+    #[test]
+    fn responses_function_call_items_join_the_assistant_message_before_them() {
+        let parse =
+            |b: &str| parse_responses(b.as_bytes(), &LIMITS, &SamplingDefaults::NONE).expect(b);
+        let call = |id: &str, city: &str| {
+            serde_json::json!({"id": id, "type": "function",
+                "function": {"name": "w", "arguments": {"city": city}}})
+        };
+        let r = parse(
+            r#"{"input":[{"role":"user","content":"q"},
+                {"role":"assistant","content":"Let me see."},
+                {"type":"function_call","call_id":"a","name":"w","arguments":"{\"city\": \"P\"}"},
+                {"type":"function_call","call_id":"b","name":"w","arguments":"{\"city\": \"R\"}"},
+                {"type":"function_call_output","call_id":"a","output":"1"},
+                {"type":"function_call","call_id":"c","name":"w","arguments":"{\"city\": \"O\"}"},
+                {"type":"reasoning","content":[{"type":"reasoning_text","text":"hm"}]},
+                {"type":"function_call","call_id":"d","name":"w","arguments":"{\"city\": \"L\"}"}]}"#,
+        );
+        assert_eq!(
+            r.messages,
+            vec![
+                serde_json::json!({"role": "user", "content": "q"}),
+                serde_json::json!({"role": "assistant", "content": "Let me see.",
+                                   "tool_calls": [call("a", "P"), call("b", "R")]}),
+                serde_json::json!({"role": "tool", "tool_call_id": "a", "content": "1"}),
+                // After a tool message, a call starts a new assistant message; reasoning
+                // waiting for one goes with it.
+                serde_json::json!({"role": "assistant", "content": "",
+                                   "tool_calls": [call("c", "O")]}),
+                serde_json::json!({"role": "assistant", "content": "", "reasoning_content": "hm",
+                                   "tool_calls": [call("d", "L")]}),
+            ]
+        );
+        // The tools in the chat form, echoed in OpenAI's shape; a named choice resolves.
+        let r = parse(
+            r#"{"input":"q","tools":[{"type":"function","name":"w","strict":false}],
+                "tool_choice":{"type":"function","name":"w"}}"#,
+        );
+        assert_eq!(
+            r.tools,
+            Some(vec![
+                serde_json::json!({"type": "function", "function": {"name": "w"}})
+            ])
+        );
+        assert_eq!(
+            r.tools_echo,
+            vec![
+                serde_json::json!({"type": "function", "name": "w", "description": null,
+                                    "parameters": null, "strict": false})
+            ]
+        );
+        assert_eq!(r.tool_choice, ToolChoice::Named("w".into()));
+        assert!(r.gen.constraint.is_some());
+        // Tools with tool_choice absent: auto, unguided.
+        let r = parse(r#"{"input":"q","tools":[{"type":"function","name":"w"}]}"#);
+        assert_eq!(r.tool_choice, ToolChoice::Auto);
+        assert!(r.gen.constraint.is_none());
     }
 
     #[test]

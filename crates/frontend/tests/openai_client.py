@@ -282,8 +282,8 @@ def responses():
         if ev.type == "response.output_text.delta":
             streamed += [field(e, "logprob") for e in field(ev, "logprobs")]
     assert streamed == [field(e, "logprob") for e in entries], streamed
-    for kw in [dict(previous_response_id="resp_x"), dict(tools=[{"type": "function", "name": "f",
-               "parameters": {}}]), dict(background=True), dict(include=["reasoning.encrypted_content"])]:
+    for kw in [dict(previous_response_id="resp_x"), dict(tool_choice="required"), dict(background=True),
+               dict(include=["reasoning.encrypted_content"])]:
         try:
             client.responses.create(model=MODEL, input=user, max_output_tokens=4, **kw)
         except openai.BadRequestError as e:
@@ -460,6 +460,55 @@ def tool_choices():
     c = r.choices[0]
     assert c.message.tool_calls is None and c.message.content, r
     assert c.finish_reason == "length", r
+
+
+@check
+def responses_function_tools():
+    # Function tools on client.responses: flat tools, a named or required tool_choice guides the
+    # output into a function_call item; the SDK sends output items back as input.
+    tools = [{"type": "function", "name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}]
+    user = "Once upon a time"
+    for choice in [{"type": "function", "name": "get_weather"}, "required"]:
+        r = client.responses.create(model=MODEL, input=user, tools=tools, tool_choice=choice,
+                                    parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+        assert r.status == "completed", r
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", r
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome"), r
+        assert calls[0].call_id and calls[0].id.startswith("fc_"), r
+        assert r.tools[0].name == "get_weather" and r.tools[0].strict is True, r
+    with client.responses.stream(model=MODEL, input=user, tools=tools, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=120, temperature=0) as s:
+        args = "".join(ev.delta for ev in s if ev.type == "response.function_call_arguments.delta")
+        final = s.get_final_response()
+    streamed = [o for o in final.output if o.type == "function_call"]
+    assert len(streamed) == 1 and streamed[0].arguments == args == calls[0].arguments, final
+    # The output items go back as input (as the SDK serializes them), then a user turn.
+    r2 = client.responses.create(model=MODEL, input=[{"role": "user", "content": user}, *r.output,
+                                                     {"role": "user", "content": "Go on."}],
+                                 tools=tools, tool_choice="none", max_output_tokens=4, temperature=0)
+    assert r2.status == "incomplete" and r2.output[0].type == "message", r2
+    # This server's template (llama2) has no tool role: a function_call_output reaches it and
+    # is refused there with a 400.
+    try:
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": user}, *r.output,
+                                                    {"type": "function_call_output",
+                                                     "call_id": calls[0].call_id, "output": "22 C"}],
+                                tools=tools, tool_choice="none", max_output_tokens=4)
+    except openai.BadRequestError as e:
+        assert "Unknown role: tool" in str(e.body), e.body
+    else:
+        raise AssertionError("the tool message reached a template without a tool role")
+    # Built-in tools are refused, naming the tool.
+    try:
+        client.responses.create(model=MODEL, input=user, tools=[{"type": "web_search"}], max_output_tokens=4)
+    except openai.BadRequestError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        assert body.get("param") == "tools[0].type", e.body
+    else:
+        raise AssertionError("a web_search tool was accepted")
 
 
 def main():

@@ -4089,13 +4089,65 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             json!({"input": "hi", "conversation": "conv_1"}),
             "conversation",
         ),
+        // Auto tool choice (the default with tools) needs the server's parser flags.
         (
             json!({"input": "hi", "tools": [{"type": "function", "name": "f"}]}),
-            "tools",
+            "tool_choice",
         ),
         (
             json!({"input": "hi", "tool_choice": "required"}),
             "tool_choice",
+        ),
+        (json!({"input": "hi", "tools": {"name": "f"}}), "tools"),
+        (
+            json!({"input": "hi", "tools": [{"type": "web_search"}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"name": "f"}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools[0].name",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}),
+            "tools[0].parameters",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}),
+            "tools[0].strict",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": {"type": "function", "name": "g"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": 3}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": "required", "include": ["message.output_text.logprobs"]}),
+            "include",
         ),
         (
             json!({"input": "hi", "tool_choice": {"type": "function", "name": "f"}}),
@@ -4150,8 +4202,38 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             "min_tokens",
         ),
         (
+            json!({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}),
+            "input[0].call_id",
+        ),
+        (
+            json!({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}),
+            "input[0].name",
+        ),
+        (
             json!({"input": [{"type": "function_call", "call_id": "c", "name": "f",
-                              "arguments": "{}"}]}),
+                              "arguments": "{bad"}]}),
+            "input[0].arguments",
+        ),
+        (
+            json!({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                              "arguments": {"city": "x"}}]}),
+            "input[0].arguments",
+        ),
+        (
+            json!({"input": [{"type": "function_call_output", "output": "x"}]}),
+            "input[0].call_id",
+        ),
+        (
+            json!({"input": [{"type": "function_call_output", "call_id": "c"}]}),
+            "input[0].output",
+        ),
+        (
+            json!({"input": [{"type": "function_call_output", "call_id": "c",
+                              "output": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}),
+            "input[0].output[0]",
+        ),
+        (
+            json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
             "input[0].type",
         ),
         (
@@ -4985,7 +5067,7 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
         assert_eq!(r.status, 400, "{body}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], param, "{body}");
     }
-    // Tools stay a chat completions feature: the other endpoints refuse them.
+    // Completions take no tools; /v1/responses takes them in its flat form only.
     let r = post(
         addr,
         "/v1/completions",
@@ -5001,7 +5083,12 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
     )
     .await;
     assert_eq!(r.status, 400);
-    assert_eq!(r.json()["error"]["param"], "tools");
+    let e = r.json();
+    assert_eq!(e["error"]["param"], "tools[0].name");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("flat"),
+        "{e}"
+    );
     task.abort();
 }
 
@@ -7122,4 +7209,370 @@ async fn the_server_seed_fixes_the_streams_of_requests_without_one() {
     assert_ne!(other[..3], a[..3], "another --seed");
     let (r1, r2) = (seeds(None, &bodies).await, seeds(None, &bodies).await);
     assert_ne!(r1[..3], r2[..3], "without --seed the streams are random");
+}
+
+/// The weather tool in the Responses API's flat form.
+fn weather_fn() -> Value {
+    json!({"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}})
+}
+
+/// A streamed response's output items as a client accumulates them from the events (the
+/// openai SDK's stream helper): each `output_item.added` at the next index, text, reasoning
+/// and argument deltas appended, each `output_item.done` checked against what its deltas
+/// accumulated and taking the item's place. Checks event types, sequence numbers and that
+/// the last event's response carries exactly these items; returns them and that response.
+fn accumulate_response_stream(events: &[(String, Value)]) -> (Vec<Value>, Value) {
+    let mut items: Vec<Value> = Vec::new();
+    let mut acc: Vec<String> = Vec::new();
+    let (last_kind, last) = events.last().expect("events");
+    for (i, (kind, d)) in events.iter().enumerate() {
+        assert_eq!(d["type"], kind.as_str(), "event {i}: {d}");
+        assert_eq!(d["sequence_number"], i, "event {i}: {d}");
+        let at = || d["output_index"].as_u64().expect("output_index") as usize;
+        match kind.as_str() {
+            "response.output_item.added" => {
+                assert_eq!(at(), items.len(), "{d}");
+                assert_eq!(d["item"]["status"], "in_progress", "{d}");
+                items.push(d["item"].clone());
+                acc.push(String::new());
+            }
+            "response.output_text.delta"
+            | "response.reasoning_text.delta"
+            | "response.function_call_arguments.delta" => {
+                let k = at();
+                assert_eq!(d["item_id"], items[k]["id"], "{d}");
+                acc[k].push_str(d["delta"].as_str().expect("delta"));
+            }
+            "response.function_call_arguments.done" => {
+                let k = at();
+                assert_eq!(d["item_id"], items[k]["id"], "{d}");
+                assert_eq!(d["arguments"], acc[k].as_str(), "{d}");
+            }
+            "response.output_item.done" => {
+                let k = at();
+                let item = &d["item"];
+                assert_eq!(item["id"], items[k]["id"], "{d}");
+                let whole = match item["type"].as_str() {
+                    Some("function_call") => &item["arguments"],
+                    _ => &item["content"][0]["text"],
+                };
+                assert_eq!(*whole, acc[k].as_str(), "{d}");
+                items[k] = item.clone();
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        matches!(
+            last_kind.as_str(),
+            "response.completed" | "response.incomplete"
+        ),
+        "{last_kind}"
+    );
+    let response = last["response"].clone();
+    assert_eq!(response["output"], json!(items), "{response}");
+    (items, response)
+}
+
+/// A response's output items with their ids checked and replaced by placeholders: `msg_`,
+/// `rs_` and `fc_` item ids, and call ids of vLLM's form or the `mistral` parser's 9 letters
+/// and digits.
+fn without_item_ids(items: &[Value]) -> Vec<Value> {
+    items
+        .iter()
+        .map(|it| {
+            let mut it = it.clone();
+            let prefix = match it["type"].as_str() {
+                Some("message") => "msg_",
+                Some("reasoning") => "rs_",
+                Some("function_call") => "fc_",
+                _ => panic!("unknown item {it}"),
+            };
+            let id = it["id"].as_str().expect("id");
+            assert!(id.starts_with(prefix), "{it}");
+            it["id"] = json!("ID");
+            if let Some(call) = it.get("call_id") {
+                let call = call.as_str().expect("call_id");
+                let ok = match call.strip_prefix("chatcmpl-tool-") {
+                    Some(hex) => hex.len() == 32 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+                    None => call.len() == 9 && call.chars().all(|c| c.is_ascii_alphanumeric()),
+                };
+                assert!(ok, "{call}");
+                it["call_id"] = json!("CALL");
+            }
+            it
+        })
+        .collect()
+}
+
+/// Posts a Responses `body` streamed and not; checks that both give the same output items
+/// (ids aside) and status; returns the items (ids replaced) and the non-streamed response.
+async fn responses_both_ways(addr: std::net::SocketAddr, body: &Value) -> (Vec<Value>, Value) {
+    let v = response(addr, body).await;
+    let items = without_item_ids(v["output"].as_array().expect("output"));
+    let r = post(
+        addr,
+        "/v1/responses",
+        &with_fields(body, json!({"stream": true})),
+    )
+    .await;
+    let (streamed, last) = accumulate_response_stream(&response_events(&r));
+    assert_eq!(
+        without_item_ids(&streamed),
+        items,
+        "streamed vs not: {body}"
+    );
+    assert_eq!(last["status"], v["status"]);
+    // (The second run may find its prompt in the prefix cache.)
+    for key in ["input_tokens", "output_tokens"] {
+        assert_eq!(last["usage"][key], v["usage"][key], "{key}");
+    }
+    (items, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_function_calls_come_back_as_function_call_items_streamed_and_not() {
+    use baton_frontend::tools::ToolParser;
+    let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"note\": \"café ☕\"}}\n</tool_call>";
+    let (addr, task, _, n_out) = tool_server(text, Some(ToolParser::Hermes)).await;
+    let body = json!({"input": "Weather?", "tools": [weather_fn()]});
+    let (items, v) = responses_both_ways(addr, &body).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["usage"]["output_tokens"], n_out);
+    // The text before the call is a message, the call a function_call item (the arguments
+    // as vLLM writes them).
+    assert_eq!(
+        items,
+        vec![
+            json!({"type": "message", "id": "ID", "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": " Let me check.\n",
+                                "annotations": [], "logprobs": []}]}),
+            json!({"type": "function_call", "id": "ID", "call_id": "CALL",
+                   "name": "get_weather",
+                   "arguments": "{\"city\": \"Zürich\", \"note\": \"café ☕\"}",
+                   "status": "completed"}),
+        ]
+    );
+    // The tools and tool_choice are echoed in OpenAI's shape.
+    let mut echo = weather_fn();
+    echo["strict"] = Value::Null;
+    assert_eq!(v["tools"], json!([echo]));
+    assert_eq!(v["tool_choice"], "auto");
+    // Each response's call has its own id.
+    let again = response(addr, &body).await;
+    assert_ne!(again["output"][1]["call_id"], v["output"][1]["call_id"]);
+    assert_ne!(again["output"][1]["id"], v["output"][1]["id"]);
+    task.abort();
+
+    // Calls only: no message item; several calls in order.
+    let text = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Llama3Json)).await;
+    let (items, v) = responses_both_ways(addr, &body).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    let calls: Vec<(&str, &str)> = items
+        .iter()
+        .map(|it| {
+            assert_eq!(it["type"], "function_call", "{v}");
+            (
+                it["name"].as_str().unwrap(),
+                it["arguments"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("get_weather", "{\"city\": \"Paris\"}"),
+            ("get_weather", "{\"city\": \"Rome\"}")
+        ]
+    );
+    assert_ne!(v["output"][0]["call_id"], v["output"][1]["call_id"]);
+    // tool_choice "none": the same output is text.
+    let (items, _) =
+        responses_both_ways(addr, &with_fields(&body, json!({"tool_choice": "none"}))).await;
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["content"][0]["text"], format!(" {text}"));
+    task.abort();
+
+    // Text that is no call is a message, with tools and a parser.
+    let (addr, task, _, _) = tool_server("It is sunny.", Some(ToolParser::Hermes)).await;
+    let (items, _) = responses_both_ways(addr, &body).await;
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["content"][0]["text"], " It is sunny.");
+    task.abort();
+
+    // Mistral's call ids (9 letters and digits, which its templates check).
+    let text = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Mistral)).await;
+    let v = response(addr, &body).await;
+    let call = v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|it| it["type"] == "function_call")
+        .unwrap_or_else(|| panic!("{v}"));
+    let id = call["call_id"].as_str().unwrap();
+    assert!(
+        id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()),
+        "{id}"
+    );
+    task.abort();
+}
+
+/// With a reasoning parser, the reasoning item comes first, and only the answer is parsed for
+/// calls; a call cut by `max_output_tokens` leaves the response incomplete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_function_calls_follow_the_reasoning_item() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::tools::ToolParser;
+    use baton_scheduler::FinishReason;
+    let text = "<think>Maybe <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>?</think><tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let (addr, task, _, _) = text_server(
+        text,
+        Some(ToolParser::Hermes),
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+    )
+    .await;
+    let body = json!({"input": "Weather?", "tools": [weather_fn()]});
+    let (items, v) = responses_both_ways(addr, &body).await;
+    assert_eq!(v["status"], "completed", "{v}");
+    let kinds: Vec<&str> = items
+        .iter()
+        .map(|it| it["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["reasoning", "function_call"], "{v}");
+    assert_eq!(
+        items[0]["content"][0]["text"],
+        " Maybe <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>?"
+    );
+    assert_eq!(items[1]["name"], "get_weather");
+    assert_eq!(items[1]["arguments"], "{\"city\": \"Paris\"}");
+    task.abort();
+    // The engine stopped at the length limit: incomplete, and so is the item.
+    let text =
+        "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}</tool_call>";
+    let (addr, task, _, _) =
+        text_server(text, Some(ToolParser::Hermes), None, FinishReason::Length).await;
+    let (items, v) = responses_both_ways(addr, &body).await;
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    let last = items.last().unwrap();
+    assert_eq!(
+        (&last["type"], &last["status"]),
+        (&json!("function_call"), &json!("incomplete")),
+        "{v}"
+    );
+    task.abort();
+}
+
+/// `function_call` and `function_call_output` input items render as the equivalent chat
+/// conversation's assistant tool calls and tool messages (vLLM's conversion), with the flat
+/// tools in the chat form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_tool_round_trips_render_as_the_equivalent_chat() {
+    let (addr, task, prompts, _) = tool_server("It is sunny.", None).await;
+    let chat = json!({
+    "tools": [weather_tool()], "tool_choice": "none",
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "25 C"},
+    ]});
+    let resp = json!({
+    "tools": [weather_fn()], "tool_choice": "none", "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}", "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+         "arguments": "{\"city\": \"Rome\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22 C"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "25 C"}]},
+    ]});
+    let r = post(addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = response(addr, &resp).await;
+    assert_eq!(v["output"][0]["content"][0]["text"], " It is sunny.");
+    let seen = prompts.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    let tok = common::stories_tokenizer();
+    let prompt = tok.decode(&seen[0], true).unwrap();
+    assert!(prompt.starts_with("TOOL get_weather: {"), "{prompt}");
+    assert!(
+        prompt.contains("CITY=Paris CALL get_weather({\"city\": \"Rome\"}) CITY=Rome"),
+        "{prompt}"
+    );
+    assert!(prompt.contains("tool: 25 C [call_2]"), "{prompt}");
+    assert_eq!(seen[1], seen[0], "{}", tok.decode(&seen[1], true).unwrap());
+    // A call with no text before it, after reasoning: one assistant message with both.
+    let resp = json!({"input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+        {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": ""},
+        {"type": "function_call_output", "call_id": "c", "output": "cold"}]});
+    response(addr, &resp).await;
+    let prompt = tok.decode(&prompts.lock().unwrap()[2], true).unwrap();
+    assert_eq!(
+        prompt,
+        "user: Weather?assistant:  CALL get_weather({}) CITY=tool: cold [c]assistant:"
+    );
+    task.abort();
+}
+
+/// `tool_choice` `required` and a named function guide the real model's output into
+/// `function_call` items of the given tools, with arguments valid under their parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_tool_choice_required_and_named_guide_the_output() {
+    let srv = start_chat(Opts::default()).await;
+    let tool = |name: &str, cities: &[&str]| {
+        json!({"type": "function", "name": name, "strict": true, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "enum": cities}},
+            "required": ["city"], "additionalProperties": false}})
+    };
+    let tools = json!([
+        tool("get_weather", &["Paris", "Rome"]),
+        tool("get_time", &["Oslo", "Lima"])
+    ]);
+    for (choice, named) in [
+        (
+            json!({"type": "function", "name": "get_time"}),
+            Some("get_time"),
+        ),
+        (json!("required"), None),
+    ] {
+        let body = json!({"model": MODEL, "input": "Once upon a time", "tools": tools,
+                          "tool_choice": choice, "max_output_tokens": 60,
+                          "parallel_tool_calls": false, "temperature": 0});
+        let (items, v) = responses_both_ways(srv.addr, &body).await;
+        assert_eq!(v["status"], "completed", "{v}");
+        assert_eq!(v["tool_choice"], choice);
+        assert_eq!(v["tools"][0]["strict"], true);
+        assert_eq!(items.len(), 1, "{v}");
+        let it = &items[0];
+        assert_eq!(it["type"], "function_call", "{v}");
+        let name = it["name"].as_str().unwrap();
+        if let Some(n) = named {
+            assert_eq!(name, n);
+        }
+        let cities: &[&str] = if name == "get_weather" {
+            &["Paris", "Rome"]
+        } else {
+            &["Oslo", "Lima"]
+        };
+        let args: Value = serde_json::from_str(it["arguments"].as_str().unwrap()).unwrap();
+        assert!(cities.contains(&args["city"].as_str().unwrap()), "{v}");
+        assert_eq!(args.as_object().unwrap().len(), 1, "{v}");
+    }
 }
