@@ -2,7 +2,8 @@
 # Runs the official `openai` Python client against `baton serve` on the test model (issue 6):
 # completions, chat and responses (client.responses, openai >= 1.66), streaming and not,
 # include_usage, stop, n=2, logprobs, seed, the greedy goldens and a BadRequestError. Installs
-# `openai` into a venv on first use.
+# `openai` into a venv on first use. Then Anthropic's client against /v1/messages
+# (crates/frontend/tests/anthropic_client.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export BATON_TEST_MODEL="${BATON_TEST_MODEL:-$(pwd)/../shared/models/stories260K}"
@@ -28,3 +29,13 @@ for _ in $(seq 1 600); do
 done
 grep -q "ready on" "$LOG" || { cat "$LOG" >&2; echo "baton serve never became ready" >&2; exit 1; }
 "$VENV/bin/python" crates/frontend/tests/openai_client.py "http://127.0.0.1:$PORT"
+# Anthropic's client against /v1/messages. Installed on first use; where it cannot be installed
+# (no package index), the check says so and is skipped.
+if ! "$VENV/bin/python" -c "import anthropic" 2>/dev/null; then
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "anthropic>=0.40" || true
+fi
+if "$VENV/bin/python" -c "import anthropic" 2>/dev/null; then
+  "$VENV/bin/python" crates/frontend/tests/anthropic_client.py "http://127.0.0.1:$PORT"
+else
+  echo "SKIPPED anthropic_client.py: the anthropic package could not be installed" >&2
+fi

@@ -12,6 +12,7 @@ pub mod cors;
 pub mod detok;
 pub mod engine;
 pub mod local;
+pub mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;

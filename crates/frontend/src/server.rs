@@ -440,7 +440,7 @@ impl AppState {
     /// a closing `</s>`) is still cut at the message. When the template does not reproduce
     /// the sentinel once (it drops or transforms the content), the cut falls back to the last
     /// occurrence of the content in the whole prompt, as transformers' `rindex`.
-    fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
+    pub(crate) fn render_chat(&self, req: &validate::ChatRequest) -> Result<String, ApiError> {
         let mut kwargs = req.template_kwargs.clone();
         if let Some(tools) = &req.tools {
             // A `tools` in `chat_template_kwargs` wins, as in vLLM.
@@ -906,8 +906,10 @@ impl AppState {
     }
 }
 
-/// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/models`,
-/// `/health`, `/version`, `/metrics`, `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*`;
+/// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages`
+/// (and `/v1/messages/count_tokens`), `/v1/models`, `/health`, `/version`, `/metrics`,
+/// `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*` (as `Authorization: Bearer KEY`,
+/// or `x-api-key: KEY` as Anthropic's clients send it);
 /// CORS around them all ([`crate::cors`]).
 pub fn router(state: Arc<AppState>) -> Router {
     let cors = state.cors.clone();
@@ -915,6 +917,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(crate::responses::create))
+        .route("/v1/messages", post(crate::messages::create))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::messages::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model_by_id))
         .route("/health", get(health))
@@ -1104,12 +1111,20 @@ async fn openai_error_bodies(req: Request, next: Next) -> Response {
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.config.api_key {
         if req.uri().path().starts_with("/v1") {
-            let ok = req
+            let matches = |got: &str| constant_time_eq(got.trim().as_bytes(), key.as_bytes());
+            let bearer = req
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "))
-                .is_some_and(|got| constant_time_eq(got.trim().as_bytes(), key.as_bytes()));
+                .is_some_and(matches);
+            // Anthropic's SDKs send the key as `x-api-key`.
+            let anthropic = req
+                .headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(matches);
+            let ok = bearer || anthropic;
             if !ok {
                 return ApiError::unauthorized().into_response();
             }

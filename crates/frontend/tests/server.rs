@@ -2809,6 +2809,18 @@ async fn api_key_is_required_on_v1_routes_only() {
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
+    // Anthropic's clients send the key as `x-api-key`.
+    for (key, want) in [("sekrit", 200), ("nope", 401)] {
+        let r = send(
+            srv.addr,
+            "POST",
+            "/v1/completions",
+            &[("x-api-key", key)],
+            &body,
+        )
+        .await;
+        assert_eq!(r.status, want, "{}", r.body);
+    }
     assert_eq!(get(srv.addr, "/health").await.status, 200);
 }
 
@@ -7575,4 +7587,516 @@ async fn responses_tool_choice_required_and_named_guide_the_output() {
         assert!(cities.contains(&args["city"].as_str().unwrap()), "{v}");
         assert_eq!(args.as_object().unwrap().len(), 1, "{v}");
     }
+}
+
+/// A streamed `/v1/messages` response's content blocks as Anthropic's SDK accumulates them
+/// (text, thinking and `input_json_delta` appended; a tool use's input parsed from its JSON),
+/// checking the event order (`message_start` first; each block started, its deltas, stopped,
+/// at increasing indices; then `message_delta` and `message_stop`); returns the message with
+/// its content, `stop_reason`, `stop_sequence` and usage from `message_delta`.
+fn accumulate_message_stream(r: &common::Resp) -> Value {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = response_events(r);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(kinds.first(), Some(&"message_start"), "{kinds:?}");
+    assert_eq!(
+        kinds[kinds.len() - 2..],
+        ["message_delta", "message_stop"],
+        "{kinds:?}"
+    );
+    let mut msg = events[0].1["message"].clone();
+    assert_eq!(msg["content"], json!([]));
+    assert!(msg["stop_reason"].is_null());
+    let mut blocks: Vec<Value> = Vec::new();
+    let mut json_parts: Vec<String> = Vec::new();
+    let mut open: Option<usize> = None;
+    for (kind, d) in &events[1..events.len() - 2] {
+        assert_eq!(d["type"], kind.as_str(), "{d}");
+        let index = d["index"].as_u64().expect("index") as usize;
+        match kind.as_str() {
+            "content_block_start" => {
+                assert_eq!(open, None, "{kinds:?}");
+                assert_eq!(index, blocks.len(), "{d}");
+                open = Some(index);
+                blocks.push(d["content_block"].clone());
+                json_parts.push(String::new());
+            }
+            "content_block_delta" => {
+                assert_eq!(open, Some(index), "{d}");
+                let b = &mut blocks[index];
+                let delta = &d["delta"];
+                match delta["type"].as_str() {
+                    Some("text_delta") => {
+                        let t = b["text"].as_str().unwrap().to_owned();
+                        b["text"] = json!(t + delta["text"].as_str().unwrap());
+                    }
+                    Some("thinking_delta") => {
+                        let t = b["thinking"].as_str().unwrap().to_owned();
+                        b["thinking"] = json!(t + delta["thinking"].as_str().unwrap());
+                    }
+                    Some("signature_delta") => b["signature"] = delta["signature"].clone(),
+                    Some("input_json_delta") => {
+                        json_parts[index].push_str(delta["partial_json"].as_str().unwrap())
+                    }
+                    _ => panic!("unknown delta {d}"),
+                }
+            }
+            "content_block_stop" => {
+                assert_eq!(open, Some(index), "{d}");
+                open = None;
+                if blocks[index]["type"] == "tool_use" {
+                    blocks[index]["input"] = serde_json::from_str(&json_parts[index]).unwrap();
+                }
+            }
+            _ => panic!("unexpected event {kind}: {d}"),
+        }
+    }
+    assert_eq!(open, None);
+    let delta = &events[events.len() - 2].1;
+    msg["content"] = json!(blocks);
+    msg["stop_reason"] = delta["delta"]["stop_reason"].clone();
+    msg["stop_sequence"] = delta["delta"]["stop_sequence"].clone();
+    msg["usage"] = delta["usage"].clone();
+    msg
+}
+
+/// A message with its ids (`msg_`, tool uses') and thinking signatures checked and replaced.
+fn without_message_ids(m: &Value) -> Value {
+    let mut m = m.clone();
+    let id = m["id"].as_str().expect("id");
+    assert!(id.len() == 36 && id.starts_with("msg_"), "{id}");
+    m["id"] = json!("ID");
+    for b in m["content"].as_array_mut().expect("content") {
+        match b["type"].as_str() {
+            Some("tool_use") => {
+                assert!(!b["id"].as_str().expect("tool use id").is_empty(), "{b}");
+                b["id"] = json!("TOOL");
+            }
+            Some("thinking") => {
+                assert_eq!(b["signature"].as_str().expect("signature").len(), 32);
+                b["signature"] = json!("SIG");
+            }
+            _ => {}
+        }
+    }
+    m
+}
+
+/// Posts a Messages `body` streamed and not; checks both give the same message (ids aside);
+/// returns it (ids replaced).
+async fn messages_both_ways(addr: std::net::SocketAddr, body: &Value) -> Value {
+    let r = post(addr, "/v1/messages", body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let whole = without_message_ids(&r.json());
+    let r = post(
+        addr,
+        "/v1/messages",
+        &with_fields(body, json!({"stream": true})),
+    )
+    .await;
+    // (The second run may find its prompt in the prefix cache: the input counts are compared
+    // as their sum.)
+    let uncached = |m: &Value| {
+        let mut m = m.clone();
+        let u = &mut m["usage"];
+        let input =
+            u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap();
+        u["input_tokens"] = json!(input);
+        u["cache_read_input_tokens"] = json!(0);
+        m
+    };
+    let streamed = uncached(&without_message_ids(&accumulate_message_stream(&r)));
+    let whole_cmp = uncached(&whole);
+    assert_eq!(streamed, whole_cmp, "streamed vs not: {body}");
+    whole
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_have_anthropic_shape_and_match_the_equivalent_chat() {
+    let srv = start_chat(Opts::default()).await;
+    let body = json!({"model": MODEL, "max_tokens": 16, "temperature": 0,
+                      "system": [{"type": "text", "text": "Tell a story."}],
+                      "messages": [{"role": "user", "content": [
+                          {"type": "text", "text": "Once upon a time"}]}]});
+    let m = messages_both_ways(srv.addr, &body).await;
+    assert_eq!(m["type"], "message", "{m}");
+    assert_eq!(m["role"], "assistant");
+    assert_eq!(m["model"], MODEL);
+    assert_eq!(m["stop_reason"], "max_tokens");
+    assert!(m["stop_sequence"].is_null());
+    let content = m["content"].as_array().unwrap();
+    assert_eq!(content.len(), 1, "{m}");
+    assert_eq!(content[0]["type"], "text");
+    // The same as the equivalent chat request (greedy).
+    let chat = post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"max_tokens": 16, "temperature": 0, "messages": [
+            {"role": "system", "content": "Tell a story."},
+            {"role": "user", "content": "Once upon a time"}]}),
+    )
+    .await
+    .json();
+    assert_eq!(
+        content[0]["text"], chat["choices"][0]["message"]["content"],
+        "{m}"
+    );
+    let u = &m["usage"];
+    assert_eq!(u["output_tokens"], 16);
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+        chat["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{m}"
+    );
+    assert_eq!(u["cache_creation_input_tokens"], 0);
+    // count_tokens gives the same prompt size without generating.
+    let mut count = body.clone();
+    count.as_object_mut().unwrap().remove("max_tokens");
+    let r = post(srv.addr, "/v1/messages/count_tokens", &count).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json(),
+        json!({"input_tokens": chat["usage"]["prompt_tokens"]})
+    );
+    // A stop sequence the output reaches ends it with `stop_sequence`; an EOS with `end_turn`.
+    let text = content[0]["text"].as_str().unwrap();
+    let word = text.split_whitespace().nth(2).unwrap().to_owned();
+    let stopped = messages_both_ways(
+        srv.addr,
+        &with_fields(&body, json!({"stop_sequences": ["zzz", word]})),
+    )
+    .await;
+    assert_eq!(stopped["stop_reason"], "stop_sequence", "{stopped}");
+    assert_eq!(stopped["stop_sequence"], json!(word));
+    let before = &text[..text.find(&word).unwrap()];
+    assert_eq!(stopped["content"][0]["text"], before, "{stopped}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_tool_use_and_thinking_blocks_streamed_and_not() {
+    use baton_frontend::reasoning::ReasoningParser;
+    use baton_frontend::tools::ToolParser;
+    use baton_scheduler::FinishReason;
+    let tools = json!([{"name": "get_weather", "description": "The weather in a city.",
+                        "input_schema": {"type": "object",
+                                         "properties": {"city": {"type": "string"}},
+                                         "required": ["city"]}}]);
+    let text = "<think>Need the tool.</think>Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n</tool_call>";
+    let (addr, task, _, n_out) = text_server(
+        text,
+        Some(ToolParser::Hermes),
+        Some(ReasoningParser::Qwen3),
+        FinishReason::Stop,
+    )
+    .await;
+    let body = json!({"max_tokens": 100, "tools": tools,
+                      "messages": [{"role": "user", "content": "Weather?"}]});
+    let m = messages_both_ways(addr, &body).await;
+    assert_eq!(m["stop_reason"], "tool_use", "{m}");
+    assert_eq!(m["usage"]["output_tokens"], n_out);
+    assert_eq!(
+        m["content"],
+        json!([
+            {"type": "thinking", "thinking": " Need the tool.", "signature": "SIG"},
+            {"type": "text", "text": "Let me check.\n"},
+            {"type": "tool_use", "id": "TOOL", "name": "get_weather", "input": {"city": "Zürich"}},
+        ])
+    );
+    // tool_choice none: all text (after the thinking).
+    let m = messages_both_ways(
+        addr,
+        &with_fields(&body, json!({"tool_choice": {"type": "none"}})),
+    )
+    .await;
+    assert_eq!(m["stop_reason"], "end_turn", "{m}");
+    assert_eq!(m["content"].as_array().unwrap().len(), 2, "{m}");
+    assert!(m["content"][1]["text"]
+        .as_str()
+        .unwrap()
+        .contains("<tool_call>"));
+    task.abort();
+}
+
+/// A conversation with tool use renders as the equivalent chat conversation: the assistant's
+/// `tool_use` as its `tool_calls`, its `thinking` as its reasoning, the user's `tool_result`s
+/// as `tool` messages before the user's own text (vLLM's conversion).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_tool_round_trips_render_as_the_equivalent_chat() {
+    let (addr, task, prompts, _) = tool_server("It is sunny.", None).await;
+    let chat = json!({
+    "tools": [weather_tool()], "tool_choice": "none", "max_tokens": 5,
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "t1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            {"id": "t2", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "22 C"},
+        {"role": "tool", "tool_call_id": "t2", "content": "25 C"},
+        {"role": "user", "content": "Thanks."},
+    ]});
+    let msgs = json!({
+    "system": "Be brief.", "max_tokens": 5, "tool_choice": {"type": "none"},
+    "tools": [{"name": "get_weather", "description": "The weather in a city.",
+               "input_schema": {"type": "object",
+                                "properties": {"city": {"type": "string"}},
+                                "required": ["city"]}}],
+    "messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Rome"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "22 C"},
+            {"type": "tool_result", "tool_use_id": "t2",
+             "content": [{"type": "text", "text": "25 C"}]},
+            {"type": "text", "text": "Thanks."}]},
+    ]});
+    let r = post(addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = post(addr, "/v1/messages", &msgs).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let seen = prompts.lock().unwrap().clone();
+    let tok = common::stories_tokenizer();
+    let prompt = tok.decode(&seen[0], true).unwrap();
+    assert!(prompt.contains("tool: 25 C [t2]user: Thanks."), "{prompt}");
+    assert_eq!(seen[1], seen[0], "{}", tok.decode(&seen[1], true).unwrap());
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_refusals_have_anthropic_error_shape_naming_the_field() {
+    let srv = start_chat(Opts {
+        max_model_len: Some(128),
+        ..Opts::default()
+    })
+    .await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let ok = json!({"max_tokens": 4, "messages": user});
+    let tool = json!({"name": "f", "input_schema": {"type": "object"}});
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"messages": user}), "max_tokens"),
+        (with_fields(&ok, json!({"max_tokens": 0})), "max_tokens"),
+        (with_fields(&ok, json!({"max_tokens": 1000})), "max_tokens"),
+        (with_fields(&ok, json!({"messages": []})), "messages"),
+        (with_fields(&ok, json!({"messages": "hi"})), "messages"),
+        (
+            with_fields(&ok, json!({"messages": [{"role": "tool", "content": "x"}]})),
+            "messages[0].role",
+        ),
+        (
+            with_fields(&ok, json!({"messages": [{"role": "user"}]})),
+            "messages[0].content",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}),
+            ),
+            "messages[0].content[0].type",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"messages": [{"role": "user", "content": [
+                {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}),
+            ),
+            "messages[0].content[0].type",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"messages": [{"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}),
+            ),
+            "messages[0].content[0].input",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"messages": [{"role": "user", "content": [
+                {"type": "tool_result", "content": "x"}]}]}),
+            ),
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            with_fields(&ok, json!({"system": [{"type": "image"}]})),
+            "system[0]",
+        ),
+        (with_fields(&ok, json!({"system": 5})), "system"),
+        (
+            with_fields(&ok, json!({"stop_sequences": "x"})),
+            "stop_sequences",
+        ),
+        (with_fields(&ok, json!({"temperature": -1})), "temperature"),
+        (
+            with_fields(
+                &ok,
+                json!({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+            ),
+            "tools[0].type",
+        ),
+        (
+            with_fields(&ok, json!({"tools": [{"name": "f"}]})),
+            "tools[0].input_schema",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"tools": [tool], "tool_choice": {"type": "tool"}}),
+            ),
+            "tool_choice",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "g"}}),
+            ),
+            "tool_choice",
+        ),
+        // Auto tool choice (the default with tools) needs the server's parser flags.
+        (with_fields(&ok, json!({"tools": [tool]})), "tool_choice"),
+        (
+            with_fields(&ok, json!({"mcp_servers": [{"url": "http://x"}]})),
+            "mcp_servers",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"output_config": {"format": {"type": "json_schema"}}}),
+            ),
+            "output_config.format",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"output_config": {"format": {"type": "json_schema",
+                "schema": {"type": "object"}}}, "tools": [tool], "tool_choice": {"type": "any"}}),
+            ),
+            "tool_choice",
+        ),
+    ];
+    for (body, param) in cases {
+        let r = post(srv.addr, "/v1/messages", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = r.json();
+        assert_eq!(e["type"], "error", "{e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{body}: {e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(&format!("{param}: ")),
+            "{body}: {message}"
+        );
+    }
+    let r = post(
+        srv.addr,
+        "/v1/messages",
+        &with_fields(&ok, json!({"model": "claude-x"})),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json()["error"]["type"], "not_found_error");
+    // None of them reached the engine.
+    let m = get(srv.addr, "/metrics").await.body;
+    assert!(
+        m.contains("vllm:prompt_tokens_total{model_name=\"stories\"} 0"),
+        "{m}"
+    );
+    // Anthropic's extra fields are accepted.
+    let r = post(
+        srv.addr,
+        "/v1/messages",
+        &with_fields(
+            &ok,
+            json!({"metadata": {"user_id": "u"}, "thinking": {"type": "disabled"},
+                                 "service_tier": "auto", "top_k": 5}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_client_disconnect_mid_stream_cancels_and_engine_errors_end_with_an_error_event() {
+    let srv = start_chat(Opts {
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"max_tokens": 400, "temperature": 0, "stream": true,
+                      "messages": [{"role": "user", "content": "Once upon a time"}]})
+    .to_string();
+    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
+    s.write_all(&common::request_bytes("POST", "/v1/messages", &[], &body))
+        .await
+        .unwrap();
+    let head = read_events(&mut s, 5).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("event: content_block_delta"), "{head}");
+    let st = srv.engine.scheduler_stats();
+    assert_eq!(st.running + st.waiting, 1, "live: {st:?}");
+    drop(s);
+    let at_drop = srv.engine.scheduler_stats().launches;
+    assert!(
+        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
+        "cancelled: {:?}",
+        srv.engine.scheduler_stats()
+    );
+    assert!(srv.engine.scheduler_stats().launches < at_drop + 100);
+    let m = get(srv.addr, "/metrics").await.body;
+    assert_eq!(success_count(&m, "abort"), 1, "{m}");
+
+    use baton_frontend::EngineEvent;
+    let token = |t| EngineEvent::Token {
+        token: t,
+        cached_tokens: 0,
+        logprob: 0.0,
+        top: vec![],
+        first: None,
+    };
+    let (addr, task) = common::start_scripted_with_template(
+        move |_| {
+            vec![
+                token(403),
+                token(407),
+                EngineEvent::Error("the scheduler is gone".into()),
+            ]
+        },
+        Some(LLAMA2_TEMPLATE.into()),
+    )
+    .await;
+    let r = post(
+        addr,
+        "/v1/messages",
+        &json!({"max_tokens": 9, "stream": true,
+                "messages": [{"role": "user", "content": "a"}]}),
+    )
+    .await;
+    let ev = response_events(&r);
+    let (kind, last) = ev.last().unwrap();
+    assert_eq!(kind, "error", "{}", r.body);
+    assert_eq!(last["type"], "error");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the scheduler is gone"),
+        "{last}"
+    );
+    assert!(!r.body.contains("message_stop"), "{}", r.body);
+    // Not streamed: an error status with Anthropic's body.
+    let r = post(
+        addr,
+        "/v1/messages",
+        &json!({"max_tokens": 9, "messages": [{"role": "user", "content": "a"}]}),
+    )
+    .await;
+    assert!(r.status >= 500, "{}", r.body);
+    assert_eq!(r.json()["type"], "error", "{}", r.body);
+    task.abort();
 }
