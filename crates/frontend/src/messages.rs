@@ -7,12 +7,14 @@
 //! The conversion ([`to_chat_body`]):
 //! - `system` (a string or text blocks) becomes a system message first, the text blocks joined
 //!   with newlines (a `system` message inside `messages`, which vLLM takes, joins it too);
+//!   Claude Code's `x-anthropic-billing-header` block, whose per-request hash would defeat
+//!   prefix caching, is dropped, and its `ctx`/`msg` roles are user turns (both as vLLM);
 //! - each message's `content` (a string or content blocks): `text` blocks joined with
 //!   newlines; an assistant's `thinking` blocks become its `reasoning_content`, its `tool_use`
 //!   blocks its `tool_calls` (`input` as the arguments); a user's `tool_result` blocks become
 //!   `tool` messages (`tool_use_id`, the result's text), placed before the user's own text, as
-//!   vLLM does; `redacted_thinking` is dropped; images, documents and server tool blocks are
-//!   refused;
+//!   vLLM does; `redacted_thinking` and `tool_reference` blocks are dropped; images,
+//!   documents and server tool blocks are refused;
 //! - `max_tokens` (required, at least 1), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 //!   `stream` and vLLM's `chat_template_kwargs` carry over; `tools` (`{"name",
 //!   "description", "input_schema"}`) become function tools and `tool_choice` `auto`, `any`,
@@ -212,7 +214,7 @@ pub fn to_chat_body(body: &[u8], count_only: bool) -> Result<Value, ApiError> {
     let mut system = match f.raw("system") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(blocks)) => text_blocks(blocks, "system")?,
+        Some(Value::Array(blocks)) => system_texts(text_blocks(blocks, "system")?),
         Some(_) => {
             return Err(ApiError::field(
                 "system",
@@ -298,6 +300,18 @@ fn text_blocks(blocks: &[Value], at: &str) -> Result<Vec<String>, ApiError> {
         .collect()
 }
 
+/// The prefix of the attribution block Claude Code puts in `system`, whose per-request hash
+/// would defeat prefix caching (vLLM drops it too).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// System text blocks, less Claude Code's attribution block ([`BILLING_HEADER`]).
+fn system_texts(texts: Vec<String>) -> Vec<String> {
+    texts
+        .into_iter()
+        .filter(|t| !t.starts_with(BILLING_HEADER))
+        .collect()
+}
+
 /// Converts `messages` (user and assistant turns; a `system` turn's text joins `system`).
 fn convert_messages(f: &Fields, system: &mut Vec<String>) -> Result<Vec<Value>, ApiError> {
     let items = match f.raw("messages") {
@@ -323,6 +337,8 @@ fn convert_messages(f: &Fields, system: &mut Vec<String>) -> Result<Vec<Value>, 
             .ok_or_else(|| ApiError::invalid(at(""), "Each message must be an object."))?;
         let role = match obj.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant" | "system")) => r,
+            // Roles recent Claude Code versions send for context turns (vLLM maps them too).
+            Some("ctx" | "msg") => "user",
             _ => {
                 return Err(ApiError::invalid(
                     at(".role"),
@@ -348,7 +364,10 @@ fn convert_messages(f: &Fields, system: &mut Vec<String>) -> Result<Vec<Value>, 
             }
         };
         if role == "system" {
-            system.extend(text_blocks(blocks, &format!("messages[{i}].content"))?);
+            system.extend(system_texts(text_blocks(
+                blocks,
+                &format!("messages[{i}].content"),
+            )?));
             continue;
         }
         convert_blocks(i, role, blocks, &mut out)?;
@@ -400,6 +419,8 @@ fn convert_blocks(
                 thinking.push(string("thinking")?);
             }
             Some("redacted_thinking") => only("assistant")?,
+            // A reference to a deferred tool (tool search): nothing to render (as vLLM).
+            Some("tool_reference") => {}
             Some("tool_use") => {
                 only("assistant")?;
                 let input = match b.get("input") {
@@ -421,7 +442,13 @@ fn convert_blocks(
                         None | Some(Value::Null) => String::new(),
                         Some(Value::String(s)) => s.clone(),
                         Some(Value::Array(parts)) => {
-                            text_blocks(parts, &format!("messages[{i}].content[{j}].content"))?
+                            // Tool references (tool search) carry no text.
+                            let texts: Vec<Value> = parts
+                                .iter()
+                                .filter(|p| p["type"] != "tool_reference")
+                                .cloned()
+                                .collect();
+                            text_blocks(&texts, &format!("messages[{i}].content[{j}].content"))?
                                 .join("\n")
                         }
                         Some(_) => return Err(ApiError::invalid(

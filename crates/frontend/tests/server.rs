@@ -7865,6 +7865,24 @@ async fn messages_tool_round_trips_render_as_the_equivalent_chat() {
     let prompt = tok.decode(&seen[0], true).unwrap();
     assert!(prompt.contains("tool: 25 C [t2]user: Thanks."), "{prompt}");
     assert_eq!(seen[1], seen[0], "{}", tok.decode(&seen[1], true).unwrap());
+    // Claude Code's attribution block (a per-request hash) is dropped from the system prompt,
+    // its `ctx` role is a user turn, and tool references render nothing (as vLLM).
+    let chat = json!({"max_tokens": 5, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Context."},
+        {"role": "user", "content": "Hi."}]});
+    let msgs = json!({"max_tokens": 5,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=1a2b;"},
+                   {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "ctx", "content": "Context."},
+            {"role": "user", "content": [{"type": "tool_reference", "tool_name": "get_weather"},
+                                         {"type": "text", "text": "Hi."}]}]});
+    assert_eq!(post(addr, "/v1/chat/completions", &chat).await.status, 200);
+    let r = post(addr, "/v1/messages", &msgs).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let seen = prompts.lock().unwrap().clone();
+    assert_eq!(seen[3], seen[2], "{}", tok.decode(&seen[3], true).unwrap());
     task.abort();
 }
 
