@@ -479,6 +479,38 @@ pub fn serve_up_to(who: &str, model: &mut ModelConfig, max_model_len: usize) {
     }
 }
 
+/// vLLM's two-letter short flags for `serve` (argparse takes them; clap's short flags are one
+/// letter), each with the long flag it stands for.
+pub const VLLM_SHORT_FLAGS: [(&str, &str); 2] = [
+    ("-tp", "--tensor-parallel-size"),
+    ("-pp", "--pipeline-parallel-size"),
+];
+
+/// A command line with vLLM's two-letter short flags ([`VLLM_SHORT_FLAGS`]) spelled long,
+/// as `-tp 1` or `-tp=1`, for `serve` only (the first argument after the program); any other
+/// command line is returned as it is.
+pub fn expand_vllm_short_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    if args.get(1).and_then(|a| a.to_str()) != Some("serve") {
+        return args;
+    }
+    args.into_iter()
+        .map(|a| {
+            let Some(s) = a.to_str() else {
+                return a;
+            };
+            for (short, long) in VLLM_SHORT_FLAGS {
+                if s == short {
+                    return long.into();
+                }
+                if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+                    return format!("{long}={v}").into();
+                }
+            }
+            a
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -591,5 +623,24 @@ mod tests {
         for d in [DType::F32, DType::BF16, DType::F16] {
             assert_eq!(KvCacheDtype::from_code(code(d)), Some(d));
         }
+    }
+
+    #[test]
+    fn vllm_short_parallel_flags_are_spelled_long_for_serve_only() {
+        let args = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            expand_vllm_short_flags(args(&["baton", "serve", "m", "-tp", "1", "-pp=2", "-tpx"])),
+            args(&[
+                "baton",
+                "serve",
+                "m",
+                "--tensor-parallel-size",
+                "1",
+                "--pipeline-parallel-size=2",
+                "-tpx"
+            ])
+        );
+        let other = args(&["baton", "generate", "-tp", "1"]);
+        assert_eq!(expand_vllm_short_flags(other.clone()), other);
     }
 }

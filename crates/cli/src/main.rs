@@ -66,7 +66,9 @@ fn allow_negative_values(cmd: clap::Command) -> clap::Command {
 }
 
 fn parse_cli() -> Cli {
-    let matches = allow_negative_values(<Cli as clap::CommandFactory>::command()).get_matches();
+    let args = baton::args::expand_vllm_short_flags(std::env::args_os().collect());
+    let matches =
+        allow_negative_values(<Cli as clap::CommandFactory>::command()).get_matches_from(args);
     <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 

@@ -94,11 +94,11 @@ pub struct VllmFlags {
     /// from a checkpoint (its architectures are built in; another one is refused).
     #[arg(long)]
     pub trust_remote_code: bool,
-    /// vLLM's `--tensor-parallel-size`: only 1 (one worker runs the whole model on one
-    /// device).
+    /// vLLM's `--tensor-parallel-size` (also `-tp`): only 1 (one worker runs the whole model
+    /// on one device).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
-    /// vLLM's `--pipeline-parallel-size`: only 1.
+    /// vLLM's `--pipeline-parallel-size` (also `-pp`): only 1.
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
     /// vLLM's `--disable-log-requests`: accepted; Baton logs no line per request.

@@ -316,8 +316,13 @@ fn serve_checks_instance_template_and_port_before_starting_children() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();
     let inst = format!("precheck-{}", std::process::id());
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--instance", "a/b", "--port", "0"], "--instance"),
+        // vLLM's two-letter short form.
+        (
+            &["--instance", &inst, "--port", "0", "-pp", "4"],
+            "--pipeline-parallel-size 4: Baton runs a model on one device",
+        ),
         // vLLM's parallelism flags: 1 is what Baton does, more is refused.
         (
             &[
