@@ -725,7 +725,8 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             prompt_tokens,
             output_tokens: 0,
             splitter: reasoning.map(|r| r.splitter(&req.template_kwargs)),
-            filter: mode.map(StreamFilter::new),
+            filter: mode
+                .map(|m| StreamFilter::with_tools(m, req.tools.clone().unwrap_or_default())),
             ids_form,
             block: None,
             index: 0,
@@ -749,7 +750,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let (text, calls) = match &mode {
         None => (split.content, Vec::new()),
         Some(m) => {
-            let parsed = m.parse(&split.content);
+            let parsed = m.parse_with(&split.content, req.tools.as_deref().unwrap_or_default());
             (parsed.content.unwrap_or_default(), parsed.calls)
         }
     };

@@ -145,7 +145,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             splitter(),
             counter,
             logprobs,
-            mode.map(StreamFilter::new),
+            mode.map(|m| StreamFilter::with_tools(m, req.tools.clone().unwrap_or_default())),
         ));
     }
     // With log-probabilities, the deltas are split as a stream would be, to tell the
@@ -182,7 +182,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let (split, calls) = match &mode {
         None => (split, Vec::new()),
         Some(m) => {
-            let parsed = m.parse(&split.content);
+            let parsed = m.parse_with(&split.content, req.tools.as_deref().unwrap_or_default());
             let split = Split {
                 reasoning: split.reasoning,
                 content: parsed.content.unwrap_or_default(),

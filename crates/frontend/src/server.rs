@@ -2146,7 +2146,9 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             call_ids: st.config.tool_call_parser,
             filters: parser.as_ref().map(|p| {
                 (0..seqs.len())
-                    .map(|_| StreamFilter::new(p.clone()))
+                    .map(|_| {
+                        StreamFilter::with_tools(p.clone(), req.tools.clone().unwrap_or_default())
+                    })
                     .collect()
             }),
             reasoning: reasoning.map(|r| {
@@ -2195,7 +2197,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 None if reasoning_on => (non_empty(text), Vec::new()),
                 None => (Some(text), Vec::new()),
                 Some(p) => {
-                    let parsed = p.parse(&text);
+                    let parsed = p.parse_with(&text, req.tools.as_deref().unwrap_or_default());
                     let content = parsed.content.filter(|c| !reasoning_on || !c.is_empty());
                     (content, parsed.calls)
                 }

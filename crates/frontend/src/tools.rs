@@ -10,7 +10,8 @@
 //! Streaming is simpler than vLLM's argument fragments and gives the same accumulated message:
 //! text streams as content until the output may be a tool call (for `llama3_json`, output that
 //! starts with `{` or `<|python_tag|>`; for `hermes`, from `<tool_call>` on; for `mistral`,
-//! from `[TOOL_CALLS]` on), then the rest is held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
+//! from `[TOOL_CALLS]` on; for `qwen3_coder`, from `<tool_call>` or `<function=` on), then
+//! the rest is held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
 //! sent as content ([`StreamFilter`]).
 
 use crate::reasoning::partial_suffix;
@@ -35,10 +36,21 @@ pub enum ToolParser {
     /// (strings, numbers, `True`/`False`/`None`, lists, dicts), optionally inside Llama 4's
     /// `<|python_start|>` ... `<|python_end|>`.
     Pythonic,
+    /// `qwen3_coder` (vLLM's `Qwen3CoderToolParser`, for Qwen3-Coder and Qwen3.5; vLLM's
+    /// `qwen3_xml` reads the same form): XML-like blocks, `<tool_call>\n<function=NAME>\n
+    /// <parameter=P>\nVALUE\n</parameter>\n...</function>\n</tool_call>`, whose values are raw
+    /// text typed by the tool's `parameters` schema (see [`qwen3_coder_value`]).
+    Qwen3Coder,
 }
 
 /// The names `--tool-call-parser` accepts.
-pub const TOOL_PARSER_NAMES: [&str; 4] = ["llama3_json", "hermes", "mistral", "pythonic"];
+pub const TOOL_PARSER_NAMES: [&str; 5] = [
+    "llama3_json",
+    "hermes",
+    "mistral",
+    "pythonic",
+    "qwen3_coder",
+];
 
 impl std::str::FromStr for ToolParser {
     type Err = String;
@@ -51,6 +63,7 @@ impl std::str::FromStr for ToolParser {
             "hermes" => Ok(Self::Hermes),
             "mistral" => Ok(Self::Mistral),
             "pythonic" | "llama4_pythonic" => Ok(Self::Pythonic),
+            "qwen3_coder" | "qwen3_xml" => Ok(Self::Qwen3Coder),
             _ => Err(format!(
                 "unknown tool call parser {s:?}; this server has: {}",
                 TOOL_PARSER_NAMES.join(", ")
@@ -67,6 +80,7 @@ impl ToolParser {
             Self::Hermes => "hermes",
             Self::Mistral => "mistral",
             Self::Pythonic => "pythonic",
+            Self::Qwen3Coder => "qwen3_coder",
         }
     }
 
@@ -74,7 +88,7 @@ impl ToolParser {
     /// parses must be detokenized with `skip_special_tokens` off (as vLLM's `hermes` and
     /// `mistral` parsers' `adjust_request` do).
     pub fn keeps_special_tokens(self) -> bool {
-        matches!(self, Self::Hermes | Self::Mistral)
+        matches!(self, Self::Hermes | Self::Mistral | Self::Qwen3Coder)
     }
 
     /// A new tool call id of this parser's form: `chatcmpl-tool-` and 32 hex digits, or for
@@ -96,7 +110,7 @@ impl ToolParser {
                     })
                     .collect()
             }
-            Self::Llama3Json | Self::Hermes | Self::Pythonic => {
+            Self::Llama3Json | Self::Hermes | Self::Pythonic | Self::Qwen3Coder => {
                 format!("chatcmpl-tool-{:016x}{:016x}", random(), random())
             }
         }
@@ -109,6 +123,10 @@ const HERMES_END: &str = "</tool_call>";
 const MISTRAL_TOOL_CALLS: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
 const PYTHON_START: &str = "<|python_start|>";
+const QWEN_FUNCTION: &str = "<function=";
+const QWEN_FUNCTION_END: &str = "</function>";
+const QWEN_PARAMETER: &str = "<parameter=";
+const QWEN_PARAMETER_END: &str = "</parameter>";
 const PYTHON_END: &str = "<|python_end|>";
 
 /// One parsed tool call.
@@ -140,13 +158,21 @@ impl Parsed {
 
 impl ToolParser {
     /// Splits a whole output into content and tool calls; output that is not tool calls is all
-    /// content.
+    /// content. [`ToolParser::parse_with`] without the request's tools.
     pub fn parse(self, text: &str) -> Parsed {
+        self.parse_with(text, &[])
+    }
+
+    /// Splits a whole output into content and tool calls, given the request's `tools` (the chat
+    /// form: `qwen3_coder` types its raw values by their parameters' schemas); output that is
+    /// not tool calls is all content.
+    pub fn parse_with(self, text: &str, tools: &[serde_json::Value]) -> Parsed {
         let calls = match self {
             Self::Llama3Json => llama3_calls(text).map(|c| (None, c)),
             Self::Hermes => hermes_calls(text),
             Self::Mistral => mistral_calls(text),
             Self::Pythonic => pythonic_calls(text).map(|c| (None, c)),
+            Self::Qwen3Coder => qwen3_coder_calls(text, tools),
         };
         match calls {
             Some((content, calls)) if !calls.is_empty() => Parsed {
@@ -228,6 +254,197 @@ fn hermes_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         rest = after;
     }
     Some((Some(text[..first].to_owned()), calls))
+}
+
+/// Where a `qwen3_coder` output's calls start: the first `<tool_call>`, or a `<function=`
+/// written without one (vLLM reads both).
+fn qwen3_coder_start(text: &str) -> Option<usize> {
+    match (text.find(HERMES_START), text.find(QWEN_FUNCTION)) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `(content before the first call, calls)` of a `qwen3_coder` output: each `<function=NAME>`
+/// block (inside `<tool_call>` ... `</tool_call>`, whose tags may be missing at the end of
+/// the output) with its `<parameter=P>` values; a value ends at its `</parameter>`, else at
+/// the next `<parameter=`, `</function>` or the end (vLLM's malformation rules), and loses
+/// one leading and one trailing newline. `None` when there is no `<function=` block.
+fn qwen3_coder_calls(
+    text: &str,
+    tools: &[serde_json::Value],
+) -> Option<(Option<String>, Vec<ToolCall>)> {
+    let first = qwen3_coder_start(text)?;
+    let mut calls = Vec::new();
+    let mut rest = &text[first..];
+    while let Some(f) = rest.find(QWEN_FUNCTION) {
+        let after = &rest[f + QWEN_FUNCTION.len()..];
+        let (name, body) = after.split_once('>')?;
+        let name = name.trim();
+        if name.is_empty() || name.contains('<') {
+            return None;
+        }
+        let (body, next) = match body.find(QWEN_FUNCTION_END) {
+            Some(e) => (&body[..e], &body[e + QWEN_FUNCTION_END.len()..]),
+            None => (body, ""),
+        };
+        let props = tool_properties(tools, name);
+        let mut args: Vec<(String, J)> = Vec::new();
+        let mut b = body;
+        while let Some(p) = b.find(QWEN_PARAMETER) {
+            let after = &b[p + QWEN_PARAMETER.len()..];
+            let (pname, value) = after.split_once('>')?;
+            let end = [
+                value.find(QWEN_PARAMETER_END),
+                value.find(QWEN_PARAMETER),
+                value.find(QWEN_FUNCTION_END),
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(value.len());
+            let raw = &value[..end];
+            let raw = raw.strip_prefix('\n').unwrap_or(raw);
+            let raw = raw.strip_suffix('\n').unwrap_or(raw);
+            let v = qwen3_coder_value(raw, props.and_then(|p| p.get(pname.trim())));
+            let pname = pname.trim().to_owned();
+            // A parameter given twice keeps its last value (a Python dict's assignment).
+            match args.iter_mut().find(|(k, _)| *k == pname) {
+                Some(slot) => slot.1 = v,
+                None => args.push((pname, v)),
+            }
+            let consumed = if value[end..].starts_with(QWEN_PARAMETER_END) {
+                end + QWEN_PARAMETER_END.len()
+            } else {
+                end
+            };
+            b = &value[consumed..];
+        }
+        let mut arguments = String::new();
+        J::Obj(args).dump(&mut arguments);
+        calls.push(ToolCall {
+            name: name.to_owned(),
+            arguments,
+        });
+        rest = next;
+    }
+    if calls.is_empty() {
+        return None;
+    }
+    Some((Some(text[..first].to_owned()), calls))
+}
+
+/// The `properties` of the `parameters` schema of the tool named `name` in `tools` (the chat
+/// form), if any.
+fn tool_properties<'a>(
+    tools: &'a [serde_json::Value],
+    name: &str,
+) -> Option<&'a serde_json::Map<String, serde_json::Value>> {
+    tools
+        .iter()
+        .find(|t| t["function"]["name"].as_str() == Some(name))?
+        .get("function")?
+        .get("parameters")?
+        .get("properties")?
+        .as_object()
+}
+
+/// A `qwen3_coder` parameter's raw text as a value of the type its schema gives (vLLM's
+/// `_convert_param_value`): the schema's `type` (or an `anyOf`'s first non-null type; `null`
+/// there, or a `null` type, lets `null`/`None` be null). A parameter the tool does not
+/// declare, and `string`-like types, stay strings; otherwise `null`/`None` (any case) is null,
+/// `int*` types an integer, `number`/`float*` a number (an integral value written as an
+/// integer, as vLLM's `int(float(x))`), `boolean` true for `true` in any case and false for
+/// anything else, and `object`/`array` and other types a JSON value, else a Python literal
+/// (`ast.literal_eval`), else the string. A value that does not read as its type stays a
+/// string.
+fn qwen3_coder_value(raw: &str, schema: Option<&serde_json::Value>) -> J {
+    let text = || J::Str(raw.to_owned());
+    let Some(schema) = schema else {
+        return text();
+    };
+    let type_name = |v: &serde_json::Value| match v {
+        serde_json::Value::String(t) => Some(t.trim().to_ascii_lowercase()),
+        serde_json::Value::Array(ts) => ts
+            .iter()
+            .filter_map(|t| t.as_str())
+            .map(|t| t.trim().to_ascii_lowercase())
+            .find(|t| t != "null"),
+        _ => None,
+    };
+    let mut allows_null = false;
+    let ty = if let Some(t) = schema.get("type") {
+        allows_null = t
+            .as_str()
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("null"))
+            || t.as_array()
+                .is_some_and(|ts| ts.iter().any(|t| t.as_str() == Some("null")));
+        type_name(t).unwrap_or_else(|| "string".into())
+    } else if let Some(options) = schema.get("anyOf").and_then(|a| a.as_array()) {
+        let mut picked = None;
+        for o in options {
+            match o.get("type").and_then(type_name) {
+                _ if o.get("type").and_then(|t| t.as_str()) == Some("null") => allows_null = true,
+                Some(t) if picked.is_none() => picked = Some(t),
+                _ => {}
+            }
+        }
+        picked.unwrap_or_else(|| "string".into())
+    } else {
+        "string".into()
+    };
+    let is_null = raw.eq_ignore_ascii_case("null") || raw.eq_ignore_ascii_case("none");
+    if allows_null && is_null {
+        return J::Null;
+    }
+    if ["string", "str", "text", "varchar", "char", "enum"].contains(&ty.as_str()) {
+        return text();
+    }
+    if is_null {
+        return J::Null;
+    }
+    let ints = ["int", "uint", "long", "short", "unsigned"];
+    if ints.iter().any(|p| ty.starts_with(p)) {
+        return raw
+            .trim()
+            .parse::<i64>()
+            .map_or_else(|_| text(), |n| J::Num(n.to_string()));
+    }
+    if ty.starts_with("num") || ty.starts_with("float") {
+        return match raw.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() && x.fract() == 0.0 && x.abs() < 9.0e15 => {
+                J::Num(format!("{}", x as i64))
+            }
+            Ok(x) if x.is_finite() => J::Num(py_float_repr(x)),
+            _ => text(),
+        };
+    }
+    if ["boolean", "bool", "binary"].contains(&ty.as_str()) {
+        return J::Bool(raw.eq_ignore_ascii_case("true"));
+    }
+    let mut json = JsonParser {
+        s: raw.as_bytes(),
+        i: 0,
+    };
+    json.ws();
+    if let Some(v) = json.value(0) {
+        json.ws();
+        if json.i == json.s.len() {
+            return v;
+        }
+    }
+    let mut py = PyParser {
+        s: raw.as_bytes(),
+        i: 0,
+    };
+    py.ws();
+    if let Some(v) = py.value(0) {
+        py.ws();
+        if py.i == py.s.len() {
+            return v;
+        }
+    }
+    text()
 }
 
 /// `(content before the first [TOOL_CALLS], calls)`: after each `[TOOL_CALLS]`, a JSON list of
@@ -568,8 +785,14 @@ impl CallMode {
     /// `max_tokens` that does not parse: the named function gets it as its arguments anyway (as
     /// vLLM), a `required` list becomes content.
     pub fn parse(&self, text: &str) -> Parsed {
+        self.parse_with(text, &[])
+    }
+
+    /// [`CallMode::parse`] given the request's `tools` (chat form; see
+    /// [`ToolParser::parse_with`]).
+    pub fn parse_with(&self, text: &str, tools: &[serde_json::Value]) -> Parsed {
         match self {
-            Self::Parser(p) => p.parse(text),
+            Self::Parser(p) => p.parse_with(text, tools),
             Self::Named(name) => {
                 let mut p = JsonParser {
                     s: text.as_bytes(),
@@ -638,11 +861,19 @@ pub struct StreamFilter {
     holding: bool,
     /// `llama3_json` decided the output is plain text.
     plain: bool,
+    /// The request's tools (chat form), for parsers that type values by them.
+    tools: Vec<serde_json::Value>,
 }
 
 impl StreamFilter {
     /// A filter for one choice. A guided mode (`Named`, `Required`) holds the whole output.
     pub fn new(mode: CallMode) -> Self {
+        Self::with_tools(mode, Vec::new())
+    }
+
+    /// [`StreamFilter::new`] given the request's `tools` (chat form; see
+    /// [`ToolParser::parse_with`]).
+    pub fn with_tools(mode: CallMode, tools: Vec<serde_json::Value>) -> Self {
         let holding = !matches!(mode, CallMode::Parser(_));
         Self {
             mode,
@@ -650,6 +881,7 @@ impl StreamFilter {
             sent: 0,
             holding,
             plain: false,
+            tools,
         }
     }
 
@@ -700,6 +932,20 @@ impl StreamFilter {
                     None => self.all.len() - partial_suffix(&self.all[self.sent..], tag),
                 }
             }
+            ToolParser::Qwen3Coder => {
+                let unsent = &self.all[self.sent..];
+                match qwen3_coder_start(unsent) {
+                    Some(p) => {
+                        self.holding = true;
+                        self.sent + p
+                    }
+                    None => {
+                        let held = partial_suffix(unsent, HERMES_START)
+                            .max(partial_suffix(unsent, QWEN_FUNCTION));
+                        self.all.len() - held
+                    }
+                }
+            }
         };
         let out = self.all[self.sent..upto].to_owned();
         self.sent = upto;
@@ -710,7 +956,7 @@ impl StreamFilter {
     /// plain text, which is then all content).
     pub fn finish(&mut self) -> (String, Vec<ToolCall>) {
         let parsed = if self.holding {
-            self.mode.parse(&self.all)
+            self.mode.parse_with(&self.all, &self.tools)
         } else {
             Parsed::plain(&self.all)
         };
@@ -1078,6 +1324,94 @@ mod tests {
         );
     }
 
+    /// The weather tool with a parameter of each type `qwen3_coder` converts.
+    fn typed_tool() -> serde_json::Value {
+        serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string"}, "days": {"type": "integer"},
+                "metric": {"type": "boolean"}, "opts": {"type": "object"},
+                "temp": {"type": "number"}, "whole": {"type": "number"},
+                "note": {"type": ["string", "null"]},
+                "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                "tags": {"type": "array"}, "count": {"type": "integer"}}}}})
+    }
+
+    #[test]
+    fn qwen3_coder_types_raw_values_by_the_tools_schema() {
+        let p = ToolParser::Qwen3Coder;
+        let text = "I'll check.\n<tool_call>\n<function=get_weather>\n\
+            <parameter=city>\nSan Francisco\n</parameter>\n\
+            <parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n\
+            <parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=temp>\n21.50\n</parameter>\n\
+            <parameter=whole>\n5.0\n</parameter>\n<parameter=note>\nNone\n</parameter>\n\
+            <parameter=maybe>\nnull\n</parameter>\n<parameter=tags>\n['a', \"b\"]\n</parameter>\n\
+            <parameter=count>\nmany\n</parameter>\n\
+            <parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>";
+        let out = p.parse_with(text, &[typed_tool()]);
+        assert_eq!(out.content.as_deref(), Some("I'll check.\n"));
+        assert_eq!(out.calls.len(), 1, "{out:?}");
+        assert_eq!(out.calls[0].name, "get_weather");
+        // Each value as its schema types it; an undeclared parameter, and a value that does not
+        // read as its type, stay strings (vLLM's `_convert_param_value`).
+        assert_eq!(
+            out.calls[0].arguments,
+            "{\"city\": \"San Francisco\", \"days\": 3, \"metric\": true, \"opts\": {\"a\": [1, 2]}, \
+             \"temp\": 21.5, \"whole\": 5, \"note\": null, \"maybe\": null, \"tags\": [\"a\", \"b\"], \
+             \"count\": \"many\", \"extra\": \"42\"}"
+        );
+        // Without the tools every value is a string.
+        let out = p.parse(text);
+        assert!(
+            out.calls[0].arguments.contains("\"days\": \"3\""),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn qwen3_coder_reads_several_calls_multiline_values_and_missing_end_tags() {
+        let p = ToolParser::Qwen3Coder;
+        // A value keeps its inner newlines (one leading and one trailing one go); a missing
+        // </parameter> ends at the next parameter; the last call lacks its end tags.
+        let text = "<tool_call>\n<function=write>\n<parameter=path>\na.txt\n</parameter>\n\
+            <parameter=body>\nline 1\n\nline 3\n\n</parameter>\n</function>\n</tool_call>\n\
+            <tool_call>\n<function=read>\n<parameter=path>\nb.txt\n<parameter=n>\n2\n";
+        let out = p.parse(text);
+        assert_eq!(out.content, None);
+        let calls: Vec<(&str, &str)> = out
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (
+                    "write",
+                    "{\"path\": \"a.txt\", \"body\": \"line 1\\n\\nline 3\\n\"}"
+                ),
+                ("read", "{\"path\": \"b.txt\", \"n\": \"2\"}"),
+            ]
+        );
+        // Text without a function block is content.
+        for plain in [
+            "no call here",
+            "<tool_call>\nnothing</tool_call>",
+            "<function=>x</function>",
+        ] {
+            let out = p.parse(plain);
+            assert!(out.calls.is_empty(), "{plain:?}: {out:?}");
+            assert_eq!(out.content.as_deref(), Some(plain));
+        }
+        // Streamed, typed by the tools as the whole parse.
+        let mut f = StreamFilter::with_tools(CallMode::Parser(p), vec![typed_tool()]);
+        let mut content = f.push("Ok. <tool_");
+        content.push_str(&f.push("call>\n<function=get_weather>\n<parameter=days>\n4\n"));
+        content.push_str(&f.push("</parameter>\n</function>\n</tool_call>"));
+        let (rest, calls) = f.finish();
+        assert_eq!(content + &rest, "Ok. ");
+        assert_eq!(calls[0].arguments, "{\"days\": 4}");
+    }
+
     fn stream(p: ToolParser, pieces: &[&str]) -> (String, Vec<ToolCall>) {
         let mut f = StreamFilter::new(CallMode::Parser(p));
         let mut content: String = pieces.iter().map(|t| f.push(t)).collect();
@@ -1088,7 +1422,11 @@ mod tests {
 
     #[test]
     fn streaming_gives_what_the_whole_output_parses_to() {
-        let cases: [(ToolParser, &str); 15] = [
+        let cases: [(ToolParser, &str); 19] = [
+            (ToolParser::Qwen3Coder, "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
+            (ToolParser::Qwen3Coder, "<function=f>\n<parameter=a>\nx\n</parameter>\n</function>"),
+            (ToolParser::Qwen3Coder, "a <tool_ca then <functio not"),
+            (ToolParser::Qwen3Coder, "x <tool_call>no function here</tool_call>"),
             (ToolParser::Pythonic, "[get_weather(city='Paris'), t()]"),
             (ToolParser::Pythonic, " <|python_start|>[f(a=[1, {'b': None}])]<|python_end|>"),
             (ToolParser::Pythonic, "[not a call"),

@@ -1876,8 +1876,11 @@ fn tool_choice_schema(
     let params = |t: &Value| {
         t.get("function")
             .and_then(|f| f.get("parameters"))
+            // No parameters, or an empty schema (vLLM's `if not parameters`): no arguments,
+            // `{}` (an object of no properties is closed). An empty schema would allow any
+            // JSON value, where a call's arguments are an object.
+            .filter(|p| p.as_object().is_some_and(|o| !o.is_empty()))
             .cloned()
-            // No parameters: no arguments, `{}` (an object of no properties is closed).
             .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}))
     };
     let name = |t: &Value| {
@@ -2542,7 +2545,8 @@ fn response_function_output(i: usize, obj: &Map<String, Value>) -> Result<Value,
         _ => {
             return Err(ApiError::invalid(
                 at("output"),
-                "A function_call_output item needs 'output', a string.",
+                "A function_call_output item needs 'output', a string or a list of \
+                 'input_text' parts.",
             ))
         }
     };
@@ -2818,7 +2822,16 @@ pub fn parse_responses(
                 format!("'max_output_tokens' must be at least 1, got {v}."),
             ))
         }
-        Some(v) => Some(u32::try_from(v).unwrap_or(u32::MAX)),
+        Some(v) => Some(u32::try_from(v).map_err(|_| {
+            ApiError::field(
+                "max_output_tokens",
+                format!(
+                    "This model's maximum context length is {} tokens; 'max_output_tokens' \
+                     {v} is more than that.",
+                    limits.max_model_len
+                ),
+            )
+        })?),
     };
     let metadata = match f.raw("metadata") {
         None => None,
@@ -2836,6 +2849,12 @@ pub fn parse_responses(
     let _store: Option<bool> = f.get("store")?;
     let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
     let max_tool_calls = f.int("max_tool_calls")?;
+    if let Some(n) = max_tool_calls.filter(|&n| n < 0) {
+        return Err(ApiError::field(
+            "max_tool_calls",
+            format!("'max_tool_calls' must be at least 0, got {n}."),
+        ));
+    }
     let parallel_tool_calls = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let (tools_echo, tools) = parse_response_tools(&f)?;
     let (tool_choice, tool_choice_echo) = parse_response_tool_choice(&f, tools.as_deref())?;

@@ -4112,6 +4112,14 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
         ),
         (json!({"input": "hi", "tools": {"name": "f"}}), "tools"),
         (
+            json!({"input": "hi", "max_tool_calls": -1}),
+            "max_tool_calls",
+        ),
+        (
+            json!({"input": "hi", "max_output_tokens": 1_000_000_000_000u64}),
+            "max_output_tokens",
+        ),
+        (
             json!({"input": "hi", "tools": [{"type": "web_search"}]}),
             "tools[0].type",
         ),
@@ -7587,6 +7595,13 @@ async fn responses_tool_choice_required_and_named_guide_the_output() {
         assert!(cities.contains(&args["city"].as_str().unwrap()), "{v}");
         assert_eq!(args.as_object().unwrap().len(), 1, "{v}");
     }
+    // An empty parameters schema is no parameters (vLLM's rule): the arguments are `{}`, not
+    // any JSON value (a trial got a string).
+    let body = json!({"model": MODEL, "input": "hi", "temperature": 0, "max_output_tokens": 60,
+                      "tools": [{"type": "function", "name": "ping", "parameters": {}}],
+                      "tool_choice": {"type": "function", "name": "ping"}});
+    let v = response(srv.addr, &body).await;
+    assert_eq!(v["output"][0]["arguments"], "{}", "{v}");
 }
 
 /// A streamed `/v1/messages` response's content blocks as Anthropic's SDK accumulates them
@@ -8116,5 +8131,37 @@ async fn messages_client_disconnect_mid_stream_cancels_and_engine_errors_end_wit
     .await;
     assert!(r.status >= 500, "{}", r.body);
     assert_eq!(r.json()["type"], "error", "{}", r.body);
+    task.abort();
+}
+
+/// `qwen3_coder` calls come back with their raw values typed by the request's tool schema,
+/// on chat (streamed and not), on `/v1/responses` and on `/v1/messages`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen3_coder_calls_are_typed_by_the_tools_on_every_endpoint() {
+    use baton_frontend::tools::ToolParser;
+    let text = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+    let (addr, task, _, _) = tool_server(text, Some(ToolParser::Qwen3Coder)).await;
+    let params = json!({"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}});
+    let want = "{\"city\": \"San Francisco\", \"days\": 3}";
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [{"type": "function",
+                                 "function": {"name": "get_weather", "parameters": params}}]});
+    for (msg, finish) in chat_both_ways(addr, &body).await {
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(msg["content"], " Checking.\n");
+        assert_eq!(msg["tool_calls"][0]["function"]["arguments"], want, "{msg}");
+    }
+    let body = json!({"input": "Weather?", "tools": [{"type": "function",
+                      "name": "get_weather", "parameters": params}]});
+    let (items, _) = responses_both_ways(addr, &body).await;
+    assert_eq!(items[1]["arguments"], want, "{items:?}");
+    let body = json!({"max_tokens": 60, "messages": [{"role": "user", "content": "Weather?"}],
+                      "tools": [{"name": "get_weather", "input_schema": params}]});
+    let m = messages_both_ways(addr, &body).await;
+    assert_eq!(
+        m["content"][1]["input"],
+        json!({"city": "San Francisco", "days": 3})
+    );
     task.abort();
 }
