@@ -620,10 +620,21 @@ impl AppState {
             )
         })?;
         let guide = v.compile(c).map_err(|e| {
-            ApiError::field(
-                field,
-                format!("The structured-output constraint is invalid: {e}"),
-            )
+            if *field == "tool_choice" {
+                // The schema is built from the tools' parameters: they are at fault.
+                ApiError::field(
+                    "tools",
+                    format!(
+                        "A tool's parameters schema is invalid (tool_choice \"required\" or a \
+                         named function guides the output by it): {e}"
+                    ),
+                )
+            } else {
+                ApiError::field(
+                    field,
+                    format!("The structured-output constraint is invalid: {e}"),
+                )
+            }
         })?;
         let guide = match gen.guide_after {
             Some(t) => guide.start_after(t),

@@ -5023,6 +5023,12 @@ async fn tool_requests_this_server_cannot_serve_are_a_400_naming_the_field() {
         (json!({"tool_choice": "required"}), "tool_choice"),
         (json!({"tool_choice": "auto"}), "tool_choice"),
         (json!({"tools": tools, "tool_choice": 3}), "tool_choice"),
+        // A parameters schema that does not compile is the tools' fault.
+        (
+            json!({"tool_choice": "required", "tools": [{"type": "function",
+                   "function": {"name": "f", "parameters": {"type": "banana"}}}]}),
+            "tools",
+        ),
         (json!({"tools": {"a": 1}}), "tools"),
         (json!({"tools": [5]}), "tools[0]"),
         (
