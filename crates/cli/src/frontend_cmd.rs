@@ -59,9 +59,9 @@ pub struct HttpArgs {
     /// (vLLM's flag; a request's `return_tokens_as_token_ids` overrides it).
     #[arg(long)]
     pub return_tokens_as_token_ids: bool,
-    /// How the model writes tool calls (vLLM's names): llama3_json, hermes, mistral, pythonic
-    /// or qwen3_coder (llama4_json, llama4_pythonic and qwen3_xml are taken as llama3_json,
-    /// pythonic and qwen3_coder).
+    /// How the model writes tool calls (vLLM's names): llama3_json, hermes, mistral, pythonic,
+    /// qwen3_coder or phi4_mini_json (llama4_json, llama4_pythonic and qwen3_xml are taken as
+    /// llama3_json, pythonic and qwen3_coder).
     #[arg(long, value_parser = tool_parser)]
     pub tool_call_parser: Option<ToolParser>,
     /// Split chat and Responses outputs into reasoning and content (vLLM's names): qwen3 or
@@ -696,7 +696,7 @@ mod tests {
         let only = parse(&["--tool-call-parser", "llama3_json"]).unwrap();
         only.check().unwrap();
         let e = parse(&["--tool-call-parser", "granite"]).expect_err("unknown parser");
-        let names = "llama3_json, hermes, mistral, pythonic, qwen3_coder";
+        let names = "llama3_json, hermes, mistral, pythonic, qwen3_coder, phi4_mini_json";
         assert!(e.to_string().contains(names), "{e}");
     }
 

@@ -426,7 +426,7 @@ fn tool_calling_flags_are_checked_at_startup() {
         (
             "serve",
             &["--tool-call-parser", "granite"],
-            "llama3_json, hermes, mistral, pythonic, qwen3_coder",
+            "llama3_json, hermes, mistral, pythonic, qwen3_coder, phi4_mini_json",
         ),
         (
             "frontend",

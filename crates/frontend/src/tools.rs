@@ -10,9 +10,10 @@
 //! Streaming is simpler than vLLM's argument fragments and gives the same accumulated message:
 //! text streams as content until the output may be a tool call (for `llama3_json`, output that
 //! starts with `{` or `<|python_tag|>`; for `hermes`, from `<tool_call>` on; for `mistral`,
-//! from `[TOOL_CALLS]` on; for `qwen3_coder`, from `<tool_call>` or `<function=` on), then
-//! the rest is held; at the end the held text becomes one `tool_calls` delta or, if it does not parse, is
-//! sent as content ([`StreamFilter`]).
+//! from `[TOOL_CALLS]` on; for `qwen3_coder`, from `<tool_call>` or `<function=` on; for
+//! `phi4_mini_json`, from `functools` on), then the rest is held; at the end the held text
+//! becomes one `tool_calls` delta or, if it does not parse, is sent as content
+//! ([`StreamFilter`]).
 
 use crate::reasoning::partial_suffix;
 
@@ -41,15 +42,19 @@ pub enum ToolParser {
     /// <parameter=P>\nVALUE\n</parameter>\n...</function>\n</tool_call>`, whose values are raw
     /// text typed by the tool's `parameters` schema (see [`qwen3_coder_value`]).
     Qwen3Coder,
+    /// `phi4_mini_json` (vLLM's `Phi4MiniJsonToolParser`, for Phi-4-mini-instruct): `functools`
+    /// followed by a JSON list of `{"name", "arguments" | "parameters"}` objects.
+    Phi4MiniJson,
 }
 
 /// The names `--tool-call-parser` accepts.
-pub const TOOL_PARSER_NAMES: [&str; 5] = [
+pub const TOOL_PARSER_NAMES: [&str; 6] = [
     "llama3_json",
     "hermes",
     "mistral",
     "pythonic",
     "qwen3_coder",
+    "phi4_mini_json",
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -64,6 +69,7 @@ impl std::str::FromStr for ToolParser {
             "mistral" => Ok(Self::Mistral),
             "pythonic" | "llama4_pythonic" => Ok(Self::Pythonic),
             "qwen3_coder" | "qwen3_xml" => Ok(Self::Qwen3Coder),
+            "phi4_mini_json" => Ok(Self::Phi4MiniJson),
             _ => Err(format!(
                 "unknown tool call parser {s:?}; this server has: {}",
                 TOOL_PARSER_NAMES.join(", ")
@@ -81,6 +87,7 @@ impl ToolParser {
             Self::Mistral => "mistral",
             Self::Pythonic => "pythonic",
             Self::Qwen3Coder => "qwen3_coder",
+            Self::Phi4MiniJson => "phi4_mini_json",
         }
     }
 
@@ -110,7 +117,11 @@ impl ToolParser {
                     })
                     .collect()
             }
-            Self::Llama3Json | Self::Hermes | Self::Pythonic | Self::Qwen3Coder => {
+            Self::Llama3Json
+            | Self::Hermes
+            | Self::Pythonic
+            | Self::Qwen3Coder
+            | Self::Phi4MiniJson => {
                 format!("chatcmpl-tool-{:016x}{:016x}", random(), random())
             }
         }
@@ -123,6 +134,7 @@ const HERMES_END: &str = "</tool_call>";
 const MISTRAL_TOOL_CALLS: &str = "[TOOL_CALLS]";
 const MISTRAL_ARGS: &str = "[ARGS]";
 const PYTHON_START: &str = "<|python_start|>";
+const PHI4_FUNCTOOLS: &str = "functools";
 const QWEN_FUNCTION: &str = "<function=";
 const QWEN_FUNCTION_END: &str = "</function>";
 const QWEN_PARAMETER: &str = "<parameter=";
@@ -173,6 +185,7 @@ impl ToolParser {
             Self::Mistral => mistral_calls(text),
             Self::Pythonic => pythonic_calls(text).map(|c| (None, c)),
             Self::Qwen3Coder => qwen3_coder_calls(text, tools),
+            Self::Phi4MiniJson => phi4_mini_calls(text),
         };
         match calls {
             Some((content, calls)) if !calls.is_empty() => Parsed {
@@ -253,6 +266,27 @@ fn hermes_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         calls.push(call_of(&v, false)?);
         rest = after;
     }
+    Some((Some(text[..first].to_owned()), calls))
+}
+
+/// `(content before functools, calls)` of a `phi4_mini_json` output: after the first
+/// `functools`, a JSON list of `{"name", "arguments" | "parameters"}` objects (text after the
+/// list is dropped, as vLLM's pattern ignores it). The list is read as JSON, so arguments
+/// holding lists are whole (vLLM's `functools\[(.*?)\]` pattern cuts them at the first `]`).
+fn phi4_mini_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+    let first = text.find(PHI4_FUNCTOOLS)?;
+    let mut p = JsonParser {
+        s: &text.as_bytes()[first + PHI4_FUNCTOOLS.len()..],
+        i: 0,
+    };
+    p.ws();
+    let J::Arr(items) = p.value(0)? else {
+        return None;
+    };
+    let calls = items
+        .iter()
+        .map(|v| call_of(v, true))
+        .collect::<Option<Vec<_>>>()?;
     Some((Some(text[..first].to_owned()), calls))
 }
 
@@ -918,11 +952,11 @@ impl StreamFilter {
                 self.plain = true;
                 self.all.len()
             }
-            ToolParser::Hermes | ToolParser::Mistral => {
-                let tag = if *parser == ToolParser::Hermes {
-                    HERMES_START
-                } else {
-                    MISTRAL_TOOL_CALLS
+            ToolParser::Hermes | ToolParser::Mistral | ToolParser::Phi4MiniJson => {
+                let tag = match parser {
+                    ToolParser::Hermes => HERMES_START,
+                    ToolParser::Mistral => MISTRAL_TOOL_CALLS,
+                    _ => PHI4_FUNCTOOLS,
                 };
                 match self.all[self.sent..].find(tag) {
                     Some(p) => {
@@ -1337,6 +1371,25 @@ mod tests {
     }
 
     #[test]
+    fn phi4_mini_reads_the_functools_list_whole() {
+        let out = ToolParser::Phi4MiniJson.parse(
+            "functools[{\"name\": \"f\", \"arguments\": {\"xs\": [1, [2]]}}, {\"name\": \"g\", \"parameters\": {\"q\": \"]\"}}] trailing",
+        );
+        assert_eq!(out.content, None);
+        let calls: Vec<(&str, &str)> = out
+            .calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            [("f", "{\"xs\": [1, [2]]}"), ("g", "{\"q\": \"]\"}")]
+        );
+        let out = ToolParser::Phi4MiniJson.parse("functools{\"name\": \"f\"}");
+        assert!(out.calls.is_empty());
+    }
+
+    #[test]
     fn qwen3_coder_types_raw_values_by_the_tools_schema() {
         let p = ToolParser::Qwen3Coder;
         let text = "I'll check.\n<tool_call>\n<function=get_weather>\n\
@@ -1422,7 +1475,10 @@ mod tests {
 
     #[test]
     fn streaming_gives_what_the_whole_output_parses_to() {
-        let cases: [(ToolParser, &str); 19] = [
+        let cases: [(ToolParser, &str); 22] = [
+            (ToolParser::Phi4MiniJson, "Sure. functools[{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}, {\"name\": \"g\", \"parameters\": {}}]"),
+            (ToolParser::Phi4MiniJson, "no functo call"),
+            (ToolParser::Phi4MiniJson, "functools[{broken"),
             (ToolParser::Qwen3Coder, "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
             (ToolParser::Qwen3Coder, "<function=f>\n<parameter=a>\nx\n</parameter>\n</function>"),
             (ToolParser::Qwen3Coder, "a <tool_ca then <functio not"),
