@@ -15,6 +15,8 @@
 //!   `tool` messages (`tool_use_id`, the result's text), placed before the user's own text, as
 //!   vLLM does; `redacted_thinking` and `tool_reference` blocks are dropped; images,
 //!   documents and server tool blocks are refused;
+//! - a final assistant turn is a prefill: the prompt ends right after its content and the
+//!   answer continues it (Anthropic's behaviour; vLLM starts a new turn);
 //! - `max_tokens` (required, at least 1), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 //!   `stream` and vLLM's `chat_template_kwargs` carry over; `tools` (`{"name",
 //!   "description", "input_schema"}`) become function tools and `tool_choice` `auto`, `any`,
@@ -228,6 +230,15 @@ pub fn to_chat_body(body: &[u8], count_only: bool) -> Result<Value, ApiError> {
         all.push(json!({"role": "system", "content": system.join("\n")}));
     }
     all.extend(messages);
+    // A final assistant turn (without tool use) is a prefill the answer continues, as in
+    // Anthropic's API: the prompt ends right after its content.
+    if all
+        .last()
+        .is_some_and(|m| m["role"] == "assistant" && m.get("tool_calls").is_none())
+    {
+        chat.insert("continue_final_message".into(), Value::Bool(true));
+        chat.insert("add_generation_prompt".into(), Value::Bool(false));
+    }
     chat.insert("messages".into(), Value::Array(all));
     if let Some(tools) = convert_tools(&f)? {
         chat.insert("tools".into(), Value::Array(tools));

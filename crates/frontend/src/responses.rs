@@ -5,7 +5,9 @@
 //! the chat template (a `reasoning` item, as this endpoint returns them, becomes the
 //! `reasoning_content` of the assistant message that follows it) and go through the same validation, admission, engine events,
 //! cancellation and metrics as `/v1/chat/completions`; the output is one assistant message
-//! with one `output_text` part. A `length` finish makes the response `incomplete` (reason
+//! with one `output_text` part. A last input message (or reasoning) item whose `status` is
+//! `in_progress` or `incomplete` is continued: the prompt ends right after its content (vLLM's
+//! `should_continue_final_message`). A `length` finish makes the response `incomplete` (reason
 //! `max_output_tokens`), any other finish `completed`. Nothing is stored: `previous_response_id`
 //! is refused and there is no `GET /v1/responses/{id}`.
 //!
@@ -107,10 +109,14 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     if let Some(tools) = &req.tools {
         template_vars.insert("tools".into(), Value::Array(tools.clone()));
     }
+    let cont = req.continue_final_message;
     let text = st
-        .render_messages(&req.messages, true, &template_vars)
+        .render_conversation(&req.messages, !cont, cont, &template_vars)
         .map_err(|mut e| {
-            if e.param.as_deref() == Some("messages") {
+            if matches!(
+                e.param.as_deref(),
+                Some("messages" | "continue_final_message")
+            ) {
                 e.param = Some("input".into());
             }
             e

@@ -448,12 +448,32 @@ impl AppState {
                 .entry("tools")
                 .or_insert_with(|| Value::Array(tools.clone()));
         }
-        let text = self.render_messages(&req.messages, req.add_generation_prompt, &kwargs)?;
-        if !req.continue_final_message {
+        self.render_conversation(
+            &req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            &kwargs,
+        )
+    }
+
+    /// Renders `messages` with the chat template and `kwargs`; with `continue_final_message`,
+    /// cut right after the final message's content (see [`AppState::render_chat`]).
+    ///
+    /// # Errors
+    /// 400 when there is no chat template, the template fails, or the final message's content
+    /// cannot be found to continue it.
+    pub(crate) fn render_conversation(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> Result<String, ApiError> {
+        let text = self.render_messages(messages, add_generation_prompt, kwargs)?;
+        if !continue_final_message {
             return Ok(text);
         }
-        let last = req
-            .messages
+        let last = messages
             .last()
             .and_then(|m| m.get("content"))
             .and_then(Value::as_str)
@@ -463,14 +483,14 @@ impl AppState {
             "\u{E000}baton-final-{:016x}\u{E001}",
             crate::engine::random_seed()
         );
-        let mut marked = req.messages.clone();
+        let mut marked = messages.to_vec();
         if let Some(m) = marked.last_mut().and_then(Value::as_object_mut) {
             m.insert("content".into(), Value::String(format!("{last}{sentinel}")));
         }
         // A template that fails on the marked content (it checks the content, say) leaves
         // the fallback.
         let marked = self
-            .render_messages(&marked, req.add_generation_prompt, &kwargs)
+            .render_messages(&marked, add_generation_prompt, kwargs)
             .ok();
         let end =
             continue_final_end(&text, marked.as_deref(), &sentinel, last).ok_or_else(|| {

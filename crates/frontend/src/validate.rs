@@ -2055,6 +2055,10 @@ pub struct ResponsesRequest {
     pub tool_choice: ToolChoice,
     /// `tool_choice` as echoed: `"auto"` when absent, else as given.
     pub tool_choice_echo: Value,
+    /// The last input item is a message (or reasoning) item with `status` `in_progress` or
+    /// `incomplete`: the output continues it, the prompt ending right after its content
+    /// (vLLM's `should_continue_final_message`, Anthropic-style partial completion).
+    pub continue_final_message: bool,
     /// `reasoning` when given without an effort or summary (`null` otherwise), echoed.
     pub reasoning: Option<Value>,
     /// `service_tier` (default `auto`), echoed; it changes nothing here.
@@ -2553,6 +2557,24 @@ fn response_function_output(i: usize, obj: &Map<String, Value>) -> Result<Value,
     Ok(serde_json::json!({"role": "tool", "tool_call_id": call_id, "content": output}))
 }
 
+/// Whether the Responses `input`'s last item is a message or reasoning item with `status`
+/// `in_progress` or `incomplete`, which the output continues (vLLM's
+/// `should_continue_final_message`).
+fn continues_final_item(f: &Fields) -> bool {
+    let Some(Value::Array(items)) = f.raw("input") else {
+        return false;
+    };
+    items.last().is_some_and(|item| {
+        matches!(
+            item.get("type").and_then(Value::as_str),
+            None | Some("message" | "reasoning")
+        ) && matches!(
+            item.get("status").and_then(Value::as_str),
+            Some("in_progress" | "incomplete")
+        )
+    })
+}
+
 /// Parses the Responses `input`: a string (one user message) or a non-empty list of message
 /// items (`{"role", "content"}`, optionally with `"type": "message"`), `reasoning` items,
 /// `function_call` items (an assistant's tool call, joined to the assistant message before it
@@ -2814,6 +2836,7 @@ pub fn parse_responses(
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
     messages.extend(parse_response_input(&f)?);
+    let continue_final_message = continues_final_item(&f);
     let max_output_tokens = match f.int("max_output_tokens")? {
         None => None,
         Some(v) if v < 1 => {
@@ -2931,6 +2954,7 @@ pub fn parse_responses(
         tools_echo,
         tool_choice,
         tool_choice_echo,
+        continue_final_message,
         reasoning,
         service_tier,
         text_format: text_format.0,

@@ -8171,3 +8171,46 @@ async fn qwen3_coder_calls_are_typed_by_the_tools_on_every_endpoint() {
     );
     task.abort();
 }
+
+/// A final assistant turn is continued: on `/v1/messages` always (Anthropic's prefill), on
+/// `/v1/responses` when the last item's status is `incomplete` or `in_progress` (vLLM's
+/// partial completion); both render as chat's `continue_final_message`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_assistant_turn_is_continued_on_messages_and_partial_responses() {
+    let (addr, task, prompts, _) = tool_server("It is sunny.", None).await;
+    let user = json!({"role": "user", "content": "Weather?"});
+    let chat = json!({"max_tokens": 5, "continue_final_message": true,
+                      "add_generation_prompt": false,
+                      "messages": [user, {"role": "assistant", "content": "The weather:"}]});
+    assert_eq!(post(addr, "/v1/chat/completions", &chat).await.status, 200);
+    let m = post(
+        addr,
+        "/v1/messages",
+        &json!({"max_tokens": 5, "messages": [user, {"role": "assistant", "content": [
+            {"type": "text", "text": "The weather:"}]}]}),
+    )
+    .await;
+    assert_eq!(m.status, 200, "{}", m.body);
+    // The answer is the continuation only, as Anthropic's.
+    assert_eq!(m.json()["content"][0]["text"], " It is sunny.");
+    let partial = json!({"type": "message", "role": "assistant", "status": "incomplete",
+                         "content": [{"type": "output_text", "text": "The weather:"}]});
+    let v = response(addr, &json!({"input": [user, partial]})).await;
+    assert_eq!(v["output"][0]["content"][0]["text"], " It is sunny.");
+    // A completed assistant item starts a new turn.
+    let mut done = partial.clone();
+    done["status"] = json!("completed");
+    response(addr, &json!({"input": [user, done]})).await;
+    let seen = prompts.lock().unwrap().clone();
+    let tok = common::stories_tokenizer();
+    let text = |i: usize| tok.decode(&seen[i], true).unwrap();
+    assert!(text(0).ends_with("assistant: The weather:"), "{}", text(0));
+    assert_eq!(text(1), text(0));
+    assert_eq!(text(2), text(0));
+    assert!(
+        text(3).ends_with("assistant: The weather:assistant:"),
+        "{}",
+        text(3)
+    );
+    task.abort();
+}
