@@ -939,7 +939,8 @@ impl AppState {
 
 /// The routes: `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/messages`
 /// (and `/v1/messages/count_tokens`), `/v1/models`, `/health`, `/version`, `/metrics`,
-/// `/tokenize`, `/detokenize`; `--api-key` guards `/v1/*` (as `Authorization: Bearer KEY`,
+/// `/tokenize`, `/detokenize`, and SageMaker's `/ping` (as `/health`) and `/invocations`
+/// (chat or completions by the body's shape), as vLLM serves them; `--api-key` guards `/v1/*` (as `Authorization: Bearer KEY`,
 /// or `x-api-key: KEY` as Anthropic's clients send it);
 /// CORS around them all ([`crate::cors`]).
 pub fn router(state: Arc<AppState>) -> Router {
@@ -956,6 +957,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model_by_id))
         .route("/health", get(health))
+        .route("/ping", get(health).post(health))
+        .route("/invocations", post(invocations))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
@@ -1141,7 +1144,9 @@ async fn openai_error_bodies(req: Request, next: Next) -> Response {
 
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.config.api_key {
-        if req.uri().path().starts_with("/v1") {
+        // `/invocations` generates too, so it is guarded like the `/v1` routes.
+        let path = req.uri().path();
+        if path.starts_with("/v1") || path == "/invocations" {
             let matches = |got: &str| constant_time_eq(got.trim().as_bytes(), key.as_bytes());
             let bearer = req
                 .headers()
@@ -1189,6 +1194,33 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     match st.engine.health() {
         Ok(()) => StatusCode::OK.into_response(),
         Err(reason) => ApiError::unavailable(reason).into_response(),
+    }
+}
+
+/// `POST /invocations` (vLLM's, for Amazon SageMaker): the request goes where its body's shape
+/// says, a chat completion when it has `messages`, a completion when it has `prompt`.
+///
+/// # Errors
+/// 400 for a body that is not a JSON object or has neither field.
+async fn invocations(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let kind = match serde_json::from_slice::<Value>(&body) {
+        Ok(Value::Object(o)) if o.contains_key("messages") => "chat",
+        Ok(Value::Object(o)) if o.contains_key("prompt") => "completion",
+        Ok(Value::Object(_)) => {
+            return ApiError::invalid(
+                None,
+                "/invocations takes a chat completion request (with 'messages') or a \
+                 completion request (with 'prompt').",
+            )
+            .into_response()
+        }
+        // The endpoints' own parser words the JSON error.
+        _ => "completion",
+    };
+    if kind == "chat" {
+        chat_completions(State(st), body).await
+    } else {
+        completions(State(st), body).await
     }
 }
 

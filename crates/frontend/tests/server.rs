@@ -8214,3 +8214,51 @@ async fn a_final_assistant_turn_is_continued_on_messages_and_partial_responses()
     );
     task.abort();
 }
+
+/// SageMaker's routes, as vLLM serves them: `/ping` is `/health`; `/invocations` answers a
+/// chat request (with `messages`) as chat and a completion request (with `prompt`) as
+/// completions, and is guarded by the API key like the `/v1` routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sagemaker_ping_and_invocations_route_by_the_body() {
+    let srv = start_chat(Opts {
+        api_key: Some("k".into()),
+        ..Opts::default()
+    })
+    .await;
+    assert_eq!(get(srv.addr, "/ping").await.status, 200);
+    assert_eq!(post(srv.addr, "/ping", &json!({})).await.status, 200);
+    let call = |body: Value| {
+        let addr = srv.addr;
+        async move {
+            send(
+                addr,
+                "POST",
+                "/invocations",
+                &[("Authorization", "Bearer k")],
+                &body.to_string(),
+            )
+            .await
+        }
+    };
+    let chat = call(json!({"messages": [{"role": "user", "content": "Hi"}],
+                           "max_tokens": 3, "temperature": 0}))
+    .await;
+    assert_eq!(chat.status, 200, "{}", chat.body);
+    assert_eq!(chat.json()["object"], "chat.completion");
+    let done = call(json!({"prompt": "Once upon", "max_tokens": 3})).await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert_eq!(done.json()["object"], "text_completion");
+    let bad = call(json!({"input": "x"})).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    let bad = call(json!("x")).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    let r = send(
+        srv.addr,
+        "POST",
+        "/invocations",
+        &[],
+        &json!({"prompt": "a"}).to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+}
