@@ -109,22 +109,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     if let Some(tools) = &req.tools {
         template_vars.insert("tools".into(), Value::Array(tools.clone()));
     }
-    let cont = req.continue_final_message;
-    let text = st
-        .render_conversation(&req.messages, !cont, cont, &template_vars)
-        .map_err(|mut e| {
-            if matches!(
-                e.param.as_deref(),
-                Some("messages" | "continue_final_message")
-            ) {
-                e.param = Some("input".into());
-            }
-            e
-        })?;
-    // As on chat: the template writes the special tokens.
-    let ids = st
-        .encode_prompt(&text, false, "input", limits.max_model_len)
-        .await?;
+    let ids = input_ids(&st, &req, &template_vars, limits.max_model_len).await?;
     let max = validate::resolve_max_tokens(
         &limits,
         ids.len(),
@@ -201,6 +186,60 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         .map_or_else(|| json!([]), OutputLogprobs::all);
     let output = shell.output(&split, &lp, status, &calls);
     Ok(Json(shell.response(status, output, usage, error_of(status))).into_response())
+}
+
+/// The tokens of the rendered input. With `truncation: "auto"` an input that does not fit
+/// the context (with `max_output_tokens`, or at least one output token) loses its oldest
+/// items, after the leading system and developer messages, one message at a time (a `tool`
+/// message left first goes with it: its call is gone), until it fits or one item is left;
+/// OpenAI's rule (it drops items from the beginning of the conversation).
+///
+/// # Errors
+/// 400 naming `input` when the template fails or the input does not fit (what is left, under
+/// `auto`).
+async fn input_ids(
+    st: &AppState,
+    req: &ResponsesRequest,
+    template_vars: &serde_json::Map<String, Value>,
+    max_model_len: usize,
+) -> Result<Vec<u32>, ApiError> {
+    let cont = req.continue_final_message;
+    let room = req.gen.max_tokens.map_or(1, |m| m.max(1) as usize);
+    let fits = |n: usize| n.saturating_add(room) <= max_model_len;
+    let mut messages = req.messages.clone();
+    loop {
+        let text = st
+            .render_conversation(&messages, !cont, cont, template_vars)
+            .map_err(|mut e| {
+                if matches!(
+                    e.param.as_deref(),
+                    Some("messages" | "continue_final_message")
+                ) {
+                    e.param = Some("input".into());
+                }
+                e
+            })?;
+        // The first message that may go: after the leading system and developer ones.
+        let first = messages
+            .iter()
+            .position(|m| !matches!(m["role"].as_str(), Some("system" | "developer")));
+        let droppable = first.filter(|&i| messages.len() - i > 1);
+        let (Some(i), true) = (droppable, req.truncation_auto) else {
+            // As on chat: the template writes the special tokens.
+            return st.encode_prompt(&text, false, "input", max_model_len).await;
+        };
+        // A text longer than the context's bytes bound cannot fit: no need to tokenize it.
+        if text.len() <= st.prompt_byte_bound(max_model_len) {
+            let ids = st.encode_prompt(&text, false, "input", usize::MAX).await?;
+            if fits(ids.len()) {
+                return Ok(ids);
+            }
+        }
+        messages.remove(i);
+        while messages.len() - i > 1 && messages[i]["role"] == "tool" {
+            messages.remove(i);
+        }
+    }
 }
 
 /// Splits an output's deltas into reasoning and answer text (with `--reasoning-parser`;
@@ -413,6 +452,8 @@ struct Shell {
     tool_choice: Value,
     /// The form of call ids: the server's `--tool-call-parser` ([`ToolParser::call_id`]).
     call_ids: Option<ToolParser>,
+    /// `truncation: "auto"`, echoed.
+    truncation_auto: bool,
     reasoning: Option<Value>,
     service_tier: String,
     text_format: Value,
@@ -441,6 +482,7 @@ impl Shell {
             tools: req.tools_echo.clone(),
             tool_choice: req.tool_choice_echo.clone(),
             call_ids: st.config.tool_call_parser,
+            truncation_auto: req.truncation_auto,
             reasoning: req.reasoning.clone(),
             service_tier: req.service_tier.clone(),
             text_format: req.text_format.clone(),
@@ -565,7 +607,7 @@ impl Shell {
             "tools": self.tools,
             "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
-            "truncation": "disabled",
+            "truncation": if self.truncation_auto { "auto" } else { "disabled" },
             "usage": usage,
             "user": self.user,
         })

@@ -299,6 +299,14 @@ impl AppState {
     /// # Errors
     /// 400 naming `field` for a prompt that is too long, fails to tokenize, or encodes to a
     /// token id outside the model's vocabulary.
+    /// The most bytes a text of `max_model_len` tokens can have (every token its longest
+    /// piece, with room for byte-fallback escapes): a longer text cannot fit.
+    pub(crate) fn prompt_byte_bound(&self, max_model_len: usize) -> usize {
+        max_model_len
+            .saturating_mul(self.max_piece_bytes.max(1))
+            .saturating_mul(4)
+    }
+
     pub(crate) async fn encode_prompt(
         &self,
         text: &str,
@@ -306,9 +314,7 @@ impl AppState {
         field: &str,
         max_model_len: usize,
     ) -> Result<Vec<u32>, ApiError> {
-        let bound = max_model_len
-            .saturating_mul(self.max_piece_bytes.max(1))
-            .saturating_mul(4);
+        let bound = self.prompt_byte_bound(max_model_len);
         if text.len() > bound {
             return Err(ApiError::field(
                 field,

@@ -2059,6 +2059,10 @@ pub struct ResponsesRequest {
     /// `incomplete`: the output continues it, the prompt ending right after its content
     /// (vLLM's `should_continue_final_message`, Anthropic-style partial completion).
     pub continue_final_message: bool,
+    /// `truncation: "auto"` (OpenAI's): an input longer than the context loses its oldest
+    /// items (after the system and developer messages) until it fits, rather than being
+    /// refused (`"disabled"`, the default).
+    pub truncation_auto: bool,
     /// `reasoning` when given without an effort or summary (`null` otherwise), echoed.
     pub reasoning: Option<Value>,
     /// `service_tier` (default `auto`), echoed; it changes nothing here.
@@ -2707,7 +2711,7 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Refuses the Responses API options Baton does not implement (reasoning effort,
-/// `text.verbosity`, background mode, truncation, prompt templates, stored state), each a
+/// `text.verbosity`, background mode, truncation other than auto or disabled, prompt templates, stored state), each a
 /// 400 naming its field (`include` values: [`parse_response_include`]).
 fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
     for name in RESPONSES_STATEFUL {
@@ -2796,13 +2800,12 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
         ));
     }
     match f.raw("truncation") {
-        None => {}
-        Some(v) if v.as_str() == Some("disabled") => {}
+        None | Some(Value::Null) => {}
+        Some(v) if matches!(v.as_str(), Some("disabled" | "auto")) => {}
         Some(_) => {
             return Err(ApiError::field(
                 "truncation",
-                "Only truncation \"disabled\" is supported by this server: an input longer \
-                 than the context is refused, never cut.",
+                "'truncation' must be \"auto\" or \"disabled\".",
             ))
         }
     }
@@ -2955,6 +2958,7 @@ pub fn parse_responses(
         tool_choice,
         tool_choice_echo,
         continue_final_message,
+        truncation_auto: f.raw("truncation").and_then(Value::as_str) == Some("auto"),
         reasoning,
         service_tier,
         text_format: text_format.0,

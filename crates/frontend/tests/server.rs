@@ -4196,7 +4196,13 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             "text.format",
         ),
         (json!({"input": "hi", "background": true}), "background"),
-        (json!({"input": "hi", "truncation": "auto"}), "truncation"),
+        (json!({"input": "hi", "truncation": "middle"}), "truncation"),
+        // Too long for the context even after dropping every item but the last.
+        (
+            json!({"input": [{"role": "user", "content": "Once upon a time ".repeat(60)}],
+                   "truncation": "auto"}),
+            "input",
+        ),
         (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
         (
             json!({"input": "hi", "max_output_tokens": 0}),
@@ -8261,4 +8267,58 @@ async fn sagemaker_ping_and_invocations_route_by_the_body() {
     )
     .await;
     assert_eq!(r.status, 401, "{}", r.body);
+}
+
+/// `truncation: "auto"` drops the oldest input items (keeping the instructions) until the
+/// input fits with `max_output_tokens`; an input that fits is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_truncation_auto_drops_the_oldest_items_until_the_input_fits() {
+    let srv = start_chat(Opts {
+        max_model_len: Some(128),
+        ..Opts::default()
+    })
+    .await;
+    let long = "Once upon a time there was a little dog. ".repeat(3);
+    let mut items: Vec<Value> = (0..6)
+        .flat_map(|_| {
+            [
+                json!({"role": "user", "content": long}),
+                json!({"role": "assistant", "content": "Yes."}),
+            ]
+        })
+        .collect();
+    items.push(json!({"role": "user", "content": "The end?"}));
+    let body = json!({"instructions": "Tell a story.", "input": items, "max_output_tokens": 8,
+                      "temperature": 0});
+    let r = post(srv.addr, "/v1/responses", &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "input");
+    let v = response(srv.addr, &with_fields(&body, json!({"truncation": "auto"}))).await;
+    assert_eq!(v["truncation"], "auto");
+    let input = v["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(input + 8 <= 128, "{v}");
+    // Only whole items went: the kept tail is the same prompt as a request of just that tail.
+    let mut kept = None;
+    for k in 1..items.len() {
+        let tail = json!({"instructions": "Tell a story.", "input": items[items.len() - k..],
+                          "max_output_tokens": 8, "temperature": 0});
+        let r = post(srv.addr, "/v1/responses", &tail).await;
+        if r.status == 200 && r.json()["usage"]["input_tokens"] == input {
+            kept = Some(k);
+        }
+    }
+    assert!(kept.is_some(), "no tail of the input gives {input} tokens");
+    // An input that fits is untouched.
+    let short = json!({"input": "Hi", "max_output_tokens": 8});
+    let plain = response(srv.addr, &short).await;
+    let auto = response(
+        srv.addr,
+        &with_fields(&short, json!({"truncation": "auto"})),
+    )
+    .await;
+    assert_eq!(
+        plain["usage"]["input_tokens"],
+        auto["usage"]["input_tokens"]
+    );
+    assert_eq!(plain["truncation"], "disabled");
 }
