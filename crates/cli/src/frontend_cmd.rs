@@ -21,8 +21,8 @@ pub struct HttpArgs {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* (or set BATON_API_KEY, which, unlike the
-    /// flag, `ps` does not show).
+    /// Require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/* and
+    /// /invocations (or set BATON_API_KEY, which, unlike the flag, `ps` does not show).
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
     /// The model names clients use, one or more as in vLLM (`--served-model-name a b`): a
@@ -59,6 +59,12 @@ pub struct HttpArgs {
     /// (vLLM's flag; a request's `return_tokens_as_token_ids` overrides it).
     #[arg(long)]
     pub return_tokens_as_token_ids: bool,
+    /// Keep finished `/v1/responses` responses in up to this many MiB of memory (least
+    /// recently used go first), so that `previous_response_id`, `GET /v1/responses/{id}` and
+    /// `DELETE /v1/responses/{id}` work (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE`). 0 (the
+    /// default) keeps none. Each frontend process has its own store.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    pub responses_store_mib: u64,
     /// How the model writes tool calls (vLLM's names): llama3_json, hermes, mistral, pythonic,
     /// qwen3_coder or phi4_mini_json (llama4_json, llama4_pythonic and qwen3_xml are taken as
     /// llama3_json, pythonic and qwen3_coder).
@@ -215,6 +221,12 @@ impl HttpArgs {
         }
         if self.return_tokens_as_token_ids {
             v.push("--return-tokens-as-token-ids".into());
+        }
+        if self.responses_store_mib > 0 {
+            v.extend([
+                "--responses-store-mib".to_owned(),
+                self.responses_store_mib.to_string(),
+            ]);
         }
         if let Some(p) = self.tool_call_parser {
             v.extend(["--tool-call-parser".to_owned(), p.name().to_owned()]);
@@ -462,6 +474,8 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         reasoning_parser: a.http.reasoning_parser,
         sampling_defaults,
         return_tokens_as_token_ids: a.http.return_tokens_as_token_ids,
+        responses_store_bytes: usize::try_from(a.http.responses_store_mib << 20)
+            .unwrap_or(usize::MAX),
         // Frontends of one instance take distinct streams: the slot moves the start by 2^40.
         seed: a
             .seed
@@ -709,6 +723,19 @@ mod tests {
         let d = parse(&[]).unwrap();
         assert!(!d.return_tokens_as_token_ids);
         assert!(!d.to_flags().iter().any(|f| f.contains("token-ids")));
+    }
+
+    #[test]
+    fn responses_store_size_reaches_serves_frontend_child() {
+        let a = parse(&["--responses-store-mib", "64"]).unwrap();
+        let flags = a.to_flags();
+        let back = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back.responses_store_mib, 64, "{flags:?}");
+        let d = parse(&[]).unwrap();
+        assert_eq!(d.responses_store_mib, 0);
+        assert!(!d.to_flags().iter().any(|f| f.contains("store")));
+        assert!(parse(&["--responses-store-mib", "-1"]).is_err());
+        assert!(parse(&["--responses-store-mib", "2000000"]).is_err());
     }
 
     #[test]

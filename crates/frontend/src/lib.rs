@@ -21,6 +21,7 @@ pub mod ring;
 pub mod seq;
 pub mod server;
 pub mod stop;
+pub mod store;
 pub mod tools;
 pub mod validate;
 

@@ -64,7 +64,7 @@ use std::time::Instant;
 pub async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     match create_inner(st, body).await {
         Ok(r) => r,
-        Err(e) => anthropic_error(&e),
+        Err(e) => anthropic_error(&ours(e)),
     }
 }
 
@@ -73,7 +73,7 @@ pub async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 pub async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     match count_inner(st, body).await {
         Ok(r) => r,
-        Err(e) => anthropic_error(&e),
+        Err(e) => anthropic_error(&ours(e)),
     }
 }
 
@@ -114,27 +114,67 @@ const CHAT_TO_MESSAGES: [(&str, &str); 3] = [
     ("response_format", "output_config.format"),
 ];
 
-/// Parses a Messages API body into the equivalent chat request; an error names the Messages
-/// API's field.
+/// `e` with the chat request's field names ([`CHAT_TO_MESSAGES`]) as the Messages API's.
+fn ours(mut e: ApiError) -> ApiError {
+    let Some(p) = e.param.clone() else {
+        return e;
+    };
+    for (chat, ours) in CHAT_TO_MESSAGES {
+        if p == chat || p.starts_with(&format!("{chat}.")) {
+            e.param = Some(format!("{ours}{}", &p[chat.len()..]));
+            e.message = e
+                .message
+                .replace(&format!("'{chat}'"), &format!("'{ours}'"));
+        }
+    }
+    e
+}
+
+/// Parses a Messages API body into the equivalent chat request.
 fn parse(body: &[u8], st: &AppState, count_only: bool) -> Result<validate::ChatRequest, ApiError> {
     let chat = to_chat_body(body, count_only)?;
     let bytes = serde_json::to_vec(&chat).map_err(|e| ApiError::invalid(None, e.to_string()))?;
-    validate::parse_chat(&bytes, &st.engine.limits(), &st.config.sampling_defaults).map_err(
-        |mut e| {
-            let Some(p) = e.param.clone() else {
-                return e;
-            };
-            for (chat, ours) in CHAT_TO_MESSAGES {
-                if p == chat || p.starts_with(&format!("{chat}.")) {
-                    e.param = Some(format!("{ours}{}", &p[chat.len()..]));
-                    e.message = e
-                        .message
-                        .replace(&format!("'{chat}'"), &format!("'{ours}'"));
-                }
-            }
-            e
-        },
-    )
+    validate::parse_chat(&bytes, &st.engine.limits(), &st.config.sampling_defaults)
+}
+
+/// Rewrites the errors of the `/v1/messages` routes that other layers made in OpenAI's shape
+/// (a bad API key, a body that is not JSON, a wrong method or content type, a body too large)
+/// into Anthropic's.
+pub async fn anthropic_error_bodies(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let anthropic = req.uri().path().starts_with("/v1/messages");
+    let res = next.run(req).await;
+    let status = res.status();
+    if !anthropic || !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let (parts, body) = res.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
+        return (parts.status, "").into_response();
+    };
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    if v["type"] == "error" {
+        return Response::from_parts(parts, axum::body::Body::from(bytes));
+    }
+    let e = ApiError {
+        status,
+        message: v["error"]["message"].as_str().map_or_else(
+            || String::from_utf8_lossy(&bytes).into_owned(),
+            str::to_owned,
+        ),
+        kind: "invalid_request_error",
+        param: v["error"]["param"].as_str().map(str::to_owned),
+    };
+    let mut res = anthropic_error(&e);
+    // Keep the other layers' headers (`Allow`, `Connection: close`, CORS).
+    for (k, val) in parts.headers.iter() {
+        if k != axum::http::header::CONTENT_TYPE && k != axum::http::header::CONTENT_LENGTH {
+            res.headers_mut().insert(k.clone(), val.clone());
+        }
+    }
+    res
 }
 
 /// Anthropic's built-in tool types (server tools and Anthropic-defined client tools), which
@@ -172,7 +212,8 @@ pub fn to_chat_body(body: &[u8], count_only: bool) -> Result<Value, ApiError> {
         chat.insert("model".into(), m.clone());
     }
     match f.raw("max_tokens") {
-        None | Some(Value::Null) if count_only => {}
+        // count_tokens takes no max_tokens.
+        _ if count_only => {}
         None | Some(Value::Null) => {
             return Err(ApiError::field("max_tokens", "'max_tokens' is required."))
         }
@@ -180,10 +221,11 @@ pub fn to_chat_body(body: &[u8], count_only: bool) -> Result<Value, ApiError> {
             chat.insert("max_completion_tokens".into(), v.clone());
         }
     }
-    if !matches!(
-        f.raw("stop_sequences"),
-        None | Some(Value::Null | Value::Array(_))
-    ) {
+    let strings = |v: &Value| v.as_array().is_some_and(|a| a.iter().all(Value::is_string));
+    if !f
+        .raw("stop_sequences")
+        .is_none_or(|v| v.is_null() || strings(v))
+    {
         return Err(ApiError::field(
             "stop_sequences",
             "'stop_sequences' must be a list of strings.",
@@ -353,7 +395,8 @@ fn convert_messages(f: &Fields, system: &mut Vec<String>) -> Result<Vec<Value>, 
             _ => {
                 return Err(ApiError::invalid(
                     at(".role"),
-                    "A message's 'role' must be \"user\" or \"assistant\".",
+                    "A message's 'role' must be \"user\" or \"assistant\" (\"system\" is \
+                     taken into the system prompt).",
                 ))
             }
         };
@@ -741,6 +784,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
             ids_form,
             block: None,
             index: 0,
+            started: false,
             pending: VecDeque::new(),
         };
         return Ok(s.into_response());
@@ -820,6 +864,8 @@ struct Streamer {
     block: Option<Block>,
     /// The open block's index, or the next block's.
     index: usize,
+    /// `message_start` has been sent.
+    started: bool,
     /// Events ready to send.
     pending: VecDeque<Bytes>,
 }
@@ -875,18 +921,23 @@ impl Streamer {
         );
     }
 
-    /// The first event.
-    fn prelude(&mut self) {
+    /// The first event, sent with the first delta: by then the prefix-cache count is known, so
+    /// its usage splits the input as the last event's does.
+    fn prelude(&mut self, cached: usize) {
         let message = json!({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": null, "stop_sequence": null,
-            "usage": usage(self.prompt_tokens, 0, 0),
+            "usage": usage(self.prompt_tokens, cached, 0),
         });
         self.push("message_start", json!({ "message": message }));
     }
 
     /// Queues the events of one delta; after the last one, drops the sequence.
     fn on_delta(&mut self, d: Delta) {
+        if !self.started {
+            self.started = true;
+            self.prelude(d.cached_tokens);
+        }
         self.output_tokens += d.tokens.len();
         if let Some(msg) = d.error {
             self.seq = None;
@@ -959,8 +1010,7 @@ impl Streamer {
         self.push("message_stop", json!({}));
     }
 
-    fn into_response(mut self) -> Response {
-        self.prelude();
+    fn into_response(self) -> Response {
         let body = stream::unfold(self, |mut s| async move {
             loop {
                 if let Some(b) = s.pending.pop_front() {

@@ -59,7 +59,9 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,
-            message: "Incorrect or missing API key: send 'Authorization: Bearer <key>'.".into(),
+            message: "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or \
+                      'x-api-key: <key>')."
+                .into(),
             kind: "authentication_error",
             param: None,
         }

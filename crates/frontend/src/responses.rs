@@ -76,7 +76,7 @@ use crate::server::{collect_with, engine_error, event_stream, now_secs, AppState
 use crate::tools::{StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, GenParams, ResponsesRequest};
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream;
@@ -98,9 +98,80 @@ fn object_id(prefix: &str) -> String {
     format!("{prefix}_{:016x}{:016x}", random_seed(), random_seed())
 }
 
+/// With a response store: resolves `previous_response_id` by putting the stored
+/// conversation (its input items and its output) before the request's `input`. Returns the
+/// body to parse, the previous response's id, and the conversation's input items to store
+/// with this response (`None` without a store, or for a body the parser will refuse).
+///
+/// # Errors
+/// 404 naming `previous_response_id` when no such response is stored; 400 when it is not a
+/// string.
+fn with_previous(st: &AppState, body: Bytes) -> Result<Resolved, ApiError> {
+    let plain = |body, conversation| Resolved {
+        body,
+        previous: None,
+        conversation,
+    };
+    let Some(store) = st.responses_store.as_ref() else {
+        return Ok(plain(body, None));
+    };
+    let Ok(Value::Object(mut o)) = serde_json::from_slice::<Value>(&body) else {
+        return Ok(plain(body, None));
+    };
+    let own = match o.get("input") {
+        Some(Value::String(s)) => vec![json!({"role": "user", "content": s})],
+        Some(Value::Array(items)) => items.clone(),
+        _ => return Ok(plain(body, None)),
+    };
+    let prev = match o.remove("previous_response_id") {
+        None | Some(Value::Null) => return Ok(plain(body, Some(own))),
+        Some(Value::String(id)) => id,
+        Some(_) => {
+            return Err(ApiError::field(
+                "previous_response_id",
+                "'previous_response_id' must be a string.",
+            ))
+        }
+    };
+    let stored = store.get(&prev).ok_or_else(|| {
+        ApiError::not_found(
+            Some("previous_response_id"),
+            format!("Previous response with id '{prev}' not found."),
+        )
+    })?;
+    let mut input = stored.input;
+    if let Some(output) = stored.response["output"].as_array() {
+        input.extend(output.iter().cloned());
+    }
+    input.extend(own);
+    o.insert("input".into(), Value::Array(input.clone()));
+    let body = serde_json::to_vec(&Value::Object(o))
+        .map_err(|e| ApiError::internal(format!("re-encoding the request: {e}")))?;
+    Ok(Resolved {
+        body: Bytes::from(body),
+        previous: Some(prev),
+        conversation: Some(input),
+    })
+}
+
+/// A request body with `previous_response_id` resolved ([`with_previous`]).
+struct Resolved {
+    /// The body to parse.
+    body: Bytes,
+    /// The previous response's id.
+    previous: Option<String>,
+    /// The conversation's input items to store with this response.
+    conversation: Option<Vec<Value>>,
+}
+
 async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let limits = st.engine.limits();
+    let Resolved {
+        body,
+        previous,
+        conversation,
+    } = with_previous(&st, body)?;
     let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)?;
     st.check_model(req.model.as_deref())?;
     let mut gen = req.gen.clone();
@@ -121,7 +192,14 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let input_tokens = ids.len();
     let reasoning = st.reasoning_parser(&mut gen, &serde_json::Map::new());
     let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
-    let shell = Shell::new(&st, &req, max);
+    let mut shell = Shell::new(&st, &req, max);
+    shell.previous_response_id = previous;
+    if req.store && st.responses_store.is_some() {
+        shell.keep = conversation.map(|input| Keep {
+            st: Arc::clone(&st),
+            input,
+        });
+    }
     let no_kwargs = serde_json::Map::new();
     let mut counter = reasoning.map(|r| ReasoningTokens::new(r.splitter(&no_kwargs)));
     let splitter = || OutputSplitter {
@@ -185,7 +263,9 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         .as_ref()
         .map_or_else(|| json!([]), OutputLogprobs::all);
     let output = shell.output(&split, &lp, status, &calls);
-    Ok(Json(shell.response(status, output, usage, error_of(status))).into_response())
+    let r = shell.response(status, output, usage, error_of(status));
+    shell.keep(&r);
+    Ok(Json(r).into_response())
 }
 
 /// The tokens of the rendered input. With `truncation: "auto"` an input that does not fit
@@ -433,8 +513,147 @@ fn echo_f32(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
+/// Where a finished response is stored: the server (its store) and the conversation's input
+/// items to keep with it.
+struct Keep {
+    st: Arc<AppState>,
+    input: Vec<Value>,
+}
+
+impl Shell {
+    /// Stores the finished response `r`, if this response is to be kept.
+    fn keep(&self, r: &Value) {
+        let Some(k) = &self.keep else {
+            return;
+        };
+        if let Some(store) = k.st.responses_store.as_ref() {
+            let entry = crate::store::StoredResponse {
+                input: k.input.clone(),
+                response: r.clone(),
+            };
+            if !store.insert(&self.id, entry) {
+                tracing::warn!(
+                    "response {} not stored: larger than --responses-store-mib",
+                    self.id
+                );
+            }
+        }
+    }
+}
+
+/// The stored response `id`, or a 404 (also when the server keeps no store).
+fn stored(st: &AppState, id: &str) -> Result<crate::store::StoredResponse, ApiError> {
+    let Some(store) = st.responses_store.as_ref() else {
+        return Err(ApiError::not_found(
+            None,
+            "This server does not store responses (start it with --responses-store-mib).",
+        ));
+    };
+    store
+        .get(id)
+        .ok_or_else(|| ApiError::not_found(None, format!("Response with id '{id}' not found.")))
+}
+
+/// `GET /v1/responses/{id}`: a stored response.
+pub async fn retrieve(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match stored(&st, &id) {
+        Ok(e) => Json(e.response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: removes a stored response (OpenAI's answer:
+/// `{"id", "object": "response", "deleted": true}`).
+pub async fn delete(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match stored(&st, &id) {
+        Ok(_) => {
+            if let Some(store) = st.responses_store.as_ref() {
+                store.delete(&id);
+            }
+            Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The query of `GET /v1/responses/{id}/input_items` (OpenAI's): `order` `asc` or `desc` (the
+/// default), `limit` 1..=100 (default 20), `after` an item id to start after.
+#[derive(serde::Deserialize)]
+pub struct ItemsQuery {
+    order: Option<String>,
+    limit: Option<i64>,
+    after: Option<String>,
+}
+
+/// `GET /v1/responses/{id}/input_items`: the stored response's input items, as OpenAI's list
+/// (`{"object": "list", "data", "first_id", "last_id", "has_more"}`); items without an id get
+/// `item_<index>` (their position in the conversation).
+pub async fn input_items(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<ItemsQuery>,
+) -> Response {
+    let e = match stored(&st, &id) {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let limit = match q.limit {
+        None => 20,
+        Some(n @ 1..=100) => n as usize,
+        Some(n) => {
+            return ApiError::field("limit", format!("'limit' must be 1 to 100, got {n}."))
+                .into_response()
+        }
+    };
+    let mut items: Vec<Value> = e
+        .input
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut item)| {
+            if let Some(o) = item.as_object_mut() {
+                o.entry("type").or_insert_with(|| json!("message"));
+                o.entry("id").or_insert_with(|| json!(format!("item_{i}")));
+            }
+            item
+        })
+        .collect();
+    match q.order.as_deref() {
+        None | Some("desc") => items.reverse(),
+        Some("asc") => {}
+        Some(o) => {
+            return ApiError::field("order", format!("'order' must be asc or desc, got {o:?}."))
+                .into_response()
+        }
+    }
+    if let Some(after) = &q.after {
+        match items.iter().position(|i| i["id"].as_str() == Some(after)) {
+            Some(p) => {
+                items.drain(..=p);
+            }
+            None => {
+                return ApiError::field("after", format!("No input item with id {after:?}."))
+                    .into_response()
+            }
+        }
+    }
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    Json(json!({
+        "object": "list",
+        "first_id": items.first().map(|i| i["id"].clone()),
+        "last_id": items.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": items,
+    }))
+    .into_response()
+}
+
 /// What every response object of one request shares: its ids and the echoed request fields.
 struct Shell {
+    /// With a store and `store` (not false): where the finished response is kept.
+    keep: Option<Keep>,
+    /// `previous_response_id`, echoed.
+    previous_response_id: Option<String>,
     id: String,
     msg_id: String,
     rs_id: String,
@@ -483,6 +702,8 @@ impl Shell {
             tool_choice: req.tool_choice_echo.clone(),
             call_ids: st.config.tool_call_parser,
             truncation_auto: req.truncation_auto,
+            keep: None,
+            previous_response_id: None,
             reasoning: req.reasoning.clone(),
             service_tier: req.service_tier.clone(),
             text_format: req.text_format.clone(),
@@ -597,10 +818,10 @@ impl Shell {
             "model": self.model,
             "output": output,
             "parallel_tool_calls": self.parallel_tool_calls,
-            "previous_response_id": null,
+            "previous_response_id": self.previous_response_id,
             "reasoning": self.reasoning,
             "service_tier": self.service_tier,
-            "store": false,
+            "store": self.keep.is_some(),
             "temperature": self.temperature,
             "text": {"format": self.text_format},
             "tool_choice": self.tool_choice,
@@ -874,6 +1095,7 @@ impl Streamer {
             let output = self.output("incomplete");
             let error = json!({"code": "server_error", "message": e.message});
             let r = self.shell.response("failed", output, usage, error);
+            self.shell.keep(&r);
             self.push("response.failed", json!({ "response": r }));
             return;
         }
@@ -920,6 +1142,7 @@ impl Streamer {
             "failed" => "response.failed",
             _ => "response.completed",
         };
+        self.shell.keep(&r);
         self.push(kind, json!({ "response": r }));
     }
 

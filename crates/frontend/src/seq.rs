@@ -52,8 +52,8 @@ pub struct Delta {
     pub stop_reason: Option<StopReason>,
     /// Set when the engine failed the request (the last delta).
     pub error: Option<String>,
-    /// On the last delta: prompt tokens whose KV came from the prefix cache (0 when the
-    /// sequence ended on a stop string, before the engine's own end).
+    /// Prompt tokens whose KV came from the prefix cache, on every token's delta and on the
+    /// last one.
     pub cached_tokens: usize,
     /// Prompt log-probabilities by prompt position (OpenAI `echo` with `logprobs`, vLLM's
     /// `prompt_logprobs`), on the first delta of a sequence that asked for them
@@ -260,6 +260,8 @@ impl Seq {
                 self.first_token.get_or_insert(now);
                 self.output_tokens += 1;
                 self.last_id = Some(token);
+                // The prefix-cache count is known from the first token on.
+                d.cached_tokens = cached_tokens;
                 d.tokens.push(TokenInfo {
                     id: token,
                     logprob,
@@ -280,9 +282,9 @@ impl Seq {
                 };
                 d.text = out.text;
                 if let Some(s) = out.matched {
+                    // The engine's `Finished` will not be read (the cached count came with the
+                    // token).
                     self.abandon();
-                    // The engine's `Finished` will not be read: its count travels on tokens too.
-                    d.cached_tokens = cached_tokens;
                     d.stop_reason = Some(StopReason::Text(s));
                     self.finish(&mut d, "stop");
                 }

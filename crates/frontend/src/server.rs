@@ -88,6 +88,9 @@ pub struct ServerConfig {
     /// requests in the same order samples the same tokens (each stream is the row's own,
     /// whatever its batchmates). `None`: a random seed per sequence.
     pub seed: Option<u64>,
+    /// The Responses API store's budget in bytes of JSON ([`crate::store`]); 0 (the default,
+    /// as vLLM's) stores nothing.
+    pub responses_store_bytes: usize,
 }
 
 impl ServerConfig {
@@ -111,6 +114,7 @@ impl ServerConfig {
             sampling_defaults: Default::default(),
             return_tokens_as_token_ids: false,
             seed: None,
+            responses_store_bytes: 0,
         }
     }
 }
@@ -154,6 +158,8 @@ pub struct AppState {
     think_end_id: Option<u32>,
     /// `root` of the `/v1/models` cards: the model's path (see [`AppState::with_model_root`]).
     model_root: String,
+    /// The Responses API store, when [`ServerConfig::responses_store_bytes`] is not 0.
+    pub(crate) responses_store: Option<crate::store::ResponseStore>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -251,7 +257,10 @@ impl AppState {
         if let Err(e) = &vocabulary {
             tracing::warn!("structured outputs are unavailable: {e}");
         }
+        let responses_store = (config.responses_store_bytes > 0)
+            .then(|| crate::store::ResponseStore::new(config.responses_store_bytes));
         Ok(Self {
+            responses_store,
             vocabulary,
             cors,
             config,
@@ -955,6 +964,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(crate::responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::retrieve).delete(crate::responses::delete),
+        )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(crate::responses::input_items),
+        )
         .route("/v1/messages", post(crate::messages::create))
         .route(
             "/v1/messages/count_tokens",
@@ -979,6 +996,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(middleware::from_fn(json_content_type))
         .layer(middleware::from_fn(openai_error_bodies))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        // Outermost: errors on the Anthropic routes, whoever made them, in Anthropic's shape.
+        .layer(middleware::from_fn(crate::messages::anthropic_error_bodies))
         .with_state(state);
     // CORS outermost, so a preflight is answered before the API-key check (browsers send no
     // Authorization header on a preflight) and error responses carry the headers too.
@@ -1158,7 +1177,12 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
+                // The scheme is case-insensitive (RFC 7235).
+                .and_then(|v| {
+                    v.get(..7)
+                        .filter(|s| s.eq_ignore_ascii_case("bearer "))
+                        .map(|_| &v[7..])
+                })
                 .is_some_and(matches);
             // Anthropic's SDKs send the key as `x-api-key`.
             let anthropic = req

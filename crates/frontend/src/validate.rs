@@ -1823,6 +1823,11 @@ fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, 
     Ok(choice)
 }
 
+/// Most tools `tool_choice` `required` takes: its schema has one `anyOf` branch per tool, and
+/// llguidance's parser aborts a generation whose grammar row holds more than 2000 items (a
+/// trial's 2000 tools ended `abort`).
+pub const MAX_REQUIRED_TOOLS: usize = 1000;
+
 /// Guides `gen`'s output for `tool_choice` `required` or a named function (the schema of
 /// [`tool_choice_schema`]; `tools` in the chat form); nothing for `none` and `auto`.
 ///
@@ -1835,6 +1840,16 @@ fn guide_tool_choice(
     tools: &[Value],
     parallel: bool,
 ) -> Result<(), ApiError> {
+    if *choice == ToolChoice::Required && tools.len() > MAX_REQUIRED_TOOLS {
+        return Err(ApiError::field(
+            "tools",
+            format!(
+                "tool_choice \"required\" guides the output by one schema branch per tool; \
+                 this server takes at most {MAX_REQUIRED_TOOLS} tools there, got {}.",
+                tools.len()
+            ),
+        ));
+    }
     let Some(schema) = tool_choice_schema(choice, tools, parallel)? else {
         return Ok(());
     };
@@ -2063,6 +2078,8 @@ pub struct ResponsesRequest {
     /// items (after the system and developer messages) until it fits, rather than being
     /// refused (`"disabled"`, the default).
     pub truncation_auto: bool,
+    /// `store` (default true, as OpenAI's): keep the response when the server has a store.
+    pub store: bool,
     /// `reasoning` when given without an effort or summary (`null` otherwise), echoed.
     pub reasoning: Option<Value>,
     /// `service_tier` (default `auto`), echoed; it changes nothing here.
@@ -2711,8 +2728,10 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Refuses the Responses API options Baton does not implement (reasoning effort,
-/// `text.verbosity`, background mode, truncation other than auto or disabled, prompt templates, stored state), each a
-/// 400 naming its field (`include` values: [`parse_response_include`]).
+/// `text.verbosity`, background mode, truncation other than auto or disabled, prompt
+/// templates, conversations; `previous_response_id` when the server keeps no store, which
+/// resolves it before parsing), each a 400 naming its field (`include` values:
+/// [`parse_response_include`]).
 fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
     for name in RESPONSES_STATEFUL {
         if f.raw(name).is_some() {
@@ -2720,7 +2739,8 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
                 name,
                 format!(
                     "'{name}' is not supported by this server: it does not store responses \
-                     (send the whole conversation in 'input')."
+                     (send the whole conversation in 'input', or start the server with \
+                     --responses-store-mib)."
                 ),
             ));
         }
@@ -2872,7 +2892,7 @@ pub fn parse_responses(
         }
     };
     // Accepted and echoed or ignored, but they must have their types.
-    let _store: Option<bool> = f.get("store")?;
+    let store = f.get::<bool>("store")?.unwrap_or(true);
     let _prompt_cache_key: Option<String> = f.get("prompt_cache_key")?;
     let max_tool_calls = f.int("max_tool_calls")?;
     if let Some(n) = max_tool_calls.filter(|&n| n < 0) {
@@ -2959,6 +2979,7 @@ pub fn parse_responses(
         tool_choice_echo,
         continue_final_message,
         truncation_auto: f.raw("truncation").and_then(Value::as_str) == Some("auto"),
+        store,
         reasoning,
         service_tier,
         text_format: text_format.0,

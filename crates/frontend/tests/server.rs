@@ -2809,6 +2809,31 @@ async fn api_key_is_required_on_v1_routes_only() {
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
+    // The scheme is case-insensitive (RFC 7235).
+    let r = send(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "bearer sekrit")],
+        &body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // An Anthropic route's 401 has Anthropic's shape.
+    let r = post(
+        srv.addr,
+        "/v1/messages",
+        &json!({"max_tokens": 1, "messages": []}),
+    )
+    .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["type"],
+        "authentication_error",
+        "{}",
+        r.body
+    );
+    assert_eq!(r.json()["type"], "error", "{}", r.body);
     // Anthropic's clients send the key as `x-api-key`.
     for (key, want) in [("sekrit", 200), ("nope", 401)] {
         let r = send(
@@ -7681,6 +7706,11 @@ fn accumulate_message_stream(r: &common::Resp) -> Value {
     }
     assert_eq!(open, None);
     let delta = &events[events.len() - 2].1;
+    // message_start already splits the input as the end does (the prefix-cache count is known
+    // by then).
+    for key in ["input_tokens", "cache_read_input_tokens"] {
+        assert_eq!(msg["usage"][key], delta["usage"][key], "{key}: {}", r.body);
+    }
     msg["content"] = json!(blocks);
     msg["stop_reason"] = delta["delta"]["stop_reason"].clone();
     msg["stop_sequence"] = delta["delta"]["stop_sequence"].clone();
@@ -7978,6 +8008,28 @@ async fn messages_refusals_have_anthropic_error_shape_naming_the_field() {
             with_fields(&ok, json!({"stop_sequences": "x"})),
             "stop_sequences",
         ),
+        (
+            with_fields(&ok, json!({"stop_sequences": [1]})),
+            "stop_sequences",
+        ),
+        // Errors found after the conversion name the Messages API's fields.
+        (
+            with_fields(
+                &ok,
+                json!({"output_config": {"format": {"type": "json_schema",
+                "schema": {"type": "nonsense"}}}}),
+            ),
+            "output_config.format",
+        ),
+        (
+            with_fields(
+                &ok,
+                json!({"tool_choice": {"type": "any"}, "tools": (0..1001)
+                .map(|i| json!({"name": format!("f{i}"), "input_schema": {"type": "object"}}))
+                .collect::<Vec<_>>()}),
+            ),
+            "tools",
+        ),
         (with_fields(&ok, json!({"temperature": -1})), "temperature"),
         (
             with_fields(
@@ -8052,6 +8104,18 @@ async fn messages_refusals_have_anthropic_error_shape_naming_the_field() {
         m.contains("vllm:prompt_tokens_total{model_name=\"stories\"} 0"),
         "{m}"
     );
+    // Errors from the other layers have Anthropic's shape too.
+    let r = send(srv.addr, "GET", "/v1/messages", &[], "").await;
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["type"], "error", "{}", r.body);
+    // count_tokens takes no max_tokens.
+    let r = post(
+        srv.addr,
+        "/v1/messages/count_tokens",
+        &with_fields(&ok, json!({"max_tokens": 0})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
     // Anthropic's extra fields are accepted.
     let r = post(
         srv.addr,
@@ -8321,4 +8385,105 @@ async fn responses_truncation_auto_drops_the_oldest_items_until_the_input_fits()
         auto["usage"]["input_tokens"]
     );
     assert_eq!(plain["truncation"], "disabled");
+}
+
+/// With a response store (`--responses-store-mib`): a finished response, streamed or not, is
+/// kept; `previous_response_id` continues its conversation (its input and output before the
+/// new input, without its instructions), `GET` returns it, `input_items` lists its
+/// conversation, `DELETE` removes it; `store: false` keeps nothing. Without a store,
+/// `previous_response_id` and `GET` are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_store_keeps_responses_for_previous_response_id_get_and_delete() {
+    let srv = start_chat(Opts {
+        responses_store_bytes: 1 << 20,
+        ..Opts::default()
+    })
+    .await;
+    let first = json!({"instructions": "Tell a story.", "input": "Once upon a time",
+                       "max_output_tokens": 6, "temperature": 0});
+    let v = response(srv.addr, &first).await;
+    assert_eq!(v["store"], true, "{v}");
+    let id = v["id"].as_str().unwrap().to_owned();
+    let got = get(srv.addr, &format!("/v1/responses/{id}")).await;
+    assert_eq!(got.status, 200, "{}", got.body);
+    assert_eq!(got.json(), v);
+    // The next turn by id is the same prompt as the whole conversation sent again.
+    let text = v["output"][0]["content"][0]["text"].as_str().unwrap();
+    let next = json!({"previous_response_id": id, "input": "And then?", "max_output_tokens": 6,
+                      "temperature": 0, "stream": true});
+    let r = post(srv.addr, "/v1/responses", &next).await;
+    let (_, chained) = check_response_stream(&response_events(&r));
+    assert_eq!(chained["previous_response_id"], json!(id));
+    let whole = json!({"input": [
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "And then?"}], "max_output_tokens": 6, "temperature": 0});
+    let again = response(srv.addr, &whole).await;
+    assert_eq!(
+        chained["usage"]["input_tokens"], again["usage"]["input_tokens"],
+        "{chained}"
+    );
+    assert_eq!(
+        chained["output"][0]["content"],
+        again["output"][0]["content"]
+    );
+    // The streamed one was stored too; its conversation is listed newest first.
+    let chained_id = chained["id"].as_str().unwrap();
+    let items = get(srv.addr, &format!("/v1/responses/{chained_id}/input_items")).await;
+    assert_eq!(items.status, 200, "{}", items.body);
+    let items = items.json();
+    let data = items["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3, "{items}");
+    assert_eq!(data[0]["content"], "And then?");
+    assert_eq!(data[2]["content"], "Once upon a time");
+    let asc = get(
+        srv.addr,
+        &format!("/v1/responses/{chained_id}/input_items?order=asc&limit=1"),
+    )
+    .await
+    .json();
+    assert_eq!(asc["data"][0]["content"], "Once upon a time");
+    assert_eq!(asc["has_more"], true);
+    // Deleted: gone, and no longer a previous response.
+    let d = send(srv.addr, "DELETE", &format!("/v1/responses/{id}"), &[], "").await;
+    assert_eq!(d.status, 200, "{}", d.body);
+    assert_eq!(
+        d.json(),
+        json!({"id": id, "object": "response", "deleted": true})
+    );
+    assert_eq!(
+        get(srv.addr, &format!("/v1/responses/{id}")).await.status,
+        404
+    );
+    let r = post(
+        srv.addr,
+        "/v1/responses",
+        &with_fields(&next, json!({"stream": false})),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "previous_response_id");
+    // store: false keeps nothing.
+    let v = response(srv.addr, &with_fields(&first, json!({"store": false}))).await;
+    assert_eq!(v["store"], false);
+    let id = v["id"].as_str().unwrap();
+    assert_eq!(
+        get(srv.addr, &format!("/v1/responses/{id}")).await.status,
+        404
+    );
+    // Without a store.
+    let plain = start_chat(Opts::default()).await;
+    let r = post(
+        plain.addr,
+        "/v1/responses",
+        &with_fields(&next, json!({"stream": false})),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--responses-store-mib"));
+    let v = response(plain.addr, &first).await;
+    assert_eq!(v["store"], false);
 }

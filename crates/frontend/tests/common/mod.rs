@@ -56,6 +56,8 @@ pub struct Opts {
     pub more_served_model_names: Vec<String>,
     /// `--return-tokens-as-token-ids`.
     pub return_tokens_as_token_ids: bool,
+    /// [`ServerConfig::responses_store_bytes`] (0: no store).
+    pub responses_store_bytes: usize,
     /// The `/v1/models` root ([`AppState::with_model_root`]; default: the server's default).
     pub model_root: Option<String>,
 }
@@ -153,6 +155,7 @@ pub async fn start(opts: Opts) -> TestServer {
         cors: opts.cors.unwrap_or_default(),
         sampling_defaults: opts.sampling_defaults,
         return_tokens_as_token_ids: opts.return_tokens_as_token_ids,
+        responses_store_bytes: opts.responses_store_bytes,
         ..scripted_config()
     };
     let state = AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
