@@ -1763,6 +1763,29 @@ fn parse_tools(f: &Fields) -> Result<Option<Vec<Value>>, ApiError> {
     Ok((!items.is_empty()).then(|| items.clone()))
 }
 
+/// A `tool_choice` naming the function `name`, which must be among `tools` (the chat form)
+/// when there are any (without tools the caller refuses the choice).
+///
+/// # Errors
+/// 400 naming `tool_choice` when `name` is not among the tools.
+fn named_tool_choice(name: &str, tools: Option<&[Value]>) -> Result<ToolChoice, ApiError> {
+    let known = |tools: &[Value]| {
+        tools.iter().any(|t| {
+            t.get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                == Some(name)
+        })
+    };
+    match tools {
+        Some(tools) if !known(tools) => Err(ApiError::field(
+            "tool_choice",
+            format!("tool_choice names the function {name:?}, which is not in 'tools'."),
+        )),
+        _ => Ok(ToolChoice::Named(name.to_owned())),
+    }
+}
+
 /// Parses `tool_choice` as vLLM does: absent means `auto` with tools and `none` without;
 /// `auto`, `required` and a named function need tools, and the named one must be among them.
 fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, ApiError> {
@@ -1790,19 +1813,7 @@ fn parse_tool_choice(f: &Fields, tools: Option<&[Value]>) -> Result<ToolChoice, 
                     "A named tool_choice needs 'function.name'.",
                 ));
             };
-            let known = tools.unwrap_or_default().iter().any(|t| {
-                t.get("function")
-                    .and_then(|f| f.get("name"))
-                    .and_then(Value::as_str)
-                    == Some(name)
-            });
-            if has_tools && !known {
-                return Err(ApiError::field(
-                    P,
-                    format!("tool_choice names the function {name:?}, which is not in 'tools'."),
-                ));
-            }
-            ToolChoice::Named(name.to_owned())
+            named_tool_choice(name, tools)?
         }
         Some(v) => {
             return Err(ApiError::field(
@@ -2452,21 +2463,7 @@ fn parse_response_tool_choice(
                          \"name\": ...}.",
                     ));
                 };
-                let known = tools.unwrap_or_default().iter().any(|t| {
-                    t.get("function")
-                        .and_then(|f| f.get("name"))
-                        .and_then(Value::as_str)
-                        == Some(name)
-                });
-                if has_tools && !known {
-                    return Err(ApiError::field(
-                        P,
-                        format!(
-                            "tool_choice names the function {name:?}, which is not in 'tools'."
-                        ),
-                    ));
-                }
-                ToolChoice::Named(name.to_owned())
+                named_tool_choice(name, tools)?
             }
             Some(k) => {
                 return Err(ApiError::field(

@@ -4400,6 +4400,30 @@ async fn responses_client_disconnect_mid_stream_cancels() {
     assert_eq!(success_count(&m, "abort"), 2, "{m}");
 }
 
+/// A scripted server (the Llama-2 template) whose engine sends two tokens and then fails
+/// every request with "the scheduler is gone".
+async fn failing_engine_server() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    use baton_frontend::EngineEvent;
+    let token = |t| EngineEvent::Token {
+        token: t,
+        cached_tokens: 0,
+        logprob: 0.0,
+        top: vec![],
+        first: None,
+    };
+    common::start_scripted_with_template(
+        move |_| {
+            vec![
+                token(403),
+                token(407),
+                EngineEvent::Error("the scheduler is gone".into()),
+            ]
+        },
+        Some(LLAMA2_TEMPLATE.into()),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_engine_error_mid_stream_ends_with_error_and_response_failed() {
     use baton_frontend::EngineEvent;
@@ -4410,17 +4434,7 @@ async fn responses_engine_error_mid_stream_ends_with_error_and_response_failed()
         top: vec![],
         first: None,
     };
-    let (addr, task) = common::start_scripted_with_template(
-        move |_| {
-            vec![
-                token(403),
-                token(407),
-                EngineEvent::Error("the scheduler is gone".into()),
-            ]
-        },
-        Some(LLAMA2_TEMPLATE.into()),
-    )
-    .await;
+    let (addr, task) = failing_engine_server().await;
     let r = post(
         addr,
         "/v1/responses",
@@ -8160,25 +8174,7 @@ async fn messages_client_disconnect_mid_stream_cancels_and_engine_errors_end_wit
     let m = get(srv.addr, "/metrics").await.body;
     assert_eq!(success_count(&m, "abort"), 1, "{m}");
 
-    use baton_frontend::EngineEvent;
-    let token = |t| EngineEvent::Token {
-        token: t,
-        cached_tokens: 0,
-        logprob: 0.0,
-        top: vec![],
-        first: None,
-    };
-    let (addr, task) = common::start_scripted_with_template(
-        move |_| {
-            vec![
-                token(403),
-                token(407),
-                EngineEvent::Error("the scheduler is gone".into()),
-            ]
-        },
-        Some(LLAMA2_TEMPLATE.into()),
-    )
-    .await;
+    let (addr, task) = failing_engine_server().await;
     let r = post(
         addr,
         "/v1/messages",
