@@ -4346,24 +4346,23 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
         .contains("chat template"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn responses_client_disconnect_mid_stream_cancels() {
-    let srv = start_chat(Opts {
-        step_delay: Some(Duration::from_millis(3)),
-        ..Opts::default()
-    })
-    .await;
-    let body = json!({"input": "Once upon a time", "max_output_tokens": 400, "ignore_eos": true,
-                      "stream": true})
-    .to_string();
+/// Posts the streamed `body` to `path`, reads `events` events (one containing `marker`) while
+/// the request runs, then drops the connection; checks the engine goes idle within a few
+/// launches (the request was cancelled, not run to its end).
+async fn drop_mid_stream(
+    srv: &common::TestServer,
+    path: &str,
+    body: &Value,
+    events: usize,
+    marker: &str,
+) {
     let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    s.write_all(&common::request_bytes("POST", "/v1/responses", &[], &body))
+    s.write_all(&common::request_bytes("POST", path, &[], &body.to_string()))
         .await
         .unwrap();
-    // The four opening events and a few deltas.
-    let head = read_events(&mut s, 8).await;
+    let head = read_events(&mut s, events).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("event: response.output_text.delta"), "{head}");
+    assert!(head.contains(marker), "{head}");
     let st = srv.engine.scheduler_stats();
     assert_eq!(st.running + st.waiting, 1, "live: {st:?}");
     drop(s);
@@ -4378,6 +4377,26 @@ async fn responses_client_disconnect_mid_stream_cancels() {
         launches < at_drop + 100,
         "{at_drop} launches at the drop, {launches} at the end"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_client_disconnect_mid_stream_cancels() {
+    let srv = start_chat(Opts {
+        step_delay: Some(Duration::from_millis(3)),
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"input": "Once upon a time", "max_output_tokens": 400, "ignore_eos": true,
+                      "stream": true});
+    // The four opening events and a few deltas.
+    drop_mid_stream(
+        &srv,
+        "/v1/responses",
+        &body,
+        8,
+        "event: response.output_text.delta",
+    )
+    .await;
     let m = get(srv.addr, "/metrics").await.body;
     assert_eq!(success_count(&m, "abort"), 1, "{m}");
     // Non-streamed: the same on a disconnect while waiting.
@@ -8152,25 +8171,8 @@ async fn messages_client_disconnect_mid_stream_cancels_and_engine_errors_end_wit
     })
     .await;
     let body = json!({"max_tokens": 400, "temperature": 0, "stream": true,
-                      "messages": [{"role": "user", "content": "Once upon a time"}]})
-    .to_string();
-    let mut s = tokio::net::TcpStream::connect(srv.addr).await.unwrap();
-    s.write_all(&common::request_bytes("POST", "/v1/messages", &[], &body))
-        .await
-        .unwrap();
-    let head = read_events(&mut s, 5).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("event: content_block_delta"), "{head}");
-    let st = srv.engine.scheduler_stats();
-    assert_eq!(st.running + st.waiting, 1, "live: {st:?}");
-    drop(s);
-    let at_drop = srv.engine.scheduler_stats().launches;
-    assert!(
-        wait_engine_idle(&srv.engine, Duration::from_secs(5)).await,
-        "cancelled: {:?}",
-        srv.engine.scheduler_stats()
-    );
-    assert!(srv.engine.scheduler_stats().launches < at_drop + 100);
+                      "messages": [{"role": "user", "content": "Once upon a time"}]});
+    drop_mid_stream(&srv, "/v1/messages", &body, 5, "event: content_block_delta").await;
     let m = get(srv.addr, "/metrics").await.body;
     assert_eq!(success_count(&m, "abort"), 1, "{m}");
 
