@@ -26,7 +26,7 @@ if [ -x scripts/loom.sh ]; then
   scripts/loom.sh
 fi
 
-step "openai client against baton serve"
+step "official OpenAI and Anthropic clients against baton serve"
 scripts/openai-check.sh
 
 if [ -x scripts/nvrtc-check.sh ]; then
