@@ -110,6 +110,7 @@ fn with_previous(st: &AppState, body: Bytes) -> Result<Resolved, ApiError> {
     let plain = |body, conversation| Resolved {
         body,
         previous: None,
+        prefix: 0,
         conversation,
     };
     let Some(store) = st.responses_store.as_ref() else {
@@ -124,7 +125,7 @@ fn with_previous(st: &AppState, body: Bytes) -> Result<Resolved, ApiError> {
         _ => return Ok(plain(body, None)),
     };
     let prev = match o.remove("previous_response_id") {
-        None | Some(Value::Null) => return Ok(plain(body, Some(own))),
+        None | Some(Value::Null) => return Ok(plain(body, Some(normalized_items(own)))),
         Some(Value::String(id)) => id,
         Some(_) => {
             return Err(ApiError::field(
@@ -143,6 +144,7 @@ fn with_previous(st: &AppState, body: Bytes) -> Result<Resolved, ApiError> {
     if let Some(output) = stored.response["output"].as_array() {
         input.extend(output.iter().cloned());
     }
+    let prefix = input.len();
     input.extend(own);
     o.insert("input".into(), Value::Array(input.clone()));
     let body = serde_json::to_vec(&Value::Object(o))
@@ -150,8 +152,74 @@ fn with_previous(st: &AppState, body: Bytes) -> Result<Resolved, ApiError> {
     Ok(Resolved {
         body: Bytes::from(body),
         previous: Some(prev),
-        conversation: Some(input),
+        prefix,
+        conversation: Some(normalized_items(input)),
     })
+}
+
+/// Input items in the form OpenAI lists them (`GET /v1/responses/{id}/input_items`) and
+/// stores them: each with a `type` (`message` for a bare `{"role", "content"}`), an `id` unique
+/// in the list (the client's, or a new `msg_`/`rs_`/`fc_`/`fco_`... one), a message's string
+/// `content` as one `input_text` part (`output_text` for the assistant's) and a `status`
+/// (`completed` unless given). The text each item renders to is unchanged.
+fn normalized_items(items: Vec<Value>) -> Vec<Value> {
+    let mut seen = std::collections::HashSet::new();
+    items
+        .into_iter()
+        .map(|mut item| {
+            let Some(o) = item.as_object_mut() else {
+                return item;
+            };
+            if o.contains_key("role") {
+                o.entry("type").or_insert_with(|| json!("message"));
+            }
+            let kind = o.get("type").and_then(Value::as_str).unwrap_or_default();
+            let prefix = match kind {
+                "message" => "msg",
+                "reasoning" => "rs",
+                "function_call" => "fc",
+                "function_call_output" => "fco",
+                _ => "item",
+            };
+            if kind == "message" {
+                if let Some(Value::String(text)) = o.get("content") {
+                    let part = if o.get("role").and_then(Value::as_str) == Some("assistant") {
+                        "output_text"
+                    } else {
+                        "input_text"
+                    };
+                    let content = json!([{"type": part, "text": text}]);
+                    o.insert("content".into(), content);
+                }
+                o.entry("status").or_insert_with(|| json!("completed"));
+            }
+            let id = o.get("id").and_then(Value::as_str).map(str::to_owned);
+            match id {
+                Some(id) if seen.insert(id.clone()) => {}
+                _ => {
+                    let id = object_id(prefix);
+                    seen.insert(id.clone());
+                    o.insert("id".into(), Value::String(id));
+                }
+            }
+            item
+        })
+        .collect()
+}
+
+/// `e` with an `input[N]` index counted in the request's own `input` (the stored items
+/// spliced before it are `prefix` items).
+fn own_index(mut e: ApiError, prefix: usize) -> ApiError {
+    let Some(rest) = e.param.as_deref().and_then(|p| p.strip_prefix("input[")) else {
+        return e;
+    };
+    let Some((n, tail)) = rest.split_once(']') else {
+        return e;
+    };
+    if let Some(n) = n.parse::<usize>().ok().and_then(|n| n.checked_sub(prefix)) {
+        e.param = Some(format!("input[{n}]{tail}"));
+    }
+    e
 }
 
 /// A request body with `previous_response_id` resolved ([`with_previous`]).
@@ -160,6 +228,8 @@ struct Resolved {
     body: Bytes,
     /// The previous response's id.
     previous: Option<String>,
+    /// How many stored items come before the request's own `input`.
+    prefix: usize,
     /// The conversation's input items to store with this response.
     conversation: Option<Vec<Value>>,
 }
@@ -170,9 +240,11 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let Resolved {
         body,
         previous,
+        prefix,
         conversation,
     } = with_previous(&st, body)?;
-    let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)?;
+    let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)
+        .map_err(|e| own_index(e, prefix))?;
     st.check_model(req.model.as_deref())?;
     let mut gen = req.gen.clone();
     let mode = st.call_mode(&req.tool_choice, &mut gen)?;
@@ -263,16 +335,16 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         .as_ref()
         .map_or_else(|| json!([]), OutputLogprobs::all);
     let output = shell.output(&split, &lp, status, &calls);
-    let r = shell.response(status, output, usage, error_of(status));
-    shell.keep(&r);
+    let mut r = shell.response(status, output, usage, error_of(status));
+    shell.keep(&mut r);
     Ok(Json(r).into_response())
 }
 
 /// The tokens of the rendered input. With `truncation: "auto"` an input that does not fit
 /// the context (with `max_output_tokens`, or at least one output token) loses its oldest
-/// items, after the leading system and developer messages, one message at a time (a `tool`
-/// message left first goes with it: its call is gone), until it fits or one item is left;
-/// OpenAI's rule (it drops items from the beginning of the conversation).
+/// items, system and developer messages excepted, as few as make it fit ([`drop_oldest`];
+/// found by bisection, so a long history costs a logarithmic number of renderings), keeping
+/// at least the last; OpenAI's rule (it drops items from the beginning of the conversation).
 ///
 /// # Errors
 /// 400 naming `input` when the template fails or the input does not fit (what is left, under
@@ -284,12 +356,8 @@ async fn input_ids(
     max_model_len: usize,
 ) -> Result<Vec<u32>, ApiError> {
     let cont = req.continue_final_message;
-    let room = req.gen.max_tokens.map_or(1, |m| m.max(1) as usize);
-    let fits = |n: usize| n.saturating_add(room) <= max_model_len;
-    let mut messages = req.messages.clone();
-    loop {
-        let text = st
-            .render_conversation(&messages, !cont, cont, template_vars)
+    let render = |messages: &[Value]| {
+        st.render_conversation(messages, !cont, cont, template_vars)
             .map_err(|mut e| {
                 if matches!(
                     e.param.as_deref(),
@@ -298,28 +366,81 @@ async fn input_ids(
                     e.param = Some("input".into());
                 }
                 e
-            })?;
-        // The first message that may go: after the leading system and developer ones.
-        let first = messages
-            .iter()
-            .position(|m| !matches!(m["role"].as_str(), Some("system" | "developer")));
-        let droppable = first.filter(|&i| messages.len() - i > 1);
-        let (Some(i), true) = (droppable, req.truncation_auto) else {
-            // As on chat: the template writes the special tokens.
-            return st.encode_prompt(&text, false, "input", max_model_len).await;
-        };
-        // A text longer than the context's bytes bound cannot fit: no need to tokenize it.
-        if text.len() <= st.prompt_byte_bound(max_model_len) {
-            let ids = st.encode_prompt(&text, false, "input", usize::MAX).await?;
-            if fits(ids.len()) {
-                return Ok(ids);
+            })
+    };
+    let droppable = req
+        .messages
+        .iter()
+        .filter(|m| !is_system(m))
+        .count()
+        .saturating_sub(1);
+    if !req.truncation_auto || droppable == 0 {
+        // As on chat: the template writes the special tokens.
+        let text = render(&req.messages)?;
+        return st.encode_prompt(&text, false, "input", max_model_len).await;
+    }
+    let room = req.gen.max_tokens.map_or(1, |m| m.max(1) as usize);
+    // The tokens of the input less its `k` oldest items, if they fit.
+    let attempt = |k: usize| {
+        let messages = drop_oldest(&req.messages, k);
+        async move {
+            let text = render(&messages)?;
+            // A text longer than the context's bytes bound cannot fit: no need to tokenize it.
+            if text.len() > st.prompt_byte_bound(max_model_len) {
+                return Ok(None);
             }
+            let ids = st.encode_prompt(&text, false, "input", usize::MAX).await?;
+            Ok::<_, ApiError>((ids.len().saturating_add(room) <= max_model_len).then_some(ids))
         }
-        messages.remove(i);
-        while messages.len() - i > 1 && messages[i]["role"] == "tool" {
-            messages.remove(i);
+    };
+    if let Some(ids) = attempt(0).await? {
+        return Ok(ids);
+    }
+    let Some(mut best) = attempt(droppable).await? else {
+        // Even the last item alone does not fit: the usual error.
+        let text = render(&drop_oldest(&req.messages, droppable))?;
+        return st.encode_prompt(&text, false, "input", max_model_len).await;
+    };
+    // The fewest items to drop: `lo` does not fit, `hi` does.
+    let (mut lo, mut hi) = (0, droppable);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match attempt(mid).await? {
+            Some(ids) => {
+                hi = mid;
+                best = ids;
+            }
+            None => lo = mid,
         }
     }
+    Ok(best)
+}
+
+/// Whether `m` is a system or developer message (kept by `truncation: "auto"`).
+fn is_system(m: &Value) -> bool {
+    matches!(m["role"].as_str(), Some("system" | "developer"))
+}
+
+/// `messages` without their `k` oldest messages other than system and developer ones, and
+/// without the `tool` messages that then come first (their call is gone); the last message
+/// always stays.
+fn drop_oldest(messages: &[Value], k: usize) -> Vec<Value> {
+    let last = messages.len().saturating_sub(1);
+    let mut dropped = 0;
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if is_system(m) || i == last {
+            out.push(m.clone());
+            continue;
+        }
+        let orphan = m["role"] == "tool" && out.iter().all(is_system);
+        if dropped < k || (dropped > 0 && orphan) {
+            dropped += 1;
+            continue;
+        }
+        out.push(m.clone());
+    }
+    out
 }
 
 /// Splits an output's deltas into reasoning and answer text (with `--reasoning-parser`;
@@ -521,8 +642,9 @@ struct Keep {
 }
 
 impl Shell {
-    /// Stores the finished response `r`, if this response is to be kept.
-    fn keep(&self, r: &Value) {
+    /// Stores the finished response `r`, if this response is to be kept; one larger than the
+    /// whole store is not, and then says `"store": false`.
+    fn keep(&self, r: &mut Value) {
         let Some(k) = &self.keep else {
             return;
         };
@@ -536,6 +658,7 @@ impl Shell {
                     "response {} not stored: larger than --responses-store-mib",
                     self.id
                 );
+                r["store"] = json!(false);
             }
         }
     }
@@ -1094,8 +1217,8 @@ impl Streamer {
             );
             let output = self.output("incomplete");
             let error = json!({"code": "server_error", "message": e.message});
-            let r = self.shell.response("failed", output, usage, error);
-            self.shell.keep(&r);
+            let mut r = self.shell.response("failed", output, usage, error);
+            self.shell.keep(&mut r);
             self.push("response.failed", json!({ "response": r }));
             return;
         }
@@ -1134,7 +1257,7 @@ impl Streamer {
             self.output_tokens,
             self.reasoning_count(),
         );
-        let r = self
+        let mut r = self
             .shell
             .response(status, self.output(status), usage, error_of(status));
         let kind = match status {
@@ -1142,7 +1265,7 @@ impl Streamer {
             "failed" => "response.failed",
             _ => "response.completed",
         };
-        self.shell.keep(&r);
+        self.shell.keep(&mut r);
         self.push(kind, json!({ "response": r }));
     }
 
@@ -1221,4 +1344,35 @@ fn stream_response(
         }
     });
     event_stream(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drop_oldest_keeps_system_messages_the_last_item_and_no_orphan_tool_message() {
+        let m = |role: &str, c: &str| json!({"role": role, "content": c});
+        let msgs = vec![
+            m("system", "s"),
+            m("user", "u1"),
+            m("assistant", "a1"),
+            m("tool", "t1"),
+            m("developer", "d"),
+            m("user", "u2"),
+        ];
+        let contents = |k| -> Vec<String> {
+            drop_oldest(&msgs, k)
+                .iter()
+                .map(|m| m["content"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(contents(0), ["s", "u1", "a1", "t1", "d", "u2"]);
+        assert_eq!(contents(1), ["s", "a1", "t1", "d", "u2"]);
+        // The tool result left first goes with its call.
+        assert_eq!(contents(2), ["s", "d", "u2"]);
+        assert_eq!(contents(3), ["s", "d", "u2"]);
+        // The last item always stays.
+        assert_eq!(contents(9), ["s", "d", "u2"]);
+    }
 }

@@ -2190,10 +2190,6 @@ fn parse_response_top_logprobs(f: &Fields) -> Result<u32, ApiError> {
     }
 }
 
-/// The fields of the Responses API that need a response store (Baton keeps none), refused
-/// with a 400 naming them.
-const RESPONSES_STATEFUL: [&str; 2] = ["previous_response_id", "conversation"];
-
 /// Where a field refused on `/v1/responses` is served: chat only.
 const SERVED_ON_CHAT: &str = "/v1/chat/completions";
 /// Where a field refused on `/v1/responses` is served: completions and chat.
@@ -2593,6 +2589,17 @@ fn continues_final_item(f: &Fields) -> bool {
     })
 }
 
+/// Whether the rendered conversation's final message has text to continue: a message whose
+/// content is empty (or a reasoning item, which becomes an assistant message without
+/// content) starts a new turn instead, since continuing it would continue whatever the
+/// template writes after an empty turn (its end-of-turn token).
+fn final_has_text(messages: &[Value]) -> bool {
+    messages
+        .last()
+        .and_then(|m| m["content"].as_str())
+        .is_some_and(|c| !c.trim().is_empty())
+}
+
 /// Parses the Responses `input`: a string (one user message) or a non-empty list of message
 /// items (`{"role", "content"}`, optionally with `"type": "message"`), `reasoning` items,
 /// `function_call` items (an assistant's tool call, joined to the assistant message before it
@@ -2627,6 +2634,17 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
                 "Each input item must be an object.",
             )
         })?;
+        if !matches!(obj.get("status"), None | Some(Value::Null))
+            && !matches!(
+                obj.get("status").and_then(Value::as_str),
+                Some("in_progress" | "completed" | "incomplete")
+            )
+        {
+            return Err(ApiError::invalid(
+                Some(format!("input[{i}].status")),
+                "An item's 'status' must be \"in_progress\", \"completed\" or \"incomplete\".",
+            ));
+        }
         match obj.get("type") {
             None | Some(Value::Null) => {}
             Some(Value::String(t)) if t == "message" => {}
@@ -2672,8 +2690,8 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
             Some(Value::String(t)) if t == "item_reference" => {
                 return Err(ApiError::invalid(
                     Some(format!("input[{i}].type")),
-                    "Item references are not supported by this server: it does not store \
-                     responses (send the items themselves).",
+                    "Item references are not supported by this server (send the items \
+                     themselves).",
                 ))
             }
             Some(t) => {
@@ -2730,17 +2748,22 @@ fn parse_response_input(f: &Fields) -> Result<Vec<Value>, ApiError> {
 /// resolves it before parsing), each a 400 naming its field (`include` values:
 /// [`parse_response_include`]).
 fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
-    for name in RESPONSES_STATEFUL {
-        if f.raw(name).is_some() {
-            return Err(ApiError::field(
-                name,
-                format!(
-                    "'{name}' is not supported by this server: it does not store responses \
-                     (send the whole conversation in 'input', or start the server with \
-                     --responses-store-mib)."
-                ),
-            ));
-        }
+    // (With a response store, `previous_response_id` was resolved before parsing.)
+    if f.raw("previous_response_id").is_some() {
+        return Err(ApiError::field(
+            "previous_response_id",
+            "'previous_response_id' needs a response store, which this server runs without \
+             (send the whole conversation in 'input', or start the server with \
+             --responses-store-mib).",
+        ));
+    }
+    if f.raw("conversation").is_some() {
+        return Err(ApiError::field(
+            "conversation",
+            "Conversations ('conversation') are not supported by this server (send the \
+             conversation's items in 'input', or chain responses with \
+             'previous_response_id' when the server keeps a response store).",
+        ));
     }
     for (name, served, instead) in RESPONSES_REFUSED {
         let given = match f.raw(name) {
@@ -2813,7 +2836,7 @@ fn refuse_unsupported_responses(f: &Fields) -> Result<(), ApiError> {
     if f.bool("background")? == Some(true) {
         return Err(ApiError::field(
             "background",
-            "Background mode is not supported by this server: it does not store responses.",
+            "Background mode is not supported by this server.",
         ));
     }
     match f.raw("truncation") {
@@ -2856,7 +2879,7 @@ pub fn parse_responses(
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
     messages.extend(parse_response_input(&f)?);
-    let continue_final_message = continues_final_item(&f);
+    let continue_final_message = continues_final_item(&f) && final_has_text(&messages);
     let max_output_tokens = match f.int("max_output_tokens")? {
         None => None,
         Some(v) if v < 1 => {
@@ -2876,15 +2899,22 @@ pub fn parse_responses(
             )
         })?),
     };
+    // OpenAI's limits: 16 pairs, keys of up to 64 characters, values of up to 512.
     let metadata = match f.raw("metadata") {
-        None => None,
-        Some(Value::Object(o)) if o.values().all(Value::is_string) => {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o))
+            if o.len() <= 16
+                && o.iter().all(|(k, v)| {
+                    k.chars().count() <= 64 && v.as_str().is_some_and(|v| v.chars().count() <= 512)
+                }) =>
+        {
             Some(Value::Object(o.clone()))
         }
         Some(_) => {
             return Err(ApiError::field(
                 "metadata",
-                "'metadata' must be an object of string values.",
+                "'metadata' must be an object of at most 16 string values, keys of at most 64 \
+                 characters and values of at most 512.",
             ))
         }
     };

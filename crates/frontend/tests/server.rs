@@ -4141,6 +4141,14 @@ async fn responses_refuse_what_they_do_not_support_with_a_400_naming_it() {
             "max_tool_calls",
         ),
         (
+            json!({"input": "hi", "metadata": {"k": "v".repeat(513)}}),
+            "metadata",
+        ),
+        (
+            json!({"input": [{"role": "user", "content": "x", "status": "weird"}]}),
+            "input[0].status",
+        ),
+        (
             json!({"input": "hi", "max_output_tokens": 1_000_000_000_000u64}),
             "max_output_tokens",
         ),
@@ -8269,6 +8277,14 @@ async fn a_final_assistant_turn_is_continued_on_messages_and_partial_responses()
     let mut done = partial.clone();
     done["status"] = json!("completed");
     response(addr, &json!({"input": [user, done]})).await;
+    // So does an incomplete one with no text (continuing it would continue the template's
+    // end of turn), and an incomplete reasoning item.
+    let mut empty = partial.clone();
+    empty["content"] = json!([{"type": "output_text", "text": " "}]);
+    response(addr, &json!({"input": [user, empty]})).await;
+    let reasoning = json!({"type": "reasoning", "status": "in_progress",
+                           "content": [{"type": "reasoning_text", "text": "Hmm."}]});
+    response(addr, &json!({"input": [user, reasoning]})).await;
     let seen = prompts.lock().unwrap().clone();
     let tok = common::stories_tokenizer();
     let text = |i: usize| tok.decode(&seen[i], true).unwrap();
@@ -8280,6 +8296,8 @@ async fn a_final_assistant_turn_is_continued_on_messages_and_partial_responses()
         "{}",
         text(3)
     );
+    assert!(text(4).ends_with("assistant:  assistant:"), "{}", text(4));
+    assert!(text(5).ends_with("assistant: assistant:"), "{}", text(5));
     task.abort();
 }
 
@@ -8432,15 +8450,41 @@ async fn responses_store_keeps_responses_for_previous_response_id_get_and_delete
     let items = items.json();
     let data = items["data"].as_array().unwrap();
     assert_eq!(data.len(), 3, "{items}");
-    assert_eq!(data[0]["content"], "And then?");
-    assert_eq!(data[2]["content"], "Once upon a time");
+    // In OpenAI's form: typed content parts, a status, unique ids.
+    assert_eq!(
+        data[0]["content"],
+        json!([{"type": "input_text", "text": "And then?"}])
+    );
+    assert_eq!(data[1]["content"][0]["type"], "output_text", "{items}");
+    assert_eq!(data[2]["content"][0]["text"], "Once upon a time");
+    assert_eq!(data[2]["status"], "completed");
+    let ids: std::collections::HashSet<&str> =
+        data.iter().map(|d| d["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 3, "{items}");
     let asc = get(
         srv.addr,
         &format!("/v1/responses/{chained_id}/input_items?order=asc&limit=1"),
     )
     .await
     .json();
-    assert_eq!(asc["data"][0]["content"], "Once upon a time");
+    assert_eq!(asc["data"][0]["content"][0]["text"], "Once upon a time");
+    // An error in the new input is indexed in the request's own input, not the spliced one.
+    let bad = json!({"previous_response_id": chained_id, "input": [{"type": "bogus"}]});
+    let r = post(srv.addr, "/v1/responses", &bad).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "input[0].type");
+    // Client ids that repeat become unique (a paginating client would loop on them).
+    let dup = json!({"input": [{"id": "a", "role": "user", "content": "x"},
+                               {"id": "a", "role": "user", "content": "y"}],
+                     "max_output_tokens": 2});
+    let v = response(srv.addr, &dup).await;
+    let items = get(
+        srv.addr,
+        &format!("/v1/responses/{}/input_items", v["id"].as_str().unwrap()),
+    )
+    .await
+    .json();
+    assert_ne!(items["data"][0]["id"], items["data"][1]["id"], "{items}");
     assert_eq!(asc["has_more"], true);
     // Deleted: gone, and no longer a previous response.
     let d = send(srv.addr, "DELETE", &format!("/v1/responses/{id}"), &[], "").await;
