@@ -46,7 +46,7 @@ use crate::engine::random_seed;
 use crate::openai::{ApiError, StopReason};
 use crate::reasoning::{ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq};
-use crate::server::{collect, engine_error, event_stream, AppState};
+use crate::server::{collect, delta_event_stream, engine_error, AppState, DeltaEvents};
 use crate::tools::{StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, Fields};
 use axum::body::Bytes;
@@ -54,7 +54,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream;
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -1011,21 +1010,20 @@ impl Streamer {
     }
 
     fn into_response(self) -> Response {
-        let body = stream::unfold(self, |mut s| async move {
-            loop {
-                if let Some(b) = s.pending.pop_front() {
-                    return Some((Ok::<_, std::convert::Infallible>(b), s));
-                }
-                let d = match s.seq.as_mut() {
-                    Some(seq) => seq.next().await,
-                    None => return None,
-                };
-                match d {
-                    Some(d) => s.on_delta(d),
-                    None => s.seq = None,
-                }
-            }
-        });
-        event_stream(body)
+        delta_event_stream(self)
+    }
+}
+
+impl DeltaEvents for Streamer {
+    fn seq(&mut self) -> &mut Option<Seq> {
+        &mut self.seq
+    }
+
+    fn pending(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.pending
+    }
+
+    fn on_delta(&mut self, d: Delta) {
+        Streamer::on_delta(self, d);
     }
 }

@@ -72,14 +72,15 @@ use crate::engine::random_seed;
 use crate::openai::ApiError;
 use crate::reasoning::{ReasoningSplitter, Split};
 use crate::seq::{Delta, Seq, TokenInfo};
-use crate::server::{collect_with, engine_error, event_stream, now_secs, AppState};
+use crate::server::{
+    collect_with, delta_event_stream, engine_error, now_secs, AppState, DeltaEvents,
+};
 use crate::tools::{StreamFilter, ToolCall, ToolParser};
 use crate::validate::{self, GenParams, ResponsesRequest};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -1328,22 +1329,21 @@ fn stream_response(
         pending: VecDeque::new(),
     };
     s.prelude();
-    let body = stream::unfold(s, |mut s| async move {
-        loop {
-            if let Some(b) = s.pending.pop_front() {
-                return Some((Ok::<_, std::convert::Infallible>(b), s));
-            }
-            let d = match s.seq.as_mut() {
-                Some(seq) => seq.next().await,
-                None => return None,
-            };
-            match d {
-                Some(d) => s.on_delta(d),
-                None => s.seq = None,
-            }
-        }
-    });
-    event_stream(body)
+    delta_event_stream(s)
+}
+
+impl DeltaEvents for Streamer {
+    fn seq(&mut self) -> &mut Option<Seq> {
+        &mut self.seq
+    }
+
+    fn pending(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.pending
+    }
+
+    fn on_delta(&mut self, d: Delta) {
+        Streamer::on_delta(self, d);
+    }
 }
 
 #[cfg(test)]

@@ -1585,6 +1585,39 @@ where
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+/// The state of a one-sequence event stream (`/v1/responses`, `/v1/messages`): it turns the
+/// sequence's deltas into queued SSE events.
+pub(crate) trait DeltaEvents: Send + 'static {
+    /// The sequence, until it ends.
+    fn seq(&mut self) -> &mut Option<Seq>;
+    /// Events ready to send.
+    fn pending(&mut self) -> &mut std::collections::VecDeque<Bytes>;
+    /// Queues the events of one delta (dropping the sequence after its last).
+    fn on_delta(&mut self, d: Delta);
+}
+
+/// The SSE response of `s`: its queued events, then those of each delta, until the sequence
+/// ends and nothing is queued. A client that goes away drops the body, which drops the
+/// sequence, which cancels its engine request.
+pub(crate) fn delta_event_stream<S: DeltaEvents>(s: S) -> Response {
+    let body = stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(b) = s.pending().pop_front() {
+                return Some((Ok::<_, std::convert::Infallible>(b), s));
+            }
+            let d = match s.seq().as_mut() {
+                Some(seq) => seq.next().await,
+                None => return None,
+            };
+            match d {
+                Some(d) => s.on_delta(d),
+                None => *s.seq() = None,
+            }
+        }
+    });
+    event_stream(body)
+}
+
 /// Per-choice results of a non-streamed request.
 #[derive(Default)]
 pub(crate) struct Collected {
