@@ -22,8 +22,9 @@
 //!   "description", "input_schema"}`) become function tools and `tool_choice` `auto`, `any`,
 //!   `tool` (with `name`) and `none` become `auto`, `required`, a named function and `none`
 //!   (`disable_parallel_tool_use` is `parallel_tool_calls: false`); `output_config.format`
-//!   (`json_schema`) is a structured output; `metadata`, `thinking`, `service_tier` and
-//!   `output_config.effort` are accepted and change nothing. Anthropic's built-in tools
+//!   (`json_schema`) is a structured output; `thinking` (`enabled`/`disabled`) sets the
+//!   template's `enable_thinking` (Qwen3's switch) unless `chat_template_kwargs` does;
+//!   `metadata`, `service_tier` and `output_config.effort` are accepted and change nothing. Anthropic's built-in tools
 //!   (`bash_*`, `web_search_*`, ...), `mcp_servers` and `container` are refused.
 //!
 //! The response is a `message`: `content` blocks in order, a `thinking` block (with a
@@ -249,6 +250,27 @@ pub fn to_chat_body(body: &[u8], count_only: bool) -> Result<Value, ApiError> {
     for (name, what) in [("metadata", "an object"), ("thinking", "an object")] {
         if !matches!(f.raw(name), None | Some(Value::Null | Value::Object(_))) {
             return Err(ApiError::field(name, format!("'{name}' must be {what}.")));
+        }
+    }
+    // `thinking` switches a hybrid model's thinking (Qwen3's templates read
+    // `enable_thinking`; others ignore it), unless `chat_template_kwargs` says otherwise.
+    let thinking = match f.raw("thinking").and_then(|t| t.get("type")) {
+        None | Some(Value::Null) => None,
+        Some(t) if t == "enabled" || t == "adaptive" => Some(true),
+        Some(t) if t == "disabled" => Some(false),
+        Some(t) => {
+            return Err(ApiError::field(
+                "thinking",
+                format!("'thinking.type' must be \"enabled\" or \"disabled\", got {t}."),
+            ))
+        }
+    };
+    if let Some(on) = thinking {
+        let kwargs = chat
+            .entry("chat_template_kwargs")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Value::Object(k) = kwargs {
+            k.entry("enable_thinking").or_insert(Value::Bool(on));
         }
     }
     if let Some(format) = output_format(&f)? {
@@ -1025,5 +1047,49 @@ impl DeltaEvents for Streamer {
 
     fn on_delta(&mut self, d: Delta) {
         Streamer::on_delta(self, d);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn convert(body: Value) -> Value {
+        to_chat_body(body.to_string().as_bytes(), false).expect("converts")
+    }
+
+    #[test]
+    fn thinking_sets_enable_thinking_unless_the_template_kwargs_do() {
+        let base = json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+        let with = |extra: Value| {
+            let mut b = base.clone();
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            convert(b)
+        };
+        assert!(convert(base.clone()).get("chat_template_kwargs").is_none());
+        let off = with(json!({"thinking": {"type": "disabled"}}));
+        assert_eq!(
+            off["chat_template_kwargs"],
+            json!({"enable_thinking": false})
+        );
+        let on = with(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}));
+        assert_eq!(on["chat_template_kwargs"], json!({"enable_thinking": true}));
+        let kept = with(json!({"thinking": {"type": "disabled"},
+                               "chat_template_kwargs": {"enable_thinking": true, "x": 1}}));
+        assert_eq!(
+            kept["chat_template_kwargs"],
+            json!({"enable_thinking": true, "x": 1})
+        );
+        let e = to_chat_body(
+            json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                   "thinking": {"type": "sometimes"}})
+            .to_string()
+            .as_bytes(),
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("thinking"));
     }
 }
