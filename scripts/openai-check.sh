@@ -18,7 +18,7 @@ BIN="${CARGO_TARGET_DIR:-target}/debug/baton"
 PORT="${BATON_OPENAI_PORT:-18000}"
 LOG="$(mktemp)"
 "$BIN" serve --model "$BATON_TEST_MODEL" --port "$PORT" --instance "openai-check-$$" --max-num-seqs 32 \
-  --chat-template scripts/chat-templates/llama2.jinja 2>"$LOG" &
+  --chat-template scripts/chat-templates/llama2.jinja --responses-store-mib 16 2>"$LOG" &
 SERVE=$!
 cleanup() { kill -TERM "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true; rm -f "$LOG"; }
 trap cleanup EXIT

@@ -282,7 +282,7 @@ def responses():
         if ev.type == "response.output_text.delta":
             streamed += [field(e, "logprob") for e in field(ev, "logprobs")]
     assert streamed == [field(e, "logprob") for e in entries], streamed
-    for kw in [dict(previous_response_id="resp_x"), dict(tool_choice="required"), dict(background=True),
+    for kw in [dict(conversation="conv_x"), dict(tool_choice="required"), dict(background=True),
                dict(include=["reasoning.encrypted_content"])]:
         try:
             client.responses.create(model=MODEL, input=user, max_output_tokens=4, **kw)
@@ -509,6 +509,38 @@ def responses_function_tools():
         assert body.get("param") == "tools[0].type", e.body
     else:
         raise AssertionError("a web_search tool was accepted")
+
+
+@check
+def responses_store():
+    # scripts/openai-check.sh starts the server with --responses-store-mib: a stored response
+    # can be retrieved, listed, continued by previous_response_id, and deleted.
+    first = client.responses.create(model=MODEL, instructions="Tell a story.", input="Once upon a time",
+                                    max_output_tokens=8, temperature=0)
+    assert first.store is True, first
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text, got
+    nxt = client.responses.create(model=MODEL, previous_response_id=first.id, input="And then?",
+                                  max_output_tokens=8, temperature=0)
+    assert nxt.previous_response_id == first.id, nxt
+    whole = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"}], max_output_tokens=8, temperature=0)
+    assert nxt.usage.input_tokens == whole.usage.input_tokens, (nxt.usage, whole.usage)
+    assert nxt.output_text == whole.output_text, (nxt, whole)
+    items = list(client.responses.input_items.list(nxt.id, order="asc"))
+    assert [i.content[0].text for i in items] == ["Once upon a time", first.output_text, "And then?"], items
+    assert len({i.id for i in items}) == 3, items
+    client.responses.delete(first.id)
+    for ask in [lambda: client.responses.retrieve(first.id),
+                lambda: client.responses.create(model=MODEL, previous_response_id=first.id, input="x")]:
+        try:
+            ask()
+        except openai.NotFoundError:
+            pass
+        else:
+            raise AssertionError("a deleted response was found")
 
 
 def main():
