@@ -481,9 +481,10 @@ pub fn serve_up_to(who: &str, model: &mut ModelConfig, max_model_len: usize) {
 
 /// vLLM's two-letter short flags for `serve` (argparse takes them; clap's short flags are one
 /// letter), each with the long flag it stands for.
-pub const VLLM_SHORT_FLAGS: [(&str, &str); 2] = [
+pub const VLLM_SHORT_FLAGS: [(&str, &str); 3] = [
     ("-tp", "--tensor-parallel-size"),
     ("-pp", "--pipeline-parallel-size"),
+    ("-dp", "--data-parallel-size"),
 ];
 
 /// A command line with vLLM's two-letter short flags ([`VLLM_SHORT_FLAGS`]) spelled long,

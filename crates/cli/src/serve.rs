@@ -108,17 +108,69 @@ pub struct VllmFlags {
     /// `/metrics`).
     #[arg(long)]
     pub disable_log_stats: bool,
+    /// vLLM's `--data-parallel-size` (also `-dp`): only 1 (one engine).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: usize,
+    /// vLLM's `--api-server-count`: only 1 (one frontend process, multithreaded).
+    #[arg(long, default_value_t = 1)]
+    pub api_server_count: usize,
+    /// vLLM's `--enable-chunked-prefill`: accepted; Baton always chunks long prefills
+    /// (`--max-num-batched-tokens` per step).
+    #[arg(long)]
+    pub enable_chunked_prefill: bool,
+    /// vLLM's `--swap-space` (GiB of CPU swap for preempted requests): accepted and unused;
+    /// Baton preempts by recomputation, as vLLM V1 does.
+    #[arg(long)]
+    pub swap_space: Option<f64>,
+    /// vLLM's `--tokenizer-mode`: `auto` or `hf` (Baton uses the Hugging Face tokenizer);
+    /// `mistral`, `slow` and `custom` are refused.
+    #[arg(long, default_value = "auto")]
+    pub tokenizer_mode: String,
+    /// vLLM's `--chat-template-content-format`: `auto` or `string` (Baton gives templates
+    /// text content as one string); `openai` (content as a list of parts) is refused.
+    #[arg(long, default_value = "auto")]
+    pub chat_template_content_format: String,
+    /// vLLM's `--response-role`: only `assistant`.
+    #[arg(long, default_value = "assistant")]
+    pub response_role: String,
+    /// vLLM's `--max-logprobs`: 0 to 20. Baton's limit stays 20 (a request asking for more is
+    /// refused; one asking for up to 20 is served whatever this says).
+    #[arg(long, default_value_t = 20)]
+    pub max_logprobs: i64,
+    /// vLLM's `--download-dir`: accepted and unused (Baton serves a local model directory).
+    #[arg(long)]
+    pub download_dir: Option<std::path::PathBuf>,
+    /// vLLM's `--uvicorn-log-level`: accepted; Baton's log level is `BATON_LOG`.
+    #[arg(long)]
+    pub uvicorn_log_level: Option<String>,
+    /// vLLM's `--disable-uvicorn-access-log`: accepted; Baton writes no access log.
+    #[arg(long)]
+    pub disable_uvicorn_access_log: bool,
+    /// vLLM's `--max-log-len`: accepted; Baton logs no prompts.
+    #[arg(long)]
+    pub max_log_len: Option<u64>,
+    /// vLLM's `--enable-prompt-tokens-details`: accepted; Baton's usage always has
+    /// `prompt_tokens_details.cached_tokens`.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
+    /// vLLM's `--disable-fastapi-docs`: accepted; Baton serves no API docs pages.
+    #[arg(long)]
+    pub disable_fastapi_docs: bool,
 }
 
 impl VllmFlags {
-    /// Refuses a parallel size other than 1.
+    /// Refuses values that ask for what Baton does not do.
     ///
     /// # Errors
-    /// `--tensor-parallel-size` or `--pipeline-parallel-size` other than 1.
+    /// A parallel size or `--api-server-count` other than 1; `--tokenizer-mode` other than
+    /// `auto`/`hf`; `--chat-template-content-format` other than `auto`/`string`;
+    /// `--response-role` other than `assistant`; `--max-logprobs` above 20; a negative
+    /// `--swap-space`.
     pub fn check(&self) -> Result<()> {
         for (flag, n) in [
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--data-parallel-size", self.data_parallel_size),
         ] {
             if n != 1 {
                 bail!(
@@ -126,6 +178,42 @@ impl VllmFlags {
                      parallelism across devices is not supported, give 1 or leave it out"
                 );
             }
+        }
+        if self.api_server_count != 1 {
+            bail!(
+                "--api-server-count {}: Baton serves HTTP from one multithreaded frontend \
+                 process; give 1 or leave it out",
+                self.api_server_count
+            );
+        }
+        let one_of = |flag: &str, value: &str, ok: &[&str]| -> Result<()> {
+            if ok.contains(&value) {
+                return Ok(());
+            }
+            bail!(
+                "{flag} {value}: Baton supports only {}",
+                ok.iter()
+                    .map(|v| format!("`{v}`"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )
+        };
+        one_of("--tokenizer-mode", &self.tokenizer_mode, &["auto", "hf"])?;
+        one_of(
+            "--chat-template-content-format",
+            &self.chat_template_content_format,
+            &["auto", "string"],
+        )?;
+        one_of("--response-role", &self.response_role, &["assistant"])?;
+        if !(0..=20).contains(&self.max_logprobs) {
+            bail!(
+                "--max-logprobs {}: Baton returns at most 20 log-probabilities per token; give \
+                 0 to 20",
+                self.max_logprobs
+            );
+        }
+        if self.swap_space.is_some_and(|s| s.is_nan() || s < 0.0) {
+            bail!("--swap-space must be a number of GiB, 0 or more");
         }
         Ok(())
     }
@@ -732,6 +820,64 @@ fn shutdown(kids: &mut [Kid], instance: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vllm_flags_accept_what_baton_does_and_refuse_the_rest() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            v: VllmFlags,
+        }
+        let check = |args: &[&str]| {
+            P::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|p| p.v.check().map_err(|e| e.to_string()))
+        };
+        // A copied vLLM command line's usual tail.
+        check(&[
+            "--enable-chunked-prefill",
+            "--swap-space",
+            "4",
+            "--tokenizer-mode",
+            "auto",
+            "--chat-template-content-format",
+            "string",
+            "--response-role",
+            "assistant",
+            "--max-logprobs",
+            "20",
+            "--download-dir",
+            "/tmp",
+            "--uvicorn-log-level",
+            "warning",
+            "--disable-uvicorn-access-log",
+            "--max-log-len",
+            "100",
+            "--enable-prompt-tokens-details",
+            "--disable-fastapi-docs",
+            "--data-parallel-size",
+            "1",
+            "--api-server-count",
+            "1",
+        ])
+        .unwrap();
+        for (args, flag) in [
+            (&["--data-parallel-size", "2"][..], "--data-parallel-size 2"),
+            (&["--api-server-count", "4"], "--api-server-count 4"),
+            (&["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral"),
+            (
+                &["--chat-template-content-format", "openai"],
+                "--chat-template-content-format openai",
+            ),
+            (&["--response-role", "user"], "--response-role user"),
+            (&["--max-logprobs=-1"], "--max-logprobs -1"),
+            (&["--swap-space=-2"], "--swap-space"),
+        ] {
+            let e = check(args).expect_err(flag);
+            assert!(e.contains(flag), "{args:?}: {e}");
+        }
+    }
 
     #[test]
     fn restarts_back_off_after_quick_exits_and_cap() {
