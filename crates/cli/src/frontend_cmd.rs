@@ -65,6 +65,10 @@ pub struct HttpArgs {
     /// default) keeps none. Each frontend process has its own store.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
     pub responses_store_mib: u64,
+    /// vLLM's `--enable-force-include-usage`: streamed completions and chat responses end with
+    /// a usage chunk even when the request's `stream_options` do not ask for it.
+    #[arg(long)]
+    pub enable_force_include_usage: bool,
     /// How the model writes tool calls (vLLM's names): llama3_json, hermes, mistral, pythonic,
     /// qwen3_coder or phi4_mini_json (llama4_json, llama4_pythonic and qwen3_xml are taken as
     /// llama3_json, pythonic and qwen3_coder).
@@ -221,6 +225,9 @@ impl HttpArgs {
         }
         if self.return_tokens_as_token_ids {
             v.push("--return-tokens-as-token-ids".into());
+        }
+        if self.enable_force_include_usage {
+            v.push("--enable-force-include-usage".into());
         }
         if self.responses_store_mib > 0 {
             v.extend([
@@ -476,6 +483,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         return_tokens_as_token_ids: a.http.return_tokens_as_token_ids,
         responses_store_bytes: usize::try_from(a.http.responses_store_mib << 20)
             .unwrap_or(usize::MAX),
+        force_include_usage: a.http.enable_force_include_usage,
         // Frontends of one instance take distinct streams: the slot moves the start by 2^40.
         seed: a
             .seed
@@ -735,6 +743,9 @@ mod tests {
         assert_eq!(d.responses_store_mib, 0);
         assert!(!d.to_flags().iter().any(|f| f.contains("store")));
         assert!(parse(&["--responses-store-mib", "-1"]).is_err());
+        let f = parse(&["--enable-force-include-usage"]).unwrap().to_flags();
+        let back = parse(&f.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(back.enable_force_include_usage, "{f:?}");
         assert!(parse(&["--responses-store-mib", "2000000"]).is_err());
     }
 

@@ -91,6 +91,9 @@ pub struct ServerConfig {
     /// The Responses API store's budget in bytes of JSON ([`crate::store`]); 0 (the default,
     /// as vLLM's) stores nothing.
     pub responses_store_bytes: usize,
+    /// vLLM's `--enable-force-include-usage`: streamed completions and chat responses end
+    /// with a usage chunk even without `stream_options.include_usage`.
+    pub force_include_usage: bool,
 }
 
 impl ServerConfig {
@@ -115,6 +118,7 @@ impl ServerConfig {
             return_tokens_as_token_ids: false,
             seed: None,
             responses_store_bytes: 0,
+            force_include_usage: false,
         }
     }
 }
@@ -1961,7 +1965,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
             seqs,
             prompt_tokens,
             n,
-            gen.include_usage,
+            gen.include_usage || st.config.force_include_usage,
             gen.continuous_usage,
         ));
     }
@@ -2293,7 +2297,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
             seqs,
             prompt_tokens,
             n,
-            gen.include_usage,
+            gen.include_usage || st.config.force_include_usage,
             gen.continuous_usage,
         ));
     }

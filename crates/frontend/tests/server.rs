@@ -8529,3 +8529,40 @@ async fn responses_store_keeps_responses_for_previous_response_id_get_and_delete
     let v = response(plain.addr, &first).await;
     assert_eq!(v["store"], false);
 }
+
+/// vLLM's `--enable-force-include-usage`: a streamed completion or chat response ends with a
+/// usage chunk though the request did not ask for one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_include_usage_adds_the_usage_chunk_to_every_stream() {
+    let usage_chunks = |r: &common::Resp| {
+        r.events()
+            .iter()
+            .filter(|e| e.as_str() != "[DONE]")
+            .filter(|e| {
+                let v: Value = serde_json::from_str(e).unwrap();
+                v["usage"].is_object()
+            })
+            .count()
+    };
+    let body = json!({"prompt": "Once upon", "max_tokens": 3, "stream": true});
+    let plain = start(Opts::default()).await;
+    assert_eq!(
+        usage_chunks(&post(plain.addr, "/v1/completions", &body).await),
+        0
+    );
+    let forced = start_chat(Opts {
+        force_include_usage: true,
+        ..Opts::default()
+    })
+    .await;
+    assert_eq!(
+        usage_chunks(&post(forced.addr, "/v1/completions", &body).await),
+        1
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                      "stream": true});
+    assert_eq!(
+        usage_chunks(&post(forced.addr, "/v1/chat/completions", &chat).await),
+        1
+    );
+}

@@ -58,6 +58,8 @@ pub struct Opts {
     pub return_tokens_as_token_ids: bool,
     /// [`ServerConfig::responses_store_bytes`] (0: no store).
     pub responses_store_bytes: usize,
+    /// [`ServerConfig::force_include_usage`].
+    pub force_include_usage: bool,
     /// The `/v1/models` root ([`AppState::with_model_root`]; default: the server's default).
     pub model_root: Option<String>,
 }
@@ -156,6 +158,7 @@ pub async fn start(opts: Opts) -> TestServer {
         sampling_defaults: opts.sampling_defaults,
         return_tokens_as_token_ids: opts.return_tokens_as_token_ids,
         responses_store_bytes: opts.responses_store_bytes,
+        force_include_usage: opts.force_include_usage,
         ..scripted_config()
     };
     let state = AppState::new(config, tokenizer.expect("tokenizer"), engine.clone(), eos)
