@@ -372,6 +372,7 @@ fn in_process_events(reqs: &[Req]) -> Vec<baton_scheduler::Event> {
                     }
                 }),
                 bad_words: r.bad_words.clone(),
+                lora: 0,
             })
             .expect("admitted");
     }

@@ -210,6 +210,7 @@ pub fn submit(link: &mut FrontendLink, r: &Req) {
             guide_after: r.guide_after,
             priority: r.priority,
             bad_words: &r.bad_words,
+            lora: 0,
         },
         Duration::from_secs(5),
     )

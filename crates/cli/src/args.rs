@@ -645,3 +645,99 @@ mod tests {
         assert_eq!(expand_vllm_short_flags(other.clone()), other);
     }
 }
+
+/// LoRA flags (vLLM's names), taken by `serve` and by each daemon: the scheduler publishes
+/// the adapters' fingerprint, the worker loads them, the frontend maps request `model`
+/// names to adapter ids (`baton serve` passes the same flags to all three).
+#[derive(Args, Clone, Debug, Default)]
+pub struct LoraArgs {
+    /// Serve LoRA adapters (vLLM's `--enable-lora`); needed with --lora-modules.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// LoRA adapters as NAME=PATH or a JSON object {"name": ..., "path": ...}, each a Hugging
+    /// Face PEFT directory (adapter_config.json and adapter_model.safetensors); a request
+    /// whose `model` is NAME runs with that adapter. Several may follow one flag, and the
+    /// flag may repeat.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+    /// The largest adapter rank accepted (vLLM's `--max-lora-rank`, default 16, at most 512).
+    #[arg(long, default_value_t = baton_model::lora::DEFAULT_MAX_LORA_RANK,
+          value_parser = parse_lora_rank)]
+    pub max_lora_rank: usize,
+    /// vLLM's `--max-loras` (adapters in one batch, default 1). Accepted (at least 1) and not
+    /// limiting: every adapter stays loaded and a batch mixes any of them.
+    #[arg(long, default_value_t = 1, value_parser = parse_at_least_one)]
+    pub max_loras: usize,
+    /// vLLM's `--max-cpu-loras`. Accepted (at least --max-loras) and not limiting, as
+    /// --max-loras.
+    #[arg(long, value_parser = parse_at_least_one)]
+    pub max_cpu_loras: Option<usize>,
+}
+
+fn parse_lora_rank(s: &str) -> Result<usize, String> {
+    let max = baton_model::lora::MAX_LORA_RANK;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("expected a rank from 1 to {max}, not {s:?}")),
+    }
+}
+
+fn parse_at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("expected an integer of at least 1, not {s:?}")),
+    }
+}
+
+impl LoraArgs {
+    /// The adapters, in flag order (adapter id `i + 1` is entry `i`).
+    ///
+    /// # Errors
+    /// --lora-modules without --enable-lora, a malformed or repeated entry, --max-cpu-loras
+    /// below --max-loras.
+    pub fn modules(&self) -> anyhow::Result<Vec<baton_model::LoraModule>> {
+        if !self.lora_modules.is_empty() && !self.enable_lora {
+            anyhow::bail!("--lora-modules needs --enable-lora (as in vLLM)");
+        }
+        if let Some(c) = self.max_cpu_loras {
+            if c < self.max_loras {
+                anyhow::bail!(
+                    "--max-cpu-loras {c} is below --max-loras {}; it must be at least that",
+                    self.max_loras
+                );
+            }
+        }
+        baton_model::LoraModule::parse_all(&self.lora_modules).map_err(anyhow::Error::msg)
+    }
+
+    /// The modules and their fingerprint (`baton_model::lora::lora_fingerprint`).
+    ///
+    /// # Errors
+    /// As [`LoraArgs::modules`], or an adapter file that cannot be read.
+    pub fn fingerprinted(&self) -> anyhow::Result<(Vec<baton_model::LoraModule>, u64)> {
+        let m = self.modules()?;
+        let f = baton_model::lora::lora_fingerprint(&m)?;
+        Ok((m, f))
+    }
+
+    /// The flags that reproduce these values, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.enable_lora {
+            v.push("--enable-lora".into());
+        }
+        for m in &self.lora_modules {
+            v.push(format!("--lora-modules={m}"));
+        }
+        v.extend([
+            "--max-lora-rank".into(),
+            self.max_lora_rank.to_string(),
+            "--max-loras".into(),
+            self.max_loras.to_string(),
+        ]);
+        if let Some(c) = self.max_cpu_loras {
+            v.extend(["--max-cpu-loras".into(), c.to_string()]);
+        }
+        v
+    }
+}

@@ -82,6 +82,7 @@ fn request(id: u64, max_tokens: u32) -> NewRequest {
         cache_salt: 0,
         guide: None,
         bad_words: Vec::new(),
+        lora: 0,
     }
 }
 
@@ -146,6 +147,8 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
         launch_timeout: None,
         trace: None,
         vocabulary: None,
+        lora_count: 0,
+        lora_fingerprint: 0,
     })?;
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
@@ -191,6 +194,7 @@ fn rings_steps_per_sec(n: usize, steps: usize) -> Result<(f64, f64)> {
             guide_after: None,
             priority: 0,
             bad_words: &[],
+            lora: 0,
         };
         link.submit(&a, Duration::from_secs(5))?;
     }

@@ -244,6 +244,8 @@ fn row(slot: usize, first_pos: usize, n: usize, block_size: usize, sample: bool)
         pending_launch: NOT_PENDING,
         pending_row: 0,
         output_index: 0,
+        lora: 0,
+        reserved: 0,
         params: SamplingParams::greedy(),
     }
 }

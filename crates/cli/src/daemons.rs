@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use baton_model::{LoadFormat, ModelConfig, ModelDir, ModelError};
 use baton_scheduler::daemon::{DaemonConfig, SchedulerDaemon};
 use baton_worker::daemon::{self, WorkerDaemon};
-use baton_worker::{CpuBackend, KvCapacity, NullBackend};
+use baton_worker::{Backend, CpuBackend, KvCapacity, NullBackend};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -49,6 +49,10 @@ pub struct SchedulerArgs {
     /// Scheduler and KV-cache flags.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// LoRA adapters: the scheduler publishes their count and fingerprint, so workers and
+    /// frontends with another list refuse to attach.
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
 }
 
 /// Which device a worker runs on.
@@ -110,6 +114,9 @@ pub struct WorkerArgs {
     /// CUDA flags (with --device cuda). The KV pool has exactly the scheduler's page count.
     #[command(flatten)]
     pub cuda: CudaArgs,
+    /// LoRA adapters the worker loads (the scheduler's list).
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
 }
 
 /// SIGTERM and SIGINT set the returned flag.
@@ -187,6 +194,7 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     let format = a.load_format.with_seed_flag(a.seed, a.model.as_deref())?;
+    let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
     let (mut model_cfg, vocab, weights_fingerprint) = match &a.model {
         Some(dir) => {
             let dir = ModelDir::new(dir);
@@ -279,6 +287,8 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
             )?,
             None => None,
         },
+        lora_count: lora_modules.len() as u32,
+        lora_fingerprint,
     };
     let kv = KvCacheDtype::from_code(cfg.kv_dtype).map_or(String::new(), |d| {
         format!(" ({} on a CPU worker)", KvCacheDtype::Is(d).name())
@@ -324,6 +334,10 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
         crate::args::check_quantization_of(a.quantization.as_deref(), dir)?;
     }
     let wait = Duration::from_secs_f64(a.attach_timeout.max(0.0));
+    let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
+    if a.device == Device::Null && !lora_modules.is_empty() {
+        bail!("--lora-modules: the null backend computes nothing and serves no adapters");
+    }
     // The null backend's weights are what it stands in for: the scheduler's dummy weights
     // (same --load-format dummy --seed), or none.
     let null_format = match a.device {
@@ -353,20 +367,26 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             let format = a.load_format.with_seed_flag(a.seed, Some(&dir))?;
             // A worker uses nothing from generation_config.json or the tokenizer: they are
             // the scheduler's and the frontends' to read and report.
-            Some((
-                dir.clone(),
-                ModelDir::new(&dir).load_mapped_weights(format)?,
-            ))
+            let weights = ModelDir::new(&dir).load_mapped_weights(format)?;
+            let adapters = baton_model::LoraAdapter::load_all(
+                &lora_modules,
+                &weights.config,
+                a.lora.max_lora_rank,
+            )?;
+            Some((dir.clone(), weights, adapters))
         }
     };
     let (segment, limits) = daemon::attach(&a.instance, wait)?;
+    if loaded.is_some() {
+        check_lora_fingerprint(&limits, lora_fingerprint, "worker", &a.instance)?;
+    }
     // The RoPE factors of the scheduler's served length (its fingerprint covers them).
-    let loaded = loaded.map(|(dir, mut l)| {
+    let loaded = loaded.map(|(dir, mut l, adapters)| {
         l.config.set_max_model_len(limits.max_model_len);
-        (dir, l)
+        (dir, l, adapters)
     });
     match (a.device, loaded) {
-        (Device::Cpu, Some((dir, loaded))) => {
+        (Device::Cpu, Some((dir, loaded, adapters))) => {
             let weights = loaded.weights_fingerprint;
             let (mut model, _) = loaded.into_cpu_model()?;
             model
@@ -378,20 +398,23 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
                 .kv_cache_dtype
                 .for_worker(limits.kv_dtype, model.config())
                 .map_err(anyhow::Error::msg)?;
-            let backend =
+            let mut backend =
                 CpuBackend::try_new(model, limits.num_blocks, limits.block_size, kv_dtype)
                     .map_err(anyhow::Error::msg)?;
+            let n_lora = adapters.len();
+            backend.set_lora_adapters(adapters)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             say!(
                 "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
-                 threads, {} KV cache) attached to {}",
+                 threads, {} KV cache{}) attached to {}",
                 dir.display(),
                 KvCacheDtype::Is(kv_dtype).name(),
+                lora_note(n_lora),
                 a.instance
             );
             w.run(&stop)?;
         }
-        (Device::Cuda, Some((dir, loaded))) => {
+        (Device::Cuda, Some((dir, loaded, adapters))) => {
             let sizes = CudaSizes {
                 block_size: limits.block_size,
                 num_blocks: Some(limits.num_blocks),
@@ -400,11 +423,14 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
                 max_model_len: limits.max_model_len,
             };
             let weights = loaded.weights_fingerprint;
-            let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            let mut backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            let n_lora = adapters.len();
+            backend.set_lora_adapters(adapters)?;
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             say!(
-                "baton worker: cuda backend ({}) attached to {}",
+                "baton worker: cuda backend ({}{}) attached to {}",
                 dir.display(),
+                lora_note(n_lora),
                 a.instance
             );
             w.run(&stop)?;
@@ -438,6 +464,40 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             say!("baton worker: null backend attached to {}", a.instance);
             w.run(&stop)?;
         }
+    }
+    Ok(())
+}
+
+/// `; N LoRA adapters` for a start-up line (empty for none).
+fn lora_note(n: usize) -> String {
+    match n {
+        0 => String::new(),
+        n => format!("; {}", crate::args::count(n, "LoRA adapter")),
+    }
+}
+
+/// A worker or frontend's `--lora-modules` (fingerprint `mine`) must be the scheduler's:
+/// adapter id `i` means entry `i` in every process.
+///
+/// # Errors
+/// The lists differ.
+pub fn check_lora_fingerprint(
+    limits: &baton_proto::plane::PlaneLimits,
+    mine: u64,
+    who: &str,
+    instance: &str,
+) -> Result<()> {
+    if limits.lora_fingerprint != mine {
+        let theirs = match limits.lora_count {
+            0 => "none".to_string(),
+            n => crate::args::count(n as usize, "adapter"),
+        };
+        bail!(
+            "this {who}'s --lora-modules are not the scheduler's (instance {instance} serves \
+             {theirs}, fingerprint {:016x}; this {who}'s {mine:016x}): give every process the \
+             same --enable-lora --lora-modules list, in the same order",
+            limits.lora_fingerprint
+        );
     }
     Ok(())
 }

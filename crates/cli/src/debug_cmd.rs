@@ -395,6 +395,7 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
                 block_table: b,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             })
             .collect();
         let (cpu_logits, cpu_layers) = cpu.forward_with_layer_outputs(&mut kv, &fw)?;

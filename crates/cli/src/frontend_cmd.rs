@@ -308,6 +308,9 @@ pub struct FrontendArgs {
     /// so frontends of one instance differ; default: a random seed per sequence).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// LoRA adapters: a request whose `model` names one runs with it (the scheduler's list).
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
 }
 
 /// The model name clients use for `dir` unless `--served-model-name` is given.
@@ -327,6 +330,8 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 /// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
 pub fn run(a: FrontendArgs) -> Result<()> {
     a.http.check()?;
+    let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
+    check_lora_names(&lora_modules, &a.http, &a.model)?;
     let sampling_defaults = a.http.sampling_defaults(&a.model)?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.http.tokenizer.as_ref());
     let tc_path = dir.tokenizer_config_path();
@@ -411,6 +416,12 @@ pub fn run(a: FrontendArgs) -> Result<()> {
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     };
+    crate::daemons::check_lora_fingerprint(
+        &link.limits(),
+        lora_fingerprint,
+        "frontend",
+        &a.instance,
+    )?;
     let theirs = link.limits().tokenizer_fingerprint;
     if theirs != 0 {
         let mine = baton_model::tokenizer_fingerprint(&dir.tokenizer_path())?;
@@ -484,6 +495,10 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         responses_store_bytes: usize::try_from(a.http.responses_store_mib << 20)
             .unwrap_or(usize::MAX),
         force_include_usage: a.http.enable_force_include_usage,
+        lora_modules: lora_modules
+            .iter()
+            .map(|m| (m.name.clone(), m.path.display().to_string()))
+            .collect(),
         // Frontends of one instance take distinct streams: the slot moves the start by 2^40.
         seed: a
             .seed
@@ -533,6 +548,31 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// A LoRA adapter's name must not be one the base model is served under (the request
+/// would be ambiguous; vLLM refuses it too).
+///
+/// # Errors
+/// A name taken by `--served-model-name` or the `--model` string.
+pub fn check_lora_names(
+    modules: &[baton_model::LoraModule],
+    http: &HttpArgs,
+    model: &std::path::Path,
+) -> Result<()> {
+    let base: Vec<String> = if http.served_model_name.is_empty() {
+        vec![default_model_name(model), model.display().to_string()]
+    } else {
+        http.served_model_name.clone()
+    };
+    if let Some(m) = modules.iter().find(|m| base.contains(&m.name)) {
+        bail!(
+            "--lora-modules {}: the name is the base model's served name; give the adapter \
+             another name",
+            m.name
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -581,6 +581,7 @@ pub fn generate<B: baton_worker::Backend>(
                 cache_salt: 0,
                 guide: None,
                 bad_words: Vec::new(),
+                lora: 0,
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

@@ -83,6 +83,9 @@ pub struct ServeArgs {
     /// vLLM flags whose only value here is what Baton does anyway.
     #[command(flatten)]
     pub vllm: VllmFlags,
+    /// LoRA adapters, passed to the scheduler, the worker and the frontend.
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
 }
 
 /// vLLM `serve` flags a copied command line often carries, accepted where their value is what
@@ -361,6 +364,26 @@ fn cuda_kv_blocks(a: &ServeArgs) -> Result<usize> {
     Ok(n)
 }
 
+/// The adapters load for this model (each is read here once more than by the worker, so a
+/// bad one stops `serve` before any child starts), under names the base model does not use.
+///
+/// # Errors
+/// As `LoraArgs::modules`, `LoraAdapter::load` and `check_lora_names`; an adapter with
+/// --device null.
+fn check_lora(a: &ServeArgs) -> Result<()> {
+    let modules = a.lora.modules()?;
+    if modules.is_empty() {
+        return Ok(());
+    }
+    if a.device == Device::Null {
+        bail!("--lora-modules: the null backend computes nothing and serves no adapters");
+    }
+    crate::frontend_cmd::check_lora_names(&modules, &a.http, &a.model)?;
+    let cfg = baton_model::ModelConfig::from_file(&a.model.join("config.json"))?;
+    baton_model::LoraAdapter::load_all(&modules, &cfg, a.lora.max_lora_rank)?;
+    Ok(())
+}
+
 fn engine_flags(e: &EngineArgs) -> Vec<String> {
     let mut v = vec![
         "--max-num-seqs".into(),
@@ -449,6 +472,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     a.http.check()?;
     crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
+    check_lora(&a)?;
     a.http.sampling_defaults(&a.model)?;
     if let Some(t) = &a.http.chat_template {
         let source = baton_frontend::chat::load_template_arg(t)?;
@@ -558,6 +582,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     front_args.extend(a.http.to_flags());
     if let Some(seed) = a.seed {
         front_args.extend(["--seed".into(), seed.to_string()]);
+    }
+    let lora = a.lora.to_args();
+    for v in [&mut sched_args, &mut worker_args, &mut front_args] {
+        v.extend(lora.iter().cloned());
     }
 
     let mut kids = [

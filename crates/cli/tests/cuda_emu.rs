@@ -1098,6 +1098,8 @@ fn token_masked_rows_match_the_cpu_worker_with_graphs_and_eagerly() {
                         pending_launch: NOT_PENDING,
                         pending_row: 0,
                         output_index: step as u32,
+                        lora: 0,
+                        reserved: 0,
                         params: SamplingParams {
                             token_mask: u32::from(masks && guided[s]),
                             ..params[s]
@@ -1542,6 +1544,8 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
                     pending_launch: NOT_PENDING,
                     pending_row: 0,
                     output_index: out as u32,
+                    lora: 0,
+                    reserved: 0,
                     params: params[s],
                 };
                 if k == 1 {

@@ -45,6 +45,7 @@ fn oracle(
             block_table: &pages,
             want_logits: true,
             all_logits: false,
+            lora: 0,
         };
         let mut logits = model.forward(&mut kv, &[row]).unwrap().remove(0);
         pos += input.len();

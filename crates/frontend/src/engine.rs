@@ -64,6 +64,8 @@ pub struct EngineRequest {
     pub priority: i32,
     /// vLLM's `bad_words` as token sequences (see `baton_scheduler::NewRequest::bad_words`).
     pub bad_words: Vec<Vec<u32>>,
+    /// The LoRA adapter (0: the base model; see `baton_scheduler::NewRequest::lora`).
+    pub lora: u32,
 }
 
 /// What the engine reports about one request.

@@ -161,6 +161,7 @@ impl EngineClient for LocalEngineClient {
             cache_salt: req.cache_salt,
             guide: req.guided.map(|g| g.guide),
             bad_words: req.bad_words,
+            lora: req.lora,
         };
         check_admission(&self.cfg, self.vocab_size, &new)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;

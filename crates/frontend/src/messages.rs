@@ -774,8 +774,8 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let arrived = Instant::now();
     let limits = st.engine.limits();
     let req = parse(&body, &st, false)?;
-    st.check_model(req.model.as_deref())?;
     let mut gen = req.gen.clone();
+    gen.lora = st.check_model(req.model.as_deref())?;
     let mode = st.call_mode(&req.tool_choice, &mut gen)?;
     let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let ids = prompt_ids(&st, &req, limits.max_model_len).await?;
@@ -790,7 +790,7 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
     let prompt_tokens = ids.len();
     let seqs = st.submit_all(&[(ids, max)], &gen, arrived)?;
     let id = message_id();
-    let model = st.config.served_model_name.clone();
+    let model = st.model_name(gen.lora);
     let ids_form = st.config.tool_call_parser;
     if gen.stream {
         let s = Streamer {

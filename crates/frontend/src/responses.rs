@@ -244,9 +244,9 @@ async fn create_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiErr
         prefix,
         conversation,
     } = with_previous(&st, body)?;
-    let req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)
+    let mut req = validate::parse_responses(&body, &limits, &st.config.sampling_defaults)
         .map_err(|e| own_index(e, prefix))?;
-    st.check_model(req.model.as_deref())?;
+    req.gen.lora = st.check_model(req.model.as_deref())?;
     let mut gen = req.gen.clone();
     let mode = st.call_mode(&req.tool_choice, &mut gen)?;
     let mut template_vars = serde_json::Map::new();
@@ -814,7 +814,7 @@ impl Shell {
             msg_id: object_id("msg"),
             rs_id: object_id("rs"),
             created_at: now_secs(),
-            model: st.config.served_model_name.clone(),
+            model: st.model_name(req.gen.lora),
             instructions: req.instructions.clone(),
             max_tool_calls: req.max_tool_calls,
             max_output_tokens,

@@ -466,6 +466,7 @@ impl EngineClient for RingEngineClient {
             // already refused the combinations `check_admission` would (no copy needed here).
             guide: None,
             bad_words: req.bad_words.clone(),
+            lora: req.lora,
         };
         baton_scheduler::check_admission(&cfg, self.limits().vocab_size, &probe)
             .map_err(|e| SubmitError::Rejected(e.to_string()))?;
@@ -492,6 +493,7 @@ impl EngineClient for RingEngineClient {
             guide_after: req.guided.as_ref().and_then(|g| g.after),
             priority: req.priority,
             bad_words: &req.bad_words,
+            lora: req.lora,
         };
         let mut slots = Vec::new();
         LinkSender::encode_admission(&a, &mut slots);

@@ -94,6 +94,11 @@ pub struct ServerConfig {
     /// vLLM's `--enable-force-include-usage`: streamed completions and chat responses end
     /// with a usage chunk even without `stream_options.include_usage`.
     pub force_include_usage: bool,
+    /// vLLM's `--lora-modules`, `(name, path)` in flag order: a request whose `model` is a
+    /// name runs with that adapter (id `i + 1`, which the scheduler and worker resolve from
+    /// the same list), responses report the name, and `/v1/models` lists each with the base
+    /// model as `parent`.
+    pub lora_modules: Vec<(String, String)>,
 }
 
 impl ServerConfig {
@@ -119,6 +124,7 @@ impl ServerConfig {
             seed: None,
             responses_store_bytes: 0,
             force_include_usage: false,
+            lora_modules: Vec::new(),
         }
     }
 }
@@ -363,9 +369,10 @@ impl AppState {
         Ok(ids)
     }
 
-    /// A request's `model` must name a served model; absent, null or `""` means the first
-    /// (vLLM's `_is_model_supported` takes an empty name too).
-    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// A request's `model` must name a served model or a LoRA adapter; absent, null or `""`
+    /// means the first (vLLM's `_is_model_supported` takes an empty name too). Returns the
+    /// adapter id: 0 for the base model, `i + 1` for `config.lora_modules[i]`.
+    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<u32, ApiError> {
         match model {
             Some(m)
                 if !m.is_empty()
@@ -373,13 +380,25 @@ impl AppState {
                     && !self.config.more_served_model_names.iter().any(|a| a == m)
                     && !self.config.model_aliases.iter().any(|a| a == m) =>
             {
-                Err(ApiError::not_found(
-                    Some("model"),
-                    format!("The model `{m}` does not exist."),
-                ))
+                match self.config.lora_modules.iter().position(|(n, _)| n == m) {
+                    Some(i) => Ok(i as u32 + 1),
+                    None => Err(ApiError::not_found(
+                        Some("model"),
+                        format!("The model `{m}` does not exist."),
+                    )),
+                }
             }
-            _ => Ok(()),
+            _ => Ok(0),
         }
+    }
+
+    /// The name responses report for adapter id `lora` ([`AppState::check_model`]): the
+    /// adapter's, or the first served name for the base model.
+    pub(crate) fn model_name(&self, lora: u32) -> String {
+        (lora as usize)
+            .checked_sub(1)
+            .and_then(|i| self.config.lora_modules.get(i))
+            .map_or_else(|| self.config.served_model_name.clone(), |(n, _)| n.clone())
     }
 
     fn special_token(&self, text: Option<&String>, fallback: Option<u32>) -> String {
@@ -742,6 +761,7 @@ impl AppState {
                     guided: guided.clone(),
                     priority: gen.priority,
                     bad_words: bad_words.clone(),
+                    lora: gen.lora,
                 };
                 let (id, rx) = self.engine.submit(req).map_err(|e| match e {
                     SubmitError::Rejected(m) => ApiError::invalid(None, m),
@@ -1291,11 +1311,28 @@ fn model_card(st: &AppState, name: &str) -> Value {
     })
 }
 
-/// `GET /v1/models`: one entry per served name, as vLLM lists them (not the aliases).
+/// The `/v1/models` entry of LoRA adapter `i` (`config.lora_modules[i]`), as vLLM's: its
+/// path as `root`, the base model's first served name as `parent`.
+fn lora_card(st: &AppState, i: usize) -> Value {
+    let (name, path) = &st.config.lora_modules[i];
+    json!({
+        "id": name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "baton",
+        "root": path,
+        "parent": st.config.served_model_name,
+        "max_model_len": st.engine.limits().max_model_len,
+    })
+}
+
+/// `GET /v1/models`: one entry per served name, as vLLM lists them (not the aliases), then
+/// one per LoRA adapter.
 async fn models(State(st): State<Arc<AppState>>) -> Response {
     let data: Vec<Value> = std::iter::once(&st.config.served_model_name)
         .chain(&st.config.more_served_model_names)
         .map(|name| model_card(&st, name))
+        .chain((0..st.config.lora_modules.len()).map(|i| lora_card(&st, i)))
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -1306,11 +1343,12 @@ async fn model_by_id(
     axum::extract::Path(model): axum::extract::Path<String>,
 ) -> Response {
     match st.check_model(Some(&model)) {
+        Ok(lora @ 1..) => Json(lora_card(&st, lora as usize - 1)).into_response(),
         // A served name has its own card; an alias gets the first name's.
-        Ok(()) if st.config.more_served_model_names.contains(&model) => {
+        Ok(_) if st.config.more_served_model_names.contains(&model) => {
             Json(model_card(&st, &model)).into_response()
         }
-        Ok(()) => Json(model_card(&st, &st.config.served_model_name)).into_response(),
+        Ok(_) => Json(model_card(&st, &st.config.served_model_name)).into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -1681,6 +1719,8 @@ struct ChunkHead {
     tokens_as_ids: bool,
     /// vLLM's `return_token_ids`.
     token_ids: bool,
+    /// The `model` every chunk reports ([`AppState::model_name`]).
+    model: String,
 }
 
 impl ChunkHead {
@@ -1700,7 +1740,7 @@ impl ChunkHead {
             id: self.id.clone(),
             object: self.object,
             created: self.created,
-            model: self.st.config.served_model_name.clone(),
+            model: self.model.clone(),
             choices,
             usage,
             prompt_token_ids,
@@ -1862,8 +1902,8 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let limits = st.engine.limits();
-    let req = validate::parse_completion(&body, &limits, &st.config.sampling_defaults)?;
-    st.check_model(req.model.as_deref())?;
+    let mut req = validate::parse_completion(&body, &limits, &st.config.sampling_defaults)?;
+    req.gen.lora = st.check_model(req.model.as_deref())?;
     let gen = &req.gen;
     let mut prompts = Vec::with_capacity(req.prompts.len());
     let mut echo_texts = Vec::new();
@@ -1944,6 +1984,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
                 logprobs: gen.logprobs.is_some(),
                 tokens_as_ids: st.tokens_as_ids(gen),
                 token_ids: gen.return_token_ids,
+                model: st.model_name(gen.lora),
             },
             echo: (0..seqs.len())
                 .map(|i| {
@@ -2015,7 +2056,7 @@ async fn completions_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, A
         id,
         object: "text_completion",
         created,
-        model: st.config.served_model_name.clone(),
+        model: st.model_name(gen.lora),
         choices,
         usage: Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens)),
         prompt_token_ids: None,
@@ -2228,8 +2269,8 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
     let arrived = Instant::now();
     let limits = st.engine.limits();
     let req = validate::parse_chat(&body, &limits, &st.config.sampling_defaults)?;
-    st.check_model(req.model.as_deref())?;
     let mut gen = req.gen.clone();
+    gen.lora = st.check_model(req.model.as_deref())?;
     let parser = st.call_mode(&req.tool_choice, &mut gen)?;
     let reasoning = st.reasoning_parser(&mut gen, &req.template_kwargs);
     let gen = &gen;
@@ -2271,6 +2312,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
                 logprobs: gen.logprobs.is_some(),
                 tokens_as_ids: st.tokens_as_ids(gen),
                 token_ids: gen.return_token_ids,
+                model: st.model_name(gen.lora),
             },
             choices: seqs.len(),
             call_ids: st.config.tool_call_parser,
@@ -2368,7 +2410,7 @@ async fn chat_inner(st: Arc<AppState>, body: Bytes) -> Result<Response, ApiError
         id,
         object: "chat.completion",
         created,
-        model: st.config.served_model_name.clone(),
+        model: st.model_name(gen.lora),
         choices,
         usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
         prompt_logprobs,

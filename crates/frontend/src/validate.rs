@@ -301,6 +301,9 @@ pub struct GenParams {
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed to a non-zero u64 (0: none); see [`salt_hash`].
     pub cache_salt: u64,
+    /// The LoRA adapter the request's `model` names (0: the base model), set by the handler
+    /// from `AppState::check_model`.
+    pub lora: u32,
     /// vLLM's `priority` (lower runs earlier; default 0), accepted non-zero only when the
     /// scheduler runs the priority policy ([`EngineLimits::priority_scheduling`]).
     pub priority: i32,
@@ -1170,6 +1173,7 @@ pub fn parse_gen(
         allowed_only,
         min_tokens,
         priority: parse_priority(f, limits)?,
+        lora: 0,
         cache_salt: match f.get::<String>("cache_salt")? {
             None => 0,
             Some(s) if s.is_empty() => {

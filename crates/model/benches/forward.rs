@@ -46,6 +46,7 @@ fn main() {
             block_table: table,
             want_logits: false,
             all_logits: false,
+            lora: 0,
         };
         model.forward(&mut kv, &[row]).expect("prefill");
     }
@@ -64,6 +65,7 @@ fn main() {
                         block_table: t,
                         want_logits: true,
                         all_logits: false,
+                        lora: 0,
                     })
                     .collect();
                 model.forward(&mut kv, &rows).expect("decode")
@@ -82,6 +84,7 @@ fn main() {
                 block_table: &table,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             };
             model.forward(&mut kv, &[row]).expect("prefill")
         })
@@ -111,6 +114,7 @@ fn main() {
                 block_table: table,
                 want_logits: false,
                 all_logits: false,
+                lora: 0,
             };
             model.forward(&mut kv, &[row]).expect("prefill");
         }
@@ -127,6 +131,7 @@ fn main() {
                     block_table: &long_tables[0],
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 };
                 model.forward(&mut kv, &[row]).expect("prefill")
             })
@@ -144,6 +149,7 @@ fn main() {
                             block_table: t,
                             want_logits: true,
                             all_logits: false,
+                            lora: 0,
                         })
                         .collect();
                     model.forward(&mut kv, &rows).expect("decode")

@@ -49,6 +49,7 @@ fn main() {
                         block_table: &tables[s],
                         want_logits: true,
                         all_logits: false,
+                        lora: 0,
                     }],
                 )
                 .unwrap();
@@ -65,6 +66,7 @@ fn main() {
                     block_table: &tables[s],
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 })
                 .collect();
             model.forward(&mut kv, &rows).unwrap();

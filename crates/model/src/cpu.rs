@@ -10,6 +10,7 @@ use crate::attention::{self, KvElem};
 use crate::config::{Activation, ModelConfig};
 use crate::error::{ForwardError, ModelError};
 use crate::linear::Store;
+use crate::lora::{LoraAdapter, LoraLinear};
 use crate::vmath;
 use crate::weights::{
     layer_tensor_shapes, DType, LayerWeights, LlamaWeights, Tensor, WeightSource,
@@ -376,6 +377,9 @@ pub struct ForwardRow<'a> {
     /// Whether to return logits for every position of the row (prompt log-probabilities),
     /// which includes the last one; `want_logits` is then irrelevant.
     pub all_logits: bool,
+    /// The LoRA adapter the row runs with: 0 for none, `i + 1` for the `i`-th adapter given
+    /// to [`CpuModel::set_lora_adapters`].
+    pub lora: u32,
 }
 
 /// A linear layer `y = x · Wᵀ` with `W` `[n, k]` row-major, in the narrowest type that holds
@@ -477,6 +481,7 @@ struct MoeScratch {
 /// `out[t, hidden] = down(act(gate(x)) * up(x))` for `x` `[t, hidden]`, `gate_up` holding the
 /// gate rows then the up rows; `gu` and `a` are scratch.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 fn gated_mlp(
     gate_up: &Linear,
     down: &Linear,
@@ -486,12 +491,20 @@ fn gated_mlp(
     gu: &mut Vec<f32>,
     a: &mut Vec<f32>,
     out: &mut [f32],
+    lora: &LoraStep,
 ) {
     use rayon::prelude::*;
     let im = down.k;
     resize(gu, t * 2 * im);
     resize(a, t * im);
     gate_up.apply(x, t, gu);
+    lora.add(
+        LoraLinear::GateUp,
+        x,
+        gate_up.k,
+        &mut gu[..t * 2 * im],
+        2 * im,
+    );
     a[..t * im]
         .par_chunks_mut(im)
         .zip(gu[..t * 2 * im].par_chunks(2 * im))
@@ -503,6 +516,48 @@ fn gated_mlp(
             }
         });
     down.apply(&a[..t * im], t, out);
+    lora.add(LoraLinear::Down, &a[..t * im], im, out, down.n);
+}
+
+/// The LoRA updates of one layer of a forward step: the adapters, the layer, and each token's
+/// adapter id (0: none).
+struct LoraStep<'a> {
+    adapters: &'a [LoraAdapter],
+    layer: usize,
+    tok: &'a [u32],
+}
+
+impl LoraStep<'_> {
+    /// No update (no adapter in the step, or a mixture-of-experts MLP).
+    const NONE: LoraStep<'static> = LoraStep {
+        adapters: &[],
+        layer: 0,
+        tok: &[],
+    };
+
+    /// `out[i, ..] += ` token `i`'s adapter's update of `kind`, for `x` `[t, k]` and `out`
+    /// `[t, n]` (the fused layer's full output). One job per token on the current pool; each
+    /// token's bits depend only on its own row.
+    fn add(&self, kind: LoraLinear, x: &[f32], k: usize, out: &mut [f32], n: usize) {
+        use rayon::prelude::*;
+        if self.tok.iter().all(|&a| a == 0) {
+            return;
+        }
+        let t = self.tok.len();
+        out[..t * n]
+            .par_chunks_mut(n)
+            .zip(x[..t * k].par_chunks(k))
+            .zip(self.tok.par_iter())
+            .for_each(|((out, x), &a)| {
+                let Some(adapter) = (a as usize).checked_sub(1).map(|i| &self.adapters[i]) else {
+                    return;
+                };
+                let mut v = [0f32; crate::lora::MAX_LORA_RANK];
+                for part in &adapter.layers[self.layer][kind as usize] {
+                    part.apply_token(x, out, &mut v);
+                }
+            });
+    }
 }
 
 impl Moe {
@@ -570,6 +625,7 @@ impl Moe {
                 &mut s.gate_up,
                 &mut s.act,
                 &mut s.y[..m * h],
+                &LoraStep::NONE,
             );
             for (j, &(tok, slot)) in s.routed[e].iter().enumerate() {
                 let pair = tok * k + slot;
@@ -602,6 +658,7 @@ impl Moe {
                 &mut s.gate_up,
                 &mut s.act,
                 &mut s.y[..t * h],
+                &LoraStep::NONE,
             );
             for i in 0..t {
                 let g = 1.0 / (1.0 + (-s.shared_gate[i]).exp());
@@ -689,6 +746,8 @@ struct Scratch {
     logits: Vec<f32>,
     /// Per token of the batch: (row index, positions attended).
     tok_ctx: Vec<(usize, usize)>,
+    /// Per token of the batch: its row's LoRA adapter id (0: none).
+    tok_lora: Vec<u32>,
 }
 
 /// Attention multiply-adds (`Σ positions x query width` over the step's tokens) below which
@@ -726,6 +785,8 @@ pub struct CpuModel {
     scratch: Mutex<Scratch>,
     /// The threads a forward pass runs on (one by default; [`CpuModel::set_threads`]).
     pool: rayon::ThreadPool,
+    /// LoRA adapters; [`ForwardRow::lora`] `i + 1` is `lora[i]`.
+    lora: Vec<LoraAdapter>,
 }
 
 impl std::fmt::Debug for CpuModel {
@@ -961,7 +1022,41 @@ impl CpuModel {
                 field: "threads".into(),
                 reason,
             })?,
+            lora: Vec::new(),
         })
+    }
+
+    /// Serves `adapters` beside the base weights: [`ForwardRow::lora`] `i + 1` runs with
+    /// `adapters[i]` (each linear layer it updates adds `(x·Aᵀ)·(s·B)ᵀ` per token, after the
+    /// base layer; see [`crate::lora`]). Replaces the adapters set before.
+    ///
+    /// # Errors
+    /// An adapter loaded for another layer count, or of a rank above
+    /// [`crate::lora::MAX_LORA_RANK`].
+    pub fn set_lora_adapters(&mut self, adapters: Vec<LoraAdapter>) -> Result<(), ModelError> {
+        for a in &adapters {
+            if a.layers.len() != self.cfg.num_hidden_layers
+                || a.max_rank > crate::lora::MAX_LORA_RANK
+            {
+                return Err(ModelError::InvalidField {
+                    file: a.path.display().to_string(),
+                    field: "lora".into(),
+                    reason: format!(
+                        "adapter of {} layers and rank {} for a model of {} layers",
+                        a.layers.len(),
+                        a.max_rank,
+                        self.cfg.num_hidden_layers
+                    ),
+                });
+            }
+        }
+        self.lora = adapters;
+        Ok(())
+    }
+
+    /// The LoRA adapters served ([`CpuModel::set_lora_adapters`]).
+    pub fn lora_adapters(&self) -> &[LoraAdapter] {
+        &self.lora
     }
 
     /// Runs forward passes on `n` threads (at least 1): attention is split into (token, KV
@@ -1037,6 +1132,13 @@ impl CpuModel {
         for (r, row) in rows.iter().enumerate() {
             if row.tokens.is_empty() {
                 return Err(ForwardError::EmptyRow { row: r });
+            }
+            if row.lora as usize > self.lora.len() {
+                return Err(ForwardError::UnknownLora {
+                    row: r,
+                    lora: row.lora,
+                    loaded: self.lora.len(),
+                });
             }
             if let Some((index, &token)) = row
                 .tokens
@@ -1207,9 +1309,12 @@ impl CpuModel {
         resize(&mut s.sin, n_ropes * t * half);
         // Per token: its row and the number of positions it attends to.
         s.tok_ctx.clear();
+        s.tok_lora.clear();
         for (r, row) in rows.iter().enumerate() {
             s.tok_ctx
                 .extend((0..row.tokens.len()).map(|j| (r, row.start_pos + j + 1)));
+            s.tok_lora
+                .extend(std::iter::repeat_n(row.lora, row.tokens.len()));
         }
         let attn_macs: usize = s.tok_ctx.iter().map(|&(_, n_ctx)| n_ctx * q_w).sum();
         // Forking costs a few µs: a small step's attention runs on this thread (same bits).
@@ -1266,7 +1371,13 @@ impl CpuModel {
                     &mut s.xn[i * h..(i + 1) * h],
                 );
             }
+            let lora = LoraStep {
+                adapters: &self.lora,
+                layer: li,
+                tok: &s.tok_lora,
+            };
             layer.qkv.apply(&s.xn, t, &mut s.qkv);
+            lora.add(LoraLinear::Qkv, &s.xn, h, &mut s.qkv, qkv_w);
             if let Some(b) = &layer.qkv_bias {
                 for tok in s.qkv[..t * qkv_w].chunks_exact_mut(qkv_w) {
                     tok.iter_mut().zip(b).for_each(|(x, &bb)| *x += bb);
@@ -1331,6 +1442,7 @@ impl CpuModel {
                 KvData::F16(k, v) => step.run(k, v, attn),
             }
             layer.o.apply(&s.attn, t, &mut s.tmp);
+            lora.add(LoraLinear::O, &s.attn, q_w, &mut s.tmp, h);
             add_residual(
                 &mut s.x[..t * h],
                 &mut s.tmp[..t * h],
@@ -1357,6 +1469,7 @@ impl CpuModel {
                     &mut s.gate_up,
                     &mut s.act,
                     &mut s.tmp[..t * h],
+                    &lora,
                 ),
                 Mlp::Moe(m) => m.forward(
                     c.hidden_act,
@@ -1480,6 +1593,7 @@ mod tests {
                 block_table: &table,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             };
             let mut out = vec![bits(
                 &model.forward(&mut kv, &[row(&prompt, 0)]).unwrap()[0],
@@ -1512,6 +1626,7 @@ mod tests {
                     block_table: &ftable,
                     want_logits: false,
                     all_logits: false,
+                    lora: 0,
                 },
                 ForwardRow {
                     tokens: &prompt[pos..pos + chunk],
@@ -1519,6 +1634,7 @@ mod tests {
                     block_table: &table,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 },
             ];
             let l = model.forward(&mut kv, &rows).unwrap();
@@ -1535,6 +1651,7 @@ mod tests {
                     block_table: &table,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 },
                 ForwardRow {
                     tokens: &filler[500 + 40 * i..540 + 40 * i],
@@ -1542,6 +1659,7 @@ mod tests {
                     block_table: &ftable,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 },
             ];
             got.push(bits(&model.forward(&mut kv, &rows).unwrap()[0]));
@@ -1582,6 +1700,7 @@ mod tests {
                 block_table: &table,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             };
             m.forward(&mut kv, &[row]).unwrap()
         };

@@ -283,6 +283,16 @@ pub enum ForwardError {
         /// Values per buffer (`T * hidden`).
         values: usize,
     },
+    /// A row names a LoRA adapter id past the ones loaded.
+    #[error("row {row}: LoRA adapter {lora}, but {loaded} are loaded")]
+    UnknownLora {
+        /// Row index in the batch.
+        row: usize,
+        /// The id asked for.
+        lora: u32,
+        /// Adapters loaded.
+        loaded: usize,
+    },
 }
 
 /// `` `a`, `b` and 3 more `` for an error message.

@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod error;
 pub mod fingerprint;
 mod linear;
+pub mod lora;
 pub mod quant;
 pub mod tokenizer;
 mod vmath;
@@ -25,6 +26,7 @@ pub use config::{
 pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
 pub use error::{ForwardError, ModelError};
 pub use fingerprint::{dummy_weights_fingerprint, tokenizer_fingerprint, weights_fingerprint};
+pub use lora::{LoraAdapter, LoraModule};
 pub use tokenizer::Tokenizer;
 pub use weights::{
     DType, LayerWeights, LlamaWeights, ModelWeights, MoeWeights, RawTensor, Tensor, WeightSource,

@@ -435,6 +435,29 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
 }
 
 impl WeightSource {
+    /// Opens one safetensors file (a LoRA adapter's `adapter_model.safetensors`), its tensors
+    /// by their stored names.
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] if it cannot be read, [`ModelError::Safetensors`] for a corrupt file.
+    pub fn open_file(path: &Path) -> Result<Self, ModelError> {
+        let shard = open_shard(path)?;
+        let names = shard
+            .meta
+            .tensors()
+            .keys()
+            .map(|k| (k.clone(), 0))
+            .collect();
+        Ok(WeightSource {
+            shards: vec![shard],
+            names,
+            origin: path.to_path_buf(),
+            views: BTreeMap::new(),
+            copies: BTreeMap::new(),
+            aliases: BTreeMap::new(),
+        })
+    }
+
     /// Opens `dir/model.safetensors`, or else `dir/model.safetensors.index.json` and the shards
     /// its `weight_map` names.
     ///

@@ -52,6 +52,7 @@ fn dummy_1b_weights_are_deterministic_and_forward_gives_finite_logits() {
                 block_table: &table,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             }],
         )
         .unwrap()
@@ -76,6 +77,7 @@ fn dummy_1b_weights_are_deterministic_and_forward_gives_finite_logits() {
                     block_table: &table,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 }],
             )
             .unwrap()

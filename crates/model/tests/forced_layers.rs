@@ -21,6 +21,7 @@ fn forced_inputs_replace_each_layers_input_and_the_final_norms() {
         block_table: &table,
         want_logits: true,
         all_logits: false,
+        lora: 0,
     }];
     let run = |forced: Option<&[Vec<f32>]>| {
         let mut kv = PagedKvCache::new(&cfg, 4, 16);
@@ -64,6 +65,7 @@ fn forced_inputs_of_the_wrong_shape_are_an_error() {
         block_table: &table,
         want_logits: true,
         all_logits: false,
+        lora: 0,
     }];
     let mut kv = PagedKvCache::new(&cfg, 4, 16);
     let short = vec![vec![0.0; 3 * 64]; 2];

@@ -156,6 +156,7 @@ fn invalid_forward_rows_are_errors_and_write_nothing() {
         block_table: &[0],
         want_logits: true,
         all_logits: false,
+        lora: 0,
     };
     type Check = fn(&ForwardError) -> bool;
     let cases: Vec<(ForwardRow, Check)> = vec![

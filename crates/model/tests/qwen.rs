@@ -265,6 +265,7 @@ fn paged_logits(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<Vec<
                 block_table: &pages,
                 want_logits: true,
                 all_logits: true,
+                lora: 0,
             }],
         )
         .expect("prefill");
@@ -279,6 +280,7 @@ fn paged_logits(cfg: &ModelConfig, w: &LlamaWeights, tokens: &[u32]) -> Vec<Vec<
                         block_table: &pages,
                         want_logits: true,
                         all_logits: false,
+                        lora: 0,
                     }],
                 )
                 .expect("decode"),
@@ -573,6 +575,7 @@ fn chunked_logits(
             block_table: &table,
             want_logits: true,
             all_logits: true,
+            lora: 0,
         };
         out.extend(model.forward(&mut kv, &[row]).expect("forward"));
     }
@@ -922,6 +925,7 @@ fn mapped_logits(d: &std::path::Path) -> Vec<Vec<f32>> {
         block_table: &[0, 1, 2],
         want_logits: true,
         all_logits: true,
+        lora: 0,
     };
     mapped.forward(&mut kv, &[row]).unwrap()
 }
@@ -1097,6 +1101,7 @@ fn mixture_of_experts_logits_do_not_depend_on_the_batch() {
                 block_table: b,
                 want_logits: true,
                 all_logits: true,
+                lora: 0,
             })
             .collect();
         let mut kv = PagedKvCache::new(&cfg, 6, 4);

@@ -77,6 +77,7 @@ fn first_step_top5_logits_match_golden_within_1e4() {
                     block_table: &[0, 1, 2, 3],
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 }],
             )
             .unwrap()
@@ -196,6 +197,7 @@ fn mixed_prefill_decode_batches_give_bitwise_identical_logits_to_alone() {
                 block_table: &tables[s],
                 want_logits: want,
                 all_logits: false,
+                lora: 0,
             })
             .collect();
         if rows.iter().any(|r| r.tokens.len() > 1) && rows.iter().any(|r| r.tokens.len() == 1) {
@@ -259,6 +261,7 @@ fn thread_count_does_not_change_logits_bitwise() {
                 block_table: t,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             })
             .collect();
         logits.extend(model.forward(&mut kv, &rows).unwrap());
@@ -271,6 +274,7 @@ fn thread_count_does_not_change_logits_bitwise() {
                 block_table: t,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             })
             .collect();
         logits.extend(model.forward(&mut kv, &rows).unwrap());
@@ -293,6 +297,7 @@ fn forward_layer_outputs_match_forward_logits() {
         block_table: &[0],
         want_logits: true,
         all_logits: false,
+        lora: 0,
     };
     let mut kv = PagedKvCache::new(model.config(), 1, 16);
     let a = model.forward(&mut kv, &[row(0)]).unwrap();
@@ -328,6 +333,7 @@ fn all_logits_rows_give_every_prefix_its_own_last_token_logits() {
                     block_table: &other,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 },
                 ForwardRow {
                     tokens: p,
@@ -335,6 +341,7 @@ fn all_logits_rows_give_every_prefix_its_own_last_token_logits() {
                     block_table: &pages,
                     want_logits: false,
                     all_logits: true,
+                    lora: 0,
                 },
             ],
         )
@@ -351,6 +358,7 @@ fn all_logits_rows_give_every_prefix_its_own_last_token_logits() {
                     block_table: &pages,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 }],
             )
             .unwrap();

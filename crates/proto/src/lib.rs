@@ -206,6 +206,12 @@ pub struct LaunchRow {
     pub pending_row: u32,
     /// Index of the token this row samples among the request's outputs (the RNG counter).
     pub output_index: u32,
+    /// The LoRA adapter the row runs with: 0 for the base model, `i + 1` for the `i`-th
+    /// `--lora-modules` entry (the same list in every process: the scheduler publishes its
+    /// fingerprint, [`plane::PlaneLimits::lora_fingerprint`]).
+    pub lora: u32,
+    /// Zero (keeps the record free of implicit padding).
+    pub reserved: u32,
     /// Sampling parameters (used when `sample == 1`).
     pub params: SamplingParams,
 }
@@ -521,7 +527,7 @@ mod tests {
     #[test]
     fn launch_row_is_plain_data_of_stable_size() {
         // The ring slot layout depends on this size; a change must be deliberate.
-        assert_eq!(std::mem::size_of::<LaunchRow>(), 104);
+        assert_eq!(std::mem::size_of::<LaunchRow>(), 112);
         assert_eq!(std::mem::size_of::<SamplingParams>(), 64);
     }
 

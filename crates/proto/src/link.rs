@@ -60,6 +60,8 @@ pub struct Admission<'a> {
     pub min_tokens: u32,
     /// vLLM's `cache_salt`, hashed (0: none).
     pub cache_salt: u64,
+    /// The LoRA adapter (0: the base model; see [`crate::wire::ToScheduler::lora`]).
+    pub lora: u32,
     /// `eos_ids` end nothing (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
     /// The structured-output constraint's wire form (`baton_grammar::Constraint::to_wire`);
@@ -259,6 +261,7 @@ impl LinkSender {
         head.params.logit_bias_len = a.logit_bias.len() as u32;
         head.min_tokens = a.min_tokens;
         head.cache_salt = a.cache_salt;
+        head.lora = a.lora;
         head.priority = a.priority;
         head.constraint_len = a.constraint.len() as u32;
         let bad_words = wire::pack_bad_words(a.bad_words);

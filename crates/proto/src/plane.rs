@@ -100,6 +100,13 @@ pub struct PlaneLimits {
     /// The scheduler runs with prefix caching (with a window it holds a request's pages a
     /// little longer: `baton_scheduler::SchedulerConfig::request_pages`).
     pub prefix_caching: bool,
+    /// LoRA adapters served (`--lora-modules` entries): an admission's adapter id is at most
+    /// this. 0: none.
+    pub lora_count: u32,
+    /// Fingerprint of the scheduler's `--lora-modules` list (`baton_model::lora::
+    /// lora_fingerprint`; 0 for none). A worker or frontend with another list refuses to
+    /// attach: adapter id `i` must name the same adapter in every process.
+    pub lora_fingerprint: u64,
 }
 
 /// [`PlaneLimits::kv_dtype`]: not published (nothing to follow or check).
@@ -161,6 +168,8 @@ impl PlaneLimits {
             | u64::from(self.kv_dtype) << 8
             | u64::from(self.kv_window) << 32;
         spare[8] = self.tokenizer_fingerprint;
+        spare[9] = self.lora_fingerprint;
+        spare[10] = u64::from(self.lora_count);
         self.control_spec().with_ring_capacities(Limits {
             block_size: self.block_size as u64,
             max_model_len: self.max_model_len as u64,
@@ -188,6 +197,8 @@ impl PlaneLimits {
             kv_dtype: (l.spare[7] >> 8) as u8,
             kv_window: (l.spare[7] >> 32) as u32,
             prefix_caching: l.spare[7] & 2 != 0,
+            lora_fingerprint: l.spare[9],
+            lora_count: l.spare[10] as u32,
         }
     }
 }
@@ -242,6 +253,8 @@ mod tests {
             kv_dtype: KV_DTYPE_BF16,
             kv_window: 4096,
             prefix_caching: true,
+            lora_count: 3,
+            lora_fingerprint: 0x2468_ace0_1357_9bdf,
         };
         assert_eq!(PlaneLimits::from_limits(&l.to_limits()), l);
         let arena = Arena::heap(&l.layout_spec()).unwrap();

@@ -129,8 +129,9 @@ pub struct ToScheduler {
     /// the request unless [`FLAG_IGNORE_EOS`]; `min_tokens` holds them back either way (vLLM's
     /// `_all_stop_token_ids`).
     pub eos_len: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// `ADMIT`: the LoRA adapter the request runs with (0: the base model; `i + 1`: the
+    /// `i`-th of the scheduler's `--lora-modules`, at most [`crate::plane::PlaneLimits::lora_count`]).
+    pub lora: u32,
     /// `ADMIT`: vLLM's `cache_salt`, hashed by the frontend (0: none).
     pub cache_salt: u64,
     /// `ADMIT`: sampling parameters.

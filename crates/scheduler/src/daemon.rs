@@ -69,6 +69,12 @@ pub struct DaemonConfig {
     /// The vocabulary structured outputs compile against (from the model's tokenizer.json);
     /// `None`: a request with a constraint is refused.
     pub vocabulary: Option<baton_grammar::Vocabulary>,
+    /// LoRA adapters served (`--lora-modules` entries); an admission naming a higher adapter
+    /// id is refused.
+    pub lora_count: u32,
+    /// Their fingerprint (`baton_model::lora::lora_fingerprint`), published for workers and
+    /// frontends to check at attach (0: none).
+    pub lora_fingerprint: u64,
 }
 
 /// Errors that stop the daemon.
@@ -181,6 +187,8 @@ impl SchedulerDaemon {
                 .kv_window
                 .map_or(0, |w| u32::try_from(w).unwrap_or(u32::MAX)),
             prefix_caching: cfg.sched.enable_prefix_caching,
+            lora_count: cfg.lora_count,
+            lora_fingerprint: cfg.lora_fingerprint,
         };
         let control = limits.control_spec();
         // Waits out a half-made segment of a predecessor killed while creating it (taken as
@@ -539,6 +547,16 @@ impl SchedulerDaemon {
             self.reply_error(k, p.head.req, wire::error::INVALID, 0);
             return;
         };
+        if p.head.lora > self.limits.lora_count {
+            tracing::debug!(
+                frontend = k,
+                req = p.head.req,
+                lora = p.head.lora,
+                "admission names an adapter this scheduler does not serve"
+            );
+            self.reply_error(k, p.head.req, wire::error::INVALID, 0);
+            return;
+        }
         let mut stop_token_ids = tokens.split_off(prompt_len.min(tokens.len()));
         let eos_ids =
             stop_token_ids.split_off(stop_token_ids.len().saturating_sub(p.head.eos_len as usize));
@@ -596,6 +614,7 @@ impl SchedulerDaemon {
             cache_salt: p.head.cache_salt,
             guide,
             bad_words,
+            lora: p.head.lora,
         };
         match self.sched.add_request(req) {
             Ok(()) => {

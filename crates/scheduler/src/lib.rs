@@ -15,7 +15,7 @@ pub mod trace;
 pub use check::{check_trace, TraceSummary, Violation};
 pub use phases::PhaseClock;
 pub use request::{
-    bad_words_empty_allow_list, min_tokens_empties_allow_list, min_tokens_ids, stop_ids,
+    bad_words_empty_allow_list, lora_salt, min_tokens_empties_allow_list, min_tokens_ids, stop_ids,
     FinishReason, NewRequest, RequestId,
 };
 pub use scheduler::{

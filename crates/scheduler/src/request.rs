@@ -58,6 +58,23 @@ pub struct NewRequest {
     /// the ban into the slot's token mask; a request with a word of several tokens has at
     /// most one sampling row in flight, as a guided one.
     pub bad_words: Vec<Vec<u32>>,
+    /// The LoRA adapter the request runs with: 0 for the base model, `i + 1` for the `i`-th
+    /// `--lora-modules` entry. Also mixed into the prefix-cache key ([`lora_salt`]): blocks
+    /// computed with one adapter are never reused by another.
+    pub lora: u32,
+}
+
+/// The prefix-cache salt of a request with vLLM's `cache_salt` hashed to `salt` running
+/// with LoRA adapter `lora`: `salt` itself for the base model (0 stays 0), else a mix of
+/// both that is never 0 (vLLM keys cached blocks by the LoRA name as well).
+pub fn lora_salt(salt: u64, lora: u32) -> u64 {
+    if lora == 0 {
+        return salt;
+    }
+    let mut z = salt ^ u64::from(lora).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)).max(1)
 }
 
 impl NewRequest {
@@ -79,6 +96,7 @@ impl NewRequest {
             guide: None,
             priority: 0,
             bad_words: Vec::new(),
+            lora: 0,
         }
     }
 }
@@ -215,8 +233,10 @@ pub(crate) struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// See [`NewRequest::min_tokens`].
     pub min_tokens: usize,
-    /// See [`NewRequest::cache_salt`].
+    /// See [`NewRequest::cache_salt`], mixed with the adapter ([`lora_salt`]).
     pub cache_salt: u64,
+    /// See [`NewRequest::lora`].
+    pub lora: u32,
     pub stop_ids: Vec<u32>,
     /// Bit `t % 64` is set for every stop id `t`, so most sampled tokens are ruled out
     /// without reading `stop_ids`.
@@ -293,7 +313,8 @@ impl Request {
                 b
             },
             min_tokens: r.min_tokens as usize,
-            cache_salt: r.cache_salt,
+            cache_salt: lora_salt(r.cache_salt, r.lora),
+            lora: r.lora,
             stop_ids,
             stop_mask,
             state: State::Waiting,
@@ -404,6 +425,7 @@ mod tests {
             cache_salt: 0,
             guide: None,
             bad_words: Vec::new(),
+            lora: 0,
         });
         for t in 0..2000 {
             assert_eq!(r.is_stop(t), [2, 66, 1000].contains(&t), "{t}");

@@ -995,6 +995,8 @@ impl<S: AsRef<[AtomicU32]>> Scheduler<S> {
             pending_launch,
             pending_row,
             output_index: output_index as u32,
+            lora: r.lora,
+            reserved: 0,
             params,
         });
         meta.push(RowMeta {

@@ -39,6 +39,7 @@ fn allowed(allowed: &[u32], min_tokens: u32, stops: &[u32]) -> NewRequest {
         cache_salt: 0,
         guide: None,
         bad_words: Vec::new(),
+        lora: 0,
     }
 }
 

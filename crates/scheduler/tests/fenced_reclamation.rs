@@ -298,6 +298,7 @@ impl Sim {
                     cache_salt: 0,
                     guide: None,
                     bad_words,
+                    lora: 0,
                 };
                 let prompt = r.prompt.clone();
                 let bad_words = r.bad_words.clone();
@@ -1058,6 +1059,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         cache_salt: 0,
         guide: None,
         bad_words: Vec::new(),
+        lora: 0,
     })
     .unwrap();
     s.add_request(NewRequest {
@@ -1074,6 +1076,7 @@ fn pages_of_a_request_finished_with_a_later_launch_in_flight_wait_for_that_launc
         cache_salt: 0,
         guide: None,
         bad_words: Vec::new(),
+        lora: 0,
     })
     .unwrap();
     let l1 = s.schedule().unwrap();
@@ -1150,6 +1153,7 @@ fn a_completion_that_leaves_out_a_sampling_row_aborts_that_request_and_no_other(
             cache_salt: 0,
             guide: None,
             bad_words: Vec::new(),
+            lora: 0,
         })
         .unwrap();
     }

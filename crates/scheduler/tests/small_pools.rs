@@ -49,6 +49,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> NewRequest {
         cache_salt: 0,
         guide: None,
         bad_words: Vec::new(),
+        lora: 0,
     }
 }
 

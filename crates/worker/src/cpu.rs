@@ -112,6 +112,7 @@ impl Backend for CpuBackend {
                 block_table: &self.blocks[b.clone()],
                 want_logits: r.sample == 1,
                 all_logits: !r.scores_prompt().is_empty(),
+                lora: r.lora,
             })
             .collect();
         let logits = self
@@ -236,6 +237,15 @@ impl Backend for CpuBackend {
 
     fn max_positions(&self) -> usize {
         self.model.config().max_position_embeddings
+    }
+
+    fn set_lora_adapters(
+        &mut self,
+        adapters: Vec<baton_model::LoraAdapter>,
+    ) -> Result<(), WorkerError> {
+        self.model
+            .set_lora_adapters(adapters)
+            .map_err(|e| WorkerError::Device(e.to_string()))
     }
 
     fn name(&self) -> &'static str {

@@ -149,6 +149,26 @@ pub trait Backend: Send {
         usize::MAX
     }
 
+    /// Serves `adapters` beside the base weights: a launch row with `lora == i + 1` runs
+    /// with `adapters[i]` (vLLM's `--lora-modules`; see `baton_model::lora`). Called once,
+    /// before the worker attaches.
+    ///
+    /// # Errors
+    /// [`WorkerError::Device`] when this backend serves no adapters (the default) or cannot
+    /// hold these.
+    fn set_lora_adapters(
+        &mut self,
+        adapters: Vec<baton_model::LoraAdapter>,
+    ) -> Result<(), WorkerError> {
+        if adapters.is_empty() {
+            return Ok(());
+        }
+        Err(WorkerError::Device(format!(
+            "the {} backend does not serve LoRA adapters",
+            self.name()
+        )))
+    }
+
     /// A short name for logs (`cpu`, `null`, `cuda`).
     fn name(&self) -> &'static str;
 }

@@ -102,6 +102,7 @@ pub fn greedy_alone(
                 block_table: pages,
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             }],
         )
         .expect("prefill")
@@ -122,6 +123,7 @@ pub fn greedy_alone(
                     block_table: pages,
                     want_logits: true,
                     all_logits: false,
+                    lora: 0,
                 }],
             )
             .expect("decode")
@@ -264,6 +266,7 @@ pub fn prompt_logits(model: &CpuModel, prompt: &[u32]) -> Vec<f32> {
                 block_table: &[0, 1],
                 want_logits: true,
                 all_logits: false,
+                lora: 0,
             }],
         )
         .expect("forward")
