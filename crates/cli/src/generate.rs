@@ -162,6 +162,13 @@ pub struct GenerateArgs {
     /// CUDA flags (with --device cuda).
     #[command(flatten)]
     pub cuda: CudaArgs,
+    /// LoRA adapters to load (--enable-lora --lora-modules NAME=PATH ...).
+    #[command(flatten)]
+    pub lora_args: crate::args::LoraArgs,
+    /// The adapter every prompt runs with: a NAME of --lora-modules (vLLM's `LoRARequest`);
+    /// the base model when not given.
+    #[arg(long, value_name = "NAME")]
+    pub lora: Option<String>,
 }
 
 /// Devices `baton generate` runs on.
@@ -386,6 +393,25 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
     let format = a
         .load_format
         .with_seed(a.seed.unwrap_or(0), Some(&a.model))?;
+    let lora_modules = a.lora_args.modules()?;
+    let lora_id = match &a.lora {
+        None => 0,
+        Some(name) => match lora_modules.iter().position(|m| &m.name == name) {
+            Some(i) => i as u32 + 1,
+            None => bail!(
+                "--lora {name}: no such adapter among --lora-modules ({})",
+                if lora_modules.is_empty() {
+                    "none given".to_string()
+                } else {
+                    lora_modules
+                        .iter()
+                        .map(|m| m.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            ),
+        },
+    };
     if a.device == GenDevice::Cuda {
         let cfg = baton_model::ModelConfig::from_file(&dir.config_path()).ok();
         a.cuda.resolve_dtype(cfg.as_ref());
@@ -411,6 +437,11 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
         tokenizer.vocab_size(),
         loaded.config.vocab_size,
     )?;
+    let adapters = baton_model::LoraAdapter::load_all(
+        &lora_modules,
+        &loaded.config,
+        a.lora_args.max_lora_rank,
+    )?;
     match a.device {
         GenDevice::Cpu => {
             let (mut model, _) = loaded.into_cpu_model()?;
@@ -418,8 +449,9 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
             let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
-            let backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
+            let mut backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;
+            backend.set_lora_adapters(adapters)?;
             say_kv_cache(cfg.num_blocks, cfg.block_size, kv_dtype, kv_window);
             run_on(
                 LocalEngine::new(cfg, backend),
@@ -428,6 +460,7 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
                 &prompts,
                 &eos,
                 &sampling,
+                lora_id,
             )
         }
         GenDevice::Cuda => {
@@ -438,7 +471,8 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
                 max_rows: cfg.max_num_seqs,
                 max_model_len: cfg.max_model_len,
             };
-            let backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            let mut backend = build_cuda(loaded.config, loaded.weights, &a.cuda, sizes)?;
+            backend.set_lora_adapters(adapters)?;
             cfg.num_blocks = backend.kv_capacity().num_blocks;
             say_kv_cache(
                 cfg.num_blocks,
@@ -453,6 +487,7 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
                 &prompts,
                 &eos,
                 &sampling,
+                lora_id,
             )
         }
     }
@@ -483,6 +518,7 @@ fn run_on<B: Backend>(
     prompts: &[String],
     eos: &[u32],
     sampling: &Sampling,
+    lora: u32,
 ) -> Result<()> {
     if let Some(path) = &a.engine.trace {
         let t = baton_scheduler::Tracer::to_file(path)
@@ -502,6 +538,7 @@ fn run_on<B: Backend>(
         eos,
         a.ignore_eos,
         a.min_tokens,
+        lora,
     )?;
     let secs = start.elapsed().as_secs_f64();
     engine.scheduler_mut().flush_trace();
@@ -545,7 +582,8 @@ fn run_on<B: Backend>(
     Ok(())
 }
 
-/// Runs `prompts` to completion on `engine` and decodes the results.
+/// Runs `prompts` to completion on `engine` with LoRA adapter `lora` (0: none) and decodes
+/// the results.
 ///
 /// # Errors
 /// A prompt the tokenizer or the scheduler rejects, or a backend failure.
@@ -560,6 +598,7 @@ pub fn generate<B: baton_worker::Backend>(
     eos: &[u32],
     ignore_eos: bool,
     min_tokens: u32,
+    lora: u32,
 ) -> Result<Vec<Generation>> {
     let mut gens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
@@ -581,7 +620,7 @@ pub fn generate<B: baton_worker::Backend>(
                 cache_salt: 0,
                 guide: None,
                 bad_words: Vec::new(),
-                lora: 0,
+                lora,
             })
             .with_context(|| format!("prompt {i}"))?;
         gens.push(Generation {

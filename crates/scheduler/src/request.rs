@@ -410,6 +410,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn lora_salts_keep_the_base_salt_and_separate_adapters() {
+        for salt in [0, 1, 0xdead_beef] {
+            assert_eq!(lora_salt(salt, 0), salt);
+            let per_adapter: Vec<u64> = (1..=64).map(|l| lora_salt(salt, l)).collect();
+            assert!(per_adapter.iter().all(|&s| s != 0 && s != salt));
+            let mut uniq = per_adapter.clone();
+            uniq.sort_unstable();
+            uniq.dedup();
+            assert_eq!(uniq.len(), per_adapter.len(), "salt {salt}");
+        }
+        assert_ne!(lora_salt(1, 1), lora_salt(2, 1));
+    }
+
+    #[test]
     fn stop_ids_are_found_through_the_mask() {
         let r = Request::new(NewRequest {
             priority: 0,
