@@ -481,7 +481,6 @@ struct MoeScratch {
 /// `out[t, hidden] = down(act(gate(x)) * up(x))` for `x` `[t, hidden]`, `gate_up` holding the
 /// gate rows then the up rows; `gu` and `a` are scratch.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 fn gated_mlp(
     gate_up: &Linear,
     down: &Linear,
