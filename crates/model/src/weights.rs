@@ -469,21 +469,7 @@ impl WeightSource {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if single.exists() || !index.exists() {
-            let shard = open_shard(&single)?;
-            let names = shard
-                .meta
-                .tensors()
-                .keys()
-                .map(|k| (k.clone(), 0))
-                .collect();
-            return Ok(WeightSource {
-                shards: vec![shard],
-                names,
-                origin: single,
-                views: BTreeMap::new(),
-                copies: BTreeMap::new(),
-                aliases: BTreeMap::new(),
-            });
+            return Self::open_file(&single);
         }
         let index_name = index.display().to_string();
         let v = parse_json(&index_name, &read_text(&index)?)?;

@@ -191,6 +191,25 @@ fn load_err(dir: &std::path::Path, max_rank: usize) -> String {
     e.to_string()
 }
 
+/// The load error of an adapter with `ad`'s config and one zero f32 tensor `name` of `shape`.
+fn one_tensor(ad: &std::path::Path, name: &str, shape: &[usize]) -> String {
+    let d = temp_dir("lora-one");
+    std::fs::copy(
+        ad.join("adapter_config.json"),
+        d.join("adapter_config.json"),
+    )
+    .unwrap();
+    let bytes = vec![0u8; 4 * shape.iter().product::<usize>()];
+    let t = (
+        name.to_string(),
+        safetensors::Dtype::F32,
+        shape.to_vec(),
+        bytes,
+    );
+    write_safetensors(&d, "adapter_model.safetensors", &[t]);
+    load_err(&d, 16)
+}
+
 fn edit_adapter_config(dir: &std::path::Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("adapter_config.json");
     let mut v: serde_json::Value =
@@ -226,67 +245,21 @@ fn adapters_it_cannot_serve_are_refused_naming_the_cause() {
     }
 
     // A tensor of a module that is not served (an embedding update).
-    let d = temp_dir("lora-embed");
-    std::fs::copy(
-        ad.join("adapter_config.json"),
-        d.join("adapter_config.json"),
-    )
-    .unwrap();
-    let bytes = vec![0u8; 4 * 4 * 512];
-    write_safetensors(
-        &d,
-        "adapter_model.safetensors",
-        &[(
-            "base_model.model.model.embed_tokens.lora_embedding_A".into(),
-            safetensors::Dtype::F32,
-            vec![4, 512],
-            bytes,
-        )],
+    let e = one_tensor(
+        &ad,
+        "base_model.model.model.embed_tokens.lora_embedding_A",
+        &[4, 512],
     );
-    let e = load_err(&d, 16);
     assert!(
         e.contains("embed_tokens") && e.contains("not served"),
         "{e}"
     );
-
     // lora_A without its lora_B.
-    let d = temp_dir("lora-no-b");
-    std::fs::copy(
-        ad.join("adapter_config.json"),
-        d.join("adapter_config.json"),
-    )
-    .unwrap();
-    write_safetensors(
-        &d,
-        "adapter_model.safetensors",
-        &[(
-            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".into(),
-            safetensors::Dtype::F32,
-            vec![4, 64],
-            vec![0u8; 4 * 4 * 64],
-        )],
-    );
-    let e = load_err(&d, 16);
+    let q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+    let e = one_tensor(&ad, q_a, &[4, 64]);
     assert!(e.contains("lora_B"), "{e}");
-
     // A shape of another model.
-    let d = temp_dir("lora-shape");
-    std::fs::copy(
-        ad.join("adapter_config.json"),
-        d.join("adapter_config.json"),
-    )
-    .unwrap();
-    write_safetensors(
-        &d,
-        "adapter_model.safetensors",
-        &[(
-            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".into(),
-            safetensors::Dtype::F32,
-            vec![4, 128],
-            vec![0u8; 4 * 4 * 128],
-        )],
-    );
-    let e = load_err(&d, 16);
+    let e = one_tensor(&ad, q_a, &[4, 128]);
     assert!(e.contains("shape") || e.contains("[4, 64]"), "{e}");
 
     // Only a pickle.
