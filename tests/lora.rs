@@ -263,6 +263,29 @@ fn a_worker_or_frontend_with_other_adapters_refuses_to_attach() {
     }
     sched.signal(nix::sys::signal::Signal::SIGTERM);
     assert!(sched.wait_timeout(Duration::from_secs(20)).is_some());
+
+    // A scheduler checks the adapters against its model before it starts.
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("adapter_config.json")).unwrap())
+            .unwrap();
+    cfg["use_dora"] = json!(true);
+    std::fs::write(a.join("adapter_config.json"), cfg.to_string()).unwrap();
+    let args: Vec<String> = [
+        "scheduler",
+        "--instance",
+        &inst,
+        "--model",
+        &m,
+        "--enable-lora",
+        "--lora-modules",
+        &module,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (code, err) = baton_err(&args);
+    assert_ne!(code, 0);
+    assert!(err.contains("use_dora"), "{err}");
     let _ = std::fs::remove_dir_all(a);
 }
 

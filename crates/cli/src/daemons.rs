@@ -211,8 +211,14 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
                     ),
                     e => e.into(),
                 })?;
+            // The adapters must be ones the workers can load (shapes, ranks, fields): refused
+            // here, not by every worker after attaching.
+            baton_model::LoraAdapter::load_all(&lora_modules, &c, a.lora.max_lora_rank)?;
             let v = c.vocab_size;
             (c, v, w)
+        }
+        None if !lora_modules.is_empty() => {
+            bail!("--lora-modules needs --model DIR (the adapters are checked against it)")
         }
         None => {
             let Some(len) = a.engine.max_model_len else {
@@ -495,7 +501,8 @@ pub fn check_lora_fingerprint(
         bail!(
             "this {who}'s --lora-modules are not the scheduler's (instance {instance} serves \
              {theirs}, fingerprint {:016x}; this {who}'s {mine:016x}): give every process the \
-             same --enable-lora --lora-modules list, in the same order",
+             same --enable-lora --lora-modules list: the same names, in the same order, with \
+             the same adapter files",
             limits.lora_fingerprint
         );
     }

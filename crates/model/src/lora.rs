@@ -218,10 +218,13 @@ impl LoraAdapter {
     /// [`ModelError::Io`] for a missing `adapter_config.json` or `adapter_model.safetensors`
     /// (a `.bin`-only adapter is refused with a hint), [`ModelError::InvalidField`] for a
     /// config this server cannot apply (`use_dora`, `bias` other than `none`,
-    /// `modules_to_save`, `alpha_pattern`, `fan_in_fan_out`, a `peft_type` other than LORA,
-    /// a rank above `max_rank`) or a tensor that is not a LoRA update of a supported module
-    /// (embeddings, the LM head, MoE experts), [`ModelError::ShapeMismatch`] for shapes that
-    /// do not fit the model, and safetensors errors.
+    /// `modules_to_save`, `alpha_pattern`, `rank_pattern`, `fan_in_fan_out`, a `peft_type`
+    /// other than LORA, an `r` that is not a positive integer or is above `max_rank`, a
+    /// non-boolean flag) or a tensor that is not a LoRA update of a supported module
+    /// (embeddings, the LM head, MoE experts) or holds a NaN or infinity,
+    /// [`ModelError::MissingField`] without `r`, [`ModelError::ShapeMismatch`] for shapes
+    /// that do not fit the model or the rank `r`, and safetensors errors. Every update's
+    /// tensors are used, whatever `target_modules` and `layers_to_transform` say (as vLLM).
     pub fn load(m: &LoraModule, cfg: &ModelConfig, max_rank: usize) -> Result<Self, ModelError> {
         let (cfg_path, st_path) = files(&m.path);
         let cfg_name = cfg_path.display().to_string();
@@ -231,6 +234,9 @@ impl LoraAdapter {
             field: field.into(),
             reason,
         };
+        if !v.is_object() {
+            return Err(bad("adapter_config", "expected a JSON object".into()));
+        }
         if let Some(t) = v.get("peft_type").and_then(Value::as_str) {
             if t != "LORA" {
                 return Err(bad(
@@ -239,11 +245,36 @@ impl LoraAdapter {
                 ));
             }
         }
-        let flag = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
-        if flag("use_dora") {
+        let flag = |k: &str| match v.get(k) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => Err(bad(k, format!("{x}: expected true or false"))),
+        };
+        let rank =
+            match v.get("r") {
+                None | Some(Value::Null) => {
+                    return Err(ModelError::MissingField {
+                        file: cfg_name.clone(),
+                        field: "r".into(),
+                    })
+                }
+                Some(x) => x.as_u64().filter(|&r| r >= 1).ok_or_else(|| {
+                    bad("r", format!("{x}: expected a positive integer (the rank)"))
+                })? as usize,
+            };
+        if rank > max_rank {
+            return Err(bad(
+                "r",
+                format!(
+                    "rank {rank} is above --max-lora-rank {max_rank} (raise it, up to \
+                     {MAX_LORA_RANK})"
+                ),
+            ));
+        }
+        if flag("use_dora")? {
             return Err(bad("use_dora", "DoRA adapters are not served".into()));
         }
-        if flag("fan_in_fan_out") {
+        if flag("fan_in_fan_out")? {
             return Err(bad(
                 "fan_in_fan_out",
                 "Conv1D (GPT-2 style) weights are not served".into(),
@@ -264,14 +295,11 @@ impl LoraAdapter {
                 ))
             }
         }
-        match v.get("alpha_pattern") {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(o)) if o.is_empty() => {}
-            Some(_) => {
-                return Err(bad(
-                    "alpha_pattern",
-                    "per-module alphas are not served".into(),
-                ))
+        for (k, what) in [("alpha_pattern", "alphas"), ("rank_pattern", "ranks")] {
+            match v.get(k) {
+                None | Some(Value::Null) => {}
+                Some(Value::Object(o)) if o.is_empty() => {}
+                Some(_) => return Err(bad(k, format!("per-module {what} are not served"))),
             }
         }
         let alpha = match v.get("lora_alpha") {
@@ -281,7 +309,7 @@ impl LoraAdapter {
                 .filter(|a| a.is_finite())
                 .ok_or_else(|| bad("lora_alpha", format!("{x}: expected a number")))?,
         };
-        let rslora = flag("use_rslora");
+        let rslora = flag("use_rslora")?;
         if !st_path.exists() && m.path.join("adapter_model.bin").exists() {
             return Err(ModelError::Io {
                 file: st_path.display().to_string(),
@@ -370,24 +398,16 @@ impl LoraAdapter {
                 },
             };
             let a_raw = src.get(name)?;
-            let rank = a_raw.shape.first().copied().unwrap_or(0);
-            if a_raw.shape.len() != 2 || rank == 0 || a_raw.shape[1] != k {
-                return Err(ModelError::ShapeMismatch {
-                    file: st_name.clone(),
-                    tensor: name.clone(),
-                    expected: vec![rank.max(1), k],
-                    found: a_raw.shape.to_vec(),
-                });
-            }
-            if rank > max_rank {
+            if a_raw.shape.len() == 2 && a_raw.shape[1] == k && a_raw.shape[0] != rank {
                 return Err(tensor_bad(
                     name,
                     format!(
-                        "rank {rank} is above --max-lora-rank {max_rank} (raise it, up to \
-                         {MAX_LORA_RANK})"
+                        "rank {} (shape {:?}), but adapter_config.json's r is {rank}",
+                        a_raw.shape[0], a_raw.shape
                     ),
                 ));
             }
+            let a_raw = src.get_shaped(name, &[rank, k])?;
             let b_name = format!("{stem}.lora_B.weight");
             let b_raw = src.get_shaped(&b_name, &[n, rank]).map_err(|e| match e {
                 ModelError::MissingTensor { .. } => {
@@ -402,6 +422,14 @@ impl LoraAdapter {
             } as f32;
             let a = a_raw.to_f32().data;
             let mut b = b_raw.to_f32().data;
+            for (t, values) in [(name, &a), (&b_name, &b)] {
+                if let Some((i, x)) = values.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                    return Err(tensor_bad(
+                        t,
+                        format!("element {i} is {x}: the adapter is corrupt"),
+                    ));
+                }
+            }
             b.iter_mut().for_each(|x| *x *= scaling);
             if let Some(perm) = &perm {
                 // The backends hold q and k heads with their dims permuted; so do B's rows.

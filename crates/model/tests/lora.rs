@@ -159,6 +159,27 @@ fn rows_with_and_without_the_adapter_share_a_batch_bit_exactly() {
 }
 
 #[test]
+fn rslora_scales_by_alpha_over_the_square_root_of_the_rank() {
+    let cfg = load_model_dir(model_dir()).unwrap().config;
+    let load = |rslora: bool| {
+        let d = adapter_dir();
+        edit_adapter_config(&d, |v| v["use_rslora"] = serde_json::json!(rslora));
+        let m = LoraModule {
+            name: "a".into(),
+            path: d.to_path_buf(),
+        };
+        LoraAdapter::load(&m, &cfg, 16).unwrap()
+    };
+    let (plain, rs) = (load(false), load(true));
+    let (p, r) = (&plain.layers[2][1][0], &rs.layers[2][1][0]);
+    assert_eq!(p.a, r.a);
+    // alpha / sqrt(4) = 2 · (alpha / 4).
+    for (x, y) in p.b.iter().zip(&r.b) {
+        assert_eq!(2.0 * x, *y);
+    }
+}
+
+#[test]
 fn an_unknown_adapter_id_is_an_error_not_a_panic() {
     let m = base();
     let mut kv = PagedKvCache::new(m.config(), 4, 16);
@@ -229,6 +250,15 @@ fn adapters_it_cannot_serve_are_refused_naming_the_cause() {
     assert!(e.contains("adapter_config.json"), "{e}");
 
     for (field, value, says) in [
+        ("r", serde_json::json!(8), "adapter_config.json's r is 8"),
+        ("r", serde_json::json!(0), "positive integer"),
+        ("r", serde_json::json!("4"), "positive integer"),
+        (
+            "rank_pattern",
+            serde_json::json!({"q_proj": 2}),
+            "per-module ranks",
+        ),
+        ("use_rslora", serde_json::json!("true"), "true or false"),
         ("use_dora", serde_json::json!(true), "DoRA"),
         ("bias", serde_json::json!("all"), "only \"none\""),
         (
@@ -243,6 +273,24 @@ fn adapters_it_cannot_serve_are_refused_naming_the_cause() {
         let e = load_err(&d, 16);
         assert!(e.contains(field) && e.contains(says), "{field}: {e}");
     }
+
+    let d = adapter_dir();
+    std::fs::write(d.join("adapter_config.json"), "[1, 2]").unwrap();
+    assert!(load_err(&d, 16).contains("JSON object"));
+    let d = adapter_dir();
+    edit_adapter_config(&d, |v| {
+        v.as_object_mut().unwrap().remove("r");
+    });
+    assert!(load_err(&d, 16).contains("`r`"));
+    // A NaN weight.
+    let d = adapter_dir();
+    let st = d.join("adapter_model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let at = bytes.len() - 4;
+    bytes[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&st, bytes).unwrap();
+    let e = load_err(&d, 16);
+    assert!(e.contains("NaN") && e.contains("corrupt"), "{e}");
 
     // A tensor of a module that is not served (an embedding update).
     let e = one_tensor(
