@@ -1807,3 +1807,308 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
         }
     }
 }
+
+/// Two seeded dummy adapters for `cfg` (PEFT layout, every q/k/v/o/gate/up/down module of
+/// every layer; ranks 4 and 8, different seeds) written under `root` and loaded.
+fn lora_adapters(cfg: &ModelConfig, root: &std::path::Path) -> Vec<baton_model::LoraAdapter> {
+    use baton_model::lora::{write_dummy_adapter, LoraAdapter, LoraModule};
+    [(4usize, 8.0, 11u64), (8, 16.0, 12)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(rank, alpha, seed))| {
+            let dir = root.join(format!("adapter{i}"));
+            write_dummy_adapter(&dir, cfg, rank, alpha, 0.25, seed).expect("adapter written");
+            let module = LoraModule {
+                name: format!("a{i}"),
+                path: dir,
+            };
+            LoraAdapter::load(&module, cfg, 16).expect("adapter loads")
+        })
+        .collect()
+}
+
+/// A fresh directory under the system's temporary directory for `tag`.
+fn lora_root(tag: &str) -> std::path::PathBuf {
+    let root = std::env::temp_dir().join(format!("baton-lora-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    root
+}
+
+/// A sampled token with its log-probability and top entries.
+type TokenOutput = (u32, f32, Vec<(u32, f32)>);
+
+/// Per request, each [`TokenOutput`].
+type TokenOutputs = std::collections::HashMap<u64, Vec<TokenOutput>>;
+
+/// Runs `reqs` to the end on `engine` and returns every request's [`TokenOutputs`].
+fn run_with_logprobs<B: baton_worker::Backend>(
+    engine: &mut LocalEngine<B>,
+    reqs: Vec<baton_scheduler::NewRequest>,
+) -> TokenOutputs {
+    for r in reqs {
+        engine.add_request(r).expect("admitted");
+    }
+    let mut events = Vec::new();
+    engine.run_until_idle(&mut events).expect("runs");
+    assert_pool_full(engine);
+    let mut out = TokenOutputs::new();
+    for e in events {
+        if let baton_scheduler::Event::Token {
+            id,
+            token,
+            logprob,
+            top,
+            ..
+        } = e
+        {
+            out.entry(id).or_default().push((token, logprob, top));
+        }
+    }
+    out
+}
+
+/// Asserts `got` has `want`'s tokens, and log-probabilities and top entries within `tol`
+/// (top ids equal, or a tie the two workers broke differently).
+#[track_caller]
+fn assert_outputs_close(what: &str, got: &TokenOutputs, want: &TokenOutputs, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: requests");
+    for (id, w) in want {
+        let g = &got[id];
+        let tokens = |v: &[TokenOutput]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(tokens(g), tokens(w), "{what}: request {id}'s tokens");
+        for (step, ((_, gl, gtop), (_, wl, wtop))) in g.iter().zip(w).enumerate() {
+            assert!(
+                (gl - wl).abs() < tol,
+                "{what}: request {id} step {step}: log-probability {gl} vs {wl}"
+            );
+            assert_eq!(gtop.len(), wtop.len(), "{what}: request {id} step {step}");
+            for (&(a, al), &(b, bl)) in gtop.iter().zip(wtop) {
+                assert!(
+                    (al - bl).abs() < tol
+                        && (a == b || wtop.iter().any(|&(t, l)| t == a && (l - al).abs() < tol)),
+                    "{what}: request {id} step {step}: top {gtop:?} vs {wtop:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Greedy requests with log-probabilities and the top 5, no EOS (fixed lengths): prompt `i`
+/// (of `20 + 7 * (i % 4)` tokens; requests 0, 1 and 2 share theirs) with adapter `lora[i]`.
+fn lora_requests(lora: &[u32], vocab: u32) -> Vec<baton_scheduler::NewRequest> {
+    let params = baton_proto::SamplingParams {
+        want_logprob: 1,
+        top_logprobs: 5,
+        ..baton_proto::SamplingParams::greedy()
+    };
+    lora.iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let p = if i < 3 { 0 } else { i as u32 };
+            let prompt = (0..20 + 7 * (p % 4))
+                .map(|j| (3 + p * 101 + 37 * j) % vocab)
+                .collect();
+            baton_scheduler::NewRequest {
+                eos_ids: Vec::new(),
+                lora: l,
+                ..baton_scheduler::NewRequest::new(i as u64, prompt, 8, params)
+            }
+        })
+        .collect()
+}
+
+/// The CUDA worker with LoRA adapters, against the CPU worker with the same adapters, in f32:
+/// a run whose launches mix adapter 0, 1 and 2 rows, prefill chunks (a 24-token budget) and
+/// decodes gives the CPU's greedy tokens, log-probabilities and top entries (within the 1e-4
+/// of the other f32 comparisons), through graphs or eagerly; requests that share a prompt
+/// but not an adapter differ (the adapters act). Then base-model requests alone on the same
+/// worker replay graphs and launch no LoRA kernel. `graphs` runs the graph-enabled worker
+/// too (eager always).
+fn lora_rows_match_the_cpu_worker(
+    name: &str,
+    cfg: &ModelConfig,
+    weights: &LlamaWeights,
+    graphs: bool,
+) {
+    use baton_worker::Backend;
+    let root = lora_root(name);
+    let adapters = lora_adapters(cfg, &root);
+    let sched = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 24,
+        max_model_len: 128,
+        ..config(16, 128, 2)
+    };
+    let mixed = [0u32, 1, 2, 1, 0, 2, 2, 1];
+    let vocab = cfg.vocab_size as u32;
+    let mut model = baton_model::CpuModel::try_new(cfg.clone(), weights.clone()).unwrap();
+    model.set_lora_adapters(adapters.clone()).unwrap();
+    let cpu = baton_worker::CpuBackend::new(model, sched.num_blocks, sched.block_size);
+    let mut cpu = LocalEngine::new(sched.clone(), cpu);
+    let want = run_with_logprobs(&mut cpu, lora_requests(&mixed, vocab));
+    let want_base = run_with_logprobs(&mut cpu, lora_requests(&[0; 4], vocab));
+    // Requests 0, 1 and 2 share a prompt with adapters 0, 1 and 2.
+    for (a, b) in [(0, 1), (0, 2), (1, 2)] {
+        assert_ne!(
+            want[&a], want[&b],
+            "{name}: adapters {a} and {b} give the same outputs"
+        );
+    }
+    let eager_modes: &[bool] = if graphs { &[false, true] } else { &[true] };
+    for &eager in eager_modes {
+        let what = format!("{name} (eager {eager})");
+        let last = Mutex::new(None);
+        let mut w =
+            emu(Dtype::F32, eager, &last)(cfg.clone(), weights.clone().into(), sizes_of(&sched))
+                .unwrap();
+        w.set_lora_adapters(adapters.clone())
+            .expect("the CUDA worker takes the adapters");
+        assert_eq!(w.lora_usage().0, 2, "{what}");
+        let dev = last.lock().unwrap().take().unwrap();
+        dev.set_deferred(true).unwrap();
+        let mut e = LocalEngine::new(sched.clone(), w);
+        let got = run_with_logprobs(&mut e, lora_requests(&mixed, vocab));
+        assert_outputs_close(&what, &got, &want, 1e-4);
+        let layers = cfg.num_hidden_layers as u64;
+        let shrinks = dev.launches_of("baton_lora_shrink");
+        assert!(
+            shrinks >= 4 * layers,
+            "{what}: {shrinks} LoRA shrink launches"
+        );
+        assert_eq!(dev.launches_of("baton_lora_expand"), shrinks, "{what}");
+        let graphs_before = dev.graph_launches();
+        let got_base = run_with_logprobs(&mut e, lora_requests(&[0; 4], vocab));
+        assert_outputs_close(&format!("{what}, base rows"), &got_base, &want_base, 1e-4);
+        assert_eq!(
+            dev.launches_of("baton_lora_shrink"),
+            shrinks,
+            "{what}: a launch without adapter rows ran a LoRA kernel"
+        );
+        if eager {
+            assert_eq!(dev.graph_launches(), 0, "{what}");
+        } else {
+            assert!(
+                dev.graph_launches() > graphs_before,
+                "{what}: base-model decodes did not replay graphs"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn lora_rows_of_mixed_batches_match_the_cpu_worker_with_graphs_and_eagerly() {
+    let loaded = ModelDir::new(model_dir())
+        .load(baton_model::LoadFormat::Auto)
+        .expect("model");
+    lora_rows_match_the_cpu_worker("stories260K", &loaded.config, &loaded.weights, true);
+}
+
+/// Partial RoPE with an attention factor: the CUDA worker scales the rotated dims' q rows of
+/// the q/k/v weights at upload, and must scale the adapters' matching `B` rows too.
+#[test]
+fn lora_rows_of_a_partial_rope_model_with_an_attention_factor_match_the_cpu_worker() {
+    let cfg = ModelConfig::from_json_str(HD64_PARTIAL_LONGROPE).unwrap();
+    let weights = LlamaWeights::dummy(&cfg, 3);
+    lora_rows_match_the_cpu_worker("partial-longrope", &cfg, &weights, false);
+}
+
+/// Loading adapters changes nothing for base-model rows: the same requests (adapter 0) give
+/// the same bits (tokens, log-probabilities, top entries) on a worker with adapters as on one
+/// without, with graphs.
+#[test]
+fn base_rows_give_the_same_bits_with_and_without_lora_adapters() {
+    use baton_worker::Backend;
+    let loaded = ModelDir::new(model_dir())
+        .load(baton_model::LoadFormat::Auto)
+        .expect("model");
+    let root = lora_root("base-bits");
+    let adapters = lora_adapters(&loaded.config, &root);
+    let sched = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 24,
+        max_model_len: 128,
+        ..config(16, 128, 2)
+    };
+    let vocab = loaded.config.vocab_size as u32;
+    let mut outs = Vec::new();
+    for with in [false, true] {
+        let last = Mutex::new(None);
+        let mut w = emu(Dtype::F32, false, &last)(
+            loaded.config.clone(),
+            loaded.weights.clone().into(),
+            sizes_of(&sched),
+        )
+        .unwrap();
+        if with {
+            w.set_lora_adapters(adapters.clone()).unwrap();
+        }
+        let mut e = LocalEngine::new(sched.clone(), w);
+        outs.push(run_with_logprobs(&mut e, lora_requests(&[0; 6], vocab)));
+        let dev = last.lock().unwrap().take().unwrap();
+        assert!(dev.graph_launches() > 0, "adapters {with}: no graph replay");
+        assert_eq!(dev.launches_of("baton_lora_shrink"), 0, "adapters {with}");
+    }
+    assert_eq!(outs[0], outs[1], "adapters change base-model rows");
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Adapters for another model (another layer count; the same layer count but other widths)
+/// and ranks past the kernels' limit are refused with an error naming the problem, never a
+/// panic; the worker then serves no adapter, and a row that asks for one fails its launch.
+#[test]
+fn lora_adapters_for_another_model_or_past_the_kernels_limits_are_refused() {
+    use baton_worker::Backend;
+    let loaded = ModelDir::new(model_dir())
+        .load(baton_model::LoadFormat::Auto)
+        .expect("model");
+    let cfg = loaded.config.clone();
+    let root = lora_root("refused");
+    let sched = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 32,
+        max_model_len: 128,
+        ..config(16, 64, 2)
+    };
+    let last = Mutex::new(None);
+    let mut w =
+        emu(Dtype::F32, true, &last)(cfg.clone(), loaded.weights.into(), sizes_of(&sched)).unwrap();
+    let two_layers = ModelConfig::from_json_str(HD64).unwrap();
+    let mut wide = ModelConfig::from_json_str(HD64).unwrap();
+    wide.num_hidden_layers = cfg.num_hidden_layers;
+    let mut big_rank = lora_adapters(&cfg, &root.join("big")).remove(0);
+    {
+        let p = &mut big_rank.layers[1][baton_model::lora::LoraLinear::Down as usize][0];
+        p.rank = 513;
+        p.a = vec![0.01; 513 * p.k];
+        p.b = vec![0.01; p.n * 513];
+        big_rank.max_rank = 513;
+    }
+    let cases = [
+        (
+            lora_adapters(&two_layers, &root.join("two")),
+            "another model",
+        ),
+        (lora_adapters(&wide, &root.join("wide")), "another model"),
+        (vec![big_rank], "rank 513"),
+    ];
+    for (adapters, want) in cases {
+        let e = w
+            .set_lora_adapters(adapters)
+            .expect_err("adapters that do not fit are refused");
+        let msg = e.to_string();
+        assert!(msg.contains(want), "{msg:?} should say {want:?}");
+        assert_eq!(w.lora_usage(), (0, 0), "a refused set left adapters behind");
+    }
+    let mut e = LocalEngine::new(sched, w);
+    let mut reqs = lora_requests(&[1], cfg.vocab_size as u32);
+    e.add_request(reqs.remove(0)).unwrap();
+    let err = e
+        .run_until_idle(&mut Vec::new())
+        .expect_err("a row with an adapter that is not loaded fails");
+    assert!(
+        err.to_string().contains("LoRA adapter 1"),
+        "unexpected error: {err}"
+    );
+    std::fs::remove_dir_all(&root).ok();
+}

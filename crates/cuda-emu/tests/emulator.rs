@@ -25,7 +25,7 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
         .iter()
         .flat_map(|(_, e)| e.iter().copied())
         .collect();
-    assert_eq!(expected.len(), 29, "kernels.rs lists 29 entry points today");
+    assert_eq!(expected.len(), 31, "kernels.rs lists 31 entry points today");
     for dtype in Dtype::ALL {
         for e in &expected {
             assert!(
@@ -53,6 +53,8 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
         Some(23)
     );
     assert_eq!(param_count(Dtype::F16, "baton_sample_f32"), Some(14));
+    assert_eq!(param_count(Dtype::Bf16, "baton_lora_shrink"), Some(9));
+    assert_eq!(param_count(Dtype::F32, "baton_lora_expand"), Some(9));
     assert_eq!(
         param_count(Dtype::Bf16, "baton_decode_layers_hd128"),
         Some(27)

@@ -2618,3 +2618,177 @@ fn moe_kernels_route_group_and_combine_as_the_reference() {
 fn tiles_at(tile: &[i32], i: usize) -> usize {
     tile[i] as usize
 }
+
+// ---- LoRA --------------------------------------------------------------------------------------
+
+/// `baton_lora_shrink` then `baton_lora_expand` (kernels/lora.cu) as the executor launches them
+/// for one linear layer, against an f64 reference: two adapters, the first with overlapping
+/// parts (a fused part over two slices, as q_proj beside qkv_proj) and the second with one part
+/// past the first column block; tokens of the base model (id 0) and of an id past the loaded
+/// adapters are left untouched, and the parts are found at their adapter's stride in a table
+/// whose other slots hold junk.
+#[test]
+fn lora_shrink_and_expand_match_the_reference_and_skip_base_tokens() {
+    use baton_cuda::lora::{
+        DeviceLoraPart, LORA_COLS, LORA_EXPAND_BLOCK, LORA_MAX_PARTS, LORA_SHRINK_WARPS,
+    };
+    // (adapter, out_offset, rank, n); in slot order within each adapter.
+    let parts = [
+        (1usize, 0usize, 3usize, 500usize),
+        (1, 0, 2, 1100),
+        (1, 500, 5, 600),
+        (2, 1000, 7, 100),
+    ];
+    let (k, n_out, rank_stride) = (37usize, 1100usize, 7usize);
+    let ids = [1u32, 0, 2, 1, 3];
+    let t = ids.len();
+    // Adapter a's slots start at (a - 1) * stride; the slots of other layers in between.
+    let stride = 3 * LORA_MAX_PARTS;
+    every_schedule(|| {
+        for dtype in Dtype::ALL {
+            let x = rounded_values(dtype, 7, t * k, 1.0);
+            let y0 = rounded_values(dtype, 8, t * n_out, 2.0);
+            let mut x_dev = Elems::new(dtype, &x);
+            let mut y_dev = Elems::new(dtype, &y0);
+            let mut mats: Vec<(Vec<f32>, Vec<f32>, Elems, Elems)> = parts
+                .iter()
+                .enumerate()
+                .map(|(pi, &(_, _, r, n))| {
+                    let a = rounded_values(dtype, 20 + pi as u64, r * k, 0.5);
+                    let b = rounded_values(dtype, 40 + pi as u64, n * r, 0.5);
+                    let (ad, bd) = (Elems::new(dtype, &a), Elems::new(dtype, &b));
+                    (a, b, ad, bd)
+                })
+                .collect();
+            // A slot read by mistake adds a rank-1 update over every column.
+            let junk = DeviceLoraPart {
+                a: mats[0].2.ptr() as u64,
+                b: mats[0].3.ptr() as u64,
+                out_offset: 0,
+                rank: 1,
+                k: k as i32,
+                n: n_out as i32,
+            };
+            let mut table = vec![junk; 2 * stride];
+            let mut slot = [0usize; 3];
+            for (pi, &(ad, off, r, n)) in parts.iter().enumerate() {
+                let m = &mut mats[pi];
+                table[(ad - 1) * stride + slot[ad]] = DeviceLoraPart {
+                    a: m.2.ptr() as u64,
+                    b: m.3.ptr() as u64,
+                    out_offset: off as i32,
+                    rank: r as i32,
+                    k: k as i32,
+                    n: n as i32,
+                };
+                slot[ad] += 1;
+            }
+            for (ad, &used) in slot.iter().enumerate().skip(1) {
+                for s in used..LORA_MAX_PARTS {
+                    table[(ad - 1) * stride + s] = DeviceLoraPart::default();
+                }
+            }
+            let mut v = vec![f32::NAN; t * LORA_MAX_PARTS * rank_stride];
+            // lora_shrink(v, x, tok_lora, parts, adapter_stride, num_adapters, num_tokens,
+            //             x_stride, rank_stride)
+            run(
+                dtype,
+                "baton_lora_shrink",
+                (
+                    t as u32,
+                    LORA_MAX_PARTS as u32,
+                    rank_stride.div_ceil(LORA_SHRINK_WARPS) as u32,
+                ),
+                32 * LORA_SHRINK_WARPS as u32,
+                Params::new()
+                    .ptr_mut(v.as_mut_ptr())
+                    .ptr(x_dev.ptr())
+                    .ptr(ids.as_ptr())
+                    .ptr(table.as_ptr())
+                    .int(stride as i32)
+                    .int(2)
+                    .int(t as i32)
+                    .int(k as i32)
+                    .int(rank_stride as i32),
+            );
+            // lora_expand(y, v, tok_lora, parts, adapter_stride, num_adapters, num_tokens,
+            //             y_stride, rank_stride)
+            run(
+                dtype,
+                "baton_lora_expand",
+                (t as u32, n_out.div_ceil(LORA_COLS) as u32, 1),
+                LORA_EXPAND_BLOCK,
+                Params::new()
+                    .ptr_mut(y_dev.ptr())
+                    .ptr(v.as_ptr())
+                    .ptr(ids.as_ptr())
+                    .ptr(table.as_ptr())
+                    .int(stride as i32)
+                    .int(2)
+                    .int(t as i32)
+                    .int(n_out as i32)
+                    .int(rank_stride as i32),
+            );
+            let mut want = y0.clone();
+            for (tok, &id) in ids.iter().enumerate() {
+                let mine: Vec<usize> = (0..parts.len())
+                    .filter(|&pi| parts[pi].0 as u32 == id)
+                    .collect();
+                let mut out: Vec<f64> = y0[tok * n_out..(tok + 1) * n_out]
+                    .iter()
+                    .map(|&y| f64::from(y))
+                    .collect();
+                for (s, &pi) in mine.iter().enumerate() {
+                    let (_, off, r, n) = parts[pi];
+                    let (a, b) = (&mats[pi].0, &mats[pi].1);
+                    let vr: Vec<f64> = (0..r)
+                        .map(|ri| {
+                            (0..k)
+                                .map(|i| f64::from(a[ri * k + i]) * f64::from(x[tok * k + i]))
+                                .sum()
+                        })
+                        .collect();
+                    let got_v = &v[(tok * LORA_MAX_PARTS + s) * rank_stride..][..r];
+                    let want_v: Vec<f32> = vr.iter().map(|&x| x as f32).collect();
+                    assert_close(
+                        &format!("{} token {tok} slot {s} v", dtype.name()),
+                        got_v,
+                        &want_v,
+                        1e-5,
+                        1e-5,
+                    );
+                    for j in 0..n {
+                        out[off + j] += (0..r)
+                            .map(|ri| f64::from(b[j * r + ri]) * vr[ri])
+                            .sum::<f64>();
+                    }
+                }
+                if !mine.is_empty() {
+                    for (w, o) in want[tok * n_out..(tok + 1) * n_out].iter_mut().zip(out) {
+                        *w = round(dtype, o as f32);
+                    }
+                }
+            }
+            let got = y_dev.read();
+            for (tok, &id) in ids.iter().enumerate() {
+                let row = tok * n_out..(tok + 1) * n_out;
+                if id == 0 || id > 2 {
+                    assert_eq!(
+                        got[row.clone()],
+                        y0[row],
+                        "{} token {tok} (id {id}) was touched",
+                        dtype.name()
+                    );
+                } else {
+                    assert_close(
+                        &format!("{} token {tok} (adapter {id}) y", dtype.name()),
+                        &got[row.clone()],
+                        &want[row],
+                        ulp(dtype),
+                        1e-5,
+                    );
+                }
+            }
+        }
+    });
+}

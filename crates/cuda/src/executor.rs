@@ -44,12 +44,20 @@
 //! for the smallest bucket that holds them (`--enforce-eager` turns this off). The graphs read
 //! the staging buffer's fixed device addresses, so step 1 is all a replay needs.
 //!
+//! **LoRA adapters** (`Backend::set_lora_adapters`, [`crate::lora`]): a launch with a row whose
+//! `lora` is not 0 uploads each token's adapter id (from its frame's pinned buffer) and runs
+//! eagerly through the per-kernel cuBLAS path (no graph, fused decode GEMV or persistent
+//! kernel), with `baton_lora_shrink` and `baton_lora_expand` (`kernels/lora.cu`) after the
+//! q/k/v, o, gate/up and down GEMMs of each layer an adapter updates. Launches without such a
+//! row run exactly as without adapters.
+//!
 //! All device work goes through [`Device`]: [`CudaDevice`] on a GPU, the host emulator of
 //! `baton-cuda-emu` in tests. Status: runs and matches the CPU reference on the emulator; NOT
 //! RUN ON A GPU YET (see the crate docs).
 
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned, FENCE_FRAMES};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
+use crate::lora::{LoraDevice, LORA_COLS, LORA_EXPAND_BLOCK, LORA_MAX_PARTS, LORA_SHRINK_WARPS};
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape, MoeShape};
 use crate::plan::{
     default_graph_buckets, gemv_rows_per_block, graph_bucket, plan_launch, LaunchPlan, PlanError,
@@ -57,7 +65,8 @@ use crate::plan::{
 use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
 };
-use baton_model::{LlamaWeights, ModelConfig, ModelWeights, RawTensor, Tensor};
+use baton_model::lora::LoraLinear;
+use baton_model::{LlamaWeights, LoraAdapter, ModelConfig, ModelWeights, RawTensor, Tensor};
 use baton_proto::{
     Completion, Launch, LaunchSeq, PromptLogprob, Sampled, SamplingParams, NOT_PENDING,
 };
@@ -447,6 +456,13 @@ pub struct CudaWorker {
     prompt_out: Vec<u8>,
     /// The last launch's scored prompt positions, in row then position order.
     prompt_scores: Vec<PromptScore>,
+    /// LoRA adapters on the device ([`Backend::set_lora_adapters`]), if any.
+    lora: Option<LoraDevice>,
+    /// The last resolved launch's adapter id per row (see [`CudaWorker::resolve`]).
+    lora_rows: Vec<u32>,
+    /// Tokens of the launch being enqueued whose adapter ids are staged in its frame's
+    /// [`LoraDevice::host`] buffer; 0 when no row of it has an adapter.
+    lora_tokens: usize,
 }
 
 /// The persistent decode kernel of a worker (`baton_decode_layers_hdD`, kernels/attention.cu).
@@ -1118,7 +1134,7 @@ fn check_shape(cfg: &ModelConfig) -> Result<(), CudaWorkerError> {
 /// bias) of the rotated dims, in the permuted head layout (`ModelConfig::rotary_dim`), are
 /// scaled once here, rounded to the device dtype. The KV cache holds unscaled keys, as with
 /// full RoPE.
-fn rotated_q_scale(cfg: &ModelConfig) -> Option<f32> {
+pub(crate) fn rotated_q_scale(cfg: &ModelConfig) -> Option<f32> {
     let a = cfg.rope_attention_factor();
     (cfg.rotary_dim != cfg.head_dim && a != 1.0).then_some(a * a)
 }
@@ -1428,6 +1444,9 @@ impl CudaWorker {
             part_rows: r,
             persistent: None,
             profiling: false,
+            lora: None,
+            lora_rows: Vec::new(),
+            lora_tokens: 0,
             opts,
         };
         w.embed = w._weights.at(embed_off);
@@ -1753,7 +1772,10 @@ impl CudaWorker {
     /// copies the residual stream back (never under graph capture). With `token_masks`, the
     /// token masks the staging buffer names are applied to the logits before the sampler
     /// (always under graph capture: a replay may carry guided rows; rows without a mask cost
-    /// their blocks one load).
+    /// their blocks one load). With `lora`, the tokens' adapter ids are in the LoRA id buffer
+    /// and each linear layer an adapter updates gets its update after its GEMM
+    /// ([`CudaWorker::lora_update`]); such a launch always takes the per-kernel cuBLAS path
+    /// (never the fused decode GEMVs, the persistent kernel or a graph).
     fn enqueue_forward(
         &self,
         t: usize,
@@ -1761,6 +1783,7 @@ impl CudaWorker {
         mode: AttnMode,
         mut dumps: Option<&mut Dumps>,
         token_masks: bool,
+        lora: bool,
     ) -> Result<(), CudaWorkerError> {
         let c = &self.cfg;
         let (h, hd, nh, kvh) = (
@@ -1862,7 +1885,17 @@ impl CudaWorker {
             && mode == AttnMode::Decode
             && t == r
             && t <= GEMV_MAX_TOKENS
-            && !cublas_layers(c);
+            && !cublas_layers(c)
+            && !lora;
+        // The LoRA update of linear `kind` of layer `li` (input `x` `[t, k]`, output `y`
+        // `[t, n]`); nothing for a launch without adapter rows.
+        let lora_update = |li: usize, kind: LoraLinear, x: usize, k: usize, y: usize, n: usize| {
+            if lora {
+                self.lora_update(li, kind, t, act(x), k, act(y), n)
+            } else {
+                Ok(())
+            }
+        };
         if fused {
             // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); modes: 0 store,
             // 1 f32, 2 residual add, 3 SiLU-and-mul (kernels/gemv.cu).
@@ -1951,6 +1984,7 @@ impl CudaWorker {
                     h,
                     false,
                 )?;
+                lora_update(li, LoraLinear::Qkv, a.xn, h, a.qkv, qkv_w)?;
                 self.qkv_post(t, lw)?;
                 let q = act(a.qkv);
                 let k = q + q_w as u64 * es;
@@ -1961,6 +1995,7 @@ impl CudaWorker {
                 }
                 self.attention(li, t, r, mode, q, qkv_w, kc, vc, layer_scale(li))?;
                 self.gemm("gemm o", act(a.tmp), act(a.attn), lw.o, t, h, q_w, false)?;
+                lora_update(li, LoraLinear::O, a.attn, q_w, a.tmp, h)?;
                 out_norm(lw.attn_out_norm)?;
                 add_rmsnorm(lw.post_norm)?;
                 if let Some(m) = &lw.moe {
@@ -1978,6 +2013,7 @@ impl CudaWorker {
                     h,
                     false,
                 )?;
+                lora_update(li, LoraLinear::GateUp, a.xn, h, a.gate_up, 2 * im)?;
                 // silu_and_mul(out, in, num_tokens, inter), or Gemma's GELU(tanh) the same way
                 self.launch(
                     self.mlp_act(),
@@ -1995,6 +2031,7 @@ impl CudaWorker {
                     im,
                     false,
                 )?;
+                lora_update(li, LoraLinear::Down, a.act, im, a.tmp, h)?;
                 out_norm(lw.mlp_out_norm)?;
             }
             add_rmsnorm(self.final_norm)?;
@@ -2077,6 +2114,69 @@ impl CudaWorker {
                 .p(act(a.sample_partials))
                 .p(act(a.sample_counters))
                 .i(c.vocab_size),
+        )
+    }
+
+    /// Adds the LoRA update of linear layer `kind` of layer `li` for the step's `t` tokens
+    /// (`kernels/lora.cu`): `x` `[t, k]` is the layer's input and `y` `[t, n]` its fused
+    /// output (the GEMM's, updated in place). Two launches, `baton_lora_shrink` then
+    /// `baton_lora_expand`, reading the tokens' adapter ids uploaded for this launch; tokens
+    /// of the base model (id 0) are left alone. Nothing when no adapter updates this layer
+    /// and kind, or none is loaded.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_update(
+        &self,
+        li: usize,
+        kind: LoraLinear,
+        t: usize,
+        x: u64,
+        k: usize,
+        y: u64,
+        n: usize,
+    ) -> Result<(), CudaWorkerError> {
+        let Some(l) = &self.lora else {
+            return Ok(());
+        };
+        if !l.updates[li][kind as usize] {
+            return Ok(());
+        }
+        // lora_shrink(v, x, tok_lora, parts, adapter_stride, num_adapters, num_tokens,
+        //             x_stride, rank_stride)
+        self.launch(
+            "baton_lora_shrink",
+            (
+                t as u32,
+                LORA_MAX_PARTS as u32,
+                l.max_rank.div_ceil(LORA_SHRINK_WARPS) as u32,
+            ),
+            32 * LORA_SHRINK_WARPS as u32,
+            KArgs::new()
+                .p(l.v.ptr)
+                .p(x)
+                .p(l.tok.ptr)
+                .p(l.slots(li, kind))
+                .i(l.adapter_stride)
+                .i(l.count)
+                .i(t)
+                .i(k)
+                .i(l.max_rank),
+        )?;
+        // lora_expand(y, v, tok_lora, parts, adapter_stride, num_adapters, num_tokens,
+        //             y_stride, rank_stride)
+        self.launch(
+            "baton_lora_expand",
+            (t as u32, n.div_ceil(LORA_COLS) as u32, 1),
+            LORA_EXPAND_BLOCK,
+            KArgs::new()
+                .p(y)
+                .p(l.v.ptr)
+                .p(l.tok.ptr)
+                .p(l.slots(li, kind))
+                .i(l.adapter_stride)
+                .i(l.count)
+                .i(t)
+                .i(n)
+                .i(l.max_rank),
         )
     }
 
@@ -2648,10 +2748,10 @@ impl CudaWorker {
                 .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
             self.upload_staging(frame, b)?;
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
-            self.enqueue_forward(b, b, AttnMode::Decode, None, true)?;
+            self.enqueue_forward(b, b, AttnMode::Decode, None, true, false)?;
             self.dev.synchronize()?;
             self.dev.begin_capture()?;
-            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None, true);
+            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None, true, false);
             // Always end the capture (even after an enqueue error) so the stream leaves
             // capture mode.
             let graph = self.dev.end_capture();
@@ -2665,15 +2765,17 @@ impl CudaWorker {
     /// Runs `rows` as launch `seq` through its fence ([`CudaWorker::enqueue_rows`], then the
     /// wait, then the prompt scores of rows that ask for them). Returns the sampled id per
     /// row (`u32::MAX` for rows that do not sample) and each row's log-probability and top
-    /// entries. `masks` holds the token masks of the guided rows (empty: none).
+    /// entries. `masks` holds the token masks of the guided rows (empty: none), `lora` the
+    /// adapter id of each row (empty: every row runs the base model).
     fn run_rows(
         &mut self,
         seq: LaunchSeq,
         rows: &[RowInput],
         masks: &TokenMasks,
+        lora: &[u32],
         dumps: Option<&mut Dumps>,
     ) -> Result<Vec<RowOutput>, WorkerError> {
-        let e = self.enqueue_rows(seq, rows, masks, dumps)?;
+        let e = self.enqueue_rows(seq, rows, masks, lora, dumps)?;
         if let Err(err) = self.dev.wait_fence(e.frame) {
             self.ring_host.forget(seq);
             return Err(dev_err(err));
@@ -2693,17 +2795,30 @@ impl CudaWorker {
     /// decode batches with a bucket), samples, copies the ids back and records the frame's
     /// fence. The launch's ids are in the device ring from here on (later launches' pending
     /// rows may name it: they read it in stream order); until its fence has passed, its
-    /// frame is not touched.
+    /// frame is not touched. `lora` holds each row's adapter id (empty: none); a launch with
+    /// an adapter row runs eagerly (no graph replay).
     fn enqueue_rows(
         &mut self,
         seq: LaunchSeq,
         rows: &[RowInput],
         masks: &TokenMasks,
+        lora: &[u32],
         dumps: Option<&mut Dumps>,
     ) -> Result<Enqueued, WorkerError> {
         self.bind().map_err(dev_err)?;
         let frame = self.next_frame().map_err(dev_err)?;
         let n_rows = rows.len();
+        assert!(
+            lora.is_empty() || lora.len() == n_rows,
+            "one adapter id per row"
+        );
+        let with_lora = lora.iter().any(|&l| l != 0);
+        let loaded = self.lora.as_ref().map_or(0, |l| l.count);
+        if let Some((i, &l)) = lora.iter().enumerate().find(|(_, &l)| l as usize > loaded) {
+            return Err(WorkerError::Forward(format!(
+                "row {i} asks for LoRA adapter {l}, but {loaded} are loaded"
+            )));
+        }
         let vocab = self.cfg.vocab_size;
         for (i, r) in rows.iter().enumerate() {
             if let Some(&bad) = r.tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -2739,7 +2854,7 @@ impl CudaWorker {
         let decode = rows
             .iter()
             .all(|r| r.tokens.len() == 1 && r.scored.is_empty());
-        let bucket = if decode && dumps.is_none() && !self.profiling {
+        let bucket = if decode && dumps.is_none() && !self.profiling && !with_lora {
             graph_bucket(n_rows, &self.buckets).filter(|b| self.graphs.contains_key(b))
         } else {
             None
@@ -2824,6 +2939,20 @@ impl CudaWorker {
         layout
             .fill(self.frames[frame].staging.bytes_mut(), &inputs)
             .map_err(|e: CapacityError| WorkerError::Forward(e.to_string()))?;
+        // The tokens' adapter ids (the fill above checked the token count against
+        // `max_tokens`, the size of each frame's id buffer).
+        self.lora_tokens = 0;
+        if let Some(l) = self.lora.as_mut().filter(|_| with_lora) {
+            let ids = rows
+                .iter()
+                .zip(lora)
+                .flat_map(|(r, &id)| std::iter::repeat_n(id, r.tokens.len()));
+            let host = l.host[frame].bytes_mut();
+            for (dst, id) in host.chunks_exact_mut(4).zip(ids) {
+                dst.copy_from_slice(&id.to_le_bytes());
+            }
+            self.lora_tokens = inputs.plan.num_tokens();
+        }
         let slot = self.ring_host.reserve();
         self.enqueued += 1;
         let done = self.run_staged(&inputs, rows, bucket, run_rows, decode, frame, slot, dumps);
@@ -3007,6 +3136,20 @@ impl CudaWorker {
                     .copy_htod_async(self.mask_dev.ptr, f.mask.ptr, 4 * self.mask_used)
             }?;
         }
+        let lora = match &self.lora {
+            Some(l) if self.lora_tokens > 0 => {
+                // SAFETY: both buffers hold `max_tokens >= lora_tokens` u32; the pinned side
+                // is this frame's and belongs to this launch until its fence (as the staging
+                // buffer); the device side is rewritten only by a later launch's copy,
+                // ordered after this launch's kernels on the stream.
+                unsafe {
+                    self.dev
+                        .copy_htod_async(l.tok.ptr, l.host[frame].ptr, 4 * self.lora_tokens)
+                }?;
+                true
+            }
+            _ => false,
+        };
         match bucket {
             Some(b) => {
                 let exec = self.graphs[&b];
@@ -3021,7 +3164,7 @@ impl CudaWorker {
                     AttnMode::Prefill
                 };
                 let masked = !inputs.mask_rows.is_empty();
-                self.enqueue_forward(t, run_rows, mode, dumps, masked)?;
+                self.enqueue_forward(t, run_rows, mode, dumps, masked, lora)?;
             }
         }
         // Keep the sampled ids on the device for later PendingFrom rows.
@@ -3066,7 +3209,7 @@ impl CudaWorker {
             layers,
             ..Dumps::default()
         };
-        self.run_rows(0, rows, &TokenMasks::default(), Some(&mut d))?;
+        self.run_rows(0, rows, &TokenMasks::default(), &[], Some(&mut d))?;
         Ok((d.logits_out, d.layers_out))
     }
 
@@ -3080,7 +3223,9 @@ impl CudaWorker {
         self.dev.copy_bandwidth(bytes, iters).map_err(dev_err)
     }
 
-    /// Resolves a launch record into [`RowInput`]s, reading tables and checking pending ids.
+    /// Resolves a launch record into [`RowInput`]s, reading tables and checking pending ids;
+    /// also reads the guided rows' token masks into `self.masks` and each row's LoRA adapter
+    /// id into `self.lora_rows` (checked against the adapters loaded when enqueued).
     fn resolve(
         &mut self,
         launch: &Launch,
@@ -3091,6 +3236,8 @@ impl CudaWorker {
         self.histories = histories;
         let rows = rows?;
         self.resolve_masks(launch, tables)?;
+        self.lora_rows.clear();
+        self.lora_rows.extend(launch.rows.iter().map(|r| r.lora));
         Ok(rows)
     }
 
@@ -3254,6 +3401,14 @@ impl CudaWorker {
         self.dev.mem_info().map_err(dev_err)
     }
 
+    /// LoRA adapters loaded ([`Backend::set_lora_adapters`]) and the device bytes they and
+    /// their per-step buffers take; `(0, 0)` without adapters.
+    pub fn lora_usage(&self) -> (usize, usize) {
+        self.lora
+            .as_ref()
+            .map_or((0, 0), |l| (l.count, l.device_bytes))
+    }
+
     /// Where the kernels' include directory is expected (for error messages).
     pub fn include_dir(&self) -> &Path {
         &self.opts.include_dir
@@ -3294,8 +3449,10 @@ impl Backend for CudaWorker {
         }
         let rows = self.resolve(launch, tables)?;
         let masks = std::mem::take(&mut self.masks);
-        let out = self.run_rows(launch.seq, &rows, &masks, None);
+        let lora = std::mem::take(&mut self.lora_rows);
+        let out = self.run_rows(launch.seq, &rows, &masks, &lora, None);
         self.masks = masks;
+        self.lora_rows = lora;
         let sampled = sampled_rows(launch, out?);
         let prompt = self
             .prompt_scores
@@ -3336,8 +3493,10 @@ impl Backend for CudaWorker {
         }
         let rows = self.resolve(launch, tables)?;
         let masks = std::mem::take(&mut self.masks);
-        let e = self.enqueue_rows(launch.seq, &rows, &masks, None);
+        let lora = std::mem::take(&mut self.lora_rows);
+        let e = self.enqueue_rows(launch.seq, &rows, &masks, &lora, None);
         self.masks = masks;
+        self.lora_rows = lora;
         let e = e?;
         self.inflight.push_back(InFlight {
             frame: e.frame,
@@ -3397,6 +3556,39 @@ impl Backend for CudaWorker {
 
     fn max_positions(&self) -> usize {
         self.cfg.max_position_embeddings
+    }
+
+    /// Uploads `adapters` in the worker's element type (see [`crate::lora`]), replacing
+    /// those set before (an empty list removes them). Launches with an adapter row then run
+    /// eagerly through the per-kernel path; the others are unchanged.
+    ///
+    /// # Errors
+    /// [`WorkerError::Device`] naming the adapter and what is wrong: an adapter for another
+    /// model (layer count, a part's widths), a rank above [`crate::lora::LORA_MAX_RANK`],
+    /// more than [`crate::lora::LORA_MAX_PARTS`] parts of one linear layer, a part of a
+    /// mixture-of-experts MLP, not enough free device memory; or a device error. On error
+    /// the worker serves no adapters.
+    fn set_lora_adapters(&mut self, adapters: Vec<LoraAdapter>) -> Result<(), WorkerError> {
+        self.bind().map_err(dev_err)?;
+        // No launch may still read the old tables or ids.
+        self.dev.synchronize().map_err(dev_err)?;
+        self.lora = None;
+        if adapters.is_empty() {
+            return Ok(());
+        }
+        let l = LoraDevice::new(
+            &self.dev,
+            &self.cfg,
+            self.dtype,
+            self.layout.max_tokens,
+            &adapters,
+        )
+        .map_err(|e| match e {
+            CudaWorkerError::Unsupported(msg) => WorkerError::Device(msg),
+            e => dev_err(e),
+        })?;
+        self.lora = Some(l);
+        Ok(())
     }
 
     fn name(&self) -> &'static str {

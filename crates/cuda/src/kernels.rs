@@ -43,6 +43,7 @@ static SOURCES: &[(&str, &str)] = &[
         include_str!("../../../kernels/token_mask.cu"),
     ),
     ("moe.cu", include_str!("../../../kernels/moe.cu")),
+    ("lora.cu", include_str!("../../../kernels/lora.cu")),
 ];
 
 /// `(file name, CUDA C source)` of the headers that kernel files include.
@@ -98,6 +99,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
             "baton_moe_combine",
         ],
     ),
+    ("lora.cu", &["baton_lora_shrink", "baton_lora_expand"]),
 ];
 
 /// Element type of weights, activations and the KV cache; selects `elem_t` in

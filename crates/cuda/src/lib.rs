@@ -16,6 +16,9 @@
 //!   `GemmEx` linears (fp32 accumulate) on a created stream, the kernels, the device ring of
 //!   sampled ids that `PendingFrom` rows gather from, an event fence per launch, decode CUDA
 //!   graphs per batch bucket, debug dumps of logits and per-layer outputs.
+//! - [`lora`]: LoRA adapters on the device (`kernels/lora.cu`): their matrices in the worker's
+//!   dtype, the part tables, the per-step id and scratch buffers, and the checks that refuse
+//!   adapters for another model.
 //! - [`backend`]: the older `CudaBackend` probe (sampler and Philox launchers for
 //!   `tests/gpu_smoke.rs`).
 //!
@@ -46,6 +49,7 @@ pub mod backend;
 pub mod device;
 pub mod executor;
 pub mod kernels;
+pub mod lora;
 pub mod memory;
 pub mod plan;
 pub mod staging;
