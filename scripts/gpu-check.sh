@@ -152,6 +152,18 @@ run_check 4c-goldens-through-serve-in-flight 60 bash -c "
     kill \$pid; wait \$pid || true
     exit \$rc"
 
+# 4e. LoRA adapters (session 33, never run on a GPU before): greedy ids of two prompts with a
+# seeded adapter (every projection, rank 4) on CUDA in f32 equal the CPU worker's
+# (kernels/lora.cu; a launch with an adapter row runs eagerly on the per-kernel path).
+run_check 4e-lora-cuda-vs-cpu 60 bash -c "
+    set -e
+    '$BATON' debug lora-adapter --model '$MODEL' --out '$OUT/lora-a' --rank 4 --alpha 8 --amplitude 0.08 --seed 1
+    common=(generate --model '$MODEL' --temperature 0 --max-tokens 32 --json --ignore-eos --enable-lora --lora-modules a='$OUT/lora-a' --lora a --prompt 'Once upon a time' --prompt 'The cat sat')
+    '$BATON' \"\${common[@]}\" --device cpu > '$OUT/lora-cpu.jsonl'
+    '$BATON' \"\${common[@]}\" --device cuda --dtype f32 > '$OUT/lora-cuda.jsonl'
+    head -n 1 '$OUT/lora-cuda.jsonl'
+    diff '$OUT/lora-cpu.jsonl' '$OUT/lora-cuda.jsonl'"
+
 # 4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1, session 20, never run on a GPU
 #     before): greedy tokens of one request (batch-of-one decode steps: one cooperative launch
 #     per step) equal the per-kernel path's, bf16 with graphs, on dummy weights of Llama-1B

@@ -29,6 +29,32 @@ pub enum DebugCmd {
     /// Every layer's output on CUDA against the CPU reference on the same (rounded) weights,
     /// each layer from the GPU's input to it, for a batch mixing prefill chunks and decodes.
     Layers(CompareArgs),
+    /// Writes a seeded random LoRA adapter (PEFT layout) for a model, updating every q, k, v,
+    /// o, gate, up and down projection (for tests and benchmarks of --lora-modules).
+    LoraAdapter(LoraAdapterArgs),
+}
+
+/// Flags of `baton debug lora-adapter`.
+#[derive(Args, Clone, Debug)]
+pub struct LoraAdapterArgs {
+    /// The model directory whose config.json gives the shapes.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The adapter directory to write (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Rank `r`.
+    #[arg(long, default_value_t = 8)]
+    pub rank: usize,
+    /// `lora_alpha`.
+    #[arg(long, default_value_t = 16.0)]
+    pub alpha: f64,
+    /// The values of A and B are uniform in +-this.
+    #[arg(long, default_value_t = 0.05)]
+    pub amplitude: f32,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 /// Flags of `baton debug golden`.
@@ -77,6 +103,7 @@ pub struct CompareArgs {
 /// A mismatch, bad flags, a backend failure.
 pub fn run(mut cmd: DebugCmd) -> Result<()> {
     let (cuda, model) = match &mut cmd {
+        DebugCmd::LoraAdapter(a) => return lora_adapter(a),
         DebugCmd::Golden(a) => (&mut a.cuda, Some(&a.model)),
         DebugCmd::Logits(a) | DebugCmd::Layers(a) => (&mut a.cuda, a.model.as_ref()),
     };
@@ -87,6 +114,7 @@ pub fn run(mut cmd: DebugCmd) -> Result<()> {
         DebugCmd::Golden(a) => golden(&a.model, &|c, w, s| build_cuda(c, w, &a.cuda, s)),
         DebugCmd::Logits(a) => compare(&a, false, &eager(&a.cuda)),
         DebugCmd::Layers(a) => compare(&a, true, &eager(&a.cuda)),
+        DebugCmd::LoraAdapter(_) => Ok(()),
     }
 }
 
@@ -478,6 +506,25 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
     if failed > 0 {
         bail!("{failed} comparisons exceed the tolerance");
     }
+    Ok(())
+}
+
+/// `baton debug lora-adapter`.
+fn lora_adapter(a: &LoraAdapterArgs) -> Result<()> {
+    let max = baton_model::lora::MAX_LORA_RANK;
+    if !(1..=max).contains(&a.rank) {
+        anyhow::bail!("--rank must be from 1 to {max}, not {}", a.rank);
+    }
+    if !(a.amplitude.is_finite() && a.alpha.is_finite()) {
+        anyhow::bail!("--alpha and --amplitude must be finite numbers");
+    }
+    let cfg = ModelConfig::from_file(&a.model.join("config.json"))?;
+    baton_model::lora::write_dummy_adapter(&a.out, &cfg, a.rank, a.alpha, a.amplitude, a.seed)?;
+    say!(
+        "wrote a rank-{} LoRA adapter to {}",
+        a.rank,
+        a.out.display()
+    );
     Ok(())
 }
 
