@@ -105,6 +105,11 @@ pub struct DecodeArgs {
     /// `float32`. Under --device cuda the cache has the --dtype.
     #[arg(long, default_value = "auto", value_parser = crate::args::parse_kv_cache_dtype)]
     pub kv_cache_dtype: crate::args::KvCacheDtype,
+    /// Every row runs with a seeded LoRA adapter of this rank on every q, k, v, o, gate, up
+    /// and down projection (`baton debug lora-adapter`'s), to measure what serving an
+    /// adapter costs; 0 (the default): none. The HBM floor leaves the adapter's bytes out.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -345,6 +350,7 @@ pub fn measure_batch(
     max_tokens: usize,
     params: SamplingParams,
     in_flight: usize,
+    lora: u32,
 ) -> Result<BatchTiming> {
     let depth = in_flight.clamp(1, target.backend().max_in_flight().max(1));
     // Prefill whole prompts, rows packed up to the token capacity.
@@ -356,7 +362,10 @@ pub fn measure_batch(
         let l = Launch {
             seq: *seq,
             rows: (i..i + n)
-                .map(|s| row(s, 0, prompt_len, block_size, false))
+                .map(|s| LaunchRow {
+                    lora,
+                    ..row(s, 0, prompt_len, block_size, false)
+                })
                 .collect(),
         };
         target.backend().execute(&l, tables).context("prefill")?;
@@ -374,6 +383,7 @@ pub fn measure_batch(
             .map(|s| {
                 let mut r = row(s, pos, 1, block_size, true);
                 r.output_index = step as u32;
+                r.lora = lora;
                 r.params = SamplingParams {
                     seed: params.seed.wrapping_add(s as u64),
                     ..params
@@ -561,6 +571,14 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         crate::cuda_args::check_cuda_kv_dtype(a.kv_cache_dtype, &a.cuda)?;
         check_cuda_device(&a.cuda, Some(&cfg))?;
     }
+    if a.lora_rank > baton_model::lora::MAX_LORA_RANK {
+        bail!(
+            "--lora-rank {} is above {}",
+            a.lora_rank,
+            baton_model::lora::MAX_LORA_RANK
+        );
+    }
+    let bench_cfg = cfg.clone();
     let weights = load_weights(a, &cfg)?;
     let max_batch = *a.batch.iter().max().unwrap_or(&1);
     let pages_per_seq = max_len.div_ceil(a.block_size);
@@ -647,6 +665,35 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             (Bench::Cuda(Box::new(w)), e, e, bw, label)
         }
     };
+    let label = if a.lora_rank > 0 {
+        let dir = std::env::temp_dir().join(format!("baton-bench-lora-{}", std::process::id()));
+        let loaded = baton_model::lora::write_dummy_adapter(
+            &dir,
+            &bench_cfg,
+            a.lora_rank,
+            2.0 * a.lora_rank as f64,
+            0.05,
+            a.seed,
+        )
+        .and_then(|()| {
+            let m = baton_model::LoraModule {
+                name: "bench".into(),
+                path: dir.clone(),
+            };
+            baton_model::LoraAdapter::load(&m, &bench_cfg, a.lora_rank)
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        backend
+            .as_target()
+            .backend()
+            .set_lora_adapters(vec![loaded?])?;
+        format!(
+            "{label}, every row with a rank-{} LoRA adapter",
+            a.lora_rank
+        )
+    } else {
+        label
+    };
     let tables = BenchTables::new(vocab, pages_per_seq);
     let mut seq = 0u64;
     let mut points = Vec::new();
@@ -674,6 +721,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             max_tokens,
             params,
             a.in_flight,
+            u32::from(a.lora_rank > 0),
         )?;
         let in_flight = a
             .in_flight

@@ -455,6 +455,7 @@ fn bench_decode_case(
             batch * prompt,
             baton_proto::SamplingParams::greedy(),
             in_flight,
+            0,
         )
         .expect("decode steps through graphs and pending ids");
         assert!(timing.step_s > 0.0);

@@ -518,6 +518,9 @@ fn gated_mlp(
     lora.add(LoraLinear::Down, &a[..t * im], im, out, down.n);
 }
 
+/// Output columns per job of a LoRA update's expansion.
+const LORA_EXPAND_COLS: usize = 256;
+
 /// The LoRA updates of one layer of a forward step: the adapters, the layer, and each token's
 /// adapter id (0: none).
 struct LoraStep<'a> {
@@ -535,27 +538,69 @@ impl LoraStep<'_> {
     };
 
     /// `out[i, ..] += ` token `i`'s adapter's update of `kind`, for `x` `[t, k]` and `out`
-    /// `[t, n]` (the fused layer's full output). One job per token on the current pool; each
-    /// token's bits depend only on its own row.
+    /// `[t, n]` (the fused layer's full output). Per adapter in the step, per part: jobs over
+    /// A's rows, then over blocks of B's rows, each over the adapter's tokens (so the
+    /// adapter is read once per step, not once per token); each value is the sum
+    /// [`crate::lora::LoraPart::apply_token`] makes, so a token's bits depend only on its own
+    /// row.
     fn add(&self, kind: LoraLinear, x: &[f32], k: usize, out: &mut [f32], n: usize) {
         use rayon::prelude::*;
         if self.tok.iter().all(|&a| a == 0) {
             return;
         }
         let t = self.tok.len();
-        out[..t * n]
-            .par_chunks_mut(n)
-            .zip(x[..t * k].par_chunks(k))
-            .zip(self.tok.par_iter())
-            .for_each(|((out, x), &a)| {
-                let Some(adapter) = (a as usize).checked_sub(1).map(|i| &self.adapters[i]) else {
-                    return;
-                };
-                let mut v = [0f32; crate::lora::MAX_LORA_RANK];
-                for part in &adapter.layers[self.layer][kind as usize] {
-                    part.apply_token(x, out, &mut v);
+        let mut ids: Vec<u32> = self.tok.iter().copied().filter(|&a| a != 0).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for a in ids {
+            let adapter = &self.adapters[a as usize - 1];
+            let toks: Vec<usize> = (0..t).filter(|&i| self.tok[i] == a).collect();
+            let m = toks.len();
+            for part in &adapter.layers[self.layer][kind as usize] {
+                let r = part.rank;
+                // Shrink: a job per rank row of A, over the adapter's tokens (each row read
+                // once). `vt` is [r, m].
+                let mut vt = vec![0f32; r * m];
+                vt.par_chunks_mut(m).enumerate().for_each(|(i, col)| {
+                    for (c, &tok) in col.iter_mut().zip(&toks) {
+                        *c = part.shrink_row(i, &x[tok * k..(tok + 1) * k]);
+                    }
+                });
+                let mut v = vec![0f32; m * r];
+                for (ti, vr) in v.chunks_exact_mut(r).enumerate() {
+                    for (i, x) in vr.iter_mut().enumerate() {
+                        *x = vt[i * m + ti];
+                    }
                 }
-            });
+                // Expand: a job per block of output columns (each row of B read once), then
+                // added in place. Every value is `LoraPart::apply_token`'s, whatever the
+                // batch or the threads.
+                let blocks: Vec<Vec<f32>> = (0..part.n.div_ceil(LORA_EXPAND_COLS))
+                    .into_par_iter()
+                    .map(|b| {
+                        let j0 = b * LORA_EXPAND_COLS;
+                        let w = LORA_EXPAND_COLS.min(part.n - j0);
+                        let mut e = vec![0f32; m * w];
+                        for jj in 0..w {
+                            for ti in 0..m {
+                                e[ti * w + jj] = part.expand_row(j0 + jj, &v[ti * r..(ti + 1) * r]);
+                            }
+                        }
+                        e
+                    })
+                    .collect();
+                for (b, e) in blocks.iter().enumerate() {
+                    let j0 = part.out_offset + b * LORA_EXPAND_COLS;
+                    let w = e.len() / m;
+                    for (ti, &tok) in toks.iter().enumerate() {
+                        let o = &mut out[tok * n + j0..tok * n + j0 + w];
+                        for (o, e) in o.iter_mut().zip(&e[ti * w..(ti + 1) * w]) {
+                            *o += e;
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1537,6 +1582,72 @@ impl CpuModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The batched LoRA update gives each token exactly `LoraPart::apply_token`'s values,
+    /// with several adapters, base tokens and parts at offsets in one step, on 1 and 3
+    /// threads.
+    #[test]
+    fn lora_step_matches_the_per_token_reference_bit_for_bit() {
+        use crate::lora::{dummy_lora_values, LoraPart};
+        let (k, n) = (37, 600);
+        let part = |seed: u64, off: usize, w: usize, rank: usize| {
+            let (a, b) = dummy_lora_values(seed, 0, "m", rank, k, w, 0.5);
+            LoraPart {
+                out_offset: off,
+                rank,
+                k,
+                n: w,
+                a,
+                b,
+            }
+        };
+        let adapter = |seed: u64, parts: Vec<LoraPart>| LoraAdapter {
+            name: format!("a{seed}"),
+            path: "x".into(),
+            max_rank: parts.iter().map(|p| p.rank).max().unwrap_or(0),
+            layers: vec![[parts, Vec::new(), Vec::new(), Vec::new()]],
+        };
+        let adapters = vec![
+            adapter(1, vec![part(1, 0, 300, 5), part(2, 300, 300, 3)]),
+            adapter(2, vec![part(3, 10, 513, 16)]),
+        ];
+        let tok = [2u32, 0, 1, 2, 1, 1, 0];
+        let t = tok.len();
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let base: Vec<f32> = (0..t * n)
+            .map(|i| ((i * 104_729) % 97) as f32 / 40.0)
+            .collect();
+        let mut want = base.clone();
+        for (i, &a) in tok.iter().enumerate() {
+            if a == 0 {
+                continue;
+            }
+            let mut v = vec![0f32; 16];
+            for p in &adapters[a as usize - 1].layers[0][0] {
+                p.apply_token(
+                    &x[i * k..(i + 1) * k],
+                    &mut want[i * n..(i + 1) * n],
+                    &mut v,
+                );
+            }
+        }
+        for threads in [1, 3] {
+            let pool = thread_pool(threads).unwrap();
+            let mut got = base.clone();
+            pool.install(|| {
+                LoraStep {
+                    adapters: &adapters,
+                    layer: 0,
+                    tok: &tok,
+                }
+                .add(LoraLinear::Qkv, &x, k, &mut got, n)
+            });
+            assert_eq!(got, want, "{threads} threads");
+        }
+        assert_ne!(want, base);
+    }
 
     /// A context spanning several softmax partitions gives the same bits whatever the batch
     /// around it, the prefill chunking, the block size, the page ids and the thread count
