@@ -58,6 +58,7 @@ minpart-512|BATON_ATTN_MIN_PARTITION=512
 topp|AB_ARGS=--temperature=0.8,--top-p=0.95
 topp-bins-0|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SAMPLE_BIN_CACHE=0
 attn-128|BATON_ATTN_TARGET_BLOCKS=128
+lora-16|AB_ARGS=--lora-rank=16
 t1u-2|BATON_KERNEL_DEFINES=BATON_GEMV_T1_U=2
 base-again|
 persistent-eager|BATON_PERSISTENT_DECODE=1 AB_ARGS=--enforce-eager
