@@ -187,6 +187,15 @@ pub enum ModelError {
         /// safetensors' message.
         reason: String,
     },
+    /// A GGUF file (llama.cpp's format) is malformed, or holds something Baton does not
+    /// read (an architecture, a tensor type, a tokenizer model), named in `reason`.
+    #[error("{file}: GGUF: {reason}")]
+    Gguf {
+        /// The .gguf file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// `model.safetensors.index.json` is inconsistent (e.g. `weight_map` points at a missing shard).
     #[error("{file}: sharded index: {reason}")]
     ShardIndex {

@@ -13,6 +13,8 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod fingerprint;
+pub mod gguf;
+pub mod gguf_quant;
 mod linear;
 pub mod lora;
 pub mod quant;

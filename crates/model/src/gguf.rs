@@ -1,0 +1,588 @@
+//! GGUF, llama.cpp's model file: the container (header, metadata, tensor directory), read
+//! from a memory map.
+//!
+//! Layout (little-endian; versions 2 and 3, <https://github.com/ggml-org/ggml/blob/master/docs/gguf.md>):
+//! the magic `GGUF`, a `u32` version, `u64` tensor and metadata counts, the metadata as
+//! (string key, `u32` value type, value) triples, one directory entry per tensor (string name,
+//! `u32` dimension count, that many `u64` dimensions innermost first, `u32` ggml type, `u64`
+//! offset into the data section), then the data section, aligned to `general.alignment`
+//! (default 32) bytes. Strings are a `u64` byte length and UTF-8 bytes; arrays a `u32` element
+//! type, a `u64` length and the elements.
+//!
+//! Every length is checked against the bytes left before anything is allocated, so a
+//! truncated or corrupt file is a [`ModelError::Gguf`] naming what is wrong, never a panic or
+//! a huge allocation.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::ModelError;
+
+/// The first four bytes of a GGUF file.
+pub const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+
+/// The data section's alignment when `general.alignment` is absent (bytes).
+pub const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    /// Type 0.
+    U8(u8),
+    /// Type 1.
+    I8(i8),
+    /// Type 2.
+    U16(u16),
+    /// Type 3.
+    I16(i16),
+    /// Type 4.
+    U32(u32),
+    /// Type 5.
+    I32(i32),
+    /// Type 6.
+    F32(f32),
+    /// Type 7 (a byte, 0 or 1).
+    Bool(bool),
+    /// Type 8.
+    Str(String),
+    /// Type 9: elements of one type.
+    Array(Vec<GgufValue>),
+    /// Type 10.
+    U64(u64),
+    /// Type 11.
+    I64(i64),
+    /// Type 12.
+    F64(f64),
+}
+
+impl GgufValue {
+    /// An integer value of any width, as `i128` (none for floats, strings, arrays, booleans).
+    pub fn as_int(&self) -> Option<i128> {
+        Some(match *self {
+            GgufValue::U8(v) => v.into(),
+            GgufValue::I8(v) => v.into(),
+            GgufValue::U16(v) => v.into(),
+            GgufValue::I16(v) => v.into(),
+            GgufValue::U32(v) => v.into(),
+            GgufValue::I32(v) => v.into(),
+            GgufValue::U64(v) => v.into(),
+            GgufValue::I64(v) => v.into(),
+            _ => return None,
+        })
+    }
+
+    /// A float or integer value as `f64`.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v.into()),
+            GgufValue::F64(v) => Some(v),
+            _ => self.as_int().map(|i| i as f64),
+        }
+    }
+
+    /// A string value.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// An array value's elements.
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// A boolean value (also an integer 0 or 1, as some converters write flags).
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            GgufValue::Bool(b) => Some(*b),
+            v => match v.as_int() {
+                Some(0) => Some(false),
+                Some(1) => Some(true),
+                _ => None,
+            },
+        }
+    }
+
+    /// The type's name in the GGUF specification, for errors.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            GgufValue::U8(_) => "uint8",
+            GgufValue::I8(_) => "int8",
+            GgufValue::U16(_) => "uint16",
+            GgufValue::I16(_) => "int16",
+            GgufValue::U32(_) => "uint32",
+            GgufValue::I32(_) => "int32",
+            GgufValue::F32(_) => "float32",
+            GgufValue::Bool(_) => "bool",
+            GgufValue::Str(_) => "string",
+            GgufValue::Array(_) => "array",
+            GgufValue::U64(_) => "uint64",
+            GgufValue::I64(_) => "int64",
+            GgufValue::F64(_) => "float64",
+        }
+    }
+}
+
+/// One entry of the tensor directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufTensorInfo {
+    /// llama.cpp's tensor name (`blk.0.attn_q.weight`).
+    pub name: String,
+    /// Dimensions, innermost first (ggml's `ne`): a `[rows, cols]` matrix is `[cols, rows]`.
+    pub dims: Vec<u64>,
+    /// The ggml type id ([`crate::gguf_quant::GgmlType`]).
+    pub ggml_type: u32,
+    /// Byte offset of the data from the start of the data section.
+    pub offset: u64,
+}
+
+impl GgufTensorInfo {
+    /// The shape in row-major order, outermost first (safetensors' and PyTorch's order).
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+
+    /// Number of elements (`None` on overflow).
+    pub fn elements(&self) -> Option<u64> {
+        self.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+    }
+}
+
+/// A GGUF file: its metadata and tensor directory, and the mapped bytes.
+pub struct GgufFile {
+    /// The file.
+    pub path: PathBuf,
+    /// The format version (2 or 3).
+    pub version: u32,
+    /// Metadata by key.
+    pub metadata: BTreeMap<String, GgufValue>,
+    /// The tensor directory in file order.
+    pub tensors: Vec<GgufTensorInfo>,
+    /// Absolute byte offset of the data section.
+    pub data_start: usize,
+    mmap: Mmap,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+/// A bounds-checked little-endian reader over the header.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                format!(
+                    "truncated: {what} at byte {} needs {n} bytes, {} left",
+                    self.at,
+                    self.bytes.len().saturating_sub(self.at)
+                )
+            })?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
+        Ok(self.take(N, what)?.try_into().expect("took N bytes"))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn left(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, String> {
+        let n = self.u64(what)?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= self.left())
+            .ok_or_else(|| {
+                format!(
+                    "{what} at byte {} claims {n} bytes, the file has {} left",
+                    self.at - 8,
+                    self.left()
+                )
+            })?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
+    }
+
+    fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<GgufValue, String> {
+        Ok(match ty {
+            0 => GgufValue::U8(self.array::<1>(what)?[0]),
+            1 => GgufValue::I8(self.array::<1>(what)?[0] as i8),
+            2 => GgufValue::U16(u16::from_le_bytes(self.array(what)?)),
+            3 => GgufValue::I16(i16::from_le_bytes(self.array(what)?)),
+            4 => GgufValue::U32(self.u32(what)?),
+            5 => GgufValue::I32(i32::from_le_bytes(self.array(what)?)),
+            6 => GgufValue::F32(f32::from_le_bytes(self.array(what)?)),
+            7 => match self.array::<1>(what)?[0] {
+                0 => GgufValue::Bool(false),
+                1 => GgufValue::Bool(true),
+                b => return Err(format!("{what}: bool byte {b} is neither 0 nor 1")),
+            },
+            8 => GgufValue::Str(self.string(what)?),
+            9 => {
+                if depth > 0 {
+                    // The specification allows nested arrays; no key llama.cpp writes uses
+                    // them, and unbounded nesting is a stack risk.
+                    return Err(format!("{what}: arrays nested in arrays are not read"));
+                }
+                let ety = self.u32(what)?;
+                let n = self.u64(what)?;
+                // Every element takes at least one byte: a count past the bytes left is
+                // corrupt, and checking it first bounds the allocation.
+                if n > self.left() as u64 {
+                    return Err(format!(
+                        "{what}: array of {n} elements, the file has {} bytes left",
+                        self.left()
+                    ));
+                }
+                let mut v = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    v.push(self.value(ety, what, depth + 1)?);
+                }
+                GgufValue::Array(v)
+            }
+            10 => GgufValue::U64(self.u64(what)?),
+            11 => GgufValue::I64(i64::from_le_bytes(self.array(what)?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.array(what)?)),
+            t => return Err(format!("{what}: unknown value type {t}")),
+        })
+    }
+}
+
+/// Parses a GGUF header (everything before the data section) from `bytes`, the whole file.
+/// Returns the version, metadata, tensor directory and the data section's offset.
+///
+/// # Errors
+/// A message naming the first fault: not GGUF, a version other than 2 or 3 (version 1 used
+/// 32-bit lengths; a big-endian file reads as a huge version), truncation, a length past the
+/// file, an unknown value type, a duplicate key or tensor name, a bad `general.alignment`, a
+/// tensor of more than 4 dimensions or whose offset is not aligned.
+#[allow(clippy::type_complexity)]
+pub fn parse_header(
+    bytes: &[u8],
+) -> Result<(u32, BTreeMap<String, GgufValue>, Vec<GgufTensorInfo>, usize), String> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.take(4, "the magic").ok() != Some(&GGUF_MAGIC[..]) {
+        return Err("not a GGUF file (it does not start with `GGUF`)".into());
+    }
+    let version = r.u32("the version")?;
+    if !(2..=3).contains(&version) {
+        return Err(if version.swap_bytes() <= 3 {
+            format!(
+                "a big-endian GGUF file (version {}); only little-endian files are read",
+                version.swap_bytes()
+            )
+        } else {
+            format!("version {version}; versions 2 and 3 are read")
+        });
+    }
+    let n_tensors = r.u64("the tensor count")?;
+    let n_kv = r.u64("the metadata count")?;
+    // A metadata entry takes at least 13 bytes, a tensor entry at least 24.
+    if n_kv > (r.left() / 13) as u64 || n_tensors > (r.left() / 24) as u64 {
+        return Err(format!(
+            "claims {n_kv} metadata entries and {n_tensors} tensors, more than the file's \
+             {} bytes can hold",
+            bytes.len()
+        ));
+    }
+    let mut metadata = BTreeMap::new();
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata key {i}"))?;
+        let ty = r.u32(&format!("the type of `{key}`"))?;
+        let value = r.value(ty, &format!("metadata `{key}`"), 0)?;
+        if metadata.insert(key.clone(), value).is_some() {
+            return Err(format!("metadata key `{key}` appears twice"));
+        }
+    }
+    let mut tensors = Vec::with_capacity(n_tensors as usize);
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..n_tensors {
+        let name = r.string(&format!("tensor name {i}"))?;
+        let n_dims = r.u32(&format!("tensor `{name}`'s dimension count"))?;
+        if n_dims > 4 {
+            return Err(format!(
+                "tensor `{name}` has {n_dims} dimensions; ggml tensors have at most 4"
+            ));
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(r.u64(&format!("tensor `{name}`'s dimensions"))?);
+        }
+        let ggml_type = r.u32(&format!("tensor `{name}`'s type"))?;
+        let offset = r.u64(&format!("tensor `{name}`'s offset"))?;
+        if !seen.insert(name.clone()) {
+            return Err(format!("tensor `{name}` appears twice"));
+        }
+        tensors.push(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+        });
+    }
+    let alignment = match metadata.get("general.alignment") {
+        None => DEFAULT_ALIGNMENT,
+        Some(v) => match v.as_int() {
+            Some(a) if a > 0 && (a as u64).is_power_of_two() && a <= 1 << 20 => a as u64,
+            _ => {
+                return Err(format!(
+                    "`general.alignment` is {v:?}; it must be a power of two"
+                ))
+            }
+        },
+    };
+    let data_start = (r.at as u64).div_ceil(alignment) * alignment;
+    for t in &tensors {
+        if t.offset % alignment != 0 {
+            return Err(format!(
+                "tensor `{}`'s offset {} is not a multiple of the alignment {alignment}",
+                t.name, t.offset
+            ));
+        }
+    }
+    Ok((version, metadata, tensors, data_start as usize))
+}
+
+impl GgufFile {
+    /// Maps and parses `path`.
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] if it cannot be read; [`ModelError::Gguf`] as [`parse_header`], or
+    /// for a tensor whose data (per [`crate::gguf_quant::GgmlType::row_bytes`]) lies past the
+    /// end of the file or whose type is unknown.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, &e))?;
+        // SAFETY: the mapping is read-only and private to this process; model files are not
+        // expected to change while loaded (the assumption llama.cpp's loader makes too). All
+        // accesses are bounds-checked slices of the map.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, &e))?;
+        let fault = |reason: String| ModelError::Gguf {
+            file: path.display().to_string(),
+            reason,
+        };
+        let (version, metadata, tensors, data_start) = parse_header(&mmap).map_err(fault)?;
+        let f = GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            data_start,
+            mmap,
+        };
+        for t in &f.tensors {
+            f.tensor_bytes(t)?;
+        }
+        Ok(f)
+    }
+
+    /// A metadata value.
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.get(key)
+    }
+
+    /// A tensor's directory entry by name.
+    pub fn tensor(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The bytes of a tensor's data: its element count in its ggml type's blocks.
+    ///
+    /// # Errors
+    /// [`ModelError::Gguf`] for an unknown type, a row length that is not a whole number of
+    /// the type's blocks, or data past the end of the file.
+    pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> Result<&[u8], ModelError> {
+        let fault = |reason: String| ModelError::Gguf {
+            file: self.path.display().to_string(),
+            reason: format!("tensor `{}`: {reason}", t.name),
+        };
+        let ty = crate::gguf_quant::GgmlType::from_u32(t.ggml_type).ok_or_else(|| {
+            fault(format!(
+                "unknown ggml type {}; the types read are {}",
+                t.ggml_type,
+                crate::gguf_quant::GgmlType::names()
+            ))
+        })?;
+        let cols = t.dims.first().copied().unwrap_or(1);
+        let rows = t
+            .dims
+            .iter()
+            .skip(1)
+            .try_fold(1u64, |a, &d| a.checked_mul(d));
+        let row_bytes = usize::try_from(cols)
+            .ok()
+            .and_then(|c| ty.row_bytes(c))
+            .ok_or_else(|| {
+                fault(format!(
+                    "{cols} elements per row is not a whole number of {ty:?} blocks of {}",
+                    ty.block_size()
+                ))
+            })?;
+        let start = (self.data_start as u64).checked_add(t.offset);
+        let len = rows.and_then(|r| r.checked_mul(row_bytes as u64));
+        let end = start.zip(len).and_then(|(s, l)| s.checked_add(l));
+        match (start, end) {
+            (Some(s), Some(e)) if e <= self.mmap.len() as u64 => {
+                Ok(&self.mmap[s as usize..e as usize])
+            }
+            _ => Err(fault(format!(
+                "its data ({} at offset {} of the data section at byte {}) lies past the end \
+                 of the file ({} bytes); the file is truncated or corrupt",
+                len.map_or_else(
+                    || "an impossible number of bytes".into(),
+                    |l| format!("{l} bytes")
+                ),
+                t.offset,
+                self.data_start,
+                self.mmap.len()
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal GGUF writer for the parser's tests.
+    fn header(
+        version: u32,
+        kv: &[(&str, u32, Vec<u8>)],
+        tensors: &[(&str, &[u64], u32, u64)],
+    ) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(version.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        let s = |b: &mut Vec<u8>, x: &str| {
+            b.extend((x.len() as u64).to_le_bytes());
+            b.extend(x.as_bytes());
+        };
+        for (k, ty, v) in kv {
+            s(&mut b, k);
+            b.extend(ty.to_le_bytes());
+            b.extend(v);
+        }
+        for (name, dims, ty, off) in tensors {
+            s(&mut b, name);
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in *dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(off.to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn parses_metadata_tensors_and_aligns_the_data_section() {
+        let mut arr = 8u32.to_le_bytes().to_vec();
+        arr.extend(2u64.to_le_bytes());
+        for x in ["a", "bc"] {
+            arr.extend((x.len() as u64).to_le_bytes());
+            arr.extend(x.as_bytes());
+        }
+        let b = header(
+            3,
+            &[
+                ("general.architecture", 8, {
+                    let mut v = 5u64.to_le_bytes().to_vec();
+                    v.extend(b"llama");
+                    v
+                }),
+                ("llama.block_count", 4, 5u32.to_le_bytes().to_vec()),
+                ("tokenizer.ggml.tokens", 9, arr),
+            ],
+            &[("token_embd.weight", &[64, 512], 0, 0)],
+        );
+        let (v, meta, t, start) = parse_header(&b).unwrap();
+        assert_eq!(v, 3);
+        assert_eq!(meta["general.architecture"].as_str(), Some("llama"));
+        assert_eq!(meta["llama.block_count"].as_int(), Some(5));
+        let toks: Vec<_> = meta["tokenizer.ggml.tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert_eq!(toks, ["a", "bc"]);
+        assert_eq!(t[0].shape(), vec![512, 64]);
+        assert_eq!(start % 32, 0);
+        assert!(start >= b.len() && start < b.len() + 32);
+    }
+
+    #[test]
+    fn corrupt_headers_are_errors_not_panics() {
+        assert!(parse_header(b"GGML\x03\0\0\0")
+            .unwrap_err()
+            .contains("not a GGUF"));
+        assert!(parse_header(b"GGUF\x01\0\0\0")
+            .unwrap_err()
+            .contains("version 1"));
+        assert!(parse_header(b"GGUF\0\0\0\x03")
+            .unwrap_err()
+            .contains("big-endian"));
+        let mut b = header(3, &[], &[]);
+        b.truncate(12);
+        assert!(parse_header(&b).unwrap_err().contains("truncated"));
+        // A string claiming more bytes than the file has: no allocation, an error.
+        let mut b = header(3, &[("k", 8, u64::MAX.to_le_bytes().to_vec())], &[]);
+        b.extend([0u8; 16]);
+        assert!(parse_header(&b).unwrap_err().contains("claims"));
+        // An array claiming 2^40 elements.
+        let mut arr = 0u32.to_le_bytes().to_vec();
+        arr.extend((1u64 << 40).to_le_bytes());
+        let b = header(3, &[("k", 9, arr)], &[]);
+        assert!(parse_header(&b).unwrap_err().contains("array of"));
+        let b = header(3, &[("k", 99, vec![])], &[]);
+        assert!(parse_header(&b)
+            .unwrap_err()
+            .contains("unknown value type 99"));
+        let b = header(3, &[], &[("t", &[1, 1, 1, 1, 1], 0, 0)]);
+        assert!(parse_header(&b).unwrap_err().contains("5 dimensions"));
+        let b = header(3, &[], &[("t", &[4], 0, 3)]);
+        assert!(parse_header(&b).unwrap_err().contains("not a multiple"));
+        let b = header(3, &[], &[("t", &[4], 0, 0), ("t", &[4], 0, 32)]);
+        assert!(parse_header(&b).unwrap_err().contains("twice"));
+        let b = header(
+            3,
+            &[("general.alignment", 4, 3u32.to_le_bytes().to_vec())],
+            &[],
+        );
+        assert!(parse_header(&b).unwrap_err().contains("power of two"));
+    }
+}
