@@ -15,6 +15,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod gguf;
 pub mod gguf_quant;
+pub mod gguf_tokenizer;
 mod linear;
 pub mod lora;
 pub mod quant;
