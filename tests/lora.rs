@@ -7,11 +7,9 @@
 mod support;
 
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use support::*;
 
 /// A seeded random adapter of stories260K's shape in a fresh temp directory.
@@ -21,74 +19,6 @@ fn adapter(tag: &str, seed: u64) -> PathBuf {
     let cfg = baton_model::ModelConfig::from_file(&model_dir().join("config.json")).unwrap();
     baton_model::lora::write_dummy_adapter(&dir, &cfg, 4, 8.0, 0.25, seed).expect("adapter");
     dir
-}
-
-/// Starts `baton serve` on a free port; returns it with its address once ready.
-fn spawn_serve(instance: &str, extra: &[String]) -> (Proc, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .arg("serve")
-        .arg(model_dir())
-        .args(["--instance", instance, "--port", "0"])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn serve");
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut line = String::new();
-    while !line.contains("ready on") {
-        line.clear();
-        assert!(Instant::now() < deadline, "baton serve never became ready");
-        assert!(
-            err.read_line(&mut line).unwrap_or(0) > 0,
-            "baton serve exited before it was ready"
-        );
-    }
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("address on the ready line")
-        .trim_end_matches(',')
-        .to_string();
-    std::thread::spawn(move || {
-        let mut sink = String::new();
-        let _ = err.read_to_string(&mut sink);
-    });
-    (
-        Proc {
-            child,
-            name: "serve",
-        },
-        addr,
-    )
-}
-
-/// `method path` with an optional JSON body: the status and the JSON body (`null` if none).
-fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    let body = body.map(Value::to_string).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let json = resp
-        .split("\r\n\r\n")
-        .nth(1)
-        .and_then(|b| serde_json::from_str(b).ok())
-        .unwrap_or_default();
-    (status, json)
 }
 
 /// A prompt of more than two KV pages (16 tokens each), so the prefix cache holds blocks of it.
@@ -160,7 +90,7 @@ fn requests_naming_an_adapter_run_with_it_and_the_base_model_is_untouched() {
     assert_ne!(want_a, want_base, "the adapter changes nothing");
     assert_ne!(want_a, want_b);
 
-    let (mut serve, addr) = spawn_serve(&instance("lora"), &flags);
+    let (mut serve, addr) = spawn_serve(&model_dir(), &instance("lora"), &flags);
     // The base model first: its prompt blocks enter the prefix cache, and an adapter's
     // request with the same prompt must not reuse them.
     let (base, v) = complete(&addr, "stories260K");

@@ -5,7 +5,10 @@
 use baton_proto::link::{Admission, FrontendLink};
 use baton_proto::wire::{reason, to_frontend};
 use baton_proto::SamplingParams;
+use serde_json::Value;
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -380,4 +383,72 @@ pub fn edited_model_dir(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -
     edit(&mut cfg);
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     dir
+}
+
+/// Starts `baton serve MODEL` on a free port; returns it with its address once ready.
+pub fn spawn_serve(model: &std::path::Path, instance: &str, extra: &[String]) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("serve")
+        .arg(model)
+        .args(["--instance", instance, "--port", "0"])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn serve");
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut line = String::new();
+    while !line.contains("ready on") {
+        line.clear();
+        assert!(Instant::now() < deadline, "baton serve never became ready");
+        assert!(
+            err.read_line(&mut line).unwrap_or(0) > 0,
+            "baton serve exited before it was ready"
+        );
+    }
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("address on the ready line")
+        .trim_end_matches(',')
+        .to_string();
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        let _ = err.read_to_string(&mut sink);
+    });
+    (
+        Proc {
+            child,
+            name: "serve",
+        },
+        addr,
+    )
+}
+
+/// `method path` with an optional JSON body: the status and the JSON body (`null` if none).
+pub fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.map(Value::to_string).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let json = resp
+        .split("\r\n\r\n")
+        .nth(1)
+        .and_then(|b| serde_json::from_str(b).ok())
+        .unwrap_or_default();
+    (status, json)
 }

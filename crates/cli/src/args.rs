@@ -366,8 +366,15 @@ pub fn check_tokenizer_dir(flag: Option<&std::path::Path>) -> anyhow::Result<()>
 /// # Errors
 /// As [`check_quantization`], and a config.json that does not load.
 pub fn check_quantization_of(flag: Option<&str>, model: &std::path::Path) -> anyhow::Result<()> {
-    if flag.is_none() {
-        return Ok(());
+    let Some(m) = flag else { return Ok(()) };
+    // vLLM's `--quantization gguf` names the format of a GGUF `--model`.
+    if crate::gguf_model::served_file(model).is_some() {
+        if m.trim().eq_ignore_ascii_case("gguf") {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "--quantization {m}: the model is a GGUF file; give `gguf` or leave the flag out"
+        );
     }
     let cfg = baton_model::ModelConfig::from_file(&model.join("config.json"))?;
     check_quantization(flag, &cfg)

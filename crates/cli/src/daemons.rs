@@ -190,8 +190,13 @@ pub fn run_scheduler(a: SchedulerArgs) -> Result<()> {
         .map_err(|_| anyhow::anyhow!("the scheduler thread panicked"))?
 }
 
-fn scheduler_main(a: SchedulerArgs) -> Result<()> {
+fn scheduler_main(mut a: SchedulerArgs) -> Result<()> {
     let stop = stop_flag()?;
+    if let Some(m) = &a.model {
+        if let Some(g) = crate::gguf_model::resolve(m, a.tokenizer.as_deref(), true)? {
+            a.model = Some(g.dir);
+        }
+    }
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     let format = a.load_format.with_seed_flag(a.seed, a.model.as_deref())?;
     let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
@@ -331,6 +336,12 @@ fn scheduler_main(a: SchedulerArgs) -> Result<()> {
 /// No scheduler, a model that fails to load, a KV pool or model mismatch.
 pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
     let stop = stop_flag()?;
+    if let Some(m) = &a.model {
+        // A worker reads no tokenizer.
+        if let Some(g) = crate::gguf_model::resolve(m, None, false)? {
+            a.model = Some(g.dir);
+        }
+    }
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     if a.quantization.is_some() {
         let dir = a

@@ -328,7 +328,18 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 ///
 /// # Errors
 /// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
-pub fn run(a: FrontendArgs) -> Result<()> {
+pub fn run(mut a: FrontendArgs) -> Result<()> {
+    // `/v1/models`' `root`: the --model string, or the GGUF file a prepared directory
+    // (`baton serve FILE.gguf`'s child) serves.
+    let model_root = crate::gguf_model::served_file(&a.model)
+        .unwrap_or_else(|| a.model.clone())
+        .display()
+        .to_string();
+    crate::gguf_model::resolve_served(
+        &mut a.model,
+        a.http.tokenizer.as_deref(),
+        &mut a.http.served_model_name,
+    )?;
     a.http.check()?;
     let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
     check_lora_names(&lora_modules, &a.http, &a.model)?;
@@ -520,7 +531,7 @@ pub fn run(a: FrontendArgs) -> Result<()> {
         let client: Arc<dyn baton_frontend::EngineClient> = engine.clone();
         let state = Arc::new(
             baton_frontend::AppState::new(config, tokenizer, client, eos)?
-                .with_model_root(a.model.display().to_string()),
+                .with_model_root(model_root.clone()),
         );
         // Stop on SIGTERM/SIGINT, or when the scheduler exits: a restarted scheduler makes a
         // new segment this process cannot reach, so exit and let a supervisor restart us.

@@ -359,6 +359,9 @@ fn validate_sampling(a: &GenerateArgs, s: &Sampling) -> Result<()> {
 /// # Errors
 /// Bad flags, a model that fails to load, a prompt that cannot run.
 pub fn run(mut a: GenerateArgs) -> Result<()> {
+    if let Some(g) = crate::gguf_model::resolve(&a.model, a.tokenizer.as_deref(), true)? {
+        a.model = g.dir;
+    }
     crate::args::check_tokenizer_dir(a.tokenizer.as_deref())?;
     crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.tokenizer.as_ref());

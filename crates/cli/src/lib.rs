@@ -47,5 +47,6 @@ pub mod debug_cmd;
 pub mod engine;
 pub mod frontend_cmd;
 pub mod generate;
+pub mod gguf_model;
 pub mod serve;
 pub mod trace_cmd;

@@ -446,6 +446,18 @@ fn http_health(addr: &str) -> Option<u16> {
 pub fn run(a: ServeArgs) -> Result<()> {
     let mut a = a.resolve()?;
     let stop = crate::daemons::stop_flag()?;
+    // A GGUF file is served from its prepared directory, which the children get as --model.
+    crate::gguf_model::resolve_served(
+        &mut a.model,
+        a.http.tokenizer.as_deref(),
+        &mut a.http.served_model_name,
+    )?;
+    if a.model.is_file() {
+        bail!(
+            "--model {}: a file that is neither a Hugging Face model directory nor a GGUF file",
+            a.model.display()
+        );
+    }
     if !a.model.is_dir() {
         bail!(
             "--model {}: no such directory (relative paths are from {})",

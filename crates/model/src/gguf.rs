@@ -315,7 +315,7 @@ pub fn parse_header(
     if n_kv > (r.left() / 13) as u64 || n_tensors > (r.left() / 24) as u64 {
         return Err(format!(
             "claims {n_kv} metadata entries and {n_tensors} tensors, more than the file's \
-             {} bytes can hold",
+             {} bytes can hold: truncated or corrupt",
             bytes.len()
         ));
     }
@@ -471,6 +471,424 @@ impl GgufFile {
             ))),
         }
     }
+}
+
+impl GgufFile {
+    /// The mapped file, for a [`crate::WeightSource`] to serve tensors from.
+    pub(crate) fn into_mmap(self) -> Mmap {
+        self.mmap
+    }
+
+    fn fault(&self, reason: impl Into<String>) -> ModelError {
+        ModelError::Gguf {
+            file: self.path.display().to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// `general.architecture`.
+    ///
+    /// # Errors
+    /// [`ModelError::Gguf`] when it is missing or not a string.
+    pub fn architecture(&self) -> Result<&str, ModelError> {
+        self.get("general.architecture")
+            .and_then(GgufValue::as_str)
+            .ok_or_else(|| self.fault("no `general.architecture` string"))
+    }
+
+    /// A metadata integer `{arch}.{key}` as `usize`; `None` when absent.
+    fn arch_usize(&self, arch: &str, key: &str) -> Result<Option<usize>, ModelError> {
+        let k = format!("{arch}.{key}");
+        match self.get(&k) {
+            None => Ok(None),
+            Some(GgufValue::Array(_)) => Err(self.fault(format!(
+                "`{k}` is a per-layer array; models whose layers differ in shape are not read"
+            ))),
+            Some(v) => match v.as_int() {
+                Some(i) if i >= 0 && i <= usize::MAX as i128 => Ok(Some(i as usize)),
+                _ => Err(self.fault(format!("`{k}` is {v:?}; expected a non-negative integer"))),
+            },
+        }
+    }
+
+    fn arch_f64(&self, arch: &str, key: &str) -> Result<Option<f64>, ModelError> {
+        let k = format!("{arch}.{key}");
+        match self.get(&k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| self.fault(format!("`{k}` is {v:?}; expected a finite number"))),
+        }
+    }
+}
+
+/// The GGUF architectures read, with the Hugging Face `model_type` and architecture each
+/// becomes, and whether llama.cpp's converter permuted the q and k rows for its interleaved
+/// RoPE (`LlamaModel.permute` in `convert_hf_to_gguf.py`; Qwen's use NeoX-style RoPE, unpermuted).
+const ARCHS: [(&str, &str, &str, bool); 3] = [
+    ("llama", "llama", "LlamaForCausalLM", true),
+    ("qwen2", "qwen2", "Qwen2ForCausalLM", false),
+    ("qwen3", "qwen3", "Qwen3ForCausalLM", false),
+];
+
+/// Whether the q and k rows of a GGUF model of architecture `arch` are stored permuted for
+/// interleaved RoPE (and must be un-permuted into Hugging Face's rotate-half layout).
+pub fn permuted_qk(arch: &str) -> bool {
+    ARCHS.iter().any(|a| a.0 == arch && a.3)
+}
+
+/// The Hugging Face name of a GGUF tensor (llama.cpp's `gguf-py/gguf/tensor_mapping.py`,
+/// read backwards), `None` for `rope_freqs.weight` (read into config.json's `rope_scaling` by
+/// [`hf_config`]). Names without a counterpart are returned unchanged, for the unused-tensor
+/// check to name.
+pub fn hf_tensor_name(name: &str) -> Option<String> {
+    let global = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        "rope_freqs.weight" => return None,
+        _ => None,
+    };
+    if let Some(g) = global {
+        return Some(g.into());
+    }
+    let mapped = name.strip_prefix("blk.").and_then(|rest| {
+        let (layer, part) = rest.split_once('.')?;
+        layer.parse::<usize>().ok()?;
+        let (stem, suffix) = part.rsplit_once('.')?;
+        let hf = match stem {
+            "attn_norm" => "input_layernorm",
+            "attn_q" => "self_attn.q_proj",
+            "attn_k" => "self_attn.k_proj",
+            "attn_v" => "self_attn.v_proj",
+            "attn_output" => "self_attn.o_proj",
+            "attn_q_norm" => "self_attn.q_norm",
+            "attn_k_norm" => "self_attn.k_norm",
+            "ffn_norm" => "post_attention_layernorm",
+            "ffn_gate" => "mlp.gate_proj",
+            "ffn_up" => "mlp.up_proj",
+            "ffn_down" => "mlp.down_proj",
+            _ => return None,
+        };
+        Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+    });
+    Some(mapped.unwrap_or_else(|| name.to_string()))
+}
+
+/// The `torch_dtype` a GGUF model is served in: `float32` when every tensor is F32,
+/// `bfloat16` when any is BF16, else `float16` (quantized tensors are dequantized into it).
+pub fn served_dtype(g: &GgufFile) -> &'static str {
+    use crate::gguf_quant::GgmlType;
+    let types: Vec<_> = g
+        .tensors
+        .iter()
+        .filter_map(|t| GgmlType::from_u32(t.ggml_type))
+        .collect();
+    if types.iter().all(|t| *t == GgmlType::F32) {
+        "float32"
+    } else if types.contains(&GgmlType::BF16) {
+        "bfloat16"
+    } else {
+        "float16"
+    }
+}
+
+/// Llama 3's RoPE frequency factors (transformers' `_compute_llama3_parameters`, as
+/// `convert_hf_to_gguf.py` writes them into `rope_freqs.weight`): per rotary pair, the
+/// divisor of the default inverse frequency.
+fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig: f64) -> Vec<f64> {
+    (0..dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < orig / high {
+                1.0
+            } else if wavelen > orig / low {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// config.json for a GGUF model, from its metadata (the inverse of llama.cpp's
+/// `convert_hf_to_gguf.py` for the `llama`, `qwen2` and `qwen3` architectures): sizes, heads,
+/// RoPE base and scaling (`{arch}.rope.scaling.*`, or Llama 3's `rope_freqs.weight` when it
+/// equals the factors of `rope_type: llama3` with factor = its largest value and the Llama
+/// 3.1 constants low 1, high 4, original 8192), epsilon, context length, BOS/EOS ids, tied
+/// embeddings (no `output.weight`), and [`served_dtype`].
+///
+/// # Errors
+/// [`ModelError::Gguf`] naming the key: another architecture, a missing size, per-layer
+/// arrays, a partial rotary dimension, value heads of another width than key heads, an
+/// unknown RoPE scaling, a `rope_freqs.weight` that is not Llama 3's, split files.
+pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
+    use serde_json::json;
+    let arch = g.architecture()?;
+    let Some(&(_, model_type, hf_arch, _)) = ARCHS.iter().find(|a| a.0 == arch) else {
+        return Err(g.fault(format!(
+            "architecture `{arch}` is not read; GGUF files of {} are (for other models, serve \
+             the Hugging Face checkpoint)",
+            ARCHS.map(|a| a.0).join(", ")
+        )));
+    };
+    if let Some(n) = g.get("split.count").and_then(GgufValue::as_int) {
+        if n > 1 {
+            return Err(g.fault(format!(
+                "one of {n} split files; merge them first (`llama-gguf-split --merge FIRST OUT`)"
+            )));
+        }
+    }
+    let req = |key: &str| -> Result<usize, ModelError> {
+        g.arch_usize(arch, key)?
+            .ok_or_else(|| g.fault(format!("no `{arch}.{key}`")))
+    };
+    let hidden = req("embedding_length")?;
+    let layers = req("block_count")?;
+    let heads = req("attention.head_count")?;
+    let kv_heads = g
+        .arch_usize(arch, "attention.head_count_kv")?
+        .unwrap_or(heads);
+    let ffn = req("feed_forward_length")?;
+    let context = req("context_length")?;
+    if heads == 0 {
+        return Err(g.fault(format!("`{arch}.attention.head_count` is 0")));
+    }
+    let head_dim = g
+        .arch_usize(arch, "attention.key_length")?
+        .unwrap_or(hidden / heads);
+    if let Some(v) = g.arch_usize(arch, "attention.value_length")? {
+        if v != head_dim {
+            return Err(g.fault(format!(
+                "`{arch}.attention.value_length` {v} differs from the key length {head_dim}"
+            )));
+        }
+    }
+    if let Some(r) = g.arch_usize(arch, "rope.dimension_count")? {
+        if r != head_dim {
+            return Err(g.fault(format!(
+                "`{arch}.rope.dimension_count` {r} is not the head size {head_dim} (partial \
+                 rotary embeddings are not read from GGUF)"
+            )));
+        }
+    }
+    let embd = g
+        .tensor("token_embd.weight")
+        .ok_or_else(|| g.fault("no tensor `token_embd.weight`"))?;
+    let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+    let theta = g.arch_f64(arch, "rope.freq_base")?.unwrap_or(10000.0);
+    let eps = g
+        .arch_f64(arch, "attention.layer_norm_rms_epsilon")?
+        .ok_or_else(|| g.fault(format!("no `{arch}.attention.layer_norm_rms_epsilon`")))?;
+    let mut cfg = json!({
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": context,
+        "rms_norm_eps": eps,
+        "rope_theta": theta,
+        "tie_word_embeddings": g.tensor("output.weight").is_none(),
+        "torch_dtype": served_dtype(g),
+    });
+    let o = cfg.as_object_mut().expect("an object");
+    for (hf, key) in [
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ] {
+        if let Some(id) = g.get(key).and_then(GgufValue::as_int) {
+            o.insert(hf.into(), json!(id));
+        }
+    }
+    // RoPE scaling written as metadata ...
+    let scaling = g
+        .get(&format!("{arch}.rope.scaling.type"))
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| g.fault(format!("`{arch}.rope.scaling.type` is not a string")))
+        })
+        .transpose()?;
+    let factor = g.arch_f64(arch, "rope.scaling.factor")?;
+    let original = g.arch_usize(arch, "rope.scaling.original_context_length")?;
+    match scaling {
+        None | Some("none") => {
+            if let Some(f) = g.arch_f64(arch, "rope.scale_linear")? {
+                if f != 1.0 {
+                    o.insert(
+                        "rope_scaling".into(),
+                        json!({"type": "linear", "factor": f}),
+                    );
+                }
+            }
+        }
+        Some("linear") => {
+            let f = factor.ok_or_else(|| g.fault(format!("no `{arch}.rope.scaling.factor`")))?;
+            o.insert(
+                "rope_scaling".into(),
+                json!({"type": "linear", "factor": f}),
+            );
+        }
+        Some("yarn") => {
+            let f = factor.ok_or_else(|| g.fault(format!("no `{arch}.rope.scaling.factor`")))?;
+            let mut y = json!({"rope_type": "yarn", "factor": f});
+            if let Some(orig) = original {
+                y["original_max_position_embeddings"] = json!(orig);
+            }
+            for (hf, key) in [
+                ("beta_fast", "rope.scaling.yarn_beta_fast"),
+                ("beta_slow", "rope.scaling.yarn_beta_slow"),
+            ] {
+                if let Some(b) = g.arch_f64(arch, key)? {
+                    y[hf] = json!(b);
+                }
+            }
+            o.insert("rope_scaling".into(), y);
+        }
+        Some(other) => {
+            return Err(g.fault(format!(
+                "`{arch}.rope.scaling.type` is `{other}`; `none`, `linear` and `yarn` are read"
+            )))
+        }
+    }
+    // ... or, for Llama 3, as the per-pair factors of `rope_freqs.weight`.
+    if let Some(t) = g.tensor("rope_freqs.weight") {
+        let bytes = g.tensor_bytes(t)?;
+        let ours = if t.ggml_type == crate::gguf_quant::GgmlType::F32 as u32 {
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
+                .collect::<Vec<_>>()
+        } else {
+            return Err(g.fault("tensor `rope_freqs.weight` is not F32"));
+        };
+        let factor = ours.iter().copied().fold(f64::NAN, f64::max);
+        let (low, high, orig) = (1.0, 4.0, 8192.0);
+        let want = llama3_factors(theta, head_dim, factor, low, high, orig);
+        let close = want.len() == ours.len()
+            && want
+                .iter()
+                .zip(&ours)
+                .all(|(a, b)| (a - b).abs() <= 1e-4 * a.abs().max(1.0));
+        if !close || o.contains_key("rope_scaling") {
+            return Err(g.fault(format!(
+                "tensor `rope_freqs.weight` ({} factors, largest {factor}) is not Llama 3's \
+                 RoPE scaling (factor {factor}, low_freq_factor 1, high_freq_factor 4, \
+                 original_max_position_embeddings 8192); other per-frequency factors are not read",
+                ours.len()
+            )));
+        }
+        if factor != 1.0 {
+            o.insert(
+                "rope_scaling".into(),
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                       "high_freq_factor": high, "original_max_position_embeddings": orig as usize}),
+            );
+        }
+    }
+    Ok(cfg)
+}
+
+/// What [`prepare_dir`] made.
+#[derive(Debug, Clone)]
+pub struct PreparedGguf {
+    /// A Hugging Face layout directory: config.json, the tokenizer files when the GGUF
+    /// tokenizer converts, and `model.gguf`, a symbolic link to the file.
+    pub dir: PathBuf,
+    /// Why the GGUF tokenizer was not converted (`None`: tokenizer.json and
+    /// tokenizer_config.json were written); the caller then needs `--tokenizer`.
+    pub tokenizer_error: Option<String>,
+}
+
+/// The name of the weights file of a directory that serves a GGUF model
+/// ([`crate::WeightSource::open`] reads it when there is no safetensors file).
+pub const GGUF_WEIGHTS: &str = "model.gguf";
+
+/// Makes (once per file version) a model directory for the GGUF file `gguf` under `cache`:
+/// `cache/gguf-<16 hex digits>/` with config.json ([`hf_config`]), tokenizer.json and
+/// tokenizer_config.json ([`crate::gguf_tokenizer::tokenizer_files`]) and a `model.gguf`
+/// link to the file. The name hashes the file's canonical path, length and modification
+/// time, so a changed file gets a new directory; the directory is written under a temporary
+/// name and renamed, so processes preparing the same file at once (a scheduler, workers and
+/// frontends started together) all see a complete one.
+///
+/// # Errors
+/// As [`GgufFile::open`] and [`hf_config`]; [`ModelError::Io`] when `cache` cannot be written.
+pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError> {
+    let canon = gguf.canonicalize().map_err(|e| ModelError::io(gguf, &e))?;
+    let meta = std::fs::metadata(&canon).map_err(|e| ModelError::io(&canon, &e))?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut h = crate::fingerprint::Fnv64::default();
+    h.eat(
+        format!(
+            "{}\0{}\0{mtime}\0{}",
+            canon.display(),
+            meta.len(),
+            env!("CARGO_PKG_VERSION")
+        )
+        .as_bytes(),
+    );
+    let key = h.finish();
+    let dir = cache.join(format!("gguf-{key:016x}"));
+    let g = GgufFile::open(&canon)?;
+    let config = hf_config(&g)?;
+    let max_len = config["max_position_embeddings"]
+        .as_u64()
+        .map(|x| x as usize);
+    let tokenizer = crate::gguf_tokenizer::tokenizer_files(&g.metadata, max_len);
+    let tokenizer_error = tokenizer.as_ref().err().cloned();
+    if dir.join("config.json").is_file() {
+        return Ok(PreparedGguf {
+            dir,
+            tokenizer_error,
+        });
+    }
+    std::fs::create_dir_all(cache).map_err(|e| ModelError::io(cache, &e))?;
+    let tmp = cache.join(format!(
+        ".gguf-{key:016x}.tmp-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+    ));
+    let write = |name: &str, v: &serde_json::Value| -> Result<(), ModelError> {
+        let p = tmp.join(name);
+        let text = serde_json::to_string_pretty(v).expect("JSON values serialize");
+        std::fs::write(&p, text).map_err(|e| ModelError::io(&p, &e))
+    };
+    let made = (|| {
+        std::fs::create_dir(&tmp).map_err(|e| ModelError::io(&tmp, &e))?;
+        write("config.json", &config)?;
+        if let Ok((tok, tok_cfg)) = &tokenizer {
+            write("tokenizer.json", tok)?;
+            write("tokenizer_config.json", tok_cfg)?;
+        }
+        let link = tmp.join(GGUF_WEIGHTS);
+        std::os::unix::fs::symlink(&canon, &link).map_err(|e| ModelError::io(&link, &e))?;
+        match std::fs::rename(&tmp, &dir) {
+            Ok(()) => Ok(()),
+            // Another process made it first: theirs is complete and equal.
+            Err(_) if dir.join("config.json").is_file() => Ok(()),
+            Err(e) => Err(ModelError::io(&dir, &e)),
+        }
+    })();
+    let _ = std::fs::remove_dir_all(&tmp);
+    made.map(|()| PreparedGguf {
+        dir,
+        tokenizer_error,
+    })
 }
 
 #[cfg(test)]

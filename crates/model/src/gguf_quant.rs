@@ -150,9 +150,557 @@ impl GgmlType {
     /// Bytes of a row of `n` elements (`ggml_row_size`); `None` when `n` is not a whole
     /// number of blocks or the size overflows.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return None;
         }
         (n / self.block_size()).checked_mul(self.type_size())
+    }
+}
+
+/// Elements below which [`GgmlType::dequantize_par`] runs on the calling thread: a tensor
+/// this small dequantizes in well under a millisecond, less than rayon's fan-out costs.
+const PAR_MIN_ELEMS: usize = 1 << 18;
+
+/// Elements per rayon task in [`GgmlType::dequantize_par`] (a whole number of blocks for
+/// every type: 2048 blocks of 32, 256 super-blocks of 256).
+const PAR_CHUNK_ELEMS: usize = 1 << 16;
+
+impl GgmlType {
+    /// Dequantizes `out.len()` elements of this type from `bytes` into `out`, on the calling
+    /// thread, with ggml's reference formulas (`dequantize_row_*` of `ggml/src/ggml-quants.c`;
+    /// F16 and BF16 widen exactly, F32 is copied).
+    ///
+    /// `bytes` is the tensor data as GGUF stores it (little-endian), a whole number of blocks:
+    /// `out.len()` must be a multiple of [`block_size`](Self::block_size) and `bytes.len()` must
+    /// equal [`row_bytes`](Self::row_bytes)`(out.len())`, else this returns an `Err` naming the
+    /// type and both lengths and writes nothing. Blocks are independent, so a tensor of any
+    /// shape dequantizes as one flat run of `rows × columns` elements.
+    ///
+    /// Each value is computed with the same f32 operations, in the same order, as ggml's scalar
+    /// C source, without fusing a multiply and an add (Rust never contracts `a * b + c` into an
+    /// FMA); a C build that lets the compiler contract them may differ in the last bit. gguf-py's
+    /// numpy dequantizers (`gguf.quants`) compute unfused too and agree bit for bit (see
+    /// `tests/gguf_dequant.rs`). Never panics; NaN or infinite f16 scales propagate as in ggml.
+    pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
+        self.check_lengths(bytes.len(), out.len())?;
+        self.dequantize_blocks(bytes, out);
+        Ok(())
+    }
+
+    /// [`dequantize`](Self::dequantize) split across rayon's thread pool: for `out.len()` of at
+    /// least 2^18 elements, runs of 2^16 elements (whole blocks) dequantize in parallel; smaller
+    /// tensors run on the calling thread. Same checks, errors and output, bit for bit, as
+    /// [`dequantize`](Self::dequantize).
+    pub fn dequantize_par(self, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
+        use rayon::prelude::*;
+
+        self.check_lengths(bytes.len(), out.len())?;
+        if out.len() < PAR_MIN_ELEMS {
+            self.dequantize_blocks(bytes, out);
+            return Ok(());
+        }
+        let blocks = PAR_CHUNK_ELEMS / self.block_size();
+        bytes
+            .par_chunks(blocks * self.type_size())
+            .zip(out.par_chunks_mut(blocks * self.block_size()))
+            .for_each(|(b, o)| self.dequantize_blocks(b, o));
+        Ok(())
+    }
+
+    /// `Err` unless `n_bytes` holds exactly `n_elems` elements as whole blocks.
+    fn check_lengths(self, n_bytes: usize, n_elems: usize) -> Result<(), String> {
+        let (name, bs) = (self.name(), self.block_size());
+        if !n_elems.is_multiple_of(bs) {
+            return Err(format!(
+                "{name}: {n_elems} elements are not a whole number of {bs}-element blocks"
+            ));
+        }
+        match self.row_bytes(n_elems) {
+            Some(want) if want == n_bytes => Ok(()),
+            Some(want) => Err(format!(
+                "{name}: {n_elems} elements take {want} bytes ({} blocks of {} bytes), got {n_bytes}",
+                n_elems / bs,
+                self.type_size()
+            )),
+            None => Err(format!("{name}: the byte size of {n_elems} elements overflows")),
+        }
+    }
+
+    /// Dequantizes whole blocks; the caller has checked that the lengths match (a mismatch
+    /// would leave the tail of the longer side untouched, never panic).
+    fn dequantize_blocks(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            GgmlType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            GgmlType::F16 => {
+                use half::slice::HalfFloatSliceExt;
+                // Batches through a stack buffer so half's vectorized slice conversion runs
+                // (the bytes need not be 2-aligned, so they cannot be cast in place).
+                const BATCH: usize = 256;
+                let mut buf = [half::f16::ZERO; BATCH];
+                for (b, o) in bytes.chunks(2 * BATCH).zip(out.chunks_mut(BATCH)) {
+                    let n = o.len().min(b.len() / 2);
+                    for (h, p) in buf.iter_mut().zip(b.chunks_exact(2)) {
+                        *h = half::f16::from_bits(u16::from_le_bytes([p[0], p[1]]));
+                    }
+                    buf[..n].convert_to_f32_slice(&mut o[..n]);
+                }
+            }
+            GgmlType::BF16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
+            }
+            GgmlType::Q4_0 => for_blocks(bytes, out, dequant_q4_0),
+            GgmlType::Q4_1 => for_blocks(bytes, out, dequant_q4_1),
+            GgmlType::Q5_0 => for_blocks(bytes, out, dequant_q5_0),
+            GgmlType::Q5_1 => for_blocks(bytes, out, dequant_q5_1),
+            GgmlType::Q8_0 => for_blocks(bytes, out, dequant_q8_0),
+            GgmlType::Q2_K => for_blocks(bytes, out, dequant_q2_k),
+            GgmlType::Q3_K => for_blocks(bytes, out, dequant_q3_k),
+            GgmlType::Q4_K => for_blocks(bytes, out, dequant_q4_k),
+            GgmlType::Q5_K => for_blocks(bytes, out, dequant_q5_k),
+            GgmlType::Q6_K => for_blocks(bytes, out, dequant_q6_k),
+        }
+    }
+}
+
+/// Runs `f` over each `B`-byte block of `bytes` and the `N` outputs it fills, as fixed-size
+/// arrays so the per-block kernels index without bounds checks.
+#[inline(always)]
+fn for_blocks<const B: usize, const N: usize>(
+    bytes: &[u8],
+    out: &mut [f32],
+    f: impl Fn(&[u8; B], &mut [f32; N]),
+) {
+    for (b, o) in bytes.chunks_exact(B).zip(out.chunks_exact_mut(N)) {
+        // `chunks_exact` yields exactly B and N elements, so both conversions succeed.
+        if let (Ok(b), Ok(o)) = (b.try_into(), o.try_into()) {
+            f(b, o);
+        }
+    }
+}
+
+/// The little-endian IEEE half with bytes `lo`, `hi` (ggml's `ggml_half`, read with
+/// `GGML_FP16_TO_FP32`), as f32.
+#[inline(always)]
+fn f16_le(lo: u8, hi: u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+/// `block_q4_0` (18 bytes): `d: f16`, `qs: [u8; 16]`. Element `j < 16` is the low nibble of
+/// `qs[j]`, element `j + 16` its high nibble; `y = (q − 8)·d`.
+#[inline(always)]
+fn dequant_q4_0(b: &[u8; 18], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    for j in 0..16 {
+        let q = b[2 + j];
+        y[j] = ((q & 0x0F) as i32 - 8) as f32 * d;
+        y[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+/// `block_q4_1` (20 bytes): `d: f16`, `m: f16`, `qs: [u8; 16]` (nibbles as Q4_0); `y = q·d + m`.
+#[inline(always)]
+fn dequant_q4_1(b: &[u8; 20], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    let m = f16_le(b[2], b[3]);
+    for j in 0..16 {
+        let q = b[4 + j];
+        y[j] = (q & 0x0F) as f32 * d + m;
+        y[j + 16] = (q >> 4) as f32 * d + m;
+    }
+}
+
+/// `block_q5_0` (22 bytes): `d: f16`, `qh: [u8; 4]` (a little-endian u32 whose bit `i` is bit 4
+/// of element `i`), `qs: [u8; 16]` (low nibbles as Q4_0); `y = (q − 16)·d`.
+#[inline(always)]
+fn dequant_q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    for j in 0..16 {
+        let q = b[6 + j];
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        y[j] = ((u32::from(q & 0x0F) | h0) as i32 - 16) as f32 * d;
+        y[j + 16] = ((u32::from(q >> 4) | h1) as i32 - 16) as f32 * d;
+    }
+}
+
+/// `block_q5_1` (24 bytes): `d: f16`, `m: f16`, `qh: [u8; 4]`, `qs: [u8; 16]` (bits as Q5_0);
+/// `y = q·d + m`.
+#[inline(always)]
+fn dequant_q5_1(b: &[u8; 24], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    let m = f16_le(b[2], b[3]);
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    for j in 0..16 {
+        let q = b[8 + j];
+        let h0 = ((qh >> j) << 4) & 0x10;
+        let h1 = (qh >> (j + 12)) & 0x10;
+        y[j] = (u32::from(q & 0x0F) | h0) as f32 * d + m;
+        y[j + 16] = (u32::from(q >> 4) | h1) as f32 * d + m;
+    }
+}
+
+/// `block_q8_0` (34 bytes): `d: f16`, `qs: [i8; 32]`; `y = q·d`.
+#[inline(always)]
+fn dequant_q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    for j in 0..32 {
+        y[j] = f32::from(b[2 + j] as i8) * d;
+    }
+}
+
+/// `block_q2_K` (84 bytes): `scales: [u8; 16]` (per 16 elements, low nibble a scale, high nibble
+/// a min), `qs: [u8; 64]`, `d: f16`, `dmin: f16`. Each 128-element half `n` reads `qs[32n..]`; its
+/// 32-element group `j` takes bits `2j..2j+2` of those 32 bytes, 16 per scale;
+/// `y = d·sc·q − dmin·m`.
+#[inline(always)]
+fn dequant_q2_k(b: &[u8; 84], y: &mut [f32; 256]) {
+    let d = f16_le(b[80], b[81]);
+    let min = f16_le(b[82], b[83]);
+    for n in 0..2 {
+        for j in 0..4 {
+            let shift = 2 * j;
+            for h in 0..2 {
+                let is = 8 * n + 2 * j + h;
+                let sc = b[is];
+                let dl = d * (sc & 0x0F) as f32;
+                let ml = min * (sc >> 4) as f32;
+                let base = 128 * n + 32 * j + 16 * h;
+                for l in 0..16 {
+                    let q = (b[16 + 32 * n + 16 * h + l] >> shift) & 3;
+                    y[base + l] = dl * q as f32 - ml;
+                }
+            }
+        }
+    }
+}
+
+/// `block_q3_K` (110 bytes): `hmask: [u8; 32]`, `qs: [u8; 64]`, `scales: [u8; 12]` (sixteen 6-bit
+/// scales offset by 32: low nibbles in bytes 0..8, high 2 bits in bytes 8..12), `d: f16`. The
+/// 2-bit quants are laid out as Q2_K's; bit `4n + j` of `hmask[l]` set means no −4 offset;
+/// `y = d·(sc − 32)·q`.
+#[inline(always)]
+fn dequant_q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
+    let d_all = f16_le(b[108], b[109]);
+    let sb = &b[96..108];
+    let mut scales = [0f32; 16];
+    for (j, s) in scales.iter_mut().enumerate() {
+        let low = if j < 8 { sb[j] & 0x0F } else { sb[j - 8] >> 4 };
+        let high = (sb[8 + j % 4] >> (2 * (j / 4))) & 3;
+        *s = (i32::from(low | (high << 4)) - 32) as f32;
+    }
+    for n in 0..2 {
+        for j in 0..4 {
+            let shift = 2 * j;
+            let m = 1u8 << (4 * n + j);
+            for h in 0..2 {
+                let dl = d_all * scales[8 * n + 2 * j + h];
+                let base = 128 * n + 32 * j + 16 * h;
+                for l in 0..16 {
+                    let i = 16 * h + l;
+                    let q = ((b[32 + 32 * n + i] >> shift) & 3) as i32;
+                    let q = q - if b[i] & m != 0 { 0 } else { 4 };
+                    y[base + l] = dl * q as f32;
+                }
+            }
+        }
+    }
+}
+
+/// ggml's `get_scale_min_k4`: the 6-bit scale and min of 32-element group `j` (0..8) from a
+/// Q4_K/Q5_K `scales: [u8; 12]`.
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The Q4_K/Q5_K `scales` bytes `b[4..16]` as an array.
+#[inline(always)]
+fn k4_scales(b: &[u8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    s.copy_from_slice(&b[4..16]);
+    s
+}
+
+/// `block_q4_K` (144 bytes): `d: f16`, `dmin: f16`, `scales: [u8; 12]` (eight 6-bit scales and
+/// mins, [`scale_min_k4`]), `qs: [u8; 128]`. Each 64 elements read 32 bytes, low nibbles then
+/// high nibbles; `y = d·sc·q − dmin·m`.
+#[inline(always)]
+fn dequant_q4_k(b: &[u8; 144], y: &mut [f32; 256]) {
+    let d = f16_le(b[0], b[1]);
+    let min = f16_le(b[2], b[3]);
+    let scales = k4_scales(b);
+    for j in 0..4 {
+        let (sc, m) = scale_min_k4(2 * j, &scales);
+        let (d1, m1) = (d * sc as f32, min * m as f32);
+        let (sc, m) = scale_min_k4(2 * j + 1, &scales);
+        let (d2, m2) = (d * sc as f32, min * m as f32);
+        for l in 0..32 {
+            let q = b[16 + 32 * j + l];
+            y[64 * j + l] = d1 * (q & 0x0F) as f32 - m1;
+            y[64 * j + 32 + l] = d2 * (q >> 4) as f32 - m2;
+        }
+    }
+}
+
+/// `block_q5_K` (176 bytes): `d: f16`, `dmin: f16`, `scales: [u8; 12]` (as Q4_K), `qh: [u8; 32]`,
+/// `qs: [u8; 128]` (low nibbles as Q4_K). Bit `2j` of `qh[l]` is bit 4 of element `64j + l`, bit
+/// `2j + 1` of element `64j + 32 + l`; `y = d·sc·q − dmin·m`.
+#[inline(always)]
+fn dequant_q5_k(b: &[u8; 176], y: &mut [f32; 256]) {
+    let d = f16_le(b[0], b[1]);
+    let min = f16_le(b[2], b[3]);
+    let scales = k4_scales(b);
+    for j in 0..4 {
+        let (sc, m) = scale_min_k4(2 * j, &scales);
+        let (d1, m1) = (d * sc as f32, min * m as f32);
+        let (sc, m) = scale_min_k4(2 * j + 1, &scales);
+        let (d2, m2) = (d * sc as f32, min * m as f32);
+        let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+        for l in 0..32 {
+            let ql = b[48 + 32 * j + l];
+            let qh = b[16 + l];
+            let h1 = if qh & u1 != 0 { 16 } else { 0 };
+            let h2 = if qh & u2 != 0 { 16 } else { 0 };
+            y[64 * j + l] = d1 * ((ql & 0x0F) + h1) as f32 - m1;
+            y[64 * j + 32 + l] = d2 * ((ql >> 4) + h2) as f32 - m2;
+        }
+    }
+}
+
+/// `block_q6_K` (210 bytes): `ql: [u8; 128]` (low nibbles), `qh: [u8; 64]` (high 2 bits),
+/// `scales: [i8; 16]` (one per 16 elements), `d: f16`. In each 128-element half `n`, element
+/// `32k + l` (`k` 0..4) takes nibble `k / 2` of `ql[64n + 32(k % 2) + l]` and bits `2k..2k+2` of
+/// `qh[32n + l]`; `y = d·sc·(q − 32)`.
+#[inline(always)]
+fn dequant_q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
+    let d = f16_le(b[208], b[209]);
+    for n in 0..2 {
+        let sc = |i: usize| f32::from(b[192 + 8 * n + i] as i8);
+        for l in 0..32 {
+            let is = l / 16;
+            let ql0 = b[64 * n + l];
+            let ql1 = b[64 * n + 32 + l];
+            let qh = b[128 + 32 * n + l];
+            let q1 = ((ql0 & 0x0F) | ((qh & 3) << 4)) as i32 - 32;
+            let q2 = ((ql1 & 0x0F) | (((qh >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql0 >> 4) | (((qh >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql1 >> 4) | (((qh >> 6) & 3) << 4)) as i32 - 32;
+            let base = 128 * n + l;
+            y[base] = d * sc(is) * q1 as f32;
+            y[base + 32] = d * sc(is + 2) * q2 as f32;
+            y[base + 64] = d * sc(is + 4) * q3 as f32;
+            y[base + 96] = d * sc(is + 6) * q4 as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f16 bit pattern of `x`, little-endian.
+    fn h(x: f32) -> [u8; 2] {
+        half::f16::from_f32(x).to_bits().to_le_bytes()
+    }
+
+    fn deq(t: GgmlType, bytes: &[u8]) -> Vec<f32> {
+        let n = bytes.len() / t.type_size() * t.block_size();
+        let mut out = vec![f32::NAN; n];
+        t.dequantize(bytes, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn q8_0_by_hand() {
+        // d = 0.5, qs = 0, 1, -1, 2, -2, ..., then 127 and -128 at the end.
+        let mut b = h(0.5).to_vec();
+        let mut qs: Vec<i8> = (0..30)
+            .map(|j| if j % 2 == 1 { j / 2 + 1 } else { -(j / 2) })
+            .collect();
+        qs.extend([127, -128]);
+        b.extend(qs.iter().map(|&q| q as u8));
+        let y = deq(GgmlType::Q8_0, &b);
+        assert_eq!(&y[..5], &[0.0, 0.5, -0.5, 1.0, -1.0]);
+        assert_eq!(y[29], 7.5);
+        assert_eq!(y[30], 63.5);
+        assert_eq!(y[31], -64.0);
+        for (v, q) in y.iter().zip(&qs) {
+            assert_eq!(*v, f32::from(*q) * 0.5);
+        }
+    }
+
+    #[test]
+    fn q4_0_by_hand() {
+        // d = 2; qs[j] = j (low nibble) | (15 − j) << 4: element j is (j − 8)·2, element
+        // j + 16 is (7 − j)·2.
+        let mut b = h(2.0).to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        // A second block: d = −0.25, every nibble 0x0 low and 0xF high.
+        b.extend(h(-0.25));
+        b.extend([0xF0u8; 16]);
+        let y = deq(GgmlType::Q4_0, &b);
+        assert_eq!(y[0], -16.0);
+        assert_eq!(y[8], 0.0);
+        assert_eq!(y[15], 14.0);
+        assert_eq!(y[16], 14.0);
+        assert_eq!(y[31], -16.0);
+        for j in 0..16 {
+            assert_eq!(y[j], (j as f32 - 8.0) * 2.0);
+            assert_eq!(y[j + 16], (7.0 - j as f32) * 2.0);
+        }
+        assert!(y[32..48].iter().all(|&v| v == 2.0), "(0 − 8)·−0.25");
+        assert!(y[48..64].iter().all(|&v| v == -1.75), "(15 − 8)·−0.25");
+    }
+
+    #[test]
+    fn q4_1_and_q5_by_hand() {
+        // Q4_1: d = 0.5, m = −1; nibbles 3 (low) and 12 (high): 0.5 and 5.
+        let mut b = h(0.5).to_vec();
+        b.extend(h(-1.0));
+        b.extend([0xC3u8; 16]);
+        let y = deq(GgmlType::Q4_1, &b);
+        assert!(y[..16].iter().all(|&v| v == 0.5) && y[16..].iter().all(|&v| v == 5.0));
+
+        // Q5_0: d = 1; low nibbles 1 and high nibbles 2; qh bits set for elements 0 and 17:
+        // element 0 is (1 + 16) − 16 = 1, element 1 is 1 − 16 = −15, element 16 is 2 − 16 =
+        // −14, element 17 is 18 − 16 = 2.
+        let mut b = h(1.0).to_vec();
+        b.extend((1u32 | 1 << 17).to_le_bytes());
+        b.extend([0x21u8; 16]);
+        let y = deq(GgmlType::Q5_0, &b);
+        assert_eq!(
+            [y[0], y[1], y[16], y[17], y[31]],
+            [1.0, -15.0, -14.0, 2.0, -14.0]
+        );
+
+        // Q5_1: d = 2, m = 0.5, the same quants without the −16: 2·17 + 0.5, 2·1 + 0.5, ...
+        let mut b = h(2.0).to_vec();
+        b.extend(h(0.5));
+        b.extend((1u32 | 1 << 17).to_le_bytes());
+        b.extend([0x21u8; 16]);
+        let y = deq(GgmlType::Q5_1, &b);
+        assert_eq!([y[0], y[1], y[16], y[17]], [34.5, 2.5, 4.5, 36.5]);
+    }
+
+    #[test]
+    fn q4_k_scale_unpacking_by_hand() {
+        // d = 1, dmin = 0.5, every qs byte 0x73 (low nibble 3, high 7).
+        // Group 0: sc = scales[0] & 63 = 5, m = scales[4] & 63 = 4: 5·3 − 0.5·4 = 13.
+        // Group 1: sc = scales[1] & 63 = 2, m = scales[5] & 63 = 0: 2·7 = 14.
+        // Group 5: sc = (scales[9] & 15) | (scales[1] >> 6) << 4 = 0xA | 0x30 = 58,
+        //          m = (scales[9] >> 4) | (scales[5] >> 6) << 4 = 2 | 16 = 18: 58·7 − 9 = 397.
+        // Every other group has sc = m = 0.
+        let mut b = h(1.0).to_vec();
+        b.extend(h(0.5));
+        let mut scales = [0u8; 12];
+        scales[0] = 5;
+        scales[1] = 0xC0 | 2;
+        scales[4] = 4;
+        scales[5] = 0x40;
+        scales[9] = 0x2A;
+        b.extend(scales);
+        b.extend([0x73u8; 128]);
+        let y = deq(GgmlType::Q4_K, &b);
+        assert!(y[..32].iter().all(|&v| v == 13.0));
+        assert!(y[32..64].iter().all(|&v| v == 14.0));
+        assert!(y[64..160].iter().all(|&v| v == 0.0));
+        assert!(y[160..192].iter().all(|&v| v == 397.0));
+        assert!(y[192..].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn float_types() {
+        let xs = [1.5f32, -0.0, 65504.0, -2.0e-7, f32::INFINITY];
+        let b: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let y = deq(GgmlType::F32, &b);
+        assert_eq!(
+            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            xs.map(f32::to_bits)
+        );
+
+        // 300 halves, more than the conversion's 256-element batch.
+        let hs: Vec<half::f16> = (0..300)
+            .map(|i| half::f16::from_f32(i as f32 * 0.37 - 50.0))
+            .collect();
+        let b: Vec<u8> = hs.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+        let y = deq(GgmlType::F16, &b);
+        assert_eq!(y, hs.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+
+        let b = [0x80u8, 0x3F, 0x49, 0xC0]; // bf16 1.0, −3.140625
+        assert_eq!(deq(GgmlType::BF16, &b), [1.0, -3.140625]);
+    }
+
+    #[test]
+    fn length_errors() {
+        let mut out = [0f32; 32];
+        let e = GgmlType::Q8_0.dequantize(&[0; 33], &mut out).unwrap_err();
+        assert!(
+            e.contains("Q8_0") && e.contains("34") && e.contains("33"),
+            "{e}"
+        );
+        let e = GgmlType::Q8_0.dequantize(&[0; 68], &mut out).unwrap_err();
+        assert!(e.contains("68"), "{e}");
+        let e = GgmlType::Q4_K.dequantize(&[0; 144], &mut out).unwrap_err();
+        assert!(e.contains("whole number of 256-element blocks"), "{e}");
+        let mut out = [0f32; 31];
+        let e = GgmlType::Q4_0.dequantize(&[0; 18], &mut out).unwrap_err();
+        assert!(e.contains("31 elements") && e.contains("32-element"), "{e}");
+        let e = GgmlType::F16.dequantize(&[0; 61], &mut out).unwrap_err();
+        assert!(e.contains("62"), "{e}");
+        assert!(GgmlType::Q6_K.dequantize_par(&[0; 210], &mut out).is_err());
+        // Nothing is written on an error.
+        let mut out = [7f32; 32];
+        assert!(GgmlType::Q4_0.dequantize(&[0; 17], &mut out).is_err());
+        assert!(out.iter().all(|&v| v == 7.0));
+        // Zero elements is zero blocks.
+        assert!(GgmlType::Q3_K.dequantize(&[], &mut []).is_ok());
+    }
+
+    /// Deterministic pseudo-random bytes (SplitMix64).
+    fn noise(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = s;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                (z ^ (z >> 31)) as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parallel_matches_serial_on_any_bytes() {
+        // Arbitrary bytes (NaN and infinite scales included): no panic, and the parallel
+        // split gives the serial result bit for bit, past the parallel threshold and not.
+        for t in GgmlType::ALL {
+            for n in [t.block_size() * 3, PAR_MIN_ELEMS + 5 * PAR_CHUNK_ELEMS / 2] {
+                let n = n / t.block_size() * t.block_size();
+                let bytes = noise(t.row_bytes(n).unwrap(), t as u64);
+                let (mut a, mut b) = (vec![0f32; n], vec![1f32; n]);
+                t.dequantize(&bytes, &mut a).unwrap();
+                t.dequantize_par(&bytes, &mut b).unwrap();
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{} n={n}",
+                    t.name()
+                );
+            }
+        }
     }
 }

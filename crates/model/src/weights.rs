@@ -10,8 +10,10 @@ use crate::config::{parse_json, read_text, Fields, ModelConfig, MoeNaming};
 use crate::error::ModelError;
 use crate::quant::{self, Fp8Format, Fp8Quant, FP8_SCALE_SUFFIXES};
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata, SafeTensors};
-use std::collections::BTreeMap;
+use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
+use std::collections::{BTreeMap, HashMap};
+
+use crate::gguf_quant::GgmlType;
 use std::path::{Path, PathBuf};
 
 /// A dense row-major f32 host tensor. `Debug` prints the shape only.
@@ -269,11 +271,16 @@ impl RawTensor<'_> {
     }
 }
 
+/// One mapped weights file: a safetensors file, or a GGUF file whose tensors are listed in
+/// safetensors' terms (a quantized one as its raw bytes, `U8` of its byte length;
+/// [`WeightSource::open_gguf`]).
 struct Shard {
     path: PathBuf,
     mmap: Mmap,
+    /// Where the data section starts, less 8 (a safetensors file's header length).
     header_len: usize,
-    meta: Metadata,
+    /// Stored tensors by stored name; `data_offsets` from the data section's start.
+    tensors: HashMap<String, TensorInfo>,
 }
 
 /// Memory-mapped safetensors weights of a model directory (one file or an index of shards).
@@ -292,6 +299,12 @@ pub struct WeightSource {
     /// The stored name of a tensor `names` lists under another (a multimodal checkpoint's
     /// text model, [`ModelConfig::multimodal_text`]).
     aliases: BTreeMap<String, String>,
+    /// A GGUF file's quantized tensors (stored as raw bytes), with their type and shape, for
+    /// [`WeightSource::open_for`] to dequantize.
+    gguf_quantized: BTreeMap<String, (GgmlType, Vec<usize>)>,
+    /// A GGUF file whose q and k rows llama.cpp's converter permuted for interleaved RoPE
+    /// ([`crate::gguf::permuted_qk`]), for [`WeightSource::open_for`] to un-permute.
+    gguf_permuted_qk: bool,
 }
 
 /// A tensor [`WeightSource`] holds in memory: its stored dtype and shape, its file.
@@ -426,11 +439,16 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
             });
         }
     }
+    let tensors = meta
+        .tensors()
+        .into_iter()
+        .map(|(k, info)| (k, info.clone()))
+        .collect();
     Ok(Shard {
         path: path.to_path_buf(),
         mmap,
         header_len,
-        meta,
+        tensors,
     })
 }
 
@@ -442,12 +460,7 @@ impl WeightSource {
     /// [`ModelError::Io`] if it cannot be read, [`ModelError::Safetensors`] for a corrupt file.
     pub fn open_file(path: &Path) -> Result<Self, ModelError> {
         let shard = open_shard(path)?;
-        let names = shard
-            .meta
-            .tensors()
-            .keys()
-            .map(|k| (k.clone(), 0))
-            .collect();
+        let names = shard.tensors.keys().map(|k| (k.clone(), 0)).collect();
         Ok(WeightSource {
             shards: vec![shard],
             names,
@@ -455,6 +468,8 @@ impl WeightSource {
             views: BTreeMap::new(),
             copies: BTreeMap::new(),
             aliases: BTreeMap::new(),
+            gguf_quantized: BTreeMap::new(),
+            gguf_permuted_qk: false,
         })
     }
 
@@ -468,6 +483,10 @@ impl WeightSource {
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
+        let gguf = dir.join(crate::gguf::GGUF_WEIGHTS);
+        if !single.exists() && !index.exists() && gguf.exists() {
+            return Self::open_gguf(&gguf);
+        }
         if single.exists() || !index.exists() {
             return Self::open_file(&single);
         }
@@ -512,7 +531,7 @@ impl WeightSource {
                     shards.len() - 1
                 }
             };
-            if shards[id].meta.info(tensor).is_none() {
+            if !shards[id].tensors.contains_key(tensor) {
                 return Err(ModelError::ShardIndex {
                     file: index_name.clone(),
                     reason: format!("tensor `{tensor}` is not in shard `{file}`"),
@@ -527,6 +546,70 @@ impl WeightSource {
             views: BTreeMap::new(),
             copies: BTreeMap::new(),
             aliases: BTreeMap::new(),
+            gguf_quantized: BTreeMap::new(),
+            gguf_permuted_qk: false,
+        })
+    }
+
+    /// Opens a GGUF file (llama.cpp's format; [`crate::gguf`]), its tensors under their
+    /// Hugging Face names ([`crate::gguf::hf_tensor_name`]; `rope_freqs.weight` is left out,
+    /// config.json holds it). F32, F16 and BF16 tensors are served from the map as they are
+    /// stored; a quantized one is listed as its raw bytes (`U8`, which the fingerprint hashes)
+    /// until [`WeightSource::open_for`] dequantizes it.
+    ///
+    /// # Errors
+    /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name.
+    pub fn open_gguf(path: &Path) -> Result<Self, ModelError> {
+        let g = crate::gguf::GgufFile::open(path)?;
+        let permuted = crate::gguf::permuted_qk(g.architecture()?);
+        let mut tensors = HashMap::new();
+        let mut names = BTreeMap::new();
+        let mut quantized = BTreeMap::new();
+        for t in &g.tensors {
+            let Some(name) = crate::gguf::hf_tensor_name(&t.name) else {
+                continue;
+            };
+            let len = g.tensor_bytes(t)?.len();
+            let ty = GgmlType::from_u32(t.ggml_type).expect("GgufFile::open checked the types");
+            let (dtype, shape) = match ty {
+                GgmlType::F32 => (Dtype::F32, t.shape()),
+                GgmlType::F16 => (Dtype::F16, t.shape()),
+                GgmlType::BF16 => (Dtype::BF16, t.shape()),
+                q => {
+                    quantized.insert(name.clone(), (q, t.shape()));
+                    (Dtype::U8, vec![len])
+                }
+            };
+            let start = t.offset as usize;
+            let info = TensorInfo {
+                dtype,
+                shape,
+                data_offsets: (start, start + len),
+            };
+            if tensors.insert(name.clone(), info).is_some() {
+                return Err(ModelError::Gguf {
+                    file: path.display().to_string(),
+                    reason: format!("two tensors are named `{name}` in Hugging Face terms"),
+                });
+            }
+            names.insert(name, 0);
+        }
+        let header_len = g.data_start - 8;
+        let shard = Shard {
+            path: path.to_path_buf(),
+            mmap: g.into_mmap(),
+            header_len,
+            tensors,
+        };
+        Ok(WeightSource {
+            shards: vec![shard],
+            names,
+            origin: path.to_path_buf(),
+            views: BTreeMap::new(),
+            copies: BTreeMap::new(),
+            aliases: BTreeMap::new(),
+            gguf_quantized: quantized,
+            gguf_permuted_qk: permuted,
         })
     }
 
@@ -568,6 +651,8 @@ impl WeightSource {
             if let Some(q) = &cfg.quantization {
                 src.dequantize_fp8(cfg, q)?;
             }
+            src.dequantize_gguf(cfg)?;
+            src.unpermute_gguf_qk(cfg)?;
         }
         src.add_fused_views(cfg)?;
         if copies {
@@ -724,6 +809,141 @@ impl WeightSource {
                 file: shard.path.clone(),
             };
             done.push((name.clone(), tensor));
+        }
+        self.copies.extend(done);
+        Ok(())
+    }
+
+    /// Replaces each quantized tensor of a GGUF file by a copy dequantized
+    /// ([`GgmlType::dequantize`]) into the model's 16-bit dtype (`torch_dtype` bfloat16 or
+    /// float16), else f32, in parallel over blocks of rows.
+    ///
+    /// # Errors
+    /// [`ModelError::Gguf`] for an element that dequantizes to a value the dtype cannot hold
+    /// (NaN, or past its range), naming it.
+    fn dequantize_gguf(&mut self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        use rayon::prelude::*;
+        let out = match cfg.torch_dtype.as_deref().and_then(DType::from_name) {
+            Some(d @ (DType::BF16 | DType::F16)) => d,
+            _ => DType::F32,
+        };
+        let mut done = Vec::new();
+        for (name, (ty, shape)) in &self.gguf_quantized {
+            let (_, shard, _, bytes) = self.stored(name)?;
+            let cols = shape.last().copied().unwrap_or(1).max(1);
+            let n: usize = shape.iter().product();
+            let row_bytes = ty.row_bytes(cols).expect("GgufFile::open checked the rows");
+            let mut copy = vec![0u8; n * out.size()];
+            // 64 rows a job: large enough to amortize, small enough to spread a matrix.
+            const ROWS: usize = 64;
+            let bad = copy
+                .par_chunks_mut(ROWS * cols * out.size())
+                .zip(bytes.par_chunks(ROWS * row_bytes))
+                .enumerate()
+                .map(|(job, (dst, src))| {
+                    let mut f = vec![0f32; dst.len() / out.size()];
+                    if let Err(e) = ty.dequantize(src, &mut f) {
+                        return Some(e);
+                    }
+                    for (i, (&x, d)) in f.iter().zip(dst.chunks_exact_mut(out.size())).enumerate() {
+                        let ok = match out {
+                            DType::F32 => {
+                                d.copy_from_slice(&x.to_le_bytes());
+                                x.is_finite()
+                            }
+                            DType::F16 => {
+                                let y = half::f16::from_f32(x);
+                                d.copy_from_slice(&y.to_le_bytes());
+                                y.is_finite()
+                            }
+                            DType::BF16 => {
+                                let y = half::bf16::from_f32(x);
+                                d.copy_from_slice(&y.to_le_bytes());
+                                y.is_finite()
+                            }
+                        };
+                        if !ok {
+                            let at = job * ROWS * cols + i;
+                            return Some(format!(
+                                "element [{}, {}] dequantizes to {x}, which {out:?} cannot hold",
+                                at / cols,
+                                at % cols
+                            ));
+                        }
+                    }
+                    None
+                })
+                .find_first(Option::is_some)
+                .flatten();
+            if let Some(why) = bad {
+                return Err(ModelError::Gguf {
+                    file: shard.path.display().to_string(),
+                    reason: format!(
+                        "tensor `{name}` ({}): {why}; the file is corrupt",
+                        ty.name()
+                    ),
+                });
+            }
+            let tensor = CopiedTensor {
+                dtype: out,
+                shape: shape.clone(),
+                bytes: copy,
+                file: shard.path.clone(),
+            };
+            done.push((name.clone(), tensor));
+        }
+        self.copies.extend(done);
+        Ok(())
+    }
+
+    /// For a GGUF file of an architecture whose q and k rows llama.cpp permuted
+    /// ([`crate::gguf::permuted_qk`]), serves each layer's q and k from a copy in Hugging
+    /// Face's layout. `convert_hf_to_gguf.py`'s `permute` stores, within each head of `d`
+    /// rows, row `2i + j` from Hugging Face's row `j·d/2 + i` (`i < d/2`, `j ∈ {0, 1}`);
+    /// the copy puts it back.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get`] for a tensor of an unsupported dtype.
+    fn unpermute_gguf_qk(&mut self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        if !self.gguf_permuted_qk {
+            return Ok(());
+        }
+        let d = cfg.head_dim;
+        let mut done = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            for (part, heads) in [
+                ("q_proj", cfg.num_attention_heads),
+                ("k_proj", cfg.num_key_value_heads),
+            ] {
+                let name = format!("model.layers.{i}.self_attn.{part}.weight");
+                if !self.contains(&name) {
+                    continue;
+                }
+                let t = self.get(&name)?;
+                // A tensor of another shape is left to the load's own shape error.
+                if t.shape.first() != Some(&(heads * d)) || !d.is_multiple_of(2) {
+                    continue;
+                }
+                let row = t.bytes.len() / (heads * d);
+                let mut bytes = vec![0u8; t.bytes.len()];
+                for h in 0..heads {
+                    for i in 0..d / 2 {
+                        for j in 0..2 {
+                            let from = h * d + 2 * i + j;
+                            let to = h * d + j * d / 2 + i;
+                            bytes[to * row..(to + 1) * row]
+                                .copy_from_slice(&t.bytes[from * row..(from + 1) * row]);
+                        }
+                    }
+                }
+                let copy = CopiedTensor {
+                    dtype: t.dtype,
+                    shape: t.shape.to_vec(),
+                    bytes,
+                    file: t.file.to_path_buf(),
+                };
+                done.push((name, copy));
+            }
         }
         self.copies.extend(done);
         Ok(())
@@ -933,8 +1153,8 @@ impl WeightSource {
                 })?;
         let shard = &self.shards[id];
         let info = shard
-            .meta
-            .info(self.aliases.get(name).map_or(name, String::as_str))
+            .tensors
+            .get(self.aliases.get(name).map_or(name, String::as_str))
             .ok_or_else(|| ModelError::MissingTensor {
                 file: shard.path.display().to_string(),
                 tensor: name.to_string(),

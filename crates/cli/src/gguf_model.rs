@@ -1,0 +1,125 @@
+//! `--model FILE.gguf`: serving a llama.cpp GGUF file.
+//!
+//! Every command that takes `--model` accepts a GGUF file as well as a Hugging Face
+//! directory. The file is turned (once per file version) into a Hugging Face layout
+//! directory in Baton's cache ([`baton_model::gguf::prepare_dir`]): config.json from its
+//! metadata, tokenizer.json and tokenizer_config.json (with the chat template) from its
+//! tokenizer, and a link to the file, whose tensors the worker reads directly (quantized ones
+//! dequantized at load). The processes of one deployment, given the same file, find the same
+//! directory. The cache is `$BATON_CACHE_DIR`, else `$XDG_CACHE_HOME/baton`, else
+//! `~/.cache/baton`.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// A GGUF `--model` file and the directory serving it.
+#[derive(Debug, Clone)]
+pub struct GgufModel {
+    /// The Hugging Face layout directory (what the processes read as `--model`).
+    pub dir: PathBuf,
+    /// The file's name (`model-Q4_K_M.gguf`): the served model name by default, as a
+    /// directory's own name is.
+    pub name: String,
+}
+
+/// Baton's cache directory ([`crate::gguf_model`]).
+pub fn cache_root() -> PathBuf {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(d) = env("BATON_CACHE_DIR") {
+        return d;
+    }
+    if let Some(d) = env("XDG_CACHE_HOME") {
+        return d.join("baton");
+    }
+    match env("HOME") {
+        Some(h) => h.join(".cache").join("baton"),
+        None => std::env::temp_dir().join("baton-cache"),
+    }
+}
+
+/// Whether `path` is a file that starts with GGUF's magic.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && &magic == baton_model::gguf::GGUF_MAGIC
+}
+
+/// When `model` is a GGUF file, prepares its directory and returns it (`None` for anything
+/// else, left to the caller's own checks). A command that reads the tokenizer
+/// (`needs_tokenizer`) and has no `--tokenizer` fails when the file's tokenizer does not
+/// convert.
+///
+/// # Errors
+/// A malformed or unsupported GGUF file, an unwritable cache, an unconverted tokenizer as
+/// above.
+pub fn resolve(
+    model: &Path,
+    tokenizer: Option<&Path>,
+    needs_tokenizer: bool,
+) -> Result<Option<GgufModel>> {
+    if !is_gguf(model) {
+        return Ok(None);
+    }
+    let cache = cache_root();
+    let p = baton_model::gguf::prepare_dir(model, &cache.join("gguf"))
+        .map_err(|e| match e {
+            e @ baton_model::ModelError::Io { .. } => anyhow::Error::new(e).context(format!(
+                "preparing the GGUF file's directory in {} (set BATON_CACHE_DIR to another \
+                 directory)",
+                cache.display()
+            )),
+            e => e.into(),
+        })
+        .with_context(|| format!("--model {}", model.display()))?;
+    if let (Some(why), None, true) = (&p.tokenizer_error, tokenizer, needs_tokenizer) {
+        bail!(
+            "--model {}: its tokenizer is not converted: {why}",
+            model.display()
+        );
+    }
+    tracing::info!(
+        "GGUF file {} is served from {}",
+        model.display(),
+        p.dir.display()
+    );
+    let name = model.file_name().map_or_else(
+        || model.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Ok(Some(GgufModel { dir: p.dir, name }))
+}
+
+/// [`resolve`] for a command whose served names default from `--model` (`serve`,
+/// `frontend`): `model` becomes the prepared directory and, when no `--served-model-name`
+/// is given, the names become the file's name and the `--model` string, as a directory's
+/// would (its last component, and the string requests may also use).
+///
+/// # Errors
+/// As [`resolve`].
+pub fn resolve_served(
+    model: &mut PathBuf,
+    tokenizer: Option<&Path>,
+    served_model_name: &mut Vec<String>,
+) -> Result<()> {
+    if let Some(g) = resolve(model, tokenizer, true)? {
+        if served_model_name.is_empty() {
+            *served_model_name = vec![g.name, model.display().to_string()];
+        }
+        *model = g.dir;
+    }
+    Ok(())
+}
+
+/// The GGUF file a prepared directory serves (its `model.gguf` link's target), for
+/// `/v1/models`' `root`; `None` for any other directory.
+pub fn served_file(dir: &Path) -> Option<PathBuf> {
+    std::fs::read_link(dir.join(baton_model::gguf::GGUF_WEIGHTS)).ok()
+}
