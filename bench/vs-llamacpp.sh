@@ -22,7 +22,8 @@
 # completed"). Such requests are counted under `failed` and left out of the latency figures; a
 # bench run with failures exits non-zero, which this script logs and carries on from.
 #
-# Environment: MODEL (HF directory), GGUF (the same model as GGUF), WORK (llama.cpp build dir),
+# Environment: MODEL (HF directory), GGUF (the same model as GGUF), BATON_MODEL (what Baton
+# serves: default MODEL; give "$GGUF" to serve the very file llama.cpp does), WORK (llama.cpp build dir),
 # LLAMA_SERVER (use this llama-server instead of building), LLAMA_CPP_PY_VERSION (sdist version;
 # default 0.3.36, the one this was first run with), OUT, BATON_PORT, LLAMA_PORT, THREADS
 # (compute threads of both servers; default nproc), INPUT_LEN, OUTPUT_LEN, NUM_C1, NUM_C8,
@@ -54,6 +55,7 @@ QUIET_TIMEOUT=${QUIET_TIMEOUT:-900}
 CONCURRENCIES=(1 8 64)
 MAXC=64
 MODEL=$(realpath "$MODEL")
+BATON_MODEL=$(realpath "${BATON_MODEL:-$MODEL}")
 GGUF=$(realpath "$GGUF")
 mkdir -p "$OUT" "$WORK"
 OUT=$(realpath "$OUT")
@@ -96,7 +98,7 @@ start_server() { # baton|llama TAG
   local log="$OUT/$1-$2.log"
   if [ "$1" = baton ]; then
     # shellcheck disable=SC2086
-    "$BATON" serve --model "$MODEL" --port "$BATON_PORT" --instance "$INSTANCE" \
+    "$BATON" serve --model "$BATON_MODEL" --port "$BATON_PORT" --instance "$INSTANCE" \
       --cpu-threads "$THREADS" ${BATON_FLAGS:-} >"$log" 2>&1 &
     SERVER_PID=$!
     wait_health "$BATON_PORT" "baton serve" "$log"

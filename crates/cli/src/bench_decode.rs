@@ -527,6 +527,13 @@ fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<ModelWeights> {
 /// # Errors
 /// Bad flags, a model that fails to load, a backend failure.
 pub fn run(a: &DecodeArgs) -> Result<()> {
+    if let Some(m) = &a.model {
+        if let Some(g) = crate::gguf_model::resolve(m, None, false)? {
+            let mut a = a.clone();
+            a.model = Some(g.dir);
+            return run(&a);
+        }
+    }
     if a.batch.is_empty() || a.batch.contains(&0) {
         bail!("--batch needs positive sizes");
     }

@@ -816,7 +816,8 @@ pub const GGUF_WEIGHTS: &str = "model.gguf";
 /// `cache/gguf-<16 hex digits>/` with config.json ([`hf_config`]), tokenizer.json and
 /// tokenizer_config.json ([`crate::gguf_tokenizer::tokenizer_files`]) and a `model.gguf`
 /// link to the file. The name hashes the file's canonical path, length and modification
-/// time, so a changed file gets a new directory; the directory is written under a temporary
+/// time and the files' contents, so a changed file (or a changed conversion) gets a new
+/// directory; the directory is written under a temporary
 /// name and renamed, so processes preparing the same file at once (a scheduler, workers and
 /// frontends started together) all see a complete one.
 ///
@@ -830,18 +831,6 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    let mut h = crate::fingerprint::Fnv64::default();
-    h.eat(
-        format!(
-            "{}\0{}\0{mtime}\0{}",
-            canon.display(),
-            meta.len(),
-            env!("CARGO_PKG_VERSION")
-        )
-        .as_bytes(),
-    );
-    let key = h.finish();
-    let dir = cache.join(format!("gguf-{key:016x}"));
     let g = GgufFile::open(&canon)?;
     let config = hf_config(&g)?;
     let max_len = config["max_position_embeddings"]
@@ -849,6 +838,17 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
         .map(|x| x as usize);
     let tokenizer = crate::gguf_tokenizer::tokenizer_files(&g.metadata, max_len);
     let tokenizer_error = tokenizer.as_ref().err().cloned();
+    // The name covers what the directory holds, so another file version or another
+    // conversion (a newer Baton's) gets a directory of its own.
+    let mut h = crate::fingerprint::Fnv64::default();
+    h.eat(format!("{}\0{}\0{mtime}\0", canon.display(), meta.len()).as_bytes());
+    h.eat(config.to_string().as_bytes());
+    if let Ok((tok, tok_cfg)) = &tokenizer {
+        h.eat(tok.to_string().as_bytes());
+        h.eat(tok_cfg.to_string().as_bytes());
+    }
+    let key = h.finish();
+    let dir = cache.join(format!("gguf-{key:016x}"));
     if dir.join("config.json").is_file() {
         return Ok(PreparedGguf {
             dir,

@@ -202,3 +202,49 @@ fn a_q8_0_gguf_dequantizes_within_half_a_step_and_predicts_the_first_golden_toke
     let logits = prompt_logits(&model, &p.prompt_ids);
     assert_eq!(argmax(&logits), p.greedy_ids[0]);
 }
+
+#[test]
+fn processes_preparing_one_file_at_once_share_one_complete_directory() {
+    let tmp = temp_dir("gguf-race");
+    let cache = tmp.join("cache");
+    let dirs: Vec<PathBuf> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    gguf::prepare_dir(&gguf_file(), &cache)
+                        .expect("prepare")
+                        .dir
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(dirs.windows(2).all(|w| w[0] == w[1]), "{dirs:?}");
+    let entries: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        entries.len(),
+        1,
+        "no temporary directories left: {entries:?}"
+    );
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.gguf",
+    ] {
+        assert!(dirs[0].join(f).exists(), "{f}");
+    }
+    // Another file version (here: another modification time) gets its own directory.
+    let copy = tmp.join("copy.gguf");
+    std::fs::copy(gguf_file(), &copy).unwrap();
+    let a = gguf::prepare_dir(&copy, &cache).unwrap().dir;
+    let f = std::fs::File::options().write(true).open(&copy).unwrap();
+    f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1))
+        .unwrap();
+    drop(f);
+    let b = gguf::prepare_dir(&copy, &cache).unwrap().dir;
+    assert_ne!(a, b);
+}
