@@ -5,6 +5,10 @@
 
 mod common;
 
+/// Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) tokenizers.
+#[path = "gguf_tokenizer/bpe.rs"]
+mod bpe;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -473,10 +477,13 @@ fn assert_refused(meta: &BTreeMap<String, GgufValue>, key: &str) {
 #[test]
 fn unconvertible_metadata_is_refused() {
     let mut m = small_meta();
+    // A byte-level BPE tokenizer needs its pre-tokenizer (see the `bpe` module).
     m.insert("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into()));
+    assert_refused(&m, "tokenizer.ggml.pre");
+    m.insert("tokenizer.ggml.model".into(), GgufValue::Str("GPT2".into()));
     assert_refused(&m, "tokenizer.ggml.model");
     let e = tokenizer_files(&m, None).unwrap_err();
-    assert!(e.contains("\"gpt2\""), "{e}");
+    assert!(e.contains("\"GPT2\""), "{e}");
     for model in ["bert", "t5", "rwkv", "none"] {
         m.insert("tokenizer.ggml.model".into(), GgufValue::Str(model.into()));
         assert_refused(&m, "tokenizer.ggml.model");
