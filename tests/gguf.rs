@@ -130,10 +130,12 @@ fn serve_of_the_gguf_file_answers_golden_json_under_the_files_name() {
     let name = "stories260K-f32.gguf";
     let (status, models) = http(&addr, "GET", "/v1/models", None);
     assert_eq!(status, 200);
+    // One model, as for a directory: named after the file, the --model string as its root.
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
     assert_eq!(models["data"][0]["id"], name, "{models}");
     assert_eq!(
         models["data"][0]["root"],
-        gguf_file().canonicalize().unwrap().display().to_string(),
+        gguf_file().display().to_string(),
         "{models}"
     );
     for (prompt, text) in golden_texts() {
@@ -197,6 +199,36 @@ fn bad_gguf_files_stop_the_commands_with_the_fault_named() {
     let (ok, _, err) = generate(&arch, &c, "x");
     assert!(!ok);
     assert!(err.contains("architecture `gemma`"), "{err}");
+    // A tensor of a ggml type Baton does not dequantize (IQ4_NL, id 20): named.
+    let mut iq = bytes.clone();
+    let name = b"token_embd.weight";
+    let at = iq
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("the tensor's directory entry")
+        + name.len();
+    // n_dims (u32), two u64 dims, then the type (u32).
+    iq[at + 20..at + 24].copy_from_slice(&20u32.to_le_bytes());
+    let iq_file = c.join("iq.gguf");
+    std::fs::write(&iq_file, &iq).unwrap();
+    let (ok, _, err) = generate(&iq_file, &c, "x");
+    assert!(!ok);
+    assert!(
+        err.contains("IQ4_NL") && err.contains("token_embd.weight"),
+        "{err}"
+    );
+    // A missing *.gguf path and a file that is not GGUF, for generate as for serve.
+    let (ok, _, err) = generate(&c.join("missing.gguf"), &c, "x");
+    assert!(!ok);
+    assert!(err.contains("missing.gguf: no such file"), "{err}");
+    let empty = c.join("empty.gguf");
+    std::fs::write(&empty, "").unwrap();
+    let (ok, _, err) = generate(&empty, &c, "x");
+    assert!(!ok);
+    assert!(
+        err.contains("neither a Hugging Face model directory nor a GGUF file"),
+        "{err}"
+    );
     // A file that is not GGUF at all.
     let txt = c.join("notes.gguf");
     std::fs::write(&txt, "hello").unwrap();

@@ -329,20 +329,17 @@ pub fn default_model_name(dir: &std::path::Path) -> String {
 /// # Errors
 /// No scheduler within the attach timeout, a tokenizer that fails to load, a port in use.
 pub fn run(mut a: FrontendArgs) -> Result<()> {
-    // `/v1/models`' `root`: the --model string, or the GGUF file a prepared directory
-    // (`baton serve FILE.gguf`'s child) serves.
-    let model_root = crate::gguf_model::served_file(&a.model)
-        .unwrap_or_else(|| a.model.clone())
-        .display()
-        .to_string();
-    crate::gguf_model::resolve_served(
-        &mut a.model,
-        a.http.tokenizer.as_deref(),
-        &mut a.http.served_model_name,
-    )?;
+    // The --model string names the model (its last component by default, and requests may
+    // give it whole) and is `/v1/models`' `root`; a GGUF file is read from its prepared
+    // directory.
+    let model_arg = a.model.clone();
+    if let Some(g) = crate::gguf_model::resolve(&a.model, a.http.tokenizer.as_deref(), true)? {
+        a.model = g.dir;
+    }
+    let model_root = model_arg.display().to_string();
     a.http.check()?;
     let (lora_modules, lora_fingerprint) = a.lora.fingerprinted()?;
-    check_lora_names(&lora_modules, &a.http, &a.model)?;
+    check_lora_names(&lora_modules, &a.http, &model_arg)?;
     let sampling_defaults = a.http.sampling_defaults(&a.model)?;
     let dir = ModelDir::new(&a.model).with_tokenizer(a.http.tokenizer.as_ref());
     let tc_path = dir.tokenizer_config_path();
@@ -456,7 +453,7 @@ pub fn run(mut a: FrontendArgs) -> Result<()> {
                 "the scheduler of instance {} serves another model than {} (config fingerprint \
                  {theirs:016x}, this one {:016x}); start the frontend with the scheduler's --model",
                 a.instance,
-                a.model.display(),
+                model_arg.display(),
                 c.fingerprint()
             );
         }
@@ -487,11 +484,11 @@ pub fn run(mut a: FrontendArgs) -> Result<()> {
             .served_model_name
             .first()
             .cloned()
-            .unwrap_or_else(|| default_model_name(&a.model)),
+            .unwrap_or_else(|| default_model_name(&model_arg)),
         more_served_model_names: a.http.served_model_name.iter().skip(1).cloned().collect(),
         // As vLLM, which serves under the `--model` string: requests may name the model by it.
         model_aliases: if a.http.served_model_name.is_empty() {
-            vec![a.model.display().to_string()]
+            vec![model_arg.display().to_string()]
         } else {
             Vec::new()
         },

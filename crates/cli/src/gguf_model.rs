@@ -17,9 +17,6 @@ use std::path::{Path, PathBuf};
 pub struct GgufModel {
     /// The Hugging Face layout directory (what the processes read as `--model`).
     pub dir: PathBuf,
-    /// The file's name (`model-Q4_K_M.gguf`): the served model name by default, as a
-    /// directory's own name is.
-    pub name: String,
 }
 
 /// Baton's cache directory ([`crate::gguf_model`]).
@@ -52,19 +49,31 @@ pub fn is_gguf(path: &Path) -> bool {
         && &magic == baton_model::gguf::GGUF_MAGIC
 }
 
-/// When `model` is a GGUF file, prepares its directory and returns it (`None` for anything
-/// else, left to the caller's own checks). A command that reads the tokenizer
+/// When `model` is a GGUF file, prepares its directory and returns it (`None` for a
+/// directory or a missing path, left to the caller's own checks). A command that reads the tokenizer
 /// (`needs_tokenizer`) and has no `--tokenizer` fails when the file's tokenizer does not
 /// convert.
 ///
 /// # Errors
-/// A malformed or unsupported GGUF file, an unwritable cache, an unconverted tokenizer as
-/// above.
+/// A file that is not GGUF, a missing `*.gguf` path, a malformed or unsupported GGUF file,
+/// an unwritable cache, an unconverted tokenizer as above.
 pub fn resolve(
     model: &Path,
     tokenizer: Option<&Path>,
     needs_tokenizer: bool,
 ) -> Result<Option<GgufModel>> {
+    let named_gguf = model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if !model.exists() && named_gguf {
+        bail!("--model {}: no such file", model.display());
+    }
+    if model.is_file() && !is_gguf(model) {
+        bail!(
+            "--model {}: a file that is neither a Hugging Face model directory nor a GGUF file",
+            model.display()
+        );
+    }
     if !is_gguf(model) {
         return Ok(None);
     }
@@ -90,32 +99,7 @@ pub fn resolve(
         model.display(),
         p.dir.display()
     );
-    let name = model.file_name().map_or_else(
-        || model.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    Ok(Some(GgufModel { dir: p.dir, name }))
-}
-
-/// [`resolve`] for a command whose served names default from `--model` (`serve`,
-/// `frontend`): `model` becomes the prepared directory and, when no `--served-model-name`
-/// is given, the names become the file's name and the `--model` string, as a directory's
-/// would (its last component, and the string requests may also use).
-///
-/// # Errors
-/// As [`resolve`].
-pub fn resolve_served(
-    model: &mut PathBuf,
-    tokenizer: Option<&Path>,
-    served_model_name: &mut Vec<String>,
-) -> Result<()> {
-    if let Some(g) = resolve(model, tokenizer, true)? {
-        if served_model_name.is_empty() {
-            *served_model_name = vec![g.name, model.display().to_string()];
-        }
-        *model = g.dir;
-    }
-    Ok(())
+    Ok(Some(GgufModel { dir: p.dir }))
 }
 
 /// The GGUF file a prepared directory serves (its `model.gguf` link's target), for

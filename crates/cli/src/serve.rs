@@ -370,7 +370,7 @@ fn cuda_kv_blocks(a: &ServeArgs) -> Result<usize> {
 /// # Errors
 /// As `LoraArgs::modules`, `LoraAdapter::load` and `check_lora_names`; an adapter with
 /// --device null.
-fn check_lora(a: &ServeArgs) -> Result<()> {
+fn check_lora(a: &ServeArgs, model_arg: &std::path::Path) -> Result<()> {
     let modules = a.lora.modules()?;
     if modules.is_empty() {
         return Ok(());
@@ -378,7 +378,7 @@ fn check_lora(a: &ServeArgs) -> Result<()> {
     if a.device == Device::Null {
         bail!("--lora-modules: the null backend computes nothing and serves no adapters");
     }
-    crate::frontend_cmd::check_lora_names(&modules, &a.http, &a.model)?;
+    crate::frontend_cmd::check_lora_names(&modules, &a.http, model_arg)?;
     let cfg = baton_model::ModelConfig::from_file(&a.model.join("config.json"))?;
     baton_model::LoraAdapter::load_all(&modules, &cfg, a.lora.max_lora_rank)?;
     Ok(())
@@ -446,12 +446,12 @@ fn http_health(addr: &str) -> Option<u16> {
 pub fn run(a: ServeArgs) -> Result<()> {
     let mut a = a.resolve()?;
     let stop = crate::daemons::stop_flag()?;
-    // A GGUF file is served from its prepared directory, which the children get as --model.
-    crate::gguf_model::resolve_served(
-        &mut a.model,
-        a.http.tokenizer.as_deref(),
-        &mut a.http.served_model_name,
-    )?;
+    // A GGUF file is read from its prepared directory, which the scheduler and worker get
+    // as --model; the frontend gets the file itself, whose name it serves the model under.
+    let model_arg = a.model.clone();
+    if let Some(g) = crate::gguf_model::resolve(&a.model, a.http.tokenizer.as_deref(), true)? {
+        a.model = g.dir;
+    }
     if a.model.is_file() {
         bail!(
             "--model {}: a file that is neither a Hugging Face model directory nor a GGUF file",
@@ -484,7 +484,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     a.http.check()?;
     crate::args::check_quantization_of(a.quantization.as_deref(), &a.model)?;
-    check_lora(&a)?;
+    check_lora(&a, &model_arg)?;
     a.http.sampling_defaults(&a.model)?;
     if let Some(t) = &a.http.chat_template {
         let source = baton_frontend::chat::load_template_arg(t)?;
@@ -589,7 +589,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         "--instance".into(),
         instance.clone(),
         "--model".into(),
-        model.clone(),
+        model_arg.display().to_string(),
     ];
     front_args.extend(a.http.to_flags());
     if let Some(seed) = a.seed {

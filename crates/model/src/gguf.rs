@@ -360,7 +360,7 @@ pub fn parse_header(
             Some(a) if a > 0 && (a as u64).is_power_of_two() && a <= 1 << 20 => a as u64,
             _ => {
                 return Err(format!(
-                    "`general.alignment` is {v:?}; it must be a power of two"
+                    "`general.alignment` is {v:?}; it must be a power of two from 1 to 1 MiB"
                 ))
             }
         },
@@ -430,9 +430,13 @@ impl GgufFile {
             reason: format!("tensor `{}`: {reason}", t.name),
         };
         let ty = crate::gguf_quant::GgmlType::from_u32(t.ggml_type).ok_or_else(|| {
+            let what = match crate::gguf_quant::GgmlType::name_of(t.ggml_type) {
+                Some(n) => format!("type {n} (ggml type {}) is not read", t.ggml_type),
+                None => format!("unknown ggml type {}", t.ggml_type),
+            };
             fault(format!(
-                "unknown ggml type {}; the types read are {}",
-                t.ggml_type,
+                "{what}; the types read are {} (requantize the file to one of them with \
+                 llama-quantize, or serve the Hugging Face checkpoint)",
                 crate::gguf_quant::GgmlType::names()
             ))
         })?;

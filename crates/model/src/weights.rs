@@ -301,10 +301,20 @@ pub struct WeightSource {
     aliases: BTreeMap<String, String>,
     /// A GGUF file's quantized tensors (stored as raw bytes), with their type and shape, for
     /// [`WeightSource::open_for`] to dequantize.
-    gguf_quantized: BTreeMap<String, (GgmlType, Vec<usize>)>,
+    gguf_quantized: BTreeMap<String, GgufQuantized>,
     /// A GGUF file whose q and k rows llama.cpp's converter permuted for interleaved RoPE
     /// ([`crate::gguf::permuted_qk`]), for [`WeightSource::open_for`] to un-permute.
     gguf_permuted_qk: bool,
+}
+
+/// A quantized tensor of a GGUF file, for [`WeightSource::open_for`] to dequantize.
+#[derive(Debug)]
+struct GgufQuantized {
+    ty: GgmlType,
+    /// Row-major shape, outermost first.
+    shape: Vec<usize>,
+    /// llama.cpp's name (`blk.0.attn_q.weight`), for errors.
+    gguf_name: String,
 }
 
 /// A tensor [`WeightSource`] holds in memory: its stored dtype and shape, its file.
@@ -560,6 +570,9 @@ impl WeightSource {
     /// # Errors
     /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name.
     pub fn open_gguf(path: &Path) -> Result<Self, ModelError> {
+        // Errors name the file itself, not a prepared directory's link to it.
+        let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        let path = real.as_path();
         let g = crate::gguf::GgufFile::open(path)?;
         let permuted = crate::gguf::permuted_qk(g.architecture()?);
         let mut tensors = HashMap::new();
@@ -576,7 +589,12 @@ impl WeightSource {
                 GgmlType::F16 => (Dtype::F16, t.shape()),
                 GgmlType::BF16 => (Dtype::BF16, t.shape()),
                 q => {
-                    quantized.insert(name.clone(), (q, t.shape()));
+                    let info = GgufQuantized {
+                        ty: q,
+                        shape: t.shape(),
+                        gguf_name: t.name.clone(),
+                    };
+                    quantized.insert(name.clone(), info);
                     (Dtype::U8, vec![len])
                 }
             };
@@ -828,7 +846,8 @@ impl WeightSource {
             _ => DType::F32,
         };
         let mut done = Vec::new();
-        for (name, (ty, shape)) in &self.gguf_quantized {
+        for (name, q) in &self.gguf_quantized {
+            let (ty, shape) = (&q.ty, &q.shape);
             let (_, shard, _, bytes) = self.stored(name)?;
             let cols = shape.last().copied().unwrap_or(1).max(1);
             let n: usize = shape.iter().product();
@@ -879,7 +898,8 @@ impl WeightSource {
                 return Err(ModelError::Gguf {
                     file: shard.path.display().to_string(),
                     reason: format!(
-                        "tensor `{name}` ({}): {why}; the file is corrupt",
+                        "tensor `{}` ({name}, {}): {why}; the file is corrupt",
+                        q.gguf_name,
                         ty.name()
                     ),
                 });
