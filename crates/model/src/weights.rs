@@ -271,6 +271,15 @@ impl RawTensor<'_> {
     }
 }
 
+/// The dtype FP8 and GGUF weights are dequantized into: the model's 16-bit dtype
+/// (`torch_dtype` bfloat16 or float16), else f32.
+fn dequantized_dtype(cfg: &ModelConfig) -> DType {
+    match cfg.torch_dtype.as_deref().and_then(DType::from_name) {
+        Some(d @ (DType::BF16 | DType::F16)) => d,
+        _ => DType::F32,
+    }
+}
+
 /// One mapped weights file: a safetensors file, or a GGUF file whose tensors are listed in
 /// safetensors' terms (a quantized one as its raw bytes, `U8` of its byte length;
 /// [`WeightSource::open_gguf`]).
@@ -727,10 +736,7 @@ impl WeightSource {
     /// that dequantizes to NaN or past the dtype's range; as [`WeightSource::get`] for a
     /// scale tensor.
     fn dequantize_fp8(&mut self, cfg: &ModelConfig, q: &Fp8Quant) -> Result<(), ModelError> {
-        let out = match cfg.torch_dtype.as_deref().and_then(DType::from_name) {
-            Some(d @ (DType::BF16 | DType::F16)) => d,
-            _ => DType::F32,
-        };
+        let out = dequantized_dtype(cfg);
         let mut done = Vec::new();
         for name in self.names.keys().filter(|n| n.ends_with(".weight")) {
             let (_, shard, info, bytes) = self.stored(name)?;
@@ -841,10 +847,7 @@ impl WeightSource {
     /// (NaN, or past its range), naming it.
     fn dequantize_gguf(&mut self, cfg: &ModelConfig) -> Result<(), ModelError> {
         use rayon::prelude::*;
-        let out = match cfg.torch_dtype.as_deref().and_then(DType::from_name) {
-            Some(d @ (DType::BF16 | DType::F16)) => d,
-            _ => DType::F32,
-        };
+        let out = dequantized_dtype(cfg);
         let mut done = Vec::new();
         for (name, q) in &self.gguf_quantized {
             let (ty, shape) = (&q.ty, &q.shape);
