@@ -212,11 +212,6 @@ struct BatonSelect {
     u32 n_list;
 };
 
-// Indices a selection pass walks: the vocabulary, or the allow-list's entries.
-__device__ __forceinline__ int baton_select_len(const BatonSelect& s) {
-    return s.list ? (int)s.n_list : s.vocab;
-}
-
 // The token at walk index j, or -1 for an entry that is not a candidate (not listed, or out of
 // the vocabulary).
 __device__ __forceinline__ int baton_select_token(const BatonSelect& s, int j) {
@@ -225,9 +220,9 @@ __device__ __forceinline__ int baton_select_token(const BatonSelect& s, int j) {
     return (e.flags & BATON_ENTRY_LISTED) && e.token < (u32)s.vocab ? (int)e.token : -1;
 }
 
-// Metric of token i under `s` (0 = not a candidate) and its key.
-__device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, u64& key) {
-    const float c = baton_clean(s.x[i]);
+// Metric of token i, whose logit is xi = s.x[i], under `s` (0 = not a candidate) and its key.
+__device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, float xi, u64& key) {
+    const float c = baton_clean(xi);
     key = baton_sort_key(c, (u32)i);
     if (key > s.bound) return 0;
     const float e = expf((c - s.maxv) * s.inv_t);
@@ -235,15 +230,54 @@ __device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, u64& ke
     return s.by_count ? 1ull : baton_fixed_weight(e);
 }
 
-// Total metric of the candidates.
-__device__ u64 baton_select_total(const BatonSelect& s, BatonSampleShared& sh) {
-    u64 acc = 0;
-    for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
-        const int i = baton_select_token(s, j);
-        if (i < 0) continue;
-        u64 key;
-        acc += baton_metric(s, i, key);
+// Logits a thread of a selection pass over the vocabulary loads before it uses any of them.
+// One load at a time left every pass latency-bound: a temperature-0.8 top-p-0.95 row of a
+// 128256-token vocabulary cost 1.58 ms of a 2.58 ms Llama-1B step on an H200 (session 35,
+// bench/RESULTS.md), about a dozen passes. Tunable (BATON_KERNEL_DEFINES).
+#ifndef BATON_SELECT_U
+#define BATON_SELECT_U 4
+#endif
+
+// Calls f(i, key, m) for every token i a selection pass walks (the vocabulary, or the
+// allow-list's candidates), with m = baton_metric (0 included: callers skip it) and its key;
+// each thread walks its own indices in ascending order. Over the vocabulary a thread loads
+// BATON_SELECT_U logits (strided by the block) before using them. Called by the whole block.
+template <typename F>
+__device__ __forceinline__ void baton_select_walk(const BatonSelect& s, F&& f) {
+    if (s.list) {
+        for (int j = threadIdx.x; j < (int)s.n_list; j += blockDim.x) {
+            const int i = baton_select_token(s, j);
+            if (i < 0) continue;
+            u64 key;
+            const u64 m = baton_metric(s, i, s.x[i], key);
+            f(i, key, m);
+        }
+        return;
     }
+    const int n = s.vocab;
+    const int step = (int)blockDim.x;
+    for (int i0 = (int)threadIdx.x; i0 < n; i0 += step * BATON_SELECT_U) {
+        float v[BATON_SELECT_U];
+#pragma unroll
+        for (int u = 0; u < BATON_SELECT_U; ++u) {
+            const int i = i0 + u * step;
+            v[u] = i < n ? s.x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < BATON_SELECT_U; ++u) {
+            const int i = i0 + u * step;
+            if (i >= n) break;
+            u64 key;
+            const u64 m = baton_metric(s, i, v[u], key);
+            f(i, key, m);
+        }
+    }
+}
+
+// Total metric of the candidates. Not inlined, for the same reason as baton_radix_select.
+__device__ __noinline__ u64 baton_select_total(const BatonSelect& s, BatonSampleShared& sh) {
+    u64 acc = 0;
+    baton_select_walk(s, [&](int, u64, u64 m) { acc += m; });
     return baton_block_sum_u64(acc, sh.scratch_u64);
 }
 
@@ -372,13 +406,9 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
             cw[k] = 0;
         }
         int next = 0;
-        for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
-            const int i = baton_select_token(s, j);
-            if (i < 0) continue;
-            u64 key;
-            const u64 m = baton_metric(s, i, key);
-            if (m == 0) continue;
-            if (shift < 56 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+        baton_select_walk(s, [&](int, u64 key, u64 m) {
+            if (m == 0) return;
+            if (shift < 56 && (key >> (shift + 8)) != (prefix >> (shift + 8))) return;
             const u32 d = (u32)(key >> shift) & 255u;
             if (BATON_SAMPLE_BIN_CACHE > 0) {
                 baton_bin_add<NC>(tag, cw, next, d, m, sh);
@@ -386,7 +416,7 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
                 atomicAdd(&sh.hist_w[d], m);
                 atomicAdd(&sh.hist_c[d], 1u);
             }
-        }
+        });
 #pragma unroll
         for (int k = 0; k < NC; ++k) baton_bin_flush(tag[k], cw[k], sh);
         __syncthreads();
@@ -398,13 +428,10 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
         __syncthreads();  // sh.* are rewritten by the next pass
         if (count == 1 && shift > 0) {
             u64 found = ~0ull;
-            for (int j = threadIdx.x; j < baton_select_len(s); j += blockDim.x) {
-                const int i = baton_select_token(s, j);
-                if (i < 0) continue;
-                u64 key;
-                if (baton_metric(s, i, key) != 0 && (key >> shift) == (prefix >> shift))
+            baton_select_walk(s, [&](int, u64 key, u64 m) {
+                if (m != 0 && (key >> shift) == (prefix >> shift))
                     found = key < found ? key : found;
-            }
+            });
             return baton_block_min_u64(found, sh.scratch_u64);
         }
     }

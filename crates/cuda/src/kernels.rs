@@ -281,6 +281,7 @@ pub const KERNEL_TUNABLES: &[&str] = &[
     "BATON_GEMV_T1_U",
     "BATON_GEMV_PREWAIT_L2",
     "BATON_SAMPLE_BIN_CACHE",
+    "BATON_SELECT_U",
 ];
 
 /// Parses `NAME=VALUE[,NAME=VALUE...]` (whitespace around items ignored) into `NAME=VALUE`
