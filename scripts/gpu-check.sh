@@ -13,8 +13,10 @@
 # does not travel to a device machine). Each check prints PASS or FAIL and the script goes on
 # after a failure. The whole run keeps within GPU_CHECK_BUDGET seconds (default 470): each
 # check's own limit is clamped to what is left, a check that cannot start counts as FAIL, and
-# the summary table is always printed last. Logs and JSON are packed into
-# $OUT/gpu-check.tgz, beside $OUT/summary.txt (two files: a device run returns only a few).
+# the summary table is always printed last. GPU_CHECKS="1 3h 6c" runs only those checks (a
+# name's part before its first '-'), for a short rerun of what failed or changed. Logs and
+# JSON are packed into $OUT/gpu-check.tgz, beside $OUT/summary.txt (two files: a device run
+# returns only a few).
 # Exit status: 0 when every check passed.
 #
 # Checks:
@@ -72,8 +74,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 ls /usr/local/cuda/lib64 2>/dev/null | grep -E '^lib(nvrtc|cublas|cublasLt)\.so' | tr '\n' ' '; echo
 
 declare -a results=()
+# GPU_CHECKS="1 3h 6c": run only the checks whose names start with one of these words (each
+# matched up to its first '-': "3" runs 3 but not 3b); unset runs every check.
+read -r -a only <<<"${GPU_CHECKS:-}"
+selected() {
+    ((${#only[@]} == 0)) && return 0
+    local w
+    for w in "${only[@]}"; do [[ "${1%%-*}" == "$w" ]] && return 0; done
+    return 1
+}
 run_check() { # name, per-check timeout (s), command...
     local name="$1" limit="$2"; shift 2
+    selected "$name" || return 0
     local log="$OUT/$name.log" t0=$SECONDS
     local left=$((deadline - SECONDS))
     if ((left < 15)); then
