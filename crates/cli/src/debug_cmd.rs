@@ -27,7 +27,8 @@ pub enum DebugCmd {
     /// First-step logits of a prompt on CUDA against the CPU reference.
     Logits(CompareArgs),
     /// Every layer's output on CUDA against the CPU reference on the same (rounded) weights,
-    /// each layer from the GPU's input to it, for a batch mixing prefill chunks and decodes.
+    /// each layer from the GPU's input to it (a mixture-of-experts layer a half at a time),
+    /// for a batch mixing prefill chunks and decodes.
     Layers(CompareArgs),
     /// Writes a seeded random LoRA adapter (PEFT layout) for a model, updating every q, k, v,
     /// o, gate, up and down projection (for tests and benchmarks of --lora-modules).
@@ -153,14 +154,36 @@ fn argmax(v: &[f32]) -> usize {
         .0
 }
 
-/// `max |a - b| / max |b|` (0 when both are empty).
+/// `max |a - b| / max |b|` (0 when both are empty; infinite when the lengths differ or a
+/// difference is NaN).
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
-    let diff = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
-        m.max((f64::from(x) - f64::from(y)).abs())
-    });
+    rel_err_rows(a, b, a.len().max(1), &[])
+}
+
+/// [`rel_err`] over the rows (`width` values each) whose `skip` flag is not set (rows past
+/// `skip` are kept); the scale is still `max |b|` over every row.
+pub fn rel_err_rows(a: &[f32], b: &[f32], width: usize, skip: &[bool]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
+    }
+    let scale = b.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+    let mut diff = 0f64;
+    for (i, (ra, rb)) in a.chunks(width).zip(b.chunks(width)).enumerate() {
+        if skip.get(i) == Some(&true) {
+            continue;
+        }
+        for (&x, &y) in ra.iter().zip(rb) {
+            let d = (f64::from(x) - f64::from(y)).abs();
+            // f64::max drops a NaN: a NaN output must not pass.
+            diff = if d.is_nan() {
+                f64::INFINITY
+            } else {
+                diff.max(d)
+            };
+            if diff.is_infinite() {
+                return f64::INFINITY;
+            }
+        }
     }
     if scale == 0.0 {
         diff
@@ -168,6 +191,26 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
         diff / scale
     }
 }
+
+/// Per token, whether its experts in one mixture-of-experts layer differ between `a` and `b`
+/// (`[T * top_k]` ids each, every token's ascending); `None` when the lists do not match in
+/// length.
+fn routes_differ(a: &[u32], b: &[u32], top_k: usize) -> Option<Vec<bool>> {
+    (a.len() == b.len() && top_k > 0).then(|| {
+        a.chunks(top_k)
+            .zip(b.chunks(top_k))
+            .map(|(x, y)| x != y)
+            .collect()
+    })
+}
+
+/// Most tokens of a step whose experts may differ between the GPU and the CPU in one
+/// mixture-of-experts layer of `debug layers`: the larger of 2 and this fraction of them.
+/// Both route from the GPU's MLP input, but the GPU's router reads it normalized and rounded
+/// to the 16-bit dtype, the CPU's in f32, so a token whose k-th and (k+1)-th router logits
+/// lie within that rounding takes another expert (a numpy model of Qwen3-30B-A3B's dummy
+/// router, 128 experts, top 8: 1.8 % of tokens in bf16). A routing bug moves most tokens.
+const MAX_ROUTE_DIFF: f64 = 0.1;
 
 /// `baton debug golden`: the greedy goldens of `<model>/golden.json`, each alone and then all
 /// together (asynchronous scheduling, so `PendingFrom` rows and decode graphs are used), on
@@ -360,8 +403,9 @@ fn mixed_steps(vocab: usize, prompt: &[u32]) -> (Step, Step) {
 /// and the logits over `mixed_steps` plus a decode-only step, against `CpuModel` on the weights
 /// rounded to `--dtype`, each layer run on the GPU's input to it, see
 /// [`CpuModel::forward_layers_forced`]; the drift accumulated from the embedding is printed
-/// beside it) on the worker `build` makes; relative error [`rel_err`] at most `a.tol`. Prints a
-/// PASS/FAIL line per comparison.
+/// beside it; a mixture-of-experts layer a half at a time, its MLP block from the GPU's MLP
+/// input, see [`CpuModel::forward_layers_forced_moe`]) on the worker `build` makes; relative
+/// error [`rel_err`] at most `a.tol`. Prints a PASS/FAIL line per comparison.
 ///
 /// # Errors
 /// A comparison over the tolerance, bad flags, a backend failure.
@@ -388,6 +432,8 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
         max_rows: 8,
         max_model_len: 2048.min(cfg.max_position_embeddings),
     };
+    let sparse = cfg.moe.as_ref().map(|m| (m.layers.clone(), m.top_k));
+    let hidden = cfg.hidden_size;
     let mut gpu = build(cfg, weights.into(), sizes)?;
     let steps: Vec<Step> = if layers {
         let (s1, s2) = mixed_steps(vocab, &a.prompt_ids);
@@ -455,12 +501,54 @@ pub fn compare(a: &CompareArgs, layers: bool, build: &BuildWorker<'_>) -> Result
             // Each layer's own error: the CPU layer on the GPU's input to that layer. The
             // drift accumulated from the embedding (the CPU's own residual stream) is shown
             // beside it; it grows with depth on random weights whatever the kernels do.
+            // A mixture-of-experts layer is compared a half at a time: its attention half
+            // (the CPU's MLP input from the GPU's layer input against the GPU's), then the
+            // layer's output with the CPU's MLP block started from the GPU's MLP input. A
+            // router magnifies its input's difference (the dummy router's logits have a
+            // standard deviation of about 13 at hidden 2048, so bf16 rounding of the attention
+            // half moves the routing weights by percents), which is not the MLP kernels'
+            // error. Tokens the two sides still route to different experts are left out of
+            // the layer's error and counted.
+            let gpu_moe = gpu.debug_moe_trace().to_vec();
+            let moe_inputs: Vec<Vec<f32>> = gpu_moe.iter().map(|m| m.input.clone()).collect();
             let (forced_logits, forced_layers) =
-                cpu.forward_layers_forced(&mut kv_forced, &fw, &gpu_layers)?;
+                cpu.forward_layers_forced_moe(&mut kv_forced, &fw, &gpu_layers, &moe_inputs)?;
+            let cpu_moe = cpu.last_moe_trace();
+            let mut sparse_seen = 0;
             for (li, g) in gpu_layers.iter().enumerate() {
-                let e = rel_err(g, &forced_layers[li]);
+                let mut differ = Vec::new();
+                let mut routed = String::new();
+                if let Some((_, top_k)) = sparse.as_ref().filter(|s| s.0[li]) {
+                    let j = sparse_seen;
+                    sparse_seen += 1;
+                    let (Some(c), Some(gm)) = (cpu_moe.get(j), gpu_moe.get(j)) else {
+                        bail!("layer {li}: no mixture-of-experts trace of both backends");
+                    };
+                    let e = rel_err(&gm.input, &c.input);
+                    outln!(
+                        "{} step {} layer {li} attention half: rel err {e:.3e} (tol {:.1e})",
+                        judge(e, a.tol, &mut failed),
+                        si + 1,
+                        a.tol,
+                    );
+                    differ = routes_differ(&c.routes, &gm.routes, *top_k).with_context(|| {
+                        format!("layer {li}: the backends' expert id lists differ in length")
+                    })?;
+                    let n = differ.iter().filter(|&&d| d).count();
+                    let allowed = ((differ.len() as f64 * MAX_ROUTE_DIFF) as usize).max(2);
+                    routed = format!("; {n} of {} tokens routed apart, left out", differ.len());
+                    if n > allowed {
+                        failed += 1;
+                        outln!(
+                            "FAIL step {} layer {li}: {n} of {} tokens took other experts than on the CPU (at most {allowed} may)",
+                            si + 1,
+                            differ.len(),
+                        );
+                    }
+                }
+                let e = rel_err_rows(g, &forced_layers[li], hidden, &differ);
                 outln!(
-                    "{} step {} layer {li}: rel err {e:.3e} (tol {:.1e}; accumulated from the embedding {:.3e})",
+                    "{} step {} layer {li}: rel err {e:.3e} (tol {:.1e}; accumulated from the embedding {:.3e}{routed})",
                     judge(e, a.tol, &mut failed),
                     si + 1,
                     a.tol,
@@ -548,6 +636,22 @@ mod tests {
         assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
         assert!((rel_err(&[1.0, 2.1], &[1.0, 2.0]) - 0.05).abs() < 1e-6);
         assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_err(&[f32::NAN, 2.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_err(&[1.0, f32::NAN], &[1.0, 2.0]), f64::INFINITY);
+    }
+
+    #[test]
+    fn rows_left_out_do_not_count_but_still_scale() {
+        let b = [1.0, 2.0, 4.0, 1.0];
+        let a = [1.0, 2.0, 3.0, 1.5];
+        assert!((rel_err_rows(&a, &b, 2, &[]) - 0.25).abs() < 1e-9);
+        assert!((rel_err_rows(&a, &b, 2, &[false, true]) - 0.0).abs() < 1e-9);
+        assert!((rel_err_rows(&a, &b, 2, &[true]) - 0.25).abs() < 1e-9);
+        assert_eq!(
+            routes_differ(&[0, 3, 1, 2], &[0, 3, 1, 4], 2),
+            Some(vec![false, true])
+        );
+        assert_eq!(routes_differ(&[0, 3], &[0, 3, 1, 4], 2), None);
     }
 
     #[test]

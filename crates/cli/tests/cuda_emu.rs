@@ -2113,3 +2113,26 @@ fn lora_adapters_for_another_model_or_past_the_kernels_limits_are_refused() {
     );
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// Qwen3-30B-A3B's routing (128 experts, top 8) at a quarter of its widths, layer by layer in
+/// bf16 over a 100-token prompt. The dummy router's logits have a standard deviation of about
+/// 6.5 here (13 at the real widths), so the attention half's bf16 rounding moves the routing
+/// weights by percents: `debug layers` compares a mixture-of-experts layer a half at a time
+/// (the CPU's MLP block starts from the GPU's MLP input). Compared whole, this layer is
+/// 1.0e-2 to 1.5e-2 off (and 2.1e-2 at the real widths: session 35's H200 run of gpu-check
+/// 3h); a half at a time, about 5e-3.
+#[test]
+fn mixture_of_experts_layers_are_compared_a_half_at_a_time() {
+    let config = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+        "hidden_size":512,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,
+        "head_dim":16,"vocab_size":1000,"max_position_embeddings":1024,"intermediate_size":128,
+        "num_experts":128,"num_experts_per_tok":8,"moe_intermediate_size":512,
+        "norm_topk_prob":true}"#;
+    let mut a = compare_args(Dtype::Bf16, 1e-2);
+    a.config = Some(config.to_string());
+    a.load_format = LoadFormatArg::Dummy;
+    a.prompt_ids = (0..100).map(|p| (3 + 41 * p) % 1000).collect();
+    let last = Mutex::new(None);
+    compare(&a, true, &emu(Dtype::Bf16, true, &last))
+        .unwrap_or_else(|e| panic!("bf16 layers: {e:#}"));
+}

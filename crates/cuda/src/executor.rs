@@ -66,7 +66,9 @@ use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
 };
 use baton_model::lora::LoraLinear;
-use baton_model::{LlamaWeights, LoraAdapter, ModelConfig, ModelWeights, RawTensor, Tensor};
+use baton_model::{
+    LlamaWeights, LoraAdapter, ModelConfig, ModelWeights, MoeTrace, RawTensor, Tensor,
+};
 use baton_proto::{
     Completion, Launch, LaunchSeq, PromptLogprob, Sampled, SamplingParams, NOT_PENDING,
 };
@@ -265,6 +267,8 @@ struct Dumps {
     layers: bool,
     logits_out: Vec<Vec<f32>>,
     layers_out: Vec<Vec<f32>>,
+    /// With `layers`: each mixture-of-experts layer's MLP input and expert ids.
+    moe_out: Vec<MoeTrace>,
 }
 
 /// Host record of the device ring of sampled ids: which launch occupies which ring slot and
@@ -460,6 +464,9 @@ pub struct CudaWorker {
     lora: Option<LoraDevice>,
     /// The last resolved launch's adapter id per row (see [`CudaWorker::resolve`]).
     lora_rows: Vec<u32>,
+    /// The mixture-of-experts traces of the last [`CudaWorker::forward_debug`] with layers
+    /// ([`CudaWorker::debug_moe_trace`]).
+    debug_moe: Vec<MoeTrace>,
     /// Tokens of the launch being enqueued whose adapter ids are staged in its frame's
     /// [`LoraDevice::host`] buffer; 0 when no row of it has an adapter.
     lora_tokens: usize,
@@ -1446,6 +1453,7 @@ impl CudaWorker {
             profiling: false,
             lora: None,
             lora_rows: Vec::new(),
+            debug_moe: Vec::new(),
             lora_tokens: 0,
             opts,
         };
@@ -2000,6 +2008,9 @@ impl CudaWorker {
                 add_rmsnorm(lw.post_norm)?;
                 if let Some(m) = &lw.moe {
                     self.moe_mlp(t, lw, m)?;
+                    if let Some(d) = dumps.as_deref_mut() {
+                        self.dump_moe(d, t)?;
+                    }
                     out_norm(lw.mlp_out_norm)?;
                     continue;
                 }
@@ -2631,6 +2642,34 @@ impl CudaWorker {
         Ok(())
     }
 
+    /// With `d.layers`, after a mixture-of-experts MLP: appends its input (the residual
+    /// stream, which the MLP does not touch: its output is in `tmp` until the next layer's
+    /// add) and its expert ids (`moe_ids`: `[t * top_k]`, each token's ascending) to
+    /// `d.moe_out`.
+    fn dump_moe(&self, d: &mut Dumps, t: usize) -> Result<(), CudaWorkerError> {
+        let Some(mc) = self.cfg.moe.as_ref().filter(|_| d.layers) else {
+            return Ok(());
+        };
+        let mut ids = vec![0u8; t * mc.top_k * 4];
+        let mut input = vec![0u8; t * self.cfg.hidden_size * self.dtype.size()];
+        // SAFETY: the moe_ids region holds max_tokens * top_k i32 >= t * top_k, the residual
+        // region max_tokens * hidden elements >= t * hidden.
+        unsafe {
+            self.dev
+                .copy_dtoh(&mut ids, self.acts.at(self.act_off.moe_ids))?;
+            self.dev
+                .copy_dtoh(&mut input, self.acts.at(self.act_off.resid))
+        }?;
+        d.moe_out.push(MoeTrace {
+            input: from_device_bytes(&input, self.dtype),
+            routes: ids
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        });
+        Ok(())
+    }
+
     /// Waits for the fence of every launch in flight (their completions stay to be taken:
     /// the wait only makes their buffers free to replace).
     fn wait_in_flight(&self) -> Result<(), CudaWorkerError> {
@@ -3210,7 +3249,16 @@ impl CudaWorker {
             ..Dumps::default()
         };
         self.run_rows(0, rows, &TokenMasks::default(), &[], Some(&mut d))?;
+        self.debug_moe = d.moe_out;
         Ok((d.logits_out, d.layers_out))
+    }
+
+    /// Each mixture-of-experts layer's input (the residual stream after its attention half,
+    /// `[T, hidden]` f32) and expert ids (`[T * top_k]`, each token's ascending:
+    /// `baton_moe_route`) in the last [`CudaWorker::forward_debug`] with `layers`, in layer
+    /// order, as `baton_model::CpuModel::last_moe_trace` gives them. Empty for a dense model.
+    pub fn debug_moe_trace(&self) -> &[MoeTrace] {
+        &self.debug_moe
     }
 
     /// Device-to-device copy bandwidth in bytes/s: copies of `bytes` timed with events, each

@@ -792,6 +792,27 @@ struct Scratch {
     tok_ctx: Vec<(usize, usize)>,
     /// Per token of the batch: its row's LoRA adapter id (0: none).
     tok_lora: Vec<u32>,
+    /// Each mixture-of-experts layer's trace in the last forward pass that returned layer
+    /// outputs ([`CpuModel::last_moe_trace`]).
+    moe_trace: Vec<MoeTrace>,
+}
+
+/// Inputs a forced forward pass takes from another backend: every layer's input (the
+/// previous layer's output; [`CpuModel::forward_layers_forced`]) and every sparse layer's MLP
+/// input (empty: none; [`CpuModel::forward_layers_forced_moe`]), `[T, hidden]` each.
+type Forced<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
+
+/// What one mixture-of-experts layer saw and chose in a forward pass that returned layer
+/// outputs ([`CpuModel::last_moe_trace`]), for comparing another backend half a layer at a
+/// time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeTrace {
+    /// `[T, hidden]`: the residual stream entering the MLP block (after the attention half),
+    /// as this model computed it.
+    pub input: Vec<f32>,
+    /// `[T * top_k]`: each token's experts, ascending (as the CUDA worker's `baton_moe_route`
+    /// writes them), chosen from the MLP block's actual input (the forced one, if any).
+    pub routes: Vec<u32>,
 }
 
 /// Attention multiply-adds (`Σ positions x query width` over the step's tokens) below which
@@ -1271,6 +1292,18 @@ impl CpuModel {
         Ok((logits, outs))
     }
 
+    /// Each mixture-of-experts layer's [`MoeTrace`] (in layer order) of the last
+    /// [`CpuModel::forward_with_layer_outputs`], [`CpuModel::forward_layers_forced`] or
+    /// [`CpuModel::forward_layers_forced_moe`] call. Empty for a dense model or before such a
+    /// call.
+    pub fn last_moe_trace(&self) -> Vec<MoeTrace> {
+        self.scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .moe_trace
+            .clone()
+    }
+
     /// As [`CpuModel::forward_with_layer_outputs`], but layer `l > 0` (and the final norm and
     /// LM head, after the last layer) starts from `inputs[l - 1]` instead of this model's own
     /// residual stream: `inputs` are another backend's layer outputs, `[T, hidden]` each, as
@@ -1288,19 +1321,53 @@ impl CpuModel {
         rows: &[ForwardRow],
         inputs: &[Vec<f32>],
     ) -> Result<LogitsAndLayers, ForwardError> {
+        self.forward_layers_forced_moe(kv, rows, inputs, &[])
+    }
+
+    /// As [`CpuModel::forward_layers_forced`], and the MLP block of the `j`-th
+    /// mixture-of-experts layer also starts from `moe_inputs[j]` (`[T, hidden]`: another
+    /// backend's residual stream after that layer's attention half) instead of this model's
+    /// own. A router turns a small difference in its input into a different expert or a
+    /// different weight, so a layer's error is only the MLP kernels' own when both halves
+    /// start from the other backend's values; [`CpuModel::last_moe_trace`] keeps this
+    /// model's own attention-half output for comparing that half. Empty `moe_inputs`: as
+    /// `forward_layers_forced`.
+    ///
+    /// # Errors
+    /// As [`CpuModel::forward_layers_forced`], and [`ForwardError::ForcedInputs`] when
+    /// `moe_inputs` is neither empty nor one `[T, hidden]` buffer per sparse layer.
+    pub fn forward_layers_forced_moe(
+        &self,
+        kv: &mut PagedKvCache,
+        rows: &[ForwardRow],
+        inputs: &[Vec<f32>],
+        moe_inputs: &[Vec<f32>],
+    ) -> Result<LogitsAndLayers, ForwardError> {
         let t: usize = rows.iter().map(|r| r.tokens.len()).sum();
         let h = self.cfg.hidden_size;
-        if inputs.len() != self.cfg.num_hidden_layers || inputs.iter().any(|x| x.len() != t * h) {
+        let sparse = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mlp, Mlp::Moe(_)))
+            .count();
+        let bad = |v: &[Vec<f32>], n: usize| v.len() != n || v.iter().any(|x| x.len() != t * h);
+        if bad(inputs, self.cfg.num_hidden_layers) {
             return Err(ForwardError::ForcedInputs {
                 layers: self.cfg.num_hidden_layers,
                 values: t * h,
             });
         }
+        if !moe_inputs.is_empty() && bad(moe_inputs, sparse) {
+            return Err(ForwardError::ForcedInputs {
+                layers: sparse,
+                values: t * h,
+            });
+        }
         let mut outs = Vec::with_capacity(self.cfg.num_hidden_layers);
         self.validate(kv, rows)?;
-        let logits = self
-            .pool
-            .install(|| self.forward_in_pool(kv, rows, Some(&mut outs), Some(inputs)))?;
+        let logits = self.pool.install(|| {
+            self.forward_in_pool(kv, rows, Some(&mut outs), Some((inputs, moe_inputs)))
+        })?;
         Ok((logits, outs))
     }
 
@@ -1315,13 +1382,13 @@ impl CpuModel {
             .install(|| self.forward_in_pool(kv, rows, layer_outs, None))
     }
 
-    /// The forward pass proper, run inside `self.pool`.
+    /// The forward pass proper, run inside `self.pool`. `forced`: see [`Forced`].
     fn forward_in_pool(
         &self,
         kv: &mut PagedKvCache,
         rows: &[ForwardRow],
         mut layer_outs: Option<&mut Vec<Vec<f32>>>,
-        forced: Option<&[Vec<f32>]>,
+        forced: Option<Forced<'_>>,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         let c = &self.cfg;
         let h = c.hidden_size;
@@ -1343,6 +1410,13 @@ impl CpuModel {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let s = &mut *guard;
+        if layer_outs.is_some() {
+            s.moe_trace.clear();
+        }
+        let (forced, forced_moe) = match forced {
+            Some((layers, moe)) => (Some(layers), moe),
+            None => (None, &[][..]),
+        };
         resize(&mut s.x, t * h);
         resize(&mut s.xn, t * h);
         resize(&mut s.qkv, t * qkv_w);
@@ -1495,6 +1569,16 @@ impl CpuModel {
             );
 
             // MLP block: down(silu(gate(x)) * up(x)).
+            if matches!(layer.mlp, Mlp::Moe(_)) && layer_outs.is_some() {
+                let j = s.moe_trace.len();
+                s.moe_trace.push(MoeTrace {
+                    input: s.x[..t * h].to_vec(),
+                    routes: Vec::new(),
+                });
+                if let Some(f) = forced_moe.get(j) {
+                    s.x[..t * h].copy_from_slice(f);
+                }
+            }
             for i in 0..t {
                 rms_norm(
                     &s.x[i * h..(i + 1) * h],
@@ -1515,13 +1599,18 @@ impl CpuModel {
                     &mut s.tmp[..t * h],
                     &lora,
                 ),
-                Mlp::Moe(m) => m.forward(
-                    c.hidden_act,
-                    &s.xn[..t * h],
-                    t,
-                    &mut s.moe,
-                    &mut s.tmp[..t * h],
-                ),
+                Mlp::Moe(m) => {
+                    m.forward(
+                        c.hidden_act,
+                        &s.xn[..t * h],
+                        t,
+                        &mut s.moe,
+                        &mut s.tmp[..t * h],
+                    );
+                    if let Some(tr) = s.moe_trace.last_mut().filter(|_| layer_outs.is_some()) {
+                        tr.routes = s.moe.chosen.iter().map(|&(e, _)| e as u32).collect();
+                    }
+                }
             }
             add_residual(
                 &mut s.x[..t * h],

@@ -287,7 +287,8 @@ pub enum ForwardError {
     /// ([`crate::CpuModel::forward_layers_forced`]).
     #[error("forced layer inputs: want {layers} buffers of {values} values")]
     ForcedInputs {
-        /// Buffers wanted (the model's layers).
+        /// Buffers wanted (the model's layers, or its mixture-of-experts layers for
+        /// [`crate::CpuModel::forward_layers_forced_moe`]'s MLP inputs).
         layers: usize,
         /// Values per buffer (`T * hidden`).
         values: usize,

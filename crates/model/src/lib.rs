@@ -26,7 +26,7 @@ pub mod weights;
 pub use config::{
     Activation, GenerationConfig, ModelConfig, MoeConfig, MoeNaming, RopeScaling, TokenizerConfig,
 };
-pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, PagedKvCache};
+pub use cpu::{CpuModel, ForwardRow, LogitsAndLayers, MoeTrace, PagedKvCache};
 pub use error::{ForwardError, ModelError};
 pub use fingerprint::{dummy_weights_fingerprint, tokenizer_fingerprint, weights_fingerprint};
 pub use lora::{LoraAdapter, LoraModule};
