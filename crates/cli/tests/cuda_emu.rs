@@ -1922,9 +1922,10 @@ fn lora_requests(lora: &[u32], vocab: u32) -> Vec<baton_scheduler::NewRequest> {
 /// a run whose launches mix adapter 0, 1 and 2 rows, prefill chunks (a 24-token budget) and
 /// decodes gives the CPU's greedy tokens, log-probabilities and top entries (within the 1e-4
 /// of the other f32 comparisons), through graphs or eagerly; requests that share a prompt
-/// but not an adapter differ (the adapters act). Then base-model requests alone on the same
-/// worker replay graphs and launch no LoRA kernel. `graphs` runs the graph-enabled worker
-/// too (eager always).
+/// but not an adapter differ (the adapters act); with graphs, decode launches with adapter
+/// rows replay the LoRA graphs `set_lora_adapters` captured. Then base-model requests alone
+/// on the same worker replay graphs and launch no LoRA kernel. `graphs` runs the
+/// graph-enabled worker too (eager always).
 fn lora_rows_match_the_cpu_worker(
     name: &str,
     cfg: &ModelConfig,
@@ -1968,8 +1969,14 @@ fn lora_rows_match_the_cpu_worker(
         let dev = last.lock().unwrap().take().unwrap();
         dev.set_deferred(true).unwrap();
         let mut e = LocalEngine::new(sched.clone(), w);
+        let replays = dev.graph_launches();
         let got = run_with_logprobs(&mut e, lora_requests(&mixed, vocab));
         assert_outputs_close(&what, &got, &want, 1e-4);
+        assert_eq!(
+            dev.graph_launches() > replays,
+            !eager,
+            "{what}: decodes with adapter rows replay graphs unless eager"
+        );
         let layers = cfg.num_hidden_layers as u64;
         let shrinks = dev.launches_of("baton_lora_shrink");
         assert!(
@@ -2044,11 +2051,21 @@ fn base_rows_give_the_same_bits_with_and_without_lora_adapters() {
         if with {
             w.set_lora_adapters(adapters.clone()).unwrap();
         }
+        let dev = last.lock().unwrap().take().unwrap();
+        // Capturing the LoRA graphs launches the LoRA kernels; serving base rows must not.
+        let (shrinks, replays) = (dev.launches_of("baton_lora_shrink"), dev.graph_launches());
+        assert_eq!(shrinks > 0, with, "adapters {with}: LoRA graphs captured");
         let mut e = LocalEngine::new(sched.clone(), w);
         outs.push(run_with_logprobs(&mut e, lora_requests(&[0; 6], vocab)));
-        let dev = last.lock().unwrap().take().unwrap();
-        assert!(dev.graph_launches() > 0, "adapters {with}: no graph replay");
-        assert_eq!(dev.launches_of("baton_lora_shrink"), 0, "adapters {with}");
+        assert!(
+            dev.graph_launches() > replays,
+            "adapters {with}: no graph replay"
+        );
+        assert_eq!(
+            dev.launches_of("baton_lora_shrink"),
+            shrinks,
+            "adapters {with}"
+        );
     }
     assert_eq!(outs[0], outs[1], "adapters change base-model rows");
     std::fs::remove_dir_all(&root).ok();

@@ -45,15 +45,17 @@
 //! the staging buffer's fixed device addresses, so step 1 is all a replay needs.
 //!
 //! **LoRA adapters** (`Backend::set_lora_adapters`, [`crate::lora`]): a launch with a row whose
-//! `lora` is not 0 uploads each token's adapter id (from its frame's pinned buffer) and runs
-//! eagerly through the per-kernel cuBLAS path (no graph, fused decode GEMV or persistent
-//! kernel), with `baton_lora_shrink` and `baton_lora_expand` (`kernels/lora.cu`) after the
-//! q/k/v, o, gate/up and down GEMMs of each layer an adapter updates. Launches without such a
-//! row run exactly as without adapters.
+//! `lora` is not 0 uploads each token's adapter id (from its frame's pinned buffer; a graph's
+//! padding rows get 0) and runs through the per-kernel cuBLAS path (no fused decode GEMV or
+//! persistent kernel), with `baton_lora_shrink` and `baton_lora_expand` (`kernels/lora.cu`)
+//! after the q/k/v, o, gate/up and down GEMMs of each layer an adapter updates: a decode
+//! launch replays the bucket's LoRA graph (`lora_graphs`, captured by `set_lora_adapters`
+//! over the adapters' buffers; the kernels read the ids at replay), others run eagerly.
+//! Launches without such a row run exactly as without adapters.
 //!
 //! All device work goes through [`Device`]: [`CudaDevice`] on a GPU, the host emulator of
-//! `baton-cuda-emu` in tests. Status: runs and matches the CPU reference on the emulator; NOT
-//! RUN ON A GPU YET (see the crate docs).
+//! `baton-cuda-emu` in tests. Status: matches the CPU reference on the emulator and on an
+//! H200 (see the crate docs).
 
 use crate::device::{Buf, CudaDevice, Device, Gemm, GraphId, Pinned, FENCE_FRAMES};
 use crate::kernels::{Dtype, KernelError, GEMV_MAX_TOKENS, SAMPLER_TOP_SLOTS};
@@ -446,6 +448,9 @@ pub struct CudaWorker {
     ring: Buf,
     ring_host: Ring,
     graphs: HashMap<usize, GraphId>,
+    /// Decode graphs of launches with adapter rows, per bucket (captured by
+    /// `set_lora_adapters` over the adapters' buffers; empty without adapters or graphs).
+    lora_graphs: HashMap<usize, GraphId>,
     buckets: Vec<usize>,
     max_partitions: usize,
     /// Rows the attention partials are sized for (`max_rows`).
@@ -1446,6 +1451,7 @@ impl CudaWorker {
             ring,
             ring_host: Ring::default(),
             graphs: HashMap::new(),
+            lora_graphs: HashMap::new(),
             buckets: Vec::new(),
             max_partitions,
             part_rows: r,
@@ -2761,6 +2767,21 @@ impl CudaWorker {
             .into_iter()
             .filter(|&b| b <= self.layout.max_rows && b <= self.layout.max_tokens)
             .collect();
+        self.graphs = self.capture_buckets(&buckets, false)?;
+        self.buckets = buckets;
+        Ok(())
+    }
+
+    /// One decode graph per bucket of `buckets` (largest first, each after an eager
+    /// warm-up) over inert inputs; `lora`: the per-kernel path with the LoRA updates of
+    /// `self.lora` (every token's adapter id 0 while capturing: the kernels read the ids
+    /// from `LoraDevice::tok` at replay).
+    fn capture_buckets(
+        &mut self,
+        buckets: &[usize],
+        lora: bool,
+    ) -> Result<HashMap<usize, GraphId>, CudaWorkerError> {
+        let mut graphs = HashMap::new();
         for &b in buckets.iter().rev() {
             // Inert inputs: b padding rows (slot -1, seq_len 0, page 0).
             let pages = [0u32];
@@ -2786,19 +2807,27 @@ impl CudaWorker {
                 .fill(self.frames[frame].staging.bytes_mut(), &inputs)
                 .map_err(|e| CudaWorkerError::Unsupported(e.to_string()))?;
             self.upload_staging(frame, b)?;
+            if let Some(l) = self.lora.as_mut().filter(|_| lora) {
+                l.host[frame].bytes_mut()[..4 * b].fill(0);
+                // SAFETY: both buffers hold max_tokens >= b u32; synchronized below before
+                // the pinned side is reused.
+                unsafe {
+                    self.dev
+                        .copy_htod_async(l.tok.ptr, l.host[frame].ptr, 4 * b)
+                }?;
+            }
             // Warm-up (cuBLAS picks and loads its kernels outside the capture).
-            self.enqueue_forward(b, b, AttnMode::Decode, None, true, false)?;
+            self.enqueue_forward(b, b, AttnMode::Decode, None, true, lora)?;
             self.dev.synchronize()?;
             self.dev.begin_capture()?;
-            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None, true, false);
+            let enq = self.enqueue_forward(b, b, AttnMode::Decode, None, true, lora);
             // Always end the capture (even after an enqueue error) so the stream leaves
             // capture mode.
             let graph = self.dev.end_capture();
             enq?;
-            self.graphs.insert(b, graph?);
+            graphs.insert(b, graph?);
         }
-        self.buckets = buckets;
-        Ok(())
+        Ok(graphs)
     }
 
     /// Runs `rows` as launch `seq` through its fence ([`CudaWorker::enqueue_rows`], then the
@@ -2834,8 +2863,8 @@ impl CudaWorker {
     /// decode batches with a bucket), samples, copies the ids back and records the frame's
     /// fence. The launch's ids are in the device ring from here on (later launches' pending
     /// rows may name it: they read it in stream order); until its fence has passed, its
-    /// frame is not touched. `lora` holds each row's adapter id (empty: none); a launch with
-    /// an adapter row runs eagerly (no graph replay).
+    /// frame is not touched. `lora` holds each row's adapter id (empty: none); a decode launch
+    /// with an adapter row replays a LoRA graph (`lora_graphs`).
     fn enqueue_rows(
         &mut self,
         seq: LaunchSeq,
@@ -2893,8 +2922,13 @@ impl CudaWorker {
         let decode = rows
             .iter()
             .all(|r| r.tokens.len() == 1 && r.scored.is_empty());
-        let bucket = if decode && dumps.is_none() && !self.profiling && !with_lora {
-            graph_bucket(n_rows, &self.buckets).filter(|b| self.graphs.contains_key(b))
+        let graphs = if with_lora {
+            &self.lora_graphs
+        } else {
+            &self.graphs
+        };
+        let bucket = if decode && dumps.is_none() && !self.profiling {
+            graph_bucket(n_rows, &self.buckets).filter(|b| graphs.contains_key(b))
         } else {
             None
         };
@@ -2987,10 +3021,15 @@ impl CudaWorker {
                 .zip(lora)
                 .flat_map(|(r, &id)| std::iter::repeat_n(id, r.tokens.len()));
             let host = l.host[frame].bytes_mut();
-            for (dst, id) in host.chunks_exact_mut(4).zip(ids) {
+            // A graph's padding rows (past the rows' tokens) take no adapter.
+            let n = inputs.plan.num_tokens();
+            for (dst, id) in host[..4 * n]
+                .chunks_exact_mut(4)
+                .zip(ids.chain(std::iter::repeat(0)))
+            {
                 dst.copy_from_slice(&id.to_le_bytes());
             }
-            self.lora_tokens = inputs.plan.num_tokens();
+            self.lora_tokens = n;
         }
         let slot = self.ring_host.reserve();
         self.enqueued += 1;
@@ -3191,7 +3230,11 @@ impl CudaWorker {
         };
         match bucket {
             Some(b) => {
-                let exec = self.graphs[&b];
+                let exec = if lora {
+                    self.lora_graphs[&b]
+                } else {
+                    self.graphs[&b]
+                };
                 // SAFETY: the graph was captured over buffers that live as long as `self`; its
                 // inputs were just staged at the captured addresses.
                 unsafe { self.dev.launch_graph(exec) }?;
@@ -3621,6 +3664,9 @@ impl Backend for CudaWorker {
         // No launch may still read the old tables or ids.
         self.dev.synchronize().map_err(dev_err)?;
         self.lora = None;
+        // The old graphs read the old adapters' buffers: never replay them (their executable
+        // graphs stay with the device until it is dropped).
+        self.lora_graphs.clear();
         if adapters.is_empty() {
             return Ok(());
         }
@@ -3636,6 +3682,10 @@ impl Backend for CudaWorker {
             e => dev_err(e),
         })?;
         self.lora = Some(l);
+        if !self.buckets.is_empty() {
+            let buckets = self.buckets.clone();
+            self.lora_graphs = self.capture_buckets(&buckets, true).map_err(dev_err)?;
+        }
         Ok(())
     }
 

@@ -40,10 +40,11 @@
 //! logits and per-layer outputs against the CPU reference, seeded sampling alone vs batched
 //! (`crates/cli/tests/cuda_emu.rs`, `crates/cuda-emu/tests`).
 //!
-//! NOT RUN ON A GPU YET: [`CudaDevice`] itself (the cudarc, cuBLAS and NVRTC calls, written
-//! against cudarc 0.19.10's sources), real timing, races between GPU threads, and the GPU's own
-//! rounding. `scripts/gpu-check.sh` runs the same checks plus `baton bench decode` in one go on
-//! an H200.
+//! Run on a lent H200 (sessions 7-9 and 35; figures in `bench/RESULTS.md`): [`CudaDevice`]
+//! itself (the cudarc, cuBLAS and NVRTC calls), real timing, races between GPU threads and the
+//! GPU's own rounding, through `scripts/gpu-check.sh` (the same checks plus `baton bench
+//! decode` in one go) and `scripts/gpu-ab.sh` (tuning variants). Most machines have no GPU,
+//! so a change lands on the emulator's word and waits for the next lent device.
 
 pub mod backend;
 pub mod device;
