@@ -9,20 +9,25 @@ const CONFIG: &str = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "l
     "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "tie_word_embeddings": false}"#;
 
+/// One row prefilling `tokens` from position 0, logits of its last token.
+fn prefill<'a>(tokens: &'a [u32], block_table: &'a [u32]) -> ForwardRow<'a> {
+    ForwardRow {
+        tokens,
+        start_pos: 0,
+        block_table,
+        want_logits: true,
+        all_logits: false,
+        lora: 0,
+    }
+}
+
 #[test]
 fn forced_inputs_replace_each_layers_input_and_the_final_norms() {
     let cfg = ModelConfig::from_json_str(CONFIG).unwrap();
     let model = CpuModel::new(cfg.clone(), LlamaWeights::dummy(&cfg, 3));
     let toks: Vec<u32> = (0..9).map(|i| (3 + 7 * i) % 50).collect();
     let table = [0u32, 1];
-    let rows = [ForwardRow {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &table,
-        want_logits: true,
-        all_logits: false,
-        lora: 0,
-    }];
+    let rows = [prefill(&toks, &table)];
     let run = |forced: Option<&[Vec<f32>]>| {
         let mut kv = PagedKvCache::new(&cfg, 4, 16);
         match forced {
@@ -59,14 +64,7 @@ fn forced_inputs_of_the_wrong_shape_are_an_error() {
     let model = CpuModel::new(cfg.clone(), LlamaWeights::dummy(&cfg, 3));
     let toks = [1u32, 2, 3];
     let table = [0u32];
-    let rows = [ForwardRow {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &table,
-        want_logits: true,
-        all_logits: false,
-        lora: 0,
-    }];
+    let rows = [prefill(&toks, &table)];
     let mut kv = PagedKvCache::new(&cfg, 4, 16);
     let short = vec![vec![0.0; 3 * 64]; 2];
     let err = model
@@ -97,14 +95,7 @@ fn forced_moe_inputs_replace_each_sparse_mlp_input_and_traces_keep_the_models_ow
     let model = CpuModel::new(cfg.clone(), LlamaWeights::dummy(&cfg, 5));
     let toks: Vec<u32> = (0..9).map(|i| (3 + 7 * i) % 50).collect();
     let table = [0u32, 1];
-    let rows = [ForwardRow {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &table,
-        want_logits: true,
-        all_logits: false,
-        lora: 0,
-    }];
+    let rows = [prefill(&toks, &table)];
     let run = |layers: Option<&[Vec<f32>]>, moe: &[Vec<f32>]| {
         let mut kv = PagedKvCache::new(&cfg, 4, 16);
         let out = match layers {
