@@ -3235,8 +3235,10 @@ impl CudaWorker {
                 } else {
                     self.graphs[&b]
                 };
-                // SAFETY: the graph was captured over buffers that live as long as `self`; its
-                // inputs were just staged at the captured addresses.
+                // SAFETY: the graph was captured over buffers that live as long as `self` (a
+                // LoRA graph's adapter buffers as long as `self.lora`, and `set_lora_adapters`
+                // drops those graphs with them); its inputs were just staged at the captured
+                // addresses.
                 unsafe { self.dev.launch_graph(exec) }?;
             }
             None => {
