@@ -78,6 +78,17 @@ fn compare_args(dtype: Dtype, tol: f64) -> CompareArgs {
     }
 }
 
+/// [`compare_args`] for dummy weights of the config.json text `config` (vocabulary 1000 or
+/// more), with a prompt of `prompt_len` ids `(3 + 41 p) % 1000` (none: the comparison's
+/// default prompt).
+fn dummy_args(config: impl Into<String>, dtype: Dtype, tol: f64, prompt_len: u32) -> CompareArgs {
+    let mut a = compare_args(dtype, tol);
+    a.config = Some(config.into());
+    a.load_format = LoadFormatArg::Dummy;
+    a.prompt_ids = (0..prompt_len).map(|p| (3 + 41 * p) % 1000).collect();
+    a
+}
+
 /// A GQA Llama with head dim 64 (4 query heads, 2 KV heads), small enough to emulate.
 const HD64: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
     "hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,
@@ -142,9 +153,7 @@ fn bf16_first_step_logits_are_within_2e_2_of_the_cpu_reference() {
 #[test]
 fn every_layer_of_a_head_dim_64_gqa_model_matches_the_cpu_reference() {
     for (dtype, tol) in [(Dtype::Bf16, 1e-2), (Dtype::F32, 1e-4)] {
-        let mut a = compare_args(dtype, tol);
-        a.config = Some(HD64.to_owned());
-        a.load_format = LoadFormatArg::Dummy;
+        let a = dummy_args(HD64, dtype, tol, 0);
         let last = Mutex::new(None);
         compare(&a, true, &emu(dtype, true, &last))
             .unwrap_or_else(|e| panic!("{dtype:?} layers: {e:#}"));
@@ -189,9 +198,7 @@ fn head_dim_128_f16_and_partial_rope_layers_match_the_cpu_reference() {
         (HD64_PARTIAL_LONGROPE, Dtype::F32, 1e-4),
         (HD64_PARTIAL_LONGROPE, Dtype::Bf16, 1e-2),
     ] {
-        let mut a = compare_args(dtype, tol);
-        a.config = Some(config.to_owned());
-        a.load_format = LoadFormatArg::Dummy;
+        let a = dummy_args(config, dtype, tol, 0);
         let last = Mutex::new(None);
         compare(&a, true, &emu(dtype, true, &last))
             .unwrap_or_else(|e| panic!("{dtype:?} layers: {e:#}"));
@@ -204,10 +211,7 @@ fn a_530_token_prefill_and_a_decode_over_two_partitions_match_the_cpu_reference(
     // partitions and the block that finishes last combines them. f32, so the tolerance is
     // tight. With the default minimum partition (64 keys) and larger ones (256: 3 partitions;
     // 1024: one block per kv head walks all 531 keys, no combine).
-    let mut a = compare_args(Dtype::F32, 1e-4);
-    a.config = Some(HD64_LONG.to_owned());
-    a.load_format = LoadFormatArg::Dummy;
-    a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+    let a = dummy_args(HD64_LONG, Dtype::F32, 1e-4, 530);
     for min_partition in [baton_cuda::plan::ATTN_MIN_PARTITION, 256, 1024] {
         let last = Mutex::new(None);
         let build = |cfg, weights, sizes| {
@@ -246,19 +250,18 @@ fn sliding_window_models_match_the_cpu_reference_past_the_window() {
         "num_key_value_heads":4,"vocab_size":1000,"max_position_embeddings":1024,
         "sliding_window":300}"#;
     for config in [mistral, qwen2, hd8] {
-        let mut a = compare_args(Dtype::F32, 1e-4);
-        a.config = Some(config.to_owned());
-        a.load_format = LoadFormatArg::Dummy;
-        a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+        let a = dummy_args(config, Dtype::F32, 1e-4, 530);
         let last = Mutex::new(None);
         compare(&a, false, &emu(Dtype::F32, true, &last))
             .unwrap_or_else(|e| panic!("{config}: {e:#}"));
     }
     // Layer by layer in bf16 (gpu-check.sh's 3f): a 100-token prompt under a 32-key window.
-    let mut a = compare_args(Dtype::Bf16, 1e-2);
-    a.config = Some(mistral.replace(r#""sliding_window":200"#, r#""sliding_window":32"#));
-    a.load_format = LoadFormatArg::Dummy;
-    a.prompt_ids = (0..100).map(|p| (3 + 41 * p) % 1000).collect();
+    let a = dummy_args(
+        mistral.replace(r#""sliding_window":200"#, r#""sliding_window":32"#),
+        Dtype::Bf16,
+        1e-2,
+        100,
+    );
     let last = Mutex::new(None);
     compare(&a, true, &emu(Dtype::Bf16, true, &last)).expect("bf16 layers, sliding window");
 }
@@ -276,19 +279,14 @@ fn gemma3_text_layers_and_long_prompts_match_the_cpu_reference() {
         "sliding_window":100,"sliding_window_pattern":3,"query_pre_attn_scalar":48,
         "rope_local_base_freq":500.0,"rope_scaling":{"rope_type":"linear","factor":4.0}}"#;
     for (dtype, tol) in [(Dtype::F32, 1e-4), (Dtype::Bf16, 1.5e-2)] {
-        let mut a = compare_args(dtype, tol);
-        a.config = Some(gemma.to_owned());
-        a.load_format = LoadFormatArg::Dummy;
+        let a = dummy_args(gemma, dtype, tol, 0);
         let last = Mutex::new(None);
         compare(&a, true, &emu(dtype, true, &last))
             .unwrap_or_else(|e| panic!("{dtype:?} Gemma 3 layers: {e:#}"));
     }
     let hd8 = gemma.replace(r#""head_dim":64"#, r#""head_dim":8"#);
     for config in [gemma.to_owned(), hd8] {
-        let mut a = compare_args(Dtype::F32, 1e-4);
-        a.config = Some(config.clone());
-        a.load_format = LoadFormatArg::Dummy;
-        a.prompt_ids = (0..530).map(|p| (3 + 41 * p) % 1000).collect();
+        let a = dummy_args(config.clone(), Dtype::F32, 1e-4, 530);
         let last = Mutex::new(None);
         compare(&a, false, &emu(Dtype::F32, false, &last))
             .unwrap_or_else(|e| panic!("{config}: {e:#}"));
@@ -323,17 +321,12 @@ fn mixture_of_experts_layers_match_the_cpu_reference() {
     ];
     for config in &configs {
         for (dtype, tol) in [(Dtype::F32, 1e-4), (Dtype::Bf16, 1.5e-2)] {
-            let mut a = compare_args(dtype, tol);
-            a.config = Some(config.clone());
-            a.load_format = LoadFormatArg::Dummy;
+            let a = dummy_args(config.clone(), dtype, tol, 0);
             let last = Mutex::new(None);
             compare(&a, true, &emu(dtype, true, &last))
                 .unwrap_or_else(|e| panic!("{dtype:?} layers: {config}: {e:#}"));
         }
-        let mut a = compare_args(Dtype::F32, 1e-4);
-        a.config = Some(config.clone());
-        a.load_format = LoadFormatArg::Dummy;
-        a.prompt_ids = (0..300).map(|p| (3 + 41 * p) % 1000).collect();
+        let a = dummy_args(config.clone(), Dtype::F32, 1e-4, 300);
         let last = Mutex::new(None);
         compare(&a, false, &emu(Dtype::F32, false, &last))
             .unwrap_or_else(|e| panic!("300-token prompt: {config}: {e:#}"));
@@ -1235,9 +1228,7 @@ fn every_layer_of_qwen2_and_qwen3_models_matches_the_cpu_reference() {
         ("qwen3 hd32", QWEN3_HD32, Dtype::F32, 1e-4),
         ("qwen3 yarn", QWEN3_YARN, Dtype::F32, 1e-4),
     ] {
-        let mut a = compare_args(dtype, tol);
-        a.config = Some(config.to_owned());
-        a.load_format = LoadFormatArg::Dummy;
+        let a = dummy_args(config, dtype, tol, 0);
         let last = Mutex::new(None);
         compare(&a, true, &emu(dtype, true, &last))
             .unwrap_or_else(|e| panic!("{name} {dtype:?} layers: {e:#}"));
@@ -2145,10 +2136,7 @@ fn mixture_of_experts_layers_are_compared_a_half_at_a_time() {
         "head_dim":16,"vocab_size":1000,"max_position_embeddings":1024,"intermediate_size":128,
         "num_experts":128,"num_experts_per_tok":8,"moe_intermediate_size":512,
         "norm_topk_prob":true}"#;
-    let mut a = compare_args(Dtype::Bf16, 1e-2);
-    a.config = Some(config.to_string());
-    a.load_format = LoadFormatArg::Dummy;
-    a.prompt_ids = (0..100).map(|p| (3 + 41 * p) % 1000).collect();
+    let a = dummy_args(config, Dtype::Bf16, 1e-2, 100);
     let last = Mutex::new(None);
     compare(&a, true, &emu(Dtype::Bf16, true, &last))
         .unwrap_or_else(|e| panic!("bf16 layers: {e:#}"));
