@@ -44,11 +44,23 @@
 // rule above rests on both. Both are no-ops below sm_90, without the launch
 // attribute, and in the host emulator (which runs kernels one after another).
 #if defined(BATON_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
-#define BATON_PDL_WAIT() ((void)0)
+#define BATON_PDL_WAIT_RAW() ((void)0)
 #define BATON_PDL_LAUNCH() ((void)0)
 #else
-#define BATON_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define BATON_PDL_WAIT_RAW() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define BATON_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
+#endif
+// The launch trace (BATON_TRACE below) wraps the wait; otherwise BATON_PDL_WAIT is the bare
+// instruction.
+#ifndef BATON_TRACE  // tunable: BATON_KERNEL_DEFINES (crates/cuda/src/kernels.rs)
+#define BATON_TRACE 0
+#endif
+#if BATON_TRACE && !defined(BATON_EMU) && defined(__CUDA_ARCH__)
+#define BATON_TRACE_ON 1
+#define BATON_PDL_WAIT() baton_trace_wait<baton_trace_file(__FILE__)>(__LINE__)
+#else
+#define BATON_TRACE_ON 0
+#define BATON_PDL_WAIT() BATON_PDL_WAIT_RAW()
 #endif
 
 // Grid-wide barrier of a cooperative launch: the host launches with
@@ -130,6 +142,56 @@ typedef unsigned int u32;
 // baton_cuda::staging::PENDING_TAG.
 #define BATON_PENDING_TAG 0x80000000u
 typedef unsigned long long u64;
+
+// Launch trace, a diagnostic (`baton bench decode --launch-trace`; compiled in only with
+// BATON_KERNEL_DEFINES=BATON_TRACE=1, never in the host emulator). Thread 0 of every block that
+// runs BATON_PDL_WAIT reads %globaltimer (ns, one clock for every SM) before and after the wait
+// and folds them into its launch's slot of a table whose device address the host stores in
+// this module's `baton_trace_buf` (0: off). The slot is a multiplicative hash of %gridid
+// (unique per launch, graph replays included) into 2^BATON_TRACE_SLOT_BITS slots of eight u64, all
+// ones before each step (the host fills the table); every field is an atomic minimum, or an
+// increment, whose result is not read (a RED instruction: the block does not wait for it):
+// [0] %gridid, [1] ~%gridid (two launches in one slot show as [0] != ~[1]), [2] the first
+// arrival at the wait, [3] the first release, [4] ~the last release, [5] the blocks, counted
+// up from all ones, [6] the wait's site (FNV-1a of the file name, low 16 bits, above the line
+// number; `baton_cuda::trace::tag_name` inverts it; the smallest when blocks wait at different
+// lines), [7] the grid's blocks. The release orders launches: a kernel's waits return only
+// after every earlier kernel in the stream has completed, so the first release of launch
+// i + 1 minus that of launch i is launch i's share of the step, overlap included (PTX ISA:
+// griddepcontrol, %globaltimer, %gridid; red).
+#define BATON_TRACE_SLOT_BITS 18
+__host__ __device__ constexpr u32 baton_trace_file(const char* s, u32 h = 2166136261u) {
+    return *s ? baton_trace_file(s + 1, (h ^ (u32)(unsigned char)*s) * 16777619u) : (h & 0xffffu);
+}
+#if BATON_TRACE_ON
+__device__ u64 baton_trace_buf;
+// An atomic minimum at global address `a` whose result is not returned (PTX red).
+__device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
+    asm volatile("red.global.min.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+template <u32 FILE_HASH>
+__device__ __forceinline__ void baton_trace_wait(int line) {
+    u64 t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0)::"memory");
+    BATON_PDL_WAIT_RAW();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)::"memory");
+    const u64 base = *(volatile u64*)&baton_trace_buf;
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && base != 0) {
+        u64 grid;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        const u64 h = (grid * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
+        const u64 s = (u64)__cvta_generic_to_global(reinterpret_cast<u64*>(base) + h * 8);
+        baton_trace_red_min(s + 0, grid);
+        baton_trace_red_min(s + 8, ~grid);
+        baton_trace_red_min(s + 16, t0);
+        baton_trace_red_min(s + 24, t1);
+        baton_trace_red_min(s + 32, ~t1);
+        asm volatile("red.global.add.u64 [%0], 1;" ::"l"(s + 40) : "memory");
+        baton_trace_red_min(s + 48, (u64)((FILE_HASH << 16) | ((u32)line & 0xffffu)));
+        baton_trace_red_min(s + 56, (u64)(gridDim.x * gridDim.y * gridDim.z));
+    }
+}
+#endif
 
 #ifndef BATON_DTYPE
 #define BATON_DTYPE 0

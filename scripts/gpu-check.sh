@@ -47,6 +47,8 @@
 #      at Mistral-7B widths with a 32-key sliding window over a 100-token prompt; 3g at
 #      Gemma-3-1b widths (Gemma 3's norms, GELU, scaled embedding, local RoPE); 3h at
 #      Qwen3-30B-A3B widths with 2 layers (the mixture-of-experts kernels);
+#  5t. the launch trace of batch-1 1B and 8B steps replayed from their graphs (bench decode
+#      --launch-trace): each launch's share of the step with PDL's overlap, per wait site;
 #   6. diagnostic, when Nsight Compute is there: each kernel's GPU time in eager batch-1 steps
 #      of dummy 1B (cold caches), then 6b of one eager batch-1 step of dummy 8B with warm caches
 #      and DRAM bytes (CSV in the tarball; scripts/ncu-table.py turns it into a per-kernel
@@ -314,6 +316,17 @@ run_check 5f-bench-decode-in-flight-1 90 "$BATON" bench decode --device cuda \
     --load-format dummy --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 128 \
     --dtype bf16 --in-flight 1 --out "$OUT/bench-decode-1b-in-flight-1.json"
 
+# 5t. (diagnostic) the launch trace: kernels compiled with BATON_TRACE=1 record, per thread
+#     block, %globaltimer around each PDL wait; per launch of a graph-replayed batch-1 step,
+#     its share (its release to the next launch's release, overlap included), how early its
+#     blocks were resident, and per wait site the sum (baton_cuda::trace). 1B, then 8B.
+run_check 5t-launch-trace-1b 60 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_1B" --batch 1 --prompt-len 128 --gen-len 64 --dtype bf16 --in-flight 1 \
+    --launch-trace --out "$OUT/launch-trace-1b.json"
+run_check 5t-launch-trace-8b 90 "$BATON" bench decode --device cuda --load-format dummy \
+    --config "$LLAMA_8B" --batch 1 --prompt-len 128 --gen-len 64 --dtype bf16 --in-flight 1 \
+    --launch-trace --out "$OUT/launch-trace-8b.json"
+
 # 6. (diagnostic, when ncu is there and time is left) each kernel's own GPU time in eager
 #    batch-1 decode steps of dummy 1B, from Nsight Compute: the --breakdown figures above
 #    include each launch's host-side cost.
@@ -355,6 +368,10 @@ echo "== decode benchmark (ms per step vs HBM floor)"
 grep -h -A6 '^decode on' "$OUT/5a-bench-decode-1b.log" "$OUT/5c-bench-decode-1b-unfused.log" \
     "$OUT/5b-bench-decode-8b.log" "$OUT/5d-bench-decode-1b-device-time.log" \
     "$OUT/5e-bench-decode-1b-sampled.log" "$OUT/5f-bench-decode-in-flight-1.log" 2>/dev/null
+echo "== launch traces (per wait site; the JSON in the tarball has every launch)"
+for f in "$OUT/5t-launch-trace-1b.log" "$OUT/5t-launch-trace-8b.log"; do
+    [[ -f $f ]] && sed -n '/launch trace over/,/^ *# /p' "$f"
+done
 printf '%s\n' "${results[@]}" >"$RESULTS/summary.txt"
 tar czf "$RESULTS/gpu-check.tgz" -C "$OUT" . && echo "logs and JSON: $RESULTS/gpu-check.tgz"
 exit $((failed > 0))

@@ -11,10 +11,11 @@
 //! the previous one runs, as the worker daemon does, and a step's time is the whole run's
 //! wall time over the steps.
 
-use crate::cuda_args::{build_cuda, check_cuda_device, CudaArgs, CudaSizes};
+use crate::cuda_args::{check_cuda_device, cuda_options, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::decode_floor_seconds;
+use baton_cuda::trace::{summarize, StepTrace, TraceSummary};
 use baton_cuda::{CudaWorker, Dtype};
 use baton_model::{CpuModel, LlamaWeights, ModelConfig, ModelDir, ModelWeights};
 use baton_proto::{Launch, LaunchRow, SamplingParams, SlotRef, NOT_PENDING};
@@ -77,6 +78,14 @@ pub struct DecodeArgs {
     /// difference is host time per step.
     #[arg(long)]
     pub device_time: bool,
+    /// Compile the kernels with the launch trace (`BATON_TRACE=1`) and report where a decode
+    /// step's device time goes launch by launch, with the kernels overlapping as they do in
+    /// a graph replay: each launch's share of the step is the time from its release (every
+    /// earlier kernel done) to the next launch's. CUDA only, with --in-flight 1; the trace
+    /// adds an atomic and a store per thread block, so steps run a little slower than
+    /// without it.
+    #[arg(long)]
+    pub launch_trace: bool,
     /// Sampling temperature of the decode rows (0: greedy, the default). With a temperature
     /// the rows are sampled (seeded per sequence), so the step includes the sampler's
     /// selection passes.
@@ -137,6 +146,9 @@ pub struct DecodePoint {
     /// With `--breakdown`: one eager decode step, per kernel or GEMM, most time first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub breakdown: Vec<KernelTime>,
+    /// With `--launch-trace`: the timed steps' launches, averaged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launch_trace: Option<TraceSummary>,
 }
 
 /// Time of one kind of call in a profiled step.
@@ -264,6 +276,13 @@ pub trait BenchBackend {
     fn last_step_device_ms(&self) -> Option<f64> {
         None
     }
+    /// The launch trace of the last executed step, or `None` (a backend without one).
+    ///
+    /// # Errors
+    /// A device failure.
+    fn take_launch_trace(&mut self) -> Result<Option<StepTrace>> {
+        Ok(None)
+    }
 }
 
 impl BenchBackend for CudaWorker {
@@ -272,6 +291,9 @@ impl BenchBackend for CudaWorker {
     }
     fn last_step_device_ms(&self) -> Option<f64> {
         CudaWorker::last_step_device_ms(self)
+    }
+    fn take_launch_trace(&mut self) -> Result<Option<StepTrace>> {
+        Ok(CudaWorker::take_launch_trace(self)?)
     }
 }
 
@@ -290,6 +312,9 @@ pub struct BatchTiming {
     pub device_step_s: Option<f64>,
     /// Context length (tokens) of each timed step.
     pub ctxs: Vec<usize>,
+    /// The launch trace of each timed step where the backend traces (steps run one at a
+    /// time only), else empty.
+    pub traces: Vec<StepTrace>,
 }
 
 /// The decode rows' sampling parameters from `--temperature`, `--top-p` and `--top-k` (greedy
@@ -377,6 +402,7 @@ pub fn measure_batch(
     let mut device_total = Some(0.0);
     let mut timed = 0;
     let mut ctxs = Vec::with_capacity(gen_len);
+    let mut traces = Vec::new();
     let decode_launch = |seq: u64, step: usize| {
         let pos = prompt_len + step;
         let rows = (0..batch)
@@ -409,6 +435,9 @@ pub fn measure_batch(
             .context("decode step")?;
         let dt = t.elapsed().as_secs_f64();
         let device_ms = target.last_step_device_ms();
+        let trace = target
+            .take_launch_trace()
+            .context("reading the launch trace")?;
         anyhow::ensure!(c.sampled.len() == batch, "a decode step lost rows");
         // Step 0 (table input, first use of the shape) is a warm-up.
         if step > 0 || gen_len == 1 {
@@ -416,6 +445,7 @@ pub fn measure_batch(
             device_total = device_total.zip(device_ms).map(|(a, ms)| a + ms / 1e3);
             timed += 1;
             ctxs.push(pos + 1);
+            traces.extend(trace);
         }
     }
     if synchronous < gen_len {
@@ -457,6 +487,7 @@ pub fn measure_batch(
         step_s: total / n,
         device_step_s: device_total.filter(|_| timed > 0).map(|s| s / n),
         ctxs,
+        traces,
     })
 }
 
@@ -556,6 +587,15 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     if a.in_flight == 0 {
         bail!("--in-flight must be at least 1");
     }
+    if a.launch_trace && a.device != BenchDevice::Cuda {
+        bail!("--launch-trace needs --device cuda");
+    }
+    if a.launch_trace && a.in_flight > 1 {
+        bail!(
+            "--launch-trace reads each step's trace after its fence: give --in-flight 1 with \
+             it"
+        );
+    }
     if a.device_time && a.in_flight > 1 {
         bail!(
             "--device-time times each step alone: give --in-flight 1 with it (steps in \
@@ -649,7 +689,15 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 max_rows: max_batch,
                 max_model_len: max_len,
             };
-            let mut w = build_cuda(cfg, weights, &a.cuda, sizes)?;
+            let mut opts = cuda_options(&a.cuda, sizes)?;
+            if a.launch_trace {
+                opts.tuning
+                    .kernel_defines
+                    .retain(|d| !d.starts_with("BATON_TRACE="));
+                opts.tuning.kernel_defines.push("BATON_TRACE=1".to_owned());
+            }
+            let mut w = CudaWorker::new(cfg, weights, opts)
+                .context("starting the CUDA backend (--device cuda)")?;
             w.set_step_timing(a.device_time)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             let bw = w
@@ -717,6 +765,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             step_s,
             device_step_s,
             ctxs,
+            traces,
         } = measure_batch(
             backend.as_target(),
             &tables,
@@ -759,6 +808,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             ratio: step_s / floor_s.max(1e-15),
             in_flight,
             breakdown,
+            launch_trace: a
+                .launch_trace
+                .then(|| summarize(&traces.iter().map(StepTrace::launches).collect::<Vec<_>>())),
         });
     }
     // The weights a step reads (the embedding table but one row each aside); a
@@ -829,6 +881,11 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             );
         }
     }
+    for p in &points {
+        if let Some(t) = &p.launch_trace {
+            print_launch_trace(p.batch, t);
+        }
+    }
     if let Some(path) = &a.out {
         let j = serde_json::json!({
             "device": label,
@@ -843,4 +900,60 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Launch positions of a step printed one by one after the per-site table (the first layer's
+/// pattern and a little more; `--out` has them all).
+const TRACE_POSITIONS_PRINTED: usize = 16;
+
+/// Prints a [`TraceSummary`]: per wait site, then the step's first launches one by one.
+fn print_launch_trace(batch: usize, t: &TraceSummary) {
+    outln!(
+        "\nbatch {batch}: launch trace over {} steps ({} left out: another launch sequence or a \
+         full buffer), {:.1} us from the first launch's release to the last's",
+        t.steps,
+        t.skipped,
+        t.span_us
+    );
+    if t.steps == 0 {
+        return;
+    }
+    outln!(
+        "{:>32} {:>8} {:>10} {:>10} {:>6}",
+        "wait site",
+        "launches",
+        "us/step",
+        "us/launch",
+        "share"
+    );
+    for site in &t.sites {
+        outln!(
+            "{:>32} {:>8} {:>10.1} {:>10.2} {:>5.1}%",
+            site.site,
+            site.launches,
+            site.share_us,
+            site.share_us / site.launches.max(1) as f64,
+            100.0 * site.share_us / t.span_us.max(1e-9)
+        );
+    }
+    outln!(
+        "{:>5} {:>32} {:>12} {:>10} {:>9} {:>10}",
+        "#",
+        "wait site",
+        "blocks",
+        "share us",
+        "early us",
+        "spread us"
+    );
+    for p in t.positions.iter().take(TRACE_POSITIONS_PRINTED) {
+        outln!(
+            "{:>5} {:>32} {:>12} {:>10} {:>9.2} {:>10.2}",
+            p.index,
+            p.site,
+            format!("{:.0}/{}", p.blocks, p.nblocks),
+            p.share_us.map_or("-".to_owned(), |v| format!("{v:.2}")),
+            p.early_us,
+            p.spread_us
+        );
+    }
 }

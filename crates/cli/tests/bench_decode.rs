@@ -171,6 +171,88 @@ fn refused(flags: &[&str], needs: &str) {
 fn cuda_only_flags_are_refused_on_the_cpu() {
     refused(&["--device-time"], "--device-time needs --device cuda");
     refused(&["--breakdown"], "--breakdown needs --device cuda");
+    refused(&["--launch-trace"], "--launch-trace needs --device cuda");
+}
+
+#[test]
+fn the_launch_trace_needs_one_launch_in_flight() {
+    // Refused before any device is opened (so on machines without one too).
+    let o = baton()
+        .args([
+            "bench",
+            "decode",
+            "--device",
+            "cuda",
+            "--launch-trace",
+            "--model",
+        ])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("give --in-flight 1"), "{err}");
+}
+
+/// A CPU backend whose steps come with a synthetic launch trace: two launches, the first
+/// taking `10 + k` µs of step `k`.
+struct Traced {
+    cpu: baton_worker::CpuBackend,
+    steps: u64,
+}
+
+impl baton::bench_decode::BenchBackend for Traced {
+    fn backend(&mut self) -> &mut dyn baton_worker::Backend {
+        &mut self.cpu
+    }
+    fn take_launch_trace(&mut self) -> anyhow::Result<Option<baton_cuda::trace::StepTrace>> {
+        use baton_cuda::trace::{StepTrace, TraceSlot};
+        let k = self.steps;
+        self.steps += 1;
+        let mut table = [TraceSlot::EMPTY; 2];
+        table[0].fold(1, 0, 1000, 16, 1);
+        table[1].fold(2, 0, 1000 + (10 + k) * 1000, 32, 1);
+        Ok(Some(StepTrace::from_table(&table)))
+    }
+}
+
+#[test]
+fn timed_steps_keep_their_launch_traces_and_the_warm_up_does_not() {
+    use baton::bench_decode::{measure_batch, BenchTables};
+    let loaded = baton_model::load_model_dir(model_dir()).expect("test model loads");
+    let (model, _) = loaded.into_cpu_model();
+    let vocab = model.config().vocab_size;
+    let mut t = Traced {
+        cpu: baton_worker::CpuBackend::new(model, 8, 16),
+        steps: 0,
+    };
+    let mut seq = 0;
+    let timing = measure_batch(
+        &mut t,
+        &BenchTables::new(vocab, 4),
+        &mut seq,
+        1,
+        8,
+        5,
+        16,
+        64,
+        baton_proto::SamplingParams::greedy(),
+        1,
+        0,
+    )
+    .unwrap();
+    assert_eq!(t.steps, 5, "one trace read per step");
+    assert_eq!(timing.traces.len(), 4, "the warm-up's trace is dropped");
+    let s = baton_cuda::trace::summarize(
+        &timing
+            .traces
+            .iter()
+            .map(baton_cuda::trace::StepTrace::launches)
+            .collect::<Vec<_>>(),
+    );
+    // Steps 1..=4: the first launch took 11..=14 µs.
+    assert_eq!((s.steps, s.skipped), (4, 0));
+    assert_eq!(s.positions[0].share_us, Some(12.5));
 }
 
 #[test]

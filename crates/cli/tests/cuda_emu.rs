@@ -454,6 +454,7 @@ fn bench_decode_case(
         assert!(timing.step_s > 0.0);
         assert_eq!(timing.ctxs.len(), gen - 1, "step 0 is the warm-up");
         assert_eq!(timing.device_step_s.is_some(), in_flight == 1, "{timing:?}");
+        assert!(timing.traces.is_empty(), "the emulator never traces");
         // The emulator's step time is the wall time from the upload to the fence: part of
         // the step, never more.
         if let Some(dev_s) = timing.device_step_s {

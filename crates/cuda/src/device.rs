@@ -16,6 +16,7 @@
 
 use crate::executor::CudaWorkerError;
 use crate::kernels::{compile_with_defines, kernel_entry_points, Dtype};
+use crate::trace::{StepTrace, TraceSlot, TRACE_SLOTS};
 use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::sys as cu;
 use cudarc::driver::DriverError;
@@ -234,6 +235,17 @@ pub trait Device: Send + Sync {
     fn step_device_ms(&self) -> Option<f64> {
         None
     }
+    /// The launch trace of the last step ([`crate::trace`]): the slots the kernels wrote
+    /// since the last [`Device::mark_step_start`] (which empties the table), read once the
+    /// stream is idle. `None` unless the kernels were compiled with `BATON_TRACE=1`
+    /// ([`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV)); the host emulator never
+    /// traces.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn take_launch_trace(&self) -> Result<Option<StepTrace>, CudaWorkerError> {
+        Ok(None)
+    }
 }
 
 pub(crate) fn drv<T>(what: &'static str, r: Result<T, DriverError>) -> Result<T, CudaWorkerError> {
@@ -274,6 +286,9 @@ pub struct CudaDevice {
     /// Launch every kernel with programmatic stream serialization (PDL; see
     /// `kernels/common.cuh`): compute capability 9.0 or newer, unless [`NO_PDL_ENV`] is set.
     pdl: bool,
+    /// The launch trace's table ([`crate::trace`]: [`TRACE_SLOTS`] slots) when the kernels
+    /// were compiled with `BATON_TRACE=1`.
+    trace: Option<DevPtr>,
 }
 
 /// Fences a [`Device`] keeps: how many launches the executor can have in flight at once (one
@@ -386,6 +401,12 @@ impl CudaDevice {
         let no_pdl = std::env::var(NO_PDL_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
         let pdl = major >= 9 && !no_pdl;
         let mut functions = HashMap::new();
+        let tracing = defines.iter().any(|d| {
+            d.split_once('=')
+                .is_some_and(|(n, v)| n == "BATON_TRACE" && v != "0")
+        });
+        // Each module's `baton_trace_buf` (kernels/common.cuh) when tracing.
+        let mut trace_globals = Vec::new();
         for ((file, compiled), &(_, entries)) in
             compile_with_defines(&arch, include_dir, dtype, defines)?
                 .into_iter()
@@ -395,6 +416,15 @@ impl CudaDevice {
             let image = cudarc::nvrtc::Ptx::from_binary(compiled.cubin);
             let module = drv("cuModuleLoadData", ctx.load_module(image))
                 .map_err(|e| CudaWorkerError::Unsupported(format!("{file}: {e}")))?;
+            if tracing {
+                use cudarc::driver::DevicePtr as _;
+                let global = drv(
+                    "cuModuleGetGlobal baton_trace_buf",
+                    module.get_global("baton_trace_buf", &stream),
+                )?;
+                let (ptr, _record) = global.device_ptr(&stream);
+                trace_globals.push(ptr);
+            }
             for &entry in entries {
                 functions.insert(
                     entry,
@@ -424,8 +454,20 @@ impl CudaDevice {
             ordinal,
             sm_count,
             pdl,
+            trace: None,
         };
         dev.workspace = dev.alloc_zeroed(CUBLAS_WORKSPACE)?;
+        if tracing {
+            let buf = dev.alloc_zeroed(TRACE_SLOTS * std::mem::size_of::<TraceSlot>())?;
+            dev.trace = Some(buf);
+            // SAFETY: each global is a module's 8-byte `baton_trace_buf`, which no kernel has
+            // read yet (none has run).
+            unsafe {
+                for &g in &trace_globals {
+                    dev.copy_htod(g, &buf.to_le_bytes())?;
+                }
+            }
+        }
         // SAFETY: `cublas` was just created; the stream and workspace outlive the handle (the
         // handle is destroyed first in Drop).
         unsafe {
@@ -905,6 +947,18 @@ impl Device for CudaDevice {
     }
 
     fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
+        if let Some(buf) = self.trace {
+            // SAFETY: the table lies in `buf`; stream-ordered before the step's kernels (and
+            // after the previous step's, which the trace needs one at a time).
+            drv("cuMemsetD8Async", unsafe {
+                cu_result::memset_d8_async(
+                    buf,
+                    0xff,
+                    TRACE_SLOTS * std::mem::size_of::<TraceSlot>(),
+                    self.stream.cu_stream(),
+                )
+            })?;
+        }
         match self
             .step_timing
             .lock()
@@ -920,6 +974,16 @@ impl Device for CudaDevice {
         let t = self.step_timing.lock().unwrap_or_else(|p| p.into_inner());
         let (start, end) = t.as_ref()?;
         start.elapsed_ms(end).ok().map(f64::from)
+    }
+
+    fn take_launch_trace(&self) -> Result<Option<StepTrace>, CudaWorkerError> {
+        let Some(buf) = self.trace else {
+            return Ok(None);
+        };
+        let mut table = vec![TraceSlot::EMPTY; TRACE_SLOTS];
+        // SAFETY: `buf` holds the whole table; copy_dtoh is stream-ordered after the step.
+        unsafe { self.copy_dtoh(bytemuck::cast_slice_mut(&mut table), buf)? };
+        Ok(Some(StepTrace::from_table(&table)))
     }
 
     fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {
@@ -961,6 +1025,10 @@ impl Drop for CudaDevice {
         if self.workspace != 0 {
             // SAFETY: allocated in `new`, freed once after the handle that used it is gone.
             unsafe { self.free(self.workspace) };
+        }
+        if let Some(buf) = self.trace.take() {
+            // SAFETY: allocated in `new`, freed once; the stream is idle.
+            unsafe { self.free(buf) };
         }
     }
 }

@@ -1626,6 +1626,17 @@ impl CudaWorker {
         self.dev.step_device_ms()
     }
 
+    /// The launch trace of the last launch ([`crate::trace`]; read after its fence), or `None`
+    /// unless the kernels were compiled with `BATON_TRACE=1` in
+    /// [`Tuning::kernel_defines`](crate::plan::Tuning::kernel_defines). A diagnostic for
+    /// one launch in flight at a time.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn take_launch_trace(&self) -> Result<Option<crate::trace::StepTrace>, WorkerError> {
+        self.dev.take_launch_trace().map_err(dev_err)
+    }
+
     /// The calls timed since [`CudaWorker::set_profiling`]: `(kernel name or GEMM label,
     /// milliseconds)` in launch order.
     ///

@@ -282,6 +282,7 @@ pub const KERNEL_TUNABLES: &[&str] = &[
     "BATON_GEMV_PREWAIT_L2",
     "BATON_SAMPLE_BIN_CACHE",
     "BATON_SELECT_U",
+    "BATON_TRACE",
 ];
 
 /// Parses `NAME=VALUE[,NAME=VALUE...]` (whitespace around items ignored) into `NAME=VALUE`
@@ -829,6 +830,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 64 bytes cumulative stack si
             let (file, src) = SOURCES
                 .iter()
                 .chain(HEADERS)
+                .chain(&[("common.cuh", COMMON_HEADER)])
                 .find(|(_, src)| src.contains(&guard))
                 .unwrap_or_else(|| panic!("no kernel file guards {name} with #ifndef"));
             let g = src.find(&guard).unwrap();

@@ -19,6 +19,8 @@
 //! - [`lora`]: LoRA adapters on the device (`kernels/lora.cu`): their matrices in the worker's
 //!   dtype, the part tables, the per-step id and scratch buffers, and the checks that refuse
 //!   adapters for another model.
+//! - [`trace`]: the launch trace (`BATON_TRACE=1` kernels): where a graph replay's time goes,
+//!   launch by launch, with the kernels overlapping.
 //! - [`backend`]: the older `CudaBackend` probe (sampler and Philox launchers for
 //!   `tests/gpu_smoke.rs`).
 //!
@@ -54,6 +56,7 @@ pub mod lora;
 pub mod memory;
 pub mod plan;
 pub mod staging;
+pub mod trace;
 
 pub use device::{CudaDevice, DevPtr, Device, Gemm, GraphId, FENCE_FRAMES};
 pub use executor::{check_model, CudaWorker, CudaWorkerError, CudaWorkerOptions, KvBlocks};

@@ -59,6 +59,54 @@ fn kernels_compile_to_ptx_for_sm90() {
     }
 }
 
+/// `BATON_TRACE=1` (the launch trace, `baton_cuda::trace`) compiles in every file, and every
+/// file then reads %globaltimer at its waits, folds it into its slot with reductions, and has
+/// the `baton_trace_buf` global the worker sets; without it no file does (the trace costs
+/// nothing by default).
+#[test]
+fn kernels_compile_with_the_launch_trace_and_only_with_it() {
+    if !nvrtc_available() {
+        assert!(
+            !nvrtc_required(),
+            "BATON_REQUIRE_NVRTC=1 but NVRTC cannot be loaded"
+        );
+        eprintln!("\n==== SKIPPED kernels_compile_with_the_launch_trace: no NVRTC ====\n");
+        return;
+    }
+    let include = include_dir_from_env();
+    for (defines, traced) in [(vec!["-DBATON_TRACE=1".to_owned()], true), (vec![], false)] {
+        let compiled = compile_with_options("sm_90", &include, Dtype::Bf16, &defines)
+            .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
+        for (file, c) in &compiled {
+            assert_eq!(
+                c.ptx.contains("%globaltimer"),
+                traced,
+                "{file} {defines:?}: %globaltimer"
+            );
+            assert_eq!(
+                c.ptx.contains(".u64 baton_trace_buf"),
+                traced,
+                "{file} {defines:?}: the trace buffer's global"
+            );
+            if traced {
+                assert!(c.ptx.contains("%gridid"), "{file}: no %gridid");
+                // The slot updates are reductions the block never waits for, not atomics
+                // that return a value.
+                assert!(
+                    c.ptx.contains("red.global.min.u64"),
+                    "{file}: no red.min:\n{}",
+                    c.ptx
+                        .lines()
+                        .filter(|l| l.contains("atom") || l.contains("red."))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                assert!(c.ptx.contains("red.global.add.u64"), "{file}: no red.add");
+            }
+        }
+    }
+}
+
 fn check_dtype(dtype: Dtype, include: &std::path::Path) {
     let started = std::time::Instant::now();
     let compiled = compile_with_options("sm_90", include, dtype, &[PTXAS_VERBOSE.to_owned()])
