@@ -12,7 +12,9 @@
 //! `i + 1` minus that of launch `i` is launch `i`'s share of the step: the time the stream
 //! spent with launch `i` as its oldest unfinished kernel, including the PDL hand-over to the
 //! next. [`StepTrace::launches`] turns one step's table into [`LaunchSpan`]s; [`summarize`]
-//! averages steps position by position and per wait site ([`TraceSummary`]).
+//! averages steps position by position and per wait site ([`TraceSummary`]). Only kernels of
+//! `kernels/` record: a cuBLAS call (the unfused and prefill paths) has no wait of ours, so
+//! its time lands in the share of the traced launch before it.
 
 use bytemuck::{Pod, Zeroable};
 
