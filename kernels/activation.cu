@@ -49,6 +49,7 @@ __device__ __forceinline__ void baton_act_and_mul(elem_t* __restrict__ out,
 BATON_ENTRY void baton_silu_and_mul(elem_t* __restrict__ out,
                                     const elem_t* __restrict__ in, int num_tokens,
                                     int inter) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     baton_act_and_mul<false>(out, in, num_tokens, inter);
@@ -58,6 +59,7 @@ BATON_ENTRY void baton_silu_and_mul(elem_t* __restrict__ out,
 BATON_ENTRY void baton_gelu_tanh_and_mul(elem_t* __restrict__ out,
                                          const elem_t* __restrict__ in, int num_tokens,
                                          int inter) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     baton_act_and_mul<true>(out, in, num_tokens, inter);

@@ -764,6 +764,7 @@ __device__ __forceinline__ void baton_decode_body(
         const int* __restrict__ seq_lens, const int* __restrict__ slot_mapping,                 \
         const float* __restrict__ inv_freq, int num_heads, int num_kv_heads, int block_size,   \
         float scale, int max_partitions, int fill, int min_part, int long_part, int window) {  \
+        BATON_TRACE_SCOPE();                                                                   \
         __shared__ BatonDecodeShared<D> sh;                                                    \
         baton_decode_body<D, false>(out, part_acc, part_m, part_l, counters, qkv, qkv_stride,  \
                                     k_cache, v_cache, block_tables, max_blocks_per_row,        \
@@ -899,6 +900,7 @@ __device__ __forceinline__ void baton_decode_layers_body(
         const float* __restrict__ inv_freq, int hidden, int num_heads, int num_kv_heads,        \
         int inter, int block_size, float scale, float eps, int max_partitions, int fill,        \
         int min_part, int long_part, unsigned* bar) {                                          \
+        BATON_TRACE_SCOPE();                                                                   \
         BATON_PDL_WAIT();                                                                      \
         baton_decode_layers_body<D>(layers, num_layers, resid, qkv, attn, act, part_acc,       \
                                     part_m, part_l, counters, block_tables,                    \
@@ -961,6 +963,7 @@ __device__ __forceinline__ void baton_prefill_body(
         const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,     \
         const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,            \
         int num_kv_heads, int block_size, float scale, int window) {                             \
+        BATON_TRACE_SCOPE();                                                                     \
         BATON_PDL_WAIT();                                                                   \
         BATON_PDL_LAUNCH();                                                                 \
         baton_prefill_body<D>(out, q, q_stride, k_cache, v_cache, cu_seqlens, start_pos,         \
@@ -990,6 +993,7 @@ BATON_ENTRY void __launch_bounds__(BATON_GEN_THREADS) baton_paged_attention_gene
     const int* __restrict__ cu_seqlens, const int* __restrict__ start_pos, int num_rows,
     const int* __restrict__ block_tables, int max_blocks_per_row, int num_heads,
     int num_kv_heads, int head_dim, int block_size, float scale, int window) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ float p[BATON_ATTN_PART];

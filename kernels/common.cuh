@@ -148,17 +148,21 @@ typedef unsigned long long u64;
 // runs BATON_PDL_WAIT reads %globaltimer (ns, one clock for every SM) before and after the wait
 // and folds them into its launch's slot of a table whose device address the host stores in
 // this module's `baton_trace_buf` (0: off). The slot is a multiplicative hash of %gridid
-// (unique per launch, graph replays included) into 2^BATON_TRACE_SLOT_BITS slots of eight u64, all
-// ones before each step (the host fills the table); every field is an atomic minimum, or an
-// increment, whose result is not read (a RED instruction: the block does not wait for it):
+// (unique per launch, graph replays included) into 2^BATON_TRACE_SLOT_BITS slots of 16 u64,
+// all ones before each step (the host fills the table); every field is an atomic minimum, or
+// an increment, whose result is not read (a RED instruction: the block does not wait for it):
 // [0] %gridid, [1] ~%gridid (two launches in one slot show as [0] != ~[1]), [2] the first
 // arrival at the wait, [3] the first release, [4] ~the last release, [5] the blocks, counted
 // up from all ones, [6] the wait's site (FNV-1a of the file name, low 16 bits, above the line
 // number; `baton_cuda::trace::tag_name` inverts it; the smallest when blocks wait at different
-// lines), [7] the grid's blocks. The release orders launches: a kernel's waits return only
-// after every earlier kernel in the stream has completed, so the first release of launch
-// i + 1 minus that of launch i is launch i's share of the step, overlap included (PTX ISA:
-// griddepcontrol, %globaltimer, %gridid; red).
+// lines), [7] the grid's blocks, [8] ~the last exit: every entry point opens with
+// BATON_TRACE_SCOPE(), whose destructor (on every return path) has lane 0 of each warp fold
+// %globaltimer in as it leaves; [9..16) unused. The release orders launches: a kernel's waits
+// return only after every earlier kernel in the stream has completed, so the first release of
+// launch i + 1 minus that of launch i is launch i's share of the step, overlap included; of
+// it, the last exit minus the release is the kernel's own work after its wait and the next
+// release minus the last exit the hand-over between kernels (PTX ISA: griddepcontrol,
+// %globaltimer, %gridid; red).
 #define BATON_TRACE_SLOT_BITS 18
 __host__ __device__ constexpr u32 baton_trace_file(const char* s, u32 h = 2166136261u) {
     return *s ? baton_trace_file(s + 1, (h ^ (u32)(unsigned char)*s) * 16777619u) : (h & 0xffffu);
@@ -169,18 +173,38 @@ __device__ u64 baton_trace_buf;
 __device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
     asm volatile("red.global.min.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
+// The global address of this launch's slot, or 0 when the trace is off.
+__device__ __forceinline__ u64 baton_trace_slot() {
+    const u64 base = *(volatile u64*)&baton_trace_buf;
+    if (base == 0) return 0;
+    u64 grid;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    const u64 h = (grid * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
+    return (u64)__cvta_generic_to_global(reinterpret_cast<u64*>(base) + h * 16);
+}
+struct BatonTraceScope {
+    __device__ __forceinline__ ~BatonTraceScope() {
+        const u32 t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+        if ((t & 31u) != 0) return;
+        const u64 s = baton_trace_slot();
+        if (s == 0) return;
+        u64 now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)::"memory");
+        baton_trace_red_min(s + 64, ~now);
+    }
+};
+#define BATON_TRACE_SCOPE() BatonTraceScope baton_trace_scope_
 template <u32 FILE_HASH>
 __device__ __forceinline__ void baton_trace_wait(int line) {
     u64 t0, t1;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0)::"memory");
     BATON_PDL_WAIT_RAW();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)::"memory");
-    const u64 base = *(volatile u64*)&baton_trace_buf;
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && base != 0) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        const u64 s = baton_trace_slot();
+        if (s == 0) return;
         u64 grid;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-        const u64 h = (grid * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
-        const u64 s = (u64)__cvta_generic_to_global(reinterpret_cast<u64*>(base) + h * 8);
         baton_trace_red_min(s + 0, grid);
         baton_trace_red_min(s + 8, ~grid);
         baton_trace_red_min(s + 16, t0);
@@ -191,6 +215,8 @@ __device__ __forceinline__ void baton_trace_wait(int line) {
         baton_trace_red_min(s + 56, (u64)(gridDim.x * gridDim.y * gridDim.z));
     }
 }
+#else
+#define BATON_TRACE_SCOPE() ((void)0)
 #endif
 
 #ifndef BATON_DTYPE

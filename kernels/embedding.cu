@@ -22,6 +22,7 @@ BATON_ENTRY void baton_embedding_gather(elem_t* __restrict__ out,
                                         u32* __restrict__ ids,
                                         const u32* __restrict__ sampled_ring, int num_tokens,
                                         int hidden, int vocab, float scale) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
@@ -60,6 +61,7 @@ BATON_ENTRY void baton_gather_rows(elem_t* __restrict__ out,
                                    const elem_t* __restrict__ in,
                                    const int* __restrict__ index, int num_rows,
                                    int width) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int r = blockIdx.x;

@@ -13,6 +13,7 @@ BATON_ENTRY void __launch_bounds__(256) baton_gemv(void* out, const elem_t* __re
                                                    const elem_t* __restrict__ norm_w, int T,
                                                    int N, int K, float eps, int mode,
                                                    int rows_per_block) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     if (T < 1 || T > BATON_GEMV_MAX_T) return;
@@ -29,6 +30,7 @@ BATON_ENTRY void __launch_bounds__(256, 2) baton_gemv_t1(void* out, const elem_t
                                                          const elem_t* __restrict__ norm_w,
                                                          int T, int N, int K, float eps,
                                                          int mode, int rows_per_block) {
+    BATON_TRACE_SCOPE();
     if (T != 1 || mode == 3) {
         BATON_PDL_WAIT();
         return;
@@ -49,6 +51,7 @@ BATON_ENTRY void __launch_bounds__(256, 2) baton_gemv_silu_t1(
     void* out, const elem_t* __restrict__ x, const elem_t* __restrict__ w,
     const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
     int rows_per_block) {
+    BATON_TRACE_SCOPE();
     if (T != 1 || mode != 3) {
         BATON_PDL_WAIT();
         return;

@@ -59,6 +59,7 @@ BATON_ENTRY void baton_lora_shrink(float* __restrict__ v, const elem_t* __restri
                                    const BatonLoraPart* __restrict__ parts, int adapter_stride,
                                    int num_adapters, int num_tokens, int x_stride,
                                    int rank_stride) {
+    BATON_TRACE_SCOPE();
     // x is the previous kernel's (the GEMM's input producer) output; the ids were uploaded by
     // this step.
     BATON_PDL_WAIT();
@@ -97,6 +98,7 @@ BATON_ENTRY void baton_lora_expand(elem_t* __restrict__ y, const float* __restri
                                    const BatonLoraPart* __restrict__ parts, int adapter_stride,
                                    int num_adapters, int num_tokens, int y_stride,
                                    int rank_stride) {
+    BATON_TRACE_SCOPE();
     // v and y are earlier kernels' outputs.
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();

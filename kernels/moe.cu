@@ -33,6 +33,7 @@
 BATON_ENTRY void baton_moe_route(int* __restrict__ topk_ids, float* __restrict__ topk_w,
                                  const float* __restrict__ logits, int num_tokens,
                                  int num_experts, int top_k, int renorm) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;
@@ -110,6 +111,7 @@ BATON_ENTRY void baton_moe_route(int* __restrict__ topk_ids, float* __restrict__
 BATON_ENTRY void baton_moe_align(int* __restrict__ sorted_pairs, int* __restrict__ tiles,
                                  const int* __restrict__ topk_ids, int num_pairs,
                                  int num_experts) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ int cursor[BATON_MOE_MAX_EXPERTS + 1];
@@ -155,6 +157,7 @@ BATON_ENTRY void baton_moe_gemm(elem_t* __restrict__ out, const elem_t* __restri
                                 const int* __restrict__ sorted_pairs,
                                 const int* __restrict__ tiles, int n_out, int k_in, int top_k,
                                 int gather_tokens) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int tile = blockIdx.x;
@@ -228,6 +231,7 @@ BATON_ENTRY void baton_moe_combine(elem_t* __restrict__ out, const elem_t* __res
                                    const elem_t* __restrict__ shared,
                                    const float* __restrict__ shared_gate, int num_tokens,
                                    int top_k, int hidden) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;

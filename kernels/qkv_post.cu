@@ -25,6 +25,7 @@ BATON_ENTRY void baton_qkv_post(elem_t* __restrict__ qkv, const elem_t* __restri
                                 const elem_t* __restrict__ norm, int num_tokens,
                                 int num_q_heads, int num_kv_heads, int head_dim, int stride,
                                 float eps) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;

@@ -11,6 +11,7 @@
 BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restrict__ in,
                                const elem_t* __restrict__ weight, int num_tokens,
                                int hidden, float eps) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ float scratch[33];
@@ -35,6 +36,7 @@ BATON_ENTRY void baton_rmsnorm(elem_t* __restrict__ out, const elem_t* __restric
 BATON_ENTRY void baton_add_rmsnorm(elem_t* out, elem_t* __restrict__ residual,
                                    const elem_t* x, const elem_t* __restrict__ weight,
                                    int num_tokens, int hidden, float eps) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ float scratch[33];

@@ -36,6 +36,7 @@ BATON_ENTRY void baton_rope_and_cache(elem_t* __restrict__ q, elem_t* __restrict
                                       const float* __restrict__ inv_freq, int num_tokens,
                                       int num_q_heads, int num_kv_heads, int head_dim,
                                       int q_stride, int kv_stride) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int t = blockIdx.x;

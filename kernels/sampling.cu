@@ -579,6 +579,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     BatonPenaltyEntry* const* __restrict__ penalty_table,
     const BatonPenaltyRow* __restrict__ penalty_rows, const u32* __restrict__ input_ids,
     BatonSamplePartial* __restrict__ partials, int* __restrict__ counters, int vocab) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
@@ -759,6 +760,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_score_rows(
     float* __restrict__ out_logprob, u32* __restrict__ out_rank, u32* __restrict__ out_top_ids,
     float* __restrict__ out_top_logprobs, const float* __restrict__ logits,
     const u32* __restrict__ tokens, int vocab, int n_top) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
@@ -791,6 +793,7 @@ BATON_ENTRY void baton_sampling_uniform_bits(u32* __restrict__ out,
                                              const u64* __restrict__ seeds,
                                              const u32* __restrict__ output_index,
                                              int n) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -802,6 +805,7 @@ BATON_ENTRY void baton_sampling_uniform_bits(u32* __restrict__ out,
 BATON_ENTRY void baton_philox4x32_10_probe(uint4* __restrict__ out,
                                            const uint4* __restrict__ ctr,
                                            const uint2* __restrict__ key, int n) {
+    BATON_TRACE_SCOPE();
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;

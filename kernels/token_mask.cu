@@ -22,6 +22,7 @@
 BATON_ENTRY void baton_apply_token_mask(float* __restrict__ logits, int logits_stride,
                                         const int* __restrict__ mask_rows,
                                         const u32* const* __restrict__ mask_table, int vocab) {
+    BATON_TRACE_SCOPE();
     // The logits are the previous kernel's output, and the masks were uploaded by this step.
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();

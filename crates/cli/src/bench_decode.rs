@@ -910,10 +910,12 @@ const TRACE_POSITIONS_PRINTED: usize = 16;
 fn print_launch_trace(batch: usize, t: &TraceSummary) {
     outln!(
         "\nbatch {batch}: launch trace over {} steps ({} left out: another launch sequence or a \
-         full buffer), {:.1} us from the first launch's release to the last's",
+         shared slot), {:.1} us from the first launch's release to the last's, {:.1} us of it \
+         between a launch's last exit and the next one's release",
         t.steps,
         t.skipped,
-        t.span_us
+        t.span_us,
+        t.handoff_us
     );
     if t.steps == 0 {
         return;
@@ -937,21 +939,26 @@ fn print_launch_trace(batch: usize, t: &TraceSummary) {
         );
     }
     outln!(
-        "{:>5} {:>32} {:>12} {:>10} {:>9} {:>10}",
+        "{:>5} {:>32} {:>12} {:>9} {:>8} {:>8} {:>9} {:>9}",
         "#",
         "wait site",
         "blocks",
         "share us",
+        "body us",
+        "hand us",
         "early us",
         "spread us"
     );
+    let us = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2}"));
     for p in t.positions.iter().take(TRACE_POSITIONS_PRINTED) {
         outln!(
-            "{:>5} {:>32} {:>12} {:>10} {:>9.2} {:>10.2}",
+            "{:>5} {:>32} {:>12} {:>9} {:>8} {:>8} {:>9.2} {:>9.2}",
             p.index,
             p.site,
             format!("{:.0}/{}", p.blocks, p.nblocks),
-            p.share_us.map_or("-".to_owned(), |v| format!("{v:.2}")),
+            us(p.share_us),
+            us(p.body_us),
+            us(p.handoff_us),
             p.early_us,
             p.spread_us
         );

@@ -23,7 +23,7 @@ use bytemuck::{Pod, Zeroable};
 /// launches of a batch-1 8B step); such a step is left out of the summary.
 pub const TRACE_SLOTS: usize = 1 << 18;
 
-/// One launch's slot as the kernels leave it (64 bytes, all ones before the step): see
+/// One launch's slot as the kernels leave it (128 bytes, all ones before the step): see
 /// kernels/common.cuh for each field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -45,6 +45,10 @@ pub struct TraceSlot {
     pub tag: u64,
     /// Blocks in the grid.
     pub nblocks: u64,
+    /// `!` the latest `%globaltimer` at which a warp left the kernel (`BATON_TRACE_SCOPE`).
+    pub not_last_exit: u64,
+    /// Unused (all ones).
+    pub reserved: [u64; 7],
 }
 
 impl TraceSlot {
@@ -58,6 +62,8 @@ impl TraceSlot {
         blocks: u64::MAX,
         tag: u64::MAX,
         nblocks: u64::MAX,
+        not_last_exit: u64::MAX,
+        reserved: [u64::MAX; 7],
     };
 
     /// Folds in one block's wait as `baton_trace_wait` (kernels/common.cuh) does: a launch
@@ -73,6 +79,12 @@ impl TraceSlot {
         self.blocks = self.blocks.wrapping_add(1);
         self.tag = self.tag.min(u64::from(tag));
         self.nblocks = self.nblocks.min(u64::from(nblocks));
+    }
+
+    /// Folds in a warp leaving the kernel at `t` (ns), as `BATON_TRACE_SCOPE`'s destructor
+    /// does.
+    pub fn fold_exit(&mut self, t: u64) {
+        self.not_last_exit = self.not_last_exit.min(!t);
     }
 }
 
@@ -110,6 +122,7 @@ impl StepTrace {
                 first_pre: s.first_pre,
                 release: s.release,
                 last_release: !s.not_last_release,
+                last_exit: (s.not_last_exit != u64::MAX).then_some(!s.not_last_exit),
             });
         }
         out.sort_by_key(|s| (s.release, s.first_pre, s.tag));
@@ -159,6 +172,8 @@ pub struct LaunchSpan {
     /// The last block's return from its wait (later than `release` when that block started
     /// only after the release, e.g. waiting for an SM).
     pub last_release: u64,
+    /// When its last warp left (ns); `None` when none recorded it.
+    pub last_exit: Option<u64>,
 }
 
 /// A launch position of the traced steps, averaged over them.
@@ -180,6 +195,12 @@ pub struct TracePosition {
     pub early_us: f64,
     /// Mean µs from the first to the last recorded release (blocks that started late).
     pub spread_us: f64,
+    /// Mean µs from the release to the last warp's exit: the kernel's work once released
+    /// (`None` when an exit is missing).
+    pub body_us: Option<f64>,
+    /// Mean µs from the last warp's exit to the next launch's release: the hand-over between
+    /// kernels (`None` for the last launch or when an exit is missing).
+    pub handoff_us: Option<f64>,
 }
 
 /// A wait site's launches per step, summed.
@@ -203,6 +224,9 @@ pub struct TraceSummary {
     pub skipped: usize,
     /// Mean µs from the first launch's release to the last launch's.
     pub span_us: f64,
+    /// Of it, the hand-overs between kernels (each launch's last exit to the next release),
+    /// summed over the positions that have them.
+    pub handoff_us: f64,
     /// Every launch position of a step.
     pub positions: Vec<TracePosition>,
     /// Per wait site, most time first.
@@ -225,6 +249,7 @@ pub fn summarize(steps: &[Option<Vec<LaunchSpan>>]) -> TraceSummary {
             steps: 0,
             skipped: steps.len(),
             span_us: 0.0,
+            handoff_us: 0.0,
             positions: Vec::new(),
             sites: Vec::new(),
         };
@@ -248,6 +273,13 @@ pub fn summarize(steps: &[Option<Vec<LaunchSpan>>]) -> TraceSummary {
                 .then(|| mean(&|s| us(s[i + 1].release.saturating_sub(s[i].release)))),
             early_us: mean(&|s| us(s[i].release.saturating_sub(s[i].first_pre))),
             spread_us: mean(&|s| us(s[i].last_release.saturating_sub(s[i].release))),
+            body_us: used
+                .iter()
+                .all(|s| s[i].last_exit.is_some())
+                .then(|| mean(&|s| us(s[i].last_exit.unwrap_or(0).saturating_sub(s[i].release)))),
+            handoff_us: (i + 1 < len && used.iter().all(|s| s[i].last_exit.is_some())).then(|| {
+                mean(&|s| us(s[i + 1].release.saturating_sub(s[i].last_exit.unwrap_or(0))))
+            }),
         })
         .collect();
     let mut sites: Vec<TraceSite> = Vec::new();
@@ -271,6 +303,7 @@ pub fn summarize(steps: &[Option<Vec<LaunchSpan>>]) -> TraceSummary {
         steps: used.len(),
         skipped: steps.len() - used.len(),
         span_us: mean(&|s| us(s[len - 1].release.saturating_sub(s[0].release))),
+        handoff_us: positions.iter().filter_map(|p| p.handoff_us).sum(),
         positions,
         sites,
     }
@@ -283,17 +316,25 @@ mod tests {
     /// A step's table of 8 slots (slot = grid % 8) from `(grid, t_pre, t_wait, tag)` per
     /// block of 4-block grids.
     fn step(blocks: &[(u64, u64, u64, u32)]) -> StepTrace {
+        step_exits(blocks, &[])
+    }
+
+    /// [`step`] with warps leaving grid `g` at `t` for each `(g, t)` of `exits`.
+    fn step_exits(blocks: &[(u64, u64, u64, u32)], exits: &[(u64, u64)]) -> StepTrace {
         let mut table = vec![TraceSlot::EMPTY; 8];
         for &(grid, t_pre, t_wait, tag) in blocks {
             table[(grid % 8) as usize].fold(grid, t_pre, t_wait, tag, 4);
+        }
+        for &(grid, t) in exits {
+            table[(grid % 8) as usize].fold_exit(t);
         }
         StepTrace::from_table(&table)
     }
 
     #[test]
-    fn a_slot_is_the_kernels_64_bytes_of_ones_when_empty() {
-        assert_eq!(std::mem::size_of::<TraceSlot>(), 64);
-        assert_eq!(bytemuck::bytes_of(&TraceSlot::EMPTY), &[0xffu8; 64][..]);
+    fn a_slot_is_the_kernels_128_bytes_of_ones_when_empty() {
+        assert_eq!(std::mem::size_of::<TraceSlot>(), 128);
+        assert_eq!(bytemuck::bytes_of(&TraceSlot::EMPTY), &[0xffu8; 128][..]);
     }
 
     #[test]
@@ -346,6 +387,7 @@ mod tests {
                 first_pre: 10,
                 release: 100,
                 last_release: 180,
+                last_exit: None,
             }
         );
         assert_eq!(
@@ -372,12 +414,20 @@ mod tests {
     fn summaries_average_positions_and_sum_sites() {
         let ns = |x: u64| x * 1000; // µs -> ns
         let one = |base: u64, gap: u64| {
-            step(&[
-                (base, ns(base), ns(base), 1),
-                (base + 1, ns(base), ns(base + gap), 2),
-                (base + 2, ns(base + 1), ns(base + gap + 4), 1),
-                (base + 2, ns(base + 1), ns(base + gap + 6), 1),
-            ])
+            step_exits(
+                &[
+                    (base, ns(base), ns(base), 1),
+                    (base + 1, ns(base), ns(base + gap), 2),
+                    (base + 2, ns(base + 1), ns(base + gap + 4), 1),
+                    (base + 2, ns(base + 1), ns(base + gap + 6), 1),
+                ],
+                &[
+                    (base, ns(base) + 500),
+                    (base + 1, ns(base + gap + 2)),
+                    (base + 1, ns(base + gap + 3)),
+                    (base + 2, ns(base + gap + 7)),
+                ],
+            )
             .launches()
         };
         // Two steps whose first launch takes 2 and 4 µs and whose second takes 4, one of
@@ -393,6 +443,21 @@ mod tests {
         assert_eq!(s.positions[2].spread_us, 2.0);
         assert_eq!(s.positions[2].blocks, 2.0);
         assert!((s.span_us - 7.0).abs() < 1e-9);
+        // Work after the release and hand-over to the next launch, from the last exit.
+        assert_eq!(s.positions[0].body_us, Some(0.5));
+        assert_eq!(s.positions[0].handoff_us, Some(2.5));
+        assert_eq!(s.positions[1].body_us, Some(3.0));
+        assert_eq!(s.positions[1].handoff_us, Some(1.0));
+        assert_eq!(s.positions[2].body_us, Some(3.0));
+        assert_eq!(s.positions[2].handoff_us, None);
+        assert_eq!(s.handoff_us, 3.5);
+        // A launch whose exit no step saw has neither.
+        let no_exit = step(&[(1, 0, 10, 1), (2, 0, 20, 2)]).launches();
+        let n = summarize(&[no_exit]);
+        assert_eq!(
+            (n.positions[0].body_us, n.positions[0].handoff_us),
+            (None, None)
+        );
         // Sites: tag 1 twice (3 µs + unknown), tag 2 once (4 µs), most time first.
         assert_eq!(s.sites.len(), 2);
         assert_eq!((s.sites[0].launches, s.sites[0].share_us), (1, 4.0));

@@ -299,3 +299,36 @@ fn the_scan_rejects_a_launch_before_the_wait_and_an_entry_that_never_waits() {
         vec!["t.cu: entry k_hd##D never runs BATON_PDL_WAIT".to_string()]
     );
 }
+
+/// Whether `body` (a function's `{...}` text) opens with `BATON_TRACE_SCOPE();`, line
+/// continuations aside.
+fn opens_with_trace_scope(body: &str) -> bool {
+    body.trim_start_matches('{')
+        .trim_start_matches(|c: char| c.is_whitespace() || c == '\\')
+        .starts_with("BATON_TRACE_SCOPE();")
+}
+
+/// The launch trace (`BATON_TRACE=1`, kernels/common.cuh) times each launch's last warp
+/// leaving through `BATON_TRACE_SCOPE()`, which must open every entry point so that every
+/// return path runs its destructor.
+#[test]
+fn every_entry_point_opens_with_the_trace_scope() {
+    let mut bad = Vec::new();
+    for (file, src) in kernel_sources() {
+        for f in functions(&expand_includes(file, src)) {
+            if f.entry && !opens_with_trace_scope(&f.body) {
+                bad.push(format!(
+                    "{file}: entry {} does not open with BATON_TRACE_SCOPE();",
+                    f.name
+                ));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert!(opens_with_trace_scope(
+        "{ \\\n    BATON_TRACE_SCOPE(); \\\n x(); }"
+    ));
+    assert!(!opens_with_trace_scope(
+        "{\n    x();\n    BATON_TRACE_SCOPE();\n}"
+    ));
+}
