@@ -55,9 +55,10 @@
 #ifndef BATON_TRACE  // tunable: BATON_KERNEL_DEFINES (crates/cuda/src/kernels.rs)
 #define BATON_TRACE 0
 #endif
-#if BATON_TRACE && !defined(BATON_EMU) && defined(__CUDA_ARCH__)
+#if defined(BATON_EMU) || (BATON_TRACE && defined(__CUDA_ARCH__))
+// The host emulator always has the trace compiled in: it is off until its device sets a table.
 #define BATON_TRACE_ON 1
-#define BATON_PDL_WAIT() baton_trace_wait<baton_trace_file(__FILE__)>(__LINE__)
+#define BATON_PDL_WAIT() baton_trace_wait<baton_trace_file(baton_trace_base_name(__FILE__))>(__LINE__)
 #else
 #define BATON_TRACE_ON 0
 #define BATON_PDL_WAIT() BATON_PDL_WAIT_RAW()
@@ -144,7 +145,8 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 // Launch trace, a diagnostic (`baton bench decode --launch-trace`; compiled in only with
-// BATON_KERNEL_DEFINES=BATON_TRACE=1, never in the host emulator). Thread 0 of every block that
+// BATON_KERNEL_DEFINES=BATON_TRACE=1, and always in the host emulator, which times launches
+// one after another with its own clock and launch counter). Thread 0 of every block that
 // runs BATON_PDL_WAIT reads %globaltimer (ns, one clock for every SM) before and after the wait
 // and folds them into its launch's slot of a table whose device address the host stores in
 // this module's `baton_trace_buf` (0: off). The slot is a multiplicative hash of %gridid
@@ -167,20 +169,52 @@ typedef unsigned long long u64;
 __host__ __device__ constexpr u32 baton_trace_file(const char* s, u32 h = 2166136261u) {
     return *s ? baton_trace_file(s + 1, (h ^ (u32)(unsigned char)*s) * 16777619u) : (h & 0xffffu);
 }
+// `path` after its last '/' (NVRTC's __FILE__ is the bare name already; the emulator's is a path).
+__host__ __device__ constexpr const char* baton_trace_base_name(const char* path,
+                                                                const char* last = nullptr) {
+    return *path == 0 ? (last ? last : path)
+                      : baton_trace_base_name(path + 1, *path == '/' ? path + 1 : last);
+}
 #if BATON_TRACE_ON
+#ifdef BATON_EMU
+__device__ __forceinline__ u64 baton_trace_now() { return ::baton_emu::globaltimer(); }
+__device__ __forceinline__ u64 baton_trace_grid() { return ::baton_emu::g_gridid; }
+__device__ __forceinline__ u64 baton_trace_table() { return ::baton_emu::g_trace_buf; }
+// Blocks run one at a time: a plain minimum is atomic.
+__device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
+    u64* p = reinterpret_cast<u64*>(a);
+    if (v < *p) *p = v;
+}
+__device__ __forceinline__ void baton_trace_red_inc(u64 a) { *reinterpret_cast<u64*>(a) += 1; }
+#define BATON_TRACE_GLOBAL(p) ((u64)(p))
+#else
 __device__ u64 baton_trace_buf;
-// An atomic minimum at global address `a` whose result is not returned (PTX red).
+__device__ __forceinline__ u64 baton_trace_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ u64 baton_trace_grid() {
+    u64 g;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    return g;
+}
+__device__ __forceinline__ u64 baton_trace_table() { return *(volatile u64*)&baton_trace_buf; }
+// An atomic minimum (increment) at global address `a` whose result is not returned (PTX red).
 __device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
     asm volatile("red.global.min.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
+__device__ __forceinline__ void baton_trace_red_inc(u64 a) {
+    asm volatile("red.global.add.u64 [%0], 1;" ::"l"(a) : "memory");
+}
+#define BATON_TRACE_GLOBAL(p) ((u64)__cvta_generic_to_global(p))
+#endif
 // The global address of this launch's slot, or 0 when the trace is off.
 __device__ __forceinline__ u64 baton_trace_slot() {
-    const u64 base = *(volatile u64*)&baton_trace_buf;
+    const u64 base = baton_trace_table();
     if (base == 0) return 0;
-    u64 grid;
-    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-    const u64 h = (grid * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
-    return (u64)__cvta_generic_to_global(reinterpret_cast<u64*>(base) + h * 16);
+    const u64 h = (baton_trace_grid() * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
+    return BATON_TRACE_GLOBAL(reinterpret_cast<u64*>(base) + h * 16);
 }
 struct BatonTraceScope {
     __device__ __forceinline__ ~BatonTraceScope() {
@@ -188,29 +222,25 @@ struct BatonTraceScope {
         if ((t & 31u) != 0) return;
         const u64 s = baton_trace_slot();
         if (s == 0) return;
-        u64 now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)::"memory");
-        baton_trace_red_min(s + 64, ~now);
+        baton_trace_red_min(s + 64, ~baton_trace_now());
     }
 };
 #define BATON_TRACE_SCOPE() BatonTraceScope baton_trace_scope_
 template <u32 FILE_HASH>
 __device__ __forceinline__ void baton_trace_wait(int line) {
-    u64 t0, t1;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0)::"memory");
+    const u64 t0 = baton_trace_now();
     BATON_PDL_WAIT_RAW();
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)::"memory");
+    const u64 t1 = baton_trace_now();
     if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
         const u64 s = baton_trace_slot();
         if (s == 0) return;
-        u64 grid;
-        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        const u64 grid = baton_trace_grid();
         baton_trace_red_min(s + 0, grid);
         baton_trace_red_min(s + 8, ~grid);
         baton_trace_red_min(s + 16, t0);
         baton_trace_red_min(s + 24, t1);
         baton_trace_red_min(s + 32, ~t1);
-        asm volatile("red.global.add.u64 [%0], 1;" ::"l"(s + 40) : "memory");
+        baton_trace_red_inc(s + 40);
         baton_trace_red_min(s + 48, (u64)((FILE_HASH << 16) | ((u32)line & 0xffffu)));
         baton_trace_red_min(s + 56, (u64)(gridDim.x * gridDim.y * gridDim.z));
     }

@@ -412,6 +412,115 @@ fn bench_decode_runs_on_the_executor_and_its_breakdown_names_every_kernel_of_a_s
     }
 }
 
+/// The launch trace end to end on the emulator (whose kernels always have it compiled in):
+/// through graph replays of batch-1 decode steps, every kernel launched in a step leaves one
+/// slot, named by its wait site, in launch order, with its exit after its release.
+#[test]
+fn the_launch_trace_has_one_position_per_kernel_of_a_decode_step_in_launch_order() {
+    use baton::bench_decode::{measure_batch, BenchTables};
+    use baton_cuda::trace::{summarize, StepTrace};
+    let cfg = ModelConfig::from_json_str(HD64).unwrap();
+    let layers = cfg.num_hidden_layers;
+    let (prompt, gen, bs) = (8usize, 4usize, 16usize);
+    // A second run decodes two steps more.
+    let pages = (prompt + gen + 3).div_ceil(bs);
+    let sizes = CudaSizes {
+        block_size: bs,
+        num_blocks: Some(pages),
+        max_tokens: prompt,
+        max_rows: 1,
+        max_model_len: prompt + gen + 3,
+    };
+    let last = Mutex::new(None);
+    let args = CudaArgs {
+        dtype: Dtype::Bf16,
+        ..CudaArgs::default()
+    };
+    let mut w =
+        emu_with(args, &last)(cfg.clone(), LlamaWeights::dummy(&cfg, 0).into(), sizes).unwrap();
+    let dev = last.lock().unwrap().take().unwrap();
+    // Off: no trace.
+    assert_eq!(w.take_launch_trace().unwrap(), None);
+    dev.set_launch_trace(true);
+    let tables = BenchTables::new(cfg.vocab_size, pages);
+    let mut seq = 0;
+    let replays = dev.graph_launches();
+    let mut run = |gen: usize| {
+        let launches = dev.launches();
+        let t = measure_batch(
+            &mut w,
+            &tables,
+            &mut seq,
+            1,
+            prompt,
+            gen,
+            bs,
+            prompt,
+            baton_proto::SamplingParams::greedy(),
+            1,
+            0,
+        )
+        .unwrap();
+        (t, dev.launches() - launches)
+    };
+    let (timing, launches) = run(gen);
+    let (_, launches_2_more) = run(gen + 2);
+    assert!(
+        dev.graph_launches() >= replays + 3,
+        "decode steps replay graphs"
+    );
+    assert_eq!(timing.traces.len(), gen - 1);
+    let steps: Vec<_> = timing.traces.iter().map(StepTrace::launches).collect();
+    let s = summarize(&steps);
+    assert_eq!((s.steps, s.skipped), (gen - 1, 0), "{s:?}");
+    // One position per kernel launched in a decode step: two more decode steps (after the
+    // same prefill) launched two steps' kernels more.
+    let per_step = s.positions.len() as u64;
+    assert_eq!(launches_2_more - launches, 2 * per_step);
+    let gemvs = s
+        .positions
+        .iter()
+        .filter(|p| p.site.starts_with("gemv.cuh:"))
+        .count();
+    // Per layer QKV, O, gate_up and down, then the LM head: the batch-of-one GEMVs.
+    assert_eq!(gemvs, 4 * layers + 1, "{:?}", s.sites);
+    assert_eq!(
+        s.positions
+            .iter()
+            .filter(|p| p.site.starts_with("attention.cu:"))
+            .count(),
+        layers,
+        "{:?}",
+        s.sites
+    );
+    assert!(
+        s.positions[0].site.starts_with("embedding.cu:"),
+        "{:?}",
+        s.positions[0]
+    );
+    assert!(
+        s.positions.last().unwrap().site.starts_with("sampling.cu:"),
+        "{:?}",
+        s.positions.last()
+    );
+    for p in &s.positions {
+        assert!(p.blocks >= 1.0 && p.blocks <= f64::from(p.nblocks), "{p:?}");
+        // Every entry point's scope records its exit, after its release.
+        assert!(p.body_us.is_some_and(|b| b >= 0.0), "{p:?}");
+        assert!(p.early_us >= 0.0 && p.spread_us >= 0.0, "{p:?}");
+    }
+    // Steps run one at a time: each step's launches released in order.
+    for step in steps.iter().flatten() {
+        assert!(step.windows(2).all(|w| w[0].release <= w[1].release));
+        assert!(step
+            .iter()
+            .all(|l| l.last_exit.is_some_and(|e| e >= l.release)));
+    }
+    // Off again: launches leave the table alone.
+    dev.set_launch_trace(false);
+    assert_eq!(w.take_launch_trace().unwrap(), None);
+}
+
 fn bench_decode_case(
     cfg: &ModelConfig,
     weights: LlamaWeights,

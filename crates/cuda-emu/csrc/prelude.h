@@ -77,6 +77,12 @@ void grid_sync_at(const char* file, int line);
 // Exchanges `size` bytes with lane (lane ^ lane_mask) of the same warp.
 void shfl_xor_at(const char* file, int line, const void* in, void* out, unsigned size,
                  unsigned mask, int lane_mask, int width);
+// The launch trace (common.cuh): the running launch's trace table (0: off) and launch number
+// (%gridid), both set per launch by the Rust side (baton_emu_set_trace), and %globaltimer
+// (the host's monotonic clock, ns).
+extern unsigned long long g_trace_buf;
+extern unsigned long long g_gridid;
+unsigned long long globaltimer();
 }  // namespace baton_emu
 
 #define threadIdx (static_cast<const uint3&>(::baton_emu::g_coords.thread_idx))

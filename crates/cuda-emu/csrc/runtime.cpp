@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@
 namespace baton_emu {
 
 Coords g_coords;
+unsigned long long g_trace_buf = 0;
+unsigned long long g_gridid = 0;
+
+unsigned long long globaltimer() {
+    return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
 
 namespace {
 
@@ -670,6 +679,13 @@ int run_cooperative(const Entry* entry, const unsigned grid[3], void** args, int
 
 }  // namespace
 }  // namespace baton_emu
+
+// The launch trace's table and launch number for the next launch (common.cuh); the Rust side
+// sets them under its launch lock.
+extern "C" void baton_emu_set_trace(unsigned long long table, unsigned long long grid) {
+    baton_emu::g_trace_buf = table;
+    baton_emu::g_gridid = grid;
+}
 
 // Runs `entry` over the grid, queueing fibers per `schedule` (0 thread order, 1 reverse, 2
 // shuffled with `seed`, 3 released fibers first). Blocks run one after another, or, when

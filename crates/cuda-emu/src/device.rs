@@ -29,6 +29,7 @@
 //! Contract beyond [`Device`]'s: each kernel parameter pointer addresses an 8-byte slot (the
 //! executor's argument packing), so a capture can copy the values.
 
+use baton_cuda::trace::{StepTrace, TraceSlot, TRACE_SLOTS};
 use baton_cuda::{CudaWorkerError, DevPtr, Device, Dtype, Gemm, GraphId};
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -60,6 +61,8 @@ enum Op {
         src: usize,
         bytes: usize,
     },
+    /// Empties the launch trace's table (`Device::mark_step_start` with the trace on).
+    ClearTrace,
 }
 
 #[derive(Default)]
@@ -93,6 +96,9 @@ struct State {
     profile: Option<Vec<(String, f64)>>,
     /// Step timing: on, the last step mark, and the wall time from it to the last fence.
     step_timing: Option<(Option<std::time::Instant>, Option<f64>)>,
+    /// The launch trace's table ([`EmuDevice::set_launch_trace`]); kernels write it through
+    /// its address while they run, so it is never moved or resized while on.
+    trace: Option<Box<[TraceSlot]>>,
 }
 
 /// The host-emulated device. See the module docs.
@@ -143,6 +149,15 @@ impl EmuDevice {
     /// Graph replays so far.
     pub fn graph_launches(&self) -> u64 {
         self.lock().graph_launches
+    }
+
+    /// Turns the launch trace ([`baton_cuda::trace`]) on or off: on, every later launch folds
+    /// its blocks' waits and warps' exits into a table of [`TRACE_SLOTS`] slots (the
+    /// emulator's kernels always have the trace compiled in; a GPU's need `BATON_TRACE=1`),
+    /// which [`Device::mark_step_start`] empties and [`Device::take_launch_trace`] reads. Call
+    /// it while the stream is idle.
+    pub fn set_launch_trace(&self, on: bool) {
+        self.lock().trace = on.then(|| vec![TraceSlot::EMPTY; TRACE_SLOTS].into_boxed_slice());
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -227,6 +242,7 @@ impl EmuDevice {
             }
             Op::Launch { vals, .. } => vals.iter().any(|&v| inside(v)),
             Op::Gemm(g) => [g.a, g.b, g.c].into_iter().any(inside),
+            Op::ClearTrace => false,
         })
     }
 
@@ -268,7 +284,7 @@ impl EmuDevice {
         let label = match op {
             Op::Launch { name, .. } => Some(name.clone()),
             Op::Gemm(g) => Some(g.what.to_owned()),
-            Op::Copy { .. } => None,
+            Op::Copy { .. } | Op::ClearTrace => None,
         };
         let t = std::time::Instant::now();
         let r = self.run_untimed(op);
@@ -328,19 +344,27 @@ impl EmuDevice {
                     st.launches += 1;
                     *st.launches_by_name.entry(name.clone()).or_insert(0) += 1;
                 }
+                let (sched, trace) = {
+                    let mut st = self.lock();
+                    let trace = st.trace.as_mut().map_or(0, |t| t.as_mut_ptr() as u64);
+                    (st.schedule, trace)
+                };
+                let block = (*block, 1, 1);
                 // SAFETY: the values were copied from the caller's parameter slots (8 bytes
                 // each) and the caller guaranteed they match the kernel and address live
-                // memory (Device::launch's contract).
-                let sched = self.lock().schedule;
-                let block = (*block, 1, 1);
-                if *cooperative {
-                    // SAFETY: as below.
-                    unsafe {
-                        crate::launch_cooperative(self.dtype, name, *grid, block, &ptrs, sched)
-                    }
-                } else {
-                    // SAFETY: as above.
-                    unsafe { crate::launch_with(self.dtype, name, *grid, block, &ptrs, sched) }
+                // memory (Device::launch's contract); `trace` is 0 or the boxed table of
+                // TRACE_SLOTS slots, which stays in place while the trace is on.
+                unsafe {
+                    crate::launch_traced(
+                        self.dtype,
+                        name,
+                        *grid,
+                        block,
+                        &ptrs,
+                        sched,
+                        *cooperative,
+                        trace,
+                    )
                 }
                 .map_err(|e| err("kernel launch", format!("{name}: {e}")))
             }
@@ -348,6 +372,12 @@ impl EmuDevice {
             Op::Copy { dst, src, bytes } => {
                 // SAFETY: the caller guaranteed both ranges hold `bytes` (the copy contracts).
                 unsafe { std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes) };
+                Ok(())
+            }
+            Op::ClearTrace => {
+                if let Some(t) = self.lock().trace.as_mut() {
+                    t.fill(TraceSlot::EMPTY);
+                }
                 Ok(())
             }
         }
@@ -709,10 +739,22 @@ impl Device for EmuDevice {
     }
 
     fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
-        if let Some((t0, _)) = self.lock().step_timing.as_mut() {
-            *t0 = Some(std::time::Instant::now());
+        let tracing = {
+            let mut st = self.lock();
+            if let Some((t0, _)) = st.step_timing.as_mut() {
+                *t0 = Some(std::time::Instant::now());
+            }
+            st.trace.is_some()
+        };
+        if tracing {
+            self.submit(Op::ClearTrace)?;
         }
         Ok(())
+    }
+
+    fn take_launch_trace(&self) -> Result<Option<StepTrace>, CudaWorkerError> {
+        self.run_enqueued(u64::MAX)?;
+        Ok(self.lock().trace.as_deref().map(StepTrace::from_table))
     }
 
     fn step_device_ms(&self) -> Option<f64> {

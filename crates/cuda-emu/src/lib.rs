@@ -61,6 +61,10 @@
 //!   memory. It is filled with `0xff` bytes (NaN floats, all-ones integers) before every block,
 //!   so reading shared memory before writing it shows up as NaNs or wild values.
 //! - **Device memory** is host memory: a device pointer argument is a plain host address.
+//! - **The launch trace** (`kernels/common.cuh`, `baton_cuda::trace`) is always compiled in:
+//!   `%globaltimer` is the host's monotonic clock, `%gridid` a counter of launches, and the
+//!   table is the one [`EmuDevice::set_launch_trace`] allocates (none: off). Launches run one
+//!   after another, so the times order launches but say nothing about a GPU's overlap.
 //!
 //! # What it does not model
 //!
@@ -102,6 +106,7 @@ extern "C" {
     fn baton_emu_entry_at(dtype: c_int, i: usize) -> *const RawEntry;
     fn baton_emu_entry_name(e: *const RawEntry) -> *const c_char;
     fn baton_emu_entry_params(e: *const RawEntry) -> c_uint;
+    fn baton_emu_set_trace(table: u64, grid: u64);
     fn baton_emu_run(
         entry: *const RawEntry,
         grid: *const c_uint,
@@ -335,7 +340,7 @@ pub unsafe fn launch_with(
     schedule: Schedule,
 ) -> Result<(), EmuError> {
     // SAFETY: the caller upholds this function's contract, which is launch_impl's.
-    unsafe { launch_impl(dtype, name, grid, block, args, schedule, false) }
+    unsafe { launch_impl(dtype, name, grid, block, args, schedule, false, 0) }
 }
 
 /// [`launch_with`] as a cooperative launch (`cuLaunchKernelEx` with
@@ -362,14 +367,41 @@ pub unsafe fn launch_cooperative(
     schedule: Schedule,
 ) -> Result<(), EmuError> {
     // SAFETY: the caller upholds this function's contract, which is launch_impl's.
-    unsafe { launch_impl(dtype, name, grid, block, args, schedule, true) }
+    unsafe { launch_impl(dtype, name, grid, block, args, schedule, true, 0) }
 }
 
-/// [`launch_with`] and [`launch_cooperative`].
+/// Launches counted for the launch trace's `%gridid` (every launch takes the next number).
+static GRID_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// [`launch_with`] (or [`launch_cooperative`]) with the launch trace on: each block's wait and
+/// each warp's exit are folded into `trace`'s slot for this launch (kernels/common.cuh;
+/// `baton_cuda::trace`).
+///
+/// # Safety
+/// As for [`launch_with`], and `trace` addresses a table of `baton_cuda::trace::TRACE_SLOTS`
+/// writable slots, or is 0 (no trace).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_traced(
+    dtype: Dtype,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &[*mut c_void],
+    schedule: Schedule,
+    cooperative: bool,
+    trace: u64,
+) -> Result<(), EmuError> {
+    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
+    unsafe { launch_impl(dtype, name, grid, block, args, schedule, cooperative, trace) }
+}
+
+/// [`launch_with`] and [`launch_cooperative`], with the launch trace's table `trace` (0:
+/// none).
 ///
 /// # Safety
 ///
-/// As for [`launch_with`].
+/// As for [`launch_traced`].
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch_impl(
     dtype: Dtype,
     name: &str,
@@ -378,6 +410,7 @@ unsafe fn launch_impl(
     args: &[*mut c_void],
     schedule: Schedule,
     cooperative: bool,
+    trace: u64,
 ) -> Result<(), EmuError> {
     let kernel = *registry()
         .0
@@ -426,6 +459,9 @@ unsafe fn launch_impl(
     let mut bad = [0 as c_uint; 3];
     let code = {
         let _guard = LAUNCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let grid_id = GRID_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: plain stores of two runtime globals, under the lock that serializes launches.
+        unsafe { baton_emu_set_trace(trace, grid_id) };
         // SAFETY: `kernel.entry` comes from the registry; grid, block and the argument count
         // were validated above; the caller guarantees (see # Safety) that every argument and
         // every address the kernel touches is valid. The lock makes this the only launch in

@@ -3,7 +3,8 @@
 //! per kernel (`bench decode --breakdown`, eager and serialized) nor Nsight Compute (one
 //! kernel at a time) shows.
 //!
-//! Kernels compiled with `BATON_KERNEL_DEFINES=BATON_TRACE=1` (never by default) fold, at each
+//! Kernels compiled with `BATON_KERNEL_DEFINES=BATON_TRACE=1` (never by default on a GPU;
+//! always in the host emulator, where `EmuDevice::set_launch_trace` turns it on) fold, at each
 //! `BATON_PDL_WAIT` of each thread block, `%globaltimer` before and after the wait into their
 //! launch's [`TraceSlot`] (kernels/common.cuh: a table of [`TRACE_SLOTS`] slots indexed by a
 //! hash of `%gridid`, updated with atomics whose results the block never waits for). A wait
