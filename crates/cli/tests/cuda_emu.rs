@@ -2153,6 +2153,21 @@ fn base_rows_give_the_same_bits_with_and_without_lora_adapters() {
             w.set_lora_adapters(adapters.clone()).unwrap();
         }
         let dev = last.lock().unwrap().take().unwrap();
+        if with {
+            // Loading adapters again captures new LoRA graphs and destroys the old ones (they
+            // read the old adapters' buffers); loading none destroys them.
+            let (live, captured) = (dev.live_graphs(), dev.graphs());
+            w.set_lora_adapters(adapters.clone()).unwrap();
+            assert!(dev.graphs() > captured, "new LoRA graphs captured");
+            assert_eq!(dev.live_graphs(), live, "the old LoRA graphs destroyed");
+            w.set_lora_adapters(Vec::new()).unwrap();
+            assert!(
+                dev.live_graphs() < live,
+                "unloading destroys the LoRA graphs"
+            );
+            w.set_lora_adapters(adapters.clone()).unwrap();
+            assert_eq!(dev.live_graphs(), live);
+        }
         // Capturing the LoRA graphs launches the LoRA kernels; serving base rows must not.
         let (shrinks, replays) = (dev.launches_of("baton_lora_shrink"), dev.graph_launches());
         assert_eq!(shrinks > 0, with, "adapters {with}: LoRA graphs captured");

@@ -86,7 +86,8 @@ struct State {
     host: HashMap<usize, usize>,
     used: usize,
     capture: Option<Vec<Op>>,
-    graphs: Vec<Vec<Op>>,
+    /// Captured graphs by id (`None`: destroyed).
+    graphs: Vec<Option<Vec<Op>>>,
     launches: u64,
     /// Kernel launches run so far, by entry name.
     launches_by_name: HashMap<String, u64>,
@@ -139,6 +140,11 @@ impl EmuDevice {
     /// Graphs captured so far.
     pub fn graphs(&self) -> usize {
         self.lock().graphs.len()
+    }
+
+    /// Graphs captured and not destroyed.
+    pub fn live_graphs(&self) -> usize {
+        self.lock().graphs.iter().flatten().count()
     }
 
     /// Launches of kernel `name` run so far (eager and replayed).
@@ -683,8 +689,17 @@ impl Device for EmuDevice {
             .capture
             .take()
             .ok_or_else(|| err("end_capture", "not capturing"))?;
-        st.graphs.push(ops);
+        st.graphs.push(Some(ops));
         Ok(st.graphs.len() - 1)
+    }
+
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError> {
+        self.lock()
+            .graphs
+            .get_mut(graph)
+            .and_then(Option::take)
+            .map(|_| ())
+            .ok_or_else(|| err("destroy_graph", format!("no graph {graph}")))
     }
 
     unsafe fn launch_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError> {
@@ -698,6 +713,7 @@ impl Device for EmuDevice {
                 .graphs
                 .get(graph)
                 .cloned()
+                .flatten()
                 .ok_or_else(|| err("launch_graph", format!("no graph {graph}")))?;
             if let Some(q) = st.deferred.as_mut() {
                 let n = ops.len() as u64;

@@ -205,6 +205,12 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// Every allocation the capture used is still live.
     unsafe fn launch_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError>;
+    /// Destroys a captured graph (its id is never reused; replaying it is then an error). A
+    /// replay still in flight completes first (`cuGraphExecDestroy`).
+    ///
+    /// # Errors
+    /// No such graph, or one destroyed already.
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError>;
     /// Device-to-device copy bandwidth in bytes/s (read + write counted, best of `iters`
     /// copies of `bytes`).
     fn copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64, CudaWorkerError>;
@@ -871,11 +877,27 @@ impl Device for CudaDevice {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(graph)
+            .filter(|e| !e.is_null())
             .ok_or_else(|| CudaWorkerError::Unsupported(format!("no graph {graph}")))?;
         // SAFETY: `exec` was instantiated from a capture on this stream; per the contract its
         // buffers are live.
         drv("cuGraphLaunch", unsafe {
             cu_result::graph::launch(exec, self.stream.cu_stream())
+        })
+    }
+
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), CudaWorkerError> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = graphs
+            .get_mut(graph)
+            .filter(|e| !e.is_null())
+            .ok_or_else(|| CudaWorkerError::Unsupported(format!("no graph {graph}")))?;
+        let exec = std::mem::replace(slot, std::ptr::null_mut());
+        self.bind()?;
+        // SAFETY: `exec` was instantiated by `end_capture` and is destroyed once (its slot is
+        // null from now on); a replay in flight completes before the driver frees it.
+        drv("cuGraphExecDestroy", unsafe {
+            cu_result::graph::exec_destroy(exec)
         })
     }
 
@@ -1015,6 +1037,7 @@ impl Drop for CudaDevice {
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
+            .filter(|e| !e.is_null())
         {
             // SAFETY: each exec was instantiated once and is destroyed once, after the stream
             // went idle.

@@ -3677,9 +3677,10 @@ impl Backend for CudaWorker {
         // No launch may still read the old tables or ids.
         self.dev.synchronize().map_err(dev_err)?;
         self.lora = None;
-        // The old graphs read the old adapters' buffers: never replay them (their executable
-        // graphs stay with the device until it is dropped).
-        self.lora_graphs.clear();
+        // The old graphs read the old adapters' buffers: destroy them.
+        for (_, g) in self.lora_graphs.drain() {
+            self.dev.destroy_graph(g).map_err(dev_err)?;
+        }
         if adapters.is_empty() {
             return Ok(());
         }
