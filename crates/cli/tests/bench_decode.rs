@@ -147,8 +147,14 @@ fn a_batch_too_large_for_memory_is_refused_before_allocating() {
 /// with `needs` in its error.
 #[track_caller]
 fn refused(flags: &[&str], needs: &str) {
+    refused_on("cpu", flags, needs);
+}
+
+/// [`refused`] on `device`.
+#[track_caller]
+fn refused_on(device: &str, flags: &[&str], needs: &str) {
     let o = baton()
-        .args(["bench", "decode", "--device", "cpu"])
+        .args(["bench", "decode", "--device", device])
         .args(flags)
         .args([
             "--batch",
@@ -177,21 +183,7 @@ fn cuda_only_flags_are_refused_on_the_cpu() {
 #[test]
 fn the_launch_trace_needs_one_launch_in_flight() {
     // Refused before any device is opened (so on machines without one too).
-    let o = baton()
-        .args([
-            "bench",
-            "decode",
-            "--device",
-            "cuda",
-            "--launch-trace",
-            "--model",
-        ])
-        .arg(model_dir())
-        .output()
-        .expect("runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("give --in-flight 1"), "{err}");
+    refused_on("cuda", &["--launch-trace"], "give --in-flight 1");
 }
 
 /// A CPU backend whose steps come with a synthetic launch trace: two launches, the first

@@ -339,8 +339,9 @@ pub unsafe fn launch_with(
     args: &[*mut c_void],
     schedule: Schedule,
 ) -> Result<(), EmuError> {
-    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
-    unsafe { launch_impl(dtype, name, grid, block, args, schedule, false, 0) }
+    // SAFETY: the caller upholds this function's contract, which is launch_traced's with no
+    // table.
+    unsafe { launch_traced(dtype, name, grid, block, args, schedule, false, 0) }
 }
 
 /// [`launch_with`] as a cooperative launch (`cuLaunchKernelEx` with
@@ -366,43 +367,23 @@ pub unsafe fn launch_cooperative(
     args: &[*mut c_void],
     schedule: Schedule,
 ) -> Result<(), EmuError> {
-    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
-    unsafe { launch_impl(dtype, name, grid, block, args, schedule, true, 0) }
+    // SAFETY: the caller upholds this function's contract, which is launch_traced's with no
+    // table.
+    unsafe { launch_traced(dtype, name, grid, block, args, schedule, true, 0) }
 }
 
 /// Launches counted for the launch trace's `%gridid` (every launch takes the next number).
 static GRID_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// [`launch_with`] (or [`launch_cooperative`]) with the launch trace on: each block's wait and
-/// each warp's exit are folded into `trace`'s slot for this launch (kernels/common.cuh;
-/// `baton_cuda::trace`).
+/// [`launch_with`] (or, `cooperative`, [`launch_cooperative`]) with the launch trace's table
+/// `trace`: each block's wait and each warp's exit are folded into its slot for this launch
+/// (kernels/common.cuh; `baton_cuda::trace`); 0: no trace.
 ///
 /// # Safety
 /// As for [`launch_with`], and `trace` addresses a table of `baton_cuda::trace::TRACE_SLOTS`
-/// writable slots, or is 0 (no trace).
+/// writable slots, or is 0.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch_traced(
-    dtype: Dtype,
-    name: &str,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    args: &[*mut c_void],
-    schedule: Schedule,
-    cooperative: bool,
-    trace: u64,
-) -> Result<(), EmuError> {
-    // SAFETY: the caller upholds this function's contract, which is launch_impl's.
-    unsafe { launch_impl(dtype, name, grid, block, args, schedule, cooperative, trace) }
-}
-
-/// [`launch_with`] and [`launch_cooperative`], with the launch trace's table `trace` (0:
-/// none).
-///
-/// # Safety
-///
-/// As for [`launch_traced`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn launch_impl(
     dtype: Dtype,
     name: &str,
     grid: (u32, u32, u32),
