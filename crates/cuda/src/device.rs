@@ -243,9 +243,9 @@ pub trait Device: Send + Sync {
     }
     /// The launch trace of the last step ([`crate::trace`]): the slots the kernels wrote
     /// since the last [`Device::mark_step_start`] (which empties the table), read once the
-    /// stream is idle. `None` unless the kernels were compiled with `BATON_TRACE=1`
-    /// ([`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV)); the host emulator never
-    /// traces.
+    /// stream is idle. `None` unless the trace is on: on a GPU, kernels compiled with
+    /// `BATON_TRACE=1` ([`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV)); in the
+    /// host emulator, after `EmuDevice::set_launch_trace(true)`.
     ///
     /// # Errors
     /// Device errors.
