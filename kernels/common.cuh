@@ -170,14 +170,26 @@ __host__ __device__ constexpr u32 baton_trace_file(const char* s, u32 h = 216613
     return *s ? baton_trace_file(s + 1, (h ^ (u32)(unsigned char)*s) * 16777619u) : (h & 0xffffu);
 }
 // `path` after its last '/' (NVRTC's __FILE__ is the bare name already; the emulator's is a path).
-__host__ __device__ constexpr const char* baton_trace_base_name(const char* path,
-                                                                const char* last = nullptr) {
-    return *path == 0 ? (last ? last : path)
-                      : baton_trace_base_name(path + 1, *path == '/' ? path + 1 : last);
+__host__ __device__ constexpr const char* baton_trace_base_from(const char* p, const char* last) {
+    return *p == 0 ? last : baton_trace_base_from(p + 1, *p == '/' ? p + 1 : last);
 }
-#if BATON_TRACE_ON
+__host__ __device__ constexpr const char* baton_trace_base_name(const char* path) {
+    return baton_trace_base_from(path, path);
+}
+// %globaltimer: ns, one clock for every SM (PTX ISA, special registers); in the emulator the
+// host's monotonic clock.
 #ifdef BATON_EMU
-__device__ __forceinline__ u64 baton_trace_now() { return ::baton_emu::globaltimer(); }
+__device__ __forceinline__ u64 baton_globaltimer() { return ::baton_emu::globaltimer(); }
+#else
+__device__ __forceinline__ u64 baton_globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+#endif
+#if BATON_TRACE_ON
+__device__ __forceinline__ u64 baton_trace_now() { return baton_globaltimer(); }
+#ifdef BATON_EMU
 __device__ __forceinline__ u64 baton_trace_grid() { return ::baton_emu::g_gridid; }
 __device__ __forceinline__ u64 baton_trace_table() { return ::baton_emu::g_trace_buf; }
 // Blocks run one at a time: a plain minimum is atomic.
@@ -188,18 +200,14 @@ __device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
 __device__ __forceinline__ void baton_trace_red_inc(u64 a) { *reinterpret_cast<u64*>(a) += 1; }
 #define BATON_TRACE_GLOBAL(p) ((u64)(p))
 #else
-__device__ u64 baton_trace_buf;
-__device__ __forceinline__ u64 baton_trace_now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    return t;
-}
+// Constant memory: every warp reads it at its exit, through the constant cache.
+__constant__ u64 baton_trace_buf;
 __device__ __forceinline__ u64 baton_trace_grid() {
     u64 g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
     return g;
 }
-__device__ __forceinline__ u64 baton_trace_table() { return *(volatile u64*)&baton_trace_buf; }
+__device__ __forceinline__ u64 baton_trace_table() { return baton_trace_buf; }
 // An atomic minimum (increment) at global address `a` whose result is not returned (PTX red).
 __device__ __forceinline__ void baton_trace_red_min(u64 a, u64 v) {
     asm volatile("red.global.min.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
@@ -216,28 +224,46 @@ __device__ __forceinline__ u64 baton_trace_slot() {
     const u64 h = (baton_trace_grid() * 0x9E3779B97F4A7C15ull) >> (64 - BATON_TRACE_SLOT_BITS);
     return BATON_TRACE_GLOBAL(reinterpret_cast<u64*>(base) + h * 16);
 }
+// The block's warps still running (BatonTraceScope) and thread 0's time before its wait.
+__shared__ u32 baton_trace_live_warps;
+__shared__ u64 baton_trace_t_pre;
+__device__ __forceinline__ u32 baton_trace_tid() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+// Opens every entry point: with the trace on (a value uniform over the grid, so the barrier is
+// reached by every thread or by none), counts the block's warps; the last warp to leave folds
+// the block's exit time into the slot, one atomic per block.
 struct BatonTraceScope {
+    __device__ __forceinline__ BatonTraceScope() {
+        if (baton_trace_table() == 0) return;
+        if (baton_trace_tid() == 0)
+            baton_trace_live_warps = (blockDim.x * blockDim.y * blockDim.z + 31u) / 32u;
+        __syncthreads();
+    }
     __device__ __forceinline__ ~BatonTraceScope() {
-        const u32 t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-        if ((t & 31u) != 0) return;
+        if ((baton_trace_tid() & 31u) != 0) return;
         const u64 s = baton_trace_slot();
         if (s == 0) return;
+        if (atomicAdd(&baton_trace_live_warps, 0xffffffffu) != 1u) return;  // not the last
         baton_trace_red_min(s + 64, ~baton_trace_now());
     }
 };
 #define BATON_TRACE_SCOPE() BatonTraceScope baton_trace_scope_
+// Thread 0's time before the wait is parked in shared memory, so no register stays live
+// across the wait (register-capped kernels spilled with one).
 template <u32 FILE_HASH>
 __device__ __forceinline__ void baton_trace_wait(int line) {
-    const u64 t0 = baton_trace_now();
+    const bool first = baton_trace_tid() == 0;
+    if (first) baton_trace_t_pre = baton_trace_now();
     BATON_PDL_WAIT_RAW();
-    const u64 t1 = baton_trace_now();
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+    if (first) {
+        const u64 t1 = baton_trace_now();
         const u64 s = baton_trace_slot();
         if (s == 0) return;
         const u64 grid = baton_trace_grid();
         baton_trace_red_min(s + 0, grid);
         baton_trace_red_min(s + 8, ~grid);
-        baton_trace_red_min(s + 16, t0);
+        baton_trace_red_min(s + 16, baton_trace_t_pre);
         baton_trace_red_min(s + 24, t1);
         baton_trace_red_min(s + 32, ~t1);
         baton_trace_red_inc(s + 40);

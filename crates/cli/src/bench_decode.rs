@@ -808,9 +808,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             ratio: step_s / floor_s.max(1e-15),
             in_flight,
             breakdown,
-            launch_trace: a
-                .launch_trace
-                .then(|| summarize(&traces.iter().map(StepTrace::launches).collect::<Vec<_>>())),
+            launch_trace: a.launch_trace.then(|| {
+                summarize(
+                    &traces.iter().map(StepTrace::launches).collect::<Vec<_>>(),
+                    traces.first().map_or(0, |t| t.tick_ns),
+                )
+            }),
         });
     }
     // The weights a step reads (the embedding table but one row each aside); a
@@ -911,11 +914,12 @@ fn print_launch_trace(batch: usize, t: &TraceSummary) {
     outln!(
         "\nbatch {batch}: launch trace over {} steps ({} left out: another launch sequence or a \
          shared slot), {:.1} us from the first launch's release to the last's, {:.1} us of it \
-         between a launch's last exit and the next one's release",
+         between a launch's last exit and the next one's release; clock tick {} ns",
         t.steps,
         t.skipped,
         t.span_us,
-        t.handoff_us
+        t.handoff_us,
+        t.tick_ns
     );
     if t.steps == 0 {
         return;

@@ -204,7 +204,7 @@ impl baton::bench_decode::BenchBackend for Traced {
         let mut table = [TraceSlot::EMPTY; 2];
         table[0].fold(1, 0, 1000, 16, 1);
         table[1].fold(2, 0, 1000 + (10 + k) * 1000, 32, 1);
-        Ok(Some(StepTrace::from_table(&table)))
+        Ok(Some(StepTrace::from_table(&table, 1)))
     }
 }
 
@@ -241,6 +241,7 @@ fn timed_steps_keep_their_launch_traces_and_the_warm_up_does_not() {
             .iter()
             .map(baton_cuda::trace::StepTrace::launches)
             .collect::<Vec<_>>(),
+        1,
     );
     // Steps 1..=4: the first launch took 11..=14 µs.
     assert_eq!((s.steps, s.skipped), (4, 0));

@@ -441,7 +441,7 @@ fn the_launch_trace_has_one_position_per_kernel_of_a_decode_step_in_launch_order
     let dev = last.lock().unwrap().take().unwrap();
     // Off: no trace.
     assert_eq!(w.take_launch_trace().unwrap(), None);
-    dev.set_launch_trace(true);
+    dev.set_launch_trace(true).unwrap();
     let tables = BenchTables::new(cfg.vocab_size, pages);
     let mut seq = 0;
     let replays = dev.graph_launches();
@@ -471,7 +471,9 @@ fn the_launch_trace_has_one_position_per_kernel_of_a_decode_step_in_launch_order
     );
     assert_eq!(timing.traces.len(), gen - 1);
     let steps: Vec<_> = timing.traces.iter().map(StepTrace::launches).collect();
-    let s = summarize(&steps);
+    let tick = timing.traces[0].tick_ns;
+    assert!(tick > 0, "the emulator's clock ticks");
+    let s = summarize(&steps, tick);
     assert_eq!((s.steps, s.skipped), (gen - 1, 0), "{s:?}");
     // One position per kernel launched in a decode step: two more decode steps (after the
     // same prefill) launched two steps' kernels more.
@@ -517,7 +519,7 @@ fn the_launch_trace_has_one_position_per_kernel_of_a_decode_step_in_launch_order
             .all(|l| l.last_exit.is_some_and(|e| e >= l.release)));
     }
     // Off again: launches leave the table alone.
-    dev.set_launch_trace(false);
+    dev.set_launch_trace(false).unwrap();
     assert_eq!(w.take_launch_trace().unwrap(), None);
 }
 

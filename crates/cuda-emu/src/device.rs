@@ -97,9 +97,10 @@ struct State {
     profile: Option<Vec<(String, f64)>>,
     /// Step timing: on, the last step mark, and the wall time from it to the last fence.
     step_timing: Option<(Option<std::time::Instant>, Option<f64>)>,
-    /// The launch trace's table ([`EmuDevice::set_launch_trace`]); kernels write it through
-    /// its address while they run, so it is never moved or resized while on.
-    trace: Option<Box<[TraceSlot]>>,
+    /// The launch trace's table ([`EmuDevice::set_launch_trace`]) and the clock's tick (ns);
+    /// kernels write the table through its address while they run, so it is never moved or
+    /// resized while on.
+    trace: Option<(Box<[TraceSlot]>, u64)>,
 }
 
 /// The host-emulated device. See the module docs.
@@ -162,8 +163,29 @@ impl EmuDevice {
     /// emulator's kernels always have the trace compiled in; a GPU's need `BATON_TRACE=1`),
     /// which [`Device::mark_step_start`] empties and [`Device::take_launch_trace`] reads. Call
     /// it while the stream is idle.
-    pub fn set_launch_trace(&self, on: bool) {
-        self.lock().trace = on.then(|| vec![TraceSlot::EMPTY; TRACE_SLOTS].into_boxed_slice());
+    ///
+    /// # Errors
+    /// A failure of `baton_trace_tick` (kernels/trace.cu), run once to measure the clock.
+    pub fn set_launch_trace(&self, on: bool) -> Result<(), CudaWorkerError> {
+        let tick = if on {
+            let mut out = [0u64; 2];
+            let mut ptr = out.as_mut_ptr() as u64;
+            let mut changes = 64i32;
+            let args = [
+                &mut ptr as *mut u64 as *mut c_void,
+                &mut changes as *mut i32 as *mut c_void,
+            ];
+            // SAFETY: baton_trace_tick(u64* out, int changes): the two parameters in order;
+            // `out` holds two u64 and outlives the call.
+            unsafe { crate::launch(self.dtype, "baton_trace_tick", (1, 1, 1), (32, 1, 1), &args) }
+                .map_err(|e| err("baton_trace_tick", e.to_string()))?;
+            out[0]
+        } else {
+            0
+        };
+        self.lock().trace =
+            on.then(|| (vec![TraceSlot::EMPTY; TRACE_SLOTS].into_boxed_slice(), tick));
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -352,7 +374,7 @@ impl EmuDevice {
                 }
                 let (sched, trace) = {
                     let mut st = self.lock();
-                    let trace = st.trace.as_mut().map_or(0, |t| t.as_mut_ptr() as u64);
+                    let trace = st.trace.as_mut().map_or(0, |(t, _)| t.as_mut_ptr() as u64);
                     (st.schedule, trace)
                 };
                 let block = (*block, 1, 1);
@@ -381,7 +403,7 @@ impl EmuDevice {
                 Ok(())
             }
             Op::ClearTrace => {
-                if let Some(t) = self.lock().trace.as_mut() {
+                if let Some((t, _)) = self.lock().trace.as_mut() {
                     t.fill(TraceSlot::EMPTY);
                 }
                 Ok(())
@@ -770,7 +792,11 @@ impl Device for EmuDevice {
 
     fn take_launch_trace(&self) -> Result<Option<StepTrace>, CudaWorkerError> {
         self.run_enqueued(u64::MAX)?;
-        Ok(self.lock().trace.as_deref().map(StepTrace::from_table))
+        Ok(self
+            .lock()
+            .trace
+            .as_ref()
+            .map(|(t, tick)| StepTrace::from_table(t, *tick)))
     }
 
     fn step_device_ms(&self) -> Option<f64> {

@@ -292,9 +292,9 @@ pub struct CudaDevice {
     /// Launch every kernel with programmatic stream serialization (PDL; see
     /// `kernels/common.cuh`): compute capability 9.0 or newer, unless [`NO_PDL_ENV`] is set.
     pdl: bool,
-    /// The launch trace's table ([`crate::trace`]: [`TRACE_SLOTS`] slots) when the kernels
-    /// were compiled with `BATON_TRACE=1`.
-    trace: Option<DevPtr>,
+    /// The launch trace's table ([`crate::trace`]: [`TRACE_SLOTS`] slots) and the clock's
+    /// tick in ns (`baton_trace_tick`) when the kernels were compiled with `BATON_TRACE=1`.
+    trace: Option<(DevPtr, u64)>,
 }
 
 /// Fences a [`Device`] keeps: how many launches the executor can have in flight at once (one
@@ -312,7 +312,36 @@ unsafe impl Send for CudaDevice {}
 // SAFETY: as above; `&self` methods never hand out aliases to interior state.
 unsafe impl Sync for CudaDevice {}
 
+/// Changes of `%globaltimer` `baton_trace_tick` waits for (kernels/trace.cu).
+const TRACE_TICK_CHANGES: i32 = 64;
+
 impl CudaDevice {
+    /// The smallest step of `%globaltimer` on this device, ns (kernels/trace.cu), for the
+    /// launch trace's report.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn measure_trace_tick(&self) -> Result<u64, CudaWorkerError> {
+        let out = self.alloc_zeroed(16)?;
+        let mut ptr = out;
+        let mut changes = TRACE_TICK_CHANGES;
+        let mut params = [
+            &mut ptr as *mut DevPtr as *mut c_void,
+            &mut changes as *mut i32 as *mut c_void,
+        ];
+        // SAFETY: baton_trace_tick(u64* out, int changes): the two parameters in order; `out`
+        // holds two u64.
+        let run = unsafe { self.launch("baton_trace_tick", (1, 1, 1), 32, &mut params) }
+            .and_then(|()| self.synchronize());
+        let mut got = [0u8; 16];
+        // SAFETY: `out` holds 16 bytes; read after the kernel (stream order).
+        let read = run.and_then(|()| unsafe { self.copy_dtoh(&mut got, out) });
+        // SAFETY: allocated above, used by nothing else now the stream is idle.
+        unsafe { self.free(out) };
+        read?;
+        Ok(u64::from_le_bytes(got[..8].try_into().expect("8 bytes")))
+    }
+
     /// The loaded kernel `name`.
     fn function(&self, name: &str) -> Result<&CudaFunction, CudaWorkerError> {
         self.functions
@@ -428,6 +457,12 @@ impl CudaDevice {
                     "cuModuleGetGlobal baton_trace_buf",
                     module.get_global("baton_trace_buf", &stream),
                 )?;
+                if global.len() != 8 {
+                    return Err(CudaWorkerError::Unsupported(format!(
+                        "{file}: baton_trace_buf is {} bytes, not 8",
+                        global.len()
+                    )));
+                }
                 let (ptr, _record) = global.device_ptr(&stream);
                 trace_globals.push(ptr);
             }
@@ -465,14 +500,16 @@ impl CudaDevice {
         dev.workspace = dev.alloc_zeroed(CUBLAS_WORKSPACE)?;
         if tracing {
             let buf = dev.alloc_zeroed(TRACE_SLOTS * std::mem::size_of::<TraceSlot>())?;
-            dev.trace = Some(buf);
-            // SAFETY: each global is a module's 8-byte `baton_trace_buf`, which no kernel has
-            // read yet (none has run).
+            dev.trace = Some((buf, 0));
+            // SAFETY: each global is a module's 8-byte `baton_trace_buf` (its size checked
+            // above), which no kernel has read yet (none has run).
             unsafe {
                 for &g in &trace_globals {
                     dev.copy_htod(g, &buf.to_le_bytes())?;
                 }
             }
+            let tick = dev.measure_trace_tick()?;
+            dev.trace = Some((buf, tick));
         }
         // SAFETY: `cublas` was just created; the stream and workspace outlive the handle (the
         // handle is destroyed first in Drop).
@@ -969,7 +1006,7 @@ impl Device for CudaDevice {
     }
 
     fn mark_step_start(&self) -> Result<(), CudaWorkerError> {
-        if let Some(buf) = self.trace {
+        if let Some((buf, _)) = self.trace {
             // SAFETY: the table lies in `buf`; stream-ordered before the step's kernels (and
             // after the previous step's, which the trace needs one at a time).
             drv("cuMemsetD8Async", unsafe {
@@ -999,13 +1036,13 @@ impl Device for CudaDevice {
     }
 
     fn take_launch_trace(&self) -> Result<Option<StepTrace>, CudaWorkerError> {
-        let Some(buf) = self.trace else {
+        let Some((buf, tick)) = self.trace else {
             return Ok(None);
         };
         let mut table = vec![TraceSlot::EMPTY; TRACE_SLOTS];
         // SAFETY: `buf` holds the whole table; copy_dtoh is stream-ordered after the step.
         unsafe { self.copy_dtoh(bytemuck::cast_slice_mut(&mut table), buf)? };
-        Ok(Some(StepTrace::from_table(&table)))
+        Ok(Some(StepTrace::from_table(&table, tick)))
     }
 
     fn take_profile(&self) -> Result<Vec<(String, f64)>, CudaWorkerError> {
@@ -1049,7 +1086,7 @@ impl Drop for CudaDevice {
             // SAFETY: allocated in `new`, freed once after the handle that used it is gone.
             unsafe { self.free(self.workspace) };
         }
-        if let Some(buf) = self.trace.take() {
+        if let Some((buf, _)) = self.trace.take() {
             // SAFETY: allocated in `new`, freed once; the stream is idle.
             unsafe { self.free(buf) };
         }

@@ -44,6 +44,7 @@ static SOURCES: &[(&str, &str)] = &[
     ),
     ("moe.cu", include_str!("../../../kernels/moe.cu")),
     ("lora.cu", include_str!("../../../kernels/lora.cu")),
+    ("trace.cu", include_str!("../../../kernels/trace.cu")),
 ];
 
 /// `(file name, CUDA C source)` of the headers that kernel files include.
@@ -100,6 +101,7 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("lora.cu", &["baton_lora_shrink", "baton_lora_expand"]),
+    ("trace.cu", &["baton_trace_tick"]),
 ];
 
 /// Element type of weights, activations and the KV cache; selects `elem_t` in

@@ -94,31 +94,44 @@ impl TraceSlot {
 pub struct StepTrace {
     /// The written slots, in table order.
     pub slots: Vec<TraceSlot>,
+    /// The device clock's smallest step (ns; `baton_trace_tick` in kernels/trace.cu), 0 when
+    /// unknown: every time in the trace is a multiple of it.
+    pub tick_ns: u64,
 }
 
 impl StepTrace {
-    /// The written slots of a whole table.
-    pub fn from_table(table: &[TraceSlot]) -> Self {
+    /// The written slots of a whole table, on a clock of `tick_ns`.
+    pub fn from_table(table: &[TraceSlot], tick_ns: u64) -> Self {
         StepTrace {
             slots: table
                 .iter()
                 .filter(|s| **s != TraceSlot::EMPTY)
                 .copied()
                 .collect(),
+            tick_ns,
         }
     }
 
-    /// The step's launches in stream order (by release, then by first arrival), or `None`
-    /// when two launches shared a slot (their times are mixed).
+    /// The step's launches in stream order (by release, then by first arrival, then by
+    /// `%gridid`, which grows with launch order: ties are common on a coarse clock), or `None`
+    /// when two launches shared a slot (their times are mixed): two grids in it, or more
+    /// waiting blocks than the grid has (one launch number reused). Slots with exits but no
+    /// wait (a launch all of whose blocks returned before waiting, which the kernels' rule
+    /// excludes) are left out.
     pub fn launches(&self) -> Option<Vec<LaunchSpan>> {
         let mut out = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
-            if !s.not_grid != s.grid {
+            if s.grid == u64::MAX && s.not_grid == u64::MAX {
+                continue;
+            }
+            let blocks = s.blocks.wrapping_add(1);
+            if !s.not_grid != s.grid || blocks > s.nblocks {
                 return None;
             }
             out.push(LaunchSpan {
+                grid: s.grid,
                 tag: s.tag as u32,
-                blocks: s.blocks.wrapping_add(1) as usize,
+                blocks: blocks as usize,
                 nblocks: s.nblocks as u32,
                 first_pre: s.first_pre,
                 release: s.release,
@@ -126,7 +139,7 @@ impl StepTrace {
                 last_exit: (s.not_last_exit != u64::MAX).then_some(!s.not_last_exit),
             });
         }
-        out.sort_by_key(|s| (s.release, s.first_pre, s.tag));
+        out.sort_by_key(|s| (s.release, s.first_pre, s.grid));
         Some(out)
     }
 }
@@ -159,6 +172,8 @@ pub fn tag_name(tag: u32) -> String {
 /// One launch of a traced step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchSpan {
+    /// Its `%gridid`.
+    pub grid: u64,
     /// Its wait site (the smallest when its blocks wait at different lines).
     pub tag: u32,
     /// Blocks that waited (blocks that return before waiting are not counted).
@@ -220,9 +235,11 @@ pub struct TraceSite {
 pub struct TraceSummary {
     /// Steps averaged: those with the first step's sequence of wait sites.
     pub steps: usize,
-    /// Steps left out: another sequence of launches (another graph bucket, an eager step),
-    /// or two launches in one slot.
+    /// Steps left out: another sequence of launches than the most common one (another graph
+    /// bucket, an eager step, launches tied on a coarse clock), or two launches in one slot.
     pub skipped: usize,
+    /// The device clock's step (ns; 0: unknown): each step's times are multiples of it.
+    pub tick_ns: u64,
     /// Mean µs from the first launch's release to the last launch's.
     pub span_us: f64,
     /// Of it, the hand-overs between kernels (each launch's last exit to the next release),
@@ -234,21 +251,31 @@ pub struct TraceSummary {
     pub sites: Vec<TraceSite>,
 }
 
-/// Averages traced steps (each [`launches`] of one step) position by position. Only steps
-/// whose sequence of launch tags is the first non-empty step's are averaged; the others are
-/// counted in [`TraceSummary::skipped`], as are steps given as `None` (two launches in one
-/// slot).
-pub fn summarize(steps: &[Option<Vec<LaunchSpan>>]) -> TraceSummary {
+/// Averages traced steps (each [`StepTrace::launches`] of one step) position by position on
+/// a clock of `tick_ns` (reported, 0: unknown). Only steps whose sequence of launch tags is the
+/// most common one (the earliest of equals) are averaged; the others are counted in
+/// [`TraceSummary::skipped`], as are empty steps and steps given as `None` (two launches in
+/// one slot).
+pub fn summarize(steps: &[Option<Vec<LaunchSpan>>], tick_ns: u64) -> TraceSummary {
     let tags = |s: &[LaunchSpan]| s.iter().map(|l| l.tag).collect::<Vec<_>>();
-    let reference = steps
+    let seqs: Vec<Vec<u32>> = steps
         .iter()
         .flatten()
-        .find(|s| !s.is_empty())
-        .map(|s| tags(s));
-    let Some(reference) = reference else {
+        .filter(|s| !s.is_empty())
+        .map(|s| tags(s))
+        .collect();
+    let mut reference: Option<(&Vec<u32>, usize)> = None;
+    for q in &seqs {
+        let n = seqs.iter().filter(|o| *o == q).count();
+        if reference.is_none_or(|(_, best)| n > best) {
+            reference = Some((q, n));
+        }
+    }
+    let Some(reference) = reference.map(|(q, _)| q.clone()) else {
         return TraceSummary {
             steps: 0,
             skipped: steps.len(),
+            tick_ns,
             span_us: 0.0,
             handoff_us: 0.0,
             positions: Vec::new(),
@@ -303,6 +330,7 @@ pub fn summarize(steps: &[Option<Vec<LaunchSpan>>]) -> TraceSummary {
     TraceSummary {
         steps: used.len(),
         skipped: steps.len() - used.len(),
+        tick_ns,
         span_us: mean(&|s| us(s[len - 1].release.saturating_sub(s[0].release))),
         handoff_us: positions.iter().filter_map(|p| p.handoff_us).sum(),
         positions,
@@ -329,7 +357,7 @@ mod tests {
         for &(grid, t) in exits {
             table[(grid % 8) as usize].fold_exit(t);
         }
-        StepTrace::from_table(&table)
+        StepTrace::from_table(&table, 1)
     }
 
     #[test]
@@ -389,6 +417,7 @@ mod tests {
                 release: 100,
                 last_release: 180,
                 last_exit: None,
+                grid: 7,
             }
         );
         assert_eq!(
@@ -409,6 +438,22 @@ mod tests {
         // Grids 1 and 9 share slot 1 of the test's 8.
         assert_eq!(step(&[(1, 0, 5, 1), (9, 0, 7, 1)]).launches(), None);
         assert!(step(&[(1, 0, 5, 1), (2, 0, 7, 1)]).launches().is_some());
+        // One launch number on two launches: more waiting blocks than a grid of 4 has.
+        let five = [(3, 0, 5, 1); 5];
+        assert_eq!(step(&five).launches(), None);
+        assert!(step(&five[..4]).launches().is_some());
+    }
+
+    #[test]
+    fn launches_tied_on_a_coarse_clock_keep_launch_order_and_exit_only_slots_are_skipped() {
+        // Grids 5 and 4 released at the same tick, 4 was launched first.
+        let mut table = vec![TraceSlot::EMPTY; 8];
+        table[5].fold(5, 0, 1000, 2, 4);
+        table[4].fold(4, 0, 1000, 3, 4);
+        // A launch whose blocks all returned before waiting: an exit only.
+        table[6].fold_exit(900);
+        let l = StepTrace::from_table(&table, 1000).launches().unwrap();
+        assert_eq!(l.iter().map(|s| s.grid).collect::<Vec<_>>(), [4, 5]);
     }
 
     #[test]
@@ -434,8 +479,9 @@ mod tests {
         // Two steps whose first launch takes 2 and 4 µs and whose second takes 4, one of
         // another shape (skipped), one with a shared slot.
         let other = step(&[(100, 0, 0, 3)]).launches();
-        let s = summarize(&[one(10, 2), one(20, 4), other, None]);
-        assert_eq!((s.steps, s.skipped), (2, 2));
+        let s = summarize(&[one(10, 2), other.clone(), one(20, 4), other, None], 32);
+        // The most common sequence wins, though another step came first.
+        assert_eq!((s.steps, s.skipped, s.tick_ns), (2, 3, 32));
         assert_eq!(s.positions.len(), 3);
         assert_eq!(s.positions[0].share_us, Some(3.0));
         assert_eq!(s.positions[1].share_us, Some(4.0));
@@ -454,7 +500,7 @@ mod tests {
         assert_eq!(s.handoff_us, 3.5);
         // A launch whose exit no step saw has neither.
         let no_exit = step(&[(1, 0, 10, 1), (2, 0, 20, 2)]).launches();
-        let n = summarize(&[no_exit]);
+        let n = summarize(&[no_exit], 0);
         assert_eq!(
             (n.positions[0].body_us, n.positions[0].handoff_us),
             (None, None)
@@ -463,7 +509,7 @@ mod tests {
         assert_eq!(s.sites.len(), 2);
         assert_eq!((s.sites[0].launches, s.sites[0].share_us), (1, 4.0));
         assert_eq!((s.sites[1].launches, s.sites[1].share_us), (2, 3.0));
-        let empty = summarize(&[None, Some(Vec::new())]);
+        let empty = summarize(&[None, Some(Vec::new())], 0);
         assert_eq!((empty.steps, empty.skipped), (0, 2));
     }
 }

@@ -12,6 +12,7 @@ use baton_cuda::kernels::{
     compile_with_options, include_dir_from_env, kernel_entry_points, nvrtc_available,
     ptx_entry_points, ptxas_usage, Dtype, PTXAS_VERBOSE,
 };
+use baton_cuda::trace::file_hash;
 
 /// Bytes per thread a function may spill (stores, and loads alike) in bf16 and f16: what
 /// ptxas (CUDA 13.0) does today. A function matches an entry whose name its (possibly
@@ -78,9 +79,10 @@ fn kernels_compile_with_the_launch_trace_and_only_with_it() {
         let compiled = compile_with_options("sm_90", &include, Dtype::Bf16, &defines)
             .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
         for (file, c) in &compiled {
+            // trace.cu's clock probe reads the timer either way.
             assert_eq!(
                 c.ptx.contains("%globaltimer"),
-                traced,
+                traced || file == "trace.cu",
                 "{file} {defines:?}: %globaltimer"
             );
             assert_eq!(
@@ -89,6 +91,36 @@ fn kernels_compile_with_the_launch_trace_and_only_with_it() {
                 "{file} {defines:?}: the trace buffer's global"
             );
             if traced {
+                // Each wait site's tag names its own file (FNV-1a of the bare name in the high
+                // 16 bits): the immediates of the slot's `red.min`s.
+                // The tag goes through a register: `mov.u64 %rdN, TAG;` then
+                // `red.global.min.u64 [..], %rdN;`.
+                let mut imm: std::collections::HashMap<&str, u64> = Default::default();
+                let mut hashes: Vec<u32> = Vec::new();
+                for l in c.ptx.lines().map(str::trim) {
+                    if let Some(rest) = l.strip_prefix("mov.u64") {
+                        if let Some((reg, v)) = rest.trim().trim_end_matches(';').split_once(',') {
+                            if let Ok(v) = v.trim().parse::<u64>() {
+                                imm.insert(reg.trim(), v);
+                            }
+                        }
+                    } else if let Some(rest) = l.strip_prefix("red.global.min.u64") {
+                        let reg = rest.rsplit(',').next().unwrap_or("").trim();
+                        // (Registers reassigned by other instructions are not tracked: only
+                        // values of a tag's range count.)
+                        if let Some(&v) = imm.get(reg.trim_end_matches(';')) {
+                            if (1 << 16..1 << 32).contains(&v) {
+                                hashes.push((v >> 16) as u32);
+                            }
+                        }
+                    }
+                }
+                let own = [file_hash(file), file_hash("gemv.cuh")];
+                assert!(!hashes.is_empty(), "{file}: no wait-site tag");
+                assert!(
+                    hashes.iter().all(|h| own.contains(h)),
+                    "{file}: wait-site tags of other files {hashes:x?} (own {own:x?})"
+                );
                 assert!(c.ptx.contains("%gridid"), "{file}: no %gridid");
                 // The slot updates are reductions the block never waits for, not atomics
                 // that return a value.
