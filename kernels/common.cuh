@@ -158,8 +158,8 @@ typedef unsigned long long u64;
 // up from all ones, [6] the wait's site (FNV-1a of the file name, low 16 bits, above the line
 // number; `baton_cuda::trace::tag_name` inverts it; the smallest when blocks wait at different
 // lines), [7] the grid's blocks, [8] ~the last exit: every entry point opens with
-// BATON_TRACE_SCOPE(), whose destructor (on every return path) has lane 0 of each warp fold
-// %globaltimer in as it leaves; [9..16) unused. The release orders launches: a kernel's waits
+// BATON_TRACE_SCOPE(), whose destructor (on every return path) lets the block's last warp to
+// leave fold %globaltimer in; [9..16) unused. The release orders launches: a kernel's waits
 // return only after every earlier kernel in the stream has completed, so the first release of
 // launch i + 1 minus that of launch i is launch i's share of the step, overlap included; of
 // it, the last exit minus the release is the kernel's own work after its wait and the next

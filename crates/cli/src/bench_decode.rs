@@ -11,7 +11,7 @@
 //! the previous one runs, as the worker daemon does, and a step's time is the whole run's
 //! wall time over the steps.
 
-use crate::cuda_args::{check_cuda_device, cuda_options, CudaArgs, CudaSizes};
+use crate::cuda_args::{build_cuda_with, check_cuda_device, cuda_options, CudaArgs, CudaSizes};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::decode_floor_seconds;
@@ -82,8 +82,9 @@ pub struct DecodeArgs {
     /// step's device time goes launch by launch, with the kernels overlapping as they do in
     /// a graph replay: each launch's share of the step is the time from its release (every
     /// earlier kernel done) to the next launch's. CUDA only, with --in-flight 1; the trace
-    /// adds an atomic and a store per thread block, so steps run a little slower than
-    /// without it.
+    /// adds a barrier at each kernel's start, a few atomics per thread block that nothing
+    /// waits for, and a 32 MB table fill before each step, so steps run a little slower
+    /// than without it.
     #[arg(long)]
     pub launch_trace: bool,
     /// Sampling temperature of the decode rows (0: greedy, the default). With a temperature
@@ -696,8 +697,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     .retain(|d| !d.starts_with("BATON_TRACE="));
                 opts.tuning.kernel_defines.push("BATON_TRACE=1".to_owned());
             }
-            let mut w = CudaWorker::new(cfg, weights, opts)
-                .context("starting the CUDA backend (--device cuda)")?;
+            let mut w = build_cuda_with(cfg, weights, opts)?;
             w.set_step_timing(a.device_time)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             let bw = w

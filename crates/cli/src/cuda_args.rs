@@ -230,7 +230,18 @@ pub fn build_cuda(
     a: &CudaArgs,
     s: CudaSizes,
 ) -> Result<CudaWorker> {
-    let opts = cuda_options(a, s)?;
+    build_cuda_with(cfg, weights, cuda_options(a, s)?)
+}
+
+/// [`build_cuda`] with the worker options given (a caller that adjusts [`cuda_options`]'s).
+///
+/// # Errors
+/// Every [`baton_cuda::CudaWorkerError`], with context.
+pub fn build_cuda_with(
+    cfg: ModelConfig,
+    weights: impl Into<ModelWeights>,
+    opts: CudaWorkerOptions,
+) -> Result<CudaWorker> {
     CudaWorker::new(cfg, weights, opts).context("starting the CUDA backend (--device cuda)")
 }
 
