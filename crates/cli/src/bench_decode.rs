@@ -100,9 +100,10 @@ pub struct DecodeArgs {
     pub top_k: i32,
     /// Decode launches kept in flight: 2 submits each step while the previous one runs (the
     /// worker daemon's pipelining; CUDA only, the CPU backend runs one at a time), 1 waits
-    /// for each step's fence before staging the next. --device-time needs 1.
-    #[arg(long, default_value_t = 2)]
-    pub in_flight: usize,
+    /// for each step's fence before staging the next. Default 2, or 1 with --device-time or
+    /// --launch-trace, which need 1.
+    #[arg(long)]
+    pub in_flight: Option<usize>,
     /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
@@ -123,6 +124,19 @@ pub struct DecodeArgs {
     /// CUDA flags (--dtype, --enforce-eager, ...).
     #[command(flatten)]
     pub cuda: CudaArgs,
+}
+
+impl DecodeArgs {
+    /// Decode launches in flight: `--in-flight`, else 1 with `--device-time` or
+    /// `--launch-trace` (each times a step alone), else 2.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+            .unwrap_or(if self.device_time || self.launch_trace {
+                1
+            } else {
+                2
+            })
+    }
 }
 
 /// One measured batch size.
@@ -585,19 +599,19 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     if a.device_time && a.device != BenchDevice::Cuda {
         bail!("--device-time needs --device cuda");
     }
-    if a.in_flight == 0 {
+    if a.in_flight() == 0 {
         bail!("--in-flight must be at least 1");
     }
     if a.launch_trace && a.device != BenchDevice::Cuda {
         bail!("--launch-trace needs --device cuda");
     }
-    if a.launch_trace && a.in_flight > 1 {
+    if a.launch_trace && a.in_flight() > 1 {
         bail!(
             "--launch-trace reads each step's trace after its fence: give --in-flight 1 with \
-             it"
+             it (its default)"
         );
     }
-    if a.device_time && a.in_flight > 1 {
+    if a.device_time && a.in_flight() > 1 {
         bail!(
             "--device-time times each step alone: give --in-flight 1 with it (steps in \
              flight overlap, so one step's device time is not its own)"
@@ -776,11 +790,11 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             a.block_size,
             max_tokens,
             params,
-            a.in_flight,
+            a.in_flight(),
             u32::from(a.lora_rank > 0),
         )?;
         let in_flight = a
-            .in_flight
+            .in_flight()
             .clamp(1, backend.as_target().backend().max_in_flight().max(1));
         let floor_s = ctxs
             .iter()

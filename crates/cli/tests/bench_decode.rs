@@ -183,7 +183,32 @@ fn cuda_only_flags_are_refused_on_the_cpu() {
 #[test]
 fn the_launch_trace_needs_one_launch_in_flight() {
     // Refused before any device is opened (so on machines without one too).
-    refused_on("cuda", &["--launch-trace"], "give --in-flight 1");
+    refused_on(
+        "cuda",
+        &["--launch-trace", "--in-flight", "2"],
+        "give --in-flight 1",
+    );
+    refused_on(
+        "cuda",
+        &["--device-time", "--in-flight", "2"],
+        "give --in-flight 1",
+    );
+    // Its default is 1: the run gets as far as opening the GPU.
+    let o = baton()
+        .args([
+            "bench",
+            "decode",
+            "--device",
+            "cuda",
+            "--launch-trace",
+            "--model",
+        ])
+        .arg(model_dir())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("--in-flight"), "{err}");
 }
 
 /// A CPU backend whose steps come with a synthetic launch trace: two launches, the first
