@@ -153,6 +153,14 @@ fn refused(flags: &[&str], needs: &str) {
 /// [`refused`] on `device`.
 #[track_caller]
 fn refused_on(device: &str, flags: &[&str], needs: &str) {
+    let (code, err) = one_step(device, flags);
+    assert_eq!(code, Some(1), "{flags:?}: {err}");
+    assert!(err.contains(needs), "{flags:?}: {err}");
+}
+
+/// Runs a one-step `bench decode` of stories260K on `device` with `flags`: its exit code and
+/// stderr.
+fn one_step(device: &str, flags: &[&str]) -> (Option<i32>, String) {
     let o = baton()
         .args(["bench", "decode", "--device", device])
         .args(flags)
@@ -168,9 +176,10 @@ fn refused_on(device: &str, flags: &[&str], needs: &str) {
         .arg(model_dir())
         .output()
         .expect("runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{flags:?}: {err}");
-    assert!(err.contains(needs), "{flags:?}: {err}");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -194,20 +203,8 @@ fn the_launch_trace_needs_one_launch_in_flight() {
         "give --in-flight 1",
     );
     // Its default is 1: the run gets as far as opening the GPU.
-    let o = baton()
-        .args([
-            "bench",
-            "decode",
-            "--device",
-            "cuda",
-            "--launch-trace",
-            "--model",
-        ])
-        .arg(model_dir())
-        .output()
-        .expect("runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_ne!(o.status.code(), Some(0), "{err}");
+    let (code, err) = one_step("cuda", &["--launch-trace"]);
+    assert_ne!(code, Some(0), "{err}");
     assert!(!err.contains("--in-flight"), "{err}");
 }
 
