@@ -20,18 +20,22 @@
 // The RNG is the same Philox4x32-10 and the same 24-bit construction as the CPU, keyed only by
 // the row's own seed and output index, so a seeded row never depends on its batchmates.
 //
-// Device algorithm (no sort): every "first key in order whose running mass exceeds T" question
-// (top-k boundary by count, top-p boundary by mass, the draw itself) is answered by an MSB-first
-// radix select over the 64-bit keys, 8 bits per pass, with a 256-bin histogram in shared memory,
-// stopping early once the chosen bin holds a single candidate. Masses are fixed point,
-// w = round(exp((x - max) / T) * 2^40) in u64, summed with integer atomics, so the result is
-// bit-deterministic whatever the thread schedule. Deviation from the CPU (which sums f32
+// Device algorithm (no sort of the row): every "first key in order whose running mass exceeds
+// T" question (top-k boundary by count, top-p boundary by mass, the draw itself) is answered
+// from a histogram of the row's mass over bins of (max - logit) / T plus a sorted list of the
+// one bin that holds the answer ("Histogram selection" below; a bin too full to list is
+// searched by the radix select over its own tokens), and for allow-list rows by an MSB-first
+// radix select over the 64-bit keys, 8 bits per pass, with a 256-bin histogram in shared
+// memory, stopping early once the chosen bin holds a single candidate. Both give the same
+// answer. Masses are fixed point, w = round(exp((x - max) / T) * 2^40) in u64, summed with
+// integer atomics, so the result is bit-deterministic whatever the thread schedule. Deviation from the CPU (which sums f32
 // weights in f64): tokens with p / p_max < 2^-41 have zero mass on the device and are never
 // drawn, and a draw within rounding distance of a boundary may pick the neighbouring token.
 //
-// Checked on an H200 by scripts/gpu-check.sh (session 7: goldens, seeded alone vs batched). The selection
-// algorithm is modelled line by line on the CPU in crates/cuda/tests/sampler_model.rs (checked
-// against a sort-and-scan reference); keep the two in step.
+// Checked on an H200 by scripts/gpu-check.sh (session 7: goldens, seeded alone vs batched; the
+// histogram path not yet, session 37). Both selection paths are modelled line by line on the
+// CPU in crates/cuda/tests/sampler_model.rs (checked against each other and a sort-and-scan
+// reference); keep them in step.
 
 #define BATON_MAX_TOP_LOGPROBS 20
 #define BATON_PHILOX_M0 0xD2511F53u
@@ -202,6 +206,8 @@ struct BatonSamplePartial {
 // (every token counts 1, even a zero-weight one) instead of fixed-point mass. `list`
 // (allowed_token_ids, else null): only its BATON_ENTRY_LISTED tokens are candidates, and the
 // passes walk its n_list entries instead of the vocabulary (every other token has zero mass).
+// bin >= 0: only the tokens of that baton_hist_bin are candidates (the histogram path's radix
+// select inside one bin).
 struct BatonSelect {
     const float* x;
     int vocab;
@@ -210,7 +216,21 @@ struct BatonSelect {
     bool by_count;
     const BatonPenaltyEntry* list;
     u32 n_list;
+    int bin;
 };
+
+// Histogram selection's bins (see "Histogram selection" below): BATON_HIST_SCALE bins per nat
+// of (max - logit) / T.
+#define BATON_HIST_BINS 1024
+#define BATON_HIST_SCALE 32.0f
+
+// The bin of cleaned logit c (maxv finite, inv_t > 0 finite): floor((max - c) / T * scale),
+// clamped to the last bin (also for d = inf). Each rounding is monotone, so c1 >= c2 gives
+// bin(c1) <= bin(c2); the explicit _rn operations keep every call site's bits the same.
+__device__ __forceinline__ int baton_hist_bin(float c, float maxv, float inv_t) {
+    const float d = __fmul_rn(__fmul_rn(__fsub_rn(maxv, c), inv_t), BATON_HIST_SCALE);
+    return d < (float)(BATON_HIST_BINS - 1) ? (int)d : BATON_HIST_BINS - 1;
+}
 
 // The token at walk index j, or -1 for an entry that is not a candidate (not listed, or out of
 // the vocabulary).
@@ -220,12 +240,22 @@ __device__ __forceinline__ int baton_select_token(const BatonSelect& s, int j) {
     return (e.flags & BATON_ENTRY_LISTED) && e.token < (u32)s.vocab ? (int)e.token : -1;
 }
 
+// exp((c - max) / T) of a cleaned logit c: its weight relative to the row's maximum. Every
+// selection path computes it here, so all of them see the same bits.
+__device__ __forceinline__ float baton_exp_weight(float c, float maxv, float inv_t) {
+    return expf((c - maxv) * inv_t);
+}
+__device__ __forceinline__ float baton_select_e(const BatonSelect& s, float c) {
+    return baton_exp_weight(c, s.maxv, s.inv_t);
+}
+
 // Metric of token i, whose logit is xi = s.x[i], under `s` (0 = not a candidate) and its key.
 __device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, float xi, u64& key) {
     const float c = baton_clean(xi);
     key = baton_sort_key(c, (u32)i);
     if (key > s.bound) return 0;
-    const float e = expf((c - s.maxv) * s.inv_t);
+    if (s.bin >= 0 && baton_hist_bin(c, s.maxv, s.inv_t) != s.bin) return 0;
+    const float e = baton_select_e(s, c);
     if (e < s.min_p) return 0;
     return s.by_count ? 1ull : baton_fixed_weight(e);
 }
@@ -238,10 +268,31 @@ __device__ __forceinline__ u64 baton_metric(const BatonSelect& s, int i, float x
 #define BATON_SELECT_U 4
 #endif
 
+// Calls f(i, x[i]) for every i in [0, n), each thread its own indices in ascending order,
+// loading BATON_SELECT_U logits (strided by the block) before using any of them. Called by the
+// whole block.
+template <typename F>
+__device__ __forceinline__ void baton_row_walk(const float* x, int n, F&& f) {
+    const int step = (int)blockDim.x;
+    for (int i0 = (int)threadIdx.x; i0 < n; i0 += step * BATON_SELECT_U) {
+        float v[BATON_SELECT_U];
+#pragma unroll
+        for (int u = 0; u < BATON_SELECT_U; ++u) {
+            const int i = i0 + u * step;
+            v[u] = i < n ? x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < BATON_SELECT_U; ++u) {
+            const int i = i0 + u * step;
+            if (i >= n) break;
+            f(i, v[u]);
+        }
+    }
+}
+
 // Calls f(i, key, m) for every token i a selection pass walks (the vocabulary, or the
 // allow-list's candidates), with m = baton_metric (0 included: callers skip it) and its key;
-// each thread walks its own indices in ascending order. Over the vocabulary a thread loads
-// BATON_SELECT_U logits (strided by the block) before using them. Called by the whole block.
+// each thread walks its own indices in ascending order. Called by the whole block.
 template <typename F>
 __device__ __forceinline__ void baton_select_walk(const BatonSelect& s, F&& f) {
     if (s.list) {
@@ -254,24 +305,11 @@ __device__ __forceinline__ void baton_select_walk(const BatonSelect& s, F&& f) {
         }
         return;
     }
-    const int n = s.vocab;
-    const int step = (int)blockDim.x;
-    for (int i0 = (int)threadIdx.x; i0 < n; i0 += step * BATON_SELECT_U) {
-        float v[BATON_SELECT_U];
-#pragma unroll
-        for (int u = 0; u < BATON_SELECT_U; ++u) {
-            const int i = i0 + u * step;
-            v[u] = i < n ? s.x[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < BATON_SELECT_U; ++u) {
-            const int i = i0 + u * step;
-            if (i >= n) break;
-            u64 key;
-            const u64 m = baton_metric(s, i, v[u], key);
-            f(i, key, m);
-        }
-    }
+    baton_row_walk(s.x, s.vocab, [&](int i, float xi) {
+        u64 key;
+        const u64 m = baton_metric(s, i, xi, key);
+        f(i, key, m);
+    });
 }
 
 // Total metric of the candidates. Not inlined, for the same reason as baton_radix_select.
@@ -438,6 +476,359 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
     return prefix;
 }
 
+// ---- Histogram selection -------------------------------------------------------------------
+//
+// The radix select reads the whole row, recomputing exp() per logit, once per 8-bit digit of
+// every question: about a dozen passes for a top-p row (crates/cuda/tests/sampler_model.rs
+// counts them), all in the one block that finishes the row. The histogram path answers the
+// same questions with the same result in fewer passes:
+//   1. one pass builds a histogram of the row's mass and count over BATON_HIST_BINS bins of
+//      d = (max - c) / T (BATON_HIST_SCALE bins per nat; the last bin gathers d >= 31.97,
+//      where exp(-d) * 2^40 rounds to a zero mass, so its tokens are counted and never
+//      weighed). The bin is monotone in the key order (logit descending), so a question's
+//      answer lies in the first bin whose running count or mass exceeds t;
+//   2. one pass compacts that bin's tokens (key, exp weight) into a list in shared memory,
+//      sorted by key, where the answer is the first entry whose running metric exceeds t minus
+//      the bins before it. A bin with more tokens than the list holds (near-equal logits: the
+//      bins are 1/32 nat wide) is searched instead by the radix select restricted to its
+//      tokens, whose passes over the row weigh (exp, atomics) that bin's tokens alone. The
+//      answer's bin becomes the cut: the next question (whose bound is this answer) takes the
+//      bins before the cut whole, the cut bin's candidates up to the bound (from the list, or
+//      one restricted pass), and nothing after it; a question whose answer falls in the listed
+//      bin needs no pass at all;
+//   3. min-p filters weights, not bins: with min_p > 0 one more pass rebuilds the masses under
+//      the final bound and min-p before the draw.
+// Typical reads of the row: 3 for plain temperature, 4 for top-p (6 and 13 with the radix
+// select alone). Either way the token is the radix select's, bit for bit (sampler_model.rs
+// checks both paths against each other and against a sort). Not used for allow-list rows (their passes already
+// walk only the list). BATON_SAMPLE_HIST=0 (a kernel tunable) turns it off.
+#ifndef BATON_SAMPLE_HIST
+#define BATON_SAMPLE_HIST 1
+#endif
+#define BATON_HIST_LIST 2048
+
+// 36 KB: with BatonSampleShared (3.5 KB), under the 48 KB of static shared memory a block may
+// declare.
+struct BatonHistShared {
+    u64 w[BATON_HIST_BINS];       // mass per bin (fixed point, as baton_fixed_weight)
+    u32 c[BATON_HIST_BINS];       // tokens per bin (the first build's; every token counts)
+    u64 key[BATON_HIST_LIST];     // the list: keys of bin list_bin's tokens, ascending
+    float e[BATON_HIST_LIST];     // and their baton_select_e
+    u64 before;                   // baton_hist_scan's answer: running value before `bin`
+    int bin;                      // the bin, -1 when t is not below the total
+    int cut;                      // bin of the current bound (BATON_HIST_BINS: no bound)
+    int list_bin;                 // bin whose tokens the list holds (-1: none)
+    u32 n;                        // entries in the list
+    bool fast;                    // the histogram answers (baton_answer)
+};
+
+// baton_metric of a list entry (its key and baton_select_e).
+__device__ __forceinline__ u64 baton_list_metric(const BatonSelect& s, u64 key, float e) {
+    if (key > s.bound || e < s.min_p) return 0;
+    return s.by_count ? 1ull : baton_fixed_weight(e);
+}
+
+// Exclusive prefix sum of one u64 per thread over the block, and the block's total in `total`.
+// Lane prefixes by an xor butterfly (the running sum of the lanes below), then the warps'.
+__device__ __forceinline__ u64 baton_block_prefix_u64(u64 v, u64* scratch, u64& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    u64 pre = 0, tot = v;
+#pragma unroll
+    for (int o = 1; o < BATON_WARP; o <<= 1) {
+        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
+        if (lane & o) pre += other;
+        tot += other;
+    }
+    __syncthreads();
+    if (lane == 0) scratch[warp] = tot;
+    __syncthreads();
+    u64 below = 0, all = 0;
+    for (int w = 0; w < nwarps; ++w) {
+        const u64 x = scratch[w];
+        if (w < warp) below += x;
+        all += x;
+    }
+    total = all;
+    return below + pre;
+}
+
+// Step 1 (and 3): hs.w = the mass of each bin's candidates under s's bound and min-p
+// (s.by_count is ignored: always mass); with `first`, also hs.c = every token's bin count, and
+// no list yet. Either way there is no cut after it. Ends with a barrier.
+__device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first,
+                                              BatonHistShared& hs) {
+    for (int b = threadIdx.x; b < BATON_HIST_BINS; b += blockDim.x) {
+        hs.w[b] = 0;
+        if (first) hs.c[b] = 0;
+    }
+    if (threadIdx.x == 0) {
+        hs.cut = BATON_HIST_BINS;
+        if (first) hs.list_bin = -1;
+    }
+    __syncthreads();
+    // In registers: read through `s` after a shared atomic, each field would be reloaded from
+    // local memory for every token (the atomics may alias it as far as the compiler knows).
+    const float maxv = s.maxv, inv_t = s.inv_t, min_p = s.min_p;
+    const u64 bound = s.bound;
+    u32 tail = 0;  // tokens of the last bin: no mass, one shared add per thread at the end
+    baton_row_walk(s.x, s.vocab, [&](int i, float xi) {
+        const float c = baton_clean(xi);
+        const int b = baton_hist_bin(c, maxv, inv_t);
+        if (b == BATON_HIST_BINS - 1) {
+            ++tail;
+            return;
+        }
+        const float e = baton_exp_weight(c, maxv, inv_t);
+        if (baton_sort_key(c, (u32)i) <= bound && !(e < min_p))
+            atomicAdd(&hs.w[b], baton_fixed_weight(e));
+        if (first) atomicAdd(&hs.c[b], 1u);
+    });
+    if (first && tail != 0u) atomicAdd(&hs.c[BATON_HIST_BINS - 1], tail);
+    __syncthreads();
+}
+
+// The list's total metric under s. Called by the whole block.
+__device__ __noinline__ u64 baton_list_total(const BatonSelect& s, BatonHistShared& hs,
+                                             BatonSampleShared& sh) {
+    u64 acc = 0;
+    for (u32 j = threadIdx.x; j < hs.n; j += blockDim.x) acc += baton_list_metric(s, hs.key[j], hs.e[j]);
+    return baton_block_sum_u64(acc, sh.scratch_u64);
+}
+
+// The cut bin's total metric under s (its candidates within the bound): from its list, or,
+// for a bin too full to list, a pass over the row that weighs only that bin's tokens; 0 with no
+// cut. Called by the whole block.
+__device__ __noinline__ u64 baton_cut_total(BatonSelect& s, BatonHistShared& hs,
+                                            BatonSampleShared& sh) {
+    const int cut = hs.cut;
+    if (cut >= BATON_HIST_BINS) return 0;
+    if (hs.list_bin == cut) return baton_list_total(s, hs, sh);
+    s.bin = cut;
+    const u64 v = baton_select_total(s, sh);
+    s.bin = -1;
+    return v;
+}
+
+// Total mass of the candidates under s (min-p included only after a rebuild under it): the
+// bins before the cut and the cut bin's candidates within the bound. Called by the whole block.
+__device__ __noinline__ u64 baton_hist_total(BatonSelect& s, BatonHistShared& hs,
+                                             BatonSampleShared& sh) {
+    u64 acc = 0;
+    for (int b = threadIdx.x; b < hs.cut; b += blockDim.x) acc += hs.w[b];
+    const u64 bins = baton_block_sum_u64(acc, sh.scratch_u64);
+    return bins + baton_cut_total(s, hs, sh);
+}
+
+// The value of bin b in a scan: its count (by_count) or mass before the cut, cutv at the cut,
+// nothing after it.
+__device__ __forceinline__ u64 baton_hist_value(const BatonHistShared& hs, int b, bool by_count,
+                                                u64 cutv) {
+    if (b < hs.cut) return by_count ? (u64)hs.c[b] : hs.w[b];
+    return b == hs.cut ? cutv : 0ull;
+}
+
+// The first bin whose running value exceeds t: hs.bin and hs.before (the values of the bins
+// before it), or hs.bin = -1 when t is not below the total. Warp 0: lane l owns bins
+// [32 l, 32 l + 32), an exclusive prefix over the lanes' sums finds the one lane whose range
+// holds t, which scans its bins again. The caller publishes the answer with a barrier.
+__device__ __forceinline__ void baton_hist_scan(u64 t, bool by_count, u64 cutv,
+                                                BatonHistShared& hs) {
+    if (threadIdx.x >= BATON_WARP) return;
+    constexpr int per = BATON_HIST_BINS / BATON_WARP;
+    const int lane = threadIdx.x;
+    u64 sum = 0;
+    for (int k = 0; k < per; ++k) sum += baton_hist_value(hs, lane * per + k, by_count, cutv);
+    u64 pre = 0, tot = sum;
+#pragma unroll
+    for (int o = 1; o < BATON_WARP; o <<= 1) {
+        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
+        if (lane & o) pre += other;
+        tot += other;
+    }
+    if (pre <= t && t < pre + sum) {
+        u64 b = pre;
+        for (int k = 0; k < per; ++k) {
+            const int d = lane * per + k;
+            const u64 v = baton_hist_value(hs, d, by_count, cutv);
+            if (b + v > t) {
+                hs.bin = d;
+                hs.before = b;
+                break;
+            }
+            b += v;
+        }
+    } else if (lane == 0 && !(t < tot)) {
+        hs.bin = -1;
+    }
+}
+
+// Step 2's pass: the list = bin `bin`'s tokens (hs.c[bin] <= BATON_HIST_LIST of them), sorted
+// by key (bitonic, padded to a power of two with key ~0, which no cleaned logit has).
+__device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int bin,
+                                                BatonHistShared& hs) {
+    if (threadIdx.x == 0) hs.n = 0;
+    __syncthreads();
+    const float maxv = s.maxv, inv_t = s.inv_t;  // in registers, as in baton_hist_build
+    baton_row_walk(s.x, s.vocab, [&](int i, float xi) {
+        const float c = baton_clean(xi);
+        if (baton_hist_bin(c, maxv, inv_t) != bin) return;
+        const u32 j = atomicAdd(&hs.n, 1u);
+        hs.key[j] = baton_sort_key(c, (u32)i);
+        hs.e[j] = baton_exp_weight(c, maxv, inv_t);
+    });
+    __syncthreads();
+    const u32 n = hs.n;
+    u32 np = 1;
+    while (np < n) np <<= 1;
+    for (u32 j = n + threadIdx.x; j < np; j += blockDim.x) {
+        hs.key[j] = ~0ull;
+        hs.e[j] = 0.0f;
+    }
+    __syncthreads();
+    for (u32 k = 2; k <= np; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < np; i += blockDim.x) {
+                const u32 l = i ^ j;
+                if (l <= i) continue;
+                const u64 a = hs.key[i], b = hs.key[l];
+                if ((a > b) == ((i & k) == 0u)) {
+                    hs.key[i] = b;
+                    hs.key[l] = a;
+                    const float ea = hs.e[i];
+                    hs.e[i] = hs.e[l];
+                    hs.e[l] = ea;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    if (threadIdx.x == 0) hs.list_bin = bin;
+    __syncthreads();
+}
+
+// The key of the first list entry whose running metric under s exceeds t (requires t below the
+// list's total). Each thread owns a contiguous run of entries. Called by the whole block.
+__device__ __noinline__ u64 baton_list_select(const BatonSelect& s, u64 t, BatonHistShared& hs,
+                                              BatonSampleShared& sh) {
+    const u32 n = hs.n;
+    const u32 chunk = (n + blockDim.x - 1) / blockDim.x;
+    const u32 lo = min(threadIdx.x * chunk, n), hi = min(lo + chunk, n);
+    u64 own = 0;
+    for (u32 j = lo; j < hi; ++j) own += baton_list_metric(s, hs.key[j], hs.e[j]);
+    u64 total;
+    u64 run = baton_block_prefix_u64(own, sh.scratch_u64, total);
+    u64 found = ~0ull;
+    if (run <= t && t < run + own) {
+        for (u32 j = lo; j < hi; ++j) {
+            run += baton_list_metric(s, hs.key[j], hs.e[j]);
+            if (run > t) {
+                found = hs.key[j];
+                break;
+            }
+        }
+    }
+    return baton_block_min_u64(found, sh.scratch_u64);
+}
+
+// baton_radix_select(s, t) through the histogram. The answer's bin b is listed and the answer
+// read from the list, or, when b holds more tokens than the list (near-equal logits), found by
+// the radix select over b's tokens alone (t less the bins before b: the same key), whose passes
+// weigh no other token. ok = false (nothing changed) when t is not below the total
+// (unreachable for the sampler's questions): the caller asks the radix select instead. A count
+// question (top-k) whose answer is in the last bin returns no bound (~0): the tokens it would
+// cut have no mass, so no later answer changes.
+__device__ __noinline__ u64 baton_hist_select(BatonSelect& s, u64 t, BatonHistShared& hs,
+                                              BatonSampleShared& sh, bool& ok) {
+    const u64 cutv = baton_cut_total(s, hs, sh);
+    baton_hist_scan(t, s.by_count, cutv, hs);
+    __syncthreads();
+    const int b = hs.bin;
+    const u64 before = hs.before;
+    ok = b >= 0;
+    if (!ok) return 0;
+    if (s.by_count && b == BATON_HIST_BINS - 1) return ~0ull;
+    u64 key;
+    if (hs.c[b] <= BATON_HIST_LIST) {
+        if (hs.list_bin != b) baton_hist_compact(s, b, hs);
+        key = baton_list_select(s, t - before, hs, sh);
+    } else {
+        s.bin = b;
+        key = baton_radix_select(s, t - before, sh);
+        s.bin = -1;
+    }
+    __syncthreads();  // every thread has read hs.cut (baton_cut_total) before it moves
+    if (threadIdx.x == 0) hs.cut = b;
+    __syncthreads();
+    return key;
+}
+
+// A question's answer (baton_radix_select(s, t)): through the histogram while hs.fast, else
+// (from the first question it could not answer on) the radix select over the row.
+__device__ __noinline__ u64 baton_answer(BatonSelect& s, u64 t, BatonHistShared& hs,
+                                         BatonSampleShared& sh) {
+    if (hs.fast) {
+        bool ok;
+        const u64 k = baton_hist_select(s, t, hs, sh, ok);
+        if (ok) return k;
+        __syncthreads();  // every thread has read hs.fast
+        if (threadIdx.x == 0) hs.fast = false;
+        __syncthreads();
+    }
+    return baton_radix_select(s, t, sh);
+}
+
+// The candidates' total metric under s, as baton_answer answers.
+__device__ __noinline__ u64 baton_answer_total(BatonSelect& s, BatonHistShared& hs,
+                                               BatonSampleShared& sh) {
+    return hs.fast ? baton_hist_total(s, hs, sh) : baton_select_total(s, sh);
+}
+
+// The sampled token of a row (not greedy, maxv finite): top-k, top-p and min-p prefixes of the
+// key order, then the inverse CDF at u = baton_uniform(seed, *idx) over the kept prefix (the
+// row's parameters at pp: read here, not passed in registers); `list`
+// (allowed_token_ids, else null) restricts the candidates. The histogram path while it can
+// answer (see "Histogram selection"), else the radix select: the same answers. Not inlined, so
+// that the kernel's values stay out of the selection's registers (inlined, the 64-register
+// sampler spilled 52 bytes, ptxas -v, sm_90).
+__device__ __noinline__ u32 baton_sample_token(const float* x, int vocab, float maxv, float inv_t,
+                                               const BatonSamplingParams* pp, const u32* idx,
+                                               const BatonPenaltyEntry* list, u32 n_list,
+                                               BatonSampleShared& sh, BatonHistShared& hs) {
+    BatonSelect s;
+    s.x = x;
+    s.vocab = vocab;
+    s.maxv = maxv;
+    s.inv_t = inv_t;
+    s.min_p = 0.0f;
+    s.bound = ~0ull;
+    s.by_count = true;
+    s.list = list;
+    s.n_list = n_list;
+    s.bin = -1;
+    // Candidates before top-k: the vocabulary, or the listed tokens.
+    const u64 n_cand = list ? baton_select_total(s, sh) : (u64)vocab;
+    if (threadIdx.x == 0) hs.fast = BATON_SAMPLE_HIST != 0 && !list;
+    __syncthreads();
+    if (hs.fast) baton_hist_build(s, true, hs);
+    if (pp->top_k > 0 && (u64)pp->top_k < n_cand)
+        s.bound = baton_answer(s, (u64)(pp->top_k - 1), hs, sh);
+    s.by_count = false;
+    if (pp->top_p < 1.0f) {
+        const u64 z = baton_answer_total(s, hs, sh);
+        const double target = ceil((double)pp->top_p * (double)z);
+        u64 t = target > 0.0 ? (u64)target - 1 : 0;
+        if (t >= z) t = z - 1;
+        s.bound = baton_answer(s, t, hs, sh);
+    }
+    s.min_p = pp->min_p > 0.0f ? fminf(pp->min_p, 1.0f) : 0.0f;
+    if (hs.fast && s.min_p > 0.0f) baton_hist_build(s, false, hs);
+    const u64 m = baton_answer_total(s, hs, sh);
+    // floor(u * m) exactly, u = bits / 2^24, m < 2^58.
+    const u64 bits = baton_uniform_bits(pp->seed, *idx);
+    const u64 t = (m >> 24) * bits + (((m & 0xFFFFFFull) * bits) >> 24);
+    return (u32)baton_answer(s, t, hs, sh);
+}
+
 #define BATON_SAMPLE_U 8
 
 // v[u] = x[i0 + u * blockDim.x] for the indices below n (the rest left unset): all loads issued
@@ -583,6 +974,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
+    __shared__ BatonHistShared hs;
     const int row = blockIdx.x;
     const int splits = (int)gridDim.y;
     float* x = logits + (size_t)row * logits_stride;
@@ -681,34 +1073,8 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     const bool greedy = !(p.temperature > 0.0f) || p.top_k == 1 || isinf(inv_t);
     u32 token = argmax;
     if (!greedy && maxv != BATON_NEG_INF) {
-        BatonSelect s;
-        s.x = x;
-        s.vocab = vocab;
-        s.maxv = maxv;
-        s.inv_t = inv_t;
-        s.min_p = 0.0f;
-        s.bound = ~0ull;
-        s.by_count = true;
-        s.list = allow ? pe : nullptr;
-        s.n_list = allow ? pr.count : 0u;
-        // Candidates before top-k: the vocabulary, or the listed tokens.
-        const u64 n_cand = allow ? baton_select_total(s, sh) : (u64)vocab;
-        if (p.top_k > 0 && (u64)p.top_k < n_cand)
-            s.bound = baton_radix_select(s, (u64)(p.top_k - 1), sh);
-        s.by_count = false;
-        if (p.top_p < 1.0f) {
-            const u64 z = baton_select_total(s, sh);
-            const double target = ceil((double)p.top_p * (double)z);
-            u64 t = target > 0.0 ? (u64)target - 1 : 0;
-            if (t >= z) t = z - 1;
-            s.bound = baton_radix_select(s, t, sh);
-        }
-        s.min_p = p.min_p > 0.0f ? fminf(p.min_p, 1.0f) : 0.0f;
-        const u64 m = baton_select_total(s, sh);
-        // floor(u * m) exactly, u = bits / 2^24, m < 2^58.
-        const u64 bits = baton_uniform_bits(p.seed, output_index[row]);
-        const u64 t = (m >> 24) * bits + (((m & 0xFFFFFFull) * bits) >> 24);
-        token = (u32)baton_radix_select(s, t, sh);
+        token = baton_sample_token(x, vocab, maxv, inv_t, params + row, output_index + row,
+                                   allow ? pe : nullptr, allow ? pr.count : 0u, sh, hs);
     } else if (!greedy) {
         token = 0;  // every logit is -inf / NaN
     }

@@ -2114,6 +2114,105 @@ fn sampling_a_llama_sized_vocabulary_matches_the_cpu() {
     });
 }
 
+#[path = "../../cuda/tests/support/device_sampler_model.rs"]
+mod sampler_model;
+
+/// The sampler's histogram path (kernels/sampling.cu, "Histogram selection") picks the token
+/// of the device semantics (the model's sort-and-scan reference: fixed-point masses, key
+/// order) on rows where it answers every question from its lists (a Llama-3-sized row with a
+/// trained model's spread: top-p, plain temperature, top-k, all three with min-p), and on rows
+/// where it must not: near-equal logits overflow a bin's list (the radix select inside the bin),
+/// and a top-k that reaches the last, zero-mass bin. The model says which path each row takes;
+/// both must occur. Then a top-3 row at a high temperature over twelve draws, which must draw
+/// each of the three.
+#[test]
+fn the_histogram_sampler_picks_the_reference_token_on_either_path() {
+    use sampler_model::{hist_model, logits, sorted_reference, Params as ModelParams, HIST_LIST};
+    let case = |t: f32, top_p: f32, top_k: i32, min_p: f32, seed: u64| SamplingParams {
+        temperature: t,
+        top_p,
+        top_k,
+        min_p,
+        seed,
+        want_logprob: 1,
+        ..SamplingParams::greedy()
+    };
+    let model = |p: &SamplingParams| ModelParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k,
+        min_p: p.min_p,
+        seed: p.seed,
+    };
+    let wide = [
+        case(0.8, 0.95, 0, 0.0, 1),
+        case(1.0, 1.0, 0, 0.0, 2),
+        case(0.7, 1.0, 50, 0.0, 3),
+        case(1.0, 0.9, 40, 0.05, 4),
+    ];
+    let narrow = [
+        case(1.0, 0.9, 0, 0.0, 5),
+        case(0.3, 1.0, 2990, 0.0, 6),
+        case(0.9, 0.8, 0, 0.02, 7),
+    ];
+    every_schedule(|| {
+        let mut fell_back = Vec::new();
+        for (vocab, rows) in [
+            (
+                128_256usize,
+                wide.iter().map(|p| (p, 30.0f32)).collect::<Vec<_>>(),
+            ),
+            (
+                3000,
+                narrow.iter().zip([0.001f32, 12.0, 0.0]).collect::<Vec<_>>(),
+            ),
+        ] {
+            let xs: Vec<Vec<f32>> = rows
+                .iter()
+                .enumerate()
+                .map(|(r, &(_, spread))| logits(vocab, 40 + r as u32, spread, false))
+                .collect();
+            let params: Vec<SamplingParams> = rows.iter().map(|&(p, _)| *p).collect();
+            let idx: Vec<u32> = (0..rows.len() as u32).map(|i| 100 + i).collect();
+            let batch: Vec<f32> = xs.concat();
+            let o = sample(&batch, vocab, &params, &idx);
+            for (r, p) in params.iter().enumerate() {
+                let mp = model(p);
+                let (_, _, restricted) = hist_model(&xs[r], &mp, idx[r], HIST_LIST);
+                fell_back.push(restricted > 0);
+                assert_eq!(
+                    o.tokens[r],
+                    sorted_reference(&xs[r], &mp, idx[r]),
+                    "vocab {vocab} row {r}"
+                );
+            }
+        }
+        assert_eq!(
+            fell_back,
+            [false, false, false, false, true, false, true],
+            "which rows the model says search a bin too full to list"
+        );
+        // Top-3 at a high temperature, over many draws: the third token is drawn too, so a
+        // boundary off by one in the list's count would show.
+        let vocab = 3000usize;
+        let x = logits(vocab, 77, 12.0, false);
+        let params: Vec<SamplingParams> = (0..12).map(|i| case(5.0, 1.0, 3, 0.0, i)).collect();
+        let idx: Vec<u32> = (0..12).collect();
+        let o = sample(&x.repeat(params.len()), vocab, &params, &idx);
+        for (r, p) in params.iter().enumerate() {
+            assert_eq!(
+                o.tokens[r],
+                sorted_reference(&x, &model(p), idx[r]),
+                "top-3 row {r}"
+            );
+        }
+        let mut drawn = o.tokens.clone();
+        drawn.sort_unstable();
+        drawn.dedup();
+        assert_eq!(drawn.len(), 3, "top-3 draws {:?}", o.tokens);
+    });
+}
+
 /// `baton_score_rows` (prompt log-probabilities) against the CPU worker's `Sampler::score` and
 /// `sampling::rank_of`: rows with ties at the token's logit and in the top entries, NaN (as
 /// -inf), +inf (as f32::MAX), an all -inf row, a token that is the row's only finite logit, and

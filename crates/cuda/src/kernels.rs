@@ -283,6 +283,7 @@ pub const KERNEL_TUNABLES: &[&str] = &[
     "BATON_GEMV_T1_U",
     "BATON_GEMV_PREWAIT_L2",
     "BATON_SAMPLE_BIN_CACHE",
+    "BATON_SAMPLE_HIST",
     "BATON_SELECT_U",
     "BATON_TRACE",
 ];

@@ -2,7 +2,9 @@
 //! fixed-point masses, MSB-first 8-bit radix select with the single-candidate early exit), checked
 //! against a plain sort-and-scan of the same semantics. This runs without a GPU and protects the
 //! part of the kernel that is easiest to get subtly wrong (prefix/`below` bookkeeping, bounds,
-//! early exit); it does not test the CUDA translation itself, which needs a device.
+//! early exit); it does not test the CUDA translation itself, which needs a device. The kernel's
+//! histogram path (`BATON_SAMPLE_HIST`: one mass histogram over the row, then one bin's list per
+//! question) is modelled too and must give the radix select's token.
 
 #[path = "support/device_sampler_model.rs"]
 mod model;
@@ -76,5 +78,115 @@ fn device_model_handles_non_finite_logits_and_ties() {
         let (tok, _) = device_model(&x, &p, 0);
         assert!(tok == 2 || tok == 4, "{tok}");
         assert_eq!(tok, sorted_reference(&x, &p, 0));
+    }
+}
+
+/// The histogram path gives the radix select's token on every configuration of the radix test,
+/// on rows whose bins overflow the list (the radix select inside the bin, forced also by a tiny
+/// capacity), on a top-k that reaches the last (zero-mass) bin, and on a Llama-3-sized row,
+/// where every answer must come from a list and the row be read at most five times, the max
+/// pass included (the radix
+/// select reads it 6-17 times there: 6 for plain temperature, 13 for top-p, 17 with everything).
+#[test]
+fn the_histogram_path_picks_the_radix_selects_token() {
+    let configs = [
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 0.9, 0, 0.0),
+        (1.3, 1.0, 40, 0.0),
+        (1.0, 0.5, 40, 0.05),
+        (2.0, 0.95, 0, 0.01),
+        (1.0, 1.0, 0, 0.2),
+        (0.5, 0.0, 0, 0.0),
+        (1.0, 0.999, 1000, 0.0),
+        (0.3, 1.0, 2990, 0.0),
+        (0.8, 0.95, 0, 0.0),
+    ];
+    let mut restricted = [0u32; 2];
+    for (salt, (n, spread, quantize)) in [
+        (3000usize, 12.0f32, false),
+        (3000, 12.0, true),
+        (300, 40.0, false),
+        (5, 1.0, true),
+        (3000, 0.01, false),
+        (3000, 0.0, false),
+        (3000, 400.0, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let x = logits(n, salt as u32, spread, quantize);
+        for &(temperature, top_p, top_k, min_p) in &configs {
+            for seed in 0..12u64 {
+                let p = Params {
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                };
+                let (want, _) = device_model(&x, &p, seed as u32);
+                for (c, cap) in [HIST_LIST, 16].into_iter().enumerate() {
+                    let (tok, _, r) = hist_model(&x, &p, seed as u32, cap);
+                    restricted[c] += r;
+                    assert_eq!(
+                        tok, want,
+                        "n={n} spread={spread} quantize={quantize} t={temperature} \
+                         top_p={top_p} top_k={top_k} min_p={min_p} seed={seed} cap={cap}"
+                    );
+                }
+            }
+        }
+    }
+    // Both ways were taken: narrow rows overflow the list, and the tiny list overflows more.
+    assert!(
+        restricted[0] > 0 && restricted[1] > restricted[0],
+        "{restricted:?}"
+    );
+
+    // A Llama-3-sized row with a trained model's spread of logits.
+    let x = logits(128_256, 99, 30.0, false);
+    for (temperature, top_p, top_k, min_p) in [
+        (0.8f32, 0.95f32, 0i32, 0.0f32),
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 1.0, 50, 0.0),
+        (1.0, 0.9, 40, 0.05),
+    ] {
+        for seed in 0..4u64 {
+            let p = Params {
+                temperature,
+                top_p,
+                top_k,
+                min_p,
+                seed,
+            };
+            let (tok, passes, r) = hist_model(&x, &p, seed as u32, HIST_LIST);
+            assert_eq!(r, 0, "t={temperature} top_p={top_p} top_k={top_k}");
+            let (_, radix_passes) = device_model(&x, &p, seed as u32);
+            assert!(
+                passes <= 5 && passes < radix_passes,
+                "{passes} passes, radix {radix_passes}"
+            );
+            assert_eq!(tok, sorted_reference(&x, &p, seed as u32));
+        }
+    }
+
+    // The benchmark's rows (random weights: logits of a standard deviation near 0.9, about
+    // 1400 tokens a bin at the densest for temperature 0.8), here as a uniform spread of 2.5
+    // (about 1300): they fit the list, and would not fit half of it.
+    let x = logits(128_256, 98, 2.5, false);
+    for seed in 0..4u64 {
+        let p = Params {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 0,
+            min_p: 0.0,
+            seed,
+        };
+        let (tok, _, r) = hist_model(&x, &p, seed as u32, HIST_LIST);
+        assert_eq!(r, 0, "seed {seed}");
+        assert_eq!(tok, sorted_reference(&x, &p, seed as u32));
+        let (half, _, r) = hist_model(&x, &p, seed as u32, HIST_LIST / 2);
+        assert!(r > 0, "seed {seed}: fits half the list");
+        assert_eq!(half, tok);
     }
 }

@@ -51,6 +51,7 @@ pub fn fixed(e: f32) -> u64 {
     (e * FIX_ONE).round_ties_even() as u64
 }
 
+#[derive(Clone, Copy)]
 pub struct Select<'a> {
     x: &'a [f32],
     maxv: f32,
@@ -58,6 +59,8 @@ pub struct Select<'a> {
     min_p: f32,
     bound: u64,
     by_count: bool,
+    /// Only the tokens of this `hist_bin` are candidates.
+    bin: Option<usize>,
 }
 
 impl Select<'_> {
@@ -65,6 +68,12 @@ impl Select<'_> {
         let c = clean(self.x[i]);
         let key = sort_key(c, i as u32);
         if key > self.bound {
+            return (0, key);
+        }
+        if self
+            .bin
+            .is_some_and(|b| hist_bin(c, self.maxv, self.inv_t) != b)
+        {
             return (0, key);
         }
         let e = ((c - self.maxv) * self.inv_t).exp();
@@ -137,6 +146,165 @@ impl Select<'_> {
     }
 }
 
+/// `BATON_HIST_BINS` / `BATON_HIST_SCALE` / `BATON_HIST_LIST` of `kernels/sampling.cu`.
+pub const HIST_BINS: usize = 1024;
+pub const HIST_SCALE: f32 = 32.0;
+pub const HIST_LIST: usize = 2048;
+
+/// `baton_hist_bin`: the bin of cleaned logit `c`, monotone in the key order.
+pub fn hist_bin(c: f32, maxv: f32, inv_t: f32) -> usize {
+    let d = (maxv - c) * inv_t * HIST_SCALE;
+    if d < (HIST_BINS - 1) as f32 {
+        d as usize
+    } else {
+        HIST_BINS - 1
+    }
+}
+
+/// The histogram path's state (`BatonHistShared`): per-bin mass and count, the cut bin (the
+/// bin of the current bound; `HIST_BINS` for none) and the compacted list of one bin, sorted by
+/// key, as (key, e); `restricted` counts the questions answered by the radix select inside a
+/// bin too full to list.
+pub struct Hist {
+    w: Vec<u64>,
+    c: Vec<u32>,
+    cut: usize,
+    list_bin: Option<usize>,
+    list: Vec<(u64, f32)>,
+    cap: usize,
+    restricted: u32,
+}
+
+impl Select<'_> {
+    fn e_of(&self, c: f32) -> f32 {
+        ((c - self.maxv) * self.inv_t).exp()
+    }
+
+    /// `baton_list_metric`: the metric of a list entry under this filter.
+    fn metric_of(&self, key: u64, e: f32) -> u64 {
+        if key > self.bound || e < self.min_p {
+            0
+        } else if self.by_count {
+            1
+        } else {
+            fixed(e)
+        }
+    }
+
+    /// `baton_hist_build`: every token's bin, mass under this filter (and, with `counts`, its
+    /// count; the first build is unfiltered).
+    fn hist_build(&self, h: &mut Hist, counts: bool, passes: &mut u32) {
+        *passes += 1;
+        h.w.iter_mut().for_each(|w| *w = 0);
+        if counts {
+            h.c.iter_mut().for_each(|c| *c = 0);
+        }
+        for (i, &xi) in self.x.iter().enumerate() {
+            let c = clean(xi);
+            let b = hist_bin(c, self.maxv, self.inv_t);
+            let m = self.metric_of(sort_key(c, i as u32), self.e_of(c));
+            // The kernel weighs no token of the last bin: each has a zero mass.
+            assert!(
+                b < HIST_BINS - 1 || m == 0,
+                "token {i} of the last bin weighs {m}"
+            );
+            h.w[b] += m;
+            if counts {
+                h.c[b] += 1;
+            }
+        }
+        h.cut = HIST_BINS;
+    }
+
+    /// `baton_hist_total`: the total metric (mass) of the candidates.
+    fn hist_total(&self, h: &Hist, passes: &mut u32) -> u64 {
+        let before: u64 = h.w[..h.cut.min(HIST_BINS)].iter().sum();
+        before + self.cut_total(h, passes)
+    }
+
+    /// `baton_cut_total`: the cut bin's candidates, from its list or a restricted pass.
+    fn cut_total(&self, h: &Hist, passes: &mut u32) -> u64 {
+        if h.cut >= HIST_BINS {
+            0
+        } else if h.list_bin == Some(h.cut) {
+            h.list.iter().map(|&(k, e)| self.metric_of(k, e)).sum()
+        } else {
+            *passes += 1;
+            Select {
+                bin: Some(h.cut),
+                ..*self
+            }
+            .total()
+        }
+    }
+
+    /// `baton_hist_select`: `radix_select(t)` from the histogram and one bin's list (or the
+    /// radix select inside a bin too full to list), or `None` when the kernel falls back to
+    /// the radix select over the row (t not below the total).
+    fn hist_select(&self, h: &mut Hist, t: u64, passes: &mut u32) -> Option<u64> {
+        let cutv = self.cut_total(h, passes);
+        let value = |b: usize| -> u64 {
+            match b.cmp(&h.cut) {
+                std::cmp::Ordering::Less if self.by_count => u64::from(h.c[b]),
+                std::cmp::Ordering::Less => h.w[b],
+                std::cmp::Ordering::Equal => cutv,
+                std::cmp::Ordering::Greater => 0,
+            }
+        };
+        let mut before = 0u64;
+        let mut chosen = None;
+        for b in 0..HIST_BINS {
+            let v = value(b);
+            if before + v > t {
+                chosen = Some(b);
+                break;
+            }
+            before += v;
+        }
+        let b = chosen?;
+        if self.by_count && b == HIST_BINS - 1 {
+            // Every token of the last bin has zero mass: no bound changes a later answer.
+            assert_eq!(h.w[b], 0, "the last bin holds mass");
+            return Some(!0);
+        }
+        if h.c[b] as usize > h.cap {
+            h.restricted += 1;
+            let r = Select {
+                bin: Some(b),
+                ..*self
+            };
+            let key = r.radix_select(t - before, passes);
+            h.cut = b;
+            return Some(key);
+        }
+        if h.list_bin != Some(b) {
+            *passes += 1;
+            h.list = (0..self.x.len())
+                .filter_map(|i| {
+                    let c = clean(self.x[i]);
+                    (hist_bin(c, self.maxv, self.inv_t) == b)
+                        .then(|| (sort_key(c, i as u32), self.e_of(c)))
+                })
+                .collect();
+            h.list.sort_unstable_by_key(|o| o.0);
+            h.list_bin = Some(b);
+        }
+        let tb = t - before;
+        let mut cum = 0u64;
+        let key = h
+            .list
+            .iter()
+            .find(|&&(k, e)| {
+                cum += self.metric_of(k, e);
+                cum > tb
+            })
+            .expect("the bin holds mass above t")
+            .0;
+        h.cut = b;
+        Some(key)
+    }
+}
+
 pub struct Params {
     pub temperature: f32,
     pub top_p: f32,
@@ -156,6 +324,7 @@ pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
         min_p: 0.0,
         bound: !0,
         by_count: true,
+        bin: None,
     };
     if p.top_k > 0 && (p.top_k as usize) < x.len() {
         s.bound = s.radix_select((p.top_k - 1) as u64, &mut passes);
@@ -177,6 +346,81 @@ pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
     let bits = uniform_bits(p.seed, output_index);
     let t = (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24);
     (s.radix_select(t, &mut passes) as u32, passes)
+}
+
+/// The kernel's histogram path (`BATON_SAMPLE_HIST`, `baton_sample_f32` on a row without an
+/// allow-list): (token, passes over the row, questions answered by the radix select inside a
+/// bin too full to list). `cap` is the list's capacity (`HIST_LIST`, smaller in tests).
+pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32, u32, u32) {
+    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
+    let mut passes = 1;
+    let mut s = Select {
+        x,
+        maxv,
+        inv_t: 1.0 / p.temperature,
+        min_p: 0.0,
+        bound: !0,
+        by_count: false,
+        bin: None,
+    };
+    let mut h = Hist {
+        w: vec![0; HIST_BINS],
+        c: vec![0; HIST_BINS],
+        cut: HIST_BINS,
+        list_bin: None,
+        list: Vec::new(),
+        cap,
+        restricted: 0,
+    };
+    s.hist_build(&mut h, true, &mut passes);
+    let mut fast = true;
+    // Each question: the histogram's answer, else (once it falls back) the radix select's.
+    let select = |s: &Select, h: &mut Hist, t: u64, fast: &mut bool, passes: &mut u32| {
+        if *fast {
+            if let Some(k) = s.hist_select(h, t, passes) {
+                return k;
+            }
+            *fast = false;
+        }
+        s.radix_select(t, passes)
+    };
+    s.by_count = true;
+    if p.top_k > 0 && (p.top_k as usize) < x.len() {
+        s.bound = select(&s, &mut h, (p.top_k - 1) as u64, &mut fast, &mut passes);
+    }
+    s.by_count = false;
+    if p.top_p < 1.0 {
+        let z = if fast {
+            s.hist_total(&h, &mut passes)
+        } else {
+            passes += 1;
+            s.total()
+        };
+        let target = (f64::from(p.top_p) * z as f64).ceil();
+        let mut t = if target > 0.0 { target as u64 - 1 } else { 0 };
+        if t >= z {
+            t = z - 1;
+        }
+        s.bound = select(&s, &mut h, t, &mut fast, &mut passes);
+    }
+    s.min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
+    if fast && s.min_p > 0.0 {
+        s.hist_build(&mut h, false, &mut passes);
+    }
+    let m = if fast {
+        s.hist_total(&h, &mut passes)
+    } else {
+        passes += 1;
+        s.total()
+    };
+    let bits = uniform_bits(p.seed, output_index);
+    let t = (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24);
+    let token = select(&s, &mut h, t, &mut fast, &mut passes) as u32;
+    assert!(
+        fast,
+        "t below the total: the histogram answers every question"
+    );
+    (token, passes, h.restricted)
 }
 
 /// The same semantics by sorting: prefixes of the key order, fixed-point masses.
