@@ -143,8 +143,10 @@ __device__ __forceinline__ u64 baton_sort_key(float x, u32 id) {
     return ((u64)(~ord) << 32) | (u64)id;
 }
 
+// round(e * 2^40); 0 for a NaN weight (exp(-inf * 0), a -inf logit at an infinite temperature,
+// which no entry point sends: the hardware converts NaN to 2^63 for a u64, PTX ISA 9.0 cvt).
 __device__ __forceinline__ u64 baton_fixed_weight(float e) {
-    return __float2ull_rn(e * BATON_FIX_ONE);
+    return e > 0.0f ? __float2ull_rn(e * BATON_FIX_ONE) : 0ull;
 }
 
 __device__ __forceinline__ u64 baton_warp_sum_u64(u64 v) {
@@ -506,6 +508,7 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
 #define BATON_SAMPLE_HIST 1
 #endif
 #define BATON_HIST_LIST 2048
+#define BATON_HIST_FREE 2047u  // baton_hist_build's mark of a free register bin
 
 // 36 KB: with BatonSampleShared (3.5 KB), under the 48 KB of static shared memory a block may
 // declare.
@@ -571,18 +574,50 @@ __device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first,
     const float maxv = s.maxv, inv_t = s.inv_t, min_p = s.min_p;
     const u64 bound = s.bound;
     u32 tail = 0;  // tokens of the last bin: no mass, one shared add per thread at the end
+    // Two register bins in front of the shared ones, as the radix select's
+    // (BATON_SAMPLE_BIN_CACHE): a u64 shared atomicAdd is a compare-and-swap loop on sm_90
+    // (ATOMS.CAST.SPIN.64 in the SASS), and a row whose logits crowd into few bins would have
+    // the lanes of a warp spin on one address. tag = (tokens << 11) | bin, bin
+    // BATON_HIST_FREE marking a free register bin (a thread sees fewer than 2^21 tokens).
+    u32 tag[2] = {BATON_HIST_FREE, BATON_HIST_FREE};
+    u64 cw[2] = {0, 0};
+    int next = 0;
+    auto flush = [&](u32 t, u64 w) {
+        const u32 b = t & 2047u;
+        if (b >= (u32)BATON_HIST_BINS) return;
+        if (w != 0) atomicAdd(&hs.w[b], w);
+        if (first) atomicAdd(&hs.c[b], t >> 11);
+    };
     baton_row_walk(s.x, s.vocab, [&](int i, float xi) {
         const float c = baton_clean(xi);
-        const int b = baton_hist_bin(c, maxv, inv_t);
+        const u32 b = (u32)baton_hist_bin(c, maxv, inv_t);
         if (b == BATON_HIST_BINS - 1) {
             ++tail;
             return;
         }
         const float e = baton_exp_weight(c, maxv, inv_t);
-        if (baton_sort_key(c, (u32)i) <= bound && !(e < min_p))
-            atomicAdd(&hs.w[b], baton_fixed_weight(e));
-        if (first) atomicAdd(&hs.c[b], 1u);
+        const u64 w =
+            baton_sort_key(c, (u32)i) <= bound && !(e < min_p) ? baton_fixed_weight(e) : 0ull;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            if ((tag[k] & 2047u) == b) {
+                cw[k] += w;
+                tag[k] += 2048u;
+                return;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            if (k == next) {
+                flush(tag[k], cw[k]);
+                tag[k] = 2048u | b;
+                cw[k] = w;
+            }
+        }
+        next ^= 1;
     });
+#pragma unroll
+    for (int k = 0; k < 2; ++k) flush(tag[k], cw[k]);
     if (first && tail != 0u) atomicAdd(&hs.c[BATON_HIST_BINS - 1], tail);
     __syncthreads();
 }
@@ -673,11 +708,12 @@ __device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int bin,
         const float c = baton_clean(xi);
         if (baton_hist_bin(c, maxv, inv_t) != bin) return;
         const u32 j = atomicAdd(&hs.n, 1u);
+        if (j >= BATON_HIST_LIST) return;  // unreachable: hs.c[bin] tokens, checked to fit
         hs.key[j] = baton_sort_key(c, (u32)i);
         hs.e[j] = baton_exp_weight(c, maxv, inv_t);
     });
     __syncthreads();
-    const u32 n = hs.n;
+    const u32 n = min(hs.n, (u32)BATON_HIST_LIST);
     u32 np = 1;
     while (np < n) np <<= 1;
     for (u32 j = n + threadIdx.x; j < np; j += blockDim.x) {
@@ -702,7 +738,10 @@ __device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int bin,
             __syncthreads();
         }
     }
-    if (threadIdx.x == 0) hs.list_bin = bin;
+    if (threadIdx.x == 0) {
+        hs.list_bin = bin;
+        hs.n = n;
+    }
     __syncthreads();
 }
 

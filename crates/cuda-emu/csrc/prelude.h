@@ -152,8 +152,10 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 // cvt.rn.f32.u32: round to nearest even.
 inline float __uint2float_rn(unsigned int u) { return (float)u; }
-// cvt.rni.u64.f32: round to nearest even, NaN -> 0, saturate to [0, 2^64 - 1].
+// cvt.rni.u64.f32: round to nearest even, saturate to [0, 2^64 - 1]; NaN -> 2^63 (PTX ISA 9.0:
+// NaN gives 1 << 63 for a 64-bit destination from an f32 source, 0 for narrower ones).
 inline unsigned long long __float2ull_rn(float f) {
+    if (f != f) return 1ull << 63;
     if (!(f > 0.0f)) return 0;
     if (f >= 18446744073709551616.0f) return ~0ull;
     return (unsigned long long)nearbyintf(f);  // default rounding mode: to nearest even

@@ -2124,7 +2124,7 @@ mod sampler_model;
 /// where it must not: near-equal logits overflow a bin's list (the radix select inside the bin),
 /// and a top-k that reaches the last, zero-mass bin. The model says which path each row takes;
 /// both must occur. Then a top-3 row at a high temperature over twelve draws, which must draw
-/// each of the three.
+/// each of the three, and rows at an infinite temperature with -inf logits.
 #[test]
 fn the_histogram_sampler_picks_the_reference_token_on_either_path() {
     use sampler_model::{hist_model, logits, sorted_reference, Params as ModelParams, HIST_LIST};
@@ -2210,6 +2210,56 @@ fn the_histogram_sampler_picks_the_reference_token_on_either_path() {
         drawn.sort_unstable();
         drawn.dedup();
         assert_eq!(drawn.len(), 3, "top-3 draws {:?}", o.tokens);
+
+        // An infinite temperature (no API sends one: it is refused) weighs every finite logit
+        // alike and a -inf one (exp(-inf * 0) = NaN) not at all, on either path.
+        let mut x = logits(vocab, 78, 12.0, false);
+        for v in x.iter_mut().step_by(2) {
+            *v = f32::NEG_INFINITY;
+        }
+        let params: Vec<SamplingParams> = (0..6)
+            .map(|i| case(f32::INFINITY, [1.0, 0.5][i as usize % 2], 0, 0.0, i))
+            .collect();
+        let idx: Vec<u32> = (0..6).collect();
+        let o = sample(&x.repeat(params.len()), vocab, &params, &idx);
+        for (r, p) in params.iter().enumerate() {
+            assert!(
+                x[o.tokens[r] as usize].is_finite(),
+                "row {r}: {}",
+                o.tokens[r]
+            );
+            assert_eq!(
+                o.tokens[r],
+                sorted_reference(&x, &model(p), idx[r]),
+                "row {r}"
+            );
+        }
+        // The same through an allow-list (the radix select over the list weighs every listed
+        // token): tokens 0..=100, 51 of them -inf (an odd count: 2^63 twice wraps to 0).
+        let list: Vec<PenaltyEntry> = (0..101)
+            .map(|token| PenaltyEntry {
+                token,
+                output_count: 0,
+                in_prompt: false,
+                bias: 0.0,
+                listed: true,
+            })
+            .collect();
+        let allowed: Vec<f32> = (0..vocab)
+            .map(|i| if i < 101 { x[i] } else { f32::NEG_INFINITY })
+            .collect();
+        for (i, p) in params.iter().enumerate() {
+            let p = SamplingParams {
+                allowed_only: 1,
+                ..*p
+            };
+            let (mut prow, mut entries) = (Vec::new(), Vec::new());
+            pack_penalties([(&list[..], None)], &mut prow, &mut entries).unwrap();
+            let o = sample_penalized(&x, vocab, &[p], &[idx[i]], &prow, &mut entries, &[]);
+            let want = sorted_reference(&allowed, &model(&p), idx[i]);
+            assert!(o.tokens[0] < 101 && allowed[o.tokens[0] as usize].is_finite());
+            assert_eq!(o.tokens[0], want, "allow-list row {i}");
+        }
     });
 }
 

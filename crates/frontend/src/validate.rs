@@ -949,10 +949,15 @@ pub fn parse_gen(
         .float("temperature")?
         .or(defaults.temperature)
         .unwrap_or(1.0);
-    if !temperature.is_finite() || temperature < 0.0 {
+    // Checked as the f32 the sampler uses too: 1e39 would become +inf, 1 / temperature 0, and
+    // every weight exp((x - max) * 0) (NaN for a -inf logit).
+    if !(temperature.is_finite() && (temperature as f32).is_finite()) || temperature < 0.0 {
         return Err(ApiError::field(
             "temperature",
-            format!("'temperature' must be at least 0, got {temperature}."),
+            format!(
+                "'temperature' must be at least 0 and at most {}, got {temperature}.",
+                f32::MAX
+            ),
         ));
     }
     let top_p = f.float("top_p")?.or(defaults.top_p).unwrap_or(1.0);
@@ -3363,6 +3368,10 @@ mod tests {
                 .as_deref(),
             Some("temperature")
         );
+        // Finite as f64, +inf as the sampler's f32.
+        let hot = err(r#"{"prompt":"a","temperature":1e39}"#);
+        assert_eq!(hot.param.as_deref(), Some("temperature"));
+        assert!(hot.message.contains("at most"), "{}", hot.message);
         assert_eq!(
             err(r#"{"prompt":[1,600]}"#).param.as_deref(),
             Some("prompt")
