@@ -489,19 +489,23 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
 //      where exp(-d) * 2^40 rounds to a zero mass, so its tokens are counted and never
 //      weighed). The bin is monotone in the key order (logit descending), so a question's
 //      answer lies in the first bin whose running count or mass exceeds t;
-//   2. one pass compacts that bin's tokens (key, exp weight) into a list in shared memory,
-//      sorted by key, where the answer is the first entry whose running metric exceeds t minus
-//      the bins before it. A bin with more tokens than the list holds (near-equal logits: the
-//      bins are 1/32 nat wide) is searched instead by the radix select restricted to its
-//      tokens, whose passes over the row weigh (exp, atomics) that bin's tokens alone. The
-//      answer's bin becomes the cut: the next question (whose bound is this answer) takes the
-//      bins before the cut whole, the cut bin's candidates up to the bound (from the list, or
-//      one restricted pass), and nothing after it; a question whose answer falls in the listed
-//      bin needs no pass at all;
-//   3. min-p filters weights, not bins: with min_p > 0 one more pass rebuilds the masses under
-//      the final bound and min-p before the draw.
-// Typical reads of the row: 3 for plain temperature, 4 for top-p (6 and 13 with the radix
-// select alone). Either way the token is the radix select's, bit for bit (sampler_model.rs
+//   2. one pass compacts tokens (key, exp weight) into a list in shared memory, sorted by key,
+//      where the answer is the first entry whose running metric exceeds t: every bin up to the
+//      answer's when they fit in the list (a prefix list: it holds every candidate of every
+//      later question too, whose bounds are earlier answers, so the row is never read again),
+//      else the answer's bin alone (t less the bins before it). A bin with more tokens than
+//      the list holds (near-equal logits: the bins are 1/32 nat wide) is searched instead by
+//      the radix select restricted to its tokens, whose passes over the row weigh (exp,
+//      atomics) that bin's tokens alone. Without a prefix list, the answer's bin becomes the
+//      cut: the next question (whose bound is this answer) takes the bins before the cut
+//      whole, the cut bin's candidates up to the bound (from the list, or one restricted
+//      pass), and nothing after it; a question whose answer falls in the listed bin needs no
+//      pass at all;
+//   3. min-p filters weights, not bins: with min_p > 0 and no prefix list, one more pass
+//      rebuilds the masses under the final bound and min-p before the draw.
+// Reads of a row, the max pass included: 3 with a prefix list for the first question (top-k,
+// or top-p or the draw near the head of a peaked row), 4 without (radix select alone: 6 for
+// plain temperature, 10-13 for top-k or top-p, 16-17 with all three). Either way the token is the radix select's, bit for bit (sampler_model.rs
 // checks both paths against each other and against a sort). Not used for allow-list rows (their passes already
 // walk only the list). BATON_SAMPLE_HIST=0 (a kernel tunable) turns it off.
 #ifndef BATON_SAMPLE_HIST
@@ -521,6 +525,7 @@ struct BatonHistShared {
     int bin;                      // the bin, -1 when t is not below the total
     int cut;                      // bin of the current bound (BATON_HIST_BINS: no bound)
     int list_bin;                 // bin whose tokens the list holds (-1: none)
+    bool prefix;                  // the list holds every bin up to list_bin, not just it
     u32 n;                        // entries in the list
     bool fast;                    // the histogram answers (baton_answer)
 };
@@ -566,7 +571,10 @@ __device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first,
     }
     if (threadIdx.x == 0) {
         hs.cut = BATON_HIST_BINS;
-        if (first) hs.list_bin = -1;
+        if (first) {
+            hs.list_bin = -1;
+            hs.prefix = false;
+        }
     }
     __syncthreads();
     // In registers: read through `s` after a shared atomic, each field would be reloaded from
@@ -644,10 +652,12 @@ __device__ __noinline__ u64 baton_cut_total(BatonSelect& s, BatonHistShared& hs,
     return v;
 }
 
-// Total mass of the candidates under s (min-p included only after a rebuild under it): the
-// bins before the cut and the cut bin's candidates within the bound. Called by the whole block.
+// Total mass of the candidates under s (min-p included only after a rebuild under it, or from a
+// prefix list): the bins before the cut and the cut bin's candidates within the bound, or the
+// prefix list's. Called by the whole block.
 __device__ __noinline__ u64 baton_hist_total(BatonSelect& s, BatonHistShared& hs,
                                              BatonSampleShared& sh) {
+    if (hs.prefix) return baton_list_total(s, hs, sh);  // every candidate is listed
     u64 acc = 0;
     for (int b = threadIdx.x; b < hs.cut; b += blockDim.x) acc += hs.w[b];
     const u64 bins = baton_block_sum_u64(acc, sh.scratch_u64);
@@ -697,16 +707,18 @@ __device__ __forceinline__ void baton_hist_scan(u64 t, bool by_count, u64 cutv,
     }
 }
 
-// Step 2's pass: the list = bin `bin`'s tokens (hs.c[bin] <= BATON_HIST_LIST of them), sorted
-// by key (bitonic, padded to a power of two with key ~0, which no cleaned logit has).
-__device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int bin,
+// Step 2's pass: the list = the tokens of bins [lo, bin] (at most BATON_HIST_LIST of them,
+// checked by the caller against hs.c), sorted by key (bitonic, padded to a power of two with
+// key ~0, which no cleaned logit has); lo is 0 (a prefix list) or bin.
+__device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int lo, int bin,
                                                 BatonHistShared& hs) {
     if (threadIdx.x == 0) hs.n = 0;
     __syncthreads();
     const float maxv = s.maxv, inv_t = s.inv_t;  // in registers, as in baton_hist_build
     baton_row_walk(s.x, s.vocab, [&](int i, float xi) {
         const float c = baton_clean(xi);
-        if (baton_hist_bin(c, maxv, inv_t) != bin) return;
+        const int b = baton_hist_bin(c, maxv, inv_t);
+        if (b < lo || b > bin) return;
         const u32 j = atomicAdd(&hs.n, 1u);
         if (j >= BATON_HIST_LIST) return;  // unreachable: hs.c[bin] tokens, checked to fit
         hs.key[j] = baton_sort_key(c, (u32)i);
@@ -740,6 +752,7 @@ __device__ __noinline__ void baton_hist_compact(const BatonSelect& s, int bin,
     }
     if (threadIdx.x == 0) {
         hs.list_bin = bin;
+        hs.prefix = lo == 0;
         hs.n = n;
     }
     __syncthreads();
@@ -769,15 +782,20 @@ __device__ __noinline__ u64 baton_list_select(const BatonSelect& s, u64 t, Baton
     return baton_block_min_u64(found, sh.scratch_u64);
 }
 
-// baton_radix_select(s, t) through the histogram. The answer's bin b is listed and the answer
-// read from the list, or, when b holds more tokens than the list (near-equal logits), found by
-// the radix select over b's tokens alone (t less the bins before b: the same key), whose passes
-// weigh no other token. ok = false (nothing changed) when t is not below the total
-// (unreachable for the sampler's questions): the caller asks the radix select instead. A count
-// question (top-k) whose answer is in the last bin returns no bound (~0): the tokens it would
-// cut have no mass, so no later answer changes.
+// baton_radix_select(s, t) through the histogram. With a prefix list the answer is read from
+// it (every candidate is listed: the list was made for an earlier question, whose answer bounds
+// this one's). Otherwise the scan finds the answer's bin b, and: when bins [0, b] hold at most
+// a list of tokens, they are listed (a prefix list: this question and every later one are
+// answered from it, with no further pass); else, when b alone fits, b is listed and the answer
+// read from it (t less the bins before b); else (near-equal logits) the radix select over b's
+// tokens alone finds it, whose passes weigh no other token. ok = false (nothing changed) when t
+// is not below the total (unreachable for the sampler's questions): the caller asks the radix
+// select instead. A count question (top-k) whose answer is in the last bin returns no bound
+// (~0): the tokens it would cut have no mass, so no later answer changes.
 __device__ __noinline__ u64 baton_hist_select(BatonSelect& s, u64 t, BatonHistShared& hs,
                                               BatonSampleShared& sh, bool& ok) {
+    ok = true;
+    if (hs.prefix) return baton_list_select(s, t, hs, sh);
     const u64 cutv = baton_cut_total(s, hs, sh);
     baton_hist_scan(t, s.by_count, cutv, hs);
     __syncthreads();
@@ -786,9 +804,15 @@ __device__ __noinline__ u64 baton_hist_select(BatonSelect& s, u64 t, BatonHistSh
     ok = b >= 0;
     if (!ok) return 0;
     if (s.by_count && b == BATON_HIST_BINS - 1) return ~0ull;
+    u64 acc = 0;
+    for (int k = threadIdx.x; k <= b; k += blockDim.x) acc += hs.c[k];
+    const u64 up_to_b = baton_block_sum_u64(acc, sh.scratch_u64);
     u64 key;
-    if (hs.c[b] <= BATON_HIST_LIST) {
-        if (hs.list_bin != b) baton_hist_compact(s, b, hs);
+    if (up_to_b <= BATON_HIST_LIST) {
+        baton_hist_compact(s, 0, b, hs);
+        key = baton_list_select(s, t, hs, sh);
+    } else if (hs.c[b] <= BATON_HIST_LIST) {
+        if (hs.list_bin != b) baton_hist_compact(s, b, b, hs);
         key = baton_list_select(s, t - before, hs, sh);
     } else {
         s.bin = b;
@@ -860,7 +884,7 @@ __device__ __noinline__ u32 baton_sample_token(const float* x, int vocab, float 
         s.bound = baton_answer(s, t, hs, sh);
     }
     s.min_p = pp->min_p > 0.0f ? fminf(pp->min_p, 1.0f) : 0.0f;
-    if (hs.fast && s.min_p > 0.0f) baton_hist_build(s, false, hs);
+    if (hs.fast && !hs.prefix && s.min_p > 0.0f) baton_hist_build(s, false, hs);
     const u64 m = baton_answer_total(s, hs, sh);
     // floor(u * m) exactly, u = bits / 2^24, m < 2^58.
     const u64 bits = baton_uniform_bits(pp->seed, *idx);

@@ -2178,8 +2178,8 @@ fn the_histogram_sampler_picks_the_reference_token_on_either_path() {
             let o = sample(&batch, vocab, &params, &idx);
             for (r, p) in params.iter().enumerate() {
                 let mp = model(p);
-                let (_, _, restricted) = hist_model(&xs[r], &mp, idx[r], HIST_LIST);
-                fell_back.push(restricted > 0);
+                let (_, _, q) = hist_model(&xs[r], &mp, idx[r], HIST_LIST);
+                fell_back.push(q.restricted > 0);
                 assert_eq!(
                     o.tokens[r],
                     sorted_reference(&xs[r], &mp, idx[r]),

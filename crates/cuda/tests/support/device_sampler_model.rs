@@ -162,17 +162,27 @@ pub fn hist_bin(c: f32, maxv: f32, inv_t: f32) -> usize {
 }
 
 /// The histogram path's state (`BatonHistShared`): per-bin mass and count, the cut bin (the
-/// bin of the current bound; `HIST_BINS` for none) and the compacted list of one bin, sorted by
-/// key, as (key, e); `restricted` counts the questions answered by the radix select inside a
-/// bin too full to list.
+/// bin of the current bound; `HIST_BINS` for none) and the compacted list of one bin (or, with
+/// `prefix`, of every bin up to it), sorted by key, as (key, e); `paths` counts the ways the
+/// questions were answered.
 pub struct Hist {
     w: Vec<u64>,
     c: Vec<u32>,
     cut: usize,
     list_bin: Option<usize>,
+    prefix: bool,
     list: Vec<(u64, f32)>,
     cap: usize,
-    restricted: u32,
+    paths: Paths,
+}
+
+/// How [`hist_model`]'s questions were answered: lists made of a prefix of bins, lists of one
+/// bin, and radix selects inside a bin too full to list.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Paths {
+    pub prefix: u32,
+    pub single: u32,
+    pub restricted: u32,
 }
 
 impl Select<'_> {
@@ -218,8 +228,49 @@ impl Select<'_> {
 
     /// `baton_hist_total`: the total metric (mass) of the candidates.
     fn hist_total(&self, h: &Hist, passes: &mut u32) -> u64 {
+        if h.prefix {
+            return self.list_sum(h);
+        }
         let before: u64 = h.w[..h.cut.min(HIST_BINS)].iter().sum();
         before + self.cut_total(h, passes)
+    }
+
+    fn list_sum(&self, h: &Hist) -> u64 {
+        h.list.iter().map(|&(k, e)| self.metric_of(k, e)).sum()
+    }
+
+    /// The key of the first list entry whose running metric exceeds t (`baton_list_select`).
+    fn list_select(&self, h: &Hist, t: u64) -> u64 {
+        let mut cum = 0u64;
+        h.list
+            .iter()
+            .find(|&&(k, e)| {
+                cum += self.metric_of(k, e);
+                cum > t
+            })
+            .expect("the list holds mass above t")
+            .0
+    }
+
+    /// `baton_hist_compact`: lists the tokens of bins `lo..=b`, sorted by key.
+    fn compact(&self, h: &mut Hist, lo: usize, b: usize, passes: &mut u32) {
+        *passes += 1;
+        h.list = (0..self.x.len())
+            .filter_map(|i| {
+                let c = clean(self.x[i]);
+                (lo..=b)
+                    .contains(&hist_bin(c, self.maxv, self.inv_t))
+                    .then(|| (sort_key(c, i as u32), self.e_of(c)))
+            })
+            .collect();
+        h.list.sort_unstable_by_key(|o| o.0);
+        h.list_bin = Some(b);
+        h.prefix = lo == 0;
+        if h.prefix {
+            h.paths.prefix += 1;
+        } else {
+            h.paths.single += 1;
+        }
     }
 
     /// `baton_cut_total`: the cut bin's candidates, from its list or a restricted pass.
@@ -227,7 +278,7 @@ impl Select<'_> {
         if h.cut >= HIST_BINS {
             0
         } else if h.list_bin == Some(h.cut) {
-            h.list.iter().map(|&(k, e)| self.metric_of(k, e)).sum()
+            self.list_sum(h)
         } else {
             *passes += 1;
             Select {
@@ -242,6 +293,9 @@ impl Select<'_> {
     /// radix select inside a bin too full to list), or `None` when the kernel falls back to
     /// the radix select over the row (t not below the total).
     fn hist_select(&self, h: &mut Hist, t: u64, passes: &mut u32) -> Option<u64> {
+        if h.prefix {
+            return Some(self.list_select(h, t));
+        }
         let cutv = self.cut_total(h, passes);
         let value = |b: usize| -> u64 {
             match b.cmp(&h.cut) {
@@ -267,8 +321,15 @@ impl Select<'_> {
             assert_eq!(h.w[b], 0, "the last bin holds mass");
             return Some(!0);
         }
+        let up_to_b: u64 = h.c[..=b].iter().map(|&c| u64::from(c)).sum();
+        if up_to_b <= h.cap as u64 {
+            self.compact(h, 0, b, passes);
+            let key = self.list_select(h, t);
+            h.cut = b;
+            return Some(key);
+        }
         if h.c[b] as usize > h.cap {
-            h.restricted += 1;
+            h.paths.restricted += 1;
             let r = Select {
                 bin: Some(b),
                 ..*self
@@ -278,28 +339,9 @@ impl Select<'_> {
             return Some(key);
         }
         if h.list_bin != Some(b) {
-            *passes += 1;
-            h.list = (0..self.x.len())
-                .filter_map(|i| {
-                    let c = clean(self.x[i]);
-                    (hist_bin(c, self.maxv, self.inv_t) == b)
-                        .then(|| (sort_key(c, i as u32), self.e_of(c)))
-                })
-                .collect();
-            h.list.sort_unstable_by_key(|o| o.0);
-            h.list_bin = Some(b);
+            self.compact(h, b, b, passes);
         }
-        let tb = t - before;
-        let mut cum = 0u64;
-        let key = h
-            .list
-            .iter()
-            .find(|&&(k, e)| {
-                cum += self.metric_of(k, e);
-                cum > tb
-            })
-            .expect("the bin holds mass above t")
-            .0;
+        let key = self.list_select(h, t - before);
         h.cut = b;
         Some(key)
     }
@@ -349,9 +391,9 @@ pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
 }
 
 /// The kernel's histogram path (`BATON_SAMPLE_HIST`, `baton_sample_f32` on a row without an
-/// allow-list): (token, passes over the row, questions answered by the radix select inside a
-/// bin too full to list). `cap` is the list's capacity (`HIST_LIST`, smaller in tests).
-pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32, u32, u32) {
+/// allow-list): (token, passes over the row, how its questions were answered). `cap` is the
+/// list's capacity (`HIST_LIST`, smaller in tests).
+pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32, u32, Paths) {
     let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
     let mut passes = 1;
     let mut s = Select {
@@ -368,9 +410,10 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
         c: vec![0; HIST_BINS],
         cut: HIST_BINS,
         list_bin: None,
+        prefix: false,
         list: Vec::new(),
         cap,
-        restricted: 0,
+        paths: Paths::default(),
     };
     s.hist_build(&mut h, true, &mut passes);
     let mut fast = true;
@@ -404,7 +447,7 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
         s.bound = select(&s, &mut h, t, &mut fast, &mut passes);
     }
     s.min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
-    if fast && s.min_p > 0.0 {
+    if fast && !h.prefix && s.min_p > 0.0 {
         s.hist_build(&mut h, false, &mut passes);
     }
     let m = if fast {
@@ -420,7 +463,7 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
         fast,
         "t below the total: the histogram answers every question"
     );
-    (token, passes, h.restricted)
+    (token, passes, h.paths)
 }
 
 /// The same semantics by sorting: prefixes of the key order, fixed-point masses.
