@@ -965,15 +965,69 @@ __device__ float baton_slice_expsum(const float* x, int lo, int hi, float maxv,
     return baton_block_sum(acc, sh.scratch_f);
 }
 
+// baton_top_logprobs' n_top smallest keys in two reads of the row instead of n_top: a count
+// histogram of the raw row (the selection's bins at temperature 1) finds the bin holding the
+// n_top-th, and a prefix list of the bins up to it (baton_hist_compact, sorted by key) starts
+// with them. Returns false, having written nothing, when those bins hold more tokens than the
+// list or the n_top-th is in the last bin (fewer than n_top tokens within 32 nats of the max);
+// the caller then takes n_top passes. n_top >= 1, maxv finite. Called by the whole block.
+__device__ __noinline__ bool baton_top_logprobs_hist(const float* x, int vocab, int n_top,
+                                                     float maxv, float ln_sum, u32* ids,
+                                                     float* lps, BatonHistShared& hs,
+                                                     BatonSampleShared& sh) {
+    for (int b = threadIdx.x; b < BATON_HIST_BINS; b += blockDim.x) hs.c[b] = 0;
+    if (threadIdx.x == 0) hs.cut = BATON_HIST_BINS;
+    __syncthreads();
+    u32 tail = 0;  // as in baton_hist_build
+    baton_row_walk(x, vocab, [&](int, float xi) {
+        const int b = baton_hist_bin(baton_clean(xi), maxv, 1.0f);
+        if (b == BATON_HIST_BINS - 1)
+            ++tail;
+        else
+            atomicAdd(&hs.c[b], 1u);
+    });
+    if (tail != 0u) atomicAdd(&hs.c[BATON_HIST_BINS - 1], tail);
+    __syncthreads();
+    baton_hist_scan((u64)(n_top - 1), true, 0ull, hs);
+    __syncthreads();
+    const int bin = hs.bin;
+    if (bin < 0 || bin == BATON_HIST_BINS - 1) return false;
+    u64 acc = 0;
+    for (int k = threadIdx.x; k <= bin; k += blockDim.x) acc += hs.c[k];
+    if (baton_block_sum_u64(acc, sh.scratch_u64) > BATON_HIST_LIST) return false;
+    BatonSelect s;
+    s.x = x;
+    s.vocab = vocab;
+    s.maxv = maxv;
+    s.inv_t = 1.0f;
+    s.min_p = 0.0f;
+    s.bound = ~0ull;
+    s.by_count = true;
+    s.list = nullptr;
+    s.n_list = 0;
+    s.bin = -1;
+    baton_hist_compact(s, 0, bin, hs);
+    for (int j = threadIdx.x; j < n_top; j += blockDim.x) {
+        const u32 id = (u32)hs.key[j];
+        ids[j] = id;
+        lps[j] = (baton_clean(x[id]) - maxv) - ln_sum;
+    }
+    return true;
+}
+
 // The n_top (<= BATON_MAX_TOP_LOGPROBS) most likely entries of the raw row x[0, vocab) into
 // ids / lps [BATON_MAX_TOP_LOGPROBS] (most likely first, ties to the lower id; log-probability
-// (clean(x) - maxv) - ln_sum, -inf when maxv is), the rest (0xffffffff, -inf): n_top passes,
-// each the smallest key after the previous one. Called by the whole block.
-__device__ __forceinline__ void baton_top_logprobs(const float* x, int vocab, int n_top,
+// (clean(x) - maxv) - ln_sum, -inf when maxv is), the rest (0xffffffff, -inf): from a histogram
+// and a list (baton_top_logprobs_hist) where it can, else n_top passes, each the smallest key
+// after the previous one. Called by the whole block.
+__device__ __noinline__ void baton_top_logprobs(const float* x, int vocab, int n_top,
                                                    float maxv, float ln_sum, u32* ids,
-                                                   float* lps, BatonSampleShared& sh) {
+                                                   float* lps, BatonSampleShared& sh,
+                                                   BatonHistShared& hs) {
+    const bool listed = BATON_SAMPLE_HIST != 0 && n_top > 0 && maxv != BATON_NEG_INF &&
+                        baton_top_logprobs_hist(x, vocab, n_top, maxv, ln_sum, ids, lps, hs, sh);
     u64 prev = 0;
-    for (int j = 0; j < n_top; ++j) {
+    for (int j = 0; j < (listed ? 0 : n_top); ++j) {
         u64 found = ~0ull;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             const u64 k = baton_sort_key(baton_clean(x[i]), (u32)i);
@@ -1160,7 +1214,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
         ln_sum = logf(baton_slice_expsum(x, 0, vocab, maxv, sh));
     baton_top_logprobs(x, vocab, n_top, maxv, ln_sum,
                        out_top_ids + (size_t)row * BATON_MAX_TOP_LOGPROBS,
-                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh);
+                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh, hs);
     if (threadIdx.x == 0) {
         out_tokens[row] = token;
         float lp = 0.0f;
@@ -1193,6 +1247,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_score_rows(
     BATON_PDL_WAIT();
     BATON_PDL_LAUNCH();
     __shared__ BatonSampleShared sh;
+    __shared__ BatonHistShared hs;
     const int row = blockIdx.x;
     const float* x = logits + (size_t)row * vocab;
     const u32 token = tokens[row];
@@ -1208,7 +1263,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_score_rows(
     const u64 n_above = baton_block_sum_u64((u64)above, sh.scratch_u64);
     baton_top_logprobs(x, vocab, nt, maxv, ln_sum,
                        out_top_ids + (size_t)row * BATON_MAX_TOP_LOGPROBS,
-                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh);
+                       out_top_logprobs + (size_t)row * BATON_MAX_TOP_LOGPROBS, sh, hs);
     if (threadIdx.x == 0) {
         out_logprob[row] =
             (!inside || maxv == BATON_NEG_INF) ? BATON_NEG_INF : (xt - maxv) - ln_sum;

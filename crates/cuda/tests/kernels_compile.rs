@@ -18,9 +18,12 @@ use baton_cuda::trace::file_hash;
 /// ptxas (CUDA 13.0) does today. A function matches an entry whose name its (possibly
 /// mangled) name contains. Every other function: none. f32 is the exact-comparison
 /// dtype, not a speed path: its prefill kernel for head dim 256 spills over a KB.
-const SPILL_BUDGET: [(&str, u32); 9] = [
-    // 64 registers at 1024 threads; a few bytes around the __noinline__ radix select.
-    ("baton_sample_f32", 16),
+const SPILL_BUDGET: [(&str, u32); 10] = [
+    // 64 registers at 1024 threads, with calls to the __noinline__ selection and top
+    // log-probabilities: single spills between phases (SASS, session 37: the loops that
+    // reload a spilled value are the penalty-entry loops, a few entries a thread; none is a
+    // loop over the row).
+    ("baton_sample_f32", 64),
     // The sampler's __noinline__ selection functions, also at 64 registers: registers saved
     // around their calls (stores in `baton_sample_token`'s prologue, no loads), a handful of
     // times per sampled row, none inside a loop over the row.
@@ -28,6 +31,7 @@ const SPILL_BUDGET: [(&str, u32); 9] = [
     ("baton_answer", 32),
     ("baton_hist_select", 16),
     ("baton_radix_select", 16),
+    ("baton_top_logprobs", 16),
     // Head dims other than 64/128/256 (no Llama or Qwen model uses one).
     ("baton_paged_attention_generic", 16),
     // The persistent decode kernels (`baton_decode_layers_hd64/128`) and their __noinline__
