@@ -50,13 +50,15 @@ deadline=$((SECONDS + BUDGET - 5))
 # BATON_ATTN_MIN_PARTITION=256/512, BATON_ATTN_TARGET_BLOCKS=128, BATON_GEMV_T1_U=2 and
 # BATON_SAMPLE_BIN_CACHE=0: none beats the defaults (bench/RESULTS.md), so the list now times
 # the sampled row first: session 37's histogram selection against the radix select alone
-# (BATON_SAMPLE_HIST=0), for top-p and for plain temperature; then session 35's batched
-# selection loads against one load at a time, and the LoRA path.
+# (BATON_SAMPLE_HIST=0), for top-p, plain temperature and 20 top log-probabilities (greedy);
+# then session 35's batched selection loads against one load at a time, and the LoRA path.
 default_variants='base|
 topp|AB_ARGS=--temperature=0.8,--top-p=0.95
 topp-hist-off|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SAMPLE_HIST=0
 temp|AB_ARGS=--temperature=0.8
 temp-hist-off|AB_ARGS=--temperature=0.8 BATON_KERNEL_DEFINES=BATON_SAMPLE_HIST=0
+logprobs-20|AB_ARGS=--top-logprobs=20
+logprobs-20-hist-off|AB_ARGS=--top-logprobs=20 BATON_KERNEL_DEFINES=BATON_SAMPLE_HIST=0
 topp-select-u-1|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SELECT_U=1
 topp-select-u-8|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SELECT_U=8
 topk-50|AB_ARGS=--temperature=0.8,--top-k=50

@@ -98,6 +98,10 @@ pub struct DecodeArgs {
     /// Top-k filter (0 or -1: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: i32,
+    /// Top log-probabilities returned per row and step (0-20; 0: none, the default), as a
+    /// request with `logprobs`/`top_logprobs` asks: the step includes finding them.
+    #[arg(long, default_value_t = 0)]
+    pub top_logprobs: u32,
     /// Decode launches kept in flight: 2 submits each step while the previous one runs (the
     /// worker daemon's pipelining; CUDA only, the CPU backend runs one at a time), 1 waits
     /// for each step's fence before staging the next. Default 2, or 1 with --device-time or
@@ -338,7 +342,8 @@ pub struct BatchTiming {
 /// # Errors
 /// A temperature that is negative or not finite, a top-p outside (0, 1], a top-k below -1,
 /// a top-p or top-k without a temperature (greedy rows would ignore them), a sampled request
-/// that the sampler treats as greedy (top-k 1, a temperature whose inverse overflows).
+/// that the sampler treats as greedy (top-k 1, a temperature whose inverse overflows), more
+/// top log-probabilities than the API allows.
 pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature {} must be finite and >= 0", a.temperature);
@@ -355,6 +360,13 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
              so the benchmark would not measure them"
         );
     }
+    if a.top_logprobs as usize > baton_proto::MAX_TOP_LOGPROBS {
+        bail!(
+            "--top-logprobs {} must be at most {}",
+            a.top_logprobs,
+            baton_proto::MAX_TOP_LOGPROBS
+        );
+    }
     if a.temperature > 0.0 && (a.top_k == 1 || !(1.0 / a.temperature).is_finite()) {
         bail!(
             "--top-k 1, or a temperature whose inverse overflows ({}), samples greedily; \
@@ -367,6 +379,8 @@ pub fn decode_params(a: &DecodeArgs) -> Result<SamplingParams> {
         top_p: a.top_p,
         top_k: a.top_k,
         seed: 1_000,
+        top_logprobs: a.top_logprobs,
+        want_logprob: u32::from(a.top_logprobs > 0),
         ..SamplingParams::greedy()
     })
 }
@@ -766,7 +780,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     let tables = BenchTables::new(vocab, pages_per_seq);
     let mut seq = 0u64;
     let mut points = Vec::new();
-    let sampling = if params.temperature > 0.0 {
+    let mut sampling = if params.temperature > 0.0 {
         format!(
             "sampled (temperature {}, top-p {}, top-k {})",
             params.temperature, params.top_p, params.top_k
@@ -774,6 +788,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     } else {
         "greedy".to_owned()
     };
+    if params.top_logprobs > 0 {
+        sampling += &format!(", {} top log-probabilities", params.top_logprobs);
+    }
     for &b in &a.batch {
         let BatchTiming {
             step_s,

@@ -293,6 +293,10 @@ fn bad_sampling_flags_are_refused_before_loading() {
         "samples greedily",
     );
     refused(&["--temperature", "1e-45"], "samples greedily");
+    refused(
+        &["--top-logprobs", "21"],
+        "--top-logprobs 21 must be at most 20",
+    );
 }
 
 #[test]
@@ -311,6 +315,8 @@ fn a_sampled_cpu_decode_bench_reports_its_sampling() {
             "0.9",
             "--top-k",
             "40",
+            "--top-logprobs",
+            "5",
             "--batch",
             "2",
             "--prompt-len",
@@ -324,7 +330,7 @@ fn a_sampled_cpu_decode_bench_reports_its_sampling() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(
-        out.contains("sampled (temperature 0.8, top-p 0.9, top-k 40)"),
+        out.contains("sampled (temperature 0.8, top-p 0.9, top-k 40), 5 top log-probabilities"),
         "{out}"
     );
 }
