@@ -162,6 +162,21 @@ __device__ __forceinline__ u64 baton_warp_min_u64(u64 v) {
     }
     return v;
 }
+// Exclusive prefix of v over the warp's lanes (the sum of the lanes below this one) by an xor
+// butterfly, and the whole warp's sum in `total`. Called by all 32 lanes.
+__device__ __forceinline__ u64 baton_warp_prefix_u64(u64 v, u64& total) {
+    const int lane = threadIdx.x & 31;
+    u64 pre = 0, tot = v;
+#pragma unroll
+    for (int o = 1; o < BATON_WARP; o <<= 1) {
+        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
+        if (lane & o) pre += other;
+        tot += other;
+    }
+    total = tot;
+    return pre;
+}
+
 __device__ __forceinline__ u64 baton_block_sum_u64(u64 v, u64* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     v = baton_warp_sum_u64(v);
@@ -387,14 +402,11 @@ __device__ __forceinline__ void baton_radix_choose(u64 below, u64 t, BatonSample
         if (sh.hist_c[d] != 0u) last = d;
     }
     // pre: the sum of the lanes below this one; tot: of the whole warp.
-    u64 pre = 0, tot = sum;
+    u64 tot;
+    const u64 pre = baton_warp_prefix_u64(sum, tot);
 #pragma unroll
-    for (int o = 1; o < BATON_WARP; o <<= 1) {
-        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
-        if (lane & o) pre += other;
-        tot += other;
+    for (int o = 1; o < BATON_WARP; o <<= 1)
         last = max(last, __shfl_xor_sync(BATON_FULL_MASK, last, o));
-    }
     const u64 lo = below + pre;
     if (lo <= t && t < lo + sum) {
         u64 b = lo;
@@ -536,17 +548,12 @@ __device__ __forceinline__ u64 baton_list_metric(const BatonSelect& s, u64 key, 
     return s.by_count ? 1ull : baton_fixed_weight(e);
 }
 
-// Exclusive prefix sum of one u64 per thread over the block, and the block's total in `total`.
-// Lane prefixes by an xor butterfly (the running sum of the lanes below), then the warps'.
+// Exclusive prefix sum of one u64 per thread over the block, and the block's total in `total`:
+// the lanes' (baton_warp_prefix_u64), then the warps'.
 __device__ __forceinline__ u64 baton_block_prefix_u64(u64 v, u64* scratch, u64& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    u64 pre = 0, tot = v;
-#pragma unroll
-    for (int o = 1; o < BATON_WARP; o <<= 1) {
-        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
-        if (lane & o) pre += other;
-        tot += other;
-    }
+    u64 tot;
+    const u64 pre = baton_warp_prefix_u64(v, tot);
     __syncthreads();
     if (lane == 0) scratch[warp] = tot;
     __syncthreads();
@@ -683,13 +690,8 @@ __device__ __forceinline__ void baton_hist_scan(u64 t, bool by_count, u64 cutv,
     const int lane = threadIdx.x;
     u64 sum = 0;
     for (int k = 0; k < per; ++k) sum += baton_hist_value(hs, lane * per + k, by_count, cutv);
-    u64 pre = 0, tot = sum;
-#pragma unroll
-    for (int o = 1; o < BATON_WARP; o <<= 1) {
-        const u64 other = __shfl_xor_sync(BATON_FULL_MASK, tot, o);
-        if (lane & o) pre += other;
-        tot += other;
-    }
+    u64 tot;
+    const u64 pre = baton_warp_prefix_u64(sum, tot);
     if (pre <= t && t < pre + sum) {
         u64 b = pre;
         for (int k = 0; k < per; ++k) {

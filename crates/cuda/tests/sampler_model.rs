@@ -3,38 +3,25 @@
 //! against a plain sort-and-scan of the same semantics. This runs without a GPU and protects the
 //! part of the kernel that is easiest to get subtly wrong (prefix/`below` bookkeeping, bounds,
 //! early exit); it does not test the CUDA translation itself, which needs a device. The kernel's
-//! histogram path (`BATON_SAMPLE_HIST`: one mass histogram over the row, then one bin's list per
-//! question) is modelled too and must give the radix select's token.
+//! histogram path (`BATON_SAMPLE_HIST`: one mass histogram over the row, then sorted lists of
+//! the bins that hold the answers) is modelled too and must give the radix select's token.
 
 #[path = "support/device_sampler_model.rs"]
 mod model;
 use model::*;
 
-#[test]
-fn device_radix_select_matches_sorted_reference() {
-    let configs = [
-        (1.0, 1.0, 0, 0.0),
-        (0.7, 0.9, 0, 0.0),
-        (1.3, 1.0, 40, 0.0),
-        (1.0, 0.5, 40, 0.05),
-        (2.0, 0.95, 0, 0.01),
-        (1.0, 1.0, 0, 0.2),
-        (0.5, 0.0, 0, 0.0),
-        (1.0, 0.999, 1000, 0.0),
-    ];
-    let mut max_passes = 0;
-    for (salt, (n, spread, quantize)) in [
-        (3000usize, 12.0f32, false),
-        (3000, 12.0, true),
-        (300, 40.0, false),
-        (5, 1.0, true),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+/// Calls `f(x, params, output_index, what)` for each row (n, spread, quantized) of the model's
+/// `logits`, each (temperature, top_p, top_k, min_p) and each of `seeds` seeds.
+fn each_case(
+    rows: &[(usize, f32, bool)],
+    configs: &[(f32, f32, i32, f32)],
+    seeds: u64,
+    mut f: impl FnMut(&[f32], &Params, u32, &str),
+) {
+    for (salt, &(n, spread, quantize)) in rows.iter().enumerate() {
         let x = logits(n, salt as u32, spread, quantize);
-        for &(temperature, top_p, top_k, min_p) in &configs {
-            for seed in 0..25u64 {
+        for &(temperature, top_p, top_k, min_p) in configs {
+            for seed in 0..seeds {
                 let p = Params {
                     temperature,
                     top_p,
@@ -42,17 +29,44 @@ fn device_radix_select_matches_sorted_reference() {
                     min_p,
                     seed: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                 };
-                let (tok, passes) = device_model(&x, &p, seed as u32);
-                max_passes = max_passes.max(passes);
-                assert_eq!(
-                    tok,
-                    sorted_reference(&x, &p, seed as u32),
-                    "n={n} quantize={quantize} t={temperature} top_p={top_p} \
-                     top_k={top_k} min_p={min_p} seed={seed}"
+                let what = format!(
+                    "n={n} spread={spread} quantize={quantize} t={temperature} \
+                     top_p={top_p} top_k={top_k} min_p={min_p} seed={seed}"
                 );
+                f(&x, &p, seed as u32, &what);
             }
         }
     }
+}
+
+/// (temperature, top_p, top_k, min_p) of the radix select's test.
+const CONFIGS: [(f32, f32, i32, f32); 8] = [
+    (1.0, 1.0, 0, 0.0),
+    (0.7, 0.9, 0, 0.0),
+    (1.3, 1.0, 40, 0.0),
+    (1.0, 0.5, 40, 0.05),
+    (2.0, 0.95, 0, 0.01),
+    (1.0, 1.0, 0, 0.2),
+    (0.5, 0.0, 0, 0.0),
+    (1.0, 0.999, 1000, 0.0),
+];
+
+/// (n, spread, quantized) rows of the radix select's test.
+const ROWS: [(usize, f32, bool); 4] = [
+    (3000, 12.0, false),
+    (3000, 12.0, true),
+    (300, 40.0, false),
+    (5, 1.0, true),
+];
+
+#[test]
+fn device_radix_select_matches_sorted_reference() {
+    let mut max_passes = 0;
+    each_case(&ROWS, &CONFIGS, 25, |x, p, idx, what| {
+        let (tok, passes) = device_model(x, p, idx);
+        max_passes = max_passes.max(passes);
+        assert_eq!(tok, sorted_reference(x, p, idx), "{what}");
+    });
     eprintln!("max passes over a row: {max_passes}");
 }
 
@@ -85,60 +99,31 @@ fn device_model_handles_non_finite_logits_and_ties() {
 /// on rows whose bins overflow the list (the radix select inside the bin, forced also by a tiny
 /// capacity), on a top-k that reaches the last (zero-mass) bin, and on a Llama-3-sized row,
 /// where every answer must come from a list and the row be read at most four times, the max
-/// pass included (the radix
-/// select reads it 6-17 times there: 6 for plain temperature, 13 for top-p, 17 with everything).
+/// pass included (the radix select reads it 6-17 times there: 6 for plain temperature, 13 for
+/// top-p, 17 with everything).
 #[test]
 fn the_histogram_path_picks_the_radix_selects_token() {
-    let configs = [
-        (1.0, 1.0, 0, 0.0),
-        (0.7, 0.9, 0, 0.0),
-        (1.3, 1.0, 40, 0.0),
-        (1.0, 0.5, 40, 0.05),
-        (2.0, 0.95, 0, 0.01),
-        (1.0, 1.0, 0, 0.2),
-        (0.5, 0.0, 0, 0.0),
-        (1.0, 0.999, 1000, 0.0),
-        (0.3, 1.0, 2990, 0.0),
-        (0.8, 0.95, 0, 0.0),
-    ];
-    let mut paths = [Paths::default(); 2];
-    for (salt, (n, spread, quantize)) in [
-        (3000usize, 12.0f32, false),
-        (3000, 12.0, true),
-        (300, 40.0, false),
-        (5, 1.0, true),
-        (3000, 0.01, false),
-        (3000, 0.0, false),
-        (3000, 400.0, false),
+    let configs = [&CONFIGS[..], &[(0.3, 1.0, 2990, 0.0), (0.8, 0.95, 0, 0.0)]].concat();
+    let rows = [
+        &ROWS[..],
+        &[
+            (3000, 0.01, false),
+            (3000, 0.0, false),
+            (3000, 400.0, false),
+        ],
     ]
-    .into_iter()
-    .enumerate()
-    {
-        let x = logits(n, salt as u32, spread, quantize);
-        for &(temperature, top_p, top_k, min_p) in &configs {
-            for seed in 0..12u64 {
-                let p = Params {
-                    temperature,
-                    top_p,
-                    top_k,
-                    min_p,
-                    seed: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                };
-                let (want, _) = device_model(&x, &p, seed as u32);
-                for (c, cap) in [HIST_LIST, 16].into_iter().enumerate() {
-                    let (tok, _, q) = hist_model(&x, &p, seed as u32, cap);
-                    paths[c].prefix += q.prefix;
-                    paths[c].single += q.single;
-                    paths[c].restricted += q.restricted;
-                    assert_eq!(
-                        tok, want,
-                        "n={n} spread={spread} quantize={quantize} t={temperature} \
-                         top_p={top_p} top_k={top_k} min_p={min_p} seed={seed} cap={cap}"
-                    );
-                }
-            }
+    .concat();
+    let mut paths = [Paths::default(); 2];
+    each_case(&rows, &configs, 12, |x, p, idx, what| {
+        let (want, _) = device_model(x, p, idx);
+        for (c, cap) in [HIST_LIST, 16].into_iter().enumerate() {
+            let (tok, _, q) = hist_model(x, p, idx, cap);
+            paths[c].prefix += q.prefix;
+            paths[c].single += q.single;
+            paths[c].restricted += q.restricted;
+            assert_eq!(tok, want, "{what} cap={cap}");
         }
-    }
+    });
     // Every way was taken: narrow rows overflow the list, and the tiny list overflows more.
     for q in paths {
         assert!(

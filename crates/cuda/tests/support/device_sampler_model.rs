@@ -355,19 +355,38 @@ pub struct Params {
     pub seed: u64,
 }
 
+impl<'a> Select<'a> {
+    /// The first question's filter over row `x`: no bound, no min-p.
+    fn new(x: &'a [f32], p: &Params, by_count: bool) -> Self {
+        Select {
+            x,
+            maxv: x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v))),
+            inv_t: 1.0 / p.temperature,
+            min_p: 0.0,
+            bound: !0,
+            by_count,
+            bin: None,
+        }
+    }
+}
+
+/// The top-p question's t for a total mass z: ceil(top_p * z) - 1, within [0, z).
+fn top_p_target(top_p: f32, z: u64) -> u64 {
+    let target = (f64::from(top_p) * z as f64).ceil();
+    let t = if target > 0.0 { target as u64 - 1 } else { 0 };
+    t.min(z - 1)
+}
+
+/// The draw's t for a total mass m: floor(u * m), u = `uniform_bits` / 2^24.
+fn draw_target(m: u64, p: &Params, output_index: u32) -> u64 {
+    let bits = uniform_bits(p.seed, output_index);
+    (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24)
+}
+
 /// The kernel's non-greedy path (`baton_sample_f32`), returning (token, passes over the row).
 pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
-    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
     let mut passes = 1;
-    let mut s = Select {
-        x,
-        maxv,
-        inv_t: 1.0 / p.temperature,
-        min_p: 0.0,
-        bound: !0,
-        by_count: true,
-        bin: None,
-    };
+    let mut s = Select::new(x, p, true);
     if p.top_k > 0 && (p.top_k as usize) < x.len() {
         s.bound = s.radix_select((p.top_k - 1) as u64, &mut passes);
     }
@@ -375,18 +394,12 @@ pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
     if p.top_p < 1.0 {
         let z = s.total();
         passes += 1;
-        let target = (f64::from(p.top_p) * z as f64).ceil();
-        let mut t = if target > 0.0 { target as u64 - 1 } else { 0 };
-        if t >= z {
-            t = z - 1;
-        }
-        s.bound = s.radix_select(t, &mut passes);
+        s.bound = s.radix_select(top_p_target(p.top_p, z), &mut passes);
     }
     s.min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
     let m = s.total();
     passes += 1;
-    let bits = uniform_bits(p.seed, output_index);
-    let t = (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24);
+    let t = draw_target(m, p, output_index);
     (s.radix_select(t, &mut passes) as u32, passes)
 }
 
@@ -394,17 +407,8 @@ pub fn device_model(x: &[f32], p: &Params, output_index: u32) -> (u32, u32) {
 /// allow-list): (token, passes over the row, how its questions were answered). `cap` is the
 /// list's capacity (`HIST_LIST`, smaller in tests).
 pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32, u32, Paths) {
-    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
     let mut passes = 1;
-    let mut s = Select {
-        x,
-        maxv,
-        inv_t: 1.0 / p.temperature,
-        min_p: 0.0,
-        bound: !0,
-        by_count: false,
-        bin: None,
-    };
+    let mut s = Select::new(x, p, false);
     let mut h = Hist {
         w: vec![0; HIST_BINS],
         c: vec![0; HIST_BINS],
@@ -439,11 +443,7 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
             passes += 1;
             s.total()
         };
-        let target = (f64::from(p.top_p) * z as f64).ceil();
-        let mut t = if target > 0.0 { target as u64 - 1 } else { 0 };
-        if t >= z {
-            t = z - 1;
-        }
+        let t = top_p_target(p.top_p, z);
         s.bound = select(&s, &mut h, t, &mut fast, &mut passes);
     }
     s.min_p = if p.min_p > 0.0 { p.min_p.min(1.0) } else { 0.0 };
@@ -456,8 +456,7 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
         passes += 1;
         s.total()
     };
-    let bits = uniform_bits(p.seed, output_index);
-    let t = (m >> 24) * bits + (((m & 0xFF_FFFF) * bits) >> 24);
+    let t = draw_target(m, p, output_index);
     let token = select(&s, &mut h, t, &mut fast, &mut passes) as u32;
     assert!(
         fast,
