@@ -517,9 +517,11 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
 //      rebuilds the masses under the final bound and min-p before the draw.
 // Reads of a row, the max pass included: 3 with a prefix list for the first question (top-k,
 // or top-p or the draw near the head of a peaked row), 4 without (radix select alone: 6 for
-// plain temperature, 10-13 for top-k or top-p, 16-17 with all three). Either way the token is the radix select's, bit for bit (sampler_model.rs
-// checks both paths against each other and against a sort). Not used for allow-list rows (their passes already
-// walk only the list). BATON_SAMPLE_HIST=0 (a kernel tunable) turns it off.
+// plain temperature, 10-13 for top-k or top-p, 16-17 with all three). Either way the token is
+// the radix select's, bit for bit (sampler_model.rs checks both paths against each other and
+// against a sort). Not used for allow-list rows (their passes already walk only the list).
+// The top log-probabilities use the same parts (baton_top_logprobs_hist). BATON_SAMPLE_HIST=0
+// (a kernel tunable) turns both off.
 #ifndef BATON_SAMPLE_HIST
 #define BATON_SAMPLE_HIST 1
 #endif
@@ -531,7 +533,7 @@ __device__ __noinline__ u64 baton_radix_select(const BatonSelect& s, u64 t, Bato
 struct BatonHistShared {
     u64 w[BATON_HIST_BINS];       // mass per bin (fixed point, as baton_fixed_weight)
     u32 c[BATON_HIST_BINS];       // tokens per bin (the first build's; every token counts)
-    u64 key[BATON_HIST_LIST];     // the list: keys of bin list_bin's tokens, ascending
+    u64 key[BATON_HIST_LIST];     // the list: keys of the listed bins' tokens, ascending
     float e[BATON_HIST_LIST];     // and their baton_select_e
     u64 before;                   // baton_hist_scan's answer: running value before `bin`
     int bin;                      // the bin, -1 when t is not below the total
