@@ -1100,7 +1100,8 @@ BATON_ENTRY void __launch_bounds__(1024) baton_sample_f32(
     const int splits = (int)gridDim.y;
     float* x = logits + (size_t)row * logits_stride;
     const BatonSamplingParams p = params[row];
-    const int n_top = min(min((int)p.top_logprobs, BATON_MAX_TOP_LOGPROBS), vocab);
+    // Clamped as u32 first: (int) of a count >= 2^31 would be negative (the host sends <= 20).
+    const int n_top = min((int)min(p.top_logprobs, (u32)BATON_MAX_TOP_LOGPROBS), vocab);
     const bool want = p.want_logprob != 0 || n_top > 0;
 
     const BatonPenaltyRow pr = penalty_rows[row];
@@ -1255,7 +1256,7 @@ BATON_ENTRY void __launch_bounds__(1024) baton_score_rows(
     const int row = blockIdx.x;
     const float* x = logits + (size_t)row * vocab;
     const u32 token = tokens[row];
-    const int nt = min(min(n_top, BATON_MAX_TOP_LOGPROBS), vocab);
+    const int nt = max(min(min(n_top, BATON_MAX_TOP_LOGPROBS), vocab), 0);
     u64 unused;
     const float maxv = baton_slice_argmax(x, 0, vocab, sh, unused);
     const float ln_sum =

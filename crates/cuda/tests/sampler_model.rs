@@ -183,3 +183,56 @@ fn the_histogram_path_picks_the_radix_selects_token() {
         assert_eq!(half, tok);
     }
 }
+
+/// The top log-probabilities' histogram path lists the n smallest keys of the raw row (what
+/// the kernel's n passes find), on the radix test's rows and on rows with non-finite logits
+/// and few finite ones; it must answer some of them and leave others to the passes.
+#[test]
+fn the_top_logprobs_histogram_lists_the_smallest_keys() {
+    let mut rows: Vec<Vec<f32>> = ROWS
+        .iter()
+        .enumerate()
+        .map(|(salt, &(n, spread, q))| logits(n, salt as u32, spread, q))
+        .collect();
+    let mut odd = logits(500, 9, 30.0, false);
+    for (i, v) in odd.iter_mut().enumerate() {
+        match i % 7 {
+            0 => *v = f32::NEG_INFINITY,
+            1 => *v = f32::NAN,
+            _ => {}
+        }
+    }
+    odd[3] = f32::INFINITY;
+    rows.push(odd);
+    let mut few = vec![f32::NEG_INFINITY; 300];
+    few[7] = 1.0;
+    few[200] = 2.0;
+    rows.push(few);
+    rows.push(vec![0.5; 3000]);
+    let (mut listed, mut passed) = (0, 0);
+    for x in &rows {
+        let mut keys: Vec<u64> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| sort_key(clean(v), i as u32))
+            .collect();
+        keys.sort_unstable();
+        for n in [1usize, 5, 20] {
+            let n = n.min(x.len());
+            for cap in [HIST_LIST, 16] {
+                match top_ids_hist(x, n, cap) {
+                    Some(ids) => {
+                        listed += 1;
+                        let want: Vec<u32> = keys[..n].iter().map(|&k| k as u32).collect();
+                        assert_eq!(ids, want, "n={n} cap={cap} len={}", x.len());
+                    }
+                    None => passed += 1,
+                }
+            }
+        }
+    }
+    assert!(
+        listed > 0 && passed > 0,
+        "{listed} listed, {passed} left to the passes"
+    );
+}

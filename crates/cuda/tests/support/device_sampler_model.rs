@@ -465,6 +465,34 @@ pub fn hist_model(x: &[f32], p: &Params, output_index: u32, cap: usize) -> (u32,
     (token, passes, h.paths)
 }
 
+/// `baton_top_logprobs_hist`: the ids of the `n` most likely tokens of the raw row (the smallest
+/// keys) from a count histogram at temperature 1 and a prefix list of `cap` entries, or `None`
+/// where the kernel takes n passes instead (those bins hold more than the list, or the n-th is
+/// in the last bin, or the row is all -inf).
+pub fn top_ids_hist(x: &[f32], n: usize, cap: usize) -> Option<Vec<u32>> {
+    let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
+    if n == 0 || maxv == f32::NEG_INFINITY {
+        return None;
+    }
+    let bin = |v: f32| hist_bin(clean(v), maxv, 1.0);
+    let mut c = vec![0usize; HIST_BINS];
+    x.iter().for_each(|&v| c[bin(v)] += 1);
+    let mut running = 0;
+    let b = (0..HIST_BINS).find(|&b| {
+        running += c[b];
+        running > n - 1
+    })?;
+    if b == HIST_BINS - 1 || c[..=b].iter().sum::<usize>() > cap {
+        return None;
+    }
+    let mut list: Vec<u64> = (0..x.len())
+        .filter(|&i| bin(x[i]) <= b)
+        .map(|i| sort_key(clean(x[i]), i as u32))
+        .collect();
+    list.sort_unstable();
+    Some(list[..n].iter().map(|&k| k as u32).collect())
+}
+
 /// The same semantics by sorting: prefixes of the key order, fixed-point masses.
 pub fn sorted_reference(x: &[f32], p: &Params, output_index: u32) -> u32 {
     let maxv = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(clean(v)));
