@@ -249,6 +249,26 @@ __device__ __forceinline__ int baton_hist_bin(float c, float maxv, float inv_t) 
     return d < (float)(BATON_HIST_BINS - 1) ? (int)d : BATON_HIST_BINS - 1;
 }
 
+// The first question's filter over row x: no bound, no min-p, every token of `list` (or of
+// the vocabulary when null) a candidate, counted.
+__device__ __forceinline__ BatonSelect baton_select_init(const float* x, int vocab, float maxv,
+                                                         float inv_t,
+                                                         const BatonPenaltyEntry* list,
+                                                         u32 n_list) {
+    BatonSelect s;
+    s.x = x;
+    s.vocab = vocab;
+    s.maxv = maxv;
+    s.inv_t = inv_t;
+    s.min_p = 0.0f;
+    s.bound = ~0ull;
+    s.by_count = true;
+    s.list = list;
+    s.n_list = n_list;
+    s.bin = -1;
+    return s;
+}
+
 // The token at walk index j, or -1 for an entry that is not a candidate (not listed, or out of
 // the vocabulary).
 __device__ __forceinline__ int baton_select_token(const BatonSelect& s, int j) {
@@ -570,9 +590,10 @@ __device__ __forceinline__ u64 baton_block_prefix_u64(u64 v, u64* scratch, u64& 
 }
 
 // Step 1 (and 3): hs.w = the mass of each bin's candidates under s's bound and min-p
-// (s.by_count is ignored: always mass); with `first`, also hs.c = every token's bin count, and
-// no list yet. Either way there is no cut after it. Ends with a barrier.
-__device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first,
+// (s.by_count is ignored: always mass; without `weigh`, every mass 0 and no exp computed); with
+// `first`, also hs.c = every token's bin count, and no list yet. Either way there is no cut
+// after it. Ends with a barrier.
+__device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first, bool weigh,
                                               BatonHistShared& hs) {
     for (int b = threadIdx.x; b < BATON_HIST_BINS; b += blockDim.x) {
         hs.w[b] = 0;
@@ -612,9 +633,11 @@ __device__ __noinline__ void baton_hist_build(const BatonSelect& s, bool first,
             ++tail;
             return;
         }
-        const float e = baton_exp_weight(c, maxv, inv_t);
-        const u64 w =
-            baton_sort_key(c, (u32)i) <= bound && !(e < min_p) ? baton_fixed_weight(e) : 0ull;
+        u64 w = 0;
+        if (weigh) {
+            const float e = baton_exp_weight(c, maxv, inv_t);
+            if (baton_sort_key(c, (u32)i) <= bound && !(e < min_p)) w = baton_fixed_weight(e);
+        }
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             if ((tag[k] & 2047u) == b) {
@@ -679,6 +702,14 @@ __device__ __forceinline__ u64 baton_hist_value(const BatonHistShared& hs, int b
                                                 u64 cutv) {
     if (b < hs.cut) return by_count ? (u64)hs.c[b] : hs.w[b];
     return b == hs.cut ? cutv : 0ull;
+}
+
+// Tokens in bins [0, b] (hs.c). Called by the whole block.
+__device__ __forceinline__ u64 baton_hist_count_through(int b, const BatonHistShared& hs,
+                                                        BatonSampleShared& sh) {
+    u64 acc = 0;
+    for (int k = threadIdx.x; k <= b; k += blockDim.x) acc += hs.c[k];
+    return baton_block_sum_u64(acc, sh.scratch_u64);
 }
 
 // The first bin whose running value exceeds t: hs.bin and hs.before (the values of the bins
@@ -808,11 +839,8 @@ __device__ __noinline__ u64 baton_hist_select(BatonSelect& s, u64 t, BatonHistSh
     ok = b >= 0;
     if (!ok) return 0;
     if (s.by_count && b == BATON_HIST_BINS - 1) return ~0ull;
-    u64 acc = 0;
-    for (int k = threadIdx.x; k <= b; k += blockDim.x) acc += hs.c[k];
-    const u64 up_to_b = baton_block_sum_u64(acc, sh.scratch_u64);
     u64 key;
-    if (up_to_b <= BATON_HIST_LIST) {
+    if (baton_hist_count_through(b, hs, sh) <= BATON_HIST_LIST) {
         baton_hist_compact(s, 0, b, hs);
         key = baton_list_select(s, t, hs, sh);
     } else if (hs.c[b] <= BATON_HIST_LIST) {
@@ -861,22 +889,12 @@ __device__ __noinline__ u32 baton_sample_token(const float* x, int vocab, float 
                                                const BatonSamplingParams* pp, const u32* idx,
                                                const BatonPenaltyEntry* list, u32 n_list,
                                                BatonSampleShared& sh, BatonHistShared& hs) {
-    BatonSelect s;
-    s.x = x;
-    s.vocab = vocab;
-    s.maxv = maxv;
-    s.inv_t = inv_t;
-    s.min_p = 0.0f;
-    s.bound = ~0ull;
-    s.by_count = true;
-    s.list = list;
-    s.n_list = n_list;
-    s.bin = -1;
+    BatonSelect s = baton_select_init(x, vocab, maxv, inv_t, list, n_list);
     // Candidates before top-k: the vocabulary, or the listed tokens.
     const u64 n_cand = list ? baton_select_total(s, sh) : (u64)vocab;
     if (threadIdx.x == 0) hs.fast = BATON_SAMPLE_HIST != 0 && !list;
     __syncthreads();
-    if (hs.fast) baton_hist_build(s, true, hs);
+    if (hs.fast) baton_hist_build(s, true, true, hs);
     if (pp->top_k > 0 && (u64)pp->top_k < n_cand)
         s.bound = baton_answer(s, (u64)(pp->top_k - 1), hs, sh);
     s.by_count = false;
@@ -888,7 +906,7 @@ __device__ __noinline__ u32 baton_sample_token(const float* x, int vocab, float 
         s.bound = baton_answer(s, t, hs, sh);
     }
     s.min_p = pp->min_p > 0.0f ? fminf(pp->min_p, 1.0f) : 0.0f;
-    if (hs.fast && !hs.prefix && s.min_p > 0.0f) baton_hist_build(s, false, hs);
+    if (hs.fast && !hs.prefix && s.min_p > 0.0f) baton_hist_build(s, false, true, hs);
     const u64 m = baton_answer_total(s, hs, sh);
     // floor(u * m) exactly, u = bits / 2^24, m < 2^58.
     const u64 bits = baton_uniform_bits(pp->seed, *idx);
@@ -979,37 +997,13 @@ __device__ __noinline__ bool baton_top_logprobs_hist(const float* x, int vocab, 
                                                      float maxv, float ln_sum, u32* ids,
                                                      float* lps, BatonHistShared& hs,
                                                      BatonSampleShared& sh) {
-    for (int b = threadIdx.x; b < BATON_HIST_BINS; b += blockDim.x) hs.c[b] = 0;
-    if (threadIdx.x == 0) hs.cut = BATON_HIST_BINS;
-    __syncthreads();
-    u32 tail = 0;  // as in baton_hist_build
-    baton_row_walk(x, vocab, [&](int, float xi) {
-        const int b = baton_hist_bin(baton_clean(xi), maxv, 1.0f);
-        if (b == BATON_HIST_BINS - 1)
-            ++tail;
-        else
-            atomicAdd(&hs.c[b], 1u);
-    });
-    if (tail != 0u) atomicAdd(&hs.c[BATON_HIST_BINS - 1], tail);
-    __syncthreads();
+    const BatonSelect s = baton_select_init(x, vocab, maxv, 1.0f, nullptr, 0u);
+    baton_hist_build(s, true, false, hs);  // counts only
     baton_hist_scan((u64)(n_top - 1), true, 0ull, hs);
     __syncthreads();
     const int bin = hs.bin;
     if (bin < 0 || bin == BATON_HIST_BINS - 1) return false;
-    u64 acc = 0;
-    for (int k = threadIdx.x; k <= bin; k += blockDim.x) acc += hs.c[k];
-    if (baton_block_sum_u64(acc, sh.scratch_u64) > BATON_HIST_LIST) return false;
-    BatonSelect s;
-    s.x = x;
-    s.vocab = vocab;
-    s.maxv = maxv;
-    s.inv_t = 1.0f;
-    s.min_p = 0.0f;
-    s.bound = ~0ull;
-    s.by_count = true;
-    s.list = nullptr;
-    s.n_list = 0;
-    s.bin = -1;
+    if (baton_hist_count_through(bin, hs, sh) > BATON_HIST_LIST) return false;
     baton_hist_compact(s, 0, bin, hs);
     for (int j = threadIdx.x; j < n_top; j += blockDim.x) {
         const u32 id = (u32)hs.key[j];
