@@ -530,11 +530,15 @@ impl GgufFile {
 
 /// The GGUF architectures read, with the Hugging Face `model_type` and architecture each
 /// becomes, and whether llama.cpp's converter permuted the q and k rows for its interleaved
-/// RoPE (`LlamaModel.permute` in `convert_hf_to_gguf.py`; Qwen's use NeoX-style RoPE, unpermuted).
-const ARCHS: [(&str, &str, &str, bool); 3] = [
+/// RoPE (`LlamaModel.permute` in `convert_hf_to_gguf.py`; Qwen's and Phi-3's use NeoX-style
+/// RoPE, unpermuted).
+const ARCHS: [(&str, &str, &str, bool); 6] = [
     ("llama", "llama", "LlamaForCausalLM", true),
     ("qwen2", "qwen2", "Qwen2ForCausalLM", false),
     ("qwen3", "qwen3", "Qwen3ForCausalLM", false),
+    ("phi3", "phi3", "Phi3ForCausalLM", false),
+    ("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", false),
+    ("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", false),
 ];
 
 /// Whether the q and k rows of a GGUF model of architecture `arch` are stored permuted for
@@ -543,20 +547,28 @@ pub fn permuted_qk(arch: &str) -> bool {
     ARCHS.iter().any(|a| a.0 == arch && a.3)
 }
 
-/// The Hugging Face name of a GGUF tensor (llama.cpp's `gguf-py/gguf/tensor_mapping.py`,
-/// read backwards), `None` for `rope_freqs.weight` (read into config.json's `rope_scaling` by
-/// [`hf_config`]). Names without a counterpart are returned unchanged, for the unused-tensor
-/// check to name.
-pub fn hf_tensor_name(name: &str) -> Option<String> {
+/// The Hugging Face name of a GGUF tensor of a model of architecture `arch` (llama.cpp's
+/// `gguf-py/gguf/tensor_mapping.py`, read backwards), `None` for the tensors [`hf_config`]
+/// reads into config.json (`rope_freqs.weight`, Phi-3's `rope_factors_long.weight` and
+/// `rope_factors_short.weight`) and for a layer's merged experts (served per expert, see
+/// [`merged_experts`]). Phi-3's `attn_qkv` and `ffn_up` are its fused `qkv_proj` and
+/// `gate_up_proj` (gate rows first, as `Phi3MLP` and llama.cpp's `LLM_ARCH_PHI3` split them).
+/// Names without a counterpart are returned unchanged, for the unused-tensor check to name.
+pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
     let global = match name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
         "output.weight" => Some("lm_head.weight"),
-        "rope_freqs.weight" => return None,
+        "rope_freqs.weight" | "rope_factors_long.weight" | "rope_factors_short.weight" => {
+            return None
+        }
         _ => None,
     };
     if let Some(g) = global {
         return Some(g.into());
+    }
+    if merged_experts(name).is_some() {
+        return None;
     }
     let mapped = name.strip_prefix("blk.").and_then(|rest| {
         let (layer, part) = rest.split_once('.')?;
@@ -567,18 +579,45 @@ pub fn hf_tensor_name(name: &str) -> Option<String> {
             "attn_q" => "self_attn.q_proj",
             "attn_k" => "self_attn.k_proj",
             "attn_v" => "self_attn.v_proj",
+            "attn_qkv" => "self_attn.qkv_proj",
             "attn_output" => "self_attn.o_proj",
             "attn_q_norm" => "self_attn.q_norm",
             "attn_k_norm" => "self_attn.k_norm",
             "ffn_norm" => "post_attention_layernorm",
             "ffn_gate" => "mlp.gate_proj",
+            "ffn_up" if arch == "phi3" => "mlp.gate_up_proj",
             "ffn_up" => "mlp.up_proj",
             "ffn_down" => "mlp.down_proj",
+            "ffn_gate_inp" => "mlp.gate",
+            "ffn_gate_inp_shexp" => "mlp.shared_expert_gate",
+            "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
+            "ffn_up_shexp" => "mlp.shared_expert.up_proj",
+            "ffn_down_shexp" => "mlp.shared_expert.down_proj",
             _ => return None,
         };
         Some(format!("model.layers.{layer}.{hf}.{suffix}"))
     });
     Some(mapped.unwrap_or_else(|| name.to_string()))
+}
+
+/// For a tensor holding every expert of a mixture-of-experts layer
+/// (`blk.{i}.ffn_{gate,up,down}_exps.weight`: `convert_hf_to_gguf.py`'s `Qwen2MoeModel` stacks
+/// the experts' matrices, row-major `[experts, rows, cols]`), the layer and the Hugging Face
+/// name of expert `e`'s part: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+/// Each expert's part is one contiguous slice of the tensor.
+pub fn merged_experts(name: &str) -> Option<(usize, impl Fn(usize) -> String)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let proj = match part {
+        "ffn_gate_exps.weight" => "gate_proj",
+        "ffn_up_exps.weight" => "up_proj",
+        "ffn_down_exps.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((layer, move |e: usize| {
+        format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+    }))
 }
 
 /// The `torch_dtype` a GGUF model is served in: `float32` when every tensor is F32,
@@ -620,16 +659,22 @@ fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig
 }
 
 /// config.json for a GGUF model, from its metadata (the inverse of llama.cpp's
-/// `convert_hf_to_gguf.py` for the `llama`, `qwen2` and `qwen3` architectures): sizes, heads,
+/// `convert_hf_to_gguf.py` for the `llama`, `qwen2`, `qwen3`, `phi3`, `qwen2moe` and
+/// `qwen3moe` architectures): sizes, heads,
 /// RoPE base and scaling (`{arch}.rope.scaling.*`, or Llama 3's `rope_freqs.weight` when it
 /// equals the factors of `rope_type: llama3` with factor = its largest value and the Llama
-/// 3.1 constants low 1, high 4, original 8192), epsilon, context length, BOS/EOS ids, tied
+/// 3.1 constants low 1, high 4, original 8192, or Phi-3's LongRoPE factor tensors with
+/// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`), partial rotary
+/// embeddings (`rope.dimension_count` below the head size, unpermuted architectures), Phi-3's
+/// sliding window (`attention.sliding_window`, 0 for none), the experts of qwen2moe and
+/// qwen3moe files ([`moe_config`]), epsilon, context length, BOS/EOS ids, tied
 /// embeddings (no `output.weight`), and [`served_dtype`].
 ///
 /// # Errors
 /// [`ModelError::Gguf`] naming the key: another architecture, a missing size, per-layer
-/// arrays, a partial rotary dimension, value heads of another width than key heads, an
-/// unknown RoPE scaling, a `rope_freqs.weight` that is not Llama 3's, split files.
+/// arrays, a partial rotary dimension of a permuted architecture, value heads of another
+/// width than key heads, an unknown RoPE scaling, a `rope_freqs.weight` that is not Llama 3's,
+/// one LongRoPE factor tensor without the other, experts where none are read, split files.
 pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
     use serde_json::json;
     let arch = g.architecture()?;
@@ -657,7 +702,29 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
     let kv_heads = g
         .arch_usize(arch, "attention.head_count_kv")?
         .unwrap_or(heads);
-    let ffn = req("feed_forward_length")?;
+    let experts = g.arch_usize(arch, "expert_count")?.unwrap_or(0);
+    let moe = arch.ends_with("moe");
+    if moe != (experts > 0) {
+        return Err(g.fault(format!(
+            "`{arch}.expert_count` is {experts}; {}",
+            if moe {
+                "a mixture-of-experts architecture needs experts"
+            } else {
+                "experts are read for qwen2moe and qwen3moe files only"
+            }
+        )));
+    }
+    let expert_ffn = if moe {
+        req("expert_feed_forward_length")?
+    } else {
+        0
+    };
+    // A sparse model's dense width only matters for dense layers (Qwen's `mlp_only_layers`).
+    let ffn = match g.arch_usize(arch, "feed_forward_length")? {
+        Some(f) => f,
+        None if moe => expert_ffn,
+        None => return Err(g.fault(format!("no `{arch}.feed_forward_length`"))),
+    };
     let context = req("context_length")?;
     if heads == 0 {
         return Err(g.fault(format!("`{arch}.attention.head_count` is 0")));
@@ -672,12 +739,19 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
             )));
         }
     }
+    // Partial rotary embeddings (Phi-4-mini): the leading `r` dims of each head rotate.
+    let mut partial_rotary = None;
     if let Some(r) = g.arch_usize(arch, "rope.dimension_count")? {
         if r != head_dim {
-            return Err(g.fault(format!(
-                "`{arch}.rope.dimension_count` {r} is not the head size {head_dim} (partial \
-                 rotary embeddings are not read from GGUF)"
-            )));
+            let x = r as f64 / head_dim as f64;
+            // (config.json's `partial_rotary_factor` gives back `int(head_dim * x)` dims.)
+            if permuted_qk(arch) || r == 0 || r > head_dim || (head_dim as f64 * x) as usize != r {
+                return Err(g.fault(format!(
+                    "`{arch}.rope.dimension_count` {r} is not the head size {head_dim}, and \
+                     partial rotary embeddings of {arch} files are not read"
+                )));
+            }
+            partial_rotary = Some(x);
         }
     }
     let embd = g
@@ -705,6 +779,25 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
         "torch_dtype": served_dtype(g),
     });
     let o = cfg.as_object_mut().expect("an object");
+    if let Some(x) = partial_rotary {
+        o.insert("partial_rotary_factor".into(), json!(x));
+    }
+    if moe {
+        moe_config(g, arch, experts, expert_ffn, layers, o)?;
+    }
+    if arch == "phi3" {
+        // `convert_hf_to_gguf.py` writes 0 for no window (Phi-4); Phi3Config's default is none.
+        if let Some(w) = g.arch_usize(arch, "attention.sliding_window")? {
+            if w > 0 {
+                o.insert("sliding_window".into(), json!(w));
+            }
+        }
+        // Phi-3 keeps the pre-training length at the top level (LongRoPE's scale is the
+        // ratio of the two lengths).
+        if let Some(orig) = g.arch_usize(arch, "rope.scaling.original_context_length")? {
+            o.insert("original_max_position_embeddings".into(), json!(orig));
+        }
+    }
     for (hf, key) in [
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -763,17 +856,34 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
             )))
         }
     }
+    // ... or, for Phi-3's LongRoPE, as the short and long factors' tensors ...
+    let long = g.tensor("rope_factors_long.weight");
+    let short = g.tensor("rope_factors_short.weight");
+    if long.is_some() || short.is_some() {
+        let (Some(long), Some(short), "phi3") = (long, short, arch) else {
+            return Err(g.fault(format!(
+                "tensors `rope_factors_long.weight` and `rope_factors_short.weight` are read \
+                 as a pair, for phi3 files only (this {arch} file has {})",
+                if long.is_some() {
+                    "the long one"
+                } else {
+                    "the short one"
+                }
+            )));
+        };
+        if o.contains_key("rope_scaling") {
+            return Err(g.fault("both a RoPE scaling type and LongRoPE factor tensors"));
+        }
+        let mut y = json!({"type": "longrope", "long_factor": f32_values(g, long)?,
+                           "short_factor": f32_values(g, short)?});
+        if let Some(a) = g.arch_f64(arch, "rope.scaling.attn_factor")? {
+            y["attention_factor"] = json!(a);
+        }
+        o.insert("rope_scaling".into(), y);
+    }
     // ... or, for Llama 3, as the per-pair factors of `rope_freqs.weight`.
     if let Some(t) = g.tensor("rope_freqs.weight") {
-        let bytes = g.tensor_bytes(t)?;
-        let ours = if t.ggml_type == crate::gguf_quant::GgmlType::F32 as u32 {
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
-                .collect::<Vec<_>>()
-        } else {
-            return Err(g.fault("tensor `rope_freqs.weight` is not F32"));
-        };
+        let ours = f32_values(g, t)?;
         let factor = ours.iter().copied().fold(f64::NAN, f64::max);
         let (low, high, orig) = (1.0, 4.0, 8192.0);
         let want = llama3_factors(theta, head_dim, factor, low, high, orig);
@@ -799,6 +909,60 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
         }
     }
     Ok(cfg)
+}
+
+/// The values of an F32 tensor (RoPE factors), widened.
+fn f32_values(g: &GgufFile, t: &GgufTensorInfo) -> Result<Vec<f64>, ModelError> {
+    if t.ggml_type != crate::gguf_quant::GgmlType::F32 as u32 {
+        return Err(g.fault(format!("tensor `{}` is not F32", t.name)));
+    }
+    Ok(g.tensor_bytes(t)?
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
+        .collect())
+}
+
+/// config.json's mixture-of-experts fields for a `qwen2moe` or `qwen3moe` file: expert count
+/// and width, experts per token, Qwen2-MoE's shared expert width, and `norm_topk_prob` (the
+/// file's `{arch}.expert_weights_norm` when given, else what llama.cpp's graph for the
+/// architecture does: qwen3moe renormalizes the chosen experts' weights, qwen2moe does not).
+/// A layer without a router (`blk.{i}.ffn_gate_inp.weight`) is listed in `mlp_only_layers`.
+fn moe_config(
+    g: &GgufFile,
+    arch: &str,
+    experts: usize,
+    expert_ffn: usize,
+    layers: usize,
+    o: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), ModelError> {
+    use serde_json::json;
+    let used = g
+        .arch_usize(arch, "expert_used_count")?
+        .ok_or_else(|| g.fault(format!("no `{arch}.expert_used_count`")))?;
+    o.insert("num_experts".into(), json!(experts));
+    o.insert("num_experts_per_tok".into(), json!(used));
+    o.insert("moe_intermediate_size".into(), json!(expert_ffn));
+    o.insert("decoder_sparse_step".into(), json!(1));
+    let dense: Vec<usize> = (0..layers)
+        .filter(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_none())
+        .collect();
+    o.insert("mlp_only_layers".into(), json!(dense));
+    let norm = match g.get(&format!("{arch}.expert_weights_norm")) {
+        Some(v) => v.as_bool().ok_or_else(|| {
+            g.fault(format!(
+                "`{arch}.expert_weights_norm` is {v:?}; expected a bool"
+            ))
+        })?,
+        None => arch == "qwen3moe",
+    };
+    o.insert("norm_topk_prob".into(), json!(norm));
+    if arch == "qwen2moe" {
+        let shared = g
+            .arch_usize(arch, "expert_shared_feed_forward_length")?
+            .unwrap_or(0);
+        o.insert("shared_expert_intermediate_size".into(), json!(shared));
+    }
+    Ok(())
 }
 
 /// What [`prepare_dir`] made.

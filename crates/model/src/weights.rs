@@ -571,55 +571,91 @@ impl WeightSource {
     }
 
     /// Opens a GGUF file (llama.cpp's format; [`crate::gguf`]), its tensors under their
-    /// Hugging Face names ([`crate::gguf::hf_tensor_name`]; `rope_freqs.weight` is left out,
-    /// config.json holds it). F32, F16 and BF16 tensors are served from the map as they are
-    /// stored; a quantized one is listed as its raw bytes (`U8`, which the fingerprint hashes)
-    /// until [`WeightSource::open_for`] dequantizes it.
+    /// Hugging Face names ([`crate::gguf::hf_tensor_name`]; the RoPE factor tensors are left
+    /// out, config.json holds them; a layer's merged experts tensor is served as one tensor
+    /// per expert, [`crate::gguf::merged_experts`], each a slice of it). F32, F16 and BF16
+    /// tensors are served from the map as they are stored; a quantized one is listed as its
+    /// raw bytes (`U8`, which the fingerprint hashes) until [`WeightSource::open_for`]
+    /// dequantizes it.
     ///
     /// # Errors
-    /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name.
+    /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name
+    /// or a merged experts tensor that is not `[experts, rows, cols]`.
     pub fn open_gguf(path: &Path) -> Result<Self, ModelError> {
         // Errors name the file itself, not a prepared directory's link to it.
         let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
         let path = real.as_path();
         let g = crate::gguf::GgufFile::open(path)?;
-        let permuted = crate::gguf::permuted_qk(g.architecture()?);
+        let arch = g.architecture()?;
+        let permuted = crate::gguf::permuted_qk(arch);
         let mut tensors = HashMap::new();
         let mut names = BTreeMap::new();
         let mut quantized = BTreeMap::new();
+        let fault = |reason: String| ModelError::Gguf {
+            file: path.display().to_string(),
+            reason,
+        };
         for t in &g.tensors {
-            let Some(name) = crate::gguf::hf_tensor_name(&t.name) else {
-                continue;
-            };
+            // (Hugging Face name, row-major shape, byte range in the data section) of each
+            // tensor served: one, or one per expert of a merged experts tensor.
             let len = g.tensor_bytes(t)?.len();
-            let ty = GgmlType::from_u32(t.ggml_type).expect("GgufFile::open checked the types");
-            let (dtype, shape) = match ty {
-                GgmlType::F32 => (Dtype::F32, t.shape()),
-                GgmlType::F16 => (Dtype::F16, t.shape()),
-                GgmlType::BF16 => (Dtype::BF16, t.shape()),
-                q => {
-                    let info = GgufQuantized {
-                        ty: q,
-                        shape: t.shape(),
-                        gguf_name: t.name.clone(),
-                    };
-                    quantized.insert(name.clone(), info);
-                    (Dtype::U8, vec![len])
-                }
-            };
             let start = t.offset as usize;
-            let info = TensorInfo {
-                dtype,
-                shape,
-                data_offsets: (start, start + len),
-            };
-            if tensors.insert(name.clone(), info).is_some() {
-                return Err(ModelError::Gguf {
-                    file: path.display().to_string(),
-                    reason: format!("two tensors are named `{name}` in Hugging Face terms"),
-                });
+            let mut parts = Vec::new();
+            if let Some((_, expert_name)) = crate::gguf::merged_experts(&t.name) {
+                let shape = t.shape();
+                let [n, rows, cols] = shape[..] else {
+                    return Err(fault(format!(
+                        "tensor `{}` has shape {shape:?}; expected [experts, rows, cols]",
+                        t.name
+                    )));
+                };
+                if n == 0 || !len.is_multiple_of(n) {
+                    return Err(fault(format!(
+                        "tensor `{}` of {len} bytes does not split into {n} experts",
+                        t.name
+                    )));
+                }
+                let each = len / n;
+                for e in 0..n {
+                    parts.push((expert_name(e), vec![rows, cols], start + e * each, each));
+                }
+            } else if let Some(name) = crate::gguf::hf_tensor_name(arch, &t.name) {
+                let mut shape = t.shape();
+                // Qwen2-MoE's shared expert gate is `[1, hidden]` in Hugging Face's files;
+                // llama.cpp reads it as `{hidden}`, which a converted file may store.
+                if name.ends_with(".mlp.shared_expert_gate.weight") && shape.len() == 1 {
+                    shape.insert(0, 1);
+                }
+                parts.push((name, shape, start, len));
             }
-            names.insert(name, 0);
+            let ty = GgmlType::from_u32(t.ggml_type).expect("GgufFile::open checked the types");
+            for (name, shape, start, len) in parts {
+                let (dtype, shape) = match ty {
+                    GgmlType::F32 => (Dtype::F32, shape),
+                    GgmlType::F16 => (Dtype::F16, shape),
+                    GgmlType::BF16 => (Dtype::BF16, shape),
+                    q => {
+                        let info = GgufQuantized {
+                            ty: q,
+                            shape,
+                            gguf_name: t.name.clone(),
+                        };
+                        quantized.insert(name.clone(), info);
+                        (Dtype::U8, vec![len])
+                    }
+                };
+                let info = TensorInfo {
+                    dtype,
+                    shape,
+                    data_offsets: (start, start + len),
+                };
+                if tensors.insert(name.clone(), info).is_some() {
+                    return Err(fault(format!(
+                        "two tensors are named `{name}` in Hugging Face terms"
+                    )));
+                }
+                names.insert(name, 0);
+            }
         }
         let header_len = g.data_start - 8;
         let shard = Shard {

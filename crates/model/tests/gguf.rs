@@ -6,7 +6,7 @@
 
 mod common;
 
-use baton_model::gguf::{self, GgufFile, GgufValue};
+use baton_model::gguf::{self, GgufFile};
 use baton_model::{CpuModel, ModelConfig, WeightSource};
 use common::*;
 use std::path::PathBuf;
@@ -54,113 +54,26 @@ fn the_f32_gguf_serves_the_checkpoints_tensors_bit_for_bit_and_golden_json() {
     }
 }
 
-/// Writes a GGUF value (types as [`GgufValue`]).
-fn put_value(b: &mut Vec<u8>, v: &GgufValue) {
-    let s = |b: &mut Vec<u8>, x: &str| {
-        b.extend((x.len() as u64).to_le_bytes());
-        b.extend(x.as_bytes());
-    };
-    match v {
-        GgufValue::U8(x) => b.push(*x),
-        GgufValue::I8(x) => b.push(*x as u8),
-        GgufValue::U16(x) => b.extend(x.to_le_bytes()),
-        GgufValue::I16(x) => b.extend(x.to_le_bytes()),
-        GgufValue::U32(x) => b.extend(x.to_le_bytes()),
-        GgufValue::I32(x) => b.extend(x.to_le_bytes()),
-        GgufValue::F32(x) => b.extend(x.to_le_bytes()),
-        GgufValue::Bool(x) => b.push(*x as u8),
-        GgufValue::Str(x) => s(b, x),
-        GgufValue::Array(a) => {
-            b.extend(a.first().map_or(4, type_id).to_le_bytes());
-            b.extend((a.len() as u64).to_le_bytes());
-            for x in a {
-                put_value(b, x);
-            }
-        }
-        GgufValue::U64(x) => b.extend(x.to_le_bytes()),
-        GgufValue::I64(x) => b.extend(x.to_le_bytes()),
-        GgufValue::F64(x) => b.extend(x.to_le_bytes()),
-    }
-}
-
-fn type_id(v: &GgufValue) -> u32 {
-    match v {
-        GgufValue::U8(_) => 0,
-        GgufValue::I8(_) => 1,
-        GgufValue::U16(_) => 2,
-        GgufValue::I16(_) => 3,
-        GgufValue::U32(_) => 4,
-        GgufValue::I32(_) => 5,
-        GgufValue::F32(_) => 6,
-        GgufValue::Bool(_) => 7,
-        GgufValue::Str(_) => 8,
-        GgufValue::Array(_) => 9,
-        GgufValue::U64(_) => 10,
-        GgufValue::I64(_) => 11,
-        GgufValue::F64(_) => 12,
-    }
-}
-
-/// ggml's `quantize_row_q8_0_ref`: per 32 values, d = max|x| / 127 (stored f16),
-/// q = round(x / d).
-fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for blk in x.chunks_exact(32) {
-        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        out.extend(half::f16::from_f32(d).to_le_bytes());
-        out.extend(blk.iter().map(|v| (v * id).round() as i8 as u8));
-    }
-    out
-}
-
 /// stories260K's GGUF with every F32 matrix whose rows are whole Q8_0 blocks stored Q8_0
 /// (the others, as llama.cpp's quantizer does, left F32).
 fn write_q8_0(from: &GgufFile, to: &std::path::Path) {
-    let mut data = Vec::new();
-    let mut infos = Vec::new();
+    let mut tensors = Vec::new();
     for t in &from.tensors {
         let bytes = from.tensor_bytes(t).unwrap();
         let (ty, stored) = if t.dims.len() == 2 && t.dims[0].is_multiple_of(32) && t.ggml_type == 0
         {
-            let f: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            (8u32, quantize_q8_0(&f))
+            (Q8_0, quantize_q8_0(&f32s(bytes)))
         } else {
             (t.ggml_type, bytes.to_vec())
         };
-        while !data.len().is_multiple_of(32) {
-            data.push(0);
-        }
-        infos.push((t.name.clone(), t.dims.clone(), ty, data.len() as u64));
-        data.extend(stored);
+        tensors.push((t.name.clone(), t.dims.clone(), ty, stored));
     }
-    let mut b = b"GGUF".to_vec();
-    b.extend(3u32.to_le_bytes());
-    b.extend((infos.len() as u64).to_le_bytes());
-    b.extend((from.metadata.len() as u64).to_le_bytes());
-    for (k, v) in &from.metadata {
-        put_value(&mut b, &GgufValue::Str(k.clone()));
-        b.extend(type_id(v).to_le_bytes());
-        put_value(&mut b, v);
-    }
-    for (name, dims, ty, off) in &infos {
-        put_value(&mut b, &GgufValue::Str(name.clone()));
-        b.extend((dims.len() as u32).to_le_bytes());
-        for d in dims {
-            b.extend(d.to_le_bytes());
-        }
-        b.extend(ty.to_le_bytes());
-        b.extend(off.to_le_bytes());
-    }
-    while !b.len().is_multiple_of(32) {
-        b.push(0);
-    }
-    b.extend(data);
-    std::fs::write(to, b).unwrap();
+    let metadata: Vec<_> = from
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    write_gguf(to, &metadata, &tensors);
 }
 
 #[test]
@@ -170,7 +83,7 @@ fn a_q8_0_gguf_dequantizes_within_half_a_step_and_predicts_the_first_golden_toke
     let f32_file = GgufFile::open(&gguf_file()).unwrap();
     write_q8_0(&f32_file, &file);
     let q = GgufFile::open(&file).unwrap();
-    let quantized = q.tensors.iter().filter(|t| t.ggml_type == 8).count();
+    let quantized = q.tensors.iter().filter(|t| t.ggml_type == Q8_0).count();
     assert!(quantized >= 20, "{quantized} tensors quantized");
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     assert_eq!(cfg.torch_dtype.as_deref(), Some("float16"));

@@ -272,3 +272,121 @@ pub fn prompt_logits(model: &CpuModel, prompt: &[u32]) -> Vec<f32> {
         .expect("forward")
         .remove(0)
 }
+
+/// Writes a GGUF value (types as [`baton_model::gguf::GgufValue`]).
+pub fn put_value(b: &mut Vec<u8>, v: &baton_model::gguf::GgufValue) {
+    let s = |b: &mut Vec<u8>, x: &str| {
+        b.extend((x.len() as u64).to_le_bytes());
+        b.extend(x.as_bytes());
+    };
+    match v {
+        baton_model::gguf::GgufValue::U8(x) => b.push(*x),
+        baton_model::gguf::GgufValue::I8(x) => b.push(*x as u8),
+        baton_model::gguf::GgufValue::U16(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::I16(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::U32(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::I32(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::F32(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::Bool(x) => b.push(*x as u8),
+        baton_model::gguf::GgufValue::Str(x) => s(b, x),
+        baton_model::gguf::GgufValue::Array(a) => {
+            b.extend(a.first().map_or(4, type_id).to_le_bytes());
+            b.extend((a.len() as u64).to_le_bytes());
+            for x in a {
+                put_value(b, x);
+            }
+        }
+        baton_model::gguf::GgufValue::U64(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::I64(x) => b.extend(x.to_le_bytes()),
+        baton_model::gguf::GgufValue::F64(x) => b.extend(x.to_le_bytes()),
+    }
+}
+
+pub fn type_id(v: &baton_model::gguf::GgufValue) -> u32 {
+    match v {
+        baton_model::gguf::GgufValue::U8(_) => 0,
+        baton_model::gguf::GgufValue::I8(_) => 1,
+        baton_model::gguf::GgufValue::U16(_) => 2,
+        baton_model::gguf::GgufValue::I16(_) => 3,
+        baton_model::gguf::GgufValue::U32(_) => 4,
+        baton_model::gguf::GgufValue::I32(_) => 5,
+        baton_model::gguf::GgufValue::F32(_) => 6,
+        baton_model::gguf::GgufValue::Bool(_) => 7,
+        baton_model::gguf::GgufValue::Str(_) => 8,
+        baton_model::gguf::GgufValue::Array(_) => 9,
+        baton_model::gguf::GgufValue::U64(_) => 10,
+        baton_model::gguf::GgufValue::I64(_) => 11,
+        baton_model::gguf::GgufValue::F64(_) => 12,
+    }
+}
+
+/// ggml's `quantize_row_q8_0_ref`: per 32 values, d = max|x| / 127 (stored f16),
+/// q = round(x / d).
+pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in x.chunks_exact(32) {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(half::f16::from_f32(d).to_le_bytes());
+        out.extend(blk.iter().map(|v| (v * id).round() as i8 as u8));
+    }
+    out
+}
+
+/// ggml's type id of Q8_0.
+pub const Q8_0: u32 = 8;
+
+/// Little-endian f32 bytes as values.
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// A tensor to write into a GGUF file: (llama.cpp's name, ggml dims (innermost first, as the
+/// file stores them), ggml type id, data bytes).
+pub type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
+
+/// Writes a GGUF version 3 file at `path`: `metadata` in order, then the tensors' directory
+/// and their data, each tensor 32-byte aligned (llama.cpp's default alignment).
+pub fn write_gguf(
+    path: &std::path::Path,
+    metadata: &[(String, baton_model::gguf::GgufValue)],
+    tensors: &[GgufTensor],
+) {
+    use baton_model::gguf::GgufValue;
+    let mut data = Vec::new();
+    let mut offsets = Vec::new();
+    for t in tensors {
+        while !data.len().is_multiple_of(32) {
+            data.push(0);
+        }
+        offsets.push(data.len() as u64);
+        data.extend(&t.3);
+    }
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_value(&mut b, &GgufValue::Str(k.clone()));
+        b.extend(type_id(v).to_le_bytes());
+        put_value(&mut b, v);
+    }
+    for ((name, dims, ty, _), off) in tensors.iter().zip(offsets) {
+        put_value(&mut b, &GgufValue::Str(name.clone()));
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(off.to_le_bytes());
+    }
+    while !b.len().is_multiple_of(32) {
+        b.push(0);
+    }
+    b.extend(data);
+    std::fs::write(path, b).unwrap();
+}
