@@ -547,12 +547,32 @@ pub fn permuted_qk(arch: &str) -> bool {
     ARCHS.iter().any(|a| a.0 == arch && a.3)
 }
 
+/// The architecture that names a GGUF file's tensors: `general.architecture`, except
+/// `mixtral` for a `llama` file with experts (`llama.expert_count` > 0: llama.cpp converts
+/// Mixtral as `llama`, its experts under Mixtral's names).
+///
+/// # Errors
+/// As [`GgufFile::architecture`]; [`ModelError::Gguf`] for a malformed expert count.
+pub fn naming_arch(g: &GgufFile) -> Result<&str, ModelError> {
+    let arch = g.architecture()?;
+    Ok(
+        if arch == "llama" && g.arch_usize(arch, "expert_count")?.unwrap_or(0) > 0 {
+            "mixtral"
+        } else {
+            arch
+        },
+    )
+}
+
 /// The Hugging Face name of a GGUF tensor of a model of architecture `arch` (llama.cpp's
 /// `gguf-py/gguf/tensor_mapping.py`, read backwards), `None` for the tensors [`hf_config`]
 /// reads into config.json (`rope_freqs.weight`, Phi-3's `rope_factors_long.weight` and
 /// `rope_factors_short.weight`) and for a layer's merged experts (served per expert, see
-/// [`merged_experts`]). Phi-3's `attn_qkv` and `ffn_up` are its fused `qkv_proj` and
-/// `gate_up_proj` (gate rows first, as `Phi3MLP` and llama.cpp's `LLM_ARCH_PHI3` split them).
+/// [`merged_experts`]; `arch` as [`naming_arch`] gives it). Phi-3's `attn_qkv` and `ffn_up`
+/// are its fused `qkv_proj` and `gate_up_proj` (gate rows first, as `Phi3MLP` and llama.cpp's
+/// `LLM_ARCH_PHI3` split them). Mixtral's router and experts are `block_sparse_moe.gate` and
+/// `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down), also from the per-expert
+/// tensors of files converted before llama.cpp stacked them (`blk.{i}.ffn_gate.{e}.weight`).
 /// Names without a counterpart are returned unchanged, for the unused-tensor check to name.
 pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
     let global = match name {
@@ -567,13 +587,27 @@ pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
     if let Some(g) = global {
         return Some(g.into());
     }
-    if merged_experts(name).is_some() {
+    if merged_experts(arch, name).is_some() {
         return None;
     }
     let mapped = name.strip_prefix("blk.").and_then(|rest| {
         let (layer, part) = rest.split_once('.')?;
         layer.parse::<usize>().ok()?;
         let (stem, suffix) = part.rsplit_once('.')?;
+        if arch == "mixtral" {
+            if stem == "ffn_gate_inp" {
+                return Some(format!(
+                    "model.layers.{layer}.block_sparse_moe.gate.{suffix}"
+                ));
+            }
+            if let Some((proj, e)) = stem.split_once('.') {
+                let e: usize = e.parse().ok()?;
+                let w = mixtral_part(proj)?;
+                return Some(format!(
+                    "model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.{suffix}"
+                ));
+            }
+        }
         let hf = match stem {
             "attn_norm" => "input_layernorm",
             "attn_q" => "self_attn.q_proj",
@@ -600,23 +634,41 @@ pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
     Some(mapped.unwrap_or_else(|| name.to_string()))
 }
 
+/// Mixtral's name of an expert's `ffn_gate`, `ffn_up` or `ffn_down` part (`w1`, `w3`, `w2`).
+fn mixtral_part(proj: &str) -> Option<&'static str> {
+    Some(match proj {
+        "ffn_gate" => "w1",
+        "ffn_up" => "w3",
+        "ffn_down" => "w2",
+        _ => return None,
+    })
+}
+
 /// For a tensor holding every expert of a mixture-of-experts layer
-/// (`blk.{i}.ffn_{gate,up,down}_exps.weight`: `convert_hf_to_gguf.py`'s `Qwen2MoeModel` stacks
-/// the experts' matrices, row-major `[experts, rows, cols]`), the layer and the Hugging Face
-/// name of expert `e`'s part: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`.
-/// Each expert's part is one contiguous slice of the tensor.
-pub fn merged_experts(name: &str) -> Option<(usize, impl Fn(usize) -> String)> {
+/// (`blk.{i}.ffn_{gate,up,down}_exps.weight`: `convert_hf_to_gguf.py`'s `Qwen2MoeModel` and
+/// `LlamaModel` stack the experts' matrices, row-major `[experts, rows, cols]`), the layer and
+/// the Hugging Face name of expert `e`'s part: `model.layers.{i}.mlp.experts.{e}.{gate,up,
+/// down}_proj.weight`, or for `mixtral` ([`naming_arch`])
+/// `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`. Each expert's part is
+/// one contiguous slice of the tensor.
+pub fn merged_experts(arch: &str, name: &str) -> Option<(usize, impl Fn(usize) -> String)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let proj = match part {
-        "ffn_gate_exps.weight" => "gate_proj",
-        "ffn_up_exps.weight" => "up_proj",
-        "ffn_down_exps.weight" => "down_proj",
-        _ => return None,
+    let proj = part.strip_suffix("_exps.weight")?;
+    let (block, hf) = if arch == "mixtral" {
+        ("block_sparse_moe", mixtral_part(proj)?)
+    } else {
+        let hf = match proj {
+            "ffn_gate" => "gate_proj",
+            "ffn_up" => "up_proj",
+            "ffn_down" => "down_proj",
+            _ => return None,
+        };
+        ("mlp", hf)
     };
     Some((layer, move |e: usize| {
-        format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+        format!("model.layers.{layer}.{block}.experts.{e}.{hf}.weight")
     }))
 }
 
@@ -659,8 +711,8 @@ fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig
 }
 
 /// config.json for a GGUF model, from its metadata (the inverse of llama.cpp's
-/// `convert_hf_to_gguf.py` for the `llama`, `qwen2`, `qwen3`, `phi3`, `qwen2moe` and
-/// `qwen3moe` architectures): sizes, heads,
+/// `convert_hf_to_gguf.py` for the `llama` (with experts: Mixtral), `qwen2`, `qwen3`,
+/// `phi3`, `qwen2moe` and `qwen3moe` architectures): sizes, heads,
 /// RoPE base and scaling (`{arch}.rope.scaling.*`, or Llama 3's `rope_freqs.weight` when it
 /// equals the factors of `rope_type: llama3` with factor = its largest value and the Llama
 /// 3.1 constants low 1, high 4, original 8192, or Phi-3's LongRoPE factor tensors with
@@ -678,7 +730,7 @@ fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig
 pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
     use serde_json::json;
     let arch = g.architecture()?;
-    let Some(&(_, model_type, hf_arch, _)) = ARCHS.iter().find(|a| a.0 == arch) else {
+    let Some(&(_, mut model_type, mut hf_arch, _)) = ARCHS.iter().find(|a| a.0 == arch) else {
         return Err(g.fault(format!(
             "architecture `{arch}` is not read; GGUF files of {} are (for other models, serve \
              the Hugging Face checkpoint)",
@@ -703,18 +755,24 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
         .arch_usize(arch, "attention.head_count_kv")?
         .unwrap_or(heads);
     let experts = g.arch_usize(arch, "expert_count")?.unwrap_or(0);
-    let moe = arch.ends_with("moe");
+    let mixtral = naming_arch(g)? == "mixtral";
+    if mixtral {
+        (model_type, hf_arch) = ("mixtral", "MixtralForCausalLM");
+    }
+    let qwen_moe = arch.ends_with("moe");
+    let moe = qwen_moe || mixtral;
     if moe != (experts > 0) {
         return Err(g.fault(format!(
             "`{arch}.expert_count` is {experts}; {}",
             if moe {
                 "a mixture-of-experts architecture needs experts"
             } else {
-                "experts are read for qwen2moe and qwen3moe files only"
+                "experts are read for llama (Mixtral), qwen2moe and qwen3moe files only"
             }
         )));
     }
-    let expert_ffn = if moe {
+    // Mixtral's experts are `feed_forward_length` wide (MixtralConfig's intermediate_size).
+    let expert_ffn = if qwen_moe {
         req("expert_feed_forward_length")?
     } else {
         0
@@ -782,8 +840,17 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
     if let Some(x) = partial_rotary {
         o.insert("partial_rotary_factor".into(), json!(x));
     }
-    if moe {
+    if qwen_moe {
         moe_config(g, arch, experts, expert_ffn, layers, o)?;
+    }
+    if mixtral {
+        let used = g
+            .arch_usize(arch, "expert_used_count")?
+            .ok_or_else(|| g.fault(format!("no `{arch}.expert_used_count`")))?;
+        o.insert("num_local_experts".into(), json!(experts));
+        o.insert("num_experts_per_tok".into(), json!(used));
+        // MixtralConfig's default window is 4096; converted files of Mixtral have none.
+        o.insert("sliding_window".into(), serde_json::Value::Null);
     }
     if arch == "phi3" {
         // `convert_hf_to_gguf.py` writes 0 for no window (Phi-4); Phi3Config's default is none.

@@ -586,8 +586,8 @@ impl WeightSource {
         let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
         let path = real.as_path();
         let g = crate::gguf::GgufFile::open(path)?;
-        let arch = g.architecture()?;
-        let permuted = crate::gguf::permuted_qk(arch);
+        let permuted = crate::gguf::permuted_qk(g.architecture()?);
+        let arch = crate::gguf::naming_arch(&g)?;
         let mut tensors = HashMap::new();
         let mut names = BTreeMap::new();
         let mut quantized = BTreeMap::new();
@@ -601,7 +601,7 @@ impl WeightSource {
             let len = g.tensor_bytes(t)?.len();
             let start = t.offset as usize;
             let mut parts = Vec::new();
-            if let Some((_, expert_name)) = crate::gguf::merged_experts(&t.name) {
+            if let Some((_, expert_name)) = crate::gguf::merged_experts(arch, &t.name) {
                 let shape = t.shape();
                 let [n, rows, cols] = shape[..] else {
                     return Err(fault(format!(

@@ -1,4 +1,5 @@
-//! GGUF files of the `phi3`, `qwen2moe` and `qwen3moe` architectures, written here as
+//! GGUF files of the `phi3`, `qwen2moe` and `qwen3moe` architectures and Mixtral (`llama`
+//! with experts; stacked, and one tensor per expert as older files have them), written here as
 //! llama.cpp's `convert_hf_to_gguf.py` lays them out (`Phi3MiniModel`: fused `attn_qkv` and
 //! `ffn_up` = gate and up, LongRoPE factors as `rope_factors_{long,short}.weight`;
 //! `Qwen2MoeModel`: each layer's experts stacked into `ffn_{gate,up,down}_exps.weight`, the
@@ -284,10 +285,10 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 /// Face name, shape, values).
 fn moe_checkpoint(model_type: &str) -> (serde_json::Value, Vec<Values>) {
     let qwen2 = model_type == "qwen2_moe";
-    let arch = if qwen2 {
-        "Qwen2MoeForCausalLM"
-    } else {
-        "Qwen3MoeForCausalLM"
+    let arch = match model_type {
+        "qwen2_moe" => "Qwen2MoeForCausalLM",
+        "qwen3_moe" => "Qwen3MoeForCausalLM",
+        _ => "MixtralForCausalLM",
     };
     let mut c = serde_json::json!({
         "architectures": [arch], "model_type": model_type, "hidden_size": 64,
@@ -301,6 +302,21 @@ fn moe_checkpoint(model_type: &str) -> (serde_json::Value, Vec<Values>) {
     });
     if qwen2 {
         c["shared_expert_intermediate_size"] = 48.into();
+    }
+    if model_type == "mixtral" {
+        let o = c.as_object_mut().unwrap();
+        for k in [
+            "num_experts",
+            "moe_intermediate_size",
+            "decoder_sparse_step",
+            "norm_topk_prob",
+            "mlp_only_layers",
+        ] {
+            o.remove(k);
+        }
+        o.insert("num_local_experts".into(), 4.into());
+        o.insert("intermediate_size".into(), 32.into());
+        o.insert("sliding_window".into(), serde_json::Value::Null);
     }
     let cfg = ModelConfig::from_json_str(&c.to_string()).unwrap();
     let mut shapes = vec![
@@ -333,14 +349,44 @@ fn moe_hf_dir(tag: &str, config: &serde_json::Value, tensors: &[Values]) -> Temp
     d
 }
 
+/// How [`moe_gguf`] stores the experts.
+#[derive(Clone, Copy, PartialEq)]
+enum Experts {
+    /// Stacked per layer and projection, F32 (`convert_hf_to_gguf.py` today).
+    Stacked,
+    /// Stacked, Q8_0.
+    StackedQ8_0,
+    /// One tensor per expert, `blk.{i}.ffn_gate.{e}.weight` (Mixtral files converted before
+    /// llama.cpp stacked them).
+    Separate,
+}
+
+/// llama.cpp's `permute` of q or k rows for its interleaved RoPE (`LlamaModel.permute`):
+/// within each head of `d` rows, row `2i + j` holds Hugging Face's row `j d/2 + i`.
+fn permute(v: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let d = v.len() / cols / heads;
+    let mut out = Vec::with_capacity(v.len());
+    for h in 0..heads {
+        for i in 0..d / 2 {
+            for j in 0..2 {
+                let r = h * d + j * d / 2 + i;
+                out.extend_from_slice(&v[r * cols..(r + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
 /// [`moe_checkpoint`] as llama.cpp writes it: each layer's experts stacked per projection
-/// (`[experts, rows, cols]`, expert 0 first), `quantize` choosing Q8_0 for the stacked
-/// experts; Qwen2-MoE's shared expert gate as llama.cpp reads it, `{hidden}`.
-fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], quantize: bool) {
-    let arch = if config["model_type"] == "qwen2_moe" {
-        "qwen2moe"
-    } else {
-        "qwen3moe"
+/// (`[experts, rows, cols]`, expert 0 first) or separate as `experts` says; Qwen2-MoE's
+/// shared expert gate as llama.cpp reads it, `{hidden}`; Mixtral as a `llama` file, its q and
+/// k rows permuted.
+fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], experts: Experts) {
+    let mixtral = config["model_type"] == "mixtral";
+    let arch = match config["model_type"].as_str().unwrap() {
+        "qwen2_moe" => "qwen2moe",
+        "qwen3_moe" => "qwen3moe",
+        _ => "llama",
     };
     let get = |n: &str| {
         tensors
@@ -361,33 +407,59 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], quantiz
         ),
         f32_tensor("output.weight", &[512, 64], bytes(&get("lm_head.weight").2)),
     ];
+    let heads = |k: &str| config[k].as_u64().unwrap() as usize;
     for (n, s, v) in tensors {
-        if !n.starts_with("model.layers.") || n.contains(".mlp.experts.") {
+        if !n.starts_with("model.layers.") || n.contains(".experts.") {
             continue;
         }
         let mut shape = s.clone();
         if n.ends_with("shared_expert_gate.weight") {
             shape = vec![s[1]];
         }
-        out.push(f32_tensor(&gguf_layer_name(n), &shape, bytes(v)));
+        let v = match (mixtral, n.rsplit('.').nth(1)) {
+            (true, Some("q_proj")) => permute(v, heads("num_attention_heads"), s[1]),
+            (true, Some("k_proj")) => permute(v, heads("num_key_value_heads"), s[1]),
+            _ => v.clone(),
+        };
+        let name = gguf_layer_name(&n.replace("block_sparse_moe.gate", "mlp.gate"));
+        out.push(f32_tensor(&name, &shape, bytes(&v)));
     }
     for i in 0..3 {
-        for proj in ["gate", "up", "down"] {
+        for (proj, hf) in [
+            ("gate", "gate_proj"),
+            ("up", "up_proj"),
+            ("down", "down_proj"),
+        ] {
+            let hf = match (mixtral, hf) {
+                (false, _) => format!("mlp.experts.{{}}.{hf}"),
+                (true, "gate_proj") => "block_sparse_moe.experts.{}.w1".into(),
+                (true, "up_proj") => "block_sparse_moe.experts.{}.w3".into(),
+                (true, _) => "block_sparse_moe.experts.{}.w2".into(),
+            };
             let parts: Vec<_> = (0..4)
                 .map_while(|e| {
-                    tensors.iter().find(|t| {
-                        t.0 == format!("model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight")
-                    })
+                    let want = format!(
+                        "model.layers.{i}.{}.weight",
+                        hf.replace("{}", &e.to_string())
+                    );
+                    tensors.iter().find(|t| t.0 == want)
                 })
                 .collect();
             if parts.is_empty() {
                 continue;
             }
             let (rows, cols) = (parts[0].1[0], parts[0].1[1]);
+            if experts == Experts::Separate {
+                for (e, t) in parts.iter().enumerate() {
+                    let name = format!("blk.{i}.ffn_{proj}.{e}.weight");
+                    out.push(f32_tensor(&name, &[rows, cols], bytes(&t.2)));
+                }
+                continue;
+            }
             let all: Vec<f32> = parts.iter().flat_map(|t| t.2.clone()).collect();
             let name = format!("blk.{i}.ffn_{proj}_exps.weight");
             let dims = vec![cols as u64, rows as u64, parts.len() as u64];
-            out.push(if quantize {
+            out.push(if experts == Experts::StackedQ8_0 {
                 (name, dims, Q8_0, quantize_q8_0(&all))
             } else {
                 (name, dims, F32, bytes(&all))
@@ -406,10 +478,14 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], quantiz
         ("attention.value_length", c("head_dim")),
         ("attention.layer_norm_rms_epsilon", GgufValue::F32(1e-6)),
         ("rope.freq_base", GgufValue::F32(1000000.0)),
-        ("expert_count", c("num_experts")),
         ("expert_used_count", c("num_experts_per_tok")),
-        ("expert_feed_forward_length", c("moe_intermediate_size")),
     ];
+    if mixtral {
+        keys.push(("expert_count", c("num_local_experts")));
+    } else {
+        keys.push(("expert_count", c("num_experts")));
+        keys.push(("expert_feed_forward_length", c("moe_intermediate_size")));
+    }
     if arch == "qwen2moe" {
         keys.push((
             "expert_shared_feed_forward_length",
@@ -420,17 +496,17 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], quantiz
 }
 
 /// Bit-equal configs, tensors and logits between the checkpoint and its GGUF.
-fn check_moe_gguf(model_type: &str) {
+fn check_moe_gguf(model_type: &str, experts: Experts) {
     let (config, tensors) = moe_checkpoint(model_type);
     let hf_dir = moe_hf_dir(&format!("gguf-{model_type}-hf"), &config, &tensors);
     let tmp = temp_dir(&format!("gguf-{model_type}"));
     let file = tmp.join("moe.gguf");
-    moe_gguf(&file, &config, &tensors, false);
+    moe_gguf(&file, &config, &tensors, experts);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     let hf_cfg = ModelConfig::from_file(&hf_dir.join("config.json")).unwrap();
     assert_eq!(cfg, hf_cfg, "{model_type}: the same config");
     let moe = cfg.moe.as_ref().expect("experts");
-    assert_eq!(moe.norm_topk_prob, model_type == "qwen3_moe");
+    assert_eq!(moe.norm_topk_prob, model_type != "qwen2_moe");
     let hf = WeightSource::open_for(&hf_dir, &hf_cfg).unwrap();
     let names: Vec<_> = hf.tensor_names().map(str::to_owned).collect();
     assert_eq!(
@@ -452,12 +528,18 @@ fn check_moe_gguf(model_type: &str) {
 
 #[test]
 fn a_qwen3moe_gguf_serves_its_checkpoints_config_experts_and_logits() {
-    check_moe_gguf("qwen3_moe");
+    check_moe_gguf("qwen3_moe", Experts::Stacked);
 }
 
 #[test]
 fn a_qwen2moe_gguf_serves_its_shared_expert_dense_layer_and_biases() {
-    check_moe_gguf("qwen2_moe");
+    check_moe_gguf("qwen2_moe", Experts::Stacked);
+}
+
+#[test]
+fn a_mixtral_gguf_serves_its_checkpoint_from_stacked_and_from_separate_experts() {
+    check_moe_gguf("mixtral", Experts::Stacked);
+    check_moe_gguf("mixtral", Experts::Separate);
 }
 
 #[test]
@@ -465,7 +547,7 @@ fn quantized_stacked_experts_are_served_one_dequantized_slice_per_expert() {
     let (config, tensors) = moe_checkpoint("qwen3_moe");
     let tmp = temp_dir("gguf-moe-q8");
     let file = tmp.join("moe-q8.gguf");
-    moe_gguf(&file, &config, &tensors, true);
+    moe_gguf(&file, &config, &tensors, Experts::StackedQ8_0);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     assert_eq!(cfg.torch_dtype.as_deref(), Some("float16"));
     let mut checked = 0;
@@ -495,7 +577,7 @@ fn a_stacked_experts_tensor_of_the_wrong_rank_and_lone_experts_are_refused() {
     let tmp = temp_dir("gguf-moe-bad");
     // Experts in a dense architecture.
     let file = tmp.join("bad.gguf");
-    moe_gguf(&file, &config, &tensors, false);
+    moe_gguf(&file, &config, &tensors, Experts::Stacked);
     let g = GgufFile::open(&file).unwrap();
     let mut meta: Vec<_> = g
         .metadata
