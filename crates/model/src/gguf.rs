@@ -532,8 +532,9 @@ impl GgufFile {
 /// becomes, and whether llama.cpp's converter permuted the q and k rows for its interleaved
 /// RoPE (`LlamaModel.permute` in `convert_hf_to_gguf.py`; Qwen's and Phi-3's use NeoX-style
 /// RoPE, unpermuted).
-const ARCHS: [(&str, &str, &str, bool); 6] = [
+const ARCHS: [(&str, &str, &str, bool); 7] = [
     ("llama", "llama", "LlamaForCausalLM", true),
+    ("gemma3", "gemma3_text", "Gemma3ForCausalLM", false),
     ("qwen2", "qwen2", "Qwen2ForCausalLM", false),
     ("qwen3", "qwen3", "Qwen3ForCausalLM", false),
     ("phi3", "phi3", "Phi3ForCausalLM", false),
@@ -545,6 +546,14 @@ const ARCHS: [(&str, &str, &str, bool); 6] = [
 /// interleaved RoPE (and must be un-permuted into Hugging Face's rotate-half layout).
 pub fn permuted_qk(arch: &str) -> bool {
     ARCHS.iter().any(|a| a.0 == arch && a.3)
+}
+
+/// Whether the norm weights of a GGUF model of architecture `arch` are stored with 1 added:
+/// Gemma's RMSNorm scales by `1 + w`, and `convert_hf_to_gguf.py`'s `Gemma3Model` stores
+/// `w + 1` (in f32) so that llama.cpp's plain RMSNorm applies; Baton serves `w` (the stored
+/// value less 1, exact for stored values of at least 0.5) under Hugging Face's convention.
+pub fn norms_shifted(arch: &str) -> bool {
+    arch == "gemma3"
 }
 
 /// The architecture that names a GGUF file's tensors: `general.architecture`, except
@@ -570,7 +579,9 @@ pub fn naming_arch(g: &GgufFile) -> Result<&str, ModelError> {
 /// `rope_factors_short.weight`) and for a layer's merged experts (served per expert, see
 /// [`merged_experts`]; `arch` as [`naming_arch`] gives it). Phi-3's `attn_qkv` and `ffn_up`
 /// are its fused `qkv_proj` and `gate_up_proj` (gate rows first, as `Phi3MLP` and llama.cpp's
-/// `LLM_ARCH_PHI3` split them). Mixtral's router and experts are `block_sparse_moe.gate` and
+/// `LLM_ARCH_PHI3` split them). Gemma 3's four norms a layer are `attn_norm`,
+/// `post_attention_norm`, `ffn_norm` (its `pre_feedforward_layernorm`) and `post_ffw_norm`.
+/// Mixtral's router and experts are `block_sparse_moe.gate` and
 /// `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down), also from the per-expert
 /// tensors of files converted before llama.cpp stacked them (`blk.{i}.ffn_gate.{e}.weight`).
 /// Names without a counterpart are returned unchanged, for the unused-tensor check to name.
@@ -617,7 +628,10 @@ pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
             "attn_output" => "self_attn.o_proj",
             "attn_q_norm" => "self_attn.q_norm",
             "attn_k_norm" => "self_attn.k_norm",
+            "ffn_norm" if arch == "gemma3" => "pre_feedforward_layernorm",
             "ffn_norm" => "post_attention_layernorm",
+            "post_attention_norm" if arch == "gemma3" => "post_attention_layernorm",
+            "post_ffw_norm" if arch == "gemma3" => "post_feedforward_layernorm",
             "ffn_gate" => "mlp.gate_proj",
             "ffn_up" if arch == "phi3" => "mlp.gate_up_proj",
             "ffn_up" => "mlp.up_proj",
@@ -711,15 +725,16 @@ fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig
 }
 
 /// config.json for a GGUF model, from its metadata (the inverse of llama.cpp's
-/// `convert_hf_to_gguf.py` for the `llama` (with experts: Mixtral), `qwen2`, `qwen3`,
-/// `phi3`, `qwen2moe` and `qwen3moe` architectures): sizes, heads,
+/// `convert_hf_to_gguf.py` for the `llama` (with experts: Mixtral), `gemma3`, `qwen2`,
+/// `qwen3`, `phi3`, `qwen2moe` and `qwen3moe` architectures): sizes, heads,
 /// RoPE base and scaling (`{arch}.rope.scaling.*`, or Llama 3's `rope_freqs.weight` when it
 /// equals the factors of `rope_type: llama3` with factor = its largest value and the Llama
 /// 3.1 constants low 1, high 4, original 8192, or Phi-3's LongRoPE factor tensors with
 /// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`), partial rotary
 /// embeddings (`rope.dimension_count` below the head size, unpermuted architectures), Phi-3's
 /// sliding window (`attention.sliding_window`, 0 for none), the experts of qwen2moe and
-/// qwen3moe files ([`moe_config`]), epsilon, context length, BOS/EOS ids, tied
+/// qwen3moe files ([`moe_config`]), Gemma 3's fixed fields ([`gemma3_config`]), epsilon,
+/// context length, BOS/EOS ids, tied
 /// embeddings (no `output.weight`), and [`served_dtype`].
 ///
 /// # Errors
@@ -851,6 +866,9 @@ pub fn hf_config(g: &GgufFile) -> Result<serde_json::Value, ModelError> {
         o.insert("num_experts_per_tok".into(), json!(used));
         // MixtralConfig's default window is 4096; converted files of Mixtral have none.
         o.insert("sliding_window".into(), serde_json::Value::Null);
+    }
+    if arch == "gemma3" {
+        gemma3_config(g, hidden, heads, head_dim, layers, o)?;
     }
     if arch == "phi3" {
         // `convert_hf_to_gguf.py` writes 0 for no window (Phi-4); Phi3Config's default is none.
@@ -1032,6 +1050,43 @@ fn moe_config(
     Ok(())
 }
 
+/// config.json's Gemma 3 fields that llama.cpp does not store but fixes for the architecture
+/// (`llama-model.cpp`, `LLM_ARCH_GEMMA3`): every 6th layer attends to all keys and the others
+/// slide over `gemma3.attention.sliding_window` keys with RoPE base 10000 (the file's
+/// `rope.freq_base` and scaling are the full layers'); queries are scaled by
+/// `1/sqrt(hidden / heads)` in the 62-layer model (Gemma 3 27B, whose
+/// `query_pre_attn_scalar` is 168) and `1/sqrt(head_dim)` in the others. Soft-capping, which
+/// Gemma 3 does not use, is carried over when the file gives it (and then refused by the
+/// config's parser).
+fn gemma3_config(
+    g: &GgufFile,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+    layers: usize,
+    o: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), ModelError> {
+    use serde_json::json;
+    let window = g
+        .arch_usize("gemma3", "attention.sliding_window")?
+        .ok_or_else(|| g.fault("no `gemma3.attention.sliding_window`"))?;
+    o.insert("sliding_window".into(), json!(window));
+    o.insert("sliding_window_pattern".into(), json!(6));
+    o.insert("rope_local_base_freq".into(), json!(10000.0));
+    let scalar = if layers == 62 {
+        hidden / heads
+    } else {
+        head_dim
+    };
+    o.insert("query_pre_attn_scalar".into(), json!(scalar));
+    for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(x) = g.arch_f64("gemma3", key)? {
+            o.insert(key.into(), json!(x));
+        }
+    }
+    Ok(())
+}
+
 /// What [`prepare_dir`] made.
 #[derive(Debug, Clone)]
 pub struct PreparedGguf {
@@ -1071,7 +1126,17 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
     let max_len = config["max_position_embeddings"]
         .as_u64()
         .map(|x| x as usize);
-    let tokenizer = crate::gguf_tokenizer::tokenizer_files(&g.metadata, max_len);
+    // Gemma 3's SentencePiece vocabulary (no space prefix, 262k pieces) has not been checked
+    // against its Hugging Face tokenizer.json, so it is not converted.
+    let tokenizer = if g.architecture()? == "gemma3" {
+        Err(
+            "Gemma 3's tokenizer is not converted from GGUF metadata; give the Hugging Face \
+             model's with `--tokenizer` (for example google/gemma-3-1b-it)"
+                .to_string(),
+        )
+    } else {
+        crate::gguf_tokenizer::tokenizer_files(&g.metadata, max_len)
+    };
     let tokenizer_error = tokenizer.as_ref().err().cloned();
     // The name covers what the directory holds, so another file version or another
     // conversion (a newer Baton's) gets a directory of its own.

@@ -314,6 +314,9 @@ pub struct WeightSource {
     /// A GGUF file whose q and k rows llama.cpp's converter permuted for interleaved RoPE
     /// ([`crate::gguf::permuted_qk`]), for [`WeightSource::open_for`] to un-permute.
     gguf_permuted_qk: bool,
+    /// A GGUF file whose norm weights are stored with 1 added
+    /// ([`crate::gguf::norms_shifted`]), for [`WeightSource::open_for`] to subtract.
+    gguf_norms_shifted: bool,
 }
 
 /// A quantized tensor of a GGUF file, for [`WeightSource::open_for`] to dequantize.
@@ -489,6 +492,7 @@ impl WeightSource {
             aliases: BTreeMap::new(),
             gguf_quantized: BTreeMap::new(),
             gguf_permuted_qk: false,
+            gguf_norms_shifted: false,
         })
     }
 
@@ -567,6 +571,7 @@ impl WeightSource {
             aliases: BTreeMap::new(),
             gguf_quantized: BTreeMap::new(),
             gguf_permuted_qk: false,
+            gguf_norms_shifted: false,
         })
     }
 
@@ -587,6 +592,7 @@ impl WeightSource {
         let path = real.as_path();
         let g = crate::gguf::GgufFile::open(path)?;
         let permuted = crate::gguf::permuted_qk(g.architecture()?);
+        let norms_shifted = crate::gguf::norms_shifted(g.architecture()?);
         let arch = crate::gguf::naming_arch(&g)?;
         let mut tensors = HashMap::new();
         let mut names = BTreeMap::new();
@@ -673,6 +679,7 @@ impl WeightSource {
             aliases: BTreeMap::new(),
             gguf_quantized: quantized,
             gguf_permuted_qk: permuted,
+            gguf_norms_shifted: norms_shifted,
         })
     }
 
@@ -716,6 +723,7 @@ impl WeightSource {
             }
             src.dequantize_gguf(cfg)?;
             src.unpermute_gguf_qk(cfg)?;
+            src.unshift_gguf_norms()?;
         }
         src.add_fused_views(cfg)?;
         if copies {
@@ -950,6 +958,54 @@ impl WeightSource {
                 file: shard.path.clone(),
             };
             done.push((name.clone(), tensor));
+        }
+        self.copies.extend(done);
+        Ok(())
+    }
+
+    /// For a GGUF file whose norm weights llama.cpp's converter stored with 1 added
+    /// ([`crate::gguf::norms_shifted`]: Gemma 3), serves each `*norm.weight` from a copy of
+    /// the stored value less 1, in its dtype (exact for stored values of at least 0.5, which
+    /// `1 + w` with `w >= -0.5` gives), so that the model's `norm_offset + w` is the stored
+    /// value again.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get`].
+    fn unshift_gguf_norms(&mut self) -> Result<(), ModelError> {
+        if !self.gguf_norms_shifted {
+            return Ok(());
+        }
+        let names: Vec<String> = self
+            .names
+            .keys()
+            .filter(|n| n.ends_with("norm.weight"))
+            .cloned()
+            .collect();
+        let mut done = Vec::new();
+        for name in names {
+            let t = self.get(&name)?;
+            let values = t.to_f32().data;
+            let bytes: Vec<u8> = match t.dtype {
+                DType::F32 => values
+                    .iter()
+                    .flat_map(|x| (x - 1.0).to_le_bytes())
+                    .collect(),
+                DType::F16 => values
+                    .iter()
+                    .flat_map(|x| half::f16::from_f32(x - 1.0).to_le_bytes())
+                    .collect(),
+                DType::BF16 => values
+                    .iter()
+                    .flat_map(|x| half::bf16::from_f32(x - 1.0).to_le_bytes())
+                    .collect(),
+            };
+            let copy = CopiedTensor {
+                dtype: t.dtype,
+                shape: t.shape.to_vec(),
+                bytes,
+                file: t.file.to_path_buf(),
+            };
+            done.push((name, copy));
         }
         self.copies.extend(done);
         Ok(())

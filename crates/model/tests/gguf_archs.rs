@@ -1,11 +1,12 @@
-//! GGUF files of the `phi3`, `qwen2moe` and `qwen3moe` architectures and Mixtral (`llama`
-//! with experts; stacked, and one tensor per expert as older files have them), written here as
+//! GGUF files of the `phi3`, `gemma3`, `qwen2moe` and `qwen3moe` architectures and Mixtral
+//! (`llama` with experts; stacked, and one tensor per expert as older files have them),
+//! written here as
 //! llama.cpp's `convert_hf_to_gguf.py` lays them out (`Phi3MiniModel`: fused `attn_qkv` and
 //! `ffn_up` = gate and up, LongRoPE factors as `rope_factors_{long,short}.weight`;
 //! `Qwen2MoeModel`: each layer's experts stacked into `ffn_{gate,up,down}_exps.weight`, the
 //! router as `ffn_gate_inp`, Qwen2-MoE's shared expert as `*_shexp`), must serve the Hugging
 //! Face checkpoint they came from: the same config, the same tensors bit for bit under the
-//! same names, the same logits.
+//! same names (Gemma 3's norms: stored plus 1, served less 1), the same logits.
 
 mod common;
 
@@ -71,6 +72,8 @@ fn gguf_layer_name(hf: &str) -> String {
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
         "mlp.gate" => "ffn_gate_inp",
+        "pre_feedforward_layernorm" => "ffn_norm",
+        "post_feedforward_layernorm" => "post_ffw_norm",
         "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
         "mlp.shared_expert.up_proj" => "ffn_up_shexp",
@@ -337,8 +340,8 @@ fn moe_checkpoint(model_type: &str) -> (serde_json::Value, Vec<Values>) {
     (c, tensors)
 }
 
-/// The Hugging Face directory of [`moe_checkpoint`] (stories260K's tokenizer).
-fn moe_hf_dir(tag: &str, config: &serde_json::Value, tensors: &[Values]) -> TempDir {
+/// The Hugging Face directory of a checkpoint of `tensors` (stories260K's tokenizer).
+fn hf_dir(tag: &str, config: &serde_json::Value, tensors: &[Values]) -> TempDir {
     let d = fake_dir(tag);
     std::fs::write(d.join("config.json"), config.to_string()).unwrap();
     let owned: Vec<OwnedTensor> = tensors
@@ -498,7 +501,7 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], experts
 /// Bit-equal configs, tensors and logits between the checkpoint and its GGUF.
 fn check_moe_gguf(model_type: &str, experts: Experts) {
     let (config, tensors) = moe_checkpoint(model_type);
-    let hf_dir = moe_hf_dir(&format!("gguf-{model_type}-hf"), &config, &tensors);
+    let hf_dir = hf_dir(&format!("gguf-{model_type}-hf"), &config, &tensors);
     let tmp = temp_dir(&format!("gguf-{model_type}"));
     let file = tmp.join("moe.gguf");
     moe_gguf(&file, &config, &tensors, experts);
@@ -634,4 +637,120 @@ fn a_stacked_experts_tensor_of_the_wrong_rank_and_lone_experts_are_refused() {
         e.contains("blk.0.ffn_up_exps.weight") && e.contains("[experts, rows, cols]"),
         "{e}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemma3
+
+/// A small Gemma 3 text checkpoint (sliding layers, a 4-key window, linear RoPE scaling on the
+/// full layers, heads wider than hidden / heads as in Gemma 3 1B, tied embeddings):
+/// config.json and every tensor.
+fn gemma3_checkpoint() -> (serde_json::Value, Vec<Values>) {
+    let c = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
+        "vocab_size": 512, "rms_norm_eps": 1e-6f32 as f64, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 4, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 32, "rope_scaling": {"type": "linear", "factor": 8.0},
+        "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "float32"
+    });
+    let cfg = ModelConfig::from_json_str(&c.to_string()).unwrap();
+    let mut shapes = vec![
+        ("model.embed_tokens.weight".to_string(), vec![512, 64]),
+        ("model.norm.weight".to_string(), vec![64]),
+    ];
+    for i in 0..6 {
+        shapes.extend(baton_model::weights::layer_tensor_shapes(&cfg, i));
+    }
+    let tensors = shapes
+        .into_iter()
+        .map(|(n, s)| {
+            let v = values(&n, &s);
+            (n, s, v)
+        })
+        .collect();
+    (c, tensors)
+}
+
+#[test]
+fn a_gemma3_gguf_serves_its_checkpoints_config_norms_and_logits() {
+    let (config, tensors) = gemma3_checkpoint();
+    let hf = hf_dir("gguf-gemma3-hf", &config, &tensors);
+    let tmp = temp_dir("gguf-gemma3");
+    // As `Gemma3Model` converts: every norm weight stored plus 1.
+    let plus_one = |n: &str, v: &[f32]| -> Vec<f32> {
+        if n.ends_with("norm.weight") {
+            v.iter().map(|x| x + 1.0).collect()
+        } else {
+            v.to_vec()
+        }
+    };
+    let mut out = vec![];
+    for (n, s, v) in &tensors {
+        let name = match n.as_str() {
+            "model.embed_tokens.weight" => "token_embd.weight".to_string(),
+            "model.norm.weight" => "output_norm.weight".to_string(),
+            _ if n.ends_with("post_attention_layernorm.weight") => {
+                gguf_layer_name(n).replace("ffn_norm", "post_attention_norm")
+            }
+            _ => gguf_layer_name(n),
+        };
+        out.push(f32_tensor(&name, s, bytes(&plus_one(n, v))));
+    }
+    let u = GgufValue::U32;
+    let keys = [
+        ("context_length", u(512)),
+        ("embedding_length", u(64)),
+        ("feed_forward_length", u(96)),
+        ("block_count", u(6)),
+        ("attention.head_count", u(4)),
+        ("attention.head_count_kv", u(2)),
+        ("attention.key_length", u(32)),
+        ("attention.value_length", u(32)),
+        ("attention.layer_norm_rms_epsilon", GgufValue::F32(1e-6)),
+        ("rope.freq_base", GgufValue::F32(1000000.0)),
+        ("rope.scaling.type", GgufValue::Str("linear".into())),
+        ("rope.scaling.factor", GgufValue::F32(8.0)),
+        ("attention.sliding_window", u(4)),
+    ];
+    let file = tmp.join("gemma3.gguf");
+    write_gguf(&file, &metadata("gemma3", &keys), &out);
+    let p = gguf::prepare_dir(&file, &tmp.join("cache")).unwrap();
+    let why = p.tokenizer_error.expect("the tokenizer is not converted");
+    assert!(why.contains("--tokenizer"), "{why}");
+    let cfg = ModelConfig::from_file(&p.dir.join("config.json")).unwrap();
+    let hf_cfg = ModelConfig::from_file(&hf.join("config.json")).unwrap();
+    assert_eq!(cfg, hf_cfg);
+    let src = WeightSource::open_for(&p.dir, &cfg).unwrap();
+    let theirs = WeightSource::open_for(&hf, &hf_cfg).unwrap();
+    let names: Vec<_> = theirs.tensor_names().map(str::to_owned).collect();
+    assert_eq!(src.tensor_names().collect::<Vec<_>>(), names);
+    let mut norms = 0;
+    for n in &names {
+        let (a, b) = (theirs.get(n).unwrap(), src.get(n).unwrap());
+        assert_eq!(a.shape, b.shape, "{n}");
+        if n.ends_with("norm.weight") {
+            // (w + 1) - 1 in f32: w to within its rounding at 2, and 1 + it is w + 1 exactly.
+            let (w, got) = (a.to_f32().data, b.to_f32().data);
+            for (x, y) in w.iter().zip(&got) {
+                assert_eq!(1.0 + y, x + 1.0, "{n}");
+                assert!((x - y).abs() <= 2.5e-7, "{n}: {x} served as {y}");
+            }
+            norms += 1;
+        } else {
+            assert!(a.bytes == b.bytes, "{n} differs");
+        }
+    }
+    assert_eq!(
+        norms,
+        1 + 6 * 6,
+        "every norm weight, the q/k norms included"
+    );
+    src.check_tensor_names(&cfg).unwrap();
+    let prompt = [1u32, 403, 407, 261, 378, 60, 9, 287];
+    let ours = prompt_logits(&CpuModel::from_source(cfg, &src).unwrap(), &prompt);
+    let want = prompt_logits(&CpuModel::from_source(hf_cfg, &theirs).unwrap(), &prompt);
+    assert!(ours == want, "the same logits");
 }
