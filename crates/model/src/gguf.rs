@@ -1130,8 +1130,9 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
     // against its Hugging Face tokenizer.json, so it is not converted.
     let tokenizer = if g.architecture()? == "gemma3" {
         Err(
-            "Gemma 3's tokenizer is not converted from GGUF metadata; give the Hugging Face \
-             model's with `--tokenizer` (for example google/gemma-3-1b-it)"
+            "Gemma 3's SentencePiece vocabulary is not checked against its Hugging Face \
+             tokenizer.json; give the model's tokenizer with `--tokenizer` (for example a \
+             download of google/gemma-3-1b-it)"
                 .to_string(),
         )
     } else {
