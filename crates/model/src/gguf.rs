@@ -1087,6 +1087,49 @@ fn gemma3_config(
     Ok(())
 }
 
+/// The sampling defaults a GGUF file recommends (`general.sampling.temp`, `top_p`, `top_k`,
+/// `min_p`: what llama.cpp's server applies to requests that leave them out) as a
+/// `generation_config.json` (`temperature`, `top_p`, `top_k`, `min_p`), which Baton's
+/// frontends read as vLLM reads a checkpoint's (`--generation-config auto`); `None` when the
+/// file gives none. `general.sampling.penalty_repeat` is not carried over: llama.cpp applies
+/// it to the last `penalty_last_n` tokens, Hugging Face's `repetition_penalty` to all of them.
+///
+/// # Errors
+/// [`ModelError::Gguf`] for a value that is not a number (top-k: an integer of at least -1).
+pub fn generation_config(g: &GgufFile) -> Result<Option<serde_json::Value>, ModelError> {
+    let mut out = serde_json::Map::new();
+    for (key, hf) in [
+        ("temp", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+    ] {
+        let k = format!("general.sampling.{key}");
+        let Some(v) = g.get(&k) else { continue };
+        let value = if hf == "top_k" {
+            v.as_int()
+                .filter(|&i| (-1..=i128::from(u32::MAX)).contains(&i))
+                .map(|i| serde_json::json!(i as i64))
+        } else {
+            v.as_f64()
+                .filter(|x| x.is_finite())
+                .map(|x| serde_json::json!(x))
+        };
+        let value = value.ok_or_else(|| {
+            g.fault(format!(
+                "`{k}` is {v:?}; expected {}",
+                if hf == "top_k" {
+                    "an integer of at least -1"
+                } else {
+                    "a finite number"
+                }
+            ))
+        })?;
+        out.insert(hf.into(), value);
+    }
+    Ok((!out.is_empty()).then_some(serde_json::Value::Object(out)))
+}
+
 /// What [`prepare_dir`] made.
 #[derive(Debug, Clone)]
 pub struct PreparedGguf {
@@ -1104,7 +1147,8 @@ pub const GGUF_WEIGHTS: &str = "model.gguf";
 
 /// Makes (once per file version) a model directory for the GGUF file `gguf` under `cache`:
 /// `cache/gguf-<16 hex digits>/` with config.json ([`hf_config`]), tokenizer.json and
-/// tokenizer_config.json ([`crate::gguf_tokenizer::tokenizer_files`]) and a `model.gguf`
+/// tokenizer_config.json ([`crate::gguf_tokenizer::tokenizer_files`]), generation_config.json
+/// when the file recommends sampling defaults ([`generation_config`]) and a `model.gguf`
 /// link to the file. The name hashes the file's canonical path, length and modification
 /// time and the files' contents, so a changed file (or a changed conversion) gets a new
 /// directory; the directory is written under a temporary
@@ -1144,6 +1188,10 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
     let mut h = crate::fingerprint::Fnv64::default();
     h.eat(format!("{}\0{}\0{mtime}\0", canon.display(), meta.len()).as_bytes());
     h.eat(config.to_string().as_bytes());
+    let generation = generation_config(&g)?;
+    if let Some(gen) = &generation {
+        h.eat(gen.to_string().as_bytes());
+    }
     if let Ok((tok, tok_cfg)) = &tokenizer {
         h.eat(tok.to_string().as_bytes());
         h.eat(tok_cfg.to_string().as_bytes());
@@ -1172,6 +1220,9 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
     let made = (|| {
         std::fs::create_dir(&tmp).map_err(|e| ModelError::io(&tmp, &e))?;
         write("config.json", &config)?;
+        if let Some(gen) = &generation {
+            write("generation_config.json", gen)?;
+        }
         if let Ok((tok, tok_cfg)) = &tokenizer {
             write("tokenizer.json", tok)?;
             write("tokenizer_config.json", tok_cfg)?;

@@ -161,3 +161,61 @@ fn processes_preparing_one_file_at_once_share_one_complete_directory() {
     let b = gguf::prepare_dir(&copy, &cache).unwrap().dir;
     assert_ne!(a, b);
 }
+
+#[test]
+fn a_files_recommended_sampling_becomes_generation_config_json() {
+    use baton_model::gguf::GgufValue;
+    let tmp = temp_dir("gguf-sampling");
+    let from = GgufFile::open(&gguf_file()).unwrap();
+    let tensors: Vec<GgufTensor> = from
+        .tensors
+        .iter()
+        .map(|t| {
+            let b = from.tensor_bytes(t).unwrap().to_vec();
+            (t.name.clone(), t.dims.clone(), t.ggml_type, b)
+        })
+        .collect();
+    let with = |extra: &[(&str, GgufValue)], file: &str| {
+        let mut meta: Vec<_> = from
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        meta.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        let path = tmp.join(file);
+        write_gguf(&path, &meta, &tensors);
+        path
+    };
+    let file = with(
+        &[
+            ("general.sampling.temp", GgufValue::F32(0.6)),
+            ("general.sampling.top_k", GgufValue::I32(20)),
+            ("general.sampling.top_p", GgufValue::F32(0.95)),
+            ("general.sampling.min_p", GgufValue::F32(0.0)),
+            ("general.sampling.penalty_repeat", GgufValue::F32(1.1)),
+        ],
+        "sampling.gguf",
+    );
+    let p = gguf::prepare_dir(&file, &tmp.join("cache")).unwrap();
+    let g =
+        baton_model::GenerationConfig::from_file(&p.dir.join("generation_config.json")).unwrap();
+    assert_eq!(g.temperature, Some(0.6));
+    assert_eq!(g.top_k, Some(20));
+    assert_eq!(g.top_p, Some(0.95));
+    assert_eq!(g.min_p, Some(0.0));
+    assert_eq!(
+        g.repetition_penalty, None,
+        "llama.cpp's penalty is over a window"
+    );
+    // A file without them gets none; a malformed one is refused, naming the key.
+    let plain = gguf::prepare_dir(&gguf_file(), &tmp.join("cache")).unwrap();
+    assert!(!plain.dir.join("generation_config.json").exists());
+    let bad = with(
+        &[("general.sampling.top_k", GgufValue::I32(-5))],
+        "bad.gguf",
+    );
+    let e = gguf::prepare_dir(&bad, &tmp.join("cache"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("general.sampling.top_k"), "{e}");
+}
