@@ -247,47 +247,15 @@ __device__ __forceinline__ void baton_gemv1_fma(float& acc, float& acc2, const b
     }
 }
 
-// `xs` is the block's staging buffer (shared memory, K elements). GRID: the body runs as one
-// phase of a persistent kernel (decode_layers in attention.cu) and waits at the grid barrier
-// `bar` where an entry point waits for its predecessor (BATON_PDL_WAIT); the first chunk's
-// loads and the L2 prefetch still go out before it.
-template <bool SILU, int U, bool GRID>
-__device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __restrict__ x,
-                                                 const elem_t* __restrict__ w,
-                                                 const elem_t* __restrict__ norm_w, int N, int K,
-                                                 float eps, int mode, int rows_per_block,
-                                                 baton_vec* xs, unsigned* bar) {
-    __shared__ float scratch[33];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const int first = blockIdx.x * rows_per_block;
-    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+// Stages xin into the block's buffer `xs` (shared memory, K / BATON_VEC vectors): the rounded,
+// normalized activation row (or the row itself), exactly the value the generic path computes
+// per element; ends with the barrier that publishes it. `scratch`: 33 floats of shared memory
+// for the norm's block sum. GRID as baton_gemv1_body.
+template <bool GRID>
+__device__ __forceinline__ void baton_gemv1_stage(const elem_t* __restrict__ x,
+                                                  const elem_t* __restrict__ norm_w, int K,
+                                                  float eps, baton_vec* xs, float* scratch) {
     const int nv = K / BATON_VEC;
-    const int cpr = (nv + BATON_WARP * U - 1) / (BATON_WARP * U);  // chunks per row
-    const baton_vec* wv = reinterpret_cast<const baton_vec*>(w);
-    baton_vec a[U], b[SILU ? U : 1];
-    int n = first + warp, c = 0;
-    if (n < end) baton_gemv1_load<SILU, U, GRID>(a, b, wv, N, nv, n, 0, lane);
-    if (BATON_GEMV_PREWAIT_L2 > 0 && first < end) {
-        // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up rows
-        // N + first... One 128-byte line per thread per step.
-        const size_t bytes = (size_t)(end - first) * K * sizeof(elem_t);
-        const size_t lim = bytes < (size_t)BATON_GEMV_PREWAIT_L2 ? bytes
-                                                                 : (size_t)BATON_GEMV_PREWAIT_L2;
-        const char* r0 = reinterpret_cast<const char*>(w + (size_t)first * K);
-        const char* r1 = SILU ? reinterpret_cast<const char*>(w + (size_t)(N + first) * K) : r0;
-        for (size_t off = (size_t)threadIdx.x * 128; off < lim; off += (size_t)blockDim.x * 128) {
-            BATON_PREFETCH_L2(r0 + off);
-            if (SILU) BATON_PREFETCH_L2(r1 + off);
-        }
-    }
-
-    if (GRID) {
-        BATON_GRID_SYNC(bar);
-    } else {
-        BATON_PDL_WAIT();
-        BATON_PDL_LAUNCH();
-    }
-    // Stage xin: the rounded, normalized activation row (or the row itself).
     const baton_vec* xv = reinterpret_cast<const baton_vec*>(x);
     if (norm_w != nullptr) {
         // The statistic is summed in the 256-thread entry points' order whatever the block
@@ -329,6 +297,67 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
             xs[i] = baton_ld_act_vec<GRID>(xv + i);
     }
     __syncthreads();
+}
+
+// Lane 0's store of output row n from the warp's sums (modes as at the top of this file).
+template <bool SILU, bool GRID>
+__device__ __forceinline__ void baton_gemv1_store(void* out, int n, int mode, float acc,
+                                                  float acc2) {
+    if (mode == 1) {
+        static_cast<float*>(out)[n] = acc;
+    } else if (mode == 2) {
+        elem_t* r = static_cast<elem_t*>(out);
+        const float prev = baton_to_f(baton_ld_act<GRID>(r + n));
+        r[n] = baton_from_f(prev + baton_round(acc));
+    } else if (SILU) {
+        const float gate = baton_round(acc), up = baton_round(acc2);
+        static_cast<elem_t*>(out)[n] = baton_from_f(baton_gemv_silu(gate) * up);
+    } else {
+        static_cast<elem_t*>(out)[n] = baton_from_f(acc);
+    }
+}
+
+// `xs` is the block's staging buffer (shared memory, K elements). GRID: the body runs as one
+// phase of a persistent kernel (decode_layers in attention.cu) and waits at the grid barrier
+// `bar` where an entry point waits for its predecessor (BATON_PDL_WAIT); the first chunk's
+// loads and the L2 prefetch still go out before it.
+template <bool SILU, int U, bool GRID>
+__device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __restrict__ x,
+                                                 const elem_t* __restrict__ w,
+                                                 const elem_t* __restrict__ norm_w, int N, int K,
+                                                 float eps, int mode, int rows_per_block,
+                                                 baton_vec* xs, unsigned* bar) {
+    __shared__ float scratch[33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int first = blockIdx.x * rows_per_block;
+    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    const int nv = K / BATON_VEC;
+    const int cpr = (nv + BATON_WARP * U - 1) / (BATON_WARP * U);  // chunks per row
+    const baton_vec* wv = reinterpret_cast<const baton_vec*>(w);
+    baton_vec a[U], b[SILU ? U : 1];
+    int n = first + warp, c = 0;
+    if (n < end) baton_gemv1_load<SILU, U, GRID>(a, b, wv, N, nv, n, 0, lane);
+    if (BATON_GEMV_PREWAIT_L2 > 0 && first < end) {
+        // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up rows
+        // N + first... One 128-byte line per thread per step.
+        const size_t bytes = (size_t)(end - first) * K * sizeof(elem_t);
+        const size_t lim = bytes < (size_t)BATON_GEMV_PREWAIT_L2 ? bytes
+                                                                 : (size_t)BATON_GEMV_PREWAIT_L2;
+        const char* r0 = reinterpret_cast<const char*>(w + (size_t)first * K);
+        const char* r1 = SILU ? reinterpret_cast<const char*>(w + (size_t)(N + first) * K) : r0;
+        for (size_t off = (size_t)threadIdx.x * 128; off < lim; off += (size_t)blockDim.x * 128) {
+            BATON_PREFETCH_L2(r0 + off);
+            if (SILU) BATON_PREFETCH_L2(r1 + off);
+        }
+    }
+
+    if (GRID) {
+        BATON_GRID_SYNC(bar);
+    } else {
+        BATON_PDL_WAIT();
+        BATON_PDL_LAUNCH();
+    }
+    baton_gemv1_stage<GRID>(x, norm_w, K, eps, xs, scratch);
 
     float acc = 0.0f, acc2 = 0.0f;
     while (n < end) {
@@ -343,20 +372,7 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
         if (nc == 0) {  // row n is complete
             acc = baton_warp_sum(acc);
             if (SILU) acc2 = baton_warp_sum(acc2);
-            if (lane == 0) {
-                if (mode == 1) {
-                    static_cast<float*>(out)[n] = acc;
-                } else if (mode == 2) {
-                    elem_t* r = static_cast<elem_t*>(out);
-                    const float prev = baton_to_f(baton_ld_act<GRID>(r + n));
-                    r[n] = baton_from_f(prev + baton_round(acc));
-                } else if (SILU) {
-                    const float gate = baton_round(acc), up = baton_round(acc2);
-                    static_cast<elem_t*>(out)[n] = baton_from_f(baton_gemv_silu(gate) * up);
-                } else {
-                    static_cast<elem_t*>(out)[n] = baton_from_f(acc);
-                }
-            }
+            if (lane == 0) baton_gemv1_store<SILU, GRID>(out, n, mode, acc, acc2);
             acc = 0.0f;
             acc2 = 0.0f;
         }
@@ -376,4 +392,122 @@ __device__ __forceinline__ bool baton_gemv1_fits(const elem_t* x, const elem_t* 
                                                  const elem_t* norm_w, int K, int cap) {
     return K % BATON_VEC == 0 && K <= cap && baton_aligned16(x) && baton_aligned16(w) &&
            (norm_w == nullptr || baton_aligned16(norm_w));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The batch-of-one path with its weight stream in shared memory (cp.async), an A/B variant of
+// baton_gemv1_body (gemv.cu's `_async` entries; the host takes them with BATON_GEMV_ASYNC=1,
+// crates/cuda/src/plan.rs). Same rows, same per-lane order of vectors, same sums: the output
+// is bit-identical. What changes is where the bytes in flight wait: instead of two register
+// buffers per warp (which take the 128 registers of two 256-thread blocks per SM, so the
+// next kernel's blocks cannot be resident until one exits), each warp keeps
+// BATON_GEMV_ASYNC_STAGES stages of its weight stream in a shared-memory ring, a stage being
+// U vectors per lane of one row chunk (of the gate and the up row in SiLU mode). Each lane
+// copies and later reads only its own slots, so no barrier is needed between the copies and
+// their use: `cp.async.wait_group` per thread (common.cuh) is the only wait. All of a warp's
+// first stages are issued before BATON_PDL_WAIT (32 KB a block with the defaults, as many
+// bytes as the register path keeps in flight), and the entries declare __launch_bounds__
+// (256, 4) so that the GEMV and its successor fit an SM together (64 registers a thread).
+//
+// Stage g of a warp covers its row first + warp + (g / cpr) * nwarps, chunk g % cpr, where a
+// row has cpr = ceil(nv / (32 U)) chunks; lane l's vectors in chunk c are (c U + u) 32 + l,
+// u < U, ascending, as in baton_gemv1_body. Ring layout, per warp, per stage, per weight row
+// (2 in SiLU mode), per u: 32 lanes' vectors. Shared memory: the ring
+// (BATON_GEMV_ASYNC_RING_BYTES) and the activation row (BATON_GEMV_ASYNC_XS_BYTES: K up to
+// 4096 16-bit elements or 2048 f32 ones; longer rows take baton_gemv1_body's entry path).
+#ifndef BATON_GEMV_ASYNC_STAGES
+#define BATON_GEMV_ASYNC_STAGES 4
+#endif
+#define BATON_GEMV_ASYNC_XS_BYTES 8192
+#define BATON_GEMV_ASYNC_K (BATON_GEMV_ASYNC_XS_BYTES / (int)sizeof(elem_t))
+// U vectors per lane and stage of one weight row: 2 (one row), 1 (SiLU: gate and up rows).
+#define BATON_GEMV_ASYNC_U(SILU) ((SILU) ? 1 : 2)
+#define BATON_GEMV_ASYNC_RING_VECS (8 * BATON_GEMV_ASYNC_STAGES * 2 * BATON_WARP)
+#define BATON_GEMV_ASYNC_RING_BYTES (BATON_GEMV_ASYNC_RING_VECS * 16)
+
+// Issues stage g of this lane's warp into its ring slot (g % STAGES) and closes the copy group,
+// which is empty when the warp has no stage g (so that every lane's group count stays in
+// step with g).
+template <bool SILU>
+__device__ __forceinline__ void baton_gemv1_async_issue(baton_vec* ring, const baton_vec* wv,
+                                                        int N, int nv, int row0, int nwarps,
+                                                        int end, int cpr, int g, int lane) {
+    constexpr int U = BATON_GEMV_ASYNC_U(SILU), P = SILU ? 2 : 1;
+    const int n = row0 + (g / cpr) * nwarps, c = g % cpr;
+    if (n < end) {
+        baton_vec* slot = ring + (g % BATON_GEMV_ASYNC_STAGES) * P * U * BATON_WARP;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const baton_vec* r = wv + (size_t)(p == 0 ? n : N + n) * nv;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = (c * U + u) * BATON_WARP + lane;
+                if (i < nv) BATON_CP_ASYNC16(slot + (p * U + u) * BATON_WARP + lane, r + i);
+            }
+        }
+    }
+    BATON_CP_ASYNC_COMMIT();
+}
+
+// The rows of this block, their weights streamed through the ring (see above). Requirements as
+// baton_gemv1_body's (vectorized, K <= BATON_GEMV_ASYNC_K); `xs` and `ring` are the block's
+// shared buffers of BATON_GEMV_ASYNC_XS_BYTES and BATON_GEMV_ASYNC_RING_BYTES.
+template <bool SILU>
+__device__ __forceinline__ void baton_gemv1_async_body(void* out, const elem_t* __restrict__ x,
+                                                       const elem_t* __restrict__ w,
+                                                       const elem_t* __restrict__ norm_w, int N,
+                                                       int K, float eps, int mode,
+                                                       int rows_per_block, baton_vec* xs,
+                                                       baton_vec* ring) {
+    constexpr int U = BATON_GEMV_ASYNC_U(SILU), P = SILU ? 2 : 1, S = BATON_GEMV_ASYNC_STAGES;
+    __shared__ float scratch[33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int first = blockIdx.x * rows_per_block;
+    const int end = first + rows_per_block < N ? first + rows_per_block : N;
+    const int nv = K / BATON_VEC;
+    const int cpr = (nv + BATON_WARP * U - 1) / (BATON_WARP * U);
+    const int row0 = first + warp;
+    // Stages of this warp: cpr for each of its rows row0, row0 + nwarps, ... below end.
+    const int stages = row0 < end ? (end - row0 + nwarps - 1) / nwarps * cpr : 0;
+    const baton_vec* wv = reinterpret_cast<const baton_vec*>(w);
+    baton_vec* mine = ring + warp * S * P * U * BATON_WARP;
+    // Weights are never written: the first stages go out before the wait.
+#pragma unroll
+    for (int g = 0; g < S; ++g)
+        baton_gemv1_async_issue<SILU>(mine, wv, N, nv, row0, nwarps, end, cpr, g, lane);
+    BATON_PDL_WAIT();
+    BATON_PDL_LAUNCH();
+    baton_gemv1_stage<false>(x, norm_w, K, eps, xs, scratch);
+
+    float acc = 0.0f, acc2 = 0.0f;
+    for (int g = 0; g < stages; ++g) {
+        BATON_CP_ASYNC_WAIT(S - 1);  // this lane's copies of stage g have landed
+        const baton_vec* slot = mine + (g % S) * P * U * BATON_WARP;
+        const int c = g % cpr;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = (c * U + u) * BATON_WARP + lane;
+            if (i < nv) {
+                const baton_vec xv = xs[i], a = slot[u * BATON_WARP + lane];
+                const baton_vec b = SILU ? slot[(U + u) * BATON_WARP + lane] : a;
+#pragma unroll
+                for (int j = 0; j < BATON_VEC; ++j) {
+                    const float xi = baton_to_f(xv.e[j]);
+                    acc = fmaf(xi, baton_to_f(a.e[j]), acc);
+                    if (SILU) acc2 = fmaf(xi, baton_to_f(b.e[j]), acc2);
+                }
+            }
+        }
+        if (c == cpr - 1) {  // the row is complete
+            acc = baton_warp_sum(acc);
+            if (SILU) acc2 = baton_warp_sum(acc2);
+            const int n = row0 + (g / cpr) * nwarps;
+            if (lane == 0) baton_gemv1_store<SILU, false>(out, n, mode, acc, acc2);
+            acc = 0.0f;
+            acc2 = 0.0f;
+        }
+        // The slot's values are in registers now (the copy below may overwrite it).
+        baton_gemv1_async_issue<SILU>(mine, wv, N, nv, row0, nwarps, end, cpr, g + S, lane);
+    }
+    BATON_CP_ASYNC_WAIT(0);  // nothing of this block's copies outlives it
 }

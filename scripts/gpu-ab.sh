@@ -48,11 +48,14 @@ deadline=$((SECONDS + BUDGET - 5))
 
 # Session 35 measured the persistent kernel (all its variants), BATON_GEMV1_BLOCKS_PER_SM=1,
 # BATON_ATTN_MIN_PARTITION=256/512, BATON_ATTN_TARGET_BLOCKS=128, BATON_GEMV_T1_U=2 and
-# BATON_SAMPLE_BIN_CACHE=0: none beats the defaults (bench/RESULTS.md), so the list now times
-# the sampled row first: session 37's histogram selection against the radix select alone
+# BATON_SAMPLE_BIN_CACHE=0: none beats the defaults (bench/RESULTS.md). The list times session
+# 38's shared-memory ring GEMV entries first (BATON_GEMV_ASYNC=1: 64 registers, so the next
+# kernel's blocks can be resident beside a GEMV's; the greedy ratio is what #7 still misses),
+# then the sampled row: session 37's histogram selection against the radix select alone
 # (BATON_SAMPLE_HIST=0), for top-p, plain temperature and 20 top log-probabilities (greedy);
 # then session 35's batched selection loads against one load at a time, and the LoRA path.
 default_variants='base|
+gemv-async|BATON_GEMV_ASYNC=1
 topp|AB_ARGS=--temperature=0.8,--top-p=0.95
 topp-hist-off|AB_ARGS=--temperature=0.8,--top-p=0.95 BATON_KERNEL_DEFINES=BATON_SAMPLE_HIST=0
 temp|AB_ARGS=--temperature=0.8

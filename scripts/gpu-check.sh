@@ -30,7 +30,8 @@
 #  4c. stories260K f32 goldens through `serve --device cuda` (the worker daemon keeps two
 #      launches in flight), concurrent and alone;
 #  4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1) gives the per-kernel path's
-#      greedy tokens on dummy Llama-1B and 8B widths;
+#      greedy tokens on dummy Llama-1B and 8B widths; 4g the same for the shared-memory ring
+#      GEMV entries (BATON_GEMV_ASYNC=1);
 #   4. a seeded sampled request gives the same tokens alone and in a batch (bf16, graphs). cuBLAS
 #      does not promise one row the same bits at batch 1 and 4, so if only this fails, rerun it
 #      with --dtype f32 to tell GEMM variance from a sampler or pending-id bug;
@@ -178,17 +179,19 @@ run_check 4e-lora-cuda-vs-cpu 60 bash -c "
     head -n 1 '$OUT/lora-cuda.jsonl'
     diff '$OUT/lora-cpu.jsonl' '$OUT/lora-cuda.jsonl'"
 
-# 4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1, session 20, never run on a GPU
-#     before): greedy tokens of one request (batch-of-one decode steps: one cooperative launch
-#     per step) equal the per-kernel path's, bf16 with graphs, on dummy weights of Llama-1B
+# 4d. the persistent decode kernel (BATON_PERSISTENT_DECODE=1, session 20): greedy tokens of one
+#     request (batch-of-one decode steps: one cooperative launch per step) equal the per-kernel
+#     path's; 4g. the shared-memory ring GEMV entries (BATON_GEMV_ASYNC=1, session 38, never run
+#     on a GPU) equal the register entries'. Both bf16 with graphs, on dummy weights of Llama-1B
 #     widths (16 layers, head dim 64) and Llama-8B widths (4 layers, head dim 128), with
-#     stories260K's tokenizer (vocab 512). Its phases are the per-kernel bodies, so the ids must
-#     be identical (the emulator checks the log-probabilities bit for bit too).
-persistent_vs_per_kernel() {
+#     stories260K's tokenizer (vocab 512). Each variant computes the default path's sums, so
+#     the ids must be identical (the emulator checks the log-probabilities bit for bit too).
+# Usage: same_ids_with VAR=VALUE TAG.
+same_ids_with() {
     set -e
-    local shape d cfg
+    local var="$1" tag="$2" shape d cfg
     for shape in 1b 8b; do
-        d=$(mktemp -d "/tmp/persistent-$shape.XXXXXX")
+        d=$(mktemp -d "/tmp/$tag-$shape.XXXXXX")
         cp "$MODEL/tokenizer.json" "$MODEL/tokenizer_config.json" "$d/"
         if [[ $shape == 1b ]]; then cfg="$LLAMA_1B"; else cfg="$LLAMA_8B"; fi
         cfg="${cfg/\"vocab_size\":128256/\"vocab_size\":512}"
@@ -198,17 +201,18 @@ persistent_vs_per_kernel() {
         local common=(generate --model "$d" --load-format dummy --device cuda --dtype bf16
             --temperature 0 --max-tokens 96 --json --ignore-eos --max-model-len 512
             --prompt 'Once upon a time there was a little girl')
-        "$BATON" "${common[@]}" >"$OUT/persistent-off-$shape.jsonl"
-        BATON_PERSISTENT_DECODE=1 "$BATON" "${common[@]}" >"$OUT/persistent-on-$shape.jsonl"
-        head -c 300 "$OUT/persistent-on-$shape.jsonl"
+        "$BATON" "${common[@]}" >"$OUT/$tag-off-$shape.jsonl"
+        env "$var" "$BATON" "${common[@]}" >"$OUT/$tag-on-$shape.jsonl"
+        head -c 300 "$OUT/$tag-on-$shape.jsonl"
         echo
-        diff "$OUT/persistent-off-$shape.jsonl" "$OUT/persistent-on-$shape.jsonl"
+        diff "$OUT/$tag-off-$shape.jsonl" "$OUT/$tag-on-$shape.jsonl"
         echo "$shape: identical"
     done
 }
-export -f persistent_vs_per_kernel
+export -f same_ids_with
 export BATON MODEL OUT LLAMA_1B LLAMA_8B
-run_check 4d-persistent-decode-vs-per-kernel 120 bash -c persistent_vs_per_kernel
+run_check 4d-persistent-decode-vs-per-kernel 120 bash -c 'same_ids_with BATON_PERSISTENT_DECODE=1 persistent'
+run_check 4g-ring-gemv-vs-register 120 bash -c 'same_ids_with BATON_GEMV_ASYNC=1 ring-gemv'
 
 # 5. decode benchmark: dummy 1B (1, 32, 128) and 8B (1), bf16, graphs.
 run_check 5a-bench-decode-1b 150 "$BATON" bench decode --device cuda --load-format dummy \

@@ -1912,6 +1912,106 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
     }
 }
 
+/// `BATON_GEMV_ASYNC=1`: the batch-of-one GEMVs stream their weights through a shared-memory
+/// ring (`baton_gemv_t1_async`, `baton_gemv_silu_t1_async`) with the register entries' sums,
+/// so the tokens and log-probabilities (and top-5) are bit-identical, with graphs and eagerly,
+/// in bf16 and f32; a row longer than the ring entries' buffer (here the down projection of
+/// an 8192-wide MLP in f32) keeps the register entry.
+#[test]
+fn the_gemv_ring_entries_give_the_register_paths_bits() {
+    let sched = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 32,
+        max_model_len: 128,
+        ..config_for_tests()
+    };
+    let sizes = sizes_of(&sched);
+    let params = baton_proto::SamplingParams {
+        want_logprob: 1,
+        top_logprobs: 5,
+        ..baton_proto::SamplingParams::greedy()
+    };
+    const LONG_MLP: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+        "hidden_size":256,"intermediate_size":8192,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"head_dim":64,"vocab_size":1000,"max_position_embeddings":256}"#;
+    for (config, dtype) in [
+        (HD64, Dtype::Bf16),
+        (HD128, Dtype::F32),
+        (LONG_MLP, Dtype::F32),
+    ] {
+        let cfg = ModelConfig::from_json_str(config).unwrap();
+        let weights = LlamaWeights::dummy(&cfg, 5);
+        for eager in [false, true] {
+            let mut got = Vec::new();
+            for ring in [false, true] {
+                let dev = Arc::new(EmuDevice::new(dtype, EMU_MEMORY));
+                if ring {
+                    dev.set_schedule(baton_cuda_emu::Schedule::Shuffled(3));
+                }
+                let args = CudaArgs {
+                    dtype,
+                    enforce_eager: eager,
+                    ..CudaArgs::default()
+                };
+                let mut opts = cuda_options(&args, sizes).unwrap();
+                opts.tuning.gemv_async = ring;
+                let w = CudaWorker::with_device(
+                    dev.clone(),
+                    cfg.clone(),
+                    ModelWeights::from(weights.clone()),
+                    opts,
+                )
+                .unwrap();
+                let mut e = LocalEngine::new(sched.clone(), w);
+                let prompt = |n: u32, a: u32, b: u32| (0..n).map(|p| (a + b * p) % 1000).collect();
+                let mut r = request(0, prompt(30, 11, 13), 10, params);
+                r.eos_ids.clear();
+                e.add_request(r).unwrap();
+                let mut ev = Vec::new();
+                e.run_until_idle(&mut ev).unwrap();
+                let ev: Vec<_> = ev
+                    .into_iter()
+                    .filter_map(|ev| match ev {
+                        baton_scheduler::Event::Token {
+                            token,
+                            logprob,
+                            top,
+                            ..
+                        } => Some((
+                            token,
+                            logprob.to_bits(),
+                            top.iter()
+                                .map(|&(t, l)| (t, l.to_bits()))
+                                .collect::<Vec<_>>(),
+                        )),
+                        _ => None,
+                    })
+                    .collect();
+                let what = format!("{dtype:?} hd{} eager {eager} ring {ring}", cfg.head_dim);
+                assert_eq!(ev.len(), 10, "{what}");
+                let (reg, asy) = (
+                    dev.launches_of("baton_gemv_t1") + dev.launches_of("baton_gemv_silu_t1"),
+                    dev.launches_of("baton_gemv_t1_async")
+                        + dev.launches_of("baton_gemv_silu_t1_async"),
+                );
+                if ring {
+                    // Nine decode steps of two layers, each with 4 GEMVs a layer and the LM
+                    // head (the long MLP's down projections stay on the register entry).
+                    let long = cfg.intermediate_size * dtype.size()
+                        > baton_cuda::plan::GEMV_ASYNC_XS_BYTES;
+                    let per_step = 2 * if long { 3 } else { 4 } + 1;
+                    assert!(asy >= 9 * per_step, "{what}: {asy} ring launches");
+                    assert_eq!(reg > 0, long, "{what}: {reg} register launches");
+                } else {
+                    assert_eq!(asy, 0, "{what}");
+                }
+                got.push(ev);
+            }
+            assert_eq!(got[0], got[1], "{dtype:?} hd{} eager {eager}", cfg.head_dim);
+        }
+    }
+}
+
 /// Two seeded dummy adapters for `cfg` (PEFT layout, every q/k/v/o/gate/up/down module of
 /// every layer; ranks 4 and 8, different seeds) written under `root` and loaded.
 fn lora_adapters(cfg: &ModelConfig, root: &std::path::Path) -> Vec<baton_model::LoraAdapter> {

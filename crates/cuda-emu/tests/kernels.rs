@@ -758,6 +758,88 @@ fn gemv_batch_of_one_streams_rows_of_several_chunks_and_several_rows_per_warp() 
     }
 }
 
+/// The shared-memory ring entries (`baton_gemv_t1_async`, `baton_gemv_silu_t1_async`, what
+/// `BATON_GEMV_ASYNC=1` launches) give the register entries' outputs bit for bit, every thread
+/// order: rows of one partial chunk (K 64, 1000), of several chunks with a partial last one and
+/// several rows per warp (K 4000, 24 rows a block: the ring crosses rows), a row that exactly
+/// fills the activation buffer (K 4096 16-bit, 2048 f32), and one past it without the norm
+/// (the fallback, which the worker never launches: with the norm its statistic is summed in
+/// another order than the staged path's), each with a partial last block. They also meet the
+/// f64 reference (`gemv_case`), the fallback with the norm included.
+#[test]
+fn gemv_ring_entries_give_the_register_entries_bits() {
+    let eps = 1e-5f32;
+    let (n, t) = (30usize, 1usize);
+    every_schedule(|| {
+        for dtype in Dtype::ALL {
+            let cap = 8192 / dtype.size();
+            for k in [64usize, 1000, 4000, cap, cap + 8] {
+                for mode in 0..4 {
+                    for norm in [false, true] {
+                        if norm && k > cap {
+                            continue;
+                        }
+                        let rows = if mode == 3 { 2 * n } else { n };
+                        let x = rounded_values(dtype, 21, t * k, 2.0);
+                        let w = rounded_values(dtype, 31 + k as u64, rows * k, 0.5);
+                        let g = rounded_values(dtype, 41, k, 1.5);
+                        let resid = rounded_values(dtype, 51, t * n, 3.0);
+                        let (mut xb, mut wb, mut gb) = (
+                            Elems::new(dtype, &x),
+                            Elems::new(dtype, &w),
+                            Elems::new(dtype, &g),
+                        );
+                        let mut outputs = |entry: &str, rows_per_block: usize| {
+                            let mut out_e = Elems::new(dtype, &resid);
+                            let mut out_f = vec![f32::NAN; t * n];
+                            let out: *mut u8 = if mode == 1 {
+                                out_f.as_mut_ptr().cast()
+                            } else {
+                                out_e.ptr()
+                            };
+                            let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
+                            run(
+                                dtype,
+                                entry,
+                                (n.div_ceil(rows_per_block) as u32, 1, 1),
+                                256,
+                                Params::new()
+                                    .ptr_mut(out)
+                                    .ptr(xb.ptr())
+                                    .ptr(wb.ptr())
+                                    .ptr(norm_w)
+                                    .int(t as i32)
+                                    .int(n as i32)
+                                    .int(k as i32)
+                                    .float(eps)
+                                    .int(mode)
+                                    .int(rows_per_block as i32),
+                            );
+                            let v = if mode == 1 { out_f } else { out_e.read() };
+                            v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+                        };
+                        for rows_per_block in [8usize, 24] {
+                            let reg = outputs(t1_entry(mode), rows_per_block);
+                            let ring =
+                                outputs(&format!("{}_async", t1_entry(mode)), rows_per_block);
+                            assert!(
+                                reg == ring,
+                                "{} mode {mode} norm {norm} K {k} rows/block {rows_per_block}",
+                                dtype.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    });
+    for mode in 0..4 {
+        let entry = format!("{}_async", t1_entry(mode));
+        gemv_case(Dtype::Bf16, 1, 30, 4000, mode, true, eps, &[(&entry, 24)]);
+        gemv_case(Dtype::F32, 1, 30, 2056, mode, true, eps, &[(&entry, 8)]);
+    }
+}
+
 /// The batch-of-one entry the executor launches for `mode`.
 fn t1_entry(mode: i32) -> &'static str {
     if mode == 3 {

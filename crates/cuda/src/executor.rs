@@ -63,6 +63,7 @@ use crate::lora::{LoraDevice, LORA_COLS, LORA_EXPAND_BLOCK, LORA_MAX_PARTS, LORA
 use crate::memory::{kv_bytes_per_block, kv_num_blocks, KvSizingError, ModelShape, MoeShape};
 use crate::plan::{
     default_graph_buckets, gemv_rows_per_block, graph_bucket, plan_launch, LaunchPlan, PlanError,
+    GEMV_ASYNC_XS_BYTES,
 };
 use crate::staging::{
     pack_penalties, CapacityError, DevicePenaltyEntry, PenaltyRow, StagingLayout, StepInputs,
@@ -1928,9 +1929,13 @@ impl CudaWorker {
             let sms = self.dev.multiprocessor_count();
             let gemv = |out: u64, x: u64, w: u64, norm: u64, n: usize, k: usize, m: usize| {
                 let rows = gemv_rows_per_block(t, n, sms, self.opts.tuning.gemv1_blocks_per_sm);
-                let entry = match (t, m) {
-                    (1, 3) => "baton_gemv_silu_t1",
-                    (1, _) => "baton_gemv_t1",
+                // The ring entries hold rows of up to GEMV_ASYNC_XS_BYTES.
+                let ring = self.opts.tuning.gemv_async && k * es as usize <= GEMV_ASYNC_XS_BYTES;
+                let entry = match (t, m, ring) {
+                    (1, 3, false) => "baton_gemv_silu_t1",
+                    (1, 3, true) => "baton_gemv_silu_t1_async",
+                    (1, _, false) => "baton_gemv_t1",
+                    (1, _, true) => "baton_gemv_t1_async",
                     _ => "baton_gemv",
                 };
                 self.launch(

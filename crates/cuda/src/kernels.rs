@@ -79,7 +79,13 @@ static ENTRY_POINTS: &[(&str, &[&str])] = &[
     ),
     (
         "gemv.cu",
-        &["baton_gemv", "baton_gemv_t1", "baton_gemv_silu_t1"],
+        &[
+            "baton_gemv",
+            "baton_gemv_t1",
+            "baton_gemv_silu_t1",
+            "baton_gemv_t1_async",
+            "baton_gemv_silu_t1_async",
+        ],
     ),
     (
         "sampling.cu",

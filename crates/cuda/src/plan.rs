@@ -81,6 +81,18 @@ pub const GEMV1_BLOCKS_PER_SM_ENV: &str = "BATON_GEMV1_BLOCKS_PER_SM";
 /// default until a GPU A/B run (`scripts/gpu-ab.sh`, variant `persistent`) shows it faster.
 pub const PERSISTENT_DECODE_ENV: &str = "BATON_PERSISTENT_DECODE";
 
+/// Environment variable choosing the batch-of-one GEMV entries that stream their weights
+/// through a shared-memory ring (`1`: `baton_gemv_t1_async` / `baton_gemv_silu_t1_async`,
+/// kernels/gemv.cuh, 64 registers, so the next kernel's blocks fit beside them; `0` or unset:
+/// the register-buffered `baton_gemv_t1` / `baton_gemv_silu_t1`). Bit-identical outputs; off
+/// by default until a GPU A/B run (`scripts/gpu-ab.sh`, variant `gemv-async`) shows it faster.
+pub const GEMV_ASYNC_ENV: &str = "BATON_GEMV_ASYNC";
+
+/// Bytes of the activation row buffer of the `_async` GEMV entries
+/// (`BATON_GEMV_ASYNC_XS_BYTES`, kernels/gemv.cuh): they take rows of up to this many bytes
+/// (4096 16-bit elements); the worker launches the register-buffered entries for longer ones.
+pub const GEMV_ASYNC_XS_BYTES: usize = 8192;
+
 /// Thread blocks per SM of the persistent decode kernel's grid at most: its
 /// `__launch_bounds__(128, 3)` (168 registers, no spills in its GEMV phases at 4 weight vectors
 /// per lane in flight; at 4 blocks, 128 registers, they spilled).
@@ -134,6 +146,8 @@ pub struct Tuning {
     /// Blocks per SM of the persistent decode kernel's grid at most
     /// ([`DECODE_LAYERS_BLOCKS_PER_SM_ENV`]).
     pub persistent_blocks_per_sm: usize,
+    /// Batch-of-one GEMVs through the shared-memory ring entries ([`GEMV_ASYNC_ENV`]).
+    pub gemv_async: bool,
 }
 
 impl Default for Tuning {
@@ -145,13 +159,15 @@ impl Default for Tuning {
             kernel_defines: Vec::new(),
             persistent_decode: false,
             persistent_blocks_per_sm: DECODE_LAYERS_BLOCKS_PER_SM,
+            gemv_async: false,
         }
     }
 }
 
 impl Tuning {
     /// The defaults, overridden by [`ATTN_TARGET_BLOCKS_ENV`], [`ATTN_MIN_PARTITION_ENV`],
-    /// [`GEMV1_BLOCKS_PER_SM_ENV`], [`PERSISTENT_DECODE_ENV`], [`DECODE_LAYERS_BLOCKS_PER_SM_ENV`] and
+    /// [`GEMV1_BLOCKS_PER_SM_ENV`], [`PERSISTENT_DECODE_ENV`], [`DECODE_LAYERS_BLOCKS_PER_SM_ENV`],
+    /// [`GEMV_ASYNC_ENV`] and
     /// [`KERNEL_DEFINES_ENV`](crate::kernels::KERNEL_DEFINES_ENV) where set and non-empty.
     ///
     /// # Errors
@@ -205,6 +221,7 @@ impl Tuning {
                 |n| (1..=DECODE_LAYERS_BLOCKS_PER_SM).contains(&n),
                 "1, 2 or 3",
             )?,
+            gemv_async: knob(GEMV_ASYNC_ENV, 0, |n| n <= 1, "0 or 1")? == 1,
         };
         if let Some(v) = var(crate::kernels::KERNEL_DEFINES_ENV) {
             t.kernel_defines = crate::kernels::parse_kernel_defines(&v)
