@@ -72,25 +72,35 @@ BATON_ENTRY void __launch_bounds__(256, 2) baton_gemv_silu_t1(
 // gemv.cuh: bit-identical outputs, 64 registers, the first stages issued before the wait),
 // for K <= BATON_GEMV_ASYNC_K; longer or unaligned rows take the entries' paths above. The
 // worker launches them instead of baton_gemv_t1 / baton_gemv_silu_t1 with BATON_GEMV_ASYNC=1.
-BATON_ENTRY void __launch_bounds__(256, 4) baton_gemv_t1_async(
-    void* out, const elem_t* __restrict__ x, const elem_t* __restrict__ w,
-    const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
-    int rows_per_block) {
-    BATON_TRACE_SCOPE();
-    if (T != 1 || mode == 3) {
+// The entries' shared body: `SILU` (mode 3 only) or not (modes 0-2).
+template <bool SILU>
+__device__ __forceinline__ void baton_gemv_t1_async_entry(void* out, const elem_t* __restrict__ x,
+                                                          const elem_t* __restrict__ w,
+                                                          const elem_t* __restrict__ norm_w, int T,
+                                                          int N, int K, float eps, int mode,
+                                                          int rows_per_block) {
+    if (T != 1 || (mode == 3) != SILU) {
         BATON_PDL_WAIT();
         return;
     }
     if (baton_gemv1_fits(x, w, norm_w, K, BATON_GEMV_ASYNC_K)) {
         __shared__ baton_vec xs[BATON_GEMV_ASYNC_XS_BYTES / 16];
         __shared__ baton_vec ring[BATON_GEMV_ASYNC_RING_VECS];
-        baton_gemv1_async_body<false>(out, x, w, norm_w, N, K, eps, mode, rows_per_block, xs,
-                                      ring);
+        baton_gemv1_async_body<SILU>(out, x, w, norm_w, N, K, eps, mode, rows_per_block, xs,
+                                     ring);
     } else {
         BATON_PDL_WAIT();
         BATON_PDL_LAUNCH();
-        baton_gemv_body<1, false, 2>(out, x, w, norm_w, N, K, 1, eps, mode, rows_per_block);
+        baton_gemv_body<1, SILU, 2>(out, x, w, norm_w, N, K, 1, eps, mode, rows_per_block);
     }
+}
+
+BATON_ENTRY void __launch_bounds__(256, 4) baton_gemv_t1_async(
+    void* out, const elem_t* __restrict__ x, const elem_t* __restrict__ w,
+    const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
+    int rows_per_block) {
+    BATON_TRACE_SCOPE();
+    baton_gemv_t1_async_entry<false>(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block);
 }
 
 BATON_ENTRY void __launch_bounds__(256, 4) baton_gemv_silu_t1_async(
@@ -98,18 +108,5 @@ BATON_ENTRY void __launch_bounds__(256, 4) baton_gemv_silu_t1_async(
     const elem_t* __restrict__ norm_w, int T, int N, int K, float eps, int mode,
     int rows_per_block) {
     BATON_TRACE_SCOPE();
-    if (T != 1 || mode != 3) {
-        BATON_PDL_WAIT();
-        return;
-    }
-    if (baton_gemv1_fits(x, w, norm_w, K, BATON_GEMV_ASYNC_K)) {
-        __shared__ baton_vec xs[BATON_GEMV_ASYNC_XS_BYTES / 16];
-        __shared__ baton_vec ring[BATON_GEMV_ASYNC_RING_VECS];
-        baton_gemv1_async_body<true>(out, x, w, norm_w, N, K, eps, mode, rows_per_block, xs,
-                                     ring);
-    } else {
-        BATON_PDL_WAIT();
-        BATON_PDL_LAUNCH();
-        baton_gemv_body<1, true, 2>(out, x, w, norm_w, N, K, 1, eps, mode, rows_per_block);
-    }
+    baton_gemv_t1_async_entry<true>(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block);
 }

@@ -1753,15 +1753,9 @@ fn launches_in_flight_complete_as_launches_run_one_at_a_time() {
     }
 }
 
-/// `BATON_PERSISTENT_DECODE=1`: a batch-of-one decode step runs every layer in one cooperative
-/// launch of `baton_decode_layers_hdD` (grid barriers between the phases, emulated by parking
-/// every block at each barrier). Its phases are the per-kernel fused path's bodies, so the
-/// tokens and their log-probabilities (and top-5) are bit-identical to the per-kernel path's,
-/// with graphs and eagerly, in bf16 and f32, for head dims 64 and 128; batches of several rows
-/// keep the per-kernel path. The persistent runs use other thread and block orders (the
-/// emulator's reverse and shuffled schedules) and, eagerly, one block per SM instead of three.
-#[test]
-fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
+/// The scheduler, worker sizes and sampling parameters of the bit-for-bit path comparisons:
+/// four rows of up to 128 tokens, greedy, with the chosen token's log-probability and the top 5.
+fn bits_setup() -> (SchedulerConfig, CudaSizes, baton_proto::SamplingParams) {
     let sched = SchedulerConfig {
         max_num_seqs: 4,
         max_num_batched_tokens: 32,
@@ -1774,6 +1768,41 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
         top_logprobs: 5,
         ..baton_proto::SamplingParams::greedy()
     };
+    (sched, sizes, params)
+}
+
+/// Each token event's request, token, log-probability bits and top (token, bits) pairs.
+#[allow(clippy::type_complexity)]
+fn token_bits(ev: Vec<baton_scheduler::Event>) -> Vec<(u64, u32, u32, Vec<(u32, u32)>)> {
+    ev.into_iter()
+        .filter_map(|ev| match ev {
+            baton_scheduler::Event::Token {
+                id,
+                token,
+                logprob,
+                top,
+                ..
+            } => Some((
+                id,
+                token,
+                logprob.to_bits(),
+                top.iter().map(|&(t, l)| (t, l.to_bits())).collect(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `BATON_PERSISTENT_DECODE=1`: a batch-of-one decode step runs every layer in one cooperative
+/// launch of `baton_decode_layers_hdD` (grid barriers between the phases, emulated by parking
+/// every block at each barrier). Its phases are the per-kernel fused path's bodies, so the
+/// tokens and their log-probabilities (and top-5) are bit-identical to the per-kernel path's,
+/// with graphs and eagerly, in bf16 and f32, for head dims 64 and 128; batches of several rows
+/// keep the per-kernel path. The persistent runs use other thread and block orders (the
+/// emulator's reverse and shuffled schedules) and, eagerly, one block per SM instead of three.
+#[test]
+fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
+    let (sched, sizes, params) = bits_setup();
     let reqs = |base: u64| -> Vec<baton_scheduler::NewRequest> {
         // Two requests side by side (the per-kernel path), then one alone past 64 keys
         // (the persistent kernel over two decode partitions).
@@ -1797,25 +1826,7 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
         }
         let mut ev = Vec::new();
         e.run_until_idle(&mut ev).unwrap();
-        ev.into_iter()
-            .filter_map(|ev| match ev {
-                baton_scheduler::Event::Token {
-                    id,
-                    token,
-                    logprob,
-                    top,
-                    ..
-                } => Some((
-                    id,
-                    token,
-                    logprob.to_bits(),
-                    top.iter()
-                        .map(|&(t, l)| (t, l.to_bits()))
-                        .collect::<Vec<_>>(),
-                )),
-                _ => None,
-            })
-            .collect::<Vec<_>>()
+        token_bits(ev)
     };
     // Asked for where it cannot run (q/k norms, head dim 8, the cuBLAS path): an error that
     // names the variable, never a silent fallback.
@@ -1919,18 +1930,7 @@ fn the_persistent_decode_kernel_gives_the_per_kernel_paths_bits() {
 /// an 8192-wide MLP in f32) keeps the register entry.
 #[test]
 fn the_gemv_ring_entries_give_the_register_paths_bits() {
-    let sched = SchedulerConfig {
-        max_num_seqs: 4,
-        max_num_batched_tokens: 32,
-        max_model_len: 128,
-        ..config_for_tests()
-    };
-    let sizes = sizes_of(&sched);
-    let params = baton_proto::SamplingParams {
-        want_logprob: 1,
-        top_logprobs: 5,
-        ..baton_proto::SamplingParams::greedy()
-    };
+    let (sched, sizes, params) = bits_setup();
     const LONG_MLP: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
         "hidden_size":256,"intermediate_size":8192,"num_hidden_layers":2,"num_attention_heads":4,
         "num_key_value_heads":2,"head_dim":64,"vocab_size":1000,"max_position_embeddings":256}"#;
@@ -1969,23 +1969,9 @@ fn the_gemv_ring_entries_give_the_register_paths_bits() {
                 e.add_request(r).unwrap();
                 let mut ev = Vec::new();
                 e.run_until_idle(&mut ev).unwrap();
-                let ev: Vec<_> = ev
+                let ev: Vec<_> = token_bits(ev)
                     .into_iter()
-                    .filter_map(|ev| match ev {
-                        baton_scheduler::Event::Token {
-                            token,
-                            logprob,
-                            top,
-                            ..
-                        } => Some((
-                            token,
-                            logprob.to_bits(),
-                            top.iter()
-                                .map(|&(t, l)| (t, l.to_bits()))
-                                .collect::<Vec<_>>(),
-                        )),
-                        _ => None,
-                    })
+                    .map(|(_, t, l, top)| (t, l, top))
                     .collect();
                 let what = format!("{dtype:?} hd{} eager {eager} ring {ring}", cfg.head_dim);
                 assert_eq!(ev.len(), 10, "{what}");

@@ -798,23 +798,15 @@ fn gemv_ring_entries_give_the_register_entries_bits() {
                                 out_e.ptr()
                             };
                             let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
-                            run(
-                                dtype,
-                                entry,
-                                (n.div_ceil(rows_per_block) as u32, 1, 1),
-                                256,
-                                Params::new()
-                                    .ptr_mut(out)
-                                    .ptr(xb.ptr())
-                                    .ptr(wb.ptr())
-                                    .ptr(norm_w)
-                                    .int(t as i32)
-                                    .int(n as i32)
-                                    .int(k as i32)
-                                    .float(eps)
-                                    .int(mode)
-                                    .int(rows_per_block as i32),
-                            );
+                            let shape = GemvShape {
+                                t,
+                                n,
+                                k,
+                                eps,
+                                mode,
+                                rows_per_block,
+                            };
+                            run_gemv(dtype, entry, out, xb.ptr(), wb.ptr(), norm_w, shape);
                             let v = if mode == 1 { out_f } else { out_e.read() };
                             v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
                         };
@@ -847,6 +839,47 @@ fn t1_entry(mode: i32) -> &'static str {
     } else {
         "baton_gemv_t1"
     }
+}
+
+/// A GEMV launch's scalar arguments (gemv.cu's T, N, K, eps, mode, rows_per_block).
+#[derive(Clone, Copy)]
+struct GemvShape {
+    t: usize,
+    n: usize,
+    k: usize,
+    eps: f32,
+    mode: i32,
+    rows_per_block: usize,
+}
+
+/// Launches GEMV entry `entry` over `ceil(n / rows_per_block)` blocks of 256 threads:
+/// gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block).
+fn run_gemv(
+    dtype: Dtype,
+    entry: &str,
+    out: *mut u8,
+    x: *const u8,
+    w: *const u8,
+    norm_w: *const u8,
+    s: GemvShape,
+) {
+    run(
+        dtype,
+        entry,
+        (s.n.div_ceil(s.rows_per_block) as u32, 1, 1),
+        256,
+        Params::new()
+            .ptr_mut(out)
+            .ptr(x)
+            .ptr(w)
+            .ptr(norm_w)
+            .int(s.t as i32)
+            .int(s.n as i32)
+            .int(s.k as i32)
+            .float(s.eps)
+            .int(s.mode)
+            .int(s.rows_per_block as i32),
+    );
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -909,24 +942,15 @@ fn gemv_case(
             out_e.ptr()
         };
         let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
-        // gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block)
-        run(
-            dtype,
-            entry,
-            (n.div_ceil(rows_per_block) as u32, 1, 1),
-            256,
-            Params::new()
-                .ptr_mut(out)
-                .ptr(xb.ptr())
-                .ptr(wb.ptr())
-                .ptr(norm_w)
-                .int(t as i32)
-                .int(n as i32)
-                .int(k as i32)
-                .float(eps)
-                .int(mode)
-                .int(rows_per_block as i32),
-        );
+        let shape = GemvShape {
+            t,
+            n,
+            k,
+            eps,
+            mode,
+            rows_per_block,
+        };
+        run_gemv(dtype, entry, out, xb.ptr(), wb.ptr(), norm_w, shape);
         let got = if mode == 1 {
             out_f.clone()
         } else {

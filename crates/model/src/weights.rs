@@ -338,6 +338,18 @@ struct CopiedTensor {
     file: PathBuf,
 }
 
+impl CopiedTensor {
+    /// A copy of `t` (its dtype, shape and file) holding `bytes` instead.
+    fn of(t: &RawTensor<'_>, bytes: Vec<u8>) -> Self {
+        CopiedTensor {
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+            bytes,
+            file: t.file.to_path_buf(),
+        }
+    }
+}
+
 /// Rows `start..start + shape[0]` of the stored 2-D tensor `source`, whose whole shape is
 /// `[fused_rows, shape[1]]`. Row-major storage makes them one contiguous byte range.
 #[derive(Debug)]
@@ -999,12 +1011,7 @@ impl WeightSource {
                     .flat_map(|x| half::bf16::from_f32(x - 1.0).to_le_bytes())
                     .collect(),
             };
-            let copy = CopiedTensor {
-                dtype: t.dtype,
-                shape: t.shape.to_vec(),
-                bytes,
-                file: t.file.to_path_buf(),
-            };
+            let copy = CopiedTensor::of(&t, bytes);
             done.push((name, copy));
         }
         self.copies.extend(done);
@@ -1051,12 +1058,7 @@ impl WeightSource {
                         }
                     }
                 }
-                let copy = CopiedTensor {
-                    dtype: t.dtype,
-                    shape: t.shape.to_vec(),
-                    bytes,
-                    file: t.file.to_path_buf(),
-                };
+                let copy = CopiedTensor::of(&t, bytes);
                 done.push((name, copy));
             }
         }
@@ -1146,12 +1148,7 @@ impl WeightSource {
                             bytes.extend_from_slice(&t.bytes[r * row..(r + 1) * row]);
                         }
                     }
-                    let copy = CopiedTensor {
-                        dtype: t.dtype,
-                        shape: t.shape.to_vec(),
-                        bytes,
-                        file: t.file.to_path_buf(),
-                    };
+                    let copy = CopiedTensor::of(&t, bytes);
                     src.copies.insert(name, copy);
                 }
             }

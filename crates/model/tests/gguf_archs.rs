@@ -321,13 +321,21 @@ fn moe_checkpoint(model_type: &str) -> (serde_json::Value, Vec<Values>) {
         o.insert("intermediate_size".into(), 32.into());
         o.insert("sliding_window".into(), serde_json::Value::Null);
     }
+    checkpoint(c)
+}
+
+/// The checkpoint of config.json `c`: every tensor the model reads ([`values`] for each).
+fn checkpoint(c: serde_json::Value) -> (serde_json::Value, Vec<Values>) {
     let cfg = ModelConfig::from_json_str(&c.to_string()).unwrap();
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     let mut shapes = vec![
-        ("model.embed_tokens.weight".to_string(), vec![512, 64]),
-        ("model.norm.weight".to_string(), vec![64]),
-        ("lm_head.weight".to_string(), vec![512, 64]),
+        ("model.embed_tokens.weight".to_string(), vec![v, h]),
+        ("model.norm.weight".to_string(), vec![h]),
     ];
-    for i in 0..3 {
+    if !cfg.tie_word_embeddings {
+        shapes.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    for i in 0..cfg.num_hidden_layers {
         shapes.extend(baton_model::weights::layer_tensor_shapes(&cfg, i));
     }
     let tensors = shapes
@@ -656,22 +664,7 @@ fn gemma3_checkpoint() -> (serde_json::Value, Vec<Values>) {
         "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float32"
     });
-    let cfg = ModelConfig::from_json_str(&c.to_string()).unwrap();
-    let mut shapes = vec![
-        ("model.embed_tokens.weight".to_string(), vec![512, 64]),
-        ("model.norm.weight".to_string(), vec![64]),
-    ];
-    for i in 0..6 {
-        shapes.extend(baton_model::weights::layer_tensor_shapes(&cfg, i));
-    }
-    let tensors = shapes
-        .into_iter()
-        .map(|(n, s)| {
-            let v = values(&n, &s);
-            (n, s, v)
-        })
-        .collect();
-    (c, tensors)
+    checkpoint(c)
 }
 
 #[test]
