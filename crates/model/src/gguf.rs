@@ -576,8 +576,9 @@ pub fn naming_arch(g: &GgufFile) -> Result<&str, ModelError> {
 /// The Hugging Face name of a GGUF tensor of a model of architecture `arch` (llama.cpp's
 /// `gguf-py/gguf/tensor_mapping.py`, read backwards), `None` for the tensors [`hf_config`]
 /// reads into config.json (`rope_freqs.weight`, Phi-3's `rope_factors_long.weight` and
-/// `rope_factors_short.weight`) and for a layer's merged experts (served per expert, see
-/// [`merged_experts`]; `arch` as [`naming_arch`] gives it). Phi-3's `attn_qkv` and `ffn_up`
+/// `rope_factors_short.weight`), for a layer's merged experts (served per expert, see
+/// [`merged_experts`]; `arch` as [`naming_arch`] gives it) and for a fused q/k/v projection
+/// outside Phi-3 (served per part, [`fused_qkv`]). Phi-3's `attn_qkv` and `ffn_up`
 /// are its fused `qkv_proj` and `gate_up_proj` (gate rows first, as `Phi3MLP` and llama.cpp's
 /// `LLM_ARCH_PHI3` split them). Gemma 3's four norms a layer are `attn_norm`,
 /// `post_attention_norm`, `ffn_norm` (its `pre_feedforward_layernorm`) and `post_ffw_norm`.
@@ -598,7 +599,7 @@ pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
     if let Some(g) = global {
         return Some(g.into());
     }
-    if merged_experts(arch, name).is_some() {
+    if merged_experts(arch, name).is_some() || fused_qkv(arch, name).is_some() {
         return None;
     }
     let mapped = name.strip_prefix("blk.").and_then(|rest| {
@@ -646,6 +647,56 @@ pub fn hf_tensor_name(arch: &str, name: &str) -> Option<String> {
         Some(format!("model.layers.{layer}.{hf}.{suffix}"))
     });
     Some(mapped.unwrap_or_else(|| name.to_string()))
+}
+
+/// For a fused attention projection (`blk.{i}.attn_qkv.weight` or `.bias`, as
+/// `convert_hf_to_gguf.py --fuse-qkv` writes it: q rows, then k, then v) of an architecture
+/// other than `phi3` (whose fused projection is read as `qkv_proj`, [`hf_tensor_name`]), the
+/// Hugging Face names of its three parts (`self_attn.{q,k,v}_proj`), which
+/// [`crate::WeightSource::open_gguf`] serves as row ranges of it ([`fused_qkv_rows`]).
+pub fn fused_qkv(arch: &str, name: &str) -> Option<[String; 3]> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let suffix = part.strip_prefix("attn_qkv.")?;
+    if arch == "phi3" || suffix.contains('.') {
+        return None;
+    }
+    Some(["q", "k", "v"].map(|p| format!("model.layers.{layer}.self_attn.{p}_proj.{suffix}")))
+}
+
+/// The q, k and v rows of a fused attention projection ([`fused_qkv`]): heads x head size,
+/// then twice KV heads x head size, from the file's metadata (as [`hf_config`] reads it).
+///
+/// # Errors
+/// [`ModelError::Gguf`] for a malformed count, or a file of a permuted architecture
+/// ([`permuted_qk`]) that stores one (the order of llama.cpp's permutation and fusion is not
+/// pinned down, so it is refused rather than guessed).
+pub fn fused_qkv_rows(g: &GgufFile) -> Result<Option<[usize; 3]>, ModelError> {
+    let arch = g.architecture()?;
+    if !g.tensors.iter().any(|t| fused_qkv(arch, &t.name).is_some()) {
+        return Ok(None);
+    }
+    if permuted_qk(arch) {
+        return Err(g.fault(format!(
+            "fused `attn_qkv` tensors in a {arch} file are not read (convert without \
+             --fuse-qkv)"
+        )));
+    }
+    let (Some(hidden), Some(heads)) = (
+        g.arch_usize(arch, "embedding_length")?,
+        g.arch_usize(arch, "attention.head_count")?
+            .filter(|&h| h > 0),
+    ) else {
+        return Ok(None);
+    };
+    let kv_heads = g
+        .arch_usize(arch, "attention.head_count_kv")?
+        .unwrap_or(heads);
+    let d = g
+        .arch_usize(arch, "attention.key_length")?
+        .unwrap_or(hidden / heads);
+    Ok(Some([heads * d, kv_heads * d, kv_heads * d]))
 }
 
 /// Mixtral's name of an expert's `ffn_gate`, `ffn_up` or `ffn_down` part (`w1`, `w3`, `w2`).

@@ -613,13 +613,35 @@ impl WeightSource {
             file: path.display().to_string(),
             reason,
         };
+        let qkv_rows = crate::gguf::fused_qkv_rows(&g)?;
         for t in &g.tensors {
             // (Hugging Face name, row-major shape, byte range in the data section) of each
-            // tensor served: one, or one per expert of a merged experts tensor.
+            // tensor served: one, one per expert of a merged experts tensor, or q, k and v of
+            // a fused one.
             let len = g.tensor_bytes(t)?.len();
             let start = t.offset as usize;
             let mut parts = Vec::new();
-            if let Some((_, expert_name)) = crate::gguf::merged_experts(arch, &t.name) {
+            if let Some(names) = crate::gguf::fused_qkv(arch, &t.name) {
+                let shape = t.shape();
+                let rows = qkv_rows.map_or(0, |r| r.iter().sum::<usize>());
+                let ok = (shape.len() == 1 || shape.len() == 2) && shape[0] == rows;
+                let Some(qkv_rows) = qkv_rows.filter(|_| ok) else {
+                    return Err(fault(format!(
+                        "tensor `{}` has shape {shape:?}; expected {rows} rows (q, k and v of \
+                         `attention.head_count`, `head_count_kv` and `key_length`)",
+                        t.name
+                    )));
+                };
+                // Rows are whole blocks of the tensor's type, so each part is a byte range.
+                let row_bytes = len / rows;
+                let mut at = start;
+                for (name, r) in names.into_iter().zip(qkv_rows) {
+                    let mut part = shape.clone();
+                    part[0] = r;
+                    parts.push((name, part, at, r * row_bytes));
+                    at += r * row_bytes;
+                }
+            } else if let Some((_, expert_name)) = crate::gguf::merged_experts(arch, &t.name) {
                 let shape = t.shape();
                 let [n, rows, cols] = shape[..] else {
                     return Err(fault(format!(

@@ -392,7 +392,13 @@ fn permute(v: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 /// (`[experts, rows, cols]`, expert 0 first) or separate as `experts` says; Qwen2-MoE's
 /// shared expert gate as llama.cpp reads it, `{hidden}`; Mixtral as a `llama` file, its q and
 /// k rows permuted.
-fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], experts: Experts) {
+fn moe_gguf(
+    path: &Path,
+    config: &serde_json::Value,
+    tensors: &[Values],
+    experts: Experts,
+    fuse_qkv: bool,
+) {
     let mixtral = config["model_type"] == "mixtral";
     let arch = match config["model_type"].as_str().unwrap() {
         "qwen2_moe" => "qwen2moe",
@@ -432,8 +438,38 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], experts
             (true, Some("k_proj")) => permute(v, heads("num_key_value_heads"), s[1]),
             _ => v.clone(),
         };
+        let qkv = [".q_proj.", ".k_proj.", ".v_proj."];
+        if fuse_qkv && qkv.iter().any(|p| n.contains(p)) {
+            continue;
+        }
         let name = gguf_layer_name(&n.replace("block_sparse_moe.gate", "mlp.gate"));
         out.push(f32_tensor(&name, &shape, bytes(&v)));
+    }
+    // `--fuse-qkv`: each layer's q, k and v rows (and biases) as one `attn_qkv` tensor.
+    for i in 0..3 {
+        for suffix in ["weight", "bias"] {
+            if !fuse_qkv {
+                continue;
+            }
+            let parts: Vec<_> = ["q", "k", "v"]
+                .iter()
+                .filter_map(|p| {
+                    let want = format!("model.layers.{i}.self_attn.{p}_proj.{suffix}");
+                    tensors.iter().find(|t| t.0 == want)
+                })
+                .collect();
+            if parts.is_empty() {
+                continue;
+            }
+            let mut shape = parts[0].1.clone();
+            shape[0] = parts.iter().map(|t| t.1[0]).sum();
+            let all: Vec<f32> = parts.iter().flat_map(|t| t.2.clone()).collect();
+            out.push(f32_tensor(
+                &format!("blk.{i}.attn_qkv.{suffix}"),
+                &shape,
+                bytes(&all),
+            ));
+        }
     }
     for i in 0..3 {
         for (proj, hf) in [
@@ -507,12 +543,12 @@ fn moe_gguf(path: &Path, config: &serde_json::Value, tensors: &[Values], experts
 }
 
 /// Bit-equal configs, tensors and logits between the checkpoint and its GGUF.
-fn check_moe_gguf(model_type: &str, experts: Experts) {
+fn check_moe_gguf(model_type: &str, experts: Experts, fuse_qkv: bool) {
     let (config, tensors) = moe_checkpoint(model_type);
     let hf_dir = hf_dir(&format!("gguf-{model_type}-hf"), &config, &tensors);
     let tmp = temp_dir(&format!("gguf-{model_type}"));
     let file = tmp.join("moe.gguf");
-    moe_gguf(&file, &config, &tensors, experts);
+    moe_gguf(&file, &config, &tensors, experts, fuse_qkv);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     let hf_cfg = ModelConfig::from_file(&hf_dir.join("config.json")).unwrap();
     assert_eq!(cfg, hf_cfg, "{model_type}: the same config");
@@ -539,18 +575,38 @@ fn check_moe_gguf(model_type: &str, experts: Experts) {
 
 #[test]
 fn a_qwen3moe_gguf_serves_its_checkpoints_config_experts_and_logits() {
-    check_moe_gguf("qwen3_moe", Experts::Stacked);
+    check_moe_gguf("qwen3_moe", Experts::Stacked, false);
 }
 
 #[test]
 fn a_qwen2moe_gguf_serves_its_shared_expert_dense_layer_and_biases() {
-    check_moe_gguf("qwen2_moe", Experts::Stacked);
+    check_moe_gguf("qwen2_moe", Experts::Stacked, false);
+}
+
+/// `convert_hf_to_gguf.py --fuse-qkv`: q, k and v (and Qwen2's biases) in one `attn_qkv`
+/// tensor a layer, served as their row ranges; refused in a file whose q/k rows llama.cpp
+/// permutes (Mixtral), where the order of permutation and fusion is not pinned down.
+#[test]
+fn fused_qkv_tensors_are_served_as_q_k_and_v() {
+    check_moe_gguf("qwen2_moe", Experts::Stacked, true);
+    check_moe_gguf("qwen3_moe", Experts::Stacked, true);
+    let (config, tensors) = moe_checkpoint("mixtral");
+    let tmp = temp_dir("gguf-fused-mixtral");
+    let file = tmp.join("fused.gguf");
+    moe_gguf(&file, &config, &tensors, Experts::Stacked, true);
+    let p = gguf::prepare_dir(&file, &tmp.join("cache")).unwrap();
+    let cfg = ModelConfig::from_file(&p.dir.join("config.json")).unwrap();
+    let e = WeightSource::open_for(&p.dir, &cfg)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--fuse-qkv"), "{e}");
 }
 
 #[test]
 fn a_mixtral_gguf_serves_its_checkpoint_from_stacked_and_from_separate_experts() {
-    check_moe_gguf("mixtral", Experts::Stacked);
-    check_moe_gguf("mixtral", Experts::Separate);
+    check_moe_gguf("mixtral", Experts::Stacked, false);
+    check_moe_gguf("mixtral", Experts::Separate, false);
 }
 
 #[test]
@@ -558,7 +614,7 @@ fn quantized_stacked_experts_are_served_one_dequantized_slice_per_expert() {
     let (config, tensors) = moe_checkpoint("qwen3_moe");
     let tmp = temp_dir("gguf-moe-q8");
     let file = tmp.join("moe-q8.gguf");
-    moe_gguf(&file, &config, &tensors, Experts::StackedQ8_0);
+    moe_gguf(&file, &config, &tensors, Experts::StackedQ8_0, false);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     assert_eq!(cfg.torch_dtype.as_deref(), Some("float16"));
     let mut checked = 0;
@@ -588,7 +644,7 @@ fn a_stacked_experts_tensor_of_the_wrong_rank_and_lone_experts_are_refused() {
     let tmp = temp_dir("gguf-moe-bad");
     // Experts in a dense architecture.
     let file = tmp.join("bad.gguf");
-    moe_gguf(&file, &config, &tensors, Experts::Stacked);
+    moe_gguf(&file, &config, &tensors, Experts::Stacked, false);
     let g = GgufFile::open(&file).unwrap();
     let mut meta: Vec<_> = g
         .metadata
