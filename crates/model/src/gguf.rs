@@ -1139,14 +1139,16 @@ fn gemma3_config(
 }
 
 /// The sampling defaults a GGUF file recommends (`general.sampling.temp`, `top_p`, `top_k`,
-/// `min_p`: what llama.cpp's server applies to requests that leave them out) as a
-/// `generation_config.json` (`temperature`, `top_p`, `top_k`, `min_p`), which Baton's
-/// frontends read as vLLM reads a checkpoint's (`--generation-config auto`); `None` when the
-/// file gives none. `general.sampling.penalty_repeat` is not carried over: llama.cpp applies
+/// `min_p`: what llama.cpp's server applies to requests that leave them out) and its stop
+/// tokens beyond EOS (`tokenizer.ggml.eot_token_id`, `eom_token_id`: llama.cpp ends
+/// generation on them) as a `generation_config.json` (`temperature`, `top_p`, `top_k`,
+/// `min_p`, `eos_token_id` listing EOS and those), which Baton's processes read as vLLM reads
+/// a checkpoint's (`--generation-config auto`); `None` when the file gives none of them. `general.sampling.penalty_repeat` is not carried over: llama.cpp applies
 /// it to the last `penalty_last_n` tokens, Hugging Face's `repetition_penalty` to all of them.
 ///
 /// # Errors
-/// [`ModelError::Gguf`] for a value that is not a number (top-k: an integer of at least -1).
+/// [`ModelError::Gguf`] for a value that is not a number (top-k: an integer of at least -1;
+/// the token ids: ids).
 pub fn generation_config(g: &GgufFile) -> Result<Option<serde_json::Value>, ModelError> {
     let mut out = serde_json::Map::new();
     for (key, hf) in [
@@ -1177,6 +1179,26 @@ pub fn generation_config(g: &GgufFile) -> Result<Option<serde_json::Value>, Mode
             ))
         })?;
         out.insert(hf.into(), value);
+    }
+    // End-of-turn and end-of-message tokens end generation in llama.cpp (its end-of-generation
+    // set); as generation_config.json's `eos_token_id` they are stop ids here too (Gemma 3's
+    // `<end_of_turn>`, whose EOS is `<eos>`).
+    let mut eos: Vec<i128> = Vec::new();
+    for key in ["eos_token_id", "eot_token_id", "eom_token_id"] {
+        let k = format!("tokenizer.ggml.{key}");
+        if let Some(v) = g.get(&k) {
+            let id = v
+                .as_int()
+                .filter(|&i| (0..=i128::from(u32::MAX)).contains(&i))
+                .ok_or_else(|| g.fault(format!("`{k}` is {v:?}; expected a token id")))?;
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    if eos.len() > 1 {
+        let ids: Vec<i64> = eos.iter().map(|&i| i as i64).collect();
+        out.insert("eos_token_id".into(), serde_json::json!(ids));
     }
     Ok((!out.is_empty()).then_some(serde_json::Value::Object(out)))
 }

@@ -163,7 +163,7 @@ fn processes_preparing_one_file_at_once_share_one_complete_directory() {
 }
 
 #[test]
-fn a_files_recommended_sampling_becomes_generation_config_json() {
+fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_json() {
     use baton_model::gguf::GgufValue;
     let tmp = temp_dir("gguf-sampling");
     let from = GgufFile::open(&gguf_file()).unwrap();
@@ -193,6 +193,7 @@ fn a_files_recommended_sampling_becomes_generation_config_json() {
             ("general.sampling.top_p", GgufValue::F32(0.95)),
             ("general.sampling.min_p", GgufValue::F32(0.0)),
             ("general.sampling.penalty_repeat", GgufValue::F32(1.1)),
+            ("tokenizer.ggml.eot_token_id", GgufValue::U32(7)),
         ],
         "sampling.gguf",
     );
@@ -206,6 +207,11 @@ fn a_files_recommended_sampling_becomes_generation_config_json() {
     assert_eq!(
         g.repetition_penalty, None,
         "llama.cpp's penalty is over a window"
+    );
+    assert_eq!(
+        g.eos_token_ids,
+        vec![2, 7],
+        "EOS, then the end-of-turn token"
     );
     // A file without them gets none; a malformed one is refused, naming the key.
     let plain = gguf::prepare_dir(&gguf_file(), &tmp.join("cache")).unwrap();
