@@ -590,14 +590,16 @@ impl WeightSource {
     /// Opens a GGUF file (llama.cpp's format; [`crate::gguf`]), its tensors under their
     /// Hugging Face names ([`crate::gguf::hf_tensor_name`]; the RoPE factor tensors are left
     /// out, config.json holds them; a layer's merged experts tensor is served as one tensor
-    /// per expert, [`crate::gguf::merged_experts`], each a slice of it). F32, F16 and BF16
+    /// per expert, [`crate::gguf::merged_experts`], each a slice of it, and a fused q/k/v
+    /// projection outside Phi-3 as its three row ranges, [`crate::gguf::fused_qkv`]). F32, F16 and BF16
     /// tensors are served from the map as they are stored; a quantized one is listed as its
     /// raw bytes (`U8`, which the fingerprint hashes) until [`WeightSource::open_for`]
     /// dequantizes it.
     ///
     /// # Errors
-    /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name
-    /// or a merged experts tensor that is not `[experts, rows, cols]`.
+    /// As [`crate::gguf::GgufFile::open`]; [`ModelError::Gguf`] for two tensors of one name,
+    /// a merged experts tensor that is not `[experts, rows, cols]`, or a fused q/k/v tensor
+    /// whose rows are not the heads' ([`crate::gguf::fused_qkv_rows`]).
     pub fn open_gguf(path: &Path) -> Result<Self, ModelError> {
         // Errors name the file itself, not a prepared directory's link to it.
         let real = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
@@ -624,7 +626,7 @@ impl WeightSource {
             if let Some(names) = crate::gguf::fused_qkv(arch, &t.name) {
                 let shape = t.shape();
                 let rows = qkv_rows.map_or(0, |r| r.iter().sum::<usize>());
-                let ok = (shape.len() == 1 || shape.len() == 2) && shape[0] == rows;
+                let ok = (shape.len() == 1 || shape.len() == 2) && shape[0] == rows && rows > 0;
                 let Some(qkv_rows) = qkv_rows.filter(|_| ok) else {
                     return Err(fault(format!(
                         "tensor `{}` has shape {shape:?}; expected {rows} rows (q, k and v of \
