@@ -676,6 +676,15 @@ mod tests {
             let e = gemv(v).unwrap_err();
             assert!(e.starts_with(GEMV1_BLOCKS_PER_SM_ENV), "{v:?}: {e}");
         }
+        let ring = |v: &'static str| {
+            Tuning::from_lookup(move |name: &str| (name == GEMV_ASYNC_ENV).then(|| v.to_string()))
+        };
+        assert!(ring("1").unwrap().gemv_async);
+        assert_eq!(ring("0").unwrap(), Tuning::default());
+        for v in ["2", "yes"] {
+            let e = ring(v).unwrap_err();
+            assert!(e.starts_with(GEMV_ASYNC_ENV), "{v:?}: {e}");
+        }
         let persistent = |v: &'static str| {
             Tuning::from_lookup(move |name: &str| {
                 (name == PERSISTENT_DECODE_ENV).then(|| v.to_string())
