@@ -337,17 +337,22 @@ __device__ __forceinline__ void baton_gemv1_body(void* out, const elem_t* __rest
     baton_vec a[U], b[SILU ? U : 1];
     int n = first + warp, c = 0;
     if (n < end) baton_gemv1_load<SILU, U, GRID>(a, b, wv, N, nv, n, 0, lane);
-    if (BATON_GEMV_PREWAIT_L2 > 0 && first < end) {
-        // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up rows
-        // N + first... One 128-byte line per thread per step.
-        const size_t bytes = (size_t)(end - first) * K * sizeof(elem_t);
-        const size_t lim = bytes < (size_t)BATON_GEMV_PREWAIT_L2 ? bytes
-                                                                 : (size_t)BATON_GEMV_PREWAIT_L2;
-        const char* r0 = reinterpret_cast<const char*>(w + (size_t)first * K);
-        const char* r1 = SILU ? reinterpret_cast<const char*>(w + (size_t)(N + first) * K) : r0;
-        for (size_t off = (size_t)threadIdx.x * 128; off < lim; off += (size_t)blockDim.x * 128) {
-            BATON_PREFETCH_L2(r0 + off);
-            if (SILU) BATON_PREFETCH_L2(r1 + off);
+    // (Compile-time, so that the default build holds no comparison with 0 bytes.)
+    if constexpr (BATON_GEMV_PREWAIT_L2 > 0) {
+        if (first < end) {
+            // Rows [first, end) are contiguous (row-major [N, K]); in SiLU mode so are the up
+            // rows N + first... One 128-byte line per thread per step.
+            const size_t bytes = (size_t)(end - first) * K * sizeof(elem_t);
+            const size_t cap = (size_t)BATON_GEMV_PREWAIT_L2;
+            const size_t lim = bytes < cap ? bytes : cap;
+            const char* r0 = reinterpret_cast<const char*>(w + (size_t)first * K);
+            const char* r1 =
+                SILU ? reinterpret_cast<const char*>(w + (size_t)(N + first) * K) : r0;
+            for (size_t off = (size_t)threadIdx.x * 128; off < lim;
+                 off += (size_t)blockDim.x * 128) {
+                BATON_PREFETCH_L2(r0 + off);
+                if (SILU) BATON_PREFETCH_L2(r1 + off);
+            }
         }
     }
 

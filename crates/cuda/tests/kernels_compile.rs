@@ -150,6 +150,49 @@ fn kernels_compile_with_the_launch_trace_and_only_with_it() {
     }
 }
 
+/// Every tunable kernel constant at the values `scripts/gpu-ab.sh` times (and its own
+/// non-default ones) compiles for sm_90: a variant that does not compile would cost a GPU run
+/// its time. Each must also leave the default build's PTX (the tunable is read).
+#[test]
+fn every_kernel_tunable_compiles_at_its_a_b_values() {
+    if !nvrtc_available() {
+        assert!(
+            !nvrtc_required(),
+            "BATON_REQUIRE_NVRTC=1 but NVRTC cannot be loaded"
+        );
+        eprintln!("\n==== SKIPPED every_kernel_tunable_compiles: no NVRTC ====\n");
+        return;
+    }
+    let include = include_dir_from_env();
+    let ptx = |defines: &[String]| -> Vec<(String, String)> {
+        compile_with_options("sm_90", &include, Dtype::Bf16, defines)
+            .unwrap_or_else(|e| panic!("{defines:?}: {e}"))
+            .into_iter()
+            .map(|(f, c)| (f, c.ptx))
+            .collect()
+    };
+    let base = ptx(&[]);
+    let values = [
+        "BATON_GEMV_T1_U=2",
+        "BATON_GEMV_PREWAIT_L2=65536",
+        "BATON_SAMPLE_BIN_CACHE=0",
+        "BATON_SAMPLE_HIST=0",
+        "BATON_SELECT_U=1",
+        "BATON_SELECT_U=8",
+    ];
+    // Every tunable but the trace (its own test) is listed here.
+    for t in baton_cuda::kernels::KERNEL_TUNABLES {
+        assert!(
+            *t == "BATON_TRACE" || values.iter().any(|v| v.starts_with(&format!("{t}="))),
+            "{t} has no A/B value here"
+        );
+    }
+    for v in values {
+        let got = ptx(&[format!("-D{v}")]);
+        assert!(got != base, "{v} changes no kernel");
+    }
+}
+
 fn check_dtype(dtype: Dtype, include: &std::path::Path) {
     let started = std::time::Instant::now();
     let compiled = compile_with_options("sm_90", include, dtype, &[PTXAS_VERBOSE.to_owned()])
