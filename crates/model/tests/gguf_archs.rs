@@ -1,12 +1,13 @@
 //! GGUF files of the `phi3`, `gemma3`, `qwen2moe` and `qwen3moe` architectures and Mixtral
 //! (`llama` with experts; stacked, and one tensor per expert as older files have them),
-//! written here as
-//! llama.cpp's `convert_hf_to_gguf.py` lays them out (`Phi3MiniModel`: fused `attn_qkv` and
-//! `ffn_up` = gate and up, LongRoPE factors as `rope_factors_{long,short}.weight`;
+//! written here as llama.cpp's `convert_hf_to_gguf.py` lays them out (`Phi3MiniModel`: fused
+//! `attn_qkv` and `ffn_up` = gate and up, LongRoPE factors as `rope_factors_{long,short}.weight`;
 //! `Qwen2MoeModel`: each layer's experts stacked into `ffn_{gate,up,down}_exps.weight`, the
-//! router as `ffn_gate_inp`, Qwen2-MoE's shared expert as `*_shexp`), must serve the Hugging
-//! Face checkpoint they came from: the same config, the same tensors bit for bit under the
-//! same names (Gemma 3's norms: stored plus 1, served less 1), the same logits.
+//! router as `ffn_gate_inp`, Qwen2-MoE's shared expert as `*_shexp`; `Gemma3Model`: norms plus
+//! 1; `--fuse-qkv`: one `attn_qkv` a layer), must serve the Hugging Face checkpoint they came
+//! from: the same config, the same tensors bit for bit under the same names (Gemma 3's norms:
+//! stored plus 1, served less 1), the same logits. A helper checked files from the real
+//! converter the same way (NOTES.md, session 38).
 
 mod common;
 
