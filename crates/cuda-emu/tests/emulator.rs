@@ -25,7 +25,7 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
         .iter()
         .flat_map(|(_, e)| e.iter().copied())
         .collect();
-    assert_eq!(expected.len(), 32, "kernels.rs lists 32 entry points today");
+    assert_eq!(expected.len(), 34, "kernels.rs lists 34 entry points today");
     for dtype in Dtype::ALL {
         for e in &expected {
             assert!(
@@ -55,6 +55,7 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
     );
     assert_eq!(param_count(Dtype::F16, "baton_sample_f32"), Some(14));
     assert_eq!(param_count(Dtype::Bf16, "baton_lora_shrink"), Some(9));
+    assert_eq!(param_count(Dtype::F16, "baton_gemv_silu_t1_async"), Some(10));
     assert_eq!(param_count(Dtype::F32, "baton_lora_expand"), Some(9));
     assert_eq!(
         param_count(Dtype::Bf16, "baton_decode_layers_hd128"),
