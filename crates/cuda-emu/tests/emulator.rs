@@ -55,7 +55,10 @@ fn every_kernel_entry_point_is_registered_for_every_dtype_with_nothing_extra() {
     );
     assert_eq!(param_count(Dtype::F16, "baton_sample_f32"), Some(14));
     assert_eq!(param_count(Dtype::Bf16, "baton_lora_shrink"), Some(9));
-    assert_eq!(param_count(Dtype::F16, "baton_gemv_silu_t1_async"), Some(10));
+    assert_eq!(
+        param_count(Dtype::F16, "baton_gemv_silu_t1_async"),
+        Some(10)
+    );
     assert_eq!(param_count(Dtype::F32, "baton_lora_expand"), Some(9));
     assert_eq!(
         param_count(Dtype::Bf16, "baton_decode_layers_hd128"),
