@@ -1101,10 +1101,11 @@ fn moe_config(
     Ok(())
 }
 
-/// config.json's Gemma 3 fields that llama.cpp does not store but fixes for the architecture
-/// (`llama-model.cpp`, `LLM_ARCH_GEMMA3`): every 6th layer attends to all keys and the others
-/// slide over `gemma3.attention.sliding_window` keys with RoPE base 10000 (the file's
-/// `rope.freq_base` and scaling are the full layers'); queries are scaled by
+/// config.json's Gemma 3 fields, as llama.cpp reads or fixes them (`LLM_ARCH_GEMMA3`): the
+/// layers slide over `gemma3.attention.sliding_window` keys (absent or 0: no layer slides)
+/// with the pattern of `attention.sliding_window_pattern` (a period, or a flag per layer;
+/// absent: every 6th layer is full) and RoPE base `rope.freq_base_swa` (absent: 10000; the
+/// file's `rope.freq_base` and scaling are the full layers'); queries are scaled by
 /// `1/sqrt(hidden / heads)` in the 62-layer model (Gemma 3 27B, whose
 /// `query_pre_attn_scalar` is 168) and `1/sqrt(head_dim)` in the others. Soft-capping, which
 /// Gemma 3 does not use, is carried over when the file gives it (and then refused by the
@@ -1118,12 +1119,50 @@ fn gemma3_config(
     o: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<(), ModelError> {
     use serde_json::json;
-    let window = g
-        .arch_usize("gemma3", "attention.sliding_window")?
-        .ok_or_else(|| g.fault("no `gemma3.attention.sliding_window`"))?;
-    o.insert("sliding_window".into(), json!(window));
-    o.insert("sliding_window_pattern".into(), json!(6));
-    o.insert("rope_local_base_freq".into(), json!(10000.0));
+    // No window (the converter leaves the key out when every layer is full): every layer
+    // attends to all keys, as llama.cpp then runs it.
+    match g.arch_usize("gemma3", "attention.sliding_window")? {
+        None | Some(0) => {
+            o.insert("sliding_window".into(), serde_json::Value::Null);
+        }
+        Some(w) => {
+            o.insert("sliding_window".into(), json!(w));
+        }
+    }
+    // Which layers slide: the file's pattern (a period, or a flag per layer) when it gives
+    // one, else llama.cpp's fixed period of 6 for Gemma 3.
+    let key = "gemma3.attention.sliding_window_pattern";
+    match g.get(key) {
+        None => {
+            o.insert("sliding_window_pattern".into(), json!(6));
+        }
+        Some(GgufValue::Array(flags)) => {
+            let types = flags
+                .iter()
+                .map(|f| match f.as_bool() {
+                    Some(true) => Some("sliding_attention"),
+                    Some(false) => Some("full_attention"),
+                    None => None,
+                })
+                .collect::<Option<Vec<_>>>()
+                .filter(|t| t.len() == layers)
+                .ok_or_else(|| g.fault(format!("`{key}` is not {layers} booleans, one a layer")))?;
+            o.insert("layer_types".into(), json!(types));
+        }
+        Some(v) => {
+            let p = v
+                .as_int()
+                .filter(|&p| p > 0 && p <= layers as i128)
+                .ok_or_else(|| g.fault(format!("`{key}` is {v:?}; expected a layer period")))?;
+            o.insert("sliding_window_pattern".into(), json!(p as u64));
+        }
+    }
+    // The sliding layers' RoPE base: `rope.freq_base_swa` (what the converter writes from the
+    // sliding layers' `rope_theta`), else Gemma 3's 10000.
+    let local = g
+        .arch_f64("gemma3", "rope.freq_base_swa")?
+        .unwrap_or(10000.0);
+    o.insert("rope_local_base_freq".into(), json!(local));
     let scalar = if layers == 62 {
         hidden / heads
     } else {

@@ -716,7 +716,7 @@ fn gemma3_checkpoint() -> (serde_json::Value, Vec<Values>) {
         "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
         "vocab_size": 512, "rms_norm_eps": 1e-6f32 as f64, "rope_theta": 1000000.0,
-        "rope_local_base_freq": 10000.0, "sliding_window": 4, "sliding_window_pattern": 6,
+        "rope_local_base_freq": 20000.0, "sliding_window": 4, "sliding_window_pattern": 6,
         "query_pre_attn_scalar": 32, "rope_scaling": {"type": "linear", "factor": 8.0},
         "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float32"
@@ -764,9 +764,41 @@ fn a_gemma3_gguf_serves_its_checkpoints_config_norms_and_logits() {
         ("rope.scaling.type", GgufValue::Str("linear".into())),
         ("rope.scaling.factor", GgufValue::F32(8.0)),
         ("attention.sliding_window", u(4)),
+        ("rope.freq_base_swa", GgufValue::F32(20000.0)),
     ];
     let file = tmp.join("gemma3.gguf");
     write_gguf(&file, &metadata("gemma3", &keys), &out);
+    // The sliding layers as llama.cpp reads them: no window (every layer full), a period, or
+    // a flag per layer.
+    let windows = |extra: Vec<(&str, GgufValue)>, drop_window: bool| -> Vec<Option<usize>> {
+        let mut k: Vec<_> = keys
+            .iter()
+            .filter(|(n, _)| !(drop_window && *n == "attention.sliding_window"))
+            .cloned()
+            .collect();
+        k.extend(extra);
+        let f = tmp.join(format!(
+            "gemma3-{}.gguf",
+            k.len() * 2 + drop_window as usize
+        ));
+        write_gguf(&f, &metadata("gemma3", &k), &out);
+        let p = gguf::prepare_dir(&f, &tmp.join("cache")).unwrap();
+        ModelConfig::from_file(&p.dir.join("config.json"))
+            .unwrap()
+            .sliding_window
+    };
+    assert_eq!(windows(vec![], true), vec![None; 6], "no window");
+    let pattern = ("attention.sliding_window_pattern", u(3));
+    let w = Some(4);
+    assert_eq!(windows(vec![pattern], false), vec![w, w, None, w, w, None]);
+    let flags = [true, false, false, true, true, false]
+        .map(GgufValue::Bool)
+        .to_vec();
+    let per_layer = ("attention.sliding_window_pattern", GgufValue::Array(flags));
+    assert_eq!(
+        windows(vec![per_layer], false),
+        vec![w, None, None, w, w, None]
+    );
     let p = gguf::prepare_dir(&file, &tmp.join("cache")).unwrap();
     let why = p.tokenizer_error.expect("the tokenizer is not converted");
     assert!(why.contains("--tokenizer"), "{why}");
