@@ -779,35 +779,9 @@ fn gemv_ring_entries_give_the_register_entries_bits() {
                         if norm && k > cap {
                             continue;
                         }
-                        let rows = if mode == 3 { 2 * n } else { n };
-                        let x = rounded_values(dtype, 21, t * k, 2.0);
-                        let w = rounded_values(dtype, 31 + k as u64, rows * k, 0.5);
-                        let g = rounded_values(dtype, 41, k, 1.5);
-                        let resid = rounded_values(dtype, 51, t * n, 3.0);
-                        let (mut xb, mut wb, mut gb) = (
-                            Elems::new(dtype, &x),
-                            Elems::new(dtype, &w),
-                            Elems::new(dtype, &g),
-                        );
+                        let mut case = Gemv::new(dtype, t, n, k, mode, norm, eps);
                         let mut outputs = |entry: &str, rows_per_block: usize| {
-                            let mut out_e = Elems::new(dtype, &resid);
-                            let mut out_f = vec![f32::NAN; t * n];
-                            let out: *mut u8 = if mode == 1 {
-                                out_f.as_mut_ptr().cast()
-                            } else {
-                                out_e.ptr()
-                            };
-                            let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
-                            let shape = GemvShape {
-                                t,
-                                n,
-                                k,
-                                eps,
-                                mode,
-                                rows_per_block,
-                            };
-                            run_gemv(dtype, entry, out, xb.ptr(), wb.ptr(), norm_w, shape);
-                            let v = if mode == 1 { out_f } else { out_e.read() };
+                            let v = case.run(entry, rows_per_block);
                             v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
                         };
                         for rows_per_block in [8usize, 24] {
@@ -841,45 +815,90 @@ fn t1_entry(mode: i32) -> &'static str {
     }
 }
 
-/// A GEMV launch's scalar arguments (gemv.cu's T, N, K, eps, mode, rows_per_block).
-#[derive(Clone, Copy)]
-struct GemvShape {
+/// A GEMV case: its scalar arguments and its inputs (x `[t, k]`, the weight `[rows, k]` with
+/// `rows` = 2n in SiLU mode, the norm weight `[k]`, the residual `[t, n]` that mode 2 adds to),
+/// random values rounded to `dtype`, also kept as f32 for a reference.
+struct Gemv {
+    dtype: Dtype,
     t: usize,
     n: usize,
     k: usize,
-    eps: f32,
     mode: i32,
-    rows_per_block: usize,
+    norm: bool,
+    eps: f32,
+    x: Vec<f32>,
+    w: Vec<f32>,
+    g: Vec<f32>,
+    resid: Vec<f32>,
+    bufs: [Elems; 3],
 }
 
-/// Launches GEMV entry `entry` over `ceil(n / rows_per_block)` blocks of 256 threads:
-/// gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block).
-fn run_gemv(
-    dtype: Dtype,
-    entry: &str,
-    out: *mut u8,
-    x: *const u8,
-    w: *const u8,
-    norm_w: *const u8,
-    s: GemvShape,
-) {
-    run(
-        dtype,
-        entry,
-        (s.n.div_ceil(s.rows_per_block) as u32, 1, 1),
-        256,
-        Params::new()
-            .ptr_mut(out)
-            .ptr(x)
-            .ptr(w)
-            .ptr(norm_w)
-            .int(s.t as i32)
-            .int(s.n as i32)
-            .int(s.k as i32)
-            .float(s.eps)
-            .int(s.mode)
-            .int(s.rows_per_block as i32),
-    );
+impl Gemv {
+    #[allow(clippy::too_many_arguments)]
+    fn new(dtype: Dtype, t: usize, n: usize, k: usize, mode: i32, norm: bool, eps: f32) -> Self {
+        let rows = if mode == 3 { 2 * n } else { n };
+        let x = rounded_values(dtype, 20 + t as u64, t * k, 2.0);
+        let w = rounded_values(dtype, 30 + k as u64, rows * k, 0.5);
+        let g = rounded_values(dtype, 40, k, 1.5);
+        let resid = rounded_values(dtype, 50, t * n, 3.0);
+        let bufs = [
+            Elems::new(dtype, &x),
+            Elems::new(dtype, &w),
+            Elems::new(dtype, &g),
+        ];
+        Gemv {
+            dtype,
+            t,
+            n,
+            k,
+            mode,
+            norm,
+            eps,
+            x,
+            w,
+            g,
+            resid,
+            bufs,
+        }
+    }
+
+    /// The output of GEMV entry `entry` over `ceil(n / rows_per_block)` blocks of 256 threads:
+    /// gemv(out, x, w, norm_w, T, N, K, eps, mode, rows_per_block); f32 logits in mode 1, else
+    /// the `dtype` output (mode 2: starting from the residual) widened.
+    fn run(&mut self, entry: &str, rows_per_block: usize) -> Vec<f32> {
+        let (dtype, t, n) = (self.dtype, self.t, self.n);
+        let mut out_e = Elems::new(dtype, &self.resid);
+        let mut out_f = vec![f32::NAN; t * n];
+        let out: *mut u8 = if self.mode == 1 {
+            out_f.as_mut_ptr().cast()
+        } else {
+            out_e.ptr()
+        };
+        let [x, w, g] = &mut self.bufs;
+        let norm_w: *const u8 = if self.norm { g.ptr() } else { std::ptr::null() };
+        run(
+            dtype,
+            entry,
+            (n.div_ceil(rows_per_block) as u32, 1, 1),
+            256,
+            Params::new()
+                .ptr_mut(out)
+                .ptr(x.ptr())
+                .ptr(w.ptr())
+                .ptr(norm_w)
+                .int(t as i32)
+                .int(n as i32)
+                .int(self.k as i32)
+                .float(self.eps)
+                .int(self.mode)
+                .int(rows_per_block as i32),
+        );
+        if self.mode == 1 {
+            out_f
+        } else {
+            out_e.read()
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -893,11 +912,13 @@ fn gemv_case(
     eps: f32,
     entries: &[(&str, usize)],
 ) {
-    let rows = if mode == 3 { 2 * n } else { n };
-    let x = rounded_values(dtype, 20 + t as u64, t * k, 2.0);
-    let w = rounded_values(dtype, 30 + k as u64, rows * k, 0.5);
-    let g = rounded_values(dtype, 40, k, 1.5);
-    let resid = rounded_values(dtype, 50, t * n, 3.0);
+    let mut case = Gemv::new(dtype, t, n, k, mode, norm, eps);
+    let (x, w, g, resid) = (
+        case.x.clone(),
+        case.w.clone(),
+        case.g.clone(),
+        case.resid.clone(),
+    );
     // The activations each row multiplies: x, or rmsnorm(x) * g with rmsnorm.cu's roundings.
     let xin: Vec<f32> = (0..t)
         .flat_map(|r| {
@@ -928,34 +949,8 @@ fn gemv_case(
             }
         })
         .collect();
-    let mut xb = Elems::new(dtype, &x);
-    let mut wb = Elems::new(dtype, &w);
-    let mut gb = Elems::new(dtype, &g);
-    let mut out_e = Elems::new(dtype, &resid);
-    let mut out_f = vec![f32::NAN; t * n];
     for &(entry, rows_per_block) in entries {
-        out_e.write(&resid);
-        out_f.fill(f32::NAN);
-        let out: *mut u8 = if mode == 1 {
-            out_f.as_mut_ptr().cast()
-        } else {
-            out_e.ptr()
-        };
-        let norm_w: *const u8 = if norm { gb.ptr() } else { std::ptr::null() };
-        let shape = GemvShape {
-            t,
-            n,
-            k,
-            eps,
-            mode,
-            rows_per_block,
-        };
-        run_gemv(dtype, entry, out, xb.ptr(), wb.ptr(), norm_w, shape);
-        let got = if mode == 1 {
-            out_f.clone()
-        } else {
-            out_e.read()
-        };
+        let got = case.run(entry, rows_per_block);
         // One rounding of the result, plus the fp32 sum (its error grows with K) and, with the
         // norm, a last-bit difference of the fp32 statistics flipping a rounded activation.
         let sum_tol = 1e-5 * (k as f32 / 64.0).max(1.0);
