@@ -18,32 +18,13 @@ fn gguf_file() -> PathBuf {
     }
 }
 
-/// The prepared directory's config and weights.
-fn open_prepared(file: &std::path::Path, cache: &std::path::Path) -> (ModelConfig, WeightSource) {
-    let p = gguf::prepare_dir(file, cache).expect("prepare");
-    assert!(p.tokenizer_error.is_none(), "{:?}", p.tokenizer_error);
-    let cfg = ModelConfig::from_file(&p.dir.join("config.json")).expect("config.json");
-    let src = WeightSource::open_for(&p.dir, &cfg).expect("weights");
-    (cfg, src)
-}
-
 #[test]
 fn the_f32_gguf_serves_the_checkpoints_tensors_bit_for_bit_and_golden_json() {
     let tmp = temp_dir("gguf-f32");
     let (cfg, src) = open_prepared(&gguf_file(), &tmp);
     let hf_cfg = ModelConfig::from_file(&model_dir().join("config.json")).unwrap();
     let hf = WeightSource::open_for(&model_dir(), &hf_cfg).unwrap();
-    let names: Vec<_> = hf.tensor_names().map(str::to_owned).collect();
-    assert_eq!(
-        src.tensor_names().collect::<Vec<_>>(),
-        names,
-        "the same tensor names"
-    );
-    for n in &names {
-        let (a, b) = (hf.get(n).unwrap(), src.get(n).unwrap());
-        assert_eq!(a.shape, b.shape, "{n}");
-        assert!(a.bytes == b.bytes, "{n} differs");
-    }
+    assert_same_tensors(&src, &hf, "stories260K");
     src.check_tensor_names(&cfg).unwrap();
     let model = CpuModel::from_source(cfg, &src).unwrap();
     let g = golden();

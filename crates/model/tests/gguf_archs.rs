@@ -45,15 +45,6 @@ fn f32_tensor(name: &str, shape: &[usize], bytes: Vec<u8>) -> GgufTensor {
     (name.into(), dims, F32, bytes)
 }
 
-/// Prepares `file` and opens its directory's config and weights.
-fn open_prepared(file: &Path, cache: &Path) -> (ModelConfig, WeightSource) {
-    let p = gguf::prepare_dir(file, cache).expect("prepare");
-    assert!(p.tokenizer_error.is_none(), "{:?}", p.tokenizer_error);
-    let cfg = ModelConfig::from_file(&p.dir.join("config.json")).expect("config.json");
-    let src = WeightSource::open_for(&p.dir, &cfg).expect("weights");
-    (cfg, src)
-}
-
 /// llama.cpp's name of a Hugging Face layer tensor (`tensor_mapping.py`), for the dense and
 /// router parts (experts are merged by the callers).
 fn gguf_layer_name(hf: &str) -> String {
@@ -556,17 +547,7 @@ fn check_moe_gguf(model_type: &str, experts: Experts, fuse_qkv: bool) {
     let moe = cfg.moe.as_ref().expect("experts");
     assert_eq!(moe.norm_topk_prob, model_type != "qwen2_moe");
     let hf = WeightSource::open_for(&hf_dir, &hf_cfg).unwrap();
-    let names: Vec<_> = hf.tensor_names().map(str::to_owned).collect();
-    assert_eq!(
-        src.tensor_names().collect::<Vec<_>>(),
-        names,
-        "{model_type}: the same names"
-    );
-    for n in &names {
-        let (a, b) = (hf.get(n).unwrap(), src.get(n).unwrap());
-        assert_eq!(a.shape, b.shape, "{n}");
-        assert!(a.bytes == b.bytes, "{model_type}: {n} differs");
-    }
+    assert_same_tensors(&src, &hf, model_type);
     src.check_tensor_names(&cfg).unwrap();
     let prompt = [1u32, 403, 407, 261, 378, 60, 9, 287];
     let ours = prompt_logits(&CpuModel::from_source(cfg, &src).unwrap(), &prompt);

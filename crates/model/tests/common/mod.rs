@@ -390,3 +390,35 @@ pub fn write_gguf(
     b.extend(data);
     std::fs::write(path, b).unwrap();
 }
+
+/// Prepares the GGUF `file` under `cache` ([`baton_model::gguf::prepare_dir`], whose
+/// tokenizer must convert) and opens its directory's config and weights.
+pub fn open_prepared(
+    file: &std::path::Path,
+    cache: &std::path::Path,
+) -> (baton_model::ModelConfig, baton_model::WeightSource) {
+    let p = baton_model::gguf::prepare_dir(file, cache).expect("prepare");
+    assert!(p.tokenizer_error.is_none(), "{:?}", p.tokenizer_error);
+    let cfg = baton_model::ModelConfig::from_file(&p.dir.join("config.json")).expect("config.json");
+    let src = baton_model::WeightSource::open_for(&p.dir, &cfg).expect("weights");
+    (cfg, src)
+}
+
+/// `ours` serves exactly `theirs`' tensors: the same names, shapes and bytes.
+pub fn assert_same_tensors(
+    ours: &baton_model::WeightSource,
+    theirs: &baton_model::WeightSource,
+    what: &str,
+) {
+    let names: Vec<_> = theirs.tensor_names().collect();
+    assert_eq!(
+        ours.tensor_names().collect::<Vec<_>>(),
+        names,
+        "{what}: the same tensor names"
+    );
+    for n in names {
+        let (a, b) = (theirs.get(n).unwrap(), ours.get(n).unwrap());
+        assert_eq!(a.shape, b.shape, "{what}: {n}");
+        assert!(a.bytes == b.bytes, "{what}: {n} differs");
+    }
+}
