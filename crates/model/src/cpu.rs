@@ -9,7 +9,7 @@
 use crate::attention::{self, KvElem};
 use crate::config::{Activation, ModelConfig};
 use crate::error::{ForwardError, ModelError};
-use crate::linear::Store;
+use crate::linear::{GgmlRows, Store};
 use crate::lora::{LoraAdapter, LoraLinear};
 use crate::vmath;
 use crate::weights::{
@@ -395,6 +395,23 @@ impl Linear {
     /// Concatenates `[n_i, k]` weights along rows into one `[sum n_i, k]` matrix, reusing the
     /// first tensor's allocation.
     fn concat(parts: Vec<Tensor>) -> Self {
+        if parts.iter().any(Tensor::is_ggml) {
+            // Some part is a GGUF file's quantized blocks: the matrix stays in blocks.
+            let k = parts[0].shape[1];
+            let n = parts.iter().map(|p| p.shape[0]).sum();
+            let rows = parts
+                .into_iter()
+                .map(|p| {
+                    p.ggml
+                        .unwrap_or_else(|| GgmlRows::from_f32(p.shape[0], k, &p.data))
+                })
+                .collect();
+            return Linear {
+                w: Store::of_parts(rows, k),
+                n,
+                k,
+            };
+        }
         let mut it = parts.into_iter();
         let first = it.next().expect("at least one tensor");
         let k = first.shape[1];
@@ -834,8 +851,8 @@ fn thread_pool(n: usize) -> Result<rayon::ThreadPool, String> {
 }
 
 /// The CPU model: config, weights (q/k/v and gate/up fused; the embedding and the linear layers
-/// kept as bf16 or f16 when every value of the matrix is one, the rest f32; arithmetic in f32)
-/// and RoPE tables.
+/// kept as bf16 or f16 when every value of the matrix is one, a GGUF file's quantized ones in
+/// their ggml blocks, the rest f32; arithmetic in f32) and RoPE tables.
 pub struct CpuModel {
     cfg: ModelConfig,
     /// The token embedding; `None` when it is the LM head's matrix (tied embeddings, or equal
@@ -1033,7 +1050,10 @@ impl CpuModel {
     /// memory peaks at the built model plus one layer (or the embedding) in f32: a bf16
     /// checkpoint is held at 2 bytes per weight ([`CpuModel`]) and never exists whole as f32
     /// (`LlamaWeights::load` then [`CpuModel::try_new`] peaks at 4 bytes per weight). The
-    /// result is the same model, bit for bit.
+    /// result is the same model, bit for bit. A GGUF file's quantized matrices (the embedding
+    /// and LM head too) stay in their blocks ([`WeightSource::load_kept`]: a Q4_K_M 8B model
+    /// holds about 4.9 GB, not 16 GB), each dequantized a column block at a time as a linear
+    /// layer runs, to the values `LlamaWeights::load` gives (ggml's, in f32).
     ///
     /// # Errors
     /// As [`LlamaWeights::load`] (missing, misshapen, unused or unsupported tensors, naming
@@ -1043,16 +1063,16 @@ impl CpuModel {
         src.check_tensor_names(&cfg)?;
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let lm_head_name = src.lm_head_name(&cfg)?;
-        let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
+        let embed = src.load_kept("model.embed_tokens.weight", &[v, h])?;
         let (embed, lm_head) = if lm_head_name == "lm_head.weight" {
-            let embed = Store::compact(embed.data);
-            (Some(embed), src.load_f32("lm_head.weight", &[v, h])?)
+            let embed = Linear::concat(vec![embed]).w;
+            (Some(embed), src.load_kept("lm_head.weight", &[v, h])?)
         } else {
             (None, embed)
         };
         // Each layer's f32 tensors are dropped once the layer is built.
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| LayerWeights::load(&cfg, src, i).map(|l| Layer::new(l, &cfg)))
+            .map(|i| LayerWeights::load_kept(&cfg, src, i).map(|l| Layer::new(l, &cfg)))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = norm_weight(src.load_f32("model.norm.weight", &[h])?, cfg.norm_offset);
         Self::assemble(cfg, embed, layers, norm, lm_head)
@@ -1144,8 +1164,8 @@ impl CpuModel {
     }
 
     /// Host bytes the weights take: the embedding and linear layers as stored (2 bytes per
-    /// weight for a bf16 or f16 checkpoint, 4 otherwise; see [`CpuModel`]), norms and biases
-    /// as f32.
+    /// weight for a bf16 or f16 checkpoint, a GGUF file's blocks for its quantized ones, 4
+    /// otherwise; see [`CpuModel`]), norms and biases as f32.
     pub fn weight_bytes(&self) -> usize {
         let linear = |l: &Linear| l.w.bytes();
         let f32s = |v: &[f32]| 4 * v.len();

@@ -3,8 +3,10 @@
 //! Block layouts and formulas follow ggml's reference (scalar) implementation,
 //! `ggml/src/ggml-quants.c` (`dequantize_row_*`) and the block structs of
 //! `ggml/src/ggml-common.h`, <https://github.com/ggml-org/llama.cpp>.
-//! Baton has no quantized matrix multiply: [`crate::WeightSource`] dequantizes a GGUF file's
-//! quantized tensors at load into the model's 16-bit dtype, as it does FP8 checkpoints.
+//! The CPU backend keeps a GGUF file's quantized matrices as stored and dequantizes a block
+//! of rows at a time inside its linear layers (`crate::linear`); the CUDA backend takes them
+//! dequantized into the model's 16-bit dtype ([`crate::WeightSource::get`]), as it does FP8
+//! checkpoints.
 
 /// A ggml tensor type Baton reads. The discriminant is ggml's type id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,8 +229,11 @@ impl GgmlType {
     }
 
     /// Dequantizes whole blocks; the caller has checked that the lengths match (a mismatch
-    /// would leave the tail of the longer side untouched, never panic).
-    fn dequantize_blocks(self, bytes: &[u8], out: &mut [f32]) {
+    /// would leave the tail of the longer side untouched, never panic). Always inlined, so
+    /// that a caller compiled for AVX2 (the CPU backend's quantized linear layers,
+    /// `crate::linear`) gets the per-block loops vectorized for it.
+    #[inline(always)]
+    pub(crate) fn dequantize_blocks(self, bytes: &[u8], out: &mut [f32]) {
         match self {
             GgmlType::F32 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {

@@ -24,8 +24,18 @@
 //! go back to 2 bytes per weight, and the kernel widens each vector as it loads it. Widening is
 //! exact, so the results are the bits of the f32 path, with half the memory and, for a decode
 //! step that streams the weights, half the traffic.
+//!
+//! A GGUF file's quantized matrices stay in ggml's blocks ([`Store::Ggml`]: Q4_K is 4.5 bits a
+//! weight). Each task dequantizes its column block's rows into a per-thread f32 scratch
+//! (ggml's reference formulas, [`GgmlType::dequantize`]) and runs the f32 kernel over it, so
+//! the results are the bits of the f32 path over the dequantized matrix: the same whatever the
+//! batch and thread count, and the same values llama.cpp's reference dequantization gives
+//! (llama.cpp itself quantizes the activations to 8 bits for its dot products; Baton keeps
+//! them f32).
 
+use crate::gguf_quant::GgmlType;
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// Bytes of `W` per column block (its columns' rows): sized for L2, so the block stays
 /// resident while every row tile of a prefill passes over it.
@@ -76,7 +86,8 @@ const BF16: u8 = 1;
 /// IEEE binary16.
 const F16: u8 = 2;
 
-/// A row-major weight matrix in the narrowest type that holds all of its values exactly.
+/// A row-major weight matrix in the narrowest type that holds all of its values exactly, or
+/// in ggml's blocks as a GGUF file stores it.
 #[derive(Clone)]
 pub(crate) enum Store {
     /// f32 values (some value is neither bf16 nor f16).
@@ -85,6 +96,106 @@ pub(crate) enum Store {
     Bf16(Vec<u16>),
     /// IEEE binary16 bit patterns.
     F16(Vec<u16>),
+    /// Runs of rows in ggml's types ([`GgmlRows`]), top to bottom, all of one row length: a
+    /// fused q/k/v of a Q4_K_M file is Q4_K rows then Q6_K rows. Read by dequantizing whole
+    /// rows.
+    Ggml(Vec<GgmlRows>),
+}
+
+/// `rows` rows of `cols` values stored as ggml blocks of type `ty` (a GGUF tensor's data as
+/// the file stores it, little-endian; `bytes` is `rows` times `ty.row_bytes(cols)`). F32, F16
+/// and BF16 are ggml types too, so a matrix of mixed parts is one list of these.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GgmlRows {
+    pub(crate) ty: GgmlType,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) bytes: Vec<u8>,
+}
+
+impl GgmlRows {
+    /// `rows` x `cols` blocks of `ty` in `bytes`.
+    ///
+    /// # Errors
+    /// A message when `cols` is not a whole number of `ty`'s blocks or `bytes` is not
+    /// `rows` rows of them.
+    pub(crate) fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Self, String> {
+        let row = ty.row_bytes(cols).ok_or_else(|| {
+            format!(
+                "{}: a row of {cols} values is not a whole number of {}-value blocks",
+                ty.name(),
+                ty.block_size()
+            )
+        })?;
+        if rows.checked_mul(row) != Some(bytes.len()) {
+            return Err(format!(
+                "{}: {rows} rows of {cols} values take {row} bytes each, got {} bytes",
+                ty.name(),
+                bytes.len()
+            ));
+        }
+        Ok(GgmlRows {
+            ty,
+            rows,
+            cols,
+            bytes,
+        })
+    }
+
+    /// f32 rows, as ggml's F32 type (for a matrix whose other parts are quantized).
+    pub(crate) fn from_f32(rows: usize, cols: usize, data: &[f32]) -> Self {
+        GgmlRows {
+            ty: GgmlType::F32,
+            rows,
+            cols,
+            bytes: data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Bytes of one row.
+    fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows.max(1)
+    }
+}
+
+/// Rows `r0..r1` of the matrix `parts` (rows of `k` values) dequantized into `out` (`(r1 -
+/// r0) * k` values), in [`GgmlType::dequantize`]'s values. Always inlined, so that
+/// [`avx2::dequantize_rows`] compiles the per-block loops for AVX2.
+#[inline(always)]
+fn dequantize_rows(parts: &[GgmlRows], r0: usize, r1: usize, k: usize, out: &mut [f32]) {
+    let mut first = 0;
+    for p in parts {
+        let (lo, hi) = (r0.max(first), r1.min(first + p.rows));
+        if lo < hi {
+            let rb = p.row_bytes();
+            let src = &p.bytes[(lo - first) * rb..(hi - first) * rb];
+            p.ty.dequantize_blocks(src, &mut out[(lo - r0) * k..(hi - r0) * k]);
+        }
+        first += p.rows;
+    }
+}
+
+/// Rows `r0..r1` of `parts` dequantized on the fastest path this CPU has (the same values).
+fn dequantize_rows_fast(parts: &[GgmlRows], r0: usize, r1: usize, k: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { avx2::dequantize_rows(parts, r0, r1, k, out) };
+        }
+    }
+    dequantize_rows(parts, r0, r1, k, out)
+}
+
+thread_local! {
+    /// Per thread: a column block of a [`Store::Ggml`] matrix, dequantized (see [`linear`]).
+    static DEQUANTIZED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Store {
@@ -102,11 +213,32 @@ impl Store {
         Store::F32(w)
     }
 
+    /// `parts` (top to bottom) as one matrix of rows of `k` values: ggml blocks when some part
+    /// is quantized, else the f32 values compacted ([`Store::compact`]).
+    ///
+    /// # Panics
+    /// If a part's rows are not `k` values long (a caller bug: the loader checks shapes).
+    pub(crate) fn of_parts(parts: Vec<GgmlRows>, k: usize) -> Self {
+        assert!(
+            parts.iter().all(|p| p.cols == k),
+            "parts of another row length"
+        );
+        let float = |p: &GgmlRows| matches!(p.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if parts.iter().all(float) {
+            let n: usize = parts.iter().map(|p| p.rows * k).sum();
+            let mut w = vec![0.0f32; n];
+            dequantize_rows(&parts, 0, n / k.max(1), k, &mut w);
+            return Store::compact(w);
+        }
+        Store::Ggml(parts)
+    }
+
     /// Number of values.
     pub(crate) fn len(&self) -> usize {
         match self {
             Store::F32(v) => v.len(),
             Store::Bf16(v) | Store::F16(v) => v.len(),
+            Store::Ggml(parts) => parts.iter().map(|p| p.rows * p.cols).sum(),
         }
     }
 
@@ -115,6 +247,7 @@ impl Store {
         match self {
             Store::F32(v) => 4 * v.len(),
             Store::Bf16(v) | Store::F16(v) => 2 * v.len(),
+            Store::Ggml(parts) => parts.iter().map(|p| p.bytes.len()).sum(),
         }
     }
 
@@ -136,15 +269,24 @@ impl Store {
                     *o = widen::<F16>(b);
                 }
             }
+            Store::Ggml(parts) => {
+                let k = parts.first().map_or(1, |p| p.cols.max(1));
+                assert!(end <= self.len(), "values {start}..{end} past the matrix");
+                let (r0, r1) = (start / k, end.div_ceil(k));
+                let mut rows = vec![0.0f32; (r1 - r0) * k];
+                dequantize_rows(parts, r0, r1, k, &mut rows);
+                out.copy_from_slice(&rows[start - r0 * k..end - r0 * k]);
+            }
         }
     }
 
-    /// The element type code and the address of the first value.
-    fn raw(&self) -> (u8, *const u8) {
+    /// The element type code and the address of the first value; `None` for ggml blocks.
+    fn raw(&self) -> Option<(u8, *const u8)> {
         match self {
-            Store::F32(v) => (F32, v.as_ptr().cast()),
-            Store::Bf16(v) => (BF16, v.as_ptr().cast()),
-            Store::F16(v) => (F16, v.as_ptr().cast()),
+            Store::F32(v) => Some((F32, v.as_ptr().cast())),
+            Store::Bf16(v) => Some((BF16, v.as_ptr().cast())),
+            Store::F16(v) => Some((F16, v.as_ptr().cast())),
+            Store::Ggml(_) => None,
         }
     }
 }
@@ -200,6 +342,21 @@ impl OutPtr {
     }
 }
 
+/// The address of a float [`Store`]'s first value, shared by the column-block tasks.
+#[derive(Clone, Copy)]
+struct WPtr(*const u8);
+// SAFETY: the tasks only read through it, while `linear` holds the `&Store` borrow.
+unsafe impl Send for WPtr {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for WPtr {}
+
+impl WPtr {
+    /// The pointer (a method, so a closure captures the whole `WPtr`).
+    fn get(self) -> *const u8 {
+        self.0
+    }
+}
+
 /// One column block's kernel: `out[r, j] (row stride n) = x[r, ..] · W[j, ..]` for every row
 /// `r < t` and `j` in `j0..j1`.
 type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usize, *mut f32);
@@ -217,11 +374,18 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
     if t == 0 || n == 0 {
         return;
     }
-    let kernel = match w.raw().0 {
-        F32 => block_kernel::<F32>(),
-        BF16 => block_kernel::<BF16>(),
-        _ => block_kernel::<F16>(),
+    let (kernel, w_ptr) = match w.raw() {
+        Some((F32, p)) => (block_kernel::<F32>(), p),
+        Some((BF16, p)) => (block_kernel::<BF16>(), p),
+        Some((_, p)) => (block_kernel::<F16>(), p),
+        // Ggml blocks: each task dequantizes its columns' rows, then runs the f32 kernel.
+        None => (block_kernel::<F32>(), std::ptr::null()),
     };
+    let ggml = match w {
+        Store::Ggml(parts) => Some(parts.as_slice()),
+        _ => None,
+    };
+    let w_ptr = WPtr(w_ptr);
     let nb = block_cols(k);
     let blocks = n.div_ceil(nb);
     let threads = rayon::current_num_threads();
@@ -242,8 +406,32 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         let r1 = (r0 + rows_per).min(t);
         let j0 = b * nb;
         let j1 = (j0 + nb).min(n);
-        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`w.raw()`
-        // gives `w`'s first value, of the type the kernel was chosen for), and the kernel touches
+        if let Some(parts) = ggml {
+            DEQUANTIZED.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                let cols = j1 - j0;
+                buf.clear();
+                buf.resize(cols * k, 0.0);
+                dequantize_rows_fast(parts, j0, j1, k, &mut buf);
+                // SAFETY: as below, with the f32 kernel over `buf`, rows j0..j1 of W
+                // dequantized (cols × k values): its columns 0..cols are out's j0..j1.
+                unsafe {
+                    kernel(
+                        x.as_ptr().add(r0 * k),
+                        r1 - r0,
+                        buf.as_ptr().cast(),
+                        n,
+                        k,
+                        0,
+                        cols,
+                        op.get().add(r0 * n + j0),
+                    )
+                }
+            });
+            return;
+        }
+        // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`w_ptr` is
+        // `w`'s first value, of the type the kernel was chosen for), and the kernel touches
         // only x[r, ..k], W[j, ..k] and out[r, j] for r in r0..r1 ⊆ 0..t and j in j0..j1 ⊆
         // 0..n. Tasks cover disjoint (row chunk, column block) rectangles, so concurrent
         // tasks never write one element, `w` is only read, and `out` stays mutably borrowed
@@ -253,7 +441,7 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
             kernel(
                 x.as_ptr().add(r0 * k),
                 r1 - r0,
-                w.raw().1,
+                w_ptr.get(),
                 n,
                 k,
                 j0,
@@ -328,6 +516,22 @@ pub(crate) mod avx2 {
     thread_local! {
         /// Per thread: a column block's 16-bit weights widened to f32 (see [`block`]).
         static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// [`super::dequantize_rows`] compiled for AVX2, FMA and F16C (the same values: the
+    /// per-block formulas do no fused operations).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dequantize_rows(
+        parts: &[super::GgmlRows],
+        r0: usize,
+        r1: usize,
+        k: usize,
+        out: &mut [f32],
+    ) {
+        super::dequantize_rows(parts, r0, r1, k, out)
     }
 
     /// As [`super::portable_block`], with AVX2 and FMA.
@@ -617,6 +821,100 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `rows` rows of `cols` random `ty` blocks whose values are finite and moderate (blocks
+    /// drawn again while a random scale makes some value NaN, infinite or huge).
+    fn random_ggml(ty: GgmlType, rows: usize, cols: usize, s: &mut u64) -> GgmlRows {
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / ty.block_size() {
+            loop {
+                let block: Vec<u8> = rnd(ty.type_size(), s)
+                    .iter()
+                    .map(|v| ((v + 0.5) * 256.0) as u8)
+                    .collect();
+                let mut y = vec![0.0f32; ty.block_size()];
+                ty.dequantize(&block, &mut y).unwrap();
+                if y.iter().all(|v| v.abs() < 1e4) {
+                    bytes.extend(block);
+                    break;
+                }
+            }
+        }
+        GgmlRows::new(ty, rows, cols, bytes).unwrap()
+    }
+
+    /// A matrix of ggml blocks (every quantized type, and one of mixed parts) gives, for every
+    /// batch size and on one thread or three, the bits of the f32 kernel over the matrix
+    /// dequantized by [`GgmlType::dequantize`]; its reads are the dequantized values.
+    #[test]
+    fn ggml_blocks_give_the_bits_of_their_dequantized_matrix() {
+        let mut s = 0x0bad_cafe_1234_5678u64;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let k = 512;
+        let mut cases: Vec<Vec<GgmlRows>> = GgmlType::ALL
+            .into_iter()
+            .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
+            .map(|t| vec![random_ggml(t, 37, k, &mut s)])
+            .collect();
+        // A Q4_K_M-like fused projection: Q4_K rows, Q6_K rows, f32 rows; 300 rows in all,
+        // so column blocks straddle the parts.
+        cases.push(vec![
+            random_ggml(GgmlType::Q4_K, 130, k, &mut s),
+            random_ggml(GgmlType::Q6_K, 90, k, &mut s),
+            GgmlRows::from_f32(80, k, &rnd(80 * k, &mut s)),
+        ]);
+        for parts in cases {
+            let n: usize = parts.iter().map(|p| p.rows).sum();
+            let store = Store::of_parts(parts.clone(), k);
+            assert!(matches!(store, Store::Ggml(_)));
+            let mut dense = vec![0.0f32; n * k];
+            let mut at = 0;
+            for p in &parts {
+                p.ty.dequantize(&p.bytes, &mut dense[at..at + p.rows * k])
+                    .unwrap();
+                at += p.rows * k;
+            }
+            let mut back = vec![0.0f32; 700];
+            store.read(3 * k - 50, &mut back);
+            assert!(back
+                .iter()
+                .zip(&dense[3 * k - 50..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let f32_store = Store::F32(dense);
+            let x = rnd(9 * k, &mut s);
+            for t in [1, 2, 3, 4, 5, 9] {
+                let mut want = vec![0.0f32; t * n];
+                linear(&x, t, &f32_store, n, k, &mut want);
+                for threads in [1, 3] {
+                    let mut got = vec![f32::NAN; t * n];
+                    if threads == 1 {
+                        linear(&x, t, &store, n, k, &mut got);
+                    } else {
+                        pool.install(|| linear(&x, t, &store, n, k, &mut got));
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "{:?} t={t} threads={threads}",
+                        parts.iter().map(|p| p.ty).collect::<Vec<_>>()
+                    );
+                }
+            }
+            assert_eq!(
+                store.bytes(),
+                parts.iter().map(|p| p.bytes.len()).sum::<usize>()
+            );
+        }
+        // Float parts alone are compacted, not kept as blocks.
+        let f = rnd(4 * k, &mut s);
+        assert!(matches!(
+            Store::of_parts(vec![GgmlRows::from_f32(4, k, &f)], k),
+            Store::F32(_)
+        ));
     }
 
     /// `Store::compact` keeps every value bit for bit and picks the narrowest type that does.

@@ -21,8 +21,11 @@ use std::path::{Path, PathBuf};
 pub struct Tensor {
     /// Dimensions, outermost first (HF order: linear weights are `[out, in]`).
     pub shape: Vec<usize>,
-    /// `shape.iter().product()` values, row-major.
+    /// `shape.iter().product()` values, row-major; empty when [`Tensor::is_ggml`].
     pub data: Vec<f32>,
+    /// A CPU linear layer's weight kept in a GGUF file's blocks
+    /// ([`WeightSource::load_kept`]), in place of `data`.
+    pub(crate) ggml: Option<crate::linear::GgmlRows>,
 }
 
 impl std::fmt::Debug for Tensor {
@@ -32,12 +35,24 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
+    /// A tensor of shape `shape` holding `data` (`shape.iter().product()` values, row-major).
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        Tensor {
+            shape,
+            data,
+            ggml: None,
+        }
+    }
+
     /// A tensor filled with `value`.
     pub fn full(shape: &[usize], value: f32) -> Self {
-        Tensor {
-            shape: shape.to_vec(),
-            data: vec![value; shape.iter().product()],
-        }
+        Tensor::new(shape.to_vec(), vec![value; shape.iter().product()])
+    }
+
+    /// Whether the values are held as a GGUF file's quantized blocks (the CPU backend's
+    /// [`WeightSource::load_kept`]) rather than in `data`.
+    pub fn is_ggml(&self) -> bool {
+        self.ggml.is_some()
     }
 }
 
@@ -264,10 +279,7 @@ impl RawTensor<'_> {
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
         };
-        Tensor {
-            shape: self.shape.to_vec(),
-            data,
-        }
+        Tensor::new(self.shape.to_vec(), data)
     }
 }
 
@@ -308,9 +320,12 @@ pub struct WeightSource {
     /// The stored name of a tensor `names` lists under another (a multimodal checkpoint's
     /// text model, [`ModelConfig::multimodal_text`]).
     aliases: BTreeMap<String, String>,
-    /// A GGUF file's quantized tensors (stored as raw bytes), with their type and shape, for
-    /// [`WeightSource::open_for`] to dequantize.
+    /// A GGUF file's quantized tensors (stored as raw bytes), with their type and shape, by
+    /// stored name.
     gguf_quantized: BTreeMap<String, GgufQuantized>,
+    /// The tensors served from a GGUF file's quantized ones, by the name the model uses: each
+    /// a list of stored rows ([`WeightSource::open_for`]).
+    ggml: BTreeMap<String, GgmlServed>,
     /// A GGUF file whose q and k rows llama.cpp's converter permuted for interleaved RoPE
     /// ([`crate::gguf::permuted_qk`]), for [`WeightSource::open_for`] to un-permute.
     gguf_permuted_qk: bool,
@@ -327,6 +342,25 @@ struct GgufQuantized {
     shape: Vec<usize>,
     /// llama.cpp's name (`blk.0.attn_q.weight`), for errors.
     gguf_name: String,
+}
+
+/// A tensor served from rows of a GGUF file's quantized tensor ([`WeightSource::open_for`]):
+/// the whole tensor, a row range of a fused one, or either with its rows reordered (q and k
+/// un-permuted, or in a partial-RoPE model's head layout). The CPU backend takes the rows as
+/// stored ([`WeightSource::load_kept`]); [`WeightSource::get`] dequantizes them once, on first
+/// use, into the model's 16-bit dtype (what the CUDA backend uploads).
+#[derive(Debug)]
+struct GgmlServed {
+    /// The stored tensor (a key of [`WeightSource::gguf_quantized`]).
+    source: String,
+    /// Served shape: `[rows.len(), cols]`.
+    shape: Vec<usize>,
+    /// Served row `i` is the source's row `rows[i]`.
+    rows: Vec<usize>,
+    /// The dtype [`WeightSource::get`] dequantizes into.
+    dtype: DType,
+    /// [`WeightSource::get`]'s dequantized copy, made on first use.
+    copy: std::sync::OnceLock<CopiedTensor>,
 }
 
 /// A tensor [`WeightSource`] holds in memory: its stored dtype and shape, its file.
@@ -503,6 +537,7 @@ impl WeightSource {
             copies: BTreeMap::new(),
             aliases: BTreeMap::new(),
             gguf_quantized: BTreeMap::new(),
+            ggml: BTreeMap::new(),
             gguf_permuted_qk: false,
             gguf_norms_shifted: false,
         })
@@ -582,6 +617,7 @@ impl WeightSource {
             copies: BTreeMap::new(),
             aliases: BTreeMap::new(),
             gguf_quantized: BTreeMap::new(),
+            ggml: BTreeMap::new(),
             gguf_permuted_qk: false,
             gguf_norms_shifted: false,
         })
@@ -714,6 +750,7 @@ impl WeightSource {
             copies: BTreeMap::new(),
             aliases: BTreeMap::new(),
             gguf_quantized: quantized,
+            ggml: BTreeMap::new(),
             gguf_permuted_qk: permuted,
             gguf_norms_shifted: norms_shifted,
         })
@@ -753,15 +790,16 @@ impl WeightSource {
     fn open_with(dir: &Path, cfg: &ModelConfig, copies: bool) -> Result<Self, ModelError> {
         let mut src = Self::open(dir)?;
         src.rename_multimodal(cfg);
+        src.serve_ggml(cfg);
         if copies {
             if let Some(q) = &cfg.quantization {
                 src.dequantize_fp8(cfg, q)?;
             }
-            src.dequantize_gguf(cfg)?;
             src.unpermute_gguf_qk(cfg)?;
             src.unshift_gguf_norms()?;
         }
         src.add_fused_views(cfg)?;
+        src.serve_ggml_views();
         if copies {
             src.permute_partial_rope(cfg);
         }
@@ -918,85 +956,153 @@ impl WeightSource {
         Ok(())
     }
 
-    /// Replaces each quantized tensor of a GGUF file by a copy dequantized
-    /// ([`GgmlType::dequantize`]) into the model's 16-bit dtype (`torch_dtype` bfloat16 or
-    /// float16), else f32, in parallel over blocks of rows.
+    /// Serves each quantized tensor of a GGUF file from its stored rows ([`GgmlServed`]),
+    /// to be dequantized into the model's 16-bit dtype (`torch_dtype` bfloat16 or float16,
+    /// else f32) only when [`WeightSource::get`] asks for it.
+    fn serve_ggml(&mut self, cfg: &ModelConfig) {
+        let dtype = dequantized_dtype(cfg);
+        for (name, q) in &self.gguf_quantized {
+            let cols = q.shape.last().copied().unwrap_or(1);
+            let rows = q.shape.iter().rev().skip(1).product::<usize>();
+            let served = GgmlServed {
+                source: name.clone(),
+                shape: q.shape.clone(),
+                rows: (0..rows).collect(),
+                dtype,
+                copy: std::sync::OnceLock::new(),
+            };
+            debug_assert!(q.shape.len() != 2 || q.shape == [rows, cols]);
+            self.ggml.insert(name.clone(), served);
+        }
+    }
+
+    /// Serves each row view ([`WeightSource::add_fused_views`]) of a quantized GGUF tensor as
+    /// its rows of that tensor.
+    fn serve_ggml_views(&mut self) {
+        let mut add = Vec::new();
+        for (name, view) in &self.views {
+            let Some(whole) = self.ggml.get(&view.source) else {
+                continue;
+            };
+            // A fused tensor of another shape is left to `get`'s shape error.
+            if whole.shape != [view.fused_rows, view.shape[1]] {
+                continue;
+            }
+            let rows = whole.rows[view.start..view.start + view.shape[0]].to_vec();
+            let served = GgmlServed {
+                source: whole.source.clone(),
+                shape: view.shape.to_vec(),
+                rows,
+                dtype: whole.dtype,
+                copy: std::sync::OnceLock::new(),
+            };
+            add.push((name.clone(), served));
+        }
+        self.ggml.extend(add);
+    }
+
+    /// The quantized GGUF tensor `name` is served from ([`GgmlServed`]), unless a copy (a
+    /// Gemma norm less 1) replaced it.
+    fn ggml_served(&self, name: &str) -> Option<&GgmlServed> {
+        self.ggml
+            .get(name)
+            .filter(|_| !self.copies.contains_key(name))
+    }
+
+    /// The rows `g` serves, as stored (ggml blocks).
     ///
     /// # Errors
-    /// [`ModelError::Gguf`] for an element that dequantizes to a value the dtype cannot hold
-    /// (NaN, or past its range), naming it.
-    fn dequantize_gguf(&mut self, cfg: &ModelConfig) -> Result<(), ModelError> {
-        use rayon::prelude::*;
-        let out = dequantized_dtype(cfg);
-        let mut done = Vec::new();
-        for (name, q) in &self.gguf_quantized {
-            let (ty, shape) = (&q.ty, &q.shape);
-            let (_, shard, _, bytes) = self.stored(name)?;
-            let cols = shape.last().copied().unwrap_or(1).max(1);
-            let n: usize = shape.iter().product();
-            let row_bytes = ty.row_bytes(cols).expect("GgufFile::open checked the rows");
-            let mut copy = vec![0u8; n * out.size()];
-            // 64 rows a job: large enough to amortize, small enough to spread a matrix.
-            const ROWS: usize = 64;
-            let bad = copy
-                .par_chunks_mut(ROWS * cols * out.size())
-                .zip(bytes.par_chunks(ROWS * row_bytes))
-                .enumerate()
-                .map(|(job, (dst, src))| {
-                    let mut f = vec![0f32; dst.len() / out.size()];
-                    if let Err(e) = ty.dequantize(src, &mut f) {
-                        return Some(e);
-                    }
-                    for (i, (&x, d)) in f.iter().zip(dst.chunks_exact_mut(out.size())).enumerate() {
-                        let ok = match out {
-                            DType::F32 => {
-                                d.copy_from_slice(&x.to_le_bytes());
-                                x.is_finite()
-                            }
-                            DType::F16 => {
-                                let y = half::f16::from_f32(x);
-                                d.copy_from_slice(&y.to_le_bytes());
-                                y.is_finite()
-                            }
-                            DType::BF16 => {
-                                let y = half::bf16::from_f32(x);
-                                d.copy_from_slice(&y.to_le_bytes());
-                                y.is_finite()
-                            }
-                        };
-                        if !ok {
-                            let at = job * ROWS * cols + i;
-                            return Some(format!(
-                                "element [{}, {}] dequantizes to {x}, which {out:?} cannot hold",
-                                at / cols,
-                                at % cols
-                            ));
-                        }
-                    }
-                    None
-                })
-                .find_first(Option::is_some)
-                .flatten();
-            if let Some(why) = bad {
-                return Err(ModelError::Gguf {
-                    file: shard.path.display().to_string(),
-                    reason: format!(
-                        "tensor `{}` ({name}, {}): {why}; the file is corrupt",
-                        q.gguf_name,
-                        ty.name()
-                    ),
-                });
-            }
-            let tensor = CopiedTensor {
-                dtype: out,
-                shape: shape.clone(),
-                bytes: copy,
-                file: shard.path.clone(),
-            };
-            done.push((name.clone(), tensor));
+    /// [`ModelError::Gguf`] when the stored bytes are not the rows its shape says (the
+    /// file's header and data disagree).
+    fn ggml_rows(&self, g: &GgmlServed) -> Result<crate::linear::GgmlRows, ModelError> {
+        let q = &self.gguf_quantized[&g.source];
+        let (_, shard, _, bytes) = self.stored(&g.source)?;
+        let cols = g.shape.last().copied().unwrap_or(1);
+        let stored_rows = q.shape.iter().rev().skip(1).product::<usize>();
+        let fault = |reason: String| ModelError::Gguf {
+            file: shard.path.display().to_string(),
+            reason: format!("tensor `{}` ({}): {reason}", q.gguf_name, q.ty.name()),
+        };
+        let row =
+            q.ty.row_bytes(cols)
+                .filter(|r| stored_rows.checked_mul(*r) == Some(bytes.len()))
+                .ok_or_else(|| {
+                    fault(format!(
+                        "{} bytes are not {stored_rows} rows of {cols}",
+                        bytes.len()
+                    ))
+                })?;
+        let mut out = Vec::with_capacity(g.rows.len() * row);
+        for &r in &g.rows {
+            out.extend_from_slice(&bytes[r * row..(r + 1) * row]);
         }
-        self.copies.extend(done);
-        Ok(())
+        crate::linear::GgmlRows::new(q.ty, g.rows.len(), cols, out).map_err(fault)
+    }
+
+    /// `g`'s rows dequantized (in parallel over blocks of rows) into its dtype, each value
+    /// checked: [`WeightSource::get`]'s copy.
+    ///
+    /// # Errors
+    /// As [`WeightSource::ggml_rows`], and [`ModelError::Gguf`] for a value the dtype cannot
+    /// hold (NaN, or past its range), naming it.
+    fn ggml_copy(&self, g: &GgmlServed) -> Result<CopiedTensor, ModelError> {
+        use rayon::prelude::*;
+        let rows = self.ggml_rows(g)?;
+        let (_, shard, _, _) = self.stored(&g.source)?;
+        let out = g.dtype;
+        let cols = rows.cols.max(1);
+        let mut copy = vec![0u8; rows.rows * cols * out.size()];
+        // 64 rows a job: large enough to amortize, small enough to spread a matrix.
+        const ROWS: usize = 64;
+        let row_bytes = rows.bytes.len() / rows.rows.max(1);
+        let bad = copy
+            .par_chunks_mut(ROWS * cols * out.size())
+            .zip(rows.bytes.par_chunks(ROWS * row_bytes.max(1)))
+            .enumerate()
+            .map(|(job, (dst, src))| {
+                let mut f = vec![0f32; dst.len() / out.size()];
+                if let Err(e) = rows.ty.dequantize(src, &mut f) {
+                    return Some(e);
+                }
+                for (i, (&x, d)) in f.iter().zip(dst.chunks_exact_mut(out.size())).enumerate() {
+                    let ok = match out {
+                        DType::F32 => {
+                            d.copy_from_slice(&x.to_le_bytes());
+                            x.is_finite()
+                        }
+                        DType::F16 => {
+                            let y = half::f16::from_f32(x);
+                            d.copy_from_slice(&y.to_le_bytes());
+                            y.is_finite()
+                        }
+                        DType::BF16 => {
+                            let y = half::bf16::from_f32(x);
+                            d.copy_from_slice(&y.to_le_bytes());
+                            y.is_finite()
+                        }
+                    };
+                    if !ok {
+                        let at = job * ROWS * cols + i;
+                        return Some(format!(
+                            "element [{}, {}] dequantizes to {x}, which {out:?} cannot hold",
+                            at / cols,
+                            at % cols
+                        ));
+                    }
+                }
+                None
+            })
+            .find_first(Option::is_some)
+            .flatten();
+        if let Some(why) = bad {
+            return Err(self.ggml_fault(g, format!("{why}; the file is corrupt")));
+        }
+        Ok(CopiedTensor {
+            dtype: out,
+            shape: g.shape.clone(),
+            bytes: copy,
+            file: shard.path.clone(),
+        })
     }
 
     /// For a GGUF file whose norm weights llama.cpp's converter stored with 1 added
@@ -1046,7 +1152,8 @@ impl WeightSource {
     /// ([`crate::gguf::permuted_qk`]), serves each layer's q and k from a copy in Hugging
     /// Face's layout. `convert_hf_to_gguf.py`'s `permute` stores, within each head of `d`
     /// rows, row `2i + j` from Hugging Face's row `j·d/2 + i` (`i < d/2`, `j ∈ {0, 1}`);
-    /// the copy puts it back.
+    /// the copy puts it back (a quantized q or k is served from its stored rows in that
+    /// order, [`GgmlServed`]).
     ///
     /// # Errors
     /// As [`WeightSource::get`] for a tensor of an unsupported dtype.
@@ -1063,6 +1170,20 @@ impl WeightSource {
             ] {
                 let name = format!("model.layers.{i}.self_attn.{part}.weight");
                 if !self.contains(&name) {
+                    continue;
+                }
+                if let Some(g) = self.ggml.get_mut(&name) {
+                    // Quantized: the same reorder, of the rows it serves.
+                    if g.shape.first() == Some(&(heads * d)) && d.is_multiple_of(2) {
+                        let stored = g.rows.clone();
+                        for h in 0..heads {
+                            for i in 0..d / 2 {
+                                for j in 0..2 {
+                                    g.rows[h * d + j * d / 2 + i] = stored[h * d + 2 * i + j];
+                                }
+                            }
+                        }
+                    }
                     continue;
                 }
                 let t = self.get(&name)?;
@@ -1138,7 +1259,8 @@ impl WeightSource {
     }
 
     /// With partial RoPE, replaces each layer's q and k rows (biases, norms) by a copy in the
-    /// permuted head layout ([`WeightSource::open_for`]).
+    /// permuted head layout ([`WeightSource::open_for`]); a quantized GGUF q or k is served
+    /// from its stored rows in that order ([`GgmlServed`]).
     fn permute_partial_rope(&mut self, cfg: &ModelConfig) {
         let src = self;
         if cfg.rotary_dim != cfg.head_dim {
@@ -1160,6 +1282,18 @@ impl WeightSource {
                 }
                 for (part, heads) in parts {
                     let name = format!("{p}{part}");
+                    if let Some(g) = src.ggml.get_mut(&name) {
+                        // Quantized: the same permutation, of the rows it serves.
+                        if g.shape.first() == Some(&(heads * d)) {
+                            let served = g.rows.clone();
+                            for h in 0..heads {
+                                for (to, &from) in perm.iter().enumerate() {
+                                    g.rows[h * d + to] = served[h * d + from];
+                                }
+                            }
+                        }
+                        continue;
+                    }
                     let Ok(t) = src.get(&name) else { continue };
                     if t.shape.first() != Some(&(heads * d)) {
                         continue;
@@ -1190,13 +1324,31 @@ impl WeightSource {
     }
 
     /// A stored tensor's dtype, shape and bytes, or a part of a fused one, or a permuted
-    /// copy ([`WeightSource::open_for`]).
+    /// copy ([`WeightSource::open_for`]). A quantized GGUF tensor comes dequantized into the
+    /// model's 16-bit dtype (`torch_dtype` bfloat16 or float16, else f32), a copy made on its
+    /// first `get` and kept ([`GgmlServed`]).
     ///
     /// # Errors
     /// [`ModelError::MissingTensor`] (naming the fused tensor for a part), or
     /// [`ModelError::UnsupportedDtype`] for anything other than F32/F16/BF16.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
         if let Some((key, t)) = self.copies.get_key_value(name) {
+            return Ok(RawTensor {
+                name: key,
+                dtype: t.dtype,
+                shape: &t.shape,
+                bytes: &t.bytes,
+                file: &t.file,
+            });
+        }
+        if let Some((key, g)) = self.ggml.get_key_value(name) {
+            let t = match g.copy.get() {
+                Some(t) => t,
+                None => {
+                    let t = self.ggml_copy(g)?;
+                    g.copy.get_or_init(|| t)
+                }
+            };
             return Ok(RawTensor {
                 name: key,
                 dtype: t.dtype,
@@ -1334,24 +1486,126 @@ impl WeightSource {
     /// # Errors
     /// As [`WeightSource::get`], plus [`ModelError::ShapeMismatch`].
     pub fn get_shaped(&self, name: &str, expected: &[usize]) -> Result<RawTensor<'_>, ModelError> {
-        let raw = self.get(name)?;
-        if raw.shape != expected {
-            return Err(ModelError::ShapeMismatch {
-                file: raw.file.display().to_string(),
-                tensor: name.to_string(),
-                expected: expected.to_vec(),
-                found: raw.shape.to_vec(),
-            });
-        }
-        Ok(raw)
+        self.check_shape(name, expected)?;
+        self.get(name)
     }
 
-    /// Loads a tensor as f32 after checking its shape.
+    /// Checks that a tensor is stored (or served) with shape `expected`, reading no values
+    /// (a quantized GGUF tensor is not dequantized).
     ///
     /// # Errors
     /// As [`WeightSource::get_shaped`].
+    fn check_shape(&self, name: &str, expected: &[usize]) -> Result<(), ModelError> {
+        let (shape, file) = match self.ggml_served(name) {
+            Some(g) => (g.shape.as_slice(), self.file_of(&g.source)),
+            None => {
+                let raw = self.get(name)?;
+                (raw.shape, raw.file)
+            }
+        };
+        if shape != expected {
+            return Err(ModelError::ShapeMismatch {
+                file: file.display().to_string(),
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                found: shape.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Loads a tensor as f32 after checking its shape. A quantized GGUF tensor is
+    /// dequantized straight to f32 (ggml's values, [`GgmlType::dequantize`]), not through
+    /// [`WeightSource::get`]'s 16-bit copy.
+    ///
+    /// # Errors
+    /// As [`WeightSource::get_shaped`], and [`ModelError::Gguf`] for a quantized value that
+    /// is NaN or infinite.
     pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
-        Ok(self.get_shaped(name, expected)?.to_f32())
+        self.check_shape(name, expected)?;
+        match self.ggml_served(name) {
+            Some(g) => {
+                let rows = self.checked_ggml_rows(g)?;
+                let mut data = vec![0.0f32; rows.rows * rows.cols];
+                rows.ty
+                    .dequantize_par(&rows.bytes, &mut data)
+                    .map_err(|reason| self.ggml_fault(g, reason))?;
+                Ok(Tensor::new(expected.to_vec(), data))
+            }
+            None => Ok(self.get(name)?.to_f32()),
+        }
+    }
+
+    /// [`WeightSource::load_f32`] for the CPU backend: a 2-D quantized GGUF tensor comes as
+    /// its stored blocks ([`Tensor::is_ggml`]; `data` empty), rows in the served order, for
+    /// a linear layer that dequantizes as it multiplies; anything else as `load_f32`.
+    ///
+    /// # Errors
+    /// As [`WeightSource::load_f32`].
+    pub(crate) fn load_kept(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
+        match self.ggml_served(name) {
+            Some(g) if expected.len() == 2 => {
+                self.check_shape(name, expected)?;
+                let rows = self.checked_ggml_rows(g)?;
+                Ok(Tensor {
+                    shape: expected.to_vec(),
+                    data: Vec::new(),
+                    ggml: Some(rows),
+                })
+            }
+            _ => self.load_f32(name, expected),
+        }
+    }
+
+    /// [`WeightSource::ggml_rows`], refused when some value dequantizes to NaN or infinity
+    /// (checked in parallel, a block of rows at a time, nothing kept).
+    ///
+    /// # Errors
+    /// As [`WeightSource::ggml_rows`], and [`ModelError::Gguf`] naming the first such value.
+    fn checked_ggml_rows(&self, g: &GgmlServed) -> Result<crate::linear::GgmlRows, ModelError> {
+        use rayon::prelude::*;
+        let rows = self.ggml_rows(g)?;
+        let cols = rows.cols.max(1);
+        let row_bytes = rows.bytes.len() / rows.rows.max(1);
+        const ROWS: usize = 64;
+        let bad = rows
+            .bytes
+            .par_chunks(ROWS * row_bytes.max(1))
+            .enumerate()
+            .map(|(job, src)| {
+                let mut f = vec![0f32; src.len() / row_bytes.max(1) * cols];
+                if let Err(e) = rows.ty.dequantize(src, &mut f) {
+                    return Some(e);
+                }
+                let i = f.iter().position(|x| !x.is_finite())?;
+                let at = job * ROWS * cols + i;
+                Some(format!(
+                    "element [{}, {}] dequantizes to {}; the file is corrupt",
+                    at / cols,
+                    at % cols,
+                    f[i]
+                ))
+            })
+            .find_first(Option::is_some)
+            .flatten();
+        match bad {
+            Some(why) => Err(self.ggml_fault(g, why)),
+            None => Ok(rows),
+        }
+    }
+
+    /// A [`ModelError::Gguf`] about the tensor `g` serves, naming it in both terms.
+    fn ggml_fault(&self, g: &GgmlServed, why: String) -> ModelError {
+        let q = &self.gguf_quantized[&g.source];
+        ModelError::Gguf {
+            file: self.file_of(&g.source).display().to_string(),
+            reason: format!(
+                "tensor `{}` ({}, {}): {why}",
+                q.gguf_name,
+                g.source,
+                q.ty.name()
+            ),
+        }
     }
 
     /// Fails with [`ModelError::ExtraLayers`] when `src` holds a layer index past `cfg`'s: the
@@ -1710,6 +1964,23 @@ impl LayerWeights {
         Ok(Self::from_ordered(cfg, i, tensors))
     }
 
+    /// [`LayerWeights::load`] for the CPU backend: quantized GGUF matrices stay in their
+    /// blocks ([`WeightSource::load_kept`]).
+    ///
+    /// # Errors
+    /// As [`WeightSource::load_kept`].
+    pub(crate) fn load_kept(
+        cfg: &ModelConfig,
+        src: &WeightSource,
+        i: usize,
+    ) -> Result<Self, ModelError> {
+        let tensors = layer_tensor_shapes(cfg, i)
+            .into_iter()
+            .map(|(n, s)| src.load_kept(&n, &s))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::from_ordered(cfg, i, tensors))
+    }
+
     /// Layer `i` from its tensors in [`layer_tensor_shapes`] order.
     fn from_ordered(cfg: &ModelConfig, i: usize, tensors: Vec<Tensor>) -> Self {
         let h = cfg.hidden_size;
@@ -1813,10 +2084,7 @@ impl LlamaWeights {
         let mut rand = |shape: &[usize], a: f32| {
             let n: usize = shape.iter().product();
             tensor_id += 1;
-            Tensor {
-                shape: shape.to_vec(),
-                data: uniform_chunked(seed, tensor_id, n, a),
-            }
+            Tensor::new(shape.to_vec(), uniform_chunked(seed, tensor_id, n, a))
         };
         let embed = rand(&[cfg.vocab_size, h], 0.02 * 3f32.sqrt());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

@@ -35,34 +35,11 @@ fn the_f32_gguf_serves_the_checkpoints_tensors_bit_for_bit_and_golden_json() {
     }
 }
 
-/// stories260K's GGUF with every F32 matrix whose rows are whole Q8_0 blocks stored Q8_0
-/// (the others, as llama.cpp's quantizer does, left F32).
-fn write_q8_0(from: &GgufFile, to: &std::path::Path) {
-    let mut tensors = Vec::new();
-    for t in &from.tensors {
-        let bytes = from.tensor_bytes(t).unwrap();
-        let (ty, stored) = if t.dims.len() == 2 && t.dims[0].is_multiple_of(32) && t.ggml_type == 0
-        {
-            (Q8_0, quantize_q8_0(&f32s(bytes)))
-        } else {
-            (t.ggml_type, bytes.to_vec())
-        };
-        tensors.push((t.name.clone(), t.dims.clone(), ty, stored));
-    }
-    let metadata: Vec<_> = from
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    write_gguf(to, &metadata, &tensors);
-}
-
 #[test]
 fn a_q8_0_gguf_dequantizes_within_half_a_step_and_predicts_the_first_golden_token() {
     let tmp = temp_dir("gguf-q8");
     let file = tmp.join("stories260K-Q8_0.gguf");
-    let f32_file = GgufFile::open(&gguf_file()).unwrap();
-    write_q8_0(&f32_file, &file);
+    write_quantized(&gguf_file(), &file, false, |_| Q8_0);
     let q = GgufFile::open(&file).unwrap();
     let quantized = q.tensors.iter().filter(|t| t.ggml_type == Q8_0).count();
     assert!(quantized >= 20, "{quantized} tensors quantized");
@@ -205,4 +182,74 @@ fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_j
         .unwrap_err()
         .to_string();
     assert!(e.contains("general.sampling.top_k"), "{e}");
+}
+
+/// The CPU backend keeps a quantized GGUF file's matrices in their blocks (Q8_0, and Q4_0 for
+/// every k projection, so the fused q/k/v mixes types) and computes with ggml's dequantized
+/// values: its logits are bit for bit those of a checkpoint holding each matrix quantized and
+/// dequantized in Hugging Face's layout (q/k rows un-permuted, the tied embedding), and it
+/// holds fewer bytes than the f32 model.
+#[test]
+fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
+    let tmp = temp_dir("gguf-kept");
+    let file = tmp.join("stories260K-Q8_0-Q4_0.gguf");
+    write_quantized(&gguf_file(), &file, false, |n| {
+        if n.ends_with("attn_k.weight") {
+            Q4_0
+        } else {
+            Q8_0
+        }
+    });
+    let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
+    let model = CpuModel::from_source(cfg, &src).unwrap();
+
+    // The same values in Hugging Face's layout, quantized row by row here.
+    let expected: Vec<OwnedTensor> = stories_tensors()
+        .into_iter()
+        .map(|(n, d, shape, bytes)| {
+            if shape.len() != 2 || !shape[1].is_multiple_of(32) {
+                return (n, d, shape, bytes);
+            }
+            let ty = if n.ends_with("k_proj.weight") {
+                Q4_0
+            } else {
+                Q8_0
+            };
+            let values = round_trip(ty, &f32s(&bytes));
+            (
+                n,
+                d,
+                shape,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let dir = fake_dir("gguf-kept-expected");
+    write_safetensors(&dir, "model.safetensors", &expected);
+    let hf_cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let dense = CpuModel::from_source(
+        hf_cfg.clone(),
+        &WeightSource::open_for(&dir, &hf_cfg).unwrap(),
+    )
+    .unwrap();
+    let f32_model =
+        CpuModel::from_source(hf_cfg, &WeightSource::open(&model_dir()).unwrap()).unwrap();
+
+    let g = golden();
+    for p in &g.prompts {
+        let (a, b) = (
+            prompt_logits(&model, &p.prompt_ids),
+            prompt_logits(&dense, &p.prompt_ids),
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&a) == bits(&b), "{:?}", p.prompt);
+    }
+    // Q8_0 is 34 bytes a block of 32 against 128 for f32 (Q4_0: 18): the matrices of 64
+    // columns shrink; the f32 down projections and norms do not.
+    assert!(
+        model.weight_bytes() * 2 < f32_model.weight_bytes(),
+        "{} bytes quantized, {} f32",
+        model.weight_bytes(),
+        f32_model.weight_bytes()
+    );
 }

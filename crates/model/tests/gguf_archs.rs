@@ -817,3 +817,65 @@ fn a_gemma3_gguf_serves_its_checkpoints_config_norms_and_logits() {
     let want = prompt_logits(&CpuModel::from_source(hf_cfg, &theirs).unwrap(), &prompt);
     assert!(ours == want, "the same logits");
 }
+
+/// Quantized files on the CPU backend, whose matrices stay in their blocks: a file quantized
+/// (Q8_0, and Q4_0 for every k projection) gives bit for bit the logits of the same file
+/// holding the dequantized values as F32, through every way a served matrix is cut from the
+/// stored ones: Phi-3's fused q/k/v and gate/up (row views) with partial RoPE (q/k rows
+/// reordered per head), stacked experts (one slice each), a `--fuse-qkv` q/k/v, Mixtral's
+/// permuted q/k rows and per-expert tensors. Each holds fewer bytes than the F32 model.
+#[test]
+fn quantized_files_run_in_their_blocks_with_the_values_they_dequantize_to() {
+    let tmp = temp_dir("gguf-kept-archs");
+    let ty_of = |n: &str| if n.contains("attn_k.") { Q4_0 } else { Q8_0 };
+    let check = |f32_file: &Path, what: &str| {
+        let (q, r) = (
+            tmp.join(format!("{what}-q.gguf")),
+            tmp.join(format!("{what}-r.gguf")),
+        );
+        write_quantized(f32_file, &q, false, ty_of);
+        write_quantized(f32_file, &r, true, ty_of);
+        let model = |file: &Path| {
+            let (cfg, src) = open_prepared(file, &tmp.join(format!("cache-{what}")));
+            CpuModel::from_source(cfg, &src).unwrap()
+        };
+        let (quantized, dense) = (model(&q), model(&r));
+        let prompt = [1u32, 403, 407, 261, 378, 60, 9, 287];
+        let (a, b) = (
+            prompt_logits(&quantized, &prompt),
+            prompt_logits(&dense, &prompt),
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&a) == bits(&b),
+            "{what}: the logits of the dequantized values"
+        );
+        assert!(
+            quantized.weight_bytes() * 2 < dense.weight_bytes(),
+            "{what}: {} bytes in blocks, {} as f32",
+            quantized.weight_bytes(),
+            dense.weight_bytes()
+        );
+    };
+    let phi3 = tmp.join("phi3.gguf");
+    phi3_gguf(
+        &phi3,
+        &[("rope.dimension_count", GgufValue::U32(4))],
+        vec![],
+    );
+    check(&phi3, "phi3-partial-rope");
+    for (i, (model_type, experts, fuse_qkv)) in [
+        ("qwen3_moe", Experts::Stacked, false),
+        ("qwen2_moe", Experts::Stacked, true),
+        ("mixtral", Experts::Separate, false),
+        ("mixtral", Experts::Stacked, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (config, tensors) = moe_checkpoint(model_type);
+        let file = tmp.join(format!("{model_type}-{i}.gguf"));
+        moe_gguf(&file, &config, &tensors, experts, fuse_qkv);
+        check(&file, &format!("{model_type}-{i}"));
+    }
+}

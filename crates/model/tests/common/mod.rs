@@ -337,6 +337,78 @@ pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
 /// ggml's type id of Q8_0.
 pub const Q8_0: u32 = 8;
 
+/// ggml's type id of Q4_0.
+pub const Q4_0: u32 = 2;
+
+/// ggml's `quantize_row_q4_0_ref`: per 32 values, `d = max / -8` with `max` the value of
+/// largest magnitude (stored f16), `q = min(15, trunc(x / d + 8.5))`, element `j` in the low
+/// nibble of byte `j` and element `j + 16` in its high nibble.
+pub fn quantize_q4_0(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in x.chunks_exact(32) {
+        let max = blk
+            .iter()
+            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(half::f16::from_f32(d).to_le_bytes());
+        let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+        out.extend((0..16).map(|j| q(blk[j]) | (q(blk[j + 16]) << 4)));
+    }
+    out
+}
+
+/// `x` quantized as ggml type `ty` (Q8_0 or Q4_0) by ggml's reference quantizers.
+pub fn quantize(ty: u32, x: &[f32]) -> Vec<u8> {
+    match ty {
+        Q8_0 => quantize_q8_0(x),
+        Q4_0 => quantize_q4_0(x),
+        _ => panic!("type {ty}"),
+    }
+}
+
+/// `x` quantized as ggml type `ty` (Q8_0 or Q4_0) and dequantized again (ggml's values).
+pub fn round_trip(ty: u32, x: &[f32]) -> Vec<f32> {
+    let t = baton_model::gguf_quant::GgmlType::from_u32(ty).expect("a ggml type");
+    let mut out = vec![0f32; x.len()];
+    t.dequantize(&quantize(ty, x), &mut out)
+        .expect("whole blocks");
+    out
+}
+
+/// The GGUF file `from` written to `to` with every F32 tensor of two or more dimensions
+/// whose rows are whole blocks of 32 stored as the type `ty_of` gives its llama.cpp name
+/// (Q8_0 or Q4_0; llama.cpp's quantizer also leaves the others F32), or with `round_trip` as
+/// F32 holding the values those blocks dequantize to.
+pub fn write_quantized(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    round_trip: bool,
+    ty_of: impl Fn(&str) -> u32,
+) {
+    let from = baton_model::gguf::GgufFile::open(from).expect("open gguf");
+    let mut tensors = Vec::new();
+    for t in &from.tensors {
+        let bytes = from.tensor_bytes(t).unwrap();
+        let blocks = t.dims.len() >= 2 && t.dims[0].is_multiple_of(32) && t.ggml_type == 0;
+        let (ty, stored) = match (blocks, round_trip) {
+            (false, _) => (t.ggml_type, bytes.to_vec()),
+            (true, false) => (ty_of(&t.name), quantize(ty_of(&t.name), &f32s(bytes))),
+            (true, true) => {
+                let v = self::round_trip(ty_of(&t.name), &f32s(bytes));
+                (0, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+        };
+        tensors.push((t.name.clone(), t.dims.clone(), ty, stored));
+    }
+    let metadata: Vec<_> = from
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    write_gguf(to, &metadata, &tensors);
+}
+
 /// Little-endian f32 bytes as values.
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
