@@ -11,7 +11,9 @@
 //! the previous one runs, as the worker daemon does, and a step's time is the whole run's
 //! wall time over the steps.
 
-use crate::cuda_args::{build_cuda_with, check_cuda_device, cuda_options, CudaArgs, CudaSizes};
+use crate::cuda_args::{
+    build_cuda_with, check_cuda_device, cuda_options, CudaArgs, CudaSizes, DtypeFlag,
+};
 use crate::generate::LoadFormatArg;
 use anyhow::{bail, Context, Result};
 use baton_cuda::memory::decode_floor_seconds;
@@ -111,13 +113,16 @@ pub struct DecodeArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
-    /// Weights of the CPU backend: f32, or rounded to bf16 or f16, which it then keeps at 2
-    /// bytes per weight as it does a 16-bit checkpoint's (its arithmetic is f32 either way).
-    /// --dtype is the CUDA backend's.
-    #[arg(long, default_value = "f32", value_parser = crate::cuda_args::parse_dtype)]
-    pub cpu_dtype: Dtype,
-    /// The CPU KV cache's dtype: `auto` (the --cpu-dtype), `bfloat16`, `float16` or
-    /// `float32`. Under --device cuda the cache has the --dtype.
+    /// Weights of the CPU backend: `auto` (the default) holds them as the CPU worker does (a
+    /// 16-bit checkpoint at 2 bytes per weight, a GGUF file's quantized matrices in their
+    /// blocks; f32 for --load-format dummy); f32, or rounded to bf16 or f16, which it then
+    /// keeps at 2 bytes per weight (its arithmetic is f32 either way). --dtype is the CUDA
+    /// backend's.
+    #[arg(long, default_value = "auto", value_parser = crate::cuda_args::parse_dtype_flag)]
+    pub cpu_dtype: DtypeFlag,
+    /// The CPU KV cache's dtype: `auto` (the --cpu-dtype; with `--cpu-dtype auto` the
+    /// worker's choice for the model), `bfloat16`, `float16` or `float32`. Under --device
+    /// cuda the cache has the --dtype.
     #[arg(long, default_value = "auto", value_parser = crate::args::parse_kv_cache_dtype)]
     pub kv_cache_dtype: crate::args::KvCacheDtype,
     /// Every row runs with a seeded LoRA adapter of this rank on every q, k, v, o, gate, up
@@ -665,7 +670,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     // Bytes per weight and per KV element.
     let (mut backend, elem_bytes, kv_elem_bytes, bandwidth, label): (
         Bench,
-        usize,
+        f64,
         usize,
         f64,
         String,
@@ -673,9 +678,12 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         BenchDevice::Cpu => {
             // The cache is zero-filled at once: refuse what this machine cannot hold
             // rather than be killed by the OOM killer part way.
-            let kv_dtype = match a.kv_cache_dtype {
-                crate::args::KvCacheDtype::Auto => crate::cuda_args::model_dtype(a.cpu_dtype),
-                crate::args::KvCacheDtype::Is(d) => d,
+            let kv_dtype = match (a.kv_cache_dtype, a.cpu_dtype) {
+                (crate::args::KvCacheDtype::Auto, DtypeFlag::Is(d)) => {
+                    crate::cuda_args::model_dtype(d)
+                }
+                (kv, DtypeFlag::Auto) => kv.resolve(&cfg),
+                (crate::args::KvCacheDtype::Is(d), _) => d,
             };
             let kv_bytes = num_blocks as f64
                 * baton_model::PagedKvCache::bytes_per_block(&cfg, a.block_size, kv_dtype) as f64;
@@ -689,23 +697,37 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                     avail as f64 / (1u64 << 30) as f64
                 );
             }
-            let mut host = weights.into_host(&cfg)?;
-            if a.cpu_dtype != Dtype::F32 {
-                host.map_values(|x| a.cpu_dtype.round(x));
-            }
-            let mut m = CpuModel::try_new(cfg.clone(), host)?;
+            let (mut m, weights_label) = match (a.cpu_dtype, weights) {
+                (DtypeFlag::Auto, ModelWeights::Mapped(src)) => (
+                    CpuModel::from_source(cfg.clone(), &src)?,
+                    "stored".to_owned(),
+                ),
+                (DtypeFlag::Auto, ModelWeights::Host(w)) => {
+                    (CpuModel::try_new(cfg.clone(), w)?, "f32".to_owned())
+                }
+                (DtypeFlag::Is(d), weights) => {
+                    let mut host = weights.into_host(&cfg)?;
+                    if d != Dtype::F32 {
+                        host.map_values(|x| d.round(x));
+                    }
+                    (CpuModel::try_new(cfg.clone(), host)?, d.name().to_owned())
+                }
+            };
             let threads = crate::args::cpu_threads(a.cpu_threads);
             m.set_threads(threads).map_err(anyhow::Error::msg)?;
+            // Bytes per weight as held (a GGUF file's blocks: a fraction of a byte more
+            // than their bits over 8), for the floor.
+            let per_weight = m.weight_bytes() as f64 / m.weight_values().max(1) as f64;
             let b = CpuBackend::try_new(m, num_blocks, a.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;
             (
                 Bench::Cpu(Box::new(b)),
-                a.cpu_dtype.size(),
+                per_weight,
                 kv_dtype.size(),
                 host_copy_bandwidth(),
                 format!(
-                    "cpu {} weights, {} KV cache, {threads} threads",
-                    a.cpu_dtype.name(),
+                    "cpu {weights_label} weights ({per_weight:.2} bytes each), {} KV cache, \
+                     {threads} threads",
                     crate::args::KvCacheDtype::Is(kv_dtype).name()
                 ),
             )
@@ -745,7 +767,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 }
             );
             let e = a.cuda.dtype.size();
-            (Bench::Cuda(Box::new(w)), e, e, bw, label)
+            (Bench::Cuda(Box::new(w)), e as f64, e, bw, label)
         }
     };
     let label = if a.lora_rank > 0 {
@@ -849,7 +871,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
     }
     // The weights a step reads (the embedding table but one row each aside); a
     // mixture-of-experts step reads only its tokens' experts, so both figures are given.
-    let gb = |elems: usize| (elems * elem_bytes) as f64 / 1e9;
+    let gb = |elems: usize| elems as f64 * elem_bytes / 1e9;
     let read = gb(shape.weight_elems_read_per_step(1));
     let weights = match shape.moe {
         None => format!("weights {read:.2} GB"),
@@ -927,7 +949,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             "gen_len": a.gen_len,
             "sampling": sampling,
             "copy_bandwidth_bytes_per_s": bandwidth,
-            "weight_bytes_per_step": shape.weight_elems_read_per_step(1) * elem_bytes,
+            "weight_bytes_per_step": shape.weight_elems_read_per_step(1) as f64 * elem_bytes,
             "points": points,
         });
         std::fs::write(path, serde_json::to_string_pretty(&j)?)

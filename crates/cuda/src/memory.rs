@@ -202,20 +202,21 @@ impl ModelShape {
 }
 
 /// The memory floor of one decode step: the bytes it must read from HBM (weights read in full,
-/// `weight_bytes` per weight, plus the KV of every sequence, `kv_bytes` per element), in
+/// `weight_bytes` per weight, fractional for quantized blocks, plus the KV of every sequence,
+/// `kv_bytes` per element), in
 /// seconds at `bandwidth` bytes/s. Compute, activations and launch gaps are ignored, so a
 /// measured step time divided by this is >= 1 on a real device.
 pub fn decode_floor_seconds(
     shape: &ModelShape,
-    weight_bytes: usize,
+    weight_bytes: f64,
     kv_bytes: usize,
     batch: usize,
     ctx: usize,
     bandwidth: f64,
 ) -> f64 {
-    let bytes = shape.weight_elems_read_per_step(batch) * weight_bytes
-        + shape.kv_bytes_read(batch, ctx, kv_bytes);
-    bytes as f64 / bandwidth.max(1.0)
+    let bytes = shape.weight_elems_read_per_step(batch) as f64 * weight_bytes
+        + shape.kv_bytes_read(batch, ctx, kv_bytes) as f64;
+    bytes / bandwidth.max(1.0)
 }
 
 #[cfg(test)]
@@ -252,14 +253,14 @@ mod tests {
     fn decode_floor_is_bytes_over_bandwidth() {
         let s = llama3_8b();
         let bw = 4.1e12;
-        let t = decode_floor_seconds(&s, 2, 2, 1, 256, bw);
+        let t = decode_floor_seconds(&s, 2.0, 2, 1, 256, bw);
         let bytes = s.weight_elems_read_per_step(1) * 2 + 256 * 131072;
         assert!((t - bytes as f64 / bw).abs() < 1e-12);
         // About 3.7 ms for 8B in bf16 at 4.1 TB/s.
         assert!((0.0036..0.0038).contains(&t), "{t}");
-        assert!(decode_floor_seconds(&s, 2, 2, 32, 256, bw) > t);
+        assert!(decode_floor_seconds(&s, 2.0, 2, 32, 256, bw) > t);
         // The CPU backend: 2-byte weights, an f32 cache.
-        let cpu = decode_floor_seconds(&s, 2, 4, 1, 256, bw);
+        let cpu = decode_floor_seconds(&s, 2.0, 4, 1, 256, bw);
         assert!((cpu - (bytes + 256 * 131072) as f64 / bw).abs() < 1e-12);
     }
 

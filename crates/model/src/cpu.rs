@@ -1163,12 +1163,24 @@ impl CpuModel {
         self.pool.current_num_threads()
     }
 
+    /// Weights held: the values [`CpuModel::weight_bytes`] counts the bytes of (a tied
+    /// embedding once).
+    pub fn weight_values(&self) -> usize {
+        self.weight_sum(Store::len, 1)
+    }
+
     /// Host bytes the weights take: the embedding and linear layers as stored (2 bytes per
     /// weight for a bf16 or f16 checkpoint, a GGUF file's blocks for its quantized ones, 4
     /// otherwise; see [`CpuModel`]), norms and biases as f32.
     pub fn weight_bytes(&self) -> usize {
-        let linear = |l: &Linear| l.w.bytes();
-        let f32s = |v: &[f32]| 4 * v.len();
+        self.weight_sum(Store::bytes, 4)
+    }
+
+    /// `store` summed over the embedding and every linear layer's matrix, plus
+    /// `per_f32` times the values of the norms and biases (held as f32).
+    fn weight_sum(&self, store: impl Fn(&Store) -> usize, per_f32: usize) -> usize {
+        let linear = |l: &Linear| store(&l.w);
+        let f32s = |v: &[f32]| per_f32 * v.len();
         let layers: usize = self
             .layers
             .iter()
@@ -1196,10 +1208,7 @@ impl CpuModel {
                     + l.qk_norm.as_ref().map_or(0, |(q, k)| f32s(q) + f32s(k))
             })
             .sum();
-        self.embed.as_ref().map_or(0, Store::bytes)
-            + layers
-            + f32s(&self.norm)
-            + linear(&self.lm_head)
+        self.embed.as_ref().map_or(0, &store) + layers + f32s(&self.norm) + linear(&self.lm_head)
     }
 
     /// The model's config.

@@ -421,7 +421,7 @@ fn dequant_q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of 32-element group `j` (0..8) from a
 /// Q4_K/Q5_K `scales: [u8; 12]`.
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -386,6 +386,13 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         _ => None,
     };
     let w_ptr = WPtr(w_ptr);
+    // A one-row task over ggml blocks of the types the AVX2 loaders read dequantizes in
+    // registers (`avx2::gemv_ggml`), with no scratch.
+    #[cfg(target_arch = "x86_64")]
+    let fused_gemv = ggml.is_some_and(|parts| {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx2") && has!("fma") && has!("f16c") && parts.iter().all(|p| avx2::fused(p.ty))
+    });
     let nb = block_cols(k);
     let blocks = n.div_ceil(nb);
     let threads = rayon::current_num_threads();
@@ -407,6 +414,22 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         let j0 = b * nb;
         let j1 = (j0 + nb).min(n);
         if let Some(parts) = ggml {
+            #[cfg(target_arch = "x86_64")]
+            if r1 - r0 == 1 && fused_gemv {
+                // SAFETY: row r0 of x is k values and out[r0, j0..j1] is this task's (as
+                // below); `fused_gemv` checked the CPU's features and the parts' types.
+                unsafe {
+                    avx2::gemv_ggml(
+                        parts,
+                        x.as_ptr().add(r0 * k),
+                        k,
+                        j0,
+                        j1,
+                        op.get().add(r0 * n),
+                    )
+                };
+                return;
+            }
             DEQUANTIZED.with(|buf| {
                 let mut buf = buf.borrow_mut();
                 let cols = j1 - j0;
@@ -510,12 +533,219 @@ pub(crate) mod avx2 {
     //! widened as they are loaded (F16C for f16).
 
     use super::{elem_bytes, BF16, F32};
+    use crate::gguf_quant::GgmlType;
     use std::arch::x86_64::*;
     use std::cell::RefCell;
 
     thread_local! {
         /// Per thread: a column block's 16-bit weights widened to f32 (see [`block`]).
         static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Whether [`gemv_ggml`] reads rows of type `ty`.
+    pub(super) fn fused(ty: GgmlType) -> bool {
+        matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+    }
+
+    /// `out[j] = x · W[j]` for `j` in `j0..j1` (`out` is the output row; W's rows in `parts`,
+    /// every one of a type [`fused`] accepts), each in [`super::dot_order`]'s order over the
+    /// values [`GgmlType::dequantize`] gives: a run of 32 values at a time is dequantized in
+    /// registers by [`run32`] (the same operations as ggml's reference, unfused) and fed to
+    /// the lane FMAs, four rows at a time so that four accumulator chains overlap.
+    ///
+    /// # Safety
+    /// `x` points to `k` values, `out` to `j1` writable values no one else accesses in
+    /// `j0..j1`, `j1` is at most the parts' rows, each part's rows are `k` values; the CPU has
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_ggml(
+        parts: &[super::GgmlRows],
+        x: *const f32,
+        k: usize,
+        j0: usize,
+        j1: usize,
+        out: *mut f32,
+    ) {
+        let mut first = 0;
+        for p in parts {
+            let (lo, hi) = (j0.max(first), j1.min(first + p.rows));
+            let rb = p.row_bytes();
+            let row = |j: usize| p.bytes[(j - first) * rb..].as_ptr();
+            let mut j = lo;
+            // SAFETY (every call): rows j.. of the part exist (j < hi <= its end), each k
+            // values of its type; out[j..] is in j0..j1.
+            unsafe {
+                while j + 4 <= hi {
+                    let rows = [row(j), row(j + 1), row(j + 2), row(j + 3)];
+                    match p.ty {
+                        GgmlType::Q8_0 => gemv_rows::<Q8_0, 4>(x, rows, k, out.add(j)),
+                        GgmlType::Q4_K => gemv_rows::<Q4_K, 4>(x, rows, k, out.add(j)),
+                        _ => gemv_rows::<Q6_K, 4>(x, rows, k, out.add(j)),
+                    }
+                    j += 4;
+                }
+                while j < hi {
+                    match p.ty {
+                        GgmlType::Q8_0 => gemv_rows::<Q8_0, 1>(x, [row(j)], k, out.add(j)),
+                        GgmlType::Q4_K => gemv_rows::<Q4_K, 1>(x, [row(j)], k, out.add(j)),
+                        _ => gemv_rows::<Q6_K, 1>(x, [row(j)], k, out.add(j)),
+                    }
+                    j += 1;
+                }
+            }
+            first += p.rows;
+        }
+    }
+
+    /// [`run32`]'s type codes.
+    const Q8_0: u8 = 0;
+    const Q4_K: u8 = 1;
+    const Q6_K: u8 = 2;
+
+    /// `out[c] = x · row c` for `C` rows of type `T`, `k` values each.
+    ///
+    /// # Safety
+    /// As [`gemv_ggml`], for `rows` and `out[..C]`.
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // acc[c]: a register tile, indexed as one
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn gemv_rows<const T: u8, const C: usize>(
+        x: *const f32,
+        rows: [*const u8; C],
+        k: usize,
+        out: *mut f32,
+    ) {
+        // Runs of 32 per block: a K-quant super-block's scales are decoded once for its 8.
+        let runs = if T == Q8_0 { 1 } else { 8 };
+        let mut acc = [_mm256_setzero_ps(); C];
+        for blk in 0..k / (32 * runs) {
+            // SAFETY: block blk of every row lies within its k values, as do x's values
+            // 32b..32b + 32 for the block's runs b.
+            unsafe {
+                // Q8_0's one scale is read with its run.
+                let scales = if T == Q8_0 {
+                    [[0f32; 16]; C]
+                } else {
+                    rows.map(|r| block_scales::<T>(r, blk))
+                };
+                for s in 0..runs {
+                    let b = blk * runs + s;
+                    let xv = [0, 1, 2, 3].map(|q| _mm256_loadu_ps(x.add(32 * b + 8 * q)));
+                    for c in 0..C {
+                        let w = run32::<T>(rows[c], b, &scales[c]);
+                        for q in 0..4 {
+                            acc[c] = _mm256_fmadd_ps(xv[q], w[q], acc[c]);
+                        }
+                    }
+                }
+            }
+        }
+        for (c, &v) in acc.iter().enumerate() {
+            // SAFETY: out[c] is the caller's, c < C.
+            unsafe { *out.add(c) = hsum(v) };
+        }
+    }
+
+    /// The f16 at `p` (little-endian, unaligned) as f32.
+    ///
+    /// # Safety
+    /// `p` points to 2 readable bytes.
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        // SAFETY: the caller's two bytes.
+        half::f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() }).to_f32()
+    }
+
+    /// The scale factors of block `blk` of a row of type `T` (a K-quant), as ggml's reference
+    /// computes them: Q4_K each 32-run's `d1 = d·sc` then its `m1 = dmin·m` (`[d1_0..d1_7,
+    /// m1_0..m1_7]`); Q6_K each 16-run's `d·sc` (in the scales' order).
+    ///
+    /// # Safety
+    /// The row holds block `blk` of type `T`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block_scales<const T: u8>(row: *const u8, blk: usize) -> [f32; 16] {
+        let mut out = [0f32; 16];
+        // SAFETY: the block's bytes, at ggml's struct offsets.
+        unsafe {
+            if T == Q4_K {
+                let sb = row.add(144 * blk);
+                let (d, min) = (f16_at(sb), f16_at(sb.add(2)));
+                let mut scales = [0u8; 12];
+                std::ptr::copy_nonoverlapping(sb.add(4), scales.as_mut_ptr(), 12);
+                for s in 0..8 {
+                    let (sc, m) = crate::gguf_quant::scale_min_k4(s, &scales);
+                    out[s] = d * sc as f32;
+                    out[8 + s] = min * m as f32;
+                }
+            } else {
+                let sb = row.add(210 * blk);
+                let d = f16_at(sb.add(208));
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = d * f32::from(*sb.add(192 + i) as i8);
+                }
+            }
+        }
+        out
+    }
+
+    /// Values `32b..32b + 32` of a row of type `T` (code [`Q8_0`], [`Q4_K`] or [`Q6_K`]),
+    /// with its block's [`block_scales`] (a K-quant's; unused for Q8_0), dequantized with ggml's reference operations
+    /// (`gguf_quant`'s `dequant_q8_0`, `dequant_q4_k`, `dequant_q6_k`: `d·q`, `d1·q − m1`,
+    /// `(d·sc)·q`, each unfused), as four vectors of eight.
+    ///
+    /// # Safety
+    /// The row holds at least `32b + 32` values of type `T`; the CPU has AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run32<const T: u8>(row: *const u8, b: usize, scales: &[f32; 16]) -> [__m256; 4] {
+        // Eight bytes at `p` widened to eight i32 lanes.
+        let bytes8 = |p: *const u8| {
+            // SAFETY: the caller's block holds the 8 bytes.
+            _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
+        };
+        // SAFETY (the block reads below): block b / (runs per block) of the row, inside it by
+        // the caller's guarantee; offsets are those of ggml's block structs.
+        unsafe {
+            if T == Q8_0 {
+                let blk = row.add(34 * b);
+                let d = _mm256_set1_ps(f16_at(blk));
+                [0, 1, 2, 3].map(|q| {
+                    let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * q).cast()));
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
+                })
+            } else if T == Q4_K {
+                let (sb, s) = (row.add(144 * (b / 8)), b % 8);
+                let d1 = _mm256_set1_ps(scales[s]);
+                let m1 = _mm256_set1_ps(scales[8 + s]);
+                let qs = sb.add(16 + 32 * (s / 2));
+                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
+                let low = _mm256_set1_epi32(0x0F);
+                [0, 1, 2, 3].map(|q| {
+                    let v = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * q)), shift), low);
+                    _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1)
+                })
+            } else {
+                let (sb, s) = (row.add(210 * (b / 8)), b % 8);
+                let (n, r) = (s / 4, s % 4);
+                let ql = sb.add(64 * n + 32 * (r & 1));
+                let qh = sb.add(128 + 32 * n);
+                let nib = _mm_cvtsi32_si128(4 * (r / 2) as i32);
+                let hsh = _mm_cvtsi32_si128(2 * r as i32);
+                let (low, three, off) = (
+                    _mm256_set1_epi32(0x0F),
+                    _mm256_set1_epi32(3),
+                    _mm256_set1_epi32(32),
+                );
+                [0, 1, 2, 3].map(|q| {
+                    let ds = _mm256_set1_ps(scales[8 * n + q / 2 + 2 * r]);
+                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql.add(8 * q)), nib), low);
+                    let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * q)), hsh), three);
+                    let v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)), off);
+                    _mm256_mul_ps(ds, _mm256_cvtepi32_ps(v))
+                })
+            }
+        }
     }
 
     /// [`super::dequantize_rows`] compiled for AVX2, FMA and F16C (the same values: the
@@ -861,11 +1091,17 @@ mod tests {
             .map(|t| vec![random_ggml(t, 37, k, &mut s)])
             .collect();
         // A Q4_K_M-like fused projection: Q4_K rows, Q6_K rows, f32 rows; 300 rows in all,
-        // so column blocks straddle the parts.
+        // so column blocks straddle the parts. Then one of only the types the AVX2 path
+        // dequantizes in registers, parts of row counts that are not multiples of 4.
         cases.push(vec![
             random_ggml(GgmlType::Q4_K, 130, k, &mut s),
             random_ggml(GgmlType::Q6_K, 90, k, &mut s),
             GgmlRows::from_f32(80, k, &rnd(80 * k, &mut s)),
+        ]);
+        cases.push(vec![
+            random_ggml(GgmlType::Q4_K, 131, k, &mut s),
+            random_ggml(GgmlType::Q8_0, 6, k, &mut s),
+            random_ggml(GgmlType::Q6_K, 89, k, &mut s),
         ]);
         for parts in cases {
             let n: usize = parts.iter().map(|p| p.rows).sum();
