@@ -253,3 +253,51 @@ fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
         f32_model.weight_bytes()
     );
 }
+
+/// A quantized block whose scale is NaN is refused, naming the tensor and the element, when
+/// the CPU backend keeps the blocks (`CpuModel::from_source`) and when the CUDA backend asks
+/// for the dequantized copy (`WeightSource::get`); no panic.
+#[test]
+fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
+    let tmp = temp_dir("gguf-nan");
+    let good = tmp.join("q8.gguf");
+    write_quantized(&gguf_file(), &good, false, |_| Q8_0);
+    let g = GgufFile::open(&good).unwrap();
+    let tensors: Vec<GgufTensor> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut bytes = g.tensor_bytes(t).unwrap().to_vec();
+            if t.name == "blk.2.ffn_up.weight" {
+                // Block 3 of row 1 (64 values a row: 2 blocks of 34 bytes): an f16 NaN scale.
+                bytes[3 * 34..3 * 34 + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
+            }
+            (t.name.clone(), t.dims.clone(), t.ggml_type, bytes)
+        })
+        .collect();
+    let meta: Vec<_> = g
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let bad = tmp.join("nan.gguf");
+    write_gguf(&bad, &meta, &tensors);
+    let (cfg, src) = open_prepared(&bad, &tmp.join("cache"));
+    let name = "model.layers.2.mlp.up_proj.weight";
+    let cpu = CpuModel::from_source(cfg.clone(), &src)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let cuda = src.get(name).map(|_| ()).unwrap_err().to_string();
+    for e in [cpu, cuda] {
+        assert!(
+            e.contains("blk.2.ffn_up.weight") && e.contains("[1, 32]") && e.contains("NaN"),
+            "{e}"
+        );
+        assert!(e.contains("corrupt"), "{e}");
+    }
+    // The healthy file loads both ways.
+    let (cfg, src) = open_prepared(&good, &tmp.join("cache"));
+    src.get(name).unwrap();
+    CpuModel::from_source(cfg, &src).unwrap();
+}
