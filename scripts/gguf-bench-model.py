@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Writes a GGUF file of random weights for `baton bench decode --device cpu`: a Llama of
 hidden 1024, intermediate 2816 (K-quant rows need multiples of 256), 12 layers, 16 heads of 64,
-4 KV heads, vocabulary 32000, tied embeddings (167M weights), every matrix of one type:
-f16, q8_0 or q4_k. Scales are fixed and small, quants random: the values are noise, only the
-sizes and types matter. No tokenizer is written: copy one (../shared/models/llama2-tokenizer)
+4 KV heads, vocabulary 32000, tied embeddings (167M weights), every matrix of one type: f16,
+q4_0, q8_0, q4_k or q5_k. Scales are fixed and small, quants random: the values are noise,
+only the sizes and types matter. No tokenizer is written: copy one (../shared/models/llama2-tokenizer)
 into the prepared directory that `baton` names in its error, or give `--tokenizer` to serve.
 
     python3 scripts/gguf-bench-model.py q4_k /tmp/q4_k.gguf
@@ -20,18 +20,19 @@ def kv(k, t, v):
     elif t == 6: out += struct.pack('<f', v)
     elif t == 8: out += s(v)
     return out
-TYPES = {'f16': (1, 1, 2), 'q8_0': (8, 32, 34), 'q4_k': (12, 256, 144)}
+TYPES = {'f16': (1, 1, 2), 'q4_0': (2, 32, 18), 'q8_0': (8, 32, 34), 'q4_k': (12, 256, 144),
+         'q5_k': (13, 256, 176)}
 def tensor_bytes(ty, n):
     tid, bs, ts = TYPES[ty]
     nb = n // bs
     buf = bytearray(os.urandom(nb * ts))
     if ty == 'f16':
         buf[1::2] = bytes([b & 0x23 for b in buf[1::2]])  # small exponents
-    elif ty == 'q8_0':
-        buf[0::34] = b'\x00' * nb; buf[1::34] = b'\x14' * nb  # d ~ 0.001
-    else:
+    elif ty in ('q4_0', 'q8_0'):
+        buf[0::ts] = b'\x00' * nb; buf[1::ts] = b'\x14' * nb  # d ~ 0.001
+    else:  # d and dmin of a K-quant super-block
         for off, hi in ((0, 0x14), (2, 0x10)):
-            buf[off::144] = b'\x00' * nb; buf[off + 1::144] = bytes([hi]) * nb
+            buf[off::ts] = b'\x00' * nb; buf[off + 1::ts] = bytes([hi]) * nb
     return tid, bytes(buf)
 def main(ty, path):
     if ty not in TYPES:

@@ -386,8 +386,8 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         _ => None,
     };
     let w_ptr = WPtr(w_ptr);
-    // A one-row task over ggml blocks of the types the AVX2 loaders read dequantizes in
-    // registers (`avx2::gemv_ggml`), with no scratch.
+    // A task of up to `avx2::FUSED_ROWS` rows over ggml blocks of the types the AVX2 loaders
+    // read dequantizes in registers (`avx2::gemv_ggml`), with no scratch.
     #[cfg(target_arch = "x86_64")]
     let fused_gemv = ggml.is_some_and(|parts| {
         use std::arch::is_x86_feature_detected as has;
@@ -415,14 +415,17 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         let j1 = (j0 + nb).min(n);
         if let Some(parts) = ggml {
             #[cfg(target_arch = "x86_64")]
-            if r1 - r0 == 1 && fused_gemv {
-                // SAFETY: row r0 of x is k values and out[r0, j0..j1] is this task's (as
-                // below); `fused_gemv` checked the CPU's features and the parts' types.
+            if r1 - r0 <= avx2::FUSED_ROWS && fused_gemv {
+                // SAFETY: rows r0..r1 of x are k values each and out[r0..r1, j0..j1] is this
+                // task's (as below); `fused_gemv` checked the CPU's features and the parts'
+                // types.
                 unsafe {
                     avx2::gemv_ggml(
                         parts,
                         x.as_ptr().add(r0 * k),
+                        r1 - r0,
                         k,
+                        n,
                         j0,
                         j1,
                         op.get().add(r0 * n),
@@ -544,56 +547,108 @@ pub(crate) mod avx2 {
 
     /// Whether [`gemv_ggml`] reads rows of type `ty`.
     pub(super) fn fused(ty: GgmlType) -> bool {
-        matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+        matches!(
+            ty,
+            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
+        )
     }
 
-    /// `out[j] = x · W[j]` for `j` in `j0..j1` (`out` is the output row; W's rows in `parts`,
-    /// every one of a type [`fused`] accepts), each in [`super::dot_order`]'s order over the
-    /// values [`GgmlType::dequantize`] gives: a run of 32 values at a time is dequantized in
-    /// registers by [`run32`] (the same operations as ggml's reference, unfused) and fed to
-    /// the lane FMAs, four rows at a time so that four accumulator chains overlap.
+    /// Most rows [`gemv_ggml`] takes (more are faster through the scratch, whose
+    /// dequantization is shared by every 4-row tile).
+    pub(super) const FUSED_ROWS: usize = 4;
+
+    /// `out[r, j] (row stride n) = x[r, ..] · W[j]` for `r < t` (`t` at most [`FUSED_ROWS`])
+    /// and `j` in `j0..j1` (W's rows in `parts`, every one of a type [`fused`] accepts), each
+    /// in [`super::dot_order`]'s order over the values [`GgmlType::dequantize`] gives: a run
+    /// of 32 values at a time is dequantized in registers by [`run32`] (the same operations
+    /// as ggml's reference, unfused) and fed to the lane FMAs, several W rows at a time so
+    /// that their accumulator chains overlap.
     ///
     /// # Safety
-    /// `x` points to `k` values, `out` to `j1` writable values no one else accesses in
-    /// `j0..j1`, `j1` is at most the parts' rows, each part's rows are `k` values; the CPU has
-    /// AVX2, FMA and F16C.
+    /// `x` points to `t * k` values, `out` to `t` rows of `n` writable values that no one
+    /// else accesses in columns `j0..j1`, `j1 <= n` is at most the parts' rows, each part's
+    /// rows are `k` values; the CPU has AVX2, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv_ggml(
         parts: &[super::GgmlRows],
         x: *const f32,
+        t: usize,
         k: usize,
+        n: usize,
         j0: usize,
         j1: usize,
         out: *mut f32,
     ) {
+        // One instance per (type, rows): four W rows a tile for one x row, two for more.
+        macro_rules! go {
+            ($rows:expr, $t:expr) => {
+                match $t {
+                    1 => gemv_part::<{ $rows }, 1, 4>,
+                    2 => gemv_part::<{ $rows }, 2, 2>,
+                    3 => gemv_part::<{ $rows }, 3, 2>,
+                    _ => gemv_part::<{ $rows }, 4, 2>,
+                }
+            };
+        }
         let mut first = 0;
         for p in parts {
             let (lo, hi) = (j0.max(first), j1.min(first + p.rows));
-            let rb = p.row_bytes();
-            let row = |j: usize| p.bytes[(j - first) * rb..].as_ptr();
-            let mut j = lo;
-            // SAFETY (every call): rows j.. of the part exist (j < hi <= its end), each k
-            // values of its type; out[j..] is in j0..j1.
-            unsafe {
-                while j + 4 <= hi {
-                    let rows = [row(j), row(j + 1), row(j + 2), row(j + 3)];
+            if lo < hi {
+                let f: unsafe fn(*const f32, usize, usize, *const u8, usize, usize, *mut f32) =
                     match p.ty {
-                        GgmlType::Q8_0 => gemv_rows::<Q8_0, 4>(x, rows, k, out.add(j)),
-                        GgmlType::Q4_K => gemv_rows::<Q4_K, 4>(x, rows, k, out.add(j)),
-                        _ => gemv_rows::<Q6_K, 4>(x, rows, k, out.add(j)),
-                    }
-                    j += 4;
-                }
-                while j < hi {
-                    match p.ty {
-                        GgmlType::Q8_0 => gemv_rows::<Q8_0, 1>(x, [row(j)], k, out.add(j)),
-                        GgmlType::Q4_K => gemv_rows::<Q4_K, 1>(x, [row(j)], k, out.add(j)),
-                        _ => gemv_rows::<Q6_K, 1>(x, [row(j)], k, out.add(j)),
-                    }
-                    j += 1;
-                }
+                        GgmlType::Q4_0 => go!(Q4_0, t),
+                        GgmlType::Q8_0 => go!(Q8_0, t),
+                        GgmlType::Q4_K => go!(Q4_K, t),
+                        GgmlType::Q5_K => go!(Q5_K, t),
+                        _ => go!(Q6_K, t),
+                    };
+                let rb = p.row_bytes();
+                // SAFETY: rows lo - first..hi - first of the part exist, each k values of its
+                // type (rb bytes); x and out as the caller's, columns lo..hi ⊆ j0..j1.
+                unsafe {
+                    f(
+                        x,
+                        k,
+                        n,
+                        p.bytes.as_ptr().add((lo - first) * rb),
+                        rb,
+                        hi - lo,
+                        out.add(lo),
+                    )
+                };
             }
             first += p.rows;
+        }
+    }
+
+    /// [`gemv_ggml`] over `cols` consecutive W rows of type `T` at `w` (`rb` bytes each),
+    /// `R` x rows: tiles of `C` W rows, then single ones.
+    ///
+    /// # Safety
+    /// As [`gemv_ggml`], with `out` at the first of the `cols` columns.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn gemv_part<const T: u8, const R: usize, const C: usize>(
+        x: *const f32,
+        k: usize,
+        n: usize,
+        w: *const u8,
+        rb: usize,
+        cols: usize,
+        out: *mut f32,
+    ) {
+        let mut j = 0;
+        // SAFETY (both loops): W rows j.. < cols and out columns j.. < cols, the caller's.
+        unsafe {
+            while j + C <= cols {
+                let rows = std::array::from_fn(|c| w.add((j + c) * rb));
+                gemv_rows::<T, R, C>(x, rows, k, out.add(j), n);
+                j += C;
+            }
+            while j < cols {
+                gemv_rows::<T, R, 1>(x, [w.add(j * rb)], k, out.add(j), n);
+                j += 1;
+            }
         }
     }
 
@@ -601,48 +656,57 @@ pub(crate) mod avx2 {
     const Q8_0: u8 = 0;
     const Q4_K: u8 = 1;
     const Q6_K: u8 = 2;
+    const Q4_0: u8 = 3;
+    const Q5_K: u8 = 4;
 
-    /// `out[c] = x · row c` for `C` rows of type `T`, `k` values each.
+    /// `out[r * ldo + c] = x[r, ..] · row c` for `R` x rows (stride `k`) and `C` W rows of
+    /// type `T`, `k` values each.
     ///
     /// # Safety
-    /// As [`gemv_ggml`], for `rows` and `out[..C]`.
+    /// As [`gemv_ggml`], for `rows` and the `R` x `C` tile of `out`.
     #[inline]
-    #[allow(clippy::needless_range_loop)] // acc[c]: a register tile, indexed as one
+    #[allow(clippy::needless_range_loop)] // acc[r][c]: a register tile, indexed as one
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemv_rows<const T: u8, const C: usize>(
+    unsafe fn gemv_rows<const T: u8, const R: usize, const C: usize>(
         x: *const f32,
         rows: [*const u8; C],
         k: usize,
         out: *mut f32,
+        ldo: usize,
     ) {
         // Runs of 32 per block: a K-quant super-block's scales are decoded once for its 8.
-        let runs = if T == Q8_0 { 1 } else { 8 };
-        let mut acc = [_mm256_setzero_ps(); C];
+        let runs = if T == Q8_0 || T == Q4_0 { 1 } else { 8 };
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
         for blk in 0..k / (32 * runs) {
-            // SAFETY: block blk of every row lies within its k values, as do x's values
-            // 32b..32b + 32 for the block's runs b.
+            // SAFETY: block blk of every row lies within its k values, as do each x row's
+            // values 32b..32b + 32 for the block's runs b.
             unsafe {
-                // Q8_0's one scale is read with its run.
-                let scales = if T == Q8_0 {
-                    [[0f32; 16]; C]
-                } else {
-                    rows.map(|r| block_scales::<T>(r, blk))
-                };
+                // Q8_0's and Q4_0's one scale is read with its run.
+                let mut scales = [[0f32; 16]; C];
+                if runs > 1 {
+                    for (sc, &r) in scales.iter_mut().zip(&rows) {
+                        *sc = block_scales::<T>(r, blk);
+                    }
+                }
                 for s in 0..runs {
                     let b = blk * runs + s;
-                    let xv = [0, 1, 2, 3].map(|q| _mm256_loadu_ps(x.add(32 * b + 8 * q)));
                     for c in 0..C {
                         let w = run32::<T>(rows[c], b, &scales[c]);
-                        for q in 0..4 {
-                            acc[c] = _mm256_fmadd_ps(xv[q], w[q], acc[c]);
+                        for (q, &wq) in w.iter().enumerate() {
+                            for r in 0..R {
+                                let xv = _mm256_loadu_ps(x.add(r * k + 32 * b + 8 * q));
+                                acc[r][c] = _mm256_fmadd_ps(xv, wq, acc[r][c]);
+                            }
                         }
                     }
                 }
             }
         }
-        for (c, &v) in acc.iter().enumerate() {
-            // SAFETY: out[c] is the caller's, c < C.
-            unsafe { *out.add(c) = hsum(v) };
+        for (r, row) in acc.iter().enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                // SAFETY: out[r, c] is in the caller's tile.
+                unsafe { *out.add(r * ldo + c) = hsum(v) };
+            }
         }
     }
 
@@ -657,7 +721,7 @@ pub(crate) mod avx2 {
     }
 
     /// The scale factors of block `blk` of a row of type `T` (a K-quant), as ggml's reference
-    /// computes them: Q4_K each 32-run's `d1 = d·sc` then its `m1 = dmin·m` (`[d1_0..d1_7,
+    /// computes them: Q4_K and Q5_K each 32-run's `d1 = d·sc` then its `m1 = dmin·m` (`[d1_0..d1_7,
     /// m1_0..m1_7]`); Q6_K each 16-run's `d·sc` (in the scales' order).
     ///
     /// # Safety
@@ -668,8 +732,8 @@ pub(crate) mod avx2 {
         let mut out = [0f32; 16];
         // SAFETY: the block's bytes, at ggml's struct offsets.
         unsafe {
-            if T == Q4_K {
-                let sb = row.add(144 * blk);
+            if T == Q4_K || T == Q5_K {
+                let sb = row.add(if T == Q4_K { 144 } else { 176 } * blk);
                 let (d, min) = (f16_at(sb), f16_at(sb.add(2)));
                 let mut scales = [0u8; 12];
                 std::ptr::copy_nonoverlapping(sb.add(4), scales.as_mut_ptr(), 12);
@@ -689,31 +753,55 @@ pub(crate) mod avx2 {
         out
     }
 
-    /// Values `32b..32b + 32` of a row of type `T` (code [`Q8_0`], [`Q4_K`] or [`Q6_K`]),
-    /// with its block's [`block_scales`] (a K-quant's; unused for Q8_0), dequantized with ggml's reference operations
-    /// (`gguf_quant`'s `dequant_q8_0`, `dequant_q4_k`, `dequant_q6_k`: `d·q`, `d1·q − m1`,
-    /// `(d·sc)·q`, each unfused), as four vectors of eight.
+    /// Values `32b..32b + 32` of a row of type `T` (code [`Q4_0`], [`Q8_0`], [`Q4_K`],
+    /// [`Q5_K`] or [`Q6_K`]), with its block's [`block_scales`] (a K-quant's; unused for the
+    /// others), dequantized with ggml's reference operations (`gguf_quant`'s `dequant_*`:
+    /// `(q − 8)·d`, `q·d`, `d1·q − m1`, `(d·sc)·q`, each unfused), as four vectors of eight.
     ///
     /// # Safety
     /// The row holds at least `32b + 32` values of type `T`; the CPU has AVX2 and F16C.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run32<const T: u8>(row: *const u8, b: usize, scales: &[f32; 16]) -> [__m256; 4] {
-        // Eight bytes at `p` widened to eight i32 lanes.
-        let bytes8 = |p: *const u8| {
-            // SAFETY: the caller's block holds the 8 bytes.
-            _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
-        };
+        // Written as plain loops: a closure here is its own function, which the compiler may
+        // leave uninlined, and without AVX2 (Q5_K ran 4x slower so).
+        let mut out = [_mm256_setzero_ps(); 4];
         // SAFETY (the block reads below): block b / (runs per block) of the row, inside it by
         // the caller's guarantee; offsets are those of ggml's block structs.
         unsafe {
             if T == Q8_0 {
                 let blk = row.add(34 * b);
                 let d = _mm256_set1_ps(f16_at(blk));
-                [0, 1, 2, 3].map(|q| {
+                for (q, o) in out.iter_mut().enumerate() {
                     let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * q).cast()));
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
-                })
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+                }
+            } else if T == Q4_0 {
+                // Values 0..16 the low nibbles of qs[0..16], 16..32 the high ones.
+                let blk = row.add(18 * b);
+                let d = _mm256_set1_ps(f16_at(blk));
+                let (low, eight) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(8));
+                for (q, o) in out.iter_mut().enumerate() {
+                    let shift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let v = _mm256_srl_epi32(bytes8(blk.add(2 + 8 * (q % 2))), shift);
+                    let v = _mm256_sub_epi32(_mm256_and_si256(v, low), eight);
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+                }
+            } else if T == Q5_K {
+                // Run s: nibble s % 2 of qs[32 (s / 2) + l], bit s of qh[l] as bit 4.
+                let (sb, s) = (row.add(176 * (b / 8)), b % 8);
+                let d1 = _mm256_set1_ps(scales[s]);
+                let m1 = _mm256_set1_ps(scales[8 + s]);
+                let qs = sb.add(48 + 32 * (s / 2));
+                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
+                let hshift = _mm_cvtsi32_si128(s as i32);
+                let (low, one) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(1));
+                for (q, o) in out.iter_mut().enumerate() {
+                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * q)), shift), low);
+                    let h = _mm256_srl_epi32(bytes8(sb.add(16 + 8 * q)), hshift);
+                    let v = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(_mm256_and_si256(h, one)));
+                    *o = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1);
+                }
             } else if T == Q4_K {
                 let (sb, s) = (row.add(144 * (b / 8)), b % 8);
                 let d1 = _mm256_set1_ps(scales[s]);
@@ -721,10 +809,10 @@ pub(crate) mod avx2 {
                 let qs = sb.add(16 + 32 * (s / 2));
                 let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
                 let low = _mm256_set1_epi32(0x0F);
-                [0, 1, 2, 3].map(|q| {
+                for (q, o) in out.iter_mut().enumerate() {
                     let v = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * q)), shift), low);
-                    _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1)
-                })
+                    *o = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1);
+                }
             } else {
                 let (sb, s) = (row.add(210 * (b / 8)), b % 8);
                 let (n, r) = (s / 4, s % 4);
@@ -737,15 +825,27 @@ pub(crate) mod avx2 {
                     _mm256_set1_epi32(3),
                     _mm256_set1_epi32(32),
                 );
-                [0, 1, 2, 3].map(|q| {
+                for (q, o) in out.iter_mut().enumerate() {
                     let ds = _mm256_set1_ps(scales[8 * n + q / 2 + 2 * r]);
                     let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql.add(8 * q)), nib), low);
                     let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * q)), hsh), three);
                     let v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)), off);
-                    _mm256_mul_ps(ds, _mm256_cvtepi32_ps(v))
-                })
+                    *o = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(v));
+                }
             }
         }
+        out
+    }
+
+    /// Eight bytes at `p` widened to eight i32 lanes.
+    ///
+    /// # Safety
+    /// `p` points to 8 readable bytes; the CPU has AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bytes8(p: *const u8) -> __m256i {
+        // SAFETY: the caller's 8 bytes; an unaligned 64-bit load.
+        _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
     }
 
     /// [`super::dequantize_rows`] compiled for AVX2, FMA and F16C (the same values: the
