@@ -1072,7 +1072,7 @@ impl CpuModel {
         };
         // Each layer's f32 tensors are dropped once the layer is built.
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| LayerWeights::load_kept(&cfg, src, i).map(|l| Layer::new(l, &cfg)))
+            .map(|i| LayerWeights::load(&cfg, src, i, true).map(|l| Layer::new(l, &cfg)))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = norm_weight(src.load_f32("model.norm.weight", &[h])?, cfg.norm_offset);
         Self::assemble(cfg, embed, layers, norm, lm_head)

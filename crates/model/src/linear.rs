@@ -342,21 +342,6 @@ impl OutPtr {
     }
 }
 
-/// The address of a float [`Store`]'s first value, shared by the column-block tasks.
-#[derive(Clone, Copy)]
-struct WPtr(*const u8);
-// SAFETY: the tasks only read through it, while `linear` holds the `&Store` borrow.
-unsafe impl Send for WPtr {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for WPtr {}
-
-impl WPtr {
-    /// The pointer (a method, so a closure captures the whole `WPtr`).
-    fn get(self) -> *const u8 {
-        self.0
-    }
-}
-
 /// One column block's kernel: `out[r, j] (row stride n) = x[r, ..] · W[j, ..]` for every row
 /// `r < t` and `j` in `j0..j1`.
 type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usize, *mut f32);
@@ -374,18 +359,17 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
     if t == 0 || n == 0 {
         return;
     }
-    let (kernel, w_ptr) = match w.raw() {
-        Some((F32, p)) => (block_kernel::<F32>(), p),
-        Some((BF16, p)) => (block_kernel::<BF16>(), p),
-        Some((_, p)) => (block_kernel::<F16>(), p),
-        // Ggml blocks: each task dequantizes its columns' rows, then runs the f32 kernel.
-        None => (block_kernel::<F32>(), std::ptr::null()),
+    let kernel = match w.raw() {
+        Some((BF16, _)) => block_kernel::<BF16>(),
+        Some((F16, _)) => block_kernel::<F16>(),
+        // f32, and ggml blocks: each task dequantizes its columns' rows, then runs the f32
+        // kernel.
+        _ => block_kernel::<F32>(),
     };
     let ggml = match w {
         Store::Ggml(parts) => Some(parts.as_slice()),
         _ => None,
     };
-    let w_ptr = WPtr(w_ptr);
     // A task of up to `avx2::FUSED_ROWS` rows over ggml blocks of the types the AVX2 loaders
     // read dequantizes in registers (`avx2::gemv_ggml`), with no scratch.
     #[cfg(target_arch = "x86_64")]
@@ -456,6 +440,8 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
             });
             return;
         }
+        // A float store here (ggml blocks returned above), so never null.
+        let w_ptr = w.raw().map_or(std::ptr::null(), |(_, p)| p);
         // SAFETY: the assert above gives `x` t×k, `w` n×k and `out` t×n values (`w_ptr` is
         // `w`'s first value, of the type the kernel was chosen for), and the kernel touches
         // only x[r, ..k], W[j, ..k] and out[r, j] for r in r0..r1 ⊆ 0..t and j in j0..j1 ⊆
@@ -467,7 +453,7 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
             kernel(
                 x.as_ptr().add(r0 * k),
                 r1 - r0,
-                w_ptr.get(),
+                w_ptr,
                 n,
                 k,
                 j0,

@@ -1948,7 +1948,8 @@ fn split_layer<T>(cfg: &ModelConfig, i: usize, v: Vec<T>) -> LayerParts<T> {
 
 impl LayerWeights {
     /// Layer `i`'s tensors from `src`, converted to f32 and checked against
-    /// [`layer_tensor_shapes`].
+    /// [`layer_tensor_shapes`]; with `keep_ggml` (the CPU backend), quantized GGUF matrices
+    /// stay in their blocks ([`WeightSource::load_kept`]).
     ///
     /// # Errors
     /// As [`WeightSource::load_f32`] (missing, misshapen or unsupported tensors).
@@ -1956,27 +1957,14 @@ impl LayerWeights {
         cfg: &ModelConfig,
         src: &WeightSource,
         i: usize,
+        keep_ggml: bool,
     ) -> Result<Self, ModelError> {
         let tensors = layer_tensor_shapes(cfg, i)
             .into_iter()
-            .map(|(n, s)| src.load_f32(&n, &s))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::from_ordered(cfg, i, tensors))
-    }
-
-    /// [`LayerWeights::load`] for the CPU backend: quantized GGUF matrices stay in their
-    /// blocks ([`WeightSource::load_kept`]).
-    ///
-    /// # Errors
-    /// As [`WeightSource::load_kept`].
-    pub(crate) fn load_kept(
-        cfg: &ModelConfig,
-        src: &WeightSource,
-        i: usize,
-    ) -> Result<Self, ModelError> {
-        let tensors = layer_tensor_shapes(cfg, i)
-            .into_iter()
-            .map(|(n, s)| src.load_kept(&n, &s))
+            .map(|(n, s)| match keep_ggml {
+                true => src.load_kept(&n, &s),
+                false => src.load_f32(&n, &s),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self::from_ordered(cfg, i, tensors))
     }
@@ -2036,7 +2024,7 @@ impl LlamaWeights {
         let v = cfg.vocab_size;
         let embed = src.load_f32("model.embed_tokens.weight", &[v, h])?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| LayerWeights::load(cfg, src, i))
+            .map(|i| LayerWeights::load(cfg, src, i, false))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = src.load_f32("model.norm.weight", &[h])?;
         let lm_head = match src.lm_head_name(cfg)? {
