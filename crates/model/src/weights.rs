@@ -962,7 +962,6 @@ impl WeightSource {
     fn serve_ggml(&mut self, cfg: &ModelConfig) {
         let dtype = dequantized_dtype(cfg);
         for (name, q) in &self.gguf_quantized {
-            let cols = q.shape.last().copied().unwrap_or(1);
             let rows = q.shape.iter().rev().skip(1).product::<usize>();
             let served = GgmlServed {
                 source: name.clone(),
@@ -971,7 +970,6 @@ impl WeightSource {
                 dtype,
                 copy: std::sync::OnceLock::new(),
             };
-            debug_assert!(q.shape.len() != 2 || q.shape == [rows, cols]);
             self.ggml.insert(name.clone(), served);
         }
     }
@@ -1039,70 +1037,98 @@ impl WeightSource {
         crate::linear::GgmlRows::new(q.ty, g.rows.len(), cols, out).map_err(fault)
     }
 
-    /// `g`'s rows dequantized (in parallel over blocks of rows) into its dtype, each value
-    /// checked: [`WeightSource::get`]'s copy.
+    /// `g`'s rows dequantized into its dtype: [`WeightSource::get`]'s copy.
     ///
     /// # Errors
-    /// As [`WeightSource::ggml_rows`], and [`ModelError::Gguf`] for a value the dtype cannot
-    /// hold (NaN, or past its range), naming it.
+    /// As [`WeightSource::dequantized`].
     fn ggml_copy(&self, g: &GgmlServed) -> Result<CopiedTensor, ModelError> {
-        use rayon::prelude::*;
         let rows = self.ggml_rows(g)?;
-        let (_, shard, _, _) = self.stored(&g.source)?;
-        let out = g.dtype;
+        Ok(CopiedTensor {
+            dtype: g.dtype,
+            shape: g.shape.clone(),
+            bytes: self.dequantized(g, &rows, Some(g.dtype))?,
+            file: self.file_of(&g.source).to_path_buf(),
+        })
+    }
+
+    /// `rows` (what `g` serves) dequantized in parallel over blocks of 64 rows, as
+    /// little-endian values of `out`, or with `None` only checked (an empty result).
+    ///
+    /// # Errors
+    /// [`ModelError::Gguf`] naming the first value that is NaN or infinite in f32, or past
+    /// the range of `out`: the file is corrupt.
+    fn dequantized(
+        &self,
+        g: &GgmlServed,
+        rows: &crate::linear::GgmlRows,
+        out: Option<DType>,
+    ) -> Result<Vec<u8>, ModelError> {
+        use rayon::prelude::*;
         let cols = rows.cols.max(1);
-        let mut copy = vec![0u8; rows.rows * cols * out.size()];
+        let size = out.map_or(0, DType::size);
+        let mut bytes = vec![0u8; rows.rows * cols * size];
         // 64 rows a job: large enough to amortize, small enough to spread a matrix.
         const ROWS: usize = 64;
-        let row_bytes = rows.bytes.len() / rows.rows.max(1);
-        let bad = copy
-            .par_chunks_mut(ROWS * cols * out.size())
-            .zip(rows.bytes.par_chunks(ROWS * row_bytes.max(1)))
-            .enumerate()
-            .map(|(job, (dst, src))| {
-                let mut f = vec![0f32; dst.len() / out.size()];
-                if let Err(e) = rows.ty.dequantize(src, &mut f) {
-                    return Some(e);
-                }
-                for (i, (&x, d)) in f.iter().zip(dst.chunks_exact_mut(out.size())).enumerate() {
-                    let ok = match out {
-                        DType::F32 => {
-                            d.copy_from_slice(&x.to_le_bytes());
-                            x.is_finite()
-                        }
-                        DType::F16 => {
-                            let y = half::f16::from_f32(x);
-                            d.copy_from_slice(&y.to_le_bytes());
-                            y.is_finite()
-                        }
-                        DType::BF16 => {
-                            let y = half::bf16::from_f32(x);
-                            d.copy_from_slice(&y.to_le_bytes());
-                            y.is_finite()
-                        }
-                    };
-                    if !ok {
-                        let at = job * ROWS * cols + i;
-                        return Some(format!(
-                            "element [{}, {}] dequantizes to {x}, which {out:?} cannot hold",
-                            at / cols,
-                            at % cols
-                        ));
+        let row_bytes = (rows.bytes.len() / rows.rows.max(1)).max(1);
+        let job = |(job, (dst, src)): (usize, (&mut [u8], &[u8]))| {
+            let mut f = vec![0f32; src.len() / row_bytes * cols];
+            if let Err(e) = rows.ty.dequantize(src, &mut f) {
+                return Some(e);
+            }
+            for (i, &x) in f.iter().enumerate() {
+                let ok = match out {
+                    None => x.is_finite(),
+                    Some(DType::F32) => {
+                        dst[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+                        x.is_finite()
                     }
+                    Some(DType::F16) => {
+                        let y = half::f16::from_f32(x);
+                        dst[2 * i..2 * i + 2].copy_from_slice(&y.to_le_bytes());
+                        y.is_finite()
+                    }
+                    Some(DType::BF16) => {
+                        let y = half::bf16::from_f32(x);
+                        dst[2 * i..2 * i + 2].copy_from_slice(&y.to_le_bytes());
+                        y.is_finite()
+                    }
+                };
+                if !ok {
+                    let at = job * ROWS * cols + i;
+                    let held = match out {
+                        Some(d @ (DType::F16 | DType::BF16)) if x.is_finite() => {
+                            format!(", which {d:?} cannot hold")
+                        }
+                        _ => String::new(),
+                    };
+                    return Some(format!(
+                        "element [{}, {}] dequantizes to {x}{held}; the file is corrupt",
+                        at / cols,
+                        at % cols
+                    ));
                 }
-                None
-            })
-            .find_first(Option::is_some)
-            .flatten();
-        if let Some(why) = bad {
-            return Err(self.ggml_fault(g, format!("{why}; the file is corrupt")));
+            }
+            None
+        };
+        let src = rows.bytes.par_chunks(ROWS * row_bytes);
+        let bad = if size == 0 {
+            // Nothing to write: every job gets an empty destination.
+            src.map(|c| (&mut [][..], c))
+                .enumerate()
+                .map(job)
+                .find_first(Option::is_some)
+        } else {
+            bytes
+                .par_chunks_mut(ROWS * cols * size)
+                .zip(src)
+                .enumerate()
+                .map(job)
+                .find_first(Option::is_some)
+        };
+        match bad.flatten() {
+            Some(why) => Err(self.ggml_fault(g, why)),
+            None => Ok(bytes),
         }
-        Ok(CopiedTensor {
-            dtype: out,
-            shape: g.shape.clone(),
-            bytes: copy,
-            file: shard.path.clone(),
-        })
     }
 
     /// For a GGUF file whose norm weights llama.cpp's converter stored with 1 added
@@ -1525,11 +1551,12 @@ impl WeightSource {
         self.check_shape(name, expected)?;
         match self.ggml_served(name) {
             Some(g) => {
-                let rows = self.checked_ggml_rows(g)?;
-                let mut data = vec![0.0f32; rows.rows * rows.cols];
-                rows.ty
-                    .dequantize_par(&rows.bytes, &mut data)
-                    .map_err(|reason| self.ggml_fault(g, reason))?;
+                let rows = self.ggml_rows(g)?;
+                let bytes = self.dequantized(g, &rows, Some(DType::F32))?;
+                let data = bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
                 Ok(Tensor::new(expected.to_vec(), data))
             }
             None => Ok(self.get(name)?.to_f32()),
@@ -1538,7 +1565,8 @@ impl WeightSource {
 
     /// [`WeightSource::load_f32`] for the CPU backend: a 2-D quantized GGUF tensor comes as
     /// its stored blocks ([`Tensor::is_ggml`]; `data` empty), rows in the served order, for
-    /// a linear layer that dequantizes as it multiplies; anything else as `load_f32`.
+    /// a linear layer that dequantizes as it multiplies (every value checked once here, none
+    /// kept); anything else as `load_f32`.
     ///
     /// # Errors
     /// As [`WeightSource::load_f32`].
@@ -1546,7 +1574,8 @@ impl WeightSource {
         match self.ggml_served(name) {
             Some(g) if expected.len() == 2 => {
                 self.check_shape(name, expected)?;
-                let rows = self.checked_ggml_rows(g)?;
+                let rows = self.ggml_rows(g)?;
+                self.dequantized(g, &rows, None)?;
                 Ok(Tensor {
                     shape: expected.to_vec(),
                     data: Vec::new(),
@@ -1554,43 +1583,6 @@ impl WeightSource {
                 })
             }
             _ => self.load_f32(name, expected),
-        }
-    }
-
-    /// [`WeightSource::ggml_rows`], refused when some value dequantizes to NaN or infinity
-    /// (checked in parallel, a block of rows at a time, nothing kept).
-    ///
-    /// # Errors
-    /// As [`WeightSource::ggml_rows`], and [`ModelError::Gguf`] naming the first such value.
-    fn checked_ggml_rows(&self, g: &GgmlServed) -> Result<crate::linear::GgmlRows, ModelError> {
-        use rayon::prelude::*;
-        let rows = self.ggml_rows(g)?;
-        let cols = rows.cols.max(1);
-        let row_bytes = rows.bytes.len() / rows.rows.max(1);
-        const ROWS: usize = 64;
-        let bad = rows
-            .bytes
-            .par_chunks(ROWS * row_bytes.max(1))
-            .enumerate()
-            .map(|(job, src)| {
-                let mut f = vec![0f32; src.len() / row_bytes.max(1) * cols];
-                if let Err(e) = rows.ty.dequantize(src, &mut f) {
-                    return Some(e);
-                }
-                let i = f.iter().position(|x| !x.is_finite())?;
-                let at = job * ROWS * cols + i;
-                Some(format!(
-                    "element [{}, {}] dequantizes to {}; the file is corrupt",
-                    at / cols,
-                    at % cols,
-                    f[i]
-                ))
-            })
-            .find_first(Option::is_some)
-            .flatten();
-        match bad {
-            Some(why) => Err(self.ggml_fault(g, why)),
-            None => Ok(rows),
         }
     }
 

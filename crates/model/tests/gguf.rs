@@ -255,8 +255,8 @@ fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
 }
 
 /// A quantized block whose scale is NaN is refused, naming the tensor and the element, when
-/// the CPU backend keeps the blocks (`CpuModel::from_source`) and when the CUDA backend asks
-/// for the dequantized copy (`WeightSource::get`); no panic.
+/// the CPU backend keeps the blocks (`CpuModel::from_source`), when the CUDA backend asks
+/// for the dequantized copy (`WeightSource::get`) and when it is loaded as f32; no panic.
 #[test]
 fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
     let tmp = temp_dir("gguf-nan");
@@ -289,7 +289,12 @@ fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
         .unwrap_err()
         .to_string();
     let cuda = src.get(name).map(|_| ()).unwrap_err().to_string();
-    for e in [cpu, cuda] {
+    let f32s = src
+        .load_f32(name, &[172, 64])
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    for e in [cpu, cuda, f32s] {
         assert!(
             e.contains("blk.2.ffn_up.weight") && e.contains("[1, 32]") && e.contains("NaN"),
             "{e}"
