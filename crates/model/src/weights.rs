@@ -1732,16 +1732,18 @@ impl WeightSource {
     /// # Errors
     /// As [`LlamaWeights::load`].
     pub fn check_llama(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        // Shapes only: a quantized GGUF tensor is not dequantized here (the CPU backend keeps
+        // its blocks; `get` would make and keep a 16-bit copy of each).
         self.check_tensor_names(cfg)?;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        self.get_shaped("model.embed_tokens.weight", &[v, h])?;
+        self.check_shape("model.embed_tokens.weight", &[v, h])?;
         for i in 0..cfg.num_hidden_layers {
             for (n, s) in layer_tensor_shapes(cfg, i) {
-                self.get_shaped(&n, &s)?;
+                self.check_shape(&n, &s)?;
             }
         }
-        self.get_shaped("model.norm.weight", &[h])?;
-        self.get_shaped(self.lm_head_name(cfg)?, &[v, h])?;
+        self.check_shape("model.norm.weight", &[h])?;
+        self.check_shape(self.lm_head_name(cfg)?, &[v, h])?;
         Ok(())
     }
 }

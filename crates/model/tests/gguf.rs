@@ -262,26 +262,8 @@ fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
     let tmp = temp_dir("gguf-nan");
     let good = tmp.join("q8.gguf");
     write_quantized(&gguf_file(), &good, false, |_| Q8_0);
-    let g = GgufFile::open(&good).unwrap();
-    let tensors: Vec<GgufTensor> = g
-        .tensors
-        .iter()
-        .map(|t| {
-            let mut bytes = g.tensor_bytes(t).unwrap().to_vec();
-            if t.name == "blk.2.ffn_up.weight" {
-                // Block 3 of row 1 (64 values a row: 2 blocks of 34 bytes): an f16 NaN scale.
-                bytes[3 * 34..3 * 34 + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
-            }
-            (t.name.clone(), t.dims.clone(), t.ggml_type, bytes)
-        })
-        .collect();
-    let meta: Vec<_> = g
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
     let bad = tmp.join("nan.gguf");
-    write_gguf(&bad, &meta, &tensors);
+    write_with_scale(&good, &bad, 0x7e00);
     let (cfg, src) = open_prepared(&bad, &tmp.join("cache"));
     let name = "model.layers.2.mlp.up_proj.weight";
     let cpu = CpuModel::from_source(cfg.clone(), &src)
@@ -305,4 +287,52 @@ fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
     let (cfg, src) = open_prepared(&good, &tmp.join("cache"));
     src.get(name).unwrap();
     CpuModel::from_source(cfg, &src).unwrap();
+}
+
+/// `from` written to `to` with the scale of block 3 of `blk.2.ffn_up.weight` (row 1's second
+/// Q8_0 block: 64 values a row, 34 bytes a block) set to the f16 bits `scale`.
+fn write_with_scale(from: &std::path::Path, to: &std::path::Path, scale: u16) {
+    let g = GgufFile::open(from).unwrap();
+    let tensors: Vec<GgufTensor> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut bytes = g.tensor_bytes(t).unwrap().to_vec();
+            if t.name == "blk.2.ffn_up.weight" {
+                bytes[3 * 34..3 * 34 + 2].copy_from_slice(&scale.to_le_bytes());
+            }
+            (t.name.clone(), t.dims.clone(), t.ggml_type, bytes)
+        })
+        .collect();
+    let meta: Vec<_> = g
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    write_gguf(to, &meta, &tensors);
+}
+
+/// A large but finite scale (60000: values past f16's range) is what ggml computes with in
+/// f32: the CPU backend, which keeps the blocks, loads it after the load's checks
+/// (`check_llama`, which reads shapes only); only the 16-bit copy the CUDA backend uploads
+/// refuses it.
+#[test]
+fn a_large_finite_scale_loads_on_the_cpu_and_is_refused_only_in_16_bits() {
+    let tmp = temp_dir("gguf-big-scale");
+    let good = tmp.join("q8.gguf");
+    write_quantized(&gguf_file(), &good, false, |_| Q8_0);
+    let big = tmp.join("big.gguf");
+    write_with_scale(&good, &big, half::f16::from_f32(60000.0).to_bits());
+    let (cfg, src) = open_prepared(&big, &tmp.join("cache"));
+    src.check_llama(&cfg).unwrap();
+    CpuModel::from_source(cfg, &src).unwrap();
+    let e = src
+        .get("model.layers.2.mlp.up_proj.weight")
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("F16 cannot hold") && e.contains("[1, 32]"),
+        "{e}"
+    );
 }
