@@ -3,8 +3,8 @@
 hidden 1024, intermediate 2816 (K-quant rows need multiples of 256), 12 layers, 16 heads of 64,
 4 KV heads, vocabulary 32000, tied embeddings (167M weights), every matrix of one type: f16,
 q4_0, q8_0, q4_k or q5_k. Scales are fixed and small, quants random: the values are noise,
-only the sizes and types matter. No tokenizer is written: copy one (../shared/models/llama2-tokenizer)
-into the prepared directory that `baton` names in its error, or give `--tokenizer` to serve.
+only the sizes and types matter. No tokenizer is written: `baton bench decode` needs none; to serve it, give
+`--tokenizer ../shared/models/llama2-tokenizer`.
 
     python3 scripts/gguf-bench-model.py q4_k /tmp/q4_k.gguf
 

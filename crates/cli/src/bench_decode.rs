@@ -43,7 +43,7 @@ pub struct DecodeArgs {
     #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
     pub device: BenchDevice,
     /// A Hugging Face model directory (its config.json, and its weights unless
-    /// --load-format dummy).
+    /// --load-format dummy; no tokenizer is read) or a GGUF file.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Weight loading; dummy needs only a config (--model or --config).
@@ -581,7 +581,7 @@ fn load_weights(a: &DecodeArgs, cfg: &ModelConfig) -> Result<ModelWeights> {
         }
         (f, Some(dir)) => {
             let format = f.with_seed(a.seed, Some(dir))?;
-            Ok(ModelDir::new(dir).load_mapped(format)?.weights)
+            Ok(ModelDir::new(dir).load_mapped_weights(format)?.weights)
         }
         (_, None) => bail!("--config needs --load-format dummy"),
     }

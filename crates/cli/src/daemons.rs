@@ -72,7 +72,7 @@ pub struct WorkerArgs {
     /// Instance name of the scheduler to attach to.
     #[arg(long, default_value = "default")]
     pub instance: String,
-    /// A Hugging Face model directory (not needed for --device null).
+    /// A Hugging Face model directory or a GGUF file (not needed for --device null).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Device.

@@ -294,7 +294,8 @@ pub struct FrontendArgs {
     /// Instance name of the scheduler to attach to.
     #[arg(long, default_value = "default")]
     pub instance: String,
-    /// The model directory (its tokenizer.json, tokenizer_config.json, generation_config.json).
+    /// The model directory (its tokenizer.json, tokenizer_config.json, generation_config.json)
+    /// or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// HTTP flags.

@@ -77,7 +77,8 @@ impl LoadFormatArg {
 /// Flags of `baton generate`.
 #[derive(Args, Clone, Debug)]
 pub struct GenerateArgs {
-    /// A Hugging Face model directory (config.json, tokenizer.json, *.safetensors).
+    /// A Hugging Face model directory (config.json, tokenizer.json, *.safetensors) or a
+    /// GGUF file (llama.cpp's; quantized types are read in their blocks on the CPU).
     #[arg(long)]
     pub model: PathBuf,
     /// A directory with the tokenizer.json (and optionally tokenizer_config.json, whose chat

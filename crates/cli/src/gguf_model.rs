@@ -5,7 +5,7 @@
 //! directory in Baton's cache ([`baton_model::gguf::prepare_dir`]): config.json from its
 //! metadata, tokenizer.json and tokenizer_config.json (with the chat template) from its
 //! tokenizer, and a link to the file, whose tensors the worker reads directly (quantized ones
-//! dequantized at load). The processes of one deployment, given the same file, find the same
+//! kept in their blocks by the CPU backend, dequantized to 16 bits at load by CUDA). The processes of one deployment, given the same file, find the same
 //! directory. The cache is `$BATON_CACHE_DIR`, else `$XDG_CACHE_HOME/baton`, else
 //! `~/.cache/baton`.
 

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 /// Flags of `baton serve`.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
-    /// A Hugging Face model directory (also taken as the first argument, as `vllm serve
-    /// MODEL` takes it).
+    /// A Hugging Face model directory or a GGUF file (also taken as the first argument, as
+    /// `vllm serve MODEL` takes it).
     #[arg(long = "model", value_name = "DIR", conflicts_with = "model_arg")]
     pub model_flag: Option<PathBuf>,
     /// The model directory given as the first argument (vLLM's `vllm serve MODEL`).

@@ -62,6 +62,28 @@ fn bench_decode_on_cpu_reports_every_batch_and_writes_json() {
     assert!(j["weight_bytes_per_step"].as_f64().unwrap() > 0.0);
 }
 
+/// The benchmark makes its own token ids: a model directory of config.json and weights
+/// alone (as a GGUF file of random weights prepares, with no tokenizer) is enough.
+#[test]
+fn bench_decode_needs_no_tokenizer() {
+    let dir = std::env::temp_dir().join(format!("baton-bench-notok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = model_dir().canonicalize().expect("the test model");
+    for f in ["config.json", "model.safetensors"] {
+        std::os::unix::fs::symlink(model.join(f), dir.join(f)).unwrap();
+    }
+    let o = baton()
+        .args(["bench", "decode", "--device", "cpu", "--model"])
+        .arg(&dir)
+        .args(["--batch", "1", "--prompt-len", "4", "--gen-len", "2"])
+        .output()
+        .expect("runs");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("measured/floor"));
+}
+
 #[test]
 fn bench_decode_with_a_dummy_config_on_cpu() {
     let cfg = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":32,
