@@ -382,6 +382,17 @@ impl CopiedTensor {
             file: t.file.to_path_buf(),
         }
     }
+
+    /// This copy as the tensor `name`.
+    fn raw<'a>(&'a self, name: &'a str) -> RawTensor<'a> {
+        RawTensor {
+            name,
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: &self.bytes,
+            file: &self.file,
+        }
+    }
 }
 
 /// Rows `start..start + shape[0]` of the stored 2-D tensor `source`, whose whole shape is
@@ -1359,13 +1370,7 @@ impl WeightSource {
     /// [`ModelError::UnsupportedDtype`] for anything other than F32/F16/BF16.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, ModelError> {
         if let Some((key, t)) = self.copies.get_key_value(name) {
-            return Ok(RawTensor {
-                name: key,
-                dtype: t.dtype,
-                shape: &t.shape,
-                bytes: &t.bytes,
-                file: &t.file,
-            });
+            return Ok(t.raw(key));
         }
         if let Some((key, g)) = self.ggml.get_key_value(name) {
             let t = match g.copy.get() {
@@ -1375,13 +1380,7 @@ impl WeightSource {
                     g.copy.get_or_init(|| t)
                 }
             };
-            return Ok(RawTensor {
-                name: key,
-                dtype: t.dtype,
-                shape: &t.shape,
-                bytes: &t.bytes,
-                file: &t.file,
-            });
+            return Ok(t.raw(key));
         }
         if let Some((key, view)) = self.views.get_key_value(name) {
             let fused = self.get(&view.source)?;
