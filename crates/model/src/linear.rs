@@ -546,9 +546,10 @@ pub(crate) mod avx2 {
     /// `out[r, j] (row stride n) = x[r, ..] · W[j]` for `r < t` (`t` at most [`FUSED_ROWS`])
     /// and `j` in `j0..j1` (W's rows in `parts`, every one of a type [`fused`] accepts), each
     /// in [`super::dot_order`]'s order over the values [`GgmlType::dequantize`] gives: a run
-    /// of 32 values at a time is dequantized in registers by [`run32`] (the same operations
-    /// as ggml's reference, unfused) and fed to the lane FMAs, several W rows at a time so
-    /// that their accumulator chains overlap.
+    /// of 32 values at a time is dequantized in registers by [`run32`] (ggml's reference
+    /// values) and fed to the lane FMAs, two W rows at a time (more spilled registers) so
+    /// that their accumulator chains overlap, with each row prefetched [`PREFETCH`] bytes
+    /// ahead.
     ///
     /// # Safety
     /// `x` points to `t * k` values, `out` to `t` rows of `n` writable values that no one
@@ -566,11 +567,12 @@ pub(crate) mod avx2 {
         j1: usize,
         out: *mut f32,
     ) {
-        // One instance per (type, rows): four W rows a tile for one x row, two for more.
+        // One instance per (type, rows): two W rows a tile (four ran slower at one x row,
+        // session 40).
         macro_rules! go {
             ($rows:expr, $t:expr) => {
                 match $t {
-                    1 => gemv_part::<{ $rows }, 1, 4>,
+                    1 => gemv_part::<{ $rows }, 1, 2>,
                     2 => gemv_part::<{ $rows }, 2, 2>,
                     3 => gemv_part::<{ $rows }, 3, 2>,
                     _ => gemv_part::<{ $rows }, 4, 2>,
@@ -645,6 +647,20 @@ pub(crate) mod avx2 {
     const Q4_0: u8 = 3;
     const Q5_K: u8 = 4;
 
+    /// Bytes of one block of type `T` (ggml's `block_*` structs).
+    const fn block_bytes<const T: u8>() -> usize {
+        match T {
+            Q8_0 => 34,
+            Q4_0 => 18,
+            Q4_K => 144,
+            Q5_K => 176,
+            _ => 210,
+        }
+    }
+
+    /// How far ahead of the block being read [`gemv_rows`] prefetches each row, in bytes.
+    const PREFETCH: usize = 2048;
+
     /// `out[r * ldo + c] = x[r, ..] · row c` for `R` x rows (stride `k`) and `C` W rows of
     /// type `T`, `k` values each.
     ///
@@ -667,6 +683,19 @@ pub(crate) mod avx2 {
             // SAFETY: block blk of every row lies within its k values, as do each x row's
             // values 32b..32b + 32 for the block's runs b.
             unsafe {
+                // Each 64-byte line of the rows PREFETCH bytes ahead, once, so that a block is
+                // in cache when read (loads of a block's scale came first and waited on
+                // memory). A prefetch past a row's end does no harm (`wrapping_add`: no access,
+                // no fault).
+                let bb = block_bytes::<T>();
+                let lo = bb * blk + PREFETCH;
+                let mut line = lo.next_multiple_of(64);
+                while line < lo + bb {
+                    for &r in &rows {
+                        _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(line).cast());
+                    }
+                    line += 64;
+                }
                 // Q8_0's and Q4_0's one scale is read with its run.
                 let mut scales = [[0f32; 16]; C];
                 if runs > 1 {
@@ -676,12 +705,17 @@ pub(crate) mod avx2 {
                 }
                 for s in 0..runs {
                     let b = blk * runs + s;
+                    // Dequantized first, so that the FMA loop below is small enough to be
+                    // unrolled with `acc` in registers.
+                    let mut w = [[_mm256_setzero_ps(); 4]; C];
                     for c in 0..C {
-                        let w = run32::<T>(rows[c], b, &scales[c]);
-                        for (q, &wq) in w.iter().enumerate() {
-                            for r in 0..R {
-                                let xv = _mm256_loadu_ps(x.add(r * k + 32 * b + 8 * q));
-                                acc[r][c] = _mm256_fmadd_ps(xv, wq, acc[r][c]);
+                        w[c] = run32::<T>(rows[c], b, &scales[c]);
+                    }
+                    for q in 0..4 {
+                        for r in 0..R {
+                            let xv = _mm256_loadu_ps(x.add(r * k + 32 * b + 8 * q));
+                            for c in 0..C {
+                                acc[r][c] = _mm256_fmadd_ps(xv, w[c][q], acc[r][c]);
                             }
                         }
                     }
@@ -741,8 +775,11 @@ pub(crate) mod avx2 {
 
     /// Values `32b..32b + 32` of a row of type `T` (code [`Q4_0`], [`Q8_0`], [`Q4_K`],
     /// [`Q5_K`] or [`Q6_K`]), with its block's [`block_scales`] (a K-quant's; unused for the
-    /// others), dequantized with ggml's reference operations (`gguf_quant`'s `dequant_*`:
-    /// `(q − 8)·d`, `q·d`, `d1·q − m1`, `(d·sc)·q`, each unfused), as four vectors of eight.
+    /// others), dequantized to ggml's reference values (`gguf_quant`'s `dequant_*`: `(q − 8)·d`,
+    /// `q·d`, `d1·q − m1`, `(d·sc)·q`, each unfused; `d1·q − m1` is one fused operation here, the
+    /// same bits because `d1·q` is exact), as four vectors of eight. Which way each type's
+    /// bytes are widened (eight from memory, or 32 loaded and split) is the faster one measured
+    /// (bench/RESULTS.md, session 40).
     ///
     /// # Safety
     /// The row holds at least `32b + 32` values of type `T`; the CPU has AVX2 and F16C.
@@ -763,7 +800,9 @@ pub(crate) mod avx2 {
                     *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
                 }
             } else if T == Q4_0 {
-                // Values 0..16 the low nibbles of qs[0..16], 16..32 the high ones.
+                // Values 0..16 the low nibbles of qs[0..16], 16..32 the high ones. (Eight at a
+                // time from memory: faster here than one 32-byte vector split as the
+                // K-quants' below.)
                 let blk = row.add(18 * b);
                 let d = _mm256_set1_ps(f16_at(blk));
                 let (low, eight) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(8));
@@ -773,49 +812,60 @@ pub(crate) mod avx2 {
                     let v = _mm256_sub_epi32(_mm256_and_si256(v, low), eight);
                     *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
                 }
-            } else if T == Q5_K {
-                // Run s: nibble s % 2 of qs[32 (s / 2) + l], bit s of qh[l] as bit 4.
-                let (sb, s) = (row.add(176 * (b / 8)), b % 8);
-                let d1 = _mm256_set1_ps(scales[s]);
-                let m1 = _mm256_set1_ps(scales[8 + s]);
-                let qs = sb.add(48 + 32 * (s / 2));
-                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
-                let hshift = _mm_cvtsi32_si128(s as i32);
-                let (low, one) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(1));
-                for (q, o) in out.iter_mut().enumerate() {
-                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * q)), shift), low);
-                    let h = _mm256_srl_epi32(bytes8(sb.add(16 + 8 * q)), hshift);
-                    let v = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(_mm256_and_si256(h, one)));
-                    *o = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1);
-                }
             } else if T == Q4_K {
+                // Run s: nibble s % 2 of qs[32 (s / 2) + l], eight at a time from memory.
                 let (sb, s) = (row.add(144 * (b / 8)), b % 8);
                 let d1 = _mm256_set1_ps(scales[s]);
                 let m1 = _mm256_set1_ps(scales[8 + s]);
                 let qs = sb.add(16 + 32 * (s / 2));
                 let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
                 let low = _mm256_set1_epi32(0x0F);
+                // d1·q is exact in f32 (d1 = d·sc has at most 11 + 6 significant bits, q at
+                // most 5), so one fused d1·q − m1 rounds as ggml's unfused pair does.
                 for (q, o) in out.iter_mut().enumerate() {
                     let v = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * q)), shift), low);
-                    *o = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(v)), m1);
+                    *o = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(v), m1);
+                }
+            } else if T == Q5_K {
+                // Run s: nibble s % 2 of qs[32 (s / 2) + l], bit s of qh[l] as bit 4; the 32
+                // bytes at once, then widened a quarter at a time.
+                let (sb, s) = (row.add(176 * (b / 8)), b % 8);
+                let v = _mm256_loadu_si256(sb.add(48 + 32 * (s / 2)).cast());
+                let v = if s % 2 == 0 {
+                    v
+                } else {
+                    _mm256_srli_epi16::<4>(v)
+                };
+                let q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+                let qh = _mm256_loadu_si256(sb.add(16).cast());
+                let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                let q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                let d1 = _mm256_set1_ps(scales[s]);
+                let m1 = _mm256_set1_ps(scales[8 + s]);
+                // Exact products as Q4_K's.
+                for (o, v) in out.iter_mut().zip(quarters::<false>(q)) {
+                    *o = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(v), m1);
                 }
             } else {
+                // Run s = 4n + r of a half n: nibble r / 2 of ql[64n + 32(r % 2) + l], bits
+                // 2r..2r + 2 of qh[32n + l] as bits 4..6, less 32; the 32 bytes at once.
                 let (sb, s) = (row.add(210 * (b / 8)), b % 8);
                 let (n, r) = (s / 4, s % 4);
-                let ql = sb.add(64 * n + 32 * (r & 1));
-                let qh = sb.add(128 + 32 * n);
-                let nib = _mm_cvtsi32_si128(4 * (r / 2) as i32);
-                let hsh = _mm_cvtsi32_si128(2 * r as i32);
-                let (low, three, off) = (
-                    _mm256_set1_epi32(0x0F),
-                    _mm256_set1_epi32(3),
-                    _mm256_set1_epi32(32),
-                );
-                for (q, o) in out.iter_mut().enumerate() {
-                    let ds = _mm256_set1_ps(scales[8 * n + q / 2 + 2 * r]);
-                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql.add(8 * q)), nib), low);
-                    let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * q)), hsh), three);
-                    let v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32::<4>(hi)), off);
+                let ql = _mm256_loadu_si256(sb.add(64 * n + 32 * (r & 1)).cast());
+                let ql = if r / 2 == 0 {
+                    ql
+                } else {
+                    _mm256_srli_epi16::<4>(ql)
+                };
+                let lo = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
+                let qh = _mm256_loadu_si256(sb.add(128 + 32 * n).cast());
+                let qh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r as i32));
+                // Two bits per byte, so the 16-bit shift left keeps each in its byte.
+                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(3)));
+                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+                for (i, (o, v)) in out.iter_mut().zip(quarters::<true>(q)).enumerate() {
+                    let ds = _mm256_set1_ps(scales[8 * n + i / 2 + 2 * r]);
                     *o = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(v));
                 }
             }
@@ -832,6 +882,30 @@ pub(crate) mod avx2 {
     unsafe fn bytes8(p: *const u8) -> __m256i {
         // SAFETY: the caller's 8 bytes; an unaligned 64-bit load.
         _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
+    }
+
+    /// The four 8-byte quarters of `v` (bytes 0..8, 8..16, 16..24, 24..32), each widened to
+    /// eight i32 lanes: sign-extended when `SIGNED`, else zero-extended.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256i; 4] {
+        let lo = _mm256_castsi256_si128(v);
+        let hi = _mm256_extracti128_si256::<1>(v);
+        let halves = [
+            lo,
+            _mm_unpackhi_epi64(lo, lo),
+            hi,
+            _mm_unpackhi_epi64(hi, hi),
+        ];
+        let mut out = [_mm256_setzero_si256(); 4];
+        for (o, h) in out.iter_mut().zip(halves) {
+            *o = if SIGNED {
+                _mm256_cvtepi8_epi32(h)
+            } else {
+                _mm256_cvtepu8_epi32(h)
+            };
+        }
+        out
     }
 
     /// [`super::dequantize_rows`] compiled for AVX2, FMA and F16C (the same values: the
