@@ -1279,6 +1279,12 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
         .map_or(0, |d| d.as_nanos());
     let g = GgufFile::open(&canon)?;
     let config = hf_config(&g)?;
+    // Checked here, so that a value Baton refuses is named as the file's, not as the cache's
+    // config.json that every process would read (and refuse) later.
+    crate::ModelConfig::from_json_str_named(
+        &config.to_string(),
+        &format!("{} (its metadata as config.json)", gguf.display()),
+    )?;
     let max_len = config["max_position_embeddings"]
         .as_u64()
         .map(|x| x as usize);

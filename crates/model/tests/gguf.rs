@@ -182,6 +182,23 @@ fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_j
         .unwrap_err()
         .to_string();
     assert!(e.contains("general.sampling.top_k"), "{e}");
+    // Metadata that makes a config.json Baton refuses is refused here, naming the file.
+    let mut meta: Vec<_> = from
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.as_str() != "llama.attention.head_count_kv")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    meta.push(("llama.attention.head_count_kv".into(), GgufValue::U32(3)));
+    let odd = tmp.join("odd-kv-heads.gguf");
+    write_gguf(&odd, &meta, &tensors);
+    let e = gguf::prepare_dir(&odd, &tmp.join("cache"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("odd-kv-heads.gguf (its metadata") && e.contains("num_key_value_heads"),
+        "{e}"
+    );
 }
 
 /// The CPU backend keeps a quantized GGUF file's matrices in their blocks (Q8_0, and Q4_0 for
