@@ -415,8 +415,10 @@ pub fn check_quantization(
 
 /// Checks that a `--tokenizer` given by flag fits the model: its `tokens` ids must all be
 /// logits of the model's `logits` (a larger vocabulary encodes text to ids the model never
-/// learnt, or refuses them, so it is another model's tokenizer). Without the flag nothing is
-/// checked (a model's own tokenizer is taken as it ships).
+/// learnt, or refuses them, so it is another model's tokenizer). A vocabulary under half the
+/// logits is allowed (vLLM checks nothing) but warned about: the ids past it decode to no
+/// text. Checkpoints pad their logits only to a multiple of 64 or so. Without the flag nothing
+/// is checked (a model's own tokenizer is taken as it ships).
 ///
 /// # Errors
 /// The flag is given and `tokens > logits`.
@@ -430,6 +432,14 @@ pub fn check_tokenizer_fits(
             anyhow::bail!(
                 "--tokenizer {}: its vocabulary has {tokens} tokens but the model has {logits} \
                  logits; it is another model's tokenizer",
+                d.display()
+            );
+        }
+        if tokens < logits / 2 {
+            tracing::warn!(
+                "--tokenizer {}: its vocabulary has {tokens} tokens but the model has {logits} \
+                 logits; ids it does not have decode to no text (is it another model's \
+                 tokenizer?)",
                 d.display()
             );
         }

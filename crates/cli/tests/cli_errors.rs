@@ -625,6 +625,45 @@ fn a_model_without_its_tokenizer_generates_with_the_tokenizer_flag() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A `--tokenizer` with under half the model's logits (a 512-token tokenizer on a model of
+/// 2048) runs, as vLLM does, with a warning that names the flag and both sizes; one of nearly
+/// the model's size (stories260K's own) runs without it.
+#[test]
+fn a_much_smaller_tokenizer_is_warned_about() {
+    let dir = json_only_copy("small-tokenizer");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    let cfg = dir.join("config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let tok = common::model_dir();
+    let tok = tok.to_str().unwrap();
+    for (vocab, warned) in [(2048, true), (512, false)] {
+        let mut v = v.clone();
+        v["vocab_size"] = vocab.into();
+        std::fs::write(&cfg, v.to_string()).unwrap();
+        let out = generate_in(
+            &dir,
+            &[
+                "--load-format",
+                "dummy",
+                "--tokenizer",
+                tok,
+                "--max-tokens",
+                "2",
+            ],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let said = err.contains("--tokenizer")
+            && err.contains("512 tokens")
+            && err.contains(&format!("{vocab} logits"));
+        assert_eq!(said, warned, "vocab {vocab}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// vLLM's `--quantization` (`-q`) is accepted when it names the checkpoint's
 /// `quantization_config.quant_method` and refused otherwise by generate, serve and worker
 /// before they load anything: a method the checkpoint does not use, and any method for an
