@@ -539,9 +539,10 @@ pub(crate) mod avx2 {
         )
     }
 
-    /// Most rows [`gemv_ggml`] takes (more are faster through the scratch, whose
-    /// dequantization is shared by every 4-row tile).
-    pub(super) const FUSED_ROWS: usize = 4;
+    /// Most rows [`gemv_ggml`] takes: it dequantizes each W row once for all of them (one W
+    /// row a tile from five x rows on, for the registers), and the scratch, which dequantizes
+    /// once for every tile, was as fast at 8 and faster beyond (session 40).
+    pub(super) const FUSED_ROWS: usize = 8;
 
     /// `out[r, j] (row stride n) = x[r, ..] · W[j]` for `r < t` (`t` at most [`FUSED_ROWS`])
     /// and `j` in `j0..j1` (W's rows in `parts`, every one of a type [`fused`] accepts), each
@@ -567,15 +568,19 @@ pub(crate) mod avx2 {
         j1: usize,
         out: *mut f32,
     ) {
-        // One instance per (type, rows): two W rows a tile (four ran slower at one x row,
-        // session 40).
+        // One instance per (type, rows): two W rows a tile up to 4 x rows (four ran slower at
+        // one, session 40), one from 5 (accumulators for 8 x rows fill the registers).
         macro_rules! go {
             ($rows:expr, $t:expr) => {
                 match $t {
                     1 => gemv_part::<{ $rows }, 1, 2>,
                     2 => gemv_part::<{ $rows }, 2, 2>,
                     3 => gemv_part::<{ $rows }, 3, 2>,
-                    _ => gemv_part::<{ $rows }, 4, 2>,
+                    4 => gemv_part::<{ $rows }, 4, 2>,
+                    5 => gemv_part::<{ $rows }, 5, 1>,
+                    6 => gemv_part::<{ $rows }, 6, 1>,
+                    7 => gemv_part::<{ $rows }, 7, 1>,
+                    _ => gemv_part::<{ $rows }, 8, 1>,
                 }
             };
         }
@@ -1282,7 +1287,7 @@ mod tests {
                 .all(|(a, b)| a.to_bits() == b.to_bits()));
             let f32_store = Store::F32(dense);
             let x = rnd(9 * k, &mut s);
-            for t in [1, 2, 3, 4, 5, 9] {
+            for t in [1, 2, 3, 4, 5, 6, 7, 8, 9] {
                 let mut want = vec![0.0f32; t * n];
                 linear(&x, t, &f32_store, n, k, &mut want);
                 for threads in [1, 3] {
