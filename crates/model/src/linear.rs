@@ -548,9 +548,9 @@ pub(crate) mod avx2 {
     /// and `j` in `j0..j1` (W's rows in `parts`, every one of a type [`fused`] accepts), each
     /// in [`super::dot_order`]'s order over the values [`GgmlType::dequantize`] gives: a run
     /// of 32 values at a time is dequantized in registers by [`run32`] (ggml's reference
-    /// values) and fed to the lane FMAs, two W rows at a time (more spilled registers) so
-    /// that their accumulator chains overlap, with each row prefetched [`PREFETCH`] bytes
-    /// ahead.
+    /// values) and fed to the lane FMAs, two W rows at a time up to 4 x rows and one from 5
+    /// (more spilled registers) so that their accumulator chains overlap, with each row
+    /// prefetched [`PREFETCH`] bytes ahead.
     ///
     /// # Safety
     /// `x` points to `t * k` values, `out` to `t` rows of `n` writable values that no one
@@ -758,7 +758,7 @@ pub(crate) mod avx2 {
         // SAFETY: the block's bytes, at ggml's struct offsets.
         unsafe {
             if T == Q4_K || T == Q5_K {
-                let sb = row.add(if T == Q4_K { 144 } else { 176 } * blk);
+                let sb = row.add(block_bytes::<T>() * blk);
                 let (d, min) = (f16_at(sb), f16_at(sb.add(2)));
                 let mut scales = [0u8; 12];
                 std::ptr::copy_nonoverlapping(sb.add(4), scales.as_mut_ptr(), 12);
@@ -768,7 +768,7 @@ pub(crate) mod avx2 {
                     out[8 + s] = min * m as f32;
                 }
             } else {
-                let sb = row.add(210 * blk);
+                let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb.add(208));
                 for (i, o) in out.iter_mut().enumerate() {
                     *o = d * f32::from(*sb.add(192 + i) as i8);
@@ -798,7 +798,7 @@ pub(crate) mod avx2 {
         // the caller's guarantee; offsets are those of ggml's block structs.
         unsafe {
             if T == Q8_0 {
-                let blk = row.add(34 * b);
+                let blk = row.add(block_bytes::<T>() * b);
                 let d = _mm256_set1_ps(f16_at(blk));
                 for (q, o) in out.iter_mut().enumerate() {
                     let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * q).cast()));
@@ -808,7 +808,7 @@ pub(crate) mod avx2 {
                 // Values 0..16 the low nibbles of qs[0..16], 16..32 the high ones. (Eight at a
                 // time from memory: faster here than one 32-byte vector split as the
                 // K-quants' below.)
-                let blk = row.add(18 * b);
+                let blk = row.add(block_bytes::<T>() * b);
                 let d = _mm256_set1_ps(f16_at(blk));
                 let (low, eight) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(8));
                 for (q, o) in out.iter_mut().enumerate() {
@@ -819,7 +819,7 @@ pub(crate) mod avx2 {
                 }
             } else if T == Q4_K {
                 // Run s: nibble s % 2 of qs[32 (s / 2) + l], eight at a time from memory.
-                let (sb, s) = (row.add(144 * (b / 8)), b % 8);
+                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
                 let d1 = _mm256_set1_ps(scales[s]);
                 let m1 = _mm256_set1_ps(scales[8 + s]);
                 let qs = sb.add(16 + 32 * (s / 2));
@@ -834,7 +834,7 @@ pub(crate) mod avx2 {
             } else if T == Q5_K {
                 // Run s: nibble s % 2 of qs[32 (s / 2) + l], bit s of qh[l] as bit 4; the 32
                 // bytes at once, then widened a quarter at a time.
-                let (sb, s) = (row.add(176 * (b / 8)), b % 8);
+                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
                 let v = _mm256_loadu_si256(sb.add(48 + 32 * (s / 2)).cast());
                 let v = if s % 2 == 0 {
                     v
@@ -855,7 +855,7 @@ pub(crate) mod avx2 {
             } else {
                 // Run s = 4n + r of a half n: nibble r / 2 of ql[64n + 32(r % 2) + l], bits
                 // 2r..2r + 2 of qh[32n + l] as bits 4..6, less 32; the 32 bytes at once.
-                let (sb, s) = (row.add(210 * (b / 8)), b % 8);
+                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
                 let (n, r) = (s / 4, s % 4);
                 let ql = _mm256_loadu_si256(sb.add(64 * n + 32 * (r & 1)).cast());
                 let ql = if r / 2 == 0 {
