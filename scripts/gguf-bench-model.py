@@ -2,7 +2,7 @@
 """Writes a GGUF file of random weights for `baton bench decode --device cpu`: a Llama of
 hidden 1024, intermediate 2816 (K-quant rows need multiples of 256), 12 layers, 16 heads of 64,
 4 KV heads, vocabulary 32000, tied embeddings (167M weights), every matrix of one type: f16,
-q4_0, q8_0, q4_k, q5_k or q6_k. Scales are fixed and small, quants random: the values are noise,
+q4_0, q8_0, q4_k, q5_k, q6_k, iq4_nl or iq4_xs. Scales are fixed and small, quants random: the values are noise,
 only the sizes and types matter. No tokenizer is written: `baton bench decode` needs none; to serve it, give
 `--tokenizer ../shared/models/llama2-tokenizer`.
 
@@ -21,14 +21,15 @@ def kv(k, t, v):
     elif t == 8: out += s(v)
     return out
 TYPES = {'f16': (1, 1, 2), 'q4_0': (2, 32, 18), 'q8_0': (8, 32, 34), 'q4_k': (12, 256, 144),
-         'q5_k': (13, 256, 176), 'q6_k': (14, 256, 210)}
+         'q5_k': (13, 256, 176), 'q6_k': (14, 256, 210), 'iq4_nl': (20, 32, 18),
+         'iq4_xs': (23, 256, 136)}
 def tensor_bytes(ty, n):
     tid, bs, ts = TYPES[ty]
     nb = n // bs
     buf = bytearray(os.urandom(nb * ts))
     if ty == 'f16':
         buf[1::2] = bytes([b & 0x23 for b in buf[1::2]])  # small exponents
-    elif ty in ('q4_0', 'q8_0'):
+    elif ty in ('q4_0', 'q8_0', 'iq4_nl', 'iq4_xs'):  # d first (IQ4_XS: random 6-bit scales)
         buf[0::ts] = b'\x00' * nb; buf[1::ts] = b'\x14' * nb  # d ~ 0.001
     elif ty == 'q6_k':  # d after ql, qh and the 16 scales
         buf[208::ts] = b'\x00' * nb; buf[209::ts] = b'\x14' * nb

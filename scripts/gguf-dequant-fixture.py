@@ -36,9 +36,12 @@ F16_FIELDS = {
     "Q4_K": [0, 2],  # d, dmin, scales[12], qs[128]
     "Q5_K": [0, 2],  # d, dmin, scales[12], qh[32], qs[128]
     "Q6_K": [208],  # ql[128], qh[64], scales[16], d
+    "IQ4_NL": [0],  # d, qs[16]
+    "IQ4_XS": [0],  # d, scales_h, scales_l[4], qs[128]
 }
 # Byte ranges of each quantized type's scale bytes (left random in the 0xFF block).
-SCALES = {"Q2_K": (0, 16), "Q3_K": (96, 108), "Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208)}
+SCALES = {"Q2_K": (0, 16), "Q3_K": (96, 108), "Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208),
+          "IQ4_XS": (2, 8)}
 
 BLOCKS_32 = 4  # blocks per 32-element type: 3 random, 1 all-0xFF quants
 BLOCKS_256 = 3  # super-blocks per K type: 2 random, 1 all-0xFF quants

@@ -36,6 +36,11 @@ pub enum GgmlType {
     Q5_K = 13,
     /// Super-blocks of 256: 6-bit quants in 16 groups with 8-bit scales.
     Q6_K = 14,
+    /// Blocks of 32: an f16 scale `d`, 16 bytes of 4-bit indices into a fixed non-uniform
+    /// table of 16 levels ([`IQ4_LEVELS`]); `x = d·level[q]`.
+    IQ4_NL = 20,
+    /// Super-blocks of 256: IQ4_NL's indices in 8 groups of 32, each with a 6-bit scale.
+    IQ4_XS = 23,
     /// bfloat16.
     BF16 = 30,
 }
@@ -48,10 +53,8 @@ const UNREAD: &[(u32, &str)] = &[
     (17, "IQ2_XS"),
     (18, "IQ3_XXS"),
     (19, "IQ1_S"),
-    (20, "IQ4_NL"),
     (21, "IQ3_S"),
     (22, "IQ2_S"),
-    (23, "IQ4_XS"),
     (24, "I8"),
     (25, "I16"),
     (26, "I32"),
@@ -65,7 +68,7 @@ const UNREAD: &[(u32, &str)] = &[
 
 impl GgmlType {
     /// Every type read, in id order.
-    pub const ALL: [GgmlType; 13] = [
+    pub const ALL: [GgmlType; 15] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -78,6 +81,8 @@ impl GgmlType {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
         GgmlType::BF16,
     ];
 
@@ -109,6 +114,8 @@ impl GgmlType {
             GgmlType::Q4_K => "Q4_K",
             GgmlType::Q5_K => "Q5_K",
             GgmlType::Q6_K => "Q6_K",
+            GgmlType::IQ4_NL => "IQ4_NL",
+            GgmlType::IQ4_XS => "IQ4_XS",
             GgmlType::BF16 => "BF16",
         }
     }
@@ -122,12 +129,18 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-                32
-            }
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-                256
-            }
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL => 32,
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS => 256,
         }
     }
 
@@ -146,6 +159,8 @@ impl GgmlType {
             GgmlType::Q4_K => 144,
             GgmlType::Q5_K => 176,
             GgmlType::Q6_K => 210,
+            GgmlType::IQ4_NL => 18,
+            GgmlType::IQ4_XS => 136,
         }
     }
 
@@ -269,6 +284,8 @@ impl GgmlType {
             GgmlType::Q4_K => for_blocks(bytes, out, dequant_q4_k),
             GgmlType::Q5_K => for_blocks(bytes, out, dequant_q5_k),
             GgmlType::Q6_K => for_blocks(bytes, out, dequant_q6_k),
+            GgmlType::IQ4_NL => for_blocks(bytes, out, dequant_iq4_nl),
+            GgmlType::IQ4_XS => for_blocks(bytes, out, dequant_iq4_xs),
         }
     }
 }
@@ -513,6 +530,51 @@ fn dequant_q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
     }
 }
 
+/// The 16 levels of IQ4_NL and IQ4_XS, indexed by a 4-bit quant (ggml's `kvalues_iq4nl`,
+/// `ggml/src/ggml-common.h`): non-uniform, denser near zero, where trained weights cluster.
+pub(crate) const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// `block_iq4_nl` (18 bytes): `d: f16`, `qs: [u8; 16]` (nibbles as Q4_0's: element `j < 16` the
+/// low nibble of `qs[j]`, element `j + 16` its high nibble); `y = d·IQ4_LEVELS[q]`.
+#[inline(always)]
+fn dequant_iq4_nl(b: &[u8; 18], y: &mut [f32; 32]) {
+    let d = f16_le(b[0], b[1]);
+    for j in 0..16 {
+        let q = b[2 + j];
+        y[j] = d * f32::from(IQ4_LEVELS[usize::from(q & 0x0F)]);
+        y[j + 16] = d * f32::from(IQ4_LEVELS[usize::from(q >> 4)]);
+    }
+}
+
+/// The 6-bit scale of 32-element group `g` (0..8) of an IQ4_XS block, less 32 (−32..=31): low
+/// 4 bits from nibble `g % 2` of `scales_l[g / 2]` (block bytes 4..8), high 2 bits from bits
+/// `2g..2g + 2` of the little-endian u16 `scales_h` (bytes 2..4).
+#[inline(always)]
+pub(crate) fn iq4_xs_scale(g: usize, b: &[u8]) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + g / 2] >> (4 * (g % 2))) & 0x0F;
+    let high = ((high >> (2 * g)) & 3) as u8;
+    i32::from(low | (high << 4)) - 32
+}
+
+/// `block_iq4_xs` (136 bytes): `d: f16`, `scales_h: u16`, `scales_l: [u8; 4]`, `qs: [u8; 128]`.
+/// Group `g` of 32 elements reads `qs[16g..16g + 16]` as IQ4_NL reads its block, scaled by
+/// `dl = d·(sc − 32)` ([`iq4_xs_scale`]); `y = dl·IQ4_LEVELS[q]`.
+#[inline(always)]
+fn dequant_iq4_xs(b: &[u8; 136], y: &mut [f32; 256]) {
+    let d = f16_le(b[0], b[1]);
+    for g in 0..8 {
+        let dl = d * iq4_xs_scale(g, b) as f32;
+        for j in 0..16 {
+            let q = b[8 + 16 * g + j];
+            y[32 * g + j] = dl * f32::from(IQ4_LEVELS[usize::from(q & 0x0F)]);
+            y[32 * g + j + 16] = dl * f32::from(IQ4_LEVELS[usize::from(q >> 4)]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -625,6 +687,37 @@ mod tests {
         assert!(y[64..160].iter().all(|&v| v == 0.0));
         assert!(y[160..192].iter().all(|&v| v == 397.0));
         assert!(y[192..].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn iq4_by_hand() {
+        // IQ4_NL: d = 0.5; qs[j] = j | (15 − j) << 4: element j is 0.5·level[j], element
+        // j + 16 is 0.5·level[15 − j].
+        let mut b = h(0.5).to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let y = deq(GgmlType::IQ4_NL, &b);
+        assert_eq!([y[0], y[7], y[8], y[15]], [-63.5, -5.0, 0.5, 56.5]);
+        assert_eq!([y[16], y[31]], [56.5, -63.5]);
+
+        // IQ4_XS: d = 0.25. Group 0: low nibble of scales_l[0] = 1, high bits 0b10 (bits 0..2
+        // of scales_h): 33 − 32 = 1. Group 3: high nibble of scales_l[1] = 0xF, high bits 0b01
+        // (bits 6..8): 31 − 32 = −1. Group 7: high nibble of scales_l[3] = 0, high bits 0b11
+        // (bits 14..16): 48 − 32 = 16. Every other group: 0 − 32 = −32. Every qs byte 0x8F:
+        // level[15] = 113 low, level[8] = 1 high.
+        let mut b = h(0.25).to_vec();
+        b.extend((0b10u16 | 0b01 << 6 | 0b11 << 14).to_le_bytes());
+        b.extend([0x01, 0xF0, 0x00, 0x00]);
+        b.extend([0x8Fu8; 128]);
+        let y = deq(GgmlType::IQ4_XS, &b);
+        let group = |g: usize, sc: f32| {
+            let want = |lv: f32| 0.25 * sc * lv;
+            y[32 * g..32 * g + 16].iter().all(|&v| v == want(113.0))
+                && y[32 * g + 16..32 * g + 32].iter().all(|&v| v == want(1.0))
+        };
+        assert!(group(0, 1.0) && group(3, -1.0) && group(7, 16.0));
+        for g in [1, 2, 4, 5, 6] {
+            assert!(group(g, -32.0), "group {g}");
+        }
     }
 
     #[test]

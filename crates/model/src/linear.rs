@@ -535,7 +535,13 @@ pub(crate) mod avx2 {
     pub(super) fn fused(ty: GgmlType) -> bool {
         matches!(
             ty,
-            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
+            GgmlType::Q4_0
+                | GgmlType::Q8_0
+                | GgmlType::Q4_K
+                | GgmlType::Q5_K
+                | GgmlType::Q6_K
+                | GgmlType::IQ4_NL
+                | GgmlType::IQ4_XS
         )
     }
 
@@ -594,6 +600,8 @@ pub(crate) mod avx2 {
                         GgmlType::Q8_0 => go!(Q8_0, t),
                         GgmlType::Q4_K => go!(Q4_K, t),
                         GgmlType::Q5_K => go!(Q5_K, t),
+                        GgmlType::IQ4_NL => go!(IQ4_NL, t),
+                        GgmlType::IQ4_XS => go!(IQ4_XS, t),
                         _ => go!(Q6_K, t),
                     };
                 let rb = p.row_bytes();
@@ -651,6 +659,8 @@ pub(crate) mod avx2 {
     const Q6_K: u8 = 2;
     const Q4_0: u8 = 3;
     const Q5_K: u8 = 4;
+    const IQ4_NL: u8 = 5;
+    const IQ4_XS: u8 = 6;
 
     /// Bytes of one block of type `T` (ggml's `block_*` structs).
     const fn block_bytes<const T: u8>() -> usize {
@@ -659,6 +669,8 @@ pub(crate) mod avx2 {
             Q4_0 => 18,
             Q4_K => 144,
             Q5_K => 176,
+            IQ4_NL => 18,
+            IQ4_XS => 136,
             _ => 210,
         }
     }
@@ -682,7 +694,11 @@ pub(crate) mod avx2 {
         ldo: usize,
     ) {
         // Runs of 32 per block: a K-quant super-block's scales are decoded once for its 8.
-        let runs = if T == Q8_0 || T == Q4_0 { 1 } else { 8 };
+        let runs = if T == Q8_0 || T == Q4_0 || T == IQ4_NL {
+            1
+        } else {
+            8
+        };
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for blk in 0..k / (32 * runs) {
             // SAFETY: block blk of every row lies within its k values, as do each x row's
@@ -701,7 +717,7 @@ pub(crate) mod avx2 {
                     }
                     line += 64;
                 }
-                // Q8_0's and Q4_0's one scale is read with its run.
+                // Q8_0's, Q4_0's and IQ4_NL's one scale is read with its run.
                 let mut scales = [[0f32; 16]; C];
                 if runs > 1 {
                     for (sc, &r) in scales.iter_mut().zip(&rows) {
@@ -747,7 +763,8 @@ pub(crate) mod avx2 {
 
     /// The scale factors of block `blk` of a row of type `T` (a K-quant), as ggml's reference
     /// computes them: Q4_K and Q5_K each 32-run's `d1 = d·sc` then its `m1 = dmin·m` (`[d1_0..d1_7,
-    /// m1_0..m1_7]`); Q6_K each 16-run's `d·sc` (in the scales' order).
+    /// m1_0..m1_7]`); IQ4_XS each 32-run's `d·(sc − 32)` (`[dl_0..dl_7]`, then zeros); Q6_K each
+    /// 16-run's `d·sc` (in the scales' order).
     ///
     /// # Safety
     /// The row holds block `blk` of type `T`.
@@ -767,6 +784,13 @@ pub(crate) mod avx2 {
                     out[s] = d * sc as f32;
                     out[8 + s] = min * m as f32;
                 }
+            } else if T == IQ4_XS {
+                let sb = row.add(block_bytes::<T>() * blk);
+                let d = f16_at(sb);
+                let head = std::slice::from_raw_parts(sb, 8);
+                for (g, o) in out.iter_mut().take(8).enumerate() {
+                    *o = d * crate::gguf_quant::iq4_xs_scale(g, head) as f32;
+                }
             } else {
                 let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb.add(208));
@@ -779,10 +803,11 @@ pub(crate) mod avx2 {
     }
 
     /// Values `32b..32b + 32` of a row of type `T` (code [`Q4_0`], [`Q8_0`], [`Q4_K`],
-    /// [`Q5_K`] or [`Q6_K`]), with its block's [`block_scales`] (a K-quant's; unused for the
-    /// others), dequantized to ggml's reference values (`gguf_quant`'s `dequant_*`: `(q − 8)·d`,
-    /// `q·d`, `d1·q − m1`, `(d·sc)·q`, each unfused; `d1·q − m1` is one fused operation here, the
-    /// same bits because `d1·q` is exact), as four vectors of eight. Which way each type's
+    /// [`Q5_K`], [`Q6_K`], [`IQ4_NL`] or [`IQ4_XS`]), with its block's [`block_scales`] (a
+    /// super-block's; unused for the others), dequantized to ggml's reference values
+    /// (`gguf_quant`'s `dequant_*`: `(q − 8)·d`, `q·d`, `d1·q − m1`, `(d·sc)·q`, `d·level[q]`,
+    /// `dl·level[q]`, each unfused; `d1·q − m1` is one fused operation here, the same bits
+    /// because `d1·q` is exact), as four vectors of eight. Which way each type's
     /// bytes are widened (eight from memory, or 32 loaded and split) is the faster one measured
     /// (bench/RESULTS.md, session 40).
     ///
@@ -816,6 +841,26 @@ pub(crate) mod avx2 {
                     let v = _mm256_srl_epi32(bytes8(blk.add(2 + 8 * (q % 2))), shift);
                     let v = _mm256_sub_epi32(_mm256_and_si256(v, low), eight);
                     *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+                }
+            } else if T == IQ4_NL || T == IQ4_XS {
+                // The run's 16 quant bytes: low nibbles are values 0..16, high ones 16..32,
+                // each an index into the 16 levels, looked up by a byte shuffle (per 128-bit
+                // lane: the levels in both lanes, the low nibbles in lane 0, the high in 1).
+                let (qs, dl) = if T == IQ4_NL {
+                    let blk = row.add(block_bytes::<T>() * b);
+                    (blk.add(2), f16_at(blk))
+                } else {
+                    let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
+                    (sb.add(8 + 16 * s), scales[s])
+                };
+                let v = _mm_loadu_si128(qs.cast());
+                let v = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+                let v = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+                let levels = _mm_loadu_si128(crate::gguf_quant::IQ4_LEVELS.as_ptr().cast());
+                let q = _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), v);
+                let dl = _mm256_set1_ps(dl);
+                for (o, v) in out.iter_mut().zip(quarters::<true>(q)) {
+                    *o = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
                 }
             } else if T == Q4_K {
                 // Run s: nibble s % 2 of qs[32 (s / 2) + l], eight at a time from memory.
@@ -1266,7 +1311,9 @@ mod tests {
         cases.push(vec![
             random_ggml(GgmlType::Q4_K, 131, k, &mut s),
             random_ggml(GgmlType::Q8_0, 6, k, &mut s),
+            random_ggml(GgmlType::IQ4_XS, 7, k, &mut s),
             random_ggml(GgmlType::Q6_K, 89, k, &mut s),
+            random_ggml(GgmlType::IQ4_NL, 5, k, &mut s),
         ]);
         for parts in cases {
             let n: usize = parts.iter().map(|p| p.rows).sum();

@@ -201,18 +201,21 @@ fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_j
     );
 }
 
-/// The CPU backend keeps a quantized GGUF file's matrices in their blocks (Q8_0, and Q4_0 for
-/// every k projection, so the fused q/k/v mixes types) and computes with ggml's dequantized
+/// The CPU backend keeps a quantized GGUF file's matrices in their blocks (Q8_0, Q4_0 for every
+/// k projection and IQ4_NL for every v projection, so the fused q/k/v mixes three types) and
+/// computes with ggml's dequantized
 /// values: its logits are bit for bit those of a checkpoint holding each matrix quantized and
 /// dequantized in Hugging Face's layout (q/k rows un-permuted, the tied embedding), and it
 /// holds fewer bytes than the f32 model.
 #[test]
 fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
     let tmp = temp_dir("gguf-kept");
-    let file = tmp.join("stories260K-Q8_0-Q4_0.gguf");
+    let file = tmp.join("stories260K-Q8_0-Q4_0-IQ4_NL.gguf");
     write_quantized(&gguf_file(), &file, false, |n| {
         if n.ends_with("attn_k.weight") {
             Q4_0
+        } else if n.ends_with("attn_v.weight") {
+            IQ4_NL
         } else {
             Q8_0
         }
@@ -229,6 +232,8 @@ fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
             }
             let ty = if n.ends_with("k_proj.weight") {
                 Q4_0
+            } else if n.ends_with("v_proj.weight") {
+                IQ4_NL
             } else {
                 Q8_0
             };

@@ -358,16 +358,57 @@ pub fn quantize_q4_0(x: &[f32]) -> Vec<u8> {
     out
 }
 
-/// `x` quantized as ggml type `ty` (Q8_0 or Q4_0) by ggml's reference quantizers.
+/// ggml's type id of IQ4_NL.
+pub const IQ4_NL: u32 = 20;
+
+/// IQ4_NL's 16 levels (ggml's `kvalues_iq4nl`).
+const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// IQ4_NL blocks of `x`, by nearest level: per 32 values, `d = max / -127` with `max` the value
+/// of largest magnitude (stored f16), each value the index of the level nearest `x / d`, laid
+/// out as Q4_0's nibbles. (ggml's `quantize_row_iq4_nl_ref` also searches nearby scales; any
+/// valid blocks serve the tests, which compare against the blocks' dequantized values.)
+pub fn quantize_iq4_nl(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for blk in x.chunks_exact(32) {
+        let max = blk
+            .iter()
+            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d = half::f16::from_f32(max / -127.0);
+        let id = if d.to_f32() != 0.0 {
+            1.0 / d.to_f32()
+        } else {
+            0.0
+        };
+        out.extend(d.to_le_bytes());
+        let q = |v: f32| {
+            let t = v * id;
+            (0..16u8)
+                .min_by(|&a, &b| {
+                    let e = |i: u8| (f32::from(IQ4_LEVELS[usize::from(i)]) - t).abs();
+                    e(a).total_cmp(&e(b))
+                })
+                .unwrap_or(0)
+        };
+        out.extend((0..16).map(|j| q(blk[j]) | (q(blk[j + 16]) << 4)));
+    }
+    out
+}
+
+/// `x` quantized as ggml type `ty` (Q8_0, Q4_0 or IQ4_NL) by ggml's reference quantizers
+/// (IQ4_NL's by nearest level, [`quantize_iq4_nl`]).
 pub fn quantize(ty: u32, x: &[f32]) -> Vec<u8> {
     match ty {
         Q8_0 => quantize_q8_0(x),
         Q4_0 => quantize_q4_0(x),
+        IQ4_NL => quantize_iq4_nl(x),
         _ => panic!("type {ty}"),
     }
 }
 
-/// `x` quantized as ggml type `ty` (Q8_0 or Q4_0) and dequantized again (ggml's values).
+/// `x` quantized as ggml type `ty` (Q8_0, Q4_0 or IQ4_NL) and dequantized again (ggml's values).
 pub fn round_trip(ty: u32, x: &[f32]) -> Vec<f32> {
     let t = baton_model::gguf_quant::GgmlType::from_u32(ty).expect("a ggml type");
     let mut out = vec![0f32; x.len()];
@@ -378,7 +419,7 @@ pub fn round_trip(ty: u32, x: &[f32]) -> Vec<f32> {
 
 /// The GGUF file `from` written to `to` with every F32 tensor of two or more dimensions
 /// whose rows are whole blocks of 32 stored as the type `ty_of` gives its llama.cpp name
-/// (Q8_0 or Q4_0; llama.cpp's quantizer also leaves the others F32), or with `round_trip` as
+/// (Q8_0, Q4_0 or IQ4_NL; llama.cpp's quantizer also leaves the others F32), or with `round_trip` as
 /// F32 holding the values those blocks dequantize to.
 pub fn write_quantized(
     from: &std::path::Path,
