@@ -2,7 +2,7 @@
 """Writes a GGUF file of random weights for `baton bench decode --device cpu`: a Llama of
 hidden 1024, intermediate 2816 (K-quant rows need multiples of 256), 12 layers, 16 heads of 64,
 4 KV heads, vocabulary 32000, tied embeddings (167M weights), every matrix of one type: f16,
-q4_0, q8_0, q4_k, q5_k, q6_k, iq4_nl or iq4_xs. Scales are fixed and small, quants random: the values are noise,
+q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl or iq4_xs. Scales are fixed and small, quants random: the values are noise,
 only the sizes and types matter. No tokenizer is written: `baton bench decode` needs none; to serve it, give
 `--tokenizer ../shared/models/llama2-tokenizer`.
 
@@ -20,7 +20,9 @@ def kv(k, t, v):
     elif t == 6: out += struct.pack('<f', v)
     elif t == 8: out += s(v)
     return out
-TYPES = {'f16': (1, 1, 2), 'q4_0': (2, 32, 18), 'q8_0': (8, 32, 34), 'q4_k': (12, 256, 144),
+TYPES = {'f16': (1, 1, 2), 'q4_0': (2, 32, 18), 'q4_1': (3, 32, 20), 'q5_0': (6, 32, 22),
+         'q5_1': (7, 32, 24), 'q8_0': (8, 32, 34), 'q2_k': (10, 256, 84),
+         'q3_k': (11, 256, 110), 'q4_k': (12, 256, 144),
          'q5_k': (13, 256, 176), 'q6_k': (14, 256, 210), 'iq4_nl': (20, 32, 18),
          'iq4_xs': (23, 256, 136)}
 def tensor_bytes(ty, n):
@@ -29,10 +31,18 @@ def tensor_bytes(ty, n):
     buf = bytearray(os.urandom(nb * ts))
     if ty == 'f16':
         buf[1::2] = bytes([b & 0x23 for b in buf[1::2]])  # small exponents
-    elif ty in ('q4_0', 'q8_0', 'iq4_nl', 'iq4_xs'):  # d first (IQ4_XS: random 6-bit scales)
+    elif ty in ('q4_0', 'q8_0', 'q5_0', 'iq4_nl', 'iq4_xs'):  # d first (IQ4_XS: random 6-bit scales)
         buf[0::ts] = b'\x00' * nb; buf[1::ts] = b'\x14' * nb  # d ~ 0.001
+    elif ty in ('q4_1', 'q5_1'):  # d and m first
+        for off, hi in ((0, 0x14), (2, 0x90)):  # m ~ -0.001
+            buf[off::ts] = b'\x00' * nb; buf[off + 1::ts] = bytes([hi]) * nb
     elif ty == 'q6_k':  # d after ql, qh and the 16 scales
         buf[208::ts] = b'\x00' * nb; buf[209::ts] = b'\x14' * nb
+    elif ty == 'q3_k':  # d after hmask, qs and the 12 scale bytes
+        buf[108::ts] = b'\x00' * nb; buf[109::ts] = b'\x14' * nb
+    elif ty == 'q2_k':  # d and dmin after the 16 scales and qs
+        for off, hi in ((80, 0x14), (82, 0x10)):
+            buf[off::ts] = b'\x00' * nb; buf[off + 1::ts] = bytes([hi]) * nb
     else:  # d and dmin of a K-quant super-block
         for off, hi in ((0, 0x14), (2, 0x10)):
             buf[off::ts] = b'\x00' * nb; buf[off + 1::ts] = bytes([hi]) * nb

@@ -410,12 +410,9 @@ fn dequant_q2_k(b: &[u8; 84], y: &mut [f32; 256]) {
 #[inline(always)]
 fn dequant_q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
     let d_all = f16_le(b[108], b[109]);
-    let sb = &b[96..108];
     let mut scales = [0f32; 16];
     for (j, s) in scales.iter_mut().enumerate() {
-        let low = if j < 8 { sb[j] & 0x0F } else { sb[j - 8] >> 4 };
-        let high = (sb[8 + j % 4] >> (2 * (j / 4))) & 3;
-        *s = (i32::from(low | (high << 4)) - 32) as f32;
+        *s = q3_k_scale(j, &b[96..108]) as f32;
     }
     for n in 0..2 {
         for j in 0..4 {
@@ -433,6 +430,16 @@ fn dequant_q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
             }
         }
     }
+}
+
+/// Scale `j` (0..16) of a Q3_K block, less 32 (−32..=31), from its packed `scales: [u8; 12]`:
+/// low 4 bits from nibble `j / 8` of byte `j % 8`, high 2 bits from bits `2(j / 4)..` of byte
+/// `8 + j % 4`.
+#[inline(always)]
+fn q3_k_scale(j: usize, sb: &[u8]) -> i32 {
+    let low = if j < 8 { sb[j] & 0x0F } else { sb[j - 8] >> 4 };
+    let high = (sb[8 + j % 4] >> (2 * (j / 4))) & 3;
+    i32::from(low | (high << 4)) - 32
 }
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of 32-element group `j` (0..8) from a

@@ -531,18 +531,9 @@ pub(crate) mod avx2 {
         static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
 
-    /// Whether [`gemv_ggml`] reads rows of type `ty`.
+    /// Whether [`gemv_ggml`] reads rows of type `ty`: every quantized type.
     pub(super) fn fused(ty: GgmlType) -> bool {
-        matches!(
-            ty,
-            GgmlType::Q4_0
-                | GgmlType::Q8_0
-                | GgmlType::Q4_K
-                | GgmlType::Q5_K
-                | GgmlType::Q6_K
-                | GgmlType::IQ4_NL
-                | GgmlType::IQ4_XS
-        )
+        !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
     }
 
     /// Most rows [`gemv_ggml`] takes: it dequantizes each W row once for all of them (one W
@@ -597,7 +588,12 @@ pub(crate) mod avx2 {
                 let f: unsafe fn(*const f32, usize, usize, *const u8, usize, usize, *mut f32) =
                     match p.ty {
                         GgmlType::Q4_0 => go!(Q4_0, t),
+                        GgmlType::Q4_1 => go!(Q4_1, t),
+                        GgmlType::Q5_0 => go!(Q5_0, t),
+                        GgmlType::Q5_1 => go!(Q5_1, t),
                         GgmlType::Q8_0 => go!(Q8_0, t),
+                        GgmlType::Q2_K => go!(Q2_K, t),
+                        GgmlType::Q3_K => go!(Q3_K, t),
                         GgmlType::Q4_K => go!(Q4_K, t),
                         GgmlType::Q5_K => go!(Q5_K, t),
                         GgmlType::IQ4_NL => go!(IQ4_NL, t),
@@ -661,12 +657,27 @@ pub(crate) mod avx2 {
     const Q5_K: u8 = 4;
     const IQ4_NL: u8 = 5;
     const IQ4_XS: u8 = 6;
+    const Q4_1: u8 = 7;
+    const Q5_0: u8 = 8;
+    const Q5_1: u8 = 9;
+    const Q2_K: u8 = 10;
+    const Q3_K: u8 = 11;
+
+    /// Whether type `T` comes in blocks of 32 (one scale a block), not super-blocks of 256.
+    const fn small_blocks<const T: u8>() -> bool {
+        matches!(T, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | IQ4_NL)
+    }
 
     /// Bytes of one block of type `T` (ggml's `block_*` structs).
     const fn block_bytes<const T: u8>() -> usize {
         match T {
             Q8_0 => 34,
             Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            Q2_K => 84,
+            Q3_K => 110,
             Q4_K => 144,
             Q5_K => 176,
             IQ4_NL => 18,
@@ -694,11 +705,7 @@ pub(crate) mod avx2 {
         ldo: usize,
     ) {
         // Runs of 32 per block: a K-quant super-block's scales are decoded once for its 8.
-        let runs = if T == Q8_0 || T == Q4_0 || T == IQ4_NL {
-            1
-        } else {
-            8
-        };
+        let runs = if small_blocks::<T>() { 1 } else { 8 };
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for blk in 0..k / (32 * runs) {
             // SAFETY: block blk of every row lies within its k values, as do each x row's
@@ -717,8 +724,8 @@ pub(crate) mod avx2 {
                     }
                     line += 64;
                 }
-                // Q8_0's, Q4_0's and IQ4_NL's one scale is read with its run.
-                let mut scales = [[0f32; 16]; C];
+                // A block of 32's scale is read with its run.
+                let mut scales = [[0f32; 32]; C];
                 if runs > 1 {
                     for (sc, &r) in scales.iter_mut().zip(&rows) {
                         *sc = block_scales::<T>(r, blk);
@@ -763,15 +770,16 @@ pub(crate) mod avx2 {
 
     /// The scale factors of block `blk` of a row of type `T` (a K-quant), as ggml's reference
     /// computes them: Q4_K and Q5_K each 32-run's `d1 = d·sc` then its `m1 = dmin·m` (`[d1_0..d1_7,
-    /// m1_0..m1_7]`); IQ4_XS each 32-run's `d·(sc − 32)` (`[dl_0..dl_7]`, then zeros); Q6_K each
-    /// 16-run's `d·sc` (in the scales' order).
+    /// m1_0..m1_7]`); IQ4_XS each 32-run's `d·(sc − 32)` (`[dl_0..dl_7]`); Q6_K each 16-run's
+    /// `d·sc` (in the scales' order); Q2_K each 16-run's `d·sc` then its `dmin·m` (`[dl_0..dl_15,
+    /// ml_0..ml_15]`); Q3_K each 16-run's `d·(sc − 32)`. Unused entries are zero.
     ///
     /// # Safety
     /// The row holds block `blk` of type `T`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn block_scales<const T: u8>(row: *const u8, blk: usize) -> [f32; 16] {
-        let mut out = [0f32; 16];
+    unsafe fn block_scales<const T: u8>(row: *const u8, blk: usize) -> [f32; 32] {
+        let mut out = [0f32; 32];
         // SAFETY: the block's bytes, at ggml's struct offsets.
         unsafe {
             if T == Q4_K || T == Q5_K {
@@ -784,6 +792,37 @@ pub(crate) mod avx2 {
                     out[s] = d * sc as f32;
                     out[8 + s] = min * m as f32;
                 }
+            } else if T == Q2_K {
+                // Sixteen bytes, a scale in each low nibble and a min in each high one; in
+                // vectors (scalar, these loops took a third of the kernel's time).
+                let sb = row.add(block_bytes::<T>() * blk);
+                let (d, min) = (f16_at(sb.add(80)), f16_at(sb.add(82)));
+                let v = _mm_loadu_si128(sb.cast());
+                let low = _mm_set1_epi8(0x0F);
+                let sc = _mm_and_si128(v, low);
+                let m = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
+                let o = out.as_mut_ptr();
+                store16::<false>(o, sc, d);
+                store16::<false>(o.add(16), m, min);
+            } else if T == Q3_K {
+                // Scale j: low 4 bits from nibble j / 8 of byte j % 8, high 2 from bits
+                // 2(j / 4).. of byte 8 + j % 4 (`gguf_quant::q3_k_scale`), less 32.
+                let sb = row.add(block_bytes::<T>() * blk);
+                let d = f16_at(sb.add(108));
+                let packed = sb.add(96);
+                let v = _mm_loadl_epi64(packed.cast());
+                let low = _mm_set1_epi8(0x0F);
+                let lo = _mm_unpacklo_epi64(
+                    _mm_and_si128(v, low),
+                    _mm_and_si128(_mm_srli_epi16::<4>(v), low),
+                );
+                // Bytes 8..12 in each 32-bit lane g, shifted right by 2g (each byte's two
+                // bits stay within it).
+                let h = _mm_set1_epi32(packed.add(8).cast::<i32>().read_unaligned());
+                let h = _mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6));
+                let hi = _mm_slli_epi16::<4>(_mm_and_si128(h, _mm_set1_epi8(3)));
+                let sc = _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
+                store16::<true>(out.as_mut_ptr(), sc, d);
             } else if T == IQ4_XS {
                 let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb);
@@ -815,7 +854,7 @@ pub(crate) mod avx2 {
     /// The row holds at least `32b + 32` values of type `T`; the CPU has AVX2 and F16C.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run32<const T: u8>(row: *const u8, b: usize, scales: &[f32; 16]) -> [__m256; 4] {
+    unsafe fn run32<const T: u8>(row: *const u8, b: usize, scales: &[f32; 32]) -> [__m256; 4] {
         // Written as plain loops: a closure here is its own function, which the compiler may
         // leave uninlined, and without AVX2 (Q5_K ran 4x slower so).
         let mut out = [_mm256_setzero_ps(); 4];
@@ -841,6 +880,72 @@ pub(crate) mod avx2 {
                     let v = _mm256_srl_epi32(bytes8(blk.add(2 + 8 * (q % 2))), shift);
                     let v = _mm256_sub_epi32(_mm256_and_si256(v, low), eight);
                     *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+                }
+            } else if T == Q4_1 {
+                // Q4_0's nibbles; q·d is exact (4 bits by f16's 11), so one fused q·d + m
+                // rounds as ggml's unfused pair does.
+                let blk = row.add(block_bytes::<T>() * b);
+                let d = _mm256_set1_ps(f16_at(blk));
+                let m = _mm256_set1_ps(f16_at(blk.add(2)));
+                let low = _mm256_set1_epi32(0x0F);
+                for (q, o) in out.iter_mut().enumerate() {
+                    let shift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let v = _mm256_srl_epi32(bytes8(blk.add(4 + 8 * (q % 2))), shift);
+                    let v = _mm256_and_si256(v, low);
+                    *o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+                }
+            } else if T == Q5_0 || T == Q5_1 {
+                // Q4_0's nibbles, bit i of the u32 qh as bit 4 of value i; Q5_0 less 16 and
+                // times d, Q5_1 times d plus m (exact products, as Q4_1's).
+                let blk = row.add(block_bytes::<T>() * b);
+                let d = _mm256_set1_ps(f16_at(blk));
+                let at = if T == Q5_0 { 2 } else { 4 };
+                let qh = blk.add(at).cast::<u32>().read_unaligned();
+                let v = _mm_loadu_si128(blk.add(at + 4).cast());
+                let v = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
+                let v = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+                let high = _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16));
+                let q = _mm256_or_si256(v, high);
+                if T == Q5_0 {
+                    let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                    for (o, v) in out.iter_mut().zip(quarters::<true>(q)) {
+                        *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+                    }
+                } else {
+                    let m = _mm256_set1_ps(f16_at(blk.add(2)));
+                    for (o, v) in out.iter_mut().zip(quarters::<false>(q)) {
+                        *o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+                    }
+                }
+            } else if T == Q2_K || T == Q3_K {
+                // Run s = 4n + j of a half n: bits 2j..2j + 2 of qs[32n + l] (the 32 bytes at
+                // once; a 16-bit shift keeps each byte's two bits), values 0..16 under scale
+                // 8n + 2j, 16..32 under 8n + 2j + 1. Q3_K: less 4 where bit s of hmask[l] is
+                // clear, times d·sc; Q2_K: d·sc·q − dmin·m, one fused operation (d·sc·q is
+                // exact: 15 bits by 2).
+                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
+                let (n, j) = (s / 4, s % 4);
+                let qs = sb.add(if T == Q2_K { 16 } else { 32 } + 32 * n);
+                let v = _mm256_loadu_si256(qs.cast());
+                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * j as i32));
+                let q = _mm256_and_si256(v, _mm256_set1_epi8(3));
+                let is = 8 * n + 2 * j;
+                if T == Q2_K {
+                    for (i, (o, v)) in out.iter_mut().zip(quarters::<false>(q)).enumerate() {
+                        let dl = _mm256_set1_ps(scales[is + i / 2]);
+                        let ml = _mm256_set1_ps(scales[16 + is + i / 2]);
+                        *o = _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(v), ml);
+                    }
+                } else {
+                    let hm = _mm256_loadu_si256(sb.cast());
+                    let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                    let clear =
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
+                    let q = _mm256_sub_epi8(q, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
+                    for (i, (o, v)) in out.iter_mut().zip(quarters::<true>(q)).enumerate() {
+                        let dl = _mm256_set1_ps(scales[is + i / 2]);
+                        *o = _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v));
+                    }
                 }
             } else if T == IQ4_NL || T == IQ4_XS {
                 // The run's 16 quant bytes: low nibbles are values 0..16, high ones 16..32,
@@ -921,6 +1026,44 @@ pub(crate) mod avx2 {
             }
         }
         out
+    }
+
+    /// `o[i] = d · v[i]` for the 16 bytes of `v` (signed when `SIGNED`) as f32, one rounding
+    /// each (as the scalar `d * (v as f32)`).
+    ///
+    /// # Safety
+    /// `o` points to 16 writable f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store16<const SIGNED: bool>(o: *mut f32, v: __m128i, d: f32) {
+        let d = _mm256_set1_ps(d);
+        for (i, h) in [v, _mm_unpackhi_epi64(v, v)].into_iter().enumerate() {
+            let w = if SIGNED {
+                _mm256_cvtepi8_epi32(h)
+            } else {
+                _mm256_cvtepu8_epi32(h)
+            };
+            // SAFETY: o[8i..8i + 8], the caller's.
+            unsafe { _mm256_storeu_ps(o.add(8 * i), _mm256_mul_ps(d, _mm256_cvtepi32_ps(w))) };
+        }
+    }
+
+    /// 32 bytes, byte `i` all ones where bit `i` of `bits` is set, else zero.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn bits32(bits: u32) -> __m256i {
+        // Byte i takes byte i / 8 of `bits` (a shuffle within each 128-bit lane of the
+        // broadcast word), then tests its bit i % 8.
+        let v = _mm256_set1_epi32(bits as i32);
+        let spread = _mm256_setr_epi64x(
+            0,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        );
+        let v = _mm256_shuffle_epi8(v, spread);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit)
     }
 
     /// Eight bytes at `p` widened to eight i32 lanes.
