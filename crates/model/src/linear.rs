@@ -164,9 +164,8 @@ impl GgmlRows {
 }
 
 /// Rows `r0..r1` of the matrix `parts` (rows of `k` values) dequantized into `out` (`(r1 -
-/// r0) * k` values), in [`GgmlType::dequantize`]'s values. Always inlined, so that
-/// [`avx2::dequantize_rows`] compiles the per-block loops for AVX2.
-#[inline(always)]
+/// r0) * k` values), in [`GgmlType::dequantize`]'s values, by the portable per-block loops
+/// ([`avx2::dequantize_rows`] is the fast path).
 fn dequantize_rows(parts: &[GgmlRows], r0: usize, r1: usize, k: usize, out: &mut [f32]) {
     let mut first = 0;
     for p in parts {
@@ -1101,8 +1100,10 @@ pub(crate) mod avx2 {
         out
     }
 
-    /// [`super::dequantize_rows`] compiled for AVX2, FMA and F16C (the same values: the
-    /// per-block formulas do no fused operations).
+    /// [`super::dequantize_rows`] for AVX2, FMA and F16C, with the same values: parts of a
+    /// type [`fused`] accepts are dequantized by [`run32`], 32 values at a time (the scalar
+    /// per-block loops ran Q2_K 6x slower), the float parts by the generic loops compiled
+    /// for these features.
     ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C.
@@ -1114,7 +1115,64 @@ pub(crate) mod avx2 {
         k: usize,
         out: &mut [f32],
     ) {
-        super::dequantize_rows(parts, r0, r1, k, out)
+        let mut first = 0;
+        for p in parts {
+            let (lo, hi) = (r0.max(first), r1.min(first + p.rows));
+            if lo < hi {
+                let rb = p.row_bytes();
+                let src = &p.bytes[(lo - first) * rb..(hi - first) * rb];
+                let dst = &mut out[(lo - r0) * k..(hi - r0) * k];
+                let f: unsafe fn(&[u8], usize, &mut [f32]) = match p.ty {
+                    GgmlType::Q4_0 => rows32::<Q4_0>,
+                    GgmlType::Q4_1 => rows32::<Q4_1>,
+                    GgmlType::Q5_0 => rows32::<Q5_0>,
+                    GgmlType::Q5_1 => rows32::<Q5_1>,
+                    GgmlType::Q8_0 => rows32::<Q8_0>,
+                    GgmlType::Q2_K => rows32::<Q2_K>,
+                    GgmlType::Q3_K => rows32::<Q3_K>,
+                    GgmlType::Q4_K => rows32::<Q4_K>,
+                    GgmlType::Q5_K => rows32::<Q5_K>,
+                    GgmlType::Q6_K => rows32::<Q6_K>,
+                    GgmlType::IQ4_NL => rows32::<IQ4_NL>,
+                    GgmlType::IQ4_XS => rows32::<IQ4_XS>,
+                    GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                        p.ty.dequantize_blocks(src, dst);
+                        first += p.rows;
+                        continue;
+                    }
+                };
+                // SAFETY: the CPU has the features (the caller's); src is whole rows of k
+                // values of the part's type, dst as many values.
+                unsafe { f(src, k, dst) };
+            }
+            first += p.rows;
+        }
+    }
+
+    /// The rows of `k` values of type `T` in `src` (whole rows, `k` a multiple of the type's
+    /// block) dequantized into `dst` by [`run32`].
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `src` holds `dst.len() / k` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows32<const T: u8>(src: &[u8], k: usize, dst: &mut [f32]) {
+        let runs = if small_blocks::<T>() { 1 } else { 8 };
+        let rb = k / (32 * runs) * block_bytes::<T>();
+        for (row, y) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(k)) {
+            let mut scales = [0f32; 32];
+            for b in 0..k / 32 {
+                // SAFETY: run b of the row (k values), and y's values 32b..32b + 32.
+                unsafe {
+                    if runs > 1 && b % runs == 0 {
+                        scales = block_scales::<T>(row.as_ptr(), b / runs);
+                    }
+                    let w = run32::<T>(row.as_ptr(), b, &scales);
+                    for (q, v) in w.into_iter().enumerate() {
+                        _mm256_storeu_ps(y.as_mut_ptr().add(32 * b + 8 * q), v);
+                    }
+                }
+            }
+        }
     }
 
     /// As [`super::portable_block`], with AVX2 and FMA.
@@ -1506,6 +1564,46 @@ mod tests {
             Store::of_parts(vec![GgmlRows::from_f32(4, k, &f)], k),
             Store::F32(_)
         ));
+    }
+
+    /// The scratch path's dequantization (`dequantize_rows_fast`: AVX2 decoders where the CPU
+    /// has them) gives [`GgmlType::dequantize`]'s bits for every type, over row ranges that
+    /// start and end inside parts of mixed types.
+    #[test]
+    fn fast_row_dequantization_gives_the_reference_bits() {
+        let mut s = 0x5eed_0f_0123u64;
+        let k = 512;
+        let types = GgmlType::ALL.into_iter().filter(|t| *t != GgmlType::F32);
+        let mut parts: Vec<GgmlRows> = types
+            .map(|t| match t {
+                GgmlType::F16 | GgmlType::BF16 => {
+                    let f: Vec<u8> = rnd(3 * k, &mut s)
+                        .iter()
+                        .flat_map(|&v| match t {
+                            GgmlType::F16 => half::f16::from_f32(v).to_le_bytes(),
+                            _ => half::bf16::from_f32(v).to_le_bytes(),
+                        })
+                        .collect();
+                    GgmlRows::new(t, 3, k, f).unwrap()
+                }
+                _ => random_ggml(t, 3, k, &mut s),
+            })
+            .collect();
+        parts.push(GgmlRows::from_f32(2, k, &rnd(2 * k, &mut s)));
+        let n: usize = parts.iter().map(|p| p.rows).sum();
+        let mut want = vec![0.0f32; n * k];
+        let mut at = 0;
+        for p in &parts {
+            p.ty.dequantize(&p.bytes, &mut want[at..at + p.rows * k])
+                .unwrap();
+            at += p.rows * k;
+        }
+        for (r0, r1) in [(0, n), (1, n - 1), (4, 11), (20, 21)] {
+            let mut got = vec![f32::NAN; (r1 - r0) * k];
+            dequantize_rows_fast(&parts, r0, r1, k, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&got) == bits(&want[r0 * k..r1 * k]), "rows {r0}..{r1}");
+        }
     }
 
     /// `Store::compact` keeps every value bit for bit and picks the narrowest type that does.
