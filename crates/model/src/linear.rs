@@ -1571,7 +1571,7 @@ mod tests {
     /// start and end inside parts of mixed types.
     #[test]
     fn fast_row_dequantization_gives_the_reference_bits() {
-        let mut s = 0x5eed_0f_0123u64;
+        let mut s = 0x005e_ed0f_0123u64;
         let k = 512;
         let types = GgmlType::ALL.into_iter().filter(|t| *t != GgmlType::F32);
         let mut parts: Vec<GgmlRows> = types
