@@ -383,7 +383,7 @@ impl GgufFile {
     /// # Errors
     /// [`ModelError::Io`] if it cannot be read; [`ModelError::Gguf`] as [`parse_header`], or
     /// for a tensor whose data (per [`crate::gguf_quant::GgmlType::row_bytes`]) lies past the
-    /// end of the file or whose type is unknown.
+    /// end of the file or whose type is unknown, and for two tensors whose data overlap.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, &e))?;
         // SAFETY: the mapping is read-only and private to this process; model files are not
@@ -403,8 +403,23 @@ impl GgufFile {
             data_start,
             mmap,
         };
+        // Each tensor's data must be its own: a corrupt offset pointing into another
+        // tensor's data would otherwise load silently as wrong weights. (llama.cpp requires
+        // each offset to be the padded end of the tensor before it; any order is read here.)
+        let mut spans = Vec::with_capacity(f.tensors.len());
         for t in &f.tensors {
-            f.tensor_bytes(t)?;
+            let len = f.tensor_bytes(t)?.len() as u64;
+            if len > 0 {
+                spans.push((t.offset, t.offset + len, &t.name));
+            }
+        }
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            let ((a0, a1, a), (b0, b1, b)) = (w[0], w[1]);
+            return Err(fault(format!(
+                "the data of tensors `{a}` (bytes {a0}..{a1} of the data section) and `{b}` \
+                 (bytes {b0}..{b1}) overlap; the file is corrupt"
+            )));
         }
         Ok(f)
     }
@@ -1431,6 +1446,32 @@ mod tests {
         assert_eq!(t[0].shape(), vec![512, 64]);
         assert_eq!(start % 32, 0);
         assert!(start >= b.len() && start < b.len() + 32);
+    }
+
+    #[test]
+    fn overlapping_tensor_data_is_refused() {
+        let dir = std::env::temp_dir().join(format!("baton-gguf-overlap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Two 64-float tensors: at offsets 0 and 256 they are apart, at 0 and 128 the second
+        // starts inside the first.
+        for (second, ok) in [(256u64, true), (128, false), (0, false)] {
+            let mut b = header(3, &[], &[("a", &[64], 0, 0), ("b", &[64], 0, second)]);
+            b.resize(b.len().next_multiple_of(32) + 512, 0);
+            let path = dir.join(format!("t{second}.gguf"));
+            std::fs::write(&path, &b).unwrap();
+            match GgufFile::open(&path) {
+                Ok(_) => assert!(ok, "offset {second} accepted"),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(!ok, "offset {second}: {e}");
+                    assert!(
+                        e.contains("`a`") && e.contains("`b`") && e.contains("overlap"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
