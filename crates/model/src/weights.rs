@@ -1105,7 +1105,11 @@ impl WeightSource {
                     }
                 };
                 if !ok {
+                    // The position in the stored tensor, which the error names (a served
+                    // row may be another stored row: q and k un-permuted).
                     let at = job * ROWS * cols + i;
+                    let (row, col) = (at / cols, at % cols);
+                    let row = g.rows.get(row).copied().unwrap_or(row);
                     let held = match out {
                         Some(d @ (DType::F16 | DType::BF16)) if x.is_finite() => {
                             format!(", which {d:?} cannot hold")
@@ -1113,9 +1117,7 @@ impl WeightSource {
                         _ => String::new(),
                     };
                     return Some(format!(
-                        "element [{}, {}] dequantizes to {x}{held}; the file is corrupt",
-                        at / cols,
-                        at % cols
+                        "element [{row}, {col}] dequantizes to {x}{held}; the file is corrupt"
                     ));
                 }
             }

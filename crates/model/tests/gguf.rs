@@ -276,51 +276,65 @@ fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
     );
 }
 
-/// A quantized block whose scale is NaN is refused, naming the tensor and the element, when
-/// the CPU backend keeps the blocks (`CpuModel::from_source`), when the CUDA backend asks
-/// for the dequantized copy (`WeightSource::get`) and when it is loaded as f32; no panic.
+/// A quantized block whose scale is NaN is refused, naming the tensor and the element (its
+/// position in the file's tensor, also for a q projection, whose rows are served
+/// un-permuted: GGUF row 1 is Hugging Face row 4 there), when the CPU backend keeps the
+/// blocks (`CpuModel::from_source`), when the CUDA backend asks for the dequantized copy
+/// (`WeightSource::get`) and when it is loaded as f32; no panic.
 #[test]
 fn a_quantized_value_that_is_not_finite_is_refused_by_either_backend() {
     let tmp = temp_dir("gguf-nan");
     let good = tmp.join("q8.gguf");
     write_quantized(&gguf_file(), &good, false, |_| Q8_0);
-    let bad = tmp.join("nan.gguf");
-    write_with_scale(&good, &bad, 0x7e00);
-    let (cfg, src) = open_prepared(&bad, &tmp.join("cache"));
-    let name = "model.layers.2.mlp.up_proj.weight";
-    let cpu = CpuModel::from_source(cfg.clone(), &src)
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    let cuda = src.get(name).map(|_| ()).unwrap_err().to_string();
-    let f32s = src
-        .load_f32(name, &[172, 64])
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    for e in [cpu, cuda, f32s] {
-        assert!(
-            e.contains("blk.2.ffn_up.weight") && e.contains("[1, 32]") && e.contains("NaN"),
-            "{e}"
-        );
-        assert!(e.contains("corrupt"), "{e}");
+    for (gguf_name, name, shape) in [
+        (
+            "blk.2.ffn_up.weight",
+            "model.layers.2.mlp.up_proj.weight",
+            [172, 64],
+        ),
+        (
+            "blk.2.attn_q.weight",
+            "model.layers.2.self_attn.q_proj.weight",
+            [64, 64],
+        ),
+    ] {
+        let bad = tmp.join(format!("nan-{gguf_name}"));
+        write_with_scale(&good, &bad, gguf_name, 0x7e00);
+        let (cfg, src) = open_prepared(&bad, &tmp.join(format!("cache-{gguf_name}")));
+        let cpu = CpuModel::from_source(cfg.clone(), &src)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        let cuda = src.get(name).map(|_| ()).unwrap_err().to_string();
+        let f32s = src
+            .load_f32(name, &shape)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        for e in [cpu, cuda, f32s] {
+            assert!(
+                e.contains(gguf_name) && e.contains("[1, 32]") && e.contains("NaN"),
+                "{e}"
+            );
+            assert!(e.contains("corrupt"), "{e}");
+        }
     }
     // The healthy file loads both ways.
     let (cfg, src) = open_prepared(&good, &tmp.join("cache"));
-    src.get(name).unwrap();
+    src.get("model.layers.2.self_attn.q_proj.weight").unwrap();
     CpuModel::from_source(cfg, &src).unwrap();
 }
 
-/// `from` written to `to` with the scale of block 3 of `blk.2.ffn_up.weight` (row 1's second
-/// Q8_0 block: 64 values a row, 34 bytes a block) set to the f16 bits `scale`.
-fn write_with_scale(from: &std::path::Path, to: &std::path::Path, scale: u16) {
+/// `from` written to `to` with the scale of block 3 of tensor `name` (row 1's second Q8_0
+/// block: 64 values a row, 34 bytes a block) set to the f16 bits `scale`.
+fn write_with_scale(from: &std::path::Path, to: &std::path::Path, name: &str, scale: u16) {
     let g = GgufFile::open(from).unwrap();
     let tensors: Vec<GgufTensor> = g
         .tensors
         .iter()
         .map(|t| {
             let mut bytes = g.tensor_bytes(t).unwrap().to_vec();
-            if t.name == "blk.2.ffn_up.weight" {
+            if t.name == name {
                 bytes[3 * 34..3 * 34 + 2].copy_from_slice(&scale.to_le_bytes());
             }
             (t.name.clone(), t.dims.clone(), t.ggml_type, bytes)
@@ -344,7 +358,12 @@ fn a_large_finite_scale_loads_on_the_cpu_and_is_refused_only_in_16_bits() {
     let good = tmp.join("q8.gguf");
     write_quantized(&gguf_file(), &good, false, |_| Q8_0);
     let big = tmp.join("big.gguf");
-    write_with_scale(&good, &big, half::f16::from_f32(60000.0).to_bits());
+    write_with_scale(
+        &good,
+        &big,
+        "blk.2.ffn_up.weight",
+        half::f16::from_f32(60000.0).to_bits(),
+    );
     let (cfg, src) = open_prepared(&big, &tmp.join("cache"));
     src.check_llama(&cfg).unwrap();
     CpuModel::from_source(cfg, &src).unwrap();
