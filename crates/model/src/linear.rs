@@ -565,10 +565,17 @@ pub(crate) mod avx2 {
         out: *mut f32,
     ) {
         // One instance per (type, rows): two W rows a tile up to 4 x rows (four ran slower at
-        // one, session 40), one from 5 (accumulators for 8 x rows fill the registers).
+        // one, session 40), one from 5 (accumulators for 8 x rows fill the registers). Q5_1
+        // takes one throughout: its offset and masks left too few registers for two rows'
+        // dequantized runs, which spilled (one token 18.1 -> 15.1 ms, two 20.4 -> 16.8;
+        // every other type ran 8-45 % slower with one, session 41).
         macro_rules! go {
             ($rows:expr, $t:expr) => {
                 match $t {
+                    1 if $rows == Q5_1 => gemv_part::<{ $rows }, 1, 1>,
+                    2 if $rows == Q5_1 => gemv_part::<{ $rows }, 2, 1>,
+                    3 if $rows == Q5_1 => gemv_part::<{ $rows }, 3, 1>,
+                    4 if $rows == Q5_1 => gemv_part::<{ $rows }, 4, 1>,
                     1 => gemv_part::<{ $rows }, 1, 2>,
                     2 => gemv_part::<{ $rows }, 2, 2>,
                     3 => gemv_part::<{ $rows }, 3, 2>,
@@ -894,27 +901,30 @@ pub(crate) mod avx2 {
                     *o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
                 }
             } else if T == Q5_0 || T == Q5_1 {
-                // Q4_0's nibbles, bit i of the u32 qh as bit 4 of value i; Q5_0 less 16 and
-                // times d, Q5_1 times d plus m (exact products, as Q4_1's).
+                // Q4_0's nibbles (eight at a time from memory), bit i of the u32 qh as bit 4
+                // of value i (eight bits a time tested in lanes); Q5_0 less 16 and times d,
+                // Q5_1 times d plus m (exact products, as Q4_1's). (All 32 bytes split from
+                // one vector, with the bits spread by a byte shuffle, ran Q5_0 9 % slower.)
                 let blk = row.add(block_bytes::<T>() * b);
                 let d = _mm256_set1_ps(f16_at(blk));
                 let at = if T == Q5_0 { 2 } else { 4 };
-                let qh = blk.add(at).cast::<u32>().read_unaligned();
-                let v = _mm_loadu_si128(blk.add(at + 4).cast());
-                let v = _mm256_set_m128i(_mm_srli_epi16::<4>(v), v);
-                let v = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-                let high = _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16));
-                let q = _mm256_or_si256(v, high);
-                if T == Q5_0 {
-                    let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                    for (o, v) in out.iter_mut().zip(quarters::<true>(q)) {
-                        *o = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
-                    }
-                } else {
-                    let m = _mm256_set1_ps(f16_at(blk.add(2)));
-                    for (o, v) in out.iter_mut().zip(quarters::<false>(q)) {
-                        *o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
-                    }
+                let qh = _mm256_set1_epi32(blk.add(at).cast::<i32>().read_unaligned());
+                let qs = blk.add(at + 4);
+                let lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                let (low, sixteen) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(16));
+                let m = _mm256_set1_ps(if T == Q5_1 { f16_at(blk.add(2)) } else { 0.0 });
+                for (q, o) in out.iter_mut().enumerate() {
+                    let shift = _mm_cvtsi32_si128(4 * (q / 2) as i32);
+                    let v = _mm256_srl_epi32(bytes8(qs.add(8 * (q % 2))), shift);
+                    let v = _mm256_and_si256(v, low);
+                    let h = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(8 * q as i32));
+                    let set = _mm256_cmpeq_epi32(_mm256_and_si256(h, lanes), lanes);
+                    let v = _mm256_or_si256(v, _mm256_and_si256(set, sixteen));
+                    *o = if T == Q5_0 {
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, sixteen)), d)
+                    } else {
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m)
+                    };
                 }
             } else if T == Q2_K || T == Q3_K {
                 // Run s = 4n + j of a half n: bits 2j..2j + 2 of qs[32n + l] (the 32 bytes at
@@ -1045,24 +1055,6 @@ pub(crate) mod avx2 {
             // SAFETY: o[8i..8i + 8], the caller's.
             unsafe { _mm256_storeu_ps(o.add(8 * i), _mm256_mul_ps(d, _mm256_cvtepi32_ps(w))) };
         }
-    }
-
-    /// 32 bytes, byte `i` all ones where bit `i` of `bits` is set, else zero.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn bits32(bits: u32) -> __m256i {
-        // Byte i takes byte i / 8 of `bits` (a shuffle within each 128-bit lane of the
-        // broadcast word), then tests its bit i % 8.
-        let v = _mm256_set1_epi32(bits as i32);
-        let spread = _mm256_setr_epi64x(
-            0,
-            0x0101_0101_0101_0101,
-            0x0202_0202_0202_0202,
-            0x0303_0303_0303_0303,
-        );
-        let v = _mm256_shuffle_epi8(v, spread);
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit)
     }
 
     /// Eight bytes at `p` widened to eight i32 lanes.
