@@ -591,21 +591,13 @@ pub(crate) mod avx2 {
         for p in parts {
             let (lo, hi) = (j0.max(first), j1.min(first + p.rows));
             if lo < hi {
-                let f: unsafe fn(*const f32, usize, usize, *const u8, usize, usize, *mut f32) =
-                    match p.ty {
-                        GgmlType::Q4_0 => go!(Q4_0, t),
-                        GgmlType::Q4_1 => go!(Q4_1, t),
-                        GgmlType::Q5_0 => go!(Q5_0, t),
-                        GgmlType::Q5_1 => go!(Q5_1, t),
-                        GgmlType::Q8_0 => go!(Q8_0, t),
-                        GgmlType::Q2_K => go!(Q2_K, t),
-                        GgmlType::Q3_K => go!(Q3_K, t),
-                        GgmlType::Q4_K => go!(Q4_K, t),
-                        GgmlType::Q5_K => go!(Q5_K, t),
-                        GgmlType::IQ4_NL => go!(IQ4_NL, t),
-                        GgmlType::IQ4_XS => go!(IQ4_XS, t),
-                        _ => go!(Q6_K, t),
-                    };
+                type Part = unsafe fn(*const f32, usize, usize, *const u8, usize, usize, *mut f32);
+                // A float part: none, by the caller's guarantee.
+                let Some(f): Option<Part> = by_type!(p.ty, |T| Some(go!(T, t)), None) else {
+                    debug_assert!(false, "gemv_ggml over a {:?} part", p.ty);
+                    first += p.rows;
+                    continue;
+                };
                 let rb = p.row_bytes();
                 // SAFETY: rows lo - first..hi - first of the part exist, each k values of its
                 // type (rb bytes); x and out as the caller's, columns lo..hi ⊆ j0..j1.
@@ -655,6 +647,66 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// `$quant` with the type code `$code` (a const item) of the quantized type `$ty`, or
+    /// `$float` for a float type: one list of the types [`run32`] decodes, for every
+    /// dispatch from a [`GgmlType`] to an instance.
+    macro_rules! by_type {
+        ($ty:expr, |$code:ident| $quant:expr, $float:expr) => {
+            match $ty {
+                GgmlType::Q4_0 => {
+                    const $code: u8 = Q4_0;
+                    $quant
+                }
+                GgmlType::Q4_1 => {
+                    const $code: u8 = Q4_1;
+                    $quant
+                }
+                GgmlType::Q5_0 => {
+                    const $code: u8 = Q5_0;
+                    $quant
+                }
+                GgmlType::Q5_1 => {
+                    const $code: u8 = Q5_1;
+                    $quant
+                }
+                GgmlType::Q8_0 => {
+                    const $code: u8 = Q8_0;
+                    $quant
+                }
+                GgmlType::Q2_K => {
+                    const $code: u8 = Q2_K;
+                    $quant
+                }
+                GgmlType::Q3_K => {
+                    const $code: u8 = Q3_K;
+                    $quant
+                }
+                GgmlType::Q4_K => {
+                    const $code: u8 = Q4_K;
+                    $quant
+                }
+                GgmlType::Q5_K => {
+                    const $code: u8 = Q5_K;
+                    $quant
+                }
+                GgmlType::Q6_K => {
+                    const $code: u8 = Q6_K;
+                    $quant
+                }
+                GgmlType::IQ4_NL => {
+                    const $code: u8 = IQ4_NL;
+                    $quant
+                }
+                GgmlType::IQ4_XS => {
+                    const $code: u8 = IQ4_XS;
+                    $quant
+                }
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => $float,
+            }
+        };
+    }
+    use by_type;
+
     /// [`run32`]'s type codes.
     const Q8_0: u8 = 0;
     const Q4_K: u8 = 1;
@@ -688,7 +740,8 @@ pub(crate) mod avx2 {
             Q5_K => 176,
             IQ4_NL => 18,
             IQ4_XS => 136,
-            _ => 210,
+            Q6_K => 210,
+            _ => panic!("not a type code"),
         }
     }
 
@@ -1114,28 +1167,14 @@ pub(crate) mod avx2 {
                 let rb = p.row_bytes();
                 let src = &p.bytes[(lo - first) * rb..(hi - first) * rb];
                 let dst = &mut out[(lo - r0) * k..(hi - r0) * k];
-                let f: unsafe fn(&[u8], usize, &mut [f32]) = match p.ty {
-                    GgmlType::Q4_0 => rows32::<Q4_0>,
-                    GgmlType::Q4_1 => rows32::<Q4_1>,
-                    GgmlType::Q5_0 => rows32::<Q5_0>,
-                    GgmlType::Q5_1 => rows32::<Q5_1>,
-                    GgmlType::Q8_0 => rows32::<Q8_0>,
-                    GgmlType::Q2_K => rows32::<Q2_K>,
-                    GgmlType::Q3_K => rows32::<Q3_K>,
-                    GgmlType::Q4_K => rows32::<Q4_K>,
-                    GgmlType::Q5_K => rows32::<Q5_K>,
-                    GgmlType::Q6_K => rows32::<Q6_K>,
-                    GgmlType::IQ4_NL => rows32::<IQ4_NL>,
-                    GgmlType::IQ4_XS => rows32::<IQ4_XS>,
-                    GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                        p.ty.dequantize_blocks(src, dst);
-                        first += p.rows;
-                        continue;
-                    }
-                };
-                // SAFETY: the CPU has the features (the caller's); src is whole rows of k
-                // values of the part's type, dst as many values.
-                unsafe { f(src, k, dst) };
+                type Rows = unsafe fn(&[u8], usize, &mut [f32]);
+                let f: Option<Rows> = by_type!(p.ty, |T| Some(rows32::<T>), None);
+                match f {
+                    // SAFETY: the CPU has the features (the caller's); src is whole rows of k
+                    // values of the part's type, dst as many values.
+                    Some(f) => unsafe { f(src, k, dst) },
+                    None => p.ty.dequantize_blocks(src, dst),
+                }
             }
             first += p.rows;
         }
