@@ -340,15 +340,20 @@ pub const Q8_0: u32 = 8;
 /// ggml's type id of Q4_0.
 pub const Q4_0: u32 = 2;
 
+/// The value of `blk` with the largest magnitude, signed (the first of equals; 0 when empty):
+/// the scale reference of ggml's symmetric 4-bit quantizers.
+fn largest_magnitude(blk: &[f32]) -> f32 {
+    blk.iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
 /// ggml's `quantize_row_q4_0_ref`: per 32 values, `d = max / -8` with `max` the value of
 /// largest magnitude (stored f16), `q = min(15, trunc(x / d + 8.5))`, element `j` in the low
 /// nibble of byte `j` and element `j + 16` in its high nibble.
 pub fn quantize_q4_0(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::new();
     for blk in x.chunks_exact(32) {
-        let max = blk
-            .iter()
-            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let max = largest_magnitude(blk);
         let d = max / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         out.extend(half::f16::from_f32(d).to_le_bytes());
@@ -373,9 +378,7 @@ const IQ4_LEVELS: [i8; 16] = [
 pub fn quantize_iq4_nl(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::new();
     for blk in x.chunks_exact(32) {
-        let max = blk
-            .iter()
-            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let max = largest_magnitude(blk);
         let d = half::f16::from_f32(max / -127.0);
         let id = if d.to_f32() != 0.0 {
             1.0 / d.to_f32()
