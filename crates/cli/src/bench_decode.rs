@@ -113,6 +113,10 @@ pub struct DecodeArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
+    /// CPU backend: run a GGUF file's quantized matrices with 8-bit activations and integer
+    /// dot products (llama.cpp's scheme), as the worker's flag.
+    #[arg(long)]
+    pub cpu_int8_activations: bool,
     /// Weights of the CPU backend: `auto` (the default) holds them as the CPU worker does (a
     /// 16-bit checkpoint at 2 bytes per weight, a GGUF file's quantized matrices in their
     /// blocks; f32 for --load-format dummy); f32, or rounded to bf16 or f16, which it then
@@ -715,6 +719,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             };
             let threads = crate::args::cpu_threads(a.cpu_threads);
             m.set_threads(threads).map_err(anyhow::Error::msg)?;
+            m.set_int8_activations(a.cpu_int8_activations);
             // Bytes per weight as held (a GGUF file's blocks: a fraction of a byte more
             // than their bits over 8), for the floor.
             let per_weight = m.weight_bytes() as f64 / m.weight_values().max(1) as f64;

@@ -290,6 +290,179 @@ impl GgmlType {
     }
 }
 
+/// Run `b` of a quantized row (its values `32b..32b + 32`) as small integers and scales:
+/// value `i` is `scale[i / 16]·v[i] + min[i / 16]`, the same bits as
+/// [`GgmlType::dequantize`] gives (ggml's `d·(q − 8)`, `d·q + m`, `d·sc·q − dmin·m`, ...
+/// with the offset folded into `v` and the min, negated where ggml subtracts it, into
+/// `min`; each `scale·v` is the product ggml rounds, or exact where ggml adds a min, so one
+/// fused multiply-add rounds as ggml's pair). The form the CPU's 8-bit-activation dot
+/// products read (`crate::q8`); `v` is in `-128..=127` (Q8_0), `-127..=113` (IQ4),
+/// `-32..=31` (Q6_K) or smaller.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct IntRun {
+    /// The run's 32 quants, offsets applied (Q4_0's `q − 8`, IQ4's level).
+    pub(crate) v: [i8; 32],
+    /// The scale of values `0..16` and of `16..32` (equal for types of one scale a run).
+    pub(crate) scale: [f32; 2],
+    /// What each half adds (`m` of Q4_1/Q5_1, `−dmin·m` of the K-quants); zero for types
+    /// without mins.
+    pub(crate) min: [f32; 2],
+}
+
+/// How a type's mins are laid out, for the 8-bit-activation dot products (`crate::q8`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mins {
+    /// No min: `x = scale·v`.
+    None,
+    /// One min a run of 32 (Q4_1, Q5_1, Q4_K, Q5_K).
+    Per32,
+    /// One min a half run of 16 (Q2_K).
+    Per16,
+}
+
+impl GgmlType {
+    /// Whether this is a block-quantized type (not F32, F16 or BF16).
+    pub(crate) fn is_quantized(self) -> bool {
+        !matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+    }
+
+    /// The type's [`Mins`]; `None` for the float types too.
+    pub(crate) fn mins(self) -> Mins {
+        match self {
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => Mins::Per32,
+            GgmlType::Q2_K => Mins::Per16,
+            _ => Mins::None,
+        }
+    }
+
+    /// Run `b` (values `32b..32b + 32`) of `row`, a row of this quantized type, as an
+    /// [`IntRun`]; `None` for the float types.
+    ///
+    /// # Panics
+    /// If `row` is shorter than the block holding run `b` (a caller bug: rows come from
+    /// checked tensors).
+    pub(crate) fn int_run(self, row: &[u8], b: usize) -> Option<IntRun> {
+        let mut v = [0i8; 32];
+        let (scale, min);
+        // Small blocks: block b; super-blocks: block b / 8, run s = b % 8 of it.
+        let (blk, s) = (b / 8, b % 8);
+        let sb = |size: usize| &row[size * blk..size * (blk + 1)];
+        let nibbles = |qs: &[u8], v: &mut [i8; 32], f: &dyn Fn(u8) -> i8| {
+            for j in 0..16 {
+                v[j] = f(qs[j] & 0x0F);
+                v[j + 16] = f(qs[j] >> 4);
+            }
+        };
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
+            GgmlType::Q4_0 | GgmlType::IQ4_NL => {
+                let blk = &row[18 * b..18 * (b + 1)];
+                let d = f16_le(blk[0], blk[1]);
+                if self == GgmlType::Q4_0 {
+                    nibbles(&blk[2..], &mut v, &|q| q as i8 - 8);
+                } else {
+                    nibbles(&blk[2..], &mut v, &|q| IQ4_LEVELS[usize::from(q)]);
+                }
+                (scale, min) = ([d, d], [0.0, 0.0]);
+            }
+            GgmlType::Q4_1 => {
+                let blk = &row[20 * b..20 * (b + 1)];
+                let (d, m) = (f16_le(blk[0], blk[1]), f16_le(blk[2], blk[3]));
+                nibbles(&blk[4..], &mut v, &|q| q as i8);
+                (scale, min) = ([d, d], [m, m]);
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let (size, at) = if self == GgmlType::Q5_0 {
+                    (22, 2)
+                } else {
+                    (24, 4)
+                };
+                let blk = &row[size * b..size * (b + 1)];
+                let d = f16_le(blk[0], blk[1]);
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                nibbles(&blk[at + 4..], &mut v, &|q| q as i8);
+                let off = if self == GgmlType::Q5_0 { 16 } else { 0 };
+                for (i, x) in v.iter_mut().enumerate() {
+                    *x = (*x | (((qh >> i) & 1) << 4) as i8) - off;
+                }
+                let m = if self == GgmlType::Q5_1 {
+                    f16_le(blk[2], blk[3])
+                } else {
+                    0.0
+                };
+                (scale, min) = ([d, d], [m, m]);
+            }
+            GgmlType::Q8_0 => {
+                let blk = &row[34 * b..34 * (b + 1)];
+                let d = f16_le(blk[0], blk[1]);
+                for (x, &q) in v.iter_mut().zip(&blk[2..]) {
+                    *x = q as i8;
+                }
+                (scale, min) = ([d, d], [0.0, 0.0]);
+            }
+            GgmlType::Q2_K | GgmlType::Q3_K => {
+                // Run s = 4n + j of half n: bits 2j.. of byte 32n + i of the quants; scale
+                // 8n + 2j + i / 16 (as `dequant_q2_k` / `dequant_q3_k`).
+                let q3 = self == GgmlType::Q3_K;
+                let b = sb(if q3 { 110 } else { 84 });
+                let (n, j) = (s / 4, s % 4);
+                let qs = &b[if q3 { 32 } else { 16 } + 32 * n..];
+                for (i, x) in v.iter_mut().enumerate() {
+                    let q = ((qs[i] >> (2 * j)) & 3) as i8;
+                    *x = if q3 && b[i] & (1 << s) == 0 { q - 4 } else { q };
+                }
+                let is = 8 * n + 2 * j;
+                if q3 {
+                    let d = f16_le(b[108], b[109]);
+                    scale = [0, 1].map(|h| d * q3_k_scale(is + h, &b[96..108]) as f32);
+                    min = [0.0, 0.0];
+                } else {
+                    let (d, dmin) = (f16_le(b[80], b[81]), f16_le(b[82], b[83]));
+                    scale = [0, 1].map(|h| d * (b[is + h] & 0x0F) as f32);
+                    min = [0, 1].map(|h| -(dmin * (b[is + h] >> 4) as f32));
+                }
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                // Run s: nibble s % 2 of byte 32 (s / 2) + i of the quants; Q5_K's bit s of
+                // qh[i] as bit 4.
+                let q5 = self == GgmlType::Q5_K;
+                let b = sb(if q5 { 176 } else { 144 });
+                let qs = &b[if q5 { 48 } else { 16 } + 32 * (s / 2)..];
+                for (i, x) in v.iter_mut().enumerate() {
+                    let q = (qs[i] >> (4 * (s % 2))) & 0x0F;
+                    let h = if q5 { ((b[16 + i] >> s) & 1) << 4 } else { 0 };
+                    *x = (q | h) as i8;
+                }
+                let (d, dmin) = (f16_le(b[0], b[1]), f16_le(b[2], b[3]));
+                let (sc, m) = scale_min_k4(s, &k4_scales(b));
+                let (d1, m1) = (d * sc as f32, dmin * m as f32);
+                (scale, min) = ([d1, d1], [-m1, -m1]);
+            }
+            GgmlType::Q6_K => {
+                // Run s = 4n + r of half n: nibble r / 2 of ql[64n + 32(r % 2) + i], bits 2r..
+                // of qh[32n + i] as bits 4..6, less 32; scale 8n + 2r + i / 16.
+                let b = sb(210);
+                let (n, r) = (s / 4, s % 4);
+                for (i, x) in v.iter_mut().enumerate() {
+                    let lo = (b[64 * n + 32 * (r % 2) + i] >> (4 * (r / 2))) & 0x0F;
+                    let hi = (b[128 + 32 * n + i] >> (2 * r)) & 3;
+                    *x = (lo | (hi << 4)) as i8 - 32;
+                }
+                let d = f16_le(b[208], b[209]);
+                scale = [0, 1].map(|h| d * f32::from(b[192 + 8 * n + 2 * r + h] as i8));
+                min = [0.0, 0.0];
+            }
+            GgmlType::IQ4_XS => {
+                let b = sb(136);
+                nibbles(&b[8 + 16 * s..], &mut v, &|q| IQ4_LEVELS[usize::from(q)]);
+                let dl = f16_le(b[0], b[1]) * iq4_xs_scale(s, b) as f32;
+                (scale, min) = ([dl, dl], [0.0, 0.0]);
+            }
+        }
+        Some(IntRun { v, scale, min })
+    }
+}
+
 /// Runs `f` over each `B`-byte block of `bytes` and the `N` outputs it fills, as fixed-size
 /// arrays so the per-block kernels index without bounds checks.
 #[inline(always)]
@@ -787,6 +960,47 @@ mod tests {
                 (z ^ (z >> 31)) as u8
             })
             .collect()
+    }
+
+    #[test]
+    fn int_runs_rebuild_the_dequantized_bits() {
+        // Every quantized type over arbitrary bytes (NaN, infinite and subnormal scales
+        // included): scale·v + min, one rounding (or scale·v alone), is ggml's value bit for
+        // bit (both NaN counts as equal).
+        for t in GgmlType::ALL {
+            let n = 4 * t.block_size().max(32);
+            let bytes = noise(t.row_bytes(n).unwrap(), 11 + t as u64);
+            let mut want = vec![0f32; n];
+            t.dequantize(&bytes, &mut want).unwrap();
+            if matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                assert!(t.int_run(&bytes, 0).is_none());
+                continue;
+            }
+            for b in 0..n / 32 {
+                let run = t.int_run(&bytes, b).unwrap();
+                if t.mins() == Mins::None {
+                    assert_eq!(run.min, [0.0, 0.0], "{}", t.name());
+                }
+                if t.mins() != Mins::Per16 {
+                    assert_eq!(run.min[0].to_bits(), run.min[1].to_bits(), "{}", t.name());
+                }
+                for i in 0..32 {
+                    let h = i / 16;
+                    let v = f32::from(run.v[i]);
+                    let got = if t.mins() == Mins::None {
+                        run.scale[h] * v
+                    } else {
+                        run.scale[h].mul_add(v, run.min[h])
+                    };
+                    let w = want[32 * b + i];
+                    assert!(
+                        got.to_bits() == w.to_bits() || (got.is_nan() && w.is_nan()),
+                        "{} run {b} value {i}: {got} vs {w}",
+                        t.name()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod gguf;
 pub mod gguf_quant;
 pub mod gguf_tokenizer;
 mod linear;
+mod linear_q8;
 pub mod lora;
 pub mod quant;
 pub mod tokenizer;

@@ -74,7 +74,7 @@ pub(crate) fn dot_order(a: &[f32], b: &[f32]) -> f32 {
 
 /// The fixed combination of the eight lane sums.
 #[inline(always)]
-fn combine(a: [f32; 8]) -> f32 {
+pub(crate) fn combine(a: [f32; 8]) -> f32 {
     let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (s[0] + s[2]) + (s[1] + s[3])
 }
@@ -350,14 +350,33 @@ type BlockFn = unsafe fn(*const f32, usize, *const u8, usize, usize, usize, usiz
 /// enough. Every element is bit-identical to [`dot_order`] of its row and its column (widened
 /// to f32).
 ///
+/// With `int8` and a matrix of ggml blocks, every part quantized, the activations are
+/// quantized to 8 bits instead and each element is [`crate::linear_q8`]'s integer dot
+/// product (llama.cpp's scheme; its own fixed order, the same whatever the batch and the
+/// thread count); `int8` changes nothing for any other matrix.
+///
 /// # Panics
 /// If `x` has fewer than `t * k` values, `w` is not `n * k` values, or `out` has fewer than
 /// `t * n` (a caller bug: the forward pass sizes these from the config).
-pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &mut [f32]) {
+pub(crate) fn linear(
+    x: &[f32],
+    t: usize,
+    w: &Store,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    int8: bool,
+) {
     assert!(x.len() >= t * k && w.len() == n * k && out.len() >= t * n);
     if t == 0 || n == 0 {
         return;
     }
+    let q8 = match w {
+        Store::Ggml(parts) if int8 && crate::linear_q8::reads(parts) => {
+            Some(crate::linear_q8::QuantRows::new(x, t, k))
+        }
+        _ => None,
+    };
     let kernel = match w.raw() {
         Some((BF16, _)) => block_kernel::<BF16>(),
         Some((F16, _)) => block_kernel::<F16>(),
@@ -397,6 +416,12 @@ pub(crate) fn linear(x: &[f32], t: usize, w: &Store, n: usize, k: usize, out: &m
         let j0 = b * nb;
         let j1 = (j0 + nb).min(n);
         if let Some(parts) = ggml {
+            if let Some(qx) = &q8 {
+                // SAFETY: out[r0..r1, j0..j1] is this task's (as below); the parts' rows are
+                // k values, the quantized x rows'.
+                unsafe { crate::linear_q8::gemv(parts, qx, r0, r1, n, j0, j1, op.get()) };
+                return;
+            }
             #[cfg(target_arch = "x86_64")]
             if r1 - r0 <= avx2::FUSED_ROWS && fused_gemv {
                 // SAFETY: rows r0..r1 of x are k values each and out[r0..r1, j0..j1] is this
@@ -705,29 +730,29 @@ pub(crate) mod avx2 {
             }
         };
     }
-    use by_type;
+    pub(crate) use by_type;
 
     /// [`run32`]'s type codes.
-    const Q8_0: u8 = 0;
-    const Q4_K: u8 = 1;
-    const Q6_K: u8 = 2;
-    const Q4_0: u8 = 3;
-    const Q5_K: u8 = 4;
-    const IQ4_NL: u8 = 5;
-    const IQ4_XS: u8 = 6;
-    const Q4_1: u8 = 7;
-    const Q5_0: u8 = 8;
-    const Q5_1: u8 = 9;
-    const Q2_K: u8 = 10;
-    const Q3_K: u8 = 11;
+    pub(crate) const Q8_0: u8 = 0;
+    pub(crate) const Q4_K: u8 = 1;
+    pub(crate) const Q6_K: u8 = 2;
+    pub(crate) const Q4_0: u8 = 3;
+    pub(crate) const Q5_K: u8 = 4;
+    pub(crate) const IQ4_NL: u8 = 5;
+    pub(crate) const IQ4_XS: u8 = 6;
+    pub(crate) const Q4_1: u8 = 7;
+    pub(crate) const Q5_0: u8 = 8;
+    pub(crate) const Q5_1: u8 = 9;
+    pub(crate) const Q2_K: u8 = 10;
+    pub(crate) const Q3_K: u8 = 11;
 
     /// Whether type `T` comes in blocks of 32 (one scale a block), not super-blocks of 256.
-    const fn small_blocks<const T: u8>() -> bool {
+    pub(crate) const fn small_blocks<const T: u8>() -> bool {
         matches!(T, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | IQ4_NL)
     }
 
     /// Bytes of one block of type `T` (ggml's `block_*` structs).
-    const fn block_bytes<const T: u8>() -> usize {
+    pub(crate) const fn block_bytes<const T: u8>() -> usize {
         match T {
             Q8_0 => 34,
             Q4_0 => 18,
@@ -746,7 +771,7 @@ pub(crate) mod avx2 {
     }
 
     /// How far ahead of the block being read [`gemv_rows`] prefetches each row, in bytes.
-    const PREFETCH: usize = 2048;
+    pub(crate) const PREFETCH: usize = 2048;
 
     /// `out[r * ldo + c] = x[r, ..] · row c` for `R` x rows (stride `k`) and `C` W rows of
     /// type `T`, `k` values each.
@@ -822,7 +847,7 @@ pub(crate) mod avx2 {
     /// # Safety
     /// `p` points to 2 readable bytes.
     #[inline(always)]
-    unsafe fn f16_at(p: *const u8) -> f32 {
+    pub(crate) unsafe fn f16_at(p: *const u8) -> f32 {
         // SAFETY: the caller's two bytes.
         half::f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() }).to_f32()
     }
@@ -837,20 +862,31 @@ pub(crate) mod avx2 {
     /// The row holds block `blk` of type `T`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn block_scales<const T: u8>(row: *const u8, blk: usize) -> [f32; 32] {
+    pub(crate) unsafe fn block_scales<const T: u8>(row: *const u8, blk: usize) -> [f32; 32] {
         let mut out = [0f32; 32];
         // SAFETY: the block's bytes, at ggml's struct offsets.
         unsafe {
             if T == Q4_K || T == Q5_K {
+                // The eight 6-bit scales and mins of `scale_min_k4`, unpacked four at a time
+                // in u32s (llama.cpp's `utmp` masks): scales in u[0..2], mins in u[2..4];
+                // then widened and scaled in vectors (scalar, the loop took a tenth of the
+                // kernel's time).
                 let sb = row.add(block_bytes::<T>() * blk);
                 let (d, min) = (f16_at(sb), f16_at(sb.add(2)));
-                let mut scales = [0u8; 12];
-                std::ptr::copy_nonoverlapping(sb.add(4), scales.as_mut_ptr(), 12);
-                for s in 0..8 {
-                    let (sc, m) = crate::gguf_quant::scale_min_k4(s, &scales);
-                    out[s] = d * sc as f32;
-                    out[8 + s] = min * m as f32;
-                }
+                let mut u = [0u32; 4];
+                std::ptr::copy_nonoverlapping(sb.add(4), u.as_mut_ptr().cast::<u8>(), 12);
+                let (m6, m4, m2) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+                u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+                let mins_low = u[1] & m6;
+                u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+                u[2] = mins_low;
+                u[0] &= m6;
+                let v = _mm_loadu_si128(u.as_ptr().cast());
+                let o = out.as_mut_ptr();
+                let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+                let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
+                _mm256_storeu_ps(o.add(8), _mm256_mul_ps(_mm256_set1_ps(min), m));
             } else if T == Q2_K {
                 // Sixteen bytes, a scale in each low nibble and a min in each high one; in
                 // vectors (scalar, these loops took a third of the kernel's time).
@@ -892,9 +928,7 @@ pub(crate) mod avx2 {
             } else {
                 let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb.add(208));
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = d * f32::from(*sb.add(192 + i) as i8);
-                }
+                store16::<true>(out.as_mut_ptr(), _mm_loadu_si128(sb.add(192).cast()), d);
             }
         }
         out
@@ -1417,6 +1451,28 @@ pub(crate) fn rnd(n: usize, s: &mut u64) -> Vec<f32> {
 }
 
 #[cfg(test)]
+/// `rows` rows of `cols` random `ty` blocks whose values are finite and moderate (blocks
+/// drawn again while a random scale makes some value NaN, infinite or huge).
+pub(crate) fn random_ggml(ty: GgmlType, rows: usize, cols: usize, s: &mut u64) -> GgmlRows {
+    let mut bytes = Vec::new();
+    for _ in 0..rows * cols / ty.block_size() {
+        loop {
+            let block: Vec<u8> = rnd(ty.type_size(), s)
+                .iter()
+                .map(|v| ((v + 0.5) * 256.0) as u8)
+                .collect();
+            let mut y = vec![0.0f32; ty.block_size()];
+            ty.dequantize(&block, &mut y).unwrap();
+            if y.iter().all(|v| v.abs() < 1e4) {
+                bytes.extend(block);
+                break;
+            }
+        }
+    }
+    GgmlRows::new(ty, rows, cols, bytes).unwrap()
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -1479,9 +1535,9 @@ mod tests {
                     for threads in [1, 3] {
                         let mut out = vec![f32::NAN; t * n];
                         if threads == 1 {
-                            linear(&x, t, store, n, k, &mut out);
+                            linear(&x, t, store, n, k, &mut out, false);
                         } else {
-                            pool.install(|| linear(&x, t, store, n, k, &mut out));
+                            pool.install(|| linear(&x, t, store, n, k, &mut out, false));
                         }
                         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                         assert!(
@@ -1493,27 +1549,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// `rows` rows of `cols` random `ty` blocks whose values are finite and moderate (blocks
-    /// drawn again while a random scale makes some value NaN, infinite or huge).
-    fn random_ggml(ty: GgmlType, rows: usize, cols: usize, s: &mut u64) -> GgmlRows {
-        let mut bytes = Vec::new();
-        for _ in 0..rows * cols / ty.block_size() {
-            loop {
-                let block: Vec<u8> = rnd(ty.type_size(), s)
-                    .iter()
-                    .map(|v| ((v + 0.5) * 256.0) as u8)
-                    .collect();
-                let mut y = vec![0.0f32; ty.block_size()];
-                ty.dequantize(&block, &mut y).unwrap();
-                if y.iter().all(|v| v.abs() < 1e4) {
-                    bytes.extend(block);
-                    break;
-                }
-            }
-        }
-        GgmlRows::new(ty, rows, cols, bytes).unwrap()
     }
 
     /// A matrix of ggml blocks (every quantized type, and one of mixed parts) gives, for every
@@ -1568,13 +1603,13 @@ mod tests {
             let x = rnd(9 * k, &mut s);
             for t in [1, 2, 3, 4, 5, 6, 7, 8, 9] {
                 let mut want = vec![0.0f32; t * n];
-                linear(&x, t, &f32_store, n, k, &mut want);
+                linear(&x, t, &f32_store, n, k, &mut want, false);
                 for threads in [1, 3] {
                     let mut got = vec![f32::NAN; t * n];
                     if threads == 1 {
-                        linear(&x, t, &store, n, k, &mut got);
+                        linear(&x, t, &store, n, k, &mut got, false);
                     } else {
-                        pool.install(|| linear(&x, t, &store, n, k, &mut got));
+                        pool.install(|| linear(&x, t, &store, n, k, &mut got, false));
                     }
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert!(

@@ -276,6 +276,71 @@ fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
     );
 }
 
+/// With 8-bit activations (`set_int8_activations`, llama.cpp's scheme) the same quantized
+/// file's logits move (the mode is wired through every projection) but stay within a few
+/// percent of the f32-activation logits, and a row's logits do not depend on its batchmates.
+#[test]
+fn int8_activations_stay_close_to_f32_activations_and_batch_invariant() {
+    use baton_model::{ForwardRow, PagedKvCache};
+    let tmp = temp_dir("gguf-int8");
+    let file = tmp.join("stories260K-Q8_0-Q4_0-IQ4_NL.gguf");
+    write_quantized(&gguf_file(), &file, false, |n| {
+        if n.ends_with("attn_k.weight") {
+            Q4_0
+        } else if n.ends_with("attn_v.weight") {
+            IQ4_NL
+        } else {
+            Q8_0
+        }
+    });
+    let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
+    let exact = CpuModel::from_source(cfg.clone(), &src).unwrap();
+    let mut int8 = CpuModel::from_source(cfg, &src).unwrap();
+    int8.set_int8_activations(true);
+    let g = golden();
+    let mut alone = Vec::new();
+    for p in &g.prompts {
+        let (a, b) = (
+            prompt_logits(&exact, &p.prompt_ids),
+            prompt_logits(&int8, &p.prompt_ids),
+        );
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff > 0.0,
+            "int8 activations changed nothing: {:?}",
+            p.prompt
+        );
+        assert!(
+            diff < 0.05 * scale,
+            "{:?}: {diff} against {scale}",
+            p.prompt
+        );
+        alone.push(b);
+    }
+    // Two prompts in one forward pass: each row's logits are its logits alone, bit for bit.
+    let (p0, p1) = (&g.prompts[0].prompt_ids, &g.prompts[1].prompt_ids);
+    let mut kv = PagedKvCache::new(int8.config(), 4, 16);
+    let rows = [(p0, [0u32, 1]), (p1, [2, 3])];
+    let rows: Vec<ForwardRow> = rows
+        .iter()
+        .map(|(tokens, table)| ForwardRow {
+            tokens,
+            start_pos: 0,
+            block_table: table,
+            want_logits: true,
+            all_logits: false,
+            lora: 0,
+        })
+        .collect();
+    let both = int8.forward(&mut kv, &rows).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&both[0]) == bits(&alone[0]) && bits(&both[1]) == bits(&alone[1]));
+}
+
 /// A quantized block whose scale is NaN is refused, naming the tensor and the element (its
 /// position in the file's tensor, also for a q projection, whose rows are served
 /// un-permuted: GGUF row 1 is Hugging Face row 4 there), when the CPU backend keeps the
