@@ -517,8 +517,7 @@ mod avx2 {
     ///
     /// # Safety
     /// The row holds run `b` of type `T`; the CPU has AVX2 and F16C.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     unsafe fn runq<const T: u8>(
         row: *const u8,
         b: usize,
