@@ -109,8 +109,8 @@ pub struct WorkerArgs {
     /// CPU backend: run a GGUF file's quantized matrices with each token's activations
     /// quantized to 8 bits (blocks of 32, an f32 scale each) and integer dot products, as
     /// llama.cpp's CPU backend does, instead of f32 activations over ggml's dequantized
-    /// values. Faster for steps of few tokens (batch-1 decode 1.4-1.9x on 4- and 6-bit
-    /// files, about even from 4 tokens on); each product is off by at most what rounding
+    /// values. Faster for steps of few tokens (batch-1 decode 1.1-2.1x, batches of 4 about
+    /// even, 16-token steps up to 1.4x slower); each product is off by at most what rounding
     /// the activations to 8 bits costs, so greedy tokens can differ from the default's.
     /// Outputs stay the same whatever the batch. No effect on other weights or under
     /// --device cuda.

@@ -31,7 +31,7 @@
 //! the results are the bits of the f32 path over the dequantized matrix: the same whatever the
 //! batch and thread count, and the same values llama.cpp's reference dequantization gives
 //! (llama.cpp itself quantizes the activations to 8 bits for its dot products; Baton keeps
-//! them f32).
+//! them f32 unless asked, [`crate::linear_q8`]).
 
 use crate::gguf_quant::GgmlType;
 use rayon::prelude::*;

@@ -5,8 +5,8 @@
 //! activations f32 and gives the bits of the f32 kernel over ggml's dequantized matrix; this
 //! path gives that up for less vector work per weight when a step has few tokens (a run of
 //! 32 weights is decoded into one vector of bytes, not four of floats): batch-1 decode
-//! 1.4-1.9x faster on 4- and 6-bit files, about even from 4 tokens on (bench/RESULTS.md,
-//! session 42).
+//! 1.1-2.1x faster, batches of 4 about even, 16-token steps up to 1.4x slower
+//! (bench/RESULTS.md, session 42).
 //!
 //! Numerics. Each token's activations are quantized per block of 32 values: `amax` the
 //! block's largest magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so
