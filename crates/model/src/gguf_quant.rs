@@ -463,6 +463,138 @@ impl GgmlType {
     }
 }
 
+/// A super-block of 256 values of a K-quant or IQ4_XS in integers, for products with
+/// activations quantized per 256 (llama.cpp's `block_q8_K`, `crate::linear_q8`): value `i` is
+/// `d·sc[i / 16]·v[i] + cm·mc[i / 16]` in exact arithmetic (ggml's f32 value is that, rounded).
+/// `v` is unsigned (`0..=63`) for every type but IQ4_XS, whose levels are signed: the fixed
+/// offsets of Q3_K (`−4`) and Q6_K (`−32`) move into `mc` (`4·sc`, `32·sc`, with `cm = −d`),
+/// as the K-quants' mins do (`mc = m`, `cm = −dmin`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct KInts {
+    /// The 256 quants, offset-free.
+    pub(crate) v: [i8; 256],
+    /// The integer scale of each 16 values (`−128..=127`).
+    pub(crate) sc: [i16; 16],
+    /// The integer min (or offset) coefficient of each 16 values (`0..=4096` in magnitude).
+    pub(crate) mc: [i16; 16],
+    /// The super-block's scale (f16, widened).
+    pub(crate) d: f32,
+    /// The coefficient of `mc`: `−dmin`, `−d`, or 0 (IQ4_XS).
+    pub(crate) cm: f32,
+}
+
+impl GgmlType {
+    /// Whether products with 8-bit activations read this type a super-block of 256 at a time
+    /// ([`GgmlType::k_ints`]), not a run of 32 ([`GgmlType::int_run`]).
+    pub(crate) fn super_blocks(self) -> bool {
+        matches!(
+            self,
+            GgmlType::Q2_K
+                | GgmlType::Q3_K
+                | GgmlType::Q4_K
+                | GgmlType::Q5_K
+                | GgmlType::Q6_K
+                | GgmlType::IQ4_XS
+        )
+    }
+
+    /// The integer scales, min coefficients and float factors of one super-block `b` (its
+    /// bytes) of this type, as [`KInts`] holds them: `(sc, mc, d, cm)`.
+    ///
+    /// # Panics
+    /// If `b` is shorter than a block, or this is not a [`super_blocks`] type (caller bugs).
+    ///
+    /// [`super_blocks`]: GgmlType::super_blocks
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // sc[j] and mc[j] together
+    pub(crate) fn k_scales(self, b: &[u8]) -> ([i16; 16], [i16; 16], f32, f32) {
+        let (mut sc, mut mc) = ([0i16; 16], [0i16; 16]);
+        match self {
+            GgmlType::Q2_K => {
+                for j in 0..16 {
+                    sc[j] = i16::from(b[j] & 0x0F);
+                    mc[j] = i16::from(b[j] >> 4);
+                }
+                (sc, mc, f16_le(b[80], b[81]), -f16_le(b[82], b[83]))
+            }
+            GgmlType::Q3_K => {
+                for j in 0..16 {
+                    sc[j] = q3_k_scale(j, &b[96..108]) as i16;
+                    mc[j] = 4 * sc[j];
+                }
+                let d = f16_le(b[108], b[109]);
+                (sc, mc, d, -d)
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                // `scale_min_k4`'s unpacking four at a time in u32s (llama.cpp's `utmp`
+                // masks): the scales are the bytes of u[0..2], the mins of u[2..4].
+                let w = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+                let (u0, u1, u2) = (w(4), w(8), w(12));
+                let (m6, m4, m2) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+                let scales = [u0 & m6, (u2 & m4) | (((u0 >> 6) & m2) << 4)];
+                let mins = [u1 & m6, ((u2 >> 4) & m4) | (((u1 >> 6) & m2) << 4)];
+                for j in 0..16 {
+                    let byte = |v: [u32; 2]| (v[j / 8] >> (8 * ((j / 2) % 4))) as u8;
+                    sc[j] = i16::from(byte(scales));
+                    mc[j] = i16::from(byte(mins));
+                }
+                (sc, mc, f16_le(b[0], b[1]), -f16_le(b[2], b[3]))
+            }
+            GgmlType::Q6_K => {
+                for j in 0..16 {
+                    // Group j of 16 values has scale j.
+                    sc[j] = i16::from(b[192 + j] as i8);
+                    mc[j] = 32 * sc[j];
+                }
+                let d = f16_le(b[208], b[209]);
+                (sc, mc, d, -d)
+            }
+            GgmlType::IQ4_XS => {
+                for j in 0..16 {
+                    sc[j] = iq4_xs_scale(j / 2, b) as i16;
+                }
+                (sc, mc, f16_le(b[0], b[1]), 0.0)
+            }
+            _ => panic!("k_scales of {}", self.name()),
+        }
+    }
+
+    /// Super-block `blk` of `row` (a row of this type, one of [`super_blocks`]) as
+    /// [`KInts`]; `None` for other types.
+    ///
+    /// # Panics
+    /// If `row` is shorter than the block (a caller bug: rows come from checked tensors).
+    ///
+    /// [`super_blocks`]: GgmlType::super_blocks
+    pub(crate) fn k_ints(self, row: &[u8], blk: usize) -> Option<KInts> {
+        if !self.super_blocks() {
+            return None;
+        }
+        let b = &row[self.type_size() * blk..self.type_size() * (blk + 1)];
+        let mut k = KInts {
+            v: [0; 256],
+            sc: [0; 16],
+            mc: [0; 16],
+            d: 0.0,
+            cm: 0.0,
+        };
+        // Values 32s..32s + 32 of each type as its int_run decodes run s, offsets removed.
+        for s in 0..8 {
+            let run = self.int_run(b, s).expect("quantized");
+            let off = match self {
+                GgmlType::Q3_K => 4,
+                GgmlType::Q6_K => 32,
+                _ => 0,
+            };
+            for i in 0..32 {
+                k.v[32 * s + i] = run.v[i] + off;
+            }
+        }
+        (k.sc, k.mc, k.d, k.cm) = self.k_scales(b);
+        Some(k)
+    }
+}
+
 /// Runs `f` over each `B`-byte block of `bytes` and the `N` outputs it fills, as fixed-size
 /// arrays so the per-block kernels index without bounds checks.
 #[inline(always)]
@@ -1000,6 +1132,44 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    #[allow(clippy::needless_range_loop)] // value i of three arrays
+    fn k_ints_rebuild_the_dequantized_values() {
+        // d·sc·v + cm·mc in f64 is ggml's f32 value before its last rounding: equal within
+        // a few ulps (exactly for most), on moderate random blocks of every super-block type.
+        for t in GgmlType::ALL {
+            if !t.super_blocks() {
+                assert!(t.k_ints(&[0; 256], 0).is_none());
+                continue;
+            }
+            let mut checked = 0;
+            for seed in 0..64 {
+                let bytes = noise(t.type_size(), 1000 + seed);
+                let mut want = vec![0f32; 256];
+                t.dequantize(&bytes, &mut want).unwrap();
+                if !want.iter().all(|v| v.is_finite() && v.abs() < 1e4) {
+                    continue;
+                }
+                let k = t.k_ints(&bytes, 0).unwrap();
+                if t != GgmlType::IQ4_XS {
+                    assert!(k.v.iter().all(|&v| (0..64).contains(&v)), "{}", t.name());
+                }
+                for i in 0..256 {
+                    let got = k.d as f64 * k.sc[i / 16] as f64 * k.v[i] as f64
+                        + k.cm as f64 * k.mc[i / 16] as f64;
+                    let w = want[i] as f64;
+                    assert!(
+                        (got - w).abs() <= 4.0 * f32::EPSILON as f64 * w.abs().max(1e-30),
+                        "{} value {i}: {got} vs {w}",
+                        t.name()
+                    );
+                }
+                checked += 1;
+            }
+            assert!(checked > 8, "{}: {checked} blocks", t.name());
         }
     }
 

@@ -373,7 +373,9 @@ pub(crate) fn linear(
     }
     let q8 = match w {
         Store::Ggml(parts) if int8 && crate::linear_q8::reads(parts) => {
-            Some(crate::linear_q8::QuantRows::new(x, t, k))
+            let per256 = parts.iter().any(|p| p.ty.super_blocks());
+            let per32 = parts.iter().any(|p| !p.ty.super_blocks());
+            Some(crate::linear_q8::QuantRows::new(x, t, k, per32, per256))
         }
         _ => None,
     };

@@ -1,40 +1,41 @@
 //! A GGUF file's quantized matrices times activations quantized to 8 bits: llama.cpp's CPU
-//! scheme (`ggml-cpu`'s `ggml_vec_dot_*_q8_*`: each activation row in blocks of 32 signed
-//! bytes with one scale, integer products summed exactly, one float multiply-add per four
-//! products), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`] keeps the
-//! activations f32 and gives the bits of the f32 kernel over ggml's dequantized matrix; this
-//! path gives that up for less vector work per weight when a step has few tokens (a run of
-//! 32 weights is decoded into one vector of bytes, not four of floats): batch-1 decode
-//! 1.1-2.1x faster, batches of 4 about even, 16-token steps up to 1.4x slower
-//! (bench/RESULTS.md, session 42).
+//! scheme (`ggml-cpu`'s `ggml_vec_dot_*_q8_0` and `*_q8_K`: integer products summed exactly,
+//! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
+//! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
+//! matrix; this path gives that up for less vector work per weight: batch-1 decode
+//! 1.2-2.1x faster, 16-token steps (prefill) from 1.2x faster (K-quants) to 1.4x slower
+//! (some blocks of 32) (bench/RESULTS.md, session 42).
 //!
-//! Numerics. Each token's activations are quantized per block of 32 values: `amax` the
-//! block's largest magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so
-//! `|q| <= 127`; a block of zeros, or of values so small that `127 / amax` overflows, is all
-//! zeros), kept with an f32 `d` (llama.cpp's `block_q8_0` rounds `d` to f16 as well; its
-//! K-quant products use one scale per 256 activations, coarser). A block holding a NaN or
-//! an infinity gets `d = NaN`, so every output it meets is NaN, as the f32 path's would be.
-//! A weight run of 32 is `scale·v + min` ([`IntRun`]), so a row's dot product is
-//! `Σ_runs (scale·d)·Σ v·q + min·(d·Σ q)`. Against the f32 result the error is at most that
-//! of rounding each activation to within `amax / 254` of its value (the tests check this
-//! bound on every type).
+//! Activations. Each token's values are quantized per block: `amax` the block's largest
+//! magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so `|q| <= 127`; a
+//! block of zeros, or of values so small that `127 / amax` overflows, is all zeros), `d` kept
+//! as f32. A block holding a NaN or an infinity gets `d = NaN`, so every output it meets is
+//! NaN, as the f32 path's would be. Blocks are of 32 values for the types of blocks of 32
+//! (llama.cpp's `block_q8_0`, whose `d` is f16), and of 256 for the K-quants and IQ4_XS
+//! (`block_q8_K`, with the sum of each 16 `q`), whose integer sub-scales then multiply in
+//! integers. The error against the f32 result is at most that of rounding each activation to
+//! within `amax / 254` of its value (the tests check this bound on every type).
 //!
 //! Invariant, as [`crate::linear`]'s: `out[r, j]` is computed by one fixed sequence of
 //! operations whatever the batch, the row's place in it, the register tile and the thread
 //! count, and the AVX2 kernel and the portable reference ([`dot_reference`]) give the same
-//! bits, so a machine without AVX2 gives the same tokens. The sequence, for x row `r`, W
-//! row `j` (its part's type), runs `b` of 32 values and groups `g` of 8 runs:
-//! - eight f32 lane sums `acc`, lane `l` taking values `4l..4l + 4` of each run: per run,
-//!   in order, `acc[l] = fma(f32(Σ_{i in 4l..4l+4} v[i]·q[i]), scale[l / 4]·d_b, acc[l])`
-//!   (the integer sum is exact);
-//! - for a type with mins ([`Mins`]), eight more, `accm`, per group `g` in order:
-//!   `accm[l] = fma(min_{8g+l}, s32_{8g+l}, accm[l])` for one min a run, or
-//!   `accm[l] = fma(min_{16g+l}, s16_{16g+l}, accm[l])` then the same with `8 + l` for one
-//!   a half run (Q2_K), where `s32_b = f32(Σ_32 q)·d_b` and `s16_{2b+h} = f32(Σ_{half h}
-//!   q)·d_b`, and runs past the row's end count as `min = 0`, `s = 0`;
-//! - `out = combine(acc)`, plus `combine(accm)` for a type with mins
-//!   ([`crate::linear`]'s lane combination).
+//! bits, so a machine without AVX2 gives the same tokens. The sequences, for x row `r` and W
+//! row `j` (of its part's type):
+//! - Blocks of 32 ([`IntRun`]: a run is `scale·v + min`): eight f32 lane sums `acc`, lane `l`
+//!   taking values `4l..4l + 4` of each run: per run `b` in order,
+//!   `acc[l] = fma(f32(Σ_{i in 4l..4l+4} v[i]·q[i]), scale·d_b, acc[l])` (the integer sum is
+//!   exact); for Q4_1 and Q5_1 (one min a run) eight more, per group `g` of 8 runs (past the
+//!   row's end `min = 0`, `s = 0`), `accm[l] = fma(min_{8g+l}, s32_{8g+l}, accm[l])` with
+//!   `s32_b = f32(Σ_32 q)·d_b`; `out = combine(acc)` (`+ combine(accm)`).
+//! - Super-blocks of 256 ([`KInts`]: `d·sc·v + cm·mc` per 16 values): per super-block `b` in
+//!   order, eight exact i32 lane sums `isum[l] = Σ_runs s sc[2s + l / 4]·Σ_{i in 4l..4l+4}
+//!   v·q`, then `acc[l] = fma(f32(isum[l]), d·d_b, acc[l])`, and (not IQ4_XS)
+//!   `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; `out = combine(acc) + accm`.
+//!
+//! `combine` is [`crate::linear`]'s lane combination.
 
+#[allow(unused_imports)] // named by the documentation
+use crate::gguf_quant::KInts;
 use crate::gguf_quant::{GgmlType, IntRun, Mins};
 use crate::linear::{combine, GgmlRows};
 
@@ -54,61 +55,78 @@ pub(crate) struct QuantRows {
     d: Vec<f32>,
     /// `[t, 8 kg]`: `f32(Σ q)·d` per block, zero past `kb`.
     s32: Vec<f32>,
-    /// `[t, 16 kg]`: `f32(Σ q)·d` per half block, zero past `2 kb`.
-    s16: Vec<f32>,
+    /// `[t, k]` quants of the super-block format (one scale per 256 values, llama.cpp's
+    /// `block_q8_K`), for the K-quants and IQ4_XS; empty when no part needs them.
+    kq: Vec<i8>,
+    /// `[t, k / 256]` super-block scales.
+    kd: Vec<f32>,
+    /// `[t, k / 16]` sums of each 16 `kq`.
+    bsum: Vec<i16>,
 }
 
 impl QuantRows {
-    /// Quantizes rows `0..t` of `x` (row stride `k`).
+    /// Quantizes rows `0..t` of `x` (row stride `k`): in blocks of 32 when `per32`, and
+    /// in super-blocks of 256 when `per256` (`k` then a multiple of 256).
     ///
     /// # Panics
-    /// If `k` is not a multiple of 32 or `x` has fewer than `t * k` values (a caller bug:
-    /// quantized rows are whole blocks of 32).
-    pub(crate) fn new(x: &[f32], t: usize, k: usize) -> Self {
+    /// If `k` is not a multiple of 32 (or 256 with `per256`) or `x` has fewer than `t * k`
+    /// values (a caller bug: quantized rows are whole blocks).
+    pub(crate) fn new(x: &[f32], t: usize, k: usize, per32: bool, per256: bool) -> Self {
         assert!(k.is_multiple_of(32) && x.len() >= t * k);
+        assert!(!per256 || k.is_multiple_of(256));
         let (kb, kg) = (k / 32, (k / 32).div_ceil(8));
+        let n32 = if per32 { t } else { 0 };
+        let n256 = if per256 { t } else { 0 };
         let mut qr = QuantRows {
             k,
             kb,
             kg,
-            q: vec![0; t * k],
-            d: vec![0.0; t * kb],
-            s32: vec![0.0; t * 8 * kg],
-            s16: vec![0.0; t * 16 * kg],
+            q: vec![0; n32 * k],
+            d: vec![0.0; n32 * kb],
+            s32: vec![0.0; n32 * 8 * kg],
+            kq: vec![0; n256 * k],
+            kd: vec![0.0; n256 * k / 256],
+            bsum: vec![0; n256 * k / 16],
         };
-        #[cfg(target_arch = "x86_64")]
-        let fast = std::arch::is_x86_feature_detected!("avx2");
-        #[cfg(not(target_arch = "x86_64"))]
-        let fast = false;
-        for r in 0..t {
+        let sum = |h: &[i8]| h.iter().map(|&v| i32::from(v)).sum::<i32>();
+        for r in 0..n32 {
             for b in 0..kb {
                 let xs = &x[r * k + 32 * b..r * k + 32 * b + 32];
                 let q = &mut qr.q[r * k + 32 * b..r * k + 32 * b + 32];
-                #[cfg(target_arch = "x86_64")]
-                let d = if fast {
-                    // SAFETY: the CPU has AVX2 (checked above); xs and q are 32 values each.
-                    unsafe { avx2::quantize_block(xs.as_ptr(), q.as_mut_ptr()) }
-                } else {
-                    quantize_block(xs, q)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let d = {
-                    let _ = fast;
-                    quantize_block(xs, q)
-                };
-                let sum = |h: &[i8]| h.iter().map(|&v| i32::from(v)).sum::<i32>() as f32;
+                let d = quantize_any(xs, q);
                 qr.d[r * kb + b] = d;
-                qr.s32[r * 8 * kg + b] = sum(q) * d;
-                qr.s16[r * 16 * kg + 2 * b] = sum(&q[..16]) * d;
-                qr.s16[r * 16 * kg + 2 * b + 1] = sum(&q[16..]) * d;
+                qr.s32[r * 8 * kg + b] = sum(q) as f32 * d;
+            }
+        }
+        for r in 0..n256 {
+            for b in 0..k / 256 {
+                let xs = &x[r * k + 256 * b..r * k + 256 * b + 256];
+                let q = &mut qr.kq[r * k + 256 * b..r * k + 256 * b + 256];
+                qr.kd[r * k / 256 + b] = quantize_any(xs, q);
+                for (j, h) in q.chunks_exact(16).enumerate() {
+                    qr.bsum[r * k / 16 + 16 * b + j] = sum(h) as i16;
+                }
             }
         }
         qr
     }
 }
 
-/// Quantizes 32 values into `q`, returning the block's `d` (the module documentation's
-/// rule; the reference [`avx2::quantize_block`] matches bit for bit).
+/// [`quantize_block`] of `x` (a multiple of 32 values) into `q`, with AVX2 where the CPU has
+/// it (the same bits).
+fn quantize_any(x: &[f32], q: &mut [i8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        assert!(x.len().is_multiple_of(32) && q.len() == x.len());
+        // SAFETY: the CPU has AVX2; x and q hold x.len() values each, a multiple of 32.
+        return unsafe { avx2::quantize_block(x.as_ptr(), q.as_mut_ptr(), x.len()) };
+    }
+    quantize_block(x, q)
+}
+
+/// Quantizes a block of values (32, or 256 for the super-block format) into `q`, returning
+/// the block's `d` (the module documentation's rule; [`avx2::quantize_block`] matches it bit
+/// for bit).
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     if x.iter().any(|v| !v.is_finite()) {
         q.fill(0);
@@ -170,21 +188,25 @@ pub(crate) unsafe fn gemv(
     }
 }
 
-/// The reference of the module documentation's sequence: x row `r` of `qx` times `row`, a
-/// row of the quantized type `ty` of `qx`'s `k` values, decoded a run at a time by
-/// [`GgmlType::int_run`].
+/// The reference of the module documentation's sequences: x row `r` of `qx` times `row`, a
+/// row of the quantized type `ty` of `qx`'s `k` values; a type of blocks of 32 decoded a run
+/// at a time by [`GgmlType::int_run`], a super-block type by [`dot_k_reference`].
 ///
 /// # Panics
 /// If `ty` is a float type or `row` is shorter than `k` values (caller bugs).
 pub(crate) fn dot_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) -> f32 {
+    if ty.super_blocks() {
+        return dot_k_reference(ty, row, qx, r);
+    }
     let (k, kb, kg) = (qx.k, qx.kb, qx.kg);
     assert!(ty.is_quantized(), "a quantized type");
-    let mins = ty.mins();
+    // Among the types of blocks of 32, Q4_1 and Q5_1 have mins, one a run.
+    let mins = ty.mins() == Mins::Per32;
     let mut acc = [0f32; 8];
     let mut accm = [0f32; 8];
     for g in 0..kg {
-        let mut m = [0f32; 16];
-        for l in 0..8 {
+        let mut m = [0f32; 8];
+        for (l, ml) in m.iter_mut().enumerate() {
             let b = 8 * g + l;
             if b >= kb {
                 break;
@@ -198,29 +220,58 @@ pub(crate) fn dot_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) 
                     .sum();
                 *a = (isum as f32).mul_add(scale[lane / 4] * d, *a);
             }
-            m[2 * l] = min[0];
-            m[2 * l + 1] = min[1];
+            *ml = min[0];
         }
-        match mins {
-            Mins::None => {}
-            Mins::Per32 => {
-                for (l, a) in accm.iter_mut().enumerate() {
-                    *a = m[2 * l].mul_add(qx.s32[(r * kg + g) * 8 + l], *a);
-                }
-            }
-            Mins::Per16 => {
-                for h in [0, 8] {
-                    for (l, a) in accm.iter_mut().enumerate() {
-                        *a = m[h + l].mul_add(qx.s16[(r * kg + g) * 16 + h + l], *a);
-                    }
-                }
+        if mins {
+            for (l, a) in accm.iter_mut().enumerate() {
+                *a = m[l].mul_add(qx.s32[(r * kg + g) * 8 + l], *a);
             }
         }
     }
-    if mins == Mins::None {
+    if mins {
+        combine(acc) + combine(accm)
+    } else {
+        combine(acc)
+    }
+}
+
+/// [`dot_reference`] for a super-block type ([`GgmlType::super_blocks`]): per super-block
+/// `b` in order, eight exact i32 lane sums `isum[l] = Σ_runs s sc[2s + l / 4]·Σ_{i in 4l..4l+4}
+/// v[32s + i]·q[32s + i]` then `acc[l] = fma(f32(isum[l]), d·d_b, acc[l])`, and, for a type
+/// with min or offset coefficients, `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; the
+/// result is `combine(acc) + accm` (IQ4_XS: `combine(acc)`).
+fn dot_k_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) -> f32 {
+    let (k, nsb) = (qx.k, qx.k / 256);
+    let mut acc = [0f32; 8];
+    let mut accm = 0f32;
+    for b in 0..nsb {
+        let ki = ty.k_ints(row, b).expect("a super-block type");
+        let q = &qx.kq[r * k + 256 * b..r * k + 256 * b + 256];
+        let dx = qx.kd[r * nsb + b];
+        let mut isum = [0i32; 8];
+        for s in 0..8 {
+            for (l, sum) in isum.iter_mut().enumerate() {
+                let p: i32 = (4 * l..4 * l + 4)
+                    .map(|i| i32::from(ki.v[32 * s + i]) * i32::from(q[32 * s + i]))
+                    .sum();
+                *sum += i32::from(ki.sc[2 * s + l / 4]) * p;
+            }
+        }
+        let dd = ki.d * dx;
+        for (a, &v) in acc.iter_mut().zip(&isum) {
+            *a = (v as f32).mul_add(dd, *a);
+        }
+        if ty != GgmlType::IQ4_XS {
+            let moff: i32 = (0..16)
+                .map(|j| i32::from(ki.mc[j]) * i32::from(qx.bsum[r * k / 16 + 16 * b + j]))
+                .sum();
+            accm = (moff as f32).mul_add(ki.cm * dx, accm);
+        }
+    }
+    if ty == GgmlType::IQ4_XS {
         combine(acc)
     } else {
-        combine(acc) + combine(accm)
+        combine(acc) + accm
     }
 }
 
@@ -233,57 +284,59 @@ mod avx2 {
     use super::QuantRows;
     use crate::gguf_quant::GgmlType;
     use crate::linear::avx2::{
-        block_bytes, block_scales, by_type, f16_at, hsum, small_blocks, IQ4_NL, IQ4_XS, PREFETCH,
-        Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+        block_bytes, by_type, f16_at, hsum, small_blocks, IQ4_NL, IQ4_XS, PREFETCH, Q2_K, Q3_K,
+        Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     };
     use std::arch::x86_64::*;
 
-    /// [`super::quantize_block`] for AVX2, with the same bits: `x` and `q` point to 32
-    /// values each; returns `d`.
+    /// [`super::quantize_block`] for AVX2, with the same bits: `x` and `q` point to `n`
+    /// values each (a multiple of 32), one block; returns `d`.
     ///
     /// # Safety
     /// As above; the CPU has AVX2.
+    #[allow(clippy::needless_range_loop)] // i[j] a register array
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn quantize_block(x: *const f32, q: *mut i8) -> f32 {
-        // SAFETY: the caller's 32 values each side; unaligned loads and store. (Loops, not
+    pub(super) unsafe fn quantize_block(x: *const f32, q: *mut i8, n: usize) -> f32 {
+        // SAFETY: the caller's n values each side; unaligned loads and stores. (Loops, not
         // closures: a closure may be compiled without the features.)
         unsafe {
             let sign = _mm256_set1_ps(-0.0);
             let inf = _mm256_set1_ps(f32::INFINITY);
-            let mut v = [_mm256_setzero_ps(); 4];
-            let mut a = [_mm256_setzero_ps(); 4];
+            let mut m = _mm256_setzero_ps();
             let mut bad = 0;
-            for i in 0..4 {
-                v[i] = _mm256_loadu_ps(x.add(8 * i));
-                a[i] = _mm256_andnot_ps(sign, v[i]);
+            for i in 0..n / 8 {
+                let a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(8 * i)));
                 // Not (|x| < inf): NaN or infinite.
-                bad |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(a[i], inf));
+                bad |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+                m = _mm256_max_ps(m, a);
             }
             if bad != 0 {
-                _mm256_storeu_si256(q.cast(), _mm256_setzero_si256());
+                std::ptr::write_bytes(q, 0, n);
                 return f32::NAN;
             }
-            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
             let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
             let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
             let id = 127.0 / amax;
             let id = _mm256_set1_ps(if id.is_finite() { id } else { 0.0 });
-            let mut i = [_mm256_setzero_si256(); 4];
-            for j in 0..4 {
-                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                    _mm256_mul_ps(v[j], id),
+            for c in 0..n / 32 {
+                let mut i = [_mm256_setzero_si256(); 4];
+                for j in 0..4 {
+                    let v = _mm256_loadu_ps(x.add(32 * c + 8 * j));
+                    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                        _mm256_mul_ps(v, id),
+                    );
+                    i[j] = _mm256_cvtps_epi32(r);
+                }
+                // packs interleave 128-bit lanes: bytes come out as 4-byte groups 0,2,4,6,1,
+                // 3,5,7 of the values' eights; the permute puts them back in order.
+                let p = _mm256_packs_epi16(
+                    _mm256_packs_epi32(i[0], i[1]),
+                    _mm256_packs_epi32(i[2], i[3]),
                 );
-                i[j] = _mm256_cvtps_epi32(r);
+                let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256(q.add(32 * c).cast(), p);
             }
-            // packs interleave 128-bit lanes: bytes come out as 4-byte groups 0,2,4,6,1,3,5,7
-            // of the values' eights; the permute puts them back in order.
-            let p = _mm256_packs_epi16(
-                _mm256_packs_epi32(i[0], i[1]),
-                _mm256_packs_epi32(i[2], i[3]),
-            );
-            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(q.cast(), p);
             amax / 127.0
         }
     }
@@ -310,7 +363,15 @@ mod avx2 {
             if lo < hi {
                 type Part =
                     unsafe fn(&QuantRows, usize, usize, *const u8, usize, usize, *mut f32, usize);
-                let Some(f): Option<Part> = by_type!(p.ty, |T| Some(part::<T>), None) else {
+                let Some(f): Option<Part> = by_type!(
+                    p.ty,
+                    |T| Some(if small_blocks::<T>() {
+                        part::<T>
+                    } else {
+                        part_k::<T>
+                    }),
+                    None
+                ) else {
                     debug_assert!(false, "linear_q8 over a {:?} part", p.ty);
                     first += p.rows;
                     continue;
@@ -381,10 +442,312 @@ mod avx2 {
         }
     }
 
+    /// [`part`] for a super-block type: tiles of up to 4 x rows by 2 W rows of [`tile_k`].
+    ///
+    /// # Safety
+    /// As [`gemv`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn part_k<const T: u8>(
+        qx: &QuantRows,
+        r0: usize,
+        r1: usize,
+        w: *const u8,
+        rb: usize,
+        cols: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let mut j = 0;
+        // SAFETY (every call): W rows j.. < cols, x rows r.. < r1 and their out elements,
+        // the caller's.
+        unsafe {
+            while j < cols {
+                let two = j + 2 <= cols;
+                let mut r = r0;
+                while r < r1 {
+                    let o = out.add(r * n + j);
+                    let (w0, w1) = (w.add(j * rb), w.add((j + 1) * rb));
+                    let left = r1 - r;
+                    match (left, two) {
+                        (1, true) => tile_k::<T, 1, 2>(qx, r, [w0, w1], o, n),
+                        (2, true) => tile_k::<T, 2, 2>(qx, r, [w0, w1], o, n),
+                        (3, true) => tile_k::<T, 3, 2>(qx, r, [w0, w1], o, n),
+                        (_, true) => tile_k::<T, 4, 2>(qx, r, [w0, w1], o, n),
+                        (1, false) => tile_k::<T, 1, 1>(qx, r, [w0], o, n),
+                        (2, false) => tile_k::<T, 2, 1>(qx, r, [w0], o, n),
+                        (3, false) => tile_k::<T, 3, 1>(qx, r, [w0], o, n),
+                        (_, false) => tile_k::<T, 4, 1>(qx, r, [w0], o, n),
+                    }
+                    r += left.min(4);
+                }
+                j += if two { 2 } else { 1 };
+            }
+        }
+    }
+
+    /// [`super::dot_k_reference`]'s sequence for an `R x C` tile: per super-block and run,
+    /// one `maddubs` (unsigned quants by the activations' bytes) and one `madd` by the
+    /// run's two integer scales per x row and W row, summed in i32 lanes over the
+    /// super-block; then one FMA per lane and the min/offset term.
+    ///
+    /// # Safety
+    /// As [`tile`], for a super-block type `T`.
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // acc[a][c]: a register tile, indexed as one
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_k<const T: u8, const R: usize, const C: usize>(
+        qx: &QuantRows,
+        r: usize,
+        rows: [*const u8; C],
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let (k, nsb) = (qx.k, qx.k / 256);
+        let signed = T == IQ4_XS;
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut accm = [[0f32; C]; R];
+        let (xq, xd, bsum) = (qx.kq.as_ptr(), qx.kd.as_ptr(), qx.bsum.as_ptr());
+        // SAFETY (the reads below): super-blocks of rows inside their k values, x rows
+        // r..r + R of qx's super-block format, at the offsets of its layout.
+        unsafe {
+            for blk in 0..nsb {
+                let bb = block_bytes::<T>();
+                let lo = bb * blk + PREFETCH;
+                let mut line = lo.next_multiple_of(64);
+                while line < lo + bb {
+                    for &w in &rows {
+                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(line).cast());
+                    }
+                    line += 64;
+                }
+                let mut sc = [[0i16; 16]; C];
+                let mut mc = [_mm256_setzero_si256(); C];
+                let mut dw = [(0f32, 0f32); C];
+                for c in 0..C {
+                    let s16;
+                    (s16, mc[c], dw[c].0, dw[c].1) = kscales::<T>(rows[c].add(bb * blk));
+                    _mm256_storeu_si256(sc[c].as_mut_ptr().cast(), s16);
+                }
+                let mut isum = [[_mm256_setzero_si256(); C]; R];
+                for s in 0..8 {
+                    let mut v = [_mm256_setzero_si256(); C];
+                    let mut av = [_mm256_setzero_si256(); C];
+                    let mut scv = [_mm256_setzero_si256(); C];
+                    for c in 0..C {
+                        v[c] = runk::<T>(rows[c].add(bb * blk), s);
+                        av[c] = if signed { _mm256_abs_epi8(v[c]) } else { v[c] };
+                        scv[c] = _mm256_set_m128i(
+                            _mm_set1_epi16(sc[c][2 * s + 1]),
+                            _mm_set1_epi16(sc[c][2 * s]),
+                        );
+                    }
+                    for a in 0..R {
+                        let xv =
+                            _mm256_loadu_si256(xq.add((r + a) * k + 256 * blk + 32 * s).cast());
+                        for c in 0..C {
+                            let sx = if signed {
+                                _mm256_sign_epi8(xv, v[c])
+                            } else {
+                                xv
+                            };
+                            let p = _mm256_maddubs_epi16(av[c], sx);
+                            isum[a][c] = _mm256_add_epi32(isum[a][c], _mm256_madd_epi16(p, scv[c]));
+                        }
+                    }
+                }
+                for a in 0..R {
+                    let dx = *xd.add((r + a) * nsb + blk);
+                    let bs = _mm256_loadu_si256(bsum.add((r + a) * k / 16 + 16 * blk).cast());
+                    for c in 0..C {
+                        let dd = _mm256_set1_ps(dw[c].0 * dx);
+                        acc[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[a][c]), dd, acc[a][c]);
+                        if !signed {
+                            let moff = hsum_epi32(_mm256_madd_epi16(mc[c], bs));
+                            accm[a][c] = (moff as f32).mul_add(dw[c].1 * dx, accm[a][c]);
+                        }
+                    }
+                }
+            }
+            for a in 0..R {
+                for c in 0..C {
+                    let v = if signed {
+                        hsum(acc[a][c])
+                    } else {
+                        hsum(acc[a][c]) + accm[a][c]
+                    };
+                    *out.add(a * ldo + c) = v;
+                }
+            }
+        }
+    }
+
+    /// [`GgmlType::k_scales`] of the super-block at `sb` of type `T` in vectors: the 16
+    /// integer scales and min coefficients as i16 lanes, then `d` and `cm` (the same
+    /// integers and floats: tested against the reference through the kernel).
+    ///
+    /// # Safety
+    /// `sb` points to a whole super-block of type `T`; the CPU has AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn kscales<const T: u8>(sb: *const u8) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the super-block's bytes, at ggml's struct offsets.
+        unsafe {
+            if T == Q4_K || T == Q5_K {
+                // `scale_min_k4` four at a time in u32s (llama.cpp's `utmp` masks).
+                let u0 = sb.add(4).cast::<u32>().read_unaligned();
+                let u1 = sb.add(8).cast::<u32>().read_unaligned();
+                let u2 = sb.add(12).cast::<u32>().read_unaligned();
+                let (m6, m4, m2) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
+                let sc = [u0 & m6, (u2 & m4) | (((u0 >> 6) & m2) << 4)];
+                let mn = [u1 & m6, ((u2 >> 4) & m4) | (((u1 >> 6) & m2) << 4)];
+                (
+                    bytes8_twice(sc),
+                    bytes8_twice(mn),
+                    f16_at(sb),
+                    -f16_at(sb.add(2)),
+                )
+            } else if T == Q6_K {
+                let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(sb.add(192).cast()));
+                let d = f16_at(sb.add(208));
+                (sc, _mm256_slli_epi16::<5>(sc), d, -d)
+            } else if T == Q2_K {
+                let v = _mm_loadu_si128(sb.cast());
+                let low = _mm_set1_epi8(0x0F);
+                let sc = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+                let mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), low));
+                (sc, mn, f16_at(sb.add(80)), -f16_at(sb.add(82)))
+            } else if T == Q3_K {
+                // As `linear`'s block_scales: scale j's low 4 bits from nibble j / 8 of byte
+                // j % 8, its high 2 from bits 2(j / 4).. of byte 8 + j % 4, less 32.
+                let packed = sb.add(96);
+                let v = _mm_loadl_epi64(packed.cast());
+                let low = _mm_set1_epi8(0x0F);
+                let lo = _mm_unpacklo_epi64(
+                    _mm_and_si128(v, low),
+                    _mm_and_si128(_mm_srli_epi16::<4>(v), low),
+                );
+                let h = _mm_set1_epi32(packed.add(8).cast::<i32>().read_unaligned());
+                let h = _mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6));
+                let hi = _mm_slli_epi16::<4>(_mm_and_si128(h, _mm_set1_epi8(3)));
+                let sc = _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
+                let sc = _mm256_cvtepi8_epi16(sc);
+                let d = f16_at(sb.add(108));
+                (sc, _mm256_slli_epi16::<2>(sc), d, -d)
+            } else {
+                // IQ4_XS: eight 6-bit scales less 32, one per 32 values.
+                let head = std::slice::from_raw_parts(sb, 8);
+                let mut s8 = [0i16; 8];
+                for (g, o) in s8.iter_mut().enumerate() {
+                    *o = crate::gguf_quant::iq4_xs_scale(g, head) as i16;
+                }
+                let sc = twice(_mm_loadu_si128(s8.as_ptr().cast()));
+                (sc, _mm256_setzero_si256(), f16_at(sb), 0.0)
+            }
+        }
+    }
+
+    /// Each of the eight i16 lanes of `v` twice: `[a0, a0, a1, a1, ..., a7, a7]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn twice(v: __m128i) -> __m256i {
+        // SAFETY: register operations, the caller's features.
+        unsafe { _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v)) }
+    }
+
+    /// The eight bytes of `v[0]` then `v[1]` (little-endian), widened to i16 lanes, each
+    /// twice ([`twice`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn bytes8_twice(v: [u32; 2]) -> __m256i {
+        let b = (u64::from(v[1]) << 32 | u64::from(v[0])) as i64;
+        // SAFETY: register operations, the caller's features.
+        unsafe { twice(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(b))) }
+    }
+
+    /// The sum of the eight i32 lanes of `v` (exact, wrapping never: the callers' sums fit).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum_epi32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Run `s` (values `32s..32s + 32`) of the super-block at `sb` of type `T`, as
+    /// [`GgmlType::k_ints`] gives its `v`: unsigned, offsets removed (IQ4_XS: its signed
+    /// levels).
+    ///
+    /// # Safety
+    /// `sb` points to a whole super-block of type `T`; the CPU has AVX2.
+    #[inline(always)]
+    unsafe fn runk<const T: u8>(sb: *const u8, s: usize) -> __m256i {
+        let nib = _mm256_set1_epi8(0x0F);
+        // SAFETY: the super-block's bytes, at ggml's struct offsets.
+        unsafe {
+            if T == Q2_K || T == Q3_K {
+                // Run s = 4n + j of half n: bits 2j.. of the 32 bytes; Q3_K plus 4 where bit
+                // s of hmask is set (ggml's value less 4 where it is clear, offset-free).
+                let (n, j) = (s / 4, s % 4);
+                let qs = sb.add(if T == Q2_K { 16 } else { 32 } + 32 * n);
+                let v = _mm256_srl_epi16(
+                    _mm256_loadu_si256(qs.cast()),
+                    _mm_cvtsi32_si128(2 * j as i32),
+                );
+                let q = _mm256_and_si256(v, _mm256_set1_epi8(3));
+                if T == Q3_K {
+                    let hm = _mm256_loadu_si256(sb.cast());
+                    let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)))
+                } else {
+                    q
+                }
+            } else if T == Q4_K || T == Q5_K {
+                let qs = sb.add(if T == Q4_K { 16 } else { 48 } + 32 * (s / 2));
+                let v = _mm256_loadu_si256(qs.cast());
+                let v = if s.is_multiple_of(2) {
+                    v
+                } else {
+                    _mm256_srli_epi16::<4>(v)
+                };
+                let q = _mm256_and_si256(v, nib);
+                if T == Q5_K {
+                    let qh = _mm256_loadu_si256(sb.add(16).cast());
+                    let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+                } else {
+                    q
+                }
+            } else if T == Q6_K {
+                let (n, r) = (s / 4, s % 4);
+                let ql = _mm256_loadu_si256(sb.add(64 * n + 32 * (r & 1)).cast());
+                let ql = if r / 2 == 0 {
+                    ql
+                } else {
+                    _mm256_srli_epi16::<4>(ql)
+                };
+                let lo = _mm256_and_si256(ql, nib);
+                let qh = _mm256_loadu_si256(sb.add(128 + 32 * n).cast());
+                let qh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r as i32));
+                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(3)));
+                _mm256_or_si256(lo, hi)
+            } else {
+                // IQ4_XS.
+                _mm256_shuffle_epi8(iq4_levels(), split16(sb.add(8 + 16 * s)))
+            }
+        }
+    }
+
     /// Whether type `T`'s decoded bytes are signed (products through `sign`), not
     /// unsigned with a min.
     const fn signed<const T: u8>() -> bool {
-        !matches!(T, Q4_1 | Q5_1 | Q4_K | Q5_K | Q2_K)
+        !matches!(T, Q4_1 | Q5_1)
     }
 
     /// `out[a * ldo + c] = x row r + a · W row c` for `a < R`, `c < C`, by [`super`]'s
@@ -404,21 +767,19 @@ mod avx2 {
         ldo: usize,
     ) {
         let (k, kb, kg) = (qx.k, qx.kb, qx.kg);
-        let runs = if small_blocks::<T>() { 1 } else { 8 };
-        let mins = matches!(T, Q4_1 | Q5_1 | Q4_K | Q5_K | Q2_K);
+        let mins = matches!(T, Q4_1 | Q5_1);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut accm = [[_mm256_setzero_ps(); C]; R];
         // Q4_1 and Q5_1: the mins of the current group of 8 runs.
         let mut mbuf = [[0f32; 8]; C];
-        let (xq, xd) = (qx.q.as_ptr(), qx.d.as_ptr());
+        let (xq, xd, s32) = (qx.q.as_ptr(), qx.d.as_ptr(), qx.s32.as_ptr());
         // SAFETY (the reads below): blocks of rows inside their k values, x rows r..r + R
         // of qx (q, d and the padded sums), at the offsets of the struct's layout.
         unsafe {
-            let (s32, s16) = (qx.s32.as_ptr(), qx.s16.as_ptr());
-            for blk in 0..kb / runs {
+            for b in 0..kb {
                 let bb = block_bytes::<T>();
-                let lo = bb * blk + PREFETCH;
+                let lo = bb * b + PREFETCH;
                 let mut line = lo.next_multiple_of(64);
                 while line < lo + bb {
                     for &w in &rows {
@@ -426,74 +787,43 @@ mod avx2 {
                     }
                     line += 64;
                 }
-                let mut scales = [[0f32; 32]; C];
-                if runs > 1 {
-                    for (sc, &w) in scales.iter_mut().zip(&rows) {
-                        *sc = block_scales::<T>(w, blk);
+                let mut v = [_mm256_setzero_si256(); C];
+                let mut av = [_mm256_setzero_si256(); C];
+                let mut sl = [_mm256_setzero_ps(); C];
+                for c in 0..C {
+                    let m;
+                    (v[c], sl[c], m) = runq::<T>(rows[c], b);
+                    av[c] = if signed::<T>() {
+                        _mm256_abs_epi8(v[c])
+                    } else {
+                        v[c]
+                    };
+                    if mins {
+                        mbuf[c][b % 8] = m;
                     }
                 }
-                for s in 0..runs {
-                    let b = blk * runs + s;
-                    let mut v = [_mm256_setzero_si256(); C];
-                    let mut av = [_mm256_setzero_si256(); C];
-                    let mut sl = [_mm256_setzero_ps(); C];
+                for a in 0..R {
+                    let xv = _mm256_loadu_si256(xq.add((r + a) * k + 32 * b).cast());
+                    let d = _mm256_set1_ps(*xd.add((r + a) * kb + b));
                     for c in 0..C {
-                        let m;
-                        (v[c], sl[c], m) = runq::<T>(rows[c], b, &scales[c]);
-                        av[c] = if signed::<T>() {
-                            _mm256_abs_epi8(v[c])
+                        let sx = if signed::<T>() {
+                            _mm256_sign_epi8(xv, v[c])
                         } else {
-                            v[c]
+                            xv
                         };
-                        if runs == 1 && mins {
-                            mbuf[c][b % 8] = m;
-                        }
-                    }
-                    for a in 0..R {
-                        let xv = _mm256_loadu_si256(xq.add((r + a) * k + 32 * b).cast());
-                        let d = _mm256_set1_ps(*xd.add((r + a) * kb + b));
-                        for c in 0..C {
-                            let sx = if signed::<T>() {
-                                _mm256_sign_epi8(xv, v[c])
-                            } else {
-                                xv
-                            };
-                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[c], sx), ones);
-                            let sd = _mm256_mul_ps(sl[c], d);
-                            acc[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sd, acc[a][c]);
-                        }
-                    }
-                    if runs == 1 && mins && (b % 8 == 7 || b + 1 == kb) {
-                        for c in 0..C {
-                            let m = _mm256_loadu_ps(mbuf[c].as_ptr());
-                            for a in 0..R {
-                                let sv = _mm256_loadu_ps(s32.add((r + a) * 8 * kg + 8 * (b / 8)));
-                                accm[a][c] = _mm256_fmadd_ps(m, sv, accm[a][c]);
-                            }
-                            mbuf[c] = [0.0; 8];
-                        }
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[c], sx), ones);
+                        let sd = _mm256_mul_ps(sl[c], d);
+                        acc[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sd, acc[a][c]);
                     }
                 }
-                // The K-quants' mins, a super-block (one group of 8 runs) at a time;
-                // block_scales gives them positive, so fnmadd (−(m·s) + acc, one rounding,
-                // as fma(−m, s, acc)).
-                if T == Q4_K || T == Q5_K {
+                if mins && (b % 8 == 7 || b + 1 == kb) {
                     for c in 0..C {
-                        let m = _mm256_loadu_ps(scales[c].as_ptr().add(8));
+                        let m = _mm256_loadu_ps(mbuf[c].as_ptr());
                         for a in 0..R {
-                            let sv = _mm256_loadu_ps(s32.add((r + a) * 8 * kg + 8 * blk));
-                            accm[a][c] = _mm256_fnmadd_ps(m, sv, accm[a][c]);
+                            let sv = _mm256_loadu_ps(s32.add((r + a) * 8 * kg + 8 * (b / 8)));
+                            accm[a][c] = _mm256_fmadd_ps(m, sv, accm[a][c]);
                         }
-                    }
-                } else if T == Q2_K {
-                    for h in [0, 8] {
-                        for c in 0..C {
-                            let m = _mm256_loadu_ps(scales[c].as_ptr().add(16 + h));
-                            for a in 0..R {
-                                let sv = _mm256_loadu_ps(s16.add((r + a) * 16 * kg + 16 * blk + h));
-                                accm[a][c] = _mm256_fnmadd_ps(m, sv, accm[a][c]);
-                            }
-                        }
+                        mbuf[c] = [0.0; 8];
                     }
                 }
             }
@@ -510,50 +840,38 @@ mod avx2 {
         }
     }
 
-    /// Run `b` of a row of type `T` as [`GgmlType::int_run`] gives it: the 32 bytes `v`, the
-    /// scale of each half in lanes (lanes 0..4 the first 16 values' scale, 4..8 the second's,
-    /// matching the four-byte sums of `madd`), and, for Q4_1 and Q5_1, the run's min
-    /// (the K-quants' mins come from `scales`, the block's [`block_scales`]).
+    /// Run `b` of a row of type `T` (a type of blocks of 32) as [`GgmlType::int_run`] gives
+    /// it: the 32 bytes `v`, its scale in every lane, and, for Q4_1 and Q5_1, its min.
     ///
     /// # Safety
     /// The row holds run `b` of type `T`; the CPU has AVX2 and F16C.
     #[inline(always)]
-    unsafe fn runq<const T: u8>(
-        row: *const u8,
-        b: usize,
-        scales: &[f32; 32],
-    ) -> (__m256i, __m256, f32) {
-        let nib = _mm256_set1_epi8(0x0F);
-        // SAFETY (the block reads below): block b / (runs per block) of the row, inside it
-        // by the caller's guarantee; offsets are those of ggml's block structs.
+    unsafe fn runq<const T: u8>(row: *const u8, b: usize) -> (__m256i, __m256, f32) {
+        // SAFETY (the block reads below): block b of the row, inside it by the caller's
+        // guarantee; offsets are those of ggml's block structs.
         unsafe {
+            let blk = row.add(block_bytes::<T>() * b);
+            let d = _mm256_set1_ps(f16_at(blk));
             if T == Q8_0 {
-                let blk = row.add(block_bytes::<T>() * b);
-                let v = _mm256_loadu_si256(blk.add(2).cast());
-                (v, _mm256_set1_ps(f16_at(blk)), 0.0)
-            } else if T == Q4_0 || T == Q4_1 || T == IQ4_NL {
-                let blk = row.add(block_bytes::<T>() * b);
-                let d = _mm256_set1_ps(f16_at(blk));
-                if T == Q4_0 {
-                    (
-                        _mm256_sub_epi8(split16(blk.add(2)), _mm256_set1_epi8(8)),
-                        d,
-                        0.0,
-                    )
-                } else if T == IQ4_NL {
-                    (
-                        _mm256_shuffle_epi8(iq4_levels(), split16(blk.add(2))),
-                        d,
-                        0.0,
-                    )
-                } else {
-                    (split16(blk.add(4)), d, f16_at(blk.add(2)))
-                }
+                (_mm256_loadu_si256(blk.add(2).cast()), d, 0.0)
+            } else if T == Q4_0 {
+                (
+                    _mm256_sub_epi8(split16(blk.add(2)), _mm256_set1_epi8(8)),
+                    d,
+                    0.0,
+                )
+            } else if T == IQ4_NL {
+                (
+                    _mm256_shuffle_epi8(iq4_levels(), split16(blk.add(2))),
+                    d,
+                    0.0,
+                )
+            } else if T == Q4_1 {
+                (split16(blk.add(4)), d, f16_at(blk.add(2)))
             } else if T == Q5_0 || T == Q5_1 {
                 // Bit i of the u32 qh is bit 4 of value i: byte i of the broadcast holds
                 // qh's byte i / 8 (within each 128-bit lane, which holds all four), tested
                 // against bit i % 8.
-                let blk = row.add(block_bytes::<T>() * b);
                 let at = if T == Q5_0 { 2 } else { 4 };
                 let qh = _mm256_set1_epi32(blk.add(at).cast::<i32>().read_unaligned());
                 let spread = _mm256_shuffle_epi8(
@@ -571,77 +889,13 @@ mod avx2 {
                     split16(blk.add(at + 4)),
                     _mm256_and_si256(set, _mm256_set1_epi8(16)),
                 );
-                let d = _mm256_set1_ps(f16_at(blk));
                 if T == Q5_0 {
                     (_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, 0.0)
                 } else {
                     (v, d, f16_at(blk.add(2)))
                 }
-            } else if T == Q2_K || T == Q3_K {
-                // As `linear`'s run32: run s = 4n + j of half n, bits 2j.. of the 32 bytes;
-                // scales 8n + 2j and + 1 for the halves; Q3_K less 4 where bit s of hmask is
-                // clear.
-                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
-                let (n, j) = (s / 4, s % 4);
-                let qs = sb.add(if T == Q2_K { 16 } else { 32 } + 32 * n);
-                let v = _mm256_srl_epi16(
-                    _mm256_loadu_si256(qs.cast()),
-                    _mm_cvtsi32_si128(2 * j as i32),
-                );
-                let mut q = _mm256_and_si256(v, _mm256_set1_epi8(3));
-                if T == Q3_K {
-                    let hm = _mm256_loadu_si256(sb.cast());
-                    let bit = _mm256_set1_epi8((1u8 << s) as i8);
-                    let clear =
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
-                    q = _mm256_sub_epi8(q, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
-                }
-                let is = 8 * n + 2 * j;
-                let sl = _mm256_set_m128(_mm_set1_ps(scales[is + 1]), _mm_set1_ps(scales[is]));
-                (q, sl, 0.0)
-            } else if T == Q4_K || T == Q5_K {
-                // Run s: nibble s % 2 of the 32 bytes 32 (s / 2).. of qs; Q5_K's bit s of
-                // qh[i] as bit 4.
-                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
-                let qs = sb.add(if T == Q4_K { 16 } else { 48 } + 32 * (s / 2));
-                let v = _mm256_loadu_si256(qs.cast());
-                let v = if s % 2 == 0 {
-                    v
-                } else {
-                    _mm256_srli_epi16::<4>(v)
-                };
-                let mut q = _mm256_and_si256(v, nib);
-                if T == Q5_K {
-                    let qh = _mm256_loadu_si256(sb.add(16).cast());
-                    let bit = _mm256_set1_epi8((1u8 << s) as i8);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                    q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-                }
-                (q, _mm256_set1_ps(scales[s]), 0.0)
-            } else if T == IQ4_XS {
-                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
-                let q = _mm256_shuffle_epi8(iq4_levels(), split16(sb.add(8 + 16 * s)));
-                (q, _mm256_set1_ps(scales[s]), 0.0)
             } else {
-                // Q6_K, as `linear`'s run32: run s = 4n + r of half n, nibble r / 2 of
-                // ql[64n + 32(r % 2) + i], bits 2r.. of qh[32n + i] as bits 4..6, less 32;
-                // scales 8n + 2r and + 1 for the halves.
-                let (sb, s) = (row.add(block_bytes::<T>() * (b / 8)), b % 8);
-                let (n, r) = (s / 4, s % 4);
-                let ql = _mm256_loadu_si256(sb.add(64 * n + 32 * (r & 1)).cast());
-                let ql = if r / 2 == 0 {
-                    ql
-                } else {
-                    _mm256_srli_epi16::<4>(ql)
-                };
-                let lo = _mm256_and_si256(ql, nib);
-                let qh = _mm256_loadu_si256(sb.add(128 + 32 * n).cast());
-                let qh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r as i32));
-                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(3)));
-                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-                let i = 8 * n + 2 * r;
-                let sl = _mm256_set_m128(_mm_set1_ps(scales[i + 1]), _mm_set1_ps(scales[i]));
-                (q, sl, 0.0)
+                unreachable!("runq of a super-block type")
             }
         }
     }
@@ -725,7 +979,7 @@ mod tests {
             if std::arch::is_x86_feature_detected!("avx2") {
                 let mut qv = [0i8; 32];
                 // SAFETY: the CPU has AVX2; 32 values each side.
-                let dv = unsafe { avx2::quantize_block(x.as_ptr(), qv.as_mut_ptr()) };
+                let dv = unsafe { avx2::quantize_block(x.as_ptr(), qv.as_mut_ptr(), 32) };
                 assert!(dv.to_bits() == d.to_bits() || (dv.is_nan() && d.is_nan()));
                 assert_eq!(qv, q, "{x:?}");
             }
@@ -780,7 +1034,7 @@ mod tests {
             let mut want = vec![0.0f32; 13 * n];
             for r in 0..13 {
                 let xr = &x[r * k..(r + 1) * k];
-                let qx = QuantRows::new(xr, 1, k);
+                let qx = QuantRows::new(xr, 1, k, true, k.is_multiple_of(256));
                 let mut first = 0;
                 for p in &parts {
                     let rb = p.bytes.len() / p.rows;
@@ -792,10 +1046,11 @@ mod tests {
                         // |x − d·q| <= d / 2 per value; then f32 rounding.
                         let mut bound = 0f64;
                         let mut mag = 0f64;
+                        // Activation blocks of 32, or of 256 for the super-block types.
+                        let bs = if p.ty.super_blocks() { 256 } else { 32 };
                         for b in 0..k / 32 {
-                            let amax = xr[32 * b..32 * b + 32]
-                                .iter()
-                                .fold(0f32, |m, v| m.max(v.abs()));
+                            let blk = 32 * b / bs * bs;
+                            let amax = xr[blk..blk + bs].iter().fold(0f32, |m, v| m.max(v.abs()));
                             let wsum: f64 =
                                 w[32 * b..32 * b + 32].iter().map(|v| v.abs() as f64).sum();
                             bound += wsum * amax as f64 / 254.0;
