@@ -109,8 +109,8 @@ pub struct WorkerArgs {
     /// CPU backend: run a GGUF file's quantized matrices with each token's activations
     /// quantized to 8 bits (blocks of 32, an f32 scale each) and integer dot products, as
     /// llama.cpp's CPU backend does, instead of f32 activations over ggml's dequantized
-    /// values. Faster for steps of few tokens (batch-1 decode 1.1-2.1x, batches of 4 about
-    /// even, 16-token steps up to 1.4x slower); each product is off by at most what rounding
+    /// values. Faster (batch-1 decode 1.2-2.5x; K-quants and IQ4_XS also 1.2-1.9x on steps
+    /// of 4 to 16 tokens, other types up to 1.2x slower there); each product is off by at most what rounding
     /// the activations to 8 bits costs, so greedy tokens can differ from the default's.
     /// Outputs stay the same whatever the batch. No effect on other weights or under
     /// --device cuda.
@@ -434,9 +434,14 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             say!(
                 "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
-                 threads, {} KV cache{}) attached to {}",
+                 threads, {} KV cache{}{}) attached to {}",
                 dir.display(),
                 KvCacheDtype::Is(kv_dtype).name(),
+                if a.cpu_int8_activations {
+                    ", int8 activations"
+                } else {
+                    ""
+                },
                 lora_note(n_lora),
                 a.instance
             );

@@ -65,7 +65,7 @@ pub struct ServeArgs {
     pub cpu_threads: usize,
     /// CPU worker: run a GGUF file's quantized matrices with each token's activations
     /// quantized to 8 bits (blocks of 32) and integer dot products, as llama.cpp does:
-    /// faster for steps of few tokens, no longer exact (see the worker's flag).
+    /// faster (batch-1 decode 1.2-2.5x), no longer exact (see `baton worker --help`).
     #[arg(long)]
     pub cpu_int8_activations: bool,
     /// Frontend slots in the segment.

@@ -3,8 +3,8 @@
 //! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
 //! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
 //! matrix; this path gives that up for less vector work per weight: batch-1 decode
-//! 1.2-2.1x faster, 16-token steps (prefill) from 1.2x faster (K-quants) to 1.4x slower
-//! (some blocks of 32) (bench/RESULTS.md, session 42).
+//! 1.2-2.5x faster, 16-token steps (prefill) from 1.5x faster (K-quants) to 1.2x slower
+//! (some types of blocks of 32) (bench/RESULTS.md, session 42).
 //!
 //! Activations. Each token's values are quantized per block: `amax` the block's largest
 //! magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so `|q| <= 127`; a
