@@ -906,20 +906,7 @@ pub(crate) mod avx2 {
                 // 2(j / 4).. of byte 8 + j % 4 (`gguf_quant::q3_k_scale`), less 32.
                 let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb.add(108));
-                let packed = sb.add(96);
-                let v = _mm_loadl_epi64(packed.cast());
-                let low = _mm_set1_epi8(0x0F);
-                let lo = _mm_unpacklo_epi64(
-                    _mm_and_si128(v, low),
-                    _mm_and_si128(_mm_srli_epi16::<4>(v), low),
-                );
-                // Bytes 8..12 in each 32-bit lane g, shifted right by 2g (each byte's two
-                // bits stay within it).
-                let h = _mm_set1_epi32(packed.add(8).cast::<i32>().read_unaligned());
-                let h = _mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6));
-                let hi = _mm_slli_epi16::<4>(_mm_and_si128(h, _mm_set1_epi8(3)));
-                let sc = _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
-                store16::<true>(out.as_mut_ptr(), sc, d);
+                store16::<true>(out.as_mut_ptr(), q3_k_scales(sb.add(96)), d);
             } else if T == IQ4_XS {
                 let sb = row.add(block_bytes::<T>() * blk);
                 let d = f16_at(sb);
@@ -1124,6 +1111,34 @@ pub(crate) mod avx2 {
             }
         }
         out
+    }
+
+    /// The sixteen scales of a Q3_K super-block, less 32, as signed bytes, from its 12 packed
+    /// bytes at `packed`: scale j's low 4 bits from nibble j / 8 of byte j % 8, its high 2
+    /// from bits 2(j / 4).. of byte 8 + j % 4 (`gguf_quant::q3_k_scale`).
+    ///
+    /// # Safety
+    /// `packed` points to 12 readable bytes; the CPU has AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn q3_k_scales(packed: *const u8) -> __m128i {
+        // SAFETY: the caller's 12 bytes; unaligned loads.
+        let (v, h) = unsafe {
+            (
+                _mm_loadl_epi64(packed.cast()),
+                packed.add(8).cast::<i32>().read_unaligned(),
+            )
+        };
+        let low = _mm_set1_epi8(0x0F);
+        let lo = _mm_unpacklo_epi64(
+            _mm_and_si128(v, low),
+            _mm_and_si128(_mm_srli_epi16::<4>(v), low),
+        );
+        // Bytes 8..12 in each 32-bit lane g, shifted right by 2g (each byte's two bits stay
+        // within it).
+        let h = _mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6));
+        let hi = _mm_slli_epi16::<4>(_mm_and_si128(h, _mm_set1_epi8(3)));
+        _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32))
     }
 
     /// `o[i] = d · v[i]` for the 16 bytes of `v` (signed when `SIGNED`) as f32, one rounding
@@ -1474,6 +1489,19 @@ pub(crate) fn random_ggml(ty: GgmlType, rows: usize, cols: usize, s: &mut u64) -
     GgmlRows::new(ty, rows, cols, bytes).unwrap()
 }
 
+/// The parts' rows dequantized by [`GgmlType::dequantize`], top to bottom (`k` values a row).
+#[cfg(test)]
+pub(crate) fn dequantized(parts: &[GgmlRows], k: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; parts.iter().map(|p| p.rows).sum::<usize>() * k];
+    let mut at = 0;
+    for p in parts {
+        p.ty.dequantize(&p.bytes, &mut out[at..at + p.rows * k])
+            .unwrap();
+        at += p.rows * k;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1588,13 +1616,7 @@ mod tests {
             let n: usize = parts.iter().map(|p| p.rows).sum();
             let store = Store::of_parts(parts.clone(), k);
             assert!(matches!(store, Store::Ggml(_)));
-            let mut dense = vec![0.0f32; n * k];
-            let mut at = 0;
-            for p in &parts {
-                p.ty.dequantize(&p.bytes, &mut dense[at..at + p.rows * k])
-                    .unwrap();
-                at += p.rows * k;
-            }
+            let dense = dequantized(&parts, k);
             let mut back = vec![0.0f32; 700];
             store.read(3 * k - 50, &mut back);
             assert!(back
@@ -1659,13 +1681,7 @@ mod tests {
             .collect();
         parts.push(GgmlRows::from_f32(2, k, &rnd(2 * k, &mut s)));
         let n: usize = parts.iter().map(|p| p.rows).sum();
-        let mut want = vec![0.0f32; n * k];
-        let mut at = 0;
-        for p in &parts {
-            p.ty.dequantize(&p.bytes, &mut want[at..at + p.rows * k])
-                .unwrap();
-            at += p.rows * k;
-        }
+        let want = dequantized(&parts, k);
         for (r0, r1) in [(0, n), (1, n - 1), (4, 11), (20, 21)] {
             let mut got = vec![f32::NAN; (r1 - r0) * k];
             dequantize_rows_fast(&parts, r0, r1, k, &mut got);

@@ -284,8 +284,8 @@ mod avx2 {
     use super::QuantRows;
     use crate::gguf_quant::GgmlType;
     use crate::linear::avx2::{
-        block_bytes, by_type, f16_at, hsum, small_blocks, IQ4_NL, IQ4_XS, PREFETCH, Q2_K, Q3_K,
-        Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+        block_bytes, by_type, f16_at, hsum, q3_k_scales, small_blocks, IQ4_NL, IQ4_XS, PREFETCH,
+        Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     };
     use std::arch::x86_64::*;
 
@@ -363,15 +363,7 @@ mod avx2 {
             if lo < hi {
                 type Part =
                     unsafe fn(&QuantRows, usize, usize, *const u8, usize, usize, *mut f32, usize);
-                let Some(f): Option<Part> = by_type!(
-                    p.ty,
-                    |T| Some(if small_blocks::<T>() {
-                        part::<T>
-                    } else {
-                        part_k::<T>
-                    }),
-                    None
-                ) else {
+                let Some(f): Option<Part> = by_type!(p.ty, |T| Some(part::<T>), None) else {
                     debug_assert!(false, "linear_q8 over a {:?} part", p.ty);
                     first += p.rows;
                     continue;
@@ -426,58 +418,14 @@ mod avx2 {
                     let (w0, w1) = (w.add(j * rb), w.add((j + 1) * rb));
                     let left = r1 - r;
                     match (left, two) {
-                        (1, true) => tile::<T, 1, 2>(qx, r, [w0, w1], o, n),
-                        (2, true) => tile::<T, 2, 2>(qx, r, [w0, w1], o, n),
-                        (3, true) => tile::<T, 3, 2>(qx, r, [w0, w1], o, n),
-                        (_, true) => tile::<T, 4, 2>(qx, r, [w0, w1], o, n),
-                        (1, false) => tile::<T, 1, 1>(qx, r, [w0], o, n),
-                        (2, false) => tile::<T, 2, 1>(qx, r, [w0], o, n),
-                        (3, false) => tile::<T, 3, 1>(qx, r, [w0], o, n),
-                        (_, false) => tile::<T, 4, 1>(qx, r, [w0], o, n),
-                    }
-                    r += left.min(4);
-                }
-                j += if two { 2 } else { 1 };
-            }
-        }
-    }
-
-    /// [`part`] for a super-block type: tiles of up to 4 x rows by 2 W rows of [`tile_k`].
-    ///
-    /// # Safety
-    /// As [`gemv`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn part_k<const T: u8>(
-        qx: &QuantRows,
-        r0: usize,
-        r1: usize,
-        w: *const u8,
-        rb: usize,
-        cols: usize,
-        out: *mut f32,
-        n: usize,
-    ) {
-        let mut j = 0;
-        // SAFETY (every call): W rows j.. < cols, x rows r.. < r1 and their out elements,
-        // the caller's.
-        unsafe {
-            while j < cols {
-                let two = j + 2 <= cols;
-                let mut r = r0;
-                while r < r1 {
-                    let o = out.add(r * n + j);
-                    let (w0, w1) = (w.add(j * rb), w.add((j + 1) * rb));
-                    let left = r1 - r;
-                    match (left, two) {
-                        (1, true) => tile_k::<T, 1, 2>(qx, r, [w0, w1], o, n),
-                        (2, true) => tile_k::<T, 2, 2>(qx, r, [w0, w1], o, n),
-                        (3, true) => tile_k::<T, 3, 2>(qx, r, [w0, w1], o, n),
-                        (_, true) => tile_k::<T, 4, 2>(qx, r, [w0, w1], o, n),
-                        (1, false) => tile_k::<T, 1, 1>(qx, r, [w0], o, n),
-                        (2, false) => tile_k::<T, 2, 1>(qx, r, [w0], o, n),
-                        (3, false) => tile_k::<T, 3, 1>(qx, r, [w0], o, n),
-                        (_, false) => tile_k::<T, 4, 1>(qx, r, [w0], o, n),
+                        (1, true) => tile_any::<T, 1, 2>(qx, r, [w0, w1], o, n),
+                        (2, true) => tile_any::<T, 2, 2>(qx, r, [w0, w1], o, n),
+                        (3, true) => tile_any::<T, 3, 2>(qx, r, [w0, w1], o, n),
+                        (_, true) => tile_any::<T, 4, 2>(qx, r, [w0, w1], o, n),
+                        (1, false) => tile_any::<T, 1, 1>(qx, r, [w0], o, n),
+                        (2, false) => tile_any::<T, 2, 1>(qx, r, [w0], o, n),
+                        (3, false) => tile_any::<T, 3, 1>(qx, r, [w0], o, n),
+                        (_, false) => tile_any::<T, 4, 1>(qx, r, [w0], o, n),
                     }
                     r += left.min(4);
                 }
@@ -617,20 +565,7 @@ mod avx2 {
                 let mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), low));
                 (sc, mn, f16_at(sb.add(80)), -f16_at(sb.add(82)))
             } else if T == Q3_K {
-                // As `linear`'s block_scales: scale j's low 4 bits from nibble j / 8 of byte
-                // j % 8, its high 2 from bits 2(j / 4).. of byte 8 + j % 4, less 32.
-                let packed = sb.add(96);
-                let v = _mm_loadl_epi64(packed.cast());
-                let low = _mm_set1_epi8(0x0F);
-                let lo = _mm_unpacklo_epi64(
-                    _mm_and_si128(v, low),
-                    _mm_and_si128(_mm_srli_epi16::<4>(v), low),
-                );
-                let h = _mm_set1_epi32(packed.add(8).cast::<i32>().read_unaligned());
-                let h = _mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6));
-                let hi = _mm_slli_epi16::<4>(_mm_and_si128(h, _mm_set1_epi8(3)));
-                let sc = _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
-                let sc = _mm256_cvtepi8_epi16(sc);
+                let sc = _mm256_cvtepi8_epi16(q3_k_scales(sb.add(96)));
                 let d = f16_at(sb.add(108));
                 (sc, _mm256_slli_epi16::<2>(sc), d, -d)
             } else {
@@ -740,6 +675,28 @@ mod avx2 {
             } else {
                 // IQ4_XS.
                 _mm256_shuffle_epi8(iq4_levels(), split16(sb.add(8 + 16 * s)))
+            }
+        }
+    }
+
+    /// [`tile`] for a type of blocks of 32, [`tile_k`] for a super-block type.
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[inline(always)]
+    unsafe fn tile_any<const T: u8, const R: usize, const C: usize>(
+        qx: &QuantRows,
+        r: usize,
+        rows: [*const u8; C],
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            if small_blocks::<T>() {
+                tile::<T, R, C>(qx, r, rows, out, ldo)
+            } else {
+                tile_k::<T, R, C>(qx, r, rows, out, ldo)
             }
         }
     }
@@ -930,7 +887,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::{linear, random_ggml, rnd, Store};
+    use crate::linear::{dequantized, linear, random_ggml, rnd, Store};
 
     /// The quantized types, each once.
     fn quantized() -> impl Iterator<Item = GgmlType> {
@@ -1022,13 +979,7 @@ mod tests {
             let name = format!("{:?} k={k}", parts.iter().map(|p| p.ty).collect::<Vec<_>>());
             let n: usize = parts.iter().map(|p| p.rows).sum();
             let store = Store::of_parts(parts.clone(), k);
-            let mut dense = vec![0.0f32; n * k];
-            let mut at = 0;
-            for p in &parts {
-                p.ty.dequantize(&p.bytes, &mut dense[at..at + p.rows * k])
-                    .unwrap();
-                at += p.rows * k;
-            }
+            let dense = dequantized(&parts, k);
             let x: Vec<f32> = rnd(13 * k, &mut s);
             // Per row: each W row's reference and its bound.
             let mut want = vec![0.0f32; 13 * n];

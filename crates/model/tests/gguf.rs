@@ -201,6 +201,18 @@ fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_j
     );
 }
 
+/// The type of each matrix in the mixed-type test files: Q4_0 for every k projection, IQ4_NL
+/// for every v projection (so the fused q/k/v mixes three types), Q8_0 for the rest.
+fn mixed_type(name: &str) -> u32 {
+    if name.ends_with("attn_k.weight") {
+        Q4_0
+    } else if name.ends_with("attn_v.weight") {
+        IQ4_NL
+    } else {
+        Q8_0
+    }
+}
+
 /// The CPU backend keeps a quantized GGUF file's matrices in their blocks (Q8_0, Q4_0 for every
 /// k projection and IQ4_NL for every v projection, so the fused q/k/v mixes three types) and
 /// computes with ggml's dequantized
@@ -211,15 +223,7 @@ fn a_files_recommended_sampling_and_end_of_turn_token_become_generation_config_j
 fn a_quantized_gguf_runs_on_the_cpu_in_its_blocks_with_ggmls_values() {
     let tmp = temp_dir("gguf-kept");
     let file = tmp.join("stories260K-Q8_0-Q4_0-IQ4_NL.gguf");
-    write_quantized(&gguf_file(), &file, false, |n| {
-        if n.ends_with("attn_k.weight") {
-            Q4_0
-        } else if n.ends_with("attn_v.weight") {
-            IQ4_NL
-        } else {
-            Q8_0
-        }
-    });
+    write_quantized(&gguf_file(), &file, false, mixed_type);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     let model = CpuModel::from_source(cfg, &src).unwrap();
 
@@ -284,15 +288,7 @@ fn int8_activations_stay_close_to_f32_activations_and_batch_invariant() {
     use baton_model::{ForwardRow, PagedKvCache};
     let tmp = temp_dir("gguf-int8");
     let file = tmp.join("stories260K-Q8_0-Q4_0-IQ4_NL.gguf");
-    write_quantized(&gguf_file(), &file, false, |n| {
-        if n.ends_with("attn_k.weight") {
-            Q4_0
-        } else if n.ends_with("attn_v.weight") {
-            IQ4_NL
-        } else {
-            Q8_0
-        }
-    });
+    write_quantized(&gguf_file(), &file, false, mixed_type);
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     let exact = CpuModel::from_source(cfg.clone(), &src).unwrap();
     let mut int8 = CpuModel::from_source(cfg, &src).unwrap();
