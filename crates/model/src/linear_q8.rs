@@ -40,8 +40,9 @@ use crate::gguf_quant::{GgmlType, IntRun, Mins};
 use crate::linear::{combine, GgmlRows};
 
 /// A batch of `t` activation rows of `k` values (`k` a multiple of 32) quantized to 8 bits
-/// in blocks of 32 (see the module documentation), with the per-block sums the min terms
-/// read. Rows are independent: a row's bytes do not depend on the others.
+/// in blocks of 32, in super-blocks of 256, or both, as the matrix's parts need (see the
+/// module documentation), with the sums the min terms read. Rows are independent: a row's
+/// bytes do not depend on the others.
 pub(crate) struct QuantRows {
     /// Values per row.
     k: usize,
