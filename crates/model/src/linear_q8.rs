@@ -285,8 +285,8 @@ mod avx2 {
     use super::QuantRows;
     use crate::gguf_quant::GgmlType;
     use crate::linear::avx2::{
-        block_bytes, by_type, f16_at, hsum, q3_k_scales, small_blocks, IQ4_NL, IQ4_XS, PREFETCH,
-        Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+        block_bytes, by_type, f16_at, hsum, prefetch_block, q3_k_scales, small_blocks, IQ4_NL,
+        IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     };
     use std::arch::x86_64::*;
 
@@ -462,14 +462,7 @@ mod avx2 {
         unsafe {
             for blk in 0..nsb {
                 let bb = block_bytes::<T>();
-                let lo = bb * blk + PREFETCH;
-                let mut line = lo.next_multiple_of(64);
-                while line < lo + bb {
-                    for &w in &rows {
-                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(line).cast());
-                    }
-                    line += 64;
-                }
+                prefetch_block(&rows, bb, blk);
                 let mut sc = [[0i16; 16]; C];
                 let mut mc = [_mm256_setzero_si256(); C];
                 let mut dw = [(0f32, 0f32); C];
@@ -737,14 +730,7 @@ mod avx2 {
         unsafe {
             for b in 0..kb {
                 let bb = block_bytes::<T>();
-                let lo = bb * b + PREFETCH;
-                let mut line = lo.next_multiple_of(64);
-                while line < lo + bb {
-                    for &w in &rows {
-                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(line).cast());
-                    }
-                    line += 64;
-                }
+                prefetch_block(&rows, bb, b);
                 let mut v = [_mm256_setzero_si256(); C];
                 let mut av = [_mm256_setzero_si256(); C];
                 let mut sl = [_mm256_setzero_ps(); C];
