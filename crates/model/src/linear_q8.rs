@@ -28,9 +28,12 @@
 //!   row's end `min = 0`, `s = 0`), `accm[l] = fma(min_{8g+l}, s32_{8g+l}, accm[l])` with
 //!   `s32_b = f32(Σ_32 q)·d_b`; `out = combine(acc)` (`+ combine(accm)`).
 //! - Super-blocks of 256 ([`KInts`]: `d·sc·v + cm·mc` per 16 values): per super-block `b` in
-//!   order, eight exact i32 lane sums `isum[l] = Σ_runs s sc[2s + l / 4]·Σ_{i in 4l..4l+4}
-//!   v·q`, then `acc[l] = fma(f32(isum[l]), d·d_b, acc[l])`, and (not IQ4_XS)
-//!   `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; `out = combine(acc) + accm`.
+//!   order, the exact i32 sum `isum = Σ_j sc[j]·Σ_{i in 16j..16j+16} v[i]·q[i]`, then
+//!   `acc = fma(f32(isum), d·d_b, acc)`, and (not IQ4_XS)
+//!   `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; `out = acc + accm` (IQ4_XS: `acc`).
+//!   One float accumulator per output, so a kernel may hold eight W rows' outputs in the
+//!   lanes of one vector (the panel kernel of prefill-sized batches) or eight x rows' (the
+//!   register tiles of decode).
 //!
 //! `combine` is [`crate::linear`]'s lane combination.
 
@@ -237,31 +240,27 @@ pub(crate) fn dot_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) 
 }
 
 /// [`dot_reference`] for a super-block type ([`GgmlType::super_blocks`]): per super-block
-/// `b` in order, eight exact i32 lane sums `isum[l] = Σ_runs s sc[2s + l / 4]·Σ_{i in 4l..4l+4}
-/// v[32s + i]·q[32s + i]` then `acc[l] = fma(f32(isum[l]), d·d_b, acc[l])`, and, for a type
-/// with min or offset coefficients, `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; the
-/// result is `combine(acc) + accm` (IQ4_XS: `combine(acc)`).
+/// `b` in order, the exact i32 sum `isum = Σ_j sc[j]·Σ_{i in 16j..16j+16} v[i]·q[i]`, then
+/// `acc = fma(f32(isum), d·d_b, acc)`, and, for a type with min or offset coefficients,
+/// `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; the result is `acc + accm` (IQ4_XS:
+/// `acc`).
 fn dot_k_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) -> f32 {
     let (k, nsb) = (qx.k, qx.k / 256);
-    let mut acc = [0f32; 8];
+    let mut acc = 0f32;
     let mut accm = 0f32;
     for b in 0..nsb {
         let ki = ty.k_ints(row, b).expect("a super-block type");
         let q = &qx.kq[r * k + 256 * b..r * k + 256 * b + 256];
         let dx = qx.kd[r * nsb + b];
-        let mut isum = [0i32; 8];
-        for s in 0..8 {
-            for (l, sum) in isum.iter_mut().enumerate() {
-                let p: i32 = (4 * l..4 * l + 4)
-                    .map(|i| i32::from(ki.v[32 * s + i]) * i32::from(q[32 * s + i]))
+        let isum: i32 = (0..16)
+            .map(|j| {
+                let p: i32 = (16 * j..16 * j + 16)
+                    .map(|i| i32::from(ki.v[i]) * i32::from(q[i]))
                     .sum();
-                *sum += i32::from(ki.sc[2 * s + l / 4]) * p;
-            }
-        }
-        let dd = ki.d * dx;
-        for (a, &v) in acc.iter_mut().zip(&isum) {
-            *a = (v as f32).mul_add(dd, *a);
-        }
+                i32::from(ki.sc[j]) * p
+            })
+            .sum();
+        acc = (isum as f32).mul_add(ki.d * dx, acc);
         if ty != GgmlType::IQ4_XS {
             let moff: i32 = (0..16)
                 .map(|j| i32::from(ki.mc[j]) * i32::from(qx.bsum[r * k / 16 + 16 * b + j]))
@@ -270,9 +269,9 @@ fn dot_k_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) -> f32 {
         }
     }
     if ty == GgmlType::IQ4_XS {
-        combine(acc)
+        acc
     } else {
-        combine(acc) + accm
+        acc + accm
     }
 }
 
@@ -411,6 +410,12 @@ mod avx2 {
         // SAFETY (every call): W rows j.. < cols, x rows r.. < r1 and their out elements,
         // the caller's.
         unsafe {
+            if !small_blocks::<T>() && r1 - r0 >= PANEL_ROWS {
+                while j + 8 <= cols {
+                    panel_k::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
+                    j += 8;
+                }
+            }
             while j < cols {
                 let two = j + 2 <= cols;
                 let mut r = r0;
@@ -435,10 +440,262 @@ mod avx2 {
         }
     }
 
+    /// x rows from which a task over a super-block type runs the panel kernel
+    /// ([`panel_k`]): below, the register tiles (which decode each run once per 4 x rows).
+    const PANEL_ROWS: usize = 6;
+
+    /// Bytes of one super-block of a panel of 8 W rows ([`pack_k`]): the quants, 8 runs of
+    /// 8 chunks of `[row][4 values]` (2048); the integer scales, 16 vectors of `[row][2]`
+    /// i16, each row's scale twice (512); the min coefficients, 8 vectors of `[row][2]` i16,
+    /// a pair of sub-blocks per vector (256); then `d` and `cm` of the 8 rows as f32 (64).
+    const PANEL_SB: usize = 2048 + 512 + 256 + 64;
+    /// Offsets in a panel super-block: integer scales, min coefficients, `d`, `cm`.
+    const P_SC: usize = 2048;
+    const P_MC: usize = P_SC + 512;
+    const P_D: usize = P_MC + 256;
+
+    thread_local! {
+        /// Per thread: the panel of [`panel_k`] (8 W rows of a super-block type, repacked).
+        static PANEL: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+
+    /// x rows `r0..r1` times 8 W rows of super-block type `T` at `w` (`rb` bytes each) into
+    /// `out` (at the first of the 8 columns; row stride `ldo`), by [`super::dot_k_reference`]'s
+    /// sequence: the W rows are repacked once ([`pack_k`]) so that each quant vector holds
+    /// four values of each of the 8 rows, then every x row's 4-value groups are broadcast
+    /// against them ([`rows_k`]): one `maddubs` makes 16 products for 8 outputs, and the
+    /// lanes of one float vector are the 8 outputs' accumulators (llama.cpp's repacked
+    /// `gemm_q4_K_8x8_q8_K` layout, built per call instead of at load).
+    ///
+    /// # Safety
+    /// `w` points to 8 rows of type `T` of `qx.k` values (`rb` bytes apart); x rows
+    /// `r0..r1` exist in `qx`'s super-block format; `out` points to the `(r1 - r0) x 8`
+    /// block (row stride `ldo`, first row r0 at `out + r0 * ldo`); the CPU has AVX2, FMA and
+    /// F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panel_k<const T: u8>(
+        qx: &QuantRows,
+        r0: usize,
+        r1: usize,
+        w: *const u8,
+        rb: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let nsb = qx.k / 256;
+        let mut buf = PANEL.take();
+        buf.clear();
+        buf.resize(nsb * PANEL_SB, 0);
+        // SAFETY: the caller's rows, x rows and out block; buf holds nsb super-blocks.
+        unsafe {
+            pack_k::<T>(w, rb, nsb, buf.as_mut_ptr());
+            let mut r = r0;
+            while r < r1 {
+                let o = out.add(r * ldo);
+                let p = buf.as_ptr();
+                match r1 - r {
+                    1 => rows_k::<T, 1>(qx, r, p, o, ldo),
+                    2 => rows_k::<T, 2>(qx, r, p, o, ldo),
+                    3 => rows_k::<T, 3>(qx, r, p, o, ldo),
+                    _ => rows_k::<T, 4>(qx, r, p, o, ldo),
+                }
+                r += (r1 - r).min(4);
+            }
+        }
+        PANEL.set(buf);
+    }
+
+    /// Repacks 8 W rows of super-block type `T` (at `w`, `rb` bytes apart, `nsb`
+    /// super-blocks each) into `dst` in [`PANEL_SB`]'s layout: quants as [`runk`] decodes
+    /// them (unsigned, offsets removed; IQ4_XS's signed levels), scales as [`kscales`].
+    ///
+    /// # Safety
+    /// As [`panel_k`]; `dst` points to `nsb * PANEL_SB` writable bytes.
+    #[allow(clippy::needless_range_loop)] // sc[row][j]: arrays indexed as a matrix
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pack_k<const T: u8>(w: *const u8, rb: usize, nsb: usize, dst: *mut u8) {
+        let bb = block_bytes::<T>();
+        // SAFETY: super-block blk of each of the 8 rows; dst's nsb super-blocks, written
+        // unaligned.
+        unsafe {
+            for blk in 0..nsb {
+                let base = dst.add(blk * PANEL_SB);
+                let sb = |row: usize| w.add(row * rb + bb * blk);
+                let mut sc = [[0i16; 16]; 8];
+                let mut mc = [[0i16; 16]; 8];
+                let mut dc = [0f32; 16];
+                for row in 0..8 {
+                    let (s16, m16, d, cm) = kscales::<T>(sb(row));
+                    _mm256_storeu_si256(sc[row].as_mut_ptr().cast(), s16);
+                    _mm256_storeu_si256(mc[row].as_mut_ptr().cast(), m16);
+                    (dc[row], dc[8 + row]) = (d, cm);
+                }
+                for s in 0..8 {
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for row in 0..8 {
+                        v[row] = runk::<T>(sb(row), s);
+                    }
+                    let t = transpose8(v);
+                    for c in 0..8 {
+                        _mm256_storeu_si256(base.add(32 * (8 * s + c)).cast(), t[c]);
+                    }
+                }
+                let scp = base.add(P_SC).cast::<i16>();
+                let mcp = base.add(P_MC).cast::<i16>();
+                for row in 0..8 {
+                    for j in 0..16 {
+                        scp.add(16 * j + 2 * row).write_unaligned(sc[row][j]);
+                        scp.add(16 * j + 2 * row + 1).write_unaligned(sc[row][j]);
+                    }
+                    for p in 0..8 {
+                        mcp.add(16 * p + 2 * row).write_unaligned(mc[row][2 * p]);
+                        mcp.add(16 * p + 2 * row + 1)
+                            .write_unaligned(mc[row][2 * p + 1]);
+                    }
+                }
+                let dp = base.add(P_D).cast::<f32>();
+                for (i, &v) in dc.iter().enumerate() {
+                    dp.add(i).write_unaligned(v);
+                }
+            }
+        }
+    }
+
+    /// The 8x8 transpose of 32-bit lanes: lane `c` of result `row` is lane `row` of `v[c]`'s
+    /// ... i.e. result `c` holds dword `c` of each of `v[0..8]`, in order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+        // SAFETY: register operations, the caller's features.
+        unsafe {
+            let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+            let t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+            let t2 = _mm256_unpacklo_epi32(v[2], v[3]);
+            let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            let t4 = _mm256_unpacklo_epi32(v[4], v[5]);
+            let t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+            let t6 = _mm256_unpacklo_epi32(v[6], v[7]);
+            let t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+            // Rows 0-3 (u0..u3) and 4-7 (u4..u7) of dwords c | c + 4 for c = 0..4.
+            let u0 = _mm256_unpacklo_epi64(t0, t2);
+            let u1 = _mm256_unpackhi_epi64(t0, t2);
+            let u2 = _mm256_unpacklo_epi64(t1, t3);
+            let u3 = _mm256_unpackhi_epi64(t1, t3);
+            let u4 = _mm256_unpacklo_epi64(t4, t6);
+            let u5 = _mm256_unpackhi_epi64(t4, t6);
+            let u6 = _mm256_unpacklo_epi64(t5, t7);
+            let u7 = _mm256_unpackhi_epi64(t5, t7);
+            [
+                _mm256_permute2x128_si256::<0x20>(u0, u4),
+                _mm256_permute2x128_si256::<0x20>(u1, u5),
+                _mm256_permute2x128_si256::<0x20>(u2, u6),
+                _mm256_permute2x128_si256::<0x20>(u3, u7),
+                _mm256_permute2x128_si256::<0x31>(u0, u4),
+                _mm256_permute2x128_si256::<0x31>(u1, u5),
+                _mm256_permute2x128_si256::<0x31>(u2, u6),
+                _mm256_permute2x128_si256::<0x31>(u3, u7),
+            ]
+        }
+    }
+
+    /// x rows `r..r + R` times a panel ([`pack_k`]) into `out` (row `r`'s 8 columns first,
+    /// row stride `ldo`): per super-block and x row, each group of 4 values broadcast and
+    /// multiplied by a quant vector (`maddubs`: 8 rows x 2 pairs), summed in i16 over a
+    /// sub-block where that cannot overflow (Q6_K: over half of one; IQ4_XS, signed through
+    /// `sign`: not at all), times the integer scales in `madd`, summed in i32; then one FMA
+    /// for the 8 outputs, and the min/offset term by `madd` over pairs of sub-blocks.
+    ///
+    /// # Safety
+    /// As [`panel_k`], with `panel` its packed super-blocks and x rows `r..r + R`.
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // isum[a]: a register array
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows_k<const T: u8, const R: usize>(
+        qx: &QuantRows,
+        r: usize,
+        panel: *const u8,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let (k, nsb) = (qx.k, qx.k / 256);
+        let signed = T == IQ4_XS;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut accm = [_mm256_setzero_ps(); R];
+        let (xq, xd, bsum) = (qx.kq.as_ptr(), qx.kd.as_ptr(), qx.bsum.as_ptr());
+        // SAFETY: the panel's nsb super-blocks; x rows r..r + R of qx's super-block format
+        // at its layout's offsets (4-byte groups and pairs of i16 sums read unaligned).
+        unsafe {
+            for blk in 0..nsb {
+                let base = panel.add(blk * PANEL_SB);
+                let mut isum = [_mm256_setzero_si256(); R];
+                for j in 0..16 {
+                    let scj = _mm256_loadu_si256(base.add(P_SC + 32 * j).cast());
+                    let mut s16 = [_mm256_setzero_si256(); R];
+                    for c4 in 0..4 {
+                        // Values 16j + 4c4.. : chunk 4(j % 2) + c4 of run j / 2.
+                        let c = 4 * j + c4;
+                        let wv = _mm256_loadu_si256(base.add(32 * c).cast());
+                        let aw = if signed { _mm256_abs_epi8(wv) } else { wv };
+                        for a in 0..R {
+                            let xp = xq.add((r + a) * k + 256 * blk + 4 * c);
+                            let xb = _mm256_set1_epi32(xp.cast::<i32>().read_unaligned());
+                            if signed {
+                                let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, wv));
+                                isum[a] = _mm256_add_epi32(isum[a], _mm256_madd_epi16(p, scj));
+                            } else {
+                                s16[a] = _mm256_add_epi16(s16[a], _mm256_maddubs_epi16(wv, xb));
+                                if T == Q6_K && c4 % 2 == 1 {
+                                    // Two groups: 2·(2·63·127) < 2^15.
+                                    isum[a] =
+                                        _mm256_add_epi32(isum[a], _mm256_madd_epi16(s16[a], scj));
+                                    s16[a] = _mm256_setzero_si256();
+                                }
+                            }
+                        }
+                    }
+                    if !signed && T != Q6_K {
+                        // Four groups: 4·(2·31·127) < 2^15 (Q5_K; the others less).
+                        for a in 0..R {
+                            isum[a] = _mm256_add_epi32(isum[a], _mm256_madd_epi16(s16[a], scj));
+                        }
+                    }
+                }
+                let dv = _mm256_loadu_ps(base.add(P_D).cast());
+                let cmv = _mm256_loadu_ps(base.add(P_D + 32).cast());
+                for a in 0..R {
+                    let dx = _mm256_set1_ps(*xd.add((r + a) * nsb + blk));
+                    let dd = _mm256_mul_ps(dv, dx);
+                    acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[a]), dd, acc[a]);
+                    if !signed {
+                        let bs = bsum.add((r + a) * k / 16 + 16 * blk);
+                        let mut mo = _mm256_setzero_si256();
+                        for p in 0..8 {
+                            let m = _mm256_loadu_si256(base.add(P_MC + 32 * p).cast());
+                            let b = _mm256_set1_epi32(bs.add(2 * p).cast::<i32>().read_unaligned());
+                            mo = _mm256_add_epi32(mo, _mm256_madd_epi16(m, b));
+                        }
+                        let cd = _mm256_mul_ps(cmv, dx);
+                        accm[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mo), cd, accm[a]);
+                    }
+                }
+            }
+            for a in 0..R {
+                let v = if signed {
+                    acc[a]
+                } else {
+                    _mm256_add_ps(acc[a], accm[a])
+                };
+                _mm256_storeu_ps(out.add(a * ldo), v);
+            }
+        }
+    }
+
     /// [`super::dot_k_reference`]'s sequence for an `R x C` tile: per super-block and run,
     /// one `maddubs` (unsigned quants by the activations' bytes) and one `madd` by the
     /// run's two integer scales per x row and W row, summed in i32 lanes over the
-    /// super-block; then one FMA per lane and the min/offset term.
+    /// super-block; then the lanes' exact total, one scalar FMA and the min/offset term.
     ///
     /// # Safety
     /// As [`tile`], for a super-block type `T`.
@@ -454,7 +711,7 @@ mod avx2 {
     ) {
         let (k, nsb) = (qx.k, qx.k / 256);
         let signed = T == IQ4_XS;
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut acc = [[0f32; C]; R];
         let mut accm = [[0f32; C]; R];
         let (xq, xd, bsum) = (qx.kq.as_ptr(), qx.kd.as_ptr(), qx.bsum.as_ptr());
         // SAFETY (the reads below): super-blocks of rows inside their k values, x rows
@@ -502,8 +759,8 @@ mod avx2 {
                     let dx = *xd.add((r + a) * nsb + blk);
                     let bs = _mm256_loadu_si256(bsum.add((r + a) * k / 16 + 16 * blk).cast());
                     for c in 0..C {
-                        let dd = _mm256_set1_ps(dw[c].0 * dx);
-                        acc[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[a][c]), dd, acc[a][c]);
+                        let total = hsum_epi32(isum[a][c]) as f32;
+                        acc[a][c] = total.mul_add(dw[c].0 * dx, acc[a][c]);
                         if !signed {
                             let moff = hsum_epi32(_mm256_madd_epi16(mc[c], bs));
                             accm[a][c] = (moff as f32).mul_add(dw[c].1 * dx, accm[a][c]);
@@ -514,9 +771,9 @@ mod avx2 {
             for a in 0..R {
                 for c in 0..C {
                     let v = if signed {
-                        hsum(acc[a][c])
+                        acc[a][c]
                     } else {
-                        hsum(acc[a][c]) + accm[a][c]
+                        acc[a][c] + accm[a][c]
                     };
                     *out.add(a * ldo + c) = v;
                 }
@@ -1005,7 +1262,7 @@ mod tests {
                     first += p.rows;
                 }
             }
-            for t in [1, 2, 3, 4, 5, 8, 9, 13] {
+            for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
                 for threads in [1, 3] {
                     let mut got = vec![f32::NAN; t * n];
                     if threads == 1 {
@@ -1018,6 +1275,54 @@ mod tests {
                         bits(&got) == bits(&want[..t * n]),
                         "{name} t={t} threads={threads}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Blocks at the ends of their ranges (every quant at its largest or smallest value,
+    /// large integer scales, activations all ±127): the kernels' 16-bit partial sums stay
+    /// within range, so every path gives the reference's exact integer sums, for tiles and
+    /// panels alike.
+    #[test]
+    fn extreme_blocks_sum_exactly_on_every_path() {
+        // Each super-block type's f16 `d` (and `dmin`) offsets, set to 1/16.
+        let scale_at = |t: GgmlType| match t {
+            GgmlType::Q2_K => vec![80, 82],
+            GgmlType::Q3_K => vec![108],
+            GgmlType::Q6_K => vec![208],
+            GgmlType::Q4_K | GgmlType::Q5_K => vec![0, 2],
+            _ => vec![0],
+        };
+        let (k, n, t) = (512, 8, 9);
+        for ty in quantized().filter(|t| t.super_blocks()) {
+            for fill in [0x00u8, 0x7F, 0xFF] {
+                let mut block = vec![fill; ty.type_size()];
+                for at in scale_at(ty) {
+                    block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.0625).to_le_bytes());
+                }
+                let bytes: Vec<u8> = (0..n * k / 256).flat_map(|_| block.clone()).collect();
+                let part = GgmlRows::new(ty, n, k, bytes).unwrap();
+                let store = Store::of_parts(vec![part.clone()], k);
+                for sign in [1.0f32, -1.0] {
+                    let x = vec![sign; t * k];
+                    let qx = QuantRows::new(&x, t, k, false, true);
+                    let rb = part.bytes.len() / n;
+                    let mut got = vec![0f32; t * n];
+                    linear(&x, t, &store, n, k, &mut got, true);
+                    let mut one = vec![0f32; n];
+                    linear(&x, 1, &store, n, k, &mut one, true);
+                    for r in 0..t {
+                        for j in 0..n {
+                            let want = dot_reference(ty, &part.bytes[j * rb..(j + 1) * rb], &qx, r);
+                            assert_eq!(
+                                got[r * n + j].to_bits(),
+                                want.to_bits(),
+                                "{ty:?} {fill:#x}"
+                            );
+                        }
+                    }
+                    assert_eq!(one, got[..n], "{ty:?} {fill:#x}");
                 }
             }
         }
