@@ -3,8 +3,9 @@
 //! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
 //! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
 //! matrix; this path gives that up for less vector work per weight: batch-1 decode
-//! 1.2-2.5x faster, 16-token steps (prefill) from 1.5x faster (K-quants) to 1.2x slower
-//! (some types of blocks of 32) (bench/RESULTS.md, session 42).
+//! 1.2-2.5x faster; for the K-quants and IQ4_XS, steps of 6+ tokens (prefill, large decode
+//! batches) run a panel kernel, 1.4-2.2x faster at 64 tokens; the types of blocks of 32 are
+//! up to 1.2x slower from 16 tokens (bench/RESULTS.md, sessions 42 and 43).
 //!
 //! Activations. Each token's values are quantized per block: `amax` the block's largest
 //! magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so `|q| <= 127`; a
