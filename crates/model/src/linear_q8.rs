@@ -512,23 +512,32 @@ mod avx2 {
     ///
     /// # Safety
     /// As [`panel_k`]; `dst` points to `nsb * PANEL_SB` writable bytes.
-    #[allow(clippy::needless_range_loop)] // sc[row][j]: arrays indexed as a matrix
+    #[allow(clippy::needless_range_loop)] // v[row], t[c]: register arrays
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pack_k<const T: u8>(w: *const u8, rb: usize, nsb: usize, dst: *mut u8) {
         let bb = block_bytes::<T>();
         // SAFETY: super-block blk of each of the 8 rows; dst's nsb super-blocks, written
         // unaligned.
         unsafe {
+            let rows: [*const u8; 8] = [0, 1, 2, 3, 4, 5, 6, 7].map(|row| w.add(row * rb));
             for blk in 0..nsb {
+                prefetch_block(&rows, bb, blk);
                 let base = dst.add(blk * PANEL_SB);
                 let sb = |row: usize| w.add(row * rb + bb * blk);
-                let mut sc = [[0i16; 16]; 8];
-                let mut mc = [[0i16; 16]; 8];
+                // Row `row`'s scales twice each, values 0..8 then 8..16 (i32 lanes), and its
+                // min coefficients (i32 lane p: the pair 2p, 2p + 1).
+                let mut lo = [_mm256_setzero_si256(); 8];
+                let mut hi = [_mm256_setzero_si256(); 8];
+                let mut mc = [_mm256_setzero_si256(); 8];
                 let mut dc = [0f32; 16];
                 for row in 0..8 {
                     let (s16, m16, d, cm) = kscales::<T>(sb(row));
-                    _mm256_storeu_si256(sc[row].as_mut_ptr().cast(), s16);
-                    _mm256_storeu_si256(mc[row].as_mut_ptr().cast(), m16);
+                    // Quarters 0, 2 | 1, 3: unpacking the low (high) quarter of each half
+                    // then gives values 0..8 (8..16), each twice.
+                    let q = _mm256_permute4x64_epi64::<0b11_01_10_00>(s16);
+                    lo[row] = _mm256_unpacklo_epi16(q, q);
+                    hi[row] = _mm256_unpackhi_epi16(q, q);
+                    mc[row] = m16;
                     (dc[row], dc[8 + row]) = (d, cm);
                 }
                 for s in 0..8 {
@@ -541,18 +550,11 @@ mod avx2 {
                         _mm256_storeu_si256(base.add(32 * (8 * s + c)).cast(), t[c]);
                     }
                 }
-                let scp = base.add(P_SC).cast::<i16>();
-                let mcp = base.add(P_MC).cast::<i16>();
-                for row in 0..8 {
-                    for j in 0..16 {
-                        scp.add(16 * j + 2 * row).write_unaligned(sc[row][j]);
-                        scp.add(16 * j + 2 * row + 1).write_unaligned(sc[row][j]);
-                    }
-                    for p in 0..8 {
-                        mcp.add(16 * p + 2 * row).write_unaligned(mc[row][2 * p]);
-                        mcp.add(16 * p + 2 * row + 1)
-                            .write_unaligned(mc[row][2 * p + 1]);
-                    }
+                let (tl, th, tm) = (transpose8(lo), transpose8(hi), transpose8(mc));
+                for j in 0..8 {
+                    _mm256_storeu_si256(base.add(P_SC + 32 * j).cast(), tl[j]);
+                    _mm256_storeu_si256(base.add(P_SC + 32 * (8 + j)).cast(), th[j]);
+                    _mm256_storeu_si256(base.add(P_MC + 32 * j).cast(), tm[j]);
                 }
                 let dp = base.add(P_D).cast::<f32>();
                 for (i, &v) in dc.iter().enumerate() {
