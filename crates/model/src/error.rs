@@ -166,6 +166,20 @@ pub enum ModelError {
         /// The dtype as safetensors names it.
         dtype: String,
     },
+    /// A one-dimensional tensor (a norm weight, a bias, RoPE factors) holds a NaN or an
+    /// infinity: every logit would be NaN, and the sampler would emit garbage without an
+    /// error. Checked at load for every 1-D tensor (a few KB each); matrices are not scanned.
+    #[error("{file}: tensor `{tensor}` holds {value} at index {index}; a norm weight or bias must be finite")]
+    NonFinite {
+        /// The weights file holding the tensor.
+        file: String,
+        /// HF tensor name.
+        tensor: String,
+        /// The first non-finite element's index.
+        index: usize,
+        /// Its value as text (`NaN`, `inf`, `-inf`).
+        value: String,
+    },
     /// A float8 weight of an FP8 checkpoint cannot be dequantized ([`crate::quant`]): its
     /// scale tensor is missing or of a shape that fits neither per-tensor, per-row nor the
     /// config's blocks, or the checkpoint stores float8 tensors without a

@@ -1541,6 +1541,25 @@ impl WeightSource {
         Ok(())
     }
 
+    /// Checks that every value of tensor `name` is finite (for 1-D tensors: norm weights,
+    /// biases, RoPE factors; see [`ModelError::NonFinite`]).
+    ///
+    /// # Errors
+    /// As [`WeightSource::get`], and [`ModelError::NonFinite`] naming the first bad value.
+    fn check_finite(&self, name: &str) -> Result<(), ModelError> {
+        let raw = self.get(name)?;
+        let t = raw.to_f32();
+        match t.data.iter().position(|v| !v.is_finite()) {
+            None => Ok(()),
+            Some(index) => Err(ModelError::NonFinite {
+                file: raw.file.display().to_string(),
+                tensor: name.to_string(),
+                index,
+                value: t.data[index].to_string(),
+            }),
+        }
+    }
+
     /// Loads a tensor as f32 after checking its shape. A quantized GGUF tensor is
     /// dequantized straight to f32 (ggml's values, [`GgmlType::dequantize`]), not through
     /// [`WeightSource::get`]'s 16-bit copy.
@@ -1550,6 +1569,9 @@ impl WeightSource {
     /// is NaN or infinite.
     pub fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Tensor, ModelError> {
         self.check_shape(name, expected)?;
+        if expected.len() == 1 {
+            self.check_finite(name)?;
+        }
         match self.ggml_served(name) {
             Some(g) => {
                 let rows = self.ggml_rows(g)?;
@@ -1741,9 +1763,13 @@ impl WeightSource {
         for i in 0..cfg.num_hidden_layers {
             for (n, s) in layer_tensor_shapes(cfg, i) {
                 self.check_shape(&n, &s)?;
+                if s.len() == 1 {
+                    self.check_finite(&n)?;
+                }
             }
         }
         self.check_shape("model.norm.weight", &[h])?;
+        self.check_finite("model.norm.weight")?;
         self.check_shape(self.lm_head_name(cfg)?, &[v, h])?;
         Ok(())
     }

@@ -735,3 +735,33 @@ fn generation_config_sources_give_their_sampling_defaults_and_stop_ids() {
         &["nope/generation_config.json"],
     );
 }
+
+/// A NaN or an infinity in a norm weight or a bias is refused at load, naming the tensor and
+/// the index (it would make every logit NaN, and the sampler emit garbage silently).
+#[test]
+fn a_non_finite_norm_weight_is_refused_and_named() {
+    for (tag, tensor, at, bad) in [
+        ("nan-norm", "model.norm.weight", 5, f32::NAN),
+        (
+            "inf-ln",
+            "model.layers.1.input_layernorm.weight",
+            63,
+            f32::NEG_INFINITY,
+        ),
+    ] {
+        let d = dir_with_tensors(tag, |t| {
+            let x = t.iter_mut().find(|x| x.0 == tensor).unwrap();
+            assert_eq!(x.1, safetensors::Dtype::F32);
+            x.3[4 * at..4 * at + 4].copy_from_slice(&bad.to_le_bytes());
+        });
+        let e = both(&d);
+        assert!(
+            matches!(e, ModelError::NonFinite { index, .. } if index == at),
+            "{e:?}"
+        );
+        assert_mentions(
+            &e.to_string(),
+            &["model.safetensors", tensor, &format!("index {at}")],
+        );
+    }
+}
