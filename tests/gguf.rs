@@ -127,12 +127,15 @@ fn serve_of_the_gguf_file_answers_golden_json_under_the_files_name() {
     std::env::set_var("BATON_CACHE_DIR", &c);
     // 8-bit activations change only quantized matrices: none here, so golden.json holds
     // (this checks that serve hands the flag to a worker that takes it).
-    let (mut serve, addr) = spawn_serve(
+    let (mut serve, addr, ready) = spawn_serve_ready(
         &gguf_file(),
         &instance("gguf"),
         &["--cpu-int8-activations".to_owned()],
     );
     std::env::remove_var("BATON_CACHE_DIR");
+    // The ready line names the file, not the directory prepared from it.
+    let given = format!("model {} (", gguf_file().display());
+    assert!(ready.contains(&given), "{ready}");
     let name = "stories260K-f32.gguf";
     let (status, models) = http(&addr, "GET", "/v1/models", None);
     assert_eq!(status, 200);

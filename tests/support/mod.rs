@@ -387,6 +387,16 @@ pub fn edited_model_dir(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -
 
 /// Starts `baton serve MODEL` on a free port; returns it with its address once ready.
 pub fn spawn_serve(model: &std::path::Path, instance: &str, extra: &[String]) -> (Proc, String) {
+    let (p, addr, _) = spawn_serve_ready(model, instance, extra);
+    (p, addr)
+}
+
+/// [`spawn_serve`], also returning serve's ready line.
+pub fn spawn_serve_ready(
+    model: &std::path::Path,
+    instance: &str,
+    extra: &[String],
+) -> (Proc, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .arg("serve")
         .arg(model)
@@ -425,6 +435,7 @@ pub fn spawn_serve(model: &std::path::Path, instance: &str, extra: &[String]) ->
             name: "serve",
         },
         addr,
+        line,
     )
 }
 

@@ -744,7 +744,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
             l.max_model_len
         )
     });
-    say!("baton serve: ready on http://{addr}, model {model} ({device}){kv}");
+    // What the user gave: a GGUF file, not the directory prepared from it.
+    let given = model_arg.display();
+    say!("baton serve: ready on http://{addr}, model {given} ({device}){kv}");
 
     // The participant table, to find hung children by their heartbeats (DESIGN section 6).
     let hang_ms = (a.heartbeat_timeout * 1000.0) as u64;
