@@ -564,8 +564,7 @@ mod avx2 {
         }
     }
 
-    /// The 8x8 transpose of 32-bit lanes: lane `c` of result `row` is lane `row` of `v[c]`'s
-    /// ... i.e. result `c` holds dword `c` of each of `v[0..8]`, in order.
+    /// The 8x8 transpose of 32-bit lanes: lane `i` of result `c` is lane `c` of `v[i]`.
     ///
     /// # Safety
     /// The CPU has AVX2 (inlined into a caller with it).
