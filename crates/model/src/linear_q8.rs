@@ -3,9 +3,8 @@
 //! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
 //! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
 //! matrix; this path gives that up for less vector work per weight: batch-1 decode
-//! 1.2-2.5x faster; for the K-quants and IQ4_XS, steps of 6+ tokens (prefill, large decode
-//! batches) run a panel kernel, 1.4-2.2x faster at 64 tokens; the types of blocks of 32 are
-//! up to 1.2x slower from 16 tokens (bench/RESULTS.md, sessions 42 and 43).
+//! 1.2-2.5x faster; steps of 6+ tokens (prefill, large decode batches) run a panel kernel,
+//! 1.6-3x faster than the f32 path at 64 tokens (bench/RESULTS.md, sessions 42-44).
 //!
 //! Activations. Each token's values are quantized per block: `amax` the block's largest
 //! magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so `|q| <= 127`; a
@@ -22,26 +21,26 @@
 //! count, and the AVX2 kernel and the portable reference ([`dot_reference`]) give the same
 //! bits, so a machine without AVX2 gives the same tokens. The sequences, for x row `r` and W
 //! row `j` (of its part's type):
-//! - Blocks of 32 ([`IntRun`]: a run is `scale·v + min`): eight f32 lane sums `acc`, lane `l`
-//!   taking values `4l..4l + 4` of each run: per run `b` in order,
-//!   `acc[l] = fma(f32(Σ_{i in 4l..4l+4} v[i]·q[i]), scale·d_b, acc[l])` (the integer sum is
-//!   exact); for Q4_1 and Q5_1 (one min a run) eight more, per group `g` of 8 runs (past the
-//!   row's end `min = 0`, `s = 0`), `accm[l] = fma(min_{8g+l}, s32_{8g+l}, accm[l])` with
-//!   `s32_b = f32(Σ_32 q)·d_b`; `out = combine(acc)` (`+ combine(accm)`).
+//! - Blocks of 32 ([`IntRun`]: a run is `scale·v + min`): per run `b`, the exact i32 sum
+//!   `isum_b = Σ_{i < 32} v[i]·q[i]` and `P_b = f32(isum_b)·(scale·d_b)`, for Q4_1 and Q5_1
+//!   (one min a run) `Q_b = fma(min_b, s32_b, P_b)` with `s32_b = f32(Σ_32 q)·d_b`, for the
+//!   other types `Q_b = P_b`; per group of 8 runs in order (past the row's end `Q = 0`),
+//!   `acc = acc + (((Q_0 + Q_1) + (Q_2 + Q_3)) + ((Q_4 + Q_5) + (Q_6 + Q_7)))`; `out = acc`.
 //! - Super-blocks of 256 ([`KInts`]: `d·sc·v + cm·mc` per 16 values): per super-block `b` in
 //!   order, the exact i32 sum `isum = Σ_j sc[j]·Σ_{i in 16j..16j+16} v[i]·q[i]`, then
 //!   `acc = fma(f32(isum), d·d_b, acc)`, and (not IQ4_XS)
 //!   `accm = fma(f32(Σ_j mc[j]·bsum_j), cm·d_b, accm)`; `out = acc + accm` (IQ4_XS: `acc`).
-//!   One float accumulator per output, so a kernel may hold eight W rows' outputs in the
-//!   lanes of one vector (the panel kernel of prefill-sized batches) or eight x rows' (the
-//!   register tiles of decode).
 //!
-//! `combine` is [`crate::linear`]'s lane combination.
+//! One float accumulator per output, so a kernel may hold eight W rows' outputs for one x
+//! row in the lanes of one vector: the panel kernels of prefill-sized batches, whose W rows
+//! are repacked so that one `maddubs` multiplies four values of each. The decode tiles of
+//! the types of blocks of 32 fold each run's lane sums by `hadd` until one vector holds the
+//! exact totals of four runs of two W rows, then take the products and the sum tree there.
 
 #[allow(unused_imports)] // named by the documentation
 use crate::gguf_quant::KInts;
 use crate::gguf_quant::{GgmlType, IntRun, Mins};
-use crate::linear::{combine, GgmlRows};
+use crate::linear::GgmlRows;
 
 /// A batch of `t` activation rows of `k` values (`k` a multiple of 32) quantized to 8 bits
 /// in blocks of 32, in super-blocks of 256, or both, as the matrix's parts need (see the
@@ -56,7 +55,7 @@ pub(crate) struct QuantRows {
     kg: usize,
     /// `[t, k]` quants, `-127..=127`.
     q: Vec<i8>,
-    /// `[t, kb]` block scales `d`.
+    /// `[t, 8 kg]` block scales `d`, zero past `kb`.
     d: Vec<f32>,
     /// `[t, 8 kg]`: `f32(Σ q)·d` per block, zero past `kb`.
     s32: Vec<f32>,
@@ -87,7 +86,7 @@ impl QuantRows {
             kb,
             kg,
             q: vec![0; n32 * k],
-            d: vec![0.0; n32 * kb],
+            d: vec![0.0; n32 * 8 * kg],
             s32: vec![0.0; n32 * 8 * kg],
             kq: vec![0; n256 * k],
             kd: vec![0.0; n256 * k / 256],
@@ -99,7 +98,7 @@ impl QuantRows {
                 let xs = &x[r * k + 32 * b..r * k + 32 * b + 32];
                 let q = &mut qr.q[r * k + 32 * b..r * k + 32 * b + 32];
                 let d = quantize_any(xs, q);
-                qr.d[r * kb + b] = d;
+                qr.d[r * 8 * kg + b] = d;
                 qr.s32[r * 8 * kg + b] = sum(q) as f32 * d;
             }
         }
@@ -207,37 +206,32 @@ pub(crate) fn dot_reference(ty: GgmlType, row: &[u8], qx: &QuantRows, r: usize) 
     assert!(ty.is_quantized(), "a quantized type");
     // Among the types of blocks of 32, Q4_1 and Q5_1 have mins, one a run.
     let mins = ty.mins() == Mins::Per32;
-    let mut acc = [0f32; 8];
-    let mut accm = [0f32; 8];
+    let mut acc = 0f32;
     for g in 0..kg {
-        let mut m = [0f32; 8];
-        for (l, ml) in m.iter_mut().enumerate() {
-            let b = 8 * g + l;
+        let mut q8 = [0f32; 8];
+        for (i, qb) in q8.iter_mut().enumerate() {
+            let b = 8 * g + i;
             if b >= kb {
                 break;
             }
             let IntRun { v, scale, min } = ty.int_run(row, b).expect("a quantized type");
-            let d = qx.d[r * kb + b];
+            let d = qx.d[r * 8 * kg + b];
             let q = &qx.q[r * k + 32 * b..r * k + 32 * b + 32];
-            for (lane, a) in acc.iter_mut().enumerate() {
-                let isum: i32 = (4 * lane..4 * lane + 4)
-                    .map(|i| i32::from(v[i]) * i32::from(q[i]))
-                    .sum();
-                *a = (isum as f32).mul_add(scale[lane / 4] * d, *a);
-            }
-            *ml = min[0];
+            let isum: i32 = v
+                .iter()
+                .zip(q)
+                .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                .sum();
+            let p = isum as f32 * (scale[0] * d);
+            *qb = if mins {
+                min[0].mul_add(qx.s32[r * 8 * kg + b], p)
+            } else {
+                p
+            };
         }
-        if mins {
-            for (l, a) in accm.iter_mut().enumerate() {
-                *a = m[l].mul_add(qx.s32[(r * kg + g) * 8 + l], *a);
-            }
-        }
+        acc += ((q8[0] + q8[1]) + (q8[2] + q8[3])) + ((q8[4] + q8[5]) + (q8[6] + q8[7]));
     }
-    if mins {
-        combine(acc) + combine(accm)
-    } else {
-        combine(acc)
-    }
+    acc
 }
 
 /// [`dot_reference`] for a super-block type ([`GgmlType::super_blocks`]): per super-block
@@ -285,8 +279,8 @@ mod avx2 {
     use super::QuantRows;
     use crate::gguf_quant::GgmlType;
     use crate::linear::avx2::{
-        block_bytes, by_type, f16_at, hsum, prefetch_block, q3_k_scales, small_blocks, IQ4_NL,
-        IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+        block_bytes, by_type, prefetch_block, q3_k_scales, small_blocks, IQ4_NL, IQ4_XS, Q2_K,
+        Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     };
     use std::arch::x86_64::*;
 
@@ -411,9 +405,13 @@ mod avx2 {
         // SAFETY (every call): W rows j.. < cols, x rows r.. < r1 and their out elements,
         // the caller's.
         unsafe {
-            if !small_blocks::<T>() && r1 - r0 >= panel_rows::<T>() {
+            if r1 - r0 >= panel_rows::<T>() {
                 while j + 8 <= cols {
-                    panel_k::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
+                    if small_blocks::<T>() {
+                        panel_q::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
+                    } else {
+                        panel_k::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
+                    }
                     j += 8;
                 }
             }
@@ -441,11 +439,12 @@ mod avx2 {
         }
     }
 
-    /// x rows from which a task over a super-block type runs the panel kernel
-    /// ([`panel_k`]): below, the register tiles (which decode each run once per 4 x rows).
-    /// Q6_K's repacking costs more (its quants are split over two arrays): on the 167M test
-    /// file its panel took 21-24 ms a step at 6-8 rows against the tiles' 18.5-22.6, and
-    /// 28-30 at 12 against 32-33 (session 43); the others are even at 6 and ahead from 8.
+    /// x rows from which a task runs the panel kernel ([`panel_k`], [`panel_q`]): below,
+    /// the register tiles (which decode each run once per 4 x rows). On the 167M test files
+    /// the two are even at 6 rows and the panel ahead from 8 (sessions 43 and 44), but
+    /// Q6_K's repacking costs more (its quants are split over two arrays): its panel took
+    /// 21-24 ms a step at 6-8 rows against the tiles' 18.5-22.6, and 28-30 at 12 against
+    /// 32-33.
     const fn panel_rows<const T: u8>() -> usize {
         if T == Q6_K {
             10
@@ -813,22 +812,22 @@ mod avx2 {
                 (
                     bytes8_twice(sc),
                     bytes8_twice(mn),
-                    f16_at(sb),
-                    -f16_at(sb.add(2)),
+                    f16c_at(sb),
+                    -f16c_at(sb.add(2)),
                 )
             } else if T == Q6_K {
                 let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(sb.add(192).cast()));
-                let d = f16_at(sb.add(208));
+                let d = f16c_at(sb.add(208));
                 (sc, _mm256_slli_epi16::<5>(sc), d, -d)
             } else if T == Q2_K {
                 let v = _mm_loadu_si128(sb.cast());
                 let low = _mm_set1_epi8(0x0F);
                 let sc = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
                 let mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), low));
-                (sc, mn, f16_at(sb.add(80)), -f16_at(sb.add(82)))
+                (sc, mn, f16c_at(sb.add(80)), -f16c_at(sb.add(82)))
             } else if T == Q3_K {
                 let sc = _mm256_cvtepi8_epi16(q3_k_scales(sb.add(96)));
-                let d = f16_at(sb.add(108));
+                let d = f16c_at(sb.add(108));
                 (sc, _mm256_slli_epi16::<2>(sc), d, -d)
             } else {
                 // IQ4_XS: eight 6-bit scales less 32, one per 32 values.
@@ -838,7 +837,7 @@ mod avx2 {
                     *o = crate::gguf_quant::iq4_xs_scale(g, head) as i16;
                 }
                 let sc = twice(_mm_loadu_si128(s8.as_ptr().cast()));
-                (sc, _mm256_setzero_si256(), f16_at(sb), 0.0)
+                (sc, _mm256_setzero_si256(), f16c_at(sb), 0.0)
             }
         }
     }
@@ -941,10 +940,11 @@ mod avx2 {
         }
     }
 
-    /// [`tile`] for a type of blocks of 32, [`tile_k`] for a super-block type.
+    /// [`tile_q`] for a type of blocks of 32 (a single W row paired with itself, its copy
+    /// not written), [`tile_k`] for a super-block type.
     ///
     /// # Safety
-    /// As [`tile`].
+    /// As [`tile_k`].
     #[inline(always)]
     unsafe fn tile_any<const T: u8, const R: usize, const C: usize>(
         qx: &QuantRows,
@@ -956,10 +956,27 @@ mod avx2 {
         // SAFETY: the caller's.
         unsafe {
             if small_blocks::<T>() {
-                tile::<T, R, C>(qx, r, rows, out, ldo)
+                tile_q::<T, R>(qx, r, [rows[0], rows[C - 1]], C == 2, out, ldo)
             } else {
                 tile_k::<T, R, C>(qx, r, rows, out, ldo)
             }
+        }
+    }
+
+    /// The f16 at `p` (little-endian, unaligned) as f32, by F16C's `vcvtph2ps`.
+    /// [`crate::linear`]'s `f16_at` goes through `half`'s run-time feature check instead:
+    /// here that made Q4_0 and Q4_1 steps 1.3x slower at 1 and 4 tokens, while this form
+    /// made the f32 path's Q8_0 kernel 1.4x slower at 1 token (the compiler merged the
+    /// conversion into a register the accumulators depend on; session 44).
+    ///
+    /// # Safety
+    /// `p` points to 2 readable bytes; the CPU has F16C (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn f16c_at(p: *const u8) -> f32 {
+        // SAFETY: the caller's two bytes and features.
+        unsafe {
+            let h = _mm_cvtsi32_si128(i32::from(p.cast::<u16>().read_unaligned()));
+            _mm_cvtss_f32(_mm_cvtph_ps(h))
         }
     }
 
@@ -969,101 +986,336 @@ mod avx2 {
         !matches!(T, Q4_1 | Q5_1)
     }
 
-    /// `out[a * ldo + c] = x row r + a · W row c` for `a < R`, `c < C`, by [`super`]'s
-    /// sequence.
+    /// The 8 i32 lane sums of run `v` (decoded by [`runq`], `av` its absolute values for a
+    /// signed type) times the x run `xv`: `maddubs` (through `sign` for a signed type), then
+    /// `madd` with ones.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn run_dot<const T: u8>(v: __m256i, av: __m256i, xv: __m256i) -> __m256i {
+        // SAFETY: register operations, the caller's features.
+        unsafe {
+            let pr = if signed::<T>() {
+                _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v))
+            } else {
+                _mm256_maddubs_epi16(v, xv)
+            };
+            _mm256_madd_epi16(pr, _mm256_set1_epi16(1))
+        }
+    }
+
+    /// `out[a * ldo + c] = x row r + a · W row c` for `a < R` and the two W rows `rows` (the
+    /// second not written unless `both`), by [`super`]'s sequence for a type of blocks of 32,
+    /// four runs at a time ([`quad_q`]), each group's two quads added in the lanes of W rows
+    /// 0 and 1.
     ///
     /// # Safety
     /// `rows` are rows of type `T` of `qx.k` values; x rows `r..r + R` exist in `qx`; `out`
-    /// points to the `R x C` tile (row stride `ldo`); the CPU has AVX2, FMA and F16C.
+    /// points to the `R x 2` tile (row stride `ldo`; only its first column unless `both`);
+    /// the CPU has AVX2, FMA and F16C.
     #[inline]
-    #[allow(clippy::needless_range_loop)] // acc[a][c]: a register tile, indexed as one
+    #[allow(clippy::needless_range_loop)] // acc[a]: register arrays indexed by x row
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const T: u8, const R: usize, const C: usize>(
+    unsafe fn tile_q<const T: u8, const R: usize>(
         qx: &QuantRows,
         r: usize,
-        rows: [*const u8; C],
+        rows: [*const u8; 2],
+        both: bool,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        // Lanes 0 and 1: W rows 0 and 1.
+        let mut acc = [_mm_setzero_ps(); R];
+        // SAFETY (the reads below): blocks of rows inside their k values, x rows r..r + R of
+        // qx (q, and d and the sums padded to whole groups), at the offsets of the struct's
+        // layout.
+        unsafe {
+            for g in 0..qx.kg {
+                let q0 = quad_q::<T, R>(qx, r, rows, 8 * g);
+                let q1 = quad_q::<T, R>(qx, r, rows, 8 * g + 4);
+                for a in 0..R {
+                    acc[a] = _mm_add_ps(acc[a], _mm_add_ps(q0[a], q1[a]));
+                }
+            }
+            for a in 0..R {
+                *out.add(a * ldo) = _mm_cvtss_f32(acc[a]);
+                if both {
+                    *out.add(a * ldo + 1) = _mm_cvtss_f32(_mm_movehdup_ps(acc[a]));
+                }
+            }
+        }
+    }
+
+    /// Per x row `r + a`, run `b`'s lane sums ([`run_dot`]) for W rows `rows` folded by
+    /// `hadd`, with the two rows' scales and mins; zeros past the row's end.
+    ///
+    /// # Safety
+    /// As [`tile_q`].
+    #[inline(always)]
+    unsafe fn fold_q<const T: u8, const R: usize>(
+        qx: &QuantRows,
+        r: usize,
+        rows: [*const u8; 2],
+        b: usize,
+    ) -> ([__m256i; R], [f32; 2], [f32; 2]) {
+        let mut h = [_mm256_setzero_si256(); R];
+        if b >= qx.kb {
+            return (h, [0.0; 2], [0.0; 2]);
+        }
+        // SAFETY: the caller's rows (run b inside them) and x rows.
+        unsafe {
+            prefetch_block(&rows, block_bytes::<T>(), b);
+            let (v0, s0, m0) = runq::<T>(rows[0], b);
+            let (v1, s1, m1) = runq::<T>(rows[1], b);
+            let abs = |v| if signed::<T>() { _mm256_abs_epi8(v) } else { v };
+            let (a0, a1) = (abs(v0), abs(v1));
+            for (a, ha) in h.iter_mut().enumerate() {
+                let xv = _mm256_loadu_si256(qx.q.as_ptr().add((r + a) * qx.k + 32 * b).cast());
+                *ha = _mm256_hadd_epi32(run_dot::<T>(v0, a0, xv), run_dot::<T>(v1, a1, xv));
+            }
+            (h, [s0, s1], [m0, m1])
+        }
+    }
+
+    /// Per x row, lanes 0 and 1: W rows 0 and 1's `(Q_b + Q_{b+1}) + (Q_{b+2} + Q_{b+3})`
+    /// ([`super`]'s sequence), from the exact totals of the four runs of both rows in the
+    /// lanes of one vector; zero past the row's end.
+    ///
+    /// # Safety
+    /// As [`tile_q`], with `b` a multiple of 4.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // t01[a]: register arrays indexed by x row
+    unsafe fn quad_q<const T: u8, const R: usize>(
+        qx: &QuantRows,
+        r: usize,
+        rows: [*const u8; 2],
+        b: usize,
+    ) -> [__m128; R] {
+        let mut q = [_mm_setzero_ps(); R];
+        if b >= qx.kb {
+            return q;
+        }
+        let mins = matches!(T, Q4_1 | Q5_1);
+        let kg = qx.kg;
+        // SAFETY: the caller's rows and x rows; x's d and sums are padded to whole groups
+        // of 8 runs.
+        unsafe {
+            let (h0, s0, m0) = fold_q::<T, R>(qx, r, rows, b);
+            let (h1, s1, m1) = fold_q::<T, R>(qx, r, rows, b + 1);
+            let mut t01 = [_mm256_setzero_si256(); R];
+            for a in 0..R {
+                t01[a] = _mm256_hadd_epi32(h0[a], h1[a]);
+            }
+            let (h2, s2, m2) = fold_q::<T, R>(qx, r, rows, b + 2);
+            let (h3, s3, m3) = fold_q::<T, R>(qx, r, rows, b + 3);
+            let ws = _mm256_setr_ps(s0[0], s0[1], s1[0], s1[1], s2[0], s2[1], s3[0], s3[1]);
+            let wm = _mm256_setr_ps(m0[0], m0[1], m1[0], m1[1], m2[0], m2[1], m3[0], m3[1]);
+            let twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            for a in 0..R {
+                // Lanes: (row 0, run b), (1, b), (0, b + 1), ..., (1, b + 3).
+                let t23 = _mm256_hadd_epi32(h2[a], h3[a]);
+                let tot = _mm256_add_epi32(
+                    _mm256_permute2x128_si256::<0x20>(t01[a], t23),
+                    _mm256_permute2x128_si256::<0x31>(t01[a], t23),
+                );
+                // x's d and sums of runs b..b + 4, each twice.
+                let at = (r + a) * 8 * kg + b;
+                let dx = _mm256_castps128_ps256(_mm_loadu_ps(qx.d.as_ptr().add(at)));
+                let sd = _mm256_mul_ps(ws, _mm256_permutevar8x32_ps(dx, twice));
+                let p = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), sd);
+                let qa = if mins {
+                    let sx = _mm256_castps128_ps256(_mm_loadu_ps(qx.s32.as_ptr().add(at)));
+                    _mm256_fmadd_ps(wm, _mm256_permutevar8x32_ps(sx, twice), p)
+                } else {
+                    p
+                };
+                // Lanes 0, 1 and 4, 5: the pairs' sums; then the two pairs'.
+                let pairs = _mm256_add_ps(qa, _mm256_permute_ps::<0b1110>(qa));
+                q[a] = _mm_add_ps(
+                    _mm256_castps256_ps128(pairs),
+                    _mm256_extractf128_ps::<1>(pairs),
+                );
+            }
+        }
+        q
+    }
+
+    /// Bytes of one run of a panel of 8 W rows of a type of blocks of 32 ([`pack_q`]): the
+    /// quants, 8 chunks of `[row][4 values]` as [`runq`] decodes them (256), then the 8
+    /// rows' scales and mins as f32 (64).
+    const PANEL_RUN: usize = 256 + 64;
+
+    /// Chunks of 4 values whose `maddubs` pairs type `T` may sum in i16 before `madd`:
+    /// `chunks·2·max|v|·127 < 2^15`.
+    const fn chunks16<const T: u8>() -> usize {
+        match T {
+            Q4_0 | Q4_1 | Q5_0 => 8,
+            Q5_1 => 4,
+            _ => 1,
+        }
+    }
+
+    /// [`panel_k`] for a type of blocks of 32: the W rows repacked by [`pack_q`], the x rows
+    /// multiplied by [`rows_q`].
+    ///
+    /// # Safety
+    /// As [`panel_k`], with x rows in `qx`'s blocks of 32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panel_q<const T: u8>(
+        qx: &QuantRows,
+        r0: usize,
+        r1: usize,
+        w: *const u8,
+        rb: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let kb = qx.kb;
+        let mut buf = PANEL.take();
+        buf.clear();
+        buf.resize(kb * PANEL_RUN, 0);
+        // SAFETY: the caller's rows, x rows and out block; buf holds kb runs.
+        unsafe {
+            let dst = buf.as_mut_ptr();
+            for b in 0..kb {
+                let mut v = [_mm256_setzero_si256(); 8];
+                let mut sm = [0f32; 16];
+                for row in 0..8 {
+                    (v[row], sm[row], sm[8 + row]) = runq::<T>(w.add(row * rb), b);
+                }
+                let t = transpose8(v);
+                let base = dst.add(b * PANEL_RUN);
+                for (c, tc) in t.iter().enumerate() {
+                    _mm256_storeu_si256(base.add(32 * c).cast(), *tc);
+                }
+                for (i, &x) in sm.iter().enumerate() {
+                    base.add(256).cast::<f32>().add(i).write_unaligned(x);
+                }
+            }
+            let mut r = r0;
+            while r < r1 {
+                let o = out.add(r * ldo);
+                let p = buf.as_ptr();
+                match r1 - r {
+                    1 => rows_q::<T, 1>(qx, r, p, o, ldo),
+                    2 => rows_q::<T, 2>(qx, r, p, o, ldo),
+                    3 => rows_q::<T, 3>(qx, r, p, o, ldo),
+                    _ => rows_q::<T, 4>(qx, r, p, o, ldo),
+                }
+                r += (r1 - r).min(4);
+            }
+        }
+        PANEL.set(buf);
+    }
+
+    /// x rows `r..r + R` times a panel of a type of blocks of 32 ([`panel_q`]) into `out`
+    /// (row `r`'s 8 columns first, row stride `ldo`): per run and x row, each group of 4
+    /// values broadcast against a quant vector (`maddubs`, through `sign` for the signed
+    /// types), summed in i16 over [`chunks16`] chunks, then `madd`; the run's products and
+    /// mins for the 8 outputs in one vector, and the group's sum tree kept as partial sums.
+    ///
+    /// # Safety
+    /// As [`panel_q`], with `panel` its packed runs and x rows `r..r + R`.
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // isum[a]: a register array
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn rows_q<const T: u8, const R: usize>(
+        qx: &QuantRows,
+        r: usize,
+        panel: *const u8,
         out: *mut f32,
         ldo: usize,
     ) {
         let (k, kb, kg) = (qx.k, qx.kb, qx.kg);
         let mins = matches!(T, Q4_1 | Q5_1);
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut accm = [[_mm256_setzero_ps(); C]; R];
-        // Q4_1 and Q5_1: the mins of the current group of 8 runs.
-        let mut mbuf = [[0f32; 8]; C];
+        let mut acc = [_mm256_setzero_ps(); R];
+        // The group's pending sums: the last even run's Q, the last pair's sum, the first
+        // four's sum.
+        let mut one = [_mm256_setzero_ps(); R];
+        let mut two = [_mm256_setzero_ps(); R];
+        let mut four = [_mm256_setzero_ps(); R];
         let (xq, xd, s32) = (qx.q.as_ptr(), qx.d.as_ptr(), qx.s32.as_ptr());
-        // SAFETY (the reads below): blocks of rows inside their k values, x rows r..r + R
-        // of qx (q, d and the padded sums), at the offsets of the struct's layout.
+        // SAFETY: the panel's kb runs; x rows r..r + R of qx (q, and d and the sums padded
+        // to whole groups) at its layout's offsets (4-byte groups read unaligned).
         unsafe {
-            for b in 0..kb {
-                let bb = block_bytes::<T>();
-                prefetch_block(&rows, bb, b);
-                let mut v = [_mm256_setzero_si256(); C];
-                let mut av = [_mm256_setzero_si256(); C];
-                let mut sl = [_mm256_setzero_ps(); C];
-                for c in 0..C {
-                    let m;
-                    (v[c], sl[c], m) = runq::<T>(rows[c], b);
-                    av[c] = if signed::<T>() {
-                        _mm256_abs_epi8(v[c])
-                    } else {
-                        v[c]
-                    };
-                    if mins {
-                        mbuf[c][b % 8] = m;
-                    }
-                }
-                for a in 0..R {
-                    let xv = _mm256_loadu_si256(xq.add((r + a) * k + 32 * b).cast());
-                    let d = _mm256_set1_ps(*xd.add((r + a) * kb + b));
-                    for c in 0..C {
-                        let sx = if signed::<T>() {
-                            _mm256_sign_epi8(xv, v[c])
-                        } else {
-                            xv
-                        };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[c], sx), ones);
-                        let sd = _mm256_mul_ps(sl[c], d);
-                        acc[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sd, acc[a][c]);
-                    }
-                }
-                if mins && (b % 8 == 7 || b + 1 == kb) {
-                    for c in 0..C {
-                        let m = _mm256_loadu_ps(mbuf[c].as_ptr());
-                        for a in 0..R {
-                            let sv = _mm256_loadu_ps(s32.add((r + a) * 8 * kg + 8 * (b / 8)));
-                            accm[a][c] = _mm256_fmadd_ps(m, sv, accm[a][c]);
+            for g in 0..kg {
+                for i in 0..8 {
+                    let b = 8 * g + i;
+                    let mut q = [_mm256_setzero_ps(); R];
+                    if b < kb {
+                        let base = panel.add(b * PANEL_RUN);
+                        let mut isum = [_mm256_setzero_si256(); R];
+                        let mut s16 = [_mm256_setzero_si256(); R];
+                        for c in 0..8 {
+                            let wv = _mm256_loadu_si256(base.add(32 * c).cast());
+                            let aw = if signed::<T>() {
+                                _mm256_abs_epi8(wv)
+                            } else {
+                                wv
+                            };
+                            for a in 0..R {
+                                let xp = xq.add((r + a) * k + 32 * b + 4 * c);
+                                let xb = _mm256_set1_epi32(xp.cast::<i32>().read_unaligned());
+                                let pr = if signed::<T>() {
+                                    _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, wv))
+                                } else {
+                                    _mm256_maddubs_epi16(wv, xb)
+                                };
+                                s16[a] = _mm256_add_epi16(s16[a], pr);
+                                if (c + 1) % chunks16::<T>() == 0 {
+                                    isum[a] =
+                                        _mm256_add_epi32(isum[a], _mm256_madd_epi16(s16[a], ones));
+                                    s16[a] = _mm256_setzero_si256();
+                                }
+                            }
                         }
-                        mbuf[c] = [0.0; 8];
+                        let sv = _mm256_loadu_ps(base.add(256).cast());
+                        let mv = _mm256_loadu_ps(base.add(288).cast());
+                        for a in 0..R {
+                            let d = _mm256_set1_ps(*xd.add((r + a) * 8 * kg + b));
+                            let pv =
+                                _mm256_mul_ps(_mm256_cvtepi32_ps(isum[a]), _mm256_mul_ps(sv, d));
+                            q[a] = if mins {
+                                let s = _mm256_set1_ps(*s32.add((r + a) * 8 * kg + b));
+                                _mm256_fmadd_ps(mv, s, pv)
+                            } else {
+                                pv
+                            };
+                        }
+                    }
+                    for a in 0..R {
+                        match i {
+                            1 | 5 => two[a] = _mm256_add_ps(one[a], q[a]),
+                            3 => four[a] = _mm256_add_ps(two[a], _mm256_add_ps(one[a], q[a])),
+                            7 => {
+                                let last = _mm256_add_ps(two[a], _mm256_add_ps(one[a], q[a]));
+                                acc[a] = _mm256_add_ps(acc[a], _mm256_add_ps(four[a], last));
+                            }
+                            _ => one[a] = q[a],
+                        }
                     }
                 }
             }
             for a in 0..R {
-                for c in 0..C {
-                    let v = if mins {
-                        hsum(acc[a][c]) + hsum(accm[a][c])
-                    } else {
-                        hsum(acc[a][c])
-                    };
-                    *out.add(a * ldo + c) = v;
-                }
+                _mm256_storeu_ps(out.add(a * ldo), acc[a]);
             }
         }
     }
 
     /// Run `b` of a row of type `T` (a type of blocks of 32) as [`GgmlType::int_run`] gives
-    /// it: the 32 bytes `v`, its scale in every lane, and, for Q4_1 and Q5_1, its min.
+    /// it: the 32 bytes `v`, its scale, and, for Q4_1 and Q5_1, its min.
     ///
     /// # Safety
     /// The row holds run `b` of type `T`; the CPU has AVX2 and F16C.
     #[inline(always)]
-    unsafe fn runq<const T: u8>(row: *const u8, b: usize) -> (__m256i, __m256, f32) {
+    unsafe fn runq<const T: u8>(row: *const u8, b: usize) -> (__m256i, f32, f32) {
         // SAFETY (the block reads below): block b of the row, inside it by the caller's
         // guarantee; offsets are those of ggml's block structs.
         unsafe {
             let blk = row.add(block_bytes::<T>() * b);
-            let d = _mm256_set1_ps(f16_at(blk));
+            let d = f16c_at(blk);
             if T == Q8_0 {
                 (_mm256_loadu_si256(blk.add(2).cast()), d, 0.0)
             } else if T == Q4_0 {
@@ -1079,7 +1331,7 @@ mod avx2 {
                     0.0,
                 )
             } else if T == Q4_1 {
-                (split16(blk.add(4)), d, f16_at(blk.add(2)))
+                (split16(blk.add(4)), d, f16c_at(blk.add(2)))
             } else if T == Q5_0 || T == Q5_1 {
                 // Bit i of the u32 qh is bit 4 of value i: byte i of the broadcast holds
                 // qh's byte i / 8 (within each 128-bit lane, which holds all four), tested
@@ -1104,7 +1356,7 @@ mod avx2 {
                 if T == Q5_0 {
                     (_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, 0.0)
                 } else {
-                    (v, d, f16_at(blk.add(2)))
+                    (v, d, f16c_at(blk.add(2)))
                 }
             } else {
                 unreachable!("runq of a super-block type")
@@ -1297,27 +1549,28 @@ mod tests {
     /// panels alike.
     #[test]
     fn extreme_blocks_sum_exactly_on_every_path() {
-        // Each super-block type's f16 `d` (and `dmin`) offsets, set to 1/16.
+        // Each type's f16 `d` (and `dmin` or `m`) offsets, set to 1/16.
         let scale_at = |t: GgmlType| match t {
             GgmlType::Q2_K => vec![80, 82],
             GgmlType::Q3_K => vec![108],
             GgmlType::Q6_K => vec![208],
-            GgmlType::Q4_K | GgmlType::Q5_K => vec![0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => vec![0, 2],
             _ => vec![0],
         };
         let (k, n, t) = (512, 8, 17);
-        for ty in quantized().filter(|t| t.super_blocks()) {
-            for fill in [0x00u8, 0x7F, 0xFF] {
+        for ty in quantized() {
+            for fill in [0x00u8, 0x7F, 0x80, 0xFF] {
                 let mut block = vec![fill; ty.type_size()];
                 for at in scale_at(ty) {
                     block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.0625).to_le_bytes());
                 }
-                let bytes: Vec<u8> = (0..n * k / 256).flat_map(|_| block.clone()).collect();
+                let blocks = n * k / ty.block_size();
+                let bytes: Vec<u8> = (0..blocks).flat_map(|_| block.clone()).collect();
                 let part = GgmlRows::new(ty, n, k, bytes).unwrap();
                 let store = Store::of_parts(vec![part.clone()], k);
                 for sign in [1.0f32, -1.0] {
                     let x = vec![sign; t * k];
-                    let qx = QuantRows::new(&x, t, k, false, true);
+                    let qx = QuantRows::new(&x, t, k, true, true);
                     let rb = part.bytes.len() / n;
                     let mut got = vec![0f32; t * n];
                     linear(&x, t, &store, n, k, &mut got, true);
