@@ -963,19 +963,28 @@ mod avx2 {
         }
     }
 
-    /// The f16 at `p` (little-endian, unaligned) as f32, by F16C's `vcvtph2ps`.
-    /// [`crate::linear`]'s `f16_at` goes through `half`'s run-time feature check instead:
-    /// here that made Q4_0 and Q4_1 steps 1.3x slower at 1 and 4 tokens, while this form
-    /// made the f32 path's Q8_0 kernel 1.4x slower at 1 token (the compiler merged the
-    /// conversion into a register the accumulators depend on; session 44).
+    /// The f16 at `p` (little-endian, unaligned) as f32, by F16C's `vcvtph2ps` from a
+    /// register that `vmovd` wrote whole. [`crate::linear`]'s `f16_at` goes through `half`'s
+    /// run-time feature check instead, which made Q4_0 and Q4_1 steps 1.3x slower here at 1
+    /// and 4 tokens; and given `_mm_cvtsi32_si128`, the compiler loads the bits by `vpinsrw`
+    /// into whatever register it likes, keeping that register's other lanes, so the
+    /// conversion waits on its last writer (an accumulator in Q6_K's tile: 10 % slower at
+    /// batch 1; session 44).
     ///
     /// # Safety
     /// `p` points to 2 readable bytes; the CPU has F16C (inlined into a caller with it).
     #[inline(always)]
     unsafe fn f16c_at(p: *const u8) -> f32 {
-        // SAFETY: the caller's two bytes and features.
+        // SAFETY: the caller's two bytes and features; `vmovd` only writes `h`.
         unsafe {
-            let h = _mm_cvtsi32_si128(i32::from(p.cast::<u16>().read_unaligned()));
+            let bits = u32::from(p.cast::<u16>().read_unaligned());
+            let h: __m128i;
+            std::arch::asm!(
+                "vmovd {h}, {b:e}",
+                h = out(xmm_reg) h,
+                b = in(reg) bits,
+                options(pure, nomem, nostack, preserves_flags)
+            );
             _mm_cvtss_f32(_mm_cvtph_ps(h))
         }
     }
