@@ -531,7 +531,6 @@ mod avx2 {
             for blk in 0..nsb {
                 prefetch_block(&rows, bb, blk);
                 let base = dst.add(blk * PANEL_SB);
-                let sb = |row: usize| w.add(row * rb + bb * blk);
                 // Row `row`'s scales twice each, values 0..8 then 8..16 (i32 lanes), and its
                 // min coefficients (i32 lane p: the pair 2p, 2p + 1).
                 let mut lo = [_mm256_setzero_si256(); 8];
@@ -539,7 +538,7 @@ mod avx2 {
                 let mut mc = [_mm256_setzero_si256(); 8];
                 let mut dc = [0f32; 16];
                 for row in 0..8 {
-                    let (s16, m16, d, cm) = kscales::<T>(sb(row));
+                    let (s16, m16, d, cm) = kscales::<T>(rows[row].add(bb * blk));
                     // Quarters 0, 2 | 1, 3: unpacking the low (high) quarter of each half
                     // then gives values 0..8 (8..16), each twice.
                     let q = _mm256_permute4x64_epi64::<0b11_01_10_00>(s16);
@@ -551,7 +550,7 @@ mod avx2 {
                 for s in 0..8 {
                     let mut v = [_mm256_setzero_si256(); 8];
                     for row in 0..8 {
-                        v[row] = runk::<T>(sb(row), s);
+                        v[row] = runk::<T>(rows[row].add(bb * blk), s);
                     }
                     let t = transpose8(v);
                     for c in 0..8 {
