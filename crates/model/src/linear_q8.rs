@@ -3,8 +3,8 @@
 //! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
 //! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
 //! matrix; this path gives that up for less vector work per weight: batch-1 decode
-//! 1.2-2.5x faster; steps of 6+ tokens (prefill, large decode batches) run a panel kernel,
-//! 1.6-3x faster than the f32 path at 64 tokens (bench/RESULTS.md, sessions 42-44).
+//! 1.1-2.5x faster; steps of 6+ tokens (prefill, large decode batches) run a panel kernel,
+//! 1.3-2.5x faster than the f32 path at 64 tokens (bench/RESULTS.md, sessions 42-44).
 //!
 //! Activations. Each token's values are quantized per block: `amax` the block's largest
 //! magnitude, `d = amax / 127`, `q = round_ties_even(x · (127 / amax))` (so `|q| <= 127`; a
