@@ -33,7 +33,7 @@
 //! uses): `submit` does steps 1-4 without the wait and `finish` waits for the oldest launch's
 //! fence and reads its ids, so the host stages launch n + 1 while the device runs launch n and
 //! the device goes from one to the next without a host round trip. Everything the host writes
-//! for a launch or reads back from it lives in that launch's pinned [`HostFrame`] (one per
+//! for a launch or reads back from it lives in that launch's pinned `HostFrame` (one per
 //! fence, [`FENCE_FRAMES`]); a frame is written again only after its launch's fence has passed
 //! (finished, or waited for before the penalty or mask buffers grow). Device-side buffers
 //! (staging, outputs, activations) are shared: the stream orders each launch's use of them
@@ -184,8 +184,8 @@ pub struct CudaWorkerOptions {
     /// RMSNorm prologue, residual-add and SiLU epilogues: 6 kernels per layer instead of 9)
     /// rather than cuBLAS and the separate norm and activation kernels.
     pub fused_decode: bool,
-    /// Launch-shape and kernel-constant overrides ([`Tuning::default`] unless a tuning run
-    /// sets them, see [`Tuning::from_env`]).
+    /// Launch-shape and kernel-constant overrides ([`crate::plan::Tuning::default`] unless a tuning run
+    /// sets them, see [`crate::plan::Tuning::from_env`]).
     pub tuning: crate::plan::Tuning,
 }
 
@@ -3592,7 +3592,7 @@ impl Backend for CudaWorker {
     }
 
     /// Resolves and enqueues `launch` in the next host frame (see
-    /// [`CudaWorker::enqueue_rows`]). Refuses (`Ok(false)`) a launch that scores prompt
+    /// `CudaWorker::enqueue_rows`). Refuses (`Ok(false)`) a launch that scores prompt
     /// tokens (its scoring runs after the fence) and any launch while every frame is taken.
     fn submit(&mut self, launch: &Launch, tables: &dyn TableReader) -> Result<bool, WorkerError> {
         if self.inflight.len() >= FENCE_FRAMES

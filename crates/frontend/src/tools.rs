@@ -40,7 +40,7 @@ pub enum ToolParser {
     /// `qwen3_coder` (vLLM's `Qwen3CoderToolParser`, for Qwen3-Coder and Qwen3.5; vLLM's
     /// `qwen3_xml` reads the same form): XML-like blocks, `<tool_call>\n<function=NAME>\n
     /// <parameter=P>\nVALUE\n</parameter>\n...</function>\n</tool_call>`, whose values are raw
-    /// text typed by the tool's `parameters` schema (see [`qwen3_coder_value`]).
+    /// text typed by the tool's `parameters` schema (see `qwen3_coder_value`).
     Qwen3Coder,
     /// `phi4_mini_json` (vLLM's `Phi4MiniJsonToolParser`, for Phi-4-mini-instruct): `functools`
     /// followed by a JSON list of `{"name", "arguments" | "parameters"}` objects.

@@ -599,7 +599,7 @@ impl Segment {
     /// [`Segment::create`], retried while it reports [`SegmentError::Initializing`], for up to
     /// `wait`. What a daemon starting an instance wants: a file left by a creator killed
     /// between `shm_open` and publishing its magic is taken as stale only once it is
-    /// [`INIT_GRACE`] (2 s) old, and a live creator finishes initialising in milliseconds (then
+    /// `INIT_GRACE` (2 s) old, and a live creator finishes initialising in milliseconds (then
     /// this fails with [`SegmentError::Running`]).
     ///
     /// # Errors

@@ -209,7 +209,7 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f32>,
     /// RoPE base of the sliding-window layers (Gemma 3's `rope_local_base_freq`), which use
     /// plain RoPE; the other layers use `rope_theta` and `rope_scaling`. `None`: every layer
-    /// uses those. See [`ModelConfig::layer_rope_inv_freq`].
+    /// uses those. See [`ModelConfig::layer_rope`].
     pub local_rope_theta: Option<f32>,
     /// The text model of a multimodal checkpoint (`Gemma3ForConditionalGeneration`): its
     /// tensors are stored as `language_model.model.*` (or `model.language_model.*` by newer

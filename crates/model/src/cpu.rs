@@ -1056,7 +1056,7 @@ impl CpuModel {
     /// checkpoint is held at 2 bytes per weight ([`CpuModel`]) and never exists whole as f32
     /// (`LlamaWeights::load` then [`CpuModel::try_new`] peaks at 4 bytes per weight). The
     /// result is the same model, bit for bit. A GGUF file's quantized matrices (the embedding
-    /// and LM head too) stay in their blocks ([`WeightSource::load_kept`]: a Q4_K_M 8B model
+    /// and LM head too) stay in their blocks (`WeightSource::load_kept`: a Q4_K_M 8B model
     /// holds about 4.9 GB, not 16 GB), each dequantized a column block at a time as a linear
     /// layer runs, to the values `LlamaWeights::load` gives (ggml's, in f32).
     ///

@@ -799,7 +799,7 @@ fn llama3_factors(theta: f64, dim: usize, factor: f64, low: f64, high: f64, orig
 /// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`), partial rotary
 /// embeddings (`rope.dimension_count` below the head size, unpermuted architectures), Phi-3's
 /// sliding window (`attention.sliding_window`, 0 for none), the experts of qwen2moe and
-/// qwen3moe files ([`moe_config`]), Gemma 3's fixed fields ([`gemma3_config`]), epsilon,
+/// qwen3moe files (`moe_config`), Gemma 3's fixed fields (`gemma3_config`), epsilon,
 /// context length, BOS/EOS ids, tied
 /// embeddings (no `output.weight`), and [`served_dtype`].
 ///

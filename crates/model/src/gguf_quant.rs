@@ -37,7 +37,7 @@ pub enum GgmlType {
     /// Super-blocks of 256: 6-bit quants in 16 groups with 8-bit scales.
     Q6_K = 14,
     /// Blocks of 32: an f16 scale `d`, 16 bytes of 4-bit indices into a fixed non-uniform
-    /// table of 16 levels ([`IQ4_LEVELS`]); `x = d·level[q]`.
+    /// table of 16 levels (`IQ4_LEVELS`); `x = d·level[q]`.
     IQ4_NL = 20,
     /// Super-blocks of 256: IQ4_NL's indices in 8 groups of 32, each with a 6-bit scale.
     IQ4_XS = 23,

@@ -50,7 +50,7 @@ impl Tensor {
     }
 
     /// Whether the values are held as a GGUF file's quantized blocks (the CPU backend's
-    /// [`WeightSource::load_kept`]) rather than in `data`.
+    /// `WeightSource::load_kept`) rather than in `data`.
     pub fn is_ggml(&self) -> bool {
         self.ggml.is_some()
     }
@@ -1365,7 +1365,7 @@ impl WeightSource {
     /// A stored tensor's dtype, shape and bytes, or a part of a fused one, or a permuted
     /// copy ([`WeightSource::open_for`]). A quantized GGUF tensor comes dequantized into the
     /// model's 16-bit dtype (`torch_dtype` bfloat16 or float16, else f32), a copy made on its
-    /// first `get` and kept ([`GgmlServed`]).
+    /// first `get` and kept (`GgmlServed`).
     ///
     /// # Errors
     /// [`ModelError::MissingTensor`] (naming the fused tensor for a part), or
