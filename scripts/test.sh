@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command: formatting, lints, unit and integration tests, loom models and the
-# kernel compile check. CI runs exactly this (.ci/run).
+# The project's test command: formatting, lints, unit and integration tests, documentation links,
+# loom models and the kernel compile check. CI runs exactly this (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +20,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
 cargo test --workspace
+
+step "cargo doc (warnings are errors: broken or private links in the docs)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 if [ -x scripts/loom.sh ]; then
   step "loom models"
