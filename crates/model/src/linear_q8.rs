@@ -498,20 +498,48 @@ mod avx2 {
         // SAFETY: the caller's rows, x rows and out block; buf holds nsb super-blocks.
         unsafe {
             pack_k::<T>(w, rb, nsb, buf.as_mut_ptr());
-            let mut r = r0;
+            panel_x_rows::<T>(qx, r0, r1, buf.as_ptr(), out, ldo);
+        }
+        PANEL.set(buf);
+    }
+
+    /// x rows `r0..r1` times a packed panel of type `T` (by [`panel_k`] or [`panel_q`]) into
+    /// `out` (row stride `ldo`), up to 4 x rows at a time ([`rows_k`], [`rows_q`]).
+    ///
+    /// # Safety
+    /// As [`panel_k`], with `panel` the packed W rows.
+    #[inline(always)]
+    unsafe fn panel_x_rows<const T: u8>(
+        qx: &QuantRows,
+        r0: usize,
+        r1: usize,
+        panel: *const u8,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let mut r = r0;
+        // SAFETY (every call): x rows r..r + R < r1 and their out rows, the caller's.
+        unsafe {
             while r < r1 {
                 let o = out.add(r * ldo);
-                let p = buf.as_ptr();
+                macro_rules! rows {
+                    ($n:literal) => {
+                        if small_blocks::<T>() {
+                            rows_q::<T, $n>(qx, r, panel, o, ldo)
+                        } else {
+                            rows_k::<T, $n>(qx, r, panel, o, ldo)
+                        }
+                    };
+                }
                 match r1 - r {
-                    1 => rows_k::<T, 1>(qx, r, p, o, ldo),
-                    2 => rows_k::<T, 2>(qx, r, p, o, ldo),
-                    3 => rows_k::<T, 3>(qx, r, p, o, ldo),
-                    _ => rows_k::<T, 4>(qx, r, p, o, ldo),
+                    1 => rows!(1),
+                    2 => rows!(2),
+                    3 => rows!(3),
+                    _ => rows!(4),
                 }
                 r += (r1 - r).min(4);
             }
         }
-        PANEL.set(buf);
     }
 
     /// Repacks 8 W rows of super-block type `T` (at `w`, `rb` bytes apart, `nsb`
@@ -1201,18 +1229,7 @@ mod avx2 {
                     base.add(256).cast::<f32>().add(i).write_unaligned(x);
                 }
             }
-            let mut r = r0;
-            while r < r1 {
-                let o = out.add(r * ldo);
-                let p = buf.as_ptr();
-                match r1 - r {
-                    1 => rows_q::<T, 1>(qx, r, p, o, ldo),
-                    2 => rows_q::<T, 2>(qx, r, p, o, ldo),
-                    3 => rows_q::<T, 3>(qx, r, p, o, ldo),
-                    _ => rows_q::<T, 4>(qx, r, p, o, ldo),
-                }
-                r += (r1 - r).min(4);
-            }
+            panel_x_rows::<T>(qx, r0, r1, buf.as_ptr(), out, ldo);
         }
         PANEL.set(buf);
     }
