@@ -955,7 +955,8 @@ pub fn parse_gen(
         return Err(ApiError::field(
             "temperature",
             format!(
-                "'temperature' must be at least 0 and at most {}, got {temperature}.",
+                "'temperature' must be at least 0 and at most {:e} (f32's largest), got \
+                 {temperature}.",
                 f32::MAX
             ),
         ));
@@ -3371,7 +3372,8 @@ mod tests {
         // Finite as f64, +inf as the sampler's f32.
         let hot = err(r#"{"prompt":"a","temperature":1e39}"#);
         assert_eq!(hot.param.as_deref(), Some("temperature"));
-        assert!(hot.message.contains("at most"), "{}", hot.message);
+        // The bound in a form a reader can check (not 39 digits).
+        assert!(hot.message.contains("at most 3.4028235e38"), "{}", hot.message);
         assert_eq!(
             err(r#"{"prompt":[1,600]}"#).param.as_deref(),
             Some("prompt")
