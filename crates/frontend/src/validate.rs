@@ -3373,7 +3373,11 @@ mod tests {
         let hot = err(r#"{"prompt":"a","temperature":1e39}"#);
         assert_eq!(hot.param.as_deref(), Some("temperature"));
         // The bound in a form a reader can check (not 39 digits).
-        assert!(hot.message.contains("at most 3.4028235e38"), "{}", hot.message);
+        assert!(
+            hot.message.contains("at most 3.4028235e38"),
+            "{}",
+            hot.message
+        );
         assert_eq!(
             err(r#"{"prompt":[1,600]}"#).param.as_deref(),
             Some("prompt")
