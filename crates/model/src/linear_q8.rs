@@ -735,7 +735,9 @@ mod avx2 {
     /// super-block; then the lanes' exact total, one scalar FMA and the min/offset term.
     ///
     /// # Safety
-    /// As [`tile`], for a super-block type `T`.
+    /// `rows` are rows of super-block type `T` of `qx.k` values; x rows `r..r + R` exist in
+    /// `qx`; `out` points to the `R x C` tile (row stride `ldo`); the CPU has AVX2, FMA and
+    /// F16C.
     #[inline]
     #[allow(clippy::needless_range_loop)] // acc[a][c]: a register tile, indexed as one
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1177,7 +1179,7 @@ mod avx2 {
         q
     }
 
-    /// Bytes of one run of a panel of 8 W rows of a type of blocks of 32 ([`pack_q`]): the
+    /// Bytes of one run of a panel of 8 W rows of a type of blocks of 32 ([`panel_q`]): the
     /// quants, 8 chunks of `[row][4 values]` as [`runq`] decodes them (256), then the 8
     /// rows' scales and mins as f32 (64).
     const PANEL_RUN: usize = 256 + 64;
@@ -1192,8 +1194,8 @@ mod avx2 {
         }
     }
 
-    /// [`panel_k`] for a type of blocks of 32: the W rows repacked by [`pack_q`], the x rows
-    /// multiplied by [`rows_q`].
+    /// [`panel_k`] for a type of blocks of 32: the W rows repacked run by run ([`runq`],
+    /// [`transpose8`], in [`PANEL_RUN`]'s layout), the x rows multiplied by [`rows_q`].
     ///
     /// # Safety
     /// As [`panel_k`], with x rows in `qx`'s blocks of 32.
