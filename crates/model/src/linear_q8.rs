@@ -407,11 +407,7 @@ mod avx2 {
         unsafe {
             if r1 - r0 >= panel_rows::<T>() {
                 while j + 8 <= cols {
-                    if small_blocks::<T>() {
-                        panel_q::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
-                    } else {
-                        panel_k::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
-                    }
+                    panel::<T>(qx, r0, r1, w.add(j * rb), rb, out.add(j), n);
                     j += 8;
                 }
             }
@@ -439,7 +435,7 @@ mod avx2 {
         }
     }
 
-    /// x rows from which a task runs the panel kernel ([`panel_k`], [`panel_q`]): below,
+    /// x rows from which a task runs the panel kernel ([`panel`]): below,
     /// the register tiles (which decode each run once per 4 x rows). On the 167M test files
     /// the two are even at 6 rows and the panel ahead from 8 (sessions 43 and 44), but
     /// Q6_K's repacking costs more (its quants are split over two arrays): its panel took
@@ -464,25 +460,25 @@ mod avx2 {
     const P_D: usize = P_MC + 256;
 
     thread_local! {
-        /// Per thread: the panel of [`panel_k`] (8 W rows of a super-block type, repacked).
+        /// Per thread: the panel of [`panel`] (8 W rows, repacked).
         static PANEL: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
     }
 
-    /// x rows `r0..r1` times 8 W rows of super-block type `T` at `w` (`rb` bytes each) into
-    /// `out` (at the first of the 8 columns; row stride `ldo`), by [`super::dot_k_reference`]'s
-    /// sequence: the W rows are repacked once ([`pack_k`]) so that each quant vector holds
+    /// x rows `r0..r1` times 8 W rows of quantized type `T` at `w` (`rb` bytes each) into
+    /// `out` (at the first of the 8 columns; row stride `ldo`), by [`super`]'s sequence: the
+    /// W rows are repacked once ([`pack_k`], [`pack_q`]) so that each quant vector holds
     /// four values of each of the 8 rows, then every x row's 4-value groups are broadcast
-    /// against them ([`rows_k`]): one `maddubs` makes 16 products for 8 outputs, and the
+    /// against them ([`rows_k`], [`rows_q`]): one `maddubs` makes 16 products for 8 outputs, and the
     /// lanes of one float vector are the 8 outputs' accumulators (llama.cpp's repacked
     /// `gemm_q4_K_8x8_q8_K` layout, built per call instead of at load).
     ///
     /// # Safety
     /// `w` points to 8 rows of type `T` of `qx.k` values (`rb` bytes apart); x rows
-    /// `r0..r1` exist in `qx`'s super-block format; `out` points to the `(r1 - r0) x 8`
+    /// `r0..r1` exist in `qx` in `T`'s block format; `out` points to the `(r1 - r0) x 8`
     /// block (row stride `ldo`, first row r0 at `out + r0 * ldo`); the CPU has AVX2, FMA and
     /// F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn panel_k<const T: u8>(
+    unsafe fn panel<const T: u8>(
         qx: &QuantRows,
         r0: usize,
         r1: usize,
@@ -491,23 +487,34 @@ mod avx2 {
         out: *mut f32,
         ldo: usize,
     ) {
-        let nsb = qx.k / 256;
+        let (nsb, kb) = (qx.k / 256, qx.kb);
         let mut buf = PANEL.take();
         buf.clear();
-        buf.resize(nsb * PANEL_SB, 0);
-        // SAFETY: the caller's rows, x rows and out block; buf holds nsb super-blocks.
+        buf.resize(
+            if small_blocks::<T>() {
+                kb * PANEL_RUN
+            } else {
+                nsb * PANEL_SB
+            },
+            0,
+        );
+        // SAFETY: the caller's rows, x rows and out block; buf holds the packed panel.
         unsafe {
-            pack_k::<T>(w, rb, nsb, buf.as_mut_ptr());
+            if small_blocks::<T>() {
+                pack_q::<T>(w, rb, kb, buf.as_mut_ptr());
+            } else {
+                pack_k::<T>(w, rb, nsb, buf.as_mut_ptr());
+            }
             panel_x_rows::<T>(qx, r0, r1, buf.as_ptr(), out, ldo);
         }
         PANEL.set(buf);
     }
 
-    /// x rows `r0..r1` times a packed panel of type `T` (by [`panel_k`] or [`panel_q`]) into
+    /// x rows `r0..r1` times a packed panel of type `T` ([`panel`]) into
     /// `out` (row stride `ldo`), up to 4 x rows at a time ([`rows_k`], [`rows_q`]).
     ///
     /// # Safety
-    /// As [`panel_k`], with `panel` the packed W rows.
+    /// As [`panel`], with `panel` the packed W rows.
     #[inline(always)]
     unsafe fn panel_x_rows<const T: u8>(
         qx: &QuantRows,
@@ -547,7 +554,7 @@ mod avx2 {
     /// them (unsigned, offsets removed; IQ4_XS's signed levels), scales as [`kscales`].
     ///
     /// # Safety
-    /// As [`panel_k`]; `dst` points to `nsb * PANEL_SB` writable bytes.
+    /// As [`panel`]; `dst` points to `nsb * PANEL_SB` writable bytes.
     #[allow(clippy::needless_range_loop)] // v[row], t[c]: register arrays
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pack_k<const T: u8>(w: *const u8, rb: usize, nsb: usize, dst: *mut u8) {
@@ -645,7 +652,7 @@ mod avx2 {
     /// for the 8 outputs, and the min/offset term by `madd` over pairs of sub-blocks.
     ///
     /// # Safety
-    /// As [`panel_k`], with `panel` its packed super-blocks and x rows `r..r + R`.
+    /// As [`panel`], with `panel` its packed super-blocks and x rows `r..r + R`.
     #[inline]
     #[allow(clippy::needless_range_loop)] // isum[a]: a register array
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1179,7 +1186,7 @@ mod avx2 {
         q
     }
 
-    /// Bytes of one run of a panel of 8 W rows of a type of blocks of 32 ([`panel_q`]): the
+    /// Bytes of one run of a panel of 8 W rows of a type of blocks of 32 ([`pack_q`]): the
     /// quants, 8 chunks of `[row][4 values]` as [`runq`] decodes them (256), then the 8
     /// rows' scales and mins as f32 (64).
     const PANEL_RUN: usize = 256 + 64;
@@ -1194,28 +1201,17 @@ mod avx2 {
         }
     }
 
-    /// [`panel_k`] for a type of blocks of 32: the W rows repacked run by run ([`runq`],
-    /// [`transpose8`], in [`PANEL_RUN`]'s layout), the x rows multiplied by [`rows_q`].
+    /// Repacks 8 W rows of type `T` (a type of blocks of 32; at `w`, `rb` bytes apart, `kb`
+    /// runs each) into `dst` in [`PANEL_RUN`]'s layout: each run's quants as [`runq`]
+    /// decodes them, as 4-value groups of the 8 rows ([`transpose8`]), then the rows' scales
+    /// and mins.
     ///
     /// # Safety
-    /// As [`panel_k`], with x rows in `qx`'s blocks of 32.
+    /// As [`panel`]; `dst` points to `kb * PANEL_RUN` writable bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn panel_q<const T: u8>(
-        qx: &QuantRows,
-        r0: usize,
-        r1: usize,
-        w: *const u8,
-        rb: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let kb = qx.kb;
-        let mut buf = PANEL.take();
-        buf.clear();
-        buf.resize(kb * PANEL_RUN, 0);
-        // SAFETY: the caller's rows, x rows and out block; buf holds kb runs.
+    unsafe fn pack_q<const T: u8>(w: *const u8, rb: usize, kb: usize, dst: *mut u8) {
+        // SAFETY: run b of each of the 8 rows; dst's kb runs, written unaligned.
         unsafe {
-            let dst = buf.as_mut_ptr();
             for b in 0..kb {
                 let mut v = [_mm256_setzero_si256(); 8];
                 let mut sm = [0f32; 16];
@@ -1231,19 +1227,17 @@ mod avx2 {
                     base.add(256).cast::<f32>().add(i).write_unaligned(x);
                 }
             }
-            panel_x_rows::<T>(qx, r0, r1, buf.as_ptr(), out, ldo);
         }
-        PANEL.set(buf);
     }
 
-    /// x rows `r..r + R` times a panel of a type of blocks of 32 ([`panel_q`]) into `out`
+    /// x rows `r..r + R` times a panel of a type of blocks of 32 ([`pack_q`]) into `out`
     /// (row `r`'s 8 columns first, row stride `ldo`): per run and x row, each group of 4
     /// values broadcast against a quant vector (`maddubs`, through `sign` for the signed
     /// types), summed in i16 over [`chunks16`] chunks, then `madd`; the run's products and
     /// mins for the 8 outputs in one vector, and the group's sum tree kept as partial sums.
     ///
     /// # Safety
-    /// As [`panel_q`], with `panel` its packed runs and x rows `r..r + R`.
+    /// As [`panel`], with `panel` its packed runs and x rows `r..r + R`.
     #[inline]
     #[allow(clippy::needless_range_loop)] // isum[a]: a register array
     #[target_feature(enable = "avx2,fma,f16c")]
