@@ -125,12 +125,13 @@ fn serve_of_the_gguf_file_answers_golden_json_under_the_files_name() {
     let _g = serial();
     let c = cache("serve");
     std::env::set_var("BATON_CACHE_DIR", &c);
-    // 8-bit activations change only quantized matrices: none here, so golden.json holds
-    // (this checks that serve hands the flag to a worker that takes it).
+    // 8-bit activations (the CPU default) change only quantized matrices: none here, so
+    // golden.json holds either way (this checks that serve hands the negation to a worker
+    // that takes it).
     let (mut serve, addr, ready) = spawn_serve_ready(
         &gguf_file(),
         &instance("gguf"),
-        &["--cpu-int8-activations".to_owned()],
+        &["--no-cpu-int8-activations".to_owned()],
     );
     std::env::remove_var("BATON_CACHE_DIR");
     // The ready line names the file, not the directory prepared from it.

@@ -113,10 +113,9 @@ pub struct DecodeArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU, as the worker).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
-    /// CPU backend: run a GGUF file's quantized matrices with 8-bit activations and integer
-    /// dot products (llama.cpp's scheme), as the worker's flag.
-    #[arg(long)]
-    pub cpu_int8_activations: bool,
+    /// 8-bit activations for a GGUF file's quantized matrices (the CPU backend's default).
+    #[command(flatten)]
+    pub int8: crate::args::Int8Args,
     /// Weights of the CPU backend: `auto` (the default) holds them as the CPU worker does (a
     /// 16-bit checkpoint at 2 bytes per weight, a GGUF file's quantized matrices in their
     /// blocks; f32 for --load-format dummy); f32, or rounded to bf16 or f16, which it then
@@ -719,7 +718,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             };
             let threads = crate::args::cpu_threads(a.cpu_threads);
             m.set_threads(threads).map_err(anyhow::Error::msg)?;
-            m.set_int8_activations(a.cpu_int8_activations);
+            let int8 = m.set_int8_activations(a.int8.on());
             // Bytes per weight as held (a GGUF file's blocks: a fraction of a byte more
             // than their bits over 8), for the floor.
             let per_weight = m.weight_bytes() as f64 / m.weight_values().max(1) as f64;
@@ -731,8 +730,9 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
                 kv_dtype.size(),
                 host_copy_bandwidth(),
                 format!(
-                    "cpu {weights_label} weights ({per_weight:.2} bytes each), {} KV cache, \
+                    "cpu {weights_label} weights ({per_weight:.2} bytes each{}), {} KV cache, \
                      {threads} threads",
+                    if int8 > 0 { ", int8 activations" } else { "" },
                     crate::args::KvCacheDtype::Is(kv_dtype).name()
                 ),
             )

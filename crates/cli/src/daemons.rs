@@ -106,16 +106,9 @@ pub struct WorkerArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
-    /// CPU backend: run a GGUF file's quantized matrices with each token's activations
-    /// quantized to 8 bits (blocks of 32, an f32 scale each) and integer dot products, as
-    /// llama.cpp's CPU backend does, instead of f32 activations over ggml's dequantized
-    /// values. Faster (batch-1 decode 1.2-2.5x; K-quants and IQ4_XS also 1.2-1.9x on steps
-    /// of 4 to 16 tokens, other types up to 1.2x slower there); each product is off by at most what rounding
-    /// the activations to 8 bits costs, so greedy tokens can differ from the default's.
-    /// Outputs stay the same whatever the batch. No effect on other weights or under
-    /// --device cuda.
-    #[arg(long)]
-    pub cpu_int8_activations: bool,
+    /// 8-bit activations for a GGUF file's quantized matrices (the CPU backend's default).
+    #[command(flatten)]
+    pub int8: crate::args::Int8Args,
     /// Data type of the CPU KV cache: `auto` (the model's), `bfloat16`, `float16` or
     /// `float32` (as the scheduler's flag, which sizes the pool from it; `baton serve` passes
     /// both the same value). Under --device cuda the cache has the --dtype.
@@ -419,7 +412,7 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            model.set_int8_activations(a.cpu_int8_activations);
+            let int8 = model.set_int8_activations(a.int8.on());
             let weight_gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
             let threads = model.threads();
             let kv_dtype = a
@@ -437,11 +430,7 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
                  threads, {} KV cache{}{}) attached to {}",
                 dir.display(),
                 KvCacheDtype::Is(kv_dtype).name(),
-                if a.cpu_int8_activations {
-                    ", int8 activations"
-                } else {
-                    ""
-                },
+                if int8 > 0 { ", int8 activations" } else { "" },
                 lora_note(n_lora),
                 a.instance
             );

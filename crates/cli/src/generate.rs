@@ -151,10 +151,9 @@ pub struct GenerateArgs {
     /// Threads of the CPU backend's forward pass (0: one per available CPU).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
-    /// CPU backend: 8-bit activations for a GGUF file's quantized matrices (the worker's
-    /// flag).
-    #[arg(long)]
-    pub cpu_int8_activations: bool,
+    /// 8-bit activations for a GGUF file's quantized matrices (the CPU backend's default).
+    #[command(flatten)]
+    pub int8: crate::args::Int8Args,
     /// Print one JSON object per prompt (ids, text, finish reason) instead of plain text.
     #[arg(long)]
     pub json: bool,
@@ -456,7 +455,7 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            model.set_int8_activations(a.cpu_int8_activations);
+            model.set_int8_activations(a.int8.on());
             let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
             let mut backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;

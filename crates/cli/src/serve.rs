@@ -63,11 +63,9 @@ pub struct ServeArgs {
     /// Threads of the CPU worker's forward pass (0: one per available CPU).
     #[arg(long, default_value_t = 0, value_parser = crate::args::parse_cpu_threads)]
     pub cpu_threads: usize,
-    /// CPU worker: run a GGUF file's quantized matrices with each token's activations
-    /// quantized to 8 bits (blocks of 32) and integer dot products, as llama.cpp does:
-    /// faster (batch-1 decode 1.2-2.5x), no longer exact (see `baton worker --help`).
-    #[arg(long)]
-    pub cpu_int8_activations: bool,
+    /// 8-bit activations for a GGUF file's quantized matrices (the CPU backend's default).
+    #[command(flatten)]
+    pub int8: crate::args::Int8Args,
     /// Frontend slots in the segment.
     #[arg(long, default_value_t = 8, value_parser = crate::args::parse_frontends)]
     pub frontends: usize,
@@ -586,9 +584,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         engine.kv_cache_dtype.name().into(),
     ];
     worker_args.extend(weights);
-    if a.cpu_int8_activations {
-        worker_args.push("--cpu-int8-activations".into());
-    }
+    worker_args.push(a.int8.to_flag().into());
     if a.device == Device::Cuda {
         worker_args.extend(a.cuda.to_flags());
     }

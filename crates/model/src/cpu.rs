@@ -1188,8 +1188,15 @@ impl CpuModel {
     /// the activations costs (`crate::linear_q8`). Every other matrix (f32, 16-bit, a
     /// quantized matrix with a float part) is unchanged. Outputs stay the same whatever the
     /// batch and the thread count.
-    pub fn set_int8_activations(&mut self, on: bool) {
-        let set = |l: &mut Linear| l.int8 = on;
+    ///
+    /// Returns how many matrices now take 8-bit activations: 0 when `on` is false or the
+    /// model has no quantized matrix that the int8 path reads.
+    pub fn set_int8_activations(&mut self, on: bool) -> usize {
+        let mut n = 0;
+        let mut set = |l: &mut Linear| {
+            l.int8 = on;
+            n += usize::from(on && matches!(&l.w, Store::Ggml(p) if crate::linear_q8::reads(p)));
+        };
         set(&mut self.lm_head);
         for l in &mut self.layers {
             set(&mut l.qkv);
@@ -1213,6 +1220,7 @@ impl CpuModel {
                 }
             }
         }
+        n
     }
 
     /// `store` summed over the embedding and every linear layer's matrix, plus

@@ -1,7 +1,7 @@
 //! A GGUF file's quantized matrices times activations quantized to 8 bits: llama.cpp's CPU
 //! scheme (`ggml-cpu`'s `ggml_vec_dot_*_q8_0` and `*_q8_K`: integer products summed exactly,
-//! few float operations), for the CPU backend's `--cpu-int8-activations`. [`crate::linear`]
-//! keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
+//! few float operations), for the CPU backend's `--cpu-int8-activations` (its default).
+//! [`crate::linear`] keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
 //! matrix; this path gives that up for less vector work per weight: batch-1 decode
 //! 1.1-2.5x faster; steps of 6+ tokens (prefill, large decode batches) run a panel kernel,
 //! 1.3-2.5x faster than the f32 path at 64 tokens (bench/RESULTS.md, sessions 42-44).

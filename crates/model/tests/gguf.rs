@@ -26,7 +26,10 @@ fn the_f32_gguf_serves_the_checkpoints_tensors_bit_for_bit_and_golden_json() {
     let hf = WeightSource::open_for(&model_dir(), &hf_cfg).unwrap();
     assert_same_tensors(&src, &hf, "stories260K");
     src.check_tensor_names(&cfg).unwrap();
-    let model = CpuModel::from_source(cfg, &src).unwrap();
+    let mut model = CpuModel::from_source(cfg, &src).unwrap();
+    // The CLI's default: no matrix of an f32 file takes 8-bit activations, so golden.json
+    // holds with it.
+    assert_eq!(model.set_int8_activations(true), 0);
     let g = golden();
     for p in &g.prompts {
         let pages: Vec<u32> = (0..8).collect();
@@ -292,7 +295,12 @@ fn int8_activations_stay_close_to_f32_activations_and_batch_invariant() {
     let (cfg, src) = open_prepared(&file, &tmp.join("cache"));
     let exact = CpuModel::from_source(cfg.clone(), &src).unwrap();
     let mut int8 = CpuModel::from_source(cfg, &src).unwrap();
-    int8.set_int8_activations(true);
+    let n = int8.set_int8_activations(true);
+    assert!(
+        n > 0,
+        "no matrix of {} takes 8-bit activations",
+        file.display()
+    );
     let g = golden();
     let mut alone = Vec::new();
     for p in &g.prompts {
