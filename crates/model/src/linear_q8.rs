@@ -59,6 +59,9 @@ pub(crate) struct QuantRows {
     d: Vec<f32>,
     /// `[t, 8 kg]`: `f32(Σ q)·d` per block, zero past `kb`.
     s32: Vec<f32>,
+    /// `[t, 8 kg]`: `Σ q` per block, zero past `kb` (what a type whose decoded values carry
+    /// an offset subtracts: Q4_0's 8, Q5_0's 16).
+    qsum: Vec<i32>,
     /// `[t, k]` quants of the super-block format (one scale per 256 values, llama.cpp's
     /// `block_q8_K`), for the K-quants and IQ4_XS; empty when no part needs them.
     kq: Vec<i8>,
@@ -88,6 +91,7 @@ impl QuantRows {
             q: vec![0; n32 * k],
             d: vec![0.0; n32 * 8 * kg],
             s32: vec![0.0; n32 * 8 * kg],
+            qsum: vec![0; n32 * 8 * kg],
             kq: vec![0; n256 * k],
             kd: vec![0.0; n256 * k / 256],
             bsum: vec![0; n256 * k / 16],
@@ -99,6 +103,7 @@ impl QuantRows {
                 let q = &mut qr.q[r * k + 32 * b..r * k + 32 * b + 32];
                 let d = quantize_any(xs, q);
                 qr.d[r * 8 * kg + b] = d;
+                qr.qsum[r * 8 * kg + b] = sum(q);
                 qr.s32[r * 8 * kg + b] = sum(q) as f32 * d;
             }
         }
@@ -1026,9 +1031,20 @@ mod avx2 {
     }
 
     /// Whether type `T`'s decoded bytes are signed (products through `sign`), not
-    /// unsigned with a min.
+    /// unsigned (with a min, or an [`offset`]).
     const fn signed<const T: u8>() -> bool {
-        !matches!(T, Q4_1 | Q5_1)
+        !matches!(T, Q4_0 | Q4_1 | Q5_0 | Q5_1)
+    }
+
+    /// What [`runq`]'s bytes of type `T` exceed ggml's values by: Q4_0's nibbles and Q5_0's
+    /// 5-bit values are taken unsigned (`maddubs` needs no `sign` then), and a run's exact
+    /// total is `Σ u·x − offset·Σ x` ([`QuantRows`]'s `qsum`).
+    const fn offset<const T: u8>() -> i32 {
+        match T {
+            Q4_0 => 8,
+            Q5_0 => 16,
+            _ => 0,
+        }
     }
 
     /// The 8 i32 lane sums of run `v` (decoded by [`runq`], `av` its absolute values for a
@@ -1166,6 +1182,17 @@ mod avx2 {
                 );
                 // x's d and sums of runs b..b + 4, each twice.
                 let at = (r + a) * 8 * kg + b;
+                let tot = if offset::<T>() != 0 {
+                    let qs =
+                        _mm256_castsi128_si256(_mm_loadu_si128(qx.qsum.as_ptr().add(at).cast()));
+                    let qs = _mm256_permutevar8x32_epi32(qs, twice);
+                    _mm256_sub_epi32(
+                        tot,
+                        _mm256_mullo_epi32(qs, _mm256_set1_epi32(offset::<T>())),
+                    )
+                } else {
+                    tot
+                };
                 let dx = _mm256_castps128_ps256(_mm_loadu_ps(qx.d.as_ptr().add(at)));
                 let sd = _mm256_mul_ps(ws, _mm256_permutevar8x32_ps(dx, twice));
                 let p = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), sd);
@@ -1192,11 +1219,12 @@ mod avx2 {
     const PANEL_RUN: usize = 256 + 64;
 
     /// Chunks of 4 values whose `maddubs` pairs type `T` may sum in i16 before `madd`:
-    /// `chunks·2·max|v|·127 < 2^15`.
+    /// `chunks·2·max|v|·127 < 2^15` (`v` as [`runq`] decodes it: Q4_0 and Q4_1 up to 15,
+    /// Q5_0 and Q5_1 up to 31).
     const fn chunks16<const T: u8>() -> usize {
         match T {
-            Q4_0 | Q4_1 | Q5_0 => 8,
-            Q5_1 => 4,
+            Q4_0 | Q4_1 => 8,
+            Q5_0 | Q5_1 => 4,
             _ => 1,
         }
     }
@@ -1294,6 +1322,15 @@ mod avx2 {
                         }
                         let sv = _mm256_loadu_ps(base.add(256).cast());
                         let mv = _mm256_loadu_ps(base.add(288).cast());
+                        if offset::<T>() != 0 {
+                            for a in 0..R {
+                                let qs = *qx.qsum.as_ptr().add((r + a) * 8 * kg + b);
+                                isum[a] = _mm256_sub_epi32(
+                                    isum[a],
+                                    _mm256_set1_epi32(offset::<T>() * qs),
+                                );
+                            }
+                        }
                         for a in 0..R {
                             let d = _mm256_set1_ps(*xd.add((r + a) * 8 * kg + b));
                             let pv =
@@ -1326,7 +1363,7 @@ mod avx2 {
     }
 
     /// Run `b` of a row of type `T` (a type of blocks of 32) as [`GgmlType::int_run`] gives
-    /// it: the 32 bytes `v`, its scale, and, for Q4_1 and Q5_1, its min.
+    /// it plus [`offset`]: the 32 bytes `v`, its scale, and, for Q4_1 and Q5_1, its min.
     ///
     /// # Safety
     /// The row holds run `b` of type `T`; the CPU has AVX2 and F16C.
@@ -1340,11 +1377,7 @@ mod avx2 {
             if T == Q8_0 {
                 (_mm256_loadu_si256(blk.add(2).cast()), d, 0.0)
             } else if T == Q4_0 {
-                (
-                    _mm256_sub_epi8(split16(blk.add(2)), _mm256_set1_epi8(8)),
-                    d,
-                    0.0,
-                )
+                (split16(blk.add(2)), d, 0.0)
             } else if T == IQ4_NL {
                 (
                     _mm256_shuffle_epi8(iq4_levels(), split16(blk.add(2))),
@@ -1375,7 +1408,7 @@ mod avx2 {
                     _mm256_and_si256(set, _mm256_set1_epi8(16)),
                 );
                 if T == Q5_0 {
-                    (_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, 0.0)
+                    (v, d, 0.0)
                 } else {
                     (v, d, f16c_at(blk.add(2)))
                 }
