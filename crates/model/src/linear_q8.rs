@@ -1426,10 +1426,12 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn split16(p: *const u8) -> __m256i {
-        // SAFETY: the caller's 16 bytes; an unaligned load.
-        let v = unsafe { _mm_loadu_si128(p.cast()) };
+        // SAFETY: the caller's 16 bytes; an unaligned load, broadcast to both 128-bit lanes
+        // by the load itself (`vbroadcasti128`), then the upper lane's 64-bit halves
+        // shifted by 4 (no lane crossing: one shift, not a shift and an insert).
+        let v = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) };
         _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16::<4>(v), v),
+            _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)),
             _mm256_set1_epi8(0x0F),
         )
     }
