@@ -330,6 +330,12 @@ fn scheduler_main(mut a: SchedulerArgs) -> Result<()> {
     Ok(())
 }
 
+/// The model a worker's ready line names: a GGUF file rather than the directory prepared
+/// from it (serve hands its worker that directory).
+fn shown(dir: &std::path::Path) -> std::path::PathBuf {
+    crate::gguf_model::served_file(dir).unwrap_or_else(|| dir.to_owned())
+}
+
 /// Runs `baton worker` until SIGTERM/SIGINT.
 ///
 /// What can fail without a scheduler (a missing `--model`, no CUDA driver or device, a model
@@ -428,7 +434,7 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             say!(
                 "baton worker: cpu backend ({}; {weight_gib:.2} GiB of weights, {threads} \
                  threads, {} KV cache{}{}) attached to {}",
-                dir.display(),
+                shown(&dir).display(),
                 KvCacheDtype::Is(kv_dtype).name(),
                 if int8 > 0 { ", int8 activations" } else { "" },
                 lora_note(n_lora),
@@ -451,7 +457,7 @@ pub fn run_worker(mut a: WorkerArgs) -> Result<()> {
             let mut w = WorkerDaemon::new(segment, limits, backend, weights, wait)?;
             say!(
                 "baton worker: cuda backend ({}{}) attached to {}",
-                dir.display(),
+                shown(&dir).display(),
                 lora_note(n_lora),
                 a.instance
             );

@@ -455,7 +455,14 @@ pub fn run(mut a: GenerateArgs) -> Result<()> {
             model
                 .set_threads(crate::args::cpu_threads(a.cpu_threads))
                 .map_err(anyhow::Error::msg)?;
-            model.set_int8_activations(a.int8.on());
+            let int8 = model.set_int8_activations(a.int8.on());
+            if int8 > 0 {
+                say!(
+                    "CPU: 8-bit activations for {int8} quantized {} (llama.cpp's scheme; \
+                     --no-cpu-int8-activations for f32)",
+                    if int8 == 1 { "matrix" } else { "matrices" }
+                );
+            }
             let kv_dtype = a.engine.kv_cache_dtype.resolve(model.config());
             let mut backend = CpuBackend::try_new(model, cfg.num_blocks, cfg.block_size, kv_dtype)
                 .map_err(anyhow::Error::msg)?;

@@ -103,7 +103,7 @@ pub fn resolve(
 }
 
 /// The GGUF file a prepared directory serves (its `model.gguf` link's target), for
-/// `/v1/models`' `root`; `None` for any other directory.
+/// `/v1/models`' `root` and the worker's ready line; `None` for any other directory.
 pub fn served_file(dir: &Path) -> Option<PathBuf> {
     std::fs::read_link(dir.join(baton_model::gguf::GGUF_WEIGHTS)).ok()
 }
