@@ -490,7 +490,8 @@ pub struct Int8Args {
     pub cpu_int8_activations: bool,
     /// CPU backend: keep f32 activations over ggml's dequantized values instead, the exact
     /// product of the dequantized model (what the CUDA backend's weights, dequantized at
-    /// load, compute); 1.1-2.5x slower at batch-1 decode, 1.3-2.4x on 64-token steps.
+    /// load, compute); 1.0-2.5x slower at batch-1 decode (Q8_0 the least), 1.3-2.4x on
+    /// 64-token steps.
     #[arg(long, overrides_with = "cpu_int8_activations")]
     pub no_cpu_int8_activations: bool,
 }
