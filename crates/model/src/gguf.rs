@@ -1272,13 +1272,41 @@ pub struct PreparedGguf {
 /// ([`crate::WeightSource::open`] reads it when there is no safetensors file).
 pub const GGUF_WEIGHTS: &str = "model.gguf";
 
+/// Removes the directories under `cache` (other than `made`, just made for the file at
+/// `canon`) that serve no file any more: their `model.gguf` link names a file that is gone,
+/// or names `canon`, whose version they no longer match (a changed file gets a new
+/// directory, so without this each version's would stay). Best effort: a directory that
+/// cannot be read or removed is left.
+fn prune_superseded(cache: &Path, made: &Path, canon: &Path) {
+    let Ok(entries) = std::fs::read_dir(cache) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let ours = e
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with("gguf-"));
+        if !ours || path == made {
+            continue;
+        }
+        let Ok(target) = std::fs::read_link(path.join(GGUF_WEIGHTS)) else {
+            continue;
+        };
+        if target == canon || !target.exists() {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
 /// Makes (once per file version) a model directory for the GGUF file `gguf` under `cache`:
 /// `cache/gguf-<16 hex digits>/` with config.json ([`hf_config`]), tokenizer.json and
 /// tokenizer_config.json ([`crate::gguf_tokenizer::tokenizer_files`]), generation_config.json
 /// when the file recommends sampling defaults ([`generation_config`]) and a `model.gguf`
 /// link to the file. The name hashes the file's canonical path, length and modification
 /// time and the files' contents, so a changed file (or a changed conversion) gets a new
-/// directory; the directory is written under a temporary
+/// directory, and making one removes the directories of the file's earlier versions and
+/// of files that are gone; the directory is written under a temporary
 /// name and renamed, so processes preparing the same file at once (a scheduler, workers and
 /// frontends started together) all see a complete one.
 ///
@@ -1363,7 +1391,10 @@ pub fn prepare_dir(gguf: &Path, cache: &Path) -> Result<PreparedGguf, ModelError
         let link = tmp.join(GGUF_WEIGHTS);
         std::os::unix::fs::symlink(&canon, &link).map_err(|e| ModelError::io(&link, &e))?;
         match std::fs::rename(&tmp, &dir) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                prune_superseded(cache, &dir, &canon);
+                Ok(())
+            }
             // Another process made it first: theirs is complete and equal.
             Err(_) if dir.join("config.json").is_file() => Ok(()),
             Err(e) => Err(ModelError::io(&dir, &e)),

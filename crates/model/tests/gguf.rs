@@ -121,6 +121,22 @@ fn processes_preparing_one_file_at_once_share_one_complete_directory() {
     drop(f);
     let b = gguf::prepare_dir(&copy, &cache).unwrap().dir;
     assert_ne!(a, b);
+    // The earlier version's directory is gone; the other file's stays.
+    assert!(!a.exists() && b.join("config.json").is_file());
+    assert!(dirs[0].join("config.json").is_file());
+    // So is a directory whose file was deleted, once another is made.
+    let gone = tmp.join("gone.gguf");
+    std::fs::copy(gguf_file(), &gone).unwrap();
+    let c = gguf::prepare_dir(&gone, &cache).unwrap().dir;
+    std::fs::remove_file(&gone).unwrap();
+    assert!(c.exists());
+    let f = std::fs::File::options().write(true).open(&copy).unwrap();
+    f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(2))
+        .unwrap();
+    drop(f);
+    let d = gguf::prepare_dir(&copy, &cache).unwrap().dir;
+    assert!(!c.exists() && !b.exists() && d.exists());
+    assert!(dirs[0].join("config.json").is_file());
 }
 
 #[test]
