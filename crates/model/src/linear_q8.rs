@@ -1,8 +1,8 @@
 //! A GGUF file's quantized matrices times activations quantized to 8 bits: llama.cpp's CPU
 //! scheme (`ggml-cpu`'s `ggml_vec_dot_*_q8_0` and `*_q8_K`: integer products summed exactly,
 //! few float operations), for the CPU backend's `--cpu-int8-activations` (its default).
-//! [`crate::linear`] keeps the activations f32 and gives the bits of the f32 kernel over ggml's dequantized
-//! matrix; this path gives that up for less vector work per weight: batch-1 decode
+//! [`crate::linear`] keeps the activations f32 and gives the bits of the f32 kernel over
+//! ggml's dequantized matrix; this path gives that up for less vector work per weight: batch-1 decode
 //! 1.1-2.5x faster; steps of 6+ tokens (prefill, large decode batches) run a panel kernel,
 //! 1.3-2.5x faster than the f32 path at 64 tokens (bench/RESULTS.md, sessions 42-44).
 //!
@@ -102,9 +102,10 @@ impl QuantRows {
                 let xs = &x[r * k + 32 * b..r * k + 32 * b + 32];
                 let q = &mut qr.q[r * k + 32 * b..r * k + 32 * b + 32];
                 let d = quantize_any(xs, q);
+                let qs = sum(q);
                 qr.d[r * 8 * kg + b] = d;
-                qr.qsum[r * 8 * kg + b] = sum(q);
-                qr.s32[r * 8 * kg + b] = sum(q) as f32 * d;
+                qr.qsum[r * 8 * kg + b] = qs;
+                qr.s32[r * 8 * kg + b] = qs as f32 * d;
             }
         }
         for r in 0..n256 {
@@ -1047,6 +1048,22 @@ mod avx2 {
         }
     }
 
+    /// `v` times [`offset`] (8 or 16: a shift).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (inlined into a caller with it).
+    #[inline(always)]
+    unsafe fn times_offset<const T: u8>(v: __m256i) -> __m256i {
+        // SAFETY: register operations, the caller's features.
+        unsafe {
+            match offset::<T>() {
+                8 => _mm256_slli_epi32::<3>(v),
+                16 => _mm256_slli_epi32::<4>(v),
+                o => _mm256_mullo_epi32(v, _mm256_set1_epi32(o)),
+            }
+        }
+    }
+
     /// The 8 i32 lane sums of run `v` (decoded by [`runq`], `av` its absolute values for a
     /// signed type) times the x run `xv`: `maddubs` (through `sign` for a signed type), then
     /// `madd` with ones.
@@ -1185,10 +1202,9 @@ mod avx2 {
                 let tot = if offset::<T>() != 0 {
                     let qs =
                         _mm256_castsi128_si256(_mm_loadu_si128(qx.qsum.as_ptr().add(at).cast()));
-                    let qs = _mm256_permutevar8x32_epi32(qs, twice);
                     _mm256_sub_epi32(
                         tot,
-                        _mm256_mullo_epi32(qs, _mm256_set1_epi32(offset::<T>())),
+                        times_offset::<T>(_mm256_permutevar8x32_epi32(qs, twice)),
                     )
                 } else {
                     tot
