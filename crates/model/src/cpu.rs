@@ -1195,7 +1195,7 @@ impl CpuModel {
         let mut n = 0;
         let mut set = |l: &mut Linear| {
             l.int8 = on;
-            n += usize::from(on && matches!(&l.w, Store::Ggml(p) if crate::linear_q8::reads(p)));
+            n += usize::from(on && l.w.int8_reads());
         };
         set(&mut self.lm_head);
         for l in &mut self.layers {

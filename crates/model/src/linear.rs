@@ -241,6 +241,12 @@ impl Store {
         }
     }
 
+    /// Whether the 8-bit activation path ([`crate::linear_q8`]) multiplies this matrix when
+    /// asked to: ggml blocks, every part quantized.
+    pub(crate) fn int8_reads(&self) -> bool {
+        matches!(self, Store::Ggml(parts) if crate::linear_q8::reads(parts))
+    }
+
     /// Bytes held.
     pub(crate) fn bytes(&self) -> usize {
         match self {
@@ -372,7 +378,7 @@ pub(crate) fn linear(
         return;
     }
     let q8 = match w {
-        Store::Ggml(parts) if int8 && crate::linear_q8::reads(parts) => {
+        Store::Ggml(parts) if int8 && w.int8_reads() => {
             let per256 = parts.iter().any(|p| p.ty.super_blocks());
             let per32 = parts.iter().any(|p| !p.ty.super_blocks());
             Some(crate::linear_q8::QuantRows::new(x, t, k, per32, per256))

@@ -474,9 +474,9 @@ mod avx2 {
     /// `out` (at the first of the 8 columns; row stride `ldo`), by [`super`]'s sequence: the
     /// W rows are repacked once ([`pack_k`], [`pack_q`]) so that each quant vector holds
     /// four values of each of the 8 rows, then every x row's 4-value groups are broadcast
-    /// against them ([`rows_k`], [`rows_q`]): one `maddubs` makes 16 products for 8 outputs, and the
-    /// lanes of one float vector are the 8 outputs' accumulators (llama.cpp's repacked
-    /// `gemm_q4_K_8x8_q8_K` layout, built per call instead of at load).
+    /// against them ([`rows_k`], [`rows_q`]): one `maddubs` makes 16 products for 8
+    /// outputs, and the lanes of one float vector are the 8 outputs' accumulators
+    /// (llama.cpp's repacked `gemm_q4_K_8x8_q8_K` layout, built per call instead of at load).
     ///
     /// # Safety
     /// `w` points to 8 rows of type `T` of `qx.k` values (`rb` bytes apart); x rows
