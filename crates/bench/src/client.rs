@@ -274,8 +274,15 @@ pub async fn list_models(http: &Http, base: &str, api_key: Option<&str>) -> Resu
     let mut body = resp.into_body();
     let text = read_some(&mut body, deadline).await;
     if !status.is_success() {
+        // The OpenAI clients' base URL ends in /v1; this one is the server's root (vLLM's
+        // `bench serve --base-url`), and the paths add /v1.
+        let root = base.trim_end_matches('/');
+        let hint = match root.strip_suffix("/v1") {
+            Some(r) => format!("; --base-url is the server's root, without /v1: try {r}"),
+            None => "; is this an OpenAI-compatible server?".into(),
+        };
         bail!(
-            "GET {uri}: HTTP {status}: {}; is this an OpenAI-compatible server?",
+            "GET {uri}: HTTP {status}: {}{hint}",
             openai_error(&text).unwrap_or_else(|| sse::excerpt(&text))
         );
     }

@@ -179,6 +179,17 @@ async fn not_found_and_non_sse_bodies_fail_clearly() {
         run(&args(&url, &["--num-prompts", "2"])).await.unwrap_err()
     );
     assert!(e.contains("404") && e.contains("OpenAI-compatible"), "{e}");
+    // An OpenAI client's base URL (ending in /v1) is named as the likely fault.
+    let e = format!(
+        "{:#}",
+        run(&args(&format!("{url}/v1/"), &["--num-prompts", "2"]))
+            .await
+            .unwrap_err()
+    );
+    assert!(
+        e.contains("/v1/v1/models") && e.contains(&format!("try {url}")),
+        "{e}"
+    );
     let r = run(&args(&url, &["--num-prompts", "2", "--model", "m"]))
         .await
         .unwrap();

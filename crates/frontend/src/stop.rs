@@ -7,6 +7,8 @@
 //! reported (vLLM's `stop_reason`). [`StopMatcher::flush`] releases the held-back text when
 //! generation ends for another reason.
 
+use aho_corasick::{AhoCorasick, AhoCorasickKind};
+
 /// The result of one push.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StopOutput {
@@ -24,9 +26,19 @@ impl StopOutput {
 }
 
 /// Stop-string matcher of one sequence.
+///
+/// Cost per push: one Aho-Corasick pass over the held-back text and the new text (whatever
+/// the number of stop strings), and a binary search of the sorted stop strings per held-back
+/// candidate suffix; the held-back text is shorter than the longest stop string.
 #[derive(Clone, Debug, Default)]
 pub struct StopMatcher {
     stops: Vec<String>,
+    /// `stops`, sorted and deduplicated (for the held-back suffix's prefix test).
+    sorted: Vec<String>,
+    /// An automaton over `stops` (pattern `i` is `stops[i]`); `None` when there are none.
+    automaton: Option<AhoCorasick>,
+    /// The longest stop string's length in bytes.
+    longest: usize,
     include_stop: bool,
     pending: String,
     /// Bytes at the start of `pending` that came from [`StopMatcher::pass`]: a match must end
@@ -41,8 +53,27 @@ impl StopMatcher {
     /// A matcher for `stops` (empty strings are ignored). With `include_stop` the matched stop
     /// string is part of the output.
     pub fn new(stops: &[String], include_stop: bool) -> Self {
+        let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let mut sorted = stops.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        // Standard semantics: every occurrence of every pattern, for the overlapping search.
+        // Building fails only past the crate's size limits, far beyond what a request may
+        // give (`validate::MAX_STOP_BYTES`); without an automaton the search below still
+        // runs, per stop string.
+        let automaton = (!stops.is_empty())
+            .then(|| {
+                AhoCorasick::builder()
+                    .kind(Some(AhoCorasickKind::ContiguousNFA))
+                    .build(&stops)
+                    .ok()
+            })
+            .flatten();
         Self {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            longest: stops.iter().map(String::len).max().unwrap_or(0),
+            stops,
+            sorted,
+            automaton,
             include_stop,
             pending: String::new(),
             floor: 0,
@@ -71,24 +102,9 @@ impl StopMatcher {
         }
         self.pending.push_str(text);
         // Earliest full match ending after `floor` (ties: the longest stop string).
-        let mut best: Option<(usize, &String)> = None;
-        for s in &self.stops {
-            let first = self
-                .pending
-                .match_indices(s.as_str())
-                .map(|(at, _)| at)
-                .find(|&at| at + s.len() > self.floor);
-            if let Some(at) = first {
-                let better = match best {
-                    None => true,
-                    Some((b, bs)) => at < b || (at == b && s.len() > bs.len()),
-                };
-                if better {
-                    best = Some((at, s));
-                }
-            }
-        }
-        if let Some((at, stop)) = best {
+        let best = self.earliest_match();
+        if let Some((at, i)) = best {
+            let stop = &self.stops[i];
             let end = if self.include_stop {
                 at + stop.len()
             } else {
@@ -109,15 +125,59 @@ impl StopMatcher {
         }
     }
 
+    /// The earliest match in `pending` that ends after `floor` (ties: the longest stop
+    /// string): its start and its index in `stops`.
+    fn earliest_match(&self) -> Option<(usize, usize)> {
+        let better = |best: Option<(usize, usize)>, at: usize, i: usize| match best {
+            None => true,
+            Some((b, j)) => at < b || (at == b && self.stops[i].len() > self.stops[j].len()),
+        };
+        let mut best = None;
+        let Some(ac) = &self.automaton else {
+            for (i, s) in self.stops.iter().enumerate() {
+                let first = self
+                    .pending
+                    .match_indices(s.as_str())
+                    .map(|(at, _)| at)
+                    .find(|&at| at + s.len() > self.floor);
+                if let Some(at) = first.filter(|&at| better(best, at, i)) {
+                    best = Some((at, i));
+                }
+            }
+            return best;
+        };
+        // Matches come in the order of their ends; one ending more than `longest` bytes past
+        // the best start starts after it, and so do all later ones.
+        for m in ac.find_overlapping_iter(self.pending.as_str()) {
+            if best.is_some_and(|(b, _)| m.end() > b + self.longest) {
+                break;
+            }
+            let i = m.pattern().as_usize();
+            if m.end() > self.floor && better(best, m.start(), i) {
+                best = Some((m.start(), i));
+            }
+        }
+        best
+    }
+
     /// Releases `pending` but its longest suffix that is a proper prefix of some stop string.
     fn release(&mut self) -> String {
+        // A proper prefix of a stop string is shorter than the longest one.
+        let from = self
+            .pending
+            .len()
+            .saturating_sub(self.longest.saturating_sub(1));
         let cut = self
             .pending
             .char_indices()
             .map(|(i, _)| i)
+            .skip_while(|&i| i < from)
             .find(|&i| {
+                // The first stop string above `tail` starts with it if any longer one does
+                // (those that do follow `tail` itself in sorted order).
                 let tail = &self.pending[i..];
-                self.stops.iter().any(|s| s.starts_with(tail))
+                let k = self.sorted.partition_point(|s| s.as_str() <= tail);
+                self.sorted.get(k).is_some_and(|s| s.starts_with(tail))
             })
             .unwrap_or(self.pending.len());
         self.floor = self.floor.saturating_sub(cut);
@@ -264,5 +324,87 @@ mod tests {
         let mut s = m(&[""]);
         assert!(s.is_empty());
         assert_eq!(s.push("abc").text, "abc");
+    }
+
+    #[test]
+    fn a_match_overlapping_passed_text_is_found_where_it_ends_after_it() {
+        // "aa" at 0 lies in the passed text; the one at 1 ends after it.
+        // (A whole stop string in passed text is released: only its proper prefixes may
+        // begin a match.)
+        let mut s = m(&["aa"]);
+        assert_eq!(s.pass("xaa").text, "xa");
+        let o = s.push("a");
+        assert_eq!(o.matched.as_deref(), Some("aa"));
+        assert_eq!(o.text, "");
+    }
+
+    /// The contract, computed from the whole text so far: the first push after which some
+    /// occurrence of a stop string lies in the text (after the passed part) stops at the
+    /// earliest such occurrence (ties: the longest string); until then everything but the
+    /// longest suffix that is a proper prefix of a stop string has been released.
+    fn reference(stops: &[String], passed: &str, pieces: &[String], include: bool) -> String {
+        let mut all = passed.to_owned();
+        let mut log = String::new();
+        for p in pieces {
+            all.push_str(p);
+            let mut best: Option<(usize, &String)> = None;
+            for s in stops.iter().filter(|s| !s.is_empty()) {
+                for at in (0..=all.len().saturating_sub(s.len()))
+                    .filter(|&a| all[a..].starts_with(s.as_str()))
+                {
+                    let later =
+                        best.is_some_and(|(b, bs)| at > b || (at == b && s.len() <= bs.len()));
+                    if at + s.len() > passed.len() && !later {
+                        best = Some((at, s));
+                    }
+                }
+            }
+            if let Some((at, s)) = best {
+                let end = if include { at + s.len() } else { at };
+                log.push_str(&format!("[{}|{s}]", &all[..end]));
+                return log;
+            }
+            let held = (0..=all.len())
+                .find(|&i| {
+                    stops
+                        .iter()
+                        .any(|s| s.len() > all.len() - i && s.starts_with(&all[i..]))
+                })
+                .unwrap_or(all.len());
+            log.push_str(&format!("<{}>", &all[..held]));
+        }
+        log + &format!("({all})")
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn streamed_pieces_follow_the_contract(
+            stops in proptest::collection::vec("[abc]{0,4}", 1..5),
+            passed in "[abc]{0,4}",
+            pieces in proptest::collection::vec("[abc]{0,3}", 0..10),
+            include: bool,
+        ) {
+            let mut s = StopMatcher::new(&stops, include);
+            let mut released = s.pass(&passed).text;
+            let mut log = String::new();
+            let mut all = passed.clone();
+            for p in &pieces {
+                all.push_str(p);
+                let o = s.push(p);
+                released.push_str(&o.text);
+                if let Some(stop) = o.matched {
+                    log.push_str(&format!("[{released}|{stop}]"));
+                    break;
+                }
+                log.push_str(&format!("<{released}>"));
+            }
+            if !log.ends_with(']') {
+                released.push_str(&s.flush());
+                log.push_str(&format!("({released})"));
+                proptest::prop_assert_eq!(&released, &all);
+            }
+            proptest::prop_assert_eq!(log, reference(&stops, &passed, &pieces, include));
+        }
     }
 }

@@ -35,7 +35,18 @@ impl Fields {
     /// 400 when the body is not JSON or not an object.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let v: Value = serde_json::from_slice(body).map_err(|e| {
-            ApiError::invalid(None, format!("The request body is not valid JSON: {e}"))
+            // serde_json's words for a lone UTF-16 surrogate (`"\ud800"`, which Python's
+            // parser lets through) name the escape's end, not the fault.
+            let why = if e.to_string().contains("hex escape") {
+                " (a \\uD800-\\uDFFF escape must be half of a UTF-16 surrogate pair; alone it \
+                 is not a Unicode character)"
+            } else {
+                ""
+            };
+            ApiError::invalid(
+                None,
+                format!("The request body is not valid JSON: {e}{why}"),
+            )
         })?;
         match v {
             Value::Object(obj) => Ok(Self { obj }),
@@ -120,6 +131,16 @@ impl Fields {
                 )
             }),
         }
+    }
+}
+
+/// `x` for an error message, as Python writes a float: with an exponent when it is at least
+/// 1e16 or below 1e-4 (`1e308`, not its 309 digits), else in plain digits.
+fn shown(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e16).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
     }
 }
 
@@ -860,23 +881,46 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The most stop strings one request may give (OpenAI takes 4, vLLM any number). Each
+/// stop string is looked for in every sequence's output after every token, so the list's
+/// size multiplies the frontend's work per token (see [`MAX_STOP_BYTES`]).
+pub const MAX_STOP_STRINGS: usize = 1024;
+
+/// The most bytes a request's stop strings may have together.
+pub const MAX_STOP_BYTES: usize = 64 * 1024;
+
+/// Parses `stop`: a string or a list of strings, at most [`MAX_STOP_STRINGS`] of them and
+/// [`MAX_STOP_BYTES`] bytes together (absent or null: none).
 fn parse_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
-    match f.raw("stop") {
-        None => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_owned).ok_or_else(|| {
-                    ApiError::field("stop", "'stop' must be a string or a list of strings.")
-                })
-            })
-            .collect(),
-        Some(_) => Err(ApiError::field(
+    let shape = || ApiError::field("stop", "'stop' must be a string or a list of strings.");
+    let stops = match f.raw("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP_STRINGS {
+                return Err(ApiError::field(
+                    "stop",
+                    format!(
+                        "'stop' has {} strings; at most {MAX_STOP_STRINGS} are accepted.",
+                        items.len()
+                    ),
+                ));
+            }
+            items
+                .iter()
+                .map(|v| v.as_str().map(str::to_owned).ok_or_else(shape))
+                .collect::<Result<_, _>>()?
+        }
+        Some(_) => return Err(shape()),
+    };
+    let bytes: usize = stops.iter().map(String::len).sum();
+    if bytes > MAX_STOP_BYTES {
+        return Err(ApiError::field(
             "stop",
-            "'stop' must be a string or a list of strings.",
-        )),
+            format!("'stop' has {bytes} bytes of text; at most {MAX_STOP_BYTES} are accepted."),
+        ));
     }
+    Ok(stops)
 }
 
 fn parse_token_ids(v: &Value, param: &str, vocab: usize) -> Result<Vec<u32>, ApiError> {
@@ -955,9 +999,9 @@ pub fn parse_gen(
         return Err(ApiError::field(
             "temperature",
             format!(
-                "'temperature' must be at least 0 and at most {:e} (f32's largest), got \
-                 {temperature}.",
-                f32::MAX
+                "'temperature' must be at least 0 and at most {:e} (f32's largest), got {}.",
+                f32::MAX,
+                shown(temperature)
             ),
         ));
     }
@@ -965,7 +1009,7 @@ pub fn parse_gen(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::field(
             "top_p",
-            format!("'top_p' must be in (0, 1], got {top_p}."),
+            format!("'top_p' must be in (0, 1], got {}.", shown(top_p)),
         ));
     }
     let top_k = f.int("top_k")?.or(defaults.top_k).unwrap_or(0);
@@ -979,7 +1023,7 @@ pub fn parse_gen(
     if !(0.0..=1.0).contains(&min_p) {
         return Err(ApiError::field(
             "min_p",
-            format!("'min_p' must be in [0, 1], got {min_p}."),
+            format!("'min_p' must be in [0, 1], got {}.", shown(min_p)),
         ));
     }
     let penalty = |name: &'static str| -> Result<f32, ApiError> {
@@ -987,7 +1031,7 @@ pub fn parse_gen(
         if !(-2.0..=2.0).contains(&v) {
             return Err(ApiError::field(
                 name,
-                format!("'{name}' must be in [-2, 2], got {v}."),
+                format!("'{name}' must be in [-2, 2], got {}.", shown(v)),
             ));
         }
         Ok(v as f32)
@@ -1002,7 +1046,10 @@ pub fn parse_gen(
     if !(repetition_penalty as f32 > 0.0 && (repetition_penalty as f32).is_finite()) {
         return Err(ApiError::field(
             "repetition_penalty",
-            format!("'repetition_penalty' must be greater than 0, got {repetition_penalty}."),
+            format!(
+                "'repetition_penalty' must be greater than 0, got {}.",
+                shown(repetition_penalty)
+            ),
         ));
     }
     let min_tokens = match f.int("min_tokens")? {
@@ -3336,6 +3383,49 @@ mod tests {
 
     fn err(body: &str) -> ApiError {
         parse_completion(body.as_bytes(), &LIMITS, &SamplingDefaults::NONE).expect_err(body)
+    }
+
+    #[test]
+    fn stop_lists_are_bounded_in_count_and_bytes() {
+        let body = |stop: serde_json::Value| serde_json::json!({"prompt": "a", "stop": stop});
+        let ok = |b: serde_json::Value| {
+            parse_completion(b.to_string().as_bytes(), &LIMITS, &SamplingDefaults::NONE)
+                .map(|r| r.gen.stop.len())
+        };
+        assert_eq!(ok(body(serde_json::json!("x"))).unwrap(), 1);
+        assert_eq!(
+            ok(body(serde_json::json!(vec!["ab"; MAX_STOP_STRINGS]))).unwrap(),
+            MAX_STOP_STRINGS
+        );
+        let many = ok(body(serde_json::json!(vec!["ab"; MAX_STOP_STRINGS + 1]))).unwrap_err();
+        assert_eq!(many.param.as_deref(), Some("stop"));
+        assert!(many.message.contains("1025 strings"), "{}", many.message);
+        let at = "x".repeat(MAX_STOP_BYTES / 2);
+        assert_eq!(ok(body(serde_json::json!([at, at]))).unwrap(), 2);
+        let long = ok(body(serde_json::json!([at, at, "y"]))).unwrap_err();
+        assert_eq!(long.param.as_deref(), Some("stop"));
+        assert!(long.message.contains("65537 bytes"), "{}", long.message);
+        // One string past the bytes too.
+        assert!(ok(body(serde_json::json!("z".repeat(MAX_STOP_BYTES + 1)))).is_err());
+    }
+
+    #[test]
+    fn floats_in_messages_are_written_as_python_writes_them() {
+        let m = |body: &str| err(body).message;
+        let hot = m(r#"{"prompt":"a","temperature":1e308}"#);
+        assert!(hot.ends_with("got 1e308."), "{hot}");
+        let tiny = m(r#"{"prompt":"a","repetition_penalty":1e-300}"#);
+        assert!(tiny.ends_with("got 1e-300."), "{tiny}");
+        assert!(m(r#"{"prompt":"a","top_p":1.5}"#).ends_with("got 1.5."));
+        assert!(m(r#"{"prompt":"a","min_p":-0.25}"#).ends_with("got -0.25."));
+        assert!(m(r#"{"prompt":"a","presence_penalty":3e16}"#).ends_with("got 3e16."));
+    }
+
+    #[test]
+    fn a_lone_surrogate_escape_is_named() {
+        let e = err(r#"{"prompt":"a\ud800"}"#);
+        assert!(e.message.contains("surrogate pair"), "{}", e.message);
+        assert!(!err(r#"{"prompt":"a""#).message.contains("surrogate"));
     }
 
     #[test]
