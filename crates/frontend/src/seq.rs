@@ -132,10 +132,9 @@ pub struct SeqContext {
     pub tokenizer: Arc<Tokenizer>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Stop strings.
-    pub stop: Vec<String>,
-    /// Keep the matched stop string in the output.
-    pub include_stop: bool,
+    /// The request's stop strings, matched per sequence by a clone of this (built once per
+    /// request: its automaton is shared, not rebuilt for each of `n` choices).
+    pub stop: StopMatcher,
     /// The token ids reported as `stop_reason` when the engine stops on them: the request's
     /// `stop_token_ids` and, unless `ignore_eos`, the model's stop ids, less the tokenizer's
     /// EOS unless `ignore_eos` (vLLM checks that one first and reports no stop reason for it;
@@ -176,7 +175,7 @@ impl Seq {
             tokenizer: Arc::clone(&ctx.tokenizer),
             metrics: Arc::clone(&ctx.metrics),
             detok: IncrementalDetokenizer::new(prompt, ctx.skip_special),
-            stop: StopMatcher::new(&ctx.stop, ctx.include_stop),
+            stop: ctx.stop.clone(),
             stop_reason_ids: ctx.stop_reason_ids.clone(),
             stop_text_ids: ctx.stop_text_ids.clone(),
             min_tokens: ctx.min_tokens as usize,

@@ -569,8 +569,7 @@ impl AppState {
             engine: Arc::clone(&self.engine),
             tokenizer: Arc::clone(&self.tokenizer),
             metrics: Arc::clone(&self.metrics),
-            stop: gen.stop.clone(),
-            include_stop: gen.include_stop_str_in_output,
+            stop: crate::stop::StopMatcher::new(&gen.stop, gen.include_stop_str_in_output),
             stop_reason_ids: {
                 let (eos, primary): (&[u32], _) = if gen.ignore_eos {
                     (&[], None)

@@ -171,11 +171,8 @@ impl StopMatcher {
             .pending
             .len()
             .saturating_sub(self.longest.saturating_sub(1));
-        let cut = self
-            .pending
-            .char_indices()
-            .map(|(i, _)| i)
-            .skip_while(|&i| i < from)
+        let cut = (from..self.pending.len())
+            .filter(|&i| self.pending.is_char_boundary(i))
             .find(|&i| {
                 // The first stop string above `tail` starts with it if any longer one does
                 // (those that do follow `tail` itself in sorted order).
